@@ -1,0 +1,66 @@
+"""jckpt: JAX-native, functional checkpoints in one self-describing, mappable file.
+
+>>> import jckpt, jax.numpy as jnp, tempfile, os
+>>> path = os.path.join(tempfile.mkdtemp(), "ckpt.jckpt")
+>>> jckpt.save(jckpt.Context(), {"w": jnp.arange(3.0)}, path)
+>>> jckpt.restore(jckpt.Context(), {"w": jnp.zeros(3)}, path)["w"]
+Array([0., 1., 2.], dtype=float32)
+
+The codec (``jckpt.format``) and the errors import without JAX; everything
+that touches devices is imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from jckpt.errors import (
+    CapacityError,
+    CheckpointError,
+    ChecksumError,
+    ClashError,
+    FormatError,
+    InputError,
+    InUseError,
+    LineageError,
+    MismatchError,
+    MissingEntryError,
+    StorageError,
+    TargetError,
+)
+from jckpt.version import __version__
+
+if TYPE_CHECKING:
+    from jckpt.api import describe, ingestion_counts, load, restore, save
+    from jckpt.context import Context, Registry
+    from jckpt.tree import prefix_namespace
+
+# name -> module that defines it, imported lazily so the codec stays JAX-free.
+_LAZY = {
+    'save': 'jckpt.api', 'load': 'jckpt.api', 'restore': 'jckpt.api',
+    'ingestion_counts': 'jckpt.api', 'describe': 'jckpt.api',
+    'Context': 'jckpt.context', 'Registry': 'jckpt.context',
+    'prefix_namespace': 'jckpt.tree',
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__all__ = [
+    'CapacityError', 'CheckpointError', 'ChecksumError', 'ClashError', 'Context',
+    'FormatError', 'InUseError', 'InputError', 'LineageError', 'MismatchError',
+    'MissingEntryError', 'Registry', 'StorageError', 'TargetError', '__version__',
+    'describe', 'ingestion_counts', 'load', 'prefix_namespace', 'restore', 'save',
+]

@@ -1,0 +1,284 @@
+"""The public operations: ``save``, ``load``, ``restore``.
+
+>>> import jax.numpy as jnp, tempfile, os
+>>> path = os.path.join(tempfile.mkdtemp(), 'model.jckpt')
+>>> ctx = Context()
+>>> save(ctx, {'w': jnp.ones((2, 3)), 'step': 7}, path)
+>>> ctx, tree = load(ctx, path)
+>>> tree['jckpt']['w'].shape, int(tree['jckpt']['step'])
+((2, 3), 7)
+>>> restore(Context(), {'w': jnp.zeros((2, 3))}, path)['w'].sum()
+Array(6., dtype=float32)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from jckpt import placement
+from jckpt import tree as tree_mod
+from jckpt.context import Context
+from jckpt.errors import (
+    ClashError,
+    InputError,
+    MismatchError,
+    MissingEntryError,
+)
+from jckpt.format import precs
+from jckpt.format.header import Entry, Header, KeyPath, path_name
+from jckpt.format.layout import lay_out
+from jckpt.format.payload import stored_dtype
+from jckpt.storage.reader import COUNTS, CheckpointReader
+from jckpt.storage.writer import ArraySource, CopySource, write_checkpoint
+from jckpt.version import __version__
+
+PathLike = str | os.PathLike
+
+
+def _label(path: KeyPath) -> tuple[str, ...]:
+    return tuple(str(v) for _, v in path)
+
+
+def _keystr(path: KeyPath) -> str:
+    return path_name(path) or '<root>'
+
+
+def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
+         alignment: int | None = None, metadata: Mapping[str, str] | None = None) -> None:
+    """Write ``tree`` to ``path`` under ``ctx.namespace``, atomically and (by default) durably.
+
+    Payloads stream to a staging file next to ``path`` (never the whole file in
+    memory), each hashed as it goes; the file is fsynced and renamed over
+    ``path``, so a reader sees the old file or the new one, never a mix.
+
+    Args:
+      ctx: the context (namespace, alignment, durability).
+      tree: a pytree of arrays (``jax.Array``, numpy, Python numbers, typed PRNG keys).
+      path: the checkpoint file.
+      appending: keep every entry of an existing file at ``path`` that ``tree``
+        does not replace (matched by namespace and path), with its id.
+      alignment: payload alignment for this file (default ``ctx.alignment``).
+      metadata: string pairs stored in the header (merged over an appended file's).
+
+    Raises :class:`~jckpt.errors.InputError` before touching the file when a
+    leaf cannot be stored, and :class:`~jckpt.errors.StorageError` if the disk
+    fails, in which case the previous file at ``path`` is left intact.
+
+    Example::
+
+        jckpt.save(jckpt.Context(), {"params": params, "step": 100}, "ckpt.jckpt")
+    """
+    path = os.fspath(path)
+    namespace = ctx.namespace
+    items = tree_mod.flatten(tree)
+    placement.start_host_copies([leaf for _, leaf in items])
+    hosts = []
+    for p, leaf in items:
+        array, key_impl = placement.to_host(leaf, f"{namespace}/{_keystr(p)}")
+        hosts.append((p, array, key_impl))
+    alignment = ctx.alignment if alignment is None else alignment
+    if not isinstance(alignment, int) or alignment < 1:
+        raise InputError(f"alignment must be a positive integer, not {alignment!r}", file=path)
+
+    old: CheckpointReader | None = None
+    kept: list[Entry] = []
+    if appending and os.path.exists(path):
+        old = CheckpointReader(path)
+        kept = list(old.header.tensors)
+    old_header = old.header if old is not None else Header()
+    by_identity = {e.identity: i for i, e in enumerate(kept)}
+    next_id = max([ctx.registry.max_id(namespace)]
+                  + [e.id for e in kept if e.namespace == namespace]) + 1
+
+    entries: list[Entry | None] = list(kept)
+    sources: list[Any] = [None] * len(kept)
+    for p, array, key_impl in hosts:
+        prec = precs.prec_of(array.dtype)
+        slot = by_identity.get((namespace, p))
+        ident = kept[slot].id if slot is not None else None
+        if ident is None:
+            ident, next_id = next_id, next_id + 1
+        entry = Entry(id=ident, namespace=namespace, prec=prec, dims=tuple(array.shape),
+                      offset=0, byte_length=array.nbytes, label=_label(p), path=p,
+                      key_impl=key_impl)
+        if slot is None:
+            entries.append(entry)
+            sources.append(ArraySource(array))
+        else:
+            entries[slot] = entry
+            sources[slot] = ArraySource(array)
+    if old is not None:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for i, e in enumerate(kept):
+            if sources[i] is None:
+                sources[i] = CopySource(fd, old.data_start + e.offset, e.byte_length, e.checksum)
+        meta = dict(old_header.metadata)
+        meta.update(metadata or {})
+        header = lay_out(Header(tensors=tuple(entries), alignment=alignment,
+                                writer=f"jckpt {__version__}", metadata=tuple(meta.items()),
+                                extra=old_header.extra))
+        write_checkpoint(path, header, sources, durable=ctx.durable)
+    finally:
+        if old is not None:
+            os.close(fd)
+
+
+def _check_clash(ctx: Context, entries: tuple[Entry, ...], path: str) -> None:
+    for e in entries:
+        if e.identity in ctx.registry:
+            raise ClashError("already loaded into this context", file=path, entry=e.name,
+                             fix="load with prefix_namespace=... or use a fresh Context")
+
+
+def load(ctx: Context, path: PathLike, *, prefix_namespace: str | None = None,
+         mmap: bool | None = None, verify: bool | None = None) -> tuple[Context, dict[str, Any]]:
+    """Read every entry of ``path`` as ``{namespace: subtree}``; return it with a new context.
+
+    Subtrees are rebuilt from the stored paths (dicts and lists); path-less
+    (OCANNL) entries appear as ``n<id>`` in their namespace. With mapping on
+    (the default), payloads that allow it are zero-copy, copy-on-write views
+    of the file that stay valid after the call and after the file is replaced.
+
+    Args:
+      ctx: the context; the returned one also registers what was loaded.
+      path: the checkpoint file.
+      prefix_namespace: rename every namespace ``ns`` to ``prefix + "__" + ns``.
+      mmap: map payloads (default ``ctx.mmap``).
+      verify: check payload checksums (default: when copying, not when mapping).
+
+    Raises :class:`~jckpt.errors.ClashError`, before loading anything, if an
+    entry is already registered in ``ctx``.
+
+    Example::
+
+        ctx, tree = jckpt.load(jckpt.Context(), "ckpt.jckpt")
+        params = tree["jckpt"]["params"]
+    """
+    path = os.fspath(path)
+    tree_mod.check_prefix(prefix_namespace)
+    reader = CheckpointReader(path)
+    header = tree_mod.prefix_namespace(reader.header, prefix_namespace)
+    _check_clash(ctx, header.tensors, path)
+    mmap = ctx.mmap if mmap is None else mmap
+    verify = (not mmap) if verify is None else verify
+    groups: dict[str, list[tuple[KeyPath, Any]]] = {}
+    for stored, e in zip(reader.header.tensors, header.tensors):
+        array = reader.decode(stored, mmap=mmap, verify=verify)
+        value = placement.place(array, None, host=ctx.host, device=ctx.device, where=e.name,
+                                key_impl=e.key_impl)
+        key = e.path if e.path is not None else (('k', f"n{e.id}"),)
+        groups.setdefault(e.namespace, []).append((key, value))
+    out = {ns: tree_mod.unflatten(items, file=path) for ns, items in groups.items()}
+    return ctx.replace(registry=ctx.registry.add(header.tensors)), out
+
+
+def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = None,
+            cast: bool = False, namespace: str | None = None,
+            verify: bool | None = None) -> Any:
+    """Fill ``target``'s structure from ``path``: a tree of exactly ``target``'s type.
+
+    Each leaf is matched by ``(namespace, path)``; ``target`` may be a partial
+    tree (only its leaves are read). Leaves come back where the target says:
+    a ``jax.Array``'s sharding, a ``jax.ShapeDtypeStruct``'s sharding, numpy
+    for numpy leaves, and ``ctx``'s placement otherwise.
+
+    Args:
+      ctx: the context (namespace, placement).
+      target: any pytree of arrays, ``ShapeDtypeStruct``s or numbers.
+      path: the checkpoint file.
+      mmap: map payloads (default ``ctx.mmap``).
+      cast: convert to the target's dtype instead of refusing a dtype mismatch.
+      namespace: read this namespace instead of ``ctx.namespace``.
+      verify: check checksums of the leaves read (default: when copying).
+
+    Raises :class:`~jckpt.errors.MissingEntryError` or
+    :class:`~jckpt.errors.MismatchError` naming the leaf; the file is never
+    modified. An empty target returns at once without opening the file.
+
+    Example::
+
+        state = jckpt.restore(jckpt.Context(), abstract_state, "ckpt.jckpt")
+    """
+    path = os.fspath(path)
+    items, treedef = tree_mod.flatten_with_treedef(target)
+    if not items:
+        return target
+    namespace = ctx.namespace if namespace is None else namespace
+    reader = CheckpointReader(path)
+    index = {e.path if e.path is not None else (('k', f"n{e.id}"),): e
+             for e in reader.header.tensors if e.namespace == namespace}
+    mmap = ctx.mmap if mmap is None else mmap
+    verify = (not mmap) if verify is None else verify
+    leaves = []
+    for p, leaf in items:
+        where = f"{namespace}/{_keystr(p)}"
+        entry = index.get(p)
+        if entry is None:
+            near = [path_name(q) for q in index][:5]
+            raise MissingEntryError("not in the checkpoint", file=path, entry=where,
+                                    fix=f"check the namespace and the tree; the file's "
+                                        f"{namespace!r} entries include {near}" if near else
+                                    f"the file has no entries in namespace {namespace!r}")
+        want_shape, want_dtype = _target_spec(leaf)
+        if entry.padding is not None and want_shape is not None and \
+                tuple(want_shape) == entry.logical_dims and entry.logical_dims != entry.dims:
+            raise MismatchError(f"padding mismatch: the stored entry is padded {entry.padding.pairs} "
+                                f"to dims {entry.dims}; the target has the unpadded shape "
+                                f"{tuple(want_shape)}", file=path, entry=where,
+                                fix="give the target the padded shape")
+        stored_shape = entry.shape
+        if entry.key_impl is not None:
+            stored_shape = stored_shape[:-1] if stored_shape else stored_shape
+        if want_shape is not None and tuple(want_shape) != tuple(stored_shape) and not (
+                entry.key_impl is not None and tuple(want_shape) == entry.shape[:len(want_shape)]):
+            raise MismatchError(f"shape mismatch: file has {entry.shape}, target has "
+                                f"{tuple(want_shape)}", file=path, entry=where,
+                                fix="restore into a target of the stored shape")
+        array = reader.decode(entry, mmap=mmap, verify=verify)
+        if want_dtype is not None and entry.key_impl is None and stored_dtype(want_dtype) != array.dtype:
+            if not cast:
+                raise MismatchError(f"dtype mismatch: file has {array.dtype}, target has "
+                                    f"{np.dtype(want_dtype)}", file=path, entry=where,
+                                    fix="pass cast=True to convert, or fix the target's dtype")
+            array = array.astype(want_dtype)
+        leaves.append(placement.place(array, leaf, host=ctx.host, device=ctx.device,
+                                      where=where, key_impl=entry.key_impl))
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _target_spec(leaf: Any) -> tuple[tuple[int, ...] | None, Any]:
+    """``(shape, dtype)`` a target leaf asks for (None where it does not say)."""
+    if placement.is_prng_key(leaf):
+        return tuple(leaf.shape), None
+    if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
+        if isinstance(leaf, jax.ShapeDtypeStruct) and jax.dtypes.issubdtype(
+                leaf.dtype, jax.dtypes.prng_key):
+            return tuple(leaf.shape), None
+        return tuple(leaf.shape), leaf.dtype
+    if isinstance(leaf, (bool, int, float, complex)):
+        return (), None
+    raise InputError(f"target leaf of type {type(leaf).__name__} is not an array or a spec",
+                     fix="use arrays, jax.ShapeDtypeStruct or numbers as target leaves")
+
+
+def ingestion_counts() -> dict[str, int]:
+    """Process-wide counts of loaded payloads: ``{'mapped': M, 'decoded': D}``.
+
+    Mapped payloads are zero-copy views of a file; decoded ones were copied
+    (misaligned, padded, or mapping off). Thread-safe.
+    """
+    return COUNTS.snapshot()
+
+
+def describe(path: PathLike) -> Header:
+    """The validated header of ``path`` without reading any payload."""
+    return CheckpointReader(path).header
+
+
+__all__ = ['describe', 'ingestion_counts', 'load', 'restore', 'save']

@@ -1,0 +1,88 @@
+"""``Context``: the immutable value that carries defaults and what has been loaded.
+
+Every operation takes a context and none changes it; ``load`` returns a new
+one whose registry includes what it loaded, so loading the same entry twice
+into one model is caught, and ids saved later in a namespace stay above every
+id already loaded into it.
+
+>>> ctx = Context()
+>>> ctx.namespace, ctx.alignment, ctx.mmap, ctx.durable
+('jckpt', 32, True, True)
+>>> ctx.replace(namespace='student').namespace
+'student'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+from jckpt.errors import InputError
+from jckpt.format.header import DEFAULT_ALIGNMENT, NAMESPACE_RE, Entry
+
+
+@dataclasses.dataclass(frozen=True)
+class Registry:
+    """Identities ``(namespace, path-or-id)`` loaded so far, and the largest id per namespace."""
+
+    identities: frozenset = frozenset()
+    max_ids: tuple[tuple[str, int], ...] = ()
+
+    def __contains__(self, identity: object) -> bool:
+        return identity in self.identities
+
+    def __len__(self) -> int:
+        return len(self.identities)
+
+    def max_id(self, namespace: str) -> int:
+        """The largest id loaded into ``namespace`` (-1 if none)."""
+        return dict(self.max_ids).get(namespace, -1)
+
+    def add(self, entries: Iterable[Entry]) -> Registry:
+        """A registry that also holds ``entries``."""
+        ids = set(self.identities)
+        maxima = dict(self.max_ids)
+        for e in entries:
+            ids.add(e.identity)
+            maxima[e.namespace] = max(maxima.get(e.namespace, -1), e.id)
+        return Registry(frozenset(ids), tuple(sorted(maxima.items())))
+
+    def __repr__(self) -> str:
+        namespaces = ', '.join(ns for ns, _ in self.max_ids)
+        return f"Registry({len(self.identities)} entries in [{namespaces}])"
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """Defaults for save, load and restore, and the registry of loaded entries.
+
+    Attributes:
+      namespace: where ``save`` writes and ``restore`` reads (default ``"jckpt"``).
+      alignment: payload alignment in bytes for new files (default 32).
+      mmap: map payloads instead of copying them when loading (default True).
+      durable: fsync files and directories when publishing (default True).
+      host: return host numpy arrays instead of ``jax.Array`` (default False).
+      device: where loaded arrays go: a ``jax.Device`` or ``jax.sharding.Sharding``;
+        ``None`` means JAX's default device.
+      registry: what has been loaded through this context (managed by ``load``).
+    """
+
+    namespace: str = 'jckpt'
+    alignment: int = DEFAULT_ALIGNMENT
+    mmap: bool = True
+    durable: bool = True
+    host: bool = False
+    device: Any = None
+    registry: Registry = dataclasses.field(default_factory=Registry)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.namespace, str) or not NAMESPACE_RE.match(self.namespace):
+            raise InputError(f"invalid namespace {self.namespace!r}: must match "
+                             "[A-Za-z_][A-Za-z0-9_]*", fix="use letters, digits and underscores")
+        if not isinstance(self.alignment, int) or self.alignment < 1:
+            raise InputError(f"alignment must be a positive integer, not {self.alignment!r}")
+
+    def replace(self, **changes: Any) -> Context:
+        """A copy with ``changes`` applied (the context itself never changes)."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,117 @@
+"""The error hierarchy: every failure jckpt reports is a :class:`CheckpointError`.
+
+Each error carries the file, the entry and a fix when they are known, and its
+message names all three, so one line is enough to act on:
+
+>>> print(FormatError("unknown prec Foo_prec", file="m.jckpt", entry="jckpt/w",
+...                   fix="upgrade jckpt"))
+m.jckpt: entry jckpt/w: unknown prec Foo_prec (fix: upgrade jckpt)
+"""
+
+from __future__ import annotations
+
+import os
+
+
+class CheckpointError(Exception):
+    """Base of every jckpt error.
+
+    Attributes:
+      message: what went wrong.
+      file: the checkpoint file or directory concerned, if any.
+      entry: the entry (``namespace/path``) or leaf concerned, if any.
+      fix: what the user can do about it, if known.
+    """
+
+    def __init__(self, message: str, *, file: str | os.PathLike | None = None,
+                 entry: str | None = None, fix: str | None = None) -> None:
+        self.message = message
+        self.file = os.fspath(file) if file is not None else None
+        self.entry = entry
+        self.fix = fix
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        parts = []
+        if self.file is not None:
+            parts.append(f"{self.file}: ")
+        if self.entry is not None:
+            parts.append(f"entry {self.entry}: ")
+        parts.append(self.message)
+        if self.fix:
+            parts.append(f" (fix: {self.fix})")
+        return ''.join(parts)
+
+    def __repr__(self) -> str:
+        fields = [repr(self.message)]
+        for name in ('file', 'entry', 'fix'):
+            value = getattr(self, name)
+            if value is not None:
+                fields.append(f"{name}={value!r}")
+        return f"{type(self).__name__}({', '.join(fields)})"
+
+    def __reduce__(self):  # keep the keyword fields across pickling (multiprocessing)
+        return (_rebuild, (type(self), self.message, self.file, self.entry, self.fix))
+
+
+def _rebuild(cls, message, file, entry, fix):
+    return cls(message, file=file, entry=entry, fix=fix)
+
+
+class FormatError(CheckpointError, ValueError):
+    """The file is not a valid checkpoint: malformed, truncated or inconsistent."""
+
+
+class ChecksumError(FormatError):
+    """A payload's bytes do not match the checksum stored in the header."""
+
+
+class TargetError(CheckpointError, ValueError):
+    """``restore`` cannot fill the target from the file (missing leaf, mismatch)."""
+
+
+class MissingEntryError(TargetError):
+    """The target asks for a leaf the file does not hold."""
+
+
+class MismatchError(TargetError):
+    """A stored entry's dtype, shape or padding differs from the target leaf's."""
+
+
+class ClashError(CheckpointError, ValueError):
+    """``load`` would register an entry the context already holds."""
+
+
+class InputError(CheckpointError, TypeError):
+    """The tree given to ``save`` holds something that cannot be stored."""
+
+
+class StorageError(CheckpointError):
+    """Reading or publishing failed in the operating system (disk full, I/O, permissions).
+
+    ``errno`` is the underlying error number when there is one.
+    """
+
+    def __init__(self, message: str, *, errno: int | None = None, **kwargs) -> None:
+        self.errno = errno
+        super().__init__(message, **kwargs)
+
+    def __reduce__(self):
+        return (_rebuild_storage, (type(self), self.message, self.file, self.entry, self.fix,
+                                   self.errno))
+
+
+def _rebuild_storage(cls, message, file, entry, fix, errno):
+    return cls(message, file=file, entry=entry, fix=fix, errno=errno)
+
+
+class InUseError(CheckpointError):
+    """Another writer holds the lease on this checkpoint path."""
+
+
+class CapacityError(CheckpointError):
+    """Every snapshot slot is still pending and the writer was told not to wait."""
+
+
+class LineageError(CheckpointError):
+    """The file belongs to another mirror lineage."""

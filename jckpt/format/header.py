@@ -1,0 +1,527 @@
+"""The header: frozen dataclasses, and their encoding to and from bytes.
+
+``encode_header`` and ``decode_header`` are exact inverses on valid headers and
+follow FORMAT.md: a 4-byte big-endian length, then the S-expression text
+padded with spaces so that the data starts at a multiple of the alignment.
+``decode_header`` validates everything that can be checked without the file's
+size (see :func:`jckpt.format.layout.check_extents` for the rest) and raises
+:class:`~jckpt.errors.FormatError` for every fault, never anything else.
+
+>>> e = Entry(id=0, namespace='jckpt', label=('w',), prec='Single_prec', dims=(2,),
+...           offset=0, byte_length=8, path=(('k', 'w'),))
+>>> raw = encode_header(Header(tensors=(e,)))
+>>> len(raw) % 32, decode_header(raw).tensors[0] == e
+(0, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import struct
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jckpt.errors import FormatError
+from jckpt.format import precs
+from jckpt.format.sexp import Sexp, SexpError, dumps, parse, quote
+
+FORMAT_VERSION = 1
+DEFAULT_ALIGNMENT = 32
+#: OCANNL's reader refuses headers longer than this; jckpt reads them but warns on write.
+OCANNL_HEADER_LIMIT = 100_000_000
+_MAX_INT64 = 2**63 - 1
+
+NAMESPACE_RE = re.compile(r'[A-Za-z_][A-Za-z0-9_]*\Z')
+LEGACY_NAMESPACE = 'ocannl'  # what a legacy empty namespace "" reads as
+
+#: Path component kinds: dict key, integer dict key, sequence index, attribute, flattened index.
+PATH_KINDS = frozenset({'k', 'ki', 'i', 'a', 'f'})
+_INT_KINDS = frozenset({'ki', 'i', 'f'})
+
+PathComponent = tuple[str, 'str | int']
+KeyPath = tuple[PathComponent, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Padding:
+    """OCANNL padding: ``(left, right)`` per dim, and the value the margin holds."""
+
+    pairs: tuple[tuple[int, int], ...]
+    value: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One stored array: where its payload is and how to read it.
+
+    ``path`` is the pytree key path (``None`` for OCANNL entries, which are
+    addressed as ``n<id>``). ``extra`` holds entry fields this version does not
+    know, kept verbatim when the file is rewritten.
+    """
+
+    id: int
+    namespace: str
+    prec: str
+    dims: tuple[int, ...]
+    offset: int
+    byte_length: int
+    label: tuple[str, ...] = ()
+    padding: Padding | None = None
+    path: KeyPath | None = None
+    checksum: tuple[str, str] | None = None
+    key_impl: str | None = None
+    slice: tuple[tuple[int, int], ...] | None = None
+    global_dims: tuple[int, ...] | None = None
+    extra: tuple[Any, ...] = ()
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The little-endian numpy dtype of one stored element."""
+        return precs.dtype_of(self.prec)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The numpy shape of the decoded array (``Uint4x32_prec`` adds a dim of 4)."""
+        return (*self.dims, 4) if self.prec == precs.UINT4X32 else self.dims
+
+    @property
+    def logical_dims(self) -> tuple[int, ...]:
+        """``dims`` less the padding: the region actually stored."""
+        if self.padding is None:
+            return self.dims
+        return tuple(d - lo - hi for d, (lo, hi) in zip(self.dims, self.padding.pairs))
+
+    @property
+    def identity(self) -> tuple[str, Any]:
+        """``(namespace, path)``, or ``(namespace, id)`` for path-less entries."""
+        return (self.namespace, self.path if self.path is not None else self.id)
+
+    @property
+    def name(self) -> str:
+        """A readable ``namespace/a/b/0`` name for messages."""
+        return f"{self.namespace}/{path_name(self.path) if self.path is not None else f'n{self.id}'}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+    """A whole header: format version, alignment, entries in payload order, metadata."""
+
+    tensors: tuple[Entry, ...] = ()
+    alignment: int = DEFAULT_ALIGNMENT
+    version: int = FORMAT_VERSION
+    writer: str | None = None
+    metadata: tuple[tuple[str, str], ...] = ()
+    extra: tuple[Any, ...] = ()
+
+    def metadata_dict(self) -> dict[str, str]:
+        """The metadata as a dict (later keys win)."""
+        return dict(self.metadata)
+
+
+def path_name(path: KeyPath) -> str:
+    """``(('k', 'params'), ('i', 0))`` -> ``'params/0'``."""
+    return '/'.join(str(v) for _, v in path)
+
+
+def round_up(n: int, a: int) -> int:
+    """``n`` rounded up to a multiple of ``a`` (``a <= 1`` leaves it alone)."""
+    return n if a <= 1 else -(-n // a) * a
+
+
+# --- encoding --------------------------------------------------------------
+
+def _float_atom(x: float) -> str:
+    """A float in OCaml's spelling: ``0.``, ``1.5``, ``-inf``, ``nan``."""
+    if math.isnan(x):
+        return 'nan'
+    if math.isinf(x):
+        return 'inf' if x > 0 else '-inf'
+    if x == int(x) and abs(x) < 1e16:
+        return f'{int(x)}.'
+    return repr(x)
+
+
+def _encode_path(path: KeyPath) -> str:
+    return '(' + ' '.join(f'({k} {v if k in _INT_KINDS else quote(v)})' for k, v in path) + ')'
+
+
+def _encode_entry(e: Entry) -> str:
+    if e.padding is None:
+        padding = 'none'
+    else:
+        pairs = ' '.join(f'({lo} {hi})' for lo, hi in e.padding.pairs)
+        padding = f'(({pairs}) {_float_atom(e.padding.value)})'
+    dims = ' '.join(map(str, e.dims))
+    parts = [f'((id {e.id}) (namespace {quote(e.namespace)}) (label {dumps(e.label)}) '
+             f'(prec {e.prec}) (dims ({dims})) (padding {padding}) (offset {e.offset}) '
+             f'(byte_length {e.byte_length})']
+    if e.path is not None:
+        parts.append(f' (path {_encode_path(e.path)})')
+    if e.checksum is not None:
+        parts.append(f' (checksum ({quote(e.checksum[0])} {quote(e.checksum[1])}))')
+    if e.key_impl is not None:
+        parts.append(f' (key_impl {quote(e.key_impl)})')
+    if e.slice is not None:
+        parts.append(' (slice (' + ' '.join(f'({a} {b})' for a, b in e.slice) + '))')
+    if e.global_dims is not None:
+        parts.append(' (global_dims (' + ' '.join(map(str, e.global_dims)) + '))')
+    for field in e.extra:
+        parts.append(' ' + dumps(field))
+    parts.append(')')
+    return ''.join(parts)
+
+
+def header_text(header: Header) -> str:
+    """The S-expression text of ``header``, without length prefix or padding."""
+    lines = [f'((version {header.version})', f' (alignment {header.alignment})']
+    if header.tensors:
+        lines.append(' (tensors\n  (' + '\n   '.join(map(_encode_entry, header.tensors)) + '))')
+    else:
+        lines.append(' (tensors ())')
+    if header.writer is not None:
+        lines.append(f' (writer {quote(header.writer)})')
+    if header.metadata:
+        lines.append(' (metadata (' + ' '.join(f'({quote(k)} {quote(v)})'
+                                               for k, v in header.metadata) + '))')
+    lines.extend(' ' + dumps(field) for field in header.extra)
+    return '\n'.join(lines) + ')'
+
+
+def encode_header(header: Header) -> bytes:
+    """The file's first bytes: big-endian HLEN, then the space-padded header text.
+
+    The result's length is a multiple of ``header.alignment``, so the payloads
+    that follow start aligned.
+    """
+    text = header_text(header).encode('utf-8')
+    size = round_up(4 + len(text), header.alignment)
+    if size - 4 > 0xFFFFFFFF:
+        raise FormatError(f"header of {len(text)} bytes does not fit the 32-bit length field",
+                          fix="split the checkpoint into several files")
+    return struct.pack('>I', size - 4) + text + b' ' * (size - 4 - len(text))
+
+
+# --- decoding --------------------------------------------------------------
+
+def _fail(msg: str, file: str | None, entry: str | None = None) -> FormatError:
+    return FormatError(msg, file=file, entry=entry,
+                       fix="the file is damaged or was not written by a compatible writer")
+
+
+def _int(atom: Sexp, what: str, file: str | None, entry: str | None = None) -> int:
+    if isinstance(atom, str) and atom.isascii():
+        digits = atom[1:] if atom[:1] == '-' else atom
+        if digits.isdigit():
+            return int(atom)
+    raise _fail(f"{what} must be an integer, got {dumps(atom) if _sexp_ok(atom) else atom!r}",
+                file, entry)
+
+
+def _sexp_ok(x: Any) -> bool:
+    return isinstance(x, (str, list))
+
+
+def _fields(node: Sexp, what: str, file: str | None, entry: str | None = None) -> dict[str, Sexp]:
+    """A list of ``(key value)`` pairs as an ordered dict; refuses anything else."""
+    if not isinstance(node, list):
+        raise _fail(f"{what} must be a list of (key value) pairs", file, entry)
+    out: dict[str, Sexp] = {}
+    for field in node:
+        if not (isinstance(field, list) and len(field) == 2 and isinstance(field[0], str)):
+            raise _fail(f"{what}: field {_short(field)} is not a (key value) pair", file, entry)
+        if field[0] in out:
+            raise _fail(f"{what}: field {field[0]} appears twice", file, entry)
+        out[field[0]] = field[1]
+    return out
+
+
+def _short(x: Sexp) -> str:
+    text = dumps(x)
+    return text if len(text) <= 60 else text[:57] + '...'
+
+
+def _int_list(node: Sexp, what: str, file: str | None, entry: str | None) -> tuple[int, ...]:
+    if not isinstance(node, list):
+        raise _fail(f"{what} must be a list of integers", file, entry)
+    return tuple(_int(x, what, file, entry) for x in node)
+
+
+def _decode_padding(node: Sexp, ndim: int, file: str | None, entry: str) -> Padding | None:
+    if node == 'none':
+        return None
+    if not (isinstance(node, list) and len(node) == 2 and isinstance(node[0], list)
+            and isinstance(node[1], str)):
+        raise _fail(f"padding must be none or (((L R) ...) VALUE), got {_short(node)}", file, entry)
+    pairs = []
+    for pair in node[0]:
+        if not (isinstance(pair, list) and len(pair) == 2):
+            raise _fail(f"padding pair {_short(pair)} is not (L R)", file, entry)
+        lo, hi = (_int(x, 'padding', file, entry) for x in pair)
+        if lo < 0 or hi < 0:
+            raise _fail("padding is negative", file, entry)
+        pairs.append((lo, hi))
+    if len(pairs) != ndim:
+        raise _fail(f"padding has {len(pairs)} pairs for {ndim} dims", file, entry)
+    try:
+        value = float(node[1])
+    except ValueError:
+        raise _fail(f"padding value {node[1]!r} is not a float", file, entry) from None
+    return Padding(tuple(pairs), value)
+
+
+def _decode_path(node: Sexp, file: str | None, entry: str) -> KeyPath:
+    if not isinstance(node, list):
+        raise _fail("path must be a list of components", file, entry)
+    out = []
+    for comp in node:
+        if not (isinstance(comp, list) and len(comp) == 2 and comp[0] in PATH_KINDS
+                and isinstance(comp[1], str)):
+            raise _fail(f"path component {_short(comp)} is not (k|ki|i|a|f VALUE)", file, entry)
+        kind, value = comp
+        out.append((kind, _int(value, 'path index', file, entry) if kind in _INT_KINDS else value))
+    return tuple(out)
+
+
+_ENTRY_REQUIRED = ('id', 'namespace', 'prec', 'dims', 'offset', 'byte_length')
+_ENTRY_KNOWN = frozenset(_ENTRY_REQUIRED) | {'label', 'padding', 'path', 'checksum', 'key_impl',
+                                             'slice', 'global_dims'}
+
+
+def _decode_entry(node: Sexp, index: int, file: str | None) -> Entry:
+    where = f"#{index}"
+    f = _fields(node, f"tensor {where}", file, where)
+    for key in _ENTRY_REQUIRED:
+        if key not in f:
+            raise _fail(f"missing required field {key}", file, where)
+    namespace = f['namespace']
+    if not isinstance(namespace, str):
+        raise _fail("namespace must be an atom", file, where)
+    if namespace == '':
+        namespace = LEGACY_NAMESPACE
+    elif not NAMESPACE_RE.match(namespace):
+        raise _fail(f"invalid namespace {namespace!r}: must match [A-Za-z_][A-Za-z0-9_]*",
+                    file, where)
+    ident = _int(f['id'], 'id', file, where)
+    where = f"{namespace}/n{ident}"
+    if ident < 0:
+        raise _fail("id is negative", file, where)
+    path = _decode_path(f['path'], file, where) if 'path' in f else None
+    if path is not None:
+        where = f"{namespace}/{path_name(path)}"
+    prec = f['prec']
+    if not isinstance(prec, str) or prec not in precs.ALL_PRECS:
+        raise _fail(f"unknown prec {_short(prec)}", file, where)
+    dims = _int_list(f['dims'], 'dims', file, where)
+    if any(d < 0 for d in dims):
+        raise _fail(f"negative dim in {dims}", file, where)
+    padding = _decode_padding(f.get('padding', 'none'), len(dims), file, where)
+    offset = _int(f['offset'], 'offset', file, where)
+    byte_length = _int(f['byte_length'], 'byte_length', file, where)
+    if offset < 0 or byte_length < 0:
+        raise _fail("offset and byte_length must be >= 0", file, where)
+    if offset > _MAX_INT64 or byte_length > _MAX_INT64:
+        raise _fail("offset or byte_length overflows 64 bits", file, where)
+    logical = dims if padding is None else tuple(
+        d - lo - hi for d, (lo, hi) in zip(dims, padding.pairs))
+    if any(d < 0 for d in logical):
+        raise _fail(f"padding {padding.pairs} exceeds dims {dims}", file, where)
+    count = math.prod(dims)
+    if count > _MAX_INT64 or count * max(precs.element_size(prec), 1) > _MAX_INT64:
+        raise _fail(f"element count of dims {dims} overflows 64 bits", file, where)
+    expected = math.prod(logical) * precs.element_size(prec)
+    if byte_length != expected:
+        raise _fail(f"byte_length {byte_length} disagrees with dims {dims}, "
+                    f"padding and {prec} ({expected} bytes)", file, where)
+    label = f.get('label', [])
+    if not (isinstance(label, list) and all(isinstance(x, str) for x in label)):
+        raise _fail("label must be a list of atoms", file, where)
+    checksum = None
+    if 'checksum' in f:
+        c = f['checksum']
+        if not (isinstance(c, list) and len(c) == 2 and all(isinstance(x, str) for x in c)):
+            raise _fail("checksum must be (ALGORITHM HEX)", file, where)
+        checksum = (c[0], c[1])
+    key_impl = f.get('key_impl')
+    if key_impl is not None and not isinstance(key_impl, str):
+        raise _fail("key_impl must be an atom", file, where)
+    slc = None
+    if 'slice' in f:
+        s = f['slice']
+        if not (isinstance(s, list) and all(isinstance(p, list) and len(p) == 2 for p in s)):
+            raise _fail("slice must be ((START STOP) ...)", file, where)
+        slc = tuple((_int(a, 'slice', file, where), _int(b, 'slice', file, where)) for a, b in s)
+    global_dims = _int_list(f['global_dims'], 'global_dims', file, where) \
+        if 'global_dims' in f else None
+    if (slc is None) != (global_dims is None):
+        raise _fail("slice and global_dims must appear together", file, where)
+    if slc is not None:
+        if not (len(slc) == len(global_dims) == len(dims) and all(
+                0 <= a <= b <= g and b - a == d for (a, b), g, d in zip(slc, global_dims, dims))):
+            raise _fail(f"slice {slc} does not fit global_dims {global_dims} and dims {dims}",
+                        file, where)
+    extra = tuple(_freeze([k, v]) for k, v in f.items() if k not in _ENTRY_KNOWN)
+    return Entry(id=ident, namespace=namespace, prec=prec, dims=dims, offset=offset,
+                 byte_length=byte_length, label=tuple(label), padding=padding, path=path,
+                 checksum=checksum, key_impl=key_impl, slice=slc, global_dims=global_dims,
+                 extra=extra)
+
+
+def _freeze(x: Sexp) -> Any:
+    return tuple(_freeze(v) for v in x) if isinstance(x, list) else x
+
+
+_HEADER_KNOWN = frozenset({'version', 'alignment', 'tensors', 'writer', 'metadata'})
+
+
+def split_header(raw: bytes | memoryview, file_size: int | None = None,
+                 file: str | None = None) -> tuple[int, int]:
+    """``(hlen, data_start)`` from a file's first 4 bytes, checked against its size."""
+    if len(raw) < 4:
+        raise _fail(f"file is {len(raw)} bytes, shorter than the 4-byte header length", file)
+    (hlen,) = struct.unpack_from('>I', raw, 0)
+    size = len(raw) if file_size is None else file_size
+    if 4 + hlen > size:
+        raise _fail(f"header length {hlen} extends past the end of the file ({size} bytes)", file)
+    return hlen, 4 + hlen
+
+
+# The canonical entry as jckpt writes it, matched in one regular-expression step so
+# that large headers decode without building a generic S-expression tree first.
+# Anything else (quoted atoms, padding, unknown fields) falls back to the general
+# reader, so both paths accept and produce exactly the same headers.
+_A = r"[!$%&'*+,\-./0-9:<=>?@A-Z\[\]^_`a-z{}~]+"
+_P = rf"\((?:k|a) {_A}\)|\((?:ki|i|f) -?[0-9]+\)"
+_CANONICAL_ENTRY = re.compile(
+    rf"\s*\(\(id ([0-9]+)\) \(namespace ([A-Za-z_][A-Za-z0-9_]*)\) "
+    rf"\(label \(((?:{_A}(?: {_A})*)?)\)\) \(prec ([A-Za-z0-9_]+)\) "
+    rf"\(dims \(((?:[0-9]+(?: [0-9]+)*)?)\)\) \(padding none\) \(offset ([0-9]+)\) "
+    rf"\(byte_length ([0-9]+)\)(?: \(path \(((?:(?:{_P})(?: (?:{_P}))*)?)\)\))?"
+    rf"(?: \(checksum \(([A-Za-z0-9_]+) ([0-9a-f]+)\)\))?(?: \(key_impl ([A-Za-z0-9_]+)\))?\)")
+_CANONICAL_HEAD = re.compile(r"\(\(version [0-9]+\)\s*(?:\(alignment [0-9]+\)\s*)?\(tensors\s*\(")
+_CANONICAL_TAIL = re.compile(r"\s*\)")
+_COMPONENT = re.compile(rf"\((k|ki|i|a|f) ({_A})\)")
+_FIELDS = tuple(f.name for f in dataclasses.fields(Entry))
+
+
+def _canonical_entries(text: str) -> tuple[list[Entry], int, int] | None:
+    """Entries of a header laid out as jckpt writes it, or None to use the general reader.
+
+    Returns ``(entries, list_open, list_close)``: the positions of the
+    parentheses around the tensors list, so the rest can be read generally.
+    """
+    head = _CANONICAL_HEAD.match(text)
+    if head is None:
+        return None
+    scanner = _CANONICAL_ENTRY.scanner(text, head.end())
+    entries: list[Entry] = []
+    append = entries.append
+    new = object.__new__
+    element_size = precs.element_size
+    prod = math.prod
+    int_kinds = _INT_KINDS
+    findall = _COMPONENT.findall
+    pos = head.end()
+    while (m := scanner.match()) is not None:
+        (ident, namespace, label, prec, dims, offset, byte_length, path, algo, digest,
+         key_impl) = m.groups()
+        if prec not in precs.ALL_PRECS:
+            return None
+        dims = tuple(map(int, dims.split())) if dims else ()
+        byte_length = int(byte_length)
+        if prod(dims) * element_size(prec) != byte_length or byte_length > _MAX_INT64:
+            return None  # let the general reader report it
+        if path is not None:
+            path = tuple([(k, int(v)) if k in int_kinds else (k, v) for k, v in findall(path)])
+        e = new(Entry)
+        e.__dict__.update(zip(_FIELDS, (
+            int(ident), namespace, prec, dims, int(offset), byte_length,
+            tuple(label.split(' ')) if label else (), None, path,
+            (algo, digest) if algo is not None else None, key_impl, None, None, ())))
+        append(e)
+        pos = m.end()
+    tail = _CANONICAL_TAIL.match(text, pos)
+    if tail is None or text[tail.end() - 1] != ')':
+        return None
+    return entries, head.end() - 1, tail.end() - 1
+
+
+def decode_header(raw: bytes | memoryview, *, file: str | None = None) -> Header:
+    """Decode and validate a header from the file's first ``4 + HLEN`` bytes (or more).
+
+    Raises :class:`~jckpt.errors.FormatError` naming ``file`` for every fault.
+    """
+    _hlen, start = split_header(raw, None, file)
+    try:
+        text = bytes(raw[4:start]).decode('utf-8')
+    except UnicodeDecodeError as e:
+        raise _fail(f"header is not UTF-8 ({e.reason} at byte {4 + e.start})", file) from None
+    fast = _canonical_entries(text)
+    if fast is not None:
+        entries, list_open, list_close = fast
+        text = text[:list_open] + '()' + text[list_close + 1:]
+    try:
+        tree = parse(text)
+    except SexpError as e:
+        raise _fail(f"header is not a well-formed S-expression: {e}", file) from None
+    return header_from_sexp(tree, file=file, entries=None if fast is None else entries)
+
+
+def header_from_sexp(tree: Sexp, *, file: str | None = None,
+                     entries: list[Entry] | None = None) -> Header:
+    """Build and validate a :class:`Header` from the parsed S-expression."""
+    f = _fields(tree, "header", file)
+    for key in ('version', 'tensors'):
+        if key not in f:
+            raise _fail(f"header is missing required field {key}", file)
+    version = _int(f['version'], 'version', file)
+    if version != FORMAT_VERSION:
+        raise FormatError(f"unsupported checkpoint version: {version}", file=file,
+                          fix="read it with the jckpt release that wrote it")
+    alignment = _int(f['alignment'], 'alignment', file) if 'alignment' in f else 1
+    if alignment < 1:
+        raise _fail(f"alignment {alignment} is < 1", file)
+    if alignment > 1 << 30:
+        raise _fail(f"alignment {alignment} is absurdly large", file)
+    if not isinstance(f['tensors'], list):
+        raise _fail("tensors must be a list of entries", file)
+    if entries is not None and f['tensors'] == []:
+        tensors = tuple(entries)
+    else:
+        tensors = tuple(_decode_entry(node, i, file) for i, node in enumerate(f['tensors']))
+    seen: set = set()
+    for e in tensors:
+        if e.identity in seen:
+            raise _fail("duplicate entry identity", file, e.name)
+        seen.add(e.identity)
+    writer = f.get('writer')
+    if writer is not None and not isinstance(writer, str):
+        raise _fail("writer must be an atom", file)
+    metadata: list[tuple[str, str]] = []
+    if 'metadata' in f:
+        m = f['metadata']
+        if not (isinstance(m, list) and all(isinstance(p, list) and len(p) == 2 and all(
+                isinstance(x, str) for x in p) for p in m)):
+            raise _fail("metadata must be a list of (KEY VALUE) string pairs", file)
+        metadata = [(k, v) for k, v in m]
+    extra = tuple(_freeze([k, v]) for k, v in f.items() if k not in _HEADER_KNOWN)
+    return Header(tensors=tensors, alignment=alignment, version=version, writer=writer,
+                  metadata=tuple(metadata), extra=extra)
+
+
+def entries_by_identity(entries: Iterable[Entry]) -> dict[tuple[str, Any], Entry]:
+    """Index entries by ``(namespace, path)`` / ``(namespace, id)``."""
+    return {e.identity: e for e in entries}
+
+
+def check_unique(entries: Sequence[Entry], file: str | None = None) -> None:
+    """Refuse duplicate identities (a writer-side check)."""
+    seen: set = set()
+    for e in entries:
+        if e.identity in seen:
+            raise FormatError("duplicate entry identity", file=file, entry=e.name,
+                              fix="give each leaf a distinct path")
+        seen.add(e.identity)

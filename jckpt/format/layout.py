@@ -1,0 +1,68 @@
+"""Payload offsets: planning them for a writer, checking them for a reader.
+
+>>> plan_layout([12, 5, 4], 32)
+(0, 32, 64)
+>>> plan_layout([12, 5, 4], 1)
+(0, 12, 17)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+from jckpt.errors import FormatError
+from jckpt.format.header import Header, encode_header, round_up
+
+
+def plan_layout(byte_lengths: Sequence[int], alignment: int = 32) -> tuple[int, ...]:
+    """Offsets (relative to the data start) for payloads of these lengths, in order.
+
+    Each payload starts at the cursor rounded up to ``alignment``; nothing
+    follows the last one.
+    """
+    offsets = []
+    cursor = 0
+    for n in byte_lengths:
+        offset = round_up(cursor, alignment)
+        offsets.append(offset)
+        cursor = offset + n
+    return tuple(offsets)
+
+
+def lay_out(header: Header) -> Header:
+    """``header`` with every entry's offset replaced by :func:`plan_layout`'s."""
+    offsets = plan_layout([e.byte_length for e in header.tensors], header.alignment)
+    return dataclasses.replace(header, tensors=tuple(
+        e if e.offset == o else dataclasses.replace(e, offset=o)
+        for e, o in zip(header.tensors, offsets)))
+
+
+def data_size(header: Header) -> int:
+    """Bytes of DATA the header describes (end of the last payload)."""
+    return max((e.offset + e.byte_length for e in header.tensors), default=0)
+
+
+def file_size(header: Header) -> int:
+    """Total size of a file written with this header (header encoded once)."""
+    return len(encode_header(header)) + data_size(header)
+
+
+def check_extents(header: Header, data_start: int, size: int, file: str | None = None) -> None:
+    """Refuse payloads that extend past the end of the file or overlap each other."""
+    available = size - data_start
+    spans = []
+    for e in header.tensors:
+        if e.offset + e.byte_length > available:
+            raise FormatError(
+                f"payload [{e.offset}, {e.offset + e.byte_length}) extends past the end of the "
+                f"file ({available} data bytes)", file=file, entry=e.name,
+                fix="the file is truncated; restore it from a complete copy")
+        if e.byte_length:
+            spans.append((e.offset, e.offset + e.byte_length, e))
+    spans.sort(key=lambda s: s[0])
+    for (_, end, a), (start, _, b) in itertools.pairwise(spans):
+        if start < end:
+            raise FormatError(f"payload overlaps the payload of {a.name}", file=file,
+                              entry=b.name, fix="the file is damaged; re-save it")

@@ -1,0 +1,195 @@
+"""S-expressions with OCaml (sexplib) quoting: the header's text syntax.
+
+A value is an atom (``str``) or a list of values (``list``). The reader has
+two paths that give identical results:
+
+* a fast path for the common header (no backslashes, comments or control
+  bytes outside quoted atoms), which rewrites the text into JSON with a few
+  C-speed regular-expression passes and lets :func:`json.loads` build it;
+* a tokenizer for everything else.
+
+Both check the nesting depth before building anything, so a hostile header
+cannot exhaust the stack.
+
+>>> parse('((version 1) (label ("a b" c)))')
+[['version', '1'], ['label', ['a b', 'c']]]
+>>> dumps(['label', ['a b', 'c']])
+'(label ("a b" c))'
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+Sexp = str | list["Sexp"]
+
+#: Deepest nesting the reader accepts. A jckpt header nests five deep.
+MAX_DEPTH = 64
+
+
+class SexpError(ValueError):
+    """The text is not one well-formed S-expression."""
+
+
+# --- reading ---------------------------------------------------------------
+
+_QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_SPLIT_QUOTED = re.compile(r'("(?:[^"\\]|\\.)*")', re.DOTALL)
+_FAST_UNSAFE = re.compile(r'[^\t\n\r -~]|[\\;#|"]')
+_ATOM = re.compile(r'[^\s()]+')
+_TRAILING_COMMA = re.compile(r',(\s*)\]')
+_TOKEN = re.compile(
+    r'(?P<ws>\s+)|(?P<comment>;[^\n]*)|(?P<open>\()|(?P<close>\))'
+    r'|(?P<quoted>"(?:[^"\\]|\\.)*")|(?P<atom>[^\s()";]+)|(?P<bad>.)',
+    re.DOTALL,
+)
+_ESCAPE = re.compile(rb'\\(?:([\\"\'ntrb ])|(\d{3})|x([0-9a-fA-F]{2})|\n[ \t]*)')
+_SIMPLE_ESCAPES = {b'\\': b'\\', b'"': b'"', b"'": b"'", b'n': b'\n', b't': b'\t',
+                   b'r': b'\r', b'b': b'\b', b' ': b' '}
+
+
+def _unescape(body: str) -> str:
+    """Decode the inside of a quoted atom (OCaml escapes; bytes are UTF-8)."""
+    if '\\' not in body:
+        return body
+
+    def sub(m: re.Match[bytes]) -> bytes:
+        simple, dec, hexa = m.groups()
+        if simple is not None:
+            return _SIMPLE_ESCAPES[simple]
+        if dec is not None:
+            value = int(dec)
+            if value > 255:
+                raise SexpError(f"escape \\{dec.decode()} is out of range")
+            return bytes([value])
+        if hexa is not None:
+            return bytes([int(hexa, 16)])
+        return b''  # backslash-newline: line continuation
+
+    raw = _ESCAPE.sub(sub, body.encode('utf-8'))
+    try:
+        return raw.decode('utf-8')
+    except UnicodeDecodeError as e:
+        raise SexpError(f"quoted atom is not UTF-8: {e}") from None
+
+
+def _check_depth(structural: str) -> None:
+    """Raise unless parentheses in ``structural`` balance within MAX_DEPTH."""
+    codes = np.frombuffer(structural.encode('utf-8', 'surrogatepass'), dtype=np.uint8)
+    steps = (codes == 40).astype(np.int32) - (codes == 41).astype(np.int32)
+    if steps.size == 0:
+        return
+    depth = np.cumsum(steps)
+    if depth.min() < 0:
+        raise SexpError("unbalanced ')'")
+    if depth.max() > MAX_DEPTH:
+        raise SexpError(f"nesting deeper than {MAX_DEPTH}")
+    if depth[-1] != 0:
+        raise SexpError("unbalanced '(': the text ends inside a list")
+
+
+def _parse_fast(parts: list[str]) -> Sexp:
+    """``parts`` alternate unquoted text and quoted atoms (from re.split)."""
+    out = []
+    for n, part in enumerate(parts):
+        if n % 2:
+            out.append(json.dumps(_unescape(part[1:-1])) + ',')
+        else:
+            part = _ATOM.sub(r'"\g<0>",', part)
+            out.append(part.replace('(', '[').replace(')', '],'))
+    text = _TRAILING_COMMA.sub(r'\1]', ''.join(out)).rstrip().rstrip(',')
+    # Several top-level values become one list so json.loads rejects them.
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise SexpError("expected exactly one S-expression") from None
+
+
+def _parse_slow(text: str) -> Sexp:
+    stack: list[list[Sexp]] = [[]]
+    for m in _TOKEN.finditer(text):
+        kind = m.lastgroup
+        if kind in ('ws', 'comment'):
+            continue
+        if kind == 'open':
+            if len(stack) > MAX_DEPTH:
+                raise SexpError(f"nesting deeper than {MAX_DEPTH}")
+            stack.append([])
+        elif kind == 'close':
+            if len(stack) == 1:
+                raise SexpError("unbalanced ')'")
+            done = stack.pop()
+            stack[-1].append(done)
+        elif kind == 'quoted':
+            stack[-1].append(_unescape(m.group()[1:-1]))
+        elif kind == 'atom':
+            stack[-1].append(m.group())
+        else:
+            raise SexpError(f"unexpected character {m.group()!r} at offset {m.start()}")
+    if len(stack) != 1:
+        raise SexpError("unbalanced '(': the text ends inside a list")
+    if len(stack[0]) != 1:
+        raise SexpError(f"expected exactly one S-expression, found {len(stack[0])}")
+    return stack[0][0]
+
+
+def parse(text: str) -> Sexp:
+    """Read exactly one S-expression from ``text``.
+
+    Raises :class:`SexpError` on malformed input or nesting deeper than
+    :data:`MAX_DEPTH`.
+    """
+    parts = _SPLIT_QUOTED.split(text)
+    structural = ''.join(parts[0::2])
+    if _FAST_UNSAFE.search(structural) is None:
+        _check_depth(structural)
+        return _parse_fast(parts)
+    return _parse_slow(text)
+
+
+def parse_slow(text: str) -> Sexp:
+    """The tokenizer path of :func:`parse`, exposed for testing."""
+    return _parse_slow(text)
+
+
+# --- writing ---------------------------------------------------------------
+
+_PLAIN_ATOM = re.compile(r'[!#-\'*-:<-~]+')  # printable ASCII except space ( ) " ;
+_CHAR_ESCAPES = {'"': '\\"', '\\': '\\\\', '\n': '\\n', '\t': '\\t', '\r': '\\r', '\b': '\\b'}
+
+
+def quote(atom: str) -> str:
+    """Spell ``atom`` so that it reads back as the same atom.
+
+    >>> quote('kernel'), quote('a b'), quote('')
+    ('kernel', '"a b"', '""')
+    """
+    if _PLAIN_ATOM.fullmatch(atom) and '\\' not in atom and '#|' not in atom \
+            and '|#' not in atom and not atom.startswith('#;'):
+        return atom
+    out = ['"']
+    for byte in atom.encode('utf-8'):
+        ch = chr(byte)
+        if ch in _CHAR_ESCAPES:
+            out.append(_CHAR_ESCAPES[ch])
+        elif 32 <= byte < 127:
+            out.append(ch)
+        else:
+            out.append(f'\\{byte:03d}')
+    out.append('"')
+    return ''.join(out)
+
+
+def dumps(value: Sexp | int | Sequence) -> str:
+    """Write ``value`` (atoms, ints and nested sequences) on one line."""
+    if isinstance(value, str):
+        return quote(value)
+    if isinstance(value, bool):
+        raise TypeError("booleans have no S-expression spelling; use a string")
+    if isinstance(value, int):
+        return str(value)
+    return '(' + ' '.join(dumps(v) for v in value) + ')'

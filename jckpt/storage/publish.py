@@ -1,0 +1,227 @@
+"""Atomic, durable publishing through a staging sibling.
+
+A checkpoint is written to a staging file next to its target, named uniquely
+per writer (``<name>.jckpt-stage.<pid>.<counter>.<nonce>``), created
+exclusively without following symlinks, and locked (``flock``) for as long as
+it is being written. Publishing fsyncs the file, renames it over the target
+and fsyncs the directory, so the target is always either the previous
+complete file or the new complete file. Any failure removes the staging file
+and leaves the target as it was.
+
+Staging files abandoned by a killed writer are reclaimed by the next save of
+the same target: at once when their lock is free (a dead writer's lock is
+released by the kernel), otherwise once older than :data:`STALE_AFTER`
+seconds (for filesystems without ``flock``). Other targets' staging files are
+never touched.
+
+>>> import tempfile, os
+>>> d = tempfile.mkdtemp()
+>>> with StagingFile(os.path.join(d, 'x.jckpt')) as s:
+...     _ = os.write(s.fd, b'hello')
+...     s.publish()
+>>> sorted(os.listdir(d))
+['x.jckpt']
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import fcntl
+import itertools
+import logging
+import os
+import re
+import secrets
+import stat
+import threading
+import time
+
+from jckpt.errors import StorageError
+
+log = logging.getLogger('jckpt')
+
+STAGE_TAG = '.jckpt-stage.'
+#: Seconds after which an unlocked-or-unlockable staging file is reclaimed regardless.
+STALE_AFTER = 3600.0
+_counter = itertools.count()
+_counter_lock = threading.Lock()
+
+_FIXES = {
+    errno_mod.ENOSPC: "free disk space, then save again",
+    errno_mod.EFBIG: "the file exceeds a size limit (ulimit -f or the filesystem's); raise it",
+    errno_mod.EDQUOT: "the disk quota is exhausted; free space or raise the quota",
+    errno_mod.EACCES: "check the permissions of the checkpoint's directory",
+    errno_mod.EPERM: "check the permissions of the checkpoint's directory",
+    errno_mod.EROFS: "the filesystem is read-only; save elsewhere",
+    errno_mod.EIO: "the device reported an I/O error; check the disk",
+    errno_mod.ENOENT: "the directory does not exist; create it first",
+}
+
+
+def storage_error(exc: OSError, action: str, path: str | os.PathLike) -> StorageError:
+    """Wrap an ``OSError`` as a :class:`StorageError` naming the file and a fix."""
+    reason = exc.strerror or str(exc)
+    return StorageError(f"{action} failed: {reason}", errno=exc.errno, file=path,
+                        fix=_FIXES.get(exc.errno, "see the underlying OS error"))
+
+
+def staging_pattern(target: str) -> re.Pattern[str]:
+    """The names of ``target``'s staging files (and only ``target``'s)."""
+    return re.compile(re.escape(os.path.basename(target)) + re.escape(STAGE_TAG)
+                      + r'[0-9a-f]{8}\.[0-9a-f]{8}\.[0-9a-f]{16}\Z')
+
+
+def _staging_name(target: str) -> str:
+    with _counter_lock:
+        n = next(_counter)
+    return (f"{target}{STAGE_TAG}{os.getpid() & 0xFFFFFFFF:08x}.{n & 0xFFFFFFFF:08x}."
+            f"{secrets.token_hex(8)}")
+
+
+def fsync_dir(directory: str) -> None:
+    """fsync a directory so a rename or unlink in it is durable."""
+    fd = os.open(directory or '.', os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def reclaim_staging(target: str | os.PathLike, *, stale_after: float = STALE_AFTER) -> list[str]:
+    """Remove staging files of ``target`` whose writer is gone; return their paths.
+
+    A staging file is reclaimed when its ``flock`` can be taken (its writer
+    died, the kernel released the lock) or, where locks do not work, when it
+    is older than ``stale_after`` seconds.
+    """
+    target = os.fspath(target)
+    directory = os.path.dirname(target) or '.'
+    pattern = staging_pattern(target)
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    now = time.time()
+    for name in names:
+        if not pattern.match(name):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        old = now - st.st_mtime > stale_after
+        if not stat.S_ISREG(st.st_mode):
+            if old:
+                _unlink_quietly(path, removed)
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                free = True
+            except BlockingIOError:
+                free = False
+            except OSError:  # no flock here (some network filesystems): age decides
+                free = old
+            if free:
+                try:
+                    same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+                except FileNotFoundError:
+                    same = False
+                if same:
+                    _unlink_quietly(path, removed)
+        finally:
+            os.close(fd)
+    if removed:
+        log.info("reclaimed %d abandoned staging file(s) of %s", len(removed), target)
+    return removed
+
+
+def _unlink_quietly(path: str, removed: list[str]) -> None:
+    try:
+        os.unlink(path)
+        removed.append(path)
+    except FileNotFoundError:
+        pass
+
+
+class StagingFile:
+    """A locked, exclusively created staging sibling of ``target``, published by rename.
+
+    Use as a context manager: leaving the block without :meth:`publish`
+    (or with an exception) removes the staging file. ``durable=False`` skips
+    every fsync (faster, but a power loss may lose the new file or leave the
+    old one).
+    """
+
+    def __init__(self, target: str | os.PathLike, *, durable: bool = True,
+                 reclaim: bool = True) -> None:
+        self.target = os.fspath(target)
+        self.durable = durable
+        self.directory = os.path.dirname(os.path.abspath(self.target))
+        if reclaim:
+            reclaim_staging(self.target)
+        self.path, self.fd = self._create()
+        self.published = False
+
+    def _create(self) -> tuple[str, int]:
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        for _ in range(100):
+            path = _staging_name(self.target)
+            try:
+                fd = os.open(path, flags, 0o666)
+            except FileExistsError:
+                continue
+            except OSError as e:
+                raise storage_error(e, "creating the staging file", self.target) from e
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:  # a reclaimer may have removed it between create and lock: retry
+                if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                    return path, fd
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        raise StorageError("could not create a unique staging file", file=self.target,
+                           fix="check the directory for a flood of staging files")
+
+    def publish(self) -> None:
+        """fsync, rename over the target, fsync the directory."""
+        try:
+            if self.durable:
+                os.fsync(self.fd)
+            os.rename(self.path, self.target)
+            self.published = True
+            if self.durable:
+                fsync_dir(self.directory)
+        except OSError as e:
+            raise storage_error(e, "publishing the checkpoint", self.target) from e
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def discard(self) -> None:
+        """Close and remove the staging file (no effect once published)."""
+        self._close()
+        if not self.published:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self) -> StagingFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.discard()
+
+    def __repr__(self) -> str:
+        return f"StagingFile({self.target!r}, staging={os.path.basename(self.path)!r})"

@@ -1,0 +1,133 @@
+"""The reader: one open, header and extents checked before any payload is touched.
+
+>>> # reader = open_checkpoint('model.jckpt'); reader.header.tensors[0].name
+"""
+
+from __future__ import annotations
+
+import mmap as mmap_mod
+import os
+import struct
+import threading
+from collections.abc import Iterable
+
+import numpy as np
+
+from jckpt.errors import ChecksumError, FormatError
+from jckpt.format import payload as payload_mod
+from jckpt.format.header import Entry, Header, decode_header
+from jckpt.format.layout import check_extents
+from jckpt.storage.publish import storage_error
+
+
+class IngestionCounts:
+    """Process-wide counts of payloads mapped (zero-copy) and decoded (copied)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.mapped = 0
+        self.decoded = 0
+
+    def add(self, mapped: int, decoded: int) -> None:
+        with self._lock:
+            self.mapped += mapped
+            self.decoded += decoded
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {'mapped': self.mapped, 'decoded': self.decoded}
+
+
+COUNTS = IngestionCounts()
+
+
+class CheckpointReader:
+    """An open checkpoint file: its validated header and a private mapping of its bytes.
+
+    The mapping is copy-on-write (``MAP_PRIVATE``) and lives as long as any
+    array viewing it, even after the file is replaced or removed.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise FormatError("no such checkpoint file", file=self.path,
+                              fix="check the path, or save a checkpoint there first") from None
+        except IsADirectoryError:
+            raise FormatError("is a directory, not a checkpoint file", file=self.path,
+                              fix="pass the checkpoint file inside it") from None
+        except OSError as e:
+            raise storage_error(e, "opening the checkpoint", self.path) from e
+        try:
+            self.size = os.fstat(fd).st_size
+            first = os.pread(fd, 4, 0)
+            if len(first) < 4:
+                raise FormatError(f"file is {len(first)} bytes, shorter than the 4-byte header "
+                                  "length", file=self.path, fix="the file is truncated or empty")
+            (hlen,) = struct.unpack('>I', first)
+            if 4 + hlen > self.size:
+                raise FormatError(f"header length {hlen} extends past the end of the file "
+                                  f"({self.size} bytes)", file=self.path,
+                                  fix="the file is truncated or not a checkpoint")
+            raw = first + os.pread(fd, hlen, 4)
+            if len(raw) != 4 + hlen:
+                raise FormatError("file changed size while being read", file=self.path)
+            self.header: Header = decode_header(raw, file=self.path)
+            self.data_start = 4 + hlen
+            check_extents(self.header, self.data_start, self.size, file=self.path)
+            self._map = mmap_mod.mmap(fd, 0, access=mmap_mod.ACCESS_COPY) if self.size else b''
+        except OSError as e:
+            raise storage_error(e, "reading the checkpoint", self.path) from e
+        finally:
+            os.close(fd)
+
+    @property
+    def buffer(self):
+        """The whole file's bytes (a private mapping)."""
+        return self._map
+
+    def decode(self, entry: Entry, *, mmap: bool = True, verify: bool = False,
+               count: bool = True) -> np.ndarray:
+        """The entry's array: a view of the mapping when allowed, else a copy."""
+        if verify:
+            self.verify_entry(entry)
+        array, mapped = payload_mod.decode_payload(self._map, entry, data_start=self.data_start,
+                                                   mmap=mmap, file=self.path)
+        if count:
+            COUNTS.add(int(mapped), int(not mapped))
+        return array
+
+    def payload_bytes(self, entry: Entry) -> memoryview:
+        start = self.data_start + entry.offset
+        return memoryview(self._map)[start:start + entry.byte_length]
+
+    def verify_entry(self, entry: Entry) -> None:
+        """Raise :class:`ChecksumError` if the payload does not match its checksum."""
+        if entry.checksum is None:
+            return
+        algo, expected = entry.checksum
+        if algo != payload_mod.CHECKSUM_ALGORITHM:
+            return  # an algorithm this version does not know: nothing to compare
+        with self.payload_bytes(entry) as view:
+            actual = payload_mod.checksum(view)[1]
+        if actual != expected.lower():
+            raise ChecksumError(f"checksum mismatch: stored {expected}, computed {actual}",
+                                file=self.path, entry=entry.name,
+                                fix="the payload is corrupt; restore the file from a good copy")
+
+    def verify(self, entries: Iterable[Entry] | None = None) -> list[ChecksumError]:
+        """Check every (or the given) entry's checksum; return the failures."""
+        bad = []
+        for e in self.header.tensors if entries is None else entries:
+            try:
+                self.verify_entry(e)
+            except ChecksumError as err:
+                bad.append(err)
+        return bad
+
+
+def open_checkpoint(path: str | os.PathLike) -> CheckpointReader:
+    """Open and validate a checkpoint file (header and extents; payloads untouched)."""
+    return CheckpointReader(path)

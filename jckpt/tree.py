@@ -1,0 +1,157 @@
+"""Pytrees <-> flat ``(key path, leaf)`` lists, and namespace prefixing.
+
+Key paths are stored as ``path`` components: ``('k', str)`` dict key,
+``('ki', int)`` integer dict key, ``('i', int)`` sequence index, ``('a', str)``
+attribute (dataclasses, NamedTuples, flax structs), ``('f', int)`` flattened
+index. Without a target, :func:`unflatten` rebuilds nested dicts (for ``k``,
+``ki`` and ``a``) and lists (for ``i`` and ``f``).
+
+>>> items = flatten({'params': {'w': 1.0}, 'opt': [2, 3]})
+>>> [p for p, _ in items]
+[(('k', 'opt'), ('i', 0)), (('k', 'opt'), ('i', 1)), (('k', 'params'), ('k', 'w'))]
+>>> unflatten(items)
+{'opt': [2, 3], 'params': {'w': 1.0}}
+>>> prefix_namespace({'jckpt': 1}, 'student')
+{'student__jckpt': 1}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable
+from typing import Any, TypeVar
+
+import jax
+
+from jckpt.errors import FormatError, InputError
+from jckpt.format.header import Header, KeyPath, path_name
+
+_PREFIX_RE = re.compile(r'[A-Za-z_][A-Za-z0-9_]*\Z')
+T = TypeVar('T')
+
+
+def key_to_component(key: Any, where: str = '') -> tuple[str, str | int]:
+    """One JAX key-path element as a stored ``path`` component."""
+    tu = jax.tree_util
+    if isinstance(key, tu.DictKey):
+        k = key.key
+        if isinstance(k, str):
+            return ('k', k)
+        if isinstance(k, int) and not isinstance(k, bool):
+            return ('ki', int(k))
+        raise InputError(f"dict key {k!r} of type {type(k).__name__} cannot be stored",
+                         entry=where or None, fix="use str or int dict keys")
+    if isinstance(key, tu.SequenceKey):
+        return ('i', key.idx)
+    if isinstance(key, tu.GetAttrKey):
+        return ('a', key.name)
+    if isinstance(key, tu.FlattenedIndexKey):
+        return ('f', key.key)
+    raise InputError(f"key path element {key!r} cannot be stored", entry=where or None,
+                     fix="register the node type with a key path that uses dict keys, "
+                         "indices or attributes")
+
+
+def to_path(keypath: Iterable[Any]) -> KeyPath:
+    """A JAX key path as a stored path."""
+    keypath = tuple(keypath)
+    return tuple(key_to_component(k, jax.tree_util.keystr(keypath)) for k in keypath)
+
+
+def is_leaf(x: Any) -> bool:
+    """Leaves that JAX would otherwise flatten further, kept whole (ShapeDtypeStruct)."""
+    return isinstance(x, jax.ShapeDtypeStruct)
+
+
+def flatten(tree: Any) -> list[tuple[KeyPath, Any]]:
+    """``[(path, leaf), ...]`` in JAX's leaf order."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    return [(to_path(kp), leaf) for kp, leaf in leaves]
+
+
+def flatten_with_treedef(tree: Any) -> tuple[list[tuple[KeyPath, Any]], Any]:
+    """Like :func:`flatten`, also returning the treedef to rebuild ``tree``'s structure."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    return [(to_path(kp), leaf) for kp, leaf in leaves], treedef
+
+
+def unflatten(items: Iterable[tuple[KeyPath, Any]], *, file: str | None = None) -> Any:
+    """Nested dicts and lists from ``(path, leaf)`` pairs (the inverse of :func:`flatten`
+    for trees of dicts and lists)."""
+    items = list(items)
+    root: dict = {}
+    sentinel = object()
+    for path, leaf in items:
+        if not path:
+            if root:
+                raise FormatError("a root leaf conflicts with other entries", file=file)
+            return leaf
+        node = root
+        for n, (_kind, key) in enumerate(path):
+            last = n == len(path) - 1
+            if last:
+                if key in node:
+                    raise FormatError("two entries claim the same place", file=file,
+                                      entry=path_name(path))
+                node[key] = leaf
+            else:
+                child = node.get(key, sentinel)
+                if child is sentinel:
+                    child = node[key] = {}
+                elif not isinstance(child, dict):
+                    raise FormatError("an entry sits inside another entry's leaf", file=file,
+                                      entry=path_name(path))
+                node = child
+    return _lists(root, _sequence_nodes(items))
+
+
+def _sequence_nodes(items) -> set[tuple]:
+    """Prefixes of paths whose children are sequence indices (``i``/``f``)."""
+    seq = set()
+    for path, _ in items:
+        for n, (kind, _key) in enumerate(path):
+            if kind in ('i', 'f'):
+                seq.add(tuple(k for _, k in path[:n]))
+    return seq
+
+
+def _lists(node: Any, seq: set[tuple], prefix: tuple = ()) -> Any:
+    if not isinstance(node, dict):
+        return node
+    out = {k: _lists(v, seq, (*prefix, k)) for k, v in node.items()}
+    if prefix in seq and all(isinstance(k, int) for k in out):
+        size = max(out, default=-1) + 1
+        return [out.get(i) for i in range(size)]
+    return out
+
+
+def check_prefix(prefix: str | None) -> None:
+    """Raise unless ``prefix`` is ``None``, ``""`` or an identifier."""
+    if prefix and not _PREFIX_RE.match(prefix):
+        raise InputError(f"invalid namespace prefix {prefix!r}: must match "
+                         "[A-Za-z_][A-Za-z0-9_]*", fix="use letters, digits and underscores")
+
+
+def prefixed(namespace: str, prefix: str | None) -> str:
+    """``prefix + '__' + namespace`` (unchanged for ``None`` or ``""``)."""
+    return f"{prefix}__{namespace}" if prefix else namespace
+
+
+def prefix_namespace(tree_or_header: T, prefix: str | None) -> T:
+    """Prefix every namespace of a loaded tree ``{ns: subtree}`` or of a :class:`Header`.
+
+    ``ns`` becomes ``prefix + "__" + ns``; ids are unchanged. A pure function:
+    the argument is not modified.
+    """
+    check_prefix(prefix)
+    if not prefix:
+        return tree_or_header
+    if isinstance(tree_or_header, Header):
+        return dataclasses.replace(tree_or_header, tensors=tuple(
+            dataclasses.replace(e, namespace=prefixed(e.namespace, prefix))
+            for e in tree_or_header.tensors))
+    if isinstance(tree_or_header, dict):
+        return {prefixed(ns, prefix): sub for ns, sub in tree_or_header.items()}
+    raise InputError(f"prefix_namespace takes a loaded tree {{namespace: subtree}} or a Header, "
+                     f"not {type(tree_or_header).__name__}")

@@ -1,0 +1,211 @@
+"""save / load / restore behaviour through the public API."""
+
+import dataclasses
+import os
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+import jckpt
+from jckpt.errors import ChecksumError, InputError, MismatchError
+
+
+class Pair(NamedTuple):
+    a: jax.Array
+    b: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class State:
+    params: dict
+    step: jax.Array
+
+
+def test_restore_exact_structures(tmp_path):
+    path = tmp_path / "s.jckpt"
+    params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)}
+    opt = optax.adam(1e-3).init(params)
+    tree = {"state": State(params, jnp.int32(5)), "pair": Pair(jnp.ones(2), jnp.zeros(2)),
+            "opt": opt, "tup": (jnp.ones(1), [jnp.zeros(1)])}
+    jckpt.save(jckpt.Context(), tree, path)
+    zeros = jax.tree.map(jnp.zeros_like, tree)
+    back = jckpt.restore(jckpt.Context(), zeros, path)
+    assert jax.tree.structure(back) == jax.tree.structure(tree)
+    assert type(back["state"]) is State and type(back["pair"]) is Pair
+    assert type(back["opt"][0]) is type(opt[0])
+    for x, y in zip(jax.tree.leaves(back), jax.tree.leaves(tree)):
+        assert isinstance(x, jax.Array)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_restore_from_shape_dtype_structs_and_partial_target(tmp_path):
+    path = tmp_path / "s.jckpt"
+    tree = {"params": {"w": jnp.ones((4, 4))}, "opt": {"mu": jnp.zeros((4, 4))}}
+    jckpt.save(jckpt.Context(), tree, path)
+    abstract = {"params": {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)}}
+    back = jckpt.restore(jckpt.Context(), abstract, path)
+    assert set(back) == {"params"} and float(back["params"]["w"].sum()) == 16
+
+
+def test_empty_target_does_not_open_the_file(tmp_path):
+    assert jckpt.restore(jckpt.Context(), {}, tmp_path / "missing.jckpt") == {}
+    assert jckpt.restore(jckpt.Context(), {"a": {}, "b": []}, tmp_path / "x") == {"a": {},
+                                                                                 "b": []}
+
+
+def test_dtype_mismatch_and_cast(tmp_path):
+    path = tmp_path / "s.jckpt"
+    jckpt.save(jckpt.Context(), {"w": np.arange(4, dtype=np.float32)}, path)
+    with pytest.raises(MismatchError, match="dtype mismatch.*cast=True"):
+        jckpt.restore(jckpt.Context(), {"w": np.zeros(4, ml_dtypes.bfloat16)}, path)
+    back = jckpt.restore(jckpt.Context(), {"w": jnp.zeros(4, jnp.bfloat16)}, path, cast=True)
+    assert back["w"].dtype == jnp.bfloat16 and back["w"].tolist() == [0, 1, 2, 3]
+
+
+def test_namespaces(tmp_path):
+    path = tmp_path / "s.jckpt"
+    jckpt.save(jckpt.Context(namespace="teacher"), {"w": np.ones(2)}, path)
+    jckpt.save(jckpt.Context(namespace="student"), {"w": np.zeros(2)}, path, appending=True)
+    t = jckpt.restore(jckpt.Context(namespace="teacher"), {"w": np.zeros(2)}, path)
+    s = jckpt.restore(jckpt.Context(), {"w": np.zeros(2)}, path, namespace="student")
+    assert t["w"].tolist() == [1, 1] and s["w"].tolist() == [0, 0]
+    _, tree = jckpt.load(jckpt.Context(host=True), path)
+    assert set(tree) == {"teacher", "student"}
+
+
+def test_prefix_namespace_is_pure(tmp_path):
+    path = tmp_path / "s.jckpt"
+    jckpt.save(jckpt.Context(), {"w": np.ones(2)}, path)
+    header = jckpt.describe(path)
+    pre = jckpt.prefix_namespace(header, "m1")
+    assert [e.namespace for e in pre.tensors] == ["m1__jckpt"]
+    assert [e.id for e in pre.tensors] == [e.id for e in header.tensors]
+    assert header.tensors[0].namespace == "jckpt"
+    assert jckpt.prefix_namespace(header, None) is header
+    assert jckpt.prefix_namespace(header, "") is header
+    assert jckpt.prefix_namespace({"a": 1}, "p") == {"p__a": 1}
+    with pytest.raises(InputError, match="invalid namespace prefix"):
+        jckpt.prefix_namespace(header, "1bad")
+    with pytest.raises(InputError):
+        jckpt.load(jckpt.Context(), path, prefix_namespace="no-dash")
+
+
+def test_ids_start_above_loaded_registry(tmp_path):
+    a, b = tmp_path / "a.jckpt", tmp_path / "b.jckpt"
+    jckpt.save(jckpt.Context(), {"x": np.ones(1), "y": np.ones(1)}, a)
+    ctx, _ = jckpt.load(jckpt.Context(host=True), a)
+    jckpt.save(ctx, {"z": np.ones(1)}, b)
+    assert [e.id for e in jckpt.describe(b).tensors] == [2]
+
+
+def test_typed_prng_keys(tmp_path):
+    path = tmp_path / "k.jckpt"
+    keys = {"one": jax.random.key(3), "many": jax.random.split(jax.random.key(4), 5),
+            "rbg": jax.random.key(5, impl="rbg")}
+    jckpt.save(jckpt.Context(), keys, path)
+    back = jckpt.restore(jckpt.Context(), keys, path)
+    for name in keys:
+        assert jax.random.key_impl(back[name]) == jax.random.key_impl(keys[name])
+        np.testing.assert_array_equal(jax.random.key_data(back[name]),
+                                      jax.random.key_data(keys[name]))
+    _, tree = jckpt.load(jckpt.Context(), path)
+    assert jax.dtypes.issubdtype(tree["jckpt"]["many"].dtype, jax.dtypes.prng_key)
+    assert tree["jckpt"]["many"].shape == (5,)
+
+
+def test_save_refuses_bad_leaf_before_touching_file(tmp_path):
+    path = tmp_path / "s.jckpt"
+    jckpt.save(jckpt.Context(), {"w": np.ones(2)}, path)
+    before = path.read_bytes()
+    with pytest.raises(InputError, match="jckpt/bad.*not an array"):
+        jckpt.save(jckpt.Context(), {"w": np.zeros(2), "bad": "text"}, path)
+    with pytest.raises(InputError, match="cannot be stored"):
+        jckpt.save(jckpt.Context(), {"w": np.array(["a"])}, path)
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["s.jckpt"]
+
+
+def test_host_context_returns_mapped_numpy(tmp_path):
+    path = tmp_path / "s.jckpt"
+    jckpt.save(jckpt.Context(), {"w": np.arange(1000, dtype=np.float32)}, path)
+    _, tree = jckpt.load(jckpt.Context(host=True), path)
+    w = tree["jckpt"]["w"]
+    assert isinstance(w, np.ndarray) and not w.flags.owndata
+    _, tree = jckpt.load(jckpt.Context(), path)
+    assert isinstance(tree["jckpt"]["w"], jax.Array)
+
+
+def test_x64_entries_stay_numpy_with_a_warning(tmp_path):
+    path = tmp_path / "s.jckpt"
+    jckpt.save(jckpt.Context(), {"d": np.arange(3, dtype=np.float64)}, path)
+    if jax.config.jax_enable_x64:
+        pytest.skip("x64 enabled")
+    import jckpt.placement as placement
+    placement._warned_x64 = False
+    with pytest.warns(UserWarning, match="jax_enable_x64"):
+        _, tree = jckpt.load(jckpt.Context(), path)
+    assert isinstance(tree["jckpt"]["d"], np.ndarray) and tree["jckpt"]["d"].dtype == np.float64
+
+
+def test_checksums_catch_a_flipped_bit(tmp_path):
+    path = tmp_path / "s.jckpt"
+    jckpt.save(jckpt.Context(), {"w": np.arange(100, dtype=np.float32)}, path)
+    e = jckpt.describe(path).tensors[0]
+    raw = bytearray(path.read_bytes())
+    start = len(raw) - e.byte_length
+    raw[start + 37] ^= 0x10
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ChecksumError, match="jckpt/w.*checksum mismatch"):
+        jckpt.load(jckpt.Context(), path, mmap=False)
+    with pytest.raises(ChecksumError):
+        jckpt.load(jckpt.Context(), path, verify=True)
+    jckpt.load(jckpt.Context(), path)  # a mapped load does not read the payload
+
+
+def test_metadata_and_appending_keeps_it(tmp_path):
+    path = tmp_path / "s.jckpt"
+    jckpt.save(jckpt.Context(), {"w": np.ones(1)}, path, metadata={"step": "10", "run": "a"})
+    jckpt.save(jckpt.Context(), {"v": np.ones(1)}, path, appending=True, metadata={"step": "11"})
+    h = jckpt.describe(path)
+    assert h.metadata_dict() == {"step": "11", "run": "a"}
+    assert h.writer.startswith("jckpt ")
+
+
+def test_appending_relays_at_new_alignment(tmp_path):
+    path = tmp_path / "s.jckpt"
+    jckpt.save(jckpt.Context(alignment=1), {"a": np.arange(3, dtype=np.uint8),
+                                            "b": np.arange(4, dtype=np.float32)}, path)
+    jckpt.save(jckpt.Context(), {"c": np.ones(2)}, path, appending=True, alignment=64)
+    h = jckpt.describe(path)
+    assert h.alignment == 64 and all(e.offset % 64 == 0 for e in h.tensors)
+    _, tree = jckpt.load(jckpt.Context(host=True), path)
+    assert tree["jckpt"]["b"].tolist() == [0, 1, 2, 3]
+
+
+def test_not_durable_still_atomic(tmp_path):
+    path = tmp_path / "s.jckpt"
+    jckpt.save(jckpt.Context(durable=False), {"w": np.ones(3)}, path)
+    assert jckpt.restore(jckpt.Context(), {"w": np.zeros(3)}, path)["w"].sum() == 3
+
+
+def test_context_is_frozen_and_validated():
+    ctx = jckpt.Context()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.namespace = "x"  # type: ignore[misc]
+    with pytest.raises(InputError):
+        jckpt.Context(namespace="bad-name")
+    with pytest.raises(InputError):
+        jckpt.Context(alignment=0)
+    assert "namespace='jckpt'" in repr(ctx)
+
+
+def test_python_scalars_restore_as_python_scalars(tmp_path):
+    path = tmp_path / "s.jckpt"
+    jckpt.save(jckpt.Context(), {"step": 12, "lr": 0.5, "flag": True}, path)
+    back = jckpt.restore(jckpt.Context(), {"step": 0, "lr": 0.0, "flag": False}, path)
+    assert back == {"step": 12, "lr": 0.5, "flag": True}

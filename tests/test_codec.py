@@ -1,0 +1,215 @@
+"""Header, layout and payload codec: pure functions, no files, no JAX."""
+
+import dataclasses
+import struct
+import sys
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jckpt.errors import FormatError
+from jckpt.format import (
+    Entry,
+    Header,
+    Padding,
+    decode_header,
+    decode_payload,
+    encode_header,
+    encode_payload,
+    iter_payload_chunks,
+    lay_out,
+    plan_layout,
+    precs,
+)
+from jckpt.format.header import header_from_sexp
+from jckpt.format.sexp import parse
+
+
+def test_codec_does_not_import_jax():
+    import subprocess
+
+    code = "import sys, jckpt.format, jckpt.errors; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def entry(**kw):
+    base = dict(id=0, namespace="jckpt", prec="Single_prec", dims=(2,), offset=0, byte_length=8,
+                label=("w",), path=(("k", "w"),), checksum=("xxh3_64", "00112233445566aa"))
+    base.update(kw)
+    return Entry(**base)
+
+
+def test_plan_layout_ocannl_cases():
+    assert plan_layout([12, 5, 4], 32) == (0, 32, 64)
+    assert plan_layout([12, 5, 4], 1) == (0, 12, 17)
+    assert plan_layout([], 32) == ()
+
+
+@pytest.mark.parametrize("alignment", [1, 8, 32, 4096])
+def test_header_padding_aligns_data(alignment):
+    raw = encode_header(Header(tensors=(entry(),), alignment=alignment))
+    (hlen,) = struct.unpack(">I", raw[:4])
+    assert len(raw) == 4 + hlen
+    assert len(raw) % alignment == 0
+    assert raw.rstrip(b" ").endswith(b")")
+
+
+def test_header_roundtrip_all_fields():
+    e = entry(padding=Padding(((1, 2),), 0.5), dims=(5,), byte_length=8, key_impl="rbg",
+              slice=None, extra=(("future", ("x", "y")),))
+    h = Header(tensors=(e, entry(id=1, path=(("i", 3), ("a", "mu"), ("ki", -4), ("f", 0)),
+                                 namespace="opt", label=("weird label", "é"))),
+               alignment=64, writer='jckpt "0.1"', metadata=(("step", "100"), ("json", '{"a": 1}')),
+               extra=(("unknown_top", ("1", ("2",))),))
+    assert decode_header(encode_header(h)) == h
+
+
+def test_sharded_fields_roundtrip():
+    e = entry(dims=(2, 3), byte_length=24, slice=((2, 4), (0, 3)), global_dims=(8, 3))
+    assert decode_header(encode_header(Header(tensors=(e,)))).tensors[0] == e
+
+
+def test_unknown_fields_are_kept_verbatim():
+    text = ('((version 1) (alignment 1) (tensors (((id 0) (namespace a) (label ()) '
+            '(prec Byte_prec) (dims (1)) (padding none) (offset 0) (byte_length 1) '
+            '(zz (1 2))))) (color blue))')
+    h = header_from_sexp(parse(text))
+    assert h.extra == (("color", "blue"),)
+    assert h.tensors[0].extra == (("zz", ("1", "2")),)
+    again = decode_header(encode_header(h))
+    assert again == h
+
+
+def test_fast_and_general_decoders_agree():
+    entries = tuple(entry(id=i, path=(("k", "layers"), ("i", i)), label=("layers", str(i)),
+                          offset=8 * i) for i in range(50))
+    raw = encode_header(Header(tensors=entries, writer="w"))
+    fast = decode_header(raw)
+    general = header_from_sexp(parse(raw[4:].decode()))
+    assert fast == general
+
+
+def test_large_header_decodes_quickly():
+    n = 100_000
+    entries = tuple(entry(id=i, path=(("k", "p"), ("i", i)), label=("p", str(i)), dims=(1000,),
+                          byte_length=4000) for i in range(n))
+    raw = encode_header(lay_out(Header(tensors=entries)))
+    start = time.perf_counter()
+    h = decode_header(raw)
+    elapsed = time.perf_counter() - start
+    assert len(h.tensors) == n and h.tensors[-1] == lay_out(Header(tensors=entries)).tensors[-1]
+    assert elapsed < 30  # a bound for a loaded CI machine; bench/ tracks the real figure
+
+
+ALL_DTYPES = [np.dtype(precs.dtype_of(p)) for p in sorted(precs.ALL_PRECS - {"Void_prec",
+                                                                             "Uint4x32_prec"})]
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_prec_table_roundtrip(dtype):
+    assert precs.dtype_of(precs.prec_of(dtype)) == dtype
+    assert precs.element_size(precs.prec_of(dtype)) == dtype.itemsize
+
+
+def test_prec_table_matches_format():
+    assert precs.prec_of(np.float32) == "Single_prec"
+    assert precs.prec_of(ml_dtypes.bfloat16) == "Bfloat16_prec"
+    assert precs.prec_of(ml_dtypes.float8_e5m2) == "Fp8_prec"
+    assert precs.prec_of(np.dtype(">f8")) == "Double_prec"
+    assert precs.element_size("Uint4x32_prec") == 16
+    assert precs.element_size("Void_prec") == 0
+
+
+def test_encode_payload_no_copy_when_stored_form():
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    out = encode_payload(x)
+    assert np.shares_memory(out, x)
+    assert out.tobytes() == x.tobytes()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: np.arange(12, dtype=np.float32).reshape(3, 4).T,
+    lambda: np.asfortranarray(np.arange(12, dtype=np.int16).reshape(3, 4)),
+    lambda: np.arange(12, dtype=">f4").reshape(3, 4),
+    lambda: np.arange(24, dtype=np.float64).reshape(4, 6)[::2, 1::2],
+])
+def test_encode_payload_converts(make):
+    x = make()
+    expected = np.ascontiguousarray(x).astype(x.dtype.newbyteorder("<")).tobytes()
+    assert encode_payload(x).tobytes() == expected
+    assert b"".join(c.tobytes() for c in iter_payload_chunks(x, chunk_bytes=8)) == expected
+
+
+def _buffer_with(payload: bytes, offset: int) -> bytes:
+    return b"\0" * offset + payload
+
+
+def test_decode_payload_maps_when_aligned():
+    x = np.arange(6, dtype=np.float32)
+    buf = bytearray(_buffer_with(x.tobytes(), 32))
+    e = entry(dims=(6,), byte_length=24, offset=0)
+    arr, mapped = decode_payload(buf, e, data_start=32)
+    assert mapped and np.array_equal(arr, x)
+    buf[32] = 0xFF  # a view, not a copy
+    assert arr[0] != 0
+
+
+def test_decode_payload_copies_when_misaligned():
+    x = np.arange(6, dtype=np.float32)
+    buf = _buffer_with(x.tobytes(), 33)
+    e = entry(dims=(6,), byte_length=24, offset=0)
+    arr, mapped = decode_payload(buf, e, data_start=33)
+    assert not mapped and np.array_equal(arr, x) and arr.flags.aligned
+    arr2, mapped2 = decode_payload(bytes(_buffer_with(x.tobytes(), 32)), e, data_start=32,
+                                   mmap=False)
+    assert not mapped2 and np.array_equal(arr2, x)
+
+
+def test_decode_padded_entry_scatters_into_dims():
+    region = np.arange(6, dtype=np.float32).reshape(2, 3)
+    e = entry(dims=(4, 4), byte_length=24, padding=Padding(((1, 1), (0, 1)), -1.0))
+    arr, mapped = decode_payload(region.tobytes(), e, data_start=0)
+    assert not mapped and arr.shape == (4, 4)
+    assert np.array_equal(arr[1:3, 0:3], region)
+    assert (arr[0] == -1).all() and (arr[:, 3] == -1).all()
+
+
+def test_decode_uint4x32():
+    x = np.arange(8, dtype=np.uint32)
+    e = entry(prec="Uint4x32_prec", dims=(2,), byte_length=32)
+    arr, _ = decode_payload(x.tobytes(), e, data_start=0)
+    assert arr.shape == (2, 4) and np.array_equal(arr.reshape(-1), x)
+
+
+def test_decode_void_refused():
+    e = entry(prec="Void_prec", dims=(3,), byte_length=0)
+    with pytest.raises(FormatError, match="Void_prec"):
+        decode_payload(b"", e, data_start=0)
+
+
+def test_hostile_padding_allocation_refused():
+    e = entry(dims=(10**9, 1), byte_length=4, padding=Padding(((10**9 - 1, 0), (0, 0)), 0.0))
+    with pytest.raises(FormatError, match="far more than the file"):
+        decode_payload(b"\0" * 4, e, data_start=0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 10_000), max_size=20), st.sampled_from([1, 2, 8, 32, 4096]))
+def test_plan_layout_properties(lengths, alignment):
+    offsets = plan_layout(lengths, alignment)
+    for i, (o, _n) in enumerate(zip(offsets, lengths)):
+        assert o % alignment == 0
+        if i:
+            assert o >= offsets[i - 1] + lengths[i - 1]
+            assert o - (offsets[i - 1] + lengths[i - 1]) < alignment
+
+
+def test_entry_properties():
+    e = entry(namespace="opt", path=(("k", "mu"), ("i", 2)))
+    assert e.name == "opt/mu/2" and e.identity == ("opt", (("k", "mu"), ("i", 2)))
+    assert dataclasses.replace(e, path=None).name == "opt/n0"

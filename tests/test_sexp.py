@@ -1,0 +1,83 @@
+"""The S-expression reader and writer: OCaml quoting, escapes, limits, both paths."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jckpt.format.sexp import MAX_DEPTH, SexpError, dumps, parse, parse_slow, quote
+
+
+def test_atoms_and_lists():
+    assert parse("(a (b c) ())") == ["a", ["b", "c"], []]
+    assert parse("atom") == "atom"
+    assert parse('  ( "a b"  c )\n') == ["a b", "c"]
+
+
+@pytest.mark.parametrize("text,value", [
+    (r'"\""', '"'), (r'"\\"', "\\"), (r'"\n\t\r\b"', "\n\t\r\b"),
+    (r'"\065\066"', "AB"), (r'"\x41\x42"', "AB"), (r'"\195\169"', "é"),
+    ('"line\\\n   continued"', "linecontinued"), (r'"\q"', "\\q"),
+])
+def test_ocaml_escapes(text, value):
+    assert parse(text) == value
+    assert parse_slow(text) == value
+
+
+def test_comments_only_in_slow_path_but_same_result():
+    assert parse("(a ; comment\n b)") == ["a", "b"]
+
+
+@pytest.mark.parametrize("atom,spelled", [
+    ("kernel", "kernel"), ("", '""'), ("a b", '"a b"'), ("(x)", '"(x)"'), ('q"', '"q\\""'),
+    ("semi;", '"semi;"'), ("é", '"\\195\\169"'), ("tab\t", '"tab\\t"'), ("#|x", '"#|x"'),
+    ("back\\slash", '"back\\\\slash"'), ("0.", "0."), ("-inf", "-inf"),
+])
+def test_quote(atom, spelled):
+    assert quote(atom) == spelled
+    assert parse(spelled) == atom
+
+
+@pytest.mark.parametrize("bad", ["", "(", ")", "(a))", "a b", "(a) (b)", '"open', "(a \"b)",
+                                 '"\\999"'])
+def test_malformed(bad):
+    with pytest.raises(SexpError):
+        parse(bad)
+    with pytest.raises(SexpError):
+        parse_slow(bad)
+
+
+def test_nesting_limit():
+    ok = "(" * MAX_DEPTH + ")" * MAX_DEPTH
+    assert parse(ok) is not None
+    deep = "(" * (MAX_DEPTH + 1) + ")" * (MAX_DEPTH + 1)
+    with pytest.raises(SexpError, match="nesting"):
+        parse(deep)
+    with pytest.raises(SexpError, match="nesting"):
+        parse_slow(deep + ";")
+    with pytest.raises(SexpError):
+        parse("(" * 100000)
+
+
+sexps = st.recursive(st.text(max_size=8), lambda c: st.lists(c, max_size=5), max_leaves=30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(sexps)
+def test_roundtrip_both_paths(value):
+    text = dumps(value)
+    assert parse(text) == value
+    assert parse_slow(text) == value
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet='()"\\ ab;#|\n\x01é', max_size=30))
+def test_fast_and_slow_paths_agree(text):
+    try:
+        fast = ("ok", parse(text))
+    except SexpError:
+        fast = ("err", None)
+    try:
+        slow = ("ok", parse_slow(text))
+    except SexpError:
+        slow = ("err", None)
+    assert fast == slow
