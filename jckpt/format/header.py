@@ -146,23 +146,29 @@ def _float_atom(x: float) -> str:
 
 
 def _encode_path(path: KeyPath) -> str:
-    return '(' + ' '.join(f'({k} {v if k in _INT_KINDS else quote(v)})' for k, v in path) + ')'
+    return '(' + ' '.join([f'({k} {v})' if k in _INT_KINDS else f'({k} {quote(v)})'
+                           for k, v in path]) + ')'
 
 
-def _encode_entry(e: Entry) -> str:
+def _encode_entry(e: Entry) -> tuple[str, int | None]:
+    """The entry's text, and where its checksum digits start in it (None if no checksum)."""
     if e.padding is None:
         padding = 'none'
     else:
         pairs = ' '.join(f'({lo} {hi})' for lo, hi in e.padding.pairs)
         padding = f'(({pairs}) {_float_atom(e.padding.value)})'
     dims = ' '.join(map(str, e.dims))
-    parts = [f'((id {e.id}) (namespace {quote(e.namespace)}) (label {dumps(e.label)}) '
+    label = ' '.join(map(quote, e.label))
+    parts = [f'((id {e.id}) (namespace {quote(e.namespace)}) (label ({label})) '
              f'(prec {e.prec}) (dims ({dims})) (padding {padding}) (offset {e.offset}) '
              f'(byte_length {e.byte_length})']
     if e.path is not None:
         parts.append(f' (path {_encode_path(e.path)})')
+    slot = None
     if e.checksum is not None:
-        parts.append(f' (checksum ({quote(e.checksum[0])} {quote(e.checksum[1])}))')
+        algo = f' (checksum ({quote(e.checksum[0])} '
+        slot = sum(map(len, parts)) + len(algo)
+        parts.append(f'{algo}{quote(e.checksum[1])}))')
     if e.key_impl is not None:
         parts.append(f' (key_impl {quote(e.key_impl)})')
     if e.slice is not None:
@@ -172,23 +178,53 @@ def _encode_entry(e: Entry) -> str:
     for field in e.extra:
         parts.append(' ' + dumps(field))
     parts.append(')')
-    return ''.join(parts)
+    return ''.join(parts), slot
 
 
-def header_text(header: Header) -> str:
-    """The S-expression text of ``header``, without length prefix or padding."""
-    lines = [f'((version {header.version})', f' (alignment {header.alignment})']
+def _header_text(header: Header) -> tuple[str, list[int | None]]:
+    head = f'((version {header.version})\n (alignment {header.alignment})\n'
+    slots: list[int | None] = []
     if header.tensors:
-        lines.append(' (tensors\n  (' + '\n   '.join(map(_encode_entry, header.tensors)) + '))')
+        texts = []
+        pos = len(head) + len(' (tensors\n  (')
+        for e in header.tensors:
+            text, slot = _encode_entry(e)
+            slots.append(None if slot is None else pos + slot)
+            texts.append(text)
+            pos += len(text) + len('\n   ')
+        lines = [head + ' (tensors\n  (' + '\n   '.join(texts) + '))']
     else:
-        lines.append(' (tensors ())')
+        lines = [head + ' (tensors ())']
     if header.writer is not None:
         lines.append(f' (writer {quote(header.writer)})')
     if header.metadata:
         lines.append(' (metadata (' + ' '.join(f'({quote(k)} {quote(v)})'
                                                for k, v in header.metadata) + '))')
     lines.extend(' ' + dumps(field) for field in header.extra)
-    return '\n'.join(lines) + ')'
+    return '\n'.join(lines) + ')', slots
+
+
+def header_text(header: Header) -> str:
+    """The S-expression text of ``header``, without length prefix or padding."""
+    return _header_text(header)[0]
+
+
+def encode_header_with_slots(header: Header) -> tuple[bytes, list[int | None]]:
+    """:func:`encode_header`, plus the byte offset of each entry's checksum digits.
+
+    A writer that hashes payloads while streaming them writes the header first
+    with fixed-width placeholder digits and later patches the real ones in at
+    these offsets, instead of encoding the header twice. (The text is ASCII:
+    every non-ASCII byte is escaped, so character and byte offsets agree.)
+    """
+    text, slots = _header_text(header)
+    raw = text.encode('utf-8')
+    size = round_up(4 + len(raw), header.alignment)
+    if size - 4 > 0xFFFFFFFF:
+        raise FormatError(f"header of {len(raw)} bytes does not fit the 32-bit length field",
+                          fix="split the checkpoint into several files")
+    return (struct.pack('>I', size - 4) + raw + b' ' * (size - 4 - len(raw)),
+            [None if s is None else 4 + s for s in slots])
 
 
 def encode_header(header: Header) -> bytes:
@@ -197,12 +233,7 @@ def encode_header(header: Header) -> bytes:
     The result's length is a multiple of ``header.alignment``, so the payloads
     that follow start aligned.
     """
-    text = header_text(header).encode('utf-8')
-    size = round_up(4 + len(text), header.alignment)
-    if size - 4 > 0xFFFFFFFF:
-        raise FormatError(f"header of {len(text)} bytes does not fit the 32-bit length field",
-                          fix="split the checkpoint into several files")
-    return struct.pack('>I', size - 4) + text + b' ' * (size - 4 - len(text))
+    return encode_header_with_slots(header)[0]
 
 
 # --- decoding --------------------------------------------------------------

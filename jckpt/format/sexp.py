@@ -19,6 +19,7 @@ cannot exhaust the stack.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Sequence
@@ -162,6 +163,7 @@ _PLAIN_ATOM = re.compile(r'[!#-\'*-:<-~]+')  # printable ASCII except space ( ) 
 _CHAR_ESCAPES = {'"': '\\"', '\\': '\\\\', '\n': '\\n', '\t': '\\t', '\r': '\\r', '\b': '\\b'}
 
 
+@functools.lru_cache(maxsize=1 << 16)  # labels and path keys repeat across entries
 def quote(atom: str) -> str:
     """Spell ``atom`` so that it reads back as the same atom.
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from jckpt.errors import StorageError
 from jckpt.format import payload as payload_mod
-from jckpt.format.header import Entry, Header, encode_header
+from jckpt.format.header import Entry, Header, encode_header_with_slots
 from jckpt.storage.publish import StagingFile, storage_error
 
 
@@ -121,7 +121,7 @@ def write_checkpoint(target: str | os.PathLike, header: Header,
     """
     target = os.fspath(target)
     draft = with_placeholders(header)
-    raw = encode_header(draft)
+    raw, slots = encode_header_with_slots(draft)
     data_start = len(raw)
     with StagingFile(target, durable=durable) as staging:
         try:
@@ -139,11 +139,16 @@ def write_checkpoint(target: str | os.PathLike, header: Header,
                     on_payload(entry)
             final = dataclasses.replace(header, tensors=tuple(
                 dataclasses.replace(e, checksum=s) for e, s in zip(header.tensors, sums)))
-            raw_final = encode_header(final)
-            if len(raw_final) != data_start:
-                raise StorageError("header size changed while writing (a checksum of "
-                                   "unexpected width)", file=target)
-            os.pwrite(staging.fd, raw_final, 0)
+            patched = bytearray(raw)
+            for e, slot, value in zip(draft.tensors, slots, sums):
+                digits = value[1].encode('ascii') if value is not None else b''
+                if e.checksum == value:
+                    continue
+                if slot is None or value is None or len(digits) != len(e.checksum[1]):
+                    raise StorageError("a payload checksum of unexpected width", file=target,
+                                       entry=e.name)
+                patched[slot:slot + len(digits)] = digits
+            os.pwrite(staging.fd, patched, 0)
         except OSError as e:
             raise storage_error(e, "writing the checkpoint", target) from e
         staging.publish()
