@@ -34,6 +34,9 @@ from jckpt.version import __version__
 if TYPE_CHECKING:
     from jckpt.api import describe, ingestion_counts, load, restore, save
     from jckpt.context import Context, Registry
+    from jckpt.manager import CheckpointManager, Restored
+    from jckpt.mirror import Mirror, MirrorCounters
+    from jckpt.trainer_state import TrainerState
     from jckpt.tree import prefix_namespace
 
 # name -> module that defines it, imported lazily so the codec stays JAX-free.
@@ -42,6 +45,9 @@ _LAZY = {
     'ingestion_counts': 'jckpt.api', 'describe': 'jckpt.api',
     'Context': 'jckpt.context', 'Registry': 'jckpt.context',
     'prefix_namespace': 'jckpt.tree',
+    'Mirror': 'jckpt.mirror', 'MirrorCounters': 'jckpt.mirror',
+    'CheckpointManager': 'jckpt.manager', 'Restored': 'jckpt.manager',
+    'TrainerState': 'jckpt.trainer_state',
 }
 
 
@@ -59,6 +65,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    'CheckpointManager', 'Mirror', 'MirrorCounters', 'Restored', 'TrainerState',
     'CapacityError', 'CheckpointError', 'ChecksumError', 'ClashError', 'Context',
     'FormatError', 'InUseError', 'InputError', 'LineageError', 'MismatchError',
     'MissingEntryError', 'Registry', 'StorageError', 'TargetError', '__version__',

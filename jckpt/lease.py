@@ -1,0 +1,117 @@
+"""Writer leases: at most one writer of a checkpoint path at a time, across threads and processes.
+
+A lease is an exclusive ``flock`` on a sidecar file, ``<path>.jckpt-lease``
+(for a directory, ``<dir>/.jckpt-lease``). ``flock`` locks belong to an open
+file description, so a second lease taken in the same process (another
+thread, another mirror) conflicts just as one in another process does, and
+the kernel releases the lock of a killed writer. The holder's pid is written
+into the file so the refusal can name it. Readers never take the lease.
+
+>>> import tempfile, os
+>>> path = os.path.join(tempfile.mkdtemp(), 'model.jckpt')
+>>> with WriterLease(path):
+...     try:
+...         WriterLease(path)
+...     except InUseError as e:
+...         print('in use' in str(e))
+True
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+
+from jckpt.errors import InUseError
+from jckpt.storage.publish import storage_error
+
+LEASE_SUFFIX = '.jckpt-lease'
+
+
+def lease_path(path: str | os.PathLike) -> str:
+    """The sidecar lock file guarding writes to ``path``."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return os.path.join(path, LEASE_SUFFIX)
+    return path.rstrip(os.sep) + LEASE_SUFFIX
+
+
+class WriterLease:
+    """An exclusive lease on ``path``, taken at construction, released by :meth:`release`.
+
+    Raises :class:`~jckpt.errors.InUseError` (its message says "in use" and
+    names the holder's pid) when another writer holds it.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self.lock_path = lease_path(self.path)
+        self.fd = -1
+        for _ in range(100):
+            try:
+                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            except OSError as e:
+                raise storage_error(e, "creating the writer lease", self.lock_path) from e
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise InUseError(f"in use: another writer{holder} holds the lease "
+                                 f"{os.path.basename(self.lock_path)}", file=self.path,
+                                 fix="close the other mirror or manager first, or write to "
+                                     "another path") from None
+            except OSError as e:  # no flock on this filesystem
+                os.close(fd)
+                raise storage_error(e, "locking the writer lease", self.lock_path) from e
+            # The previous holder may have unlinked the file between our open and lock.
+            try:
+                same = os.stat(self.lock_path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                self.fd = fd
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                return
+            os.close(fd)
+        raise InUseError("in use: the lease file keeps changing", file=self.path,
+                         fix="check for a flood of writers on this path")
+
+    @property
+    def held(self) -> bool:
+        return self.fd >= 0
+
+    def release(self) -> None:
+        """Remove the sidecar file and drop the lock (idempotent)."""
+        if self.fd < 0:
+            return
+        try:
+            os.unlink(self.lock_path)
+        except OSError:
+            pass
+        fd, self.fd = self.fd, -1
+        os.close(fd)
+
+    def __enter__(self) -> WriterLease:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"WriterLease({self.path!r}, held={self.held})"
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        text = os.pread(fd, 32, 0).decode('ascii', 'replace').strip()
+    except OSError:
+        return ''
+    return f" (pid {text})" if text.isdigit() else ''

@@ -1,0 +1,127 @@
+"""``TrainerState``: the small facts a run needs to resume exactly, stored as JSON metadata.
+
+Arrays go in the checkpoint's tensors; the counters around them (how many
+steps and batches, the last learning rate, the best loss so far, the
+parallel layout the run used, and anything else the user wants) go in the
+header's metadata under ``jckpt.trainer_state``, readable without loading a
+single payload.
+
+>>> s = TrainerState(global_step=100, consumed_batches=100, learning_rate=3e-4,
+...                  best_loss=0.25, dp=4, user={'seed': 0})
+>>> TrainerState.from_json(s.to_json()) == s
+True
+>>> s.replace(dp=8).layout
+(8, 1, 1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from jckpt.errors import FormatError, InputError, MismatchError
+
+#: The metadata key a checkpoint manager stores the trainer state under.
+TRAINER_STATE_KEY = 'jckpt.trainer_state'
+_LAYOUT_NAMES = ('dp', 'tp', 'pp')
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerState:
+    """Where a training run stands, beyond its arrays.
+
+    Attributes:
+      global_step: optimizer steps taken.
+      consumed_batches: batches drawn from the data pipeline (to skip on resume).
+      learning_rate: the last learning rate used (``None`` if not tracked).
+      best_loss: the best loss seen so far (``None`` if not tracked).
+      dp, tp, pp: data-, tensor- and pipeline-parallel sizes of the run.
+      user: any other JSON-serializable fields.
+    """
+
+    global_step: int = 0
+    consumed_batches: int = 0
+    learning_rate: float | None = None
+    best_loss: float | None = None
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    user: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ('global_step', 'consumed_batches', *_LAYOUT_NAMES):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InputError(f"TrainerState.{name} must be a non-negative integer, "
+                                 f"not {value!r}")
+        for name in _LAYOUT_NAMES:
+            if getattr(self, name) < 1:
+                raise InputError(f"TrainerState.{name} must be at least 1")
+        if not isinstance(self.user, Mapping):
+            raise InputError(f"TrainerState.user must be a mapping, not {type(self.user).__name__}")
+
+    @property
+    def layout(self) -> tuple[int, int, int]:
+        """``(dp, tp, pp)``."""
+        return (self.dp, self.tp, self.pp)
+
+    def replace(self, **changes: Any) -> TrainerState:
+        """A copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> str:
+        """The state as a JSON object (non-finite floats spelled ``NaN``/``Infinity``)."""
+        fields = dataclasses.asdict(self)
+        fields['user'] = dict(self.user)
+        try:
+            return json.dumps(fields, sort_keys=True)
+        except (TypeError, ValueError) as e:
+            raise InputError(f"TrainerState.user is not JSON-serializable: {e}",
+                             fix="keep user fields to numbers, strings, lists and dicts") from None
+
+    @classmethod
+    def from_json(cls, text: str, *, file: str | None = None) -> TrainerState:
+        """Parse :meth:`to_json`'s output; unknown fields land in ``user`` under ``_unknown``."""
+        try:
+            fields = json.loads(text)
+        except ValueError as e:
+            raise FormatError(f"trainer state is not valid JSON: {e}", file=file) from None
+        if not isinstance(fields, dict):
+            raise FormatError("trainer state is not a JSON object", file=file)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = {k: v for k, v in fields.items() if k not in known}
+        kwargs = {k: v for k, v in fields.items() if k in known}
+        if unknown:
+            kwargs['user'] = {**kwargs.get('user', {}), '_unknown': unknown}
+        try:
+            return cls(**kwargs)
+        except InputError as e:
+            raise FormatError(f"invalid trainer state: {e.message}", file=file) from None
+
+    def check_layout(self, current: TrainerState | tuple[int, int, int], *, reshard: bool,
+                     file: str | None = None) -> TrainerState:
+        """This (stored) state adapted to the ``current`` run's layout, or a refusal.
+
+        A checkpoint holds every array whole, so a different ``(dp, tp, pp)``
+        is a matter of placing the arrays on the new run's shardings. With
+        ``reshard`` the returned state carries the current layout; without it a
+        different layout raises :class:`~jckpt.errors.MismatchError`.
+        """
+        layout = current.layout if isinstance(current, TrainerState) else tuple(current)
+        if len(layout) != 3 or not all(isinstance(n, int) and n >= 1 for n in layout):
+            raise InputError(f"layout must be (dp, tp, pp) positive integers, not {current!r}")
+        if layout == self.layout:
+            return self
+        stored = ' '.join(f"{n}={v}" for n, v in zip(_LAYOUT_NAMES, self.layout))
+        wanted = ' '.join(f"{n}={v}" for n, v in zip(_LAYOUT_NAMES, layout))
+        if not reshard:
+            raise MismatchError(f"the checkpoint was written with {stored}, this run uses "
+                                f"{wanted}", file=file,
+                                fix="resume with the original layout, or pass reshard=True "
+                                    "to place the arrays on this run's shardings")
+        return self.replace(**dict(zip(_LAYOUT_NAMES, layout)))
+
+
+__all__ = ['TRAINER_STATE_KEY', 'TrainerState']
