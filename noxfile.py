@@ -17,3 +17,24 @@ def lint(session: nox.Session) -> None:
     """ruff over the package, tests, examples and benchmarks."""
     session.install("ruff")
     session.run("ruff", "check", "jckpt", "tests", "examples", "bench", "noxfile.py")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy on the public API as a user calls it (the files are listed in pyproject.toml)."""
+    session.install("-e", ".", "mypy")
+    session.run("mypy", *session.posargs)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the documentation site with every warning an error."""
+    session.install("-e", ".[docs]")
+    session.run("mkdocs", "build", "--strict", *session.posargs, env={"NO_MKDOCS_2_WARNING": "1"})
+
+
+@nox.session
+def notebooks(session: nox.Session) -> None:
+    """Run every Colab notebook top to bottom on CPU; fails on the first error."""
+    session.install("-e", ".[notebooks]")
+    session.run("python", "colab/run_all.py", *session.posargs)

@@ -115,3 +115,13 @@ def test_module_doctests(name: str, tmp_path, monkeypatch):
             runner.run(test, out=out.write)
     result = runner.summarize(verbose=False)
     assert result.failed == 0, out.getvalue()
+
+
+def test_typecheck_api_file_runs(tmp_path, monkeypatch):
+    """The file the type check reads is real code: it runs."""
+    import runpy
+
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        runpy.run_path(str(ROOT / "tests" / "typecheck_api.py"), run_name="__main__")
