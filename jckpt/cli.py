@@ -1,0 +1,305 @@
+"""The ``jckpt`` command: inspect, verify, diff, convert and merge checkpoints.
+
+::
+
+    jckpt inspect model.jckpt             # entries, sizes, offsets, metadata
+    jckpt inspect model.jckpt --json      # the same, for scripts
+    jckpt verify model.jckpt              # layout and every checksum; exit 1 if damaged
+    jckpt diff a.jckpt b.jckpt --atol 1e-6
+    jckpt convert old.jckpt new.jckpt --alignment 4096
+    jckpt merge both.jckpt teacher.jckpt student.jckpt --prefix teacher --prefix student
+
+Exit status: 0 when the command succeeded (and, for ``verify`` and
+``diff``, the file is sound / the checkpoints match), 1 when ``verify``
+found damage or ``diff`` found differences, 2 for a usage error or a file
+that cannot be read. An error prints one line naming the file and what to
+do; ``--debug`` shows the traceback too.
+
+``inspect``, ``verify`` and ``diff`` read headers and payloads with the
+codec alone and never import JAX, so they start in a fraction of a second.
+The library itself prints nothing: this module configures the ``jckpt``
+logger to write to stderr (``-v`` for more).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from jckpt.errors import CheckpointError, FormatError, InputError
+from jckpt.version import __version__
+
+log = logging.getLogger('jckpt.cli')
+
+EXIT_OK = 0
+EXIT_DIFFERENT = 1  # verify found damage, diff found differences
+EXIT_ERROR = 2      # usage error, or a file that could not be read
+
+
+def _print(text: str) -> None:
+    sys.stdout.write(text + '\n')
+
+
+def _print_json(value: Any) -> None:
+    _print(json.dumps(value, indent=2))
+
+
+def _progress(args: argparse.Namespace) -> bool:
+    return not args.no_progress
+
+
+# --- subcommands -------------------------------------------------------------
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from jckpt.info import info
+
+    summary = info(args.path)
+    if args.json:
+        _print_json(summary.to_dict())
+    else:
+        _print(summary.render())
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from jckpt.check import verify
+
+    start = time.perf_counter()
+    report = verify(args.path, progress=_progress(args))
+    log.info("verified %s in %.3f s", args.path, time.perf_counter() - start)
+    if args.json:
+        _print_json(report.to_dict())
+    else:
+        _print(report.render())
+    failed = not report.ok or (args.strict and report.warnings)
+    return EXIT_DIFFERENT if failed else EXIT_OK
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from jckpt.check import diff
+
+    report = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, progress=_progress(args))
+    if args.json:
+        _print_json(report.to_dict())
+    else:
+        _print(report.render(show_all=args.all))
+    return EXIT_OK if report.same else EXIT_DIFFERENT
+
+
+def _is_jckpt_file(path: str) -> bool:
+    """Whether ``path`` starts like a jckpt file (a header that decodes)."""
+    from jckpt.storage.reader import CheckpointReader
+
+    try:
+        CheckpointReader(path)
+    except FormatError:
+        return False
+    return True
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from jckpt.rewrite import relayout
+
+    src, dst = args.src, args.dst
+    if not os.path.lexists(src):
+        raise FormatError("no such file", file=src, fix="check the source path")
+    if args.format not in (None, 'jckpt'):
+        raise InputError(f"format {args.format!r} is not supported by this version of jckpt; "
+                         "only jckpt files can be rewritten", file=src,
+                         fix="convert to a .jckpt file (omit --format)")
+    if os.path.isdir(src) or not _is_jckpt_file(src):
+        raise FormatError("not a jckpt checkpoint file; this version of jckpt converts only "
+                          "jckpt files (re-laying them out)", file=src,
+                          fix="pass a .jckpt file, or a newer jckpt with format adapters")
+    header = relayout(src, dst, alignment=args.alignment, overwrite=args.overwrite,
+                      verify=not args.no_verify, progress=_progress(args))
+    _print(f"wrote {dst}: {len(header.tensors)} entries, alignment {header.alignment}")
+    return EXIT_OK
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from jckpt.rewrite import merge
+
+    prefixes = args.prefix or None
+    if prefixes is not None and len(prefixes) != len(args.inputs):
+        raise InputError(f"{len(prefixes)} --prefix options for {len(args.inputs)} inputs",
+                         fix="give one --prefix per input, in the same order "
+                             "(--prefix '' leaves an input's namespaces alone)")
+    header = merge(args.out, args.inputs, prefixes, alignment=args.alignment,
+                   append=args.append, overwrite=args.overwrite, verify=not args.no_verify,
+                   progress=_progress(args))
+    namespaces = sorted({e.namespace for e in header.tensors})
+    _print(f"wrote {args.out}: {len(header.tensors)} entries in namespaces "
+           f"{', '.join(namespaces) or '(none)'}")
+    return EXIT_OK
+
+
+# --- argument parsing ----------------------------------------------------------
+
+def _nonnegative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _alignment(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _common(defaults: bool) -> argparse.ArgumentParser:
+    """Options accepted both before and after the subcommand."""
+    p = argparse.ArgumentParser(add_help=False)
+    d = (lambda v: v) if defaults else (lambda v: argparse.SUPPRESS)
+    p.add_argument('--debug', action='store_true', default=d(False),
+                   help='show tracebacks and debug logging')
+    p.add_argument('-v', '--verbose', action='store_true', default=d(False),
+                   help='log what is being done (to stderr)')
+    p.add_argument('--no-progress', action='store_true', default=d(False),
+                   help='never draw progress bars (they appear only on a terminal anyway)')
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``jckpt`` argument parser."""
+    common = _common(defaults=False)
+    parser = argparse.ArgumentParser(
+        prog='jckpt', parents=[_common(defaults=True)],
+        description='Look into, check, compare, convert and combine jckpt checkpoints.',
+        epilog='Exit status: 0 success / sound / same, 1 damaged / different, 2 error.')
+    parser.add_argument('--version', action='version', version=f'jckpt {__version__}')
+    sub = parser.add_subparsers(dest='command', metavar='COMMAND', required=True)
+
+    p = sub.add_parser('inspect', parents=[common], help='list what a checkpoint holds',
+                       description='A table of namespaces, paths, dtypes, shapes, sizes, '
+                                   'offsets and whether each payload can be memory-mapped; '
+                                   'totals; and the file\'s metadata.')
+    p.add_argument('path', help='a checkpoint file')
+    p.add_argument('--json', action='store_true', help='print JSON instead of a table')
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser('verify', parents=[common], help='check layout and every checksum',
+                       description='Check the layout and recompute every payload checksum. '
+                                   'Exit status 0 only if all hold; each bad entry is named.')
+    p.add_argument('path', help='a checkpoint file')
+    p.add_argument('--json', action='store_true', help='print JSON instead of text')
+    p.add_argument('--strict', action='store_true',
+                   help='also fail on warnings (unchecked payloads, non-canonical layout)')
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser('diff', parents=[common], help='compare two checkpoints',
+                       description='Entries only in A, only in B, and for shared entries '
+                                   'dtype/shape changes and the largest absolute and relative '
+                                   'differences. Exit status 0 when they match.')
+    p.add_argument('a', help='first checkpoint file')
+    p.add_argument('b', help='second checkpoint file (relative differences are taken to it)')
+    p.add_argument('--atol', type=_nonnegative, default=0.0,
+                   help='absolute tolerance (default 0: exact)')
+    p.add_argument('--rtol', type=_nonnegative, default=0.0,
+                   help='relative tolerance: values match when |a-b| <= atol + rtol*|b| '
+                        '(default 0)')
+    p.add_argument('--all', action='store_true', help='also list the entries that match')
+    p.add_argument('--json', action='store_true', help='print JSON instead of text')
+    p.set_defaults(func=cmd_diff)
+
+    p = sub.add_parser('convert', parents=[common], help='rewrite a checkpoint',
+                       description='Rewrite SRC as DST, payloads copied verbatim with a new '
+                                   'layout. An existing DST other than SRC is kept unless '
+                                   '--overwrite.')
+    p.add_argument('src', help='the source checkpoint')
+    p.add_argument('dst', help='the file to write')
+    p.add_argument('--format', metavar='NAME', default=None,
+                   help="the source's format (default: detected)")
+    p.add_argument('--alignment', type=_alignment, default=None,
+                   help="payload alignment in bytes (default: the source's)")
+    p.add_argument('--overwrite', action='store_true', help='replace an existing DST')
+    p.add_argument('--no-verify', action='store_true',
+                   help='copy payloads without checking their checksums first')
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser('merge', parents=[common], help='combine checkpoints into one file',
+                       description='Model surgery: write OUT holding the entries of every IN, '
+                                   'payloads copied verbatim. --prefix NAME (once per input, in '
+                                   'order) renames that input\'s namespaces NS to NAME__NS.')
+    p.add_argument('out', help='the file to write')
+    p.add_argument('inputs', nargs='+', metavar='IN', help='checkpoint files to combine')
+    p.add_argument('--prefix', action='append', metavar='NAME',
+                   help="namespace prefix for the next input ('' for none); one per input")
+    p.add_argument('--alignment', type=_alignment, default=None,
+                   help='payload alignment in bytes (default 32)')
+    p.add_argument('--append', action='store_true', help="keep OUT's existing entries")
+    p.add_argument('--overwrite', action='store_true', help='replace an existing OUT')
+    p.add_argument('--no-verify', action='store_true',
+                   help='copy payloads without checking their checksums first')
+    p.set_defaults(func=cmd_merge)
+    return parser
+
+
+def _configure_logging(args: argparse.Namespace) -> None:
+    logger = logging.getLogger('jckpt')
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter('jckpt: %(levelname)s: %(message)s'))
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG if args.debug else logging.INFO if args.verbose
+                    else logging.WARNING)
+
+
+def _error(message: str) -> None:
+    sys.stderr.write(f"jckpt: error: {message}\n")
+    sys.stderr.flush()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``jckpt`` command line; return its exit status.
+
+    Example::
+
+        python -m jckpt verify model.jckpt && echo sound
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _configure_logging(args)
+    try:
+        return args.func(args)
+    except CheckpointError as e:
+        if args.debug:
+            raise
+        _error(str(e))
+        return EXIT_ERROR
+    except BrokenPipeError:  # output piped into `head` and the like: stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_DIFFERENT
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return 130
+    except OSError as e:
+        if args.debug:
+            raise
+        where = f"{e.filename}: " if e.filename else ''
+        _error(f"{where}{e.strerror or e}")
+        return EXIT_ERROR
+    except Exception as e:
+        if args.debug:
+            raise
+        _error(f"unexpected {type(e).__name__}: {e} (rerun with --debug for the traceback, "
+               "and please report it)")
+        return EXIT_ERROR
+
+
+__all__ = ['build_parser', 'main']

@@ -1,0 +1,333 @@
+"""``jckpt.info(path)``: what a checkpoint holds, as a value that shows itself.
+
+The summary is read from the header alone (no payload is touched, no JAX is
+imported), so it is instant even for very large files. Its ``repr`` is a
+readable table, and in Jupyter it renders as an HTML table; ``to_dict()``
+gives the same content as plain JSON-ready data (what ``jckpt inspect
+--json`` prints).
+
+>>> import numpy as np, tempfile, os
+>>> from jckpt.format import Entry, Header, lay_out
+>>> from jckpt.storage import ArraySource, write_checkpoint
+>>> path = os.path.join(tempfile.mkdtemp(), 'm.jckpt')
+>>> e = Entry(id=0, namespace='jckpt', prec='Single_prec', dims=(2, 3), offset=0,
+...           byte_length=24, path=(('k', 'w'),))
+>>> _ = write_checkpoint(path, lay_out(Header(tensors=(e,))),
+...                      [ArraySource(np.ones((2, 3), np.float32))], durable=False)
+>>> s = info(path)
+>>> s.entries[0].name, s.entries[0].shape, s.entries[0].mappable
+('jckpt/w', (2, 3), True)
+
+This module imports only the standard library at import time; the codec is
+imported on first use, so ``import jckpt`` stays light.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import json
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jckpt.format.header import Entry
+
+#: Rows shown by ``repr`` and the HTML view before "... N more" (the CLI shows all).
+REPR_ROWS = 40
+#: Metadata values longer than this are shortened in the text and HTML views.
+VALUE_WIDTH = 100
+
+
+# --- small formatting helpers (shared with the command line) ----------------
+
+def human_bytes(n: int) -> str:
+    """``1536`` -> ``'1.5 KiB'``: sizes for people (JSON keeps exact byte counts)."""
+    value = float(n)
+    for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
+        if value < 1024 or unit == 'TiB':
+            return f"{int(value)} B" if unit == 'B' else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError('unreachable')
+
+
+def format_shape(shape: Sequence[int]) -> str:
+    """``(784, 512)`` -> ``'(784, 512)'``, ``()`` -> ``'()'``, ``(3,)`` -> ``'(3,)'``."""
+    return repr(tuple(shape))
+
+
+def shorten(text: str, width: int = VALUE_WIDTH) -> str:
+    """``text`` cut to ``width`` characters, with an ellipsis when cut."""
+    text = text.replace('\n', ' ')
+    return text if len(text) <= width else text[:width - 3] + '...'
+
+
+def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
+               right: Sequence[int] = ()) -> str:
+    """Rows as aligned plain-text columns (``right``: indices of right-aligned columns).
+
+    >>> print(text_table(['a', 'size'], [['x', 1], ['yy', 22]], right=[1]))
+    a   size
+    x      1
+    yy    22
+    """
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    for r in cells:
+        parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        lines.append('  '.join(parts).rstrip())
+    return '\n'.join(lines)
+
+
+def html_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
+               right: Sequence[int] = ()) -> str:
+    """Rows as an HTML table (every cell escaped)."""
+    def cell(tag: str, i: int, c: Any) -> str:
+        style = ' style="text-align:right"' if i in right else ' style="text-align:left"'
+        return f"<{tag}{style}>{html.escape(str(c))}</{tag}>"
+    head = ''.join(cell('th', i, h) for i, h in enumerate(headers))
+    body = ''.join('<tr>' + ''.join(cell('td', i, c) for i, c in enumerate(r)) + '</tr>'
+                   for r in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+# --- the summary values -----------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class EntryInfo:
+    """One stored array, as ``jckpt inspect`` lists it.
+
+    Attributes:
+      namespace, path: the entry's identity (``path`` as ``a/b/0``; ``n<id>``
+        for path-less OCANNL entries).
+      id: the entry's id within its namespace.
+      prec: the stored element type's name in the header (``Single_prec``).
+      dtype: the numpy name of the loaded dtype (``float32``; ``void`` for ``Void_prec``).
+      shape: the shape of the loaded array.
+      nbytes: payload bytes stored in the file.
+      offset: payload offset relative to the data start.
+      mappable: whether loading can map the payload instead of copying it.
+      checksum: ``'algorithm:hex'``, or None when the writer stored none.
+      padded: whether the entry is OCANNL-padded (only its interior is stored).
+      key_impl: the PRNG key implementation for typed-key leaves.
+      slice, global_dims: for a piece of a sharded array, which part it is.
+    """
+
+    namespace: str
+    path: str
+    id: int
+    prec: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    offset: int
+    mappable: bool
+    checksum: str | None = None
+    padded: bool = False
+    key_impl: str | None = None
+    slice: tuple[tuple[int, int], ...] | None = None
+    global_dims: tuple[int, ...] | None = None
+
+    @property
+    def name(self) -> str:
+        """``namespace/path``, the name errors and ``jckpt diff`` use."""
+        return f"{self.namespace}/{self.path}"
+
+    @classmethod
+    def from_entry(cls, entry: Entry, data_start: int) -> EntryInfo:
+        """Summarize a header :class:`~jckpt.format.Entry` of a file whose data starts there."""
+        from jckpt.format import precs
+        from jckpt.format.header import path_name
+        from jckpt.format.payload import can_map
+
+        dtype = 'void' if entry.prec == precs.VOID else str(entry.dtype.name)
+        return cls(namespace=entry.namespace,
+                   path=path_name(entry.path) if entry.path is not None else f"n{entry.id}",
+                   id=entry.id, prec=entry.prec, dtype=dtype, shape=tuple(entry.shape),
+                   nbytes=entry.byte_length, offset=entry.offset,
+                   mappable=can_map(entry, data_start),
+                   checksum=':'.join(entry.checksum) if entry.checksum else None,
+                   padded=entry.padding is not None, key_impl=entry.key_impl,
+                   slice=entry.slice, global_dims=entry.global_dims)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data."""
+        d = dataclasses.asdict(self)
+        d['shape'] = list(self.shape)
+        if self.slice is not None:
+            d['slice'] = [list(p) for p in self.slice]
+        if self.global_dims is not None:
+            d['global_dims'] = list(self.global_dims)
+        return d
+
+
+_COLUMNS = ('namespace', 'path', 'dtype', 'shape', 'size', 'offset', 'map')
+_RIGHT = (4, 5)
+
+
+def _entry_row(e: EntryInfo) -> list[str]:
+    dtype = e.dtype if e.key_impl is None else f"key<{e.key_impl}>"
+    shape = format_shape(e.shape)
+    if e.global_dims is not None:
+        shape += ' of ' + format_shape(e.global_dims)
+    mapping = 'yes' if e.mappable else ('no (padded)' if e.padded else 'no')
+    return [e.namespace, e.path, dtype, shape, human_bytes(e.nbytes), str(e.offset), mapping]
+
+
+@dataclasses.dataclass(frozen=True)
+class FileInfo:
+    """The summary of one checkpoint file: its entries, totals and header metadata.
+
+    ``repr`` prints a table (the first :data:`REPR_ROWS` entries); in Jupyter
+    it renders as HTML; :meth:`render` gives the full text and
+    :meth:`to_dict` the JSON form.
+
+    Attributes:
+      path: the file.
+      size: the file's size in bytes.
+      data_start: where the payloads start (4 + header length).
+      version, alignment, writer: from the header.
+      metadata: the header's ``(key, value)`` string pairs, in order.
+      entries: one :class:`EntryInfo` per stored array, in payload order.
+    """
+
+    path: str
+    size: int
+    data_start: int
+    version: int
+    alignment: int
+    writer: str | None
+    metadata: tuple[tuple[str, str], ...]
+    entries: tuple[EntryInfo, ...]
+
+    kind = 'file'
+
+    @property
+    def payload_bytes(self) -> int:
+        """Total payload bytes."""
+        return sum(e.nbytes for e in self.entries)
+
+    @property
+    def namespaces(self) -> dict[str, int]:
+        """``{namespace: number of entries}``, in first-appearance order."""
+        out: dict[str, int] = {}
+        for e in self.entries:
+            out[e.namespace] = out.get(e.namespace, 0) + 1
+        return out
+
+    @property
+    def mappable(self) -> int:
+        """How many entries load as zero-copy views."""
+        return sum(e.mappable for e in self.entries)
+
+    def entry(self, name: str) -> EntryInfo:
+        """The entry called ``namespace/path`` (KeyError if none)."""
+        for e in self.entries:
+            if e.name == name:
+                return e
+        raise KeyError(name)
+
+    def _description(self) -> str:
+        ns = self.namespaces
+        return (f"jckpt file, {len(self.entries)} entries in {len(ns)} "
+                f"namespace{'s' if len(ns) != 1 else ''}, {human_bytes(self.payload_bytes)} of "
+                f"payloads, file {human_bytes(self.size)}, alignment {self.alignment}")
+
+    def _metadata_lines(self) -> list[str]:
+        lines = [f"writer: {self.writer if self.writer is not None else '(not recorded)'}"]
+        for key, value in self.metadata:
+            lines.append(f"{key}: {shorten(_pretty_value(value))}")
+        return lines
+
+    def _totals_line(self) -> str:
+        return (f"total: {len(self.entries)} entries, {human_bytes(self.payload_bytes)} "
+                f"({self.payload_bytes} bytes), {self.mappable} of {len(self.entries)} mappable")
+
+    def render(self, limit: int | None = None) -> str:
+        """The text view: summary, metadata, the entries' table, totals.
+
+        ``limit`` caps the number of table rows (``None``: all of them).
+        """
+        shown = self.entries if limit is None else self.entries[:limit]
+        rows = [_entry_row(e) for e in shown]
+        parts = [f"{self.path}: {self._description()}", *self._metadata_lines(), '']
+        parts.append(text_table(_COLUMNS, rows, right=_RIGHT) if rows else '(no entries)')
+        if len(shown) < len(self.entries):
+            parts.append(f"... {len(self.entries) - len(shown)} more entries")
+        parts.append(self._totals_line())
+        return '\n'.join(parts)
+
+    def __repr__(self) -> str:
+        return self.render(limit=REPR_ROWS)
+
+    def _repr_html_(self) -> str:
+        shown = self.entries[:REPR_ROWS]
+        meta = ''.join(f"<tr><th style=\"text-align:left\">{html.escape(k)}</th>"
+                       f"<td style=\"text-align:left\"><code>{html.escape(shorten(_pretty_value(v)))}"
+                       f"</code></td></tr>"
+                       for k, v in (('writer', self.writer or '(not recorded)'), *self.metadata))
+        more = (f"<p>... {len(self.entries) - len(shown)} more entries</p>"
+                if len(shown) < len(self.entries) else '')
+        return (f"<div><p><b>{html.escape(self.path)}</b>: {html.escape(self._description())}</p>"
+                f"<table>{meta}</table>"
+                f"{html_table(_COLUMNS, [_entry_row(e) for e in shown], right=_RIGHT)}{more}"
+                f"<p>{html.escape(self._totals_line())}</p></div>")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data (exact byte counts; metadata as a dict)."""
+        return {
+            'kind': self.kind, 'path': self.path, 'size': self.size,
+            'data_start': self.data_start, 'version': self.version,
+            'alignment': self.alignment, 'writer': self.writer,
+            'metadata': dict(self.metadata),
+            'entries': [e.to_dict() for e in self.entries],
+            'totals': {'entries': len(self.entries), 'payload_bytes': self.payload_bytes,
+                       'mappable': self.mappable, 'namespaces': self.namespaces},
+        }
+
+
+def _pretty_value(value: str) -> str:
+    """A metadata value for display: JSON made compact, anything else as is."""
+    text = value.strip()
+    if text[:1] in ('{', '['):
+        try:
+            return json.dumps(json.loads(text), separators=(', ', ': '))
+        except ValueError:
+            pass
+    return value
+
+
+def file_info(path: str | os.PathLike) -> FileInfo:
+    """The :class:`FileInfo` of one checkpoint file (header only; payloads untouched)."""
+    from jckpt.storage.reader import CheckpointReader
+
+    reader = CheckpointReader(path)
+    h = reader.header
+    return FileInfo(path=reader.path, size=reader.size, data_start=reader.data_start,
+                    version=h.version, alignment=h.alignment, writer=h.writer,
+                    metadata=tuple(h.metadata),
+                    entries=tuple(EntryInfo.from_entry(e, reader.data_start) for e in h.tensors))
+
+
+def info(path: str | os.PathLike) -> FileInfo:
+    """A summary of the checkpoint at ``path``, read from its header alone.
+
+    Returns a value whose ``repr`` is a table of namespaces, paths, dtypes,
+    shapes, sizes, offsets and whether each payload can be memory-mapped,
+    with totals and the header's metadata (writer, step, trainer state,
+    lineage, ...). In Jupyter it renders as an HTML table.
+
+    Raises :class:`~jckpt.errors.FormatError` naming the file when it is
+    missing or not a valid checkpoint.
+
+    Example::
+
+        >>> jckpt.info("ckpt.jckpt")                 # doctest: +SKIP
+        ckpt.jckpt: jckpt file, 3 entries in 1 namespace, 1.5 MiB of payloads, ...
+    """
+    return file_info(path)
+
+
+__all__ = ['EntryInfo', 'FileInfo', 'file_info', 'info']

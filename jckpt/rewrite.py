@@ -1,0 +1,197 @@
+"""Rewriting checkpoint files without decoding them: re-laying out and merging.
+
+Both operations build a new header and copy every payload verbatim from its
+source file (``copy_file_range`` where the OS has it), keeping each entry's
+checksum; nothing is decoded or converted, so no value can change. The new
+file is published atomically, like every save.
+
+* :func:`relayout` rewrites one file with a new alignment (and the canonical
+  layout: zero-filled gaps, nothing after the last payload).
+* :func:`merge` is model surgery: it combines several files into one,
+  optionally renaming each input's namespaces ``ns -> prefix + "__" + ns``,
+  e.g. a teacher and a student model into one file.
+
+>>> import numpy as np, tempfile, os
+>>> from jckpt.format import Entry, Header, lay_out
+>>> from jckpt.storage import ArraySource, CheckpointReader, write_checkpoint
+>>> d = tempfile.mkdtemp()
+>>> src, dst = os.path.join(d, 'a.jckpt'), os.path.join(d, 'b.jckpt')
+>>> e = Entry(id=0, namespace='jckpt', prec='Single_prec', dims=(3,), offset=0,
+...           byte_length=12, path=(('k', 'w'),))
+>>> _ = write_checkpoint(src, lay_out(Header(tensors=(e,))),
+...                      [ArraySource(np.arange(3, dtype=np.float32))], durable=False)
+>>> relayout(src, dst, alignment=4096, durable=False).alignment
+4096
+>>> CheckpointReader(dst).data_start
+4096
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Sequence
+
+from jckpt import progress as progress_mod
+from jckpt.errors import ChecksumError, ClashError, InputError
+from jckpt.format.header import DEFAULT_ALIGNMENT, Entry, Header
+from jckpt.format.layout import lay_out
+from jckpt.storage.reader import CheckpointReader
+from jckpt.storage.writer import CopySource, write_checkpoint
+from jckpt.version import __version__
+
+
+def _check_sources(reader: CheckpointReader) -> None:
+    bad = reader.verify()
+    if bad:
+        first = bad[0]
+        more = f" (and {len(bad) - 1} more entries)" if len(bad) > 1 else ''
+        raise ChecksumError(f"{first.message}{more}; refusing to copy a corrupt payload",
+                            file=reader.path, entry=first.entry,
+                            fix="restore the input from a good copy, or pass verify=False "
+                                "(--no-verify) to copy it as it is")
+
+
+def _copy_out(target: str, header: Header, copies: Sequence[tuple[CheckpointReader, Entry]],
+              *, durable: bool, progress: bool, what: str) -> Header:
+    """Write ``header`` to ``target``, payload ``i`` copied from ``copies[i]``."""
+    with contextlib.ExitStack() as stack:
+        fds: dict[str, int] = {}
+        sources = []
+        for reader, entry in copies:
+            fd = fds.get(reader.path)
+            if fd is None:
+                fd = fds[reader.path] = os.open(reader.path, os.O_RDONLY | os.O_CLOEXEC)
+                stack.callback(os.close, fd)
+            sources.append(CopySource(fd, reader.data_start + entry.offset, entry.byte_length,
+                                      entry.checksum))
+        total = sum(e.byte_length for e in header.tensors)
+        bar = stack.enter_context(progress_mod.bar(f"{what} {os.path.basename(target)}", total,
+                                                   enabled=progress))
+        return write_checkpoint(target, header, sources, durable=durable,
+                                on_payload=lambda e: bar.advance(e.byte_length))
+
+
+def _refuse_existing(target: str, what: str) -> None:
+    if os.path.lexists(target):
+        raise InputError(f"{what} would replace an existing checkpoint", file=target,
+                         fix="choose another output path, or allow overwriting it")
+
+
+def relayout(src: str | os.PathLike, dst: str | os.PathLike, *, alignment: int | None = None,
+             overwrite: bool = False, verify: bool = True, durable: bool = True,
+             progress: bool = False) -> Header:
+    """Rewrite ``src`` to ``dst`` with payloads laid out at ``alignment`` (default: ``src``'s).
+
+    Entries, ids, metadata and checksums are kept; payloads are copied
+    verbatim. ``dst`` may be ``src`` itself (rewritten atomically in place);
+    another existing ``dst`` is refused unless ``overwrite``. With ``verify``
+    (the default) every source checksum is checked first, so a corrupt payload
+    is never copied. Returns the header written.
+
+    Example::
+
+        jckpt.rewrite.relayout("ocannl_model.ckpt", "model.jckpt", alignment=4096)
+    """
+    src, dst = os.fspath(src), os.fspath(dst)
+    reader = CheckpointReader(src)
+    if alignment is not None and (not isinstance(alignment, int) or alignment < 1):
+        raise InputError(f"alignment must be a positive integer, not {alignment!r}", file=dst)
+    same = os.path.exists(dst) and os.path.samefile(src, dst)
+    if not (overwrite or same):
+        _refuse_existing(dst, "writing the re-laid-out file")
+    if verify:
+        _check_sources(reader)
+    old = reader.header
+    header = lay_out(dataclasses.replace(
+        old, alignment=old.alignment if alignment is None else alignment,
+        writer=f"jckpt {__version__}"))
+    return _copy_out(dst, header, [(reader, e) for e in old.tensors], durable=durable,
+                     progress=progress, what='writing')
+
+
+def merge(out: str | os.PathLike, inputs: Sequence[str | os.PathLike],
+          prefixes: Sequence[str | None] | None = None, *, alignment: int | None = None,
+          append: bool = False, overwrite: bool = False, verify: bool = True,
+          durable: bool = True, progress: bool = False) -> Header:
+    """Combine the entries of ``inputs`` into one file ``out``, payloads copied verbatim.
+
+    ``prefixes[i]`` (when given and not empty) renames every namespace ``ns``
+    of ``inputs[i]`` to ``prefixes[i] + "__" + ns``, as
+    ``jckpt.load(..., prefix_namespace=...)`` does, so two models with the
+    same namespace can sit side by side. An entry whose ``(namespace, path)``
+    is already taken is refused (naming both files); an id already used in
+    its namespace is renumbered above that namespace's largest id. Metadata
+    is combined with the first file's values winning. Payloads are laid out
+    at ``alignment`` (default 32, the writer's default).
+
+    With ``append``, the entries of an existing ``out`` are kept and come
+    first; without it an existing ``out`` is refused unless ``overwrite``.
+    With ``verify`` (the default) every input checksum is checked first.
+    Returns the header written.
+
+    Example::
+
+        jckpt.rewrite.merge("both.jckpt", ["teacher.jckpt", "student.jckpt"],
+                            prefixes=["teacher", "student"])
+        # namespaces teacher__jckpt and student__jckpt
+    """
+    from jckpt.tree import check_prefix, prefix_namespace
+
+    out = os.fspath(out)
+    inputs = [os.fspath(p) for p in inputs]
+    if not inputs:
+        raise InputError("nothing to merge: no input files given", file=out,
+                         fix="name at least one input checkpoint")
+    prefixes = list(prefixes) if prefixes else [None] * len(inputs)
+    if len(prefixes) != len(inputs):
+        raise InputError(f"{len(prefixes)} prefixes for {len(inputs)} inputs", file=out,
+                         fix="give one prefix per input (an empty one leaves that input alone)")
+    for p in prefixes:
+        check_prefix(p)
+    if alignment is not None and (not isinstance(alignment, int) or alignment < 1):
+        raise InputError(f"alignment must be a positive integer, not {alignment!r}", file=out)
+    sources: list[tuple[CheckpointReader, Header]] = []
+    if append and os.path.exists(out):
+        base = CheckpointReader(out)
+        sources.append((base, base.header))
+    elif not overwrite:
+        _refuse_existing(out, "merging")
+    for path, prefix in zip(inputs, prefixes):
+        reader = CheckpointReader(path)
+        sources.append((reader, prefix_namespace(reader.header, prefix or None)))
+    if verify:
+        for reader, _ in sources:
+            _check_sources(reader)
+
+    owners: dict[tuple, str] = {}
+    used_ids: dict[str, set[int]] = {}
+    entries: list[Entry] = []
+    copies: list[tuple[CheckpointReader, Entry]] = []
+    metadata: dict[str, str] = {}
+    for _, header in sources:
+        for key, value in header.metadata:
+            metadata.setdefault(key, value)
+    for reader, header in sources:
+        for stored, e in zip(reader.header.tensors, header.tensors):
+            owner = owners.get(e.identity)
+            if owner is not None:
+                raise ClashError(f"also present in {owner}", file=reader.path, entry=e.name,
+                                 fix="give the inputs distinct prefixes (--prefix NAME per input)")
+            owners[e.identity] = reader.path
+            ids = used_ids.setdefault(e.namespace, set())
+            if e.id in ids:
+                e = dataclasses.replace(e, id=max(ids) + 1)
+            ids.add(e.id)
+            entries.append(e)
+            copies.append((reader, stored))
+    first = sources[0][1]
+    header = lay_out(Header(tensors=tuple(entries),
+                            alignment=DEFAULT_ALIGNMENT if alignment is None else alignment,
+                            writer=f"jckpt {__version__}", metadata=tuple(metadata.items()),
+                            extra=first.extra))
+    return _copy_out(out, header, copies, durable=durable, progress=progress, what='merging into')
+
+
+__all__ = ['merge', 'relayout']
