@@ -103,7 +103,13 @@ def unflatten(items: Iterable[tuple[KeyPath, Any]], *, file: str | None = None) 
                     raise FormatError("an entry sits inside another entry's leaf", file=file,
                                       entry=path_name(path))
                 node = child
-    return _lists(root, _sequence_nodes(items))
+    # Holes (indices no entry fills) become None; a hostile index must not allocate a huge list.
+    holes = [_MAX_HOLES + 16 * len(items)]
+    return _lists(root, _sequence_nodes(items), holes=holes, file=file)
+
+
+#: Sequence slots without an entry that ``unflatten`` fills with None, beyond 16 per entry.
+_MAX_HOLES = 1 << 16
 
 
 def _sequence_nodes(items) -> set[tuple]:
@@ -116,12 +122,19 @@ def _sequence_nodes(items) -> set[tuple]:
     return seq
 
 
-def _lists(node: Any, seq: set[tuple], prefix: tuple = ()) -> Any:
+def _lists(node: Any, seq: set[tuple], prefix: tuple = (), *, holes: list[int],
+           file: str | None) -> Any:
     if not isinstance(node, dict):
         return node
-    out = {k: _lists(v, seq, (*prefix, k)) for k, v in node.items()}
+    out = {k: _lists(v, seq, (*prefix, k), holes=holes, file=file) for k, v in node.items()}
     if prefix in seq and all(isinstance(k, int) for k in out):
         size = max(out, default=-1) + 1
+        holes[0] -= size - len(out)
+        if holes[0] < 0 or min(out, default=0) < 0:
+            raise FormatError(f"sequence index {min(out) if min(out) < 0 else max(out)} is "
+                              "negative or leaves too many empty slots", file=file,
+                              entry='/'.join(map(str, prefix)) or '<root>',
+                              fix="the header's paths are damaged")
         return [out.get(i) for i in range(size)]
     return out
 

@@ -30,6 +30,9 @@ CHECKSUM_PLACEHOLDER = (CHECKSUM_ALGORITHM, '0' * CHECKSUM_HEX_DIGITS)
 #: (plus 1 MiB), so a hostile header cannot make a reader allocate without bound.
 PADDED_ALLOCATION_FACTOR = 64
 CHUNK_BYTES = 64 << 20
+#: The most dims an array may have (numpy's own limit: 32 before numpy 2, 64 since).
+MAX_NDIM = 64 if int(np.__version__.split('.')[0]) >= 2 else 32
+_MAX_INTP = np.iinfo(np.intp).max
 
 
 def stored_dtype(dtype: np.dtype) -> np.dtype:
@@ -116,6 +119,11 @@ def decode_payload(buffer, entry: Entry, *, data_start: int, mmap: bool = True,
         raise FormatError("payload extends past the end of the file", file=file,
                           entry=entry.name, fix="the file is truncated")
     logical = entry.logical_dims + ((4,) if entry.prec == precs.UINT4X32 else ())
+    if len(logical) > MAX_NDIM or math.prod(d for d in entry.shape if d) * dtype.itemsize \
+            > _MAX_INTP:  # numpy refuses such shapes even when a zero dim makes them empty
+        raise FormatError(f"dims {entry.dims} are beyond what numpy can represent (at most "
+                          f"{MAX_NDIM} dims, sizes below 2**63)", file=file, entry=entry.name,
+                          fix="the header's dims are damaged")
     count = math.prod(logical)
     if mmap and can_map(entry, data_start):
         return np.frombuffer(buffer, dtype=dtype, count=count, offset=start).reshape(entry.shape), True
@@ -128,7 +136,8 @@ def decode_payload(buffer, entry: Entry, *, data_start: int, mmap: bool = True,
                           "holds", file=file, entry=entry.name,
                           fix="the header's dims or padding are damaged")
     try:
-        fill = np.array(entry.padding.value).astype(dtype)
+        with np.errstate(all='ignore'):  # an out-of-range pad value casts as numpy casts it
+            fill = np.array(entry.padding.value).astype(dtype)
     except (ValueError, OverflowError):
         fill = np.zeros((), dtype)
     out = np.full(entry.shape, fill, dtype=dtype)
