@@ -309,7 +309,8 @@ def _decode_path(node: Sexp, file: str | None, entry: str) -> KeyPath:
         raise _fail("path must be a list of components", file, entry)
     out = []
     for comp in node:
-        if not (isinstance(comp, list) and len(comp) == 2 and comp[0] in PATH_KINDS
+        if not (isinstance(comp, list) and len(comp) == 2 and isinstance(comp[0], str)
+                and comp[0] in PATH_KINDS
                 and isinstance(comp[1], str)):
             raise _fail(f"path component {_short(comp)} is not (k|ki|i|a|f VALUE)", file, entry)
         kind, value = comp
