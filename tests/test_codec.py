@@ -213,3 +213,84 @@ def test_entry_properties():
     e = entry(namespace="opt", path=(("k", "mu"), ("i", 2)))
     assert e.name == "opt/mu/2" and e.identity == ("opt", (("k", "mu"), ("i", 2)))
     assert dataclasses.replace(e, path=None).name == "opt/n0"
+
+
+# --- the three decoding paths (C accelerator, regular expression, general reader) agree ---
+
+from jckpt.format import header as header_mod  # noqa: E402
+
+atoms = st.text(alphabet=st.characters(codec="utf-8", exclude_characters="\x00"), max_size=6)
+components = st.one_of(
+    st.tuples(st.sampled_from(["k", "a"]), atoms),
+    st.tuples(st.sampled_from(["ki", "i", "f"]), st.integers(-(10**20), 10**20)))
+
+
+@st.composite
+def entries(draw):
+    prec = draw(st.sampled_from(sorted(precs.ALL_PRECS)))
+    dims = tuple(draw(st.lists(st.integers(0, 10**7), max_size=3)))
+    size = precs.element_size(prec)
+    return Entry(
+        id=draw(st.integers(0, 10**20)), namespace=draw(st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,5}",
+                                                                      fullmatch=True)),
+        prec=prec, dims=dims, offset=draw(st.integers(0, 10**12)),
+        byte_length=int(np.prod(dims, dtype=object)) * size if dims else size,
+        label=tuple(draw(st.lists(atoms, max_size=3))),
+        path=draw(st.one_of(st.none(), st.lists(components, max_size=4).map(tuple))),
+        checksum=draw(st.one_of(st.none(), st.tuples(st.just("xxh3_64"),
+                                                        st.from_regex(r"[0-9a-f]{16}", fullmatch=True)))),
+        key_impl=draw(st.one_of(st.none(), st.sampled_from(["threefry2x32", "rbg", "a b"]))),
+    )
+
+
+def _decode_all_ways(text: str):
+    outcomes = []
+    for mode in ("c", "regex", "general"):
+        try:
+            if mode == "general":
+                value = header_from_sexp(parse(text))
+            else:
+                found = header_mod._canonical_entries(text, accelerate=(mode == "c"))
+                if found is None:
+                    value = header_from_sexp(parse(text))
+                else:
+                    entries_, lo, hi = found
+                    skeleton = text[:lo] + "()" + text[hi + 1:]
+                    value = header_from_sexp(parse(skeleton), entries=entries_)
+            outcomes.append(("ok", value))
+        except (FormatError, ValueError) as e:
+            outcomes.append(("error", type(e).__name__))
+    return outcomes
+
+
+@pytest.mark.skipif(header_mod._accelerator is None, reason="C accelerator not built")
+def test_accelerator_is_built_and_used():
+    raw = encode_header(Header(tensors=(entry(),)))
+    assert header_mod._canonical_entries(raw[4:].decode()) is not None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(entries(), max_size=4, unique_by=lambda e: e.identity))
+def test_decoding_paths_agree(es):
+    text = encode_header(Header(tensors=tuple(es)))[4:].decode()
+    outcomes = _decode_all_ways(text)
+    assert outcomes[0] == outcomes[1] == outcomes[2]
+    if outcomes[2][0] == "ok":
+        assert outcomes[2][1].tensors == tuple(es)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(entries(), min_size=1, max_size=3, unique_by=lambda e: e.identity), st.data())
+def test_decoding_paths_agree_on_mutated_text(es, data):
+    text = encode_header(Header(tensors=tuple(es)))[4:].decode().rstrip()
+    pos = data.draw(st.integers(0, len(text) - 1))
+    choice = data.draw(st.sampled_from(["delete", "insert", "replace"]))
+    char = data.draw(st.sampled_from(list("() \"\\;#|0a-9\n\x1c")))
+    if choice == "delete":
+        text = text[:pos] + text[pos + 1:]
+    elif choice == "insert":
+        text = text[:pos] + char + text[pos:]
+    else:
+        text = text[:pos] + char + text[pos + 1:]
+    outcomes = _decode_all_ways(text)
+    assert outcomes[0] == outcomes[1] == outcomes[2]

@@ -54,7 +54,7 @@ class Padding:
     value: float = 0.0
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Entry:
     """One stored array: where its payload is and how to read it.
 
@@ -439,7 +439,15 @@ _COMPONENT = re.compile(rf"\((k|ki|i|a|f) ({_A})\)")
 _FIELDS = tuple(f.name for f in dataclasses.fields(Entry))
 
 
-def _canonical_entries(text: str) -> tuple[list[Entry], int, int] | None:
+try:  # the same decoder in C (built with the package when a compiler is available)
+    from jckpt.format import _canonical as _accelerator
+except ImportError:  # pragma: no cover - exercised where no compiler was available
+    _accelerator = None
+_PREC_SIZES = {p: (p, precs.element_size(p)) for p in precs.ALL_PRECS}
+_KINDS = ('k', 'ki', 'i', 'a', 'f')
+
+
+def _canonical_entries(text: str, *, accelerate: bool = True) -> tuple[list[Entry], int, int] | None:
     """Entries of a header laid out as jckpt writes it, or None to use the general reader.
 
     Returns ``(entries, list_open, list_close)``: the positions of the
@@ -448,10 +456,14 @@ def _canonical_entries(text: str) -> tuple[list[Entry], int, int] | None:
     head = _CANONICAL_HEAD.match(text)
     if head is None:
         return None
+    if accelerate and _accelerator is not None:
+        found = _accelerator.decode_entries(text, head.end(), Entry, _FIELDS, _PREC_SIZES, _KINDS)
+        return None if found is None else (found[0], head.end() - 1, found[1])
     scanner = _CANONICAL_ENTRY.scanner(text, head.end())
     entries: list[Entry] = []
     append = entries.append
     new = object.__new__
+    setattr_ = object.__setattr__  # Entry is frozen; this bypasses its __setattr__
     element_size = precs.element_size
     prod = math.prod
     int_kinds = _INT_KINDS
@@ -469,10 +481,11 @@ def _canonical_entries(text: str) -> tuple[list[Entry], int, int] | None:
         if path is not None:
             path = tuple([(k, int(v)) if k in int_kinds else (k, v) for k, v in findall(path)])
         e = new(Entry)
-        e.__dict__.update(zip(_FIELDS, (
-            int(ident), namespace, prec, dims, int(offset), byte_length,
-            tuple(label.split(' ')) if label else (), None, path,
-            (algo, digest) if algo is not None else None, key_impl, None, None, ())))
+        for name, value in zip(_FIELDS, (
+                int(ident), namespace, prec, dims, int(offset), byte_length,
+                tuple(label.split(' ')) if label else (), None, path,
+                (algo, digest) if algo is not None else None, key_impl, None, None, ())):
+            setattr_(e, name, value)
         append(e)
         pos = m.end()
     tail = _CANONICAL_TAIL.match(text, pos)
@@ -524,11 +537,13 @@ def header_from_sexp(tree: Sexp, *, file: str | None = None,
         tensors = tuple(entries)
     else:
         tensors = tuple(_decode_entry(node, i, file) for i, node in enumerate(f['tensors']))
-    seen: set = set()
-    for e in tensors:
-        if e.identity in seen:
-            raise _fail("duplicate entry identity", file, e.name)
-        seen.add(e.identity)
+    identities = [(e.namespace, e.id if e.path is None else e.path) for e in tensors]
+    if len(set(identities)) != len(identities):
+        seen: set = set()
+        for e, identity in zip(tensors, identities):
+            if identity in seen:
+                raise _fail("duplicate entry identity", file, e.name)
+            seen.add(identity)
     writer = f.get('writer')
     if writer is not None and not isinstance(writer, str):
         raise _fail("writer must be an atom", file)
