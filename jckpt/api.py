@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from jckpt import placement
+from jckpt import progress as progress_mod
 from jckpt import tree as tree_mod
 from jckpt.context import Context
 from jckpt.errors import (
@@ -49,7 +50,8 @@ def _keystr(path: KeyPath) -> str:
 
 
 def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
-         alignment: int | None = None, metadata: Mapping[str, str] | None = None) -> None:
+         alignment: int | None = None, metadata: Mapping[str, str] | None = None,
+         progress: bool = False) -> None:
     """Write ``tree`` to ``path`` under ``ctx.namespace``, atomically and (by default) durably.
 
     Payloads stream to a staging file next to ``path`` (never the whole file in
@@ -64,6 +66,7 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
         does not replace (matched by namespace and path), with its id.
       alignment: payload alignment for this file (default ``ctx.alignment``).
       metadata: string pairs stored in the header (merged over an appended file's).
+      progress: draw a progress bar on stderr while writing (only when stderr is a terminal).
 
     Raises :class:`~jckpt.errors.InputError` before touching the file when a
     leaf cannot be stored, and :class:`~jckpt.errors.StorageError` if the disk
@@ -123,7 +126,10 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
         header = lay_out(Header(tensors=tuple(entries), alignment=alignment,
                                 writer=f"jckpt {__version__}", metadata=tuple(meta.items()),
                                 extra=old_header.extra))
-        write_checkpoint(path, header, sources, durable=ctx.durable)
+        with progress_mod.bar(f"saving {os.path.basename(path)}",
+                              sum(e.byte_length for e in header.tensors), enabled=progress) as bar:
+            write_checkpoint(path, header, sources, durable=ctx.durable,
+                             on_payload=lambda e: bar.advance(e.byte_length))
     finally:
         if old is not None:
             os.close(fd)
@@ -137,7 +143,8 @@ def _check_clash(ctx: Context, entries: tuple[Entry, ...], path: str) -> None:
 
 
 def load(ctx: Context, path: PathLike, *, prefix_namespace: str | None = None,
-         mmap: bool | None = None, verify: bool | None = None) -> tuple[Context, dict[str, Any]]:
+         mmap: bool | None = None, verify: bool | None = None,
+         progress: bool = False) -> tuple[Context, dict[str, Any]]:
     """Read every entry of ``path`` as ``{namespace: subtree}``; return it with a new context.
 
     Subtrees are rebuilt from the stored paths (dicts and lists); path-less
@@ -151,6 +158,7 @@ def load(ctx: Context, path: PathLike, *, prefix_namespace: str | None = None,
       prefix_namespace: rename every namespace ``ns`` to ``prefix + "__" + ns``.
       mmap: map payloads (default ``ctx.mmap``).
       verify: check payload checksums (default: when copying, not when mapping).
+      progress: draw a progress bar on stderr while reading (only when stderr is a terminal).
 
     Raises :class:`~jckpt.errors.ClashError`, before loading anything, if an
     entry is already registered in ``ctx``.
@@ -168,12 +176,15 @@ def load(ctx: Context, path: PathLike, *, prefix_namespace: str | None = None,
     mmap = ctx.mmap if mmap is None else mmap
     verify = (not mmap) if verify is None else verify
     groups: dict[str, list[tuple[KeyPath, Any]]] = {}
-    for stored, e in zip(reader.header.tensors, header.tensors):
-        array = reader.decode(stored, mmap=mmap, verify=verify)
-        value = placement.place(array, None, host=ctx.host, device=ctx.device, where=e.name,
-                                key_impl=e.key_impl)
-        key = e.path if e.path is not None else (('k', f"n{e.id}"),)
-        groups.setdefault(e.namespace, []).append((key, value))
+    with progress_mod.bar(f"loading {os.path.basename(path)}",
+                          sum(e.byte_length for e in header.tensors), enabled=progress) as bar:
+        for stored, e in zip(reader.header.tensors, header.tensors):
+            array = reader.decode(stored, mmap=mmap, verify=verify)
+            value = placement.place(array, None, host=ctx.host, device=ctx.device, where=e.name,
+                                    key_impl=e.key_impl)
+            key = e.path if e.path is not None else (('k', f"n{e.id}"),)
+            groups.setdefault(e.namespace, []).append((key, value))
+            bar.advance(stored.byte_length)
     out = {ns: tree_mod.unflatten(items, file=path) for ns, items in groups.items()}
     return ctx.replace(registry=ctx.registry.add(header.tensors)), out
 
