@@ -13,6 +13,7 @@ that touches devices is imported on first use.
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING
 
 from jckpt.errors import (
@@ -29,10 +30,14 @@ from jckpt.errors import (
     StorageError,
     TargetError,
 )
+from jckpt.info import info  # bound eagerly: the name must stay the function, not the module
 from jckpt.version import __version__
+
+logging.getLogger('jckpt').addHandler(logging.NullHandler())  # the library prints nothing
 
 if TYPE_CHECKING:
     from jckpt.api import describe, ingestion_counts, load, restore, save
+    from jckpt.check import verify
     from jckpt.context import Context, Registry
     from jckpt.manager import CheckpointManager, Restored
     from jckpt.mirror import Mirror, MirrorCounters
@@ -45,6 +50,7 @@ _LAZY = {
     'ingestion_counts': 'jckpt.api', 'describe': 'jckpt.api',
     'Context': 'jckpt.context', 'Registry': 'jckpt.context',
     'prefix_namespace': 'jckpt.tree',
+    'verify': 'jckpt.check',
     'Mirror': 'jckpt.mirror', 'MirrorCounters': 'jckpt.mirror',
     'CheckpointManager': 'jckpt.manager', 'Restored': 'jckpt.manager',
     'TrainerState': 'jckpt.trainer_state',
@@ -69,5 +75,6 @@ __all__ = [
     'CapacityError', 'CheckpointError', 'ChecksumError', 'ClashError', 'Context',
     'FormatError', 'InUseError', 'InputError', 'LineageError', 'MismatchError',
     'MissingEntryError', 'Registry', 'StorageError', 'TargetError', '__version__',
-    'describe', 'ingestion_counts', 'load', 'prefix_namespace', 'restore', 'save',
+    'describe', 'info', 'ingestion_counts', 'load', 'prefix_namespace', 'restore', 'save',
+    'verify',
 ]
