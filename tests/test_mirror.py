@@ -1,0 +1,362 @@
+"""The asynchronous durable mirror: snapshots, order, counters, slots, disk errors, lease, lineage."""
+
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jckpt
+from jckpt.storage import writer as writer_mod
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LINE = "memory mirror: committed {} durable {} generation {} pending {} error {}"
+
+
+def read(path, n=4):
+    return jckpt.restore(jckpt.Context(), {"w": np.zeros(n, np.float32)}, path, verify=True)["w"]
+
+
+def meta(path):
+    return jckpt.describe(path).metadata_dict()
+
+
+def wait_for(cond, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.005)
+
+
+class Gate:
+    """Blocks (or fails) every payload write of the writer while set, from any thread."""
+
+    def __init__(self, monkeypatch):
+        self.open = threading.Event()
+        self.open.set()
+        self.fail: OSError | None = None
+        self.attempts = 0
+        original = writer_mod.Sink.write
+        gate = self
+
+        def write(sink, data):
+            gate.attempts += 1
+            if gate.fail is not None:
+                raise gate.fail
+            gate.open.wait(30)
+            return original(sink, data)
+
+        monkeypatch.setattr(writer_mod.Sink, "write", write)
+
+
+def test_counters_line_and_content(tmp_path):
+    path = str(tmp_path / "run.jckpt")
+    with jckpt.Mirror(path) as m:
+        assert str(m.counters) == LINE.format(0, 0, 0, 0, 0)
+        for i in range(6):
+            m.submit({"w": jnp.full(4, float(i))}, metadata={"step": str(i)})
+        assert m.wait_durable(timeout=30)
+        c = m.counters
+        assert str(c) == LINE.format(6, 6, 6, 0, 0)
+        assert (c.committed, c.durable, c.generation, c.pending, c.error) == (6, 6, 6, 0, 0)
+    np.testing.assert_array_equal(read(path), np.full(4, 5.0))
+    md = meta(path)
+    assert md["step"] == "5" and md["jckpt.generation"] == "6" and md["jckpt.lineage"] == m.lineage
+
+
+def test_equal_content_makes_no_generation(tmp_path):
+    path = str(tmp_path / "run.jckpt")
+    with jckpt.Mirror(path) as m:
+        m.submit({"w": np.ones(4, np.float32)})
+        m.wait_durable()
+        mtime = os.stat(path).st_mtime_ns
+        m.submit({"w": np.ones(4, np.float32)})        # same bytes
+        m.submit({"w": jnp.ones(4, jnp.float32)})      # same bytes from a device array
+        m.wait_durable()
+        assert os.stat(path).st_mtime_ns == mtime
+        assert str(m.counters) == LINE.format(3, 3, 1, 0, 0)
+        m.submit({"w": np.ones(4, np.float32)}, metadata={"note": "x"})  # metadata differs
+        m.submit({"w": np.ones(4, np.float64)})        # dtype differs
+        m.wait_durable()
+        assert m.counters.generation == 3
+
+
+def test_snapshot_is_isolated_from_later_updates(tmp_path, monkeypatch):
+    gate = Gate(monkeypatch)
+    path = str(tmp_path / "run.jckpt")
+    host = np.arange(4, dtype=np.float32)
+    dev = jnp.arange(4, dtype=jnp.float32) * 10
+    with jckpt.Mirror(path) as m:
+        gate.open.clear()
+        m.submit({"h": host, "d": dev})
+        host[:] = -1                                     # the caller reuses its buffer
+        dev = jax.jit(lambda x: x * 0, donate_argnums=0)(dev)  # and donates the device one
+        gate.open.set()
+        m.wait_durable()
+    out = jckpt.restore(jckpt.Context(), {"h": np.zeros(4, np.float32), "d": np.zeros(4, np.float32)},
+                        path)
+    np.testing.assert_array_equal(out["h"], np.arange(4))
+    np.testing.assert_array_equal(out["d"], np.arange(4) * 10)
+
+
+def test_slots_block_or_refuse_and_are_not_reused_before_durable(tmp_path, monkeypatch):
+    gate = Gate(monkeypatch)
+    path = str(tmp_path / "run.jckpt")
+    with jckpt.Mirror(path, slots=2, when_full="raise") as m:
+        gate.open.clear()
+        m.submit({"w": np.full(4, 1, np.float32)})
+        m.submit({"w": np.full(4, 2, np.float32)})
+        assert m.counters.pending == 2
+        with pytest.raises(jckpt.CapacityError, match="slots"):
+            m.submit({"w": np.full(4, 3, np.float32)})
+        assert m.counters.committed == 2            # the refused one was not admitted
+        gate.open.set()
+        m.wait_durable()
+        assert str(m.counters) == LINE.format(2, 2, 2, 0, 0)
+    np.testing.assert_array_equal(read(path), np.full(4, 2))
+
+    with jckpt.Mirror(path, slots=1, when_full="block") as m:
+        gate.open.clear()
+        m.submit({"w": np.full(4, 4, np.float32)})
+        with pytest.raises(jckpt.CapacityError, match="timed out"):
+            m.submit({"w": np.full(4, 5, np.float32)}, timeout=0.1)
+        done = []
+        t = threading.Thread(target=lambda: done.append(m.submit({"w": np.full(4, 6, np.float32)})))
+        t.start()
+        time.sleep(0.2)
+        assert not done and m.counters.pending == 1   # blocked: the only slot is not durable
+        gate.open.set()
+        t.join(30)
+        assert done == [2]
+        m.wait_durable()
+    np.testing.assert_array_equal(read(path), np.full(4, 6))
+
+
+def test_many_snapshots_publish_in_order_and_close_loses_nothing(tmp_path):
+    path = str(tmp_path / "run.jckpt")
+    seen = []
+    stop = threading.Event()
+
+    def reader():  # a concurrent reader always sees a complete generation
+        while not stop.is_set():
+            if os.path.exists(path):
+                w = read(path)
+                assert np.all(w == w[0])
+                seen.append(int(w[0]))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        m = jckpt.Mirror(path, slots=3, ctx=jckpt.Context(durable=False))
+        for i in range(40):
+            m.submit({"w": np.full(4, i, np.float32)})
+        m.close()                                   # no wait_durable: close must flush
+    finally:
+        stop.set()
+        t.join(30)
+    np.testing.assert_array_equal(read(path), np.full(4, 39))
+    assert meta(path)["jckpt.generation"] == "40"
+    assert seen == sorted(seen)                     # generations appear in submit order
+    assert str(m.counters) == LINE.format(40, 40, 40, 0, 0)
+
+
+def test_trees_of_all_kinds(tmp_path):
+    path = str(tmp_path / "run.jckpt")
+    mesh = jax.make_mesh((8,), ("x",))
+    sharded = jax.device_put(jnp.arange(64.0).reshape(8, 8),
+                             jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x")))
+    tree = {"s": sharded, "k": jax.random.key(3), "n": 7, "b": np.array([True, False]),
+            "bf": jnp.ones(3, jnp.bfloat16)}
+    with jckpt.Mirror(path) as m:
+        m.submit(tree)
+    out = jckpt.restore(jckpt.Context(), tree, path)
+    np.testing.assert_array_equal(out["s"], sharded)
+    assert out["s"].sharding == sharded.sharding
+    assert np.array_equal(jax.random.key_data(out["k"]), jax.random.key_data(tree["k"]))
+    assert out["n"] == 7 and out["bf"].dtype == jnp.bfloat16
+
+
+def test_bad_input_is_refused_before_admission(tmp_path):
+    path = str(tmp_path / "run.jckpt")
+    with jckpt.Mirror(path) as m:
+        with pytest.raises(jckpt.InputError, match="reserved"):
+            m.submit({"w": np.ones(2)}, metadata={"jckpt.generation": "9"})
+        with pytest.raises(jckpt.InputError, match="not an array"):
+            m.submit({"w": "text"})
+        assert str(m.counters) == LINE.format(0, 0, 0, 0, 0)
+    with pytest.raises(jckpt.InputError, match="when_full"):
+        jckpt.Mirror(path, when_full="drop")
+
+
+def test_injected_oserror_is_counted_and_retried(tmp_path, monkeypatch):
+    gate = Gate(monkeypatch)
+    path = str(tmp_path / "run.jckpt")
+    with jckpt.Mirror(path, retry_after=0.02, patience=10**6) as m:
+        m.submit({"w": np.full(4, 1, np.float32)})
+        m.wait_durable()
+        gate.fail = OSError(errno.ENOSPC, "No space left on device")
+        m.submit({"w": np.full(4, 2, np.float32)})
+        wait_for(lambda: m.counters.failures >= 3)
+        c = m.counters
+        assert str(c) == LINE.format(2, 1, 1, 1, "ENOSPC")
+        assert "No space left" in c.last_error
+        np.testing.assert_array_equal(read(path), np.full(4, 1))   # the previous generation
+        assert not [n for n in os.listdir(tmp_path) if ".jckpt-stage." in n]
+        gate.fail = None                                            # the fault goes away
+        assert m.wait_durable(timeout=30)
+        assert str(m.counters) == LINE.format(2, 2, 2, 0, 0)
+        assert m.counters.failures >= 3
+    np.testing.assert_array_equal(read(path), np.full(4, 2))
+
+
+def test_unrecovered_error_is_raised_on_wait_and_close(tmp_path, monkeypatch):
+    gate = Gate(monkeypatch)
+    path = str(tmp_path / "run.jckpt")
+    m = jckpt.Mirror(path, retry_after=0.01, patience=3)
+    m.submit({"w": np.full(4, 1, np.float32)})
+    m.wait_durable()
+    gate.fail = OSError(errno.EIO, "Input/output error")
+    m.submit({"w": np.full(4, 2, np.float32)})
+    with pytest.raises(jckpt.StorageError, match="Input/output") as info:
+        m.wait_durable()
+    assert info.value.errno == errno.EIO and info.value.file == path
+    with pytest.raises(jckpt.StorageError):
+        m.close()
+    np.testing.assert_array_equal(read(path), np.full(4, 1))
+    with jckpt.Mirror(path) as again:            # the lease was released despite the error
+        assert again.counters.generation == 1
+
+
+EFBIG_CHILD = textwrap.dedent("""
+    import os, resource, signal, sys, time
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    import numpy as np
+    import jckpt
+    path = sys.argv[1]
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    m = jckpt.Mirror(path, retry_after=0.05, patience=10**6)
+    m.submit({"w": np.full(1000, 1, np.float32)})
+    m.wait_durable()
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
+    m.submit({"w": np.full(100_000, 2, np.float32)})          # 400 kB: over the limit
+    deadline = time.monotonic() + 60
+    while m.counters.error == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    print("during:", m.counters, flush=True)
+    w = jckpt.restore(jckpt.Context(), {"w": np.zeros(1000, np.float32)}, path, verify=True)["w"]
+    print("previous loads:", float(w.sum()), flush=True)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))   # the fault goes away
+    print("recovered:", m.wait_durable(timeout=60), flush=True)
+    print("after:", m.counters, flush=True)
+    m.close()
+    w = jckpt.restore(jckpt.Context(), {"w": np.zeros(100_000, np.float32)}, path, verify=True)["w"]
+    print("new loads:", float(w.sum()), flush=True)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_real_efbig_from_a_file_size_limit(tmp_path):
+    path = str(tmp_path / "run.jckpt")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", EFBIG_CHILD, path], capture_output=True, text=True,
+                         timeout=180, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split(": ", 1) for line in out.stdout.splitlines())
+    assert lines["during"] == LINE.format(2, 1, 1, 1, "EFBIG")
+    assert lines["previous loads"] == "1000.0"
+    assert lines["recovered"] == "True"
+    assert lines["after"] == LINE.format(2, 2, 2, 0, 0)
+    assert lines["new loads"] == "200000.0"
+
+
+def test_second_mirror_in_another_thread_is_refused(tmp_path):
+    path = str(tmp_path / "run.jckpt")
+    errors = []
+    with jckpt.Mirror(path) as m:
+        m.submit({"w": np.ones(4, np.float32)})
+
+        def second():
+            try:
+                jckpt.Mirror(path)
+            except jckpt.InUseError as e:
+                errors.append(e)
+
+        t = threading.Thread(target=second)
+        t.start()
+        t.join(30)
+        assert len(errors) == 1 and "in use" in str(errors[0]) and str(os.getpid()) in str(errors[0])
+    with jckpt.Mirror(path) as again:              # free once the first is closed
+        assert again.counters.generation == 1
+    assert not os.path.exists(path + ".jckpt-lease")
+
+
+LEASE_CHILD = textwrap.dedent("""
+    import sys
+    import jckpt
+    try:
+        jckpt.Mirror(sys.argv[1]).close()
+        print("opened")
+    except jckpt.InUseError as e:
+        print("refused:", e)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_second_mirror_in_another_process_is_refused(tmp_path):
+    path = str(tmp_path / "run.jckpt")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+
+    def child():
+        return subprocess.run([sys.executable, "-c", LEASE_CHILD, path], capture_output=True,
+                              text=True, timeout=120, env=env, cwd=ROOT)
+
+    with jckpt.Mirror(path) as m:
+        m.submit({"w": np.ones(4, np.float32)})
+        out = child()
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith("refused:") and "in use" in out.stdout
+        assert f"pid {os.getpid()}" in out.stdout
+    out = child()
+    assert out.stdout.strip() == "opened", out.stderr
+
+
+def test_lineage_is_recorded_refused_and_continued(tmp_path):
+    path = str(tmp_path / "run.jckpt")
+    with jckpt.Mirror(path, lineage="run-a") as m:
+        m.submit({"w": np.full(4, 1, np.float32)})
+        m.submit({"w": np.full(4, 2, np.float32)})
+    assert meta(path)["jckpt.lineage"] == "run-a" and meta(path)["jckpt.generation"] == "2"
+
+    with pytest.raises(jckpt.LineageError, match="run-a") as info:
+        jckpt.Mirror(path, lineage="run-b")
+    assert "new_lineage=True" in str(info.value)
+    with jckpt.Mirror(path) as m:                    # no lineage given: continue the file's
+        assert m.lineage == "run-a" and m.counters.generation == 2
+        m.submit({"w": np.full(4, 2, np.float32)})   # equal to the file: no new generation
+        m.wait_durable()
+        assert m.counters.generation == 2
+        m.submit({"w": np.full(4, 3, np.float32)})
+    assert meta(path)["jckpt.generation"] == "3"
+    with jckpt.Mirror(path, lineage="run-b", new_lineage=True) as m:
+        assert m.counters.generation == 0
+        np.testing.assert_array_equal(read(path), np.full(4, 3))   # untouched until a submit
+        m.submit({"w": np.full(4, 3, np.float32)})   # a new lineage always writes
+    assert meta(path)["jckpt.lineage"] == "run-b" and meta(path)["jckpt.generation"] == "1"
+
+    plain = str(tmp_path / "plain.jckpt")
+    jckpt.save(jckpt.Context(), {"w": np.ones(4, np.float32)}, plain)
+    with pytest.raises(jckpt.LineageError, match="not written by a mirror"):
+        jckpt.Mirror(plain)
+    with jckpt.Mirror(plain, new_lineage=True) as m:
+        m.submit({"w": np.zeros(4, np.float32)})
+    np.testing.assert_array_equal(read(plain), np.zeros(4))
