@@ -87,7 +87,16 @@ def put(array: np.ndarray, placement: Any) -> jax.Array:
 
 def place(array: np.ndarray, target: Any, *, host: bool, device: Any, where: str,
           key_impl: str | None = None) -> Any:
-    """Turn a loaded host array into what ``target`` (a leaf, or None) asks for."""
+    """Turn a loaded host array into what ``target`` (a leaf, or None) asks for.
+
+    Typed PRNG keys always come back as key arrays (numpy has no key dtype),
+    even for host contexts; their raw data is ``jax.random.key_data(key)``.
+    """
+    placement = getattr(target, 'sharding', None) if target is not None else None
+    if key_impl is not None:  # key data has a trailing dim the key's sharding lacks
+        keys = jax.random.wrap_key_data(jax.device_put(array, default_placement(device)),
+                                        impl=key_impl)
+        return keys if placement is None else jax.device_put(keys, placement)
     if isinstance(target, _PY_SCALARS) and not isinstance(target, np.generic):
         return type(target)(array.item())
     if isinstance(target, (np.ndarray, np.generic)):
@@ -97,9 +106,4 @@ def place(array: np.ndarray, target: Any, *, host: bool, device: Any, where: str
     if not _x64_ok(array.dtype):
         _warn_x64(where)
         return array
-    placement = getattr(target, 'sharding', None) if target is not None else None
-    if key_impl is not None:  # key data has a trailing dim the key's sharding lacks
-        keys = jax.random.wrap_key_data(jax.device_put(array, default_placement(device)),
-                                        impl=key_impl)
-        return keys if placement is None else jax.device_put(keys, placement)
     return put(array, placement if placement is not None else default_placement(device))

@@ -30,14 +30,24 @@ def arrays(draw):
     return array
 
 
+@st.composite
+def prng_keys(draw):
+    impl = draw(st.sampled_from(["threefry2x32", "rbg", "unsafe_rbg"]))
+    shape = draw(hnp.array_shapes(min_dims=0, max_dims=2, min_side=0, max_side=3))
+    return jax.random.split(jax.random.key(draw(st.integers(0, 2**31 - 1)), impl=impl),
+                            int(np.prod(shape))).reshape(shape)
+
+
 keys = st.text(alphabet=st.characters(codec="utf-8", exclude_characters="\x00"), min_size=0,
                max_size=6)
-trees = st.recursive(arrays(), lambda c: st.one_of(
+trees = st.recursive(st.one_of(arrays(), arrays(), prng_keys()), lambda c: st.one_of(
     st.dictionaries(keys, c, max_size=4), st.lists(c, max_size=3),
     st.tuples(c, c)), max_leaves=12)
 
 
 def bits(x):
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return str(jax.random.key_impl(x)), bits(jax.random.key_data(x))
     x = np.asarray(x)
     return x.dtype.newbyteorder("<") if x.dtype.byteorder == ">" else x.dtype, \
         np.ascontiguousarray(x).astype(x.dtype.newbyteorder("<")).tobytes(), x.shape
