@@ -1,0 +1,209 @@
+"""The checkpoint manager: steps, retention, restore by namespace, trainer state, preemption."""
+
+import errno
+import json
+import os
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jckpt
+from jckpt.manager import step_name
+from jckpt.storage import writer as writer_mod
+
+
+def state_at(step):
+    return {"params": {"w": jnp.full((4, 3), float(step))}, "opt": {"mu": jnp.full(3, step * 0.5)},
+            "step": jnp.int32(step)}
+
+
+def test_steps_are_files_published_in_the_background(tmp_path):
+    with jckpt.CheckpointManager(tmp_path) as mgr:
+        assert mgr.latest_step() is None and mgr.all_steps() == []
+        for step in (100, 200, 300):
+            assert mgr.save(step, state_at(step), metrics={"loss": 1.0 / step},
+                            trainer_state=jckpt.TrainerState(global_step=step, consumed_batches=2 * step,
+                                                             learning_rate=1e-3, user={"seed": 7}))
+        assert mgr.wait_durable(timeout=60)
+        assert mgr.all_steps() == [100, 200, 300] and mgr.latest_step() == 300
+        assert str(mgr.counters) == ("memory mirror: committed 3 durable 3 generation 3 "
+                                     "pending 0 error 0")
+        r = mgr.restore(target=state_at(0))
+        assert r.step == 300 and int(r.tree["step"]) == 300
+        np.testing.assert_array_equal(r.tree["params"]["w"], np.full((4, 3), 300.0))
+        assert r.trainer_state == jckpt.TrainerState(global_step=300, consumed_batches=600,
+                                                     learning_rate=1e-3, user={"seed": 7})
+        assert r.metrics == {"loss": pytest.approx(1 / 300)}
+        assert mgr.restore(100, target=state_at(0)).tree["params"]["w"][0, 0] == 100
+    names = sorted(n for n in os.listdir(tmp_path) if n.startswith("step_"))
+    assert names == [step_name(s) for s in (100, 200, 300)] == [
+        "step_00000100.jckpt", "step_00000200.jckpt", "step_00000300.jckpt"]
+    md = jckpt.describe(tmp_path / names[-1]).metadata_dict()
+    assert md["jckpt.step"] == "300" and json.loads(md["jckpt.trainer_state"])["global_step"] == 300
+    assert not os.path.exists(tmp_path / ".jckpt-lease")
+
+
+def test_retention_last_every_best_and_never_the_latest(tmp_path):
+    losses = {s: 1.0 / s for s in range(1, 13)}
+    losses[3] = 0.001          # the best loss, early
+    losses[12] = 9.0           # the latest is the worst
+    with jckpt.CheckpointManager(tmp_path, keep_last=2, keep_every=5, keep_best=1,
+                                 best_metric="loss") as mgr:
+        for s in range(1, 13):
+            mgr.save(s, {"x": np.float32(s)}, metrics={"loss": losses[s]})
+        mgr.wait_durable()
+        assert mgr.all_steps() == [3, 5, 10, 11, 12]
+        assert mgr.best_step() == 3
+        assert mgr.best_step(metric="loss", mode="max") == 12
+    with jckpt.CheckpointManager(tmp_path, keep_best=1, best_metric="acc", best_mode="max") as mgr:
+        assert mgr.all_steps() == [3, 5, 10, 11, 12]
+        mgr.save(13, {"x": np.float32(13)}, metrics={"acc": 0.5})
+        mgr.save(14, {"x": np.float32(14)}, metrics={"acc": 0.1})
+        mgr.wait_durable()
+        # Best by acc is 13; the latest durable (14) is always kept; steps without the metric go.
+        assert mgr.all_steps() == [13, 14]
+
+
+def test_interval_force_and_increasing_steps(tmp_path):
+    with jckpt.CheckpointManager(tmp_path, save_interval_steps=10, asynchronous=False) as mgr:
+        assert [mgr.save(s, {"x": np.float32(s)}) for s in range(1, 21)].count(True) == 2
+        assert mgr.all_steps() == [10, 20]              # synchronous: durable on return
+        assert mgr.save(23, {"x": np.float32(23)}, force=True)
+        with pytest.raises(jckpt.InputError, match="not above"):
+            mgr.save(20, {"x": np.float32(0)}, force=True)
+        with pytest.raises(jckpt.InputError, match="exactly one"):
+            mgr.save(30)
+        assert mgr.all_steps() == [10, 20, 23]
+
+
+def test_incomplete_steps_are_ignored_and_cleaned(tmp_path):
+    with jckpt.CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"x": np.float32(1)})
+    stage = tmp_path / (step_name(2) + ".jckpt-stage.0000abcd.00000001.0123456789abcdef")
+    stage.write_bytes(b"\0\0\0\x10partial")            # a killed writer's staging file
+    (tmp_path / step_name(3)).write_bytes(b"\0\0")     # an unreadable step file
+    (tmp_path / "notes.txt").write_text("kept")
+    with jckpt.CheckpointManager(tmp_path) as mgr:
+        assert mgr.all_steps() == [1] and mgr.latest_step() == 1
+        assert int(mgr.restore(target={"x": np.float32(0)}).tree["x"]) == 1
+    assert not stage.exists() and (tmp_path / "notes.txt").exists()
+
+
+def test_restore_namespaces_without_the_optimizer(tmp_path):
+    with jckpt.CheckpointManager(tmp_path) as mgr:
+        mgr.save(5, items={"model": {"w": jnp.ones((2, 2))}, "opt": {"mu": jnp.zeros(2)}})
+        mgr.wait_durable()
+        only = mgr.restore(namespaces=["model"]).tree
+        assert set(only) == {"model"}
+        np.testing.assert_array_equal(only["model"]["w"], np.ones((2, 2)))
+        both = mgr.restore().tree
+        assert set(both) == {"model", "opt"}
+        targeted = mgr.restore(target={"model": {"w": jax.ShapeDtypeStruct((2, 2), jnp.float32)}},
+                               namespaces=["model"]).tree
+        assert targeted["model"]["w"].shape == (2, 2)
+        with pytest.raises(jckpt.FormatError, match="no namespace 'optimizer'"):
+            mgr.restore(namespaces=["optimizer"])
+        mgr.save(6, state_at(6))
+        mgr.wait_durable()
+        partial = mgr.restore(target={"params": state_at(0)["params"]}).tree  # no optimizer read
+        assert set(partial) == {"params"}
+
+
+def test_resume_on_another_layout_reshards_or_refuses(tmp_path):
+    mesh2 = jax.make_mesh((2,), ("dp",), devices=jax.devices()[:2])
+    spec = jax.sharding.PartitionSpec("dp")
+    w = jax.device_put(jnp.arange(16.0).reshape(8, 2), jax.sharding.NamedSharding(mesh2, spec))
+    with jckpt.CheckpointManager(tmp_path) as mgr:
+        mgr.save(7, {"w": w}, trainer_state=jckpt.TrainerState(global_step=7, dp=2))
+        mgr.wait_durable()
+        with pytest.raises(jckpt.MismatchError, match="dp=2 tp=1 pp=1, this run uses dp=8") as info:
+            mgr.restore(target={"w": w}, layout=(8, 1, 1), reshard=False)
+        assert "reshard=True" in str(info.value)
+        mesh8 = jax.make_mesh((8,), ("dp",))
+        target = {"w": jax.ShapeDtypeStruct((8, 2), jnp.float32,
+                                            sharding=jax.sharding.NamedSharding(mesh8, spec))}
+        r = mgr.restore(target=target, layout=(8, 1, 1))
+        assert r.trainer_state.layout == (8, 1, 1) and r.trainer_state.global_step == 7
+        assert r.tree["w"].sharding == target["w"].sharding
+        np.testing.assert_array_equal(r.tree["w"], w)
+        same = mgr.restore(target={"w": w}, layout=jckpt.TrainerState(dp=2), reshard=False)
+        assert same.trainer_state.dp == 2
+
+
+def test_preemption_falls_back_without_a_distributed_client(tmp_path):
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with jckpt.CheckpointManager(tmp_path, save_interval_steps=100, handle_sigterm=True) as mgr:
+            assert not mgr.reached_preemption(3) and not mgr.should_save(3)
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert mgr.reached_preemption(3) and mgr.should_save(3)
+            assert mgr.save(3, {"x": np.float32(3)})
+            mgr.wait_durable()
+            assert mgr.all_steps() == [3]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    with jckpt.CheckpointManager(tmp_path) as mgr:
+        assert not mgr.reached_preemption(4)
+
+
+def test_second_manager_on_a_directory_is_refused(tmp_path):
+    with jckpt.CheckpointManager(tmp_path):
+        with pytest.raises(jckpt.InUseError, match="in use"):
+            jckpt.CheckpointManager(tmp_path)
+        with pytest.raises(jckpt.InUseError, match="in use"):
+            jckpt.CheckpointManager(str(tmp_path) + "/")
+
+
+def test_disk_error_keeps_the_step_and_retries(tmp_path, monkeypatch):
+    original = writer_mod.Sink.write
+    broken = {"on": False}
+
+    def write(sink, data):
+        if broken["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(sink, data)
+
+    monkeypatch.setattr(writer_mod.Sink, "write", write)
+    with jckpt.CheckpointManager(tmp_path, retry_after=0.02, patience=10**6) as mgr:
+        mgr.save(1, {"x": np.float32(1)})
+        mgr.wait_durable()
+        broken["on"] = True
+        mgr.save(2, {"x": np.float32(2)})
+        assert not mgr.wait_durable(timeout=0.3)
+        assert mgr.counters.error == "ENOSPC" and mgr.counters.pending == 1
+        assert mgr.all_steps() == [1]
+        broken["on"] = False
+        assert mgr.wait_durable(timeout=30)
+        assert mgr.all_steps() == [1, 2] and mgr.counters.error == 0
+
+
+def test_lineage_and_generation_continue_across_runs(tmp_path):
+    with jckpt.CheckpointManager(tmp_path, lineage="exp1") as mgr:
+        mgr.save(1, {"x": np.float32(1)})
+    with pytest.raises(jckpt.LineageError, match="exp1"):
+        jckpt.CheckpointManager(tmp_path, lineage="exp2")
+    with jckpt.CheckpointManager(tmp_path) as mgr:
+        assert mgr.lineage == "exp1" and mgr.counters.generation == 1
+        mgr.save(2, {"x": np.float32(2)})
+    md = jckpt.describe(tmp_path / step_name(2)).metadata_dict()
+    assert md["jckpt.lineage"] == "exp1" and md["jckpt.generation"] == "2"
+    with jckpt.CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(jckpt.FormatError, match="no step 9"):
+            mgr.restore(9)
+    with jckpt.CheckpointManager(tmp_path / "empty") as mgr:
+        with pytest.raises(jckpt.FormatError, match="no checkpoint"):
+            mgr.restore()
+
+
+def test_trainer_state_json_round_trip_and_validation():
+    s = jckpt.TrainerState(global_step=3, best_loss=float("inf"), tp=2, user={"a": [1, 2]})
+    assert jckpt.TrainerState.from_json(s.to_json()) == s
+    with pytest.raises(jckpt.InputError, match="dp"):
+        jckpt.TrainerState(dp=0)
+    with pytest.raises(jckpt.InputError, match="JSON"):
+        jckpt.TrainerState(user={"f": object()}).to_json()
+    with pytest.raises(jckpt.FormatError, match="not valid JSON"):
+        jckpt.TrainerState.from_json("{")
