@@ -81,6 +81,7 @@ class VerifyReport:
       checked: how many payloads had their checksum recomputed and matched.
       unchecked: names of the entries that carry no checksum this version knows.
       problems: every error and warning, in file order.
+      files: how many files were checked (a manager directory's steps).
     """
 
     path: str
@@ -88,6 +89,7 @@ class VerifyReport:
     checked: int
     unchecked: tuple[str, ...]
     problems: tuple[Problem, ...]
+    files: int = 1
 
     @property
     def errors(self) -> tuple[Problem, ...]:
@@ -107,7 +109,8 @@ class VerifyReport:
         """The text ``jckpt verify`` prints."""
         lines = [f"{p.severity.upper()}: {p}" for p in self.problems]
         verdict = 'OK' if self.ok else 'FAILED'
-        summary = (f"{verdict}: {self.path}: {self.checked} of {self.entries} checksums verified"
+        where = f"{self.path} ({self.files} files)" if self.files != 1 else self.path
+        summary = (f"{verdict}: {where}: {self.checked} of {self.entries} checksums verified"
                    f", {len(self.errors)} error{'s' if len(self.errors) != 1 else ''}"
                    f", {len(self.warnings)} warning{'s' if len(self.warnings) != 1 else ''}")
         return '\n'.join([*lines, summary])
@@ -116,7 +119,7 @@ class VerifyReport:
         return self.render()
 
     def to_dict(self) -> dict[str, Any]:
-        return {'path': self.path, 'ok': self.ok, 'entries': self.entries,
+        return {'path': self.path, 'ok': self.ok, 'files': self.files, 'entries': self.entries,
                 'checked': self.checked, 'unchecked': list(self.unchecked),
                 'problems': [dataclasses.asdict(p) for p in self.problems]}
 
@@ -144,6 +147,8 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
     path = os.fspath(path)
     if not os.path.lexists(path):
         raise _missing(path)
+    if os.path.isdir(path):
+        return _verify_directory(path, progress)
     try:
         reader = CheckpointReader(path)
     except StorageError:
@@ -175,6 +180,21 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
                     problems.append(Problem('error', err.message, path, e.name))
             bar.advance(e.byte_length)
     return VerifyReport(path, len(header.tensors), checked, tuple(unchecked), tuple(problems))
+
+
+def _verify_directory(path: str, progress: bool) -> VerifyReport:
+    """Every step of a checkpoint manager's directory, as one report."""
+    from jckpt.info import STEP_RE
+
+    names = sorted(n for n in os.listdir(path) if STEP_RE.match(n))
+    if not names:
+        raise FormatError("directory holds no checkpoint (no step_NNNNNNNN.jckpt steps)",
+                          file=path, fix="pass a checkpoint file or a checkpoint manager's "
+                                         "directory")
+    reports = [verify(os.path.join(path, n), progress=progress) for n in names]
+    return VerifyReport(path, sum(r.entries for r in reports), sum(r.checked for r in reports),
+                        tuple(u for r in reports for u in r.unchecked),
+                        tuple(p for r in reports for p in r.problems), files=len(reports))
 
 
 def _layout_problems(reader: CheckpointReader) -> list[Problem]:

@@ -59,11 +59,11 @@ def _progress(args: argparse.Namespace) -> bool:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from jckpt.info import info
 
-    summary = info(args.path)
+    summary = info(args.path, best_metric=args.best_metric, best_mode=args.best_mode)
     if args.json:
         _print_json(summary.to_dict())
     else:
-        _print(summary.render())
+        _print(summary.render(width=None))
     return EXIT_OK
 
 
@@ -188,9 +188,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser('inspect', parents=[common], help='list what a checkpoint holds',
                        description='A table of namespaces, paths, dtypes, shapes, sizes, '
                                    'offsets and whether each payload can be memory-mapped; '
-                                   'totals; and the file\'s metadata.')
-    p.add_argument('path', help='a checkpoint file')
+                                   'totals; and the file\'s metadata. For a checkpoint '
+                                   'manager\'s directory, a table of its steps.')
+    p.add_argument('path', help="a checkpoint file or a checkpoint manager's directory")
     p.add_argument('--json', action='store_true', help='print JSON instead of a table')
+    p.add_argument('--best-metric', metavar='NAME', default=None,
+                   help='manager directories: the metric that picks the best step '
+                        '(default: loss, if recorded)')
+    p.add_argument('--best-mode', choices=('min', 'max'), default='min',
+                   help='manager directories: whether the best step has the lowest or the '
+                        'highest metric (default min)')
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser('verify', parents=[common], help='check layout and every checksum',

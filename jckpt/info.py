@@ -28,11 +28,25 @@ import dataclasses
 import html
 import json
 import os
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from jckpt.format.header import Entry
+
+#: Metadata keys written by the mirror and the checkpoint manager, shown under readable names.
+#: (The same strings as ``jckpt.mirror``, ``jckpt.manager`` and ``jckpt.trainer_state`` use;
+#: repeated here so that reading them needs no JAX.)
+STEP_KEY = 'jckpt.step'
+METRICS_KEY = 'jckpt.metrics'
+TRAINER_STATE_KEY = 'jckpt.trainer_state'
+LINEAGE_KEY = 'jckpt.lineage'
+GENERATION_KEY = 'jckpt.generation'
+KNOWN_KEYS = {STEP_KEY: 'step', METRICS_KEY: 'metrics', TRAINER_STATE_KEY: 'trainer state',
+              LINEAGE_KEY: 'lineage', GENERATION_KEY: 'generation'}
+#: Step checkpoints of a manager directory: ``step_00000100.jckpt`` (a file or a directory).
+STEP_RE = re.compile(r'step_(\d{8,})\.jckpt\Z')
 
 #: Rows shown by ``repr`` and the HTML view before "... N more" (the CLI shows all).
 REPR_ROWS = 40
@@ -57,10 +71,17 @@ def format_shape(shape: Sequence[int]) -> str:
     return repr(tuple(shape))
 
 
-def shorten(text: str, width: int = VALUE_WIDTH) -> str:
-    """``text`` cut to ``width`` characters, with an ellipsis when cut."""
+def shorten(text: str, width: int | None = VALUE_WIDTH) -> str:
+    """``text`` on one line, cut to ``width`` characters with an ellipsis (None: never cut)."""
     text = text.replace('\n', ' ')
-    return text if len(text) <= width else text[:width - 3] + '...'
+    return text if width is None or len(text) <= width else text[:width - 3] + '...'
+
+
+def plural(n: int, word: str) -> str:
+    """``plural(1, 'entry')`` -> ``'1 entry'``; ``plural(2, 'entry')`` -> ``'2 entries'``."""
+    if n == 1:
+        return f"{n} {word}"
+    return f"{n} {word[:-1]}ies" if word.endswith('y') else f"{n} {word}s"
 
 
 def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
@@ -231,28 +252,36 @@ class FileInfo:
 
     def _description(self) -> str:
         ns = self.namespaces
-        return (f"jckpt file, {len(self.entries)} entries in {len(ns)} "
-                f"namespace{'s' if len(ns) != 1 else ''}, {human_bytes(self.payload_bytes)} of "
+        return (f"jckpt file, {plural(len(self.entries), 'entry')} in "
+                f"{plural(len(ns), 'namespace')}, {human_bytes(self.payload_bytes)} of "
                 f"payloads, file {human_bytes(self.size)}, alignment {self.alignment}")
 
-    def _metadata_lines(self) -> list[str]:
-        lines = [f"writer: {self.writer if self.writer is not None else '(not recorded)'}"]
-        for key, value in self.metadata:
-            lines.append(f"{key}: {shorten(_pretty_value(value))}")
-        return lines
+    def _metadata_rows(self) -> list[tuple[str, str]]:
+        """``(label, value)`` pairs: writer, the known keys by name, then user metadata."""
+        rows = [('writer', self.writer if self.writer is not None else '(not recorded)')]
+        meta = dict(self.metadata)
+        rows += [(label, _pretty_value(meta[key])) for key, label in KNOWN_KEYS.items()
+                 if key in meta]
+        rows += [(key, _pretty_value(value)) for key, value in self.metadata
+                 if key not in KNOWN_KEYS]
+        return rows
+
+    def _metadata_lines(self, width: int | None = VALUE_WIDTH) -> list[str]:
+        return [f"{label}: {shorten(value, width)}" for label, value in self._metadata_rows()]
 
     def _totals_line(self) -> str:
-        return (f"total: {len(self.entries)} entries, {human_bytes(self.payload_bytes)} "
+        return (f"total: {plural(len(self.entries), 'entry')}, {human_bytes(self.payload_bytes)} "
                 f"({self.payload_bytes} bytes), {self.mappable} of {len(self.entries)} mappable")
 
-    def render(self, limit: int | None = None) -> str:
+    def render(self, limit: int | None = None, width: int | None = VALUE_WIDTH) -> str:
         """The text view: summary, metadata, the entries' table, totals.
 
-        ``limit`` caps the number of table rows (``None``: all of them).
+        ``limit`` caps the number of table rows and ``width`` the length of
+        metadata values (``None``: no cap).
         """
         shown = self.entries if limit is None else self.entries[:limit]
         rows = [_entry_row(e) for e in shown]
-        parts = [f"{self.path}: {self._description()}", *self._metadata_lines(), '']
+        parts = [f"{self.path}: {self._description()}", *self._metadata_lines(width), '']
         parts.append(text_table(_COLUMNS, rows, right=_RIGHT) if rows else '(no entries)')
         if len(shown) < len(self.entries):
             parts.append(f"... {len(self.entries) - len(shown)} more entries")
@@ -265,9 +294,9 @@ class FileInfo:
     def _repr_html_(self) -> str:
         shown = self.entries[:REPR_ROWS]
         meta = ''.join(f"<tr><th style=\"text-align:left\">{html.escape(k)}</th>"
-                       f"<td style=\"text-align:left\"><code>{html.escape(shorten(_pretty_value(v)))}"
+                       f"<td style=\"text-align:left\"><code>{html.escape(shorten(v))}"
                        f"</code></td></tr>"
-                       for k, v in (('writer', self.writer or '(not recorded)'), *self.metadata))
+                       for k, v in self._metadata_rows())
         more = (f"<p>... {len(self.entries) - len(shown)} more entries</p>"
                 if len(shown) < len(self.entries) else '')
         return (f"<div><p><b>{html.escape(self.path)}</b>: {html.escape(self._description())}</p>"
@@ -282,10 +311,32 @@ class FileInfo:
             'data_start': self.data_start, 'version': self.version,
             'alignment': self.alignment, 'writer': self.writer,
             'metadata': dict(self.metadata),
+            **known_metadata(dict(self.metadata)),
             'entries': [e.to_dict() for e in self.entries],
             'totals': {'entries': len(self.entries), 'payload_bytes': self.payload_bytes,
                        'mappable': self.mappable, 'namespaces': self.namespaces},
         }
+
+
+def known_metadata(meta: dict[str, str]) -> dict[str, Any]:
+    """The mirror's and manager's metadata decoded for scripts: ``step``, ``metrics``,
+    ``trainer_state`` (parsed JSON), ``lineage``, ``generation`` (only those present)."""
+    out: dict[str, Any] = {}
+    for key, name in ((STEP_KEY, 'step'), (GENERATION_KEY, 'generation')):
+        if key in meta:
+            try:
+                out[name] = int(meta[key])
+            except ValueError:
+                out[name] = meta[key]
+    for key, name in ((METRICS_KEY, 'metrics'), (TRAINER_STATE_KEY, 'trainer_state')):
+        if key in meta:
+            try:
+                out[name] = json.loads(meta[key])
+            except ValueError:
+                out[name] = meta[key]
+    if LINEAGE_KEY in meta:
+        out['lineage'] = meta[LINEAGE_KEY]
+    return out
 
 
 def _pretty_value(value: str) -> str:
@@ -311,13 +362,211 @@ def file_info(path: str | os.PathLike) -> FileInfo:
                     entries=tuple(EntryInfo.from_entry(e, reader.data_start) for e in h.tensors))
 
 
-def info(path: str | os.PathLike) -> FileInfo:
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """One step of a checkpoint manager directory.
+
+    Attributes:
+      step: the step number (from the name ``step_00000100.jckpt``).
+      path: the step's file (or directory, for a multi-process save).
+      kind: ``'file'`` or ``'directory'``.
+      size: bytes on disk (all files, for a directory).
+      entries, payload_bytes: from the step's header (None when unknown).
+      metrics: the metrics saved with the step.
+      generation, lineage: the writer's generation counter and lineage id.
+      error: why the step could not be read (None when it could).
+    """
+
+    step: int
+    path: str
+    kind: str
+    size: int
+    entries: int | None = None
+    payload_bytes: int | None = None
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    generation: int | None = None
+    lineage: str | None = None
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class ManagerInfo:
+    """The summary of a checkpoint manager directory: a table of its steps.
+
+    ``best`` ranks the readable steps by ``best_metric`` (``best_mode``
+    ``'min'`` or ``'max'``; ties go to the later step, as the manager ranks
+    them); ``latest`` is the highest readable step.
+    """
+
+    path: str
+    steps: tuple[StepInfo, ...]
+    best_metric: str | None = None
+    best_mode: str = 'min'
+
+    kind = 'manager'
+
+    @property
+    def metric_names(self) -> list[str]:
+        """Every metric name saved with any step, sorted."""
+        return sorted({k for s in self.steps for k in s.metrics})
+
+    @property
+    def latest(self) -> int | None:
+        readable = [s.step for s in self.steps if s.error is None]
+        return max(readable) if readable else None
+
+    @property
+    def best(self) -> int | None:
+        if self.best_metric is None:
+            return None
+        sign = 1 if self.best_mode == 'min' else -1
+        scored = [(sign * s.metrics[self.best_metric], -s.step) for s in self.steps
+                  if s.error is None and self.best_metric in s.metrics
+                  and s.metrics[self.best_metric] == s.metrics[self.best_metric]]
+        return -min(scored)[1] if scored else None
+
+    @property
+    def size(self) -> int:
+        return sum(s.size for s in self.steps)
+
+    def _description(self) -> str:
+        parts = [f"checkpoint manager directory, {plural(len(self.steps), 'step')}, "
+                 f"{human_bytes(self.size)}"]
+        if self.latest is not None:
+            parts.append(f"latest {self.latest}")
+        if self.best is not None:
+            parts.append(f"best {self.best} by {self.best_metric} ({self.best_mode})")
+        return ', '.join(parts)
+
+    def _rows(self) -> tuple[list[str], list[list[str]], list[int]]:
+        metrics = self.metric_names
+        headers = ['step', 'size', 'entries', 'generation', *metrics, 'note']
+        rows = []
+        latest, best = self.latest, self.best
+        for s in self.steps:
+            notes = [n for n, hit in (('latest', s.step == latest), ('best', s.step == best)) if hit]
+            if s.kind == 'directory':
+                notes.append('multi-process')
+            if s.error is not None:
+                notes.append(f"unreadable: {shorten(s.error, 60)}")
+            rows.append([str(s.step), human_bytes(s.size),
+                         '?' if s.entries is None else str(s.entries),
+                         '' if s.generation is None else str(s.generation),
+                         *[f"{s.metrics[m]:.6g}" if m in s.metrics else '' for m in metrics],
+                         ', '.join(notes)])
+        right = [0, 1, 2, 3, *range(4, 4 + len(metrics))]
+        return headers, rows, right
+
+    def _lineage_line(self) -> str | None:
+        lineages = sorted({s.lineage for s in self.steps if s.lineage is not None})
+        if not lineages:
+            return None
+        return f"lineage{'s' if len(lineages) > 1 else ''}: {', '.join(lineages)}"
+
+    def render(self, limit: int | None = None, width: int | None = VALUE_WIDTH) -> str:
+        """The text view: summary, lineage, and one row per step (the last ``limit``)."""
+        headers, rows, right = self._rows()
+        shown = rows if limit is None else rows[-limit:]
+        parts = [f"{self.path}: {self._description()}"]
+        if (line := self._lineage_line()) is not None:
+            parts.append(line)
+        parts.append('')
+        if len(shown) < len(rows):
+            parts.append(f"... {len(rows) - len(shown)} earlier steps")
+        parts.append(text_table(headers, shown, right=right) if rows else '(no steps)')
+        return '\n'.join(parts)
+
+    def __repr__(self) -> str:
+        return self.render(limit=REPR_ROWS)
+
+    def _repr_html_(self) -> str:
+        headers, rows, right = self._rows()
+        line = self._lineage_line()
+        return (f"<div><p><b>{html.escape(self.path)}</b>: {html.escape(self._description())}</p>"
+                + (f"<p>{html.escape(line)}</p>" if line else '')
+                + html_table(headers, rows[-REPR_ROWS:], right=right) + '</div>')
+
+    def to_dict(self) -> dict[str, Any]:
+        return {'kind': self.kind, 'path': self.path, 'size': self.size,
+                'latest': self.latest, 'best': self.best, 'best_metric': self.best_metric,
+                'best_mode': self.best_mode, 'steps': [s.to_dict() for s in self.steps]}
+
+
+def _tree_size(path: str) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def step_info(step: int, path: str) -> StepInfo:
+    """The :class:`StepInfo` of one manager step (never raises for a damaged step)."""
+    from jckpt.errors import CheckpointError
+
+    if os.path.isdir(path):
+        return StepInfo(step, path, 'directory', _tree_size(path))
+    try:
+        fi = file_info(path)
+    except CheckpointError as e:
+        size = os.path.getsize(path) if os.path.exists(path) else 0
+        return StepInfo(step, path, 'file', size, error=str(e.message))
+    known = known_metadata(dict(fi.metadata))
+    metrics = known.get('metrics')
+    metrics = {str(k): float(v) for k, v in metrics.items()} if isinstance(metrics, dict) else {}
+    generation = known.get('generation')
+    return StepInfo(step, path, 'file', fi.size, len(fi.entries), fi.payload_bytes, metrics,
+                    generation if isinstance(generation, int) else None, known.get('lineage'))
+
+
+def is_manager_directory(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a directory holding ``step_NNNNNNNN.jckpt`` steps."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        return False
+    return any(STEP_RE.match(name) for name in os.listdir(path))
+
+
+def manager_info(path: str | os.PathLike, *, best_metric: str | None = None,
+                 best_mode: str = 'min') -> ManagerInfo:
+    """The :class:`ManagerInfo` of a checkpoint manager directory (headers only).
+
+    ``best_metric`` defaults to ``loss`` when the steps record it, else to the
+    first metric name in sorted order.
+    """
+    from jckpt.errors import InputError
+
+    path = os.fspath(path)
+    if best_mode not in ('min', 'max'):
+        raise InputError(f"best_mode must be 'min' or 'max', not {best_mode!r}")
+    found = sorted((int(m.group(1)), name) for name in os.listdir(path)
+                   if (m := STEP_RE.match(name)))
+    steps = tuple(step_info(step, os.path.join(path, name)) for step, name in found)
+    names = sorted({k for s in steps for k in s.metrics})
+    if best_metric is None and names:
+        best_metric = 'loss' if 'loss' in names else names[0]
+    return ManagerInfo(path, steps, best_metric, best_mode)
+
+
+def info(path: str | os.PathLike, *, best_metric: str | None = None,
+         best_mode: str = 'min') -> FileInfo | ManagerInfo:
     """A summary of the checkpoint at ``path``, read from its header alone.
 
     Returns a value whose ``repr`` is a table of namespaces, paths, dtypes,
     shapes, sizes, offsets and whether each payload can be memory-mapped,
     with totals and the header's metadata (writer, step, trainer state,
     lineage, ...). In Jupyter it renders as an HTML table.
+
+    A checkpoint manager directory (``step_00000100.jckpt`` steps) gives a
+    :class:`ManagerInfo` instead: a table of steps, sizes and metrics, with
+    the latest step and the best one by ``best_metric`` (``best_mode``
+    ``'min'`` or ``'max'``).
 
     Raises :class:`~jckpt.errors.FormatError` naming the file when it is
     missing or not a valid checkpoint.
@@ -327,7 +576,17 @@ def info(path: str | os.PathLike) -> FileInfo:
         >>> jckpt.info("ckpt.jckpt")                 # doctest: +SKIP
         ckpt.jckpt: jckpt file, 3 entries in 1 namespace, 1.5 MiB of payloads, ...
     """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        if is_manager_directory(path):
+            return manager_info(path, best_metric=best_metric, best_mode=best_mode)
+        from jckpt.errors import FormatError
+
+        raise FormatError("directory holds no checkpoint (no step_NNNNNNNN.jckpt steps)",
+                          file=path, fix="pass a checkpoint file or a checkpoint manager's "
+                                         "directory")
     return file_info(path)
 
 
-__all__ = ['EntryInfo', 'FileInfo', 'file_info', 'info']
+__all__ = ['EntryInfo', 'FileInfo', 'ManagerInfo', 'StepInfo', 'file_info', 'info',
+           'manager_info']
