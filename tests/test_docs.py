@@ -1,9 +1,13 @@
 """Every code example in the documentation runs, and every docstring example passes.
 
 Each page's ```python blocks are run in order, in one namespace, in a fresh
-temporary directory (so a page reads as one session). A block preceded by an
-HTML comment ``<!-- not-run: reason -->`` is shown but not run (for example a
-script meant for several processes); the reason is required.
+temporary directory (so a page reads as one session). ```console blocks run
+there too, in the same order: each ``$ command`` line is run by the shell
+(``jckpt`` meaning this interpreter's ``python -m jckpt``), must exit 0 (or
+the status its ``# exit N`` comment says), and every output line shown under it
+(other than ``...``) must appear in what it printed, up to spacing. A block
+preceded by an HTML comment ``<!-- not-run: reason -->`` is shown but not run
+(for example a script meant for several processes); the reason is required.
 """
 
 from __future__ import annotations
@@ -12,8 +16,11 @@ import contextlib
 import doctest
 import importlib
 import io
+import os
 import pkgutil
 import re
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -29,20 +36,64 @@ _NOT_RUN = re.compile(r"<!--\s*not-run:\s*(?P<reason>\S[^>]*?)\s*-->\s*\Z")
 _OPTIONAL = {"orbax", "torch", "safetensors", "flax", "matplotlib", "rich", "psutil", "optax"}
 
 
-def python_blocks(text: str) -> list[tuple[int, str]]:
-    """``(line, code)`` of each runnable ```python block of a Markdown page."""
+def doc_blocks(text: str) -> list[tuple[int, str, str]]:
+    """``(line, kind, body)`` of each runnable ```python or ```console block of a page."""
     blocks = []
     for m in _FENCE.finditer(text):
         info = m.group("info").strip().split()
-        if not info or info[0] not in ("python", "py"):
+        if not info or info[0] not in ("python", "py", "console"):
             continue
-        before = text[:m.start()].rstrip()
-        marker = _NOT_RUN.search(before[-300:])
-        if marker:
+        if _NOT_RUN.search(text[:m.start()].rstrip()[-300:]):
             continue
         line = text.count("\n", 0, m.start()) + 2
-        blocks.append((line, m.group("body")))
+        blocks.append((line, "console" if info[0] == "console" else "python", m.group("body")))
     return blocks
+
+
+def python_blocks(text: str) -> list[tuple[int, str]]:
+    """``(line, code)`` of each runnable ```python block of a Markdown page."""
+    return [(line, body) for line, kind, body in doc_blocks(text) if kind == "python"]
+
+
+_EXIT = re.compile(r"\s#\s*exit\s+(\d+)\s*\Z")
+
+
+def console_commands(body: str) -> list[tuple[str, int, list[str]]]:
+    """``(command, expected exit status, expected output lines)`` of a console block."""
+    commands: list[tuple[str, int, list[str]]] = []
+    for raw in body.splitlines():
+        if raw.startswith("$ "):
+            command = raw[2:].strip()
+            status = 0
+            m = _EXIT.search(command)
+            if m:
+                status = int(m.group(1))
+                command = command[:m.start()].rstrip()
+            commands.append((command, status, []))
+        elif commands and raw.strip() and raw.strip() != "...":
+            commands[-1][2].append(raw)
+    return commands
+
+
+def _squash(text: str) -> str:
+    return " ".join(text.split())
+
+
+def run_console(body: str, where: str, cwd: Path) -> None:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", COLUMNS="120")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    for command, status, expected in console_commands(body):
+        shell = re.sub(r"(^|[|;&]\s*)jckpt\b", lambda m: m.group(1) + f"{sys.executable} -m jckpt",
+                       command)
+        out = subprocess.run(["bash", "-c", shell], cwd=cwd, env=env, capture_output=True,
+                             text=True, timeout=300)
+        printed = out.stdout + out.stderr
+        assert out.returncode == status, (f"{where}: `{command}` exited {out.returncode}, the page "
+                                          f"says {status}\n{printed}")
+        squashed = _squash(printed)
+        for line in expected:
+            assert _squash(line) in squashed, (f"{where}: `{command}` did not print\n  {line}\n"
+                                               f"it printed:\n{printed}")
 
 
 def _pages() -> list[Path]:
@@ -52,8 +103,11 @@ def _pages() -> list[Path]:
 def test_block_extraction():
     text = ("intro\n```python\nx = 1\n```\n\n```bash\nls\n```\n"
             "<!-- not-run: needs two processes -->\n```python\nboom()\n```\n"
-            "```python title=\"t.py\"\ny = x + 1\n```\n")
+            "```python title=\"t.py\"\ny = x + 1\n```\n"
+            "```console\n$ jckpt verify a.jckpt  # exit 1\nFAILED: a\n...\n$ ls\n```\n")
     assert python_blocks(text) == [(3, "x = 1\n"), (14, "y = x + 1\n")]
+    (_, _kind, body), = [b for b in doc_blocks(text) if b[1] == "console"]
+    assert console_commands(body) == [("jckpt verify a.jckpt", 1, ["FAILED: a"]), ("ls", 0, [])]
 
 
 def test_docs_have_examples():
@@ -64,12 +118,15 @@ def test_docs_have_examples():
 
 @pytest.mark.parametrize("page", _pages(), ids=lambda p: p.name)
 def test_page_examples_run(page: Path, tmp_path, monkeypatch):
-    blocks = python_blocks(page.read_text())
+    blocks = doc_blocks(page.read_text())
     if not blocks:
-        pytest.skip(f"{page.name} has no python examples")
+        pytest.skip(f"{page.name} has no examples")
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
-    for line, code in blocks:
+    for line, kind, code in blocks:
+        if kind == "console":
+            run_console(code, f"docs/{page.name}:{line}", tmp_path)
+            continue
         compiled = compile(code, f"{page.name}:{line}", "exec")
         out = io.StringIO()
         try:
