@@ -181,7 +181,7 @@ def load(ctx: Context, path: PathLike, *, prefix_namespace: str | None = None,
         for stored, e in zip(reader.header.tensors, header.tensors):
             array = reader.decode(stored, mmap=mmap, verify=verify)
             value = placement.place(array, None, host=ctx.host, device=ctx.device, where=e.name,
-                                    key_impl=e.key_impl)
+                                    key_impl=e.key_impl, file=path)
             key = e.path if e.path is not None else (('k', f"n{e.id}"),)
             groups.setdefault(e.namespace, []).append((key, value))
             bar.advance(stored.byte_length)
@@ -259,7 +259,7 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
                                     fix="pass cast=True to convert, or fix the target's dtype")
             array = array.astype(want_dtype)
         leaves.append(placement.place(array, leaf, host=ctx.host, device=ctx.device,
-                                      where=where, key_impl=entry.key_impl))
+                                      where=where, key_impl=entry.key_impl, file=path))
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 

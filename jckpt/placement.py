@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jckpt.errors import InputError
+from jckpt.errors import FormatError, InputError
 from jckpt.format import precs
 
 _PY_SCALARS = (bool, int, float, complex)
@@ -86,7 +86,7 @@ def put(array: np.ndarray, placement: Any) -> jax.Array:
 
 
 def place(array: np.ndarray, target: Any, *, host: bool, device: Any, where: str,
-          key_impl: str | None = None) -> Any:
+          key_impl: str | None = None, file: str | None = None) -> Any:
     """Turn a loaded host array into what ``target`` (a leaf, or None) asks for.
 
     Typed PRNG keys always come back as key arrays (numpy has no key dtype),
@@ -94,8 +94,12 @@ def place(array: np.ndarray, target: Any, *, host: bool, device: Any, where: str
     """
     placement = getattr(target, 'sharding', None) if target is not None else None
     if key_impl is not None:  # key data has a trailing dim the key's sharding lacks
-        keys = jax.random.wrap_key_data(jax.device_put(array, default_placement(device)),
-                                        impl=key_impl)
+        try:
+            keys = jax.random.wrap_key_data(jax.device_put(array, default_placement(device)),
+                                            impl=key_impl)
+        except (ValueError, TypeError) as e:  # an unknown impl, or data of the wrong shape
+            raise FormatError(f"cannot rebuild PRNG keys of {key_impl!r}: {e}", file=file,
+                              entry=where, fix="the entry's key_impl or dims are damaged") from None
         return keys if placement is None else jax.device_put(keys, placement)
     if isinstance(target, _PY_SCALARS) and not isinstance(target, np.generic):
         return type(target)(array.item())

@@ -481,8 +481,17 @@ def _same(a: Any, b: Any) -> bool:
         return isinstance(b, list) and len(a) == len(b) and all(map(_same, a, b))
     if a is None or b is None:
         return a is b
-    a, b = np.asarray(a), np.asarray(b)
+    a, b = _plain(a), _plain(b)
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def _plain(x: Any) -> np.ndarray:
+    """A numpy array of ``x`` (a typed PRNG key becomes its key data)."""
+    import jax
+
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x)
 
 
 def check_case(path: str, data: bytes, seed: Seed | None, facts: dict) -> str:
