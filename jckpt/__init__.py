@@ -36,6 +36,7 @@ from jckpt.version import __version__
 logging.getLogger('jckpt').addHandler(logging.NullHandler())  # the library prints nothing
 
 if TYPE_CHECKING:
+    from jckpt.adapters import convert, detect_format, register_format
     from jckpt.api import describe, ingestion_counts, load, restore, save
     from jckpt.check import verify
     from jckpt.context import Context, Registry
@@ -50,6 +51,8 @@ _LAZY = {
     'ingestion_counts': 'jckpt.api', 'describe': 'jckpt.api',
     'Context': 'jckpt.context', 'Registry': 'jckpt.context',
     'prefix_namespace': 'jckpt.tree',
+    'convert': 'jckpt.adapters', 'detect_format': 'jckpt.adapters',
+    'register_format': 'jckpt.adapters',
     'verify': 'jckpt.check',
     'Mirror': 'jckpt.mirror', 'MirrorCounters': 'jckpt.mirror',
     'CheckpointManager': 'jckpt.manager', 'Restored': 'jckpt.manager',
@@ -71,6 +74,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    'convert', 'detect_format', 'register_format',
     'CheckpointManager', 'Mirror', 'MirrorCounters', 'Restored', 'TrainerState',
     'CapacityError', 'CheckpointError', 'ChecksumError', 'ClashError', 'Context',
     'FormatError', 'InUseError', 'InputError', 'LineageError', 'MismatchError',

@@ -1,0 +1,251 @@
+"""Format adapters: read and write other tools' checkpoint files, and convert between them.
+
+A format is a name, a way to recognise a file by its first bytes (or a
+directory by its layout), a reader and a writer. Every adapter reads to and
+writes from the form :func:`jckpt.load` returns, ``{namespace: subtree}``
+with host numpy arrays as leaves, so values round-trip bit-exactly:
+
+* ``jckpt``: this library's own files (all namespaces, exact paths).
+* ``safetensors``: ``.safetensors`` files and Hugging Face's sharded
+  ``model.safetensors.index.json`` layout (:mod:`jckpt.adapters.safetensors`).
+* ``npz`` / ``npy``: numpy archives and single arrays (:mod:`jckpt.adapters.numpy`).
+* ``llmc``: llm.c GPT-2 model files (:mod:`jckpt.adapters.llmc`).
+* ``torch``: ``torch.save`` files, read without torch (:mod:`jckpt.adapters.torch`).
+* ``orbax``: orbax PyTree checkpoint directories (:mod:`jckpt.adapters.orbax`).
+* ``ocannl``: jckpt files limited to what OCANNL reads (:mod:`jckpt.adapters.ocannl`).
+
+Formats without namespaces read into the namespace ``jckpt`` (the default
+``Context``'s), and a tree of one namespace is written as that subtree alone.
+Formats with flat tensor names (safetensors, npz) name a leaf by its key path
+joined with ``.`` and also record the exact paths in the file's metadata, so a
+jckpt tree converted there and back comes back with its structure; a foreign
+file without that record reads as ``{'jckpt': {name: array}}``.
+
+>>> import numpy as np, tempfile, os
+>>> d = tempfile.mkdtemp()
+>>> write({'jckpt': {'w': np.arange(3.0)}}, os.path.join(d, 'w.npz'))
+>>> convert(os.path.join(d, 'w.npz'), os.path.join(d, 'w.safetensors'))
+('npz', 'safetensors')
+>>> detect_format(os.path.join(d, 'w.safetensors'))
+'safetensors'
+>>> read(os.path.join(d, 'w.safetensors'))['jckpt']['w']
+array([0., 1., 2.])
+
+Users add their own formats with :func:`register_format`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from jckpt.errors import FormatError, InputError
+
+PathLike = str | os.PathLike
+#: How many leading bytes a sniffer sees.
+SNIFF_BYTES = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """One registered format.
+
+    Attributes:
+      name: the format's name (``'safetensors'``).
+      read: ``read(path) -> {namespace: subtree}``.
+      write: ``write(tree, path) -> None``, or None for a read-only format.
+      sniff: ``sniff(path, head) -> bool``: whether the file is in this format,
+        from ``head``, its first :data:`SNIFF_BYTES` bytes (``None`` when
+        ``path`` is a directory). None: never detected, only chosen by name.
+      extensions: file name endings that choose this format for a destination.
+    """
+
+    name: str
+    read: Callable[[str], Any]
+    write: Callable[[Any, str], None] | None = None
+    sniff: Callable[[str, bytes | None], bool] | None = None
+    extensions: tuple[str, ...] = ()
+
+
+_LOCK = threading.RLock()
+_FORMATS: dict[str, Format] = {}
+
+
+def register_format(name: str, *, read: Callable[[str], Any],
+                    write: Callable[[Any, str], None] | None = None,
+                    sniff: Callable[[str, bytes | None], bool] | None = None,
+                    extensions: tuple[str, ...] | list[str] = (),
+                    replace: bool = False) -> Format:
+    """Add a format to the registry (formats registered later are tried first).
+
+    Args:
+      name: the name that ``convert(..., format=name)`` and ``detect_format`` use.
+      read: ``read(path) -> {namespace: subtree}`` (host numpy leaves).
+      write: ``write(tree, path)`` taking that same form.
+      sniff: ``sniff(path, head) -> bool`` recognising a file by its first bytes
+        (``head`` is None for a directory).
+      extensions: destination name endings (``'.mine'``) that pick this format.
+      replace: allow replacing a format of the same name.
+
+    Example::
+
+        jckpt.register_format('mine', read=read_mine, write=write_mine,
+                              sniff=lambda path, head: head is not None and head[:4] == b'MINE',
+                              extensions=('.mine',))
+    """
+    if not isinstance(name, str) or not name:
+        raise InputError(f"format name must be a non-empty string, not {name!r}")
+    fmt = Format(name=name, read=read, write=write, sniff=sniff,
+                 extensions=tuple(e.lower() for e in extensions))
+    with _LOCK:
+        if name in _FORMATS and not replace:
+            raise InputError(f"format {name!r} is already registered",
+                             fix="pass replace=True to replace it")
+        _FORMATS.pop(name, None)
+        _FORMATS[name] = fmt
+    return fmt
+
+
+def formats() -> dict[str, Format]:
+    """The registered formats by name (a copy)."""
+    _ensure_builtins()
+    with _LOCK:
+        return dict(_FORMATS)
+
+
+def get_format(name: str) -> Format:
+    """The registered format called ``name``; :class:`InputError` naming the known ones."""
+    known = formats()
+    if name not in known:
+        raise InputError(f"unknown format {name!r}", fix=f"use one of {sorted(known)}")
+    return known[name]
+
+
+_BUILTINS = ('jckpt.adapters.native', 'jckpt.adapters.ocannl', 'jckpt.adapters.numpy',
+             'jckpt.adapters.safetensors', 'jckpt.adapters.llmc', 'jckpt.adapters.torch',
+             'jckpt.adapters.orbax')
+_loaded = False
+
+
+def _ensure_builtins() -> None:
+    global _loaded
+    if _loaded:
+        return
+    with _LOCK:
+        if _loaded:
+            return
+        user = dict(_FORMATS)
+        for module in _BUILTINS:
+            importlib.import_module(module).register()
+        for name, fmt in user.items():  # formats a user registered first win and stay first
+            _FORMATS.pop(name, None)
+            _FORMATS[name] = fmt
+        _loaded = True
+
+
+def detect_format(path: PathLike) -> str:
+    """The name of the format of the file (or directory) at ``path``, from its content.
+
+    Raises :class:`~jckpt.errors.FormatError` naming the file when it does not
+    exist or no registered format recognises it.
+
+    Example::
+
+        jckpt.detect_format('model.safetensors')   # 'safetensors'
+    """
+    path = os.fspath(path)
+    known = formats()
+    if os.path.isdir(path):
+        head = None
+    else:
+        try:
+            with open(path, 'rb') as f:
+                head = f.read(SNIFF_BYTES)
+        except FileNotFoundError:
+            raise FormatError("no such file or directory", file=path, fix="check the path") from None
+        except OSError as e:
+            from jckpt.storage.publish import storage_error
+            raise storage_error(e, "reading", path) from e
+    for fmt in reversed(list(known.values())):
+        if fmt.sniff is None:
+            continue
+        try:
+            if fmt.sniff(path, head):
+                return fmt.name
+        except Exception:  # a sniffer that fails does not recognise the file
+            continue
+    what = 'directory' if head is None else 'file'
+    raise FormatError(f"{what} is in no format jckpt recognises", file=path,
+                      fix=f"pass format= one of {sorted(n for n, f in known.items() if f.sniff)}, "
+                          "or register_format() a reader for it")
+
+
+def format_for_destination(path: PathLike) -> str | None:
+    """The format a destination's name asks for (by extension), or None."""
+    name = os.fspath(path).lower().rstrip('/')
+    best: tuple[int, str] | None = None
+    for fmt in formats().values():
+        for ext in fmt.extensions:
+            if name.endswith(ext) and (best is None or len(ext) > best[0]):
+                best = (len(ext), fmt.name)
+    return best[1] if best else None
+
+
+def read(path: PathLike, format: str | None = None) -> dict[str, Any]:
+    """Read ``path`` as ``{namespace: subtree}``; the format is detected unless given."""
+    path = os.fspath(path)
+    return get_format(format or detect_format(path)).read(path)
+
+
+def write(tree: Any, path: PathLike, format: str | None = None) -> None:
+    """Write ``{namespace: subtree}`` to ``path`` in ``format`` (default: from its extension)."""
+    path = os.fspath(path)
+    name = format or format_for_destination(path)
+    if name is None:
+        raise InputError("cannot tell the format from the file name", file=path,
+                         fix=f"pass format= one of {sorted(formats())}")
+    fmt = get_format(name)
+    if fmt.write is None:
+        raise InputError(f"format {name!r} cannot be written, only read", file=path)
+    fmt.write(tree, path)
+
+
+def convert(src: PathLike, dst: PathLike, *, format: str | None = None) -> tuple[str, str]:
+    """Convert the checkpoint at ``src`` into ``dst``; return ``(source, destination)`` formats.
+
+    The source format is detected from the file's bytes (or the directory's
+    layout). The destination format is ``format`` if given, else the one its
+    name's extension says (``.jckpt``, ``.safetensors``, ``.npz``, ``.npy``,
+    ``.bin``, ``.pt``/``.pth``), else ``jckpt`` when the source is not a jckpt
+    file. The destination is replaced atomically; values are copied bit-exactly.
+
+    Example::
+
+        jckpt.convert('model.safetensors', 'model.jckpt')
+        jckpt.convert('ckpt.jckpt', 'exported', format='orbax')
+    """
+    src, dst = os.fspath(src), os.fspath(dst)
+    source = detect_format(src)
+    target = format or format_for_destination(dst)
+    if target is None:
+        if source == 'jckpt':
+            raise InputError("cannot tell the destination format from its name", file=dst,
+                             fix=f"pass format= one of {sorted(formats())}")
+        target = 'jckpt'
+    fmt = get_format(target)
+    if fmt.write is None:
+        raise InputError(f"format {target!r} cannot be written, only read", file=dst)
+    if os.path.exists(dst) and os.path.samefile(src, dst):
+        raise InputError("source and destination are the same file", file=dst,
+                         fix="convert into another path")
+    tree = get_format(source).read(src)
+    fmt.write(tree, dst)
+    return source, target
+
+
+__all__ = ['Format', 'convert', 'detect_format', 'format_for_destination', 'formats',
+           'get_format', 'read', 'register_format', 'write']

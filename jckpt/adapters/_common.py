@@ -1,0 +1,189 @@
+"""Helpers shared by the format adapters: the tree form, names, files, archives.
+
+Every adapter reads to and writes from the form :func:`jckpt.load` returns,
+``{namespace: subtree}`` with host numpy arrays as leaves. Formats without
+namespaces put what they hold under :data:`DEFAULT_NAMESPACE`, and write a
+tree of one namespace as its subtree alone (several namespaces become the
+top level of what is written).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import mmap as mmap_mod
+import os
+import posixpath
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from jckpt.errors import FormatError, InputError
+from jckpt.format.header import NAMESPACE_RE, KeyPath, path_name
+
+#: The namespace foreign files are read into (``jckpt.Context()``'s default).
+DEFAULT_NAMESPACE = 'jckpt'
+
+
+def check_namespaced(tree: Any, file: str) -> dict[str, Any]:
+    """``tree`` as ``{namespace: subtree}``, refusing anything else before a byte is written."""
+    if not isinstance(tree, dict) or not all(isinstance(k, str) and NAMESPACE_RE.match(k)
+                                             for k in tree):
+        raise InputError("adapters write a tree of the form jckpt.load returns: "
+                         "{namespace: subtree}", file=file,
+                         fix="wrap the tree as {'jckpt': tree}")
+    return tree
+
+
+def host_items(tree: Any, file: str) -> list[tuple[str, KeyPath, np.ndarray]]:
+    """``[(namespace, path, host array)]`` for every leaf of ``{namespace: subtree}``."""
+    from jckpt import placement
+    from jckpt import tree as tree_mod
+
+    out = []
+    for ns, sub in check_namespaced(tree, file).items():
+        for path, leaf in tree_mod.flatten(sub):
+            where = f"{ns}/{path_name(path) or '<root>'}"
+            try:
+                array, _ = placement.to_host(leaf, where)
+            except InputError as e:
+                raise InputError(e.message, file=file, entry=e.entry, fix=e.fix) from None
+            out.append((ns, path, array))
+    return out
+
+
+def flat_name(ns: str, path: KeyPath, several: bool, sep: str = '.') -> str:
+    """The flat tensor name of a leaf: its path joined by ``sep``, prefixed by the
+    namespace when the tree has several."""
+    parts = [str(v) for _, v in path]
+    if several:
+        parts.insert(0, ns)
+    return sep.join(parts)
+
+
+def flat_names(items: list[tuple[str, KeyPath, np.ndarray]], file: str,
+               sep: str = '.') -> list[str]:
+    """Distinct flat names for ``items``; refuses two leaves that would share one."""
+    several = len({ns for ns, _, _ in items}) > 1
+    names = [flat_name(ns, p, several, sep) for ns, p, _ in items]
+    seen: dict[str, str] = {}
+    for (ns, p, _), name in zip(items, names):
+        if name in seen:
+            raise InputError(f"two leaves would both be stored as {name!r}", file=file,
+                             entry=f"{ns}/{path_name(p)}",
+                             fix=f"rename one of them (also {seen[name]})")
+        seen[name] = f"{ns}/{path_name(p)}"
+    return names
+
+
+def paths_json(items: list[tuple[str, KeyPath, np.ndarray]], names: list[str]) -> str:
+    """A JSON record of each stored name's namespace and exact key path."""
+    return json.dumps({name: [ns, [list(c) for c in p]] for (ns, p, _), name in zip(items, names)},
+                      separators=(',', ':'))
+
+
+def tree_from_names(arrays: dict[str, np.ndarray], record: str | None,
+                    namespace: str = DEFAULT_NAMESPACE) -> dict[str, Any]:
+    """Rebuild ``{namespace: subtree}`` from named arrays and, when it is present
+    and covers exactly these names, the paths record written by :func:`paths_json`."""
+    from jckpt import tree as tree_mod
+
+    paths = _parse_record(record, set(arrays))
+    if paths is None:
+        return {namespace: dict(arrays)}
+    groups: dict[str, list] = {}
+    for name, array in arrays.items():
+        ns, p = paths[name]
+        groups.setdefault(ns, []).append((p, array))
+    try:
+        return {ns: tree_mod.unflatten(items) for ns, items in groups.items()}
+    except FormatError:
+        return {namespace: dict(arrays)}
+
+
+def _parse_record(record: str | None, names: set[str]) -> dict[str, tuple[str, KeyPath]] | None:
+    if not record:
+        return None
+    try:
+        raw = json.loads(record)
+        out = {}
+        for name, (ns, comps) in raw.items():
+            if not (isinstance(ns, str) and NAMESPACE_RE.match(ns)):
+                return None
+            path = []
+            for kind, value in comps:
+                if (kind in ('k', 'a') and isinstance(value, str)) or (kind in ('ki', 'i', 'f') \
+                        and isinstance(value, int) and not isinstance(value, bool)):
+                    path.append((kind, value))
+                else:
+                    return None
+            out[name] = (ns, tuple(path))
+    except (ValueError, TypeError, AttributeError):
+        return None
+    if set(out) != names or len({(ns, p) for ns, p in out.values()}) != len(out):
+        return None
+    return out
+
+
+def single_content(tree: dict[str, Any]) -> Any:
+    """What a namespace-less format stores: the only namespace's subtree, or the whole
+    ``{namespace: subtree}`` when there are several (or none)."""
+    if len(tree) == 1:
+        return next(iter(tree.values()))
+    return tree
+
+
+def check_member_name(name: str, file: str) -> None:
+    """Refuse archive member names that could escape a directory: ``..``, absolute, drive."""
+    norm = name.replace('\\', '/')
+    parts = norm.split('/')
+    if norm.startswith('/') or '..' in parts or (len(norm) > 1 and norm[1] == ':') or '\0' in name:
+        raise FormatError(f"archive member name {name!r} is unsafe (absolute or with '..')",
+                          file=file, fix="the archive is malicious or damaged; do not use it")
+    if posixpath.normpath(norm).startswith('..'):
+        raise FormatError(f"archive member name {name!r} escapes the archive", file=file,
+                          fix="the archive is malicious or damaged; do not use it")
+
+
+def map_file(path: str) -> mmap_mod.mmap | bytes:
+    """A private (copy-on-write) mapping of the whole file; ``b''`` when it is empty."""
+    try:
+        with open(path, 'rb') as f:
+            size = os.fstat(f.fileno()).st_size
+            return mmap_mod.mmap(f.fileno(), 0, access=mmap_mod.ACCESS_COPY) if size else b''
+    except FileNotFoundError:
+        raise FormatError("no such file", file=path, fix="check the path") from None
+    except IsADirectoryError:
+        raise FormatError("is a directory, not a file", file=path,
+                          fix="pass a file, or the format that reads this directory") from None
+
+
+def array_view(buffer, dtype: np.dtype, shape: tuple[int, ...], offset: int,
+               file: str, entry: str) -> np.ndarray:
+    """``shape`` elements of ``dtype`` at ``offset`` of ``buffer``: a zero-copy view
+    when the offset is a multiple of the element size, an aligned copy otherwise."""
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if offset < 0 or offset + count * dtype.itemsize > len(buffer):
+        raise FormatError("tensor data extends past the end of the file", file=file, entry=entry,
+                          fix="the file is truncated or damaged")
+    array = np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(shape)
+    if dtype.itemsize > 1 and offset % dtype.itemsize:
+        array = array.copy()
+    return array
+
+
+@contextlib.contextmanager
+def published(target: str, durable: bool = True) -> Iterator[io.BufferedWriter]:
+    """A binary file object on a staging sibling of ``target``, published on success."""
+    from jckpt.storage.publish import StagingFile, storage_error
+
+    with StagingFile(target, durable=durable) as staging:
+        try:
+            with os.fdopen(os.dup(staging.fd), 'w+b') as f:
+                yield f
+                f.flush()
+        except OSError as e:
+            raise storage_error(e, "writing", target) from e
+        staging.publish()

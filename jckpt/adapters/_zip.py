@@ -1,0 +1,81 @@
+"""Zip archives for the adapters: member data located for zero-copy reads, aligned writes.
+
+Readers map the archive and view a stored (uncompressed) member's bytes in
+place; writers store members uncompressed with their data aligned to 64
+bytes (padding in the local header's extra field, as ``torch.save`` does), so
+they can be mapped in turn.
+"""
+
+from __future__ import annotations
+
+import struct
+import zipfile
+from collections.abc import Iterable
+
+from jckpt.adapters._common import check_member_name
+from jckpt.errors import FormatError
+
+ALIGNMENT = 64
+_LOCAL_HEADER = struct.Struct('<4sHHHHHIIIHH')
+_PAD_ID = 0x4246  # 'FB': the padding record torch.save uses
+
+
+def open_zip(path: str) -> zipfile.ZipFile:
+    """Open ``path`` as a zip archive; :class:`FormatError` if it is not one or is truncated,
+    or if a member name could escape a directory."""
+    try:
+        zf = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+        raise FormatError(f"not a readable zip archive ({e})", file=path,
+                          fix="the file is truncated or damaged") from None
+    for info in zf.infolist():
+        check_member_name(info.filename, path)
+    return zf
+
+
+def member_span(buffer, info: zipfile.ZipInfo, file: str) -> tuple[int, int]:
+    """``(start, length)`` of a member's stored bytes inside the archive ``buffer``."""
+    at = info.header_offset
+    if at < 0 or at + _LOCAL_HEADER.size > len(buffer):
+        raise FormatError(f"archive member {info.filename!r} lies past the end of the file",
+                          file=file, fix="the file is truncated or damaged")
+    fields = _LOCAL_HEADER.unpack_from(buffer, at)
+    if fields[0] != b'PK\x03\x04':
+        raise FormatError(f"archive member {info.filename!r} has no local header", file=file,
+                          fix="the file is damaged")
+    start = at + _LOCAL_HEADER.size + fields[9] + fields[10]
+    if start + info.compress_size > len(buffer):
+        raise FormatError(f"archive member {info.filename!r} extends past the end of the file",
+                          file=file, fix="the file is truncated")
+    return start, info.compress_size
+
+
+def member_bytes(zf: zipfile.ZipFile, buffer, info: zipfile.ZipInfo, file: str):
+    """A member's content: a zero-copy memoryview when stored, else decompressed bytes."""
+    if info.compress_type == zipfile.ZIP_STORED:
+        start, length = member_span(buffer, info, file)
+        return memoryview(buffer)[start:start + length]
+    try:
+        return zf.read(info)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError) as e:
+        raise FormatError(f"archive member {info.filename!r} cannot be read ({e})", file=file,
+                          fix="the file is truncated or damaged") from None
+
+
+def write_member(zf: zipfile.ZipFile, name: str, chunks: Iterable, size: int) -> None:
+    """Store ``size`` bytes from ``chunks`` as member ``name``, its data 64-byte aligned."""
+    info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+    info.compress_type = zipfile.ZIP_STORED
+    info.file_size = size
+    zip64 = size > zipfile.ZIP64_LIMIT
+    position = zf.fp.tell()
+    fixed = _LOCAL_HEADER.size + len(name.encode('utf-8')) + (20 if zip64 else 0)
+    pad = -(position + fixed + 4) % ALIGNMENT
+    info.extra = struct.pack('<HH', _PAD_ID, pad) + b'Z' * pad
+    written = 0
+    with zf.open(info, 'w', force_zip64=zip64) as out:
+        for chunk in chunks:
+            out.write(chunk)
+            written += len(memoryview(chunk).cast('B'))
+    if written != size:
+        raise FormatError(f"wrote {written} bytes for member {name!r} of {size}")

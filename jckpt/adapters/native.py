@@ -1,0 +1,83 @@
+"""The ``jckpt`` format itself, as an adapter: every namespace in one atomic write.
+
+``read`` is :func:`jckpt.load` with host arrays (zero-copy views of the
+file); ``write`` stores every namespace of ``{namespace: subtree}`` in one
+file published by a single rename (``jckpt.save`` writes one namespace).
+
+>>> import numpy as np, tempfile, os
+>>> path = os.path.join(tempfile.mkdtemp(), 'two.jckpt')
+>>> write({'model': {'w': np.ones(2)}, 'opt': {'m': np.zeros(2)}}, path)
+>>> sorted(read(path))
+['model', 'opt']
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+from jckpt.adapters._common import host_items
+from jckpt.format import precs
+from jckpt.format.header import DEFAULT_ALIGNMENT, Entry, Header, KeyPath
+from jckpt.format.layout import lay_out
+
+#: The first bytes of every header jckpt and OCANNL write, after the 4-byte length.
+_HEADER_START = b'((version'
+
+
+def sniff(path: str, head: bytes | None) -> bool:
+    """A 4-byte big-endian header length followed by ``((version``."""
+    if head is None or len(head) < 4 + len(_HEADER_START):
+        return False
+    (hlen,) = struct.unpack('>I', head[:4])
+    return hlen >= len(_HEADER_START) and head[4:].lstrip()[:len(_HEADER_START)] == _HEADER_START
+
+
+def read(path: str) -> dict[str, Any]:
+    """Every entry of the file as ``{namespace: subtree}`` of host numpy arrays."""
+    import jckpt
+
+    _, tree = jckpt.load(jckpt.Context(host=True), path)
+    return tree
+
+
+def build_header(items: Sequence[tuple[str, KeyPath, Any]], *, alignment: int = DEFAULT_ALIGNMENT,
+                 metadata: Sequence[tuple[str, str]] = ()) -> Header:
+    """A laid-out header for ``(namespace, path, host array)`` items, ids counted per namespace."""
+    from jckpt.version import __version__
+
+    next_id: dict[str, int] = {}
+    entries = []
+    for ns, path, array in items:
+        ident = next_id.get(ns, 0)
+        next_id[ns] = ident + 1
+        entries.append(Entry(id=ident, namespace=ns, prec=precs.prec_of(array.dtype),
+                             dims=tuple(array.shape), offset=0, byte_length=array.nbytes,
+                             label=tuple(str(v) for _, v in path), path=path))
+    return lay_out(Header(tensors=tuple(entries), alignment=alignment,
+                          writer=f"jckpt {__version__}", metadata=tuple(metadata)))
+
+
+def write_items(items: Sequence[tuple[str, KeyPath, Any]], path: str, *,
+                alignment: int = DEFAULT_ALIGNMENT,
+                metadata: Sequence[tuple[str, str]] = ()) -> Header:
+    """Write host arrays as one jckpt file, atomically and durably; return the header."""
+    from jckpt.storage.writer import ArraySource, write_checkpoint
+
+    header = build_header(items, alignment=alignment, metadata=metadata)
+    return write_checkpoint(path, header, [ArraySource(a) for _, _, a in items])
+
+
+def write(tree: Any, path: str) -> None:
+    """Write ``{namespace: subtree}`` to one jckpt file."""
+    path = os.fspath(path)
+    write_items(host_items(tree, path), path)
+
+
+def register() -> None:
+    from jckpt.adapters import register_format
+
+    register_format('jckpt', read=read, write=write, sniff=sniff, extensions=('.jckpt',),
+                    replace=True)

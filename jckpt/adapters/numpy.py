@@ -1,0 +1,232 @@
+"""numpy ``.npy`` and ``.npz`` files, read and written without pickle.
+
+``.npy`` holds one array: it reads as ``{'jckpt': array}`` and a tree holding
+exactly one leaf writes as that array. ``.npz`` holds named arrays: members are
+named by key path joined with ``.`` (``params.dense.kernel.npy``) and the
+exact paths and namespaces travel as JSON in the archive's comment, so a tree
+comes back with its structure; an archive without that record (from
+``np.savez``) reads as ``{'jckpt': {name: array}}``.
+
+ml_dtypes types (bfloat16, the float8s, int4, ...) are written with their
+names as the ``descr`` (``'bfloat16'``), which ``np.load`` reads whenever
+ml_dtypes is imported; ``np.save`` itself writes them as raw ``'<V2'`` bytes,
+which this reader refuses with a message saying so. Object arrays (pickles)
+are refused. Stored members and ``.npy`` files are mapped, not copied, when
+their data is aligned (jckpt aligns what it writes to 64 bytes).
+
+>>> import numpy as np, tempfile, os
+>>> path = os.path.join(tempfile.mkdtemp(), 'a.npz')
+>>> write_npz({'jckpt': {'w': np.arange(4, dtype=np.int32), 'opt': [np.zeros(2)]}}, path)
+>>> tree = read_npz(path)['jckpt']
+>>> tree['w'].tolist(), tree['opt'][0].tolist()
+([0, 1, 2, 3], [0.0, 0.0])
+>>> sorted(np.load(path).files)
+['opt.0', 'w']
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import struct
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from jckpt.adapters import _zip
+from jckpt.adapters._common import (
+    DEFAULT_NAMESPACE,
+    array_view,
+    flat_names,
+    host_items,
+    map_file,
+    paths_json,
+    published,
+    tree_from_names,
+)
+from jckpt.errors import FormatError, InputError
+from jckpt.format.payload import iter_payload_chunks, stored_dtype
+
+MAGIC = b'\x93NUMPY'
+_COMMENT_TAG = b'jckpt-paths:'
+_ML_NAMES = {np.dtype(getattr(ml_dtypes, n)).name for n in (
+    'bfloat16', 'float8_e5m2', 'float8_e4m3fn', 'float8_e4m3fnuz', 'float8_e5m2fnuz',
+    'float8_e4m3b11fnuz', 'float8_e3m4', 'float8_e4m3', 'float8_e8m0fnu', 'float4_e2m1fn',
+    'int4', 'uint4', 'int2', 'uint2')}
+
+
+# --- .npy -------------------------------------------------------------------
+
+def _dtype_from_descr(descr: Any, file: str, entry: str | None) -> np.dtype:
+    if not isinstance(descr, str):
+        raise FormatError(f"structured dtype {descr!r} is not supported", file=file, entry=entry,
+                          fix="store plain arrays")
+    if descr in _ML_NAMES:
+        return np.dtype(descr)
+    try:
+        dtype = np.dtype(descr)
+    except TypeError:
+        raise FormatError(f"unknown dtype {descr!r}", file=file, entry=entry,
+                          fix="the file is damaged or uses a dtype jckpt does not know") from None
+    if dtype.hasobject:
+        raise FormatError("object arrays are pickles and are refused", file=file, entry=entry,
+                          fix="save numeric arrays (np.save(..., allow_pickle=False))")
+    if dtype.kind == 'V':
+        raise FormatError(f"raw bytes dtype {descr!r}: np.save writes ml_dtypes arrays "
+                          "(bfloat16, float8, ...) this way and loses their type", file=file,
+                          entry=entry, fix="re-save it with jckpt's npy writer, or view the array "
+                                           "as its real dtype before saving")
+    return dtype
+
+
+def parse_npy(buffer, offset: int, length: int, file: str, entry: str | None = None) -> np.ndarray:
+    """The array of the ``.npy`` bytes at ``buffer[offset:offset+length]`` (a view when aligned)."""
+    def bad(msg: str) -> FormatError:
+        return FormatError(msg, file=file, entry=entry, fix="the file is truncated or not .npy")
+    if length < 10 or bytes(buffer[offset:offset + 6]) != MAGIC:
+        raise bad("not a .npy array (no \\x93NUMPY magic)")
+    major = buffer[offset + 6]
+    if major == 1:
+        (hlen,) = struct.unpack_from('<H', buffer, offset + 8)
+        start = offset + 10
+    elif major in (2, 3):
+        if length < 12:
+            raise bad(".npy header is truncated")
+        (hlen,) = struct.unpack_from('<I', buffer, offset + 8)
+        start = offset + 12
+    else:
+        raise bad(f"unsupported .npy version {major}")
+    if start + hlen > offset + length or hlen > 1 << 20:
+        raise bad(".npy header extends past the end of the data")
+    try:
+        text = bytes(buffer[start:start + hlen]).decode('utf-8' if major == 3 else 'latin1')
+        header = ast.literal_eval(text)
+    except (ValueError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError):
+        raise bad(".npy header is not a Python dict literal") from None
+    if not (isinstance(header, dict) and set(header) == {'descr', 'fortran_order', 'shape'}):
+        raise bad(".npy header must have exactly descr, fortran_order and shape")
+    shape, fortran = header['shape'], header['fortran_order']
+    if not (isinstance(shape, tuple) and all(isinstance(d, int) and d >= 0 for d in shape)
+            and isinstance(fortran, bool)):
+        raise bad(f".npy shape {shape!r} / fortran_order {fortran!r} are invalid")
+    dtype = _dtype_from_descr(header['descr'], file, entry)
+    data = start + hlen
+    count = int(np.prod(shape, dtype=object)) if shape else 1
+    if data + count * dtype.itemsize > offset + length:
+        raise bad(f".npy data of {count * dtype.itemsize} bytes extends past the end of the file")
+    if fortran:
+        return array_view(buffer, dtype, tuple(reversed(shape)), data, file, entry).T
+    return array_view(buffer, dtype, tuple(shape), data, file, entry)
+
+
+def _descr(dtype: np.dtype) -> str:
+    if dtype.name in _ML_NAMES:
+        return dtype.name
+    return np.lib.format.dtype_to_descr(dtype)
+
+
+def npy_header(array: np.ndarray) -> bytes:
+    """The ``.npy`` header of ``array`` as jckpt writes it (little-endian, C order),
+    padded so the data starts at a multiple of 64 bytes."""
+    dtype = stored_dtype(array.dtype)
+    text = f"{{'descr': {_descr(dtype)!r}, 'fortran_order': False, 'shape': {tuple(array.shape)!r}, }}"
+    raw = text.encode('latin1')
+    for major, prefix in ((1, 10), (2, 12)):
+        total = -(-(prefix + len(raw) + 1) // 64) * 64
+        if major == 2 or total - prefix < 1 << 16:
+            break
+    body = raw + b' ' * (total - prefix - len(raw) - 1) + b'\n'
+    size = struct.pack('<H', len(body)) if major == 1 else struct.pack('<I', len(body))
+    return MAGIC + bytes([major, 0]) + size + body
+
+
+def sniff_npy(path: str, head: bytes | None) -> bool:
+    return head is not None and head[:6] == MAGIC
+
+
+def read_npy(path: str) -> dict[str, Any]:
+    """A ``.npy`` file as ``{'jckpt': array}`` (zero-copy when aligned)."""
+    path = os.fspath(path)
+    buffer = map_file(path)
+    return {DEFAULT_NAMESPACE: parse_npy(buffer, 0, len(buffer), path)}
+
+
+def write_npy(tree: Any, path: str) -> None:
+    """Write the only leaf of ``tree`` as a ``.npy`` file."""
+    path = os.fspath(path)
+    items = host_items(tree, path)
+    if len(items) != 1:
+        raise InputError(f".npy holds exactly one array; the tree has {len(items)} leaves",
+                         file=path, fix="write an .npz archive instead")
+    array = items[0][2]
+    with published(path) as f:
+        f.write(npy_header(array))
+        for chunk in iter_payload_chunks(array):
+            f.write(chunk)
+
+
+# --- .npz -------------------------------------------------------------------
+
+def sniff_npz(path: str, head: bytes | None) -> bool:
+    if head is None or head[:4] not in (b'PK\x03\x04', b'PK\x05\x06'):
+        return False
+    import zipfile
+    with zipfile.ZipFile(path) as zf:
+        return all(n.endswith('.npy') for n in zf.namelist())
+
+
+def read_npz(path: str) -> dict[str, Any]:
+    """An ``.npz`` archive as ``{namespace: subtree}`` (zero-copy for aligned stored members)."""
+    path = os.fspath(path)
+    buffer = map_file(path)
+    with _zip.open_zip(path) as zf:
+        arrays: dict[str, np.ndarray] = {}
+        for info in zf.infolist():
+            if info.is_dir():
+                continue
+            if not info.filename.endswith('.npy'):
+                raise FormatError(f"archive member {info.filename!r} is not a .npy array",
+                                  file=path, fix="an .npz archive holds only .npy members")
+            name = info.filename[:-4]
+            if name in arrays:
+                raise FormatError(f"archive holds {info.filename!r} twice", file=path,
+                                  fix="the archive is damaged")
+            data = _zip.member_bytes(zf, buffer, info, path)
+            if isinstance(data, memoryview):
+                start, length = _zip.member_span(buffer, info, path)
+                arrays[name] = parse_npy(buffer, start, length, path, name)
+            else:
+                arrays[name] = parse_npy(data, 0, len(data), path, name)
+        comment = zf.comment
+    record = None
+    if comment.startswith(_COMMENT_TAG):
+        record = comment[len(_COMMENT_TAG):].decode('utf-8', 'replace')
+    return tree_from_names(arrays, record)
+
+
+def write_npz(tree: Any, path: str) -> None:
+    """Write ``{namespace: subtree}`` as an uncompressed ``.npz`` archive (members 64-byte aligned)."""
+    import zipfile
+
+    path = os.fspath(path)
+    items = host_items(tree, path)
+    names = flat_names(items, path)
+    record = _COMMENT_TAG + paths_json(items, names).encode('utf-8')
+    with published(path) as f, zipfile.ZipFile(f, 'w', zipfile.ZIP_STORED,
+                                               allowZip64=True) as zf:
+        for (_, _, array), name in zip(items, names):
+            header = npy_header(array)
+            chunks = [header, *iter_payload_chunks(array)]
+            _zip.write_member(zf, name + '.npy', chunks, len(header) + array.nbytes)
+        if len(record) <= 0xFFFF:  # the zip comment's limit; past it, names stay flat
+            zf.comment = record
+
+
+def register() -> None:
+    from jckpt.adapters import register_format
+
+    register_format('npy', read=read_npy, write=write_npy, sniff=sniff_npy,
+                    extensions=('.npy',), replace=True)
+    register_format('npz', read=read_npz, write=write_npz, sniff=sniff_npz,
+                    extensions=('.npz',), replace=True)

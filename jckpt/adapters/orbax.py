@@ -1,0 +1,149 @@
+"""orbax PyTree checkpoints (directories), to and from ``{namespace: subtree}``.
+
+Reading accepts an orbax PyTree item directory (it holds ``_METADATA``),
+which reads as ``{'jckpt': tree}``, or a step directory of a
+``CheckpointManager`` (``<root>/<step>``), whose items read as
+``{item: tree}``; items saved through :mod:`jckpt.orbax` (one jckpt file each)
+are read too. Every leaf comes back as a host numpy array, bit-exact.
+Writing makes a step-style directory with one PyTree item per namespace,
+which ``ocp.CheckpointManager``/``ocp.Checkpointer`` and this reader open.
+
+orbax-checkpoint is an optional dependency, imported only when a directory
+is read or written (``pip install 'jckpt[orbax]'``).
+
+Example::
+
+    jckpt.convert('ckpts/1000', 'step1000.jckpt')           # orbax -> jckpt
+    jckpt.convert('step1000.jckpt', 'exported', format='orbax')
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import numpy as np
+
+from jckpt.adapters._common import DEFAULT_NAMESPACE, check_namespaced, host_items
+from jckpt.errors import FormatError, InputError
+from jckpt.format.header import NAMESPACE_RE
+
+_ITEM_MARKERS = ('_METADATA', 'manifest.ocdbt')
+_STEP_MARKER = '_CHECKPOINT_METADATA'
+_JCKPT_ITEM = 'checkpoint.jckpt'
+
+
+def _orbax():
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError:
+        raise InputError("reading or writing orbax checkpoints needs orbax-checkpoint",
+                         fix="pip install 'jckpt[orbax]'") from None
+    return ocp
+
+
+def _is_item(path: str) -> bool:
+    return any(os.path.exists(os.path.join(path, m)) for m in _ITEM_MARKERS) or \
+        os.path.exists(os.path.join(path, _JCKPT_ITEM))
+
+
+def _items(path: str) -> list[str]:
+    return sorted(n for n in os.listdir(path) if os.path.isdir(os.path.join(path, n))
+                  and _is_item(os.path.join(path, n)))
+
+
+def sniff(path: str, head: bytes | None) -> bool:
+    """A directory laid out as an orbax item or step."""
+    return head is None and (_is_item(path) or os.path.exists(os.path.join(path, _STEP_MARKER))
+                             or bool(_items(path)))
+
+
+def _read_item(item: str) -> Any:
+    if os.path.exists(os.path.join(item, _JCKPT_ITEM)) and not os.path.exists(
+            os.path.join(item, '_METADATA')):
+        from jckpt.adapters import native
+        return native.read(os.path.join(item, _JCKPT_ITEM)).get(DEFAULT_NAMESPACE, {})
+    ocp = _orbax()
+    import jax
+    checkpointer = ocp.PyTreeCheckpointer()
+    try:
+        metadata = checkpointer.metadata(item)
+        tree = getattr(metadata, 'item_metadata', metadata)
+        tree = getattr(tree, 'tree', tree)
+        restore_args = jax.tree_util.tree_map(
+            lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+        restored = checkpointer.restore(item, args=ocp.args.PyTreeRestore(
+            restore_args=restore_args))
+    except FormatError:
+        raise
+    except Exception as e:  # orbax and tensorstore raise many types for damaged data
+        raise FormatError(f"orbax could not read this PyTree checkpoint "
+                          f"({type(e).__name__}: {str(e)[:300]})", file=item,
+                          fix="the checkpoint is incomplete or damaged") from None
+    return jax.tree_util.tree_map(np.asarray, restored)
+
+
+def read(path: str) -> dict[str, Any]:
+    """An orbax item or step directory as ``{namespace: subtree}`` of host numpy arrays."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FormatError("an orbax checkpoint is a directory", file=path,
+                          fix="pass the step or item directory")
+    if _is_item(path):
+        return {DEFAULT_NAMESPACE: _read_item(path)}
+    items = _items(path)
+    if not items:
+        steps = sorted(n for n in os.listdir(path) if n.isdigit())
+        raise FormatError("directory holds no orbax checkpoint item", file=path,
+                          fix=f"pass one step's directory, e.g. {os.path.join(path, steps[-1])}"
+                          if steps else "pass an orbax step or item directory")
+    bad = [n for n in items if not NAMESPACE_RE.match(n)]
+    if bad:
+        raise FormatError(f"item names {bad} are not valid namespaces", file=path,
+                          fix="pass the item's own directory to read it alone")
+    return {name: _read_item(os.path.join(path, name)) for name in items}
+
+
+def write(tree: Any, path: str) -> None:
+    """Write ``{namespace: subtree}`` as an orbax step directory, one PyTree item per namespace.
+
+    The directory is built beside ``path`` and renamed into place; an
+    existing directory at ``path`` is replaced only after the new one is complete.
+    """
+    path = os.fspath(path)
+    tree = check_namespaced(tree, path)
+    host_items(tree, path)  # refuse unstorable leaves before writing anything
+    ocp = _orbax()
+    import jax
+
+    hosts = {ns: jax.tree_util.tree_map(np.asarray, sub) for ns, sub in tree.items()}
+    parent = os.path.dirname(os.path.abspath(path))
+    staging = os.path.join(parent, f".{os.path.basename(path)}.jckpt-orbax.{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+            checkpointer.save(staging, ocp.args.Composite(**{
+                ns: ocp.args.PyTreeSave(sub) for ns, sub in hosts.items()}))
+        if os.path.isdir(path):
+            old = staging + '.old'
+            os.rename(path, old)
+            os.rename(staging, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(staging, path)
+    except InputError:
+        raise
+    except Exception as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(e, OSError):
+            from jckpt.storage.publish import storage_error
+            raise storage_error(e, "writing the orbax checkpoint", path) from e
+        raise InputError(f"orbax could not save the tree ({type(e).__name__}: {str(e)[:300]})",
+                         file=path, fix="cast leaves to dtypes orbax stores") from None
+
+
+def register() -> None:
+    from jckpt.adapters import register_format
+
+    register_format('orbax', read=read, write=write, sniff=sniff, replace=True)

@@ -1,0 +1,285 @@
+"""safetensors files, read and written with numpy alone (the safetensors package is not needed).
+
+The format: 8 bytes of little-endian header size ``N``, ``N`` bytes of JSON
+(``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__":
+{str: str}}``), then the tensors' bytes, C order, little-endian, offsets
+relative to the end of the header. This implementation gets right what the
+safetensors package's numpy functions get wrong: non-contiguous and
+Fortran-ordered arrays are written as their values (C order), bfloat16 needs
+no import ritual, and the float8 types read and write.
+
+Tree form: tensors are named by key path joined with ``.``; the exact
+namespaces and paths are recorded as JSON under the ``__metadata__`` key
+``jckpt.paths``, so a jckpt tree round-trips with its structure. A file from
+elsewhere reads as ``{'jckpt': {name: array}}``. Reading also accepts Hugging
+Face's sharded layout: the ``*.safetensors.index.json`` file (or the
+directory that holds it), whose ``weight_map`` names each tensor's shard.
+
+Tensors are written largest element first, then by name (as the safetensors
+package does), so every tensor starts at a multiple of its element size and
+loads as a zero-copy view of a private mapping of the file; a tensor that a
+foreign writer left misaligned is copied.
+
+>>> import numpy as np, tempfile, os
+>>> path = os.path.join(tempfile.mkdtemp(), 'm.safetensors')
+>>> write({'jckpt': {'w': np.arange(6.0).reshape(2, 3).T}}, path)   # Fortran-ordered view
+>>> read(path)['jckpt']['w'].tolist()
+[[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from jckpt.adapters._common import (
+    check_member_name,
+    flat_names,
+    host_items,
+    map_file,
+    paths_json,
+    published,
+    tree_from_names,
+)
+from jckpt.errors import FormatError, InputError
+from jckpt.format.payload import iter_payload_chunks, stored_dtype
+
+#: The safetensors reader refuses headers larger than this.
+MAX_HEADER_BYTES = 100_000_000
+METADATA_KEY = '__metadata__'
+PATHS_KEY = 'jckpt.paths'
+INDEX_SUFFIX = '.safetensors.index.json'
+
+DTYPES: dict[str, np.dtype] = {name: np.dtype(t).newbyteorder('<') for name, t in {
+    'BOOL': np.bool_, 'U8': np.uint8, 'I8': np.int8, 'I16': np.int16, 'U16': np.uint16,
+    'F16': np.float16, 'BF16': ml_dtypes.bfloat16, 'I32': np.int32, 'U32': np.uint32,
+    'F32': np.float32, 'F64': np.float64, 'I64': np.int64, 'U64': np.uint64,
+    'C64': np.complex64, 'F8_E5M2': ml_dtypes.float8_e5m2, 'F8_E4M3': ml_dtypes.float8_e4m3fn,
+    'F8_E8M0': ml_dtypes.float8_e8m0fnu, 'F8_E4M3FNUZ': ml_dtypes.float8_e4m3fnuz,
+    'F8_E5M2FNUZ': ml_dtypes.float8_e5m2fnuz,
+}.items()}
+_NAMES: dict[np.dtype, str] = {dt.newbyteorder('='): name for name, dt in DTYPES.items()}
+#: Sub-byte types safetensors packs several to a byte; jckpt refuses them with a message.
+_PACKED = {'F4', 'F6_E2M3', 'F6_E3M2'}
+
+
+def dtype_name(dtype: np.dtype) -> str | None:
+    """The safetensors dtype name of a numpy dtype, or None when safetensors has none."""
+    dt = np.dtype(dtype)
+    return _NAMES.get(dt.newbyteorder('=') if dt.byteorder in '<>' else dt)
+
+
+# --- reading ----------------------------------------------------------------
+
+def _no_duplicates(pairs):
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"key {k!r} appears twice")
+        out[k] = v
+    return out
+
+
+def _fail(msg: str, file: str, entry: str | None = None) -> FormatError:
+    return FormatError(msg, file=file, entry=entry,
+                       fix="the file is truncated, damaged or not a safetensors file")
+
+
+def read_header(buffer, file: str) -> tuple[dict[str, Any], dict[str, str], int]:
+    """``(tensors, metadata, data_start)`` of a safetensors file's bytes, validated as the
+    safetensors reader does (no overlaps, gaps or trailing bytes; sizes match shapes)."""
+    if len(buffer) < 8:
+        raise _fail(f"file is {len(buffer)} bytes, shorter than the 8-byte header size", file)
+    (n,) = struct.unpack_from('<Q', buffer, 0)
+    if n > MAX_HEADER_BYTES:
+        raise _fail(f"header size {n} is over the {MAX_HEADER_BYTES}-byte limit", file)
+    if 8 + n > len(buffer):
+        raise _fail(f"header of {n} bytes extends past the end of the file ({len(buffer)} bytes)",
+                    file)
+    try:
+        header = json.loads(bytes(buffer[8:8 + n]).decode('utf-8'),
+                            object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise _fail(f"header is not valid JSON ({e})", file) from None
+    if not isinstance(header, dict):
+        raise _fail("header is not a JSON object", file)
+    metadata = header.pop(METADATA_KEY, None) or {}
+    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise _fail("__metadata__ must map strings to strings", file)
+    data_start = 8 + n
+    size = len(buffer) - data_start
+    spans = []
+    tensors = {}
+    for name, info in header.items():
+        if not isinstance(info, dict) or set(info) != {'dtype', 'shape', 'data_offsets'}:
+            raise _fail("tensor info must have exactly dtype, shape and data_offsets", file, name)
+        dtype, shape, offsets = info['dtype'], info['shape'], info['data_offsets']
+        if dtype in _PACKED:
+            raise FormatError(f"dtype {dtype} (packed sub-byte) is not supported", file=file,
+                              entry=name, fix="convert it to a byte-sized dtype first")
+        if dtype not in DTYPES:
+            raise _fail(f"unknown dtype {dtype!r}", file, name)
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise _fail(f"invalid shape {shape!r}", file, name)
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(type(o) is int and 0 <= o < 1 << 64 for o in offsets)
+                and offsets[0] <= offsets[1]):
+            raise _fail(f"invalid data_offsets {offsets!r}", file, name)
+        expected = int(np.prod(shape, dtype=object)) * DTYPES[dtype].itemsize if shape \
+            else DTYPES[dtype].itemsize
+        if offsets[1] - offsets[0] != expected:
+            raise _fail(f"data_offsets {offsets} span {offsets[1] - offsets[0]} bytes; "
+                        f"dtype {dtype} and shape {shape} need {expected}", file, name)
+        spans.append((offsets[0], offsets[1], name))
+        tensors[name] = (DTYPES[dtype], tuple(shape), offsets[0])
+    cursor = 0
+    for begin, end, name in sorted(spans):
+        if begin != cursor:
+            raise _fail(f"tensor data at {begin} {'overlaps' if begin < cursor else 'leaves a gap'} "
+                        f"(previous data ends at {cursor})", file, name)
+        cursor = end
+    if cursor != size:
+        raise _fail(f"the tensors cover {cursor} data bytes but the file holds {size} "
+                    f"({'truncated' if cursor > size else 'trailing bytes'})", file)
+    return tensors, metadata, data_start
+
+
+def read_arrays(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """``({name: array}, metadata)`` of one safetensors file; arrays are zero-copy when aligned."""
+    from jckpt.adapters._common import array_view
+
+    buffer = map_file(path)
+    tensors, metadata, start = read_header(buffer, path)
+    arrays = {name: array_view(buffer, dtype, shape, start + offset, path, name)
+              for name, (dtype, shape, offset) in tensors.items()}
+    return arrays, metadata
+
+
+def _index_file(path: str) -> str | None:
+    if os.path.isdir(path):
+        found = sorted(f for f in os.listdir(path) if f.endswith(INDEX_SUFFIX))
+        if len(found) == 1:
+            return os.path.join(path, found[0])
+        if found:
+            raise FormatError(f"directory holds several index files {found}", file=path,
+                              fix="pass the index file to read")
+        return None
+    return path if path.endswith('.json') else None
+
+
+def read_sharded(index_path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Tensors of a Hugging Face sharded checkpoint, from its ``*.safetensors.index.json``."""
+    try:
+        with open(index_path, 'rb') as f:
+            index = json.loads(f.read().decode('utf-8'))
+    except FileNotFoundError:
+        raise FormatError("no such file", file=index_path, fix="check the path") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise FormatError(f"index is not valid JSON ({e})", file=index_path,
+                          fix="the index file is damaged") from None
+    weight_map = index.get('weight_map') if isinstance(index, dict) else None
+    if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+        raise FormatError("index has no weight_map of tensor name -> shard file", file=index_path,
+                          fix="pass a *.safetensors.index.json file")
+    directory = os.path.dirname(os.path.abspath(index_path))
+    arrays: dict[str, np.ndarray] = {}
+    metadata: dict[str, str] = {}
+    for shard in sorted(set(weight_map.values())):
+        check_member_name(shard, index_path)
+        shard_arrays, shard_meta = read_arrays(os.path.join(directory, shard))
+        metadata.update(shard_meta)
+        for name, file in weight_map.items():
+            if file == shard:
+                if name not in shard_arrays:
+                    raise FormatError(f"the index places {name!r} in {shard}, which lacks it",
+                                      file=index_path, entry=name, fix="the shards are incomplete")
+                arrays[name] = shard_arrays[name]
+    return arrays, metadata
+
+
+def read(path: str) -> dict[str, Any]:
+    """A safetensors file, sharded index or directory holding one, as ``{namespace: subtree}``."""
+    path = os.fspath(path)
+    index = _index_file(path)
+    if index is not None:
+        arrays, metadata = read_sharded(index)
+    elif os.path.isdir(path):
+        single = os.path.join(path, 'model.safetensors')
+        if not os.path.exists(single):
+            raise FormatError("directory holds neither a *.safetensors.index.json nor a "
+                              "model.safetensors", file=path, fix="pass the file to read")
+        arrays, metadata = read_arrays(single)
+    else:
+        arrays, metadata = read_arrays(path)
+    return tree_from_names(arrays, metadata.get(PATHS_KEY))
+
+
+def sniff(path: str, head: bytes | None) -> bool:
+    """A plausible header size followed by ``{``; or a sharded index (file or directory)."""
+    if head is None:
+        return _index_file(path) is not None or os.path.exists(os.path.join(path, 'model.safetensors'))
+    if head[:1] == b'{':
+        return b'"weight_map"' in head
+    if len(head) < 9:
+        return False
+    (n,) = struct.unpack_from('<Q', head, 0)
+    return 2 <= n <= MAX_HEADER_BYTES and head[8:9] == b'{' and 8 + n <= os.path.getsize(path)
+
+
+# --- writing ----------------------------------------------------------------
+
+def encode_header(entries: list[tuple[str, np.dtype, tuple[int, ...], int]],
+                  metadata: dict[str, str] | None) -> bytes:
+    """Header bytes (size + JSON padded with spaces to a multiple of 8) for
+    ``(name, dtype, shape, nbytes)`` entries in data order."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header[METADATA_KEY] = metadata
+    offset = 0
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {'dtype': dtype_name(dtype), 'shape': list(shape),
+                        'data_offsets': [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(',', ':'), ensure_ascii=False).encode('utf-8')
+    text += b' ' * (-len(text) % 8)
+    return struct.pack('<Q', len(text)) + text
+
+
+def write(tree: Any, path: str, *, metadata: dict[str, str] | None = None) -> None:
+    """Write ``{namespace: subtree}`` as one safetensors file (C order, little-endian values).
+
+    ``metadata`` adds string pairs to the file's ``__metadata__``.
+    """
+    path = os.fspath(path)
+    items = host_items(tree, path)
+    names = flat_names(items, path)
+    for (_ns, _p, array), name in zip(items, names):
+        if dtype_name(array.dtype) is None:
+            raise InputError(f"dtype {array.dtype} has no safetensors equivalent", file=path,
+                             entry=name, fix="cast it, or write a jckpt or npz file instead")
+    meta = dict(metadata or {})
+    meta[PATHS_KEY] = paths_json(items, names)
+    order = sorted(range(len(items)), key=lambda i: (-items[i][2].dtype.itemsize, names[i]))
+    entries = [(names[i], stored_dtype(items[i][2].dtype), items[i][2].shape, items[i][2].nbytes)
+               for i in order]
+    raw = encode_header(entries, meta)
+    if len(raw) - 8 > MAX_HEADER_BYTES:
+        raise InputError(f"header of {len(raw) - 8} bytes is over safetensors' limit", file=path,
+                         fix="split the tree into several files")
+    with published(path) as f:
+        f.write(raw)
+        for i in order:
+            for chunk in iter_payload_chunks(items[i][2]):
+                f.write(chunk)
+
+
+def register() -> None:
+    from jckpt.adapters import register_format
+
+    register_format('safetensors', read=read, write=write, sniff=sniff,
+                    extensions=('.safetensors',), replace=True)

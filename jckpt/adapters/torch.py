@@ -1,0 +1,390 @@
+"""PyTorch ``torch.save`` files (``.pt``, ``.pth``), read and written without importing torch.
+
+A ``torch.save`` file is an uncompressed zip with one root folder holding
+``data.pkl`` (the pickled structure, tensors as references to storages),
+``data/<key>`` (each storage's raw bytes, 64-byte aligned) and ``byteorder``.
+Reading maps the archive and unpickles ``data.pkl`` with an allow-list: only
+the tensor and parameter rebuild functions, storage types, dtypes and
+``OrderedDict`` are known, and any other global (``os.system``, a model
+class, ...) is refused with :class:`~jckpt.errors.FormatError` before
+anything is called, so a malicious file cannot run code. Tensors come back as
+numpy views of the mapped storages (shared storages stay shared), parameters
+as their data; ints, floats, bools and strings as themselves.
+
+Writing emits the same archive and a pickle that uses only what
+``torch.load(..., weights_only=True)`` accepts (no torch needed).
+
+Tree form: the pickled object is the namespace's subtree, read into
+``{'jckpt': obj}``; a tree of one namespace is saved as its subtree, several
+as ``{namespace: subtree}``.
+
+>>> import numpy as np, tempfile, os
+>>> path = os.path.join(tempfile.mkdtemp(), 'm.pt')
+>>> write({'jckpt': {'w': np.arange(4, dtype=np.float32), 'epoch': 3}}, path)
+>>> tree = read(path)['jckpt']
+>>> tree['w'].tolist(), tree['epoch']
+([0.0, 1.0, 2.0, 3.0], 3)
+"""
+
+from __future__ import annotations
+
+import codecs
+import io
+import math
+import os
+import pickle
+import struct
+import zipfile
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from jckpt.adapters import _zip
+from jckpt.adapters._common import DEFAULT_NAMESPACE, check_namespaced, map_file, published, single_content
+from jckpt.errors import FormatError, InputError
+from jckpt.format.payload import iter_payload_chunks, stored_dtype
+
+#: Typed storages torch pickles by class name (the classic dtypes).
+STORAGES = {
+    'FloatStorage': np.float32, 'DoubleStorage': np.float64, 'HalfStorage': np.float16,
+    'BFloat16Storage': ml_dtypes.bfloat16, 'LongStorage': np.int64, 'IntStorage': np.int32,
+    'ShortStorage': np.int16, 'CharStorage': np.int8, 'ByteStorage': np.uint8,
+    'BoolStorage': np.bool_, 'ComplexFloatStorage': np.complex64,
+    'ComplexDoubleStorage': np.complex128,
+}
+#: torch dtypes by the name torch pickles them under.
+DTYPES = {
+    'float32': np.float32, 'float64': np.float64, 'float16': np.float16,
+    'bfloat16': ml_dtypes.bfloat16, 'int64': np.int64, 'int32': np.int32, 'int16': np.int16,
+    'int8': np.int8, 'uint8': np.uint8, 'bool': np.bool_, 'complex64': np.complex64,
+    'complex128': np.complex128, 'uint16': np.uint16, 'uint32': np.uint32, 'uint64': np.uint64,
+    'float8_e4m3fn': ml_dtypes.float8_e4m3fn, 'float8_e5m2': ml_dtypes.float8_e5m2,
+    'float8_e4m3fnuz': ml_dtypes.float8_e4m3fnuz, 'float8_e5m2fnuz': ml_dtypes.float8_e5m2fnuz,
+    'float8_e8m0fnu': ml_dtypes.float8_e8m0fnu,
+}
+
+
+# --- reading ----------------------------------------------------------------
+
+class _StorageType:
+    """A storage class named in the pickle: its element dtype (None: untyped bytes)."""
+
+    def __init__(self, name: str, dtype: Any) -> None:
+        self.name = name
+        self.dtype = None if dtype is None else np.dtype(dtype)
+
+
+class _DType:
+    """A torch dtype named in the pickle."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.dtype = np.dtype(DTYPES[name])
+
+
+def _int(x: Any, what: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise ValueError(f"{what} must be an integer, not {type(x).__name__}")
+    if x < 0:
+        raise ValueError(f"{what} is negative")
+    return x
+
+
+def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, dtype: np.dtype | None = None
+             ) -> np.ndarray:
+    if not isinstance(storage, np.ndarray):
+        raise ValueError("tensor storage is not a storage reference")
+    if dtype is not None and storage.dtype != dtype:
+        if storage.dtype != np.uint8 or storage.size % dtype.itemsize:
+            raise ValueError(f"storage of {storage.dtype} cannot hold {dtype}")
+        storage = storage.view(dtype)
+    offset = _int(offset, 'storage offset')
+    if not (isinstance(size, tuple) and isinstance(stride, tuple) and len(size) == len(stride)):
+        raise ValueError("size and stride must be tuples of the same length")
+    size = tuple(_int(s, 'size') for s in size)
+    stride = tuple(_int(s, 'stride') for s in stride)
+    if 0 in size:
+        return np.zeros(size, storage.dtype)
+    last = offset + sum((n - 1) * s for n, s in zip(size, stride))
+    if last >= storage.size:
+        raise ValueError(f"tensor reaches element {last} of a storage of {storage.size}")
+    base = storage[offset:]
+    contiguous = tuple(math.prod(size[i + 1:]) for i in range(len(size)))
+    if stride == contiguous:
+        return base[:math.prod(size)].reshape(size)
+    return np.lib.stride_tricks.as_strided(base, shape=size,
+                                           strides=tuple(s * storage.itemsize for s in stride),
+                                           writeable=False)
+
+
+def _rebuild_tensor_v2(storage, offset, size, stride, requires_grad=False, hooks=None,
+                       metadata=None):
+    return _rebuild(storage, offset, size, stride)
+
+
+def _rebuild_tensor_v3(storage, offset, size, stride, requires_grad, hooks, dtype, metadata=None):
+    if not isinstance(dtype, _DType):
+        raise ValueError("tensor dtype is not a torch dtype")
+    return _rebuild(storage, offset, size, stride, dtype.dtype)
+
+
+def _rebuild_parameter(data, requires_grad=False, hooks=None):
+    if not isinstance(data, np.ndarray):
+        raise ValueError("parameter data is not a tensor")
+    return data
+
+
+def _rebuild_parameter_with_state(data, requires_grad, hooks, state):
+    return _rebuild_parameter(data)
+
+
+def _encode(text, encoding='latin1'):
+    if not (isinstance(text, str) and encoding in ('latin1', 'latin-1')):
+        raise ValueError("_codecs.encode is allowed only for latin1 text")
+    return codecs.encode(text, encoding)
+
+
+_ALLOWED: dict[tuple[str, str], Any] = {
+    ('torch._utils', '_rebuild_tensor_v2'): _rebuild_tensor_v2,
+    ('torch._utils', '_rebuild_tensor_v3'): _rebuild_tensor_v3,
+    ('torch._utils', '_rebuild_parameter'): _rebuild_parameter,
+    ('torch._utils', '_rebuild_parameter_with_state'): _rebuild_parameter_with_state,
+    ('collections', 'OrderedDict'): dict,
+    ('torch', 'Size'): tuple,
+    ('_codecs', 'encode'): _encode,
+    ('torch.storage', 'UntypedStorage'): _StorageType('UntypedStorage', None),
+    **{('torch', name): _StorageType(name, dt) for name, dt in STORAGES.items()},
+    **{('torch', name): _DType(name) for name in DTYPES},
+}
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, data, storage) -> None:
+        super().__init__(io.BytesIO(data))
+        self._storage = storage
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = _ALLOWED.get((module, name))
+        if found is None:
+            raise _Refused(f"{module}.{name}")
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == 'storage'
+                and isinstance(pid[1], _StorageType) and isinstance(pid[2], str)):
+            raise ValueError(f"unknown persistent reference {pid!r:.100}")
+        return self._storage(pid[1], pid[2], _int(pid[4], 'storage size'))
+
+
+class _Refused(Exception):
+    pass
+
+
+def _root(zf: zipfile.ZipFile, path: str) -> str:
+    pkls = [n for n in zf.namelist() if n.endswith('data.pkl') and n.count('/') <= 1]
+    if len(pkls) != 1:
+        raise FormatError("archive holds no single <root>/data.pkl", file=path,
+                          fix="pass a file written by torch.save")
+    return pkls[0][:-len('data.pkl')]
+
+
+def sniff(path: str, head: bytes | None) -> bool:
+    if head is None or head[:4] != b'PK\x03\x04':
+        return False
+    with zipfile.ZipFile(path) as zf:
+        return any(n.endswith('/data.pkl') and n.count('/') == 1 for n in zf.namelist())
+
+
+def read(path: str) -> dict[str, Any]:
+    """A ``torch.save`` file as ``{'jckpt': obj}``, tensors as numpy views; no code runs."""
+    path = os.fspath(path)
+    buffer = map_file(path)
+    if bytes(buffer[:2]) == b'\x80\x02' or bytes(buffer[:1]) == b'\x80':
+        raise FormatError("a legacy (pre-1.6, non-zip) torch file", file=path,
+                          fix="re-save it with a current torch.save")
+    with _zip.open_zip(path) as zf:
+        root = _root(zf, path)
+        infos = {i.filename: i for i in zf.infolist()}
+        order = zf.read(infos[root + 'byteorder']).decode().strip() \
+            if root + 'byteorder' in infos else 'little'
+        if order not in ('little', 'big'):
+            raise FormatError(f"unknown byteorder {order!r}", file=path, fix="the file is damaged")
+        cache: dict[str, np.ndarray] = {}
+
+        def storage(kind: _StorageType, key: str, numel: int) -> np.ndarray:
+            name = f"{root}data/{key}"
+            info = infos.get(name)
+            if info is None or '/' in key or key in ('', '.', '..'):
+                raise ValueError(f"storage {key!r} is not in the archive")
+            if name not in cache:
+                data = _zip.member_bytes(zf, buffer, info, path)
+                cache[name] = np.frombuffer(data, dtype=np.uint8)
+            raw = cache[name]
+            dtype = np.dtype(np.uint8) if kind.dtype is None else kind.dtype
+            if order == 'big':
+                dtype = dtype.newbyteorder('>')
+            if numel * dtype.itemsize > raw.size:
+                raise ValueError(f"storage {key!r} holds {raw.size} bytes, fewer than "
+                                 f"{numel} x {dtype.itemsize}")
+            return raw[:numel * dtype.itemsize].view(dtype)
+
+        pickled = zf.read(infos[root + 'data.pkl'])
+        try:
+            obj = _Unpickler(pickled, storage).load()
+        except _Refused as e:
+            raise FormatError(f"refusing to unpickle global {e}: only tensors, storages, dtypes "
+                              "and plain containers are allowed", file=path,
+                              fix="the file holds code or objects, not just weights; do not "
+                                  "trust it, or save only a state_dict") from None
+        except FormatError:
+            raise
+        except Exception as e:
+            raise FormatError(f"data.pkl is not a valid torch pickle ({type(e).__name__}: {e})",
+                              file=path, fix="the file is damaged or not written by torch.save") \
+                from None
+    return {DEFAULT_NAMESPACE: obj}
+
+
+# --- writing ----------------------------------------------------------------
+
+_TYPED = {np.dtype(dt): name for name, dt in STORAGES.items()}
+_UNTYPED = {np.dtype(dt): name for name, dt in DTYPES.items()
+            if np.dtype(dt) not in _TYPED}
+
+
+class _Pickle:
+    """A minimal protocol-2 pickle emitter for containers, numbers, strings and tensors."""
+
+    def __init__(self, path: str) -> None:
+        self.out = bytearray(b'\x80\x02')
+        self.path = path
+        self.storages: list[np.ndarray] = []
+
+    def glob(self, module: str, name: str) -> None:
+        self.out += b'c' + module.encode() + b'\n' + name.encode() + b'\n'
+
+    def int(self, v: int) -> None:
+        if 0 <= v < 256:
+            self.out += b'K' + bytes([v])
+        elif 0 <= v < 65536:
+            self.out += b'M' + struct.pack('<H', v)
+        elif -2**31 <= v < 2**31:
+            self.out += b'J' + struct.pack('<i', v)
+        else:
+            raw = v.to_bytes((v.bit_length() + 8) // 8, 'little', signed=True)
+            self.out += b'\x8a' + bytes([len(raw)]) + raw
+
+    def tuple(self, items, where: str) -> None:
+        if not items:
+            self.out += b')'
+            return
+        if len(items) > 3:
+            self.out += b'('
+        for i, x in enumerate(items):
+            self.value(x, f"{where}/{i}")
+        self.out += {1: b'\x85', 2: b'\x86', 3: b'\x87'}.get(len(items), b't')
+
+    def value(self, x: Any, where: str) -> None:
+        if x is None:
+            self.out += b'N'
+        elif isinstance(x, bool):
+            self.out += b'\x88' if x else b'\x89'
+        elif isinstance(x, int):
+            self.int(x)
+        elif isinstance(x, float):
+            self.out += b'G' + struct.pack('>d', x)
+        elif isinstance(x, str):
+            raw = x.encode('utf-8', 'surrogatepass')
+            self.out += b'X' + struct.pack('<I', len(raw)) + raw
+        elif isinstance(x, dict):
+            self.out += b'}'
+            if x:
+                self.out += b'('
+                for k, v in x.items():
+                    if isinstance(k, bool) or not isinstance(k, (str, int)):
+                        raise InputError(f"dict key {k!r} cannot be saved", file=self.path,
+                                         entry=where, fix="use str or int keys")
+                    self.value(k, where)
+                    self.value(v, f"{where}/{k}")
+                self.out += b'u'
+        elif isinstance(x, list):
+            self.out += b']'
+            if x:
+                self.out += b'('
+                for i, v in enumerate(x):
+                    self.value(v, f"{where}/{i}")
+                self.out += b'e'
+        elif isinstance(x, tuple) and not hasattr(x, '_fields'):
+            self.tuple(x, where)
+        else:
+            self.tensor(x, where)
+
+    def tensor(self, x: Any, where: str) -> None:
+        from jckpt import placement
+        try:
+            array, _ = placement.to_host(x, where)
+        except InputError as e:
+            raise InputError(e.message, file=self.path, entry=where, fix=e.fix) from None
+        dtype = stored_dtype(array.dtype)
+        plain = dtype.newbyteorder('=') if dtype.byteorder == '<' else dtype
+        key = str(len(self.storages))
+        if plain in _TYPED:
+            rebuild, kind, numel = '_rebuild_tensor_v2', ('torch', _TYPED[plain]), array.size
+        elif plain in _UNTYPED:
+            rebuild, kind, numel = '_rebuild_tensor_v3', ('torch.storage', 'UntypedStorage'), \
+                array.nbytes
+        else:
+            raise InputError(f"dtype {array.dtype} has no torch equivalent", file=self.path,
+                             entry=where, fix="cast it, or write a jckpt or npz file instead")
+        self.storages.append(array)
+        self.glob('torch._utils', rebuild)
+        self.out += b'(('
+        self.value('storage', where)
+        self.glob(*kind)
+        self.value(key, where)
+        self.value('cpu', where)
+        self.int(numel)
+        self.out += b'tQ'
+        self.int(0)
+        shape = tuple(int(d) for d in array.shape)
+        self.tuple(shape, where)
+        self.tuple(tuple(math.prod(shape[i + 1:]) for i in range(len(shape))), where)
+        self.out += b'\x89'
+        self.glob('collections', 'OrderedDict')
+        self.out += b')R'
+        if rebuild == '_rebuild_tensor_v3':
+            self.glob('torch', _UNTYPED[plain])
+        self.out += b'tR'
+
+
+def write(tree: Any, path: str) -> None:
+    """Write ``{namespace: subtree}`` as a file ``torch.load(path, weights_only=True)`` reads.
+
+    Containers (dict, list, tuple), Python numbers, strings and None are
+    pickled as themselves; arrays (numpy, JAX) become CPU tensors.
+    """
+    path = os.fspath(path)
+    content = single_content(check_namespaced(tree, path))
+    pickler = _Pickle(path)
+    pickler.value(content, '')
+    pickler.out += b'.'
+    root = 'archive/'
+    with published(path) as f, zipfile.ZipFile(f, 'w', zipfile.ZIP_STORED, allowZip64=True) as zf:
+        def small(name: str, data: bytes) -> None:
+            _zip.write_member(zf, root + name, [data], len(data))
+        small('data.pkl', bytes(pickler.out))
+        small('.format_version', b'1')
+        small('.storage_alignment', b'64')
+        small('byteorder', b'little')
+        for key, array in enumerate(pickler.storages):
+            _zip.write_member(zf, f"{root}data/{key}", iter_payload_chunks(array), array.nbytes)
+        small('version', b'3\n')
+        small('.data/serialization_id', b'%040d' % (int.from_bytes(os.urandom(16), 'little') % 10**40))
+
+
+def register() -> None:
+    from jckpt.adapters import register_format
+
+    register_format('torch', read=read, write=write, sniff=sniff, extensions=('.pt', '.pth'),
+                    replace=True)
