@@ -20,10 +20,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from jckpt import placement
+from jckpt import placement, sharding
 from jckpt import progress as progress_mod
 from jckpt import tree as tree_mod
 from jckpt.context import Context
+from jckpt.distributed import open_checkpoint
 from jckpt.errors import (
     ClashError,
     InputError,
@@ -35,7 +36,7 @@ from jckpt.format.header import Entry, Header, KeyPath, path_name
 from jckpt.format.layout import lay_out
 from jckpt.format.payload import stored_dtype
 from jckpt.storage.reader import COUNTS, CheckpointReader
-from jckpt.storage.writer import ArraySource, CopySource, write_checkpoint
+from jckpt.storage.writer import CopySource, write_checkpoint
 from jckpt.version import __version__
 
 PathLike = str | os.PathLike
@@ -79,11 +80,16 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
     path = os.fspath(path)
     namespace = ctx.namespace
     items = tree_mod.flatten(tree)
-    placement.start_host_copies([leaf for _, leaf in items])
-    hosts = []
-    for p, leaf in items:
-        array, key_impl = placement.to_host(leaf, f"{namespace}/{_keystr(p)}")
-        hosts.append((p, array, key_impl))
+    if jax.process_count() > 1:  # every process saves its pieces into one directory
+        if appending:
+            raise InputError("appending is not supported for multi-process checkpoints",
+                             file=path, fix="save the whole tree")
+        from jckpt import distributed
+        distributed.save_directory(ctx, tree, path, alignment=alignment, metadata=metadata)
+        return
+    # every transfer to host (each distinct shard of sharded arrays) starts before any is awaited
+    hosts = [(p, h, h.key_impl) for (p, _), h in zip(items, sharding.prepare_leaves(
+        items, namespace, _keystr))]
     alignment = ctx.alignment if alignment is None else alignment
     if not isinstance(alignment, int) or alignment < 1:
         raise InputError(f"alignment must be a positive integer, not {alignment!r}", file=path)
@@ -100,7 +106,7 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
 
     entries: list[Entry | None] = list(kept)
     sources: list[Any] = [None] * len(kept)
-    for p, array, key_impl in hosts:
+    for p, array, key_impl in hosts:  # array: a sharding.HostLeaf
         prec = precs.prec_of(array.dtype)
         slot = by_identity.get((namespace, p))
         ident = kept[slot].id if slot is not None else None
@@ -111,10 +117,10 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
                       key_impl=key_impl)
         if slot is None:
             entries.append(entry)
-            sources.append(ArraySource(array))
+            sources.append(array.source)
         else:
             entries[slot] = entry
-            sources[slot] = ArraySource(array)
+            sources[slot] = array.source
     if old is not None:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -170,7 +176,7 @@ def load(ctx: Context, path: PathLike, *, prefix_namespace: str | None = None,
     """
     path = os.fspath(path)
     tree_mod.check_prefix(prefix_namespace)
-    reader = CheckpointReader(path)
+    reader = open_checkpoint(path)  # a file, or a multi-process directory
     header = tree_mod.prefix_namespace(reader.header, prefix_namespace)
     _check_clash(ctx, header.tensors, path)
     mmap = ctx.mmap if mmap is None else mmap
@@ -221,7 +227,7 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
     if not items:
         return target
     namespace = ctx.namespace if namespace is None else namespace
-    reader = CheckpointReader(path)
+    reader = open_checkpoint(path)  # a file, or a multi-process directory
     index = {e.path if e.path is not None else (('k', f"n{e.id}"),): e
              for e in reader.header.tensors if e.namespace == namespace}
     mmap = ctx.mmap if mmap is None else mmap
@@ -251,13 +257,17 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
             raise MismatchError(f"shape mismatch: file has {entry.shape}, target has "
                                 f"{tuple(want_shape)}", file=path, entry=where,
                                 fix="restore into a target of the stored shape")
+        target_sharding = getattr(leaf, 'sharding', None) or (
+            ctx.device if not ctx.host and not isinstance(leaf, (np.ndarray, np.generic)) else None)
+        sharding.check_fits(want_shape if want_shape is not None else entry.shape, target_sharding,
+                            file=path, where=where)
         array = reader.decode(entry, mmap=mmap, verify=verify)
         if want_dtype is not None and entry.key_impl is None and stored_dtype(want_dtype) != array.dtype:
             if not cast:
                 raise MismatchError(f"dtype mismatch: file has {array.dtype}, target has "
                                     f"{np.dtype(want_dtype)}", file=path, entry=where,
                                     fix="pass cast=True to convert, or fix the target's dtype")
-            array = array.astype(want_dtype)
+            array = sharding.as_lazy(array).astype(want_dtype)  # cast per shard, as read
         leaves.append(placement.place(array, leaf, host=ctx.host, device=ctx.device,
                                       where=where, key_impl=entry.key_impl, file=path))
     return jax.tree_util.tree_unflatten(treedef, leaves)
@@ -289,7 +299,7 @@ def ingestion_counts() -> dict[str, int]:
 
 def describe(path: PathLike) -> Header:
     """The validated header of ``path`` without reading any payload."""
-    return CheckpointReader(path).header
+    return open_checkpoint(path).header
 
 
 __all__ = ['describe', 'ingestion_counts', 'load', 'restore', 'save']

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jckpt import sharding as sharding_mod
 from jckpt.errors import FormatError, InputError
 from jckpt.format import precs
 
@@ -81,8 +82,9 @@ def default_placement(device: Any):
 def put(array: np.ndarray, placement: Any) -> jax.Array:
     """Place a host array on a device or sharding, each device reading only its slice."""
     if isinstance(placement, jax.sharding.Sharding) and len(placement.device_set) > 1:
-        return jax.make_array_from_callback(array.shape, placement, lambda index: array[index])
-    return jax.device_put(array, placement)
+        return jax.make_array_from_callback(array.shape, placement,
+                                            lambda index: sharding_mod.read_index(array, index))
+    return jax.device_put(np.asarray(array), placement)
 
 
 def place(array: np.ndarray, target: Any, *, host: bool, device: Any, where: str,
@@ -95,19 +97,20 @@ def place(array: np.ndarray, target: Any, *, host: bool, device: Any, where: str
     placement = getattr(target, 'sharding', None) if target is not None else None
     if key_impl is not None:  # key data has a trailing dim the key's sharding lacks
         try:
-            keys = jax.random.wrap_key_data(jax.device_put(array, default_placement(device)),
+            keys = jax.random.wrap_key_data(jax.device_put(np.asarray(array),
+                                                           default_placement(device)),
                                             impl=key_impl)
         except (ValueError, TypeError) as e:  # an unknown impl, or data of the wrong shape
             raise FormatError(f"cannot rebuild PRNG keys of {key_impl!r}: {e}", file=file,
                               entry=where, fix="the entry's key_impl or dims are damaged") from None
         return keys if placement is None else jax.device_put(keys, placement)
     if isinstance(target, _PY_SCALARS) and not isinstance(target, np.generic):
-        return type(target)(array.item())
+        return type(target)(np.asarray(array).item())
     if isinstance(target, (np.ndarray, np.generic)):
-        return array
+        return np.asarray(array)
     if host and not isinstance(target, (jax.Array, jax.ShapeDtypeStruct)):
-        return array
+        return np.asarray(array)
     if not _x64_ok(array.dtype):
         _warn_x64(where)
-        return array
+        return np.asarray(array)
     return put(array, placement if placement is not None else default_placement(device))
