@@ -257,11 +257,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_handler: logging.Handler | None = None
+
+
 def _configure_logging(args: argparse.Namespace) -> None:
+    global _handler
     logger = logging.getLogger('jckpt')
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter('jckpt: %(levelname)s: %(message)s'))
-    logger.addHandler(handler)
+    if _handler is not None:  # main() called again in this process: replace ours
+        logger.removeHandler(_handler)
+    _handler = logging.StreamHandler(sys.stderr)
+    _handler.setFormatter(logging.Formatter('jckpt: %(levelname)s: %(message)s'))
+    logger.addHandler(_handler)
     logger.setLevel(logging.DEBUG if args.debug else logging.INFO if args.verbose
                     else logging.WARNING)
 

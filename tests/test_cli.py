@@ -1,0 +1,466 @@
+"""The ``jckpt`` command line, run as a subprocess on real files.
+
+Each subcommand is checked for its output and exit status on good, corrupt,
+truncated and missing files; progress bars must appear under a
+pseudo-terminal and never in a pipe.
+"""
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+
+from jckpt.format import Entry, Header, lay_out, prec_of
+from jckpt.storage import ArraySource, CheckpointReader, write_checkpoint
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT = 60
+
+
+def _env(**changes):
+    env = dict(os.environ)
+    env['PYTHONPATH'] = REPO + (os.pathsep + env['PYTHONPATH'] if env.get('PYTHONPATH') else '')
+    env.setdefault('JAX_PLATFORMS', 'cpu')
+    for k, v in changes.items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
+    return env
+
+
+def jckpt_cmd(*args, cwd=None, env=None):
+    """Run ``python -m jckpt ARGS``; return the completed process (text output)."""
+    return subprocess.run([sys.executable, '-m', 'jckpt', *map(str, args)], capture_output=True,
+                          text=True, timeout=TIMEOUT, cwd=cwd, env=env or _env())
+
+
+class Result(NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli(capsys):
+    """Run ``jckpt ARGS`` in this process (fast); the subprocess form is ``jckpt_cmd``."""
+    from jckpt.cli import main
+
+    def run(*args):
+        capsys.readouterr()
+        try:
+            rc = main([str(a) for a in args])
+        except SystemExit as e:  # argparse's usage errors
+            rc = e.code
+        out, err = capsys.readouterr()
+        return Result(rc, out, err)
+    return run
+
+
+def write(path, arrays, *, namespace='jckpt', alignment=32, metadata=None):
+    """A checkpoint holding ``{'a/b': array}`` under ``namespace``, written by the storage layer."""
+    entries, sources = [], []
+    for i, (name, a) in enumerate(arrays.items()):
+        a = np.asarray(a)
+        entries.append(Entry(id=i, namespace=namespace, prec=prec_of(a.dtype), dims=a.shape,
+                             offset=0, byte_length=a.nbytes, label=tuple(name.split('/')),
+                             path=tuple(('k', p) for p in name.split('/'))))
+        sources.append(ArraySource(a))
+    header = lay_out(Header(tensors=tuple(entries), alignment=alignment, writer='jckpt test',
+                            metadata=tuple((metadata or {}).items())))
+    write_checkpoint(path, header, sources, durable=False)
+    return str(path)
+
+
+ARRAYS = {
+    'params/w': np.arange(12, dtype=np.float32).reshape(3, 4),
+    'params/b': np.zeros(4, np.float32),
+    'step': np.array(7, np.int32),
+}
+
+
+@pytest.fixture
+def model(tmp_path):
+    return write(tmp_path / 'model.jckpt', ARRAYS,
+                 metadata={'jckpt.trainer_state': json.dumps({'global_step': 7}),
+                           'jckpt.lineage': 'abc123', 'jckpt.generation': '4', 'note': 'hello'})
+
+
+def corrupt_payload(path, name):
+    """Flip one byte of entry ``name``'s payload in place."""
+    reader = CheckpointReader(path)
+    entry = next(e for e in reader.header.tensors if e.name == name)
+    where = reader.data_start + entry.offset
+    del reader
+    with open(path, 'r+b') as f:
+        f.seek(where)
+        byte = f.read(1)
+        f.seek(where)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def one_line_error(proc, *needles):
+    """The process failed with status 2 and one error line (no traceback) containing needles."""
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith('jckpt: error: ')
+    assert 'Traceback' not in proc.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    assert proc.stdout == ''
+
+
+# --- inspect -----------------------------------------------------------------
+
+def test_inspect_table(model):
+    p = jckpt_cmd('inspect', model)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr == ''
+    out = p.stdout
+    header = next(line for line in out.splitlines() if line.startswith('namespace'))
+    assert header.split() == ['namespace', 'path', 'dtype', 'shape', 'size', 'offset', 'map']
+    rows = {line.split()[1]: line.split() for line in out.splitlines()
+            if line.startswith('jckpt ')}
+    assert rows['params/w'][2:4] == ['float32', '(3,']  # shape "(3, 4)"
+    assert rows['params/w'][-1] == 'yes' and rows['params/w'][-2] == '0'
+    assert rows['params/b'][-2] == '64'          # after 48 bytes, aligned to 32
+    assert rows['step'][2:4] == ['int32', '()']
+    assert 'writer: jckpt test' in out
+    assert 'trainer state: {"global_step": 7}' in out
+    assert 'lineage: abc123' in out and 'generation: 4' in out and 'note: hello' in out
+    assert 'total: 3 entries, 68 B (68 bytes), 3 of 3 mappable' in out
+
+
+def test_inspect_json(model, cli):
+    p = cli('inspect', model, '--json')
+    assert p.returncode == 0, p.stderr
+    data = json.loads(p.stdout)
+    assert data['kind'] == 'file' and data['alignment'] == 32
+    assert data['size'] == os.path.getsize(model)
+    assert data['trainer_state'] == {'global_step': 7}
+    assert data['lineage'] == 'abc123' and data['generation'] == 4
+    by_path = {e['path']: e for e in data['entries']}
+    assert by_path['params/w']['shape'] == [3, 4]
+    assert by_path['params/w']['nbytes'] == 48 and by_path['params/w']['dtype'] == 'float32'
+    assert by_path['params/w']['checksum'].startswith('xxh3_64:')
+    assert data['totals'] == {'entries': 3, 'payload_bytes': 68, 'mappable': 3,
+                              'namespaces': {'jckpt': 3}}
+
+
+def test_inspect_unmappable_payload(tmp_path, cli):
+    """A float32 payload at an odd absolute offset (alignment 1) is reported as copied."""
+    path = write(tmp_path / 'odd.jckpt', {'b': np.ones(3, np.uint8), 'w': np.ones(2, np.float32)},
+                 alignment=1)
+    reader = CheckpointReader(path)
+    w = next(e for e in reader.header.tensors if e.name == 'jckpt/w')
+    odd = (reader.data_start + w.offset) % 4 != 0
+    data = json.loads(cli('inspect', path, '--json').stdout)
+    assert {e['path']: e['mappable'] for e in data['entries']} == {'b': True, 'w': not odd}
+    assert data['totals']['mappable'] == (1 if odd else 2)
+
+
+def test_inspect_missing_file(tmp_path):
+    missing = tmp_path / 'nope.jckpt'
+    one_line_error(jckpt_cmd('inspect', missing), str(missing), 'no such checkpoint file', 'fix:')
+
+
+def test_inspect_truncated_file(model, cli):
+    size = os.path.getsize(model)
+    with open(model, 'r+b') as f:
+        f.truncate(size - 10)
+    one_line_error(cli('inspect', model), model, 'extends past the end', 'truncated')
+
+
+def test_inspect_garbage_and_debug(tmp_path):
+    bad = tmp_path / 'bad.jckpt'
+    bad.write_bytes(b'\x00\x00\x00\x0c(not (closed')
+    one_line_error(jckpt_cmd('inspect', bad), str(bad), 'S-expression')
+    p = jckpt_cmd('--debug', 'inspect', bad)
+    assert p.returncode != 0 and 'Traceback' in p.stderr and 'FormatError' in p.stderr
+    p = jckpt_cmd('inspect', bad, '--debug', '-v')  # accepted after the subcommand too
+    assert 'Traceback' in p.stderr
+
+
+def test_inspect_plain_directory_is_refused(tmp_path, cli):
+    one_line_error(cli('inspect', tmp_path), str(tmp_path), 'no checkpoint')
+
+
+def _step_file(directory, step, loss, *, lineage='L1'):
+    return write(os.path.join(directory, f'step_{step:08d}.jckpt'),
+                 {'w': np.full(3, step, np.float32)},
+                 metadata={'jckpt.step': str(step), 'jckpt.metrics': json.dumps({'loss': loss}),
+                           'jckpt.lineage': lineage, 'jckpt.generation': str(step // 10)})
+
+
+def test_inspect_manager_directory(tmp_path, cli):
+    d = tmp_path / 'run'
+    d.mkdir()
+    for step, loss in ((10, 0.5), (20, 0.25), (30, 0.4)):
+        _step_file(d, step, loss)
+    (d / 'step_00000040.jckpt').write_bytes(b'\x00\x00')  # damaged: listed, never latest
+    (d / 'unrelated.txt').write_text('x')
+    p = jckpt_cmd('inspect', d)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert 'checkpoint manager directory, 4 steps' in lines[0]
+    assert 'latest 30' in lines[0] and 'best 20 by loss (min)' in lines[0]
+    assert 'lineage: L1' in p.stdout
+    rows = {line.split()[0]: line for line in lines if line.strip()[:2].isdigit()}
+    assert set(rows) == {'10', '20', '30', '40'}
+    assert rows['20'].rstrip().endswith('best') and rows['30'].rstrip().endswith('latest')
+    assert 'unreadable' in rows['40']
+    data = json.loads(cli('inspect', d, '--json', '--best-mode', 'max').stdout)
+    assert data['kind'] == 'manager' and data['latest'] == 30 and data['best'] == 10
+    assert [s['step'] for s in data['steps']] == [10, 20, 30, 40]
+    assert data['steps'][1]['metrics'] == {'loss': 0.25} and data['steps'][1]['generation'] == 2
+    assert data['steps'][3]['error']
+
+
+# --- verify ------------------------------------------------------------------
+
+def test_verify_good(model):
+    p = jckpt_cmd('verify', model)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.strip() == f'OK: {model}: 3 of 3 checksums verified, 0 errors, 0 warnings'
+    assert p.stderr == ''
+
+
+def test_verify_corrupt_payload_names_entry(model, cli):
+    corrupt_payload(model, 'jckpt/params/w')
+    p = jckpt_cmd('verify', model)
+    assert p.returncode == 1
+    assert f'ERROR: {model}: entry jckpt/params/w: checksum mismatch' in p.stdout
+    assert 'params/b' not in p.stdout  # only the bad entry is named
+    assert 'FAILED' in p.stdout and '2 of 3 checksums verified, 1 error' in p.stdout
+    data = json.loads(cli('verify', model, '--json').stdout)
+    assert data['ok'] is False
+    assert [(x['severity'], x['entry']) for x in data['problems']] == [('error', 'jckpt/params/w')]
+
+
+def test_verify_truncated_and_garbage(model, tmp_path, cli):
+    with open(model, 'r+b') as f:
+        f.truncate(os.path.getsize(model) - 3)
+    p = cli('verify', model)
+    assert p.returncode == 1 and 'entry jckpt/step' in p.stdout and 'past the end' in p.stdout
+    bad = tmp_path / 'bad.jckpt'
+    bad.write_bytes(b'\xff\xff')
+    p = cli('verify', bad)
+    assert p.returncode == 1 and 'FAILED' in p.stdout and 'shorter than' in p.stdout
+
+
+def test_verify_missing(tmp_path):
+    one_line_error(jckpt_cmd('verify', tmp_path / 'gone.jckpt'), 'gone.jckpt', 'no such')
+
+
+def test_verify_warnings_and_strict(tmp_path, cli):
+    path = write(tmp_path / 'm.jckpt', ARRAYS)
+    with open(path, 'ab') as f:
+        f.write(b'trailing')
+    p = cli('verify', path)
+    assert p.returncode == 0 and 'WARNING' in p.stdout and '8 bytes follow the last payload' in p.stdout
+    assert cli('verify', path, '--strict').returncode == 1
+
+
+def test_verify_manager_directory(tmp_path, cli):
+    d = tmp_path / 'run'
+    d.mkdir()
+    paths = [_step_file(d, s, 1.0) for s in (1, 2)]
+    assert cli('verify', d).returncode == 0
+    corrupt_payload(paths[1], 'jckpt/w')
+    p = cli('verify', d)
+    assert p.returncode == 1 and f'{paths[1]}: entry jckpt/w: checksum mismatch' in p.stdout
+
+
+# --- diff --------------------------------------------------------------------
+
+def test_diff(tmp_path, model, cli):
+    same = write(tmp_path / 'same.jckpt', ARRAYS, alignment=64)
+    p = cli('diff', model, same)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert 'SAME: 3 entries match' in p.stdout
+
+    other = dict(ARRAYS)
+    other['params/w'] = ARRAYS['params/w'] + np.float32(0.5)
+    other['step'] = np.array(7, np.int64)
+    del other['params/b']
+    other['params/c'] = np.zeros(2, np.float32)
+    b = write(tmp_path / 'b.jckpt', other)
+    p = jckpt_cmd('diff', model, b)
+    assert p.returncode == 1
+    out = p.stdout
+    assert f'only in {model}: jckpt/params/b' in out and f'only in {b}: jckpt/params/c' in out
+    w = next(line for line in out.splitlines() if line.startswith('jckpt/params/w'))
+    assert '12 of 12 values differ' in w and w.split()[-2:] == ['0.5', '1']  # max abs, max rel
+    assert 'dtype int32 -> int64' in out
+    assert 'DIFFERENT' in out
+
+    data = json.loads(cli('diff', model, b, '--atol', '0.5', '--json').stdout)
+    assert data['same'] is False  # still only-in entries and a dtype change
+    entries = {e['name']: e for e in data['entries']}
+    assert entries['jckpt/params/w']['same'] is True and entries['jckpt/params/w']['max_abs'] == 0.5
+
+
+def test_diff_tolerances(tmp_path, cli):
+    a = write(tmp_path / 'a.jckpt', {'x': np.array([1.0, 100.0], np.float32)})
+    b = write(tmp_path / 'b.jckpt', {'x': np.array([1.0, 101.0], np.float32)})
+    assert cli('diff', a, b).returncode == 1
+    assert cli('diff', a, b, '--atol', '0.5').returncode == 1
+    assert cli('diff', a, b, '--atol', '1').returncode == 0
+    assert cli('diff', a, b, '--rtol', '0.01').returncode == 0    # 1 <= 0.01 * 101
+    assert cli('diff', a, b, '--rtol', '0.005').returncode == 1
+    p = cli('diff', a, b, '--atol', '-1')
+    assert p.returncode == 2 and 'must be >= 0' in p.stderr and 'Traceback' not in p.stderr
+
+
+def test_diff_missing_and_corrupt(tmp_path, model, cli):
+    one_line_error(jckpt_cmd('diff', model, tmp_path / 'x.jckpt'), 'x.jckpt', 'no such')
+    bad = tmp_path / 'bad.jckpt'
+    bad.write_bytes(b'\x00\x00\x00\xff')
+    one_line_error(cli('diff', bad, model), str(bad), 'extends past the end')
+
+
+# --- convert -----------------------------------------------------------------
+
+def test_convert_relayout(tmp_path, model, cli):
+    dst = tmp_path / 'aligned.jckpt'
+    p = jckpt_cmd('convert', model, dst, '--alignment', '4096')
+    assert p.returncode == 0, p.stderr
+    assert 'alignment 4096' in p.stdout
+    data = json.loads(cli('inspect', dst, '--json').stdout)
+    assert data['alignment'] == 4096 and data['data_start'] % 4096 == 0
+    assert all(e['offset'] % 4096 == 0 for e in data['entries'])
+    assert data['metadata']['note'] == 'hello'
+    assert cli('diff', model, dst).returncode == 0
+    assert cli('verify', dst).returncode == 0
+
+    # an existing destination is kept unless --overwrite; the source can be rewritten in place
+    before = dst.read_bytes()
+    one_line_error(cli('convert', model, dst), str(dst), 'existing checkpoint')
+    assert dst.read_bytes() == before
+    assert cli('convert', model, dst, '--alignment', '64', '--overwrite').returncode == 0
+    assert cli('convert', dst, dst, '--alignment', '128').returncode == 0
+    assert json.loads(cli('inspect', dst, '--json').stdout)['alignment'] == 128
+
+
+def test_convert_refuses_corrupt_and_missing(tmp_path, model, cli):
+    corrupt_payload(model, 'jckpt/step')
+    one_line_error(cli('convert', model, tmp_path / 'out.jckpt', '--alignment', '64'),
+                   model, 'checksum mismatch', 'jckpt/step')
+    assert not (tmp_path / 'out.jckpt').exists()
+    one_line_error(cli('convert', tmp_path / 'none.jckpt', tmp_path / 'o.jckpt'), 'none.jckpt')
+
+
+# --- merge -------------------------------------------------------------------
+
+def test_merge_with_prefixes(tmp_path, model, cli):
+    student = write(tmp_path / 'student.jckpt', {'params/w': np.ones((2, 2), np.float32)})
+    out = tmp_path / 'both.jckpt'
+    p = jckpt_cmd('merge', out, model, student, '--prefix', 'teacher', '--prefix', 'student')
+    assert p.returncode == 0, p.stderr
+    assert 'student__jckpt, teacher__jckpt' in p.stdout
+    data = json.loads(cli('inspect', out, '--json').stdout)
+    names = [f"{e['namespace']}/{e['path']}" for e in data['entries']]
+    assert names == ['teacher__jckpt/params/w', 'teacher__jckpt/params/b', 'teacher__jckpt/step',
+                     'student__jckpt/params/w']
+    assert data['metadata']['note'] == 'hello'
+    assert cli('verify', out).returncode == 0
+    # payloads were copied verbatim: the checksums are the inputs'
+    src = {e['path']: e['checksum'] for e in json.loads(cli('inspect', model, '--json').stdout)['entries']}
+    assert {e['path']: e['checksum'] for e in data['entries'][:3]} == src
+
+
+def test_merge_refusals(tmp_path, model, cli):
+    other = write(tmp_path / 'other.jckpt', {'params/w': np.ones(2, np.float32)})
+    out = tmp_path / 'm.jckpt'
+    one_line_error(cli('merge', out, model, other), 'jckpt/params/w', '--prefix')
+    assert not out.exists()
+    one_line_error(cli('merge', out, model, other, '--prefix', 'a'), '1 --prefix', '2 inputs')
+    one_line_error(cli('merge', out, model, other, '--prefix', 'a', '--prefix', '9bad'),
+                   "'9bad'")
+    one_line_error(cli('merge', model, other), model, 'existing checkpoint')
+    # appending to an existing file keeps its entries
+    assert cli('merge', model, other, '--prefix', 'extra', '--append').returncode == 0
+    names = {f"{e['namespace']}/{e['path']}"
+             for e in json.loads(cli('inspect', model, '--json').stdout)['entries']}
+    assert names == {'jckpt/params/w', 'jckpt/params/b', 'jckpt/step', 'extra__jckpt/params/w'}
+
+
+# --- usage, start-up, progress -------------------------------------------------
+
+def test_usage_errors(cli):
+    p = jckpt_cmd()
+    assert p.returncode == 2 and 'usage: jckpt' in p.stderr
+    p = cli('frobnicate')
+    assert p.returncode == 2 and 'invalid choice' in p.stderr
+    p = cli('--version')
+    assert p.returncode == 0 and p.stdout.startswith('jckpt ')
+
+
+def test_read_commands_do_not_import_jax(model, tmp_path):
+    code = ("import sys; from jckpt.cli import main\n"
+            f"for argv in (['inspect', {model!r}], ['verify', {model!r}], "
+            f"['diff', {model!r}, {model!r}]):\n"
+            "    assert main(argv) == 0\n"
+            "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))\n")
+    p = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                       timeout=TIMEOUT, env=_env())
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().splitlines()[-1] == '[]'
+
+
+def _run_under_pty(args, env):
+    """Run with stderr on a pseudo-terminal; return (stdout, everything written to the pty)."""
+    master, slave = os.openpty()
+    try:
+        proc = subprocess.Popen([sys.executable, '-m', 'jckpt', *map(str, args)],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave,
+                                env=env)
+    finally:
+        os.close(slave)
+    seen = bytearray()
+    deadline = time.monotonic() + TIMEOUT
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.5)
+            if ready:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:  # EIO: the child closed the terminal
+                    break
+                if not data:
+                    break
+                seen += data
+            elif proc.poll() is not None:
+                break
+        stdout = proc.communicate(timeout=TIMEOUT)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+    return proc.returncode, stdout.decode(), seen.decode('utf-8', 'replace')
+
+
+def test_progress_bar_only_on_a_terminal(tmp_path):
+    big = write(tmp_path / 'big.jckpt', {f'layer{i}/w': np.full((256, 1024), i, np.float32)
+                                         for i in range(8)})
+    tty_env = _env(CI=None, TERM='xterm-256color', COLUMNS='120')
+    # in a pipe (stderr captured): no bar, nothing on stderr at all
+    piped = subprocess.run([sys.executable, '-m', 'jckpt', 'verify', big], capture_output=True,
+                           text=True, timeout=TIMEOUT, env=tty_env)
+    assert piped.returncode == 0 and piped.stderr == ''
+    # on a terminal: the bar is drawn on stderr, stdout is unchanged
+    rc, stdout, terminal = _run_under_pty(['verify', big], tty_env)
+    assert rc == 0
+    assert stdout == piped.stdout
+    assert 'verifying big.jckpt' in terminal
+    assert '\x1b[' in terminal  # drawn with terminal control sequences
+    # the bar can be turned off, and CI environments never get one
+    assert 'verifying' not in _run_under_pty(['--no-progress', 'verify', big], tty_env)[2]
+    assert 'verifying' not in _run_under_pty(['verify', big], _env(CI='true', TERM='xterm'))[2]
