@@ -1,6 +1,9 @@
 """Train a small MLP, checkpoint every few steps, resume, and check bit-for-bit equality.
 
-Runs on CPU with generated data (no download):
+Checkpoints go through ``jckpt.CheckpointManager``: each save copies the state
+to host memory and returns; a background writer publishes the step file
+atomically and durably while training goes on. Runs on CPU with generated
+data (no download):
 
     python examples/train_resume.py
 """
@@ -61,17 +64,18 @@ def initial_state() -> dict:
     return {"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0)}
 
 
-def train(state: dict, data, until: int, ckpt: str | None = None, every: int = 10,
+def train(state: dict, data, until: int, manager: jckpt.CheckpointManager | None = None,
           stop_at: int | None = None) -> dict:
-    """Train to step ``until`` (or stop early at ``stop_at``), saving every ``every`` steps."""
-    ctx = jckpt.Context()
+    """Train to step ``until`` (or stop early at ``stop_at``), offering every step to ``manager``."""
     while int(state["step"]) < until:
         if stop_at is not None and int(state["step"]) >= stop_at:
             break
         state, loss = train_step(state, *batch(data, int(state["step"])))
         step = int(state["step"])
-        if ckpt is not None and step % every == 0:
-            jckpt.save(ctx, state, ckpt, metadata={"step": str(step), "loss": f"{float(loss):.6f}"})
+        if manager is not None:  # saves only on the manager's interval, in the background
+            manager.save(step, state, metrics={"loss": float(loss)},
+                         trainer_state=jckpt.TrainerState(global_step=step, consumed_batches=step,
+                                                          learning_rate=3e-3))
     return state
 
 
@@ -86,13 +90,23 @@ def main() -> None:
     reference = train(initial_state(), data, args.steps)
 
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = os.path.join(tmp, "train.jckpt")
-        train(initial_state(), data, args.steps, ckpt, args.every, stop_at=args.crash_at)
-        print(f"interrupted at step {args.crash_at}; last checkpoint: step "
-              f"{jckpt.describe(ckpt).metadata_dict()['step']}")
-        resumed_from = jckpt.restore(jckpt.Context(), initial_state(), ckpt)
-        print(f"resuming from step {int(resumed_from['step'])}")
-        resumed = train(resumed_from, data, args.steps, ckpt, args.every)
+        ckpts = os.path.join(tmp, "ckpts")
+        # The first run is interrupted at --crash-at; what it saved is durable once close returns.
+        manager = jckpt.CheckpointManager(ckpts, save_interval_steps=args.every, keep_last=3)
+        train(initial_state(), data, args.steps, manager, stop_at=args.crash_at)
+        manager.close()
+        print(manager.counters)
+
+        manager = jckpt.CheckpointManager(ckpts, save_interval_steps=args.every, keep_last=3)
+        print(f"interrupted at step {args.crash_at}; last checkpoint: step {manager.latest_step()}")
+        restored = manager.restore(target=initial_state())
+        print(f"resuming from step {int(restored.tree['step'])} "
+              f"(trainer state: step {restored.trainer_state.global_step}, "
+              f"{restored.trainer_state.consumed_batches} batches consumed)")
+        resumed = train(restored.tree, data, args.steps, manager)
+        manager.close()
+        print(manager.counters)
+        print(f"steps kept: {manager.all_steps()}")
 
     same = all(np.array_equal(np.asarray(a), np.asarray(b)) and a.dtype == b.dtype
                for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(resumed)))

@@ -1,5 +1,6 @@
 """The README's main job runs and reports a bit-exact resume."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,3 +14,8 @@ def test_train_resume_example():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "matches the uninterrupted run bit for bit: True" in out.stdout
+    assert "last checkpoint: step 20" in out.stdout and "resuming from step 20" in out.stdout
+    counters = re.findall(r"^memory mirror: committed (\d+) durable (\d+) generation (\d+) "
+                          r"pending (\d+) error (\S+)$", out.stdout, re.MULTILINE)
+    # Two saves before the interruption (10, 20), then 30 and 40 after resuming.
+    assert counters == [("2", "2", "2", "0", "0"), ("2", "2", "4", "0", "0")], out.stdout
