@@ -145,12 +145,30 @@ def _encode(text, encoding='latin1'):
     return codecs.encode(text, encoding)
 
 
+class _StateDict(dict):
+    """``OrderedDict`` as unpickled: a dict that ignores the ``_metadata`` state torch attaches."""
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+def _plain(obj: Any) -> Any:
+    """Plain dicts, lists and tuples all the way down (JAX trees know exact types only)."""
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_plain(v) for v in obj)
+    return obj
+
+
 _ALLOWED: dict[tuple[str, str], Any] = {
     ('torch._utils', '_rebuild_tensor_v2'): _rebuild_tensor_v2,
     ('torch._utils', '_rebuild_tensor_v3'): _rebuild_tensor_v3,
     ('torch._utils', '_rebuild_parameter'): _rebuild_parameter,
     ('torch._utils', '_rebuild_parameter_with_state'): _rebuild_parameter_with_state,
-    ('collections', 'OrderedDict'): dict,
+    ('collections', 'OrderedDict'): _StateDict,
     ('torch', 'Size'): tuple,
     ('_codecs', 'encode'): _encode,
     ('torch.storage', 'UntypedStorage'): _StorageType('UntypedStorage', None),
@@ -243,7 +261,7 @@ def read(path: str) -> dict[str, Any]:
             raise FormatError(f"data.pkl is not a valid torch pickle ({type(e).__name__}: {e})",
                               file=path, fix="the file is damaged or not written by torch.save") \
                 from None
-    return {DEFAULT_NAMESPACE: obj}
+    return {DEFAULT_NAMESPACE: _plain(obj)}
 
 
 # --- writing ----------------------------------------------------------------

@@ -1,0 +1,216 @@
+"""The torch adapter: torch.save fixtures read without torch, files torch.load accepts, refusals."""
+
+import io
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import zipfile
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jckpt
+from jckpt.adapters import torch as pt
+from jckpt.errors import FormatError, InputError
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'fixtures')
+STATE = os.path.join(FIXTURES, 'torch_state.pt')
+MODEL = os.path.join(FIXTURES, 'torch_model_state_dict.pth')
+
+
+def expected_state():
+    """What make_torch_fixtures.py saved, rebuilt with numpy alone."""
+    base = np.arange(12, dtype=np.float32).reshape(3, 4) / 4
+    return {
+        'float32': base, 'float64': base.astype(np.float64), 'float16': base.astype(np.float16),
+        'bfloat16': base.astype(ml_dtypes.bfloat16), 'int64': np.arange(-3, 3, dtype=np.int64),
+        'int32': np.arange(4, dtype=np.int32) * 1000, 'int16': np.array([-7, 7], np.int16),
+        'int8': np.array([-128, 127], np.int8), 'uint8': np.array([0, 255], np.uint8),
+        'uint16': np.array([1, 65535], np.uint16), 'bool': np.array([True, False, True]),
+        'complex64': np.array([1 + 2j, -0.5j], np.complex64),
+        'float8_e4m3fn': np.array([0.5, -2.0, 448.0], np.float32).astype(ml_dtypes.float8_e4m3fn),
+        'float8_e5m2': np.array([0.25, -3.0], np.float32).astype(ml_dtypes.float8_e5m2),
+        'scalar': np.array(2.5, np.float32), 'empty': np.zeros((0, 3), np.float32),
+        'transposed': base.T, 'row': base[1], 'param': np.ones((2, 2), np.float32),
+    }
+
+
+def same_bits(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and \
+        np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
+
+
+def test_reads_torch_save_fixture_without_torch():
+    assert jckpt.detect_format(STATE) == 'torch'
+    tree = jckpt.adapters.read(STATE)['jckpt']
+    for name, array in expected_state().items():
+        assert same_bits(tree[name], array), name
+    assert same_bits(tree['nested']['list'][0], np.array([1.0], np.float32))
+    assert tree['nested']['list'][1] == 3 and tree['nested']['tuple'][1] == 'x'
+    assert (tree['epoch'], tree['lr'], tree['name']) == (7, 0.125, 'tiny')
+    # 'row' is a view of the storage 'float32' uses, as in torch: no copy, shared bytes
+    assert np.shares_memory(tree['row'], tree['float32'])
+
+
+def test_model_state_dict_converts_to_jckpt(tmp_path):
+    out = tmp_path / 'model.jckpt'
+    assert jckpt.convert(MODEL, out) == ('torch', 'jckpt')
+    _, tree = jckpt.load(jckpt.Context(host=True), out)
+    sd = tree['jckpt']
+    assert same_bits(sd['0.weight'], np.arange(6, dtype=np.float32).reshape(2, 3))
+    assert same_bits(sd['2.bias'], np.array([3.0], np.float32))
+
+
+def test_jckpt_tree_round_trips_through_torch_file(tmp_path):
+    arrays = {k: v for k, v in expected_state().items()}
+    tree = {'jckpt': {'params': arrays, 'step': 5, 'layers': [np.ones(2, np.float32)]}}
+    path = tmp_path / 'x.pt'
+    jckpt.adapters.write(tree, path)
+    back = pt.read(path)['jckpt']
+    for name, array in arrays.items():
+        assert same_bits(back['params'][name], array), name
+    assert back['step'] == 5 and same_bits(back['layers'][0], np.ones(2, np.float32))
+
+
+def test_torch_load_weights_only_accepts_what_jckpt_writes(tmp_path):
+    torch = pytest.importorskip('torch')
+    tree = jckpt.adapters.read(STATE)
+    path = tmp_path / 'again.pt'
+    pt.write(tree, path)
+    loaded = torch.load(path, weights_only=True)
+    for name, array in expected_state().items():
+        t = loaded[name]
+        raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b''
+        assert raw == np.ascontiguousarray(array).tobytes(), name
+        assert list(t.shape) == list(array.shape), name
+    assert loaded['epoch'] == 7 and loaded['name'] == 'tiny'
+    assert loaded['nested']['tuple'][0].tolist() == [2]
+
+
+def test_live_torch_save_round_trip(tmp_path):
+    torch = pytest.importorskip('torch')
+    model = torch.nn.Linear(4, 3)
+    sd = model.state_dict()
+    path = tmp_path / 'live.pth'
+    torch.save(sd, path)
+    back = pt.read(path)['jckpt']
+    for name, t in sd.items():
+        assert same_bits(back[name], t.numpy()), name
+    out = tmp_path / 'back.pth'
+    pt.write({'jckpt': back}, out)
+    model.load_state_dict(torch.load(out, weights_only=True))
+
+
+def zip_with(pickled: bytes, extra: dict | None = None) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, 'w', zipfile.ZIP_STORED) as zf:
+        zf.writestr('archive/data.pkl', pickled)
+        zf.writestr('archive/byteorder', 'little')
+        for name, data in (extra or {}).items():
+            zf.writestr(name, data)
+    return buf.getvalue()
+
+
+class _System:
+    def __init__(self, cmd):
+        self.cmd = cmd
+
+    def __reduce__(self):
+        return (os.system, (self.cmd,))
+
+
+def test_malicious_pickle_is_refused_without_side_effect(tmp_path):
+    marker = tmp_path / 'pwned'
+    payload = pickle.dumps({'w': _System(f'touch {marker}')}, protocol=2)
+    # the payload is live: plain pickle runs it (in a child process)
+    live = tmp_path / 'live.pkl'
+    live.write_bytes(payload)
+    subprocess.run([sys.executable, '-c', 'import pickle, sys; pickle.load(open(sys.argv[1], "rb"))',
+                    str(live)], timeout=60, check=True)
+    assert marker.exists()
+    marker.unlink()
+    path = tmp_path / 'evil.pt'
+    path.write_bytes(zip_with(payload))
+    assert jckpt.detect_format(path) == 'torch'
+    with pytest.raises(FormatError, match=r'refusing to unpickle global (posix|os)\.system') as info:
+        pt.read(path)
+    assert str(path) in str(info.value)
+    assert not marker.exists()
+    with pytest.raises(FormatError):
+        jckpt.convert(path, tmp_path / 'evil.jckpt')
+    assert not marker.exists() and not (tmp_path / 'evil.jckpt').exists()
+
+
+def test_unknown_class_and_bad_member_names_are_refused(tmp_path):
+    path = tmp_path / 'm.pt'
+    path.write_bytes(zip_with(b'\x80\x02ctorch.nn.modules.linear\nLinear\n)R.'))
+    with pytest.raises(FormatError, match='torch.nn.modules.linear.Linear'):
+        pt.read(path)
+    path.write_bytes(zip_with(pickle.dumps({}, protocol=2), {'archive/../../escape': b'x'}))
+    with pytest.raises(FormatError, match='unsafe'):
+        pt.read(path)
+    path.write_bytes(zip_with(pickle.dumps({}, protocol=2), {'/abs/data/0': b'x'}))
+    with pytest.raises(FormatError, match='unsafe'):
+        pt.read(path)
+
+
+def test_storage_reference_out_of_range_is_refused(tmp_path):
+    raw = bytearray(open(STATE, 'rb').read())
+    src = zipfile.ZipFile(io.BytesIO(bytes(raw)))
+    root = src.namelist()[0].split('/')[0]
+    pickled = src.read(f'{root}/data.pkl')
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, 'w') as zf:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename == f'{root}/data/0':
+                data = data[:8]  # a storage shorter than its tensors need
+            zf.writestr(info.filename, pickled if info.filename.endswith('data.pkl') else data)
+    path = tmp_path / 'short.pt'
+    path.write_bytes(buf.getvalue())
+    with pytest.raises(FormatError, match='not a valid torch pickle'):
+        pt.read(path)
+
+
+@pytest.mark.parametrize('cut', [100, 2000, -30])
+def test_truncated_file_is_refused(tmp_path, cut):
+    raw = open(STATE, 'rb').read()
+    path = tmp_path / 't.pt'
+    path.write_bytes(raw[:cut])
+    with pytest.raises(FormatError) as info:
+        pt.read(path)
+    assert str(path) in str(info.value)
+
+
+def test_corrupt_pickle_and_legacy_file_are_refused(tmp_path):
+    path = tmp_path / 'c.pt'
+    path.write_bytes(zip_with(b'\x80\x02}q\x00(X\x01\x00'))
+    with pytest.raises(FormatError, match='not a valid torch pickle'):
+        pt.read(path)
+    path.write_bytes(pickle.dumps({'a': 1}, protocol=2))
+    with pytest.raises(FormatError, match='legacy'):
+        pt.read(path)
+
+
+def test_unrepresentable_dtype_is_refused_before_writing(tmp_path):
+    path = tmp_path / 'x.pt'
+    with pytest.raises(InputError, match='no torch equivalent'):
+        pt.write({'jckpt': {'q': np.zeros(2, ml_dtypes.int4)}}, path)
+    assert not path.exists()
+
+
+def test_storages_are_64_byte_aligned_and_mapped(tmp_path):
+    path = tmp_path / 'a.pt'
+    pt.write({'jckpt': {'a': np.arange(5, dtype=np.float64), 'b': np.arange(3, dtype=np.int8)}}, path)
+    raw = path.read_bytes()
+    with zipfile.ZipFile(path) as zf:
+        for info in zf.infolist():
+            at = info.header_offset
+            n, m = struct.unpack_from('<HH', raw, at + 26)
+            assert (at + 30 + n + m) % 64 == 0, info.filename
+    tree = pt.read(path)['jckpt']
+    assert not tree['a'].flags.owndata and tree['a'].tolist() == [0, 1, 2, 3, 4]
