@@ -1,0 +1,242 @@
+"""Sharded arrays on 8 virtual CPU devices: save from any mesh, restore onto any other."""
+
+import itertools
+import os
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jckpt
+from jckpt import distributed, placement
+from jckpt import sharding as sh
+from jckpt.errors import FormatError, MismatchError
+from jckpt.storage.reader import CheckpointReader
+from jckpt.storage.writer import Sink
+
+
+def mesh(shape, names, devices=None):
+    devices = jax.devices() if devices is None else devices
+    n = int(np.prod(shape))
+    return jax.sharding.Mesh(np.array(devices[:n]).reshape(shape), names)
+
+
+def put(x, m, spec):
+    return jax.device_put(x, NamedSharding(m, spec))
+
+
+def data(shape, dtype=np.float32, offset=0):
+    return (np.arange(int(np.prod(shape))) + offset).reshape(shape).astype(dtype)
+
+
+@pytest.fixture(scope="module")
+def m42():
+    return mesh((4, 2), ("data", "model"))
+
+
+@pytest.fixture(scope="module")
+def m24():
+    return mesh((2, 4), ("b", "a"))
+
+
+def sample_tree(m42):
+    return {
+        "w": put(data((16, 24)), m42, P("data", "model")),
+        "replicated": put(data((8, 4), offset=5), m42, P()),
+        "partial": put(data((16, 6), offset=7), m42, P("data")),
+        "bf16": put(data((8, 16), ml_dtypes.bfloat16), m42, P("model", "data")),
+        "scalar": put(np.float32(3.5), m42, P()),
+        "odd": put(data((7, 8), np.int32), m42, P(None, "data")),
+        "step": np.int32(12),
+        "host": data((3,), np.int16),
+    }
+
+
+def test_mesh_to_mesh_one_device_and_numpy(tmp_path, m42, m24):
+    tree = sample_tree(m42)
+    path = tmp_path / "s.jckpt"
+    jckpt.save(jckpt.Context(), tree, path)
+    # onto a (2, 4) mesh with another spec
+    target = {
+        "w": jax.ShapeDtypeStruct((16, 24), np.float32, sharding=NamedSharding(m24, P(None, "a"))),
+        "bf16": jax.ShapeDtypeStruct((8, 16), ml_dtypes.bfloat16,
+                                     sharding=NamedSharding(m24, P("a", "b"))),
+        "odd": jax.ShapeDtypeStruct((7, 8), np.int32, sharding=NamedSharding(m24, P(None, "a"))),
+        "scalar": jax.ShapeDtypeStruct((), np.float32, sharding=NamedSharding(m24, P())),
+        "replicated": put(np.zeros((8, 4), np.float32), m24, P("b")),  # a jax.Array target
+    }
+    back = jckpt.restore(jckpt.Context(), target, path)
+    for k, v in back.items():
+        assert v.sharding == target[k].sharding, k
+        np.testing.assert_array_equal(np.asarray(v), np.asarray(tree[k]))
+    # onto one device, and as numpy
+    one = jax.devices()[3]
+    back = jckpt.restore(jckpt.Context(device=one), {"w": jax.ShapeDtypeStruct((16, 24), np.float32)},
+                         path)
+    assert back["w"].devices() == {one}
+    host = jckpt.restore(jckpt.Context(), {"step": 0, "w": np.zeros((16, 24), np.float32),
+                                           "partial": np.zeros((16, 6), np.float32)}, path)
+    assert host["step"] == 12
+    assert isinstance(host["w"], np.ndarray) and isinstance(host["partial"], np.ndarray)
+    np.testing.assert_array_equal(host["w"], data((16, 24)))
+    np.testing.assert_array_equal(host["partial"], data((16, 6), offset=7))
+    # load rebuilds every leaf
+    _, loaded = jckpt.load(jckpt.Context(), path)
+    for k, v in tree.items():
+        np.testing.assert_array_equal(np.asarray(loaded["jckpt"][k]), np.asarray(v))
+
+
+def test_each_device_reads_only_its_shard(tmp_path, m42, m24):
+    path = tmp_path / "s.jckpt"
+    x = data((64, 48))
+    jckpt.save(jckpt.Context(), {"w": put(x, m42, P("data", "model"))}, path)
+    for m, spec in [(m24, P(None, "a")), (m24, P("a", "b")), (m42, P("model")),
+                    (mesh((8,), ("x",)), P(None, "x"))]:
+        s = NamedSharding(m, spec)
+        with sh.record_reads() as log:
+            back = jckpt.restore(jckpt.Context(), {"w": jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                             sharding=s)}, path)
+        shard_bytes = int(np.prod(s.shard_shape(x.shape))) * 4
+        assert len(log) >= len({b for b, _ in log}) == len(set(map(str, s.devices_indices_map(
+            x.shape).values())))
+        assert all(n == shard_bytes for _, n in log), (spec, log)
+        assert shard_bytes < x.nbytes
+        np.testing.assert_array_equal(np.asarray(back["w"]), x)
+
+
+def test_replicas_are_read_once_and_no_gather(tmp_path, m42, monkeypatch):
+    tree = {"full": put(data((8, 8)), m42, P()), "rows": put(data((8, 8)), m42, P("data")),
+            "both": put(data((8, 8)), m42, P("data", "model"))}
+    real = placement.to_host
+
+    def no_gather(leaf, where):
+        assert not sh.is_sharded(leaf), f"{where} was gathered to host whole"
+        return real(leaf, where)
+
+    monkeypatch.setattr(placement, "to_host", no_gather)
+    leaves = sh.prepare_leaves(jckpt.tree.flatten(tree), "jckpt", str)
+    assert [len(h.source.pieces) for h in leaves] == [8, 1, 4]  # both, full, rows
+    jckpt.save(jckpt.Context(), tree, tmp_path / "r.jckpt")
+    assert CheckpointReader(tmp_path / "r.jckpt").verify() == []
+    _, back = jckpt.load(jckpt.Context(), tmp_path / "r.jckpt")
+    for k, v in tree.items():
+        np.testing.assert_array_equal(np.asarray(back["jckpt"][k]), np.asarray(v))
+
+
+@pytest.mark.parametrize("shape,box_grid", [
+    ((64, 32), (1, 8)),        # short runs: scattered through a mapping
+    ((4, 40000), (1, 4)),      # few long runs: one pwrite each
+    ((40, 30000), (2, 2)),     # many long runs
+    ((6, 5, 4), (3, 1, 2)),    # three dims
+    ((9,), (3,)),
+    ((0, 4), (1, 2)),
+])
+def test_sharded_source_writes_every_layout(tmp_path, shape, box_grid):
+    x = data(shape)
+    cuts = [np.linspace(0, d, g + 1).astype(int) for d, g in zip(shape, box_grid)]
+    boxes = [tuple((int(c[i]), int(c[i + 1])) for c, i in zip(cuts, idx))
+             for idx in itertools.product(*[range(g) for g in box_grid])]
+    pieces = [(b, lambda b=b: np.ascontiguousarray(x[sh.box_slices(b)])) for b in boxes]
+    src = sh.ShardedSource(shape, x.dtype, pieces[::-1])
+    fd = os.open(tmp_path / "raw", os.O_RDWR | os.O_CREAT)
+    try:
+        os.write(fd, b"head")
+        sink = Sink(fd, 4)
+        algo, digest = src.write(sink)
+        assert sink.position == 4 + x.nbytes and os.lseek(fd, 0, os.SEEK_CUR) == sink.position
+        raw = os.pread(fd, x.nbytes + 10, 4)
+    finally:
+        os.close(fd)
+    assert raw == x.tobytes()
+    assert (algo, digest) == jckpt.format.payload.checksum(x.tobytes())
+
+
+def test_boxes():
+    assert sh.coalesce([((0, 2), (0, 4)), ((2, 4), (0, 4)), ((4, 6), (0, 2))]) == [
+        ((0, 4), (0, 4)), ((4, 6), (0, 2))]
+    assert sh.coalesce([((0, 2), (0, 2)), ((2, 4), (2, 4))]) == [((0, 2), (0, 2)), ((2, 4), (2, 4))]
+    assert sh.check_tiling([((0, 2),), ((2, 4),)], (4,)) is None
+    assert "missing" in sh.check_tiling([((0, 2),)], (4,))
+    assert "overlap" in sh.check_tiling([((0, 3),), ((1, 2),)], (4,))
+    assert "outside" in sh.check_tiling([((0, 5),)], (4,))
+    assert sh.check_tiling([()], ()) is None
+
+
+def test_indivisible_target_is_a_clear_error(tmp_path, m42):
+    path = tmp_path / "s.jckpt"
+    jckpt.save(jckpt.Context(), {"w": data((10, 6))}, path)
+    target = {"w": jax.ShapeDtypeStruct((10, 6), np.float32,
+                                        sharding=NamedSharding(m42, P("data", "model")))}
+    with pytest.raises(MismatchError, match="not divisible") as info:
+        jckpt.restore(jckpt.Context(), target, path)
+    assert info.value.entry == "jckpt/w" and "PartitionSpec" in info.value.fix
+    ctx = jckpt.Context(device=NamedSharding(m42, P("data")))
+    with pytest.raises(MismatchError, match="not divisible"):
+        jckpt.restore(ctx, {"w": jax.ShapeDtypeStruct((10, 6), np.float32)}, path)
+
+
+def test_cast_partial_target_and_namespace(tmp_path, m42, m24):
+    path = tmp_path / "s.jckpt"
+    x = data((16, 8))
+    jckpt.save(jckpt.Context(namespace="student"), {"a": put(x, m42, P("data", "model")),
+                                                      "b": put(x, m42, P())}, path)
+    s = NamedSharding(m24, P("a"))
+    target = {"a": jax.ShapeDtypeStruct((16, 8), ml_dtypes.bfloat16, sharding=s)}
+    with pytest.raises(MismatchError, match="dtype mismatch"):
+        jckpt.restore(jckpt.Context(), target, path, namespace="student")
+    with sh.record_reads() as log:
+        back = jckpt.restore(jckpt.Context(), target, path, namespace="student", cast=True)
+    assert back["a"].dtype == ml_dtypes.bfloat16 and back["a"].sharding == s
+    assert all(n == x.nbytes // 4 for _, n in log)  # cast shard by shard, each read once
+    np.testing.assert_array_equal(np.asarray(back["a"]), x.astype(ml_dtypes.bfloat16))
+
+
+def test_directory_form_in_one_process(tmp_path, m42, m24):
+    tree = sample_tree(m42)
+    tree["key"] = jax.device_put(jax.random.split(jax.random.key(1), 8),
+                                 NamedSharding(m42, P("data")))
+    d = tmp_path / "ckpt"
+    jckpt.save(jckpt.Context(), {"old": 1}, d)  # a file, replaced by the directory
+    distributed.save_directory(jckpt.Context(), tree, d, metadata={"step": "3"})
+    assert sorted(os.listdir(d)) == ["index.jckpt", "process_00000.jckpt"]
+    assert not [n for n in os.listdir(tmp_path) if "stage" in n or "old" in n]
+    assert jckpt.describe(d).metadata_dict() == {"step": "3"}
+    s = NamedSharding(m24, P(None, "a"))
+    with sh.record_reads() as log:
+        back = jckpt.restore(jckpt.Context(), {
+            "w": jax.ShapeDtypeStruct((16, 24), np.float32, sharding=s)}, d)
+    assert all(n == 16 * 6 * 4 for _, n in log) and log
+    np.testing.assert_array_equal(np.asarray(back["w"]), np.asarray(tree["w"]))
+    _, loaded = jckpt.load(jckpt.Context(), d)
+    for k, v in tree.items():
+        if k == "key":
+            np.testing.assert_array_equal(jax.random.key_data(loaded["jckpt"][k]),
+                                          jax.random.key_data(v))
+        else:
+            np.testing.assert_array_equal(np.asarray(loaded["jckpt"][k]), np.asarray(v))
+    # a second save swaps the directory atomically; consolidating gives one checked file
+    distributed.save_directory(jckpt.Context(), {"w": tree["w"]}, d)
+    assert [e.name for e in jckpt.describe(d).tensors] == ["jckpt/w"]
+    one = tmp_path / "one.jckpt"
+    distributed.consolidate(d, one)
+    reader = CheckpointReader(one)
+    assert reader.verify() == [] and reader.header.tensors[0].slice is None
+    np.testing.assert_array_equal(reader.decode(reader.header.tensors[0]), np.asarray(tree["w"]))
+
+
+def test_incomplete_or_damaged_directory_is_refused(tmp_path, m42):
+    d = tmp_path / "ckpt"
+    distributed.save_directory(jckpt.Context(), {"w": put(data((8, 8)), m42, P("data"))}, d)
+    piece = d / "process_00000.jckpt"
+    raw = bytearray(piece.read_bytes())
+    raw[-1] ^= 0xFF
+    piece.write_bytes(bytes(raw))
+    with pytest.raises(jckpt.ChecksumError):
+        distributed.consolidate(d, tmp_path / "x.jckpt")
+    assert not (tmp_path / "x.jckpt").exists()
+    os.unlink(d / "index.jckpt")
+    with pytest.raises(FormatError, match="no index.jckpt"):
+        jckpt.restore(jckpt.Context(), {"w": np.zeros((8, 8), np.float32)}, d)
