@@ -28,6 +28,7 @@ from jckpt.distributed import open_checkpoint
 from jckpt.errors import (
     ClashError,
     InputError,
+    InUseError,
     MismatchError,
     MissingEntryError,
 )
@@ -35,6 +36,7 @@ from jckpt.format import precs
 from jckpt.format.header import Entry, Header, KeyPath, path_name
 from jckpt.format.layout import lay_out
 from jckpt.format.payload import stored_dtype
+from jckpt.storage.publish import storage_error
 from jckpt.storage.reader import COUNTS, CheckpointReader
 from jckpt.storage.writer import CopySource, write_checkpoint
 from jckpt.version import __version__
@@ -122,7 +124,16 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
             entries[slot] = entry
             sources[slot] = array.source
     if old is not None:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise storage_error(e, "opening the checkpoint to append to", path) from e
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != old.file_id:  # kept payloads must come from the file read
+            os.close(fd)
+            raise InUseError("the file was replaced while this appending save read it",
+                             file=path, fix="save again; let one writer at a time append to a "
+                                            "path (a jckpt.Mirror holds a lease for that)")
     try:
         for i, e in enumerate(kept):
             if sources[i] is None:

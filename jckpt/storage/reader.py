@@ -61,7 +61,10 @@ class CheckpointReader:
         except OSError as e:
             raise storage_error(e, "opening the checkpoint", self.path) from e
         try:
-            self.size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            self.size = st.st_size
+            #: ``(st_dev, st_ino)`` of the file read, to tell if ``path`` was replaced since.
+            self.file_id = (st.st_dev, st.st_ino)
             first = os.pread(fd, 4, 0)
             if len(first) < 4:
                 raise FormatError(f"file is {len(first)} bytes, shorter than the 4-byte header "

@@ -1,0 +1,252 @@
+"""Disk faults during a save or a load: a clear error, the previous file intact, nothing left.
+
+* A real size limit (``RLIMIT_FSIZE`` in a subprocess, ``SIGXFSZ`` ignored):
+  the kernel answers ``EFBIG`` in the middle of a write or a
+  ``copy_file_range``.
+* A sweep of injected faults: every call a save makes to ``open``,
+  ``write``, ``pwrite``, ``copy_file_range``, ``fsync`` and ``rename`` fails
+  in turn, with ``EIO``, ``ENOSPC`` and ``EACCES``. ``tests/test_publish.py``
+  covers the first write, fsync and rename of a plain save; this covers every
+  one, for plain and appending saves.
+* Faults while reading, and a manager whose disk fails for a while.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+
+import jckpt
+from jckpt.errors import StorageError
+from jckpt.storage.reader import CheckpointReader
+from tests.fuzz_reader import record
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OPS = ("open", "write", "pwrite", "copy_file_range", "fsync", "rename")
+CODES = (errno.EIO, errno.ENOSPC, errno.EACCES)
+
+
+class Faults:
+    """Wraps ``os`` calls: counts them, and fails call number ``at`` of ``op`` with ``code``."""
+
+    def __init__(self, monkeypatch, op: str | None = None, at: int = 0, code: int = 0) -> None:
+        self.op, self.at, self.code = op, at, code
+        self.calls: Counter = Counter()
+        self.fired = False
+        self.renamed = False
+        for name in OPS:
+            monkeypatch.setattr(os, name, self._wrap(name, getattr(os, name)))
+
+    def _wrap(self, name, real):
+        def call(*args, **kwargs):
+            self.calls[name] += 1
+            if name == self.op and self.calls[name] == self.at:
+                self.fired = True
+                raise OSError(self.code, os.strerror(self.code))
+            result = real(*args, **kwargs)
+            if name == "rename":
+                self.renamed = True
+            return result
+        return call
+
+
+def _tree(k: int) -> dict:
+    rng = np.random.default_rng(k)
+    return {"a": rng.standard_normal(20_000).astype(np.float32), "b": np.arange(5000) * k,
+            "c": {"d": rng.integers(0, 9, (64, 64)).astype(np.int8)}, "step": np.int32(k)}
+
+
+def _setup(kind: str, target) -> None:
+    """The previous checkpoint: version 1 (appending: a kept entry, then version 1)."""
+    if target.exists():
+        target.unlink()
+    if kind == "appending":
+        jckpt.save(jckpt.Context(), {"kept": np.arange(30_000, dtype=np.float64)}, target)
+        jckpt.save(jckpt.Context(), _tree(1), target, appending=True)
+    else:
+        jckpt.save(jckpt.Context(), _tree(1), target)
+
+
+def _save(kind: str, target) -> None:
+    jckpt.save(jckpt.Context(), _tree(2), target, appending=kind == "appending")
+
+
+def _is_version(target, k: int) -> bool:
+    assert CheckpointReader(target).verify() == []
+    _, t = jckpt.load(jckpt.Context(host=True), target, mmap=False)
+    want = _tree(k)
+    return all(np.asarray(t["jckpt"][n]).tobytes() == np.asarray(want[n]).tobytes()
+               for n in ("a", "b", "step")) and t["jckpt"]["c"]["d"].tobytes() == \
+        want["c"]["d"].tobytes()
+
+
+def _points(calls: Counter, per_op: int = 6) -> list[tuple[str, int]]:
+    """Which calls to fail: all of them, or ``per_op`` spread over each op's calls."""
+    out = []
+    for op in OPS:
+        n = calls[op]
+        picks = range(1, n + 1) if n <= per_op else sorted(
+            {1, n, *np.linspace(1, n, per_op).round().astype(int).tolist()})
+        out.extend((op, int(i)) for i in picks)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["single", "appending"])
+def test_every_injected_fault_leaves_previous_file(tmp_path, monkeypatch, kind):
+    target = tmp_path / "t.jckpt"
+    _setup(kind, target)
+    with monkeypatch.context() as m:  # a clean save: how many calls of each kind it makes
+        counting = Faults(m)
+        _save(kind, target)
+    assert counting.calls["write"] >= 3 and counting.calls["fsync"] >= 2
+    if kind == "appending":
+        assert counting.calls["copy_file_range"] >= 1
+    stats = Counter()
+    for op, at in _points(counting.calls):
+        for code in CODES:
+            _setup(kind, target)
+            before = target.read_bytes()
+            with monkeypatch.context() as m:
+                faults = Faults(m, op, at, code)
+                try:
+                    _save(kind, target)
+                    error = None
+                except StorageError as e:
+                    error = e
+            assert faults.fired, (op, at)
+            stats["injected"] += 1
+            where = f"{os.strerror(code)} at {op} #{at}"
+            if error is None:
+                # Only copy_file_range has a fallback (plain reads and writes) that can succeed.
+                assert op == "copy_file_range", f"{where}: the save reported success"
+                assert _is_version(target, 2), where
+                stats["recovered"] += 1
+            else:
+                assert error.errno == code, where
+                assert str(target) in str(error) and os.strerror(code) in str(error), where
+                assert error.fix, where
+                if faults.renamed:  # failed after publishing (fsync of the directory)
+                    assert _is_version(target, 2), where
+                    stats["failed_after_publish"] += 1
+                else:
+                    assert target.read_bytes() == before, f"{where}: previous file changed"
+                    stats["previous_intact"] += 1
+            assert sorted(os.listdir(tmp_path)) == ["t.jckpt"], f"{where}: staging file left"
+    assert stats["previous_intact"] > 0
+    record("faults_injected", kind=kind, **stats)
+
+
+def test_read_faults_are_storage_errors(tmp_path, monkeypatch):
+    target = tmp_path / "t.jckpt"
+    jckpt.save(jckpt.Context(), _tree(1), target)
+    for name in ("pread", "open"):
+        with monkeypatch.context() as m:
+            def fail(*args, **kwargs):
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            m.setattr(os, name, fail)
+            with pytest.raises(StorageError) as info:
+                jckpt.load(jckpt.Context(host=True), target)
+        assert info.value.errno == errno.EIO and str(target) in str(info.value)
+    import mmap as mmap_mod
+
+    with monkeypatch.context() as m:
+        def no_map(*args, **kwargs):
+            raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+        m.setattr(mmap_mod, "mmap", no_map)
+        with pytest.raises(StorageError) as info:
+            jckpt.load(jckpt.Context(host=True), target)
+    assert info.value.errno == errno.ENOMEM
+
+
+def test_manager_survives_a_failing_disk(tmp_path, monkeypatch):
+    """Failed writes are retried; after ``patience`` failures the error reaches the caller."""
+    from jckpt.manager import CheckpointManager
+
+    directory = tmp_path / "run"
+    with CheckpointManager(directory, retry_after=0.01, patience=2) as mgr:
+        mgr.save(1, _tree(1))
+        assert mgr.wait_durable(60)
+        first = (directory / "step_00000001.jckpt").read_bytes()
+        with monkeypatch.context() as m:  # one transient failure: retried, then durable
+            Faults(m, "fsync", 1, errno.EIO)
+            mgr.save(2, _tree(2))
+            assert mgr.wait_durable(60)
+        assert 2 in mgr.all_steps()
+        with monkeypatch.context() as m:  # a dead disk: every fsync fails
+            real = os.fsync
+
+            def fail(fd):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            m.setattr(os, "fsync", fail)
+            mgr.save(3, _tree(3))
+            with pytest.raises(StorageError) as info:
+                mgr.wait_durable(60)
+            m.setattr(os, "fsync", real)
+        assert info.value.errno == errno.ENOSPC
+        assert (directory / "step_00000001.jckpt").read_bytes() == first
+        assert not [n for n in os.listdir(directory) if ".jckpt-stage." in n]
+        deadline = time.monotonic() + 60  # the disk is back: the kept snapshot gets written
+        while True:  # (until the retry succeeds, waiting reports the last failure)
+            try:
+                if mgr.wait_durable(1):
+                    break
+            except StorageError:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+    assert sorted(n for n in os.listdir(directory) if n.startswith("step_")) == [
+        "step_00000001.jckpt", "step_00000002.jckpt", "step_00000003.jckpt"]
+    assert not [n for n in os.listdir(directory) if ".jckpt-stage." in n]
+
+
+# --- a real size limit -------------------------------------------------------------
+
+FSIZE_CHILD = r"""
+import errno, os, resource, signal, sys
+import numpy as np
+import jckpt
+from jckpt.storage.reader import CheckpointReader
+
+kind, directory, limit = sys.argv[1], sys.argv[2], int(sys.argv[3])
+target = os.path.join(directory, "t.jckpt")
+ctx = jckpt.Context()
+kept = np.arange(200_000, dtype=np.float32)          # 800 KB
+if kind == "appending":
+    jckpt.save(ctx, {"kept": kept, "w": np.zeros(10)}, target)
+else:
+    jckpt.save(ctx, {"w": np.zeros(10)}, target)
+before = open(target, "rb").read()
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+try:
+    jckpt.save(ctx, {"w": np.ones(250_000)}, target, appending=kind == "appending")
+except jckpt.StorageError as e:
+    assert e.errno == errno.EFBIG, e
+    assert target in str(e) and e.fix and "limit" in e.fix, e
+    print("refused:", e)
+else:
+    sys.exit("the save succeeded past the size limit")
+assert open(target, "rb").read() == before, "the previous file changed"
+assert CheckpointReader(target).verify() == []
+left = sorted(os.listdir(directory))
+assert left == ["t.jckpt"], left
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("kind, limit", [("single", 1 << 20), ("appending", 1 << 20),
+                                         ("appending", 600_000)])
+def test_real_size_limit_efbig(tmp_path, kind, limit):
+    """The kernel refuses a write (or, appending below the kept data, a copy) past RLIMIT_FSIZE."""
+    proc = subprocess.run([sys.executable, "-c", FSIZE_CHILD, kind, str(tmp_path), str(limit)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    assert "File too large" in proc.stdout
+    record("faults_real_efbig", kind=kind, limit=limit, injected=1, previous_intact=1)
