@@ -1,0 +1,137 @@
+"""The numpy adapters: .npy and .npz round trips, numpy reading them, refusals."""
+
+import io
+import zipfile
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jckpt
+from jckpt.adapters import numpy as npa
+from jckpt.errors import FormatError, InputError
+
+
+def same_bits(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and \
+        np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
+
+
+def sample():
+    base = np.arange(24, dtype=np.float32).reshape(4, 6)
+    return {'params': {'w': base, 'wt': base.T, 'strided': base[::2, ::3],
+                       'bf16': base.astype(ml_dtypes.bfloat16),
+                       'f8': base.astype(ml_dtypes.float8_e4m3fn), 'i4': np.arange(-8, 8).astype(ml_dtypes.int4),
+                       'be': base.astype('>f8'), 'c': np.array([1 + 1j], np.complex128)},
+            'opt': [np.int64(3), np.zeros((0, 2), np.uint16), np.array([True, False])]}
+
+
+def test_npz_round_trip_and_numpy_reads_it(tmp_path):
+    tree = {'jckpt': sample()}
+    path = tmp_path / 'a.npz'
+    jckpt.adapters.write(tree, path)
+    assert jckpt.detect_format(path) == 'npz'
+    back = jckpt.adapters.read(path)['jckpt']
+    for name, array in tree['jckpt']['params'].items():
+        assert same_bits(back['params'][name], np.asarray(array).astype(array.dtype.newbyteorder('<'))
+                         ), name
+    assert back['params']['be'].dtype == np.dtype('<f8')
+    assert same_bits(back['opt'][0], np.int64(3)) and back['opt'][1].shape == (0, 2)
+    with np.load(path) as z:  # numpy itself (ml_dtypes is imported) reads every member
+        assert same_bits(z['params.bf16'], tree['jckpt']['params']['bf16'])
+        assert np.array_equal(z['params.wt'], tree['jckpt']['params']['wt'])
+        assert sorted(z.files)[:3] == ['opt.0', 'opt.1', 'opt.2']
+
+
+def test_npz_written_by_numpy_reads_flat(tmp_path):
+    path = tmp_path / 'np.npz'
+    arrays = {'a': np.arange(5, dtype=np.int16), 'b/c': np.ones((2, 2)),
+              'f': np.asfortranarray(np.arange(6.0).reshape(2, 3))}
+    np.savez(path, **arrays)
+    back = jckpt.adapters.read(path)['jckpt']
+    assert set(back) == set(arrays) and all(np.array_equal(back[k], v) for k, v in arrays.items())
+    np.savez_compressed(path, **arrays)
+    back = jckpt.adapters.read(path)['jckpt']
+    assert all(np.array_equal(back[k], v) for k, v in arrays.items())
+
+
+def test_npz_members_are_mapped(tmp_path):
+    path = tmp_path / 'a.npz'
+    npa.write_npz({'jckpt': {'a': np.arange(10.0), 'b': np.arange(3, dtype=np.int8)}}, path)
+    back = npa.read_npz(path)['jckpt']
+    assert not back['a'].flags.owndata and not back['b'].flags.owndata
+
+
+def test_several_namespaces_round_trip_in_npz(tmp_path):
+    tree = {'model': {'w': np.ones(2, np.float32)}, 'opt': {'w': np.zeros(2, np.float32)}}
+    path = tmp_path / 'a.npz'
+    npa.write_npz(tree, path)
+    back = npa.read_npz(path)
+    assert set(back) == {'model', 'opt'} and same_bits(back['opt']['w'], tree['opt']['w'])
+    with np.load(path) as z:
+        assert sorted(z.files) == ['model.w', 'opt.w']
+
+
+def test_npy_round_trip_and_numpy_reads_it(tmp_path):
+    path = tmp_path / 'a.npy'
+    array = np.arange(12, dtype=np.float64).reshape(3, 4).T
+    npa.write_npy({'jckpt': array}, path)
+    assert jckpt.detect_format(path) == 'npy'
+    assert np.array_equal(np.load(path), array)
+    back = npa.read_npy(path)['jckpt']
+    assert same_bits(back, array) and not back.flags.owndata
+    np.save(path, np.asfortranarray(array))  # numpy's Fortran-order file
+    assert np.array_equal(npa.read_npy(path)['jckpt'], array)
+    bf = np.array([1.5, -2], ml_dtypes.bfloat16)
+    npa.write_npy({'jckpt': bf}, path)
+    assert same_bits(npa.read_npy(path)['jckpt'], bf) and same_bits(np.load(path), bf)
+    out = tmp_path / 'a.jckpt'
+    jckpt.convert(path, out)
+    _, tree = jckpt.load(jckpt.Context(host=True), out)
+    assert same_bits(tree['jckpt'], bf)
+
+
+def test_npy_refusals(tmp_path):
+    path = tmp_path / 'a.npy'
+    with pytest.raises(InputError, match='exactly one array'):
+        npa.write_npy({'jckpt': {'a': np.ones(1), 'b': np.ones(1)}}, path)
+    np.save(path, np.array([{'a': 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(FormatError, match='pickles'):
+        npa.read_npy(path)
+    np.save(path, np.zeros(2, ml_dtypes.bfloat16))  # numpy writes it as raw '<V2'
+    with pytest.raises(FormatError, match='raw bytes dtype'):
+        npa.read_npy(path)
+    np.save(path, np.arange(100.0))
+    raw = path.read_bytes()
+    for damaged, message in [(raw[:-8], 'past the end'), (raw[:7], 'magic'),
+                             (raw[:10] + b"{'descr': '<f8', 'shape': (100,)}".ljust(118) + raw[128:],
+                              'exactly descr'),
+                             (raw.replace(b"'<f8'", b"'<q9'"), 'dtype')]:
+        path.write_bytes(damaged)
+        with pytest.raises(FormatError, match=message) as info:
+            npa.read_npy(path)
+        assert str(path) in str(info.value)
+
+
+def test_npz_refusals(tmp_path):
+    path = tmp_path / 'a.npz'
+    npa.write_npz({'jckpt': {'a': np.arange(100.0)}}, path)
+    raw = path.read_bytes()
+    path.write_bytes(raw[:len(raw) // 2])
+    with pytest.raises(FormatError, match='zip') as info:
+        npa.read_npz(path)
+    assert str(path) in str(info.value)
+    for name in ('../evil.npy', '/abs.npy'):
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, 'w') as zf:
+            zf.writestr(name, raw[:10])
+        path.write_bytes(buf.getvalue())
+        with pytest.raises(FormatError, match='unsafe'):
+            npa.read_npz(path)
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, 'w') as zf:
+        zf.writestr('a.npy', b'\x93NUMPY\x01\x00\x10\x00{"descr": 1}')
+    path.write_bytes(buf.getvalue())
+    with pytest.raises(FormatError, match="entry a"):
+        npa.read_npz(path)

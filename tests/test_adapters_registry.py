@@ -1,0 +1,117 @@
+"""The format registry: detection, conversion across formats, user formats."""
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jckpt
+from jckpt import adapters
+from jckpt.errors import FormatError, InputError
+
+
+@pytest.fixture
+def clean_registry():
+    before = adapters.formats()
+    yield
+    with adapters._LOCK:
+        adapters._FORMATS.clear()
+        adapters._FORMATS.update(before)
+
+
+def same_bits(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and \
+        np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
+
+
+def test_builtin_formats_are_registered():
+    assert {'jckpt', 'safetensors', 'npz', 'npy', 'llmc', 'torch', 'orbax', 'ocannl'} <= set(
+        adapters.formats())
+    assert jckpt.convert is adapters.convert and jckpt.detect_format is adapters.detect_format
+
+
+def test_conversion_chain_is_bit_exact(tmp_path):
+    tree = {'params': {'w': np.arange(12, dtype=np.float32).reshape(3, 4) * 0.1,
+                       'b': np.array([np.nan, -0.0, np.inf], np.float32),
+                       'e': np.arange(4).astype(ml_dtypes.bfloat16)},
+            'step': np.int32(9), 'layers': [np.ones(2, np.float16), np.zeros(1, np.uint8)]}
+    jckpt.save(jckpt.Context(), tree, tmp_path / 'a.jckpt')
+    chain = ['b.safetensors', 'c.npz', 'd.pt', 'e.jckpt']
+    src = tmp_path / 'a.jckpt'
+    formats = []
+    for name in chain:
+        formats.append(jckpt.convert(src, tmp_path / name))
+        src = tmp_path / name
+    assert formats == [('jckpt', 'safetensors'), ('safetensors', 'npz'), ('npz', 'torch'),
+                       ('torch', 'jckpt')]
+    back = jckpt.restore(jckpt.Context(host=True), tree, tmp_path / 'e.jckpt')
+    for (p, a), (_, b) in zip(jckpt.tree.flatten(tree), jckpt.tree.flatten(back)):
+        assert same_bits(a, b), p
+
+
+def test_detect_refuses_unknown_and_missing(tmp_path):
+    path = tmp_path / 'x.dat'
+    path.write_bytes(b'hello world, not a checkpoint')
+    with pytest.raises(FormatError, match='no format jckpt recognises') as info:
+        jckpt.detect_format(path)
+    assert str(path) in str(info.value)
+    with pytest.raises(FormatError, match='no such file'):
+        jckpt.detect_format(tmp_path / 'missing')
+    with pytest.raises(FormatError, match='directory is in no format'):
+        jckpt.detect_format(tmp_path)
+    (tmp_path / 'tiny').write_bytes(b'')
+    with pytest.raises(FormatError):
+        jckpt.detect_format(tmp_path / 'tiny')
+
+
+def test_destination_format(tmp_path):
+    src = tmp_path / 'a.npz'
+    adapters.write({'jckpt': {'w': np.ones(2)}}, src)
+    assert jckpt.convert(src, tmp_path / 'out.data') == ('npz', 'jckpt')
+    assert jckpt.detect_format(tmp_path / 'out.data') == 'jckpt'
+    assert jckpt.convert(src, tmp_path / 'out.data2', format='safetensors') == ('npz', 'safetensors')
+    with pytest.raises(InputError, match='destination format'):
+        jckpt.convert(tmp_path / 'out.data', tmp_path / 'again.data')
+    with pytest.raises(InputError, match='unknown format'):
+        jckpt.convert(src, tmp_path / 'x', format='gguf')
+    with pytest.raises(InputError, match='same file'):
+        jckpt.convert(src, src, format='npz')
+
+
+def test_user_format(tmp_path, clean_registry):
+    def write_json(tree, path):
+        with open(path, 'w') as f:
+            json.dump({k: np.asarray(v).tolist() for k, v in tree['jckpt'].items()}, f)
+
+    def read_json(path):
+        with open(path) as f:
+            return {'jckpt': {k: np.asarray(v, np.float32) for k, v in json.load(f)[1].items()}}
+
+    jckpt.register_format('jsonw', read=lambda p: {'jckpt': {k: np.asarray(v, np.float32) for k, v
+                                                             in json.load(open(p)).items()}},
+                          write=write_json, sniff=lambda p, head: head is not None and
+                          head.startswith(b'{"'), extensions=('.jsonw',))
+    with pytest.raises(InputError, match='already registered'):
+        jckpt.register_format('jsonw', read=read_json)
+    src = tmp_path / 'a.npz'
+    adapters.write({'jckpt': {'w': np.arange(3, dtype=np.float32)}}, src)
+    assert jckpt.convert(src, tmp_path / 'a.jsonw') == ('npz', 'jsonw')
+    assert json.loads((tmp_path / 'a.jsonw').read_text()) == {'w': [0.0, 1.0, 2.0]}
+    assert jckpt.convert(tmp_path / 'a.jsonw', tmp_path / 'b.jckpt') == ('jsonw', 'jckpt')
+    _, tree = jckpt.load(jckpt.Context(host=True), tmp_path / 'b.jckpt')
+    assert tree['jckpt']['w'].tolist() == [0.0, 1.0, 2.0]
+    # a format registered later is tried first
+    jckpt.register_format('npz_claim', read=adapters.get_format('npz').read,
+                          sniff=lambda p, head: str(p).endswith('.npz'))
+    assert jckpt.detect_format(src) == 'npz_claim'
+    with pytest.raises(InputError, match='cannot be written'):
+        adapters.write({'jckpt': {}}, tmp_path / 'x', format='npz_claim')
+
+
+def test_adapters_refuse_unnamespaced_trees(tmp_path):
+    with pytest.raises(InputError, match='namespace'):
+        adapters.write({'not valid!': np.ones(1)}, tmp_path / 'a.npz')
+    with pytest.raises(InputError, match='namespace'):
+        adapters.write([np.ones(1)], tmp_path / 'a.safetensors')
