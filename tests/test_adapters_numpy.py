@@ -22,7 +22,8 @@ def sample():
     base = np.arange(24, dtype=np.float32).reshape(4, 6)
     return {'params': {'w': base, 'wt': base.T, 'strided': base[::2, ::3],
                        'bf16': base.astype(ml_dtypes.bfloat16),
-                       'f8': base.astype(ml_dtypes.float8_e4m3fn), 'i4': np.arange(-8, 8).astype(ml_dtypes.int4),
+                       'f8': base.astype(ml_dtypes.float8_e4m3fn),
+                       'i4': np.arange(-8, 8).astype(ml_dtypes.int4),
                        'be': base.astype('>f8'), 'c': np.array([1 + 1j], np.complex128)},
             'opt': [np.int64(3), np.zeros((0, 2), np.uint16), np.array([True, False])]}
 
