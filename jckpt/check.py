@@ -362,8 +362,14 @@ def _compare(a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> tuple[fl
         with np.errstate(invalid='ignore', divide='ignore', over='ignore'):
             equal = (x == y) | (np.isnan(x) & np.isnan(y))
             if same_dtype and xa.dtype.kind in 'iu':
-                equal = xa == xb  # 64-bit integers are not all exact in float64
-            d = np.abs(x - y)
+                # 64-bit integers are not all exact in float64: compare and subtract as integers
+                # (max - min wraps into the exact unsigned difference)
+                equal = xa == xb
+                wide = np.int64 if xa.dtype.kind == 'i' else np.uint64
+                d = (np.maximum(xa, xb).astype(wide) - np.minimum(xa, xb).astype(wide)).view(
+                    np.uint64).astype(np.float64)
+            else:
+                d = np.abs(x - y)
             d[equal] = 0.0
             d[np.isnan(d)] = np.inf
             ay = np.abs(y)
