@@ -1,0 +1,222 @@
+"""Multi-process checkpoints: 2 processes x 2 CPU devices on 127.0.0.1 through jax.distributed.
+
+Each test starts fresh worker processes (this file, run as a script) that
+join one ``jax.distributed`` run with gloo CPU collectives.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+
+HERE = os.path.abspath(__file__)
+ROOT = os.path.dirname(os.path.dirname(HERE))
+WORKER_TIMEOUT = 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def expected(name, version):
+    """The global value of each saved array (the same in every process)."""
+    shapes = {"w": (8, 8), "b": (8,), "rep": (4, 4)}
+    if name == "step":
+        return np.int32(100 + version)
+    return (np.arange(int(np.prod(shapes[name])), dtype=np.float32).reshape(shapes[name])
+            + 1000 * version)
+
+
+def run_pair(phase, path, extra_env=None, timeout=WORKER_TIMEOUT):
+    """Run two worker processes of one jax.distributed run; return their (rc, output, seconds)."""
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               **(extra_env or {}))
+    env.pop("XLA_FLAGS", None)  # the worker sets its own
+    procs = [subprocess.Popen([sys.executable, HERE, phase, str(i), str(port), str(path)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    out = []
+    start = time.monotonic()
+    for p in procs:
+        try:
+            text, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            text, _ = p.communicate()
+        out.append((p.returncode, text, time.monotonic() - start))
+    return out
+
+
+def results(out):
+    """The JSON lines the workers printed (one per worker that got that far)."""
+    found = {}
+    for _, text, _ in out:
+        for line in text.splitlines():
+            if line.startswith("RESULT "):
+                r = json.loads(line[7:])
+                found[r["process"]] = r
+    return found
+
+
+def check(out, n=2):
+    found = results(out)
+    assert len(found) == n, "\n\n".join(text[-3000:] for _, text, _ in out)
+    return found
+
+
+def test_save_on_2x2_restore_on_4_processes_and_one(tmp_path):
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jckpt
+    from jckpt import distributed
+    from jckpt import sharding as sh
+
+    d = tmp_path / "ckpt"
+    found = check(run_pair("save", d))
+    assert all(r["ok"] for r in found.values())
+    names = sorted(os.listdir(d))
+    assert names == ["index.jckpt", "process_00000.jckpt", "process_00001.jckpt"], names
+    assert not [n for n in os.listdir(tmp_path) if n != "ckpt"]
+    # each process wrote only its own rows of w, and the replicated arrays once in total
+    pieces = {n: jckpt.describe(d / n).tensors for n in names[1:]}
+    w = {n: [e.slice for e in t if e.path == (("k", "w"),)] for n, t in pieces.items()}
+    assert w == {"process_00000.jckpt": [((0, 4), (0, 8))], "process_00001.jckpt": [((4, 8), (0, 8))]}
+    assert sum(e.path == (("k", "rep"),) for t in pieces.values() for e in t) == 1
+
+    # a new pair restores onto a (4,) mesh, each reading only the overlapping piece file
+    found = check(run_pair("restore", d))
+    for r in found.values():
+        assert r["ok"] and r["bytes_ok"], r
+        assert r["files_opened"] == [r["process"]], r
+
+    # one process with 4 devices, and consolidation into one file
+    m = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
+    target = {"w": jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(m, P(None, "x"))),
+              "b": jax.ShapeDtypeStruct((8,), np.float32, sharding=NamedSharding(m, P("x"))),
+              "rep": jax.ShapeDtypeStruct((4, 4), np.float32, sharding=NamedSharding(m, P())),
+              "step": 0}
+    with sh.record_reads() as log:
+        back = jckpt.restore(jckpt.Context(), target, d)
+    assert all(n == 8 * 2 * 4 for b, n in log if len(b) == 2 and b[0] == (0, 8)), log
+    for k in target:
+        np.testing.assert_array_equal(np.asarray(back[k]), expected(k, 1))
+    assert back["w"].sharding == target["w"].sharding
+    distributed.consolidate(d, tmp_path / "one.jckpt")
+    _, flat = jckpt.load(jckpt.Context(), tmp_path / "one.jckpt")
+    for k in target:
+        np.testing.assert_array_equal(np.asarray(flat["jckpt"][k]), expected(k, 1))
+
+
+def test_a_process_that_dies_before_the_barrier_publishes_nothing(tmp_path):
+    import jckpt
+
+    d = tmp_path / "ckpt"
+    found = check(run_pair("save", d))
+    assert all(r["ok"] for r in found.values())
+    before = {n: (d / n).read_bytes() for n in os.listdir(d)}
+    out = run_pair("die", d, {"JCKPT_BARRIER_TIMEOUT": "4"}, timeout=90)
+    found = results(out)
+    assert 0 in found and 1 not in found, "\n\n".join(text[-3000:] for _, text, _ in out)
+    survivor = found[0]
+    assert survivor["error_type"] == "DistributedError", survivor
+    assert "within 4 s" in survivor["error"] and "nothing was published" in survivor["error"]
+    assert survivor["seconds"] < 30, survivor
+    assert out[1][0] not in (0, None)
+    # the previous checkpoint is intact and no staging directory is left behind
+    assert {n: (d / n).read_bytes() for n in os.listdir(d)} == before
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    _, back = jckpt.load(jckpt.Context(), d)
+    np.testing.assert_array_equal(np.asarray(back["jckpt"]["w"]), expected("w", 1))
+
+
+# --- the worker ------------------------------------------------------------------------------
+
+def worker(phase, process, port, path):
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                               process_id=process, initialization_timeout=60)
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jckpt
+    from jckpt import distributed
+    from jckpt import sharding as sh
+
+    assert jax.process_count() == 2 and jax.device_count() == 4
+    result = {"process": process, "ok": False}
+
+    def make(name, sharding, version):
+        full = expected(name, version)
+        return jax.make_array_from_callback(full.shape, sharding, lambda idx: full[idx])
+
+    if phase in ("save", "die"):
+        m = jax.make_mesh((2, 2), ("a", "b"))
+        version = 1 if phase == "save" else 2
+        tree = {"w": make("w", NamedSharding(m, P("a", "b")), version),
+                "b": make("b", NamedSharding(m, P("b")), version),
+                "rep": make("rep", NamedSharding(m, P()), version),
+                "step": expected("step", version)}
+        if phase == "die" and process == 1:
+            def die(*args, **kwargs):
+                os._exit(17)  # killed after writing its pieces, before the barrier
+            distributed._Runtime.barrier = die
+        start = time.monotonic()
+        try:
+            jckpt.save(jckpt.Context(), tree, path)
+            result["ok"] = True
+        except jckpt.CheckpointError as e:
+            result.update(error_type=type(e).__name__, error=str(e))
+        result["seconds"] = time.monotonic() - start
+        print("RESULT " + json.dumps(result), flush=True)
+        if phase == "die":
+            os._exit(0)  # the peer is gone: skip jax.distributed's shutdown barrier
+        return
+
+    if phase == "restore":
+        m = jax.make_mesh((4,), ("x",))
+        shardings = {"w": NamedSharding(m, P("x")), "b": NamedSharding(m, P("x")),
+                     "rep": NamedSharding(m, P(None, "x"))}
+        target = {k: jax.ShapeDtypeStruct(expected(k, 1).shape, np.float32, sharding=s)
+                  for k, s in shardings.items()}
+        target["step"] = 0
+        with sh.record_reads() as log:
+            back = jckpt.restore(jckpt.Context(), target, path)
+        ok = back["step"] == expected("step", 1)
+        for k, s in shardings.items():
+            full = expected(k, 1)
+            assert back[k].sharding == s
+            for shard in back[k].addressable_shards:
+                ok &= bool(np.array_equal(np.asarray(shard.data), full[shard.index]))
+        # each device's callback read its shard's bytes (the step scalar is read whole, 4 bytes)
+        want = sorted([4] + [int(np.prod(s.shard_shape(expected(k, 1).shape))) * 4
+                             for k, s in shardings.items() for _ in range(2)])
+        result["bytes_ok"] = sorted(n for _, n in log) == want
+        result["log"] = [[list(map(list, b)), n] for b, n in log]
+        reader = distributed.DirectoryReader(path)
+        info = reader.arrays[("jckpt", (("k", "w"),))]
+        lazy = reader.decode(info.entry)
+        for shard in back["w"].addressable_shards:
+            lazy[shard.index]
+        result["files_opened"] = sorted(reader._readers)
+        result["ok"] = bool(ok)
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
