@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from jckpt.api import describe, ingestion_counts, load, restore, save
     from jckpt.check import verify
     from jckpt.context import Context, Registry
+    from jckpt.distributed import DistributedError, consolidate
     from jckpt.manager import CheckpointManager, Restored
     from jckpt.mirror import Mirror, MirrorCounters
     from jckpt.trainer_state import TrainerState
@@ -50,6 +51,7 @@ _LAZY = {
     'save': 'jckpt.api', 'load': 'jckpt.api', 'restore': 'jckpt.api',
     'ingestion_counts': 'jckpt.api', 'describe': 'jckpt.api',
     'Context': 'jckpt.context', 'Registry': 'jckpt.context',
+    'consolidate': 'jckpt.distributed', 'DistributedError': 'jckpt.distributed',
     'prefix_namespace': 'jckpt.tree',
     'convert': 'jckpt.adapters', 'detect_format': 'jckpt.adapters',
     'register_format': 'jckpt.adapters',
@@ -77,6 +79,7 @@ __all__ = [
     'convert', 'detect_format', 'register_format',
     'CheckpointManager', 'Mirror', 'MirrorCounters', 'Restored', 'TrainerState',
     'CapacityError', 'CheckpointError', 'ChecksumError', 'ClashError', 'Context',
+    'DistributedError', 'consolidate',
     'FormatError', 'InUseError', 'InputError', 'LineageError', 'MismatchError',
     'MissingEntryError', 'Registry', 'StorageError', 'TargetError', '__version__',
     'describe', 'info', 'ingestion_counts', 'load', 'prefix_namespace', 'restore', 'save',
