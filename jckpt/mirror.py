@@ -89,6 +89,7 @@ class MirrorCounters:
         errno name (``"ENOSPC"``) or the error's class name.
       failures: failed write attempts since the mirror opened.
       last_error: the message of the most recent failure, kept after recovery.
+      stalls: submits that had to wait for a free slot (the disk is not keeping up).
     """
 
     committed: int = 0
@@ -98,6 +99,7 @@ class MirrorCounters:
     error: int | str = 0
     failures: int = 0
     last_error: str | None = None
+    stalls: int = 0
 
     def __str__(self) -> str:
         return (f"memory mirror: committed {self.committed} durable {self.durable} "
@@ -146,7 +148,8 @@ class Slot:
                 array = host
             else:
                 buf = self.buffers[i] if i < len(self.buffers) else None
-                if buf is None or buf.shape != host.shape or buf.dtype != host.dtype:
+                if (buf is None or buf.shape != host.shape or buf.dtype != host.dtype
+                        or not buf.flags.writeable):
                     buf = np.empty(host.shape, host.dtype)
                 np.copyto(buf, host)
                 array = buf
@@ -280,6 +283,7 @@ class Pipeline:
         self._streak = 0
         self._failures = 0
         self._last_error: str | None = None
+        self._stalls = 0
         self._closing = False
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"jckpt-writer {name}", daemon=True)
@@ -293,7 +297,8 @@ class Pipeline:
             return MirrorCounters(committed=self._committed, durable=self._durable,
                                   generation=self._generation, pending=len(self._queue),
                                   error=_error_code(self._error) if self._error is not None else 0,
-                                  failures=self._failures, last_error=self._last_error)
+                                  failures=self._failures, last_error=self._last_error,
+                                  stalls=self._stalls)
 
     def _given_up(self) -> BaseException | None:
         return self._error if self._error is not None and self._streak >= self.patience else None
@@ -304,6 +309,7 @@ class Pipeline:
         with self._submit_lock:
             deadline = None if timeout is None else time.monotonic() + timeout
             with self._cond:
+                stalled = False
                 while True:
                     if self._closing:
                         raise CheckpointError("the writer is closed", file=self.name,
@@ -323,6 +329,9 @@ class Pipeline:
                     if remaining is not None and remaining <= 0:
                         raise CapacityError("timed out waiting for a free snapshot slot",
                                             file=self.name, fix="wait longer or add slots")
+                    if not stalled:
+                        stalled = True
+                        self._stalls += 1
                     self._cond.wait(remaining)
             try:
                 items = slot.fill(leaves)

@@ -136,6 +136,7 @@ def test_slots_block_or_refuse_and_are_not_reused_before_durable(tmp_path, monke
         gate.open.set()
         t.join(30)
         assert done == [2]
+        assert m.counters.stalls == 2               # the timed-out submit and the blocked one
         m.wait_durable()
     np.testing.assert_array_equal(read(path), np.full(4, 6))
 
