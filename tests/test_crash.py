@@ -312,3 +312,94 @@ def test_sigkill_at_random_points(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# --- contention: appending saves from several processes, loads in between ------------
+
+def _appender(path: str, who: int, rounds: int, out) -> None:
+    import jckpt as j
+
+    replaced = 0
+    for k in range(1, rounds + 1):
+        try:
+            j.save(j.Context(durable=False), {f"p{who}": np.full(20_000, k, np.int32),
+                                              f"t{who}": np.int32(k)}, path, appending=True)
+        except j.InUseError:  # the file was replaced while this save read it
+            replaced += 1
+    out.put(("w", replaced))
+
+
+def _consistent_reader(path: str, stop, out) -> None:
+    import jckpt as j
+    from jckpt.storage.reader import CheckpointReader
+
+    loads = 0
+    while not stop.is_set() or loads == 0:
+        reader = CheckpointReader(path)
+        assert reader.verify() == [], "a published file failed its checksums"
+        _, t = j.load(j.Context(host=True), path, mmap=False)
+        for name, v in t["jckpt"].items():
+            if name.startswith("p"):
+                assert (v == t["jckpt"]["t" + name[1:]]).all(), "torn entry"
+        loads += 1
+    out.put(("r", loads))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_contention_appending_saves(tmp_path):
+    """Appending saves racing each other and loads: every load is a complete, valid file."""
+    import multiprocessing as mp
+
+    import jckpt
+    from jckpt.storage.reader import CheckpointReader
+    from tests.fuzz_reader import record
+
+    path = str(tmp_path / "c.jckpt")
+    jckpt.save(jckpt.Context(), {"base": np.arange(10)}, path)
+    ctx = mp.get_context("spawn")
+    out, stop = ctx.Queue(), ctx.Event()
+    writers = [ctx.Process(target=_appender, args=(path, i, 25, out)) for i in range(3)]
+    readers = [ctx.Process(target=_consistent_reader, args=(path, stop, out)) for _ in range(2)]
+    for p in writers + readers:
+        p.start()
+    results = [out.get(timeout=300) for _ in writers]
+    stop.set()
+    results += [out.get(timeout=300) for _ in readers]
+    for p in writers + readers:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert os.listdir(tmp_path) == ["c.jckpt"]
+
+    assert CheckpointReader(path).verify() == []
+    jckpt.load(jckpt.Context(host=True), path)
+    loads = sum(n for kind, n in results if kind == "r")
+    replaced = sum(n for kind, n in results if kind == "w")
+    assert loads > 0
+    record("contention_appending", writers=3, saves=75, refused_replaced=replaced, loads=loads,
+           torn=0)
+
+
+def test_appending_save_refuses_a_file_replaced_under_it(tmp_path, monkeypatch):
+    """The kept payloads are copied from the very file whose header was read, or not at all."""
+    import jckpt
+    import jckpt.api as api
+    from jckpt.storage.reader import CheckpointReader
+
+    path = tmp_path / "c.jckpt"
+    jckpt.save(jckpt.Context(), {"kept": np.full(1000, 1.0), "w": np.zeros(3)}, path)
+    real = api.CheckpointReader
+
+    def read_then_replace(p):
+        reader = real(p)  # another writer publishes a same-layout file right after the read
+        jckpt.save(jckpt.Context(), {"kept": np.full(1000, 2.0), "w": np.zeros(3)}, path)
+        return reader
+
+    monkeypatch.setattr(api, "CheckpointReader", read_then_replace)
+    with pytest.raises(jckpt.InUseError, match="replaced"):
+        jckpt.save(jckpt.Context(), {"w": np.ones(3)}, path, appending=True)
+    monkeypatch.undo()
+    assert CheckpointReader(path).verify() == []
+    _, t = jckpt.load(jckpt.Context(host=True), path)
+    assert (t["jckpt"]["kept"] == 2.0).all() and (t["jckpt"]["w"] == 0).all()
+    assert os.listdir(tmp_path) == ["c.jckpt"]
