@@ -54,9 +54,15 @@ def _items(path: str) -> list[str]:
 
 
 def sniff(path: str, head: bytes | None) -> bool:
-    """A directory laid out as an orbax item or step."""
+    """A directory laid out as an orbax item, step, or ``CheckpointManager`` root (refused
+    with a message naming a step)."""
     return head is None and (_is_item(path) or os.path.exists(os.path.join(path, _STEP_MARKER))
-                             or bool(_items(path)))
+                             or bool(_items(path)) or bool(_steps(path)))
+
+
+def _steps(path: str) -> list[str]:
+    return sorted((n for n in os.listdir(path) if n.isdigit()
+                   and os.path.exists(os.path.join(path, n, _STEP_MARKER))), key=int)
 
 
 def _read_item(item: str) -> Any:
@@ -94,7 +100,7 @@ def read(path: str) -> dict[str, Any]:
         return {DEFAULT_NAMESPACE: _read_item(path)}
     items = _items(path)
     if not items:
-        steps = sorted(n for n in os.listdir(path) if n.isdigit())
+        steps = _steps(path)
         raise FormatError("directory holds no orbax checkpoint item", file=path,
                           fix=f"pass one step's directory, e.g. {os.path.join(path, steps[-1])}"
                           if steps else "pass an orbax step or item directory")

@@ -1,0 +1,150 @@
+"""orbax interop with the real orbax-checkpoint: the jckpt handler in CheckpointManager, and
+converting orbax PyTree checkpoints to jckpt files and back."""
+
+import importlib
+import json
+import os
+import threading
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+ocp = pytest.importorskip('orbax.checkpoint')
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import jckpt  # noqa: E402
+import jckpt.adapters  # noqa: E402
+import jckpt.orbax  # noqa: E402
+from jckpt.errors import FormatError  # noqa: E402
+
+
+def state():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ('x',))
+    sharded = jax.device_put(jnp.arange(16.0).reshape(4, 4),
+                             jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('x')))
+    return {'params': {'w': sharded, 'b': jnp.ones(3, jnp.bfloat16)},
+            'opt': [np.arange(5, dtype=np.int32)], 'step': 7}
+
+
+def test_manager_saves_and_restores_through_jckpt(tmp_path):
+    tree = state()
+    with ocp.CheckpointManager(tmp_path) as manager:
+        for step in (1, 2):
+            manager.save(step, args=ocp.args.Composite(state=jckpt.orbax.JckptSave(tree)))
+        manager.wait_until_finished()
+        assert manager.all_steps() == [1, 2]
+    item = tmp_path / '2' / 'state' / jckpt.orbax.FILENAME
+    assert jckpt.detect_format(item) == 'jckpt'
+    meta = json.loads((tmp_path / '2' / '_CHECKPOINT_METADATA').read_text())
+    type_string = meta['item_handlers']['state']
+    module, _, name = type_string.rpartition('.')
+    handler = getattr(importlib.import_module(module), name)()  # importable, no arguments
+    assert isinstance(handler, jckpt.orbax.JckptCheckpointHandler)
+
+    target = jax.tree_util.tree_map(lambda x: x, tree)
+    target['params']['w'] = jax.ShapeDtypeStruct((4, 4), jnp.float32, sharding=tree['params']['w'].sharding)
+    with ocp.CheckpointManager(tmp_path) as fresh:
+        restored = fresh.restore(2, args=ocp.args.Composite(state=jckpt.orbax.JckptRestore(target)))
+        whole = fresh.restore(1)  # without args: orbax finds the handler from its type string
+    got = restored['state']
+    assert got['params']['w'].sharding == tree['params']['w'].sharding
+    assert np.array_equal(got['params']['w'], tree['params']['w'])
+    assert got['params']['b'].dtype == jnp.bfloat16 and got['step'] == 7
+    assert np.array_equal(got['opt'][0], tree['opt'][0])
+    assert np.array_equal(whole['state']['params']['w'], tree['params']['w'])
+
+
+def test_save_is_asynchronous_and_snapshots_the_tree(tmp_path, monkeypatch):
+    release = threading.Event()
+    started = threading.Event()
+    real_save = jckpt.save
+
+    def slow_save(*args, **kwargs):
+        started.set()
+        assert release.wait(60)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(jckpt, 'save', slow_save)
+    values = np.arange(6, dtype=np.float32)
+    with ocp.CheckpointManager(tmp_path) as manager:
+        manager.save(1, args=ocp.args.Composite(state=jckpt.orbax.JckptSave({'v': values})))
+        # save returned while the file is still being written in the background
+        assert started.wait(60)
+        assert not (tmp_path / '1' / 'state' / jckpt.orbax.FILENAME).exists()
+        values[:] = -1  # the caller may change its arrays at once
+        release.set()
+        manager.wait_until_finished()
+        got = manager.restore(1, args=ocp.args.Composite(state=jckpt.orbax.JckptRestore()))
+    assert got['state']['v'].tolist() == [0, 1, 2, 3, 4, 5]
+
+
+@pytest.fixture(scope='module')
+def orbax_tree():
+    return {'a': np.arange(12, dtype=np.float32).reshape(3, 4),
+            'nested': {'bf16': np.arange(4).astype(ml_dtypes.bfloat16),
+                       'i64': np.array([-1, 2**40], np.int64)},
+            'layers': [np.ones(2, np.float16), np.zeros((2, 2), np.uint8)]}
+
+
+def same_bits(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def assert_same(tree, back):
+    flat_a = jax.tree_util.tree_leaves_with_path(tree)
+    flat_b = jax.tree_util.tree_leaves_with_path(back)
+    assert [p for p, _ in flat_a] == [p for p, _ in flat_b]
+    for (p, a), (_, b) in zip(flat_a, flat_b):
+        assert same_bits(a, b), p
+
+
+def test_orbax_pytree_checkpoint_to_jckpt_and_back(tmp_path, orbax_tree):
+    item = tmp_path / 'item'
+    ocp.PyTreeCheckpointer().save(item, orbax_tree)
+    assert jckpt.detect_format(item) == 'orbax'
+    out = tmp_path / 'from_orbax.jckpt'
+    assert jckpt.convert(item, out) == ('orbax', 'jckpt')
+    _, loaded = jckpt.load(jckpt.Context(host=True), out)
+    assert_same(orbax_tree, loaded['jckpt'])
+
+    back = tmp_path / 'to_orbax'
+    assert jckpt.convert(out, back, format='orbax') == ('jckpt', 'orbax')
+    restore_args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
+                                          orbax_tree)
+    theirs = ocp.PyTreeCheckpointer().restore(back / 'jckpt', args=ocp.args.PyTreeRestore(
+        restore_args=restore_args))
+    assert_same(orbax_tree, theirs)
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        composite = checkpointer.restore(back, args=ocp.args.Composite(
+            jckpt=ocp.args.PyTreeRestore(restore_args=restore_args)))
+    assert_same(orbax_tree, composite['jckpt'])
+
+
+def test_manager_step_with_several_items(tmp_path, orbax_tree):
+    with ocp.CheckpointManager(tmp_path / 'run') as manager:
+        manager.save(5, args=ocp.args.Composite(params=ocp.args.PyTreeSave(orbax_tree),
+                                                extra=ocp.args.PyTreeSave({'s': np.int32(3)})))
+        manager.wait_until_finished()
+    step = tmp_path / 'run' / '5'
+    tree = jckpt.adapters.read(step)
+    assert set(tree) == {'params', 'extra'}
+    assert_same(orbax_tree, tree['params'])
+    with pytest.raises(FormatError, match=r'pass one step.s directory.*run/5'):
+        jckpt.adapters.read(tmp_path / 'run')
+
+
+def test_damaged_orbax_checkpoint_is_refused(tmp_path, orbax_tree):
+    item = tmp_path / 'item'
+    ocp.PyTreeCheckpointer().save(item, orbax_tree)
+    for root, _, files in os.walk(item / 'd'):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, 'r+b') as f:
+                f.truncate(os.path.getsize(path) // 2)
+    with pytest.raises(FormatError, match='orbax could not read') as info:
+        jckpt.adapters.read(item)
+    assert str(item) in str(info.value)
