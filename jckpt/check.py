@@ -182,19 +182,73 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
     return VerifyReport(path, len(header.tensors), checked, tuple(unchecked), tuple(problems))
 
 
-def _verify_directory(path: str, progress: bool) -> VerifyReport:
-    """Every step of a checkpoint manager's directory, as one report."""
-    from jckpt.info import STEP_RE
-
-    names = sorted(n for n in os.listdir(path) if STEP_RE.match(n))
-    if not names:
-        raise FormatError("directory holds no checkpoint (no step_NNNNNNNN.jckpt steps)",
-                          file=path, fix="pass a checkpoint file or a checkpoint manager's "
-                                         "directory")
-    reports = [verify(os.path.join(path, n), progress=progress) for n in names]
+def _combine(path: str, reports: list[VerifyReport], extra: list[Problem]) -> VerifyReport:
     return VerifyReport(path, sum(r.entries for r in reports), sum(r.checked for r in reports),
                         tuple(u for r in reports for u in r.unchecked),
-                        tuple(p for r in reports for p in r.problems), files=len(reports))
+                        (*extra, *(p for r in reports for p in r.problems)),
+                        files=sum(r.files for r in reports))
+
+
+def _verify_directory(path: str, progress: bool) -> VerifyReport:
+    """A multi-process checkpoint (its index and every piece), or every step of a manager's
+    directory, as one report."""
+    from jckpt.distributed import INDEX_NAME, PIECE_RE
+    from jckpt.info import STEP_RE
+
+    if os.path.exists(os.path.join(path, INDEX_NAME)):
+        return _verify_sharded(path, progress)
+    listing = os.listdir(path)
+    if any(PIECE_RE.match(n) for n in listing):
+        return VerifyReport(path, 0, 0, (), (Problem(
+            'error', f"piece files but no {INDEX_NAME}: a multi-process save that did not "
+            "finish; it is not a checkpoint", path),))
+    names = sorted(n for n in listing if STEP_RE.match(n))
+    if not names:
+        raise FormatError("directory holds no checkpoint (no index.jckpt, no "
+                          "step_NNNNNNNN.jckpt steps)", file=path,
+                          fix="pass a checkpoint file, a multi-process checkpoint directory or "
+                              "a checkpoint manager's directory")
+    return _combine(path, [verify(os.path.join(path, n), progress=progress) for n in names], [])
+
+
+def _verify_sharded(path: str, progress: bool) -> VerifyReport:
+    """The index of a directory checkpoint, each piece file, and that the index matches them."""
+    from jckpt.distributed import INDEX_NAME, PIECE_RE, DirectoryReader
+
+    try:
+        reader = DirectoryReader(path)
+    except FormatError as e:
+        message = f"{e.message} ({e.fix})" if e.fix else e.message
+        return VerifyReport(path, 0, 0, (), (Problem('error', message, e.file or path, e.entry),))
+    problems: list[Problem] = []
+    reports = []
+    pieces: dict[int, dict] = {}
+    for fi, name in enumerate(reader.files):
+        piece_path = os.path.join(path, name)
+        if not os.path.exists(piece_path):
+            problems.append(Problem('error', f"piece file {name} listed in the index is missing",
+                                    path))
+            continue
+        report = verify(piece_path, progress=progress)
+        reports.append(report)
+        if report.errors and report.entries == 0:
+            continue  # the piece file itself is unreadable: already reported
+        pieces[fi] = {(e.identity, e.slice): e for e in CheckpointReader(piece_path).header.tensors}
+    for info in reader.arrays.values():
+        g = info.entry
+        for fi, box in info.pieces:
+            if fi not in pieces:
+                continue
+            e = pieces[fi].get((g.identity, box))
+            if e is None or e.prec != g.prec:
+                problems.append(Problem('error', f"piece {list(box)} is not in "
+                                        f"{reader.files[fi]} as the index says", path, g.name))
+    listed = set(reader.files)
+    for name in sorted(os.listdir(path)):
+        if PIECE_RE.match(name) and name not in listed:
+            problems.append(Problem('warning', f"piece file {name} is not listed in {INDEX_NAME}",
+                                    path))
+    return _combine(path, reports, problems)
 
 
 def _layout_problems(reader: CheckpointReader) -> list[Problem]:
@@ -383,14 +437,14 @@ def _compare(a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> tuple[fl
     return max_abs, max_rel, bad
 
 
-def _diff_entry(ra: CheckpointReader, ea: Entry, rb: CheckpointReader, eb: Entry,
+def _diff_entry(ra: Any, ea: Entry, rb: Any, eb: Entry,
                 atol: float, rtol: float) -> EntryDiff:
     dtype_a, dtype_b = _dtype_name(ea), _dtype_name(eb)
     same_shape = ea.shape == eb.shape
     size, max_abs, max_rel, bad = 0, 0.0, 0.0, 0
     if same_shape and precs.VOID not in (ea.prec, eb.prec):
-        x = ra.decode(ea, mmap=True, count=False)
-        y = rb.decode(eb, mmap=True, count=False)
+        x = np.asarray(ra.decode(ea, mmap=True, count=False))  # a directory's arrays are lazy
+        y = np.asarray(rb.decode(eb, mmap=True, count=False))
         size = int(x.size)
         max_abs, max_rel, bad = _compare(x, y, atol, rtol)
     same = dtype_a == dtype_b and same_shape and ea.key_impl == eb.key_impl and bad == 0
@@ -400,7 +454,7 @@ def _diff_entry(ra: CheckpointReader, ea: Entry, rb: CheckpointReader, eb: Entry
 
 def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float = 0.0, rtol: float = 0.0,
          progress: bool = False) -> DiffReport:
-    """Compare checkpoint files ``a`` and ``b`` entry by entry.
+    """Compare checkpoints ``a`` and ``b`` (files or multi-process directories) entry by entry.
 
     Entries are matched by ``(namespace, path)``. For each shared entry the
     report gives dtype and shape changes and, when the shapes agree, the
@@ -417,11 +471,13 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float = 0.0, rtol:
     a, b = os.fspath(a), os.fspath(b)
     if atol < 0 or rtol < 0 or math.isnan(atol) or math.isnan(rtol):
         raise ValueError(f"tolerances must be >= 0, got atol={atol}, rtol={rtol}")
+    from jckpt.distributed import open_checkpoint
+
     readers = []
     for p in (a, b):
         if not os.path.lexists(p):
             raise _missing(p)
-        readers.append(CheckpointReader(p))
+        readers.append(open_checkpoint(p))
     ra, rb = readers
     ia = {e.identity: e for e in ra.header.tensors}
     ib = {e.identity: e for e in rb.header.tensors}

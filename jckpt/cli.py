@@ -7,6 +7,7 @@
     jckpt verify model.jckpt              # layout and every checksum; exit 1 if damaged
     jckpt diff a.jckpt b.jckpt --atol 1e-6
     jckpt convert old.jckpt new.jckpt --alignment 4096
+    jckpt convert model.safetensors model.jckpt
     jckpt merge both.jckpt teacher.jckpt student.jckpt --prefix teacher --prefix student
 
 Exit status: 0 when the command succeeded (and, for ``verify`` and
@@ -54,12 +55,37 @@ def _progress(args: argparse.Namespace) -> bool:
     return not args.no_progress
 
 
+def _foreign_format(path: str) -> str | None:
+    """The name of another format ``path`` is in (``'npz'``, ...), if a format adapter says so."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        from jckpt.adapters import detect_format
+
+        name = detect_format(path)
+    except Exception:  # no adapters, or nobody recognises it: not a foreign checkpoint
+        return None
+    return None if name in ('jckpt', 'ocannl') else name
+
+
+def _not_jckpt(path: str, fmt: str) -> FormatError:
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return FormatError(f"this file is in {fmt} format, not a jckpt checkpoint", file=path,
+                       fix=f"convert it first: jckpt convert {path} {stem}.jckpt")
+
+
 # --- subcommands -------------------------------------------------------------
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from jckpt.info import info
 
-    summary = info(args.path, best_metric=args.best_metric, best_mode=args.best_mode)
+    try:
+        summary = info(args.path, best_metric=args.best_metric, best_mode=args.best_mode)
+    except FormatError:
+        fmt = _foreign_format(args.path)
+        if fmt is None:
+            raise
+        raise _not_jckpt(args.path, fmt) from None
     if args.json:
         _print_json(summary.to_dict())
     else:
@@ -72,6 +98,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     report = verify(args.path, progress=_progress(args))
+    if report.entries == 0 and report.errors and (fmt := _foreign_format(args.path)) is not None:
+        raise _not_jckpt(args.path, fmt)
     log.info("verified %s in %.3f s", args.path, time.perf_counter() - start)
     if args.json:
         _print_json(report.to_dict())
@@ -84,7 +112,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_diff(args: argparse.Namespace) -> int:
     from jckpt.check import diff
 
-    report = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, progress=_progress(args))
+    try:
+        report = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, progress=_progress(args))
+    except FormatError as e:
+        fmt = _foreign_format(e.file) if e.file in (args.a, args.b) else None
+        if fmt is None:
+            raise
+        raise _not_jckpt(e.file, fmt) from None
     if args.json:
         _print_json(report.to_dict())
     else:
@@ -93,7 +127,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def _is_jckpt_file(path: str) -> bool:
-    """Whether ``path`` starts like a jckpt file (a header that decodes)."""
+    """Whether ``path`` is a readable jckpt file (a header that decodes)."""
     from jckpt.storage.reader import CheckpointReader
 
     try:
@@ -103,23 +137,56 @@ def _is_jckpt_file(path: str) -> bool:
     return True
 
 
+def _destination_format(dst: str) -> str | None:
+    """The format DST's name asks for, or None (also when no format adapters are installed)."""
+    try:
+        from jckpt.adapters import format_for_destination
+    except ImportError:
+        return 'jckpt' if dst.lower().endswith('.jckpt') else None
+    return format_for_destination(dst)
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
-    from jckpt.rewrite import relayout
+    from jckpt.info import is_directory_checkpoint
+    from jckpt.progress import bar
 
     src, dst = args.src, args.dst
     if not os.path.lexists(src):
-        raise FormatError("no such file", file=src, fix="check the source path")
-    if args.format not in (None, 'jckpt'):
-        raise InputError(f"format {args.format!r} is not supported by this version of jckpt; "
-                         "only jckpt files can be rewritten", file=src,
-                         fix="convert to a .jckpt file (omit --format)")
-    if os.path.isdir(src) or not _is_jckpt_file(src):
-        raise FormatError("not a jckpt checkpoint file; this version of jckpt converts only "
-                          "jckpt files (re-laying them out)", file=src,
-                          fix="pass a .jckpt file, or a newer jckpt with format adapters")
-    header = relayout(src, dst, alignment=args.alignment, overwrite=args.overwrite,
-                      verify=not args.no_verify, progress=_progress(args))
-    _print(f"wrote {dst}: {len(header.tensors)} entries, alignment {header.alignment}")
+        raise FormatError("no such file or directory", file=src, fix="check the source path")
+    same = os.path.exists(dst) and os.path.samefile(src, dst)
+    if os.path.lexists(dst) and not (same or args.overwrite):
+        raise InputError("converting would replace an existing checkpoint", file=dst,
+                         fix="choose another destination, or pass --overwrite")
+    target = args.format or _destination_format(dst)
+    if target in (None, 'jckpt') and os.path.isdir(src) and is_directory_checkpoint(src):
+        from jckpt.distributed import consolidate
+
+        with bar(f"consolidating {os.path.basename(src)}", 0, enabled=_progress(args)):
+            header = consolidate(src, dst, alignment=args.alignment, verify=not args.no_verify)
+        _print(f"wrote {dst}: {len(header.tensors)} entries in one file, "
+               f"alignment {header.alignment}")
+        return EXIT_OK
+    if target in (None, 'jckpt') and os.path.isfile(src) and _is_jckpt_file(src):
+        from jckpt.rewrite import relayout
+
+        header = relayout(src, dst, alignment=args.alignment, overwrite=True,
+                          verify=not args.no_verify, progress=_progress(args))
+        _print(f"wrote {dst}: {len(header.tensors)} entries, alignment {header.alignment}")
+        return EXIT_OK
+    if args.alignment is not None:
+        raise InputError("--alignment applies only to jckpt destinations", file=dst,
+                         fix="drop --alignment, or convert to a .jckpt file")
+    try:
+        from jckpt.adapters import convert
+    except ImportError:
+        raise FormatError("not a jckpt checkpoint, and this installation has no format adapters",
+                          file=src, fix="pass a .jckpt file") from None
+    if same:
+        raise InputError("source and destination are the same file", file=dst,
+                         fix="convert into another path")
+    with bar(f"converting {os.path.basename(src)}", 0, enabled=_progress(args)):
+        source, written = convert(src, dst, format=args.format)
+    _print(f"wrote {dst}: {written}, converted from {source}")
     return EXIT_OK
 
 
@@ -224,16 +291,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('--json', action='store_true', help='print JSON instead of text')
     p.set_defaults(func=cmd_diff)
 
-    p = sub.add_parser('convert', parents=[common], help='rewrite a checkpoint',
-                       description='Rewrite SRC as DST, payloads copied verbatim with a new '
-                                   'layout. An existing DST other than SRC is kept unless '
-                                   '--overwrite.')
-    p.add_argument('src', help='the source checkpoint')
-    p.add_argument('dst', help='the file to write')
+    p = sub.add_parser('convert', parents=[common], help='convert or rewrite a checkpoint',
+                       description='Convert SRC (any format jckpt reads, detected from its '
+                                   'content) into DST. jckpt to jckpt copies payloads verbatim '
+                                   'with a new layout (--alignment) and keeps the metadata; a '
+                                   'multi-process directory becomes one file. An existing DST '
+                                   'other than SRC is kept unless --overwrite.')
+    p.add_argument('src', help='the source checkpoint (file or directory)')
+    p.add_argument('dst', help='what to write')
     p.add_argument('--format', metavar='NAME', default=None,
-                   help="the source's format (default: detected)")
+                   help="the destination's format, e.g. jckpt, safetensors, npz (default: from "
+                        "DST's extension, else jckpt)")
     p.add_argument('--alignment', type=_alignment, default=None,
-                   help="payload alignment in bytes (default: the source's)")
+                   help="jckpt destinations: payload alignment in bytes (default: the source's)")
     p.add_argument('--overwrite', action='store_true', help='replace an existing DST')
     p.add_argument('--no-verify', action='store_true',
                    help='copy payloads without checking their checksums first')

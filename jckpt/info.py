@@ -81,7 +81,9 @@ def plural(n: int, word: str) -> str:
     """``plural(1, 'entry')`` -> ``'1 entry'``; ``plural(2, 'entry')`` -> ``'2 entries'``."""
     if n == 1:
         return f"{n} {word}"
-    return f"{n} {word[:-1]}ies" if word.endswith('y') else f"{n} {word}s"
+    if word.endswith('y') and word[-2:-1] not in ('a', 'e', 'i', 'o', 'u'):
+        return f"{n} {word[:-1]}ies"
+    return f"{n} {word}s"
 
 
 def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
@@ -257,14 +259,7 @@ class FileInfo:
                 f"payloads, file {human_bytes(self.size)}, alignment {self.alignment}")
 
     def _metadata_rows(self) -> list[tuple[str, str]]:
-        """``(label, value)`` pairs: writer, the known keys by name, then user metadata."""
-        rows = [('writer', self.writer if self.writer is not None else '(not recorded)')]
-        meta = dict(self.metadata)
-        rows += [(label, _pretty_value(meta[key])) for key, label in KNOWN_KEYS.items()
-                 if key in meta]
-        rows += [(key, _pretty_value(value)) for key, value in self.metadata
-                 if key not in KNOWN_KEYS]
-        return rows
+        return metadata_rows(self.writer, self.metadata)
 
     def _metadata_lines(self, width: int | None = VALUE_WIDTH) -> list[str]:
         return [f"{label}: {shorten(value, width)}" for label, value in self._metadata_rows()]
@@ -318,6 +313,16 @@ class FileInfo:
         }
 
 
+def metadata_rows(writer: str | None,
+                  metadata: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """``(label, value)`` pairs to show: writer, the known keys by name, then user metadata."""
+    rows = [('writer', writer if writer is not None else '(not recorded)')]
+    meta = dict(metadata)
+    rows += [(label, _pretty_value(meta[key])) for key, label in KNOWN_KEYS.items() if key in meta]
+    rows += [(key, _pretty_value(value)) for key, value in metadata if key not in KNOWN_KEYS]
+    return rows
+
+
 def known_metadata(meta: dict[str, str]) -> dict[str, Any]:
     """The mirror's and manager's metadata decoded for scripts: ``step``, ``metrics``,
     ``trainer_state`` (parsed JSON), ``lineage``, ``generation`` (only those present)."""
@@ -360,6 +365,188 @@ def file_info(path: str | os.PathLike) -> FileInfo:
                     version=h.version, alignment=h.alignment, writer=h.writer,
                     metadata=tuple(h.metadata),
                     entries=tuple(EntryInfo.from_entry(e, reader.data_start) for e in h.tensors))
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayInfo:
+    """One array of a multi-process (directory) checkpoint, assembled from its pieces.
+
+    Attributes:
+      namespace, path, id, prec, dtype, shape, nbytes, key_impl: as for
+        :class:`EntryInfo`, for the whole (global) array.
+      pieces: how many stored pieces tile it.
+      files: the piece files holding them.
+      mappable: whether every piece can be mapped instead of copied.
+    """
+
+    namespace: str
+    path: str
+    id: int
+    prec: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    pieces: int
+    files: tuple[str, ...]
+    mappable: bool
+    key_impl: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.namespace}/{self.path}"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d['shape'], d['files'] = list(self.shape), list(self.files)
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class PieceFileInfo:
+    """One piece file of a directory checkpoint (``process_00000.jckpt``)."""
+
+    name: str
+    size: int
+    entries: int
+    payload_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_ARRAY_COLUMNS = ('namespace', 'path', 'dtype', 'shape', 'size', 'pieces', 'map')
+
+
+def _array_row(a: ArrayInfo) -> list[str]:
+    dtype = a.dtype if a.key_impl is None else f"key<{a.key_impl}>"
+    return [a.namespace, a.path, dtype, format_shape(a.shape), human_bytes(a.nbytes),
+            str(a.pieces), 'yes' if a.mappable else 'no']
+
+
+@dataclasses.dataclass(frozen=True)
+class DirectoryInfo:
+    """The summary of a multi-process checkpoint: a directory of piece files and an index.
+
+    Attributes:
+      path: the directory.
+      size: bytes of all its files.
+      alignment, writer, metadata: from the index.
+      arrays: one :class:`ArrayInfo` per global array.
+      files: one :class:`PieceFileInfo` per piece file.
+    """
+
+    path: str
+    size: int
+    alignment: int
+    writer: str | None
+    metadata: tuple[tuple[str, str], ...]
+    arrays: tuple[ArrayInfo, ...]
+    files: tuple[PieceFileInfo, ...]
+
+    kind = 'directory'
+
+    @property
+    def entries(self) -> tuple[ArrayInfo, ...]:
+        """The arrays (the same name as a file's entries, for code that handles both)."""
+        return self.arrays
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+    @property
+    def namespaces(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for a in self.arrays:
+            out[a.namespace] = out.get(a.namespace, 0) + 1
+        return out
+
+    def _description(self) -> str:
+        return (f"multi-process checkpoint directory, {plural(len(self.arrays), 'array')} in "
+                f"{plural(len(self.namespaces), 'namespace')}, {human_bytes(self.payload_bytes)} "
+                f"in {plural(len(self.files), 'piece file')}, {human_bytes(self.size)} on disk")
+
+    def _metadata_rows(self) -> list[tuple[str, str]]:
+        return metadata_rows(self.writer, self.metadata)
+
+    def render(self, limit: int | None = None, width: int | None = VALUE_WIDTH) -> str:
+        """The text view: summary, metadata, the arrays, the piece files."""
+        shown = self.arrays if limit is None else self.arrays[:limit]
+        parts = [f"{self.path}: {self._description()}",
+                 *[f"{k}: {shorten(v, width)}" for k, v in self._metadata_rows()], '']
+        parts.append(text_table(_ARRAY_COLUMNS, [_array_row(a) for a in shown], right=(4, 5))
+                     if shown else '(no arrays)')
+        if len(shown) < len(self.arrays):
+            parts.append(f"... {len(self.arrays) - len(shown)} more arrays")
+        parts.append('')
+        parts.append(text_table(('file', 'size', 'entries'),
+                                [[f.name, human_bytes(f.size), f.entries] for f in self.files],
+                                right=(1, 2)))
+        parts.append(f"total: {plural(len(self.arrays), 'array')}, "
+                     f"{human_bytes(self.payload_bytes)} ({self.payload_bytes} bytes)")
+        return '\n'.join(parts)
+
+    def __repr__(self) -> str:
+        return self.render(limit=REPR_ROWS)
+
+    def _repr_html_(self) -> str:
+        meta = html_table(('', ''), [(k, shorten(v)) for k, v in self._metadata_rows()])
+        arrays = html_table(_ARRAY_COLUMNS, [_array_row(a) for a in self.arrays[:REPR_ROWS]],
+                            right=(4, 5))
+        files = html_table(('file', 'size', 'entries'),
+                           [[f.name, human_bytes(f.size), f.entries] for f in self.files],
+                           right=(1, 2))
+        return (f"<div><p><b>{html.escape(self.path)}</b>: {html.escape(self._description())}</p>"
+                f"{meta}{arrays}{files}</div>")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {'kind': self.kind, 'path': self.path, 'size': self.size,
+                'alignment': self.alignment, 'writer': self.writer,
+                'metadata': dict(self.metadata), **known_metadata(dict(self.metadata)),
+                'arrays': [a.to_dict() for a in self.arrays],
+                'files': [f.to_dict() for f in self.files],
+                'totals': {'arrays': len(self.arrays), 'payload_bytes': self.payload_bytes,
+                           'namespaces': self.namespaces}}
+
+
+def is_directory_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a multi-process checkpoint (a directory with an index file)."""
+    from jckpt.distributed import INDEX_NAME
+
+    return os.path.isfile(os.path.join(os.fspath(path), INDEX_NAME))
+
+
+def directory_info(path: str | os.PathLike) -> DirectoryInfo:
+    """The :class:`DirectoryInfo` of a multi-process checkpoint (headers only)."""
+    from jckpt.distributed import DirectoryReader
+    from jckpt.format import precs
+    from jckpt.format.header import path_name
+    from jckpt.format.payload import can_map
+
+    reader = DirectoryReader(path)
+    files = []
+    piece_maps: dict[tuple[int, Any], bool] = {}
+    for fi in range(len(reader.files)):
+        r = reader._reader(fi)
+        for e in r.header.tensors:
+            piece_maps[(fi, e.identity, e.slice)] = can_map(e, r.data_start)
+        files.append(PieceFileInfo(reader.files[fi], r.size, len(r.header.tensors),
+                                   sum(e.byte_length for e in r.header.tensors)))
+    arrays = []
+    for a in reader.arrays.values():
+        e = a.entry
+        arrays.append(ArrayInfo(
+            namespace=e.namespace,
+            path=path_name(e.path) if e.path is not None else f"n{e.id}", id=e.id, prec=e.prec,
+            dtype='void' if e.prec == precs.VOID else e.dtype.name, shape=tuple(e.shape),
+            nbytes=e.byte_length, pieces=len(a.pieces),
+            files=tuple(sorted({reader.files[fi] for fi, _ in a.pieces})),
+            mappable=all(piece_maps.get((fi, e.identity, box), False) for fi, box in a.pieces),
+            key_impl=e.key_impl))
+    h = reader.header
+    return DirectoryInfo(path=reader.path, size=_tree_size(reader.path), alignment=h.alignment,
+                         writer=h.writer, metadata=tuple(h.metadata), arrays=tuple(arrays),
+                         files=tuple(files))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -510,18 +697,19 @@ def step_info(step: int, path: str) -> StepInfo:
     """The :class:`StepInfo` of one manager step (never raises for a damaged step)."""
     from jckpt.errors import CheckpointError
 
-    if os.path.isdir(path):
-        return StepInfo(step, path, 'directory', _tree_size(path))
+    kind = 'directory' if os.path.isdir(path) else 'file'
     try:
-        fi = file_info(path)
+        fi: FileInfo | DirectoryInfo = directory_info(path) if kind == 'directory' \
+            else file_info(path)
     except CheckpointError as e:
-        size = os.path.getsize(path) if os.path.exists(path) else 0
-        return StepInfo(step, path, 'file', size, error=str(e.message))
+        size = _tree_size(path) if kind == 'directory' else (
+            os.path.getsize(path) if os.path.exists(path) else 0)
+        return StepInfo(step, path, kind, size, error=str(e.message))
     known = known_metadata(dict(fi.metadata))
     metrics = known.get('metrics')
     metrics = {str(k): float(v) for k, v in metrics.items()} if isinstance(metrics, dict) else {}
     generation = known.get('generation')
-    return StepInfo(step, path, 'file', fi.size, len(fi.entries), fi.payload_bytes, metrics,
+    return StepInfo(step, path, kind, fi.size, len(fi.entries), fi.payload_bytes, metrics,
                     generation if isinstance(generation, int) else None, known.get('lineage'))
 
 
@@ -555,7 +743,7 @@ def manager_info(path: str | os.PathLike, *, best_metric: str | None = None,
 
 
 def info(path: str | os.PathLike, *, best_metric: str | None = None,
-         best_mode: str = 'min') -> FileInfo | ManagerInfo:
+         best_mode: str = 'min') -> FileInfo | DirectoryInfo | ManagerInfo:
     """A summary of the checkpoint at ``path``, read from its header alone.
 
     Returns a value whose ``repr`` is a table of namespaces, paths, dtypes,
@@ -563,7 +751,9 @@ def info(path: str | os.PathLike, *, best_metric: str | None = None,
     with totals and the header's metadata (writer, step, trainer state,
     lineage, ...). In Jupyter it renders as an HTML table.
 
-    A checkpoint manager directory (``step_00000100.jckpt`` steps) gives a
+    A multi-process checkpoint (a directory with an index) gives a
+    :class:`DirectoryInfo`: the global arrays and the piece files holding
+    them. A checkpoint manager directory (``step_00000100.jckpt`` steps) gives a
     :class:`ManagerInfo` instead: a table of steps, sizes and metrics, with
     the latest step and the best one by ``best_metric`` (``best_mode``
     ``'min'`` or ``'max'``).
@@ -578,15 +768,24 @@ def info(path: str | os.PathLike, *, best_metric: str | None = None,
     """
     path = os.fspath(path)
     if os.path.isdir(path):
+        if is_directory_checkpoint(path):
+            return directory_info(path)
         if is_manager_directory(path):
             return manager_info(path, best_metric=best_metric, best_mode=best_mode)
+        from jckpt.distributed import INDEX_NAME, PIECE_RE
         from jckpt.errors import FormatError
 
-        raise FormatError("directory holds no checkpoint (no step_NNNNNNNN.jckpt steps)",
-                          file=path, fix="pass a checkpoint file or a checkpoint manager's "
-                                         "directory")
+        if any(PIECE_RE.match(n) for n in os.listdir(path)):
+            raise FormatError(f"piece files but no {INDEX_NAME}: a multi-process save that did "
+                              "not finish; it is not a checkpoint", file=path,
+                              fix="use the previous complete checkpoint")
+
+        raise FormatError("directory holds no checkpoint (no index.jckpt, no "
+                          "step_NNNNNNNN.jckpt steps)", file=path,
+                          fix="pass a checkpoint file, a multi-process checkpoint directory or a "
+                              "checkpoint manager's directory")
     return file_info(path)
 
 
-__all__ = ['EntryInfo', 'FileInfo', 'ManagerInfo', 'StepInfo', 'file_info', 'info',
-           'manager_info']
+__all__ = ['ArrayInfo', 'DirectoryInfo', 'EntryInfo', 'FileInfo', 'ManagerInfo', 'PieceFileInfo',
+           'StepInfo', 'directory_info', 'file_info', 'info', 'manager_info']

@@ -78,6 +78,30 @@ def write(path, arrays, *, namespace='jckpt', alignment=32, metadata=None):
     return str(path)
 
 
+def write_directory(path, arrays, *, processes=2, metadata=None):
+    """A multi-process checkpoint: each array split along axis 0 over ``processes`` piece files."""
+    from jckpt.distributed import piece_name, write_index
+
+    os.makedirs(path)
+    pieces = {p: ([], []) for p in range(processes)}
+    for i, (name, a) in enumerate(arrays.items()):
+        bounds = np.linspace(0, a.shape[0], processes + 1).astype(int)
+        for p in range(processes):
+            lo, hi = int(bounds[p]), int(bounds[p + 1])
+            part = np.ascontiguousarray(a[lo:hi])
+            pieces[p][0].append(Entry(
+                id=i, namespace='jckpt', prec=prec_of(a.dtype), dims=part.shape, offset=0,
+                byte_length=part.nbytes, label=tuple(name.split('/')),
+                path=tuple(('k', x) for x in name.split('/')),
+                slice=((lo, hi), *((0, d) for d in a.shape[1:])), global_dims=a.shape))
+            pieces[p][1].append(ArraySource(part))
+    for p, (entries, sources) in pieces.items():
+        write_checkpoint(os.path.join(path, piece_name(p)), lay_out(Header(tensors=tuple(entries))),
+                         sources, durable=False)
+    write_index(str(path), processes, 32, metadata or {}, durable=False)
+    return str(path)
+
+
 ARRAYS = {
     'params/w': np.arange(12, dtype=np.float32).reshape(3, 4),
     'params/b': np.zeros(4, np.float32),
@@ -223,6 +247,36 @@ def test_inspect_manager_directory(tmp_path, cli):
     assert data['steps'][3]['error']
 
 
+def test_directory_checkpoint(tmp_path, cli):
+    arrays = {'params/w': np.arange(24, dtype=np.float32).reshape(6, 4), 'b': np.arange(4.0)}
+    d = write_directory(tmp_path / 'sharded', arrays, metadata={'jckpt.step': '5'})
+    p = jckpt_cmd('inspect', d)
+    assert p.returncode == 0, p.stderr
+    assert 'multi-process checkpoint directory, 2 arrays in 1 namespace' in p.stdout
+    assert 'step: 5' in p.stdout and 'process_00001.jckpt' in p.stdout
+    row = next(line for line in p.stdout.splitlines() if 'params/w' in line).split()
+    assert row[2:5] == ['float32', '(6,', '4)'] and row[-2:] == ['2', 'yes']  # pieces, map
+    data = json.loads(cli('inspect', d, '--json').stdout)
+    assert data['kind'] == 'directory' and data['step'] == 5
+    assert [a['shape'] for a in data['arrays']] == [[6, 4], [4]]
+    assert [f['name'] for f in data['files']] == ['process_00000.jckpt', 'process_00001.jckpt']
+
+    assert cli('verify', d).returncode == 0
+    # one file: consolidated by convert, equal to the directory
+    one = tmp_path / 'one.jckpt'
+    assert cli('convert', d, one).returncode == 0
+    assert cli('diff', d, one).returncode == 0
+    assert json.loads(cli('inspect', one, '--json').stdout)['metadata'] == {'jckpt.step': '5'}
+
+    corrupt_payload(os.path.join(d, 'process_00001.jckpt'), 'jckpt/params/w')
+    p = cli('verify', d)
+    assert p.returncode == 1
+    assert f"{d}/process_00001.jckpt: entry jckpt/params/w: checksum mismatch" in p.stdout
+    os.unlink(os.path.join(d, 'index.jckpt'))  # an unfinished save is not a checkpoint
+    assert 'did not finish' in cli('verify', d).stdout
+    one_line_error(cli('inspect', d), 'no index.jckpt')
+
+
 # --- verify ------------------------------------------------------------------
 
 def test_verify_good(model):
@@ -355,6 +409,20 @@ def test_convert_refuses_corrupt_and_missing(tmp_path, model, cli):
                    model, 'checksum mismatch', 'jckpt/step')
     assert not (tmp_path / 'out.jckpt').exists()
     one_line_error(cli('convert', tmp_path / 'none.jckpt', tmp_path / 'o.jckpt'), 'none.jckpt')
+
+
+def test_convert_other_formats(tmp_path, model, cli):
+    """Through the format adapters: to npz and back loses nothing; a foreign file is named."""
+    npz = tmp_path / 'model.npz'
+    p = jckpt_cmd('convert', model, npz)
+    assert p.returncode == 0, p.stderr
+    assert 'npz, converted from jckpt' in p.stdout
+    back = tmp_path / 'back.jckpt'
+    assert cli('convert', npz, back).returncode == 0
+    assert cli('diff', model, back).returncode == 0
+    one_line_error(cli('inspect', npz), 'npz format', 'jckpt convert')
+    one_line_error(cli('verify', npz), 'npz format')
+    one_line_error(cli('convert', model, tmp_path / 'x.npz', '--alignment', '64'), '--alignment')
 
 
 # --- merge -------------------------------------------------------------------
