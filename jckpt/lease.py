@@ -19,10 +19,11 @@ True
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 
-from jckpt.errors import InUseError
+from jckpt.errors import InUseError, StorageError
 from jckpt.storage.publish import storage_error
 
 LEASE_SUFFIX = '.jckpt-lease'
@@ -49,8 +50,13 @@ class WriterLease:
         self.fd = -1
         for _ in range(100):
             try:
-                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+                fd = os.open(self.lock_path,
+                             os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
             except OSError as e:
+                if e.errno == errno.ELOOP:  # a planted symlink must not redirect the write
+                    raise StorageError("the writer lease is a symbolic link; not following it",
+                                       errno=e.errno, file=self.lock_path,
+                                       fix="remove the symbolic link, then save again") from None
                 raise storage_error(e, "creating the writer lease", self.lock_path) from e
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -147,3 +147,119 @@ def test_deep_nesting_is_refused_not_recursed(tmp_path):
                               + "))"))
     with pytest.raises(FormatError, match="nesting deeper"):
         jckpt.load(jckpt.Context(host=True), path)
+
+
+# --- names read from a file cannot reach outside the checkpoint ----------------------
+
+ESCAPES = ["../process_00000.jckpt", "/tmp/process_00000.jckpt", "sub/../../process_00000.jckpt",
+           "process_00000.jckpt/../../x.jckpt", "process_00000.jckpt\0", ""]
+
+
+def _directory_checkpoint(tmp_path):
+    from jckpt.distributed import save_directory
+
+    base = tmp_path / "run"
+    base.mkdir()
+    save_directory(jckpt.Context(), {"w": np.arange(10.0), "s": np.int32(3)}, str(base / "ck"))
+    return base / "ck"
+
+
+def _rewrite_index(index, old: str, new: str) -> None:
+    data = index.read_bytes()
+    hlen = int.from_bytes(data[:4], "big")
+    text = data[4:4 + hlen].decode().rstrip(" ")
+    assert old in text
+    index.write_bytes(raw_file(text.replace(old, new), data[4 + hlen:], align=32))
+
+
+@pytest.mark.parametrize("name", ESCAPES)
+def test_directory_index_names_cannot_escape(tmp_path, name):
+    ck = _directory_checkpoint(tmp_path)
+    outside = tmp_path / "process_00000.jckpt"  # what an escaping name would reach
+    outside.write_bytes((ck / "process_00000.jckpt").read_bytes())
+    _rewrite_index(ck / "index.jckpt", "(files (process_00000.jckpt))",
+                   f"(files ({jckpt.format.sexp.quote(name)}))")
+    with pytest.raises(FormatError, match="files must be"):
+        jckpt.load(jckpt.Context(host=True), ck)
+
+
+SYMLINKS_IN_DIRECTORIES = pytest.mark.xfail(
+    strict=True, reason="directory pieces and safetensors shards are opened through symlinks")
+
+
+@SYMLINKS_IN_DIRECTORIES
+@pytest.mark.parametrize("member", ["process_00000.jckpt", "index.jckpt"])
+def test_directory_member_symlink_is_refused(tmp_path, member):
+    ck = _directory_checkpoint(tmp_path)
+    outside = tmp_path / f"outside-{member}"
+    os.rename(ck / member, outside)
+    os.symlink(outside, ck / member)
+    with pytest.raises(jckpt.CheckpointError):
+        jckpt.load(jckpt.Context(host=True), ck)
+
+
+def _sharded_safetensors(tmp_path, shard_name="model-00001-of-00001.safetensors"):
+    from safetensors.numpy import save_file
+
+    d = tmp_path / "hf"
+    d.mkdir()
+    save_file({"w": np.arange(4, dtype=np.float32)}, str(d / "model-00001-of-00001.safetensors"))
+    index = d / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {"w": shard_name}}))
+    return d, index
+
+
+@pytest.mark.parametrize("name", ["../model-00001-of-00001.safetensors",
+                                  "/tmp/model-00001-of-00001.safetensors",
+                                  "a/../../model-00001-of-00001.safetensors", "C:/x.safetensors"])
+def test_safetensors_index_names_cannot_escape(tmp_path, name):
+    pytest.importorskip("safetensors")
+    from jckpt.adapters import read
+
+    d, index = _sharded_safetensors(tmp_path, name)
+    (tmp_path / "model-00001-of-00001.safetensors").write_bytes(
+        (d / "model-00001-of-00001.safetensors").read_bytes())
+    with pytest.raises(FormatError, match="unsafe|escapes"):
+        read(str(index))
+
+
+@SYMLINKS_IN_DIRECTORIES
+def test_safetensors_shard_symlink_is_refused(tmp_path):
+    pytest.importorskip("safetensors")
+    from jckpt.adapters import read
+
+    d, index = _sharded_safetensors(tmp_path)
+    outside = tmp_path / "elsewhere.safetensors"
+    os.rename(d / "model-00001-of-00001.safetensors", outside)
+    os.symlink(outside, d / "model-00001-of-00001.safetensors")
+    with pytest.raises(jckpt.CheckpointError):
+        read(str(index))
+
+
+@pytest.mark.parametrize("member", ["../w.npy", "/abs/w.npy", "a/../../w.npy", "C:\\w.npy"])
+def test_archive_member_names_cannot_escape(tmp_path, member):
+    import io
+    import zipfile
+
+    from jckpt.adapters import read
+
+    buf = io.BytesIO()
+    np.save(buf, np.arange(3.0))
+    path = tmp_path / "a.npz"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(member, buf.getvalue())
+    with pytest.raises(FormatError, match="unsafe|escapes"):
+        read(str(path))
+
+
+def test_planted_symlink_at_lease_cannot_redirect_a_write(tmp_path):
+    """A symlink at the writer-lease name must not let a mirror or manager truncate its target."""
+    from jckpt.lease import WriterLease, lease_path
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    target = tmp_path / "m.jckpt"
+    os.symlink(victim, lease_path(str(target)))
+    with pytest.raises(jckpt.StorageError):
+        WriterLease(str(target))
+    assert victim.read_bytes() == b"precious"
