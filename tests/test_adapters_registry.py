@@ -115,3 +115,32 @@ def test_adapters_refuse_unnamespaced_trees(tmp_path):
         adapters.write({'not valid!': np.ones(1)}, tmp_path / 'a.npz')
     with pytest.raises(InputError, match='namespace'):
         adapters.write([np.ones(1)], tmp_path / 'a.safetensors')
+
+
+@pytest.mark.parametrize('name,fmt', [('a.safetensors', 'safetensors'), ('a.npz', 'npz'),
+                                      ('a.npy', 'npy'), ('a.pt', 'torch'), ('a.jckpt', 'jckpt'),
+                                      ('a.bin', 'llmc')])
+@pytest.mark.parametrize('damage', ['truncated', 'corrupt'])
+def test_damaged_file_in_each_format_is_refused(tmp_path, name, fmt, damage):
+    path = tmp_path / name
+    if fmt == 'llmc':
+        from jckpt.adapters import llmc
+        config = llmc.Config(4, 5, 1, 1, 2, 8)
+        path.write_bytes(llmc.encode_header(config, np.float32) +
+                         np.zeros(llmc.num_parameters(config), np.float32).tobytes())
+    else:
+        tree = {'jckpt': {'w': np.arange(64, dtype=np.float32)}} if fmt != 'npy' else \
+            {'jckpt': np.arange(64, dtype=np.float32)}
+        adapters.write(tree, path)
+    raw = path.read_bytes()
+    if damage == 'truncated':
+        raw = raw[:len(raw) // 2]
+    else:  # the first bytes that describe the content, overwritten
+        raw = raw[:2] + b'\xff' * 14 + raw[16:]
+    path.write_bytes(raw)
+    with pytest.raises(FormatError) as info:
+        adapters.read(path, format=fmt)
+    assert str(path) in str(info.value)
+    with pytest.raises(FormatError):
+        jckpt.convert(path, tmp_path / 'out.safetensors')
+    assert not (tmp_path / 'out.safetensors').exists()

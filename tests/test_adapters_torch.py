@@ -214,3 +214,24 @@ def test_storages_are_64_byte_aligned_and_mapped(tmp_path):
             assert (at + 30 + n + m) % 64 == 0, info.filename
     tree = pt.read(path)['jckpt']
     assert not tree['a'].flags.owndata and tree['a'].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_build_on_anything_but_a_state_dict_is_refused(tmp_path):
+    path = tmp_path / 'b.pt'
+    path.write_bytes(zip_with(b'\x80\x02ctorch\nSize\n)R}b.'))
+    with pytest.raises(FormatError, match='BUILD on a tuple is not allowed'):
+        pt.read(path)
+
+
+def test_view_far_larger_than_its_storage_is_refused(tmp_path):
+    pickled = (b'\x80\x02ctorch._utils\n_rebuild_tensor_v2\n((X\x07\x00\x00\x00storage'
+               b'ctorch\nFloatStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x01tQK\x00'
+               b'J\x00\x00\x00\x40\x85K\x00\x85\x89ccollections\nOrderedDict\n)RtR.')
+    path = tmp_path / 'v.pt'
+    path.write_bytes(zip_with(pickled, {'archive/data/0': b'\0\0\x80\x3f'}))
+    with pytest.raises(FormatError, match='implausibly'):
+        pt.read(path)
+    # the same pickle with an honest size reads
+    path.write_bytes(zip_with(pickled.replace(b'J\x00\x00\x00\x40', b'J\x03\x00\x00\x00'),
+                              {'archive/data/0': b'\0\0\x80\x3f'}))
+    assert pt.read(path)['jckpt'].tolist() == [1.0, 1.0, 1.0]

@@ -223,8 +223,8 @@ def sniff(path: str, head: bytes | None) -> bool:
     """A plausible header size followed by ``{``; or a sharded index (file or directory)."""
     if head is None:
         return _index_file(path) is not None or os.path.exists(os.path.join(path, 'model.safetensors'))
-    if head[:1] == b'{':
-        return b'"weight_map"' in head
+    if head[:1] == b'{' and b'"weight_map"' in head:
+        return True
     if len(head) < 9:
         return False
     (n,) = struct.unpack_from('<Q', head, 0)

@@ -91,6 +91,11 @@ def _int(x: Any, what: str) -> int:
     return x
 
 
+#: A tensor may view its storage's elements repeatedly (stride 0), but a view this many times
+#: larger than its storage is refused: converting it would write a file sized by the pickle.
+_VIEW_FACTOR = 64
+
+
 def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, dtype: np.dtype | None = None
              ) -> np.ndarray:
     if not isinstance(storage, np.ndarray):
@@ -106,6 +111,9 @@ def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, dtype: np.dtype 
     stride = tuple(_int(s, 'stride') for s in stride)
     if 0 in size:
         return np.zeros(size, storage.dtype)
+    if math.prod(size) > _VIEW_FACTOR * storage.size + (1 << 20):
+        raise ValueError(f"tensor of shape {size} repeats a storage of {storage.size} elements "
+                         "implausibly often")
     last = offset + sum((n - 1) * s for n, s in zip(size, stride))
     if last >= storage.size:
         raise ValueError(f"tensor reaches element {last} of a storage of {storage.size}")
@@ -177,10 +185,23 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 }
 
 
-class _Unpickler(pickle.Unpickler):
+class _Unpickler(pickle._Unpickler):
+    """The pure-Python unpickler, so that BUILD can be limited too: it may set state only on
+    unpickled ``OrderedDict``s (whose state is ignored), never on arrays or anything else."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
     def __init__(self, data, storage) -> None:
         super().__init__(io.BytesIO(data))
         self._storage = storage
+
+    def load_build(self) -> None:
+        state = self.stack.pop()
+        if not isinstance(self.stack[-1], _StateDict):
+            raise ValueError(f"BUILD on a {type(self.stack[-1]).__name__} is not allowed")
+        del state
+
+    dispatch[pickle.BUILD[0]] = load_build
 
     def find_class(self, module: str, name: str) -> Any:
         found = _ALLOWED.get((module, name))
@@ -224,8 +245,8 @@ def read(path: str) -> dict[str, Any]:
     with _zip.open_zip(path) as zf:
         root = _root(zf, path)
         infos = {i.filename: i for i in zf.infolist()}
-        order = zf.read(infos[root + 'byteorder']).decode().strip() \
-            if root + 'byteorder' in infos else 'little'
+        order = bytes(_zip.member_bytes(zf, buffer, infos[root + 'byteorder'], path)).decode(
+            'ascii', 'replace').strip() if root + 'byteorder' in infos else 'little'
         if order not in ('little', 'big'):
             raise FormatError(f"unknown byteorder {order!r}", file=path, fix="the file is damaged")
         cache: dict[str, np.ndarray] = {}
@@ -247,7 +268,7 @@ def read(path: str) -> dict[str, Any]:
                                  f"{numel} x {dtype.itemsize}")
             return raw[:numel * dtype.itemsize].view(dtype)
 
-        pickled = zf.read(infos[root + 'data.pkl'])
+        pickled = bytes(_zip.member_bytes(zf, buffer, infos[root + 'data.pkl'], path))
         try:
             obj = _Unpickler(pickled, storage).load()
         except _Refused as e:
