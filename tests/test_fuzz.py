@@ -263,3 +263,14 @@ def test_planted_symlink_at_lease_cannot_redirect_a_write(tmp_path):
     with pytest.raises(jckpt.StorageError):
         WriterLease(str(target))
     assert victim.read_bytes() == b"precious"
+
+
+def test_reader_can_refuse_symlinks(tmp_path):
+    """What a reader of names from a file uses: ``CheckpointReader(..., follow_symlinks=False)``."""
+    real = tmp_path / "real.jckpt"
+    jckpt.save(jckpt.Context(), {"w": np.ones(2)}, real)
+    link = tmp_path / "link.jckpt"
+    os.symlink(real, link)
+    assert CheckpointReader(link).header.tensors  # a user's own path may be a link
+    with pytest.raises(FormatError, match="symbolic link"):
+        CheckpointReader(link, follow_symlinks=False)

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import errno
 import mmap as mmap_mod
 import os
 import struct
@@ -46,12 +47,15 @@ class CheckpointReader:
 
     The mapping is copy-on-write (``MAP_PRIVATE``) and lives as long as any
     array viewing it, even after the file is replaced or removed.
+    ``follow_symlinks=False`` refuses a file that is a symbolic link (for
+    names read from another file, such as a directory checkpoint's pieces).
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, *, follow_symlinks: bool = True) -> None:
         self.path = os.fspath(path)
+        flags = os.O_RDONLY | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(self.path, flags)
         except FileNotFoundError:
             raise FormatError("no such checkpoint file", file=self.path,
                               fix="check the path, or save a checkpoint there first") from None
@@ -59,6 +63,10 @@ class CheckpointReader:
             raise FormatError("is a directory, not a checkpoint file", file=self.path,
                               fix="pass the checkpoint file inside it") from None
         except OSError as e:
+            if e.errno == errno.ELOOP and not follow_symlinks:
+                raise FormatError("is a symbolic link, which a checkpoint's own files must not be",
+                                  file=self.path, fix="replace the link by the file it points to")\
+                    from None
             raise storage_error(e, "opening the checkpoint", self.path) from e
         try:
             st = os.fstat(fd)
