@@ -50,8 +50,9 @@ def _snapshot(tree: Any) -> Any:
     placement.start_host_copies(leaves)
     out = []
     for leaf in leaves:
-        if placement.is_prng_key(leaf):
-            out.append(leaf)  # immutable device value; jckpt stores its key data and impl
+        if placement.is_prng_key(leaf):  # a fresh key array of copied data: safe from donation
+            data = np.array(jax.random.key_data(leaf), copy=True)
+            out.append(jax.random.wrap_key_data(data, impl=jax.random.key_impl(leaf)))
         elif isinstance(leaf, jax.Array):
             out.append(np.array(leaf, copy=True))
         elif isinstance(leaf, np.ndarray):
