@@ -50,7 +50,8 @@ class Registry:
 
     def __repr__(self) -> str:
         namespaces = ', '.join(ns for ns, _ in self.max_ids)
-        return f"Registry({len(self.identities)} entries in [{namespaces}])"
+        n = len(self.identities)
+        return f"Registry({n} {'entry' if n == 1 else 'entries'} in [{namespaces}])"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +83,23 @@ class Context:
                              "[A-Za-z_][A-Za-z0-9_]*", fix="use letters, digits and underscores")
         if not isinstance(self.alignment, int) or self.alignment < 1:
             raise InputError(f"alignment must be a positive integer, not {self.alignment!r}")
+
+    def __repr__(self) -> str:
+        """The namespace, the fields that differ from the defaults, and what was loaded.
+
+        >>> Context(namespace='student', host=True)
+        Context(namespace='student', host=True)
+        """
+        parts = [f"namespace={self.namespace!r}"]
+        for f in dataclasses.fields(self):
+            if f.name in ('namespace', 'registry'):
+                continue
+            value = getattr(self, f.name)
+            if value != f.default:
+                parts.append(f"{f.name}={value!r}")
+        if len(self.registry):
+            parts.append(f"registry={self.registry!r}")
+        return f"Context({', '.join(parts)})"
 
     def replace(self, **changes: Any) -> Context:
         """A copy with ``changes`` applied (the context itself never changes)."""

@@ -330,3 +330,15 @@ def test_library_prints_nothing(tmp_path, capsys, monkeypatch):
     diff(path, path, progress=True)
     out, err = capsys.readouterr()
     assert out == '' and err == ''
+
+
+def test_context_and_error_reprs(tmp_path):
+    ctx = jckpt.Context()
+    assert repr(ctx) == "Context(namespace='jckpt')"
+    path = write(tmp_path / 'r.jckpt', {'a': np.ones(2), 'b': np.ones(2)})
+    loaded, _ = jckpt.load(ctx.replace(host=True), path)
+    assert repr(loaded) == "Context(namespace='jckpt', host=True, registry=Registry(2 entries in [jckpt]))"
+    err = jckpt.ChecksumError('checksum mismatch', file='m.jckpt', entry='jckpt/w', fix='restore it')
+    assert repr(err) == ("ChecksumError('checksum mismatch', file='m.jckpt', entry='jckpt/w', "
+                         "fix='restore it')")
+    assert str(err) == 'm.jckpt: entry jckpt/w: checksum mismatch (fix: restore it)'
