@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import mmap as mmap_mod
 import os
 import posixpath
@@ -164,7 +165,7 @@ def array_view(buffer, dtype: np.dtype, shape: tuple[int, ...], offset: int,
                file: str, entry: str) -> np.ndarray:
     """``shape`` elements of ``dtype`` at ``offset`` of ``buffer``: a zero-copy view
     when the offset is a multiple of the element size, an aligned copy otherwise."""
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    count = math.prod(shape)
     if offset < 0 or offset + count * dtype.itemsize > len(buffer):
         raise FormatError("tensor data extends past the end of the file", file=file, entry=entry,
                           fix="the file is truncated or damaged")

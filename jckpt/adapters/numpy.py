@@ -27,6 +27,7 @@ their data is aligned (jckpt aligns what it writes to 64 bytes).
 from __future__ import annotations
 
 import ast
+import math
 import os
 import struct
 from typing import Any
@@ -112,7 +113,7 @@ def parse_npy(buffer, offset: int, length: int, file: str, entry: str | None = N
         raise bad(f".npy shape {shape!r} / fortran_order {fortran!r} are invalid")
     dtype = _dtype_from_descr(header['descr'], file, entry)
     data = start + hlen
-    count = int(np.prod(shape, dtype=object)) if shape else 1
+    count = math.prod(shape)
     if data + count * dtype.itemsize > offset + length:
         raise bad(f".npy data of {count * dtype.itemsize} bytes extends past the end of the file")
     if fortran:

@@ -30,6 +30,7 @@ foreign writer left misaligned is copied.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from typing import Any
@@ -130,8 +131,7 @@ def read_header(buffer, file: str) -> tuple[dict[str, Any], dict[str, str], int]
                 and all(type(o) is int and 0 <= o < 1 << 64 for o in offsets)
                 and offsets[0] <= offsets[1]):
             raise _fail(f"invalid data_offsets {offsets!r}", file, name)
-        expected = int(np.prod(shape, dtype=object)) * DTYPES[dtype].itemsize if shape \
-            else DTYPES[dtype].itemsize
+        expected = math.prod(shape) * DTYPES[dtype].itemsize
         if offsets[1] - offsets[0] != expected:
             raise _fail(f"data_offsets {offsets} span {offsets[1] - offsets[0]} bytes; "
                         f"dtype {dtype} and shape {shape} need {expected}", file, name)
