@@ -26,7 +26,6 @@ removed when the manager opens; a step file that cannot be read is ignored.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import logging
 import math
@@ -59,6 +58,8 @@ from jckpt.trainer_state import TRAINER_STATE_KEY, TrainerState
 
 log = logging.getLogger('jckpt')
 
+#: A directory step is complete once it holds this file (see ``jckpt.distributed``).
+INDEX_NAME = 'index.jckpt'
 STEP_KEY = 'jckpt.step'
 METRICS_KEY = 'jckpt.metrics'
 _STEP_RE = re.compile(r'step_(\d{8,})\.jckpt\Z')
@@ -89,22 +90,8 @@ class Restored:
     metadata: dict[str, str]
 
 
-def _distributed():
-    try:
-        return importlib.import_module('jckpt.distributed')
-    except ImportError:
-        return None
-
-
 def _read_metadata(path: str) -> dict[str, str]:
-    """A step's header metadata (for a directory step, through ``jckpt.distributed``)."""
-    if os.path.isdir(path):
-        dist = _distributed()
-        describe = getattr(dist, 'describe', None) if dist is not None else None
-        if describe is None:
-            return {}
-        header = describe(path)
-        return header.metadata_dict() if hasattr(header, 'metadata_dict') else dict(header)
+    """A step's header metadata (a file, or a directory's index)."""
     return api.describe(path).metadata_dict()
 
 
@@ -136,6 +123,9 @@ class CheckpointManager:
       lineage, new_lineage: as for :class:`~jckpt.Mirror`, against the latest step.
       handle_sigterm: where no JAX distributed client runs, treat SIGTERM as
         preemption (:meth:`reached_preemption` then says True).
+      directory_steps: write each step as a multi-process directory checkpoint
+        (``jckpt.distributed``), synchronously, from every process. Default:
+        when ``jax.process_count() > 1``. Only process 0 deletes old steps.
 
     Only one manager may write a directory at a time
     (:class:`~jckpt.errors.InUseError` otherwise).
@@ -159,7 +149,12 @@ class CheckpointManager:
                  best_mode: str = 'min', save_interval_steps: int = 1, asynchronous: bool = True,
                  slots: int = 2, when_full: str = 'block', retry_after: float = 1.0,
                  patience: int = 3, lineage: str | None = None, new_lineage: bool = False,
-                 handle_sigterm: bool = False) -> None:
+                 handle_sigterm: bool = False, directory_steps: bool | None = None) -> None:
+        import jax
+
+        self.process_index, self.process_count = jax.process_index(), jax.process_count()
+        self.directory_steps = (self.process_count > 1 if directory_steps is None
+                                else bool(directory_steps))
         self.directory = os.fspath(directory)
         self.ctx = ctx if ctx is not None else Context()
         for name, value in (('keep_last', keep_last), ('keep_every', keep_every),
@@ -183,7 +178,9 @@ class CheckpointManager:
             from jckpt.storage.publish import storage_error
 
             raise storage_error(e, "creating the checkpoint directory", self.directory) from e
-        self._lease = WriterLease(self.directory)
+        # One writer per directory; in a multi-process run, one per process of it.
+        self._lease = WriterLease(self.directory if self.process_count == 1 else
+                                  os.path.join(self.directory, f".process{self.process_index:05d}"))
         try:
             self._lock = threading.Lock()
             self._metrics: dict[int, dict[str, float]] = {}
@@ -207,14 +204,27 @@ class CheckpointManager:
         return os.path.join(self.directory, step_name(step))
 
     def _clean_staging(self) -> None:
-        """Remove staging files of steps whose writer died (incomplete steps)."""
-        targets = set()
+        """Remove staging files and directories of steps whose writer died (incomplete steps)."""
+        if self.process_index != 0:
+            return
+        from jckpt.distributed import STAGE_DIR_TAG, reclaim_stage_dirs
+
+        files, dirs = set(), set()
         for name in os.listdir(self.directory):
-            head, sep, _ = name.partition(STAGE_TAG)
-            if sep and _STEP_RE.match(head):
-                targets.add(os.path.join(self.directory, head))
-        for target in sorted(targets):
+            path = os.path.join(self.directory, name)
+            if _STEP_RE.match(name) and os.path.isdir(path) and not os.path.islink(path) \
+                    and not os.path.exists(os.path.join(path, INDEX_NAME)):
+                log.info("jckpt: removing the half-deleted step directory %s", path)
+                shutil.rmtree(path, ignore_errors=True)  # published directories have an index
+                continue
+            for tag, found in ((STAGE_TAG, files), (STAGE_DIR_TAG, dirs)):
+                head, sep, _ = name.partition(tag)
+                if sep and _STEP_RE.match(head):
+                    found.add(os.path.join(self.directory, head))
+        for target in sorted(files):
             reclaim_staging(target)
+        for target in sorted(dirs):
+            reclaim_stage_dirs(target)
 
     def _scan(self) -> None:
         found: dict[int, dict[str, float]] = {}
@@ -334,6 +344,9 @@ class CheckpointManager:
                 raise InputError(f"trainer_state must be a TrainerState, not "
                                  f"{type(trainer_state).__name__}", file=self.directory)
             meta[TRAINER_STATE_KEY] = trainer_state.to_json()
+        if self.directory_steps:
+            self._save_directory(step, tree, items, meta, clean_metrics)
+            return True
         if items is not None:
             leaves = []
             for namespace, sub in items.items():
@@ -350,6 +363,29 @@ class CheckpointManager:
     def wait_durable(self, timeout: float | None = None) -> bool:
         """Wait until every saved step is durable; ``False`` if ``timeout`` passed first."""
         return self._pipeline.wait(timeout)
+
+    def _save_directory(self, step: int, tree: Any, items: Mapping[str, Any] | None,
+                        meta: dict[str, str], metrics: dict[str, float]) -> None:
+        from jckpt.distributed import save_directory
+
+        if items is not None:
+            raise InputError("directory steps hold one namespace: pass tree, not items",
+                             file=self.directory)
+
+        def write(generation: int) -> None:
+            full = dict(meta)
+            full[LINEAGE_KEY] = self.lineage
+            full[GENERATION_KEY] = str(generation)
+            save_directory(self.ctx, tree, self._path(step), metadata=full)
+
+        self._pipeline.run_now(write)
+        self._last_admitted = step
+        with self._lock:
+            self._metrics[step] = metrics
+        try:
+            self._prune()
+        except OSError as e:
+            log.warning("jckpt: retention in %s failed: %s", self.directory, e)
 
     def _commit(self, job: Job) -> int:
         step, metrics = job.info
@@ -386,12 +422,15 @@ class CheckpointManager:
         for s in doomed:
             with self._lock:
                 self._metrics.pop(s, None)
+            if self.process_index != 0:  # every process drops it; process 0 deletes it
+                continue
             path = self._path(s)
-            if os.path.isdir(path):
+            if os.path.isdir(path):  # the index first: a half-deleted directory is no step
+                os.unlink(os.path.join(path, INDEX_NAME))
                 shutil.rmtree(path)
             else:
                 os.unlink(path)
-        if doomed and self.ctx.durable:
+        if doomed and self.ctx.durable and self.process_index == 0:
             fsync_dir(self.directory)
 
     # --- restoring -------------------------------------------------------------
@@ -438,9 +477,7 @@ class CheckpointManager:
             state = TrainerState.from_json(meta[TRAINER_STATE_KEY], file=path)
             if layout is not None:
                 state = state.check_layout(layout, reshard=reshard, file=path)
-        if os.path.isdir(path):
-            tree = _restore_directory(ctx, target, path, namespaces)
-        elif namespaces is None:
+        if namespaces is None:
             tree = (api.load(ctx, path)[1] if target is None
                     else api.restore(ctx, target, path, cast=cast))
         else:
@@ -539,9 +576,9 @@ def _restore_namespaces(ctx: Context, target: Any, path: str, namespaces: Sequen
         return {ns: api.restore(ctx, target[ns], path, namespace=ns, cast=cast)
                 for ns in namespaces}
     from jckpt import placement
-    from jckpt.storage.reader import CheckpointReader
+    from jckpt.distributed import open_checkpoint
 
-    reader = CheckpointReader(path)
+    reader = open_checkpoint(path)
     present = {e.namespace for e in reader.header.tensors}
     missing = [ns for ns in namespaces if ns not in present]
     if missing:
@@ -557,14 +594,5 @@ def _restore_namespaces(ctx: Context, target: Any, path: str, namespaces: Sequen
             groups[e.namespace].append((key, value))
     return {ns: tree_mod.unflatten(items, file=path) for ns, items in groups.items()}
 
-
-def _restore_directory(ctx: Context, target: Any, path: str,
-                       namespaces: Sequence[str] | None) -> Any:
-    dist = _distributed()
-    restore = getattr(dist, 'restore', None) if dist is not None else None
-    if restore is None or namespaces is not None:
-        raise CheckpointError("this step is a multi-process (directory) checkpoint", file=path,
-                              fix="restore it with jckpt.distributed")
-    return restore(ctx, target, path)
 
 __all__ = ['CheckpointManager', 'Restored', 'step_name']

@@ -347,6 +347,33 @@ class Pipeline:
                 self._cond.notify_all()
                 return job.seq
 
+    def run_now(self, write: Callable[[int], None]) -> int:
+        """Run ``write(generation)`` in the caller's thread, after everything admitted is durable.
+
+        For saves that cannot be snapshotted into a slot (a multi-process save
+        with barriers): counted like a snapshot, its failure raised at once.
+        """
+        with self._submit_lock:
+            self.wait()
+            with self._cond:
+                if self._closing:
+                    raise CheckpointError("the writer is closed", file=self.name,
+                                          fix="open a new one")
+                generation = self._generation + 1
+            try:
+                write(generation)
+            except BaseException as e:
+                with self._cond:
+                    self._failures += 1
+                    self._last_error = str(e)
+                raise
+            with self._cond:
+                self._committed += 1
+                self._durable = self._committed
+                self._generation = generation
+                self._cond.notify_all()
+                return self._committed
+
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every admitted snapshot is durable; False on timeout.
 

@@ -207,3 +207,36 @@ def test_trainer_state_json_round_trip_and_validation():
         jckpt.TrainerState(user={"f": object()}).to_json()
     with pytest.raises(jckpt.FormatError, match="not valid JSON"):
         jckpt.TrainerState.from_json("{")
+
+
+def test_directory_steps_for_multi_process_saves(tmp_path):
+    mesh = jax.make_mesh((8,), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    with jckpt.CheckpointManager(tmp_path, directory_steps=True, keep_last=2) as mgr:
+        for step in (1, 2, 3):
+            w = jax.device_put(jnp.full((8, 2), float(step)), sharding)
+            assert mgr.save(step, {"w": w}, metrics={"loss": 1.0 / step},
+                            trainer_state=jckpt.TrainerState(global_step=step, dp=8))
+        assert mgr.all_steps() == [2, 3]
+        assert os.path.isdir(tmp_path / step_name(3))
+        assert str(mgr.counters) == ("memory mirror: committed 3 durable 3 generation 3 "
+                                     "pending 0 error 0")
+        target = {"w": jax.ShapeDtypeStruct((8, 2), jnp.float32, sharding=sharding)}
+        r = mgr.restore(target=target)
+        assert r.step == 3 and r.trainer_state.dp == 8 and r.metrics == {"loss": pytest.approx(1 / 3)}
+        np.testing.assert_array_equal(r.tree["w"], np.full((8, 2), 3.0))
+        assert r.tree["w"].sharding == sharding
+        np.testing.assert_array_equal(mgr.restore(2, namespaces=["jckpt"]).tree["jckpt"]["w"],
+                                      np.full((8, 2), 2.0))
+        with pytest.raises(jckpt.InputError, match="one namespace"):
+            mgr.save(4, items={"a": {"w": w}})
+    # A directory whose deletion was interrupted (no index) and a dead save's staging directory.
+    half = tmp_path / step_name(9)
+    half.mkdir()
+    (half / "process_00000.jckpt").write_bytes(b"x")
+    stage = tmp_path / (step_name(10) + ".jckpt-stage-dir.0123456789abcdef")
+    stage.mkdir()
+    (stage / ".writer.lock").write_bytes(b"")
+    with jckpt.CheckpointManager(tmp_path, directory_steps=True) as mgr:
+        assert mgr.all_steps() == [2, 3] and mgr.counters.generation == 3
+    assert not half.exists() and not stage.exists()
