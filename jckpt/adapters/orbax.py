@@ -73,6 +73,7 @@ def _read_item(item: str) -> Any:
     ocp = _orbax()
     import jax
     checkpointer = ocp.PyTreeCheckpointer()
+    item = os.path.abspath(item)  # orbax wants absolute paths
     try:
         metadata = checkpointer.metadata(item)
         tree = getattr(metadata, 'item_metadata', metadata)
@@ -117,7 +118,7 @@ def write(tree: Any, path: str) -> None:
     The directory is built beside ``path`` and renamed into place; an
     existing directory at ``path`` is replaced only after the new one is complete.
     """
-    path = os.fspath(path)
+    path = os.path.abspath(os.fspath(path))
     tree = check_namespaced(tree, path)
     host_items(tree, path)  # refuse unstorable leaves before writing anything
     ocp = _orbax()
