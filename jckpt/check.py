@@ -472,11 +472,16 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float = 0.0, rtol:
     if atol < 0 or rtol < 0 or math.isnan(atol) or math.isnan(rtol):
         raise ValueError(f"tolerances must be >= 0, got atol={atol}, rtol={rtol}")
     from jckpt.distributed import open_checkpoint
+    from jckpt.info import STEP_RE, is_directory_checkpoint, is_manager_directory
 
     readers = []
     for p in (a, b):
         if not os.path.lexists(p):
             raise _missing(p)
+        if is_manager_directory(p) and not is_directory_checkpoint(p):
+            first = min(n for n in os.listdir(p) if STEP_RE.match(n))
+            raise FormatError("a checkpoint manager's directory holds one checkpoint per step",
+                              file=p, fix=f"compare two of its steps, e.g. {os.path.join(p, first)}")
         readers.append(open_checkpoint(p))
     ra, rb = readers
     ia = {e.identity: e for e in ra.header.tensors}

@@ -245,6 +245,7 @@ def test_inspect_manager_directory(tmp_path, cli):
     assert [s['step'] for s in data['steps']] == [10, 20, 30, 40]
     assert data['steps'][1]['metrics'] == {'loss': 0.25} and data['steps'][1]['generation'] == 2
     assert data['steps'][3]['error']
+    one_line_error(cli('diff', d, d), 'one checkpoint per step', 'step_00000010.jckpt')
 
 
 def test_directory_checkpoint(tmp_path, cli):
