@@ -18,8 +18,9 @@ gives the same content as plain JSON-ready data (what ``jckpt inspect
 >>> s.entries[0].name, s.entries[0].shape, s.entries[0].mappable
 ('jckpt/w', (2, 3), True)
 
-This module imports only the standard library at import time; the codec is
-imported on first use, so ``import jckpt`` stays light.
+This module imports only the standard library (and the trainer state's key)
+at import time; the codec is imported on first use, so ``import jckpt`` stays
+light.
 """
 
 from __future__ import annotations
@@ -32,15 +33,16 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from jckpt.trainer_state import TRAINER_STATE_KEY
+
 if TYPE_CHECKING:
     from jckpt.format.header import Entry
 
 #: Metadata keys written by the mirror and the checkpoint manager, shown under readable names.
-#: (The same strings as ``jckpt.mirror``, ``jckpt.manager`` and ``jckpt.trainer_state`` use;
-#: repeated here so that reading them needs no JAX.)
+#: (The same strings as ``jckpt.mirror`` and ``jckpt.manager`` use, repeated here because
+#: those modules import JAX and reading a header must not.)
 STEP_KEY = 'jckpt.step'
 METRICS_KEY = 'jckpt.metrics'
-TRAINER_STATE_KEY = 'jckpt.trainer_state'
 LINEAGE_KEY = 'jckpt.lineage'
 GENERATION_KEY = 'jckpt.generation'
 KNOWN_KEYS = {STEP_KEY: 'step', METRICS_KEY: 'metrics', TRAINER_STATE_KEY: 'trainer state',
