@@ -165,6 +165,15 @@ def merge(out: str | os.PathLike, inputs: Sequence[str | os.PathLike],
         for reader, _ in sources:
             _check_sources(reader)
 
+    # Ids: a path-less (OCANNL) entry is named by its id, so it keeps it; an entry with a
+    # path whose id is taken in its namespace gets a fresh one above every id of the inputs.
+    fixed: dict[str, set[int]] = {}
+    ceiling: dict[str, int] = {}
+    for _, header in sources:
+        for e in header.tensors:
+            ceiling[e.namespace] = max(ceiling.get(e.namespace, -1), e.id)
+            if e.path is None:
+                fixed.setdefault(e.namespace, set()).add(e.id)
     owners: dict[tuple, str] = {}
     used_ids: dict[str, set[int]] = {}
     entries: list[Entry] = []
@@ -181,8 +190,9 @@ def merge(out: str | os.PathLike, inputs: Sequence[str | os.PathLike],
                                  fix="give the inputs distinct prefixes (--prefix NAME per input)")
             owners[e.identity] = reader.path
             ids = used_ids.setdefault(e.namespace, set())
-            if e.id in ids:
-                e = dataclasses.replace(e, id=max(ids) + 1)
+            if e.path is not None and (e.id in ids or e.id in fixed.get(e.namespace, ())):
+                ceiling[e.namespace] += 1
+                e = dataclasses.replace(e, id=ceiling[e.namespace])
             ids.add(e.id)
             entries.append(e)
             copies.append((reader, stored))

@@ -342,3 +342,17 @@ def test_context_and_error_reprs(tmp_path):
     assert repr(err) == ("ChecksumError('checksum mismatch', file='m.jckpt', entry='jckpt/w', "
                          "fix='restore it')")
     assert str(err) == 'm.jckpt: entry jckpt/w: checksum mismatch (fix: restore it)'
+
+
+def test_merge_keeps_the_ids_of_path_less_entries(tmp_path):
+    """An OCANNL entry is named by its id (n<id>): merging renumbers the others around it."""
+    from tests.helpers import entry_text, header_text, raw_file
+
+    a = write(tmp_path / 'a.jckpt', {'x': np.ones(2, np.float32), 'y': np.ones(2, np.float32)})
+    ocannl = tmp_path / 'o.ckpt'
+    ocannl.write_bytes(raw_file(header_text(entry_text(id=1)), np.ones(1, np.float32).tobytes(),
+                                align=4))
+    header = merge(tmp_path / 'm.jckpt', [a, ocannl], durable=False)
+    assert [(e.name, e.id) for e in header.tensors] == [('jckpt/x', 0), ('jckpt/y', 2),
+                                                        ('jckpt/n1', 1)]
+    assert verify(tmp_path / 'm.jckpt').ok
