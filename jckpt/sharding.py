@@ -35,6 +35,9 @@ from jckpt.format import precs
 
 Box = tuple[tuple[int, int], ...]
 
+#: Payloads up to this size are assembled in one host buffer and written sequentially
+#: (fewer system calls than one write per run); larger ones are written in place.
+ASSEMBLE_BYTES = 4 << 20
 #: Runs of at least this many bytes are written with one ``pwrite`` each; a piece with
 #: shorter runs is scattered through a shared mapping of the file instead.
 DIRECT_RUN_BYTES = 64 << 10
@@ -151,23 +154,30 @@ def is_sharded(leaf: Any) -> bool:
     return isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) > 1
 
 
-def owned_shards(array: Any) -> list[tuple[Box, Any]]:
-    """``(box, single-device array)`` for each distinct shard this process must write.
+@functools.lru_cache(maxsize=1024)
+def _owner_boxes(sharding: Any, shape: tuple[int, ...], process: int) -> dict[Any, Box]:
+    """``{device: box}`` for the devices of ``process`` that write a distinct shard.
 
-    A shard is written by the process holding its replica 0, so every
-    replicated piece is written exactly once across all processes.
+    Each distinct box is owned by the first device holding it in the
+    sharding's device order, the same in every process, so each replicated
+    piece is written exactly once across all processes.
     """
+    owners: dict[Box, Any] = {}
+    for device, index in sharding.devices_indices_map(shape).items():
+        owners.setdefault(box_of(index, shape), device)
+    return {d: b for b, d in owners.items() if d.process_index == process}
+
+
+def owned_shards(array: Any) -> list[tuple[Box, Any]]:
+    """``(box, single-device array)`` for each distinct shard this process must write."""
+    import jax
     shape = tuple(array.shape)
+    plan = _owner_boxes(array.sharding, shape, jax.process_index())
     out = []
-    seen = set()
     for shard in array.addressable_shards:
-        if shard.replica_id != 0:
-            continue
-        box = box_of(shard.index, shape)
-        if box in seen:
-            continue
-        seen.add(box)
-        out.append((box, shard.data))
+        box = plan.get(shard.device)
+        if box is not None:
+            out.append((box, shard.data))
     return out
 
 
@@ -191,10 +201,12 @@ class ShardedSource:
 
     ``shape`` is the payload's array shape and ``pieces`` are ``(box, get)``
     pairs whose boxes tile it; ``get()`` returns the piece's host array (for
-    device shards, it waits for the transfer started earlier). A piece whose
-    rows are long is written with one ``pwrite`` per contiguous run; one with
-    short runs is scattered through a shared mapping of the file. The
-    checksum is computed afterwards by hashing the written region.
+    device shards, it waits for the transfer started earlier). A small payload
+    (up to :data:`ASSEMBLE_BYTES`) is assembled in one buffer and written at
+    once. In a larger one, a piece whose rows are long is written with one
+    ``pwrite`` per contiguous run, and one with short runs is scattered
+    through a shared mapping of the file; the checksum is then computed by
+    hashing the written region.
     """
 
     shape: tuple[int, ...]
@@ -204,6 +216,8 @@ class ShardedSource:
     def write(self, sink: Any) -> tuple[str, str]:
         dtype = payload_mod.stored_dtype(self.dtype)
         nbytes = math.prod(self.shape) * dtype.itemsize
+        if nbytes <= ASSEMBLE_BYTES:
+            return self._write_assembled(sink, dtype)
         base = sink.position
         fd = sink.fd
         for box, get in self.pieces:
@@ -218,6 +232,15 @@ class ShardedSource:
         os.lseek(fd, end, os.SEEK_SET)
         sink.position = end
         return hash_region(fd, base, nbytes)
+
+    def _write_assembled(self, sink: Any, dtype: np.dtype) -> tuple[str, str]:
+        buf = np.empty(self.shape, dtype)
+        for box, get in self.pieces:
+            if box_size(box):
+                buf[box_slices(box)] = get()
+        flat = stored_bytes(buf)
+        sink.write(flat)
+        return payload_mod.checksum(flat)
 
 
 def _write_box(fd: int, base: int, shape: tuple[int, ...], dtype: np.dtype, box: Box,

@@ -134,7 +134,9 @@ def test_replicas_are_read_once_and_no_gather(tmp_path, m42, monkeypatch):
     ((9,), (3,)),
     ((0, 4), (1, 2)),
 ])
-def test_sharded_source_writes_every_layout(tmp_path, shape, box_grid):
+@pytest.mark.parametrize("assemble", [0, sh.ASSEMBLE_BYTES])
+def test_sharded_source_writes_every_layout(tmp_path, shape, box_grid, assemble, monkeypatch):
+    monkeypatch.setattr(sh, "ASSEMBLE_BYTES", assemble)  # 0: always write in place
     x = data(shape)
     cuts = [np.linspace(0, d, g + 1).astype(int) for d, g in zip(shape, box_grid)]
     boxes = [tuple((int(c[i]), int(c[i + 1])) for c, i in zip(cuts, idx))
@@ -146,7 +148,7 @@ def test_sharded_source_writes_every_layout(tmp_path, shape, box_grid):
         os.write(fd, b"head")
         sink = Sink(fd, 4)
         algo, digest = src.write(sink)
-        assert sink.position == 4 + x.nbytes and os.lseek(fd, 0, os.SEEK_CUR) == sink.position
+        assert sink.position == 4 + x.nbytes and os.lseek(sink.fd, 0, os.SEEK_CUR) == sink.position
         raw = os.pread(fd, x.nbytes + 10, 4)
     finally:
         os.close(fd)
