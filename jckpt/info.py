@@ -524,12 +524,13 @@ def directory_info(path: str | os.PathLike) -> DirectoryInfo:
     from jckpt.format import precs
     from jckpt.format.header import path_name
     from jckpt.format.payload import can_map
+    from jckpt.storage.reader import CheckpointReader
 
     reader = DirectoryReader(path)
     files = []
     piece_maps: dict[tuple[int, Any], bool] = {}
-    for fi in range(len(reader.files)):
-        r = reader._reader(fi)
+    for fi, name in enumerate(reader.files):
+        r = CheckpointReader(os.path.join(reader.path, name))
         for e in r.header.tensors:
             piece_maps[(fi, e.identity, e.slice)] = can_map(e, r.data_start)
         files.append(PieceFileInfo(reader.files[fi], r.size, len(r.header.tensors),
