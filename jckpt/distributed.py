@@ -514,7 +514,7 @@ def _fail(msg: str, file: str, entry: str | None = None) -> FormatError:
 
 
 def _int(x: Any, what: str, file: str, entry: str | None = None) -> int:
-    if isinstance(x, str) and x.isdigit():
+    if isinstance(x, str) and x.isascii() and x.isdigit():  # str.isdigit alone admits '²'
         return int(x)
     raise _fail(f"{what} must be a non-negative integer, got {x!r}", file, entry)
 
@@ -566,8 +566,8 @@ def parse_index(header: Header, file: str) -> tuple[list[str], list[ArrayInfo]]:
                 if not (isinstance(c, tuple) and len(c) == 2 and c[0] in ('k', 'ki', 'i', 'a', 'f')
                         and isinstance(c[1], str)):
                     raise _fail("bad path component", file, f"#{n}")
-                path.append((c[0], int(c[1]) if c[0] in ('ki', 'i', 'f') and c[1].lstrip('-')
-                             .isdigit() else c[1]))
+                path.append((c[0], int(c[1]) if c[0] in ('ki', 'i', 'f') and c[1].isascii()
+                             and c[1].lstrip('-').isdigit() else c[1]))
             path = tuple(path)
         where = f"{namespace}/{path_name(path) if path is not None else f'n{ident}'}"
         prec = f.get('prec')

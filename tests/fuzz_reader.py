@@ -103,6 +103,7 @@ class Seed:
     values: dict                         # namespace -> tree, as loaded (numpy)
     spans: list[tuple[int, int]]         # absolute [start, end) of each payload with a checksum
     target: Any = None                   # a numpy tree for jckpt.restore, or None
+    directory: str | None = None         # for a directory checkpoint's index: its directory
 
 
 def _raw(text: str, data: bytes = b"", align: int = 1) -> bytes:
@@ -176,6 +177,18 @@ def build_corpus(directory: str) -> list[Seed]:
     made.append(("ocannl", path, None))
 
     seeds = []
+    # A directory checkpoint (two piece files): its index is a seed, mutated like any file.
+    from jckpt.distributed import save_directory
+
+    dtree = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "s": np.int32(3),
+             "n": {"k": np.arange(5, dtype=np.int64)}}
+    ddir = os.path.join(directory, "dir.jckpt")
+    save_directory(ctx, dtree, ddir)
+    with open(os.path.join(ddir, "index.jckpt"), "rb") as f:
+        index = f.read()
+    _, dvalues = jckpt.load(jckpt.Context(host=True), ddir, mmap=False)
+    seeds.append(Seed("index", index, 4 + struct.unpack(">I", index[:4])[0], dvalues, [],
+                      jax.tree_util.tree_map(np.asarray, dtree), directory=ddir))
     for name, path, tree in made:
         with open(path, "rb") as f:
             data = f.read()
@@ -198,7 +211,7 @@ INTERESTING_INTS = ["0", "1", "-1", "2", "3", "4", "7", "8", "31", "32", "33", "
                     "65535", "2147483647", "2147483648", "4294967295", "4294967296",
                     "9223372036854775807", "9223372036854775808", "-9223372036854775808",
                     "18446744073709551615", "18446744073709551616", "1" + "0" * 40,
-                    "-0", "+1", "1e3", "0x10", "01", "1_000", "\u0661"]
+                    "-0", "+1", "1e3", "0x10", "01", "1_000", "\u0661", "\u00b2", "-\u00b2"]
 INTERESTING_ATOMS = ["", "none", "nan", "inf", "-inf", "0.", "1.5", "k", "ki", "i", "a", "f",
                      "Single_prec", "Void_prec", "Uint4x32_prec", "Quad_prec", "xxh3_64",
                      "threefry2x32", "jckpt", "ocannl", "..", "/etc/passwd", "a\u00e9",
@@ -494,12 +507,55 @@ def _plain(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
+def check_directory_case(directory: str, data: bytes, seed: Seed) -> str:
+    """A directory checkpoint whose index is the case: read it every way."""
+    import jckpt
+    from jckpt.distributed import DirectoryReader
+    from jckpt.errors import CheckpointError
+
+    try:
+        reader = DirectoryReader(directory)
+    except CheckpointError as e:
+        _names_file(e, directory)
+        return "refused:" + type(e).__name__
+    try:
+        bad = reader.verify()
+    except CheckpointError as e:  # a piece file the index names is missing or damaged
+        _names_file(e, directory)
+        bad = [e]
+    del reader
+    header_same = data[:seed.header_end] == seed.data[:seed.header_end]
+    outcome = "loaded"
+    ctx = jckpt.Context(host=True)
+    for mm, verify in ((False, None), (True, True)):
+        try:
+            _, tree = jckpt.load(ctx, directory, mmap=mm, verify=verify)
+        except CheckpointError as e:
+            _names_file(e, directory)
+            outcome = "refused:" + type(e).__name__
+            continue
+        if header_same and not bad and not _same(tree, seed.values):
+            raise Disallowed("a directory with its index intact loaded other values")
+        del tree
+    try:
+        jckpt.restore(ctx, seed.target, directory, mmap=False)
+    except CheckpointError as e:
+        _names_file(e, directory)
+    try:
+        jckpt.describe(directory)
+    except CheckpointError as e:
+        _names_file(e, directory)
+    return outcome
+
+
 def check_case(path: str, data: bytes, seed: Seed | None, facts: dict) -> str:
     """Read the case every way; return its outcome or raise :class:`Disallowed`."""
     import jckpt
     from jckpt.errors import CheckpointError, ChecksumError
     from jckpt.storage.reader import CheckpointReader
 
+    if seed is not None and seed.directory is not None:
+        return check_directory_case(os.path.dirname(path), data, seed)
     outcome = "loaded"
     try:
         reader = CheckpointReader(path)
@@ -584,11 +640,24 @@ def run(seed: int, cases: int, workdir: str, *, soft_limit: float = 2.0,
     corpus_dir = tempfile.mkdtemp(prefix="corpus-", dir=workdir)
     seeds = build_corpus(corpus_dir)
     rng = random.Random(seed)
-    path = os.path.join(workdir, "case.jckpt")
+    file_case = os.path.join(workdir, "case.jckpt")
+    # A directory case: the seed's piece files, and the case as its index.
+    dir_case = os.path.join(workdir, "dircase")
+    os.mkdir(dir_case)
+    for s in seeds:
+        if s.directory is not None:
+            for name in os.listdir(s.directory):
+                if name != "index.jckpt":
+                    shutil.copyfile(os.path.join(s.directory, name), os.path.join(dir_case, name))
+    index_case = os.path.join(dir_case, "index.jckpt")
+
+    def where(origin: Seed | None) -> str:
+        return index_case if origin is not None and origin.directory is not None else file_case
+
     # Warm every code path once before capping memory, so lazy imports are not counted.
     for s in seeds:
-        _write(path, s.data)
-        check_case(path, s.data, s, {})
+        _write(where(s), s.data)
+        check_case(where(s), s.data, s, {})
     limit = _limit_memory(MAX_CASE_BYTES) if limit_memory else None
     kinds: Counter = Counter()
     outcomes: Counter = Counter()
@@ -599,6 +668,7 @@ def run(seed: int, cases: int, workdir: str, *, soft_limit: float = 2.0,
         data, kind, origin, facts = mutate(rng, seeds)
         data = data[:MAX_CASE_BYTES]
         kinds[kind.split(":")[0]] += 1
+        path = where(origin)
         _write(path, data)
         faulthandler.dump_traceback_later(hard_limit, exit=True)
         t0 = time.perf_counter()
