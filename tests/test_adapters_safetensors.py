@@ -224,3 +224,32 @@ def test_unrepresentable_dtype_refused_before_writing(tmp_path):
     with pytest.raises(InputError, match='no safetensors equivalent'):
         st.write({'jckpt': {'q': np.zeros(2, ml_dtypes.int4)}}, path)
     assert not path.exists()
+
+
+def test_sharded_write(tmp_path):
+    safetensors_numpy = pytest.importorskip('safetensors.numpy')
+    tree = {'jckpt': {'layers': [{'w': np.full((16, 16), i, np.float32)} for i in range(5)],
+                      'emb': np.arange(64, dtype=np.float16), 'step': np.int64(3)}}
+    index = tmp_path / 'out' / 'model.safetensors.index.json'
+    index.parent.mkdir()
+    jckpt.adapters.write(tree, index)  # the index name asks for the sharded layout
+    shards = sorted(p.name for p in index.parent.glob('*.safetensors'))
+    raw = json.loads(index.read_text())
+    assert len(shards) == 1 and raw['metadata']['total_size'] == 5 * 1024 + 128 + 8
+    files = st.write_sharded(tree, index, max_shard_bytes=2048)
+    assert len(files) >= 3 and files[0] == f'model-00001-of-{len(files):05d}.safetensors'
+    raw = json.loads(index.read_text())
+    assert set(raw['weight_map'].values()) == set(files)
+    assert raw['weight_map']['layers.3.w'] in files
+    theirs = {}
+    for file in files:  # every shard is a file the safetensors package reads, format "pt"
+        theirs.update(safetensors_numpy.load_file(index.parent / file))
+        with open(index.parent / file, 'rb') as f:
+            n = struct.unpack('<Q', f.read(8))[0]
+            assert json.loads(f.read(n))['__metadata__']['format'] == 'pt'
+    assert same_bits(theirs['layers.4.w'], tree['jckpt']['layers'][4]['w'])
+    back = jckpt.adapters.read(index)['jckpt']  # the structure comes back from the index
+    assert same_bits(back['layers'][2]['w'], tree['jckpt']['layers'][2]['w'])
+    assert same_bits(back['step'], np.int64(3))
+    with pytest.raises(InputError, match='strings'):
+        st.write(tree, tmp_path / 'm.safetensors', metadata={'epoch': 3})

@@ -11,9 +11,12 @@ no import ritual, and the float8 types read and write.
 Tree form: tensors are named by key path joined with ``.``; the exact
 namespaces and paths are recorded as JSON under the ``__metadata__`` key
 ``jckpt.paths``, so a jckpt tree round-trips with its structure. A file from
-elsewhere reads as ``{'jckpt': {name: array}}``. Reading also accepts Hugging
-Face's sharded layout: the ``*.safetensors.index.json`` file (or the
-directory that holds it), whose ``weight_map`` names each tensor's shard.
+elsewhere reads as ``{'jckpt': {name: array}}``. Hugging Face's sharded layout
+reads from its ``*.safetensors.index.json`` file (or the directory that holds
+it), whose ``weight_map`` names each tensor's shard, and writing to a path
+of that name writes shards and an index (:func:`write_sharded`). Written
+files carry ``"format": "pt"`` in their metadata unless told otherwise, as
+Hugging Face transformers requires.
 
 Tensors are written largest element first, then by name (as the safetensors
 package does), so every tensor starts at a multiple of its element size and
@@ -189,6 +192,7 @@ def read_sharded(index_path: str) -> tuple[dict[str, np.ndarray], dict[str, str]
     directory = os.path.dirname(os.path.abspath(index_path))
     arrays: dict[str, np.ndarray] = {}
     metadata: dict[str, str] = {}
+    index_meta = index.get('metadata')
     for shard in sorted(set(weight_map.values())):
         check_member_name(shard, index_path)
         shard_arrays, shard_meta = read_arrays(os.path.join(directory, shard))
@@ -199,6 +203,8 @@ def read_sharded(index_path: str) -> tuple[dict[str, np.ndarray], dict[str, str]
                     raise FormatError(f"the index places {name!r} in {shard}, which lacks it",
                                       file=index_path, entry=name, fix="the shards are incomplete")
                 arrays[name] = shard_arrays[name]
+    if isinstance(index_meta, dict) and isinstance(index_meta.get(PATHS_KEY), str):
+        metadata[PATHS_KEY] = index_meta[PATHS_KEY]
     return arrays, metadata
 
 
@@ -250,27 +256,26 @@ def encode_header(entries: list[tuple[str, np.dtype, tuple[int, ...], int]],
     return struct.pack('<Q', len(text)) + text
 
 
-def write(tree: Any, path: str, *, metadata: dict[str, str] | None = None) -> None:
-    """Write ``{namespace: subtree}`` as one safetensors file (C order, little-endian values).
-
-    ``metadata`` adds string pairs to the file's ``__metadata__``.
-    """
-    path = os.fspath(path)
+def _prepare(tree: Any, path: str) -> tuple[list, list[str], list[int]]:
+    """Host items, their names, and the write order (largest element first, then name)."""
     items = host_items(tree, path)
     names = flat_names(items, path)
     for (_ns, _p, array), name in zip(items, names):
         if dtype_name(array.dtype) is None:
             raise InputError(f"dtype {array.dtype} has no safetensors equivalent", file=path,
                              entry=name, fix="cast it, or write a jckpt or npz file instead")
-    meta = dict(metadata or {})
-    meta[PATHS_KEY] = paths_json(items, names)
     order = sorted(range(len(items)), key=lambda i: (-items[i][2].dtype.itemsize, names[i]))
+    return items, names, order
+
+
+def _write_file(path: str, items: list, names: list[str], order: list[int],
+                meta: dict[str, str]) -> None:
     entries = [(names[i], stored_dtype(items[i][2].dtype), items[i][2].shape, items[i][2].nbytes)
                for i in order]
     raw = encode_header(entries, meta)
     if len(raw) - 8 > MAX_HEADER_BYTES:
         raise InputError(f"header of {len(raw) - 8} bytes is over safetensors' limit", file=path,
-                         fix="split the tree into several files")
+                         fix="split the tree into several files (write a sharded index)")
     with published(path) as f:
         f.write(raw)
         for i in order:
@@ -278,8 +283,83 @@ def write(tree: Any, path: str, *, metadata: dict[str, str] | None = None) -> No
                 f.write(chunk)
 
 
+def write(tree: Any, path: str, *, metadata: dict[str, str] | None = None) -> None:
+    """Write ``{namespace: subtree}`` as one safetensors file (C order, little-endian values).
+
+    ``metadata`` adds string pairs to the file's ``__metadata__``. A ``path``
+    ending in ``.safetensors.index.json`` writes a sharded checkpoint there
+    instead (:func:`write_sharded`).
+    """
+    path = os.fspath(path)
+    if path.endswith(INDEX_SUFFIX):
+        write_sharded(tree, path, metadata=metadata)
+        return
+    items, names, order = _prepare(tree, path)
+    meta = _metadata(metadata)
+    meta[PATHS_KEY] = paths_json(items, names)
+    _write_file(path, items, names, order, meta)
+
+
+def _metadata(metadata: dict[str, str] | None) -> dict[str, str]:
+    """The ``__metadata__`` to write: the caller's, with ``format`` defaulting to ``pt``
+    (Hugging Face transformers refuses files whose metadata names no format it knows)."""
+    meta = {'format': 'pt'}
+    meta.update(metadata or {})
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise InputError("safetensors metadata must map strings to strings",
+                         fix="convert the values with str() or json.dumps()")
+    return meta
+
+
+#: Hugging Face's default shard size.
+DEFAULT_SHARD_BYTES = 5 * 10**9
+
+
+def write_sharded(tree: Any, index_path: str, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                  metadata: dict[str, str] | None = None) -> list[str]:
+    """Write Hugging Face's sharded layout: ``<prefix>-0000i-of-0000n.safetensors`` files
+    beside ``index_path`` (``<prefix>.safetensors.index.json``), then the index.
+
+    Each shard holds tensors up to ``max_shard_bytes`` (a larger tensor gets a
+    shard of its own). Every file is published atomically and the index last,
+    so a reader that finds the index finds every shard it names. Returns the
+    shard file names.
+
+    Example::
+
+        write_sharded({'jckpt': params}, 'out/model.safetensors.index.json',
+                      max_shard_bytes=2 * 10**9)
+    """
+    index_path = os.fspath(index_path)
+    base = os.path.basename(index_path)
+    if not base.endswith(INDEX_SUFFIX) or base == INDEX_SUFFIX:
+        raise InputError(f"the index must be named <prefix>{INDEX_SUFFIX}", file=index_path)
+    prefix = base[:-len(INDEX_SUFFIX)]
+    items, names, order = _prepare(tree, index_path)
+    groups: list[list[int]] = []
+    size = 0
+    for i in order:
+        nbytes = items[i][2].nbytes
+        if not groups or (size + nbytes > max_shard_bytes and groups[-1]):
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += nbytes
+    directory = os.path.dirname(os.path.abspath(index_path))
+    files = [f"{prefix}-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))]
+    meta = _metadata(metadata)
+    for group, file in zip(groups, files):
+        _write_file(os.path.join(directory, file), items, names, group, dict(meta))
+    index = {'metadata': {**meta, 'total_size': sum(a.nbytes for _, _, a in items),
+                          PATHS_KEY: paths_json(items, names)},
+             'weight_map': {names[i]: file for group, file in zip(groups, files) for i in group}}
+    with published(index_path) as f:
+        f.write(json.dumps(index, indent=2, ensure_ascii=False).encode('utf-8'))
+    return files
+
+
 def register() -> None:
     from jckpt.adapters import register_format
 
     register_format('safetensors', read=read, write=write, sniff=sniff,
-                    extensions=('.safetensors',), replace=True)
+                    extensions=('.safetensors', INDEX_SUFFIX), replace=True)
