@@ -1,4 +1,4 @@
-"""Every code example in the documentation runs, and every docstring example passes.
+"""Every code example in the documentation (and the README) runs, and every docstring example passes.
 
 Each page's ```python blocks are run in order, in one namespace, in a fresh
 temporary directory (so a page reads as one session). ```console blocks run
@@ -97,7 +97,7 @@ def run_console(body: str, where: str, cwd: Path) -> None:
 
 
 def _pages() -> list[Path]:
-    return sorted(DOCS.glob("*.md"))
+    return [*sorted(DOCS.glob("*.md")), ROOT / "README.md"]
 
 
 def test_block_extraction():
