@@ -107,11 +107,11 @@ def test_live_torch_save_round_trip(tmp_path):
     model.load_state_dict(torch.load(out, weights_only=True))
 
 
-def zip_with(pickled: bytes, extra: dict | None = None) -> bytes:
+def zip_with(pickled: bytes, extra: dict | None = None, byteorder: str = 'little') -> bytes:
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, 'w', zipfile.ZIP_STORED) as zf:
         zf.writestr('archive/data.pkl', pickled)
-        zf.writestr('archive/byteorder', 'little')
+        zf.writestr('archive/byteorder', byteorder)
         for name, data in (extra or {}).items():
             zf.writestr(name, data)
     return buf.getvalue()
@@ -237,3 +237,18 @@ def test_view_far_larger_than_its_storage_is_refused(tmp_path):
     path.write_bytes(zip_with(pickled.replace(b'J\x00\x00\x00\x40', b'J\x03\x00\x00\x00'),
                               {'archive/data/0': b'\0\0\x80\x3f'}))
     assert pt.read(path)['jckpt'].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_big_endian_archive(tmp_path):
+    pickled = (b'\x80\x02ctorch._utils\n_rebuild_tensor_v2\n((X\x07\x00\x00\x00storage'
+               b'ctorch\nFloatStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x02tQK\x00'
+               b'K\x02\x85K\x01\x85\x89ccollections\nOrderedDict\n)RtR.')
+    path = tmp_path / 'be.pt'
+    data = np.array([1.5, -2.0], '>f4').tobytes()
+    path.write_bytes(zip_with(pickled, {'archive/data/0': data}, byteorder='big'))
+    got = pt.read(path)['jckpt']
+    assert got.tolist() == [1.5, -2.0]
+    out = tmp_path / 'be.jckpt'
+    jckpt.convert(path, out)
+    _, tree = jckpt.load(jckpt.Context(host=True), out)
+    assert tree['jckpt'].dtype == np.dtype('<f4') and tree['jckpt'].tolist() == [1.5, -2.0]
