@@ -56,22 +56,15 @@ def _progress(args: argparse.Namespace) -> bool:
 
 
 def _foreign_format(path: str) -> str | None:
-    """The name of another format ``path`` is in (``'npz'``, ...), if a format adapter says so."""
-    if not os.path.isfile(path):
-        return None
-    try:
-        from jckpt.adapters import detect_format
+    from jckpt.info import foreign_format
 
-        name = detect_format(path)
-    except Exception:  # no adapters, or nobody recognises it: not a foreign checkpoint
-        return None
-    return None if name in ('jckpt', 'ocannl') else name
+    return foreign_format(path)
 
 
-def _not_jckpt(path: str, fmt: str) -> FormatError:
-    stem = os.path.splitext(os.path.basename(path))[0]
-    return FormatError(f"this file is in {fmt} format, not a jckpt checkpoint", file=path,
-                       fix=f"convert it first: jckpt convert {path} {stem}.jckpt")
+def _not_jckpt(path: str, fmt: str) -> Exception:
+    from jckpt.info import not_jckpt_error
+
+    return not_jckpt_error(path, fmt)
 
 
 # --- subcommands -------------------------------------------------------------
@@ -79,13 +72,7 @@ def _not_jckpt(path: str, fmt: str) -> FormatError:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from jckpt.info import info
 
-    try:
-        summary = info(args.path, best_metric=args.best_metric, best_mode=args.best_mode)
-    except FormatError:
-        fmt = _foreign_format(args.path)
-        if fmt is None:
-            raise
-        raise _not_jckpt(args.path, fmt) from None
+    summary = info(args.path, best_metric=args.best_metric, best_mode=args.best_mode)
     if args.json:
         _print_json(summary.to_dict())
     else:

@@ -745,6 +745,32 @@ def manager_info(path: str | os.PathLike, *, best_metric: str | None = None,
     return ManagerInfo(path, steps, best_metric, best_mode)
 
 
+def foreign_format(path: str | os.PathLike) -> str | None:
+    """The name of the other format a file is in (``'npz'``, ``'safetensors'``, ...), if a
+    format adapter recognises it; None for jckpt files and unrecognised ones."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        return None
+    try:
+        from jckpt.adapters import detect_format
+
+        name = detect_format(path)
+    except Exception:  # no adapters, or nobody recognises it
+        return None
+    return None if name in ('jckpt', 'ocannl') else name
+
+
+def not_jckpt_error(path: str | os.PathLike, fmt: str) -> Exception:
+    """The error for a file in another format, with the command that converts it."""
+    from jckpt.errors import FormatError
+
+    path = os.fspath(path)
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return FormatError(f"this file is in {fmt} format, not a jckpt checkpoint", file=path,
+                       fix=f"convert it first: jckpt convert {path} {stem}.jckpt "
+                           "(or jckpt.convert in Python)")
+
+
 def info(path: str | os.PathLike, *, best_metric: str | None = None,
          best_mode: str = 'min') -> FileInfo | DirectoryInfo | ManagerInfo:
     """A summary of the checkpoint at ``path``, read from its header alone.
@@ -762,7 +788,8 @@ def info(path: str | os.PathLike, *, best_metric: str | None = None,
     ``'min'`` or ``'max'``).
 
     Raises :class:`~jckpt.errors.FormatError` naming the file when it is
-    missing or not a valid checkpoint.
+    missing or not a valid checkpoint (and, for a file in another format
+    such as safetensors or npz, the conversion that reads it).
 
     Example::
 
@@ -787,7 +814,15 @@ def info(path: str | os.PathLike, *, best_metric: str | None = None,
                           "step_NNNNNNNN.jckpt steps)", file=path,
                           fix="pass a checkpoint file, a multi-process checkpoint directory or a "
                               "checkpoint manager's directory")
-    return file_info(path)
+    from jckpt.errors import FormatError
+
+    try:
+        return file_info(path)
+    except FormatError:
+        fmt = foreign_format(path)
+        if fmt is None:
+            raise
+        raise not_jckpt_error(path, fmt) from None
 
 
 __all__ = ['ArrayInfo', 'DirectoryInfo', 'EntryInfo', 'FileInfo', 'ManagerInfo', 'PieceFileInfo',

@@ -356,3 +356,11 @@ def test_merge_keeps_the_ids_of_path_less_entries(tmp_path):
     assert [(e.name, e.id) for e in header.tensors] == [('jckpt/x', 0), ('jckpt/y', 2),
                                                         ('jckpt/n1', 1)]
     assert verify(tmp_path / 'm.jckpt').ok
+
+
+def test_info_names_another_format(tmp_path):
+    npz = tmp_path / 'w.npz'
+    np.savez(npz, w=np.ones(3))
+    with pytest.raises(jckpt.FormatError, match='npz format') as e:
+        info(npz)
+    assert 'jckpt convert' in e.value.fix
