@@ -220,7 +220,8 @@ def convert(src: PathLike, dst: PathLike, *, format: str | None = None) -> tuple
     The source format is detected from the file's bytes (or the directory's
     layout). The destination format is ``format`` if given, else the one its
     name's extension says (``.jckpt``, ``.safetensors``, ``.npz``, ``.npy``,
-    ``.bin``, ``.pt``/``.pth``), else ``jckpt`` when the source is not a jckpt
+    ``.bin``, ``.pt``/``.pth``; ``.safetensors.index.json`` writes Hugging
+    Face's sharded layout), else ``jckpt`` when the source is not a jckpt
     file. The destination is replaced atomically; values are copied bit-exactly.
 
     Example::
