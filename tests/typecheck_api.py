@@ -51,6 +51,34 @@ def public_api_round_trip(directory: str) -> None:
         del code
 
 
+def services(directory: str) -> None:
+    tree = {"w": np.ones(3, np.float32)}
+    mirror_path = os.path.join(directory, "mirror.jckpt")
+    with jckpt.Mirror(mirror_path, slots=2, when_full="block") as mirror:
+        number: int = mirror.submit(tree, metadata={"step": "1"})
+        durable: bool = mirror.wait_durable(timeout=60.0)
+        counters: jckpt.MirrorCounters = mirror.counters
+        del number, durable, counters
+
+    trainer = jckpt.TrainerState(global_step=1, consumed_batches=1, learning_rate=1e-3)
+    with jckpt.CheckpointManager(os.path.join(directory, "steps"), keep_last=2,
+                                 best_metric="loss") as mgr:
+        will_save: bool = mgr.save(1, tree, metrics={"loss": 0.5}, trainer_state=trainer)
+        mgr.wait_durable()
+        latest: int | None = mgr.latest_step()
+        best: int | None = mgr.best_step()
+        restored: jckpt.Restored = mgr.restore(target=tree)
+        state: jckpt.TrainerState | None = restored.trainer_state
+        del will_save, latest, best, state
+
+    safetensors_path = os.path.join(directory, "w.safetensors")
+    formats: tuple[str, str] = jckpt.convert(mirror_path, safetensors_path)
+    detected: str = jckpt.detect_format(safetensors_path)
+    ok: bool = jckpt.verify(mirror_path).ok
+    table: str = repr(jckpt.info(mirror_path))
+    del formats, detected, ok, table
+
+
 def codec_round_trip() -> None:
     array = np.arange(6, dtype=np.float32).reshape(2, 3)
     entry = jformat.Entry(id=0, namespace="jckpt", prec=jformat.prec_of(array.dtype),
@@ -65,4 +93,5 @@ def codec_round_trip() -> None:
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as d:
         public_api_round_trip(d)
+        services(d)
     codec_round_trip()
