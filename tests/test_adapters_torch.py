@@ -252,3 +252,17 @@ def test_big_endian_archive(tmp_path):
     jckpt.convert(path, out)
     _, tree = jckpt.load(jckpt.Context(host=True), out)
     assert tree['jckpt'].dtype == np.dtype('<f4') and tree['jckpt'].tolist() == [1.5, -2.0]
+
+
+def test_reading_never_imports_torch():
+    root = os.path.dirname(FIXTURES.rstrip('/')).rsplit('/tests', 1)[0]
+    code = ("import sys, jckpt; from jckpt.adapters import torch as pt; "
+            "t = pt.read(sys.argv[1])['jckpt']; jckpt.convert(sys.argv[1], sys.argv[2]); "
+            "print(t['epoch'], 'torch' in sys.modules)")
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        out = subprocess.run([sys.executable, '-c', code, STATE, os.path.join(d, 'x.jckpt')],
+                             capture_output=True, text=True, timeout=120, cwd=root,
+                             env={**os.environ, 'PYTHONPATH': root})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ['7', 'False']
