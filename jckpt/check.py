@@ -153,8 +153,9 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
         reader = CheckpointReader(path)
     except StorageError:
         raise
-    except FormatError as e:
-        problem = Problem('error', f"{e.message} ({e.fix})" if e.fix else e.message, path, e.entry)
+    except FormatError as err:
+        problem = Problem('error', f"{err.message} ({err.fix})" if err.fix else err.message, path,
+                          err.entry)
         return VerifyReport(path, 0, 0, (), (problem,))
     header = reader.header
     problems: list[Problem] = []
@@ -217,9 +218,10 @@ def _verify_sharded(path: str, progress: bool) -> VerifyReport:
 
     try:
         reader = DirectoryReader(path)
-    except FormatError as e:
-        message = f"{e.message} ({e.fix})" if e.fix else e.message
-        return VerifyReport(path, 0, 0, (), (Problem('error', message, e.file or path, e.entry),))
+    except FormatError as err:
+        message = f"{err.message} ({err.fix})" if err.fix else err.message
+        return VerifyReport(path, 0, 0, (), (Problem('error', message, err.file or path,
+                                                     err.entry),))
     problems: list[Problem] = []
     reports = []
     pieces: dict[int, dict] = {}

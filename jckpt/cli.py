@@ -102,8 +102,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
     try:
         report = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, progress=_progress(args))
     except FormatError as e:
-        fmt = _foreign_format(e.file) if e.file in (args.a, args.b) else None
-        if fmt is None:
+        fmt = _foreign_format(e.file) if e.file is not None and e.file in (args.a, args.b) \
+            else None
+        if fmt is None or e.file is None:
             raise
         raise _not_jckpt(e.file, fmt) from None
     if args.json:

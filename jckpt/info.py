@@ -528,7 +528,7 @@ def directory_info(path: str | os.PathLike) -> DirectoryInfo:
 
     reader = DirectoryReader(path)
     files = []
-    piece_maps: dict[tuple[int, Any], bool] = {}
+    piece_maps: dict[tuple[int, Any, Any], bool] = {}
     for fi, name in enumerate(reader.files):
         r = CheckpointReader(os.path.join(reader.path, name))
         for e in r.header.tensors:
