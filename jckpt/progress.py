@@ -70,8 +70,8 @@ class Bar:
             self._progress = Progress(TextColumn('{task.description}'), BarColumn(),
                                       DownloadColumn(), TransferSpeedColumn(),
                                       TimeRemainingColumn(), console=console, transient=True)
-            self._progress.start()
             self._task = self._progress.add_task(description, total=self.total or None)
+            self._progress.start()  # draws at once, then refreshes in the background
 
     @property
     def drawn(self) -> bool:
