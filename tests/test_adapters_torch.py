@@ -257,11 +257,11 @@ def test_big_endian_archive(tmp_path):
 def test_reading_never_imports_torch():
     root = os.path.dirname(FIXTURES.rstrip('/')).rsplit('/tests', 1)[0]
     code = ("import sys, jckpt; from jckpt.adapters import torch as pt; "
-            "t = pt.read(sys.argv[1])['jckpt']; jckpt.convert(sys.argv[1], sys.argv[2]); "
+            "t = pt.read(sys.argv[1])['jckpt']; jckpt.convert(sys.argv[2], sys.argv[3]); "
             "print(t['epoch'], 'torch' in sys.modules)")
     import tempfile
     with tempfile.TemporaryDirectory() as d:
-        out = subprocess.run([sys.executable, '-c', code, STATE, os.path.join(d, 'x.jckpt')],
+        out = subprocess.run([sys.executable, '-c', code, STATE, MODEL, os.path.join(d, 'x.jckpt')],
                              capture_output=True, text=True, timeout=120, cwd=root,
                              env={**os.environ, 'PYTHONPATH': root})
     assert out.returncode == 0, out.stderr
