@@ -266,3 +266,10 @@ def test_reading_never_imports_torch():
                              env={**os.environ, 'PYTHONPATH': root})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ['7', 'False']
+
+
+def test_converting_a_string_leaf_names_it(tmp_path):
+    with pytest.raises(InputError, match='entry jckpt/name: leaf of type str') as info:
+        jckpt.convert(STATE, tmp_path / 'x.jckpt')
+    assert str(tmp_path / 'x.jckpt') in str(info.value)
+    assert not (tmp_path / 'x.jckpt').exists()
