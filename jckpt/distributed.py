@@ -127,8 +127,10 @@ class _Runtime:
         try:
             self.client.wait_at_barrier(f"{self.tag}/{name}", self.timeout_ms)
         except Exception as e:
+            reached = [ln.strip() for ln in str(e).splitlines() if 'reached the barrier' in ln]
             raise DistributedError(f"not every process {what} within {self.timeout_ms / 1000:g} s; "
-                                   f"nothing was published ({_first_line(e)})", file=self.path,
+                                   f"nothing was published ({'; '.join([_first_line(e), *reached])})",
+                                   file=self.path,
                                    fix="check the other processes' logs (one may have died); "
                                        "raise JCKPT_BARRIER_TIMEOUT if they are only slow") from None
 
@@ -262,11 +264,18 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
     stage = None
     try:
         if process == 0:
-            reclaim_stage_dirs(path)
-            stage, lock_fd = _make_stage(path)
+            try:
+                reclaim_stage_dirs(path)
+                stage, lock_fd = _make_stage(path)
+            except BaseException as e:  # tell the others at once rather than at their timeout
+                rt.share('stage', '!' + _first_line(e))
+                raise
             rt.share('stage', os.path.basename(stage))
         else:
             name = rt.share('stage', None)
+            if name.startswith('!'):
+                raise DistributedError(f"process 0 could not start the save: {name[1:]}", file=path,
+                                       fix="see process 0's error")
             if STAGE_DIR_TAG not in name or os.sep in name:
                 raise DistributedError(f"unexpected staging name {name!r}", file=path)
             stage = os.path.join(os.path.dirname(path), name)
