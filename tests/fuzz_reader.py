@@ -659,6 +659,7 @@ def run(seed: int, cases: int, workdir: str, *, soft_limit: float = 2.0,
         _write(where(s), s.data)
         check_case(where(s), s.data, s, {})
     limit = _limit_memory(MAX_CASE_BYTES) if limit_memory else None
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     kinds: Counter = Counter()
     outcomes: Counter = Counter()
     failures = []
@@ -694,6 +695,8 @@ def run(seed: int, cases: int, workdir: str, *, soft_limit: float = 2.0,
         outcomes[f"{kind.split(':')[0]} -> {outcome}"] += 1
     return {"seed": seed, "cases": cases, "seconds": round(time.perf_counter() - started, 2),
             "slowest_case_s": round(slowest, 4), "address_space_limit": limit,
+            "peak_rss_growth_mib": round((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                                          - rss_before) / 1024, 1),
             "kinds": dict(sorted(kinds.items())), "outcomes": dict(sorted(outcomes.items())),
             "loaded": sum(v for k, v in outcomes.items() if k.endswith("-> loaded")),
             "refused": sum(v for k, v in outcomes.items() if "-> refused" in k),

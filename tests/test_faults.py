@@ -59,7 +59,7 @@ class Faults:
 
 def _tree(k: int) -> dict:
     rng = np.random.default_rng(k)
-    return {"a": rng.standard_normal(20_000).astype(np.float32), "b": np.arange(5000) * k,
+    return {"a": rng.standard_normal(20_000).astype(np.float32), "b": np.arange(20_000) * k,
             "c": {"d": rng.integers(0, 9, (64, 64)).astype(np.int8)}, "step": np.int32(k)}
 
 
@@ -105,7 +105,7 @@ def test_every_injected_fault_leaves_previous_file(tmp_path, monkeypatch, kind):
     with monkeypatch.context() as m:  # a clean save: how many calls of each kind it makes
         counting = Faults(m)
         _save(kind, target)
-    assert counting.calls["write"] >= 3 and counting.calls["fsync"] >= 2
+    assert counting.calls["write"] >= 2 and counting.calls["fsync"] >= 2
     if kind == "appending":
         assert counting.calls["copy_file_range"] >= 1
     stats = Counter()

@@ -42,13 +42,16 @@ def test_fuzz_reader(tmp_path, seed):
     assert run["failures"] == [], json.dumps(run["failures"][:5], indent=1)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert run["cases"] == CASES_PER_SEED
+    # No case grew the process by 64 MiB (the case files are a few KiB; numbers in them are huge).
+    assert run["peak_rss_growth_mib"] < 64, run["peak_rss_growth_mib"]
     # The corpus and mutations are not degenerate: every outcome and every mutation occurs.
     assert run["loaded"] > 0 and run["refused"] > 0 and run["checksum"] > 0
     assert set(run["kinds"]) >= {"bitflip", "payload_flip", "header_flip", "truncate", "hlen",
                                  "header_bytes", "structural", "random", "random_sexp"}
     record("fuzz", seed=seed, cases=run["cases"], loaded=run["loaded"], refused=run["refused"],
            checksum=run["checksum"], failures=len(run["failures"]),
-           slowest_case_s=run["slowest_case_s"], seconds=run["seconds"])
+           slowest_case_s=run["slowest_case_s"], seconds=run["seconds"],
+           peak_rss_growth_mib=run["peak_rss_growth_mib"])
 
 
 # --- checksums: a flipped payload bit is reported three ways ----------------------
