@@ -76,7 +76,7 @@ def _warn_x64(where: str) -> None:
 
 def default_placement(device: Any):
     """The sharding or device loaded arrays go to when nothing else says."""
-    return device if device is not None else jax.devices()[0]
+    return device if device is not None else jax.local_devices()[0]  # addressable in every process
 
 
 def put(array: np.ndarray, placement: Any) -> jax.Array:
