@@ -144,3 +144,38 @@ def test_damaged_file_in_each_format_is_refused(tmp_path, name, fmt, damage):
     with pytest.raises(FormatError):
         jckpt.convert(path, tmp_path / 'out.safetensors')
     assert not (tmp_path / 'out.safetensors').exists()
+
+
+@pytest.mark.parametrize('fmt', ['safetensors', 'npz', 'npy', 'torch', 'llmc'])
+def test_random_damage_gives_only_checkpoint_errors(tmp_path, fmt):
+    """Seeded byte flips and truncations anywhere: a read succeeds or raises CheckpointError."""
+    import random
+    import warnings
+    path = tmp_path / 'a'
+    if fmt == 'llmc':
+        from jckpt.adapters import llmc
+        config = llmc.Config(4, 5, 1, 1, 2, 8)
+        path.write_bytes(llmc.encode_header(config, np.float32) +
+                         np.zeros(llmc.num_parameters(config), np.float32).tobytes())
+    else:
+        tree = {'w': np.arange(24, dtype=np.float32).reshape(4, 6), 'b': [np.arange(5, dtype=np.int16)]}
+        adapters.write({'jckpt': tree if fmt != 'npy' else tree['w']}, path, format=fmt)
+    raw = path.read_bytes()
+    rng = random.Random(fmt)
+    damaged = tmp_path / 'd'
+    for _ in range(150):
+        data = bytearray(raw)
+        if rng.random() < 0.3:
+            data = data[:rng.randrange(len(data))]
+        else:
+            for _ in range(rng.randint(1, 4)):
+                near = rng.randrange(min(len(data), 512))
+                data[rng.choice([near, len(data) - 1 - near, rng.randrange(len(data))])] = \
+                    rng.randrange(256)
+        damaged.write_bytes(bytes(data))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter('ignore')
+                adapters.read(damaged, format=fmt)
+        except jckpt.CheckpointError:
+            pass

@@ -25,7 +25,8 @@ def open_zip(path: str) -> zipfile.ZipFile:
     or if a member name could escape a directory."""
     try:
         zf = zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError,
+            struct.error) as e:
         raise FormatError(f"not a readable zip archive ({e})", file=path,
                           fix="the file is truncated or damaged") from None
     for info in zf.infolist():
