@@ -28,15 +28,19 @@ _HEADER_START = b'((version'
 
 
 def sniff(path: str, head: bytes | None) -> bool:
-    """A 4-byte big-endian header length followed by ``((version``."""
-    if head is None or len(head) < 4 + len(_HEADER_START):
+    """A 4-byte big-endian header length followed by ``((version``; or a directory
+    checkpoint (multi-process), which holds ``index.jckpt``."""
+    if head is None:
+        return os.path.isfile(os.path.join(path, 'index.jckpt'))
+    if len(head) < 4 + len(_HEADER_START):
         return False
     (hlen,) = struct.unpack('>I', head[:4])
     return hlen >= len(_HEADER_START) and head[4:].lstrip()[:len(_HEADER_START)] == _HEADER_START
 
 
 def read(path: str) -> dict[str, Any]:
-    """Every entry of the file as ``{namespace: subtree}`` of host numpy arrays."""
+    """Every entry of the file (or directory checkpoint) as ``{namespace: subtree}`` of host
+    numpy arrays."""
     import jckpt
 
     _, tree = jckpt.load(jckpt.Context(host=True), path)
