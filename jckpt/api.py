@@ -192,17 +192,19 @@ def load(ctx: Context, path: PathLike, *, prefix_namespace: str | None = None,
     _check_clash(ctx, header.tensors, path)
     mmap = ctx.mmap if mmap is None else mmap
     verify = (not mmap) if verify is None else verify
-    groups: dict[str, list[tuple[KeyPath, Any]]] = {}
+    groups: dict[str, list[tuple[KeyPath, int]]] = {}
+    requests: list[tuple[Any, Any, str, str | None]] = []
     with progress_mod.bar(f"loading {os.path.basename(path)}",
                           sum(e.byte_length for e in header.tensors), enabled=progress) as bar:
         for stored, e in zip(reader.header.tensors, header.tensors):
             array = reader.decode(stored, mmap=mmap, verify=verify)
-            value = placement.place(array, None, host=ctx.host, device=ctx.device, where=e.name,
-                                    key_impl=e.key_impl, file=path)
+            requests.append((array, None, e.name, e.key_impl))
             key = e.path if e.path is not None else (('k', f"n{e.id}"),)
-            groups.setdefault(e.namespace, []).append((key, value))
+            groups.setdefault(e.namespace, []).append((key, len(requests) - 1))
             bar.advance(stored.byte_length)
-    out = {ns: tree_mod.unflatten(items, file=path) for ns, items in groups.items()}
+    values = placement.place_all(requests, host=ctx.host, device=ctx.device, file=path)
+    out = {ns: tree_mod.unflatten([(k, values[i]) for k, i in items], file=path)
+           for ns, items in groups.items()}
     return ctx.replace(registry=ctx.registry.add(header.tensors)), out
 
 
@@ -279,8 +281,8 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
                                     f"{np.dtype(want_dtype)}", file=path, entry=where,
                                     fix="pass cast=True to convert, or fix the target's dtype")
             array = sharding.as_lazy(array).astype(want_dtype)  # cast per shard, as read
-        leaves.append(placement.place(array, leaf, host=ctx.host, device=ctx.device,
-                                      where=where, key_impl=entry.key_impl, file=path))
+        leaves.append((array, leaf, where, entry.key_impl))
+    leaves = placement.place_all(leaves, host=ctx.host, device=ctx.device, file=path)
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 

@@ -8,6 +8,7 @@ each device's shard from its own slice so a device reads only what it holds.
 
 from __future__ import annotations
 
+import mmap as mmap_mod
 import warnings
 from typing import Any
 
@@ -114,3 +115,94 @@ def place(array: np.ndarray, target: Any, *, host: bool, device: Any, where: str
         _warn_x64(where)
         return np.asarray(array)
     return put(array, placement if placement is not None else default_placement(device))
+
+
+#: XLA's CPU client uses host memory in place (no copy) only at this alignment.
+CPU_ALIAS_ALIGNMENT = 64
+#: Bytes copied between releases of the mapping's pages in :func:`aligned_copy`.
+_COPY_CHUNK = 32 << 20
+
+
+def plain_target(array: Any, target: Any, *, host: bool, device: Any,
+                 key_impl: str | None = None) -> Any:
+    """The one device (or one-device sharding) a plain ``device_put`` puts ``array`` on.
+
+    ``None`` when :func:`place` has more to do: keys, scalars, host results,
+    64-bit values without x64, multi-device shardings, lazily read pieces.
+    """
+    if key_impl is not None or not isinstance(array, np.ndarray) or (
+            isinstance(target, (*_PY_SCALARS, np.ndarray, np.generic))):
+        return None
+    if host and not isinstance(target, (jax.Array, jax.ShapeDtypeStruct)):
+        return None
+    if not _x64_ok(array.dtype):
+        return None
+    dest = getattr(target, 'sharding', None) if target is not None else None
+    dest = dest if dest is not None else default_placement(device)
+    if isinstance(dest, jax.sharding.Sharding) and len(dest.device_set) != 1:
+        return None
+    return dest
+
+
+def _is_cpu(dest: Any) -> bool:
+    devices = dest.device_set if isinstance(dest, jax.sharding.Sharding) else {dest}
+    return all(getattr(d, 'platform', None) == 'cpu' for d in devices)
+
+
+def aligned_copy(array: np.ndarray, alignment: int = CPU_ALIAS_ALIGNMENT) -> np.ndarray:
+    """A copy of ``array`` at an ``alignment``-byte address, so the CPU client can alias it.
+
+    When ``array`` views a memory mapping, the mapping's pages are released
+    behind the copy, chunk by chunk (they are clean file pages; a later read
+    maps them again), so the process never holds the payload twice.
+    """
+    buf = np.empty(array.nbytes + alignment, np.uint8)
+    skip = -buf.ctypes.data % alignment
+    out = buf[skip:skip + array.nbytes].view(array.dtype).reshape(array.shape)
+    src, dst = array.reshape(-1), out.reshape(-1)
+    base = array
+    while base is not None and not isinstance(base, mmap_mod.mmap):
+        base = base.obj if isinstance(base, memoryview) else getattr(base, 'base', None)
+    start = array.ctypes.data - np.frombuffer(base, np.uint8).ctypes.data if base is not None else 0
+    step = max(1, _COPY_CHUNK // max(1, array.itemsize))
+    page = mmap_mod.PAGESIZE
+    for i in range(0, src.size, step):
+        dst[i:i + step] = src[i:i + step]
+        if base is not None:
+            lo = start + i * array.itemsize
+            hi = start + min(src.size, i + step) * array.itemsize
+            lo_page = -(-lo // page) * page  # only pages wholly inside this payload
+            hi_page = hi // page * page
+            if hi_page > lo_page:
+                base.madvise(mmap_mod.MADV_DONTNEED, lo_page, hi_page - lo_page)
+    return out
+
+
+def place_all(requests: list[tuple[Any, Any, str, str | None]], *, host: bool, device: Any,
+              file: str | None = None) -> list[Any]:
+    """:func:`place` for many ``(array, target, where, key_impl)`` at once.
+
+    Arrays bound for one device go in a single batched ``device_put`` (one
+    dispatch instead of one per array: 100,000 small arrays in a fraction of a
+    second). On the CPU a payload the client could not alias in place (not
+    64-byte aligned) is first copied to an aligned buffer, so it is copied once.
+    """
+    out: list[Any] = [None] * len(requests)
+    batch: list[int] = []
+    arrays: list[np.ndarray] = []
+    dests: list[Any] = []
+    for i, (array, target, where, key_impl) in enumerate(requests):
+        dest = plain_target(array, target, host=host, device=device, key_impl=key_impl)
+        if dest is None:
+            out[i] = place(array, target, host=host, device=device, where=where,
+                           key_impl=key_impl, file=file)
+            continue
+        if array.ctypes.data % CPU_ALIAS_ALIGNMENT and array.nbytes >= (1 << 16) and _is_cpu(dest):
+            array = aligned_copy(array)
+        batch.append(i)
+        arrays.append(array)
+        dests.append(dest)
+    if arrays:
+        for i, value in zip(batch, jax.device_put(arrays, dests)):
+            out[i] = value
+    return out
