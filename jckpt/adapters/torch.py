@@ -221,7 +221,7 @@ class _Refused(Exception):
 
 
 def _root(zf: zipfile.ZipFile, path: str) -> str:
-    pkls = [n for n in zf.namelist() if n.endswith('data.pkl') and n.count('/') <= 1]
+    pkls = [n for n in zf.namelist() if n.split('/')[-1] == 'data.pkl' and n.count('/') <= 1]
     if len(pkls) != 1:
         raise FormatError("archive holds no single <root>/data.pkl", file=path,
                           fix="pass a file written by torch.save")
