@@ -98,6 +98,7 @@ def _points(calls: Counter, per_op: int = 6) -> list[tuple[str, int]]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["single", "appending"])
 def test_every_injected_fault_leaves_previous_file(tmp_path, monkeypatch, kind):
     target = tmp_path / "t.jckpt"
