@@ -4,6 +4,13 @@
     python -m bench.bench_mirror --quick    # small sizes, 2 repetitions (seconds)
     python -m bench.bench_mirror --width 2048 --depth 4 --batch 16 --steps 20
 
+On a CPU-only machine the training step itself uses every core, so the
+background writer competes with it for CPU, which an accelerator run does not
+do. To model a run whose compute is elsewhere, leave a core to the writer:
+
+    XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" \
+        python -m bench.bench_mirror
+
 The loop trains an MLP with Adam (``optax``), its state donated to each step
 (so a checkpoint must copy it), and reads the loss every step. Variants, run
 interleaved in a rotating order so a slow spell of the machine lands on all:
@@ -248,7 +255,7 @@ def main(argv=None) -> None:
     if args.batch is not None:
         sizes = [(w, args.batch) for w, _ in sizes]
     print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} CPUs), "
-          f"python {sys.version.split()[0]}")
+          f"python {sys.version.split()[0]}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     root = args.dir or tempfile.mkdtemp(prefix='jckpt-bench-')
     os.makedirs(root, exist_ok=True)
     try:

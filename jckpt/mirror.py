@@ -317,14 +317,14 @@ class Pipeline:
                     if self._free:
                         slot = self._free.popleft()
                         break
+                    failed = self._given_up()
+                    if failed is not None:
+                        raise failed
                     if self.when_full == 'raise':
                         raise CapacityError(f"all {len(self._queue)} snapshot slots are still "
                                             "being written", file=self.name,
                                             fix="submit less often, add slots, or use "
                                                 "when_full='block'")
-                    failed = self._given_up()
-                    if failed is not None:
-                        raise failed
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         raise CapacityError("timed out waiting for a free snapshot slot",

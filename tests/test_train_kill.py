@@ -77,9 +77,11 @@ def child(directory: str, steps: int) -> None:
 class Child:
     def __init__(self, directory, steps):
         env = dict(os.environ, **CHILD_ENV)
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "child", str(directory),
-                                      str(steps)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=env)
+        self.err_path = f"{directory}.stderr"
+        with open(self.err_path, "w") as err:  # a file, not a pipe: never blocks the child
+            self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "child",
+                                          str(directory), str(steps)], stdout=subprocess.PIPE,
+                                         stderr=err, text=True, env=env)
         self.lines = []
         self.ready = threading.Event()
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -109,7 +111,8 @@ class Child:
 
     @property
     def stderr(self):
-        return self.proc.stderr.read()
+        with open(self.err_path) as f:
+            return f.read()
 
     def resumed(self):
         found = [int(m.group(1)) for line in self.lines if (m := re.fullmatch(r"resumed (\d+)", line))]
@@ -161,7 +164,9 @@ def test_sigkill_at_random_points_resumes_bit_for_bit(tmp_path):
         if trial % 5 == 4:       # now and then, kill while the child starts or restores
             time.sleep(rng.uniform(0.0, 1.5))
         else:
-            assert c.ready.wait(120), c.stderr
+            if not c.ready.wait(120):
+                c.kill()
+                pytest.fail(f"the child never got ready: {c.stderr}")
             time.sleep(rng.uniform(0.0, 0.4))
         c.kill()
         kills += 1
