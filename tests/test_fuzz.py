@@ -277,3 +277,25 @@ def test_reader_can_refuse_symlinks(tmp_path):
     assert CheckpointReader(link).header.tensors  # a user's own path may be a link
     with pytest.raises(FormatError, match="symbolic link"):
         CheckpointReader(link, follow_symlinks=False)
+
+
+def test_damaged_deflate_stream_in_an_archive_is_a_format_error(tmp_path):
+    """Found by fuzzing the adapters: zlib's own error escaped from a compressed member."""
+    import io
+    import zipfile
+
+    from jckpt.adapters import read
+
+    buf = io.BytesIO()
+    np.save(buf, np.arange(100.0))
+    path = tmp_path / "z.npz"
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("w.npy", buf.getvalue())
+    with zipfile.ZipFile(path) as zf:
+        info = zf.infolist()[0]
+    data = bytearray(path.read_bytes())
+    start = info.header_offset + 30 + len(info.filename) + len(info.extra)
+    data[start:start + 8] = b"\xff" * 8  # an invalid deflate block type
+    path.write_bytes(data)
+    with pytest.raises(FormatError, match="cannot be read"):
+        read(str(path))

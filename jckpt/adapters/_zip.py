@@ -10,12 +10,22 @@ from __future__ import annotations
 
 import struct
 import zipfile
+import zlib
 from collections.abc import Iterable
 
 from jckpt.adapters._common import check_member_name
 from jckpt.errors import FormatError
 
 ALIGNMENT = 64
+#: What reading a damaged member raises: zipfile's own errors and its decompressors'.
+_READ_ERRORS: tuple[type[BaseException], ...] = (
+    zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, zlib.error)
+try:
+    import lzma
+
+    _READ_ERRORS += (lzma.LZMAError,)
+except ImportError:  # pragma: no cover - Python built without lzma
+    pass
 _LOCAL_HEADER = struct.Struct('<4sHHHHHIIIHH')
 _PAD_ID = 0x4246  # 'FB': the padding record torch.save uses
 
@@ -58,7 +68,7 @@ def member_bytes(zf: zipfile.ZipFile, buffer, info: zipfile.ZipInfo, file: str):
         return memoryview(buffer)[start:start + length]
     try:
         return zf.read(info)
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError) as e:
+    except _READ_ERRORS as e:
         raise FormatError(f"archive member {info.filename!r} cannot be read ({e})", file=file,
                           fix="the file is truncated or damaged") from None
 
