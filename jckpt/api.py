@@ -64,7 +64,9 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
     Args:
       ctx: the context (namespace, alignment, durability).
       tree: a pytree of arrays (``jax.Array``, numpy, Python numbers, typed PRNG keys).
-      path: the checkpoint file.
+      path: the checkpoint file; a directory checkpoint when several processes
+        save together (``jax.process_count() > 1``: call ``save`` from every one)
+        or when ``path`` already holds one.
       appending: keep every entry of an existing file at ``path`` that ``tree``
         does not replace (matched by namespace and path), with its id.
       alignment: payload alignment for this file (default ``ctx.alignment``).
@@ -82,9 +84,10 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
     path = os.fspath(path)
     namespace = ctx.namespace
     items = tree_mod.flatten(tree)
-    if jax.process_count() > 1:  # every process saves its pieces into one directory
+    # several processes save their pieces into one directory; a directory checkpoint stays one
+    if jax.process_count() > 1 or os.path.isfile(os.path.join(path, 'index.jckpt')):
         if appending:
-            raise InputError("appending is not supported for multi-process checkpoints",
+            raise InputError("appending is not supported for directory checkpoints",
                              file=path, fix="save the whole tree")
         from jckpt import distributed
         distributed.save_directory(ctx, tree, path, alignment=alignment, metadata=metadata)
@@ -171,7 +174,7 @@ def load(ctx: Context, path: PathLike, *, prefix_namespace: str | None = None,
 
     Args:
       ctx: the context; the returned one also registers what was loaded.
-      path: the checkpoint file.
+      path: the checkpoint file, or a directory checkpoint.
       prefix_namespace: rename every namespace ``ns`` to ``prefix + "__" + ns``.
       mmap: map payloads (default ``ctx.mmap``).
       verify: check payload checksums (default: when copying, not when mapping).
@@ -221,7 +224,7 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
     Args:
       ctx: the context (namespace, placement).
       target: any pytree of arrays, ``ShapeDtypeStruct``s or numbers.
-      path: the checkpoint file.
+      path: the checkpoint file, or a directory checkpoint.
       mmap: map payloads (default ``ctx.mmap``).
       cast: convert to the target's dtype instead of refusing a dtype mismatch.
       namespace: read this namespace instead of ``ctx.namespace``.

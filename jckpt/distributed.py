@@ -190,12 +190,14 @@ def _plan(items: Sequence[tuple[KeyPath, Any]], namespace: str, first_id: int,
         if placement.is_prng_key(leaf):
             key_impl = str(jax.random.key_impl(leaf))
             leaf = jax.random.key_data(leaf)
-        if isinstance(leaf, jax.Array) and (not leaf.is_fully_addressable or sh.is_sharded(leaf)):
+        spread = isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
+        if spread or sh.is_sharded(leaf):
             dtype = np.dtype(leaf.dtype)
             if not precs.is_supported(dtype):
                 raise InputError(f"dtype {dtype} cannot be stored", entry=where,
                                  fix="cast to a supported dtype (see the format's prec table)")
-            shards = sh.owned_shards(leaf)
+            # an array on this process's devices only is saved from process 0's copy
+            shards = sh.owned_shards(leaf) if spread or process == 0 else []
             sh.start_transfers(shards)
             staged.append((first_id + n, p, where, leaf, key_impl, shards))
         else:  # a host value or a process-local array: process 0's copy is the one saved

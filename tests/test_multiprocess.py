@@ -29,7 +29,7 @@ def free_port() -> int:
 
 def expected(name, version):
     """The global value of each saved array (the same in every process)."""
-    shapes = {"w": (8, 8), "b": (8,), "rep": (4, 4)}
+    shapes = {"w": (8, 8), "b": (8,), "rep": (4, 4), "c": (8, 2), "loc": (4, 2)}
     if name == "step":
         return np.int32(100 + version)
     return (np.arange(int(np.prod(shapes[name])), dtype=np.float32).reshape(shapes[name])
@@ -87,26 +87,36 @@ def test_save_on_2x2_restore_on_4_processes_and_one(tmp_path):
     found = check(run_pair("save", d))
     assert all(r["ok"] for r in found.values())
     names = sorted(os.listdir(d))
-    assert names == ["index.jckpt", "process_00000.jckpt", "process_00001.jckpt"], names
+    # c's shards are not one block in either process: each writes a second piece file
+    assert names == ["index.jckpt", "process_00000.1.jckpt", "process_00000.jckpt",
+                     "process_00001.1.jckpt", "process_00001.jckpt"], names
     assert not [n for n in os.listdir(tmp_path) if n != "ckpt"]
     # each process wrote only its own rows of w, and the replicated arrays once in total
     pieces = {n: jckpt.describe(d / n).tensors for n in names[1:]}
     w = {n: [e.slice for e in t if e.path == (("k", "w"),)] for n, t in pieces.items()}
-    assert w == {"process_00000.jckpt": [((0, 4), (0, 8))], "process_00001.jckpt": [((4, 8), (0, 8))]}
+    assert w == {"process_00000.jckpt": [((0, 4), (0, 8))], "process_00001.jckpt": [((4, 8), (0, 8))],
+                 "process_00000.1.jckpt": [], "process_00001.1.jckpt": []}
+    c = {n: [e.slice for e in t if e.path == (("k", "c"),)] for n, t in pieces.items()}
+    assert c == {"process_00000.jckpt": [((0, 2), (0, 2))], "process_00000.1.jckpt": [((4, 6), (0, 2))],
+                 "process_00001.jckpt": [((2, 4), (0, 2))], "process_00001.1.jckpt": [((6, 8), (0, 2))]}
     assert sum(e.path == (("k", "rep"),) for t in pieces.values() for e in t) == 1
+    assert [n for n, t in pieces.items() for e in t if e.path == (("k", "loc"),)] == [
+        "process_00000.jckpt"]
 
     # a new pair restores onto a (4,) mesh, each reading only the overlapping piece file
     found = check(run_pair("restore", d))
+    files = jckpt.distributed.DirectoryReader(d).files
     for r in found.values():
         assert r["ok"] and r["bytes_ok"], r
-        assert r["files_opened"] == [r["process"]], r
+        assert [files[i] for i in r["files_opened"]] == [f"process_0000{r['process']}.jckpt"], r
 
     # one process with 4 devices, and consolidation into one file
     m = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
     target = {"w": jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(m, P(None, "x"))),
               "b": jax.ShapeDtypeStruct((8,), np.float32, sharding=NamedSharding(m, P("x"))),
               "rep": jax.ShapeDtypeStruct((4, 4), np.float32, sharding=NamedSharding(m, P())),
-              "step": 0}
+              "c": jax.ShapeDtypeStruct((8, 2), np.float32, sharding=NamedSharding(m, P("x"))),
+              "loc": np.zeros((4, 2), np.float32), "step": 0}
     with sh.record_reads() as log:
         back = jckpt.restore(jckpt.Context(), target, d)
     assert all(n == 8 * 2 * 4 for b, n in log if len(b) == 2 and b[0] == (0, 8)), log
@@ -168,9 +178,15 @@ def worker(phase, process, port, path):
     if phase in ("save", "die"):
         m = jax.make_mesh((2, 2), ("a", "b"))
         version = 1 if phase == "save" else 2
+        mine, peer = ([dv for dv in jax.devices() if dv.process_index == p] for p in (0, 1))
+        m_mixed = jax.sharding.Mesh(np.array([mine[0], peer[0], mine[1], peer[1]]), ("x",))
         tree = {"w": make("w", NamedSharding(m, P("a", "b")), version),
+                "c": make("c", NamedSharding(m_mixed, P("x")), version),
                 "b": make("b", NamedSharding(m, P("b")), version),
                 "rep": make("rep", NamedSharding(m, P()), version),
+                # on this process's two devices only: process 0's copy is the one saved
+                "loc": jax.device_put(expected("loc", version), NamedSharding(
+                    jax.sharding.Mesh(np.array(jax.local_devices()), ("l",)), P("l"))),
                 "step": expected("step", version)}
         if phase == "die" and process == 1:
             def die(*args, **kwargs):
@@ -191,7 +207,7 @@ def worker(phase, process, port, path):
     if phase == "restore":
         m = jax.make_mesh((4,), ("x",))
         shardings = {"w": NamedSharding(m, P("x")), "b": NamedSharding(m, P("x")),
-                     "rep": NamedSharding(m, P(None, "x"))}
+                     "rep": NamedSharding(m, P(None, "x")), "c": NamedSharding(m, P("x"))}
         target = {k: jax.ShapeDtypeStruct(expected(k, 1).shape, np.float32, sharding=s)
                   for k, s in shardings.items()}
         target["step"] = 0
@@ -214,6 +230,9 @@ def worker(phase, process, port, path):
         for shard in back["w"].addressable_shards:
             lazy[shard.index]
         result["files_opened"] = sorted(reader._readers)
+        _, loaded = jckpt.load(jckpt.Context(), path)  # every process can read everything too
+        for k in shardings:
+            ok &= bool(np.array_equal(np.asarray(loaded["jckpt"][k]), expected(k, 1)))
         result["ok"] = bool(ok)
         print("RESULT " + json.dumps(result), flush=True)
 

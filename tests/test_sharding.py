@@ -219,10 +219,11 @@ def test_directory_form_in_one_process(tmp_path, m42, m24):
                                           jax.random.key_data(v))
         else:
             np.testing.assert_array_equal(np.asarray(loaded["jckpt"][k]), np.asarray(v))
-    # a second save swaps the directory atomically; consolidating gives one checked file
-    distributed.save_directory(jckpt.Context(), {"w": tree["w"]}, d)
+    # a second save (jckpt.save keeps the directory form) swaps the directory atomically
+    jckpt.save(jckpt.Context(), {"w": tree["w"]}, d)
+    assert os.path.isdir(d)
     assert [e.name for e in jckpt.describe(d).tensors] == ["jckpt/w"]
-    one = tmp_path / "one.jckpt"
+    one = tmp_path / "one.jckpt"  # consolidating gives one checked file
     distributed.consolidate(d, one)
     reader = CheckpointReader(one)
     assert reader.verify() == [] and reader.header.tensors[0].slice is None
