@@ -12,7 +12,10 @@ duplicated, swapped, re-nested and replaced nodes, huge dims, overlapping
 offsets, deep nesting) or from random bytes. It is written to a fresh file
 and read through ``jckpt.describe``, ``jckpt.load`` (mapped and decoded),
 ``jckpt.restore`` into the original's structure, and ``CheckpointReader``'s
-``verify`` and per-entry decoding.
+``verify`` and per-entry decoding. The corpus also holds the index of a
+directory checkpoint (each mutated index is read as the directory's) and,
+for about 15% of the cases, safetensors, npz, PyTorch and OCANNL files whose
+bytes are mutated and read through ``jckpt.adapters``.
 
 Oracles, beyond "only a CheckpointError":
 
@@ -104,6 +107,7 @@ class Seed:
     spans: list[tuple[int, int]]         # absolute [start, end) of each payload with a checksum
     target: Any = None                   # a numpy tree for jckpt.restore, or None
     directory: str | None = None         # for a directory checkpoint's index: its directory
+    format: str | None = None            # another format, read through jckpt.adapters
 
 
 def _raw(text: str, data: bytes = b"", align: int = 1) -> bytes:
@@ -189,6 +193,22 @@ def build_corpus(directory: str) -> list[Seed]:
     _, dvalues = jckpt.load(jckpt.Context(host=True), ddir, mmap=False)
     seeds.append(Seed("index", index, 4 + struct.unpack(">I", index[:4])[0], dvalues, [],
                       jax.tree_util.tree_map(np.asarray, dtree), directory=ddir))
+    # Files of other formats, read through the adapters (byte mutations only).
+    from jckpt.adapters import read as read_format
+    from jckpt.adapters import write as write_format
+
+    atree = {"jckpt": {"w": np.arange(12, dtype=np.float32).reshape(3, 4),
+                       "b": np.arange(5, dtype=np.int64), "h": np.ones(3, np.float16)}}
+    for fmt, ext in (("safetensors", ".safetensors"), ("npz", ".npz"), ("torch", ".pth"),
+                     ("ocannl", ".ckpt")):
+        path = os.path.join(directory, "adapter" + ext)
+        try:
+            write_format(atree, path, format=fmt)
+            read_format(path, format=fmt)
+        except Exception:  # a format whose optional package is missing
+            continue
+        with open(path, "rb") as f:
+            seeds.append(Seed(fmt, f.read(), 0, None, [], format=fmt))
     for name, path, tree in made:
         with open(path, "rb") as f:
             data = f.read()
@@ -395,8 +415,20 @@ def mutate(rng: random.Random, seeds: list[Seed]) -> tuple[bytes, str, Seed | No
     """One fuzz case: ``(file bytes, mutation name, the seed it came from, facts for oracles)``."""
     from jckpt.format.sexp import SexpError, dumps, parse
 
-    seed = rng.choice(seeds)
+    others = [s for s in seeds if s.format is not None]
+    if others and rng.random() < 0.15:
+        seed = rng.choice(others)
+    else:
+        seed = rng.choice([s for s in seeds if s.format is None])
     data = bytearray(seed.data)
+    if seed.format is not None:  # another format: its bytes, mutated
+        kind = rng.choice(["bitflip", "bitflip", "truncate", "extend", "format_bytes"])
+        if kind == "format_bytes" and data:
+            pos = rng.randrange(min(len(data), 512))  # where the headers and directories are
+            data[pos] = rng.choice(b'\x00\xff\x7f09-"[{}:,')
+        else:
+            data, kind, _, _ = _bytes_mutation(rng, data, seed, kind)
+        return bytes(data), "format", seed, {}
     kind = rng.choice(["bitflip", "bitflip", "payload_flip", "header_flip", "truncate",
                        "hlen", "header_bytes", "structural", "structural", "structural",
                        "structural", "extend", "splice", "random", "random_sexp", "multi"])
@@ -435,7 +467,7 @@ def mutate(rng: random.Random, seeds: list[Seed]) -> tuple[bytes, str, Seed | No
         return struct.pack(">I", len(body)) + body + rng.randbytes(rng.randrange(0, 64)), kind, \
             None, facts
     if kind == "splice":
-        other = rng.choice(seeds).data
+        other = rng.choice([s for s in seeds if s.format is None]).data
         cut = rng.randrange(len(data) + 1)
         return bytes(data[:cut]) + other[rng.randrange(len(other) + 1):], kind, seed, facts
     data, kind, seed, facts = _bytes_mutation(rng, data, seed, kind)
@@ -556,6 +588,17 @@ def check_case(path: str, data: bytes, seed: Seed | None, facts: dict) -> str:
 
     if seed is not None and seed.directory is not None:
         return check_directory_case(os.path.dirname(path), data, seed)
+    if seed is not None and seed.format is not None:
+        from jckpt.adapters import detect_format
+        from jckpt.adapters import read as read_format
+
+        try:
+            detect_format(path)
+            read_format(path, format=seed.format)
+        except CheckpointError as e:
+            _names_file(e, path)
+            return "refused:" + type(e).__name__
+        return "loaded"
     outcome = "loaded"
     try:
         reader = CheckpointReader(path)
