@@ -299,3 +299,13 @@ def test_damaged_deflate_stream_in_an_archive_is_a_format_error(tmp_path):
     path.write_bytes(data)
     with pytest.raises(FormatError, match="cannot be read"):
         read(str(path))
+
+
+@pytest.mark.parametrize("old, new", [("(global_dims (10))", "(global_dims (\u00b2))"),
+                                      ("(path ((k w)))", "(path ((i \u00b2)))")])
+def test_non_ascii_digits_in_a_directory_index(tmp_path, old, new):
+    """Found by fuzzing: '²' passes str.isdigit() but not int()."""
+    ck = _directory_checkpoint(tmp_path)
+    _rewrite_index(ck / "index.jckpt", old, new)
+    with pytest.raises(FormatError):
+        jckpt.load(jckpt.Context(host=True), ck)
