@@ -215,7 +215,7 @@ def _plan(items: Sequence[tuple[KeyPath, Any]], namespace: str, first_id: int,
         blocks = []
         for block in sh.coalesce([b for b, _ in shards]):
             inside = [(tuple((a - o, z - o) for (a, z), (o, _) in zip(b, block)),
-                       functools.partial(np.asarray, d))
+                       functools.partial(sh.await_host, d))
                       for b, d in shards if sh.intersect(b, block) == b]
             blocks.append((block, sh.ShardedSource(sh.box_shape(block), dtype, inside)))
         out.append(_Leaf(ident, p, dtype, tuple(leaf.shape), key_impl, blocks))

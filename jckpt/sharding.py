@@ -190,6 +190,11 @@ def start_transfers(shards: Sequence[tuple[Box, Any]]) -> None:
             pass
 
 
+def await_host(data: Any) -> np.ndarray:
+    """Wait for a shard's transfer to host (started by :func:`start_transfers`); its host array."""
+    return np.asarray(data)
+
+
 def stored_bytes(array: np.ndarray) -> np.ndarray:
     """``array``'s payload bytes (C order, little-endian) as a flat ``uint8`` array."""
     return payload_mod.encode_payload(np.asarray(array))
@@ -369,7 +374,7 @@ def prepare_leaves(items: Sequence[tuple[Any, Any]], namespace: str,
                                 ArraySource(array)))
         else:
             dtype = np.dtype(leaf.dtype)
-            pieces = [(box, functools.partial(np.asarray, data)) for box, data in shards]
+            pieces = [(box, functools.partial(await_host, data)) for box, data in shards]
             out.append(HostLeaf(dtype, tuple(leaf.shape), key_impl,
                                 ShardedSource(tuple(leaf.shape), dtype, pieces)))
     return out

@@ -243,3 +243,28 @@ def test_incomplete_or_damaged_directory_is_refused(tmp_path, m42):
     os.unlink(d / "index.jckpt")
     with pytest.raises(FormatError, match="no index.jckpt"):
         jckpt.restore(jckpt.Context(), {"w": np.zeros((8, 8), np.float32)}, d)
+
+
+def test_every_transfer_starts_before_any_is_awaited(tmp_path, m42, monkeypatch):
+    tree = {"a": put(data((8, 8)), m42, P("data", "model")), "b": put(data((8, 4)), m42, P()),
+            "c": put(data((16,)), m42, P("data"))}
+    impl = type(tree["a"])
+    events = []
+    real_start, real_wait = impl.copy_to_host_async, sh.await_host
+
+    def start(self):
+        events.append(("start", self.shape))
+        return real_start(self)
+
+    def wait(data):
+        events.append(("wait", data.shape))
+        return real_wait(data)
+
+    monkeypatch.setattr(impl, "copy_to_host_async", start)
+    monkeypatch.setattr(sh, "await_host", wait)
+    jckpt.save(jckpt.Context(), tree, tmp_path / "t.jckpt")
+    kinds = [k for k, _ in events]
+    # one transfer per distinct shard (8 + 1 + 4), each started before the first wait
+    assert kinds.count("start") == 13 and kinds.count("wait") == 13, events
+    assert kinds.index("wait") == 13
+    assert all(shape != (8, 8) and shape != (16,) for _, shape in events)  # never the whole array
