@@ -33,9 +33,9 @@ from jckpt.errors import (
     MissingEntryError,
 )
 from jckpt.format import precs
-from jckpt.format.header import Entry, Header, KeyPath, path_name
+from jckpt.format.header import Entry, Header, KeyPath, path_name, round_up
 from jckpt.format.layout import lay_out
-from jckpt.format.payload import stored_dtype
+from jckpt.format.payload import CHECKSUM_PLACEHOLDER, stored_dtype
 from jckpt.storage.publish import storage_error
 from jckpt.storage.reader import COUNTS, CheckpointReader
 from jckpt.storage.writer import CopySource, write_checkpoint
@@ -45,11 +45,12 @@ PathLike = str | os.PathLike
 
 
 def _label(path: KeyPath) -> tuple[str, ...]:
-    return tuple(str(v) for _, v in path)
+    return tuple([v if type(v) is str else str(v) for _, v in path])
 
 
 def _keystr(path: KeyPath) -> str:
-    return path_name(path) or '<root>'
+    """``path_name(path)`` (list-built: it runs once per leaf of every save and restore)."""
+    return '/'.join([v if type(v) is str else str(v) for _, v in path]) or '<root>'
 
 
 def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
@@ -111,15 +112,18 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
 
     entries: list[Entry | None] = list(kept)
     sources: list[Any] = [None] * len(kept)
+    cursor = 0  # without kept entries, the offsets lay_out plans: no second pass over 1e5 entries
     for p, array, key_impl in hosts:  # array: a sharding.HostLeaf
         prec = precs.prec_of(array.dtype)
         slot = by_identity.get((namespace, p))
         ident = kept[slot].id if slot is not None else None
         if ident is None:
             ident, next_id = next_id, next_id + 1
+        offset = 0 if kept else round_up(cursor, alignment)
+        cursor = offset + array.nbytes
         entry = Entry(id=ident, namespace=namespace, prec=prec, dims=tuple(array.shape),
-                      offset=0, byte_length=array.nbytes, label=_label(p), path=p,
-                      key_impl=key_impl)
+                      offset=offset, byte_length=array.nbytes, label=_label(p), path=p,
+                      key_impl=key_impl, checksum=CHECKSUM_PLACEHOLDER)
         if slot is None:
             entries.append(entry)
             sources.append(array.source)

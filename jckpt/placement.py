@@ -23,15 +23,40 @@ _PY_SCALARS = (bool, int, float, complex)
 _warned_x64 = False
 
 
+_KEY_DTYPES: dict[Any, bool] = {}  # dtype -> is a typed PRNG key dtype (asked once per dtype)
+_CPU_SHARDINGS: dict[Any, bool] = {}  # sharding -> every device is a CPU
+
+
 def is_prng_key(x: Any) -> bool:
     """Whether ``x`` is a typed JAX PRNG key array."""
-    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    if not isinstance(x, jax.Array):
+        return False
+    dtype = x.dtype
+    try:
+        return _KEY_DTYPES[dtype]
+    except KeyError:
+        known = _KEY_DTYPES[dtype] = bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+        return known
+    except TypeError:  # an unhashable dtype: ask every time
+        return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+
+
+def _on_cpu(leaf: jax.Array) -> bool:
+    """Whether ``leaf`` lives in host memory already (every device a CPU): no transfer to start."""
+    sharding = leaf.sharding
+    try:
+        return _CPU_SHARDINGS[sharding]
+    except KeyError:
+        on_cpu = _CPU_SHARDINGS[sharding] = all(d.platform == 'cpu' for d in sharding.device_set)
+        return on_cpu
+    except TypeError:
+        return False
 
 
 def start_host_copies(leaves: list[Any]) -> None:
     """Start device-to-host transfers of every JAX array so they overlap."""
     for leaf in leaves:
-        if isinstance(leaf, jax.Array) and not is_prng_key(leaf):
+        if isinstance(leaf, jax.Array) and not is_prng_key(leaf) and not _on_cpu(leaf):
             try:
                 leaf.copy_to_host_async()
             except Exception:
@@ -203,6 +228,48 @@ def place_all(requests: list[tuple[Any, Any, str, str | None]], *, host: bool, d
         arrays.append(array)
         dests.append(dest)
     if arrays:
-        for i, value in zip(batch, jax.device_put(arrays, dests)):
+        for i, value in zip(batch, _put_batch(arrays, dests)):
             out[i] = value
+    return out
+
+
+def _put_batch(arrays: list[np.ndarray], dests: list[Any]) -> list[jax.Array]:
+    """``jax.device_put(arrays, dests)`` for one-device destinations, at a fraction of the cost.
+
+    ``jax.device_put`` spends about 40 microseconds of Python per array (tree
+    broadcasting, shape canonicalization, aval updates). With one cached aval
+    per shape and dtype, JAX's own per-array transfer routine does the same
+    work in about 6: 100,000 small arrays in well under a second. Falls back
+    to ``jax.device_put`` if that routine is missing or answers unexpectedly.
+    """
+    try:
+        from jax._src import core as jax_core
+        from jax._src.interpreters import pxla
+        transfer = pxla.batched_device_put
+    except (ImportError, AttributeError):
+        return jax.device_put(arrays, dests)
+    avals: dict[tuple, Any] = {}
+    shardings: dict[Any, Any] = {}
+    out = []
+    try:
+        for array, dest in zip(arrays, dests):
+            sharding = shardings.get(dest)
+            if sharding is None:
+                sharding = shardings[dest] = (
+                    dest if isinstance(dest, jax.sharding.Sharding)
+                    else jax.sharding.SingleDeviceSharding(dest))
+            if type(sharding) is not jax.sharding.SingleDeviceSharding or \
+                    sharding.memory_kind not in (None, 'device'):
+                out.append(jax.device_put(array, sharding))
+                continue
+            key = (array.shape, array.dtype)
+            aval = avals.get(key)
+            if aval is None:
+                aval = avals[key] = jax_core.ShapedArray(array.shape, array.dtype)
+            value = transfer(aval, sharding, [array], list(sharding.device_set), True)
+            if value.shape != array.shape or value.dtype != array.dtype:
+                raise TypeError('unexpected transfer result')
+            out.append(value)
+    except (TypeError, ValueError, AttributeError):
+        return jax.device_put(arrays, dests)
     return out

@@ -53,10 +53,31 @@ def key_to_component(key: Any, where: str = '') -> tuple[str, str | int]:
                          "indices or attributes")
 
 
+def _component(key: Any) -> tuple[str, str | int]:
+    """:func:`key_to_component` with the common cases first (the save and restore hot loop)."""
+    kind = type(key)
+    if kind is _DictKey and type(key.key) is str:
+        return ('k', key.key)
+    if kind is _SequenceKey:
+        return ('i', key.idx)
+    if kind is _GetAttrKey:
+        return ('a', key.name)
+    return key_to_component(key)
+
+
+_DictKey = jax.tree_util.DictKey
+_SequenceKey = jax.tree_util.SequenceKey
+_GetAttrKey = jax.tree_util.GetAttrKey
+
+
 def to_path(keypath: Iterable[Any]) -> KeyPath:
     """A JAX key path as a stored path."""
     keypath = tuple(keypath)
-    return tuple(key_to_component(k, jax.tree_util.keystr(keypath)) for k in keypath)
+    try:
+        return tuple([_component(k) for k in keypath])
+    except InputError:  # again, naming the leaf (formatted only when needed)
+        where = jax.tree_util.keystr(keypath)
+        return tuple(key_to_component(k, where) for k in keypath)
 
 
 def is_leaf(x: Any) -> bool:
