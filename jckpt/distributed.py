@@ -292,11 +292,9 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
         if process == 0:
             try:
                 write_index(stage, count, alignment, dict(metadata or {}), durable=ctx.durable)
-                os.close(lock_fd)
-                lock_fd = -1
-                _unlink(os.path.join(stage, _LOCK_NAME))
                 publish_directory(stage, path, durable=ctx.durable)
                 stage = None
+                _unlink(os.path.join(path, _LOCK_NAME))  # held until now: never a lockless stage
             except BaseException as e:
                 rt.report(process, e)
                 rt.barrier('published', 'saw the checkpoint published')
@@ -338,17 +336,30 @@ def _make_stage(path: str) -> tuple[str, int]:
             continue
         except OSError as e:
             raise storage_error(e, "creating the staging directory", path) from e
-        fd = os.open(os.path.join(stage, _LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        lock = os.path.join(stage, _LOCK_NAME)
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        except FileNotFoundError:  # reclaimed by another save before the lock existed: retry
+            continue
+        except OSError as e:
+            raise storage_error(e, "creating the staging directory's lock", path) from e
         fcntl.flock(fd, fcntl.LOCK_EX)
-        return stage, fd
+        try:  # still the lock of a directory in place (not reclaimed between open and flock)
+            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                return stage, fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
     raise StorageError("could not create a unique staging directory", file=parent)
 
 
 def reclaim_stage_dirs(path: str | os.PathLike, *, stale_after: float = STALE_AFTER) -> list[str]:
     """Remove staging directories of ``path`` left by a save whose process 0 is gone.
 
-    A staging directory is reclaimed when its writer's lock is free (the
-    writer died) or it is older than ``stale_after`` seconds.
+    A staging directory is reclaimed when its lock file is missing (its
+    writer died before creating it: a live save holds it until the directory
+    is renamed) or free (the writer died), or when it is older than
+    ``stale_after`` seconds (for filesystems without ``flock``).
     """
     path = os.fspath(path)
     parent = os.path.dirname(path) or '.'
@@ -365,9 +376,14 @@ def reclaim_stage_dirs(path: str | os.PathLike, *, stale_after: float = STALE_AF
         stage = os.path.join(parent, name)
         try:
             old = time.time() - os.lstat(stage).st_mtime > stale_after
-            fd = os.open(os.path.join(stage, _LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
-            fd, free = -1, False
+            continue
+        try:
+            fd = os.open(os.path.join(stage, _LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            free = True
+        except OSError:
+            free = False
         else:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

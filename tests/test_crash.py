@@ -423,9 +423,6 @@ def test_appending_save_refuses_a_file_replaced_under_it(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ["c.jckpt"]
 
 
-@pytest.mark.xfail(strict=True, reason="a staging directory without its lock file (killed between "
-                   "mkdir and creating the lock, or after unlinking it before the rename) is "
-                   "reclaimed only after an hour")
 @pytest.mark.parametrize("contents", [[], ["index.jckpt", "process_00000.jckpt"]])
 def test_next_directory_save_reclaims_a_lockless_stage(tmp_path, contents):
     if not available("sharded"):
