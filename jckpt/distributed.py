@@ -95,7 +95,7 @@ class _Runtime:
 
     def __init__(self, tag: str, path: str, timeout: float, processes: int) -> None:
         from jax._src import distributed as jdist
-        self.client = jdist.global_state.client
+        self.client: Any = jdist.global_state.client
         self.local = processes == 1  # one process: nobody to wait for
         if self.client is None and not self.local:
             raise DistributedError("several processes but jax.distributed is not initialized",
@@ -183,7 +183,7 @@ def _plan(items: Sequence[tuple[KeyPath, Any]], namespace: str, first_id: int,
 
     from jckpt import placement
 
-    staged = []
+    staged: list[Any] = []
     for n, (p, leaf) in enumerate(items):
         where = f"{namespace}/{path_name(p) or '<root>'}"
         key_impl = None
@@ -208,7 +208,8 @@ def _plan(items: Sequence[tuple[KeyPath, Any]], namespace: str, first_id: int,
     for ident, p, where, leaf, key_impl, shards in staged:
         if shards is None:
             array, impl = placement.to_host(leaf, where)  # checks the leaf in every process
-            blocks = [(sh.full_box(array.shape), ArraySource(array))] if process == 0 else []
+            blocks: list[tuple[sh.Box, Any]] = (
+                [(sh.full_box(array.shape), ArraySource(array))] if process == 0 else [])
             out.append(_Leaf(ident, p, array.dtype, tuple(array.shape), key_impl or impl, blocks))
             continue
         dtype = np.dtype(leaf.dtype)
@@ -365,7 +366,7 @@ def reclaim_stage_dirs(path: str | os.PathLike, *, stale_after: float = STALE_AF
     parent = os.path.dirname(path) or '.'
     pattern = re.compile(re.escape(os.path.basename(path)) + re.escape(STAGE_DIR_TAG)
                          + r'[0-9a-f]{16}\Z')
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(parent)
     except OSError:
@@ -501,7 +502,7 @@ def write_index(stage: str, process_count: int, alignment: int, metadata: dict[s
 
 
 def _global_entry(e: Entry) -> Entry:
-    dims = tuple(e.global_dims)
+    dims = tuple(e.global_dims or ())
     return Entry(id=e.id, namespace=e.namespace, prec=e.prec, dims=dims, offset=0,
                  byte_length=math.prod(dims) * precs.element_size(e.prec), label=e.label,
                  path=e.path, key_impl=e.key_impl)
@@ -588,14 +589,14 @@ def parse_index(header: Header, file: str) -> tuple[list[str], list[ArrayInfo]]:
             comps = f['path']
             if not isinstance(comps, tuple):
                 raise _fail("path must be a list", file, f"#{n}")
-            path = []
+            parts: list[tuple[str, str | int]] = []
             for c in comps:
                 if not (isinstance(c, tuple) and len(c) == 2 and c[0] in ('k', 'ki', 'i', 'a', 'f')
                         and isinstance(c[1], str)):
                     raise _fail("bad path component", file, f"#{n}")
-                path.append((c[0], int(c[1]) if c[0] in ('ki', 'i', 'f') and c[1].isascii()
-                             and c[1].lstrip('-').isdigit() else c[1]))
-            path = tuple(path)
+                parts.append((c[0], int(c[1]) if c[0] in ('ki', 'i', 'f') and c[1].isascii()
+                              and c[1].lstrip('-').isdigit() else c[1]))
+            path = tuple(parts)
         where = f"{namespace}/{path_name(path) if path is not None else f'n{ident}'}"
         prec = f.get('prec')
         if prec not in precs.ALL_PRECS or prec == precs.VOID:

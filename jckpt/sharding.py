@@ -216,7 +216,7 @@ class ShardedSource:
 
     shape: tuple[int, ...]
     dtype: np.dtype
-    pieces: list[tuple[Box, Callable[[], np.ndarray]]]
+    pieces: Sequence[tuple[Box, Callable[[], Any]]]
 
     def write(self, sink: Any) -> tuple[str, str]:
         dtype = payload_mod.stored_dtype(self.dtype)
@@ -290,7 +290,7 @@ def _ensure_size(fd: int, size: int) -> None:
 
 
 def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
-    view = memoryview(data).cast('B')
+    view = data.data.cast('B')
     while view:
         n = os.pwrite(fd, view[:1 << 30], offset)
         if n <= 0:
