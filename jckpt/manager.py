@@ -46,12 +46,17 @@ from jckpt.lease import WriterLease
 from jckpt.mirror import (
     GENERATION_KEY,
     LINEAGE_KEY,
+    NEXT_TAG,
     Job,
     MirrorCounters,
     Pipeline,
+    Staged,
     build_entries,
     check_metadata,
-    write_items,
+    finish_staged,
+    next_name,
+    remove_staged,
+    stage_items,
 )
 from jckpt.storage.publish import STAGE_TAG, fsync_dir, reclaim_staging
 from jckpt.trainer_state import TRAINER_STATE_KEY, TrainerState
@@ -191,7 +196,8 @@ class CheckpointManager:
             self._preempted = threading.Event()
             if handle_sigterm:
                 self._install_sigterm()
-            self._pipeline = Pipeline(self.directory, self._commit, slots=slots,
+            self._staged_generation = self._published_generation = generation
+            self._pipeline = Pipeline(self.directory, self, slots=slots,
                                       when_full=when_full, retry_after=retry_after,
                                       patience=patience, generation=generation)
         except BaseException:
@@ -216,6 +222,10 @@ class CheckpointManager:
                     and not os.path.exists(os.path.join(path, INDEX_NAME)):
                 log.info("jckpt: removing the half-deleted step directory %s", path)
                 shutil.rmtree(path, ignore_errors=True)  # published directories have an index
+                continue
+            head, sep, _ = name.partition(NEXT_TAG)
+            if sep and _STEP_RE.match(head):
+                remove_staged(os.path.join(self.directory, head))
                 continue
             for tag, found in ((STAGE_TAG, files), (STAGE_DIR_TAG, dirs)):
                 head, sep, _ = name.partition(tag)
@@ -377,6 +387,7 @@ class CheckpointManager:
             full[LINEAGE_KEY] = self.lineage
             full[GENERATION_KEY] = str(generation)
             save_directory(self.ctx, tree, self._path(step), metadata=full)
+            self._staged_generation = self._published_generation = generation
 
         self._pipeline.run_now(write)
         self._last_admitted = step
@@ -387,23 +398,44 @@ class CheckpointManager:
         except OSError as e:
             log.warning("jckpt: retention in %s failed: %s", self.directory, e)
 
-    def _commit(self, job: Job) -> int:
+    # The two stages the pipeline runs (see jckpt.mirror.Committer).
+
+    def stage(self, job: Job) -> Staged:
         step, metrics = job.info
         if 'entries' not in job.cache:
             job.cache['entries'], job.cache['sources'] = build_entries(job.items)
-        generation = self._pipeline._generation + 1
+        generation = self._staged_generation + 1
         meta = dict(job.metadata)
         meta[LINEAGE_KEY] = self.lineage
         meta[GENERATION_KEY] = str(generation)
-        write_items(self._path(step), job.cache['entries'], job.cache['sources'], metadata=meta,
+        target = self._path(step)
+        temporary = next_name(target, job.seq)
+        stage_items(temporary, target, job.cache['entries'], job.cache['sources'], metadata=meta,
                     ctx=self.ctx)
+        self._staged_generation = generation
+        return Staged(temporary, generation, info=(step, metrics))
+
+    def publish(self, staged: Staged) -> int:
+        step, metrics = staged.info
+        finish_staged(staged.path, self._path(step), durable=self.ctx.durable)
+        self._published_generation = staged.generation
         with self._lock:
             self._metrics[step] = metrics
         try:
             self._prune()
         except OSError as e:  # a failed deletion must not fail (and so repeat) the save
             log.warning("jckpt: retention in %s failed: %s", self.directory, e)
-        return generation
+        return staged.generation
+
+    def discard(self, staged: Staged | None) -> None:
+        if staged is not None and staged.path is not None:
+            try:
+                os.unlink(staged.path)
+            except FileNotFoundError:
+                pass
+
+    def rollback(self) -> None:
+        self._staged_generation = self._published_generation
 
     def _prune(self) -> None:
         if self.keep_last is None and self.keep_every is None and self.keep_best is None:

@@ -41,12 +41,14 @@ import dataclasses
 import errno as errno_mod
 import logging
 import os
+import queue
+import re
 import threading
 import time
 import uuid
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -60,6 +62,7 @@ from jckpt.format import precs
 from jckpt.format.header import Entry, Header, KeyPath, path_name
 from jckpt.format.layout import lay_out
 from jckpt.lease import WriterLease
+from jckpt.storage.publish import fsync_dir, storage_error
 from jckpt.storage.writer import Sink, write_checkpoint
 from jckpt.version import __version__
 
@@ -209,6 +212,17 @@ def write_items(target: str, entries: Sequence[Entry], sources: Sequence[_Hashed
     return write_checkpoint(target, header, sources, durable=ctx.durable)
 
 
+def stage_items(temporary: str, target: str, entries: Sequence[Entry],
+                sources: Sequence[_HashedSource], *, metadata: Mapping[str, str],
+                ctx: Context) -> None:
+    """Write a generation of ``target`` under ``temporary``, not yet durable (errors name ``target``)."""
+    try:
+        write_items(temporary, entries, sources, metadata=metadata, ctx=ctx.replace(durable=False))
+    except CheckpointError as e:
+        e.file = target
+        raise
+
+
 def check_metadata(metadata: Mapping[str, str] | None, where: str) -> dict[str, str]:
     """User metadata as a dict of strings, refusing the reserved ``jckpt.`` keys."""
     out: dict[str, str] = {}
@@ -249,14 +263,70 @@ def _flush_at_exit() -> None:  # pragma: no cover - exercised by interpreter shu
             log.error("jckpt: snapshots not made durable at exit: %s", e)
 
 
-class Pipeline:
-    """Slots, a FIFO of admitted jobs and one writer thread running ``commit(job)`` in order.
+class Committer(Protocol):
+    """How a pipeline makes one job durable, in two stages that overlap across jobs.
 
-    ``commit`` returns the generation the job produced (or ``None`` for
-    none); raising retries the same job after ``retry_after`` seconds.
+    ``stage`` writes the job's file under a temporary name without waiting
+    for the disk; ``publish`` makes it durable (fsync, rename into place,
+    directory fsync) and returns the generation it produced, or ``None``.
+    While job N is being published, job N+1 is staged. After a failure the
+    pipeline calls ``discard`` on anything staged but not published, then
+    ``rollback`` so the next ``stage`` starts from the last published state.
     """
 
-    def __init__(self, name: str, commit: Callable[[Job], int | None], *, slots: int = 2,
+    def stage(self, job: Job) -> Any: ...
+
+    def publish(self, staged: Any) -> int | None: ...
+
+    def discard(self, staged: Any) -> None: ...
+
+    def rollback(self) -> None: ...
+
+
+class _Helper:
+    """A daemon thread that runs one call at a time and hands back its outcome."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            fn, arg, done, out = self._calls.get()
+            try:
+                out.append((True, fn(arg)))
+            except BaseException as e:
+                out.append((False, e))
+            done.set()
+
+    def call(self, fn: Callable[[Any], Any], arg: Any) -> Callable[[], tuple[bool, Any]]:
+        done, out = threading.Event(), []
+        self._calls.put((fn, arg, done, out))
+
+        def result() -> tuple[bool, Any]:
+            done.wait()
+            return out[0]
+
+        return result
+
+    def stop(self) -> None:
+        self._calls.put((_exit_thread, None, threading.Event(), []))
+
+
+def _exit_thread(_: Any) -> None:
+    raise SystemExit
+
+
+class Pipeline:
+    """Slots, a FIFO of admitted jobs, and a writer that makes them durable in order.
+
+    The writer thread stages each job (:class:`Committer`) while a helper
+    thread publishes the one before it, so writing a snapshot overlaps with
+    waiting for the disk to persist the previous one. A failure keeps the job
+    and retries it after ``retry_after`` seconds.
+    """
+
+    def __init__(self, name: str, commit: Committer, *, slots: int = 2,
                  when_full: str = 'block', retry_after: float = 1.0, patience: int = 3,
                  generation: int = 0) -> None:
         if not isinstance(slots, int) or slots < 1:
@@ -286,6 +356,7 @@ class Pipeline:
         self._stalls = 0
         self._closing = False
         self._closed = False
+        self._helper = _Helper(f"jckpt-publisher {name}")
         self._thread = threading.Thread(target=self._run, name=f"jckpt-writer {name}", daemon=True)
         self._thread.start()
         _OPEN.add(self)
@@ -415,37 +486,137 @@ class Pipeline:
     # The writer's side.
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._helper.stop()
+
+    def _loop(self) -> None:
+        c = self._commit
+        inflight = None  # (job, staged, result): being published by the helper
         while True:
             with self._cond:
-                while not self._queue and not self._closing:
-                    self._cond.wait()
-                if self._closing:
+                if self._closing and inflight is None:
                     return
-                job = self._queue[0]
-            try:
-                generation = self._commit(job)
-            except BaseException as e:  # any failure: keep the snapshot, retry later
-                with self._cond:
-                    self._error = e
-                    self._streak += 1
-                    self._failures += 1
-                    self._last_error = str(e)
-                    self._cond.notify_all()
-                    log.warning("jckpt: writing %s failed (attempt %d, retrying in %.3g s): %s",
-                                self.name, self._streak, self.retry_after, e)
-                    if not self._closing:
-                        self._cond.wait(self.retry_after)
+                index = 0 if inflight is None else 1  # the job after the one in flight
+                while len(self._queue) <= index and inflight is None and not self._closing:
+                    self._cond.wait()
+                if self._closing and inflight is None:
+                    return
+                job = (self._queue[index] if len(self._queue) > index and not self._closing
+                       else None)
+            staged, failure = None, None
+            if job is not None:
+                try:
+                    staged = c.stage(job)
+                except BaseException as e:
+                    failure = e
+            if inflight is not None:
+                done_job, done_staged, result = inflight
+                inflight = None
+                ok, value = result()
+                if ok:
+                    self._completed(done_job, value)
+                else:
+                    if job is not None and failure is None:
+                        _quietly(c.discard, staged)
+                    _quietly(c.discard, done_staged)
+                    _quietly(c.rollback)
+                    self._failed(value)
+                    continue
+            if failure is not None:
+                _quietly(c.rollback)
+                self._failed(failure)
                 continue
-            with self._cond:
-                self._queue.popleft()
-                self._durable = job.seq
-                if generation is not None:
-                    self._generation = generation
-                self._error = None
-                self._streak = 0
-                job.items = []
-                self._free.append(job.slot)
-                self._cond.notify_all()
+            if job is not None:
+                inflight = (job, staged, self._helper.call(c.publish, staged))
+
+    def _completed(self, job: Job, generation: int | None) -> None:
+        with self._cond:
+            self._queue.popleft()
+            self._durable = job.seq
+            if generation is not None:
+                self._generation = generation
+            self._error = None
+            self._streak = 0
+            job.items = []
+            job.cache.clear()
+            self._free.append(job.slot)
+            self._cond.notify_all()
+
+    def _failed(self, e: BaseException) -> None:
+        """Record a failure and wait ``retry_after`` seconds (the job stays first in line)."""
+        with self._cond:
+            self._error = e
+            self._streak += 1
+            self._failures += 1
+            self._last_error = str(e)
+            self._cond.notify_all()
+            log.warning("jckpt: writing %s failed (attempt %d, retrying in %.3g s): %s",
+                        self.name, self._streak, self.retry_after, e)
+            if not self._closing:
+                self._cond.wait(self.retry_after)
+
+
+def _quietly(fn: Callable, *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception as e:  # cleanup must not mask the failure being handled
+        log.debug("jckpt: cleanup failed: %s", e)
+
+
+def finish_staged(temporary: str, target: str, *, durable: bool) -> None:
+    """fsync ``temporary``, rename it over ``target``, fsync the directory."""
+    try:
+        if durable:
+            fd = os.open(temporary, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.rename(temporary, target)
+        if durable:
+            fsync_dir(os.path.dirname(os.path.abspath(target)))
+    except OSError as e:
+        raise storage_error(e, "publishing the checkpoint", target) from e
+
+
+#: Suffix of a staged, not yet durable generation: ``<target>.jckpt-next.<n>``.
+NEXT_TAG = '.jckpt-next.'
+
+
+def next_name(target: str, seq: int) -> str:
+    """The temporary name a snapshot is staged under before it is made durable."""
+    return f"{target}{NEXT_TAG}{seq}"
+
+
+def remove_staged(target: str) -> list[str]:
+    """Remove ``target``'s staged generations left by a writer that died; return them."""
+    directory = os.path.dirname(os.path.abspath(target))
+    pattern = re.compile(re.escape(os.path.basename(target)) + re.escape(NEXT_TAG) + r'[0-9]+\Z')
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if pattern.match(name):
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
+@dataclasses.dataclass(frozen=True)
+class Staged:
+    """A generation written under a temporary name (``path`` None: nothing to write)."""
+
+    path: str | None
+    generation: int | None = None
+    digest: tuple | None = None
+    info: Any = None
 
 
 # --- the mirror --------------------------------------------------------------
@@ -487,8 +658,10 @@ class Mirror:
             raise InputError(f"lineage must be a non-empty string, not {lineage!r}", file=self.path)
         self._lease = WriterLease(self.path)
         try:
-            self.lineage, generation, self._digest = _open_lineage(self.path, lineage, new_lineage)
-            self._pipeline = Pipeline(self.path, self._commit, slots=slots, when_full=when_full,
+            self.lineage, generation, digest = _open_lineage(self.path, lineage, new_lineage)
+            remove_staged(self.path)
+            self._published = self._staged = (generation, digest)
+            self._pipeline = Pipeline(self.path, self, slots=slots, when_full=when_full,
                                       retry_after=retry_after, patience=patience,
                                       generation=generation)
         except BaseException:
@@ -544,20 +717,41 @@ class Mirror:
     def __repr__(self) -> str:
         return f"Mirror({self.path!r}, lineage={self.lineage!r}, {self.counters})"
 
-    def _commit(self, job: Job) -> int | None:
+    # The two stages the pipeline runs (see Committer).
+
+    def stage(self, job: Job) -> Staged:
         if 'entries' not in job.cache:
             job.cache['entries'], job.cache['sources'] = build_entries(job.items)
         entries, sources = job.cache['entries'], job.cache['sources']
         digest = content_digest(entries, job.metadata)
-        if digest == self._digest:
-            return None
-        generation = self._pipeline._generation + 1
+        last_generation, last_digest = self._staged
+        if digest == last_digest:
+            return Staged(None)
+        generation = last_generation + 1
         meta = dict(job.metadata)
         meta[LINEAGE_KEY] = self.lineage
         meta[GENERATION_KEY] = str(generation)
-        write_items(self.path, entries, sources, metadata=meta, ctx=self.ctx)
-        self._digest = digest
-        return generation
+        temporary = next_name(self.path, job.seq)
+        stage_items(temporary, self.path, entries, sources, metadata=meta, ctx=self.ctx)
+        self._staged = (generation, digest)
+        return Staged(temporary, generation, digest)
+
+    def publish(self, staged: Staged) -> int | None:
+        if staged.path is None:
+            return None
+        finish_staged(staged.path, self.path, durable=self.ctx.durable)
+        self._published = (staged.generation, staged.digest)
+        return staged.generation
+
+    def discard(self, staged: Staged | None) -> None:
+        if staged is not None and staged.path is not None:
+            try:
+                os.unlink(staged.path)
+            except FileNotFoundError:
+                pass
+
+    def rollback(self) -> None:
+        self._staged = self._published
 
 
 def _open_lineage(path: str, lineage: str | None, new_lineage: bool) -> tuple[str, int, tuple | None]:

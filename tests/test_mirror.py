@@ -367,3 +367,46 @@ def test_lineage_is_recorded_refused_and_continued(tmp_path):
     with jckpt.Mirror(plain, new_lineage=True) as m:
         m.submit({"w": np.zeros(4, np.float32)})
     np.testing.assert_array_equal(read(plain), np.zeros(4))
+
+
+def test_failed_publish_discards_what_was_staged_after_it_and_retries(tmp_path, monkeypatch):
+    import jckpt.mirror as mirror_mod
+
+    path = str(tmp_path / "run.jckpt")
+    original = mirror_mod.finish_staged
+    broken = {"on": False, "calls": 0}
+
+    def finish(temporary, target, *, durable):
+        broken["calls"] += 1
+        if broken["on"]:
+            raise jckpt.StorageError("publishing the checkpoint failed: Input/output error",
+                                     errno=errno.EIO, file=target)
+        return original(temporary, target, durable=durable)
+
+    monkeypatch.setattr(mirror_mod, "finish_staged", finish)
+    with jckpt.Mirror(path, retry_after=0.02, patience=10**6) as m:
+        m.submit({"w": np.full(4, 1, np.float32)})
+        m.wait_durable()
+        broken["on"] = True
+        m.submit({"w": np.full(4, 2, np.float32)})
+        m.submit({"w": np.full(4, 1, np.float32)})   # staged behind the failing one
+        wait_for(lambda: m.counters.failures >= 3)
+        assert str(m.counters) == LINE.format(3, 1, 1, 2, "EIO")
+        np.testing.assert_array_equal(read(path), np.full(4, 1))
+        broken["on"] = False
+        assert m.wait_durable(timeout=30)
+        assert str(m.counters) == LINE.format(3, 3, 3, 0, 0)
+    np.testing.assert_array_equal(read(path), np.full(4, 1))
+    assert meta(path)["jckpt.generation"] == "3"
+    assert sorted(os.listdir(tmp_path)) == ["run.jckpt"]   # nothing staged is left behind
+
+
+def test_generations_staged_by_a_dead_writer_are_removed(tmp_path):
+    path = str(tmp_path / "run.jckpt")
+    with jckpt.Mirror(path) as m:
+        m.submit({"w": np.full(4, 1, np.float32)})
+    (tmp_path / "run.jckpt.jckpt-next.7").write_bytes(b"half")
+    (tmp_path / "other.jckpt.jckpt-next.7").write_bytes(b"not ours")
+    with jckpt.Mirror(path) as m:
+        assert m.counters.generation == 1
+    assert sorted(os.listdir(tmp_path)) == ["other.jckpt.jckpt-next.7", "run.jckpt"]
