@@ -38,3 +38,13 @@ def notebooks(session: nox.Session) -> None:
     """Run every Colab notebook top to bottom on CPU; fails on the first error."""
     session.install("-e", ".[notebooks]")
     session.run("python", "colab/run_all.py", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """The comparison with orbax, safetensors, flax and numpy; writes docs/benchmarks.md.
+
+    ``nox -s bench -- --quick --out /tmp/bench`` only checks that it runs.
+    """
+    session.install("-e", ".[bench]")
+    session.run("python", "-m", "bench.run", *session.posargs)

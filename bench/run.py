@@ -88,6 +88,7 @@ def one_round(tool: Tool, tree: Any, spec: Any, path: str) -> dict[str, float]:
         tool.save(tree, path, False)
     if tool.has_async:
         remove(path)
+        tool.open_async(path)
         blocking, wait = _clock(tool.save_async, tree, path)
         wait()
         rec['async_block'] = blocking
@@ -116,6 +117,9 @@ def time_workload(name: str, tool_names: list[str], reps: int, quick: bool, base
     spec = spec_of(tree)
     leaves = jax.tree.leaves(tree)
     nbytes = int(sum(a.nbytes for a in leaves))
+    skipped = {t: why for t, why in workloads.SKIP.get(name, {}).items() if t in tool_names}
+    skipped.update({t: 'not installed' for t in tool_names if not TOOLS[t].available()})
+    tool_names = [t for t in tool_names if t not in skipped]
     tools = {t: TOOLS[t]() for t in tool_names}
     runs: dict[str, list[dict[str, float]]] = {t: [] for t in tool_names}
     capped: dict[str, str] = {}
@@ -141,7 +145,7 @@ def time_workload(name: str, tool_names: list[str], reps: int, quick: bool, base
     finally:
         for tool in tools.values():
             tool.close()
-    return {'nbytes': nbytes, 'leaves': len(leaves), 'runs': runs, 'notes': capped}
+    return {'nbytes': nbytes, 'leaves': len(leaves), 'runs': runs, 'notes': {**capped, **skipped}}
 
 
 def header_decode(name: str, quick: bool, base: str, reps: int) -> dict[str, float] | None:
@@ -250,8 +254,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument('--out', default='docs', help='folder for benchmarks.md and img/')
     ap.add_argument('--no-rss', action='store_true', help='skip the peak-memory subprocesses')
     ap.add_argument('--json', default=None, help='also write the raw results here')
+    ap.add_argument('--from-json', default=None, help='only rewrite the report from saved results')
     ap.add_argument('--rss-child', nargs=2, metavar=('WORKLOAD', 'TOOL'), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+
+    if args.from_json:
+        with open(args.from_json) as f:
+            print(f"wrote {report.write(json.load(f), args.out)}")
+        return 0
 
     if args.rss_child:
         print(json.dumps(rss_child(*args.rss_child, args.quick, args.dir)))
@@ -283,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             if 'jckpt' in tool_names:
                 res['header_decode'] = header_decode(w, args.quick, base, max(3, reps))
             if not args.no_rss:  # quick mode: only check that the measurement works
-                rss_tools = [t for t in tool_names if not args.quick or t in ('jckpt', 'raw')]
+                rss_tools = [t for t in res['runs'] if not args.quick or t in ('jckpt', 'raw')]
                 res['rss'] = measure_rss(w, rss_tools, args.quick, base, log)
             res['reps'] = reps
             results['workloads'][w] = res

@@ -101,6 +101,13 @@ class Tool:
     #: the runner times saves (False for a baseline that shares another's writer)
     timed_save = True
     has_async = False
+    #: modules the tool needs (optional extras: a tool whose module is missing is left out)
+    requires: tuple[str, ...] = ()
+
+    @classmethod
+    def available(cls) -> bool:
+        import importlib.util
+        return all(importlib.util.find_spec(m) is not None for m in cls.requires)
 
     def path(self, base: str) -> str:
         return os.path.join(base, f"{self.name}{self.ext}")
@@ -112,6 +119,9 @@ class Tool:
 
     def _save(self, tree: Any, path: str) -> None:
         raise NotImplementedError
+
+    def open_async(self, path: str) -> None:
+        """Set up what a training loop creates once, before its first asynchronous save."""
 
     def save_async(self, tree: Any, path: str) -> Callable[[], None]:
         raise NotImplementedError
@@ -185,8 +195,18 @@ class Jckpt(Tool):
         self.jckpt = jckpt
         self.ctx = jckpt.Context()
 
+    has_async = True
+
     def save(self, tree: Any, path: str, durable: bool) -> None:
         self.jckpt.save(self.ctx.replace(durable=durable), tree, path)
+
+    def open_async(self, path: str) -> None:
+        self.mirror = self.jckpt.Mirror(path, ctx=self.ctx, new_lineage=True)
+
+    def save_async(self, tree: Any, path: str) -> Callable[[], None]:
+        """``Mirror.submit``: blocks for the snapshot to host; the file is written behind."""
+        self.mirror.submit(tree)
+        return self.mirror.close  # every snapshot durable, then the path released
 
     def load_host(self, path: str, spec: Any) -> list[np.ndarray]:
         _, tree = self.jckpt.load(self.ctx.replace(host=True), path)
@@ -198,6 +218,8 @@ class Jckpt(Tool):
 
 class OrbaxStandard(Tool):
     """orbax-checkpoint's ``StandardCheckpointer`` with its default options (async, zstd, OCDBT)."""
+
+    requires = ('orbax.checkpoint',)
 
     name, label, ext, has_async = 'orbax', 'orbax StandardCheckpointer', '.orbax', True
 
@@ -256,6 +278,8 @@ class OrbaxRaw(OrbaxStandard):
 class SafetensorsNumpy(Tool):
     """``safetensors.numpy``: ``save_file`` / ``load_file`` (no fsync of its own)."""
 
+    requires = ('safetensors',)
+
     name, label, ext = 'st-numpy', 'safetensors (numpy API)', '.safetensors'
 
     def _save(self, tree: Any, path: str) -> None:
@@ -270,6 +294,8 @@ class SafetensorsNumpy(Tool):
 
 class SafetensorsFlax(Tool):
     """``safetensors.flax``: saves and loads ``jax.Array``s directly."""
+
+    requires = ('safetensors', 'flax')
 
     name, label, ext = 'st-flax', 'safetensors (flax API)', '.st-flax'
 
@@ -288,6 +314,8 @@ class SafetensorsFlax(Tool):
 
 class FlaxMsgpack(Tool):
     """``flax.serialization.to_bytes`` written to one file; ``msgpack_restore`` to read."""
+
+    requires = ('flax',)
 
     name, label, ext = 'flax-msgpack', 'flax msgpack', '.msgpack'
 

@@ -89,6 +89,10 @@ WORKLOADS: dict[str, Callable[[bool], Any]] = {
 #: Default repetitions per workload (the 1 GiB ones take a while per tool).
 REPS = {'large': 3, 'small': 5, 'tiny': 3, 'gpt2': 3}
 
+#: Tools left out of a workload, and why (the report prints the reason).
+SKIP = {'tiny': {t: "not run: about 1 ms per array (see 'small'), so 100,000 arrays take minutes "
+                    "per operation" for t in ('orbax', 'orbax-nozstd')}}
+
 DESCRIPTIONS = {
     'large': '8 float32 arrays, 1 GiB in all',
     'small': '2,000 float32 arrays of 1,000 elements (8 MB)',

@@ -1,0 +1,35 @@
+"""The benchmark suite runs end to end in quick mode (its figures are not checked: speed
+goals live in ``bench/``, measured as ratios, not in unit tests)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_quick_suite_writes_the_report(tmp_path):
+    out = tmp_path / "docs"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's run has
+    cmd = [sys.executable, "-m", "bench.run", "--quick", "--workloads", "small,tiny,gpt2",
+           "--out", str(out), "--json", str(tmp_path / "r.json"), "--dir", str(tmp_path / "files")]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    results = json.loads((tmp_path / "r.json").read_text())
+    for name, res in results["workloads"].items():
+        jk = res["runs"]["jckpt"]
+        assert len(jk) == 1, name
+        for op in ("save", "durable_save", "load_host", "restore", "first_use"):
+            assert jk[0][op] > 0, (name, op)
+        assert res["runs"]["raw"], name
+        assert "jckpt" not in res.get("notes", {}), res["notes"]  # jckpt never failed
+        rss = res["rss"]["jckpt"]
+        assert rss.get("restore_peak", -1) >= 0, rss
+    md = (out / "benchmarks.md").read_text()
+    assert "| jckpt |" in md and "## Targets" in md
+    assert not os.listdir(tmp_path / "files")  # every file cleaned up
