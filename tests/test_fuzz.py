@@ -309,3 +309,25 @@ def test_non_ascii_digits_in_a_directory_index(tmp_path, old, new):
     _rewrite_index(ck / "index.jckpt", old, new)
     with pytest.raises(FormatError):
         jckpt.load(jckpt.Context(host=True), ck)
+
+
+@pytest.mark.parametrize("descr", [",f2", "<02", "f8,(", "(99999999999999999999,)f8"])
+def test_damaged_npy_descr_is_a_format_error(tmp_path, descr):
+    """Found by fuzzing the adapters: numpy parses some dtype strings with ast (SyntaxError)."""
+    import io
+    import zipfile
+
+    from jckpt.adapters import read
+
+    buf = io.BytesIO()
+    np.save(buf, np.arange(4, dtype=np.float64))
+    raw = buf.getvalue()
+    good = "'<f8'"
+    assert good.encode() in raw
+    bad = raw.replace(good.encode(), repr(descr).encode().ljust(len(good), b" "), 1) \
+        if len(repr(descr)) <= len(good) else raw.replace(good.encode(), repr(descr).encode(), 1)
+    path = tmp_path / "d.npz"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("w.npy", bad)
+    with pytest.raises(jckpt.CheckpointError):
+        read(str(path))

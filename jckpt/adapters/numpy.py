@@ -67,7 +67,8 @@ def _dtype_from_descr(descr: Any, file: str, entry: str | None) -> np.dtype:
         return np.dtype(descr)
     try:
         dtype = np.dtype(descr)
-    except TypeError:
+    except (TypeError, ValueError, SyntaxError, OverflowError, RecursionError):
+        # numpy parses comma strings such as '<f8,02' with ast: a damaged descr raises any of these
         raise FormatError(f"unknown dtype {descr!r}", file=file, entry=entry,
                           fix="the file is damaged or uses a dtype jckpt does not know") from None
     if dtype.hasobject:
