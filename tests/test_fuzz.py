@@ -125,6 +125,8 @@ E = ("((id 0) (namespace jckpt) (label (x)) (prec Single_prec) (dims {dims}) (pa
      b"\0" * 4, "too many empty slots"),
     ("negative_sequence_index", E.format(dims="(1)", length=4, extra=" (path ((k a) (i -1)))"),
      b"\0" * 4, "negative"),
+    ("unknown_key_impl", E.format(dims="(1)", length=4, extra=" (key_impl thbeefry2x32)")
+     .replace("Single_prec", "Uint32_prec"), b"\0" * 4, "cannot rebuild PRNG keys"),
 ])
 def test_found_by_fuzzing(tmp_path, name, entry, data, message):
     path = tmp_path / f"{name}.jckpt"
