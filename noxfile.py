@@ -1,4 +1,4 @@
-"""Developer workflows: ``nox -s tests``, ``nox -s lint``."""
+"""Developer workflows: ``nox -s tests``, ``lint``, ``typecheck``, ``docs``, ``notebooks``, ``bench``."""
 
 import nox
 
