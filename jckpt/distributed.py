@@ -654,7 +654,7 @@ class DirectoryReader:
             raise FormatError(f"directory has no {INDEX_NAME}: not a checkpoint, or one whose "
                               "save did not finish", file=self.path,
                               fix="restore from a complete checkpoint")
-        self.index = CheckpointReader(index)
+        self.index = CheckpointReader(index, follow_symlinks=False)
         self.files, infos = parse_index(self.index.header, index)
         self.arrays = {info.entry.identity: info for info in infos}
         ih = self.index.header
@@ -666,7 +666,8 @@ class DirectoryReader:
     def _reader(self, fi: int) -> CheckpointReader:
         reader = self._readers.get(fi)
         if reader is None:
-            reader = self._readers[fi] = CheckpointReader(os.path.join(self.path, self.files[fi]))
+            reader = self._readers[fi] = CheckpointReader(os.path.join(self.path, self.files[fi]),
+                                                          follow_symlinks=False)
             reader.pieces = {e.identity: e for e in reader.header.tensors}  # type: ignore[attr-defined]
         return reader
 

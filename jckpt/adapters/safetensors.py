@@ -195,7 +195,13 @@ def read_sharded(index_path: str) -> tuple[dict[str, np.ndarray], dict[str, str]
     index_meta = index.get('metadata')
     for shard in sorted(set(weight_map.values())):
         check_member_name(shard, index_path)
-        shard_arrays, shard_meta = read_arrays(os.path.join(directory, shard))
+        shard_path = os.path.join(directory, shard)
+        if os.path.islink(shard_path) or not os.path.realpath(shard_path).startswith(
+                os.path.realpath(directory) + os.sep):
+            raise FormatError(f"shard {shard!r} is a symbolic link or lies outside the index's "
+                              "directory", file=index_path,
+                              fix="put the shard files themselves beside the index")
+        shard_arrays, shard_meta = read_arrays(shard_path)
         metadata.update(shard_meta)
         for name, file in weight_map.items():
             if file == shard:
