@@ -256,9 +256,9 @@ _OPEN: weakref.WeakSet = weakref.WeakSet()
 
 @atexit.register
 def _flush_at_exit() -> None:  # pragma: no cover - exercised by interpreter shutdown
-    for pipeline in list(_OPEN):
+    for writer in list(_OPEN):
         try:
-            pipeline.close()
+            writer.close()
         except Exception as e:
             log.error("jckpt: snapshots not made durable at exit: %s", e)
 
@@ -359,7 +359,9 @@ class Pipeline:
         self._helper = _Helper(f"jckpt-publisher {name}")
         self._thread = threading.Thread(target=self._run, name=f"jckpt-writer {name}", daemon=True)
         self._thread.start()
-        _OPEN.add(self)
+        # Flushed at interpreter exit if left open: the owner (mirror, manager) when it closes.
+        self._owner = commit if callable(getattr(commit, 'close', None)) else self
+        _OPEN.add(self._owner)
 
     # The caller's side.
 
@@ -481,7 +483,7 @@ class Pipeline:
             if self._thread is not threading.current_thread():
                 self._thread.join()
             self._closed = True
-            _OPEN.discard(self)
+            _OPEN.discard(self._owner)
 
     # The writer's side.
 
