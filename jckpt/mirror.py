@@ -1,9 +1,12 @@
 """The asynchronous durable mirror: keep a checkpoint file in step with training, in the background.
 
 ``submit(tree)`` copies the tree to host memory into a free snapshot slot and
-returns; a background writer encodes, writes, fsyncs and renames each
-snapshot over the file, one after another, in order. Training blocks only
-for the copy. The counters say at any moment how much of the work is durable:
+returns; in the background, snapshots are encoded and written one after
+another, in order, each under a temporary name (``<path>.jckpt-next.<n>``),
+then fsynced, renamed over the file and the directory fsynced, writing the
+next snapshot while the previous one is being persisted. Training blocks
+only for the copy. The counters say at any moment how much of the work is
+durable:
 
 >>> import tempfile, os, numpy as np
 >>> path = os.path.join(tempfile.mkdtemp(), 'run.jckpt')
