@@ -65,7 +65,7 @@ from jckpt.format import precs
 from jckpt.format.header import Entry, Header, KeyPath, path_name
 from jckpt.format.layout import lay_out
 from jckpt.lease import WriterLease
-from jckpt.storage.publish import fsync_dir, storage_error
+from jckpt.storage.publish import fsync_dir, reclaim_staging, storage_error
 from jckpt.storage.writer import Sink, write_checkpoint
 from jckpt.version import __version__
 
@@ -596,21 +596,33 @@ def next_name(target: str, seq: int) -> str:
 
 
 def remove_staged(target: str) -> list[str]:
-    """Remove ``target``'s staged generations left by a writer that died; return them."""
+    """Remove what a writer of ``target`` that died left staged; return the names.
+
+    That is its generations written but not made durable (``<target>.jckpt-next.<n>``)
+    and the staging files of those (reclaimed as :func:`reclaim_staging` does).
+    """
     directory = os.path.dirname(os.path.abspath(target))
-    pattern = re.compile(re.escape(os.path.basename(target)) + re.escape(NEXT_TAG) + r'[0-9]+\Z')
-    removed = []
+    pattern = re.compile(re.escape(os.path.basename(target)) + re.escape(NEXT_TAG) + r'([0-9]+)')
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except OSError:
         return removed
+    temporaries = set()
     for name in names:
-        if pattern.match(name):
+        m = pattern.match(name)
+        if m is None:
+            continue
+        temporary = os.path.join(directory, m.group(0))
+        temporaries.add(temporary)
+        if m.end() == len(name):
             try:
-                os.unlink(os.path.join(directory, name))
+                os.unlink(temporary)
                 removed.append(name)
             except OSError:
                 pass
+    for temporary in sorted(temporaries):
+        removed.extend(os.path.basename(p) for p in reclaim_staging(temporary))
     return removed
 
 

@@ -86,12 +86,16 @@ def test_incomplete_steps_are_ignored_and_cleaned(tmp_path):
     stage.write_bytes(b"\0\0\0\x10partial")            # a killed writer's staging file
     unsynced = tmp_path / (step_name(2) + ".jckpt-next.4")
     unsynced.write_bytes(b"written, never made durable")
+    unsynced_stage = tmp_path / (step_name(2) + ".jckpt-next.5"
+                                 ".jckpt-stage.00000001.00000002.0123456789abcdef")
+    unsynced_stage.write_bytes(b"being written")
     (tmp_path / step_name(3)).write_bytes(b"\0\0")     # an unreadable step file
     (tmp_path / "notes.txt").write_text("kept")
     with jckpt.CheckpointManager(tmp_path) as mgr:
         assert mgr.all_steps() == [1] and mgr.latest_step() == 1
         assert int(mgr.restore(target={"x": np.float32(0)}).tree["x"]) == 1
-    assert not stage.exists() and not unsynced.exists() and (tmp_path / "notes.txt").exists()
+    assert not stage.exists() and not unsynced.exists() and not unsynced_stage.exists()
+    assert (tmp_path / "notes.txt").exists()
 
 
 def test_restore_namespaces_without_the_optimizer(tmp_path):

@@ -406,6 +406,8 @@ def test_generations_staged_by_a_dead_writer_are_removed(tmp_path):
     with jckpt.Mirror(path) as m:
         m.submit({"w": np.full(4, 1, np.float32)})
     (tmp_path / "run.jckpt.jckpt-next.7").write_bytes(b"half")
+    (tmp_path / "run.jckpt.jckpt-next.8.jckpt-stage.00000001.00000002.0123456789abcdef").write_bytes(
+        b"its staging file")
     (tmp_path / "other.jckpt.jckpt-next.7").write_bytes(b"not ours")
     with jckpt.Mirror(path) as m:
         assert m.counters.generation == 1
