@@ -149,8 +149,12 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
         raise _missing(path)
     if os.path.isdir(path):
         return _verify_directory(path, progress)
+    return _verify_file(path, progress)
+
+
+def _verify_file(path: str, progress: bool, *, follow_symlinks: bool = True) -> VerifyReport:
     try:
-        reader = CheckpointReader(path)
+        reader = CheckpointReader(path, follow_symlinks=follow_symlinks)
     except StorageError:
         raise
     except FormatError as err:
@@ -231,11 +235,12 @@ def _verify_sharded(path: str, progress: bool) -> VerifyReport:
             problems.append(Problem('error', f"piece file {name} listed in the index is missing",
                                     path))
             continue
-        report = verify(piece_path, progress=progress)
+        report = _verify_file(piece_path, progress, follow_symlinks=False)
         reports.append(report)
         if report.errors and report.entries == 0:
             continue  # the piece file itself is unreadable: already reported
-        pieces[fi] = {(e.identity, e.slice): e for e in CheckpointReader(piece_path).header.tensors}
+        pieces[fi] = {(e.identity, e.slice): e for e in
+                      CheckpointReader(piece_path, follow_symlinks=False).header.tensors}
     for info in reader.arrays.values():
         g = info.entry
         for fi, box in info.pieces:

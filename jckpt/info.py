@@ -530,7 +530,7 @@ def directory_info(path: str | os.PathLike) -> DirectoryInfo:
     files = []
     piece_maps: dict[tuple[int, Any, Any], bool] = {}
     for fi, name in enumerate(reader.files):
-        r = CheckpointReader(os.path.join(reader.path, name))
+        r = CheckpointReader(os.path.join(reader.path, name), follow_symlinks=False)
         for e in r.header.tensors:
             piece_maps[(fi, e.identity, e.slice)] = can_map(e, r.data_start)
         files.append(PieceFileInfo(reader.files[fi], r.size, len(r.header.tensors),

@@ -269,6 +269,16 @@ def test_directory_checkpoint(tmp_path, cli):
     assert cli('diff', d, one).returncode == 0
     assert json.loads(cli('inspect', one, '--json').stdout)['metadata'] == {'jckpt.step': '5'}
 
+    # a checkpoint's own files must not be symbolic links
+    piece = os.path.join(d, 'process_00000.jckpt')
+    os.rename(piece, tmp_path / 'elsewhere.jckpt')
+    os.symlink(tmp_path / 'elsewhere.jckpt', piece)
+    p = cli('verify', d)
+    assert p.returncode == 1 and 'process_00000.jckpt' in p.stdout and 'symbolic link' in p.stdout
+    one_line_error(cli('inspect', d), 'symbolic link')
+    os.unlink(piece)
+    os.rename(tmp_path / 'elsewhere.jckpt', piece)
+
     corrupt_payload(os.path.join(d, 'process_00001.jckpt'), 'jckpt/params/w')
     p = cli('verify', d)
     assert p.returncode == 1
