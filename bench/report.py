@@ -27,7 +27,7 @@ def fmt_s(x: float | None) -> str:
         return '—'
     if x < 1e-3:
         return f"{x * 1e6:.0f} µs"
-    if x < 1:
+    if x < 0.9995:
         return f"{x * 1e3:.3g} ms"
     return f"{x:.3g} s"
 
@@ -44,6 +44,8 @@ def fmt_bytes(n: float | None) -> str:
 def fmt_ratio(x: float | None) -> str:
     if x is None:
         return '—'
+    if x < 0.1:
+        return f"{x:.2g}x"
     return f"{x:.2f}x" if x < 100 else f"{x:.0f}x"
 
 
@@ -245,6 +247,7 @@ def plot(results: dict[str, Any], path: str) -> str | None:
     """Horizontal bars (log scale) of durable save, restore and load + sum per workload."""
     try:
         import matplotlib
+        import matplotlib.ticker
         matplotlib.use('Agg')
         import matplotlib.pyplot as plt
     except ImportError:
@@ -274,6 +277,7 @@ def plot(results: dict[str, Any], path: str) -> str | None:
             ax.set_yticks(list(y), names, fontsize=8)
             ax.invert_yaxis()
             ax.set_xscale('log')
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.tick_params(axis='x', labelsize=8)
             ax.set_title(f"{w}: {title} (s)", fontsize=9)
     fig.suptitle(f"jckpt vs peers, {results['date']}, {results['machine']['cores']} cores "
