@@ -17,6 +17,7 @@ measured in one run with the tools interleaved (see ``bench/run.py``):
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 
@@ -51,14 +52,24 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     ap.add_argument('--quick', action='store_true')
     ap.add_argument('--reps', type=int, default=None)
+    ap.add_argument('--from-json', default=None,
+                    help="read the figures from a saved bench.run result instead of measuring")
     args = ap.parse_args(argv)
+    saved = None
+    if args.from_json:
+        with open(args.from_json) as f:
+            saved = json.load(f)['workloads']
     base = tempfile.mkdtemp(prefix='jckpt-foundation-')
     failed = 0
     try:
         for name in ('large', 'small'):
-            reps = args.reps or (1 if args.quick else workloads.REPS[name])
-            res = run.time_workload(name, TOOLS, reps, args.quick, base, lambda msg: None)
-            res['rss'] = run.measure_rss(name, ['jckpt'], args.quick, base, lambda msg: None)
+            if saved is not None:
+                res = saved[name]
+                reps = res['reps']
+            else:
+                reps = args.reps or (1 if args.quick else workloads.REPS[name])
+                res = run.time_workload(name, TOOLS, reps, args.quick, base, lambda msg: None)
+                res['rss'] = run.measure_rss(name, ['jckpt'], args.quick, base, lambda msg: None)
             print(f"{name}: {workloads.DESCRIPTIONS[name]} ({reps} repetitions; times include fsync "
                   "only where it says durable)")
             for what, value, limit, how in checks(name, res):
