@@ -112,14 +112,16 @@ def _evolve(entry: Entry, **changes) -> Entry:
 
 
 def pad_for_aliasing(raw: bytes, header: Header) -> bytes:
-    """``raw`` with up to 48 more trailing spaces, so more payload bytes start 64-byte aligned.
+    """``raw`` with whitespace added inside the header, so more payload bytes start 64-byte aligned.
 
-    The header text may end in whitespace, so this is the same header; the
-    data start stays a multiple of the header's alignment and no offset
-    changes. Only the absolute position moves, and that decides whether JAX
-    on the CPU can use a mapped payload in place: it needs 64-byte alignment,
-    one step above the default alignment of 32. The padding (0 or 32 bytes at
-    the default) is the one that puts the most payload bytes on 64.
+    The spaces go before the header's closing parenthesis, so the text stays
+    the same S-expression and ``HLEN`` still follows the format's rule
+    (``round_up(4 + len(text), alignment) - 4``); the data start stays a
+    multiple of the alignment and no offset or checksum position changes.
+    Only the absolute position moves, and that decides whether JAX on the CPU
+    can use a mapped payload in place: it needs 64-byte alignment, one step
+    above the default alignment of 32. The padding (0 or 32 bytes at the
+    default) is the one that puts the most payload bytes on 64.
     """
     a = header.alignment
     if not header.tensors or a < 16 or a >= ALIAS_ALIGNMENT or ALIAS_ALIGNMENT % a:
@@ -133,7 +135,9 @@ def pad_for_aliasing(raw: bytes, header: Header) -> bytes:
             best, best_bytes = pad, aligned
     if not best:
         return raw
-    return struct.pack('>I', len(raw) - 4 + best) + raw[4:] + b' ' * best
+    body = raw[4:]
+    close = len(body.rstrip(b' ')) - 1  # the header's closing parenthesis
+    return struct.pack('>I', len(body) + best) + body[:close] + b' ' * best + body[close:]
 
 
 @dataclasses.dataclass(frozen=True)
