@@ -23,6 +23,7 @@ import numpy as np
 from jckpt import placement, sharding
 from jckpt import progress as progress_mod
 from jckpt import tree as tree_mod
+from jckpt._gc import paused
 from jckpt.context import Context
 from jckpt.distributed import open_checkpoint
 from jckpt.errors import (
@@ -53,6 +54,7 @@ def _keystr(path: KeyPath) -> str:
     return '/'.join([v if type(v) is str else str(v) for _, v in path]) or '<root>'
 
 
+@paused
 def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
          alignment: int | None = None, metadata: Mapping[str, str] | None = None,
          progress: bool = False) -> None:
@@ -166,6 +168,7 @@ def _check_clash(ctx: Context, entries: tuple[Entry, ...], path: str) -> None:
                              fix="load with prefix_namespace=... or use a fresh Context")
 
 
+@paused
 def load(ctx: Context, path: PathLike, *, prefix_namespace: str | None = None,
          mmap: bool | None = None, verify: bool | None = None,
          progress: bool = False) -> tuple[Context, dict[str, Any]]:
@@ -215,6 +218,7 @@ def load(ctx: Context, path: PathLike, *, prefix_namespace: str | None = None,
     return ctx.replace(registry=ctx.registry.add(header.tensors)), out
 
 
+@paused
 def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = None,
             cast: bool = False, namespace: str | None = None,
             verify: bool | None = None) -> Any:

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from jckpt._gc import paused
 from jckpt.errors import FormatError
 from jckpt.format import precs
 from jckpt.format.sexp import Sexp, SexpError, dumps, parse, quote
@@ -494,6 +495,7 @@ def _canonical_entries(text: str, *, accelerate: bool = True) -> tuple[list[Entr
     return entries, head.end() - 1, tail.end() - 1
 
 
+@paused  # decoding allocates millions of small objects and no cycles
 def decode_header(raw: bytes | memoryview, *, file: str | None = None) -> Header:
     """Decode and validate a header from the file's first ``4 + HLEN`` bytes (or more).
 
