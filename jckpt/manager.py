@@ -621,7 +621,7 @@ def _restore_namespaces(ctx: Context, target: Any, path: str, namespaces: Sequen
         if e.namespace in groups:
             array = reader.decode(e, mmap=ctx.mmap, verify=not ctx.mmap)
             value = placement.place(array, None, host=ctx.host, device=ctx.device, where=e.name,
-                                    key_impl=e.key_impl)
+                                    key_impl=e.key_impl, file=path)
             key = e.path if e.path is not None else (('k', f"n{e.id}"),)
             groups[e.namespace].append((key, value))
     return {ns: tree_mod.unflatten(items, file=path) for ns, items in groups.items()}

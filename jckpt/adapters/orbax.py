@@ -61,7 +61,7 @@ def sniff(path: str, head: bytes | None) -> bool:
 
 
 def _steps(path: str) -> list[str]:
-    return sorted((n for n in os.listdir(path) if n.isdigit()
+    return sorted((n for n in os.listdir(path) if n.isascii() and n.isdigit()  # not '²'
                    and os.path.exists(os.path.join(path, n, _STEP_MARKER))), key=int)
 
 
