@@ -548,6 +548,13 @@ class CheckpointManager:
                 previous(signum, frame)
 
         signal.signal(signal.SIGTERM, handler)
+        self._restore_sigterm = lambda: signal.signal(signal.SIGTERM, previous)
+
+    def _uninstall_sigterm(self) -> None:
+        """Put back the SIGTERM handler that was there before this manager (on close)."""
+        restore, self._restore_sigterm = getattr(self, '_restore_sigterm', None), None
+        if restore is not None and threading.current_thread() is threading.main_thread():
+            restore()
 
     # --- lifetime --------------------------------------------------------------
 
@@ -557,6 +564,7 @@ class CheckpointManager:
             self._pipeline.close(timeout)
         finally:
             self._lease.release()
+            self._uninstall_sigterm()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -474,7 +474,7 @@ def as_lazy(array: Any) -> LazyArray:
     """``array`` (numpy or lazy) as a :class:`LazyArray`."""
     if isinstance(array, LazyArray):
         return array
-    return LazyArray(array.shape, array.dtype, lambda box: read_box(array, box, log=False))
+    return LazyArray(array.shape, array.dtype, lambda box: read_box(array, box))
 
 
 def read_box(array: Any, box: Box, *, log: bool = True) -> np.ndarray:

@@ -149,6 +149,7 @@ def test_preemption_falls_back_without_a_distributed_client(tmp_path):
             assert mgr.save(3, {"x": np.float32(3)})
             mgr.wait_durable()
             assert mgr.all_steps() == [3]
+        assert signal.getsignal(signal.SIGTERM) is previous  # close puts the old handler back
     finally:
         signal.signal(signal.SIGTERM, previous)
     with jckpt.CheckpointManager(tmp_path) as mgr:

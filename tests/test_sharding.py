@@ -107,6 +107,18 @@ def test_each_device_reads_only_its_shard(tmp_path, m42, m24):
         np.testing.assert_array_equal(np.asarray(back["w"]), x)
 
 
+def test_a_cast_restore_still_reads_only_each_shard(tmp_path, m42, m24):
+    path = tmp_path / "s.jckpt"
+    x = data((64, 48))
+    jckpt.save(jckpt.Context(), {"w": put(x, m42, P("data", "model"))}, path)
+    s = NamedSharding(m24, P("a", "b"))
+    with sh.record_reads() as log:
+        back = jckpt.restore(jckpt.Context(), {"w": jax.ShapeDtypeStruct(x.shape, ml_dtypes.bfloat16,
+                                                                         sharding=s)}, path, cast=True)
+    assert len(log) == 8 and all(n == x.nbytes // 8 for _, n in log)
+    assert back["w"].dtype == ml_dtypes.bfloat16
+
+
 def test_replicas_are_read_once_and_no_gather(tmp_path, m42, monkeypatch):
     tree = {"full": put(data((8, 8)), m42, P()), "rows": put(data((8, 8)), m42, P("data")),
             "both": put(data((8, 8)), m42, P("data", "model"))}
