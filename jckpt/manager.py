@@ -124,8 +124,12 @@ class CheckpointManager:
         this (or when preemption is reached, or with ``force=True``).
       asynchronous: write in the background (default); ``False`` makes
         :meth:`save` return only once the step is durable.
-      slots, when_full, retry_after, patience: as for :class:`~jckpt.Mirror`.
-      lineage, new_lineage: as for :class:`~jckpt.Mirror`, against the latest step.
+      slots: snapshot slots, as for :class:`~jckpt.Mirror`.
+      when_full: ``'block'`` or ``'raise'`` when every slot is pending, as for the mirror.
+      retry_after: seconds before a failed write is retried, as for the mirror.
+      patience: failed attempts in a row before the error is raised, as for the mirror.
+      lineage: the lineage to continue, checked against the latest step.
+      new_lineage: start a new lineage even if the latest step has another.
       handle_sigterm: where no JAX distributed client runs, treat SIGTERM as
         preemption (:meth:`reached_preemption` then says True).
       directory_steps: write each step as a multi-process directory checkpoint
