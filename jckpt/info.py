@@ -201,8 +201,27 @@ def _entry_row(e: EntryInfo) -> list[str]:
     return [e.namespace, e.path, dtype, shape, human_bytes(e.nbytes), str(e.offset), mapping]
 
 
+class _Totals:
+    """Totals shared by a file's and a directory checkpoint's summaries (over ``entries``)."""
+
+    entries: tuple
+
+    @property
+    def payload_bytes(self) -> int:
+        """Total payload bytes."""
+        return sum(e.nbytes for e in self.entries)
+
+    @property
+    def namespaces(self) -> dict[str, int]:
+        """``{namespace: number of entries}``, in first-appearance order."""
+        out: dict[str, int] = {}
+        for e in self.entries:
+            out[e.namespace] = out.get(e.namespace, 0) + 1
+        return out
+
+
 @dataclasses.dataclass(frozen=True)
-class FileInfo:
+class FileInfo(_Totals):
     """The summary of one checkpoint file: its entries, totals and header metadata.
 
     ``repr`` prints a table (the first :data:`REPR_ROWS` entries); in Jupyter
@@ -228,19 +247,6 @@ class FileInfo:
     entries: tuple[EntryInfo, ...]
 
     kind = 'file'
-
-    @property
-    def payload_bytes(self) -> int:
-        """Total payload bytes."""
-        return sum(e.nbytes for e in self.entries)
-
-    @property
-    def namespaces(self) -> dict[str, int]:
-        """``{namespace: number of entries}``, in first-appearance order."""
-        out: dict[str, int] = {}
-        for e in self.entries:
-            out[e.namespace] = out.get(e.namespace, 0) + 1
-        return out
 
     @property
     def mappable(self) -> int:
@@ -426,7 +432,7 @@ def _array_row(a: ArrayInfo) -> list[str]:
 
 
 @dataclasses.dataclass(frozen=True)
-class DirectoryInfo:
+class DirectoryInfo(_Totals):
     """The summary of a multi-process checkpoint: a directory of piece files and an index.
 
     Attributes:
@@ -451,17 +457,6 @@ class DirectoryInfo:
     def entries(self) -> tuple[ArrayInfo, ...]:
         """The arrays (the same name as a file's entries, for code that handles both)."""
         return self.arrays
-
-    @property
-    def payload_bytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays)
-
-    @property
-    def namespaces(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for a in self.arrays:
-            out[a.namespace] = out.get(a.namespace, 0) + 1
-        return out
 
     def _description(self) -> str:
         return (f"multi-process checkpoint directory, {plural(len(self.arrays), 'array')} in "
