@@ -204,7 +204,9 @@ def _entry_row(e: EntryInfo) -> list[str]:
 class _Totals:
     """Totals shared by a file's and a directory checkpoint's summaries (over ``entries``)."""
 
-    entries: tuple
+    if TYPE_CHECKING:  # a field of FileInfo, a property of DirectoryInfo
+        @property
+        def entries(self) -> tuple: ...
 
     @property
     def payload_bytes(self) -> int:
