@@ -16,6 +16,7 @@ import importlib
 import logging
 from typing import TYPE_CHECKING
 
+from jckpt import _moved
 from jckpt.errors import (
     CapacityError,
     CheckpointError,
@@ -30,35 +31,36 @@ from jckpt.errors import (
     StorageError,
     TargetError,
 )
-from jckpt.info import info  # bound eagerly: the name must stay the function, not the module
+from jckpt.tools.info import info  # bound eagerly: the name must stay the function, not the module
 from jckpt.version import __version__
 
 logging.getLogger('jckpt').addHandler(logging.NullHandler())  # the library prints nothing
+_moved.install()  # old module paths (jckpt.mirror, jckpt.sharding, ...) still import
 
 if TYPE_CHECKING:
     from jckpt.adapters import convert, detect_format, register_format
-    from jckpt.api import describe, ingestion_counts, load, restore, save
-    from jckpt.check import verify
-    from jckpt.context import Context, Registry
-    from jckpt.distributed import DistributedError, consolidate
-    from jckpt.manager import CheckpointManager, Restored
-    from jckpt.mirror import Mirror, MirrorCounters
-    from jckpt.trainer_state import TrainerState
-    from jckpt.tree import prefix_namespace
+    from jckpt.api.context import Context, Registry
+    from jckpt.api.operations import describe, ingestion_counts, load, restore, save
+    from jckpt.services.distributed import DistributedError, consolidate
+    from jckpt.services.manager import CheckpointManager, Restored
+    from jckpt.services.mirror import Mirror, MirrorCounters
+    from jckpt.services.trainer_state import TrainerState
+    from jckpt.tools.check import verify
+    from jckpt.trees.pytree import prefix_namespace
 
 # name -> module that defines it, imported lazily so the codec stays JAX-free.
 _LAZY = {
-    'save': 'jckpt.api', 'load': 'jckpt.api', 'restore': 'jckpt.api',
-    'ingestion_counts': 'jckpt.api', 'describe': 'jckpt.api',
-    'Context': 'jckpt.context', 'Registry': 'jckpt.context',
-    'consolidate': 'jckpt.distributed', 'DistributedError': 'jckpt.distributed',
-    'prefix_namespace': 'jckpt.tree',
+    'save': 'jckpt.api.operations', 'load': 'jckpt.api.operations', 'restore': 'jckpt.api.operations',
+    'ingestion_counts': 'jckpt.api.operations', 'describe': 'jckpt.api.operations',
+    'Context': 'jckpt.api.context', 'Registry': 'jckpt.api.context',
+    'consolidate': 'jckpt.services.distributed', 'DistributedError': 'jckpt.services.distributed',
+    'prefix_namespace': 'jckpt.trees.pytree',
     'convert': 'jckpt.adapters', 'detect_format': 'jckpt.adapters',
     'register_format': 'jckpt.adapters',
-    'verify': 'jckpt.check',
-    'Mirror': 'jckpt.mirror', 'MirrorCounters': 'jckpt.mirror',
-    'CheckpointManager': 'jckpt.manager', 'Restored': 'jckpt.manager',
-    'TrainerState': 'jckpt.trainer_state',
+    'verify': 'jckpt.tools.check',
+    'Mirror': 'jckpt.services.mirror', 'MirrorCounters': 'jckpt.services.mirror',
+    'CheckpointManager': 'jckpt.services.manager', 'Restored': 'jckpt.services.manager',
+    'TrainerState': 'jckpt.services.trainer_state',
 }
 
 

@@ -1,6 +1,6 @@
 """``python -m jckpt``: the ``jckpt`` command line."""
 
-from jckpt.cli import main
+from jckpt.tools.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -47,7 +47,7 @@ def test_conversion_chain_is_bit_exact(tmp_path):
     assert formats == [('jckpt', 'safetensors'), ('safetensors', 'npz'), ('npz', 'torch'),
                        ('torch', 'jckpt')]
     back = jckpt.restore(jckpt.Context(host=True), tree, tmp_path / 'e.jckpt')
-    for (p, a), (_, b) in zip(jckpt.tree.flatten(tree), jckpt.tree.flatten(back)):
+    for (p, a), (_, b) in zip(jckpt.trees.pytree.flatten(tree), jckpt.trees.pytree.flatten(back)):
         assert same_bits(a, b), p
 
 
@@ -182,7 +182,7 @@ def test_random_damage_gives_only_checkpoint_errors(tmp_path, fmt):
 
 
 def test_directory_checkpoint_converts(tmp_path):
-    from jckpt import distributed
+    from jckpt.services import distributed
     tree = {'w': np.arange(6.0).reshape(2, 3), 'b': np.ones(2, np.float32)}
     distributed.save_directory(jckpt.Context(), tree, tmp_path / 'dir')
     assert jckpt.detect_format(tmp_path / 'dir') == 'jckpt'

@@ -145,7 +145,7 @@ def test_x64_entries_stay_numpy_with_a_warning(tmp_path):
     jckpt.save(jckpt.Context(), {"d": np.arange(3, dtype=np.float64)}, path)
     if jax.config.jax_enable_x64:
         pytest.skip("x64 enabled")
-    import jckpt.placement as placement
+    import jckpt.trees.placement as placement
     placement._warned_x64 = False
     with pytest.warns(UserWarning, match="jax_enable_x64"):
         _, tree = jckpt.load(jckpt.Context(), path)

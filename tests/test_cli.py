@@ -50,7 +50,7 @@ class Result(NamedTuple):
 @pytest.fixture
 def cli(capsys):
     """Run ``jckpt ARGS`` in this process (fast); the subprocess form is ``jckpt_cmd``."""
-    from jckpt.cli import main
+    from jckpt.tools.cli import main
 
     def run(*args):
         capsys.readouterr()
@@ -80,7 +80,7 @@ def write(path, arrays, *, namespace='jckpt', alignment=32, metadata=None):
 
 def write_directory(path, arrays, *, processes=2, metadata=None):
     """A multi-process checkpoint: each array split along axis 0 over ``processes`` piece files."""
-    from jckpt.distributed import piece_name, write_index
+    from jckpt.services.distributed import piece_name, write_index
 
     os.makedirs(path)
     pieces = {p: ([], []) for p in range(processes)}
@@ -112,7 +112,7 @@ ARRAYS = {
 @pytest.fixture
 def model(tmp_path):
     return write(tmp_path / 'model.jckpt', ARRAYS,
-                 metadata={'jckpt.trainer_state': json.dumps({'global_step': 7}),
+                 metadata={'jckpt.services.trainer_state': json.dumps({'global_step': 7}),
                            'jckpt.lineage': 'abc123', 'jckpt.generation': '4', 'note': 'hello'})
 
 
@@ -483,7 +483,7 @@ def test_usage_errors(cli):
 
 
 def test_read_commands_do_not_import_jax(model, tmp_path):
-    code = ("import sys; from jckpt.cli import main\n"
+    code = ("import sys; from jckpt.tools.cli import main\n"
             f"for argv in (['inspect', {model!r}], ['verify', {model!r}], "
             f"['diff', {model!r}, {model!r}]):\n"
             "    assert main(argv) == 0\n"

@@ -13,7 +13,7 @@ with SIGKILL after a random delay, then checks:
 
 Kinds of save: single file, appending (kept payloads copied from the old
 file), the step manager (background writer, retention), and a sharded
-directory when ``jckpt.distributed`` is available. Saves are durable (fsync),
+directory when ``jckpt.services.distributed`` is available. Saves are durable (fsync),
 so many kills land while a staging file exists (the test requires one in
 eight; about half did in recent runs).
 """
@@ -92,7 +92,7 @@ class ManagerLoop:
 
     @classmethod
     def save(cls, directory: str, k: int) -> None:
-        from jckpt.manager import CheckpointManager
+        from jckpt.services.manager import CheckpointManager
 
         if cls.mgr is None:
             cls.mgr = CheckpointManager(directory, keep_last=2)
@@ -109,7 +109,7 @@ class ManagerLoop:
 def check_manager(directory: str) -> int:
     """Every step file present is complete; return the latest step."""
     import jckpt
-    from jckpt.manager import _STEP_RE
+    from jckpt.services.manager import _STEP_RE
     from jckpt.storage.reader import CheckpointReader
 
     steps = []
@@ -127,14 +127,14 @@ def check_manager(directory: str) -> int:
 
 def save_sharded(directory: str, k: int) -> None:
     import jckpt
-    from jckpt.distributed import save_directory
+    from jckpt.services.distributed import save_directory
 
     save_directory(jckpt.Context(), {"w": values(k), "step": np.int64(k)}, directory)
 
 
 def check_sharded(directory: str) -> int:
     """Read the directory through its index, numpy only (the driver never starts JAX)."""
-    from jckpt.distributed import DirectoryReader
+    from jckpt.services.distributed import DirectoryReader
 
     reader = DirectoryReader(directory)
     assert reader.verify() == []
@@ -159,7 +159,7 @@ def available(kind: str) -> bool:
     if kind != "sharded":
         return True
     try:
-        from jckpt.distributed import DirectoryReader, save_directory  # noqa: F401
+        from jckpt.services.distributed import DirectoryReader, save_directory  # noqa: F401
     except ImportError:
         return False
     return True
@@ -206,17 +206,17 @@ def _acks(r: int) -> list[int]:
 
 def _leftovers(kind: str, target: str) -> list[str]:
     """Names next to (or inside) the checkpoint that are not published checkpoint files."""
-    from jckpt.lease import LEASE_SUFFIX
+    from jckpt.storage.lease import LEASE_SUFFIX
 
     if KINDS[kind][2] == "file":
         directory = os.path.dirname(target)
         return sorted(n for n in os.listdir(directory)
                       if n != os.path.basename(target) and not n.endswith(LEASE_SUFFIX))
     if kind == "manager":
-        from jckpt.manager import _STEP_RE
+        from jckpt.services.manager import _STEP_RE
 
         return sorted(n for n in os.listdir(target) if not _STEP_RE.match(n) and n != LEASE_SUFFIX)
-    from jckpt.distributed import INDEX_NAME, PIECE_RE
+    from jckpt.services.distributed import INDEX_NAME, PIECE_RE
 
     parent = os.path.dirname(target)
     inside = [f"{os.path.basename(target)}/{n}" for n in os.listdir(target)
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or tempfile.mkdtemp(prefix="jckpt-crash-")
     import importlib
 
-    for module in ("jckpt.api", "jckpt.manager"):  # imported once here, not in every child
+    for module in ("jckpt.api.operations", "jckpt.services.manager"):  # imported once here
         importlib.import_module(module)
     results = []
     for kind in args.kinds.split(","):
@@ -396,7 +396,7 @@ def test_contention_appending_saves(tmp_path):
 def test_appending_save_refuses_a_file_replaced_under_it(tmp_path, monkeypatch):
     """The kept payloads are copied from the very file whose header was read, or not at all."""
     import jckpt
-    import jckpt.api as api
+    import jckpt.api.operations as api
     from jckpt.storage.reader import CheckpointReader
 
     path = tmp_path / "c.jckpt"
@@ -423,7 +423,7 @@ def test_next_directory_save_reclaims_a_lockless_stage(tmp_path, contents):
     if not available("sharded"):
         pytest.skip("no directory checkpoints")
     import jckpt
-    from jckpt.distributed import STAGE_DIR_TAG, save_directory
+    from jckpt.services.distributed import STAGE_DIR_TAG, save_directory
 
     target = tmp_path / "ck"
     save_directory(jckpt.Context(), {"w": np.ones(3)}, str(target))

@@ -168,7 +168,7 @@ def test_read_faults_are_storage_errors(tmp_path, monkeypatch):
 
 def test_manager_survives_a_failing_disk(tmp_path, monkeypatch):
     """Failed writes are retried; after ``patience`` failures the error reaches the caller."""
-    from jckpt.manager import CheckpointManager
+    from jckpt.services.manager import CheckpointManager
 
     directory = tmp_path / "run"
     with CheckpointManager(directory, retry_after=0.01, patience=2) as mgr:

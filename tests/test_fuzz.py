@@ -161,7 +161,7 @@ ESCAPES = ["../process_00000.jckpt", "/tmp/process_00000.jckpt", "sub/../../proc
 
 
 def _directory_checkpoint(tmp_path):
-    from jckpt.distributed import save_directory
+    from jckpt.services.distributed import save_directory
 
     base = tmp_path / "run"
     base.mkdir()
@@ -253,7 +253,7 @@ def test_archive_member_names_cannot_escape(tmp_path, member):
 
 def test_planted_symlink_at_lease_cannot_redirect_a_write(tmp_path):
     """A symlink at the writer-lease name must not let a mirror or manager truncate its target."""
-    from jckpt.lease import WriterLease, lease_path
+    from jckpt.storage.lease import WriterLease, lease_path
 
     victim = tmp_path / "victim"
     victim.write_bytes(b"precious")

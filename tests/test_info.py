@@ -1,4 +1,4 @@
-"""``jckpt.info``, ``jckpt.verify``, ``jckpt.check.diff``, ``jckpt.rewrite`` and progress bars in Python."""
+"""``jckpt.info``, ``jckpt.verify``, ``diff``, ``jckpt.tools.rewrite`` and progress bars in Python."""
 
 import io
 import json
@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 import jckpt
-from jckpt import progress
-from jckpt.check import diff, verify
+from jckpt.api import progress
 from jckpt.format import Entry, Header, lay_out, prec_of
-from jckpt.info import FileInfo, ManagerInfo, human_bytes, info
-from jckpt.rewrite import merge, relayout
 from jckpt.storage import ArraySource, CheckpointReader, write_checkpoint
+from jckpt.tools.check import diff, verify
+from jckpt.tools.info import FileInfo, ManagerInfo, human_bytes, info
+from jckpt.tools.rewrite import merge, relayout
 
 
 def write(path, arrays, *, namespace='jckpt', alignment=32, metadata=None):
@@ -51,7 +51,7 @@ def on_terminal(monkeypatch):
 def test_info_file(tmp_path):
     path = write(tmp_path / 'm.jckpt', {'params/w': np.ones((784, 512), np.float32),
                                         'step': np.int32(3)},
-                 metadata={'jckpt.trainer_state': '{"global_step": 3}', 'owner': '<b>me</b>'})
+                 metadata={'jckpt.services.trainer_state': '{"global_step": 3}', 'owner': '<b>me</b>'})
     s = jckpt.info(path)
     assert isinstance(s, FileInfo)
     assert s.size == os.path.getsize(path) and s.alignment == 32 and s.writer == 'jckpt test'
@@ -83,7 +83,7 @@ def test_info_repr_is_bounded(tmp_path):
 
 
 def test_info_name_stays_the_function():
-    import jckpt.info  # importing the module must not shadow the function
+    import jckpt.tools.info  # importing the module must not shadow the function
 
     assert callable(jckpt.info) and jckpt.info is info
     assert 'info' in jckpt.__all__ and 'verify' in jckpt.__all__
@@ -141,9 +141,9 @@ def test_manager_keys_match_the_writers():
     """The metadata keys info reads are the ones the mirror and manager write."""
     import importlib
 
-    from jckpt import manager, mirror, trainer_state
+    from jckpt.services import manager, mirror, trainer_state
 
-    info_mod = importlib.import_module('jckpt.info')  # `from jckpt import info` is the function
+    info_mod = importlib.import_module('jckpt.tools.info')
 
     assert info_mod.STEP_KEY == manager.STEP_KEY
     assert info_mod.METRICS_KEY == manager.METRICS_KEY
@@ -238,7 +238,7 @@ def test_diff_nan_against_number(tmp_path):
 
 
 def test_diff_is_chunked(tmp_path, monkeypatch):
-    from jckpt import check
+    from jckpt.tools import check
 
     monkeypatch.setattr(check, 'DIFF_CHUNK', 7)
     x = np.arange(50, dtype=np.float32)

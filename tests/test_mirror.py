@@ -370,7 +370,7 @@ def test_lineage_is_recorded_refused_and_continued(tmp_path):
 
 
 def test_failed_publish_discards_what_was_staged_after_it_and_retries(tmp_path, monkeypatch):
-    import jckpt.mirror as mirror_mod
+    import jckpt.services.mirror as mirror_mod
 
     path = str(tmp_path / "run.jckpt")
     original = mirror_mod.finish_staged

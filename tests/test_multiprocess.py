@@ -80,8 +80,8 @@ def test_save_on_2x2_restore_on_4_processes_and_one(tmp_path):
     from jax.sharding import PartitionSpec as P
 
     import jckpt
-    from jckpt import distributed
-    from jckpt import sharding as sh
+    from jckpt.services import distributed
+    from jckpt.trees import sharding as sh
 
     d = tmp_path / "ckpt"
     found = check(run_pair("save", d))
@@ -105,7 +105,7 @@ def test_save_on_2x2_restore_on_4_processes_and_one(tmp_path):
 
     # a new pair restores onto a (4,) mesh, each reading only the overlapping piece file
     found = check(run_pair("restore", d))
-    files = jckpt.distributed.DirectoryReader(d).files
+    files = jckpt.services.distributed.DirectoryReader(d).files
     for r in found.values():
         assert r["ok"] and r["bytes_ok"], r
         assert [files[i] for i in r["files_opened"]] == [f"process_0000{r['process']}.jckpt"], r
@@ -165,8 +165,8 @@ def worker(phase, process, port, path):
     from jax.sharding import PartitionSpec as P
 
     import jckpt
-    from jckpt import distributed
-    from jckpt import sharding as sh
+    from jckpt.services import distributed
+    from jckpt.trees import sharding as sh
 
     assert jax.process_count() == 2 and jax.device_count() == 4
     result = {"process": process, "ok": False}

@@ -17,7 +17,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import jckpt  # noqa: E402
 import jckpt.adapters  # noqa: E402
-import jckpt.orbax  # noqa: E402
+from jckpt.adapters import orbax_handler  # noqa: E402
 from jckpt.errors import FormatError  # noqa: E402
 
 
@@ -33,21 +33,21 @@ def test_manager_saves_and_restores_through_jckpt(tmp_path):
     tree = state()
     with ocp.CheckpointManager(tmp_path) as manager:
         for step in (1, 2):
-            manager.save(step, args=ocp.args.Composite(state=jckpt.orbax.JckptSave(tree)))
+            manager.save(step, args=ocp.args.Composite(state=orbax_handler.JckptSave(tree)))
         manager.wait_until_finished()
         assert manager.all_steps() == [1, 2]
-    item = tmp_path / '2' / 'state' / jckpt.orbax.FILENAME
+    item = tmp_path / '2' / 'state' / orbax_handler.FILENAME
     assert jckpt.detect_format(item) == 'jckpt'
     meta = json.loads((tmp_path / '2' / '_CHECKPOINT_METADATA').read_text())
     type_string = meta['item_handlers']['state']
     module, _, name = type_string.rpartition('.')
     handler = getattr(importlib.import_module(module), name)()  # importable, no arguments
-    assert isinstance(handler, jckpt.orbax.JckptCheckpointHandler)
+    assert isinstance(handler, orbax_handler.JckptCheckpointHandler)
 
     target = jax.tree_util.tree_map(lambda x: x, tree)
     target['params']['w'] = jax.ShapeDtypeStruct((4, 4), jnp.float32, sharding=tree['params']['w'].sharding)
     with ocp.CheckpointManager(tmp_path) as fresh:
-        restored = fresh.restore(2, args=ocp.args.Composite(state=jckpt.orbax.JckptRestore(target)))
+        restored = fresh.restore(2, args=ocp.args.Composite(state=orbax_handler.JckptRestore(target)))
         whole = fresh.restore(1)  # without args: orbax finds the handler from its type string
     got = restored['state']
     assert got['params']['w'].sharding == tree['params']['w'].sharding
@@ -70,14 +70,14 @@ def test_save_is_asynchronous_and_snapshots_the_tree(tmp_path, monkeypatch):
     monkeypatch.setattr(jckpt, 'save', slow_save)
     values = np.arange(6, dtype=np.float32)
     with ocp.CheckpointManager(tmp_path) as manager:
-        manager.save(1, args=ocp.args.Composite(state=jckpt.orbax.JckptSave({'v': values})))
+        manager.save(1, args=ocp.args.Composite(state=orbax_handler.JckptSave({'v': values})))
         # save returned while the file is still being written in the background
         assert started.wait(60)
-        assert not (tmp_path / '1' / 'state' / jckpt.orbax.FILENAME).exists()
+        assert not (tmp_path / '1' / 'state' / orbax_handler.FILENAME).exists()
         values[:] = -1  # the caller may change its arrays at once
         release.set()
         manager.wait_until_finished()
-        got = manager.restore(1, args=ocp.args.Composite(state=jckpt.orbax.JckptRestore()))
+        got = manager.restore(1, args=ocp.args.Composite(state=orbax_handler.JckptRestore()))
     assert got['state']['v'].tolist() == [0, 1, 2, 3, 4, 5]
 
 
@@ -156,11 +156,11 @@ def test_synchronous_manager_and_plain_checkpointer(tmp_path):
     tree = {'k': jax.random.key(3), 'x': jnp.arange(4)}
     options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
     with ocp.CheckpointManager(tmp_path / 'sync', options=options) as manager:
-        manager.save(0, args=ocp.args.Composite(state=jckpt.orbax.JckptSave(tree)))
-        got = manager.restore(0, args=ocp.args.Composite(state=jckpt.orbax.JckptRestore(tree)))
+        manager.save(0, args=ocp.args.Composite(state=orbax_handler.JckptSave(tree)))
+        got = manager.restore(0, args=ocp.args.Composite(state=orbax_handler.JckptRestore(tree)))
     assert jnp.array_equal(jax.random.key_data(got['state']['k']), jax.random.key_data(tree['k']))
-    with ocp.Checkpointer(jckpt.orbax.JckptCheckpointHandler()) as checkpointer:
-        checkpointer.save(tmp_path / 'plain', args=jckpt.orbax.JckptSave(tree))
-        again = checkpointer.restore(tmp_path / 'plain', args=jckpt.orbax.JckptRestore(tree))
+    with ocp.Checkpointer(orbax_handler.JckptCheckpointHandler()) as checkpointer:
+        checkpointer.save(tmp_path / 'plain', args=orbax_handler.JckptSave(tree))
+        again = checkpointer.restore(tmp_path / 'plain', args=orbax_handler.JckptRestore(tree))
     assert jnp.array_equal(again['x'], tree['x'])
-    assert jckpt.describe(tmp_path / 'plain' / jckpt.orbax.FILENAME).tensors[0].key_impl is not None
+    assert jckpt.describe(tmp_path / 'plain' / orbax_handler.FILENAME).tensors[0].key_impl is not None

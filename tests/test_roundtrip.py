@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import jckpt
-import jckpt.tree
+import jckpt.trees.pytree
 from jckpt.format import precs
 
 DTYPES = [precs.dtype_of(p) for p in sorted(precs.ALL_PRECS - {"Void_prec", "Uint4x32_prec"})]
@@ -64,6 +64,6 @@ def test_roundtrip_bit_exact(tmp_path_factory, tree, alignment, mmap):
     for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(back)):
         assert bits(a) == bits(b)
     _, loaded = jckpt.load(jckpt.Context(host=True), path, mmap=mmap)
-    flat = dict(jckpt.tree.flatten(loaded["jckpt"])) if jax.tree.leaves(tree) else {}
-    for p, leaf in jckpt.tree.flatten(tree):
+    flat = dict(jckpt.trees.pytree.flatten(loaded["jckpt"])) if jax.tree.leaves(tree) else {}
+    for p, leaf in jckpt.trees.pytree.flatten(tree):
         assert bits(flat[p]) == bits(leaf)

@@ -11,11 +11,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jckpt
-from jckpt import distributed, placement
-from jckpt import sharding as sh
 from jckpt.errors import FormatError, MismatchError
+from jckpt.services import distributed
 from jckpt.storage.reader import CheckpointReader
 from jckpt.storage.writer import Sink
+from jckpt.trees import placement
+from jckpt.trees import sharding as sh
 
 
 def mesh(shape, names, devices=None):
@@ -129,7 +130,7 @@ def test_replicas_are_read_once_and_no_gather(tmp_path, m42, monkeypatch):
         return real(leaf, where)
 
     monkeypatch.setattr(placement, "to_host", no_gather)
-    leaves = sh.prepare_leaves(jckpt.tree.flatten(tree), "jckpt", str)
+    leaves = sh.prepare_leaves(jckpt.trees.pytree.flatten(tree), "jckpt", str)
     assert [len(h.source.pieces) for h in leaves] == [8, 1, 4]  # both, full, rows
     jckpt.save(jckpt.Context(), tree, tmp_path / "r.jckpt")
     assert CheckpointReader(tmp_path / "r.jckpt").verify() == []

@@ -40,8 +40,8 @@ def check_namespaced(tree: Any, file: str) -> dict[str, Any]:
 
 def host_items(tree: Any, file: str) -> list[tuple[str, KeyPath, np.ndarray]]:
     """``[(namespace, path, host array)]`` for every leaf of ``{namespace: subtree}``."""
-    from jckpt import placement
-    from jckpt import tree as tree_mod
+    from jckpt.trees import placement
+    from jckpt.trees import pytree as tree_mod
 
     out = []
     for ns, sub in check_namespaced(tree, file).items():
@@ -89,7 +89,7 @@ def tree_from_names(arrays: dict[str, np.ndarray], record: str | None,
                     namespace: str = DEFAULT_NAMESPACE) -> dict[str, Any]:
     """Rebuild ``{namespace: subtree}`` from named arrays and, when it is present
     and covers exactly these names, the paths record written by :func:`paths_json`."""
-    from jckpt import tree as tree_mod
+    from jckpt.trees import pytree as tree_mod
 
     paths = _parse_record(record, set(arrays))
     if paths is None:

@@ -3,7 +3,7 @@
 Reading accepts an orbax PyTree item directory (it holds ``_METADATA``),
 which reads as ``{'jckpt': tree}``, or a step directory of a
 ``CheckpointManager`` (``<root>/<step>``), whose items read as
-``{item: tree}``; items saved through :mod:`jckpt.orbax` (one jckpt file each)
+``{item: tree}``; items saved through :mod:`jckpt.adapters.orbax_handler` (one jckpt file each)
 are read too. Every leaf comes back as a host numpy array, bit-exact.
 Writing makes a step-style directory with one PyTree item per namespace,
 which ``ocp.CheckpointManager``/``ocp.Checkpointer`` and this reader open.

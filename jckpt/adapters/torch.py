@@ -360,7 +360,7 @@ class _Pickle:
             self.tensor(x, where)
 
     def tensor(self, x: Any, where: str) -> None:
-        from jckpt import placement
+        from jckpt.trees import placement
         try:
             array, _ = placement.to_host(x, where)
         except InputError as e:

@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from jckpt._gc import paused
 from jckpt.errors import FormatError
 from jckpt.format import precs
+from jckpt.format._gc import paused
 from jckpt.format.sexp import Sexp, SexpError, dumps, parse, quote
 
 FORMAT_VERSION = 1

@@ -342,8 +342,8 @@ def prepare_leaves(items: Sequence[tuple[Any, Any]], namespace: str,
     """
     import jax
 
-    from jckpt import placement
     from jckpt.storage.writer import ArraySource
+    from jckpt.trees import placement
 
     staged: list[Any] = []
     for p, leaf in items:

@@ -33,7 +33,7 @@ import dataclasses
 import os
 from collections.abc import Sequence
 
-from jckpt import progress as progress_mod
+from jckpt.api import progress as progress_mod
 from jckpt.errors import ChecksumError, ClashError, InputError
 from jckpt.format.header import DEFAULT_ALIGNMENT, Entry, Header
 from jckpt.format.layout import lay_out
@@ -92,7 +92,7 @@ def relayout(src: str | os.PathLike, dst: str | os.PathLike, *, alignment: int |
 
     Example::
 
-        jckpt.rewrite.relayout("ocannl_model.ckpt", "model.jckpt", alignment=4096)
+        jckpt.tools.rewrite.relayout("ocannl_model.ckpt", "model.jckpt", alignment=4096)
     """
     src, dst = os.fspath(src), os.fspath(dst)
     reader = CheckpointReader(src)
@@ -133,11 +133,11 @@ def merge(out: str | os.PathLike, inputs: Sequence[str | os.PathLike],
 
     Example::
 
-        jckpt.rewrite.merge("both.jckpt", ["teacher.jckpt", "student.jckpt"],
+        jckpt.tools.rewrite.merge("both.jckpt", ["teacher.jckpt", "student.jckpt"],
                             prefixes=["teacher", "student"])
         # namespaces teacher__jckpt and student__jckpt
     """
-    from jckpt.tree import check_prefix, prefix_namespace
+    from jckpt.trees.pytree import check_prefix, prefix_namespace
 
     out = os.fspath(out)
     inputs = [os.fspath(p) for p in inputs]

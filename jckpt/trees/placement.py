@@ -15,9 +15,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from jckpt import sharding as sharding_mod
 from jckpt.errors import FormatError, InputError
 from jckpt.format import precs
+from jckpt.trees import sharding as sharding_mod
 
 _PY_SCALARS = (bool, int, float, complex)
 _warned_x64 = False

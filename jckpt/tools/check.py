@@ -33,13 +33,13 @@ from typing import Any
 
 import numpy as np
 
-from jckpt import progress as progress_mod
+from jckpt.api import progress as progress_mod
 from jckpt.errors import ChecksumError, FormatError, StorageError
 from jckpt.format import payload as payload_mod
 from jckpt.format import precs
 from jckpt.format.header import Entry
-from jckpt.info import format_shape
 from jckpt.storage.reader import CheckpointReader
+from jckpt.tools.info import format_shape
 
 #: Elements compared per step by :func:`diff` (bounds its temporary memory).
 DIFF_CHUNK = 1 << 20
@@ -197,8 +197,8 @@ def _combine(path: str, reports: list[VerifyReport], extra: list[Problem]) -> Ve
 def _verify_directory(path: str, progress: bool) -> VerifyReport:
     """A multi-process checkpoint (its index and every piece), or every step of a manager's
     directory, as one report."""
-    from jckpt.distributed import INDEX_NAME, PIECE_RE
-    from jckpt.info import STEP_RE
+    from jckpt.services.distributed import INDEX_NAME, PIECE_RE
+    from jckpt.tools.info import STEP_RE
 
     if os.path.exists(os.path.join(path, INDEX_NAME)):
         return _verify_sharded(path, progress)
@@ -218,7 +218,7 @@ def _verify_directory(path: str, progress: bool) -> VerifyReport:
 
 def _verify_sharded(path: str, progress: bool) -> VerifyReport:
     """The index of a directory checkpoint, each piece file, and that the index matches them."""
-    from jckpt.distributed import INDEX_NAME, PIECE_RE, DirectoryReader
+    from jckpt.services.distributed import INDEX_NAME, PIECE_RE, DirectoryReader
 
     try:
         reader = DirectoryReader(path)
@@ -369,7 +369,7 @@ class DiffReport:
 
     def render(self, *, show_all: bool = False) -> str:
         """The text ``jckpt diff`` prints (``show_all``: also the entries that match)."""
-        from jckpt.info import text_table
+        from jckpt.tools.info import text_table
 
         lines = [f"only in {self.a}: {n}" for n in self.only_a]
         lines += [f"only in {self.b}: {n}" for n in self.only_b]
@@ -472,14 +472,14 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float = 0.0, rtol:
 
     Example::
 
-        report = jckpt.check.diff("before.jckpt", "after.jckpt", atol=1e-6)
+        report = jckpt.tools.check.diff("before.jckpt", "after.jckpt", atol=1e-6)
         print(report)            # entries only in one, and what changed
     """
     a, b = os.fspath(a), os.fspath(b)
     if atol < 0 or rtol < 0 or math.isnan(atol) or math.isnan(rtol):
         raise ValueError(f"tolerances must be >= 0, got atol={atol}, rtol={rtol}")
-    from jckpt.distributed import open_checkpoint
-    from jckpt.info import STEP_RE, is_directory_checkpoint, is_manager_directory
+    from jckpt.services.distributed import open_checkpoint
+    from jckpt.tools.info import STEP_RE, is_directory_checkpoint, is_manager_directory
 
     readers = []
     for p in (a, b):

@@ -36,7 +36,7 @@ from typing import Any
 from jckpt.errors import CheckpointError, FormatError, InputError
 from jckpt.version import __version__
 
-log = logging.getLogger('jckpt.cli')
+log = logging.getLogger('jckpt.tools.cli')
 
 EXIT_OK = 0
 EXIT_DIFFERENT = 1  # verify found damage, diff found differences
@@ -56,13 +56,13 @@ def _progress(args: argparse.Namespace) -> bool:
 
 
 def _foreign_format(path: str) -> str | None:
-    from jckpt.info import foreign_format
+    from jckpt.tools.info import foreign_format
 
     return foreign_format(path)
 
 
 def _not_jckpt(path: str, fmt: str) -> Exception:
-    from jckpt.info import not_jckpt_error
+    from jckpt.tools.info import not_jckpt_error
 
     return not_jckpt_error(path, fmt)
 
@@ -70,7 +70,7 @@ def _not_jckpt(path: str, fmt: str) -> Exception:
 # --- subcommands -------------------------------------------------------------
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from jckpt.info import info
+    from jckpt.tools.info import info
 
     summary = info(args.path, best_metric=args.best_metric, best_mode=args.best_mode)
     if args.json:
@@ -81,7 +81,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from jckpt.check import verify
+    from jckpt.tools.check import verify
 
     start = time.perf_counter()
     report = verify(args.path, progress=_progress(args))
@@ -97,7 +97,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from jckpt.check import diff
+    from jckpt.tools.check import diff
 
     try:
         report = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, progress=_progress(args))
@@ -135,8 +135,8 @@ def _destination_format(dst: str) -> str | None:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from jckpt.info import is_directory_checkpoint
-    from jckpt.progress import bar
+    from jckpt.api.progress import bar
+    from jckpt.tools.info import is_directory_checkpoint
 
     src, dst = args.src, args.dst
     if not os.path.lexists(src):
@@ -147,7 +147,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                          fix="choose another destination, or pass --overwrite")
     target = args.format or _destination_format(dst)
     if target in (None, 'jckpt') and os.path.isdir(src) and is_directory_checkpoint(src):
-        from jckpt.distributed import consolidate
+        from jckpt.services.distributed import consolidate
 
         with bar(f"consolidating {os.path.basename(src)}", 0, enabled=_progress(args)):
             header = consolidate(src, dst, alignment=args.alignment, verify=not args.no_verify)
@@ -155,7 +155,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                f"alignment {header.alignment}")
         return EXIT_OK
     if target in (None, 'jckpt') and os.path.isfile(src) and _is_jckpt_file(src):
-        from jckpt.rewrite import relayout
+        from jckpt.tools.rewrite import relayout
 
         header = relayout(src, dst, alignment=args.alignment, overwrite=True,
                           verify=not args.no_verify, progress=_progress(args))
@@ -179,7 +179,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from jckpt.rewrite import merge
+    from jckpt.tools.rewrite import merge
 
     prefixes = args.prefix or None
     if prefixes is not None and len(prefixes) != len(args.inputs):

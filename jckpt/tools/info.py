@@ -33,13 +33,13 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from jckpt.trainer_state import TRAINER_STATE_KEY
+from jckpt.services.trainer_state import TRAINER_STATE_KEY
 
 if TYPE_CHECKING:
     from jckpt.format.header import Entry
 
 #: Metadata keys written by the mirror and the checkpoint manager, shown under readable names.
-#: (The same strings as ``jckpt.mirror`` and ``jckpt.manager`` use, repeated here because
+#: (The same strings as ``jckpt.services.mirror`` and ``jckpt.services.manager`` use, repeated here because
 #: those modules import JAX and reading a header must not.)
 STEP_KEY = 'jckpt.step'
 METRICS_KEY = 'jckpt.metrics'
@@ -510,17 +510,17 @@ class DirectoryInfo(_Totals):
 
 def is_directory_checkpoint(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a multi-process checkpoint (a directory with an index file)."""
-    from jckpt.distributed import INDEX_NAME
+    from jckpt.services.distributed import INDEX_NAME
 
     return os.path.isfile(os.path.join(os.fspath(path), INDEX_NAME))
 
 
 def directory_info(path: str | os.PathLike) -> DirectoryInfo:
     """The :class:`DirectoryInfo` of a multi-process checkpoint (headers only)."""
-    from jckpt.distributed import DirectoryReader
     from jckpt.format import precs
     from jckpt.format.header import path_name
     from jckpt.format.payload import can_map
+    from jckpt.services.distributed import DirectoryReader
     from jckpt.storage.reader import CheckpointReader
 
     reader = DirectoryReader(path)
@@ -799,8 +799,8 @@ def info(path: str | os.PathLike, *, best_metric: str | None = None,
             return directory_info(path)
         if is_manager_directory(path):
             return manager_info(path, best_metric=best_metric, best_mode=best_mode)
-        from jckpt.distributed import INDEX_NAME, PIECE_RE
         from jckpt.errors import FormatError
+        from jckpt.services.distributed import INDEX_NAME, PIECE_RE
 
         if any(PIECE_RE.match(n) for n in os.listdir(path)):
             raise FormatError(f"piece files but no {INDEX_NAME}: a multi-process save that did "

@@ -4,7 +4,7 @@ Each step is its own file, ``step_00000100.jckpt`` (or a directory of that
 name for a multi-process save), published atomically; saves go through the
 mirror's machinery (a host snapshot in a free slot, then a background writer),
 so training blocks only for the device-to-host copy. Metrics and a
-:class:`~jckpt.trainer_state.TrainerState` travel in the file's metadata.
+:class:`~jckpt.services.trainer_state.TrainerState` travel in the file's metadata.
 
 >>> import tempfile, numpy as np
 >>> d = tempfile.mkdtemp()
@@ -38,12 +38,10 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jckpt import api
-from jckpt import tree as tree_mod
-from jckpt.context import Context
+from jckpt.api import operations as api
+from jckpt.api.context import Context
 from jckpt.errors import CheckpointError, FormatError, InputError, LineageError
-from jckpt.lease import WriterLease
-from jckpt.mirror import (
+from jckpt.services.mirror import (
     GENERATION_KEY,
     LINEAGE_KEY,
     NEXT_TAG,
@@ -58,12 +56,14 @@ from jckpt.mirror import (
     remove_staged,
     stage_items,
 )
+from jckpt.services.trainer_state import TRAINER_STATE_KEY, TrainerState
+from jckpt.storage.lease import WriterLease
 from jckpt.storage.publish import STAGE_TAG, fsync_dir, reclaim_staging
-from jckpt.trainer_state import TRAINER_STATE_KEY, TrainerState
+from jckpt.trees import pytree as tree_mod
 
 log = logging.getLogger('jckpt')
 
-#: A directory step is complete once it holds this file (see ``jckpt.distributed``).
+#: A directory step is complete once it holds this file (see ``jckpt.services.distributed``).
 INDEX_NAME = 'index.jckpt'
 STEP_KEY = 'jckpt.step'
 METRICS_KEY = 'jckpt.metrics'
@@ -133,7 +133,7 @@ class CheckpointManager:
       handle_sigterm: where no JAX distributed client runs, treat SIGTERM as
         preemption (:meth:`reached_preemption` then says True).
       directory_steps: write each step as a multi-process directory checkpoint
-        (``jckpt.distributed``), synchronously, from every process. Default:
+        (``jckpt.services.distributed``), synchronously, from every process. Default:
         when ``jax.process_count() > 1``. Only process 0 deletes old steps.
 
     Only one manager may write a directory at a time
@@ -217,7 +217,7 @@ class CheckpointManager:
         """Remove staging files and directories of steps whose writer died (incomplete steps)."""
         if self.process_index != 0:
             return
-        from jckpt.distributed import STAGE_DIR_TAG, reclaim_stage_dirs
+        from jckpt.services.distributed import STAGE_DIR_TAG, reclaim_stage_dirs
 
         files, dirs = set(), set()
         for name in os.listdir(self.directory):
@@ -380,7 +380,7 @@ class CheckpointManager:
 
     def _save_directory(self, step: int, tree: Any, items: Mapping[str, Any] | None,
                         meta: dict[str, str], metrics: dict[str, float]) -> None:
-        from jckpt.distributed import save_directory
+        from jckpt.services.distributed import save_directory
 
         if items is not None:
             raise InputError("directory steps hold one namespace: pass tree, not items",
@@ -402,7 +402,7 @@ class CheckpointManager:
         except OSError as e:
             log.warning("jckpt: retention in %s failed: %s", self.directory, e)
 
-    # The two stages the pipeline runs (see jckpt.mirror.Committer).
+    # The two stages the pipeline runs (see jckpt.services.mirror.Committer).
 
     def stage(self, job: Job) -> Staged:
         step, metrics = job.info
@@ -619,8 +619,8 @@ def _restore_namespaces(ctx: Context, target: Any, path: str, namespaces: Sequen
                              "exactly those namespaces", file=path)
         return {ns: api.restore(ctx, target[ns], path, namespace=ns, cast=cast)
                 for ns in namespaces}
-    from jckpt import placement
-    from jckpt.distributed import open_checkpoint
+    from jckpt.services.distributed import open_checkpoint
+    from jckpt.trees import placement
 
     reader = open_checkpoint(path)
     present = {e.namespace for e in reader.header.tensors}

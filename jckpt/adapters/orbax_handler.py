@@ -2,7 +2,7 @@
 
 Importing this module registers :class:`JckptSave` and :class:`JckptRestore`
 with :class:`JckptCheckpointHandler`, so orbax builds the handler by itself
-(it takes no arguments, and its type string ``jckpt.orbax.JckptCheckpointHandler``
+(it takes no arguments, and its type string ``jckpt.adapters.orbax_handler.JckptCheckpointHandler``
 imports back). Each item is one jckpt file, ``<step>/<item>/checkpoint.jckpt``.
 Saving is asynchronous where orbax runs handlers asynchronously: the call
 copies the arrays to host memory (so training may change or donate them at
@@ -13,13 +13,13 @@ through :func:`jckpt.restore`, or returns the whole tree without one.
 Example::
 
     import orbax.checkpoint as ocp
-    import jckpt.orbax
+    import jckpt.adapters.orbax_handler
 
     with ocp.CheckpointManager(directory) as manager:
-        manager.save(step, args=ocp.args.Composite(state=jckpt.orbax.JckptSave(state)))
+        manager.save(step, args=ocp.args.Composite(state=jckpt.adapters.orbax_handler.JckptSave(state)))
         manager.wait_until_finished()
         restored = manager.restore(step, args=ocp.args.Composite(
-            state=jckpt.orbax.JckptRestore(abstract_state)))['state']
+            state=jckpt.adapters.orbax_handler.JckptRestore(abstract_state)))['state']
 
 With several processes, process 0 writes the file, so every array must be
 fully addressable from it (replicated); sharded multi-process state needs
@@ -37,8 +37,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 import jckpt
-from jckpt import placement
-from jckpt import tree as tree_mod
+from jckpt.trees import placement
+from jckpt.trees import pytree as tree_mod
 
 #: The file each item is stored in, inside the item's directory.
 FILENAME = 'checkpoint.jckpt'
@@ -78,7 +78,7 @@ class JckptCheckpointHandler(ocp.AsyncCheckpointHandler):
     async def async_save(self, directory: Any, args: JckptSave | None = None) -> list | None:
         """Copy ``args.tree`` to host memory now; write the file in the background commit."""
         if args is None:
-            raise jckpt.InputError("save needs args=jckpt.orbax.JckptSave(tree)")
+            raise jckpt.InputError("save needs args=jckpt.adapters.orbax_handler.JckptSave(tree)")
         host = _snapshot(args.tree)
         return [ocp.future.CommitFutureAwaitingContractedSignals(
             self._write(host, directory), name='jckpt_save')]

@@ -20,12 +20,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jckpt import placement, sharding
-from jckpt import progress as progress_mod
-from jckpt import tree as tree_mod
-from jckpt._gc import paused
-from jckpt.context import Context
-from jckpt.distributed import open_checkpoint
+from jckpt.api import progress as progress_mod
+from jckpt.api.context import Context
 from jckpt.errors import (
     ClashError,
     InputError,
@@ -34,12 +30,16 @@ from jckpt.errors import (
     MissingEntryError,
 )
 from jckpt.format import precs
+from jckpt.format._gc import paused
 from jckpt.format.header import Entry, Header, KeyPath, path_name, round_up
 from jckpt.format.layout import lay_out
 from jckpt.format.payload import CHECKSUM_PLACEHOLDER, stored_dtype
+from jckpt.services.distributed import open_checkpoint
 from jckpt.storage.publish import storage_error
 from jckpt.storage.reader import COUNTS, CheckpointReader
 from jckpt.storage.writer import CopySource, write_checkpoint
+from jckpt.trees import placement, sharding
+from jckpt.trees import pytree as tree_mod
 from jckpt.version import __version__
 
 PathLike = str | os.PathLike
@@ -92,7 +92,7 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
         if appending:
             raise InputError("appending is not supported for directory checkpoints",
                              file=path, fix="save the whole tree")
-        from jckpt import distributed
+        from jckpt.services import distributed
         distributed.save_directory(ctx, tree, path, alignment=alignment, metadata=metadata)
         return
     # every transfer to host (each distinct shard of sharded arrays) starts before any is awaited

@@ -3,7 +3,7 @@
 Arrays go in the checkpoint's tensors; the counters around them (how many
 steps and batches, the last learning rate, the best loss so far, the
 parallel layout the run used, and anything else the user wants) go in the
-header's metadata under ``jckpt.trainer_state``, readable without loading a
+header's metadata under ``jckpt.services.trainer_state``, readable without loading a
 single payload.
 
 >>> s = TrainerState(global_step=100, consumed_batches=100, learning_rate=3e-4,
@@ -24,7 +24,7 @@ from typing import Any
 from jckpt.errors import FormatError, InputError, MismatchError
 
 #: The metadata key a checkpoint manager stores the trainer state under.
-TRAINER_STATE_KEY = 'jckpt.trainer_state'
+TRAINER_STATE_KEY = 'jckpt.services.trainer_state'
 _LAYOUT_NAMES = ('dp', 'tp', 'pp')
 
 

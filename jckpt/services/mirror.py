@@ -56,17 +56,17 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from jckpt import placement
-from jckpt import tree as tree_mod
-from jckpt.context import Context
+from jckpt.api.context import Context
 from jckpt.errors import CapacityError, CheckpointError, InputError, LineageError
 from jckpt.format import payload as payload_mod
 from jckpt.format import precs
 from jckpt.format.header import Entry, Header, KeyPath, path_name
 from jckpt.format.layout import lay_out
-from jckpt.lease import WriterLease
+from jckpt.storage.lease import WriterLease
 from jckpt.storage.publish import fsync_dir, reclaim_staging, storage_error
 from jckpt.storage.writer import Sink, write_checkpoint
+from jckpt.trees import placement
+from jckpt.trees import pytree as tree_mod
 from jckpt.version import __version__
 
 log = logging.getLogger('jckpt')

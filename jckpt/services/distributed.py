@@ -41,7 +41,6 @@ from typing import Any
 
 import numpy as np
 
-from jckpt import sharding as sh
 from jckpt.errors import CheckpointError, FormatError, InputError, StorageError
 from jckpt.format import precs
 from jckpt.format.header import Entry, Header, KeyPath, path_name
@@ -49,6 +48,7 @@ from jckpt.format.layout import lay_out
 from jckpt.storage.publish import STALE_AFTER, fsync_dir, storage_error
 from jckpt.storage.reader import CheckpointReader
 from jckpt.storage.writer import ArraySource, write_checkpoint
+from jckpt.trees import sharding as sh
 from jckpt.version import __version__
 
 #: The index file of a directory checkpoint; its presence makes the directory complete.
@@ -181,7 +181,7 @@ def _plan(items: Sequence[tuple[KeyPath, Any]], namespace: str, first_id: int,
     """Check every leaf, start every transfer to host, and decide what this process writes."""
     import jax
 
-    from jckpt import placement
+    from jckpt.trees import placement
 
     staged: list[Any] = []
     for n, (p, leaf) in enumerate(items):
@@ -250,7 +250,7 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
     """
     import jax
 
-    from jckpt import tree as tree_mod
+    from jckpt.trees import pytree as tree_mod
 
     path = os.path.abspath(os.fspath(path))
     namespace = ctx.namespace
@@ -643,7 +643,7 @@ class DirectoryReader:
 
     ``header`` lists one entry per array (dims = the global dims), so code
     written for :class:`~jckpt.storage.reader.CheckpointReader` works on it;
-    :meth:`decode` returns a :class:`~jckpt.sharding.LazyArray` that reads
+    :meth:`decode` returns a :class:`~jckpt.trees.sharding.LazyArray` that reads
     only the pieces overlapping the boxes asked of it.
     """
 

@@ -1,0 +1,1 @@
+"""Services built on the API: the background mirror, the checkpoint manager and training state."""
