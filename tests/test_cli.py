@@ -112,7 +112,7 @@ ARRAYS = {
 @pytest.fixture
 def model(tmp_path):
     return write(tmp_path / 'model.jckpt', ARRAYS,
-                 metadata={'jckpt.services.trainer_state': json.dumps({'global_step': 7}),
+                 metadata={'jckpt.trainer_state': json.dumps({'global_step': 7}),
                            'jckpt.lineage': 'abc123', 'jckpt.generation': '4', 'note': 'hello'})
 
 

@@ -109,7 +109,7 @@ class ManagerLoop:
 def check_manager(directory: str) -> int:
     """Every step file present is complete; return the latest step."""
     import jckpt
-    from jckpt.services.manager import _STEP_RE
+    from jckpt.format.names import STEP_RE as _STEP_RE
     from jckpt.storage.reader import CheckpointReader
 
     steps = []
@@ -213,7 +213,7 @@ def _leftovers(kind: str, target: str) -> list[str]:
         return sorted(n for n in os.listdir(directory)
                       if n != os.path.basename(target) and not n.endswith(LEASE_SUFFIX))
     if kind == "manager":
-        from jckpt.services.manager import _STEP_RE
+        from jckpt.format.names import STEP_RE as _STEP_RE
 
         return sorted(n for n in os.listdir(target) if not _STEP_RE.match(n) and n != LEASE_SUFFIX)
     from jckpt.services.distributed import INDEX_NAME, PIECE_RE
@@ -423,7 +423,8 @@ def test_next_directory_save_reclaims_a_lockless_stage(tmp_path, contents):
     if not available("sharded"):
         pytest.skip("no directory checkpoints")
     import jckpt
-    from jckpt.services.distributed import STAGE_DIR_TAG, save_directory
+    from jckpt.format.names import STAGE_DIR_TAG
+    from jckpt.services.distributed import save_directory
 
     target = tmp_path / "ck"
     save_directory(jckpt.Context(), {"w": np.ones(3)}, str(target))

@@ -42,7 +42,7 @@ def test_steps_are_files_published_in_the_background(tmp_path):
     assert names == [step_name(s) for s in (100, 200, 300)] == [
         "step_00000100.jckpt", "step_00000200.jckpt", "step_00000300.jckpt"]
     md = jckpt.describe(tmp_path / names[-1]).metadata_dict()
-    assert md["jckpt.step"] == "300" and json.loads(md["jckpt.services.trainer_state"])["global_step"] == 300
+    assert md["jckpt.step"] == "300" and json.loads(md["jckpt.trainer_state"])["global_step"] == 300
     assert not os.path.exists(tmp_path / ".jckpt-lease")
 
 

@@ -45,19 +45,20 @@ from jckpt.errors import CheckpointError, FormatError, InputError, StorageError
 from jckpt.format import precs
 from jckpt.format.header import Entry, Header, KeyPath, path_name
 from jckpt.format.layout import lay_out
+from jckpt.format.names import (
+    DIRECTORY_LOCK_NAME,
+    INDEX_NAME,
+    LAYOUT_VERSION,
+    PIECE_RE,
+    STAGE_DIR_TAG,
+    piece_name,
+)
 from jckpt.storage.publish import STALE_AFTER, fsync_dir, storage_error
 from jckpt.storage.reader import CheckpointReader
 from jckpt.storage.writer import ArraySource, write_checkpoint
 from jckpt.trees import sharding as sh
 from jckpt.version import __version__
 
-#: The index file of a directory checkpoint; its presence makes the directory complete.
-INDEX_NAME = 'index.jckpt'
-#: Version of the ``sharded`` index field written by this release.
-LAYOUT_VERSION = 1
-PIECE_RE = re.compile(r'process_([0-9]{5,})(?:\.([1-9][0-9]*))?\.jckpt\Z')
-STAGE_DIR_TAG = '.jckpt-stage-dir.'
-_LOCK_NAME = '.writer.lock'
 #: Seconds a process waits at a barrier for the others (``JCKPT_BARRIER_TIMEOUT`` overrides).
 DEFAULT_BARRIER_TIMEOUT = 300.0
 _saves = itertools.count()
@@ -69,14 +70,6 @@ class DistributedError(CheckpointError):
     Nothing was published; the previous checkpoint at the path is intact.
     """
 
-
-def piece_name(process: int, layer: int = 0) -> str:
-    """The piece file of ``process`` (``layer`` > 0 for a second block of the same array).
-
-    >>> piece_name(0), piece_name(12, 1)
-    ('process_00000.jckpt', 'process_00012.1.jckpt')
-    """
-    return f"process_{process:05d}.jckpt" if layer == 0 else f"process_{process:05d}.{layer}.jckpt"
 
 
 def barrier_timeout() -> float:
@@ -295,7 +288,7 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
                 write_index(stage, count, alignment, dict(metadata or {}), durable=ctx.durable)
                 publish_directory(stage, path, durable=ctx.durable)
                 stage = None
-                _unlink(os.path.join(path, _LOCK_NAME))  # held until now: never a lockless stage
+                _unlink(os.path.join(path, DIRECTORY_LOCK_NAME))  # held until now: never a lockless stage
             except BaseException as e:
                 rt.report(process, e)
                 rt.barrier('published', 'saw the checkpoint published')
@@ -337,7 +330,7 @@ def _make_stage(path: str) -> tuple[str, int]:
             continue
         except OSError as e:
             raise storage_error(e, "creating the staging directory", path) from e
-        lock = os.path.join(stage, _LOCK_NAME)
+        lock = os.path.join(stage, DIRECTORY_LOCK_NAME)
         try:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         except FileNotFoundError:  # reclaimed by another save before the lock existed: retry
@@ -380,7 +373,7 @@ def reclaim_stage_dirs(path: str | os.PathLike, *, stale_after: float = STALE_AF
         except OSError:
             continue
         try:
-            fd = os.open(os.path.join(stage, _LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(os.path.join(stage, DIRECTORY_LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             free = True
         except OSError:

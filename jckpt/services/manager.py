@@ -30,7 +30,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 import signal
 import threading
@@ -41,6 +40,7 @@ from typing import Any
 from jckpt.api import operations as api
 from jckpt.api.context import Context
 from jckpt.errors import CheckpointError, FormatError, InputError, LineageError
+from jckpt.format.names import INDEX_NAME, METRICS_KEY, STEP_KEY, STEP_RE, step_name
 from jckpt.services.mirror import (
     GENERATION_KEY,
     LINEAGE_KEY,
@@ -63,16 +63,7 @@ from jckpt.trees import pytree as tree_mod
 
 log = logging.getLogger('jckpt')
 
-#: A directory step is complete once it holds this file (see ``jckpt.services.distributed``).
-INDEX_NAME = 'index.jckpt'
-STEP_KEY = 'jckpt.step'
-METRICS_KEY = 'jckpt.metrics'
-_STEP_RE = re.compile(r'step_(\d{8,})\.jckpt\Z')
 
-
-def step_name(step: int) -> str:
-    """The file (or directory) name of ``step``: ``step_00000100.jckpt``."""
-    return f"step_{step:08d}.jckpt"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,18 +213,18 @@ class CheckpointManager:
         files, dirs = set(), set()
         for name in os.listdir(self.directory):
             path = os.path.join(self.directory, name)
-            if _STEP_RE.match(name) and os.path.isdir(path) and not os.path.islink(path) \
+            if STEP_RE.match(name) and os.path.isdir(path) and not os.path.islink(path) \
                     and not os.path.exists(os.path.join(path, INDEX_NAME)):
                 log.info("jckpt: removing the half-deleted step directory %s", path)
                 shutil.rmtree(path, ignore_errors=True)  # published directories have an index
                 continue
             head, sep, _ = name.partition(NEXT_TAG)
-            if sep and _STEP_RE.match(head):
+            if sep and STEP_RE.match(head):
                 remove_staged(os.path.join(self.directory, head))
                 continue
             for tag, found in ((STAGE_TAG, files), (STAGE_DIR_TAG, dirs)):
                 head, sep, _ = name.partition(tag)
-                if sep and _STEP_RE.match(head):
+                if sep and STEP_RE.match(head):
                     found.add(os.path.join(self.directory, head))
         for target in sorted(files):
             reclaim_staging(target)
@@ -243,7 +234,7 @@ class CheckpointManager:
     def _scan(self) -> None:
         found: dict[int, dict[str, float]] = {}
         for name in os.listdir(self.directory):
-            m = _STEP_RE.match(name)
+            m = STEP_RE.match(name)
             if not m:
                 continue
             path = os.path.join(self.directory, name)

@@ -62,6 +62,7 @@ from jckpt.format import payload as payload_mod
 from jckpt.format import precs
 from jckpt.format.header import Entry, Header, KeyPath, path_name
 from jckpt.format.layout import lay_out
+from jckpt.format.names import GENERATION_KEY, LINEAGE_KEY, NEXT_TAG, RESERVED_PREFIX
 from jckpt.storage.lease import WriterLease
 from jckpt.storage.publish import fsync_dir, reclaim_staging, storage_error
 from jckpt.storage.writer import Sink, write_checkpoint
@@ -71,10 +72,6 @@ from jckpt.version import __version__
 
 log = logging.getLogger('jckpt')
 
-#: Metadata keys the mirror and the manager write (user metadata may not use the prefix).
-LINEAGE_KEY = 'jckpt.lineage'
-GENERATION_KEY = 'jckpt.generation'
-RESERVED_PREFIX = 'jckpt.'
 
 Item = tuple[str, KeyPath, np.ndarray, 'str | None']  # namespace, path, host array, key_impl
 
@@ -586,8 +583,6 @@ def finish_staged(temporary: str, target: str, *, durable: bool) -> None:
         raise storage_error(e, "publishing the checkpoint", target) from e
 
 
-#: Suffix of a staged, not yet durable generation: ``<target>.jckpt-next.<n>``.
-NEXT_TAG = '.jckpt-next.'
 
 
 def next_name(target: str, seq: int) -> str:

@@ -22,9 +22,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from jckpt.errors import FormatError, InputError, MismatchError
+from jckpt.format.names import TRAINER_STATE_KEY
 
-#: The metadata key a checkpoint manager stores the trainer state under.
-TRAINER_STATE_KEY = 'jckpt.services.trainer_state'
 _LAYOUT_NAMES = ('dp', 'tp', 'pp')
 
 

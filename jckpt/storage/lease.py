@@ -24,9 +24,8 @@ import fcntl
 import os
 
 from jckpt.errors import InUseError, StorageError
+from jckpt.format.names import LEASE_SUFFIX
 from jckpt.storage.publish import storage_error
-
-LEASE_SUFFIX = '.jckpt-lease'
 
 
 def lease_path(path: str | os.PathLike) -> str:

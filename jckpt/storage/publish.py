@@ -37,10 +37,10 @@ import threading
 import time
 
 from jckpt.errors import StorageError
+from jckpt.format.names import STAGE_TAG
 
 log = logging.getLogger('jckpt')
 
-STAGE_TAG = '.jckpt-stage.'
 #: Seconds after which an unlocked-or-unlockable staging file is reclaimed regardless.
 STALE_AFTER = 3600.0
 _counter = itertools.count()

@@ -36,7 +36,7 @@ from typing import Any
 from jckpt.errors import CheckpointError, FormatError, InputError
 from jckpt.version import __version__
 
-log = logging.getLogger('jckpt.tools.cli')
+log = logging.getLogger('jckpt.cli')
 
 EXIT_OK = 0
 EXIT_DIFFERENT = 1  # verify found damage, diff found differences

@@ -29,26 +29,15 @@ import dataclasses
 import html
 import json
 import os
-import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from jckpt.format.names import GENERATION_KEY, KNOWN_KEYS, LINEAGE_KEY, METRICS_KEY, STEP_KEY, STEP_RE
 from jckpt.services.trainer_state import TRAINER_STATE_KEY
 
 if TYPE_CHECKING:
     from jckpt.format.header import Entry
 
-#: Metadata keys written by the mirror and the checkpoint manager, shown under readable names.
-#: (The same strings as ``jckpt.services.mirror`` and ``jckpt.services.manager`` use, repeated here because
-#: those modules import JAX and reading a header must not.)
-STEP_KEY = 'jckpt.step'
-METRICS_KEY = 'jckpt.metrics'
-LINEAGE_KEY = 'jckpt.lineage'
-GENERATION_KEY = 'jckpt.generation'
-KNOWN_KEYS = {STEP_KEY: 'step', METRICS_KEY: 'metrics', TRAINER_STATE_KEY: 'trainer state',
-              LINEAGE_KEY: 'lineage', GENERATION_KEY: 'generation'}
-#: Step checkpoints of a manager directory: ``step_00000100.jckpt`` (a file or a directory).
-STEP_RE = re.compile(r'step_(\d{8,})\.jckpt\Z')
 
 #: Rows shown by ``repr`` and the HTML view before "... N more" (the CLI shows all).
 REPR_ROWS = 40

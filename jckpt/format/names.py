@@ -1,0 +1,71 @@
+"""Every name jckpt reserves: file names in a directory, staging tags, and metadata keys.
+
+One definition of each, read by the storage layer, the services that write
+these names and the tools that recognise them (which must not import JAX).
+
+>>> step_name(100), piece_name(12, 1)
+('step_00000100.jckpt', 'process_00012.1.jckpt')
+>>> bool(STEP_RE.match(step_name(7))), KNOWN_KEYS[STEP_KEY]
+(True, 'step')
+"""
+
+from __future__ import annotations
+
+import re
+
+# --- files of a directory checkpoint (one piece file per process, one index) -------------------
+
+#: The index of a directory checkpoint: which piece of which array is in which file.
+INDEX_NAME = 'index.jckpt'
+#: A piece file: ``process_00003.jckpt``, or ``process_00003.1.jckpt`` for a later block.
+PIECE_RE = re.compile(r'process_([0-9]{5,})(?:\.([1-9][0-9]*))?\.jckpt\Z')
+#: The version of the directory layout written in the index.
+LAYOUT_VERSION = 1
+#: The lock file that keeps a directory checkpoint to one writer.
+DIRECTORY_LOCK_NAME = '.writer.lock'
+
+
+def piece_name(process: int, layer: int = 0) -> str:
+    """The piece file of ``process`` (``layer`` > 0 for a second block of the same array)."""
+    return f"process_{process:05d}.jckpt" if layer == 0 else f"process_{process:05d}.{layer}.jckpt"
+
+
+# --- steps of a manager directory --------------------------------------------------------------
+
+#: Step checkpoints of a manager directory: ``step_00000100.jckpt`` (a file or a directory).
+STEP_RE = re.compile(r'step_(\d{8,})\.jckpt\Z')
+
+
+def step_name(step: int) -> str:
+    """The file (or directory) name of ``step``: ``step_00000100.jckpt``."""
+    return f"step_{step:08d}.jckpt"
+
+
+# --- staging and leases (siblings of what they protect) ----------------------------------------
+
+#: A staging file: ``.<target>.jckpt-stage.<random>``, renamed over the target when complete.
+STAGE_TAG = '.jckpt-stage.'
+#: A staging directory of a directory checkpoint being published.
+STAGE_DIR_TAG = '.jckpt-stage-dir.'
+#: A staged generation of a mirror: ``.<target>.jckpt-next.<seq>``, published in order.
+NEXT_TAG = '.jckpt-next.'
+#: The writer lease beside a path: ``<target>.jckpt-lease``.
+LEASE_SUFFIX = '.jckpt-lease'
+
+# --- metadata keys -----------------------------------------------------------------------------
+
+#: Keys that start with this belong to jckpt; user metadata may not use them.
+RESERVED_PREFIX = 'jckpt.'
+#: The training step of a manager checkpoint.
+STEP_KEY = 'jckpt.step'
+#: The metrics of a manager checkpoint (JSON).
+METRICS_KEY = 'jckpt.metrics'
+#: The trainer state of a manager checkpoint (JSON, :class:`jckpt.TrainerState`).
+TRAINER_STATE_KEY = 'jckpt.trainer_state'
+#: The lineage (a random id) shared by the generations of a mirror or the steps of a manager.
+LINEAGE_KEY = 'jckpt.lineage'
+#: The generation number of a mirrored file.
+GENERATION_KEY = 'jckpt.generation'
+#: The reserved keys, under the names the tools show them by.
+KNOWN_KEYS = {STEP_KEY: 'step', METRICS_KEY: 'metrics', TRAINER_STATE_KEY: 'trainer state',
+              LINEAGE_KEY: 'lineage', GENERATION_KEY: 'generation'}
