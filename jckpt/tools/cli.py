@@ -75,8 +75,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    if (kind := classify(args.path)).name == FOREIGN:
-        raise kind.error  # verify() would report a damaged jckpt file; say what it is instead
+    kind = classify(args.path)
+    if kind.name == FOREIGN and kind.error is not None:
+        raise kind.error  # verify() would report a damaged jckpt file: say what it is instead
     start = time.perf_counter()
     report = verify(args.path, progress=_progress(args))
     log.info("verified %s in %.3f s", args.path, time.perf_counter() - start)
