@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from jckpt.services.manager import CheckpointManager, Restored
     from jckpt.services.mirror import Mirror, MirrorCounters
     from jckpt.services.trainer_state import TrainerState
-    from jckpt.tools.check import verify
+    from jckpt.tools.verify import verify
     from jckpt.trees.pytree import prefix_namespace
 
 # name -> module that defines it, imported lazily so the codec stays JAX-free.
@@ -57,7 +57,7 @@ _LAZY = {
     'prefix_namespace': 'jckpt.trees.pytree',
     'convert': 'jckpt.adapters', 'detect_format': 'jckpt.adapters',
     'register_format': 'jckpt.adapters',
-    'verify': 'jckpt.tools.check',
+    'verify': 'jckpt.tools.verify',
     'Mirror': 'jckpt.services.mirror', 'MirrorCounters': 'jckpt.services.mirror',
     'CheckpointManager': 'jckpt.services.manager', 'Restored': 'jckpt.services.manager',
     'TrainerState': 'jckpt.services.trainer_state',

@@ -12,9 +12,13 @@ import jckpt
 from jckpt.api import progress
 from jckpt.format import Entry, Header, lay_out, prec_of
 from jckpt.storage import ArraySource, CheckpointReader, write_checkpoint
-from jckpt.tools.check import diff, verify
-from jckpt.tools.info import FileInfo, ManagerInfo, human_bytes, info
+from jckpt.tools.diff import diff
+from jckpt.tools.info import info
+from jckpt.tools.manager_info import ManagerInfo
+from jckpt.tools.render import human_bytes
 from jckpt.tools.rewrite import merge, relayout
+from jckpt.tools.summary import FileInfo
+from jckpt.tools.verify import verify
 
 
 def write(path, arrays, *, namespace='jckpt', alignment=32, metadata=None):
@@ -222,9 +226,9 @@ def test_diff_nan_against_number(tmp_path):
 
 
 def test_diff_is_chunked(tmp_path, monkeypatch):
-    from jckpt.tools import check
+    import jckpt.tools.diff as diff_module
 
-    monkeypatch.setattr(check, 'DIFF_CHUNK', 7)
+    monkeypatch.setattr(diff_module, 'DIFF_CHUNK', 7)
     x = np.arange(50, dtype=np.float32)
     y = x.copy()
     y[[3, 20, 49]] += np.float32([1, 2, 3])

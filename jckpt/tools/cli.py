@@ -33,7 +33,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from jckpt.adapters import convert, format_for_destination
+from jckpt.api.progress import bar
 from jckpt.errors import CheckpointError, FormatError, InputError
+from jckpt.services.distributed import consolidate
+from jckpt.tools.classify import DIRECTORY, FILE, FOREIGN, MISSING, classify
+from jckpt.tools.diff import diff
+from jckpt.tools.info import info
+from jckpt.tools.rewrite import merge, relayout
+from jckpt.tools.verify import verify
 from jckpt.version import __version__
 
 log = logging.getLogger('jckpt.cli')
@@ -55,23 +63,9 @@ def _progress(args: argparse.Namespace) -> bool:
     return not args.no_progress
 
 
-def _foreign_format(path: str) -> str | None:
-    from jckpt.tools.info import foreign_format
-
-    return foreign_format(path)
-
-
-def _not_jckpt(path: str, fmt: str) -> Exception:
-    from jckpt.tools.info import not_jckpt_error
-
-    return not_jckpt_error(path, fmt)
-
-
 # --- subcommands -------------------------------------------------------------
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from jckpt.tools.info import info
-
     summary = info(args.path, best_metric=args.best_metric, best_mode=args.best_mode)
     if args.json:
         _print_json(summary.to_dict())
@@ -81,12 +75,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from jckpt.tools.check import verify
-
+    kind = classify(args.path)
+    if kind.name == FOREIGN and kind.error is not None:
+        raise kind.error  # verify() would report a damaged jckpt file: say what it is instead
     start = time.perf_counter()
     report = verify(args.path, progress=_progress(args))
-    if report.entries == 0 and report.errors and (fmt := _foreign_format(args.path)) is not None:
-        raise _not_jckpt(args.path, fmt)
     log.info("verified %s in %.3f s", args.path, time.perf_counter() - start)
     if args.json:
         _print_json(report.to_dict())
@@ -97,16 +90,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from jckpt.tools.check import diff
-
-    try:
-        report = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, progress=_progress(args))
-    except FormatError as e:
-        fmt = _foreign_format(e.file) if e.file is not None and e.file in (args.a, args.b) \
-            else None
-        if fmt is None or e.file is None:
-            raise
-        raise _not_jckpt(e.file, fmt) from None
+    report = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, progress=_progress(args))
     if args.json:
         _print_json(report.to_dict())
     else:
@@ -114,61 +98,23 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return EXIT_OK if report.same else EXIT_DIFFERENT
 
 
-def _is_jckpt_file(path: str) -> bool:
-    """Whether ``path`` is a readable jckpt file (a header that decodes)."""
-    from jckpt.storage.reader import CheckpointReader
-
-    try:
-        CheckpointReader(path)
-    except FormatError:
-        return False
-    return True
-
-
-def _destination_format(dst: str) -> str | None:
-    """The format DST's name asks for, or None (also when no format adapters are installed)."""
-    try:
-        from jckpt.adapters import format_for_destination
-    except ImportError:
-        return 'jckpt' if dst.lower().endswith('.jckpt') else None
-    return format_for_destination(dst)
-
-
 def cmd_convert(args: argparse.Namespace) -> int:
-    from jckpt.api.progress import bar
-    from jckpt.tools.info import is_directory_checkpoint
-
     src, dst = args.src, args.dst
-    if not os.path.lexists(src):
+    kind = classify(src)
+    if kind.name == MISSING:
         raise FormatError("no such file or directory", file=src, fix="check the source path")
     same = os.path.exists(dst) and os.path.samefile(src, dst)
     if os.path.lexists(dst) and not (same or args.overwrite):
         raise InputError("converting would replace an existing checkpoint", file=dst,
                          fix="choose another destination, or pass --overwrite")
-    target = args.format or _destination_format(dst)
-    if target in (None, 'jckpt') and os.path.isdir(src) and is_directory_checkpoint(src):
-        from jckpt.services.distributed import consolidate
-
-        with bar(f"consolidating {os.path.basename(src)}", 0, enabled=_progress(args)):
-            header = consolidate(src, dst, alignment=args.alignment, verify=not args.no_verify)
-        _print(f"wrote {dst}: {len(header.tensors)} entries in one file, "
-               f"alignment {header.alignment}")
-        return EXIT_OK
-    if target in (None, 'jckpt') and os.path.isfile(src) and _is_jckpt_file(src):
-        from jckpt.tools.rewrite import relayout
-
-        header = relayout(src, dst, alignment=args.alignment, overwrite=True,
-                          verify=not args.no_verify, progress=_progress(args))
-        _print(f"wrote {dst}: {len(header.tensors)} entries, alignment {header.alignment}")
-        return EXIT_OK
+    if (args.format or format_for_destination(dst)) in (None, 'jckpt'):
+        if kind.name == DIRECTORY:
+            return _consolidate(args)
+        if kind.name == FILE:
+            return _relayout(args)
     if args.alignment is not None:
         raise InputError("--alignment applies only to jckpt destinations", file=dst,
                          fix="drop --alignment, or convert to a .jckpt file")
-    try:
-        from jckpt.adapters import convert
-    except ImportError:
-        raise FormatError("not a jckpt checkpoint, and this installation has no format adapters",
-                          file=src, fix="pass a .jckpt file") from None
     if same:
         raise InputError("source and destination are the same file", file=dst,
                          fix="convert into another path")
@@ -178,9 +124,25 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_merge(args: argparse.Namespace) -> int:
-    from jckpt.tools.rewrite import merge
+def _consolidate(args: argparse.Namespace) -> int:
+    """``convert`` of a multi-process directory into one jckpt file."""
+    with bar(f"consolidating {os.path.basename(args.src)}", 0, enabled=_progress(args)):
+        header = consolidate(args.src, args.dst, alignment=args.alignment,
+                             verify=not args.no_verify)
+    _print(f"wrote {args.dst}: {len(header.tensors)} entries in one file, "
+           f"alignment {header.alignment}")
+    return EXIT_OK
 
+
+def _relayout(args: argparse.Namespace) -> int:
+    """``convert`` of a jckpt file into another: payloads copied, laid out anew."""
+    header = relayout(args.src, args.dst, alignment=args.alignment, overwrite=True,
+                      verify=not args.no_verify, progress=_progress(args))
+    _print(f"wrote {args.dst}: {len(header.tensors)} entries, alignment {header.alignment}")
+    return EXIT_OK
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
     prefixes = args.prefix or None
     if prefixes is not None and len(prefixes) != len(args.inputs):
         raise InputError(f"{len(prefixes)} --prefix options for {len(args.inputs)} inputs",

@@ -137,10 +137,30 @@ def merge(out: str | os.PathLike, inputs: Sequence[str | os.PathLike],
                             prefixes=["teacher", "student"])
         # namespaces teacher__jckpt and student__jckpt
     """
-    from jckpt.trees.pytree import check_prefix, prefix_namespace
-
     out = os.fspath(out)
     inputs = [os.fspath(p) for p in inputs]
+    prefixes = _merge_prefixes(out, inputs, prefixes, alignment)
+    sources = _merge_sources(out, inputs, prefixes, append=append, overwrite=overwrite)
+    if verify:
+        for reader, _ in sources:
+            _check_sources(reader)
+    entries, copies = _merged_entries(sources)
+    header = lay_out(Header(tensors=tuple(entries),
+                            alignment=DEFAULT_ALIGNMENT if alignment is None else alignment,
+                            writer=f"jckpt {__version__}", metadata=_merged_metadata(sources),
+                            extra=sources[0][1].extra))
+    return _copy_out(out, header, copies, durable=durable, progress=progress, what='merging into')
+
+
+#: One input of a merge: its reader, and its header with the namespaces renamed.
+_Source = tuple[CheckpointReader, Header]
+
+
+def _merge_prefixes(out: str, inputs: Sequence[str], prefixes: Sequence[str | None] | None,
+                    alignment: int | None) -> list[str | None]:
+    """One checked prefix per input (None where none); the errors for bad arguments."""
+    from jckpt.trees.pytree import check_prefix  # the tree layer imports JAX: only merge needs it
+
     if not inputs:
         raise InputError("nothing to merge: no input files given", file=out,
                          fix="name at least one input checkpoint")
@@ -152,7 +172,15 @@ def merge(out: str | os.PathLike, inputs: Sequence[str | os.PathLike],
         check_prefix(p)
     if alignment is not None and (not isinstance(alignment, int) or alignment < 1):
         raise InputError(f"alignment must be a positive integer, not {alignment!r}", file=out)
-    sources: list[tuple[CheckpointReader, Header]] = []
+    return prefixes
+
+
+def _merge_sources(out: str, inputs: Sequence[str], prefixes: Sequence[str | None], *,
+                   append: bool, overwrite: bool) -> list[_Source]:
+    """The files to merge, in order: ``out`` itself first when appending to it."""
+    from jckpt.trees.pytree import prefix_namespace  # as above: JAX
+
+    sources: list[_Source] = []
     if append and os.path.exists(out):
         base = CheckpointReader(out)
         sources.append((base, base.header))
@@ -161,12 +189,24 @@ def merge(out: str | os.PathLike, inputs: Sequence[str | os.PathLike],
     for path, prefix in zip(inputs, prefixes):
         reader = CheckpointReader(path)
         sources.append((reader, prefix_namespace(reader.header, prefix or None)))
-    if verify:
-        for reader, _ in sources:
-            _check_sources(reader)
+    return sources
 
-    # Ids: a path-less (OCANNL) entry is named by its id, so it keeps it; an entry with a
-    # path whose id is taken in its namespace gets a fresh one above every id of the inputs.
+
+def _merged_metadata(sources: Sequence[_Source]) -> tuple[tuple[str, str], ...]:
+    """Every input's metadata, the first file's value winning for a key in several."""
+    metadata: dict[str, str] = {}
+    for _, header in sources:
+        for key, value in header.metadata:
+            metadata.setdefault(key, value)
+    return tuple(metadata.items())
+
+
+def _id_plan(sources: Sequence[_Source]) -> tuple[dict[str, set[int]], dict[str, int]]:
+    """``(fixed, ceiling)`` per namespace: the ids path-less entries keep, and the largest id.
+
+    A path-less (OCANNL) entry is named by its id, so it keeps it; an entry with a path
+    whose id is taken in its namespace gets a fresh one above every id of the inputs.
+    """
     fixed: dict[str, set[int]] = {}
     ceiling: dict[str, int] = {}
     for _, header in sources:
@@ -174,14 +214,20 @@ def merge(out: str | os.PathLike, inputs: Sequence[str | os.PathLike],
             ceiling[e.namespace] = max(ceiling.get(e.namespace, -1), e.id)
             if e.path is None:
                 fixed.setdefault(e.namespace, set()).add(e.id)
+    return fixed, ceiling
+
+
+def _merged_entries(sources: Sequence[_Source]) -> tuple[list[Entry],
+                                                          list[tuple[CheckpointReader, Entry]]]:
+    """The merged entries (ids renumbered where taken), and where each payload comes from.
+
+    Raises :class:`~jckpt.errors.ClashError` for an entry two inputs both hold.
+    """
+    fixed, ceiling = _id_plan(sources)
     owners: dict[tuple, str] = {}
     used_ids: dict[str, set[int]] = {}
     entries: list[Entry] = []
     copies: list[tuple[CheckpointReader, Entry]] = []
-    metadata: dict[str, str] = {}
-    for _, header in sources:
-        for key, value in header.metadata:
-            metadata.setdefault(key, value)
     for reader, header in sources:
         for stored, e in zip(reader.header.tensors, header.tensors):
             owner = owners.get(e.identity)
@@ -196,12 +242,7 @@ def merge(out: str | os.PathLike, inputs: Sequence[str | os.PathLike],
             ids.add(e.id)
             entries.append(e)
             copies.append((reader, stored))
-    first = sources[0][1]
-    header = lay_out(Header(tensors=tuple(entries),
-                            alignment=DEFAULT_ALIGNMENT if alignment is None else alignment,
-                            writer=f"jckpt {__version__}", metadata=tuple(metadata.items()),
-                            extra=first.extra))
-    return _copy_out(out, header, copies, durable=durable, progress=progress, what='merging into')
+    return entries, copies
 
 
 __all__ = ['merge', 'relayout']

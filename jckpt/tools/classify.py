@@ -1,0 +1,202 @@
+"""What a path holds: ``classify(path)`` says which kind of checkpoint is there, if any.
+
+Every tool starts from the same question (a jckpt file? a multi-process
+directory? a manager's directory of steps? a file in another format?), and
+asks it here, so they all answer it alike and name the same error when the
+answer is "no checkpoint". Nothing but a regular file is ever opened: a FIFO
+or a device is refused from its ``stat``, so classifying never blocks.
+
+>>> import numpy as np, tempfile, os
+>>> d = tempfile.mkdtemp()
+>>> np.savez(os.path.join(d, 'w.npz'), w=np.zeros(3))
+>>> classify(os.path.join(d, 'w.npz')).name, classify(os.path.join(d, 'w.npz')).detail
+('foreign', 'npz')
+>>> classify(os.path.join(d, 'gone.jckpt')).name
+'missing'
+>>> kind = classify(d)
+>>> kind.name, kind.detail, kind.error.message[:29]
+('unknown', 'no checkpoint', 'directory holds no checkpoint')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import stat
+import struct
+
+from jckpt.adapters import SNIFF_BYTES, detect_format
+from jckpt.errors import CheckpointError, FormatError
+from jckpt.format.names import INDEX_NAME, PIECE_RE, STEP_RE
+from jckpt.storage.publish import storage_error
+from jckpt.storage.reader import CheckpointReader
+
+# --- the kinds (Kind.name) ------------------------------------------------------------------
+
+#: A checkpoint file (jckpt or OCANNL); its header may still be damaged: reading it says how.
+FILE = 'file'
+#: A multi-process checkpoint: a directory with an index (``index.jckpt``) and piece files.
+DIRECTORY = 'directory'
+#: A checkpoint manager's directory: ``step_NNNNNNNN.jckpt`` steps (files or directories).
+MANAGER = 'manager'
+#: A file in another format a format adapter recognises (``Kind.detail`` names it).
+FOREIGN = 'foreign'
+#: Nothing at the path (a dangling symbolic link included).
+MISSING = 'missing'
+#: Something that holds no checkpoint (``Kind.detail`` says what: one of the three below).
+UNKNOWN = 'unknown'
+
+#: An UNKNOWN directory of piece files without an index: a save that did not finish.
+UNFINISHED = 'unfinished save'
+#: An UNKNOWN directory holding no checkpoint at all.
+NO_CHECKPOINT = 'no checkpoint'
+#: An UNKNOWN regular file that no reader accepts (``Kind.error`` is the reader's).
+UNREADABLE = 'unreadable file'
+
+#: The first bytes of every header jckpt and OCANNL write, after the 4-byte length.
+_HEADER_START = b'((version'
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """What :func:`classify` found at ``path``.
+
+    Attributes:
+      name: :data:`FILE`, :data:`DIRECTORY`, :data:`MANAGER`, :data:`FOREIGN`,
+        :data:`MISSING` or :data:`UNKNOWN`.
+      path: the path classified.
+      detail: for FOREIGN the format's name (``'safetensors'``); for UNKNOWN
+        :data:`UNFINISHED`, :data:`NO_CHECKPOINT` or :data:`UNREADABLE`.
+      error: for the kinds that hold no checkpoint (FOREIGN, MISSING, UNKNOWN),
+        the error that says so, naming the path and what to do; else None.
+    """
+
+    name: str
+    path: str
+    detail: str | None = None
+    error: CheckpointError | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def is_checkpoint(self) -> bool:
+        """Whether a checkpoint is there (a file, a directory checkpoint, a manager's directory)."""
+        return self.error is None
+
+
+def classify(path: str | os.PathLike) -> Kind:
+    """What ``path`` holds, from its ``stat``, its listing or its first bytes.
+
+    A directory with an index is a multi-process checkpoint (even if it also
+    holds steps); one with ``step_NNNNNNNN.jckpt`` entries is a manager's
+    directory. A regular file is a jckpt file when it starts like one,
+    else a foreign file when a format adapter recognises it, else a jckpt
+    file when its header still reads (OCANNL writes headers in other forms),
+    else unknown. Raises :class:`~jckpt.errors.FormatError` for a path that
+    is neither a regular file nor a directory (a FIFO, a device, a socket),
+    without opening it, and :class:`~jckpt.errors.StorageError` when the
+    path cannot be read.
+
+    Example::
+
+        kind = classify("ckpt.jckpt")
+        if kind.error is not None:
+            raise kind.error
+    """
+    path = os.fspath(path)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return Kind(MISSING, path, error=missing_error(path))
+    except OSError as e:
+        raise storage_error(e, "reading", path) from e
+    if stat.S_ISDIR(mode):
+        return _classify_directory(path)
+    if not stat.S_ISREG(mode):
+        raise FormatError(f"is {_special_name(mode)}, not a checkpoint file or directory",
+                          file=path, fix="pass a checkpoint file or directory")
+    return _classify_file(path)
+
+
+def missing_error(path: str) -> FormatError:
+    """The error for a checkpoint that is not there."""
+    return FormatError("no such checkpoint file", file=path,
+                       fix="check the path, or save a checkpoint there first")
+
+
+def not_jckpt_error(path: str | os.PathLike, fmt: str) -> FormatError:
+    """The error for a file in another format, with the command that converts it."""
+    path = os.fspath(path)
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return FormatError(f"this file is in {fmt} format, not a jckpt checkpoint", file=path,
+                       fix=f"convert it first: jckpt convert {path} {stem}.jckpt "
+                           "(or jckpt.convert in Python)")
+
+
+def _classify_directory(path: str) -> Kind:
+    if os.path.isfile(os.path.join(path, INDEX_NAME)):
+        return Kind(DIRECTORY, path)
+    try:
+        names = os.listdir(path)
+    except OSError as e:
+        raise storage_error(e, "listing", path) from e
+    if any(STEP_RE.match(n) for n in names):
+        return Kind(MANAGER, path)
+    if any(PIECE_RE.match(n) for n in names):
+        return Kind(UNKNOWN, path, UNFINISHED, FormatError(
+            f"piece files but no {INDEX_NAME}: a multi-process save that did not finish; it is "
+            "not a checkpoint", file=path, fix="use the previous complete checkpoint"))
+    return Kind(UNKNOWN, path, NO_CHECKPOINT, FormatError(
+        "directory holds no checkpoint (no index.jckpt, no step_NNNNNNNN.jckpt steps)", file=path,
+        fix="pass a checkpoint file, a multi-process checkpoint directory or a checkpoint "
+            "manager's directory"))
+
+
+def _classify_file(path: str) -> Kind:
+    if _starts_like_jckpt(_head(path)):
+        return Kind(FILE, path)
+    try:
+        fmt: str | None = detect_format(path)
+    except CheckpointError:  # no format recognises it
+        fmt = None
+    if fmt is not None and fmt not in ('jckpt', 'ocannl'):
+        return Kind(FOREIGN, path, fmt, not_jckpt_error(path, fmt))
+    try:
+        CheckpointReader(path)
+    except FormatError as e:
+        return Kind(UNKNOWN, path, UNREADABLE, e)
+    return Kind(FILE, path)
+
+
+def _head(path: str) -> bytes:
+    """The first bytes of a regular file (opened non-blocking: it may have become a FIFO)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return b''  # removed since its stat: what reads it next will say so
+    except OSError as e:
+        raise storage_error(e, "reading", path) from e
+    try:
+        return os.pread(fd, SNIFF_BYTES, 0)
+    except OSError as e:
+        raise storage_error(e, "reading", path) from e
+    finally:
+        os.close(fd)
+
+
+def _starts_like_jckpt(head: bytes) -> bool:
+    """A 4-byte big-endian header length followed by ``((version`` (after blanks)."""
+    if len(head) < 4 + len(_HEADER_START):
+        return False
+    (hlen,) = struct.unpack('>I', head[:4])
+    return hlen >= len(_HEADER_START) and head[4:].lstrip()[:len(_HEADER_START)] == _HEADER_START
+
+
+def _special_name(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, 'a FIFO (named pipe)'), (stat.S_ISCHR, 'a character device'),
+                       (stat.S_ISBLK, 'a block device'), (stat.S_ISSOCK, 'a socket')):
+        if test(mode):
+            return name
+    return 'a special file'
+
+
+__all__ = ['DIRECTORY', 'FILE', 'FOREIGN', 'MANAGER', 'MISSING', 'NO_CHECKPOINT', 'UNFINISHED',
+           'UNKNOWN', 'UNREADABLE', 'Kind', 'classify', 'missing_error', 'not_jckpt_error']

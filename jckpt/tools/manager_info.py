@@ -1,0 +1,207 @@
+"""The summary of a checkpoint manager's directory: a table of its steps.
+
+Each step's header is read (never its payloads) for its size, entries,
+metrics, generation and lineage; a damaged step is listed with the reason
+instead of failing the whole summary. The best step is ranked as the
+manager ranks it.
+
+>>> import numpy as np, tempfile, os
+>>> from jckpt.format import Entry, Header, lay_out
+>>> from jckpt.storage import ArraySource, write_checkpoint
+>>> d = tempfile.mkdtemp()
+>>> e = Entry(id=0, namespace='jckpt', prec='Single_prec', dims=(1,), offset=0,
+...           byte_length=4, path=(('k', 'w'),))
+>>> for step, loss in ((10, 0.5), (20, 0.25)):
+...     _ = write_checkpoint(os.path.join(d, f'step_{step:08d}.jckpt'),
+...                          lay_out(Header(tensors=(e,), metadata=(
+...                              ('jckpt.metrics', f'{{"loss": {loss}}}'),))),
+...                          [ArraySource(np.ones(1, np.float32))], durable=False)
+>>> m = manager_info(d)
+>>> m.latest, m.best, m.best_metric
+(20, 20, 'loss')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import os
+from typing import Any
+
+from jckpt.errors import CheckpointError, InputError
+from jckpt.format.names import STEP_RE
+from jckpt.tools.render import REPR_ROWS, VALUE_WIDTH, html_table, human_bytes, plural, shorten, text_table
+from jckpt.tools.summary import DirectoryInfo, FileInfo, directory_info, file_info, known_metadata, tree_size
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """One step of a checkpoint manager directory.
+
+    Attributes:
+      step: the step number (from the name ``step_00000100.jckpt``).
+      path: the step's file (or directory, for a multi-process save).
+      kind: ``'file'`` or ``'directory'``.
+      size: bytes on disk (all files, for a directory).
+      entries, payload_bytes: from the step's header (None when unknown).
+      metrics: the metrics saved with the step.
+      generation, lineage: the writer's generation counter and lineage id.
+      error: why the step could not be read (None when it could).
+    """
+
+    step: int
+    path: str
+    kind: str
+    size: int
+    entries: int | None = None
+    payload_bytes: int | None = None
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    generation: int | None = None
+    lineage: str | None = None
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class ManagerInfo:
+    """The summary of a checkpoint manager directory: a table of its steps.
+
+    ``best`` ranks the readable steps by ``best_metric`` (``best_mode``
+    ``'min'`` or ``'max'``; ties go to the later step, as the manager ranks
+    them); ``latest`` is the highest readable step.
+    """
+
+    path: str
+    steps: tuple[StepInfo, ...]
+    best_metric: str | None = None
+    best_mode: str = 'min'
+
+    kind = 'manager'
+
+    @property
+    def metric_names(self) -> list[str]:
+        """Every metric name saved with any step, sorted."""
+        return sorted({k for s in self.steps for k in s.metrics})
+
+    @property
+    def latest(self) -> int | None:
+        readable = [s.step for s in self.steps if s.error is None]
+        return max(readable) if readable else None
+
+    @property
+    def best(self) -> int | None:
+        if self.best_metric is None:
+            return None
+        sign = 1 if self.best_mode == 'min' else -1
+        scored = [(sign * s.metrics[self.best_metric], -s.step) for s in self.steps
+                  if s.error is None and self.best_metric in s.metrics
+                  and s.metrics[self.best_metric] == s.metrics[self.best_metric]]
+        return -min(scored)[1] if scored else None
+
+    @property
+    def size(self) -> int:
+        return sum(s.size for s in self.steps)
+
+    def _description(self) -> str:
+        parts = [f"checkpoint manager directory, {plural(len(self.steps), 'step')}, "
+                 f"{human_bytes(self.size)}"]
+        if self.latest is not None:
+            parts.append(f"latest {self.latest}")
+        if self.best is not None:
+            parts.append(f"best {self.best} by {self.best_metric} ({self.best_mode})")
+        return ', '.join(parts)
+
+    def _rows(self) -> tuple[list[str], list[list[str]], list[int]]:
+        metrics = self.metric_names
+        headers = ['step', 'size', 'entries', 'generation', *metrics, 'note']
+        rows = []
+        latest, best = self.latest, self.best
+        for s in self.steps:
+            notes = [n for n, hit in (('latest', s.step == latest), ('best', s.step == best)) if hit]
+            if s.kind == 'directory':
+                notes.append('multi-process')
+            if s.error is not None:
+                notes.append(f"unreadable: {shorten(s.error, 60)}")
+            rows.append([str(s.step), human_bytes(s.size),
+                         '?' if s.entries is None else str(s.entries),
+                         '' if s.generation is None else str(s.generation),
+                         *[f"{s.metrics[m]:.6g}" if m in s.metrics else '' for m in metrics],
+                         ', '.join(notes)])
+        right = [0, 1, 2, 3, *range(4, 4 + len(metrics))]
+        return headers, rows, right
+
+    def _lineage_line(self) -> str | None:
+        lineages = sorted({s.lineage for s in self.steps if s.lineage is not None})
+        if not lineages:
+            return None
+        return f"lineage{'s' if len(lineages) > 1 else ''}: {', '.join(lineages)}"
+
+    def render(self, limit: int | None = None, width: int | None = VALUE_WIDTH) -> str:
+        """The text view: summary, lineage, and one row per step (the last ``limit``)."""
+        headers, rows, right = self._rows()
+        shown = rows if limit is None else rows[-limit:]
+        parts = [f"{self.path}: {self._description()}"]
+        if (line := self._lineage_line()) is not None:
+            parts.append(line)
+        parts.append('')
+        if len(shown) < len(rows):
+            parts.append(f"... {len(rows) - len(shown)} earlier steps")
+        parts.append(text_table(headers, shown, right=right) if rows else '(no steps)')
+        return '\n'.join(parts)
+
+    def __repr__(self) -> str:
+        return self.render(limit=REPR_ROWS)
+
+    def _repr_html_(self) -> str:
+        headers, rows, right = self._rows()
+        line = self._lineage_line()
+        return (f"<div><p><b>{html.escape(self.path)}</b>: {html.escape(self._description())}</p>"
+                + (f"<p>{html.escape(line)}</p>" if line else '')
+                + html_table(headers, rows[-REPR_ROWS:], right=right) + '</div>')
+
+    def to_dict(self) -> dict[str, Any]:
+        return {'kind': self.kind, 'path': self.path, 'size': self.size,
+                'latest': self.latest, 'best': self.best, 'best_metric': self.best_metric,
+                'best_mode': self.best_mode, 'steps': [s.to_dict() for s in self.steps]}
+
+
+def step_info(step: int, path: str) -> StepInfo:
+    """The :class:`StepInfo` of one manager step (never raises for a damaged step)."""
+    kind = 'directory' if os.path.isdir(path) else 'file'
+    try:
+        fi: FileInfo | DirectoryInfo = directory_info(path) if kind == 'directory' \
+            else file_info(path)
+    except CheckpointError as e:
+        size = tree_size(path) if kind == 'directory' else (
+            os.path.getsize(path) if os.path.exists(path) else 0)
+        return StepInfo(step, path, kind, size, error=str(e.message))
+    known = known_metadata(dict(fi.metadata))
+    metrics = known.get('metrics')
+    metrics = {str(k): float(v) for k, v in metrics.items()} if isinstance(metrics, dict) else {}
+    generation = known.get('generation')
+    return StepInfo(step, path, kind, fi.size, len(fi.entries), fi.payload_bytes, metrics,
+                    generation if isinstance(generation, int) else None, known.get('lineage'))
+
+
+def manager_info(path: str | os.PathLike, *, best_metric: str | None = None,
+                 best_mode: str = 'min') -> ManagerInfo:
+    """The :class:`ManagerInfo` of a checkpoint manager directory (headers only).
+
+    ``best_metric`` defaults to ``loss`` when the steps record it, else to the
+    first metric name in sorted order.
+    """
+    path = os.fspath(path)
+    if best_mode not in ('min', 'max'):
+        raise InputError(f"best_mode must be 'min' or 'max', not {best_mode!r}")
+    found = sorted((int(m.group(1)), name) for name in os.listdir(path)
+                   if (m := STEP_RE.match(name)))
+    steps = tuple(step_info(step, os.path.join(path, name)) for step, name in found)
+    names = sorted({k for s in steps for k in s.metrics})
+    if best_metric is None and names:
+        best_metric = 'loss' if 'loss' in names else names[0]
+    return ManagerInfo(path, steps, best_metric, best_mode)
+
+
+__all__ = ['ManagerInfo', 'StepInfo', 'manager_info', 'step_info']

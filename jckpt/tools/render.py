@@ -1,0 +1,112 @@
+"""Text and HTML for people: sizes, shapes, plurals, aligned tables, metadata rows.
+
+Pure functions over plain values, shared by the summaries (``jckpt.info``),
+the reports of ``verify`` and ``diff``, and the command line. Nothing here
+reads a file.
+
+>>> human_bytes(1536), format_shape((3,)), plural(2, 'entry')
+('1.5 KiB', '(3,)', '2 entries')
+>>> print(text_table(['a', 'size'], [['x', 1], ['yy', 22]], right=[1]))
+a   size
+x      1
+yy    22
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from jckpt.format.names import KNOWN_KEYS
+
+#: Rows shown by ``repr`` and the HTML view before "... N more" (the CLI shows all).
+REPR_ROWS = 40
+#: Metadata values longer than this are shortened in the text and HTML views.
+VALUE_WIDTH = 100
+
+
+def human_bytes(n: int) -> str:
+    """``1536`` -> ``'1.5 KiB'``: sizes for people (JSON keeps exact byte counts)."""
+    value = float(n)
+    for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
+        if value < 1024 or unit == 'TiB':
+            return f"{int(value)} B" if unit == 'B' else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError('unreachable')
+
+
+def format_shape(shape: Sequence[int]) -> str:
+    """``(784, 512)`` -> ``'(784, 512)'``, ``()`` -> ``'()'``, ``(3,)`` -> ``'(3,)'``."""
+    return repr(tuple(shape))
+
+
+def shorten(text: str, width: int | None = VALUE_WIDTH) -> str:
+    """``text`` on one line, cut to ``width`` characters with an ellipsis (None: never cut)."""
+    text = text.replace('\n', ' ')
+    return text if width is None or len(text) <= width else text[:width - 3] + '...'
+
+
+def plural(n: int, word: str) -> str:
+    """``plural(1, 'entry')`` -> ``'1 entry'``; ``plural(2, 'entry')`` -> ``'2 entries'``."""
+    if n == 1:
+        return f"{n} {word}"
+    if word.endswith('y') and word[-2:-1] not in ('a', 'e', 'i', 'o', 'u'):
+        return f"{n} {word[:-1]}ies"
+    return f"{n} {word}s"
+
+
+def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
+               right: Sequence[int] = ()) -> str:
+    """Rows as aligned plain-text columns (``right``: indices of right-aligned columns).
+
+    >>> print(text_table(['a', 'size'], [['x', 1], ['yy', 22]], right=[1]))
+    a   size
+    x      1
+    yy    22
+    """
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    for r in cells:
+        parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        lines.append('  '.join(parts).rstrip())
+    return '\n'.join(lines)
+
+
+def html_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
+               right: Sequence[int] = ()) -> str:
+    """Rows as an HTML table (every cell escaped)."""
+    def cell(tag: str, i: int, c: Any) -> str:
+        style = ' style="text-align:right"' if i in right else ' style="text-align:left"'
+        return f"<{tag}{style}>{html.escape(str(c))}</{tag}>"
+    head = ''.join(cell('th', i, h) for i, h in enumerate(headers))
+    body = ''.join('<tr>' + ''.join(cell('td', i, c) for i, c in enumerate(r)) + '</tr>'
+                   for r in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def metadata_rows(writer: str | None,
+                  metadata: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """``(label, value)`` pairs to show: writer, the known keys by name, then user metadata."""
+    rows = [('writer', writer if writer is not None else '(not recorded)')]
+    meta = dict(metadata)
+    rows += [(label, pretty_value(meta[key])) for key, label in KNOWN_KEYS.items() if key in meta]
+    rows += [(key, pretty_value(value)) for key, value in metadata if key not in KNOWN_KEYS]
+    return rows
+
+
+def pretty_value(value: str) -> str:
+    """A metadata value for display: JSON made compact, anything else as is."""
+    text = value.strip()
+    if text[:1] in ('{', '['):
+        try:
+            return json.dumps(json.loads(text), separators=(', ', ': '))
+        except ValueError:
+            pass
+    return value
+
+
+__all__ = ['REPR_ROWS', 'VALUE_WIDTH', 'format_shape', 'html_table', 'human_bytes',
+           'metadata_rows', 'plural', 'pretty_value', 'shorten', 'text_table']

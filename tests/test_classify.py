@@ -1,0 +1,159 @@
+"""``classify(path)``: every kind of path, the error each non-checkpoint names, and that
+nothing but a regular file is ever opened (a FIFO must not hang any tool)."""
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+
+from jckpt.errors import FormatError
+from jckpt.format import Entry, Header, lay_out, prec_of
+from jckpt.format.names import piece_name, step_name
+from jckpt.services.distributed import write_index
+from jckpt.storage import ArraySource, write_checkpoint
+from jckpt.tools.classify import (
+    DIRECTORY,
+    FILE,
+    FOREIGN,
+    MANAGER,
+    MISSING,
+    NO_CHECKPOINT,
+    UNFINISHED,
+    UNKNOWN,
+    UNREADABLE,
+    Kind,
+    classify,
+)
+from tests.helpers import entry_text, raw_file
+
+
+def write(path, arrays, **piece):
+    """A checkpoint file of ``{name: array}`` in namespace jckpt (``piece``: slice, global_dims)."""
+    entries = [Entry(id=i, namespace='jckpt', prec=prec_of(a.dtype), dims=a.shape, offset=0,
+                     byte_length=a.nbytes, path=(('k', name),), **piece)
+               for i, (name, a) in enumerate(arrays.items())]
+    write_checkpoint(path, lay_out(Header(tensors=tuple(entries))),
+                     [ArraySource(a) for a in arrays.values()], durable=False)
+    return str(path)
+
+
+def write_directory(path):
+    """A one-process directory checkpoint: one piece file holding all of ``w``, and the index."""
+    os.makedirs(path)
+    w = np.arange(4, dtype=np.float32)
+    write(os.path.join(path, piece_name(0)), {'w': w}, slice=((0, 4),), global_dims=(4,))
+    write_index(str(path), 1, 32, {}, durable=False)
+    return str(path)
+
+
+def test_jckpt_file(tmp_path):
+    path = write(tmp_path / 'm.jckpt', {'w': np.ones(3, np.float32)})
+    kind = classify(path)
+    assert kind == Kind(FILE, path) and kind.error is None and kind.is_checkpoint
+    assert classify(tmp_path / 'm.jckpt') == kind  # path-like objects too
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        kind.name = MISSING
+
+
+def test_file_whose_header_reads_though_it_starts_otherwise(tmp_path):
+    """OCANNL may order a header's fields differently: the reader, not the first bytes, decides."""
+    path = tmp_path / 'o.ckpt'
+    path.write_bytes(raw_file(f"((alignment 1) (version 1) (tensors ({entry_text()})))",
+                              np.ones(1, np.float32).tobytes()))
+    assert classify(path).name == FILE
+
+
+def test_directory_checkpoint(tmp_path):
+    d = write_directory(tmp_path / 'sharded')
+    assert classify(d) == Kind(DIRECTORY, d)
+    write(os.path.join(d, step_name(1)), {'w': np.ones(1, np.float32)})
+    assert classify(d).name == DIRECTORY  # an index wins over step names
+
+
+def test_manager_directory(tmp_path):
+    write(tmp_path / step_name(100), {'w': np.ones(1, np.float32)})
+    (tmp_path / 'notes.txt').write_text('x')
+    assert classify(tmp_path) == Kind(MANAGER, str(tmp_path))
+    other = tmp_path / 'steps_as_directories'
+    os.makedirs(other / step_name(5))  # a multi-process step is a directory
+    assert classify(other).name == MANAGER
+
+
+def test_directories_holding_no_checkpoint(tmp_path):
+    d = write_directory(tmp_path / 'sharded')
+    os.unlink(os.path.join(d, 'index.jckpt'))
+    kind = classify(d)
+    assert (kind.name, kind.detail) == (UNKNOWN, UNFINISHED) and not kind.is_checkpoint
+    assert isinstance(kind.error, FormatError) and 'did not finish' in kind.error.message
+    empty = tmp_path / 'empty'
+    empty.mkdir()
+    kind = classify(empty)
+    assert (kind.name, kind.detail) == (UNKNOWN, NO_CHECKPOINT)
+    assert kind.error.file == str(empty) and 'holds no checkpoint' in kind.error.message
+
+
+def test_foreign_files(tmp_path):
+    npz = tmp_path / 'w.npz'
+    np.savez(npz, w=np.zeros(3))
+    kind = classify(npz)
+    assert (kind.name, kind.detail) == (FOREIGN, 'npz')
+    assert 'npz format, not a jckpt checkpoint' in kind.error.message
+    assert f'jckpt convert {npz} w.jckpt' in kind.error.fix
+    safetensors_numpy = pytest.importorskip('safetensors.numpy')
+    st = tmp_path / 'w.safetensors'
+    safetensors_numpy.save_file({'w': np.zeros(3, np.float32)}, str(st))
+    assert (classify(st).name, classify(st).detail) == (FOREIGN, 'safetensors')
+
+
+def test_missing(tmp_path):
+    kind = classify(tmp_path / 'gone.jckpt')
+    assert kind.name == MISSING and kind.error.message == 'no such checkpoint file'
+    assert kind.error.file == str(tmp_path / 'gone.jckpt') and kind.error.fix
+    os.symlink(tmp_path / 'gone.jckpt', tmp_path / 'dangling.jckpt')
+    assert classify(tmp_path / 'dangling.jckpt').name == MISSING
+
+
+@pytest.mark.parametrize('data, message', [(b'', 'shorter than'), (b'\xff\xff', 'shorter than'),
+                                           (b'\x00\x00\x00\x0c(not (closed', 'S-expression'),
+                                           (b'\x00\x00\x00\xff', 'extends past the end')])
+def test_unknown_file_carries_the_readers_error(tmp_path, data, message):
+    path = tmp_path / 'bad.bin'
+    path.write_bytes(data)
+    kind = classify(path)
+    assert (kind.name, kind.detail) == (UNKNOWN, UNREADABLE)
+    assert isinstance(kind.error, FormatError) and message in kind.error.message
+    assert kind.error.file == str(path)
+
+
+@pytest.mark.timeout(60)
+def test_fifo_is_refused_without_opening_it(tmp_path):
+    fifo = tmp_path / 'pipe.jckpt'
+    os.mkfifo(fifo)
+    with pytest.raises(FormatError, match='FIFO') as e:
+        classify(fifo)  # opening it for reading would block until a writer came
+    assert e.value.file == str(fifo) and e.value.fix
+
+
+@pytest.mark.timeout(60)
+def test_no_tool_hangs_on_a_fifo(tmp_path, capsys):
+    import jckpt
+    from jckpt.tools.cli import main
+    from jckpt.tools.diff import diff
+    from jckpt.tools.verify import verify
+
+    fifo = tmp_path / 'pipe.jckpt'
+    os.mkfifo(fifo)
+    good = write(tmp_path / 'm.jckpt', {'w': np.ones(1, np.float32)})
+    for call in (lambda: jckpt.info(fifo), lambda: verify(fifo), lambda: diff(good, fifo)):
+        with pytest.raises(FormatError, match='FIFO'):
+            call()
+    for argv in (['inspect', fifo], ['verify', fifo], ['diff', fifo, good],
+                 ['convert', fifo, tmp_path / 'out.jckpt']):
+        assert main([str(a) for a in argv]) == 2
+        assert 'FIFO (named pipe), not a checkpoint file or directory' in capsys.readouterr().err
+
+
+def test_character_device_is_refused():
+    with pytest.raises(FormatError, match='character device'):
+        classify(os.devnull)
