@@ -347,7 +347,7 @@ def test_lineage_is_recorded_refused_and_continued(tmp_path):
 
     with pytest.raises(jckpt.LineageError, match="run-a") as info:
         jckpt.Mirror(path, lineage="run-b")
-    assert "new_lineage=True" in str(info.value)
+    assert "new_lineage=True" in str(info.value) and info.value.file == path
     with jckpt.Mirror(path) as m:                    # no lineage given: continue the file's
         assert m.lineage == "run-a" and m.counters.generation == 2
         m.submit({"w": np.full(4, 2, np.float32)})   # equal to the file: no new generation

@@ -79,8 +79,7 @@ class Holder:
 MIRROR_FILE = Holder('the file', 'a mirror', 'over it', 'mirror to another path')
 
 #: A manager's latest step: a new lineage's steps follow it in the directory.
-MANAGER_STEP = Holder('the latest step', 'a checkpoint manager',
-                      'after it (its steps stay and count for retention)',
+MANAGER_STEP = Holder('the latest step', 'a checkpoint manager', 'after it',
                       'save to another directory')
 
 
