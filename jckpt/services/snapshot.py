@@ -105,7 +105,7 @@ class Slot:
 
 
 @dataclasses.dataclass(frozen=True)
-class _HashedSource:
+class HashedSource:
     """A slot array whose checksum is already known: streamed without hashing again."""
 
     array: np.ndarray
@@ -124,7 +124,7 @@ def _array_checksum(array: np.ndarray) -> tuple[str, str]:
     return payload_mod.hasher_checksum(hasher)
 
 
-def build_entries(items: Sequence[HostLeaf]) -> tuple[tuple[Entry, ...], tuple[_HashedSource, ...]]:
+def build_entries(items: Sequence[HostLeaf]) -> tuple[tuple[Entry, ...], tuple[HashedSource, ...]]:
     """Entries (with checksums, ids per namespace in order) and payload sources for ``items``."""
     next_ids: dict[str, int] = {}
     entries, sources = [], []
@@ -136,7 +136,7 @@ def build_entries(items: Sequence[HostLeaf]) -> tuple[tuple[Entry, ...], tuple[_
                              dims=tuple(array.shape), offset=0, byte_length=array.nbytes,
                              label=tuple(str(v) for _, v in path), path=path,
                              checksum=sum_, key_impl=key_impl))
-        sources.append(_HashedSource(array, sum_))
+        sources.append(HashedSource(array, sum_))
     return tuple(entries), tuple(sources)
 
 
@@ -146,4 +146,5 @@ def content_digest(entries: Sequence[Entry], metadata: Mapping[str, str]) -> Dig
             tuple(sorted((k, v) for k, v in metadata.items() if not k.startswith(RESERVED_PREFIX))))
 
 
-__all__ = ['Digest', 'HostLeaf', 'Leaf', 'Slot', 'build_entries', 'content_digest', 'namespace_leaves']
+__all__ = ['Digest', 'HashedSource', 'HostLeaf', 'Leaf', 'Slot', 'build_entries', 'content_digest',
+           'namespace_leaves']
