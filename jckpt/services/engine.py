@@ -47,7 +47,6 @@ log = logging.getLogger('jckpt')
 
 InfoT = TypeVar('InfoT')
 StagedT = TypeVar('StagedT')
-StagedT_contra = TypeVar('StagedT_contra', contravariant=True)
 
 
 # --- counters ----------------------------------------------------------------
