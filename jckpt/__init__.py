@@ -58,7 +58,7 @@ _LAZY = {
     'convert': 'jckpt.adapters', 'detect_format': 'jckpt.adapters',
     'register_format': 'jckpt.adapters',
     'verify': 'jckpt.tools.verify',
-    'Mirror': 'jckpt.services.mirror', 'MirrorCounters': 'jckpt.services.mirror',
+    'Mirror': 'jckpt.services.mirror', 'MirrorCounters': 'jckpt.services.engine',
     'CheckpointManager': 'jckpt.services.manager', 'Restored': 'jckpt.services.manager',
     'TrainerState': 'jckpt.services.trainer_state',
 }

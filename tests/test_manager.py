@@ -190,8 +190,9 @@ def test_disk_error_keeps_the_step_and_retries(tmp_path, monkeypatch):
 def test_lineage_and_generation_continue_across_runs(tmp_path):
     with jckpt.CheckpointManager(tmp_path, lineage="exp1") as mgr:
         mgr.save(1, {"x": np.float32(1)})
-    with pytest.raises(jckpt.LineageError, match="exp1"):
+    with pytest.raises(jckpt.LineageError, match="exp1") as info:
         jckpt.CheckpointManager(tmp_path, lineage="exp2")
+    assert info.value.file == str(tmp_path / step_name(1)) and "new_lineage=True" in str(info.value)
     with jckpt.CheckpointManager(tmp_path) as mgr:
         assert mgr.lineage == "exp1" and mgr.counters.generation == 1
         mgr.save(2, {"x": np.float32(2)})
@@ -203,6 +204,24 @@ def test_lineage_and_generation_continue_across_runs(tmp_path):
     with jckpt.CheckpointManager(tmp_path / "empty") as mgr:
         with pytest.raises(jckpt.FormatError, match="no checkpoint"):
             mgr.restore()
+
+
+def test_a_directory_of_another_run_is_refused_unless_a_new_lineage_is_asked(tmp_path):
+    jckpt.save(jckpt.Context(), {"x": np.float32(1)}, tmp_path / step_name(1))  # no lineage
+    with pytest.raises(jckpt.LineageError, match="not written by a checkpoint manager") as info:
+        jckpt.CheckpointManager(tmp_path)
+    assert info.value.file == str(tmp_path / step_name(1)) and "new_lineage=True" in str(info.value)
+    with jckpt.CheckpointManager(tmp_path, lineage="exp2", new_lineage=True, keep_last=1) as mgr:
+        assert mgr.lineage == "exp2" and mgr.counters.generation == 0
+        with pytest.raises(jckpt.InputError, match="not above"):
+            mgr.save(1, {"x": np.float32(0)})     # the earlier run's steps stay: go above them
+        mgr.save(2, {"x": np.float32(2)})
+        mgr.wait_durable()
+        assert mgr.all_steps() == [2]             # and they count for retention
+    md = jckpt.describe(tmp_path / step_name(2)).metadata_dict()
+    assert md["jckpt.lineage"] == "exp2" and md["jckpt.generation"] == "1"
+    with jckpt.CheckpointManager(tmp_path) as mgr:  # the latest step is now this run's: continued
+        assert mgr.lineage == "exp2" and mgr.counters.generation == 1
 
 
 def test_trainer_state_json_round_trip_and_validation():

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import jckpt
+from jckpt.storage import staging as staging_mod
 from jckpt.storage import writer as writer_mod
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -346,7 +347,7 @@ def test_lineage_is_recorded_refused_and_continued(tmp_path):
 
     with pytest.raises(jckpt.LineageError, match="run-a") as info:
         jckpt.Mirror(path, lineage="run-b")
-    assert "new_lineage=True" in str(info.value)
+    assert "new_lineage=True" in str(info.value) and info.value.file == path
     with jckpt.Mirror(path) as m:                    # no lineage given: continue the file's
         assert m.lineage == "run-a" and m.counters.generation == 2
         m.submit({"w": np.full(4, 2, np.float32)})   # equal to the file: no new generation
@@ -370,10 +371,8 @@ def test_lineage_is_recorded_refused_and_continued(tmp_path):
 
 
 def test_failed_publish_discards_what_was_staged_after_it_and_retries(tmp_path, monkeypatch):
-    import jckpt.services.mirror as mirror_mod
-
     path = str(tmp_path / "run.jckpt")
-    original = mirror_mod.finish_staged
+    original = staging_mod.finish_staged
     broken = {"on": False, "calls": 0}
 
     def finish(temporary, target, *, durable):
@@ -383,7 +382,7 @@ def test_failed_publish_discards_what_was_staged_after_it_and_retries(tmp_path, 
                                      errno=errno.EIO, file=target)
         return original(temporary, target, durable=durable)
 
-    monkeypatch.setattr(mirror_mod, "finish_staged", finish)
+    monkeypatch.setattr(staging_mod, "finish_staged", finish)
     with jckpt.Mirror(path, retry_after=0.02, patience=10**6) as m:
         m.submit({"w": np.full(4, 1, np.float32)})
         m.wait_durable()

@@ -21,6 +21,9 @@ Retention (``keep_last``, ``keep_every``, ``keep_best`` by ``best_metric``)
 runs after each step is durable and never removes the latest durable step;
 with no policy every step is kept. Staging files of a killed writer are
 removed when the manager opens; a step file that cannot be read is ignored.
+The steps share a lineage (:mod:`jckpt.services.lineage`): a directory whose
+latest step belongs to another run, or records none, is refused unless
+``new_lineage=True``.
 """
 
 from __future__ import annotations
@@ -28,42 +31,40 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import shutil
-import signal
 import threading
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
+
 from jckpt.api import operations as api
 from jckpt.api.context import Context
-from jckpt.errors import CheckpointError, FormatError, InputError, LineageError
-from jckpt.format.names import INDEX_NAME, METRICS_KEY, STEP_KEY, STEP_RE, step_name
-from jckpt.services.mirror import (
-    GENERATION_KEY,
-    LINEAGE_KEY,
+from jckpt.errors import CheckpointError, FormatError, InputError
+from jckpt.format.names import (
+    INDEX_NAME,
+    METRICS_KEY,
     NEXT_TAG,
-    Job,
-    MirrorCounters,
-    Pipeline,
-    Staged,
-    build_entries,
-    check_metadata,
-    finish_staged,
-    next_name,
-    remove_staged,
-    stage_items,
+    STAGE_DIR_TAG,
+    STAGE_TAG,
+    STEP_KEY,
+    STEP_RE,
+    TRAINER_STATE_KEY,
+    step_name,
 )
-from jckpt.services.trainer_state import TRAINER_STATE_KEY, TrainerState
-from jckpt.storage.lease import WriterLease
-from jckpt.storage.publish import STAGE_TAG, fsync_dir, reclaim_staging
+from jckpt.services.base import BackgroundWriter, Staged, check_metadata
+from jckpt.services.distributed import reclaim_stage_dirs, save_directory
+from jckpt.services.lineage import MANAGER_STEP
+from jckpt.services.preemption import Preemption
+from jckpt.services.retention import Retention, check_metrics, ranked
+from jckpt.services.snapshot import namespace_leaves
+from jckpt.services.trainer_state import TrainerState
+from jckpt.storage.publish import fsync_dir, reclaim_staging, storage_error
+from jckpt.storage.staging import remove_staged
 from jckpt.trees import pytree as tree_mod
 
 log = logging.getLogger('jckpt')
-
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,21 +87,20 @@ class Restored:
     metadata: dict[str, str]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """What a snapshot job carries for the manager: its step and the metrics saved with it."""
+
+    step: int
+    metrics: Mapping[str, float]
+
+
 def _read_metadata(path: str) -> dict[str, str]:
     """A step's header metadata (a file, or a directory's index)."""
     return api.describe(path).metadata_dict()
 
 
-def _preemption_client_ready() -> bool:
-    try:
-        from jax._src import distributed as jax_distributed
-
-        return jax_distributed.global_state.client is not None
-    except Exception:
-        return False
-
-
-class CheckpointManager:
+class CheckpointManager(BackgroundWriter[_Step]):
     """Step checkpoints in ``directory``: asynchronous saves, retention, restore, trainer state.
 
     Args:
@@ -120,7 +120,10 @@ class CheckpointManager:
       retry_after: seconds before a failed write is retried, as for the mirror.
       patience: failed attempts in a row before the error is raised, as for the mirror.
       lineage: the lineage to continue, checked against the latest step.
-      new_lineage: start a new lineage even if the latest step has another.
+      new_lineage: start a new lineage even if the latest step has another or
+        none; without it, such a step is refused with :class:`~jckpt.errors.LineageError`
+        (:mod:`jckpt.services.lineage`, as for the mirror). Earlier steps stay and
+        count for retention; new steps must be above them.
       handle_sigterm: where no JAX distributed client runs, treat SIGTERM as
         preemption (:meth:`reached_preemption` then says True).
       directory_steps: write each step as a multi-process directory checkpoint
@@ -143,6 +146,9 @@ class CheckpointManager:
         mgr.close()
     """
 
+    _holder = MANAGER_STEP
+    _kind = 'manager'
+
     def __init__(self, directory: str | os.PathLike, *, ctx: Context | None = None,
                  keep_last: int | None = None, keep_every: int | None = None,
                  keep_best: int | None = None, best_metric: str | None = None,
@@ -150,24 +156,14 @@ class CheckpointManager:
                  slots: int = 2, when_full: str = 'block', retry_after: float = 1.0,
                  patience: int = 3, lineage: str | None = None, new_lineage: bool = False,
                  handle_sigterm: bool = False, directory_steps: bool | None = None) -> None:
-        import jax
-
         self.process_index, self.process_count = jax.process_index(), jax.process_count()
         self.directory_steps = (self.process_count > 1 if directory_steps is None
                                 else bool(directory_steps))
         self.directory = os.fspath(directory)
-        self.ctx = ctx if ctx is not None else Context()
-        for name, value in (('keep_last', keep_last), ('keep_every', keep_every),
-                            ('keep_best', keep_best)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise InputError(f"{name} must be a positive integer or None, not {value!r}")
+        self._retention = Retention(keep_last, keep_every, keep_best, best_metric, best_mode)
         if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
             raise InputError(f"save_interval_steps must be a positive integer, "
                              f"not {save_interval_steps!r}")
-        if best_mode not in ('min', 'max'):
-            raise InputError(f"best_mode must be 'min' or 'max', not {best_mode!r}")
-        if keep_best is not None and best_metric is None:
-            raise InputError("keep_best needs best_metric", fix="name the metric to rank by")
         self.keep_last, self.keep_every, self.keep_best = keep_last, keep_every, keep_best
         self.best_metric, self.best_mode = best_metric, best_mode
         self.save_interval_steps = save_interval_steps
@@ -175,28 +171,20 @@ class CheckpointManager:
         try:
             os.makedirs(self.directory, exist_ok=True)
         except OSError as e:
-            from jckpt.storage.publish import storage_error
-
             raise storage_error(e, "creating the checkpoint directory", self.directory) from e
+        self._lock = threading.Lock()
+        self._metrics: dict[int, dict[str, float]] = {}
+        self._last_admitted: int | None = None
         # One writer per directory; in a multi-process run, one per process of it.
-        self._lease = WriterLease(self.directory if self.process_count == 1 else
-                                  os.path.join(self.directory, f".process{self.process_index:05d}"))
+        lease = (self.directory if self.process_count == 1 else
+                 os.path.join(self.directory, f".process{self.process_index:05d}"))
+        self._preemption = Preemption(handle_sigterm)
         try:
-            self._lock = threading.Lock()
-            self._metrics: dict[int, dict[str, float]] = {}
-            self._clean_staging()
-            self._scan()
-            self.lineage, generation = self._open_lineage(lineage, new_lineage)
-            self._last_admitted: int | None = None
-            self._preempted = threading.Event()
-            if handle_sigterm:
-                self._install_sigterm()
-            self._staged_generation = self._published_generation = generation
-            self._pipeline = Pipeline(self.directory, self, slots=slots,
-                                      when_full=when_full, retry_after=retry_after,
-                                      patience=patience, generation=generation)
+            super().__init__(self.directory, lease=lease, ctx=ctx, lineage=lineage,
+                             new_lineage=new_lineage, slots=slots, when_full=when_full,
+                             retry_after=retry_after, patience=patience)
         except BaseException:
-            self._lease.release()
+            self._preemption.close()
             raise
 
     # --- what is on disk ----------------------------------------------------
@@ -204,12 +192,16 @@ class CheckpointManager:
     def _path(self, step: int) -> str:
         return os.path.join(self.directory, step_name(step))
 
+    def _recover(self) -> str | None:
+        self._clean_staging()
+        self._scan()
+        latest = self.latest_step()
+        return None if latest is None else self._path(latest)
+
     def _clean_staging(self) -> None:
         """Remove staging files and directories of steps whose writer died (incomplete steps)."""
         if self.process_index != 0:
             return
-        from jckpt.services.distributed import STAGE_DIR_TAG, reclaim_stage_dirs
-
         files, dirs = set(), set()
         for name in os.listdir(self.directory):
             path = os.path.join(self.directory, name)
@@ -247,24 +239,6 @@ class CheckpointManager:
         with self._lock:
             self._metrics = found
 
-    def _open_lineage(self, lineage: str | None, new_lineage: bool) -> tuple[str, int]:
-        latest = self.latest_step()
-        if latest is None or new_lineage:
-            return lineage or uuid.uuid4().hex, 0
-        path = self._path(latest)
-        meta = _read_metadata(path)
-        found = meta.get(LINEAGE_KEY)
-        if found is None:
-            return lineage or uuid.uuid4().hex, 0
-        if lineage is not None and lineage != found:
-            raise LineageError(f"the latest step belongs to lineage {found!r}, not {lineage!r}",
-                               file=path, fix=f"pass lineage={found!r} to continue it, or "
-                                              "new_lineage=True to start a new one")
-        try:
-            return found, int(meta.get(GENERATION_KEY, '0'))
-        except ValueError:
-            return found, 0
-
     def all_steps(self) -> list[int]:
         """Every durable step in the directory, ascending."""
         with self._lock:
@@ -281,8 +255,9 @@ class CheckpointManager:
         mode = mode or self.best_mode
         if metric is None:
             raise InputError("best_step needs a metric", fix="pass metric= or set best_metric")
-        ranked = self._ranked(metric, mode)
-        return ranked[0] if ranked else None
+        with self._lock:
+            best = ranked(self._metrics, metric, mode)
+        return best[0] if best else None
 
     def metrics(self, step: int) -> dict[str, float]:
         """The metrics saved with a durable ``step``."""
@@ -292,19 +267,7 @@ class CheckpointManager:
                                   fix=f"pick one of {sorted(self._metrics)[-5:]}")
             return dict(self._metrics[step])
 
-    def _ranked(self, metric: str, mode: str) -> list[int]:
-        with self._lock:
-            scored = [(v[metric], s) for s, v in self._metrics.items()
-                      if metric in v and not math.isnan(v[metric])]
-        sign = 1 if mode == 'min' else -1
-        return [s for _, s in sorted(scored, key=lambda t: (sign * t[0], -t[1]))]
-
     # --- saving ----------------------------------------------------------------
-
-    @property
-    def counters(self) -> MirrorCounters:
-        """The writer's counters (``generation``: checkpoints written in this lineage)."""
-        return self._pipeline.counters()
 
     def should_save(self, step: int) -> bool:
         """Whether :meth:`save` would write ``step``: on the interval, or at preemption."""
@@ -331,17 +294,11 @@ class CheckpointManager:
                              file=self.directory)
         if not force and not self.should_save(step):
             return False
-        on_disk = self.latest_step()
-        last = max(-1 if self._last_admitted is None else self._last_admitted,
-                   -1 if on_disk is None else on_disk)
-        if step <= last:
-            raise InputError(f"step {step} is not above the last saved step {last}",
-                             file=self.directory,
-                             fix="save increasing steps (delete later steps to rewind)")
+        self._check_next(step)
         if (tree is None) == (items is None):
             raise InputError("pass exactly one of tree and items", file=self.directory)
         meta = check_metadata(metadata, self.directory)
-        clean_metrics = _check_metrics(metrics, self.directory)
+        clean_metrics = check_metrics(metrics, self.directory)
         meta[STEP_KEY] = str(step)
         meta[METRICS_KEY] = json.dumps(clean_metrics, sort_keys=True)
         if trainer_state is not None:
@@ -352,100 +309,56 @@ class CheckpointManager:
         if self.directory_steps:
             self._save_directory(step, tree, items, meta, clean_metrics)
             return True
-        if items is not None:
-            leaves = []
-            for namespace, sub in items.items():
-                Context(namespace=namespace)  # validates the name
-                leaves.extend((namespace, p, leaf) for p, leaf in tree_mod.flatten(sub))
-        else:
-            leaves = [(self.ctx.namespace, p, leaf) for p, leaf in tree_mod.flatten(tree)]
-        self._pipeline.admit(leaves, meta, info=(step, clean_metrics), timeout=timeout)
+        leaves = namespace_leaves(items if items is not None else {self.ctx.namespace: tree})
+        self._pipeline.admit(leaves, meta, _Step(step, clean_metrics), timeout=timeout)
         self._last_admitted = step
         if not self.asynchronous:
             self._pipeline.wait()
         return True
 
-    def wait_durable(self, timeout: float | None = None) -> bool:
-        """Wait until every saved step is durable; ``False`` if ``timeout`` passed first."""
-        return self._pipeline.wait(timeout)
+    def _check_next(self, step: int) -> None:
+        """Refuse a step not above every step saved or on disk."""
+        on_disk = self.latest_step()
+        last = max(-1 if self._last_admitted is None else self._last_admitted,
+                   -1 if on_disk is None else on_disk)
+        if step <= last:
+            raise InputError(f"step {step} is not above the last saved step {last}",
+                             file=self.directory,
+                             fix="save increasing steps (delete later steps to rewind)")
 
     def _save_directory(self, step: int, tree: Any, items: Mapping[str, Any] | None,
                         meta: dict[str, str], metrics: dict[str, float]) -> None:
-        from jckpt.services.distributed import save_directory
-
         if items is not None:
             raise InputError("directory steps hold one namespace: pass tree, not items",
                              file=self.directory)
 
         def write(generation: int) -> None:
-            full = dict(meta)
-            full[LINEAGE_KEY] = self.lineage
-            full[GENERATION_KEY] = str(generation)
-            save_directory(self.ctx, tree, self._path(step), metadata=full)
-            self._staged_generation = self._published_generation = generation
+            save_directory(self.ctx, tree, self._path(step), metadata=self._stamped(meta, generation))
+            self._mark_published(generation)
 
         self._pipeline.run_now(write)
         self._last_admitted = step
+        self._record(step, metrics)
+
+    def _target(self, info: _Step) -> str:
+        return self._path(info.step)
+
+    def _on_published(self, staged: Staged[_Step]) -> None:
+        self._record(staged.info.step, staged.info.metrics)
+
+    def _record(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Count a durable ``step`` and apply the retention policy."""
         with self._lock:
-            self._metrics[step] = metrics
-        try:
-            self._prune()
-        except OSError as e:
-            log.warning("jckpt: retention in %s failed: %s", self.directory, e)
-
-    # The two stages the pipeline runs (see jckpt.services.mirror.Committer).
-
-    def stage(self, job: Job) -> Staged:
-        step, metrics = job.info
-        if 'entries' not in job.cache:
-            job.cache['entries'], job.cache['sources'] = build_entries(job.items)
-        generation = self._staged_generation + 1
-        meta = dict(job.metadata)
-        meta[LINEAGE_KEY] = self.lineage
-        meta[GENERATION_KEY] = str(generation)
-        target = self._path(step)
-        temporary = next_name(target, job.seq)
-        stage_items(temporary, target, job.cache['entries'], job.cache['sources'], metadata=meta,
-                    ctx=self.ctx)
-        self._staged_generation = generation
-        return Staged(temporary, generation, info=(step, metrics))
-
-    def publish(self, staged: Staged) -> int:
-        step, metrics = staged.info
-        finish_staged(staged.path, self._path(step), durable=self.ctx.durable)
-        self._published_generation = staged.generation
-        with self._lock:
-            self._metrics[step] = metrics
+            self._metrics[step] = dict(metrics)
         try:
             self._prune()
         except OSError as e:  # a failed deletion must not fail (and so repeat) the save
             log.warning("jckpt: retention in %s failed: %s", self.directory, e)
-        return staged.generation
-
-    def discard(self, staged: Staged | None) -> None:
-        if staged is not None and staged.path is not None:
-            try:
-                os.unlink(staged.path)
-            except FileNotFoundError:
-                pass
-
-    def rollback(self) -> None:
-        self._staged_generation = self._published_generation
 
     def _prune(self) -> None:
-        if self.keep_last is None and self.keep_every is None and self.keep_best is None:
-            return
-        steps = self.all_steps()
-        if not steps:
-            return
-        keep = {steps[-1]}  # the latest durable step, always
-        if self.keep_last is not None:
-            keep.update(steps[-self.keep_last:])
-        if self.keep_every is not None:
-            keep.update(s for s in steps if s % self.keep_every == 0)
-        if self.keep_best is not None:
-            keep.update(self._ranked(self.best_metric, self.best_mode)[:self.keep_best])
-        doomed = [s for s in steps if s not in keep]
+        """Delete the steps the retention policy does not keep (process 0; the others forget them)."""
+        with self._lock:
+            doomed = self._retention.doomed(self._metrics)
         for s in doomed:
             with self._lock:
                 self._metrics.pop(s, None)
@@ -513,6 +426,7 @@ class CheckpointManager:
         return Restored(step=step, tree=tree, trainer_state=state,
                         metrics=_parse_metrics(meta.get(METRICS_KEY), path), metadata=user)
 
+
     # --- preemption ------------------------------------------------------------
 
     def reached_preemption(self, step: int) -> bool:
@@ -522,71 +436,16 @@ class CheckpointManager:
         process must call it at every step); otherwise it reports a SIGTERM
         caught with ``handle_sigterm=True``, and False without one.
         """
-        if _preemption_client_ready():
-            try:
-                from jax.experimental import multihost_utils
-
-                return bool(multihost_utils.reached_preemption_sync_point(step))
-            except Exception as e:  # no preemption service in this client
-                log.debug("jckpt: preemption sync point unavailable: %s", e)
-        return self._preempted.is_set()
-
-    def _install_sigterm(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            raise InputError("handle_sigterm=True needs the main thread",
-                             fix="create the manager in the main thread")
-        previous = signal.getsignal(signal.SIGTERM)
-
-        def handler(signum, frame):
-            self._preempted.set()
-            if callable(previous) and previous not in (signal.SIG_DFL, signal.SIG_IGN):
-                previous(signum, frame)
-
-        signal.signal(signal.SIGTERM, handler)
-        self._restore_sigterm = lambda: signal.signal(signal.SIGTERM, previous)
-
-    def _uninstall_sigterm(self) -> None:
-        """Put back the SIGTERM handler that was there before this manager (on close)."""
-        restore, self._restore_sigterm = getattr(self, '_restore_sigterm', None), None
-        if restore is not None and threading.current_thread() is threading.main_thread():
-            restore()
+        return self._preemption.reached(step)
 
     # --- lifetime --------------------------------------------------------------
 
-    def close(self, timeout: float | None = None) -> None:
-        """Make every saved step durable, stop the writer, release the directory."""
-        try:
-            self._pipeline.close(timeout)
-        finally:
-            self._lease.release()
-            self._uninstall_sigterm()
-
-    def __enter__(self) -> CheckpointManager:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-            return
-        try:
-            self.close()
-        except Exception as e:
-            log.error("jckpt: closing the manager of %s after an error: %s", self.directory, e)
+    def _on_close(self) -> None:
+        self._preemption.close()  # the SIGTERM handler that was there before this manager
 
     def __repr__(self) -> str:
         return (f"CheckpointManager({self.directory!r}, steps={self.all_steps()[-3:]}, "
                 f"{self.counters})")
-
-
-def _check_metrics(metrics: Mapping[str, float] | None, where: str) -> dict[str, float]:
-    out = {}
-    for k, v in (metrics or {}).items():
-        try:
-            out[str(k)] = float(v)
-        except (TypeError, ValueError):
-            raise InputError(f"metric {k!r} is not a number: {v!r}", file=where,
-                             fix="pass plain numbers (float(loss))") from None
-    return out
 
 
 def _parse_metrics(text: str | None, path: str) -> dict[str, float]:

@@ -1,0 +1,208 @@
+"""What the mirror and the checkpoint manager share: one background writer of staged generations.
+
+:class:`BackgroundWriter` takes the writer lease on its path, clears what a
+writer that died left there, applies the lineage rule
+(:mod:`jckpt.services.lineage`) to the checkpoint it finds, and runs a
+:class:`~jckpt.services.engine.Pipeline` whose two stages it implements: each
+admitted snapshot is written as the next generation of its target under a
+temporary name, then made durable and renamed into place
+(:mod:`jckpt.storage.staging`). A subclass says only what differs: where the
+latest checkpoint is (:meth:`BackgroundWriter._recover`), where a snapshot
+goes (:meth:`BackgroundWriter._target`), what follows a publish, and whether
+a snapshot equal to the last generation is skipped (the mirror) or written
+(the manager, one file per step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from typing import ClassVar, Generic, Self, TypeVar
+
+from jckpt.api import operations as api
+from jckpt.api.context import Context
+from jckpt.errors import InputError
+from jckpt.format.names import GENERATION_KEY, LINEAGE_KEY, RESERVED_PREFIX
+from jckpt.services.engine import Job, MirrorCounters, Pipeline
+from jckpt.services.lineage import Holder, check_name, open_lineage
+from jckpt.services.snapshot import Digest, content_digest
+from jckpt.storage import staging
+from jckpt.storage.lease import WriterLease
+
+log = logging.getLogger('jckpt')
+
+InfoT = TypeVar('InfoT')
+
+
+def check_metadata(metadata: Mapping[str, str] | None, where: str) -> dict[str, str]:
+    """User metadata as a dict of strings, refusing the reserved ``jckpt.`` keys."""
+    out: dict[str, str] = {}
+    for k, v in (metadata or {}).items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise InputError(f"metadata must map strings to strings, not {k!r}: {v!r}",
+                             file=where, fix="convert values with str() or json.dumps()")
+        if k.startswith(RESERVED_PREFIX):
+            raise InputError(f"metadata key {k!r} is reserved", file=where,
+                             fix=f"use a key that does not start with {RESERVED_PREFIX!r}")
+        out[k] = v
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Staged(Generic[InfoT]):
+    """A generation of ``target`` written under ``temporary`` (``None``: equal content, nothing to write)."""
+
+    temporary: str | None
+    target: str
+    generation: int
+    digest: Digest | None
+    info: InfoT
+
+
+@dataclasses.dataclass(frozen=True)
+class _Head:
+    """The last generation staged or published, and its content (``None``: not known)."""
+
+    generation: int
+    digest: Digest | None = None
+
+
+class BackgroundWriter(Generic[InfoT]):
+    """The lease, lineage, pipeline and two-stage commit shared by the mirror and the manager.
+
+    Subclasses set the class attributes, implement :meth:`_recover` and
+    :meth:`_target`, and call ``__init__`` once their own fields are set.
+    """
+
+    #: How lineage errors name the checkpoint found.
+    _holder: ClassVar[Holder]
+    #: What log messages call the writer (``'mirror'``, ``'manager'``).
+    _kind: ClassVar[str]
+    #: Skip a snapshot whose content equals the last generation's.
+    _dedupe: ClassVar[bool] = False
+
+    def __init__(self, name: str, *, lease: str, ctx: Context | None, lineage: str | None,
+                 new_lineage: bool, slots: int, when_full: str, retry_after: float,
+                 patience: int) -> None:
+        self.ctx = ctx if ctx is not None else Context()
+        check_name(lineage, name)
+        self._lease = WriterLease(lease)
+        try:
+            latest = self._recover()
+            found, digest = None, None
+            if latest is not None and not new_lineage:
+                header = api.describe(latest)
+                found = header.metadata_dict()
+                digest = content_digest(header.tensors, found)
+            opened = open_lineage(found, file=latest or name, lineage=lineage,
+                                  new_lineage=new_lineage, holder=self._holder)
+            self.lineage = opened.name
+            self._staged = self._published = _Head(opened.generation, digest)
+            self._pipeline: Pipeline[InfoT, Staged[InfoT]] = Pipeline(
+                name, self, slots=slots, when_full=when_full, retry_after=retry_after,
+                patience=patience, generation=opened.generation, owner=self)
+        except BaseException:
+            self._lease.release()
+            raise
+
+    # What a subclass says.
+
+    def _recover(self) -> str | None:
+        """Clear what a writer that died left; return the latest durable checkpoint, if any."""
+        raise NotImplementedError
+
+    def _target(self, info: InfoT) -> str:
+        """The path the generation of a job with ``info`` is published to."""
+        raise NotImplementedError
+
+    def _on_published(self, staged: Staged[InfoT]) -> None:
+        """Called once ``staged`` is durable (on the publishing thread)."""
+
+    def _on_close(self) -> None:
+        """Called when the writer closes, after the lease is released."""
+
+    # The public surface.
+
+    @property
+    def counters(self) -> MirrorCounters:
+        """The current counters (``print(writer.counters)`` gives the one-line summary).
+
+        ``generation`` counts the checkpoints written in this lineage.
+        """
+        return self._pipeline.counters()
+
+    def wait_durable(self, timeout: float | None = None) -> bool:
+        """Wait until everything submitted is on disk; ``False`` if ``timeout`` passed first.
+
+        Raises the persistence error (a :class:`~jckpt.errors.StorageError`)
+        once ``patience`` attempts in a row have failed.
+        """
+        return self._pipeline.wait(timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Make everything submitted durable, stop the writer and release the path (idempotent)."""
+        try:
+            self._pipeline.close(timeout)
+        finally:
+            self._lease.release()
+            self._on_close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as e:  # do not hide the exception that ended the block
+            log.error("jckpt: closing the %s of %s after an error: %s",
+                      self._kind, self._pipeline.name, e)
+
+    # The two stages the pipeline runs (see jckpt.services.engine.Committer).
+
+    def _stamped(self, metadata: Mapping[str, str], generation: int) -> dict[str, str]:
+        """``metadata`` with this writer's lineage and ``generation`` added."""
+        return {**metadata, LINEAGE_KEY: self.lineage, GENERATION_KEY: str(generation)}
+
+    def _mark_published(self, generation: int) -> None:
+        """Record a generation written outside the pipeline's stages (``Pipeline.run_now``)."""
+        self._staged = self._published = _Head(generation)
+
+    def stage(self, job: Job[InfoT]) -> Staged[InfoT]:
+        """Write the job's generation under a temporary name, not yet durable."""
+        entries, sources = job.built
+        digest = content_digest(entries, job.metadata)
+        target = self._target(job.info)
+        if self._dedupe and digest == self._staged.digest:
+            return Staged(None, target, self._staged.generation, digest, job.info)
+        generation = self._staged.generation + 1
+        temporary = staging.next_name(target, job.seq)
+        staging.stage_items(temporary, target, entries, sources,
+                            metadata=self._stamped(job.metadata, generation),
+                            alignment=self.ctx.alignment)
+        self._staged = _Head(generation, digest)
+        return Staged(temporary, target, generation, digest, job.info)
+
+    def publish(self, staged: Staged[InfoT]) -> int | None:
+        """Make a staged generation durable and put it in place; its number (``None``: none written)."""
+        if staged.temporary is None:
+            return None
+        staging.finish_staged(staged.temporary, staged.target, durable=self.ctx.durable)
+        self._published = _Head(staged.generation, staged.digest)
+        self._on_published(staged)
+        return staged.generation
+
+    def discard(self, staged: Staged[InfoT]) -> None:
+        """Remove a staged generation that will not be published."""
+        if staged.temporary is not None:
+            staging.discard_staged(staged.temporary)
+
+    def rollback(self) -> None:
+        """Stage the next job from the last published generation again."""
+        self._staged = self._published
+
+
+__all__ = ['BackgroundWriter', 'Staged', 'check_metadata']

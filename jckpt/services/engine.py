@@ -1,0 +1,461 @@
+"""The background engine: snapshot slots, a FIFO of admitted jobs, and a writer that makes them durable.
+
+:class:`Pipeline` knows nothing about files: a :class:`Committer` (the mirror,
+the manager) says how one job is written (``stage``) and made durable
+(``publish``). The pipeline runs the two stages on two threads so that job
+N+1 is staged while job N is being published, keeps the jobs in order, retries
+a failed one every ``retry_after`` seconds, and counts what is durable
+(:class:`MirrorCounters`). A job's slot is reused only once the job is
+durable, so admitted work is never dropped while the pipeline is open, and a
+pipeline left open is flushed when the interpreter exits.
+
+>>> import numpy as np
+>>> class Counting:                      # a committer that writes nothing: generation = job number
+...     def stage(self, job): return job.seq
+...     def publish(self, staged): return staged
+...     def discard(self, staged): pass
+...     def rollback(self): pass
+>>> p = Pipeline('demo', Counting())
+>>> [p.admit([('jckpt', (('k', 'w'),), np.full(2, i))], {}) for i in range(3)]
+[1, 2, 3]
+>>> p.close()                            # waits until every admitted job is durable
+>>> print(p.counters())
+memory mirror: committed 3 durable 3 generation 3 pending 0 error 0
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import dataclasses
+import errno as errno_mod
+import functools
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from typing import Generic, Protocol, TypeVar
+
+from jckpt.errors import CapacityError, CheckpointError, InputError
+from jckpt.format.header import Entry
+from jckpt.services.snapshot import HashedSource, HostLeaf, Leaf, Slot, build_entries
+
+log = logging.getLogger('jckpt')
+
+InfoT = TypeVar('InfoT')
+StagedT = TypeVar('StagedT')
+
+
+# --- counters ----------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class MirrorCounters:
+    """A consistent reading of a mirror's progress; ``str()`` is the one-line summary.
+
+    Attributes:
+      committed: snapshots accepted by ``submit`` so far.
+      durable: the number (1-based, in submit order) of the last accepted
+        snapshot that is now synchronized on disk (or found identical to it).
+      generation: the generation number in the file (0: none written yet).
+      pending: slots whose snapshot is waiting to be written or being written.
+      error: ``0``, or the last persistence error while it is unrecovered, as an
+        errno name (``"ENOSPC"``) or the error's class name.
+      failures: failed write attempts since the mirror opened.
+      last_error: the message of the most recent failure, kept after recovery.
+      stalls: submits that had to wait for a free slot (the disk is not keeping up).
+    """
+
+    committed: int = 0
+    durable: int = 0
+    generation: int = 0
+    pending: int = 0
+    error: int | str = 0
+    failures: int = 0
+    last_error: str | None = None
+    stalls: int = 0
+
+    def __str__(self) -> str:
+        return (f"memory mirror: committed {self.committed} durable {self.durable} "
+                f"generation {self.generation} pending {self.pending} error {self.error}")
+
+
+def error_code(exc: BaseException) -> str:
+    """How the counters name an error: its errno name (``"ENOSPC"``) or its class name."""
+    code = getattr(exc, 'errno', None)
+    if isinstance(code, int) and code in errno_mod.errorcode:
+        return errno_mod.errorcode[code]
+    return type(exc).__name__
+
+
+# --- jobs and committers -----------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Job(Generic[InfoT]):
+    """One admitted snapshot: its number (1, 2, ... in admission order), slot and host arrays.
+
+    ``metadata`` is the user's metadata for the generation and ``info``
+    whatever the committer attached at admission (the manager: the step).
+    """
+
+    seq: int
+    slot: Slot
+    items: tuple[HostLeaf, ...]
+    metadata: Mapping[str, str]
+    info: InfoT
+
+    @functools.cached_property
+    def built(self) -> tuple[tuple[Entry, ...], tuple[HashedSource, ...]]:
+        """The entries and payload sources of the items: hashed once, kept across retries."""
+        return build_entries(self.items)
+
+
+class Committer(Protocol[StagedT]):
+    """How a pipeline makes one job durable, in two stages that overlap across jobs.
+
+    ``stage`` writes the job's file under a temporary name without waiting
+    for the disk; ``publish`` makes it durable (fsync, rename into place,
+    directory fsync) and returns the generation it produced, or ``None``.
+    While job N is being published, job N+1 is staged. After a failure the
+    pipeline calls ``discard`` on anything staged but not published, then
+    ``rollback`` so the next ``stage`` starts from the last published state.
+    """
+
+    def stage(self, job: Job) -> StagedT: ...
+
+    def publish(self, staged: StagedT) -> int | None: ...
+
+    def discard(self, staged: StagedT) -> None: ...
+
+    def rollback(self) -> None: ...
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+_OPEN: weakref.WeakSet[_Closable] = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_at_exit() -> None:  # pragma: no cover - exercised by interpreter shutdown
+    for writer in list(_OPEN):
+        try:
+            writer.close()
+        except Exception as e:
+            log.error("jckpt: snapshots not made durable at exit: %s", e)
+
+
+def _quietly(fn: Callable[..., object], *args: object) -> None:
+    try:
+        fn(*args)
+    except Exception as e:  # cleanup must not mask the failure being handled
+        log.debug("jckpt: cleanup failed: %s", e)
+
+
+class _Helper:
+    """A daemon thread that runs one call at a time; each outcome comes back as a Future."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[tuple[Callable[[], int | None], Future] | None] = \
+            queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while (call := self._calls.get()) is not None:
+            fn, future = call
+            try:
+                future.set_result(fn())
+            except BaseException as e:
+                future.set_exception(e)
+
+    def call(self, fn: Callable[[StagedT], int | None], arg: StagedT) -> Future[int | None]:
+        """Run ``fn(arg)`` on the helper's thread, after the calls before it."""
+        future: Future[int | None] = Future()
+        self._calls.put((functools.partial(fn, arg), future))
+        return future
+
+    def stop(self) -> None:
+        """End the thread once the calls already queued have run."""
+        self._calls.put(None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Publishing(Generic[StagedT]):
+    """A job whose staged generation the helper thread is publishing."""
+
+    job: Job
+    staged: StagedT
+    outcome: Future[int | None]
+
+
+def _check_options(slots: int, when_full: str, retry_after: float, patience: int) -> None:
+    if not isinstance(slots, int) or slots < 1:
+        raise InputError(f"slots must be a positive integer, not {slots!r}")
+    if when_full not in ('block', 'raise'):
+        raise InputError(f"when_full must be 'block' or 'raise', not {when_full!r}")
+    if not retry_after >= 0:
+        raise InputError(f"retry_after must be >= 0 seconds, not {retry_after!r}")
+    if not isinstance(patience, int) or patience < 1:
+        raise InputError(f"patience must be a positive integer, not {patience!r}")
+
+
+# --- the pipeline ------------------------------------------------------------
+
+class Pipeline(Generic[InfoT, StagedT]):
+    """Slots, a FIFO of admitted jobs, and a writer that makes them durable in order.
+
+    The writer thread stages each job (:class:`Committer`) while a helper
+    thread publishes the one before it, so writing a snapshot overlaps with
+    waiting for the disk to persist the previous one. A failure keeps the job
+    and retries it after ``retry_after`` seconds.
+
+    Args:
+      name: what errors and thread names call it (the path written).
+      commit: stages and publishes each job.
+      slots: snapshot slots (each holds one whole snapshot).
+      when_full: ``'block'`` waits for a free slot, ``'raise'`` refuses with
+        :class:`~jckpt.errors.CapacityError`.
+      retry_after: seconds between attempts after a failure.
+      patience: failed attempts in a row after which waiting callers get the error.
+      generation: the generation already on disk (the counters start from it).
+      owner: what is closed at interpreter exit if left open (default: the pipeline).
+    """
+
+    def __init__(self, name: str, commit: Committer[StagedT], *, slots: int = 2,
+                 when_full: str = 'block', retry_after: float = 1.0, patience: int = 3,
+                 generation: int = 0, owner: _Closable | None = None) -> None:
+        _check_options(slots, when_full, retry_after, patience)
+        self.name = name
+        self._commit = commit
+        self.when_full = when_full
+        self.retry_after = float(retry_after)
+        self.patience = patience
+        self._cond = threading.Condition()
+        self._submit_lock = threading.Lock()
+        self._free: collections.deque[Slot] = collections.deque(Slot(i) for i in range(slots))
+        self._queue: collections.deque[Job[InfoT]] = collections.deque()
+        self._committed = 0
+        self._durable = 0
+        self._generation = generation
+        self._error: BaseException | None = None
+        self._streak = 0
+        self._failures = 0
+        self._last_error: str | None = None
+        self._stalls = 0
+        self._closing = False
+        self._closed = False
+        self._helper = _Helper(f"jckpt-publisher {name}")
+        self._thread = threading.Thread(target=self._run, name=f"jckpt-writer {name}", daemon=True)
+        self._thread.start()
+        self._owner: _Closable = owner if owner is not None else self
+        _OPEN.add(self._owner)
+
+    # The caller's side.
+
+    def counters(self) -> MirrorCounters:
+        """A consistent reading of the progress."""
+        with self._cond:
+            return MirrorCounters(committed=self._committed, durable=self._durable,
+                                  generation=self._generation, pending=len(self._queue),
+                                  error=error_code(self._error) if self._error is not None else 0,
+                                  failures=self._failures, last_error=self._last_error,
+                                  stalls=self._stalls)
+
+    def _given_up(self) -> BaseException | None:
+        return self._error if self._error is not None and self._streak >= self.patience else None
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise CheckpointError("the writer is closed", file=self.name, fix="open a new one")
+
+    def admit(self, leaves: Sequence[Leaf], metadata: Mapping[str, str], info: InfoT = None,
+              timeout: float | None = None) -> int:
+        """Copy ``leaves`` into a free slot and queue them; return the snapshot's number."""
+        with self._submit_lock:
+            slot = self._take_slot(timeout)
+            try:
+                items = slot.fill(leaves)
+            except BaseException:
+                with self._cond:
+                    self._free.appendleft(slot)
+                    self._cond.notify_all()
+                raise
+            with self._cond:
+                self._committed += 1
+                job = Job(self._committed, slot, tuple(items), dict(metadata), info)
+                self._queue.append(job)
+                self._cond.notify_all()
+                return job.seq
+
+    def _take_slot(self, timeout: float | None) -> Slot:
+        """A free slot: wait for one (``when_full='block'``) or refuse."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            stalled = False
+            while True:
+                self._check_open()
+                if self._free:
+                    return self._free.popleft()
+                failed = self._given_up()
+                if failed is not None:
+                    raise failed
+                if self.when_full == 'raise':
+                    raise CapacityError(f"all {len(self._queue)} snapshot slots are still "
+                                        "being written", file=self.name,
+                                        fix="submit less often, add slots, or use when_full='block'")
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise CapacityError("timed out waiting for a free snapshot slot",
+                                        file=self.name, fix="wait longer or add slots")
+                if not stalled:
+                    stalled = True
+                    self._stalls += 1
+                self._cond.wait(remaining)
+
+    def run_now(self, write: Callable[[int], None]) -> int:
+        """Run ``write(generation)`` in the caller's thread, after everything admitted is durable.
+
+        For saves that cannot be snapshotted into a slot (a multi-process save
+        with barriers): counted like a snapshot, its failure raised at once.
+        """
+        with self._submit_lock:
+            self.wait()
+            with self._cond:
+                self._check_open()
+                generation = self._generation + 1
+            try:
+                write(generation)
+            except BaseException as e:
+                with self._cond:
+                    self._failures += 1
+                    self._last_error = str(e)
+                raise
+            with self._cond:
+                self._committed += 1
+                self._durable = self._committed
+                self._generation = generation
+                self._cond.notify_all()
+                return self._committed
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every admitted snapshot is durable; False on timeout.
+
+        Raises the persistence error once ``patience`` attempts in a row failed.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            goal = self._committed
+            while self._durable < goal:
+                failed = self._given_up()
+                if failed is not None:
+                    raise failed
+                if not self._thread.is_alive():
+                    raise CheckpointError("the background writer stopped", file=self.name)
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            return True
+
+    def close(self, timeout: float | None = None) -> None:
+        """Make everything durable, stop the writer; raise what could not be persisted."""
+        if self._closed:
+            return
+        try:
+            if not self.wait(timeout):
+                n = self.counters().pending
+                raise CheckpointError(f"close timed out with {n} snapshot(s) not yet durable",
+                                      file=self.name, fix="close with a longer timeout")
+        finally:
+            with self._cond:
+                self._closing = True
+                self._cond.notify_all()
+            if self._thread is not threading.current_thread():
+                self._thread.join()
+            self._closed = True
+            _OPEN.discard(self._owner)
+
+    # The writer's side.
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._helper.stop()
+
+    def _loop(self) -> None:
+        """Stage the next job while the helper publishes the one before it; in order, with retries."""
+        c = self._commit
+        inflight: _Publishing[StagedT] | None = None
+        while True:
+            job = self._next_job(busy=inflight is not None)
+            if job is None and inflight is None:
+                return  # closing
+            staged, failure = None, None
+            if job is not None:
+                try:
+                    staged = c.stage(job)
+                except BaseException as e:
+                    failure = e
+            if inflight is not None:
+                done, inflight = inflight, None
+                error = done.outcome.exception()
+                if error is None:
+                    self._completed(done.job, done.outcome.result())
+                else:
+                    if job is not None and failure is None:
+                        _quietly(c.discard, staged)
+                    _quietly(c.discard, done.staged)
+                    self._retry(error)
+                    continue
+            if failure is not None:
+                self._retry(failure)
+                continue
+            if job is not None:
+                inflight = _Publishing(job, staged, self._helper.call(c.publish, staged))
+
+    def _next_job(self, *, busy: bool) -> Job[InfoT] | None:
+        """The job to stage next: the first in line, or the second while the first is ``busy``.
+
+        Idle, it waits for one; ``None`` when there is none to stage now
+        (``busy``) or the pipeline is closing.
+        """
+        index = 1 if busy else 0
+        with self._cond:
+            while len(self._queue) <= index and not busy and not self._closing:
+                self._cond.wait()
+            if self._closing or len(self._queue) <= index:
+                return None
+            return self._queue[index]
+
+    def _completed(self, job: Job[InfoT], generation: int | None) -> None:
+        with self._cond:
+            self._queue.popleft()
+            self._durable = job.seq
+            if generation is not None:
+                self._generation = generation
+            self._error = None
+            self._streak = 0
+            self._free.append(job.slot)
+            self._cond.notify_all()
+
+    def _retry(self, e: BaseException) -> None:
+        """Roll back, record the failure and wait ``retry_after`` seconds (the job stays first)."""
+        _quietly(self._commit.rollback)
+        with self._cond:
+            self._error = e
+            self._streak += 1
+            self._failures += 1
+            self._last_error = str(e)
+            self._cond.notify_all()
+            log.warning("jckpt: writing %s failed (attempt %d, retrying in %.3g s): %s",
+                        self.name, self._streak, self.retry_after, e)
+            if not self._closing:
+                self._cond.wait(self.retry_after)
+
+
+__all__ = ['Committer', 'Job', 'MirrorCounters', 'Pipeline', 'error_code']

@@ -1,0 +1,86 @@
+"""Whether a run is being preempted and should save now.
+
+Under ``jax.distributed`` this is JAX's preemption sync point; without a
+distributed client, a :class:`Preemption` made with ``handle_sigterm=True``
+turns a SIGTERM into the signal instead (and puts the previous handler back
+when closed).
+
+>>> p = Preemption(handle_sigterm=False)
+>>> p.reached(100)
+False
+>>> p.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable
+
+from jckpt.errors import InputError
+
+log = logging.getLogger('jckpt')
+
+
+def _preemption_client_ready() -> bool:
+    try:
+        from jax._src import distributed as jax_distributed
+
+        return jax_distributed.global_state.client is not None
+    except Exception:
+        return False
+
+
+class Preemption:
+    """Answers "is this run being preempted?" at each step.
+
+    Args:
+      handle_sigterm: treat SIGTERM as preemption where no JAX distributed
+        client runs (needs the main thread).
+    """
+
+    def __init__(self, handle_sigterm: bool = False) -> None:
+        self._sigterm = threading.Event()
+        self._restore_sigterm: Callable[[], object] | None = None
+        if handle_sigterm:
+            self._install_sigterm()
+
+    def reached(self, step: int) -> bool:
+        """Whether the run is being preempted and should save ``step`` now.
+
+        With a JAX distributed client this is JAX's preemption sync point (every
+        process must call it at every step); otherwise it reports a SIGTERM
+        caught with ``handle_sigterm=True``, and False without one.
+        """
+        if _preemption_client_ready():
+            try:
+                from jax.experimental import multihost_utils
+
+                return bool(multihost_utils.reached_preemption_sync_point(step))
+            except Exception as e:  # no preemption service in this client
+                log.debug("jckpt: preemption sync point unavailable: %s", e)
+        return self._sigterm.is_set()
+
+    def _install_sigterm(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise InputError("handle_sigterm=True needs the main thread",
+                             fix="create the manager in the main thread")
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def handler(signum, frame):
+            self._sigterm.set()
+            if callable(previous) and previous not in (signal.SIG_DFL, signal.SIG_IGN):
+                previous(signum, frame)
+
+        signal.signal(signal.SIGTERM, handler)
+        self._restore_sigterm = lambda: signal.signal(signal.SIGTERM, previous)
+
+    def close(self) -> None:
+        """Put back the SIGTERM handler that was there before (idempotent)."""
+        restore, self._restore_sigterm = self._restore_sigterm, None
+        if restore is not None and threading.current_thread() is threading.main_thread():
+            restore()
+
+
+__all__ = ['Preemption']

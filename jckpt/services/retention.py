@@ -1,0 +1,94 @@
+"""Which steps a checkpoint manager keeps: the retention policy and the ranking by a metric.
+
+Pure functions of the durable steps and their metrics; the manager deletes
+what :meth:`Retention.doomed` names. The latest durable step is always kept,
+so a crash during a later save still leaves something to resume from.
+
+>>> policy = Retention(keep_last=2, keep_best=1, best_metric='loss')
+>>> metrics = {1: {'loss': 0.5}, 2: {'loss': 0.1}, 3: {'loss': 0.4}, 4: {'loss': 0.9}}
+>>> policy.doomed(metrics)
+[1]
+>>> ranked(metrics, 'loss', 'max')
+[4, 1, 3, 2]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+from jckpt.errors import InputError
+
+#: The metrics of each durable step: ``{step: {name: value}}``.
+StepMetrics = Mapping[int, Mapping[str, float]]
+
+
+def ranked(metrics: StepMetrics, metric: str, mode: str) -> list[int]:
+    """The steps that have ``metric`` (not NaN), best first (``mode`` ``'min'`` or ``'max'``).
+
+    Ties go to the later step.
+    """
+    scored = [(v[metric], s) for s, v in metrics.items() if metric in v and not math.isnan(v[metric])]
+    sign = 1 if mode == 'min' else -1
+    return [s for _, s in sorted(scored, key=lambda t: (sign * t[0], -t[1]))]
+
+
+@dataclasses.dataclass(frozen=True)
+class Retention:
+    """A retention policy; a step kept by any of its rules is kept (no rule: every step).
+
+    Attributes:
+      keep_last: keep the last N steps.
+      keep_every: keep every step that is a multiple of K.
+      keep_best: keep the best N steps by ``best_metric``.
+      best_metric: the metric ``keep_best`` ranks by.
+      best_mode: ``'min'`` or ``'max'``.
+    """
+
+    keep_last: int | None = None
+    keep_every: int | None = None
+    keep_best: int | None = None
+    best_metric: str | None = None
+    best_mode: str = 'min'
+
+    def __post_init__(self) -> None:
+        for name in ('keep_last', 'keep_every', 'keep_best'):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise InputError(f"{name} must be a positive integer or None, not {value!r}")
+        if self.best_mode not in ('min', 'max'):
+            raise InputError(f"best_mode must be 'min' or 'max', not {self.best_mode!r}")
+        if self.keep_best is not None and self.best_metric is None:
+            raise InputError("keep_best needs best_metric", fix="name the metric to rank by")
+
+    def doomed(self, metrics: StepMetrics) -> list[int]:
+        """The steps of ``metrics`` that the policy does not keep, ascending."""
+        if self.keep_last is None and self.keep_every is None and self.keep_best is None:
+            return []
+        steps = sorted(metrics)
+        if not steps:
+            return []
+        keep = {steps[-1]}  # the latest durable step, always
+        if self.keep_last is not None:
+            keep.update(steps[-self.keep_last:])
+        if self.keep_every is not None:
+            keep.update(s for s in steps if s % self.keep_every == 0)
+        if self.keep_best is not None and self.best_metric is not None:
+            keep.update(ranked(metrics, self.best_metric, self.best_mode)[:self.keep_best])
+        return [s for s in steps if s not in keep]
+
+
+def check_metrics(metrics: Mapping[str, float] | None, where: str) -> dict[str, float]:
+    """Metrics as ``{name: float}``, refusing a value that is not a number."""
+    out = {}
+    for k, v in (metrics or {}).items():
+        try:
+            out[str(k)] = float(v)
+        except (TypeError, ValueError):
+            raise InputError(f"metric {k!r} is not a number: {v!r}", file=where,
+                             fix="pass plain numbers (float(loss))") from None
+    return out
+
+
+__all__ = ['Retention', 'StepMetrics', 'check_metrics', 'ranked']

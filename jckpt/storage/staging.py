@@ -1,0 +1,127 @@
+"""Staged generations: written under a temporary name now, made durable and renamed into place later.
+
+A background writer (the mirror, the manager) writes each generation of a
+checkpoint ``target`` as ``<target>.jckpt-next.<n>`` without waiting for the
+disk (:func:`stage_items`), and publishes it afterwards (:func:`finish_staged`:
+fsync the file, rename it over the target, fsync the directory), so writing
+generation n+1 overlaps with persisting generation n. Readers of ``target``
+only ever see a complete generation. :func:`remove_staged` clears what a
+writer that died left behind.
+
+>>> import os, tempfile
+>>> import numpy as np
+>>> from jckpt.format import precs
+>>> from jckpt.storage.writer import ArraySource
+>>> target = os.path.join(tempfile.mkdtemp(), 'run.jckpt')
+>>> array = np.arange(3, dtype=np.float32)
+>>> entry = Entry(id=0, namespace='jckpt', prec=precs.prec_of(array.dtype), dims=(3,), offset=0,
+...               byte_length=array.nbytes, label=('w',), path=(('k', 'w'),))
+>>> temporary = next_name(target, 1)
+>>> stage_items(temporary, target, [entry], [ArraySource(array)], metadata={}, alignment=64)
+>>> finish_staged(temporary, target, durable=True)
+>>> sorted(os.listdir(os.path.dirname(target)))
+['run.jckpt']
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+
+from jckpt.errors import CheckpointError
+from jckpt.format.header import Entry, Header
+from jckpt.format.layout import lay_out
+from jckpt.format.names import NEXT_TAG
+from jckpt.storage.publish import fsync_dir, reclaim_staging, storage_error
+from jckpt.storage.writer import PayloadSource, write_checkpoint
+from jckpt.version import __version__
+
+
+def next_name(target: str, seq: int) -> str:
+    """The temporary name generation ``seq`` of ``target`` is staged under before it is durable."""
+    return f"{target}{NEXT_TAG}{seq}"
+
+
+def write_items(target: str, entries: Sequence[Entry], sources: Sequence[PayloadSource], *,
+                metadata: Mapping[str, str], alignment: int, durable: bool) -> Header:
+    """Lay out ``entries`` and publish a file of their payloads at ``target`` (atomically).
+
+    ``sources[i]`` streams the payload of ``entries[i]``; ``durable`` says
+    whether the file and its directory are fsynced before this returns.
+    """
+    header = lay_out(Header(tensors=tuple(entries), alignment=alignment,
+                            writer=f"jckpt {__version__}", metadata=tuple(metadata.items())))
+    return write_checkpoint(target, header, sources, durable=durable)
+
+
+def stage_items(temporary: str, target: str, entries: Sequence[Entry],
+                sources: Sequence[PayloadSource], *, metadata: Mapping[str, str],
+                alignment: int) -> None:
+    """Write a generation of ``target`` under ``temporary``, not yet durable (errors name ``target``)."""
+    try:
+        write_items(temporary, entries, sources, metadata=metadata, alignment=alignment,
+                    durable=False)
+    except CheckpointError as e:
+        e.file = target
+        raise
+
+
+def finish_staged(temporary: str, target: str, *, durable: bool) -> None:
+    """fsync ``temporary``, rename it over ``target``, fsync the directory (``durable=False``: rename)."""
+    try:
+        if durable:
+            fd = os.open(temporary, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.rename(temporary, target)
+        if durable:
+            fsync_dir(os.path.dirname(os.path.abspath(target)))
+    except OSError as e:
+        raise storage_error(e, "publishing the checkpoint", target) from e
+
+
+def discard_staged(temporary: str) -> None:
+    """Remove a staged generation that will not be published (gone already is fine)."""
+    try:
+        os.unlink(temporary)
+    except FileNotFoundError:
+        pass
+
+
+def remove_staged(target: str) -> list[str]:
+    """Remove what a writer of ``target`` that died left staged; return the names.
+
+    That is its generations written but not made durable (``<target>.jckpt-next.<n>``)
+    and the staging files of those (reclaimed as :func:`~jckpt.storage.publish.reclaim_staging`
+    does).
+    """
+    directory = os.path.dirname(os.path.abspath(target))
+    pattern = re.compile(re.escape(os.path.basename(target)) + re.escape(NEXT_TAG) + r'([0-9]+)')
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    temporaries = set()
+    for name in names:
+        m = pattern.match(name)
+        if m is None:
+            continue
+        temporary = os.path.join(directory, m.group(0))
+        temporaries.add(temporary)
+        if m.end() == len(name):
+            try:
+                os.unlink(temporary)
+                removed.append(name)
+            except OSError:
+                pass
+    for temporary in sorted(temporaries):
+        removed.extend(os.path.basename(p) for p in reclaim_staging(temporary))
+    return removed
+
+
+__all__ = ['discard_staged', 'finish_staged', 'next_name', 'remove_staged', 'stage_items',
+           'write_items']

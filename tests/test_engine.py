@@ -1,0 +1,227 @@
+"""The background engine alone, with a committer that writes nothing: order, slots, retries, close."""
+
+import errno
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import jckpt
+from jckpt.services.engine import Job, MirrorCounters, Pipeline, error_code
+
+LINE = "memory mirror: committed {} durable {} generation {} pending {} error {}"
+
+
+def leaves(value):
+    return [("jckpt", (("k", "w"),), np.full(2, value, np.float32))]
+
+
+def wait_for(cond, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.002)
+
+
+class Fake:
+    """A committer that records what the pipeline asks of it; ``gate`` holds staging back."""
+
+    def __init__(self):
+        self.events = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail_stage = None
+        self.fail_publish = None
+        self.staged_generation = self.published_generation = 0
+        self.built = {}
+
+    def stage(self, job):
+        self.gate.wait(30)
+        if self.fail_stage is not None:
+            raise self.fail_stage
+        self.built.setdefault(job.seq, set()).add(id(job.built))
+        self.staged_generation += 1
+        self.events.append(("stage", job.seq, float(job.items[0].array[0])))
+        return job.seq, self.staged_generation
+
+    def publish(self, staged):
+        if self.fail_publish is not None:
+            raise self.fail_publish
+        self.events.append(("publish", staged[0]))
+        self.published_generation = staged[1]
+        return staged[1]
+
+    def discard(self, staged):
+        self.events.append(("discard", staged[0]))
+
+    def rollback(self):
+        self.events.append(("rollback",))
+        self.staged_generation = self.published_generation
+
+    def published(self):
+        return [e[1] for e in self.events if e[0] == "publish"]
+
+
+def writer_threads():
+    return [t.name for t in threading.enumerate() if t.name.startswith("jckpt-")]
+
+
+def test_jobs_are_published_in_order_and_close_flushes_them():
+    fake = Fake()
+    p = Pipeline("ordered", fake, slots=3)
+    host = np.zeros(2, np.float32)
+    for i in range(1, 21):
+        host[:] = i
+        assert p.admit([("jckpt", (("k", "w"),), host)], {"i": str(i)}) == i
+        host[:] = -1                                   # the caller reuses its buffer at once
+    p.close()                                          # no wait: close makes everything durable
+    assert fake.published() == list(range(1, 21))
+    assert [e[2] for e in fake.events if e[0] == "stage"] == [float(i) for i in range(1, 21)]
+    assert str(p.counters()) == LINE.format(20, 20, 20, 0, 0)
+    wait_for(lambda: not [n for n in writer_threads() if "ordered" in n])   # both threads end
+
+
+def test_a_job_is_typed_and_frozen():
+    fake = Fake()
+    seen = []
+    fake.stage = lambda job: seen.append(job) or (job.seq, job.seq)
+    p = Pipeline("typed", fake)
+    p.admit(leaves(1), {"note": "a"}, info=("step", 7))
+    p.close()
+    job = seen[0]
+    assert isinstance(job, Job) and job.seq == 1 and job.info == ("step", 7)
+    assert dict(job.metadata) == {"note": "a"}
+    assert job.items[0].namespace == "jckpt" and job.items[0].array.dtype == np.float32
+    entries, sources = job.built
+    assert entries[0].name == "jckpt/w" and len(sources) == 1
+    with pytest.raises(AttributeError):
+        job.seq = 3
+
+
+def test_slots_refuse_when_full():
+    fake = Fake()
+    fake.gate.clear()
+    p = Pipeline("refuse", fake, slots=2, when_full="raise")
+    p.admit(leaves(1), {})
+    p.admit(leaves(2), {})
+    with pytest.raises(jckpt.CapacityError, match="slots"):
+        p.admit(leaves(3), {})
+    assert p.counters().committed == 2 and p.counters().pending == 2
+    fake.gate.set()
+    p.close()
+    assert fake.published() == [1, 2]
+
+
+def test_slots_block_until_one_is_durable():
+    fake = Fake()
+    fake.gate.clear()
+    p = Pipeline("block", fake, slots=1)
+    p.admit(leaves(1), {})
+    with pytest.raises(jckpt.CapacityError, match="timed out"):
+        p.admit(leaves(2), {}, timeout=0.05)
+    done = []
+    t = threading.Thread(target=lambda: done.append(p.admit(leaves(3), {})))
+    t.start()
+    time.sleep(0.1)
+    assert not done                                    # blocked: the only slot is not durable
+    fake.gate.set()
+    t.join(30)
+    assert done == [2]
+    p.close()
+    assert p.counters().stalls == 2 and fake.published() == [1, 2]
+
+
+def test_errors_are_counted_and_retried_from_the_last_published_state():
+    fake = Fake()
+    p = Pipeline("retry", fake, retry_after=0.01, patience=10**6)
+    p.admit(leaves(1), {})
+    assert p.wait(timeout=30)
+    fake.fail_publish = OSError(errno.ENOSPC, "No space left on device")
+    p.admit(leaves(2), {})
+    p.admit(leaves(3), {})
+    wait_for(lambda: p.counters().failures >= 3)
+    c = p.counters()
+    assert (c.committed, c.durable, c.generation, c.error) == (3, 1, 1, "ENOSPC")
+    assert "No space left" in c.last_error
+    assert ("discard", 2) in fake.events and ("rollback",) in fake.events
+    fake.fail_publish = None
+    assert p.wait(timeout=30)
+    p.close()
+    assert fake.published() == [1, 2, 3]
+    assert str(p.counters()) == LINE.format(3, 3, 3, 0, 0)   # no generation lost to the retries
+    assert p.counters().failures >= 3 and p.counters().last_error is not None
+    assert all(len(ids) == 1 for ids in fake.built.values())  # entries built once per job
+
+
+def test_a_failed_stage_is_retried():
+    fake = Fake()
+    fake.fail_stage = OSError(errno.EIO, "Input/output error")
+    p = Pipeline("stage", fake, retry_after=0.01, patience=10**6)
+    p.admit(leaves(1), {})
+    wait_for(lambda: p.counters().failures >= 2)
+    assert p.counters().error == "EIO" and p.counters().durable == 0
+    fake.fail_stage = None
+    p.close()
+    assert fake.published() == [1] and p.counters().error == 0
+
+
+def test_the_error_is_raised_once_patience_runs_out():
+    fake = Fake()
+    fake.fail_publish = OSError(errno.EIO, "Input/output error")
+    p = Pipeline("patience", fake, slots=1, retry_after=0.01, patience=3)
+    p.admit(leaves(1), {})
+    with pytest.raises(OSError, match="Input/output"):
+        p.wait()
+    assert p.counters().failures >= 3
+    with pytest.raises(OSError, match="Input/output"):  # a blocked admit gets it too
+        p.admit(leaves(2), {})
+    with pytest.raises(OSError, match="Input/output"):
+        p.close()
+    wait_for(lambda: not [n for n in writer_threads() if "patience" in n])
+    with pytest.raises(jckpt.CheckpointError, match="closed"):
+        p.admit(leaves(3), {})
+    p.close()                                          # closing again does nothing
+
+
+def test_run_now_waits_for_what_was_admitted_and_counts():
+    fake = Fake()
+    fake.staged_generation = fake.published_generation = 5   # generation 5 is on disk
+    p = Pipeline("now", fake, generation=5)
+    p.admit(leaves(1), {})
+    written = []
+    assert p.run_now(lambda generation: written.append((generation, fake.published()))) == 2
+    assert written == [(7, [1])]                       # after job 1 (generation 6) was durable
+
+    def fails(generation):
+        raise RuntimeError("barrier failed")
+
+    with pytest.raises(RuntimeError, match="barrier"):
+        p.run_now(fails)
+    c = p.counters()
+    assert (c.committed, c.durable, c.generation, c.failures) == (2, 2, 7, 1)
+    p.close()
+
+
+def test_a_failed_copy_gives_the_slot_back():
+    p = Pipeline("copy", Fake(), slots=1, when_full="raise")
+    with pytest.raises(jckpt.InputError):
+        p.admit([("jckpt", (("k", "w"),), "not an array")], {})
+    assert p.admit(leaves(1), {}) == 1
+    p.close()
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"slots": 0}, "slots"), ({"when_full": "drop"}, "when_full"),
+    ({"retry_after": -1}, "retry_after"), ({"patience": 0}, "patience"),
+])
+def test_bad_options_are_refused(options, match):
+    with pytest.raises(jckpt.InputError, match=match):
+        Pipeline("bad", Fake(), **options)
+
+
+def test_counters_and_error_codes():
+    assert str(MirrorCounters()) == LINE.format(0, 0, 0, 0, 0)
+    assert error_code(OSError(errno.ENOSPC, "full")) == "ENOSPC"
+    assert error_code(ValueError("x")) == "ValueError"
