@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 import jckpt
 from jckpt.errors import FormatError, MismatchError
 from jckpt.services import distributed
+from jckpt.storage import regions
 from jckpt.storage.reader import CheckpointReader
 from jckpt.storage.writer import Sink
 from jckpt.trees import placement
@@ -147,15 +148,15 @@ def test_replicas_are_read_once_and_no_gather(tmp_path, m42, monkeypatch):
     ((9,), (3,)),
     ((0, 4), (1, 2)),
 ])
-@pytest.mark.parametrize("assemble", [0, sh.ASSEMBLE_BYTES])
+@pytest.mark.parametrize("assemble", [0, regions.ASSEMBLE_BYTES])
 def test_sharded_source_writes_every_layout(tmp_path, shape, box_grid, assemble, monkeypatch):
-    monkeypatch.setattr(sh, "ASSEMBLE_BYTES", assemble)  # 0: always write in place
+    monkeypatch.setattr(regions, "ASSEMBLE_BYTES", assemble)  # 0: always write in place
     x = data(shape)
     cuts = [np.linspace(0, d, g + 1).astype(int) for d, g in zip(shape, box_grid)]
     boxes = [tuple((int(c[i]), int(c[i + 1])) for c, i in zip(cuts, idx))
              for idx in itertools.product(*[range(g) for g in box_grid])]
     pieces = [(b, lambda b=b: np.ascontiguousarray(x[sh.box_slices(b)])) for b in boxes]
-    src = sh.ShardedSource(shape, x.dtype, pieces[::-1])
+    src = regions.ShardedSource(shape, x.dtype, pieces[::-1])
     fd = os.open(tmp_path / "raw", os.O_RDWR | os.O_CREAT)
     try:
         os.write(fd, b"head")
