@@ -124,7 +124,7 @@ class CheckpointManager:
       handle_sigterm: where no JAX distributed client runs, treat SIGTERM as
         preemption (:meth:`reached_preemption` then says True).
       directory_steps: write each step as a multi-process directory checkpoint
-        (``jckpt.services.distributed``), synchronously, from every process. Default:
+        (``jckpt.api.multiprocess``), synchronously, from every process. Default:
         when ``jax.process_count() > 1``. Only process 0 deletes old steps.
 
     Only one manager may write a directory at a time
@@ -208,7 +208,8 @@ class CheckpointManager:
         """Remove staging files and directories of steps whose writer died (incomplete steps)."""
         if self.process_index != 0:
             return
-        from jckpt.services.distributed import STAGE_DIR_TAG, reclaim_stage_dirs
+        from jckpt.format.names import STAGE_DIR_TAG
+        from jckpt.storage.directory import reclaim_stage_dirs
 
         files, dirs = set(), set()
         for name in os.listdir(self.directory):
@@ -371,7 +372,7 @@ class CheckpointManager:
 
     def _save_directory(self, step: int, tree: Any, items: Mapping[str, Any] | None,
                         meta: dict[str, str], metrics: dict[str, float]) -> None:
-        from jckpt.services.distributed import save_directory
+        from jckpt.api.multiprocess import save_directory
 
         if items is not None:
             raise InputError("directory steps hold one namespace: pass tree, not items",
@@ -610,7 +611,7 @@ def _restore_namespaces(ctx: Context, target: Any, path: str, namespaces: Sequen
                              "exactly those namespaces", file=path)
         return {ns: api.restore(ctx, target[ns], path, namespace=ns, cast=cast)
                 for ns in namespaces}
-    from jckpt.services.distributed import open_checkpoint
+    from jckpt.storage.checkpoint import open_checkpoint
     from jckpt.trees import placement
 
     reader = open_checkpoint(path)

@@ -197,7 +197,7 @@ def _combine(path: str, reports: list[VerifyReport], extra: list[Problem]) -> Ve
 def _verify_directory(path: str, progress: bool) -> VerifyReport:
     """A multi-process checkpoint (its index and every piece), or every step of a manager's
     directory, as one report."""
-    from jckpt.services.distributed import INDEX_NAME, PIECE_RE
+    from jckpt.format.names import INDEX_NAME, PIECE_RE
     from jckpt.tools.info import STEP_RE
 
     if os.path.exists(os.path.join(path, INDEX_NAME)):
@@ -218,7 +218,8 @@ def _verify_directory(path: str, progress: bool) -> VerifyReport:
 
 def _verify_sharded(path: str, progress: bool) -> VerifyReport:
     """The index of a directory checkpoint, each piece file, and that the index matches them."""
-    from jckpt.services.distributed import INDEX_NAME, PIECE_RE, DirectoryReader
+    from jckpt.format.names import INDEX_NAME, PIECE_RE
+    from jckpt.storage.directory import DirectoryReader
 
     try:
         reader = DirectoryReader(path)
@@ -478,7 +479,7 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float = 0.0, rtol:
     a, b = os.fspath(a), os.fspath(b)
     if atol < 0 or rtol < 0 or math.isnan(atol) or math.isnan(rtol):
         raise ValueError(f"tolerances must be >= 0, got atol={atol}, rtol={rtol}")
-    from jckpt.services.distributed import open_checkpoint
+    from jckpt.storage.checkpoint import open_checkpoint
     from jckpt.tools.info import STEP_RE, is_directory_checkpoint, is_manager_directory
 
     readers = []

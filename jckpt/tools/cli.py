@@ -147,7 +147,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                          fix="choose another destination, or pass --overwrite")
     target = args.format or _destination_format(dst)
     if target in (None, 'jckpt') and os.path.isdir(src) and is_directory_checkpoint(src):
-        from jckpt.services.distributed import consolidate
+        from jckpt.tools.consolidate import consolidate
 
         with bar(f"consolidating {os.path.basename(src)}", 0, enabled=_progress(args)):
             header = consolidate(src, dst, alignment=args.alignment, verify=not args.no_verify)

@@ -499,7 +499,7 @@ class DirectoryInfo(_Totals):
 
 def is_directory_checkpoint(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a multi-process checkpoint (a directory with an index file)."""
-    from jckpt.services.distributed import INDEX_NAME
+    from jckpt.format.names import INDEX_NAME
 
     return os.path.isfile(os.path.join(os.fspath(path), INDEX_NAME))
 
@@ -509,7 +509,7 @@ def directory_info(path: str | os.PathLike) -> DirectoryInfo:
     from jckpt.format import precs
     from jckpt.format.header import path_name
     from jckpt.format.payload import can_map
-    from jckpt.services.distributed import DirectoryReader
+    from jckpt.storage.directory import DirectoryReader
     from jckpt.storage.reader import CheckpointReader
 
     reader = DirectoryReader(path)
@@ -789,7 +789,7 @@ def info(path: str | os.PathLike, *, best_metric: str | None = None,
         if is_manager_directory(path):
             return manager_info(path, best_metric=best_metric, best_mode=best_mode)
         from jckpt.errors import FormatError
-        from jckpt.services.distributed import INDEX_NAME, PIECE_RE
+        from jckpt.format.names import INDEX_NAME, PIECE_RE
 
         if any(PIECE_RE.match(n) for n in os.listdir(path)):
             raise FormatError(f"piece files but no {INDEX_NAME}: a multi-process save that did "
