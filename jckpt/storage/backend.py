@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from jckpt.errors import InputError
 from jckpt.storage.lease import WriterLease
@@ -36,6 +36,7 @@ from jckpt.storage.reader import CheckpointReader
 _URL = re.compile(r'([A-Za-z][A-Za-z0-9+.-]*)://')
 
 
+@runtime_checkable
 class Backend(Protocol):
     """The operations jckpt needs from where checkpoints are stored.
 
