@@ -22,6 +22,7 @@ from jckpt.errors import (
     CheckpointError,
     ChecksumError,
     ClashError,
+    DistributedError,
     FormatError,
     InputError,
     InUseError,
@@ -41,10 +42,10 @@ if TYPE_CHECKING:
     from jckpt.adapters import convert, detect_format, register_format
     from jckpt.api.context import Context, Registry
     from jckpt.api.operations import describe, ingestion_counts, load, restore, save
-    from jckpt.services.distributed import DistributedError, consolidate
     from jckpt.services.manager import CheckpointManager, Restored
     from jckpt.services.mirror import Mirror, MirrorCounters
     from jckpt.services.trainer_state import TrainerState
+    from jckpt.tools.consolidate import consolidate
     from jckpt.tools.verify import verify
     from jckpt.trees.pytree import prefix_namespace
 
@@ -53,7 +54,7 @@ _LAZY = {
     'save': 'jckpt.api.operations', 'load': 'jckpt.api.operations', 'restore': 'jckpt.api.operations',
     'ingestion_counts': 'jckpt.api.operations', 'describe': 'jckpt.api.operations',
     'Context': 'jckpt.api.context', 'Registry': 'jckpt.api.context',
-    'consolidate': 'jckpt.services.distributed', 'DistributedError': 'jckpt.services.distributed',
+    'consolidate': 'jckpt.tools.consolidate',
     'prefix_namespace': 'jckpt.trees.pytree',
     'convert': 'jckpt.adapters', 'detect_format': 'jckpt.adapters',
     'register_format': 'jckpt.adapters',

@@ -2,8 +2,11 @@
 
 The package was flat before it was arranged by layer; code that imports an
 old path (``import jckpt.mirror``, ``from jckpt.sharding import record_reads``)
-keeps working and is told the new one. Each old name resolves to the very
-module object of its new home, so ``jckpt.mirror.Mirror is jckpt.Mirror``.
+keeps working and is told the new one. An old module that moved whole
+resolves to the very module object of its new home, so
+``jckpt.mirror.Mirror is jckpt.Mirror``; one whose contents went to several
+homes (``jckpt.distributed``) is an alias module that looks each attribute up
+in them, in order, importing each only when an earlier one lacks the name.
 
 >>> import warnings
 >>> with warnings.catch_warnings(record=True) as caught:
@@ -29,26 +32,61 @@ MOVED = {
     'jckpt.context': 'jckpt.api.context',
     'jckpt.progress': 'jckpt.api.progress',
     'jckpt.lease': 'jckpt.storage.lease',
-    'jckpt.distributed': 'jckpt.services.distributed',
+    # split by layer: the directory form and its index went to storage and the codec, the
+    # multi-process save (it needs JAX) to the api, consolidate to the tools
+    'jckpt.distributed': ('jckpt.tools.consolidate', 'jckpt.storage.directory',
+                          'jckpt.storage.checkpoint', 'jckpt.format.index', 'jckpt.format.names',
+                          'jckpt.errors', 'jckpt.api.multiprocess'),
     'jckpt.mirror': 'jckpt.services.mirror',
     'jckpt.manager': 'jckpt.services.manager',
     'jckpt.trainer_state': 'jckpt.services.trainer_state',
-    'jckpt.check': 'jckpt.tools.check',
+    'jckpt.check': ('jckpt.tools.verify', 'jckpt.tools.diff'),
     'jckpt.rewrite': 'jckpt.tools.rewrite',
     'jckpt.cli': 'jckpt.tools.cli',
     'jckpt.orbax': 'jckpt.adapters.orbax_handler',
 }
-"""Old module path -> where it lives now. (``jckpt.info`` is the function, so the
-module ``jckpt.tools.info`` has no old alias: importing one would rebind ``jckpt.info``.)"""
+"""Old module path -> where it lives now, or the modules its names went to (searched in
+order: JAX-free ones first, so looking up ``consolidate`` does not import JAX). (``jckpt.info``
+is the function, so the module ``jckpt.tools.info`` has no old alias: importing one would
+rebind ``jckpt.info``.)"""
+
+
+class _Merged(ModuleType):
+    """A module whose attributes are those of several modules, looked up in order."""
+
+    def __init__(self, name: str, sources: tuple[str, ...]) -> None:
+        super().__init__(name, f"Deprecated: the names of {name} now live in {', '.join(sources)}.")
+        self._sources = sources
+
+    def __getattr__(self, attr: str) -> object:
+        if attr.startswith('__') and attr.endswith('__'):  # not a package, no module dunders
+            raise AttributeError(attr)
+        for source in self._sources:
+            module = importlib.import_module(source)
+            if hasattr(module, attr):
+                value = getattr(module, attr)
+                setattr(self, attr, value)
+                return value
+        raise AttributeError(f"module {self.__name__!r} has no attribute {attr!r} "
+                             f"(its names moved to {', '.join(self._sources)})")
+
+    def __dir__(self) -> list[str]:
+        names = set(super().__dir__())
+        for source in self._sources:
+            names.update(n for n in dir(importlib.import_module(source)) if not n.startswith('_'))
+        return sorted(names)
 
 
 class _Alias(importlib.abc.Loader):
-    def __init__(self, new: str) -> None:
+    def __init__(self, new: str | tuple[str, ...]) -> None:
         self.new = new
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        warnings.warn(f"{spec.name} moved to {self.new}; import it from there",
+        where = self.new if isinstance(self.new, str) else ', '.join(self.new)
+        warnings.warn(f"{spec.name} moved to {where}; import it from there",
                       DeprecationWarning, stacklevel=2)
+        if isinstance(self.new, tuple):
+            return _Merged(spec.name, self.new)
         return importlib.import_module(self.new)
 
     def exec_module(self, module: ModuleType) -> None:

@@ -115,3 +115,10 @@ class CapacityError(CheckpointError):
 
 class LineageError(CheckpointError):
     """The file belongs to another mirror lineage."""
+
+
+class DistributedError(CheckpointError):
+    """A multi-process save could not complete: a peer failed, died or timed out.
+
+    Nothing was published; the previous checkpoint at the path is intact.
+    """

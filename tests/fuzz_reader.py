@@ -182,7 +182,7 @@ def build_corpus(directory: str) -> list[Seed]:
 
     seeds = []
     # A directory checkpoint (two piece files): its index is a seed, mutated like any file.
-    from jckpt.services.distributed import save_directory
+    from jckpt.api.multiprocess import save_directory
 
     dtree = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "s": np.int32(3),
              "n": {"k": np.arange(5, dtype=np.int64)}}
@@ -543,7 +543,7 @@ def check_directory_case(directory: str, data: bytes, seed: Seed) -> str:
     """A directory checkpoint whose index is the case: read it every way."""
     import jckpt
     from jckpt.errors import CheckpointError
-    from jckpt.services.distributed import DirectoryReader
+    from jckpt.storage.directory import DirectoryReader
 
     try:
         reader = DirectoryReader(directory)

@@ -182,9 +182,9 @@ def test_random_damage_gives_only_checkpoint_errors(tmp_path, fmt):
 
 
 def test_directory_checkpoint_converts(tmp_path):
-    from jckpt.services import distributed
+    from jckpt.api.multiprocess import save_directory
     tree = {'w': np.arange(6.0).reshape(2, 3), 'b': np.ones(2, np.float32)}
-    distributed.save_directory(jckpt.Context(), tree, tmp_path / 'dir')
+    save_directory(jckpt.Context(), tree, tmp_path / 'dir')
     assert jckpt.detect_format(tmp_path / 'dir') == 'jckpt'
     assert jckpt.convert(tmp_path / 'dir', tmp_path / 'd.safetensors') == ('jckpt', 'safetensors')
     back = adapters.read(tmp_path / 'd.safetensors')['jckpt']

@@ -10,8 +10,8 @@ import pytest
 from jckpt.errors import FormatError
 from jckpt.format import Entry, Header, lay_out, prec_of
 from jckpt.format.names import piece_name, step_name
-from jckpt.services.distributed import write_index
 from jckpt.storage import ArraySource, write_checkpoint
+from jckpt.storage.directory import write_index
 from jckpt.tools.classify import (
     DIRECTORY,
     FILE,

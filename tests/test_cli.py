@@ -80,7 +80,8 @@ def write(path, arrays, *, namespace='jckpt', alignment=32, metadata=None):
 
 def write_directory(path, arrays, *, processes=2, metadata=None):
     """A multi-process checkpoint: each array split along axis 0 over ``processes`` piece files."""
-    from jckpt.services.distributed import piece_name, write_index
+    from jckpt.format.names import piece_name
+    from jckpt.storage.directory import write_index
 
     os.makedirs(path)
     pieces = {p: ([], []) for p in range(processes)}

@@ -13,7 +13,7 @@ with SIGKILL after a random delay, then checks:
 
 Kinds of save: single file, appending (kept payloads copied from the old
 file), the step manager (background writer, retention), and a sharded
-directory when ``jckpt.services.distributed`` is available. Saves are durable (fsync),
+directory when ``jckpt.api.multiprocess`` is available. Saves are durable (fsync),
 so many kills land while a staging file exists (the test requires one in
 eight; about half did in recent runs).
 """
@@ -127,14 +127,14 @@ def check_manager(directory: str) -> int:
 
 def save_sharded(directory: str, k: int) -> None:
     import jckpt
-    from jckpt.services.distributed import save_directory
+    from jckpt.api.multiprocess import save_directory
 
     save_directory(jckpt.Context(), {"w": values(k), "step": np.int64(k)}, directory)
 
 
 def check_sharded(directory: str) -> int:
     """Read the directory through its index, numpy only (the driver never starts JAX)."""
-    from jckpt.services.distributed import DirectoryReader
+    from jckpt.storage.directory import DirectoryReader
 
     reader = DirectoryReader(directory)
     assert reader.verify() == []
@@ -159,7 +159,8 @@ def available(kind: str) -> bool:
     if kind != "sharded":
         return True
     try:
-        from jckpt.services.distributed import DirectoryReader, save_directory  # noqa: F401
+        from jckpt.api.multiprocess import save_directory  # noqa: F401
+        from jckpt.storage.directory import DirectoryReader  # noqa: F401
     except ImportError:
         return False
     return True
@@ -216,7 +217,7 @@ def _leftovers(kind: str, target: str) -> list[str]:
         from jckpt.format.names import STEP_RE as _STEP_RE
 
         return sorted(n for n in os.listdir(target) if not _STEP_RE.match(n) and n != LEASE_SUFFIX)
-    from jckpt.services.distributed import INDEX_NAME, PIECE_RE
+    from jckpt.format.names import INDEX_NAME, PIECE_RE
 
     parent = os.path.dirname(target)
     inside = [f"{os.path.basename(target)}/{n}" for n in os.listdir(target)
@@ -423,8 +424,8 @@ def test_next_directory_save_reclaims_a_lockless_stage(tmp_path, contents):
     if not available("sharded"):
         pytest.skip("no directory checkpoints")
     import jckpt
+    from jckpt.api.multiprocess import save_directory
     from jckpt.format.names import STAGE_DIR_TAG
-    from jckpt.services.distributed import save_directory
 
     target = tmp_path / "ck"
     save_directory(jckpt.Context(), {"w": np.ones(3)}, str(target))

@@ -161,7 +161,7 @@ ESCAPES = ["../process_00000.jckpt", "/tmp/process_00000.jckpt", "sub/../../proc
 
 
 def _directory_checkpoint(tmp_path):
-    from jckpt.services.distributed import save_directory
+    from jckpt.api.multiprocess import save_directory
 
     base = tmp_path / "run"
     base.mkdir()

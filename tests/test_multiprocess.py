@@ -80,7 +80,7 @@ def test_save_on_2x2_restore_on_4_processes_and_one(tmp_path):
     from jax.sharding import PartitionSpec as P
 
     import jckpt
-    from jckpt.services import distributed
+    from jckpt.storage.directory import DirectoryReader
     from jckpt.trees import sharding as sh
 
     d = tmp_path / "ckpt"
@@ -105,7 +105,7 @@ def test_save_on_2x2_restore_on_4_processes_and_one(tmp_path):
 
     # a new pair restores onto a (4,) mesh, each reading only the overlapping piece file
     found = check(run_pair("restore", d))
-    files = jckpt.services.distributed.DirectoryReader(d).files
+    files = DirectoryReader(d).files
     for r in found.values():
         assert r["ok"] and r["bytes_ok"], r
         assert [files[i] for i in r["files_opened"]] == [f"process_0000{r['process']}.jckpt"], r
@@ -123,7 +123,7 @@ def test_save_on_2x2_restore_on_4_processes_and_one(tmp_path):
     for k in target:
         np.testing.assert_array_equal(np.asarray(back[k]), expected(k, 1))
     assert back["w"].sharding == target["w"].sharding
-    distributed.consolidate(d, tmp_path / "one.jckpt")
+    jckpt.consolidate(d, tmp_path / "one.jckpt")
     _, flat = jckpt.load(jckpt.Context(), tmp_path / "one.jckpt")
     for k in target:
         np.testing.assert_array_equal(np.asarray(flat["jckpt"][k]), expected(k, 1))
@@ -165,7 +165,8 @@ def worker(phase, process, port, path):
     from jax.sharding import PartitionSpec as P
 
     import jckpt
-    from jckpt.services import distributed
+    from jckpt.api import multiprocess
+    from jckpt.storage.directory import DirectoryReader
     from jckpt.trees import sharding as sh
 
     assert jax.process_count() == 2 and jax.device_count() == 4
@@ -191,7 +192,7 @@ def worker(phase, process, port, path):
         if phase == "die" and process == 1:
             def die(*args, **kwargs):
                 os._exit(17)  # killed after writing its pieces, before the barrier
-            distributed._Runtime.barrier = die
+            multiprocess._Runtime.barrier = die
         start = time.monotonic()
         try:
             jckpt.save(jckpt.Context(), tree, path)
@@ -224,7 +225,7 @@ def worker(phase, process, port, path):
                              for k, s in shardings.items() for _ in range(2)])
         result["bytes_ok"] = sorted(n for _, n in log) == want
         result["log"] = [[list(map(list, b)), n] for b, n in log]
-        reader = distributed.DirectoryReader(path)
+        reader = DirectoryReader(path)
         info = reader.arrays[("jckpt", (("k", "w"),))]
         lazy = reader.decode(info.entry)
         for shard in back["w"].addressable_shards:

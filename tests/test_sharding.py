@@ -11,8 +11,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jckpt
+from jckpt.api.multiprocess import save_directory
 from jckpt.errors import FormatError, MismatchError
-from jckpt.services import distributed
+from jckpt.storage import regions
 from jckpt.storage.reader import CheckpointReader
 from jckpt.storage.writer import Sink
 from jckpt.trees import placement
@@ -147,15 +148,15 @@ def test_replicas_are_read_once_and_no_gather(tmp_path, m42, monkeypatch):
     ((9,), (3,)),
     ((0, 4), (1, 2)),
 ])
-@pytest.mark.parametrize("assemble", [0, sh.ASSEMBLE_BYTES])
+@pytest.mark.parametrize("assemble", [0, regions.ASSEMBLE_BYTES])
 def test_sharded_source_writes_every_layout(tmp_path, shape, box_grid, assemble, monkeypatch):
-    monkeypatch.setattr(sh, "ASSEMBLE_BYTES", assemble)  # 0: always write in place
+    monkeypatch.setattr(regions, "ASSEMBLE_BYTES", assemble)  # 0: always write in place
     x = data(shape)
     cuts = [np.linspace(0, d, g + 1).astype(int) for d, g in zip(shape, box_grid)]
     boxes = [tuple((int(c[i]), int(c[i + 1])) for c, i in zip(cuts, idx))
              for idx in itertools.product(*[range(g) for g in box_grid])]
     pieces = [(b, lambda b=b: np.ascontiguousarray(x[sh.box_slices(b)])) for b in boxes]
-    src = sh.ShardedSource(shape, x.dtype, pieces[::-1])
+    src = regions.ShardedSource(shape, x.dtype, pieces[::-1])
     fd = os.open(tmp_path / "raw", os.O_RDWR | os.O_CREAT)
     try:
         os.write(fd, b"head")
@@ -215,7 +216,7 @@ def test_directory_form_in_one_process(tmp_path, m42, m24):
                                  NamedSharding(m42, P("data")))
     d = tmp_path / "ckpt"
     jckpt.save(jckpt.Context(), {"old": 1}, d)  # a file, replaced by the directory
-    distributed.save_directory(jckpt.Context(), tree, d, metadata={"step": "3"})
+    save_directory(jckpt.Context(), tree, d, metadata={"step": "3"})
     assert sorted(os.listdir(d)) == ["index.jckpt", "process_00000.jckpt"]
     assert not [n for n in os.listdir(tmp_path) if "stage" in n or "old" in n]
     assert jckpt.describe(d).metadata_dict() == {"step": "3"}
@@ -237,7 +238,7 @@ def test_directory_form_in_one_process(tmp_path, m42, m24):
     assert os.path.isdir(d)
     assert [e.name for e in jckpt.describe(d).tensors] == ["jckpt/w"]
     one = tmp_path / "one.jckpt"  # consolidating gives one checked file
-    distributed.consolidate(d, one)
+    jckpt.consolidate(d, one)
     reader = CheckpointReader(one)
     assert reader.verify() == [] and reader.header.tensors[0].slice is None
     np.testing.assert_array_equal(reader.decode(reader.header.tensors[0]), np.asarray(tree["w"]))
@@ -245,13 +246,13 @@ def test_directory_form_in_one_process(tmp_path, m42, m24):
 
 def test_incomplete_or_damaged_directory_is_refused(tmp_path, m42):
     d = tmp_path / "ckpt"
-    distributed.save_directory(jckpt.Context(), {"w": put(data((8, 8)), m42, P("data"))}, d)
+    save_directory(jckpt.Context(), {"w": put(data((8, 8)), m42, P("data"))}, d)
     piece = d / "process_00000.jckpt"
     raw = bytearray(piece.read_bytes())
     raw[-1] ^= 0xFF
     piece.write_bytes(bytes(raw))
     with pytest.raises(jckpt.ChecksumError):
-        distributed.consolidate(d, tmp_path / "x.jckpt")
+        jckpt.consolidate(d, tmp_path / "x.jckpt")
     assert not (tmp_path / "x.jckpt").exists()
     os.unlink(d / "index.jckpt")
     with pytest.raises(FormatError, match="no index.jckpt"):

@@ -22,6 +22,7 @@ import numpy as np
 
 from jckpt.api import progress as progress_mod
 from jckpt.api.context import Context
+from jckpt.api.multiprocess import save_directory
 from jckpt.errors import (
     ClashError,
     InputError,
@@ -34,7 +35,7 @@ from jckpt.format._gc import paused
 from jckpt.format.header import Entry, Header, KeyPath, path_name, round_up
 from jckpt.format.layout import lay_out
 from jckpt.format.payload import CHECKSUM_PLACEHOLDER, stored_dtype
-from jckpt.services.distributed import open_checkpoint
+from jckpt.storage.checkpoint import open_checkpoint
 from jckpt.storage.publish import storage_error
 from jckpt.storage.reader import COUNTS, CheckpointReader
 from jckpt.storage.writer import CopySource, write_checkpoint
@@ -92,8 +93,7 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
         if appending:
             raise InputError("appending is not supported for directory checkpoints",
                              file=path, fix="save the whole tree")
-        from jckpt.services import distributed
-        distributed.save_directory(ctx, tree, path, alignment=alignment, metadata=metadata)
+        save_directory(ctx, tree, path, alignment=alignment, metadata=metadata)
         return
     # every transfer to host (each distinct shard of sharded arrays) starts before any is awaited
     hosts = [(p, h, h.key_impl) for (p, _), h in zip(items, sharding.prepare_leaves(

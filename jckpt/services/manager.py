@@ -41,6 +41,7 @@ import jax
 
 from jckpt.api import operations as api
 from jckpt.api.context import Context
+from jckpt.api.multiprocess import save_directory
 from jckpt.errors import CheckpointError, FormatError, InputError
 from jckpt.format.names import (
     INDEX_NAME,
@@ -54,12 +55,12 @@ from jckpt.format.names import (
     step_name,
 )
 from jckpt.services.base import BackgroundWriter, Staged, check_metadata
-from jckpt.services.distributed import reclaim_stage_dirs, save_directory
 from jckpt.services.lineage import MANAGER_STEP
 from jckpt.services.preemption import Preemption
 from jckpt.services.retention import Retention, check_metrics, ranked
 from jckpt.services.snapshot import namespace_leaves
 from jckpt.services.trainer_state import TrainerState
+from jckpt.storage.directory import reclaim_stage_dirs
 from jckpt.storage.publish import fsync_dir, reclaim_staging, storage_error
 from jckpt.storage.staging import remove_staged
 from jckpt.trees import pytree as tree_mod
@@ -127,7 +128,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
       handle_sigterm: where no JAX distributed client runs, treat SIGTERM as
         preemption (:meth:`reached_preemption` then says True).
       directory_steps: write each step as a multi-process directory checkpoint
-        (``jckpt.services.distributed``), synchronously, from every process. Default:
+        (``jckpt.api.multiprocess``), synchronously, from every process. Default:
         when ``jax.process_count() > 1``. Only process 0 deletes old steps.
 
     Only one manager may write a directory at a time
@@ -469,7 +470,7 @@ def _restore_namespaces(ctx: Context, target: Any, path: str, namespaces: Sequen
                              "exactly those namespaces", file=path)
         return {ns: api.restore(ctx, target[ns], path, namespace=ns, cast=cast)
                 for ns in namespaces}
-    from jckpt.services.distributed import open_checkpoint
+    from jckpt.storage.checkpoint import open_checkpoint
     from jckpt.trees import placement
 
     reader = open_checkpoint(path)

@@ -1,8 +1,21 @@
-"""Storage: atomic publishing, the streaming writer and the validating reader."""
+"""Storage: bytes on media, behind a backend (local files today).
 
+Atomic publishing (:mod:`~jckpt.storage.publish`), the streaming writer and
+in-place region writes (:mod:`~jckpt.storage.writer`,
+:mod:`~jckpt.storage.regions`), the validating reader and lazy reads
+(:mod:`~jckpt.storage.reader`, :mod:`~jckpt.storage.lazy`), the directory form
+(:mod:`~jckpt.storage.directory`), writer leases (:mod:`~jckpt.storage.lease`),
+the backend seam (:mod:`~jckpt.storage.backend`), and one
+:func:`open_checkpoint` for a file or a directory. Nothing here imports JAX.
+"""
+
+from jckpt.storage.backend import LOCAL, Backend, LocalBackend, backend_for
+from jckpt.storage.checkpoint import open_checkpoint
+from jckpt.storage.directory import DirectoryReader
 from jckpt.storage.publish import StagingFile, reclaim_staging
-from jckpt.storage.reader import COUNTS, CheckpointReader, open_checkpoint
+from jckpt.storage.reader import COUNTS, CheckpointReader
 from jckpt.storage.writer import ArraySource, CopySource, write_checkpoint
 
-__all__ = ['COUNTS', 'ArraySource', 'CheckpointReader', 'CopySource', 'StagingFile',
-           'open_checkpoint', 'reclaim_staging', 'write_checkpoint']
+__all__ = ['COUNTS', 'LOCAL', 'ArraySource', 'Backend', 'CheckpointReader', 'CopySource',
+           'DirectoryReader', 'LocalBackend', 'StagingFile', 'backend_for', 'open_checkpoint',
+           'reclaim_staging', 'write_checkpoint']

@@ -1,6 +1,6 @@
 """The reader: one open, header and extents checked before any payload is touched.
 
->>> # reader = open_checkpoint('model.jckpt'); reader.header.tensors[0].name
+>>> # reader = CheckpointReader('model.jckpt'); reader.header.tensors[0].name
 """
 
 from __future__ import annotations
@@ -138,7 +138,3 @@ class CheckpointReader:
                 bad.append(err)
         return bad
 
-
-def open_checkpoint(path: str | os.PathLike) -> CheckpointReader:
-    """Open and validate a checkpoint file (header and extents; payloads untouched)."""
-    return CheckpointReader(path)

@@ -3,7 +3,8 @@
 The header is written first with fixed-width placeholder checksums; each
 payload is hashed while it streams to disk; the header is then rewritten in
 place with the real checksums (same length, so no payload moves). The file
-is published atomically by :class:`~jckpt.storage.publish.StagingFile`.
+is published atomically by the backend holding the target (locally, a
+:class:`~jckpt.storage.publish.StagingFile` renamed over it).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import numpy as np
 from jckpt.errors import StorageError
 from jckpt.format import payload as payload_mod
 from jckpt.format.header import Entry, Header, encode_header_with_slots
-from jckpt.storage.publish import StagingFile, storage_error
+from jckpt.storage.backend import backend_for
+from jckpt.storage.publish import storage_error
 
 
 class Sink:
@@ -218,11 +220,12 @@ def write_checkpoint(target: str | os.PathLike, header: Header,
     file is removed and the target is left as it was.
     """
     target = os.fspath(target)
+    backend = backend_for(target)  # refuses a URL no backend serves, before any work
     draft = with_placeholders(header)
     raw, slots = encode_header_with_slots(draft)
     raw = pad_for_aliasing(raw, draft)
     data_start = len(raw)
-    with StagingFile(target, durable=durable) as staging:
+    with backend.create(target, durable=durable) as staging:
         try:
             sink = Sink(staging.fd)
             sink.write(raw)

@@ -36,8 +36,8 @@ from typing import Any
 from jckpt.adapters import convert, format_for_destination
 from jckpt.api.progress import bar
 from jckpt.errors import CheckpointError, FormatError, InputError
-from jckpt.services.distributed import consolidate
 from jckpt.tools.classify import DIRECTORY, FILE, FOREIGN, MISSING, classify
+from jckpt.tools.consolidate import consolidate
 from jckpt.tools.diff import diff
 from jckpt.tools.info import info
 from jckpt.tools.rewrite import merge, relayout

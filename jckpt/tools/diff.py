@@ -35,7 +35,7 @@ from jckpt.errors import FormatError
 from jckpt.format import precs
 from jckpt.format.header import Entry
 from jckpt.format.names import STEP_RE
-from jckpt.services.distributed import open_checkpoint
+from jckpt.storage import open_checkpoint
 from jckpt.tools.classify import MANAGER, classify
 from jckpt.tools.render import format_shape, text_table
 

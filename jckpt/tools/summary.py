@@ -31,7 +31,7 @@ from jckpt.format import precs
 from jckpt.format.header import Entry, path_name
 from jckpt.format.names import GENERATION_KEY, LINEAGE_KEY, METRICS_KEY, STEP_KEY, TRAINER_STATE_KEY
 from jckpt.format.payload import can_map
-from jckpt.services.distributed import DirectoryReader
+from jckpt.storage.directory import DirectoryReader
 from jckpt.storage.reader import CheckpointReader
 from jckpt.tools.render import (
     REPR_ROWS,

@@ -31,7 +31,7 @@ from jckpt.errors import ChecksumError, FormatError
 from jckpt.format import payload as payload_mod
 from jckpt.format.header import Entry
 from jckpt.format.names import INDEX_NAME, PIECE_RE, STEP_RE
-from jckpt.services.distributed import DirectoryReader
+from jckpt.storage.directory import DirectoryReader
 from jckpt.storage.reader import CheckpointReader
 from jckpt.tools.classify import DIRECTORY, FILE, FOREIGN, MANAGER, UNFINISHED, UNREADABLE, classify
 

@@ -1,0 +1,326 @@
+"""Multi-process saves: every process of a ``jax.distributed`` run writes one directory checkpoint.
+
+When ``jax.process_count() > 1``, :func:`jckpt.save` calls :func:`save_directory`:
+
+1. every process writes one piece file (``process_NNNNN.jckpt``) holding the
+   pieces of each array it owns (the shards whose replica 0 it holds, joined
+   into one block where they touch), so each replicated piece is written once;
+2. all processes meet at a barrier of JAX's distributed runtime (with a
+   timeout, so a dead peer gives an error in bounded time, never a hang);
+3. process 0 reads the piece headers, checks that the pieces of every array
+   tile it exactly, writes ``index.jckpt`` and publishes the directory with
+   one atomic rename; a second barrier returns everyone once it is published.
+
+A directory without ``index.jckpt`` is never read as a checkpoint, so a
+process that dies before the barrier leaves the previous checkpoint intact.
+The directory form on disk (staging, index, publishing, reading) is
+:mod:`jckpt.storage.directory`; this module is the part that needs JAX: the
+save plan and the barriers.
+
+>>> # in every process of a jax.distributed run:
+>>> # jckpt.save(ctx, state, "ckpt")          # a directory
+>>> # state = jckpt.restore(ctx, abstract_state, "ckpt")
+>>> # jckpt.consolidate("ckpt", "ckpt.jckpt")  # one file, readable anywhere
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jckpt.errors import DistributedError, InputError
+from jckpt.format import precs
+from jckpt.format.boxes import Box, box_shape, coalesce, full_box, intersect
+from jckpt.format.header import Entry, Header, KeyPath, path_name
+from jckpt.format.layout import lay_out
+from jckpt.format.names import DIRECTORY_LOCK_NAME, STAGE_DIR_TAG, piece_name
+from jckpt.storage.backend import Backend, backend_for
+from jckpt.storage.directory import make_stage, publish_directory, reclaim_stage_dirs, write_index
+from jckpt.storage.regions import ShardedSource
+from jckpt.storage.writer import ArraySource, write_checkpoint
+from jckpt.trees import placement
+from jckpt.trees import pytree as tree_mod
+from jckpt.trees import sharding as sh
+from jckpt.version import __version__
+
+#: Seconds a process waits at a barrier for the others (``JCKPT_BARRIER_TIMEOUT`` overrides).
+DEFAULT_BARRIER_TIMEOUT = 300.0
+_saves = itertools.count()
+
+
+def barrier_timeout() -> float:
+    """The barrier timeout in seconds: ``JCKPT_BARRIER_TIMEOUT`` or the default."""
+    raw = os.environ.get('JCKPT_BARRIER_TIMEOUT')
+    try:
+        return float(raw) if raw else DEFAULT_BARRIER_TIMEOUT
+    except ValueError:
+        raise InputError(f"JCKPT_BARRIER_TIMEOUT={raw!r} is not a number of seconds") from None
+
+
+# --- the runtime: barriers and a key-value store through jax.distributed -------------------
+
+class _Runtime:
+    """Barriers and shared values through JAX's distributed client."""
+
+    def __init__(self, tag: str, path: str, timeout: float, processes: int) -> None:
+        # JAX's client lives in a private module; imported here so a JAX that moves it
+        # breaks only multi-process saves, not every import of jckpt.
+        from jax._src import distributed as jdist
+        self.client: Any = jdist.global_state.client
+        self.local = processes == 1  # one process: nobody to wait for
+        if self.client is None and not self.local:
+            raise DistributedError("several processes but jax.distributed is not initialized",
+                                   file=path, fix="call jax.distributed.initialize(...) in every "
+                                                  "process before saving")
+        self.tag = tag
+        self.path = path
+        self.timeout_ms = max(1, int(timeout * 1000))
+
+    def share(self, key: str, value: str | None) -> str:
+        """Process 0 sets ``key`` to ``value``; every process returns it."""
+        full = f"{self.tag}/{key}"
+        if self.local:
+            return value or ''
+        if value is not None:
+            self.client.key_value_set(full, value)
+            return value
+        try:
+            return self.client.blocking_key_value_get(full, self.timeout_ms)
+        except Exception as e:
+            raise DistributedError(f"process 0 did not start the save within "
+                                   f"{self.timeout_ms / 1000:g} s ({_first_line(e)})",
+                                   file=self.path, fix="check process 0's log; it may have "
+                                   "failed or died") from None
+
+    def barrier(self, name: str, what: str) -> None:
+        if self.local:
+            return
+        try:
+            self.client.wait_at_barrier(f"{self.tag}/{name}", self.timeout_ms)
+        except Exception as e:
+            reached = [ln.strip() for ln in str(e).splitlines() if 'reached the barrier' in ln]
+            raise DistributedError(f"not every process {what} within {self.timeout_ms / 1000:g} s; "
+                                   f"nothing was published ({'; '.join([_first_line(e), *reached])})",
+                                   file=self.path,
+                                   fix="check the other processes' logs (one may have died); "
+                                       "raise JCKPT_BARRIER_TIMEOUT if they are only slow") from None
+
+    def report(self, process: int, error: BaseException) -> None:
+        if self.local:
+            return
+        try:
+            self.client.key_value_set(f"{self.tag}/error/{process}", _first_line(error)[:2000])
+        except Exception:
+            pass
+
+    def errors(self) -> list[str]:
+        if self.local:
+            return []
+        try:
+            pairs = self.client.key_value_dir_get(f"{self.tag}/error/")
+        except Exception:
+            return []
+        return [f"process {k.rsplit('/', 1)[-1]}: {v}" for k, v in sorted(pairs)]
+
+    def check(self) -> None:
+        errs = self.errors()
+        if errs:
+            raise DistributedError("the save failed in another process: " + "; ".join(errs),
+                                   file=self.path, fix="see that process's error; nothing was "
+                                   "published and the previous checkpoint is intact")
+
+    def together(self, name: str, what: str, process: int,
+                 step: Callable[[], None] | None) -> None:
+        """Run ``step`` here (if any), meet every process at barrier ``name``, raise if one failed.
+
+        A failing step is reported to the others before this process reaches
+        the barrier, so they fail at once instead of at their timeout.
+        """
+        if step is not None:
+            try:
+                step()
+            except BaseException as e:
+                self.report(process, e)
+                self.barrier(name, what)
+                raise
+        self.barrier(name, what)
+        self.check()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+# --- the plan: what this process writes -----------------------------------------------------
+
+@dataclasses.dataclass
+class _Leaf:
+    ident: int
+    path: KeyPath
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    key_impl: str | None
+    blocks: list[tuple[Box, Any]]  # (box, source)
+
+
+def _plan(items: Sequence[tuple[KeyPath, Any]], namespace: str, first_id: int,
+          process: int) -> list[_Leaf]:
+    """Check every leaf, start every transfer to host, and decide what this process writes."""
+    staged: list[Any] = []
+    for n, (p, leaf) in enumerate(items):
+        where = f"{namespace}/{path_name(p) or '<root>'}"
+        key_impl = None
+        if placement.is_prng_key(leaf):
+            key_impl = str(jax.random.key_impl(leaf))
+            leaf = jax.random.key_data(leaf)
+        spread = isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
+        if spread or sh.is_sharded(leaf):
+            dtype = np.dtype(leaf.dtype)
+            if not precs.is_supported(dtype):
+                raise InputError(f"dtype {dtype} cannot be stored", entry=where,
+                                 fix="cast to a supported dtype (see the format's prec table)")
+            # an array on this process's devices only is saved from process 0's copy
+            shards = sh.owned_shards(leaf) if spread or process == 0 else []
+            sh.start_transfers(shards)
+            staged.append((first_id + n, p, where, leaf, key_impl, shards))
+        else:  # a host value or a process-local array: process 0's copy is the one saved
+            if isinstance(leaf, jax.Array) and process == 0:
+                placement.start_host_copies([leaf])
+            staged.append((first_id + n, p, where, leaf, key_impl, None))
+    out = []
+    for ident, p, where, leaf, key_impl, shards in staged:
+        if shards is None:
+            array, impl = placement.to_host(leaf, where)  # checks the leaf in every process
+            blocks: list[tuple[Box, Any]] = (
+                [(full_box(array.shape), ArraySource(array))] if process == 0 else [])
+            out.append(_Leaf(ident, p, array.dtype, tuple(array.shape), key_impl or impl, blocks))
+            continue
+        dtype = np.dtype(leaf.dtype)
+        blocks = []
+        for block in coalesce([b for b, _ in shards]):
+            inside = [(tuple((a - o, z - o) for (a, z), (o, _) in zip(b, block)),
+                       functools.partial(sh.await_host, d))
+                      for b, d in shards if intersect(b, block) == b]
+            blocks.append((block, ShardedSource(box_shape(block), dtype, inside)))
+        out.append(_Leaf(ident, p, dtype, tuple(leaf.shape), key_impl, blocks))
+    return out
+
+
+def _piece_entry(leaf: _Leaf, namespace: str, box: Box) -> Entry:
+    dims = box_shape(box)
+    return Entry(id=leaf.ident, namespace=namespace, prec=precs.prec_of(leaf.dtype), dims=dims,
+                 offset=0, byte_length=math.prod(dims) * leaf.dtype.itemsize,
+                 label=tuple(str(v) for _, v in leaf.path), path=leaf.path,
+                 key_impl=leaf.key_impl, slice=box, global_dims=leaf.shape)
+
+
+def _write_pieces(stage: str, leaves: list[_Leaf], namespace: str, alignment: int, process: int,
+                  durable: bool) -> None:
+    """Write this process's piece files: one per layer of blocks (most arrays have one block)."""
+    layers = max([len(leaf.blocks) for leaf in leaves] + [1])
+    for layer in range(layers):
+        entries, sources = [], []
+        for leaf in leaves:
+            if layer < len(leaf.blocks):
+                box, source = leaf.blocks[layer]
+                entries.append(_piece_entry(leaf, namespace, box))
+                sources.append(source)
+        header = lay_out(Header(tensors=tuple(entries), alignment=alignment,
+                                writer=f"jckpt {__version__}"))
+        write_checkpoint(os.path.join(stage, piece_name(process, layer)), header, sources,
+                         durable=durable)
+
+
+# --- the save: stage, write, publish ------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Stage:
+    """The staging directory of one save, and (in process 0) the lock held on it."""
+
+    path: str | None = None
+    lock_fd: int = -1
+
+
+def _open_stage(rt: _Runtime, path: str, process: int, stage: _Stage) -> None:
+    """Process 0 creates the staging directory and tells the others its name."""
+    if process == 0:
+        try:
+            reclaim_stage_dirs(path)
+            stage.path, stage.lock_fd = make_stage(path)
+        except BaseException as e:  # tell the others at once rather than at their timeout
+            rt.share('stage', '!' + _first_line(e))
+            raise
+        rt.share('stage', os.path.basename(stage.path))
+        return
+    name = rt.share('stage', None)
+    if name.startswith('!'):
+        raise DistributedError(f"process 0 could not start the save: {name[1:]}", file=path,
+                               fix="see process 0's error")
+    if STAGE_DIR_TAG not in name or os.sep in name:
+        raise DistributedError(f"unexpected staging name {name!r}", file=path)
+    stage.path = os.path.join(os.path.dirname(path), name)
+
+
+def _publish(backend: Backend, stage: _Stage, path: str, count: int, alignment: int,
+             metadata: Mapping[str, str] | None, durable: bool) -> None:
+    """Process 0: index the pieces, publish the directory, then let go of its lock."""
+    assert stage.path is not None
+    write_index(stage.path, count, alignment, dict(metadata or {}), durable=durable)
+    publish_directory(stage.path, path, durable=durable)
+    stage.path = None
+    backend.remove(os.path.join(path, DIRECTORY_LOCK_NAME))  # held until now: never a lockless stage
+
+
+def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: int | None = None,
+                   metadata: Mapping[str, str] | None = None,
+                   timeout: float | None = None) -> None:
+    """Save ``tree`` from every process of a ``jax.distributed`` run as a directory checkpoint.
+
+    Call it (or :func:`jckpt.save`, which calls it when ``jax.process_count() > 1``)
+    from every process with the same tree structure; a single process may call
+    it too, to write the directory form. Returns in every process
+    once the directory is published; raises :class:`~jckpt.errors.DistributedError`
+    in the surviving processes when a peer fails or does not reach a barrier within
+    ``timeout`` seconds (default :func:`barrier_timeout`), and then nothing is
+    published.
+
+    Example::
+
+        jckpt.save(ctx, {"params": sharded_params, "step": step}, "ckpt")  # every process
+    """
+    backend = backend_for(path)  # before abspath, which would take a URL for a relative path
+    path = os.path.abspath(os.fspath(path))
+    namespace = ctx.namespace
+    alignment = ctx.alignment if alignment is None else alignment
+    if not isinstance(alignment, int) or alignment < 1:
+        raise InputError(f"alignment must be a positive integer, not {alignment!r}", file=path)
+    process, count = jax.process_index(), jax.process_count()
+    timeout = barrier_timeout() if timeout is None else float(timeout)
+    leaves = _plan(tree_mod.flatten(tree), namespace, ctx.registry.max_id(namespace) + 1, process)
+    rt = _Runtime(f"jckpt/save/{next(_saves)}", path, timeout, count)
+    stage = _Stage()
+    try:
+        _open_stage(rt, path, process, stage)
+        rt.together('written', 'wrote its pieces', process, lambda: _write_pieces(
+            stage.path, leaves, namespace, alignment, process, ctx.durable))
+        rt.together('published', 'saw the checkpoint published', process, None if process else (
+            lambda: _publish(backend, stage, path, count, alignment, metadata, ctx.durable)))
+    except BaseException:
+        if process == 0 and stage.path is not None:
+            backend.remove(stage.path)
+        raise
+    finally:
+        if stage.lock_fd >= 0:
+            os.close(stage.lock_fd)
+
+
+__all__ = ['DEFAULT_BARRIER_TIMEOUT', 'barrier_timeout', 'save_directory']

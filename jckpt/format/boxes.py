@@ -1,0 +1,129 @@
+"""Boxes: the part of an array a shard, a stored piece or a device holds.
+
+A *box* is a tuple of ``(start, stop)`` pairs, one per dimension. A directory
+checkpoint's index records each piece of an array as a box, and its codec
+checks that the pieces tile the array exactly; sharded writes and lazy reads
+copy between boxes. Pure arithmetic on tuples: no numpy, no JAX.
+
+>>> box_of((slice(0, 2), slice(None)), (4, 3))
+((0, 2), (0, 3))
+>>> intersect(((0, 2), (0, 3)), ((1, 4), (2, 3)))
+((1, 2), (2, 3))
+>>> coalesce([((0, 2), (0, 3)), ((2, 4), (0, 3))])
+[((0, 4), (0, 3))]
+>>> check_tiling([((0, 2),), ((2, 4),)], (4,)) is None
+True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+Box = tuple[tuple[int, int], ...]
+
+
+def box_of(index: Sequence[Any], shape: Sequence[int]) -> Box:
+    """The box a numpy-style index of slices selects from an array of ``shape``."""
+    out = []
+    for i, d in enumerate(shape):
+        s = index[i] if i < len(index) else slice(None)
+        if isinstance(s, slice):
+            start, stop, step = s.indices(d)
+            if step != 1:
+                raise ValueError(f"strided index {s} is not a box")
+            out.append((start, max(start, stop)))
+        else:
+            s = int(s)
+            out.append((s, s + 1))
+    return tuple(out)
+
+
+def box_slices(box: Box, origin: Box | None = None) -> tuple[slice, ...]:
+    """Slices selecting ``box`` (relative to ``origin``'s start when given)."""
+    if origin is None:
+        return tuple(slice(a, b) for a, b in box)
+    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin))
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    """Extent of ``box`` along each dimension."""
+    return tuple(b - a for a, b in box)
+
+
+def box_size(box: Box) -> int:
+    """Number of elements in ``box``."""
+    return math.prod(box_shape(box))
+
+
+def full_box(shape: Sequence[int]) -> Box:
+    """The box covering a whole array of ``shape``."""
+    return tuple((0, int(d)) for d in shape)
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The common part of two boxes, or None when they do not overlap."""
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    return None if any(lo >= hi for lo, hi in out) else out
+
+
+def _merge(a: Box, b: Box) -> Box | None:
+    """``a`` and ``b`` joined when their union is itself a box."""
+    differ = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    if len(differ) != 1:
+        return None
+    i = differ[0]
+    (a0, a1), (b0, b1) = a[i], b[i]
+    if a1 == b0:
+        return (*a[:i], (a0, b1), *a[i + 1:])
+    if b1 == a0:
+        return (*a[:i], (b0, a1), *a[i + 1:])
+    return None
+
+
+def coalesce(boxes: Sequence[Box]) -> list[Box]:
+    """Join adjacent boxes whose union is a box, until none can be joined.
+
+    A process usually holds one contiguous block of an array; this turns its
+    shards into that one block (and leaves other layouts as several boxes).
+    """
+    out = sorted(set(boxes))
+    merged = True
+    while merged:
+        merged = False
+        for i in range(len(out)):
+            for j in range(i + 1, len(out)):
+                m = _merge(out[i], out[j])
+                if m is not None:
+                    out[i] = m
+                    del out[j]
+                    merged = True
+                    break
+            if merged:
+                break
+    return out
+
+
+def check_tiling(boxes: Sequence[Box], shape: Sequence[int]) -> str | None:
+    """Why ``boxes`` do not tile an array of ``shape`` exactly (None when they do)."""
+    whole = full_box(shape)
+    total = 0
+    for b in boxes:
+        if len(b) != len(whole) or (box_size(b) and intersect(b, whole) != b):
+            return f"piece {b} lies outside the array's dims {tuple(shape)}"
+        total += box_size(b)
+    if total != math.prod(shape):
+        return (f"pieces hold {total} elements but the array has {math.prod(shape)}: "
+                "a piece is missing or duplicated")
+    nonempty = [b for b in boxes if box_size(b)]
+    if len(nonempty) <= 4096:
+        for i, a in enumerate(nonempty):
+            for b in nonempty[i + 1:]:
+                if intersect(a, b) is not None:
+                    return f"pieces {a} and {b} overlap"
+    return None
+
+
+__all__ = ['Box', 'box_of', 'box_shape', 'box_size', 'box_slices', 'check_tiling', 'coalesce',
+           'full_box', 'intersect']

@@ -1,0 +1,302 @@
+"""The directory form on disk: staged, indexed, published with one rename, read piece by piece.
+
+A directory checkpoint (written by the processes of a ``jax.distributed`` run,
+see :mod:`jckpt.api.multiprocess`) is built in a staging sibling
+``<path>.jckpt-stage-dir.<random>`` that holds a locked ``.writer.lock``
+while it is written; every process writes its piece files into it, then
+:func:`write_index` checks that the pieces tile every array and writes
+``index.jckpt``, and :func:`publish_directory` makes the directory appear at
+``path`` with one atomic rename (swapping out what was there). A directory
+without ``index.jckpt`` is never read as a checkpoint, and staging directories
+whose writer died are removed by :func:`reclaim_stage_dirs`.
+
+:class:`DirectoryReader` reads one: its header lists one global entry per
+array, and :meth:`DirectoryReader.decode` returns a
+:class:`~jckpt.storage.lazy.LazyArray` that opens and reads only the pieces
+overlapping the boxes asked of it.
+
+>>> # reader = DirectoryReader("ckpt"); reader.header.tensors[0].dims   # global dims
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import functools
+import os
+import re
+import secrets
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from jckpt.errors import CheckpointError, DistributedError, FormatError, StorageError
+from jckpt.format.boxes import Box, box_shape, box_size, box_slices, check_tiling, intersect
+from jckpt.format.header import Entry, Header
+from jckpt.format.index import IndexedArray, global_entry, index_header, parse_index
+from jckpt.format.names import DIRECTORY_LOCK_NAME, INDEX_NAME, PIECE_RE, STAGE_DIR_TAG, piece_name
+from jckpt.storage.backend import LOCAL, backend_for
+from jckpt.storage.lazy import LazyArray, note_read
+from jckpt.storage.publish import STALE_AFTER, fsync_dir, storage_error
+from jckpt.storage.reader import CheckpointReader
+from jckpt.storage.writer import write_checkpoint
+from jckpt.version import __version__
+
+# --- staging ------------------------------------------------------------------------------------
+
+def make_stage(path: str) -> tuple[str, int]:
+    """Create ``path``'s staging directory and lock it; return it and the lock's descriptor.
+
+    The lock (``flock`` on ``.writer.lock`` inside) is held until the
+    directory is published or abandoned, so :func:`reclaim_stage_dirs` never
+    removes a live save's directory. Close the descriptor when done.
+    """
+    parent = os.path.dirname(path)
+    for _ in range(100):
+        stage = f"{path}{STAGE_DIR_TAG}{secrets.token_hex(8)}"
+        try:
+            os.mkdir(stage)
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise storage_error(e, "creating the staging directory", path) from e
+        lock = os.path.join(stage, DIRECTORY_LOCK_NAME)
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        except FileNotFoundError:  # reclaimed by another save before the lock existed: retry
+            continue
+        except OSError as e:
+            raise storage_error(e, "creating the staging directory's lock", path) from e
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:  # still the lock of a directory in place (not reclaimed between open and flock)
+            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                return stage, fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    raise StorageError("could not create a unique staging directory", file=parent)
+
+
+def _stage_free(stage: str) -> bool:
+    """Whether no live writer holds ``stage``: its lock file is missing, or free to take."""
+    try:
+        fd = os.open(os.path.join(stage, DIRECTORY_LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def reclaim_stage_dirs(path: str | os.PathLike, *, stale_after: float = STALE_AFTER) -> list[str]:
+    """Remove staging directories of ``path`` left by a save whose process 0 is gone.
+
+    A staging directory is reclaimed when its lock file is missing (its
+    writer died before creating it: a live save holds it until the directory
+    is renamed) or free (the writer died), or when it is older than
+    ``stale_after`` seconds (for filesystems without ``flock``).
+    """
+    path = os.fspath(path)
+    parent = os.path.dirname(path) or '.'
+    pattern = re.compile(re.escape(os.path.basename(path)) + re.escape(STAGE_DIR_TAG)
+                         + r'[0-9a-f]{16}\Z')
+    removed: list[str] = []
+    try:
+        names = LOCAL.list(parent)
+    except StorageError:
+        return removed
+    for name in names:
+        if not pattern.match(name):
+            continue
+        stage = os.path.join(parent, name)
+        try:
+            old = time.time() - os.lstat(stage).st_mtime > stale_after
+        except OSError:
+            continue
+        if _stage_free(stage) or old:
+            LOCAL.remove(stage)
+            removed.append(stage)
+    return removed
+
+
+# --- publishing ---------------------------------------------------------------------------------
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths (Linux ``renameat2``); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: the filesystem cannot swap
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
+def publish_directory(stage: str, path: str, *, durable: bool = True) -> None:
+    """Make the complete directory ``stage`` appear at ``path`` with one atomic rename.
+
+    An existing checkpoint (file or directory) at ``path`` is swapped out in
+    the same step (``renameat2(RENAME_EXCHANGE)``) and then removed; where the
+    filesystem cannot swap, it is renamed aside first.
+    """
+    try:
+        if durable:
+            fsync_dir(stage)
+        if not os.path.lexists(path):
+            os.rename(stage, path)
+        elif _exchange(stage, path):
+            LOCAL.remove(stage)
+        else:
+            aside = f"{path}.jckpt-old.{secrets.token_hex(8)}"
+            os.rename(path, aside)
+            os.rename(stage, path)
+            LOCAL.remove(aside)
+        if durable:
+            fsync_dir(os.path.dirname(path))
+    except OSError as e:
+        raise storage_error(e, "publishing the checkpoint directory", path) from e
+
+
+# --- the index ----------------------------------------------------------------------------------
+
+def _pieces_by_array(stage: str, names: Iterable[str]) -> list[IndexedArray]:
+    """Every array of the piece files ``names`` with its pieces, ordered by namespace and id."""
+    arrays: dict[tuple[str, Any], tuple[Entry, list[tuple[int, Box]]]] = {}
+    for fi, name in enumerate(names):
+        reader = LOCAL.open(os.path.join(stage, name))
+        for e in reader.header.tensors:
+            if e.slice is None:
+                raise FormatError("piece entry without slice", file=reader.path, entry=e.name)
+            g = global_entry(e)
+            have = arrays.setdefault(e.identity, (g, []))
+            if have[0] != g:
+                raise DistributedError(f"processes disagree about this array: {have[0]} vs {g}",
+                                       file=stage, entry=e.name,
+                                       fix="save the same tree structure from every process")
+            have[1].append((fi, e.slice))
+    return [IndexedArray(g, tuple(sorted(pieces, key=lambda p: p[1])))
+            for g, pieces in sorted(arrays.values(), key=lambda v: (v[0].namespace, v[0].id))]
+
+
+def write_index(stage: str, process_count: int, alignment: int, metadata: dict[str, str], *,
+                durable: bool = True) -> Header:
+    """Read every piece file's header in ``stage``, check the tiling, write ``index.jckpt``."""
+    names = [n for n in LOCAL.list(stage) if PIECE_RE.match(n)]
+    for p in range(process_count):
+        if piece_name(p) not in names:
+            raise DistributedError(f"process {p} wrote no piece file", file=stage,
+                                   fix="check that process's log")
+    arrays = _pieces_by_array(stage, names)
+    for a in arrays:
+        why = check_tiling([b for _, b in a.pieces], a.entry.dims)
+        if why:
+            raise DistributedError(f"pieces do not tile the array: {why}", file=stage,
+                                   entry=a.entry.name,
+                                   fix="every process must save the same global arrays")
+    header = index_header(names, process_count, arrays, alignment, metadata,
+                          writer=f"jckpt {__version__}")
+    write_checkpoint(os.path.join(stage, INDEX_NAME), header, [], durable=durable)
+    return header
+
+
+# --- reading ------------------------------------------------------------------------------------
+
+class DirectoryReader:
+    """An open directory checkpoint: the global entries, read piece by piece on demand.
+
+    ``header`` lists one entry per array (dims = the global dims), so code
+    written for :class:`~jckpt.storage.reader.CheckpointReader` works on it;
+    :meth:`decode` returns a :class:`~jckpt.storage.lazy.LazyArray` that reads
+    only the pieces overlapping the boxes asked of it. ``arrays`` maps each
+    entry's identity to its :class:`~jckpt.format.index.IndexedArray`.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.backend = backend_for(path)
+        self.path = os.fspath(path)
+        index = os.path.join(self.path, INDEX_NAME)
+        if not os.path.exists(index):
+            raise FormatError(f"directory has no {INDEX_NAME}: not a checkpoint, or one whose "
+                              "save did not finish", file=self.path,
+                              fix="restore from a complete checkpoint")
+        self.index = self.backend.open(index, follow_symlinks=False)
+        self.files, arrays = parse_index(self.index.header, index)
+        self.arrays = {a.entry.identity: a for a in arrays}
+        ih = self.index.header
+        self.header = Header(tensors=tuple(a.entry for a in arrays), alignment=ih.alignment,
+                             writer=ih.writer, metadata=ih.metadata)
+        self._readers: dict[int, CheckpointReader] = {}
+        self._entries: dict[int, dict[tuple[str, Any], Entry]] = {}
+        self._verified: set[tuple[int, Any]] = set()
+
+    def _reader(self, fi: int) -> CheckpointReader:
+        reader = self._readers.get(fi)
+        if reader is None:
+            reader = self.backend.open(os.path.join(self.path, self.files[fi]),
+                                       follow_symlinks=False)
+            self._entries[fi] = {e.identity: e for e in reader.header.tensors}
+            self._readers[fi] = reader
+        return reader
+
+    def piece(self, fi: int, array: IndexedArray, box: Box, *, verify: bool) -> np.ndarray:
+        """The stored piece ``box`` of ``array`` in file ``fi`` (a mapped view)."""
+        reader = self._reader(fi)
+        e = self._entries[fi].get(array.entry.identity)
+        if e is None or e.slice != box or e.prec != array.entry.prec:
+            raise FormatError(f"piece {box} is not in {self.files[fi]} as the index says",
+                              file=reader.path, entry=array.entry.name,
+                              fix="the directory is damaged; restore it from a good copy")
+        if verify and (fi, e.identity) not in self._verified:
+            reader.verify_entry(e)
+            self._verified.add((fi, e.identity))
+        return reader.decode(e, mmap=True, count=False)
+
+    def read_box(self, array: IndexedArray, box: Box, *, verify: bool = False) -> np.ndarray:
+        """Assemble ``box`` of an array from the pieces that overlap it."""
+        e = array.entry
+        out = np.empty(box_shape(box) + (e.shape[len(e.dims):]), dtype=e.dtype)
+        copied = 0
+        for fi, pbox in array.pieces:
+            common = intersect(box, pbox)
+            if common is None or (box_size(common) == 0 and common != ()):
+                continue
+            src = self.piece(fi, array, pbox, verify=verify)
+            out[box_slices(common, box)] = src[box_slices(common, pbox)]
+            copied += box_size(common) * e.dtype.itemsize
+        note_read(box, copied)
+        return out
+
+    def decode(self, entry: Entry, *, mmap: bool = True, verify: bool = False,
+               count: bool = True) -> LazyArray:
+        """A lazy view of the array ``entry`` (one of :attr:`header`'s entries)."""
+        array = self.arrays[entry.identity]
+        return LazyArray(entry.shape, entry.dtype,
+                         functools.partial(self.read_box, array, verify=verify))
+
+    def verify(self, entries: Any = None) -> list[CheckpointError]:
+        """Check every piece's checksum; return the failures."""
+        bad: list[CheckpointError] = []
+        for fi in range(len(self.files)):
+            bad.extend(self._reader(fi).verify())
+        return bad
+
+
+__all__ = ['DirectoryReader', 'make_stage', 'publish_directory', 'reclaim_stage_dirs',
+           'write_index']

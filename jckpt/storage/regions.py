@@ -1,0 +1,168 @@
+"""Regions of a checkpoint file: payloads written piece by piece into place, and hashed as written.
+
+A sharded array is saved without gathering it on the host: each distinct
+shard (or each piece of a directory checkpoint, when consolidating) is
+written straight into its place in the payload, and the payload's checksum
+is then computed from the written region. :class:`ShardedSource` is the
+:class:`~jckpt.storage.writer.PayloadSource` that does this.
+
+>>> import os, tempfile
+>>> fd, path = tempfile.mkstemp()
+>>> x = np.arange(6, dtype=np.float32).reshape(2, 3)
+>>> src = ShardedSource((2, 3), x.dtype, [(((1, 2), (0, 3)), lambda: x[1:]),
+...                                       (((0, 1), (0, 3)), lambda: x[:1])])
+>>> from jckpt.storage.writer import Sink
+>>> sink = Sink(fd)
+>>> src.write(sink) == payload_mod.checksum(x); sink.flush()
+True
+>>> np.fromfile(path, np.float32).tolist()
+[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+>>> os.close(fd); os.unlink(path)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import mmap as mmap_mod
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jckpt.errors import StorageError
+from jckpt.format import payload as payload_mod
+from jckpt.format.boxes import Box, box_shape, box_size, box_slices, full_box
+
+#: Payloads up to this size are assembled in one host buffer and written sequentially
+#: (fewer system calls than one write per run); larger ones are written in place.
+ASSEMBLE_BYTES = 4 << 20
+#: Runs of at least this many bytes are written with one ``pwrite`` each; a piece with
+#: shorter runs is scattered through a shared mapping of the file instead.
+DIRECT_RUN_BYTES = 64 << 10
+
+
+def stored_bytes(array: np.ndarray) -> np.ndarray:
+    """``array``'s payload bytes (C order, little-endian) as a flat ``uint8`` array."""
+    return payload_mod.encode_payload(np.asarray(array))
+
+
+@dataclasses.dataclass
+class ShardedSource:
+    """A payload assembled from pieces, each written straight into its place in the file.
+
+    ``shape`` is the payload's array shape and ``pieces`` are ``(box, get)``
+    pairs whose boxes tile it; ``get()`` returns the piece's host array (for
+    device shards, it waits for the transfer started earlier). A small payload
+    (up to :data:`ASSEMBLE_BYTES`) is assembled in one buffer and written at
+    once. In a larger one, a piece whose rows are long is written with one
+    ``pwrite`` per contiguous run, and one with short runs is scattered
+    through a shared mapping of the file; the checksum is then computed by
+    hashing the written region.
+    """
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    pieces: Sequence[tuple[Box, Callable[[], Any]]]
+
+    def write(self, sink: Any) -> tuple[str, str]:
+        dtype = payload_mod.stored_dtype(self.dtype)
+        nbytes = math.prod(self.shape) * dtype.itemsize
+        if nbytes <= ASSEMBLE_BYTES:
+            return self._write_assembled(sink, dtype)
+        base = sink.position
+        fd = sink.fd
+        for box, get in self.pieces:
+            if box_size(box) == 0:
+                continue
+            data = np.asarray(get())
+            if tuple(data.shape) != box_shape(box):
+                raise StorageError(f"piece {box} has shape {data.shape}, expected "
+                                   f"{box_shape(box)}")
+            _write_box(fd, base, self.shape, dtype, box, data)
+        end = base + nbytes
+        os.lseek(fd, end, os.SEEK_SET)
+        sink.position = end
+        return hash_region(fd, base, nbytes)
+
+    def _write_assembled(self, sink: Any, dtype: np.dtype) -> tuple[str, str]:
+        buf = np.empty(self.shape, dtype)
+        for box, get in self.pieces:
+            if box_size(box):
+                buf[box_slices(box)] = get()
+        flat = stored_bytes(buf)
+        sink.write(flat)
+        return payload_mod.checksum(flat)
+
+
+def _write_box(fd: int, base: int, shape: tuple[int, ...], dtype: np.dtype, box: Box,
+               data: np.ndarray) -> None:
+    """Write ``data`` (the contents of ``box``) into the C-ordered payload at ``base``."""
+    item = dtype.itemsize
+    data = data.astype(dtype, copy=False)
+    flat = stored_bytes(data)
+    ndim = len(shape)
+    split = [i for i in range(ndim) if box[i] != (0, shape[i])]
+    if not split or box_size(full_box(shape)) == box_size(box):
+        _pwrite_all(fd, flat, base)
+        return
+    j = split[-1]  # dims after j are whole: each run spans box[j] x shape[j+1:]
+    inner = math.prod(shape[j + 1:])
+    run = (box[j][1] - box[j][0]) * inner * item
+    runs = math.prod(box_shape(box)[:j])
+    strides = [math.prod(shape[d + 1:]) * item for d in range(ndim)]
+    if run >= DIRECT_RUN_BYTES or runs <= 16:
+        rows = flat.reshape(runs, run)
+        lead = box_shape(box)[:j]
+        for n, idx in enumerate(np.ndindex(*lead) if lead else [()]):
+            offset = base + sum((box[d][0] + i) * strides[d] for d, i in enumerate(idx)) \
+                + box[j][0] * strides[j]
+            _pwrite_all(fd, rows[n], offset)
+        return
+    # Short runs: map the rows the box spans and let numpy scatter the piece.
+    first = base + box[0][0] * strides[0]
+    last = base + box[0][1] * strides[0]
+    _ensure_size(fd, last)
+    start = first - first % mmap_mod.ALLOCATIONGRANULARITY
+    with mmap_mod.mmap(fd, last - start, access=mmap_mod.ACCESS_WRITE, offset=start) as m:
+        view = np.frombuffer(m, dtype=dtype, count=(last - first) // item,
+                             offset=first - start).reshape((box[0][1] - box[0][0], *shape[1:]))
+        view[(slice(None), *box_slices(box[1:]))] = data
+        del view
+
+
+def _ensure_size(fd: int, size: int) -> None:
+    if os.fstat(fd).st_size < size:
+        os.ftruncate(fd, size)
+
+
+def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
+    view = data.data.cast('B')
+    while view:
+        n = os.pwrite(fd, view[:1 << 30], offset)
+        if n <= 0:
+            raise StorageError("the disk accepted no bytes while writing a shard")
+        view = view[n:]
+        offset += n
+
+
+def hash_region(fd: int, offset: int, length: int) -> tuple[str, str]:
+    """The payload checksum of ``length`` bytes of the file at ``offset`` (as written)."""
+    hasher = payload_mod.new_hasher()
+    if length == 0:
+        return payload_mod.hasher_checksum(hasher)
+    start = offset - offset % mmap_mod.ALLOCATIONGRANULARITY
+    with mmap_mod.mmap(fd, offset + length - start, access=mmap_mod.ACCESS_READ,
+                       offset=start) as m:
+        with memoryview(m) as view:
+            pos = offset - start
+            end = pos + length
+            while pos < end:
+                n = min(end - pos, payload_mod.CHUNK_BYTES)
+                hasher.update(view[pos:pos + n])
+                pos += n
+    return payload_mod.hasher_checksum(hasher)
+
+
+__all__ = ['ASSEMBLE_BYTES', 'DIRECT_RUN_BYTES', 'ShardedSource', 'hash_region', 'stored_bytes']

@@ -1,0 +1,187 @@
+"""The directory form on disk (jckpt.storage.directory), without JAX: staging, index, publish, read."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import jckpt
+from jckpt.errors import ChecksumError, DistributedError, FormatError
+from jckpt.format.boxes import box_slices
+from jckpt.format.header import Entry, Header
+from jckpt.format.layout import lay_out
+from jckpt.format.names import DIRECTORY_LOCK_NAME, INDEX_NAME, STAGE_DIR_TAG, piece_name
+from jckpt.format.precs import prec_of
+from jckpt.storage import directory as dr
+from jckpt.storage.checkpoint import open_checkpoint
+from jckpt.storage.lazy import LazyArray, record_reads
+from jckpt.storage.reader import CheckpointReader
+from jckpt.storage.writer import ArraySource, write_checkpoint
+
+W = np.arange(32, dtype=np.float32).reshape(8, 4)
+B = np.arange(4, dtype=np.int32)
+
+
+def write_piece(stage, process, parts, layer=0):
+    """A piece file holding ``(id, name, full array, box)`` parts, as a process writes it."""
+    entries, sources = [], []
+    for ident, name, full, box in parts:
+        sub = np.ascontiguousarray(full[box_slices(box)])
+        entries.append(Entry(id=ident, namespace="jckpt", prec=prec_of(sub.dtype), dims=sub.shape,
+                             offset=0, byte_length=sub.nbytes, label=(name,), path=(("k", name),),
+                             slice=box, global_dims=full.shape))
+        sources.append(ArraySource(sub))
+    write_checkpoint(os.path.join(stage, piece_name(process, layer)),
+                     lay_out(Header(tensors=tuple(entries), alignment=32)), sources, durable=False)
+
+
+def two_process_pieces(stage):
+    write_piece(stage, 0, [(0, "w", W, ((0, 4), (0, 4))), (1, "b", B, ((0, 4),))])
+    write_piece(stage, 1, [(0, "w", W, ((4, 8), (0, 4)))])
+
+
+def save_by_hand(path, metadata=None):
+    stage, lock = dr.make_stage(str(path))
+    try:
+        two_process_pieces(stage)
+        dr.write_index(stage, 2, 32, metadata or {}, durable=False)
+        dr.publish_directory(stage, str(path), durable=False)
+        os.unlink(os.path.join(path, DIRECTORY_LOCK_NAME))
+    finally:
+        os.close(lock)
+
+
+def test_publish_and_read_back(tmp_path):
+    path = tmp_path / "ckpt"
+    save_by_hand(path, {"step": "3"})
+    assert sorted(os.listdir(path)) == [INDEX_NAME, "process_00000.jckpt", "process_00001.jckpt"]
+    assert os.listdir(tmp_path) == ["ckpt"]  # no staging directory left
+    reader = open_checkpoint(path)
+    assert isinstance(reader, dr.DirectoryReader)
+    assert dict(reader.header.metadata) == {"step": "3"}
+    by_name = {e.name: e for e in reader.header.tensors}
+    assert (by_name["jckpt/w"].dims, by_name["jckpt/b"].dims) == ((8, 4), (4,))
+    lazy = reader.decode(by_name["jckpt/w"])
+    assert isinstance(lazy, LazyArray)
+    with record_reads() as log:
+        np.testing.assert_array_equal(lazy[5:7, 1:3], W[5:7, 1:3])
+    assert log == [(((5, 7), (1, 3)), 4 * 4)]
+    assert sorted(reader._readers) == [1]  # only the file holding rows 4-8 was opened
+    np.testing.assert_array_equal(np.asarray(lazy), W)
+    np.testing.assert_array_equal(np.asarray(reader.decode(by_name["jckpt/b"])), B)
+    assert reader.verify() == []
+    assert isinstance(open_checkpoint(path / "process_00001.jckpt"), CheckpointReader)
+
+
+def test_load_and_consolidate_read_the_directory(tmp_path):
+    path = tmp_path / "ckpt"
+    save_by_hand(path)
+    _, tree = jckpt.load(jckpt.Context(), path)
+    np.testing.assert_array_equal(np.asarray(tree["jckpt"]["w"]), W)
+    jckpt.consolidate(path, tmp_path / "one.jckpt")
+    one = CheckpointReader(tmp_path / "one.jckpt")
+    assert [e.dims for e in one.header.tensors] == [(8, 4), (4,)]
+    np.testing.assert_array_equal(one.decode(one.header.tensors[0]), W)
+
+
+def test_a_damaged_piece_fails_verification(tmp_path):
+    path = tmp_path / "ckpt"
+    save_by_hand(path)
+    piece = path / "process_00001.jckpt"
+    reader = CheckpointReader(piece)
+    at = reader.data_start + reader.header.tensors[0].offset
+    data = bytearray(piece.read_bytes())
+    data[at] ^= 0xFF
+    piece.write_bytes(bytes(data))
+    bad = dr.DirectoryReader(path).verify()
+    assert len(bad) == 1 and isinstance(bad[0], ChecksumError)
+    with pytest.raises(ChecksumError):
+        jckpt.consolidate(path, tmp_path / "one.jckpt")
+    assert not (tmp_path / "one.jckpt").exists()
+
+
+def test_a_directory_without_index_is_not_a_checkpoint(tmp_path):
+    stage, lock = dr.make_stage(str(tmp_path / "ckpt"))
+    os.close(lock)
+    two_process_pieces(stage)
+    with pytest.raises(FormatError, match=f"no {INDEX_NAME}"):
+        dr.DirectoryReader(stage)
+
+
+def test_write_index_refuses_a_missing_process(tmp_path):
+    write_piece(tmp_path, 0, [(0, "w", W, ((0, 8), (0, 4)))])
+    with pytest.raises(DistributedError, match="process 1 wrote no piece file"):
+        dr.write_index(str(tmp_path), 2, 32, {}, durable=False)
+    assert not (tmp_path / INDEX_NAME).exists()
+
+
+def test_write_index_refuses_disagreeing_processes(tmp_path):
+    write_piece(tmp_path, 0, [(0, "w", W, ((0, 4), (0, 4)))])
+    write_piece(tmp_path, 1, [(0, "w", W[:, :2], ((4, 8), (0, 2)))])
+    with pytest.raises(DistributedError, match="disagree"):
+        dr.write_index(str(tmp_path), 2, 32, {}, durable=False)
+
+
+def test_write_index_refuses_pieces_that_do_not_tile(tmp_path):
+    write_piece(tmp_path, 0, [(0, "w", W, ((0, 4), (0, 4)))])
+    write_piece(tmp_path, 1, [(0, "w", W, ((5, 8), (0, 4)))])
+    with pytest.raises(DistributedError, match="do not tile") as info:
+        dr.write_index(str(tmp_path), 2, 32, {}, durable=False)
+    assert info.value.entry == "jckpt/w"
+
+
+def test_write_index_keeps_every_layer(tmp_path):
+    write_piece(tmp_path, 0, [(0, "w", W, ((0, 2), (0, 4)))])
+    write_piece(tmp_path, 0, [(0, "w", W, ((4, 6), (0, 4)))], layer=1)
+    write_piece(tmp_path, 1, [(0, "w", W, ((2, 4), (0, 4)))])
+    write_piece(tmp_path, 1, [(0, "w", W, ((6, 8), (0, 4)))], layer=1)
+    dr.write_index(str(tmp_path), 2, 32, {}, durable=False)
+    reader = dr.DirectoryReader(tmp_path)
+    assert len(reader.files) == 4
+    [array] = reader.arrays.values()
+    assert [box for _, box in array.pieces] == [((0, 2), (0, 4)), ((2, 4), (0, 4)),
+                                                ((4, 6), (0, 4)), ((6, 8), (0, 4))]
+    np.testing.assert_array_equal(np.asarray(reader.decode(array.entry)), W)
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+@pytest.mark.parametrize("old", ["directory", "file", None])
+def test_publish_replaces_what_was_there(tmp_path, monkeypatch, exchange, old):
+    if not exchange:  # a filesystem without renameat2(RENAME_EXCHANGE): renamed aside first
+        monkeypatch.setattr(dr, "_exchange", lambda a, b: False)
+    path = tmp_path / "ckpt"
+    if old == "directory":
+        path.mkdir()
+        (path / "stale").write_text("x")
+    elif old == "file":
+        path.write_text("an old single-file checkpoint")
+    save_by_hand(path)
+    assert sorted(os.listdir(path)) == [INDEX_NAME, "process_00000.jckpt", "process_00001.jckpt"]
+    assert os.listdir(tmp_path) == ["ckpt"]
+
+
+def test_reclaim_removes_only_abandoned_stages_of_the_path(tmp_path):
+    path = str(tmp_path / "ckpt")
+    dead, dead_lock = dr.make_stage(path)
+    os.close(dead_lock)  # its writer is gone: the lock is free
+    live, live_lock = dr.make_stage(path)
+    unlocked = f"{path}{STAGE_DIR_TAG}{'0' * 16}"
+    os.mkdir(unlocked)  # a writer that died before creating its lock
+    other, other_lock = dr.make_stage(str(tmp_path / "other"))
+    os.close(other_lock)
+    try:
+        assert sorted(dr.reclaim_stage_dirs(path)) == sorted([dead, unlocked])
+        assert os.path.isdir(live) and os.path.isdir(other)
+        assert dr.reclaim_stage_dirs(path, stale_after=-1) == [live]  # past its age: taken anyway
+    finally:
+        os.close(live_lock)
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(other)]
+
+
+def test_storage_directory_imports_without_jax():
+    code = ("import sys, jckpt.storage.directory, jckpt.storage.checkpoint, jckpt.tools.consolidate; "
+            "print('jax' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

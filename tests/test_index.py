@@ -1,0 +1,122 @@
+"""The directory-index codec (jckpt.format.index): round trips, and every refusal a FormatError."""
+
+import subprocess
+import sys
+
+import pytest
+
+from jckpt.errors import FormatError
+from jckpt.format.header import Entry, Header, decode_header, encode_header
+from jckpt.format.index import IndexedArray, global_entry, index_header, parse_index
+from jckpt.format.names import LAYOUT_VERSION
+
+FILES = ["process_00000.jckpt", "process_00001.jckpt", "process_00000.1.jckpt"]
+
+
+def array(ident=0, dims=(4, 2), pieces=None, **kw):
+    base = dict(id=ident, namespace="jckpt", prec="Single_prec", dims=dims, offset=0,
+                byte_length=4 * dims[0] * dims[1] if len(dims) == 2 else 4, label=("w",),
+                path=(("k", "w"), ("i", ident)))
+    base.update(kw)
+    if pieces is None:
+        pieces = ((0, ((0, 2), (0, 2))), (1, ((2, 4), (0, 2))))
+    return IndexedArray(Entry(**base), pieces)
+
+
+def header(*arrays, files=FILES, metadata=None) -> Header:
+    return index_header(files, 2, list(arrays), 32, metadata or {}, writer="jckpt test")
+
+
+def text_of(h: Header) -> str:
+    return encode_header(h)[4:].decode().rstrip()
+
+
+def reparsed(text: str) -> tuple:
+    raw = text.encode()
+    return parse_index(decode_header(len(raw).to_bytes(4, "big") + raw, file="i"), "i")
+
+
+def test_round_trip_in_memory_and_through_bytes():
+    arrays = [array(0), array(1, dims=(3,), pieces=((2, ((0, 3),)),), byte_length=12,
+                            key_impl="threefry2x32", path=(("k", "rng"), ("ki", -3))),
+              array(2, dims=(), pieces=((0, ()),), byte_length=4, path=None, label=()),
+              array(3, namespace="opt", dims=(0, 5), pieces=((1, ((0, 0), (0, 5))),),
+                    byte_length=0)]
+    h = header(*arrays, metadata={"step": "7"})
+    assert h.tensors == () and h.writer == "jckpt test" and h.metadata == (("step", "7"),)
+    assert parse_index(h, "i") == (FILES, arrays)
+    back = decode_header(encode_header(h), file="i")
+    assert parse_index(back, "i") == (FILES, arrays)
+
+
+def test_global_entry_drops_the_slice():
+    piece = Entry(id=5, namespace="jckpt", prec="Half_prec", dims=(2, 3), offset=64,
+                  byte_length=12, label=("w",), path=(("k", "w"),), key_impl=None,
+                  slice=((2, 4), (0, 3)), global_dims=(4, 3), checksum=("xxh3_64", "0" * 16))
+    g = global_entry(piece)
+    assert (g.dims, g.slice, g.global_dims, g.offset, g.byte_length, g.checksum) == (
+        (4, 3), None, None, 0, 24, None)
+    assert g.identity == piece.identity
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ("(sharded", "(shardx", "no sharded field"),
+    (f"(layout {LAYOUT_VERSION})", "(layout 99)", "unsupported directory layout 99"),
+    ("(layout 1)", "(layout -1)", "layout must be a non-negative integer"),
+    ("(files (process_00000.jckpt", "(files (model.jckpt", "files must be a list"),
+    ("(arrays (", "(arrays x (", "(key value) pair"),
+    ("(namespace jckpt)", "(namespace (a b))", "namespace missing"),
+    ("(id 0)", "(id x)", "id must be an integer"),
+    ("(id 0)", "(id -1)", "id must be a non-negative integer"),
+    ("(prec Single_prec)", "(prec Void_prec)", "bad prec"),
+    ("(prec Single_prec)", "(prec (Single_prec))", "bad prec"),
+    ("(global_dims (4 2))", "(global_dims 4)", "global_dims must be a list"),
+    ("(global_dims (4 2))", "(global_dims (4 -2))", "negative dim"),
+    ("(global_dims (4 2))", "(global_dims (4 3))", "do not tile"),
+    ("(global_dims (4 2))", "(global_dims (4611686018427387904 2))", "absurdly large"),
+    ("(label (w))", "(label ((w)))", "label must be a list of atoms"),
+    ("(path ((k w) (i 0)))", "(path ((q w)))", "path component"),
+    ("(path ((k w) (i 0)))", "(path ((i x)))", "path index must be an integer"),
+    ("(pieces ((0 ((0 2) (0 2)))", "(pieces ((0 ((0 2)))", "piece must be"),
+    ("(pieces ((0 ((0 2) (0 2)))", "(pieces ((7 ((0 2) (0 2)))", "piece file number 7"),
+    ("(pieces ((0 ((0 2) (0 2)))", "(pieces ((0 ((0 2) x))", "piece slice must be"),
+    ("(pieces ((0 ((0 2) (0 2)))", "(pieces ((0 ((0 3) (0 2)))", "do not tile"),
+    ("(pieces ((0 ((0 2) (0 2)))", "(pieces ((0 ((-1 2) (0 2)))", "slice must be a non-negative"),
+])
+def test_refusals(old, new, message):
+    text = text_of(header(array(0)))
+    assert old in text, text
+    with pytest.raises(FormatError, match=message.replace("(", r"\(").replace(")", r"\)")) as info:
+        reparsed(text.replace(old, new, 1))
+    assert info.value.file == "i"
+
+
+def test_duplicate_array_is_refused():
+    with pytest.raises(FormatError, match="duplicate array") as info:
+        parse_index(header(array(0), array(0)), "i")
+    assert info.value.entry == "jckpt/w/0"
+
+
+def test_missing_piece_is_refused():
+    short = array(0, pieces=((0, ((0, 2), (0, 2))),))
+    with pytest.raises(FormatError, match="a piece is missing or duplicated"):
+        parse_index(header(short), "i")
+
+
+def test_overlapping_pieces_are_refused():
+    overlap = array(0, dims=(4,), byte_length=16,
+                    pieces=((0, ((0, 3),)), (1, ((1, 2),))))
+    with pytest.raises(FormatError, match="overlap|missing or duplicated"):
+        parse_index(header(overlap), "i")
+
+
+def test_a_field_twice_is_refused():
+    text = text_of(header(array(0))).replace("(id 0)", "(id 0) (id 1)", 1)
+    with pytest.raises(FormatError, match="appears twice"):
+        reparsed(text)
+
+
+def test_index_codec_imports_without_jax():
+    code = "import sys, jckpt.format.index; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,115 @@
+"""The storage backend seam: the local backend round-trips; URLs no backend serves are refused."""
+
+import os
+
+import numpy as np
+import pytest
+
+import jckpt
+from jckpt.errors import InputError, InUseError
+from jckpt.format.header import Entry, Header
+from jckpt.format.layout import lay_out
+from jckpt.storage import LOCAL, Backend, LocalBackend, backend_for, open_checkpoint
+from jckpt.storage.backend import url_scheme
+from jckpt.storage.directory import DirectoryReader
+from jckpt.storage.writer import ArraySource, write_checkpoint
+
+URLS = ["s3://bucket/model.jckpt", "gs://bucket/run/ckpt", "S3://Bucket/x", "file:///tmp/x.jckpt"]
+
+
+def test_plain_paths_are_local(tmp_path):
+    for path in ["model.jckpt", str(tmp_path / "x.jckpt"), tmp_path / "x.jckpt", "dir/s3:x",
+                 "./s3://not-a-url-here", b"bytes.jckpt"]:
+        assert backend_for(path) is LOCAL, path
+        assert url_scheme(path) is None
+    assert isinstance(LOCAL, LocalBackend)
+    assert isinstance(LOCAL, Backend)  # structurally: it has every method of the protocol
+
+
+def test_local_backend_round_trip(tmp_path):
+    target = str(tmp_path / "x.jckpt")
+    data = np.arange(6, dtype=np.float32)
+    header = lay_out(Header(tensors=(Entry(id=0, namespace="jckpt", prec="Single_prec", dims=(6,),
+                                           offset=0, byte_length=24, label=("w",),
+                                           path=(("k", "w"),)),)))
+    with LOCAL.create(target, durable=False) as staged:  # nothing at target until published
+        os.write(staged.fd, b"partial")
+        assert not os.path.exists(target)
+    assert LOCAL.list(str(tmp_path)) == []  # abandoned: the staging file is gone
+    write_checkpoint(target, header, [ArraySource(data)], durable=False)
+    reader = LOCAL.open(target)
+    np.testing.assert_array_equal(reader.decode(reader.header.tensors[0]), data)
+    assert LOCAL.list(str(tmp_path)) == ["x.jckpt"] and not LOCAL.isdir(target)
+    with LOCAL.lease(target) as lease:
+        assert lease.held
+        with pytest.raises(InUseError, match="in use"):
+            LOCAL.lease(target)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f").write_text("x")
+    assert LOCAL.isdir(str(tmp_path / "d"))
+    LOCAL.remove(str(tmp_path / "d"))
+    LOCAL.remove(target)
+    LOCAL.remove(target)  # already gone: fine
+    assert LOCAL.list(str(tmp_path)) == []
+
+
+def test_listing_a_missing_directory_is_a_storage_error(tmp_path):
+    with pytest.raises(jckpt.StorageError, match="listing the directory failed") as info:
+        LOCAL.list(str(tmp_path / "missing"))
+    assert info.value.file == str(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("url", URLS)
+def test_backend_for_refuses_urls(url):
+    with pytest.raises(InputError, match=f"no storage backend for URL scheme '{url_scheme(url)}'") \
+            as info:
+        backend_for(url)
+    assert info.value.file == url
+    assert "local" in info.value.fix
+
+
+@pytest.fixture
+def in_empty_dir(tmp_path, monkeypatch):
+    """Run in an empty directory and check that nothing was created there (s3: taken as a dir)."""
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+    assert os.listdir(tmp_path) == []
+
+
+URL = "s3://bucket/model.jckpt"
+NO_BACKEND = "no storage backend for URL scheme 's3'"
+
+
+def test_save_refuses_a_url(in_empty_dir):
+    with pytest.raises(InputError, match=NO_BACKEND):
+        jckpt.save(jckpt.Context(), {"w": np.ones(3, np.float32)}, URL)
+    with pytest.raises(InputError, match=NO_BACKEND):
+        jckpt.save(jckpt.Context(), {"w": np.ones(3, np.float32)}, URL, appending=True)
+
+
+def test_directory_save_refuses_a_url(in_empty_dir):
+    from jckpt.api.multiprocess import save_directory
+
+    with pytest.raises(InputError, match=NO_BACKEND):
+        save_directory(jckpt.Context(), {"w": np.ones(3, np.float32)}, URL)
+
+
+def test_reads_refuse_a_url(in_empty_dir):
+    with pytest.raises(InputError, match=NO_BACKEND):
+        jckpt.load(jckpt.Context(), URL)
+    with pytest.raises(InputError, match=NO_BACKEND):
+        jckpt.restore(jckpt.Context(), {"w": np.zeros(3, np.float32)}, URL)
+    with pytest.raises(InputError, match=NO_BACKEND):
+        jckpt.describe(URL)
+
+
+def test_storage_calls_refuse_a_url(in_empty_dir):
+    header = lay_out(Header())
+    with pytest.raises(InputError, match=NO_BACKEND):
+        write_checkpoint(URL, header, [], durable=False)
+    with pytest.raises(InputError, match=NO_BACKEND):
+        open_checkpoint(URL)
+    with pytest.raises(InputError, match=NO_BACKEND):
+        DirectoryReader(URL)
+    with pytest.raises(InputError, match=NO_BACKEND):
+        jckpt.consolidate(URL, "one.jckpt")
