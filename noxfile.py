@@ -14,9 +14,10 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff over the package, tests, examples and benchmarks."""
-    session.install("ruff")
+    """ruff over the package, tests, examples and benchmarks; the import contracts of the layers."""
+    session.install("-e", ".[test]")
     session.run("ruff", "check", "jckpt", "tests", "examples", "bench", "noxfile.py")
+    session.run("lint-imports")  # the layers (pyproject.toml, [tool.importlinter])
 
 
 @nox.session

@@ -114,7 +114,7 @@ class CapacityError(CheckpointError):
 
 
 class LineageError(CheckpointError):
-    """The file belongs to another mirror lineage."""
+    """The path holds another run's checkpoints (another lineage of a mirror or a manager)."""
 
 
 class DistributedError(CheckpointError):
