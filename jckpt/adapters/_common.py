@@ -39,20 +39,24 @@ def check_namespaced(tree: Any, file: str) -> dict[str, Any]:
 
 
 def host_items(tree: Any, file: str) -> list[tuple[str, KeyPath, np.ndarray]]:
-    """``[(namespace, path, host array)]`` for every leaf of ``{namespace: subtree}``."""
-    from jckpt.trees import placement
+    """``[(namespace, path, host array)]`` for every leaf of ``{namespace: subtree}``.
+
+    Leaves come to host through :func:`jckpt.trees.placement.host_leaves`
+    (every transfer started before any is awaited; a typed PRNG key as its
+    key data); one that cannot be stored raises
+    :class:`~jckpt.errors.InputError` naming ``file`` and the leaf, before
+    anything is written.
+    """
+    from jckpt.trees import placement  # JAX: imported only when a tree is written
     from jckpt.trees import pytree as tree_mod
 
-    out = []
-    for ns, sub in check_namespaced(tree, file).items():
-        for path, leaf in tree_mod.flatten(sub):
-            where = f"{ns}/{path_name(path) or '<root>'}"
-            try:
-                array, _ = placement.to_host(leaf, where)
-            except InputError as e:
-                raise InputError(e.message, file=file, entry=e.entry, fix=e.fix) from None
-            out.append((ns, path, array))
-    return out
+    items = [(ns, path, leaf) for ns, sub in check_namespaced(tree, file).items()
+             for path, leaf in tree_mod.flatten(sub)]
+    try:
+        hosts = placement.host_leaves([(tree_mod.leaf_name(ns, p), leaf) for ns, p, leaf in items])
+    except InputError as e:
+        raise InputError(e.message, file=file, entry=e.entry, fix=e.fix) from None
+    return [(ns, path, host.array) for (ns, path, _), host in zip(items, hosts)]
 
 
 def flat_name(ns: str, path: KeyPath, several: bool, sep: str = '.') -> str:
