@@ -151,13 +151,14 @@ class HostLeaf(NamedTuple):
 
 def host_leaves(leaves: Iterable[tuple[str, Any]], *, pieces: bool = False, spread: bool = False,
                 fetch: bool = True, copy: bool = False) -> list[HostLeaf]:
-    """Bring ``(where, leaf)`` pairs to host: every check first, then every transfer, then the waits.
+    """Bring ``(where, leaf)`` pairs to host: every leaf checked and its transfer started, then the waits.
 
     The one path from a leaf to be stored to its host data. Typed PRNG keys
     become their key data and ``key_impl``. Every leaf is checked (an array
     or a number, fully addressable, of a storable dtype; otherwise
     :class:`~jckpt.errors.InputError` naming ``where``) and every transfer is
-    started before the first is awaited, so they overlap.
+    started before the first is awaited, so they overlap. Arrays already in
+    host memory (numpy, CPU devices) need no transfer.
 
     Args:
       leaves: ``(where, leaf)``: ``where`` names the leaf in errors (``namespace/a/b``).
@@ -166,7 +167,7 @@ def host_leaves(leaves: Iterable[tuple[str, Any]], *, pieces: bool = False, spre
       spread: accept arrays spread over several processes (with ``pieces``): this
         process's shards of them.
       fetch: ``False`` to only check and describe the leaves this process holds
-        whole (another process writes them): no transfer, ``array`` None.
+        whole (another process writes them): no transfer, ``array`` None for each.
       copy: make each ``array`` private (:attr:`HostLeaf.private`), copying only
         what a transfer did not already copy: the snapshot a background writer needs.
 
@@ -190,6 +191,8 @@ def _stage(where: str, leaf: Any, *, pieces: bool, spread: bool, fetch: bool) ->
                              fix="store arrays or numbers only; put other values in metadata")
         array = np.asarray(leaf)
         _check_dtype(array.dtype, where)
+        if not fetch:
+            return HostLeaf(where, array.dtype, array.shape, key_impl)
         # np.asarray made a new array of anything but an ndarray (which the caller may reuse)
         return HostLeaf(where, array.dtype, array.shape, key_impl, array,
                         private=not isinstance(leaf, np.ndarray))
