@@ -23,6 +23,7 @@ import numpy as np
 
 from jckpt.errors import FormatError, InputError
 from jckpt.format.header import NAMESPACE_RE, KeyPath, path_name
+from jckpt.storage.publish import StagingFile, storage_error
 
 #: The namespace foreign files are read into (``jckpt.Context()``'s default).
 DEFAULT_NAMESPACE = 'jckpt'
@@ -182,8 +183,6 @@ def array_view(buffer, dtype: np.dtype, shape: tuple[int, ...], offset: int,
 @contextlib.contextmanager
 def published(target: str, durable: bool = True) -> Iterator[io.BufferedWriter]:
     """A binary file object on a staging sibling of ``target``, published on success."""
-    from jckpt.storage.publish import StagingFile, storage_error
-
     with StagingFile(target, durable=durable) as staging:
         try:
             with os.fdopen(os.dup(staging.fd), 'w+b') as f:

@@ -28,6 +28,8 @@ jckpt's own sharded checkpoints.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 import os
 from typing import Any
@@ -109,12 +111,11 @@ class JckptCheckpointHandler(ocp.AsyncCheckpointHandler):
 
 
 def _run(coro):
-    import asyncio
+    """Run ``coro`` to completion, also from inside a running event loop (in a thread)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
         return asyncio.run(coro)
-    import concurrent.futures
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, coro).result()
 
