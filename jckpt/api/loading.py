@@ -183,6 +183,7 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
     if namespaces is not None:
         _check_present(reader.header, [ns for ns, _, _ in parts], path)
     mmap = ctx.mmap if mmap is None else mmap
+    verify = (not mmap) if verify is None else verify
     index = _index(reader.header, {ns for ns, _, _ in parts})
     requests = []
     for ns, items, _ in parts:
@@ -190,7 +191,7 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
             where = tree_mod.leaf_name(ns, p)
             entry = _match(index[ns], ns, p, path, where)
             array = _read_leaf(ctx, reader, entry, leaf, path, where, cast=cast, mmap=mmap,
-                               verify=(not mmap) if verify is None else verify)
+                               verify=verify)
             requests.append((array, leaf, where, entry.key_impl))
     values = placement.place_all(requests, host=ctx.host, device=ctx.device, file=path)
     if namespaces is None:
