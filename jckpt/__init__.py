@@ -41,7 +41,8 @@ _moved.install()  # old module paths (jckpt.mirror, jckpt.sharding, ...) still i
 if TYPE_CHECKING:
     from jckpt.adapters import convert, detect_format, register_format
     from jckpt.api.context import Context, Registry
-    from jckpt.api.operations import describe, ingestion_counts, load, restore, save
+    from jckpt.api.loading import describe, ingestion_counts, load, restore
+    from jckpt.api.saving import save
     from jckpt.services.manager import CheckpointManager, Restored
     from jckpt.services.mirror import Mirror, MirrorCounters
     from jckpt.services.trainer_state import TrainerState
@@ -51,8 +52,8 @@ if TYPE_CHECKING:
 
 # name -> module that defines it, imported lazily so the codec stays JAX-free.
 _LAZY = {
-    'save': 'jckpt.api.operations', 'load': 'jckpt.api.operations', 'restore': 'jckpt.api.operations',
-    'ingestion_counts': 'jckpt.api.operations', 'describe': 'jckpt.api.operations',
+    'save': 'jckpt.api.saving', 'load': 'jckpt.api.loading', 'restore': 'jckpt.api.loading',
+    'ingestion_counts': 'jckpt.api.loading', 'describe': 'jckpt.api.loading',
     'Context': 'jckpt.api.context', 'Registry': 'jckpt.api.context',
     'consolidate': 'jckpt.tools.consolidate',
     'prefix_namespace': 'jckpt.trees.pytree',

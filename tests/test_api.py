@@ -209,3 +209,89 @@ def test_python_scalars_restore_as_python_scalars(tmp_path):
     jckpt.save(jckpt.Context(), {"step": 12, "lr": 0.5, "flag": True}, path)
     back = jckpt.restore(jckpt.Context(), {"step": 0, "lr": 0.0, "flag": False}, path)
     assert back == {"step": 12, "lr": 0.5, "flag": True}
+
+
+# --- namespaces= for load and restore ---------------------------------------------------
+
+def two_namespaces(tmp_path):
+    path = tmp_path / "ns.jckpt"
+    jckpt.save(jckpt.Context(namespace="model"), {"w": np.arange(4.0), "b": np.ones(2)}, path)
+    jckpt.save(jckpt.Context(namespace="opt"), {"mu": np.zeros(4), "count": np.int32(3)}, path,
+               appending=True)
+    jckpt.save(jckpt.Context(namespace="ema"), {"w": np.full(4, 2.0)}, path, appending=True)
+    return path
+
+
+def test_load_reads_only_the_namespaces_asked_for(tmp_path):
+    path = two_namespaces(tmp_path)
+    ctx, tree = jckpt.load(jckpt.Context(host=True), path, namespaces="model")
+    assert list(tree) == ["model"] and tree["model"]["w"].tolist() == [0, 1, 2, 3]
+    assert {ns for ns, _ in ctx.registry.identities} == {"model"}
+    # the others can still be loaded into the same context: nothing else was registered
+    ctx, rest = jckpt.load(ctx, path, namespaces=["opt", "ema"])
+    assert set(rest) == {"opt", "ema"} and int(rest["opt"]["count"]) == 3
+    _, pre = jckpt.load(jckpt.Context(host=True), path, namespaces=("ema",), prefix_namespace="s")
+    assert list(pre) == ["s__ema"]
+    _, none = jckpt.load(jckpt.Context(host=True), path, namespaces=[])
+    assert none == {}
+
+
+def test_load_names_a_missing_namespace_and_the_ones_present(tmp_path):
+    path = two_namespaces(tmp_path)
+    with pytest.raises(jckpt.MissingEntryError, match="no namespace 'optimizer'") as info:
+        jckpt.load(jckpt.Context(), path, namespaces=["model", "optimizer"])
+    assert info.value.file == str(path) and "['ema', 'model', 'opt']" in info.value.fix
+    with pytest.raises(InputError, match="namespaces must be"):
+        jckpt.load(jckpt.Context(), path, namespaces=[1])
+
+
+def test_restore_several_namespaces_in_one_placement(tmp_path, monkeypatch):
+    from jckpt.trees import placement
+
+    path = two_namespaces(tmp_path)
+    calls = []
+    real = placement.place_all
+
+    def counting(requests, **kw):
+        calls.append([where for _, _, where, _ in requests])
+        return real(requests, **kw)
+
+    monkeypatch.setattr(placement, "place_all", counting)
+    target = {"model": {"w": jax.ShapeDtypeStruct((4,), jnp.float64)},
+              "opt": {"mu": np.zeros(4), "count": np.int32(0)}}
+    back = jckpt.restore(jckpt.Context(host=True), target, path, namespaces=["model", "opt"])
+    assert calls == [["model/w", "opt/count", "opt/mu"]]  # every leaf of both in one call
+    assert set(back) == {"model", "opt"} and back["model"]["w"].tolist() == [0, 1, 2, 3]
+    assert back["opt"]["mu"].tolist() == [0, 0, 0, 0] and int(back["opt"]["count"]) == 3
+    one = jckpt.restore(jckpt.Context(), {"ema": {"w": jnp.zeros(4)}}, path, namespaces="ema",
+                        cast=True)
+    assert one["ema"]["w"].tolist() == [2, 2, 2, 2] and isinstance(one["ema"]["w"], jax.Array)
+
+
+def test_restore_with_namespaces_keeps_each_subtree_type(tmp_path):
+    path = tmp_path / "p.jckpt"
+    jckpt.save(jckpt.Context(namespace="a"), Pair(np.ones(2), np.zeros(2)), path)
+    jckpt.save(jckpt.Context(namespace="s"), State({"w": np.ones(3)}, np.int32(4)), path,
+               appending=True)
+    target = {"a": Pair(np.zeros(2), np.ones(2)), "s": State({"w": np.zeros(3)}, np.int32(0))}
+    back = jckpt.restore(jckpt.Context(host=True), target, path, namespaces=["s", "a"])
+    assert list(back) == ["s", "a"]
+    assert type(back["a"]) is Pair and back["a"].a.tolist() == [1, 1]
+    assert type(back["s"]) is State and int(back["s"].step) == 4
+
+
+def test_restore_with_namespaces_refusals(tmp_path):
+    path = two_namespaces(tmp_path)
+    ctx = jckpt.Context()
+    for target in ({"model": {"w": np.zeros(4)}}, {"model": {}, "opt": {}, "x": {}}, [np.zeros(4)]):
+        with pytest.raises(InputError, match="exactly those namespaces"):
+            jckpt.restore(ctx, target, path, namespaces=["model", "opt"])
+    with pytest.raises(InputError, match="not both"):
+        jckpt.restore(ctx, {"model": {"w": np.zeros(4)}}, path, namespace="model",
+                      namespaces=["model"])
+    with pytest.raises(jckpt.MissingEntryError, match="no namespace 'nope'.*the file holds"):
+        jckpt.restore(ctx, {"nope": {"w": np.zeros(4)}}, path, namespaces="nope")
+    with pytest.raises(jckpt.MissingEntryError, match="opt/nu"):
+        jckpt.restore(ctx, {"opt": {"nu": np.zeros(4)}}, path, namespaces=["opt"])
+    # an empty target returns at once, without opening the file
+    assert jckpt.restore(ctx, {"x": {}}, tmp_path / "missing", namespaces="x") == {"x": {}}

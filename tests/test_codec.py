@@ -215,9 +215,28 @@ def test_entry_properties():
     assert dataclasses.replace(e, path=None).name == "opt/n0"
 
 
+def test_entry_for_builds_what_the_decoder_accepts():
+    from jckpt.format.entries import entry_for
+
+    path = (("k", "layers"), ("i", 3), ("ki", 7), ("a", "w"))
+    e = entry_for("model", path, np.dtype(">f4"), (2, 5), id=9, key_impl="rbg")
+    assert (e.prec, e.dims, e.byte_length, e.label) == ("Single_prec", (2, 5), 40,
+                                                         ("layers", "3", "7", "w"))
+    assert (e.offset, e.checksum, e.slice, e.global_dims, e.key_impl) == (0, None, None, None, "rbg")
+    piece = entry_for("model", path[:1], ml_dtypes.bfloat16, [2, 3], id=1, slice=[(2, 4), (0, 3)],
+                      global_dims=[8, 3], checksum=("xxh3_64", "0" * 16))
+    assert piece.byte_length == 12 and piece.dims == (2, 3)
+    assert piece.slice == ((2, 4), (0, 3)) and piece.global_dims == (8, 3)
+    assert entry_for("n", None, ml_dtypes.int4, (3,), id=0).label == ()
+    laid = lay_out(Header(tensors=(e, piece)))
+    assert decode_header(encode_header(laid)).tensors == laid.tensors
+    with pytest.raises(KeyError):
+        entry_for("n", (), np.dtype(object), (1,), id=0)
+
+
 # --- the three decoding paths (C accelerator, regular expression, general reader) agree ---
 
-from jckpt.format import header as header_mod  # noqa: E402
+from jckpt.format import fastpath  # noqa: E402
 
 atoms = st.text(alphabet=st.characters(codec="utf-8", exclude_characters="\x00"), max_size=6)
 components = st.one_of(
@@ -250,7 +269,7 @@ def _decode_all_ways(text: str):
             if mode == "general":
                 value = header_from_sexp(parse(text))
             else:
-                found = header_mod._canonical_entries(text, accelerate=(mode == "c"))
+                found = fastpath.canonical_entries(text, accelerate=(mode == "c"))
                 if found is None:
                     value = header_from_sexp(parse(text))
                 else:
@@ -263,10 +282,10 @@ def _decode_all_ways(text: str):
     return outcomes
 
 
-@pytest.mark.skipif(header_mod._accelerator is None, reason="C accelerator not built")
+@pytest.mark.skipif(fastpath.accelerator is None, reason="C accelerator not built")
 def test_accelerator_is_built_and_used():
     raw = encode_header(Header(tensors=(entry(),)))
-    assert header_mod._canonical_entries(raw[4:].decode()) is not None
+    assert fastpath.canonical_entries(raw[4:].decode()) is not None
 
 
 @settings(max_examples=300, deadline=None)

@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or tempfile.mkdtemp(prefix="jckpt-crash-")
     import importlib
 
-    for module in ("jckpt.api.operations", "jckpt.services.manager"):  # imported once here
+    for module in ("jckpt.api.saving", "jckpt.services.manager"):  # imported once here
         importlib.import_module(module)
     results = []
     for kind in args.kinds.split(","):
@@ -397,7 +397,7 @@ def test_contention_appending_saves(tmp_path):
 def test_appending_save_refuses_a_file_replaced_under_it(tmp_path, monkeypatch):
     """The kept payloads are copied from the very file whose header was read, or not at all."""
     import jckpt
-    import jckpt.api.operations as api
+    import jckpt.api.saving as api
     from jckpt.storage.reader import CheckpointReader
 
     path = tmp_path / "c.jckpt"

@@ -110,7 +110,7 @@ def test_restore_namespaces_without_the_optimizer(tmp_path):
         targeted = mgr.restore(target={"model": {"w": jax.ShapeDtypeStruct((2, 2), jnp.float32)}},
                                namespaces=["model"]).tree
         assert targeted["model"]["w"].shape == (2, 2)
-        with pytest.raises(jckpt.FormatError, match="no namespace 'optimizer'"):
+        with pytest.raises(jckpt.MissingEntryError, match="no namespace 'optimizer'"):
             mgr.restore(namespaces=["optimizer"])
         mgr.save(6, state_at(6))
         mgr.wait_durable()

@@ -124,15 +124,17 @@ def test_a_cast_restore_still_reads_only_each_shard(tmp_path, m42, m24):
 def test_replicas_are_read_once_and_no_gather(tmp_path, m42, monkeypatch):
     tree = {"full": put(data((8, 8)), m42, P()), "rows": put(data((8, 8)), m42, P("data")),
             "both": put(data((8, 8)), m42, P("data", "model"))}
-    real = placement.to_host
+    real = placement.await_host
 
-    def no_gather(leaf, where):
-        assert not sh.is_sharded(leaf), f"{where} was gathered to host whole"
-        return real(leaf, where)
+    def no_gather(data):
+        assert not placement.is_sharded(data), f"{data.shape} was gathered to host whole"
+        return real(data)
 
-    monkeypatch.setattr(placement, "to_host", no_gather)
-    leaves = sh.prepare_leaves(jckpt.trees.pytree.flatten(tree), "jckpt", str)
-    assert [len(h.source.pieces) for h in leaves] == [8, 1, 4]  # both, full, rows
+    monkeypatch.setattr(placement, "await_host", no_gather)
+    leaves = placement.host_leaves([(str(p), leaf) for p, leaf in jckpt.trees.pytree.flatten(tree)],
+                                   pieces=True)
+    assert [len(h.shards) for h in leaves] == [8, 1, 4]  # both, full, rows
+    assert all(h.array is None for h in leaves)
     jckpt.save(jckpt.Context(), tree, tmp_path / "r.jckpt")
     assert CheckpointReader(tmp_path / "r.jckpt").verify() == []
     _, back = jckpt.load(jckpt.Context(), tmp_path / "r.jckpt")
@@ -264,7 +266,7 @@ def test_every_transfer_starts_before_any_is_awaited(tmp_path, m42, monkeypatch)
             "c": put(data((16,)), m42, P("data"))}
     impl = type(tree["a"])
     events = []
-    real_start, real_wait = impl.copy_to_host_async, sh.await_host
+    real_start, real_wait = impl.copy_to_host_async, placement.await_host
 
     def start(self):
         events.append(("start", self.shape))
@@ -275,7 +277,7 @@ def test_every_transfer_starts_before_any_is_awaited(tmp_path, m42, monkeypatch)
         return real_wait(data)
 
     monkeypatch.setattr(impl, "copy_to_host_async", start)
-    monkeypatch.setattr(sh, "await_host", wait)
+    monkeypatch.setattr(placement, "await_host", wait)
     jckpt.save(jckpt.Context(), tree, tmp_path / "t.jckpt")
     kinds = [k for k, _ in events]
     # one transfer per distinct shard (8 + 1 + 4), each started before the first wait

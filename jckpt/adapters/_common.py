@@ -23,6 +23,7 @@ import numpy as np
 
 from jckpt.errors import FormatError, InputError
 from jckpt.format.header import NAMESPACE_RE, KeyPath, path_name
+from jckpt.storage.publish import StagingFile, storage_error
 
 #: The namespace foreign files are read into (``jckpt.Context()``'s default).
 DEFAULT_NAMESPACE = 'jckpt'
@@ -39,20 +40,24 @@ def check_namespaced(tree: Any, file: str) -> dict[str, Any]:
 
 
 def host_items(tree: Any, file: str) -> list[tuple[str, KeyPath, np.ndarray]]:
-    """``[(namespace, path, host array)]`` for every leaf of ``{namespace: subtree}``."""
-    from jckpt.trees import placement
+    """``[(namespace, path, host array)]`` for every leaf of ``{namespace: subtree}``.
+
+    Leaves come to host through :func:`jckpt.trees.placement.host_leaves`
+    (every transfer started before any is awaited; a typed PRNG key as its
+    key data); one that cannot be stored raises
+    :class:`~jckpt.errors.InputError` naming ``file`` and the leaf, before
+    anything is written.
+    """
+    from jckpt.trees import placement  # JAX: imported only when a tree is written
     from jckpt.trees import pytree as tree_mod
 
-    out = []
-    for ns, sub in check_namespaced(tree, file).items():
-        for path, leaf in tree_mod.flatten(sub):
-            where = f"{ns}/{path_name(path) or '<root>'}"
-            try:
-                array, _ = placement.to_host(leaf, where)
-            except InputError as e:
-                raise InputError(e.message, file=file, entry=e.entry, fix=e.fix) from None
-            out.append((ns, path, array))
-    return out
+    items = [(ns, path, leaf) for ns, sub in check_namespaced(tree, file).items()
+             for path, leaf in tree_mod.flatten(sub)]
+    try:
+        hosts = placement.host_leaves([(tree_mod.leaf_name(ns, p), leaf) for ns, p, leaf in items])
+    except InputError as e:
+        raise InputError(e.message, file=file, entry=e.entry, fix=e.fix) from None
+    return [(ns, path, host.array) for (ns, path, _), host in zip(items, hosts)]
 
 
 def flat_name(ns: str, path: KeyPath, several: bool, sep: str = '.') -> str:
@@ -178,8 +183,6 @@ def array_view(buffer, dtype: np.dtype, shape: tuple[int, ...], offset: int,
 @contextlib.contextmanager
 def published(target: str, durable: bool = True) -> Iterator[io.BufferedWriter]:
     """A binary file object on a staging sibling of ``target``, published on success."""
-    from jckpt.storage.publish import StagingFile, storage_error
-
     with StagingFile(target, durable=durable) as staging:
         try:
             with os.fdopen(os.dup(staging.fd), 'w+b') as f:

@@ -1,6 +1,6 @@
 """The ``jckpt`` format itself, as an adapter: every namespace in one atomic write.
 
-``read`` is :func:`jckpt.load` with host arrays (zero-copy views of the
+``read`` is :func:`jckpt.api.loading.load` with host arrays (zero-copy views of the
 file); ``write`` stores every namespace of ``{namespace: subtree}`` in one
 file published by a single rename (``jckpt.save`` writes one namespace).
 
@@ -18,10 +18,14 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
+from jckpt.adapters import register_format
 from jckpt.adapters._common import host_items
-from jckpt.format import precs
-from jckpt.format.header import DEFAULT_ALIGNMENT, Entry, Header, KeyPath
+from jckpt.api.context import Context
+from jckpt.format.entries import DEFAULT_ALIGNMENT, Header, KeyPath, entry_for
 from jckpt.format.layout import lay_out
+from jckpt.format.names import INDEX_NAME
+from jckpt.storage.writer import ArraySource, write_checkpoint
+from jckpt.version import __version__
 
 #: The first bytes of every header jckpt and OCANNL write, after the 4-byte length.
 _HEADER_START = b'((version'
@@ -31,7 +35,7 @@ def sniff(path: str, head: bytes | None) -> bool:
     """A 4-byte big-endian header length followed by ``((version``; or a directory
     checkpoint (multi-process), which holds ``index.jckpt``."""
     if head is None:
-        return os.path.isfile(os.path.join(path, 'index.jckpt'))
+        return os.path.isfile(os.path.join(path, INDEX_NAME))
     if len(head) < 4 + len(_HEADER_START):
         return False
     (hlen,) = struct.unpack('>I', head[:4])
@@ -41,25 +45,21 @@ def sniff(path: str, head: bytes | None) -> bool:
 def read(path: str) -> dict[str, Any]:
     """Every entry of the file (or directory checkpoint) as ``{namespace: subtree}`` of host
     numpy arrays."""
-    import jckpt
+    from jckpt.api.loading import load  # JAX: imported only when a checkpoint is read
 
-    _, tree = jckpt.load(jckpt.Context(host=True), path)
+    _, tree = load(Context(host=True), path)
     return tree
 
 
 def build_header(items: Sequence[tuple[str, KeyPath, Any]], *, alignment: int = DEFAULT_ALIGNMENT,
                  metadata: Sequence[tuple[str, str]] = ()) -> Header:
     """A laid-out header for ``(namespace, path, host array)`` items, ids counted per namespace."""
-    from jckpt.version import __version__
-
     next_id: dict[str, int] = {}
     entries = []
     for ns, path, array in items:
         ident = next_id.get(ns, 0)
         next_id[ns] = ident + 1
-        entries.append(Entry(id=ident, namespace=ns, prec=precs.prec_of(array.dtype),
-                             dims=tuple(array.shape), offset=0, byte_length=array.nbytes,
-                             label=tuple(str(v) for _, v in path), path=path))
+        entries.append(entry_for(ns, path, array.dtype, array.shape, id=ident))
     return lay_out(Header(tensors=tuple(entries), alignment=alignment,
                           writer=f"jckpt {__version__}", metadata=tuple(metadata)))
 
@@ -68,8 +68,6 @@ def write_items(items: Sequence[tuple[str, KeyPath, Any]], path: str, *,
                 alignment: int = DEFAULT_ALIGNMENT,
                 metadata: Sequence[tuple[str, str]] = ()) -> Header:
     """Write host arrays as one jckpt file, atomically and durably; return the header."""
-    from jckpt.storage.writer import ArraySource, write_checkpoint
-
     header = build_header(items, alignment=alignment, metadata=metadata)
     return write_checkpoint(path, header, [ArraySource(a) for _, _, a in items])
 
@@ -81,7 +79,5 @@ def write(tree: Any, path: str) -> None:
 
 
 def register() -> None:
-    from jckpt.adapters import register_format
-
     register_format('jckpt', read=read, write=write, sniff=sniff, extensions=('.jckpt',),
                     replace=True)

@@ -8,7 +8,7 @@ Saving is asynchronous where orbax runs handlers asynchronously: the call
 copies the arrays to host memory (so training may change or donate them at
 once) and the file is written in orbax's background commit. Restoring fills
 a target tree (arrays, ``jax.ShapeDtypeStruct``s with shardings, numbers)
-through :func:`jckpt.restore`, or returns the whole tree without one.
+through :func:`jckpt.api.loading.restore`, or returns the whole tree without one.
 
 Example::
 
@@ -28,15 +28,19 @@ jckpt's own sharded checkpoints.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 import os
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
-import jckpt
+from jckpt.api.context import Context
+from jckpt.api.loading import describe, load, restore
+from jckpt.api.saving import save
+from jckpt.errors import InputError
 from jckpt.trees import placement
 from jckpt.trees import pytree as tree_mod
 
@@ -44,42 +48,40 @@ from jckpt.trees import pytree as tree_mod
 FILENAME = 'checkpoint.jckpt'
 
 
-def _snapshot(tree: Any) -> Any:
-    """Host copies of every leaf (typed PRNG keys stay keys), safe from later mutation."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=tree_mod.is_leaf)
-    placement.start_host_copies(leaves)
-    out = []
-    for leaf in leaves:
-        if placement.is_prng_key(leaf):  # a fresh key array of copied data: safe from donation
-            data = np.array(jax.random.key_data(leaf), copy=True)
-            out.append(jax.random.wrap_key_data(data, impl=jax.random.key_impl(leaf)))
-        elif isinstance(leaf, jax.Array):
-            out.append(np.array(leaf, copy=True))
-        elif isinstance(leaf, np.ndarray):
-            out.append(leaf.copy())
-        else:
-            out.append(leaf)
-    return jax.tree_util.tree_unflatten(treedef, out)
+def _snapshot(tree: Any, namespace: str) -> Any:
+    """Private host copies of every leaf (typed PRNG keys stay keys), safe from later mutation.
+
+    Every leaf is checked now (an unstorable one raises
+    :class:`~jckpt.errors.InputError` before orbax starts its commit), and
+    every transfer is started before any is awaited.
+    """
+    items, treedef = tree_mod.flatten_with_treedef(tree)
+    hosts = placement.host_leaves([(tree_mod.leaf_name(namespace, p), leaf) for p, leaf in items],
+                                  copy=True)
+    # a key array of copied data is a fresh array: safe from the caller's donation
+    return jax.tree_util.tree_unflatten(treedef, [
+        h.array if h.key_impl is None else jax.random.wrap_key_data(h.array, impl=h.key_impl)
+        for h in hosts])
 
 
 class JckptCheckpointHandler(ocp.AsyncCheckpointHandler):
     """An orbax handler that stores one pytree as one jckpt file (no constructor arguments)."""
 
     def __init__(self) -> None:
-        self._context = jckpt.Context()
+        self._context = Context()
 
     def _path(self, directory: Any) -> str:
         return os.path.join(os.fspath(directory), FILENAME)
 
     async def _write(self, tree: Any, directory: Any) -> None:
         if jax.process_index() == 0:
-            jckpt.save(self._context, tree, self._path(directory))
+            save(self._context, tree, self._path(directory))
 
     async def async_save(self, directory: Any, args: JckptSave | None = None) -> list | None:
         """Copy ``args.tree`` to host memory now; write the file in the background commit."""
         if args is None:
-            raise jckpt.InputError("save needs args=jckpt.adapters.orbax_handler.JckptSave(tree)")
-        host = _snapshot(args.tree)
+            raise InputError("save needs args=jckpt.adapters.orbax_handler.JckptSave(tree)")
+        host = _snapshot(args.tree, self._context.namespace)
         return [ocp.future.CommitFutureAwaitingContractedSignals(
             self._write(host, directory), name='jckpt_save')]
 
@@ -93,13 +95,13 @@ class JckptCheckpointHandler(ocp.AsyncCheckpointHandler):
         path = self._path(directory)
         target = None if args is None else args.target
         if target is None:
-            _, tree = jckpt.load(self._context, path)
+            _, tree = load(self._context, path)
             return tree.get(self._context.namespace, {})
-        return jckpt.restore(self._context, target, path, cast=args.cast)
+        return restore(self._context, target, path, cast=args.cast)
 
     def metadata(self, directory: Any) -> Any:
         """The jckpt header of the item (no payload is read)."""
-        return jckpt.describe(self._path(directory))
+        return describe(self._path(directory))
 
     def finalize(self, directory: Any) -> None:
         pass
@@ -109,12 +111,11 @@ class JckptCheckpointHandler(ocp.AsyncCheckpointHandler):
 
 
 def _run(coro):
-    import asyncio
+    """Run ``coro`` to completion, also from inside a running event loop (in a thread)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
         return asyncio.run(coro)
-    import concurrent.futures
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, coro).result()
 

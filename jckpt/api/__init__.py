@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from jckpt.api.context import Context, Registry
-    from jckpt.api.operations import describe, ingestion_counts, load, restore, save
+    from jckpt.api.loading import describe, ingestion_counts, load, restore
+    from jckpt.api.saving import save
 
 # imported on first use, so that ``jckpt.api.context`` and ``jckpt.api.progress`` stay JAX-free
 _LAZY = {'Context': 'jckpt.api.context', 'Registry': 'jckpt.api.context',
-         **dict.fromkeys(['describe', 'ingestion_counts', 'load', 'restore', 'save'],
-                         'jckpt.api.operations')}
+         **dict.fromkeys(['describe', 'ingestion_counts', 'load', 'restore'], 'jckpt.api.loading'),
+         'save': 'jckpt.api.saving'}
 
 
 def __getattr__(name: str):

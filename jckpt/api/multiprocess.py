@@ -48,7 +48,6 @@ from jckpt.storage.regions import ShardedSource
 from jckpt.storage.writer import ArraySource, write_checkpoint
 from jckpt.trees import placement
 from jckpt.trees import pytree as tree_mod
-from jckpt.trees import sharding as sh
 from jckpt.version import __version__
 
 #: Seconds a process waits at a barrier for the others (``JCKPT_BARRIER_TIMEOUT`` overrides).
@@ -183,14 +182,14 @@ def _plan(items: Sequence[tuple[KeyPath, Any]], namespace: str, first_id: int,
             key_impl = str(jax.random.key_impl(leaf))
             leaf = jax.random.key_data(leaf)
         spread = isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
-        if spread or sh.is_sharded(leaf):
+        if spread or placement.is_sharded(leaf):
             dtype = np.dtype(leaf.dtype)
             if not precs.is_supported(dtype):
                 raise InputError(f"dtype {dtype} cannot be stored", entry=where,
                                  fix="cast to a supported dtype (see the format's prec table)")
             # an array on this process's devices only is saved from process 0's copy
-            shards = sh.owned_shards(leaf) if spread or process == 0 else []
-            sh.start_transfers(shards)
+            shards = placement.owned_shards(leaf) if spread or process == 0 else []
+            placement.start_transfers(shards)
             staged.append((first_id + n, p, where, leaf, key_impl, shards))
         else:  # a host value or a process-local array: process 0's copy is the one saved
             if isinstance(leaf, jax.Array) and process == 0:
@@ -208,7 +207,7 @@ def _plan(items: Sequence[tuple[KeyPath, Any]], namespace: str, first_id: int,
         blocks = []
         for block in coalesce([b for b, _ in shards]):
             inside = [(tuple((a - o, z - o) for (a, z), (o, _) in zip(b, block)),
-                       functools.partial(sh.await_host, d))
+                       functools.partial(placement.await_host, d))
                       for b, d in shards if intersect(b, block) == b]
             blocks.append((block, ShardedSource(box_shape(block), dtype, inside)))
         out.append(_Leaf(ident, p, dtype, tuple(leaf.shape), key_impl, blocks))

@@ -1,6 +1,6 @@
 /* Decoding of the canonical tensors list: the entries exactly as jckpt writes them.
  *
- * This is an optional accelerator for jckpt.format.header._canonical_entries: it
+ * This is an optional accelerator for jckpt.format.fastpath.canonical_entries: it
  * accepts exactly the language of the regular expression _CANONICAL_ENTRY there and
  * builds the same Entry objects, so a header decodes identically with or without it.
  * Anything outside that language (quoted atoms, padding, unknown fields, integers of

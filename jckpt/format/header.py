@@ -1,11 +1,13 @@
-"""The header: frozen dataclasses, and their encoding to and from bytes.
+"""The header's encoding to and from bytes.
 
 ``encode_header`` and ``decode_header`` are exact inverses on valid headers and
-follow FORMAT.md: a 4-byte big-endian length, then the S-expression text
+follow ``docs/format.md``: a 4-byte big-endian length, then the S-expression text
 padded with spaces so that the data starts at a multiple of the alignment.
 ``decode_header`` validates everything that can be checked without the file's
 size (see :func:`jckpt.format.layout.check_extents` for the rest) and raises
-:class:`~jckpt.errors.FormatError` for every fault, never anything else.
+:class:`~jckpt.errors.FormatError` for every fault, never anything else. The
+values (:class:`Entry`, :class:`Header`, ...) live in :mod:`jckpt.format.entries`;
+headers laid out as jckpt writes them decode through :mod:`jckpt.format.fastpath`.
 
 >>> e = Entry(id=0, namespace='jckpt', label=('w',), prec='Single_prec', dims=(2,),
 ...           offset=0, byte_length=8, path=(('k', 'w'),))
@@ -16,121 +18,36 @@ size (see :func:`jckpt.format.layout.check_extents` for the rest) and raises
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import re
 import struct
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import numpy as np
-
 from jckpt.errors import FormatError
 from jckpt.format import precs
 from jckpt.format._gc import paused
+
+# The header's values are defined in ``entries``; they stay importable from here too.
+from jckpt.format.entries import DEFAULT_ALIGNMENT as DEFAULT_ALIGNMENT
+from jckpt.format.entries import (
+    FORMAT_VERSION,
+    INT_KINDS,
+    LEGACY_NAMESPACE,
+    MAX_INT64,
+    NAMESPACE_RE,
+    PATH_KINDS,
+    Entry,
+    Header,
+    KeyPath,
+    Padding,
+    path_name,
+    round_up,
+)
+from jckpt.format.fastpath import canonical_entries
 from jckpt.format.sexp import Sexp, SexpError, dumps, parse, quote
 
-FORMAT_VERSION = 1
-DEFAULT_ALIGNMENT = 32
 #: OCANNL's reader refuses headers longer than this; jckpt reads them but warns on write.
 OCANNL_HEADER_LIMIT = 100_000_000
-_MAX_INT64 = 2**63 - 1
-
-NAMESPACE_RE = re.compile(r'[A-Za-z_][A-Za-z0-9_]*\Z')
-LEGACY_NAMESPACE = 'ocannl'  # what a legacy empty namespace "" reads as
-
-#: Path component kinds: dict key, integer dict key, sequence index, attribute, flattened index.
-PATH_KINDS = frozenset({'k', 'ki', 'i', 'a', 'f'})
-_INT_KINDS = frozenset({'ki', 'i', 'f'})
-
-PathComponent = tuple[str, 'str | int']
-KeyPath = tuple[PathComponent, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Padding:
-    """OCANNL padding: ``(left, right)`` per dim, and the value the margin holds."""
-
-    pairs: tuple[tuple[int, int], ...]
-    value: float = 0.0
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Entry:
-    """One stored array: where its payload is and how to read it.
-
-    ``path`` is the pytree key path (``None`` for OCANNL entries, which are
-    addressed as ``n<id>``). ``extra`` holds entry fields this version does not
-    know, kept verbatim when the file is rewritten.
-    """
-
-    id: int
-    namespace: str
-    prec: str
-    dims: tuple[int, ...]
-    offset: int
-    byte_length: int
-    label: tuple[str, ...] = ()
-    padding: Padding | None = None
-    path: KeyPath | None = None
-    checksum: tuple[str, str] | None = None
-    key_impl: str | None = None
-    slice: tuple[tuple[int, int], ...] | None = None
-    global_dims: tuple[int, ...] | None = None
-    extra: tuple[Any, ...] = ()
-
-    @property
-    def dtype(self) -> np.dtype:
-        """The little-endian numpy dtype of one stored element."""
-        return precs.dtype_of(self.prec)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The numpy shape of the decoded array (``Uint4x32_prec`` adds a dim of 4)."""
-        return (*self.dims, 4) if self.prec == precs.UINT4X32 else self.dims
-
-    @property
-    def logical_dims(self) -> tuple[int, ...]:
-        """``dims`` less the padding: the region actually stored."""
-        if self.padding is None:
-            return self.dims
-        return tuple(d - lo - hi for d, (lo, hi) in zip(self.dims, self.padding.pairs))
-
-    @property
-    def identity(self) -> tuple[str, Any]:
-        """``(namespace, path)``, or ``(namespace, id)`` for path-less entries."""
-        return (self.namespace, self.path if self.path is not None else self.id)
-
-    @property
-    def name(self) -> str:
-        """A readable ``namespace/a/b/0`` name for messages."""
-        return f"{self.namespace}/{path_name(self.path) if self.path is not None else f'n{self.id}'}"
-
-
-@dataclasses.dataclass(frozen=True)
-class Header:
-    """A whole header: format version, alignment, entries in payload order, metadata."""
-
-    tensors: tuple[Entry, ...] = ()
-    alignment: int = DEFAULT_ALIGNMENT
-    version: int = FORMAT_VERSION
-    writer: str | None = None
-    metadata: tuple[tuple[str, str], ...] = ()
-    extra: tuple[Any, ...] = ()
-
-    def metadata_dict(self) -> dict[str, str]:
-        """The metadata as a dict (later keys win)."""
-        return dict(self.metadata)
-
-
-def path_name(path: KeyPath) -> str:
-    """``(('k', 'params'), ('i', 0))`` -> ``'params/0'``."""
-    return '/'.join(str(v) for _, v in path)
-
-
-def round_up(n: int, a: int) -> int:
-    """``n`` rounded up to a multiple of ``a`` (``a <= 1`` leaves it alone)."""
-    return n if a <= 1 else -(-n // a) * a
 
 
 # --- encoding --------------------------------------------------------------
@@ -147,7 +64,7 @@ def _float_atom(x: float) -> str:
 
 
 def _encode_path(path: KeyPath) -> str:
-    return '(' + ' '.join([f'({k} {v})' if k in _INT_KINDS else f'({k} {quote(v)})'
+    return '(' + ' '.join([f'({k} {v})' if k in INT_KINDS else f'({k} {quote(v)})'
                            for k, v in path]) + ')'
 
 
@@ -315,7 +232,7 @@ def _decode_path(node: Sexp, file: str | None, entry: str) -> KeyPath:
                 and isinstance(comp[1], str)):
             raise _fail(f"path component {_short(comp)} is not (k|ki|i|a|f VALUE)", file, entry)
         kind, value = comp
-        out.append((kind, _int(value, 'path index', file, entry) if kind in _INT_KINDS else value))
+        out.append((kind, _int(value, 'path index', file, entry) if kind in INT_KINDS else value))
     return tuple(out)
 
 
@@ -325,11 +242,41 @@ _ENTRY_KNOWN = frozenset(_ENTRY_REQUIRED) | {'label', 'padding', 'path', 'checks
 
 
 def _decode_entry(node: Sexp, index: int, file: str | None) -> Entry:
-    where = f"#{index}"
+    f = _entry_fields(node, f"#{index}", file)
+    namespace, ident = _decode_identity(f, f"#{index}", file)
+    where = f"{namespace}/n{ident}"
+    if ident < 0:
+        raise _fail("id is negative", file, where)
+    path = _decode_path(f['path'], file, where) if 'path' in f else None
+    if path is not None:
+        where = f"{namespace}/{path_name(path)}"
+    prec, dims, padding, offset, byte_length = _decode_extent(f, file, where)
+    label = f.get('label', [])
+    if not (isinstance(label, list) and all(isinstance(x, str) for x in label)):
+        raise _fail("label must be a list of atoms", file, where)
+    checksum = _decode_checksum(f['checksum'], file, where) if 'checksum' in f else None
+    key_impl = f.get('key_impl')
+    if key_impl is not None and not isinstance(key_impl, str):
+        raise _fail("key_impl must be an atom", file, where)
+    slc, global_dims = _decode_piece(f, dims, file, where)
+    extra = tuple(_freeze([k, v]) for k, v in f.items() if k not in _ENTRY_KNOWN)
+    return Entry(id=ident, namespace=namespace, prec=prec, dims=dims, offset=offset,
+                 byte_length=byte_length, label=tuple(label), padding=padding, path=path,
+                 checksum=checksum, key_impl=key_impl, slice=slc, global_dims=global_dims,
+                 extra=extra)
+
+
+def _entry_fields(node: Sexp, where: str, file: str | None) -> dict[str, Sexp]:
+    """The entry's fields, refusing a malformed list or a missing required field."""
     f = _fields(node, f"tensor {where}", file, where)
     for key in _ENTRY_REQUIRED:
         if key not in f:
             raise _fail(f"missing required field {key}", file, where)
+    return f
+
+
+def _decode_identity(f: dict[str, Sexp], where: str, file: str | None) -> tuple[str, int]:
+    """``(namespace, id)``; the legacy empty namespace reads as :data:`LEGACY_NAMESPACE`."""
     namespace = f['namespace']
     if not isinstance(namespace, str):
         raise _fail("namespace must be an atom", file, where)
@@ -338,13 +285,12 @@ def _decode_entry(node: Sexp, index: int, file: str | None) -> Entry:
     elif not NAMESPACE_RE.match(namespace):
         raise _fail(f"invalid namespace {namespace!r}: must match [A-Za-z_][A-Za-z0-9_]*",
                     file, where)
-    ident = _int(f['id'], 'id', file, where)
-    where = f"{namespace}/n{ident}"
-    if ident < 0:
-        raise _fail("id is negative", file, where)
-    path = _decode_path(f['path'], file, where) if 'path' in f else None
-    if path is not None:
-        where = f"{namespace}/{path_name(path)}"
+    return namespace, _int(f['id'], 'id', file, where)
+
+
+def _decode_extent(f: dict[str, Sexp], file: str | None, where: str
+                   ) -> tuple[str, tuple[int, ...], Padding | None, int, int]:
+    """``(prec, dims, padding, offset, byte_length)``, checked against each other."""
     prec = f['prec']
     if not isinstance(prec, str) or prec not in precs.ALL_PRECS:
         raise _fail(f"unknown prec {_short(prec)}", file, where)
@@ -356,31 +302,37 @@ def _decode_entry(node: Sexp, index: int, file: str | None) -> Entry:
     byte_length = _int(f['byte_length'], 'byte_length', file, where)
     if offset < 0 or byte_length < 0:
         raise _fail("offset and byte_length must be >= 0", file, where)
-    if offset > _MAX_INT64 or byte_length > _MAX_INT64:
+    if offset > MAX_INT64 or byte_length > MAX_INT64:
         raise _fail("offset or byte_length overflows 64 bits", file, where)
+    _check_size(prec, dims, padding, byte_length, file, where)
+    return prec, dims, padding, offset, byte_length
+
+
+def _check_size(prec: str, dims: tuple[int, ...], padding: Padding | None, byte_length: int,
+                file: str | None, where: str) -> None:
+    """Refuse padding wider than the dims, 64-bit overflow, and a byte_length that disagrees."""
     logical = dims if padding is None else tuple(
         d - lo - hi for d, (lo, hi) in zip(dims, padding.pairs))
     if any(d < 0 for d in logical):
         raise _fail(f"padding {padding.pairs} exceeds dims {dims}", file, where)
     count = math.prod(dims)
-    if count > _MAX_INT64 or count * max(precs.element_size(prec), 1) > _MAX_INT64:
+    if count > MAX_INT64 or count * max(precs.element_size(prec), 1) > MAX_INT64:
         raise _fail(f"element count of dims {dims} overflows 64 bits", file, where)
     expected = math.prod(logical) * precs.element_size(prec)
     if byte_length != expected:
         raise _fail(f"byte_length {byte_length} disagrees with dims {dims}, "
                     f"padding and {prec} ({expected} bytes)", file, where)
-    label = f.get('label', [])
-    if not (isinstance(label, list) and all(isinstance(x, str) for x in label)):
-        raise _fail("label must be a list of atoms", file, where)
-    checksum = None
-    if 'checksum' in f:
-        c = f['checksum']
-        if not (isinstance(c, list) and len(c) == 2 and all(isinstance(x, str) for x in c)):
-            raise _fail("checksum must be (ALGORITHM HEX)", file, where)
-        checksum = (c[0], c[1])
-    key_impl = f.get('key_impl')
-    if key_impl is not None and not isinstance(key_impl, str):
-        raise _fail("key_impl must be an atom", file, where)
+
+
+def _decode_checksum(c: Sexp, file: str | None, where: str) -> tuple[str, str]:
+    if not (isinstance(c, list) and len(c) == 2 and all(isinstance(x, str) for x in c)):
+        raise _fail("checksum must be (ALGORITHM HEX)", file, where)
+    return (c[0], c[1])
+
+
+def _decode_piece(f: dict[str, Sexp], dims: tuple[int, ...], file: str | None, where: str
+                  ) -> tuple[tuple[tuple[int, int], ...] | None, tuple[int, ...] | None]:
+    """``(slice, global_dims)`` of a piece of a directory checkpoint's array (both or neither)."""
     slc = None
     if 'slice' in f:
         s = f['slice']
@@ -391,16 +343,11 @@ def _decode_entry(node: Sexp, index: int, file: str | None) -> Entry:
         if 'global_dims' in f else None
     if (slc is None) != (global_dims is None):
         raise _fail("slice and global_dims must appear together", file, where)
-    if slc is not None:
-        if not (len(slc) == len(global_dims) == len(dims) and all(
-                0 <= a <= b <= g and b - a == d for (a, b), g, d in zip(slc, global_dims, dims))):
-            raise _fail(f"slice {slc} does not fit global_dims {global_dims} and dims {dims}",
-                        file, where)
-    extra = tuple(_freeze([k, v]) for k, v in f.items() if k not in _ENTRY_KNOWN)
-    return Entry(id=ident, namespace=namespace, prec=prec, dims=dims, offset=offset,
-                 byte_length=byte_length, label=tuple(label), padding=padding, path=path,
-                 checksum=checksum, key_impl=key_impl, slice=slc, global_dims=global_dims,
-                 extra=extra)
+    if slc is not None and not (len(slc) == len(global_dims) == len(dims) and all(
+            0 <= a <= b <= g and b - a == d for (a, b), g, d in zip(slc, global_dims, dims))):
+        raise _fail(f"slice {slc} does not fit global_dims {global_dims} and dims {dims}",
+                    file, where)
+    return slc, global_dims
 
 
 def _freeze(x: Sexp) -> Any:
@@ -422,79 +369,6 @@ def split_header(raw: bytes | memoryview, file_size: int | None = None,
     return hlen, 4 + hlen
 
 
-# The canonical entry as jckpt writes it, matched in one regular-expression step so
-# that large headers decode without building a generic S-expression tree first.
-# Anything else (quoted atoms, padding, unknown fields) falls back to the general
-# reader, so both paths accept and produce exactly the same headers.
-_A = r"[!$%&'*+,\-./0-9:<=>?@A-Z\[\]^_`a-z{}~]+"
-_P = rf"\((?:k|a) {_A}\)|\((?:ki|i|f) -?[0-9]+\)"
-_CANONICAL_ENTRY = re.compile(
-    rf"\s*\(\(id ([0-9]+)\) \(namespace ([A-Za-z_][A-Za-z0-9_]*)\) "
-    rf"\(label \(((?:{_A}(?: {_A})*)?)\)\) \(prec ([A-Za-z0-9_]+)\) "
-    rf"\(dims \(((?:[0-9]+(?: [0-9]+)*)?)\)\) \(padding none\) \(offset ([0-9]+)\) "
-    rf"\(byte_length ([0-9]+)\)(?: \(path \(((?:(?:{_P})(?: (?:{_P}))*)?)\)\))?"
-    rf"(?: \(checksum \(([A-Za-z0-9_]+) ([0-9a-f]+)\)\))?(?: \(key_impl ([A-Za-z0-9_]+)\))?\)")
-_CANONICAL_HEAD = re.compile(r"\(\(version [0-9]+\)\s*(?:\(alignment [0-9]+\)\s*)?\(tensors\s*\(")
-_CANONICAL_TAIL = re.compile(r"\s*\)")
-_COMPONENT = re.compile(rf"\((k|ki|i|a|f) ({_A})\)")
-_FIELDS = tuple(f.name for f in dataclasses.fields(Entry))
-
-
-try:  # the same decoder in C (built with the package when a compiler is available)
-    from jckpt.format import _canonical as _accelerator
-except ImportError:  # pragma: no cover - exercised where no compiler was available
-    _accelerator = None
-_PREC_SIZES = {p: (p, precs.element_size(p)) for p in precs.ALL_PRECS}
-_KINDS = ('k', 'ki', 'i', 'a', 'f')
-
-
-def _canonical_entries(text: str, *, accelerate: bool = True) -> tuple[list[Entry], int, int] | None:
-    """Entries of a header laid out as jckpt writes it, or None to use the general reader.
-
-    Returns ``(entries, list_open, list_close)``: the positions of the
-    parentheses around the tensors list, so the rest can be read generally.
-    """
-    head = _CANONICAL_HEAD.match(text)
-    if head is None:
-        return None
-    if accelerate and _accelerator is not None:
-        found = _accelerator.decode_entries(text, head.end(), Entry, _FIELDS, _PREC_SIZES, _KINDS)
-        return None if found is None else (found[0], head.end() - 1, found[1])
-    scanner = _CANONICAL_ENTRY.scanner(text, head.end())
-    entries: list[Entry] = []
-    append = entries.append
-    new = object.__new__
-    setattr_ = object.__setattr__  # Entry is frozen; this bypasses its __setattr__
-    element_size = precs.element_size
-    prod = math.prod
-    int_kinds = _INT_KINDS
-    findall = _COMPONENT.findall
-    pos = head.end()
-    while (m := scanner.match()) is not None:
-        (ident, namespace, label, prec, dims, offset, byte_length, path, algo, digest,
-         key_impl) = m.groups()
-        if prec not in precs.ALL_PRECS:
-            return None
-        dims = tuple(map(int, dims.split())) if dims else ()
-        byte_length = int(byte_length)
-        if prod(dims) * element_size(prec) != byte_length or byte_length > _MAX_INT64:
-            return None  # let the general reader report it
-        if path is not None:
-            path = tuple([(k, int(v)) if k in int_kinds else (k, v) for k, v in findall(path)])
-        e = new(Entry)
-        for name, value in zip(_FIELDS, (
-                int(ident), namespace, prec, dims, int(offset), byte_length,
-                tuple(label.split(' ')) if label else (), None, path,
-                (algo, digest) if algo is not None else None, key_impl, None, None, ())):
-            setattr_(e, name, value)
-        append(e)
-        pos = m.end()
-    tail = _CANONICAL_TAIL.match(text, pos)
-    if tail is None or text[tail.end() - 1] != ')':
-        return None
-    return entries, head.end() - 1, tail.end() - 1
-
-
 @paused  # decoding allocates millions of small objects and no cycles
 def decode_header(raw: bytes | memoryview, *, file: str | None = None) -> Header:
     """Decode and validate a header from the file's first ``4 + HLEN`` bytes (or more).
@@ -506,7 +380,7 @@ def decode_header(raw: bytes | memoryview, *, file: str | None = None) -> Header
         text = bytes(raw[4:start]).decode('utf-8')
     except UnicodeDecodeError as e:
         raise _fail(f"header is not UTF-8 ({e.reason} at byte {4 + e.start})", file) from None
-    fast = _canonical_entries(text)
+    fast = canonical_entries(text)
     if fast is not None:
         entries, list_open, list_close = fast
         text = text[:list_open] + '()' + text[list_close + 1:]

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Mapping
 from typing import ClassVar, Generic, Self, TypeVar
 
-from jckpt.api import operations as api
+from jckpt import api
 from jckpt.api.context import Context
 from jckpt.errors import InputError
 from jckpt.format.names import GENERATION_KEY, LINEAGE_KEY, RESERVED_PREFIX

@@ -39,7 +39,7 @@ from typing import Any
 
 import jax
 
-from jckpt.api import operations as api
+from jckpt import api
 from jckpt.api.context import Context
 from jckpt.api.multiprocess import save_directory
 from jckpt.errors import CheckpointError, FormatError, InputError
@@ -63,7 +63,6 @@ from jckpt.services.trainer_state import TrainerState
 from jckpt.storage.directory import reclaim_stage_dirs
 from jckpt.storage.publish import fsync_dir, reclaim_staging, storage_error
 from jckpt.storage.staging import remove_staged
-from jckpt.trees import pytree as tree_mod
 
 log = logging.getLogger('jckpt')
 
@@ -422,7 +421,8 @@ class CheckpointManager(BackgroundWriter[_Step]):
             tree = (api.load(ctx, path)[1] if target is None
                     else api.restore(ctx, target, path, cast=cast))
         else:
-            tree = _restore_namespaces(ctx, target, path, namespaces, cast)
+            tree = (api.load(ctx, path, namespaces=namespaces)[1] if target is None
+                    else api.restore(ctx, target, path, cast=cast, namespaces=namespaces))
         user = {k: v for k, v in meta.items() if not k.startswith('jckpt.')}
         return Restored(step=step, tree=tree, trainer_state=state,
                         metrics=_parse_metrics(meta.get(METRICS_KEY), path), metadata=user)
@@ -458,36 +458,6 @@ def _parse_metrics(text: str | None, path: str) -> dict[str, float]:
     except (ValueError, TypeError, AttributeError):
         log.warning("jckpt: unreadable metrics in %s", path)
         return {}
-
-
-def _restore_namespaces(ctx: Context, target: Any, path: str, namespaces: Sequence[str],
-                        cast: bool) -> dict[str, Any]:
-    if isinstance(namespaces, str):
-        namespaces = (namespaces,)
-    if target is not None:
-        if not isinstance(target, Mapping) or set(target) != set(namespaces):
-            raise InputError("with namespaces, the target must be {namespace: subtree} for "
-                             "exactly those namespaces", file=path)
-        return {ns: api.restore(ctx, target[ns], path, namespace=ns, cast=cast)
-                for ns in namespaces}
-    from jckpt.storage.checkpoint import open_checkpoint
-    from jckpt.trees import placement
-
-    reader = open_checkpoint(path)
-    present = {e.namespace for e in reader.header.tensors}
-    missing = [ns for ns in namespaces if ns not in present]
-    if missing:
-        raise FormatError(f"no namespace {missing[0]!r} in the checkpoint", file=path,
-                          fix=f"the file holds {sorted(present)}")
-    groups: dict[str, list] = {ns: [] for ns in namespaces}
-    for e in reader.header.tensors:
-        if e.namespace in groups:
-            array = reader.decode(e, mmap=ctx.mmap, verify=not ctx.mmap)
-            value = placement.place(array, None, host=ctx.host, device=ctx.device, where=e.name,
-                                    key_impl=e.key_impl, file=path)
-            key = e.path if e.path is not None else (('k', f"n{e.id}"),)
-            groups[e.namespace].append((key, value))
-    return {ns: tree_mod.unflatten(items, file=path) for ns, items in groups.items()}
 
 
 __all__ = ['CheckpointManager', 'Restored', 'step_name']

@@ -1,16 +1,26 @@
 """Host <-> device: the only module that moves array data between numpy and JAX.
 
-Saving reads every device array to host (all transfers started with
-``copy_to_host_async`` before any is awaited); restoring places each host
-array (usually a view of the mapped file) onto the target's sharding, building
-each device's shard from its own slice so a device reads only what it holds.
+Saving brings every leaf to host through :func:`host_leaves`, the one path
+from a leaf to its host data (all transfers started with
+``copy_to_host_async`` before any is awaited; sharded arrays as their
+distinct shards, never gathered). Restoring places each host array (usually
+a view of the mapped file) onto the target's sharding, building each
+device's shard from its own slice so a device reads only what it holds;
+:func:`place_all` batches the arrays bound for one device.
+
+>>> host = host_leaves([('jckpt/w', np.arange(3.0))])[0]
+>>> host.dtype, host.shape, host.key_impl, host.private
+(dtype('float64'), (3,), None, False)
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import mmap as mmap_mod
 import warnings
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -18,6 +28,7 @@ import numpy as np
 from jckpt.errors import FormatError, InputError
 from jckpt.format import precs
 from jckpt.trees import sharding as sharding_mod
+from jckpt.trees.sharding import Box
 
 _PY_SCALARS = (bool, int, float, complex)
 _warned_x64 = False
@@ -49,11 +60,11 @@ def _on_cpu(leaf: jax.Array) -> bool:
     except KeyError:
         on_cpu = _CPU_SHARDINGS[sharding] = all(d.platform == 'cpu' for d in sharding.device_set)
         return on_cpu
-    except TypeError:
-        return False
+    except TypeError:  # an unhashable sharding: ask every time
+        return all(d.platform == 'cpu' for d in sharding.device_set)
 
 
-def start_host_copies(leaves: list[Any]) -> None:
+def start_host_copies(leaves: Sequence[Any]) -> None:
     """Start device-to-host transfers of every JAX array so they overlap."""
     for leaf in leaves:
         if isinstance(leaf, jax.Array) and not is_prng_key(leaf) and not _on_cpu(leaf):
@@ -63,27 +74,177 @@ def start_host_copies(leaves: list[Any]) -> None:
                 pass
 
 
-def to_host(leaf: Any, where: str) -> tuple[np.ndarray, str | None]:
-    """``(host array, key_impl)`` for one leaf to save; raises :class:`InputError`."""
+# --- leaf to host ---------------------------------------------------------------------
+
+def is_sharded(leaf: Any) -> bool:
+    """Whether ``leaf`` is a ``jax.Array`` spread over (or replicated on) several devices."""
+    return isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) > 1
+
+
+@functools.lru_cache(maxsize=1024)
+def _owner_boxes(sharding: Any, shape: tuple[int, ...], process: int) -> dict[Any, Box]:
+    """``{device: box}`` for the devices of ``process`` that write a distinct shard.
+
+    Each distinct box is owned by the first device holding it in the
+    sharding's device order, the same in every process, so each replicated
+    piece is written exactly once across all processes.
+    """
+    owners: dict[Box, Any] = {}
+    for device, index in sharding.devices_indices_map(shape).items():
+        owners.setdefault(sharding_mod.box_of(index, shape), device)
+    return {d: b for b, d in owners.items() if d.process_index == process}
+
+
+def owned_shards(array: jax.Array) -> list[tuple[Box, jax.Array]]:
+    """``(box, single-device array)`` for each distinct shard this process must write."""
+    plan = _owner_boxes(array.sharding, tuple(array.shape), jax.process_index())
+    out = []
+    for shard in array.addressable_shards:
+        box = plan.get(shard.device)
+        if box is not None:
+            out.append((box, shard.data))
+    return out
+
+
+def start_transfers(shards: Sequence[tuple[Box, Any]]) -> None:
+    """Start the device-to-host copy of each shard (they overlap; none is awaited)."""
+    for _, data in shards:
+        try:
+            data.copy_to_host_async()
+        except Exception:  # a backend without async copies: the copy happens on read
+            pass
+
+
+def await_host(data: Any) -> np.ndarray:
+    """Wait for a transfer to host started earlier (a shard's, or a whole array's); its host array."""
+    return np.asarray(data)
+
+
+class HostLeaf(NamedTuple):
+    """One leaf on its way to host: what it stores, and its data, whole or in pieces.
+
+    ``dtype`` and ``shape`` are what is stored (a typed PRNG key's data, with
+    ``key_impl`` naming its implementation). ``array`` is the whole host
+    array; it is ``None`` when the leaf is held as ``shards`` instead, or when
+    it was only described (``fetch=False``). ``shards`` are ``(box,
+    single-device array)`` for each distinct shard this process writes, their
+    transfers started: read each with :func:`await_host` when it is written.
+    ``private``: ``array`` is a host buffer no one else holds (a device
+    transfer's result, or a copy), so it stays valid whatever later happens
+    to the tree it came from (a numpy leaf or a CPU array may alias memory the
+    caller reuses).
+    """
+
+    where: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    key_impl: str | None = None
+    array: np.ndarray | None = None
+    shards: tuple[tuple[Box, Any], ...] = ()
+    private: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored payload."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def host_leaves(leaves: Iterable[tuple[str, Any]], *, pieces: bool = False, spread: bool = False,
+                fetch: bool = True, copy: bool = False) -> list[HostLeaf]:
+    """Bring ``(where, leaf)`` pairs to host: every leaf checked and its transfer started, then the waits.
+
+    The one path from a leaf to be stored to its host data. Typed PRNG keys
+    become their key data and ``key_impl``. Every leaf is checked (an array
+    or a number, fully addressable, of a storable dtype; otherwise
+    :class:`~jckpt.errors.InputError` naming ``where``) and every transfer is
+    started before the first is awaited, so they overlap. Arrays already in
+    host memory (numpy, CPU devices) need no transfer.
+
+    Args:
+      leaves: ``(where, leaf)``: ``where`` names the leaf in errors (``namespace/a/b``).
+      pieces: keep a multi-device array as its distinct shards (``HostLeaf.shards``,
+        read with :func:`await_host` when written) instead of gathering it whole.
+      spread: accept arrays spread over several processes (with ``pieces``): this
+        process's shards of them.
+      fetch: ``False`` to only check and describe the leaves this process holds
+        whole (another process writes them): no transfer, ``array`` None for each.
+      copy: make each ``array`` private (:attr:`HostLeaf.private`), copying only
+        what a transfer did not already copy: the snapshot a background writer needs.
+
+    >>> [h.shape for h in host_leaves([('ns/w', np.ones((2, 3))), ('ns/n', 7)])]
+    [(2, 3), ()]
+    """
+    staged = [_stage(where, leaf, pieces=pieces, spread=spread, fetch=fetch)
+              for where, leaf in leaves]
+    return [_finish(h, copy) for h in staged]
+
+
+def _stage(where: str, leaf: Any, *, pieces: bool, spread: bool, fetch: bool) -> HostLeaf:
+    """Check one leaf and start its transfers; the host data of a non-JAX leaf is final."""
     key_impl = None
     if is_prng_key(leaf):
         key_impl = str(jax.random.key_impl(leaf))
         leaf = jax.random.key_data(leaf)
-    if isinstance(leaf, jax.Array):
-        if not leaf.is_fully_addressable:
-            raise InputError("array is not fully addressable from this process", entry=where,
-                             fix="save from every process (multi-process checkpoints)")
+    if not isinstance(leaf, jax.Array):
+        if not isinstance(leaf, (np.ndarray, np.generic, *_PY_SCALARS)):
+            raise InputError(f"leaf of type {type(leaf).__name__} is not an array", entry=where,
+                             fix="store arrays or numbers only; put other values in metadata")
         array = np.asarray(leaf)
-    elif isinstance(leaf, (np.ndarray, np.generic)) or (
-            isinstance(leaf, _PY_SCALARS)):
-        array = np.asarray(leaf)
-    else:
-        raise InputError(f"leaf of type {type(leaf).__name__} is not an array", entry=where,
-                         fix="store arrays or numbers only; put other values in metadata")
-    if not precs.is_supported(array.dtype):
-        raise InputError(f"dtype {array.dtype} cannot be stored", entry=where,
+        _check_dtype(array.dtype, where)
+        if not fetch:
+            return HostLeaf(where, array.dtype, array.shape, key_impl)
+        # np.asarray made a new array of anything but an ndarray (which the caller may reuse)
+        return HostLeaf(where, array.dtype, array.shape, key_impl, array,
+                        private=not isinstance(leaf, np.ndarray))
+    dtype = np.dtype(leaf.dtype)
+    apart = not leaf.is_fully_addressable
+    if apart and not (pieces and spread):
+        raise InputError("array is not fully addressable from this process", entry=where,
+                         fix="save from every process (multi-process checkpoints)")
+    _check_dtype(dtype, where)
+    shape = tuple(leaf.shape)
+    if pieces and (apart or is_sharded(leaf)):
+        shards = tuple(owned_shards(leaf)) if fetch or apart else ()
+        start_transfers(shards)
+        return HostLeaf(where, dtype, shape, key_impl, shards=shards)
+    if not fetch:
+        return HostLeaf(where, dtype, shape, key_impl)
+    if not _on_cpu(leaf):
+        try:
+            leaf.copy_to_host_async()
+        except Exception:  # a backend without async copies: the copy happens on read
+            pass
+    return HostLeaf(where, dtype, shape, key_impl, leaf)  # array: the device array until _finish
+
+
+def _finish(staged: HostLeaf, copy: bool) -> HostLeaf:
+    """Wait for a whole leaf's transfer; copy what must be private."""
+    array = staged.array
+    if array is None:
+        return staged
+    private = staged.private
+    if isinstance(array, jax.Array):
+        private = not _on_cpu(array)  # a transfer from an accelerator made a fresh host buffer
+        array = await_host(array)
+    if copy and not private:
+        array, private = np.array(array, copy=True), True
+    return staged._replace(array=array, private=private)
+
+
+def _check_dtype(dtype: np.dtype, where: str) -> None:
+    if not precs.is_supported(dtype):
+        raise InputError(f"dtype {dtype} cannot be stored", entry=where,
                          fix="cast to a supported dtype (see the format's prec table)")
-    return array, key_impl
+
+
+def to_host(leaf: Any, where: str) -> tuple[np.ndarray, str | None]:
+    """``(host array, key_impl)`` for one leaf to save; raises :class:`InputError`.
+
+    :func:`host_leaves` for a single leaf; bring many leaves through that, so
+    their transfers overlap.
+    """
+    host = host_leaves([(where, leaf)])[0]
+    return host.array, host.key_impl
 
 
 def _x64_ok(dtype: np.dtype) -> bool:

@@ -80,6 +80,16 @@ def to_path(keypath: Iterable[Any]) -> KeyPath:
         return tuple(key_to_component(k, where) for k in keypath)
 
 
+def leaf_name(namespace: str, path: KeyPath) -> str:
+    """``namespace/a/b/0``: how messages name the leaf at ``path`` (``namespace/<root>`` for the root).
+
+    >>> leaf_name('jckpt', (('k', 'params'), ('i', 0)))
+    'jckpt/params/0'
+    """
+    # list-built: this runs once per leaf of every save and restore
+    return f"{namespace}/{'/'.join([v if type(v) is str else str(v) for _, v in path]) or '<root>'}"
+
+
 def is_leaf(x: Any) -> bool:
     """Leaves that JAX would otherwise flatten further, kept whole (ShapeDtypeStruct)."""
     return isinstance(x, jax.ShapeDtypeStruct)

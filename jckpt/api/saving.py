@@ -1,0 +1,183 @@
+"""``save``: a pytree to one checkpoint file, atomically.
+
+The steps, each a function below: flatten the tree and bring every leaf to
+host (:func:`jckpt.trees.placement.host_leaves`: every transfer started
+before any is awaited, sharded arrays as their distinct shards); build one
+entry per leaf (:func:`jckpt.format.entries.entry_for`), merged with the
+entries an appending save keeps; publish the file (the writer streams each
+payload, hashing it, then renames the file over ``path``).
+
+>>> import numpy as np, tempfile, os
+>>> path = os.path.join(tempfile.mkdtemp(), 'model.jckpt')
+>>> save(Context(), {'w': np.ones((2, 3)), 'step': 7}, path)
+>>> from jckpt.api.loading import describe
+>>> [e.name for e in describe(path).tensors]
+['jckpt/step', 'jckpt/w']
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+
+from jckpt.api import progress as progress_mod
+from jckpt.api.context import Context
+from jckpt.api.multiprocess import save_directory
+from jckpt.errors import InputError, InUseError
+from jckpt.format._gc import paused
+from jckpt.format.entries import Entry, Header, KeyPath, entry_for, round_up
+from jckpt.format.layout import lay_out
+from jckpt.format.names import INDEX_NAME
+from jckpt.format.payload import CHECKSUM_PLACEHOLDER
+from jckpt.storage.publish import storage_error
+from jckpt.storage.reader import CheckpointReader
+from jckpt.storage.regions import ShardedSource
+from jckpt.storage.writer import ArraySource, CopySource, write_checkpoint
+from jckpt.trees import placement
+from jckpt.trees import pytree as tree_mod
+from jckpt.version import __version__
+
+PathLike = str | os.PathLike
+
+
+@paused
+def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
+         alignment: int | None = None, metadata: Mapping[str, str] | None = None,
+         progress: bool = False) -> None:
+    """Write ``tree`` to ``path`` under ``ctx.namespace``, atomically and (by default) durably.
+
+    Payloads stream to a staging file next to ``path`` (never the whole file in
+    memory), each hashed as it goes; the file is fsynced and renamed over
+    ``path``, so a reader sees the old file or the new one, never a mix.
+
+    Args:
+      ctx: the context (namespace, alignment, durability).
+      tree: a pytree of arrays (``jax.Array``, numpy, Python numbers, typed PRNG keys).
+      path: the checkpoint file; a directory checkpoint when several processes
+        save together (``jax.process_count() > 1``: call ``save`` from every one)
+        or when ``path`` already holds one.
+      appending: keep every entry of an existing file at ``path`` that ``tree``
+        does not replace (matched by namespace and path), with its id.
+      alignment: payload alignment for this file (default ``ctx.alignment``).
+      metadata: string pairs stored in the header (merged over an appended file's).
+      progress: draw a progress bar on stderr while writing (only when stderr is a terminal).
+
+    Raises :class:`~jckpt.errors.InputError` before touching the file when a
+    leaf cannot be stored, and :class:`~jckpt.errors.StorageError` if the disk
+    fails, in which case the previous file at ``path`` is left intact.
+
+    Example::
+
+        jckpt.save(jckpt.Context(), {"params": params, "step": 100}, "ckpt.jckpt")
+    """
+    path = os.fspath(path)
+    # several processes save their pieces into one directory; a directory checkpoint stays one
+    if jax.process_count() > 1 or os.path.isfile(os.path.join(path, INDEX_NAME)):
+        if appending:
+            raise InputError("appending is not supported for directory checkpoints",
+                             file=path, fix="save the whole tree")
+        save_directory(ctx, tree, path, alignment=alignment, metadata=metadata)
+        return
+    items = tree_mod.flatten(tree)
+    hosts = placement.host_leaves([(tree_mod.leaf_name(ctx.namespace, p), leaf) for p, leaf in items],
+                                  pieces=True)
+    alignment = ctx.alignment if alignment is None else alignment
+    if not isinstance(alignment, int) or alignment < 1:
+        raise InputError(f"alignment must be a positive integer, not {alignment!r}", file=path)
+    old = CheckpointReader(path) if appending and os.path.exists(path) else None
+    entries, sources = _entries(ctx, [p for p, _ in items], hosts,
+                                kept=old.header.tensors if old is not None else (), alignment=alignment)
+    header = _header(entries, alignment, old.header if old is not None else Header(), metadata)
+    if old is None:
+        _publish(ctx, path, header, sources, progress)
+        return
+    fd = _open_read_file(path, old)
+    try:  # the kept payloads are copied from the very file whose header was read
+        sources = [CopySource(fd, old.data_start + e.offset, e.byte_length, e.checksum)
+                   if s is None else s for e, s in zip(entries, sources)]
+        _publish(ctx, path, header, sources, progress)
+    finally:
+        os.close(fd)
+
+
+def _entries(ctx: Context, paths: Sequence[KeyPath], hosts: Sequence[placement.HostLeaf], *,
+             kept: Sequence[Entry] = (), alignment: int) -> tuple[list[Entry], list[Any]]:
+    """Entries and payload sources for host leaves saved under ``ctx.namespace``.
+
+    ``kept`` (an appended file's entries) come first, in their order; a leaf
+    with the identity of a kept entry replaces it in its place, with its id.
+    New leaves follow in tree order, with ids above every id of the namespace
+    in ``kept`` and in ``ctx``'s registry. A kept entry not replaced has the
+    source ``None`` (its payload is copied from the old file).
+    """
+    namespace = ctx.namespace
+    slots = {e.identity: i for i, e in enumerate(kept)}
+    next_id = max([ctx.registry.max_id(namespace)]
+                  + [e.id for e in kept if e.namespace == namespace]) + 1
+    entries: list[Entry] = list(kept)
+    sources: list[Any] = [None] * len(kept)
+    cursor = 0  # without kept entries, the offsets lay_out plans: no second pass over 1e5 entries
+    for path, host in zip(paths, hosts):
+        slot = slots.get((namespace, path))
+        if slot is None:
+            ident, next_id = next_id, next_id + 1
+        else:
+            ident = kept[slot].id
+        offset = 0 if kept else round_up(cursor, alignment)
+        entry = entry_for(namespace, path, host.dtype, host.shape, id=ident, key_impl=host.key_impl,
+                          checksum=CHECKSUM_PLACEHOLDER, offset=offset)
+        cursor = offset + entry.byte_length
+        if slot is None:
+            entries.append(entry)
+            sources.append(_source(host))
+        else:
+            entries[slot] = entry
+            sources[slot] = _source(host)
+    return entries, sources
+
+
+def _source(host: placement.HostLeaf) -> ArraySource | ShardedSource:
+    """What streams a host leaf's payload: its whole array, or its shards written in place."""
+    if host.array is not None:
+        return ArraySource(host.array)
+    return ShardedSource(host.shape, host.dtype, [(box, functools.partial(placement.await_host, data))
+                                                  for box, data in host.shards])
+
+
+def _header(entries: Sequence[Entry], alignment: int, old: Header,
+            metadata: Mapping[str, str] | None) -> Header:
+    """The laid-out header; ``metadata`` merged over the old file's, whose unknown fields are kept."""
+    meta = dict(old.metadata)
+    meta.update(metadata or {})
+    return lay_out(Header(tensors=tuple(entries), alignment=alignment,
+                          writer=f"jckpt {__version__}", metadata=tuple(meta.items()),
+                          extra=old.extra))
+
+
+def _open_read_file(path: str, old: CheckpointReader) -> int:
+    """A descriptor of the file ``old`` read, refusing one replaced since (another writer's)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise storage_error(e, "opening the checkpoint to append to", path) from e
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != old.file_id:  # kept payloads must come from the file read
+        os.close(fd)
+        raise InUseError("the file was replaced while this appending save read it",
+                         file=path, fix="save again; let one writer at a time append to a "
+                                        "path (a jckpt.Mirror holds a lease for that)")
+    return fd
+
+
+def _publish(ctx: Context, path: str, header: Header, sources: Sequence[Any], progress: bool) -> None:
+    with progress_mod.bar(f"saving {os.path.basename(path)}",
+                          sum(e.byte_length for e in header.tensors), enabled=progress) as bar:
+        write_checkpoint(path, header, sources, durable=ctx.durable,
+                         on_payload=lambda e: bar.advance(e.byte_length))
+
+
+__all__ = ['save']

@@ -1,0 +1,161 @@
+"""The header's values: :class:`Entry`, :class:`Padding`, :class:`Header`, key paths.
+
+Frozen dataclasses with no behaviour beyond derived properties, and
+:func:`entry_for`, the one builder of an :class:`Entry` from a leaf's
+namespace, path and array description. Every writer (``save``, the mirror,
+directory checkpoints, the native adapter) builds its entries through it,
+so the label, prec and byte length of an entry are computed in one place.
+:mod:`jckpt.format.header` encodes these values to bytes and decodes them back.
+
+>>> e = entry_for('jckpt', (('k', 'w'), ('i', 0)), 'float32', (2, 3), id=4)
+>>> e.prec, e.dims, e.byte_length, e.label, e.name
+('Single_prec', (2, 3), 24, ('w', '0'), 'jckpt/w/0')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jckpt.format import precs
+
+FORMAT_VERSION = 1
+DEFAULT_ALIGNMENT = 32
+#: The largest offset, length or element count a header may hold.
+MAX_INT64 = 2**63 - 1
+
+NAMESPACE_RE = re.compile(r'[A-Za-z_][A-Za-z0-9_]*\Z')
+LEGACY_NAMESPACE = 'ocannl'  # what a legacy empty namespace "" reads as
+
+#: Path component kinds: dict key, integer dict key, sequence index, attribute, flattened index.
+PATH_KINDS = frozenset({'k', 'ki', 'i', 'a', 'f'})
+#: The kinds whose value is an integer.
+INT_KINDS = frozenset({'ki', 'i', 'f'})
+
+PathComponent = tuple[str, 'str | int']
+KeyPath = tuple[PathComponent, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Padding:
+    """OCANNL padding: ``(left, right)`` per dim, and the value the margin holds."""
+
+    pairs: tuple[tuple[int, int], ...]
+    value: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Entry:
+    """One stored array: where its payload is and how to read it.
+
+    ``path`` is the pytree key path (``None`` for OCANNL entries, which are
+    addressed as ``n<id>``). ``extra`` holds entry fields this version does not
+    know, kept verbatim when the file is rewritten.
+    """
+
+    id: int
+    namespace: str
+    prec: str
+    dims: tuple[int, ...]
+    offset: int
+    byte_length: int
+    label: tuple[str, ...] = ()
+    padding: Padding | None = None
+    path: KeyPath | None = None
+    checksum: tuple[str, str] | None = None
+    key_impl: str | None = None
+    slice: tuple[tuple[int, int], ...] | None = None
+    global_dims: tuple[int, ...] | None = None
+    extra: tuple[Any, ...] = ()
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The little-endian numpy dtype of one stored element."""
+        return precs.dtype_of(self.prec)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The numpy shape of the decoded array (``Uint4x32_prec`` adds a dim of 4)."""
+        return (*self.dims, 4) if self.prec == precs.UINT4X32 else self.dims
+
+    @property
+    def logical_dims(self) -> tuple[int, ...]:
+        """``dims`` less the padding: the region actually stored."""
+        if self.padding is None:
+            return self.dims
+        return tuple(d - lo - hi for d, (lo, hi) in zip(self.dims, self.padding.pairs))
+
+    @property
+    def identity(self) -> tuple[str, Any]:
+        """``(namespace, path)``, or ``(namespace, id)`` for path-less entries."""
+        return (self.namespace, self.path if self.path is not None else self.id)
+
+    @property
+    def name(self) -> str:
+        """A readable ``namespace/a/b/0`` name for messages."""
+        return f"{self.namespace}/{path_name(self.path) if self.path is not None else f'n{self.id}'}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+    """A whole header: format version, alignment, entries in payload order, metadata."""
+
+    tensors: tuple[Entry, ...] = ()
+    alignment: int = DEFAULT_ALIGNMENT
+    version: int = FORMAT_VERSION
+    writer: str | None = None
+    metadata: tuple[tuple[str, str], ...] = ()
+    extra: tuple[Any, ...] = ()
+
+    def metadata_dict(self) -> dict[str, str]:
+        """The metadata as a dict (later keys win)."""
+        return dict(self.metadata)
+
+
+def path_name(path: KeyPath) -> str:
+    """``(('k', 'params'), ('i', 0))`` -> ``'params/0'``."""
+    return '/'.join(str(v) for _, v in path)
+
+
+def round_up(n: int, a: int) -> int:
+    """``n`` rounded up to a multiple of ``a`` (``a <= 1`` leaves it alone)."""
+    return n if a <= 1 else -(-n // a) * a
+
+
+def entry_for(namespace: str, path: KeyPath | None, dtype: Any, shape: Sequence[int], *, id: int,
+              key_impl: str | None = None, checksum: tuple[str, str] | None = None,
+              offset: int = 0, slice: Sequence[tuple[int, int]] | None = None,
+              global_dims: Sequence[int] | None = None) -> Entry:
+    """The :class:`Entry` of an array of ``dtype`` and ``shape`` stored at ``(namespace, path)``.
+
+    Computes what follows from the array: ``prec`` (``KeyError`` for a dtype
+    the format cannot store: check with :func:`jckpt.format.precs.is_supported`
+    first), ``byte_length`` and the ``label`` (the path's values as text).
+    ``shape`` is what this entry stores: for a piece of a sharded array, the
+    piece's shape, with ``slice`` its box and ``global_dims`` the whole
+    array's shape. ``offset`` is usually left at 0 for
+    :func:`jckpt.format.layout.lay_out` to plan; ``checksum`` None lets the
+    writer compute it.
+
+    >>> entry_for('opt', (('k', 'mu'),), np.dtype('int8'), (4,), id=0, slice=((4, 8),),
+    ...           global_dims=(8,)).byte_length
+    4
+    """
+    prec = precs.prec_of(dtype)
+    dims = tuple(shape)
+    return Entry(id=id, namespace=namespace, prec=prec, dims=dims, offset=offset,
+                 byte_length=math.prod(dims) * precs.element_size(prec),
+                 label=() if path is None else tuple([v if type(v) is str else str(v) for _, v in path]),
+                 path=path, checksum=checksum, key_impl=key_impl,
+                 slice=None if slice is None else tuple((a, b) for a, b in slice),
+                 global_dims=None if global_dims is None else tuple(global_dims))
+
+
+__all__ = ['DEFAULT_ALIGNMENT', 'FORMAT_VERSION', 'LEGACY_NAMESPACE', 'NAMESPACE_RE', 'PATH_KINDS',
+           'Entry', 'Header', 'KeyPath', 'Padding', 'PathComponent', 'entry_for', 'path_name',
+           'round_up']

@@ -1,0 +1,74 @@
+"""Context and Registry: immutable values; load registers what it read."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import jckpt
+from jckpt.api.context import Context, Registry
+from jckpt.errors import ClashError, InputError
+from jckpt.format.entries import entry_for
+
+
+def test_context_defaults_and_is_frozen():
+    ctx = Context()
+    assert (ctx.namespace, ctx.alignment, ctx.mmap, ctx.durable, ctx.host, ctx.device) == (
+        "jckpt", 32, True, True, False, None)
+    assert len(ctx.registry) == 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.namespace = "x"  # type: ignore[misc]
+    assert hash(Context(namespace="a")) == hash(Context(namespace="a"))
+
+
+def test_replace_returns_a_new_context_and_validates():
+    ctx = Context()
+    other = ctx.replace(namespace="student", host=True)
+    assert (other.namespace, other.host) == ("student", True)
+    assert (ctx.namespace, ctx.host) == ("jckpt", False)
+    with pytest.raises(InputError, match="invalid namespace"):
+        ctx.replace(namespace="no-dash")
+    with pytest.raises(InputError, match="alignment must be a positive integer"):
+        ctx.replace(alignment=0)
+    with pytest.raises(InputError):
+        Context(namespace="")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        ctx.replace(colour="red")
+
+
+def test_repr_shows_what_differs_and_what_was_loaded():
+    assert repr(Context()) == "Context(namespace='jckpt')"
+    assert repr(Context(namespace="s", durable=False)) == "Context(namespace='s', durable=False)"
+    reg = Registry().add([entry_for("a", (("k", "w"),), np.float32, (2,), id=3)])
+    assert repr(Context(registry=reg)) == "Context(namespace='jckpt', registry=Registry(1 entry in [a]))"
+
+
+def test_registry_is_a_value_holding_identities_and_max_ids():
+    empty = Registry()
+    e1 = entry_for("a", (("k", "w"),), np.float32, (2,), id=3)
+    e2 = entry_for("a", (("k", "b"),), np.float32, (2,), id=1)
+    e3 = dataclasses.replace(entry_for("ocannl", None, np.float32, (2,), id=9), path=None)
+    reg = empty.add([e1, e2, e3])
+    assert len(empty) == 0 and len(reg) == 3
+    assert ("a", (("k", "w"),)) in reg and ("ocannl", 9) in reg and ("a", (("k", "x"),)) not in reg
+    assert (reg.max_id("a"), reg.max_id("ocannl"), reg.max_id("other")) == (3, 9, -1)
+    again = reg.add([entry_for("a", (("k", "z"),), np.float32, (1,), id=2)])
+    assert again.max_id("a") == 3 and len(again) == 4 and len(reg) == 3
+    assert reg == empty.add([e3, e2, e1])  # equal values, whatever the order added
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        reg.identities = frozenset()  # type: ignore[misc]
+
+
+def test_load_registers_and_refuses_a_clash(tmp_path):
+    path = tmp_path / "m.jckpt"
+    jckpt.save(Context(), {"w": np.ones(2), "b": np.zeros(2)}, path)
+    ctx0 = Context(host=True)
+    ctx1, _ = jckpt.load(ctx0, path)
+    assert len(ctx0.registry) == 0 and len(ctx1.registry) == 2  # the argument is unchanged
+    with pytest.raises(ClashError, match="already loaded into this context"):
+        jckpt.load(ctx1, path)
+    ctx2, tree = jckpt.load(ctx1, path, prefix_namespace="twin")
+    assert list(tree) == ["twin__jckpt"] and len(ctx2.registry) == 4
+    # ids saved later in a loaded namespace stay above every id loaded into it
+    jckpt.save(ctx2, {"new": np.ones(1)}, tmp_path / "n.jckpt")
+    assert [e.id for e in jckpt.describe(tmp_path / "n.jckpt").tensors] == [2]

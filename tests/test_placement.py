@@ -1,0 +1,151 @@
+"""Leaf to host (placement.host_leaves, to_host) and host to device (place, place_all)."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jckpt.errors import FormatError, InputError
+from jckpt.trees import placement
+
+
+def host(leaf, **kw):
+    return placement.host_leaves([("ns/x", leaf)], **kw)[0]
+
+
+def sharded(x, spec):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+# --- what each kind of leaf becomes ---------------------------------------------------------
+
+def test_numpy_leaves_are_used_as_they_are_unless_copied():
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    h = host(x)
+    assert h.array is x and not h.private and h.shards == ()
+    assert (h.where, h.dtype, h.shape, h.key_impl, h.nbytes) == ("ns/x", np.float32, (2, 3), None, 24)
+    c = host(x, copy=True)
+    assert c.private and not np.shares_memory(c.array, x)
+    x[:] = -1  # the caller reuses its buffer: the copy is a snapshot
+    assert c.array.tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+@pytest.mark.parametrize("value,dtype", [(True, np.bool_), (7, np.int64), (0.5, np.float64),
+                                         (1 + 2j, np.complex128), (np.float16(3), np.float16),
+                                         (np.array(4, ml_dtypes.bfloat16), ml_dtypes.bfloat16)])
+def test_scalars_become_0d_arrays(value, dtype):
+    h = host(value)
+    assert h.shape == () and h.dtype == dtype and h.array.item() == np.asarray(value).item()
+    assert h.private == (not isinstance(value, np.ndarray))  # a new array, no one else holds it
+
+
+def test_jax_arrays_come_to_host_and_copies_are_private():
+    x = jnp.arange(8.0)
+    h = host(x)
+    assert isinstance(h.array, np.ndarray) and h.array.tolist() == list(range(8))
+    assert h.dtype == np.float32 and h.shape == (8,)
+    assert not h.private  # on the CPU, the host array may alias the device buffer
+    c = host(x, copy=True)
+    assert c.private and c.array.flags.writeable and not np.shares_memory(c.array, np.asarray(x))
+    bf = host(jnp.ones((2, 2), jnp.bfloat16))
+    assert bf.dtype == ml_dtypes.bfloat16 and bf.array.dtype == ml_dtypes.bfloat16
+
+
+def test_typed_prng_keys_become_key_data_and_impl():
+    one, many = jax.random.key(3), jax.random.split(jax.random.key(4), 5)
+    rbg = jax.random.key(5, impl="rbg")
+    hs = placement.host_leaves([("k/one", one), ("k/many", many), ("k/rbg", rbg)])
+    assert [h.key_impl for h in hs] == ["threefry2x32", "threefry2x32", "rbg"]
+    assert [h.shape for h in hs] == [(2,), (5, 2), (4,)] and all(h.dtype == np.uint32 for h in hs)
+    np.testing.assert_array_equal(hs[1].array, jax.random.key_data(many))
+    array, impl = placement.to_host(many, "k/many")
+    assert impl == "threefry2x32" and array.shape == (5, 2)
+    back = placement.place(hs[2].array, None, host=True, device=None, where="k/rbg",
+                           key_impl=hs[2].key_impl)
+    assert jax.dtypes.issubdtype(back.dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(jax.random.key_data(back), jax.random.key_data(rbg))
+
+
+@pytest.mark.parametrize("leaf,message", [
+    ("text", "leaf of type str is not an array"),
+    (None, "leaf of type NoneType is not an array"),
+    (jax.ShapeDtypeStruct((2,), jnp.float32), "ShapeDtypeStruct is not an array"),
+    (np.array(["a"]), "dtype <U1 cannot be stored"),
+    (np.array([object()]), "dtype object cannot be stored"),
+    (2**70, "dtype object cannot be stored"),
+])
+def test_refusals_name_the_leaf(leaf, message):
+    with pytest.raises(InputError, match=message) as info:
+        placement.host_leaves([("ns/ok", np.ones(2)), ("ns/bad", leaf)])
+    assert info.value.entry == "ns/bad"
+    with pytest.raises(InputError, match=message):
+        placement.to_host(leaf, "ns/bad")
+
+
+# --- sharded arrays, transfers, descriptions --------------------------------------------------
+
+def test_sharded_arrays_whole_or_as_their_distinct_shards():
+    x = np.arange(64, dtype=np.float32).reshape(8, 8)
+    rows, full = sharded(x, P("a")), sharded(x, P())
+    assert placement.is_sharded(rows) and not placement.is_sharded(jnp.ones(2))
+    whole = host(rows)
+    assert whole.shards == () and whole.array.tolist() == x.tolist()  # gathered
+    h_rows, h_full = placement.host_leaves([("r", rows), ("f", full)], pieces=True)
+    assert h_rows.array is None and h_full.array is None
+    assert len(h_rows.shards) == 4 and len(h_full.shards) == 1  # replicas are written once
+    for box, data in h_rows.shards:
+        got = placement.await_host(data)
+        assert got.tolist() == x[tuple(slice(a, b) for a, b in box)].tolist()
+    assert h_rows.nbytes == x.nbytes
+    assert placement.host_leaves([("n", np.ones(3))], pieces=True)[0].shards == ()
+
+
+def test_every_transfer_starts_before_the_first_wait(monkeypatch):
+    events = []
+    impl = type(jnp.ones(1))
+    real_start, real_wait = impl.copy_to_host_async, placement.await_host
+    monkeypatch.setattr(placement, "_on_cpu", lambda leaf: False)  # as on an accelerator
+    monkeypatch.setattr(impl, "copy_to_host_async", lambda self: (events.append("start"),
+                                                                  real_start(self)))
+    monkeypatch.setattr(placement, "await_host", lambda d: (events.append("wait"), real_wait(d))[1])
+    hs = placement.host_leaves([(f"ns/{i}", jnp.full(3, float(i))) for i in range(5)])
+    assert events == ["start"] * 5 + ["wait"] * 5
+    assert all(h.private for h in hs) and [h.array[0] for h in hs] == [0, 1, 2, 3, 4]
+
+
+def test_fetch_false_checks_and_describes_without_transfers(monkeypatch):
+    impl = type(jnp.ones(1))
+    monkeypatch.setattr(impl, "copy_to_host_async", lambda self: pytest.fail("transferred"))
+    monkeypatch.setattr(placement, "_on_cpu", lambda leaf: False)
+    leaves = [("a", jnp.ones((2, 3))), ("b", np.zeros(4, np.int8)), ("c", 5),
+              ("d", sharded(np.ones((8, 2)), P("a")))]
+    hs = placement.host_leaves(leaves, fetch=False, pieces=True)
+    assert [(h.shape, h.array, h.shards) for h in hs] == [((2, 3), None, ()), ((4,), None, ()),
+                                                           ((), None, ()), ((8, 2), None, ())]
+    with pytest.raises(InputError, match="cannot be stored"):
+        placement.host_leaves([("e", jnp.ones(2)), ("f", np.array(["x"]))], fetch=False)
+
+
+# --- host to device ----------------------------------------------------------------------------
+
+def test_place_all_follows_each_target():
+    requests = [(np.arange(3.0, dtype=np.float32), None, "w", None),
+                (np.array(7), 0, "step", None),
+                (np.ones(2, np.float32), np.zeros(2), "np", None),
+                (np.ones(2, np.float32), jax.ShapeDtypeStruct((2,), jnp.float32), "spec", None)]
+    w, step, as_np, spec = placement.place_all(requests, host=False, device=None)
+    assert isinstance(w, jax.Array) and w.tolist() == [0, 1, 2]
+    assert step == 7 and type(step) is int
+    assert isinstance(as_np, np.ndarray) and isinstance(spec, jax.Array)
+    on_host = placement.place_all(requests[:1], host=True, device=None)[0]
+    assert isinstance(on_host, np.ndarray)
+
+
+def test_damaged_key_data_is_a_format_error():
+    with pytest.raises(FormatError, match="cannot rebuild PRNG keys"):
+        placement.place(np.zeros(3, np.uint32), None, host=False, device=None, where="k",
+                        key_impl="threefry2x32")

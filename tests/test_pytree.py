@@ -1,0 +1,103 @@
+"""Pytrees <-> (key path, leaf) lists, and namespace prefixing."""
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import numpy as np
+import pytest
+
+from jckpt.errors import FormatError, InputError
+from jckpt.format.entries import Header, entry_for
+from jckpt.trees import pytree as tree_mod
+
+
+class Pair(NamedTuple):
+    a: object
+    b: object
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class State:
+    params: dict
+    step: object
+
+
+def test_flatten_gives_stored_paths_of_every_kind():
+    tree = {"d": {"x": 1}, "e": {3: 2}, "l": [4, (5,)], "p": Pair(6, 7), "s": State({"w": 8}, 9)}
+    items = tree_mod.flatten(tree)
+    paths = [p for p, _ in items]
+    assert paths == [
+        (("k", "d"), ("k", "x")), (("k", "e"), ("ki", 3)),
+        (("k", "l"), ("i", 0)), (("k", "l"), ("i", 1), ("i", 0)),
+        (("k", "p"), ("a", "a")), (("k", "p"), ("a", "b")),
+        (("k", "s"), ("a", "params"), ("k", "w")), (("k", "s"), ("a", "step"))]
+    assert [v for _, v in items] == [1, 2, 4, 5, 6, 7, 8, 9]
+    assert tree_mod.flatten(np.ones(2))[0][0] == ()  # a root leaf has the empty path
+    spec = jax.ShapeDtypeStruct((2,), np.float32)
+    assert tree_mod.flatten({"s": spec}) == [((("k", "s"),), spec)]  # kept whole
+
+
+def test_flatten_with_treedef_rebuilds_the_structure():
+    tree = {"p": Pair(1, [2, 3]), "s": State({"w": 4}, 5)}
+    items, treedef = tree_mod.flatten_with_treedef(tree)
+    back = jax.tree_util.tree_unflatten(treedef, [v * 10 for _, v in items])
+    assert type(back["p"]) is Pair and back["p"].b == [20, 30] and back["s"].params == {"w": 40}
+
+
+def test_unflatten_builds_dicts_and_lists():
+    tree = {"d": {"x": 1}, "e": {3: 2}, "l": [4, [5, 6]], "p": Pair(7, 8)}
+    rebuilt = tree_mod.unflatten(tree_mod.flatten(tree))
+    assert rebuilt == {"d": {"x": 1}, "e": {3: 2}, "l": [4, [5, 6]], "p": {"a": 7, "b": 8}}
+    assert tree_mod.unflatten([((), 9)]) == 9
+    assert tree_mod.unflatten([((("i", 2),), "c"), ((("i", 0),), "a")]) == ["a", None, "c"]
+
+
+@pytest.mark.parametrize("items,message", [
+    ([((("k", "a"),), 2), ((), 1)], "root leaf conflicts"),
+    ([((("k", "a"),), 1), ((("k", "a"),), 2)], "two entries claim the same place"),
+    ([((("k", "a"),), 1), ((("k", "a"), ("k", "b")), 2)], "inside another entry's leaf"),
+    ([((("i", -1),), 1)], "negative or leaves too many empty slots"),
+    ([((("i", 10**9),), 1)], "negative or leaves too many empty slots"),
+])
+def test_unflatten_refuses_inconsistent_paths(items, message):
+    with pytest.raises(FormatError, match=message):
+        tree_mod.unflatten(items, file="f.jckpt")
+
+
+def test_keys_that_cannot_be_stored_name_the_leaf():
+    with pytest.raises(InputError, match=r"dict key \(1, 2\) of type tuple cannot be stored") as info:
+        tree_mod.flatten({"ok": 1, "bad": {(1, 2): 3}})
+    assert "bad" in info.value.entry
+    with pytest.raises(InputError, match="key path element"):
+        tree_mod.key_to_component(object())
+
+
+def test_leaf_name():
+    assert tree_mod.leaf_name("jckpt", (("k", "a"), ("i", 0), ("ki", 3))) == "jckpt/a/0/3"
+    assert tree_mod.leaf_name("ns", ()) == "ns/<root>"
+
+
+def test_prefix_namespace_of_trees_and_headers():
+    header = Header(tensors=(entry_for("jckpt", (("k", "w"),), np.float32, (1,), id=4),))
+    pre = tree_mod.prefix_namespace(header, "m1")
+    assert [(e.namespace, e.id) for e in pre.tensors] == [("m1__jckpt", 4)]
+    assert header.tensors[0].namespace == "jckpt"  # pure: the argument is unchanged
+    assert tree_mod.prefix_namespace(header, None) is header
+    assert tree_mod.prefix_namespace(header, "") is header
+    assert tree_mod.prefix_namespace({"a": 1, "b": 2}, "p") == {"p__a": 1, "p__b": 2}
+    assert tree_mod.prefixed("ns", "p") == "p__ns" and tree_mod.prefixed("ns", None) == "ns"
+
+
+@pytest.mark.parametrize("prefix", ["1bad", "no-dash", "a b", "é"])
+def test_prefix_namespace_refuses_invalid_prefixes(prefix):
+    with pytest.raises(InputError, match="invalid namespace prefix"):
+        tree_mod.prefix_namespace({"a": 1}, prefix)
+    with pytest.raises(InputError, match="invalid namespace prefix"):
+        tree_mod.check_prefix(prefix)
+
+
+def test_prefix_namespace_refuses_other_values():
+    with pytest.raises(InputError, match="takes a loaded tree"):
+        tree_mod.prefix_namespace([1, 2], "p")
