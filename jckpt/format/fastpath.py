@@ -8,7 +8,7 @@ a compiler is available) or, without it, one regular expression. Anything
 else (quoted atoms, padding, unknown fields, an inconsistent length) makes
 :func:`canonical_entries` answer ``None`` and the general reader of
 :mod:`jckpt.format.header` decides, so every path accepts and produces
-exactly the same headers (``tests/test_codec.py`` checks the three agree).
+exactly the same headers (``tests/format/test_codec.py`` checks the three agree).
 """
 
 from __future__ import annotations

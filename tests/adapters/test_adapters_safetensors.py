@@ -14,7 +14,7 @@ import jckpt
 from jckpt.adapters import safetensors as st
 from jckpt.errors import FormatError, InputError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def same_bits(a, b):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
 _FENCE = re.compile(r"^```(?P<info>[^\n]*)\n(?P<body>.*?)^```[ \t]*$", re.M | re.S)
@@ -181,4 +181,4 @@ def test_typecheck_api_file_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        runpy.run_path(str(ROOT / "tests" / "typecheck_api.py"), run_name="__main__")
+        runpy.run_path(str(ROOT / "tests" / "system" / "typecheck_api.py"), run_name="__main__")

@@ -1,6 +1,6 @@
 """The reader as a security boundary: fuzzing, checksums, and the bugs fuzzing found.
 
-The fuzz cases run in a subprocess (``tests/fuzz_reader.py``) under an
+The fuzz cases run in a subprocess (``tests/system/fuzz_reader.py``) under an
 address-space limit and a per-case watchdog; see that module for the
 mutations and oracles. Four seeds of 5,000 cases each: 20,000 per run.
 """
@@ -17,10 +17,10 @@ import pytest
 import jckpt
 from jckpt.errors import ChecksumError, FormatError
 from jckpt.storage.reader import CheckpointReader
-from tests.fuzz_reader import record
 from tests.helpers import header_text, raw_file
+from tests.system.fuzz_reader import record
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEEDS = (101, 202, 303, 404)
 CASES_PER_SEED = 5000
 
@@ -32,7 +32,7 @@ def test_fuzz_reader(tmp_path, seed):
     out = tmp_path / "summary.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path))
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.fuzz_reader", "--cases", str(CASES_PER_SEED),
+        [sys.executable, "-m", "tests.system.fuzz_reader", "--cases", str(CASES_PER_SEED),
          "--seed", str(seed), "--json", str(out), "--keep", str(tmp_path / "failing"),
          "--soft-limit", "5", "--hard-limit", "60"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)

@@ -7,7 +7,7 @@ at least the last step the child reported durable, and is the step the next
 child resumes from. A final uninterrupted child finishes the run, and its
 result must equal, bit for bit, a run that was never killed.
 
-Run as ``python tests/test_train_kill.py child DIR STEPS`` to be the child.
+Run as ``python tests/system/test_train_kill.py child DIR STEPS`` to be the child.
 """
 
 import os

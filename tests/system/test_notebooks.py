@@ -14,7 +14,7 @@ import pytest
 
 nbformat = pytest.importorskip("nbformat")
 
-COLAB = Path(__file__).resolve().parent.parent / "colab"
+COLAB = Path(__file__).resolve().parents[2] / "colab"
 NOTEBOOKS = sorted(COLAB.glob("*.ipynb"))
 _URL = re.compile(r"https?://")
 

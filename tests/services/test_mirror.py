@@ -17,7 +17,7 @@ import jckpt
 from jckpt.storage import staging as staging_mod
 from jckpt.storage import writer as writer_mod
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LINE = "memory mirror: committed {} durable {} generation {} pending {} error {}"
 
 

@@ -16,7 +16,7 @@ import jckpt
 from jckpt.adapters import torch as pt
 from jckpt.errors import FormatError, InputError
 
-FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'fixtures')
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'fixtures')
 STATE = os.path.join(FIXTURES, 'torch_state.pt')
 MODEL = os.path.join(FIXTURES, 'torch_model_state_dict.pth')
 

@@ -17,7 +17,7 @@ import pytest
 pytestmark = pytest.mark.multiprocess
 
 HERE = os.path.abspath(__file__)
-ROOT = os.path.dirname(os.path.dirname(HERE))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 WORKER_TIMEOUT = 120
 
 

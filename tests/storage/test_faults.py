@@ -5,7 +5,7 @@
   ``copy_file_range``.
 * A sweep of injected faults: every call a save makes to ``open``,
   ``write``, ``pwrite``, ``copy_file_range``, ``fsync`` and ``rename`` fails
-  in turn, with ``EIO``, ``ENOSPC`` and ``EACCES``. ``tests/test_publish.py``
+  in turn, with ``EIO``, ``ENOSPC`` and ``EACCES``. ``tests/storage/test_publish.py``
   covers the first write, fsync and rename of a plain save; this covers every
   one, for plain and appending saves.
 * Faults while reading, and a manager whose disk fails for a while.
@@ -26,9 +26,9 @@ import pytest
 import jckpt
 from jckpt.errors import StorageError
 from jckpt.storage.reader import CheckpointReader
-from tests.fuzz_reader import record
+from tests.system.fuzz_reader import record
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OPS = ("open", "write", "pwrite", "copy_file_range", "fsync", "rename")
 CODES = (errno.EIO, errno.ENOSPC, errno.EACCES)
 

@@ -1,6 +1,6 @@
 """SIGKILL at random points of a save: the previous checkpoint always survives, bit for bit.
 
-One driver process (``python -m tests.test_crash``) imports jckpt once and,
+One driver process (``python -m tests.system.test_crash``) imports jckpt once and,
 for each trial, forks a child that saves version after version of a
 checkpoint in a loop (reporting each finished save through a pipe), kills it
 with SIGKILL after a random delay, then checks:
@@ -32,7 +32,7 @@ import time
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 N = 1 << 18  # elements per array: 1 MiB of uint32
 
 
@@ -305,11 +305,11 @@ def main(argv: list[str] | None = None) -> int:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_sigkill_at_random_points(tmp_path):
-    from tests.fuzz_reader import record
+    from tests.system.fuzz_reader import record
 
     out = tmp_path / "crash.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-m", "tests.test_crash", "--trials", "13",
+    proc = subprocess.run([sys.executable, "-m", "tests.system.test_crash", "--trials", "13",
                            "--seed", "1", "--workdir", str(tmp_path), "--json", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
@@ -367,7 +367,7 @@ def test_contention_appending_saves(tmp_path):
 
     import jckpt
     from jckpt.storage.reader import CheckpointReader
-    from tests.fuzz_reader import record
+    from tests.system.fuzz_reader import record
 
     path = str(tmp_path / "c.jckpt")
     jckpt.save(jckpt.Context(), {"base": np.arange(10)}, path)

@@ -19,7 +19,7 @@ import pytest
 from jckpt.format import Entry, Header, lay_out, prec_of
 from jckpt.storage import ArraySource, CheckpointReader, write_checkpoint
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT = 60
 
 

@@ -34,7 +34,7 @@ row (once may be a stall of a busy machine) is a failure too.
 
 Run it by hand for longer::
 
-    python -m tests.fuzz_reader --cases 1000000 --seed 7 --jobs 2
+    python -m tests.system.fuzz_reader --cases 1000000 --seed 7 --jobs 2
 
 It prints a JSON summary (cases, outcomes per mutation, failures with the
 seed, case number and the file that reproduces each) and exits non-zero on
