@@ -1,186 +1,160 @@
-"""OCANNL's own persistence conformance cases, as behaviour, plus a hand-written OCANNL file."""
+"""OCANNL interop both ways: files as OCANNL writes them load; what jckpt writes OCANNL accepts."""
 
 import struct
+import warnings
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 import jckpt
-from jckpt.errors import FormatError, MismatchError, MissingEntryError
+from jckpt.adapters import ocannl
+from jckpt.errors import FormatError, InputError
 from jckpt.format.sexp import parse
 from tests.helpers import raw_file
 
-
-def independent_offsets(path):
-    """Offsets and data start parsed from the bytes, without the library's reader."""
-    raw = open(path, "rb").read()
-    (hlen,) = struct.unpack(">I", raw[:4])
-    tree = parse(raw[4:4 + hlen].decode())
-    fields = {f[0]: f[1] for f in tree}
-    offsets = [int({k: v for k, v in e}["offset"]) for e in fields["tensors"]]
-    return 4 + hlen, offsets, fields
-
-
-def three(_alignment=None):
-    """Byte lengths 12, 5 and 4, as in OCANNL's conformance test."""
-    return {"a": np.arange(12, dtype=np.uint8), "b": np.arange(5, dtype=np.uint8),
-            "c": np.array([7], dtype=np.int32)}
+#: OCANNL's precs and their element types, written out here independently of jckpt's table.
+OCANNL = {
+    'Byte_prec': np.uint8, 'Uint16_prec': np.uint16, 'Int32_prec': np.int32,
+    'Uint32_prec': np.uint32, 'Int64_prec': np.int64, 'Uint64_prec': np.uint64,
+    'Half_prec': np.float16, 'Bfloat16_prec': ml_dtypes.bfloat16, 'Fp8_prec': ml_dtypes.float8_e5m2,
+    'Single_prec': np.float32, 'Double_prec': np.float64,
+}
+OCANNL_FIELDS = ['id', 'namespace', 'label', 'prec', 'dims', 'padding', 'offset', 'byte_length']
 
 
-@pytest.mark.parametrize("alignment,expected", [(32, [0, 32, 64]), (1, [0, 12, 17])])
-def test_layout_offsets(tmp_path, alignment, expected):
-    path = tmp_path / "t.jckpt"
-    jckpt.save(jckpt.Context(alignment=alignment), three(alignment), path)
-    start, offsets, fields = independent_offsets(path)
-    assert offsets == expected
-    assert start % alignment == 0
-    assert fields["alignment"] == str(alignment)
+def ocannl_style_file(tmp_path):
+    """Every OCANNL prec, a padded entry, the legacy "" namespace, no jckpt fields, alignment 16."""
+    entries, data, expected = [], bytearray(), {}
+    def add(ns, ident, prec, dims, values, padding='none'):
+        offset = -(-len(data) // 16) * 16
+        data.extend(b'\0' * (offset - len(data)))
+        raw = values.tobytes()
+        data.extend(raw)
+        entries.append(f'((id {ident}) (namespace {ns}) (label (t {ident})) (prec {prec}) '
+                       f'(dims ({" ".join(map(str, dims))})) (padding {padding}) (offset {offset}) '
+                       f'(byte_length {len(raw)}))')
+    rng = np.random.default_rng(1)
+    for i, (prec, dtype) in enumerate(OCANNL.items()):
+        values = np.frombuffer(rng.integers(0, 256, 6 * np.dtype(dtype).itemsize, dtype=np.uint8)
+                               .tobytes(), dtype=dtype).reshape(2, 3)
+        add('model' if i % 2 else '""', i, prec, (2, 3), values)
+        expected[('model' if i % 2 else 'ocannl', f'n{i}')] = values
+    key = np.arange(8, dtype='<u4')
+    add('model', 20, 'Uint4x32_prec', (2,), key)
+    expected[('model', 'n20')] = key.reshape(2, 4)
+    region = np.arange(6, dtype='<f4').reshape(2, 3) + 1
+    add('model', 21, 'Single_prec', (5, 4), region, padding='(((1 2) (0 1)) -1.5)')
+    padded = np.full((5, 4), -1.5, np.float32)
+    padded[1:3, 0:3] = region
+    expected[('model', 'n21')] = padded
+    text = f"((version 1) (alignment 16) (tensors ({' '.join(entries)})))"
+    path = tmp_path / 'ocannl.ckpt'
+    path.write_bytes(raw_file(text, bytes(data), align=16))
+    return path, expected
 
 
-def test_alignment_one_maps_aligned_and_decodes_misaligned(tmp_path):
-    path = tmp_path / "t.jckpt"
-    jckpt.save(jckpt.Context(alignment=1), three(1), path)
-    start, _, _ = independent_offsets(path)
-    before = jckpt.ingestion_counts()
+def test_files_as_ocannl_writes_them_load(tmp_path):
+    path, expected = ocannl_style_file(tmp_path)
+    assert jckpt.detect_format(path) == 'jckpt'
     _, tree = jckpt.load(jckpt.Context(host=True), path)
-    after = jckpt.ingestion_counts()
-    # a and b are bytes (always mappable); c is an int32 at start + 17, misaligned
-    assert (start + 17) % 4 != 0
-    assert after["mapped"] - before["mapped"] == 2
-    assert after["decoded"] - before["decoded"] == 1
-    assert tree["jckpt"]["c"].tolist() == [7]
+    for (ns, name), values in expected.items():
+        got = tree[ns][name]
+        assert got.dtype == values.dtype and got.shape == values.shape, name
+        assert got.tobytes() == values.tobytes(), name
+    assert ocannl.problems(path) == []
 
 
-def test_file_without_alignment_field_loads(tmp_path):
-    path = tmp_path / "t.jckpt"
-    jckpt.save(jckpt.Context(), three(32), path)
-    raw = bytearray(path.read_bytes())
-    i = raw.index(b"(alignment 32)")
-    raw[i:i + len(b"(alignment 32)")] = b" " * len(b"(alignment 32)")
-    path.write_bytes(bytes(raw))
-    _, tree = jckpt.load(jckpt.Context(host=True), path)
-    assert tree["jckpt"]["b"].tolist() == [0, 1, 2, 3, 4]
-    assert jckpt.describe(path).alignment == 1
+def test_ocannl_file_converts_to_other_formats(tmp_path):
+    path, expected = ocannl_style_file(tmp_path)
+    out = tmp_path / 'o.npz'
+    jckpt.convert(path, out)
+    back = jckpt.adapters.read(out)
+    assert back['model']['n21'].tobytes() == expected[('model', 'n21')].tobytes()
+    assert back['ocannl']['n0'].tobytes() == expected[('ocannl', 'n0')].tobytes()
 
 
-def test_appending_disjoint_and_overwriting(tmp_path):
-    path = tmp_path / "t.jckpt"
-    ctx = jckpt.Context(host=True)
-    jckpt.save(ctx, {"a": np.float32(1)}, path)
-    jckpt.save(ctx, {"b": np.float32(2)}, path, appending=True)
-    _, tree = jckpt.load(ctx, path)
-    assert {k: float(v) for k, v in tree["jckpt"].items()} == {"a": 1.0, "b": 2.0}
-    ids = {e.path[0][1]: e.id for e in jckpt.describe(path).tensors}
-    jckpt.save(ctx, {"a": np.float32(3)}, path, appending=True)
-    _, tree = jckpt.load(ctx, path)
-    assert {k: float(v) for k, v in tree["jckpt"].items()} == {"a": 3.0, "b": 2.0}
-    assert {e.path[0][1]: e.id for e in jckpt.describe(path).tensors} == ids
+def test_void_prec_parses_and_refuses_loading(tmp_path):
+    text = ('((version 1) (tensors (((id 0) (namespace "") (label (v)) (prec Void_prec) (dims (3)) '
+            '(padding none) (offset 0) (byte_length 0)) ((id 1) (namespace "") (label (x)) '
+            '(prec Single_prec) (dims (1)) (padding none) (offset 0) (byte_length 4)))))')
+    path = tmp_path / 'void.ckpt'
+    path.write_bytes(raw_file(text, np.float32(2).tobytes()))
+    assert [e.prec for e in jckpt.describe(path).tensors] == ['Void_prec', 'Single_prec']
+    with pytest.raises(FormatError, match='Void_prec'):
+        jckpt.load(jckpt.Context(host=True), path)
+    got = jckpt.restore(jckpt.Context(namespace='ocannl', host=True), {'n1': np.zeros(1, np.float32)},
+                        path)
+    assert got['n1'].tolist() == [2.0]
 
 
-def test_empty_set(tmp_path):
-    path = tmp_path / "t.jckpt"
-    jckpt.save(jckpt.Context(), {}, path)
-    _, tree = jckpt.load(jckpt.Context(), path)
-    assert tree == {}
-    assert jckpt.describe(path).tensors == ()
+def independent_check(path):
+    """What OCANNL's reader requires, checked from the bytes with only an S-expression parser."""
+    raw = path.read_bytes()
+    (hlen,) = struct.unpack('>I', raw[:4])
+    assert hlen <= 100_000_000
+    fields = {f[0]: f[1] for f in parse(raw[4:4 + hlen].decode())}
+    assert fields['version'] == '1'
+    ids = set()
+    for entry in fields['tensors']:
+        keys = [f[0] for f in entry]
+        assert keys[:8] == OCANNL_FIELDS
+        e = dict((f[0], f[1]) for f in entry)
+        assert e['prec'] in OCANNL or e['prec'] == 'Uint4x32_prec', e['prec']
+        ident = (e['namespace'], e['id'])
+        assert ident not in ids
+        ids.add(ident)
+        size = np.dtype(OCANNL.get(e['prec'], np.uint32)).itemsize
+        assert (4 + hlen + int(e['offset'])) % size == 0  # OCANNL can map it
+    return fields
 
 
-def test_restore_missing_entry_and_shape_mismatch(tmp_path):
-    path = tmp_path / "t.jckpt"
-    jckpt.save(jckpt.Context(), {"a": np.zeros((2, 3), np.float32)}, path)
-    with pytest.raises(MissingEntryError, match="jckpt/zz"):
-        jckpt.restore(jckpt.Context(), {"zz": np.zeros(1)}, path)
-    with pytest.raises(MismatchError, match=r"shape mismatch: file has \(2, 3\)"):
-        jckpt.restore(jckpt.Context(), {"a": np.zeros((3, 2), np.float32)}, path)
+def test_what_jckpt_writes_with_ocannl_precs_ocannl_accepts(tmp_path):
+    tree = {'model': {name: np.ones((2, 2), dtype) for name, dtype in OCANNL.items()},
+            'opt': {'m': [np.zeros(3, np.float32), np.zeros(3, np.float32)]}}
+    path = tmp_path / 'w.ckpt'
+    ocannl.write(tree, path)
+    fields = independent_check(path)
+    assert len(fields['tensors']) == len(OCANNL) + 2
+    assert ocannl.problems(path) == []
+    saved = tmp_path / 'saved.jckpt'
+    jckpt.save(jckpt.Context(), {'w': np.ones(3, np.float32), 'k': jax_key()}, saved)
+    independent_check(saved)
+    assert ocannl.problems(saved) == []
 
 
-def test_load_clash(tmp_path):
-    path = tmp_path / "t.jckpt"
-    jckpt.save(jckpt.Context(), {"a": np.zeros(2)}, path)
-    ctx, _ = jckpt.load(jckpt.Context(host=True), path)
-    with pytest.raises(jckpt.ClashError, match="already loaded"):
-        jckpt.load(ctx, path)
-    ctx2, tree = jckpt.load(ctx, path, prefix_namespace="copy")
-    assert "copy__jckpt" in tree and len(ctx2.registry) == 2
+def jax_key():
+    import jax
+    return jax.random.key(0)
 
 
-def test_truncated(tmp_path):
-    path = tmp_path / "t.jckpt"
-    jckpt.save(jckpt.Context(), {"a": np.zeros(100, np.float32)}, path)
-    path.write_bytes(path.read_bytes()[:-10])
-    with pytest.raises(FormatError, match="extends past the end of the file"):
-        jckpt.load(jckpt.Context(), path)
+def test_writer_refuses_what_ocannl_cannot_read(tmp_path):
+    path = tmp_path / 'w.ckpt'
+    for dtype, fix in [(np.bool_, 'uint8'), (np.int8, 'int32'), (ml_dtypes.float8_e4m3fn, 'float32'),
+                       (np.complex64, 'float32')]:
+        with pytest.raises(InputError, match=f'not one OCANNL reads.*{fix}'):
+            ocannl.write({'m': {'x': np.zeros(2, dtype)}}, path)
+    assert not path.exists()
+    jckpt.save(jckpt.Context(), {'b': np.zeros(2, bool)}, path)
+    assert ocannl.problems(path) == ['jckpt/b: prec Bool_prec is not an OCANNL prec']
 
 
-def test_mapping_survives_save_over_same_path(tmp_path):
-    path = tmp_path / "t.jckpt"
-    ctx = jckpt.Context(host=True)
-    jckpt.save(ctx, {"a": np.full(1000, 1.0, np.float32)}, path)
-    # a planted abandoned staging file of this target, and another target's
-    mine = tmp_path / (f"t.jckpt.jckpt-stage.{0x7FFFFFFE:08x}.{1:08x}.{2:016x}")
-    other = tmp_path / (f"u.jckpt.jckpt-stage.{0x7FFFFFFE:08x}.{1:08x}.{2:016x}")
-    mine.write_bytes(b"junk")
-    other.write_bytes(b"junk")
-    _, tree = jckpt.load(ctx, path)
-    old = tree["jckpt"]["a"]
-    jckpt.save(ctx, {"a": np.full(1000, 2.0, np.float32)}, path)
-    assert (old == 1.0).all()
-    _, new = jckpt.load(jckpt.Context(host=True), path)
-    assert (new["jckpt"]["a"] == 2.0).all()
-    assert not mine.exists() and other.exists()
+def test_duplicate_ids_in_a_namespace_are_reported(tmp_path):
+    entry = ('((id 4) (namespace m) (label (x)) (prec Single_prec) (dims (1)) (padding none) '
+             '(offset {o}) (byte_length 4) (path ((k {k}))))')
+    text = f"((version 1) (tensors ({entry.format(o=0, k='a')} {entry.format(o=4, k='b')})))"
+    path = tmp_path / 'dup.ckpt'
+    path.write_bytes(raw_file(text, bytes(8)))
+    _, tree = jckpt.load(jckpt.Context(host=True), path)  # jckpt tells them apart by path
+    assert set(tree['m']) == {'a', 'b'}
+    assert ocannl.problems(path) == ['m/b: id 4 is also used by m/a in namespace m']
 
 
-OCANNL_HEADER = """((version 1)
- (alignment 16)
- (tensors
-  (((id 3) (namespace "") (label (w)) (prec Single_prec) (dims (2 3))
-    (padding none) (offset 0) (byte_length 24))
-   ((id 4) (namespace "") (label (conv k)) (prec Single_prec) (dims (4 4))
-    (padding (((1 1) (1 1)) 0.)) (offset 32) (byte_length 16))
-   ((id 5) (namespace model) (label (f8)) (prec Fp8_prec) (dims (4))
-    (padding none) (offset 48) (byte_length 4))
-   ((id 6) (namespace model) (label (h)) (prec Half_prec) (dims (2))
-    (padding none) (offset 64) (byte_length 4)))))
-"""
-
-
-def ocannl_file(tmp_path):
-    w = np.arange(6, dtype="<f4")
-    k = np.array([1, 2, 3, 4], dtype="<f4")
-    f8 = np.array([0.5, 1, 2, -4], dtype=ml_dtypes.float8_e5m2)
-    h = np.array([1.5, -2], dtype="<f2")
-    data = bytearray(68)
-    data[0:24] = w.tobytes()
-    data[32:48] = k.tobytes()
-    data[48:52] = f8.tobytes()
-    data[64:68] = h.tobytes()
-    path = tmp_path / "ocannl.ckpt"
-    path.write_bytes(raw_file(OCANNL_HEADER, bytes(data), align=16))
-    return path, w, k, f8, h
-
-
-def test_hand_written_ocannl_file(tmp_path):
-    path, w, k, f8, h = ocannl_file(tmp_path)
-    _, tree = jckpt.load(jckpt.Context(host=True), path)
-    assert set(tree) == {"ocannl", "model"}
-    assert np.array_equal(tree["ocannl"]["n3"], w.reshape(2, 3))
-    conv = tree["ocannl"]["n4"]
-    assert conv.shape == (4, 4)
-    assert np.array_equal(conv[1:3, 1:3], k.reshape(2, 2)) and conv[0].sum() == 0
-    assert tree["model"]["n5"].dtype == ml_dtypes.float8_e5m2
-    assert np.array_equal(tree["model"]["n5"].astype(np.float32), f8.astype(np.float32))
-    assert np.array_equal(tree["model"]["n6"], h)
-
-
-def test_appending_to_ocannl_file_keeps_ids_and_unknown_fields(tmp_path):
-    path, w, *_ = ocannl_file(tmp_path)
-    jckpt.save(jckpt.Context(namespace="model"), {"new": np.float32(9)}, path, appending=True)
-    header = jckpt.describe(path)
-    by_name = {e.name: e for e in header.tensors}
-    assert by_name["model/new"].id == 7  # above the namespace's maximum (6)
-    assert by_name["ocannl/n3"].id == 3 and by_name["ocannl/n4"].padding is not None
-    _, tree = jckpt.load(jckpt.Context(host=True), path)
-    assert np.array_equal(tree["ocannl"]["n3"], w.reshape(2, 3))
-    assert float(tree["model"]["new"]) == 9
-    assert header.alignment == 32
+def test_header_over_the_limit_warns(tmp_path, monkeypatch):
+    monkeypatch.setattr(ocannl, 'HEADER_LIMIT', 200)
+    path = tmp_path / 'big.ckpt'
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        ocannl.write({'m': {f'x{i}': np.zeros(1, np.float32) for i in range(10)}}, path)
+    assert any('over OCANNL' in str(w.message) for w in caught)
+    assert path.exists() and any('limit' in p for p in ocannl.problems(path))

@@ -121,3 +121,38 @@ def test_functions_and_modules_fit_on_a_screen(module: str):
             length = node.end_lineno - node.lineno + 1
             if (module, node.name) not in LONG_TABLES:
                 assert length <= MAX_FUNCTION_LINES, f"{module}.{node.name} is {length} lines"
+
+
+TESTS = PACKAGE.parent / 'tests'
+#: Modules whose tests live in a test module of another name (the codec's round trips are
+#: tested together; the multi-process save needs several processes, a system test).
+COVERED_BY = {
+    'jckpt.format.header': 'format/test_codec.py',
+    'jckpt.format.layout': 'format/test_codec.py',
+    'jckpt.format.payload': 'format/test_codec.py',
+    'jckpt.format.precs': 'format/test_codec.py',
+    'jckpt.format.entries': 'format/test_codec.py',
+    'jckpt.format.fastpath': 'format/test_codec.py',
+    'jckpt.api.saving': 'api/test_api.py',
+    'jckpt.api.loading': 'api/test_api.py',
+    'jckpt.api.multiprocess': 'system/test_multiprocess.py',
+    'jckpt.adapters.orbax': 'adapters/test_orbax.py',
+    'jckpt.adapters.orbax_handler': 'adapters/test_orbax.py',
+}
+
+
+def _own_test(module: str) -> Path | None:
+    """Where ``jckpt.<layer>.<name>``'s tests are: ``tests/<layer>/test_<name>.py``."""
+    if module in COVERED_BY:
+        return TESTS / COVERED_BY[module]
+    parts = module.split('.')
+    if len(parts) != 3 or parts[2].startswith('__'):
+        return None  # the root package's modules, and packages' __init__
+    return TESTS / parts[1] / f"test_{parts[2].lstrip('_')}.py"
+
+
+@pytest.mark.parametrize('module', sorted(MODULES))
+def test_every_module_has_a_test_module(module: str):
+    expected = _own_test(module)
+    if expected is not None:
+        assert expected.is_file(), f"{module} has no test module {expected.relative_to(TESTS)}"
