@@ -44,6 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jckpt.errors import FormatError, InputError
+from jckpt.storage.backend import backend_for
 
 PathLike = str | os.PathLike
 #: How many leading bytes a sniffer sees.
@@ -151,25 +152,17 @@ def detect_format(path: PathLike) -> str:
     """The name of the format of the file (or directory) at ``path``, from its content.
 
     Raises :class:`~jckpt.errors.FormatError` naming the file when it does not
-    exist or no registered format recognises it.
+    exist or no registered format recognises it, and
+    :class:`~jckpt.errors.InputError` for a URL no storage backend serves.
 
     Example::
 
         jckpt.detect_format('model.safetensors')   # 'safetensors'
     """
     path = os.fspath(path)
+    backend = backend_for(path)
     known = formats()
-    if os.path.isdir(path):
-        head = None
-    else:
-        try:
-            with open(path, 'rb') as f:
-                head = f.read(SNIFF_BYTES)
-        except FileNotFoundError:
-            raise FormatError("no such file or directory", file=path, fix="check the path") from None
-        except OSError as e:
-            from jckpt.storage.publish import storage_error
-            raise storage_error(e, "reading", path) from e
+    head = None if backend.isdir(path) else backend.map(path)[:SNIFF_BYTES]
     for fmt in reversed(list(known.values())):
         if fmt.sniff is None:
             continue
@@ -198,12 +191,14 @@ def format_for_destination(path: PathLike) -> str | None:
 def read(path: PathLike, format: str | None = None) -> dict[str, Any]:
     """Read ``path`` as ``{namespace: subtree}``; the format is detected unless given."""
     path = os.fspath(path)
+    backend_for(path)  # a URL no backend serves is refused before any format looks at it
     return get_format(format or detect_format(path)).read(path)
 
 
 def write(tree: Any, path: PathLike, format: str | None = None) -> None:
     """Write ``{namespace: subtree}`` to ``path`` in ``format`` (default: from its extension)."""
     path = os.fspath(path)
+    backend_for(path)  # a URL no backend serves is refused before anything is written
     name = format or format_for_destination(path)
     if name is None:
         raise InputError("cannot tell the format from the file name", file=path,
@@ -223,6 +218,8 @@ def convert(src: PathLike, dst: PathLike, *, format: str | None = None) -> tuple
     ``.bin``, ``.pt``/``.pth``; ``.safetensors.index.json`` writes Hugging
     Face's sharded layout), else ``jckpt`` when the source is not a jckpt
     file. The destination is replaced atomically; values are copied bit-exactly.
+    A URL no storage backend serves, as either path, is an
+    :class:`~jckpt.errors.InputError` before anything is read or written.
 
     Example::
 
@@ -230,6 +227,8 @@ def convert(src: PathLike, dst: PathLike, *, format: str | None = None) -> tuple
         jckpt.convert('ckpt.jckpt', 'exported', format='orbax')
     """
     src, dst = os.fspath(src), os.fspath(dst)
+    for path in (src, dst):  # a URL no backend serves is refused before anything is read
+        backend_for(path)
     source = detect_format(src)
     target = format or format_for_destination(dst)
     if target is None:

@@ -13,7 +13,6 @@ import contextlib
 import io
 import json
 import math
-import mmap as mmap_mod
 import os
 import posixpath
 from collections.abc import Iterator
@@ -23,7 +22,8 @@ import numpy as np
 
 from jckpt.errors import FormatError, InputError
 from jckpt.format.header import NAMESPACE_RE, KeyPath, path_name
-from jckpt.storage.publish import StagingFile, storage_error
+from jckpt.storage.backend import Buffer, backend_for
+from jckpt.storage.publish import storage_error
 
 #: The namespace foreign files are read into (``jckpt.Context()``'s default).
 DEFAULT_NAMESPACE = 'jckpt'
@@ -153,17 +153,10 @@ def check_member_name(name: str, file: str) -> None:
                           fix="the archive is malicious or damaged; do not use it")
 
 
-def map_file(path: str) -> mmap_mod.mmap | bytes:
-    """A private (copy-on-write) mapping of the whole file; ``b''`` when it is empty."""
-    try:
-        with open(path, 'rb') as f:
-            size = os.fstat(f.fileno()).st_size
-            return mmap_mod.mmap(f.fileno(), 0, access=mmap_mod.ACCESS_COPY) if size else b''
-    except FileNotFoundError:
-        raise FormatError("no such file", file=path, fix="check the path") from None
-    except IsADirectoryError:
-        raise FormatError("is a directory, not a file", file=path,
-                          fix="pass a file, or the format that reads this directory") from None
+def map_file(path: str) -> Buffer:
+    """The whole file ``path`` from its storage backend (locally a private copy-on-write
+    mapping; ``b''`` when it is empty). A URL no backend serves is an :class:`InputError`."""
+    return backend_for(path).map(path)
 
 
 def array_view(buffer, dtype: np.dtype, shape: tuple[int, ...], offset: int,
@@ -182,8 +175,14 @@ def array_view(buffer, dtype: np.dtype, shape: tuple[int, ...], offset: int,
 
 @contextlib.contextmanager
 def published(target: str, durable: bool = True) -> Iterator[io.BufferedWriter]:
-    """A binary file object on a staging sibling of ``target``, published on success."""
-    with StagingFile(target, durable=durable) as staging:
+    """A binary file object streaming to ``target``'s backend, published atomically on success.
+
+    The backend's :meth:`~jckpt.storage.backend.Backend.create` stages the
+    write (locally a locked sibling renamed over ``target``); the file object
+    wraps a duplicate of its descriptor, so ``zipfile`` and ``struct`` writers
+    can seek and write. An exception leaves ``target`` as it was.
+    """
+    with backend_for(target).create(target, durable=durable) as staging:
         try:
             with os.fdopen(os.dup(staging.fd), 'w+b') as f:
                 yield f

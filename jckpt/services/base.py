@@ -1,6 +1,7 @@
 """What the mirror and the checkpoint manager share: one background writer of staged generations.
 
-:class:`BackgroundWriter` takes the writer lease on its path, clears what a
+:class:`BackgroundWriter` takes the writer lease on its path from the path's
+storage backend (:func:`jckpt.storage.backend_for`), clears what a
 writer that died left there, applies the lineage rule
 (:mod:`jckpt.services.lineage`) to the checkpoint it finds, and runs a
 :class:`~jckpt.services.engine.Pipeline` whose two stages it implements: each
@@ -28,7 +29,7 @@ from jckpt.services.engine import Job, MirrorCounters, Pipeline
 from jckpt.services.lineage import Holder, check_name, open_lineage
 from jckpt.services.snapshot import Digest, content_digest
 from jckpt.storage import staging
-from jckpt.storage.lease import WriterLease
+from jckpt.storage.backend import Backend
 
 log = logging.getLogger('jckpt')
 
@@ -72,7 +73,9 @@ class BackgroundWriter(Generic[InfoT]):
     """The lease, lineage, pipeline and two-stage commit shared by the mirror and the manager.
 
     Subclasses set the class attributes, implement :meth:`_recover` and
-    :meth:`_target`, and call ``__init__`` once their own fields are set.
+    :meth:`_target`, and call ``__init__`` once their own fields are set,
+    passing ``backend``, the storage backend of their path (which they get
+    from :func:`~jckpt.storage.backend_for` before touching anything).
     """
 
     #: How lineage errors name the checkpoint found.
@@ -82,12 +85,13 @@ class BackgroundWriter(Generic[InfoT]):
     #: Skip a snapshot whose content equals the last generation's.
     _dedupe: ClassVar[bool] = False
 
-    def __init__(self, name: str, *, lease: str, ctx: Context | None, lineage: str | None,
-                 new_lineage: bool, slots: int, when_full: str, retry_after: float,
-                 patience: int) -> None:
+    def __init__(self, name: str, *, backend: Backend, lease: str, ctx: Context | None,
+                 lineage: str | None, new_lineage: bool, slots: int, when_full: str,
+                 retry_after: float, patience: int) -> None:
         self.ctx = ctx if ctx is not None else Context()
+        self.backend = backend
         check_name(lineage, name)
-        self._lease = WriterLease(lease)
+        self._lease = backend.lease(lease)
         try:
             latest = self._recover()
             found, digest = None, None

@@ -32,7 +32,6 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -42,7 +41,7 @@ import jax
 from jckpt import api
 from jckpt.api.context import Context
 from jckpt.api.multiprocess import save_directory
-from jckpt.errors import CheckpointError, FormatError, InputError
+from jckpt.errors import CheckpointError, FormatError, InputError, StorageError
 from jckpt.format.names import (
     INDEX_NAME,
     METRICS_KEY,
@@ -60,6 +59,7 @@ from jckpt.services.preemption import Preemption
 from jckpt.services.retention import Retention, check_metrics, ranked
 from jckpt.services.snapshot import namespace_leaves
 from jckpt.services.trainer_state import TrainerState
+from jckpt.storage.backend import backend_for
 from jckpt.storage.directory import reclaim_stage_dirs
 from jckpt.storage.publish import fsync_dir, reclaim_staging, storage_error
 from jckpt.storage.staging import remove_staged
@@ -131,7 +131,9 @@ class CheckpointManager(BackgroundWriter[_Step]):
         when ``jax.process_count() > 1``. Only process 0 deletes old steps.
 
     Only one manager may write a directory at a time
-    (:class:`~jckpt.errors.InUseError` otherwise).
+    (:class:`~jckpt.errors.InUseError` otherwise). A URL no storage backend
+    serves is refused with :class:`~jckpt.errors.InputError` before anything is
+    created.
 
     Example::
 
@@ -156,10 +158,11 @@ class CheckpointManager(BackgroundWriter[_Step]):
                  slots: int = 2, when_full: str = 'block', retry_after: float = 1.0,
                  patience: int = 3, lineage: str | None = None, new_lineage: bool = False,
                  handle_sigterm: bool = False, directory_steps: bool | None = None) -> None:
+        self.directory = os.fspath(directory)
+        backend = backend_for(self.directory)  # a URL is refused before the directory is made
         self.process_index, self.process_count = jax.process_index(), jax.process_count()
         self.directory_steps = (self.process_count > 1 if directory_steps is None
                                 else bool(directory_steps))
-        self.directory = os.fspath(directory)
         self._retention = Retention(keep_last, keep_every, keep_best, best_metric, best_mode)
         if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
             raise InputError(f"save_interval_steps must be a positive integer, "
@@ -180,9 +183,9 @@ class CheckpointManager(BackgroundWriter[_Step]):
                  os.path.join(self.directory, f".process{self.process_index:05d}"))
         self._preemption = Preemption(handle_sigterm)
         try:
-            super().__init__(self.directory, lease=lease, ctx=ctx, lineage=lineage,
-                             new_lineage=new_lineage, slots=slots, when_full=when_full,
-                             retry_after=retry_after, patience=patience)
+            super().__init__(self.directory, backend=backend, lease=lease, ctx=ctx,
+                             lineage=lineage, new_lineage=new_lineage, slots=slots,
+                             when_full=when_full, retry_after=retry_after, patience=patience)
         except BaseException:
             self._preemption.close()
             raise
@@ -203,12 +206,12 @@ class CheckpointManager(BackgroundWriter[_Step]):
         if self.process_index != 0:
             return
         files, dirs = set(), set()
-        for name in os.listdir(self.directory):
+        for name in self.backend.list(self.directory):
             path = os.path.join(self.directory, name)
-            if STEP_RE.match(name) and os.path.isdir(path) and not os.path.islink(path) \
+            if STEP_RE.match(name) and self.backend.isdir(path) and not os.path.islink(path) \
                     and not os.path.exists(os.path.join(path, INDEX_NAME)):
                 log.info("jckpt: removing the half-deleted step directory %s", path)
-                shutil.rmtree(path, ignore_errors=True)  # published directories have an index
+                self.backend.remove(path)  # published directories have an index
                 continue
             head, sep, _ = name.partition(NEXT_TAG)
             if sep and STEP_RE.match(head):
@@ -225,7 +228,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
 
     def _scan(self) -> None:
         found: dict[int, dict[str, float]] = {}
-        for name in os.listdir(self.directory):
+        for name in self.backend.list(self.directory):
             m = STEP_RE.match(name)
             if not m:
                 continue
@@ -352,7 +355,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
             self._metrics[step] = dict(metrics)
         try:
             self._prune()
-        except OSError as e:  # a failed deletion must not fail (and so repeat) the save
+        except (OSError, StorageError) as e:  # a failed deletion must not fail (and so repeat) the save
             log.warning("jckpt: retention in %s failed: %s", self.directory, e)
 
     def _prune(self) -> None:
@@ -365,11 +368,9 @@ class CheckpointManager(BackgroundWriter[_Step]):
             if self.process_index != 0:  # every process drops it; process 0 deletes it
                 continue
             path = self._path(s)
-            if os.path.isdir(path):  # the index first: a half-deleted directory is no step
-                os.unlink(os.path.join(path, INDEX_NAME))
-                shutil.rmtree(path)
-            else:
-                os.unlink(path)
+            if self.backend.isdir(path):  # the index first: a half-deleted directory is no step
+                self.backend.remove(os.path.join(path, INDEX_NAME))
+            self.backend.remove(path)
         if doomed and self.ctx.durable and self.process_index == 0:
             fsync_dir(self.directory)
 

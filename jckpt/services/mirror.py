@@ -48,6 +48,7 @@ from jckpt.services.engine import MirrorCounters
 from jckpt.services.lineage import MIRROR_FILE
 from jckpt.services.snapshot import namespace_leaves
 from jckpt.storage import staging
+from jckpt.storage.backend import backend_for
 
 
 class Mirror(BackgroundWriter[None]):
@@ -68,7 +69,9 @@ class Mirror(BackgroundWriter[None]):
       retry_after: seconds between attempts after a disk error (default 1).
       patience: failed attempts in a row after which waiting callers get the error.
 
-    Raises :class:`~jckpt.errors.InUseError` if another mirror holds ``path``.
+    Raises :class:`~jckpt.errors.InUseError` if another mirror holds ``path``,
+    and :class:`~jckpt.errors.InputError` for a URL no storage backend serves
+    (before anything is created).
 
     Example::
 
@@ -87,9 +90,9 @@ class Mirror(BackgroundWriter[None]):
                  lineage: str | None = None, new_lineage: bool = False, slots: int = 2,
                  when_full: str = 'block', retry_after: float = 1.0, patience: int = 3) -> None:
         self.path = os.fspath(path)
-        super().__init__(self.path, lease=self.path, ctx=ctx, lineage=lineage,
-                         new_lineage=new_lineage, slots=slots, when_full=when_full,
-                         retry_after=retry_after, patience=patience)
+        super().__init__(self.path, backend=backend_for(self.path), lease=self.path, ctx=ctx,
+                         lineage=lineage, new_lineage=new_lineage, slots=slots,
+                         when_full=when_full, retry_after=retry_after, patience=patience)
 
     def submit(self, tree: Any, *, metadata: Mapping[str, str] | None = None,
                timeout: float | None = None) -> int:

@@ -1,15 +1,19 @@
 """Storage backends: where a checkpoint's bytes live, behind one small interface.
 
 Everything above storage names a checkpoint by a path (or, later, a URL) and
-asks :func:`backend_for` for the backend that holds it. A backend offers five
-things: opening a stored file for ranged reads, a streaming write that
-publishes atomically, listing, removal, and a writer lease. Local POSIX files
+asks :func:`backend_for` for the backend that holds it: the library's entry
+points (save and load, the mirror and the manager, conversion, the tools and
+the command line) all do, before they create or read anything. A backend
+offers six things: opening a stored checkpoint for ranged reads, mapping a
+stored file of any format whole, a streaming write that publishes
+atomically, listing, removal, and a writer lease. Local POSIX files
 are the one backend today (:class:`LocalBackend`: mapped reads, a staging
 file renamed over the target, ``flock`` leases); an object store is another
 module implementing :class:`Backend`, registered by its URL scheme.
 
 Until then a URL is refused with a clear error, rather than taken for a
-relative local path (``s3://b/x`` would otherwise create ``./s3:/b/x``):
+relative local path (``s3://b/x`` would otherwise create ``./s3:/b/x``);
+:func:`backend_for` says exactly which strings count as URLs:
 
 >>> backend_for('model.jckpt') is LOCAL
 True
@@ -22,18 +26,23 @@ no storage backend for URL scheme 's3'
 
 from __future__ import annotations
 
+import mmap as mmap_mod
 import os
 import re
 import shutil
 from typing import Protocol, runtime_checkable
 
-from jckpt.errors import InputError
+from jckpt.errors import FormatError, InputError
 from jckpt.storage.lease import WriterLease
 from jckpt.storage.publish import StagingFile, storage_error
 from jckpt.storage.reader import CheckpointReader
 
-#: ``scheme://`` at the start of a path: a URL, never a local file name.
-_URL = re.compile(r'([A-Za-z][A-Za-z0-9+.-]*)://')
+#: A URL: at the very start, a scheme of two or more characters (RFC 3986: a letter, then
+#: letters, digits, ``+ - .``) and ``:/``. See :func:`backend_for` for why this rule.
+_URL = re.compile(r'([A-Za-z][A-Za-z0-9+.-]+):/')
+
+#: A whole stored file: locally a private (copy-on-write) mapping, ``b''`` for an empty file.
+Buffer = mmap_mod.mmap | bytes
 
 
 @runtime_checkable
@@ -48,6 +57,15 @@ class Backend(Protocol):
     def open(self, path: str, *, follow_symlinks: bool = True) -> CheckpointReader:
         """A stored checkpoint file, its header validated, its payloads read by range on demand."""
 
+    def map(self, path: str) -> Buffer:
+        """The whole stored file ``path``, in any format, as a buffer (the format adapters read this).
+
+        ``open`` is for jckpt checkpoints (it validates their header); this is
+        for the files of other formats (safetensors, npz, llm.c, PyTorch),
+        which the adapters parse themselves. Raises
+        :class:`~jckpt.errors.FormatError` when ``path`` is missing or a directory.
+        """
+
     def isdir(self, path: str) -> bool:
         """Whether ``path`` is a directory (a directory checkpoint, or a manager's root)."""
 
@@ -55,7 +73,10 @@ class Backend(Protocol):
         """A streaming write that replaces ``target`` atomically when published.
 
         Use as a context manager: leaving it without ``publish()`` discards
-        what was written and leaves ``target`` as it was.
+        what was written and leaves ``target`` as it was. Writers stream to
+        its descriptor ``fd`` (the checkpoint writer patches checksums into
+        the header in place); a writer that needs a file object (``zipfile``,
+        the format adapters) wraps a duplicate of that descriptor.
         """
 
     def list(self, path: str) -> list[str]:
@@ -81,6 +102,19 @@ class LocalBackend:
 
     def open(self, path: str, *, follow_symlinks: bool = True) -> CheckpointReader:
         return CheckpointReader(path, follow_symlinks=follow_symlinks)
+
+    def map(self, path: str) -> Buffer:
+        try:
+            with open(path, 'rb') as f:
+                size = os.fstat(f.fileno()).st_size
+                return mmap_mod.mmap(f.fileno(), 0, access=mmap_mod.ACCESS_COPY) if size else b''
+        except FileNotFoundError:
+            raise FormatError("no such file or directory", file=path, fix="check the path") from None
+        except IsADirectoryError:
+            raise FormatError("is a directory, not a file", file=path,
+                              fix="pass a file, or the format that reads this directory") from None
+        except OSError as e:
+            raise storage_error(e, "reading", path) from e
 
     def isdir(self, path: str) -> bool:
         return os.path.isdir(path)
@@ -117,7 +151,13 @@ LOCAL = LocalBackend()
 
 
 def url_scheme(path: str | os.PathLike) -> str | None:
-    """The scheme of ``path`` when it is a URL (``'s3'`` for ``s3://b/k``), else None."""
+    """The scheme of ``path`` when it is a URL (``'s3'`` for ``s3://b/k``), else None.
+
+    The rule is :func:`backend_for`'s.
+
+    >>> url_scheme('GS://bucket/run'), url_scheme('C:/x'), url_scheme('dir/a://b')
+    ('gs', None, None)
+    """
     text = os.fspath(path)
     if isinstance(text, bytes):
         text = os.fsdecode(text)
@@ -128,8 +168,28 @@ def url_scheme(path: str | os.PathLike) -> str | None:
 def backend_for(path: str | os.PathLike) -> Backend:
     """The backend that stores ``path``: the local one for a filesystem path.
 
-    Raises :class:`~jckpt.errors.InputError` for a URL (``scheme://...``):
-    no backend for object stores ships yet.
+    This is the one place a path becomes a backend: every entry point of the
+    library calls it before it creates or reads anything, so a URL is refused
+    before a local file or directory of that name could appear.
+
+    **What counts as a URL.** ``path`` (a ``str``, ``bytes`` or ``os.PathLike``)
+    is a URL when it starts with a scheme of two or more characters (a
+    letter, then letters, digits, ``+``, ``-`` or ``.``, as RFC 3986 spells a
+    scheme) followed by ``:/``. The scheme is matched case-insensitively and
+    reported in lower case. So these are URLs: ``s3://bucket/x``,
+    ``gs://b/x``, ``memory://x``, ``file:///tmp/x``, and ``s3:/bucket/x``,
+    which is what ``pathlib.Path('s3://bucket/x')`` turns a URL into. These
+    stay local paths: ``C:/x`` and ``C:\\x`` (a one-letter scheme is a Windows
+    drive), ``dir/a://b`` and ``./s3://b`` (``://`` not at the start),
+    ``s3:x`` and ``run:1/ckpt`` (no ``/`` right after the colon),
+    ``2024-01-01T10:00/ckpt`` (a scheme starts with a letter).
+
+    Raises :class:`~jckpt.errors.InputError` for a URL, naming its scheme and
+    saying that local paths are what this version stores: no backend for
+    object stores ships yet.
+
+    >>> backend_for('C:/x') is backend_for('dir/a://b') is LOCAL
+    True
     """
     scheme = url_scheme(path)
     if scheme is None:
@@ -139,4 +199,4 @@ def backend_for(path: str | os.PathLike) -> Backend:
                          "stores checkpoints on local (POSIX) filesystems only")
 
 
-__all__ = ['LOCAL', 'Backend', 'LocalBackend', 'backend_for', 'url_scheme']
+__all__ = ['LOCAL', 'Backend', 'Buffer', 'LocalBackend', 'backend_for', 'url_scheme']

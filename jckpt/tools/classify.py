@@ -28,6 +28,7 @@ import struct
 from jckpt.adapters import SNIFF_BYTES, detect_format
 from jckpt.errors import CheckpointError, FormatError
 from jckpt.format.names import INDEX_NAME, PIECE_RE, STEP_RE
+from jckpt.storage.backend import backend_for
 from jckpt.storage.publish import storage_error
 from jckpt.storage.reader import CheckpointReader
 
@@ -92,8 +93,10 @@ def classify(path: str | os.PathLike) -> Kind:
     file when its header still reads (OCANNL writes headers in other forms),
     else unknown. Raises :class:`~jckpt.errors.FormatError` for a path that
     is neither a regular file nor a directory (a FIFO, a device, a socket),
-    without opening it, and :class:`~jckpt.errors.StorageError` when the
-    path cannot be read.
+    without opening it, :class:`~jckpt.errors.StorageError` when the
+    path cannot be read, and :class:`~jckpt.errors.InputError` for a URL no
+    storage backend serves (every tool asks here first, so every tool
+    refuses one alike).
 
     Example::
 
@@ -102,6 +105,7 @@ def classify(path: str | os.PathLike) -> Kind:
             raise kind.error
     """
     path = os.fspath(path)
+    backend_for(path)  # a URL no backend serves: an InputError, not a "missing" file
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:

@@ -12,9 +12,10 @@
 
 Exit status: 0 when the command succeeded (and, for ``verify`` and
 ``diff``, the file is sound / the checkpoints match), 1 when ``verify``
-found damage or ``diff`` found differences, 2 for a usage error or a file
-that cannot be read. An error prints one line naming the file and what to
-do; ``--debug`` shows the traceback too.
+found damage or ``diff`` found differences, 2 for a usage error, a file
+that cannot be read, or a URL (``s3://...``: checkpoints are stored on local
+filesystems only, and nothing is created for one). An error prints one line
+naming the file and what to do; ``--debug`` shows the traceback too.
 
 ``inspect``, ``verify`` and ``diff`` read headers and payloads with the
 codec alone and never import JAX, so they start in a fraction of a second.
@@ -36,6 +37,7 @@ from typing import Any
 from jckpt.adapters import convert, format_for_destination
 from jckpt.api.progress import bar
 from jckpt.errors import CheckpointError, FormatError, InputError
+from jckpt.storage.backend import backend_for
 from jckpt.tools.classify import DIRECTORY, FILE, FOREIGN, MISSING, classify
 from jckpt.tools.consolidate import consolidate
 from jckpt.tools.diff import diff
@@ -100,6 +102,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     src, dst = args.src, args.dst
+    for path in (src, dst):  # a URL no backend serves is refused before anything is read
+        backend_for(path)
     kind = classify(src)
     if kind.name == MISSING:
         raise FormatError("no such file or directory", file=src, fix="check the source path")
@@ -201,7 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
         epilog='Exit status: 0 success / sound / same, 1 damaged / different, 2 error.')
     parser.add_argument('--version', action='version', version=f'jckpt {__version__}')
     sub = parser.add_subparsers(dest='command', metavar='COMMAND', required=True)
+    for add in (_add_inspect, _add_verify, _add_diff, _add_convert, _add_merge):
+        add(sub, common)
+    return parser
 
+
+def _add_inspect(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Add the ``inspect`` subcommand to ``sub`` (``common``: the options every one takes)."""
     p = sub.add_parser('inspect', parents=[common], help='list what a checkpoint holds',
                        description='A table of namespaces, paths, dtypes, shapes, sizes, '
                                    'offsets and whether each payload can be memory-mapped; '
@@ -217,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
                         'highest metric (default min)')
     p.set_defaults(func=cmd_inspect)
 
+
+def _add_verify(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Add the ``verify`` subcommand to ``sub`` (``common``: the options every one takes)."""
     p = sub.add_parser('verify', parents=[common], help='check layout and every checksum',
                        description='Check the layout and recompute every payload checksum. '
                                    'Exit status 0 only if all hold; each bad entry is named.')
@@ -226,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help='also fail on warnings (unchecked payloads, non-canonical layout)')
     p.set_defaults(func=cmd_verify)
 
+
+def _add_diff(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Add the ``diff`` subcommand to ``sub`` (``common``: the options every one takes)."""
     p = sub.add_parser('diff', parents=[common], help='compare two checkpoints',
                        description='Entries only in A, only in B, and for shared entries '
                                    'dtype/shape changes and the largest absolute and relative '
@@ -241,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('--json', action='store_true', help='print JSON instead of text')
     p.set_defaults(func=cmd_diff)
 
+
+def _add_convert(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Add the ``convert`` subcommand to ``sub`` (``common``: the options every one takes)."""
     p = sub.add_parser('convert', parents=[common], help='convert or rewrite a checkpoint',
                        description='Convert SRC (any format jckpt reads, detected from its '
                                    'content) into DST. jckpt to jckpt copies payloads verbatim '
@@ -259,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help='copy payloads without checking their checksums first')
     p.set_defaults(func=cmd_convert)
 
+
+def _add_merge(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Add the ``merge`` subcommand to ``sub`` (``common``: the options every one takes)."""
     p = sub.add_parser('merge', parents=[common], help='combine checkpoints into one file',
                        description='Model surgery: write OUT holding the entries of every IN, '
                                    'payloads copied verbatim. --prefix NAME (once per input, in '
@@ -274,7 +296,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('--no-verify', action='store_true',
                    help='copy payloads without checking their checksums first')
     p.set_defaults(func=cmd_merge)
-    return parser
 
 
 _handler: logging.Handler | None = None

@@ -16,6 +16,7 @@ import os
 
 from jckpt.format.header import Header
 from jckpt.format.layout import lay_out
+from jckpt.storage.backend import backend_for
 from jckpt.storage.directory import DirectoryReader
 from jckpt.storage.regions import ShardedSource
 from jckpt.storage.writer import write_checkpoint
@@ -35,6 +36,7 @@ def consolidate(directory: str | os.PathLike, file: str | os.PathLike, *, durabl
 
         jckpt.consolidate("ckpt", "ckpt.jckpt")
     """
+    backend_for(file)  # a URL no backend serves is refused before the directory is read
     reader = DirectoryReader(directory)
     entries, sources = [], []
     for array in reader.arrays.values():

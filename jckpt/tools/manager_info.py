@@ -30,6 +30,7 @@ from typing import Any
 
 from jckpt.errors import CheckpointError, InputError
 from jckpt.format.names import STEP_RE
+from jckpt.storage.backend import backend_for
 from jckpt.tools.render import REPR_ROWS, VALUE_WIDTH, html_table, human_bytes, plural, shorten, text_table
 from jckpt.tools.summary import DirectoryInfo, FileInfo, directory_info, file_info, known_metadata, tree_size
 
@@ -195,7 +196,7 @@ def manager_info(path: str | os.PathLike, *, best_metric: str | None = None,
     path = os.fspath(path)
     if best_mode not in ('min', 'max'):
         raise InputError(f"best_mode must be 'min' or 'max', not {best_mode!r}")
-    found = sorted((int(m.group(1)), name) for name in os.listdir(path)
+    found = sorted((int(m.group(1)), name) for name in backend_for(path).list(path)
                    if (m := STEP_RE.match(name)))
     steps = tuple(step_info(step, os.path.join(path, name)) for step, name in found)
     names = sorted({k for s in steps for k in s.metrics})

@@ -37,6 +37,7 @@ from jckpt.api import progress as progress_mod
 from jckpt.errors import ChecksumError, ClashError, InputError
 from jckpt.format.header import DEFAULT_ALIGNMENT, Entry, Header
 from jckpt.format.layout import lay_out
+from jckpt.storage.backend import backend_for
 from jckpt.storage.reader import CheckpointReader
 from jckpt.storage.writer import CopySource, write_checkpoint
 from jckpt.version import __version__
@@ -95,7 +96,8 @@ def relayout(src: str | os.PathLike, dst: str | os.PathLike, *, alignment: int |
         jckpt.tools.rewrite.relayout("ocannl_model.ckpt", "model.jckpt", alignment=4096)
     """
     src, dst = os.fspath(src), os.fspath(dst)
-    reader = CheckpointReader(src)
+    backend_for(dst)  # a URL no backend serves is refused before the source is read
+    reader = backend_for(src).open(src)
     if alignment is not None and (not isinstance(alignment, int) or alignment < 1):
         raise InputError(f"alignment must be a positive integer, not {alignment!r}", file=dst)
     same = os.path.exists(dst) and os.path.samefile(src, dst)
@@ -139,6 +141,8 @@ def merge(out: str | os.PathLike, inputs: Sequence[str | os.PathLike],
     """
     out = os.fspath(out)
     inputs = [os.fspath(p) for p in inputs]
+    for path in (out, *inputs):  # a URL no backend serves is refused before anything is read
+        backend_for(path)
     prefixes = _merge_prefixes(out, inputs, prefixes, alignment)
     sources = _merge_sources(out, inputs, prefixes, append=append, overwrite=overwrite)
     if verify:
@@ -182,12 +186,12 @@ def _merge_sources(out: str, inputs: Sequence[str], prefixes: Sequence[str | Non
 
     sources: list[_Source] = []
     if append and os.path.exists(out):
-        base = CheckpointReader(out)
+        base = backend_for(out).open(out)
         sources.append((base, base.header))
     elif not overwrite:
         _refuse_existing(out, "merging")
     for path, prefix in zip(inputs, prefixes):
-        reader = CheckpointReader(path)
+        reader = backend_for(path).open(path)
         sources.append((reader, prefix_namespace(reader.header, prefix or None)))
     return sources
 

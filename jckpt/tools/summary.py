@@ -31,6 +31,7 @@ from jckpt.format import precs
 from jckpt.format.header import Entry, path_name
 from jckpt.format.names import GENERATION_KEY, LINEAGE_KEY, METRICS_KEY, STEP_KEY, TRAINER_STATE_KEY
 from jckpt.format.payload import can_map
+from jckpt.storage.backend import backend_for
 from jckpt.storage.directory import DirectoryReader
 from jckpt.storage.reader import CheckpointReader
 from jckpt.tools.render import (
@@ -268,7 +269,7 @@ def known_metadata(meta: dict[str, str]) -> dict[str, Any]:
 
 def file_info(path: str | os.PathLike) -> FileInfo:
     """The :class:`FileInfo` of one checkpoint file (header only; payloads untouched)."""
-    reader = CheckpointReader(path)
+    reader = backend_for(path).open(os.fspath(path))
     h = reader.header
     return FileInfo(path=reader.path, size=reader.size, data_start=reader.data_start,
                     version=h.version, alignment=h.alignment, writer=h.writer,

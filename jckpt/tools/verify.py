@@ -31,6 +31,7 @@ from jckpt.errors import ChecksumError, FormatError
 from jckpt.format import payload as payload_mod
 from jckpt.format.header import Entry
 from jckpt.format.names import INDEX_NAME, PIECE_RE, STEP_RE
+from jckpt.storage.backend import backend_for
 from jckpt.storage.directory import DirectoryReader
 from jckpt.storage.reader import CheckpointReader
 from jckpt.tools.classify import DIRECTORY, FILE, FOREIGN, MANAGER, UNFINISHED, UNREADABLE, classify
@@ -124,8 +125,9 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
     by piece file and against its index; a checkpoint manager's directory
     step by step. Raises :class:`~jckpt.errors.FormatError` only when
     ``path`` does not exist or holds no checkpoint at all (a directory
-    without one, a FIFO or device), and :class:`~jckpt.errors.StorageError`
-    when it cannot be read.
+    without one, a FIFO or device), :class:`~jckpt.errors.StorageError`
+    when it cannot be read, and :class:`~jckpt.errors.InputError` for a URL
+    no storage backend serves.
 
     ``progress=True`` draws a bar on stderr when stderr is a terminal.
 
@@ -162,7 +164,7 @@ def _unreadable(path: str, err: FormatError) -> Problem:
 def _verify_file(path: str, progress: bool, *, follow_symlinks: bool = True) -> VerifyReport:
     """One checkpoint file: its header, its layout, every payload's checksum."""
     try:
-        reader = CheckpointReader(path, follow_symlinks=follow_symlinks)
+        reader = backend_for(path).open(path, follow_symlinks=follow_symlinks)
     except FormatError as err:
         return _failed(path, _unreadable(path, err))
     problems = _layout_problems(reader)
