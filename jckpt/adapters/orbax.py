@@ -28,6 +28,7 @@ import numpy as np
 from jckpt.adapters._common import DEFAULT_NAMESPACE, check_namespaced, host_items
 from jckpt.errors import FormatError, InputError
 from jckpt.format.header import NAMESPACE_RE
+from jckpt.storage.backend import backend_for
 
 _ITEM_MARKERS = ('_METADATA', 'manifest.ocdbt')
 _STEP_MARKER = '_CHECKPOINT_METADATA'
@@ -94,6 +95,7 @@ def _read_item(item: str) -> Any:
 def read(path: str) -> dict[str, Any]:
     """An orbax item or step directory as ``{namespace: subtree}`` of host numpy arrays."""
     path = os.fspath(path)
+    backend_for(path)  # a URL of an unsupported scheme is refused, never read as a local path
     if not os.path.isdir(path):
         raise FormatError("an orbax checkpoint is a directory", file=path,
                           fix="pass the step or item directory")
@@ -118,6 +120,7 @@ def write(tree: Any, path: str) -> None:
     The directory is built beside ``path`` and renamed into place; an
     existing directory at ``path`` is replaced only after the new one is complete.
     """
+    backend_for(os.fspath(path))  # before abspath, which would make a URL a local path
     path = os.path.abspath(os.fspath(path))
     tree = check_namespaced(tree, path)
     host_items(tree, path)  # refuse unstorable leaves before writing anything
