@@ -14,7 +14,6 @@ file published by a single rename (``jckpt.save`` writes one namespace).
 from __future__ import annotations
 
 import os
-import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,24 +21,20 @@ from jckpt.adapters import register_format
 from jckpt.adapters._common import host_items
 from jckpt.api.context import Context
 from jckpt.format.entries import DEFAULT_ALIGNMENT, Header, KeyPath, entry_for
+from jckpt.format.header import looks_like_header
 from jckpt.format.layout import lay_out
 from jckpt.format.names import INDEX_NAME
 from jckpt.storage.writer import ArraySource, write_checkpoint
 from jckpt.version import __version__
 
-#: The first bytes of every header jckpt and OCANNL write, after the 4-byte length.
-_HEADER_START = b'((version'
-
 
 def sniff(path: str, head: bytes | None) -> bool:
-    """A 4-byte big-endian header length followed by ``((version``; or a directory
-    checkpoint (multi-process), which holds ``index.jckpt``."""
+    """A file whose first bytes start like a jckpt header
+    (:func:`~jckpt.format.header.looks_like_header`); or a directory checkpoint
+    (multi-process), which holds ``index.jckpt``."""
     if head is None:
         return os.path.isfile(os.path.join(path, INDEX_NAME))
-    if len(head) < 4 + len(_HEADER_START):
-        return False
-    (hlen,) = struct.unpack('>I', head[:4])
-    return hlen >= len(_HEADER_START) and head[4:].lstrip()[:len(_HEADER_START)] == _HEADER_START
+    return looks_like_header(head)
 
 
 def read(path: str) -> dict[str, Any]:

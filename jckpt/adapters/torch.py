@@ -362,7 +362,7 @@ class _Pickle:
     def tensor(self, x: Any, where: str) -> None:
         from jckpt.trees import placement
         try:
-            array, _ = placement.to_host(x, where)
+            array = placement.host_leaves([(where, x)])[0].array
         except InputError as e:
             raise InputError(e.message, file=self.path, entry=where, fix=e.fix) from None
         dtype = stored_dtype(array.dtype)

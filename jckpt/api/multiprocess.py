@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -37,9 +36,8 @@ import jax
 import numpy as np
 
 from jckpt.errors import DistributedError, InputError
-from jckpt.format import precs
 from jckpt.format.boxes import Box, box_shape, coalesce, full_box, intersect
-from jckpt.format.header import Entry, Header, KeyPath, path_name
+from jckpt.format.entries import Entry, Header, KeyPath, entry_for
 from jckpt.format.layout import lay_out
 from jckpt.format.names import DIRECTORY_LOCK_NAME, STAGE_DIR_TAG, piece_name
 from jckpt.storage.backend import Backend, backend_for
@@ -173,53 +171,36 @@ class _Leaf:
 
 def _plan(items: Sequence[tuple[KeyPath, Any]], namespace: str, first_id: int,
           process: int) -> list[_Leaf]:
-    """Check every leaf, start every transfer to host, and decide what this process writes."""
-    staged: list[Any] = []
-    for n, (p, leaf) in enumerate(items):
-        where = f"{namespace}/{path_name(p) or '<root>'}"
-        key_impl = None
-        if placement.is_prng_key(leaf):
-            key_impl = str(jax.random.key_impl(leaf))
-            leaf = jax.random.key_data(leaf)
-        spread = isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
-        if spread or placement.is_sharded(leaf):
-            dtype = np.dtype(leaf.dtype)
-            if not precs.is_supported(dtype):
-                raise InputError(f"dtype {dtype} cannot be stored", entry=where,
-                                 fix="cast to a supported dtype (see the format's prec table)")
-            # an array on this process's devices only is saved from process 0's copy
-            shards = placement.owned_shards(leaf) if spread or process == 0 else []
-            placement.start_transfers(shards)
-            staged.append((first_id + n, p, where, leaf, key_impl, shards))
-        else:  # a host value or a process-local array: process 0's copy is the one saved
-            if isinstance(leaf, jax.Array) and process == 0:
-                placement.start_host_copies([leaf])
-            staged.append((first_id + n, p, where, leaf, key_impl, None))
-    out = []
-    for ident, p, where, leaf, key_impl, shards in staged:
-        if shards is None:
-            array, impl = placement.to_host(leaf, where)  # checks the leaf in every process
-            blocks: list[tuple[Box, Any]] = (
-                [(full_box(array.shape), ArraySource(array))] if process == 0 else [])
-            out.append(_Leaf(ident, p, array.dtype, tuple(array.shape), key_impl or impl, blocks))
-            continue
-        dtype = np.dtype(leaf.dtype)
-        blocks = []
-        for block in coalesce([b for b, _ in shards]):
-            inside = [(tuple((a - o, z - o) for (a, z), (o, _) in zip(b, block)),
-                       functools.partial(placement.await_host, d))
-                      for b, d in shards if intersect(b, block) == b]
-            blocks.append((block, ShardedSource(box_shape(block), dtype, inside)))
-        out.append(_Leaf(ident, p, dtype, tuple(leaf.shape), key_impl, blocks))
-    return out
+    """Check every leaf, start every transfer to host, and decide what this process writes.
+
+    Every process checks every leaf. A sharded array's distinct shards are
+    written by the processes that own them; an array on this process's
+    devices only, or a host value, is saved from process 0's copy (the other
+    processes only describe it).
+    """
+    hosts = placement.host_leaves(
+        [(tree_mod.leaf_name(namespace, p), leaf) for p, leaf in items],
+        pieces=True, spread=True, fetch=process == 0)
+    return [_Leaf(first_id + n, p, h.dtype, h.shape, h.key_impl, _blocks(h))
+            for n, ((p, _), h) in enumerate(zip(items, hosts))]
+
+
+def _blocks(h: placement.HostLeaf) -> list[tuple[Box, Any]]:
+    """``(box, source)`` of what this process writes of ``h``: its shards joined where they touch."""
+    if h.array is not None:
+        return [(full_box(h.shape), ArraySource(h.array))]
+    blocks: list[tuple[Box, Any]] = []
+    for block in coalesce([b for b, _ in h.shards]):
+        inside = [(tuple((a - o, z - o) for (a, z), (o, _) in zip(b, block)),
+                   functools.partial(placement.await_host, d))
+                  for b, d in h.shards if intersect(b, block) == b]
+        blocks.append((block, ShardedSource(box_shape(block), h.dtype, inside)))
+    return blocks
 
 
 def _piece_entry(leaf: _Leaf, namespace: str, box: Box) -> Entry:
-    dims = box_shape(box)
-    return Entry(id=leaf.ident, namespace=namespace, prec=precs.prec_of(leaf.dtype), dims=dims,
-                 offset=0, byte_length=math.prod(dims) * leaf.dtype.itemsize,
-                 label=tuple(str(v) for _, v in leaf.path), path=leaf.path,
-                 key_impl=leaf.key_impl, slice=box, global_dims=leaf.shape)
+    return entry_for(namespace, leaf.path, leaf.dtype, box_shape(box), id=leaf.ident,
+                     key_impl=leaf.key_impl, slice=box, global_dims=leaf.shape)
 
 
 def _write_pieces(stage: str, leaves: list[_Leaf], namespace: str, alignment: int, process: int,

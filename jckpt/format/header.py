@@ -356,6 +356,28 @@ def _freeze(x: Sexp) -> Any:
 
 _HEADER_KNOWN = frozenset({'version', 'alignment', 'tensors', 'writer', 'metadata'})
 
+#: The first bytes of every header jckpt and OCANNL write, after the 4-byte length.
+HEADER_START = b'((version'
+
+
+def looks_like_header(head: bytes) -> bool:
+    """Whether a file's first bytes start like a jckpt (or OCANNL) header.
+
+    A 4-byte big-endian header length, at least as long as :data:`HEADER_START`,
+    followed (after blanks) by ``((version``. Cheap and certain enough to
+    tell a checkpoint from another format; decoding the header says whether
+    it is a valid one.
+
+    >>> looks_like_header(b'\\x00\\x00\\x00\\x20((version 1) (tensors ()))')
+    True
+    >>> looks_like_header(b'PK\\x03\\x04'), looks_like_header(b'\\x00\\x00\\x00\\x02((version')
+    (False, False)
+    """
+    if len(head) < 4 + len(HEADER_START):
+        return False
+    (hlen,) = struct.unpack_from('>I', head, 0)
+    return hlen >= len(HEADER_START) and head[4:].lstrip()[:len(HEADER_START)] == HEADER_START
+
 
 def split_header(raw: bytes | memoryview, file_size: int | None = None,
                  file: str | None = None) -> tuple[int, int]:

@@ -23,13 +23,11 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-import jax
 import numpy as np
 
 from jckpt.api.context import Context
 from jckpt.format import payload as payload_mod
-from jckpt.format import precs
-from jckpt.format.header import Entry, KeyPath, path_name
+from jckpt.format.entries import Entry, KeyPath, entry_for
 from jckpt.format.names import RESERVED_PREFIX
 from jckpt.storage.writer import Sink
 from jckpt.trees import placement
@@ -60,13 +58,6 @@ def namespace_leaves(trees: Mapping[str, Any]) -> list[Leaf]:
     return leaves
 
 
-def _on_cpu(leaf: jax.Array) -> bool:
-    try:
-        return all(d.platform == 'cpu' for d in leaf.sharding.device_set)
-    except Exception:
-        return True
-
-
 class Slot:
     """One snapshot's worth of host buffers, reused from snapshot to snapshot."""
 
@@ -77,31 +68,26 @@ class Slot:
     def fill(self, leaves: Sequence[Leaf]) -> list[HostLeaf]:
         """Copy every leaf into this slot's buffers (device-to-host for JAX arrays).
 
-        All device transfers are started before any is awaited. A leaf that
-        lives on an accelerator is adopted as the private host copy its
-        transfer made; a CPU or numpy leaf (which may alias memory the caller
-        will reuse) is copied into the slot's buffer of its shape.
+        The leaves come to host through :func:`jckpt.trees.placement.host_leaves`,
+        so every device transfer is started before any is awaited. A private
+        host array (what a transfer from an accelerator made) is adopted as
+        it is; anything else (a CPU or numpy leaf, which may alias memory the
+        caller will reuse) is copied into the slot's buffer of its shape.
         """
-        placement.start_host_copies([leaf for _, _, leaf in leaves])
-        items: list[HostLeaf] = []
-        buffers: list[np.ndarray] = []
-        for i, (namespace, path, leaf) in enumerate(leaves):
-            where = f"{namespace}/{path_name(path) or '<root>'}"
-            source = jax.random.key_data(leaf) if placement.is_prng_key(leaf) else leaf
-            host, key_impl = placement.to_host(leaf, where)
-            if isinstance(source, jax.Array) and not _on_cpu(source):
-                array = host
-            else:
-                buf = self.buffers[i] if i < len(self.buffers) else None
-                if (buf is None or buf.shape != host.shape or buf.dtype != host.dtype
-                        or not buf.flags.writeable):
-                    buf = np.empty(host.shape, host.dtype)
-                np.copyto(buf, host)
-                array = buf
-            buffers.append(array)
-            items.append(HostLeaf(namespace, path, array, key_impl))
+        hosts = placement.host_leaves(
+            [(tree_mod.leaf_name(namespace, path), leaf) for namespace, path, leaf in leaves])
+        buffers = [h.array if h.private else self._copy(i, h.array) for i, h in enumerate(hosts)]
         self.buffers = buffers
-        return items
+        return [HostLeaf(namespace, path, array, h.key_impl)
+                for (namespace, path, _), array, h in zip(leaves, buffers, hosts)]
+
+    def _copy(self, i: int, host: np.ndarray) -> np.ndarray:
+        """``host`` copied into this slot's ``i``-th buffer (a new one if that does not fit)."""
+        buf = self.buffers[i] if i < len(self.buffers) else None
+        if buf is None or buf.shape != host.shape or buf.dtype != host.dtype or not buf.flags.writeable:
+            buf = np.empty(host.shape, host.dtype)
+        np.copyto(buf, host)
+        return buf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,10 +118,8 @@ def build_entries(items: Sequence[HostLeaf]) -> tuple[tuple[Entry, ...], tuple[H
         ident = next_ids.get(namespace, 0)
         next_ids[namespace] = ident + 1
         sum_ = _array_checksum(array)
-        entries.append(Entry(id=ident, namespace=namespace, prec=precs.prec_of(array.dtype),
-                             dims=tuple(array.shape), offset=0, byte_length=array.nbytes,
-                             label=tuple(str(v) for _, v in path), path=path,
-                             checksum=sum_, key_impl=key_impl))
+        entries.append(entry_for(namespace, path, array.dtype, array.shape, id=ident,
+                                 checksum=sum_, key_impl=key_impl))
         sources.append(HashedSource(array, sum_))
     return tuple(entries), tuple(sources)
 

@@ -23,10 +23,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import stat
-import struct
 
 from jckpt.adapters import SNIFF_BYTES, detect_format
 from jckpt.errors import CheckpointError, FormatError
+from jckpt.format.header import looks_like_header
 from jckpt.format.names import INDEX_NAME, PIECE_RE, STEP_RE
 from jckpt.storage.backend import backend_for
 from jckpt.storage.publish import storage_error
@@ -53,10 +53,6 @@ UNFINISHED = 'unfinished save'
 NO_CHECKPOINT = 'no checkpoint'
 #: An UNKNOWN regular file that no reader accepts (``Kind.error`` is the reader's).
 UNREADABLE = 'unreadable file'
-
-#: The first bytes of every header jckpt and OCANNL write, after the 4-byte length.
-_HEADER_START = b'((version'
-
 
 @dataclasses.dataclass(frozen=True)
 class Kind:
@@ -155,7 +151,7 @@ def _classify_directory(path: str) -> Kind:
 
 
 def _classify_file(path: str) -> Kind:
-    if _starts_like_jckpt(_head(path)):
+    if looks_like_header(_head(path)):
         return Kind(FILE, path)
     try:
         fmt: str | None = detect_format(path)
@@ -184,14 +180,6 @@ def _head(path: str) -> bytes:
         raise storage_error(e, "reading", path) from e
     finally:
         os.close(fd)
-
-
-def _starts_like_jckpt(head: bytes) -> bool:
-    """A 4-byte big-endian header length followed by ``((version`` (after blanks)."""
-    if len(head) < 4 + len(_HEADER_START):
-        return False
-    (hlen,) = struct.unpack('>I', head[:4])
-    return hlen >= len(_HEADER_START) and head[4:].lstrip()[:len(_HEADER_START)] == _HEADER_START
 
 
 def _special_name(mode: int) -> str:

@@ -64,16 +64,6 @@ def _on_cpu(leaf: jax.Array) -> bool:
         return all(d.platform == 'cpu' for d in sharding.device_set)
 
 
-def start_host_copies(leaves: Sequence[Any]) -> None:
-    """Start device-to-host transfers of every JAX array so they overlap."""
-    for leaf in leaves:
-        if isinstance(leaf, jax.Array) and not is_prng_key(leaf) and not _on_cpu(leaf):
-            try:
-                leaf.copy_to_host_async()
-            except Exception:
-                pass
-
-
 # --- leaf to host ---------------------------------------------------------------------
 
 def is_sharded(leaf: Any) -> bool:
@@ -235,16 +225,6 @@ def _check_dtype(dtype: np.dtype, where: str) -> None:
     if not precs.is_supported(dtype):
         raise InputError(f"dtype {dtype} cannot be stored", entry=where,
                          fix="cast to a supported dtype (see the format's prec table)")
-
-
-def to_host(leaf: Any, where: str) -> tuple[np.ndarray, str | None]:
-    """``(host array, key_impl)`` for one leaf to save; raises :class:`InputError`.
-
-    :func:`host_leaves` for a single leaf; bring many leaves through that, so
-    their transfers overlap.
-    """
-    host = host_leaves([(where, leaf)])[0]
-    return host.array, host.key_impl
 
 
 def _x64_ok(dtype: np.dtype) -> bool:

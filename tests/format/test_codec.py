@@ -25,7 +25,7 @@ from jckpt.format import (
     plan_layout,
     precs,
 )
-from jckpt.format.header import header_from_sexp
+from jckpt.format.header import header_from_sexp, looks_like_header
 from jckpt.format.sexp import parse
 
 
@@ -72,6 +72,18 @@ def test_header_roundtrip_all_fields():
 def test_sharded_fields_roundtrip():
     e = entry(dims=(2, 3), byte_length=24, slice=((2, 4), (0, 3)), global_dims=(8, 3))
     assert decode_header(encode_header(Header(tensors=(e,)))).tensors[0] == e
+
+
+def test_looks_like_header_accepts_what_writers_write_and_nothing_shorter():
+    raw = encode_header(Header(tensors=(entry(),)))
+    assert looks_like_header(raw) and looks_like_header(raw[:13])
+    ocannl = b"\n  " + raw[4:]  # OCANNL may put blanks before the S-expression
+    assert looks_like_header(struct.pack(">I", len(ocannl)) + ocannl)
+    assert not looks_like_header(raw[:12])                          # too short to tell
+    assert not looks_like_header(struct.pack(">I", 8) + raw[4:])    # shorter than its own start
+    assert not looks_like_header(b"PK\x03\x04\x14\x00\x00\x00\x08\x00\x00\x00!\x00")  # a zip
+    assert not looks_like_header(raw[:4] + b"((tensors ()) (version 1))")
+    assert not looks_like_header(b"")
 
 
 def test_unknown_fields_are_kept_verbatim():

@@ -108,6 +108,29 @@ def test_snapshot_is_isolated_from_later_updates(tmp_path, monkeypatch):
     np.testing.assert_array_equal(out["d"], np.arange(4) * 10)
 
 
+def test_slot_copies_shared_leaves_into_reused_buffers_and_adopts_private_ones(monkeypatch):
+    from jckpt.services import snapshot
+    from jckpt.trees import placement
+
+    slot = snapshot.Slot(0)
+    host = np.arange(4, dtype=np.float32)
+    key = jax.random.key(1)
+    first = slot.fill([("a", (("k", "h"),), host), ("a", (("k", "n"),), 3),
+                       ("a", (("k", "key"),), key)])
+    assert not np.shares_memory(first[0].array, host)          # the caller's buffer is copied
+    assert first[1].array.shape == () and first[1].array.item() == 3
+    assert first[2].key_impl == "threefry2x32" and first[2].array.shape == (2,)
+    buffer = first[0].array
+    host[:] = 5
+    second = slot.fill([("a", (("k", "h"),), host)])
+    assert second[0].array is buffer and buffer.tolist() == [5] * 4  # the slot's buffer, reused
+
+    monkeypatch.setattr(placement, "_on_cpu", lambda leaf: False)  # as on an accelerator
+    dev = jnp.arange(4.0)
+    third = slot.fill([("a", (("k", "h"),), dev)])
+    assert third[0].array is not buffer and third[0].array.tolist() == [0, 1, 2, 3]  # adopted
+
+
 def test_slots_block_or_refuse_and_are_not_reused_before_durable(tmp_path, monkeypatch):
     gate = Gate(monkeypatch)
     path = str(tmp_path / "run.jckpt")

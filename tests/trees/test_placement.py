@@ -1,4 +1,4 @@
-"""Leaf to host (placement.host_leaves, to_host) and host to device (place, place_all)."""
+"""Leaf to host (placement.host_leaves) and host to device (place, place_all)."""
 
 import jax
 import jax.numpy as jnp
@@ -62,8 +62,8 @@ def test_typed_prng_keys_become_key_data_and_impl():
     assert [h.key_impl for h in hs] == ["threefry2x32", "threefry2x32", "rbg"]
     assert [h.shape for h in hs] == [(2,), (5, 2), (4,)] and all(h.dtype == np.uint32 for h in hs)
     np.testing.assert_array_equal(hs[1].array, jax.random.key_data(many))
-    array, impl = placement.to_host(many, "k/many")
-    assert impl == "threefry2x32" and array.shape == (5, 2)
+    alone = placement.host_leaves([("k/many", many)])[0]
+    assert alone.key_impl == "threefry2x32" and alone.array.shape == (5, 2)
     back = placement.place(hs[2].array, None, host=True, device=None, where="k/rbg",
                            key_impl=hs[2].key_impl)
     assert jax.dtypes.issubdtype(back.dtype, jax.dtypes.prng_key)
@@ -83,7 +83,7 @@ def test_refusals_name_the_leaf(leaf, message):
         placement.host_leaves([("ns/ok", np.ones(2)), ("ns/bad", leaf)])
     assert info.value.entry == "ns/bad"
     with pytest.raises(InputError, match=message):
-        placement.to_host(leaf, "ns/bad")
+        placement.host_leaves([("ns/bad", leaf)])
 
 
 # --- sharded arrays, transfers, descriptions --------------------------------------------------
