@@ -2,6 +2,7 @@
 
 import os
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,9 +31,9 @@ def write(path, arrays=None):
 
 
 def damage(path, at):
-    data = bytearray(open(path, 'rb').read())
+    data = bytearray(Path(path).read_bytes())
     data[at] ^= 0x01
-    open(path, 'wb').write(bytes(data))
+    Path(path).write_bytes(bytes(data))
 
 
 def test_reads_the_header_and_each_payload(tmp_path):
@@ -42,7 +43,7 @@ def test_reads_the_header_and_each_payload(tmp_path):
     st = os.stat(path)
     assert r.file_id == (st.st_dev, st.st_ino)
     assert [e.name for e in r.header.tensors] == ['jckpt/a', 'jckpt/b']
-    (hlen,) = struct.unpack('>I', open(path, 'rb').read(4))
+    (hlen,) = struct.unpack('>I', Path(path).read_bytes()[:4])
     assert r.data_start == 4 + hlen and r.data_start % 32 == 0
     a, b = r.header.tensors
     np.testing.assert_array_equal(r.decode(a), A)
@@ -79,11 +80,11 @@ def test_an_unaligned_payload_is_copied_even_when_mapping_is_allowed(tmp_path):
 
 def test_the_mapping_is_private_and_outlives_the_file(tmp_path):
     path = write(tmp_path / 'm.jckpt')
-    original = open(path, 'rb').read()
+    original = Path(path).read_bytes()
     r = CheckpointReader(path)
     view = r.decode(r.header.tensors[0])
     view[0, 0] = 99.0  # copy-on-write: the file does not change
-    assert open(path, 'rb').read() == original
+    assert Path(path).read_bytes() == original
     write(path, {'a': np.zeros((2, 3), np.float32)})  # replaced by another file
     os.unlink(path)
     del r

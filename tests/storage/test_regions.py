@@ -2,6 +2,7 @@
 
 import itertools
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,7 +35,7 @@ def write_source(path, source, head=b'head'):
         checksum = source.write(sink)
         end = os.lseek(sink.fd, 0, os.SEEK_CUR)
         sink.flush()
-        raw = open(path, 'rb').read()[len(head):]
+        raw = Path(path).read_bytes()[len(head):]
     finally:
         os.close(fd)
     assert end == sink.position  # the next payload goes right after this one

@@ -3,6 +3,7 @@
 import dataclasses
 import errno
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -194,7 +195,7 @@ def test_write_checkpoint_patches_the_checksums_into_the_header(tmp_path):
     arrays = {'a': np.arange(6, dtype=np.float32).reshape(2, 3), 'b': np.array([1, 2], np.int16)}
     path = str(tmp_path / 'm.jckpt')
     written = write(path, arrays)
-    raw = open(path, 'rb').read()
+    raw = Path(path).read_bytes()
     assert PLACEHOLDER[1].encode() not in raw
     r = CheckpointReader(path)
     assert r.header.tensors == written.tensors
@@ -228,11 +229,11 @@ def test_kept_checksums_are_written_as_given(tmp_path):
 def test_write_checkpoint_publishes_atomically(tmp_path):
     path = str(tmp_path / 'm.jckpt')
     write(path, {'w': np.zeros(3, np.float32)})
-    old = open(path, 'rb').read()
+    old = Path(path).read_bytes()
     seen = []
 
     def during(entry):
-        seen.append((entry.name, open(path, 'rb').read() == old, len(os.listdir(tmp_path))))
+        seen.append((entry.name, Path(path).read_bytes() == old, len(os.listdir(tmp_path))))
 
     write(path, {'w': np.ones(3, np.float32), 'v': np.ones(2, np.int8)}, on_payload=during)
     assert seen == [('jckpt/w', True, 2), ('jckpt/v', True, 2)]  # the old file, and a staging file
@@ -249,10 +250,10 @@ def test_a_source_writing_the_wrong_byte_count_publishes_nothing(tmp_path):
     assert info.value.file == path and info.value.entry == 'jckpt/w'
     assert os.listdir(tmp_path) == []
     write(path, {'w': np.zeros(4, np.float32)})
-    before = open(path, 'rb').read()
+    before = Path(path).read_bytes()
     with pytest.raises(StorageError):
         write_checkpoint(path, header, [ArraySource(np.zeros(5, np.float32))], durable=False)
-    assert open(path, 'rb').read() == before and os.listdir(tmp_path) == ['m.jckpt']
+    assert Path(path).read_bytes() == before and os.listdir(tmp_path) == ['m.jckpt']
 
 
 @pytest.mark.xfail(strict=True, raises=pytest.fail.Exception,
