@@ -251,30 +251,6 @@ def test_archive_member_names_cannot_escape(tmp_path, member):
         read(str(path))
 
 
-def test_planted_symlink_at_lease_cannot_redirect_a_write(tmp_path):
-    """A symlink at the writer-lease name must not let a mirror or manager truncate its target."""
-    from jckpt.storage.lease import WriterLease, lease_path
-
-    victim = tmp_path / "victim"
-    victim.write_bytes(b"precious")
-    target = tmp_path / "m.jckpt"
-    os.symlink(victim, lease_path(str(target)))
-    with pytest.raises(jckpt.StorageError):
-        WriterLease(str(target))
-    assert victim.read_bytes() == b"precious"
-
-
-def test_reader_can_refuse_symlinks(tmp_path):
-    """What a reader of names from a file uses: ``CheckpointReader(..., follow_symlinks=False)``."""
-    real = tmp_path / "real.jckpt"
-    jckpt.save(jckpt.Context(), {"w": np.ones(2)}, real)
-    link = tmp_path / "link.jckpt"
-    os.symlink(real, link)
-    assert CheckpointReader(link).header.tensors  # a user's own path may be a link
-    with pytest.raises(FormatError, match="symbolic link"):
-        CheckpointReader(link, follow_symlinks=False)
-
-
 def test_damaged_deflate_stream_in_an_archive_is_a_format_error(tmp_path):
     """Found by fuzzing the adapters: zlib's own error escaped from a compressed member."""
     import io

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 import jckpt
-from jckpt.api import progress
 from jckpt.format import Entry, Header, lay_out, prec_of
 from jckpt.storage import ArraySource, CheckpointReader, write_checkpoint
 from jckpt.tools.diff import diff
@@ -274,29 +273,6 @@ def test_relayout_in_place(tmp_path):
 
 
 # --- progress -------------------------------------------------------------------
-
-def test_progress_wanted_only_on_a_terminal(monkeypatch):
-    monkeypatch.delenv('CI', raising=False)
-    monkeypatch.setenv('TERM', 'xterm')
-    assert not progress.wanted(True, io.StringIO())
-    assert progress.wanted(True, FakeTerminal())
-    assert not progress.wanted(False, FakeTerminal())
-    monkeypatch.setenv('CI', 'true')
-    assert not progress.wanted(True, FakeTerminal())
-    monkeypatch.setenv('CI', '')
-    monkeypatch.setenv('TERM', 'dumb')
-    assert not progress.wanted(True, FakeTerminal())
-
-
-def test_bar_draws_on_a_terminal(monkeypatch):
-    terminal = on_terminal(monkeypatch)
-    with progress.bar('copying x', total=1000) as b:
-        assert b.drawn
-        b.advance(600)
-        b.advance(400)
-    assert b.done == 1000 and not b.drawn
-    assert 'copying x' in terminal.getvalue()
-
 
 def test_save_and_load_progress(tmp_path, monkeypatch):
     terminal = on_terminal(monkeypatch)

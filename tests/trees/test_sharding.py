@@ -1,6 +1,5 @@
 """Sharded arrays on 8 virtual CPU devices: save from any mesh, restore onto any other."""
 
-import itertools
 import os
 
 import jax
@@ -13,9 +12,7 @@ from jax.sharding import PartitionSpec as P
 import jckpt
 from jckpt.api.multiprocess import save_directory
 from jckpt.errors import FormatError, MismatchError
-from jckpt.storage import regions
 from jckpt.storage.reader import CheckpointReader
-from jckpt.storage.writer import Sink
 from jckpt.trees import placement
 from jckpt.trees import sharding as sh
 
@@ -140,47 +137,6 @@ def test_replicas_are_read_once_and_no_gather(tmp_path, m42, monkeypatch):
     _, back = jckpt.load(jckpt.Context(), tmp_path / "r.jckpt")
     for k, v in tree.items():
         np.testing.assert_array_equal(np.asarray(back["jckpt"][k]), np.asarray(v))
-
-
-@pytest.mark.parametrize("shape,box_grid", [
-    ((64, 32), (1, 8)),        # short runs: scattered through a mapping
-    ((4, 40000), (1, 4)),      # few long runs: one pwrite each
-    ((40, 30000), (2, 2)),     # many long runs
-    ((6, 5, 4), (3, 1, 2)),    # three dims
-    ((9,), (3,)),
-    ((0, 4), (1, 2)),
-])
-@pytest.mark.parametrize("assemble", [0, regions.ASSEMBLE_BYTES])
-def test_sharded_source_writes_every_layout(tmp_path, shape, box_grid, assemble, monkeypatch):
-    monkeypatch.setattr(regions, "ASSEMBLE_BYTES", assemble)  # 0: always write in place
-    x = data(shape)
-    cuts = [np.linspace(0, d, g + 1).astype(int) for d, g in zip(shape, box_grid)]
-    boxes = [tuple((int(c[i]), int(c[i + 1])) for c, i in zip(cuts, idx))
-             for idx in itertools.product(*[range(g) for g in box_grid])]
-    pieces = [(b, lambda b=b: np.ascontiguousarray(x[sh.box_slices(b)])) for b in boxes]
-    src = regions.ShardedSource(shape, x.dtype, pieces[::-1])
-    fd = os.open(tmp_path / "raw", os.O_RDWR | os.O_CREAT)
-    try:
-        os.write(fd, b"head")
-        sink = Sink(fd, 4)
-        algo, digest = src.write(sink)
-        assert sink.position == 4 + x.nbytes and os.lseek(sink.fd, 0, os.SEEK_CUR) == sink.position
-        raw = os.pread(fd, x.nbytes + 10, 4)
-    finally:
-        os.close(fd)
-    assert raw == x.tobytes()
-    assert (algo, digest) == jckpt.format.payload.checksum(x.tobytes())
-
-
-def test_boxes():
-    assert sh.coalesce([((0, 2), (0, 4)), ((2, 4), (0, 4)), ((4, 6), (0, 2))]) == [
-        ((0, 4), (0, 4)), ((4, 6), (0, 2))]
-    assert sh.coalesce([((0, 2), (0, 2)), ((2, 4), (2, 4))]) == [((0, 2), (0, 2)), ((2, 4), (2, 4))]
-    assert sh.check_tiling([((0, 2),), ((2, 4),)], (4,)) is None
-    assert "missing" in sh.check_tiling([((0, 2),)], (4,))
-    assert "overlap" in sh.check_tiling([((0, 3),), ((1, 2),)], (4,))
-    assert "outside" in sh.check_tiling([((0, 5),)], (4,))
-    assert sh.check_tiling([()], ()) is None
 
 
 def test_indivisible_target_is_a_clear_error(tmp_path, m42):

@@ -1,0 +1,90 @@
+"""``jckpt.storage.checkpoint.open_checkpoint``: one way to open a file or a directory checkpoint."""
+
+import os
+
+import numpy as np
+import pytest
+
+from jckpt.errors import FormatError, InputError
+from jckpt.format.entries import entry_for
+from jckpt.format.header import Header
+from jckpt.format.layout import lay_out
+from jckpt.format.names import DIRECTORY_LOCK_NAME, INDEX_NAME, piece_name
+from jckpt.storage import directory
+from jckpt.storage.checkpoint import open_checkpoint
+from jckpt.storage.directory import DirectoryReader
+from jckpt.storage.reader import CheckpointReader
+from jckpt.storage.writer import ArraySource, write_checkpoint
+
+W = np.arange(12, dtype=np.float32).reshape(4, 3)
+
+
+def write_file(path, array=W, *, box=None):
+    """A checkpoint file holding ``array`` as ``w`` (a piece of ``W`` when ``box`` is given)."""
+    entry = entry_for('jckpt', (('k', 'w'),), array.dtype, array.shape, id=0, slice=box,
+                      global_dims=None if box is None else W.shape)
+    write_checkpoint(path, lay_out(Header(tensors=(entry,))), [ArraySource(array)], durable=False)
+
+
+def write_directory(path):
+    """A directory checkpoint of two processes, each holding two rows of ``W``."""
+    stage, lock = directory.make_stage(str(path))
+    try:
+        for p in range(2):
+            write_file(os.path.join(stage, piece_name(p)), W[2 * p:2 * p + 2],
+                       box=((2 * p, 2 * p + 2), (0, 3)))
+        directory.write_index(stage, 2, 32, {}, durable=False)
+        directory.publish_directory(stage, str(path), durable=False)
+        os.unlink(os.path.join(path, DIRECTORY_LOCK_NAME))
+    finally:
+        os.close(lock)
+
+
+def test_a_file_opens_as_a_checkpoint_reader(tmp_path):
+    path = tmp_path / 'm.jckpt'
+    write_file(path)
+    reader = open_checkpoint(path)  # a PathLike is accepted
+    assert type(reader) is CheckpointReader and reader.path == str(path)
+    (entry,) = reader.header.tensors
+    assert entry.name == 'jckpt/w' and entry.dims == (4, 3)
+    np.testing.assert_array_equal(reader.decode(entry), W)
+
+
+def test_a_directory_opens_as_a_directory_reader(tmp_path):
+    path = tmp_path / 'ckpt'
+    write_directory(path)
+    reader = open_checkpoint(str(path))
+    assert type(reader) is DirectoryReader
+    (entry,) = reader.header.tensors
+    assert entry.dims == (4, 3)  # the global array, not a piece
+    assert reader._readers == {}  # opening read only the index, no piece yet
+    np.testing.assert_array_equal(np.asarray(reader.decode(entry)), W)
+    assert type(open_checkpoint(path / piece_name(1))) is CheckpointReader  # a piece is a file
+
+
+def test_a_missing_path_is_a_format_error(tmp_path):
+    path = tmp_path / 'nope.jckpt'
+    with pytest.raises(FormatError, match='no such checkpoint file') as info:
+        open_checkpoint(path)
+    assert info.value.file == str(path) and info.value.fix
+
+
+def test_a_directory_without_index_is_not_a_checkpoint(tmp_path):
+    (tmp_path / 'half').mkdir()
+    write_file(tmp_path / 'half' / piece_name(0))  # pieces, but the save never wrote the index
+    with pytest.raises(FormatError, match=f'directory has no {INDEX_NAME}') as info:
+        open_checkpoint(tmp_path / 'half')
+    assert info.value.file == str(tmp_path / 'half')
+
+
+def test_a_file_that_is_not_a_checkpoint_is_a_format_error(tmp_path):
+    path = tmp_path / 'notes.txt'
+    path.write_bytes(b'\x00\x00\x00\x05hello')
+    with pytest.raises(FormatError) as info:
+        open_checkpoint(path)
+    assert info.value.file == str(path)
+
+
+def test_a_url_no_backend_serves_is_an_input_error(tmp_path):
+    with pytest.raises(InputError, match='no storage backend'):
+        open_checkpoint('nosuch://bucket/m.jckpt')

@@ -1,0 +1,129 @@
+"""``jckpt.storage.lease``: one writer of a path at a time, across threads and processes."""
+
+import errno
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from jckpt.errors import InUseError, StorageError
+from jckpt.format.names import LEASE_SUFFIX
+from jckpt.storage.lease import WriterLease, lease_path
+
+
+def test_lease_path_of_a_file_and_of_a_directory(tmp_path):
+    assert lease_path(tmp_path / 'm.jckpt') == str(tmp_path / 'm.jckpt') + LEASE_SUFFIX
+    assert lease_path(str(tmp_path / 'new') + os.sep) == str(tmp_path / 'new') + LEASE_SUFFIX
+    (tmp_path / 'ckpt').mkdir()
+    assert lease_path(tmp_path / 'ckpt') == str(tmp_path / 'ckpt' / LEASE_SUFFIX)
+
+
+def test_one_holder_and_the_second_is_told_who(tmp_path):
+    path = str(tmp_path / 'm.jckpt')
+    lease = WriterLease(path)
+    assert lease.held and repr(lease) == f"WriterLease({path!r}, held=True)"
+    with open(lease_path(path)) as f:
+        assert f.read() == f"{os.getpid()}\n"
+    with pytest.raises(InUseError) as info:
+        WriterLease(path)  # the same process counts as another writer
+    assert str(info.value).startswith(f"{path}: in use: another writer (pid {os.getpid()}) holds "
+                                      f"the lease m.jckpt{LEASE_SUFFIX}")
+    assert info.value.file == path and 'close the other mirror or manager' in info.value.fix
+    assert lease.held  # the refusal did not disturb the holder
+    lease.release()
+
+
+def test_release_frees_the_path_and_is_idempotent(tmp_path):
+    path = str(tmp_path / 'm.jckpt')
+    lease = WriterLease(path)
+    lease.release()
+    assert not lease.held and not os.path.exists(lease_path(path))
+    lease.release()
+    assert repr(lease).endswith('held=False)')
+    WriterLease(path).release()  # free again
+
+
+def test_context_manager_releases_also_on_an_exception(tmp_path):
+    path = str(tmp_path / 'm.jckpt')
+    with WriterLease(path) as lease:
+        assert lease.held
+    assert not lease.held
+    with pytest.raises(KeyError):
+        with WriterLease(path) as lease:
+            raise KeyError
+    assert not lease.held and not os.path.exists(lease_path(path))
+
+
+def test_a_dropped_lease_is_released(tmp_path):
+    path = str(tmp_path / 'm.jckpt')
+    WriterLease(path)  # never released explicitly
+    gc.collect()
+    WriterLease(path).release()
+
+
+def test_a_directory_is_leased_inside_it(tmp_path):
+    (tmp_path / 'ckpt').mkdir()
+    with WriterLease(tmp_path / 'ckpt'):
+        assert os.path.exists(tmp_path / 'ckpt' / LEASE_SUFFIX)
+        with pytest.raises(InUseError, match='in use'):
+            WriterLease(tmp_path / 'ckpt')
+
+
+def test_a_stale_lease_file_without_a_lock_is_free(tmp_path):
+    path = str(tmp_path / 'm.jckpt')
+    with open(lease_path(path), 'w') as f:
+        f.write('123456\n')  # a pid left by a writer that died
+    with WriterLease(path):
+        with open(lease_path(path)) as f:
+            assert f.read() == f"{os.getpid()}\n"
+
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from jckpt.storage.lease import WriterLease
+    lease = WriterLease(sys.argv[1])
+    print('held', flush=True)
+    time.sleep(60)
+""")
+
+
+def test_a_killed_holder_leaves_the_path_free(tmp_path):
+    path = str(tmp_path / 'm.jckpt')
+    env = {**os.environ, 'PYTHONPATH': os.pathsep.join(sys.path)}
+    child = subprocess.Popen([sys.executable, '-c', HOLDER, path], stdout=subprocess.PIPE, env=env,
+                             text=True)
+    try:
+        assert child.stdout.readline() == 'held\n'
+        with pytest.raises(InUseError, match=rf'another writer \(pid {child.pid}\)'):
+            WriterLease(path)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+        child.stdout.close()
+    assert os.path.exists(lease_path(path))  # the file stays; the kernel dropped its lock
+    with WriterLease(path) as lease:
+        assert lease.held
+
+
+def test_a_planted_symlink_cannot_redirect_a_write(tmp_path):
+    """A symlink at the writer-lease name must not let a mirror or manager truncate its target."""
+    victim = tmp_path / 'victim'
+    victim.write_bytes(b'precious')
+    target = tmp_path / 'm.jckpt'
+    os.symlink(victim, lease_path(str(target)))
+    with pytest.raises(StorageError, match='symbolic link') as info:
+        WriterLease(str(target))
+    assert type(info.value) is StorageError and info.value.errno == errno.ELOOP
+    assert info.value.file == lease_path(str(target))
+    assert victim.read_bytes() == b'precious'
+
+
+def test_a_missing_directory_is_a_storage_error(tmp_path):
+    path = str(tmp_path / 'missing' / 'm.jckpt')
+    with pytest.raises(StorageError, match='creating the writer lease failed') as info:
+        WriterLease(path)
+    assert info.value.errno == errno.ENOENT and info.value.file == lease_path(path)
