@@ -21,6 +21,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 Box = tuple[tuple[int, int], ...]
 
 
@@ -34,9 +36,12 @@ def box_of(index: Sequence[Any], shape: Sequence[int]) -> Box:
             if step != 1:
                 raise ValueError(f"strided index {s} is not a box")
             out.append((start, max(start, stop)))
-        else:
-            s = int(s)
-            out.append((s, s + 1))
+        else:  # an integer, counted from the end when negative, as numpy does
+            k = int(s)
+            if not -d <= k < d:
+                raise IndexError(f"index {k} is out of bounds for a dimension of size {d}")
+            k = k + d if k < 0 else k
+            out.append((k, k + 1))
     return tuple(out)
 
 
@@ -116,14 +121,34 @@ def check_tiling(boxes: Sequence[Box], shape: Sequence[int]) -> str | None:
     if total != math.prod(shape):
         return (f"pieces hold {total} elements but the array has {math.prod(shape)}: "
                 "a piece is missing or duplicated")
-    nonempty = [b for b in boxes if box_size(b)]
-    if len(nonempty) <= 4096:
-        for i, a in enumerate(nonempty):
-            for b in nonempty[i + 1:]:
-                if intersect(a, b) is not None:
-                    return f"pieces {a} and {b} overlap"
+    return _first_overlap([b for b in boxes if box_size(b)], shape)
+
+
+#: The most cells :func:`check_tiling` paints (4 bytes each): pieces cut finer are refused.
+MAX_TILING_CELLS = 1 << 22
+
+
+def _first_overlap(boxes: Sequence[Box], shape: Sequence[int]) -> str | None:
+    """Why two of ``boxes`` overlap, or None: each box is painted on the grid that the
+    boxes' own edges cut, so the cost is that grid's size, never pairs of boxes."""
+    if len(boxes) < 2:
+        return None
+    cuts = [sorted({0, d, *(edge for b in boxes for edge in b[i])}) for i, d in enumerate(shape)]
+    cells = math.prod(len(c) - 1 for c in cuts)
+    if cells > MAX_TILING_CELLS:
+        return (f"pieces are cut into {cells} cells, more than the {MAX_TILING_CELLS} "
+                "a reader checks")
+    where = [{edge: k for k, edge in enumerate(c)} for c in cuts]
+    owner = np.full([len(c) - 1 for c in cuts], -1, dtype=np.int32)
+    for n, b in enumerate(boxes):
+        region = owner[tuple(slice(where[i][a], where[i][z]) for i, (a, z) in enumerate(b))]
+        taken = region[region >= 0]
+        if taken.size:
+            return f"pieces {boxes[int(taken[0])]} and {b} overlap"
+        region[...] = n
     return None
 
 
-__all__ = ['Box', 'box_of', 'box_shape', 'box_size', 'box_slices', 'check_tiling', 'coalesce',
+__all__ = ['MAX_TILING_CELLS', 'Box', 'box_of', 'box_shape', 'box_size', 'box_slices', 'check_tiling',
+           'coalesce',
            'full_box', 'intersect']

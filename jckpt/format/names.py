@@ -33,7 +33,7 @@ def piece_name(process: int, layer: int = 0) -> str:
 # --- steps of a manager directory --------------------------------------------------------------
 
 #: Step checkpoints of a manager directory: ``step_00000100.jckpt`` (a file or a directory).
-STEP_RE = re.compile(r'step_(\d{8,})\.jckpt\Z')
+STEP_RE = re.compile(r'step_([0-9]{8,})\.jckpt\Z')  # ASCII digits only, as step_name writes
 
 
 def step_name(step: int) -> str:

@@ -42,7 +42,8 @@ _QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _SPLIT_QUOTED = re.compile(r'("(?:[^"\\]|\\.)*")', re.DOTALL)
 _FAST_UNSAFE = re.compile(r'[^\t\n\r -~]|[\\;#|"]')
 _ATOM = re.compile(r'[^\s()]+')
-_TRAILING_COMMA = re.compile(r',(\s*)\]')
+# a trailing comma before ']', outside the JSON strings (group 1 skips over them whole)
+_TRAILING_COMMA = re.compile(r'("(?:[^"\\]|\\.)*")|,(\s*)\]')
 _TOKEN = re.compile(
     r'(?P<ws>\s+)|(?P<comment>;[^\n]*)|(?P<open>\()|(?P<close>\))'
     r'|(?P<quoted>"(?:[^"\\]|\\.)*")|(?P<atom>[^\s()";]+)|(?P<bad>.)',
@@ -102,7 +103,7 @@ def _parse_fast(parts: list[str]) -> Sexp:
         else:
             part = _ATOM.sub(r'"\g<0>",', part)
             out.append(part.replace('(', '[').replace(')', '],'))
-    text = _TRAILING_COMMA.sub(r'\1]', ''.join(out)).rstrip().rstrip(',')
+    text = _TRAILING_COMMA.sub(lambda m: m[1] or m[2] + ']', ''.join(out)).rstrip().rstrip(',')
     # Several top-level values become one list so json.loads rejects them.
     try:
         return json.loads(text)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import mmap as mmap_mod
 import os
+import stat
 import struct
 import threading
 from collections.abc import Iterable
@@ -42,6 +43,17 @@ class IngestionCounts:
 COUNTS = IngestionCounts()
 
 
+def _check_regular(st: os.stat_result, path: str) -> None:
+    """Refuse what is not a regular file: a directory, a FIFO, a device, a socket."""
+    if stat.S_ISREG(st.st_mode):
+        return
+    if stat.S_ISDIR(st.st_mode):
+        raise FormatError("is a directory, not a checkpoint file", file=path,
+                          fix="pass the checkpoint file inside it")
+    raise FormatError("is not a regular file (a FIFO, device or socket), so not a checkpoint",
+                      file=path, fix="pass a checkpoint file")
+
+
 class CheckpointReader:
     """An open checkpoint file: its validated header and a private mapping of its bytes.
 
@@ -53,7 +65,9 @@ class CheckpointReader:
 
     def __init__(self, path: str | os.PathLike, *, follow_symlinks: bool = True) -> None:
         self.path = os.fspath(path)
-        flags = os.O_RDONLY | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
+        # O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused below)
+        flags = (os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
+                 | (0 if follow_symlinks else os.O_NOFOLLOW))
         try:
             fd = os.open(self.path, flags)
         except FileNotFoundError:
@@ -70,6 +84,7 @@ class CheckpointReader:
             raise storage_error(e, "opening the checkpoint", self.path) from e
         try:
             st = os.fstat(fd)
+            _check_regular(st, self.path)
             self.size = st.st_size
             #: ``(st_dev, st_ino)`` of the file read, to tell if ``path`` was replaced since.
             self.file_id = (st.st_dev, st.st_ino)

@@ -74,13 +74,8 @@ class ShardedSource:
         base = sink.position
         fd = sink.fd
         for box, get in self.pieces:
-            if box_size(box) == 0:
-                continue
-            data = np.asarray(get())
-            if tuple(data.shape) != box_shape(box):
-                raise StorageError(f"piece {box} has shape {data.shape}, expected "
-                                   f"{box_shape(box)}")
-            _write_box(fd, base, self.shape, dtype, box, data)
+            if box_size(box):
+                _write_box(fd, base, self.shape, dtype, box, _piece(box, get))
         end = base + nbytes
         os.lseek(fd, end, os.SEEK_SET)
         sink.position = end
@@ -90,10 +85,18 @@ class ShardedSource:
         buf = np.empty(self.shape, dtype)
         for box, get in self.pieces:
             if box_size(box):
-                buf[box_slices(box)] = get()
+                buf[box_slices(box)] = _piece(box, get)
         flat = stored_bytes(buf)
         sink.write(flat)
         return payload_mod.checksum(flat)
+
+
+def _piece(box: Box, get: Callable[[], Any]) -> np.ndarray:
+    """A piece's host array, refused unless it has its box's shape (never broadcast)."""
+    data = np.asarray(get())
+    if tuple(data.shape) != box_shape(box):
+        raise StorageError(f"piece {box} has shape {data.shape}, expected {box_shape(box)}")
+    return data
 
 
 def _write_box(fd: int, base: int, shape: tuple[int, ...], dtype: np.dtype, box: Box,

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
-from jckpt.errors import StorageError
+from jckpt.errors import InputError, StorageError
 from jckpt.format import payload as payload_mod
 from jckpt.format.header import Entry, Header, encode_header_with_slots
 from jckpt.storage.backend import backend_for
@@ -221,6 +221,9 @@ def write_checkpoint(target: str | os.PathLike, header: Header,
     """
     target = os.fspath(target)
     backend = backend_for(target)  # refuses a URL no backend serves, before any work
+    if len(sources) != len(header.tensors):
+        raise InputError(f"{len(sources)} payload sources for {len(header.tensors)} entries",
+                         file=target, fix="give one source per entry of the header")
     draft = with_placeholders(header)
     raw, slots = encode_header_with_slots(draft)
     raw = pad_for_aliasing(raw, draft)

@@ -57,10 +57,6 @@ def test_what_is_not_a_step(name):
     assert STEP_RE.match(name) is None
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason='STEP_RE uses \\d, which matches non-ASCII digits: a file '
-                   "'step_\\u0661\\u0660...jckpt' is listed as step 10000000 whose step_name "
-                   'is another file (PIECE_RE uses [0-9] for this reason)')
 def test_non_ascii_digits_are_not_a_step():
     assert STEP_RE.match('step_' + '\u0661' + '\u0660' * 7 + '.jckpt') is None
 

@@ -81,3 +81,9 @@ def test_fast_and_slow_paths_agree(text):
     except SexpError:
         slow = ("err", None)
     assert fast == slow
+
+
+def test_atoms_that_look_like_json_punctuation_survive_the_fast_path():
+    for value in [',]', ['a,]', ', ]'], ',', ['x', [',]']], '"a,]"']:
+        text = dumps(value)
+        assert parse(text) == value and parse_slow(text) == value

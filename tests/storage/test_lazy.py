@@ -161,10 +161,6 @@ def test_a_stored_array_converts_per_read(stored):
     assert log == [(((3, 4), (0, 2)), 2 * 4)]  # bytes as stored (float32), not as converted
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason='LazyArray[-1] asks for the box ((-1, 0), ...) (box_of '
-                   'does not normalise negative integers): a directory reader copies nothing '
-                   'into it and returns uninitialised memory')
 def test_a_negative_integer_reads_the_last_row(stored):
     _, lazy = stored
     with record_reads() as log:

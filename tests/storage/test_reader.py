@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jckpt.errors import ChecksumError, FormatError, StorageError
+from jckpt.errors import ChecksumError, FormatError
 from jckpt.format import payload as payload_mod
 from jckpt.format.entries import entry_for
 from jckpt.format.header import Header
@@ -131,11 +131,6 @@ def test_a_missing_file_is_a_format_error(tmp_path):
     assert info.value.file == str(tmp_path / 'nope.jckpt')
 
 
-@pytest.mark.xfail(strict=True, raises=StorageError,
-                   reason="os.open(directory, O_RDONLY) succeeds on Linux, so the "
-                   "IsADirectoryError branch never runs: the pread that follows fails with EISDIR "
-                   "and the reader raises StorageError('reading the checkpoint failed: Is a "
-                   "directory') instead of the FormatError it means to")
 def test_a_directory_is_a_format_error(tmp_path):
     with pytest.raises(FormatError, match='is a directory, not a checkpoint file'):
         CheckpointReader(tmp_path)

@@ -108,10 +108,6 @@ def test_a_piece_of_the_wrong_shape_is_refused_in_place(tmp_path, monkeypatch):
         write_source(tmp_path / "raw", source)
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception,
-                   reason="a small (assembled) payload does not check a piece's shape: a (1, 3) "
-                          "piece for a (2, 3) box is broadcast into both rows and written, where "
-                          "a large payload raises StorageError")
 def test_a_piece_of_the_wrong_shape_is_refused_when_assembled(tmp_path):
     x = data((2, 3))
     source = ShardedSource(x.shape, x.dtype, [(((0, 2), (0, 3)), lambda: x[:1])])
