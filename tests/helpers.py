@@ -1,6 +1,15 @@
-"""Test helpers: write raw checkpoint files by hand, independently of the writer."""
+"""Test helpers: write raw checkpoint files by hand, independently of the writer, and small
+checkpoint files of named arrays through the storage writer (no JAX)."""
 
+import os
 import struct
+
+import numpy as np
+
+from jckpt.format import Entry, Header, lay_out, prec_of
+from jckpt.format.names import piece_name
+from jckpt.storage import ArraySource, CheckpointReader, write_checkpoint
+from jckpt.storage.directory import write_index
 
 
 def raw_file(text: str | bytes, data: bytes = b"", *, align: int = 1,
@@ -22,3 +31,55 @@ def entry_text(*, id=0, ns="jckpt", prec="Single_prec", dims="(1)", offset=0, le
 
 def header_text(*entries: str, version=1, alignment="(alignment 1)") -> str:
     return f"((version {version}) {alignment} (tensors ({' '.join(entries)})))"
+
+
+def write_arrays(path, arrays, *, namespace="jckpt", alignment=32, metadata=None) -> str:
+    """A checkpoint file of ``{'a/b': array}`` (ids in order, writer ``jckpt test``); its path."""
+    entries, sources = [], []
+    for i, (name, a) in enumerate(arrays.items()):
+        a = np.asarray(a)
+        entries.append(Entry(id=i, namespace=namespace, prec=prec_of(a.dtype), dims=a.shape,
+                             offset=0, byte_length=a.nbytes, label=tuple(name.split("/")),
+                             path=tuple(("k", p) for p in name.split("/"))))
+        sources.append(ArraySource(a))
+    header = lay_out(Header(tensors=tuple(entries), alignment=alignment, writer="jckpt test",
+                            metadata=tuple((metadata or {}).items())))
+    write_checkpoint(path, header, sources, durable=False)
+    return str(path)
+
+
+def write_directory(path, arrays, *, processes=2, metadata=None) -> str:
+    """A directory checkpoint written by hand: each array of ``{'a/b': array}`` split along
+    axis 0 over ``processes`` piece files, and the index; its path."""
+    os.makedirs(path)
+    pieces = {p: ([], []) for p in range(processes)}
+    for i, (name, a) in enumerate(arrays.items()):
+        a = np.asarray(a)
+        bounds = np.linspace(0, a.shape[0], processes + 1).astype(int)
+        for p in range(processes):
+            lo, hi = int(bounds[p]), int(bounds[p + 1])
+            part = np.ascontiguousarray(a[lo:hi])
+            pieces[p][0].append(Entry(
+                id=i, namespace="jckpt", prec=prec_of(a.dtype), dims=part.shape, offset=0,
+                byte_length=part.nbytes, label=tuple(name.split("/")),
+                path=tuple(("k", x) for x in name.split("/")),
+                slice=((lo, hi), *((0, d) for d in a.shape[1:])), global_dims=a.shape))
+            pieces[p][1].append(ArraySource(part))
+    for p, (entries, sources) in pieces.items():
+        write_checkpoint(os.path.join(path, piece_name(p)), lay_out(Header(tensors=tuple(entries))),
+                         sources, durable=False)
+    write_index(str(path), processes, 32, metadata or {}, durable=False)
+    return str(path)
+
+
+def corrupt_payload(path, name) -> None:
+    """Flip every bit of the first byte of entry ``name``'s payload in the file, in place."""
+    reader = CheckpointReader(path)
+    entry = next(e for e in reader.header.tensors if e.name == name)
+    where = reader.data_start + entry.offset
+    del reader
+    with open(path, "r+b") as f:
+        f.seek(where)
+        byte = f.read(1)
+        f.seek(where)
+        f.write(bytes([byte[0] ^ 0xFF]))

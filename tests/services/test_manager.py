@@ -224,17 +224,6 @@ def test_a_directory_of_another_run_is_refused_unless_a_new_lineage_is_asked(tmp
         assert mgr.lineage == "exp2" and mgr.counters.generation == 1
 
 
-def test_trainer_state_json_round_trip_and_validation():
-    s = jckpt.TrainerState(global_step=3, best_loss=float("inf"), tp=2, user={"a": [1, 2]})
-    assert jckpt.TrainerState.from_json(s.to_json()) == s
-    with pytest.raises(jckpt.InputError, match="dp"):
-        jckpt.TrainerState(dp=0)
-    with pytest.raises(jckpt.InputError, match="JSON"):
-        jckpt.TrainerState(user={"f": object()}).to_json()
-    with pytest.raises(jckpt.FormatError, match="not valid JSON"):
-        jckpt.TrainerState.from_json("{")
-
-
 def test_directory_steps_for_multi_process_saves(tmp_path):
     mesh = jax.make_mesh((8,), ("x",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))

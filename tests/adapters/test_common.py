@@ -1,0 +1,253 @@
+"""What the format adapters share (jckpt.adapters._common): the tree form, flat names, files."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from jckpt.adapters._common import (
+    DEFAULT_NAMESPACE,
+    array_view,
+    check_member_name,
+    check_namespaced,
+    flat_name,
+    flat_names,
+    host_items,
+    map_file,
+    paths_json,
+    published,
+    single_content,
+    tree_from_names,
+)
+from jckpt.errors import FormatError, InputError, StorageError
+
+W = (('k', 'w'),)
+
+
+# --- the tree form -----------------------------------------------------------------------------
+
+def test_the_default_namespace_is_the_contexts():
+    import jckpt
+
+    assert DEFAULT_NAMESPACE == jckpt.Context().namespace == 'jckpt'
+
+
+def test_check_namespaced_passes_a_tree_of_namespaces():
+    tree = {'model': {'w': 1}, '_opt2': [2]}
+    assert check_namespaced(tree, 'f') is tree
+    assert check_namespaced({}, 'f') == {}
+
+
+@pytest.mark.parametrize('tree', [[np.ones(1)], np.ones(1), {'not valid!': 1}, {'': 1}, {1: 2},
+                                  {'ok': 1, '2bad': 2}])
+def test_check_namespaced_refuses_anything_else(tree):
+    with pytest.raises(InputError, match='adapters write a tree of the form jckpt.load returns') as e:
+        check_namespaced(tree, 'out.npz')
+    assert e.value.file == 'out.npz' and "{'jckpt': tree}" in e.value.fix
+
+
+def test_host_items_brings_every_leaf_to_host_in_order():
+    x = jax.numpy.arange(3.0)
+    key = jax.random.key(2)
+    items = host_items({'a': {'w': np.ones(2), 'l': [x]}, 'b': {'k': key, 'n': 3}}, 'f')
+    assert [(ns, p) for ns, p, _ in items] == [('a', (('k', 'l'), ('i', 0))), ('a', W),
+                                               ('b', (('k', 'k'),)), ('b', (('k', 'n'),))]
+    assert all(isinstance(a, np.ndarray) for _, _, a in items)
+    np.testing.assert_array_equal(items[0][2], np.arange(3.0))
+    np.testing.assert_array_equal(items[2][2], np.asarray(jax.random.key_data(key)))  # key data
+    assert items[3][2].shape == () and int(items[3][2]) == 3
+
+
+def test_host_items_refuses_a_leaf_naming_the_file_and_the_leaf():
+    with pytest.raises(InputError, match='leaf of type str is not an array') as e:
+        host_items({'a': {'w': np.ones(1), 's': 'text'}}, 'out.safetensors')
+    assert (e.value.file, e.value.entry) == ('out.safetensors', 'a/s')
+    with pytest.raises(InputError, match='adapters write a tree'):
+        host_items([np.ones(1)], 'out.safetensors')
+
+
+# --- flat names --------------------------------------------------------------------------------
+
+def test_flat_name():
+    path = (('k', 'layers'), ('i', 0), ('a', 'kernel'))
+    assert flat_name('model', path, False) == 'layers.0.kernel'
+    assert flat_name('model', path, True) == 'model.layers.0.kernel'
+    assert flat_name('model', path, True, sep='/') == 'model/layers/0/kernel'
+    assert flat_name('model', (), False) == ''
+
+
+def test_flat_names_prefix_the_namespace_only_when_there_are_several():
+    one = [('a', W, None), ('a', (('k', 'b'),), None)]
+    assert flat_names(one, 'f') == ['w', 'b']
+    several = [('a', W, None), ('b', W, None)]
+    assert flat_names(several, 'f') == ['a.w', 'b.w']
+    assert flat_names(several, 'f', sep='/') == ['a/w', 'b/w']
+
+
+def test_flat_names_refuse_two_leaves_with_one_name():
+    items = [('a', (('k', 'x'), ('k', 'y')), None), ('a', (('k', 'x.y'),), None)]
+    with pytest.raises(InputError, match="two leaves would both be stored as 'x.y'") as e:
+        flat_names(items, 'out.npz')
+    assert (e.value.file, e.value.entry) == ('out.npz', 'a/x.y') and 'a/x/y' in e.value.fix
+    assert flat_names(items, 'out.npz', sep='/') == ['x/y', 'x.y']  # distinct with another separator
+
+
+# --- the paths record --------------------------------------------------------------------------
+
+def items_and_names():
+    items = [('model', (('k', 'layers'), ('i', 0), ('k', 'w')), np.ones(2)),
+             ('model', (('k', 'step'),), np.int32(1)),
+             ('opt', (('a', 'mu'), ('ki', 3)), np.zeros(1))]
+    return items, flat_names(items, 'f')
+
+
+def test_paths_json_round_trips_the_tree():
+    items, names = items_and_names()
+    record = paths_json(items, names)
+    arrays = {n: a for n, (_, _, a) in zip(names, items)}
+    tree = tree_from_names(arrays, record)
+    assert sorted(tree) == ['model', 'opt']
+    assert tree['model']['layers'][0]['w'] is arrays['model.layers.0.w']
+    assert tree['model']['step'] is arrays['model.step']
+    assert list(jax.tree_util.tree_leaves(tree['opt'])) == [arrays['opt.mu.3']]
+
+
+@pytest.mark.parametrize('record', [None, '', 'not json', '[]', '{"x": 1}',
+                                    '{"a": ["bad ns!", [["k", "a"]]]}',
+                                    '{"a": ["m", [["zz", "a"]]]}',
+                                    '{"a": ["m", [["i", "0"]]]}',
+                                    '{"a": ["m", [["i", true]]]}'])
+def test_a_record_that_does_not_fit_gives_flat_names(record):
+    arrays = {'a': np.ones(1)}
+    assert tree_from_names(arrays, record) == {DEFAULT_NAMESPACE: arrays}
+    assert tree_from_names(arrays, record, namespace='other') == {'other': arrays}
+
+
+def test_a_record_must_cover_exactly_the_names_and_distinct_paths():
+    items, names = items_and_names()
+    arrays = {n: a for n, (_, _, a) in zip(names, items)}
+    record = paths_json(items, names)
+    fewer = dict(list(arrays.items())[:2])
+    assert tree_from_names(fewer, record) == {DEFAULT_NAMESPACE: fewer}
+    twice = paths_json([items[0], items[0]], ['x', 'y'])  # two names, one path
+    pair = {'x': np.ones(1), 'y': np.ones(1)}
+    assert tree_from_names(pair, twice) == {DEFAULT_NAMESPACE: pair}
+
+
+def test_single_content():
+    assert single_content({'jckpt': {'w': 1}}) == {'w': 1}
+    both = {'a': 1, 'b': 2}
+    assert single_content(both) is both
+    assert single_content({}) == {}
+
+
+# --- archive member names ----------------------------------------------------------------------
+
+@pytest.mark.parametrize('name', ['weights.bin', 'archive/data/0', 'a/./b', 'dot..dot', 'a/..b'])
+def test_safe_member_names_pass(name):
+    check_member_name(name, 'a.zip')
+
+
+@pytest.mark.xfail(strict=True, reason="check_member_name refuses a first component that only "
+                                       "starts with '..' ('..a' normalizes to itself and stays "
+                                       "inside): the normpath check catches no real escape")
+@pytest.mark.parametrize('name', ['..a', '...', '..hidden/w'])
+def test_a_name_starting_with_two_dots_does_not_escape(name):
+    check_member_name(name, 'a.zip')
+
+
+@pytest.mark.parametrize('name', ['../x', 'a/../../x', '/etc/passwd', '\\\\server\\share',
+                                  'C:evil', 'c:/x', 'a\\..\\x', 'a/..', 'nul\0byte'])
+def test_unsafe_member_names_are_refused(name):
+    with pytest.raises(FormatError, match='archive member name .* is unsafe|escapes the archive') as e:
+        check_member_name(name, 'a.zip')
+    assert e.value.file == 'a.zip' and 'malicious or damaged' in e.value.fix
+
+
+# --- files -------------------------------------------------------------------------------------
+
+def test_map_file_is_a_private_mapping(tmp_path):
+    path = tmp_path / 'data'
+    path.write_bytes(b'abcdef')
+    m = map_file(str(path))
+    assert bytes(m[:]) == b'abcdef' and len(m) == 6
+    m[0:1] = b'X'  # copy on write: the file is not changed
+    assert path.read_bytes() == b'abcdef'
+    (tmp_path / 'empty').write_bytes(b'')
+    assert map_file(str(tmp_path / 'empty')) == b''
+
+
+def test_map_file_refuses_what_is_not_a_file(tmp_path):
+    with pytest.raises(FormatError, match='no such file') as e:
+        map_file(str(tmp_path / 'missing'))
+    assert e.value.file == str(tmp_path / 'missing')
+    with pytest.raises(FormatError, match='is a directory, not a file'):
+        map_file(str(tmp_path))
+
+
+def test_array_view_is_zero_copy_when_aligned():
+    raw = np.arange(8, dtype=np.float32)
+    buffer = raw.tobytes()
+    view = array_view(buffer, np.dtype(np.float32), (2, 3), 8, 'f', 'e')
+    np.testing.assert_array_equal(view, np.arange(2, 8, dtype=np.float32).reshape(2, 3))
+    assert np.shares_memory(view, np.frombuffer(buffer, np.uint8))
+
+
+def test_array_view_copies_a_misaligned_payload_into_aligned_memory():
+    buffer = b'\0' + np.arange(3, dtype=np.float64).tobytes()
+    view = array_view(buffer, np.dtype(np.float64), (3,), 1, 'f', 'e')
+    np.testing.assert_array_equal(view, np.arange(3.0))
+    assert not np.shares_memory(view, np.frombuffer(buffer, np.uint8))
+    assert view.ctypes.data % 8 == 0 and view.flags.writeable
+    bytes_view = array_view(buffer, np.dtype(np.uint8), (2,), 1, 'f', 'e')  # 1-byte elements: a view
+    assert np.shares_memory(bytes_view, np.frombuffer(buffer, np.uint8))
+
+
+@pytest.mark.parametrize('offset,shape', [(0, (5,)), (4, (4,)), (17, ()), (-4, (1,))])
+def test_array_view_refuses_data_past_the_end(offset, shape):
+    buffer = np.zeros(4, np.float32).tobytes()
+    with pytest.raises(FormatError, match='tensor data extends past the end of the file') as e:
+        array_view(buffer, np.dtype(np.float32), shape, offset, 'm.npz', 'w')
+    assert (e.value.file, e.value.entry) == ('m.npz', 'w')
+
+
+def test_array_view_of_nothing():
+    assert array_view(b'', np.dtype(np.float32), (0, 3), 0, 'f', 'e').shape == (0, 3)
+
+
+def test_published_writes_the_target_whole_on_success(tmp_path):
+    target = tmp_path / 'out.bin'
+    target.write_bytes(b'old')
+    with published(str(target), durable=False) as f:
+        f.write(b'new ')
+        f.write(b'content')
+        assert target.read_bytes() == b'old'  # not yet in place
+    assert target.read_bytes() == b'new content'
+    assert os.listdir(tmp_path) == ['out.bin']
+
+
+def test_published_leaves_the_target_alone_on_failure(tmp_path):
+    target = tmp_path / 'out.bin'
+    target.write_bytes(b'old')
+    with pytest.raises(RuntimeError, match='converter failed'):
+        with published(str(target)) as f:
+            f.write(b'half')
+            raise RuntimeError('converter failed')
+    assert target.read_bytes() == b'old' and os.listdir(tmp_path) == ['out.bin']
+
+
+def test_published_reports_an_os_error_as_a_storage_error(tmp_path):
+    target = tmp_path / 'out.bin'
+    with pytest.raises(StorageError) as e:
+        with published(str(target)) as f:
+            f.write(b'x')
+            raise OSError(28, 'No space left on device')
+    assert e.value.file == str(target) and e.value.errno == 28
+    assert os.listdir(tmp_path) == []
+
+
+def test_published_into_a_missing_directory_is_a_storage_error(tmp_path):
+    with pytest.raises(StorageError):
+        with published(str(tmp_path / 'no' / 'out.bin')):
+            pass

@@ -1,0 +1,136 @@
+"""Preemption (jckpt.services.preemption): SIGTERM as the signal to save, without a distributed client."""
+
+import signal
+import threading
+
+import pytest
+
+from jckpt.errors import InputError
+from jckpt.services.preemption import Preemption
+
+
+@pytest.fixture
+def sigterm():
+    """Put back whatever SIGTERM handler the test process had, whatever the test did."""
+    before = signal.getsignal(signal.SIGTERM)
+    yield before
+    signal.signal(signal.SIGTERM, before)
+
+
+def test_without_sigterm_handling_nothing_is_installed_and_never_reached(sigterm):
+    p = Preemption()
+    assert signal.getsignal(signal.SIGTERM) is sigterm
+    assert not p.reached(0) and not p.reached(100)
+    p.close()
+    assert signal.getsignal(signal.SIGTERM) is sigterm
+
+
+def test_sigterm_is_caught_and_reached_stays_true(sigterm):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the test process must survive a mistake
+    p = Preemption(handle_sigterm=True)
+    try:
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN  # its handler is in place
+        assert not p.reached(1)
+        signal.raise_signal(signal.SIGTERM)
+        assert p.reached(1) and p.reached(2) and p.reached(1000)  # from now on, at every step
+    finally:
+        p.close()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+
+
+def test_close_puts_the_previous_handler_back_and_is_idempotent(sigterm):
+    def previous(signum, frame):
+        pass
+
+    signal.signal(signal.SIGTERM, previous)
+    p = Preemption(handle_sigterm=True)
+    assert signal.getsignal(signal.SIGTERM) is not previous
+    p.close()
+    assert signal.getsignal(signal.SIGTERM) is previous
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    p.close()  # a second close does not put the old handler back again
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+
+
+def test_the_previous_python_handler_is_still_called(sigterm):
+    calls = []
+
+    def previous(signum, frame):
+        calls.append(signum)
+
+    signal.signal(signal.SIGTERM, previous)
+    p = Preemption(handle_sigterm=True)
+    try:
+        signal.raise_signal(signal.SIGTERM)
+        assert p.reached(5) and calls == [signal.SIGTERM]
+    finally:
+        p.close()
+
+
+def test_a_default_previous_handler_is_not_called(sigterm):
+    """SIG_DFL would end the process: the signal only marks the preemption."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    p = Preemption(handle_sigterm=True)
+    try:
+        signal.raise_signal(signal.SIGTERM)
+        assert p.reached(1)  # still running
+    finally:
+        p.close()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_two_preemptions_chain_and_unwind(sigterm):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    first = Preemption(handle_sigterm=True)
+    second = Preemption(handle_sigterm=True)
+    try:
+        signal.raise_signal(signal.SIGTERM)
+        assert first.reached(1) and second.reached(1)
+    finally:
+        second.close()
+        first.close()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+
+
+def test_each_preemption_has_its_own_flag(sigterm):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    caught = Preemption(handle_sigterm=True)
+    caught.close()
+    plain = Preemption(handle_sigterm=True)
+    try:
+        signal.raise_signal(signal.SIGTERM)
+        assert plain.reached(1)
+        assert not caught.reached(1)  # closed before the signal: its handler was gone
+    finally:
+        plain.close()
+
+
+def test_handling_sigterm_needs_the_main_thread(sigterm):
+    errors = []
+
+    def make():
+        try:
+            Preemption(handle_sigterm=True)
+        except InputError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=make)
+    t.start()
+    t.join()
+    assert len(errors) == 1 and 'needs the main thread' in errors[0].message
+    assert errors[0].fix == 'create the manager in the main thread'
+    assert signal.getsignal(signal.SIGTERM) is sigterm
+
+
+def test_a_preemption_is_usable_from_another_thread_once_made(sigterm):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    p = Preemption(handle_sigterm=True)
+    try:
+        seen = []
+        signal.raise_signal(signal.SIGTERM)
+        t = threading.Thread(target=lambda: seen.append(p.reached(3)))
+        t.start()
+        t.join()
+        assert seen == [True]
+    finally:
+        p.close()

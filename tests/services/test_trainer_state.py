@@ -1,0 +1,134 @@
+"""TrainerState (jckpt.services.trainer_state): the JSON round trip, its refusals, the layout check."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+import jckpt
+from jckpt.errors import FormatError, InputError, MismatchError
+from jckpt.services.trainer_state import TRAINER_STATE_KEY, TrainerState
+
+
+def test_trainer_state_json_round_trip_and_validation():
+    s = jckpt.TrainerState(global_step=3, best_loss=float("inf"), tp=2, user={"a": [1, 2]})
+    assert jckpt.TrainerState.from_json(s.to_json()) == s
+    with pytest.raises(jckpt.InputError, match="dp"):
+        jckpt.TrainerState(dp=0)
+    with pytest.raises(jckpt.InputError, match="JSON"):
+        jckpt.TrainerState(user={"f": object()}).to_json()
+    with pytest.raises(jckpt.FormatError, match="not valid JSON"):
+        jckpt.TrainerState.from_json("{")
+
+
+def test_the_public_name_and_the_metadata_key():
+    assert jckpt.TrainerState is TrainerState
+    assert TRAINER_STATE_KEY == 'jckpt.trainer_state'
+
+
+def test_defaults_layout_and_replace():
+    s = TrainerState()
+    assert (s.global_step, s.consumed_batches, s.learning_rate, s.best_loss) == (0, 0, None, None)
+    assert s.layout == (1, 1, 1) and s.user == {}
+    t = s.replace(global_step=5, tp=4)
+    assert (t.global_step, t.layout) == (5, (1, 4, 1))
+    assert s.global_step == 0  # replace makes a copy
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.global_step = 1  # type: ignore[misc]
+
+
+def test_to_json_is_a_sorted_object_with_every_field():
+    s = TrainerState(global_step=7, learning_rate=1e-3, pp=2, user={'seed': 0, 'tags': ['a']})
+    text = s.to_json()
+    fields = json.loads(text)
+    assert list(fields) == sorted(fields)
+    assert fields == {'global_step': 7, 'consumed_batches': 0, 'learning_rate': 1e-3,
+                      'best_loss': None, 'dp': 1, 'tp': 1, 'pp': 2,
+                      'user': {'seed': 0, 'tags': ['a']}}
+
+
+def test_non_finite_floats_survive_the_round_trip():
+    s = TrainerState(best_loss=float('nan'), learning_rate=float('-inf'))
+    text = s.to_json()
+    assert 'NaN' in text and '-Infinity' in text
+    back = TrainerState.from_json(text)
+    assert math.isnan(back.best_loss) and back.learning_rate == float('-inf')
+
+
+def test_unknown_fields_are_kept_under_user():
+    text = json.dumps({'global_step': 2, 'epoch': 4, 'user': {'seed': 1}})
+    back = TrainerState.from_json(text)
+    assert back.global_step == 2
+    assert back.user == {'seed': 1, '_unknown': {'epoch': 4}}
+    assert TrainerState.from_json('{}') == TrainerState()
+
+
+@pytest.mark.parametrize('field,value', [('global_step', -1), ('consumed_batches', 1.0),
+                                         ('global_step', True), ('dp', 0), ('tp', '2'),
+                                         ('pp', None)])
+def test_counts_and_layout_must_be_integers(field, value):
+    with pytest.raises(InputError, match=f"TrainerState.{field} must be"):
+        TrainerState(**{field: value})
+
+
+def test_user_must_be_a_mapping():
+    with pytest.raises(InputError, match='TrainerState.user must be a mapping, not list'):
+        TrainerState(user=[1, 2])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize('text,message', [
+    ('{', 'trainer state is not valid JSON'),
+    ('', 'trainer state is not valid JSON'),
+    ('[1, 2]', 'trainer state is not a JSON object'),
+    ('"state"', 'trainer state is not a JSON object'),
+    ('{"dp": 0}', 'invalid trainer state: TrainerState.dp must be at least 1'),
+    ('{"global_step": -3}', 'invalid trainer state: TrainerState.global_step must be'),
+    ('{"user": 5}', 'invalid trainer state: TrainerState.user must be a mapping'),
+])
+def test_from_json_refuses_with_a_format_error_naming_the_file(text, message):
+    with pytest.raises(FormatError, match=message) as info:
+        TrainerState.from_json(text, file='run/step_00000010.jckpt')
+    assert info.value.file == 'run/step_00000010.jckpt'
+    assert str(info.value).startswith('run/step_00000010.jckpt: ')
+
+
+@pytest.mark.xfail(strict=True, reason="from_json merges unknown fields into a 'user' that is "
+                                       "not a mapping with {**user}: TypeError, not FormatError")
+@pytest.mark.parametrize('text', ['{"user": 5, "epoch": 1}', '{"user": null, "epoch": 1}'])
+def test_from_json_refuses_a_bad_user_beside_unknown_fields(text):
+    with pytest.raises(FormatError, match='invalid trainer state') as info:
+        TrainerState.from_json(text, file='s.jckpt')
+    assert info.value.file == 's.jckpt'
+
+
+# --- check_layout ------------------------------------------------------------------------------
+
+def test_the_same_layout_returns_the_stored_state():
+    s = TrainerState(global_step=3, dp=2, tp=2)
+    assert s.check_layout((2, 2, 1), reshard=False) is s
+    assert s.check_layout([2, 2, 1], reshard=True) is s
+    assert s.check_layout(TrainerState(dp=2, tp=2, global_step=99), reshard=False) is s
+
+
+def test_another_layout_is_refused_without_reshard():
+    s = TrainerState(global_step=3, dp=2)
+    with pytest.raises(MismatchError, match='written with dp=2 tp=1 pp=1, this run uses '
+                                            'dp=8 tp=1 pp=1') as info:
+        s.check_layout((8, 1, 1), reshard=False, file='ckpt.jckpt')
+    assert info.value.file == 'ckpt.jckpt' and 'reshard=True' in info.value.fix
+
+
+def test_another_layout_is_adopted_with_reshard():
+    s = TrainerState(global_step=3, learning_rate=0.1, dp=2, user={'seed': 1})
+    out = s.check_layout(TrainerState(dp=1, tp=4, pp=2), reshard=True)
+    assert out.layout == (1, 4, 2)
+    assert out == s.replace(dp=1, tp=4, pp=2)
+    assert s.layout == (2, 1, 1)
+
+
+@pytest.mark.parametrize('layout', [(2, 1), (2, 1, 1, 1), (0, 1, 1), (2.0, 1, 1), ('2', 1, 1)])
+@pytest.mark.parametrize('reshard', [False, True])
+def test_a_bad_layout_is_refused(layout, reshard):
+    with pytest.raises(InputError, match=r'layout must be \(dp, tp, pp\) positive integers'):
+        TrainerState().check_layout(layout, reshard=reshard)

@@ -1,0 +1,211 @@
+"""Comparing checkpoints without JAX (jckpt.tools.diff): entries matched by name, values within tolerance."""
+
+import json
+import math
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jckpt
+from jckpt.format.names import step_name
+from jckpt.tools.diff import DiffReport, EntryDiff, diff
+from tests.helpers import write_arrays, write_directory
+
+
+def test_diff_values(tmp_path):
+    a = write_arrays(tmp_path / 'a.jckpt', {
+        'f': np.array([0.0, 1.0, np.nan, 4.0], np.float32),
+        'big': np.array([2**60, 5], np.int64),
+        'bf': np.array([1.0, 2.0], ml_dtypes.bfloat16),
+        'flag': np.array([True, False]),
+        'z': np.array([1 + 1j], np.complex64)})
+    b = write_arrays(tmp_path / 'b.jckpt', {
+        'f': np.array([0.0, 1.5, np.nan, 2.0], np.float32),
+        'big': np.array([2**60 + 1, 5], np.int64),   # not exact in float64, still caught
+        'bf': np.array([1.0, 2.0], ml_dtypes.bfloat16),
+        'flag': np.array([True, True]),
+        'z': np.array([1 + 2j], np.complex64)})
+    r = diff(a, b)
+    by = {d.name: d for d in r.entries}
+    f = by['jckpt/f']
+    assert (f.mismatched, f.max_abs, f.max_rel) == (2, 2.0, 1.0)  # NaN == NaN in place
+    assert by['jckpt/big'].mismatched == 1 and not by['jckpt/big'].same
+    assert by['jckpt/bf'].same and by['jckpt/bf'].max_abs == 0
+    assert by['jckpt/flag'].mismatched == 1 and by['jckpt/flag'].max_rel == 1.0
+    assert by['jckpt/z'].max_abs == 1.0
+    assert by['jckpt/big'].max_abs == 1.0  # the exact integer difference
+    assert not r.same
+    assert diff(a, b, atol=2.0).same  # every difference is at most 2
+    r = diff(a, b, atol=1.5)
+    assert {d.name for d in r.differing} == {'jckpt/f'}
+    json.dumps(r.to_dict())
+
+
+def test_diff_nan_against_number(tmp_path):
+    a = write_arrays(tmp_path / 'a.jckpt', {'x': np.array([np.nan, 1.0])})
+    b = write_arrays(tmp_path / 'b.jckpt', {'x': np.array([0.0, 1.0])})
+    d = diff(a, b, atol=1e9).entries[0]
+    assert d.mismatched == 1 and d.max_abs == float('inf')
+    assert 'inf' in json.dumps(diff(a, b).to_dict())
+
+
+def test_diff_is_chunked(tmp_path, monkeypatch):
+    import jckpt.tools.diff as diff_module
+
+    monkeypatch.setattr(diff_module, 'DIFF_CHUNK', 7)
+    x = np.arange(50, dtype=np.float32)
+    y = x.copy()
+    y[[3, 20, 49]] += np.float32([1, 2, 3])
+    d = diff(write_arrays(tmp_path / 'a.jckpt', {'x': x}),
+             write_arrays(tmp_path / 'b.jckpt', {'x': y})).entries[0]
+    assert (d.mismatched, d.max_abs) == (3, 3.0)
+
+
+# --- tolerances --------------------------------------------------------------------------------
+
+@pytest.fixture
+def near(tmp_path):
+    """``a = b + [0.5, 1, 2]`` with ``b = [10, 1, 100]``."""
+    a = write_arrays(tmp_path / 'a.jckpt', {'x': np.array([10.5, 2.0, 102.0])})
+    b = write_arrays(tmp_path / 'b.jckpt', {'x': np.array([10.0, 1.0, 100.0])})
+    return a, b
+
+
+def test_differences_are_measured_against_b(near):
+    a, b = near
+    d = diff(a, b).entries[0]
+    assert (d.size, d.mismatched, d.max_abs, d.max_rel) == (3, 3, 2.0, 1.0)  # |a-b| / |b|
+    back = diff(b, a).entries[0]
+    assert back.max_rel == pytest.approx(0.5)  # the other way round: divided by a
+
+
+@pytest.mark.parametrize('atol,rtol,mismatched', [
+    (0.0, 0.0, 3), (0.5, 0.0, 2), (1.0, 0.0, 1), (2.0, 0.0, 0), (0.0, 0.05, 1), (0.0, 1.0, 0),
+    (0.5, 0.02, 1), (0.5, 0.01, 2)])
+def test_atol_plus_rtol_times_b(near, atol, rtol, mismatched):
+    a, b = near
+    r = diff(a, b, atol=atol, rtol=rtol)
+    assert r.entries[0].mismatched == mismatched
+    assert r.same is (mismatched == 0) and (r.atol, r.rtol) == (atol, rtol)
+    assert r.entries[0].max_abs == 2.0  # the measures do not depend on the tolerances
+
+
+def test_a_difference_from_zero_is_infinitely_relative(tmp_path):
+    a = write_arrays(tmp_path / 'a.jckpt', {'x': np.array([1e-9, 0.0])})
+    b = write_arrays(tmp_path / 'b.jckpt', {'x': np.array([0.0, 0.0])})
+    d = diff(a, b).entries[0]
+    assert d.max_rel == math.inf and d.max_abs == 1e-9
+    assert diff(a, b, atol=1e-8).same and not diff(a, b, rtol=1e6).same
+    assert d.to_dict()['max_rel'] == 'inf'
+
+
+def test_integer_tolerances(tmp_path):
+    a = write_arrays(tmp_path / 'a.jckpt', {'x': np.array([0, 255, 7], np.uint8)})
+    b = write_arrays(tmp_path / 'b.jckpt', {'x': np.array([255, 0, 7], np.uint8)})
+    d = diff(a, b).entries[0]
+    assert (d.mismatched, d.max_abs) == (2, 255.0)  # no wrap-around in uint8
+    assert diff(a, b, atol=255).same
+
+
+@pytest.mark.parametrize('atol,rtol', [(-1.0, 0.0), (0.0, -1e-9), (math.nan, 0.0), (0.0, math.nan)])
+def test_bad_tolerances_are_refused(near, atol, rtol):
+    with pytest.raises(ValueError, match='tolerances must be >= 0'):
+        diff(*near, atol=atol, rtol=rtol)
+
+
+@pytest.mark.xfail(strict=True, reason="diff refuses bad tolerances with a plain ValueError, not a "
+                                       "CheckpointError (InputError) as every other jckpt refusal")
+def test_bad_tolerances_are_a_checkpoint_error(near):
+    with pytest.raises(jckpt.CheckpointError):
+        diff(*near, atol=-1.0)
+
+
+# --- entries -----------------------------------------------------------------------------------
+
+def test_entries_only_in_one_and_changes_of_type_or_shape(tmp_path):
+    a = write_arrays(tmp_path / 'a.jckpt', {'same': np.ones(2), 'gone': np.ones(1),
+                                            'dtype': np.ones(3, np.float32), 'shape': np.ones((2, 3))})
+    b = write_arrays(tmp_path / 'b.jckpt', {'shape': np.ones((3, 2)), 'dtype': np.ones(3, np.float64),
+                                            'same': np.ones(2), 'new': np.ones(1)})
+    r = diff(a, b)
+    assert (r.only_a, r.only_b) == (('jckpt/gone',), ('jckpt/new',))
+    assert [d.name for d in r.entries] == ['jckpt/same', 'jckpt/dtype', 'jckpt/shape']  # a's order
+    by = {d.name: d for d in r.entries}
+    assert by['jckpt/same'].same and by['jckpt/same'].changes == []
+    dtype = by['jckpt/dtype']
+    assert not dtype.same and dtype.mismatched == 0 and dtype.changes == ['dtype float32 -> float64']
+    shape = by['jckpt/shape']
+    assert (shape.size, shape.same) == (0, False)  # different shapes: values not compared
+    assert shape.changes == ['shape (2, 3) -> (3, 2)']
+    assert [d.name for d in r.differing] == ['jckpt/dtype', 'jckpt/shape']
+    text = r.render()
+    assert f"only in {a}: jckpt/gone" in text and f"only in {b}: jckpt/new" in text
+    assert text.endswith('DIFFERENT: 1 only in A, 1 only in B, 2 of 3 shared entries differ '
+                         '(atol 0, rtol 0)')
+    assert 'jckpt/same' not in text and 'jckpt/same' in r.render(show_all=True)
+    assert repr(r) == text
+
+
+def test_entries_are_matched_by_namespace_and_path(tmp_path):
+    a = write_arrays(tmp_path / 'a.jckpt', {'w': np.ones(2)}, namespace='model')
+    b = write_arrays(tmp_path / 'b.jckpt', {'w': np.ones(2)}, namespace='other')
+    r = diff(a, b)
+    assert (r.only_a, r.only_b, r.entries) == (('model/w',), ('other/w',), ())
+    assert not r.same
+
+
+def test_the_same_file_is_the_same(tmp_path):
+    a = write_arrays(tmp_path / 'a.jckpt', {'x': np.arange(5.0), 'y': np.zeros((2, 2), np.int8)})
+    r = diff(a, a)
+    assert isinstance(r, DiffReport) and r.same
+    assert all(isinstance(d, EntryDiff) and d.same for d in r.entries)
+    assert r.render() == 'SAME: 2 entries match (atol 0, rtol 0)'
+    data = json.loads(json.dumps(r.to_dict()))
+    assert data['same'] and data['entries'][0]['shape_a'] == [5]
+
+
+def test_a_typed_key_against_its_raw_data_differs(tmp_path):
+    key = jax.random.key(7)
+    jckpt.save(jckpt.Context(), {'k': key}, tmp_path / 'key.jckpt')
+    jckpt.save(jckpt.Context(), {'k': jax.random.key_data(key)}, tmp_path / 'raw.jckpt')
+    d = diff(tmp_path / 'key.jckpt', tmp_path / 'raw.jckpt').entries[0]
+    assert d.mismatched == 0 and d.dtype_a == d.dtype_b and not d.same
+
+
+# --- what is compared --------------------------------------------------------------------------
+
+def test_a_directory_checkpoint_against_a_file(tmp_path):
+    arrays = {'w': np.arange(24, dtype=np.float32).reshape(8, 3), 'b': np.arange(4.0)}
+    d = write_directory(tmp_path / 'ckpt', arrays, processes=2)
+    f = write_arrays(tmp_path / 'one.jckpt', arrays)
+    assert diff(d, f).same and diff(f, d).same
+    changed = write_arrays(tmp_path / 'two.jckpt', {**arrays, 'b': np.array([0.0, 1, 2, 4])})
+    r = diff(d, changed)
+    assert [(x.name, x.mismatched) for x in r.differing] == [('jckpt/b', 1)]
+
+
+def test_a_manager_directory_is_refused_naming_a_step(tmp_path):
+    write_arrays(tmp_path / step_name(20), {'w': np.ones(1)})
+    write_arrays(tmp_path / step_name(10), {'w': np.ones(1)})
+    other = write_arrays(tmp_path / 'x.jckpt', {'w': np.ones(1)})
+    with pytest.raises(jckpt.FormatError, match='holds one checkpoint per step') as info:
+        diff(tmp_path, other)
+    assert info.value.file == str(tmp_path) and step_name(10) in info.value.fix
+
+
+def test_what_is_not_a_checkpoint_is_refused_naming_it(tmp_path):
+    good = write_arrays(tmp_path / 'a.jckpt', {'w': np.ones(1)})
+    with pytest.raises(jckpt.FormatError) as info:
+        diff(good, tmp_path / 'missing.jckpt')
+    assert info.value.file == str(tmp_path / 'missing.jckpt')
+    npz = tmp_path / 'w.npz'
+    np.savez(npz, w=np.ones(3))
+    with pytest.raises(jckpt.FormatError, match='npz format') as info:
+        diff(npz, good)
+    assert info.value.file == str(npz)
+    junk = tmp_path / 'junk'
+    junk.write_bytes(b'\x00\x00\x00\x05((((')
+    with pytest.raises(jckpt.FormatError):
+        diff(good, junk)

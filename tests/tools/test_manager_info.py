@@ -1,0 +1,149 @@
+"""The summary of a manager's directory (jckpt.tools.manager_info): steps, latest, best, damage."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import jckpt
+from jckpt.format.names import step_name
+from jckpt.tools.manager_info import ManagerInfo, StepInfo, manager_info, step_info
+from tests.helpers import write_arrays, write_directory
+
+
+def _step(directory, step, metrics, **meta):
+    return write_arrays(os.path.join(directory, step_name(step)), {'w': np.zeros(2, np.float32)},
+                        metadata={'jckpt.step': str(step), 'jckpt.metrics': json.dumps(metrics),
+                                  'jckpt.lineage': 'run1', 'jckpt.generation': str(step), **meta})
+
+
+def test_manager_directory(tmp_path):
+    for step, m in ((1, {'loss': 3.0, 'acc': 0.1}), (2, {'loss': 1.0, 'acc': 0.5}),
+                    (3, {'loss': 1.0, 'acc': 0.4}), (4, {'acc': 0.9})):
+        _step(tmp_path, step, m)
+    s = manager_info(tmp_path)
+    assert isinstance(s, ManagerInfo) and s.kind == 'manager'
+    assert [x.step for x in s.steps] == [1, 2, 3, 4]
+    assert s.latest == 4 and s.best_metric == 'loss'
+    assert s.best == 3  # ties go to the later step, as the manager ranks them
+    assert manager_info(tmp_path, best_metric='acc', best_mode='max').best == 4
+    assert s.metric_names == ['acc', 'loss']
+    text = repr(s)
+    assert 'lineage: run1' in text and 'best 3 by loss (min)' in text
+    assert '<table>' in s._repr_html_()
+    json.dumps(s.to_dict())
+    with pytest.raises(jckpt.InputError):
+        manager_info(tmp_path, best_mode='median')
+
+
+def test_a_real_manager_directory(tmp_path):
+    with jckpt.CheckpointManager(tmp_path, asynchronous=False) as mgr:
+        for step, loss in ((10, 0.5), (20, 0.2)):
+            mgr.save(step, {'w': np.full(3, step, np.float32)}, metrics={'loss': loss},
+                     trainer_state=jckpt.TrainerState(global_step=step))
+    s = manager_info(tmp_path)
+    assert s.latest == 20 and s.best == 20
+    assert [x.generation for x in s.steps] == [1, 2]
+    assert s.steps[0].lineage == s.steps[1].lineage is not None
+    step = jckpt.info(s.steps[1].path)
+    assert step.to_dict()['trainer_state']['global_step'] == 20
+    assert step.to_dict()['metrics'] == {'loss': 0.2}
+
+
+def test_step_info_of_a_file(tmp_path):
+    path = _step(tmp_path, 5, {'loss': 2, 'acc': 0.5})
+    s = step_info(5, path)
+    assert isinstance(s, StepInfo)
+    assert (s.step, s.path, s.kind, s.size) == (5, path, 'file', os.path.getsize(path))
+    assert (s.entries, s.payload_bytes, s.generation, s.lineage, s.error) == (1, 8, 5, 'run1', None)
+    assert s.metrics == {'loss': 2.0, 'acc': 0.5} and type(s.metrics['loss']) is float
+    assert s.to_dict()['metrics'] == {'loss': 2.0, 'acc': 0.5}
+
+
+def test_step_info_of_a_directory_step(tmp_path):
+    path = write_directory(tmp_path / step_name(7), {'w': np.arange(6.0)},
+                           metadata={'jckpt.metrics': '{"loss": 0.25}', 'jckpt.generation': '2'})
+    s = step_info(7, path)
+    assert (s.kind, s.entries, s.payload_bytes, s.generation) == ('directory', 1, 48, 2)
+    assert s.metrics == {'loss': 0.25} and s.error is None
+    assert 'multi-process' in repr(manager_info(tmp_path))
+
+
+def test_a_damaged_step_is_listed_with_the_reason(tmp_path):
+    _step(tmp_path, 1, {'loss': 0.1})
+    _step(tmp_path, 2, {'loss': 0.5})
+    bad = tmp_path / step_name(3)
+    bad.write_bytes(b'\x00\x00\x00\x05((((')
+    (tmp_path / step_name(4)).mkdir()  # a directory step without its index
+    s = manager_info(tmp_path)
+    by_step = {x.step: x for x in s.steps}
+    assert by_step[3].error is not None and by_step[3].entries is None
+    assert by_step[3].size == 8 and by_step[3].kind == 'file' and by_step[3].metrics == {}
+    assert by_step[4].error is not None and by_step[4].kind == 'directory'
+    assert s.latest == 2 and s.best == 1  # only readable steps count
+    text = repr(s)
+    assert text.count('unreadable: ') == 2
+    assert json.loads(json.dumps(s.to_dict()))['steps'][2]['error'] == by_step[3].error
+
+
+def test_metrics_and_generation_that_cannot_be_read_are_left_out(tmp_path):
+    _step(tmp_path, 1, {}, **{'jckpt.generation': 'many'})
+    write_arrays(tmp_path / step_name(2), {'w': np.zeros(1)},
+                 metadata={'jckpt.metrics': '[1, 2]'})
+    s = manager_info(tmp_path)
+    assert [(x.metrics, x.generation, x.lineage) for x in s.steps] == [
+        ({}, None, 'run1'), ({}, None, None)]
+    assert s.best_metric is None and s.best is None and s.latest == 2
+
+
+def test_best_ignores_nan_and_steps_without_the_metric(tmp_path):
+    _step(tmp_path, 1, {'loss': 0.9})
+    write_arrays(tmp_path / step_name(2), {'w': np.zeros(1)},
+                 metadata={'jckpt.metrics': '{"loss": NaN}'})
+    _step(tmp_path, 3, {'acc': 0.2})
+    s = manager_info(tmp_path)
+    assert s.best == 1 and s.latest == 3
+    assert manager_info(tmp_path, best_mode='max').best == 1
+    assert manager_info(tmp_path, best_metric='missing').best is None
+
+
+def test_the_default_best_metric(tmp_path):
+    _step(tmp_path, 1, {'b_acc': 0.5, 'a_err': 0.1})
+    _step(tmp_path, 2, {'b_acc': 0.7, 'a_err': 0.3})
+    s = manager_info(tmp_path)
+    assert s.best_metric == 'a_err' and s.best == 1  # no loss: the first name in sorted order
+    assert manager_info(tmp_path, best_metric='b_acc', best_mode='max').best == 2
+
+
+def test_only_step_names_are_steps(tmp_path):
+    _step(tmp_path, 12, {'loss': 1.0})
+    write_arrays(tmp_path / 'other.jckpt', {'w': np.zeros(1)})
+    (tmp_path / 'step_12.jckpt').write_bytes(b'x')  # fewer than eight digits
+    (tmp_path / (step_name(13) + '.jckpt-lease')).write_bytes(b'')
+    s = manager_info(tmp_path)
+    assert [x.step for x in s.steps] == [12]
+    assert s.size == os.path.getsize(tmp_path / step_name(12))
+
+
+def test_an_empty_directory_has_no_steps(tmp_path):
+    s = manager_info(tmp_path)
+    assert s.steps == () and s.latest is None and s.best is None and s.size == 0
+    assert '(no steps)' in repr(s)
+
+
+def test_render_shows_the_last_steps(tmp_path):
+    for step in range(1, 46):
+        _step(tmp_path, step, {'loss': 1.0 / step})
+    s = manager_info(tmp_path)
+    assert '... 5 earlier steps' in repr(s)
+    assert '... 2 earlier steps' in s.render(limit=43)
+    assert '... ' not in s.render()
+    last = repr(s).split('\n')[-1]
+    assert last.split()[0] == '45' and last.endswith('latest, best')
+
+
+def test_several_lineages_are_named(tmp_path):
+    _step(tmp_path, 1, {}, **{'jckpt.lineage': 'b'})
+    _step(tmp_path, 2, {}, **{'jckpt.lineage': 'a'})
+    assert 'lineages: a, b' in repr(manager_info(tmp_path))

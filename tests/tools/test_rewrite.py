@@ -1,0 +1,223 @@
+"""Rewriting files without decoding them (jckpt.tools.rewrite): relayout and merge, bytes kept verbatim."""
+
+import os
+
+import numpy as np
+import pytest
+
+import jckpt
+from jckpt.errors import ChecksumError, ClashError, FormatError, InputError
+from jckpt.storage import CheckpointReader
+from jckpt.tools.info import info
+from jckpt.tools.rewrite import merge, relayout
+from jckpt.tools.verify import verify
+from jckpt.version import __version__
+from tests.helpers import corrupt_payload, entry_text, header_text, raw_file, write_arrays
+
+
+def load(path):
+    return jckpt.load(jckpt.Context(host=True), path)[1]
+
+
+def ocannl(path, *ids):
+    """A file of path-less (OCANNL) float32 entries with these ids, written by hand."""
+    entries = [entry_text(id=i, offset=4 * n) for n, i in enumerate(ids)]
+    path.write_bytes(raw_file(header_text(*entries), np.ones(len(ids), np.float32).tobytes(), align=4))
+    return path
+
+
+# --- relayout ----------------------------------------------------------------------------------
+
+def test_relayout_in_place(tmp_path):
+    a = write_arrays(tmp_path / 'a.jckpt', {'x': np.arange(10.0)}, alignment=1)
+    before = info(a).entries[0].checksum
+    relayout(a, a, alignment=512, durable=False)
+    s = info(a)
+    assert s.alignment == 512 and s.data_start % 512 == 0 and s.entries[0].checksum == before
+    assert verify(a).ok
+
+
+def test_relayout_keeps_entries_metadata_and_bytes(tmp_path):
+    src = write_arrays(tmp_path / 'a.jckpt', {'x': np.arange(10.0), 'y/z': np.arange(3, dtype=np.int8)},
+                       alignment=8, metadata={'note': 'kept', 'jckpt.step': '4'})
+    dst = tmp_path / 'b.jckpt'
+    header = relayout(src, dst, durable=False)
+    old, new = CheckpointReader(src), CheckpointReader(dst)
+    assert header.alignment == 8 == new.header.alignment  # default: the source's alignment
+    assert header.writer == f'jckpt {__version__}'
+    assert new.header.metadata == old.header.metadata
+    assert [(e.name, e.id, e.prec, e.dims, e.checksum) for e in new.header.tensors] == \
+        [(e.name, e.id, e.prec, e.dims, e.checksum) for e in old.header.tensors]
+    for e_old, e_new in zip(old.header.tensors, new.header.tensors):
+        assert bytes(new.payload_bytes(e_new)) == bytes(old.payload_bytes(e_old))
+        assert (new.data_start + e_new.offset) % 8 == 0
+    assert new.verify() == []
+
+
+def test_relayout_gives_the_canonical_layout(tmp_path):
+    text = header_text(entry_text(id=0, offset=8, length=4))
+    src = tmp_path / 'loose.ckpt'
+    src.write_bytes(raw_file(text, b'\xff' * 8 + np.ones(1, np.float32).tobytes() + b'tail', align=4))
+    assert verify(src).warnings  # a gap that is not zero-filled and bytes after the last payload
+    relayout(src, tmp_path / 'tight.jckpt', durable=False)
+    r = verify(tmp_path / 'tight.jckpt')
+    assert r.problems == () and r.checked == 1  # and a checksum where the source had none
+    np.testing.assert_array_equal(load(tmp_path / 'tight.jckpt')['jckpt']['n0'], np.ones(1))
+
+
+def test_relayout_refuses_to_replace_another_file(tmp_path):
+    src = write_arrays(tmp_path / 'a.jckpt', {'x': np.arange(3.0)})
+    other = write_arrays(tmp_path / 'b.jckpt', {'y': np.ones(1)})
+    with pytest.raises(InputError, match='would replace an existing checkpoint') as e:
+        relayout(src, other, durable=False)
+    assert e.value.file == other
+    assert [x.name for x in info(other).entries] == ['jckpt/y']  # untouched
+    relayout(src, other, overwrite=True, durable=False)
+    assert [x.name for x in info(other).entries] == ['jckpt/x']
+
+
+@pytest.mark.parametrize('alignment', [0, -32, 1.5, '64'])
+def test_relayout_refuses_a_bad_alignment(tmp_path, alignment):
+    src = write_arrays(tmp_path / 'a.jckpt', {'x': np.arange(3.0)})
+    with pytest.raises(InputError, match='alignment must be a positive integer'):
+        relayout(src, tmp_path / 'b.jckpt', alignment=alignment)
+    assert not (tmp_path / 'b.jckpt').exists()
+
+
+def test_relayout_refuses_a_corrupt_source_unless_told(tmp_path):
+    src = write_arrays(tmp_path / 'a.jckpt', {'x': np.arange(3.0), 'y': np.ones(2), 'z': np.ones(2)})
+    corrupt_payload(src, 'jckpt/y')
+    corrupt_payload(src, 'jckpt/z')
+    dst = tmp_path / 'b.jckpt'
+    with pytest.raises(ChecksumError, match=r'\(and 1 more entries\); refusing to copy') as e:
+        relayout(src, dst, durable=False)
+    assert (e.value.file, e.value.entry) == (src, 'jckpt/y') and 'verify=False' in e.value.fix
+    assert not dst.exists()
+    relayout(src, dst, verify=False, durable=False)  # copied as it is: still caught later
+    assert [p.entry for p in verify(dst).errors] == ['jckpt/y', 'jckpt/z']
+
+
+def test_relayout_of_what_is_not_a_checkpoint(tmp_path):
+    with pytest.raises(FormatError, match='no such checkpoint file'):
+        relayout(tmp_path / 'missing.jckpt', tmp_path / 'b.jckpt')
+
+
+# --- merge -------------------------------------------------------------------------------------
+
+def test_merge_renumbers_ids_and_keeps_bytes(tmp_path):
+    a = write_arrays(tmp_path / 'a.jckpt', {'x': np.arange(3.0)}, metadata={'k': 'a'})
+    b = write_arrays(tmp_path / 'b.jckpt', {'y': np.arange(5, dtype=np.int16)},
+                     metadata={'k': 'b', 'm': '1'})
+    out = tmp_path / 'out.jckpt'
+    header = merge(out, [a, b], durable=False)  # same namespace, distinct paths: no prefix needed
+    assert [(e.namespace, e.id) for e in header.tensors] == [('jckpt', 0), ('jckpt', 1)]
+    assert dict(header.metadata) == {'k': 'a', 'm': '1'}
+    _, tree = jckpt.load(jckpt.Context(host=True), out)
+    np.testing.assert_array_equal(tree['jckpt']['x'], np.arange(3.0))
+    np.testing.assert_array_equal(tree['jckpt']['y'], np.arange(5, dtype=np.int16))
+    with pytest.raises(jckpt.ClashError, match='also present'):
+        merge(tmp_path / 'o2.jckpt', [a, a], durable=False)
+    with pytest.raises(jckpt.InputError, match='existing checkpoint'):
+        merge(out, [a], durable=False)
+
+
+def test_merge_matches_load_with_prefix(tmp_path):
+    a = write_arrays(tmp_path / 'a.jckpt', {'p/w': np.ones(2, np.float32)})
+    out = tmp_path / 'out.jckpt'
+    merge(out, [a, a], ['teacher', 'student'], durable=False)
+    ctx, t1 = jckpt.load(jckpt.Context(host=True), a, prefix_namespace='teacher')
+    ctx, t2 = jckpt.load(ctx, a, prefix_namespace='student')
+    _, merged = jckpt.load(jckpt.Context(host=True), out)
+    assert sorted(merged) == sorted({**t1, **t2}) == ['student__jckpt', 'teacher__jckpt']
+
+
+def test_merge_keeps_the_ids_of_path_less_entries(tmp_path):
+    """An OCANNL entry is named by its id (n<id>): merging renumbers the others around it."""
+    a = write_arrays(tmp_path / 'a.jckpt', {'x': np.ones(2, np.float32), 'y': np.ones(2, np.float32)})
+    header = merge(tmp_path / 'm.jckpt', [a, ocannl(tmp_path / 'o.ckpt', 1)], durable=False)
+    assert [(e.name, e.id) for e in header.tensors] == [('jckpt/x', 0), ('jckpt/y', 2),
+                                                        ('jckpt/n1', 1)]
+    assert verify(tmp_path / 'm.jckpt').ok
+
+
+def test_merge_id_plan_renumbers_above_every_input(tmp_path):
+    a = write_arrays(tmp_path / 'a.jckpt', {'x': np.ones(1), 'y': np.ones(1)})      # ids 0, 1
+    b = write_arrays(tmp_path / 'b.jckpt', {'z': np.ones(1), 'w': np.ones(1)})      # ids 0, 1
+    c = write_arrays(tmp_path / 'c.jckpt', {'v': np.ones(1)}, namespace='other')    # id 0
+    o = ocannl(tmp_path / 'o.ckpt', 5, 0)
+    header = merge(tmp_path / 'm.jckpt', [a, b, c, o], durable=False)
+    assert [(e.name, e.id) for e in header.tensors] == [
+        ('jckpt/x', 6), ('jckpt/y', 1), ('jckpt/z', 7), ('jckpt/w', 8),   # 0 is the OCANNL's
+        ('other/v', 0), ('jckpt/n5', 5), ('jckpt/n0', 0)]
+    assert len({(e.namespace, e.id) for e in header.tensors}) == 7
+    tree = load(tmp_path / 'm.jckpt')['jckpt']
+    assert sorted(tree) == ['n0', 'n5', 'w', 'x', 'y', 'z']
+
+
+def test_merge_clashes_name_both_files(tmp_path):
+    a = write_arrays(tmp_path / 'a.jckpt', {'x': np.ones(1), 'y': np.ones(1)})
+    b = write_arrays(tmp_path / 'b.jckpt', {'y': np.zeros(1)})
+    out = tmp_path / 'm.jckpt'
+    with pytest.raises(ClashError, match=f'also present in {a}') as e:
+        merge(out, [a, b], durable=False)
+    assert (e.value.file, e.value.entry) == (b, 'jckpt/y') and '--prefix' in e.value.fix
+    assert not out.exists()
+    with pytest.raises(ClashError, match='also present'):  # path-less entries clash by id
+        merge(out, [ocannl(tmp_path / 'o1.ckpt', 3), ocannl(tmp_path / 'o2.ckpt', 3)],
+              durable=False)
+    merge(out, [a, b], ['', 'b'], durable=False)  # an empty prefix leaves its input alone
+    assert sorted(load(out)) == ['b__jckpt', 'jckpt']
+
+
+def test_merge_appends_to_an_existing_file(tmp_path):
+    out = write_arrays(tmp_path / 'm.jckpt', {'x': np.arange(2.0)}, metadata={'k': 'out'})
+    b = write_arrays(tmp_path / 'b.jckpt', {'y': np.arange(3.0)}, metadata={'k': 'b', 'n': '1'})
+    header = merge(out, [b], append=True, durable=False)
+    assert [(e.name, e.id) for e in header.tensors] == [('jckpt/x', 0), ('jckpt/y', 1)]
+    assert dict(header.metadata) == {'k': 'out', 'n': '1'}
+    tree = load(out)['jckpt']
+    np.testing.assert_array_equal(tree['x'], np.arange(2.0))
+    np.testing.assert_array_equal(tree['y'], np.arange(3.0))
+    new = tmp_path / 'new.jckpt'
+    merge(new, [b], append=True, durable=False)  # nothing to append to: a plain merge
+    assert [e.name for e in info(new).entries] == ['jckpt/y']
+
+
+def test_merge_overwrite_replaces_an_existing_file(tmp_path):
+    out = write_arrays(tmp_path / 'm.jckpt', {'old': np.ones(1)})
+    b = write_arrays(tmp_path / 'b.jckpt', {'y': np.ones(1)})
+    merge(out, [b], overwrite=True, durable=False)
+    assert [e.name for e in info(out).entries] == ['jckpt/y']
+
+
+def test_merge_alignment(tmp_path):
+    a = write_arrays(tmp_path / 'a.jckpt', {'x': np.arange(3.0)}, alignment=1)
+    assert merge(tmp_path / 'd.jckpt', [a], durable=False).alignment == 32  # the writer's default
+    assert merge(tmp_path / 'e.jckpt', [a], alignment=4096, durable=False).alignment == 4096
+    assert CheckpointReader(tmp_path / 'e.jckpt').data_start % 4096 == 0
+
+
+@pytest.mark.parametrize('args,kwargs,match', [
+    ([[]], {}, 'nothing to merge: no input files given'),
+    ([['A'], ['p', 'q']], {}, '2 prefixes for 1 inputs'),
+    ([['A'], ['not-valid']], {}, "invalid namespace prefix 'not-valid'"),
+    ([['A']], {'alignment': 0}, 'alignment must be a positive integer'),
+])
+def test_merge_refuses_bad_arguments_before_writing(tmp_path, args, kwargs, match):
+    a = write_arrays(tmp_path / 'a.jckpt', {'x': np.ones(1)})
+    args = [[a if p == 'A' else p for p in args[0]], *args[1:]]
+    with pytest.raises(InputError, match=match):
+        merge(tmp_path / 'out.jckpt', *args, durable=False, **kwargs)
+    assert not (tmp_path / 'out.jckpt').exists()
+
+
+def test_merge_refuses_a_corrupt_input(tmp_path):
+    a = write_arrays(tmp_path / 'a.jckpt', {'x': np.ones(4)})
+    b = write_arrays(tmp_path / 'b.jckpt', {'y': np.ones(4)})
+    corrupt_payload(b, 'jckpt/y')
+    with pytest.raises(ChecksumError, match='refusing to copy a corrupt payload') as e:
+        merge(tmp_path / 'out.jckpt', [a, b], durable=False)
+    assert (e.value.file, e.value.entry) == (b, 'jckpt/y')
+    assert sorted(os.listdir(tmp_path)) == ['a.jckpt', 'b.jckpt']  # nothing written, nothing left
+    merge(tmp_path / 'out.jckpt', [a, b], verify=False, durable=False)
+    assert [p.entry for p in verify(tmp_path / 'out.jckpt').errors] == ['jckpt/y']

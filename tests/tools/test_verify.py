@@ -1,0 +1,235 @@
+"""Checking checkpoints without JAX (jckpt.tools.verify): layout, checksums, directories, steps."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import jckpt
+from jckpt.format.names import step_name
+from jckpt.storage import CheckpointReader
+from jckpt.tools.verify import Problem, VerifyReport, verify
+from tests.helpers import (
+    corrupt_payload,
+    entry_text,
+    header_text,
+    raw_file,
+    write_arrays,
+    write_directory,
+)
+
+# --- a file ------------------------------------------------------------------------------------
+
+def test_verify_report(tmp_path):
+    path = write_arrays(tmp_path / 'm.jckpt', {'a': np.arange(4.0), 'b': np.arange(3, dtype=np.int8)})
+    assert jckpt.verify(path).ok
+    reader = CheckpointReader(path)
+    where = reader.data_start + reader.header.tensors[1].offset
+    del reader
+    with open(path, 'r+b') as f:
+        f.seek(where)
+        f.write(b'\x7f')
+    r = verify(path)
+    assert not r.ok and r.checked == 1 and [p.entry for p in r.errors] == ['jckpt/b']
+    assert 'checksum mismatch' in r.errors[0].message
+    with pytest.raises(jckpt.FormatError):
+        verify(tmp_path / 'nope.jckpt')
+
+
+def test_verify_unchecked_entries_are_warnings(tmp_path):
+    path = tmp_path / 'old.ckpt'
+    path.write_bytes(raw_file(header_text(entry_text()), np.ones(1, np.float32).tobytes(), align=4))
+    r = verify(path)
+    assert r.ok and r.checked == 0 and r.unchecked == ('jckpt/n0',)
+    assert any('no checksum' in p.message for p in r.warnings)
+
+
+def test_a_good_file(tmp_path):
+    path = write_arrays(tmp_path / 'm.jckpt', {'a': np.arange(4.0), 'b/c': np.ones((2, 2), np.int8)})
+    r = verify(path)
+    assert isinstance(r, VerifyReport)
+    assert (r.ok, r.path, r.entries, r.checked, r.unchecked, r.problems, r.files) == (
+        True, path, 2, 2, (), (), 1)
+    assert r.render() == f"OK: {path}: 2 of 2 checksums verified, 0 errors, 0 warnings"
+    assert repr(r) == r.render()
+    assert json.loads(json.dumps(r.to_dict())) == {
+        'path': path, 'ok': True, 'files': 1, 'entries': 2, 'checked': 2, 'unchecked': [],
+        'problems': []}
+
+
+def test_every_damaged_payload_is_reported_not_only_the_first(tmp_path):
+    path = write_arrays(tmp_path / 'm.jckpt', {'a': np.arange(4.0), 'b': np.ones(8),
+                                               'c': np.zeros(2)})
+    corrupt_payload(path, 'jckpt/a')
+    corrupt_payload(path, 'jckpt/c')
+    r = verify(path)
+    assert [p.entry for p in r.errors] == ['jckpt/a', 'jckpt/c'] and r.checked == 1
+    assert str(r.errors[0]).startswith(f"{path}: entry jckpt/a: checksum mismatch")
+    text = r.render()
+    assert text.startswith(f"ERROR: {path}: entry jckpt/a: checksum mismatch")
+    assert text.endswith("FAILED: " + path + ": 1 of 3 checksums verified, 2 errors, 0 warnings")
+    assert r.to_dict()['problems'][0]['severity'] == 'error'
+
+
+@pytest.mark.parametrize('data', [b'', b'garbage, not a checkpoint', b'\x00\x00\x00\x05(((('])
+def test_an_unreadable_file_is_a_failed_report_not_an_exception(tmp_path, data):
+    path = tmp_path / 'bad.jckpt'
+    path.write_bytes(data)
+    r = verify(path)
+    assert not r.ok and r.entries == 0 and len(r.errors) == 1
+    assert r.errors[0].file == str(path)
+
+
+def test_a_truncated_file_fails(tmp_path):
+    path = write_arrays(tmp_path / 'm.jckpt', {'a': np.arange(100.0)})
+    data = open(path, 'rb').read()
+    with open(path, 'wb') as f:
+        f.write(data[:-10])
+    r = verify(path)
+    (error,) = r.errors
+    assert (error.file, error.entry) == (path, 'jckpt/a')
+    assert 'extends past the end of the file' in error.message and 'truncated' in error.message
+
+
+def test_layout_warnings(tmp_path):
+    """A readable file not laid out as the writer lays it out: warnings, still ok."""
+    text = header_text(
+        entry_text(id=0, prec='Single_prec', dims='(1)', offset=0, length=4,
+                   extra=' (checksum (md5 00))'),
+        entry_text(id=1, prec='Single_prec', dims='(1)', offset=9, length=4),
+        alignment='(alignment 8)')
+    path = tmp_path / 'odd.ckpt'
+    path.write_bytes(raw_file(text, b'\0' * 4 + b'\x01' * 5 + b'\0' * 4 + b'tail', align=8))
+    r = verify(path)
+    assert r.ok and r.errors == () and r.checked == 0 and r.unchecked == ('jckpt/n0', 'jckpt/n1')
+    messages = [(p.entry, p.message) for p in r.warnings]
+    assert ('jckpt/n1', 'payload at offset 9 is not aligned to 8 bytes; it is copied, not mapped') \
+        in messages
+    assert ('jckpt/n1', 'the 5 bytes before this payload are not zero-filled') in messages
+    assert (None, '4 bytes follow the last payload') in messages
+    assert ('jckpt/n0', "checksum algorithm 'md5' is unknown to this version; payload not checked") \
+        in messages
+    assert r.render().endswith('0 of 2 checksums verified, 0 errors, 5 warnings')
+
+
+def test_zero_gaps_are_checked_in_chunks(tmp_path, monkeypatch):
+    import jckpt.tools.verify as verify_module
+
+    monkeypatch.setattr(verify_module, 'GAP_CHUNK', 3)
+    gap = bytearray(64)
+    gap[50] = 1
+    text = header_text(entry_text(id=0, prec='Single_prec', dims='(1)', offset=64, length=4))
+    path = tmp_path / 'gap.ckpt'
+    path.write_bytes(raw_file(text, bytes(gap) + b'\0' * 4, align=4))
+    assert [p.message for p in verify(path).warnings if 'zero-filled' in p.message] == [
+        'the 64 bytes before this payload are not zero-filled']
+
+
+def test_a_foreign_file_is_reported_not_raised(tmp_path):
+    npz = tmp_path / 'w.npz'
+    np.savez(npz, w=np.ones(3))
+    r = verify(npz)
+    assert not r.ok and r.errors[0].file == str(npz)
+
+
+def test_what_holds_no_checkpoint_is_refused(tmp_path):
+    with pytest.raises(jckpt.FormatError) as info:
+        verify(tmp_path / 'missing.jckpt')
+    assert info.value.file == str(tmp_path / 'missing.jckpt')
+    (tmp_path / 'empty').mkdir()
+    with pytest.raises(jckpt.FormatError, match='holds no checkpoint'):
+        verify(tmp_path / 'empty')
+
+
+# --- a directory checkpoint --------------------------------------------------------------------
+
+ARRAYS = {'w': np.arange(24, dtype=np.float32).reshape(8, 3), 'b': np.arange(4, dtype=np.int32)}
+
+
+def test_a_good_directory(tmp_path):
+    d = write_directory(tmp_path / 'ckpt', ARRAYS, processes=2)
+    r = verify(d)
+    assert (r.ok, r.files, r.entries, r.checked, r.problems) == (True, 2, 4, 4, ())
+    assert r.render() == f"OK: {d} (2 files): 4 of 4 checksums verified, 0 errors, 0 warnings"
+
+
+def test_a_damaged_piece_of_a_directory_names_the_piece_file_and_entry(tmp_path):
+    d = write_directory(tmp_path / 'ckpt', ARRAYS, processes=2)
+    piece = os.path.join(d, 'process_00001.jckpt')
+    corrupt_payload(piece, 'jckpt/w')
+    r = verify(d)
+    assert not r.ok and r.checked == 3 and r.files == 2
+    (error,) = r.errors
+    assert (error.file, error.entry) == (piece, 'jckpt/w')
+    assert 'checksum mismatch' in error.message
+    assert r.render().startswith(f"ERROR: {piece}: entry jckpt/w: checksum mismatch")
+
+
+def test_a_missing_piece_file_and_an_unlisted_one(tmp_path):
+    d = write_directory(tmp_path / 'ckpt', ARRAYS, processes=2)
+    os.unlink(os.path.join(d, 'process_00000.jckpt'))
+    with open(os.path.join(d, 'process_00007.jckpt'), 'wb') as f:
+        f.write(b'x')
+    r = verify(d)
+    assert not r.ok and r.files == 1
+    assert [(p.severity, p.file, p.message) for p in r.problems] == [
+        ('error', d, 'piece file process_00000.jckpt listed in the index is missing'),
+        ('warning', d, 'piece file process_00007.jckpt is not listed in index.jckpt')]
+
+
+def test_a_piece_file_that_does_not_hold_what_the_index_says(tmp_path):
+    d = write_directory(tmp_path / 'ckpt', ARRAYS, processes=2)
+    shutil.copy(os.path.join(d, 'process_00000.jckpt'), os.path.join(d, 'process_00001.jckpt'))
+    r = verify(d)
+    assert not r.ok and r.checked == 4  # each file is sound on its own
+    assert sorted((p.entry, p.message) for p in r.errors) == [
+        ('jckpt/b', 'piece [(2, 4)] is not in process_00001.jckpt as the index says'),
+        ('jckpt/w', 'piece [(4, 8), (0, 3)] is not in process_00001.jckpt as the index says')]
+
+
+def test_an_unreadable_piece_file_or_index(tmp_path):
+    d = write_directory(tmp_path / 'ckpt', ARRAYS, processes=2)
+    piece = os.path.join(d, 'process_00001.jckpt')
+    with open(piece, 'wb') as f:
+        f.write(b'garbage')
+    r = verify(d)
+    assert not r.ok and [p.file for p in r.errors] == [piece] and r.checked == 2
+    with open(os.path.join(d, 'index.jckpt'), 'wb') as f:
+        f.write(b'garbage')
+    r = verify(d)
+    assert not r.ok and r.errors[0].file == os.path.join(d, 'index.jckpt')
+
+
+def test_an_unfinished_save_is_a_failed_report(tmp_path):
+    d = tmp_path / 'ckpt'
+    d.mkdir()
+    (d / 'process_00000.jckpt').write_bytes(b'x')
+    r = verify(d)
+    assert not r.ok and 'did not finish' in r.errors[0].message and r.errors[0].file == str(d)
+
+
+# --- a manager's directory ---------------------------------------------------------------------
+
+def test_a_manager_directory_is_checked_step_by_step(tmp_path):
+    for step in (1, 2, 3):
+        write_arrays(tmp_path / step_name(step), {'w': np.full(3, step, np.float32)})
+    write_directory(tmp_path / step_name(4), ARRAYS, processes=2)
+    r = verify(tmp_path)
+    assert r.ok and r.files == 5 and r.entries == 7 and r.checked == 7
+    corrupt_payload(str(tmp_path / step_name(2)), 'jckpt/w')
+    r = verify(tmp_path)
+    assert not r.ok and [p.file for p in r.errors] == [str(tmp_path / step_name(2))]
+    assert f"({r.files} files)" in r.render()
+
+
+# --- the values --------------------------------------------------------------------------------
+
+def test_problem_and_report_values():
+    p = Problem('warning', 'odd', 'f.jckpt')
+    assert str(p) == 'f.jckpt: odd'
+    assert str(Problem('error', 'bad', 'f.jckpt', 'jckpt/w')) == 'f.jckpt: entry jckpt/w: bad'
+    r = VerifyReport('f.jckpt', 1, 1, (), (p,))
+    assert r.ok and r.warnings == (p,) and r.errors == ()
+    assert r.render() == 'WARNING: f.jckpt: odd\nOK: f.jckpt: 1 of 1 checksums verified, 0 errors, 1 warning'
