@@ -20,6 +20,7 @@ from jckpt.services.base import BackgroundWriter, Staged, check_metadata
 from jckpt.services.engine import MirrorCounters
 from jckpt.services.lineage import MANAGER_STEP
 from jckpt.services.snapshot import namespace_leaves
+from jckpt.storage.backend import backend_for
 from jckpt.storage.lease import WriterLease, lease_path
 
 
@@ -36,8 +37,9 @@ class Files(BackgroundWriter[str]):
         self.lease_at_close: bool | None = None
         self.gate = threading.Event()  # cleared: staging waits (the disk is slow)
         self.gate.set()
-        super().__init__(self.directory, lease=self.directory, ctx=None, lineage=lineage,
-                         new_lineage=new_lineage, slots=2, when_full='block', retry_after=0.01,
+        super().__init__(self.directory, backend=backend_for(self.directory), lease=self.directory,
+                         ctx=None, lineage=lineage, new_lineage=new_lineage, slots=2,
+                         when_full='block', retry_after=0.01,
                          patience=patience)
 
     def submit(self, info, tree, metadata=None):
