@@ -50,7 +50,7 @@ def read_box(array: Any, box: Box, *, log: bool = True) -> np.ndarray:
     """Read ``box`` of ``array`` (a mapped view or a :class:`LazyArray`), logging the bytes."""
     if isinstance(array, LazyArray):
         return array.read(box)
-    out = np.asarray(array)[box_slices(box)]
+    out = np.asarray(np.asarray(array)[box_slices(box)])  # a 0-d index gives a numpy scalar
     if log:
         note_read(box, out.nbytes)
     return out
