@@ -17,6 +17,7 @@ import pytest
 
 import jckpt
 from jckpt.api.multiprocess import save_directory
+from jckpt.errors import InputError
 
 CTX = jckpt.Context()
 
@@ -63,3 +64,18 @@ def test_ml_dtypes_scalars_cast(tmp_path):
     jckpt.save(CTX, {"x": np.float32(2.5)}, tmp_path / "x.jckpt")
     back = jckpt.restore(CTX, {"x": np.zeros((), ml_dtypes.bfloat16)}, tmp_path / "x.jckpt", cast=True)
     assert back["x"].dtype == ml_dtypes.bfloat16 and float(back["x"]) == 2.5
+
+
+# --- metadata ---------------------------------------------------------------------------------
+
+def test_save_refuses_metadata_that_is_not_strings(tmp_path):
+    path = tmp_path / "m.jckpt"
+    with pytest.raises(InputError, match=r"metadata key 'step' has the int value 3") as e:
+        jckpt.save(CTX, {"w": np.ones(2)}, path, metadata={"step": 3})
+    assert "str(" in e.value.fix and not path.exists()
+    with pytest.raises(InputError, match="metadata key 3"):
+        jckpt.save(CTX, {"w": np.ones(2)}, path, metadata={3: "x"})
+    with pytest.raises(InputError, match="metadata must be a mapping"):
+        jckpt.save(CTX, {"w": np.ones(2)}, path, metadata=[("step", "3")])
+    jckpt.save(CTX, {"w": np.ones(2)}, path, metadata={"jckpt.note": "x", "step": "3"})
+    assert jckpt.describe(path).metadata_dict()["step"] == "3"
