@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import jckpt
+from jckpt import adapters
 from jckpt.api.multiprocess import save_directory
 from jckpt.errors import InputError
 
@@ -64,6 +65,45 @@ def test_ml_dtypes_scalars_cast(tmp_path):
     jckpt.save(CTX, {"x": np.float32(2.5)}, tmp_path / "x.jckpt")
     back = jckpt.restore(CTX, {"x": np.zeros((), ml_dtypes.bfloat16)}, tmp_path / "x.jckpt", cast=True)
     assert back["x"].dtype == ml_dtypes.bfloat16 and float(back["x"]) == 2.5
+
+
+# --- jckpt -> orbax ---------------------------------------------------------------------------
+
+def test_optax_state_exports_to_orbax_with_its_empty_states(tmp_path):
+    ocp = _orbax()
+    state = _adamw_state()
+    abstract = jax.eval_shape(lambda: state)
+    jckpt.save(CTX, state, tmp_path / "s.jckpt")
+    restored = jckpt.restore(CTX, abstract, tmp_path / "s.jckpt")  # the tree, empty states and all
+    adapters.write({"jckpt": restored}, tmp_path / "exported", format="orbax")
+    with ocp.StandardCheckpointer() as checkpointer:
+        back = checkpointer.restore(tmp_path / "exported" / "jckpt", abstract)
+    _same(back, state)
+
+
+def test_typed_prng_keys_cross_to_orbax_and_back(tmp_path):
+    ocp = _orbax()
+    tree = {"key": jax.random.key(3), "keys": jax.random.split(jax.random.key(1), 3),
+            "rbg": jax.random.key(2, impl="rbg"), "w": jnp.ones(2)}
+    abstract = jax.eval_shape(lambda: tree)
+    jckpt.save(CTX, tree, tmp_path / "k.jckpt")
+    jckpt.convert(tmp_path / "k.jckpt", tmp_path / "exported", format="orbax")
+    with ocp.StandardCheckpointer() as checkpointer:
+        back = checkpointer.restore(tmp_path / "exported" / "jckpt", abstract)
+        checkpointer.save(tmp_path / "from_orbax", tree)
+    _same(_data(back), _data(tree))
+    jckpt.convert(tmp_path / "from_orbax", tmp_path / "o.jckpt")
+    again = jckpt.restore(CTX, abstract, tmp_path / "o.jckpt")
+    assert jax.dtypes.issubdtype(again["rbg"].dtype, jax.dtypes.prng_key)
+    _same(_data(again), _data(tree))
+
+
+def _is_key(x):
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _data(tree):
+    return jax.tree_util.tree_map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
 
 
 # --- metadata ---------------------------------------------------------------------------------
