@@ -48,6 +48,12 @@ def host_items(tree: Any, file: str) -> list[tuple[str, KeyPath, np.ndarray]]:
     :class:`~jckpt.errors.InputError` naming ``file`` and the leaf, before
     anything is written.
     """
+    return [(ns, path, array) for ns, path, array, _ in host_items_with_keys(tree, file)]
+
+
+def host_items_with_keys(tree: Any, file: str) -> list[tuple[str, KeyPath, np.ndarray, str | None]]:
+    """:func:`host_items`, with each leaf's PRNG implementation (``None`` but for typed keys),
+    for formats that record it."""
     from jckpt.trees import placement  # JAX: imported only when a tree is written
     from jckpt.trees import pytree as tree_mod
 
@@ -57,7 +63,7 @@ def host_items(tree: Any, file: str) -> list[tuple[str, KeyPath, np.ndarray]]:
         hosts = placement.host_leaves([(tree_mod.leaf_name(ns, p), leaf) for ns, p, leaf in items])
     except InputError as e:
         raise InputError(e.message, file=file, entry=e.entry, fix=e.fix) from None
-    return [(ns, path, host.array) for (ns, path, _), host in zip(items, hosts)]
+    return [(ns, path, host.array, host.key_impl) for (ns, path, _), host in zip(items, hosts)]
 
 
 def flat_name(ns: str, path: KeyPath, several: bool, sep: str = '.') -> str:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jckpt.adapters import register_format
-from jckpt.adapters._common import host_items
+from jckpt.adapters._common import host_items_with_keys
 from jckpt.api.context import Context
 from jckpt.format.entries import DEFAULT_ALIGNMENT, Header, KeyPath, entry_for
 from jckpt.format.header import looks_like_header
@@ -47,30 +47,35 @@ def read(path: str) -> dict[str, Any]:
 
 
 def build_header(items: Sequence[tuple[str, KeyPath, Any]], *, alignment: int = DEFAULT_ALIGNMENT,
-                 metadata: Sequence[tuple[str, str]] = ()) -> Header:
-    """A laid-out header for ``(namespace, path, host array)`` items, ids counted per namespace."""
+                 metadata: Sequence[tuple[str, str]] = (),
+                 key_impls: Sequence[str | None] | None = None) -> Header:
+    """A laid-out header for ``(namespace, path, host array)`` items, ids counted per namespace;
+    ``key_impls`` names the PRNG implementation of the items that are typed keys' data."""
     next_id: dict[str, int] = {}
     entries = []
-    for ns, path, array in items:
+    impls = key_impls if key_impls is not None else [None] * len(items)
+    for (ns, path, array), impl in zip(items, impls):
         ident = next_id.get(ns, 0)
         next_id[ns] = ident + 1
-        entries.append(entry_for(ns, path, array.dtype, array.shape, id=ident))
+        entries.append(entry_for(ns, path, array.dtype, array.shape, id=ident, key_impl=impl))
     return lay_out(Header(tensors=tuple(entries), alignment=alignment,
                           writer=f"jckpt {__version__}", metadata=tuple(metadata)))
 
 
 def write_items(items: Sequence[tuple[str, KeyPath, Any]], path: str, *,
                 alignment: int = DEFAULT_ALIGNMENT,
-                metadata: Sequence[tuple[str, str]] = ()) -> Header:
+                metadata: Sequence[tuple[str, str]] = (),
+                key_impls: Sequence[str | None] | None = None) -> Header:
     """Write host arrays as one jckpt file, atomically and durably; return the header."""
-    header = build_header(items, alignment=alignment, metadata=metadata)
+    header = build_header(items, alignment=alignment, metadata=metadata, key_impls=key_impls)
     return write_checkpoint(path, header, [ArraySource(a) for _, _, a in items])
 
 
 def write(tree: Any, path: str) -> None:
-    """Write ``{namespace: subtree}`` to one jckpt file."""
+    """Write ``{namespace: subtree}`` to one jckpt file (typed PRNG keys stay keys)."""
     path = os.fspath(path)
-    write_items(host_items(tree, path), path)
+    items = host_items_with_keys(tree, path)
+    write_items([(ns, p, a) for ns, p, a, _ in items], path, key_impls=[k for *_, k in items])
 
 
 def register() -> None:

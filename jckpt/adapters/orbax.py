@@ -4,9 +4,22 @@ Reading accepts an orbax PyTree item directory (it holds ``_METADATA``),
 which reads as ``{'jckpt': tree}``, or a step directory of a
 ``CheckpointManager`` (``<root>/<step>``), whose items read as
 ``{item: tree}``; items saved through :mod:`jckpt.adapters.orbax_handler` (one jckpt file each)
-are read too. Every leaf comes back as a host numpy array, bit-exact.
+are read too. Every leaf comes back as a host numpy array, bit-exact, except
+typed PRNG keys, which orbax stores as key data plus their implementation
+and which come back as key arrays.
 Writing makes a step-style directory with one PyTree item per namespace,
-which ``ocp.CheckpointManager``/``ocp.Checkpointer`` and this reader open.
+which ``ocp.CheckpointManager``/``ocp.Checkpointer`` and this reader open;
+typed PRNG keys are handed to orbax as keys (orbax stores them itself), and
+nodes without leaves that the tree holds (optax's ``EmptyState``, ``None``)
+are kept, as orbax keeps them.
+
+orbax records a NamedTuple's or a dataclass's fields as dict keys, so a
+converted file holds dict keys where the saved tree had attributes;
+:func:`jckpt.restore` matches a path that differs only in such key kinds.
+A jckpt file records leaves only: converting one to orbax cannot bring back
+nodes without leaves. To export a tree that has them (an optax ``adamw``
+state), restore it into its structure first and write that:
+``jckpt.adapters.write({'jckpt': jckpt.restore(ctx, abstract, path)}, out, format='orbax')``.
 
 orbax-checkpoint is an optional dependency, imported only when a directory
 is read or written (``pip install 'jckpt[orbax]'``).
@@ -19,6 +32,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from typing import Any
@@ -66,6 +80,54 @@ def _steps(path: str) -> list[str]:
                    and os.path.exists(os.path.join(path, n, _STEP_MARKER))), key=int)
 
 
+def _key_name(key: Any) -> str:
+    """One element of orbax's parameter name of a leaf (its key path joined by ``.``)."""
+    for attr in ('key', 'idx', 'name'):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _key_impls(item: str) -> dict[str, str]:
+    """``{parameter name: PRNG implementation}`` for the typed keys orbax stored in ``item``.
+
+    orbax keeps a typed key's implementation in the item's array metadata
+    (``array_metadatas/process_<n>``, JSON); anything missing or unreadable
+    there means no keys (their data then reads as plain integers).
+    """
+    found: dict[str, str] = {}
+    folder = os.path.join(item, 'array_metadatas')
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return found
+    for name in names:
+        try:
+            with open(os.path.join(folder, name), encoding='utf-8') as f:
+                records = json.load(f).get('array_metadatas', [])
+            for record in records:
+                meta = record.get('array_metadata', {})
+                impl = (meta.get('ext_metadata') or {}).get('random_key_impl')
+                if isinstance(impl, str) and isinstance(meta.get('param_name'), str):
+                    found[meta['param_name']] = impl
+        except (OSError, ValueError, AttributeError, TypeError):
+            continue
+    return found
+
+
+def _host_or_key(impls: dict[str, str]):
+    """The function that turns each restored leaf into a host array, or a key where orbax
+    stored one."""
+    import jax
+
+    def convert(keypath: Any, leaf: Any) -> Any:
+        impl = impls.get('.'.join(_key_name(k) for k in keypath))
+        if impl is None:
+            return np.asarray(leaf)
+        return jax.random.wrap_key_data(np.asarray(leaf), impl=impl)
+    return convert
+
+
 def _read_item(item: str) -> Any:
     if os.path.exists(os.path.join(item, _JCKPT_ITEM)) and not os.path.exists(
             os.path.join(item, '_METADATA')):
@@ -89,7 +151,11 @@ def _read_item(item: str) -> Any:
         raise FormatError(f"orbax could not read this PyTree checkpoint "
                           f"({type(e).__name__}: {str(e)[:300]})", file=item,
                           fix="the checkpoint is incomplete or damaged") from None
-    return jax.tree_util.tree_map(np.asarray, restored)
+    try:
+        return jax.tree_util.tree_map_with_path(_host_or_key(_key_impls(item)), restored)
+    except (TypeError, ValueError) as e:  # key data that does not fit its implementation
+        raise FormatError(f"orbax's PRNG key data cannot be rebuilt as keys: {e}", file=item,
+                          fix="the checkpoint's array metadata is damaged") from None
 
 
 def read(path: str) -> dict[str, Any]:
@@ -127,7 +193,7 @@ def write(tree: Any, path: str) -> None:
     ocp = _orbax()
     import jax
 
-    hosts = {ns: jax.tree_util.tree_map(np.asarray, sub) for ns, sub in tree.items()}
+    hosts = {ns: jax.tree_util.tree_map(_for_orbax, sub) for ns, sub in tree.items()}
     parent = os.path.dirname(os.path.abspath(path))
     staging = os.path.join(parent, f".{os.path.basename(path)}.jckpt-orbax.{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
@@ -151,6 +217,14 @@ def write(tree: Any, path: str) -> None:
             raise storage_error(e, "writing the orbax checkpoint", path) from e
         raise InputError(f"orbax could not save the tree ({type(e).__name__}: {str(e)[:300]})",
                          file=path, fix="cast leaves to dtypes orbax stores") from None
+
+
+def _for_orbax(leaf: Any) -> Any:
+    """A leaf as orbax is given it: host numpy, but typed PRNG keys as keys (orbax stores
+    their data and implementation; numpy has no key dtype)."""
+    from jckpt.trees.placement import is_prng_key
+
+    return leaf if is_prng_key(leaf) else np.asarray(leaf)
 
 
 def register() -> None:

@@ -31,6 +31,7 @@ import numpy as np
 from jckpt.api import progress as progress_mod
 from jckpt.api.context import Context
 from jckpt.errors import ClashError, InputError, MismatchError, MissingEntryError
+from jckpt.format import precs
 from jckpt.format._gc import paused
 from jckpt.format.entries import Entry, Header, KeyPath, path_name
 from jckpt.format.payload import stored_dtype
@@ -145,10 +146,9 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
             verify: bool | None = None, namespaces: Namespaces | None = None) -> Any:
     """Fill ``target``'s structure from ``path``: a tree of exactly ``target``'s type.
 
-    Each leaf is matched by ``(namespace, path)``; ``target`` may be a partial
-    tree (only its leaves are read). Leaves come back where the target says:
-    a ``jax.Array``'s sharding, a ``jax.ShapeDtypeStruct``'s sharding, numpy
-    for numpy leaves, and ``ctx``'s placement otherwise.
+    ``target`` may be partial (only its leaves are read). Leaves come back where
+    it says: a ``jax.Array``'s or a ``ShapeDtypeStruct``'s sharding, numpy for
+    numpy leaves, and ``ctx``'s placement otherwise.
 
     Args:
       ctx: the context (namespace, placement).
@@ -162,6 +162,19 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
       namespaces: read several namespaces at once (a name or a collection of
         names); the result is ``{namespace: subtree}``, each subtree of its
         target's type, and every leaf of every namespace is placed together.
+
+    How each leaf is matched (examples in docs/concepts.md):
+
+    * By ``(namespace, path)``; else the one entry whose path differs only in
+      key kinds: dict key or attribute of one name; index, flattened index or
+      integer dict key of one number (orbax stores NamedTuple fields as dict keys).
+    * Another dtype is a ``MismatchError`` unless ``cast=True``; but a weakly typed
+      target (``jax.eval_shape`` of a Python number, like a flax ``TrainState``'s
+      ``step=0``, stored as int64) of the stored value's kind (bool, integer,
+      floating, complex) takes it if its dtype holds every stored value exactly.
+    * A ``NamedSharding`` on an ``AbstractMesh`` (``nnx.eval_shape`` under
+      ``jax.set_mesh``) goes to the mesh in context with those axes, else to
+      ``jax.make_mesh`` of them when they span all devices; else ``InputError``.
 
     Raises :class:`~jckpt.errors.MissingEntryError` or
     :class:`~jckpt.errors.MismatchError` naming the leaf, and
@@ -182,21 +195,32 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
     reader = open_checkpoint(path)  # a file, or a multi-process directory
     if namespaces is not None:
         _check_present(reader.header, [ns for ns, _, _ in parts], path)
-    mmap = ctx.mmap if mmap is None else mmap
-    verify = (not mmap) if verify is None else verify
-    index = _index(reader.header, {ns for ns, _, _ in parts})
-    requests = []
-    for ns, items, _ in parts:
-        for p, leaf in items:
-            where = tree_mod.leaf_name(ns, p)
-            entry = _match(index[ns], ns, p, path, where)
-            array = _read_leaf(ctx, reader, entry, leaf, path, where, cast=cast, mmap=mmap,
-                               verify=verify)
-            requests.append((array, leaf, where, entry.key_impl))
+    requests = _requests(ctx, reader, parts, path, cast=cast, mmap=mmap, verify=verify)
     values = placement.place_all(requests, host=ctx.host, device=ctx.device, file=path)
     if namespaces is None:
         return jax.tree_util.tree_unflatten(parts[0][2], values)
     return _rebuild(parts, values)
+
+
+def _requests(ctx: Context, reader: Any, parts: Sequence[tuple[str, list, Any]], path: str, *,
+              cast: bool, mmap: bool | None,
+              verify: bool | None) -> list[tuple[Any, Any, str, str | None]]:
+    """``(array, target leaf, name, key_impl)`` for each target leaf: matched, checked, read."""
+    mmap = ctx.mmap if mmap is None else mmap
+    verify = (not mmap) if verify is None else verify
+    index = _index(reader.header, {ns for ns, _, _ in parts})
+    requests = []
+    meshes: dict[Any, Any] = {}  # abstract meshes of the target, resolved once each
+    for ns, items, _ in parts:
+        for p, leaf in items:
+            where = tree_mod.leaf_name(ns, p)
+            entry = _match(index[ns], ns, p, path, where)
+            if type(leaf) is jax.ShapeDtypeStruct and leaf.sharding is not None:
+                leaf = sharding.with_concrete_mesh(leaf, meshes, file=path, where=where)
+            array = _read_leaf(ctx, reader, entry, leaf, path, where, cast=cast, mmap=mmap,
+                               verify=verify)
+            requests.append((array, leaf, where, entry.key_impl))
+    return requests
 
 
 def _rebuild(parts: Sequence[tuple[str, list, Any]], values: Sequence[Any]) -> dict[str, Any]:
@@ -224,33 +248,77 @@ def _target_parts(ctx: Context, target: Any, path: str, namespace: str | None,
     return [(ns, *tree_mod.flatten_with_treedef(target[ns])) for ns in names]
 
 
-def _index(header: Header, names: Collection[str]) -> dict[str, dict[KeyPath, Entry]]:
-    """``{namespace: {stored path: entry}}`` for the namespaces in ``names``."""
-    out: dict[str, dict[KeyPath, Entry]] = {ns: {} for ns in names}
+class _Stored:
+    """One namespace's entries by stored path, and by path less key kinds (built on first need)."""
+
+    def __init__(self) -> None:
+        self.by_path: dict[KeyPath, Entry] = {}
+        self._loose: dict[KeyPath, list[Entry]] | None = None
+
+    def loose(self) -> dict[KeyPath, list[Entry]]:
+        if self._loose is None:
+            self._loose = {}
+            for q, e in self.by_path.items():
+                self._loose.setdefault(tree_mod.loose_path(q), []).append(e)
+        return self._loose
+
+
+def _index(header: Header, names: Collection[str]) -> dict[str, _Stored]:
+    """The entries of the namespaces in ``names``, by namespace."""
+    out: dict[str, _Stored] = {ns: _Stored() for ns in names}
     for e in header.tensors:
         found = out.get(e.namespace)
         if found is not None:
-            found[_stored_path(e)] = e
+            found.by_path[_stored_path(e)] = e
     return out
 
 
-def _match(index: Mapping[KeyPath, Entry], namespace: str, p: KeyPath, path: str,
-           where: str) -> Entry:
-    """The entry stored at ``p``; refuses a leaf the file does not hold, naming some it does."""
-    entry = index.get(p)
-    if entry is None:
-        near = [path_name(q) for q in index][:5]
-        raise MissingEntryError("not in the checkpoint", file=path, entry=where,
-                                fix=f"check the namespace and the tree; the file's "
-                                    f"{namespace!r} entries include {near}" if near else
-                                f"the file has no entries in namespace {namespace!r}")
-    return entry
+def _match(stored: _Stored, namespace: str, p: KeyPath, path: str, where: str) -> Entry:
+    """The entry stored at ``p``, or at the one path that differs from ``p`` only in key kinds.
+
+    A dict key and an attribute of the same name match, and so do a sequence
+    index, a flattened index and an integer dict key of the same number:
+    orbax, for one, records a NamedTuple's fields as dict keys.
+    """
+    entry = stored.by_path.get(p)
+    if entry is not None:
+        return entry
+    found = stored.loose().get(tree_mod.loose_path(p), ())
+    if len(found) == 1:
+        return found[0]
+    raise _missing(stored, namespace, p, found, path, where)
+
+
+def _missing(stored: _Stored, namespace: str, p: KeyPath, found: Sequence[Entry], path: str,
+             where: str) -> MissingEntryError:
+    """The error for a target leaf no stored entry matches, never listing its own name as present."""
+    show = tree_mod.path_repr
+    if found:
+        return MissingEntryError(
+            f"ambiguous: the target's {show(p)} differs only in key kinds from "
+            f"{', '.join(show(_stored_path(e)) for e in found)} in the file", file=path, entry=where,
+            fix="load the file and pick the entry, or restore into a target whose key kinds "
+                "(dict key, attribute, index) match one of them exactly")
+    name = path_name(p)
+    same = [q for q in stored.by_path if path_name(q) == name]
+    if same:
+        return MissingEntryError(
+            f"not in the checkpoint: the file's {show(same[0])} has the same name but another "
+            f"nesting than the target's {show(p)}", file=path, entry=where,
+            fix="restore into a target of the stored structure (jckpt.load shows it)")
+    near = [path_name(q) for q in stored.by_path][:5]
+    return MissingEntryError("not in the checkpoint", file=path, entry=where,
+                             fix=f"check the namespace and the tree; the file's {namespace!r} "
+                                 f"entries include {near}" if near else
+                             f"the file has no entries in namespace {namespace!r}")
 
 
 def _read_leaf(ctx: Context, reader: Any, entry: Entry, leaf: Any, path: str, where: str, *,
                cast: bool, mmap: bool, verify: bool) -> Any:
     """Check ``entry`` against the target ``leaf``, then read it (lazily for sharded targets)."""
     want_shape, want_dtype = _target_spec(leaf)
+    if want_dtype is None and entry.key_impl is None and _is_key_target(leaf):
+        raise _raw_key_data(entry, want_shape, path, where)
     _check_shape(entry, want_shape, path, where)
     target_sharding = getattr(leaf, 'sharding', None) or (
         ctx.device if not ctx.host and not isinstance(leaf, (np.ndarray, np.generic)) else None)
@@ -258,12 +326,47 @@ def _read_leaf(ctx: Context, reader: Any, entry: Entry, leaf: Any, path: str, wh
                         file=path, where=where)
     array = reader.decode(entry, mmap=mmap, verify=verify)
     if want_dtype is not None and entry.key_impl is None and stored_dtype(want_dtype) != array.dtype:
-        if not cast:
-            raise MismatchError(f"dtype mismatch: file has {array.dtype}, target has "
-                                f"{np.dtype(want_dtype)}", file=path, entry=where,
-                                fix="pass cast=True to convert, or fix the target's dtype")
-        array = sharding.as_lazy(array).astype(want_dtype)  # cast per shard, as read
+        if cast:
+            return sharding.as_lazy(array).astype(want_dtype)  # cast per shard, as read
+        if getattr(leaf, 'weak_type', False) and _kind(array.dtype) == _kind(want_dtype):
+            return _exactly(array, np.dtype(want_dtype), path, where)
+        raise MismatchError(f"dtype mismatch: file has {array.dtype}, target has "
+                            f"{np.dtype(want_dtype)}", file=path, entry=where,
+                            fix="pass cast=True to convert, or fix the target's dtype")
     return array
+
+
+_KINDS = (('bool', np.bool_), ('integer', np.integer), ('floating', np.floating),
+          ('complex', np.complexfloating))
+
+
+def _kind(dtype: Any) -> str | None:
+    """Which of bool, integer (signed or not), floating and complex ``dtype`` is."""
+    return next((name for name, t in _KINDS if jax.dtypes.issubdtype(dtype, t)), None)
+
+
+def _exactly(array: Any, dtype: np.dtype, path: str, where: str) -> np.ndarray:
+    """``array`` as ``dtype`` for a weakly typed target: only if every value converts exactly.
+
+    A weakly typed target stands for a Python number (``jax.eval_shape`` of a
+    tree holding ``step=0``), which jckpt stored as 64-bit: such a value is
+    accepted when the target's dtype holds it exactly, and refused otherwise
+    (never narrowed silently).
+    """
+    values = np.asarray(array)
+    with np.errstate(all='ignore'):
+        out = values.astype(dtype)
+        same = out.astype(values.dtype) == values
+    if _kind(values.dtype) in ('floating', 'complex'):
+        same |= np.isnan(values) & np.isnan(out)
+    if not np.all(same):
+        bad = values[~same].flat[0].item()
+        raise MismatchError(f"dtype mismatch: the file's {values.dtype} value {bad!r} does not fit "
+                            f"the target's weakly typed {dtype}", file=path, entry=where,
+                            fix=f"restore into a target of dtype {values.dtype} (64-bit needs "
+                                f"jax_enable_x64), or pass cast=True to convert anyway (the value "
+                                f"changes)")
+    return out
 
 
 def _check_shape(entry: Entry, want_shape: Sequence[int] | None, path: str, where: str) -> None:
@@ -282,6 +385,24 @@ def _check_shape(entry: Entry, want_shape: Sequence[int] | None, path: str, wher
         raise MismatchError(f"shape mismatch: file has {entry.shape}, target has "
                             f"{tuple(want_shape)}", file=path, entry=where,
                             fix="restore into a target of the stored shape")
+
+
+def _is_key_target(leaf: Any) -> bool:
+    return placement.is_prng_key(leaf) or (isinstance(leaf, jax.ShapeDtypeStruct) and
+                                            jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key))
+
+
+def _raw_key_data(entry: Entry, want_shape: Any, path: str, where: str) -> MismatchError:
+    """The error for a typed-key target whose entry holds plain integers (an old-style
+    ``jax.random.PRNGKey``, or key data saved with ``jax.random.key_data``)."""
+    dtype = precs.dtype_of(entry.prec)
+    return MismatchError(
+        f"the file holds plain {dtype}{list(entry.shape)} key data (an old-style "
+        f"jax.random.PRNGKey), not a typed PRNG key as the target (shape {tuple(want_shape)})",
+        file=path, entry=where,
+        fix=f"restore into jax.ShapeDtypeStruct({tuple(entry.shape)}, jnp.{dtype}) and wrap the "
+            f"result with jax.random.wrap_key_data(data); to store typed keys, save "
+            f"jax.random.key(...) (jax.random.key_data(key) unwraps one)")
 
 
 def _target_spec(leaf: Any) -> tuple[tuple[int, ...] | None, Any]:

@@ -30,6 +30,7 @@ from jckpt.api.multiprocess import save_directory
 from jckpt.errors import InputError, InUseError
 from jckpt.format._gc import paused
 from jckpt.format.entries import Entry, Header, KeyPath, entry_for, round_up
+from jckpt.format.header import check_metadata
 from jckpt.format.layout import lay_out
 from jckpt.format.names import INDEX_NAME
 from jckpt.format.payload import CHECKSUM_PLACEHOLDER
@@ -63,7 +64,8 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
       appending: keep every entry of an existing file at ``path`` that ``tree``
         does not replace (matched by namespace and path), with its id.
       alignment: payload alignment for this file (default ``ctx.alignment``).
-      metadata: string pairs stored in the header (merged over an appended file's).
+      metadata: string pairs stored in the header (merged over an appended file's); a
+        value that is not a string is an :class:`~jckpt.errors.InputError` naming its key.
       progress: draw a progress bar on stderr while writing (only when stderr is a terminal).
 
     Raises :class:`~jckpt.errors.InputError` before touching the file when a
@@ -75,6 +77,7 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
         jckpt.save(jckpt.Context(), {"params": params, "step": 100}, "ckpt.jckpt")
     """
     path = os.fspath(path)
+    metadata = check_metadata(metadata, path)  # strings only, refused before anything is written
     # several processes save their pieces into one directory; a directory checkpoint stays one
     if jax.process_count() > 1 or os.path.isfile(os.path.join(path, INDEX_NAME)):
         if appending:

@@ -23,8 +23,8 @@ from typing import ClassVar, Generic, Self, TypeVar
 
 from jckpt import api
 from jckpt.api.context import Context
-from jckpt.errors import InputError
-from jckpt.format.names import GENERATION_KEY, LINEAGE_KEY, RESERVED_PREFIX
+from jckpt.format import header
+from jckpt.format.names import GENERATION_KEY, LINEAGE_KEY
 from jckpt.services.engine import Job, MirrorCounters, Pipeline
 from jckpt.services.lineage import Holder, check_name, open_lineage
 from jckpt.services.snapshot import Digest, content_digest
@@ -38,16 +38,7 @@ InfoT = TypeVar('InfoT')
 
 def check_metadata(metadata: Mapping[str, str] | None, where: str) -> dict[str, str]:
     """User metadata as a dict of strings, refusing the reserved ``jckpt.`` keys."""
-    out: dict[str, str] = {}
-    for k, v in (metadata or {}).items():
-        if not isinstance(k, str) or not isinstance(v, str):
-            raise InputError(f"metadata must map strings to strings, not {k!r}: {v!r}",
-                             file=where, fix="convert values with str() or json.dumps()")
-        if k.startswith(RESERVED_PREFIX):
-            raise InputError(f"metadata key {k!r} is reserved", file=where,
-                             fix=f"use a key that does not start with {RESERVED_PREFIX!r}")
-        out[k] = v
-    return out
+    return header.check_metadata(metadata, where, reserved=False)
 
 
 @dataclasses.dataclass(frozen=True)

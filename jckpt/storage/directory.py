@@ -218,6 +218,23 @@ def write_index(stage: str, process_count: int, alignment: int, metadata: dict[s
 
 # --- reading ------------------------------------------------------------------------------------
 
+#: Files that mark another tool's checkpoint directory (orbax's items and steps).
+_FOREIGN_MARKERS = ('_METADATA', '_CHECKPOINT_METADATA', 'manifest.ocdbt')
+
+
+def _no_index_fix(path: str) -> str:
+    """What to do with a directory that is not a jckpt checkpoint: convert a foreign one."""
+    try:
+        names = set(os.listdir(path))
+    except OSError:
+        names = set()
+    if names & set(_FOREIGN_MARKERS) or any(  # an item, a step, or a step's items
+            os.path.exists(os.path.join(path, n, m)) for n in names for m in _FOREIGN_MARKERS):
+        return (f"this is an orbax checkpoint: convert it to a jckpt file first, "
+                f"jckpt.convert({path!r}, 'state.jckpt'), then restore from that")
+    return "restore from a complete checkpoint"
+
+
 class DirectoryReader:
     """An open directory checkpoint: the global entries, read piece by piece on demand.
 
@@ -234,8 +251,7 @@ class DirectoryReader:
         index = os.path.join(self.path, INDEX_NAME)
         if not os.path.exists(index):
             raise FormatError(f"directory has no {INDEX_NAME}: not a checkpoint, or one whose "
-                              "save did not finish", file=self.path,
-                              fix="restore from a complete checkpoint")
+                              "save did not finish", file=self.path, fix=_no_index_fix(self.path))
         self.index = self.backend.open(index, follow_symlinks=False)
         self.files, arrays = parse_index(self.index.header, index)
         self.arrays = {a.entry.identity: a for a in arrays}

@@ -82,15 +82,15 @@ class LazyArray:
         return self.size * self.dtype.itemsize
 
     def read(self, box: Box) -> np.ndarray:
-        """The contents of ``box`` as a new array."""
-        return self._read(box)
+        """The contents of ``box`` as a new array (an ``ndarray`` even for a 0-d box)."""
+        return np.asarray(self._read(box))
 
     def astype(self, dtype: Any, copy: bool = True) -> LazyArray:
         """The same array converted to ``dtype`` box by box (nothing is read now)."""
         dtype = np.dtype(dtype)
         if dtype == self.dtype and not copy:
             return self
-        return LazyArray(self.shape, dtype, lambda box: self._read(box).astype(dtype))
+        return LazyArray(self.shape, dtype, lambda box: self.read(box).astype(dtype))
 
     def __getitem__(self, index: Any) -> np.ndarray:
         if not isinstance(index, tuple):

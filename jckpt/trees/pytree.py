@@ -90,6 +90,32 @@ def leaf_name(namespace: str, path: KeyPath) -> str:
     return f"{namespace}/{'/'.join([v if type(v) is str else str(v) for _, v in path]) or '<root>'}"
 
 
+#: Key kinds that differ only in how a node keeps its children: by name, or by number.
+_LOOSE_KIND = {'k': 'name', 'a': 'name', 'i': 'number', 'f': 'number', 'ki': 'number'}
+
+
+def loose_path(path: KeyPath) -> KeyPath:
+    """``path`` less its key kinds: a dict key and an attribute of one name compare equal,
+    and so do a sequence index, a flattened index and an integer dict key of one number.
+
+    >>> loose_path((('i', 0), ('a', 'count'))) == loose_path((('i', 0), ('k', 'count')))
+    True
+    """
+    return tuple([(_LOOSE_KIND.get(kind, kind), key) for kind, key in path])
+
+
+_REPR = {'k': '[{!r}]', 'ki': '[{!r}]', 'i': '[{}]', 'a': '.{}', 'f': '[<flat index {}>]'}
+
+
+def path_repr(path: KeyPath) -> str:
+    """``path`` written as JAX writes key paths, so that its key kinds show.
+
+    >>> path_repr((('i', 0), ('a', 'count'))), path_repr((('i', 0), ('k', 'count')))
+    ('[0].count', "[0]['count']")
+    """
+    return ''.join(_REPR.get(kind, '[{!r}]').format(key) for kind, key in path) or '<root>'
+
+
 def is_leaf(x: Any) -> bool:
     """Leaves that JAX would otherwise flatten further, kept whole (ShapeDtypeStruct)."""
     return isinstance(x, jax.ShapeDtypeStruct)

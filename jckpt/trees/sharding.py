@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from jckpt.errors import MismatchError
+from jckpt.errors import InputError, MismatchError
 from jckpt.format.boxes import (  # noqa: F401  (box arithmetic, re-exported where it was)
     Box,
     box_of,
@@ -50,7 +50,7 @@ def read_box(array: Any, box: Box, *, log: bool = True) -> np.ndarray:
     """Read ``box`` of ``array`` (a mapped view or a :class:`LazyArray`), logging the bytes."""
     if isinstance(array, LazyArray):
         return array.read(box)
-    out = np.asarray(array)[box_slices(box)]
+    out = np.asarray(np.asarray(array)[box_slices(box)])  # a 0-d index gives a numpy scalar
     if log:
         note_read(box, out.nbytes)
     return out
@@ -84,5 +84,56 @@ def check_fits(shape: Sequence[int], sharding: Any, *, file: str | None, where: 
                 "or pad the array") from None
 
 
-__all__ = ['Box', 'LazyArray', 'ShardedSource', 'box_of', 'check_fits', 'coalesce', 'intersect',
-           'read_box', 'read_index', 'record_reads']
+def with_concrete_mesh(leaf: Any, cache: dict[Any, Any], *, file: str | None, where: str) -> Any:
+    """``leaf`` (a target ``ShapeDtypeStruct``) with its abstract mesh made concrete.
+
+    ``nnx.eval_shape`` under ``jax.set_mesh`` gives targets whose
+    ``NamedSharding`` names an ``AbstractMesh`` (axis names and sizes, no
+    devices); restore places them on the mesh :func:`concrete_mesh` finds.
+    Any other leaf comes back unchanged. ``cache`` maps abstract meshes to
+    concrete ones, so a tree is resolved once per mesh.
+    """
+    import jax
+    spec = leaf.sharding
+    if not isinstance(spec, jax.sharding.NamedSharding) or \
+            not isinstance(spec.mesh, jax.sharding.AbstractMesh):
+        return leaf
+    mesh = cache.get(spec.mesh)
+    if mesh is None:
+        mesh = cache[spec.mesh] = concrete_mesh(spec.mesh, file=file, where=where)
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=leaf.weak_type,
+                                sharding=jax.sharding.NamedSharding(mesh, spec.spec,
+                                                                    memory_kind=spec.memory_kind))
+
+
+def concrete_mesh(abstract: Any, *, file: str | None = None, where: str | None = None) -> Any:
+    """The concrete ``jax.sharding.Mesh`` that ``abstract`` (an ``AbstractMesh``) stands for.
+
+    The mesh in context (set by ``jax.set_mesh``) when its axis names and
+    sizes are the abstract mesh's; else, when the abstract mesh spans exactly
+    the devices JAX has, ``jax.make_mesh`` of its axes over them (the mesh
+    ``jax.make_mesh`` would have given the code that built the target). The
+    result has the abstract mesh's axis types. Refuses, with
+    :class:`~jckpt.errors.InputError`, when neither applies.
+    """
+    import jax
+    names, sizes = tuple(abstract.axis_names), tuple(abstract.axis_sizes)
+    types = getattr(abstract, 'axis_types', None)
+    get_mesh = getattr(jax.sharding, 'get_mesh', None)
+    current = get_mesh() if get_mesh is not None else None
+    if current is not None and not current.empty and (
+            tuple(current.axis_names), tuple(current.axis_sizes)) == (names, sizes):
+        return current if types is None else jax.sharding.Mesh(current.devices, names,
+                                                               axis_types=types)
+    if int(np.prod(sizes, dtype=np.int64)) == jax.device_count():
+        return jax.make_mesh(sizes, names, **({} if types is None else {'axis_types': types}))
+    axes = ', '.join(f"{n!r}: {s}" for n, s in zip(names, sizes))
+    raise InputError(f"the target's sharding names an abstract mesh ({axes}) and no concrete mesh "
+                     f"of these axes is in context (JAX has {jax.device_count()} devices)",
+                     file=file, entry=where,
+                     fix="restore inside `with jax.set_mesh(mesh):` for a mesh of these axes, or "
+                         "give the target NamedShardings on a concrete jax.sharding.Mesh")
+
+
+__all__ = ['Box', 'LazyArray', 'ShardedSource', 'box_of', 'check_fits', 'coalesce', 'concrete_mesh',
+           'intersect', 'read_box', 'read_index', 'record_reads', 'with_concrete_mesh']
