@@ -62,10 +62,21 @@ def member_span(buffer, info: zipfile.ZipInfo, file: str) -> tuple[int, int]:
 
 
 def member_bytes(zf: zipfile.ZipFile, buffer, info: zipfile.ZipInfo, file: str):
-    """A member's content: a zero-copy memoryview when stored, else decompressed bytes."""
+    """A member's content: a zero-copy memoryview when stored, else decompressed bytes.
+
+    Either way its CRC-32 is checked (zipfile checks a decompressed member's; a
+    stored member's is checked here), and an encrypted member is refused.
+    """
+    if info.flag_bits & 0x1:
+        raise FormatError(f"archive member {info.filename!r} is encrypted", file=file,
+                          fix="checkpoints are never encrypted: the file is damaged or not one")
     if info.compress_type == zipfile.ZIP_STORED:
         start, length = member_span(buffer, info, file)
-        return memoryview(buffer)[start:start + length]
+        view = memoryview(buffer)[start:start + length]
+        if zlib.crc32(view) != info.CRC:
+            raise FormatError(f"archive member {info.filename!r} fails its CRC-32 check",
+                              file=file, fix="the file is damaged; use another copy")
+        return view
     try:
         return zf.read(info)
     except _READ_ERRORS as e:

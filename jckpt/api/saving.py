@@ -30,8 +30,8 @@ from jckpt.api.multiprocess import save_directory
 from jckpt.errors import InputError, InUseError
 from jckpt.format._gc import paused
 from jckpt.format.entries import Entry, Header, KeyPath, entry_for, round_up
-from jckpt.format.header import check_metadata
 from jckpt.format.layout import lay_out
+from jckpt.format.metadata import check_metadata
 from jckpt.format.names import INDEX_NAME
 from jckpt.format.payload import CHECKSUM_PLACEHOLDER
 from jckpt.storage.publish import storage_error

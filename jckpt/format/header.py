@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from jckpt.errors import FormatError, InputError
+from jckpt.errors import FormatError
 from jckpt.format import precs
 from jckpt.format._gc import paused
 
@@ -44,7 +44,6 @@ from jckpt.format.entries import (
     round_up,
 )
 from jckpt.format.fastpath import canonical_entries
-from jckpt.format.names import RESERVED_PREFIX
 from jckpt.format.sexp import Sexp, SexpError, dumps, parse, quote
 
 #: OCANNL's reader refuses headers longer than this; jckpt reads them but warns on write.
@@ -471,35 +470,3 @@ def check_unique(entries: Sequence[Entry], file: str | None = None) -> None:
             raise FormatError("duplicate entry identity", file=file, entry=e.name,
                               fix="give each leaf a distinct path")
         seen.add(e.identity)
-
-
-def check_metadata(metadata: Mapping[str, str] | None, file: str | None = None, *,
-                   reserved: bool = True) -> dict[str, str]:
-    """User metadata as a dict of strings; :class:`~jckpt.errors.InputError` naming the key otherwise.
-
-    The header stores metadata as string pairs, so a number or ``None`` is
-    refused here, before anything is written, rather than when the header is
-    encoded. With ``reserved=False`` (the mirror and the manager, which write
-    their own ``jckpt.`` keys), keys starting with ``jckpt.`` are refused too.
-
-    >>> check_metadata({'step': '3'})
-    {'step': '3'}
-    """
-    if metadata is not None and not isinstance(metadata, Mapping):
-        raise InputError(f"metadata must be a mapping of strings to strings, not "
-                         f"{type(metadata).__name__}", file=file, fix="pass e.g. metadata={'run': 'a'}")
-    out: dict[str, str] = {}
-    for k, v in (metadata or {}).items():
-        if not isinstance(k, str):
-            raise InputError(f"metadata key {k!r} is a {type(k).__name__}: metadata maps strings "
-                             f"to strings", file=file, fix=f"use the key {str(k)!r}")
-        if not isinstance(v, str):
-            raise InputError(f"metadata key {k!r} has the {type(v).__name__} value {v!r}: metadata "
-                             f"maps strings to strings", file=file,
-                             fix=f"store it as a string: metadata={{{k!r}: str(value)}} "
-                                 f"(or json.dumps(value) for structured values)")
-        if not reserved and k.startswith(RESERVED_PREFIX):
-            raise InputError(f"metadata key {k!r} is reserved", file=file,
-                             fix=f"use a key that does not start with {RESERVED_PREFIX!r}")
-        out[k] = v
-    return out

@@ -23,7 +23,7 @@ from typing import ClassVar, Generic, Self, TypeVar
 
 from jckpt import api
 from jckpt.api.context import Context
-from jckpt.format import header
+from jckpt.format import metadata as metadata_mod
 from jckpt.format.names import GENERATION_KEY, LINEAGE_KEY
 from jckpt.services.engine import Job, MirrorCounters, Pipeline
 from jckpt.services.lineage import Holder, check_name, open_lineage
@@ -38,7 +38,7 @@ InfoT = TypeVar('InfoT')
 
 def check_metadata(metadata: Mapping[str, str] | None, where: str) -> dict[str, str]:
     """User metadata as a dict of strings, refusing the reserved ``jckpt.`` keys."""
-    return header.check_metadata(metadata, where, reserved=False)
+    return metadata_mod.check_metadata(metadata, where, reserved=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,7 +55,7 @@ class Retention:
     def __post_init__(self) -> None:
         for name in ('keep_last', 'keep_every', 'keep_best'):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (type(value) is not int or value < 1):  # a bool is no count
                 raise InputError(f"{name} must be a positive integer or None, not {value!r}")
         if self.best_mode not in ('min', 'max'):
             raise InputError(f"best_mode must be 'min' or 'max', not {self.best_mode!r}")

@@ -93,7 +93,11 @@ class TrainerState:
         unknown = {k: v for k, v in fields.items() if k not in known}
         kwargs = {k: v for k, v in fields.items() if k in known}
         if unknown:
-            kwargs['user'] = {**kwargs.get('user', {}), '_unknown': unknown}
+            user = kwargs.get('user', {})
+            if not isinstance(user, dict):
+                raise FormatError(f"invalid trainer state: user is a {type(user).__name__}, not "
+                                  "an object", file=file, fix="the metadata is damaged")
+            kwargs['user'] = {**user, '_unknown': unknown}
         try:
             return cls(**kwargs)
         except InputError as e:

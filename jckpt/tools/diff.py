@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from jckpt.api import progress as progress_mod
-from jckpt.errors import FormatError
+from jckpt.errors import FormatError, InputError
 from jckpt.format import precs
 from jckpt.format.header import Entry
 from jckpt.format.names import STEP_RE
@@ -227,7 +227,8 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float = 0.0, rtol:
     for path in (a, b):  # a URL no backend serves is refused before either is read
         backend_for(path)
     if atol < 0 or rtol < 0 or math.isnan(atol) or math.isnan(rtol):
-        raise ValueError(f"tolerances must be >= 0, got atol={atol}, rtol={rtol}")
+        raise InputError(f"tolerances must be >= 0, got atol={atol}, rtol={rtol}",
+                         fix="pass atol and rtol of zero or more")
     ra, rb = _open(a), _open(b)
     ia = {e.identity: e for e in ra.header.tensors}
     ib = {e.identity: e for e in rb.header.tensors}

@@ -105,8 +105,6 @@ def test_counts_must_be_positive_integers(field, value):
         Retention(**{field: value}, **extra)
 
 
-@pytest.mark.xfail(strict=True, reason="Retention accepts a bool as a count (True keeps 1 step), "
-                                       "unlike TrainerState, which refuses bools")
 def test_a_bool_is_not_a_count():
     with pytest.raises(InputError, match='keep_last must be a positive integer'):
         Retention(keep_last=True)

@@ -93,8 +93,6 @@ def test_from_json_refuses_with_a_format_error_naming_the_file(text, message):
     assert str(info.value).startswith('run/step_00000010.jckpt: ')
 
 
-@pytest.mark.xfail(strict=True, reason="from_json merges unknown fields into a 'user' that is "
-                                       "not a mapping with {**user}: TypeError, not FormatError")
 @pytest.mark.parametrize('text', ['{"user": 5, "epoch": 1}', '{"user": null, "epoch": 1}'])
 def test_from_json_refuses_a_bad_user_beside_unknown_fields(text):
     with pytest.raises(FormatError, match='invalid trainer state') as info:

@@ -111,12 +111,10 @@ def test_integer_tolerances(tmp_path):
 
 @pytest.mark.parametrize('atol,rtol', [(-1.0, 0.0), (0.0, -1e-9), (math.nan, 0.0), (0.0, math.nan)])
 def test_bad_tolerances_are_refused(near, atol, rtol):
-    with pytest.raises(ValueError, match='tolerances must be >= 0'):
+    with pytest.raises(jckpt.InputError, match='tolerances must be >= 0'):
         diff(*near, atol=atol, rtol=rtol)
 
 
-@pytest.mark.xfail(strict=True, reason="diff refuses bad tolerances with a plain ValueError, not a "
-                                       "CheckpointError (InputError) as every other jckpt refusal")
 def test_bad_tolerances_are_a_checkpoint_error(near):
     with pytest.raises(jckpt.CheckpointError):
         diff(*near, atol=-1.0)

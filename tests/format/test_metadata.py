@@ -1,0 +1,33 @@
+"""User metadata: string pairs, checked before anything is written."""
+
+import pytest
+
+from jckpt.errors import InputError
+from jckpt.format.metadata import check_metadata
+from jckpt.format.names import LINEAGE_KEY
+
+
+def test_strings_pass_as_a_new_dict():
+    source = {'run': 'a', 'step': '3'}
+    out = check_metadata(source, 'f.jckpt')
+    assert out == source and out is not source
+    assert check_metadata(None) == {}
+
+
+@pytest.mark.parametrize('bad, named', [({'n': 3}, "'n'"), ({'n': None}, "'n'"), ({3: 'x'}, '3'),
+                                        ({'n': b'x'}, "'n'")])
+def test_what_is_not_a_string_is_refused_naming_the_key(bad, named):
+    with pytest.raises(InputError, match='metadata maps strings to strings') as e:
+        check_metadata(bad, 'f.jckpt')
+    assert named in e.value.message and e.value.file == 'f.jckpt' and e.value.fix
+
+
+def test_a_mapping_is_required():
+    with pytest.raises(InputError, match='must be a mapping'):
+        check_metadata([('a', 'b')], 'f.jckpt')
+
+
+def test_reserved_keys_are_refused_only_when_asked():
+    assert check_metadata({LINEAGE_KEY: 'x'}) == {LINEAGE_KEY: 'x'}
+    with pytest.raises(InputError, match='is reserved'):
+        check_metadata({LINEAGE_KEY: 'x'}, 'f.jckpt', reserved=False)
