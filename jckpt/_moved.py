@@ -28,7 +28,9 @@ from types import ModuleType
 MOVED = {
     'jckpt.tree': 'jckpt.trees.pytree',
     'jckpt.placement': 'jckpt.trees.placement',
-    'jckpt.sharding': 'jckpt.trees.sharding',
+    # split: restore's side stayed, saving's side went to placement, writes in place to storage
+    'jckpt.sharding': ('jckpt.trees.sharding', 'jckpt.trees.placement', 'jckpt.storage.regions',
+                       'jckpt.format.boxes'),
     'jckpt.context': 'jckpt.api.context',
     'jckpt.progress': 'jckpt.api.progress',
     'jckpt.lease': 'jckpt.storage.lease',
@@ -37,8 +39,10 @@ MOVED = {
     'jckpt.distributed': ('jckpt.tools.consolidate', 'jckpt.storage.directory',
                           'jckpt.storage.checkpoint', 'jckpt.format.index', 'jckpt.format.names',
                           'jckpt.errors', 'jckpt.api.multiprocess'),
-    'jckpt.mirror': 'jckpt.services.mirror',
-    'jckpt.manager': 'jckpt.services.manager',
+    # split: the engine, the snapshot and the staged generations have modules of their own
+    'jckpt.mirror': ('jckpt.services.mirror', 'jckpt.services.engine', 'jckpt.services.snapshot',
+                     'jckpt.storage.staging', 'jckpt.format.names'),
+    'jckpt.manager': ('jckpt.services.manager', 'jckpt.services.retention', 'jckpt.format.names'),
     'jckpt.trainer_state': 'jckpt.services.trainer_state',
     'jckpt.check': ('jckpt.tools.verify', 'jckpt.tools.diff'),
     'jckpt.rewrite': 'jckpt.tools.rewrite',

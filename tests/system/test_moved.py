@@ -18,9 +18,22 @@ def fresh_import(monkeypatch, name: str):
 
 
 def test_a_module_moved_whole_is_its_new_home(monkeypatch):
+    with pytest.warns(DeprecationWarning, match="jckpt.tree moved to jckpt.trees.pytree"):
+        old = fresh_import(monkeypatch, "jckpt.tree")
+    assert old is importlib.import_module("jckpt.trees.pytree")
+
+
+def test_a_split_module_finds_what_moved_out_of_it(monkeypatch):
+    from jckpt.services import engine, mirror
+    from jckpt.trees import placement
+
     with pytest.warns(DeprecationWarning, match="jckpt.sharding moved to jckpt.trees.sharding"):
         old = fresh_import(monkeypatch, "jckpt.sharding")
-    assert old is importlib.import_module("jckpt.trees.sharding")
+    assert old.record_reads is jckpt.trees.sharding.record_reads
+    assert old.is_sharded is placement.is_sharded
+    with pytest.warns(DeprecationWarning, match="jckpt.mirror moved to jckpt.services.mirror"):
+        old = fresh_import(monkeypatch, "jckpt.mirror")
+    assert old.Mirror is mirror.Mirror and old.MirrorCounters is engine.MirrorCounters
 
 
 def test_the_split_distributed_module_finds_each_name_in_its_new_home(monkeypatch):
