@@ -16,8 +16,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / 'jckpt'
 MAX_FUNCTION_LINES = 60
 MAX_MODULE_LINES = 500
-#: Declarative tables, long by nature: the argparse builder of the command line.
-LONG_TABLES = {('jckpt.tools.cli', 'build_parser')}
+#: Functions allowed past the limit: declarative tables, long by nature (none today).
+LONG_TABLES: set[tuple[str, str]] = set()
 
 
 def _modules() -> dict[str, Path]:
