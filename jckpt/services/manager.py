@@ -1,10 +1,10 @@
-"""``CheckpointManager``: one checkpoint per training step in a directory, written in the background.
+"""`CheckpointManager`: one checkpoint per training step in a directory, written in the background.
 
-Each step is its own file, ``step_00000100.jckpt`` (or a directory of that
+Each step is its own file, `step_00000100.jckpt` (or a directory of that
 name for a multi-process save), published atomically; saves go through the
 mirror's machinery (a host snapshot in a free slot, then a background writer),
 so training blocks only for the device-to-host copy. Metrics and a
-:class:`~jckpt.services.trainer_state.TrainerState` travel in the file's metadata.
+`TrainerState` travel in the file's metadata.
 
 >>> import tempfile, numpy as np
 >>> d = tempfile.mkdtemp()
@@ -17,13 +17,13 @@ so training blocks only for the device-to-host copy. Metrics and a
 [20, 30] 30
 [30. 30. 30.]
 
-Retention (``keep_last``, ``keep_every``, ``keep_best`` by ``best_metric``)
+Retention (`keep_last`, `keep_every`, `keep_best` by `best_metric`)
 runs after each step is durable and never removes the latest durable step;
 with no policy every step is kept. Staging files of a killed writer are
 removed when the manager opens; a step file that cannot be read is ignored.
-The steps share a lineage (:mod:`jckpt.services.lineage`): a directory whose
+The steps share a lineage (`jckpt.services.lineage`): a directory whose
 latest step belongs to another run, or records none, is refused unless
-``new_lineage=True``.
+`new_lineage=True`.
 """
 
 from __future__ import annotations
@@ -69,13 +69,13 @@ log = logging.getLogger('jckpt')
 
 @dataclasses.dataclass(frozen=True)
 class Restored:
-    """What :meth:`CheckpointManager.restore` returns.
+    """What `CheckpointManager.restore` returns.
 
     Attributes:
       step: the step restored.
-      tree: the arrays (the target's structure, or ``{namespace: subtree}``).
-      trainer_state: the stored :class:`TrainerState` (adapted to the current
-        layout when resharding), or ``None`` if the step has none.
+      tree: the arrays (the target's structure, or `{namespace: subtree}`).
+      trainer_state: the stored `TrainerState` (adapted to the current
+        layout when resharding), or `None` if the step has none.
       metrics: the metrics saved with the step.
       metadata: the user metadata saved with the step.
     """
@@ -101,42 +101,42 @@ def _read_metadata(path: str) -> dict[str, str]:
 
 
 class CheckpointManager(BackgroundWriter[_Step]):
-    """Step checkpoints in ``directory``: asynchronous saves, retention, restore, trainer state.
+    """Step checkpoints in `directory`: asynchronous saves, retention, restore, trainer state.
 
     Args:
       directory: where the steps live (created if missing).
-      ctx: namespace, alignment, durability and placement (default ``Context()``).
+      ctx: namespace, alignment, durability and placement (default `Context()`).
       keep_last: keep the last N steps.
       keep_every: keep every step that is a multiple of K.
-      keep_best: keep the best N steps by ``best_metric``.
-      best_metric: the metric ``keep_best`` and :meth:`best_step` rank by.
-      best_mode: ``'min'`` (default) or ``'max'``.
-      save_interval_steps: :meth:`save` writes only steps that are multiples of
-        this (or when preemption is reached, or with ``force=True``).
-      asynchronous: write in the background (default); ``False`` makes
-        :meth:`save` return only once the step is durable.
-      slots: snapshot slots, as for :class:`~jckpt.Mirror`.
-      when_full: ``'block'`` or ``'raise'`` when every slot is pending, as for the mirror.
+      keep_best: keep the best N steps by `best_metric`.
+      best_metric: the metric `keep_best` and `best_step` rank by.
+      best_mode: `'min'` (default) or `'max'`.
+      save_interval_steps: `save` writes only steps that are multiples of
+        this (or when preemption is reached, or with `force=True`).
+      asynchronous: write in the background (default); `False` makes
+        `save` return only once the step is durable.
+      slots: snapshot slots, as for `Mirror`.
+      when_full: `'block'` or `'raise'` when every slot is pending, as for the mirror.
       retry_after: seconds before a failed write is retried, as for the mirror.
       patience: failed attempts in a row before the error is raised, as for the mirror.
       lineage: the lineage to continue, checked against the latest step.
       new_lineage: start a new lineage even if the latest step has another or
-        none; without it, such a step is refused with :class:`~jckpt.errors.LineageError`
-        (:mod:`jckpt.services.lineage`, as for the mirror). Earlier steps stay and
+        none; without it, such a step is refused with `LineageError`
+        (`jckpt.services.lineage`, as for the mirror). Earlier steps stay and
         count for retention; new steps must be above them.
       handle_sigterm: where no JAX distributed client runs, treat SIGTERM as
-        preemption (:meth:`reached_preemption` then says True).
+        preemption (`reached_preemption` then says True).
       directory_steps: write each step as a multi-process directory checkpoint
-        (``jckpt.api.multiprocess``), synchronously, from every process. Default:
-        when ``jax.process_count() > 1``. Only process 0 deletes old steps.
+        (`jckpt.api.multiprocess`), synchronously, from every process. Default:
+        when `jax.process_count() > 1`. Only process 0 deletes old steps.
 
     Only one manager may write a directory at a time
-    (:class:`~jckpt.errors.InUseError` otherwise). A URL no storage backend
-    serves is refused with :class:`~jckpt.errors.InputError` before anything is
+    (`InUseError` otherwise). A URL no storage backend
+    serves is refused with `InputError` before anything is
     created.
 
-    Example::
-
+    Example:
+        ```python
         mgr = jckpt.CheckpointManager("ckpts", keep_last=3, save_interval_steps=100)
         start = mgr.latest_step()
         if start is not None:
@@ -146,6 +146,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
             state = train_step(state)
             mgr.save(step, state, metrics={"loss": loss}, trainer_state=trainer)
         mgr.close()
+        ```
     """
 
     _holder = MANAGER_STEP
@@ -248,12 +249,12 @@ class CheckpointManager(BackgroundWriter[_Step]):
             return sorted(self._metrics)
 
     def latest_step(self) -> int | None:
-        """The latest durable step, or ``None`` if there is none."""
+        """The latest durable step, or `None` if there is none."""
         steps = self.all_steps()
         return steps[-1] if steps else None
 
     def best_step(self, metric: str | None = None, mode: str | None = None) -> int | None:
-        """The durable step with the best ``metric`` (default ``best_metric``), or ``None``."""
+        """The durable step with the best `metric` (default `best_metric`), or `None`."""
         metric = metric or self.best_metric
         mode = mode or self.best_mode
         if metric is None:
@@ -263,7 +264,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
         return best[0] if best else None
 
     def metrics(self, step: int) -> dict[str, float]:
-        """The metrics saved with a durable ``step``."""
+        """The metrics saved with a durable `step`."""
         with self._lock:
             if step not in self._metrics:
                 raise FormatError(f"no durable step {step}", file=self.directory,
@@ -273,7 +274,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
     # --- saving ----------------------------------------------------------------
 
     def should_save(self, step: int) -> bool:
-        """Whether :meth:`save` would write ``step``: on the interval, or at preemption."""
+        """Whether `save` would write `step`: on the interval, or at preemption."""
         return step % self.save_interval_steps == 0 or self.reached_preemption(step)
 
     def save(self, step: int, tree: Any = None, *, items: Mapping[str, Any] | None = None,
@@ -281,16 +282,16 @@ class CheckpointManager(BackgroundWriter[_Step]):
              trainer_state: TrainerState | None = None,
              metadata: Mapping[str, str] | None = None, force: bool = False,
              timeout: float | None = None) -> bool:
-        """Snapshot ``tree`` as ``step`` and write it in the background; True if it will be saved.
+        """Snapshot `tree` as `step` and write it in the background; True if it will be saved.
 
-        Call it every step: it writes only when :meth:`should_save` says so
-        (or with ``force``). ``tree`` goes under ``ctx.namespace``; ``items``
-        (``{namespace: subtree}``) puts subtrees in namespaces of their own,
+        Call it every step: it writes only when `should_save` says so
+        (or with `force`). `tree` goes under `ctx.namespace`; `items`
+        (`{namespace: subtree}`) puts subtrees in namespaces of their own,
         so that one can later be restored without the others. Blocks only for
         the device-to-host copy (and a free slot).
 
-        Raises :class:`~jckpt.errors.InputError` for a step not above every
-        step already saved.
+        Raises:
+            InputError: for a step not above every step already saved.
         """
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise InputError(f"step must be a non-negative integer, not {step!r}",
@@ -350,7 +351,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
         self._record(staged.info.step, staged.info.metrics)
 
     def _record(self, step: int, metrics: Mapping[str, float]) -> None:
-        """Count a durable ``step`` and apply the retention policy."""
+        """Count a durable `step` and apply the retention policy."""
         with self._lock:
             self._metrics[step] = dict(metrics)
         try:
@@ -380,27 +381,28 @@ class CheckpointManager(BackgroundWriter[_Step]):
                 namespaces: Sequence[str] | None = None,
                 layout: TrainerState | tuple[int, int, int] | None = None,
                 reshard: bool = True, ctx: Context | None = None, cast: bool = False) -> Restored:
-        """Read ``step`` (default: the latest durable one).
+        """Read `step` (default: the latest durable one).
 
         Args:
           step: the step to read.
           target: a tree to fill (its structure, dtypes and shardings; a
-            partial tree reads only its leaves); ``None`` returns
-            ``{namespace: subtree}``.
+            partial tree reads only its leaves); `None` returns
+            `{namespace: subtree}`.
           namespaces: read only these namespaces (with a target, the target is
-            ``{namespace: subtree}``): the model without the optimizer state.
-          layout: this run's ``(dp, tp, pp)`` (or a TrainerState); compared with
+            `{namespace: subtree}`): the model without the optimizer state.
+          layout: this run's `(dp, tp, pp)` (or a TrainerState); compared with
             the stored trainer state's.
           reshard: on a different layout, place the arrays on the target's
             shardings and return the trainer state with the current layout;
-            ``False`` refuses with :class:`~jckpt.errors.MismatchError`.
+            `False` refuses with `MismatchError`.
           ctx: placement and namespace (default the manager's).
           cast: convert to the target's dtypes instead of refusing a mismatch.
 
-        Example::
-
+        Example:
+            ```python
             r = mgr.restore(target={"params": abstract_params}, layout=(8, 1, 1))
             params, trainer = r.tree["params"], r.trainer_state
+            ```
         """
         ctx = ctx if ctx is not None else self.ctx
         if step is None:
@@ -432,11 +434,11 @@ class CheckpointManager(BackgroundWriter[_Step]):
     # --- preemption ------------------------------------------------------------
 
     def reached_preemption(self, step: int) -> bool:
-        """Whether the run is being preempted and should save ``step`` now.
+        """Whether the run is being preempted and should save `step` now.
 
         With a JAX distributed client this is JAX's preemption sync point (every
         process must call it at every step); otherwise it reports a SIGTERM
-        caught with ``handle_sigterm=True``, and False without one.
+        caught with `handle_sigterm=True`, and False without one.
         """
         return self._preemption.reached(step)
 
