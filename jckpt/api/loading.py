@@ -146,9 +146,10 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
             verify: bool | None = None, namespaces: Namespaces | None = None) -> Any:
     """Fill `target`'s structure from `path`: a tree of exactly `target`'s type.
 
-    `target` may be partial (only its leaves are read). Leaves come back where
-    it says: a `jax.Array`'s or a `ShapeDtypeStruct`'s sharding, numpy for
-    numpy leaves, and `ctx`'s placement otherwise.
+    `target` may be partial (only its leaves are read; an empty one returns at
+    once, and the file is never modified). Leaves come back where it says: a
+    `jax.Array`'s or a `ShapeDtypeStruct`'s sharding, numpy for numpy leaves,
+    and `ctx`'s placement otherwise.
 
     Args:
       ctx: the context (namespace, placement).
@@ -175,9 +176,6 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
     * A `NamedSharding` on an `AbstractMesh` (`nnx.eval_shape` under
       `jax.set_mesh`) goes to the mesh in context with those axes, else to
       `jax.make_mesh` of them when they span all devices; else `InputError`.
-
-    The file is never modified. An empty target returns at once without
-    opening the file.
 
     Raises:
         MissingEntryError: naming a target leaf the checkpoint does not hold.
