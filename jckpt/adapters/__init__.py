@@ -44,7 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jckpt.errors import FormatError, InputError
-from jckpt.storage.backend import backend_for
+from jckpt.storage.backend import backend_for, checked_path
 
 PathLike = str | os.PathLike
 #: How many leading bytes a sniffer sees.
@@ -101,6 +101,7 @@ def register_format(name: str, *, read: Callable[[str], Any],
     """
     if not isinstance(name, str) or not name:
         raise InputError(f"format name must be a non-empty string, not {name!r}")
+    _check_hooks(read=read, write=write, sniff=sniff, extensions=extensions)
     fmt = Format(name=name, read=read, write=write, sniff=sniff,
                  extensions=tuple(e.lower() for e in extensions))
     with _LOCK:
@@ -110,6 +111,18 @@ def register_format(name: str, *, read: Callable[[str], Any],
         _FORMATS.pop(name, None)
         _FORMATS[name] = fmt
     return fmt
+
+
+def _check_hooks(*, read: Any, write: Any, sniff: Any, extensions: Any) -> None:
+    """Refuse hooks that are not callables and extensions that are not a list of strings."""
+    for what, hook in (('read', read), ('write', write), ('sniff', sniff)):
+        if not callable(hook) and not (hook is None and what != 'read'):
+            raise InputError(f"register_format's {what} must be a function, not {hook!r:.80}",
+                             fix=f"pass {what}=a function" + ("" if what == 'read' else " or None"))
+    if (isinstance(extensions, str) or not isinstance(extensions, (tuple, list))
+            or not all(isinstance(e, str) for e in extensions)):
+        raise InputError(f"extensions must be a tuple or list of strings, not {extensions!r:.80}",
+                         fix="for example extensions=('.mine',)")
 
 
 def formats() -> dict[str, Format]:
@@ -162,7 +175,7 @@ def detect_format(path: PathLike) -> str:
         jckpt.detect_format('model.safetensors')   # 'safetensors'
         ```
     """
-    path = os.fspath(path)
+    path = checked_path(path)
     backend = backend_for(path)
     known = formats()
     head = None if backend.isdir(path) else backend.map(path)[:SNIFF_BYTES]
@@ -182,7 +195,7 @@ def detect_format(path: PathLike) -> str:
 
 def format_for_destination(path: PathLike) -> str | None:
     """The format a destination's name asks for (by extension), or None."""
-    name = os.fspath(path).lower().rstrip('/')
+    name = checked_path(path).lower().rstrip('/')
     best: tuple[int, str] | None = None
     for fmt in formats().values():
         for ext in fmt.extensions:
@@ -193,14 +206,14 @@ def format_for_destination(path: PathLike) -> str | None:
 
 def read(path: PathLike, format: str | None = None) -> dict[str, Any]:
     """Read `path` as `{namespace: subtree}`; the format is detected unless given."""
-    path = os.fspath(path)
+    path = checked_path(path)
     backend_for(path)  # a URL no backend serves is refused before any format looks at it
     return get_format(format or detect_format(path)).read(path)
 
 
 def write(tree: Any, path: PathLike, format: str | None = None) -> None:
     """Write `{namespace: subtree}` to `path` in `format` (default: from its extension)."""
-    path = os.fspath(path)
+    path = checked_path(path)
     backend_for(path)  # a URL no backend serves is refused before anything is written
     name = format or format_for_destination(path)
     if name is None:
@@ -230,7 +243,7 @@ def convert(src: PathLike, dst: PathLike, *, format: str | None = None) -> tuple
         jckpt.convert('ckpt.jckpt', 'exported', format='orbax')
         ```
     """
-    src, dst = os.fspath(src), os.fspath(dst)
+    src, dst = checked_path(src), checked_path(dst)
     for path in (src, dst):  # a URL no backend serves is refused before anything is read
         backend_for(path)
     source = detect_format(src)

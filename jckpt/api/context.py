@@ -103,4 +103,22 @@ class Context:
 
     def replace(self, **changes: Any) -> Context:
         """A copy with `changes` applied (the context itself never changes)."""
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise InputError(f"Context has no field {unknown[0]!r}",
+                             fix=f"use one of {[f.name for f in dataclasses.fields(self)]}")
         return dataclasses.replace(self, **changes)
+
+
+def check_context(ctx: object) -> Context:
+    """`ctx` if it is a `Context`; an `InputError` with the fix otherwise.
+
+    >>> check_context('jckpt')
+    Traceback (most recent call last):
+    ...
+    jckpt.errors.InputError: ctx must be a jckpt.Context, not str 'jckpt' (fix: ...)
+    """
+    if not isinstance(ctx, Context):
+        raise InputError(f"ctx must be a jckpt.Context, not {type(ctx).__name__} {ctx!r:.80}",
+                         fix="pass jckpt.Context(), or the context jckpt.load returned")
+    return ctx

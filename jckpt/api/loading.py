@@ -29,13 +29,14 @@ import jax
 import numpy as np
 
 from jckpt.api import progress as progress_mod
-from jckpt.api.context import Context
+from jckpt.api.context import Context, check_context
 from jckpt.errors import ClashError, InputError, MismatchError, MissingEntryError
 from jckpt.format import precs
 from jckpt.format._gc import paused
 from jckpt.format.entries import Entry, Header, KeyPath, path_name
 from jckpt.format.payload import stored_dtype
 from jckpt.storage import open_checkpoint
+from jckpt.storage.backend import checked_path
 from jckpt.storage.reader import COUNTS
 from jckpt.trees import placement, sharding
 from jckpt.trees import pytree as tree_mod
@@ -79,7 +80,7 @@ def load(ctx: Context, path: PathLike, *, prefix_namespace: str | None = None,
         _, model = jckpt.load(jckpt.Context(), "ckpt.jckpt", namespaces="model")  # no optimizer
         ```
     """
-    path = os.fspath(path)
+    path, ctx = checked_path(path), check_context(ctx)
     tree_mod.check_prefix(prefix_namespace)
     reader = open_checkpoint(path)  # a file, or a multi-process directory
     stored = reader.header.tensors
@@ -189,7 +190,7 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
                              "ckpt.jckpt", namespaces=["model", "opt"])
         ```
     """
-    path = os.fspath(path)
+    path, ctx = checked_path(path), check_context(ctx)
     parts = _target_parts(ctx, target, path, namespace, namespaces)
     if not any(items for _, items, _ in parts):
         return target

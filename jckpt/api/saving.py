@@ -25,7 +25,7 @@ from typing import Any
 import jax
 
 from jckpt.api import progress as progress_mod
-from jckpt.api.context import Context
+from jckpt.api.context import Context, check_context
 from jckpt.api.multiprocess import save_directory
 from jckpt.errors import InputError, InUseError
 from jckpt.format._gc import paused
@@ -34,6 +34,7 @@ from jckpt.format.layout import lay_out
 from jckpt.format.metadata import check_metadata
 from jckpt.format.names import INDEX_NAME
 from jckpt.format.payload import CHECKSUM_PLACEHOLDER
+from jckpt.storage.backend import checked_path
 from jckpt.storage.publish import storage_error
 from jckpt.storage.reader import CheckpointReader
 from jckpt.storage.regions import ShardedSource
@@ -77,7 +78,7 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
         jckpt.save(jckpt.Context(), {"params": params, "step": 100}, "ckpt.jckpt")
         ```
     """
-    path = os.fspath(path)
+    path, ctx = checked_path(path), check_context(ctx)
     metadata = check_metadata(metadata, path)  # strings only, refused before anything is written
     # several processes save their pieces into one directory; a directory checkpoint stays one
     if jax.process_count() > 1 or os.path.isfile(os.path.join(path, INDEX_NAME)):

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import ClassVar, Generic, Self, TypeVar
 
 from jckpt import api
-from jckpt.api.context import Context
+from jckpt.api.context import Context, check_context
 from jckpt.format import metadata as metadata_mod
 from jckpt.format.names import GENERATION_KEY, LINEAGE_KEY
 from jckpt.services.engine import Job, MirrorCounters, Pipeline
@@ -79,7 +79,7 @@ class BackgroundWriter(Generic[InfoT]):
     def __init__(self, name: str, *, backend: Backend, lease: str, ctx: Context | None,
                  lineage: str | None, new_lineage: bool, slots: int, when_full: str,
                  retry_after: float, patience: int) -> None:
-        self.ctx = ctx if ctx is not None else Context()
+        self.ctx = check_context(ctx) if ctx is not None else Context()
         self.backend = backend
         check_name(lineage, name)
         self._lease = backend.lease(lease)

@@ -49,6 +49,20 @@ InfoT = TypeVar('InfoT')
 StagedT = TypeVar('StagedT')
 
 
+def deadline_after(timeout: float | None) -> float | None:
+    """The `time.monotonic()` at which `timeout` seconds from now end (None: no deadline).
+
+    >>> deadline_after(None) is None
+    True
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout != timeout:
+        raise InputError(f"timeout must be a number of seconds or None, not {timeout!r:.80}",
+                         fix="pass timeout=None to wait as long as it takes")
+    return time.monotonic() + timeout
+
+
 # --- counters ----------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -293,7 +307,7 @@ class Pipeline(Generic[InfoT, StagedT]):
 
     def _take_slot(self, timeout: float | None) -> Slot:
         """A free slot: wait for one (`when_full='block'`) or refuse."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = deadline_after(timeout)
         with self._cond:
             stalled = False
             while True:
@@ -346,7 +360,7 @@ class Pipeline(Generic[InfoT, StagedT]):
 
         Raises the persistence error once `patience` attempts in a row failed.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = deadline_after(timeout)
         with self._cond:
             goal = self._committed
             while self._durable < goal:

@@ -39,7 +39,7 @@ from typing import Any
 import jax
 
 from jckpt import api
-from jckpt.api.context import Context
+from jckpt.api.context import Context, check_context
 from jckpt.api.multiprocess import save_directory
 from jckpt.errors import CheckpointError, FormatError, InputError, StorageError
 from jckpt.format.names import (
@@ -56,10 +56,10 @@ from jckpt.format.names import (
 from jckpt.services.base import BackgroundWriter, Staged, check_metadata
 from jckpt.services.lineage import MANAGER_STEP
 from jckpt.services.preemption import Preemption
-from jckpt.services.retention import Retention, check_metrics, ranked
+from jckpt.services.retention import Retention, check_metrics, check_step, ranked
 from jckpt.services.snapshot import namespace_leaves
 from jckpt.services.trainer_state import TrainerState
-from jckpt.storage.backend import backend_for
+from jckpt.storage.backend import backend_for, checked_path
 from jckpt.storage.directory import reclaim_stage_dirs
 from jckpt.storage.publish import fsync_dir, reclaim_staging, storage_error
 from jckpt.storage.staging import remove_staged
@@ -159,8 +159,9 @@ class CheckpointManager(BackgroundWriter[_Step]):
                  slots: int = 2, when_full: str = 'block', retry_after: float = 1.0,
                  patience: int = 3, lineage: str | None = None, new_lineage: bool = False,
                  handle_sigterm: bool = False, directory_steps: bool | None = None) -> None:
-        self.directory = os.fspath(directory)
+        self.directory = checked_path(directory)
         backend = backend_for(self.directory)  # a URL is refused before the directory is made
+        ctx = check_context(ctx) if ctx is not None else None  # so is a ctx that is not a Context
         self.process_index, self.process_count = jax.process_index(), jax.process_count()
         self.directory_steps = (self.process_count > 1 if directory_steps is None
                                 else bool(directory_steps))
@@ -259,6 +260,9 @@ class CheckpointManager(BackgroundWriter[_Step]):
         mode = mode or self.best_mode
         if metric is None:
             raise InputError("best_step needs a metric", fix="pass metric= or set best_metric")
+        if not isinstance(metric, str) or mode not in ('min', 'max'):
+            raise InputError(f"best_step takes a metric name and mode 'min' or 'max', not "
+                             f"{metric!r}, {mode!r}", file=self.directory)
         with self._lock:
             best = ranked(self._metrics, metric, mode)
         return best[0] if best else None
@@ -275,6 +279,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
 
     def should_save(self, step: int) -> bool:
         """Whether `save` would write `step`: on the interval, or at preemption."""
+        check_step(step, self.directory)
         return step % self.save_interval_steps == 0 or self.reached_preemption(step)
 
     def save(self, step: int, tree: Any = None, *, items: Mapping[str, Any] | None = None,
@@ -293,14 +298,15 @@ class CheckpointManager(BackgroundWriter[_Step]):
         Raises:
             InputError: for a step not above every step already saved.
         """
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise InputError(f"step must be a non-negative integer, not {step!r}",
-                             file=self.directory)
+        check_step(step, self.directory)
         if not force and not self.should_save(step):
             return False
         self._check_next(step)
         if (tree is None) == (items is None):
             raise InputError("pass exactly one of tree and items", file=self.directory)
+        if items is not None and not isinstance(items, Mapping):
+            raise InputError(f"items must be {{namespace: subtree}}, not {type(items).__name__}",
+                             file=self.directory, fix="pass items={'params': params, ...}")
         meta = check_metadata(metadata, self.directory)
         clean_metrics = check_metrics(metrics, self.directory)
         meta[STEP_KEY] = str(step)
@@ -410,7 +416,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
             if step is None:
                 raise FormatError("no checkpoint in the directory", file=self.directory,
                                   fix="save a step first, or check the directory")
-        path = self._path(step)
+        path = self._path(check_step(step, self.directory))
         if not os.path.exists(path):
             raise FormatError(f"no step {step}", file=self.directory,
                               fix=f"pick one of {self.all_steps()[-5:]}")

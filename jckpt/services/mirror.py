@@ -48,7 +48,7 @@ from jckpt.services.engine import MirrorCounters
 from jckpt.services.lineage import MIRROR_FILE
 from jckpt.services.snapshot import namespace_leaves
 from jckpt.storage import staging
-from jckpt.storage.backend import backend_for
+from jckpt.storage.backend import backend_for, checked_path
 
 
 class Mirror(BackgroundWriter[None]):
@@ -90,7 +90,7 @@ class Mirror(BackgroundWriter[None]):
     def __init__(self, path: str | os.PathLike, *, ctx: Context | None = None,
                  lineage: str | None = None, new_lineage: bool = False, slots: int = 2,
                  when_full: str = 'block', retry_after: float = 1.0, patience: int = 3) -> None:
-        self.path = os.fspath(path)
+        self.path = checked_path(path)
         super().__init__(self.path, backend=backend_for(self.path), lease=self.path, ctx=ctx,
                          lineage=lineage, new_lineage=new_lineage, slots=slots,
                          when_full=when_full, retry_after=retry_after, patience=patience)

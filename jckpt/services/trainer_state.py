@@ -68,6 +68,11 @@ class TrainerState:
 
     def replace(self, **changes: Any) -> TrainerState:
         """A copy with `changes` applied."""
+        fields = [f.name for f in dataclasses.fields(self)]
+        unknown = sorted(set(changes) - set(fields))
+        if unknown:
+            raise InputError(f"TrainerState has no field {unknown[0]!r}",
+                             fix=f"use one of {fields}, or keep your own values in user=")
         return dataclasses.replace(self, **changes)
 
     def to_json(self) -> str:
@@ -83,6 +88,9 @@ class TrainerState:
     @classmethod
     def from_json(cls, text: str, *, file: str | None = None) -> TrainerState:
         """Parse `to_json`'s output; unknown fields land in `user` under `_unknown`."""
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise InputError(f"from_json takes the JSON text, not {type(text).__name__}", file=file,
+                             fix="pass the string to_json returned")
         try:
             fields = json.loads(text)
         except ValueError as e:

@@ -16,7 +16,7 @@ import os
 
 from jckpt.format.header import Header
 from jckpt.format.layout import lay_out
-from jckpt.storage.backend import backend_for
+from jckpt.storage.backend import backend_for, checked_path
 from jckpt.storage.directory import DirectoryReader
 from jckpt.storage.regions import ShardedSource
 from jckpt.storage.writer import write_checkpoint
@@ -37,6 +37,7 @@ def consolidate(directory: str | os.PathLike, file: str | os.PathLike, *, durabl
         jckpt.consolidate("ckpt", "ckpt.jckpt")
         ```
     """
+    directory, file = checked_path(directory), checked_path(file)
     backend_for(file)  # a URL no backend serves is refused before the directory is read
     reader = DirectoryReader(directory)
     entries, sources = [], []

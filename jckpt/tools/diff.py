@@ -36,7 +36,7 @@ from jckpt.format import precs
 from jckpt.format.header import Entry
 from jckpt.format.names import STEP_RE
 from jckpt.storage import open_checkpoint
-from jckpt.storage.backend import backend_for
+from jckpt.storage.backend import backend_for, checked_path
 from jckpt.tools.classify import MANAGER, classify
 from jckpt.tools.render import format_shape, text_table
 
@@ -224,7 +224,7 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float = 0.0, rtol:
         print(report)            # entries only in one, and what changed
         ```
     """
-    a, b = os.fspath(a), os.fspath(b)
+    a, b = checked_path(a), checked_path(b)
     for path in (a, b):  # a URL no backend serves is refused before either is read
         backend_for(path)
     if atol < 0 or rtol < 0 or math.isnan(atol) or math.isnan(rtol):

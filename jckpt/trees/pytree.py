@@ -198,6 +198,9 @@ def _lists(node: Any, seq: set[tuple], prefix: tuple = (), *, holes: list[int],
 
 def check_prefix(prefix: str | None) -> None:
     """Raise unless `prefix` is `None`, `""` or an identifier."""
+    if prefix is not None and not isinstance(prefix, str):
+        raise InputError(f"a namespace prefix must be a string or None, not {prefix!r:.80}",
+                         fix="use letters, digits and underscores")
     if prefix and not _PREFIX_RE.match(prefix):
         raise InputError(f"invalid namespace prefix {prefix!r}: must match "
                          "[A-Za-z_][A-Za-z0-9_]*", fix="use letters, digits and underscores")
