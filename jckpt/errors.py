@@ -1,4 +1,4 @@
-"""The error hierarchy: every failure jckpt reports is a :class:`CheckpointError`.
+"""The error hierarchy: every failure jckpt reports is a `CheckpointError`.
 
 Each error carries the file, the entry and a fix when they are known, and its
 message names all three, so one line is enough to act on:
@@ -19,7 +19,7 @@ class CheckpointError(Exception):
     Attributes:
       message: what went wrong.
       file: the checkpoint file or directory concerned, if any.
-      entry: the entry (``namespace/path``) or leaf concerned, if any.
+      entry: the entry (`namespace/path`) or leaf concerned, if any.
       fix: what the user can do about it, if known.
     """
 
@@ -67,7 +67,7 @@ class ChecksumError(FormatError):
 
 
 class TargetError(CheckpointError, ValueError):
-    """``restore`` cannot fill the target from the file (missing leaf, mismatch)."""
+    """`restore` cannot fill the target from the file (missing leaf, mismatch)."""
 
 
 class MissingEntryError(TargetError):
@@ -79,17 +79,17 @@ class MismatchError(TargetError):
 
 
 class ClashError(CheckpointError, ValueError):
-    """``load`` would register an entry the context already holds."""
+    """`load` would register an entry the context already holds."""
 
 
 class InputError(CheckpointError, TypeError):
-    """The tree given to ``save`` holds something that cannot be stored."""
+    """The tree given to `save` holds something that cannot be stored."""
 
 
 class StorageError(CheckpointError):
     """Reading or publishing failed in the operating system (disk full, I/O, permissions).
 
-    ``errno`` is the underlying error number when there is one.
+    `errno` is the underlying error number when there is one.
     """
 
     def __init__(self, message: str, *, errno: int | None = None, **kwargs) -> None:

@@ -2,24 +2,24 @@
 
 A format is a name, a way to recognise a file by its first bytes (or a
 directory by its layout), a reader and a writer. Every adapter reads to and
-writes from the form :func:`jckpt.load` returns, ``{namespace: subtree}``
+writes from the form `jckpt.load` returns, `{namespace: subtree}`
 with host numpy arrays as leaves, so values round-trip bit-exactly:
 
-* ``jckpt``: this library's own files (all namespaces, exact paths).
-* ``safetensors``: ``.safetensors`` files and Hugging Face's sharded
-  ``model.safetensors.index.json`` layout (:mod:`jckpt.adapters.safetensors`).
-* ``npz`` / ``npy``: numpy archives and single arrays (:mod:`jckpt.adapters.numpy`).
-* ``llmc``: llm.c GPT-2 model files (:mod:`jckpt.adapters.llmc`).
-* ``torch``: ``torch.save`` files, read without torch (:mod:`jckpt.adapters.torch`).
-* ``orbax``: orbax PyTree checkpoint directories (:mod:`jckpt.adapters.orbax`).
-* ``ocannl``: jckpt files limited to what OCANNL reads (:mod:`jckpt.adapters.ocannl`).
+* `jckpt`: this library's own files (all namespaces, exact paths).
+* `safetensors`: `.safetensors` files and Hugging Face's sharded
+  `model.safetensors.index.json` layout (`jckpt.adapters.safetensors`).
+* `npz` / `npy`: numpy archives and single arrays (`jckpt.adapters.numpy`).
+* `llmc`: llm.c GPT-2 model files (`jckpt.adapters.llmc`).
+* `torch`: `torch.save` files, read without torch (`jckpt.adapters.torch`).
+* `orbax`: orbax PyTree checkpoint directories (`jckpt.adapters.orbax`).
+* `ocannl`: jckpt files limited to what OCANNL reads (`jckpt.adapters.ocannl`).
 
-Formats without namespaces read into the namespace ``jckpt`` (the default
-``Context``'s), and a tree of one namespace is written as that subtree alone.
+Formats without namespaces read into the namespace `jckpt` (the default
+`Context`'s), and a tree of one namespace is written as that subtree alone.
 Formats with flat tensor names (safetensors, npz) name a leaf by its key path
-joined with ``.`` and also record the exact paths in the file's metadata, so a
+joined with `.` and also record the exact paths in the file's metadata, so a
 jckpt tree converted there and back comes back with its structure; a foreign
-file without that record reads as ``{'jckpt': {name: array}}``.
+file without that record reads as `{'jckpt': {name: array}}`.
 
 >>> import numpy as np, tempfile, os
 >>> d = tempfile.mkdtemp()
@@ -31,7 +31,7 @@ file without that record reads as ``{'jckpt': {name: array}}``.
 >>> read(os.path.join(d, 'w.safetensors'))['jckpt']['w']
 array([0., 1., 2.])
 
-Users add their own formats with :func:`register_format`.
+Users add their own formats with `register_format`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jckpt.errors import FormatError, InputError
-from jckpt.storage.backend import backend_for
+from jckpt.storage.backend import backend_for, checked_path
 
 PathLike = str | os.PathLike
 #: How many leading bytes a sniffer sees.
@@ -56,12 +56,12 @@ class Format:
     """One registered format.
 
     Attributes:
-      name: the format's name (``'safetensors'``).
-      read: ``read(path) -> {namespace: subtree}``.
-      write: ``write(tree, path) -> None``, or None for a read-only format.
-      sniff: ``sniff(path, head) -> bool``: whether the file is in this format,
-        from ``head``, its first :data:`SNIFF_BYTES` bytes (``None`` when
-        ``path`` is a directory). None: never detected, only chosen by name.
+      name: the format's name (`'safetensors'`).
+      read: `read(path) -> {namespace: subtree}`.
+      write: `write(tree, path) -> None`, or None for a read-only format.
+      sniff: `sniff(path, head) -> bool`: whether the file is in this format,
+        from `head`, its first `SNIFF_BYTES` bytes (`None` when
+        `path` is a directory). None: never detected, only chosen by name.
       extensions: file name endings that choose this format for a destination.
     """
 
@@ -84,22 +84,24 @@ def register_format(name: str, *, read: Callable[[str], Any],
     """Add a format to the registry (formats registered later are tried first).
 
     Args:
-      name: the name that ``convert(..., format=name)`` and ``detect_format`` use.
-      read: ``read(path) -> {namespace: subtree}`` (host numpy leaves).
-      write: ``write(tree, path)`` taking that same form.
-      sniff: ``sniff(path, head) -> bool`` recognising a file by its first bytes
-        (``head`` is None for a directory).
-      extensions: destination name endings (``'.mine'``) that pick this format.
+      name: the name that `convert(..., format=name)` and `detect_format` use.
+      read: `read(path) -> {namespace: subtree}` (host numpy leaves).
+      write: `write(tree, path)` taking that same form.
+      sniff: `sniff(path, head) -> bool` recognising a file by its first bytes
+        (`head` is None for a directory).
+      extensions: destination name endings (`'.mine'`) that pick this format.
       replace: allow replacing a format of the same name.
 
-    Example::
-
+    Example:
+        ```python
         jckpt.register_format('mine', read=read_mine, write=write_mine,
                               sniff=lambda path, head: head is not None and head[:4] == b'MINE',
                               extensions=('.mine',))
+        ```
     """
     if not isinstance(name, str) or not name:
         raise InputError(f"format name must be a non-empty string, not {name!r}")
+    _check_hooks(read=read, write=write, sniff=sniff, extensions=extensions)
     fmt = Format(name=name, read=read, write=write, sniff=sniff,
                  extensions=tuple(e.lower() for e in extensions))
     with _LOCK:
@@ -111,6 +113,18 @@ def register_format(name: str, *, read: Callable[[str], Any],
     return fmt
 
 
+def _check_hooks(*, read: Any, write: Any, sniff: Any, extensions: Any) -> None:
+    """Refuse hooks that are not callables and extensions that are not a list of strings."""
+    for what, hook in (('read', read), ('write', write), ('sniff', sniff)):
+        if not callable(hook) and not (hook is None and what != 'read'):
+            raise InputError(f"register_format's {what} must be a function, not {hook!r:.80}",
+                             fix=f"pass {what}=a function" + ("" if what == 'read' else " or None"))
+    if (isinstance(extensions, str) or not isinstance(extensions, (tuple, list))
+            or not all(isinstance(e, str) for e in extensions)):
+        raise InputError(f"extensions must be a tuple or list of strings, not {extensions!r:.80}",
+                         fix="for example extensions=('.mine',)")
+
+
 def formats() -> dict[str, Format]:
     """The registered formats by name (a copy)."""
     _ensure_builtins()
@@ -119,7 +133,7 @@ def formats() -> dict[str, Format]:
 
 
 def get_format(name: str) -> Format:
-    """The registered format called ``name``; :class:`InputError` naming the known ones."""
+    """The registered format called `name`; `InputError` naming the known ones."""
     known = formats()
     if name not in known:
         raise InputError(f"unknown format {name!r}", fix=f"use one of {sorted(known)}")
@@ -149,17 +163,19 @@ def _ensure_builtins() -> None:
 
 
 def detect_format(path: PathLike) -> str:
-    """The name of the format of the file (or directory) at ``path``, from its content.
+    """The name of the format of the file (or directory) at `path`, from its content.
 
-    Raises :class:`~jckpt.errors.FormatError` naming the file when it does not
-    exist or no registered format recognises it, and
-    :class:`~jckpt.errors.InputError` for a URL no storage backend serves.
+    Raises:
+        FormatError: naming the file when it does not exist or no registered
+            format recognises it.
+        InputError: for a URL no storage backend serves.
 
-    Example::
-
+    Example:
+        ```python
         jckpt.detect_format('model.safetensors')   # 'safetensors'
+        ```
     """
-    path = os.fspath(path)
+    path = checked_path(path)
     backend = backend_for(path)
     known = formats()
     head = None if backend.isdir(path) else backend.map(path)[:SNIFF_BYTES]
@@ -179,7 +195,7 @@ def detect_format(path: PathLike) -> str:
 
 def format_for_destination(path: PathLike) -> str | None:
     """The format a destination's name asks for (by extension), or None."""
-    name = os.fspath(path).lower().rstrip('/')
+    name = checked_path(path).lower().rstrip('/')
     best: tuple[int, str] | None = None
     for fmt in formats().values():
         for ext in fmt.extensions:
@@ -189,15 +205,15 @@ def format_for_destination(path: PathLike) -> str | None:
 
 
 def read(path: PathLike, format: str | None = None) -> dict[str, Any]:
-    """Read ``path`` as ``{namespace: subtree}``; the format is detected unless given."""
-    path = os.fspath(path)
+    """Read `path` as `{namespace: subtree}`; the format is detected unless given."""
+    path = checked_path(path)
     backend_for(path)  # a URL no backend serves is refused before any format looks at it
     return get_format(format or detect_format(path)).read(path)
 
 
 def write(tree: Any, path: PathLike, format: str | None = None) -> None:
-    """Write ``{namespace: subtree}`` to ``path`` in ``format`` (default: from its extension)."""
-    path = os.fspath(path)
+    """Write `{namespace: subtree}` to `path` in `format` (default: from its extension)."""
+    path = checked_path(path)
     backend_for(path)  # a URL no backend serves is refused before anything is written
     name = format or format_for_destination(path)
     if name is None:
@@ -210,23 +226,24 @@ def write(tree: Any, path: PathLike, format: str | None = None) -> None:
 
 
 def convert(src: PathLike, dst: PathLike, *, format: str | None = None) -> tuple[str, str]:
-    """Convert the checkpoint at ``src`` into ``dst``; return ``(source, destination)`` formats.
+    """Convert the checkpoint at `src` into `dst`; return `(source, destination)` formats.
 
     The source format is detected from the file's bytes (or the directory's
-    layout). The destination format is ``format`` if given, else the one its
-    name's extension says (``.jckpt``, ``.safetensors``, ``.npz``, ``.npy``,
-    ``.bin``, ``.pt``/``.pth``; ``.safetensors.index.json`` writes Hugging
-    Face's sharded layout), else ``jckpt`` when the source is not a jckpt
+    layout). The destination format is `format` if given, else the one its
+    name's extension says (`.jckpt`, `.safetensors`, `.npz`, `.npy`,
+    `.bin`, `.pt`/`.pth`; `.safetensors.index.json` writes Hugging
+    Face's sharded layout), else `jckpt` when the source is not a jckpt
     file. The destination is replaced atomically; values are copied bit-exactly.
     A URL no storage backend serves, as either path, is an
-    :class:`~jckpt.errors.InputError` before anything is read or written.
+    `InputError` before anything is read or written.
 
-    Example::
-
+    Example:
+        ```python
         jckpt.convert('model.safetensors', 'model.jckpt')
         jckpt.convert('ckpt.jckpt', 'exported', format='orbax')
+        ```
     """
-    src, dst = os.fspath(src), os.fspath(dst)
+    src, dst = checked_path(src), checked_path(dst)
     for path in (src, dst):  # a URL no backend serves is refused before anything is read
         backend_for(path)
     source = detect_format(src)

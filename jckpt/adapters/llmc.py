@@ -1,29 +1,31 @@
-"""llm.c GPT-2 model files (``gpt2_124M.bin``): to and from a GPT-2 parameter pytree.
+"""llm.c GPT-2 model files (`gpt2_124M.bin`): to and from a GPT-2 parameter pytree.
 
-The file: 256 little-endian int32 (``[0]`` magic 20240326, ``[1]`` version:
-3 for float32 parameters, 5 for bfloat16; ``[2]`` max sequence length T,
-``[3]`` vocabulary size V, ``[4]`` layers L, ``[5]`` heads, ``[6]`` channels
-C, ``[7]`` padded vocabulary size Vp), then the parameters back to back,
+The file: 256 little-endian int32 (`[0]` magic 20240326, `[1]` version:
+3 for float32 parameters, 5 for bfloat16; `[2]` max sequence length T,
+`[3]` vocabulary size V, `[4]` layers L, `[5]` heads, `[6]` channels
+C, `[7]` padded vocabulary size Vp), then the parameters back to back,
 grouped by kind across layers: wte (Vp, C), wpe (T, C), ln1w, ln1b (L, C),
 qkvw (L, 3C, C), qkvb (L, 3C), attprojw (L, C, C), attprojb (L, C), ln2w,
 ln2b (L, C), fcw (L, 4C, C), fcb (L, 4C), fcprojw (L, C, 4C), fcprojb (L, C),
 lnfw, lnfb (C). The language-model head is tied to wte.
 
-The tree (under namespace ``jckpt``) uses GPT-2's own names::
+The tree (under namespace `jckpt`) uses GPT-2's own names:
 
-    {'wte': (Vp, C), 'wpe': (T, C),
-     'h': [{'ln_1': {'weight', 'bias'},
-            'attn': {'c_attn': {'weight': (3C, C), 'bias': (3C,)},
-                     'c_proj': {'weight': (C, C), 'bias': (C,)}},
-            'ln_2': {'weight', 'bias'},
-            'mlp': {'c_fc': {'weight': (4C, C), 'bias': (4C,)},
-                    'c_proj': {'weight': (C, 4C), 'bias': (C,)}}}, ...],   # one per layer
-     'ln_f': {'weight': (C,), 'bias': (C,)},
-     'config': {'max_seq_len', 'vocab_size', 'num_layers', 'num_heads', 'channels',
-                'padded_vocab_size'}}                                          # int32 scalars
+```python
+{'wte': (Vp, C), 'wpe': (T, C),
+ 'h': [{'ln_1': {'weight', 'bias'},
+        'attn': {'c_attn': {'weight': (3C, C), 'bias': (3C,)},
+                 'c_proj': {'weight': (C, C), 'bias': (C,)}},
+        'ln_2': {'weight', 'bias'},
+        'mlp': {'c_fc': {'weight': (4C, C), 'bias': (4C,)},
+                'c_proj': {'weight': (C, 4C), 'bias': (C,)}}}, ...],   # one per layer
+ 'ln_f': {'weight': (C,), 'bias': (C,)},
+ 'config': {'max_seq_len', 'vocab_size', 'num_layers', 'num_heads', 'channels',
+            'padded_vocab_size'}}                                          # int32 scalars
+```
 
-Matrices keep llm.c's (out_features, in_features) layout, as ``torch.nn.Linear``
-stores them (Hugging Face's GPT-2 ``Conv1D`` stores the transpose). Reading
+Matrices keep llm.c's (out_features, in_features) layout, as `torch.nn.Linear`
+stores them (Hugging Face's GPT-2 `Conv1D` stores the transpose). Reading
 maps the file: every parameter is a zero-copy view.
 
 >>> config = Config(max_seq_len=1024, vocab_size=50257, num_layers=12, num_heads=12,
@@ -81,7 +83,7 @@ KINDS = (
 
 
 def param_shapes(config: Config) -> list[tuple[str, tuple[int, ...]]]:
-    """``(kind, shape of one layer's or the whole parameter)`` in file order."""
+    """`(kind, shape of one layer's or the whole parameter)` in file order."""
     c, vp, t = config.channels, config.padded_vocab_size, config.max_seq_len
     one = {'wte': (vp, c), 'wpe': (t, c), 'ln1w': (c,), 'ln1b': (c,), 'qkvw': (3 * c, c),
            'qkvb': (3 * c,), 'attprojw': (c, c), 'attprojb': (c,), 'ln2w': (c,), 'ln2b': (c,),
@@ -91,13 +93,13 @@ def param_shapes(config: Config) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def num_parameters(config: Config) -> int:
-    """How many parameters the file holds for ``config``."""
+    """How many parameters the file holds for `config`."""
     return sum(math.prod(shape) * (config.num_layers if per_layer else 1)
                for (_, shape), (_, _, per_layer) in zip(param_shapes(config), KINDS))
 
 
 def encode_header(config: Config, dtype: np.dtype) -> bytes:
-    """The 1024 header bytes for ``config`` and a parameter dtype (float32 or bfloat16)."""
+    """The 1024 header bytes for `config` and a parameter dtype (float32 or bfloat16)."""
     version = {v: k for k, v in VERSIONS.items()}.get(np.dtype(dtype))
     if version is None:
         raise InputError(f"llm.c stores float32 or bfloat16 parameters, not {np.dtype(dtype)}",
@@ -108,7 +110,7 @@ def encode_header(config: Config, dtype: np.dtype) -> bytes:
 
 
 def decode_header(raw, file: str) -> tuple[Config, np.dtype]:
-    """``(config, parameter dtype)`` from the first 1024 bytes; :class:`FormatError` if invalid."""
+    """`(config, parameter dtype)` from the first 1024 bytes; `FormatError` if invalid."""
     def fail(msg: str, fix: str = "the file is truncated or not an llm.c GPT-2 model") -> FormatError:
         return FormatError(msg, file=file, fix=fix)
     if len(raw) < HEADER_BYTES:
@@ -136,7 +138,7 @@ def sniff(path: str, head: bytes | None) -> bool:
 
 
 def read(path: str) -> dict[str, Any]:
-    """An llm.c GPT-2 model file as ``{'jckpt': gpt2 params}`` (zero-copy views of the file)."""
+    """An llm.c GPT-2 model file as `{'jckpt': gpt2 params}` (zero-copy views of the file)."""
     path = os.fspath(path)
     buffer = map_file(path)
     config, dtype = decode_header(buffer, path)
@@ -173,9 +175,9 @@ def _get(tree: Any, where: tuple, what: str, file: str) -> np.ndarray:
 
 
 def write(tree: Any, path: str) -> None:
-    """Write a GPT-2 parameter tree (the form :func:`read` returns) as an llm.c model file.
+    """Write a GPT-2 parameter tree (the form `read` returns) as an llm.c model file.
 
-    ``config`` needs at least ``num_heads`` and ``vocab_size``; the other
+    `config` needs at least `num_heads` and `vocab_size`; the other
     dimensions come from the parameters' shapes and are checked against it.
     """
     path = os.fspath(path)

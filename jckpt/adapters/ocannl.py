@@ -1,12 +1,12 @@
 """OCANNL files: jckpt's format restricted to what OCANNL's own reader accepts.
 
-jckpt's file format is OCANNL's (``Ocannl.Persistence``, version 1), so any
-OCANNL file reads with ``jckpt.load``: padded entries, every OCANNL prec, the
-legacy ``""`` namespace (read as ``ocannl``). The other direction has limits:
-OCANNL refuses precs it does not define (``Bool_prec``, ``Int8_prec``, the
+jckpt's file format is OCANNL's (`Ocannl.Persistence`, version 1), so any
+OCANNL file reads with `jckpt.load`: padded entries, every OCANNL prec, the
+legacy `""` namespace (read as `ocannl`). The other direction has limits:
+OCANNL refuses precs it does not define (`Bool_prec`, `Int8_prec`, the
 extra float8 types, ...) and headers over 100,000,000 bytes, and needs ids
-unique within a namespace. :func:`write` refuses the first before touching the
-file, :func:`problems` lists all of them for any file, and a header over the
+unique within a namespace. `write` refuses the first before touching the
+file, `problems` lists all of them for any file, and a header over the
 limit is written with a warning.
 
 >>> import numpy as np, tempfile, os
@@ -68,11 +68,12 @@ def problems(source: str | os.PathLike | Header) -> list[str]:
 
 
 def write(tree: Any, path: str) -> None:
-    """Write ``{namespace: subtree}`` as a jckpt file that OCANNL reads.
+    """Write `{namespace: subtree}` as a jckpt file that OCANNL reads.
 
-    Raises :class:`~jckpt.errors.InputError` before touching the file when a
-    leaf's dtype is not an OCANNL prec; warns when the header is over OCANNL's
-    size limit (jckpt still reads such a file).
+    Warns when the header is over OCANNL's size limit (jckpt still reads such a file).
+
+    Raises:
+        InputError: before touching the file when a leaf's dtype is not an OCANNL prec.
     """
     path = os.fspath(path)
     items = host_items(tree, path)

@@ -1,17 +1,17 @@
-"""Save and restore through jckpt inside orbax's ``CheckpointManager``.
+"""Save and restore through jckpt inside orbax's `CheckpointManager`.
 
-Importing this module registers :class:`JckptSave` and :class:`JckptRestore`
-with :class:`JckptCheckpointHandler`, so orbax builds the handler by itself
-(it takes no arguments, and its type string ``jckpt.adapters.orbax_handler.JckptCheckpointHandler``
-imports back). Each item is one jckpt file, ``<step>/<item>/checkpoint.jckpt``.
+Importing this module registers `JckptSave` and `JckptRestore`
+with `JckptCheckpointHandler`, so orbax builds the handler by itself
+(it takes no arguments, and its type string `jckpt.adapters.orbax_handler.JckptCheckpointHandler`
+imports back). Each item is one jckpt file, `<step>/<item>/checkpoint.jckpt`.
 Saving is asynchronous where orbax runs handlers asynchronously: the call
 copies the arrays to host memory (so training may change or donate them at
 once) and the file is written in orbax's background commit. Restoring fills
-a target tree (arrays, ``jax.ShapeDtypeStruct``s with shardings, numbers)
-through :func:`jckpt.api.loading.restore`, or returns the whole tree without one.
+a target tree (arrays, `jax.ShapeDtypeStruct`s with shardings, numbers)
+through `jckpt.api.loading.restore`, or returns the whole tree without one.
 
-Example::
-
+Example:
+    ```python
     import orbax.checkpoint as ocp
     import jckpt.adapters.orbax_handler
 
@@ -20,6 +20,7 @@ Example::
         manager.wait_until_finished()
         restored = manager.restore(step, args=ocp.args.Composite(
             state=jckpt.adapters.orbax_handler.JckptRestore(abstract_state)))['state']
+    ```
 
 With several processes, process 0 writes the file, so every array must be
 fully addressable from it (replicated); sharded multi-process state needs
@@ -52,7 +53,7 @@ def _snapshot(tree: Any, namespace: str) -> Any:
     """Private host copies of every leaf (typed PRNG keys stay keys), safe from later mutation.
 
     Every leaf is checked now (an unstorable one raises
-    :class:`~jckpt.errors.InputError` before orbax starts its commit), and
+    `InputError` before orbax starts its commit), and
     every transfer is started before any is awaited.
     """
     items, treedef = tree_mod.flatten_with_treedef(tree)
@@ -78,7 +79,7 @@ class JckptCheckpointHandler(ocp.AsyncCheckpointHandler):
             save(self._context, tree, self._path(directory))
 
     async def async_save(self, directory: Any, args: JckptSave | None = None) -> list | None:
-        """Copy ``args.tree`` to host memory now; write the file in the background commit."""
+        """Copy `args.tree` to host memory now; write the file in the background commit."""
         if args is None:
             raise InputError("save needs args=jckpt.adapters.orbax_handler.JckptSave(tree)")
         host = _snapshot(args.tree, self._context.namespace)
@@ -91,7 +92,7 @@ class JckptCheckpointHandler(ocp.AsyncCheckpointHandler):
             f.result()
 
     def restore(self, directory: Any, args: JckptRestore | None = None) -> Any:
-        """The saved tree: ``target``'s structure when given, else nested dicts and lists."""
+        """The saved tree: `target`'s structure when given, else nested dicts and lists."""
         path = self._path(directory)
         target = None if args is None else args.target
         if target is None:
@@ -111,7 +112,7 @@ class JckptCheckpointHandler(ocp.AsyncCheckpointHandler):
 
 
 def _run(coro):
-    """Run ``coro`` to completion, also from inside a running event loop (in a thread)."""
+    """Run `coro` to completion, also from inside a running event loop (in a thread)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -123,7 +124,7 @@ def _run(coro):
 @ocp.args.register_with_handler(JckptCheckpointHandler, for_save=True)
 @dataclasses.dataclass
 class JckptSave(ocp.args.CheckpointArgs):
-    """Save ``tree`` (any pytree of arrays and numbers) as a jckpt file."""
+    """Save `tree` (any pytree of arrays and numbers) as a jckpt file."""
 
     tree: Any
 
@@ -131,7 +132,7 @@ class JckptSave(ocp.args.CheckpointArgs):
 @ocp.args.register_with_handler(JckptCheckpointHandler, for_restore=True)
 @dataclasses.dataclass
 class JckptRestore(ocp.args.CheckpointArgs):
-    """Restore into ``target``'s structure (None: the whole tree); ``cast`` converts dtypes."""
+    """Restore into `target`'s structure (None: the whole tree); `cast` converts dtypes."""
 
     target: Any = None
     cast: bool = False

@@ -1,6 +1,6 @@
-"""``Context``: the immutable value that carries defaults and what has been loaded.
+"""`Context`: the immutable value that carries defaults and what has been loaded.
 
-Every operation takes a context and none changes it; ``load`` returns a new
+Every operation takes a context and none changes it; `load` returns a new
 one whose registry includes what it loaded, so loading the same entry twice
 into one model is caught, and ids saved later in a namespace stay above every
 id already loaded into it.
@@ -24,7 +24,7 @@ from jckpt.format.header import DEFAULT_ALIGNMENT, NAMESPACE_RE, Entry
 
 @dataclasses.dataclass(frozen=True)
 class Registry:
-    """Identities ``(namespace, path-or-id)`` loaded so far, and the largest id per namespace."""
+    """Identities `(namespace, path-or-id)` loaded so far, and the largest id per namespace."""
 
     identities: frozenset = frozenset()
     max_ids: tuple[tuple[str, int], ...] = ()
@@ -36,11 +36,11 @@ class Registry:
         return len(self.identities)
 
     def max_id(self, namespace: str) -> int:
-        """The largest id loaded into ``namespace`` (-1 if none)."""
+        """The largest id loaded into `namespace` (-1 if none)."""
         return dict(self.max_ids).get(namespace, -1)
 
     def add(self, entries: Iterable[Entry]) -> Registry:
-        """A registry that also holds ``entries``."""
+        """A registry that also holds `entries`."""
         ids = set(self.identities)
         maxima = dict(self.max_ids)
         for e in entries:
@@ -59,14 +59,14 @@ class Context:
     """Defaults for save, load and restore, and the registry of loaded entries.
 
     Attributes:
-      namespace: where ``save`` writes and ``restore`` reads (default ``"jckpt"``).
+      namespace: where `save` writes and `restore` reads (default `"jckpt"`).
       alignment: payload alignment in bytes for new files (default 32).
       mmap: map payloads instead of copying them when loading (default True).
       durable: fsync files and directories when publishing (default True).
-      host: return host numpy arrays instead of ``jax.Array`` (default False).
-      device: where loaded arrays go: a ``jax.Device`` or ``jax.sharding.Sharding``;
-        ``None`` means JAX's default device.
-      registry: what has been loaded through this context (managed by ``load``).
+      host: return host numpy arrays instead of `jax.Array` (default False).
+      device: where loaded arrays go: a `jax.Device` or `jax.sharding.Sharding`;
+        `None` means JAX's default device.
+      registry: what has been loaded through this context (managed by `load`).
     """
 
     namespace: str = 'jckpt'
@@ -102,5 +102,23 @@ class Context:
         return f"Context({', '.join(parts)})"
 
     def replace(self, **changes: Any) -> Context:
-        """A copy with ``changes`` applied (the context itself never changes)."""
+        """A copy with `changes` applied (the context itself never changes)."""
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise InputError(f"Context has no field {unknown[0]!r}",
+                             fix=f"use one of {[f.name for f in dataclasses.fields(self)]}")
         return dataclasses.replace(self, **changes)
+
+
+def check_context(ctx: object) -> Context:
+    """`ctx` if it is a `Context`; an `InputError` with the fix otherwise.
+
+    >>> check_context('jckpt')
+    Traceback (most recent call last):
+    ...
+    jckpt.errors.InputError: ctx must be a jckpt.Context, not str 'jckpt' (fix: ...)
+    """
+    if not isinstance(ctx, Context):
+        raise InputError(f"ctx must be a jckpt.Context, not {type(ctx).__name__} {ctx!r:.80}",
+                         fix="pass jckpt.Context(), or the context jckpt.load returned")
+    return ctx

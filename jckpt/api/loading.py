@@ -1,10 +1,10 @@
-"""``load``, ``restore`` and ``describe``: checkpoints back to pytrees.
+"""`load`, `restore` and `describe`: checkpoints back to pytrees.
 
-``load`` rebuilds ``{namespace: subtree}`` from the stored paths; ``restore``
-fills a target's structure, matching each leaf by ``(namespace, path)`` and
+`load` rebuilds `{namespace: subtree}` from the stored paths; `restore`
+fills a target's structure, matching each leaf by `(namespace, path)` and
 checking it (shape, dtype, padding, sharding) before anything is placed.
 Both read only the namespaces asked for, and place every array they read
-through one :func:`jckpt.trees.placement.place_all` call (one batched
+through one `jckpt.trees.placement.place_all` call (one batched
 transfer per device).
 
 >>> import numpy as np, tempfile, os
@@ -29,13 +29,14 @@ import jax
 import numpy as np
 
 from jckpt.api import progress as progress_mod
-from jckpt.api.context import Context
+from jckpt.api.context import Context, check_context
 from jckpt.errors import ClashError, InputError, MismatchError, MissingEntryError
 from jckpt.format import precs
 from jckpt.format._gc import paused
 from jckpt.format.entries import Entry, Header, KeyPath, path_name
 from jckpt.format.payload import stored_dtype
 from jckpt.storage import open_checkpoint
+from jckpt.storage.backend import checked_path
 from jckpt.storage.reader import COUNTS
 from jckpt.trees import placement, sharding
 from jckpt.trees import pytree as tree_mod
@@ -51,35 +52,35 @@ Namespaces = str | Collection[str]
 def load(ctx: Context, path: PathLike, *, prefix_namespace: str | None = None,
          mmap: bool | None = None, verify: bool | None = None, progress: bool = False,
          namespaces: Namespaces | None = None) -> tuple[Context, dict[str, Any]]:
-    """Read the entries of ``path`` as ``{namespace: subtree}``; return it with a new context.
+    """Read the entries of `path` as `{namespace: subtree}`; return it with a new context.
 
     Subtrees are rebuilt from the stored paths (dicts and lists); path-less
-    (OCANNL) entries appear as ``n<id>`` in their namespace. With mapping on
+    (OCANNL) entries appear as `n<id>` in their namespace. With mapping on
     (the default), payloads that allow it are zero-copy, copy-on-write views
     of the file that stay valid after the call and after the file is replaced.
 
     Args:
       ctx: the context; the returned one also registers what was loaded.
       path: the checkpoint file, or a directory checkpoint.
-      prefix_namespace: rename every namespace ``ns`` to ``prefix + "__" + ns``.
-      mmap: map payloads (default ``ctx.mmap``).
+      prefix_namespace: rename every namespace `ns` to `prefix + "__" + ns`.
+      mmap: map payloads (default `ctx.mmap`).
       verify: check payload checksums (default: when copying, not when mapping).
       progress: draw a progress bar on stderr while reading (only when stderr is a terminal).
       namespaces: read only these namespaces (a name, or a collection of names, as
-        stored: before ``prefix_namespace`` renames them); default every namespace.
+        stored: before `prefix_namespace` renames them); default every namespace.
 
-    Raises :class:`~jckpt.errors.ClashError`, before loading anything, if an
-    entry is already registered in ``ctx``, and
-    :class:`~jckpt.errors.MissingEntryError` if a namespace asked for is not
-    in the file.
+    Raises:
+        ClashError: before loading anything, if an entry is already registered in `ctx`.
+        MissingEntryError: if a namespace asked for is not in the file.
 
-    Example::
-
+    Example:
+        ```python
         ctx, tree = jckpt.load(jckpt.Context(), "ckpt.jckpt")
         params = tree["jckpt"]["params"]
         _, model = jckpt.load(jckpt.Context(), "ckpt.jckpt", namespaces="model")  # no optimizer
+        ```
     """
-    path = os.fspath(path)
+    path, ctx = checked_path(path), check_context(ctx)
     tree_mod.check_prefix(prefix_namespace)
     reader = open_checkpoint(path)  # a file, or a multi-process directory
     stored = reader.header.tensors
@@ -107,7 +108,7 @@ def load(ctx: Context, path: PathLike, *, prefix_namespace: str | None = None,
 
 
 def _stored_path(e: Entry) -> KeyPath:
-    """Where the entry sits in its namespace's tree: its path, or ``n<id>`` for path-less ones."""
+    """Where the entry sits in its namespace's tree: its path, or `n<id>` for path-less ones."""
     return e.path if e.path is not None else (('k', f"n{e.id}"),)
 
 
@@ -119,7 +120,7 @@ def _check_clash(ctx: Context, entries: tuple[Entry, ...], path: str) -> None:
 
 
 def _namespace_names(namespaces: Namespaces, path: str) -> tuple[str, ...]:
-    """``namespaces`` as distinct names in order; refuses anything but a str or strs."""
+    """`namespaces` as distinct names in order; refuses anything but a str or strs."""
     try:
         names = (namespaces,) if isinstance(namespaces, str) else tuple(namespaces)
     except TypeError:
@@ -144,51 +145,52 @@ def _check_present(header: Header, names: Sequence[str], path: str) -> None:
 def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = None,
             cast: bool = False, namespace: str | None = None,
             verify: bool | None = None, namespaces: Namespaces | None = None) -> Any:
-    """Fill ``target``'s structure from ``path``: a tree of exactly ``target``'s type.
+    """Fill `target`'s structure from `path`: a tree of exactly `target`'s type.
 
-    ``target`` may be partial (only its leaves are read). Leaves come back where
-    it says: a ``jax.Array``'s or a ``ShapeDtypeStruct``'s sharding, numpy for
-    numpy leaves, and ``ctx``'s placement otherwise.
+    `target` may be partial (only its leaves are read; an empty one returns at
+    once, and the file is never modified). Leaves come back where it says: a
+    `jax.Array`'s or a `ShapeDtypeStruct`'s sharding, numpy for numpy leaves,
+    and `ctx`'s placement otherwise.
 
     Args:
       ctx: the context (namespace, placement).
-      target: any pytree of arrays, ``ShapeDtypeStruct``s or numbers; with
-        ``namespaces``, ``{namespace: subtree}`` for exactly those namespaces.
+      target: any pytree of arrays, `ShapeDtypeStruct`s or numbers; with
+        `namespaces`, `{namespace: subtree}` for exactly those namespaces.
       path: the checkpoint file, or a directory checkpoint.
-      mmap: map payloads (default ``ctx.mmap``).
+      mmap: map payloads (default `ctx.mmap`).
       cast: convert to the target's dtype instead of refusing a dtype mismatch.
-      namespace: read this namespace instead of ``ctx.namespace``.
+      namespace: read this namespace instead of `ctx.namespace`.
       verify: check checksums of the leaves read (default: when copying).
       namespaces: read several namespaces at once (a name or a collection of
-        names); the result is ``{namespace: subtree}``, each subtree of its
+        names); the result is `{namespace: subtree}`, each subtree of its
         target's type, and every leaf of every namespace is placed together.
 
     How each leaf is matched (examples in docs/concepts.md):
 
-    * By ``(namespace, path)``; else the one entry whose path differs only in
+    * By `(namespace, path)`; else the one entry whose path differs only in
       key kinds: dict key or attribute of one name; index, flattened index or
       integer dict key of one number (orbax stores NamedTuple fields as dict keys).
-    * Another dtype is a ``MismatchError`` unless ``cast=True``; but a weakly typed
-      target (``jax.eval_shape`` of a Python number, like a flax ``TrainState``'s
-      ``step=0``, stored as int64) of the stored value's kind (bool, integer,
+    * Another dtype is a `MismatchError` unless `cast=True`; but a weakly typed
+      target (`jax.eval_shape` of a Python number, like a flax `TrainState`'s
+      `step=0`, stored as int64) of the stored value's kind (bool, integer,
       floating, complex) takes it if its dtype holds every stored value exactly.
-    * A ``NamedSharding`` on an ``AbstractMesh`` (``nnx.eval_shape`` under
-      ``jax.set_mesh``) goes to the mesh in context with those axes, else to
-      ``jax.make_mesh`` of them when they span all devices; else ``InputError``.
+    * A `NamedSharding` on an `AbstractMesh` (`nnx.eval_shape` under
+      `jax.set_mesh`) goes to the mesh in context with those axes, else to
+      `jax.make_mesh` of them when they span all devices; else `InputError`.
 
-    Raises :class:`~jckpt.errors.MissingEntryError` or
-    :class:`~jckpt.errors.MismatchError` naming the leaf, and
-    :class:`~jckpt.errors.InputError` for a target that does not match
-    ``namespaces``; the file is never modified. An empty target returns at
-    once without opening the file.
+    Raises:
+        MissingEntryError: naming a target leaf the checkpoint does not hold.
+        MismatchError: naming a leaf whose shape or dtype the target refuses.
+        InputError: for a target that does not match `namespaces`.
 
-    Example::
-
+    Example:
+        ```python
         state = jckpt.restore(jckpt.Context(), abstract_state, "ckpt.jckpt")
         both = jckpt.restore(jckpt.Context(), {"model": abstract_params, "opt": abstract_opt},
                              "ckpt.jckpt", namespaces=["model", "opt"])
+        ```
     """
-    path = os.fspath(path)
+    path, ctx = checked_path(path), check_context(ctx)
     parts = _target_parts(ctx, target, path, namespace, namespaces)
     if not any(items for _, items, _ in parts):
         return target
@@ -205,7 +207,7 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
 def _requests(ctx: Context, reader: Any, parts: Sequence[tuple[str, list, Any]], path: str, *,
               cast: bool, mmap: bool | None,
               verify: bool | None) -> list[tuple[Any, Any, str, str | None]]:
-    """``(array, target leaf, name, key_impl)`` for each target leaf: matched, checked, read."""
+    """`(array, target leaf, name, key_impl)` for each target leaf: matched, checked, read."""
     mmap = ctx.mmap if mmap is None else mmap
     verify = (not mmap) if verify is None else verify
     index = _index(reader.header, {ns for ns, _, _ in parts})
@@ -224,7 +226,7 @@ def _requests(ctx: Context, reader: Any, parts: Sequence[tuple[str, list, Any]],
 
 
 def _rebuild(parts: Sequence[tuple[str, list, Any]], values: Sequence[Any]) -> dict[str, Any]:
-    """``{namespace: subtree}``, each subtree of its target's structure, from the placed leaves."""
+    """`{namespace: subtree}`, each subtree of its target's structure, from the placed leaves."""
     out, start = {}, 0
     for ns, items, treedef in parts:
         out[ns] = jax.tree_util.tree_unflatten(treedef, values[start:start + len(items)])
@@ -234,7 +236,7 @@ def _rebuild(parts: Sequence[tuple[str, list, Any]], values: Sequence[Any]) -> d
 
 def _target_parts(ctx: Context, target: Any, path: str, namespace: str | None,
                   namespaces: Namespaces | None) -> list[tuple[str, list[tuple[KeyPath, Any]], Any]]:
-    """``[(namespace, [(path, leaf)], treedef)]``: one part, or one per namespace asked for."""
+    """`[(namespace, [(path, leaf)], treedef)]`: one part, or one per namespace asked for."""
     if namespaces is None:
         return [(ctx.namespace if namespace is None else namespace,
                  *tree_mod.flatten_with_treedef(target))]
@@ -264,7 +266,7 @@ class _Stored:
 
 
 def _index(header: Header, names: Collection[str]) -> dict[str, _Stored]:
-    """The entries of the namespaces in ``names``, by namespace."""
+    """The entries of the namespaces in `names`, by namespace."""
     out: dict[str, _Stored] = {ns: _Stored() for ns in names}
     for e in header.tensors:
         found = out.get(e.namespace)
@@ -274,7 +276,7 @@ def _index(header: Header, names: Collection[str]) -> dict[str, _Stored]:
 
 
 def _match(stored: _Stored, namespace: str, p: KeyPath, path: str, where: str) -> Entry:
-    """The entry stored at ``p``, or at the one path that differs from ``p`` only in key kinds.
+    """The entry stored at `p`, or at the one path that differs from `p` only in key kinds.
 
     A dict key and an attribute of the same name match, and so do a sequence
     index, a flattened index and an integer dict key of the same number:
@@ -315,7 +317,7 @@ def _missing(stored: _Stored, namespace: str, p: KeyPath, found: Sequence[Entry]
 
 def _read_leaf(ctx: Context, reader: Any, entry: Entry, leaf: Any, path: str, where: str, *,
                cast: bool, mmap: bool, verify: bool) -> Any:
-    """Check ``entry`` against the target ``leaf``, then read it (lazily for sharded targets)."""
+    """Check `entry` against the target `leaf`, then read it (lazily for sharded targets)."""
     want_shape, want_dtype = _target_spec(leaf)
     if want_dtype is None and entry.key_impl is None and _is_key_target(leaf):
         raise _raw_key_data(entry, want_shape, path, where)
@@ -341,15 +343,15 @@ _KINDS = (('bool', np.bool_), ('integer', np.integer), ('floating', np.floating)
 
 
 def _kind(dtype: Any) -> str | None:
-    """Which of bool, integer (signed or not), floating and complex ``dtype`` is."""
+    """Which of bool, integer (signed or not), floating and complex `dtype` is."""
     return next((name for name, t in _KINDS if jax.dtypes.issubdtype(dtype, t)), None)
 
 
 def _exactly(array: Any, dtype: np.dtype, path: str, where: str) -> np.ndarray:
-    """``array`` as ``dtype`` for a weakly typed target: only if every value converts exactly.
+    """`array` as `dtype` for a weakly typed target: only if every value converts exactly.
 
-    A weakly typed target stands for a Python number (``jax.eval_shape`` of a
-    tree holding ``step=0``), which jckpt stored as 64-bit: such a value is
+    A weakly typed target stands for a Python number (`jax.eval_shape` of a
+    tree holding `step=0`), which jckpt stored as 64-bit: such a value is
     accepted when the target's dtype holds it exactly, and refused otherwise
     (never narrowed silently).
     """
@@ -394,7 +396,7 @@ def _is_key_target(leaf: Any) -> bool:
 
 def _raw_key_data(entry: Entry, want_shape: Any, path: str, where: str) -> MismatchError:
     """The error for a typed-key target whose entry holds plain integers (an old-style
-    ``jax.random.PRNGKey``, or key data saved with ``jax.random.key_data``)."""
+    `jax.random.PRNGKey`, or key data saved with `jax.random.key_data`)."""
     dtype = precs.dtype_of(entry.prec)
     return MismatchError(
         f"the file holds plain {dtype}{list(entry.shape)} key data (an old-style "
@@ -406,7 +408,7 @@ def _raw_key_data(entry: Entry, want_shape: Any, path: str, where: str) -> Misma
 
 
 def _target_spec(leaf: Any) -> tuple[tuple[int, ...] | None, Any]:
-    """``(shape, dtype)`` a target leaf asks for (None where it does not say)."""
+    """`(shape, dtype)` a target leaf asks for (None where it does not say)."""
     if placement.is_prng_key(leaf):
         return tuple(leaf.shape), None
     if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
@@ -423,7 +425,7 @@ def _target_spec(leaf: Any) -> tuple[tuple[int, ...] | None, Any]:
 # --- the header and the counters ---------------------------------------------------------
 
 def ingestion_counts() -> dict[str, int]:
-    """Process-wide counts of loaded payloads: ``{'mapped': M, 'decoded': D}``.
+    """Process-wide counts of loaded payloads: `{'mapped': M, 'decoded': D}`.
 
     Mapped payloads are zero-copy views of a file; decoded ones were copied
     (misaligned, padded, or mapping off). Thread-safe.
@@ -432,7 +434,7 @@ def ingestion_counts() -> dict[str, int]:
 
 
 def describe(path: PathLike) -> Header:
-    """The validated header of ``path`` without reading any payload."""
+    """The validated header of `path` without reading any payload."""
     return open_checkpoint(path).header
 
 

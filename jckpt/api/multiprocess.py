@@ -1,20 +1,20 @@
-"""Multi-process saves: every process of a ``jax.distributed`` run writes one directory checkpoint.
+"""Multi-process saves: every process of a `jax.distributed` run writes one directory checkpoint.
 
-When ``jax.process_count() > 1``, :func:`jckpt.save` calls :func:`save_directory`:
+When `jax.process_count() > 1`, `jckpt.save` calls `save_directory`:
 
-1. every process writes one piece file (``process_NNNNN.jckpt``) holding the
+1. every process writes one piece file (`process_NNNNN.jckpt`) holding the
    pieces of each array it owns (the shards whose replica 0 it holds, joined
    into one block where they touch), so each replicated piece is written once;
 2. all processes meet at a barrier of JAX's distributed runtime (with a
    timeout, so a dead peer gives an error in bounded time, never a hang);
 3. process 0 reads the piece headers, checks that the pieces of every array
-   tile it exactly, writes ``index.jckpt`` and publishes the directory with
+   tile it exactly, writes `index.jckpt` and publishes the directory with
    one atomic rename; a second barrier returns everyone once it is published.
 
-A directory without ``index.jckpt`` is never read as a checkpoint, so a
+A directory without `index.jckpt` is never read as a checkpoint, so a
 process that dies before the barrier leaves the previous checkpoint intact.
 The directory form on disk (staging, index, publishing, reading) is
-:mod:`jckpt.storage.directory`; this module is the part that needs JAX: the
+`jckpt.storage.directory`; this module is the part that needs JAX: the
 save plan and the barriers.
 
 >>> # in every process of a jax.distributed run:
@@ -54,7 +54,7 @@ _saves = itertools.count()
 
 
 def barrier_timeout() -> float:
-    """The barrier timeout in seconds: ``JCKPT_BARRIER_TIMEOUT`` or the default."""
+    """The barrier timeout in seconds: `JCKPT_BARRIER_TIMEOUT` or the default."""
     raw = os.environ.get('JCKPT_BARRIER_TIMEOUT')
     try:
         return float(raw) if raw else DEFAULT_BARRIER_TIMEOUT
@@ -82,7 +82,7 @@ class _Runtime:
         self.timeout_ms = max(1, int(timeout * 1000))
 
     def share(self, key: str, value: str | None) -> str:
-        """Process 0 sets ``key`` to ``value``; every process returns it."""
+        """Process 0 sets `key` to `value`; every process returns it."""
         full = f"{self.tag}/{key}"
         if self.local:
             return value or ''
@@ -136,7 +136,7 @@ class _Runtime:
 
     def together(self, name: str, what: str, process: int,
                  step: Callable[[], None] | None) -> None:
-        """Run ``step`` here (if any), meet every process at barrier ``name``, raise if one failed.
+        """Run `step` here (if any), meet every process at barrier `name`, raise if one failed.
 
         A failing step is reported to the others before this process reaches
         the barrier, so they fail at once instead of at their timeout.
@@ -186,7 +186,7 @@ def _plan(items: Sequence[tuple[KeyPath, Any]], namespace: str, first_id: int,
 
 
 def _blocks(h: placement.HostLeaf) -> list[tuple[Box, Any]]:
-    """``(box, source)`` of what this process writes of ``h``: its shards joined where they touch."""
+    """`(box, source)` of what this process writes of `h`: its shards joined where they touch."""
     if h.array is not None:
         return [(full_box(h.shape), ArraySource(h.array))]
     blocks: list[tuple[Box, Any]] = []
@@ -263,19 +263,20 @@ def _publish(backend: Backend, stage: _Stage, path: str, count: int, alignment: 
 def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: int | None = None,
                    metadata: Mapping[str, str] | None = None,
                    timeout: float | None = None) -> None:
-    """Save ``tree`` from every process of a ``jax.distributed`` run as a directory checkpoint.
+    """Save `tree` from every process of a `jax.distributed` run as a directory checkpoint.
 
-    Call it (or :func:`jckpt.save`, which calls it when ``jax.process_count() > 1``)
+    Call it (or `jckpt.save`, which calls it when `jax.process_count() > 1`)
     from every process with the same tree structure; a single process may call
     it too, to write the directory form. Returns in every process
-    once the directory is published; raises :class:`~jckpt.errors.DistributedError`
+    once the directory is published; raises `DistributedError`
     in the surviving processes when a peer fails or does not reach a barrier within
-    ``timeout`` seconds (default :func:`barrier_timeout`), and then nothing is
+    `timeout` seconds (default `barrier_timeout`), and then nothing is
     published.
 
-    Example::
-
+    Example:
+        ```python
         jckpt.save(ctx, {"params": sharded_params, "step": step}, "ckpt")  # every process
+        ```
     """
     backend = backend_for(path)  # before abspath, which would take a URL for a relative path
     path = os.path.abspath(os.fspath(path))

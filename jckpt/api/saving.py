@@ -1,11 +1,11 @@
-"""``save``: a pytree to one checkpoint file, atomically.
+"""`save`: a pytree to one checkpoint file, atomically.
 
 The steps, each a function below: flatten the tree and bring every leaf to
-host (:func:`jckpt.trees.placement.host_leaves`: every transfer started
+host (`jckpt.trees.placement.host_leaves`: every transfer started
 before any is awaited, sharded arrays as their distinct shards); build one
-entry per leaf (:func:`jckpt.format.entries.entry_for`), merged with the
+entry per leaf (`jckpt.format.entries.entry_for`), merged with the
 entries an appending save keeps; publish the file (the writer streams each
-payload, hashing it, then renames the file over ``path``).
+payload, hashing it, then renames the file over `path`).
 
 >>> import numpy as np, tempfile, os
 >>> path = os.path.join(tempfile.mkdtemp(), 'model.jckpt')
@@ -25,7 +25,7 @@ from typing import Any
 import jax
 
 from jckpt.api import progress as progress_mod
-from jckpt.api.context import Context
+from jckpt.api.context import Context, check_context
 from jckpt.api.multiprocess import save_directory
 from jckpt.errors import InputError, InUseError
 from jckpt.format._gc import paused
@@ -34,6 +34,7 @@ from jckpt.format.layout import lay_out
 from jckpt.format.metadata import check_metadata
 from jckpt.format.names import INDEX_NAME
 from jckpt.format.payload import CHECKSUM_PLACEHOLDER
+from jckpt.storage.backend import checked_path
 from jckpt.storage.publish import storage_error
 from jckpt.storage.reader import CheckpointReader
 from jckpt.storage.regions import ShardedSource
@@ -49,34 +50,35 @@ PathLike = str | os.PathLike
 def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
          alignment: int | None = None, metadata: Mapping[str, str] | None = None,
          progress: bool = False) -> None:
-    """Write ``tree`` to ``path`` under ``ctx.namespace``, atomically and (by default) durably.
+    """Write `tree` to `path` under `ctx.namespace`, atomically and (by default) durably.
 
-    Payloads stream to a staging file next to ``path`` (never the whole file in
+    Payloads stream to a staging file next to `path` (never the whole file in
     memory), each hashed as it goes; the file is fsynced and renamed over
-    ``path``, so a reader sees the old file or the new one, never a mix.
+    `path`, so a reader sees the old file or the new one, never a mix.
 
     Args:
       ctx: the context (namespace, alignment, durability).
-      tree: a pytree of arrays (``jax.Array``, numpy, Python numbers, typed PRNG keys).
+      tree: a pytree of arrays (`jax.Array`, numpy, Python numbers, typed PRNG keys).
       path: the checkpoint file; a directory checkpoint when several processes
-        save together (``jax.process_count() > 1``: call ``save`` from every one)
-        or when ``path`` already holds one.
-      appending: keep every entry of an existing file at ``path`` that ``tree``
+        save together (`jax.process_count() > 1`: call `save` from every one)
+        or when `path` already holds one.
+      appending: keep every entry of an existing file at `path` that `tree`
         does not replace (matched by namespace and path), with its id.
-      alignment: payload alignment for this file (default ``ctx.alignment``).
+      alignment: payload alignment for this file (default `ctx.alignment`).
       metadata: string pairs stored in the header (merged over an appended file's); a
-        value that is not a string is an :class:`~jckpt.errors.InputError` naming its key.
+        value that is not a string is an `InputError` naming its key.
       progress: draw a progress bar on stderr while writing (only when stderr is a terminal).
 
-    Raises :class:`~jckpt.errors.InputError` before touching the file when a
-    leaf cannot be stored, and :class:`~jckpt.errors.StorageError` if the disk
-    fails, in which case the previous file at ``path`` is left intact.
+    Raises:
+        InputError: before touching the file, when a leaf cannot be stored.
+        StorageError: if the disk fails; the previous file at `path` is left intact.
 
-    Example::
-
+    Example:
+        ```python
         jckpt.save(jckpt.Context(), {"params": params, "step": 100}, "ckpt.jckpt")
+        ```
     """
-    path = os.fspath(path)
+    path, ctx = checked_path(path), check_context(ctx)
     metadata = check_metadata(metadata, path)  # strings only, refused before anything is written
     # several processes save their pieces into one directory; a directory checkpoint stays one
     if jax.process_count() > 1 or os.path.isfile(os.path.join(path, INDEX_NAME)):
@@ -109,13 +111,13 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
 
 def _entries(ctx: Context, paths: Sequence[KeyPath], hosts: Sequence[placement.HostLeaf], *,
              kept: Sequence[Entry] = (), alignment: int) -> tuple[list[Entry], list[Any]]:
-    """Entries and payload sources for host leaves saved under ``ctx.namespace``.
+    """Entries and payload sources for host leaves saved under `ctx.namespace`.
 
-    ``kept`` (an appended file's entries) come first, in their order; a leaf
+    `kept` (an appended file's entries) come first, in their order; a leaf
     with the identity of a kept entry replaces it in its place, with its id.
     New leaves follow in tree order, with ids above every id of the namespace
-    in ``kept`` and in ``ctx``'s registry. A kept entry not replaced has the
-    source ``None`` (its payload is copied from the old file).
+    in `kept` and in `ctx`'s registry. A kept entry not replaced has the
+    source `None` (its payload is copied from the old file).
     """
     namespace = ctx.namespace
     slots = {e.identity: i for i, e in enumerate(kept)}
@@ -153,7 +155,7 @@ def _source(host: placement.HostLeaf) -> ArraySource | ShardedSource:
 
 def _header(entries: Sequence[Entry], alignment: int, old: Header,
             metadata: Mapping[str, str] | None) -> Header:
-    """The laid-out header; ``metadata`` merged over the old file's, whose unknown fields are kept."""
+    """The laid-out header; `metadata` merged over the old file's, whose unknown fields are kept."""
     meta = dict(old.metadata)
     meta.update(metadata or {})
     return lay_out(Header(tensors=tuple(entries), alignment=alignment,
@@ -162,7 +164,7 @@ def _header(entries: Sequence[Entry], alignment: int, old: Header,
 
 
 def _open_read_file(path: str, old: CheckpointReader) -> int:
-    """A descriptor of the file ``old`` read, refusing one replaced since (another writer's)."""
+    """A descriptor of the file `old` read, refusing one replaced since (another writer's)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as e:

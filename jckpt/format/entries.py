@@ -1,11 +1,11 @@
-"""The header's values: :class:`Entry`, :class:`Padding`, :class:`Header`, key paths.
+"""The header's values: `Entry`, `Padding`, `Header`, key paths.
 
 Frozen dataclasses with no behaviour beyond derived properties, and
-:func:`entry_for`, the one builder of an :class:`Entry` from a leaf's
-namespace, path and array description. Every writer (``save``, the mirror,
+`entry_for`, the one builder of an `Entry` from a leaf's
+namespace, path and array description. Every writer (`save`, the mirror,
 directory checkpoints, the native adapter) builds its entries through it,
 so the label, prec and byte length of an entry are computed in one place.
-:mod:`jckpt.format.header` encodes these values to bytes and decodes them back.
+`jckpt.format.header` encodes these values to bytes and decodes them back.
 
 >>> e = entry_for('jckpt', (('k', 'w'), ('i', 0)), 'float32', (2, 3), id=4)
 >>> e.prec, e.dims, e.byte_length, e.label, e.name
@@ -43,7 +43,7 @@ KeyPath = tuple[PathComponent, ...]
 
 @dataclasses.dataclass(frozen=True)
 class Padding:
-    """OCANNL padding: ``(left, right)`` per dim, and the value the margin holds."""
+    """OCANNL padding: `(left, right)` per dim, and the value the margin holds."""
 
     pairs: tuple[tuple[int, int], ...]
     value: float = 0.0
@@ -53,8 +53,8 @@ class Padding:
 class Entry:
     """One stored array: where its payload is and how to read it.
 
-    ``path`` is the pytree key path (``None`` for OCANNL entries, which are
-    addressed as ``n<id>``). ``extra`` holds entry fields this version does not
+    `path` is the pytree key path (`None` for OCANNL entries, which are
+    addressed as `n<id>`). `extra` holds entry fields this version does not
     know, kept verbatim when the file is rewritten.
     """
 
@@ -80,24 +80,24 @@ class Entry:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The numpy shape of the decoded array (``Uint4x32_prec`` adds a dim of 4)."""
+        """The numpy shape of the decoded array (`Uint4x32_prec` adds a dim of 4)."""
         return (*self.dims, 4) if self.prec == precs.UINT4X32 else self.dims
 
     @property
     def logical_dims(self) -> tuple[int, ...]:
-        """``dims`` less the padding: the region actually stored."""
+        """`dims` less the padding: the region actually stored."""
         if self.padding is None:
             return self.dims
         return tuple(d - lo - hi for d, (lo, hi) in zip(self.dims, self.padding.pairs))
 
     @property
     def identity(self) -> tuple[str, Any]:
-        """``(namespace, path)``, or ``(namespace, id)`` for path-less entries."""
+        """`(namespace, path)`, or `(namespace, id)` for path-less entries."""
         return (self.namespace, self.path if self.path is not None else self.id)
 
     @property
     def name(self) -> str:
-        """A readable ``namespace/a/b/0`` name for messages."""
+        """A readable `namespace/a/b/0` name for messages."""
         return f"{self.namespace}/{path_name(self.path) if self.path is not None else f'n{self.id}'}"
 
 
@@ -118,12 +118,12 @@ class Header:
 
 
 def path_name(path: KeyPath) -> str:
-    """``(('k', 'params'), ('i', 0))`` -> ``'params/0'``."""
+    """`(('k', 'params'), ('i', 0))` -> `'params/0'`."""
     return '/'.join(str(v) for _, v in path)
 
 
 def round_up(n: int, a: int) -> int:
-    """``n`` rounded up to a multiple of ``a`` (``a <= 1`` leaves it alone)."""
+    """`n` rounded up to a multiple of `a` (`a <= 1` leaves it alone)."""
     return n if a <= 1 else -(-n // a) * a
 
 
@@ -131,15 +131,15 @@ def entry_for(namespace: str, path: KeyPath | None, dtype: Any, shape: Sequence[
               key_impl: str | None = None, checksum: tuple[str, str] | None = None,
               offset: int = 0, slice: Sequence[tuple[int, int]] | None = None,
               global_dims: Sequence[int] | None = None) -> Entry:
-    """The :class:`Entry` of an array of ``dtype`` and ``shape`` stored at ``(namespace, path)``.
+    """The `Entry` of an array of `dtype` and `shape` stored at `(namespace, path)`.
 
-    Computes what follows from the array: ``prec`` (``KeyError`` for a dtype
-    the format cannot store: check with :func:`jckpt.format.precs.is_supported`
-    first), ``byte_length`` and the ``label`` (the path's values as text).
-    ``shape`` is what this entry stores: for a piece of a sharded array, the
-    piece's shape, with ``slice`` its box and ``global_dims`` the whole
-    array's shape. ``offset`` is usually left at 0 for
-    :func:`jckpt.format.layout.lay_out` to plan; ``checksum`` None lets the
+    Computes what follows from the array: `prec` (`KeyError` for a dtype
+    the format cannot store: check with `jckpt.format.precs.is_supported`
+    first), `byte_length` and the `label` (the path's values as text).
+    `shape` is what this entry stores: for a piece of a sharded array, the
+    piece's shape, with `slice` its box and `global_dims` the whole
+    array's shape. `offset` is usually left at 0 for
+    `jckpt.format.layout.lay_out` to plan; `checksum` None lets the
     writer compute it.
 
     >>> entry_for('opt', (('k', 'mu'),), np.dtype('int8'), (4,), id=0, slice=((4, 8),),

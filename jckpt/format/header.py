@@ -1,13 +1,13 @@
 """The header's encoding to and from bytes.
 
-``encode_header`` and ``decode_header`` are exact inverses on valid headers and
-follow ``docs/format.md``: a 4-byte big-endian length, then the S-expression text
+`encode_header` and `decode_header` are exact inverses on valid headers and
+follow `docs/format.md`: a 4-byte big-endian length, then the S-expression text
 padded with spaces so that the data starts at a multiple of the alignment.
-``decode_header`` validates everything that can be checked without the file's
-size (see :func:`jckpt.format.layout.check_extents` for the rest) and raises
-:class:`~jckpt.errors.FormatError` for every fault, never anything else. The
-values (:class:`Entry`, :class:`Header`, ...) live in :mod:`jckpt.format.entries`;
-headers laid out as jckpt writes them decode through :mod:`jckpt.format.fastpath`.
+`decode_header` validates everything that can be checked without the file's
+size (see `jckpt.format.layout.check_extents` for the rest) and raises
+`FormatError` for every fault, never anything else. The
+values (`Entry`, `Header`, ...) live in `jckpt.format.entries`;
+headers laid out as jckpt writes them decode through `jckpt.format.fastpath`.
 
 >>> e = Entry(id=0, namespace='jckpt', label=('w',), prec='Single_prec', dims=(2,),
 ...           offset=0, byte_length=8, path=(('k', 'w'),))
@@ -53,7 +53,7 @@ OCANNL_HEADER_LIMIT = 100_000_000
 # --- encoding --------------------------------------------------------------
 
 def _float_atom(x: float) -> str:
-    """A float in OCaml's spelling: ``0.``, ``1.5``, ``-inf``, ``nan``."""
+    """A float in OCaml's spelling: `0.`, `1.5`, `-inf`, `nan`."""
     if math.isnan(x):
         return 'nan'
     if math.isinf(x):
@@ -123,12 +123,12 @@ def _header_text(header: Header) -> tuple[str, list[int | None]]:
 
 
 def header_text(header: Header) -> str:
-    """The S-expression text of ``header``, without length prefix or padding."""
+    """The S-expression text of `header`, without length prefix or padding."""
     return _header_text(header)[0]
 
 
 def encode_header_with_slots(header: Header) -> tuple[bytes, list[int | None]]:
-    """:func:`encode_header`, plus the byte offset of each entry's checksum digits.
+    """`encode_header`, plus the byte offset of each entry's checksum digits.
 
     A writer that hashes payloads while streaming them writes the header first
     with fixed-width placeholder digits and later patches the real ones in at
@@ -148,7 +148,7 @@ def encode_header_with_slots(header: Header) -> tuple[bytes, list[int | None]]:
 def encode_header(header: Header) -> bytes:
     """The file's first bytes: big-endian HLEN, then the space-padded header text.
 
-    The result's length is a multiple of ``header.alignment``, so the payloads
+    The result's length is a multiple of `header.alignment`, so the payloads
     that follow start aligned.
     """
     return encode_header_with_slots(header)[0]
@@ -175,7 +175,7 @@ def _sexp_ok(x: Any) -> bool:
 
 
 def _fields(node: Sexp, what: str, file: str | None, entry: str | None = None) -> dict[str, Sexp]:
-    """A list of ``(key value)`` pairs as an ordered dict; refuses anything else."""
+    """A list of `(key value)` pairs as an ordered dict; refuses anything else."""
     if not isinstance(node, list):
         raise _fail(f"{what} must be a list of (key value) pairs", file, entry)
     out: dict[str, Sexp] = {}
@@ -276,7 +276,7 @@ def _entry_fields(node: Sexp, where: str, file: str | None) -> dict[str, Sexp]:
 
 
 def _decode_identity(f: dict[str, Sexp], where: str, file: str | None) -> tuple[str, int]:
-    """``(namespace, id)``; the legacy empty namespace reads as :data:`LEGACY_NAMESPACE`."""
+    """`(namespace, id)`; the legacy empty namespace reads as `LEGACY_NAMESPACE`."""
     namespace = f['namespace']
     if not isinstance(namespace, str):
         raise _fail("namespace must be an atom", file, where)
@@ -290,7 +290,7 @@ def _decode_identity(f: dict[str, Sexp], where: str, file: str | None) -> tuple[
 
 def _decode_extent(f: dict[str, Sexp], file: str | None, where: str
                    ) -> tuple[str, tuple[int, ...], Padding | None, int, int]:
-    """``(prec, dims, padding, offset, byte_length)``, checked against each other."""
+    """`(prec, dims, padding, offset, byte_length)`, checked against each other."""
     prec = f['prec']
     if not isinstance(prec, str) or prec not in precs.ALL_PRECS:
         raise _fail(f"unknown prec {_short(prec)}", file, where)
@@ -332,7 +332,7 @@ def _decode_checksum(c: Sexp, file: str | None, where: str) -> tuple[str, str]:
 
 def _decode_piece(f: dict[str, Sexp], dims: tuple[int, ...], file: str | None, where: str
                   ) -> tuple[tuple[tuple[int, int], ...] | None, tuple[int, ...] | None]:
-    """``(slice, global_dims)`` of a piece of a directory checkpoint's array (both or neither)."""
+    """`(slice, global_dims)` of a piece of a directory checkpoint's array (both or neither)."""
     slc = None
     if 'slice' in f:
         s = f['slice']
@@ -363,8 +363,8 @@ HEADER_START = b'((version'
 def looks_like_header(head: bytes) -> bool:
     """Whether a file's first bytes start like a jckpt (or OCANNL) header.
 
-    A 4-byte big-endian header length, at least as long as :data:`HEADER_START`,
-    followed (after blanks) by ``((version``. Cheap and certain enough to
+    A 4-byte big-endian header length, at least as long as `HEADER_START`,
+    followed (after blanks) by `((version`. Cheap and certain enough to
     tell a checkpoint from another format; decoding the header says whether
     it is a valid one.
 
@@ -381,7 +381,7 @@ def looks_like_header(head: bytes) -> bool:
 
 def split_header(raw: bytes | memoryview, file_size: int | None = None,
                  file: str | None = None) -> tuple[int, int]:
-    """``(hlen, data_start)`` from a file's first 4 bytes, checked against its size."""
+    """`(hlen, data_start)` from a file's first 4 bytes, checked against its size."""
     if len(raw) < 4:
         raise _fail(f"file is {len(raw)} bytes, shorter than the 4-byte header length", file)
     (hlen,) = struct.unpack_from('>I', raw, 0)
@@ -393,9 +393,10 @@ def split_header(raw: bytes | memoryview, file_size: int | None = None,
 
 @paused  # decoding allocates millions of small objects and no cycles
 def decode_header(raw: bytes | memoryview, *, file: str | None = None) -> Header:
-    """Decode and validate a header from the file's first ``4 + HLEN`` bytes (or more).
+    """Decode and validate a header from the file's first `4 + HLEN` bytes (or more).
 
-    Raises :class:`~jckpt.errors.FormatError` naming ``file`` for every fault.
+    Raises:
+        FormatError: naming `file`, for every fault.
     """
     _hlen, start = split_header(raw, None, file)
     try:
@@ -415,7 +416,7 @@ def decode_header(raw: bytes | memoryview, *, file: str | None = None) -> Header
 
 def header_from_sexp(tree: Sexp, *, file: str | None = None,
                      entries: list[Entry] | None = None) -> Header:
-    """Build and validate a :class:`Header` from the parsed S-expression."""
+    """Build and validate a `Header` from the parsed S-expression."""
     f = _fields(tree, "header", file)
     for key in ('version', 'tensors'):
         if key not in f:
@@ -458,7 +459,7 @@ def header_from_sexp(tree: Sexp, *, file: str | None = None,
 
 
 def entries_by_identity(entries: Iterable[Entry]) -> dict[tuple[str, Any], Entry]:
-    """Index entries by ``(namespace, path)`` / ``(namespace, id)``."""
+    """Index entries by `(namespace, path)` / `(namespace, id)`."""
     return {e.identity: e for e in entries}
 
 

@@ -19,7 +19,7 @@ from jckpt.format.header import Header, encode_header, round_up
 def plan_layout(byte_lengths: Sequence[int], alignment: int = 32) -> tuple[int, ...]:
     """Offsets (relative to the data start) for payloads of these lengths, in order.
 
-    Each payload starts at the cursor rounded up to ``alignment``; nothing
+    Each payload starts at the cursor rounded up to `alignment`; nothing
     follows the last one.
     """
     offsets = []
@@ -32,7 +32,7 @@ def plan_layout(byte_lengths: Sequence[int], alignment: int = 32) -> tuple[int, 
 
 
 def lay_out(header: Header) -> Header:
-    """``header`` with every entry's offset replaced by :func:`plan_layout`'s."""
+    """`header` with every entry's offset replaced by `plan_layout`'s."""
     offsets = plan_layout([e.byte_length for e in header.tensors], header.alignment)
     return dataclasses.replace(header, tensors=tuple(
         e if e.offset == o else dataclasses.replace(e, offset=o)

@@ -36,20 +36,20 @@ _MAX_INTP = np.iinfo(np.intp).max
 
 
 def stored_dtype(dtype: np.dtype) -> np.dtype:
-    """The little-endian form of ``dtype`` (the form payloads are stored in)."""
+    """The little-endian form of `dtype` (the form payloads are stored in)."""
     dtype = np.dtype(dtype)
     return dtype.newbyteorder('<') if dtype.byteorder == '>' else dtype
 
 
 def is_stored_form(array: np.ndarray) -> bool:
-    """Whether ``array``'s memory already is its payload (C order, little-endian)."""
+    """Whether `array`'s memory already is its payload (C order, little-endian)."""
     return array.flags.c_contiguous and array.dtype.byteorder != '>'
 
 
 def encode_payload(array: np.ndarray) -> np.ndarray:
-    """The payload bytes of ``array`` as a flat ``uint8`` array.
+    """The payload bytes of `array` as a flat `uint8` array.
 
-    A view (no copy) when ``array`` is C-contiguous and little-endian; a
+    A view (no copy) when `array` is C-contiguous and little-endian; a
     converted copy otherwise (non-contiguous, Fortran-ordered, big-endian).
     """
     array = np.asarray(array)
@@ -61,11 +61,11 @@ def encode_payload(array: np.ndarray) -> np.ndarray:
 
 
 def iter_payload_chunks(array: np.ndarray, chunk_bytes: int = CHUNK_BYTES) -> Iterator[np.ndarray]:
-    """The payload of ``array`` as successive ``uint8`` chunks of about ``chunk_bytes``.
+    """The payload of `array` as successive `uint8` chunks of about `chunk_bytes`.
 
     An array in stored form yields views of its own memory; any other array is
     converted one block of leading-axis rows at a time, so a copy never holds
-    more than about ``chunk_bytes``.
+    more than about `chunk_bytes`.
     """
     array = np.asarray(array)
     if is_stored_form(array) or array.ndim == 0:
@@ -80,17 +80,17 @@ def iter_payload_chunks(array: np.ndarray, chunk_bytes: int = CHUNK_BYTES) -> It
 
 
 def checksum(data) -> tuple[str, str]:
-    """``('xxh3_64', HEX)`` of a bytes-like object."""
+    """`('xxh3_64', HEX)` of a bytes-like object."""
     return (CHECKSUM_ALGORITHM, f'{xxhash.xxh3_64_intdigest(data):0{CHECKSUM_HEX_DIGITS}x}')
 
 
 def new_hasher() -> xxhash.xxh3_64:
-    """A streaming hasher for :data:`CHECKSUM_ALGORITHM`."""
+    """A streaming hasher for `CHECKSUM_ALGORITHM`."""
     return xxhash.xxh3_64()
 
 
 def hasher_checksum(hasher: xxhash.xxh3_64) -> tuple[str, str]:
-    """The ``(algorithm, hex)`` pair of a finished streaming hasher."""
+    """The `(algorithm, hex)` pair of a finished streaming hasher."""
     return (CHECKSUM_ALGORITHM, f'{hasher.intdigest():0{CHECKSUM_HEX_DIGITS}x}')
 
 
@@ -103,11 +103,11 @@ def can_map(entry: Entry, data_start: int) -> bool:
 
 def decode_payload(buffer, entry: Entry, *, data_start: int, mmap: bool = True,
                    file: str | None = None) -> tuple[np.ndarray, bool]:
-    """Decode ``entry`` from ``buffer`` (the whole file's bytes or a mapping of it).
+    """Decode `entry` from `buffer` (the whole file's bytes or a mapping of it).
 
-    Returns ``(array, mapped)``: ``mapped`` is True when ``array`` is a
-    zero-copy view of ``buffer`` (only when ``mmap`` is True and
-    :func:`can_map` holds). Padded entries are rebuilt into a ``dims``-shaped
+    Returns `(array, mapped)`: `mapped` is True when `array` is a
+    zero-copy view of `buffer` (only when `mmap` is True and
+    `can_map` holds). Padded entries are rebuilt into a `dims`-shaped
     buffer filled with the pad value.
     """
     if entry.prec == precs.VOID:

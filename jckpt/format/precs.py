@@ -1,8 +1,8 @@
-"""The element-type table: header ``prec`` names <-> numpy / ml_dtypes dtypes.
+"""The element-type table: header `prec` names <-> numpy / ml_dtypes dtypes.
 
-Every stored element takes its numpy itemsize, little-endian. ``Uint4x32_prec``
-(OCANNL's 128-bit random-key element) reads as ``uint32`` with a trailing dim
-of 4; ``Void_prec`` parses but cannot be loaded.
+Every stored element takes its numpy itemsize, little-endian. `Uint4x32_prec`
+(OCANNL's 128-bit random-key element) reads as `uint32` with a trailing dim
+of 4; `Void_prec` parses but cannot be loaded.
 
 >>> dtype_of('Bfloat16_prec')
 dtype(bfloat16)
@@ -65,12 +65,12 @@ ALL_PRECS = frozenset(_DTYPES) | {VOID}
 
 
 def dtype_of(prec: str) -> np.dtype:
-    """The little-endian numpy dtype stored for ``prec`` (KeyError if unknown)."""
+    """The little-endian numpy dtype stored for `prec` (KeyError if unknown)."""
     return _DTYPES[prec]
 
 
 def element_size(prec: str) -> int:
-    """Bytes per stored element (16 for ``Uint4x32_prec``, 0 for ``Void_prec``)."""
+    """Bytes per stored element (16 for `Uint4x32_prec`, 0 for `Void_prec`)."""
     if prec == UINT4X32:
         return 16
     if prec == VOID:
@@ -87,7 +87,7 @@ def prec_of(dtype: np.dtype | type) -> str:
 
 
 def is_supported(dtype: np.dtype | type) -> bool:
-    """Whether arrays of ``dtype`` can be stored."""
+    """Whether arrays of `dtype` can be stored."""
     try:
         prec_of(dtype)
     except (KeyError, TypeError):

@@ -1,15 +1,15 @@
 """What the mirror and the checkpoint manager share: one background writer of staged generations.
 
-:class:`BackgroundWriter` takes the writer lease on its path from the path's
-storage backend (:func:`jckpt.storage.backend_for`), clears what a
+`BackgroundWriter` takes the writer lease on its path from the path's
+storage backend (`jckpt.storage.backend_for`), clears what a
 writer that died left there, applies the lineage rule
-(:mod:`jckpt.services.lineage`) to the checkpoint it finds, and runs a
-:class:`~jckpt.services.engine.Pipeline` whose two stages it implements: each
+(`jckpt.services.lineage`) to the checkpoint it finds, and runs a
+`Pipeline` whose two stages it implements: each
 admitted snapshot is written as the next generation of its target under a
 temporary name, then made durable and renamed into place
-(:mod:`jckpt.storage.staging`). A subclass says only what differs: where the
-latest checkpoint is (:meth:`BackgroundWriter._recover`), where a snapshot
-goes (:meth:`BackgroundWriter._target`), what follows a publish, and whether
+(`jckpt.storage.staging`). A subclass says only what differs: where the
+latest checkpoint is (`BackgroundWriter._recover`), where a snapshot
+goes (`BackgroundWriter._target`), what follows a publish, and whether
 a snapshot equal to the last generation is skipped (the mirror) or written
 (the manager, one file per step).
 """
@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import ClassVar, Generic, Self, TypeVar
 
 from jckpt import api
-from jckpt.api.context import Context
+from jckpt.api.context import Context, check_context
 from jckpt.format import metadata as metadata_mod
 from jckpt.format.names import GENERATION_KEY, LINEAGE_KEY
 from jckpt.services.engine import Job, MirrorCounters, Pipeline
@@ -37,13 +37,13 @@ InfoT = TypeVar('InfoT')
 
 
 def check_metadata(metadata: Mapping[str, str] | None, where: str) -> dict[str, str]:
-    """User metadata as a dict of strings, refusing the reserved ``jckpt.`` keys."""
+    """User metadata as a dict of strings, refusing the reserved `jckpt.` keys."""
     return metadata_mod.check_metadata(metadata, where, reserved=False)
 
 
 @dataclasses.dataclass(frozen=True)
 class Staged(Generic[InfoT]):
-    """A generation of ``target`` written under ``temporary`` (``None``: equal content, nothing to write)."""
+    """A generation of `target` written under `temporary` (`None`: equal content, nothing to write)."""
 
     temporary: str | None
     target: str
@@ -54,7 +54,7 @@ class Staged(Generic[InfoT]):
 
 @dataclasses.dataclass(frozen=True)
 class _Head:
-    """The last generation staged or published, and its content (``None``: not known)."""
+    """The last generation staged or published, and its content (`None`: not known)."""
 
     generation: int
     digest: Digest | None = None
@@ -63,10 +63,10 @@ class _Head:
 class BackgroundWriter(Generic[InfoT]):
     """The lease, lineage, pipeline and two-stage commit shared by the mirror and the manager.
 
-    Subclasses set the class attributes, implement :meth:`_recover` and
-    :meth:`_target`, and call ``__init__`` once their own fields are set,
-    passing ``backend``, the storage backend of their path (which they get
-    from :func:`~jckpt.storage.backend_for` before touching anything).
+    Subclasses set the class attributes, implement `_recover` and
+    `_target`, and call `__init__` once their own fields are set,
+    passing `backend`, the storage backend of their path (which they get
+    from `backend_for` before touching anything).
     """
 
     #: How lineage errors name the checkpoint found.
@@ -79,7 +79,7 @@ class BackgroundWriter(Generic[InfoT]):
     def __init__(self, name: str, *, backend: Backend, lease: str, ctx: Context | None,
                  lineage: str | None, new_lineage: bool, slots: int, when_full: str,
                  retry_after: float, patience: int) -> None:
-        self.ctx = ctx if ctx is not None else Context()
+        self.ctx = check_context(ctx) if ctx is not None else Context()
         self.backend = backend
         check_name(lineage, name)
         self._lease = backend.lease(lease)
@@ -108,11 +108,11 @@ class BackgroundWriter(Generic[InfoT]):
         raise NotImplementedError
 
     def _target(self, info: InfoT) -> str:
-        """The path the generation of a job with ``info`` is published to."""
+        """The path the generation of a job with `info` is published to."""
         raise NotImplementedError
 
     def _on_published(self, staged: Staged[InfoT]) -> None:
-        """Called once ``staged`` is durable (on the publishing thread)."""
+        """Called once `staged` is durable (on the publishing thread)."""
 
     def _on_close(self) -> None:
         """Called when the writer closes, after the lease is released."""
@@ -121,17 +121,17 @@ class BackgroundWriter(Generic[InfoT]):
 
     @property
     def counters(self) -> MirrorCounters:
-        """The current counters (``print(writer.counters)`` gives the one-line summary).
+        """The current counters (`print(writer.counters)` gives the one-line summary).
 
-        ``generation`` counts the checkpoints written in this lineage.
+        `generation` counts the checkpoints written in this lineage.
         """
         return self._pipeline.counters()
 
     def wait_durable(self, timeout: float | None = None) -> bool:
-        """Wait until everything submitted is on disk; ``False`` if ``timeout`` passed first.
+        """Wait until everything submitted is on disk; `False` if `timeout` passed first.
 
-        Raises the persistence error (a :class:`~jckpt.errors.StorageError`)
-        once ``patience`` attempts in a row have failed.
+        Raises the persistence error (a `StorageError`)
+        once `patience` attempts in a row have failed.
         """
         return self._pipeline.wait(timeout)
 
@@ -159,11 +159,11 @@ class BackgroundWriter(Generic[InfoT]):
     # The two stages the pipeline runs (see jckpt.services.engine.Committer).
 
     def _stamped(self, metadata: Mapping[str, str], generation: int) -> dict[str, str]:
-        """``metadata`` with this writer's lineage and ``generation`` added."""
+        """`metadata` with this writer's lineage and `generation` added."""
         return {**metadata, LINEAGE_KEY: self.lineage, GENERATION_KEY: str(generation)}
 
     def _mark_published(self, generation: int) -> None:
-        """Record a generation written outside the pipeline's stages (``Pipeline.run_now``)."""
+        """Record a generation written outside the pipeline's stages (`Pipeline.run_now`)."""
         self._staged = self._published = _Head(generation)
 
     def stage(self, job: Job[InfoT]) -> Staged[InfoT]:
@@ -182,7 +182,7 @@ class BackgroundWriter(Generic[InfoT]):
         return Staged(temporary, target, generation, digest, job.info)
 
     def publish(self, staged: Staged[InfoT]) -> int | None:
-        """Make a staged generation durable and put it in place; its number (``None``: none written)."""
+        """Make a staged generation durable and put it in place; its number (`None`: none written)."""
         if staged.temporary is None:
             return None
         staging.finish_staged(staged.temporary, staged.target, durable=self.ctx.durable)

@@ -1,11 +1,11 @@
 """The background engine: snapshot slots, a FIFO of admitted jobs, and a writer that makes them durable.
 
-:class:`Pipeline` knows nothing about files: a :class:`Committer` (the mirror,
-the manager) says how one job is written (``stage``) and made durable
-(``publish``). The pipeline runs the two stages on two threads so that job
+`Pipeline` knows nothing about files: a `Committer` (the mirror,
+the manager) says how one job is written (`stage`) and made durable
+(`publish`). The pipeline runs the two stages on two threads so that job
 N+1 is staged while job N is being published, keeps the jobs in order, retries
-a failed one every ``retry_after`` seconds, and counts what is durable
-(:class:`MirrorCounters`). A job's slot is reused only once the job is
+a failed one every `retry_after` seconds, and counts what is durable
+(`MirrorCounters`). A job's slot is reused only once the job is
 durable, so admitted work is never dropped while the pipeline is open, and a
 pipeline left open is flushed when the interpreter exits.
 
@@ -49,20 +49,34 @@ InfoT = TypeVar('InfoT')
 StagedT = TypeVar('StagedT')
 
 
+def deadline_after(timeout: float | None) -> float | None:
+    """The `time.monotonic()` at which `timeout` seconds from now end (None: no deadline).
+
+    >>> deadline_after(None) is None
+    True
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout != timeout:
+        raise InputError(f"timeout must be a number of seconds or None, not {timeout!r:.80}",
+                         fix="pass timeout=None to wait as long as it takes")
+    return time.monotonic() + timeout
+
+
 # --- counters ----------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class MirrorCounters:
-    """A consistent reading of a mirror's progress; ``str()`` is the one-line summary.
+    """A consistent reading of a mirror's progress; `str()` is the one-line summary.
 
     Attributes:
-      committed: snapshots accepted by ``submit`` so far.
+      committed: snapshots accepted by `submit` so far.
       durable: the number (1-based, in submit order) of the last accepted
         snapshot that is now synchronized on disk (or found identical to it).
       generation: the generation number in the file (0: none written yet).
       pending: slots whose snapshot is waiting to be written or being written.
-      error: ``0``, or the last persistence error while it is unrecovered, as an
-        errno name (``"ENOSPC"``) or the error's class name.
+      error: `0`, or the last persistence error while it is unrecovered, as an
+        errno name (`"ENOSPC"`) or the error's class name.
       failures: failed write attempts since the mirror opened.
       last_error: the message of the most recent failure, kept after recovery.
       stalls: submits that had to wait for a free slot (the disk is not keeping up).
@@ -83,7 +97,7 @@ class MirrorCounters:
 
 
 def error_code(exc: BaseException) -> str:
-    """How the counters name an error: its errno name (``"ENOSPC"``) or its class name."""
+    """How the counters name an error: its errno name (`"ENOSPC"`) or its class name."""
     code = getattr(exc, 'errno', None)
     if isinstance(code, int) and code in errno_mod.errorcode:
         return errno_mod.errorcode[code]
@@ -96,7 +110,7 @@ def error_code(exc: BaseException) -> str:
 class Job(Generic[InfoT]):
     """One admitted snapshot: its number (1, 2, ... in admission order), slot and host arrays.
 
-    ``metadata`` is the user's metadata for the generation and ``info``
+    `metadata` is the user's metadata for the generation and `info`
     whatever the committer attached at admission (the manager: the step).
     """
 
@@ -115,12 +129,12 @@ class Job(Generic[InfoT]):
 class Committer(Protocol[StagedT]):
     """How a pipeline makes one job durable, in two stages that overlap across jobs.
 
-    ``stage`` writes the job's file under a temporary name without waiting
-    for the disk; ``publish`` makes it durable (fsync, rename into place,
-    directory fsync) and returns the generation it produced, or ``None``.
+    `stage` writes the job's file under a temporary name without waiting
+    for the disk; `publish` makes it durable (fsync, rename into place,
+    directory fsync) and returns the generation it produced, or `None`.
     While job N is being published, job N+1 is staged. After a failure the
-    pipeline calls ``discard`` on anything staged but not published, then
-    ``rollback`` so the next ``stage`` starts from the last published state.
+    pipeline calls `discard` on anything staged but not published, then
+    `rollback` so the next `stage` starts from the last published state.
     """
 
     def stage(self, job: Job) -> StagedT: ...
@@ -173,7 +187,7 @@ class _Helper:
                 future.set_exception(e)
 
     def call(self, fn: Callable[[StagedT], int | None], arg: StagedT) -> Future[int | None]:
-        """Run ``fn(arg)`` on the helper's thread, after the calls before it."""
+        """Run `fn(arg)` on the helper's thread, after the calls before it."""
         future: Future[int | None] = Future()
         self._calls.put((functools.partial(fn, arg), future))
         return future
@@ -208,17 +222,17 @@ def _check_options(slots: int, when_full: str, retry_after: float, patience: int
 class Pipeline(Generic[InfoT, StagedT]):
     """Slots, a FIFO of admitted jobs, and a writer that makes them durable in order.
 
-    The writer thread stages each job (:class:`Committer`) while a helper
+    The writer thread stages each job (`Committer`) while a helper
     thread publishes the one before it, so writing a snapshot overlaps with
     waiting for the disk to persist the previous one. A failure keeps the job
-    and retries it after ``retry_after`` seconds.
+    and retries it after `retry_after` seconds.
 
     Args:
       name: what errors and thread names call it (the path written).
       commit: stages and publishes each job.
       slots: snapshot slots (each holds one whole snapshot).
-      when_full: ``'block'`` waits for a free slot, ``'raise'`` refuses with
-        :class:`~jckpt.errors.CapacityError`.
+      when_full: `'block'` waits for a free slot, `'raise'` refuses with
+        `CapacityError`.
       retry_after: seconds between attempts after a failure.
       patience: failed attempts in a row after which waiting callers get the error.
       generation: the generation already on disk (the counters start from it).
@@ -274,7 +288,7 @@ class Pipeline(Generic[InfoT, StagedT]):
 
     def admit(self, leaves: Sequence[Leaf], metadata: Mapping[str, str], info: InfoT = None,
               timeout: float | None = None) -> int:
-        """Copy ``leaves`` into a free slot and queue them; return the snapshot's number."""
+        """Copy `leaves` into a free slot and queue them; return the snapshot's number."""
         with self._submit_lock:
             slot = self._take_slot(timeout)
             try:
@@ -292,8 +306,8 @@ class Pipeline(Generic[InfoT, StagedT]):
                 return job.seq
 
     def _take_slot(self, timeout: float | None) -> Slot:
-        """A free slot: wait for one (``when_full='block'``) or refuse."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        """A free slot: wait for one (`when_full='block'`) or refuse."""
+        deadline = deadline_after(timeout)
         with self._cond:
             stalled = False
             while True:
@@ -317,7 +331,7 @@ class Pipeline(Generic[InfoT, StagedT]):
                 self._cond.wait(remaining)
 
     def run_now(self, write: Callable[[int], None]) -> int:
-        """Run ``write(generation)`` in the caller's thread, after everything admitted is durable.
+        """Run `write(generation)` in the caller's thread, after everything admitted is durable.
 
         For saves that cannot be snapshotted into a slot (a multi-process save
         with barriers): counted like a snapshot, its failure raised at once.
@@ -344,9 +358,9 @@ class Pipeline(Generic[InfoT, StagedT]):
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every admitted snapshot is durable; False on timeout.
 
-        Raises the persistence error once ``patience`` attempts in a row failed.
+        Raises the persistence error once `patience` attempts in a row failed.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = deadline_after(timeout)
         with self._cond:
             goal = self._committed
             while self._durable < goal:
@@ -419,10 +433,10 @@ class Pipeline(Generic[InfoT, StagedT]):
                 inflight = _Publishing(job, staged, self._helper.call(c.publish, staged))
 
     def _next_job(self, *, busy: bool) -> Job[InfoT] | None:
-        """The job to stage next: the first in line, or the second while the first is ``busy``.
+        """The job to stage next: the first in line, or the second while the first is `busy`.
 
-        Idle, it waits for one; ``None`` when there is none to stage now
-        (``busy``) or the pipeline is closing.
+        Idle, it waits for one; `None` when there is none to stage now
+        (`busy`) or the pipeline is closing.
         """
         index = 1 if busy else 0
         with self._cond:
@@ -444,7 +458,7 @@ class Pipeline(Generic[InfoT, StagedT]):
             self._cond.notify_all()
 
     def _retry(self, e: BaseException) -> None:
-        """Roll back, record the failure and wait ``retry_after`` seconds (the job stays first)."""
+        """Roll back, record the failure and wait `retry_after` seconds (the job stays first)."""
         _quietly(self._commit.rollback)
         with self._cond:
             self._error = e

@@ -1,10 +1,10 @@
-"""``CheckpointManager``: one checkpoint per training step in a directory, written in the background.
+"""`CheckpointManager`: one checkpoint per training step in a directory, written in the background.
 
-Each step is its own file, ``step_00000100.jckpt`` (or a directory of that
+Each step is its own file, `step_00000100.jckpt` (or a directory of that
 name for a multi-process save), published atomically; saves go through the
 mirror's machinery (a host snapshot in a free slot, then a background writer),
 so training blocks only for the device-to-host copy. Metrics and a
-:class:`~jckpt.services.trainer_state.TrainerState` travel in the file's metadata.
+`TrainerState` travel in the file's metadata.
 
 >>> import tempfile, numpy as np
 >>> d = tempfile.mkdtemp()
@@ -17,13 +17,13 @@ so training blocks only for the device-to-host copy. Metrics and a
 [20, 30] 30
 [30. 30. 30.]
 
-Retention (``keep_last``, ``keep_every``, ``keep_best`` by ``best_metric``)
+Retention (`keep_last`, `keep_every`, `keep_best` by `best_metric`)
 runs after each step is durable and never removes the latest durable step;
 with no policy every step is kept. Staging files of a killed writer are
 removed when the manager opens; a step file that cannot be read is ignored.
-The steps share a lineage (:mod:`jckpt.services.lineage`): a directory whose
+The steps share a lineage (`jckpt.services.lineage`): a directory whose
 latest step belongs to another run, or records none, is refused unless
-``new_lineage=True``.
+`new_lineage=True`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Any
 import jax
 
 from jckpt import api
-from jckpt.api.context import Context
+from jckpt.api.context import Context, check_context
 from jckpt.api.multiprocess import save_directory
 from jckpt.errors import CheckpointError, FormatError, InputError, StorageError
 from jckpt.format.names import (
@@ -56,10 +56,10 @@ from jckpt.format.names import (
 from jckpt.services.base import BackgroundWriter, Staged, check_metadata
 from jckpt.services.lineage import MANAGER_STEP
 from jckpt.services.preemption import Preemption
-from jckpt.services.retention import Retention, check_metrics, ranked
+from jckpt.services.retention import Retention, check_metrics, check_step, ranked
 from jckpt.services.snapshot import namespace_leaves
 from jckpt.services.trainer_state import TrainerState
-from jckpt.storage.backend import backend_for
+from jckpt.storage.backend import backend_for, checked_path
 from jckpt.storage.directory import reclaim_stage_dirs
 from jckpt.storage.publish import fsync_dir, reclaim_staging, storage_error
 from jckpt.storage.staging import remove_staged
@@ -69,13 +69,13 @@ log = logging.getLogger('jckpt')
 
 @dataclasses.dataclass(frozen=True)
 class Restored:
-    """What :meth:`CheckpointManager.restore` returns.
+    """What `CheckpointManager.restore` returns.
 
     Attributes:
       step: the step restored.
-      tree: the arrays (the target's structure, or ``{namespace: subtree}``).
-      trainer_state: the stored :class:`TrainerState` (adapted to the current
-        layout when resharding), or ``None`` if the step has none.
+      tree: the arrays (the target's structure, or `{namespace: subtree}`).
+      trainer_state: the stored `TrainerState` (adapted to the current
+        layout when resharding), or `None` if the step has none.
       metrics: the metrics saved with the step.
       metadata: the user metadata saved with the step.
     """
@@ -101,42 +101,42 @@ def _read_metadata(path: str) -> dict[str, str]:
 
 
 class CheckpointManager(BackgroundWriter[_Step]):
-    """Step checkpoints in ``directory``: asynchronous saves, retention, restore, trainer state.
+    """Step checkpoints in `directory`: asynchronous saves, retention, restore, trainer state.
 
     Args:
       directory: where the steps live (created if missing).
-      ctx: namespace, alignment, durability and placement (default ``Context()``).
+      ctx: namespace, alignment, durability and placement (default `Context()`).
       keep_last: keep the last N steps.
       keep_every: keep every step that is a multiple of K.
-      keep_best: keep the best N steps by ``best_metric``.
-      best_metric: the metric ``keep_best`` and :meth:`best_step` rank by.
-      best_mode: ``'min'`` (default) or ``'max'``.
-      save_interval_steps: :meth:`save` writes only steps that are multiples of
-        this (or when preemption is reached, or with ``force=True``).
-      asynchronous: write in the background (default); ``False`` makes
-        :meth:`save` return only once the step is durable.
-      slots: snapshot slots, as for :class:`~jckpt.Mirror`.
-      when_full: ``'block'`` or ``'raise'`` when every slot is pending, as for the mirror.
+      keep_best: keep the best N steps by `best_metric`.
+      best_metric: the metric `keep_best` and `best_step` rank by.
+      best_mode: `'min'` (default) or `'max'`.
+      save_interval_steps: `save` writes only steps that are multiples of
+        this (or when preemption is reached, or with `force=True`).
+      asynchronous: write in the background (default); `False` makes
+        `save` return only once the step is durable.
+      slots: snapshot slots, as for `Mirror`.
+      when_full: `'block'` or `'raise'` when every slot is pending, as for the mirror.
       retry_after: seconds before a failed write is retried, as for the mirror.
       patience: failed attempts in a row before the error is raised, as for the mirror.
       lineage: the lineage to continue, checked against the latest step.
       new_lineage: start a new lineage even if the latest step has another or
-        none; without it, such a step is refused with :class:`~jckpt.errors.LineageError`
-        (:mod:`jckpt.services.lineage`, as for the mirror). Earlier steps stay and
+        none; without it, such a step is refused with `LineageError`
+        (`jckpt.services.lineage`, as for the mirror). Earlier steps stay and
         count for retention; new steps must be above them.
       handle_sigterm: where no JAX distributed client runs, treat SIGTERM as
-        preemption (:meth:`reached_preemption` then says True).
+        preemption (`reached_preemption` then says True).
       directory_steps: write each step as a multi-process directory checkpoint
-        (``jckpt.api.multiprocess``), synchronously, from every process. Default:
-        when ``jax.process_count() > 1``. Only process 0 deletes old steps.
+        (`jckpt.api.multiprocess`), synchronously, from every process. Default:
+        when `jax.process_count() > 1`. Only process 0 deletes old steps.
 
     Only one manager may write a directory at a time
-    (:class:`~jckpt.errors.InUseError` otherwise). A URL no storage backend
-    serves is refused with :class:`~jckpt.errors.InputError` before anything is
+    (`InUseError` otherwise). A URL no storage backend
+    serves is refused with `InputError` before anything is
     created.
 
-    Example::
-
+    Example:
+        ```python
         mgr = jckpt.CheckpointManager("ckpts", keep_last=3, save_interval_steps=100)
         start = mgr.latest_step()
         if start is not None:
@@ -146,6 +146,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
             state = train_step(state)
             mgr.save(step, state, metrics={"loss": loss}, trainer_state=trainer)
         mgr.close()
+        ```
     """
 
     _holder = MANAGER_STEP
@@ -158,8 +159,9 @@ class CheckpointManager(BackgroundWriter[_Step]):
                  slots: int = 2, when_full: str = 'block', retry_after: float = 1.0,
                  patience: int = 3, lineage: str | None = None, new_lineage: bool = False,
                  handle_sigterm: bool = False, directory_steps: bool | None = None) -> None:
-        self.directory = os.fspath(directory)
+        self.directory = checked_path(directory)
         backend = backend_for(self.directory)  # a URL is refused before the directory is made
+        ctx = check_context(ctx) if ctx is not None else None  # so is a ctx that is not a Context
         self.process_index, self.process_count = jax.process_index(), jax.process_count()
         self.directory_steps = (self.process_count > 1 if directory_steps is None
                                 else bool(directory_steps))
@@ -248,22 +250,25 @@ class CheckpointManager(BackgroundWriter[_Step]):
             return sorted(self._metrics)
 
     def latest_step(self) -> int | None:
-        """The latest durable step, or ``None`` if there is none."""
+        """The latest durable step, or `None` if there is none."""
         steps = self.all_steps()
         return steps[-1] if steps else None
 
     def best_step(self, metric: str | None = None, mode: str | None = None) -> int | None:
-        """The durable step with the best ``metric`` (default ``best_metric``), or ``None``."""
+        """The durable step with the best `metric` (default `best_metric`), or `None`."""
         metric = metric or self.best_metric
         mode = mode or self.best_mode
         if metric is None:
             raise InputError("best_step needs a metric", fix="pass metric= or set best_metric")
+        if not isinstance(metric, str) or mode not in ('min', 'max'):
+            raise InputError(f"best_step takes a metric name and mode 'min' or 'max', not "
+                             f"{metric!r}, {mode!r}", file=self.directory)
         with self._lock:
             best = ranked(self._metrics, metric, mode)
         return best[0] if best else None
 
     def metrics(self, step: int) -> dict[str, float]:
-        """The metrics saved with a durable ``step``."""
+        """The metrics saved with a durable `step`."""
         with self._lock:
             if step not in self._metrics:
                 raise FormatError(f"no durable step {step}", file=self.directory,
@@ -273,7 +278,8 @@ class CheckpointManager(BackgroundWriter[_Step]):
     # --- saving ----------------------------------------------------------------
 
     def should_save(self, step: int) -> bool:
-        """Whether :meth:`save` would write ``step``: on the interval, or at preemption."""
+        """Whether `save` would write `step`: on the interval, or at preemption."""
+        check_step(step, self.directory)
         return step % self.save_interval_steps == 0 or self.reached_preemption(step)
 
     def save(self, step: int, tree: Any = None, *, items: Mapping[str, Any] | None = None,
@@ -281,25 +287,26 @@ class CheckpointManager(BackgroundWriter[_Step]):
              trainer_state: TrainerState | None = None,
              metadata: Mapping[str, str] | None = None, force: bool = False,
              timeout: float | None = None) -> bool:
-        """Snapshot ``tree`` as ``step`` and write it in the background; True if it will be saved.
+        """Snapshot `tree` as `step` and write it in the background; True if it will be saved.
 
-        Call it every step: it writes only when :meth:`should_save` says so
-        (or with ``force``). ``tree`` goes under ``ctx.namespace``; ``items``
-        (``{namespace: subtree}``) puts subtrees in namespaces of their own,
+        Call it every step: it writes only when `should_save` says so
+        (or with `force`). `tree` goes under `ctx.namespace`; `items`
+        (`{namespace: subtree}`) puts subtrees in namespaces of their own,
         so that one can later be restored without the others. Blocks only for
         the device-to-host copy (and a free slot).
 
-        Raises :class:`~jckpt.errors.InputError` for a step not above every
-        step already saved.
+        Raises:
+            InputError: for a step not above every step already saved.
         """
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise InputError(f"step must be a non-negative integer, not {step!r}",
-                             file=self.directory)
+        check_step(step, self.directory)
         if not force and not self.should_save(step):
             return False
         self._check_next(step)
         if (tree is None) == (items is None):
             raise InputError("pass exactly one of tree and items", file=self.directory)
+        if items is not None and not isinstance(items, Mapping):
+            raise InputError(f"items must be {{namespace: subtree}}, not {type(items).__name__}",
+                             file=self.directory, fix="pass items={'params': params, ...}")
         meta = check_metadata(metadata, self.directory)
         clean_metrics = check_metrics(metrics, self.directory)
         meta[STEP_KEY] = str(step)
@@ -350,7 +357,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
         self._record(staged.info.step, staged.info.metrics)
 
     def _record(self, step: int, metrics: Mapping[str, float]) -> None:
-        """Count a durable ``step`` and apply the retention policy."""
+        """Count a durable `step` and apply the retention policy."""
         with self._lock:
             self._metrics[step] = dict(metrics)
         try:
@@ -380,27 +387,28 @@ class CheckpointManager(BackgroundWriter[_Step]):
                 namespaces: Sequence[str] | None = None,
                 layout: TrainerState | tuple[int, int, int] | None = None,
                 reshard: bool = True, ctx: Context | None = None, cast: bool = False) -> Restored:
-        """Read ``step`` (default: the latest durable one).
+        """Read `step` (default: the latest durable one).
 
         Args:
           step: the step to read.
           target: a tree to fill (its structure, dtypes and shardings; a
-            partial tree reads only its leaves); ``None`` returns
-            ``{namespace: subtree}``.
+            partial tree reads only its leaves); `None` returns
+            `{namespace: subtree}`.
           namespaces: read only these namespaces (with a target, the target is
-            ``{namespace: subtree}``): the model without the optimizer state.
-          layout: this run's ``(dp, tp, pp)`` (or a TrainerState); compared with
+            `{namespace: subtree}`): the model without the optimizer state.
+          layout: this run's `(dp, tp, pp)` (or a TrainerState); compared with
             the stored trainer state's.
           reshard: on a different layout, place the arrays on the target's
             shardings and return the trainer state with the current layout;
-            ``False`` refuses with :class:`~jckpt.errors.MismatchError`.
+            `False` refuses with `MismatchError`.
           ctx: placement and namespace (default the manager's).
           cast: convert to the target's dtypes instead of refusing a mismatch.
 
-        Example::
-
+        Example:
+            ```python
             r = mgr.restore(target={"params": abstract_params}, layout=(8, 1, 1))
             params, trainer = r.tree["params"], r.trainer_state
+            ```
         """
         ctx = ctx if ctx is not None else self.ctx
         if step is None:
@@ -408,7 +416,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
             if step is None:
                 raise FormatError("no checkpoint in the directory", file=self.directory,
                                   fix="save a step first, or check the directory")
-        path = self._path(step)
+        path = self._path(check_step(step, self.directory))
         if not os.path.exists(path):
             raise FormatError(f"no step {step}", file=self.directory,
                               fix=f"pick one of {self.all_steps()[-5:]}")
@@ -432,11 +440,11 @@ class CheckpointManager(BackgroundWriter[_Step]):
     # --- preemption ------------------------------------------------------------
 
     def reached_preemption(self, step: int) -> bool:
-        """Whether the run is being preempted and should save ``step`` now.
+        """Whether the run is being preempted and should save `step` now.
 
         With a JAX distributed client this is JAX's preemption sync point (every
         process must call it at every step); otherwise it reports a SIGTERM
-        caught with ``handle_sigterm=True``, and False without one.
+        caught with `handle_sigterm=True`, and False without one.
         """
         return self._preemption.reached(step)
 

@@ -1,8 +1,8 @@
 """The asynchronous durable mirror: keep a checkpoint file in step with training, in the background.
 
-``submit(tree)`` copies the tree to host memory into a free snapshot slot and
+`submit(tree)` copies the tree to host memory into a free snapshot slot and
 returns; in the background, snapshots are encoded and written one after
-another, in order, each under a temporary name (``<path>.jckpt-next.<n>``),
+another, in order, each under a temporary name (`<path>.jckpt-next.<n>`),
 then fsynced, renamed over the file and the directory fsynced, writing the
 next snapshot while the previous one is being persisted. Training blocks
 only for the copy. The counters say at any moment how much of the work is
@@ -18,9 +18,9 @@ durable:
 ...     print(m.counters)
 memory mirror: committed 3 durable 3 generation 2 pending 0 error 0
 
-The file is an ordinary checkpoint (``jckpt.restore`` reads it at any time
+The file is an ordinary checkpoint (`jckpt.restore` reads it at any time
 and always sees a complete generation); its metadata records the mirror's
-lineage (``jckpt.lineage``) and generation (``jckpt.generation``).
+lineage (`jckpt.lineage`) and generation (`jckpt.generation`).
 
 Guarantees:
 
@@ -28,12 +28,12 @@ Guarantees:
   the last durable generation), so a later buffer donation or update cannot
   corrupt a snapshot, and admitted work is never dropped while the mirror is
   open.
-* A disk error keeps the snapshot and retries it every ``retry_after``
+* A disk error keeps the snapshot and retries it every `retry_after`
   seconds; the error shows in the counters, and is raised by
-  :meth:`Mirror.wait_durable`, :meth:`Mirror.close` and a blocked
-  :meth:`Mirror.submit` once ``patience`` attempts in a row have failed.
+  `Mirror.wait_durable`, `Mirror.close` and a blocked
+  `Mirror.submit` once `patience` attempts in a row have failed.
 * One writer per path: a second mirror on the same path, in this or another
-  process, is refused with :class:`~jckpt.errors.InUseError`.
+  process, is refused with `InUseError`.
 """
 
 from __future__ import annotations
@@ -48,38 +48,39 @@ from jckpt.services.engine import MirrorCounters
 from jckpt.services.lineage import MIRROR_FILE
 from jckpt.services.snapshot import namespace_leaves
 from jckpt.storage import staging
-from jckpt.storage.backend import backend_for
+from jckpt.storage.backend import backend_for, checked_path
 
 
 class Mirror(BackgroundWriter[None]):
-    """Keep the checkpoint file ``path`` in step with submitted trees, in the background.
+    """Keep the checkpoint file `path` in step with submitted trees, in the background.
 
     Args:
       path: the checkpoint file (replaced atomically by each new generation).
-      ctx: namespace, alignment and durability of the file (default ``Context()``).
-      lineage: this run's lineage name. ``None`` continues the file's lineage
+      ctx: namespace, alignment and durability of the file (default `Context()`).
+      lineage: this run's lineage name. `None` continues the file's lineage
         (or starts a random one for a new file).
       new_lineage: start a new lineage (generation 1) even if the file holds
         another one; without it, a file of another lineage, or one not written
-        by a mirror, is refused with :class:`~jckpt.errors.LineageError` (the
-        rule of :mod:`jckpt.services.lineage`, which the manager follows too).
+        by a mirror, is refused with `LineageError` (the
+        rule of `jckpt.services.lineage`, which the manager follows too).
       slots: snapshot slots (each holds one whole snapshot; default 2).
-      when_full: ``'block'`` (default) waits for a slot when every one is
-        pending; ``'raise'`` refuses with :class:`~jckpt.errors.CapacityError`.
+      when_full: `'block'` (default) waits for a slot when every one is
+        pending; `'raise'` refuses with `CapacityError`.
       retry_after: seconds between attempts after a disk error (default 1).
       patience: failed attempts in a row after which waiting callers get the error.
 
-    Raises :class:`~jckpt.errors.InUseError` if another mirror holds ``path``,
-    and :class:`~jckpt.errors.InputError` for a URL no storage backend serves
-    (before anything is created).
+    Raises:
+        InUseError: if another mirror holds `path`.
+        InputError: for a URL no storage backend serves (before anything is created).
 
-    Example::
-
+    Example:
+        ```python
         with jckpt.Mirror("run.jckpt") as mirror:
             for step in range(steps):
                 state = train_step(state)
                 mirror.submit(state, metadata={"step": str(step)})
                 print(mirror.counters)
+        ```
     """
 
     _holder = MIRROR_FILE
@@ -89,18 +90,18 @@ class Mirror(BackgroundWriter[None]):
     def __init__(self, path: str | os.PathLike, *, ctx: Context | None = None,
                  lineage: str | None = None, new_lineage: bool = False, slots: int = 2,
                  when_full: str = 'block', retry_after: float = 1.0, patience: int = 3) -> None:
-        self.path = os.fspath(path)
+        self.path = checked_path(path)
         super().__init__(self.path, backend=backend_for(self.path), lease=self.path, ctx=ctx,
                          lineage=lineage, new_lineage=new_lineage, slots=slots,
                          when_full=when_full, retry_after=retry_after, patience=patience)
 
     def submit(self, tree: Any, *, metadata: Mapping[str, str] | None = None,
                timeout: float | None = None) -> int:
-        """Snapshot ``tree`` to host memory and queue it; return its number (1, 2, ...).
+        """Snapshot `tree` to host memory and queue it; return its number (1, 2, ...).
 
         Blocks only for the device-to-host copy, and for a free slot when every
-        slot is pending (or raises :class:`~jckpt.errors.CapacityError` with
-        ``when_full='raise'``, or after ``timeout`` seconds). Once it returns,
+        slot is pending (or raises `CapacityError` with
+        `when_full='raise'`, or after `timeout` seconds). Once it returns,
         the caller may donate or overwrite the arrays.
         """
         meta = check_metadata(metadata, self.path)

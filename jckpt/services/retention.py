@@ -79,8 +79,18 @@ class Retention:
         return [s for s in steps if s not in keep]
 
 
+def check_step(step: object, where: str) -> int:
+    """`step` if it is a non-negative integer; an `InputError` otherwise."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise InputError(f"step must be a non-negative integer, not {step!r}", file=where)
+    return step
+
+
 def check_metrics(metrics: Mapping[str, float] | None, where: str) -> dict[str, float]:
     """Metrics as ``{name: float}``, refusing a value that is not a number."""
+    if metrics is not None and not isinstance(metrics, Mapping):
+        raise InputError(f"metrics must be a mapping {{name: number}}, not {type(metrics).__name__}",
+                         file=where, fix="pass metrics={'loss': float(loss)}")
     out = {}
     for k, v in (metrics or {}).items():
         try:
@@ -91,4 +101,4 @@ def check_metrics(metrics: Mapping[str, float] | None, where: str) -> dict[str, 
     return out
 
 
-__all__ = ['Retention', 'StepMetrics', 'check_metrics', 'ranked']
+__all__ = ['Retention', 'StepMetrics', 'check_metrics', 'check_step', 'ranked']

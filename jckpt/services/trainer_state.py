@@ -1,9 +1,9 @@
-"""``TrainerState``: the small facts a run needs to resume exactly, stored as JSON metadata.
+"""`TrainerState`: the small facts a run needs to resume exactly, stored as JSON metadata.
 
 Arrays go in the checkpoint's tensors; the counters around them (how many
 steps and batches, the last learning rate, the best loss so far, the
 parallel layout the run used, and anything else the user wants) go in the
-header's metadata under ``jckpt.services.trainer_state``, readable without loading a
+header's metadata under `jckpt.services.trainer_state`, readable without loading a
 single payload.
 
 >>> s = TrainerState(global_step=100, consumed_batches=100, learning_rate=3e-4,
@@ -34,8 +34,8 @@ class TrainerState:
     Attributes:
       global_step: optimizer steps taken.
       consumed_batches: batches drawn from the data pipeline (to skip on resume).
-      learning_rate: the last learning rate used (``None`` if not tracked).
-      best_loss: the best loss seen so far (``None`` if not tracked).
+      learning_rate: the last learning rate used (`None` if not tracked).
+      best_loss: the best loss seen so far (`None` if not tracked).
       dp, tp, pp: data-, tensor- and pipeline-parallel sizes of the run.
       user: any other JSON-serializable fields.
     """
@@ -63,15 +63,20 @@ class TrainerState:
 
     @property
     def layout(self) -> tuple[int, int, int]:
-        """``(dp, tp, pp)``."""
+        """`(dp, tp, pp)`."""
         return (self.dp, self.tp, self.pp)
 
     def replace(self, **changes: Any) -> TrainerState:
-        """A copy with ``changes`` applied."""
+        """A copy with `changes` applied."""
+        fields = [f.name for f in dataclasses.fields(self)]
+        unknown = sorted(set(changes) - set(fields))
+        if unknown:
+            raise InputError(f"TrainerState has no field {unknown[0]!r}",
+                             fix=f"use one of {fields}, or keep your own values in user=")
         return dataclasses.replace(self, **changes)
 
     def to_json(self) -> str:
-        """The state as a JSON object (non-finite floats spelled ``NaN``/``Infinity``)."""
+        """The state as a JSON object (non-finite floats spelled `NaN`/`Infinity`)."""
         fields = dataclasses.asdict(self)
         fields['user'] = dict(self.user)
         try:
@@ -82,7 +87,10 @@ class TrainerState:
 
     @classmethod
     def from_json(cls, text: str, *, file: str | None = None) -> TrainerState:
-        """Parse :meth:`to_json`'s output; unknown fields land in ``user`` under ``_unknown``."""
+        """Parse `to_json`'s output; unknown fields land in `user` under `_unknown`."""
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise InputError(f"from_json takes the JSON text, not {type(text).__name__}", file=file,
+                             fix="pass the string to_json returned")
         try:
             fields = json.loads(text)
         except ValueError as e:
@@ -105,12 +113,12 @@ class TrainerState:
 
     def check_layout(self, current: TrainerState | tuple[int, int, int], *, reshard: bool,
                      file: str | None = None) -> TrainerState:
-        """This (stored) state adapted to the ``current`` run's layout, or a refusal.
+        """This (stored) state adapted to the `current` run's layout, or a refusal.
 
-        A checkpoint holds every array whole, so a different ``(dp, tp, pp)``
+        A checkpoint holds every array whole, so a different `(dp, tp, pp)`
         is a matter of placing the arrays on the new run's shardings. With
-        ``reshard`` the returned state carries the current layout; without it a
-        different layout raises :class:`~jckpt.errors.MismatchError`.
+        `reshard` the returned state carries the current layout; without it a
+        different layout raises `MismatchError`.
         """
         layout = current.layout if isinstance(current, TrainerState) else tuple(current)
         if len(layout) != 3 or not all(isinstance(n, int) and n >= 1 for n in layout):

@@ -150,6 +150,24 @@ class LocalBackend:
 LOCAL = LocalBackend()
 
 
+def checked_path(path: str | os.PathLike) -> str:
+    """`path` as a `str`: a `str`, `bytes` or `os.PathLike`, else an `InputError`.
+
+    Every public call takes its path arguments through here (or through
+    `backend_for`), so a path of the wrong type is a `CheckpointError` with a
+    fix, not a bare `TypeError` from deep inside.
+
+    >>> checked_path(b'a/b.jckpt')
+    'a/b.jckpt'
+    """
+    try:
+        text = os.fspath(path)
+    except TypeError:
+        raise InputError(f"a path must be a str or os.PathLike, not {type(path).__name__} {path!r:.80}",
+                         fix="pass the checkpoint's path as a string or a pathlib.Path") from None
+    return os.fsdecode(text) if isinstance(text, bytes) else text
+
+
 def url_scheme(path: str | os.PathLike) -> str | None:
     """The scheme of ``path`` when it is a URL (``'s3'`` for ``s3://b/k``), else None.
 
@@ -158,10 +176,7 @@ def url_scheme(path: str | os.PathLike) -> str | None:
     >>> url_scheme('GS://bucket/run'), url_scheme('C:/x'), url_scheme('dir/a://b')
     ('gs', None, None)
     """
-    text = os.fspath(path)
-    if isinstance(text, bytes):
-        text = os.fsdecode(text)
-    m = _URL.match(text)
+    m = _URL.match(checked_path(path))
     return m.group(1).lower() if m else None
 
 
@@ -194,7 +209,7 @@ def backend_for(path: str | os.PathLike) -> Backend:
     scheme = url_scheme(path)
     if scheme is None:
         return LOCAL
-    raise InputError(f"no storage backend for URL scheme {scheme!r}", file=os.fspath(path),
+    raise InputError(f"no storage backend for URL scheme {scheme!r}", file=checked_path(path),
                      fix="save to and read from a local filesystem path; this version of jckpt "
                          "stores checkpoints on local (POSIX) filesystems only")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from jckpt.storage.backend import backend_for
+from jckpt.storage.backend import backend_for, checked_path
 from jckpt.storage.directory import DirectoryReader
 from jckpt.storage.reader import CheckpointReader
 
@@ -22,7 +22,7 @@ def open_checkpoint(path: str | os.PathLike) -> CheckpointReader | DirectoryRead
     not a checkpoint, and :class:`~jckpt.errors.InputError` for a URL no
     storage backend serves.
     """
-    path = os.fspath(path)
+    path = checked_path(path)
     backend = backend_for(path)
     return DirectoryReader(path) if backend.isdir(path) else backend.open(path)
 

@@ -1,9 +1,9 @@
 """Arrays read lazily, box by box, and the log of the bytes each read took from a checkpoint.
 
-A directory checkpoint's reader hands out :class:`LazyArray` s that read only
+A directory checkpoint's reader hands out `LazyArray` s that read only
 the stored pieces overlapping the box asked of them; restore asks each
 device's box, so no device's shard costs more than its own bytes.
-:func:`record_reads` lets a test (or a benchmark) see that.
+`record_reads` lets a test (or a benchmark) see that.
 
 >>> a = LazyArray((2, 4), 'float32', lambda box: np.zeros([b - a for a, b in box], 'float32'))
 >>> a[0:1, 2:4].shape, a
@@ -28,7 +28,7 @@ _ALL_LOGS: list[list[tuple[Box, int]]] = []
 
 @contextlib.contextmanager
 def record_reads() -> Iterator[list[tuple[Box, int]]]:
-    """Collect ``(box, bytes read from the checkpoint)`` for every shard read while active.
+    """Collect `(box, bytes read from the checkpoint)` for every shard read while active.
 
     The check that each device reads only its slice: a restore onto a mesh
     of N devices logs N boxes, each with the bytes of one shard.
@@ -49,7 +49,7 @@ def record_reads() -> Iterator[list[tuple[Box, int]]]:
 
 
 def note_read(box: Box, nbytes: int) -> None:
-    """Report ``nbytes`` read from a checkpoint for ``box`` to active :func:`record_reads`."""
+    """Report `nbytes` read from a checkpoint for `box` to active `record_reads`."""
     if _ALL_LOGS:
         with _READS_LOCK:
             for log in _ALL_LOGS:
@@ -57,10 +57,10 @@ def note_read(box: Box, nbytes: int) -> None:
 
 
 class LazyArray:
-    """An array not read yet: ``shape``, ``dtype``, and a function reading any box of it.
+    """An array not read yet: `shape`, `dtype`, and a function reading any box of it.
 
     Restore hands one of these to placement, which asks each device's box
-    through :func:`jckpt.trees.sharding.read_box`; ``np.asarray`` reads the whole array.
+    through `jckpt.trees.sharding.read_box`; `np.asarray` reads the whole array.
     """
 
     def __init__(self, shape: tuple[int, ...], dtype: Any,
@@ -82,11 +82,11 @@ class LazyArray:
         return self.size * self.dtype.itemsize
 
     def read(self, box: Box) -> np.ndarray:
-        """The contents of ``box`` as a new array (an ``ndarray`` even for a 0-d box)."""
+        """The contents of `box` as a new array (an `ndarray` even for a 0-d box)."""
         return np.asarray(self._read(box))
 
     def astype(self, dtype: Any, copy: bool = True) -> LazyArray:
-        """The same array converted to ``dtype`` box by box (nothing is read now)."""
+        """The same array converted to `dtype` box by box (nothing is read now)."""
         dtype = np.dtype(dtype)
         if dtype == self.dtype and not copy:
             return self

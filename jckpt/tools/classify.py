@@ -28,7 +28,7 @@ from jckpt.adapters import SNIFF_BYTES, detect_format
 from jckpt.errors import CheckpointError, FormatError
 from jckpt.format.header import looks_like_header
 from jckpt.format.names import INDEX_NAME, PIECE_RE, STEP_RE
-from jckpt.storage.backend import backend_for
+from jckpt.storage.backend import backend_for, checked_path
 from jckpt.storage.publish import storage_error
 from jckpt.storage.reader import CheckpointReader
 
@@ -100,7 +100,7 @@ def classify(path: str | os.PathLike) -> Kind:
         if kind.error is not None:
             raise kind.error
     """
-    path = os.fspath(path)
+    path = checked_path(path)
     backend_for(path)  # a URL no backend serves: an InputError, not a "missing" file
     try:
         mode = os.stat(path).st_mode

@@ -1,7 +1,7 @@
-"""``consolidate``: a directory checkpoint written as one ordinary checkpoint file.
+"""`consolidate`: a directory checkpoint written as one ordinary checkpoint file.
 
-A directory checkpoint (one piece file per process of a ``jax.distributed``
-run) is read by any process of any run; :func:`consolidate` turns it into a
+A directory checkpoint (one piece file per process of a `jax.distributed`
+run) is read by any process of any run; `consolidate` turns it into a
 single file for tools, other frameworks or a single-process job. Each array
 is assembled in place in the new file from the pieces that tile it, so no
 array is ever whole in memory.
@@ -16,7 +16,7 @@ import os
 
 from jckpt.format.header import Header
 from jckpt.format.layout import lay_out
-from jckpt.storage.backend import backend_for
+from jckpt.storage.backend import backend_for, checked_path
 from jckpt.storage.directory import DirectoryReader
 from jckpt.storage.regions import ShardedSource
 from jckpt.storage.writer import write_checkpoint
@@ -25,17 +25,19 @@ from jckpt.version import __version__
 
 def consolidate(directory: str | os.PathLike, file: str | os.PathLike, *, durable: bool = True,
                 verify: bool = True, alignment: int | None = None) -> Header:
-    """Write the directory checkpoint ``directory`` as one checkpoint file ``file``.
+    """Write the directory checkpoint `directory` as one checkpoint file `file`.
 
     Each array is assembled in place from its pieces (never whole in memory);
-    pieces are checked against their checksums first (``verify=True``) so a
+    pieces are checked against their checksums first (`verify=True`) so a
     damaged piece is reported rather than sealed under a new checksum. Ids,
     paths, key implementations and metadata are kept. Returns the header written.
 
-    Example::
-
+    Example:
+        ```python
         jckpt.consolidate("ckpt", "ckpt.jckpt")
+        ```
     """
+    directory, file = checked_path(directory), checked_path(file)
     backend_for(file)  # a URL no backend serves is refused before the directory is read
     reader = DirectoryReader(directory)
     entries, sources = [], []

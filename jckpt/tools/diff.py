@@ -1,6 +1,6 @@
-"""Comparing two checkpoints without JAX: ``diff`` entry by entry.
+"""Comparing two checkpoints without JAX: `diff` entry by entry.
 
-``diff(a, b)`` matches entries by ``(namespace, path)`` and reports entries
+`diff(a, b)` matches entries by `(namespace, path)` and reports entries
 only in one, dtype and shape changes, and the largest absolute and relative
 differences. Payloads are read through the private mapping (a directory
 checkpoint's pieces on demand) and compared a bounded chunk at a time.
@@ -36,7 +36,7 @@ from jckpt.format import precs
 from jckpt.format.header import Entry
 from jckpt.format.names import STEP_RE
 from jckpt.storage import open_checkpoint
-from jckpt.storage.backend import backend_for
+from jckpt.storage.backend import backend_for, checked_path
 from jckpt.tools.classify import MANAGER, classify
 from jckpt.tools.render import format_shape, text_table
 
@@ -49,12 +49,12 @@ class EntryDiff:
     """How one entry present in both checkpoints compares.
 
     Attributes:
-      name: ``namespace/path``.
+      name: `namespace/path`.
       dtype_a, dtype_b, shape_a, shape_b: as stored.
       size: elements compared (0 when the shapes differ).
-      max_abs: the largest ``|a - b|`` (``inf`` where exactly one side is NaN).
-      max_rel: the largest ``|a - b| / |b|`` (``inf`` where ``b`` is 0 and ``a`` is not).
-      mismatched: elements with ``|a - b| > atol + rtol * |b|`` (NaNs in the same
+      max_abs: the largest `|a - b|` (`inf` where exactly one side is NaN).
+      max_rel: the largest `|a - b| / |b|` (`inf` where `b` is 0 and `a` is not).
+      mismatched: elements with `|a - b| > atol + rtol * |b|` (NaNs in the same
         place count as equal).
       same: dtypes and shapes agree and no element is mismatched.
     """
@@ -72,7 +72,7 @@ class EntryDiff:
 
     @property
     def changes(self) -> list[str]:
-        """Readable descriptions of what differs (empty when ``same``)."""
+        """Readable descriptions of what differs (empty when `same`)."""
         out = []
         if self.dtype_a != self.dtype_b:
             out.append(f"dtype {self.dtype_a} -> {self.dtype_b}")
@@ -93,9 +93,9 @@ class EntryDiff:
 
 @dataclasses.dataclass(frozen=True)
 class DiffReport:
-    """What :func:`diff` found between checkpoints ``a`` and ``b``.
+    """What `diff` found between checkpoints `a` and `b`.
 
-    ``same`` is True when both hold the same entries with the same dtypes
+    `same` is True when both hold the same entries with the same dtypes
     and shapes and every value is within tolerance.
     """
 
@@ -116,7 +116,7 @@ class DiffReport:
         return not (self.only_a or self.only_b or self.differing)
 
     def render(self, *, show_all: bool = False) -> str:
-        """The text ``jckpt diff`` prints (``show_all``: also the entries that match)."""
+        """The text `jckpt diff` prints (`show_all`: also the entries that match)."""
         lines = [f"only in {self.a}: {n}" for n in self.only_a]
         lines += [f"only in {self.b}: {n}" for n in self.only_b]
         rows = [[d.name, '; '.join(d.changes) or 'same', _num(d.max_abs), _num(d.max_rel)]
@@ -150,12 +150,12 @@ def _dtype_name(e: Entry) -> str:
 
 
 def _comparable(x: np.ndarray) -> np.ndarray:
-    """``x`` as float64 (complex128 for complex types), where differences can be taken."""
+    """`x` as float64 (complex128 for complex types), where differences can be taken."""
     return x.astype(np.complex128 if x.dtype.kind == 'c' else np.float64)
 
 
 def _compare(a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> tuple[float, float, int]:
-    """``(max_abs, max_rel, mismatched)`` of two same-shaped arrays, in bounded chunks."""
+    """`(max_abs, max_rel, mismatched)` of two same-shaped arrays, in bounded chunks."""
     a, b = a.reshape(-1), b.reshape(-1)
     same_dtype = a.dtype == b.dtype
     exact = atol == 0 and rtol == 0
@@ -208,22 +208,23 @@ def _diff_entry(ra: Any, ea: Entry, rb: Any, eb: Entry,
 
 def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float = 0.0, rtol: float = 0.0,
          progress: bool = False) -> DiffReport:
-    """Compare checkpoints ``a`` and ``b`` (files or multi-process directories) entry by entry.
+    """Compare checkpoints `a` and `b` (files or multi-process directories) entry by entry.
 
-    Entries are matched by ``(namespace, path)``. For each shared entry the
+    Entries are matched by `(namespace, path)`. For each shared entry the
     report gives dtype and shape changes and, when the shapes agree, the
     largest absolute and relative differences and how many values lie
-    outside ``atol + rtol * |b|`` (exact comparison by default; NaNs in the
-    same place are equal). Raises :class:`~jckpt.errors.FormatError` naming
+    outside `atol + rtol * |b|` (exact comparison by default; NaNs in the
+    same place are equal). Raises `FormatError` naming
     the file if either is missing, damaged or not a checkpoint (a file in
     another format names the conversion that reads it).
 
-    Example::
-
+    Example:
+        ```python
         report = jckpt.tools.diff.diff("before.jckpt", "after.jckpt", atol=1e-6)
         print(report)            # entries only in one, and what changed
+        ```
     """
-    a, b = os.fspath(a), os.fspath(b)
+    a, b = checked_path(a), checked_path(b)
     for path in (a, b):  # a URL no backend serves is refused before either is read
         backend_for(path)
     if atol < 0 or rtol < 0 or math.isnan(atol) or math.isnan(rtol):
@@ -245,7 +246,7 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float = 0.0, rtol:
 
 
 def _open(path: str) -> Any:
-    """A reader of the checkpoint file or directory at ``path``; the error for anything else."""
+    """A reader of the checkpoint file or directory at `path`; the error for anything else."""
     kind = classify(path)
     if kind.name == MANAGER:
         first = min(n for n in os.listdir(path) if STEP_RE.match(n))

@@ -1,13 +1,13 @@
-"""``jckpt.info(path)``: what a checkpoint holds, as a value that shows itself.
+"""`jckpt.info(path)`: what a checkpoint holds, as a value that shows itself.
 
 The summary is read from headers alone (no payload is touched, no JAX is
 imported), so it is instant even for very large files. Which summary
-depends on what :func:`~jckpt.tools.classify.classify` finds at the path: a
-file (:class:`~jckpt.tools.summary.FileInfo`), a multi-process directory
-(:class:`~jckpt.tools.summary.DirectoryInfo`) or a checkpoint manager's
-directory (:class:`~jckpt.tools.manager_info.ManagerInfo`). Each one's
-``repr`` is a readable table, in Jupyter an HTML table; ``to_dict()`` gives
-the same content as JSON-ready data (what ``jckpt inspect --json`` prints).
+depends on what `classify` finds at the path: a
+file (`FileInfo`), a multi-process directory
+(`DirectoryInfo`) or a checkpoint manager's
+directory (`ManagerInfo`). Each one's
+`repr` is a readable table, in Jupyter an HTML table; `to_dict()` gives
+the same content as JSON-ready data (what `jckpt inspect --json` prints).
 
 >>> import numpy as np, tempfile, os
 >>> from jckpt.format import Entry, Header, lay_out
@@ -33,27 +33,27 @@ from jckpt.tools.summary import DirectoryInfo, FileInfo, directory_info, file_in
 
 def info(path: str | os.PathLike, *, best_metric: str | None = None,
          best_mode: str = 'min') -> FileInfo | DirectoryInfo | ManagerInfo:
-    """A summary of the checkpoint at ``path``, read from its header alone.
+    """A summary of the checkpoint at `path`, read from its header alone.
 
-    Returns a value whose ``repr`` is a table of namespaces, paths, dtypes,
+    Returns a value whose `repr` is a table of namespaces, paths, dtypes,
     shapes, sizes, offsets and whether each payload can be memory-mapped,
     with totals and the header's metadata (writer, step, trainer state,
     lineage, ...). In Jupyter it renders as an HTML table.
 
     A multi-process checkpoint (a directory with an index) gives a
-    :class:`~jckpt.tools.summary.DirectoryInfo`: the global arrays and the
+    `DirectoryInfo`: the global arrays and the
     piece files holding them. A checkpoint manager directory
-    (``step_00000100.jckpt`` steps) gives a
-    :class:`~jckpt.tools.manager_info.ManagerInfo` instead: a table of steps,
+    (`step_00000100.jckpt` steps) gives a
+    `ManagerInfo` instead: a table of steps,
     sizes and metrics, with the latest step and the best one by
-    ``best_metric`` (``best_mode`` ``'min'`` or ``'max'``).
+    `best_metric` (`best_mode` `'min'` or `'max'`).
 
-    Raises :class:`~jckpt.errors.FormatError` naming the file when it is
-    missing or not a valid checkpoint (and, for a file in another format
-    such as safetensors or npz, the conversion that reads it).
+    Raises:
+        FormatError: naming the file when it is missing or not a valid checkpoint
+            (and, for a file in another format such as safetensors or npz, the
+            conversion that reads it).
 
-    Example::
-
+    Examples:
         >>> jckpt.info("ckpt.jckpt")                 # doctest: +SKIP
         ckpt.jckpt: jckpt file, 3 entries in 1 namespace, 1.5 MiB of payloads, ...
     """

@@ -1,6 +1,6 @@
-"""Checking a checkpoint without JAX: ``verify`` checks layout and every checksum.
+"""Checking a checkpoint without JAX: `verify` checks layout and every checksum.
 
-``verify(path)`` checks a file's layout and recomputes every payload's
+`verify(path)` checks a file's layout and recomputes every payload's
 checksum, collecting every fault instead of stopping at the first one. A
 multi-process directory is checked file by file and against its index; a
 checkpoint manager's directory step by step. Payloads are read through the
@@ -42,10 +42,10 @@ GAP_CHUNK = 16 << 20
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """One fault found by :func:`verify`.
+    """One fault found by `verify`.
 
-    ``severity`` is ``'error'`` (the file is damaged: a bad header, a bad
-    checksum) or ``'warning'`` (the file is readable but not as a jckpt writer
+    `severity` is `'error'` (the file is damaged: a bad header, a bad
+    checksum) or `'warning'` (the file is readable but not as a jckpt writer
     lays it out, or a payload could not be checked).
     """
 
@@ -61,7 +61,7 @@ class Problem:
 
 @dataclasses.dataclass(frozen=True)
 class VerifyReport:
-    """What :func:`verify` found.
+    """What `verify` found.
 
     Attributes:
       path: the checkpoint checked.
@@ -94,7 +94,7 @@ class VerifyReport:
         return not self.errors
 
     def render(self) -> str:
-        """The text ``jckpt verify`` prints."""
+        """The text `jckpt verify` prints."""
         lines = [f"{p.severity.upper()}: {p}" for p in self.problems]
         verdict = 'OK' if self.ok else 'FAILED'
         where = f"{self.path} ({self.files} files)" if self.files != 1 else self.path
@@ -114,28 +114,29 @@ class VerifyReport:
 
 
 def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
-    """Check the layout of ``path`` and recompute every payload checksum.
+    """Check the layout of `path` and recompute every payload checksum.
 
     Never raises for a damaged file: a header that does not decode, payloads
     past the end or overlapping, and checksum mismatches are reported as
-    errors in the returned :class:`VerifyReport` (``report.ok`` is False),
+    errors in the returned `VerifyReport` (`report.ok` is False),
     each naming its entry. Payloads off the writer's alignment, non-zero
     bytes between payloads, bytes after the last payload and entries without
     a checksum are warnings. A multi-process directory is checked piece file
     by piece file and against its index; a checkpoint manager's directory
-    step by step. Raises :class:`~jckpt.errors.FormatError` only when
-    ``path`` does not exist or holds no checkpoint at all (a directory
-    without one, a FIFO or device), :class:`~jckpt.errors.StorageError`
-    when it cannot be read, and :class:`~jckpt.errors.InputError` for a URL
+    step by step. Raises `FormatError` only when
+    `path` does not exist or holds no checkpoint at all (a directory
+    without one, a FIFO or device), `StorageError`
+    when it cannot be read, and `InputError` for a URL
     no storage backend serves.
 
-    ``progress=True`` draws a bar on stderr when stderr is a terminal.
+    `progress=True` draws a bar on stderr when stderr is a terminal.
 
-    Example::
-
+    Example:
+        ```python
         report = jckpt.verify("ckpt.jckpt")
         if not report.ok:
             print(report)
+        ```
     """
     kind = classify(path)
     if kind.name == DIRECTORY:
@@ -175,7 +176,7 @@ def _verify_file(path: str, progress: bool, *, follow_symlinks: bool = True) -> 
 
 def _check_payloads(reader: CheckpointReader,
                     progress: bool) -> tuple[int, list[str], list[Problem]]:
-    """``(checked, unchecked entry names, problems)`` of recomputing every checksum."""
+    """`(checked, unchecked entry names, problems)` of recomputing every checksum."""
     checked, unchecked, problems = 0, [], []
     tensors = reader.header.tensors
     total = sum(e.byte_length for e in tensors)
@@ -197,7 +198,7 @@ def _check_payloads(reader: CheckpointReader,
 
 
 def _why_unchecked(e: Entry) -> str | None:
-    """Why the payload of ``e`` cannot be checked (None when it can)."""
+    """Why the payload of `e` cannot be checked (None when it can)."""
     if e.checksum is None:
         return "no checksum stored; payload not checked"
     if e.checksum[0] != payload_mod.CHECKSUM_ALGORITHM:
@@ -235,7 +236,7 @@ def _verify_sharded(path: str, progress: bool) -> VerifyReport:
 def _verify_pieces(reader: DirectoryReader, progress: bool) -> tuple[
         list[VerifyReport], list[Problem], dict[int, dict[tuple, Entry]]]:
     """Each piece file's report, the files the index lists but that are missing, and the
-    pieces each readable file holds, by ``(identity, slice)``."""
+    pieces each readable file holds, by `(identity, slice)`."""
     reports, problems, pieces = [], [], {}
     for fi, name in enumerate(reader.files):
         piece_path = os.path.join(reader.path, name)

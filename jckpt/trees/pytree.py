@@ -1,10 +1,10 @@
-"""Pytrees <-> flat ``(key path, leaf)`` lists, and namespace prefixing.
+"""Pytrees <-> flat `(key path, leaf)` lists, and namespace prefixing.
 
-Key paths are stored as ``path`` components: ``('k', str)`` dict key,
-``('ki', int)`` integer dict key, ``('i', int)`` sequence index, ``('a', str)``
-attribute (dataclasses, NamedTuples, flax structs), ``('f', int)`` flattened
-index. Without a target, :func:`unflatten` rebuilds nested dicts (for ``k``,
-``ki`` and ``a``) and lists (for ``i`` and ``f``).
+Key paths are stored as `path` components: `('k', str)` dict key,
+`('ki', int)` integer dict key, `('i', int)` sequence index, `('a', str)`
+attribute (dataclasses, NamedTuples, flax structs), `('f', int)` flattened
+index. Without a target, `unflatten` rebuilds nested dicts (for `k`,
+`ki` and `a`) and lists (for `i` and `f`).
 
 >>> items = flatten({'params': {'w': 1.0}, 'opt': [2, 3]})
 >>> [p for p, _ in items]
@@ -32,7 +32,7 @@ T = TypeVar('T')
 
 
 def key_to_component(key: Any, where: str = '') -> tuple[str, str | int]:
-    """One JAX key-path element as a stored ``path`` component."""
+    """One JAX key-path element as a stored `path` component."""
     tu = jax.tree_util
     if isinstance(key, tu.DictKey):
         k = key.key
@@ -54,7 +54,7 @@ def key_to_component(key: Any, where: str = '') -> tuple[str, str | int]:
 
 
 def _component(key: Any) -> tuple[str, str | int]:
-    """:func:`key_to_component` with the common cases first (the save and restore hot loop)."""
+    """`key_to_component` with the common cases first (the save and restore hot loop)."""
     kind = type(key)
     if kind is _DictKey and type(key.key) is str:
         return ('k', key.key)
@@ -81,7 +81,7 @@ def to_path(keypath: Iterable[Any]) -> KeyPath:
 
 
 def leaf_name(namespace: str, path: KeyPath) -> str:
-    """``namespace/a/b/0``: how messages name the leaf at ``path`` (``namespace/<root>`` for the root).
+    """`namespace/a/b/0`: how messages name the leaf at `path` (`namespace/<root>` for the root).
 
     >>> leaf_name('jckpt', (('k', 'params'), ('i', 0)))
     'jckpt/params/0'
@@ -95,7 +95,7 @@ _LOOSE_KIND = {'k': 'name', 'a': 'name', 'i': 'number', 'f': 'number', 'ki': 'nu
 
 
 def loose_path(path: KeyPath) -> KeyPath:
-    """``path`` less its key kinds: a dict key and an attribute of one name compare equal,
+    """`path` less its key kinds: a dict key and an attribute of one name compare equal,
     and so do a sequence index, a flattened index and an integer dict key of one number.
 
     >>> loose_path((('i', 0), ('a', 'count'))) == loose_path((('i', 0), ('k', 'count')))
@@ -108,7 +108,7 @@ _REPR = {'k': '[{!r}]', 'ki': '[{!r}]', 'i': '[{}]', 'a': '.{}', 'f': '[<flat in
 
 
 def path_repr(path: KeyPath) -> str:
-    """``path`` written as JAX writes key paths, so that its key kinds show.
+    """`path` written as JAX writes key paths, so that its key kinds show.
 
     >>> path_repr((('i', 0), ('a', 'count'))), path_repr((('i', 0), ('k', 'count')))
     ('[0].count', "[0]['count']")
@@ -122,19 +122,19 @@ def is_leaf(x: Any) -> bool:
 
 
 def flatten(tree: Any) -> list[tuple[KeyPath, Any]]:
-    """``[(path, leaf), ...]`` in JAX's leaf order."""
+    """`[(path, leaf), ...]` in JAX's leaf order."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
     return [(to_path(kp), leaf) for kp, leaf in leaves]
 
 
 def flatten_with_treedef(tree: Any) -> tuple[list[tuple[KeyPath, Any]], Any]:
-    """Like :func:`flatten`, also returning the treedef to rebuild ``tree``'s structure."""
+    """Like `flatten`, also returning the treedef to rebuild `tree`'s structure."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
     return [(to_path(kp), leaf) for kp, leaf in leaves], treedef
 
 
 def unflatten(items: Iterable[tuple[KeyPath, Any]], *, file: str | None = None) -> Any:
-    """Nested dicts and lists from ``(path, leaf)`` pairs (the inverse of :func:`flatten`
+    """Nested dicts and lists from `(path, leaf)` pairs (the inverse of `flatten`
     for trees of dicts and lists)."""
     items = list(items)
     root: dict = {}
@@ -170,7 +170,7 @@ _MAX_HOLES = 1 << 16
 
 
 def _sequence_nodes(items) -> set[tuple]:
-    """Prefixes of paths whose children are sequence indices (``i``/``f``)."""
+    """Prefixes of paths whose children are sequence indices (`i`/`f`)."""
     seq = set()
     for path, _ in items:
         for n, (kind, _key) in enumerate(path):
@@ -197,21 +197,24 @@ def _lists(node: Any, seq: set[tuple], prefix: tuple = (), *, holes: list[int],
 
 
 def check_prefix(prefix: str | None) -> None:
-    """Raise unless ``prefix`` is ``None``, ``""`` or an identifier."""
+    """Raise unless `prefix` is `None`, `""` or an identifier."""
+    if prefix is not None and not isinstance(prefix, str):
+        raise InputError(f"a namespace prefix must be a string or None, not {prefix!r:.80}",
+                         fix="use letters, digits and underscores")
     if prefix and not _PREFIX_RE.match(prefix):
         raise InputError(f"invalid namespace prefix {prefix!r}: must match "
                          "[A-Za-z_][A-Za-z0-9_]*", fix="use letters, digits and underscores")
 
 
 def prefixed(namespace: str, prefix: str | None) -> str:
-    """``prefix + '__' + namespace`` (unchanged for ``None`` or ``""``)."""
+    """`prefix + '__' + namespace` (unchanged for `None` or `""`)."""
     return f"{prefix}__{namespace}" if prefix else namespace
 
 
 def prefix_namespace(tree_or_header: T, prefix: str | None) -> T:
-    """Prefix every namespace of a loaded tree ``{ns: subtree}`` or of a :class:`Header`.
+    """Prefix every namespace of a loaded tree `{ns: subtree}` or of a `Header`.
 
-    ``ns`` becomes ``prefix + "__" + ns``; ids are unchanged. A pure function:
+    `ns` becomes `prefix + "__" + ns`; ids are unchanged. A pure function:
     the argument is not modified.
     """
     check_prefix(prefix)

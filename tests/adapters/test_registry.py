@@ -189,3 +189,13 @@ def test_directory_checkpoint_converts(tmp_path):
     assert jckpt.convert(tmp_path / 'dir', tmp_path / 'd.safetensors') == ('jckpt', 'safetensors')
     back = adapters.read(tmp_path / 'd.safetensors')['jckpt']
     assert same_bits(back['w'], tree['w']) and same_bits(back['b'], tree['b'])
+
+
+def test_register_format_refuses_hooks_that_are_not_functions():
+    read = lambda path: {}
+    for kwargs in ({"read": None}, {"read": read, "write": "w"}, {"read": read, "sniff": 1},
+                   {"read": read, "extensions": 5}, {"read": read, "extensions": ".mine"},
+                   {"read": read, "extensions": (1,)}):
+        with pytest.raises(InputError):
+            jckpt.register_format("refused_format", **kwargs)
+    assert "refused_format" not in adapters.formats()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jckpt
-from jckpt.api.context import Context, Registry
+from jckpt.api.context import Context, Registry, check_context
 from jckpt.errors import ClashError, InputError
 from jckpt.format.entries import entry_for
 
@@ -72,3 +72,18 @@ def test_load_registers_and_refuses_a_clash(tmp_path):
     # ids saved later in a loaded namespace stay above every id loaded into it
     jckpt.save(ctx2, {"new": np.ones(1)}, tmp_path / "n.jckpt")
     assert [e.id for e in jckpt.describe(tmp_path / "n.jckpt").tensors] == [2]
+
+
+def test_check_context_refuses_what_is_not_a_context():
+    ctx = Context()
+    assert check_context(ctx) is ctx
+    for bad in (None, "jckpt", {"namespace": "jckpt"}):
+        with pytest.raises(InputError, match="ctx must be a jckpt.Context") as err:
+            check_context(bad)
+        assert "jckpt.Context()" in err.value.fix
+
+
+def test_replace_refuses_an_unknown_field_naming_the_known_ones():
+    with pytest.raises(InputError, match="Context has no field 'nmespace'") as err:
+        Context().replace(nmespace="x")
+    assert "namespace" in err.value.fix

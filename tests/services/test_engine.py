@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jckpt
-from jckpt.services.engine import Job, MirrorCounters, Pipeline, error_code
+from jckpt.services.engine import Job, MirrorCounters, Pipeline, deadline_after, error_code
 
 LINE = "memory mirror: committed {} durable {} generation {} pending {} error {}"
 
@@ -225,3 +225,11 @@ def test_counters_and_error_codes():
     assert str(MirrorCounters()) == LINE.format(0, 0, 0, 0, 0)
     assert error_code(OSError(errno.ENOSPC, "full")) == "ENOSPC"
     assert error_code(ValueError("x")) == "ValueError"
+
+
+def test_deadline_after_refuses_a_timeout_that_is_not_a_number():
+    assert deadline_after(None) is None
+    assert deadline_after(0) <= time.monotonic()
+    for bad in ("1", True, float("nan"), [1]):
+        with pytest.raises(jckpt.InputError, match="timeout must be a number of seconds"):
+            deadline_after(bad)

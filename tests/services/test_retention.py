@@ -6,7 +6,7 @@ import math
 import pytest
 
 from jckpt.errors import InputError
-from jckpt.services.retention import Retention, check_metrics, ranked
+from jckpt.services.retention import Retention, check_metrics, check_step, ranked
 
 NAN = float('nan')
 
@@ -138,3 +138,16 @@ def test_check_metrics_refuses_what_is_not_a_number(value):
     with pytest.raises(InputError, match="metric 'loss' is not a number") as info:
         check_metrics({'loss': value}, 'run/step_1')
     assert info.value.file == 'run/step_1' and 'float(loss)' in info.value.fix
+
+
+def test_check_step_takes_non_negative_integers_only():
+    assert check_step(0, "run") == 0 and check_step(7, "run") == 7
+    for bad in (-1, "1", 1.0, True, None):
+        with pytest.raises(InputError, match="step must be a non-negative integer"):
+            check_step(bad, "run")
+
+
+def test_check_metrics_refuses_what_is_not_a_mapping():
+    with pytest.raises(InputError, match="metrics must be a mapping"):
+        check_metrics("loss", "run")
+    assert check_metrics(None, "run") == {}

@@ -130,3 +130,11 @@ def test_another_layout_is_adopted_with_reshard():
 def test_a_bad_layout_is_refused(layout, reshard):
     with pytest.raises(InputError, match=r'layout must be \(dp, tp, pp\) positive integers'):
         TrainerState().check_layout(layout, reshard=reshard)
+
+
+def test_replace_and_from_json_refuse_bad_arguments():
+    with pytest.raises(InputError, match="TrainerState has no field 'step'") as err:
+        TrainerState().replace(step=1)
+    assert "global_step" in err.value.fix
+    with pytest.raises(InputError, match="from_json takes the JSON text"):
+        TrainerState.from_json(5)

@@ -10,7 +10,7 @@ from jckpt.errors import InputError, InUseError
 from jckpt.format.header import Entry, Header
 from jckpt.format.layout import lay_out
 from jckpt.storage import LOCAL, Backend, LocalBackend, backend_for, open_checkpoint
-from jckpt.storage.backend import url_scheme
+from jckpt.storage.backend import checked_path, url_scheme
 from jckpt.storage.directory import DirectoryReader
 from jckpt.storage.writer import ArraySource, write_checkpoint
 
@@ -113,3 +113,15 @@ def test_storage_calls_refuse_a_url(in_empty_dir):
         DirectoryReader(URL)
     with pytest.raises(InputError, match=NO_BACKEND):
         jckpt.consolidate(URL, "one.jckpt")
+
+
+def test_checked_path_takes_str_bytes_and_pathlike_and_refuses_the_rest(tmp_path):
+    assert checked_path("a/b.jckpt") == "a/b.jckpt"
+    assert checked_path(b"a/b.jckpt") == "a/b.jckpt"
+    assert checked_path(tmp_path / "x") == str(tmp_path / "x")
+    for bad in (5, None, 1.5, ["a"]):
+        with pytest.raises(InputError, match="a path must be a str or os.PathLike") as err:
+            checked_path(bad)
+        assert err.value.fix and isinstance(err.value, TypeError)
+    with pytest.raises(InputError, match="a path must be"):
+        backend_for(5)

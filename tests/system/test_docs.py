@@ -182,3 +182,73 @@ def test_typecheck_api_file_runs(tmp_path, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         runpy.run_path(str(ROOT / "tests" / "system" / "typecheck_api.py"), run_name="__main__")
+
+
+# reStructuredText the API reference (mkdocstrings, Google style, Markdown) shows literally.
+_REST = re.compile(r":(?:class|func|meth|data|mod|attr|exc|obj):`|(?<!`)``(?!`)|::\n")
+
+
+def _api_objects() -> list[tuple[str, tuple[str, ...]]]:
+    """``(dotted name, inherited members shown)`` of each ``:::`` line of docs/api.md."""
+    lines = (DOCS / "api.md").read_text().splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        if line.startswith(":::"):
+            options = "\n".join(lines[i + 1:i + 4])
+            m = re.search(r"inherited_members:\s*\[([^\]]*)\]", options)
+            found.append((line[3:].strip(), tuple(x.strip() for x in m.group(1).split(",")) if m else ()))
+    return found
+
+
+def _resolve(dotted: str):
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError:
+            continue
+        for part in parts[i:]:
+            obj = getattr(obj, part)
+        return obj
+    raise AssertionError(f"docs/api.md lists {dotted}, which does not import")
+
+
+def _shown_docstrings(obj, name: str, inherited: tuple[str, ...] = ()) -> list[tuple[str, str | None]]:
+    """The docstrings the reference shows for ``obj``: its own, its members', the inherited ones listed."""
+    import inspect
+
+    shown = [(name, obj.__doc__ if inspect.ismodule(obj) else inspect.getdoc(obj))]
+    if inspect.ismodule(obj):
+        for key, value in vars(obj).items():
+            if not key.startswith("_") and getattr(value, "__module__", None) == obj.__name__:
+                shown += _shown_docstrings(value, f"{name}.{key}")
+    elif inspect.isclass(obj):
+        for key, value in vars(obj).items():
+            if key.startswith("_") and key != "__init__":
+                continue
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            if callable(value) or isinstance(value, property):
+                shown.append((f"{name}.{key}", value.__doc__))
+        shown += [(f"{name}.{key}", inspect.getdoc(getattr(obj, key))) for key in inherited]
+    return shown
+
+
+@pytest.mark.parametrize("dotted, inherited", _api_objects(), ids=lambda v: v if isinstance(v, str) else "")
+def test_api_reference_docstrings_are_markdown(dotted: str, inherited: tuple[str, ...]):
+    """The reference renders Google-style Markdown: no reST roles, double backticks or ``::`` blocks."""
+    try:
+        obj = _resolve(dotted)
+    except ModuleNotFoundError as err:
+        if err.name and err.name.split(".")[0] in _OPTIONAL:
+            pytest.skip(f"{dotted} needs {err.name}")
+        raise
+    leftovers = [(name, m.group(0)) for name, doc in _shown_docstrings(obj, dotted, inherited)
+                 for m in [_REST.search(doc or "")] if m]
+    assert not leftovers, f"reStructuredText the API reference would show literally: {leftovers}"
+
+
+def test_rest_leftovers_are_found():
+    for bad in (":class:`~jckpt.errors.InputError`", "``x``", "Example::\n\n    f()", ":func:`f`"):
+        assert _REST.search(bad), bad
+    assert not _REST.search("Example:\n    ```python\n    f(`x`)\n    ```\n")

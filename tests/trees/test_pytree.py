@@ -101,3 +101,10 @@ def test_prefix_namespace_refuses_invalid_prefixes(prefix):
 def test_prefix_namespace_refuses_other_values():
     with pytest.raises(InputError, match="takes a loaded tree"):
         tree_mod.prefix_namespace([1, 2], "p")
+
+
+def test_prefix_that_is_not_a_string_is_refused():
+    with pytest.raises(InputError, match="a namespace prefix must be a string or None"):
+        tree_mod.check_prefix(3)
+    tree_mod.check_prefix(None)
+    tree_mod.check_prefix("")

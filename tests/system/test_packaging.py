@@ -1,0 +1,36 @@
+"""What a package people depend on ships: its license, its type hints, its changelog."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import jckpt
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _project() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_license_file_is_the_declared_license():
+    project = _project()["project"]
+    assert project["license"] == "Apache-2.0"
+    assert project["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text  # the full text, not a pointer to it
+
+
+def test_type_hints_ship():
+    assert (ROOT / "jckpt" / "py.typed").is_file()
+    assert "py.typed" in _project()["tool"]["setuptools"]["package-data"]["jckpt"]
+
+
+def test_changelog_has_unreleased_and_the_current_version():
+    text = (ROOT / "CHANGELOG.md").read_text()
+    versions = re.findall(r"^## (\S+)", text, re.M)
+    assert versions[0] == "Unreleased"
+    assert jckpt.__version__ in versions
