@@ -21,6 +21,7 @@ import numpy as np
 
 from jckpt.errors import FormatError, InputError
 from jckpt.format.header import NAMESPACE_RE, KeyPath, path_name
+from jckpt.format.limits import json_loads
 from jckpt.storage.backend import Buffer, backend_for
 from jckpt.storage.publish import storage_error
 
@@ -118,7 +119,7 @@ def _parse_record(record: str | None, names: set[str]) -> dict[str, tuple[str, K
     if not record:
         return None
     try:
-        raw = json.loads(record)
+        raw = json_loads(record)
         out = {}
         for name, (ns, comps) in raw.items():
             if not (isinstance(ns, str) and NAMESPACE_RE.match(ns)):

@@ -47,6 +47,7 @@ from jckpt.adapters._common import (
     tree_from_names,
 )
 from jckpt.errors import FormatError, InputError
+from jckpt.format import limits
 from jckpt.format.payload import iter_payload_chunks, stored_dtype
 
 MAGIC = b'\x93NUMPY'
@@ -109,10 +110,13 @@ def parse_npy(buffer, offset: int, length: int, file: str, entry: str | None = N
     if not (isinstance(header, dict) and set(header) == {'descr', 'fortran_order', 'shape'}):
         raise bad(".npy header must have exactly descr, fortran_order and shape")
     shape, fortran = header['shape'], header['fortran_order']
-    if not (isinstance(shape, tuple) and all(isinstance(d, int) and d >= 0 for d in shape)
-            and isinstance(fortran, bool)):
+    if not (isinstance(shape, tuple) and isinstance(fortran, bool)):
         raise bad(f".npy shape {shape!r} / fortran_order {fortran!r} are invalid")
     dtype = _dtype_from_descr(header['descr'], file, entry)
+    try:
+        shape = limits.check_shape(shape, limits.check_itemsize(dtype).itemsize)
+    except ValueError as e:
+        raise bad(f".npy header: {e}") from None
     data = start + hlen
     count = math.prod(shape)
     if data + count * dtype.itemsize > offset + length:

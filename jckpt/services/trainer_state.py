@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jckpt.errors import FormatError, InputError, MismatchError
+from jckpt.format.limits import json_loads
 from jckpt.format.names import TRAINER_STATE_KEY
 
 _LAYOUT_NAMES = ('dp', 'tp', 'pp')
@@ -84,7 +85,7 @@ class TrainerState:
     def from_json(cls, text: str, *, file: str | None = None) -> TrainerState:
         """Parse :meth:`to_json`'s output; unknown fields land in ``user`` under ``_unknown``."""
         try:
-            fields = json.loads(text)
+            fields = json_loads(text)
         except ValueError as e:
             raise FormatError(f"trainer state is not valid JSON: {e}", file=file) from None
         if not isinstance(fields, dict):

@@ -19,6 +19,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from jckpt.format.limits import json_loads
 from jckpt.format.names import KNOWN_KEYS
 
 #: Rows shown by ``repr`` and the HTML view before "... N more" (the CLI shows all).
@@ -102,7 +103,7 @@ def pretty_value(value: str) -> str:
     text = value.strip()
     if text[:1] in ('{', '['):
         try:
-            return json.dumps(json.loads(text), separators=(', ', ': '))
+            return json.dumps(json_loads(text), separators=(', ', ': '))
         except ValueError:
             pass
     return value
