@@ -45,9 +45,11 @@ from jckpt.adapters._common import (
     paths_json,
     published,
     tree_from_names,
+    unsafe_member_name,
 )
 from jckpt.errors import FormatError, InputError
 from jckpt.format import limits
+from jckpt.format.entries import path_name
 from jckpt.format.payload import iter_payload_chunks, stored_dtype
 
 MAGIC = b'\x93NUMPY'
@@ -218,6 +220,12 @@ def write_npz(tree: Any, path: str) -> None:
     path = os.fspath(path)
     items = host_items(tree, path)
     names = flat_names(items, path)
+    for (ns, key_path, _), name in zip(items, names):
+        if unsafe_member_name(name + '.npy'):  # read_npz refuses such members, as np.load may not
+            raise InputError(f"leaf name {name!r} would be the unsafe archive member "
+                             f"{name + '.npy'!r} (absolute or with '..')", file=path,
+                             entry=f"{ns}/{path_name(key_path)}",
+                             fix="rename the leaf, or convert to .jckpt or .safetensors")
     record = _COMMENT_TAG + paths_json(items, names).encode('utf-8')
     with published(path) as f, zipfile.ZipFile(f, 'w', zipfile.ZIP_STORED,
                                                allowZip64=True) as zf:

@@ -45,6 +45,7 @@ from jckpt.adapters._common import (
     check_member_name,
     flat_names,
     host_items,
+    inside,
     map_file,
     paths_json,
     published,
@@ -200,7 +201,7 @@ def read_sharded(index_path: str) -> tuple[dict[str, np.ndarray], dict[str, str]
     for shard in sorted(set(weight_map.values())):
         check_member_name(shard, index_path)
         shard_path = os.path.join(directory, shard)
-        if not _inside(directory, shard_path):
+        if not inside(directory, shard_path):
             raise FormatError(f"shard {shard!r} is a symbolic link or lies outside the index's "
                               "directory", file=index_path,
                               fix="put the shard files themselves beside the index")
@@ -217,13 +218,6 @@ def read_sharded(index_path: str) -> tuple[dict[str, np.ndarray], dict[str, str]
     return arrays, metadata
 
 
-def _inside(directory: str, path: str) -> bool:
-    """Whether ``path`` is no symbolic link and lies inside ``directory`` (a crafted checkpoint
-    directory must not make a reader follow it elsewhere)."""
-    return not os.path.islink(path) and os.path.realpath(path).startswith(
-        os.path.realpath(directory) + os.sep)
-
-
 def read(path: str) -> dict[str, Any]:
     """A safetensors file, sharded index or directory holding one, as ``{namespace: subtree}``."""
     path = os.fspath(path)
@@ -235,7 +229,7 @@ def read(path: str) -> dict[str, Any]:
         if not os.path.exists(single):
             raise FormatError("directory holds neither a *.safetensors.index.json nor a "
                               "model.safetensors", file=path, fix="pass the file to read")
-        if not _inside(path, single):
+        if not inside(path, single):
             raise FormatError("model.safetensors is a symbolic link or lies outside the directory",
                               file=single, fix="put the file itself in the directory")
         arrays, metadata = read_arrays(single)

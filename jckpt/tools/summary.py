@@ -42,6 +42,7 @@ from jckpt.tools.render import (
     human_bytes,
     metadata_rows,
     plural,
+    printable,
     shorten,
     text_table,
 )
@@ -195,7 +196,7 @@ class FileInfo(_Totals):
         return metadata_rows(self.writer, self.metadata)
 
     def _metadata_lines(self, width: int | None = VALUE_WIDTH) -> list[str]:
-        return [f"{label}: {shorten(value, width)}" for label, value in self._metadata_rows()]
+        return [f"{printable(label)}: {shorten(value, width)}" for label, value in self._metadata_rows()]
 
     def _totals_line(self) -> str:
         return (f"total: {plural(len(self.entries), 'entry')}, {human_bytes(self.payload_bytes)} "

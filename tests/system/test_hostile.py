@@ -189,3 +189,49 @@ def test_manager_metrics_that_are_not_numbers(tmp_path, cli, metrics):
     assert rc == 0, err
     with CheckpointManager(directory, new_lineage=True) as manager:
         assert manager.all_steps() == [1]
+
+
+# --- 2. reach ---------------------------------------------------------------------------------------
+
+def one_tensor_safetensors(name: str = 'w') -> bytes:
+    return safetensors_bytes(f'{{"{name}": {{"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}}}',
+                             b'\0' * 4)
+
+
+def test_symlinked_model_safetensors_in_a_directory_is_refused(tmp_path, cli):
+    victim = put(tmp_path, 'victim.safetensors', one_tensor_safetensors())
+    directory = tmp_path / 'model'
+    directory.mkdir()
+    os.symlink(victim, directory / 'model.safetensors')
+    refused(lambda: read(str(directory)), directory, FormatError, 'symbolic link')
+    cli_refuses(cli, 'convert', directory, tmp_path / 'out.jckpt')
+    assert not (tmp_path / 'out.jckpt').exists()
+
+
+def test_symlinked_checkpoint_jckpt_in_an_orbax_item_is_refused(tmp_path, cli):
+    victim = write_arrays(tmp_path / 'victim.jckpt', {'a': np.ones(2, np.float32)})
+    item = tmp_path / 'item'
+    item.mkdir()
+    os.symlink(victim, item / 'checkpoint.jckpt')
+    refused(lambda: read(str(item), format='orbax'), item, FormatError, 'symbolic link')
+    cli_refuses(cli, 'convert', item, tmp_path / 'out.jckpt')
+
+
+def test_converting_a_dotdot_key_to_npz_writes_no_unsafe_member(tmp_path, cli):
+    src = put(tmp_path, 'evil.safetensors', one_tensor_safetensors('../../evil'))
+    out = tmp_path / 'sub' / 'out.npz'
+    out.parent.mkdir()
+    refused(lambda: jckpt.convert(src, str(out)), out, CheckpointError, 'unsafe')
+    assert cli_refuses(cli, 'convert', src, out)
+    assert not out.exists() and not (tmp_path / 'evil.npy').exists()
+    jckpt.convert(src, str(tmp_path / 'fine.jckpt'))  # other formats keep the name as it is
+
+
+def test_inspect_prints_key_paths_escaped(tmp_path, cli):
+    path = write_arrays(tmp_path / 'esc.jckpt', {'w\x1b[2J\x07\u202e': np.zeros(1, np.float32)},
+                        metadata={'note': 'x\x1b]0;title\x07'})
+    rc, out, err = cli('inspect', path)
+    assert rc == 0, err
+    assert '\x1b' not in out and '\x07' not in out and '\u202e' not in out
+    assert '\\x1b[2J' in out
+    assert '\x1b' not in jckpt.info(path).render()
