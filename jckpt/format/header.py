@@ -438,8 +438,9 @@ def header_from_sexp(tree: Sexp, *, file: str | None = None,
     alignment = _int(f['alignment'], 'alignment', file) if 'alignment' in f else 1
     if alignment < 1:
         raise _fail(f"alignment {alignment} is < 1", file)
-    if alignment > 1 << 30:
-        raise _fail(f"alignment {alignment} is absurdly large", file)
+    if alignment > limits.MAX_ALIGNMENT:
+        raise _fail(f"alignment {alignment} is absurdly large (more than {limits.MAX_ALIGNMENT})",
+                    file)
     if not isinstance(f['tensors'], list):
         raise _fail("tensors must be a list of entries", file)
     if entries is not None and f['tensors'] == []:

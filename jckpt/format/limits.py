@@ -35,6 +35,14 @@ MAX_INT_DIGITS = 20
 MAX_PATH_LENGTH = 256
 #: Deepest nesting of JSON values and of pickled containers a reader builds.
 MAX_NESTING = 100
+#: Largest header alignment: a header and every payload are padded up to it, so a tiny file
+#: that names a huge one would make every rewrite allocate and write that much. 16 MiB is
+#: far beyond any page or block size a checkpoint aligns to.
+MAX_ALIGNMENT = 1 << 24
+#: What the padded entries of one file may rebuild in all, as a multiple of the file's size
+#: (plus 1 MiB): padding costs header bytes only, so without a bound per file a few KB of
+#: header could make a reader allocate gigabytes.
+PADDED_ALLOCATION_FACTOR = 64
 #: The largest array, in bytes, numpy can describe (and any 64-bit offset can address).
 MAX_BYTES = 2**63 - 1
 
@@ -61,6 +69,12 @@ def check_shape(shape: Any, itemsize: int) -> tuple[int, ...]:
     if math.prod(max(d, 1) for d in dims) * max(itemsize, 1) > MAX_BYTES:
         raise ValueError(f"shape {dims} is larger than any array (2**63 - 1 bytes)")
     return dims
+
+
+def valid_alignment(alignment: Any) -> bool:
+    """Whether ``alignment`` is an int from 1 to :data:`MAX_ALIGNMENT` (``bool`` excluded)."""
+    return isinstance(alignment, int) and not isinstance(alignment, bool) \
+        and 1 <= alignment <= MAX_ALIGNMENT
 
 
 def check_itemsize(dtype: np.dtype) -> np.dtype:
@@ -94,6 +108,6 @@ def json_loads(text: str | bytes) -> Any:
     return json.loads(text)
 
 
-__all__ = ['MAX_BYTES', 'MAX_INT_DIGITS', 'MAX_NDIM', 'MAX_NESTING', 'MAX_PATH_LENGTH',
-           'check_itemsize', 'check_path_length', 'check_shape', 'json_depth',
-           'json_loads']
+__all__ = ['MAX_ALIGNMENT', 'MAX_BYTES', 'MAX_INT_DIGITS', 'MAX_NDIM', 'MAX_NESTING',
+           'MAX_PATH_LENGTH', 'PADDED_ALLOCATION_FACTOR', 'check_itemsize', 'check_path_length',
+           'check_shape', 'json_depth', 'json_loads', 'valid_alignment']

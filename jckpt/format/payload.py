@@ -21,14 +21,12 @@ import xxhash
 from jckpt.errors import FormatError
 from jckpt.format import precs
 from jckpt.format.header import Entry
+from jckpt.format.limits import PADDED_ALLOCATION_FACTOR as PADDED_ALLOCATION_FACTOR
 
 CHECKSUM_ALGORITHM = 'xxh3_64'
 #: Hex digits of a stored checksum; fixed so a header can be written before its payloads.
 CHECKSUM_HEX_DIGITS = 16
 CHECKSUM_PLACEHOLDER = (CHECKSUM_ALGORITHM, '0' * CHECKSUM_HEX_DIGITS)
-#: A padded entry's rebuilt buffer may be at most this many times the file's size
-#: (plus 1 MiB), so a hostile header cannot make a reader allocate without bound.
-PADDED_ALLOCATION_FACTOR = 64
 CHUNK_BYTES = 64 << 20
 #: The most dims an array may have (numpy's own limit: 32 before numpy 2, 64 since).
 MAX_NDIM = 64 if int(np.__version__.split('.')[0]) >= 2 else 32

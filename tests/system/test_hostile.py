@@ -235,3 +235,55 @@ def test_inspect_prints_key_paths_escaped(tmp_path, cli):
     assert '\x1b' not in out and '\x07' not in out and '\u202e' not in out
     assert '\\x1b[2J' in out
     assert '\x1b' not in jckpt.info(path).render()
+
+
+# --- 3. memory --------------------------------------------------------------------------------------
+
+def peak_bytes(call) -> int:
+    """The most memory ``call()`` held at once (numpy's buffers included), even when it raises."""
+    import tracemalloc
+    tracemalloc.start()
+    try:
+        call()
+    except CheckpointError:
+        pass
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak
+
+
+def test_alignment_of_a_gigabyte_is_refused(tmp_path, cli):
+    path = put(tmp_path, 'align.jckpt', raw_file(header_text(
+        entry_text(), alignment='(alignment 1073741824)'), b'\0' * 4))
+    refused(lambda: jckpt.info(path), path, FormatError, 'alignment')
+    out = tmp_path / 'out.jckpt'
+    cli_refuses(cli, 'convert', path, out)
+    assert not out.exists()
+    with pytest.raises(CheckpointError, match='alignment'):  # nor will the writer make one
+        jckpt.Context(alignment=1 << 30)
+
+
+def test_directory_index_with_huge_global_dims_allocates_nothing_up_front(tmp_path, cli):
+    path = index_with(tmp_path, b'(global_dims (4 3))', b'(global_dims (8589934592 3))')
+    index = os.path.join(path, INDEX_NAME)
+    raw = open(index, 'rb').read()
+    with open(index, 'wb') as f:
+        f.write(raw_file(raw[4:].rstrip().replace(b'((2 4) (0 3))', b'((2 8589934592) (0 3))'),
+                         align=32))
+    assert peak_bytes(lambda: refused(lambda: jckpt.load(jckpt.Context(), path), path,
+                                      FormatError, 'not in')) < 64 << 20
+    assert peak_bytes(lambda: cli_refuses(cli, 'convert', path, tmp_path / 'out.jckpt')) < 64 << 20
+    assert not jckpt.verify(path).ok
+
+
+def test_padded_entries_are_bounded_per_file_not_per_entry(tmp_path, cli):
+    n = 400
+    entries = [entry_text(id=i, dims='(1000 1000)', padding='(((0 999) (0 999)) 0.)',
+                          offset=4 * i, length=4) for i in range(n)]
+    path = put(tmp_path, 'padded.jckpt', raw_file(header_text(*entries), b'\0' * 4 * n))
+    assert os.path.getsize(path) < 100_000
+    peak = peak_bytes(lambda: refused(lambda: jckpt.load(jckpt.Context(), path), path,
+                                      FormatError, 'padded'))
+    assert peak < 64 << 20
+    cli_refuses(cli, 'convert', path, tmp_path / 'out.npz')
