@@ -110,6 +110,7 @@ def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, dtype: np.dtype 
         raise ValueError("size and stride must be tuples of the same length")
     size = tuple(_int(s, 'size') for s in size)
     stride = tuple(_int(s, 'stride') for s in stride)
+    limits.check_shape(size, storage.itemsize)  # (0, 10**30) or 70 dims: no array has them
     if 0 in size:
         return np.zeros(size, storage.dtype)
     if math.prod(size) > _VIEW_FACTOR * storage.size + (1 << 20):

@@ -315,7 +315,7 @@ def _decode_extent(f: dict[str, Sexp], file: str | None, where: str
     try:
         limits.check_shape(dims, precs.element_size(prec))
     except ValueError as e:
-        raise _fail(str(e), file, where) from None
+        raise _fail(f"dims are beyond what numpy can represent: {e}", file, where) from None
     return prec, dims, padding, offset, byte_length
 
 

@@ -75,6 +75,6 @@ def check_extents(header: Header, data_start: int, size: int, file: str | None =
             raise FormatError(f"payload overlaps the payload of {a.name}", file=file,
                               entry=b.name, fix="the file is damaged; re-save it")
     if padded > PADDED_ALLOCATION_FACTOR * size + (1 << 20):
-        raise FormatError(f"padded entries would rebuild {padded} bytes in all, more than "
-                          f"{PADDED_ALLOCATION_FACTOR} times the file's size", file=file,
+        raise FormatError(f"padded entries would rebuild {padded} bytes in all, far more than the "
+                          f"file holds (over {PADDED_ALLOCATION_FACTOR} times its size)", file=file,
                           fix="the header's dims or padding are damaged")

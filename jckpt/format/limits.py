@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-#: Most dimensions an array may have (numpy's own limit).
-MAX_NDIM = 64
+#: Most dimensions an array may have (numpy's own limit: 32 before numpy 2, 64 since).
+MAX_NDIM = 64 if int(np.__version__.split('.')[0]) >= 2 else 32
 #: Most digits (sign excluded) of an integer in a header: any 64-bit integer fits in 19.
 MAX_INT_DIGITS = 20
 #: Most components of a key path (a real model's paths are under 20 deep).
