@@ -167,6 +167,16 @@ def test_pth_list_containing_itself(tmp_path, cli):
     cli_refuses(cli, 'convert', path, tmp_path / 'out.jckpt')
 
 
+def test_pth_shared_sub_lists_expanding_to_2_39_leaves(tmp_path, cli):
+    ops = b']K\x01aq\x00'  # l0 = [1]; then l(i) = [l(i-1), l(i-1)], 39 times
+    for i in range(1, 40):
+        ops += b'](h' + bytes([i - 1]) + b'h' + bytes([i - 1]) + b'eq' + bytes([i])
+    path = put(tmp_path, 'bomb.pth', pth_bytes(ops))
+    assert os.path.getsize(path) < 1000
+    refused(lambda: read(path), path, FormatError, 'shared references')
+    cli_refuses(cli, 'convert', path, tmp_path / 'out.jckpt')
+
+
 def test_pth_dict_mixing_int_and_str_keys(tmp_path, cli):
     path = put(tmp_path, 'mixed.pth', pth_bytes(b'}K\x01K\x02sX\x01\x00\x00\x00aK\x03s'))
     refused(lambda: read(path), path, FormatError, 'keys')
