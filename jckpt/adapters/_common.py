@@ -21,6 +21,7 @@ import numpy as np
 
 from jckpt.errors import FormatError, InputError
 from jckpt.format.header import NAMESPACE_RE, KeyPath, path_name
+from jckpt.format.limits import json_loads
 from jckpt.storage.backend import Buffer, backend_for
 from jckpt.storage.publish import storage_error
 
@@ -118,7 +119,7 @@ def _parse_record(record: str | None, names: set[str]) -> dict[str, tuple[str, K
     if not record:
         return None
     try:
-        raw = json.loads(record)
+        raw = json_loads(record)
         out = {}
         for name, (ns, comps) in raw.items():
             if not (isinstance(ns, str) and NAMESPACE_RE.match(ns)):
@@ -146,13 +147,25 @@ def single_content(tree: dict[str, Any]) -> Any:
     return tree
 
 
+def unsafe_member_name(name: str) -> bool:
+    """Whether an archive member name could escape a directory: ``..``, absolute, a drive, NUL."""
+    norm = name.replace('\\', '/')
+    return norm.startswith('/') or '..' in norm.split('/') or (len(norm) > 1 and norm[1] == ':') \
+        or '\0' in name
+
+
 def check_member_name(name: str, file: str) -> None:
     """Refuse archive member names that could escape a directory: ``..``, absolute, drive."""
-    norm = name.replace('\\', '/')
-    parts = norm.split('/')
-    if norm.startswith('/') or '..' in parts or (len(norm) > 1 and norm[1] == ':') or '\0' in name:
+    if unsafe_member_name(name):
         raise FormatError(f"archive member name {name!r} is unsafe (absolute or with '..')",
                           file=file, fix="the archive is malicious or damaged; do not use it")
+
+
+def inside(directory: str, path: str) -> bool:
+    """Whether ``path`` is no symbolic link and lies inside ``directory`` (a crafted checkpoint
+    directory must not make a reader follow it elsewhere)."""
+    return not os.path.islink(path) and os.path.realpath(path).startswith(
+        os.path.realpath(directory) + os.sep)
 
 
 def map_file(path: str) -> Buffer:

@@ -45,8 +45,11 @@ from jckpt.adapters._common import (
     paths_json,
     published,
     tree_from_names,
+    unsafe_member_name,
 )
 from jckpt.errors import FormatError, InputError
+from jckpt.format import limits
+from jckpt.format.entries import path_name
 from jckpt.format.payload import iter_payload_chunks, stored_dtype
 
 MAGIC = b'\x93NUMPY'
@@ -109,10 +112,13 @@ def parse_npy(buffer, offset: int, length: int, file: str, entry: str | None = N
     if not (isinstance(header, dict) and set(header) == {'descr', 'fortran_order', 'shape'}):
         raise bad(".npy header must have exactly descr, fortran_order and shape")
     shape, fortran = header['shape'], header['fortran_order']
-    if not (isinstance(shape, tuple) and all(isinstance(d, int) and d >= 0 for d in shape)
-            and isinstance(fortran, bool)):
+    if not (isinstance(shape, tuple) and isinstance(fortran, bool)):
         raise bad(f".npy shape {shape!r} / fortran_order {fortran!r} are invalid")
     dtype = _dtype_from_descr(header['descr'], file, entry)
+    try:
+        shape = limits.check_shape(shape, limits.check_itemsize(dtype).itemsize)
+    except ValueError as e:
+        raise bad(f".npy header: {e}") from None
     data = start + hlen
     count = math.prod(shape)
     if data + count * dtype.itemsize > offset + length:
@@ -214,6 +220,12 @@ def write_npz(tree: Any, path: str) -> None:
     path = os.fspath(path)
     items = host_items(tree, path)
     names = flat_names(items, path)
+    for (ns, key_path, _), name in zip(items, names):
+        if unsafe_member_name(name + '.npy'):  # read_npz refuses such members, as np.load may not
+            raise InputError(f"leaf name {name!r} would be the unsafe archive member "
+                             f"{name + '.npy'!r} (absolute or with '..')", file=path,
+                             entry=f"{ns}/{path_name(key_path)}",
+                             fix="rename the leaf, or convert to .jckpt or .safetensors")
     record = _COMMENT_TAG + paths_json(items, names).encode('utf-8')
     with published(path) as f, zipfile.ZipFile(f, 'w', zipfile.ZIP_STORED,
                                                allowZip64=True) as zf:

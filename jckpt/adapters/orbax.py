@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from jckpt.adapters._common import DEFAULT_NAMESPACE, check_namespaced, host_items
+from jckpt.adapters._common import DEFAULT_NAMESPACE, check_namespaced, host_items, inside
 from jckpt.errors import FormatError, InputError
 from jckpt.format.header import NAMESPACE_RE
 from jckpt.storage.backend import backend_for
@@ -129,10 +129,14 @@ def _host_or_key(impls: dict[str, str]):
 
 
 def _read_item(item: str) -> Any:
-    if os.path.exists(os.path.join(item, _JCKPT_ITEM)) and not os.path.exists(
+    if os.path.lexists(os.path.join(item, _JCKPT_ITEM)) and not os.path.exists(
             os.path.join(item, '_METADATA')):
         from jckpt.adapters import native
-        return native.read(os.path.join(item, _JCKPT_ITEM)).get(DEFAULT_NAMESPACE, {})
+        single = os.path.join(item, _JCKPT_ITEM)
+        if not inside(item, single):
+            raise FormatError(f"{_JCKPT_ITEM} is a symbolic link or lies outside its item",
+                              file=single, fix="put the file itself in the item directory")
+        return native.read(single).get(DEFAULT_NAMESPACE, {})
     ocp = _orbax()
     import jax
     checkpointer = ocp.PyTreeCheckpointer()

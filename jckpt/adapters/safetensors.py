@@ -45,12 +45,14 @@ from jckpt.adapters._common import (
     check_member_name,
     flat_names,
     host_items,
+    inside,
     map_file,
     paths_json,
     published,
     tree_from_names,
 )
 from jckpt.errors import FormatError, InputError
+from jckpt.format import limits
 from jckpt.format.payload import iter_payload_chunks, stored_dtype
 
 #: The safetensors reader refuses headers larger than this.
@@ -128,8 +130,11 @@ def read_header(buffer, file: str) -> tuple[dict[str, Any], dict[str, str], int]
                               entry=name, fix="convert it to a byte-sized dtype first")
         if dtype not in DTYPES:
             raise _fail(f"unknown dtype {dtype!r}", file, name)
-        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-            raise _fail(f"invalid shape {shape!r}", file, name)
+        try:
+            shape = limits.check_shape(shape if isinstance(shape, list) else None,
+                                       DTYPES[dtype].itemsize)
+        except ValueError as e:
+            raise _fail(f"invalid shape: {e}", file, name) from None
         if not (isinstance(offsets, list) and len(offsets) == 2
                 and all(type(o) is int and 0 <= o < 1 << 64 for o in offsets)
                 and offsets[0] <= offsets[1]):
@@ -196,8 +201,7 @@ def read_sharded(index_path: str) -> tuple[dict[str, np.ndarray], dict[str, str]
     for shard in sorted(set(weight_map.values())):
         check_member_name(shard, index_path)
         shard_path = os.path.join(directory, shard)
-        if os.path.islink(shard_path) or not os.path.realpath(shard_path).startswith(
-                os.path.realpath(directory) + os.sep):
+        if not inside(directory, shard_path):
             raise FormatError(f"shard {shard!r} is a symbolic link or lies outside the index's "
                               "directory", file=index_path,
                               fix="put the shard files themselves beside the index")
@@ -225,6 +229,9 @@ def read(path: str) -> dict[str, Any]:
         if not os.path.exists(single):
             raise FormatError("directory holds neither a *.safetensors.index.json nor a "
                               "model.safetensors", file=path, fix="pass the file to read")
+        if not inside(path, single):
+            raise FormatError("model.safetensors is a symbolic link or lies outside the directory",
+                              file=single, fix="put the file itself in the directory")
         arrays, metadata = read_arrays(single)
     else:
         arrays, metadata = read_arrays(path)

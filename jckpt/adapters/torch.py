@@ -43,6 +43,7 @@ import numpy as np
 from jckpt.adapters import _zip
 from jckpt.adapters._common import DEFAULT_NAMESPACE, check_namespaced, map_file, published, single_content
 from jckpt.errors import FormatError, InputError
+from jckpt.format import limits
 from jckpt.format.payload import iter_payload_chunks, stored_dtype
 
 #: Typed storages torch pickles by class name (the classic dtypes).
@@ -109,6 +110,7 @@ def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, dtype: np.dtype 
         raise ValueError("size and stride must be tuples of the same length")
     size = tuple(_int(s, 'size') for s in size)
     stride = tuple(_int(s, 'stride') for s in stride)
+    limits.check_shape(size, storage.itemsize)  # (0, 10**30) or 70 dims: no array has them
     if 0 in size:
         return np.zeros(size, storage.dtype)
     if math.prod(size) > _VIEW_FACTOR * storage.size + (1 << 20):
@@ -160,15 +162,36 @@ class _StateDict(dict):
         pass
 
 
-def _plain(obj: Any) -> Any:
-    """Plain dicts, lists and tuples all the way down (JAX trees know exact types only)."""
+def _plain(obj: Any, budget: list[int], depth: int = 0, open_ids: frozenset = frozenset()) -> Any:
+    """Plain dicts, lists and tuples all the way down (JAX trees know exact types only).
+
+    Refuses with ``ValueError`` what a pickle can build but no tree can be:
+    nesting deeper than :data:`jckpt.format.limits.MAX_NESTING`, a container
+    holding itself, dict keys that cannot be sorted together (JAX sorts them),
+    and more nodes than ``budget[0]`` (shared sub-containers expanded
+    exponentially; each visit costs a reference in the pickle, so a budget of
+    its length refuses only such expansions).
+    """
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise ValueError("shared references expand to more objects than the pickle holds")
+    if not isinstance(obj, (dict, list, tuple)):
+        return obj
+    if depth >= limits.MAX_NESTING:
+        raise ValueError(f"containers nest deeper than {limits.MAX_NESTING}")
+    if id(obj) in open_ids:
+        raise ValueError(f"a {type(obj).__name__} contains itself")
+    inner = open_ids | {id(obj)}
     if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_plain(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_plain(v) for v in obj)
-    return obj
+        try:
+            sorted(obj)
+        except TypeError:
+            kinds = sorted({type(k).__name__ for k in obj})
+            raise ValueError(f"a dict mixes keys of types {', '.join(kinds)}, which a tree "
+                             "cannot order") from None
+        return {k: _plain(v, budget, depth + 1, inner) for k, v in obj.items()}
+    out = [_plain(v, budget, depth + 1, inner) for v in obj]
+    return out if isinstance(obj, list) else tuple(out)
 
 
 _ALLOWED: dict[tuple[str, str], Any] = {
@@ -282,7 +305,11 @@ def read(path: str) -> dict[str, Any]:
             raise FormatError(f"data.pkl is not a valid torch pickle ({type(e).__name__}: {e})",
                               file=path, fix="the file is damaged or not written by torch.save") \
                 from None
-    return {DEFAULT_NAMESPACE: _plain(obj)}
+    try:
+        return {DEFAULT_NAMESPACE: _plain(obj, [len(pickled) + 16])}
+    except ValueError as e:
+        raise FormatError(f"data.pkl holds no tree: {e}", file=path,
+                          fix="the file is damaged or crafted; save a plain state_dict") from None
 
 
 # --- writing ----------------------------------------------------------------

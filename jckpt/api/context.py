@@ -20,6 +20,7 @@ from typing import Any
 
 from jckpt.errors import InputError
 from jckpt.format.header import DEFAULT_ALIGNMENT, NAMESPACE_RE, Entry
+from jckpt.format.limits import MAX_ALIGNMENT, valid_alignment
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +82,9 @@ class Context:
         if not isinstance(self.namespace, str) or not NAMESPACE_RE.match(self.namespace):
             raise InputError(f"invalid namespace {self.namespace!r}: must match "
                              "[A-Za-z_][A-Za-z0-9_]*", fix="use letters, digits and underscores")
-        if not isinstance(self.alignment, int) or self.alignment < 1:
-            raise InputError(f"alignment must be a positive integer, not {self.alignment!r}")
+        if not valid_alignment(self.alignment):
+            raise InputError(f"alignment must be a positive integer up to {MAX_ALIGNMENT}, "
+                             f"not {self.alignment!r}")
 
     def __repr__(self) -> str:
         """The namespace, the fields that differ from the defaults, and what was loaded.

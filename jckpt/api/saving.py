@@ -31,6 +31,7 @@ from jckpt.errors import InputError, InUseError
 from jckpt.format._gc import paused
 from jckpt.format.entries import Entry, Header, KeyPath, entry_for, round_up
 from jckpt.format.layout import lay_out
+from jckpt.format.limits import MAX_ALIGNMENT, valid_alignment
 from jckpt.format.metadata import check_metadata
 from jckpt.format.names import INDEX_NAME
 from jckpt.format.payload import CHECKSUM_PLACEHOLDER
@@ -91,8 +92,9 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
     hosts = placement.host_leaves([(tree_mod.leaf_name(ctx.namespace, p), leaf) for p, leaf in items],
                                   pieces=True)
     alignment = ctx.alignment if alignment is None else alignment
-    if not isinstance(alignment, int) or alignment < 1:
-        raise InputError(f"alignment must be a positive integer, not {alignment!r}", file=path)
+    if not valid_alignment(alignment):
+        raise InputError(f"alignment must be a positive integer up to {MAX_ALIGNMENT}, "
+                         f"not {alignment!r}", file=path)
     old = CheckpointReader(path) if appending and os.path.exists(path) else None
     entries, sources = _entries(ctx, [p for p, _ in items], hosts,
                                 kept=old.header.tensors if old is not None else (), alignment=alignment)

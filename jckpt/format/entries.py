@@ -22,7 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from jckpt.errors import InputError
 from jckpt.format import precs
+from jckpt.format.limits import MAX_PATH_LENGTH
 
 FORMAT_VERSION = 1
 DEFAULT_ALIGNMENT = 32
@@ -148,6 +150,10 @@ def entry_for(namespace: str, path: KeyPath | None, dtype: Any, shape: Sequence[
     """
     prec = precs.prec_of(dtype)
     dims = tuple(shape)
+    if path is not None and len(path) > MAX_PATH_LENGTH:
+        raise InputError(f"key path of {len(path)} components is deeper than {MAX_PATH_LENGTH}, "
+                         "more than readers accept", entry=path_name(path[:8]) + '/...',
+                         fix="store the tree flatter")
     return Entry(id=id, namespace=namespace, prec=prec, dims=dims, offset=offset,
                  byte_length=math.prod(dims) * precs.element_size(prec),
                  label=() if path is None else tuple([v if type(v) is str else str(v) for _, v in path]),

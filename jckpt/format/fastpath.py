@@ -19,14 +19,16 @@ import re
 
 from jckpt.format import precs
 from jckpt.format.entries import INT_KINDS, MAX_INT64, Entry
+from jckpt.format.limits import MAX_NDIM, MAX_PATH_LENGTH
 
 _A = r"[!$%&'*+,\-./0-9:<=>?@A-Z\[\]^_`a-z{}~]+"
-_P = rf"\((?:k|a) {_A}\)|\((?:ki|i|f) -?[0-9]+\)"
+_P = rf"\((?:k|a) {_A}\)|\((?:ki|i|f) -?[0-9]{{1,19}}\)"
 _CANONICAL_ENTRY = re.compile(
-    rf"\s*\(\(id ([0-9]+)\) \(namespace ([A-Za-z_][A-Za-z0-9_]*)\) "
+    rf"\s*\(\(id ([0-9]{{1,19}})\) \(namespace ([A-Za-z_][A-Za-z0-9_]*)\) "
     rf"\(label \(((?:{_A}(?: {_A})*)?)\)\) \(prec ([A-Za-z0-9_]+)\) "
-    rf"\(dims \(((?:[0-9]+(?: [0-9]+)*)?)\)\) \(padding none\) \(offset ([0-9]+)\) "
-    rf"\(byte_length ([0-9]+)\)(?: \(path \(((?:(?:{_P})(?: (?:{_P}))*)?)\)\))?"
+    rf"\(dims \(((?:[0-9]{{1,19}}(?: [0-9]{{1,19}})*)?)\)\) \(padding none\) "
+    rf"\(offset ([0-9]{{1,19}})\) "
+    rf"\(byte_length ([0-9]{{1,19}})\)(?: \(path \(((?:(?:{_P})(?: (?:{_P}))*)?)\)\))?"
     rf"(?: \(checksum \(([A-Za-z0-9_]+) ([0-9a-f]+)\)\))?(?: \(key_impl ([A-Za-z0-9_]+)\))?\)")
 _CANONICAL_HEAD = re.compile(r"\(\(version [0-9]+\)\s*(?:\(alignment [0-9]+\)\s*)?\(tensors\s*\(")
 _CANONICAL_TAIL = re.compile(r"\s*\)")
@@ -42,6 +44,13 @@ _PREC_SIZES = {p: (p, precs.element_size(p)) for p in precs.ALL_PRECS}
 _KINDS = ('k', 'ki', 'i', 'a', 'f')
 
 
+def _within_limits(entries: list[Entry]) -> bool:
+    """Whether no entry needs :mod:`jckpt.format.limits`' checks (too many dims, an empty shape
+    whose other dims could be huge, a key path too long): the general reader reports those."""
+    return not any(len(e.dims) > MAX_NDIM or (not e.byte_length and e.dims)
+                   or (e.path is not None and len(e.path) > MAX_PATH_LENGTH) for e in entries)
+
+
 def canonical_entries(text: str, *, accelerate: bool = True) -> tuple[list[Entry], int, int] | None:
     """Entries of a header laid out as jckpt writes it, or None to use the general reader.
 
@@ -55,7 +64,9 @@ def canonical_entries(text: str, *, accelerate: bool = True) -> tuple[list[Entry
         return None
     if accelerate and accelerator is not None:
         found = accelerator.decode_entries(text, head.end(), Entry, _FIELDS, _PREC_SIZES, _KINDS)
-        return None if found is None else (found[0], head.end() - 1, found[1])
+        if found is None or not _within_limits(found[0]):
+            return None
+        return found[0], head.end() - 1, found[1]
     scanner = _CANONICAL_ENTRY.scanner(text, head.end())
     entries: list[Entry] = []
     append = entries.append
@@ -86,7 +97,7 @@ def canonical_entries(text: str, *, accelerate: bool = True) -> tuple[list[Entry
         append(e)
         pos = m.end()
     tail = _CANONICAL_TAIL.match(text, pos)
-    if tail is None or text[tail.end() - 1] != ')':
+    if tail is None or text[tail.end() - 1] != ')' or not _within_limits(entries):
         return None
     return entries, head.end() - 1, tail.end() - 1
 

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from jckpt.errors import FormatError
-from jckpt.format import precs
+from jckpt.format import limits, precs
 from jckpt.format._gc import paused
 
 # The header's values are defined in ``entries``; they stay importable from here too.
@@ -165,6 +165,9 @@ def _int(atom: Sexp, what: str, file: str | None, entry: str | None = None) -> i
     if isinstance(atom, str) and atom.isascii():
         digits = atom[1:] if atom[:1] == '-' else atom
         if digits.isdigit():
+            if len(digits) > limits.MAX_INT_DIGITS:
+                raise _fail(f"{what} has {len(digits)} digits, more than any 64-bit integer",
+                            file, entry)
             return int(atom)
     raise _fail(f"{what} must be an integer, got {dumps(atom) if _sexp_ok(atom) else atom!r}",
                 file, entry)
@@ -225,6 +228,10 @@ def _decode_padding(node: Sexp, ndim: int, file: str | None, entry: str) -> Padd
 def _decode_path(node: Sexp, file: str | None, entry: str) -> KeyPath:
     if not isinstance(node, list):
         raise _fail("path must be a list of components", file, entry)
+    try:
+        limits.check_path_length(len(node))
+    except ValueError as e:
+        raise _fail(str(e), file, entry) from None
     out = []
     for comp in node:
         if not (isinstance(comp, list) and len(comp) == 2 and isinstance(comp[0], str)
@@ -305,6 +312,10 @@ def _decode_extent(f: dict[str, Sexp], file: str | None, where: str
     if offset > MAX_INT64 or byte_length > MAX_INT64:
         raise _fail("offset or byte_length overflows 64 bits", file, where)
     _check_size(prec, dims, padding, byte_length, file, where)
+    try:
+        limits.check_shape(dims, precs.element_size(prec))
+    except ValueError as e:
+        raise _fail(f"dims are beyond what numpy can represent: {e}", file, where) from None
     return prec, dims, padding, offset, byte_length
 
 
@@ -428,8 +439,9 @@ def header_from_sexp(tree: Sexp, *, file: str | None = None,
     alignment = _int(f['alignment'], 'alignment', file) if 'alignment' in f else 1
     if alignment < 1:
         raise _fail(f"alignment {alignment} is < 1", file)
-    if alignment > 1 << 30:
-        raise _fail(f"alignment {alignment} is absurdly large", file)
+    if alignment > limits.MAX_ALIGNMENT:
+        raise _fail(f"alignment {alignment} is absurdly large (more than {limits.MAX_ALIGNMENT})",
+                    file)
     if not isinstance(f['tensors'], list):
         raise _fail("tensors must be a list of entries", file)
     if entries is not None and f['tensors'] == []:

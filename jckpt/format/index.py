@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jckpt.errors import FormatError
-from jckpt.format import precs
+from jckpt.format import limits, precs
 from jckpt.format.boxes import Box, check_tiling
 from jckpt.format.header import (
     Entry,
@@ -179,6 +179,10 @@ def _array(node: Any, n: int, file_count: int, file: str) -> IndexedArray:
     pieces = _pieces(f.get('pieces', []), len(dims), file_count, file, where)
     if math.prod(dims) > _MAX_ELEMENTS:
         raise _fail(f"global_dims {dims} are absurdly large", file, where)
+    try:
+        limits.check_shape(dims, precs.element_size(prec))
+    except ValueError as e:
+        raise _fail(f"global_dims: {e}", file, where) from None
     why = check_tiling([b for _, b in pieces], dims)
     if why:
         raise _fail(f"pieces do not tile the array: {why}", file, where)

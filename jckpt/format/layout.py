@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Sequence
 
 from jckpt.errors import FormatError
+from jckpt.format import precs
 from jckpt.format.header import Header, encode_header, round_up
+from jckpt.format.limits import PADDED_ALLOCATION_FACTOR
 
 
 def plan_layout(byte_lengths: Sequence[int], alignment: int = 32) -> tuple[int, ...]:
@@ -50,10 +53,15 @@ def file_size(header: Header) -> int:
 
 
 def check_extents(header: Header, data_start: int, size: int, file: str | None = None) -> None:
-    """Refuse payloads that extend past the end of the file or overlap each other."""
+    """Refuse payloads that extend past the end of the file or overlap each other, and padded
+    entries that would rebuild more than :data:`~jckpt.format.limits.PADDED_ALLOCATION_FACTOR`
+    times the file's size in all."""
     available = size - data_start
     spans = []
+    padded = 0
     for e in header.tensors:
+        if e.padding is not None:
+            padded += math.prod(e.dims) * precs.element_size(e.prec)
         if e.offset + e.byte_length > available:
             raise FormatError(
                 f"payload [{e.offset}, {e.offset + e.byte_length}) extends past the end of the "
@@ -66,3 +74,7 @@ def check_extents(header: Header, data_start: int, size: int, file: str | None =
         if start < end:
             raise FormatError(f"payload overlaps the payload of {a.name}", file=file,
                               entry=b.name, fix="the file is damaged; re-save it")
+    if padded > PADDED_ALLOCATION_FACTOR * size + (1 << 20):
+        raise FormatError(f"padded entries would rebuild {padded} bytes in all, far more than the "
+                          f"file holds (over {PADDED_ALLOCATION_FACTOR} times its size)", file=file,
+                          fix="the header's dims or padding are damaged")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from jckpt.errors import InputError
+from jckpt.format.limits import json_loads
 from jckpt.format.names import RESERVED_PREFIX
 
 
@@ -44,4 +45,26 @@ def check_metadata(metadata: Mapping[str, str] | None, file: str | None = None, 
     return out
 
 
-__all__ = ['check_metadata']
+def parse_metrics(text: str | None) -> dict[str, float] | None:
+    """The metrics a mirror or manager saved (a JSON object of numbers) as ``{name: float}``.
+
+    ``None`` when ``text`` is not a JSON object (not JSON, nested deeper than
+    :data:`jckpt.format.limits.MAX_NESTING`, a string, ``null``...); values
+    that are not numbers are left out. Never raises: metrics only rank steps.
+
+    >>> parse_metrics('{"loss": 0.5, "note": "x", "acc": null}'), parse_metrics('"x"')
+    ({'loss': 0.5}, None)
+    """
+    if not text:
+        return {}
+    try:
+        value = json_loads(text)
+    except ValueError:
+        return None
+    if not isinstance(value, dict):
+        return None
+    return {str(k): float(v) for k, v in value.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+__all__ = ['check_metadata', 'parse_metrics']

@@ -21,18 +21,14 @@ import xxhash
 from jckpt.errors import FormatError
 from jckpt.format import precs
 from jckpt.format.header import Entry
+from jckpt.format.limits import MAX_BYTES, MAX_NDIM
+from jckpt.format.limits import PADDED_ALLOCATION_FACTOR as PADDED_ALLOCATION_FACTOR
 
 CHECKSUM_ALGORITHM = 'xxh3_64'
 #: Hex digits of a stored checksum; fixed so a header can be written before its payloads.
 CHECKSUM_HEX_DIGITS = 16
 CHECKSUM_PLACEHOLDER = (CHECKSUM_ALGORITHM, '0' * CHECKSUM_HEX_DIGITS)
-#: A padded entry's rebuilt buffer may be at most this many times the file's size
-#: (plus 1 MiB), so a hostile header cannot make a reader allocate without bound.
-PADDED_ALLOCATION_FACTOR = 64
 CHUNK_BYTES = 64 << 20
-#: The most dims an array may have (numpy's own limit: 32 before numpy 2, 64 since).
-MAX_NDIM = 64 if int(np.__version__.split('.')[0]) >= 2 else 32
-_MAX_INTP = np.iinfo(np.intp).max
 
 
 def stored_dtype(dtype: np.dtype) -> np.dtype:
@@ -120,7 +116,7 @@ def decode_payload(buffer, entry: Entry, *, data_start: int, mmap: bool = True,
                           entry=entry.name, fix="the file is truncated")
     logical = entry.logical_dims + ((4,) if entry.prec == precs.UINT4X32 else ())
     if len(logical) > MAX_NDIM or math.prod(d for d in entry.shape if d) * dtype.itemsize \
-            > _MAX_INTP:  # numpy refuses such shapes even when a zero dim makes them empty
+            > MAX_BYTES:  # numpy refuses such shapes even when a zero dim makes them empty
         raise FormatError(f"dims {entry.dims} are beyond what numpy can represent (at most "
                           f"{MAX_NDIM} dims, sizes below 2**63)", file=file, entry=entry.name,
                           fix="the header's dims are damaged")

@@ -42,6 +42,7 @@ from jckpt import api
 from jckpt.api.context import Context, check_context
 from jckpt.api.multiprocess import save_directory
 from jckpt.errors import CheckpointError, FormatError, InputError, StorageError
+from jckpt.format.metadata import parse_metrics
 from jckpt.format.names import (
     INDEX_NAME,
     METRICS_KEY,
@@ -459,14 +460,11 @@ class CheckpointManager(BackgroundWriter[_Step]):
 
 
 def _parse_metrics(text: str | None, path: str) -> dict[str, float]:
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-        return {str(k): float(v) for k, v in value.items()}
-    except (ValueError, TypeError, AttributeError):
+    metrics = parse_metrics(text)
+    if metrics is None:
         log.warning("jckpt: unreadable metrics in %s", path)
         return {}
+    return metrics
 
 
 __all__ = ['CheckpointManager', 'Restored', 'step_name']

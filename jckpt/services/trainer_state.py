@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jckpt.errors import FormatError, InputError, MismatchError
+from jckpt.format.limits import json_loads
 from jckpt.format.names import TRAINER_STATE_KEY
 
 _LAYOUT_NAMES = ('dp', 'tp', 'pp')
@@ -92,7 +93,7 @@ class TrainerState:
             raise InputError(f"from_json takes the JSON text, not {type(text).__name__}", file=file,
                              fix="pass the string to_json returned")
         try:
-            fields = json.loads(text)
+            fields = json_loads(text)
         except ValueError as e:
             raise FormatError(f"trainer state is not valid JSON: {e}", file=file) from None
         if not isinstance(fields, dict):

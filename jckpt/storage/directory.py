@@ -287,13 +287,17 @@ class DirectoryReader:
     def read_box(self, array: IndexedArray, box: Box, *, verify: bool = False) -> np.ndarray:
         """Assemble ``box`` of an array from the pieces that overlap it."""
         e = array.entry
-        out = np.empty(box_shape(box) + (e.shape[len(e.dims):]), dtype=e.dtype)
-        copied = 0
+        # Every overlapping piece is found in its file (and so within that file's size) before
+        # the box is allocated: an index cannot make a reader allocate more than the pieces hold.
+        parts = []
         for fi, pbox in array.pieces:
             common = intersect(box, pbox)
             if common is None or (box_size(common) == 0 and common != ()):
                 continue
-            src = self.piece(fi, array, pbox, verify=verify)
+            parts.append((common, pbox, self.piece(fi, array, pbox, verify=verify)))
+        out = np.empty(box_shape(box) + (e.shape[len(e.dims):]), dtype=e.dtype)
+        copied = 0
+        for common, pbox, src in parts:
             out[box_slices(common, box)] = src[box_slices(common, pbox)]
             copied += box_size(common) * e.dtype.itemsize
         note_read(box, copied)

@@ -42,6 +42,7 @@ from jckpt.tools.classify import DIRECTORY, FILE, FOREIGN, MISSING, classify
 from jckpt.tools.consolidate import consolidate
 from jckpt.tools.diff import diff
 from jckpt.tools.info import info
+from jckpt.tools.render import printable
 from jckpt.tools.rewrite import merge, relayout
 from jckpt.tools.verify import verify
 from jckpt.version import __version__
@@ -54,7 +55,7 @@ EXIT_ERROR = 2      # usage error, or a file that could not be read
 
 
 def _print(text: str) -> None:
-    sys.stdout.write(text + '\n')
+    sys.stdout.write(printable(text, keep='\n\t') + '\n')
 
 
 def _print_json(value: Any) -> None:
@@ -314,7 +315,7 @@ def _configure_logging(args: argparse.Namespace) -> None:
 
 
 def _error(message: str) -> None:
-    sys.stderr.write(f"jckpt: error: {message}\n")
+    sys.stderr.write(f"jckpt: error: {printable(message)}\n")
     sys.stderr.flush()
 
 

@@ -29,7 +29,8 @@ import os
 from typing import Any
 
 from jckpt.errors import CheckpointError, InputError
-from jckpt.format.names import STEP_RE
+from jckpt.format.metadata import parse_metrics
+from jckpt.format.names import METRICS_KEY, STEP_RE
 from jckpt.storage.backend import backend_for
 from jckpt.tools.render import REPR_ROWS, VALUE_WIDTH, html_table, human_bytes, plural, shorten, text_table
 from jckpt.tools.summary import DirectoryInfo, FileInfo, directory_info, file_info, known_metadata, tree_size
@@ -179,8 +180,7 @@ def step_info(step: int, path: str) -> StepInfo:
             os.path.getsize(path) if os.path.exists(path) else 0)
         return StepInfo(step, path, kind, size, error=str(e.message))
     known = known_metadata(dict(fi.metadata))
-    metrics = known.get('metrics')
-    metrics = {str(k): float(v) for k, v in metrics.items()} if isinstance(metrics, dict) else {}
+    metrics = parse_metrics(dict(fi.metadata).get(METRICS_KEY)) or {}
     generation = known.get('generation')
     return StepInfo(step, path, kind, fi.size, len(fi.entries), fi.payload_bytes, metrics,
                     generation if isinstance(generation, int) else None, known.get('lineage'))

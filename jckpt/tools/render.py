@@ -16,15 +16,32 @@ from __future__ import annotations
 
 import html
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
+from jckpt.format.limits import json_loads
 from jckpt.format.names import KNOWN_KEYS
 
 #: Rows shown by ``repr`` and the HTML view before "... N more" (the CLI shows all).
 REPR_ROWS = 40
 #: Metadata values longer than this are shortened in the text and HTML views.
 VALUE_WIDTH = 100
+
+
+# C0 and C1 controls, DEL, and the invisible marks that reorder or hide text on a terminal
+_UNPRINTABLE = re.compile('[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2066-\u2069\ufeff]')
+
+
+def printable(text: str, keep: str = '') -> str:
+    r"""``text`` with every control character (but those in ``keep``) spelled as an escape, so
+    that names read from a file cannot move the cursor, recolour or rewrite a terminal.
+
+    >>> printable('w\x1b[2Jx'), printable('a\nb'), printable('a\nb', keep='\n')
+    ('w\\x1b[2Jx', 'a\\nb', 'a\nb')
+    """
+    return _UNPRINTABLE.sub(lambda m: m[0] if m[0] in keep
+                            else m[0].encode('unicode_escape').decode('ascii'), text)
 
 
 def human_bytes(n: int) -> str:
@@ -44,7 +61,7 @@ def format_shape(shape: Sequence[int]) -> str:
 
 def shorten(text: str, width: int | None = VALUE_WIDTH) -> str:
     """``text`` on one line, cut to ``width`` characters with an ellipsis (None: never cut)."""
-    text = text.replace('\n', ' ')
+    text = printable(text.replace('\n', ' '))
     return text if width is None or len(text) <= width else text[:width - 3] + '...'
 
 
@@ -66,7 +83,7 @@ def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
     x      1
     yy    22
     """
-    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    cells = [[printable(str(h)) for h in headers]] + [[printable(str(c)) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = []
     for r in cells:
@@ -102,11 +119,11 @@ def pretty_value(value: str) -> str:
     text = value.strip()
     if text[:1] in ('{', '['):
         try:
-            return json.dumps(json.loads(text), separators=(', ', ': '))
+            return json.dumps(json_loads(text), separators=(', ', ': '))
         except ValueError:
             pass
     return value
 
 
 __all__ = ['REPR_ROWS', 'VALUE_WIDTH', 'format_shape', 'html_table', 'human_bytes',
-           'metadata_rows', 'plural', 'pretty_value', 'shorten', 'text_table']
+           'metadata_rows', 'plural', 'pretty_value', 'printable', 'shorten', 'text_table']

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import html
-import json
 import os
 from typing import TYPE_CHECKING, Any
 
 from jckpt.format import precs
 from jckpt.format.header import Entry, path_name
+from jckpt.format.limits import json_loads
 from jckpt.format.names import GENERATION_KEY, LINEAGE_KEY, METRICS_KEY, STEP_KEY, TRAINER_STATE_KEY
 from jckpt.format.payload import can_map
 from jckpt.storage.backend import backend_for
@@ -42,6 +42,7 @@ from jckpt.tools.render import (
     human_bytes,
     metadata_rows,
     plural,
+    printable,
     shorten,
     text_table,
 )
@@ -195,7 +196,7 @@ class FileInfo(_Totals):
         return metadata_rows(self.writer, self.metadata)
 
     def _metadata_lines(self, width: int | None = VALUE_WIDTH) -> list[str]:
-        return [f"{label}: {shorten(value, width)}" for label, value in self._metadata_rows()]
+        return [f"{printable(label)}: {shorten(value, width)}" for label, value in self._metadata_rows()]
 
     def _totals_line(self) -> str:
         return (f"total: {plural(len(self.entries), 'entry')}, {human_bytes(self.payload_bytes)} "
@@ -259,7 +260,7 @@ def known_metadata(meta: dict[str, str]) -> dict[str, Any]:
     for key, name in ((METRICS_KEY, 'metrics'), (TRAINER_STATE_KEY, 'trainer_state')):
         if key in meta:
             try:
-                out[name] = json.loads(meta[key])
+                out[name] = json_loads(meta[key])
             except ValueError:
                 out[name] = meta[key]
     if LINEAGE_KEY in meta:

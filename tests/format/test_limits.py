@@ -1,0 +1,41 @@
+"""The bounds on untrusted shapes, dtypes, integers, key paths and JSON."""
+
+import numpy as np
+import pytest
+
+from jckpt.format import limits
+
+
+@pytest.mark.parametrize('shape', [(), (0,), (2, 3), (0, 2**40), [np.int64(4)], (1,) * limits.MAX_NDIM])
+def test_shapes_numpy_can_build_pass(shape):
+    dims = limits.check_shape(shape, 4)
+    assert np.empty(dims, np.float32).shape == dims
+
+
+@pytest.mark.parametrize('shape', [(0, 10**30), (0, 2**40, 2**40), (1,) * (limits.MAX_NDIM + 1),
+                                   (True, 2), (-1,), (2.0,), 'ab', None])
+def test_shapes_numpy_cannot_build_are_refused(shape):
+    with pytest.raises(ValueError):
+        limits.check_shape(shape, 4)
+    if isinstance(shape, tuple) and shape and all(type(d) is int for d in shape) and min(shape) >= 0:
+        with pytest.raises(ValueError):  # what the check stands in front of
+            np.empty(shape, np.float32)
+
+
+def test_zero_sized_dtypes_are_refused():
+    assert limits.check_itemsize(np.dtype('<f4')) == np.dtype('<f4')
+    with pytest.raises(ValueError, match='0 bytes'):
+        limits.check_itemsize(np.dtype('U0'))
+
+
+def test_key_path_length():
+    limits.check_path_length(limits.MAX_PATH_LENGTH)
+    with pytest.raises(ValueError, match='components'):
+        limits.check_path_length(limits.MAX_PATH_LENGTH + 1)
+
+
+def test_json_nesting_is_bounded_and_strings_do_not_count():
+    assert limits.json_depth('{"a": [1, {"b": "[[[["}]}') == 3
+    assert limits.json_loads(b'[[1]]') == [[1]]
+    with pytest.raises(ValueError, match='deeper'):
+        limits.json_loads('[' * 5000 + ']' * 5000)

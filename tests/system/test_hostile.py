@@ -1,0 +1,299 @@
+"""Crafted hostile inputs, one per case: each is refused with a CheckpointError naming the file
+(the command line: one line and exit 1 or 2) or handled correctly, never another exception."""
+
+import os
+import struct
+import zipfile
+
+import numpy as np
+import pytest
+
+import jckpt
+from jckpt.adapters import read
+from jckpt.errors import CheckpointError, FormatError
+from jckpt.format.names import INDEX_NAME
+from tests.helpers import entry_text, header_text, raw_file, write_arrays, write_directory
+
+
+@pytest.fixture
+def cli(capsys):
+    """``jckpt ARGS`` in this process: ``(exit status, stdout, stderr)``."""
+    from jckpt.tools.cli import main
+
+    def run(*args):
+        capsys.readouterr()
+        try:
+            rc = main([str(a) for a in args])
+        except SystemExit as e:
+            rc = e.code
+        out, err = capsys.readouterr()
+        return rc, out, err
+    return run
+
+
+def refused(call, path, cls=CheckpointError, match=None):
+    """``call()`` raises ``cls`` naming ``path``; its message."""
+    with pytest.raises(cls, match=match) as info:
+        call()
+    assert str(path) in str(info.value)
+    return str(info.value)
+
+
+def cli_refuses(cli, *args):
+    rc, _out, err = cli(*args)
+    assert rc in (1, 2), err
+    assert len(err.strip().splitlines()) == 1, err
+    assert 'unexpected' not in err, err
+    return err
+
+
+def put(tmp_path, name, data: bytes) -> str:
+    path = tmp_path / name
+    path.write_bytes(data)
+    return str(path)
+
+
+def safetensors_bytes(header: str, data: bytes = b'') -> bytes:
+    body = header.encode()
+    return struct.pack('<Q', len(body)) + body + data
+
+
+def npy_bytes(header: str, data: bytes = b'') -> bytes:
+    body = header.encode('latin1')
+    body += b' ' * (-(10 + len(body) + 1) % 64) + b'\n'
+    return b'\x93NUMPY\x01\x00' + struct.pack('<H', len(body)) + body + data
+
+
+def pth_bytes(pickle_ops: bytes) -> bytes:
+    """A PyTorch zip archive whose data.pkl holds ``pickle_ops`` (protocol 2)."""
+    import io
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, 'w', zipfile.ZIP_STORED) as zf:
+        zf.writestr('archive/data.pkl', b'\x80\x02' + pickle_ops + b'.')
+        zf.writestr('archive/version', b'3\n')
+    return out.getvalue()
+
+
+def index_with(tmp_path, old: bytes, new: bytes) -> str:
+    """A directory checkpoint whose index has ``old`` replaced by ``new``."""
+    path = write_directory(tmp_path / 'd', {'a/b': np.zeros((4, 3), np.float32)})
+    index = os.path.join(path, INDEX_NAME)
+    raw = open(index, 'rb').read()
+    assert old in raw
+    text = raw[4:].rstrip().replace(old, new)
+    with open(index, 'wb') as f:
+        f.write(raw_file(text, align=32))
+    return path
+
+
+# --- 1. exceptions that are not CheckpointError -------------------------------------------------
+
+def test_integer_of_5000_digits_in_a_header(tmp_path, cli):
+    path = put(tmp_path, 'digits.jckpt', raw_file(header_text(entry_text(offset='1' * 5000)),
+                                                  b'\0' * 4))
+    refused(lambda: jckpt.info(path), path, FormatError, 'digits')
+    refused(lambda: jckpt.load(jckpt.Context(), path), path, FormatError, 'digits')
+    assert path in cli_refuses(cli, 'inspect', path)
+
+
+def test_key_path_of_5000_components(tmp_path, cli):
+    comps = ' '.join(['(k a)'] * 5000)
+    path = put(tmp_path, 'deep.jckpt', raw_file(header_text(entry_text(
+        extra=f' (path ({comps}))')), b'\0' * 4))
+    refused(lambda: jckpt.load(jckpt.Context(), path), path, FormatError, 'components')
+    assert path in cli_refuses(cli, 'inspect', path)
+
+
+def test_writer_refuses_a_key_path_readers_would_refuse():
+    from jckpt.format.entries import entry_for
+    with pytest.raises(CheckpointError, match='deeper than'):
+        entry_for('jckpt', (('k', 'a'),) * 1000, np.dtype('float32'), (1,), id=0)
+
+
+def test_deeply_nested_json_in_metadata(tmp_path, cli):
+    deep = '[' * 5000 + ']' * 5000
+    path = write_arrays(tmp_path / 'meta.jckpt', {'a': np.zeros(2, np.float32)},
+                        metadata={'x': deep, 'jckpt.metrics': deep, 'jckpt.trainer_state': deep})
+    assert path in jckpt.info(path).render()
+    assert repr(jckpt.info(path))
+    rc, _out, err = cli('inspect', path)
+    assert rc == 0, err
+
+
+def test_directory_index_path_index_double_minus(tmp_path, cli):
+    path = index_with(tmp_path, b'(path ((k a) (k b)))', b'(path ((k a) (i --5)))')
+    refused(lambda: jckpt.load(jckpt.Context(), path), path, FormatError)
+    refused(lambda: jckpt.info(path), path, FormatError)
+    cli_refuses(cli, 'inspect', path)
+
+
+@pytest.mark.parametrize('dims', [b'(0 1000000000000000000000000000000)', b'(' + b'1 ' * 70 + b')'])
+def test_directory_index_shape_numpy_cannot_build(tmp_path, cli, dims):
+    path = index_with(tmp_path, b'(global_dims (4 3))', b'(global_dims ' + dims + b')')
+    refused(lambda: jckpt.load(jckpt.Context(), path), path, FormatError)
+    cli_refuses(cli, 'inspect', path)
+
+
+@pytest.mark.parametrize('shape', ['[0, 1000000000000000000000000000000]', '[' + '1, ' * 69 + '1]'])
+def test_safetensors_shape_numpy_cannot_build(tmp_path, cli, shape):
+    path = put(tmp_path, 'm.safetensors', safetensors_bytes(
+        f'{{"w": {{"dtype": "F32", "shape": {shape}, "data_offsets": [0, 4]}}}}', b'\0' * 4))
+    refused(lambda: read(path), path, FormatError, 'shape')
+    cli_refuses(cli, 'convert', path, tmp_path / 'out.jckpt')
+
+
+@pytest.mark.parametrize('header', [
+    "{'descr': '<f4', 'fortran_order': False, 'shape': (0, 1000000000000000000000000000000), }",
+    "{'descr': '<f4', 'fortran_order': False, 'shape': (" + '1, ' * 70 + "), }",
+    "{'descr': '<f4', 'fortran_order': False, 'shape': (True, 2), }",
+    "{'descr': '<U0', 'fortran_order': False, 'shape': (2,), }",
+], ids=['huge-empty', '70-dims', 'bool-dim', 'U0'])
+def test_npy_shape_or_dtype_numpy_cannot_build(tmp_path, cli, header):
+    path = put(tmp_path, 'a.npy', npy_bytes(header, b'\0' * 8))
+    refused(lambda: read(path), path, FormatError)
+    cli_refuses(cli, 'convert', path, tmp_path / 'out.jckpt')
+
+
+def test_pth_lists_nested_50000_deep(tmp_path, cli):
+    n = 50_000
+    path = put(tmp_path, 'deep.pth', pth_bytes(b']' * n + b'a' * (n - 1)))
+    refused(lambda: read(path), path, FormatError)
+    cli_refuses(cli, 'convert', path, tmp_path / 'out.jckpt')
+
+
+def test_pth_list_containing_itself(tmp_path, cli):
+    path = put(tmp_path, 'self.pth', pth_bytes(b']q\x00h\x00a'))
+    refused(lambda: read(path), path, FormatError)
+    cli_refuses(cli, 'convert', path, tmp_path / 'out.jckpt')
+
+
+def test_pth_shared_sub_lists_expanding_to_2_39_leaves(tmp_path, cli):
+    ops = b']K\x01aq\x00'  # l0 = [1]; then l(i) = [l(i-1), l(i-1)], 39 times
+    for i in range(1, 40):
+        ops += b'](h' + bytes([i - 1]) + b'h' + bytes([i - 1]) + b'eq' + bytes([i])
+    path = put(tmp_path, 'bomb.pth', pth_bytes(ops))
+    assert os.path.getsize(path) < 1000
+    refused(lambda: read(path), path, FormatError, 'shared references')
+    cli_refuses(cli, 'convert', path, tmp_path / 'out.jckpt')
+
+
+def test_pth_dict_mixing_int_and_str_keys(tmp_path, cli):
+    path = put(tmp_path, 'mixed.pth', pth_bytes(b'}K\x01K\x02sX\x01\x00\x00\x00aK\x03s'))
+    refused(lambda: read(path), path, FormatError, 'keys')
+    cli_refuses(cli, 'convert', path, tmp_path / 'out.jckpt')
+
+
+@pytest.mark.parametrize('metrics', ['"abc"', 'null', '{"loss": "abc"}', '{"loss": null}',
+                                     '[' * 5000 + ']' * 5000, '{"loss": ' + '[' * 5000 + ']' * 5000 + '}'],
+                         ids=['string', 'null', 'string-value', 'null-value', 'deep', 'deep-value'])
+def test_manager_metrics_that_are_not_numbers(tmp_path, cli, metrics):
+    from jckpt.services.manager import CheckpointManager
+    directory = tmp_path / 'run'
+    directory.mkdir()
+    write_arrays(directory / 'step_00000001.jckpt', {'a': np.zeros(2, np.float32)},
+                 metadata={'jckpt.step': '1', 'jckpt.metrics': metrics})
+    info = jckpt.info(directory)
+    assert info.steps[0].metrics == {}
+    assert str(directory) in info.render()
+    rc, _out, err = cli('inspect', directory)
+    assert rc == 0, err
+    with CheckpointManager(directory, new_lineage=True) as manager:
+        assert manager.all_steps() == [1]
+
+
+# --- 2. reach ---------------------------------------------------------------------------------------
+
+def one_tensor_safetensors(name: str = 'w') -> bytes:
+    return safetensors_bytes(f'{{"{name}": {{"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}}}',
+                             b'\0' * 4)
+
+
+def test_symlinked_model_safetensors_in_a_directory_is_refused(tmp_path, cli):
+    victim = put(tmp_path, 'victim.safetensors', one_tensor_safetensors())
+    directory = tmp_path / 'model'
+    directory.mkdir()
+    os.symlink(victim, directory / 'model.safetensors')
+    refused(lambda: read(str(directory)), directory, FormatError, 'symbolic link')
+    cli_refuses(cli, 'convert', directory, tmp_path / 'out.jckpt')
+    assert not (tmp_path / 'out.jckpt').exists()
+
+
+def test_symlinked_checkpoint_jckpt_in_an_orbax_item_is_refused(tmp_path, cli):
+    victim = write_arrays(tmp_path / 'victim.jckpt', {'a': np.ones(2, np.float32)})
+    item = tmp_path / 'item'
+    item.mkdir()
+    os.symlink(victim, item / 'checkpoint.jckpt')
+    refused(lambda: read(str(item), format='orbax'), item, FormatError, 'symbolic link')
+    cli_refuses(cli, 'convert', item, tmp_path / 'out.jckpt')
+
+
+def test_converting_a_dotdot_key_to_npz_writes_no_unsafe_member(tmp_path, cli):
+    src = put(tmp_path, 'evil.safetensors', one_tensor_safetensors('../../evil'))
+    out = tmp_path / 'sub' / 'out.npz'
+    out.parent.mkdir()
+    refused(lambda: jckpt.convert(src, str(out)), out, CheckpointError, 'unsafe')
+    assert cli_refuses(cli, 'convert', src, out)
+    assert not out.exists() and not (tmp_path / 'evil.npy').exists()
+    jckpt.convert(src, str(tmp_path / 'fine.jckpt'))  # other formats keep the name as it is
+
+
+def test_inspect_prints_key_paths_escaped(tmp_path, cli):
+    path = write_arrays(tmp_path / 'esc.jckpt', {'w\x1b[2J\x07\u202e': np.zeros(1, np.float32)},
+                        metadata={'note': 'x\x1b]0;title\x07'})
+    rc, out, err = cli('inspect', path)
+    assert rc == 0, err
+    assert '\x1b' not in out and '\x07' not in out and '\u202e' not in out
+    assert '\\x1b[2J' in out
+    assert '\x1b' not in jckpt.info(path).render()
+
+
+# --- 3. memory --------------------------------------------------------------------------------------
+
+def peak_bytes(call) -> int:
+    """The most memory ``call()`` held at once (numpy's buffers included), even when it raises."""
+    import tracemalloc
+    tracemalloc.start()
+    try:
+        call()
+    except CheckpointError:
+        pass
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak
+
+
+def test_alignment_of_a_gigabyte_is_refused(tmp_path, cli):
+    path = put(tmp_path, 'align.jckpt', raw_file(header_text(
+        entry_text(), alignment='(alignment 1073741824)'), b'\0' * 4))
+    refused(lambda: jckpt.info(path), path, FormatError, 'alignment')
+    out = tmp_path / 'out.jckpt'
+    cli_refuses(cli, 'convert', path, out)
+    assert not out.exists()
+    with pytest.raises(CheckpointError, match='alignment'):  # nor will the writer make one
+        jckpt.Context(alignment=1 << 30)
+
+
+def test_directory_index_with_huge_global_dims_allocates_nothing_up_front(tmp_path, cli):
+    path = index_with(tmp_path, b'(global_dims (4 3))', b'(global_dims (8589934592 3))')
+    index = os.path.join(path, INDEX_NAME)
+    raw = open(index, 'rb').read()
+    with open(index, 'wb') as f:
+        f.write(raw_file(raw[4:].rstrip().replace(b'((2 4) (0 3))', b'((2 8589934592) (0 3))'),
+                         align=32))
+    assert peak_bytes(lambda: refused(lambda: jckpt.load(jckpt.Context(), path), path,
+                                      FormatError, 'not in')) < 64 << 20
+    assert peak_bytes(lambda: cli_refuses(cli, 'convert', path, tmp_path / 'out.jckpt')) < 64 << 20
+    assert not jckpt.verify(path).ok
+
+
+def test_padded_entries_are_bounded_per_file_not_per_entry(tmp_path, cli):
+    n = 400
+    entries = [entry_text(id=i, dims='(1000 1000)', padding='(((0 999) (0 999)) 0.)',
+                          offset=4 * i, length=4) for i in range(n)]
+    path = put(tmp_path, 'padded.jckpt', raw_file(header_text(*entries), b'\0' * 4 * n))
+    assert os.path.getsize(path) < 100_000
+    peak = peak_bytes(lambda: refused(lambda: jckpt.load(jckpt.Context(), path), path,
+                                      FormatError, 'padded'))
+    assert peak < 64 << 20
+    cli_refuses(cli, 'convert', path, tmp_path / 'out.npz')
