@@ -91,10 +91,7 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
     items = tree_mod.flatten(tree)
     hosts = placement.host_leaves([(tree_mod.leaf_name(ctx.namespace, p), leaf) for p, leaf in items],
                                   pieces=True)
-    alignment = ctx.alignment if alignment is None else alignment
-    if not valid_alignment(alignment):
-        raise InputError(f"alignment must be a positive integer up to {MAX_ALIGNMENT}, "
-                         f"not {alignment!r}", file=path)
+    alignment = _alignment(ctx.alignment if alignment is None else alignment, path)
     old = CheckpointReader(path) if appending and os.path.exists(path) else None
     entries, sources = _entries(ctx, [p for p, _ in items], hosts,
                                 kept=old.header.tensors if old is not None else (), alignment=alignment)
@@ -109,6 +106,14 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
         _publish(ctx, path, header, sources, progress)
     finally:
         os.close(fd)
+
+
+def _alignment(alignment: Any, path: str) -> int:
+    """``alignment`` when it is one a reader accepts; InputError otherwise."""
+    if not valid_alignment(alignment):
+        raise InputError(f"alignment must be a positive integer up to {MAX_ALIGNMENT}, "
+                         f"not {alignment!r}", file=path)
+    return alignment
 
 
 def _entries(ctx: Context, paths: Sequence[KeyPath], hosts: Sequence[placement.HostLeaf], *,
