@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -60,8 +59,7 @@ from jckpt.format.names import (
     TRAINER_STATE_NAME,
 )
 from jckpt.services.snapshot import HostLeaf
-from jckpt.storage import staging
-from jckpt.storage.publish import fsync_dir, storage_error
+from jckpt.storage import staging, step_directory
 from jckpt.trees import placement
 from jckpt.trees import pytree as tree_mod
 
@@ -148,7 +146,7 @@ class CheckpointLoadOptions:
 
 def is_step_directory(path: str) -> bool:
     """Whether ``path`` is a published step directory of the format layer."""
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, TRAINER_STATE_NAME))
+    return step_directory.is_published(path, TRAINER_STATE_NAME)
 
 
 # --- writing -------------------------------------------------------------------------------------
@@ -170,7 +168,7 @@ def _write_model(options: CheckpointOptions, model: Any, namespace: str, path: s
             adapters.write({namespace: model}, path, format=options.format)
     except Exception as e:
         raise _fail(step, named, f"writing the model as {options.format}", e) from e
-    if not os.path.isfile(path):
+    if not step_directory.is_file(path):
         raise CheckpointError(f"step {step}: the model writer wrote no file", file=named,
                               fix="model_writer(tree, path) must write the file at path")
 
@@ -194,9 +192,8 @@ def stage_step(temporary: str, target: str, step: int, items: Sequence[HostLeaf]
     ``items``/``built`` are the snapshot's host leaves and their entries and
     sources; ``namespace`` is the model's. A failure leaves no staged directory.
     """
-    staging_remove(temporary)  # what an earlier attempt of this job left
+    step_directory.make_staged(temporary)  # what an earlier attempt of this job left is removed
     try:
-        os.makedirs(temporary)
         model = tree_mod.unflatten([(leaf.path, leaf.array) for leaf in items
                                     if leaf.namespace == namespace])
         _write_model(options, model, namespace, os.path.join(temporary, options.model_file), step,
@@ -209,41 +206,26 @@ def stage_step(temporary: str, target: str, step: int, items: Sequence[HostLeaf]
                                 [entries[i] for i in rest], [sources[i] for i in rest],
                                 metadata=metadata, alignment=alignment, durable=False)
         record = step_record(step, options, namespace, optimizer, metadata)
-        with open(os.path.join(temporary, TRAINER_STATE_NAME), 'w', encoding='utf-8') as f:
-            json.dump(record, f, indent=2, sort_keys=True)
-            f.write('\n')
-    except OSError as e:
-        staging_remove(temporary)
-        raise storage_error(e, f"writing step {step}", target) from e
+        step_directory.write_text(os.path.join(temporary, TRAINER_STATE_NAME),
+                                  json.dumps(record, indent=2, sort_keys=True) + '\n')
+    except CheckpointError as e:
+        step_directory.remove_staged_dir(temporary)
+        if e.file is not None and e.file.startswith(temporary):  # name the step, not its staging
+            e.file = target + e.file[len(temporary):]
+        raise
     except BaseException:
-        staging_remove(temporary)
+        step_directory.remove_staged_dir(temporary)
         raise
 
 
 def finish_step(temporary: str, target: str, *, durable: bool) -> None:
-    """fsync every file of a staged step directory and the directory, rename it to ``target``."""
-    try:
-        if durable:
-            for name in os.listdir(temporary):
-                fd = os.open(os.path.join(temporary, name), os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            fsync_dir(temporary)
-        os.rename(temporary, target)
-        if durable:
-            fsync_dir(os.path.dirname(os.path.abspath(target)))
-    except OSError as e:
-        raise storage_error(e, "publishing the step directory", target) from e
+    """Publish a staged step directory as ``target``: every file durable, then one rename."""
+    step_directory.publish_dir(temporary, target, durable=durable)
 
 
 def staging_remove(temporary: str) -> None:
-    """Remove a staged step directory (or file) that will not be published; gone already is fine."""
-    if os.path.isdir(temporary) and not os.path.islink(temporary):
-        shutil.rmtree(temporary, ignore_errors=True)
-    else:
-        staging.discard_staged(temporary)
+    """Remove a staged step directory (or file) that will not be published."""
+    step_directory.remove_staged_dir(temporary)
 
 
 # --- reading -------------------------------------------------------------------------------------
@@ -252,11 +234,9 @@ def read_record(path: str, step: int | None = None) -> dict[str, Any]:
     """The checked content of a step directory's ``trainer_state.json``."""
     file = os.path.join(path, TRAINER_STATE_NAME)
     where = f"step {step}" if step is not None else "the step"
+    text = step_directory.read_text(file)
     try:
-        with open(file, encoding='utf-8') as f:
-            record = json.load(f)
-    except OSError as e:
-        raise storage_error(e, f"reading {where}'s trainer state", file) from e
+        record = json.loads(text)
     except ValueError as e:
         raise FormatError(f"{where}: {TRAINER_STATE_NAME} is not valid JSON ({e})", file=file,
                           fix="the step is damaged: restore an earlier step") from None
@@ -287,7 +267,7 @@ def read_metadata(path: str, step: int | None = None) -> dict[str, str]:
 def _read_model(path: str, file: str, record: Mapping[str, Any], options: CheckpointLoadOptions,
                 step: int) -> Any:
     """The model subtree of a step, read by the reader its magic picks (or the loader)."""
-    if not os.path.isfile(file):
+    if not step_directory.is_file(file):
         raise FormatError(f"step {step} has no model file {record['model']}", file=file,
                           fix="the step is damaged: restore an earlier step")
     try:
@@ -346,7 +326,8 @@ def load_step(ctx: Context, path: str, step: int, target: Any, *,
     record = read_record(path, step)
     model_ns, optimizer = record['model_namespace'], record.get('optimizer')
     opt_file = os.path.join(path, OPTIMIZER_NAME)
-    with_opt = options.load_optimizer_state and optimizer is not None and os.path.isfile(opt_file)
+    with_opt = (options.load_optimizer_state and optimizer is not None
+                and step_directory.is_file(opt_file))
     if target is not None and namespaces is None and ctx.namespace != model_ns:
         namespaces = [ctx.namespace]  # the target is another namespace than the model's
         target = {ctx.namespace: target}
