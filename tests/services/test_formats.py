@@ -320,3 +320,46 @@ def test_staged_and_half_deleted_step_directories_are_cleared_on_open(tmp_path):
     with jckpt.CheckpointManager(tmp_path) as mgr:
         assert mgr.all_steps() == [1, 2]
     assert sorted(os.listdir(tmp_path)) == ['step_00000001.jckpt', 'step_00000002.jckpt']
+
+
+KILLED_WRITER = r'''
+import sys, time
+import numpy as np
+import jckpt
+from jckpt.services.formats import CheckpointOptions
+
+def stuck(tree, path):
+    with open(path, 'wb') as f:
+        f.write(b'half a model')
+    print('writing', flush=True)
+    time.sleep(600)
+
+mgr = jckpt.CheckpointManager(sys.argv[1], options=CheckpointOptions(format='npz'))
+mgr.save(1, items={'model': {'w': np.ones(2, np.float32)}, 'opt': {'m': np.zeros(2, np.float32)}})
+mgr.wait_durable()
+mgr.save(2, items={'model': {'w': np.ones(2, np.float32) * 2}, 'opt': {'m': np.zeros(2, np.float32)}},
+         options=CheckpointOptions(format='npz', model_writer=stuck))
+time.sleep(600)
+'''
+
+
+def test_a_kill_during_a_step_leaves_the_previous_step_and_no_half_step(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(jckpt.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get('PYTHONPATH', '')]))
+    child = subprocess.Popen([sys.executable, '-c', KILLED_WRITER, str(tmp_path)], env=env,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == 'writing'
+        assert any('jckpt-next' in n for n in os.listdir(tmp_path))  # step 2 is being staged
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert not (tmp_path / 'step_00000002.jckpt').exists()  # no half step visible
+    with jckpt.CheckpointManager(tmp_path) as mgr:
+        assert mgr.all_steps() == [1]
+        assert mgr.restore().tree['model']['w'][0] == 1
+        mgr.save(2, {'w': np.ones(2)})
+    assert sorted(os.listdir(tmp_path)) == ['step_00000001.jckpt', 'step_00000002.jckpt']
