@@ -288,7 +288,8 @@ def _read_model(path: str, file: str, record: Mapping[str, Any], options: Checkp
     return tree[next(iter(tree))] if len(tree) == 1 else tree
 
 
-def _fill(ctx: Context, target: Any, model: Any, file: str, step: int, cast: bool) -> Any:
+def _fill(ctx: Context, target: Any, model: Any, file: str, step: int, cast: bool,
+          namespace: str) -> Any:
     """``target``'s structure filled from the model subtree read (shapes, dtypes, placement)."""
     stored = {}
     for p, array in tree_mod.flatten(model):
@@ -296,11 +297,11 @@ def _fill(ctx: Context, target: Any, model: Any, file: str, step: int, cast: boo
     items, treedef = tree_mod.flatten_with_treedef(target)
     requests = []
     for p, leaf in items:
-        where = tree_mod.leaf_name(ctx.namespace, p)
+        where = tree_mod.leaf_name(namespace, p)
         array = stored.get(p, stored.get(tree_mod.loose_path(p)))
         if array is None:
             raise MissingEntryError(f"step {step}: the model has no leaf {where}", file=file,
-                                    entry=where, fix="the model loader returned another tree")
+                                    entry=where, fix="the target must have the saved model's structure")
         shape, dtype = tuple(np.shape(leaf)), np.dtype(getattr(leaf, 'dtype', array.dtype))
         if array.shape != shape:
             raise MismatchError(f"step {step}: {where} is {list(array.shape)}, the target "
@@ -346,7 +347,7 @@ def load_step(ctx: Context, path: str, step: int, target: Any, *,
         file = os.path.join(path, record['model'])
         model = _read_model(path, file, record, options, step)
         part = None if target is None else (target if namespaces is None else target[model_ns])
-        out[model_ns] = model if part is None else _fill(ctx, part, model, file, step, cast)
+        out[model_ns] = model if part is None else _fill(ctx, part, model, file, step, cast, model_ns)
     if with_opt and (names is None or rest):
         out.update(_load_optimizer(ctx, opt_file, target, rest if names else None, cast))
     return out[model_ns] if target is not None and namespaces is None else out
