@@ -363,3 +363,22 @@ def test_a_kill_during_a_step_leaves_the_previous_step_and_no_half_step(tmp_path
         assert mgr.restore().tree['model']['w'][0] == 1
         mgr.save(2, {'w': np.ones(2)})
     assert sorted(os.listdir(tmp_path)) == ['step_00000001.jckpt', 'step_00000002.jckpt']
+
+
+def test_step_directories_carry_the_lineage_and_the_lease(tmp_path):
+    from jckpt.errors import InUseError, LineageError
+    opts = CheckpointOptions(format='npz')
+    with jckpt.CheckpointManager(tmp_path, options=opts, lineage='run-a') as mgr:
+        mgr.save(1, {'w': np.ones(2, np.float32)})
+        mgr.wait_durable()
+        with pytest.raises(InUseError):
+            jckpt.CheckpointManager(tmp_path, options=opts)
+    record = json.loads((tmp_path / 'step_00000001.jckpt' / 'trainer_state.json').read_text())
+    assert record['metadata']['jckpt.lineage'] == 'run-a'
+    with pytest.raises(LineageError):
+        jckpt.CheckpointManager(tmp_path, lineage='run-b')
+    with jckpt.CheckpointManager(tmp_path, options=opts) as mgr:
+        assert mgr.lineage == 'run-a' and mgr.counters.generation == 1
+        mgr.save(2, {'w': np.ones(2, np.float32)})
+    assert json.loads((tmp_path / 'step_00000002.jckpt' / 'trainer_state.json').read_text())[
+        'metadata']['jckpt.generation'] == '2'
