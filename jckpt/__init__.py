@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from jckpt.api.context import Context, Registry
     from jckpt.api.loading import describe, ingestion_counts, load, restore
     from jckpt.api.saving import save
+    from jckpt.services.formats import CheckpointLoadOptions, CheckpointOptions
     from jckpt.services.manager import CheckpointManager, Restored
     from jckpt.services.mirror import Mirror, MirrorCounters
     from jckpt.services.trainer_state import TrainerState
@@ -62,6 +63,7 @@ _LAZY = {
     'verify': 'jckpt.tools.verify',
     'Mirror': 'jckpt.services.mirror', 'MirrorCounters': 'jckpt.services.engine',
     'CheckpointManager': 'jckpt.services.manager', 'Restored': 'jckpt.services.manager',
+    'CheckpointOptions': 'jckpt.services.formats', 'CheckpointLoadOptions': 'jckpt.services.formats',
     'TrainerState': 'jckpt.services.trainer_state',
 }
 
@@ -81,7 +83,8 @@ def __dir__() -> list[str]:
 
 __all__ = [
     'convert', 'detect_format', 'register_format',
-    'CheckpointManager', 'Mirror', 'MirrorCounters', 'Restored', 'TrainerState',
+    'CheckpointLoadOptions', 'CheckpointManager', 'CheckpointOptions', 'Mirror', 'MirrorCounters',
+    'Restored', 'TrainerState',
     'CapacityError', 'CheckpointError', 'ChecksumError', 'ClashError', 'Context',
     'DistributedError', 'consolidate',
     'FormatError', 'InUseError', 'InputError', 'LineageError', 'MismatchError',

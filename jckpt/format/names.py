@@ -36,6 +36,14 @@ def piece_name(process: int, layer: int = 0) -> str:
 STEP_RE = re.compile(r'step_([0-9]{8,})\.jckpt\Z')  # ASCII digits only, as step_name writes
 
 
+#: A step whose model is in a foreign format is a directory of three files: the model
+#: (``model.<ext>``), the other namespaces (``optimizer.jckpt``) and ``trainer_state.json``,
+#: which is written last into the staged directory and marks the step as complete.
+MODEL_STEM = 'model'
+OPTIMIZER_NAME = 'optimizer.jckpt'
+TRAINER_STATE_NAME = 'trainer_state.json'
+
+
 def step_name(step: int) -> str:
     """The file (or directory) name of ``step``: ``step_00000100.jckpt``."""
     return f"step_{step:08d}.jckpt"

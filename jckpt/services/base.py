@@ -87,9 +87,7 @@ class BackgroundWriter(Generic[InfoT]):
             latest = self._recover()
             found, digest = None, None
             if latest is not None and not new_lineage:
-                header = api.describe(latest)
-                found = header.metadata_dict()
-                digest = content_digest(header.tensors, found)
+                found, digest = self._describe(latest)
             opened = open_lineage(found, file=latest or name, lineage=lineage,
                                   new_lineage=new_lineage, holder=self._holder)
             self.lineage = opened.name
@@ -110,6 +108,27 @@ class BackgroundWriter(Generic[InfoT]):
     def _target(self, info: InfoT) -> str:
         """The path the generation of a job with `info` is published to."""
         raise NotImplementedError
+
+    def _describe(self, path: str) -> tuple[dict[str, str], Digest | None]:
+        """The metadata and content digest of the checkpoint at ``path`` (the latest one)."""
+        header = api.describe(path)
+        found = header.metadata_dict()
+        return found, content_digest(header.tensors, found)
+
+    def _write_staged(self, temporary: str, target: str, job: Job[InfoT],
+                      metadata: Mapping[str, str]) -> None:
+        """Write ``job`` under ``temporary`` with ``metadata`` (default: one jckpt file)."""
+        entries, sources = job.built
+        staging.stage_items(temporary, target, entries, sources, metadata=metadata,
+                            alignment=self.ctx.alignment)
+
+    def _finish_staged(self, staged: Staged[InfoT]) -> None:
+        """Make ``staged.temporary`` durable and rename it to its target."""
+        staging.finish_staged(staged.temporary, staged.target, durable=self.ctx.durable)
+
+    def _discard_staged(self, staged: Staged[InfoT]) -> None:
+        """Remove ``staged.temporary``."""
+        staging.discard_staged(staged.temporary)
 
     def _on_published(self, staged: Staged[InfoT]) -> None:
         """Called once `staged` is durable (on the publishing thread)."""
@@ -168,16 +187,14 @@ class BackgroundWriter(Generic[InfoT]):
 
     def stage(self, job: Job[InfoT]) -> Staged[InfoT]:
         """Write the job's generation under a temporary name, not yet durable."""
-        entries, sources = job.built
+        entries, _ = job.built
         digest = content_digest(entries, job.metadata)
         target = self._target(job.info)
         if self._dedupe and digest == self._staged.digest:
             return Staged(None, target, self._staged.generation, digest, job.info)
         generation = self._staged.generation + 1
         temporary = staging.next_name(target, job.seq)
-        staging.stage_items(temporary, target, entries, sources,
-                            metadata=self._stamped(job.metadata, generation),
-                            alignment=self.ctx.alignment)
+        self._write_staged(temporary, target, job, self._stamped(job.metadata, generation))
         self._staged = _Head(generation, digest)
         return Staged(temporary, target, generation, digest, job.info)
 
@@ -185,7 +202,7 @@ class BackgroundWriter(Generic[InfoT]):
         """Make a staged generation durable and put it in place; its number (`None`: none written)."""
         if staged.temporary is None:
             return None
-        staging.finish_staged(staged.temporary, staged.target, durable=self.ctx.durable)
+        self._finish_staged(staged)
         self._published = _Head(staged.generation, staged.digest)
         self._on_published(staged)
         return staged.generation
@@ -193,7 +210,7 @@ class BackgroundWriter(Generic[InfoT]):
     def discard(self, staged: Staged[InfoT]) -> None:
         """Remove a staged generation that will not be published."""
         if staged.temporary is not None:
-            staging.discard_staged(staged.temporary)
+            self._discard_staged(staged)
 
     def rollback(self) -> None:
         """Stage the next job from the last published generation again."""

@@ -5,6 +5,9 @@ name for a multi-process save), published atomically; saves go through the
 mirror's machinery (a host snapshot in a free slot, then a background writer),
 so training blocks only for the device-to-host copy. Metrics and a
 `TrainerState` travel in the file's metadata.
+With `options=CheckpointOptions(format="llmc")` (or another registered format) a
+step is instead a directory whose model file another toolchain reads directly,
+beside `optimizer.jckpt` and `trainer_state.json` (`jckpt.services.formats`).
 
 >>> import tempfile, numpy as np
 >>> d = tempfile.mkdtemp()
@@ -38,32 +41,29 @@ from typing import Any
 
 import jax
 
-from jckpt import api
 from jckpt.api.context import Context, check_context
 from jckpt.api.multiprocess import save_directory
 from jckpt.errors import CheckpointError, FormatError, InputError, StorageError
-from jckpt.format.metadata import parse_metrics
 from jckpt.format.names import (
     INDEX_NAME,
     METRICS_KEY,
-    NEXT_TAG,
-    STAGE_DIR_TAG,
-    STAGE_TAG,
     STEP_KEY,
     STEP_RE,
     TRAINER_STATE_KEY,
+    TRAINER_STATE_NAME,
     step_name,
 )
+from jckpt.services import formats, steps
 from jckpt.services.base import BackgroundWriter, Staged, check_metadata
+from jckpt.services.engine import Job
+from jckpt.services.formats import CheckpointLoadOptions, CheckpointOptions
 from jckpt.services.lineage import MANAGER_STEP
 from jckpt.services.preemption import Preemption
 from jckpt.services.retention import Retention, check_metrics, check_step, ranked
-from jckpt.services.snapshot import namespace_leaves
+from jckpt.services.snapshot import Digest, namespace_leaves
 from jckpt.services.trainer_state import TrainerState
 from jckpt.storage.backend import backend_for, checked_path
-from jckpt.storage.directory import reclaim_stage_dirs
-from jckpt.storage.publish import fsync_dir, reclaim_staging, storage_error
-from jckpt.storage.staging import remove_staged
+from jckpt.storage.publish import fsync_dir, storage_error
 
 log = logging.getLogger('jckpt')
 
@@ -90,15 +90,15 @@ class Restored:
 
 @dataclasses.dataclass(frozen=True)
 class _Step:
-    """What a snapshot job carries for the manager: its step and the metrics saved with it."""
+    """What a snapshot job carries for the manager: its step, metrics and how to write it.
+
+    ``model_namespace`` is the namespace written as the model of a foreign-format step.
+    """
 
     step: int
     metrics: Mapping[str, float]
-
-
-def _read_metadata(path: str) -> dict[str, str]:
-    """A step's header metadata (a file, or a directory's index)."""
-    return api.describe(path).metadata_dict()
+    options: CheckpointOptions
+    model_namespace: str
 
 
 class CheckpointManager(BackgroundWriter[_Step]):
@@ -130,6 +130,11 @@ class CheckpointManager(BackgroundWriter[_Step]):
       directory_steps: write each step as a multi-process directory checkpoint
         (`jckpt.api.multiprocess`), synchronously, from every process. Default:
         when `jax.process_count() > 1`. Only process 0 deletes old steps.
+      options: how steps are written (`jckpt.CheckpointOptions`: one jckpt file, or a
+        directory with the model in another format; see `jckpt.services.formats`);
+        `save` may override it.
+      load_options: how step directories are read (`jckpt.CheckpointLoadOptions`);
+        `restore` may override it.
 
     Only one manager may write a directory at a time
     (`InUseError` otherwise). A URL no storage backend
@@ -159,8 +164,12 @@ class CheckpointManager(BackgroundWriter[_Step]):
                  best_mode: str = 'min', save_interval_steps: int = 1, asynchronous: bool = True,
                  slots: int = 2, when_full: str = 'block', retry_after: float = 1.0,
                  patience: int = 3, lineage: str | None = None, new_lineage: bool = False,
-                 handle_sigterm: bool = False, directory_steps: bool | None = None) -> None:
+                 handle_sigterm: bool = False, directory_steps: bool | None = None,
+                 options: CheckpointOptions | None = None,
+                 load_options: CheckpointLoadOptions | None = None) -> None:
         self.directory = checked_path(directory)
+        self.options = steps.checked(options, CheckpointOptions, 'options')
+        self.load_options = steps.checked(load_options, CheckpointLoadOptions, 'load_options')
         backend = backend_for(self.directory)  # a URL is refused before the directory is made
         ctx = check_context(ctx) if ctx is not None else None  # so is a ctx that is not a Context
         self.process_index, self.process_count = jax.process_index(), jax.process_count()
@@ -199,35 +208,11 @@ class CheckpointManager(BackgroundWriter[_Step]):
         return os.path.join(self.directory, step_name(step))
 
     def _recover(self) -> str | None:
-        self._clean_staging()
+        if self.process_index == 0:
+            steps.clean_staging(self.backend, self.directory)
         self._scan()
         latest = self.latest_step()
         return None if latest is None else self._path(latest)
-
-    def _clean_staging(self) -> None:
-        """Remove staging files and directories of steps whose writer died (incomplete steps)."""
-        if self.process_index != 0:
-            return
-        files, dirs = set(), set()
-        for name in self.backend.list(self.directory):
-            path = os.path.join(self.directory, name)
-            if STEP_RE.match(name) and self.backend.isdir(path) and not os.path.islink(path) \
-                    and not os.path.exists(os.path.join(path, INDEX_NAME)):
-                log.info("jckpt: removing the half-deleted step directory %s", path)
-                self.backend.remove(path)  # published directories have an index
-                continue
-            head, sep, _ = name.partition(NEXT_TAG)
-            if sep and STEP_RE.match(head):
-                remove_staged(os.path.join(self.directory, head))
-                continue
-            for tag, found in ((STAGE_TAG, files), (STAGE_DIR_TAG, dirs)):
-                head, sep, _ = name.partition(tag)
-                if sep and STEP_RE.match(head):
-                    found.add(os.path.join(self.directory, head))
-        for target in sorted(files):
-            reclaim_staging(target)
-        for target in sorted(dirs):
-            reclaim_stage_dirs(target)
 
     def _scan(self) -> None:
         found: dict[int, dict[str, float]] = {}
@@ -237,11 +222,11 @@ class CheckpointManager(BackgroundWriter[_Step]):
                 continue
             path = os.path.join(self.directory, name)
             try:
-                meta = _read_metadata(path)
+                meta = steps.read_metadata(path)
             except CheckpointError as e:
                 log.warning("jckpt: ignoring unreadable step %s: %s", name, e)
                 continue
-            found[int(m.group(1))] = _parse_metrics(meta.get(METRICS_KEY), path)
+            found[int(m.group(1))] = steps.parse_metrics(meta.get(METRICS_KEY), path)
         with self._lock:
             self._metrics = found
 
@@ -287,14 +272,17 @@ class CheckpointManager(BackgroundWriter[_Step]):
              metrics: Mapping[str, float] | None = None,
              trainer_state: TrainerState | None = None,
              metadata: Mapping[str, str] | None = None, force: bool = False,
-             timeout: float | None = None) -> bool:
+             timeout: float | None = None, options: CheckpointOptions | None = None) -> bool:
         """Snapshot `tree` as `step` and write it in the background; True if it will be saved.
 
         Call it every step: it writes only when `should_save` says so
         (or with `force`). `tree` goes under `ctx.namespace`; `items`
         (`{namespace: subtree}`) puts subtrees in namespaces of their own,
         so that one can later be restored without the others. Blocks only for
-        the device-to-host copy (and a free slot).
+        the device-to-host copy (and a free slot). ``options`` overrides the
+        manager's :class:`~jckpt.CheckpointOptions` for this step: with a foreign
+        format, ``tree`` is the model, or ``items[options.model_namespace]`` is
+        and the other items are the optimizer state.
 
         Raises:
             InputError: for a step not above every step already saved.
@@ -308,6 +296,8 @@ class CheckpointManager(BackgroundWriter[_Step]):
         if items is not None and not isinstance(items, Mapping):
             raise InputError(f"items must be {{namespace: subtree}}, not {type(items).__name__}",
                              file=self.directory, fix="pass items={'params': params, ...}")
+        options = steps.checked(options, CheckpointOptions, 'options', self.options)
+        model_ns = self._model_namespace(options, items)
         meta = check_metadata(metadata, self.directory)
         clean_metrics = check_metrics(metrics, self.directory)
         meta[STEP_KEY] = str(step)
@@ -321,11 +311,28 @@ class CheckpointManager(BackgroundWriter[_Step]):
             self._save_directory(step, tree, items, meta, clean_metrics)
             return True
         leaves = namespace_leaves(items if items is not None else {self.ctx.namespace: tree})
-        self._pipeline.admit(leaves, meta, _Step(step, clean_metrics), timeout=timeout)
+        self._pipeline.admit(leaves, meta, _Step(step, clean_metrics, options, model_ns),
+                             timeout=timeout)
         self._last_admitted = step
         if not self.asynchronous:
             self._pipeline.wait()
         return True
+
+    def _model_namespace(self, options: CheckpointOptions,
+                         items: Mapping[str, Any] | None) -> str:
+        """The namespace a foreign-format step writes as its model ('' for jckpt steps)."""
+        if not options.foreign:
+            return ''
+        if self.directory_steps:
+            raise InputError("multi-process directory steps are jckpt only", file=self.directory,
+                             fix='use CheckpointOptions(format="jckpt") with several processes')
+        if items is None:
+            return self.ctx.namespace
+        if options.model_namespace not in items:
+            raise InputError(f"items has no model namespace {options.model_namespace!r}",
+                             file=self.directory, fix="pass the model as items[model_namespace], "
+                             "or set CheckpointOptions(model_namespace=...)")
+        return options.model_namespace
 
     def _check_next(self, step: int) -> None:
         """Refuse a step not above every step saved or on disk."""
@@ -354,6 +361,28 @@ class CheckpointManager(BackgroundWriter[_Step]):
     def _target(self, info: _Step) -> str:
         return self._path(info.step)
 
+    def _describe(self, path: str) -> tuple[dict[str, str], Digest | None]:
+        if formats.is_step_directory(path):
+            return formats.read_metadata(path), None
+        return super()._describe(path)
+
+    def _write_staged(self, temporary: str, target: str, job: Job[_Step],
+                      metadata: Mapping[str, str]) -> None:
+        info = job.info
+        if not info.options.foreign:
+            return super()._write_staged(temporary, target, job, metadata)
+        formats.stage_step(temporary, target, info.step, job.items, job.built, options=info.options,
+                           namespace=info.model_namespace, metadata=metadata,
+                           alignment=self.ctx.alignment)
+
+    def _finish_staged(self, staged: Staged[_Step]) -> None:
+        if not staged.info.options.foreign:
+            return super()._finish_staged(staged)
+        formats.finish_step(staged.temporary, staged.target, durable=self.ctx.durable)
+
+    def _discard_staged(self, staged: Staged[_Step]) -> None:
+        formats.staging_remove(staged.temporary)
+
     def _on_published(self, staged: Staged[_Step]) -> None:
         self._record(staged.info.step, staged.info.metrics)
 
@@ -376,8 +405,9 @@ class CheckpointManager(BackgroundWriter[_Step]):
             if self.process_index != 0:  # every process drops it; process 0 deletes it
                 continue
             path = self._path(s)
-            if self.backend.isdir(path):  # the index first: a half-deleted directory is no step
-                self.backend.remove(os.path.join(path, INDEX_NAME))
+            if self.backend.isdir(path):  # the marker first: a half-deleted directory is no step
+                for marker in (INDEX_NAME, TRAINER_STATE_NAME):
+                    self.backend.remove(os.path.join(path, marker))
             self.backend.remove(path)
         if doomed and self.ctx.durable and self.process_index == 0:
             fsync_dir(self.directory)
@@ -387,7 +417,8 @@ class CheckpointManager(BackgroundWriter[_Step]):
     def restore(self, step: int | None = None, target: Any = None, *,
                 namespaces: Sequence[str] | None = None,
                 layout: TrainerState | tuple[int, int, int] | None = None,
-                reshard: bool = True, ctx: Context | None = None, cast: bool = False) -> Restored:
+                reshard: bool = True, ctx: Context | None = None, cast: bool = False,
+                options: CheckpointLoadOptions | None = None) -> Restored:
         """Read `step` (default: the latest durable one).
 
         Args:
@@ -404,6 +435,8 @@ class CheckpointManager(BackgroundWriter[_Step]):
             `False` refuses with `MismatchError`.
           ctx: placement and namespace (default the manager's).
           cast: convert to the target's dtypes instead of refusing a mismatch.
+          options: overrides the manager's :class:`~jckpt.CheckpointLoadOptions`
+            for a step directory (a model loader; the model without the optimizer).
 
         Example:
             ```python
@@ -421,21 +454,17 @@ class CheckpointManager(BackgroundWriter[_Step]):
         if not os.path.exists(path):
             raise FormatError(f"no step {step}", file=self.directory,
                               fix=f"pick one of {self.all_steps()[-5:]}")
-        meta = _read_metadata(path)
+        meta = steps.read_metadata(path, step)
         state = None
         if TRAINER_STATE_KEY in meta:
             state = TrainerState.from_json(meta[TRAINER_STATE_KEY], file=path)
             if layout is not None:
                 state = state.check_layout(layout, reshard=reshard, file=path)
-        if namespaces is None:
-            tree = (api.load(ctx, path)[1] if target is None
-                    else api.restore(ctx, target, path, cast=cast))
-        else:
-            tree = (api.load(ctx, path, namespaces=namespaces)[1] if target is None
-                    else api.restore(ctx, target, path, cast=cast, namespaces=namespaces))
+        options = steps.checked(options, CheckpointLoadOptions, 'options', self.load_options)
+        tree = steps.read_tree(ctx, path, step, target, namespaces, cast, options)
         user = {k: v for k, v in meta.items() if not k.startswith('jckpt.')}
         return Restored(step=step, tree=tree, trainer_state=state,
-                        metrics=_parse_metrics(meta.get(METRICS_KEY), path), metadata=user)
+                        metrics=steps.parse_metrics(meta.get(METRICS_KEY), path), metadata=user)
 
 
     # --- preemption ------------------------------------------------------------
@@ -459,12 +488,5 @@ class CheckpointManager(BackgroundWriter[_Step]):
                 f"{self.counters})")
 
 
-def _parse_metrics(text: str | None, path: str) -> dict[str, float]:
-    metrics = parse_metrics(text)
-    if metrics is None:
-        log.warning("jckpt: unreadable metrics in %s", path)
-        return {}
-    return metrics
-
-
-__all__ = ['CheckpointManager', 'Restored', 'step_name']
+__all__ = ['CheckpointLoadOptions', 'CheckpointManager', 'CheckpointOptions', 'Restored',
+           'step_name']

@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import json
 import os
 from typing import Any
 
 from jckpt.errors import CheckpointError, InputError
+from jckpt.format.limits import json_loads
 from jckpt.format.metadata import parse_metrics
-from jckpt.format.names import METRICS_KEY, STEP_RE
+from jckpt.format.names import GENERATION_KEY, LINEAGE_KEY, METRICS_KEY, STEP_RE, TRAINER_STATE_NAME
+from jckpt.storage import step_directory
 from jckpt.storage.backend import backend_for
 from jckpt.tools.render import REPR_ROWS, VALUE_WIDTH, html_table, human_bytes, plural, shorten, text_table
 from jckpt.tools.summary import DirectoryInfo, FileInfo, directory_info, file_info, known_metadata, tree_size
@@ -43,7 +46,8 @@ class StepInfo:
     Attributes:
       step: the step number (from the name ``step_00000100.jckpt``).
       path: the step's file (or directory, for a multi-process save).
-      kind: ``'file'`` or ``'directory'``.
+      kind: ``'file'``, ``'directory'`` (multi-process) or ``'model'`` (a step
+        directory with the model in another format, :mod:`jckpt.services.formats`).
       size: bytes on disk (all files, for a directory).
       entries, payload_bytes: from the step's header (None when unknown).
       metrics: the metrics saved with the step.
@@ -61,6 +65,7 @@ class StepInfo:
     generation: int | None = None
     lineage: str | None = None
     error: str | None = None
+    model: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -124,6 +129,8 @@ class ManagerInfo:
             notes = [n for n, hit in (('latest', s.step == latest), ('best', s.step == best)) if hit]
             if s.kind == 'directory':
                 notes.append('multi-process')
+            if s.kind == 'model':
+                notes.append(f"model: {s.model}")
             if s.error is not None:
                 notes.append(f"unreadable: {shorten(s.error, 60)}")
             rows.append([str(s.step), human_bytes(s.size),
@@ -171,6 +178,8 @@ class ManagerInfo:
 
 def step_info(step: int, path: str) -> StepInfo:
     """The :class:`StepInfo` of one manager step (never raises for a damaged step)."""
+    if step_directory.is_published(path, TRAINER_STATE_NAME):
+        return _model_step_info(step, path)
     kind = 'directory' if os.path.isdir(path) else 'file'
     try:
         fi: FileInfo | DirectoryInfo = directory_info(path) if kind == 'directory' \
@@ -184,6 +193,21 @@ def step_info(step: int, path: str) -> StepInfo:
     generation = known.get('generation')
     return StepInfo(step, path, kind, fi.size, len(fi.entries), fi.payload_bytes, metrics,
                     generation if isinstance(generation, int) else None, known.get('lineage'))
+
+
+def _model_step_info(step: int, path: str) -> StepInfo:
+    """A step directory's :class:`StepInfo`, from its ``trainer_state.json`` (never raises)."""
+    size = tree_size(path)
+    try:
+        record = json_loads(step_directory.read_text(os.path.join(path, TRAINER_STATE_NAME)))
+        meta, metrics = record['metadata'], record.get('metrics') or {}
+        generation = meta.get(GENERATION_KEY)
+        metrics = parse_metrics(json.dumps(metrics)) if isinstance(metrics, dict) else None
+        return StepInfo(step, path, 'model', size, metrics=metrics or {},
+                        generation=int(generation) if generation else None,
+                        lineage=meta.get(LINEAGE_KEY), model=str(record['model']))
+    except (CheckpointError, ValueError, TypeError, KeyError, AttributeError) as e:
+        return StepInfo(step, path, 'model', size, error=f"{TRAINER_STATE_NAME}: {e}")
 
 
 def manager_info(path: str | os.PathLike, *, best_metric: str | None = None,

@@ -71,6 +71,17 @@ def services(directory: str) -> None:
         state: jckpt.TrainerState | None = restored.trainer_state
         del will_save, latest, best, state
 
+    options = jckpt.CheckpointOptions(format="safetensors", model_writer=None,
+                                      save_optimizer_state=True)
+    load_options = jckpt.CheckpointLoadOptions(model_loader=None, load_optimizer_state=False)
+    with jckpt.CheckpointManager(os.path.join(directory, "hf_steps"), options=options,
+                                 load_options=load_options) as mgr:
+        mgr.save(1, items={"model": {"w": jnp.ones(2)}, "opt": {"b": np.zeros(2, np.float32)}},
+                 options=options)
+        mgr.wait_durable()
+        model_only: jckpt.Restored = mgr.restore(options=load_options)
+        del model_only
+
     safetensors_path = os.path.join(directory, "w.safetensors")
     formats: tuple[str, str] = jckpt.convert(mirror_path, safetensors_path)
     detected: str = jckpt.detect_format(safetensors_path)

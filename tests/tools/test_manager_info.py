@@ -147,3 +147,21 @@ def test_several_lineages_are_named(tmp_path):
     _step(tmp_path, 1, {}, **{'jckpt.lineage': 'b'})
     _step(tmp_path, 2, {}, **{'jckpt.lineage': 'a'})
     assert 'lineages: a, b' in repr(manager_info(tmp_path))
+
+
+def test_step_directories_with_a_foreign_model_are_summarised_from_their_record(tmp_path):
+    with jckpt.CheckpointManager(tmp_path, asynchronous=False,
+                                 options=jckpt.CheckpointOptions(format='npz')) as mgr:
+        mgr.save(10, items={'model': {'w': np.ones(2, np.float32)}, 'opt': {'m': np.ones(2)}},
+                 metrics={'loss': 0.5})
+        mgr.save(20, {'w': np.ones(2, np.float32)}, metrics={'loss': 0.7},
+                 options=jckpt.CheckpointOptions())
+    s = manager_info(tmp_path)
+    first = s.steps[0]
+    assert (first.kind, first.model, first.metrics, first.generation) == ('model', 'model.npz',
+                                                                          {'loss': 0.5}, 1)
+    assert first.lineage == s.steps[1].lineage is not None and first.error is None
+    assert s.best == 10 and 'model: model.npz' in repr(s)
+    (tmp_path / step_name(10) / 'trainer_state.json').write_text('{')
+    damaged = step_info(10, str(tmp_path / step_name(10)))
+    assert damaged.kind == 'model' and damaged.error.startswith('trainer_state.json: ')

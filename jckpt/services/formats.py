@@ -1,0 +1,368 @@
+"""The format layer of the checkpoint manager: a step whose model another toolchain reads directly.
+
+A manager step is one jckpt file by default. With
+``CheckpointOptions(format="llmc")`` (or ``"safetensors"``, ``"torch"``/``"pth"``,
+``"npz"``, any format added with :func:`jckpt.register_format`) a step is a
+directory instead::
+
+    step_00000100.jckpt/
+      model.bin            the model namespace, written by the format's writer
+                           (or by CheckpointOptions.model_writer(tree, path))
+      optimizer.jckpt      every other namespace (when save_optimizer_state)
+      trainer_state.json   the TrainerState fields, the metrics and the metadata
+
+The directory is staged under a temporary name next to the step, every file
+and the directory are fsynced, and it is renamed into place whole, so a reader
+sees the complete step or none of it. Restore peeks at the model file's first
+bytes to pick the reader (a jckpt file named ``model.bin`` still reads as
+jckpt), or calls ``CheckpointLoadOptions.model_loader(path)``, and reads
+``optimizer.jckpt`` only when asked and present.
+
+Which namespace is the model: with ``mgr.save(step, tree)`` the whole tree is
+the model (and there is no optimizer file); with ``mgr.save(step,
+items={...})`` it is ``items[options.model_namespace]`` (``"model"`` by
+default) and every other item goes to ``optimizer.jckpt``.
+
+>>> CheckpointOptions(format="llmc").model_file
+'model.bin'
+>>> CheckpointOptions(format="pth").format, CheckpointOptions(format="pth").model_file
+('torch', 'model.pth')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jckpt import adapters, api
+from jckpt.api.context import Context
+from jckpt.errors import (
+    CheckpointError,
+    FormatError,
+    InputError,
+    MismatchError,
+    MissingEntryError,
+    StorageError,
+)
+from jckpt.format.limits import json_loads
+from jckpt.format.names import (
+    METRICS_KEY,
+    MODEL_STEM,
+    OPTIMIZER_NAME,
+    STEP_KEY,
+    TRAINER_STATE_KEY,
+    TRAINER_STATE_NAME,
+)
+from jckpt.services.snapshot import HostLeaf
+from jckpt.storage import staging, step_directory
+from jckpt.trees import placement
+from jckpt.trees import pytree as tree_mod
+
+#: Names that choose a registered format under another name.
+_ALIASES = {'pth': 'torch'}
+#: The model file's extension where the format's first one is not the usual one.
+_EXTENSIONS = {'torch': '.pth'}
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointOptions:
+    """How :class:`~jckpt.CheckpointManager` writes a step.
+
+    Attributes:
+      format: ``"jckpt"`` (one jckpt file per step, the default) or a
+        registered format's name (``"llmc"``, ``"safetensors"``, ``"torch"`` or
+        ``"pth"``, ``"npz"``, ...): the step is then a directory whose model is in
+        that format.
+      model_writer: ``model_writer(tree, path)`` writes the model subtree (host
+        numpy arrays) to ``path`` instead of the format's registered writer.
+      save_optimizer_state: write the namespaces other than the model
+        (``optimizer.jckpt``); ``False`` keeps only the model and the trainer state.
+      model_namespace: which item of ``save(items=...)`` is the model.
+    """
+
+    format: str = 'jckpt'
+    model_writer: Callable[[Any, str], None] | None = None
+    save_optimizer_state: bool = True
+    model_namespace: str = 'model'
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.format, str) or not self.format:
+            raise InputError(f"format must be a format's name, not {self.format!r}")
+        name = _ALIASES.get(self.format, self.format)
+        object.__setattr__(self, 'format', name)
+        if self.model_writer is not None and not callable(self.model_writer):
+            raise InputError("model_writer must be callable as model_writer(tree, path)")
+        if name == 'jckpt' and self.model_writer is not None:
+            raise InputError("model_writer needs a foreign format",
+                             fix='pass format= the model file\'s format, e.g. "llmc"')
+        if not isinstance(self.save_optimizer_state, bool):
+            raise InputError("save_optimizer_state must be True or False")
+        Context(namespace=self.model_namespace)  # validates the name
+        if name != 'jckpt' and self.model_writer is None:
+            fmt = adapters.get_format(name)
+            if fmt.write is None:
+                raise InputError(f"format {name!r} cannot be written, only read",
+                                 fix="pass model_writer=, or another format")
+
+    @property
+    def foreign(self) -> bool:
+        """Whether a step is a directory with the model in another format."""
+        return self.format != 'jckpt'
+
+    @property
+    def model_file(self) -> str:
+        """The model file's name in a step directory (``model.bin`` for llm.c)."""
+        known = adapters.formats().get(self.format)
+        ext = _EXTENSIONS.get(self.format) or (known.extensions[0] if known and known.extensions
+                                               else f".{self.format}")
+        return MODEL_STEM + ext
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointLoadOptions:
+    """How :meth:`~jckpt.CheckpointManager.restore` reads a step directory.
+
+    Attributes:
+      model_loader: ``model_loader(path) -> tree`` reads the model file instead of
+        the reader its magic picks (a jckpt file still reads as jckpt); the tree
+        is the model subtree, with the structure it was saved with.
+      load_optimizer_state: read ``optimizer.jckpt`` too, when the step has one.
+    """
+
+    model_loader: Callable[[str], Any] | None = None
+    load_optimizer_state: bool = True
+
+    def __post_init__(self) -> None:
+        if self.model_loader is not None and not callable(self.model_loader):
+            raise InputError("model_loader must be callable as model_loader(path) -> tree")
+        if not isinstance(self.load_optimizer_state, bool):
+            raise InputError("load_optimizer_state must be True or False")
+
+
+def is_step_directory(path: str) -> bool:
+    """Whether ``path`` is a published step directory of the format layer."""
+    return step_directory.is_published(path, TRAINER_STATE_NAME)
+
+
+# --- writing -------------------------------------------------------------------------------------
+
+def _fail(step: int, file: str, what: str, e: BaseException) -> CheckpointError:
+    if isinstance(e, StorageError):  # keeps its errno for the counters
+        return e
+    return CheckpointError(f"step {step}: {what}: {e}", file=file,
+                           fix="check the model tree and the format's writer or callback")
+
+
+def _write_model(options: CheckpointOptions, model: Any, namespace: str, path: str,
+                 step: int, named: str) -> None:
+    """Write the model to ``path``; errors name the step and ``named``, the file once published."""
+    try:
+        if options.model_writer is not None:
+            options.model_writer(model, path)
+        else:
+            adapters.write({namespace: model}, path, format=options.format)
+    except Exception as e:
+        raise _fail(step, named, f"writing the model as {options.format}", e) from e
+    if not step_directory.is_file(path):
+        raise CheckpointError(f"step {step}: the model writer wrote no file", file=named,
+                              fix="model_writer(tree, path) must write the file at path")
+
+
+def step_record(step: int, options: CheckpointOptions, namespace: str, optimizer: bool,
+                metadata: Mapping[str, str]) -> dict[str, Any]:
+    """What ``trainer_state.json`` holds: readable fields, and the metadata to rebuild the header's."""
+    rest = {k: v for k, v in metadata.items() if k not in (METRICS_KEY, TRAINER_STATE_KEY)}
+    state = metadata.get(TRAINER_STATE_KEY)
+    return {'step': step, 'model': options.model_file, 'model_format': options.format,
+            'model_namespace': namespace, 'optimizer': OPTIMIZER_NAME if optimizer else None,
+            'trainer_state': None if state is None else json.loads(state),
+            'metrics': json.loads(metadata.get(METRICS_KEY, '{}')), 'metadata': rest}
+
+
+def stage_step(temporary: str, target: str, step: int, items: Sequence[HostLeaf], built: tuple, *,
+               options: CheckpointOptions, namespace: str, metadata: Mapping[str, str],
+               alignment: int) -> None:
+    """Write a step directory under ``temporary`` (not yet durable): model, optimizer, trainer state.
+
+    ``items``/``built`` are the snapshot's host leaves and their entries and
+    sources; ``namespace`` is the model's. A failure leaves no staged directory.
+    """
+    step_directory.make_staged(temporary)  # what an earlier attempt of this job left is removed
+    try:
+        model = tree_mod.unflatten([(leaf.path, leaf.array) for leaf in items
+                                    if leaf.namespace == namespace])
+        _write_model(options, model, namespace, os.path.join(temporary, options.model_file), step,
+                     os.path.join(target, options.model_file))
+        entries, sources = built
+        rest = [i for i, e in enumerate(entries) if e.namespace != namespace]
+        optimizer = bool(rest) and options.save_optimizer_state
+        if optimizer:
+            staging.write_items(os.path.join(temporary, OPTIMIZER_NAME),
+                                [entries[i] for i in rest], [sources[i] for i in rest],
+                                metadata=metadata, alignment=alignment, durable=False)
+        record = step_record(step, options, namespace, optimizer, metadata)
+        step_directory.write_text(os.path.join(temporary, TRAINER_STATE_NAME),
+                                  json.dumps(record, indent=2, sort_keys=True) + '\n')
+    except CheckpointError as e:
+        step_directory.remove_staged_dir(temporary)
+        if e.file is not None and e.file.startswith(temporary):  # name the step, not its staging
+            e.file = target + e.file[len(temporary):]
+        raise
+    except BaseException:
+        step_directory.remove_staged_dir(temporary)
+        raise
+
+
+def finish_step(temporary: str, target: str, *, durable: bool) -> None:
+    """Publish a staged step directory as ``target``: every file durable, then one rename."""
+    step_directory.publish_dir(temporary, target, durable=durable)
+
+
+def staging_remove(temporary: str) -> None:
+    """Remove a staged step directory (or file) that will not be published."""
+    step_directory.remove_staged_dir(temporary)
+
+
+# --- reading -------------------------------------------------------------------------------------
+
+def read_record(path: str, step: int | None = None) -> dict[str, Any]:
+    """The checked content of a step directory's ``trainer_state.json``."""
+    file = os.path.join(path, TRAINER_STATE_NAME)
+    where = f"step {step}" if step is not None else "the step"
+    text = step_directory.read_text(file)
+    try:
+        record = json_loads(text)
+    except ValueError as e:  # not JSON, not UTF-8, or nested past the limit
+        raise FormatError(f"{where}: {TRAINER_STATE_NAME} is not valid JSON ({e})", file=file,
+                          fix="the step is damaged: restore an earlier step") from None
+    ok = (isinstance(record, dict) and isinstance(record.get('model'), str)
+          and os.path.basename(record['model']) == record['model']
+          and isinstance(record.get('model_namespace'), str)
+          and isinstance(record.get('metadata'), dict)
+          and all(isinstance(k, str) and isinstance(v, str) for k, v in record['metadata'].items())
+          and isinstance(record.get('metrics', {}), dict)
+          and record.get('optimizer') in (None, OPTIMIZER_NAME))
+    if not ok:
+        raise FormatError(f"{where}: {TRAINER_STATE_NAME} is not a step record", file=file,
+                          fix="the step is damaged: restore an earlier step")
+    return record
+
+
+def read_metadata(path: str, step: int | None = None) -> dict[str, str]:
+    """A step directory's metadata, as a jckpt step file's header would hold it."""
+    record = read_record(path, step)
+    meta = dict(record['metadata'])
+    meta[METRICS_KEY] = json.dumps(record.get('metrics', {}), sort_keys=True)
+    if record.get('trainer_state') is not None:
+        meta[TRAINER_STATE_KEY] = json.dumps(record['trainer_state'], sort_keys=True)
+    meta.setdefault(STEP_KEY, str(record.get('step', '')))
+    return meta
+
+
+def _read_model(path: str, file: str, record: Mapping[str, Any], options: CheckpointLoadOptions,
+                step: int) -> Any:
+    """The model subtree of a step, read by the reader its magic picks (or the loader)."""
+    if not step_directory.is_file(file):
+        raise FormatError(f"step {step} has no model file {record['model']}", file=file,
+                          fix="the step is damaged: restore an earlier step")
+    try:
+        found = adapters.detect_format(file)
+    except FormatError:
+        found = None
+    if options.model_loader is not None and found != 'jckpt':
+        try:
+            return options.model_loader(file)
+        except Exception as e:
+            raise _fail(step, file, "the model loader failed", e) from e
+    named = adapters.format_for_destination(file)
+    if found is None or (found != 'jckpt' and named is not None and found != named):
+        raise FormatError(f"step {step}: the model file is {found or 'in no known format'}, "
+                          f"not {named} as its name says", file=file,
+                          fix="the step is damaged, or pass a model_loader for it")
+    tree = adapters.read(file, format=found)
+    return tree[next(iter(tree))] if len(tree) == 1 else tree
+
+
+def _fill(ctx: Context, target: Any, model: Any, file: str, step: int, cast: bool,
+          namespace: str) -> Any:
+    """``target``'s structure filled from the model subtree read (shapes, dtypes, placement)."""
+    stored = {}
+    for p, array in tree_mod.flatten(model):
+        stored[p] = stored[tree_mod.loose_path(p)] = np.asarray(array)
+    items, treedef = tree_mod.flatten_with_treedef(target)
+    requests = []
+    for p, leaf in items:
+        where = tree_mod.leaf_name(namespace, p)
+        array = stored.get(p, stored.get(tree_mod.loose_path(p)))
+        if array is None:
+            raise MissingEntryError(f"step {step}: the model has no leaf {where}", file=file,
+                                    entry=where, fix="the target must have the saved model's structure")
+        shape, dtype = tuple(np.shape(leaf)), np.dtype(getattr(leaf, 'dtype', array.dtype))
+        if array.shape != shape:
+            raise MismatchError(f"step {step}: {where} is {list(array.shape)}, the target "
+                                f"{list(shape)}", file=file, entry=where)
+        if array.dtype != dtype:
+            if not cast:
+                raise MismatchError(f"step {step}: {where} is {array.dtype}, the target {dtype}",
+                                    file=file, entry=where, fix="pass cast=True to convert")
+            array = array.astype(dtype)
+        requests.append((array, leaf, where, None))
+    values = placement.place_all(requests, host=ctx.host, device=ctx.device, file=file)
+    return jax.tree_util.tree_unflatten(treedef, values)
+
+
+def load_step(ctx: Context, path: str, step: int, target: Any, *,
+              namespaces: Sequence[str] | None, cast: bool, options: CheckpointLoadOptions) -> Any:
+    """Read a step directory as :meth:`CheckpointManager.restore` does for a step file.
+
+    Without a target and namespaces: ``{namespace: subtree}`` of the model and
+    (when loaded) the optimizer's namespaces. With a target alone: the
+    ``ctx.namespace`` tree. With ``namespaces``: ``{namespace: subtree}`` of those.
+    """
+    record = read_record(path, step)
+    model_ns, optimizer = record['model_namespace'], record.get('optimizer')
+    opt_file = os.path.join(path, OPTIMIZER_NAME)
+    with_opt = (options.load_optimizer_state and optimizer is not None
+                and step_directory.is_file(opt_file))
+    if target is not None and namespaces is None and ctx.namespace != model_ns:
+        namespaces = [ctx.namespace]  # the target is another namespace than the model's
+        target = {ctx.namespace: target}
+        return load_step(ctx, path, step, target, namespaces=namespaces, cast=cast,
+                         options=options)[ctx.namespace]
+    names = ([ctx.namespace] if target is not None and namespaces is None
+             else None if namespaces is None else list(namespaces))
+    rest = [n for n in names or [] if n != model_ns]
+    if rest and not with_opt:
+        raise MissingEntryError(f"step {step} has no namespace {rest[0]!r} to read (its "
+                                f"optimizer state is {'not loaded' if optimizer else 'absent'})",
+                                file=opt_file, fix="read the model's namespace "
+                                f"{model_ns!r}, or pass load_optimizer_state=True")
+    out: dict[str, Any] = {}
+    if names is None or model_ns in names:
+        file = os.path.join(path, record['model'])
+        model = _read_model(path, file, record, options, step)
+        part = None if target is None else (target if namespaces is None else target[model_ns])
+        out[model_ns] = model if part is None else _fill(ctx, part, model, file, step, cast, model_ns)
+    if with_opt and (names is None or rest):
+        out.update(_load_optimizer(ctx, opt_file, target, rest if names else None, cast))
+    return out[model_ns] if target is not None and namespaces is None else out
+
+
+def _load_optimizer(ctx: Context, file: str, target: Any, names: Sequence[str] | None,
+                    cast: bool) -> dict[str, Any]:
+    if target is None:
+        return api.load(ctx, file, namespaces=names)[1] if names else api.load(ctx, file)[1]
+    if isinstance(target, Mapping) and names and set(names) <= set(target):
+        return api.restore(ctx, {n: target[n] for n in names}, file, cast=cast, namespaces=names)
+    raise InputError("with namespaces, the target must be {namespace: subtree}", file=file)
+
+
+__all__ = ['CheckpointLoadOptions', 'CheckpointOptions', 'finish_step', 'is_step_directory',
+           'load_step', 'read_metadata', 'read_record', 'stage_step', 'staging_remove',
+           'step_record']

@@ -1,0 +1,96 @@
+"""What is on disk in a manager's directory: step files, step directories, and staging left behind.
+
+A step is a jckpt file, a multi-process directory checkpoint (with an
+index), or a step directory of the format layer (with a ``trainer_state.json``,
+:mod:`jckpt.services.formats`). These functions read any of them the same way
+for :class:`~jckpt.services.manager.CheckpointManager`, and clear what a
+writer that died left.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from jckpt import api
+from jckpt.api.context import Context
+from jckpt.errors import InputError
+from jckpt.format import metadata
+from jckpt.format.names import INDEX_NAME, NEXT_TAG, STAGE_DIR_TAG, STAGE_TAG, STEP_RE, TRAINER_STATE_NAME
+from jckpt.services import formats
+from jckpt.services.formats import CheckpointLoadOptions
+from jckpt.storage.backend import Backend
+from jckpt.storage.directory import reclaim_stage_dirs
+from jckpt.storage.publish import reclaim_staging
+from jckpt.storage.staging import remove_staged
+
+log = logging.getLogger('jckpt')
+
+
+def read_metadata(path: str, step: int | None = None) -> dict[str, str]:
+    """A step's metadata (a file's header, a directory's index, or a step directory's record)."""
+    if formats.is_step_directory(path):
+        return formats.read_metadata(path, step)
+    return api.describe(path).metadata_dict()
+
+
+def read_tree(ctx: Context, path: str, step: int, target: Any,
+              namespaces: Sequence[str] | None, cast: bool, options: CheckpointLoadOptions) -> Any:
+    """The arrays of a step, a jckpt file or directory or a step directory, as restore returns them."""
+    if formats.is_step_directory(path):
+        return formats.load_step(ctx, path, step, target, namespaces=namespaces, cast=cast,
+                                 options=options)
+    if namespaces is None:
+        return (api.load(ctx, path)[1] if target is None
+                else api.restore(ctx, target, path, cast=cast))
+    return (api.load(ctx, path, namespaces=namespaces)[1] if target is None
+            else api.restore(ctx, target, path, cast=cast, namespaces=namespaces))
+
+
+def parse_metrics(text: str | None, path: str) -> dict[str, float]:
+    """The metrics of a step's metadata (``{}``, with a warning, when unreadable)."""
+    metrics = metadata.parse_metrics(text)
+    if metrics is None:
+        log.warning("jckpt: unreadable metrics in %s", path)
+        return {}
+    return metrics
+
+
+def clean_staging(backend: Backend, directory: str) -> None:
+    """Remove staging files and directories of steps whose writer died (incomplete steps)."""
+    files, dirs = set(), set()
+    for name in backend.list(directory):
+        path = os.path.join(directory, name)
+        if STEP_RE.match(name) and backend.isdir(path) and not os.path.islink(path) \
+                and not any(os.path.exists(os.path.join(path, marker))
+                            for marker in (INDEX_NAME, TRAINER_STATE_NAME)):
+            log.info("jckpt: removing the half-deleted step directory %s", path)
+            backend.remove(path)  # published directories have an index or a record
+            continue
+        head, sep, _ = name.partition(NEXT_TAG)
+        if sep and STEP_RE.match(head):
+            formats.staging_remove(path)  # a staged step directory
+            remove_staged(os.path.join(directory, head))
+            continue
+        for tag, found in ((STAGE_TAG, files), (STAGE_DIR_TAG, dirs)):
+            head, sep, _ = name.partition(tag)
+            if sep and STEP_RE.match(head):
+                found.add(os.path.join(directory, head))
+    for target in sorted(files):
+        reclaim_staging(target)
+    for target in sorted(dirs):
+        reclaim_stage_dirs(target)
+
+
+def checked(value: Any, kind: type, name: str, default: Any = None) -> Any:
+    """``value`` if it is a ``kind`` (``None``: ``default``, else ``kind()``), else InputError."""
+    if value is None:
+        return default if default is not None else kind()
+    if not isinstance(value, kind):
+        raise InputError(f"{name} must be a {kind.__name__}, not {type(value).__name__}")
+    return value
+
+
+__all__ = ['checked', 'clean_staging', 'parse_metrics', 'read_metadata', 'read_tree']

@@ -1,0 +1,93 @@
+"""Step directories: a few files written into a hidden staged directory, published by one rename.
+
+The manager's format layer (:mod:`jckpt.services.formats`) writes a step as a
+directory of files in several formats. They are written into a staged
+directory next to the step (``<target>.jckpt-next.<n>``); :func:`publish_dir`
+fsyncs every file and the directory, renames it to the step's name and fsyncs
+the parent, so a reader sees the whole step or nothing. A directory is a
+published step when it holds its marker file (written last).
+
+>>> import os, tempfile
+>>> root = tempfile.mkdtemp()
+>>> staged, target = os.path.join(root, 'step.next'), os.path.join(root, 'step')
+>>> make_staged(staged)
+>>> write_text(os.path.join(staged, 'marker.json'), '{}')
+>>> publish_dir(staged, target, durable=True)
+>>> sorted(os.listdir(root)), is_published(target, 'marker.json')
+(['step'], True)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from jckpt.storage.publish import fsync_dir, storage_error
+from jckpt.storage.staging import discard_staged
+
+
+def make_staged(temporary: str) -> None:
+    """An empty staged directory at ``temporary`` (what an earlier attempt left is removed)."""
+    remove_staged_dir(temporary)
+    try:
+        os.makedirs(temporary)
+    except OSError as e:
+        raise storage_error(e, "creating the staged step directory", temporary) from e
+
+
+def write_text(path: str, text: str) -> None:
+    """Write ``text`` (UTF-8) as the file ``path`` of a staged directory (made durable on publish)."""
+    try:
+        with open(path, 'w', encoding='utf-8') as f:
+            f.write(text)
+    except OSError as e:
+        raise storage_error(e, "writing", path) from e
+
+
+def read_text(path: str) -> str:
+    """The text (UTF-8) of the file ``path``."""
+    try:
+        with open(path, encoding='utf-8') as f:
+            return f.read()
+    except OSError as e:
+        raise storage_error(e, "reading", path) from e
+
+
+def publish_dir(temporary: str, target: str, *, durable: bool) -> None:
+    """fsync every file of ``temporary`` and the directory, rename it to ``target``, fsync the parent."""
+    try:
+        if durable:
+            for name in os.listdir(temporary):
+                fd = os.open(os.path.join(temporary, name), os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            fsync_dir(temporary)
+        os.rename(temporary, target)
+        if durable:
+            fsync_dir(os.path.dirname(os.path.abspath(target)))
+    except OSError as e:
+        raise storage_error(e, "publishing the step directory", target) from e
+
+
+def remove_staged_dir(temporary: str) -> None:
+    """Remove a staged directory (or file) that will not be published; gone already is fine."""
+    if os.path.isdir(temporary) and not os.path.islink(temporary):
+        shutil.rmtree(temporary, ignore_errors=True)
+    else:
+        discard_staged(temporary)
+
+
+def is_published(path: str, marker: str) -> bool:
+    """Whether ``path`` is a directory holding the file ``marker`` (a published step)."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, marker))
+
+
+def is_file(path: str) -> bool:
+    """Whether ``path`` is a file (a step's model or optimizer file)."""
+    return os.path.isfile(path)
+
+
+__all__ = ['is_file', 'is_published', 'make_staged', 'publish_dir', 'read_text',
+           'remove_staged_dir', 'write_text']

@@ -1,0 +1,59 @@
+"""What is on disk in a manager's directory: reading any kind of step, clearing staging."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import jckpt
+from jckpt.errors import InputError
+from jckpt.format.names import METRICS_KEY, STEP_KEY, TRAINER_STATE_KEY
+from jckpt.services import steps
+from jckpt.services.formats import CheckpointLoadOptions, CheckpointOptions
+from jckpt.storage.backend import backend_for
+
+
+def test_read_metadata_and_tree_of_a_file_and_of_a_step_directory(tmp_path):
+    with jckpt.CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {'w': np.arange(3.0)}, metrics={'loss': 2.0})
+        mgr.save(2, items={'model': {'w': np.arange(3.0) + 1}, 'opt': {'m': np.ones(2)}},
+                 metrics={'loss': 1.0}, trainer_state=jckpt.TrainerState(global_step=2),
+                 options=CheckpointOptions(format='safetensors'))
+    ctx = jckpt.Context()
+    for step, path in ((1, tmp_path / 'step_00000001.jckpt'), (2, tmp_path / 'step_00000002.jckpt')):
+        meta = steps.read_metadata(str(path), step)
+        assert meta[STEP_KEY] == str(step)
+        assert steps.parse_metrics(meta[METRICS_KEY], str(path)) == {'loss': 3.0 - step}
+    assert json.loads(meta[TRAINER_STATE_KEY])['global_step'] == 2
+    both = steps.read_tree(ctx, str(path), 2, None, None, False, CheckpointLoadOptions())
+    assert sorted(both) == ['model', 'opt']
+    only = steps.read_tree(ctx, str(path), 2, None, ['opt'], False, CheckpointLoadOptions())
+    assert list(only) == ['opt']
+    first = steps.read_tree(ctx, str(tmp_path / 'step_00000001.jckpt'), 1, {'w': np.zeros(3)}, None,
+                            False, CheckpointLoadOptions())
+    np.testing.assert_array_equal(first['w'], np.arange(3.0))
+
+
+def test_parse_metrics_tolerates_damage():
+    assert steps.parse_metrics(None, 'x') == {} and steps.parse_metrics('[1', 'x') == {}
+    assert steps.parse_metrics('{"a": 1}', 'x') == {'a': 1.0}
+
+
+def test_clean_staging_keeps_published_steps_only(tmp_path):
+    (tmp_path / 'step_00000001.jckpt').mkdir()
+    (tmp_path / 'step_00000001.jckpt' / 'trainer_state.json').write_text('{}')
+    (tmp_path / 'step_00000002.jckpt').mkdir()                       # half deleted
+    (tmp_path / 'step_00000003.jckpt.jckpt-next.4').mkdir()          # staged, never published
+    (tmp_path / 'step_00000005.jckpt.jckpt-next.6').write_bytes(b'')  # a staged file
+    (tmp_path / 'other').write_bytes(b'')
+    steps.clean_staging(backend_for(str(tmp_path)), str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ['other', 'step_00000001.jckpt']
+
+
+def test_checked_options():
+    default = CheckpointOptions(format='npz')
+    assert steps.checked(None, CheckpointOptions, 'options', default) is default
+    assert steps.checked(None, CheckpointOptions, 'options') == CheckpointOptions()
+    with pytest.raises(InputError, match="options must be a CheckpointOptions, not dict"):
+        steps.checked({}, CheckpointOptions, 'options')
