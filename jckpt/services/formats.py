@@ -72,18 +72,18 @@ _EXTENSIONS = {'torch': '.pth'}
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointOptions:
-    """How :class:`~jckpt.CheckpointManager` writes a step.
+    """How `CheckpointManager` writes a step.
 
     Attributes:
-      format: ``"jckpt"`` (one jckpt file per step, the default) or a
-        registered format's name (``"llmc"``, ``"safetensors"``, ``"torch"`` or
-        ``"pth"``, ``"npz"``, ...): the step is then a directory whose model is in
+      format: `"jckpt"` (one jckpt file per step, the default) or a
+        registered format's name (`"llmc"`, `"safetensors"`, `"torch"` or
+        `"pth"`, `"npz"`, ...): the step is then a directory whose model is in
         that format.
-      model_writer: ``model_writer(tree, path)`` writes the model subtree (host
-        numpy arrays) to ``path`` instead of the format's registered writer.
+      model_writer: `model_writer(tree, path)` writes the model subtree (host
+        numpy arrays) to `path` instead of the format's registered writer.
       save_optimizer_state: write the namespaces other than the model
-        (``optimizer.jckpt``); ``False`` keeps only the model and the trainer state.
-      model_namespace: which item of ``save(items=...)`` is the model.
+        (`optimizer.jckpt`); `False` keeps only the model and the trainer state.
+      model_namespace: which item of `save(items=...)` is the model.
     """
 
     format: str = 'jckpt'
@@ -117,7 +117,7 @@ class CheckpointOptions:
 
     @property
     def model_file(self) -> str:
-        """The model file's name in a step directory (``model.bin`` for llm.c)."""
+        """The model file's name in a step directory (`model.bin` for llm.c)."""
         known = adapters.formats().get(self.format)
         ext = _EXTENSIONS.get(self.format) or (known.extensions[0] if known and known.extensions
                                                else f".{self.format}")
@@ -126,13 +126,13 @@ class CheckpointOptions:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointLoadOptions:
-    """How :meth:`~jckpt.CheckpointManager.restore` reads a step directory.
+    """How `restore` reads a step directory.
 
     Attributes:
-      model_loader: ``model_loader(path) -> tree`` reads the model file instead of
+      model_loader: `model_loader(path) -> tree` reads the model file instead of
         the reader its magic picks (a jckpt file still reads as jckpt); the tree
         is the model subtree, with the structure it was saved with.
-      load_optimizer_state: read ``optimizer.jckpt`` too, when the step has one.
+      load_optimizer_state: read `optimizer.jckpt` too, when the step has one.
     """
 
     model_loader: Callable[[str], Any] | None = None
@@ -146,7 +146,7 @@ class CheckpointLoadOptions:
 
 
 def is_step_directory(path: str) -> bool:
-    """Whether ``path`` is a published step directory of the format layer."""
+    """Whether `path` is a published step directory of the format layer."""
     return step_directory.is_published(path, TRAINER_STATE_NAME)
 
 
@@ -161,7 +161,7 @@ def _fail(step: int, file: str, what: str, e: BaseException) -> CheckpointError:
 
 def _write_model(options: CheckpointOptions, model: Any, namespace: str, path: str,
                  step: int, named: str) -> None:
-    """Write the model to ``path``; errors name the step and ``named``, the file once published."""
+    """Write the model to `path`; errors name the step and `named`, the file once published."""
     try:
         if options.model_writer is not None:
             options.model_writer(model, path)
@@ -176,7 +176,7 @@ def _write_model(options: CheckpointOptions, model: Any, namespace: str, path: s
 
 def step_record(step: int, options: CheckpointOptions, namespace: str, optimizer: bool,
                 metadata: Mapping[str, str]) -> dict[str, Any]:
-    """What ``trainer_state.json`` holds: readable fields, and the metadata to rebuild the header's."""
+    """What `trainer_state.json` holds: readable fields, and the metadata to rebuild the header's."""
     rest = {k: v for k, v in metadata.items() if k not in (METRICS_KEY, TRAINER_STATE_KEY)}
     state = metadata.get(TRAINER_STATE_KEY)
     return {'step': step, 'model': options.model_file, 'model_format': options.format,
@@ -188,10 +188,10 @@ def step_record(step: int, options: CheckpointOptions, namespace: str, optimizer
 def stage_step(temporary: str, target: str, step: int, items: Sequence[HostLeaf], built: tuple, *,
                options: CheckpointOptions, namespace: str, metadata: Mapping[str, str],
                alignment: int) -> None:
-    """Write a step directory under ``temporary`` (not yet durable): model, optimizer, trainer state.
+    """Write a step directory under `temporary` (not yet durable): model, optimizer, trainer state.
 
-    ``items``/``built`` are the snapshot's host leaves and their entries and
-    sources; ``namespace`` is the model's. A failure leaves no staged directory.
+    `items`/`built` are the snapshot's host leaves and their entries and
+    sources; `namespace` is the model's. A failure leaves no staged directory.
     """
     step_directory.make_staged(temporary)  # what an earlier attempt of this job left is removed
     try:
@@ -220,7 +220,7 @@ def stage_step(temporary: str, target: str, step: int, items: Sequence[HostLeaf]
 
 
 def finish_step(temporary: str, target: str, *, durable: bool) -> None:
-    """Publish a staged step directory as ``target``: every file durable, then one rename."""
+    """Publish a staged step directory as `target`: every file durable, then one rename."""
     step_directory.publish_dir(temporary, target, durable=durable)
 
 
@@ -232,7 +232,7 @@ def staging_remove(temporary: str) -> None:
 # --- reading -------------------------------------------------------------------------------------
 
 def read_record(path: str, step: int | None = None) -> dict[str, Any]:
-    """The checked content of a step directory's ``trainer_state.json``."""
+    """The checked content of a step directory's `trainer_state.json`."""
     file = os.path.join(path, TRAINER_STATE_NAME)
     where = f"step {step}" if step is not None else "the step"
     text = step_directory.read_text(file)
@@ -291,7 +291,7 @@ def _read_model(path: str, file: str, record: Mapping[str, Any], options: Checkp
 
 def _fill(ctx: Context, target: Any, model: Any, file: str, step: int, cast: bool,
           namespace: str) -> Any:
-    """``target``'s structure filled from the model subtree read (shapes, dtypes, placement)."""
+    """`target`'s structure filled from the model subtree read (shapes, dtypes, placement)."""
     stored = {}
     for p, array in tree_mod.flatten(model):
         stored[p] = stored[tree_mod.loose_path(p)] = np.asarray(array)
@@ -319,11 +319,11 @@ def _fill(ctx: Context, target: Any, model: Any, file: str, step: int, cast: boo
 
 def load_step(ctx: Context, path: str, step: int, target: Any, *,
               namespaces: Sequence[str] | None, cast: bool, options: CheckpointLoadOptions) -> Any:
-    """Read a step directory as :meth:`CheckpointManager.restore` does for a step file.
+    """Read a step directory as `CheckpointManager.restore` does for a step file.
 
-    Without a target and namespaces: ``{namespace: subtree}`` of the model and
+    Without a target and namespaces: `{namespace: subtree}` of the model and
     (when loaded) the optimizer's namespaces. With a target alone: the
-    ``ctx.namespace`` tree. With ``namespaces``: ``{namespace: subtree}`` of those.
+    `ctx.namespace` tree. With `namespaces`: `{namespace: subtree}` of those.
     """
     record = read_record(path, step)
     model_ns, optimizer = record['model_namespace'], record.get('optimizer')

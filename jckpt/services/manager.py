@@ -279,9 +279,9 @@ class CheckpointManager(BackgroundWriter[_Step]):
         (or with `force`). `tree` goes under `ctx.namespace`; `items`
         (`{namespace: subtree}`) puts subtrees in namespaces of their own,
         so that one can later be restored without the others. Blocks only for
-        the device-to-host copy (and a free slot). ``options`` overrides the
-        manager's :class:`~jckpt.CheckpointOptions` for this step: with a foreign
-        format, ``tree`` is the model, or ``items[options.model_namespace]`` is
+        the device-to-host copy (and a free slot). `options` overrides the
+        manager's `CheckpointOptions` for this step: with a foreign
+        format, `tree` is the model, or `items[options.model_namespace]` is
         and the other items are the optimizer state.
 
         Raises:
@@ -435,7 +435,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
             `False` refuses with `MismatchError`.
           ctx: placement and namespace (default the manager's).
           cast: convert to the target's dtypes instead of refusing a mismatch.
-          options: overrides the manager's :class:`~jckpt.CheckpointLoadOptions`
+          options: overrides the manager's `CheckpointLoadOptions`
             for a step directory (a model loader; the model without the optimizer).
 
         Example:
