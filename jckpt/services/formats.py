@@ -68,6 +68,8 @@ from jckpt.trees import pytree as tree_mod
 _ALIASES = {'pth': 'torch'}
 #: The model file's extension where the format's first one is not the usual one.
 _EXTENSIONS = {'torch': '.pth'}
+#: Registered formats whose writer makes a directory: a step's model is one file.
+_DIRECTORY_FORMATS = frozenset({'orbax'})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +106,10 @@ class CheckpointOptions:
         if not isinstance(self.save_optimizer_state, bool):
             raise InputError("save_optimizer_state must be True or False")
         Context(namespace=self.model_namespace)  # validates the name
+        if name in _DIRECTORY_FORMATS and self.model_writer is None:
+            raise InputError(f"format {name!r} writes a directory, and a step's model is one file",
+                             fix="pick a one-file format (llmc, safetensors, pth, npz), or save "
+                                 "through jckpt.adapters.orbax_handler inside orbax's manager")
         if name != 'jckpt' and self.model_writer is None:
             fmt = adapters.get_format(name)
             if fmt.write is None:

@@ -382,3 +382,8 @@ def test_step_directories_carry_the_lineage_and_the_lease(tmp_path):
         mgr.save(2, {'w': np.ones(2, np.float32)})
     assert json.loads((tmp_path / 'step_00000002.jckpt' / 'trainer_state.json').read_text())[
         'metadata']['jckpt.generation'] == '2'
+
+
+def test_a_format_that_writes_a_directory_is_refused_up_front():
+    with pytest.raises(jckpt.InputError, match="writes a directory"):
+        jckpt.CheckpointOptions(format="orbax")
