@@ -1,6 +1,7 @@
 """Test helpers: write raw checkpoint files by hand, independently of the writer, and small
 checkpoint files of named arrays through the storage writer (no JAX)."""
 
+import io
 import os
 import struct
 
@@ -83,3 +84,18 @@ def corrupt_payload(path, name) -> None:
         byte = f.read(1)
         f.seek(where)
         f.write(bytes([byte[0] ^ 0xFF]))
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def on_terminal(monkeypatch):
+    """Replace sys.stderr by an in-memory terminal, outside CI (call it in the test body:
+    pytest's output capture would undo it if done by a fixture)."""
+    monkeypatch.delenv('CI', raising=False)
+    monkeypatch.setenv('TERM', 'xterm-256color')
+    fake = FakeTerminal()
+    monkeypatch.setattr('sys.stderr', fake)
+    return fake

@@ -78,6 +78,15 @@ def _staging_name(target: str) -> str:
             f"{secrets.token_hex(8)}")
 
 
+def fsync_file(path: str) -> None:
+    """fsync a file's data (opened read-only: what a writer closed before publishing)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(directory: str) -> None:
     """fsync a directory so a rename or unlink in it is durable."""
     fd = os.open(directory or '.', os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

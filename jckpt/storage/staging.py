@@ -33,7 +33,7 @@ from jckpt.errors import CheckpointError
 from jckpt.format.header import Entry, Header
 from jckpt.format.layout import lay_out
 from jckpt.format.names import NEXT_TAG
-from jckpt.storage.publish import fsync_dir, reclaim_staging, storage_error
+from jckpt.storage.publish import fsync_dir, fsync_file, reclaim_staging, storage_error
 from jckpt.storage.writer import PayloadSource, write_checkpoint
 from jckpt.version import __version__
 
@@ -71,11 +71,7 @@ def finish_staged(temporary: str, target: str, *, durable: bool) -> None:
     """fsync ``temporary``, rename it over ``target``, fsync the directory (``durable=False``: rename)."""
     try:
         if durable:
-            fd = os.open(temporary, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(temporary)
         os.rename(temporary, target)
         if durable:
             fsync_dir(os.path.dirname(os.path.abspath(target)))

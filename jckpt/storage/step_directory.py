@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from jckpt.storage.publish import fsync_dir, storage_error
+from jckpt.storage.publish import fsync_dir, fsync_file, storage_error
 from jckpt.storage.staging import discard_staged
 
 
@@ -58,11 +58,7 @@ def publish_dir(temporary: str, target: str, *, durable: bool) -> None:
     try:
         if durable:
             for name in os.listdir(temporary):
-                fd = os.open(os.path.join(temporary, name), os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                fsync_file(os.path.join(temporary, name))
             fsync_dir(temporary)
         os.rename(temporary, target)
         if durable:

@@ -7,13 +7,6 @@ shard from the mapped file, reading only that device's box through a
 :class:`~jckpt.storage.lazy.LazyArray`; saving's side (each distinct shard to
 host once) is in :mod:`jckpt.trees.placement`, and writing shards into place in
 :mod:`jckpt.storage.regions`.
-
->>> box_of((slice(0, 2), slice(None)), (4, 3))
-((0, 2), (0, 3))
->>> intersect(((0, 2), (0, 3)), ((1, 4), (2, 3)))
-((1, 2), (2, 3))
->>> coalesce([((0, 2), (0, 3)), ((2, 4), (0, 3))])
-[((0, 4), (0, 3))]
 """
 
 from __future__ import annotations

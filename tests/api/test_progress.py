@@ -9,21 +9,7 @@ import textwrap
 import pytest
 
 from jckpt.api import progress
-
-
-class FakeTerminal(io.StringIO):
-    def isatty(self):
-        return True
-
-
-def on_terminal(monkeypatch):
-    """Replace sys.stderr by an in-memory terminal, outside CI (call it in the test body:
-    pytest's output capture would undo it if done by a fixture)."""
-    monkeypatch.delenv('CI', raising=False)
-    monkeypatch.setenv('TERM', 'xterm-256color')
-    fake = FakeTerminal()
-    monkeypatch.setattr('sys.stderr', fake)
-    return fake
+from tests.helpers import FakeTerminal, on_terminal
 
 
 def test_progress_wanted_only_on_a_terminal(monkeypatch):

@@ -18,6 +18,7 @@ import pytest
 
 from jckpt.format import Entry, Header, lay_out, prec_of
 from jckpt.storage import ArraySource, CheckpointReader, write_checkpoint
+from tests.helpers import write_directory
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT = 60
@@ -77,30 +78,6 @@ def write(path, arrays, *, namespace='jckpt', alignment=32, metadata=None):
     write_checkpoint(path, header, sources, durable=False)
     return str(path)
 
-
-def write_directory(path, arrays, *, processes=2, metadata=None):
-    """A multi-process checkpoint: each array split along axis 0 over ``processes`` piece files."""
-    from jckpt.format.names import piece_name
-    from jckpt.storage.directory import write_index
-
-    os.makedirs(path)
-    pieces = {p: ([], []) for p in range(processes)}
-    for i, (name, a) in enumerate(arrays.items()):
-        bounds = np.linspace(0, a.shape[0], processes + 1).astype(int)
-        for p in range(processes):
-            lo, hi = int(bounds[p]), int(bounds[p + 1])
-            part = np.ascontiguousarray(a[lo:hi])
-            pieces[p][0].append(Entry(
-                id=i, namespace='jckpt', prec=prec_of(a.dtype), dims=part.shape, offset=0,
-                byte_length=part.nbytes, label=tuple(name.split('/')),
-                path=tuple(('k', x) for x in name.split('/')),
-                slice=((lo, hi), *((0, d) for d in a.shape[1:])), global_dims=a.shape))
-            pieces[p][1].append(ArraySource(part))
-    for p, (entries, sources) in pieces.items():
-        write_checkpoint(os.path.join(path, piece_name(p)), lay_out(Header(tensors=tuple(entries))),
-                         sources, durable=False)
-    write_index(str(path), processes, 32, metadata or {}, durable=False)
-    return str(path)
 
 
 ARRAYS = {

@@ -1,7 +1,6 @@
 """``jckpt.info`` (jckpt.tools.info): the summary that fits what is at a path; and, across the
 read-only tools, progress bars only on a terminal and nothing printed by the library."""
 
-import io
 
 import numpy as np
 import pytest
@@ -13,24 +12,8 @@ from jckpt.tools.info import info
 from jckpt.tools.manager_info import ManagerInfo
 from jckpt.tools.summary import DirectoryInfo, FileInfo
 from jckpt.tools.verify import verify
+from tests.helpers import on_terminal, write_directory
 from tests.helpers import write_arrays as write
-from tests.helpers import write_directory
-
-
-class FakeTerminal(io.StringIO):
-    def isatty(self):
-        return True
-
-
-def on_terminal(monkeypatch):
-    """Replace sys.stderr by an in-memory terminal, outside CI (call it in the test body:
-    pytest's output capture would undo it if done by a fixture)."""
-    monkeypatch.delenv('CI', raising=False)
-    monkeypatch.setenv('TERM', 'xterm-256color')
-    fake = FakeTerminal()
-    monkeypatch.setattr('sys.stderr', fake)
-    return fake
-
 
 # --- info --------------------------------------------------------------------
 
