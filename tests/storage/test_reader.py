@@ -136,6 +136,15 @@ def test_a_directory_is_a_format_error(tmp_path):
         CheckpointReader(tmp_path)
 
 
+@pytest.mark.timeout(20)
+def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path):
+    fifo = tmp_path / 'pipe.jckpt'
+    os.mkfifo(fifo)  # opening it for reading without O_NONBLOCK would block forever
+    with pytest.raises(FormatError, match='not a regular file') as e:
+        CheckpointReader(fifo)
+    assert e.value.file == str(fifo)
+
+
 def test_the_reader_can_refuse_symlinks(tmp_path):
     """What a reader of names from a file uses: ``CheckpointReader(..., follow_symlinks=False)``."""
     real = write(tmp_path / 'real.jckpt')
