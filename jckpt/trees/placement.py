@@ -35,7 +35,8 @@ _warned_x64 = False
 
 
 _KEY_DTYPES: dict[Any, bool] = {}  # dtype -> is a typed PRNG key dtype (asked once per dtype)
-_CPU_SHARDINGS: dict[Any, bool] = {}  # sharding -> every device is a CPU
+_SHARDINGS: dict[Any, '_Placement'] = {}  # sharding -> what staging asks of it
+_STORABLE: set[np.dtype] = set()  # dtypes known to be storable
 
 
 def is_prng_key(x: Any) -> bool:
@@ -52,23 +53,40 @@ def is_prng_key(x: Any) -> bool:
         return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
 
 
+class _Placement(NamedTuple):
+    """What staging needs to know of a sharding, asked once per sharding."""
+
+    on_cpu: bool  # every device a CPU: the data is in host memory already
+    several: bool  # spread over (or replicated on) more than one device
+    whole: bool  # fully addressable from this process
+
+
+def _facts(sharding: Any) -> _Placement:
+    try:
+        return _SHARDINGS[sharding]
+    except KeyError:
+        facts = _SHARDINGS[sharding] = _ask(sharding)
+        return facts
+    except TypeError:  # an unhashable sharding: ask every time
+        return _ask(sharding)
+
+
+def _ask(sharding: Any) -> _Placement:
+    devices = sharding.device_set
+    return _Placement(all(d.platform == 'cpu' for d in devices), len(devices) > 1,
+                      sharding.is_fully_addressable)
+
+
 def _on_cpu(leaf: jax.Array) -> bool:
     """Whether ``leaf`` lives in host memory already (every device a CPU): no transfer to start."""
-    sharding = leaf.sharding
-    try:
-        return _CPU_SHARDINGS[sharding]
-    except KeyError:
-        on_cpu = _CPU_SHARDINGS[sharding] = all(d.platform == 'cpu' for d in sharding.device_set)
-        return on_cpu
-    except TypeError:  # an unhashable sharding: ask every time
-        return all(d.platform == 'cpu' for d in sharding.device_set)
+    return _facts(leaf.sharding).on_cpu
 
 
 # --- leaf to host ---------------------------------------------------------------------
 
 def is_sharded(leaf: Any) -> bool:
     """Whether ``leaf`` is a ``jax.Array`` spread over (or replicated on) several devices."""
-    return isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) > 1
+    return isinstance(leaf, jax.Array) and _facts(leaf.sharding).several
 
 
 @functools.lru_cache(maxsize=1024)
@@ -186,45 +204,49 @@ def _stage(where: str, leaf: Any, *, pieces: bool, spread: bool, fetch: bool) ->
         # np.asarray made a new array of anything but an ndarray (which the caller may reuse)
         return HostLeaf(where, array.dtype, array.shape, key_impl, array,
                         private=not isinstance(leaf, np.ndarray))
-    dtype = np.dtype(leaf.dtype)
-    apart = not leaf.is_fully_addressable
-    if apart and not (pieces and spread):
+    dtype = leaf.dtype
+    facts = _facts(leaf.sharding)
+    if not facts.whole and not (pieces and spread):
         raise InputError("array is not fully addressable from this process", entry=where,
                          fix="save from every process (multi-process checkpoints)")
     _check_dtype(dtype, where)
-    shape = tuple(leaf.shape)
-    if pieces and (apart or is_sharded(leaf)):
-        shards = tuple(owned_shards(leaf)) if fetch or apart else ()
+    shape = leaf.shape
+    if pieces and (not facts.whole or facts.several):
+        shards = tuple(owned_shards(leaf)) if fetch or not facts.whole else ()
         start_transfers(shards)
         return HostLeaf(where, dtype, shape, key_impl, shards=shards)
     if not fetch:
         return HostLeaf(where, dtype, shape, key_impl)
-    if not _on_cpu(leaf):
-        try:
-            leaf.copy_to_host_async()
-        except Exception:  # a backend without async copies: the copy happens on read
-            pass
+    if _on_cpu(leaf):  # in host memory already: no transfer to wait for
+        return HostLeaf(where, dtype, shape, key_impl, np.asarray(leaf))
+    try:
+        leaf.copy_to_host_async()
+    except Exception:  # a backend without async copies: the copy happens on read
+        pass
     return HostLeaf(where, dtype, shape, key_impl, leaf)  # array: the device array until _finish
 
 
 def _finish(staged: HostLeaf, copy: bool) -> HostLeaf:
     """Wait for a whole leaf's transfer; copy what must be private."""
     array = staged.array
-    if array is None:
+    if array is None or (staged.private and type(array) is np.ndarray):
         return staged
     private = staged.private
-    if isinstance(array, jax.Array):
-        private = not _on_cpu(array)  # a transfer from an accelerator made a fresh host buffer
-        array = await_host(array)
+    if isinstance(array, jax.Array):  # from an accelerator: the transfer made a fresh host buffer
+        array, private = await_host(array), True
     if copy and not private:
         array, private = np.array(array, copy=True), True
+    elif array is staged.array:
+        return staged
     return staged._replace(array=array, private=private)
 
 
 def _check_dtype(dtype: np.dtype, where: str) -> None:
-    if not precs.is_supported(dtype):
-        raise InputError(f"dtype {dtype} cannot be stored", entry=where,
-                         fix="cast to a supported dtype (see the format's prec table)")
+    if dtype not in _STORABLE:
+        if not precs.is_supported(dtype):
+            raise InputError(f"dtype {dtype} cannot be stored", entry=where,
+                             fix="cast to a supported dtype (see the format's prec table)")
+        _STORABLE.add(dtype)
 
 
 def _x64_ok(dtype: np.dtype) -> bool:
