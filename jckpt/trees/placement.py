@@ -35,7 +35,7 @@ _warned_x64 = False
 
 
 _KEY_DTYPES: dict[Any, bool] = {}  # dtype -> is a typed PRNG key dtype (asked once per dtype)
-_SHARDINGS: dict[Any, '_Placement'] = {}  # sharding -> what staging asks of it
+_SHARDINGS: dict[Any, _Placement] = {}  # sharding -> what staging asks of it
 _STORABLE: set[np.dtype] = set()  # dtypes known to be storable
 
 
