@@ -168,7 +168,19 @@ class ArraySource:
         return self.checksum or payload_mod.hasher_checksum(hasher)
 
 
-def array_source(array: np.ndarray) -> tuple[ArraySource, tuple[str, str]]:
+@dataclasses.dataclass(frozen=True)
+class BytesSource:
+    """A small payload already in stored form, with its checksum: one buffered write."""
+
+    data: np.ndarray  # flat uint8
+    checksum: tuple[str, str]
+
+    def write(self, sink: Sink) -> tuple[str, str]:
+        sink.write(self.data)
+        return self.checksum
+
+
+def array_source(array: np.ndarray) -> tuple[ArraySource | BytesSource, tuple[str, str]]:
     """The source of a host array's payload, and the checksum its entry can carry from the start.
 
     A small array in stored form is hashed now, so its entry is written with
@@ -181,8 +193,9 @@ def array_source(array: np.ndarray) -> tuple[ArraySource, tuple[str, str]]:
     True
     """
     if array.nbytes < SMALL_PAYLOAD and payload_mod.is_stored_form(array):
-        known = payload_mod.checksum(payload_mod.encode_payload(array))
-        return ArraySource(array, known), known
+        data = payload_mod.encode_payload(array)
+        known = payload_mod.checksum(data)
+        return BytesSource(data, known), known
     return ArraySource(array), payload_mod.CHECKSUM_PLACEHOLDER
 
 
