@@ -41,9 +41,11 @@ _STORABLE: set[np.dtype] = set()  # dtypes known to be storable
 
 def is_prng_key(x: Any) -> bool:
     """Whether ``x`` is a typed JAX PRNG key array."""
-    if not isinstance(x, jax.Array):
-        return False
-    dtype = x.dtype
+    return isinstance(x, jax.Array) and is_key_dtype(x.dtype)
+
+
+def is_key_dtype(dtype: Any) -> bool:
+    """Whether ``dtype`` is a typed PRNG key's (asked of JAX once per dtype)."""
     try:
         return _KEY_DTYPES[dtype]
     except KeyError:
@@ -385,7 +387,7 @@ def place_all(requests: list[tuple[Any, Any, str, str | None]], *, host: bool, d
             out[i] = place(array, target, host=host, device=device, where=where,
                            key_impl=key_impl, file=file)
             continue
-        if array.ctypes.data % CPU_ALIAS_ALIGNMENT and array.nbytes >= (1 << 16) and _is_cpu(dest):
+        if array.nbytes >= (1 << 16) and array.ctypes.data % CPU_ALIAS_ALIGNMENT and _is_cpu(dest):
             array = aligned_copy(array)
         batch.append(i)
         arrays.append(array)
@@ -394,6 +396,14 @@ def place_all(requests: list[tuple[Any, Any, str, str | None]], *, host: bool, d
         for i, value in zip(batch, _put_batch(arrays, dests)):
             out[i] = value
     return out
+
+
+def _transfer_target(dest: Any) -> tuple[Any, list | None]:
+    """``(sharding, devices)`` of a destination; devices None unless one plain device's memory."""
+    sharding = dest if isinstance(dest, jax.sharding.Sharding) else jax.sharding.SingleDeviceSharding(dest)
+    plain = type(sharding) is jax.sharding.SingleDeviceSharding and \
+        sharding.memory_kind in (None, 'device')
+    return sharding, list(sharding.device_set) if plain else None
 
 
 def _put_batch(arrays: list[np.ndarray], dests: list[Any]) -> list[jax.Array]:
@@ -412,24 +422,22 @@ def _put_batch(arrays: list[np.ndarray], dests: list[Any]) -> list[jax.Array]:
     except (ImportError, AttributeError):
         return jax.device_put(arrays, dests)
     avals: dict[tuple, Any] = {}
-    shardings: dict[Any, Any] = {}
+    targets: dict[Any, tuple[Any, list | None]] = {}  # dest -> (sharding, its devices if plain)
     out = []
     try:
         for array, dest in zip(arrays, dests):
-            sharding = shardings.get(dest)
-            if sharding is None:
-                sharding = shardings[dest] = (
-                    dest if isinstance(dest, jax.sharding.Sharding)
-                    else jax.sharding.SingleDeviceSharding(dest))
-            if type(sharding) is not jax.sharding.SingleDeviceSharding or \
-                    sharding.memory_kind not in (None, 'device'):
+            target = targets.get(dest)
+            if target is None:
+                target = targets[dest] = _transfer_target(dest)
+            sharding, devices = target
+            if devices is None:
                 out.append(jax.device_put(array, sharding))
                 continue
             key = (array.shape, array.dtype)
             aval = avals.get(key)
             if aval is None:
                 aval = avals[key] = jax_core.ShapedArray(array.shape, array.dtype)
-            value = transfer(aval, sharding, [array], list(sharding.device_set), True)
+            value = transfer(aval, sharding, [array], devices, True)
             if value.shape != array.shape or value.dtype != array.dtype:
                 raise TypeError('unexpected transfer result')
             out.append(value)
