@@ -27,6 +27,7 @@ import numpy as np
 
 from jckpt.errors import FormatError, InputError
 from jckpt.format import precs
+from jckpt.trees import packing
 from jckpt.trees import sharding as sharding_mod
 from jckpt.trees.sharding import Box
 
@@ -393,9 +394,41 @@ def place_all(requests: list[tuple[Any, Any, str, str | None]], *, host: bool, d
         arrays.append(array)
         dests.append(dest)
     if arrays:
-        for i, value in zip(batch, _put_batch(arrays, dests)):
+        for i, value in zip(batch, _put_grouped(arrays, dests)):
             out[i] = value
     return out
+
+
+def _put_grouped(arrays: list[np.ndarray], dests: list[Any]) -> list[jax.Array]:
+    """Small arrays bound for one accelerator travel packed (`jckpt.trees.packing`); the rest
+    (and everything bound for the CPU, where arrays alias the file) go one by one."""
+    accelerators: dict[Any, Any] = {}  # dest -> its accelerator device, or None
+    groups: dict[Any, list[int]] = {}
+    for i, (array, dest) in enumerate(zip(arrays, dests)):
+        if dest not in accelerators:
+            accelerators[dest] = _accelerator(dest)
+        device = accelerators[dest]
+        if device is not None and packing.packable(array):
+            groups.setdefault(device, []).append(i)
+    out: list[Any] = [None] * len(arrays)
+    for device, indices in groups.items():
+        if len(indices) >= packing.PACK_MIN:
+            for i, value in zip(indices, packing.put_packed([arrays[i] for i in indices], device)):
+                out[i] = value
+    rest = [i for i, value in enumerate(out) if value is None]
+    for i, value in zip(rest, _put_batch([arrays[i] for i in rest], [dests[i] for i in rest])):
+        out[i] = value
+    return out
+
+
+def _accelerator(dest: Any) -> Any:
+    """The device of a one-device destination in an accelerator's own memory; None otherwise."""
+    if isinstance(dest, jax.sharding.Sharding):
+        if type(dest) is not jax.sharding.SingleDeviceSharding or \
+                dest.memory_kind not in (None, 'device'):
+            return None
+        (dest,) = dest.device_set
+    return None if getattr(dest, 'platform', 'cpu') == 'cpu' else dest
 
 
 def _transfer_target(dest: Any) -> tuple[Any, list | None]:
