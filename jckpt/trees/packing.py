@@ -51,7 +51,7 @@ def layout_of(arrays: Sequence[np.ndarray]) -> tuple[Layout, int]:
     """`((offset, shape, dtype), ...)` of each array in the packed buffer, and its size in bytes.
 
     >>> layout_of([np.zeros(3, np.int8), np.zeros(2, np.float32)])[1]
-    24
+    32
     """
     layout, offset = [], 0
     for a in arrays:
