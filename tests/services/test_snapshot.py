@@ -13,10 +13,12 @@ from jckpt.format.layout import lay_out
 from jckpt.format.names import GENERATION_KEY, LINEAGE_KEY
 from jckpt.format.precs import prec_of
 from jckpt.services.snapshot import (
+    PARALLEL_BYTES,
     HostLeaf,
     Slot,
     build_entries,
     content_digest,
+    copy_all,
     namespace_leaves,
 )
 from jckpt.storage.reader import CheckpointReader
@@ -58,8 +60,8 @@ def test_fill_copies_numpy_leaves_isolated_from_later_mutation():
     np.testing.assert_array_equal(item.array, np.arange(6, dtype=np.float32).reshape(2, 3))
 
 
-def test_cpu_jax_arrays_are_held_in_place_and_outlive_donation_and_deletion():
-    """No copy at submit: the snapshot views the array's memory, which XLA then will not reuse."""
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+def test_cpu_jax_arrays_are_copied_and_outlive_donation_and_deletion():
     x = jnp.arange(8, dtype=jnp.float32)
     snapshot = Slot(0).take([leaf('jckpt', W, x)])
     assert not snapshot.on_device
@@ -69,6 +71,15 @@ def test_cpu_jax_arrays_are_held_in_place_and_outlive_donation_and_deletion():
     assert isinstance(item.array, np.ndarray) and item.array.dtype == np.float32
     np.testing.assert_array_equal(item.array, np.arange(8, dtype=np.float32))
     np.testing.assert_array_equal(np.asarray(y), np.arange(8) * 2 + 1)
+
+
+def test_large_copies_are_split_across_threads_exactly():
+    src = np.arange((PARALLEL_BYTES // 4) * 3 + 5, dtype=np.float32)
+    odd = np.arange(24, dtype=np.int16).reshape(4, 6).T  # not contiguous: copied whole
+    dst, dst_odd = np.empty_like(src), np.empty(odd.shape, odd.dtype)
+    copy_all([(dst, src), (dst_odd, odd)])
+    np.testing.assert_array_equal(dst, src)
+    np.testing.assert_array_equal(dst_odd, odd)
 
 
 def test_fill_reuses_the_slot_buffers_of_the_same_shape_and_dtype():
