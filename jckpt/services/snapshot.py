@@ -21,9 +21,7 @@ False
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -118,7 +116,7 @@ class Slot:
           transfer to host now.
         * Arrays in host memory (CPU arrays, numpy leaves): copied into this
           slot's host buffers, allocated once and reused from snapshot to
-          snapshot (no page faults after the first), by several threads.
+          snapshot (no page faults after the first).
           (Holding a CPU array's memory instead would cost no copy here, but
           XLA cannot donate memory the host views, so the caller's next step
           would allocate fresh buffers for its output: measured slower.)
@@ -160,28 +158,14 @@ class Slot:
         return buf
 
 
-#: Copies at least this large are split across threads (numpy copies without the GIL).
-PARALLEL_BYTES = 8 << 20
-_COPIERS = concurrent.futures.ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
-                                                 thread_name_prefix='jckpt-copy')
-
-
 def copy_all(copies: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
-    """`np.copyto(dst, src)` for every pair: large contiguous ones in chunks on several threads.
+    """`np.copyto(dst, src)` for every pair: the one part of a host snapshot the loop waits for.
 
-    The training loop waits for this copy (the rest of a snapshot's work is in
-    the background), so it uses the cores the loop leaves idle meanwhile.
+    (Splitting large copies across threads was measured on a 2-core machine
+    and was slower: one thread already keeps memory busy.)
     """
-    chunks = []
     for dst, src in copies:
-        if src.nbytes < PARALLEL_BYTES or not (src.flags.c_contiguous and dst.flags.c_contiguous):
-            np.copyto(dst, src)
-            continue
-        d, s = dst.reshape(-1), src.reshape(-1)
-        step = max(1, (PARALLEL_BYTES // 2) // max(1, src.itemsize))
-        chunks.extend((d[a:a + step], s[a:a + step]) for a in range(0, s.size, step))
-    for future in [_COPIERS.submit(np.copyto, d, s) for d, s in chunks]:
-        future.result()
+        np.copyto(dst, src)
 
 
 def _array_checksum(array: np.ndarray) -> tuple[str, str]:
@@ -211,5 +195,5 @@ def content_digest(entries: Sequence[Entry], metadata: Mapping[str, str]) -> Dig
             tuple(sorted((k, v) for k, v in metadata.items() if not k.startswith(RESERVED_PREFIX))))
 
 
-__all__ = ['PARALLEL_BYTES', 'Digest', 'HostLeaf', 'Leaf', 'Slot', 'Snapshot', 'build_entries',
+__all__ = ['Digest', 'HostLeaf', 'Leaf', 'Slot', 'Snapshot', 'build_entries',
            'content_digest', 'copy_all', 'namespace_leaves']

@@ -13,12 +13,10 @@ from jckpt.format.layout import lay_out
 from jckpt.format.names import GENERATION_KEY, LINEAGE_KEY
 from jckpt.format.precs import prec_of
 from jckpt.services.snapshot import (
-    PARALLEL_BYTES,
     HostLeaf,
     Slot,
     build_entries,
     content_digest,
-    copy_all,
     namespace_leaves,
 )
 from jckpt.storage.reader import CheckpointReader
@@ -71,15 +69,6 @@ def test_cpu_jax_arrays_are_copied_and_outlive_donation_and_deletion():
     assert isinstance(item.array, np.ndarray) and item.array.dtype == np.float32
     np.testing.assert_array_equal(item.array, np.arange(8, dtype=np.float32))
     np.testing.assert_array_equal(np.asarray(y), np.arange(8) * 2 + 1)
-
-
-def test_large_copies_are_split_across_threads_exactly():
-    src = np.arange((PARALLEL_BYTES // 4) * 3 + 5, dtype=np.float32)
-    odd = np.arange(24, dtype=np.int16).reshape(4, 6).T  # not contiguous: copied whole
-    dst, dst_odd = np.empty_like(src), np.empty(odd.shape, odd.dtype)
-    copy_all([(dst, src), (dst_odd, odd)])
-    np.testing.assert_array_equal(dst, src)
-    np.testing.assert_array_equal(dst_odd, odd)
 
 
 def test_fill_reuses_the_slot_buffers_of_the_same_shape_and_dtype():
