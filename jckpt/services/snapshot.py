@@ -32,9 +32,8 @@ from jckpt.api.context import Context
 from jckpt.format import payload as payload_mod
 from jckpt.format.entries import Entry, KeyPath, entry_for
 from jckpt.format.names import RESERVED_PREFIX
-from jckpt.services import image
 from jckpt.storage.writer import ArraySource
-from jckpt.trees import placement
+from jckpt.trees import image, placement
 from jckpt.trees import pytree as tree_mod
 
 log = logging.getLogger('jckpt')
@@ -112,7 +111,7 @@ class Slot:
         """Snapshot `leaves` the fastest way that survives donation and overwriting of them.
 
         * Accelerator arrays: an image on their device, one dispatched copy
-          (`jckpt.services.image`), when the devices have room for it; else a
+          (`jckpt.trees.image`), when the devices have room for it; else a
           transfer to host now.
         * Arrays in host memory (CPU arrays, numpy leaves): copied into this
           slot's host buffers, allocated once and reused from snapshot to

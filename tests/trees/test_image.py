@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 import jckpt
-from jckpt.services import image
-from jckpt.trees import placement
+from jckpt.trees import image, placement
 
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 
