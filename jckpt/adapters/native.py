@@ -71,11 +71,13 @@ def write_items(items: Sequence[tuple[str, KeyPath, Any]], path: str, *,
     return write_checkpoint(path, header, [ArraySource(a) for _, _, a in items])
 
 
-def write(tree: Any, path: str) -> None:
-    """Write ``{namespace: subtree}`` to one jckpt file (typed PRNG keys stay keys)."""
+def write(tree: Any, path: str, *, metadata: dict[str, str] | None = None) -> None:
+    """Write `{namespace: subtree}` to one jckpt file (typed PRNG keys stay keys), with
+    `metadata` (string pairs) in its header."""
     path = os.fspath(path)
     items = host_items_with_keys(tree, path)
-    write_items([(ns, p, a) for ns, p, a, _ in items], path, key_impls=[k for *_, k in items])
+    write_items([(ns, p, a) for ns, p, a, _ in items], path, key_impls=[k for *_, k in items],
+                metadata=tuple((metadata or {}).items()))
 
 
 def register() -> None:

@@ -74,6 +74,12 @@ TRAINER_STATE_KEY = 'jckpt.trainer_state'
 LINEAGE_KEY = 'jckpt.lineage'
 #: The generation number of a mirrored file.
 GENERATION_KEY = 'jckpt.generation'
+#: The key paths of the saved tree's nodes without leaves (optax's `EmptyState`, `None`,
+#: empty tuples, lists and dicts), by namespace (JSON), so exports can rebuild them.
+EMPTY_NODES_KEY = 'jckpt.empty_nodes'
+#: The JSON items of an orbax step read or converted from it: `{"item": value}` (JSON).
+ORBAX_JSON_KEY = 'jckpt.orbax_json'
 #: The reserved keys, under the names the tools show them by.
 KNOWN_KEYS = {STEP_KEY: 'step', METRICS_KEY: 'metrics', TRAINER_STATE_KEY: 'trainer state',
-              LINEAGE_KEY: 'lineage', GENERATION_KEY: 'generation'}
+              LINEAGE_KEY: 'lineage', GENERATION_KEY: 'generation',
+              EMPTY_NODES_KEY: 'empty nodes', ORBAX_JSON_KEY: 'orbax JSON items'}
