@@ -18,12 +18,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from jckpt.adapters import register_format
-from jckpt.adapters._common import host_items_with_keys
+from jckpt.adapters._common import check_namespaced, host_items_with_keys
 from jckpt.api.context import Context
 from jckpt.format.entries import DEFAULT_ALIGNMENT, Header, KeyPath, entry_for
 from jckpt.format.header import looks_like_header
 from jckpt.format.layout import lay_out
-from jckpt.format.names import INDEX_NAME
+from jckpt.format.metadata import empty_nodes, empty_nodes_text
+from jckpt.format.names import EMPTY_NODES_KEY, INDEX_NAME
 from jckpt.storage.writer import ArraySource, write_checkpoint
 from jckpt.version import __version__
 
@@ -38,12 +39,15 @@ def sniff(path: str, head: bytes | None) -> bool:
 
 
 def read(path: str) -> dict[str, Any]:
-    """Every entry of the file (or directory checkpoint) as ``{namespace: subtree}`` of host
-    numpy arrays."""
-    from jckpt.api.loading import load  # JAX: imported only when a checkpoint is read
+    """Every entry of the file (or directory checkpoint) as `{namespace: subtree}` of host
+    numpy arrays, with `None` where the saved tree had a node without leaves (an optax
+    `EmptyState`: recorded under `EMPTY_NODES_KEY`), so an orbax export keeps it."""
+    from jckpt.api.loading import describe, load  # JAX: imported only when a checkpoint is read
+    from jckpt.trees.pytree import with_empty_nodes
 
     _, tree = load(Context(host=True), path)
-    return tree
+    recorded = describe(path).metadata_dict().get(EMPTY_NODES_KEY)
+    return {ns: with_empty_nodes(sub, empty_nodes(recorded, ns)) for ns, sub in tree.items()}
 
 
 def build_header(items: Sequence[tuple[str, KeyPath, Any]], *, alignment: int = DEFAULT_ALIGNMENT,
@@ -73,11 +77,18 @@ def write_items(items: Sequence[tuple[str, KeyPath, Any]], path: str, *,
 
 def write(tree: Any, path: str, *, metadata: dict[str, str] | None = None) -> None:
     """Write `{namespace: subtree}` to one jckpt file (typed PRNG keys stay keys), with
-    `metadata` (string pairs) in its header."""
+    `metadata` (string pairs) in its header and the tree's nodes without leaves recorded."""
+    from jckpt.trees.pytree import flatten_with_empty  # JAX: imported only when a tree is written
+
     path = os.fspath(path)
     items = host_items_with_keys(tree, path)
+    meta = dict(metadata or {})
+    for ns, sub in check_namespaced(tree, path).items():
+        text = empty_nodes_text(meta.get(EMPTY_NODES_KEY), ns, flatten_with_empty(sub)[1])
+        if text is not None:
+            meta[EMPTY_NODES_KEY] = text
     write_items([(ns, p, a) for ns, p, a, _ in items], path, key_impls=[k for *_, k in items],
-                metadata=tuple((metadata or {}).items()))
+                metadata=tuple(meta.items()))
 
 
 def register() -> None:

@@ -127,6 +127,64 @@ def flatten(tree: Any) -> list[tuple[KeyPath, Any]]:
     return [(to_path(kp), leaf) for kp, leaf in leaves]
 
 
+def _is_leaf_or_empty(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct) or is_empty_node(x)
+
+
+def is_empty_node(x: Any) -> bool:
+    """Whether `x` is a node that holds no leaves and that exports must keep: `None`, and
+    empty tuples (optax's `EmptyState` and other NamedTuples without fields), lists and dicts.
+
+    >>> is_empty_node(None), is_empty_node(()), is_empty_node({'a': None}), is_empty_node(0)
+    (True, True, False, False)
+    """
+    return x is None or (isinstance(x, (tuple, list, dict)) and len(x) == 0)
+
+
+def flatten_with_empty(tree: Any) -> tuple[list[tuple[KeyPath, Any]], list[KeyPath]]:
+    """`flatten`, with the paths of the outermost empty nodes below the root (`is_empty_node`).
+
+    A save records them (`jckpt.format.names.EMPTY_NODES_KEY`) so that an
+    export to a format that keeps such nodes (orbax) can put them back.
+
+    >>> items, empty = flatten_with_empty({'w': 1.0, 'opt': [2.0, (), None]})
+    >>> len(items), empty
+    (2, [(('k', 'opt'), ('i', 1)), (('k', 'opt'), ('i', 2))])
+    """
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf_or_empty)
+    items, empty = [], []
+    for kp, leaf in leaves:
+        if is_empty_node(leaf):
+            if kp:
+                empty.append(to_path(kp))
+        else:
+            items.append((to_path(kp), leaf))
+    return items, empty
+
+
+def with_empty_nodes(tree: Any, paths: Iterable[KeyPath]) -> Any:
+    """`tree` (nested dicts and lists, as `unflatten` builds) with `None` at each of `paths`
+    whose parent it holds; other paths are left out (they only help exports).
+
+    >>> with_empty_nodes([{'count': 1}], [(('i', 1),), (('i', 2),), (('k', 'x'), ('k', 'y'))])
+    [{'count': 1}, None, None]
+    """
+    paths = list(paths)
+    for p in paths:
+        node = tree
+        try:
+            for _, key in p[:-1]:
+                node = node[key]
+        except (KeyError, IndexError, TypeError):
+            continue
+        key = p[-1][1]
+        if isinstance(node, dict):
+            node.setdefault(key, None)
+        elif isinstance(node, list) and isinstance(key, int) and 0 <= key <= len(node) + len(paths):
+            node.extend([None] * (key + 1 - len(node)))  # a bounded extension: holes are None
+    return tree
+
+
 def flatten_with_treedef(tree: Any) -> tuple[list[tuple[KeyPath, Any]], Any]:
     """Like `flatten`, also returning the treedef to rebuild `tree`'s structure."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)

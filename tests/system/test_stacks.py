@@ -190,6 +190,23 @@ def test_optax_state_exports_to_orbax_with_its_empty_states(tmp_path):
     _same(back, state)
 
 
+def test_a_saved_optax_file_exports_to_orbax_with_its_empty_states(tmp_path):
+    ocp = _orbax()
+    state = _adamw_state()
+    abstract = jax.eval_shape(lambda: state)
+    jckpt.save(CTX, state, tmp_path / "s.jckpt")  # records where the EmptyStates are
+    jckpt.save(jckpt.Context(namespace="model"), {"w": jnp.ones(2)}, tmp_path / "s.jckpt",
+               appending=True)
+    jckpt.convert(tmp_path / "s.jckpt", tmp_path / "exported", format="orbax")
+    with ocp.StandardCheckpointer() as checkpointer:
+        back = checkpointer.restore(tmp_path / "exported" / "jckpt", abstract)
+    _same(back, state)
+    jckpt.convert(tmp_path / "exported", tmp_path / "again.jckpt")  # and back: still recorded
+    jckpt.convert(tmp_path / "again.jckpt", tmp_path / "twice", format="orbax")
+    with ocp.StandardCheckpointer() as checkpointer:
+        _same(checkpointer.restore(tmp_path / "twice" / "jckpt", abstract), state)
+
+
 def test_typed_prng_keys_cross_to_orbax_and_back(tmp_path):
     ocp = _orbax()
     tree = {"key": jax.random.key(3), "keys": jax.random.split(jax.random.key(1), 3),
