@@ -33,7 +33,8 @@ _FENCE = re.compile(r"^```(?P<info>[^\n]*)\n(?P<body>.*?)^```[ \t]*$", re.M | re
 _NOT_RUN = re.compile(r"<!--\s*not-run:\s*(?P<reason>\S[^>]*?)\s*-->\s*\Z")
 
 # Optional extras: a module that needs one of these is skipped when it is missing.
-_OPTIONAL = {"orbax", "torch", "safetensors", "flax", "matplotlib", "rich", "psutil", "optax"}
+_OPTIONAL = {"orbax", "torch", "safetensors", "flax", "matplotlib", "rich", "psutil", "optax",
+             "equinox"}
 
 
 def doc_blocks(text: str) -> list[tuple[int, str, str]]:
@@ -112,7 +113,7 @@ def test_block_extraction():
 
 def test_docs_have_examples():
     runnable = {p.name for p in _pages() if python_blocks(p.read_text())}
-    for name in ("index.md", "getting-started.md", "concepts.md"):
+    for name in ("index.md", "getting-started.md", "concepts.md", "recipes.md"):
         assert name in runnable
 
 
