@@ -80,7 +80,7 @@ def load(ctx: Context, path: PathLike, *, prefix_namespace: str | None = None,
         _, model = jckpt.load(jckpt.Context(), "ckpt.jckpt", namespaces="model")  # no optimizer
         ```
     """
-    path, ctx = checked_path(path), check_context(ctx)
+    path, ctx = checked_path(path), check_context(ctx, mmap=mmap, verify=verify, progress=progress)
     tree_mod.check_prefix(prefix_namespace)
     reader = open_checkpoint(path)  # a file, or a multi-process directory
     stored = reader.header.tensors
@@ -190,7 +190,7 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
                              "ckpt.jckpt", namespaces=["model", "opt"])
         ```
     """
-    path, ctx = checked_path(path), check_context(ctx)
+    path, ctx = checked_path(path), check_context(ctx, mmap=mmap, cast=cast, verify=verify)
     parts = _target_parts(ctx, target, path, namespace, namespaces)
     if not any(items for _, items, _ in parts):
         return target

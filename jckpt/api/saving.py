@@ -79,7 +79,7 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
         jckpt.save(jckpt.Context(), {"params": params, "step": 100}, "ckpt.jckpt")
         ```
     """
-    path, ctx = checked_path(path), check_context(ctx)
+    path, ctx = checked_path(path), check_context(ctx, appending=appending, progress=progress)
     metadata = check_metadata(metadata, path)  # strings only, refused before anything is written
     # several processes save their pieces into one directory; a directory checkpoint stays one
     if jax.process_count() > 1 or os.path.isfile(os.path.join(path, INDEX_NAME)):

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import ClassVar, Generic, Self, TypeVar
 
 from jckpt import api
-from jckpt.api.context import Context, check_context
+from jckpt.api.context import Context, check_context, check_flag
 from jckpt.format import metadata as metadata_mod
 from jckpt.format.names import GENERATION_KEY, LINEAGE_KEY
 from jckpt.services.engine import Job, MirrorCounters, Pipeline
@@ -82,6 +82,7 @@ class BackgroundWriter(Generic[InfoT]):
         self.ctx = check_context(ctx) if ctx is not None else Context()
         self.backend = backend
         check_name(lineage, name)
+        check_flag(new_lineage, 'new_lineage', name, optional=False)
         self._lease = backend.lease(lease)
         try:
             latest = self._recover()

@@ -18,6 +18,7 @@ import signal
 import threading
 from collections.abc import Callable
 
+from jckpt.api.context import check_flag
 from jckpt.errors import InputError
 
 log = logging.getLogger('jckpt')
@@ -41,6 +42,7 @@ class Preemption:
     """
 
     def __init__(self, handle_sigterm: bool = False) -> None:
+        check_flag(handle_sigterm, 'handle_sigterm', optional=False)
         self._sigterm = threading.Event()
         self._restore_sigterm: Callable[[], object] | None = None
         if handle_sigterm:
