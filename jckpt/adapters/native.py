@@ -1,8 +1,8 @@
-"""The ``jckpt`` format itself, as an adapter: every namespace in one atomic write.
+"""The `jckpt` format itself, as an adapter: every namespace in one atomic write.
 
-``read`` is :func:`jckpt.api.loading.load` with host arrays (zero-copy views of the
-file); ``write`` stores every namespace of ``{namespace: subtree}`` in one
-file published by a single rename (``jckpt.save`` writes one namespace).
+`read` is `jckpt.api.loading.load` with host arrays (zero-copy views of the
+file); `write` stores every namespace of `{namespace: subtree}` in one
+file published by a single rename (`jckpt.save` writes one namespace).
 
 >>> import numpy as np, tempfile, os
 >>> path = os.path.join(tempfile.mkdtemp(), 'two.jckpt')
@@ -31,8 +31,8 @@ from jckpt.version import __version__
 
 def sniff(path: str, head: bytes | None) -> bool:
     """A file whose first bytes start like a jckpt header
-    (:func:`~jckpt.format.header.looks_like_header`); or a directory checkpoint
-    (multi-process), which holds ``index.jckpt``."""
+    (`looks_like_header`); or a directory checkpoint
+    (multi-process), which holds `index.jckpt`."""
     if head is None:
         return os.path.isfile(os.path.join(path, INDEX_NAME))
     return looks_like_header(head)
@@ -53,8 +53,8 @@ def read(path: str) -> dict[str, Any]:
 def build_header(items: Sequence[tuple[str, KeyPath, Any]], *, alignment: int = DEFAULT_ALIGNMENT,
                  metadata: Sequence[tuple[str, str]] = (),
                  key_impls: Sequence[str | None] | None = None) -> Header:
-    """A laid-out header for ``(namespace, path, host array)`` items, ids counted per namespace;
-    ``key_impls`` names the PRNG implementation of the items that are typed keys' data."""
+    """A laid-out header for `(namespace, path, host array)` items, ids counted per namespace;
+    `key_impls` names the PRNG implementation of the items that are typed keys' data."""
     next_id: dict[str, int] = {}
     entries = []
     impls = key_impls if key_impls is not None else [None] * len(items)

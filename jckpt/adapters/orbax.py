@@ -78,7 +78,7 @@ def _items(path: str) -> list[str]:
 
 
 def sniff(path: str, head: bytes | None) -> bool:
-    """A directory laid out as an orbax item, step, or ``CheckpointManager`` root (refused
+    """A directory laid out as an orbax item, step, or `CheckpointManager` root (refused
     with a message naming a step)."""
     return head is None and (_is_item(path) or os.path.exists(os.path.join(path, _STEP_MARKER))
                              or bool(_items(path)) or bool(_steps(path)))
@@ -90,7 +90,7 @@ def _steps(path: str) -> list[str]:
 
 
 def _key_name(key: Any) -> str:
-    """One element of orbax's parameter name of a leaf (its key path joined by ``.``)."""
+    """One element of orbax's parameter name of a leaf (its key path joined by `.`)."""
     for attr in ('key', 'idx', 'name'):
         if hasattr(key, attr):
             return str(getattr(key, attr))
@@ -98,10 +98,10 @@ def _key_name(key: Any) -> str:
 
 
 def _key_impls(item: str) -> dict[str, str]:
-    """``{parameter name: PRNG implementation}`` for the typed keys orbax stored in ``item``.
+    """`{parameter name: PRNG implementation}` for the typed keys orbax stored in `item`.
 
     orbax keeps a typed key's implementation in the item's array metadata
-    (``array_metadatas/process_<n>``, JSON); anything missing or unreadable
+    (`array_metadatas/process_<n>`, JSON); anything missing or unreadable
     there means no keys (their data then reads as plain integers).
     """
     found: dict[str, str] = {}
@@ -172,7 +172,7 @@ def _read_item(item: str) -> Any:
 
 
 def read(path: str) -> dict[str, Any]:
-    """An orbax item or step directory as ``{namespace: subtree}`` of host numpy arrays."""
+    """An orbax item or step directory as `{namespace: subtree}` of host numpy arrays."""
     path = os.fspath(path)
     backend_for(path)  # a URL of an unsupported scheme is refused, never read as a local path
     if not os.path.isdir(path):
@@ -222,10 +222,10 @@ def json_metadata(path: str) -> dict[str, str]:
 
 
 def write(tree: Any, path: str) -> None:
-    """Write ``{namespace: subtree}`` as an orbax step directory, one PyTree item per namespace.
+    """Write `{namespace: subtree}` as an orbax step directory, one PyTree item per namespace.
 
-    The directory is built beside ``path`` and renamed into place; an
-    existing directory at ``path`` is replaced only after the new one is complete.
+    The directory is built beside `path` and renamed into place; an
+    existing directory at `path` is replaced only after the new one is complete.
     """
     backend_for(os.fspath(path))  # before abspath, which would make a URL a local path
     path = os.path.abspath(os.fspath(path))

@@ -121,7 +121,7 @@ def _with_empty_nodes(metadata: dict[str, str], old: CheckpointReader | None, na
 
 
 def _alignment(alignment: Any, path: str) -> int:
-    """``alignment`` when it is one a reader accepts; InputError otherwise."""
+    """`alignment` when it is one a reader accepts; InputError otherwise."""
     if not valid_alignment(alignment):
         raise InputError(f"alignment must be a positive integer up to {MAX_ALIGNMENT}, "
                          f"not {alignment!r}", file=path)

@@ -18,12 +18,12 @@ from jckpt.format.names import RESERVED_PREFIX
 
 def check_metadata(metadata: Mapping[str, str] | None, file: str | None = None, *,
                    reserved: bool = True) -> dict[str, str]:
-    """User metadata as a dict of strings; :class:`~jckpt.errors.InputError` naming the key otherwise.
+    """User metadata as a dict of strings; `InputError` naming the key otherwise.
 
-    The header stores metadata as string pairs, so a number or ``None`` is
+    The header stores metadata as string pairs, so a number or `None` is
     refused here, before anything is written, rather than when the header is
-    encoded. With ``reserved=False`` (the mirror and the manager, which write
-    their own ``jckpt.`` keys), keys starting with ``jckpt.`` are refused too.
+    encoded. With `reserved=False` (the mirror and the manager, which write
+    their own `jckpt.` keys), keys starting with `jckpt.` are refused too.
 
     >>> check_metadata({'step': '3'})
     {'step': '3'}
@@ -49,10 +49,10 @@ def check_metadata(metadata: Mapping[str, str] | None, file: str | None = None, 
 
 
 def parse_metrics(text: str | None) -> dict[str, float] | None:
-    """The metrics a mirror or manager saved (a JSON object of numbers) as ``{name: float}``.
+    """The metrics a mirror or manager saved (a JSON object of numbers) as `{name: float}`.
 
-    ``None`` when ``text`` is not a JSON object (not JSON, nested deeper than
-    :data:`jckpt.format.limits.MAX_NESTING`, a string, ``null``...); values
+    `None` when `text` is not a JSON object (not JSON, nested deeper than
+    `jckpt.format.limits.MAX_NESTING`, a string, `null`...); values
     that are not numbers are left out. Never raises: metrics only rank steps.
 
     >>> parse_metrics('{"loss": 0.5, "note": "x", "acc": null}'), parse_metrics('"x"')

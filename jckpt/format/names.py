@@ -26,7 +26,7 @@ DIRECTORY_LOCK_NAME = '.writer.lock'
 
 
 def piece_name(process: int, layer: int = 0) -> str:
-    """The piece file of ``process`` (``layer`` > 0 for a second block of the same array)."""
+    """The piece file of `process` (`layer` > 0 for a second block of the same array)."""
     return f"process_{process:05d}.jckpt" if layer == 0 else f"process_{process:05d}.{layer}.jckpt"
 
 
@@ -45,7 +45,7 @@ TRAINER_STATE_NAME = 'trainer_state.json'
 
 
 def step_name(step: int) -> str:
-    """The file (or directory) name of ``step``: ``step_00000100.jckpt``."""
+    """The file (or directory) name of `step`: `step_00000100.jckpt`."""
     return f"step_{step:08d}.jckpt"
 
 

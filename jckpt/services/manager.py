@@ -92,7 +92,7 @@ class Restored:
 class _Step:
     """What a snapshot job carries for the manager: its step, metrics and how to write it.
 
-    ``model_namespace`` is the namespace written as the model of a foreign-format step.
+    `model_namespace` is the namespace written as the model of a foreign-format step.
     """
 
     step: int

@@ -1,7 +1,7 @@
 """Whether a run is being preempted and should save now.
 
-Under ``jax.distributed`` this is JAX's preemption sync point; without a
-distributed client, a :class:`Preemption` made with ``handle_sigterm=True``
+Under `jax.distributed` this is JAX's preemption sync point; without a
+distributed client, a `Preemption` made with `handle_sigterm=True`
 turns a SIGTERM into the signal instead (and puts the previous handler back
 when closed).
 
@@ -49,11 +49,11 @@ class Preemption:
             self._install_sigterm()
 
     def reached(self, step: int) -> bool:
-        """Whether the run is being preempted and should save ``step`` now.
+        """Whether the run is being preempted and should save `step` now.
 
         With a JAX distributed client this is JAX's preemption sync point (every
         process must call it at every step); otherwise it reports a SIGTERM
-        caught with ``handle_sigterm=True``, and False without one.
+        caught with `handle_sigterm=True`, and False without one.
         """
         if _preemption_client_ready():
             try:

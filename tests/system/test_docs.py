@@ -249,6 +249,39 @@ def test_api_reference_docstrings_are_markdown(dotted: str, inherited: tuple[str
     assert not leftovers, f"reStructuredText the API reference would show literally: {leftovers}"
 
 
+def _source_docstrings(path: Path) -> list[tuple[str, str]]:
+    """``(file:line name, docstring)`` of the module and of every class and function in it,
+    private and nested ones included (read from the source: nothing is imported)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    where = path.relative_to(ROOT)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                name = getattr(node, "name", "<module>")
+                found.append((f"{where}:{getattr(node, 'lineno', 1)} {name}", doc))
+    return found
+
+
+def test_every_docstring_is_markdown():
+    """Not only the API reference: every docstring of the package is Google style with Markdown
+    (help(), editors' hovers and the source read the same as the site)."""
+    leftovers = [(where, m.group(0)) for path in sorted((ROOT / "jckpt").rglob("*.py"))
+                 for where, doc in _source_docstrings(path) for m in [_REST.search(doc)] if m]
+    assert not leftovers, f"reStructuredText in docstrings ({len(leftovers)}): {leftovers[:20]}"
+
+
+def test_source_docstrings_are_all_found(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "m.py").write_text('"""Mod ``x``."""\nclass A:\n    def _f(self):\n'
+                                   '        """See :class:`B`."""\n')
+    docs = dict(_source_docstrings(tmp_path / "m.py"))
+    assert docs == {"m.py:1 <module>": "Mod ``x``.", "m.py:3 _f": "See :class:`B`."}
+
+
 def test_rest_leftovers_are_found():
     for bad in (":class:`~jckpt.errors.InputError`", "``x``", "Example::\n\n    f()", ":func:`f`"):
         assert _REST.search(bad), bad
