@@ -137,7 +137,8 @@ def _host_or_key(impls: dict[str, str]):
     return convert
 
 
-def _read_item(item: str) -> Any:
+def read_item(item: str) -> Any:
+    """One item directory's tree: host numpy arrays, and typed PRNG keys as keys."""
     if os.path.lexists(os.path.join(item, _JCKPT_ITEM)) and not os.path.exists(
             os.path.join(item, '_METADATA')):
         from jckpt.adapters import native
@@ -173,13 +174,22 @@ def _read_item(item: str) -> Any:
 
 def read(path: str) -> dict[str, Any]:
     """An orbax item or step directory as `{namespace: subtree}` of host numpy arrays."""
+    return {ns: read_item(item) for ns, item in item_dirs(path)}
+
+
+def item_dirs(path: str) -> list[tuple[str, str]]:
+    """`[(namespace, item directory)]` of an orbax item (`jckpt`) or step directory (one per item).
+
+    A `CheckpointManager` root, or a directory with no item, is a `FormatError`
+    naming a step to pass instead.
+    """
     path = os.fspath(path)
     backend_for(path)  # a URL of an unsupported scheme is refused, never read as a local path
     if not os.path.isdir(path):
         raise FormatError("an orbax checkpoint is a directory", file=path,
                           fix="pass the step or item directory")
     if _is_item(path):
-        return {DEFAULT_NAMESPACE: _read_item(path)}
+        return [(DEFAULT_NAMESPACE, path)]
     items = _items(path)
     if not items:
         steps = _steps(path)
@@ -190,7 +200,28 @@ def read(path: str) -> dict[str, Any]:
     if bad:
         raise FormatError(f"item names {bad} are not valid namespaces", file=path,
                           fix="pass the item's own directory to read it alone")
-    return {name: _read_item(os.path.join(path, name)) for name in items}
+    return [(name, os.path.join(path, name)) for name in items]
+
+
+def item_specs(item: str) -> list[tuple[Any, tuple[int, ...], np.dtype, str | None]] | None:
+    """`[(JAX key path, shape, dtype, PRNG implementation or None)]` of an orbax PyTree item,
+    from its metadata alone (no array is read); None for an item jckpt saved (a jckpt file)
+    or metadata that cannot be read (the caller then reads the item)."""
+    if not os.path.exists(os.path.join(item, '_METADATA')):
+        return None
+    ocp = _orbax()
+    import jax
+
+    try:
+        metadata = ocp.PyTreeCheckpointer().metadata(os.path.abspath(item))
+        tree = getattr(getattr(metadata, 'item_metadata', metadata), 'tree', None)
+        leaves = jax.tree_util.tree_flatten_with_path(tree)[0] if tree is not None else None
+        impls = _key_impls(item)
+        return None if leaves is None else [
+            (kp, tuple(int(d) for d in m.shape), np.dtype(m.dtype),
+             impls.get('.'.join(_key_name(k) for k in kp))) for kp, m in leaves]
+    except Exception:  # metadata orbax cannot give: read the item instead
+        return None
 
 
 def json_metadata(path: str) -> dict[str, str]:

@@ -115,3 +115,37 @@ def test_a_json_item_that_is_not_json_is_refused(tmp_path):
     (tmp_path / 'run' / '0' / 'meta' / 'metadata').write_text('{"a": ')
     with pytest.raises(FormatError, match="JSON item 'meta' cannot be read"):
         jckpt.describe(tmp_path / 'run' / '0')
+
+
+def test_only_the_items_asked_for_are_read(tmp_path, monkeypatch):
+    from jckpt.adapters import orbax
+
+    params, state = adamw_state()
+    with ocp.CheckpointManager(tmp_path / 'run') as manager:
+        manager.save(1, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
+                                                opt=ocp.args.StandardSave(state)))
+        manager.wait_until_finished()
+    step = tmp_path / 'run' / '1'
+    read = []
+    real = orbax.read_item
+    monkeypatch.setattr(orbax, 'read_item', lambda item: read.append(os.path.basename(item))
+                        or real(item))
+    header = jckpt.describe(step)  # from the metadata alone
+    assert {e.namespace for e in header.tensors} == {'params', 'opt'} and read == []
+    back = jckpt.restore(CTX, {'params': jax.eval_shape(lambda: params)}, step,
+                         namespaces=['params'])
+    same(back['params'], params)
+    assert read == ['params']
+
+
+def test_data_that_does_not_match_the_metadata_is_refused(tmp_path, monkeypatch):
+    from jckpt.adapters import orbax
+
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / 'w', {'w': jnp.ones(3)})
+    specs = orbax.item_specs
+    monkeypatch.setattr(orbax, 'item_specs', lambda item: [
+        (kp, (4,), dtype, impl) for kp, _, dtype, impl in specs(item)])
+    with pytest.raises(FormatError, match=r"metadata lists float32\[4\] here, its data holds "
+                                          r"float32\[3\]"):
+        jckpt.restore(CTX, {'w': jax.ShapeDtypeStruct((4,), jnp.float32)}, tmp_path / 'w')
