@@ -86,7 +86,8 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
         if appending:
             raise InputError("appending is not supported for directory checkpoints",
                              file=path, fix="save the whole tree")
-        save_directory(ctx, tree, path, alignment=alignment, metadata=metadata)
+        save_directory(ctx, tree, path, alignment=alignment, metadata=_with_empty_nodes(
+            metadata, None, ctx.namespace, tree_mod.flatten_with_empty(tree)[1], ()))
         return
     items, empty = tree_mod.flatten_with_empty(tree)
     hosts = placement.host_leaves([(tree_mod.leaf_name(ctx.namespace, p), leaf) for p, leaf in items],

@@ -207,6 +207,17 @@ def test_a_saved_optax_file_exports_to_orbax_with_its_empty_states(tmp_path):
         _same(checkpointer.restore(tmp_path / "twice" / "jckpt", abstract), state)
 
 
+def test_a_directory_checkpoint_records_its_empty_states_too(tmp_path):
+    ocp = _orbax()
+    state = _adamw_state()
+    save_directory(CTX, {"w": jnp.ones(2)}, tmp_path / "d.jckpt")  # a directory checkpoint...
+    jckpt.save(CTX, state, tmp_path / "d.jckpt")  # ...stays one, replaced by the optax state
+    jckpt.convert(tmp_path / "d.jckpt", tmp_path / "exported", format="orbax")
+    with ocp.StandardCheckpointer() as checkpointer:
+        _same(checkpointer.restore(tmp_path / "exported" / "jckpt", jax.eval_shape(lambda: state)),
+              state)
+
+
 def test_typed_prng_keys_cross_to_orbax_and_back(tmp_path):
     ocp = _orbax()
     tree = {"key": jax.random.key(3), "keys": jax.random.split(jax.random.key(1), 3),
