@@ -280,15 +280,16 @@ def _write_converted(source: Format, src: str, target: Format, tree: Any, dst: s
     """Write `tree` with what `src` holds besides arrays: a jckpt file keeps it as metadata;
     another format cannot, and a warning names what is left behind (never a silent drop)."""
     meta = source.read_metadata(src) if source.read_metadata is not None else {}
+    write = target.write
+    assert write is not None  # convert refuses a format it cannot write before reading
     if meta and target.name == 'jckpt':
-        target.write(tree, dst, metadata=meta)  # type: ignore[call-arg]
+        write(tree, dst, metadata=meta)  # type: ignore[call-arg]  # native.write takes it
         return
     if meta:
         warnings.warn(f"{src}: {sorted(meta)} ({source.name}'s data besides arrays) is not kept in "
                       f"{target.name!r}; convert to a .jckpt file to keep it as metadata",
                       stacklevel=3)
-    assert target.write is not None
-    target.write(tree, dst)
+    write(tree, dst)
 
 
 def _open_orbax(path: str) -> Any:
