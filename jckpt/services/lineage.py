@@ -7,15 +7,12 @@ random id chosen when the run starts, or one the caller names) and a
 already holds a checkpoint (the mirror's file, the manager's latest step)
 decides from that checkpoint's metadata:
 
-=========================  ====================  ========================  ================
-found                      `lineage=None`      `lineage=X`             `new_lineage`
-=========================  ====================  ========================  ================
-nothing                    a new random id       X                         (same)
-lineage L, generation g    continue L after g    continue if X == L,       a new lineage,
-                                                 else LineageError         generation 0
-no lineage                 LineageError          LineageError              (same)
-unreadable generation      LineageError          LineageError              (same)
-=========================  ====================  ========================  ================
+| found | `lineage=None` | `lineage=X` | `new_lineage` |
+|---|---|---|---|
+| nothing | a new random id | X | (same) |
+| lineage L, generation g | continue L after g | continue if X == L, else `LineageError` | new lineage, 0 |
+| no lineage | `LineageError` | `LineageError` | (same) |
+| unreadable generation | `LineageError` | `LineageError` | (same) |
 
 A checkpoint this rule cannot prove to belong to the run (another lineage, or
 none at all: written by `jckpt.save`, a converter or another tool) is

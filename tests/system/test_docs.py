@@ -186,7 +186,7 @@ def test_typecheck_api_file_runs(tmp_path, monkeypatch):
 
 
 # reStructuredText the API reference (mkdocstrings, Google style, Markdown) shows literally.
-_REST = re.compile(r":(?:class|func|meth|data|mod|attr|exc|obj):`|(?<!`)``(?!`)|::\n")
+_REST = re.compile(r":(?:class|func|meth|data|mod|attr|exc|obj):`|(?<!`)``(?!`)|::\n|^\s*={3,}  +=", re.M)
 
 
 def _api_objects() -> list[tuple[str, tuple[str, ...]]]:
@@ -283,6 +283,7 @@ def test_source_docstrings_are_all_found(tmp_path, monkeypatch):
 
 
 def test_rest_leftovers_are_found():
-    for bad in (":class:`~jckpt.errors.InputError`", "``x``", "Example::\n\n    f()", ":func:`f`"):
+    for bad in (":class:`~jckpt.errors.InputError`", "``x``", "Example::\n\n    f()", ":func:`f`",
+                "=====  =====\na      b\n=====  ====="):
         assert _REST.search(bad), bad
     assert not _REST.search("Example:\n    ```python\n    f(`x`)\n    ```\n")
