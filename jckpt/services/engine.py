@@ -43,6 +43,7 @@ from jckpt.errors import CapacityError, CheckpointError, InputError
 from jckpt.format.header import Entry
 from jckpt.services.snapshot import HostLeaf, Leaf, Slot, Snapshot, build_entries
 from jckpt.storage.writer import ArraySource
+from jckpt.trees import image
 
 log = logging.getLogger('jckpt')
 
@@ -61,6 +62,11 @@ def deadline_after(timeout: float | None) -> float | None:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout != timeout:
         raise InputError(f"timeout must be a number of seconds or None, not {timeout!r:.80}",
                          fix="pass timeout=None to wait as long as it takes")
+    if timeout < 0:
+        raise InputError(f"timeout must be >= 0 seconds, not {timeout!r}",
+                         fix="pass timeout=0 to check without waiting, or None to wait as long as it takes")
+    if timeout == float('inf'):
+        return None  # no deadline (monotonic() + inf is no time a wait can be given)
     return time.monotonic() + timeout
 
 
@@ -81,8 +87,7 @@ class MirrorCounters:
       failures: failed write attempts since the mirror opened.
       last_error: the message of the most recent failure, kept after recovery.
       stalls: submits that had to wait for a free slot (the disk is not keeping up).
-      images: snapshots taken as an image on their accelerator (drained to host in the
-        background); the others were copied to host, or held in place on the CPU, at submit.
+      images: snapshots taken as an image on their accelerator (drained in the background).
     """
 
     committed: int = 0
@@ -112,11 +117,8 @@ def error_code(exc: BaseException) -> str:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Job(Generic[InfoT]):
-    """One admitted snapshot: its number (1, 2, ... in admission order), slot and snapshot.
-
-    `metadata` is the user's metadata for the generation and `info`
-    whatever the committer attached at admission (the manager: the step).
-    """
+    """One admitted snapshot: its number (1, 2, ...), slot and snapshot, the user's
+    `metadata` for the generation and the committer's `info` (the manager: the step)."""
 
     seq: int
     slot: Slot
@@ -126,7 +128,7 @@ class Job(Generic[InfoT]):
 
     @functools.cached_property
     def items(self) -> tuple[HostLeaf, ...]:
-        """The snapshot's leaves in host memory (device images drained on first use)."""
+        """The leaves in host memory (device images drained on first use)."""
         return tuple(self.snapshot.drain())
 
     @functools.cached_property
@@ -220,7 +222,8 @@ def _check_options(slots: int, when_full: str, retry_after: float, patience: int
         raise InputError(f"slots must be a positive integer, not {slots!r}")
     if when_full not in ('block', 'raise'):
         raise InputError(f"when_full must be 'block' or 'raise', not {when_full!r}")
-    if not retry_after >= 0:
+    if isinstance(retry_after, bool) or not isinstance(retry_after, (int, float)) \
+            or not retry_after >= 0:
         raise InputError(f"retry_after must be >= 0 seconds, not {retry_after!r}")
     if not isinstance(patience, int) or patience < 1:
         raise InputError(f"patience must be a positive integer, not {patience!r}")
@@ -255,10 +258,7 @@ class Pipeline(Generic[InfoT, StagedT]):
                  generation: int = 0, owner: _Closable | None = None,
                  image_bytes: int | None = None) -> None:
         _check_options(slots, when_full, retry_after, patience)
-        if image_bytes is not None and (isinstance(image_bytes, bool) or
-                                        not isinstance(image_bytes, int) or image_bytes < 0):
-            raise InputError(f"device_image_bytes must be a number of bytes >= 0 or None, not "
-                             f"{image_bytes!r:.80}", fix="pass None to let free device memory decide")
+        image.check_limit(image_bytes)
         self.name = name
         self._commit = commit
         self.when_full = when_full

@@ -38,10 +38,10 @@ from jckpt.trees import pytree as tree_mod
 
 log = logging.getLogger('jckpt')
 
-#: A leaf as submitted: ``(namespace, path, leaf)``; the leaf is anything a tree may hold.
+#: A leaf as submitted: `(namespace, path, leaf)`; the leaf is anything a tree may hold.
 Leaf = tuple[str, KeyPath, Any]
 
-#: What makes two generations equal (see :func:`content_digest`).
+#: What makes two generations equal (see `content_digest`).
 Digest = tuple[tuple[tuple[Any, ...], ...], tuple[tuple[str, str], ...]]
 
 
@@ -55,7 +55,7 @@ class HostLeaf(NamedTuple):
 
 
 def namespace_leaves(trees: Mapping[str, Any]) -> list[Leaf]:
-    """``(namespace, path, leaf)`` of every leaf of ``{namespace: tree}``, refusing a bad namespace."""
+    """`(namespace, path, leaf)` of every leaf of `{namespace: tree}`, refusing a bad namespace."""
     leaves: list[Leaf] = []
     for namespace, tree in trees.items():
         Context(namespace=namespace)  # validates the name
@@ -175,7 +175,7 @@ def _array_checksum(array: np.ndarray) -> tuple[str, str]:
 
 
 def build_entries(items: Sequence[HostLeaf]) -> tuple[tuple[Entry, ...], tuple[ArraySource, ...]]:
-    """Entries (with checksums, ids per namespace in order) and payload sources for ``items``."""
+    """Entries (with checksums, ids per namespace in order) and payload sources for `items`."""
     next_ids: dict[str, int] = {}
     entries, sources = [], []
     for namespace, path, array, key_impl in items:

@@ -32,6 +32,8 @@ import jax
 import numpy as np
 from jax import lax
 
+from jckpt.errors import InputError
+
 #: Fraction of a device's free memory an image may take when the caller sets no limit.
 FREE_FRACTION = 0.9
 
@@ -77,6 +79,13 @@ def take_image(arrays: Sequence[jax.Array], old: Sequence[jax.Array] | None) -> 
     return _copy(arrays)
 
 
+def check_limit(limit: int | None) -> None:
+    """Refuse a cap on an image's bytes that is not None or a number of bytes >= 0."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise InputError(f"device_image_bytes must be a number of bytes >= 0 or None, not "
+                         f"{limit!r:.80}", fix="pass None to let the devices' free memory decide")
+
+
 def image_bytes(arrays: Sequence[jax.Array]) -> int:
     """Device bytes an image of `arrays` takes (every addressable shard, replicas included)."""
     return sum(s.data.nbytes for a in arrays for s in a.addressable_shards)
@@ -118,4 +127,4 @@ def drain(images: Sequence[jax.Array]) -> list[Any]:
     return [np.asarray(a) for a in images]
 
 
-__all__ = ['FREE_FRACTION', 'drain', 'has_room', 'image_bytes', 'take_image']
+__all__ = ['FREE_FRACTION', 'check_limit', 'drain', 'has_room', 'image_bytes', 'take_image']
