@@ -297,3 +297,54 @@ def test_padded_entries_are_bounded_per_file_not_per_entry(tmp_path, cli):
                                       FormatError, 'padded'))
     assert peak < 64 << 20
     cli_refuses(cli, 'convert', path, tmp_path / 'out.npz')
+
+
+# --- 4. the header checksum -------------------------------------------------------------------------
+
+def flip_to_rename(path, old: bytes, new: bytes) -> None:
+    """Replace ``old`` by ``new`` (of the same length: a bit flip) in the file's header."""
+    raw = bytearray(open(path, 'rb').read())
+    (hlen,) = struct.unpack('>I', raw[:4])
+    i = raw.index(old, 0, 4 + hlen)
+    raw[i:i + len(old)] = new
+    with open(path, 'wb') as f:
+        f.write(raw)
+
+
+def test_a_bit_flip_renaming_an_entry_is_caught_by_load_and_verify(tmp_path, cli):
+    path = write_arrays(tmp_path / 'w.jckpt', {'wa': np.arange(3, dtype=np.float32),
+                                               'wb': np.ones(2, np.float32)})
+    flip_to_rename(path, b'(k wa)', b'(k wc)')  # 'a' ^ 0x02 == 'c': still parses, still unique
+    assert b'(k wc)' in open(path, 'rb').read()
+    refused(lambda: jckpt.load(jckpt.Context(host=True), path), path, FormatError,
+            'header checksum mismatch')
+    report = jckpt.verify(path)
+    assert not report.ok and 'header checksum mismatch' in report.render()
+    assert 'header checksum mismatch' in cli_refuses(cli, 'inspect', path)
+    rc, out, _err = cli('verify', path)
+    assert rc == 1 and 'header checksum mismatch' in out
+
+
+@pytest.mark.parametrize('member', [INDEX_NAME, 'process_00001.jckpt'])
+def test_a_bit_flip_in_a_directory_checkpoint_header_is_caught(tmp_path, member):
+    path = write_directory(tmp_path / 'd', {'a/b': np.zeros((4, 3), np.float32)})
+    flip_to_rename(os.path.join(path, member), b'(k b)', b'(k c)')
+    refused(lambda: jckpt.load(jckpt.Context(host=True), path), member, FormatError,
+            'header checksum mismatch')
+    report = jckpt.verify(path)
+    assert not report.ok and 'header checksum mismatch' in report.render()
+
+
+def test_files_without_a_header_checksum_still_load(tmp_path):
+    from jckpt.format import decode_header, encode_header
+    path = write_arrays(tmp_path / 'old.jckpt', {'w': np.arange(3, dtype=np.float32)})
+    raw = open(path, 'rb').read()
+    (hlen,) = struct.unpack('>I', raw[:4])
+    text = encode_header(decode_header(raw[:4 + hlen]), header_checksum=False)[4:].rstrip()
+    assert b'header_checksum' not in text and len(text) < hlen
+    with open(path, 'r+b') as f:  # the same header as an older writer wrote it
+        f.write(raw[:4] + text.ljust(hlen))
+    _, tree = jckpt.load(jckpt.Context(host=True), path)
+    assert tree['jckpt']['w'].tolist() == [0, 1, 2]
+    assert jckpt.verify(path).ok
+
