@@ -348,3 +348,115 @@ def test_files_without_a_header_checksum_still_load(tmp_path):
     assert tree['jckpt']['w'].tolist() == [0, 1, 2]
     assert jckpt.verify(path).ok
 
+
+# --- 5. decompression and shared storages -----------------------------------------------------------
+
+FIXTURES = os.path.join(os.path.dirname(__file__), '..', 'fixtures')
+
+
+def zip_with(tmp_path, name: str, members: dict, method=zipfile.ZIP_DEFLATED) -> str:
+    path = tmp_path / name
+    with zipfile.ZipFile(path, 'w', method) as zf:
+        for member, data in members.items():
+            zf.writestr(member, data)
+    return str(path)
+
+
+def npy_of(array: np.ndarray) -> bytes:
+    import io
+    out = io.BytesIO()
+    np.save(out, array)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize('method', [zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA],
+                         ids=['deflate', 'bzip2', 'lzma'])
+def test_compressed_npz_members_load(tmp_path, method):
+    arrays = {'w': np.arange(1000, dtype=np.float32).reshape(10, 100), 'z': np.zeros(5, np.int64)}
+    path = zip_with(tmp_path, 'c.npz', {f'{k}.npy': npy_of(v) for k, v in arrays.items()}, method)
+    tree = read(path)['jckpt']
+    for k, v in arrays.items():
+        np.testing.assert_array_equal(tree[k], v)
+
+
+def test_np_savez_compressed_of_zeros_loads(tmp_path):
+    path = tmp_path / 'z.npz'
+    np.savez_compressed(path, z=np.zeros(8 << 20, np.uint8))  # 8 MiB in about 8 KB: 1000 to 1
+    assert os.path.getsize(path) < 16 << 10
+    assert read(str(path))['jckpt']['z'].sum() == 0
+
+
+def test_a_member_that_expands_past_its_npy_header_is_refused(tmp_path, cli):
+    small = npy_of(np.zeros(4, np.float32))
+    path = zip_with(tmp_path, 'b.npz', {'w.npy': small + bytes(64 << 20)})
+    assert os.path.getsize(path) < 128 << 10
+    peak = peak_bytes(lambda: refused(lambda: read(path), path, FormatError, 'more than'))
+    assert peak < 16 << 20
+    cli_refuses(cli, 'convert', path, tmp_path / 'out.jckpt')
+
+
+@pytest.mark.parametrize('name', ['bomb_small_shape.npz', 'bomb_huge_shape.npz'])
+def test_a_bzip2_bomb_in_an_npz_is_refused_in_bounded_memory(tmp_path, cli, name):
+    path = os.path.join(FIXTURES, name)  # about 1 KB, 1 GiB of zeros (see make_bomb_fixtures.py)
+    assert os.path.getsize(path) < 4096
+    peak = peak_bytes(lambda: refused(lambda: read(path), path, FormatError,
+                                      'decompress|past what'))
+    assert peak < 32 << 20
+    cli_refuses(cli, 'convert', path, tmp_path / 'out.jckpt')
+    assert not jckpt.verify(path).ok
+
+
+def test_a_member_declaring_more_than_it_decompresses_to_is_refused(tmp_path):
+    path = zip_with(tmp_path, 'short.npz', {'w.npy': npy_of(np.zeros(4, np.float32))})
+    raw = bytearray(open(path, 'rb').read())
+    central = raw.rindex(b'PK\x01\x02')
+    struct.pack_into('<I', raw, central + 24, 1 << 20)  # uncompressed size: 1 MiB, not 144 B
+    open(path, 'wb').write(raw)
+    refused(lambda: read(path), path, FormatError)
+
+
+def pth_of_views(storage: np.ndarray, names: list, extra: dict | None = None) -> bytes:
+    """A torch.save archive whose data.pkl maps each name to a float32 tensor viewing all of
+    one storage (persistent id loaded once, then reused from the memo)."""
+    import io
+    n = storage.size
+    size = b'J' + struct.pack('<i', n) + b'\x85'
+    ops = b'}q\x00('
+    for i, name in enumerate(names):
+        raw = name.encode()
+        ops += b'X' + struct.pack('<I', len(raw)) + raw
+        ops += b'ctorch._utils\n_rebuild_tensor_v2\n('
+        if i == 0:
+            ops += (b'(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x000'
+                    b'X\x03\x00\x00\x00cpu' + b'J' + struct.pack('<i', n) + b'tQq\x01')
+        else:
+            ops += b'h\x01'
+        ops += b'K\x00' + size + b'K\x01\x85\x89ccollections\nOrderedDict\n)RtR'
+    ops += b'u'
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, 'w', zipfile.ZIP_STORED) as zf:
+        zf.writestr('archive/data.pkl', b'\x80\x02' + ops + b'.')
+        zf.writestr('archive/data/0', storage.astype('<f4').tobytes())
+        zf.writestr('archive/byteorder', b'little')
+        for member, data in (extra or {}).items():
+            zf.writestr(member, data)
+    return out.getvalue()
+
+
+def test_tied_weights_in_a_pth_share_one_storage(tmp_path):
+    storage = np.arange(16, dtype=np.float32)
+    path = put(tmp_path, 'tied.pth', pth_of_views(storage, ['embed', 'lm_head']))
+    tree = read(path)['jckpt']
+    np.testing.assert_array_equal(tree['embed'], storage)
+    assert np.shares_memory(tree['embed'], tree['lm_head'])  # one storage, not two copies
+
+
+def test_a_pth_storage_viewed_1000_times_is_refused(tmp_path, cli):
+    storage = np.zeros(64 << 10, np.float32)  # 256 KiB, viewed 1,000 times: 250 MiB of leaves
+    path = put(tmp_path, 'views.pth', pth_of_views(storage, [f'w{i}' for i in range(1000)]))
+    assert os.path.getsize(path) < 512 << 10
+    peak = peak_bytes(lambda: refused(lambda: read(path), path, FormatError, 'viewed many times'))
+    assert peak < 64 << 20
+    out = tmp_path / 'out.jckpt'
+    assert 'viewed many times' in cli_refuses(cli, 'convert', path, out)
+    assert not out.exists()
