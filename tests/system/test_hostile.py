@@ -460,3 +460,49 @@ def test_a_pth_storage_viewed_1000_times_is_refused(tmp_path, cli):
     out = tmp_path / 'out.jckpt'
     assert 'viewed many times' in cli_refuses(cli, 'convert', path, out)
     assert not out.exists()
+
+
+# --- 6. verify never raises -------------------------------------------------------------------------
+
+def _good(tmp_path) -> bytes:
+    return open(write_arrays(tmp_path / 'good.jckpt', {'w': np.arange(8, dtype=np.float32)}),
+                'rb').read()
+
+
+VERIFY_INPUTS = {
+    'missing': lambda t: str(t / 'gone.jckpt'),
+    'dangling-symlink': lambda t: (os.symlink(t / 'nowhere', t / 'link.jckpt'), str(t / 'link.jckpt'))[1],
+    'fifo': lambda t: (os.mkfifo(t / 'pipe.jckpt'), str(t / 'pipe.jckpt'))[1],
+    'empty-directory': lambda t: (os.mkdir(t / 'empty'), str(t / 'empty'))[1],
+    'empty-file': lambda t: put(t, 'empty.jckpt', b''),
+    'garbage': lambda t: put(t, 'garbage.jckpt', os.urandom(4096)),
+    'truncated': lambda t: put(t, 'cut.jckpt', _good(t)[:100]),
+    'huge-header-length': lambda t: put(t, 'hlen.jckpt', b'\xff\xff\xff\xff((version 1)'),
+    'header-of-zeros': lambda t: put(t, 'zeros.jckpt', b'\0\0\0\x10' + b'\0' * 16),
+    'npz': lambda t: (np.savez(t / 'w.npz', w=np.ones(3)), str(t / 'w.npz'))[1],
+    'safetensors': lambda t: put(t, 'm.safetensors', one_tensor_safetensors()),
+    'pth': lambda t: put(t, 'm.pth', pth_bytes(b'}')),
+    'bzip2-bomb': lambda t: os.path.join(FIXTURES, 'bomb_small_shape.npz'),
+    'hostile-index': lambda t: index_with(t, b'(files (process_00000.jckpt',
+                                          b'(files (../../etc/passwd'),
+    'index-of-garbage': lambda t: (write_directory(t / 'd', {'a': np.zeros(4, np.float32)}),
+                                   open(t / 'd' / INDEX_NAME, 'wb').write(os.urandom(300)),
+                                   str(t / 'd'))[2],
+    'unfinished-directory': lambda t: (write_directory(t / 'd', {'a': np.zeros(4, np.float32)}),
+                                       os.remove(t / 'd' / INDEX_NAME), str(t / 'd'))[2],
+    'manager-of-damaged-steps': lambda t: (os.mkdir(t / 'run'),
+                                           put(t / 'run', 'step_00000001.jckpt', b'junk'),
+                                           str(t / 'run'))[2],
+    'url': lambda t: 's3://bucket/model.jckpt',
+    'nul-in-path': lambda t: str(t / 'a\0b.jckpt'),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize('kind', sorted(VERIFY_INPUTS))
+def test_verify_returns_a_failed_report_for_every_input_and_never_raises(tmp_path, kind):
+    path = VERIFY_INPUTS[kind](tmp_path)
+    report = jckpt.verify(path)
+    assert not report.ok and report.errors
+    assert report.errors[0].message and report.render().startswith(('ERROR', 'WARNING'))
+    assert 'FAILED' in report.render() and report.to_dict()['ok'] is False
