@@ -125,6 +125,8 @@ def read_header(buffer, file: str) -> tuple[dict[str, Any], dict[str, str], int]
         if not isinstance(info, dict) or set(info) != {'dtype', 'shape', 'data_offsets'}:
             raise _fail("tensor info must have exactly dtype, shape and data_offsets", file, name)
         dtype, shape, offsets = info['dtype'], info['shape'], info['data_offsets']
+        if not isinstance(dtype, str):
+            raise _fail(f"dtype {dtype!r:.60} is not a string", file, name)
         if dtype in _PACKED:
             raise FormatError(f"dtype {dtype} (packed sub-byte) is not supported", file=file,
                               entry=name, fix="convert it to a byte-sized dtype first")
