@@ -114,6 +114,36 @@ def _deep_json(rng: random.Random) -> str:
     return "[" * n + "]" * n
 
 
+def paths_record(rng: random.Random, names: list[str]) -> str:
+    """The ``jckpt.paths`` record (npz comment, safetensors metadata) of ``names``, its fields
+    mutated: namespaces, key kinds and values, paths that clash or prefix one another."""
+    record: dict[str, Any] = {n: ["jckpt", [["k", n]]] for n in names}
+    for _ in range(rng.randrange(1, 4)):
+        name = rng.choice(names)
+        if not (isinstance(record[name], list) and len(record[name]) == 2):
+            record[name] = ["jckpt", [["k", name]]]
+        comps = record[name][1]
+        what = rng.randrange(7)
+        if what == 0:
+            record[name][0] = rng.choice(["", "1x", "ok", None, 5, "jckpt"])
+        elif what == 1:
+            kind = rng.choice(["k", "ki", "i", "a", "f", "x", 3])
+            record[name][1] = [[kind, rng.choice([*INTS[:12], 10**30, "a", "", True, None, 1.5])]]
+        elif what == 2:  # a sibling of another kind: an int key next to a str key
+            record[name][1] = [["ki", rng.choice([0, 1, -3])]]
+        elif what == 3:
+            record[name][1] = comps * rng.choice([2, 100, 300])
+        elif what == 4:  # one path a prefix of another
+            other = record[rng.choice(names)]
+            base = other[1] if isinstance(other, list) and len(other) == 2 else []
+            record[name][1] = [*base, ["k", "z"]]
+        elif what == 5:
+            record[name][1] = [["i", rng.choice([0, 5, 70000, 2**40])]]
+        else:
+            record[name] = rng.choice([None, [], ["jckpt"], "x", [["jckpt", []]]])
+    return json.dumps(record)
+
+
 # --- safetensors --------------------------------------------------------------
 
 ST_DTYPES = {"F32": "<f4", "F16": "<f2", "I64": "<i8", "U8": "u1", "BOOL": "?", "I32": "<i4"}
@@ -161,6 +191,9 @@ def make_safetensors(rng: random.Random, path: str) -> Case:
     def metadata():
         header["__metadata__"] = rng.choice([*JSONS, {"a": {"b": "c"}}, {"jckpt.paths": "[" * 200}])
 
+    def record():
+        header["__metadata__"] = {"jckpt.paths": paths_record(rng, entries)}
+
     def hlen():
         state["hlen"] = rng.choice([*INTS[:12], len(json.dumps(header)) + rng.randrange(-3, 4)])
 
@@ -172,6 +205,7 @@ def make_safetensors(rng: random.Random, path: str) -> Case:
 
     done = _mutations(rng, {"field": field, "dim": dim, "offsets": offsets, "key": key,
                             "delete": delete, "metadata": metadata, "hlen": hlen, "deep": deep,
+                            "record": record,
                             "data_len": data_len})
     text = (state["text"] or json.dumps(header)).encode("utf-8", "surrogatepass")
     n = len(text) if state["hlen"] is None else state["hlen"] % 2**64
@@ -271,8 +305,10 @@ def make_npz(rng: random.Random, path: str) -> Case:
 
     def record():
         nonlocal comment
-        comment = b"jckpt-paths:" + rng.choice([b"[", b"{}", b'{"t0.npy": 1}', b"[" * 5000,
-                                                 b'[["jckpt", [["k", "a"]]]]', b'"x"', b"\xff"])
+        comment = b"jckpt-paths:" + rng.choice([b"[", b"{}", b'{"t0": 1}', b"[" * 5000, b'"x"',
+                                                 b"\xff", paths_record(rng, [m[:-4] for m in members
+                                                                             if m.endswith(".npy")]
+                                                                         or ["t0"]).encode()])
 
     def bomb():
         size = rng.choice([17, 64 << 10, 1 << 20])
@@ -662,6 +698,18 @@ def _read(case: Case, path: str) -> Any:
     return read(path, format=case.format)
 
 
+def _writable(tree: Any, path: str) -> None:
+    """A tree a reader returned can be handed to a writer (``convert``): flattening it and
+    bringing its leaves to host raise nothing but a CheckpointError (a str leaf, say)."""
+    from jckpt.adapters._common import host_items
+    from jckpt.errors import CheckpointError
+
+    try:
+        host_items(tree, path)
+    except CheckpointError:
+        pass
+
+
 def check_case(case: Case, path: str) -> str:
     """Read the case; the outcome (``loaded`` or ``refused:<error type>``), or Disallowed."""
     import jckpt
@@ -686,6 +734,7 @@ def check_case(case: Case, path: str) -> str:
             raise Disallowed(f"loaded {total} bytes of leaves from {_size(path)} bytes")
         if case.expected is not None and _signature(leaves) != case.expected:
             raise Disallowed("an unmutated file did not load the arrays it was built from")
+        _writable(tree, path)
         del tree, leaves
     if case.format in ("index", "orbax"):
         where = os.path.join(path, "ck" if case.format == "index" else "step")
@@ -748,10 +797,11 @@ def run(seed: int, cases: int, workdir: str, *, formats: list[str] | None = None
         path = os.path.join(where, "case" + EXTENSIONS[fmt])
         case_seed = rng.randrange(2**32)
         signal.setitimer(signal.ITIMER_REAL, hard_limit)  # a stuck case: traceback, then exit
-        t0 = time.perf_counter()
         case = None
+        t0 = time.perf_counter()
         try:
             case = MAKERS[fmt](random.Random(case_seed), path)
+            t0 = time.perf_counter()  # the reader's time, not the making of the case
             outcome = check_case(case, path)
         except Exception as e:  # anything but a CheckpointError escaping is the finding
             outcome = "FAIL"

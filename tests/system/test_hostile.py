@@ -1,6 +1,7 @@
 """Crafted hostile inputs, one per case: each is refused with a CheckpointError naming the file
 (the command line: one line and exit 1 or 2) or handled correctly, never another exception."""
 
+import json
 import os
 import struct
 import zipfile
@@ -506,3 +507,37 @@ def test_verify_returns_a_failed_report_for_every_input_and_never_raises(tmp_pat
     assert not report.ok and report.errors
     assert report.errors[0].message and report.render().startswith(('ERROR', 'WARNING'))
     assert 'FAILED' in report.render() and report.to_dict()['ok'] is False
+
+
+# --- 7. what the structure-aware fuzzer found ---------------------------------------------------------
+
+def test_a_safetensors_dtype_that_is_not_a_string(tmp_path, cli):
+    path = put(tmp_path, 'm.safetensors', safetensors_bytes(
+        '{"w": {"dtype": {"a": 1}, "shape": [1], "data_offsets": [0, 4]}}', b'\0' * 4))
+    refused(lambda: read(path), path, FormatError, 'not a string')
+    cli_refuses(cli, 'convert', path, tmp_path / 'out.jckpt')
+
+
+@pytest.mark.parametrize('record', [
+    '{"a": ["jckpt", [["k", "x"], ["ki", 1]]], "b": ["jckpt", [["k", "x"], ["k", "y"]]]}',
+    '{"a": ["jckpt", ' + json.dumps([["i", 0]] * 90000) + '], "b": ["jckpt", [["k", "b"]]]}',
+], ids=['int-and-str-keys', '90000-components'])
+def test_a_paths_record_no_tree_can_hold_reads_as_flat_names(tmp_path, record):
+    import io
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, 'w') as zf:
+        zf.writestr('a.npy', npy_of(np.zeros(2, np.float32)))
+        zf.writestr('b.npy', npy_of(np.ones(2, np.float32)))
+        zf.comment = b'jckpt-paths:' + record.encode()
+    path = put(tmp_path, 'r.npz', out.getvalue())
+    tree = read(path)
+    assert sorted(tree['jckpt']) == ['a', 'b']  # the record is ignored, as for np.savez files
+    jckpt.convert(path, str(tmp_path / 'out.jckpt'))  # and the tree converts
+
+
+def test_a_native_file_mixing_int_and_str_keys_is_refused(tmp_path):
+    path = put(tmp_path, 'mixed.jckpt', raw_file(header_text(
+        entry_text(id=0, extra=' (path ((ki 1)))'),
+        entry_text(id=1, offset=4, extra=' (path ((k a)))')), b'\0' * 8))
+    refused(lambda: jckpt.load(jckpt.Context(host=True), path), path, FormatError,
+            'mixes integer and string keys')
