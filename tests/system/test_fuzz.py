@@ -2,7 +2,7 @@
 
 The fuzz cases run in a subprocess (``tests/system/fuzz_reader.py``) under an
 address-space limit and a per-case watchdog; see that module for the
-mutations and oracles. Four seeds of 2,500 cases each: 10,000 per run, with 12,000 more of
+mutations and oracles. Four seeds of 2,500 cases each: 10,000 per run, with 10,000 more of
 the other readers in ``test_fuzz_formats.py``; ``JCKPT_FUZZ_SCALE=10`` runs ten times as many.
 """
 

@@ -1,6 +1,6 @@
 """Every reader fuzzed by the structure of its format: safetensors, npy, npz, llm.c, .pth,
 OCANNL files, orbax step directories and directory indexes (``tests/system/fuzz_formats.py``
-says how). Two seeds of 6,000 cases each: 12,000 per run, in a subprocess under an
+says how). Two seeds of 5,000 cases each: 10,000 per run, in a subprocess under an
 address-space cap and a per-case watchdog; ``JCKPT_FUZZ_SCALE`` multiplies the cases."""
 
 import json
@@ -16,7 +16,7 @@ from tests.system.fuzz_reader import record
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCALE = float(os.environ.get("JCKPT_FUZZ_SCALE", "1"))
 SEEDS = (11, 22)
-CASES_PER_SEED = max(len(MAKERS), int(6000 * SCALE))
+CASES_PER_SEED = max(len(MAKERS), int(5000 * SCALE))
 
 
 @pytest.mark.slow
