@@ -235,7 +235,14 @@ def _npz_member(zf, buffer, info, path: str, name: str, budget: _zip.Budget) -> 
         _zip.member_bytes(zf, buffer, info, path)  # its CRC-32
         start, length = _zip.member_span(buffer, info, path)
         return parse_npy(buffer, start, length, path, name)
-    need = npy_size(_zip.member_head(buffer, info, path, 12 + MAX_NPY_HEADER), path, name)
+    first = bytes(_zip.member_head(buffer, info, path, 12))  # magic, version, header length
+    length = 12
+    if first[6:7] == b'\x01' and len(first) >= 10:
+        length = 10 + struct.unpack_from('<H', first, 8)[0]
+    elif first[6:7] in (b'\x02', b'\x03') and len(first) >= 12:
+        length = 12 + struct.unpack_from('<I', first, 8)[0]
+    head = _zip.member_head(buffer, info, path, min(length, 12 + MAX_NPY_HEADER))
+    need = npy_size(head, path, name)
     data = _zip.member_bytes(zf, buffer, info, path, limit=need, budget=budget)
     return parse_npy(data, 0, len(data), path, name)
 
