@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from jckpt.errors import FormatError
-from jckpt.format import limits, precs
+from jckpt.format import header_seal, limits, precs
 from jckpt.format._gc import paused
 
 # The header's values are defined in ``entries``; they stay importable from here too.
@@ -45,8 +45,6 @@ from jckpt.format.entries import (
     round_up,
 )
 from jckpt.format.fastpath import canonical_entries
-from jckpt.format.header_seal import HEADER_CHECKSUM_ALGORITHM as _ALGO
-from jckpt.format.header_seal import HEADER_CHECKSUM_FIELD, UNSEALED, check_header_checksum, seal_header
 from jckpt.format.sexp import Sexp, SexpError, dumps, parse, quote
 
 #: OCANNL's reader refuses headers longer than this; jckpt reads them but warns on write.
@@ -126,9 +124,9 @@ def _header_text(header: Header, sealed: bool = False) -> tuple[str, list[int | 
         lines.append(' (metadata (' + ' '.join(f'({quote(k)} {quote(v)})'
                                                for k, v in header.metadata) + '))')
     lines.extend(' ' + dumps(field) for field in header.extra
-                 if not (field and field[0] == HEADER_CHECKSUM_FIELD))
+                 if not (field and field[0] == header_seal.HEADER_CHECKSUM_FIELD))
     if sealed:
-        lines.append(f' ({HEADER_CHECKSUM_FIELD} ({_ALGO} {UNSEALED}))')
+        lines.append(header_seal.UNSEALED_FIELD)
     return '\n'.join(lines) + ')', slots
 
 
@@ -144,8 +142,8 @@ def encode_header_with_slots(header: Header, *, header_checksum: bool = True
     A writer that hashes payloads while streaming them writes the header first
     with fixed-width placeholder digits and later patches the real ones in at
     these offsets, instead of encoding the header twice; it then calls
-    `seal_header` on the patched bytes. (The text is ASCII: every non-ASCII
-    byte is escaped, so character and byte offsets agree.)
+    `seal_header` on the patched bytes. (The text is ASCII: every non-ASCII byte is
+    escaped, so character and byte offsets agree.)
     """
     text, slots = _header_text(header, sealed=header_checksum)
     raw = text.encode('utf-8')
@@ -154,7 +152,7 @@ def encode_header_with_slots(header: Header, *, header_checksum: bool = True
         raise FormatError(f"header of {len(raw)} bytes does not fit the 32-bit length field",
                           fix="split the checkpoint into several files")
     out = struct.pack('>I', size - 4) + raw + b' ' * (size - 4 - len(raw))
-    return (seal_header(out) if header_checksum else out,
+    return (header_seal.seal_header(out) if header_checksum else out,
             [None if s is None else 4 + s for s in slots])
 
 
@@ -162,9 +160,8 @@ def encode_header(header: Header, *, header_checksum: bool = True) -> bytes:
     """The file's first bytes: big-endian HLEN, then the space-padded header text.
 
     The result's length is a multiple of `header.alignment`, so the payloads
-    that follow start aligned. The header's last field is its own checksum
-    (see `seal_header`); `header_checksum=False` leaves it out, as files
-    written before it existed did.
+    that follow start aligned. The header's last field is its own checksum (see
+    `seal_header`); `header_checksum=False` leaves it out, as older files did.
     """
     return encode_header_with_slots(header, header_checksum=header_checksum)[0]
 
@@ -381,7 +378,7 @@ def _freeze(x: Sexp) -> Any:
 
 
 _HEADER_KNOWN = frozenset({'version', 'alignment', 'tensors', 'writer', 'metadata',
-                           HEADER_CHECKSUM_FIELD})
+                           header_seal.HEADER_CHECKSUM_FIELD})
 
 #: The first bytes of every header jckpt and OCANNL write, after the 4-byte length.
 HEADER_START = b'((version'
@@ -438,7 +435,7 @@ def decode_header(raw: bytes | memoryview, *, file: str | None = None) -> Header
         tree = parse(text)
     except SexpError as e:
         raise _fail(f"header is not a well-formed S-expression: {e}", file) from None
-    check_header_checksum(memoryview(raw)[:start], tree, file)
+    header_seal.check_header_checksum(memoryview(raw)[:start], tree, file)
     return header_from_sexp(tree, file=file, entries=None if fast is None else entries)
 
 

@@ -27,6 +27,8 @@ HEADER_CHECKSUM_FIELD = 'header_checksum'
 #: The hash of the header checksum, and how many hex digits it is written with.
 HEADER_CHECKSUM_ALGORITHM = 'xxh3_64'
 UNSEALED = '0' * 16
+#: The field as a writer appends it (with a leading space), before its digits are filled in.
+UNSEALED_FIELD = f' ({HEADER_CHECKSUM_FIELD} ({HEADER_CHECKSUM_ALGORITHM} {UNSEALED}))'
 #: How far before the end of the header text the header checksum field is looked for.
 _SEAL_WINDOW = 4096
 _SEAL_TAIL = re.compile(rb'\(\s*header_checksum\s+\(\s*xxh3_64\s+([0-9A-Fa-f]{16})\s*\)\s*\)'
@@ -107,5 +109,5 @@ def check_header_checksum(raw: bytes | bytearray | memoryview, tree: Sexp | None
     return True
 
 
-__all__ = ['HEADER_CHECKSUM_ALGORITHM', 'HEADER_CHECKSUM_FIELD', 'UNSEALED', 'check_header_checksum',
-           'seal_header']
+__all__ = ['HEADER_CHECKSUM_ALGORITHM', 'HEADER_CHECKSUM_FIELD', 'UNSEALED', 'UNSEALED_FIELD',
+           'check_header_checksum', 'seal_header']

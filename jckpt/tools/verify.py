@@ -31,7 +31,7 @@ from jckpt.errors import CheckpointError, ChecksumError, FormatError
 from jckpt.format import payload as payload_mod
 from jckpt.format.header import Entry
 from jckpt.format.names import INDEX_NAME, PIECE_RE, STEP_RE
-from jckpt.storage.backend import backend_for
+from jckpt.storage.backend import backend_for, checked_path
 from jckpt.storage.directory import DirectoryReader
 from jckpt.storage.reader import CheckpointReader
 from jckpt.tools.classify import DIRECTORY, FILE, FOREIGN, MANAGER, UNREADABLE, classify
@@ -116,12 +116,15 @@ class VerifyReport:
 def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
     """Check the layout of `path` and recompute every payload checksum.
 
-    Never raises: every fault is an error in the returned `VerifyReport`
-    (`report.ok` is False), each naming its file and entry. A header that does
-    not decode, payloads past the end or overlapping and checksum mismatches
-    are errors, and so is a path that holds no checkpoint at all (missing, a
-    FIFO or device, a directory without one, a file in another format), one
-    that cannot be read, and a URL no storage backend serves. Payloads off
+    Never raises for what is (or is not) at `path`: every fault is an error in
+    the returned `VerifyReport` (`report.ok` is False), each naming its file
+    and entry. A header that does not decode, payloads past the end or
+    overlapping and checksum mismatches are errors, and so is a path that
+    holds no checkpoint at all (missing, a FIFO or device, a directory
+    without one, a file in another format) and one that cannot be read.
+    Only an argument that is no local path raises `InputError`, as every
+    tool does: not a `str` or `os.PathLike`, a NUL character in it, or a URL
+    no storage backend serves. Payloads off
     the writer's alignment, non-zero bytes between payloads, bytes after the
     last payload and entries without a checksum are warnings. A
     multi-process directory is checked piece file by piece file and against
@@ -136,20 +139,15 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
             print(report)
         ```
     """
+    path = checked_path(path)  # no path at all (wrong type, NUL, a URL): an InputError
+    backend_for(path)
     try:
         return _verify(path, progress)
     except CheckpointError as err:
-        where = err.file or _name(path)
+        where = err.file or path
         return _failed(where, _unreadable(where, err))
     except OSError as err:  # a read failing halfway: an I/O error, a file cut short under a mapping
-        return _failed(_name(path), Problem('error', f"cannot be read ({err})", _name(path)))
-
-
-def _name(path: Any) -> str:
-    try:
-        return os.fspath(path)
-    except TypeError:
-        return repr(path)
+        return _failed(path, Problem('error', f"cannot be read ({err})", path))
 
 
 def _verify(path: str | os.PathLike, progress: bool) -> VerifyReport:

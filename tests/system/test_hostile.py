@@ -494,8 +494,6 @@ VERIFY_INPUTS = {
     'manager-of-damaged-steps': lambda t: (os.mkdir(t / 'run'),
                                            put(t / 'run', 'step_00000001.jckpt', b'junk'),
                                            str(t / 'run'))[2],
-    'url': lambda t: 's3://bucket/model.jckpt',
-    'nul-in-path': lambda t: str(t / 'a\0b.jckpt'),
 }
 
 
@@ -507,6 +505,12 @@ def test_verify_returns_a_failed_report_for_every_input_and_never_raises(tmp_pat
     assert not report.ok and report.errors
     assert report.errors[0].message and report.render().startswith(('ERROR', 'WARNING'))
     assert 'FAILED' in report.render() and report.to_dict()['ok'] is False
+
+
+@pytest.mark.parametrize('path', ['s3://bucket/model.jckpt', 'a\0b.jckpt', 5], ids=['url', 'nul', 'int'])
+def test_verify_of_an_argument_that_is_no_path_is_an_input_error(path):
+    with pytest.raises(jckpt.InputError):  # a usage error, as every tool raises it
+        jckpt.verify(path)
 
 
 # --- 7. what the structure-aware fuzzer found ---------------------------------------------------------
