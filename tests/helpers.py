@@ -8,6 +8,7 @@ import struct
 import numpy as np
 
 from jckpt.format import Entry, Header, lay_out, prec_of
+from jckpt.format.header_seal import seal_header
 from jckpt.format.names import piece_name
 from jckpt.storage import ArraySource, CheckpointReader, write_checkpoint
 from jckpt.storage.directory import write_index
@@ -15,13 +16,26 @@ from jckpt.storage.directory import write_index
 
 def raw_file(text: str | bytes, data: bytes = b"", *, align: int = 1,
              hlen: int | None = None) -> bytes:
-    """A file from header text and data bytes, padding the header to ``align``."""
+    """A file from header text and data bytes, padding the header to ``align``.
+
+    A header that ends with a ``header_checksum`` field (text cut from a written file and
+    edited) gets its checksum recomputed, as a crafted file's author would.
+    """
     body = text.encode("utf-8") if isinstance(text, str) else text
     size = 4 + len(body)
     if align > 1:
         size = -(-size // align) * align
     body = body + b" " * (size - 4 - len(body))
-    return struct.pack(">I", len(body) if hlen is None else hlen) + body + data
+    head = struct.pack(">I", len(body) if hlen is None else hlen) + body
+    return (seal_header(head) if hlen is None else head) + data
+
+
+def reseal(path) -> None:
+    """Recompute the header checksum of the file at ``path`` after its header was edited."""
+    raw = open(path, "rb").read()
+    (hlen,) = struct.unpack(">I", raw[:4])
+    with open(path, "r+b") as f:
+        f.write(seal_header(raw[:4 + hlen]))
 
 
 def entry_text(*, id=0, ns="jckpt", prec="Single_prec", dims="(1)", offset=0, length=4,

@@ -21,7 +21,7 @@ import numpy as np
 
 from jckpt.errors import FormatError, InputError
 from jckpt.format.header import NAMESPACE_RE, KeyPath, path_name
-from jckpt.format.limits import json_loads
+from jckpt.format.limits import MAX_PATH_LENGTH, json_loads
 from jckpt.storage.backend import Buffer, backend_for
 from jckpt.storage.publish import storage_error
 
@@ -122,7 +122,7 @@ def _parse_record(record: str | None, names: set[str]) -> dict[str, tuple[str, K
         raw = json_loads(record)
         out = {}
         for name, (ns, comps) in raw.items():
-            if not (isinstance(ns, str) and NAMESPACE_RE.match(ns)):
+            if not (isinstance(ns, str) and NAMESPACE_RE.match(ns)) or len(comps) > MAX_PATH_LENGTH:
                 return None
             path = []
             for kind, value in comps:

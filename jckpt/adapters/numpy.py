@@ -30,6 +30,7 @@ import ast
 import math
 import os
 import struct
+import zipfile
 from typing import Any
 
 import ml_dtypes
@@ -53,6 +54,8 @@ from jckpt.format.entries import path_name
 from jckpt.format.payload import iter_payload_chunks, stored_dtype
 
 MAGIC = b'\x93NUMPY'
+#: Longest .npy header read (numpy's own writer stays far below: a shape and a dtype).
+MAX_NPY_HEADER = 1 << 20
 _COMMENT_TAG = b'jckpt-paths:'
 _ML_NAMES = {np.dtype(getattr(ml_dtypes, n)).name for n in (
     'bfloat16', 'float8_e5m2', 'float8_e4m3fn', 'float8_e4m3fnuz', 'float8_e5m2fnuz',
@@ -85,8 +88,9 @@ def _dtype_from_descr(descr: Any, file: str, entry: str | None) -> np.dtype:
     return dtype
 
 
-def parse_npy(buffer, offset: int, length: int, file: str, entry: str | None = None) -> np.ndarray:
-    """The array of the `.npy` bytes at `buffer[offset:offset+length]` (a view when aligned)."""
+def _npy_header(buffer, offset: int, length: int, file: str, entry: str | None
+                ) -> tuple[np.dtype, tuple[int, ...], bool, int]:
+    """`(dtype, shape, fortran_order, data start)` of the `.npy` bytes at `offset`."""
     def bad(msg: str) -> FormatError:
         return FormatError(msg, file=file, entry=entry, fix="the file is truncated or not .npy")
     if length < 10 or bytes(buffer[offset:offset + 6]) != MAGIC:
@@ -102,7 +106,7 @@ def parse_npy(buffer, offset: int, length: int, file: str, entry: str | None = N
         start = offset + 12
     else:
         raise bad(f"unsupported .npy version {major}")
-    if start + hlen > offset + length or hlen > 1 << 20:
+    if start + hlen > offset + length or hlen > MAX_NPY_HEADER:
         raise bad(".npy header extends past the end of the data")
     try:
         text = bytes(buffer[start:start + hlen]).decode('utf-8' if major == 3 else 'latin1')
@@ -119,13 +123,29 @@ def parse_npy(buffer, offset: int, length: int, file: str, entry: str | None = N
         shape = limits.check_shape(shape, limits.check_itemsize(dtype).itemsize)
     except ValueError as e:
         raise bad(f".npy header: {e}") from None
-    data = start + hlen
+    return dtype, shape, fortran, start + hlen
+
+
+def parse_npy(buffer, offset: int, length: int, file: str, entry: str | None = None) -> np.ndarray:
+    """The array of the `.npy` bytes at `buffer[offset:offset+length]` (a view when aligned)."""
+    dtype, shape, fortran, data = _npy_header(buffer, offset, length, file, entry)
     count = math.prod(shape)
     if data + count * dtype.itemsize > offset + length:
-        raise bad(f".npy data of {count * dtype.itemsize} bytes extends past the end of the file")
+        raise FormatError(f".npy data of {count * dtype.itemsize} bytes extends past the end of "
+                          "the file", file=file, entry=entry, fix="the file is truncated or not .npy")
     if fortran:
         return array_view(buffer, dtype, tuple(reversed(shape)), data, file, entry).T
     return array_view(buffer, dtype, tuple(shape), data, file, entry)
+
+
+def npy_size(head, file: str, entry: str | None = None) -> int:
+    """How many bytes the `.npy` whose first bytes are `head` holds: header plus data.
+
+    `head` needs at most the first 12 + `MAX_NPY_HEADER` bytes; an
+    `.npz` reader bounds a compressed member's output by this.
+    """
+    dtype, shape, _fortran, data = _npy_header(head, 0, len(head), file, entry)
+    return data + math.prod(shape) * dtype.itemsize
 
 
 def _descr(dtype: np.dtype) -> str:
@@ -179,7 +199,6 @@ def write_npy(tree: Any, path: str) -> None:
 def sniff_npz(path: str, head: bytes | None) -> bool:
     if head is None or head[:4] not in (b'PK\x03\x04', b'PK\x05\x06'):
         return False
-    import zipfile
     with zipfile.ZipFile(path) as zf:
         return all(n.endswith('.npy') for n in zf.namelist())
 
@@ -188,6 +207,7 @@ def read_npz(path: str) -> dict[str, Any]:
     """An `.npz` archive as `{namespace: subtree}` (zero-copy for aligned stored members)."""
     path = os.fspath(path)
     buffer = map_file(path)
+    budget = _zip.Budget(len(buffer))
     with _zip.open_zip(path) as zf:
         arrays: dict[str, np.ndarray] = {}
         for info in zf.infolist():
@@ -200,12 +220,7 @@ def read_npz(path: str) -> dict[str, Any]:
             if name in arrays:
                 raise FormatError(f"archive holds {info.filename!r} twice", file=path,
                                   fix="the archive is damaged")
-            data = _zip.member_bytes(zf, buffer, info, path)
-            if isinstance(data, memoryview):
-                start, length = _zip.member_span(buffer, info, path)
-                arrays[name] = parse_npy(buffer, start, length, path, name)
-            else:
-                arrays[name] = parse_npy(data, 0, len(data), path, name)
+            arrays[name] = _npz_member(zf, buffer, info, path, name, budget)
         comment = zf.comment
     record = None
     if comment.startswith(_COMMENT_TAG):
@@ -213,10 +228,27 @@ def read_npz(path: str) -> dict[str, Any]:
     return tree_from_names(arrays, record)
 
 
+def _npz_member(zf, buffer, info, path: str, name: str, budget: _zip.Budget) -> np.ndarray:
+    """One member's array: a view of a stored member, else decompressed to at most the bytes
+    its `.npy` header says it holds (a member that says little and expands a lot is refused)."""
+    if info.compress_type == zipfile.ZIP_STORED:
+        _zip.member_bytes(zf, buffer, info, path)  # its CRC-32
+        start, length = _zip.member_span(buffer, info, path)
+        return parse_npy(buffer, start, length, path, name)
+    first = bytes(_zip.member_head(buffer, info, path, 12))  # magic, version, header length
+    length = 12
+    if first[6:7] == b'\x01' and len(first) >= 10:
+        length = 10 + struct.unpack_from('<H', first, 8)[0]
+    elif first[6:7] in (b'\x02', b'\x03') and len(first) >= 12:
+        length = 12 + struct.unpack_from('<I', first, 8)[0]
+    head = _zip.member_head(buffer, info, path, min(length, 12 + MAX_NPY_HEADER))
+    need = npy_size(head, path, name)
+    data = _zip.member_bytes(zf, buffer, info, path, limit=need, budget=budget)
+    return parse_npy(data, 0, len(data), path, name)
+
+
 def write_npz(tree: Any, path: str) -> None:
     """Write `{namespace: subtree}` as an uncompressed `.npz` archive (members 64-byte aligned)."""
-    import zipfile
-
     path = os.fspath(path)
     items = host_items(tree, path)
     names = flat_names(items, path)

@@ -96,6 +96,18 @@ def _fail(msg: str, file: str, entry: str | None = None) -> FormatError:
                        fix="the file is truncated, damaged or not a safetensors file")
 
 
+def _dtype(dtype: Any, file: str, name: str) -> str:
+    """A tensor's safetensors dtype name, one this reader knows."""
+    if not isinstance(dtype, str):
+        raise _fail(f"dtype {dtype!r:.60} is not a string", file, name)
+    if dtype in _PACKED:
+        raise FormatError(f"dtype {dtype} (packed sub-byte) is not supported", file=file,
+                          entry=name, fix="convert it to a byte-sized dtype first")
+    if dtype not in DTYPES:
+        raise _fail(f"unknown dtype {dtype!r}", file, name)
+    return dtype
+
+
 def read_header(buffer, file: str) -> tuple[dict[str, Any], dict[str, str], int]:
     """`(tensors, metadata, data_start)` of a safetensors file's bytes, validated as the
     safetensors reader does (no overlaps, gaps or trailing bytes; sizes match shapes)."""
@@ -124,12 +136,7 @@ def read_header(buffer, file: str) -> tuple[dict[str, Any], dict[str, str], int]
     for name, info in header.items():
         if not isinstance(info, dict) or set(info) != {'dtype', 'shape', 'data_offsets'}:
             raise _fail("tensor info must have exactly dtype, shape and data_offsets", file, name)
-        dtype, shape, offsets = info['dtype'], info['shape'], info['data_offsets']
-        if dtype in _PACKED:
-            raise FormatError(f"dtype {dtype} (packed sub-byte) is not supported", file=file,
-                              entry=name, fix="convert it to a byte-sized dtype first")
-        if dtype not in DTYPES:
-            raise _fail(f"unknown dtype {dtype!r}", file, name)
+        dtype, shape, offsets = _dtype(info['dtype'], file, name), info['shape'], info['data_offsets']
         try:
             shape = limits.check_shape(shape if isinstance(shape, list) else None,
                                        DTYPES[dtype].itemsize)

@@ -265,10 +265,12 @@ def read(path: str) -> dict[str, Any]:
     if bytes(buffer[:2]) == b'\x80\x02' or bytes(buffer[:1]) == b'\x80':
         raise FormatError("a legacy (pre-1.6, non-zip) torch file", file=path,
                           fix="re-save it with a current torch.save")
+    budget = _zip.Budget(len(buffer))
     with _zip.open_zip(path) as zf:
         root = _root(zf, path)
         infos = {i.filename: i for i in zf.infolist()}
-        order = bytes(_zip.member_bytes(zf, buffer, infos[root + 'byteorder'], path)).decode(
+        order = bytes(_zip.member_bytes(zf, buffer, infos[root + 'byteorder'], path, limit=16,
+                                        budget=budget)).decode(
             'ascii', 'replace').strip() if root + 'byteorder' in infos else 'little'
         if order not in ('little', 'big'):
             raise FormatError(f"unknown byteorder {order!r}", file=path, fix="the file is damaged")
@@ -280,7 +282,7 @@ def read(path: str) -> dict[str, Any]:
             if info is None or '/' in key or key in ('', '.', '..'):
                 raise ValueError(f"storage {key!r} is not in the archive")
             if name not in cache:
-                data = _zip.member_bytes(zf, buffer, info, path)
+                data = _zip.member_bytes(zf, buffer, info, path, budget=budget)
                 cache[name] = np.frombuffer(data, dtype=np.uint8)
             raw = cache[name]
             dtype = np.dtype(np.uint8) if kind.dtype is None else kind.dtype
@@ -291,7 +293,8 @@ def read(path: str) -> dict[str, Any]:
                                  f"{numel} x {dtype.itemsize}")
             return raw[:numel * dtype.itemsize].view(dtype)
 
-        pickled = bytes(_zip.member_bytes(zf, buffer, infos[root + 'data.pkl'], path))
+        pickled = bytes(_zip.member_bytes(zf, buffer, infos[root + 'data.pkl'], path,
+                                          budget=budget))
         try:
             obj = _Unpickler(pickled, storage).load()
         except _Refused as e:
@@ -306,10 +309,39 @@ def read(path: str) -> dict[str, Any]:
                               file=path, fix="the file is damaged or not written by torch.save") \
                 from None
     try:
-        return {DEFAULT_NAMESPACE: _plain(obj, [len(pickled) + 16])}
+        tree = _plain(obj, [len(pickled) + 16])
     except ValueError as e:
         raise FormatError(f"data.pkl holds no tree: {e}", file=path,
                           fix="the file is damaged or crafted; save a plain state_dict") from None
+    _check_expansion(tree, len(buffer), path)
+    return {DEFAULT_NAMESPACE: tree}
+
+
+def _leaf_bytes(tree: Any) -> int:
+    """The bytes of every array leaf of a plain tree, a leaf met twice counted twice."""
+    total, stack = 0, [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, np.ndarray):
+            total += node.nbytes
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+    return total
+
+
+def _check_expansion(tree: Any, file_size: int, path: str) -> None:
+    """Refuse a tree whose leaves hold far more bytes than the file (a storage viewed a
+    thousand times): every leaf becomes a payload of its own when the tree is converted."""
+    total = _leaf_bytes(tree)
+    bound = limits.MAX_LEAF_EXPANSION * file_size + (1 << 20)
+    if total > bound:
+        raise FormatError(f"its tensors view {total} bytes of storage in all, more than "
+                          f"{limits.MAX_LEAF_EXPANSION} times the file's {file_size}: the same "
+                          "storage is viewed many times over", file=path,
+                          fix="the file is crafted or damaged; save each tensor once "
+                              "(tied weights once per tie)")
 
 
 # --- writing ----------------------------------------------------------------

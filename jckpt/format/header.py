@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from jckpt.errors import FormatError
-from jckpt.format import limits, precs
+from jckpt.format import header_seal, limits, precs
 from jckpt.format._gc import paused
 
 # The header's values are defined in ``entries``; they stay importable from here too.
@@ -104,7 +104,7 @@ def _encode_entry(e: Entry) -> tuple[str, int | None]:
     return ''.join(parts), slot
 
 
-def _header_text(header: Header) -> tuple[str, list[int | None]]:
+def _header_text(header: Header, sealed: bool = False) -> tuple[str, list[int | None]]:
     head = f'((version {header.version})\n (alignment {header.alignment})\n'
     slots: list[int | None] = []
     if header.tensors:
@@ -123,40 +123,47 @@ def _header_text(header: Header) -> tuple[str, list[int | None]]:
     if header.metadata:
         lines.append(' (metadata (' + ' '.join(f'({quote(k)} {quote(v)})'
                                                for k, v in header.metadata) + '))')
-    lines.extend(' ' + dumps(field) for field in header.extra)
+    lines.extend(' ' + dumps(field) for field in header.extra
+                 if not (field and field[0] == header_seal.HEADER_CHECKSUM_FIELD))
+    if sealed:
+        lines.append(header_seal.UNSEALED_FIELD)
     return '\n'.join(lines) + ')', slots
 
 
 def header_text(header: Header) -> str:
-    """The S-expression text of `header`, without length prefix or padding."""
+    """The S-expression text of `header`, without length prefix, padding or header checksum."""
     return _header_text(header)[0]
 
 
-def encode_header_with_slots(header: Header) -> tuple[bytes, list[int | None]]:
+def encode_header_with_slots(header: Header, *, header_checksum: bool = True
+                             ) -> tuple[bytes, list[int | None]]:
     """`encode_header`, plus the byte offset of each entry's checksum digits.
 
     A writer that hashes payloads while streaming them writes the header first
     with fixed-width placeholder digits and later patches the real ones in at
-    these offsets, instead of encoding the header twice. (The text is ASCII:
-    every non-ASCII byte is escaped, so character and byte offsets agree.)
+    these offsets, instead of encoding the header twice; it then calls
+    `seal_header` on the patched bytes. (The text is ASCII: every non-ASCII byte is
+    escaped, so character and byte offsets agree.)
     """
-    text, slots = _header_text(header)
+    text, slots = _header_text(header, sealed=header_checksum)
     raw = text.encode('utf-8')
     size = round_up(4 + len(raw), header.alignment)
     if size - 4 > 0xFFFFFFFF:
         raise FormatError(f"header of {len(raw)} bytes does not fit the 32-bit length field",
                           fix="split the checkpoint into several files")
-    return (struct.pack('>I', size - 4) + raw + b' ' * (size - 4 - len(raw)),
+    out = struct.pack('>I', size - 4) + raw + b' ' * (size - 4 - len(raw))
+    return (header_seal.seal_header(out) if header_checksum else out,
             [None if s is None else 4 + s for s in slots])
 
 
-def encode_header(header: Header) -> bytes:
+def encode_header(header: Header, *, header_checksum: bool = True) -> bytes:
     """The file's first bytes: big-endian HLEN, then the space-padded header text.
 
     The result's length is a multiple of `header.alignment`, so the payloads
-    that follow start aligned.
+    that follow start aligned. The header's last field is its own checksum (see
+    `seal_header`); `header_checksum=False` leaves it out, as older files did.
     """
-    return encode_header_with_slots(header)[0]
+    return encode_header_with_slots(header, header_checksum=header_checksum)[0]
 
 
 # --- decoding --------------------------------------------------------------
@@ -370,7 +377,8 @@ def _freeze(x: Sexp) -> Any:
     return tuple(_freeze(v) for v in x) if isinstance(x, list) else x
 
 
-_HEADER_KNOWN = frozenset({'version', 'alignment', 'tensors', 'writer', 'metadata'})
+_HEADER_KNOWN = frozenset({'version', 'alignment', 'tensors', 'writer', 'metadata',
+                           header_seal.HEADER_CHECKSUM_FIELD})
 
 #: The first bytes of every header jckpt and OCANNL write, after the 4-byte length.
 HEADER_START = b'((version'
@@ -427,6 +435,7 @@ def decode_header(raw: bytes | memoryview, *, file: str | None = None) -> Header
         tree = parse(text)
     except SexpError as e:
         raise _fail(f"header is not a well-formed S-expression: {e}", file) from None
+    header_seal.check_header_checksum(memoryview(raw)[:start], tree, file)
     return header_from_sexp(tree, file=file, entries=None if fast is None else entries)
 
 

@@ -43,6 +43,15 @@ MAX_ALIGNMENT = 1 << 24
 #: (plus 1 MiB): padding costs header bytes only, so without a bound per file a few KB of
 #: header could make a reader allocate gigabytes.
 PADDED_ALLOCATION_FACTOR = 64
+#: What the compressed members of an archive (.npz, .pth) may decompress to in all, as a
+#: multiple of the archive's size (plus 1 MiB). Deflate, which numpy and torch write, cannot
+#: expand more than 1032 times; bzip2 and lzma can reach millions, which only bombs do.
+MAX_DECOMPRESSION_RATIO = 1100
+#: What the leaves read from a file whose arrays are views of shared storage (.pth) may hold
+#: in all, as a multiple of the file's size (plus 1 MiB): a view costs the file a few bytes of
+#: pickle, and each leaf becomes a payload of its own when the tree is converted or saved.
+#: Tied weights double a storage; nothing real repeats one 64 times.
+MAX_LEAF_EXPANSION = 64
 #: The largest array, in bytes, numpy can describe (and any 64-bit offset can address).
 MAX_BYTES = 2**63 - 1
 
@@ -108,6 +117,7 @@ def json_loads(text: str | bytes) -> Any:
     return json.loads(text)
 
 
-__all__ = ['MAX_ALIGNMENT', 'MAX_BYTES', 'MAX_INT_DIGITS', 'MAX_NDIM', 'MAX_NESTING',
-           'MAX_PATH_LENGTH', 'PADDED_ALLOCATION_FACTOR', 'check_itemsize', 'check_path_length',
-           'check_shape', 'json_depth', 'json_loads', 'valid_alignment']
+__all__ = ['MAX_ALIGNMENT', 'MAX_BYTES', 'MAX_DECOMPRESSION_RATIO', 'MAX_INT_DIGITS',
+           'MAX_LEAF_EXPANSION', 'MAX_NDIM', 'MAX_NESTING', 'MAX_PATH_LENGTH',
+           'PADDED_ALLOCATION_FACTOR', 'check_itemsize', 'check_path_length', 'check_shape',
+           'json_depth', 'json_loads', 'valid_alignment']

@@ -155,7 +155,8 @@ def checked_path(path: str | os.PathLike) -> str:
 
     Every public call takes its path arguments through here (or through
     `backend_for`), so a path of the wrong type is a `CheckpointError` with a
-    fix, not a bare `TypeError` from deep inside.
+    fix, not a bare `TypeError` (or, for a NUL character, `ValueError`)
+    from deep inside.
 
     >>> checked_path(b'a/b.jckpt')
     'a/b.jckpt'
@@ -165,7 +166,11 @@ def checked_path(path: str | os.PathLike) -> str:
     except TypeError:
         raise InputError(f"a path must be a str or os.PathLike, not {type(path).__name__} {path!r:.80}",
                          fix="pass the checkpoint's path as a string or a pathlib.Path") from None
-    return os.fsdecode(text) if isinstance(text, bytes) else text
+    text = os.fsdecode(text) if isinstance(text, bytes) else text
+    if '\0' in text:  # no file system names one; os.stat would raise a bare ValueError
+        raise InputError(f"a path cannot hold a NUL character: {text!r:.80}",
+                         fix="pass the checkpoint's real path")
+    return text
 
 
 def url_scheme(path: str | os.PathLike) -> str | None:

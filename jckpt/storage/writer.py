@@ -2,7 +2,8 @@
 
 The header is written first with fixed-width placeholder checksums; each
 payload is hashed while it streams to disk; the header is then rewritten in
-place with the real checksums (same length, so no payload moves). The file
+place with the real checksums (same length, so no payload moves) and sealed
+with its own checksum, its last field. The file
 is published atomically by the backend holding the target (locally, a
 `StagingFile` renamed over it).
 """
@@ -22,6 +23,7 @@ import numpy as np
 from jckpt.errors import InputError, StorageError
 from jckpt.format import payload as payload_mod
 from jckpt.format.header import Entry, Header, encode_header_with_slots
+from jckpt.format.header_seal import seal_header
 from jckpt.storage.backend import backend_for
 from jckpt.storage.publish import storage_error
 
@@ -119,7 +121,8 @@ def pad_for_aliasing(raw: bytes, header: Header) -> bytes:
     The spaces go before the header's closing parenthesis, so the text stays
     the same S-expression and `HLEN` still follows the format's rule
     (`round_up(4 + len(text), alignment) - 4`); the data start stays a
-    multiple of the alignment and no offset or checksum position changes.
+    multiple of the alignment and no offset or checksum position changes (the
+    header checksum, which covers the length prefix and the spaces, is redone).
     Only the absolute position moves, and that decides whether JAX on the CPU
     can use a mapped payload in place: it needs 64-byte alignment, one step
     above the default alignment of 32. The padding (0 or 32 bytes at the
@@ -139,7 +142,8 @@ def pad_for_aliasing(raw: bytes, header: Header) -> bytes:
         return raw
     body = raw[4:]
     close = len(body.rstrip(b' ')) - 1  # the header's closing parenthesis
-    return struct.pack('>I', len(body) + best) + body[:close] + b' ' * best + body[close:]
+    return seal_header(struct.pack('>I', len(body) + best) + body[:close] + b' ' * best
+                       + body[close:])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,7 +300,7 @@ def write_checkpoint(target: str | os.PathLike, header: Header,
                     raise StorageError("a payload checksum of unexpected width", file=target,
                                        entry=e.name)
                 patched[slot:slot + len(digits)] = digits
-            os.pwrite(staging.fd, patched, 0)
+            os.pwrite(staging.fd, seal_header(patched), 0)
         except OSError as e:
             raise storage_error(e, "writing the checkpoint", target) from e
         staging.publish()

@@ -38,7 +38,14 @@ from jckpt.adapters import convert, format_for_destination
 from jckpt.api.progress import bar
 from jckpt.errors import CheckpointError, FormatError, InputError
 from jckpt.storage.backend import backend_for
-from jckpt.tools.classify import DIRECTORY, FILE, FOREIGN, MISSING, classify
+from jckpt.tools.classify import (
+    DIRECTORY,
+    FILE,
+    MISSING,
+    UNFINISHED,
+    UNREADABLE,
+    classify,
+)
 from jckpt.tools.consolidate import consolidate
 from jckpt.tools.diff import diff
 from jckpt.tools.info import info
@@ -79,8 +86,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     kind = classify(args.path)
-    if kind.name == FOREIGN and kind.error is not None:
-        raise kind.error  # verify() would report a damaged jckpt file: say what it is instead
+    if kind.error is not None and kind.detail not in (UNREADABLE, UNFINISHED):
+        # no checkpoint there at all (missing, another format, an empty directory): say what it
+        # is and exit 2, where verify() would report it as a damaged checkpoint
+        raise kind.error
     start = time.perf_counter()
     report = verify(args.path, progress=_progress(args))
     log.info("verified %s in %.3f s", args.path, time.perf_counter() - start)

@@ -27,14 +27,14 @@ from typing import Any
 import numpy as np
 
 from jckpt.api import progress as progress_mod
-from jckpt.errors import ChecksumError, FormatError
+from jckpt.errors import CheckpointError, ChecksumError, FormatError
 from jckpt.format import payload as payload_mod
 from jckpt.format.header import Entry
 from jckpt.format.names import INDEX_NAME, PIECE_RE, STEP_RE
-from jckpt.storage.backend import backend_for
+from jckpt.storage.backend import backend_for, checked_path
 from jckpt.storage.directory import DirectoryReader
 from jckpt.storage.reader import CheckpointReader
-from jckpt.tools.classify import DIRECTORY, FILE, FOREIGN, MANAGER, UNFINISHED, UNREADABLE, classify
+from jckpt.tools.classify import DIRECTORY, FILE, FOREIGN, MANAGER, UNREADABLE, classify
 
 #: Bytes read per step when checking the zero fill between payloads.
 GAP_CHUNK = 16 << 20
@@ -116,18 +116,19 @@ class VerifyReport:
 def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
     """Check the layout of `path` and recompute every payload checksum.
 
-    Never raises for a damaged file: a header that does not decode, payloads
-    past the end or overlapping, and checksum mismatches are reported as
-    errors in the returned `VerifyReport` (`report.ok` is False),
-    each naming its entry. Payloads off the writer's alignment, non-zero
-    bytes between payloads, bytes after the last payload and entries without
-    a checksum are warnings. A multi-process directory is checked piece file
-    by piece file and against its index; a checkpoint manager's directory
-    step by step. Raises `FormatError` only when
-    `path` does not exist or holds no checkpoint at all (a directory
-    without one, a FIFO or device), `StorageError`
-    when it cannot be read, and `InputError` for a URL
-    no storage backend serves.
+    Never raises for what is (or is not) at `path`: every fault is an error in
+    the returned `VerifyReport` (`report.ok` is False), each naming its file
+    and entry. A header that does not decode, payloads past the end or
+    overlapping and checksum mismatches are errors, and so is a path that
+    holds no checkpoint at all (missing, a FIFO or device, a directory
+    without one, a file in another format) and one that cannot be read.
+    Only an argument that is no local path raises `InputError`, as every
+    tool does: not a `str` or `os.PathLike`, a NUL character in it, or a URL
+    no storage backend serves. Payloads off
+    the writer's alignment, non-zero bytes between payloads, bytes after the
+    last payload and entries without a checksum are warnings. A
+    multi-process directory is checked piece file by piece file and against
+    its index; a checkpoint manager's directory step by step.
 
     `progress=True` draws a bar on stderr when stderr is a terminal.
 
@@ -138,6 +139,18 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
             print(report)
         ```
     """
+    path = checked_path(path)  # no path at all (wrong type, NUL, a URL): an InputError
+    backend_for(path)
+    try:
+        return _verify(path, progress)
+    except CheckpointError as err:
+        where = err.file or path
+        return _failed(where, _unreadable(where, err))
+    except OSError as err:  # a read failing halfway: an I/O error, a file cut short under a mapping
+        return _failed(path, Problem('error', f"cannot be read ({err})", path))
+
+
+def _verify(path: str | os.PathLike, progress: bool) -> VerifyReport:
     kind = classify(path)
     if kind.name == DIRECTORY:
         return _verify_sharded(kind.path, progress)
@@ -146,9 +159,7 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
     if kind.name in (FILE, FOREIGN) or kind.detail == UNREADABLE:
         return _verify_file(kind.path, progress)
     assert kind.error is not None  # the kinds left hold no checkpoint
-    if kind.detail == UNFINISHED:
-        return _failed(kind.path, Problem('error', kind.error.message, kind.path))
-    raise kind.error  # missing, or a directory holding no checkpoint
+    return _failed(kind.path, Problem('error', kind.error.message, kind.path))
 
 
 def _failed(path: str, problem: Problem) -> VerifyReport:
@@ -156,7 +167,7 @@ def _failed(path: str, problem: Problem) -> VerifyReport:
     return VerifyReport(path, 0, 0, (), (problem,))
 
 
-def _unreadable(path: str, err: FormatError) -> Problem:
+def _unreadable(path: str, err: CheckpointError) -> Problem:
     """The error reported for a file or index whose header cannot be read."""
     return Problem('error', f"{err.message} ({err.fix})" if err.fix else err.message,
                    err.file or path, err.entry)

@@ -335,6 +335,10 @@ def _lists(node: Any, seq: set[tuple], prefix: tuple = (), *, holes: list[int],
                               entry='/'.join(map(str, prefix)) or '<root>',
                               fix="the header's paths are damaged")
         return [out.get(i) for i in range(size)]
+    if len({isinstance(k, int) for k in out}) > 1:  # JAX sorts a dict's keys: it could not
+        raise FormatError("a node mixes integer and string keys, which no tree can order",
+                          file=file, entry='/'.join(map(str, prefix)) or '<root>',
+                          fix="the header's paths are damaged")
     return out
 
 

@@ -9,7 +9,7 @@ import pytest
 import jckpt
 from jckpt.errors import FormatError, MismatchError, MissingEntryError
 from jckpt.format.sexp import parse
-from tests.helpers import raw_file
+from tests.helpers import raw_file, reseal
 
 
 def independent_offsets(path):
@@ -59,6 +59,7 @@ def test_file_without_alignment_field_loads(tmp_path):
     i = raw.index(b"(alignment 32)")
     raw[i:i + len(b"(alignment 32)")] = b" " * len(b"(alignment 32)")
     path.write_bytes(bytes(raw))
+    reseal(path)
     _, tree = jckpt.load(jckpt.Context(host=True), path)
     assert tree["jckpt"]["b"].tolist() == [0, 1, 2, 3, 4]
     assert jckpt.describe(path).alignment == 1

@@ -7,7 +7,15 @@ import numpy as np
 import pytest
 
 from jckpt.adapters._common import map_file
-from jckpt.adapters._zip import ALIGNMENT, member_bytes, member_span, open_zip, write_member
+from jckpt.adapters._zip import (
+    ALIGNMENT,
+    Budget,
+    member_bytes,
+    member_head,
+    member_span,
+    open_zip,
+    write_member,
+)
 from jckpt.errors import FormatError
 
 DATA = bytes(range(256)) * 4
@@ -64,7 +72,7 @@ def test_a_stored_member_is_a_view_of_the_archive(tmp_path):
 def test_a_compressed_member_is_decompressed(tmp_path, compression):
     path = archive(tmp_path / 'd.zip', {'a.bin': DATA}, compression)
     out = read_member(path)
-    assert isinstance(out, bytes) and out == DATA
+    assert isinstance(out, (bytes, bytearray)) and out == DATA  # a copy, not a view
 
 
 def test_a_compressed_member_with_a_bad_crc_is_refused(tmp_path):
@@ -205,3 +213,43 @@ def test_a_size_other_than_what_the_chunks_hold_is_refused(tmp_path):
             write_member(zf, 'x', [b'abc'], 5)
         with pytest.raises(FormatError, match="wrote 8 bytes for member 'y' of 4"):
             write_member(zf, 'y', [np.zeros(2, np.float32)], 4)
+
+
+# --- bounded decompression ---------------------------------------------------------------------
+
+def members_of(path):
+    buffer = map_file(path)
+    zf = open_zip(path)
+    return zf, buffer, {i.filename: i for i in zf.infolist()}
+
+
+@pytest.mark.parametrize('compression', [zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA])
+def test_a_member_is_decompressed_no_further_than_its_limit(tmp_path, compression):
+    path = archive(tmp_path / 'd.zip', {'a.bin': bytes(1 << 20)}, compression)
+    zf, buffer, infos = members_of(path)
+    assert member_bytes(zf, buffer, infos['a.bin'], path, limit=1 << 20) == bytes(1 << 20)
+    with pytest.raises(FormatError, match="decompresses to more than the 1000 bytes it may hold"):
+        member_bytes(zf, buffer, infos['a.bin'], path, limit=1000)
+    assert bytes(member_head(buffer, infos['a.bin'], path, 10)) == bytes(10)
+
+
+def test_the_members_of_an_archive_share_one_budget(tmp_path):
+    path = archive(tmp_path / 'd.zip', {'a.bin': bytes(3 << 20), 'b.bin': bytes(3 << 20)},
+                   zipfile.ZIP_DEFLATED)
+    zf, buffer, infos = members_of(path)
+    budget = Budget(len(buffer))
+    budget.left = 5 << 20  # what about 4.6 KB of archive may hold at 1100 to 1, plus 1 MiB
+    member_bytes(zf, buffer, infos['a.bin'], path, budget=budget)
+    with pytest.raises(FormatError, match="past what the archive may hold"):
+        member_bytes(zf, buffer, infos['b.bin'], path, budget=budget)
+
+
+def test_an_unknown_compression_method_is_refused(tmp_path):
+    path = archive(tmp_path / 'd.zip', {'a.bin': DATA}, zipfile.ZIP_DEFLATED)
+    data = bytearray(open(path, 'rb').read())
+    for signature, at in ((b'PK\x03\x04', 8), (b'PK\x01\x02', 10)):
+        struct.pack_into('<H', data, data.find(signature) + at, 99)
+    open(path, 'wb').write(data)
+    zf, buffer, infos = members_of(path)
+    with pytest.raises(FormatError, match="compression method"):
+        member_bytes(zf, buffer, infos['a.bin'], path)

@@ -9,7 +9,8 @@ Each case is one file, made in memory from a valid file of a small corpus by
 one or more mutations (bit flips, truncations, random header length, byte
 edits of the header text, structural edits of its S-expression: deleted,
 duplicated, swapped, re-nested and replaced nodes, huge dims, overlapping
-offsets, deep nesting) or from random bytes. It is written to a fresh file
+offsets, deep nesting; most edited headers get their header checksum
+recomputed, as a crafted file's would) or from random bytes. It is written to a fresh file
 and read through ``jckpt.describe``, ``jckpt.load`` (mapped and decoded),
 ``jckpt.restore`` into the original's structure, and ``CheckpointReader``'s
 ``verify`` and per-entry decoding. The corpus also holds the index of a
@@ -449,7 +450,7 @@ def mutate(rng: random.Random, seeds: list[Seed]) -> tuple[bytes, str, Seed | No
             text = dumps(tree)
         except RecursionError:  # the mutator's own limit, not the reader's
             return bytes(data), "structural:none", seed, facts
-        return _rebuild(seed, text, rng), f"structural:{what}", seed, facts
+        return _resealed(rng, _rebuild(seed, text, rng)), f"structural:{what}", seed, facts
     if kind == "random":
         n = rng.choice([0, 1, 3, 4, 5, 8, 64, 512, 4096])
         out = bytearray(rng.randbytes(n))
@@ -471,7 +472,20 @@ def mutate(rng: random.Random, seeds: list[Seed]) -> tuple[bytes, str, Seed | No
         cut = rng.randrange(len(data) + 1)
         return bytes(data[:cut]) + other[rng.randrange(len(other) + 1):], kind, seed, facts
     data, kind, seed, facts = _bytes_mutation(rng, data, seed, kind)
+    if kind == "header_bytes":
+        data = _resealed(rng, bytes(data))
     return bytes(data), kind, seed, facts
+
+
+def _resealed(rng: random.Random, data: bytes) -> bytes:
+    """Most of the time, ``data`` with its header checksum recomputed, as a crafted file's
+    author would: else the checksum alone would refuse nearly every edited header."""
+    from jckpt.format.header_seal import seal_header
+
+    if rng.random() < 0.2 or len(data) < 4:
+        return data
+    end = 4 + struct.unpack(">I", data[:4])[0]
+    return seal_header(data[:end]) + data[end:] if end <= len(data) else data
 
 
 def _bytes_mutation(rng, data: bytearray, seed: Seed, kind: str):

@@ -1,6 +1,7 @@
 """Crafted hostile inputs, one per case: each is refused with a CheckpointError naming the file
 (the command line: one line and exit 1 or 2) or handled correctly, never another exception."""
 
+import json
 import os
 import struct
 import zipfile
@@ -297,3 +298,250 @@ def test_padded_entries_are_bounded_per_file_not_per_entry(tmp_path, cli):
                                       FormatError, 'padded'))
     assert peak < 64 << 20
     cli_refuses(cli, 'convert', path, tmp_path / 'out.npz')
+
+
+# --- 4. the header checksum -------------------------------------------------------------------------
+
+def flip_to_rename(path, old: bytes, new: bytes) -> None:
+    """Replace ``old`` by ``new`` (of the same length: a bit flip) in the file's header."""
+    raw = bytearray(open(path, 'rb').read())
+    (hlen,) = struct.unpack('>I', raw[:4])
+    i = raw.index(old, 0, 4 + hlen)
+    raw[i:i + len(old)] = new
+    with open(path, 'wb') as f:
+        f.write(raw)
+
+
+def test_a_bit_flip_renaming_an_entry_is_caught_by_load_and_verify(tmp_path, cli):
+    path = write_arrays(tmp_path / 'w.jckpt', {'wa': np.arange(3, dtype=np.float32),
+                                               'wb': np.ones(2, np.float32)})
+    flip_to_rename(path, b'(k wa)', b'(k wc)')  # 'a' ^ 0x02 == 'c': still parses, still unique
+    assert b'(k wc)' in open(path, 'rb').read()
+    refused(lambda: jckpt.load(jckpt.Context(host=True), path), path, FormatError,
+            'header checksum mismatch')
+    report = jckpt.verify(path)
+    assert not report.ok and 'header checksum mismatch' in report.render()
+    assert 'header checksum mismatch' in cli_refuses(cli, 'inspect', path)
+    rc, out, _err = cli('verify', path)
+    assert rc == 1 and 'header checksum mismatch' in out
+
+
+@pytest.mark.parametrize('member', [INDEX_NAME, 'process_00001.jckpt'])
+def test_a_bit_flip_in_a_directory_checkpoint_header_is_caught(tmp_path, member):
+    path = write_directory(tmp_path / 'd', {'a/b': np.zeros((4, 3), np.float32)})
+    flip_to_rename(os.path.join(path, member), b'(k b)', b'(k c)')
+    refused(lambda: jckpt.load(jckpt.Context(host=True), path), member, FormatError,
+            'header checksum mismatch')
+    report = jckpt.verify(path)
+    assert not report.ok and 'header checksum mismatch' in report.render()
+
+
+def test_files_without_a_header_checksum_still_load(tmp_path):
+    from jckpt.format import decode_header, encode_header
+    path = write_arrays(tmp_path / 'old.jckpt', {'w': np.arange(3, dtype=np.float32)})
+    raw = open(path, 'rb').read()
+    (hlen,) = struct.unpack('>I', raw[:4])
+    text = encode_header(decode_header(raw[:4 + hlen]), header_checksum=False)[4:].rstrip()
+    assert b'header_checksum' not in text and len(text) < hlen
+    with open(path, 'r+b') as f:  # the same header as an older writer wrote it
+        f.write(raw[:4] + text.ljust(hlen))
+    _, tree = jckpt.load(jckpt.Context(host=True), path)
+    assert tree['jckpt']['w'].tolist() == [0, 1, 2]
+    assert jckpt.verify(path).ok
+
+
+# --- 5. decompression and shared storages -----------------------------------------------------------
+
+FIXTURES = os.path.join(os.path.dirname(__file__), '..', 'fixtures')
+
+
+def zip_with(tmp_path, name: str, members: dict, method=zipfile.ZIP_DEFLATED) -> str:
+    path = tmp_path / name
+    with zipfile.ZipFile(path, 'w', method) as zf:
+        for member, data in members.items():
+            zf.writestr(member, data)
+    return str(path)
+
+
+def npy_of(array: np.ndarray) -> bytes:
+    import io
+    out = io.BytesIO()
+    np.save(out, array)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize('method', [zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA],
+                         ids=['deflate', 'bzip2', 'lzma'])
+def test_compressed_npz_members_load(tmp_path, method):
+    arrays = {'w': np.arange(1000, dtype=np.float32).reshape(10, 100), 'z': np.zeros(5, np.int64)}
+    path = zip_with(tmp_path, 'c.npz', {f'{k}.npy': npy_of(v) for k, v in arrays.items()}, method)
+    tree = read(path)['jckpt']
+    for k, v in arrays.items():
+        np.testing.assert_array_equal(tree[k], v)
+
+
+def test_np_savez_compressed_of_zeros_loads(tmp_path):
+    path = tmp_path / 'z.npz'
+    np.savez_compressed(path, z=np.zeros(8 << 20, np.uint8))  # 8 MiB in about 8 KB: 1000 to 1
+    assert os.path.getsize(path) < 16 << 10
+    assert read(str(path))['jckpt']['z'].sum() == 0
+
+
+def test_a_member_that_expands_past_its_npy_header_is_refused(tmp_path, cli):
+    small = npy_of(np.zeros(4, np.float32))
+    path = zip_with(tmp_path, 'b.npz', {'w.npy': small + bytes(64 << 20)})
+    assert os.path.getsize(path) < 128 << 10
+    peak = peak_bytes(lambda: refused(lambda: read(path), path, FormatError, 'more than'))
+    assert peak < 16 << 20
+    cli_refuses(cli, 'convert', path, tmp_path / 'out.jckpt')
+
+
+@pytest.mark.parametrize('name', ['bomb_small_shape.npz', 'bomb_huge_shape.npz'])
+def test_a_bzip2_bomb_in_an_npz_is_refused_in_bounded_memory(tmp_path, cli, name):
+    path = os.path.join(FIXTURES, name)  # about 1 KB, 1 GiB of zeros (see make_bomb_fixtures.py)
+    assert os.path.getsize(path) < 4096
+    peak = peak_bytes(lambda: refused(lambda: read(path), path, FormatError,
+                                      'decompress|past what'))
+    assert peak < 32 << 20
+    cli_refuses(cli, 'convert', path, tmp_path / 'out.jckpt')
+    assert not jckpt.verify(path).ok
+
+
+def test_a_member_declaring_more_than_it_decompresses_to_is_refused(tmp_path):
+    path = zip_with(tmp_path, 'short.npz', {'w.npy': npy_of(np.zeros(4, np.float32))})
+    raw = bytearray(open(path, 'rb').read())
+    central = raw.rindex(b'PK\x01\x02')
+    struct.pack_into('<I', raw, central + 24, 1 << 20)  # uncompressed size: 1 MiB, not 144 B
+    open(path, 'wb').write(raw)
+    refused(lambda: read(path), path, FormatError)
+
+
+def pth_of_views(storage: np.ndarray, names: list, extra: dict | None = None) -> bytes:
+    """A torch.save archive whose data.pkl maps each name to a float32 tensor viewing all of
+    one storage (persistent id loaded once, then reused from the memo)."""
+    import io
+    n = storage.size
+    size = b'J' + struct.pack('<i', n) + b'\x85'
+    ops = b'}q\x00('
+    for i, name in enumerate(names):
+        raw = name.encode()
+        ops += b'X' + struct.pack('<I', len(raw)) + raw
+        ops += b'ctorch._utils\n_rebuild_tensor_v2\n('
+        if i == 0:
+            ops += (b'(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x000'
+                    b'X\x03\x00\x00\x00cpu' + b'J' + struct.pack('<i', n) + b'tQq\x01')
+        else:
+            ops += b'h\x01'
+        ops += b'K\x00' + size + b'K\x01\x85\x89ccollections\nOrderedDict\n)RtR'
+    ops += b'u'
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, 'w', zipfile.ZIP_STORED) as zf:
+        zf.writestr('archive/data.pkl', b'\x80\x02' + ops + b'.')
+        zf.writestr('archive/data/0', storage.astype('<f4').tobytes())
+        zf.writestr('archive/byteorder', b'little')
+        for member, data in (extra or {}).items():
+            zf.writestr(member, data)
+    return out.getvalue()
+
+
+def test_tied_weights_in_a_pth_share_one_storage(tmp_path):
+    storage = np.arange(16, dtype=np.float32)
+    path = put(tmp_path, 'tied.pth', pth_of_views(storage, ['embed', 'lm_head']))
+    tree = read(path)['jckpt']
+    np.testing.assert_array_equal(tree['embed'], storage)
+    assert np.shares_memory(tree['embed'], tree['lm_head'])  # one storage, not two copies
+
+
+def test_a_pth_storage_viewed_1000_times_is_refused(tmp_path, cli):
+    storage = np.zeros(64 << 10, np.float32)  # 256 KiB, viewed 1,000 times: 250 MiB of leaves
+    path = put(tmp_path, 'views.pth', pth_of_views(storage, [f'w{i}' for i in range(1000)]))
+    assert os.path.getsize(path) < 512 << 10
+    peak = peak_bytes(lambda: refused(lambda: read(path), path, FormatError, 'viewed many times'))
+    assert peak < 64 << 20
+    out = tmp_path / 'out.jckpt'
+    assert 'viewed many times' in cli_refuses(cli, 'convert', path, out)
+    assert not out.exists()
+
+
+# --- 6. verify never raises -------------------------------------------------------------------------
+
+def _good(tmp_path) -> bytes:
+    return open(write_arrays(tmp_path / 'good.jckpt', {'w': np.arange(8, dtype=np.float32)}),
+                'rb').read()
+
+
+VERIFY_INPUTS = {
+    'missing': lambda t: str(t / 'gone.jckpt'),
+    'dangling-symlink': lambda t: (os.symlink(t / 'nowhere', t / 'link.jckpt'), str(t / 'link.jckpt'))[1],
+    'fifo': lambda t: (os.mkfifo(t / 'pipe.jckpt'), str(t / 'pipe.jckpt'))[1],
+    'empty-directory': lambda t: (os.mkdir(t / 'empty'), str(t / 'empty'))[1],
+    'empty-file': lambda t: put(t, 'empty.jckpt', b''),
+    'garbage': lambda t: put(t, 'garbage.jckpt', os.urandom(4096)),
+    'truncated': lambda t: put(t, 'cut.jckpt', _good(t)[:100]),
+    'huge-header-length': lambda t: put(t, 'hlen.jckpt', b'\xff\xff\xff\xff((version 1)'),
+    'header-of-zeros': lambda t: put(t, 'zeros.jckpt', b'\0\0\0\x10' + b'\0' * 16),
+    'npz': lambda t: (np.savez(t / 'w.npz', w=np.ones(3)), str(t / 'w.npz'))[1],
+    'safetensors': lambda t: put(t, 'm.safetensors', one_tensor_safetensors()),
+    'pth': lambda t: put(t, 'm.pth', pth_bytes(b'}')),
+    'bzip2-bomb': lambda t: os.path.join(FIXTURES, 'bomb_small_shape.npz'),
+    'hostile-index': lambda t: index_with(t, b'(files (process_00000.jckpt',
+                                          b'(files (../../etc/passwd'),
+    'index-of-garbage': lambda t: (write_directory(t / 'd', {'a': np.zeros(4, np.float32)}),
+                                   open(t / 'd' / INDEX_NAME, 'wb').write(os.urandom(300)),
+                                   str(t / 'd'))[2],
+    'unfinished-directory': lambda t: (write_directory(t / 'd', {'a': np.zeros(4, np.float32)}),
+                                       os.remove(t / 'd' / INDEX_NAME), str(t / 'd'))[2],
+    'manager-of-damaged-steps': lambda t: (os.mkdir(t / 'run'),
+                                           put(t / 'run', 'step_00000001.jckpt', b'junk'),
+                                           str(t / 'run'))[2],
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize('kind', sorted(VERIFY_INPUTS))
+def test_verify_returns_a_failed_report_for_every_input_and_never_raises(tmp_path, kind):
+    path = VERIFY_INPUTS[kind](tmp_path)
+    report = jckpt.verify(path)
+    assert not report.ok and report.errors
+    assert report.errors[0].message and report.render().startswith(('ERROR', 'WARNING'))
+    assert 'FAILED' in report.render() and report.to_dict()['ok'] is False
+
+
+@pytest.mark.parametrize('path', ['s3://bucket/model.jckpt', 'a\0b.jckpt', 5], ids=['url', 'nul', 'int'])
+def test_verify_of_an_argument_that_is_no_path_is_an_input_error(path):
+    with pytest.raises(jckpt.InputError):  # a usage error, as every tool raises it
+        jckpt.verify(path)
+
+
+# --- 7. what the structure-aware fuzzer found ---------------------------------------------------------
+
+def test_a_safetensors_dtype_that_is_not_a_string(tmp_path, cli):
+    path = put(tmp_path, 'm.safetensors', safetensors_bytes(
+        '{"w": {"dtype": {"a": 1}, "shape": [1], "data_offsets": [0, 4]}}', b'\0' * 4))
+    refused(lambda: read(path), path, FormatError, 'not a string')
+    cli_refuses(cli, 'convert', path, tmp_path / 'out.jckpt')
+
+
+@pytest.mark.parametrize('record', [
+    '{"a": ["jckpt", [["k", "x"], ["ki", 1]]], "b": ["jckpt", [["k", "x"], ["k", "y"]]]}',
+    '{"a": ["jckpt", ' + json.dumps([["i", 0]] * 90000) + '], "b": ["jckpt", [["k", "b"]]]}',
+], ids=['int-and-str-keys', '90000-components'])
+def test_a_paths_record_no_tree_can_hold_reads_as_flat_names(tmp_path, record):
+    import io
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, 'w') as zf:
+        zf.writestr('a.npy', npy_of(np.zeros(2, np.float32)))
+        zf.writestr('b.npy', npy_of(np.ones(2, np.float32)))
+        zf.comment = b'jckpt-paths:' + record.encode()
+    path = put(tmp_path, 'r.npz', out.getvalue())
+    tree = read(path)
+    assert sorted(tree['jckpt']) == ['a', 'b']  # the record is ignored, as for np.savez files
+    jckpt.convert(path, str(tmp_path / 'out.jckpt'))  # and the tree converts
+
+
+def test_a_native_file_mixing_int_and_str_keys_is_refused(tmp_path):
+    path = put(tmp_path, 'mixed.jckpt', raw_file(header_text(
+        entry_text(id=0, extra=' (path ((ki 1)))'),
+        entry_text(id=1, offset=4, extra=' (path ((k a)))')), b'\0' * 8))
+    refused(lambda: jckpt.load(jckpt.Context(host=True), path), path, FormatError,
+            'mixes integer and string keys')

@@ -67,7 +67,8 @@ def child(directory: str, steps: int) -> None:
         mgr.save(step, state, metrics={"loss": float(loss)},
                  trainer_state=jckpt.TrainerState(global_step=step, consumed_batches=step))
         # Every save is one snapshot, so snapshot number k of this process is step start + k.
-        print(f"durable {start + mgr.counters.durable}", flush=True)
+        if start + mgr.counters.durable:  # step 0 is never saved: "durable 0" would claim a file
+            print(f"durable {start + mgr.counters.durable}", flush=True)
         time.sleep(0.001)
     mgr.close()
     print(f"durable {start + mgr.counters.durable}", flush=True)
