@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from jckpt.errors import FormatError, InputError
 from jckpt.trees import placement
+from tests.helpers import cpu_mesh
 
 
 def host(leaf, **kw):
@@ -17,7 +18,7 @@ def host(leaf, **kw):
 
 
 def sharded(x, spec):
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
+    mesh = cpu_mesh((4, 2), ("a", "b"))
     return jax.device_put(x, NamedSharding(mesh, spec))
 
 
