@@ -28,9 +28,12 @@ fi
 TESTS=(tests/trees tests/api tests/services tests/adapters/test_orbax.py tests/adapters/test_safetensors.py
        tests/tools/test_consolidate.py tests/system/test_stacks.py tests/system/test_any_backend.py)
 [ ${#QUICK[@]} -gt 0 ] && TESTS=(tests/trees tests/system/test_any_backend.py)
-echo "== tests, JAX_PLATFORMS=$TEST_PLATFORMS: ${TESTS[*]}"
-JAX_PLATFORMS="$TEST_PLATFORMS" timeout "${TEST_TIMEOUT:-240}" python -m pytest -q -x -p no:cacheprovider \
-    "${TESTS[@]}" >"$OUT/tests.txt" 2>&1 || status=1
+# Several test processes share the GPU: none takes 75% of its memory up front.
+PARALLEL=()
+python -c 'import xdist' >/dev/null 2>&1 && PARALLEL=(-n 4)
+echo "== tests, JAX_PLATFORMS=$TEST_PLATFORMS ${PARALLEL[*]}: ${TESTS[*]}"
+JAX_PLATFORMS="$TEST_PLATFORMS" XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TEST_TIMEOUT:-240}" \
+    python -m pytest -q -x -p no:cacheprovider "${PARALLEL[@]}" "${TESTS[@]}" >"$OUT/tests.txt" 2>&1 || status=1
 tail -n 15 "$OUT/tests.txt"
 
 echo "== bench.gpu ${QUICK[*]} ${BENCH_ARGS:-}"

@@ -45,7 +45,7 @@ def test_scalars_become_0d_arrays(value, dtype):
 
 
 def test_jax_arrays_come_to_host_and_copies_are_private():
-    x = jnp.arange(8.0)
+    x = jax.device_put(jnp.arange(8.0), jax.devices("cpu")[0])
     h = host(x)
     assert isinstance(h.array, np.ndarray) and h.array.tolist() == list(range(8))
     assert h.dtype == np.float32 and h.shape == (8,)
