@@ -2,6 +2,7 @@
 checkpoint files of named arrays through the storage writer (no JAX)."""
 
 import io
+import math
 import os
 import struct
 
@@ -113,3 +114,23 @@ def on_terminal(monkeypatch):
     fake = FakeTerminal()
     monkeypatch.setattr('sys.stderr', fake)
     return fake
+
+
+def cpu_devices(n: int = 8) -> list:
+    """The first ``n`` CPU devices (conftest gives the CPU 8 virtual ones).
+
+    Tests that build meshes ask for CPU devices by platform, so they run the same whatever
+    JAX's default backend is: with `JAX_PLATFORMS=cuda,cpu` a single GPU is the default.
+    """
+    import jax  # lazy: the format and storage tests use these helpers without JAX
+
+    devices = jax.devices("cpu")
+    assert len(devices) >= n, f"{n} CPU devices needed, JAX has {len(devices)}: see tests/conftest.py"
+    return devices[:n]
+
+
+def cpu_mesh(shape: tuple[int, ...], names: tuple[str, ...]):
+    """`jax.make_mesh(shape, names)` over the first CPU devices, whatever the default backend."""
+    import jax
+
+    return jax.make_mesh(tuple(shape), tuple(names), devices=cpu_devices(math.prod(shape)))

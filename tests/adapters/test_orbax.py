@@ -19,10 +19,11 @@ import jckpt  # noqa: E402
 import jckpt.adapters  # noqa: E402
 from jckpt.adapters import orbax_handler  # noqa: E402
 from jckpt.errors import FormatError  # noqa: E402
+from tests.helpers import cpu_mesh  # noqa: E402
 
 
 def state():
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ('x',))
+    mesh = cpu_mesh((4,), ('x',))
     sharded = jax.device_put(jnp.arange(16.0).reshape(4, 4),
                              jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('x')))
     return {'params': {'w': sharded, 'b': jnp.ones(3, jnp.bfloat16)},

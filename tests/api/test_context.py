@@ -105,8 +105,9 @@ def test_context_device_must_be_a_device_or_a_sharding(device):
     with pytest.raises(InputError, match="device must be a jax.Device or a jax.sharding.Sharding") as e:
         Context(device=device)
     assert "jax.devices()[0]" in e.value.fix
-    assert Context(device=jax.devices()[0]).device is jax.devices()[0]
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    cpu = jax.devices("cpu")[0]
+    assert Context(device=cpu).device is cpu
+    sharding = jax.sharding.SingleDeviceSharding(cpu)
     assert Context(device=sharding).device is sharding
 
 

@@ -13,6 +13,7 @@ import pytest
 import jckpt
 from jckpt.services.manager import step_name
 from jckpt.storage import writer as writer_mod
+from tests.helpers import cpu_mesh
 
 
 def state_at(step):
@@ -119,7 +120,7 @@ def test_restore_namespaces_without_the_optimizer(tmp_path):
 
 
 def test_resume_on_another_layout_reshards_or_refuses(tmp_path):
-    mesh2 = jax.make_mesh((2,), ("dp",), devices=jax.devices()[:2])
+    mesh2 = cpu_mesh((2,), ("dp",))
     spec = jax.sharding.PartitionSpec("dp")
     w = jax.device_put(jnp.arange(16.0).reshape(8, 2), jax.sharding.NamedSharding(mesh2, spec))
     with jckpt.CheckpointManager(tmp_path) as mgr:
@@ -128,7 +129,7 @@ def test_resume_on_another_layout_reshards_or_refuses(tmp_path):
         with pytest.raises(jckpt.MismatchError, match="dp=2 tp=1 pp=1, this run uses dp=8") as info:
             mgr.restore(target={"w": w}, layout=(8, 1, 1), reshard=False)
         assert "reshard=True" in str(info.value)
-        mesh8 = jax.make_mesh((8,), ("dp",))
+        mesh8 = cpu_mesh((8,), ("dp",))
         target = {"w": jax.ShapeDtypeStruct((8, 2), jnp.float32,
                                             sharding=jax.sharding.NamedSharding(mesh8, spec))}
         r = mgr.restore(target=target, layout=(8, 1, 1))
@@ -225,7 +226,7 @@ def test_a_directory_of_another_run_is_refused_unless_a_new_lineage_is_asked(tmp
 
 
 def test_directory_steps_for_multi_process_saves(tmp_path):
-    mesh = jax.make_mesh((8,), ("x",))
+    mesh = cpu_mesh((8,), ("x",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
     with jckpt.CheckpointManager(tmp_path, directory_steps=True, keep_last=2) as mgr:
         for step in (1, 2, 3):

@@ -16,6 +16,7 @@ import pytest
 import jckpt
 from jckpt.storage import staging as staging_mod
 from jckpt.storage import writer as writer_mod
+from tests.helpers import cpu_mesh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LINE = "memory mirror: committed {} durable {} generation {} pending {} error {}"
@@ -201,7 +202,7 @@ def test_many_snapshots_publish_in_order_and_close_loses_nothing(tmp_path):
 
 def test_trees_of_all_kinds(tmp_path):
     path = str(tmp_path / "run.jckpt")
-    mesh = jax.make_mesh((8,), ("x",))
+    mesh = cpu_mesh((8,), ("x",))
     sharded = jax.device_put(jnp.arange(64.0).reshape(8, 8),
                              jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x")))
     tree = {"s": sharded, "k": jax.random.key(3), "n": 7, "b": np.array([True, False]),

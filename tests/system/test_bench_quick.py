@@ -33,3 +33,26 @@ def test_quick_suite_writes_the_report(tmp_path):
     md = (out / "benchmarks.md").read_text()
     assert "| jckpt |" in md and "## Targets" in md
     assert not os.listdir(tmp_path / "files")  # every file cleaned up
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_runs_on_the_default_device_in_quick_mode(tmp_path):
+    """`bench.gpu` (restore, copy limits, blocking of asynchronous checkpoints) runs on the
+    CPU too, and jckpt's restores and checkpoints in it succeed."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "bench.gpu", "--quick", "--reps", "1", "--small", "100",
+           "--json", str(tmp_path / "gpu.json"), "--dir", str(tmp_path)]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    result = json.loads((tmp_path / "gpu.json").read_text())
+    assert result["machine"]["platform"] == "cpu"
+    assert result["limits"]["host-to-device"]["ms"] > 0
+    assert set(result["restore"]) == {"64 MiB random", "100 small arrays"}
+    for row in result["restore"].values():
+        assert row["jckpt"]["ms"] > 0 and row["raw"]["ms"] > 0, row
+    runs = result["blocking"]["runs"]
+    for name in ("mirror", "manager"):
+        assert len(runs[name]["blocks_ms"]) == 3 and runs[name]["counters"].endswith("error 0"), runs
+    assert "| mirror |" in p.stdout and "| restore onto the device |" in p.stdout
+    assert os.listdir(tmp_path) == ["gpu.json"]  # every file cleaned up

@@ -82,6 +82,7 @@ def test_save_on_2x2_restore_on_4_processes_and_one(tmp_path):
     import jckpt
     from jckpt.storage.directory import DirectoryReader
     from jckpt.trees import sharding as sh
+    from tests.helpers import cpu_mesh
 
     d = tmp_path / "ckpt"
     found = check(run_pair("save", d))
@@ -111,7 +112,7 @@ def test_save_on_2x2_restore_on_4_processes_and_one(tmp_path):
         assert [files[i] for i in r["files_opened"]] == [f"process_0000{r['process']}.jckpt"], r
 
     # one process with 4 devices, and consolidation into one file
-    m = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
+    m = cpu_mesh((4,), ("x",))
     target = {"w": jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(m, P(None, "x"))),
               "b": jax.ShapeDtypeStruct((8,), np.float32, sharding=NamedSharding(m, P("x"))),
               "rep": jax.ShapeDtypeStruct((4, 4), np.float32, sharding=NamedSharding(m, P())),

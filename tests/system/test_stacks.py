@@ -23,6 +23,7 @@ import jckpt
 from jckpt import adapters
 from jckpt.api.multiprocess import save_directory
 from jckpt.errors import InputError, MismatchError, MissingEntryError
+from tests.helpers import cpu_mesh
 
 CTX = jckpt.Context()
 
@@ -252,17 +253,28 @@ def _abstract_target(mesh, spec):
 
 def test_abstract_mesh_target_restores_onto_the_mesh_in_context(tmp_path):
     jckpt.save(CTX, {"w": jnp.arange(32.0).reshape(8, 4)}, tmp_path / "w.jckpt")
-    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    mesh = cpu_mesh((2, 4), ("data", "model"))
     with jax.set_mesh(mesh):
         back = jckpt.restore(CTX, _abstract_target(mesh, P("data", "model")), tmp_path / "w.jckpt")
     assert back["w"].sharding == NamedSharding(mesh, P("data", "model"))
     np.testing.assert_array_equal(back["w"], np.arange(32.0).reshape(8, 4))
-    # no mesh in context: the abstract mesh spans all 8 devices, so jax.make_mesh's is used
-    back = jckpt.restore(CTX, _abstract_target(mesh, P("data")), tmp_path / "w.jckpt")
-    assert back["w"].sharding.mesh.shape == mesh.shape and len(back["w"].sharding.device_set) == 8
-    small = jax.sharding.AbstractMesh((3,), ("x",))
-    target = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=NamedSharding(small, P()))}
-    with pytest.raises(InputError, match=r"abstract mesh \('x': 3\)") as e:
+
+
+def test_abstract_mesh_without_one_in_context_spans_every_default_device_or_is_refused(tmp_path):
+    """No mesh in context: an abstract mesh the size of the default backend's device count is
+    placed on `jax.make_mesh` of its axes (on whatever backend is the default); another size
+    is refused."""
+    jckpt.save(CTX, {"w": jnp.arange(32.0).reshape(8, 4)}, tmp_path / "w.jckpt")
+    n = jax.device_count()  # default backend: what the restore places onto
+    every = jax.sharding.AbstractMesh((n,), ("data",))
+    spec = P("data") if 8 % n == 0 else P()
+    target = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=NamedSharding(every, spec))}
+    back = jckpt.restore(CTX, target, tmp_path / "w.jckpt")
+    assert back["w"].sharding.mesh.shape == {"data": n} and len(back["w"].sharding.device_set) == n
+    np.testing.assert_array_equal(back["w"], np.arange(32.0).reshape(8, 4))
+    other = jax.sharding.AbstractMesh((n + 1,), ("x",))
+    target = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=NamedSharding(other, P()))}
+    with pytest.raises(InputError, match=rf"abstract mesh \('x': {n + 1}\)") as e:
         jckpt.restore(CTX, target, tmp_path / "w.jckpt")
     assert "jax.set_mesh" in e.value.fix
 
@@ -275,7 +287,7 @@ def test_nnx_model_sharded_under_set_mesh_restores_into_nnx_eval_shape(tmp_path)
             init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
             self.linear = nnx.Linear(4, 8, kernel_init=init, rngs=rngs)
 
-    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    mesh = cpu_mesh((2, 4), ("data", "model"))
     with jax.set_mesh(mesh):
         model = Model(nnx.Rngs(0))
         jckpt.save(CTX, nnx.state(model), tmp_path / "m.jckpt")

@@ -16,7 +16,7 @@ from jckpt.storage import CheckpointReader
 from jckpt.tools.consolidate import consolidate
 from jckpt.tools.verify import verify
 from jckpt.version import __version__
-from tests.helpers import corrupt_payload, write_arrays, write_directory
+from tests.helpers import corrupt_payload, cpu_mesh, write_arrays, write_directory
 
 
 def identity(header):
@@ -28,7 +28,7 @@ def payloads(reader):
 
 
 def test_an_8_device_sharded_save_consolidates_to_what_a_plain_save_writes(tmp_path):
-    mesh = jax.make_mesh((4, 2), ('data', 'model'))
+    mesh = cpu_mesh((4, 2), ('data', 'model'))
     assert mesh.devices.size == 8
 
     def put(x, spec):

@@ -16,7 +16,7 @@ ARRAYS = [np.arange(5, dtype=np.int32), np.array([True, False, True]), np.float3
 
 
 def test_packed_arrays_arrive_whole_and_exact():
-    device = jax.devices()[-1]
+    device = jax.devices()[-1]  # default backend: an accelerator when there is one
     out = packing.put_packed([np.asarray(a) for a in ARRAYS], device)
     for got, want in zip(out, ARRAYS):
         want = np.asarray(want)
@@ -48,7 +48,7 @@ def test_restore_packs_small_leaves_bound_for_an_accelerator(tmp_path, monkeypat
     jckpt.save(jckpt.Context(), tree, path)
     calls = []
     real = packing.put_packed
-    monkeypatch.setattr(placement, "_accelerator", lambda dest: jax.devices()[0])
+    monkeypatch.setattr(placement, "_accelerator", lambda dest: jax.devices()[0])  # default backend
     monkeypatch.setattr(packing, "put_packed", lambda arrays, device: (
         calls.append(len(arrays)), real(arrays, device))[1])
     spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
@@ -62,12 +62,13 @@ def test_restore_packs_small_leaves_bound_for_an_accelerator(tmp_path, monkeypat
 def test_few_small_leaves_go_one_by_one(tmp_path, monkeypatch):
     path = tmp_path / "c.jckpt"
     jckpt.save(jckpt.Context(), {"a": jnp.ones(3), "b": jnp.zeros(2)}, path)
-    monkeypatch.setattr(placement, "_accelerator", lambda dest: jax.devices()[0])
+    monkeypatch.setattr(placement, "_accelerator", lambda dest: jax.devices()[0])  # default backend
     monkeypatch.setattr(packing, "put_packed", lambda *a: pytest.fail("packed"))
     out = jckpt.restore(jckpt.Context(), {"a": jnp.zeros(3), "b": jnp.ones(2)}, path)
     assert out["a"].tolist() == [1, 1, 1]
 
 
 def test_on_the_cpu_nothing_is_packed():
-    assert placement._accelerator(jax.devices()[0]) is None
-    assert placement._accelerator(jax.sharding.SingleDeviceSharding(jax.devices()[0])) is None
+    cpu = jax.devices("cpu")[0]
+    assert placement._accelerator(cpu) is None
+    assert placement._accelerator(jax.sharding.SingleDeviceSharding(cpu)) is None

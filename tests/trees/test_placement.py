@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from jckpt.errors import FormatError, InputError
 from jckpt.trees import placement
+from tests.helpers import cpu_mesh
 
 
 def host(leaf, **kw):
@@ -17,7 +18,7 @@ def host(leaf, **kw):
 
 
 def sharded(x, spec):
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
+    mesh = cpu_mesh((4, 2), ("a", "b"))
     return jax.device_put(x, NamedSharding(mesh, spec))
 
 
@@ -44,7 +45,7 @@ def test_scalars_become_0d_arrays(value, dtype):
 
 
 def test_jax_arrays_come_to_host_and_copies_are_private():
-    x = jnp.arange(8.0)
+    x = jax.device_put(jnp.arange(8.0), jax.devices("cpu")[0])
     h = host(x)
     assert isinstance(h.array, np.ndarray) and h.array.tolist() == list(range(8))
     assert h.dtype == np.float32 and h.shape == (8,)

@@ -15,10 +15,11 @@ from jckpt.errors import FormatError, MismatchError
 from jckpt.storage.reader import CheckpointReader
 from jckpt.trees import placement
 from jckpt.trees import sharding as sh
+from tests.helpers import cpu_devices
 
 
 def mesh(shape, names, devices=None):
-    devices = jax.devices() if devices is None else devices
+    devices = cpu_devices() if devices is None else devices
     n = int(np.prod(shape))
     return jax.sharding.Mesh(np.array(devices[:n]).reshape(shape), names)
 
@@ -72,7 +73,7 @@ def test_mesh_to_mesh_one_device_and_numpy(tmp_path, m42, m24):
         assert v.sharding == target[k].sharding, k
         np.testing.assert_array_equal(np.asarray(v), np.asarray(tree[k]))
     # onto one device, and as numpy
-    one = jax.devices()[3]
+    one = cpu_devices()[3]
     back = jckpt.restore(jckpt.Context(device=one), {"w": jax.ShapeDtypeStruct((16, 24), np.float32)},
                          path)
     assert back["w"].devices() == {one}
