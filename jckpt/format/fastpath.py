@@ -3,7 +3,8 @@
 A checkpoint of 100,000 leaves has a header of 100,000 entries; building a
 generic S-expression tree for it and validating it field by field would
 dominate a load. Entries in jckpt's canonical layout are instead matched in
-one step, by the C accelerator (``_canonical.c``, built with the package when
+one step (the pieces of a directory checkpoint, with their ``slice`` and
+``global_dims``, included), by the C accelerator (``_canonical.c``, built with the package when
 a compiler is available) or, without it, one regular expression. Anything
 else (quoted atoms, padding, unknown fields, an inconsistent length) makes
 :func:`canonical_entries` answer ``None`` and the general reader of
@@ -22,6 +23,8 @@ from jckpt.format.entries import INT_KINDS, MAX_INT64, Entry
 from jckpt.format.limits import MAX_NDIM, MAX_PATH_LENGTH
 
 _A = r"[!$%&'*+,\-./0-9:<=>?@A-Z\[\]^_`a-z{}~]+"
+_PAIR = r"\([0-9]{1,19} [0-9]{1,19}\)"
+_INTS = r"((?:[0-9]{1,19}(?: [0-9]{1,19})*)?)"
 _P = rf"\((?:k|a) {_A}\)|\((?:ki|i|f) -?[0-9]{{1,19}}\)"
 _CANONICAL_ENTRY = re.compile(
     rf"\s*\(\(id ([0-9]{{1,19}})\) \(namespace ([A-Za-z_][A-Za-z0-9_]*)\) "
@@ -29,7 +32,8 @@ _CANONICAL_ENTRY = re.compile(
     rf"\(dims \(((?:[0-9]{{1,19}}(?: [0-9]{{1,19}})*)?)\)\) \(padding none\) "
     rf"\(offset ([0-9]{{1,19}})\) "
     rf"\(byte_length ([0-9]{{1,19}})\)(?: \(path \(((?:(?:{_P})(?: (?:{_P}))*)?)\)\))?"
-    rf"(?: \(checksum \(([A-Za-z0-9_]+) ([0-9a-f]+)\)\))?(?: \(key_impl ([A-Za-z0-9_]+)\))?\)")
+    rf"(?: \(checksum \(([A-Za-z0-9_]+) ([0-9a-f]+)\)\))?(?: \(key_impl ([A-Za-z0-9_]+)\))?"
+    rf"(?: \(slice \(((?:{_PAIR}(?: {_PAIR})*)?)\)\) \(global_dims \({_INTS}\)\))?\)")
 _CANONICAL_HEAD = re.compile(r"\(\(version [0-9]+\)\s*(?:\(alignment [0-9]+\)\s*)?\(tensors\s*\(")
 _CANONICAL_TAIL = re.compile(r"\s*\)")
 _COMPONENT = re.compile(rf"\((k|ki|i|a|f) ({_A})\)")
@@ -49,6 +53,19 @@ def _within_limits(entries: list[Entry]) -> bool:
     whose other dims could be huge, a key path too long): the general reader reports those."""
     return not any(len(e.dims) > MAX_NDIM or (not e.byte_length and e.dims)
                    or (e.path is not None and len(e.path) > MAX_PATH_LENGTH) for e in entries)
+
+
+def _piece(slc: str, global_dims: str, dims: tuple[int, ...]
+           ) -> tuple[tuple[tuple[int, int], ...] | None, tuple[int, ...] | None]:
+    """A piece's ``(slice, global_dims)`` from their digits, or ``(None, None)`` unless
+    ``0 <= start <= stop <= global`` and ``stop - start`` is the dim, in every dimension."""
+    bounds = list(map(int, slc.replace('(', ' ').replace(')', ' ').split()))
+    box = tuple(zip(bounds[0::2], bounds[1::2]))
+    whole = tuple(map(int, global_dims.split()))
+    if not (len(box) == len(whole) == len(dims) and all(
+            a <= b <= g and b - a == d for (a, b), g, d in zip(box, whole, dims))):
+        return None, None
+    return box, whole
 
 
 def canonical_entries(text: str, *, accelerate: bool = True) -> tuple[list[Entry], int, int] | None:
@@ -79,7 +96,7 @@ def canonical_entries(text: str, *, accelerate: bool = True) -> tuple[list[Entry
     pos = head.end()
     while (m := scanner.match()) is not None:
         (ident, namespace, label, prec, dims, offset, byte_length, path, algo, digest,
-         key_impl) = m.groups()
+         key_impl, slc, global_dims) = m.groups()
         if prec not in precs.ALL_PRECS:
             return None
         dims = tuple(map(int, dims.split())) if dims else ()
@@ -88,11 +105,15 @@ def canonical_entries(text: str, *, accelerate: bool = True) -> tuple[list[Entry
             return None  # let the general reader report it
         if path is not None:
             path = tuple([(k, int(v)) if k in int_kinds else (k, v) for k, v in findall(path)])
+        if global_dims is not None:
+            slc, global_dims = _piece(slc, global_dims, dims)
+            if slc is None:
+                return None  # let the general reader report it
         e = new(Entry)
         for name, value in zip(_FIELDS, (
                 int(ident), namespace, prec, dims, int(offset), byte_length,
                 tuple(label.split(' ')) if label else (), None, path,
-                (algo, digest) if algo is not None else None, key_impl, None, None, ())):
+                (algo, digest) if algo is not None else None, key_impl, slc, global_dims, ())):
             setattr_(e, name, value)
         append(e)
         pos = m.end()
