@@ -66,7 +66,8 @@ def global_entry(e: Entry) -> Entry:
 
 # --- encoding ---------------------------------------------------------------------------------
 
-def _array_fields(array: IndexedArray) -> list[Any]:
+def _array_fields(array: IndexedArray) -> tuple[Any, ...]:
+    """An array's fields, frozen as a header holds them (a million pieces: built directly)."""
     e = array.entry
     fields: list[Any] = [['id', e.id], ['namespace', e.namespace], ['label', list(e.label)],
                          ['prec', e.prec], ['global_dims', list(e.dims)]]
@@ -74,17 +75,19 @@ def _array_fields(array: IndexedArray) -> list[Any]:
         fields.append(['path', [[k, v] for k, v in e.path]])
     if e.key_impl is not None:
         fields.append(['key_impl', e.key_impl])
-    fields.append(['pieces', [[fi, [[a, b] for a, b in box]] for fi, box in array.pieces]])
-    return fields
+    pieces = tuple([(str(fi), tuple([(str(a), str(b)) for a, b in box]))
+                    for fi, box in array.pieces])
+    return (*_frozen(fields), ('pieces', pieces))
 
 
 def index_header(files: Sequence[str], process_count: int, arrays: Sequence[IndexedArray],
                  alignment: int, metadata: Mapping[str, str], *, writer: str) -> Header:
     """The index as a header with no tensors and a ``sharded`` field (see docs/format.md)."""
-    sharded = ['sharded', [['layout', LAYOUT_VERSION], ['process_count', process_count],
-                           ['files', list(files)], ['arrays', [_array_fields(a) for a in arrays]]]]
+    top = _frozen([['layout', LAYOUT_VERSION], ['process_count', process_count],
+                   ['files', list(files)]])
+    sharded = ('sharded', (*top, ('arrays', tuple([_array_fields(a) for a in arrays]))))
     return Header(tensors=(), alignment=alignment, writer=writer,
-                  metadata=tuple(metadata.items()), extra=(_frozen(sharded),))
+                  metadata=tuple(metadata.items()), extra=(sharded,))
 
 
 def _frozen(x: Any) -> Any:

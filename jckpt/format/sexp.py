@@ -41,7 +41,8 @@ class SexpError(ValueError):
 _QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _SPLIT_QUOTED = re.compile(r'("(?:[^"\\]|\\.)*")', re.DOTALL)
 _FAST_UNSAFE = re.compile(r'[^\t\n\r -~]|[\\;#|"]')
-_ATOM = re.compile(r'[^\s()]+')
+_ATOM_SPLIT = re.compile(r'([^\s()]+)')
+_COMMA_BEFORE_CLOSE = re.compile(r',(?=\s*\])')
 # a trailing comma before ']', outside the JSON strings (group 1 skips over them whole)
 _TRAILING_COMMA = re.compile(r'("(?:[^"\\]|\\.)*")|,(\s*)\]')
 _TOKEN = re.compile(
@@ -101,9 +102,15 @@ def _parse_fast(parts: list[str]) -> Sexp:
         if n % 2:
             out.append(json.dumps(_unescape(part[1:-1])) + ',')
         else:
-            part = _ATOM.sub(r'"\g<0>",', part)
-            out.append(part.replace('(', '[').replace(')', '],'))
-    text = _TRAILING_COMMA.sub(lambda m: m[1] or m[2] + ']', ''.join(out)).rstrip().rstrip(',')
+            split = _ATOM_SPLIT.split(part)  # separators and atoms, alternating
+            split[1::2] = map('"%s",'.__mod__, split[1::2])
+            out.append(''.join(split).replace('(', '[').replace(')', '],'))
+    text = ''.join(out)
+    if any(',' in part or '\\' in part for part in parts):  # a JSON string may hold ",]"
+        text = _TRAILING_COMMA.sub(lambda m: m[1] or m[2] + ']', text)
+    else:  # every comma is one this function wrote
+        text = _COMMA_BEFORE_CLOSE.sub('', text)
+    text = text.rstrip().rstrip(',')
     # Several top-level values become one list so json.loads rejects them.
     try:
         return json.loads(text)
@@ -187,6 +194,20 @@ def quote(atom: str) -> str:
     return ''.join(out)
 
 
+# The repr of a tree of tuples whose atoms are all unsigned decimal integers.
+_DIGIT_TREE_REPR = re.compile(r"(?:[(), ]|'[0-9]+')*")
+
+
+def _digit_tree(value: tuple) -> str | None:
+    """``value`` written through ``repr`` (in C) when it is a tree of tuples of digit atoms:
+    a directory index's million pieces, ``(('0', (('0', '2'),)),)`` -> ``((0 ((0 2))))``."""
+    first = value[0]
+    if not (type(first) is tuple and first and type(first[0]) is str and first[0].isdigit()):
+        return None
+    text = repr(value)
+    return text.replace("'", '').replace(',', '') if _DIGIT_TREE_REPR.fullmatch(text) else None
+
+
 def dumps(value: Sexp | int | Sequence) -> str:
     """Write ``value`` (atoms, ints and nested sequences) on one line."""
     if isinstance(value, str):
@@ -195,4 +216,6 @@ def dumps(value: Sexp | int | Sequence) -> str:
         raise TypeError("booleans have no S-expression spelling; use a string")
     if isinstance(value, int):
         return str(value)
-    return '(' + ' '.join(dumps(v) for v in value) + ')'
+    if type(value) is tuple and value and (text := _digit_tree(value)) is not None:
+        return text
+    return '(' + ' '.join([quote(v) if type(v) is str else dumps(v) for v in value]) + ')'

@@ -83,6 +83,29 @@ def test_fast_and_slow_paths_agree(text):
     assert fast == slow
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet='() ,[]"\\0\n', max_size=30))
+def test_fast_and_slow_paths_agree_on_json_punctuation(text):
+    outcomes = []
+    for read in (parse, parse_slow):
+        try:
+            outcomes.append(("ok", read(text)))
+        except SexpError:
+            outcomes.append(("err", None))
+    assert outcomes[0] == outcomes[1]
+
+
+def test_trees_of_numbers_round_trip():
+    """What a directory index holds by the million: written through repr, read back alike."""
+    value = ('pieces', (('0', (('0', '2'), ('10', '12'))), ('1', ()), ('7', (('3', '4'),))))
+    text = dumps(value)
+    assert text == '(pieces ((0 ((0 2) (10 12))) (1 ()) (7 ((3 4)))))'
+    assert parse(text) == parse_slow(text) == [
+        'pieces', [['0', [['0', '2'], ['10', '12']]], ['1', []], ['7', [['3', '4']]]]]
+    assert dumps((('0', ('1', 'a b')),)) == '((0 (1 "a b")))'  # not only digits: quoted as always
+    assert dumps((('0', ('-1',)),)) == '((0 (-1)))'
+
+
 def test_atoms_that_look_like_json_punctuation_survive_the_fast_path():
     for value in [',]', ['a,]', ', ]'], ',', ['x', [',]']], '"a,]"']:
         text = dumps(value)
