@@ -111,7 +111,7 @@ def coalesce(boxes: Sequence[Box]) -> list[Box]:
     return out
 
 
-def check_tiling(boxes: Sequence[Box], shape: Sequence[int]) -> str | None:
+def check_tiling(boxes: Sequence[Box] | np.ndarray, shape: Sequence[int]) -> str | None:
     """Why ``boxes`` do not tile an array of ``shape`` exactly (None when they do).
 
     The usual answer (they do) is found with numpy, at a cost linear in the
@@ -120,6 +120,8 @@ def check_tiling(boxes: Sequence[Box], shape: Sequence[int]) -> str | None:
     """
     if _tile_exactly(boxes, shape):
         return None
+    if isinstance(boxes, np.ndarray):  # (boxes, ndim, 2), as a directory index holds them
+        boxes = [tuple(map(tuple, b)) for b in boxes.tolist()]
     whole = full_box(shape)
     total = 0
     for b in boxes:
@@ -140,7 +142,7 @@ MAX_TILING_CELLS = 1 << 22
 _COUNTED_NDIM = 6
 
 
-def _tile_exactly(boxes: Sequence[Box], shape: Sequence[int]) -> bool:
+def _tile_exactly(boxes: Sequence[Box] | np.ndarray, shape: Sequence[int]) -> bool:
     """Whether ``boxes``, all non-empty, tile ``shape`` exactly; False also when unsure.
 
     Counts how many boxes cover each cell of the grid the boxes' edges cut: a
@@ -148,7 +150,7 @@ def _tile_exactly(boxes: Sequence[Box], shape: Sequence[int]) -> bool:
     The boxes tile the array when every cell is covered exactly once.
     """
     ndim = len(shape)
-    if not boxes or not 0 < ndim <= _COUNTED_NDIM:
+    if not len(boxes) or not 0 < ndim <= _COUNTED_NDIM:
         return False
     try:
         b = np.asarray(boxes, dtype=np.int64)

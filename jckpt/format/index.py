@@ -20,9 +20,13 @@ True
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from jckpt.errors import FormatError
 from jckpt.format import limits, precs
@@ -54,6 +58,13 @@ class IndexedArray:
 
     entry: Entry
     pieces: tuple[tuple[int, Box], ...]
+
+    @functools.cached_property
+    def bounds(self) -> np.ndarray:
+        """The pieces' boxes as one ``(pieces, ndim, 2)`` int64 array, for searching them all
+        at once (which pieces a box needs, whether they tile the array)."""
+        boxes = [box for _, box in self.pieces]
+        return np.array(boxes, dtype=np.int64).reshape(len(boxes), len(self.entry.dims), 2)
 
 
 def global_entry(e: Entry) -> Entry:
@@ -104,6 +115,20 @@ def _thawed(x: Any) -> Any:
     return [_thawed(v) for v in x] if isinstance(x, tuple) else x
 
 
+def _is_field(f: Any, key: str) -> bool:
+    return isinstance(f, tuple) and len(f) == 2 and f[0] == key
+
+
+def _thawed_index(top: Any) -> Any:
+    """The ``sharded`` field's value as lists, but every array's ``pieces`` left frozen:
+    a million pieces are read from the tuples at once (:func:`_pieces`)."""
+    if not isinstance(top, tuple):
+        return top
+    return [['arrays', [[['pieces', g[1]] if _is_field(g, 'pieces') else _thawed(g) for g in a]
+                        if isinstance(a, tuple) else a for a in f[1]]]
+            if _is_field(f, 'arrays') and isinstance(f[1], tuple) else _thawed(f) for f in top]
+
+
 def _count(atom: Any, what: str, file: str, entry: str | None = None) -> int:
     """A non-negative integer atom."""
     n = _int(atom, what, file, entry)
@@ -118,7 +143,7 @@ def _sharded_fields(header: Header, file: str) -> dict[str, Any]:
                  None)
     if field is None or len(field) != 2:
         raise _fail("index has no sharded field", file)
-    top = _fields(_thawed(field[1]), 'sharded', file)
+    top = _fields(_thawed_index(field[1]), 'sharded', file)
     layout = _count(top.get('layout'), 'layout', file)
     if layout != LAYOUT_VERSION:
         raise FormatError(f"unsupported directory layout {layout}", file=file,
@@ -134,10 +159,47 @@ def _piece_files(top: dict[str, Any], file: str) -> list[str]:
     return files
 
 
+@functools.lru_cache(maxsize=16)
+def _pieces_repr(ndim: int) -> re.Pattern[str]:
+    """The ``repr`` of a frozen pieces list of ``ndim`` dimensions, numbers of at most 18 digits
+    (so that they fit 64 bits): ``(('0', (('0', '2'),)), ('1', (('2', '4'),)))``."""
+    num = "'[0-9]{1,18}'"
+    pair = rf"\({num}, {num}\)"
+    box = r"\(\)" if ndim == 0 else rf"\({pair},\)" if ndim == 1 else \
+        rf"\({pair}(?:, {pair}){{{ndim - 1}}}\)"
+    piece = rf"\({num}, {box}\)"
+    return re.compile(rf"\(\)|\({piece},\)|\({piece}(?:, {piece})+\)")
+
+
+def _pieces_at_once(node: Any, ndim: int, file_count: int
+                    ) -> tuple[tuple[tuple[int, Box], ...], np.ndarray] | None:
+    """:func:`_pieces` of well-formed pieces, read with one regular expression and numpy; None
+    for anything else (the piece by piece reading then says what is wrong)."""
+    if not isinstance(node, tuple):
+        return None
+    text = repr(node)
+    if not _pieces_repr(ndim).fullmatch(text):
+        return None
+    numbers = np.fromstring(text.translate(_PUNCTUATION), dtype=np.int64, sep=' ')
+    table = numbers.reshape(len(node), 1 + 2 * ndim)
+    if len(node) and table[:, 0].max() >= file_count:
+        return None
+    return (tuple([(row[0], tuple(zip(row[1::2], row[2::2]))) for row in table.tolist()]),
+            table[:, 1:].reshape(len(node), ndim, 2))
+
+
+_PUNCTUATION = str.maketrans("(),'", '    ')
+
+
 def _pieces(node: Any, ndim: int, file_count: int, file: str,
-            where: str) -> tuple[tuple[int, Box], ...]:
-    """An array's ``pieces``: ``(FILE ((START STOP) ...))`` each, in files that exist."""
+            where: str) -> tuple[tuple[tuple[int, Box], ...], np.ndarray | None]:
+    """An array's ``pieces``: ``(FILE ((START STOP) ...))`` each, in files that exist; and
+    their :attr:`IndexedArray.bounds` when read at once."""
+    found = _pieces_at_once(node, ndim, file_count)
+    if found is not None:
+        return found
     pieces = []
+    node = _thawed(node)
     for p in node if isinstance(node, list) else [node]:
         if not (isinstance(p, list) and len(p) == 2 and isinstance(p[1], list)
                 and len(p[1]) == ndim):
@@ -151,7 +213,7 @@ def _pieces(node: Any, ndim: int, file_count: int, file: str,
                 raise _fail("piece slice must be ((START STOP) ...)", file, where)
             box.append((_count(pair[0], 'slice', file, where), _count(pair[1], 'slice', file, where)))
         pieces.append((fi, tuple(box)))
-    return tuple(pieces)
+    return tuple(pieces), None
 
 
 def _array_path(f: dict[str, Any], file: str, n: int) -> tuple[str, int, KeyPath | None, str]:
@@ -179,20 +241,23 @@ def _array(node: Any, n: int, file_count: int, file: str) -> IndexedArray:
     if not (isinstance(label, list) and all(isinstance(x, str) for x in label)):
         raise _fail("label must be a list of atoms", file, where)
     key_impl = f.get('key_impl')
-    pieces = _pieces(f.get('pieces', []), len(dims), file_count, file, where)
+    pieces, bounds = _pieces(f.get('pieces', []), len(dims), file_count, file, where)
     if math.prod(dims) > _MAX_ELEMENTS:
         raise _fail(f"global_dims {dims} are absurdly large", file, where)
     try:
         limits.check_shape(dims, precs.element_size(prec))
     except ValueError as e:
         raise _fail(f"global_dims: {e}", file, where) from None
-    why = check_tiling([b for _, b in pieces], dims)
+    why = check_tiling([b for _, b in pieces] if bounds is None else bounds, dims)
     if why:
         raise _fail(f"pieces do not tile the array: {why}", file, where)
     entry = Entry(id=ident, namespace=namespace, prec=prec, dims=dims, offset=0,
                   byte_length=math.prod(dims) * precs.element_size(prec), label=tuple(label),
                   path=path, key_impl=key_impl if isinstance(key_impl, str) else None)
-    return IndexedArray(entry, pieces)
+    array = IndexedArray(entry, pieces)
+    if bounds is not None:  # read already: the cached property need not build it again
+        array.__dict__['bounds'] = bounds
+    return array
 
 
 def parse_index(header: Header, file: str) -> tuple[list[str], list[IndexedArray]]:

@@ -35,7 +35,7 @@ import numpy as np
 
 from jckpt.errors import CheckpointError, DistributedError, FormatError, StorageError
 from jckpt.format._gc import paused
-from jckpt.format.boxes import Box, box_shape, box_size, box_slices, check_tiling, intersect
+from jckpt.format.boxes import Box, box_shape, box_size, box_slices, check_tiling
 from jckpt.format.header import Entry, Header
 from jckpt.format.index import IndexedArray, global_entry, index_header, parse_index
 from jckpt.format.names import DIRECTORY_LOCK_NAME, INDEX_NAME, PIECE_RE, STAGE_DIR_TAG, piece_name
@@ -256,14 +256,19 @@ def _no_index_fix(path: str) -> str:
 
 
 def overlapping(array: IndexedArray, box: Box) -> list[tuple[int, Box, Box]]:
-    """``(file number, piece box, common box)`` of every piece of ``array`` that ``box`` needs."""
-    out = []
-    for fi, pbox in array.pieces:
-        common = intersect(box, pbox)
-        if common is None or (box_size(common) == 0 and common != ()):
-            continue
-        out.append((fi, pbox, common))
-    return out
+    """``(file number, piece box, common box)`` of every piece of ``array`` that ``box`` needs.
+
+    The pieces are searched at once (``array.bounds``), so planning a restore
+    of one shard of each of 1,000 arrays of 1,024 pieces costs milliseconds.
+    """
+    if not array.pieces:
+        return []
+    want = np.array(box, dtype=np.int64).reshape(len(box), 2)
+    lo = np.maximum(array.bounds[:, :, 0], want[:, 0])
+    hi = np.minimum(array.bounds[:, :, 1], want[:, 1])
+    hit = np.flatnonzero((lo < hi).all(axis=1))
+    los, his = lo[hit].tolist(), hi[hit].tolist()
+    return [(*array.pieces[i], tuple(zip(a, z))) for i, a, z in zip(hit.tolist(), los, his)]
 
 
 class DirectoryReader:
@@ -345,5 +350,5 @@ class DirectoryReader:
         return bad
 
 
-__all__ = ['DirectoryReader', 'check_arrays', 'collect_arrays', 'make_stage', 'overlapping', 'publish_directory',
-           'reclaim_stage_dirs', 'write_index', 'write_index_file']
+__all__ = ['DirectoryReader', 'check_arrays', 'collect_arrays', 'make_stage', 'overlapping',
+           'publish_directory', 'reclaim_stage_dirs', 'write_index', 'write_index_file']

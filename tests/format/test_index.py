@@ -49,6 +49,25 @@ def test_round_trip_in_memory_and_through_bytes():
     assert parse_index(back, "i") == (FILES, arrays)
 
 
+def test_many_pieces_of_every_rank_round_trip_with_their_bounds():
+    """Pieces read from the index's text at once are those written, and so are their bounds."""
+    grid = tuple((i % 3, ((i, i + 1), (0, 2), (2 * h, 2 * h + 2))) for i in range(40) for h in (0, 1))
+    arrays = [array(0, dims=(40, 2, 4), pieces=grid, byte_length=40 * 2 * 4 * 4),
+              array(1, dims=(50,), pieces=tuple((i % 3, ((i, i + 1),)) for i in range(50)),
+                    byte_length=200),
+              array(2, dims=(), pieces=((2, ()),), byte_length=4),
+              array(3, dims=(12345678901234, 1), pieces=((0, ((0, 12345678901234), (0, 1))),),
+                    prec="Byte_prec", byte_length=12345678901234)]
+    back = decode_header(encode_header(header(*arrays)), file="i")
+    files, parsed = parse_index(back, "i")
+    assert parsed == arrays
+    for a in parsed:
+        expected = [box for _, box in a.pieces]
+        assert a.bounds.tolist() == [[list(pair) for pair in box] for box in expected]
+        assert all(type(fi) is int and all(type(x) is int for pair in box for x in pair)
+                   for fi, box in a.pieces)
+
+
 def test_global_entry_drops_the_slice():
     piece = Entry(id=5, namespace="jckpt", prec="Half_prec", dims=(2, 3), offset=64,
                   byte_length=12, label=("w",), path=(("k", "w"),), key_impl=None,
