@@ -362,7 +362,10 @@ def _decode_piece(f: dict[str, Sexp], dims: tuple[int, ...], file: str | None, w
 
 
 def _freeze(x: Sexp) -> Any:
-    return tuple(_freeze(v) for v in x) if isinstance(x, list) else x
+    """Lists as tuples, all the way down (a directory index holds millions of them)."""
+    if not isinstance(x, list):
+        return x
+    return tuple([_freeze(v) if isinstance(v, list) else v for v in x])
 
 
 _HEADER_KNOWN = frozenset({'version', 'alignment', 'tensors', 'writer', 'metadata'})
