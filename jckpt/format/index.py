@@ -30,6 +30,7 @@ import numpy as np
 
 from jckpt.errors import FormatError
 from jckpt.format import limits, precs
+from jckpt.format._gc import paused
 from jckpt.format.boxes import Box, check_tiling
 from jckpt.format.header import (
     Entry,
@@ -91,6 +92,7 @@ def _array_fields(array: IndexedArray) -> tuple[Any, ...]:
     return (*_frozen(fields), ('pieces', pieces))
 
 
+@paused  # a million pieces are millions of tuples, and no cycles among them
 def index_header(files: Sequence[str], process_count: int, arrays: Sequence[IndexedArray],
                  alignment: int, metadata: Mapping[str, str], *, writer: str) -> Header:
     """The index as a header with no tensors and a ``sharded`` field (see docs/format.md)."""
@@ -163,12 +165,12 @@ def _piece_files(top: dict[str, Any], file: str) -> list[str]:
 def _pieces_repr(ndim: int) -> re.Pattern[str]:
     """The ``repr`` of a frozen pieces list of ``ndim`` dimensions, numbers of at most 18 digits
     (so that they fit 64 bits): ``(('0', (('0', '2'),)), ('1', (('2', '4'),)))``."""
-    num = "'[0-9]{1,18}'"
+    num = "'[0-9]{1,18}+'"
     pair = rf"\({num}, {num}\)"
     box = r"\(\)" if ndim == 0 else rf"\({pair},\)" if ndim == 1 else \
         rf"\({pair}(?:, {pair}){{{ndim - 1}}}\)"
     piece = rf"\({num}, {box}\)"
-    return re.compile(rf"\(\)|\({piece},\)|\({piece}(?:, {piece})+\)")
+    return re.compile(rf"\(\)|\({piece},\)|\({piece}(?:, {piece})++\)")  # possessive: faster
 
 
 def _pieces_at_once(node: Any, ndim: int, file_count: int
@@ -260,6 +262,7 @@ def _array(node: Any, n: int, file_count: int, file: str) -> IndexedArray:
     return array
 
 
+@paused  # a million pieces are millions of tuples, and no cycles among them
 def parse_index(header: Header, file: str) -> tuple[list[str], list[IndexedArray]]:
     """The piece file names and arrays of an index header; raises :class:`FormatError`."""
     top = _sharded_fields(header, file)
