@@ -17,10 +17,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Callable
+from typing import Any
 
+from jckpt.errors import FormatError
 from jckpt.format import precs
-from jckpt.format.entries import INT_KINDS, MAX_INT64, Entry
+from jckpt.format.entries import INT_KINDS, MAX_INT64, Entry, Header
 from jckpt.format.limits import MAX_NDIM, MAX_PATH_LENGTH
+from jckpt.format.sexp import _SPLIT_QUOTED, Verbatim
 
 _A = r"[!$%&'*+,\-./0-9:<=>?@A-Z\[\]^_`a-z{}~]+"
 _PAIR = r"\([0-9]{1,19} [0-9]{1,19}\)"
@@ -123,4 +127,66 @@ def canonical_entries(text: str, *, accelerate: bool = True) -> tuple[list[Entry
     return entries, head.end() - 1, tail.end() - 1
 
 
-__all__ = ['accelerator', 'canonical_entries']
+# --- the pieces of a directory index, kept as text ---------------------------------------------
+
+_NUM = r"[0-9]{1,18}+"
+_PIECE = rf"\({_NUM} \((?:\({_NUM} {_NUM}\)(?: \({_NUM} {_NUM}\))*+)?\)\)"
+#: An index's ``(pieces (...))`` as jckpt writes it (possessive: linear, no backtracking).
+_PIECES_FIELD = re.compile(rf"\(pieces (\((?:{_PIECE}(?: {_PIECE})*+)?\))\)")
+_PLACEHOLDER = '%jckpt-list-'
+
+
+def _splice_lists(text: str) -> tuple[str, dict[str, str]] | None:
+    """``text`` with each canonical pieces list replaced by a placeholder atom, and the lists;
+    None when there is none, or comments or escapes make the text not plain enough."""
+    if _PLACEHOLDER in text:
+        return None
+    parts = _SPLIT_QUOTED.split(text)  # structural text and quoted atoms, alternating
+    if any(c in part for part in parts[0::2] for c in ';#\\'):
+        return None
+    lists: dict[str, str] = {}
+
+    def keep(m: re.Match[str]) -> str:
+        name = f"{_PLACEHOLDER}{len(lists)}"
+        lists[name] = m[1]
+        return f"(pieces {name})"
+
+    parts[0::2] = [_PIECES_FIELD.sub(keep, part) for part in parts[0::2]]
+    return (''.join(parts), lists) if lists else None
+
+
+def _restored(x: Any, lists: dict[str, str], found: list[str]) -> Any:
+    """``x`` (an extra field) with each placeholder atom replaced by its list, as `Verbatim`."""
+    if isinstance(x, tuple):
+        return tuple([_restored(v, lists, found) for v in x])
+    if isinstance(x, str) and x in lists:
+        found.append(x)
+        return Verbatim(lists[x])
+    return x
+
+
+def with_canonical_lists(text: str, decode: Callable[[str], Header]) -> Header:
+    """``decode(text)``, but with a directory index's pieces lists kept as text.
+
+    An index of a million pieces would otherwise be parsed into millions of
+    small lists; each canonical ``(pieces (...))`` is instead cut out before
+    parsing and put back, in the header's extra fields, as one `Verbatim`
+    atom that :mod:`jckpt.format.index` reads with numpy. Whenever that does
+    not give exactly what decoding the whole text gives (a placeholder landing
+    outside the extra fields, a refusal), the whole text is decoded instead.
+    """
+    spliced = _splice_lists(text)
+    if spliced is not None:
+        try:
+            header = decode(spliced[0])
+        except FormatError:
+            header = None
+        if header is not None:
+            found: list[str] = []
+            extra = _restored(header.extra, spliced[1], found)
+            if len(found) == len(spliced[1]):
+                return dataclasses.replace(header, extra=extra)
+    return decode(text)
+
+
+__all__ = ['accelerator', 'canonical_entries', 'with_canonical_lists']

@@ -43,7 +43,7 @@ from jckpt.format.entries import (
     path_name,
     round_up,
 )
-from jckpt.format.fastpath import canonical_entries
+from jckpt.format.fastpath import canonical_entries, with_canonical_lists
 from jckpt.format.sexp import Sexp, SexpError, dumps, parse, quote
 
 #: OCANNL's reader refuses headers longer than this; jckpt reads them but warns on write.
@@ -421,11 +421,15 @@ def decode_header(raw: bytes | memoryview, *, file: str | None = None) -> Header
     if fast is not None:
         entries, list_open, list_close = fast
         text = text[:list_open] + '()' + text[list_close + 1:]
+    return with_canonical_lists(text, lambda t: _from_text(t, file, None if fast is None else entries))
+
+
+def _from_text(text: str, file: str | None, entries: list[Entry] | None) -> Header:
     try:
         tree = parse(text)
     except SexpError as e:
         raise _fail(f"header is not a well-formed S-expression: {e}", file) from None
-    return header_from_sexp(tree, file=file, entries=None if fast is None else entries)
+    return header_from_sexp(tree, file=file, entries=entries)
 
 
 def header_from_sexp(tree: Sexp, *, file: str | None = None,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -44,6 +45,7 @@ from jckpt.format.header import (
     path_name,
 )
 from jckpt.format.names import LAYOUT_VERSION, PIECE_RE
+from jckpt.format.sexp import SexpError, Verbatim, parse
 
 #: Global arrays above this many elements are refused as a damaged index.
 _MAX_ELEMENTS = 2**62
@@ -65,7 +67,12 @@ class IndexedArray:
         """The pieces' boxes as one ``(pieces, ndim, 2)`` int64 array, for searching them all
         at once (which pieces a box needs, whether they tile the array)."""
         boxes = [box for _, box in self.pieces]
-        return np.array(boxes, dtype=np.int64).reshape(len(boxes), len(self.entry.dims), 2)
+        ndim = len(self.entry.dims)
+        pairs = list(itertools.chain.from_iterable(boxes))
+        if set(map(len, boxes)) - {ndim} or set(map(len, pairs)) - {2}:
+            raise ValueError(f"pieces of {self.entry.name} are not boxes of {ndim} dimensions")
+        flat = np.fromiter(itertools.chain.from_iterable(pairs), dtype=np.int64, count=2 * len(pairs))
+        return flat.reshape(len(boxes), ndim, 2)
 
 
 def global_entry(e: Entry) -> Entry:
@@ -87,9 +94,20 @@ def _array_fields(array: IndexedArray) -> tuple[Any, ...]:
         fields.append(['path', [[k, v] for k, v in e.path]])
     if e.key_impl is not None:
         fields.append(['key_impl', e.key_impl])
-    pieces = tuple([(str(fi), tuple([(str(a), str(b)) for a, b in box]))
-                    for fi, box in array.pieces])
-    return (*_frozen(fields), ('pieces', pieces))
+    return (*_frozen(fields), ('pieces', _pieces_text(array)))
+
+
+def _pieces_text(array: IndexedArray) -> Verbatim:
+    """``((FILE ((START STOP) ...)) ...)``, formatted at once: a million pieces in a second."""
+    n, ndim = len(array.pieces), len(array.entry.dims)
+    try:
+        files = np.array([fi for fi, _ in array.pieces], dtype=np.int64).reshape(n, 1)
+        table = np.concatenate([files, array.bounds.reshape(n, 2 * ndim)], axis=1)
+    except (ValueError, OverflowError):  # boxes of other ranks, or numbers beyond 64 bits
+        return Verbatim('(' + ' '.join([f"({fi} ({' '.join([f'({a} {b})' for a, b in box])}))"
+                                        for fi, box in array.pieces]) + ')')
+    piece = '(%d (' + ' '.join(['(%d %d)'] * ndim) + '))'
+    return Verbatim('(' + ' '.join([piece] * n) % tuple(table.ravel().tolist()) + ')')
 
 
 @paused  # a million pieces are millions of tuples, and no cycles among them
@@ -117,20 +135,6 @@ def _thawed(x: Any) -> Any:
     return [_thawed(v) for v in x] if isinstance(x, tuple) else x
 
 
-def _is_field(f: Any, key: str) -> bool:
-    return isinstance(f, tuple) and len(f) == 2 and f[0] == key
-
-
-def _thawed_index(top: Any) -> Any:
-    """The ``sharded`` field's value as lists, but every array's ``pieces`` left frozen:
-    a million pieces are read from the tuples at once (:func:`_pieces`)."""
-    if not isinstance(top, tuple):
-        return top
-    return [['arrays', [[['pieces', g[1]] if _is_field(g, 'pieces') else _thawed(g) for g in a]
-                        if isinstance(a, tuple) else a for a in f[1]]]
-            if _is_field(f, 'arrays') and isinstance(f[1], tuple) else _thawed(f) for f in top]
-
-
 def _count(atom: Any, what: str, file: str, entry: str | None = None) -> int:
     """A non-negative integer atom."""
     n = _int(atom, what, file, entry)
@@ -145,7 +149,7 @@ def _sharded_fields(header: Header, file: str) -> dict[str, Any]:
                  None)
     if field is None or len(field) != 2:
         raise _fail("index has no sharded field", file)
-    top = _fields(_thawed_index(field[1]), 'sharded', file)
+    top = _fields(_thawed(field[1]), 'sharded', file)
     layout = _count(top.get('layout'), 'layout', file)
     if layout != LAYOUT_VERSION:
         raise FormatError(f"unsupported directory layout {layout}", file=file,
@@ -162,46 +166,52 @@ def _piece_files(top: dict[str, Any], file: str) -> list[str]:
 
 
 @functools.lru_cache(maxsize=16)
-def _pieces_repr(ndim: int) -> re.Pattern[str]:
-    """The ``repr`` of a frozen pieces list of ``ndim`` dimensions, numbers of at most 18 digits
-    (so that they fit 64 bits): ``(('0', (('0', '2'),)), ('1', (('2', '4'),)))``."""
-    num = "'[0-9]{1,18}+'"
-    pair = rf"\({num}, {num}\)"
-    box = r"\(\)" if ndim == 0 else rf"\({pair},\)" if ndim == 1 else \
-        rf"\({pair}(?:, {pair}){{{ndim - 1}}}\)"
-    piece = rf"\({num}, {box}\)"
-    return re.compile(rf"\(\)|\({piece},\)|\({piece}(?:, {piece})++\)")  # possessive: faster
+def _piece_list(ndim: int) -> re.Pattern[str]:
+    """A pieces list of ``ndim`` dimensions as jckpt writes it, numbers of at most 18 digits (so
+    that they fit 64 bits): ``((0 ((0 2) (0 4))) (1 ((2 4) (0 4))))``."""
+    num = "[0-9]{1,18}+"
+    box = r"\(\)" if ndim == 0 else rf"\(\({num} {num}\)(?: \({num} {num}\)){{{ndim - 1}}}\)"
+    piece = rf"\({num} {box}\)"
+    return re.compile(rf"\((?:{piece}(?: {piece})*+)?\)")  # possessive: no backtracking
 
 
-def _pieces_at_once(node: Any, ndim: int, file_count: int
+def _pieces_at_once(text: str, ndim: int, file_count: int
                     ) -> tuple[tuple[tuple[int, Box], ...], np.ndarray] | None:
-    """:func:`_pieces` of well-formed pieces, read with one regular expression and numpy; None
-    for anything else (the piece by piece reading then says what is wrong)."""
-    if not isinstance(node, tuple):
+    """:func:`_pieces` of a well-formed list kept as text, read with one regular expression and
+    numpy; None for anything else (reading it piece by piece then says what is wrong)."""
+    if not _piece_list(ndim).fullmatch(text):
         return None
-    text = repr(node)
-    if not _pieces_repr(ndim).fullmatch(text):
+    numbers = np.fromstring(text.translate(_PARENTHESES), dtype=np.int64, sep=' ') \
+        if text != '()' else np.empty(0, np.int64)  # (numpy reads one number from blanks)
+    table = numbers.reshape(-1, 1 + 2 * ndim)
+    if len(table) and table[:, 0].max() >= file_count:
         return None
-    numbers = np.fromstring(text.translate(_PUNCTUATION), dtype=np.int64, sep=' ')
-    table = numbers.reshape(len(node), 1 + 2 * ndim)
-    if len(node) and table[:, 0].max() >= file_count:
-        return None
-    return (tuple([(row[0], tuple(zip(row[1::2], row[2::2]))) for row in table.tolist()]),
-            table[:, 1:].reshape(len(node), ndim, 2))
+    return _as_pieces(table, ndim), table[:, 1:].reshape(len(table), ndim, 2)
 
 
-_PUNCTUATION = str.maketrans("(),'", '    ')
+def _as_pieces(table: np.ndarray, ndim: int) -> tuple[tuple[int, Box], ...]:
+    """Rows ``FILE START STOP ...`` as ``(file, ((start, stop), ...))`` tuples, built by zips."""
+    columns = table.T.tolist()
+    pairs = [zip(columns[1 + 2 * k], columns[2 + 2 * k]) for k in range(ndim)]
+    return tuple(zip(columns[0], zip(*pairs) if ndim else itertools.repeat(())))
+
+
+_PARENTHESES = str.maketrans('()', '  ')
 
 
 def _pieces(node: Any, ndim: int, file_count: int, file: str,
             where: str) -> tuple[tuple[tuple[int, Box], ...], np.ndarray | None]:
     """An array's ``pieces``: ``(FILE ((START STOP) ...))`` each, in files that exist; and
     their :attr:`IndexedArray.bounds` when read at once."""
-    found = _pieces_at_once(node, ndim, file_count)
-    if found is not None:
-        return found
+    if isinstance(node, Verbatim):  # as jckpt writes it: read at once, else piece by piece
+        found = _pieces_at_once(node, ndim, file_count)
+        if found is not None:
+            return found
+        try:
+            node = parse(node)
+        except SexpError as e:
+            raise _fail(f"pieces are not a well-formed list: {e}", file, where) from None
     pieces = []
-    node = _thawed(node)
     for p in node if isinstance(node, list) else [node]:
         if not (isinstance(p, list) and len(p) == 2 and isinstance(p[1], list)
                 and len(p[1]) == ndim):

@@ -194,28 +194,26 @@ def quote(atom: str) -> str:
     return ''.join(out)
 
 
-# The repr of a tree of tuples whose atoms are all unsigned decimal integers.
-_DIGIT_TREE_REPR = re.compile(r"[(), ]*+(?:'[0-9]++'[(), ]*+)*+")  # possessive: 10x faster
+class Verbatim(str):
+    """The text of a list, kept as read and written back as is.
 
+    A directory index holds a million pieces; its codec keeps their list as
+    text and reads it with numpy rather than as a million small lists (see
+    `jckpt.format.fastpath.with_canonical_lists`).
 
-def _digit_tree(value: tuple) -> str | None:
-    """``value`` written through ``repr`` (in C) when it is a tree of tuples of digit atoms:
-    a directory index's million pieces, ``(('0', (('0', '2'),)),)`` -> ``((0 ((0 2))))``."""
-    first = value[0]
-    if not (type(first) is tuple and first and type(first[0]) is str and first[0].isdigit()):
-        return None
-    text = repr(value)
-    return text.replace("'", '').replace(',', '') if _DIGIT_TREE_REPR.fullmatch(text) else None
+    >>> dumps(['pieces', Verbatim('((0 ((0 2))))')])
+    '(pieces ((0 ((0 2)))))'
+    """
 
 
 def dumps(value: Sexp | int | Sequence) -> str:
     """Write ``value`` (atoms, ints and nested sequences) on one line."""
+    if type(value) is Verbatim:
+        return str(value)
     if isinstance(value, str):
         return quote(value)
     if isinstance(value, bool):
         raise TypeError("booleans have no S-expression spelling; use a string")
     if isinstance(value, int):
         return str(value)
-    if type(value) is tuple and value and (text := _digit_tree(value)) is not None:
-        return text
     return '(' + ' '.join([quote(v) if type(v) is str else dumps(v) for v in value]) + ')'
