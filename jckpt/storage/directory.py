@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import functools
+import itertools
 import operator
 import os
 import re
@@ -205,7 +206,11 @@ def collect_arrays(stage: str, names: Iterable[str]) -> list[IndexedArray]:
 def check_arrays(stage: str, arrays: Iterable[IndexedArray]) -> None:
     """Refuse, with `DistributedError`, an array whose pieces do not tile it exactly."""
     for a in arrays:
-        why = check_tiling([b for _, b in a.pieces], a.entry.dims)
+        try:
+            boxes: Any = a.bounds  # all at once (and kept for encoding the index)
+        except ValueError:  # boxes of another rank than the array: said box by box
+            boxes = [b for _, b in a.pieces]
+        why = check_tiling(boxes, a.entry.dims)
         if why:
             raise DistributedError(f"pieces do not tile the array: {why}", file=stage,
                                    entry=a.entry.name,
@@ -267,8 +272,10 @@ def overlapping(array: IndexedArray, box: Box) -> list[tuple[int, Box, Box]]:
     lo = np.maximum(array.bounds[:, :, 0], want[:, 0])
     hi = np.minimum(array.bounds[:, :, 1], want[:, 1])
     hit = np.flatnonzero((lo < hi).all(axis=1))
-    los, his = lo[hit].tolist(), hi[hit].tolist()
-    return [(*array.pieces[i], tuple(zip(a, z))) for i, a, z in zip(hit.tolist(), los, his)]
+    columns = np.stack([lo[hit], hi[hit]], axis=2).reshape(len(hit), 2 * len(box)).T.tolist()
+    commons = zip(*[zip(columns[2 * k], columns[2 * k + 1]) for k in range(len(box))]) \
+        if box else itertools.repeat(())
+    return [(*array.pieces[i], common) for i, common in zip(hit.tolist(), commons)]
 
 
 class DirectoryReader:
