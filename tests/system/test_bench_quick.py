@@ -33,3 +33,12 @@ def test_quick_suite_writes_the_report(tmp_path):
     md = (out / "benchmarks.md").read_text()
     assert "| jckpt |" in md and "## Targets" in md
     assert not os.listdir(tmp_path / "files")  # every file cleaned up
+
+
+def test_index_scale_benchmark_runs_its_smallest_size():
+    """The directory-index benchmark writes, indexes, reads and plans 1,025 pieces."""
+    p = subprocess.run([sys.executable, "bench/bench_index_scale.py", "--sizes", "1k"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    header, row = p.stdout.splitlines()[:2]
+    assert "plan one" in header and row.split()[0] == "1025"
