@@ -409,11 +409,8 @@ def _raw_key_data(entry: Entry, want_shape: Any, path: str, where: str) -> Misma
 
 def _target_spec(leaf: Any) -> tuple[tuple[int, ...] | None, Any]:
     """`(shape, dtype)` a target leaf asks for (None where it does not say)."""
-    if placement.is_prng_key(leaf):
-        return tuple(leaf.shape), None
     if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
-        if isinstance(leaf, jax.ShapeDtypeStruct) and jax.dtypes.issubdtype(
-                leaf.dtype, jax.dtypes.prng_key):
+        if placement.is_key_dtype(leaf.dtype):
             return tuple(leaf.shape), None
         return tuple(leaf.shape), leaf.dtype
     if isinstance(leaf, (bool, int, float, complex)):

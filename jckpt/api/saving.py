@@ -39,7 +39,7 @@ from jckpt.storage.backend import checked_path
 from jckpt.storage.publish import storage_error
 from jckpt.storage.reader import CheckpointReader
 from jckpt.storage.regions import ShardedSource
-from jckpt.storage.writer import ArraySource, CopySource, write_checkpoint
+from jckpt.storage.writer import ArraySource, CopySource, array_source, write_checkpoint
 from jckpt.trees import placement
 from jckpt.trees import pytree as tree_mod
 from jckpt.version import __version__
@@ -140,24 +140,26 @@ def _entries(ctx: Context, paths: Sequence[KeyPath], hosts: Sequence[placement.H
         else:
             ident = kept[slot].id
         offset = 0 if kept else round_up(cursor, alignment)
+        source, checksum = _source(host)
         entry = entry_for(namespace, path, host.dtype, host.shape, id=ident, key_impl=host.key_impl,
-                          checksum=CHECKSUM_PLACEHOLDER, offset=offset)
+                          checksum=checksum, offset=offset)
         cursor = offset + entry.byte_length
         if slot is None:
             entries.append(entry)
-            sources.append(_source(host))
+            sources.append(source)
         else:
             entries[slot] = entry
-            sources[slot] = _source(host)
+            sources[slot] = source
     return entries, sources
 
 
-def _source(host: placement.HostLeaf) -> ArraySource | ShardedSource:
-    """What streams a host leaf's payload: its whole array, or its shards written in place."""
+def _source(host: placement.HostLeaf) -> tuple[ArraySource | ShardedSource, tuple[str, str]]:
+    """What streams a host leaf's payload (its whole array, or its shards written in place),
+    and the checksum its entry starts with (the real one where known already)."""
     if host.array is not None:
-        return ArraySource(host.array)
+        return array_source(host.array)
     return ShardedSource(host.shape, host.dtype, [(box, functools.partial(placement.await_host, data))
-                                                  for box, data in host.shards])
+                                                  for box, data in host.shards]), CHECKSUM_PLACEHOLDER
 
 
 def _header(entries: Sequence[Entry], alignment: int, old: Header,

@@ -41,7 +41,8 @@ from typing import Generic, Protocol, TypeVar
 
 from jckpt.errors import CapacityError, CheckpointError, InputError
 from jckpt.format.header import Entry
-from jckpt.services.snapshot import HashedSource, HostLeaf, Leaf, Slot, build_entries
+from jckpt.services.snapshot import HostLeaf, Leaf, Slot, build_entries
+from jckpt.storage.writer import ArraySource
 
 log = logging.getLogger('jckpt')
 
@@ -121,7 +122,7 @@ class Job(Generic[InfoT]):
     info: InfoT
 
     @functools.cached_property
-    def built(self) -> tuple[tuple[Entry, ...], tuple[HashedSource, ...]]:
+    def built(self) -> tuple[tuple[Entry, ...], tuple[ArraySource, ...]]:
         """The entries and payload sources of the items: hashed once, kept across retries."""
         return build_entries(self.items)
 

@@ -19,7 +19,6 @@ False
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -29,7 +28,7 @@ from jckpt.api.context import Context
 from jckpt.format import payload as payload_mod
 from jckpt.format.entries import Entry, KeyPath, entry_for
 from jckpt.format.names import RESERVED_PREFIX
-from jckpt.storage.writer import Sink
+from jckpt.storage.writer import ArraySource
 from jckpt.trees import placement
 from jckpt.trees import pytree as tree_mod
 
@@ -90,19 +89,6 @@ class Slot:
         return buf
 
 
-@dataclasses.dataclass(frozen=True)
-class HashedSource:
-    """A slot array whose checksum is already known: streamed without hashing again."""
-
-    array: np.ndarray
-    checksum: tuple[str, str]
-
-    def write(self, sink: Sink) -> tuple[str, str]:
-        for chunk in payload_mod.iter_payload_chunks(self.array):
-            sink.write(chunk)
-        return self.checksum
-
-
 def _array_checksum(array: np.ndarray) -> tuple[str, str]:
     hasher = payload_mod.new_hasher()
     for chunk in payload_mod.iter_payload_chunks(array):
@@ -110,7 +96,7 @@ def _array_checksum(array: np.ndarray) -> tuple[str, str]:
     return payload_mod.hasher_checksum(hasher)
 
 
-def build_entries(items: Sequence[HostLeaf]) -> tuple[tuple[Entry, ...], tuple[HashedSource, ...]]:
+def build_entries(items: Sequence[HostLeaf]) -> tuple[tuple[Entry, ...], tuple[ArraySource, ...]]:
     """Entries (with checksums, ids per namespace in order) and payload sources for ``items``."""
     next_ids: dict[str, int] = {}
     entries, sources = [], []
@@ -120,7 +106,7 @@ def build_entries(items: Sequence[HostLeaf]) -> tuple[tuple[Entry, ...], tuple[H
         sum_ = _array_checksum(array)
         entries.append(entry_for(namespace, path, array.dtype, array.shape, id=ident,
                                  checksum=sum_, key_impl=key_impl))
-        sources.append(HashedSource(array, sum_))
+        sources.append(ArraySource(array, sum_))
     return tuple(entries), tuple(sources)
 
 
@@ -130,5 +116,5 @@ def content_digest(entries: Sequence[Entry], metadata: Mapping[str, str]) -> Dig
             tuple(sorted((k, v) for k, v in metadata.items() if not k.startswith(RESERVED_PREFIX))))
 
 
-__all__ = ['Digest', 'HashedSource', 'HostLeaf', 'Leaf', 'Slot', 'build_entries', 'content_digest',
+__all__ = ['Digest', 'HostLeaf', 'Leaf', 'Slot', 'build_entries', 'content_digest',
            'namespace_leaves']

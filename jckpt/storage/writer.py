@@ -15,7 +15,7 @@ import os
 import struct
 import types
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -144,21 +144,62 @@ def pad_for_aliasing(raw: bytes, header: Header) -> bytes:
 
 @dataclasses.dataclass(frozen=True)
 class ArraySource:
-    """A host numpy array, encoded chunk by chunk (no copy when already stored form)."""
+    """A host numpy array, encoded chunk by chunk (no copy when already stored form).
+
+    `checksum`, when known (see `array_source`; a snapshot hashes its arrays
+    as it builds their entries), is returned as it is: the payload is written
+    without hashing it again, so a stale one is caught only by verifying.
+    """
 
     array: np.ndarray
+    checksum: tuple[str, str] | None = None
 
     def write(self, sink: Sink) -> tuple[str, str]:
         array = self.array
         if array.nbytes < SMALL_PAYLOAD and payload_mod.is_stored_form(array):
             data = payload_mod.encode_payload(array)  # a view: one hash, one buffered write
             sink.write(data)
-            return payload_mod.checksum(data)
-        hasher = payload_mod.new_hasher()
+            return self.checksum or payload_mod.checksum(data)
+        hasher = None if self.checksum else payload_mod.new_hasher()
         for chunk in payload_mod.iter_payload_chunks(array):
-            hasher.update(chunk)
+            if hasher is not None:
+                hasher.update(chunk)
             sink.write(chunk)
-        return payload_mod.hasher_checksum(hasher)
+        return self.checksum or payload_mod.hasher_checksum(hasher)
+
+
+class BytesSource(NamedTuple):
+    """A small payload already in stored form, with its checksum: one buffered write.
+
+    (A named tuple: one is made per small leaf of every save, and a tuple is
+    several times cheaper to make than a frozen dataclass.)
+    """
+
+    data: np.ndarray  # flat uint8
+    checksum: tuple[str, str]
+
+    def write(self, sink: Sink) -> tuple[str, str]:
+        sink.write(self.data)
+        return self.checksum
+
+
+def array_source(array: np.ndarray) -> tuple[ArraySource | BytesSource, tuple[str, str]]:
+    """The source of a host array's payload, and the checksum its entry can carry from the start.
+
+    A small array in stored form is hashed now, so its entry is written with
+    its real checksum and nothing is patched or rebuilt after the payloads
+    stream; a larger one (hashed while it streams, in one pass over its
+    memory) gets the fixed-width placeholder.
+
+    >>> source, checksum = array_source(np.zeros(4, np.float32))
+    >>> checksum == source.checksum != payload_mod.CHECKSUM_PLACEHOLDER
+    True
+    """
+    if array.nbytes < SMALL_PAYLOAD and payload_mod.is_stored_form(array):
+        data = payload_mod.encode_payload(array)
+        known = payload_mod.checksum(data)
+        return BytesSource(data, known), known
+    return ArraySource(array), payload_mod.CHECKSUM_PLACEHOLDER
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,7 +286,7 @@ def write_checkpoint(target: str | os.PathLike, header: Header,
                     on_payload(entry)
             sink.flush()
             final = dataclasses.replace(header, tensors=tuple(
-                _evolve(e, checksum=s) for e, s in zip(header.tensors, sums)))
+                e if e.checksum == s else _evolve(e, checksum=s) for e, s in zip(header.tensors, sums)))
             patched = bytearray(raw)
             for e, slot, value in zip(draft.tensors, slots, sums):
                 digits = value[1].encode('ascii') if value is not None else b''

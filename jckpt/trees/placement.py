@@ -27,6 +27,7 @@ import numpy as np
 
 from jckpt.errors import FormatError, InputError
 from jckpt.format import precs
+from jckpt.trees import packing
 from jckpt.trees import sharding as sharding_mod
 from jckpt.trees.sharding import Box
 
@@ -35,14 +36,17 @@ _warned_x64 = False
 
 
 _KEY_DTYPES: dict[Any, bool] = {}  # dtype -> is a typed PRNG key dtype (asked once per dtype)
-_CPU_SHARDINGS: dict[Any, bool] = {}  # sharding -> every device is a CPU
+_SHARDINGS: dict[Any, _Placement] = {}  # sharding -> what staging asks of it
+_STORABLE: set[np.dtype] = set()  # dtypes known to be storable
 
 
 def is_prng_key(x: Any) -> bool:
     """Whether ``x`` is a typed JAX PRNG key array."""
-    if not isinstance(x, jax.Array):
-        return False
-    dtype = x.dtype
+    return isinstance(x, jax.Array) and is_key_dtype(x.dtype)
+
+
+def is_key_dtype(dtype: Any) -> bool:
+    """Whether ``dtype`` is a typed PRNG key's (asked of JAX once per dtype)."""
     try:
         return _KEY_DTYPES[dtype]
     except KeyError:
@@ -52,23 +56,40 @@ def is_prng_key(x: Any) -> bool:
         return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
 
 
+class _Placement(NamedTuple):
+    """What staging needs to know of a sharding, asked once per sharding."""
+
+    on_cpu: bool  # every device a CPU: the data is in host memory already
+    several: bool  # spread over (or replicated on) more than one device
+    whole: bool  # fully addressable from this process
+
+
+def _facts(sharding: Any) -> _Placement:
+    try:
+        return _SHARDINGS[sharding]
+    except KeyError:
+        facts = _SHARDINGS[sharding] = _ask(sharding)
+        return facts
+    except TypeError:  # an unhashable sharding: ask every time
+        return _ask(sharding)
+
+
+def _ask(sharding: Any) -> _Placement:
+    devices = sharding.device_set
+    return _Placement(all(d.platform == 'cpu' for d in devices), len(devices) > 1,
+                      sharding.is_fully_addressable)
+
+
 def _on_cpu(leaf: jax.Array) -> bool:
     """Whether ``leaf`` lives in host memory already (every device a CPU): no transfer to start."""
-    sharding = leaf.sharding
-    try:
-        return _CPU_SHARDINGS[sharding]
-    except KeyError:
-        on_cpu = _CPU_SHARDINGS[sharding] = all(d.platform == 'cpu' for d in sharding.device_set)
-        return on_cpu
-    except TypeError:  # an unhashable sharding: ask every time
-        return all(d.platform == 'cpu' for d in sharding.device_set)
+    return _facts(leaf.sharding).on_cpu
 
 
 # --- leaf to host ---------------------------------------------------------------------
 
 def is_sharded(leaf: Any) -> bool:
     """Whether ``leaf`` is a ``jax.Array`` spread over (or replicated on) several devices."""
-    return isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) > 1
+    return isinstance(leaf, jax.Array) and _facts(leaf.sharding).several
 
 
 @functools.lru_cache(maxsize=1024)
@@ -186,45 +207,49 @@ def _stage(where: str, leaf: Any, *, pieces: bool, spread: bool, fetch: bool) ->
         # np.asarray made a new array of anything but an ndarray (which the caller may reuse)
         return HostLeaf(where, array.dtype, array.shape, key_impl, array,
                         private=not isinstance(leaf, np.ndarray))
-    dtype = np.dtype(leaf.dtype)
-    apart = not leaf.is_fully_addressable
-    if apart and not (pieces and spread):
+    dtype = leaf.dtype
+    facts = _facts(leaf.sharding)
+    if not facts.whole and not (pieces and spread):
         raise InputError("array is not fully addressable from this process", entry=where,
                          fix="save from every process (multi-process checkpoints)")
     _check_dtype(dtype, where)
-    shape = tuple(leaf.shape)
-    if pieces and (apart or is_sharded(leaf)):
-        shards = tuple(owned_shards(leaf)) if fetch or apart else ()
+    shape = leaf.shape
+    if pieces and (not facts.whole or facts.several):
+        shards = tuple(owned_shards(leaf)) if fetch or not facts.whole else ()
         start_transfers(shards)
         return HostLeaf(where, dtype, shape, key_impl, shards=shards)
     if not fetch:
         return HostLeaf(where, dtype, shape, key_impl)
-    if not _on_cpu(leaf):
-        try:
-            leaf.copy_to_host_async()
-        except Exception:  # a backend without async copies: the copy happens on read
-            pass
+    if _on_cpu(leaf):  # in host memory already: no transfer to wait for
+        return HostLeaf(where, dtype, shape, key_impl, np.asarray(leaf))
+    try:
+        leaf.copy_to_host_async()
+    except Exception:  # a backend without async copies: the copy happens on read
+        pass
     return HostLeaf(where, dtype, shape, key_impl, leaf)  # array: the device array until _finish
 
 
 def _finish(staged: HostLeaf, copy: bool) -> HostLeaf:
     """Wait for a whole leaf's transfer; copy what must be private."""
     array = staged.array
-    if array is None:
+    if array is None or (staged.private and type(array) is np.ndarray):
         return staged
     private = staged.private
-    if isinstance(array, jax.Array):
-        private = not _on_cpu(array)  # a transfer from an accelerator made a fresh host buffer
-        array = await_host(array)
+    if isinstance(array, jax.Array):  # from an accelerator: the transfer made a fresh host buffer
+        array, private = await_host(array), True
     if copy and not private:
         array, private = np.array(array, copy=True), True
+    elif array is staged.array:
+        return staged
     return staged._replace(array=array, private=private)
 
 
 def _check_dtype(dtype: np.dtype, where: str) -> None:
-    if not precs.is_supported(dtype):
-        raise InputError(f"dtype {dtype} cannot be stored", entry=where,
-                         fix="cast to a supported dtype (see the format's prec table)")
+    if dtype not in _STORABLE:
+        if not precs.is_supported(dtype):
+            raise InputError(f"dtype {dtype} cannot be stored", entry=where,
+                             fix="cast to a supported dtype (see the format's prec table)")
+        _STORABLE.add(dtype)
 
 
 def _x64_ok(dtype: np.dtype) -> bool:
@@ -363,15 +388,55 @@ def place_all(requests: list[tuple[Any, Any, str, str | None]], *, host: bool, d
             out[i] = place(array, target, host=host, device=device, where=where,
                            key_impl=key_impl, file=file)
             continue
-        if array.ctypes.data % CPU_ALIAS_ALIGNMENT and array.nbytes >= (1 << 16) and _is_cpu(dest):
+        if array.nbytes >= (1 << 16) and array.ctypes.data % CPU_ALIAS_ALIGNMENT and _is_cpu(dest):
             array = aligned_copy(array)
         batch.append(i)
         arrays.append(array)
         dests.append(dest)
     if arrays:
-        for i, value in zip(batch, _put_batch(arrays, dests)):
+        for i, value in zip(batch, _put_grouped(arrays, dests)):
             out[i] = value
     return out
+
+
+def _put_grouped(arrays: list[np.ndarray], dests: list[Any]) -> list[jax.Array]:
+    """Small arrays bound for one accelerator travel packed (`jckpt.trees.packing`); the rest
+    (and everything bound for the CPU, where arrays alias the file) go one by one."""
+    accelerators: dict[Any, Any] = {}  # dest -> its accelerator device, or None
+    groups: dict[Any, list[int]] = {}
+    for i, (array, dest) in enumerate(zip(arrays, dests)):
+        if dest not in accelerators:
+            accelerators[dest] = _accelerator(dest)
+        device = accelerators[dest]
+        if device is not None and packing.packable(array):
+            groups.setdefault(device, []).append(i)
+    out: list[Any] = [None] * len(arrays)
+    for device, indices in groups.items():
+        if len(indices) >= packing.PACK_MIN:
+            for i, value in zip(indices, packing.put_packed([arrays[i] for i in indices], device)):
+                out[i] = value
+    rest = [i for i, value in enumerate(out) if value is None]
+    for i, value in zip(rest, _put_batch([arrays[i] for i in rest], [dests[i] for i in rest])):
+        out[i] = value
+    return out
+
+
+def _accelerator(dest: Any) -> Any:
+    """The device of a one-device destination in an accelerator's own memory; None otherwise."""
+    if isinstance(dest, jax.sharding.Sharding):
+        if type(dest) is not jax.sharding.SingleDeviceSharding or \
+                dest.memory_kind not in (None, 'device'):
+            return None
+        (dest,) = dest.device_set
+    return None if getattr(dest, 'platform', 'cpu') == 'cpu' else dest
+
+
+def _transfer_target(dest: Any) -> tuple[Any, list | None]:
+    """``(sharding, devices)`` of a destination; devices None unless one plain device's memory."""
+    sharding = dest if isinstance(dest, jax.sharding.Sharding) else jax.sharding.SingleDeviceSharding(dest)
+    plain = type(sharding) is jax.sharding.SingleDeviceSharding and \
+        sharding.memory_kind in (None, 'device')
+    return sharding, list(sharding.device_set) if plain else None
 
 
 def _put_batch(arrays: list[np.ndarray], dests: list[Any]) -> list[jax.Array]:
@@ -390,24 +455,22 @@ def _put_batch(arrays: list[np.ndarray], dests: list[Any]) -> list[jax.Array]:
     except (ImportError, AttributeError):
         return jax.device_put(arrays, dests)
     avals: dict[tuple, Any] = {}
-    shardings: dict[Any, Any] = {}
+    targets: dict[Any, tuple[Any, list | None]] = {}  # dest -> (sharding, its devices if plain)
     out = []
     try:
         for array, dest in zip(arrays, dests):
-            sharding = shardings.get(dest)
-            if sharding is None:
-                sharding = shardings[dest] = (
-                    dest if isinstance(dest, jax.sharding.Sharding)
-                    else jax.sharding.SingleDeviceSharding(dest))
-            if type(sharding) is not jax.sharding.SingleDeviceSharding or \
-                    sharding.memory_kind not in (None, 'device'):
+            target = targets.get(dest)
+            if target is None:
+                target = targets[dest] = _transfer_target(dest)
+            sharding, devices = target
+            if devices is None:
                 out.append(jax.device_put(array, sharding))
                 continue
             key = (array.shape, array.dtype)
             aval = avals.get(key)
             if aval is None:
                 aval = avals[key] = jax_core.ShapedArray(array.shape, array.dtype)
-            value = transfer(aval, sharding, [array], list(sharding.device_set), True)
+            value = transfer(aval, sharding, [array], devices, True)
             if value.shape != array.shape or value.dtype != array.dtype:
                 raise TypeError('unexpected transfer result')
             out.append(value)

@@ -123,14 +123,75 @@ def is_leaf(x: Any) -> bool:
 
 def flatten(tree: Any) -> list[tuple[KeyPath, Any]]:
     """`[(path, leaf), ...]` in JAX's leaf order."""
-    leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
-    return [(to_path(kp), leaf) for kp, leaf in leaves]
+    return flatten_with_treedef(tree)[0]
 
 
 def flatten_with_treedef(tree: Any) -> tuple[list[tuple[KeyPath, Any]], Any]:
-    """Like `flatten`, also returning the treedef to rebuild `tree`'s structure."""
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
-    return [(to_path(kp), leaf) for kp, leaf in leaves], treedef
+    """Like `flatten`, also returning the treedef to rebuild `tree`'s structure.
+
+    The leaves and the treedef come from JAX's own `tree_flatten`; the paths of
+    plain dicts (string keys), lists, tuples and `None` are built here, about
+    ten times faster than `tree_flatten_with_path` (which builds a key object
+    per step of every path), and only other nodes (dataclasses, NamedTuples,
+    flax and equinox modules, ...) go through JAX's key paths. Checkpoints of
+    100,000 leaves are common: this runs once per save and restore.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)  # a ShapeDtypeStruct is a leaf
+    paths: list[KeyPath] = []
+    _paths(tree, (), paths)
+    if len(paths) != len(leaves):  # cannot happen for the nodes above; JAX decides if it does
+        pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+        return [(to_path(kp), leaf) for kp, leaf in pairs], treedef
+    return list(zip(paths, leaves)), treedef
+
+
+#: Leaf types met in checkpoints, known without asking JAX's registry.
+_LEAF_TYPES = {int, float, bool, complex, jax.ShapeDtypeStruct}
+
+
+def _is_plain_leaf(node: Any) -> bool:
+    kind = type(node)
+    if kind in _LEAF_TYPES:
+        return True
+    if isinstance(node, jax.Array) or kind.__module__ == 'numpy':  # ndarray, numpy scalars
+        _LEAF_TYPES.add(kind)
+        return True
+    return False
+
+
+def _paths(node: Any, prefix: KeyPath, out: list[KeyPath]) -> None:
+    """Append the path of every leaf under `node` (at `prefix`), in JAX's order."""
+    kind = type(node)
+    if kind is dict and all(type(k) is str for k in node):
+        keys = sorted(node)
+        steps = [(('k', key),) for key in keys]
+        children = [node[key] for key in keys]
+    elif kind is list or kind is tuple:
+        steps = [(('i', i),) for i in range(len(node))]
+        children = node
+    elif node is None:
+        return
+    elif _is_plain_leaf(node):
+        out.append(prefix)
+        return
+    else:  # any other node, or a leaf of another type: JAX's key paths
+        out.extend(prefix + p for p in _jax_paths(node, prefix))
+        return
+    for step, child in zip(steps, children):
+        if type(child) in _LEAF_TYPES:  # most children are leaves: no call for them
+            out.append(prefix + step)
+        else:
+            _paths(child, prefix + step, out)
+
+
+def _jax_paths(node: Any, prefix: KeyPath) -> list[KeyPath]:
+    """The paths of the leaves under `node` by JAX's key paths; errors name the whole path."""
+    pairs = jax.tree_util.tree_flatten_with_path(node, is_leaf=is_leaf)[0]
+    try:
+        return [to_path(kp) for kp, _ in pairs]
+    except InputError as e:
+        raise InputError(e.message, entry=f"{path_name(prefix)}/{e.entry}" if prefix else e.entry,
+                         fix=e.fix) from None
 
 
 def unflatten(items: Iterable[tuple[KeyPath, Any]], *, file: str | None = None) -> Any:

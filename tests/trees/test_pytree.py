@@ -1,9 +1,11 @@
 """Pytrees <-> (key path, leaf) lists, and namespace prefixing."""
 
+import collections
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -108,3 +110,34 @@ def test_prefix_that_is_not_a_string_is_refused():
         tree_mod.check_prefix(3)
     tree_mod.check_prefix(None)
     tree_mod.check_prefix("")
+
+
+class _Pair(NamedTuple):
+    left: Any
+    right: Any
+
+
+@dataclasses.dataclass
+class _Node:
+    w: Any
+    b: Any
+
+
+jax.tree_util.register_dataclass(_Node, data_fields=['w', 'b'], meta_fields=[])
+
+
+@pytest.mark.parametrize("tree", [
+    {"b": [1, (2.0, None, np.float32(3))], "a": {"z": np.ones(2), "y": []}},
+    {"opt": _Pair(left={"mu": np.zeros(3)}, right=(None, jnp.ones(1))), "i": {1: 2, 0: [3]}},
+    [_Node(w=np.ones(1), b={"k": _Pair(1, 2)}), collections.OrderedDict(z=1, a=2), 7],
+    {"key": jax.random.key(0), "sds": jax.ShapeDtypeStruct((2,), jnp.float32), "n": None},
+    np.arange(3),
+    (),
+])
+def test_flatten_gives_jax_order_and_key_paths(tree):
+    """The fast path for plain containers agrees with JAX's own key paths, leaf for leaf."""
+    expected, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    items, got_treedef = tree_mod.flatten_with_treedef(tree)
+    assert [p for p, _ in items] == [tree_mod.to_path(kp) for kp, _ in expected]
+    assert all(a is b for (_, a), (_, b) in zip(items, expected))
+    assert got_treedef == treedef
