@@ -1,6 +1,7 @@
 """The directory form on disk (jckpt.storage.directory), without JAX: staging, index, publish, read."""
 
 import dataclasses
+import itertools
 import os
 import subprocess
 import sys
@@ -153,7 +154,7 @@ def _grid_array(shape, cuts):
     edges = [sorted({0, d, *c}) for d, c in zip(shape, cuts)]
     boxes = [()]
     for e in edges:
-        boxes = [(*b, pair) for b in boxes for pair in zip(e, e[1:])]
+        boxes = [(*b, pair) for b in boxes for pair in itertools.pairwise(e)]
     entry = Entry(id=0, namespace="jckpt", prec="Single_prec", dims=tuple(shape), offset=0,
                   byte_length=4 * int(np.prod(shape)), path=(("k", "w"),))
     return IndexedArray(entry, tuple(enumerate(boxes)))
