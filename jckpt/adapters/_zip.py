@@ -2,7 +2,7 @@
 
 Readers map the archive and view a stored (uncompressed) member's bytes in
 place; writers store members uncompressed with their data aligned to 64
-bytes (padding in the local header's extra field, as ``torch.save`` does), so
+bytes (padding in the local header's extra field, as `torch.save` does), so
 they can be mapped in turn.
 """
 
@@ -31,7 +31,7 @@ _PAD_ID = 0x4246  # 'FB': the padding record torch.save uses
 
 
 def open_zip(path: str) -> zipfile.ZipFile:
-    """Open ``path`` as a zip archive; :class:`FormatError` if it is not one or is truncated,
+    """Open `path` as a zip archive; `FormatError` if it is not one or is truncated,
     or if a member name could escape a directory."""
     try:
         zf = zipfile.ZipFile(path)
@@ -45,7 +45,7 @@ def open_zip(path: str) -> zipfile.ZipFile:
 
 
 def member_span(buffer, info: zipfile.ZipInfo, file: str) -> tuple[int, int]:
-    """``(start, length)`` of a member's stored bytes inside the archive ``buffer``."""
+    """`(start, length)` of a member's stored bytes inside the archive `buffer`."""
     at = info.header_offset
     if at < 0 or at + _LOCAL_HEADER.size > len(buffer):
         raise FormatError(f"archive member {info.filename!r} lies past the end of the file",
@@ -85,7 +85,7 @@ def member_bytes(zf: zipfile.ZipFile, buffer, info: zipfile.ZipInfo, file: str):
 
 
 def write_member(zf: zipfile.ZipFile, name: str, chunks: Iterable, size: int) -> None:
-    """Store ``size`` bytes from ``chunks`` as member ``name``, its data 64-byte aligned."""
+    """Store `size` bytes from `chunks` as member `name`, its data 64-byte aligned."""
     info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
     info.compress_type = zipfile.ZIP_STORED
     info.file_size = size

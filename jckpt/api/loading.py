@@ -61,7 +61,7 @@ def load(ctx: Context, path: PathLike, *, prefix_namespace: str | None = None,
 
     Args:
       ctx: the context; the returned one also registers what was loaded.
-      path: the checkpoint file, or a directory checkpoint.
+      path: a checkpoint file or directory, or an orbax item or step directory (as it is).
       prefix_namespace: rename every namespace `ns` to `prefix + "__" + ns`.
       mmap: map payloads (default `ctx.mmap`).
       verify: check payload checksums (default: when copying, not when mapping).
@@ -80,7 +80,7 @@ def load(ctx: Context, path: PathLike, *, prefix_namespace: str | None = None,
         _, model = jckpt.load(jckpt.Context(), "ckpt.jckpt", namespaces="model")  # no optimizer
         ```
     """
-    path, ctx = checked_path(path), check_context(ctx)
+    path, ctx = checked_path(path), check_context(ctx, mmap=mmap, verify=verify, progress=progress)
     tree_mod.check_prefix(prefix_namespace)
     reader = open_checkpoint(path)  # a file, or a multi-process directory
     stored = reader.header.tensors
@@ -156,7 +156,7 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
       ctx: the context (namespace, placement).
       target: any pytree of arrays, `ShapeDtypeStruct`s or numbers; with
         `namespaces`, `{namespace: subtree}` for exactly those namespaces.
-      path: the checkpoint file, or a directory checkpoint.
+      path: a checkpoint file or directory, or an orbax item or step directory (as it is).
       mmap: map payloads (default `ctx.mmap`).
       cast: convert to the target's dtype instead of refusing a dtype mismatch.
       namespace: read this namespace instead of `ctx.namespace`.
@@ -190,7 +190,7 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
                              "ckpt.jckpt", namespaces=["model", "opt"])
         ```
     """
-    path, ctx = checked_path(path), check_context(ctx)
+    path, ctx = checked_path(path), check_context(ctx, mmap=mmap, cast=cast, verify=verify)
     parts = _target_parts(ctx, target, path, namespace, namespaces)
     if not any(items for _, items, _ in parts):
         return target

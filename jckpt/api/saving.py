@@ -32,8 +32,8 @@ from jckpt.format._gc import paused
 from jckpt.format.entries import Entry, Header, KeyPath, entry_for, round_up
 from jckpt.format.layout import lay_out
 from jckpt.format.limits import MAX_ALIGNMENT, valid_alignment
-from jckpt.format.metadata import check_metadata
-from jckpt.format.names import INDEX_NAME
+from jckpt.format.metadata import check_metadata, empty_nodes_text
+from jckpt.format.names import EMPTY_NODES_KEY, INDEX_NAME
 from jckpt.format.payload import CHECKSUM_PLACEHOLDER
 from jckpt.storage.backend import checked_path
 from jckpt.storage.publish import storage_error
@@ -79,20 +79,22 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
         jckpt.save(jckpt.Context(), {"params": params, "step": 100}, "ckpt.jckpt")
         ```
     """
-    path, ctx = checked_path(path), check_context(ctx)
+    path, ctx = checked_path(path), check_context(ctx, appending=appending, progress=progress)
     metadata = check_metadata(metadata, path)  # strings only, refused before anything is written
     # several processes save their pieces into one directory; a directory checkpoint stays one
     if jax.process_count() > 1 or os.path.isfile(os.path.join(path, INDEX_NAME)):
         if appending:
             raise InputError("appending is not supported for directory checkpoints",
                              file=path, fix="save the whole tree")
-        save_directory(ctx, tree, path, alignment=alignment, metadata=metadata)
+        save_directory(ctx, tree, path, alignment=alignment, metadata=_with_empty_nodes(
+            metadata, None, ctx.namespace, tree_mod.flatten_with_empty(tree)[1], ()))
         return
-    items = tree_mod.flatten(tree)
+    items, empty = tree_mod.flatten_with_empty(tree)
     hosts = placement.host_leaves([(tree_mod.leaf_name(ctx.namespace, p), leaf) for p, leaf in items],
                                   pieces=True)
     alignment = _alignment(ctx.alignment if alignment is None else alignment, path)
     old = CheckpointReader(path) if appending and os.path.exists(path) else None
+    metadata = _with_empty_nodes(metadata, old, ctx.namespace, empty, [p for p, _ in items])
     entries, sources = _entries(ctx, [p for p, _ in items], hosts,
                                 kept=old.header.tensors if old is not None else (), alignment=alignment)
     header = _header(entries, alignment, old.header if old is not None else Header(), metadata)
@@ -108,8 +110,19 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
         os.close(fd)
 
 
+def _with_empty_nodes(metadata: dict[str, str], old: CheckpointReader | None, namespace: str,
+                      empty: Sequence[KeyPath], stored: Sequence[KeyPath]) -> dict[str, str]:
+    """`metadata` with the key paths of the tree's nodes without leaves (`EMPTY_NODES_KEY`),
+    merged with an appended file's, so that an orbax export can rebuild them."""
+    before = old.header.metadata_dict().get(EMPTY_NODES_KEY) if old is not None else None
+    text = empty_nodes_text(before, namespace, empty, stored)
+    if text is None:
+        return metadata
+    return {**metadata, EMPTY_NODES_KEY: text}
+
+
 def _alignment(alignment: Any, path: str) -> int:
-    """``alignment`` when it is one a reader accepts; InputError otherwise."""
+    """`alignment` when it is one a reader accepts; InputError otherwise."""
     if not valid_alignment(alignment):
         raise InputError(f"alignment must be a positive integer up to {MAX_ALIGNMENT}, "
                          f"not {alignment!r}", file=path)

@@ -3,13 +3,13 @@
 A checkpoint of 100,000 leaves has a header of 100,000 entries; building a
 generic S-expression tree for it and validating it field by field would
 dominate a load. Entries in jckpt's canonical layout are instead matched in
-one step (the pieces of a directory checkpoint, with their ``slice`` and
-``global_dims``, included), by the C accelerator (``_canonical.c``, built with the package when
+one step (the pieces of a directory checkpoint, with their `slice` and
+`global_dims`, included), by the C accelerator (`_canonical.c`, built with the package when
 a compiler is available) or, without it, one regular expression. Anything
 else (quoted atoms, padding, unknown fields, an inconsistent length) makes
-:func:`canonical_entries` answer ``None`` and the general reader of
-:mod:`jckpt.format.header` decides, so every path accepts and produces
-exactly the same headers (``tests/format/test_codec.py`` checks the three agree).
+`canonical_entries` answer `None` and the general reader of
+`jckpt.format.header` decides, so every path accepts and produces
+exactly the same headers (`tests/format/test_codec.py` checks the three agree).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ _KINDS = ('k', 'ki', 'i', 'a', 'f')
 
 
 def _within_limits(entries: list[Entry]) -> bool:
-    """Whether no entry needs :mod:`jckpt.format.limits`' checks (too many dims, an empty shape
+    """Whether no entry needs `jckpt.format.limits`' checks (too many dims, an empty shape
     whose other dims could be huge, a key path too long): the general reader reports those."""
     return not any(len(e.dims) > MAX_NDIM or (not e.byte_length and e.dims)
                    or (e.path is not None and len(e.path) > MAX_PATH_LENGTH) for e in entries)
@@ -61,8 +61,8 @@ def _within_limits(entries: list[Entry]) -> bool:
 
 def _piece(slc: str, global_dims: str, dims: tuple[int, ...]
            ) -> tuple[tuple[tuple[int, int], ...] | None, tuple[int, ...] | None]:
-    """A piece's ``(slice, global_dims)`` from their digits, or ``(None, None)`` unless
-    ``0 <= start <= stop <= global`` and ``stop - start`` is the dim, in every dimension."""
+    """A piece's `(slice, global_dims)` from their digits, or `(None, None)` unless
+    `0 <= start <= stop <= global` and `stop - start` is the dim, in every dimension."""
     bounds = list(map(int, slc.replace('(', ' ').replace(')', ' ').split()))
     box = tuple(zip(bounds[0::2], bounds[1::2]))
     whole = tuple(map(int, global_dims.split()))
@@ -75,9 +75,9 @@ def _piece(slc: str, global_dims: str, dims: tuple[int, ...]
 def canonical_entries(text: str, *, accelerate: bool = True) -> tuple[list[Entry], int, int] | None:
     """Entries of a header laid out as jckpt writes it, or None to use the general reader.
 
-    Returns ``(entries, list_open, list_close)``: the positions of the
+    Returns `(entries, list_open, list_close)`: the positions of the
     parentheses around the tensors list, so the rest can be read generally.
-    ``accelerate=False`` uses the regular expression even when the C
+    `accelerate=False` uses the regular expression even when the C
     accelerator is built (the tests compare the two).
     """
     head = _CANONICAL_HEAD.match(text)
@@ -131,13 +131,13 @@ def canonical_entries(text: str, *, accelerate: bool = True) -> tuple[list[Entry
 
 _NUM = r"[0-9]{1,18}+"
 _PIECE = rf"\({_NUM} \((?:\({_NUM} {_NUM}\)(?: \({_NUM} {_NUM}\))*+)?\)\)"
-#: An index's ``(pieces (...))`` as jckpt writes it (possessive: linear, no backtracking).
+#: An index's `(pieces (...))` as jckpt writes it (possessive: linear, no backtracking).
 _PIECES_FIELD = re.compile(rf"\(pieces (\((?:{_PIECE}(?: {_PIECE})*+)?\))\)")
 _PLACEHOLDER = '%jckpt-list-'
 
 
 def _splice_lists(text: str) -> tuple[str, dict[str, str]] | None:
-    """``text`` with each canonical pieces list replaced by a placeholder atom, and the lists;
+    """`text` with each canonical pieces list replaced by a placeholder atom, and the lists;
     None when there is none, or comments or escapes make the text not plain enough."""
     if _PLACEHOLDER in text:
         return None
@@ -156,7 +156,7 @@ def _splice_lists(text: str) -> tuple[str, dict[str, str]] | None:
 
 
 def _restored(x: Any, lists: dict[str, str], found: list[str]) -> Any:
-    """``x`` (an extra field) with each placeholder atom replaced by its list, as `Verbatim`."""
+    """`x` (an extra field) with each placeholder atom replaced by its list, as `Verbatim`."""
     if isinstance(x, tuple):
         return tuple([_restored(v, lists, found) for v in x])
     if isinstance(x, str) and x in lists:
@@ -166,12 +166,12 @@ def _restored(x: Any, lists: dict[str, str], found: list[str]) -> Any:
 
 
 def with_canonical_lists(text: str, decode: Callable[[str], Header]) -> Header:
-    """``decode(text)``, but with a directory index's pieces lists kept as text.
+    """`decode(text)`, but with a directory index's pieces lists kept as text.
 
     An index of a million pieces would otherwise be parsed into millions of
-    small lists; each canonical ``(pieces (...))`` is instead cut out before
+    small lists; each canonical `(pieces (...))` is instead cut out before
     parsing and put back, in the header's extra fields, as one `Verbatim`
-    atom that :mod:`jckpt.format.index` reads with numpy. Whenever that does
+    atom that `jckpt.format.index` reads with numpy. Whenever that does
     not give exactly what decoding the whole text gives (a placeholder landing
     outside the extra fields, a refusal), the whole text is decoded instead.
     """

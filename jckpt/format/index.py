@@ -1,11 +1,11 @@
 """The directory index: which piece of which array lies in which piece file.
 
-A directory checkpoint (``docs/format.md``, "Directory checkpoints") holds one
-piece file per process and ``index.jckpt``: a header with no tensors and one
-``sharded`` field naming the piece files and, for every array, its global
-entry and the boxes of its pieces. :func:`index_header` builds that header and
-:func:`parse_index` reads it back, refusing (with
-:class:`~jckpt.errors.FormatError`) anything malformed, including pieces
+A directory checkpoint (`docs/format.md`, "Directory checkpoints") holds one
+piece file per process and `index.jckpt`: a header with no tensors and one
+`sharded` field naming the piece files and, for every array, its global
+entry and the boxes of its pieces. `index_header` builds that header and
+`parse_index` reads it back, refusing (with
+`FormatError`) anything malformed, including pieces
 that do not tile their array exactly. Pure functions, like the rest of the codec.
 
 >>> e = Entry(id=0, namespace='jckpt', prec='Single_prec', dims=(4,), offset=0,
@@ -55,8 +55,8 @@ _MAX_ELEMENTS = 2**62
 class IndexedArray:
     """One array of a directory checkpoint: its global entry and where its pieces are.
 
-    ``pieces`` are ``(file number, box)`` pairs: the number indexes the
-    index's list of piece files, and the boxes tile ``entry.dims`` exactly.
+    `pieces` are `(file number, box)` pairs: the number indexes the
+    index's list of piece files, and the boxes tile `entry.dims` exactly.
     """
 
     entry: Entry
@@ -64,7 +64,7 @@ class IndexedArray:
 
     @functools.cached_property
     def bounds(self) -> np.ndarray:
-        """The pieces' boxes as one ``(pieces, ndim, 2)`` int64 array, for searching them all
+        """The pieces' boxes as one `(pieces, ndim, 2)` int64 array, for searching them all
         at once (which pieces a box needs, whether they tile the array)."""
         boxes = [box for _, box in self.pieces]
         ndim = len(self.entry.dims)
@@ -76,7 +76,7 @@ class IndexedArray:
 
 
 def global_entry(e: Entry) -> Entry:
-    """The whole array a piece entry ``e`` belongs to (dims = its ``global_dims``, no slice)."""
+    """The whole array a piece entry `e` belongs to (dims = its `global_dims`, no slice)."""
     dims = tuple(e.global_dims or ())
     return Entry(id=e.id, namespace=e.namespace, prec=e.prec, dims=dims, offset=0,
                  byte_length=math.prod(dims) * precs.element_size(e.prec), label=e.label,
@@ -98,7 +98,7 @@ def _array_fields(array: IndexedArray) -> tuple[Any, ...]:
 
 
 def _pieces_text(array: IndexedArray) -> Verbatim:
-    """``((FILE ((START STOP) ...)) ...)``, formatted at once: a million pieces in a second."""
+    """`((FILE ((START STOP) ...)) ...)`, formatted at once: a million pieces in a second."""
     n, ndim = len(array.pieces), len(array.entry.dims)
     try:
         files = np.array([fi for fi, _ in array.pieces], dtype=np.int64).reshape(n, 1)
@@ -113,7 +113,7 @@ def _pieces_text(array: IndexedArray) -> Verbatim:
 @paused  # a million pieces are millions of tuples, and no cycles among them
 def index_header(files: Sequence[str], process_count: int, arrays: Sequence[IndexedArray],
                  alignment: int, metadata: Mapping[str, str], *, writer: str) -> Header:
-    """The index as a header with no tensors and a ``sharded`` field (see docs/format.md)."""
+    """The index as a header with no tensors and a `sharded` field (see docs/format.md)."""
     top = _frozen([['layout', LAYOUT_VERSION], ['process_count', process_count],
                    ['files', list(files)]])
     sharded = ('sharded', (*top, ('arrays', tuple([_array_fields(a) for a in arrays]))))
@@ -122,7 +122,7 @@ def index_header(files: Sequence[str], process_count: int, arrays: Sequence[Inde
 
 
 def _frozen(x: Any) -> Any:
-    """``x`` as a header's extra field holds it: tuples of atoms (integers written out)."""
+    """`x` as a header's extra field holds it: tuples of atoms (integers written out)."""
     if isinstance(x, (list, tuple)):
         return tuple(_frozen(v) for v in x)
     return str(x) if isinstance(x, int) else x
@@ -144,7 +144,7 @@ def _count(atom: Any, what: str, file: str, entry: str | None = None) -> int:
 
 
 def _sharded_fields(header: Header, file: str) -> dict[str, Any]:
-    """The fields of the index's ``sharded`` field, its layout version checked."""
+    """The fields of the index's `sharded` field, its layout version checked."""
     field = next((f for f in header.extra if isinstance(f, tuple) and f and f[0] == 'sharded'),
                  None)
     if field is None or len(field) != 2:
@@ -167,8 +167,8 @@ def _piece_files(top: dict[str, Any], file: str) -> list[str]:
 
 @functools.lru_cache(maxsize=16)
 def _piece_list(ndim: int) -> re.Pattern[str]:
-    """A pieces list of ``ndim`` dimensions as jckpt writes it, numbers of at most 18 digits (so
-    that they fit 64 bits): ``((0 ((0 2) (0 4))) (1 ((2 4) (0 4))))``."""
+    """A pieces list of `ndim` dimensions as jckpt writes it, numbers of at most 18 digits (so
+    that they fit 64 bits): `((0 ((0 2) (0 4))) (1 ((2 4) (0 4))))`."""
     num = "[0-9]{1,18}+"
     box = r"\(\)" if ndim == 0 else rf"\(\({num} {num}\)(?: \({num} {num}\)){{{ndim - 1}}}\)"
     piece = rf"\({num} {box}\)"
@@ -177,7 +177,7 @@ def _piece_list(ndim: int) -> re.Pattern[str]:
 
 def _pieces_at_once(text: str, ndim: int, file_count: int
                     ) -> tuple[tuple[tuple[int, Box], ...], np.ndarray] | None:
-    """:func:`_pieces` of a well-formed list kept as text, read with one regular expression and
+    """`_pieces` of a well-formed list kept as text, read with one regular expression and
     numpy; None for anything else (reading it piece by piece then says what is wrong)."""
     if not _piece_list(ndim).fullmatch(text):
         return None
@@ -190,7 +190,7 @@ def _pieces_at_once(text: str, ndim: int, file_count: int
 
 
 def _as_pieces(table: np.ndarray, ndim: int) -> tuple[tuple[int, Box], ...]:
-    """Rows ``FILE START STOP ...`` as ``(file, ((start, stop), ...))`` tuples, built by zips."""
+    """Rows `FILE START STOP ...` as `(file, ((start, stop), ...))` tuples, built by zips."""
     columns = table.T.tolist()
     pairs = [zip(columns[1 + 2 * k], columns[2 + 2 * k]) for k in range(ndim)]
     return tuple(zip(columns[0], zip(*pairs) if ndim else itertools.repeat(())))
@@ -201,8 +201,8 @@ _PARENTHESES = str.maketrans('()', '  ')
 
 def _pieces(node: Any, ndim: int, file_count: int, file: str,
             where: str) -> tuple[tuple[tuple[int, Box], ...], np.ndarray | None]:
-    """An array's ``pieces``: ``(FILE ((START STOP) ...))`` each, in files that exist; and
-    their :attr:`IndexedArray.bounds` when read at once."""
+    """An array's `pieces`: `(FILE ((START STOP) ...))` each, in files that exist; and
+    their `IndexedArray.bounds` when read at once."""
     if isinstance(node, Verbatim):  # as jckpt writes it: read at once, else piece by piece
         found = _pieces_at_once(node, ndim, file_count)
         if found is not None:
@@ -240,7 +240,7 @@ def _array_path(f: dict[str, Any], file: str, n: int) -> tuple[str, int, KeyPath
 
 
 def _array(node: Any, n: int, file_count: int, file: str) -> IndexedArray:
-    """Array ``#n`` of the index: its global entry, and pieces that tile it exactly."""
+    """Array `#n` of the index: its global entry, and pieces that tile it exactly."""
     f = _fields(node, f"array #{n}", file, f"#{n}")
     namespace, ident, path, where = _array_path(f, file, n)
     prec = f.get('prec')
@@ -274,7 +274,7 @@ def _array(node: Any, n: int, file_count: int, file: str) -> IndexedArray:
 
 @paused  # a million pieces are millions of tuples, and no cycles among them
 def parse_index(header: Header, file: str) -> tuple[list[str], list[IndexedArray]]:
-    """The piece file names and arrays of an index header; raises :class:`FormatError`."""
+    """The piece file names and arrays of an index header; raises `FormatError`."""
     top = _sharded_fields(header, file)
     files = _piece_files(top, file)
     nodes = top.get('arrays')

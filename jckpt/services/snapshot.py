@@ -1,10 +1,10 @@
 """A snapshot: a tree's leaves copied into host buffers, and the entries that describe them.
 
-A :class:`Slot` holds one snapshot's host buffers and is reused from snapshot
-to snapshot; :meth:`Slot.fill` is the only step of a background save that the
-training loop waits for. :func:`build_entries` turns the host arrays into
+A `Slot` holds one snapshot's host buffers and is reused from snapshot
+to snapshot; `Slot.fill` is the only step of a background save that the
+training loop waits for. `build_entries` turns the host arrays into
 entries with their checksums (on the writer's thread), and
-:func:`content_digest` says when two snapshots would write the same
+`content_digest` says when two snapshots would write the same
 generation, so an unchanged state is not written again.
 
 >>> import numpy as np
@@ -49,7 +49,7 @@ class HostLeaf(NamedTuple):
 
 
 def namespace_leaves(trees: Mapping[str, Any]) -> list[Leaf]:
-    """``(namespace, path, leaf)`` of every leaf of ``{namespace: tree}``, refusing a bad namespace."""
+    """`(namespace, path, leaf)` of every leaf of `{namespace: tree}`, refusing a bad namespace."""
     leaves: list[Leaf] = []
     for namespace, tree in trees.items():
         Context(namespace=namespace)  # validates the name
@@ -67,7 +67,7 @@ class Slot:
     def fill(self, leaves: Sequence[Leaf]) -> list[HostLeaf]:
         """Copy every leaf into this slot's buffers (device-to-host for JAX arrays).
 
-        The leaves come to host through :func:`jckpt.trees.placement.host_leaves`,
+        The leaves come to host through `jckpt.trees.placement.host_leaves`,
         so every device transfer is started before any is awaited. A private
         host array (what a transfer from an accelerator made) is adopted as
         it is; anything else (a CPU or numpy leaf, which may alias memory the
@@ -81,7 +81,7 @@ class Slot:
                 for (namespace, path, _), array, h in zip(leaves, buffers, hosts)]
 
     def _copy(self, i: int, host: np.ndarray) -> np.ndarray:
-        """``host`` copied into this slot's ``i``-th buffer (a new one if that does not fit)."""
+        """`host` copied into this slot's `i`-th buffer (a new one if that does not fit)."""
         buf = self.buffers[i] if i < len(self.buffers) else None
         if buf is None or buf.shape != host.shape or buf.dtype != host.dtype or not buf.flags.writeable:
             buf = np.empty(host.shape, host.dtype)
@@ -97,7 +97,7 @@ def _array_checksum(array: np.ndarray) -> tuple[str, str]:
 
 
 def build_entries(items: Sequence[HostLeaf]) -> tuple[tuple[Entry, ...], tuple[ArraySource, ...]]:
-    """Entries (with checksums, ids per namespace in order) and payload sources for ``items``."""
+    """Entries (with checksums, ids per namespace in order) and payload sources for `items`."""
     next_ids: dict[str, int] = {}
     entries, sources = [], []
     for namespace, path, array, key_impl in items:

@@ -1,19 +1,19 @@
 """Storage backends: where a checkpoint's bytes live, behind one small interface.
 
 Everything above storage names a checkpoint by a path (or, later, a URL) and
-asks :func:`backend_for` for the backend that holds it: the library's entry
+asks `backend_for` for the backend that holds it: the library's entry
 points (save and load, the mirror and the manager, conversion, the tools and
 the command line) all do, before they create or read anything. A backend
 offers six things: opening a stored checkpoint for ranged reads, mapping a
 stored file of any format whole, a streaming write that publishes
 atomically, listing, removal, and a writer lease. Local POSIX files
-are the one backend today (:class:`LocalBackend`: mapped reads, a staging
-file renamed over the target, ``flock`` leases); an object store is another
-module implementing :class:`Backend`, registered by its URL scheme.
+are the one backend today (`LocalBackend`: mapped reads, a staging
+file renamed over the target, `flock` leases); an object store is another
+module implementing `Backend`, registered by its URL scheme.
 
 Until then a URL is refused with a clear error, rather than taken for a
-relative local path (``s3://b/x`` would otherwise create ``./s3:/b/x``);
-:func:`backend_for` says exactly which strings count as URLs:
+relative local path (`s3://b/x` would otherwise create `./s3:/b/x`);
+`backend_for` says exactly which strings count as URLs:
 
 >>> backend_for('model.jckpt') is LOCAL
 True
@@ -50,52 +50,52 @@ class Backend(Protocol):
     """The operations jckpt needs from where checkpoints are stored.
 
     Paths are the backend's own (a local path, or later an object key under a
-    URL). Failures raise :class:`~jckpt.errors.StorageError` (or
-    :class:`~jckpt.errors.FormatError` for bytes that are not a checkpoint).
+    URL). Failures raise `StorageError` (or
+    `FormatError` for bytes that are not a checkpoint).
     """
 
     def open(self, path: str, *, follow_symlinks: bool = True) -> CheckpointReader:
         """A stored checkpoint file, its header validated, its payloads read by range on demand."""
 
     def map(self, path: str) -> Buffer:
-        """The whole stored file ``path``, in any format, as a buffer (the format adapters read this).
+        """The whole stored file `path`, in any format, as a buffer (the format adapters read this).
 
-        ``open`` is for jckpt checkpoints (it validates their header); this is
+        `open` is for jckpt checkpoints (it validates their header); this is
         for the files of other formats (safetensors, npz, llm.c, PyTorch),
         which the adapters parse themselves. Raises
-        :class:`~jckpt.errors.FormatError` when ``path`` is missing or a directory.
+        `FormatError` when `path` is missing or a directory.
         """
 
     def isdir(self, path: str) -> bool:
-        """Whether ``path`` is a directory (a directory checkpoint, or a manager's root)."""
+        """Whether `path` is a directory (a directory checkpoint, or a manager's root)."""
 
     def create(self, target: str, *, durable: bool = True) -> StagingFile:
-        """A streaming write that replaces ``target`` atomically when published.
+        """A streaming write that replaces `target` atomically when published.
 
-        Use as a context manager: leaving it without ``publish()`` discards
-        what was written and leaves ``target`` as it was. Writers stream to
-        its descriptor ``fd`` (the checkpoint writer patches checksums into
-        the header in place); a writer that needs a file object (``zipfile``,
+        Use as a context manager: leaving it without `publish()` discards
+        what was written and leaves `target` as it was. Writers stream to
+        its descriptor `fd` (the checkpoint writer patches checksums into
+        the header in place); a writer that needs a file object (`zipfile`,
         the format adapters) wraps a duplicate of that descriptor.
         """
 
     def list(self, path: str) -> list[str]:
-        """The names directly under ``path``, sorted."""
+        """The names directly under `path`, sorted."""
 
     def remove(self, path: str) -> None:
-        """Remove ``path`` (a file, or a directory and everything in it); missing is fine."""
+        """Remove `path` (a file, or a directory and everything in it); missing is fine."""
 
     def lease(self, path: str) -> WriterLease:
-        """Take the exclusive writer lease on ``path``; raises :class:`~jckpt.errors.InUseError`."""
+        """Take the exclusive writer lease on `path`; raises `InUseError`."""
 
 
 class LocalBackend:
     """Checkpoints on a local (POSIX) filesystem.
 
-    Reads map the file (:class:`~jckpt.storage.reader.CheckpointReader`),
+    Reads map the file (`CheckpointReader`),
     writes stream to a locked staging sibling renamed over the target
-    (:class:`~jckpt.storage.publish.StagingFile`), and the lease is a
-    ``flock`` on a sidecar file (:class:`~jckpt.storage.lease.WriterLease`).
+    (`StagingFile`), and the lease is a
+    `flock` on a sidecar file (`WriterLease`).
     """
 
     name = 'local'
@@ -169,9 +169,9 @@ def checked_path(path: str | os.PathLike) -> str:
 
 
 def url_scheme(path: str | os.PathLike) -> str | None:
-    """The scheme of ``path`` when it is a URL (``'s3'`` for ``s3://b/k``), else None.
+    """The scheme of `path` when it is a URL (`'s3'` for `s3://b/k`), else None.
 
-    The rule is :func:`backend_for`'s.
+    The rule is `backend_for`'s.
 
     >>> url_scheme('GS://bucket/run'), url_scheme('C:/x'), url_scheme('dir/a://b')
     ('gs', None, None)
@@ -181,25 +181,25 @@ def url_scheme(path: str | os.PathLike) -> str | None:
 
 
 def backend_for(path: str | os.PathLike) -> Backend:
-    """The backend that stores ``path``: the local one for a filesystem path.
+    """The backend that stores `path`: the local one for a filesystem path.
 
     This is the one place a path becomes a backend: every entry point of the
     library calls it before it creates or reads anything, so a URL is refused
     before a local file or directory of that name could appear.
 
-    **What counts as a URL.** ``path`` (a ``str``, ``bytes`` or ``os.PathLike``)
+    **What counts as a URL.** `path` (a `str`, `bytes` or `os.PathLike`)
     is a URL when it starts with a scheme of two or more characters (a
-    letter, then letters, digits, ``+``, ``-`` or ``.``, as RFC 3986 spells a
-    scheme) followed by ``:/``. The scheme is matched case-insensitively and
-    reported in lower case. So these are URLs: ``s3://bucket/x``,
-    ``gs://b/x``, ``memory://x``, ``file:///tmp/x``, and ``s3:/bucket/x``,
-    which is what ``pathlib.Path('s3://bucket/x')`` turns a URL into. These
-    stay local paths: ``C:/x`` and ``C:\\x`` (a one-letter scheme is a Windows
-    drive), ``dir/a://b`` and ``./s3://b`` (``://`` not at the start),
-    ``s3:x`` and ``run:1/ckpt`` (no ``/`` right after the colon),
-    ``2024-01-01T10:00/ckpt`` (a scheme starts with a letter).
+    letter, then letters, digits, `+`, `-` or `.`, as RFC 3986 spells a
+    scheme) followed by `:/`. The scheme is matched case-insensitively and
+    reported in lower case. So these are URLs: `s3://bucket/x`,
+    `gs://b/x`, `memory://x`, `file:///tmp/x`, and `s3:/bucket/x`,
+    which is what `pathlib.Path('s3://bucket/x')` turns a URL into. These
+    stay local paths: `C:/x` and `C:\\x` (a one-letter scheme is a Windows
+    drive), `dir/a://b` and `./s3://b` (`://` not at the start),
+    `s3:x` and `run:1/ckpt` (no `/` right after the colon),
+    `2024-01-01T10:00/ckpt` (a scheme starts with a letter).
 
-    Raises :class:`~jckpt.errors.InputError` for a URL, naming its scheme and
+    Raises `InputError` for a URL, naming its scheme and
     saying that local paths are what this version stores: no backend for
     object stores ships yet.
 

@@ -1,8 +1,8 @@
 """Step directories: a few files written into a hidden staged directory, published by one rename.
 
-The manager's format layer (:mod:`jckpt.services.formats`) writes a step as a
+The manager's format layer (`jckpt.services.formats`) writes a step as a
 directory of files in several formats. They are written into a staged
-directory next to the step (``<target>.jckpt-next.<n>``); :func:`publish_dir`
+directory next to the step (`<target>.jckpt-next.<n>`); `publish_dir`
 fsyncs every file and the directory, renames it to the step's name and fsyncs
 the parent, so a reader sees the whole step or nothing. A directory is a
 published step when it holds its marker file (written last).
@@ -27,7 +27,7 @@ from jckpt.storage.staging import discard_staged
 
 
 def make_staged(temporary: str) -> None:
-    """An empty staged directory at ``temporary`` (what an earlier attempt left is removed)."""
+    """An empty staged directory at `temporary` (what an earlier attempt left is removed)."""
     remove_staged_dir(temporary)
     try:
         os.makedirs(temporary)
@@ -36,7 +36,7 @@ def make_staged(temporary: str) -> None:
 
 
 def write_text(path: str, text: str) -> None:
-    """Write ``text`` (UTF-8) as the file ``path`` of a staged directory (made durable on publish)."""
+    """Write `text` (UTF-8) as the file `path` of a staged directory (made durable on publish)."""
     try:
         with open(path, 'w', encoding='utf-8') as f:
             f.write(text)
@@ -45,7 +45,7 @@ def write_text(path: str, text: str) -> None:
 
 
 def read_text(path: str) -> str:
-    """The text (UTF-8) of the file ``path``."""
+    """The text (UTF-8) of the file `path`."""
     try:
         with open(path, encoding='utf-8') as f:
             return f.read()
@@ -54,7 +54,7 @@ def read_text(path: str) -> str:
 
 
 def publish_dir(temporary: str, target: str, *, durable: bool) -> None:
-    """fsync every file of ``temporary`` and the directory, rename it to ``target``, fsync the parent."""
+    """fsync every file of `temporary` and the directory, rename it to `target`, fsync the parent."""
     try:
         if durable:
             for name in os.listdir(temporary):
@@ -76,12 +76,12 @@ def remove_staged_dir(temporary: str) -> None:
 
 
 def is_published(path: str, marker: str) -> bool:
-    """Whether ``path`` is a directory holding the file ``marker`` (a published step)."""
+    """Whether `path` is a directory holding the file `marker` (a published step)."""
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, marker))
 
 
 def is_file(path: str) -> bool:
-    """Whether ``path`` is a file (a step's model or optimizer file)."""
+    """Whether `path` is a file (a step's model or optimizer file)."""
     return os.path.isfile(path)
 
 

@@ -4,7 +4,7 @@ The header is written first with fixed-width placeholder checksums; each
 payload is hashed while it streams to disk; the header is then rewritten in
 place with the real checksums (same length, so no payload moves). The file
 is published atomically by the backend holding the target (locally, a
-:class:`~jckpt.storage.publish.StagingFile` renamed over it).
+`StagingFile` renamed over it).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from jckpt.storage.publish import storage_error
 class Sink:
     """Sequential writes to a file descriptor, tracking the position.
 
-    Writes under :attr:`SMALL_WRITE` bytes are gathered (up to
-    :attr:`BUFFER_BYTES`) and written together, so a checkpoint of many small
+    Writes under `SMALL_WRITE` bytes are gathered (up to
+    `BUFFER_BYTES`) and written together, so a checkpoint of many small
     arrays costs a few system calls rather than two per array; larger ones go
-    straight to the file. Reading :attr:`fd` flushes first: code that writes
+    straight to the file. Reading `fd` flushes first: code that writes
     to the descriptor directly finds every earlier byte in place.
     """
 
@@ -74,10 +74,10 @@ class Sink:
 
 
 class PayloadSource(Protocol):
-    """Something that can stream one entry's payload into a :class:`Sink`."""
+    """Something that can stream one entry's payload into a `Sink`."""
 
     def write(self, sink: Sink) -> tuple[str, str] | None:
-        """Write exactly the entry's ``byte_length`` bytes; return its checksum."""
+        """Write exactly the entry's `byte_length` bytes; return its checksum."""
 
 
 #: Payloads below this size are hashed in one call and gathered by the sink.
@@ -90,11 +90,11 @@ _EVOLVERS: dict[type, tuple] = {}
 
 
 def _evolve(entry: Entry, **changes) -> Entry:
-    """``dataclasses.replace`` for the writer's hot loops, several times cheaper.
+    """`dataclasses.replace` for the writer's hot loops, several times cheaper.
 
     A slotted dataclass is copied field by field through its slot descriptors
-    (no ``__init__``, no introspection per call); anything else goes through
-    ``dataclasses.replace``.
+    (no `__init__`, no introspection per call); anything else goes through
+    `dataclasses.replace`.
     """
     cls = type(entry)
     spec = _EVOLVERS.get(cls)
@@ -114,11 +114,11 @@ def _evolve(entry: Entry, **changes) -> Entry:
 
 
 def pad_for_aliasing(raw: bytes, header: Header) -> bytes:
-    """``raw`` with whitespace added inside the header, so more payload bytes start 64-byte aligned.
+    """`raw` with whitespace added inside the header, so more payload bytes start 64-byte aligned.
 
     The spaces go before the header's closing parenthesis, so the text stays
-    the same S-expression and ``HLEN`` still follows the format's rule
-    (``round_up(4 + len(text), alignment) - 4``); the data start stays a
+    the same S-expression and `HLEN` still follows the format's rule
+    (`round_up(4 + len(text), alignment) - 4`); the data start stays a
     multiple of the alignment and no offset or checksum position changes.
     Only the absolute position moves, and that decides whether JAX on the CPU
     can use a mapped payload in place: it needs 64-byte alignment, one step
@@ -244,7 +244,7 @@ class CopySource:
 
 
 def with_placeholders(header: Header) -> Header:
-    """``header`` with a fixed-width placeholder checksum on every entry that has none."""
+    """`header` with a fixed-width placeholder checksum on every entry that has none."""
     return dataclasses.replace(header, tensors=tuple(
         e if e.checksum is not None else _evolve(e, checksum=payload_mod.CHECKSUM_PLACEHOLDER)
         for e in header.tensors))
@@ -253,9 +253,9 @@ def with_placeholders(header: Header) -> Header:
 def write_checkpoint(target: str | os.PathLike, header: Header,
                      sources: Sequence[PayloadSource], *, durable: bool = True,
                      on_payload: Callable[[Entry], None] | None = None) -> Header:
-    """Write ``header`` (already laid out) and the payloads, then publish atomically.
+    """Write `header` (already laid out) and the payloads, then publish atomically.
 
-    ``sources[i]`` streams the payload of ``header.tensors[i]``; entries
+    `sources[i]` streams the payload of `header.tensors[i]`; entries
     without a checksum get the one computed while streaming (entries with one,
     kept from another file, keep theirs). Returns the header as written. On any failure the staging
     file is removed and the target is left as it was.

@@ -1,10 +1,10 @@
-"""What a path holds: ``classify(path)`` says which kind of checkpoint is there, if any.
+"""What a path holds: `classify(path)` says which kind of checkpoint is there, if any.
 
 Every tool starts from the same question (a jckpt file? a multi-process
 directory? a manager's directory of steps? a file in another format?), and
 asks it here, so they all answer it alike and name the same error when the
 answer is "no checkpoint". Nothing but a regular file is ever opened: a FIFO
-or a device is refused from its ``stat``, so classifying never blocks.
+or a device is refused from its `stat`, so classifying never blocks.
 
 >>> import numpy as np, tempfile, os
 >>> d = tempfile.mkdtemp()
@@ -56,14 +56,14 @@ UNREADABLE = 'unreadable file'
 
 @dataclasses.dataclass(frozen=True)
 class Kind:
-    """What :func:`classify` found at ``path``.
+    """What `classify` found at `path`.
 
     Attributes:
-      name: :data:`FILE`, :data:`DIRECTORY`, :data:`MANAGER`, :data:`FOREIGN`,
-        :data:`MISSING` or :data:`UNKNOWN`.
+      name: `FILE`, `DIRECTORY`, `MANAGER`, `FOREIGN`,
+        `MISSING` or `UNKNOWN`.
       path: the path classified.
-      detail: for FOREIGN the format's name (``'safetensors'``); for UNKNOWN
-        :data:`UNFINISHED`, :data:`NO_CHECKPOINT` or :data:`UNREADABLE`.
+      detail: for FOREIGN the format's name (`'safetensors'`); for UNKNOWN
+        `UNFINISHED`, `NO_CHECKPOINT` or `UNREADABLE`.
       error: for the kinds that hold no checkpoint (FOREIGN, MISSING, UNKNOWN),
         the error that says so, naming the path and what to do; else None.
     """
@@ -80,25 +80,26 @@ class Kind:
 
 
 def classify(path: str | os.PathLike) -> Kind:
-    """What ``path`` holds, from its ``stat``, its listing or its first bytes.
+    """What `path` holds, from its `stat`, its listing or its first bytes.
 
     A directory with an index is a multi-process checkpoint (even if it also
-    holds steps); one with ``step_NNNNNNNN.jckpt`` entries is a manager's
+    holds steps); one with `step_NNNNNNNN.jckpt` entries is a manager's
     directory. A regular file is a jckpt file when it starts like one,
     else a foreign file when a format adapter recognises it, else a jckpt
     file when its header still reads (OCANNL writes headers in other forms),
-    else unknown. Raises :class:`~jckpt.errors.FormatError` for a path that
+    else unknown. Raises `FormatError` for a path that
     is neither a regular file nor a directory (a FIFO, a device, a socket),
-    without opening it, :class:`~jckpt.errors.StorageError` when the
-    path cannot be read, and :class:`~jckpt.errors.InputError` for a URL no
+    without opening it, `StorageError` when the
+    path cannot be read, and `InputError` for a URL no
     storage backend serves (every tool asks here first, so every tool
     refuses one alike).
 
-    Example::
-
+    Example:
+        ```python
         kind = classify("ckpt.jckpt")
         if kind.error is not None:
             raise kind.error
+        ```
     """
     path = checked_path(path)
     backend_for(path)  # a URL no backend serves: an InputError, not a "missing" file

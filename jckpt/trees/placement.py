@@ -1,12 +1,12 @@
 """Host <-> device: the only module that moves array data between numpy and JAX.
 
-Saving brings every leaf to host through :func:`host_leaves`, the one path
+Saving brings every leaf to host through `host_leaves`, the one path
 from a leaf to its host data (all transfers started with
-``copy_to_host_async`` before any is awaited; sharded arrays as their
+`copy_to_host_async` before any is awaited; sharded arrays as their
 distinct shards, never gathered). Restoring places each host array (usually
 a view of the mapped file) onto the target's sharding, building each
 device's shard from its own slice so a device reads only what it holds;
-:func:`place_all` batches the arrays bound for one device.
+`place_all` batches the arrays bound for one device.
 
 >>> host = host_leaves([('jckpt/w', np.arange(3.0))])[0]
 >>> host.dtype, host.shape, host.key_impl, host.private
@@ -41,12 +41,12 @@ _STORABLE: set[np.dtype] = set()  # dtypes known to be storable
 
 
 def is_prng_key(x: Any) -> bool:
-    """Whether ``x`` is a typed JAX PRNG key array."""
+    """Whether `x` is a typed JAX PRNG key array."""
     return isinstance(x, jax.Array) and is_key_dtype(x.dtype)
 
 
 def is_key_dtype(dtype: Any) -> bool:
-    """Whether ``dtype`` is a typed PRNG key's (asked of JAX once per dtype)."""
+    """Whether `dtype` is a typed PRNG key's (asked of JAX once per dtype)."""
     try:
         return _KEY_DTYPES[dtype]
     except KeyError:
@@ -81,20 +81,20 @@ def _ask(sharding: Any) -> _Placement:
 
 
 def _on_cpu(leaf: jax.Array) -> bool:
-    """Whether ``leaf`` lives in host memory already (every device a CPU): no transfer to start."""
+    """Whether `leaf` lives in host memory already (every device a CPU): no transfer to start."""
     return _facts(leaf.sharding).on_cpu
 
 
 # --- leaf to host ---------------------------------------------------------------------
 
 def is_sharded(leaf: Any) -> bool:
-    """Whether ``leaf`` is a ``jax.Array`` spread over (or replicated on) several devices."""
+    """Whether `leaf` is a `jax.Array` spread over (or replicated on) several devices."""
     return isinstance(leaf, jax.Array) and _facts(leaf.sharding).several
 
 
 @functools.lru_cache(maxsize=1024)
 def _owner_boxes(sharding: Any, shape: tuple[int, ...], process: int) -> dict[Any, Box]:
-    """``{device: box}`` for the devices of ``process`` that write a distinct shard.
+    """`{device: box}` for the devices of `process` that write a distinct shard.
 
     Each distinct box is owned by the first device holding it in the
     sharding's device order, the same in every process, so each replicated
@@ -107,7 +107,7 @@ def _owner_boxes(sharding: Any, shape: tuple[int, ...], process: int) -> dict[An
 
 
 def owned_shards(array: jax.Array) -> list[tuple[Box, jax.Array]]:
-    """``(box, single-device array)`` for each distinct shard this process must write."""
+    """`(box, single-device array)` for each distinct shard this process must write."""
     plan = _owner_boxes(array.sharding, tuple(array.shape), jax.process_index())
     out = []
     for shard in array.addressable_shards:
@@ -134,13 +134,13 @@ def await_host(data: Any) -> np.ndarray:
 class HostLeaf(NamedTuple):
     """One leaf on its way to host: what it stores, and its data, whole or in pieces.
 
-    ``dtype`` and ``shape`` are what is stored (a typed PRNG key's data, with
-    ``key_impl`` naming its implementation). ``array`` is the whole host
-    array; it is ``None`` when the leaf is held as ``shards`` instead, or when
-    it was only described (``fetch=False``). ``shards`` are ``(box,
-    single-device array)`` for each distinct shard this process writes, their
-    transfers started: read each with :func:`await_host` when it is written.
-    ``private``: ``array`` is a host buffer no one else holds (a device
+    `dtype` and `shape` are what is stored (a typed PRNG key's data, with
+    `key_impl` naming its implementation). `array` is the whole host
+    array; it is `None` when the leaf is held as `shards` instead, or when
+    it was only described (`fetch=False`). `shards` are `(box,
+    single-device array)` for each distinct shard this process writes, their
+    transfers started: read each with `await_host` when it is written.
+    `private`: `array` is a host buffer no one else holds (a device
     transfer's result, or a copy), so it stays valid whatever later happens
     to the tree it came from (a numpy leaf or a CPU array may alias memory the
     caller reuses).
@@ -162,24 +162,24 @@ class HostLeaf(NamedTuple):
 
 def host_leaves(leaves: Iterable[tuple[str, Any]], *, pieces: bool = False, spread: bool = False,
                 fetch: bool = True, copy: bool = False) -> list[HostLeaf]:
-    """Bring ``(where, leaf)`` pairs to host: every leaf checked and its transfer started, then the waits.
+    """Bring `(where, leaf)` pairs to host: every leaf checked and its transfer started, then the waits.
 
     The one path from a leaf to be stored to its host data. Typed PRNG keys
-    become their key data and ``key_impl``. Every leaf is checked (an array
+    become their key data and `key_impl`. Every leaf is checked (an array
     or a number, fully addressable, of a storable dtype; otherwise
-    :class:`~jckpt.errors.InputError` naming ``where``) and every transfer is
+    `InputError` naming `where`) and every transfer is
     started before the first is awaited, so they overlap. Arrays already in
     host memory (numpy, CPU devices) need no transfer.
 
     Args:
-      leaves: ``(where, leaf)``: ``where`` names the leaf in errors (``namespace/a/b``).
-      pieces: keep a multi-device array as its distinct shards (``HostLeaf.shards``,
-        read with :func:`await_host` when written) instead of gathering it whole.
-      spread: accept arrays spread over several processes (with ``pieces``): this
+      leaves: `(where, leaf)`: `where` names the leaf in errors (`namespace/a/b`).
+      pieces: keep a multi-device array as its distinct shards (`HostLeaf.shards`,
+        read with `await_host` when written) instead of gathering it whole.
+      spread: accept arrays spread over several processes (with `pieces`): this
         process's shards of them.
-      fetch: ``False`` to only check and describe the leaves this process holds
-        whole (another process writes them): no transfer, ``array`` None for each.
-      copy: make each ``array`` private (:attr:`HostLeaf.private`), copying only
+      fetch: `False` to only check and describe the leaves this process holds
+        whole (another process writes them): no transfer, `array` None for each.
+      copy: make each `array` private (`HostLeaf.private`), copying only
         what a transfer did not already copy: the snapshot a background writer needs.
 
     >>> [h.shape for h in host_leaves([('ns/w', np.ones((2, 3))), ('ns/n', 7)])]
@@ -281,10 +281,10 @@ def put(array: np.ndarray, placement: Any) -> jax.Array:
 
 def place(array: np.ndarray, target: Any, *, host: bool, device: Any, where: str,
           key_impl: str | None = None, file: str | None = None) -> Any:
-    """Turn a loaded host array into what ``target`` (a leaf, or None) asks for.
+    """Turn a loaded host array into what `target` (a leaf, or None) asks for.
 
     Typed PRNG keys always come back as key arrays (numpy has no key dtype),
-    even for host contexts; their raw data is ``jax.random.key_data(key)``.
+    even for host contexts; their raw data is `jax.random.key_data(key)`.
     """
     placement = getattr(target, 'sharding', None) if target is not None else None
     if key_impl is not None:  # key data has a trailing dim the key's sharding lacks
@@ -316,9 +316,9 @@ _COPY_CHUNK = 32 << 20
 
 def plain_target(array: Any, target: Any, *, host: bool, device: Any,
                  key_impl: str | None = None) -> Any:
-    """The one device (or one-device sharding) a plain ``device_put`` puts ``array`` on.
+    """The one device (or one-device sharding) a plain `device_put` puts `array` on.
 
-    ``None`` when :func:`place` has more to do: keys, scalars, host results,
+    `None` when `place` has more to do: keys, scalars, host results,
     64-bit values without x64, multi-device shardings, lazily read pieces.
     """
     if key_impl is not None or not isinstance(array, np.ndarray) or (
@@ -341,9 +341,9 @@ def _is_cpu(dest: Any) -> bool:
 
 
 def aligned_copy(array: np.ndarray, alignment: int = CPU_ALIAS_ALIGNMENT) -> np.ndarray:
-    """A copy of ``array`` at an ``alignment``-byte address, so the CPU client can alias it.
+    """A copy of `array` at an `alignment`-byte address, so the CPU client can alias it.
 
-    When ``array`` views a memory mapping, the mapping's pages are released
+    When `array` views a memory mapping, the mapping's pages are released
     behind the copy, chunk by chunk (they are clean file pages; a later read
     maps them again), so the process never holds the payload twice.
     """
@@ -371,9 +371,9 @@ def aligned_copy(array: np.ndarray, alignment: int = CPU_ALIAS_ALIGNMENT) -> np.
 
 def place_all(requests: list[tuple[Any, Any, str, str | None]], *, host: bool, device: Any,
               file: str | None = None) -> list[Any]:
-    """:func:`place` for many ``(array, target, where, key_impl)`` at once.
+    """`place` for many `(array, target, where, key_impl)` at once.
 
-    Arrays bound for one device go in a single batched ``device_put`` (one
+    Arrays bound for one device go in a single batched `device_put` (one
     dispatch instead of one per array: 100,000 small arrays in a fraction of a
     second). On the CPU a payload the client could not alias in place (not
     64-byte aligned) is first copied to an aligned buffer, so it is copied once.
@@ -432,7 +432,7 @@ def _accelerator(dest: Any) -> Any:
 
 
 def _transfer_target(dest: Any) -> tuple[Any, list | None]:
-    """``(sharding, devices)`` of a destination; devices None unless one plain device's memory."""
+    """`(sharding, devices)` of a destination; devices None unless one plain device's memory."""
     sharding = dest if isinstance(dest, jax.sharding.Sharding) else jax.sharding.SingleDeviceSharding(dest)
     plain = type(sharding) is jax.sharding.SingleDeviceSharding and \
         sharding.memory_kind in (None, 'device')
@@ -440,13 +440,13 @@ def _transfer_target(dest: Any) -> tuple[Any, list | None]:
 
 
 def _put_batch(arrays: list[np.ndarray], dests: list[Any]) -> list[jax.Array]:
-    """``jax.device_put(arrays, dests)`` for one-device destinations, at a fraction of the cost.
+    """`jax.device_put(arrays, dests)` for one-device destinations, at a fraction of the cost.
 
-    ``jax.device_put`` spends about 40 microseconds of Python per array (tree
+    `jax.device_put` spends about 40 microseconds of Python per array (tree
     broadcasting, shape canonicalization, aval updates). With one cached aval
     per shape and dtype, JAX's own per-array transfer routine does the same
     work in about 6: 100,000 small arrays in well under a second. Falls back
-    to ``jax.device_put`` if that routine is missing or answers unexpectedly.
+    to `jax.device_put` if that routine is missing or answers unexpectedly.
     """
     try:
         from jax._src import core as jax_core

@@ -126,6 +126,87 @@ def flatten(tree: Any) -> list[tuple[KeyPath, Any]]:
     return flatten_with_treedef(tree)[0]
 
 
+def _is_leaf_or_empty(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct) or is_empty_node(x)
+
+
+def is_empty_node(x: Any) -> bool:
+    """Whether `x` is a node that holds no leaves and that exports must keep: `None`, and
+    empty tuples (optax's `EmptyState` and other NamedTuples without fields), lists and dicts.
+
+    >>> is_empty_node(None), is_empty_node(()), is_empty_node({'a': None}), is_empty_node(0)
+    (True, True, False, False)
+    """
+    return x is None or (isinstance(x, (tuple, list, dict)) and len(x) == 0)
+
+
+def flatten_with_empty(tree: Any) -> tuple[list[tuple[KeyPath, Any]], list[KeyPath]]:
+    """`flatten`, with the paths of the outermost empty nodes below the root (`is_empty_node`).
+
+    A save records them (`jckpt.format.names.EMPTY_NODES_KEY`) so that an
+    export to a format that keeps such nodes (orbax) can put them back.
+
+    >>> items, empty = flatten_with_empty({'w': 1.0, 'opt': [2.0, (), None]})
+    >>> len(items), empty
+    (2, [(('k', 'opt'), ('i', 1)), (('k', 'opt'), ('i', 2))])
+    """
+    empty: list[KeyPath] = []
+    _empties(tree, (), empty)
+    return flatten(tree), sorted(empty)  # in path order, whatever order dicts were built in
+
+
+def _empties(node: Any, prefix: KeyPath, out: list[KeyPath]) -> None:
+    """Append the path of each outermost node without leaves below `node` (at `prefix`).
+
+    Plain dicts, lists and tuples are walked here, their leaves skipped by type
+    (a save of many leaves stays cheap); other nodes go through JAX's key paths.
+    """
+    kind = type(node)
+    if kind is dict and all(type(k) is str for k in node):
+        children: Iterable[tuple[str, Any]] = node.items()
+        step = 'k'
+    elif kind is list or kind is tuple:
+        children, step = enumerate(node), 'i'
+    elif node is None or _is_plain_leaf(node):
+        return
+    else:  # NamedTuples, dataclasses, modules: JAX's key paths, with empty nodes as leaves
+        for kp, leaf in jax.tree_util.tree_flatten_with_path(node, is_leaf=_is_leaf_or_empty)[0]:
+            if kp and is_empty_node(leaf):
+                out.append(prefix + to_path(kp))
+        return
+    leaf_types = _LEAF_TYPES
+    for key, child in children:
+        if type(child) in leaf_types:
+            continue
+        if is_empty_node(child):
+            out.append((*prefix, (step, key)))
+        else:
+            _empties(child, (*prefix, (step, key)), out)
+
+
+def with_empty_nodes(tree: Any, paths: Iterable[KeyPath]) -> Any:
+    """`tree` (nested dicts and lists, as `unflatten` builds) with `None` at each of `paths`
+    whose parent it holds; other paths are left out (they only help exports).
+
+    >>> with_empty_nodes([{'count': 1}], [(('i', 1),), (('i', 2),), (('k', 'x'), ('k', 'y'))])
+    [{'count': 1}, None, None]
+    """
+    paths = list(paths)
+    for p in paths:
+        node = tree
+        try:
+            for _, key in p[:-1]:
+                node = node[key]
+        except (KeyError, IndexError, TypeError):
+            continue
+        key = p[-1][1]
+        if isinstance(node, dict):
+            node.setdefault(key, None)
+        elif isinstance(node, list) and isinstance(key, int) and 0 <= key <= len(node) + len(paths):
+            node.extend([None] * (key + 1 - len(node)))  # a bounded extension: holes are None
+    return tree
+
+
 def flatten_with_treedef(tree: Any) -> tuple[list[tuple[KeyPath, Any]], Any]:
     """Like `flatten`, also returning the treedef to rebuild `tree`'s structure.
 

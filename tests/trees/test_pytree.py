@@ -112,6 +112,29 @@ def test_prefix_that_is_not_a_string_is_refused():
     tree_mod.check_prefix("")
 
 
+class _Empty(NamedTuple):
+    pass
+
+
+def test_flatten_with_empty_finds_the_outermost_nodes_without_leaves():
+    tree = {'w': np.ones(2), 'opt': (np.zeros(1), _Empty(), None), 'cache': {'a': [], 'b': {}}}
+    items, empty = tree_mod.flatten_with_empty(tree)
+    assert [p for p, _ in items] == [p for p, _ in tree_mod.flatten(tree)]
+    assert empty == [(('k', 'cache'), ('k', 'a')), (('k', 'cache'), ('k', 'b')),
+                     (('k', 'opt'), ('i', 1)), (('k', 'opt'), ('i', 2))]
+    assert tree_mod.flatten_with_empty({'only': None}) == ([], [(('k', 'only'),)])
+    assert tree_mod.flatten_with_empty(None) == ([], [])  # the root is not recorded
+
+
+def test_with_empty_nodes_puts_none_where_the_parent_exists():
+    loaded = {'opt': [np.zeros(1)], 'w': np.ones(2)}
+    out = tree_mod.with_empty_nodes(loaded, [(('k', 'opt'), ('i', 2)), (('k', 'cache'),),
+                                             (('k', 'gone'), ('k', 'x')), (('k', 'w'), ('i', 0)),
+                                             (('k', 'opt'), ('i', 10**12))])
+    assert out['opt'][1:] == [None, None] and out['cache'] is None and 'gone' not in out
+    assert len(out['opt']) == 3  # an index far beyond the list adds nothing
+
+
 class _Pair(NamedTuple):
     left: Any
     right: Any
