@@ -4,8 +4,8 @@
  * accepts exactly the language of the regular expression _CANONICAL_ENTRY there and
  * builds the same Entry objects, so a header decodes identically with or without it.
  * Anything outside that language (quoted atoms, padding, unknown fields, integers of
- * more than 18 digits, an unknown prec, a byte_length that disagrees with the dims)
- * returns None, and the Python reader takes over with its full validation.
+ * more than 18 digits, an unknown prec, a byte_length that disagrees with the dims, a
+ * piece's slice that does not fit its dims and global_dims) returns None, and the Python reader takes over with its full validation.
  *
  *   decode_entries(text: str, pos: int, entry_type: type, fields: tuple[str, ...],
  *                  precs: dict[str, tuple[str, int]], kinds: tuple[str, ...])
@@ -77,6 +77,63 @@ static PyObject *str_at(cursor *c, Py_ssize_t start, PyObject *cache) {
         return NULL;
     }
     return s;
+}
+
+/* Dims beyond this many make the entry non-canonical here (the Python reader checks the
+ * format's own limit). */
+#define MAX_DIMS 64
+
+static PyObject *int_tuple(const long long *v, int n) {
+    PyObject *t = PyTuple_New(n);
+    if (t == NULL) return NULL;
+    for (int k = 0; k < n; k++) {
+        PyObject *x = PyLong_FromLongLong(v[k]);
+        if (x == NULL) { Py_DECREF(t); return NULL; }
+        PyTuple_SET_ITEM(t, k, x);
+    }
+    return t;
+}
+
+/* After " (slice (": "(A B) ...)) (global_dims (G ...))" of a piece whose dims are dimv, with
+ * 0 <= A <= B <= G and B - A = dim in every dimension. Returns 1 and sets *slice and *global
+ * (new references), 0 when the text is not that (or on a Python error: check PyErr_Occurred). */
+static int parse_piece(cursor *c, const long long *dimv, int ndim, PyObject **slice,
+                       PyObject **global) {
+    long long lo[MAX_DIMS], hi[MAX_DIMS], g[MAX_DIMS];
+    int n = 0, m = 0;
+    if (c->i < c->n && c->s[c->i] != ')') {
+        for (;;) {
+            if (n == ndim || !lit(c, "(") || !parse_uint(c, &lo[n]) || !lit(c, " ") ||
+                !parse_uint(c, &hi[n]) || !lit(c, ")"))
+                return 0;
+            n++;
+            if (!lit(c, " ")) break;
+        }
+    }
+    if (n != ndim || !lit(c, ")) (global_dims (")) return 0;
+    if (c->i < c->n && c->s[c->i] != ')') {
+        for (;;) {
+            if (m == ndim || !parse_uint(c, &g[m])) return 0;
+            m++;
+            if (!lit(c, " ")) break;
+        }
+    }
+    if (m != ndim || !lit(c, "))")) return 0;
+    for (int k = 0; k < ndim; k++)
+        if (lo[k] > hi[k] || hi[k] > g[k] || hi[k] - lo[k] != dimv[k]) return 0;
+    PyObject *pairs = PyTuple_New(ndim);
+    if (pairs == NULL) return 0;
+    for (int k = 0; k < ndim; k++) {
+        long long pair[2] = {lo[k], hi[k]};
+        PyObject *t = int_tuple(pair, 2);
+        if (t == NULL) { Py_DECREF(pairs); return 0; }
+        PyTuple_SET_ITEM(pairs, k, t);
+    }
+    PyObject *gd = int_tuple(g, ndim);
+    if (gd == NULL) { Py_DECREF(pairs); return 0; }
+    *slice = pairs;
+    *global = gd;
+    return 1;
 }
 
 #define FAIL_IF(cond) do { if (cond) goto fallback; } while (0)
@@ -165,9 +222,13 @@ static PyObject *decode_entries(PyObject *self, PyObject *args) {
         FAIL_IF(!lit(c, ") (dims ("));
         CHECK(items = PyList_New(0));
         long long count = 1;
+        long long dimv[MAX_DIMS];
+        int ndim = 0;
         if (c->i < c->n && s[c->i] != ')') {
             for (;;) {
                 FAIL_IF(!parse_uint(c, &v));
+                FAIL_IF(ndim == MAX_DIMS);
+                dimv[ndim++] = v;
                 FAIL_IF(__builtin_mul_overflow(count, v, &count));
                 PyObject *d = PyLong_FromLongLong(v);
                 CHECK(d);
@@ -255,9 +316,13 @@ static PyObject *decode_entries(PyObject *self, PyObject *args) {
         } else {
             values[10] = Py_None; Py_INCREF(Py_None);
         }
+        if (lit(c, " (slice (")) {
+            FAIL_IF(!parse_piece(c, dimv, ndim, &values[11], &values[12]));
+        } else {
+            values[11] = Py_None; Py_INCREF(Py_None);  /* slice */
+            values[12] = Py_None; Py_INCREF(Py_None);  /* global_dims */
+        }
         FAIL_IF(!lit(c, ")"));
-        values[11] = Py_None; Py_INCREF(Py_None);  /* slice */
-        values[12] = Py_None; Py_INCREF(Py_None);  /* global_dims */
         values[13] = empty; Py_INCREF(empty);      /* extra */
 
         PyTypeObject *tp = (PyTypeObject *)entry_type;

@@ -17,6 +17,7 @@ True
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -110,8 +111,17 @@ def coalesce(boxes: Sequence[Box]) -> list[Box]:
     return out
 
 
-def check_tiling(boxes: Sequence[Box], shape: Sequence[int]) -> str | None:
-    """Why `boxes` do not tile an array of `shape` exactly (None when they do)."""
+def check_tiling(boxes: Sequence[Box] | np.ndarray, shape: Sequence[int]) -> str | None:
+    """Why `boxes` do not tile an array of `shape` exactly (None when they do).
+
+    The usual answer (they do) is found with numpy, at a cost linear in the
+    boxes and the grid their edges cut; anything else is looked at box by box,
+    to say which piece is at fault.
+    """
+    if _tile_exactly(boxes, shape):
+        return None
+    if isinstance(boxes, np.ndarray):  # (boxes, ndim, 2), as a directory index holds them
+        boxes = [tuple(map(tuple, b)) for b in boxes.tolist()]
     whole = full_box(shape)
     total = 0
     for b in boxes:
@@ -124,8 +134,49 @@ def check_tiling(boxes: Sequence[Box], shape: Sequence[int]) -> str | None:
     return _first_overlap([b for b in boxes if box_size(b)], shape)
 
 
-#: The most cells :func:`check_tiling` paints (4 bytes each): pieces cut finer are refused.
+#: The most cells `check_tiling` paints (4 bytes each): pieces cut finer are refused.
 MAX_TILING_CELLS = 1 << 22
+
+
+#: Boxes of more dimensions than this are checked box by box (the count below takes 2**ndim passes).
+_COUNTED_NDIM = 6
+
+
+def _tile_exactly(boxes: Sequence[Box] | np.ndarray, shape: Sequence[int]) -> bool:
+    """Whether `boxes`, all non-empty, tile `shape` exactly; False also when unsure.
+
+    Counts how many boxes cover each cell of the grid the boxes' edges cut: a
+    +1/-1 at each box's corners (inclusion-exclusion), summed along every axis.
+    The boxes tile the array when every cell is covered exactly once.
+    """
+    ndim = len(shape)
+    if not len(boxes) or not 0 < ndim <= _COUNTED_NDIM:
+        return False
+    try:
+        b = np.asarray(boxes, dtype=np.int64)
+        dims = np.asarray(shape, dtype=np.int64)
+    except (ValueError, TypeError, OverflowError):  # ragged, or beyond 64 bits
+        return False
+    if b.shape != (len(boxes), ndim, 2):
+        return False
+    lo, hi = b[..., 0], b[..., 1]
+    if not ((lo >= 0) & (lo < hi) & (hi <= dims)).all():
+        return False
+    cuts = [np.unique(np.concatenate(([0, dims[i]], lo[:, i], hi[:, i]))) for i in range(ndim)]
+    if math.prod(len(c) - 1 for c in cuts) > MAX_TILING_CELLS:
+        return False
+    grid = tuple(len(c) for c in cuts)
+    starts = [np.searchsorted(c, lo[:, i]) for i, c in enumerate(cuts)]
+    stops = [np.searchsorted(c, hi[:, i]) for i, c in enumerate(cuts)]
+    corners = np.zeros(math.prod(grid), dtype=np.int64)
+    for corner in itertools.product((0, 1), repeat=ndim):
+        at = np.ravel_multi_index([stops[i] if c else starts[i] for i, c in enumerate(corner)], grid)
+        counted = np.bincount(at, minlength=corners.size)
+        corners += -counted if sum(corner) % 2 else counted
+    cover = corners.reshape(grid)
+    for axis in range(ndim):
+        np.cumsum(cover, axis=axis, out=cover)
+    return bool((cover[(slice(0, -1),) * ndim] == 1).all())
 
 
 def _first_overlap(boxes: Sequence[Box], shape: Sequence[int]) -> str | None:

@@ -3,7 +3,8 @@
 A checkpoint of 100,000 leaves has a header of 100,000 entries; building a
 generic S-expression tree for it and validating it field by field would
 dominate a load. Entries in jckpt's canonical layout are instead matched in
-one step, by the C accelerator (`_canonical.c`, built with the package when
+one step (the pieces of a directory checkpoint, with their `slice` and
+`global_dims`, included), by the C accelerator (`_canonical.c`, built with the package when
 a compiler is available) or, without it, one regular expression. Anything
 else (quoted atoms, padding, unknown fields, an inconsistent length) makes
 `canonical_entries` answer `None` and the general reader of
@@ -16,12 +17,18 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Callable
+from typing import Any
 
+from jckpt.errors import FormatError
 from jckpt.format import precs
-from jckpt.format.entries import INT_KINDS, MAX_INT64, Entry
+from jckpt.format.entries import INT_KINDS, MAX_INT64, Entry, Header
 from jckpt.format.limits import MAX_NDIM, MAX_PATH_LENGTH
+from jckpt.format.sexp import _SPLIT_QUOTED, Verbatim
 
 _A = r"[!$%&'*+,\-./0-9:<=>?@A-Z\[\]^_`a-z{}~]+"
+_PAIR = r"\([0-9]{1,19} [0-9]{1,19}\)"
+_INTS = r"((?:[0-9]{1,19}(?: [0-9]{1,19})*)?)"
 _P = rf"\((?:k|a) {_A}\)|\((?:ki|i|f) -?[0-9]{{1,19}}\)"
 _CANONICAL_ENTRY = re.compile(
     rf"\s*\(\(id ([0-9]{{1,19}})\) \(namespace ([A-Za-z_][A-Za-z0-9_]*)\) "
@@ -29,7 +36,8 @@ _CANONICAL_ENTRY = re.compile(
     rf"\(dims \(((?:[0-9]{{1,19}}(?: [0-9]{{1,19}})*)?)\)\) \(padding none\) "
     rf"\(offset ([0-9]{{1,19}})\) "
     rf"\(byte_length ([0-9]{{1,19}})\)(?: \(path \(((?:(?:{_P})(?: (?:{_P}))*)?)\)\))?"
-    rf"(?: \(checksum \(([A-Za-z0-9_]+) ([0-9a-f]+)\)\))?(?: \(key_impl ([A-Za-z0-9_]+)\))?\)")
+    rf"(?: \(checksum \(([A-Za-z0-9_]+) ([0-9a-f]+)\)\))?(?: \(key_impl ([A-Za-z0-9_]+)\))?"
+    rf"(?: \(slice \(((?:{_PAIR}(?: {_PAIR})*)?)\)\) \(global_dims \({_INTS}\)\))?\)")
 _CANONICAL_HEAD = re.compile(r"\(\(version [0-9]+\)\s*(?:\(alignment [0-9]+\)\s*)?\(tensors\s*\(")
 _CANONICAL_TAIL = re.compile(r"\s*\)")
 _COMPONENT = re.compile(rf"\((k|ki|i|a|f) ({_A})\)")
@@ -49,6 +57,19 @@ def _within_limits(entries: list[Entry]) -> bool:
     whose other dims could be huge, a key path too long): the general reader reports those."""
     return not any(len(e.dims) > MAX_NDIM or (not e.byte_length and e.dims)
                    or (e.path is not None and len(e.path) > MAX_PATH_LENGTH) for e in entries)
+
+
+def _piece(slc: str, global_dims: str, dims: tuple[int, ...]
+           ) -> tuple[tuple[tuple[int, int], ...] | None, tuple[int, ...] | None]:
+    """A piece's `(slice, global_dims)` from their digits, or `(None, None)` unless
+    `0 <= start <= stop <= global` and `stop - start` is the dim, in every dimension."""
+    bounds = list(map(int, slc.replace('(', ' ').replace(')', ' ').split()))
+    box = tuple(zip(bounds[0::2], bounds[1::2]))
+    whole = tuple(map(int, global_dims.split()))
+    if not (len(box) == len(whole) == len(dims) and all(
+            a <= b <= g and b - a == d for (a, b), g, d in zip(box, whole, dims))):
+        return None, None
+    return box, whole
 
 
 def canonical_entries(text: str, *, accelerate: bool = True) -> tuple[list[Entry], int, int] | None:
@@ -79,7 +100,7 @@ def canonical_entries(text: str, *, accelerate: bool = True) -> tuple[list[Entry
     pos = head.end()
     while (m := scanner.match()) is not None:
         (ident, namespace, label, prec, dims, offset, byte_length, path, algo, digest,
-         key_impl) = m.groups()
+         key_impl, slc, global_dims) = m.groups()
         if prec not in precs.ALL_PRECS:
             return None
         dims = tuple(map(int, dims.split())) if dims else ()
@@ -88,11 +109,15 @@ def canonical_entries(text: str, *, accelerate: bool = True) -> tuple[list[Entry
             return None  # let the general reader report it
         if path is not None:
             path = tuple([(k, int(v)) if k in int_kinds else (k, v) for k, v in findall(path)])
+        if global_dims is not None:
+            slc, global_dims = _piece(slc, global_dims, dims)
+            if slc is None:
+                return None  # let the general reader report it
         e = new(Entry)
         for name, value in zip(_FIELDS, (
                 int(ident), namespace, prec, dims, int(offset), byte_length,
                 tuple(label.split(' ')) if label else (), None, path,
-                (algo, digest) if algo is not None else None, key_impl, None, None, ())):
+                (algo, digest) if algo is not None else None, key_impl, slc, global_dims, ())):
             setattr_(e, name, value)
         append(e)
         pos = m.end()
@@ -102,4 +127,66 @@ def canonical_entries(text: str, *, accelerate: bool = True) -> tuple[list[Entry
     return entries, head.end() - 1, tail.end() - 1
 
 
-__all__ = ['accelerator', 'canonical_entries']
+# --- the pieces of a directory index, kept as text ---------------------------------------------
+
+_NUM = r"[0-9]{1,18}+"
+_PIECE = rf"\({_NUM} \((?:\({_NUM} {_NUM}\)(?: \({_NUM} {_NUM}\))*+)?\)\)"
+#: An index's `(pieces (...))` as jckpt writes it (possessive: linear, no backtracking).
+_PIECES_FIELD = re.compile(rf"\(pieces (\((?:{_PIECE}(?: {_PIECE})*+)?\))\)")
+_PLACEHOLDER = '%jckpt-list-'
+
+
+def _splice_lists(text: str) -> tuple[str, dict[str, str]] | None:
+    """`text` with each canonical pieces list replaced by a placeholder atom, and the lists;
+    None when there is none, or comments or escapes make the text not plain enough."""
+    if _PLACEHOLDER in text:
+        return None
+    parts = _SPLIT_QUOTED.split(text)  # structural text and quoted atoms, alternating
+    if any(c in part for part in parts[0::2] for c in ';#\\'):
+        return None
+    lists: dict[str, str] = {}
+
+    def keep(m: re.Match[str]) -> str:
+        name = f"{_PLACEHOLDER}{len(lists)}"
+        lists[name] = m[1]
+        return f"(pieces {name})"
+
+    parts[0::2] = [_PIECES_FIELD.sub(keep, part) for part in parts[0::2]]
+    return (''.join(parts), lists) if lists else None
+
+
+def _restored(x: Any, lists: dict[str, str], found: list[str]) -> Any:
+    """`x` (an extra field) with each placeholder atom replaced by its list, as `Verbatim`."""
+    if isinstance(x, tuple):
+        return tuple([_restored(v, lists, found) for v in x])
+    if isinstance(x, str) and x in lists:
+        found.append(x)
+        return Verbatim(lists[x])
+    return x
+
+
+def with_canonical_lists(text: str, decode: Callable[[str], Header]) -> Header:
+    """`decode(text)`, but with a directory index's pieces lists kept as text.
+
+    An index of a million pieces would otherwise be parsed into millions of
+    small lists; each canonical `(pieces (...))` is instead cut out before
+    parsing and put back, in the header's extra fields, as one `Verbatim`
+    atom that `jckpt.format.index` reads with numpy. Whenever that does
+    not give exactly what decoding the whole text gives (a placeholder landing
+    outside the extra fields, a refusal), the whole text is decoded instead.
+    """
+    spliced = _splice_lists(text)
+    if spliced is not None:
+        try:
+            header = decode(spliced[0])
+        except FormatError:
+            header = None
+        if header is not None:
+            found: list[str] = []
+            extra = _restored(header.extra, spliced[1], found)
+            if len(found) == len(spliced[1]):
+                return dataclasses.replace(header, extra=extra)
+    return decode(text)
+
+
+__all__ = ['accelerator', 'canonical_entries', 'with_canonical_lists']

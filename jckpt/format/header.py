@@ -44,25 +44,14 @@ from jckpt.format.entries import (
     path_name,
     round_up,
 )
-from jckpt.format.fastpath import canonical_entries
-from jckpt.format.sexp import Sexp, SexpError, dumps, parse, quote
+from jckpt.format.fastpath import canonical_entries, with_canonical_lists
+from jckpt.format.sexp import Sexp, SexpError, dumps, float_atom, parse, quote
 
 #: OCANNL's reader refuses headers longer than this; jckpt reads them but warns on write.
 OCANNL_HEADER_LIMIT = 100_000_000
 
 
 # --- encoding --------------------------------------------------------------
-
-def _float_atom(x: float) -> str:
-    """A float in OCaml's spelling: `0.`, `1.5`, `-inf`, `nan`."""
-    if math.isnan(x):
-        return 'nan'
-    if math.isinf(x):
-        return 'inf' if x > 0 else '-inf'
-    if x == int(x) and abs(x) < 1e16:
-        return f'{int(x)}.'
-    return repr(x)
-
 
 #: `quote` remembered: the same keys (`kernel`, `bias`, `mu`, `layer_0`) recur in thousands of entries.
 _quote = functools.lru_cache(maxsize=1 << 16)(quote)
@@ -79,7 +68,7 @@ def _encode_entry(e: Entry) -> tuple[str, int | None]:
         padding = 'none'
     else:
         pairs = ' '.join(f'({lo} {hi})' for lo, hi in e.padding.pairs)
-        padding = f'(({pairs}) {_float_atom(e.padding.value)})'
+        padding = f'(({pairs}) {float_atom(e.padding.value)})'
     dims = ' '.join(map(str, e.dims))
     label = ' '.join(map(_quote, e.label))
     parts = [f'((id {e.id}) (namespace {_quote(e.namespace)}) (label ({label})) '
@@ -374,7 +363,10 @@ def _decode_piece(f: dict[str, Sexp], dims: tuple[int, ...], file: str | None, w
 
 
 def _freeze(x: Sexp) -> Any:
-    return tuple(_freeze(v) for v in x) if isinstance(x, list) else x
+    """Lists as tuples, all the way down (a directory index holds millions of them)."""
+    if not isinstance(x, list):
+        return x
+    return tuple([_freeze(v) if isinstance(v, list) else v for v in x])
 
 
 _HEADER_KNOWN = frozenset({'version', 'alignment', 'tensors', 'writer', 'metadata',
@@ -431,12 +423,17 @@ def decode_header(raw: bytes | memoryview, *, file: str | None = None) -> Header
     if fast is not None:
         entries, list_open, list_close = fast
         text = text[:list_open] + '()' + text[list_close + 1:]
+    head = memoryview(raw)[:start]  # what the header checksum covers
+    return with_canonical_lists(text, lambda t: _from_text(t, file, fast and entries, head))
+
+
+def _from_text(text: str, file: str | None, entries: list[Entry] | None, head: memoryview) -> Header:
     try:
         tree = parse(text)
     except SexpError as e:
         raise _fail(f"header is not a well-formed S-expression: {e}", file) from None
-    header_seal.check_header_checksum(memoryview(raw)[:start], tree, file)
-    return header_from_sexp(tree, file=file, entries=None if fast is None else entries)
+    header_seal.check_header_checksum(head, tree, file)
+    return header_from_sexp(tree, file=file, entries=entries)
 
 
 def header_from_sexp(tree: Sexp, *, file: str | None = None,

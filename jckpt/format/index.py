@@ -20,12 +20,18 @@ True
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from jckpt.errors import FormatError
 from jckpt.format import limits, precs
+from jckpt.format._gc import paused
 from jckpt.format.boxes import Box, check_tiling
 from jckpt.format.header import (
     Entry,
@@ -39,6 +45,7 @@ from jckpt.format.header import (
     path_name,
 )
 from jckpt.format.names import LAYOUT_VERSION, PIECE_RE
+from jckpt.format.sexp import SexpError, Verbatim, parse
 
 #: Global arrays above this many elements are refused as a damaged index.
 _MAX_ELEMENTS = 2**62
@@ -55,6 +62,18 @@ class IndexedArray:
     entry: Entry
     pieces: tuple[tuple[int, Box], ...]
 
+    @functools.cached_property
+    def bounds(self) -> np.ndarray:
+        """The pieces' boxes as one `(pieces, ndim, 2)` int64 array, for searching them all
+        at once (which pieces a box needs, whether they tile the array)."""
+        boxes = [box for _, box in self.pieces]
+        ndim = len(self.entry.dims)
+        pairs = list(itertools.chain.from_iterable(boxes))
+        if set(map(len, boxes)) - {ndim} or set(map(len, pairs)) - {2}:
+            raise ValueError(f"pieces of {self.entry.name} are not boxes of {ndim} dimensions")
+        flat = np.fromiter(itertools.chain.from_iterable(pairs), dtype=np.int64, count=2 * len(pairs))
+        return flat.reshape(len(boxes), ndim, 2)
+
 
 def global_entry(e: Entry) -> Entry:
     """The whole array a piece entry `e` belongs to (dims = its `global_dims`, no slice)."""
@@ -66,7 +85,8 @@ def global_entry(e: Entry) -> Entry:
 
 # --- encoding ---------------------------------------------------------------------------------
 
-def _array_fields(array: IndexedArray) -> list[Any]:
+def _array_fields(array: IndexedArray) -> tuple[Any, ...]:
+    """An array's fields, frozen as a header holds them (a million pieces: built directly)."""
     e = array.entry
     fields: list[Any] = [['id', e.id], ['namespace', e.namespace], ['label', list(e.label)],
                          ['prec', e.prec], ['global_dims', list(e.dims)]]
@@ -74,17 +94,31 @@ def _array_fields(array: IndexedArray) -> list[Any]:
         fields.append(['path', [[k, v] for k, v in e.path]])
     if e.key_impl is not None:
         fields.append(['key_impl', e.key_impl])
-    fields.append(['pieces', [[fi, [[a, b] for a, b in box]] for fi, box in array.pieces]])
-    return fields
+    return (*_frozen(fields), ('pieces', _pieces_text(array)))
 
 
+def _pieces_text(array: IndexedArray) -> Verbatim:
+    """`((FILE ((START STOP) ...)) ...)`, formatted at once: a million pieces in a second."""
+    n, ndim = len(array.pieces), len(array.entry.dims)
+    try:
+        files = np.array([fi for fi, _ in array.pieces], dtype=np.int64).reshape(n, 1)
+        table = np.concatenate([files, array.bounds.reshape(n, 2 * ndim)], axis=1)
+    except (ValueError, OverflowError):  # boxes of other ranks, or numbers beyond 64 bits
+        return Verbatim('(' + ' '.join([f"({fi} ({' '.join([f'({a} {b})' for a, b in box])}))"
+                                        for fi, box in array.pieces]) + ')')
+    piece = '(%d (' + ' '.join(['(%d %d)'] * ndim) + '))'
+    return Verbatim('(' + ' '.join([piece] * n) % tuple(table.ravel().tolist()) + ')')
+
+
+@paused  # a million pieces are millions of tuples, and no cycles among them
 def index_header(files: Sequence[str], process_count: int, arrays: Sequence[IndexedArray],
                  alignment: int, metadata: Mapping[str, str], *, writer: str) -> Header:
     """The index as a header with no tensors and a `sharded` field (see docs/format.md)."""
-    sharded = ['sharded', [['layout', LAYOUT_VERSION], ['process_count', process_count],
-                           ['files', list(files)], ['arrays', [_array_fields(a) for a in arrays]]]]
+    top = _frozen([['layout', LAYOUT_VERSION], ['process_count', process_count],
+                   ['files', list(files)]])
+    sharded = ('sharded', (*top, ('arrays', tuple([_array_fields(a) for a in arrays]))))
     return Header(tensors=(), alignment=alignment, writer=writer,
-                  metadata=tuple(metadata.items()), extra=(_frozen(sharded),))
+                  metadata=tuple(metadata.items()), extra=(sharded,))
 
 
 def _frozen(x: Any) -> Any:
@@ -131,9 +165,52 @@ def _piece_files(top: dict[str, Any], file: str) -> list[str]:
     return files
 
 
+@functools.lru_cache(maxsize=16)
+def _piece_list(ndim: int) -> re.Pattern[str]:
+    """A pieces list of `ndim` dimensions as jckpt writes it, numbers of at most 18 digits (so
+    that they fit 64 bits): `((0 ((0 2) (0 4))) (1 ((2 4) (0 4))))`."""
+    num = "[0-9]{1,18}+"
+    box = r"\(\)" if ndim == 0 else rf"\(\({num} {num}\)(?: \({num} {num}\)){{{ndim - 1}}}\)"
+    piece = rf"\({num} {box}\)"
+    return re.compile(rf"\((?:{piece}(?: {piece})*+)?\)")  # possessive: no backtracking
+
+
+def _pieces_at_once(text: str, ndim: int, file_count: int
+                    ) -> tuple[tuple[tuple[int, Box], ...], np.ndarray] | None:
+    """`_pieces` of a well-formed list kept as text, read with one regular expression and
+    numpy; None for anything else (reading it piece by piece then says what is wrong)."""
+    if not _piece_list(ndim).fullmatch(text):
+        return None
+    numbers = np.fromstring(text.translate(_PARENTHESES), dtype=np.int64, sep=' ') \
+        if text != '()' else np.empty(0, np.int64)  # (numpy reads one number from blanks)
+    table = numbers.reshape(-1, 1 + 2 * ndim)
+    if len(table) and table[:, 0].max() >= file_count:
+        return None
+    return _as_pieces(table, ndim), table[:, 1:].reshape(len(table), ndim, 2)
+
+
+def _as_pieces(table: np.ndarray, ndim: int) -> tuple[tuple[int, Box], ...]:
+    """Rows `FILE START STOP ...` as `(file, ((start, stop), ...))` tuples, built by zips."""
+    columns = table.T.tolist()
+    pairs = [zip(columns[1 + 2 * k], columns[2 + 2 * k]) for k in range(ndim)]
+    return tuple(zip(columns[0], zip(*pairs) if ndim else itertools.repeat(())))
+
+
+_PARENTHESES = str.maketrans('()', '  ')
+
+
 def _pieces(node: Any, ndim: int, file_count: int, file: str,
-            where: str) -> tuple[tuple[int, Box], ...]:
-    """An array's `pieces`: `(FILE ((START STOP) ...))` each, in files that exist."""
+            where: str) -> tuple[tuple[tuple[int, Box], ...], np.ndarray | None]:
+    """An array's `pieces`: `(FILE ((START STOP) ...))` each, in files that exist; and
+    their `IndexedArray.bounds` when read at once."""
+    if isinstance(node, Verbatim):  # as jckpt writes it: read at once, else piece by piece
+        found = _pieces_at_once(node, ndim, file_count)
+        if found is not None:
+            return found
+        try:
+            node = parse(node)
+        except SexpError as e:
+            raise _fail(f"pieces are not a well-formed list: {e}", file, where) from None
     pieces = []
     for p in node if isinstance(node, list) else [node]:
         if not (isinstance(p, list) and len(p) == 2 and isinstance(p[1], list)
@@ -148,7 +225,7 @@ def _pieces(node: Any, ndim: int, file_count: int, file: str,
                 raise _fail("piece slice must be ((START STOP) ...)", file, where)
             box.append((_count(pair[0], 'slice', file, where), _count(pair[1], 'slice', file, where)))
         pieces.append((fi, tuple(box)))
-    return tuple(pieces)
+    return tuple(pieces), None
 
 
 def _array_path(f: dict[str, Any], file: str, n: int) -> tuple[str, int, KeyPath | None, str]:
@@ -176,22 +253,26 @@ def _array(node: Any, n: int, file_count: int, file: str) -> IndexedArray:
     if not (isinstance(label, list) and all(isinstance(x, str) for x in label)):
         raise _fail("label must be a list of atoms", file, where)
     key_impl = f.get('key_impl')
-    pieces = _pieces(f.get('pieces', []), len(dims), file_count, file, where)
+    pieces, bounds = _pieces(f.get('pieces', []), len(dims), file_count, file, where)
     if math.prod(dims) > _MAX_ELEMENTS:
         raise _fail(f"global_dims {dims} are absurdly large", file, where)
     try:
         limits.check_shape(dims, precs.element_size(prec))
     except ValueError as e:
         raise _fail(f"global_dims: {e}", file, where) from None
-    why = check_tiling([b for _, b in pieces], dims)
+    why = check_tiling([b for _, b in pieces] if bounds is None else bounds, dims)
     if why:
         raise _fail(f"pieces do not tile the array: {why}", file, where)
     entry = Entry(id=ident, namespace=namespace, prec=prec, dims=dims, offset=0,
                   byte_length=math.prod(dims) * precs.element_size(prec), label=tuple(label),
                   path=path, key_impl=key_impl if isinstance(key_impl, str) else None)
-    return IndexedArray(entry, pieces)
+    array = IndexedArray(entry, pieces)
+    if bounds is not None:  # read already: the cached property need not build it again
+        array.__dict__['bounds'] = bounds
+    return array
 
 
+@paused  # a million pieces are millions of tuples, and no cycles among them
 def parse_index(header: Header, file: str) -> tuple[list[str], list[IndexedArray]]:
     """The piece file names and arrays of an index header; raises `FormatError`."""
     top = _sharded_fields(header, file)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 from collections.abc import Sequence
 
@@ -41,7 +42,8 @@ class SexpError(ValueError):
 _QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _SPLIT_QUOTED = re.compile(r'("(?:[^"\\]|\\.)*")', re.DOTALL)
 _FAST_UNSAFE = re.compile(r'[^\t\n\r -~]|[\\;#|"]')
-_ATOM = re.compile(r'[^\s()]+')
+_ATOM_SPLIT = re.compile(r'([^\s()]+)')
+_COMMA_BEFORE_CLOSE = re.compile(r',(?=\s*\])')
 # a trailing comma before ']', outside the JSON strings (group 1 skips over them whole)
 _TRAILING_COMMA = re.compile(r'("(?:[^"\\]|\\.)*")|,(\s*)\]')
 _TOKEN = re.compile(
@@ -101,9 +103,15 @@ def _parse_fast(parts: list[str]) -> Sexp:
         if n % 2:
             out.append(json.dumps(_unescape(part[1:-1])) + ',')
         else:
-            part = _ATOM.sub(r'"\g<0>",', part)
-            out.append(part.replace('(', '[').replace(')', '],'))
-    text = _TRAILING_COMMA.sub(lambda m: m[1] or m[2] + ']', ''.join(out)).rstrip().rstrip(',')
+            split = _ATOM_SPLIT.split(part)  # separators and atoms, alternating
+            split[1::2] = map('"%s",'.__mod__, split[1::2])
+            out.append(''.join(split).replace('(', '[').replace(')', '],'))
+    text = ''.join(out)
+    if any(',' in part or '\\' in part for part in parts):  # a JSON string may hold ",]"
+        text = _TRAILING_COMMA.sub(lambda m: m[1] or m[2] + ']', text)
+    else:  # every comma is one this function wrote
+        text = _COMMA_BEFORE_CLOSE.sub('', text)
+    text = text.rstrip().rstrip(',')
     # Several top-level values become one list so json.loads rejects them.
     try:
         return json.loads(text)
@@ -187,12 +195,41 @@ def quote(atom: str) -> str:
     return ''.join(out)
 
 
+class Verbatim(str):
+    """The text of a list, kept as read and written back as is.
+
+    A directory index holds a million pieces; its codec keeps their list as
+    text and reads it with numpy rather than as a million small lists (see
+    `jckpt.format.fastpath.with_canonical_lists`).
+
+    >>> dumps(['pieces', Verbatim('((0 ((0 2))))')])
+    '(pieces ((0 ((0 2)))))'
+    """
+
+
+def float_atom(x: float) -> str:
+    """A float in OCaml's spelling: `0.`, `1.5`, `-inf`, `nan`.
+
+    >>> float_atom(0.0), float_atom(-1.5), float_atom(float('inf'))
+    ('0.', '-1.5', 'inf')
+    """
+    if math.isnan(x):
+        return 'nan'
+    if math.isinf(x):
+        return 'inf' if x > 0 else '-inf'
+    if x == int(x) and abs(x) < 1e16:
+        return f'{int(x)}.'
+    return repr(x)
+
+
 def dumps(value: Sexp | int | Sequence) -> str:
     """Write `value` (atoms, ints and nested sequences) on one line."""
+    if type(value) is Verbatim:
+        return str(value)
     if isinstance(value, str):
         return quote(value)
     if isinstance(value, bool):
         raise TypeError("booleans have no S-expression spelling; use a string")
     if isinstance(value, int):
         return str(value)
-    return '(' + ' '.join(dumps(v) for v in value) + ')'
+    return '(' + ' '.join([quote(v) if type(v) is str else dumps(v) for v in value]) + ')'

@@ -23,6 +23,8 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import functools
+import itertools
+import operator
 import os
 import re
 import secrets
@@ -33,7 +35,8 @@ from typing import Any
 import numpy as np
 
 from jckpt.errors import CheckpointError, DistributedError, FormatError, StorageError
-from jckpt.format.boxes import Box, box_shape, box_size, box_slices, check_tiling, intersect
+from jckpt.format._gc import paused
+from jckpt.format.boxes import Box, box_shape, box_size, box_slices, check_tiling
 from jckpt.format.header import Entry, Header
 from jckpt.format.index import IndexedArray, global_entry, index_header, parse_index
 from jckpt.format.names import DIRECTORY_LOCK_NAME, INDEX_NAME, PIECE_RE, STAGE_DIR_TAG, piece_name
@@ -176,23 +179,52 @@ def publish_directory(stage: str, path: str, *, durable: bool = True) -> None:
 
 # --- the index ----------------------------------------------------------------------------------
 
-def _pieces_by_array(stage: str, names: Iterable[str]) -> list[IndexedArray]:
+@paused  # a million pieces, and no cycles among them
+def collect_arrays(stage: str, names: Iterable[str]) -> list[IndexedArray]:
     """Every array of the piece files `names` with its pieces, ordered by namespace and id."""
-    arrays: dict[tuple[str, Any], tuple[Entry, list[tuple[int, Box]]]] = {}
+    arrays: dict[tuple[str, Any], tuple[tuple[Any, ...], Entry, list[tuple[int, Box]]]] = {}
     for fi, name in enumerate(names):
         reader = LOCAL.open(os.path.join(stage, name))
         for e in reader.header.tensors:
             if e.slice is None:
                 raise FormatError("piece entry without slice", file=reader.path, entry=e.name)
-            g = global_entry(e)
-            have = arrays.setdefault(e.identity, (g, []))
-            if have[0] != g:
-                raise DistributedError(f"processes disagree about this array: {have[0]} vs {g}",
-                                       file=stage, entry=e.name,
+            # what global_entry(e) depends on, compared without building it for every piece
+            same = (e.id, e.prec, e.global_dims, e.label, e.key_impl)
+            have = arrays.get(e.identity)
+            if have is None:
+                have = arrays[e.identity] = (same, global_entry(e), [])
+            elif have[0] != same:
+                raise DistributedError(f"processes disagree about this array: {have[1]} vs "
+                                       f"{global_entry(e)}", file=stage, entry=e.name,
                                        fix="save the same tree structure from every process")
-            have[1].append((fi, e.slice))
-    return [IndexedArray(g, tuple(sorted(pieces, key=lambda p: p[1])))
-            for g, pieces in sorted(arrays.values(), key=lambda v: (v[0].namespace, v[0].id))]
+            have[2].append((fi, e.slice))
+    by_box = operator.itemgetter(1)
+    return [IndexedArray(g, tuple(sorted(pieces, key=by_box)))
+            for _, g, pieces in sorted(arrays.values(), key=lambda v: (v[1].namespace, v[1].id))]
+
+
+def check_arrays(stage: str, arrays: Iterable[IndexedArray]) -> None:
+    """Refuse, with `DistributedError`, an array whose pieces do not tile it exactly."""
+    for a in arrays:
+        try:
+            boxes: Any = a.bounds  # all at once (and kept for encoding the index)
+        except ValueError:  # boxes of another rank than the array: said box by box
+            boxes = [b for _, b in a.pieces]
+        why = check_tiling(boxes, a.entry.dims)
+        if why:
+            raise DistributedError(f"pieces do not tile the array: {why}", file=stage,
+                                   entry=a.entry.name,
+                                   fix="every process must save the same global arrays")
+
+
+def write_index_file(stage: str, names: list[str], process_count: int,
+                     arrays: list[IndexedArray], alignment: int, metadata: dict[str, str], *,
+                     durable: bool = True) -> Header:
+    """Encode the index of `arrays` (checked) and write it as `stage`'s `index.jckpt`."""
+    header = index_header(names, process_count, arrays, alignment, metadata,
+                          writer=f"jckpt {__version__}")
+    write_checkpoint(os.path.join(stage, INDEX_NAME), header, [], durable=durable)
+    return header
 
 
 def write_index(stage: str, process_count: int, alignment: int, metadata: dict[str, str], *,
@@ -203,17 +235,10 @@ def write_index(stage: str, process_count: int, alignment: int, metadata: dict[s
         if piece_name(p) not in names:
             raise DistributedError(f"process {p} wrote no piece file", file=stage,
                                    fix="check that process's log")
-    arrays = _pieces_by_array(stage, names)
-    for a in arrays:
-        why = check_tiling([b for _, b in a.pieces], a.entry.dims)
-        if why:
-            raise DistributedError(f"pieces do not tile the array: {why}", file=stage,
-                                   entry=a.entry.name,
-                                   fix="every process must save the same global arrays")
-    header = index_header(names, process_count, arrays, alignment, metadata,
-                          writer=f"jckpt {__version__}")
-    write_checkpoint(os.path.join(stage, INDEX_NAME), header, [], durable=durable)
-    return header
+    arrays = collect_arrays(stage, names)
+    check_arrays(stage, arrays)
+    return write_index_file(stage, names, process_count, arrays, alignment, metadata,
+                            durable=durable)
 
 
 # --- reading ------------------------------------------------------------------------------------
@@ -233,6 +258,24 @@ def _no_index_fix(path: str) -> str:
         return (f"this is an orbax checkpoint: convert it to a jckpt file first, "
                 f"jckpt.convert({path!r}, 'state.jckpt'), then restore from that")
     return "restore from a complete checkpoint"
+
+
+def overlapping(array: IndexedArray, box: Box) -> list[tuple[int, Box, Box]]:
+    """`(file number, piece box, common box)` of every piece of `array` that `box` needs.
+
+    The pieces are searched at once (`array.bounds`), so planning a restore
+    of one shard of each of 1,000 arrays of 1,024 pieces costs milliseconds.
+    """
+    if not array.pieces:
+        return []
+    want = np.array(box, dtype=np.int64).reshape(len(box), 2)
+    lo = np.maximum(array.bounds[:, :, 0], want[:, 0])
+    hi = np.minimum(array.bounds[:, :, 1], want[:, 1])
+    hit = np.flatnonzero((lo < hi).all(axis=1))
+    columns = np.stack([lo[hit], hi[hit]], axis=2).reshape(len(hit), 2 * len(box)).T.tolist()
+    commons = zip(*[zip(columns[2 * k], columns[2 * k + 1]) for k in range(len(box))]) \
+        if box else itertools.repeat(())
+    return [(*array.pieces[i], common) for i, common in zip(hit.tolist(), commons)]
 
 
 class DirectoryReader:
@@ -289,12 +332,8 @@ class DirectoryReader:
         e = array.entry
         # Every overlapping piece is found in its file (and so within that file's size) before
         # the box is allocated: an index cannot make a reader allocate more than the pieces hold.
-        parts = []
-        for fi, pbox in array.pieces:
-            common = intersect(box, pbox)
-            if common is None or (box_size(common) == 0 and common != ()):
-                continue
-            parts.append((common, pbox, self.piece(fi, array, pbox, verify=verify)))
+        parts = [(common, pbox, self.piece(fi, array, pbox, verify=verify))
+                 for fi, pbox, common in overlapping(array, box)]
         out = np.empty(box_shape(box) + (e.shape[len(e.dims):]), dtype=e.dtype)
         copied = 0
         for common, pbox, src in parts:
@@ -318,5 +357,5 @@ class DirectoryReader:
         return bad
 
 
-__all__ = ['DirectoryReader', 'make_stage', 'publish_directory', 'reclaim_stage_dirs',
-           'write_index']
+__all__ = ['DirectoryReader', 'check_arrays', 'collect_arrays', 'make_stage', 'overlapping',
+           'publish_directory', 'reclaim_stage_dirs', 'write_index', 'write_index_file']

@@ -191,6 +191,52 @@ def test_a_grid_without_one_piece_or_with_one_twice_is_refused(grid, data):
         assert check_tiling(replaced, shape) is not None
 
 
+def _covered_once(boxes, shape):
+    """Whether every element of ``shape`` lies in exactly one of ``boxes`` (painted one by one)."""
+    count = np.zeros(shape, dtype=np.int64)
+    for b in boxes:
+        if box_size(b) and intersect(b, full_box(shape)) != b:
+            return False
+        if box_size(b):
+            count[box_slices(b)] += 1
+    return bool((count == 1).all())
+
+
+@st.composite
+def pieces_near_a_grid(draw):
+    """A grid's boxes with a few changed: moved edges, pieces dropped or repeated, some empty."""
+    shape, boxes = draw(grids())
+    bound = st.integers(0, max(shape) + 1)
+    for _ in range(draw(st.integers(0, 3))):
+        if not boxes:
+            break
+        i = draw(st.integers(0, len(boxes) - 1))
+        d = draw(st.integers(0, len(shape) - 1))
+        box = list(boxes[i])
+        box[d] = draw(st.sampled_from([(box[d][0], draw(bound)), (draw(bound), box[d][1])]))
+        what = draw(st.sampled_from(['change', 'add', 'drop']))
+        if what == 'drop':
+            del boxes[i]
+        else:
+            boxes[i:i + (what == 'change')] = [tuple(box)]
+    return shape, boxes
+
+
+@settings(max_examples=400, deadline=None)
+@given(pieces_near_a_grid())
+def test_tiling_is_decided_as_painting_every_element_decides(case):
+    shape, boxes = case
+    assert (check_tiling(boxes, shape) is None) == _covered_once(boxes, shape)
+
+
+def test_many_pieces_tile_and_an_overlap_among_them_is_named():
+    """300 x 300 one-element pieces tile; with one repeated, the two are named."""
+    boxes = [((i, i + 1), (j, j + 1)) for i in range(300) for j in range(300)]
+    assert check_tiling(boxes, (300, 300)) is None
+    boxes[5] = boxes[6]
+    assert check_tiling(boxes, (300, 300)) == f"pieces {boxes[5]} and {boxes[6]} overlap"
+
+
 @settings(max_examples=150, deadline=None)
 @given(grids(), grids())
 def test_intersection_lies_in_both(g1, g2):

@@ -228,7 +228,6 @@ def test_entry_properties():
 
 
 def test_entry_for_builds_what_the_decoder_accepts():
-    from jckpt.format.entries import entry_for
 
     path = (("k", "layers"), ("i", 3), ("ki", 7), ("a", "w"))
     e = entry_for("model", path, np.dtype(">f4"), (2, 5), id=9, key_impl="rbg")
@@ -249,6 +248,7 @@ def test_entry_for_builds_what_the_decoder_accepts():
 # --- the three decoding paths (C accelerator, regular expression, general reader) agree ---
 
 from jckpt.format import fastpath  # noqa: E402
+from jckpt.format.entries import entry_for  # noqa: E402
 
 atoms = st.text(alphabet=st.characters(codec="utf-8", exclude_characters="\x00"), max_size=6)
 components = st.one_of(
@@ -271,7 +271,23 @@ def entries(draw):
         checksum=draw(st.one_of(st.none(), st.tuples(st.just("xxh3_64"),
                                                         st.from_regex(r"[0-9a-f]{16}", fullmatch=True)))),
         key_impl=draw(st.one_of(st.none(), st.sampled_from(["threefry2x32", "rbg", "a b"]))),
+        **draw(pieces(dims)),
     )
+
+
+def pieces(dims):
+    """No slice (a whole array), or a piece of a larger array: a slice that fits its dims and
+    its global_dims, or (sometimes) one that does not, which every path must refuse alike."""
+    fits = st.lists(st.tuples(st.integers(0, 10**7), st.integers(0, 3)),
+                    min_size=len(dims), max_size=len(dims)).map(lambda xs: {
+        'slice': tuple((s, s + d) for (s, _), d in zip(xs, dims)),
+        'global_dims': tuple(s + d + g for (s, g), d in zip(xs, dims))})
+    broken = st.tuples(fits, st.sampled_from(["stop", "global", "ndim"])).map(lambda x: {
+        'slice': (x[0]['slice'] + ((0, 1),) if x[1] == "ndim" else
+                  tuple((a, b + 1) for a, b in x[0]['slice']) if x[1] == "stop" else x[0]['slice']),
+        'global_dims': tuple(g - 1 for g in x[0]['global_dims']) if x[1] == "global"
+        else x[0]['global_dims']})
+    return st.one_of(st.just({}), fits, broken)
 
 
 def _decode_all_ways(text: str):
@@ -298,6 +314,18 @@ def _decode_all_ways(text: str):
 def test_accelerator_is_built_and_used():
     raw = encode_header(Header(tensors=(entry(),)))
     assert fastpath.canonical_entries(raw[4:].decode()) is not None
+
+
+def test_pieces_of_directory_checkpoints_take_the_fast_path():
+    """A piece file's entries (slice and global_dims) decode without the general reader."""
+    es = (entry_for("n", (("k", "w"),), np.dtype("float32"), (2, 3), id=0, slice=((2, 4), (0, 3)),
+                    global_dims=(8, 3)),
+          entry_for("n", (("k", "s"),), np.dtype("int32"), (), id=1, slice=(), global_dims=()))
+    text = encode_header(lay_out(Header(tensors=es)))[4:].decode()
+    for accelerate in ([True, False] if fastpath.accelerator is not None else [False]):
+        found = fastpath.canonical_entries(text, accelerate=accelerate)
+        assert found is not None
+        assert [(e.slice, e.global_dims) for e in found[0]] == [(((2, 4), (0, 3)), (8, 3)), ((), ())]
 
 
 @settings(max_examples=300, deadline=None)

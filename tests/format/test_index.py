@@ -4,11 +4,14 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jckpt.errors import FormatError
-from jckpt.format.header import Entry, Header, decode_header, encode_header
+from jckpt.format.header import Entry, Header, decode_header, encode_header, header_from_sexp
 from jckpt.format.index import IndexedArray, global_entry, index_header, parse_index
 from jckpt.format.names import LAYOUT_VERSION
+from jckpt.format.sexp import SexpError, parse
 
 FILES = ["process_00000.jckpt", "process_00001.jckpt", "process_00000.1.jckpt"]
 
@@ -47,6 +50,53 @@ def test_round_trip_in_memory_and_through_bytes():
     assert parse_index(h, "i") == (FILES, arrays)
     back = decode_header(encode_header(h), file="i")
     assert parse_index(back, "i") == (FILES, arrays)
+
+
+def test_many_pieces_of_every_rank_round_trip_with_their_bounds():
+    """Pieces read from the index's text at once are those written, and so are their bounds."""
+    grid = tuple((i % 3, ((i, i + 1), (0, 2), (2 * h, 2 * h + 2))) for i in range(40) for h in (0, 1))
+    arrays = [array(0, dims=(40, 2, 4), pieces=grid, byte_length=40 * 2 * 4 * 4),
+              array(1, dims=(50,), pieces=tuple((i % 3, ((i, i + 1),)) for i in range(50)),
+                    byte_length=200),
+              array(2, dims=(), pieces=((2, ()),), byte_length=4),
+              array(4, dims=(0,), pieces=(), byte_length=0),
+              array(3, dims=(12345678901234, 1), pieces=((0, ((0, 12345678901234), (0, 1))),),
+                    prec="Byte_prec", byte_length=12345678901234)]
+    back = decode_header(encode_header(header(*arrays)), file="i")
+    _files, parsed = parse_index(back, "i")
+    assert parsed == arrays
+    for a in parsed:
+        expected = [box for _, box in a.pieces]
+        assert a.bounds.tolist() == [[list(pair) for pair in box] for box in expected]
+        assert all(type(fi) is int and all(type(x) is int for pair in box for x in pair)
+                   for fi, box in a.pieces)
+
+
+def _outcome(read):
+    try:
+        return "ok", read()
+    except (FormatError, SexpError) as e:
+        return "error", str(e)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 10**6), st.sampled_from(["delete", "insert", "replace"]),
+       st.sampled_from(list("() 09-x")))
+def test_pieces_kept_as_text_read_as_the_general_reader_reads_them(where, change, char):
+    """An index, its pieces text changed by one character: the same arrays or the same refusal
+    whether its pieces are read at once (as kept by the decoder) or as parsed lists."""
+    arrays = [array(0), array(1, dims=(3,), pieces=((2, ((0, 3),)),), byte_length=12),
+              array(2, dims=(), pieces=((0, ()),), byte_length=4, path=None, label=())]
+    text = text_of(header(*arrays))
+    start = text.index("(pieces")
+    pos = start + where % (len(text) - start - 1)
+    text = (text[:pos] + text[pos + 1:] if change == "delete" else
+            text[:pos] + char + text[pos + (change == "replace"):])
+    raw = text.encode()
+    kept = _outcome(lambda: parse_index(decode_header(len(raw).to_bytes(4, "big") + raw, file="i"), "i"))
+    general = _outcome(lambda: parse_index(header_from_sexp(parse(text), file="i"), "i"))
+    if "well-formed" not in str(kept[1]):  # else the text is refused before the index is read
+        assert kept == general
 
 
 def test_global_entry_drops_the_slice():

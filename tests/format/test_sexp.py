@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jckpt.format.sexp import MAX_DEPTH, SexpError, dumps, parse, parse_slow, quote
+from jckpt.format.sexp import MAX_DEPTH, SexpError, Verbatim, dumps, parse, parse_slow, quote
 
 
 def test_atoms_and_lists():
@@ -81,6 +81,28 @@ def test_fast_and_slow_paths_agree(text):
     except SexpError:
         slow = ("err", None)
     assert fast == slow
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet='() ,[]"\\0\n', max_size=30))
+def test_fast_and_slow_paths_agree_on_json_punctuation(text):
+    outcomes = []
+    for read in (parse, parse_slow):
+        try:
+            outcomes.append(("ok", read(text)))
+        except SexpError:
+            outcomes.append(("err", None))
+    assert outcomes[0] == outcomes[1]
+
+
+def test_verbatim_text_is_written_as_is_and_reads_back_as_lists():
+    """What a directory index keeps as text (its pieces): written unquoted, read as lists."""
+    value = ('pieces', Verbatim('((0 ((0 2) (10 12))) (1 ()) (7 ((3 4))))'))
+    text = dumps(value)
+    assert text == '(pieces ((0 ((0 2) (10 12))) (1 ()) (7 ((3 4)))))'
+    assert parse(text) == parse_slow(text) == [
+        'pieces', [['0', [['0', '2'], ['10', '12']]], ['1', []], ['7', [['3', '4']]]]]
+    assert dumps(('pieces', 'a b')) == '(pieces "a b")'  # a plain string is quoted as always
 
 
 def test_atoms_that_look_like_json_punctuation_survive_the_fast_path():

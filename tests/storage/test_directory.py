@@ -1,5 +1,7 @@
 """The directory form on disk (jckpt.storage.directory), without JAX: staging, index, publish, read."""
 
+import dataclasses
+import itertools
 import os
 import subprocess
 import sys
@@ -144,6 +146,55 @@ def test_write_index_keeps_every_layer(tmp_path):
     assert [box for _, box in array.pieces] == [((0, 2), (0, 4)), ((2, 4), (0, 4)),
                                                 ((4, 6), (0, 4)), ((6, 8), (0, 4))]
     np.testing.assert_array_equal(np.asarray(reader.decode(array.entry)), W)
+
+
+def _grid_array(shape, cuts):
+    """An indexed array of ``shape`` cut at ``cuts`` in each dimension, piece k in file k."""
+    from jckpt.format.index import IndexedArray
+    edges = [sorted({0, d, *c}) for d, c in zip(shape, cuts)]
+    boxes = [()]
+    for e in edges:
+        boxes = [(*b, pair) for b in boxes for pair in itertools.pairwise(e)]
+    entry = Entry(id=0, namespace="jckpt", prec="Single_prec", dims=tuple(shape), offset=0,
+                  byte_length=4 * int(np.prod(shape)), path=(("k", "w"),))
+    return IndexedArray(entry, tuple(enumerate(boxes)))
+
+
+@pytest.mark.parametrize("box", [((0, 6), (0, 4)), ((1, 2), (1, 2)), ((2, 5), (0, 4)),
+                                 ((3, 3), (0, 4)), ((5, 6), (3, 4)), ((0, 1), (0, 4))])
+def test_overlapping_names_the_pieces_a_box_needs_and_only_those(box):
+    from jckpt.format.boxes import box_size, intersect
+    array = _grid_array((6, 4), [(2, 4), (1,)])
+    expected = [(fi, pbox, common) for fi, pbox in array.pieces
+                if (common := intersect(box, pbox)) is not None and box_size(common)]
+    assert dr.overlapping(array, box) == expected
+    assert all(type(x) is int for _, pbox, common in expected for pair in pbox + common for x in pair)
+
+
+def test_overlapping_of_a_scalar_and_of_an_array_without_pieces():
+    from jckpt.format.index import IndexedArray
+    scalar = IndexedArray(Entry(id=1, namespace="jckpt", prec="Single_prec", dims=(), offset=0,
+                                byte_length=4, path=(("k", "s"),)), ((0, ()),))
+    assert dr.overlapping(scalar, ()) == [(0, (), ())]
+    empty = _grid_array((0, 4), [(), ()])
+    assert dr.overlapping(dataclasses.replace(empty, pieces=()), ((0, 0), (0, 4))) == []
+
+
+def test_a_directory_of_many_pieces_reads_each_box_from_its_pieces(tmp_path):
+    """16 processes, each holding a 2 x 2 block of a (8, 8) array and one element of a (16,)
+    one: every box reads back what was saved, through the index read from disk."""
+    w, v = np.arange(64, dtype=np.float32).reshape(8, 8), np.arange(16, dtype=np.int32)
+    for p in range(16):
+        i, j = divmod(p, 4)
+        write_piece(tmp_path, p, [(0, "w", w, ((2 * i, 2 * i + 2), (2 * j, 2 * j + 2))),
+                                  (1, "v", v, ((p, p + 1),))])
+    dr.write_index(str(tmp_path), 16, 32, {}, durable=False)
+    reader = dr.DirectoryReader(tmp_path)
+    arrays = {a.entry.name: a for a in reader.arrays.values()}
+    assert arrays["jckpt/w"].bounds.shape == (16, 2, 2) and arrays["jckpt/v"].bounds.shape == (16, 1, 2)
+    for box in [((0, 8), (0, 8)), ((1, 7), (3, 4)), ((6, 8), (6, 8)), ((2, 2), (0, 8))]:
+        np.testing.assert_array_equal(reader.read_box(arrays["jckpt/w"], box), w[box_slices(box)])
+    np.testing.assert_array_equal(reader.read_box(arrays["jckpt/v"], ((3, 11),)), v[3:11])
 
 
 @pytest.mark.parametrize("exchange", [True, False])

@@ -56,3 +56,12 @@ def test_gpu_benchmark_runs_on_the_default_device_in_quick_mode(tmp_path):
         assert len(runs[name]["blocks_ms"]) == 3 and runs[name]["counters"].endswith("error 0"), runs
     assert "| mirror |" in p.stdout and "| restore onto the device |" in p.stdout
     assert os.listdir(tmp_path) == ["gpu.json"]  # every file cleaned up
+
+
+def test_index_scale_benchmark_runs_its_smallest_size():
+    """The directory-index benchmark writes, indexes, reads and plans 1,025 pieces."""
+    p = subprocess.run([sys.executable, "bench/bench_index_scale.py", "--sizes", "1k"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    header, row = p.stdout.splitlines()[:2]
+    assert "plan one" in header and row.split()[0] == "1025"
