@@ -8,13 +8,16 @@ they can be mapped in turn.
 
 from __future__ import annotations
 
+import io
 import struct
 import zipfile
 import zlib
 from collections.abc import Iterable
+from typing import Any
 
 from jckpt.adapters._common import check_member_name
 from jckpt.errors import FormatError
+from jckpt.storage.backend import backend_for, is_url
 
 ALIGNMENT = 64
 #: What reading a damaged member raises: zipfile's own errors and its decompressors'.
@@ -30,11 +33,19 @@ _LOCAL_HEADER = struct.Struct('<4sHHHHHIIIHH')
 _PAD_ID = 0x4246  # 'FB': the padding record torch.save uses
 
 
-def open_zip(path: str) -> zipfile.ZipFile:
+def zip_source(path: str, buffer: Any = None) -> Any:
+    """What `zipfile.ZipFile` reads ``path`` from: the local path, or an object's bytes in memory."""
+    if not is_url(path):
+        return path
+    return io.BytesIO(buffer if buffer is not None else backend_for(path).map(path))
+
+
+def open_zip(path: str, buffer: Any = None) -> zipfile.ZipFile:
     """Open ``path`` as a zip archive; :class:`FormatError` if it is not one or is truncated,
-    or if a member name could escape a directory."""
+    or if a member name could escape a directory. A URL's ``buffer`` (its bytes) is read
+    again from the store when not given."""
     try:
-        zf = zipfile.ZipFile(path)
+        zf = zipfile.ZipFile(zip_source(path, buffer))
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError,
             struct.error) as e:
         raise FormatError(f"not a readable zip archive ({e})", file=path,

@@ -180,7 +180,7 @@ def sniff_npz(path: str, head: bytes | None) -> bool:
     if head is None or head[:4] not in (b'PK\x03\x04', b'PK\x05\x06'):
         return False
     import zipfile
-    with zipfile.ZipFile(path) as zf:
+    with zipfile.ZipFile(_zip.zip_source(path)) as zf:
         return all(n.endswith('.npy') for n in zf.namelist())
 
 
@@ -188,7 +188,7 @@ def read_npz(path: str) -> dict[str, Any]:
     """An ``.npz`` archive as ``{namespace: subtree}`` (zero-copy for aligned stored members)."""
     path = os.fspath(path)
     buffer = map_file(path)
-    with _zip.open_zip(path) as zf:
+    with _zip.open_zip(path, buffer) as zf:
         arrays: dict[str, np.ndarray] = {}
         for info in zf.infolist():
             if info.is_dir():

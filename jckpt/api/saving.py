@@ -27,7 +27,7 @@ import jax
 from jckpt.api import progress as progress_mod
 from jckpt.api.context import Context, check_context
 from jckpt.api.multiprocess import save_directory
-from jckpt.errors import InputError, InUseError
+from jckpt.errors import CheckpointError, InputError, InUseError
 from jckpt.format._gc import paused
 from jckpt.format.entries import Entry, Header, KeyPath, entry_for, round_up
 from jckpt.format.layout import lay_out
@@ -35,7 +35,7 @@ from jckpt.format.limits import MAX_ALIGNMENT, valid_alignment
 from jckpt.format.metadata import check_metadata
 from jckpt.format.names import INDEX_NAME
 from jckpt.format.payload import CHECKSUM_PLACEHOLDER
-from jckpt.storage.backend import checked_path
+from jckpt.storage.backend import LOCAL, backend_for, checked_path
 from jckpt.storage.publish import storage_error
 from jckpt.storage.reader import CheckpointReader
 from jckpt.storage.regions import ShardedSource
@@ -81,8 +81,9 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
     """
     path, ctx = checked_path(path), check_context(ctx)
     metadata = check_metadata(metadata, path)  # strings only, refused before anything is written
+    _refuse_appending_to_objects(path, appending)
     # several processes save their pieces into one directory; a directory checkpoint stays one
-    if jax.process_count() > 1 or os.path.isfile(os.path.join(path, INDEX_NAME)):
+    if jax.process_count() > 1 or _holds_directory(path):
         if appending:
             raise InputError("appending is not supported for directory checkpoints",
                              file=path, fix="save the whole tree")
@@ -106,6 +107,26 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
         _publish(ctx, path, header, sources, progress)
     finally:
         os.close(fd)
+
+
+def _refuse_appending_to_objects(path: str, appending: bool) -> None:
+    """An object cannot be appended to in place (an unserved URL is refused here too)."""
+    if appending and backend_for(path) is not LOCAL:
+        raise InputError("appending to a checkpoint in an object store is not supported", file=path,
+                         fix="save the whole tree (load the checkpoint first to keep its entries)")
+
+
+def _holds_directory(path: str) -> bool:
+    """Whether ``path`` holds a directory checkpoint (for a URL, an index under its prefix)."""
+    index = os.path.join(path, INDEX_NAME)
+    backend = backend_for(path)
+    if backend is LOCAL:
+        return os.path.isfile(index)
+    try:
+        return backend.exists(index)
+    except CheckpointError as e:  # the checkpoint's URL, not its index's
+        e.file = path
+        raise
 
 
 def _alignment(alignment: Any, path: str) -> int:

@@ -20,8 +20,8 @@ from jckpt.errors import InputError
 from jckpt.format import metadata
 from jckpt.format.names import INDEX_NAME, NEXT_TAG, STAGE_DIR_TAG, STAGE_TAG, STEP_RE, TRAINER_STATE_NAME
 from jckpt.services import formats
-from jckpt.services.formats import CheckpointLoadOptions
-from jckpt.storage.backend import Backend
+from jckpt.services.formats import CheckpointLoadOptions, CheckpointOptions
+from jckpt.storage.backend import LOCAL, Backend
 from jckpt.storage.directory import reclaim_stage_dirs
 from jckpt.storage.publish import reclaim_staging
 from jckpt.storage.staging import remove_staged
@@ -58,8 +58,27 @@ def parse_metrics(text: str | None, path: str) -> dict[str, float]:
     return metrics
 
 
+def check_remote(directory: str, directory_steps: bool, options: CheckpointOptions) -> None:
+    """Refuse what a manager cannot yet write to an object store: step directories, foreign formats."""
+    if directory_steps:
+        raise InputError("a manager in an object store writes each step as one checkpoint object; "
+                         "step directories (several processes) are not supported there yet",
+                         file=directory, fix="save from one process, or to a shared filesystem")
+    if options.foreign:
+        raise InputError(f"a manager in an object store writes jckpt steps only, not {options.format}",
+                         file=directory, fix="save in the jckpt format, or to a local directory")
+
+
 def clean_staging(backend: Backend, directory: str) -> None:
-    """Remove staging files and directories of steps whose writer died (incomplete steps)."""
+    """Remove staging files and directories of steps whose writer died (incomplete steps).
+
+    An object store holds none: its steps are staged in local files and uploaded whole.
+    """
+    if backend is not LOCAL:
+        for name in backend.list(directory):
+            if STEP_RE.match(name):
+                remove_staged(os.path.join(directory, name))
+        return
     files, dirs = set(), set()
     for name in backend.list(directory):
         path = os.path.join(directory, name)
@@ -93,4 +112,4 @@ def checked(value: Any, kind: type, name: str, default: Any = None) -> Any:
     return value
 
 
-__all__ = ['checked', 'clean_staging', 'parse_metrics', 'read_metadata', 'read_tree']
+__all__ = ['check_remote', 'checked', 'clean_staging', 'parse_metrics', 'read_metadata', 'read_tree']

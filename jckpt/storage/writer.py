@@ -15,7 +15,7 @@ import os
 import struct
 import types
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -200,6 +200,23 @@ class CopySource:
             src += n
             remaining -= n
         return self.checksum
+
+
+@dataclasses.dataclass(frozen=True)
+class ReaderSource:
+    """A payload kept verbatim from a checkpoint read by range (an object in a store).
+
+    `CopySource` copies between descriptors; an object has none, so its
+    payload is fetched whole (concurrent ranged GETs) and streamed to the sink.
+    """
+
+    reader: Any
+    entry: Entry
+
+    def write(self, sink: Sink) -> tuple[str, str]:
+        data = self.reader.payload(self.entry)
+        sink.write(data)
+        return self.entry.checksum if self.entry.checksum is not None else payload_mod.checksum(data)
 
 
 def with_placeholders(header: Header) -> Header:

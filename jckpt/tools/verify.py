@@ -215,7 +215,7 @@ def _combine(path: str, reports: list[VerifyReport], extra: list[Problem]) -> Ve
 
 def _verify_steps(path: str, progress: bool) -> VerifyReport:
     """Every step of a checkpoint manager's directory, as one report."""
-    names = sorted(n for n in os.listdir(path) if STEP_RE.match(n))
+    names = sorted(n for n in backend_for(path).list(path) if STEP_RE.match(n))
     return _combine(path, [verify(os.path.join(path, n), progress=progress) for n in names], [])
 
 
@@ -229,7 +229,7 @@ def _verify_sharded(path: str, progress: bool) -> VerifyReport:
     problems += _index_mismatches(reader, pieces)
     listed = set(reader.files)
     problems += [Problem('warning', f"piece file {name} is not listed in {INDEX_NAME}", path)
-                 for name in sorted(os.listdir(path)) if PIECE_RE.match(name) and name not in listed]
+                 for name in backend_for(path).list(path) if PIECE_RE.match(name) and name not in listed]
     return _combine(path, reports, problems)
 
 

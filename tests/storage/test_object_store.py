@@ -1,0 +1,318 @@
+"""Checkpoints in object stores, against a real S3 API server (moto's) and obstore's memory store.
+
+What a user does: save to ``s3://bucket/...`` and read it back with every
+reader, partially, after faults; what they must never see: a partial
+object, another checkpoint's bytes, an error without the URL and a fix.
+"""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import jckpt
+from jckpt.storage import backend_for, object_store
+from jckpt.storage.object_store import ObjectURL
+
+pytest.importorskip("obstore", reason="obstore is not installed (pip install 'jckpt[cloud]')")
+
+TREE = {"w": np.arange(300_000, dtype=np.float32).reshape(600, 500), "b": np.arange(7, dtype=np.int32),
+        "nested": {"s": np.float32(2.5), "m": np.ones((3, 4), np.float64)}}
+HOST = jckpt.Context(host=True)
+
+
+def assert_tree_equal(a, b):
+    for x, y in zip(jax_leaves(a), jax_leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def jax_leaves(tree):
+    import jax
+    return jax.tree_util.tree_leaves(tree)
+
+
+class ByteCount:
+    """Counts the bytes and requests the object store backend reads (header and payload GETs)."""
+
+    def __init__(self, monkeypatch):
+        self.bytes = self.requests = 0
+        head, read_into = object_store.ObjectSource.head, object_store.ObjectSource.read_into
+        lock = threading.Lock()
+
+        def counted_head(src, length):
+            data, size, version = head(src, length)
+            with lock:
+                self.bytes += len(data)
+                self.requests += 1
+            return data, size, version
+
+        def counted_read(src, dest, offset, version):
+            read_into(src, dest, offset, version)
+            with lock:
+                self.bytes += len(dest)
+                self.requests += 1
+
+        monkeypatch.setattr(object_store.ObjectSource, "head", counted_head)
+        monkeypatch.setattr(object_store.ObjectSource, "read_into", counted_read)
+
+
+# --- round trips against the server -------------------------------------------------------------
+
+def test_save_load_restore_describe_verify(s3):
+    url = f"{s3}/run/model.jckpt"
+    jckpt.save(jckpt.Context(), TREE, url)
+    _, loaded = jckpt.load(HOST, url)
+    assert_tree_equal(loaded["jckpt"], TREE)
+    assert_tree_equal(jckpt.restore(HOST, TREE, url), TREE)
+    assert [e.name for e in jckpt.describe(url).tensors] == ["jckpt/b", "jckpt/nested/m",
+                                                               "jckpt/nested/s", "jckpt/w"]
+    report = jckpt.verify(url)
+    assert report.ok and report.checked == 4
+    assert "4 entries" in str(jckpt.info(url))
+
+
+def test_restore_to_devices_and_a_replaced_checkpoint(s3):
+    """A second save replaces the object whole; restore onto JAX arrays reads the new one."""
+    url = f"{s3}/model.jckpt"
+    jckpt.save(jckpt.Context(), TREE, url)
+    newer = {**TREE, "w": TREE["w"] + 1}
+    jckpt.save(jckpt.Context(), newer, url)
+    restored = jckpt.restore(jckpt.Context(), newer, url)
+    np.testing.assert_array_equal(np.asarray(restored["w"]), newer["w"])
+
+
+def test_restoring_one_small_leaf_reads_only_its_bytes(s3, monkeypatch):
+    url = f"{s3}/big.jckpt"
+    big = {f"w{i}": np.full(1 << 20, i, np.float32) for i in range(4)}  # 16 MiB
+    jckpt.save(jckpt.Context(), {**big, "small": np.arange(64, dtype=np.float32)}, url)
+    count = ByteCount(monkeypatch)
+    out = jckpt.restore(HOST, {"small": np.zeros(64, np.float32)}, url)
+    np.testing.assert_array_equal(out["small"], np.arange(64))
+    assert count.bytes < 0.01 * 16 * (1 << 20), count.bytes
+    assert count.requests == 2  # the header, then the leaf
+
+
+def test_each_device_reads_only_its_shard(s3, monkeypatch):
+    """Restored onto 8 devices without verification, the object is read once in all, not 8 times."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    url = f"{s3}/sharded.jckpt"
+    w = np.arange(2048 * 256, dtype=np.float32).reshape(2048, 256)  # 2 MiB
+    jckpt.save(jckpt.Context(), {"w": w}, url)
+    mesh = jax.make_mesh((8,), ("x",))
+    target = {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(mesh, PartitionSpec("x")))}
+    count = ByteCount(monkeypatch)
+    out = jckpt.restore(jckpt.Context(), target, url, verify=False)
+    np.testing.assert_array_equal(np.asarray(out["w"]), w)
+    assert w.nbytes <= count.bytes < w.nbytes + (300 << 10)
+    assert count.requests >= 9  # the header, then each device's rows
+
+
+def test_many_small_leaves_are_read_together(s3, monkeypatch):
+    url = f"{s3}/small.jckpt"
+    tree = {f"p{i:03d}": np.full(100, i, np.float32) for i in range(200)}
+    jckpt.save(jckpt.Context(), tree, url)
+    count = ByteCount(monkeypatch)
+    _, loaded = jckpt.load(HOST, url)
+    assert_tree_equal(loaded["jckpt"], tree)
+    assert count.requests <= 3
+
+
+def test_tools_convert_merge_and_the_command_line(s3, tmp_path, capsys):
+    from jckpt.tools import rewrite
+    from jckpt.tools.cli import main
+
+    url = f"{s3}/a.jckpt"
+    jckpt.save(jckpt.Context(), TREE, url)
+    jckpt.convert(url, f"{s3}/a.safetensors")
+    assert jckpt.detect_format(f"{s3}/a.safetensors") == "safetensors"
+    jckpt.convert(f"{s3}/a.safetensors", str(tmp_path / "back.jckpt"))
+    jckpt.convert(str(tmp_path / "back.jckpt"), f"{s3}/a.npz")
+    jckpt.convert(f"{s3}/a.npz", f"{s3}/b.jckpt")
+    rewrite.merge(f"{s3}/merged.jckpt", [url, f"{s3}/b.jckpt"], prefixes=["x", "y"])
+    names = {e.name for e in jckpt.describe(f"{s3}/merged.jckpt").tensors}
+    assert "x__jckpt/w" in names and "y__jckpt/w" in names
+    capsys.readouterr()
+    assert main(["inspect", url]) == 0
+    assert main(["verify", f"{s3}/merged.jckpt"]) == 0
+    out = capsys.readouterr().out
+    assert url in out and "OK" in out
+
+
+# --- what a user gets wrong, and faults ------------------------------------------------------------
+
+def test_a_missing_object_and_a_missing_bucket(s3):
+    with pytest.raises(jckpt.FormatError, match="no such checkpoint") as e:
+        jckpt.load(HOST, f"{s3}/nothing.jckpt")
+    assert e.value.file == f"{s3}/nothing.jckpt"
+    gone = "s3://no-such-bucket-here/x.jckpt"
+    with pytest.raises(jckpt.StorageError, match="the bucket does not exist") as e:
+        jckpt.save(jckpt.Context(), TREE, gone)
+    assert e.value.file == gone and "create the bucket" in e.value.fix
+    with pytest.raises(jckpt.StorageError, match="the bucket does not exist"):
+        jckpt.load(HOST, gone)
+
+
+def test_a_truncated_object_and_a_damaged_one(s3):
+    import obstore
+
+    url = f"{s3}/t.jckpt"
+    jckpt.save(jckpt.Context(), TREE, url)
+    u = ObjectURL.parse(url)
+    store = object_store.store_for(u)
+    whole = bytes(obstore.get(store, u.key).bytes())
+    obstore.put(store, u.key, whole[:len(whole) // 2])
+    with pytest.raises(jckpt.FormatError, match="past the end") as e:
+        jckpt.load(HOST, url)
+    assert e.value.file == url
+    damaged = bytearray(whole)
+    damaged[-100] ^= 0xFF
+    obstore.put(store, u.key, bytes(damaged))
+    with pytest.raises(jckpt.ChecksumError, match="checksum mismatch") as e:
+        jckpt.load(HOST, url)  # verified by default: an object is never mapped
+    assert e.value.file == url and e.value.entry == "jckpt/w"
+    assert not jckpt.verify(url).ok
+
+
+def test_denied_credentials():
+    """A server that checks signatures refuses unknown keys: access denied, and what to set."""
+    pytest.importorskip("moto.server")
+    from tests.s3server import S3Server
+
+    server = S3Server.start(env={"INITIAL_NO_AUTH_ACTION_COUNT": "0"})
+    try:
+        object_store.configure("s3://guarded", endpoint=server.endpoint, access_key_id="nobody",
+                               secret_access_key="wrong", region="us-east-1")
+        with pytest.raises(jckpt.StorageError, match="access denied") as e:
+            jckpt.save(jckpt.Context(), TREE, "s3://guarded/x.jckpt")
+        assert e.value.file == "s3://guarded/x.jckpt" and "AWS_ACCESS_KEY_ID" in e.value.fix
+        with pytest.raises(jckpt.StorageError, match="access denied"):
+            jckpt.load(HOST, "s3://guarded/x.jckpt")
+    finally:
+        object_store.configure("s3://guarded")
+        server.stop()
+
+
+def test_server_killed_mid_upload_leaves_nothing_half_written(monkeypatch):
+    """The server dies while a large save uploads: a StorageError naming the URL; no partial object."""
+    from datetime import timedelta
+
+    from tests.s3server import CREDENTIALS, S3Server
+
+    server = S3Server.start()
+    try:
+        for name, value in {**CREDENTIALS, "AWS_ENDPOINT_URL": server.endpoint}.items():
+            monkeypatch.setenv(name, value)
+        bucket = server.bucket()
+        object_store.configure(f"s3://{bucket}", part_size=5 << 20, concurrency=2,
+                               retry_config={"max_retries": 1, "retry_timeout": timedelta(seconds=2)})
+        url = f"s3://{bucket}/model.jckpt"
+        jckpt.save(jckpt.Context(), TREE, url)
+        big = {"w": np.ones(40 << 20, np.uint8)}
+        killer = threading.Thread(target=lambda: (time.sleep(0.3), server.stop()))
+        killer.start()
+        with pytest.raises(jckpt.StorageError) as e:
+            jckpt.save(jckpt.Context(), big, url)
+        killer.join()
+        assert e.value.file == url and e.value.fix
+    finally:
+        object_store.configure(f"s3://{bucket}")
+        server.stop()
+
+
+def test_a_failed_upload_keeps_the_previous_checkpoint(s3, monkeypatch):
+    """An upload that fails (here: after its parts were sent) is aborted; the old object stays."""
+    import obstore
+
+    url = f"{s3}/model.jckpt"
+    jckpt.save(jckpt.Context(), TREE, url)
+    put = obstore.put
+
+    def failing_put(store, key, file, **kw):
+        def parts():
+            with open(file, "rb") as f:
+                yield f.read(6 << 20)
+            raise OSError("connection reset by peer")
+        return put(store, key, parts(), **kw)
+
+    monkeypatch.setattr(obstore, "put", failing_put)
+    with pytest.raises(jckpt.StorageError, match="uploading the checkpoint failed") as e:
+        jckpt.save(jckpt.Context(), {"w": np.zeros(4 << 20, np.float32)}, url)
+    assert e.value.file == url
+    monkeypatch.setattr(obstore, "put", put)
+    assert_tree_equal(jckpt.restore(HOST, TREE, url), TREE)
+    assert backend_for(s3).list(s3) == ["model.jckpt"]
+
+
+def test_the_writer_lease_is_a_conditional_create(s3):
+    backend = backend_for(s3)
+    first = backend.lease(f"{s3}/m.jckpt")
+    with pytest.raises(jckpt.InUseError, match="in use: another writer") as e:
+        backend.lease(f"{s3}/m.jckpt")
+    assert "delete" in e.value.fix and ".jckpt-lease" in e.value.fix
+    first.release()
+    backend.lease(f"{s3}/m.jckpt").release()
+
+
+def test_listing_and_removal(s3):
+    backend = backend_for(s3)
+    for name in ("run/a.jckpt", "run/sub/b.jckpt", "other.jckpt"):
+        jckpt.save(jckpt.Context(), {"x": np.zeros(2)}, f"{s3}/{name}")
+    assert backend.list(s3) == ["other.jckpt", "run"]
+    assert backend.list(f"{s3}/run") == ["a.jckpt", "sub"]
+    assert backend.isdir(f"{s3}/run") and not backend.isdir(f"{s3}/other.jckpt")
+    assert backend.exists(f"{s3}/other.jckpt") and not backend.exists(f"{s3}/run")
+    backend.remove(f"{s3}/run")
+    assert backend.list(s3) == ["other.jckpt"]
+    backend.remove(f"{s3}/nothing")  # missing is fine
+
+
+# --- configuration, without a server -----------------------------------------------------------------
+
+def test_memory_urls_make_fast_round_trips():
+    url = "memory://unit/model.jckpt"
+    jckpt.save(jckpt.Context(), TREE, url)
+    assert_tree_equal(jckpt.restore(HOST, TREE, url), TREE)
+
+
+def test_gs_urls_through_a_configured_store():
+    """gs:// has no local server here: its URLs go through obstore's memory store, configured for it."""
+    from obstore.store import MemoryStore
+
+    object_store.configure("gs://ckpts", store=MemoryStore())
+    try:
+        url = "gs://ckpts/run/model.jckpt"
+        jckpt.save(jckpt.Context(), TREE, url)
+        assert_tree_equal(jckpt.restore(HOST, TREE, url), TREE)
+        assert backend_for("gs://ckpts/run").list("gs://ckpts/run") == ["model.jckpt"]
+    finally:
+        object_store.configure("gs://ckpts")
+
+
+def test_unknown_options_and_schemes_are_input_errors():
+    object_store.configure("s3://typo", no_such_option=1)
+    try:
+        with pytest.raises(jckpt.InputError) as e:
+            jckpt.save(jckpt.Context(), TREE, "s3://typo/x.jckpt")
+        assert e.value.file == "s3://typo/x.jckpt"
+    finally:
+        object_store.configure("s3://typo")
+    with pytest.raises(jckpt.InputError, match="no storage backend for URL scheme 'ftp'"):
+        object_store.configure("ftp", endpoint="x")
+    with pytest.raises(jckpt.InputError, match="names no bucket"):
+        jckpt.save(jckpt.Context(), TREE, "s3:///x.jckpt")
+
+
+def test_appending_to_an_object_is_refused():
+    with pytest.raises(jckpt.InputError, match="appending to a checkpoint in an object store"):
+        jckpt.save(jckpt.Context(), TREE, "memory://unit/a.jckpt", appending=True)
+
+
+def test_urls_parse_into_bucket_and_key():
+    u = ObjectURL.parse("S3://bucket//run/./x.jckpt")
+    assert (u.kind, u.bucket, u.key) == ("s3", "bucket", "run/./x.jckpt")
+    assert ObjectURL.parse("s3:/bucket/x").key == "x"  # what pathlib makes of s3://bucket/x
+    assert ObjectURL.parse("gs://b").prefix == ""
+    assert ObjectURL.parse("az://c/d/").child("e").url == "az://c/d/e"
