@@ -254,6 +254,8 @@ class DirectoryReader:
             raise FormatError(f"directory has no {INDEX_NAME}: not a checkpoint, or one whose "
                               "save did not finish", file=self.path, fix=_no_index_fix(self.path))
         self.index = self.backend.open(index, follow_symlinks=False)
+        #: Whether the pieces are objects read by range (checksums are then verified by default).
+        self.remote = getattr(self.index, 'remote', False)
         self.files, arrays = parse_index(self.index.header, index)
         self.arrays = {a.entry.identity: a for a in arrays}
         ih = self.index.header

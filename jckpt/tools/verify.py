@@ -240,7 +240,7 @@ def _verify_pieces(reader: DirectoryReader, progress: bool) -> tuple[
     reports, problems, pieces = [], [], {}
     for fi, name in enumerate(reader.files):
         piece_path = os.path.join(reader.path, name)
-        if not os.path.exists(piece_path):
+        if not reader.backend.exists(piece_path):
             problems.append(Problem('error', f"piece file {name} listed in the index is missing",
                                     reader.path))
             continue
@@ -249,7 +249,7 @@ def _verify_pieces(reader: DirectoryReader, progress: bool) -> tuple[
         if report.errors and report.entries == 0:
             continue  # the piece file itself is unreadable: already reported
         pieces[fi] = {(e.identity, e.slice): e for e in
-                      CheckpointReader(piece_path, follow_symlinks=False).header.tensors}
+                      reader.backend.open(piece_path, follow_symlinks=False).header.tensors}
     return reports, problems, pieces
 
 

@@ -316,3 +316,40 @@ def test_urls_parse_into_bucket_and_key():
     assert ObjectURL.parse("s3:/bucket/x").key == "x"  # what pathlib makes of s3://bucket/x
     assert ObjectURL.parse("gs://b").prefix == ""
     assert ObjectURL.parse("az://c/d/").child("e").url == "az://c/d/e"
+
+
+# --- the mirror and the manager in a bucket -------------------------------------------------------
+
+def test_mirror_publishes_whole_generations_and_holds_the_lease(s3):
+    url = f"{s3}/run/mirror.jckpt"
+    with jckpt.Mirror(url) as mirror:
+        with pytest.raises(jckpt.InUseError, match="in use"):
+            jckpt.Mirror(url)
+        for step in range(3):
+            mirror.submit({**TREE, "w": TREE["w"] + step})
+        mirror.wait_durable()
+        np.testing.assert_array_equal(jckpt.restore(HOST, TREE, url)["w"], TREE["w"] + 2)
+    assert backend_for(s3).list(f"{s3}/run") == ["mirror.jckpt"]  # the lease is gone, nothing staged
+    with jckpt.Mirror(url) as mirror:  # the same lineage continues
+        assert mirror.counters.generation == 3
+
+
+def test_manager_keeps_steps_in_a_prefix(s3):
+    run = f"{s3}/run"
+    with jckpt.CheckpointManager(run, keep_last=2, asynchronous=False) as mgr:
+        for step in range(5):
+            mgr.save(step, {**TREE, "w": TREE["w"] + step}, metrics={"loss": 5 - step})
+    assert backend_for(run).list(run) == ["step_00000003.jckpt", "step_00000004.jckpt"]
+    with jckpt.CheckpointManager(run, keep_last=2) as mgr:
+        assert mgr.all_steps() == [3, 4]
+        restored = mgr.restore(target=TREE)
+        assert restored.step == 4 and restored.metrics == {"loss": 1.0}
+        np.testing.assert_array_equal(restored.tree["w"], TREE["w"] + 4)
+    assert "2 steps" in str(jckpt.info(run)) and jckpt.verify(run).ok
+
+
+def test_manager_refuses_what_a_bucket_cannot_hold_yet():
+    with pytest.raises(jckpt.InputError, match="step directories"):
+        jckpt.CheckpointManager("memory://unit/run", directory_steps=True)
+    with pytest.raises(jckpt.InputError, match="jckpt steps only"):
+        jckpt.CheckpointManager("memory://unit/run", options=jckpt.CheckpointOptions(format="safetensors"))
