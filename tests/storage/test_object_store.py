@@ -217,6 +217,9 @@ def test_server_killed_mid_upload_leaves_nothing_half_written(monkeypatch):
             jckpt.save(jckpt.Context(), big, url)
         killer.join()
         assert e.value.file == url and e.value.fix
+        with pytest.raises(jckpt.StorageError) as e:  # and reading from a server that is gone
+            jckpt.load(HOST, url)
+        assert e.value.file == url and "endpoint" in e.value.fix
     finally:
         object_store.configure(f"s3://{bucket}")
         server.stop()
