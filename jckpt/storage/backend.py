@@ -37,6 +37,7 @@ from typing import Protocol, runtime_checkable
 from jckpt.errors import FormatError, InputError
 from jckpt.storage import object_store
 from jckpt.storage.lease import WriterLease
+from jckpt.storage.object_backend import OBJECT_STORE
 from jckpt.storage.publish import StagingFile, storage_error
 from jckpt.storage.reader import CheckpointReader
 
@@ -239,7 +240,7 @@ def backend_for(path: str | os.PathLike) -> Backend:
         if not object_store.available():
             raise InputError(f"URLs of scheme {scheme!r} need obstore, which is not installed",
                              file=checked_path(path), fix="pip install 'jckpt[cloud]'")
-        return object_store.OBJECT_STORE
+        return OBJECT_STORE
     raise InputError(f"no storage backend for URL scheme {scheme!r}", file=checked_path(path),
                      fix="use a local filesystem path, or a URL of a scheme jckpt stores to: "
                          + ", ".join(f"{s}://" for s in sorted(object_store.SCHEMES)))

@@ -1,7 +1,7 @@
-"""Checkpoints in object stores: ``s3://``, ``gs://``, ``az://`` and ``memory://`` URLs, through obstore.
+"""Object stores through obstore: configuration, stores per bucket, uploads, ranged reads, errors.
 
-The backend behind every URL of those schemes (`backend_for` hands it out).
-It is built on obstore, the Python bindings of the Rust ``object_store``
+What the backend of ``s3://``, ``gs://``, ``az://`` and ``memory://`` URLs is
+built on. It uses obstore, the Python bindings of the Rust ``object_store``
 crate (docs/design.md has the measurements that chose it over fsspec and
 s3fs), imported only when a URL is first used: ``pip install 'jckpt[cloud]'``.
 
@@ -21,7 +21,8 @@ s3fs), imported only when a URL is first used: ``pip install 'jckpt[cloud]'``.
   rule (docs/object-storage.md); they are never visible as objects.
 * **Reads** are ranged: see :mod:`jckpt.storage.remote_reader`.
 * **The writer lease** is an object created only if absent (a conditional
-  PUT), so a second writer is refused with `InUseError`.
+  PUT): see :mod:`jckpt.storage.object_lease`. The backend itself, which
+  `backend_for` hands out, is :mod:`jckpt.storage.object_backend`.
 
 >>> configure('memory', part_size=1 << 20)
 >>> url = ObjectURL.parse('memory://bucket/run/model.jckpt')
@@ -34,18 +35,13 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
-import json
 import os
-import socket
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
-from jckpt.errors import CheckpointError, FormatError, InputError, InUseError, StorageError
-from jckpt.format.names import LEASE_SUFFIX
-from jckpt.storage.remote_reader import RemoteReader
+from jckpt.errors import CheckpointError, FormatError, InputError, StorageError
 
 #: URL schemes served here, and the store kind each names.
 SCHEMES = {'s3': 's3', 's3a': 's3', 'gs': 'gs', 'gcs': 'gs', 'az': 'az', 'azure': 'az', 'abfs': 'az',
@@ -148,7 +144,7 @@ def available() -> bool:
     return importlib.util.find_spec('obstore') is not None
 
 
-def _obstore() -> Any:
+def obstore_module() -> Any:
     try:
         return importlib.import_module('obstore')
     except ImportError:
@@ -166,7 +162,7 @@ def store_for(u: ObjectURL) -> Any:
 
 
 def _build(u: ObjectURL, options: dict[str, Any]) -> Any:
-    obs = _obstore()
+    obs = obstore_module()
     if options.get('store') is not None:
         return options['store']
     if u.kind == 'memory':
@@ -183,15 +179,15 @@ def _build(u: ObjectURL, options: dict[str, Any]) -> Any:
     try:
         return obs.store.from_url(f"{root}://{u.bucket}", **store_options)
     except Exception as e:
-        raise _error(e, "configuring the object store", u.url) from e
+        raise store_error(e, "configuring the object store", u.url) from e
 
 
-def _tuning(u: ObjectURL) -> tuple[int, int]:
+def tuning(u: ObjectURL) -> tuple[int, int]:
     s = _settings(u)
     return int(s.get('part_size', DEFAULT_PART_SIZE)), int(s.get('concurrency', DEFAULT_CONCURRENCY))
 
 
-def _error(exc: BaseException, action: str, url: str) -> CheckpointError:
+def store_error(exc: BaseException, action: str, url: str) -> CheckpointError:
     """An obstore failure as a `CheckpointError` naming the URL and a fix."""
     if isinstance(exc, CheckpointError):
         return exc
@@ -214,7 +210,7 @@ def _error(exc: BaseException, action: str, url: str) -> CheckpointError:
     return StorageError(f"{action} failed: {detail}", file=url, fix=_NETWORK_FIX)
 
 
-def _missing(exc: BaseException) -> bool:
+def is_missing(exc: BaseException) -> bool:
     return isinstance(exc, FileNotFoundError) and 'NoSuchBucket' not in str(exc)
 
 
@@ -222,7 +218,7 @@ class ObjectSource:
     """One object, read by ranges (a `RangeSource` of `jckpt.storage.remote_reader`)."""
 
     def __init__(self, u: ObjectURL) -> None:
-        self.u, self.store, self.obs = u, store_for(u), _obstore()
+        self.u, self.store, self.obs = u, store_for(u), obstore_module()
 
     def head(self, length: int) -> tuple[bytes, int, str | None]:
         try:
@@ -230,15 +226,15 @@ class ObjectSource:
             meta = result.meta
             return bytes(result.bytes()), meta['size'], meta.get('e_tag')
         except Exception as e:
-            if _missing(e):
+            if is_missing(e):
                 raise FormatError(MISSING_OBJECT, file=self.u.url,
                                   fix="check the URL, or save a checkpoint there first") from None
             try:  # an empty object has no range to read
                 meta = self.obs.head(self.store, self.u.key)
             except Exception:
-                raise _error(e, "reading the checkpoint", self.u.url) from e
+                raise store_error(e, "reading the checkpoint", self.u.url) from e
             if meta['size']:
-                raise _error(e, "reading the checkpoint", self.u.url) from e
+                raise store_error(e, "reading the checkpoint", self.u.url) from e
             return b'', 0, meta.get('e_tag')
 
     def read_into(self, dest: memoryview, offset: int, version: str | None) -> None:
@@ -248,10 +244,10 @@ class ObjectSource:
         try:
             data = self.obs.get(self.store, self.u.key, options=options).bytes()
         except Exception as e:
-            if _missing(e):
+            if is_missing(e):
                 raise StorageError("the object was removed while it was read", file=self.u.url,
                                    fix="another writer removed it; read a checkpoint that exists") from None
-            raise _error(e, "reading the checkpoint", self.u.url) from e
+            raise store_error(e, "reading the checkpoint", self.u.url) from e
         if len(data) != len(dest):
             raise FormatError(f"object ended early: {len(data)} bytes at offset {offset}, expected "
                               f"{len(dest)}", file=self.u.url, fix="the object is truncated")
@@ -264,11 +260,11 @@ def upload(local: str, u: ObjectURL) -> None:
     The object is the previous one (or none) until the upload completes; a
     failed multipart upload is aborted.
     """
-    part, concurrency = _tuning(u)
+    part, concurrency = tuning(u)
     try:
-        _obstore().put(store_for(u), u.key, Path(local), chunk_size=part, max_concurrency=concurrency)
+        obstore_module().put(store_for(u), u.key, Path(local), chunk_size=part, max_concurrency=concurrency)
     except Exception as e:
-        raise _error(e, "uploading the checkpoint", u.url) from e
+        raise store_error(e, "uploading the checkpoint", u.url) from e
 
 
 class ObjectStaging:
@@ -320,148 +316,6 @@ class ObjectStaging:
         return f"ObjectStaging({self.target!r})"
 
 
-class ObjectLease:
-    """The writer lease of a URL: an object ``<url>.jckpt-lease`` created only if absent.
-
-    The store's conditional PUT (``If-None-Match: *`` on S3, a generation
-    precondition on GCS) makes the create atomic, so of two writers exactly
-    one gets it; the other gets `InUseError` naming the holder. Released by
-    deleting the object. A writer killed without releasing leaves it: the
-    error says how to remove it.
-    """
-
-    def __init__(self, u: ObjectURL) -> None:
-        self.path = u.url
-        self.lock = ObjectURL.parse(u.url.rstrip('/') + LEASE_SUFFIX)
-        self.store, obs = store_for(self.lock), _obstore()
-        holder = json.dumps({'host': socket.gethostname(), 'pid': os.getpid(), 'since': time.time()})
-        try:
-            obs.put(self.store, self.lock.key, holder.encode(), mode='create')
-        except Exception as e:
-            if type(e).__name__ not in ('AlreadyExistsError', 'PreconditionError'):
-                raise _error(e, "taking the writer lease", self.lock.url) from e
-            raise InUseError(f"in use: another writer{self._holder(obs)} holds the lease "
-                             f"{self.lock.url.rsplit('/', 1)[-1]}", file=self.path,
-                             fix=f"close the other mirror or manager first, or write to another path; "
-                                 f"if that writer died, delete {self.lock.url}") from None
-        self.held = True
-
-    def _holder(self, obs: Any) -> str:
-        try:
-            who = json.loads(bytes(obs.get(self.store, self.lock.key).bytes()))
-            return f" (pid {int(who['pid'])} on {who['host']})"
-        except Exception:
-            return ''
-
-    def release(self) -> None:
-        """Delete the lease object (idempotent)."""
-        if not self.held:
-            return
-        self.held = False
-        try:
-            _obstore().delete(self.store, self.lock.key)
-        except Exception:
-            pass
-
-    def __enter__(self) -> ObjectLease:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
-
-    def __repr__(self) -> str:
-        return f"ObjectLease({self.path!r}, held={self.held})"
-
-
-class ObjectStoreBackend:
-    """Checkpoints in an object store (the `Backend` of `jckpt.storage.backend` for URLs).
-
-    Paths are URLs; a "directory" is a key prefix (``s3://b/run`` holds
-    ``s3://b/run/step_00000100.jckpt``).
-    """
-
-    name = 'object store'
-
-    def open(self, path: str, *, follow_symlinks: bool = True) -> RemoteReader:
-        u = ObjectURL.parse(path)
-        part, concurrency = _tuning(u)
-        return RemoteReader(ObjectSource(u), path, part=part, concurrency=concurrency)
-
-    def map(self, path: str) -> bytes:
-        u = ObjectURL.parse(path)
-        try:
-            return bytes(_obstore().get(store_for(u), u.key).bytes())
-        except Exception as e:
-            if _missing(e):
-                raise FormatError("no such object", file=path, fix="check the URL") from None
-            raise _error(e, "reading", path) from e
-
-    def head(self, path: str, length: int) -> bytes:
-        u = ObjectURL.parse(path)
-        try:
-            return ObjectSource(u).head(length)[0]
-        except FormatError as e:
-            raise FormatError("no such object", file=path, fix="check the URL") from e
-
-    def exists(self, path: str) -> bool:
-        """Whether an object is stored at ``path``."""
-        u = ObjectURL.parse(path)
-        try:
-            _obstore().head(store_for(u), u.key)
-            return True
-        except Exception as e:
-            if _missing(e):
-                return False
-            raise _error(e, "looking up", path) from e
-
-    def isdir(self, path: str) -> bool:
-        u = ObjectURL.parse(path)
-        try:
-            for chunk in _obstore().list(store_for(u), prefix=u.prefix, chunk_size=1):
-                return bool(chunk)
-            return False
-        except Exception as e:
-            raise _error(e, "listing", path) from e
-
-    def create(self, target: str, *, durable: bool = True) -> ObjectStaging:
-        return ObjectStaging(ObjectURL.parse(target))
-
-    def upload(self, local: str, target: str) -> None:
-        """Put the local file ``local`` at ``target`` whole (see `upload`)."""
-        upload(local, ObjectURL.parse(target))
-
-    def list(self, path: str) -> list[str]:
-        u = ObjectURL.parse(path)
-        try:
-            found = _obstore().list_with_delimiter(store_for(u), prefix=u.prefix or None)
-        except Exception as e:
-            raise _error(e, "listing", path) from e
-        names = [o['path'] for o in found['objects']] + list(found['common_prefixes'])
-        return sorted({n.rstrip('/').rsplit('/', 1)[-1] for n in names} - {''})
-
-    def remove(self, path: str) -> None:
-        u = ObjectURL.parse(path)
-        obs, store = _obstore(), store_for(u)
-        try:
-            keys = [o['path'] for chunk in obs.list(store, prefix=u.prefix) for o in chunk]
-            if u.key:
-                keys.append(u.key)
-            for start in range(0, len(keys), 1000):
-                obs.delete(store, keys[start:start + 1000])
-        except Exception as e:
-            if not _missing(e):
-                raise _error(e, "removing", path) from e
-
-    def lease(self, path: str) -> ObjectLease:
-        return ObjectLease(ObjectURL.parse(path))
-
-    def __repr__(self) -> str:
-        return 'ObjectStoreBackend()'
-
-
-#: The object store backend (one for every scheme; stores are per bucket).
-OBJECT_STORE = ObjectStoreBackend()
-
-__all__ = ['MISSING_OBJECT', 'OBJECT_STORE', 'SCHEMES', 'ObjectLease', 'ObjectStaging', 'ObjectStoreBackend',
-           'ObjectURL',
-           'available', 'configure', 'forget_stores', 'store_for', 'upload']
+__all__ = ['MISSING_OBJECT', 'SCHEMES', 'ObjectSource', 'ObjectStaging', 'ObjectURL', 'available',
+           'configure', 'forget_stores', 'is_missing', 'obstore_module', 'store_error', 'store_for', 'tuning',
+           'upload']

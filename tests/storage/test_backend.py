@@ -73,7 +73,7 @@ def test_backend_for_refuses_urls(url):
                                  "az://container/x", "memory://b/x"])
 def test_object_store_urls_have_their_backend(url):
     pytest.importorskip("obstore")
-    from jckpt.storage.object_store import OBJECT_STORE
+    from jckpt.storage.object_backend import OBJECT_STORE
 
     assert backend_for(url) is OBJECT_STORE
     assert isinstance(OBJECT_STORE, Backend)

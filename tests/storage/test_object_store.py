@@ -249,29 +249,6 @@ def test_a_failed_upload_keeps_the_previous_checkpoint(s3, monkeypatch):
     assert backend_for(s3).list(s3) == ["model.jckpt"]
 
 
-def test_the_writer_lease_is_a_conditional_create(s3):
-    backend = backend_for(s3)
-    first = backend.lease(f"{s3}/m.jckpt")
-    with pytest.raises(jckpt.InUseError, match="in use: another writer") as e:
-        backend.lease(f"{s3}/m.jckpt")
-    assert "delete" in e.value.fix and ".jckpt-lease" in e.value.fix
-    first.release()
-    backend.lease(f"{s3}/m.jckpt").release()
-
-
-def test_listing_and_removal(s3):
-    backend = backend_for(s3)
-    for name in ("run/a.jckpt", "run/sub/b.jckpt", "other.jckpt"):
-        jckpt.save(jckpt.Context(), {"x": np.zeros(2)}, f"{s3}/{name}")
-    assert backend.list(s3) == ["other.jckpt", "run"]
-    assert backend.list(f"{s3}/run") == ["a.jckpt", "sub"]
-    assert backend.isdir(f"{s3}/run") and not backend.isdir(f"{s3}/other.jckpt")
-    assert backend.exists(f"{s3}/other.jckpt") and not backend.exists(f"{s3}/run")
-    backend.remove(f"{s3}/run")
-    assert backend.list(s3) == ["other.jckpt"]
-    backend.remove(f"{s3}/nothing")  # missing is fine
-
-
 # --- configuration, without a server -----------------------------------------------------------------
 
 def test_memory_urls_make_fast_round_trips():

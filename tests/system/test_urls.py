@@ -23,8 +23,9 @@ from jckpt.adapters import numpy as npy_adapter
 from jckpt.adapters import orbax as orbax_adapter
 from jckpt.adapters import safetensors as st_adapter
 from jckpt.api.multiprocess import save_directory
-from jckpt.storage import LOCAL, backend_for, object_store
+from jckpt.storage import LOCAL, backend_for
 from jckpt.storage.backend import url_scheme
+from jckpt.storage.object_backend import OBJECT_STORE
 from jckpt.tools import classify, rewrite
 from jckpt.tools.cli import EXIT_ERROR, main
 from jckpt.tools.diff import diff
@@ -229,7 +230,7 @@ def test_cli_process(here):
 def test_served_urls(path, scheme):
     pytest.importorskip("obstore")
     assert url_scheme(path) == scheme
-    assert backend_for(path) is object_store.OBJECT_STORE
+    assert backend_for(path) is OBJECT_STORE
 
 
 @pytest.mark.parametrize("path, scheme", [
