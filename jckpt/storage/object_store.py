@@ -94,16 +94,16 @@ class ObjectURL:
 
 
 def configure(prefix: str, **options: Any) -> None:
-    """Options for the stores of URLs that start with ``prefix`` (a scheme, or ``scheme://bucket``).
+    """Options for the stores of URLs that start with `prefix` (a scheme, or `scheme://bucket`).
 
     For what the environment does not say: the options of obstore's store for
-    that cloud (``endpoint``, ``region``, ``access_key_id``,
-    ``secret_access_key``, ``client_options``, ``retry_config``, ...), or a
-    ready obstore ``store`` to use as is; and jckpt's own ``part_size`` (bytes
+    that cloud (`endpoint`, `region`, `access_key_id`,
+    `secret_access_key`, `client_options`, `retry_config`, ...), or a
+    ready obstore `store` to use as is; and jckpt's own `part_size` (bytes
     per part of a multipart upload and per ranged GET, default 16 MiB) and
-    ``concurrency`` (requests in flight, default 8). A bucket's options are
+    `concurrency` (requests in flight, default 8). A bucket's options are
     applied over its scheme's. Calling it again replaces the options of that
-    prefix; ``configure(prefix)`` clears them. Process-wide: every entry point
+    prefix; `configure(prefix)` clears them. Process-wide: every entry point
     (`save`, `restore`, the `Mirror`, the `CheckpointManager`, the tools) sees
     them.
 
