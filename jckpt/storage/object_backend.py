@@ -13,6 +13,9 @@ prefix: ``s3://b/run`` holds ``s3://b/run/step_00000100.jckpt``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 from jckpt.errors import FormatError
 from jckpt.storage.object_lease import ObjectLease
 from jckpt.storage.object_store import (
@@ -25,6 +28,7 @@ from jckpt.storage.object_store import (
     store_for,
     tuning,
     upload,
+    upload_stream,
 )
 from jckpt.storage.remote_reader import RemoteReader
 
@@ -37,6 +41,8 @@ class ObjectStoreBackend:
     """
 
     name = 'object store'
+    #: Uploads can be streamed (`stream`): the writer sends host arrays without a spool file.
+    streams = True
 
     def open(self, path: str, *, follow_symlinks: bool = True) -> RemoteReader:
         u = ObjectURL.parse(path)
@@ -81,6 +87,10 @@ class ObjectStoreBackend:
 
     def create(self, target: str, *, durable: bool = True) -> ObjectStaging:
         return ObjectStaging(ObjectURL.parse(target))
+
+    def stream(self, target: str, chunks: Iterator[Any], size: int) -> None:
+        """Upload the ``size`` bytes of ``chunks`` as the object ``target``, whole or not at all."""
+        upload_stream(ObjectURL.parse(target), chunks, size)
 
     def upload(self, local: str, target: str) -> None:
         """Put the local file ``local`` at ``target`` whole (see `upload`)."""

@@ -38,6 +38,7 @@ import importlib.util
 import os
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -267,6 +268,25 @@ def upload(local: str, u: ObjectURL) -> None:
         raise store_error(e, "uploading the checkpoint", u.url) from e
 
 
+def upload_stream(u: ObjectURL, chunks: Iterator[Any], size: int) -> None:
+    """Put the ``size`` bytes of ``chunks`` (buffers) at ``u``, whole or not at all.
+
+    Up to one part, one PUT of the joined bytes; above, a multipart upload
+    that sends parts while ``chunks`` is still being produced, completed at
+    the end and aborted if producing or sending fails.
+    """
+    part, concurrency = tuning(u)
+    obs, store = obstore_module(), store_for(u)
+    try:
+        if size <= part:
+            obs.put(store, u.key, b''.join(bytes(memoryview(c).cast('B')) for c in chunks),
+                    use_multipart=False)
+        else:
+            obs.put(store, u.key, chunks, chunk_size=part, max_concurrency=concurrency)
+    except Exception as e:
+        raise store_error(e, "uploading the checkpoint", u.url) from e
+
+
 class ObjectStaging:
     """A write to an object: spooled to a local file, uploaded whole at :meth:`publish`.
 
@@ -318,4 +338,4 @@ class ObjectStaging:
 
 __all__ = ['MISSING_OBJECT', 'SCHEMES', 'ObjectSource', 'ObjectStaging', 'ObjectURL', 'available',
            'configure', 'forget_stores', 'is_missing', 'obstore_module', 'store_error', 'store_for', 'tuning',
-           'upload']
+           'upload', 'upload_stream']

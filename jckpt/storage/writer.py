@@ -241,6 +241,8 @@ def write_checkpoint(target: str | os.PathLike, header: Header,
     if len(sources) != len(header.tensors):
         raise InputError(f"{len(sources)} payload sources for {len(header.tensors)} entries",
                          file=target, fix="give one source per entry of the header")
+    if getattr(backend, 'streams', False) and all(type(s) is ArraySource for s in sources):
+        return stream_arrays(backend, target, header, sources, on_payload)  # an object: no spool file
     draft = with_placeholders(header)
     raw, slots = encode_header_with_slots(draft)
     raw = pad_for_aliasing(raw, draft)
@@ -277,3 +279,48 @@ def write_checkpoint(target: str | os.PathLike, header: Header,
             raise storage_error(e, "writing the checkpoint", target) from e
         staging.publish()
     return final
+
+
+def array_checksum(array: np.ndarray) -> tuple[str, str]:
+    """The payload checksum of a host array, computed without writing it anywhere."""
+    hasher = payload_mod.new_hasher()
+    for chunk in payload_mod.iter_payload_chunks(array):
+        hasher.update(chunk)
+    return payload_mod.hasher_checksum(hasher)
+
+
+def stream_arrays(backend: Any, target: str, header: Header, sources: Sequence[ArraySource],
+                  on_payload: Callable[[Entry], None] | None = None) -> Header:
+    """Host arrays to a backend that streams uploads (an object store), with no spool file.
+
+    The payloads are hashed first (far faster than any upload), so the header
+    is final before its first byte is sent; then the header and the payloads
+    stream into one upload (`backend.stream`), which publishes the object whole
+    only once every byte is in, and aborts it if anything fails.
+    """
+    final = dataclasses.replace(header, tensors=tuple(
+        _evolve(e, checksum=array_checksum(s.array)) for e, s in zip(header.tensors, sources)))
+    raw, _ = encode_header_with_slots(final)
+    raw = pad_for_aliasing(raw, final)
+    size = len(raw) + max((e.offset + e.byte_length for e in final.tensors), default=0)
+
+    def chunks():
+        yield raw
+        position = 0
+        for entry, source in zip(final.tensors, sources):
+            if entry.offset > position:
+                yield bytes(entry.offset - position)
+            written = 0
+            for chunk in payload_mod.iter_payload_chunks(source.array):
+                written += chunk.nbytes
+                yield chunk
+            if written != entry.byte_length:
+                raise StorageError(f"wrote {written} bytes for an entry of {entry.byte_length}",
+                                   file=target, entry=entry.name)
+            position = entry.offset + entry.byte_length
+            if on_payload is not None:
+                on_payload(entry)
+
+    backend.stream(target, chunks(), size)
+    return final
+

@@ -7,6 +7,7 @@ object, another checkpoint's bytes, an error without the URL and a fix.
 
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -100,9 +101,10 @@ def test_each_device_reads_only_its_shard(s3, monkeypatch):
 
     url = f"{s3}/sharded.jckpt"
     w = np.arange(2048 * 256, dtype=np.float32).reshape(2048, 256)  # 2 MiB
-    jckpt.save(jckpt.Context(), {"w": w}, url)
     mesh = jax.make_mesh((8,), ("x",))
-    target = {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(mesh, PartitionSpec("x")))}
+    rows = NamedSharding(mesh, PartitionSpec("x"))
+    jckpt.save(jckpt.Context(), {"w": jax.device_put(w, rows)}, url)  # shards written in place, then uploaded
+    target = {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=rows)}
     count = ByteCount(monkeypatch)
     out = jckpt.restore(jckpt.Context(), target, url, verify=False)
     np.testing.assert_array_equal(np.asarray(out["w"]), w)
@@ -234,11 +236,14 @@ def test_a_failed_upload_keeps_the_previous_checkpoint(s3, monkeypatch):
     put = obstore.put
 
     def failing_put(store, key, file, **kw):
-        def parts():
-            with open(file, "rb") as f:
-                yield f.read(6 << 20)
-            raise OSError("connection reset by peer")
-        return put(store, key, parts(), **kw)
+        def parts():  # the connection drops once 6 MiB are sent
+            sent = 0
+            for chunk in [file.read_bytes()] if isinstance(file, Path) else file:
+                yield chunk
+                sent += memoryview(chunk).nbytes
+                if sent > 6 << 20:
+                    raise OSError("connection reset by peer")
+        return put(store, key, parts(), **{k: v for k, v in kw.items() if k != "use_multipart"})
 
     monkeypatch.setattr(obstore, "put", failing_put)
     with pytest.raises(jckpt.StorageError, match="uploading the checkpoint failed") as e:
@@ -247,6 +252,22 @@ def test_a_failed_upload_keeps_the_previous_checkpoint(s3, monkeypatch):
     monkeypatch.setattr(obstore, "put", put)
     assert_tree_equal(jckpt.restore(HOST, TREE, url), TREE)
     assert backend_for(s3).list(s3) == ["model.jckpt"]
+
+
+def test_host_arrays_stream_without_a_spool_file(s3, monkeypatch):
+    """Host arrays are hashed first and streamed into the upload: no local file is written."""
+    import tempfile
+
+    def no_spool(*args, **kwargs):
+        raise AssertionError("a spool file was created")
+
+    monkeypatch.setattr(tempfile, "mkstemp", no_spool)
+    url = f"{s3}/streamed.jckpt"
+    big = {"w": np.arange(6 << 20, dtype=np.float32), "b": np.arange(5, dtype=np.int8)}  # 24 MiB: multipart
+    jckpt.save(jckpt.Context(), big, url)
+    jckpt.save(jckpt.Context(), TREE, f"{s3}/small.jckpt")  # one PUT
+    assert_tree_equal(jckpt.restore(HOST, big, url), big)
+    assert jckpt.verify(url).ok and jckpt.verify(f"{s3}/small.jckpt").ok
 
 
 # --- configuration, without a server -----------------------------------------------------------------
