@@ -24,7 +24,6 @@ s3fs), imported only when a URL is first used: ``pip install 'jckpt[cloud]'``.
   PUT): see :mod:`jckpt.storage.object_lease`. The backend itself, which
   `backend_for` hands out, is :mod:`jckpt.storage.object_backend`.
 
->>> configure('memory', part_size=1 << 20)
 >>> url = ObjectURL.parse('memory://bucket/run/model.jckpt')
 >>> url.bucket, url.key, url.child('x').url
 ('bucket', 'run/model.jckpt', 'memory://bucket/run/model.jckpt/x')
