@@ -200,6 +200,9 @@ def store_error(exc: BaseException, action: str, url: str) -> CheckpointError:
     if name in ('PermissionDeniedError', 'UnauthenticatedError') or 'AccessDenied' in text \
             or 'InvalidAccessKeyId' in text or 'SignatureDoesNotMatch' in text:
         return StorageError(f"{action} failed: access denied ({detail})", file=url, fix=_CREDENTIALS_FIX)
+    if 'credential' in text.lower() or 'service account' in text.lower():
+        return StorageError(f"{action} failed: the credentials could not be loaded ({detail})", file=url,
+                            fix=_CREDENTIALS_FIX)
     if name == 'UnknownConfigurationKeyError':
         return InputError(f"{action} failed: {detail}", file=url,
                           fix="see obstore's options for this store; jckpt's own are "

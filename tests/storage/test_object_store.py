@@ -306,6 +306,26 @@ def test_unknown_options_and_schemes_are_input_errors():
         jckpt.save(jckpt.Context(), TREE, "s3:///x.jckpt")
 
 
+def test_gcs_credentials_come_from_the_environment_or_configure(monkeypatch):
+    """No GCS server here: what is checked is that the credentials reach the store, and their errors."""
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", "/nonexistent/key.json")
+    object_store.forget_stores()
+    with pytest.raises(jckpt.StorageError, match="credentials could not be loaded") as e:
+        jckpt.load(HOST, "gs://env-bucket/x.jckpt")
+    assert e.value.file == "gs://env-bucket/x.jckpt" and "GOOGLE_APPLICATION_CREDENTIALS" in e.value.fix
+    monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS")
+    object_store.configure("gs://opts-bucket", service_account_path="/nonexistent/other.json")
+    try:
+        with pytest.raises(jckpt.StorageError, match="other.json"):
+            jckpt.save(jckpt.Context(), TREE, "gs://opts-bucket/x.jckpt")
+        object_store.configure("gs://opts-bucket", bogus_option=1)
+        with pytest.raises(jckpt.InputError, match="bogus_option"):
+            jckpt.describe("gs://opts-bucket/x.jckpt")
+    finally:
+        object_store.configure("gs://opts-bucket")
+        object_store.forget_stores()
+
+
 def test_appending_to_an_object_is_refused():
     with pytest.raises(jckpt.InputError, match="appending to a checkpoint in an object store"):
         jckpt.save(jckpt.Context(), TREE, "memory://unit/a.jckpt", appending=True)
