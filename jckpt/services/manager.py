@@ -184,7 +184,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
         self.save_interval_steps = save_interval_steps
         self.asynchronous = asynchronous
         if backend is not LOCAL:
-            steps.check_remote(self.directory, self.directory_steps, self.options)
+            steps.check_remote(self.directory, self.options)
         else:
             try:
                 os.makedirs(self.directory, exist_ok=True)
@@ -454,7 +454,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
                 raise FormatError("no checkpoint in the directory", file=self.directory,
                                   fix="save a step first, or check the directory")
         path = self._path(check_step(step, self.directory))
-        if not self.backend.exists(path):
+        if not (self.backend.exists(path) or self.backend.isdir(path)):  # a file or a directory step
             raise FormatError(f"no step {step}", file=self.directory,
                               fix=f"pick one of {self.all_steps()[-5:]}")
         meta = steps.read_metadata(path, step)

@@ -58,12 +58,8 @@ def parse_metrics(text: str | None, path: str) -> dict[str, float]:
     return metrics
 
 
-def check_remote(directory: str, directory_steps: bool, options: CheckpointOptions) -> None:
-    """Refuse what a manager cannot yet write to an object store: step directories, foreign formats."""
-    if directory_steps:
-        raise InputError("a manager in an object store writes each step as one checkpoint object; "
-                         "step directories (several processes) are not supported there yet",
-                         file=directory, fix="save from one process, or to a shared filesystem")
+def check_remote(directory: str, options: CheckpointOptions) -> None:
+    """Refuse what a manager cannot yet write to an object store: steps in foreign formats."""
     if options.foreign:
         raise InputError(f"a manager in an object store writes jckpt steps only, not {options.format}",
                          file=directory, fix="save in the jckpt format, or to a local directory")
@@ -72,12 +68,17 @@ def check_remote(directory: str, directory_steps: bool, options: CheckpointOptio
 def clean_staging(backend: Backend, directory: str) -> None:
     """Remove staging files and directories of steps whose writer died (incomplete steps).
 
-    An object store holds none: its steps are staged in local files and uploaded whole.
+    In an object store, file steps are staged in local files and uploaded whole;
+    what a dead save leaves there is a step prefix of pieces without its index.
     """
     if backend is not LOCAL:
         for name in backend.list(directory):
+            path = os.path.join(directory, name)
             if STEP_RE.match(name):
-                remove_staged(os.path.join(directory, name))
+                remove_staged(path)
+                if backend.isdir(path) and not backend.exists(os.path.join(path, INDEX_NAME)):
+                    log.info("jckpt: removing the unfinished step %s", path)
+                    backend.remove(path)
         return
     files, dirs = set(), set()
     for name in backend.list(directory):

@@ -369,8 +369,34 @@ def test_manager_keeps_steps_in_a_prefix(s3):
     assert "2 steps" in str(jckpt.info(run)) and jckpt.verify(run).ok
 
 
+def test_manager_directory_steps_in_a_prefix(s3):
+    """Directory steps (what several processes write) in a bucket: pieces first, the index last."""
+    import jax
+    import jax.numpy as jnp
+
+    mesh = jax.make_mesh((8,), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    run = f"{s3}/mp"
+    with jckpt.CheckpointManager(run, directory_steps=True, keep_last=2) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": jax.device_put(jnp.full((8, 2), float(step)), sharding)},
+                     metrics={"loss": 1.0 / step})
+        assert mgr.all_steps() == [2, 3]
+        target = {"w": jax.ShapeDtypeStruct((8, 2), jnp.float32, sharding=sharding)}
+        r = mgr.restore(target=target)
+        assert r.step == 3 and r.tree["w"].sharding == sharding
+        np.testing.assert_array_equal(r.tree["w"], np.full((8, 2), 3.0))
+    backend = backend_for(run)
+    assert backend.list(f"{run}/step_00000003.jckpt") == ["index.jckpt", "process_00000.jckpt"]
+    # a save that died after its pieces, before its index: removed by the next manager
+    from jckpt.api.multiprocess import save_directory
+    save_directory(jckpt.Context(), {"w": np.zeros(2)}, f"{run}/step_00000009.jckpt")
+    backend.remove(f"{run}/step_00000009.jckpt/index.jckpt")
+    with jckpt.CheckpointManager(run, directory_steps=True) as mgr:
+        assert mgr.all_steps() == [2, 3]
+    assert backend.list(run) == ["step_00000002.jckpt", "step_00000003.jckpt"]
+
+
 def test_manager_refuses_what_a_bucket_cannot_hold_yet():
-    with pytest.raises(jckpt.InputError, match="step directories"):
-        jckpt.CheckpointManager("memory://unit/run", directory_steps=True)
     with pytest.raises(jckpt.InputError, match="jckpt steps only"):
         jckpt.CheckpointManager("memory://unit/run", options=jckpt.CheckpointOptions(format="safetensors"))
