@@ -39,7 +39,7 @@ from jckpt.storage.backend import LOCAL, backend_for, checked_path
 from jckpt.storage.publish import storage_error
 from jckpt.storage.reader import CheckpointReader
 from jckpt.storage.regions import ShardedSource
-from jckpt.storage.writer import ArraySource, CopySource, write_checkpoint
+from jckpt.storage.writer import ArraySource, CopySource, ReaderSource, write_checkpoint
 from jckpt.trees import placement
 from jckpt.trees import pytree as tree_mod
 from jckpt.version import __version__
@@ -81,7 +81,6 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
     """
     path, ctx = checked_path(path), check_context(ctx)
     metadata = check_metadata(metadata, path)  # strings only, refused before anything is written
-    _refuse_appending_to_objects(path, appending)
     # several processes save their pieces into one directory; a directory checkpoint stays one
     if jax.process_count() > 1 or _holds_directory(path):
         if appending:
@@ -93,27 +92,38 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
     hosts = placement.host_leaves([(tree_mod.leaf_name(ctx.namespace, p), leaf) for p, leaf in items],
                                   pieces=True)
     alignment = _alignment(ctx.alignment if alignment is None else alignment, path)
-    old = CheckpointReader(path) if appending and os.path.exists(path) else None
+    old = _appended(path) if appending else None
     entries, sources = _entries(ctx, [p for p, _ in items], hosts,
                                 kept=old.header.tensors if old is not None else (), alignment=alignment)
     header = _header(entries, alignment, old.header if old is not None else Header(), metadata)
     if old is None:
         _publish(ctx, path, header, sources, progress)
+    else:
+        _publish_appended(ctx, path, header, entries, sources, old, progress)
+
+
+def _appended(path: str) -> Any:
+    """The checkpoint at `path` whose entries an appending save keeps (None when nothing is there)."""
+    backend = backend_for(path)
+    if backend is LOCAL:
+        return CheckpointReader(path) if os.path.exists(path) else None
+    return backend.open(path) if backend.exists(path) else None
+
+
+def _publish_appended(ctx: Context, path: str, header: Header, entries: Sequence[Entry],
+                      sources: Sequence[Any], old: Any, progress: bool) -> None:
+    """Publish with the kept entries' payloads copied from the very checkpoint whose header was read."""
+    if getattr(old, 'remote', False):  # an object: fetched by ranges conditional on the version read
+        _publish(ctx, path, header, [ReaderSource(old, e) if s is None else s
+                                     for e, s in zip(entries, sources)], progress)
         return
     fd = _open_read_file(path, old)
-    try:  # the kept payloads are copied from the very file whose header was read
+    try:
         sources = [CopySource(fd, old.data_start + e.offset, e.byte_length, e.checksum)
                    if s is None else s for e, s in zip(entries, sources)]
         _publish(ctx, path, header, sources, progress)
     finally:
         os.close(fd)
-
-
-def _refuse_appending_to_objects(path: str, appending: bool) -> None:
-    """An object cannot be appended to in place (an unserved URL is refused here too)."""
-    if appending and backend_for(path) is not LOCAL:
-        raise InputError("appending to a checkpoint in an object store is not supported", file=path,
-                         fix="save the whole tree (load the checkpoint first to keep its entries)")
 
 
 def _holds_directory(path: str) -> bool:

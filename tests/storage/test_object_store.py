@@ -326,9 +326,15 @@ def test_gcs_credentials_come_from_the_environment_or_configure(monkeypatch):
         object_store.forget_stores()
 
 
-def test_appending_to_an_object_is_refused():
-    with pytest.raises(jckpt.InputError, match="appending to a checkpoint in an object store"):
-        jckpt.save(jckpt.Context(), TREE, "memory://unit/a.jckpt", appending=True)
+def test_appending_to_an_object_keeps_its_entries(s3):
+    """An appending save to a URL writes a new object with the kept payloads copied by range."""
+    url = f"{s3}/appended.jckpt"
+    jckpt.save(jckpt.Context(namespace="model"), TREE, url, appending=True)  # nothing there yet
+    jckpt.save(jckpt.Context(namespace="opt"), {"mu": np.ones(3)}, url, appending=True)
+    _, tree = jckpt.load(HOST, url)
+    assert_tree_equal(tree["model"], TREE)
+    np.testing.assert_array_equal(tree["opt"]["mu"], np.ones(3))
+    assert jckpt.verify(url).ok
 
 
 def test_urls_parse_into_bucket_and_key():
