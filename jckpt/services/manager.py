@@ -183,9 +183,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
         self.best_metric, self.best_mode = best_metric, best_mode
         self.save_interval_steps = save_interval_steps
         self.asynchronous = asynchronous
-        if backend is not LOCAL:
-            steps.check_remote(self.directory, self.options)
-        else:
+        if backend is LOCAL:  # an object store's prefix needs no creating
             try:
                 os.makedirs(self.directory, exist_ok=True)
             except OSError as e:

@@ -20,7 +20,7 @@ from jckpt.errors import InputError
 from jckpt.format import metadata
 from jckpt.format.names import INDEX_NAME, NEXT_TAG, STAGE_DIR_TAG, STAGE_TAG, STEP_RE, TRAINER_STATE_NAME
 from jckpt.services import formats
-from jckpt.services.formats import CheckpointLoadOptions, CheckpointOptions
+from jckpt.services.formats import CheckpointLoadOptions
 from jckpt.storage.backend import LOCAL, Backend
 from jckpt.storage.directory import reclaim_stage_dirs
 from jckpt.storage.publish import reclaim_staging
@@ -58,13 +58,6 @@ def parse_metrics(text: str | None, path: str) -> dict[str, float]:
     return metrics
 
 
-def check_remote(directory: str, options: CheckpointOptions) -> None:
-    """Refuse what a manager cannot yet write to an object store: steps in foreign formats."""
-    if options.foreign:
-        raise InputError(f"a manager in an object store writes jckpt steps only, not {options.format}",
-                         file=directory, fix="save in the jckpt format, or to a local directory")
-
-
 def clean_staging(backend: Backend, directory: str) -> None:
     """Remove staging files and directories of steps whose writer died (incomplete steps).
 
@@ -76,7 +69,8 @@ def clean_staging(backend: Backend, directory: str) -> None:
             path = os.path.join(directory, name)
             if STEP_RE.match(name):
                 remove_staged(path)
-                if backend.isdir(path) and not backend.exists(os.path.join(path, INDEX_NAME)):
+                if backend.isdir(path) and not any(backend.exists(os.path.join(path, marker))
+                                                   for marker in (INDEX_NAME, TRAINER_STATE_NAME)):
                     log.info("jckpt: removing the unfinished step %s", path)
                     backend.remove(path)
         return
@@ -113,4 +107,4 @@ def checked(value: Any, kind: type, name: str, default: Any = None) -> Any:
     return value
 
 
-__all__ = ['check_remote', 'checked', 'clean_staging', 'parse_metrics', 'read_metadata', 'read_tree']
+__all__ = ['checked', 'clean_staging', 'parse_metrics', 'read_metadata', 'read_tree']

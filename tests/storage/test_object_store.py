@@ -403,6 +403,22 @@ def test_manager_directory_steps_in_a_prefix(s3):
     assert backend.list(run) == ["step_00000002.jckpt", "step_00000003.jckpt"]
 
 
-def test_manager_refuses_what_a_bucket_cannot_hold_yet():
-    with pytest.raises(jckpt.InputError, match="jckpt steps only"):
-        jckpt.CheckpointManager("memory://unit/run", options=jckpt.CheckpointOptions(format="safetensors"))
+def test_manager_steps_in_a_foreign_format_in_a_prefix(s3):
+    """The model as safetensors and the rest as optimizer.jckpt, uploaded with trainer_state.json last."""
+    pytest.importorskip("safetensors")
+    run = f"{s3}/st"
+    tree = {"model": {"w": np.arange(6, dtype=np.float32)}, "opt": {"mu": np.zeros(6, np.float32)}}
+    options = jckpt.CheckpointOptions(format="safetensors", model_namespace="model")
+    with jckpt.CheckpointManager(run, keep_last=2, options=options) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, items={"model": {"w": tree["model"]["w"] + step}, "opt": tree["opt"]},
+                     metrics={"loss": 1.0 / step})
+    backend = backend_for(run)
+    assert backend.list(run) == ["step_00000002.jckpt", "step_00000003.jckpt"]
+    assert backend.list(f"{run}/step_00000003.jckpt") == ["model.safetensors", "optimizer.jckpt",
+                                                          "trainer_state.json"]
+    with jckpt.CheckpointManager(run, options=options) as mgr:
+        assert mgr.all_steps() == [2, 3]
+        r = mgr.restore()
+        np.testing.assert_array_equal(r.tree["model"]["w"], tree["model"]["w"] + 3)
+        assert r.metrics == {"loss": pytest.approx(1 / 3)}
