@@ -143,6 +143,27 @@ def test_tools_convert_merge_and_the_command_line(s3, tmp_path, capsys):
     assert url in out and "OK" in out
 
 
+def test_the_command_line_reads_its_credentials_from_the_environment(s3, s3_server, tmp_path):
+    """`jckpt` as a command: the endpoint and the keys come from the AWS_* variables."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.s3server import CREDENTIALS
+
+    url = f"{s3}/cli.jckpt"
+    jckpt.save(jckpt.Context(), TREE, url)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL": s3_server.endpoint, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for args, expect in ((["inspect", url], "4 entries"), (["verify", url], "OK"),
+                         (["convert", url, str(tmp_path / "x.safetensors")], "")):
+        done = subprocess.run([sys.executable, "-m", "jckpt", *args], capture_output=True, text=True,
+                              timeout=120, env=env)
+        assert done.returncode == 0 and expect in done.stdout, (args, done.stdout, done.stderr)
+    assert (tmp_path / "x.safetensors").exists()
+
+
 # --- what a user gets wrong, and faults ------------------------------------------------------------
 
 def test_a_missing_object_and_a_missing_bucket(s3):
