@@ -100,7 +100,7 @@ def configure(prefix: str, **options: Any) -> None:
     that cloud (`endpoint`, `region`, `access_key_id`,
     `secret_access_key`, `client_options`, `retry_config`, ...), or a
     ready obstore `store` to use as is; and jckpt's own `part_size` (bytes
-    per part of a multipart upload and per ranged GET, default 16 MiB) and
+    per part of a multipart upload and per ranged GET, default 16 MiB, at least 5 MiB) and
     `concurrency` (requests in flight, default 8). A bucket's options are
     applied over its scheme's. Calling it again replaces the options of that
     prefix; `configure(prefix)` clears them. Process-wide: every entry point
@@ -117,6 +117,7 @@ def configure(prefix: str, **options: Any) -> None:
     if scheme not in SCHEMES:
         raise InputError(f"no storage backend for URL scheme {scheme!r}", file=prefix,
                          fix=f"configure one of {sorted(SCHEMES)}")
+    _check_tuning(options, prefix)
     key = scheme if '://' not in prefix else f"{scheme}://{ObjectURL.parse(prefix).bucket}"
     with _LOCK:
         if options:
@@ -124,6 +125,19 @@ def configure(prefix: str, **options: Any) -> None:
         else:
             _OPTIONS.pop(key, None)
         _STORES.clear()
+
+
+#: The smallest part S3 accepts in a multipart upload (but the last).
+MIN_PART_SIZE = 5 << 20
+
+
+def _check_tuning(options: dict[str, Any], prefix: str) -> None:
+    part, concurrency = options.get('part_size', DEFAULT_PART_SIZE), options.get('concurrency', 1)
+    if not isinstance(part, int) or isinstance(part, bool) or part < MIN_PART_SIZE:
+        raise InputError(f"part_size must be an integer of at least {MIN_PART_SIZE} bytes (5 MiB, the "
+                         f"smallest part S3 takes), not {part!r}", file=prefix)
+    if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:
+        raise InputError(f"concurrency must be a positive integer, not {concurrency!r}", file=prefix)
 
 
 def forget_stores() -> None:

@@ -248,6 +248,35 @@ def test_server_killed_mid_upload_leaves_nothing_half_written(monkeypatch):
         server.stop()
 
 
+def test_server_killed_mid_read(monkeypatch):
+    """The server dies while a restore reads: a StorageError naming the URL and what to check."""
+    from datetime import timedelta
+
+    from tests.s3server import CREDENTIALS, S3Server
+
+    server = S3Server.start()
+    try:
+        for name, value in {**CREDENTIALS, "AWS_ENDPOINT_URL": server.endpoint}.items():
+            monkeypatch.setenv(name, value)
+        bucket = server.bucket()
+        object_store.configure(f"s3://{bucket}", part_size=5 << 20, concurrency=2,
+                               retry_config={"max_retries": 1, "retry_timeout": timedelta(seconds=2)})
+        url = f"s3://{bucket}/model.jckpt"
+        big = {f"w{i}": np.full(6 << 20, i, np.uint8) for i in range(4)}
+        jckpt.save(jckpt.Context(), big, url)
+        reader = jckpt.storage.open_checkpoint(url)
+        first = reader.header.tensors[0]
+        reader.decode(first, verify=True)  # reads while the server is up
+        server.stop()
+        with pytest.raises(jckpt.StorageError) as e:
+            for entry in reader.header.tensors[1:]:
+                reader.decode(entry, verify=True)
+        assert e.value.file == url and "endpoint" in e.value.fix
+    finally:
+        object_store.configure(f"s3://{bucket}")
+        server.stop()
+
+
 def test_a_failed_upload_keeps_the_previous_checkpoint(s3, monkeypatch):
     """An upload that fails (here: after its parts were sent) is aborted; the old object stays."""
     import obstore
@@ -323,6 +352,10 @@ def test_unknown_options_and_schemes_are_input_errors():
         object_store.configure("s3://typo")
     with pytest.raises(jckpt.InputError, match="no storage backend for URL scheme 'ftp'"):
         object_store.configure("ftp", endpoint="x")
+    with pytest.raises(jckpt.InputError, match="part_size must be an integer of at least 5242880"):
+        object_store.configure("s3", part_size=1 << 20)
+    with pytest.raises(jckpt.InputError, match="concurrency must be a positive integer"):
+        object_store.configure("s3", concurrency=0)
     with pytest.raises(jckpt.InputError, match="names no bucket"):
         jckpt.save(jckpt.Context(), TREE, "s3:///x.jckpt")
 
