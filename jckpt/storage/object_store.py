@@ -159,6 +159,7 @@ def available() -> bool:
 
 
 def obstore_module() -> Any:
+    """The obstore module, imported on first use; an `InputError` saying what to install when missing."""
     try:
         return importlib.import_module('obstore')
     except ImportError:
@@ -197,6 +198,7 @@ def _build(u: ObjectURL, options: dict[str, Any]) -> Any:
 
 
 def tuning(u: ObjectURL) -> tuple[int, int]:
+    """``(part_size, concurrency)`` for ``u``'s bucket (`configure`'s, else the defaults)."""
     s = _settings(u)
     return int(s.get('part_size', DEFAULT_PART_SIZE)), int(s.get('concurrency', DEFAULT_CONCURRENCY))
 
