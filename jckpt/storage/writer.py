@@ -24,6 +24,7 @@ from jckpt.format import payload as payload_mod
 from jckpt.format.header import Entry, Header, encode_header_with_slots
 from jckpt.storage.backend import backend_for
 from jckpt.storage.publish import storage_error
+from jckpt.storage.regions import ShardedSource
 
 
 class Sink:
@@ -241,7 +242,7 @@ def write_checkpoint(target: str | os.PathLike, header: Header,
     if len(sources) != len(header.tensors):
         raise InputError(f"{len(sources)} payload sources for {len(header.tensors)} entries",
                          file=target, fix="give one source per entry of the header")
-    if getattr(backend, 'streams', False) and all(type(s) is ArraySource for s in sources):
+    if getattr(backend, 'streams', False) and all(type(s) in STREAMED for s in sources):
         return stream_arrays(backend, target, header, sources, on_payload)  # an object: no spool file
     draft = with_placeholders(header)
     raw, slots = encode_header_with_slots(draft)
@@ -281,25 +282,38 @@ def write_checkpoint(target: str | os.PathLike, header: Header,
     return final
 
 
-def array_checksum(array: np.ndarray) -> tuple[str, str]:
-    """The payload checksum of a host array, computed without writing it anywhere."""
+#: The payload sources a streamed upload takes (`stream_arrays`): host arrays and sharded payloads.
+STREAMED = (ArraySource, ShardedSource)
+
+
+def _chunks(source: ArraySource | ShardedSource):
+    """A streamed source's stored bytes, in chunks (a sharded payload is assembled on the host)."""
+    if type(source) is ShardedSource:
+        return [source.assemble()]
+    return payload_mod.iter_payload_chunks(source.array)
+
+
+def array_checksum(source: ArraySource | ShardedSource) -> tuple[str, str]:
+    """The payload checksum of a streamed source, computed without writing it anywhere."""
     hasher = payload_mod.new_hasher()
-    for chunk in payload_mod.iter_payload_chunks(array):
+    for chunk in _chunks(source):
         hasher.update(chunk)
     return payload_mod.hasher_checksum(hasher)
 
 
-def stream_arrays(backend: Any, target: str, header: Header, sources: Sequence[ArraySource],
+def stream_arrays(backend: Any, target: str, header: Header, sources: Sequence[ArraySource | ShardedSource],
                   on_payload: Callable[[Entry], None] | None = None) -> Header:
     """Host arrays to a backend that streams uploads (an object store), with no spool file.
 
     The payloads are hashed first (far faster than any upload), so the header
     is final before its first byte is sent; then the header and the payloads
     stream into one upload (`backend.stream`), which publishes the object whole
-    only once every byte is in, and aborts it if anything fails.
+    only once every byte is in, and aborts it if anything fails. A sharded
+    payload is assembled on the host twice (to hash it, then to send it), one
+    payload at a time.
     """
     final = dataclasses.replace(header, tensors=tuple(
-        _evolve(e, checksum=array_checksum(s.array)) for e, s in zip(header.tensors, sources)))
+        _evolve(e, checksum=array_checksum(s)) for e, s in zip(header.tensors, sources)))
     raw, _ = encode_header_with_slots(final)
     raw = pad_for_aliasing(raw, final)
     size = len(raw) + max((e.offset + e.byte_length for e in final.tensors), default=0)
@@ -311,7 +325,7 @@ def stream_arrays(backend: Any, target: str, header: Header, sources: Sequence[A
             if entry.offset > position:
                 yield bytes(entry.offset - position)
             written = 0
-            for chunk in payload_mod.iter_payload_chunks(source.array):
+            for chunk in _chunks(source):
                 written += chunk.nbytes
                 yield chunk
             if written != entry.byte_length:

@@ -304,9 +304,12 @@ def test_a_failed_upload_keeps_the_previous_checkpoint(s3, monkeypatch):
     assert backend_for(s3).list(s3) == ["model.jckpt"]
 
 
-def test_host_arrays_stream_without_a_spool_file(s3, monkeypatch):
-    """Host arrays are hashed first and streamed into the upload: no local file is written."""
+def test_saves_stream_without_a_spool_file(s3, monkeypatch):
+    """Host arrays and device shards are hashed first and streamed into the upload: no local file."""
     import tempfile
+
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
 
     def no_spool(*args, **kwargs):
         raise AssertionError("a spool file was created")
@@ -318,6 +321,10 @@ def test_host_arrays_stream_without_a_spool_file(s3, monkeypatch):
     jckpt.save(jckpt.Context(), TREE, f"{s3}/small.jckpt")  # one PUT
     assert_tree_equal(jckpt.restore(HOST, big, url), big)
     assert jckpt.verify(url).ok and jckpt.verify(f"{s3}/small.jckpt").ok
+    w = np.arange(4096 * 1024, dtype=np.float32).reshape(4096, 1024)  # 16 MiB in 8 shards
+    sharded = jax.device_put(w, NamedSharding(jax.make_mesh((4, 2), ("a", "b")), PartitionSpec("a", "b")))
+    jckpt.save(jckpt.Context(), {"w": sharded}, f"{s3}/sharded.jckpt")
+    np.testing.assert_array_equal(jckpt.restore(HOST, {"w": w}, f"{s3}/sharded.jckpt")["w"], w)
 
 
 # --- configuration, without a server -----------------------------------------------------------------
