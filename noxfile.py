@@ -1,4 +1,7 @@
-"""Developer workflows: ``nox -s tests``, ``lint``, ``typecheck``, ``docs``, ``notebooks``, ``bench``."""
+"""Developer workflows: `nox -s tests`, `lint`, `typecheck`, `docs`, `notebooks`, `build`, `bench`."""
+
+import shutil
+from pathlib import Path
 
 import nox
 
@@ -49,3 +52,43 @@ def bench(session: nox.Session) -> None:
     """
     session.install("-e", ".[bench]")
     session.run("python", "-m", "bench.run", *session.posargs)
+
+
+@nox.session
+@nox.parametrize("extension", [True, False], ids=["c-extension", "pure-python"])
+def build(session: nox.Session, extension: bool) -> None:
+    """Build the sdist and, from it, a wheel; install the wheel here and smoke-test it.
+
+    Each run is a fresh virtual environment. `build(c-extension)` builds the
+    optional C accelerator into a platform wheel; `build(pure-python)` leaves
+    it out (`JCKPT_PURE_PYTHON=1`, a `py3-none-any` wheel). jckpt's own wheel
+    is installed with `--no-index` from the folder it was built into (never
+    from an index); its dependencies come from pip's cache or index. The smoke
+    test (`tests/system/smoke_installed.py`) runs from outside the source tree.
+    """
+    session.install("build>=1.2", "setuptools>=77")
+    dist = Path(session.create_tmp()).resolve() / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    env = {"JCKPT_PURE_PYTHON": "0" if extension else "1"}
+    # the sdist first, then the wheel built from the unpacked sdist: a file the sdist lacks fails here
+    session.run("python", "-m", "build", "--no-isolation", "--outdir", str(dist), env=env)
+    (sdist,) = dist.glob("jckpt-*.tar.gz")
+    (wheel,) = dist.glob("jckpt-*.whl")
+    pure = wheel.name.endswith("-py3-none-any.whl")
+    if pure == extension:
+        session.error(f"{wheel.name}: expected a {'platform' if extension else 'pure-Python'} wheel")
+    session.log(f"built {sdist.name} and {wheel.name}")
+    session.install(*_requirements(), silent=True)  # jckpt's dependencies (cached after a first run)
+    session.install("--no-index", "--no-deps", "--find-links", str(dist), "jckpt")
+    smoke = Path("tests/system/smoke_installed.py").resolve()
+    session.chdir(session.create_tmp())  # outside the source tree: import the installed package
+    session.run("python", str(smoke), "--extension" if extension else "--pure")
+    session.run("jckpt", "--help", silent=True)
+
+
+def _requirements() -> list[str]:
+    """The core dependencies of pyproject.toml."""
+    import tomllib
+
+    with open(Path(__file__).parent / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]["dependencies"]

@@ -6,7 +6,7 @@
 >>> jckpt.restore(jckpt.Context(), {"w": jnp.zeros(3)}, path)["w"]
 Array([0., 1., 2.], dtype=float32)
 
-The codec (``jckpt.format``) and the errors import without JAX; everything
+The codec (`jckpt.format`) and the errors import without JAX; everything
 that touches devices is imported on first use.
 """
 

@@ -1,4 +1,4 @@
-"""``python -m jckpt``: the ``jckpt`` command line."""
+"""`python -m jckpt`: the `jckpt` command line."""
 
 from jckpt.tools.cli import main
 

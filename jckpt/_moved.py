@@ -1,11 +1,11 @@
-"""Old module paths, kept importable with a ``DeprecationWarning``.
+"""Old module paths, kept importable with a `DeprecationWarning`.
 
 The package was flat before it was arranged by layer; code that imports an
-old path (``import jckpt.mirror``, ``from jckpt.sharding import record_reads``)
+old path (`import jckpt.mirror`, `from jckpt.sharding import record_reads`)
 keeps working and is told the new one. An old module that moved whole
 resolves to the very module object of its new home, so
-``jckpt.mirror.Mirror is jckpt.Mirror``; one whose contents went to several
-homes (``jckpt.distributed``) is an alias module that looks each attribute up
+`jckpt.mirror.Mirror is jckpt.Mirror`; one whose contents went to several
+homes (`jckpt.distributed`) is an alias module that looks each attribute up
 in them, in order, importing each only when an earlier one lacks the name.
 
 >>> import warnings

@@ -40,11 +40,13 @@ import dataclasses
 import importlib
 import os
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 from jckpt.errors import FormatError, InputError
 from jckpt.storage.backend import backend_for, checked_path
+from jckpt.storage.checkpoint import register_directory_reader
 
 PathLike = str | os.PathLike
 #: How many leading bytes a sniffer sees.
@@ -63,6 +65,9 @@ class Format:
         from `head`, its first `SNIFF_BYTES` bytes (`None` when
         `path` is a directory). None: never detected, only chosen by name.
       extensions: file name endings that choose this format for a destination.
+      read_metadata: `read_metadata(path) -> {key: str}`: what a file holds
+        besides arrays (an orbax step's JSON items), which `convert` stores as
+        the jckpt file's metadata; None: nothing.
     """
 
     name: str
@@ -70,6 +75,7 @@ class Format:
     write: Callable[[Any, str], None] | None = None
     sniff: Callable[[str, bytes | None], bool] | None = None
     extensions: tuple[str, ...] = ()
+    read_metadata: Callable[[str], dict[str, str]] | None = None
 
 
 _LOCK = threading.RLock()
@@ -80,7 +86,8 @@ def register_format(name: str, *, read: Callable[[str], Any],
                     write: Callable[[Any, str], None] | None = None,
                     sniff: Callable[[str, bytes | None], bool] | None = None,
                     extensions: tuple[str, ...] | list[str] = (),
-                    replace: bool = False) -> Format:
+                    replace: bool = False,
+                    read_metadata: Callable[[str], dict[str, str]] | None = None) -> Format:
     """Add a format to the registry (formats registered later are tried first).
 
     Args:
@@ -91,6 +98,8 @@ def register_format(name: str, *, read: Callable[[str], Any],
         (`head` is None for a directory).
       extensions: destination name endings (`'.mine'`) that pick this format.
       replace: allow replacing a format of the same name.
+      read_metadata: `read_metadata(path) -> {key: str}`, what a file holds
+        besides arrays; `convert` keeps it as a jckpt file's metadata.
 
     Example:
         ```python
@@ -102,8 +111,11 @@ def register_format(name: str, *, read: Callable[[str], Any],
     if not isinstance(name, str) or not name:
         raise InputError(f"format name must be a non-empty string, not {name!r}")
     _check_hooks(read=read, write=write, sniff=sniff, extensions=extensions)
+    if read_metadata is not None and not callable(read_metadata):
+        raise InputError(f"register_format's read_metadata must be a function, not "
+                         f"{read_metadata!r:.80}", fix="pass read_metadata=a function or None")
     fmt = Format(name=name, read=read, write=write, sniff=sniff,
-                 extensions=tuple(e.lower() for e in extensions))
+                 extensions=tuple(e.lower() for e in extensions), read_metadata=read_metadata)
     with _LOCK:
         if name in _FORMATS and not replace:
             raise InputError(f"format {name!r} is already registered",
@@ -259,9 +271,39 @@ def convert(src: PathLike, dst: PathLike, *, format: str | None = None) -> tuple
     if os.path.exists(dst) and os.path.samefile(src, dst):
         raise InputError("source and destination are the same file", file=dst,
                          fix="convert into another path")
-    tree = get_format(source).read(src)
-    fmt.write(tree, dst)
+    reader = get_format(source)
+    _write_converted(reader, src, fmt, reader.read(src), dst)
     return source, target
+
+
+def _write_converted(source: Format, src: str, target: Format, tree: Any, dst: str) -> None:
+    """Write `tree` with what `src` holds besides arrays: a jckpt file keeps it as metadata;
+    another format cannot, and a warning names what is left behind (never a silent drop)."""
+    meta = source.read_metadata(src) if source.read_metadata is not None else {}
+    write = target.write
+    assert write is not None  # convert refuses a format it cannot write before reading
+    if meta and target.name == 'jckpt':
+        write(tree, dst, metadata=meta)  # type: ignore[call-arg]  # native.write takes it
+        return
+    if meta:
+        warnings.warn(f"{src}: {sorted(meta)} ({source.name}'s data besides arrays) is not kept in "
+                      f"{target.name!r}; convert to a .jckpt file to keep it as metadata",
+                      stacklevel=3)
+    write(tree, dst)
+
+
+def _open_orbax(path: str) -> Any:
+    """An orbax directory as a reader for `jckpt.storage.open_checkpoint`."""
+    return importlib.import_module('jckpt.adapters.orbax_reader').OrbaxReader(path)
+
+
+def _claims_orbax(path: str) -> bool:
+    return importlib.import_module('jckpt.adapters.orbax').sniff(path, None)
+
+
+# restore, load and describe read orbax directories without converting them (read-only); the
+# module is imported, and so registers, with `jckpt` itself (see docs/design.md)
+register_directory_reader('orbax', claims=_claims_orbax, open=_open_orbax)
 
 
 __all__ = ['Format', 'convert', 'detect_format', 'format_for_destination', 'formats',

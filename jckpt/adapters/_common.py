@@ -1,8 +1,8 @@
 """Helpers shared by the format adapters: the tree form, names, files, archives.
 
-Every adapter reads to and writes from the form :func:`jckpt.load` returns,
-``{namespace: subtree}`` with host numpy arrays as leaves. Formats without
-namespaces put what they hold under :data:`DEFAULT_NAMESPACE`, and write a
+Every adapter reads to and writes from the form `jckpt.load` returns,
+`{namespace: subtree}` with host numpy arrays as leaves. Formats without
+namespaces put what they hold under `DEFAULT_NAMESPACE`, and write a
 tree of one namespace as its subtree alone (several namespaces become the
 top level of what is written).
 """
@@ -30,7 +30,7 @@ DEFAULT_NAMESPACE = 'jckpt'
 
 
 def check_namespaced(tree: Any, file: str) -> dict[str, Any]:
-    """``tree`` as ``{namespace: subtree}``, refusing anything else before a byte is written."""
+    """`tree` as `{namespace: subtree}`, refusing anything else before a byte is written."""
     if not isinstance(tree, dict) or not all(isinstance(k, str) and NAMESPACE_RE.match(k)
                                              for k in tree):
         raise InputError("adapters write a tree of the form jckpt.load returns: "
@@ -40,19 +40,19 @@ def check_namespaced(tree: Any, file: str) -> dict[str, Any]:
 
 
 def host_items(tree: Any, file: str) -> list[tuple[str, KeyPath, np.ndarray]]:
-    """``[(namespace, path, host array)]`` for every leaf of ``{namespace: subtree}``.
+    """`[(namespace, path, host array)]` for every leaf of `{namespace: subtree}`.
 
-    Leaves come to host through :func:`jckpt.trees.placement.host_leaves`
+    Leaves come to host through `jckpt.trees.placement.host_leaves`
     (every transfer started before any is awaited; a typed PRNG key as its
     key data); one that cannot be stored raises
-    :class:`~jckpt.errors.InputError` naming ``file`` and the leaf, before
+    `InputError` naming `file` and the leaf, before
     anything is written.
     """
     return [(ns, path, array) for ns, path, array, _ in host_items_with_keys(tree, file)]
 
 
 def host_items_with_keys(tree: Any, file: str) -> list[tuple[str, KeyPath, np.ndarray, str | None]]:
-    """:func:`host_items`, with each leaf's PRNG implementation (``None`` but for typed keys),
+    """`host_items`, with each leaf's PRNG implementation (`None` but for typed keys),
     for formats that record it."""
     from jckpt.trees import placement  # JAX: imported only when a tree is written
     from jckpt.trees import pytree as tree_mod
@@ -67,7 +67,7 @@ def host_items_with_keys(tree: Any, file: str) -> list[tuple[str, KeyPath, np.nd
 
 
 def flat_name(ns: str, path: KeyPath, several: bool, sep: str = '.') -> str:
-    """The flat tensor name of a leaf: its path joined by ``sep``, prefixed by the
+    """The flat tensor name of a leaf: its path joined by `sep`, prefixed by the
     namespace when the tree has several."""
     parts = [str(v) for _, v in path]
     if several:
@@ -77,7 +77,7 @@ def flat_name(ns: str, path: KeyPath, several: bool, sep: str = '.') -> str:
 
 def flat_names(items: list[tuple[str, KeyPath, np.ndarray]], file: str,
                sep: str = '.') -> list[str]:
-    """Distinct flat names for ``items``; refuses two leaves that would share one."""
+    """Distinct flat names for `items`; refuses two leaves that would share one."""
     several = len({ns for ns, _, _ in items}) > 1
     names = [flat_name(ns, p, several, sep) for ns, p, _ in items]
     seen: dict[str, str] = {}
@@ -98,8 +98,8 @@ def paths_json(items: list[tuple[str, KeyPath, np.ndarray]], names: list[str]) -
 
 def tree_from_names(arrays: dict[str, np.ndarray], record: str | None,
                     namespace: str = DEFAULT_NAMESPACE) -> dict[str, Any]:
-    """Rebuild ``{namespace: subtree}`` from named arrays and, when it is present
-    and covers exactly these names, the paths record written by :func:`paths_json`."""
+    """Rebuild `{namespace: subtree}` from named arrays and, when it is present
+    and covers exactly these names, the paths record written by `paths_json`."""
     from jckpt.trees import pytree as tree_mod
 
     paths = _parse_record(record, set(arrays))
@@ -141,42 +141,42 @@ def _parse_record(record: str | None, names: set[str]) -> dict[str, tuple[str, K
 
 def single_content(tree: dict[str, Any]) -> Any:
     """What a namespace-less format stores: the only namespace's subtree, or the whole
-    ``{namespace: subtree}`` when there are several (or none)."""
+    `{namespace: subtree}` when there are several (or none)."""
     if len(tree) == 1:
         return next(iter(tree.values()))
     return tree
 
 
 def unsafe_member_name(name: str) -> bool:
-    """Whether an archive member name could escape a directory: ``..``, absolute, a drive, NUL."""
+    """Whether an archive member name could escape a directory: `..`, absolute, a drive, NUL."""
     norm = name.replace('\\', '/')
     return norm.startswith('/') or '..' in norm.split('/') or (len(norm) > 1 and norm[1] == ':') \
         or '\0' in name
 
 
 def check_member_name(name: str, file: str) -> None:
-    """Refuse archive member names that could escape a directory: ``..``, absolute, drive."""
+    """Refuse archive member names that could escape a directory: `..`, absolute, drive."""
     if unsafe_member_name(name):
         raise FormatError(f"archive member name {name!r} is unsafe (absolute or with '..')",
                           file=file, fix="the archive is malicious or damaged; do not use it")
 
 
 def inside(directory: str, path: str) -> bool:
-    """Whether ``path`` is no symbolic link and lies inside ``directory`` (a crafted checkpoint
+    """Whether `path` is no symbolic link and lies inside `directory` (a crafted checkpoint
     directory must not make a reader follow it elsewhere)."""
     return not os.path.islink(path) and os.path.realpath(path).startswith(
         os.path.realpath(directory) + os.sep)
 
 
 def map_file(path: str) -> Buffer:
-    """The whole file ``path`` from its storage backend (locally a private copy-on-write
-    mapping; ``b''`` when it is empty). A URL no backend serves is an :class:`InputError`."""
+    """The whole file `path` from its storage backend (locally a private copy-on-write
+    mapping; `b''` when it is empty). A URL no backend serves is an `InputError`."""
     return backend_for(path).map(path)
 
 
 def array_view(buffer, dtype: np.dtype, shape: tuple[int, ...], offset: int,
                file: str, entry: str) -> np.ndarray:
-    """``shape`` elements of ``dtype`` at ``offset`` of ``buffer``: a zero-copy view
+    """`shape` elements of `dtype` at `offset` of `buffer`: a zero-copy view
     when the offset is a multiple of the element size, an aligned copy otherwise."""
     count = math.prod(shape)
     if offset < 0 or offset + count * dtype.itemsize > len(buffer):
@@ -190,12 +190,12 @@ def array_view(buffer, dtype: np.dtype, shape: tuple[int, ...], offset: int,
 
 @contextlib.contextmanager
 def published(target: str, durable: bool = True) -> Iterator[io.BufferedWriter]:
-    """A binary file object streaming to ``target``'s backend, published atomically on success.
+    """A binary file object streaming to `target`'s backend, published atomically on success.
 
-    The backend's :meth:`~jckpt.storage.backend.Backend.create` stages the
-    write (locally a locked sibling renamed over ``target``); the file object
-    wraps a duplicate of its descriptor, so ``zipfile`` and ``struct`` writers
-    can seek and write. An exception leaves ``target`` as it was.
+    The backend's `create` stages the
+    write (locally a locked sibling renamed over `target`); the file object
+    wraps a duplicate of its descriptor, so `zipfile` and `struct` writers
+    can seek and write. An exception leaves `target` as it was.
     """
     with backend_for(target).create(target, durable=durable) as staging:
         try:

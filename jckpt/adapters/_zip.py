@@ -2,7 +2,7 @@
 
 Readers map the archive and view a stored (uncompressed) member's bytes in
 place; writers store members uncompressed with their data aligned to 64
-bytes (padding in the local header's extra field, as ``torch.save`` does), so
+bytes (padding in the local header's extra field, as `torch.save` does), so
 they can be mapped in turn.
 """
 
@@ -34,15 +34,15 @@ _PAD_ID = 0x4246  # 'FB': the padding record torch.save uses
 
 
 def zip_source(path: str, buffer: Any = None) -> Any:
-    """What `zipfile.ZipFile` reads ``path`` from: the local path, or an object's bytes in memory."""
+    """What `zipfile.ZipFile` reads `path` from: the local path, or an object's bytes in memory."""
     if not is_url(path):
         return path
     return io.BytesIO(buffer if buffer is not None else backend_for(path).map(path))
 
 
 def open_zip(path: str, buffer: Any = None) -> zipfile.ZipFile:
-    """Open ``path`` as a zip archive; :class:`FormatError` if it is not one or is truncated,
-    or if a member name could escape a directory. A URL's ``buffer`` (its bytes) is read
+    """Open `path` as a zip archive; `FormatError` if it is not one or is truncated,
+    or if a member name could escape a directory. A URL's `buffer` (its bytes) is read
     again from the store when not given."""
     try:
         zf = zipfile.ZipFile(zip_source(path, buffer))
@@ -56,7 +56,7 @@ def open_zip(path: str, buffer: Any = None) -> zipfile.ZipFile:
 
 
 def member_span(buffer, info: zipfile.ZipInfo, file: str) -> tuple[int, int]:
-    """``(start, length)`` of a member's stored bytes inside the archive ``buffer``."""
+    """`(start, length)` of a member's stored bytes inside the archive `buffer`."""
     at = info.header_offset
     if at < 0 or at + _LOCAL_HEADER.size > len(buffer):
         raise FormatError(f"archive member {info.filename!r} lies past the end of the file",
@@ -96,7 +96,7 @@ def member_bytes(zf: zipfile.ZipFile, buffer, info: zipfile.ZipInfo, file: str):
 
 
 def write_member(zf: zipfile.ZipFile, name: str, chunks: Iterable, size: int) -> None:
-    """Store ``size`` bytes from ``chunks`` as member ``name``, its data 64-byte aligned."""
+    """Store `size` bytes from `chunks` as member `name`, its data 64-byte aligned."""
     info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
     info.compress_type = zipfile.ZIP_STORED
     info.file_size = size

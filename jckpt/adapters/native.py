@@ -1,8 +1,8 @@
-"""The ``jckpt`` format itself, as an adapter: every namespace in one atomic write.
+"""The `jckpt` format itself, as an adapter: every namespace in one atomic write.
 
-``read`` is :func:`jckpt.api.loading.load` with host arrays (zero-copy views of the
-file); ``write`` stores every namespace of ``{namespace: subtree}`` in one
-file published by a single rename (``jckpt.save`` writes one namespace).
+`read` is `jckpt.api.loading.load` with host arrays (zero-copy views of the
+file); `write` stores every namespace of `{namespace: subtree}` in one
+file published by a single rename (`jckpt.save` writes one namespace).
 
 >>> import numpy as np, tempfile, os
 >>> path = os.path.join(tempfile.mkdtemp(), 'two.jckpt')
@@ -18,12 +18,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from jckpt.adapters import register_format
-from jckpt.adapters._common import host_items_with_keys
+from jckpt.adapters._common import check_namespaced, host_items_with_keys
 from jckpt.api.context import Context
 from jckpt.format.entries import DEFAULT_ALIGNMENT, Header, KeyPath, entry_for
 from jckpt.format.header import looks_like_header
 from jckpt.format.layout import lay_out
-from jckpt.format.names import INDEX_NAME
+from jckpt.format.metadata import empty_nodes, empty_nodes_text
+from jckpt.format.names import EMPTY_NODES_KEY, INDEX_NAME
 from jckpt.storage.backend import LOCAL, backend_for
 from jckpt.storage.writer import ArraySource, write_checkpoint
 from jckpt.version import __version__
@@ -31,8 +32,8 @@ from jckpt.version import __version__
 
 def sniff(path: str, head: bytes | None) -> bool:
     """A file whose first bytes start like a jckpt header
-    (:func:`~jckpt.format.header.looks_like_header`); or a directory checkpoint
-    (multi-process), which holds ``index.jckpt``."""
+    (`looks_like_header`); or a directory checkpoint
+    (multi-process), which holds `index.jckpt`."""
     if head is None:
         backend = backend_for(path)
         return INDEX_NAME in backend.list(path) if backend is not LOCAL else \
@@ -41,19 +42,22 @@ def sniff(path: str, head: bytes | None) -> bool:
 
 
 def read(path: str) -> dict[str, Any]:
-    """Every entry of the file (or directory checkpoint) as ``{namespace: subtree}`` of host
-    numpy arrays."""
-    from jckpt.api.loading import load  # JAX: imported only when a checkpoint is read
+    """Every entry of the file (or directory checkpoint) as `{namespace: subtree}` of host
+    numpy arrays, with `None` where the saved tree had a node without leaves (an optax
+    `EmptyState`: recorded under `EMPTY_NODES_KEY`), so an orbax export keeps it."""
+    from jckpt.api.loading import describe, load  # JAX: imported only when a checkpoint is read
+    from jckpt.trees.pytree import with_empty_nodes
 
     _, tree = load(Context(host=True), path)
-    return tree
+    recorded = describe(path).metadata_dict().get(EMPTY_NODES_KEY)
+    return {ns: with_empty_nodes(sub, empty_nodes(recorded, ns)) for ns, sub in tree.items()}
 
 
 def build_header(items: Sequence[tuple[str, KeyPath, Any]], *, alignment: int = DEFAULT_ALIGNMENT,
                  metadata: Sequence[tuple[str, str]] = (),
                  key_impls: Sequence[str | None] | None = None) -> Header:
-    """A laid-out header for ``(namespace, path, host array)`` items, ids counted per namespace;
-    ``key_impls`` names the PRNG implementation of the items that are typed keys' data."""
+    """A laid-out header for `(namespace, path, host array)` items, ids counted per namespace;
+    `key_impls` names the PRNG implementation of the items that are typed keys' data."""
     next_id: dict[str, int] = {}
     entries = []
     impls = key_impls if key_impls is not None else [None] * len(items)
@@ -74,11 +78,20 @@ def write_items(items: Sequence[tuple[str, KeyPath, Any]], path: str, *,
     return write_checkpoint(path, header, [ArraySource(a) for _, _, a in items])
 
 
-def write(tree: Any, path: str) -> None:
-    """Write ``{namespace: subtree}`` to one jckpt file (typed PRNG keys stay keys)."""
+def write(tree: Any, path: str, *, metadata: dict[str, str] | None = None) -> None:
+    """Write `{namespace: subtree}` to one jckpt file (typed PRNG keys stay keys), with
+    `metadata` (string pairs) in its header and the tree's nodes without leaves recorded."""
+    from jckpt.trees.pytree import flatten_with_empty  # JAX: imported only when a tree is written
+
     path = os.fspath(path)
     items = host_items_with_keys(tree, path)
-    write_items([(ns, p, a) for ns, p, a, _ in items], path, key_impls=[k for *_, k in items])
+    meta = dict(metadata or {})
+    for ns, sub in check_namespaced(tree, path).items():
+        text = empty_nodes_text(meta.get(EMPTY_NODES_KEY), ns, flatten_with_empty(sub)[1])
+        if text is not None:
+            meta[EMPTY_NODES_KEY] = text
+    write_items([(ns, p, a) for ns, p, a, _ in items], path, key_impls=[k for *_, k in items],
+                metadata=tuple(meta.items()))
 
 
 def register() -> None:

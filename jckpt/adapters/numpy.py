@@ -1,17 +1,17 @@
-"""numpy ``.npy`` and ``.npz`` files, read and written without pickle.
+"""numpy `.npy` and `.npz` files, read and written without pickle.
 
-``.npy`` holds one array: it reads as ``{'jckpt': array}`` and a tree holding
-exactly one leaf writes as that array. ``.npz`` holds named arrays: members are
-named by key path joined with ``.`` (``params.dense.kernel.npy``) and the
+`.npy` holds one array: it reads as `{'jckpt': array}` and a tree holding
+exactly one leaf writes as that array. `.npz` holds named arrays: members are
+named by key path joined with `.` (`params.dense.kernel.npy`) and the
 exact paths and namespaces travel as JSON in the archive's comment, so a tree
 comes back with its structure; an archive without that record (from
-``np.savez``) reads as ``{'jckpt': {name: array}}``.
+`np.savez`) reads as `{'jckpt': {name: array}}`.
 
 ml_dtypes types (bfloat16, the float8s, int4, ...) are written with their
-names as the ``descr`` (``'bfloat16'``), which ``np.load`` reads whenever
-ml_dtypes is imported; ``np.save`` itself writes them as raw ``'<V2'`` bytes,
+names as the `descr` (`'bfloat16'`), which `np.load` reads whenever
+ml_dtypes is imported; `np.save` itself writes them as raw `'<V2'` bytes,
 which this reader refuses with a message saying so. Object arrays (pickles)
-are refused. Stored members and ``.npy`` files are mapped, not copied, when
+are refused. Stored members and `.npy` files are mapped, not copied, when
 their data is aligned (jckpt aligns what it writes to 64 bytes).
 
 >>> import numpy as np, tempfile, os
@@ -86,7 +86,7 @@ def _dtype_from_descr(descr: Any, file: str, entry: str | None) -> np.dtype:
 
 
 def parse_npy(buffer, offset: int, length: int, file: str, entry: str | None = None) -> np.ndarray:
-    """The array of the ``.npy`` bytes at ``buffer[offset:offset+length]`` (a view when aligned)."""
+    """The array of the `.npy` bytes at `buffer[offset:offset+length]` (a view when aligned)."""
     def bad(msg: str) -> FormatError:
         return FormatError(msg, file=file, entry=entry, fix="the file is truncated or not .npy")
     if length < 10 or bytes(buffer[offset:offset + 6]) != MAGIC:
@@ -135,7 +135,7 @@ def _descr(dtype: np.dtype) -> str:
 
 
 def npy_header(array: np.ndarray) -> bytes:
-    """The ``.npy`` header of ``array`` as jckpt writes it (little-endian, C order),
+    """The `.npy` header of `array` as jckpt writes it (little-endian, C order),
     padded so the data starts at a multiple of 64 bytes."""
     dtype = stored_dtype(array.dtype)
     text = f"{{'descr': {_descr(dtype)!r}, 'fortran_order': False, 'shape': {tuple(array.shape)!r}, }}"
@@ -154,14 +154,14 @@ def sniff_npy(path: str, head: bytes | None) -> bool:
 
 
 def read_npy(path: str) -> dict[str, Any]:
-    """A ``.npy`` file as ``{'jckpt': array}`` (zero-copy when aligned)."""
+    """A `.npy` file as `{'jckpt': array}` (zero-copy when aligned)."""
     path = os.fspath(path)
     buffer = map_file(path)
     return {DEFAULT_NAMESPACE: parse_npy(buffer, 0, len(buffer), path)}
 
 
 def write_npy(tree: Any, path: str) -> None:
-    """Write the only leaf of ``tree`` as a ``.npy`` file."""
+    """Write the only leaf of `tree` as a `.npy` file."""
     path = os.fspath(path)
     items = host_items(tree, path)
     if len(items) != 1:
@@ -185,7 +185,7 @@ def sniff_npz(path: str, head: bytes | None) -> bool:
 
 
 def read_npz(path: str) -> dict[str, Any]:
-    """An ``.npz`` archive as ``{namespace: subtree}`` (zero-copy for aligned stored members)."""
+    """An `.npz` archive as `{namespace: subtree}` (zero-copy for aligned stored members)."""
     path = os.fspath(path)
     buffer = map_file(path)
     with _zip.open_zip(path, buffer) as zf:
@@ -214,7 +214,7 @@ def read_npz(path: str) -> dict[str, Any]:
 
 
 def write_npz(tree: Any, path: str) -> None:
-    """Write ``{namespace: subtree}`` as an uncompressed ``.npz`` archive (members 64-byte aligned)."""
+    """Write `{namespace: subtree}` as an uncompressed `.npz` archive (members 64-byte aligned)."""
     import zipfile
 
     path = os.fspath(path)

@@ -1,33 +1,37 @@
-"""orbax PyTree checkpoints (directories), to and from ``{namespace: subtree}``.
+"""orbax PyTree checkpoints (directories), to and from `{namespace: subtree}`.
 
-Reading accepts an orbax PyTree item directory (it holds ``_METADATA``),
-which reads as ``{'jckpt': tree}``, or a step directory of a
-``CheckpointManager`` (``<root>/<step>``), whose items read as
-``{item: tree}``; items saved through :mod:`jckpt.adapters.orbax_handler` (one jckpt file each)
+Reading accepts an orbax PyTree item directory (it holds `_METADATA`),
+which reads as `{'jckpt': tree}`, or a step directory of a
+`CheckpointManager` (`<root>/<step>`), whose items read as
+`{item: tree}`; items saved through `jckpt.adapters.orbax_handler` (one jckpt file each)
 are read too. Every leaf comes back as a host numpy array, bit-exact, except
 typed PRNG keys, which orbax stores as key data plus their implementation
-and which come back as key arrays.
+and which come back as key arrays. A step's JSON items (`ocp.args.JsonSave`)
+hold no arrays: `json_metadata` gives them as metadata under
+`jckpt.format.names.ORBAX_JSON_KEY`, which `jckpt.convert` keeps in the jckpt file.
+`jckpt.restore` and `jckpt.load` read these directories directly too
+(`jckpt.adapters.orbax_reader`).
+
 Writing makes a step-style directory with one PyTree item per namespace,
-which ``ocp.CheckpointManager``/``ocp.Checkpointer`` and this reader open;
+which `ocp.CheckpointManager`/`ocp.Checkpointer` and this reader open;
 typed PRNG keys are handed to orbax as keys (orbax stores them itself), and
-nodes without leaves that the tree holds (optax's ``EmptyState``, ``None``)
-are kept, as orbax keeps them.
+nodes without leaves that the tree holds (optax's `EmptyState`, `None`)
+are kept, as orbax keeps them. A jckpt file records the key paths of such
+nodes at save time (`jckpt.format.names.EMPTY_NODES_KEY`), so converting a
+file brings them back too.
 
 orbax records a NamedTuple's or a dataclass's fields as dict keys, so a
 converted file holds dict keys where the saved tree had attributes;
-:func:`jckpt.restore` matches a path that differs only in such key kinds.
-A jckpt file records leaves only: converting one to orbax cannot bring back
-nodes without leaves. To export a tree that has them (an optax ``adamw``
-state), restore it into its structure first and write that:
-``jckpt.adapters.write({'jckpt': jckpt.restore(ctx, abstract, path)}, out, format='orbax')``.
+`jckpt.restore` matches a path that differs only in such key kinds.
 
 orbax-checkpoint is an optional dependency, imported only when a directory
-is read or written (``pip install 'jckpt[orbax]'``).
+is read or written (`pip install 'jckpt[orbax]'`).
 
-Example::
-
+Example:
+    ```python
     jckpt.convert('ckpts/1000', 'step1000.jckpt')           # orbax -> jckpt
     jckpt.convert('step1000.jckpt', 'exported', format='orbax')
+    ```
 """
 
 from __future__ import annotations
@@ -42,11 +46,16 @@ import numpy as np
 from jckpt.adapters._common import DEFAULT_NAMESPACE, check_namespaced, host_items, inside
 from jckpt.errors import FormatError, InputError
 from jckpt.format.header import NAMESPACE_RE
+from jckpt.format.limits import json_loads
+from jckpt.format.names import ORBAX_JSON_KEY
 from jckpt.storage.backend import backend_for
 
 _ITEM_MARKERS = ('_METADATA', 'manifest.ocdbt')
 _STEP_MARKER = '_CHECKPOINT_METADATA'
 _JCKPT_ITEM = 'checkpoint.jckpt'
+#: The file a JSON item (`ocp.args.JsonSave`) keeps its value in, and the most of it read.
+_JSON_ITEM = 'metadata'
+_MAX_JSON_BYTES = 64 << 20
 
 
 def _orbax():
@@ -69,7 +78,7 @@ def _items(path: str) -> list[str]:
 
 
 def sniff(path: str, head: bytes | None) -> bool:
-    """A directory laid out as an orbax item, step, or ``CheckpointManager`` root (refused
+    """A directory laid out as an orbax item, step, or `CheckpointManager` root (refused
     with a message naming a step)."""
     return head is None and (_is_item(path) or os.path.exists(os.path.join(path, _STEP_MARKER))
                              or bool(_items(path)) or bool(_steps(path)))
@@ -81,7 +90,7 @@ def _steps(path: str) -> list[str]:
 
 
 def _key_name(key: Any) -> str:
-    """One element of orbax's parameter name of a leaf (its key path joined by ``.``)."""
+    """One element of orbax's parameter name of a leaf (its key path joined by `.`)."""
     for attr in ('key', 'idx', 'name'):
         if hasattr(key, attr):
             return str(getattr(key, attr))
@@ -89,10 +98,10 @@ def _key_name(key: Any) -> str:
 
 
 def _key_impls(item: str) -> dict[str, str]:
-    """``{parameter name: PRNG implementation}`` for the typed keys orbax stored in ``item``.
+    """`{parameter name: PRNG implementation}` for the typed keys orbax stored in `item`.
 
     orbax keeps a typed key's implementation in the item's array metadata
-    (``array_metadatas/process_<n>``, JSON); anything missing or unreadable
+    (`array_metadatas/process_<n>`, JSON); anything missing or unreadable
     there means no keys (their data then reads as plain integers).
     """
     found: dict[str, str] = {}
@@ -128,7 +137,8 @@ def _host_or_key(impls: dict[str, str]):
     return convert
 
 
-def _read_item(item: str) -> Any:
+def read_item(item: str) -> Any:
+    """One item directory's tree: host numpy arrays, and typed PRNG keys as keys."""
     if os.path.lexists(os.path.join(item, _JCKPT_ITEM)) and not os.path.exists(
             os.path.join(item, '_METADATA')):
         from jckpt.adapters import native
@@ -163,14 +173,23 @@ def _read_item(item: str) -> Any:
 
 
 def read(path: str) -> dict[str, Any]:
-    """An orbax item or step directory as ``{namespace: subtree}`` of host numpy arrays."""
+    """An orbax item or step directory as `{namespace: subtree}` of host numpy arrays."""
+    return {ns: read_item(item) for ns, item in item_dirs(path)}
+
+
+def item_dirs(path: str) -> list[tuple[str, str]]:
+    """`[(namespace, item directory)]` of an orbax item (`jckpt`) or step directory (one per item).
+
+    A `CheckpointManager` root, or a directory with no item, is a `FormatError`
+    naming a step to pass instead.
+    """
     path = os.fspath(path)
     backend_for(path)  # a URL of an unsupported scheme is refused, never read as a local path
     if not os.path.isdir(path):
         raise FormatError("an orbax checkpoint is a directory", file=path,
                           fix="pass the step or item directory")
     if _is_item(path):
-        return {DEFAULT_NAMESPACE: _read_item(path)}
+        return [(DEFAULT_NAMESPACE, path)]
     items = _items(path)
     if not items:
         steps = _steps(path)
@@ -181,14 +200,63 @@ def read(path: str) -> dict[str, Any]:
     if bad:
         raise FormatError(f"item names {bad} are not valid namespaces", file=path,
                           fix="pass the item's own directory to read it alone")
-    return {name: _read_item(os.path.join(path, name)) for name in items}
+    return [(name, os.path.join(path, name)) for name in items]
+
+
+def item_specs(item: str) -> list[tuple[Any, tuple[int, ...], np.dtype, str | None]] | None:
+    """`[(JAX key path, shape, dtype, PRNG implementation or None)]` of an orbax PyTree item,
+    from its metadata alone (no array is read); None for an item jckpt saved (a jckpt file)
+    or metadata that cannot be read (the caller then reads the item)."""
+    if not os.path.exists(os.path.join(item, '_METADATA')):
+        return None
+    ocp = _orbax()
+    import jax
+
+    try:
+        metadata = ocp.PyTreeCheckpointer().metadata(os.path.abspath(item))
+        tree = getattr(getattr(metadata, 'item_metadata', metadata), 'tree', None)
+        leaves = jax.tree_util.tree_flatten_with_path(tree)[0] if tree is not None else None
+        impls = _key_impls(item)
+        return None if leaves is None else [
+            (kp, tuple(int(d) for d in m.shape), np.dtype(m.dtype),
+             impls.get('.'.join(_key_name(k) for k in kp))) for kp, m in leaves]
+    except Exception:  # metadata orbax cannot give: read the item instead
+        return None
+
+
+def json_metadata(path: str) -> dict[str, str]:
+    """A step's JSON items as `{ORBAX_JSON_KEY: '{"item": value, ...}'}`; `{}` when it has none.
+
+    A JSON item is a directory of the step that holds orbax's `metadata` file
+    and no PyTree; one that is not valid JSON is a `FormatError` naming it.
+    """
+    path = os.fspath(path)
+    if _is_item(path) or not os.path.isdir(path):
+        return {}
+    found: dict[str, Any] = {}
+    for name in sorted(os.listdir(path)):
+        item = os.path.join(path, name)
+        single = os.path.join(item, _JSON_ITEM)
+        if not os.path.isdir(item) or _is_item(item) or not os.path.isfile(single):
+            continue
+        if not inside(item, single) or os.path.getsize(single) > _MAX_JSON_BYTES:
+            raise FormatError(f"JSON item {name!r} is a link outside its item or over "
+                              f"{_MAX_JSON_BYTES} bytes", file=single,
+                              fix="keep the item's JSON small and inside its directory")
+        try:
+            with open(single, 'rb') as f:
+                found[name] = json_loads(f.read())
+        except (OSError, ValueError) as e:
+            raise FormatError(f"JSON item {name!r} cannot be read: {e}", file=single,
+                              fix="the step is damaged; save it again") from None
+    return {ORBAX_JSON_KEY: json.dumps(found, sort_keys=True)} if found else {}
 
 
 def write(tree: Any, path: str) -> None:
-    """Write ``{namespace: subtree}`` as an orbax step directory, one PyTree item per namespace.
+    """Write `{namespace: subtree}` as an orbax step directory, one PyTree item per namespace.
 
-    The directory is built beside ``path`` and renamed into place; an
-    existing directory at ``path`` is replaced only after the new one is complete.
+    The directory is built beside `path` and renamed into place; an
+    existing directory at `path` is replaced only after the new one is complete.
     """
     backend_for(os.fspath(path))  # before abspath, which would make a URL a local path
     path = os.path.abspath(os.fspath(path))
@@ -234,4 +302,5 @@ def _for_orbax(leaf: Any) -> Any:
 def register() -> None:
     from jckpt.adapters import register_format
 
-    register_format('orbax', read=read, write=write, sniff=sniff, replace=True)
+    register_format('orbax', read=read, write=write, sniff=sniff, read_metadata=json_metadata,
+                    replace=True)

@@ -9,6 +9,11 @@ copies the arrays to host memory (so training may change or donate them at
 once) and the file is written in orbax's background commit. Restoring fills
 a target tree (arrays, `jax.ShapeDtypeStruct`s with shardings, numbers)
 through `jckpt.api.loading.restore`, or returns the whole tree without one.
+`manager.item_metadata(step)[item]` is a `JckptItemMetadata` read from the
+header alone: `.tree` holds a `jax.ShapeDtypeStruct` per array, in the saved
+structure (as orbax's `TreeMetadata.tree` does). As for orbax's own items, a
+manager made after the save is told the handler to get it:
+`ocp.CheckpointManager(directory, item_handlers={'state': JckptCheckpointHandler()})`.
 
 Example:
     ```python
@@ -42,6 +47,7 @@ from jckpt.api.context import Context
 from jckpt.api.loading import describe, load, restore
 from jckpt.api.saving import save
 from jckpt.errors import InputError
+from jckpt.format.entries import Entry, Header
 from jckpt.trees import placement
 from jckpt.trees import pytree as tree_mod
 
@@ -100,15 +106,54 @@ class JckptCheckpointHandler(ocp.AsyncCheckpointHandler):
             return tree.get(self._context.namespace, {})
         return restore(self._context, target, path, cast=args.cast)
 
-    def metadata(self, directory: Any) -> Any:
-        """The jckpt header of the item (no payload is read)."""
-        return describe(self._path(directory))
+    def metadata(self, directory: Any) -> JckptItemMetadata:
+        """What the item holds, from its header alone (no payload is read).
+
+        orbax's `CheckpointManager.item_metadata(step)` returns this for a
+        jckpt item, as it returns a `TreeMetadata` for a PyTree item: `.tree`
+        is the saved tree's structure with a `jax.ShapeDtypeStruct` per
+        array (an abstract target that `JckptRestore` accepts as it is).
+        """
+        return item_metadata(describe(self._path(directory)), self._context.namespace)
 
     def finalize(self, directory: Any) -> None:
         pass
 
     def close(self) -> None:
         pass
+
+
+@dataclasses.dataclass(frozen=True)
+class JckptItemMetadata:
+    """The metadata of one jckpt item, as orbax's handlers give theirs.
+
+    Attributes:
+      tree: nested dicts and lists, by the stored key paths, of one
+        `jax.ShapeDtypeStruct` (shape and dtype; typed PRNG keys with their key
+        dtype) per saved array: `JckptRestore(target=metadata.tree)` restores it all.
+      custom_metadata: the file's metadata (string pairs), as orbax names its own.
+      header: the jckpt header itself (every entry, checksums, writer).
+    """
+
+    tree: Any
+    custom_metadata: dict[str, str]
+    header: Header
+
+
+def item_metadata(header: Header, namespace: str) -> JckptItemMetadata:
+    """The `JckptItemMetadata` of `header`'s entries in `namespace`."""
+    items = [(e.path if e.path is not None else (('k', f"n{e.id}"),), _spec(e))
+             for e in header.tensors if e.namespace == namespace]
+    return JckptItemMetadata(tree=tree_mod.unflatten(items) if items else {},
+                             custom_metadata=header.metadata_dict(), header=header)
+
+
+def _spec(entry: Entry) -> jax.ShapeDtypeStruct:
+    """The abstract array that `restore` takes for `entry`."""
+    if entry.key_impl is None:
+        return jax.ShapeDtypeStruct(entry.shape, entry.dtype)
+    data = jax.ShapeDtypeStruct(entry.shape, entry.dtype)
+    return jax.eval_shape(lambda d: jax.random.wrap_key_data(d, impl=entry.key_impl), data)
 
 
 def _run(coro):
@@ -138,4 +183,5 @@ class JckptRestore(ocp.args.CheckpointArgs):
     cast: bool = False
 
 
-__all__ = ['FILENAME', 'JckptCheckpointHandler', 'JckptRestore', 'JckptSave']
+__all__ = ['FILENAME', 'JckptCheckpointHandler', 'JckptItemMetadata', 'JckptRestore', 'JckptSave',
+           'item_metadata']

@@ -1,21 +1,21 @@
 """safetensors files, read and written with numpy alone (the safetensors package is not needed).
 
-The format: 8 bytes of little-endian header size ``N``, ``N`` bytes of JSON
-(``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__":
-{str: str}}``), then the tensors' bytes, C order, little-endian, offsets
+The format: 8 bytes of little-endian header size `N`, `N` bytes of JSON
+(`{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__":
+{str: str}}`), then the tensors' bytes, C order, little-endian, offsets
 relative to the end of the header. This implementation gets right what the
 safetensors package's numpy functions get wrong: non-contiguous and
 Fortran-ordered arrays are written as their values (C order), bfloat16 needs
 no import ritual, and the float8 types read and write.
 
-Tree form: tensors are named by key path joined with ``.``; the exact
-namespaces and paths are recorded as JSON under the ``__metadata__`` key
-``jckpt.paths``, so a jckpt tree round-trips with its structure. A file from
-elsewhere reads as ``{'jckpt': {name: array}}``. Hugging Face's sharded layout
-reads from its ``*.safetensors.index.json`` file (or the directory that holds
-it), whose ``weight_map`` names each tensor's shard, and writing to a path
-of that name writes shards and an index (:func:`write_sharded`). Written
-files carry ``"format": "pt"`` in their metadata unless told otherwise, as
+Tree form: tensors are named by key path joined with `.`; the exact
+namespaces and paths are recorded as JSON under the `__metadata__` key
+`jckpt.paths`, so a jckpt tree round-trips with its structure. A file from
+elsewhere reads as `{'jckpt': {name: array}}`. Hugging Face's sharded layout
+reads from its `*.safetensors.index.json` file (or the directory that holds
+it), whose `weight_map` names each tensor's shard, and writing to a path
+of that name writes shards and an index (`write_sharded`). Written
+files carry `"format": "pt"` in their metadata unless told otherwise, as
 Hugging Face transformers requires.
 
 Tensors are written largest element first, then by name (as the safetensors
@@ -98,7 +98,7 @@ def _fail(msg: str, file: str, entry: str | None = None) -> FormatError:
 
 
 def read_header(buffer, file: str) -> tuple[dict[str, Any], dict[str, str], int]:
-    """``(tensors, metadata, data_start)`` of a safetensors file's bytes, validated as the
+    """`(tensors, metadata, data_start)` of a safetensors file's bytes, validated as the
     safetensors reader does (no overlaps, gaps or trailing bytes; sizes match shapes)."""
     if len(buffer) < 8:
         raise _fail(f"file is {len(buffer)} bytes, shorter than the 8-byte header size", file)
@@ -159,7 +159,7 @@ def read_header(buffer, file: str) -> tuple[dict[str, Any], dict[str, str], int]
 
 
 def read_arrays(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """``({name: array}, metadata)`` of one safetensors file; arrays are zero-copy when aligned."""
+    """`({name: array}, metadata)` of one safetensors file; arrays are zero-copy when aligned."""
     from jckpt.adapters._common import array_view
 
     buffer = map_file(path)
@@ -182,7 +182,7 @@ def _index_file(path: str) -> str | None:
 
 
 def read_sharded(index_path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Tensors of a Hugging Face sharded checkpoint, from its ``*.safetensors.index.json``."""
+    """Tensors of a Hugging Face sharded checkpoint, from its `*.safetensors.index.json`."""
     try:
         with open(index_path, 'rb') as f:
             index = json.loads(f.read().decode('utf-8'))
@@ -220,7 +220,7 @@ def read_sharded(index_path: str) -> tuple[dict[str, np.ndarray], dict[str, str]
 
 
 def read(path: str) -> dict[str, Any]:
-    """A safetensors file, sharded index or directory holding one, as ``{namespace: subtree}``."""
+    """A safetensors file, sharded index or directory holding one, as `{namespace: subtree}`."""
     path = os.fspath(path)
     index = _index_file(path)
     if index is not None:
@@ -240,7 +240,7 @@ def read(path: str) -> dict[str, Any]:
 
 
 def sniff(path: str, head: bytes | None) -> bool:
-    """A plausible header size followed by ``{``; or a sharded index (file or directory)."""
+    """A plausible header size followed by `{`; or a sharded index (file or directory)."""
     if head is None:
         return _index_file(path) is not None or os.path.exists(os.path.join(path, 'model.safetensors'))
     if head[:1] == b'{' and b'"weight_map"' in head:
@@ -257,7 +257,7 @@ def sniff(path: str, head: bytes | None) -> bool:
 def encode_header(entries: list[tuple[str, np.dtype, tuple[int, ...], int]],
                   metadata: dict[str, str] | None) -> bytes:
     """Header bytes (size + JSON padded with spaces to a multiple of 8) for
-    ``(name, dtype, shape, nbytes)`` entries in data order."""
+    `(name, dtype, shape, nbytes)` entries in data order."""
     header: dict[str, Any] = {}
     if metadata:
         header[METADATA_KEY] = metadata
@@ -299,11 +299,11 @@ def _write_file(path: str, items: list, names: list[str], order: list[int],
 
 
 def write(tree: Any, path: str, *, metadata: dict[str, str] | None = None) -> None:
-    """Write ``{namespace: subtree}`` as one safetensors file (C order, little-endian values).
+    """Write `{namespace: subtree}` as one safetensors file (C order, little-endian values).
 
-    ``metadata`` adds string pairs to the file's ``__metadata__``. A ``path``
-    ending in ``.safetensors.index.json`` writes a sharded checkpoint there
-    instead (:func:`write_sharded`).
+    `metadata` adds string pairs to the file's `__metadata__`. A `path`
+    ending in `.safetensors.index.json` writes a sharded checkpoint there
+    instead (`write_sharded`).
     """
     path = os.fspath(path)
     if path.endswith(INDEX_SUFFIX):
@@ -316,7 +316,7 @@ def write(tree: Any, path: str, *, metadata: dict[str, str] | None = None) -> No
 
 
 def _metadata(metadata: dict[str, str] | None) -> dict[str, str]:
-    """The ``__metadata__`` to write: the caller's, with ``format`` defaulting to ``pt``
+    """The `__metadata__` to write: the caller's, with `format` defaulting to `pt`
     (Hugging Face transformers refuses files whose metadata names no format it knows)."""
     meta = {'format': 'pt'}
     meta.update(metadata or {})
@@ -332,18 +332,19 @@ DEFAULT_SHARD_BYTES = 5 * 10**9
 
 def write_sharded(tree: Any, index_path: str, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
                   metadata: dict[str, str] | None = None) -> list[str]:
-    """Write Hugging Face's sharded layout: ``<prefix>-0000i-of-0000n.safetensors`` files
-    beside ``index_path`` (``<prefix>.safetensors.index.json``), then the index.
+    """Write Hugging Face's sharded layout: `<prefix>-0000i-of-0000n.safetensors` files
+    beside `index_path` (`<prefix>.safetensors.index.json`), then the index.
 
-    Each shard holds tensors up to ``max_shard_bytes`` (a larger tensor gets a
+    Each shard holds tensors up to `max_shard_bytes` (a larger tensor gets a
     shard of its own). Every file is published atomically and the index last,
     so a reader that finds the index finds every shard it names. Returns the
     shard file names.
 
-    Example::
-
+    Example:
+        ```python
         write_sharded({'jckpt': params}, 'out/model.safetensors.index.json',
                       max_shard_bytes=2 * 10**9)
+        ```
     """
     index_path = os.fspath(index_path)
     base = os.path.basename(index_path)

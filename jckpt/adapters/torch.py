@@ -1,22 +1,22 @@
-"""PyTorch ``torch.save`` files (``.pt``, ``.pth``), read and written without importing torch.
+"""PyTorch `torch.save` files (`.pt`, `.pth`), read and written without importing torch.
 
-A ``torch.save`` file is an uncompressed zip with one root folder holding
-``data.pkl`` (the pickled structure, tensors as references to storages),
-``data/<key>`` (each storage's raw bytes, 64-byte aligned) and ``byteorder``.
-Reading maps the archive and unpickles ``data.pkl`` with an allow-list: only
+A `torch.save` file is an uncompressed zip with one root folder holding
+`data.pkl` (the pickled structure, tensors as references to storages),
+`data/<key>` (each storage's raw bytes, 64-byte aligned) and `byteorder`.
+Reading maps the archive and unpickles `data.pkl` with an allow-list: only
 the tensor and parameter rebuild functions, storage types, dtypes and
-``OrderedDict`` are known, and any other global (``os.system``, a model
-class, ...) is refused with :class:`~jckpt.errors.FormatError` before
+`OrderedDict` are known, and any other global (`os.system`, a model
+class, ...) is refused with `FormatError` before
 anything is called, so a malicious file cannot run code. Tensors come back as
 numpy views of the mapped storages (shared storages stay shared), parameters
 as their data; ints, floats, bools and strings as themselves.
 
 Writing emits the same archive and a pickle that uses only what
-``torch.load(..., weights_only=True)`` accepts (no torch needed).
+`torch.load(..., weights_only=True)` accepts (no torch needed).
 
 Tree form: the pickled object is the namespace's subtree, read into
-``{'jckpt': obj}``; a tree of one namespace is saved as its subtree, several
-as ``{namespace: subtree}``.
+`{'jckpt': obj}`; a tree of one namespace is saved as its subtree, several
+as `{namespace: subtree}`.
 
 >>> import numpy as np, tempfile, os
 >>> path = os.path.join(tempfile.mkdtemp(), 'm.pt')
@@ -156,7 +156,7 @@ def _encode(text, encoding='latin1'):
 
 
 class _StateDict(dict):
-    """``OrderedDict`` as unpickled: a dict that ignores the ``_metadata`` state torch attaches."""
+    """`OrderedDict` as unpickled: a dict that ignores the `_metadata` state torch attaches."""
 
     def __setstate__(self, state: Any) -> None:
         pass
@@ -165,10 +165,10 @@ class _StateDict(dict):
 def _plain(obj: Any, budget: list[int], depth: int = 0, open_ids: frozenset = frozenset()) -> Any:
     """Plain dicts, lists and tuples all the way down (JAX trees know exact types only).
 
-    Refuses with ``ValueError`` what a pickle can build but no tree can be:
-    nesting deeper than :data:`jckpt.format.limits.MAX_NESTING`, a container
+    Refuses with `ValueError` what a pickle can build but no tree can be:
+    nesting deeper than `jckpt.format.limits.MAX_NESTING`, a container
     holding itself, dict keys that cannot be sorted together (JAX sorts them),
-    and more nodes than ``budget[0]`` (shared sub-containers expanded
+    and more nodes than `budget[0]` (shared sub-containers expanded
     exponentially; each visit costs a reference in the pickle, so a budget of
     its length refuses only such expansions).
     """
@@ -210,7 +210,7 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 
 class _Unpickler(pickle._Unpickler):
     """The pure-Python unpickler, so that BUILD can be limited too: it may set state only on
-    unpickled ``OrderedDict``s (whose state is ignored), never on arrays or anything else."""
+    unpickled `OrderedDict`s (whose state is ignored), never on arrays or anything else."""
 
     dispatch = dict(pickle._Unpickler.dispatch)
 
@@ -259,7 +259,7 @@ def sniff(path: str, head: bytes | None) -> bool:
 
 
 def read(path: str) -> dict[str, Any]:
-    """A ``torch.save`` file as ``{'jckpt': obj}``, tensors as numpy views; no code runs."""
+    """A `torch.save` file as `{'jckpt': obj}`, tensors as numpy views; no code runs."""
     path = os.fspath(path)
     buffer = map_file(path)
     if bytes(buffer[:2]) == b'\x80\x02' or bytes(buffer[:1]) == b'\x80':
@@ -425,7 +425,7 @@ class _Pickle:
 
 
 def write(tree: Any, path: str) -> None:
-    """Write ``{namespace: subtree}`` as a file ``torch.load(path, weights_only=True)`` reads.
+    """Write `{namespace: subtree}` as a file `torch.load(path, weights_only=True)` reads.
 
     Containers (dict, list, tuple), Python numbers, strings and None are
     pickled as themselves; arrays (numpy, JAX) become CPU tensors.

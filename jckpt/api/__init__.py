@@ -1,4 +1,4 @@
-"""The public operations: ``save``, ``load``, ``restore`` and the immutable ``Context``.
+"""The public operations: `save`, `load`, `restore` and the immutable `Context`.
 
 >>> import jax.numpy as jnp, tempfile, os
 >>> from jckpt.api import Context, load, restore, save

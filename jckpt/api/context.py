@@ -15,8 +15,11 @@ id already loaded into it.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Iterable
 from typing import Any
+
+import numpy as np
 
 from jckpt.errors import InputError
 from jckpt.format.header import DEFAULT_ALIGNMENT, NAMESPACE_RE, Entry
@@ -85,6 +88,17 @@ class Context:
         if not valid_alignment(self.alignment):
             raise InputError(f"alignment must be a positive integer up to {MAX_ALIGNMENT}, "
                              f"not {self.alignment!r}")
+        for name in ('mmap', 'durable', 'host'):  # numpy's bools become bools
+            object.__setattr__(self, name, check_flag(getattr(self, name), f"Context's {name}",
+                                                      optional=False))
+        if self.device is not None and not _is_placement(self.device):
+            raise InputError(f"Context's device must be a jax.Device or a jax.sharding.Sharding, "
+                             f"not {type(self.device).__name__} {self.device!r:.80}",
+                             fix="pass e.g. device=jax.devices()[0], or None for JAX's default")
+        if not isinstance(self.registry, Registry):
+            raise InputError(f"Context's registry must be a Registry, not "
+                             f"{type(self.registry).__name__}",
+                             fix="leave registry out: load fills it in the context it returns")
 
     def __repr__(self) -> str:
         """The namespace, the fields that differ from the defaults, and what was loaded.
@@ -112,8 +126,36 @@ class Context:
         return dataclasses.replace(self, **changes)
 
 
-def check_context(ctx: object) -> Context:
-    """`ctx` if it is a `Context`; an `InputError` with the fix otherwise.
+def _is_placement(device: Any) -> bool:
+    """Whether `device` is a `jax.Device` or a `jax.sharding.Sharding` (JAX is loaded if it is one)."""
+    jax = sys.modules.get('jax')
+    return jax is not None and isinstance(device, (jax.Device, jax.sharding.Sharding))
+
+
+def check_flag(value: Any, name: str, file: str | None = None, *,
+               optional: bool = True) -> bool | None:
+    """`value` as a bool if it is one (numpy's too), or None if `optional`; `InputError` otherwise.
+
+    An option such as `mmap="no"` is truthy, so taking it would silently do
+    the opposite of what was meant.
+
+    >>> check_flag(True, 'mmap'), check_flag(None, 'verify')
+    (True, None)
+    >>> check_flag('no', 'mmap')
+    Traceback (most recent call last):
+    ...
+    jckpt.errors.InputError: mmap must be True or False, not str 'no' (fix: ...)
+    """
+    if isinstance(value, bool) or (value is None and optional):
+        return value
+    if isinstance(value, np.bool_):
+        return bool(value)
+    raise InputError(f"{name} must be True or False, not {type(value).__name__} {value!r:.80}",
+                     file=file, fix=f"pass {name.split()[-1]}=True or {name.split()[-1]}=False")
+
+
+def check_context(ctx: object, file: str | None = None, **flags: Any) -> Context:
+    """`ctx` if it is a `Context`, and each of `flags` a bool or None; `InputError` otherwise.
 
     >>> check_context('jckpt')
     Traceback (most recent call last):
@@ -122,5 +164,7 @@ def check_context(ctx: object) -> Context:
     """
     if not isinstance(ctx, Context):
         raise InputError(f"ctx must be a jckpt.Context, not {type(ctx).__name__} {ctx!r:.80}",
-                         fix="pass jckpt.Context(), or the context jckpt.load returned")
+                         file=file, fix="pass jckpt.Context(), or the context jckpt.load returned")
+    for name, value in flags.items():
+        check_flag(value, name, file)
     return ctx

@@ -42,7 +42,7 @@ from jckpt.trees import placement, sharding
 from jckpt.trees import pytree as tree_mod
 
 PathLike = str | os.PathLike
-#: What ``namespaces=`` takes: one namespace, or several.
+#: What `namespaces=` takes: one namespace, or several.
 Namespaces = str | Collection[str]
 
 
@@ -61,7 +61,7 @@ def load(ctx: Context, path: PathLike, *, prefix_namespace: str | None = None,
 
     Args:
       ctx: the context; the returned one also registers what was loaded.
-      path: the checkpoint file, or a directory checkpoint.
+      path: a checkpoint file or directory, or an orbax item or step directory (as it is).
       prefix_namespace: rename every namespace `ns` to `prefix + "__" + ns`.
       mmap: map payloads (default `ctx.mmap`).
       verify: check payload checksums (default: when copying or reading a URL, not when mapping).
@@ -80,7 +80,7 @@ def load(ctx: Context, path: PathLike, *, prefix_namespace: str | None = None,
         _, model = jckpt.load(jckpt.Context(), "ckpt.jckpt", namespaces="model")  # no optimizer
         ```
     """
-    path, ctx = checked_path(path), check_context(ctx)
+    path, ctx = checked_path(path), check_context(ctx, mmap=mmap, verify=verify, progress=progress)
     tree_mod.check_prefix(prefix_namespace)
     reader = open_checkpoint(path)  # a file, or a multi-process directory
     stored = reader.header.tensors
@@ -161,7 +161,7 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
       ctx: the context (namespace, placement).
       target: any pytree of arrays, `ShapeDtypeStruct`s or numbers; with
         `namespaces`, `{namespace: subtree}` for exactly those namespaces.
-      path: the checkpoint file, or a directory checkpoint.
+      path: a checkpoint file or directory, or an orbax item or step directory (as it is).
       mmap: map payloads (default `ctx.mmap`).
       cast: convert to the target's dtype instead of refusing a dtype mismatch.
       namespace: read this namespace instead of `ctx.namespace`.
@@ -195,7 +195,7 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
                              "ckpt.jckpt", namespaces=["model", "opt"])
         ```
     """
-    path, ctx = checked_path(path), check_context(ctx)
+    path, ctx = checked_path(path), check_context(ctx, mmap=mmap, cast=cast, verify=verify)
     parts = _target_parts(ctx, target, path, namespace, namespaces)
     if not any(items for _, items, _ in parts):
         return target
@@ -414,11 +414,8 @@ def _raw_key_data(entry: Entry, want_shape: Any, path: str, where: str) -> Misma
 
 def _target_spec(leaf: Any) -> tuple[tuple[int, ...] | None, Any]:
     """`(shape, dtype)` a target leaf asks for (None where it does not say)."""
-    if placement.is_prng_key(leaf):
-        return tuple(leaf.shape), None
     if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
-        if isinstance(leaf, jax.ShapeDtypeStruct) and jax.dtypes.issubdtype(
-                leaf.dtype, jax.dtypes.prng_key):
+        if placement.is_key_dtype(leaf.dtype):
             return tuple(leaf.shape), None
         return tuple(leaf.shape), leaf.dtype
     if isinstance(leaf, (bool, int, float, complex)):

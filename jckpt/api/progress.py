@@ -1,9 +1,9 @@
 """Progress bars for long saves, loads, verifies and conversions, on stderr only.
 
-A bar is drawn only when it was asked for (``progress=True`` in the Python
+A bar is drawn only when it was asked for (`progress=True` in the Python
 API; the command line asks by default) *and* stderr is an interactive
 terminal: never in a pipe, a redirected file or a CI log, where it would only
-add noise. ``rich`` draws it and is imported only when a bar is actually shown,
+add noise. `rich` draws it and is imported only when a bar is actually shown,
 so asking for progress costs nothing elsewhere.
 
 >>> with bar("saving model.jckpt", total=1024, enabled=False) as b:
@@ -22,8 +22,8 @@ from typing import IO, Any
 def wanted(requested: bool, stream: IO[str] | None = None) -> bool:
     """Whether a bar should be drawn: asked for, on a terminal, and not in CI.
 
-    ``stream`` defaults to ``sys.stderr``. A terminal of type ``dumb`` and an
-    environment with ``CI`` set (continuous-integration runners set it) count
+    `stream` defaults to `sys.stderr`. A terminal of type `dumb` and an
+    environment with `CI` set (continuous-integration runners set it) count
     as not interactive.
     """
     if not requested:
@@ -44,7 +44,7 @@ def wanted(requested: bool, stream: IO[str] | None = None) -> bool:
 class Bar:
     """A byte-counting progress bar (a silent counter when not drawn).
 
-    Use through :func:`bar`. ``advance(n)`` adds ``n`` bytes; ``done`` is the
+    Use through `bar`. `advance(n)` adds `n` bytes; `done` is the
     running total, kept whether or not anything is drawn.
     """
 
@@ -79,7 +79,7 @@ class Bar:
         return self._progress is not None
 
     def advance(self, nbytes: int) -> None:
-        """Count ``nbytes`` more bytes as done."""
+        """Count `nbytes` more bytes as done."""
         self.done += nbytes
         if self._progress is not None:
             self._progress.update(self._task, completed=self.done)
@@ -102,14 +102,15 @@ class Bar:
 
 def bar(description: str, total: int, *, enabled: bool = True,
         stream: IO[str] | None = None) -> Bar:
-    """A :class:`Bar` for ``total`` bytes, drawn only if :func:`wanted` says so.
+    """A `Bar` for `total` bytes, drawn only if `wanted` says so.
 
-    Example::
-
+    Example:
+        ```python
         with progress.bar("verifying ckpt.jckpt", total=nbytes, enabled=progress) as b:
             for entry in entries:
                 check(entry)
                 b.advance(entry.byte_length)
+        ```
     """
     return Bar(description, total, draw=wanted(enabled, stream), stream=stream)
 

@@ -32,14 +32,14 @@ from jckpt.format._gc import paused
 from jckpt.format.entries import Entry, Header, KeyPath, entry_for, round_up
 from jckpt.format.layout import lay_out
 from jckpt.format.limits import MAX_ALIGNMENT, valid_alignment
-from jckpt.format.metadata import check_metadata
-from jckpt.format.names import INDEX_NAME
+from jckpt.format.metadata import check_metadata, empty_nodes_text
+from jckpt.format.names import EMPTY_NODES_KEY, INDEX_NAME
 from jckpt.format.payload import CHECKSUM_PLACEHOLDER
 from jckpt.storage.backend import LOCAL, backend_for, checked_path
 from jckpt.storage.publish import storage_error
 from jckpt.storage.reader import CheckpointReader
 from jckpt.storage.regions import ShardedSource
-from jckpt.storage.writer import ArraySource, CopySource, ReaderSource, write_checkpoint
+from jckpt.storage.writer import ArraySource, CopySource, ReaderSource, array_source, write_checkpoint
 from jckpt.trees import placement
 from jckpt.trees import pytree as tree_mod
 from jckpt.version import __version__
@@ -79,20 +79,22 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
         jckpt.save(jckpt.Context(), {"params": params, "step": 100}, "ckpt.jckpt")
         ```
     """
-    path, ctx = checked_path(path), check_context(ctx)
+    path, ctx = checked_path(path), check_context(ctx, appending=appending, progress=progress)
     metadata = check_metadata(metadata, path)  # strings only, refused before anything is written
     # several processes save their pieces into one directory; a directory checkpoint stays one
     if jax.process_count() > 1 or _holds_directory(path):
         if appending:
             raise InputError("appending is not supported for directory checkpoints",
                              file=path, fix="save the whole tree")
-        save_directory(ctx, tree, path, alignment=alignment, metadata=metadata)
+        save_directory(ctx, tree, path, alignment=alignment, metadata=_with_empty_nodes(
+            metadata, None, ctx.namespace, tree_mod.flatten_with_empty(tree)[1], ()))
         return
-    items = tree_mod.flatten(tree)
+    items, empty = tree_mod.flatten_with_empty(tree)
     hosts = placement.host_leaves([(tree_mod.leaf_name(ctx.namespace, p), leaf) for p, leaf in items],
                                   pieces=True)
     alignment = _alignment(ctx.alignment if alignment is None else alignment, path)
     old = _appended(path) if appending else None
+    metadata = _with_empty_nodes(metadata, old, ctx.namespace, empty, [p for p, _ in items])
     entries, sources = _entries(ctx, [p for p, _ in items], hosts,
                                 kept=old.header.tensors if old is not None else (), alignment=alignment)
     header = _header(entries, alignment, old.header if old is not None else Header(), metadata)
@@ -126,8 +128,19 @@ def _publish_appended(ctx: Context, path: str, header: Header, entries: Sequence
         os.close(fd)
 
 
+def _with_empty_nodes(metadata: dict[str, str], old: CheckpointReader | None, namespace: str,
+                      empty: Sequence[KeyPath], stored: Sequence[KeyPath]) -> dict[str, str]:
+    """`metadata` with the key paths of the tree's nodes without leaves (`EMPTY_NODES_KEY`),
+    merged with an appended file's, so that an orbax export can rebuild them."""
+    before = old.header.metadata_dict().get(EMPTY_NODES_KEY) if old is not None else None
+    text = empty_nodes_text(before, namespace, empty, stored)
+    if text is None:
+        return metadata
+    return {**metadata, EMPTY_NODES_KEY: text}
+
+
 def _holds_directory(path: str) -> bool:
-    """Whether ``path`` holds a directory checkpoint (for a URL, an index under its prefix)."""
+    """Whether `path` holds a directory checkpoint (for a URL, an index under its prefix)."""
     index = os.path.join(path, INDEX_NAME)
     backend = backend_for(path)
     if backend is LOCAL:
@@ -140,7 +153,7 @@ def _holds_directory(path: str) -> bool:
 
 
 def _alignment(alignment: Any, path: str) -> int:
-    """``alignment`` when it is one a reader accepts; InputError otherwise."""
+    """`alignment` when it is one a reader accepts; InputError otherwise."""
     if not valid_alignment(alignment):
         raise InputError(f"alignment must be a positive integer up to {MAX_ALIGNMENT}, "
                          f"not {alignment!r}", file=path)
@@ -171,24 +184,26 @@ def _entries(ctx: Context, paths: Sequence[KeyPath], hosts: Sequence[placement.H
         else:
             ident = kept[slot].id
         offset = 0 if kept else round_up(cursor, alignment)
+        source, checksum = _source(host)
         entry = entry_for(namespace, path, host.dtype, host.shape, id=ident, key_impl=host.key_impl,
-                          checksum=CHECKSUM_PLACEHOLDER, offset=offset)
+                          checksum=checksum, offset=offset)
         cursor = offset + entry.byte_length
         if slot is None:
             entries.append(entry)
-            sources.append(_source(host))
+            sources.append(source)
         else:
             entries[slot] = entry
-            sources[slot] = _source(host)
+            sources[slot] = source
     return entries, sources
 
 
-def _source(host: placement.HostLeaf) -> ArraySource | ShardedSource:
-    """What streams a host leaf's payload: its whole array, or its shards written in place."""
+def _source(host: placement.HostLeaf) -> tuple[ArraySource | ShardedSource, tuple[str, str]]:
+    """What streams a host leaf's payload (its whole array, or its shards written in place),
+    and the checksum its entry starts with (the real one where known already)."""
     if host.array is not None:
-        return ArraySource(host.array)
+        return array_source(host.array)
     return ShardedSource(host.shape, host.dtype, [(box, functools.partial(placement.await_host, data))
-                                                  for box, data in host.shards])
+                                                  for box, data in host.shards]), CHECKSUM_PLACEHOLDER
 
 
 def _header(entries: Sequence[Entry], alignment: int, old: Header,

@@ -1,6 +1,6 @@
 """The codec: pure functions between headers, payloads and bytes (numpy only, no JAX).
 
-Everything here follows the file format's specification (``docs/format.md``).
+Everything here follows the file format's specification (`docs/format.md`).
 """
 
 from jckpt.format.header import (

@@ -39,7 +39,7 @@ def gc_paused() -> Iterator[None]:
 
 
 def paused(fn: Callable[P, R]) -> Callable[P, R]:
-    """Decorator form of :func:`gc_paused`."""
+    """Decorator form of `gc_paused`."""
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         with gc_paused():

@@ -1,6 +1,6 @@
 """Boxes: the part of an array a shard, a stored piece or a device holds.
 
-A *box* is a tuple of ``(start, stop)`` pairs, one per dimension. A directory
+A *box* is a tuple of `(start, stop)` pairs, one per dimension. A directory
 checkpoint's index records each piece of an array as a box, and its codec
 checks that the pieces tile the array exactly; sharded writes and lazy reads
 copy between boxes. Pure arithmetic on tuples: no numpy, no JAX.
@@ -27,7 +27,7 @@ Box = tuple[tuple[int, int], ...]
 
 
 def box_of(index: Sequence[Any], shape: Sequence[int]) -> Box:
-    """The box a numpy-style index of slices selects from an array of ``shape``."""
+    """The box a numpy-style index of slices selects from an array of `shape`."""
     out = []
     for i, d in enumerate(shape):
         s = index[i] if i < len(index) else slice(None)
@@ -46,24 +46,24 @@ def box_of(index: Sequence[Any], shape: Sequence[int]) -> Box:
 
 
 def box_slices(box: Box, origin: Box | None = None) -> tuple[slice, ...]:
-    """Slices selecting ``box`` (relative to ``origin``'s start when given)."""
+    """Slices selecting `box` (relative to `origin`'s start when given)."""
     if origin is None:
         return tuple(slice(a, b) for a, b in box)
     return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin))
 
 
 def box_shape(box: Box) -> tuple[int, ...]:
-    """Extent of ``box`` along each dimension."""
+    """Extent of `box` along each dimension."""
     return tuple(b - a for a, b in box)
 
 
 def box_size(box: Box) -> int:
-    """Number of elements in ``box``."""
+    """Number of elements in `box`."""
     return math.prod(box_shape(box))
 
 
 def full_box(shape: Sequence[int]) -> Box:
-    """The box covering a whole array of ``shape``."""
+    """The box covering a whole array of `shape`."""
     return tuple((0, int(d)) for d in shape)
 
 
@@ -74,7 +74,7 @@ def intersect(a: Box, b: Box) -> Box | None:
 
 
 def _merge(a: Box, b: Box) -> Box | None:
-    """``a`` and ``b`` joined when their union is itself a box."""
+    """`a` and `b` joined when their union is itself a box."""
     differ = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
     if len(differ) != 1:
         return None
@@ -111,7 +111,7 @@ def coalesce(boxes: Sequence[Box]) -> list[Box]:
 
 
 def check_tiling(boxes: Sequence[Box], shape: Sequence[int]) -> str | None:
-    """Why ``boxes`` do not tile an array of ``shape`` exactly (None when they do)."""
+    """Why `boxes` do not tile an array of `shape` exactly (None when they do)."""
     whole = full_box(shape)
     total = 0
     for b in boxes:
@@ -129,7 +129,7 @@ MAX_TILING_CELLS = 1 << 22
 
 
 def _first_overlap(boxes: Sequence[Box], shape: Sequence[int]) -> str | None:
-    """Why two of ``boxes`` overlap, or None: each box is painted on the grid that the
+    """Why two of `boxes` overlap, or None: each box is painted on the grid that the
     boxes' own edges cut, so the cost is that grid's size, never pairs of boxes."""
     if len(boxes) < 2:
         return None

@@ -129,6 +129,10 @@ def round_up(n: int, a: int) -> int:
     return n if a <= 1 else -(-n // a) * a
 
 
+#: dtype -> (prec, bytes per element), for the dtypes met so far (one save meets a few).
+_PREC_SIZES: dict[np.dtype, tuple[str, int]] = {}
+
+
 def entry_for(namespace: str, path: KeyPath | None, dtype: Any, shape: Sequence[int], *, id: int,
               key_impl: str | None = None, checksum: tuple[str, str] | None = None,
               offset: int = 0, slice: Sequence[tuple[int, int]] | None = None,
@@ -148,14 +152,20 @@ def entry_for(namespace: str, path: KeyPath | None, dtype: Any, shape: Sequence[
     ...           global_dims=(8,)).byte_length
     4
     """
-    prec = precs.prec_of(dtype)
+    try:
+        prec, size = _PREC_SIZES[dtype]
+    except (KeyError, TypeError):  # first of its dtype, or a dtype given as a type or string
+        prec = precs.prec_of(dtype)
+        size = precs.element_size(prec)
+        if isinstance(dtype, np.dtype):
+            _PREC_SIZES[dtype] = (prec, size)
     dims = tuple(shape)
     if path is not None and len(path) > MAX_PATH_LENGTH:
         raise InputError(f"key path of {len(path)} components is deeper than {MAX_PATH_LENGTH}, "
                          "more than readers accept", entry=path_name(path[:8]) + '/...',
                          fix="store the tree flatter")
     return Entry(id=id, namespace=namespace, prec=prec, dims=dims, offset=offset,
-                 byte_length=math.prod(dims) * precs.element_size(prec),
+                 byte_length=math.prod(dims) * size,
                  label=() if path is None else tuple([v if type(v) is str else str(v) for _, v in path]),
                  path=path, checksum=checksum, key_impl=key_impl,
                  slice=None if slice is None else tuple((a, b) for a, b in slice),

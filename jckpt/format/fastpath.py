@@ -3,12 +3,12 @@
 A checkpoint of 100,000 leaves has a header of 100,000 entries; building a
 generic S-expression tree for it and validating it field by field would
 dominate a load. Entries in jckpt's canonical layout are instead matched in
-one step, by the C accelerator (``_canonical.c``, built with the package when
+one step, by the C accelerator (`_canonical.c`, built with the package when
 a compiler is available) or, without it, one regular expression. Anything
 else (quoted atoms, padding, unknown fields, an inconsistent length) makes
-:func:`canonical_entries` answer ``None`` and the general reader of
-:mod:`jckpt.format.header` decides, so every path accepts and produces
-exactly the same headers (``tests/format/test_codec.py`` checks the three agree).
+`canonical_entries` answer `None` and the general reader of
+`jckpt.format.header` decides, so every path accepts and produces
+exactly the same headers (`tests/format/test_codec.py` checks the three agree).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ _KINDS = ('k', 'ki', 'i', 'a', 'f')
 
 
 def _within_limits(entries: list[Entry]) -> bool:
-    """Whether no entry needs :mod:`jckpt.format.limits`' checks (too many dims, an empty shape
+    """Whether no entry needs `jckpt.format.limits`' checks (too many dims, an empty shape
     whose other dims could be huge, a key path too long): the general reader reports those."""
     return not any(len(e.dims) > MAX_NDIM or (not e.byte_length and e.dims)
                    or (e.path is not None and len(e.path) > MAX_PATH_LENGTH) for e in entries)
@@ -54,9 +54,9 @@ def _within_limits(entries: list[Entry]) -> bool:
 def canonical_entries(text: str, *, accelerate: bool = True) -> tuple[list[Entry], int, int] | None:
     """Entries of a header laid out as jckpt writes it, or None to use the general reader.
 
-    Returns ``(entries, list_open, list_close)``: the positions of the
+    Returns `(entries, list_open, list_close)`: the positions of the
     parentheses around the tensors list, so the rest can be read generally.
-    ``accelerate=False`` uses the regular expression even when the C
+    `accelerate=False` uses the regular expression even when the C
     accelerator is built (the tests compare the two).
     """
     head = _CANONICAL_HEAD.match(text)

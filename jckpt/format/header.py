@@ -18,6 +18,7 @@ headers laid out as jckpt writes them decode through `jckpt.format.fastpath`.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from collections.abc import Iterable, Sequence
@@ -63,8 +64,12 @@ def _float_atom(x: float) -> str:
     return repr(x)
 
 
+#: `quote` remembered: the same keys (`kernel`, `bias`, `mu`, `layer_0`) recur in thousands of entries.
+_quote = functools.lru_cache(maxsize=1 << 16)(quote)
+
+
 def _encode_path(path: KeyPath) -> str:
-    return '(' + ' '.join([f'({k} {v})' if k in INT_KINDS else f'({k} {quote(v)})'
+    return '(' + ' '.join([f'({k} {v})' if k in INT_KINDS else f'({k} {_quote(v)})'
                            for k, v in path]) + ')'
 
 
@@ -76,8 +81,8 @@ def _encode_entry(e: Entry) -> tuple[str, int | None]:
         pairs = ' '.join(f'({lo} {hi})' for lo, hi in e.padding.pairs)
         padding = f'(({pairs}) {_float_atom(e.padding.value)})'
     dims = ' '.join(map(str, e.dims))
-    label = ' '.join(map(quote, e.label))
-    parts = [f'((id {e.id}) (namespace {quote(e.namespace)}) (label ({label})) '
+    label = ' '.join(map(_quote, e.label))
+    parts = [f'((id {e.id}) (namespace {_quote(e.namespace)}) (label ({label})) '
              f'(prec {e.prec}) (dims ({dims})) (padding {padding}) (offset {e.offset}) '
              f'(byte_length {e.byte_length})']
     if e.path is not None:

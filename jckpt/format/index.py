@@ -1,11 +1,11 @@
 """The directory index: which piece of which array lies in which piece file.
 
-A directory checkpoint (``docs/format.md``, "Directory checkpoints") holds one
-piece file per process and ``index.jckpt``: a header with no tensors and one
-``sharded`` field naming the piece files and, for every array, its global
-entry and the boxes of its pieces. :func:`index_header` builds that header and
-:func:`parse_index` reads it back, refusing (with
-:class:`~jckpt.errors.FormatError`) anything malformed, including pieces
+A directory checkpoint (`docs/format.md`, "Directory checkpoints") holds one
+piece file per process and `index.jckpt`: a header with no tensors and one
+`sharded` field naming the piece files and, for every array, its global
+entry and the boxes of its pieces. `index_header` builds that header and
+`parse_index` reads it back, refusing (with
+`FormatError`) anything malformed, including pieces
 that do not tile their array exactly. Pure functions, like the rest of the codec.
 
 >>> e = Entry(id=0, namespace='jckpt', prec='Single_prec', dims=(4,), offset=0,
@@ -48,8 +48,8 @@ _MAX_ELEMENTS = 2**62
 class IndexedArray:
     """One array of a directory checkpoint: its global entry and where its pieces are.
 
-    ``pieces`` are ``(file number, box)`` pairs: the number indexes the
-    index's list of piece files, and the boxes tile ``entry.dims`` exactly.
+    `pieces` are `(file number, box)` pairs: the number indexes the
+    index's list of piece files, and the boxes tile `entry.dims` exactly.
     """
 
     entry: Entry
@@ -57,7 +57,7 @@ class IndexedArray:
 
 
 def global_entry(e: Entry) -> Entry:
-    """The whole array a piece entry ``e`` belongs to (dims = its ``global_dims``, no slice)."""
+    """The whole array a piece entry `e` belongs to (dims = its `global_dims`, no slice)."""
     dims = tuple(e.global_dims or ())
     return Entry(id=e.id, namespace=e.namespace, prec=e.prec, dims=dims, offset=0,
                  byte_length=math.prod(dims) * precs.element_size(e.prec), label=e.label,
@@ -80,7 +80,7 @@ def _array_fields(array: IndexedArray) -> list[Any]:
 
 def index_header(files: Sequence[str], process_count: int, arrays: Sequence[IndexedArray],
                  alignment: int, metadata: Mapping[str, str], *, writer: str) -> Header:
-    """The index as a header with no tensors and a ``sharded`` field (see docs/format.md)."""
+    """The index as a header with no tensors and a `sharded` field (see docs/format.md)."""
     sharded = ['sharded', [['layout', LAYOUT_VERSION], ['process_count', process_count],
                            ['files', list(files)], ['arrays', [_array_fields(a) for a in arrays]]]]
     return Header(tensors=(), alignment=alignment, writer=writer,
@@ -88,7 +88,7 @@ def index_header(files: Sequence[str], process_count: int, arrays: Sequence[Inde
 
 
 def _frozen(x: Any) -> Any:
-    """``x`` as a header's extra field holds it: tuples of atoms (integers written out)."""
+    """`x` as a header's extra field holds it: tuples of atoms (integers written out)."""
     if isinstance(x, (list, tuple)):
         return tuple(_frozen(v) for v in x)
     return str(x) if isinstance(x, int) else x
@@ -110,7 +110,7 @@ def _count(atom: Any, what: str, file: str, entry: str | None = None) -> int:
 
 
 def _sharded_fields(header: Header, file: str) -> dict[str, Any]:
-    """The fields of the index's ``sharded`` field, its layout version checked."""
+    """The fields of the index's `sharded` field, its layout version checked."""
     field = next((f for f in header.extra if isinstance(f, tuple) and f and f[0] == 'sharded'),
                  None)
     if field is None or len(field) != 2:
@@ -133,7 +133,7 @@ def _piece_files(top: dict[str, Any], file: str) -> list[str]:
 
 def _pieces(node: Any, ndim: int, file_count: int, file: str,
             where: str) -> tuple[tuple[int, Box], ...]:
-    """An array's ``pieces``: ``(FILE ((START STOP) ...))`` each, in files that exist."""
+    """An array's `pieces`: `(FILE ((START STOP) ...))` each, in files that exist."""
     pieces = []
     for p in node if isinstance(node, list) else [node]:
         if not (isinstance(p, list) and len(p) == 2 and isinstance(p[1], list)
@@ -163,7 +163,7 @@ def _array_path(f: dict[str, Any], file: str, n: int) -> tuple[str, int, KeyPath
 
 
 def _array(node: Any, n: int, file_count: int, file: str) -> IndexedArray:
-    """Array ``#n`` of the index: its global entry, and pieces that tile it exactly."""
+    """Array `#n` of the index: its global entry, and pieces that tile it exactly."""
     f = _fields(node, f"array #{n}", file, f"#{n}")
     namespace, ident, path, where = _array_path(f, file, n)
     prec = f.get('prec')
@@ -193,7 +193,7 @@ def _array(node: Any, n: int, file_count: int, file: str) -> IndexedArray:
 
 
 def parse_index(header: Header, file: str) -> tuple[list[str], list[IndexedArray]]:
-    """The piece file names and arrays of an index header; raises :class:`FormatError`."""
+    """The piece file names and arrays of an index header; raises `FormatError`."""
     top = _sharded_fields(header, file)
     files = _piece_files(top, file)
     nodes = top.get('arrays')

@@ -54,7 +54,7 @@ def file_size(header: Header) -> int:
 
 def check_extents(header: Header, data_start: int, size: int, file: str | None = None) -> None:
     """Refuse payloads that extend past the end of the file or overlap each other, and padded
-    entries that would rebuild more than :data:`~jckpt.format.limits.PADDED_ALLOCATION_FACTOR`
+    entries that would rebuild more than `PADDED_ALLOCATION_FACTOR`
     times the file's size in all."""
     available = size - data_start
     spans = []

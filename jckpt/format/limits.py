@@ -2,10 +2,10 @@
 
 Every reader (the header codec, the directory index, the foreign-format
 adapters) hands shapes, dtypes, integers, key paths and JSON it read from a
-file through these functions before a numpy constructor, ``int()`` or a
-recursive walk sees them, so a crafted file gets a :class:`ValueError` here
-(which each reader reports as a :class:`~jckpt.errors.FormatError` naming
-the file) instead of a numpy ``ValueError``, a ``RecursionError`` or an
+file through these functions before a numpy constructor, `int()` or a
+recursive walk sees them, so a crafted file gets a `ValueError` here
+(which each reader reports as a `FormatError` naming
+the file) instead of a numpy `ValueError`, a `RecursionError` or an
 allocation far beyond the file.
 
 >>> check_shape((2, 3), 4)
@@ -50,11 +50,11 @@ _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
 
 
 def check_shape(shape: Any, itemsize: int) -> tuple[int, ...]:
-    """``shape`` as a tuple of ints that numpy can build an array of ``itemsize`` bytes with.
+    """`shape` as a tuple of ints that numpy can build an array of `itemsize` bytes with.
 
-    Refuses non-integers (``True`` included), negative dims, more than
-    :data:`MAX_NDIM` dims and shapes whose non-zero dims multiply past
-    :data:`MAX_BYTES` (numpy refuses those even when another dim is 0).
+    Refuses non-integers (`True` included), negative dims, more than
+    `MAX_NDIM` dims and shapes whose non-zero dims multiply past
+    `MAX_BYTES` (numpy refuses those even when another dim is 0).
     """
     if not isinstance(shape, (tuple, list)):
         raise ValueError(f"shape {shape!r} is not a sequence of integers")
@@ -72,26 +72,26 @@ def check_shape(shape: Any, itemsize: int) -> tuple[int, ...]:
 
 
 def valid_alignment(alignment: Any) -> bool:
-    """Whether ``alignment`` is an int from 1 to :data:`MAX_ALIGNMENT` (``bool`` excluded)."""
+    """Whether `alignment` is an int from 1 to `MAX_ALIGNMENT` (`bool` excluded)."""
     return isinstance(alignment, int) and not isinstance(alignment, bool) \
         and 1 <= alignment <= MAX_ALIGNMENT
 
 
 def check_itemsize(dtype: np.dtype) -> np.dtype:
-    """Refuse a dtype of zero-sized elements (``'U0'``, ``'S0'``): no array data has that form."""
+    """Refuse a dtype of zero-sized elements (`'U0'`, `'S0'`): no array data has that form."""
     if dtype.itemsize == 0:
         raise ValueError(f"dtype {dtype.str!r} has elements of 0 bytes")
     return dtype
 
 
 def check_path_length(length: int) -> None:
-    """Refuse a key path of more than :data:`MAX_PATH_LENGTH` components."""
+    """Refuse a key path of more than `MAX_PATH_LENGTH` components."""
     if length > MAX_PATH_LENGTH:
         raise ValueError(f"key path of {length} components is deeper than {MAX_PATH_LENGTH}")
 
 
 def json_depth(text: str) -> int:
-    """How deeply the arrays and objects of JSON ``text`` nest (strings skipped)."""
+    """How deeply the arrays and objects of JSON `text` nest (strings skipped)."""
     structural = _JSON_STRING.sub('', text)
     codes = np.frombuffer(structural.encode('utf-8', 'surrogatepass'), dtype=np.uint8)
     steps = np.isin(codes, (91, 123)).astype(np.int32) - np.isin(codes, (93, 125)).astype(np.int32)
@@ -99,8 +99,8 @@ def json_depth(text: str) -> int:
 
 
 def json_loads(text: str | bytes) -> Any:
-    """:func:`json.loads`, refusing nesting deeper than :data:`MAX_NESTING` with a ValueError
-    (``json.loads`` itself raises ``RecursionError``, and what walks the result later would too)."""
+    """`json.loads`, refusing nesting deeper than `MAX_NESTING` with a ValueError
+    (`json.loads` itself raises `RecursionError`, and what walks the result later would too)."""
     if isinstance(text, (bytes, bytearray)):
         text = text.decode('utf-8')
     if json_depth(text) > MAX_NESTING:

@@ -6,21 +6,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from jckpt.errors import InputError
-from jckpt.format.limits import json_loads
+from jckpt.format.entries import INT_KINDS, PATH_KINDS, KeyPath
+from jckpt.format.limits import MAX_PATH_LENGTH, json_loads
 from jckpt.format.names import RESERVED_PREFIX
 
 
 def check_metadata(metadata: Mapping[str, str] | None, file: str | None = None, *,
                    reserved: bool = True) -> dict[str, str]:
-    """User metadata as a dict of strings; :class:`~jckpt.errors.InputError` naming the key otherwise.
+    """User metadata as a dict of strings; `InputError` naming the key otherwise.
 
-    The header stores metadata as string pairs, so a number or ``None`` is
+    The header stores metadata as string pairs, so a number or `None` is
     refused here, before anything is written, rather than when the header is
-    encoded. With ``reserved=False`` (the mirror and the manager, which write
-    their own ``jckpt.`` keys), keys starting with ``jckpt.`` are refused too.
+    encoded. With `reserved=False` (the mirror and the manager, which write
+    their own `jckpt.` keys), keys starting with `jckpt.` are refused too.
 
     >>> check_metadata({'step': '3'})
     {'step': '3'}
@@ -46,10 +49,10 @@ def check_metadata(metadata: Mapping[str, str] | None, file: str | None = None, 
 
 
 def parse_metrics(text: str | None) -> dict[str, float] | None:
-    """The metrics a mirror or manager saved (a JSON object of numbers) as ``{name: float}``.
+    """The metrics a mirror or manager saved (a JSON object of numbers) as `{name: float}`.
 
-    ``None`` when ``text`` is not a JSON object (not JSON, nested deeper than
-    :data:`jckpt.format.limits.MAX_NESTING`, a string, ``null``...); values
+    `None` when `text` is not a JSON object (not JSON, nested deeper than
+    `jckpt.format.limits.MAX_NESTING`, a string, `null`...); values
     that are not numbers are left out. Never raises: metrics only rank steps.
 
     >>> parse_metrics('{"loss": 0.5, "note": "x", "acc": null}'), parse_metrics('"x"')
@@ -67,4 +70,77 @@ def parse_metrics(text: str | None) -> dict[str, float] | None:
             if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-__all__ = ['check_metadata', 'parse_metrics']
+def empty_nodes_text(old: str | None, namespace: str, paths: Sequence[KeyPath],
+                     stored: Iterable[KeyPath] = ()) -> str | None:
+    """The value of `EMPTY_NODES_KEY` after a save of `namespace` whose empty nodes are `paths`.
+
+    `old` is the value an appended file had (`None`: a new file); its other
+    namespaces are kept, and so are its empty nodes of `namespace` that no
+    path in `stored` (the leaves saved now) lies under. `None` when no
+    namespace has any (the key is then left out).
+
+    >>> empty_nodes_text(None, 'jckpt', [(('i', 1),), (('i', 2),)])
+    '{"jckpt": [[["i", 1]], [["i", 2]]]}'
+    """
+    table = {ns: ps for ns, ps in _parse_empty(old).items()}
+    if old is not None and namespace in table:  # an append keeps the empties it does not fill
+        stored = set(stored)
+        kept = [p for p in table[namespace]
+                if not any(q[:len(p)] == p for q in stored)]
+        paths = list(dict.fromkeys([*kept, *paths]))
+    table[namespace] = list(paths)
+    table = {ns: ps for ns, ps in table.items() if ps}
+    if not table:
+        return None
+    return json.dumps({ns: [[list(c) for c in p] for p in ps] for ns, ps in sorted(table.items())})
+
+
+def empty_nodes(text: str | None, namespace: str) -> list[KeyPath]:
+    """The key paths of `namespace`'s empty nodes in `EMPTY_NODES_KEY`'s value.
+
+    Never raises: a value that is not as `empty_nodes_text` writes it (or a
+    path that is not one) is left out, as the nodes are only a hint for exports.
+
+    >>> empty_nodes('{"jckpt": [[["i", 1]]], "opt": "bad"}', 'jckpt')
+    [(('i', 1),)]
+    """
+    return _parse_empty(text).get(namespace, [])
+
+
+def _parse_empty(text: str | None) -> dict[str, list[KeyPath]]:
+    if not text:
+        return {}
+    try:
+        value = json_loads(text)
+    except ValueError:
+        return {}
+    if not isinstance(value, dict):
+        return {}
+    out: dict[str, list[KeyPath]] = {}
+    for ns, paths in value.items():
+        if isinstance(ns, str) and isinstance(paths, list):
+            good = [p for p in (_path(q) for q in paths) if p is not None]
+            if good:
+                out[ns] = good
+    return out
+
+
+def _path(value: Any) -> KeyPath | None:
+    """A stored key path from its JSON form `[[kind, key], ...]`, or None if it is not one."""
+    if not isinstance(value, list) or not value or len(value) > MAX_PATH_LENGTH:
+        return None
+    out = []
+    for c in value:
+        if not (isinstance(c, list) and len(c) == 2 and c[0] in PATH_KINDS):
+            return None
+        kind, key = c
+        if kind in INT_KINDS:
+            if not isinstance(key, int) or isinstance(key, bool) or (key < 0 and kind != 'ki'):
+                return None
+        elif not isinstance(key, str):
+            return None
+        out.append((kind, key))
+    return tuple(out)
+
+
+__all__ = ['check_metadata', 'empty_nodes', 'empty_nodes_text', 'parse_metrics']

@@ -26,7 +26,7 @@ DIRECTORY_LOCK_NAME = '.writer.lock'
 
 
 def piece_name(process: int, layer: int = 0) -> str:
-    """The piece file of ``process`` (``layer`` > 0 for a second block of the same array)."""
+    """The piece file of `process` (`layer` > 0 for a second block of the same array)."""
     return f"process_{process:05d}.jckpt" if layer == 0 else f"process_{process:05d}.{layer}.jckpt"
 
 
@@ -45,7 +45,7 @@ TRAINER_STATE_NAME = 'trainer_state.json'
 
 
 def step_name(step: int) -> str:
-    """The file (or directory) name of ``step``: ``step_00000100.jckpt``."""
+    """The file (or directory) name of `step`: `step_00000100.jckpt`."""
     return f"step_{step:08d}.jckpt"
 
 
@@ -74,6 +74,12 @@ TRAINER_STATE_KEY = 'jckpt.trainer_state'
 LINEAGE_KEY = 'jckpt.lineage'
 #: The generation number of a mirrored file.
 GENERATION_KEY = 'jckpt.generation'
+#: The key paths of the saved tree's nodes without leaves (optax's `EmptyState`, `None`,
+#: empty tuples, lists and dicts), by namespace (JSON), so exports can rebuild them.
+EMPTY_NODES_KEY = 'jckpt.empty_nodes'
+#: The JSON items of an orbax step read or converted from it: `{"item": value}` (JSON).
+ORBAX_JSON_KEY = 'jckpt.orbax_json'
 #: The reserved keys, under the names the tools show them by.
 KNOWN_KEYS = {STEP_KEY: 'step', METRICS_KEY: 'metrics', TRAINER_STATE_KEY: 'trainer state',
-              LINEAGE_KEY: 'lineage', GENERATION_KEY: 'generation'}
+              LINEAGE_KEY: 'lineage', GENERATION_KEY: 'generation',
+              EMPTY_NODES_KEY: 'empty nodes', ORBAX_JSON_KEY: 'orbax JSON items'}

@@ -114,15 +114,17 @@ def decode_payload(buffer, entry: Entry, *, data_start: int, mmap: bool = True,
     if start + entry.byte_length > len(buffer):
         raise FormatError("payload extends past the end of the file", file=file,
                           entry=entry.name, fix="the file is truncated")
-    logical = entry.logical_dims + ((4,) if entry.prec == precs.UINT4X32 else ())
-    if len(logical) > MAX_NDIM or math.prod(d for d in entry.shape if d) * dtype.itemsize \
+    shape = entry.shape
+    logical = shape if entry.padding is None else \
+        entry.logical_dims + ((4,) if entry.prec == precs.UINT4X32 else ())
+    if len(logical) > MAX_NDIM or math.prod([d for d in shape if d]) * dtype.itemsize \
             > MAX_BYTES:  # numpy refuses such shapes even when a zero dim makes them empty
         raise FormatError(f"dims {entry.dims} are beyond what numpy can represent (at most "
                           f"{MAX_NDIM} dims, sizes below 2**63)", file=file, entry=entry.name,
                           fix="the header's dims are damaged")
     count = math.prod(logical)
-    if mmap and can_map(entry, data_start):
-        return np.frombuffer(buffer, dtype=dtype, count=count, offset=start).reshape(entry.shape), True
+    if mmap and entry.padding is None and dtype.itemsize and start % dtype.itemsize == 0:  # can_map
+        return np.frombuffer(buffer, dtype=dtype, count=count, offset=start).reshape(shape), True
     region = np.frombuffer(buffer, dtype=dtype, count=count, offset=start).reshape(logical).copy()
     if entry.padding is None:
         return region, False

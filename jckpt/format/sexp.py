@@ -1,11 +1,11 @@
 """S-expressions with OCaml (sexplib) quoting: the header's text syntax.
 
-A value is an atom (``str``) or a list of values (``list``). The reader has
+A value is an atom (`str`) or a list of values (`list`). The reader has
 two paths that give identical results:
 
 * a fast path for the common header (no backslashes, comments or control
   bytes outside quoted atoms), which rewrites the text into JSON with a few
-  C-speed regular-expression passes and lets :func:`json.loads` build it;
+  C-speed regular-expression passes and lets `json.loads` build it;
 * a tokenizer for everything else.
 
 Both check the nesting depth before building anything, so a hostile header
@@ -80,7 +80,7 @@ def _unescape(body: str) -> str:
 
 
 def _check_depth(structural: str) -> None:
-    """Raise unless parentheses in ``structural`` balance within MAX_DEPTH."""
+    """Raise unless parentheses in `structural` balance within MAX_DEPTH."""
     codes = np.frombuffer(structural.encode('utf-8', 'surrogatepass'), dtype=np.uint8)
     steps = (codes == 40).astype(np.int32) - (codes == 41).astype(np.int32)
     if steps.size == 0:
@@ -95,7 +95,7 @@ def _check_depth(structural: str) -> None:
 
 
 def _parse_fast(parts: list[str]) -> Sexp:
-    """``parts`` alternate unquoted text and quoted atoms (from re.split)."""
+    """`parts` alternate unquoted text and quoted atoms (from re.split)."""
     out = []
     for n, part in enumerate(parts):
         if n % 2:
@@ -140,10 +140,10 @@ def _parse_slow(text: str) -> Sexp:
 
 
 def parse(text: str) -> Sexp:
-    """Read exactly one S-expression from ``text``.
+    """Read exactly one S-expression from `text`.
 
-    Raises :class:`SexpError` on malformed input or nesting deeper than
-    :data:`MAX_DEPTH`.
+    Raises `SexpError` on malformed input or nesting deeper than
+    `MAX_DEPTH`.
     """
     parts = _SPLIT_QUOTED.split(text)
     structural = ''.join(parts[0::2])
@@ -154,7 +154,7 @@ def parse(text: str) -> Sexp:
 
 
 def parse_slow(text: str) -> Sexp:
-    """The tokenizer path of :func:`parse`, exposed for testing."""
+    """The tokenizer path of `parse`, exposed for testing."""
     return _parse_slow(text)
 
 
@@ -166,7 +166,7 @@ _CHAR_ESCAPES = {'"': '\\"', '\\': '\\\\', '\n': '\\n', '\t': '\\t', '\r': '\\r'
 
 @functools.lru_cache(maxsize=1 << 16)  # labels and path keys repeat across entries
 def quote(atom: str) -> str:
-    """Spell ``atom`` so that it reads back as the same atom.
+    """Spell `atom` so that it reads back as the same atom.
 
     >>> quote('kernel'), quote('a b'), quote('')
     ('kernel', '"a b"', '""')
@@ -188,7 +188,7 @@ def quote(atom: str) -> str:
 
 
 def dumps(value: Sexp | int | Sequence) -> str:
-    """Write ``value`` (atoms, ints and nested sequences) on one line."""
+    """Write `value` (atoms, ints and nested sequences) on one line."""
     if isinstance(value, str):
         return quote(value)
     if isinstance(value, bool):

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import ClassVar, Generic, Self, TypeVar
 
 from jckpt import api
-from jckpt.api.context import Context, check_context
+from jckpt.api.context import Context, check_context, check_flag
 from jckpt.format import metadata as metadata_mod
 from jckpt.format.names import GENERATION_KEY, LINEAGE_KEY
 from jckpt.services.engine import Job, MirrorCounters, Pipeline
@@ -82,6 +82,7 @@ class BackgroundWriter(Generic[InfoT]):
         self.ctx = check_context(ctx) if ctx is not None else Context()
         self.backend = backend
         check_name(lineage, name)
+        check_flag(new_lineage, 'new_lineage', name, optional=False)
         self._lease = backend.lease(lease)
         try:
             latest = self._recover()
@@ -110,24 +111,24 @@ class BackgroundWriter(Generic[InfoT]):
         raise NotImplementedError
 
     def _describe(self, path: str) -> tuple[dict[str, str], Digest | None]:
-        """The metadata and content digest of the checkpoint at ``path`` (the latest one)."""
+        """The metadata and content digest of the checkpoint at `path` (the latest one)."""
         header = api.describe(path)
         found = header.metadata_dict()
         return found, content_digest(header.tensors, found)
 
     def _write_staged(self, temporary: str, target: str, job: Job[InfoT],
                       metadata: Mapping[str, str]) -> None:
-        """Write ``job`` under ``temporary`` with ``metadata`` (default: one jckpt file)."""
+        """Write `job` under `temporary` with `metadata` (default: one jckpt file)."""
         entries, sources = job.built
         staging.stage_items(temporary, target, entries, sources, metadata=metadata,
                             alignment=self.ctx.alignment)
 
     def _finish_staged(self, staged: Staged[InfoT]) -> None:
-        """Make ``staged.temporary`` durable and rename it to its target."""
+        """Make `staged.temporary` durable and rename it to its target."""
         staging.finish_staged(staged.temporary, staged.target, durable=self.ctx.durable)
 
     def _discard_staged(self, staged: Staged[InfoT]) -> None:
-        """Remove ``staged.temporary``."""
+        """Remove `staged.temporary`."""
         staging.discard_staged(staged.temporary)
 
     def _on_published(self, staged: Staged[InfoT]) -> None:

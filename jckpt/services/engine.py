@@ -41,7 +41,8 @@ from typing import Generic, Protocol, TypeVar
 
 from jckpt.errors import CapacityError, CheckpointError, InputError
 from jckpt.format.header import Entry
-from jckpt.services.snapshot import HashedSource, HostLeaf, Leaf, Slot, build_entries
+from jckpt.services.snapshot import HostLeaf, Leaf, Slot, build_entries
+from jckpt.storage.writer import ArraySource
 
 log = logging.getLogger('jckpt')
 
@@ -60,6 +61,11 @@ def deadline_after(timeout: float | None) -> float | None:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout != timeout:
         raise InputError(f"timeout must be a number of seconds or None, not {timeout!r:.80}",
                          fix="pass timeout=None to wait as long as it takes")
+    if timeout < 0:
+        raise InputError(f"timeout must be >= 0 seconds, not {timeout!r}",
+                         fix="pass timeout=0 to check without waiting, or None to wait as long as it takes")
+    if timeout == float('inf'):
+        return None  # no deadline (monotonic() + inf is no time a wait can be given)
     return time.monotonic() + timeout
 
 
@@ -121,7 +127,7 @@ class Job(Generic[InfoT]):
     info: InfoT
 
     @functools.cached_property
-    def built(self) -> tuple[tuple[Entry, ...], tuple[HashedSource, ...]]:
+    def built(self) -> tuple[tuple[Entry, ...], tuple[ArraySource, ...]]:
         """The entries and payload sources of the items: hashed once, kept across retries."""
         return build_entries(self.items)
 
@@ -211,7 +217,8 @@ def _check_options(slots: int, when_full: str, retry_after: float, patience: int
         raise InputError(f"slots must be a positive integer, not {slots!r}")
     if when_full not in ('block', 'raise'):
         raise InputError(f"when_full must be 'block' or 'raise', not {when_full!r}")
-    if not retry_after >= 0:
+    if isinstance(retry_after, bool) or not isinstance(retry_after, (int, float)) \
+            or not retry_after >= 0:
         raise InputError(f"retry_after must be >= 0 seconds, not {retry_after!r}")
     if not isinstance(patience, int) or patience < 1:
         raise InputError(f"patience must be a positive integer, not {patience!r}")

@@ -1,27 +1,29 @@
 """The format layer of the checkpoint manager: a step whose model another toolchain reads directly.
 
 A manager step is one jckpt file by default. With
-``CheckpointOptions(format="llmc")`` (or ``"safetensors"``, ``"torch"``/``"pth"``,
-``"npz"``, any format added with :func:`jckpt.register_format`) a step is a
-directory instead::
+`CheckpointOptions(format="llmc")` (or `"safetensors"`, `"torch"`/`"pth"`,
+`"npz"`, any format added with `jckpt.register_format`) a step is a
+directory instead:
 
-    step_00000100.jckpt/
-      model.bin            the model namespace, written by the format's writer
-                           (or by CheckpointOptions.model_writer(tree, path))
-      optimizer.jckpt      every other namespace (when save_optimizer_state)
-      trainer_state.json   the TrainerState fields, the metrics and the metadata
+```text
+step_00000100.jckpt/
+  model.bin            the model namespace, written by the format's writer
+                       (or by CheckpointOptions.model_writer(tree, path))
+  optimizer.jckpt      every other namespace (when save_optimizer_state)
+  trainer_state.json   the TrainerState fields, the metrics and the metadata
+```
 
 The directory is staged under a temporary name next to the step, every file
 and the directory are fsynced, and it is renamed into place whole, so a reader
 sees the complete step or none of it. Restore peeks at the model file's first
-bytes to pick the reader (a jckpt file named ``model.bin`` still reads as
-jckpt), or calls ``CheckpointLoadOptions.model_loader(path)``, and reads
-``optimizer.jckpt`` only when asked and present.
+bytes to pick the reader (a jckpt file named `model.bin` still reads as
+jckpt), or calls `CheckpointLoadOptions.model_loader(path)`, and reads
+`optimizer.jckpt` only when asked and present.
 
-Which namespace is the model: with ``mgr.save(step, tree)`` the whole tree is
-the model (and there is no optimizer file); with ``mgr.save(step,
-items={...})`` it is ``items[options.model_namespace]`` (``"model"`` by
-default) and every other item goes to ``optimizer.jckpt``.
+Which namespace is the model: with `mgr.save(step, tree)` the whole tree is
+the model (and there is no optimizer file); with `mgr.save(step,
+items={...})` it is `items[options.model_namespace]` (`"model"` by
+default) and every other item goes to `optimizer.jckpt`.
 
 >>> CheckpointOptions(format="llmc").model_file
 'model.bin'

@@ -3,27 +3,24 @@
 Every checkpoint a mirror or a manager writes records its **lineage** (a
 random id chosen when the run starts, or one the caller names) and a
 **generation** number counting the checkpoints of that lineage
-(``jckpt.lineage``, ``jckpt.generation``). A writer that opens a path which
+(`jckpt.lineage`, `jckpt.generation`). A writer that opens a path which
 already holds a checkpoint (the mirror's file, the manager's latest step)
 decides from that checkpoint's metadata:
 
-=========================  ====================  ========================  ================
-found                      ``lineage=None``      ``lineage=X``             ``new_lineage``
-=========================  ====================  ========================  ================
-nothing                    a new random id       X                         (same)
-lineage L, generation g    continue L after g    continue if X == L,       a new lineage,
-                                                 else LineageError         generation 0
-no lineage                 LineageError          LineageError              (same)
-unreadable generation      LineageError          LineageError              (same)
-=========================  ====================  ========================  ================
+| found | `lineage=None` | `lineage=X` | `new_lineage` |
+|---|---|---|---|
+| nothing | a new random id | X | (same) |
+| lineage L, generation g | continue L after g | continue if X == L, else `LineageError` | new lineage, 0 |
+| no lineage | `LineageError` | `LineageError` | (same) |
+| unreadable generation | `LineageError` | `LineageError` | (same) |
 
 A checkpoint this rule cannot prove to belong to the run (another lineage, or
-none at all: written by ``jckpt.save``, a converter or another tool) is
-refused with :class:`~jckpt.errors.LineageError`, which names the file and the
+none at all: written by `jckpt.save`, a converter or another tool) is
+refused with `LineageError`, which names the file and the
 fix, rather than continued or silently joined by a new lineage: two runs
 pointed at the same place by mistake never mix their checkpoints (a mirror
 would overwrite the other run's file; a manager would interleave its steps
-with the other run's and prune them by its retention). ``new_lineage=True``
+with the other run's and prune them by its retention). `new_lineage=True`
 is the explicit way to start over.
 
 >>> open_lineage(None, file='run.jckpt', lineage='exp1', new_lineage=False)
@@ -63,10 +60,10 @@ class Holder:
     """How the refusals name what holds the lineage, for the error messages and their fixes.
 
     Attributes:
-      subject: the checkpoint read (``'the file'``, ``'the latest step'``).
-      writer: what writes lineages there (``'a mirror'``).
-      restart: what ``new_lineage=True`` does to it (``'over it'``).
-      elsewhere: the other way out (``'mirror to another path'``).
+      subject: the checkpoint read (`'the file'`, `'the latest step'`).
+      writer: what writes lineages there (`'a mirror'`).
+      restart: what `new_lineage=True` does to it (`'over it'`).
+      elsewhere: the other way out (`'mirror to another path'`).
     """
 
     subject: str
@@ -84,24 +81,24 @@ MANAGER_STEP = Holder('the latest step', 'a checkpoint manager', 'after it',
 
 
 def check_name(lineage: str | None, file: str) -> None:
-    """Refuse a lineage name that is not a non-empty string (``None``: choose one)."""
+    """Refuse a lineage name that is not a non-empty string (`None`: choose one)."""
     if lineage is not None and (not isinstance(lineage, str) or not lineage):
         raise InputError(f"lineage must be a non-empty string, not {lineage!r}", file=file)
 
 
 def open_lineage(found: Mapping[str, str] | None, *, file: str, lineage: str | None,
                  new_lineage: bool, holder: Holder = MIRROR_FILE) -> Lineage:
-    """The lineage a writer continues, given the metadata ``found`` in the checkpoint ``file``.
+    """The lineage a writer continues, given the metadata `found` in the checkpoint `file`.
 
     Args:
-      found: the metadata of the checkpoint already there (``None``: there is none).
+      found: the metadata of the checkpoint already there (`None`: there is none).
       file: that checkpoint's path (named by the errors).
-      lineage: the lineage the caller asks for; ``None`` takes the one found
+      lineage: the lineage the caller asks for; `None` takes the one found
         (or a random one when there is none).
       new_lineage: start a new lineage (generation 0) whatever was found.
       holder: how errors name the checkpoint (a mirror's file, a manager's step).
 
-    Raises :class:`~jckpt.errors.LineageError` for a checkpoint of another
+    Raises `LineageError` for a checkpoint of another
     lineage, one with no lineage, or one with an unreadable generation.
     """
     check_name(lineage, file)

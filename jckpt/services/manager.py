@@ -41,7 +41,7 @@ from typing import Any
 
 import jax
 
-from jckpt.api.context import Context, check_context
+from jckpt.api.context import Context, check_context, check_flag
 from jckpt.api.multiprocess import save_directory
 from jckpt.errors import CheckpointError, FormatError, InputError, StorageError
 from jckpt.format.names import (
@@ -92,7 +92,7 @@ class Restored:
 class _Step:
     """What a snapshot job carries for the manager: its step, metrics and how to write it.
 
-    ``model_namespace`` is the namespace written as the model of a foreign-format step.
+    `model_namespace` is the namespace written as the model of a foreign-format step.
     """
 
     step: int
@@ -182,7 +182,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
         self.keep_last, self.keep_every, self.keep_best = keep_last, keep_every, keep_best
         self.best_metric, self.best_mode = best_metric, best_mode
         self.save_interval_steps = save_interval_steps
-        self.asynchronous = asynchronous
+        self.asynchronous = check_flag(asynchronous, 'asynchronous', self.directory, optional=False)
         if backend is LOCAL:  # an object store's prefix needs no creating
             try:
                 os.makedirs(self.directory, exist_ok=True)
@@ -289,7 +289,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
             InputError: for a step not above every step already saved.
         """
         check_step(step, self.directory)
-        if not force and not self.should_save(step):
+        if not check_flag(force, 'force', self.directory, optional=False) and not self.should_save(step):
             return False
         self._check_next(step)
         if (tree is None) == (items is None):
@@ -475,9 +475,10 @@ class CheckpointManager(BackgroundWriter[_Step]):
 
         With a JAX distributed client this is JAX's preemption sync point (every
         process must call it at every step); otherwise it reports a SIGTERM
-        caught with `handle_sigterm=True`, and False without one.
+        caught with `handle_sigterm=True`, and False without one. A `step` that
+        is not a non-negative integer is an `InputError`.
         """
-        return self._preemption.reached(step)
+        return self._preemption.reached(check_step(step, self.directory))
 
     # --- lifetime --------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Whether a run is being preempted and should save now.
 
-Under ``jax.distributed`` this is JAX's preemption sync point; without a
-distributed client, a :class:`Preemption` made with ``handle_sigterm=True``
+Under `jax.distributed` this is JAX's preemption sync point; without a
+distributed client, a `Preemption` made with `handle_sigterm=True`
 turns a SIGTERM into the signal instead (and puts the previous handler back
 when closed).
 
@@ -18,6 +18,7 @@ import signal
 import threading
 from collections.abc import Callable
 
+from jckpt.api.context import check_flag
 from jckpt.errors import InputError
 
 log = logging.getLogger('jckpt')
@@ -41,17 +42,18 @@ class Preemption:
     """
 
     def __init__(self, handle_sigterm: bool = False) -> None:
+        check_flag(handle_sigterm, 'handle_sigterm', optional=False)
         self._sigterm = threading.Event()
         self._restore_sigterm: Callable[[], object] | None = None
         if handle_sigterm:
             self._install_sigterm()
 
     def reached(self, step: int) -> bool:
-        """Whether the run is being preempted and should save ``step`` now.
+        """Whether the run is being preempted and should save `step` now.
 
         With a JAX distributed client this is JAX's preemption sync point (every
         process must call it at every step); otherwise it reports a SIGTERM
-        caught with ``handle_sigterm=True``, and False without one.
+        caught with `handle_sigterm=True`, and False without one.
         """
         if _preemption_client_ready():
             try:

@@ -1,7 +1,7 @@
 """Which steps a checkpoint manager keeps: the retention policy and the ranking by a metric.
 
 Pure functions of the durable steps and their metrics; the manager deletes
-what :meth:`Retention.doomed` names. The latest durable step is always kept,
+what `Retention.doomed` names. The latest durable step is always kept,
 so a crash during a later save still leaves something to resume from.
 
 >>> policy = Retention(keep_last=2, keep_best=1, best_metric='loss')
@@ -25,7 +25,7 @@ StepMetrics = Mapping[int, Mapping[str, float]]
 
 
 def ranked(metrics: StepMetrics, metric: str, mode: str) -> list[int]:
-    """The steps that have ``metric`` (not NaN), best first (``mode`` ``'min'`` or ``'max'``).
+    """The steps that have `metric` (not NaN), best first (`mode` `'min'` or `'max'`).
 
     Ties go to the later step.
     """
@@ -41,9 +41,9 @@ class Retention:
     Attributes:
       keep_last: keep the last N steps.
       keep_every: keep every step that is a multiple of K.
-      keep_best: keep the best N steps by ``best_metric``.
-      best_metric: the metric ``keep_best`` ranks by.
-      best_mode: ``'min'`` or ``'max'``.
+      keep_best: keep the best N steps by `best_metric`.
+      best_metric: the metric `keep_best` ranks by.
+      best_mode: `'min'` or `'max'`.
     """
 
     keep_last: int | None = None
@@ -59,11 +59,14 @@ class Retention:
                 raise InputError(f"{name} must be a positive integer or None, not {value!r}")
         if self.best_mode not in ('min', 'max'):
             raise InputError(f"best_mode must be 'min' or 'max', not {self.best_mode!r}")
+        if self.best_metric is not None and not isinstance(self.best_metric, str):
+            raise InputError(f"best_metric must be a metric's name, not {self.best_metric!r:.80}",
+                             fix="pass e.g. best_metric='loss'")
         if self.keep_best is not None and self.best_metric is None:
             raise InputError("keep_best needs best_metric", fix="name the metric to rank by")
 
     def doomed(self, metrics: StepMetrics) -> list[int]:
-        """The steps of ``metrics`` that the policy does not keep, ascending."""
+        """The steps of `metrics` that the policy does not keep, ascending."""
         if self.keep_last is None and self.keep_every is None and self.keep_best is None:
             return []
         steps = sorted(metrics)
@@ -87,7 +90,7 @@ def check_step(step: object, where: str) -> int:
 
 
 def check_metrics(metrics: Mapping[str, float] | None, where: str) -> dict[str, float]:
-    """Metrics as ``{name: float}``, refusing a value that is not a number."""
+    """Metrics as `{name: float}`, refusing a value that is not a number."""
     if metrics is not None and not isinstance(metrics, Mapping):
         raise InputError(f"metrics must be a mapping {{name: number}}, not {type(metrics).__name__}",
                          file=where, fix="pass metrics={'loss': float(loss)}")

@@ -1,10 +1,10 @@
 """A snapshot: a tree's leaves copied into host buffers, and the entries that describe them.
 
-A :class:`Slot` holds one snapshot's host buffers and is reused from snapshot
-to snapshot; :meth:`Slot.fill` is the only step of a background save that the
-training loop waits for. :func:`build_entries` turns the host arrays into
+A `Slot` holds one snapshot's host buffers and is reused from snapshot
+to snapshot; `Slot.fill` is the only step of a background save that the
+training loop waits for. `build_entries` turns the host arrays into
 entries with their checksums (on the writer's thread), and
-:func:`content_digest` says when two snapshots would write the same
+`content_digest` says when two snapshots would write the same
 generation, so an unchanged state is not written again.
 
 >>> import numpy as np
@@ -19,7 +19,6 @@ False
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -29,7 +28,7 @@ from jckpt.api.context import Context
 from jckpt.format import payload as payload_mod
 from jckpt.format.entries import Entry, KeyPath, entry_for
 from jckpt.format.names import RESERVED_PREFIX
-from jckpt.storage.writer import Sink
+from jckpt.storage.writer import ArraySource
 from jckpt.trees import placement
 from jckpt.trees import pytree as tree_mod
 
@@ -50,7 +49,7 @@ class HostLeaf(NamedTuple):
 
 
 def namespace_leaves(trees: Mapping[str, Any]) -> list[Leaf]:
-    """``(namespace, path, leaf)`` of every leaf of ``{namespace: tree}``, refusing a bad namespace."""
+    """`(namespace, path, leaf)` of every leaf of `{namespace: tree}`, refusing a bad namespace."""
     leaves: list[Leaf] = []
     for namespace, tree in trees.items():
         Context(namespace=namespace)  # validates the name
@@ -68,7 +67,7 @@ class Slot:
     def fill(self, leaves: Sequence[Leaf]) -> list[HostLeaf]:
         """Copy every leaf into this slot's buffers (device-to-host for JAX arrays).
 
-        The leaves come to host through :func:`jckpt.trees.placement.host_leaves`,
+        The leaves come to host through `jckpt.trees.placement.host_leaves`,
         so every device transfer is started before any is awaited. A private
         host array (what a transfer from an accelerator made) is adopted as
         it is; anything else (a CPU or numpy leaf, which may alias memory the
@@ -82,25 +81,12 @@ class Slot:
                 for (namespace, path, _), array, h in zip(leaves, buffers, hosts)]
 
     def _copy(self, i: int, host: np.ndarray) -> np.ndarray:
-        """``host`` copied into this slot's ``i``-th buffer (a new one if that does not fit)."""
+        """`host` copied into this slot's `i`-th buffer (a new one if that does not fit)."""
         buf = self.buffers[i] if i < len(self.buffers) else None
         if buf is None or buf.shape != host.shape or buf.dtype != host.dtype or not buf.flags.writeable:
             buf = np.empty(host.shape, host.dtype)
         np.copyto(buf, host)
         return buf
-
-
-@dataclasses.dataclass(frozen=True)
-class HashedSource:
-    """A slot array whose checksum is already known: streamed without hashing again."""
-
-    array: np.ndarray
-    checksum: tuple[str, str]
-
-    def write(self, sink: Sink) -> tuple[str, str]:
-        for chunk in payload_mod.iter_payload_chunks(self.array):
-            sink.write(chunk)
-        return self.checksum
 
 
 def _array_checksum(array: np.ndarray) -> tuple[str, str]:
@@ -110,8 +96,8 @@ def _array_checksum(array: np.ndarray) -> tuple[str, str]:
     return payload_mod.hasher_checksum(hasher)
 
 
-def build_entries(items: Sequence[HostLeaf]) -> tuple[tuple[Entry, ...], tuple[HashedSource, ...]]:
-    """Entries (with checksums, ids per namespace in order) and payload sources for ``items``."""
+def build_entries(items: Sequence[HostLeaf]) -> tuple[tuple[Entry, ...], tuple[ArraySource, ...]]:
+    """Entries (with checksums, ids per namespace in order) and payload sources for `items`."""
     next_ids: dict[str, int] = {}
     entries, sources = [], []
     for namespace, path, array, key_impl in items:
@@ -120,7 +106,7 @@ def build_entries(items: Sequence[HostLeaf]) -> tuple[tuple[Entry, ...], tuple[H
         sum_ = _array_checksum(array)
         entries.append(entry_for(namespace, path, array.dtype, array.shape, id=ident,
                                  checksum=sum_, key_impl=key_impl))
-        sources.append(HashedSource(array, sum_))
+        sources.append(ArraySource(array, sum_))
     return tuple(entries), tuple(sources)
 
 
@@ -130,5 +116,5 @@ def content_digest(entries: Sequence[Entry], metadata: Mapping[str, str]) -> Dig
             tuple(sorted((k, v) for k, v in metadata.items() if not k.startswith(RESERVED_PREFIX))))
 
 
-__all__ = ['Digest', 'HashedSource', 'HostLeaf', 'Leaf', 'Slot', 'build_entries', 'content_digest',
+__all__ = ['Digest', 'HostLeaf', 'Leaf', 'Slot', 'build_entries', 'content_digest',
            'namespace_leaves']

@@ -1,9 +1,9 @@
 """What is on disk in a manager's directory: step files, step directories, and staging left behind.
 
 A step is a jckpt file, a multi-process directory checkpoint (with an
-index), or a step directory of the format layer (with a ``trainer_state.json``,
-:mod:`jckpt.services.formats`). These functions read any of them the same way
-for :class:`~jckpt.services.manager.CheckpointManager`, and clear what a
+index), or a step directory of the format layer (with a `trainer_state.json`,
+`jckpt.services.formats`). These functions read any of them the same way
+for `CheckpointManager`, and clear what a
 writer that died left.
 """
 
@@ -50,7 +50,7 @@ def read_tree(ctx: Context, path: str, step: int, target: Any,
 
 
 def parse_metrics(text: str | None, path: str) -> dict[str, float]:
-    """The metrics of a step's metadata (``{}``, with a warning, when unreadable)."""
+    """The metrics of a step's metadata (`{}`, with a warning, when unreadable)."""
     metrics = metadata.parse_metrics(text)
     if metrics is None:
         log.warning("jckpt: unreadable metrics in %s", path)
@@ -99,7 +99,7 @@ def clean_staging(backend: Backend, directory: str) -> None:
 
 
 def checked(value: Any, kind: type, name: str, default: Any = None) -> Any:
-    """``value`` if it is a ``kind`` (``None``: ``default``, else ``kind()``), else InputError."""
+    """`value` if it is a `kind` (`None`: `default`, else `kind()`), else InputError."""
     if value is None:
         return default if default is not None else kind()
     if not isinstance(value, kind):

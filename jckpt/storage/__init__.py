@@ -1,12 +1,12 @@
 """Storage: bytes on media, behind a backend (local files, or objects in a store by URL).
 
-Atomic publishing (:mod:`~jckpt.storage.publish`), the streaming writer and
-in-place region writes (:mod:`~jckpt.storage.writer`,
-:mod:`~jckpt.storage.regions`), the validating reader and lazy reads
-(:mod:`~jckpt.storage.reader`, :mod:`~jckpt.storage.lazy`), the directory form
-(:mod:`~jckpt.storage.directory`), writer leases (:mod:`~jckpt.storage.lease`),
-the backend seam (:mod:`~jckpt.storage.backend`), and one
-:func:`open_checkpoint` for a file or a directory. Nothing here imports JAX.
+Atomic publishing (`publish`), the streaming writer and
+in-place region writes (`writer`,
+`regions`), the validating reader and lazy reads
+(`reader`, `lazy`), the directory form
+(`directory`), writer leases (`lease`),
+the backend seam (`backend`), and one
+`open_checkpoint` for a file or a directory. Nothing here imports JAX.
 """
 
 from jckpt.storage.backend import LOCAL, Backend, LocalBackend, backend_for

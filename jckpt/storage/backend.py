@@ -1,21 +1,21 @@
 """Storage backends: where a checkpoint's bytes live, behind one small interface.
 
 Everything above storage names a checkpoint by a path (or, later, a URL) and
-asks :func:`backend_for` for the backend that holds it: the library's entry
+asks `backend_for` for the backend that holds it: the library's entry
 points (save and load, the mirror and the manager, conversion, the tools and
 the command line) all do, before they create or read anything. A backend
 offers six things: opening a stored checkpoint for ranged reads, mapping a
 stored file of any format whole, a streaming write that publishes
 atomically, listing, removal, and a writer lease. Local POSIX files are
-one backend (:class:`LocalBackend`: mapped reads, a staging file renamed
-over the target, ``flock`` leases); object stores are the other
-(`jckpt.storage.object_store`: ranged reads, uploads completed at publish,
-conditional-create leases), registered by URL scheme (``s3``, ``gs``,
-``az``, ``memory``).
+one backend (`LocalBackend`: mapped reads, a staging file renamed over the
+target, `flock` leases); object stores are the other
+(`jckpt.storage.object_backend`: ranged reads, uploads completed at publish,
+conditional-create leases), registered by URL scheme (`s3`, `gs`, `az`,
+`memory`).
 
 A URL of a scheme no backend serves is refused with a clear error, rather
-than taken for a relative local path (``s3x://b/x`` would otherwise create
-``./s3x:/b/x``); :func:`backend_for` says exactly which strings count as URLs:
+than taken for a relative local path (`s3x://b/x` would otherwise create
+`./s3x:/b/x`); `backend_for` says exactly which strings count as URLs:
 
 >>> backend_for('model.jckpt') is LOCAL
 True
@@ -42,10 +42,10 @@ from jckpt.storage.publish import StagingFile, storage_error
 from jckpt.storage.reader import CheckpointReader
 
 #: A URL: at the very start, a scheme of two or more characters (RFC 3986: a letter, then
-#: letters, digits, ``+ - .``) and ``:/``. See :func:`backend_for` for why this rule.
+#: letters, digits, `+ - .`) and `:/`. See `backend_for` for why this rule.
 _URL = re.compile(r'([A-Za-z][A-Za-z0-9+.-]+):/')
 
-#: A whole stored file: locally a private (copy-on-write) mapping, ``b''`` for an empty file.
+#: A whole stored file: locally a private (copy-on-write) mapping, `b''` for an empty file.
 Buffer = mmap_mod.mmap | bytes
 
 
@@ -54,58 +54,58 @@ class Backend(Protocol):
     """The operations jckpt needs from where checkpoints are stored.
 
     Paths are the backend's own (a local path, or later an object key under a
-    URL). Failures raise :class:`~jckpt.errors.StorageError` (or
-    :class:`~jckpt.errors.FormatError` for bytes that are not a checkpoint).
+    URL). Failures raise `StorageError` (or
+    `FormatError` for bytes that are not a checkpoint).
     """
 
     def open(self, path: str, *, follow_symlinks: bool = True) -> CheckpointReader:
         """A stored checkpoint file, its header validated, its payloads read by range on demand."""
 
     def map(self, path: str) -> Buffer:
-        """The whole stored file ``path``, in any format, as a buffer (the format adapters read this).
+        """The whole stored file `path`, in any format, as a buffer (the format adapters read this).
 
-        ``open`` is for jckpt checkpoints (it validates their header); this is
+        `open` is for jckpt checkpoints (it validates their header); this is
         for the files of other formats (safetensors, npz, llm.c, PyTorch),
         which the adapters parse themselves. Raises
-        :class:`~jckpt.errors.FormatError` when ``path`` is missing or a directory.
+        `FormatError` when `path` is missing or a directory.
         """
 
     def head(self, path: str, length: int) -> bytes:
-        """The first ``length`` bytes of the stored file ``path`` (fewer if shorter); errors as `map`."""
+        """The first `length` bytes of the stored file `path` (fewer if shorter); errors as `map`."""
 
     def exists(self, path: str) -> bool:
-        """Whether something is stored at ``path`` (locally a file or a directory; in a store, an object)."""
+        """Whether something is stored at `path` (locally a file or a directory; in a store, an object)."""
 
     def isdir(self, path: str) -> bool:
-        """Whether ``path`` is a directory (a directory checkpoint, or a manager's root)."""
+        """Whether `path` is a directory (a directory checkpoint, or a manager's root)."""
 
     def create(self, target: str, *, durable: bool = True) -> StagingFile:
-        """A streaming write that replaces ``target`` atomically when published.
+        """A streaming write that replaces `target` atomically when published.
 
-        Use as a context manager: leaving it without ``publish()`` discards
-        what was written and leaves ``target`` as it was. Writers stream to
-        its descriptor ``fd`` (the checkpoint writer patches checksums into
-        the header in place); a writer that needs a file object (``zipfile``,
+        Use as a context manager: leaving it without `publish()` discards
+        what was written and leaves `target` as it was. Writers stream to
+        its descriptor `fd` (the checkpoint writer patches checksums into
+        the header in place); a writer that needs a file object (`zipfile`,
         the format adapters) wraps a duplicate of that descriptor.
         """
 
     def list(self, path: str) -> list[str]:
-        """The names directly under ``path``, sorted."""
+        """The names directly under `path`, sorted."""
 
     def remove(self, path: str) -> None:
-        """Remove ``path`` (a file, or a directory and everything in it); missing is fine."""
+        """Remove `path` (a file, or a directory and everything in it); missing is fine."""
 
     def lease(self, path: str) -> WriterLease:
-        """Take the exclusive writer lease on ``path``; raises :class:`~jckpt.errors.InUseError`."""
+        """Take the exclusive writer lease on `path`; raises `InUseError`."""
 
 
 class LocalBackend:
     """Checkpoints on a local (POSIX) filesystem.
 
-    Reads map the file (:class:`~jckpt.storage.reader.CheckpointReader`),
+    Reads map the file (`CheckpointReader`),
     writes stream to a locked staging sibling renamed over the target
-    (:class:`~jckpt.storage.publish.StagingFile`), and the lease is a
-    ``flock`` on a sidecar file (:class:`~jckpt.storage.lease.WriterLease`).
+    (`StagingFile`), and the lease is a
+    `flock` on a sidecar file (`WriterLease`).
     """
 
     name = 'local'
@@ -185,9 +185,9 @@ def checked_path(path: str | os.PathLike) -> str:
 
 
 def url_scheme(path: str | os.PathLike) -> str | None:
-    """The scheme of ``path`` when it is a URL (``'s3'`` for ``s3://b/k``), else None.
+    """The scheme of `path` when it is a URL (`'s3'` for `s3://b/k`), else None.
 
-    The rule is :func:`backend_for`'s.
+    The rule is `backend_for`'s.
 
     >>> url_scheme('GS://bucket/run'), url_scheme('C:/x'), url_scheme('dir/a://b')
     ('gs', None, None)
@@ -197,7 +197,7 @@ def url_scheme(path: str | os.PathLike) -> str | None:
 
 
 def is_url(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a URL (by :func:`backend_for`'s rule), not a local path.
+    """Whether `path` is a URL (by `backend_for`'s rule), not a local path.
 
     >>> is_url('s3://b/x'), is_url('run/x.jckpt')
     (True, False)
@@ -206,29 +206,29 @@ def is_url(path: str | os.PathLike) -> bool:
 
 
 def backend_for(path: str | os.PathLike) -> Backend:
-    """The backend that stores ``path``: the local one for a filesystem path.
+    """The backend that stores `path`: the local one for a filesystem path.
 
     This is the one place a path becomes a backend: every entry point of the
     library calls it before it creates or reads anything, so a URL is refused
     before a local file or directory of that name could appear.
 
-    **What counts as a URL.** ``path`` (a ``str``, ``bytes`` or ``os.PathLike``)
+    **What counts as a URL.** `path` (a `str`, `bytes` or `os.PathLike`)
     is a URL when it starts with a scheme of two or more characters (a
-    letter, then letters, digits, ``+``, ``-`` or ``.``, as RFC 3986 spells a
-    scheme) followed by ``:/``. The scheme is matched case-insensitively and
-    reported in lower case. So these are URLs: ``s3://bucket/x``,
-    ``gs://b/x``, ``memory://x``, ``file:///tmp/x``, and ``s3:/bucket/x``,
-    which is what ``pathlib.Path('s3://bucket/x')`` turns a URL into. These
-    stay local paths: ``C:/x`` and ``C:\\x`` (a one-letter scheme is a Windows
-    drive), ``dir/a://b`` and ``./s3://b`` (``://`` not at the start),
-    ``s3:x`` and ``run:1/ckpt`` (no ``/`` right after the colon),
-    ``2024-01-01T10:00/ckpt`` (a scheme starts with a letter).
+    letter, then letters, digits, `+`, `-` or `.`, as RFC 3986 spells a
+    scheme) followed by `:/`. The scheme is matched case-insensitively and
+    reported in lower case. So these are URLs: `s3://bucket/x`,
+    `gs://b/x`, `memory://x`, `file:///tmp/x`, and `s3:/bucket/x`,
+    which is what `pathlib.Path('s3://bucket/x')` turns a URL into. These
+    stay local paths: `C:/x` and `C:\\x` (a one-letter scheme is a Windows
+    drive), `dir/a://b` and `./s3://b` (`://` not at the start),
+    `s3:x` and `run:1/ckpt` (no `/` right after the colon),
+    `2024-01-01T10:00/ckpt` (a scheme starts with a letter).
 
-    A URL of a scheme in `jckpt.storage.object_store.SCHEMES` (``s3``,
-    ``gs``, ``az``, ``memory`` and their aliases) is served by the object
-    store backend; its library is imported when the first object is read or
-    written, and a missing library is an `InputError` saying what to install.
-    Any other URL is an :class:`~jckpt.errors.InputError` naming its scheme.
+    A URL of a scheme in `jckpt.storage.object_store.SCHEMES` (`s3`, `gs`,
+    `az`, `memory` and their aliases) is served by the object store backend;
+    its library is imported when the first object is read or written, and a
+    missing library is an `InputError` saying what to install. Any other URL
+    is an `InputError` naming its scheme.
 
     >>> backend_for('C:/x') is backend_for('dir/a://b') is LOCAL
     True

@@ -1,40 +1,110 @@
 """Opening a checkpoint for reading, whatever form it has on its backend.
 
+A file opens as a `CheckpointReader`; a directory holding `index.jckpt` as a
+`DirectoryReader` (written by several processes). Another tool's directory
+(an orbax step) opens through a *directory reader* that a higher layer
+registered with `register_directory_reader`: storage cannot import the
+adapters, so the adapters register themselves here when `jckpt` is imported,
+and every caller of `open_checkpoint` (`load`, `restore`, `describe`, `diff`)
+reads such a directory without knowing it is foreign.
+
 >>> # reader = open_checkpoint("model.jckpt")  # a CheckpointReader
 >>> # reader = open_checkpoint("ckpt")         # a DirectoryReader (written by several processes)
->>> # reader.header.tensors[0].dims          # the same surface either way
+>>> # reader = open_checkpoint("orbax/100")    # the orbax adapter's reader, read-only
+>>> # reader.header.tensors[0].dims          # the same surface each way
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import threading
+from collections.abc import Callable
+from typing import Any
 
 from jckpt.errors import FormatError
+from jckpt.format.names import INDEX_NAME
 from jckpt.storage.backend import LOCAL, backend_for, checked_path
 from jckpt.storage.directory import DirectoryReader
 from jckpt.storage.object_store import MISSING_OBJECT
 from jckpt.storage.reader import CheckpointReader
-from jckpt.storage.remote_reader import RemoteReader
 
 
-def open_checkpoint(path: str | os.PathLike) -> CheckpointReader | RemoteReader | DirectoryReader:
-    """Open a checkpoint file, or a directory checkpoint, for reading.
+@dataclasses.dataclass(frozen=True)
+class DirectoryFormat:
+    """A reader of another tool's checkpoint directories.
+
+    Attributes:
+      name: the format's name (`'orbax'`), for messages.
+      claims: `claims(path) -> bool`: whether the directory (one without
+        `index.jckpt`) is in this format; must be cheap and never raise.
+      open: `open(path) -> reader`: an object with a `header` (a
+        `jckpt.format.entries.Header` of the directory's arrays) and
+        `decode(entry, *, mmap, verify)` returning the entry's array, as
+        `CheckpointReader` has; it raises a `CheckpointError` for a damaged
+        directory.
+    """
+
+    name: str
+    claims: Callable[[str], bool]
+    open: Callable[[str], Any]
+
+
+_LOCK = threading.Lock()
+_DIRECTORY_FORMATS: dict[str, DirectoryFormat] = {}
+
+
+def register_directory_reader(name: str, *, claims: Callable[[str], bool],
+                              open: Callable[[str], Any]) -> DirectoryFormat:
+    """Let `open_checkpoint` read directories of another format (registered later: tried first).
+
+    Registering a name again replaces its reader.
+    """
+    fmt = DirectoryFormat(name=name, claims=claims, open=open)
+    with _LOCK:
+        _DIRECTORY_FORMATS.pop(name, None)
+        _DIRECTORY_FORMATS[name] = fmt
+    return fmt
+
+
+def directory_format(path: str) -> DirectoryFormat | None:
+    """The registered format that claims the directory `path`, or None."""
+    with _LOCK:
+        known = list(_DIRECTORY_FORMATS.values())
+    for fmt in reversed(known):
+        try:
+            if fmt.claims(path):
+                return fmt
+        except Exception:  # a claim that fails does not claim the directory
+            continue
+    return None
+
+
+def open_checkpoint(path: str | os.PathLike) -> Any:
+    """Open a checkpoint file, a directory checkpoint, or a registered foreign directory.
 
     Validates the header (and a directory's index) without touching a
-    payload. Raises :class:`~jckpt.errors.FormatError` for something that is
-    not a checkpoint, and :class:`~jckpt.errors.InputError` for a URL no
-    storage backend serves.
+    payload. Raises `jckpt.errors.FormatError` for something that is not a
+    checkpoint, and `jckpt.errors.InputError` for a URL no storage backend
+    serves.
     """
     path = checked_path(path)
     backend = backend_for(path)
-    if backend is LOCAL:
-        return DirectoryReader(path) if backend.isdir(path) else backend.open(path)
-    try:  # an object: the header's GET is the first request; a prefix is listed only if none is there
+    if backend is not LOCAL:  # an object: its header's GET first; a prefix is listed only if none is there
+        try:
+            return backend.open(path)
+        except FormatError as e:
+            if e.message != MISSING_OBJECT or not backend.isdir(path):
+                raise
+        return DirectoryReader(path)
+    if not backend.isdir(path):
         return backend.open(path)
-    except FormatError as e:
-        if e.message != MISSING_OBJECT or not backend.isdir(path):
-            raise
+    if not os.path.exists(os.path.join(path, INDEX_NAME)):
+        fmt = directory_format(path)
+        if fmt is not None:
+            return fmt.open(path)
     return DirectoryReader(path)
 
 
-__all__ = ['open_checkpoint']
+__all__ = ['CheckpointReader', 'DirectoryFormat', 'DirectoryReader', 'directory_format',
+           'open_checkpoint', 'register_directory_reader']

@@ -1,18 +1,18 @@
 """The directory form on disk: staged, indexed, published with one rename, read piece by piece.
 
-A directory checkpoint (written by the processes of a ``jax.distributed`` run,
-see :mod:`jckpt.api.multiprocess`) is built in a staging sibling
-``<path>.jckpt-stage-dir.<random>`` that holds a locked ``.writer.lock``
+A directory checkpoint (written by the processes of a `jax.distributed` run,
+see `jckpt.api.multiprocess`) is built in a staging sibling
+`<path>.jckpt-stage-dir.<random>` that holds a locked `.writer.lock`
 while it is written; every process writes its piece files into it, then
-:func:`write_index` checks that the pieces tile every array and writes
-``index.jckpt``, and :func:`publish_directory` makes the directory appear at
-``path`` with one atomic rename (swapping out what was there). A directory
-without ``index.jckpt`` is never read as a checkpoint, and staging directories
-whose writer died are removed by :func:`reclaim_stage_dirs`.
+`write_index` checks that the pieces tile every array and writes
+`index.jckpt`, and `publish_directory` makes the directory appear at
+`path` with one atomic rename (swapping out what was there). A directory
+without `index.jckpt` is never read as a checkpoint, and staging directories
+whose writer died are removed by `reclaim_stage_dirs`.
 
-:class:`DirectoryReader` reads one: its header lists one global entry per
-array, and :meth:`DirectoryReader.decode` returns a
-:class:`~jckpt.storage.lazy.LazyArray` that opens and reads only the pieces
+`DirectoryReader` reads one: its header lists one global entry per
+array, and `DirectoryReader.decode` returns a
+`LazyArray` that opens and reads only the pieces
 overlapping the boxes asked of it.
 
 >>> # reader = DirectoryReader("ckpt"); reader.header.tensors[0].dims   # global dims
@@ -47,10 +47,10 @@ from jckpt.version import __version__
 # --- staging ------------------------------------------------------------------------------------
 
 def make_stage(path: str) -> tuple[str, int]:
-    """Create ``path``'s staging directory and lock it; return it and the lock's descriptor.
+    """Create `path`'s staging directory and lock it; return it and the lock's descriptor.
 
-    The lock (``flock`` on ``.writer.lock`` inside) is held until the
-    directory is published or abandoned, so :func:`reclaim_stage_dirs` never
+    The lock (`flock` on `.writer.lock` inside) is held until the
+    directory is published or abandoned, so `reclaim_stage_dirs` never
     removes a live save's directory. Close the descriptor when done.
     """
     parent = os.path.dirname(path)
@@ -80,7 +80,7 @@ def make_stage(path: str) -> tuple[str, int]:
 
 
 def _stage_free(stage: str) -> bool:
-    """Whether no live writer holds ``stage``: its lock file is missing, or free to take."""
+    """Whether no live writer holds `stage`: its lock file is missing, or free to take."""
     try:
         fd = os.open(os.path.join(stage, DIRECTORY_LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -97,12 +97,12 @@ def _stage_free(stage: str) -> bool:
 
 
 def reclaim_stage_dirs(path: str | os.PathLike, *, stale_after: float = STALE_AFTER) -> list[str]:
-    """Remove staging directories of ``path`` left by a save whose process 0 is gone.
+    """Remove staging directories of `path` left by a save whose process 0 is gone.
 
     A staging directory is reclaimed when its lock file is missing (its
     writer died before creating it: a live save holds it until the directory
     is renamed) or free (the writer died), or when it is older than
-    ``stale_after`` seconds (for filesystems without ``flock``).
+    `stale_after` seconds (for filesystems without `flock`).
     """
     path = os.fspath(path)
     parent = os.path.dirname(path) or '.'
@@ -134,7 +134,7 @@ _AT_FDCWD = -100
 
 
 def _exchange(a: str, b: str) -> bool:
-    """Atomically swap two paths (Linux ``renameat2``); False where unsupported."""
+    """Atomically swap two paths (Linux `renameat2`); False where unsupported."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         fn = libc.renameat2
@@ -150,10 +150,10 @@ def _exchange(a: str, b: str) -> bool:
 
 
 def publish_directory(stage: str, path: str, *, durable: bool = True) -> None:
-    """Make the complete directory ``stage`` appear at ``path`` with one atomic rename.
+    """Make the complete directory `stage` appear at `path` with one atomic rename.
 
-    An existing checkpoint (file or directory) at ``path`` is swapped out in
-    the same step (``renameat2(RENAME_EXCHANGE)``) and then removed; where the
+    An existing checkpoint (file or directory) at `path` is swapped out in
+    the same step (`renameat2(RENAME_EXCHANGE)`) and then removed; where the
     filesystem cannot swap, it is renamed aside first.
     """
     try:
@@ -177,7 +177,7 @@ def publish_directory(stage: str, path: str, *, durable: bool = True) -> None:
 # --- the index ----------------------------------------------------------------------------------
 
 def _pieces_by_array(backend: Backend, stage: str, names: Iterable[str]) -> list[IndexedArray]:
-    """Every array of the piece files ``names`` with its pieces, ordered by namespace and id."""
+    """Every array of the piece files `names` with its pieces, ordered by namespace and id."""
     arrays: dict[tuple[str, Any], tuple[Entry, list[tuple[int, Box]]]] = {}
     for fi, name in enumerate(names):
         reader = backend.open(os.path.join(stage, name))
@@ -197,7 +197,7 @@ def _pieces_by_array(backend: Backend, stage: str, names: Iterable[str]) -> list
 
 def write_index(stage: str, process_count: int, alignment: int, metadata: dict[str, str], *,
                 durable: bool = True) -> Header:
-    """Read every piece file's header in ``stage``, check the tiling, write ``index.jckpt``."""
+    """Read every piece file's header in `stage`, check the tiling, write `index.jckpt`."""
     backend = backend_for(stage)
     names = [n for n in backend.list(stage) if PIECE_RE.match(n)]
     for p in range(process_count):
@@ -239,11 +239,11 @@ def _no_index_fix(path: str) -> str:
 class DirectoryReader:
     """An open directory checkpoint: the global entries, read piece by piece on demand.
 
-    ``header`` lists one entry per array (dims = the global dims), so code
-    written for :class:`~jckpt.storage.reader.CheckpointReader` works on it;
-    :meth:`decode` returns a :class:`~jckpt.storage.lazy.LazyArray` that reads
-    only the pieces overlapping the boxes asked of it. ``arrays`` maps each
-    entry's identity to its :class:`~jckpt.format.index.IndexedArray`.
+    `header` lists one entry per array (dims = the global dims), so code
+    written for `CheckpointReader` works on it;
+    `decode` returns a `LazyArray` that reads
+    only the pieces overlapping the boxes asked of it. `arrays` maps each
+    entry's identity to its `IndexedArray`.
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -275,7 +275,7 @@ class DirectoryReader:
         return reader
 
     def piece(self, fi: int, array: IndexedArray, box: Box, *, verify: bool) -> np.ndarray:
-        """The stored piece ``box`` of ``array`` in file ``fi`` (a mapped view)."""
+        """The stored piece `box` of `array` in file `fi` (a mapped view)."""
         reader = self._reader(fi)
         e = self._entries[fi].get(array.entry.identity)
         if e is None or e.slice != box or e.prec != array.entry.prec:
@@ -290,7 +290,7 @@ class DirectoryReader:
         return reader.decode(e, mmap=True, count=False)
 
     def read_box(self, array: IndexedArray, box: Box, *, verify: bool = False) -> np.ndarray:
-        """Assemble ``box`` of an array from the pieces that overlap it."""
+        """Assemble `box` of an array from the pieces that overlap it."""
         e = array.entry
         # Every overlapping piece is found in its file (and so within that file's size) before
         # the box is allocated: an index cannot make a reader allocate more than the pieces hold.
@@ -310,7 +310,7 @@ class DirectoryReader:
 
     def decode(self, entry: Entry, *, mmap: bool = True, verify: bool = False,
                count: bool = True) -> LazyArray:
-        """A lazy view of the array ``entry`` (one of :attr:`header`'s entries)."""
+        """A lazy view of the array `entry` (one of `header`'s entries)."""
         array = self.arrays[entry.identity]
         return LazyArray(entry.shape, entry.dtype,
                          functools.partial(self.read_box, array, verify=verify))

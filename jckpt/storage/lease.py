@@ -1,7 +1,7 @@
 """Writer leases: at most one writer of a checkpoint path at a time, across threads and processes.
 
-A lease is an exclusive ``flock`` on a sidecar file, ``<path>.jckpt-lease``
-(for a directory, ``<dir>/.jckpt-lease``). ``flock`` locks belong to an open
+A lease is an exclusive `flock` on a sidecar file, `<path>.jckpt-lease`
+(for a directory, `<dir>/.jckpt-lease`). `flock` locks belong to an open
 file description, so a second lease taken in the same process (another
 thread, another mirror) conflicts just as one in another process does, and
 the kernel releases the lock of a killed writer. The holder's pid is written
@@ -29,7 +29,7 @@ from jckpt.storage.publish import storage_error
 
 
 def lease_path(path: str | os.PathLike) -> str:
-    """The sidecar lock file guarding writes to ``path``."""
+    """The sidecar lock file guarding writes to `path`."""
     path = os.fspath(path)
     if os.path.isdir(path):
         return os.path.join(path, LEASE_SUFFIX)
@@ -37,9 +37,9 @@ def lease_path(path: str | os.PathLike) -> str:
 
 
 class WriterLease:
-    """An exclusive lease on ``path``, taken at construction, released by :meth:`release`.
+    """An exclusive lease on `path`, taken at construction, released by `release`.
 
-    Raises :class:`~jckpt.errors.InUseError` (its message says "in use" and
+    Raises `InUseError` (its message says "in use" and
     names the holder's pid) when another writer holds it.
     """
 

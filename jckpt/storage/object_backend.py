@@ -5,7 +5,7 @@ implements the `Backend` protocol of `jckpt.storage.backend` over obstore
 (`jckpt.storage.object_store` holds the configuration, the uploads and the
 ranged source; `jckpt.storage.remote_reader` the reader;
 `jckpt.storage.object_lease` the writer lease). A "directory" is a key
-prefix: ``s3://b/run`` holds ``s3://b/run/step_00000100.jckpt``.
+prefix: `s3://b/run` holds `s3://b/run/step_00000100.jckpt`.
 
 >>> OBJECT_STORE.list('memory://doc-backend/run')
 []
@@ -36,8 +36,8 @@ from jckpt.storage.remote_reader import RemoteReader
 class ObjectStoreBackend:
     """Checkpoints in an object store (the `Backend` of `jckpt.storage.backend` for URLs).
 
-    Paths are URLs; a "directory" is a key prefix (``s3://b/run`` holds
-    ``s3://b/run/step_00000100.jckpt``).
+    Paths are URLs; a "directory" is a key prefix (`s3://b/run` holds
+    `s3://b/run/step_00000100.jckpt`).
     """
 
     name = 'object store'
@@ -66,7 +66,7 @@ class ObjectStoreBackend:
             raise FormatError("no such object", file=path, fix="check the URL") from e
 
     def exists(self, path: str) -> bool:
-        """Whether an object is stored at ``path``."""
+        """Whether an object is stored at `path`."""
         u = ObjectURL.parse(path)
         try:
             obstore_module().head(store_for(u), u.key)
@@ -89,11 +89,11 @@ class ObjectStoreBackend:
         return ObjectStaging(ObjectURL.parse(target))
 
     def stream(self, target: str, chunks: Iterator[Any], size: int) -> None:
-        """Upload the ``size`` bytes of ``chunks`` as the object ``target``, whole or not at all."""
+        """Upload the `size` bytes of `chunks` as the object `target`, whole or not at all."""
         upload_stream(ObjectURL.parse(target), chunks, size)
 
     def upload(self, local: str, target: str) -> None:
-        """Put the local file ``local`` at ``target`` whole (see `upload`)."""
+        """Put the local file `local` at `target` whole (see `upload`)."""
         upload(local, ObjectURL.parse(target))
 
     def list(self, path: str) -> list[str]:

@@ -1,9 +1,9 @@
 """The writer lease of a URL: an object created only if absent, kept fresh while held.
 
-`ObjectLease` is what `jckpt.storage.lease.WriterLease` (a ``flock``) is for
+`ObjectLease` is what `jckpt.storage.lease.WriterLease` (a `flock`) is for
 local paths: at most one mirror or manager writes a checkpoint URL. It is the
-object ``<url>.jckpt-lease``, created with the store's conditional PUT
-(``If-None-Match: *`` on S3, a generation precondition on GCS), so of two
+object `<url>.jckpt-lease`, created with the store's conditional PUT
+(`If-None-Match: *` on S3, a generation precondition on GCS), so of two
 writers exactly one gets it; the other gets `InUseError` naming the holder.
 
 A store has no kernel to drop the lease of a killed process, so the holder
@@ -66,7 +66,7 @@ def _gone(holder: dict[str, Any]) -> bool:
 
 
 class ObjectLease:
-    """The exclusive writer lease on a URL, taken at construction, released by :meth:`release`."""
+    """The exclusive writer lease on a URL, taken at construction, released by `release`."""
 
     def __init__(self, u: ObjectURL) -> None:
         self.path = u.url
@@ -103,14 +103,14 @@ class ObjectLease:
                              f"{self.lock.url}")
 
     def _put(self, mode: Any) -> dict[str, Any]:
-        """Write the lease record: ``'create'``, or over the version ``mode`` only (a conditional PUT)."""
+        """Write the lease record: `'create'`, or over the version `mode` only (a conditional PUT)."""
         if isinstance(mode, dict):
             mode = {k: v for k, v in mode.items() if v is not None}
         result = self.obs.put(self.store, self.lock.key, _record(), mode=mode)
         return {'e_tag': result.get('e_tag'), 'version': result.get('version')}
 
     def _holder(self) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-        """The holder's record and the lease object's version (``None`` when unreadable)."""
+        """The holder's record and the lease object's version (`None` when unreadable)."""
         try:
             got = self.obs.get(self.store, self.lock.key)
             meta = got.meta

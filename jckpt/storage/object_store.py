@@ -1,28 +1,28 @@
 """Object stores through obstore: configuration, stores per bucket, uploads, ranged reads, errors.
 
-What the backend of ``s3://``, ``gs://``, ``az://`` and ``memory://`` URLs is
-built on. It uses obstore, the Python bindings of the Rust ``object_store``
+What the backend of `s3://`, `gs://`, `az://` and `memory://` URLs is
+built on. It uses obstore, the Python bindings of the Rust `object_store`
 crate (docs/design.md has the measurements that chose it over fsspec and
-s3fs), imported only when a URL is first used: ``pip install 'jckpt[cloud]'``.
+s3fs), imported only when a URL is first used: `pip install 'jckpt[cloud]'`.
 
 * **Configuration** is each cloud's own: environment variables
-  (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
-  ``AWS_REGION``; ``GOOGLE_APPLICATION_CREDENTIALS`` or application default
-  credentials; ``AZURE_STORAGE_ACCOUNT_NAME`` ...), and, where a program
-  needs more, :func:`configure` for a scheme or a bucket: obstore's options
-  (``endpoint``, ``region``, ``client_options``, ``retry_config``, or a
-  ready ``store``), and jckpt's own ``part_size`` and ``concurrency``. An
-  ``http://`` endpoint (a local S3 server) is allowed without more ado.
+  (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
+  `AWS_REGION`; `GOOGLE_APPLICATION_CREDENTIALS` or application default
+  credentials; `AZURE_STORAGE_ACCOUNT_NAME` ...), and, where a program
+  needs more, `configure` for a scheme or a bucket: obstore's options
+  (`endpoint`, `region`, `client_options`, `retry_config`, or a
+  ready `store`), and jckpt's own `part_size` and `concurrency`. An
+  `http://` endpoint (a local S3 server) is allowed without more ado.
 * **Writes** stream to a local spool file (the writer patches checksums into
   the header in place, which an object cannot take), then go up in one PUT or
   one multipart upload completed at publish: the object appears whole or not
   at all, and a failed upload is aborted. obstore cannot list multipart
   uploads, so those of a killed writer are left to the bucket's lifecycle
   rule (docs/object-storage.md); they are never visible as objects.
-* **Reads** are ranged: see :mod:`jckpt.storage.remote_reader`.
+* **Reads** are ranged: see `jckpt.storage.remote_reader`.
 * **The writer lease** is an object created only if absent (a conditional
-  PUT): see :mod:`jckpt.storage.object_lease`. The backend itself, which
-  `backend_for` hands out, is :mod:`jckpt.storage.object_backend`.
+  PUT): see `jckpt.storage.object_lease`. The backend itself, which
+  `backend_for` hands out, is `jckpt.storage.object_backend`.
 
 >>> url = ObjectURL.parse('memory://bucket/run/model.jckpt')
 >>> url.bucket, url.key, url.child('x').url
@@ -46,7 +46,7 @@ from jckpt.errors import CheckpointError, FormatError, InputError, StorageError
 #: URL schemes served here, and the store kind each names.
 SCHEMES = {'s3': 's3', 's3a': 's3', 'gs': 'gs', 'gcs': 'gs', 'az': 'az', 'azure': 'az', 'abfs': 'az',
            'abfss': 'az', 'memory': 'memory'}
-#: Options of :func:`configure` that are jckpt's own (the rest go to the store).
+#: Options of `configure` that are jckpt's own (the rest go to the store).
 OWN_OPTIONS = ('part_size', 'concurrency', 'store')
 #: The message of the `FormatError` for a URL where no object is stored.
 MISSING_OBJECT = "no such checkpoint object"
@@ -66,7 +66,7 @@ _MEMORY: dict[str, Any] = {}
 
 @dataclasses.dataclass(frozen=True)
 class ObjectURL:
-    """A URL split into the store's kind, its bucket and the object key (``url`` is kept as given)."""
+    """A URL split into the store's kind, its bucket and the object key (`url` is kept as given)."""
 
     url: str
     kind: str
@@ -168,7 +168,7 @@ def obstore_module() -> Any:
 
 
 def store_for(u: ObjectURL) -> Any:
-    """The obstore store of ``u``'s bucket, built once per bucket from the environment and `configure`."""
+    """The obstore store of `u`'s bucket, built once per bucket from the environment and `configure`."""
     with _LOCK:
         store = _STORES.get((u.scheme, u.bucket))
         if store is None:
@@ -198,7 +198,7 @@ def _build(u: ObjectURL, options: dict[str, Any]) -> Any:
 
 
 def tuning(u: ObjectURL) -> tuple[int, int]:
-    """``(part_size, concurrency)`` for ``u``'s bucket (`configure`'s, else the defaults)."""
+    """`(part_size, concurrency)` for `u`'s bucket (`configure`'s, else the defaults)."""
     s = _settings(u)
     return int(s.get('part_size', DEFAULT_PART_SIZE)), int(s.get('concurrency', DEFAULT_CONCURRENCY))
 
@@ -274,7 +274,7 @@ class ObjectSource:
 
 
 def upload(local: str, u: ObjectURL) -> None:
-    """Put the local file ``local`` at ``u``: one PUT, or a multipart upload completed at the end.
+    """Put the local file `local` at `u`: one PUT, or a multipart upload completed at the end.
 
     The object is the previous one (or none) until the upload completes; a
     failed multipart upload is aborted.
@@ -287,10 +287,10 @@ def upload(local: str, u: ObjectURL) -> None:
 
 
 def upload_stream(u: ObjectURL, chunks: Iterator[Any], size: int) -> None:
-    """Put the ``size`` bytes of ``chunks`` (buffers) at ``u``, whole or not at all.
+    """Put the `size` bytes of `chunks` (buffers) at `u`, whole or not at all.
 
     Up to one part, one PUT of the joined bytes; above, a multipart upload
-    that sends parts while ``chunks`` is still being produced, completed at
+    that sends parts while `chunks` is still being produced, completed at
     the end and aborted if producing or sending fails.
     """
     part, concurrency = tuning(u)
@@ -306,13 +306,13 @@ def upload_stream(u: ObjectURL, chunks: Iterator[Any], size: int) -> None:
 
 
 class ObjectStaging:
-    """A write to an object: spooled to a local file, uploaded whole at :meth:`publish`.
+    """A write to an object: spooled to a local file, uploaded whole at `publish`.
 
-    The surface of `jckpt.storage.publish.StagingFile` (``fd``, ``publish``,
-    ``discard``, a context manager), so the streaming writer and the format
+    The surface of `jckpt.storage.publish.StagingFile` (`fd`, `publish`,
+    `discard`, a context manager), so the streaming writer and the format
     adapters write an object as they write a file. Leaving without
-    ``publish`` uploads nothing. The upload is one PUT, or a multipart upload
-    of ``part_size`` parts that is completed only when every part is in and
+    `publish` uploads nothing. The upload is one PUT, or a multipart upload
+    of `part_size` parts that is completed only when every part is in and
     aborted on any failure: the object is the previous one until then.
     """
 

@@ -1,8 +1,8 @@
 """Atomic, durable publishing through a staging sibling.
 
 A checkpoint is written to a staging file next to its target, named uniquely
-per writer (``<name>.jckpt-stage.<pid>.<counter>.<nonce>``), created
-exclusively without following symlinks, and locked (``flock``) for as long as
+per writer (`<name>.jckpt-stage.<pid>.<counter>.<nonce>`), created
+exclusively without following symlinks, and locked (`flock`) for as long as
 it is being written. Publishing fsyncs the file, renames it over the target
 and fsyncs the directory, so the target is always either the previous
 complete file or the new complete file. Any failure removes the staging file
@@ -10,8 +10,8 @@ and leaves the target as it was.
 
 Staging files abandoned by a killed writer are reclaimed by the next save of
 the same target: at once when their lock is free (a dead writer's lock is
-released by the kernel), otherwise once older than :data:`STALE_AFTER`
-seconds (for filesystems without ``flock``). Other targets' staging files are
+released by the kernel), otherwise once older than `STALE_AFTER`
+seconds (for filesystems without `flock`). Other targets' staging files are
 never touched.
 
 >>> import tempfile, os
@@ -59,14 +59,14 @@ _FIXES = {
 
 
 def storage_error(exc: OSError, action: str, path: str | os.PathLike) -> StorageError:
-    """Wrap an ``OSError`` as a :class:`StorageError` naming the file and a fix."""
+    """Wrap an `OSError` as a `StorageError` naming the file and a fix."""
     reason = exc.strerror or str(exc)
     return StorageError(f"{action} failed: {reason}", errno=exc.errno, file=path,
                         fix=_FIXES.get(exc.errno, "see the underlying OS error"))
 
 
 def staging_pattern(target: str) -> re.Pattern[str]:
-    """The names of ``target``'s staging files (and only ``target``'s)."""
+    """The names of `target`'s staging files (and only `target`'s)."""
     return re.compile(re.escape(os.path.basename(target)) + re.escape(STAGE_TAG)
                       + r'[0-9a-f]{8}\.[0-9a-f]{8}\.[0-9a-f]{16}\Z')
 
@@ -97,11 +97,11 @@ def fsync_dir(directory: str) -> None:
 
 
 def reclaim_staging(target: str | os.PathLike, *, stale_after: float = STALE_AFTER) -> list[str]:
-    """Remove staging files of ``target`` whose writer is gone; return their paths.
+    """Remove staging files of `target` whose writer is gone; return their paths.
 
-    A staging file is reclaimed when its ``flock`` can be taken (its writer
+    A staging file is reclaimed when its `flock` can be taken (its writer
     died, the kernel released the lock) or, where locks do not work, when it
-    is older than ``stale_after`` seconds.
+    is older than `stale_after` seconds.
     """
     target = os.fspath(target)
     directory = os.path.dirname(target) or '.'
@@ -160,10 +160,10 @@ def _unlink_quietly(path: str, removed: list[str]) -> None:
 
 
 class StagingFile:
-    """A locked, exclusively created staging sibling of ``target``, published by rename.
+    """A locked, exclusively created staging sibling of `target`, published by rename.
 
-    Use as a context manager: leaving the block without :meth:`publish`
-    (or with an exception) removes the staging file. ``durable=False`` skips
+    Use as a context manager: leaving the block without `publish`
+    (or with an exception) removes the staging file. `durable=False` skips
     every fsync (faster, but a power loss may lose the new file or leave the
     old one).
     """

@@ -57,9 +57,9 @@ def _check_regular(st: os.stat_result, path: str) -> None:
 class CheckpointReader:
     """An open checkpoint file: its validated header and a private mapping of its bytes.
 
-    The mapping is copy-on-write (``MAP_PRIVATE``) and lives as long as any
+    The mapping is copy-on-write (`MAP_PRIVATE`) and lives as long as any
     array viewing it, even after the file is replaced or removed.
-    ``follow_symlinks=False`` refuses a file that is a symbolic link (for
+    `follow_symlinks=False` refuses a file that is a symbolic link (for
     names read from another file, such as a directory checkpoint's pieces).
     """
 
@@ -130,7 +130,7 @@ class CheckpointReader:
         return memoryview(self._map)[start:start + entry.byte_length]
 
     def verify_entry(self, entry: Entry) -> None:
-        """Raise :class:`ChecksumError` if the payload does not match its checksum."""
+        """Raise `ChecksumError` if the payload does not match its checksum."""
         if entry.checksum is None:
             return
         algo, expected = entry.checksum

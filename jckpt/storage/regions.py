@@ -3,8 +3,8 @@
 A sharded array is saved without gathering it on the host: each distinct
 shard (or each piece of a directory checkpoint, when consolidating) is
 written straight into its place in the payload, and the payload's checksum
-is then computed from the written region. :class:`ShardedSource` is the
-:class:`~jckpt.storage.writer.PayloadSource` that does this.
+is then computed from the written region. `ShardedSource` is the
+`PayloadSource` that does this.
 
 >>> import os, tempfile
 >>> fd, path = tempfile.mkstemp()
@@ -38,13 +38,13 @@ from jckpt.format.boxes import Box, box_shape, box_size, box_slices, full_box
 #: Payloads up to this size are assembled in one host buffer and written sequentially
 #: (fewer system calls than one write per run); larger ones are written in place.
 ASSEMBLE_BYTES = 4 << 20
-#: Runs of at least this many bytes are written with one ``pwrite`` each; a piece with
+#: Runs of at least this many bytes are written with one `pwrite` each; a piece with
 #: shorter runs is scattered through a shared mapping of the file instead.
 DIRECT_RUN_BYTES = 64 << 10
 
 
 def stored_bytes(array: np.ndarray) -> np.ndarray:
-    """``array``'s payload bytes (C order, little-endian) as a flat ``uint8`` array."""
+    """`array`'s payload bytes (C order, little-endian) as a flat `uint8` array."""
     return payload_mod.encode_payload(np.asarray(array))
 
 
@@ -52,12 +52,12 @@ def stored_bytes(array: np.ndarray) -> np.ndarray:
 class ShardedSource:
     """A payload assembled from pieces, each written straight into its place in the file.
 
-    ``shape`` is the payload's array shape and ``pieces`` are ``(box, get)``
-    pairs whose boxes tile it; ``get()`` returns the piece's host array (for
+    `shape` is the payload's array shape and `pieces` are `(box, get)`
+    pairs whose boxes tile it; `get()` returns the piece's host array (for
     device shards, it waits for the transfer started earlier). A small payload
-    (up to :data:`ASSEMBLE_BYTES`) is assembled in one buffer and written at
+    (up to `ASSEMBLE_BYTES`) is assembled in one buffer and written at
     once. In a larger one, a piece whose rows are long is written with one
-    ``pwrite`` per contiguous run, and one with short runs is scattered
+    `pwrite` per contiguous run, and one with short runs is scattered
     through a shared mapping of the file; the checksum is then computed by
     hashing the written region.
     """
@@ -87,7 +87,7 @@ class ShardedSource:
         return payload_mod.checksum(flat)
 
     def assemble(self) -> np.ndarray:
-        """The whole payload assembled in one host buffer: its stored bytes, flat ``uint8``.
+        """The whole payload assembled in one host buffer: its stored bytes, flat `uint8`.
 
         What a streamed upload sends (an object cannot be written in place).
         """
@@ -108,7 +108,7 @@ def _piece(box: Box, get: Callable[[], Any]) -> np.ndarray:
 
 def _write_box(fd: int, base: int, shape: tuple[int, ...], dtype: np.dtype, box: Box,
                data: np.ndarray) -> None:
-    """Write ``data`` (the contents of ``box``) into the C-ordered payload at ``base``."""
+    """Write `data` (the contents of `box`) into the C-ordered payload at `base`."""
     item = dtype.itemsize
     data = data.astype(dtype, copy=False)
     flat = stored_bytes(data)
@@ -158,7 +158,7 @@ def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
 
 
 def hash_region(fd: int, offset: int, length: int) -> tuple[str, str]:
-    """The payload checksum of ``length`` bytes of the file at ``offset`` (as written)."""
+    """The payload checksum of `length` bytes of the file at `offset` (as written)."""
     hasher = payload_mod.new_hasher()
     if length == 0:
         return payload_mod.hasher_checksum(hasher)

@@ -1,15 +1,15 @@
 """The remote reader: a checkpoint object read by ranges, with the surface of the local reader.
 
-An object store has no mapping to hand out, so :class:`RemoteReader` reads
+An object store has no mapping to hand out, so `RemoteReader` reads
 what is asked and nothing else: the header with one ranged GET (two when it
 is longer than the first), each payload with concurrent ranged GETs written
 straight into the array that is returned, small neighbouring payloads
 together in one GET, and, for a payload read box by box (a device's shard),
 only the byte runs of that box, neighbours coalesced. It decodes with the
-same codec functions as :class:`~jckpt.storage.reader.CheckpointReader`
+same codec functions as `jckpt.storage.reader.CheckpointReader`
 (`decode_payload`, `check_extents`), so the two agree on every byte.
 
-The object itself is behind a small interface, :class:`RangeSource` (the
+The object itself is behind a small interface, `RangeSource` (the
 object store backend provides one), so this module knows nothing of any
 store library. Every GET after the header is conditional on the ETag the
 header was read with: an object replaced while it is read is an error, never
@@ -58,14 +58,14 @@ class RangeSource(Protocol):
     """One stored object, read by ranges (the object store backend implements it)."""
 
     def head(self, length: int) -> tuple[bytes, int, str | None]:
-        """The first ``length`` bytes (fewer if the object is shorter), its size and its version tag."""
+        """The first `length` bytes (fewer if the object is shorter), its size and its version tag."""
 
     def read_into(self, dest: memoryview, offset: int, version: str | None) -> None:
-        """Fill ``dest`` with the object's bytes from ``offset``, refusing another version."""
+        """Fill `dest` with the object's bytes from `offset`, refusing another version."""
 
 
 class BytesSource:
-    """A :class:`RangeSource` over bytes in memory (for tests and examples)."""
+    """A `RangeSource` over bytes in memory (for tests and examples)."""
 
     def __init__(self, data: bytes) -> None:
         self.data = bytes(data)
@@ -94,7 +94,7 @@ def _pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
 
 def read_ranges(source: RangeSource, ranges: list[tuple[int, memoryview]], version: str | None, *,
                 part: int, concurrency: int) -> None:
-    """Fill each ``(offset, dest)`` from ``source``, in parts of ``part`` bytes, concurrently."""
+    """Fill each `(offset, dest)` from `source`, in parts of `part` bytes, concurrently."""
     jobs = [(offset + start, dest[start:start + part])
             for offset, dest in ranges for start in range(0, len(dest), part)]
     if len(jobs) <= 1:
@@ -107,7 +107,7 @@ def read_ranges(source: RangeSource, ranges: list[tuple[int, memoryview]], versi
 
 
 def box_runs(shape: tuple[int, ...], item: int, box: Box) -> tuple[list[int], int]:
-    """The byte offsets of the contiguous runs that ``box`` covers in a C-ordered payload, and their length.
+    """The byte offsets of the contiguous runs that `box` covers in a C-ordered payload, and their length.
 
     >>> box_runs((4, 6), 1, ((1, 3), (0, 6)))   # two whole rows: one run
     ([6], 12)
@@ -130,7 +130,7 @@ def box_runs(shape: tuple[int, ...], item: int, box: Box) -> tuple[list[int], in
 class RemoteReader:
     """A checkpoint object: its validated header, its payloads read by range on demand.
 
-    The same surface as :class:`~jckpt.storage.reader.CheckpointReader`
+    The same surface as `jckpt.storage.reader.CheckpointReader`
     (`header`, `data_start`, `size`, `decode`, `payload_bytes`, `verify`),
     so `load`, `restore`, `verify` and the tools read an object as they read
     a file. `remote` is True: checksums are verified by default (see
@@ -173,7 +173,7 @@ class RemoteReader:
     # --- bytes ------------------------------------------------------------------------------
 
     def _fetch(self, start: int, length: int) -> np.ndarray:
-        """``length`` bytes at payload offset ``start``, fetched concurrently into one new buffer."""
+        """`length` bytes at payload offset `start`, fetched concurrently into one new buffer."""
         out = np.empty(length, np.uint8)
         read_ranges(self.source, [(self.data_start + start, memoryview(out))], self.version,
                     part=self.part, concurrency=self.concurrency)
@@ -196,7 +196,7 @@ class RemoteReader:
         return data[:end - start]
 
     def payload(self, entry: Entry) -> np.ndarray:
-        """The entry's stored bytes as a ``uint8`` array (fetched now)."""
+        """The entry's stored bytes as a `uint8` array (fetched now)."""
         if self._whole is not None:
             start = entry.offset
             return self._whole[self.data_start + start:self.data_start + start + entry.byte_length]
@@ -221,7 +221,7 @@ class RemoteReader:
 
     def decode(self, entry: Entry, *, mmap: bool = True, verify: bool = False,
                count: bool = True) -> np.ndarray | LazyArray:
-        """The entry's array, read now; without ``verify`` a large one is a `LazyArray` read box by box."""
+        """The entry's array, read now; without `verify` a large one is a `LazyArray` read box by box."""
         if (not verify and entry.byte_length >= SMALL_PAYLOAD and entry.padding is None
                 and entry.key_impl is None and entry.prec != precs.VOID and entry.shape
                 and self._whole is None):
@@ -236,7 +236,7 @@ class RemoteReader:
         return array
 
     def read_box(self, entry: Entry, box: Box) -> np.ndarray:
-        """The contents of ``box`` of ``entry``: only its byte runs are fetched, close ones together."""
+        """The contents of `box` of `entry`: only its byte runs are fetched, close ones together."""
         dtype, shape = entry.dtype, entry.shape
         item = dtype.itemsize
         offsets, run = box_runs(shape, item, box)
@@ -267,7 +267,7 @@ class RemoteReader:
                                 fix="the object is damaged; restore it from a good copy")
 
     def verify_entry(self, entry: Entry) -> None:
-        """Raise :class:`ChecksumError` if the payload does not match its checksum."""
+        """Raise `ChecksumError` if the payload does not match its checksum."""
         self._check(entry, self.payload(entry))
 
     def verify(self, entries: Iterable[Entry] | None = None) -> list[ChecksumError]:

@@ -1,14 +1,14 @@
 """Staged generations: written under a temporary name now, made durable and renamed into place later.
 
 A background writer (the mirror, the manager) writes each generation of a
-checkpoint ``target`` as ``<target>.jckpt-next.<n>`` without waiting for the
-disk (:func:`stage_items`), and publishes it afterwards (:func:`finish_staged`:
+checkpoint `target` as `<target>.jckpt-next.<n>` without waiting for the
+disk (`stage_items`), and publishes it afterwards (`finish_staged`:
 fsync the file, rename it over the target, fsync the directory), so writing
-generation n+1 overlaps with persisting generation n. Readers of ``target``
-only ever see a complete generation. :func:`remove_staged` clears what a
+generation n+1 overlaps with persisting generation n. Readers of `target`
+only ever see a complete generation. `remove_staged` clears what a
 writer that died left behind.
 
-A ``target`` in an object store (a URL) is staged in a local file instead
+A `target` in an object store (a URL) is staged in a local file instead
 (in the temporary directory, named after the URL), and publishing uploads it
 whole: an object has no rename, and the upload is what makes it durable.
 
@@ -46,23 +46,23 @@ from jckpt.version import __version__
 
 
 def next_name(target: str, seq: int) -> str:
-    """The temporary name generation ``seq`` of ``target`` is staged under before it is durable."""
+    """The temporary name generation `seq` of `target` is staged under before it is durable."""
     if is_url(target):
         return f"{_local_stem(target)}{NEXT_TAG}{seq}"
     return f"{target}{NEXT_TAG}{seq}"
 
 
 def _local_stem(url: str) -> str:
-    """Where the generations of the object ``url`` are staged locally (one name per URL)."""
+    """Where the generations of the object `url` are staged locally (one name per URL)."""
     digest = hashlib.sha256(url.encode()).hexdigest()[:16]
     return os.path.join(tempfile.gettempdir(), f"jckpt-{digest}-{os.path.basename(url)}")
 
 
 def write_items(target: str, entries: Sequence[Entry], sources: Sequence[PayloadSource], *,
                 metadata: Mapping[str, str], alignment: int, durable: bool) -> Header:
-    """Lay out ``entries`` and publish a file of their payloads at ``target`` (atomically).
+    """Lay out `entries` and publish a file of their payloads at `target` (atomically).
 
-    ``sources[i]`` streams the payload of ``entries[i]``; ``durable`` says
+    `sources[i]` streams the payload of `entries[i]`; `durable` says
     whether the file and its directory are fsynced before this returns.
     """
     header = lay_out(Header(tensors=tuple(entries), alignment=alignment,
@@ -73,7 +73,7 @@ def write_items(target: str, entries: Sequence[Entry], sources: Sequence[Payload
 def stage_items(temporary: str, target: str, entries: Sequence[Entry],
                 sources: Sequence[PayloadSource], *, metadata: Mapping[str, str],
                 alignment: int) -> None:
-    """Write a generation of ``target`` under ``temporary``, not yet durable (errors name ``target``)."""
+    """Write a generation of `target` under `temporary`, not yet durable (errors name `target`)."""
     try:
         write_items(temporary, entries, sources, metadata=metadata, alignment=alignment,
                     durable=False)
@@ -83,7 +83,7 @@ def stage_items(temporary: str, target: str, entries: Sequence[Entry],
 
 
 def finish_staged(temporary: str, target: str, *, durable: bool) -> None:
-    """fsync ``temporary``, rename it over ``target``, fsync the directory (``durable=False``: rename)."""
+    """fsync `temporary`, rename it over `target`, fsync the directory (`durable=False`: rename)."""
     backend = backend_for(target)
     if backend is not LOCAL:  # an object: the upload publishes it
         backend.upload(temporary, target)
@@ -108,10 +108,10 @@ def discard_staged(temporary: str) -> None:
 
 
 def remove_staged(target: str) -> list[str]:
-    """Remove what a writer of ``target`` that died left staged; return the names.
+    """Remove what a writer of `target` that died left staged; return the names.
 
-    That is its generations written but not made durable (``<target>.jckpt-next.<n>``)
-    and the staging files of those (reclaimed as :func:`~jckpt.storage.publish.reclaim_staging`
+    That is its generations written but not made durable (`<target>.jckpt-next.<n>`)
+    and the staging files of those (reclaimed as `reclaim_staging`
     does).
     """
     stem = _local_stem(target) if is_url(target) else target

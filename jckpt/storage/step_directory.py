@@ -1,8 +1,8 @@
 """Step directories: a few files written into a hidden staged directory, published by one rename.
 
-The manager's format layer (:mod:`jckpt.services.formats`) writes a step as a
+The manager's format layer (`jckpt.services.formats`) writes a step as a
 directory of files in several formats. They are written into a staged
-directory next to the step (``<target>.jckpt-next.<n>``); :func:`publish_dir`
+directory next to the step (`<target>.jckpt-next.<n>`); `publish_dir`
 fsyncs every file and the directory, renames it to the step's name and fsyncs
 the parent, so a reader sees the whole step or nothing. A directory is a
 published step when it holds its marker file (written last).
@@ -29,7 +29,7 @@ from jckpt.storage.staging import discard_staged
 
 
 def make_staged(temporary: str) -> None:
-    """An empty staged directory at ``temporary`` (what an earlier attempt left is removed)."""
+    """An empty staged directory at `temporary` (what an earlier attempt left is removed)."""
     remove_staged_dir(temporary)
     try:
         os.makedirs(temporary)
@@ -38,7 +38,7 @@ def make_staged(temporary: str) -> None:
 
 
 def write_text(path: str, text: str) -> None:
-    """Write ``text`` (UTF-8) as the file ``path`` of a staged directory (made durable on publish)."""
+    """Write `text` (UTF-8) as the file `path` of a staged directory (made durable on publish)."""
     try:
         with open(path, 'w', encoding='utf-8') as f:
             f.write(text)
@@ -47,7 +47,7 @@ def write_text(path: str, text: str) -> None:
 
 
 def read_text(path: str) -> str:
-    """The text (UTF-8) of the file ``path`` (or of the object, for a URL)."""
+    """The text (UTF-8) of the file `path` (or of the object, for a URL)."""
     backend = backend_for(path)
     if backend is not LOCAL:
         try:
@@ -62,11 +62,11 @@ def read_text(path: str) -> str:
 
 
 def publish_dir(temporary: str, target: str, *, durable: bool, marker: str | None = None) -> None:
-    """fsync every file of ``temporary`` and the directory, rename it to ``target``, fsync the parent.
+    """fsync every file of `temporary` and the directory, rename it to `target`, fsync the parent.
 
-    A ``target`` in an object store (a URL) gets every file of the local
-    ``temporary`` uploaded under its prefix, ``marker`` last (the step exists
-    once its marker does), and ``temporary`` is removed.
+    A `target` in an object store (a URL) gets every file of the local
+    `temporary` uploaded under its prefix, `marker` last (the step exists
+    once its marker does), and `temporary` is removed.
     """
     backend = backend_for(target)
     if backend is not LOCAL:
@@ -101,7 +101,7 @@ def remove_staged_dir(temporary: str) -> None:
 
 
 def is_published(path: str, marker: str) -> bool:
-    """Whether ``path`` is a directory holding the file ``marker`` (a published step)."""
+    """Whether `path` is a directory holding the file `marker` (a published step)."""
     backend = backend_for(path)
     if backend is not LOCAL:
         return backend.exists(f"{path}/{marker}")
@@ -109,7 +109,7 @@ def is_published(path: str, marker: str) -> bool:
 
 
 def is_file(path: str) -> bool:
-    """Whether ``path`` is a file (a step's model or optimizer file; for a URL, an object)."""
+    """Whether `path` is a file (a step's model or optimizer file; for a URL, an object)."""
     backend = backend_for(path)
     return os.path.isfile(path) if backend is LOCAL else backend.exists(path)
 

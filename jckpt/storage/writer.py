@@ -4,7 +4,7 @@ The header is written first with fixed-width placeholder checksums; each
 payload is hashed while it streams to disk; the header is then rewritten in
 place with the real checksums (same length, so no payload moves). The file
 is published atomically by the backend holding the target (locally, a
-:class:`~jckpt.storage.publish.StagingFile` renamed over it).
+`StagingFile` renamed over it).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 import struct
 import types
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -30,10 +30,10 @@ from jckpt.storage.regions import ShardedSource
 class Sink:
     """Sequential writes to a file descriptor, tracking the position.
 
-    Writes under :attr:`SMALL_WRITE` bytes are gathered (up to
-    :attr:`BUFFER_BYTES`) and written together, so a checkpoint of many small
+    Writes under `SMALL_WRITE` bytes are gathered (up to
+    `BUFFER_BYTES`) and written together, so a checkpoint of many small
     arrays costs a few system calls rather than two per array; larger ones go
-    straight to the file. Reading :attr:`fd` flushes first: code that writes
+    straight to the file. Reading `fd` flushes first: code that writes
     to the descriptor directly finds every earlier byte in place.
     """
 
@@ -75,10 +75,10 @@ class Sink:
 
 
 class PayloadSource(Protocol):
-    """Something that can stream one entry's payload into a :class:`Sink`."""
+    """Something that can stream one entry's payload into a `Sink`."""
 
     def write(self, sink: Sink) -> tuple[str, str] | None:
-        """Write exactly the entry's ``byte_length`` bytes; return its checksum."""
+        """Write exactly the entry's `byte_length` bytes; return its checksum."""
 
 
 #: Payloads below this size are hashed in one call and gathered by the sink.
@@ -91,11 +91,11 @@ _EVOLVERS: dict[type, tuple] = {}
 
 
 def _evolve(entry: Entry, **changes) -> Entry:
-    """``dataclasses.replace`` for the writer's hot loops, several times cheaper.
+    """`dataclasses.replace` for the writer's hot loops, several times cheaper.
 
     A slotted dataclass is copied field by field through its slot descriptors
-    (no ``__init__``, no introspection per call); anything else goes through
-    ``dataclasses.replace``.
+    (no `__init__`, no introspection per call); anything else goes through
+    `dataclasses.replace`.
     """
     cls = type(entry)
     spec = _EVOLVERS.get(cls)
@@ -115,11 +115,11 @@ def _evolve(entry: Entry, **changes) -> Entry:
 
 
 def pad_for_aliasing(raw: bytes, header: Header) -> bytes:
-    """``raw`` with whitespace added inside the header, so more payload bytes start 64-byte aligned.
+    """`raw` with whitespace added inside the header, so more payload bytes start 64-byte aligned.
 
     The spaces go before the header's closing parenthesis, so the text stays
-    the same S-expression and ``HLEN`` still follows the format's rule
-    (``round_up(4 + len(text), alignment) - 4``); the data start stays a
+    the same S-expression and `HLEN` still follows the format's rule
+    (`round_up(4 + len(text), alignment) - 4`); the data start stays a
     multiple of the alignment and no offset or checksum position changes.
     Only the absolute position moves, and that decides whether JAX on the CPU
     can use a mapped payload in place: it needs 64-byte alignment, one step
@@ -145,21 +145,62 @@ def pad_for_aliasing(raw: bytes, header: Header) -> bytes:
 
 @dataclasses.dataclass(frozen=True)
 class ArraySource:
-    """A host numpy array, encoded chunk by chunk (no copy when already stored form)."""
+    """A host numpy array, encoded chunk by chunk (no copy when already stored form).
+
+    `checksum`, when known (see `array_source`; a snapshot hashes its arrays
+    as it builds their entries), is returned as it is: the payload is written
+    without hashing it again, so a stale one is caught only by verifying.
+    """
 
     array: np.ndarray
+    checksum: tuple[str, str] | None = None
 
     def write(self, sink: Sink) -> tuple[str, str]:
         array = self.array
         if array.nbytes < SMALL_PAYLOAD and payload_mod.is_stored_form(array):
             data = payload_mod.encode_payload(array)  # a view: one hash, one buffered write
             sink.write(data)
-            return payload_mod.checksum(data)
-        hasher = payload_mod.new_hasher()
+            return self.checksum or payload_mod.checksum(data)
+        hasher = None if self.checksum else payload_mod.new_hasher()
         for chunk in payload_mod.iter_payload_chunks(array):
-            hasher.update(chunk)
+            if hasher is not None:
+                hasher.update(chunk)
             sink.write(chunk)
-        return payload_mod.hasher_checksum(hasher)
+        return self.checksum or payload_mod.hasher_checksum(hasher)
+
+
+class BytesSource(NamedTuple):
+    """A small payload already in stored form, with its checksum: one buffered write.
+
+    (A named tuple: one is made per small leaf of every save, and a tuple is
+    several times cheaper to make than a frozen dataclass.)
+    """
+
+    data: np.ndarray  # flat uint8
+    checksum: tuple[str, str]
+
+    def write(self, sink: Sink) -> tuple[str, str]:
+        sink.write(self.data)
+        return self.checksum
+
+
+def array_source(array: np.ndarray) -> tuple[ArraySource | BytesSource, tuple[str, str]]:
+    """The source of a host array's payload, and the checksum its entry can carry from the start.
+
+    A small array in stored form is hashed now, so its entry is written with
+    its real checksum and nothing is patched or rebuilt after the payloads
+    stream; a larger one (hashed while it streams, in one pass over its
+    memory) gets the fixed-width placeholder.
+
+    >>> source, checksum = array_source(np.zeros(4, np.float32))
+    >>> checksum == source.checksum != payload_mod.CHECKSUM_PLACEHOLDER
+    True
+    """
+    if array.nbytes < SMALL_PAYLOAD and payload_mod.is_stored_form(array):
+        data = payload_mod.encode_payload(array)
+        known = payload_mod.checksum(data)
+        return BytesSource(data, known), known
+    return ArraySource(array), payload_mod.CHECKSUM_PLACEHOLDER
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,7 +262,7 @@ class ReaderSource:
 
 
 def with_placeholders(header: Header) -> Header:
-    """``header`` with a fixed-width placeholder checksum on every entry that has none."""
+    """`header` with a fixed-width placeholder checksum on every entry that has none."""
     return dataclasses.replace(header, tensors=tuple(
         e if e.checksum is not None else _evolve(e, checksum=payload_mod.CHECKSUM_PLACEHOLDER)
         for e in header.tensors))
@@ -230,9 +271,9 @@ def with_placeholders(header: Header) -> Header:
 def write_checkpoint(target: str | os.PathLike, header: Header,
                      sources: Sequence[PayloadSource], *, durable: bool = True,
                      on_payload: Callable[[Entry], None] | None = None) -> Header:
-    """Write ``header`` (already laid out) and the payloads, then publish atomically.
+    """Write `header` (already laid out) and the payloads, then publish atomically.
 
-    ``sources[i]`` streams the payload of ``header.tensors[i]``; entries
+    `sources[i]` streams the payload of `header.tensors[i]`; entries
     without a checksum get the one computed while streaming (entries with one,
     kept from another file, keep theirs). Returns the header as written. On any failure the staging
     file is removed and the target is left as it was.
@@ -265,7 +306,7 @@ def write_checkpoint(target: str | os.PathLike, header: Header,
                     on_payload(entry)
             sink.flush()
             final = dataclasses.replace(header, tensors=tuple(
-                _evolve(e, checksum=s) for e, s in zip(header.tensors, sums)))
+                e if e.checksum == s else _evolve(e, checksum=s) for e, s in zip(header.tensors, sums)))
             patched = bytearray(raw)
             for e, slot, value in zip(draft.tensors, slots, sums):
                 digits = value[1].encode('ascii') if value is not None else b''
@@ -283,25 +324,30 @@ def write_checkpoint(target: str | os.PathLike, header: Header,
 
 
 #: The payload sources a streamed upload takes (`stream_arrays`): host arrays and sharded payloads.
-STREAMED = (ArraySource, ShardedSource)
+STREAMED = (ArraySource, BytesSource, ShardedSource)
+Streamed = ArraySource | BytesSource | ShardedSource
 
 
-def _chunks(source: ArraySource | ShardedSource):
+def _chunks(source: Streamed):
     """A streamed source's stored bytes, in chunks (a sharded payload is assembled on the host)."""
     if type(source) is ShardedSource:
         return [source.assemble()]
+    if type(source) is BytesSource:
+        return [source.data]
     return payload_mod.iter_payload_chunks(source.array)
 
 
-def array_checksum(source: ArraySource | ShardedSource) -> tuple[str, str]:
-    """The payload checksum of a streamed source, computed without writing it anywhere."""
+def array_checksum(source: Streamed) -> tuple[str, str]:
+    """The payload checksum of a streamed source (its own when known), without writing it anywhere."""
+    if getattr(source, 'checksum', None) is not None:
+        return source.checksum
     hasher = payload_mod.new_hasher()
     for chunk in _chunks(source):
         hasher.update(chunk)
     return payload_mod.hasher_checksum(hasher)
 
 
-def stream_arrays(backend: Any, target: str, header: Header, sources: Sequence[ArraySource | ShardedSource],
+def stream_arrays(backend: Any, target: str, header: Header, sources: Sequence[Streamed],
                   on_payload: Callable[[Entry], None] | None = None) -> Header:
     """Host arrays to a backend that streams uploads (an object store), with no spool file.
 

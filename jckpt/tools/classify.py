@@ -1,10 +1,10 @@
-"""What a path holds: ``classify(path)`` says which kind of checkpoint is there, if any.
+"""What a path holds: `classify(path)` says which kind of checkpoint is there, if any.
 
 Every tool starts from the same question (a jckpt file? a multi-process
 directory? a manager's directory of steps? a file in another format?), and
 asks it here, so they all answer it alike and name the same error when the
 answer is "no checkpoint". Nothing but a regular file is ever opened: a FIFO
-or a device is refused from its ``stat``, so classifying never blocks.
+or a device is refused from its `stat`, so classifying never blocks.
 
 >>> import numpy as np, tempfile, os
 >>> d = tempfile.mkdtemp()
@@ -37,34 +37,34 @@ from jckpt.storage.reader import CheckpointReader
 
 #: A checkpoint file (jckpt or OCANNL); its header may still be damaged: reading it says how.
 FILE = 'file'
-#: A multi-process checkpoint: a directory with an index (``index.jckpt``) and piece files.
+#: A multi-process checkpoint: a directory with an index (`index.jckpt`) and piece files.
 DIRECTORY = 'directory'
-#: A checkpoint manager's directory: ``step_NNNNNNNN.jckpt`` steps (files or directories).
+#: A checkpoint manager's directory: `step_NNNNNNNN.jckpt` steps (files or directories).
 MANAGER = 'manager'
-#: A file in another format a format adapter recognises (``Kind.detail`` names it).
+#: A file in another format a format adapter recognises (`Kind.detail` names it).
 FOREIGN = 'foreign'
 #: Nothing at the path (a dangling symbolic link included).
 MISSING = 'missing'
-#: Something that holds no checkpoint (``Kind.detail`` says what: one of the three below).
+#: Something that holds no checkpoint (`Kind.detail` says what: one of the three below).
 UNKNOWN = 'unknown'
 
 #: An UNKNOWN directory of piece files without an index: a save that did not finish.
 UNFINISHED = 'unfinished save'
 #: An UNKNOWN directory holding no checkpoint at all.
 NO_CHECKPOINT = 'no checkpoint'
-#: An UNKNOWN regular file that no reader accepts (``Kind.error`` is the reader's).
+#: An UNKNOWN regular file that no reader accepts (`Kind.error` is the reader's).
 UNREADABLE = 'unreadable file'
 
 @dataclasses.dataclass(frozen=True)
 class Kind:
-    """What :func:`classify` found at ``path``.
+    """What `classify` found at `path`.
 
     Attributes:
-      name: :data:`FILE`, :data:`DIRECTORY`, :data:`MANAGER`, :data:`FOREIGN`,
-        :data:`MISSING` or :data:`UNKNOWN`.
+      name: `FILE`, `DIRECTORY`, `MANAGER`, `FOREIGN`,
+        `MISSING` or `UNKNOWN`.
       path: the path classified.
-      detail: for FOREIGN the format's name (``'safetensors'``); for UNKNOWN
-        :data:`UNFINISHED`, :data:`NO_CHECKPOINT` or :data:`UNREADABLE`.
+      detail: for FOREIGN the format's name (`'safetensors'`); for UNKNOWN
+        `UNFINISHED`, `NO_CHECKPOINT` or `UNREADABLE`.
       error: for the kinds that hold no checkpoint (FOREIGN, MISSING, UNKNOWN),
         the error that says so, naming the path and what to do; else None.
     """
@@ -81,25 +81,26 @@ class Kind:
 
 
 def classify(path: str | os.PathLike) -> Kind:
-    """What ``path`` holds, from its ``stat``, its listing or its first bytes.
+    """What `path` holds, from its `stat`, its listing or its first bytes.
 
     A directory with an index is a multi-process checkpoint (even if it also
-    holds steps); one with ``step_NNNNNNNN.jckpt`` entries is a manager's
+    holds steps); one with `step_NNNNNNNN.jckpt` entries is a manager's
     directory. A regular file is a jckpt file when it starts like one,
     else a foreign file when a format adapter recognises it, else a jckpt
     file when its header still reads (OCANNL writes headers in other forms),
-    else unknown. Raises :class:`~jckpt.errors.FormatError` for a path that
+    else unknown. Raises `FormatError` for a path that
     is neither a regular file nor a directory (a FIFO, a device, a socket),
-    without opening it, :class:`~jckpt.errors.StorageError` when the
-    path cannot be read, and :class:`~jckpt.errors.InputError` for a URL no
+    without opening it, `StorageError` when the
+    path cannot be read, and `InputError` for a URL no
     storage backend serves (every tool asks here first, so every tool
     refuses one alike).
 
-    Example::
-
+    Example:
+        ```python
         kind = classify("ckpt.jckpt")
         if kind.error is not None:
             raise kind.error
+        ```
     """
     path = checked_path(path)
     backend = backend_for(path)  # a URL no backend serves: an InputError, not a "missing" file

@@ -1,26 +1,26 @@
-"""The ``jckpt`` command: inspect, verify, diff, convert and merge checkpoints.
+"""The `jckpt` command: inspect, verify, diff, convert and merge checkpoints.
 
-::
+```text
+jckpt inspect model.jckpt             # entries, sizes, offsets, metadata
+jckpt inspect model.jckpt --json      # the same, for scripts
+jckpt verify model.jckpt              # layout and every checksum; exit 1 if damaged
+jckpt diff a.jckpt b.jckpt --atol 1e-6
+jckpt convert old.jckpt new.jckpt --alignment 4096
+jckpt convert model.safetensors model.jckpt
+jckpt merge both.jckpt teacher.jckpt student.jckpt --prefix teacher --prefix student
+```
 
-    jckpt inspect model.jckpt             # entries, sizes, offsets, metadata
-    jckpt inspect model.jckpt --json      # the same, for scripts
-    jckpt verify model.jckpt              # layout and every checksum; exit 1 if damaged
-    jckpt diff a.jckpt b.jckpt --atol 1e-6
-    jckpt convert old.jckpt new.jckpt --alignment 4096
-    jckpt convert model.safetensors model.jckpt
-    jckpt merge both.jckpt teacher.jckpt student.jckpt --prefix teacher --prefix student
-
-Exit status: 0 when the command succeeded (and, for ``verify`` and
-``diff``, the file is sound / the checkpoints match), 1 when ``verify``
-found damage or ``diff`` found differences, 2 for a usage error, a file
-that cannot be read, or a URL (``s3://...``: checkpoints are stored on local
+Exit status: 0 when the command succeeded (and, for `verify` and
+`diff`, the file is sound / the checkpoints match), 1 when `verify`
+found damage or `diff` found differences, 2 for a usage error, a file
+that cannot be read, or a URL (`s3://...`: checkpoints are stored on local
 filesystems only, and nothing is created for one). An error prints one line
-naming the file and what to do; ``--debug`` shows the traceback too.
+naming the file and what to do; `--debug` shows the traceback too.
 
-``inspect``, ``verify`` and ``diff`` read headers and payloads with the
+`inspect`, `verify` and `diff` read headers and payloads with the
 codec alone and never import JAX, so they start in a fraction of a second.
-The library itself prints nothing: this module configures the ``jckpt``
-logger to write to stderr (``-v`` for more).
+The library itself prints nothing: this module configures the `jckpt`
+logger to write to stderr (`-v` for more).
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _consolidate(args: argparse.Namespace) -> int:
-    """``convert`` of a multi-process directory into one jckpt file."""
+    """`convert` of a multi-process directory into one jckpt file."""
     with bar(f"consolidating {os.path.basename(args.src)}", 0, enabled=_progress(args)):
         header = consolidate(args.src, args.dst, alignment=args.alignment,
                              verify=not args.no_verify)
@@ -140,7 +140,7 @@ def _consolidate(args: argparse.Namespace) -> int:
 
 
 def _relayout(args: argparse.Namespace) -> int:
-    """``convert`` of a jckpt file into another: payloads copied, laid out anew."""
+    """`convert` of a jckpt file into another: payloads copied, laid out anew."""
     header = relayout(args.src, args.dst, alignment=args.alignment, overwrite=True,
                       verify=not args.no_verify, progress=_progress(args))
     _print(f"wrote {args.dst}: {len(header.tensors)} entries, alignment {header.alignment}")
@@ -198,7 +198,7 @@ def _common(defaults: bool) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``jckpt`` argument parser."""
+    """The `jckpt` argument parser."""
     common = _common(defaults=False)
     parser = argparse.ArgumentParser(
         prog='jckpt', parents=[_common(defaults=True)],
@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_inspect(sub: Any, common: argparse.ArgumentParser) -> None:
-    """Add the ``inspect`` subcommand to ``sub`` (``common``: the options every one takes)."""
+    """Add the `inspect` subcommand to `sub` (`common`: the options every one takes)."""
     p = sub.add_parser('inspect', parents=[common], help='list what a checkpoint holds',
                        description='A table of namespaces, paths, dtypes, shapes, sizes, '
                                    'offsets and whether each payload can be memory-mapped; '
@@ -230,7 +230,7 @@ def _add_inspect(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _add_verify(sub: Any, common: argparse.ArgumentParser) -> None:
-    """Add the ``verify`` subcommand to ``sub`` (``common``: the options every one takes)."""
+    """Add the `verify` subcommand to `sub` (`common`: the options every one takes)."""
     p = sub.add_parser('verify', parents=[common], help='check layout and every checksum',
                        description='Check the layout and recompute every payload checksum. '
                                    'Exit status 0 only if all hold; each bad entry is named.')
@@ -242,7 +242,7 @@ def _add_verify(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _add_diff(sub: Any, common: argparse.ArgumentParser) -> None:
-    """Add the ``diff`` subcommand to ``sub`` (``common``: the options every one takes)."""
+    """Add the `diff` subcommand to `sub` (`common`: the options every one takes)."""
     p = sub.add_parser('diff', parents=[common], help='compare two checkpoints',
                        description='Entries only in A, only in B, and for shared entries '
                                    'dtype/shape changes and the largest absolute and relative '
@@ -260,7 +260,7 @@ def _add_diff(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _add_convert(sub: Any, common: argparse.ArgumentParser) -> None:
-    """Add the ``convert`` subcommand to ``sub`` (``common``: the options every one takes)."""
+    """Add the `convert` subcommand to `sub` (`common`: the options every one takes)."""
     p = sub.add_parser('convert', parents=[common], help='convert or rewrite a checkpoint',
                        description='Convert SRC (any format jckpt reads, detected from its '
                                    'content) into DST. jckpt to jckpt copies payloads verbatim '
@@ -281,7 +281,7 @@ def _add_convert(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _add_merge(sub: Any, common: argparse.ArgumentParser) -> None:
-    """Add the ``merge`` subcommand to ``sub`` (``common``: the options every one takes)."""
+    """Add the `merge` subcommand to `sub` (`common`: the options every one takes)."""
     p = sub.add_parser('merge', parents=[common], help='combine checkpoints into one file',
                        description='Model surgery: write OUT holding the entries of every IN, '
                                    'payloads copied verbatim. --prefix NAME (once per input, in '
@@ -320,11 +320,12 @@ def _error(message: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``jckpt`` command line; return its exit status.
+    """Run the `jckpt` command line; return its exit status.
 
-    Example::
-
+    Example:
+        ```text
         python -m jckpt verify model.jckpt && echo sound
+        ```
     """
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -44,10 +44,10 @@ class StepInfo:
     """One step of a checkpoint manager directory.
 
     Attributes:
-      step: the step number (from the name ``step_00000100.jckpt``).
+      step: the step number (from the name `step_00000100.jckpt`).
       path: the step's file (or directory, for a multi-process save).
-      kind: ``'file'``, ``'directory'`` (multi-process) or ``'model'`` (a step
-        directory with the model in another format, :mod:`jckpt.services.formats`).
+      kind: `'file'`, `'directory'` (multi-process) or `'model'` (a step
+        directory with the model in another format, `jckpt.services.formats`).
       size: bytes on disk (all files, for a directory).
       entries, payload_bytes: from the step's header (None when unknown).
       metrics: the metrics saved with the step.
@@ -75,9 +75,9 @@ class StepInfo:
 class ManagerInfo:
     """The summary of a checkpoint manager directory: a table of its steps.
 
-    ``best`` ranks the readable steps by ``best_metric`` (``best_mode``
-    ``'min'`` or ``'max'``; ties go to the later step, as the manager ranks
-    them); ``latest`` is the highest readable step.
+    `best` ranks the readable steps by `best_metric` (`best_mode`
+    `'min'` or `'max'`; ties go to the later step, as the manager ranks
+    them); `latest` is the highest readable step.
     """
 
     path: str
@@ -148,7 +148,7 @@ class ManagerInfo:
         return f"lineage{'s' if len(lineages) > 1 else ''}: {', '.join(lineages)}"
 
     def render(self, limit: int | None = None, width: int | None = VALUE_WIDTH) -> str:
-        """The text view: summary, lineage, and one row per step (the last ``limit``)."""
+        """The text view: summary, lineage, and one row per step (the last `limit`)."""
         headers, rows, right = self._rows()
         shown = rows if limit is None else rows[-limit:]
         parts = [f"{self.path}: {self._description()}"]
@@ -177,7 +177,7 @@ class ManagerInfo:
 
 
 def step_info(step: int, path: str) -> StepInfo:
-    """The :class:`StepInfo` of one manager step (never raises for a damaged step)."""
+    """The `StepInfo` of one manager step (never raises for a damaged step)."""
     if step_directory.is_published(path, TRAINER_STATE_NAME):
         return _model_step_info(step, path)
     kind = 'directory' if os.path.isdir(path) else 'file'
@@ -196,7 +196,7 @@ def step_info(step: int, path: str) -> StepInfo:
 
 
 def _model_step_info(step: int, path: str) -> StepInfo:
-    """A step directory's :class:`StepInfo`, from its ``trainer_state.json`` (never raises)."""
+    """A step directory's `StepInfo`, from its `trainer_state.json` (never raises)."""
     size = tree_size(path)
     try:
         record = json_loads(step_directory.read_text(os.path.join(path, TRAINER_STATE_NAME)))
@@ -212,9 +212,9 @@ def _model_step_info(step: int, path: str) -> StepInfo:
 
 def manager_info(path: str | os.PathLike, *, best_metric: str | None = None,
                  best_mode: str = 'min') -> ManagerInfo:
-    """The :class:`ManagerInfo` of a checkpoint manager directory (headers only).
+    """The `ManagerInfo` of a checkpoint manager directory (headers only).
 
-    ``best_metric`` defaults to ``loss`` when the steps record it, else to the
+    `best_metric` defaults to `loss` when the steps record it, else to the
     first metric name in sorted order.
     """
     path = os.fspath(path)

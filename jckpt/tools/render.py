@@ -1,7 +1,7 @@
 """Text and HTML for people: sizes, shapes, plurals, aligned tables, metadata rows.
 
-Pure functions over plain values, shared by the summaries (``jckpt.info``),
-the reports of ``verify`` and ``diff``, and the command line. Nothing here
+Pure functions over plain values, shared by the summaries (`jckpt.info`),
+the reports of `verify` and `diff`, and the command line. Nothing here
 reads a file.
 
 >>> human_bytes(1536), format_shape((3,)), plural(2, 'entry')
@@ -34,7 +34,7 @@ _UNPRINTABLE = re.compile('[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2066-\
 
 
 def printable(text: str, keep: str = '') -> str:
-    r"""``text`` with every control character (but those in ``keep``) spelled as an escape, so
+    r"""`text` with every control character (but those in `keep`) spelled as an escape, so
     that names read from a file cannot move the cursor, recolour or rewrite a terminal.
 
     >>> printable('w\x1b[2Jx'), printable('a\nb'), printable('a\nb', keep='\n')
@@ -45,7 +45,7 @@ def printable(text: str, keep: str = '') -> str:
 
 
 def human_bytes(n: int) -> str:
-    """``1536`` -> ``'1.5 KiB'``: sizes for people (JSON keeps exact byte counts)."""
+    """`1536` -> `'1.5 KiB'`: sizes for people (JSON keeps exact byte counts)."""
     value = float(n)
     for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
         if value < 1024 or unit == 'TiB':
@@ -55,18 +55,18 @@ def human_bytes(n: int) -> str:
 
 
 def format_shape(shape: Sequence[int]) -> str:
-    """``(784, 512)`` -> ``'(784, 512)'``, ``()`` -> ``'()'``, ``(3,)`` -> ``'(3,)'``."""
+    """`(784, 512)` -> `'(784, 512)'`, `()` -> `'()'`, `(3,)` -> `'(3,)'`."""
     return repr(tuple(shape))
 
 
 def shorten(text: str, width: int | None = VALUE_WIDTH) -> str:
-    """``text`` on one line, cut to ``width`` characters with an ellipsis (None: never cut)."""
+    """`text` on one line, cut to `width` characters with an ellipsis (None: never cut)."""
     text = printable(text.replace('\n', ' '))
     return text if width is None or len(text) <= width else text[:width - 3] + '...'
 
 
 def plural(n: int, word: str) -> str:
-    """``plural(1, 'entry')`` -> ``'1 entry'``; ``plural(2, 'entry')`` -> ``'2 entries'``."""
+    """`plural(1, 'entry')` -> `'1 entry'`; `plural(2, 'entry')` -> `'2 entries'`."""
     if n == 1:
         return f"{n} {word}"
     if word.endswith('y') and word[-2:-1] not in ('a', 'e', 'i', 'o', 'u'):
@@ -76,7 +76,7 @@ def plural(n: int, word: str) -> str:
 
 def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
                right: Sequence[int] = ()) -> str:
-    """Rows as aligned plain-text columns (``right``: indices of right-aligned columns).
+    """Rows as aligned plain-text columns (`right`: indices of right-aligned columns).
 
     >>> print(text_table(['a', 'size'], [['x', 1], ['yy', 22]], right=[1]))
     a   size
@@ -106,7 +106,7 @@ def html_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
 
 def metadata_rows(writer: str | None,
                   metadata: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
-    """``(label, value)`` pairs to show: writer, the known keys by name, then user metadata."""
+    """`(label, value)` pairs to show: writer, the known keys by name, then user metadata."""
     rows = [('writer', writer if writer is not None else '(not recorded)')]
     meta = dict(metadata)
     rows += [(label, pretty_value(meta[key])) for key, label in KNOWN_KEYS.items() if key in meta]

@@ -1,14 +1,14 @@
 """Rewriting checkpoint files without decoding them: re-laying out and merging.
 
 Both operations build a new header and copy every payload verbatim from its
-source file (``copy_file_range`` where the OS has it), keeping each entry's
+source file (`copy_file_range` where the OS has it), keeping each entry's
 checksum; nothing is decoded or converted, so no value can change. The new
 file is published atomically, like every save.
 
-* :func:`relayout` rewrites one file with a new alignment (and the canonical
+* `relayout` rewrites one file with a new alignment (and the canonical
   layout: zero-filled gaps, nothing after the last payload).
-* :func:`merge` is model surgery: it combines several files into one,
-  optionally renaming each input's namespaces ``ns -> prefix + "__" + ns``,
+* `merge` is model surgery: it combines several files into one,
+  optionally renaming each input's namespaces `ns -> prefix + "__" + ns`,
   e.g. a teacher and a student model into one file.
 
 >>> import numpy as np, tempfile, os
@@ -57,7 +57,7 @@ def _check_sources(reader: CheckpointReader) -> None:
 
 def _copy_out(target: str, header: Header, copies: Sequence[tuple[CheckpointReader, Entry]],
               *, durable: bool, progress: bool, what: str) -> Header:
-    """Write ``header`` to ``target``, payload ``i`` copied from ``copies[i]``."""
+    """Write `header` to `target`, payload `i` copied from `copies[i]`."""
     with contextlib.ExitStack() as stack:
         fds: dict[str, int] = {}
         sources = []
@@ -79,7 +79,7 @@ def _copy_out(target: str, header: Header, copies: Sequence[tuple[CheckpointRead
 
 
 def _exists(path: str) -> bool:
-    """Whether a file (or, for a URL, an object) is at ``path``."""
+    """Whether a file (or, for a URL, an object) is at `path`."""
     backend = backend_for(path)
     return os.path.lexists(path) if backend is LOCAL else backend.exists(path)
 
@@ -93,17 +93,18 @@ def _refuse_existing(target: str, what: str) -> None:
 def relayout(src: str | os.PathLike, dst: str | os.PathLike, *, alignment: int | None = None,
              overwrite: bool = False, verify: bool = True, durable: bool = True,
              progress: bool = False) -> Header:
-    """Rewrite ``src`` to ``dst`` with payloads laid out at ``alignment`` (default: ``src``'s).
+    """Rewrite `src` to `dst` with payloads laid out at `alignment` (default: `src`'s).
 
     Entries, ids, metadata and checksums are kept; payloads are copied
-    verbatim. ``dst`` may be ``src`` itself (rewritten atomically in place);
-    another existing ``dst`` is refused unless ``overwrite``. With ``verify``
+    verbatim. `dst` may be `src` itself (rewritten atomically in place);
+    another existing `dst` is refused unless `overwrite`. With `verify`
     (the default) every source checksum is checked first, so a corrupt payload
     is never copied. Returns the header written.
 
-    Example::
-
+    Example:
+        ```python
         jckpt.tools.rewrite.relayout("ocannl_model.ckpt", "model.jckpt", alignment=4096)
+        ```
     """
     src, dst = os.fspath(src), os.fspath(dst)
     backend_for(dst)  # a URL no backend serves is refused before the source is read
@@ -128,27 +129,28 @@ def merge(out: str | os.PathLike, inputs: Sequence[str | os.PathLike],
           prefixes: Sequence[str | None] | None = None, *, alignment: int | None = None,
           append: bool = False, overwrite: bool = False, verify: bool = True,
           durable: bool = True, progress: bool = False) -> Header:
-    """Combine the entries of ``inputs`` into one file ``out``, payloads copied verbatim.
+    """Combine the entries of `inputs` into one file `out`, payloads copied verbatim.
 
-    ``prefixes[i]`` (when given and not empty) renames every namespace ``ns``
-    of ``inputs[i]`` to ``prefixes[i] + "__" + ns``, as
-    ``jckpt.load(..., prefix_namespace=...)`` does, so two models with the
-    same namespace can sit side by side. An entry whose ``(namespace, path)``
+    `prefixes[i]` (when given and not empty) renames every namespace `ns`
+    of `inputs[i]` to `prefixes[i] + "__" + ns`, as
+    `jckpt.load(..., prefix_namespace=...)` does, so two models with the
+    same namespace can sit side by side. An entry whose `(namespace, path)`
     is already taken is refused (naming both files); an id already used in
     its namespace is renumbered above that namespace's largest id. Metadata
     is combined with the first file's values winning. Payloads are laid out
-    at ``alignment`` (default 32, the writer's default).
+    at `alignment` (default 32, the writer's default).
 
-    With ``append``, the entries of an existing ``out`` are kept and come
-    first; without it an existing ``out`` is refused unless ``overwrite``.
-    With ``verify`` (the default) every input checksum is checked first.
+    With `append`, the entries of an existing `out` are kept and come
+    first; without it an existing `out` is refused unless `overwrite`.
+    With `verify` (the default) every input checksum is checked first.
     Returns the header written.
 
-    Example::
-
+    Example:
+        ```python
         jckpt.tools.rewrite.merge("both.jckpt", ["teacher.jckpt", "student.jckpt"],
                             prefixes=["teacher", "student"])
         # namespaces teacher__jckpt and student__jckpt
+        ```
     """
     out = os.fspath(out)
     inputs = [os.fspath(p) for p in inputs]
@@ -193,7 +195,7 @@ def _merge_prefixes(out: str, inputs: Sequence[str], prefixes: Sequence[str | No
 
 def _merge_sources(out: str, inputs: Sequence[str], prefixes: Sequence[str | None], *,
                    append: bool, overwrite: bool) -> list[_Source]:
-    """The files to merge, in order: ``out`` itself first when appending to it."""
+    """The files to merge, in order: `out` itself first when appending to it."""
     from jckpt.trees.pytree import prefix_namespace  # as above: JAX
 
     sources: list[_Source] = []
@@ -218,7 +220,7 @@ def _merged_metadata(sources: Sequence[_Source]) -> tuple[tuple[str, str], ...]:
 
 
 def _id_plan(sources: Sequence[_Source]) -> tuple[dict[str, set[int]], dict[str, int]]:
-    """``(fixed, ceiling)`` per namespace: the ids path-less entries keep, and the largest id.
+    """`(fixed, ceiling)` per namespace: the ids path-less entries keep, and the largest id.
 
     A path-less (OCANNL) entry is named by its id, so it keeps it; an entry with a path
     whose id is taken in its namespace gets a fresh one above every id of the inputs.
@@ -237,7 +239,7 @@ def _merged_entries(sources: Sequence[_Source]) -> tuple[list[Entry],
                                                           list[tuple[CheckpointReader, Entry]]]:
     """The merged entries (ids renumbered where taken), and where each payload comes from.
 
-    Raises :class:`~jckpt.errors.ClashError` for an entry two inputs both hold.
+    Raises `ClashError` for an entry two inputs both hold.
     """
     fixed, ceiling = _id_plan(sources)
     owners: dict[tuple, str] = {}

@@ -1,10 +1,10 @@
 """Header summaries of a checkpoint file and of a multi-process (directory) checkpoint.
 
 A summary is read from the header alone (no payload is touched, no JAX is
-imported), so it is instant even for very large files. Its ``repr`` is a
-readable table, and in Jupyter it renders as an HTML table; ``to_dict()``
-gives the same content as plain JSON-ready data (what ``jckpt inspect
---json`` prints). :func:`jckpt.info` picks the summary that fits a path.
+imported), so it is instant even for very large files. Its `repr` is a
+readable table, and in Jupyter it renders as an HTML table; `to_dict()`
+gives the same content as plain JSON-ready data (what `jckpt inspect
+--json` prints). `jckpt.info` picks the summary that fits a path.
 
 >>> import numpy as np, tempfile, os
 >>> from jckpt.format import Entry, Header, lay_out
@@ -49,19 +49,19 @@ from jckpt.tools.render import (
 
 @dataclasses.dataclass(frozen=True)
 class EntryInfo:
-    """One stored array, as ``jckpt inspect`` lists it.
+    """One stored array, as `jckpt inspect` lists it.
 
     Attributes:
-      namespace, path: the entry's identity (``path`` as ``a/b/0``; ``n<id>``
+      namespace, path: the entry's identity (`path` as `a/b/0`; `n<id>`
         for path-less OCANNL entries).
       id: the entry's id within its namespace.
-      prec: the stored element type's name in the header (``Single_prec``).
-      dtype: the numpy name of the loaded dtype (``float32``; ``void`` for ``Void_prec``).
+      prec: the stored element type's name in the header (`Single_prec`).
+      dtype: the numpy name of the loaded dtype (`float32`; `void` for `Void_prec`).
       shape: the shape of the loaded array.
       nbytes: payload bytes stored in the file.
       offset: payload offset relative to the data start.
       mappable: whether loading can map the payload instead of copying it.
-      checksum: ``'algorithm:hex'``, or None when the writer stored none.
+      checksum: `'algorithm:hex'`, or None when the writer stored none.
       padded: whether the entry is OCANNL-padded (only its interior is stored).
       key_impl: the PRNG key implementation for typed-key leaves.
       slice, global_dims: for a piece of a sharded array, which part it is.
@@ -84,12 +84,12 @@ class EntryInfo:
 
     @property
     def name(self) -> str:
-        """``namespace/path``, the name errors and ``jckpt diff`` use."""
+        """`namespace/path`, the name errors and `jckpt diff` use."""
         return f"{self.namespace}/{self.path}"
 
     @classmethod
     def from_entry(cls, entry: Entry, data_start: int) -> EntryInfo:
-        """Summarize a header :class:`~jckpt.format.Entry` of a file whose data starts there."""
+        """Summarize a header `Entry` of a file whose data starts there."""
         dtype = 'void' if entry.prec == precs.VOID else str(entry.dtype.name)
         return cls(namespace=entry.namespace,
                    path=path_name(entry.path) if entry.path is not None else f"n{entry.id}",
@@ -125,7 +125,7 @@ def _entry_row(e: EntryInfo) -> list[str]:
 
 
 class _Totals:
-    """Totals shared by a file's and a directory checkpoint's summaries (over ``entries``)."""
+    """Totals shared by a file's and a directory checkpoint's summaries (over `entries`)."""
 
     if TYPE_CHECKING:  # a field of FileInfo, a property of DirectoryInfo
         @property
@@ -138,7 +138,7 @@ class _Totals:
 
     @property
     def namespaces(self) -> dict[str, int]:
-        """``{namespace: number of entries}``, in first-appearance order."""
+        """`{namespace: number of entries}`, in first-appearance order."""
         out: dict[str, int] = {}
         for e in self.entries:
             out[e.namespace] = out.get(e.namespace, 0) + 1
@@ -149,17 +149,17 @@ class _Totals:
 class FileInfo(_Totals):
     """The summary of one checkpoint file: its entries, totals and header metadata.
 
-    ``repr`` prints a table (the first :data:`REPR_ROWS` entries); in Jupyter
-    it renders as HTML; :meth:`render` gives the full text and
-    :meth:`to_dict` the JSON form.
+    `repr` prints a table (the first `REPR_ROWS` entries); in Jupyter
+    it renders as HTML; `render` gives the full text and
+    `to_dict` the JSON form.
 
     Attributes:
       path: the file.
       size: the file's size in bytes.
       data_start: where the payloads start (4 + header length).
       version, alignment, writer: from the header.
-      metadata: the header's ``(key, value)`` string pairs, in order.
-      entries: one :class:`EntryInfo` per stored array, in payload order.
+      metadata: the header's `(key, value)` string pairs, in order.
+      entries: one `EntryInfo` per stored array, in payload order.
     """
 
     path: str
@@ -179,7 +179,7 @@ class FileInfo(_Totals):
         return sum(e.mappable for e in self.entries)
 
     def entry(self, name: str) -> EntryInfo:
-        """The entry called ``namespace/path`` (KeyError if none)."""
+        """The entry called `namespace/path` (KeyError if none)."""
         for e in self.entries:
             if e.name == name:
                 return e
@@ -204,8 +204,8 @@ class FileInfo(_Totals):
     def render(self, limit: int | None = None, width: int | None = VALUE_WIDTH) -> str:
         """The text view: summary, metadata, the entries' table, totals.
 
-        ``limit`` caps the number of table rows and ``width`` the length of
-        metadata values (``None``: no cap).
+        `limit` caps the number of table rows and `width` the length of
+        metadata values (`None`: no cap).
         """
         shown = self.entries if limit is None else self.entries[:limit]
         rows = [_entry_row(e) for e in shown]
@@ -247,8 +247,8 @@ class FileInfo(_Totals):
 
 
 def known_metadata(meta: dict[str, str]) -> dict[str, Any]:
-    """The mirror's and manager's metadata decoded for scripts: ``step``, ``metrics``,
-    ``trainer_state`` (parsed JSON), ``lineage``, ``generation`` (only those present)."""
+    """The mirror's and manager's metadata decoded for scripts: `step`, `metrics`,
+    `trainer_state` (parsed JSON), `lineage`, `generation` (only those present)."""
     out: dict[str, Any] = {}
     for key, name in ((STEP_KEY, 'step'), (GENERATION_KEY, 'generation')):
         if key in meta:
@@ -268,7 +268,7 @@ def known_metadata(meta: dict[str, str]) -> dict[str, Any]:
 
 
 def file_info(path: str | os.PathLike) -> FileInfo:
-    """The :class:`FileInfo` of one checkpoint file (header only; payloads untouched)."""
+    """The `FileInfo` of one checkpoint file (header only; payloads untouched)."""
     reader = backend_for(path).open(os.fspath(path))
     h = reader.header
     return FileInfo(path=reader.path, size=reader.size, data_start=reader.data_start,
@@ -283,7 +283,7 @@ class ArrayInfo:
 
     Attributes:
       namespace, path, id, prec, dtype, shape, nbytes, key_impl: as for
-        :class:`EntryInfo`, for the whole (global) array.
+        `EntryInfo`, for the whole (global) array.
       pieces: how many stored pieces tile it.
       files: the piece files holding them.
       mappable: whether every piece can be mapped instead of copied.
@@ -313,7 +313,7 @@ class ArrayInfo:
 
 @dataclasses.dataclass(frozen=True)
 class PieceFileInfo:
-    """One piece file of a directory checkpoint (``process_00000.jckpt``)."""
+    """One piece file of a directory checkpoint (`process_00000.jckpt`)."""
 
     name: str
     size: int
@@ -341,8 +341,8 @@ class DirectoryInfo(_Totals):
       path: the directory.
       size: bytes of all its files.
       alignment, writer, metadata: from the index.
-      arrays: one :class:`ArrayInfo` per global array.
-      files: one :class:`PieceFileInfo` per piece file.
+      arrays: one `ArrayInfo` per global array.
+      files: one `PieceFileInfo` per piece file.
     """
 
     path: str
@@ -409,7 +409,7 @@ class DirectoryInfo(_Totals):
 
 
 def directory_info(path: str | os.PathLike) -> DirectoryInfo:
-    """The :class:`DirectoryInfo` of a multi-process checkpoint (headers only)."""
+    """The `DirectoryInfo` of a multi-process checkpoint (headers only)."""
     reader = DirectoryReader(path)
     files, mappable = _piece_files(reader)
     arrays = tuple(_array_info(reader, a, mappable) for a in reader.arrays.values())
@@ -423,7 +423,7 @@ def directory_info(path: str | os.PathLike) -> DirectoryInfo:
 
 def _piece_files(reader: DirectoryReader) -> tuple[list[PieceFileInfo], dict[tuple, bool]]:
     """Each piece file's summary, and whether each stored piece can be mapped, by
-    ``(file index, identity, slice)``."""
+    `(file index, identity, slice)`."""
     files = []
     mappable: dict[tuple[int, Any, Any], bool] = {}
     for fi, name in enumerate(reader.files):
@@ -436,7 +436,7 @@ def _piece_files(reader: DirectoryReader) -> tuple[list[PieceFileInfo], dict[tup
 
 
 def _array_info(reader: DirectoryReader, a: Any, mappable: dict[tuple, bool]) -> ArrayInfo:
-    """The :class:`ArrayInfo` of one global array (``a``: the reader's record of it)."""
+    """The `ArrayInfo` of one global array (`a`: the reader's record of it)."""
     e = a.entry
     return ArrayInfo(
         namespace=e.namespace,
@@ -449,7 +449,7 @@ def _array_info(reader: DirectoryReader, a: Any, mappable: dict[tuple, bool]) ->
 
 
 def tree_size(path: str) -> int:
-    """Bytes of every file under ``path`` (symbolic links counted as links)."""
+    """Bytes of every file under `path` (symbolic links counted as links)."""
     total = 0
     for root, _dirs, files in os.walk(path):
         for name in files:

@@ -1,12 +1,12 @@
 """Host <-> device: the only module that moves array data between numpy and JAX.
 
-Saving brings every leaf to host through :func:`host_leaves`, the one path
+Saving brings every leaf to host through `host_leaves`, the one path
 from a leaf to its host data (all transfers started with
-``copy_to_host_async`` before any is awaited; sharded arrays as their
+`copy_to_host_async` before any is awaited; sharded arrays as their
 distinct shards, never gathered). Restoring places each host array (usually
 a view of the mapped file) onto the target's sharding, building each
 device's shard from its own slice so a device reads only what it holds;
-:func:`place_all` batches the arrays bound for one device.
+`place_all` batches the arrays bound for one device.
 
 >>> host = host_leaves([('jckpt/w', np.arange(3.0))])[0]
 >>> host.dtype, host.shape, host.key_impl, host.private
@@ -27,6 +27,7 @@ import numpy as np
 
 from jckpt.errors import FormatError, InputError
 from jckpt.format import precs
+from jckpt.trees import packing
 from jckpt.trees import sharding as sharding_mod
 from jckpt.trees.sharding import Box
 
@@ -35,14 +36,17 @@ _warned_x64 = False
 
 
 _KEY_DTYPES: dict[Any, bool] = {}  # dtype -> is a typed PRNG key dtype (asked once per dtype)
-_CPU_SHARDINGS: dict[Any, bool] = {}  # sharding -> every device is a CPU
+_SHARDINGS: dict[Any, _Placement] = {}  # sharding -> what staging asks of it
+_STORABLE: set[np.dtype] = set()  # dtypes known to be storable
 
 
 def is_prng_key(x: Any) -> bool:
-    """Whether ``x`` is a typed JAX PRNG key array."""
-    if not isinstance(x, jax.Array):
-        return False
-    dtype = x.dtype
+    """Whether `x` is a typed JAX PRNG key array."""
+    return isinstance(x, jax.Array) and is_key_dtype(x.dtype)
+
+
+def is_key_dtype(dtype: Any) -> bool:
+    """Whether `dtype` is a typed PRNG key's (asked of JAX once per dtype)."""
     try:
         return _KEY_DTYPES[dtype]
     except KeyError:
@@ -52,28 +56,45 @@ def is_prng_key(x: Any) -> bool:
         return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
 
 
-def _on_cpu(leaf: jax.Array) -> bool:
-    """Whether ``leaf`` lives in host memory already (every device a CPU): no transfer to start."""
-    sharding = leaf.sharding
+class _Placement(NamedTuple):
+    """What staging needs to know of a sharding, asked once per sharding."""
+
+    on_cpu: bool  # every device a CPU: the data is in host memory already
+    several: bool  # spread over (or replicated on) more than one device
+    whole: bool  # fully addressable from this process
+
+
+def _facts(sharding: Any) -> _Placement:
     try:
-        return _CPU_SHARDINGS[sharding]
+        return _SHARDINGS[sharding]
     except KeyError:
-        on_cpu = _CPU_SHARDINGS[sharding] = all(d.platform == 'cpu' for d in sharding.device_set)
-        return on_cpu
+        facts = _SHARDINGS[sharding] = _ask(sharding)
+        return facts
     except TypeError:  # an unhashable sharding: ask every time
-        return all(d.platform == 'cpu' for d in sharding.device_set)
+        return _ask(sharding)
+
+
+def _ask(sharding: Any) -> _Placement:
+    devices = sharding.device_set
+    return _Placement(all(d.platform == 'cpu' for d in devices), len(devices) > 1,
+                      sharding.is_fully_addressable)
+
+
+def _on_cpu(leaf: jax.Array) -> bool:
+    """Whether `leaf` lives in host memory already (every device a CPU): no transfer to start."""
+    return _facts(leaf.sharding).on_cpu
 
 
 # --- leaf to host ---------------------------------------------------------------------
 
 def is_sharded(leaf: Any) -> bool:
-    """Whether ``leaf`` is a ``jax.Array`` spread over (or replicated on) several devices."""
-    return isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) > 1
+    """Whether `leaf` is a `jax.Array` spread over (or replicated on) several devices."""
+    return isinstance(leaf, jax.Array) and _facts(leaf.sharding).several
 
 
 @functools.lru_cache(maxsize=1024)
 def _owner_boxes(sharding: Any, shape: tuple[int, ...], process: int) -> dict[Any, Box]:
-    """``{device: box}`` for the devices of ``process`` that write a distinct shard.
+    """`{device: box}` for the devices of `process` that write a distinct shard.
 
     Each distinct box is owned by the first device holding it in the
     sharding's device order, the same in every process, so each replicated
@@ -86,7 +107,7 @@ def _owner_boxes(sharding: Any, shape: tuple[int, ...], process: int) -> dict[An
 
 
 def owned_shards(array: jax.Array) -> list[tuple[Box, jax.Array]]:
-    """``(box, single-device array)`` for each distinct shard this process must write."""
+    """`(box, single-device array)` for each distinct shard this process must write."""
     plan = _owner_boxes(array.sharding, tuple(array.shape), jax.process_index())
     out = []
     for shard in array.addressable_shards:
@@ -113,13 +134,13 @@ def await_host(data: Any) -> np.ndarray:
 class HostLeaf(NamedTuple):
     """One leaf on its way to host: what it stores, and its data, whole or in pieces.
 
-    ``dtype`` and ``shape`` are what is stored (a typed PRNG key's data, with
-    ``key_impl`` naming its implementation). ``array`` is the whole host
-    array; it is ``None`` when the leaf is held as ``shards`` instead, or when
-    it was only described (``fetch=False``). ``shards`` are ``(box,
-    single-device array)`` for each distinct shard this process writes, their
-    transfers started: read each with :func:`await_host` when it is written.
-    ``private``: ``array`` is a host buffer no one else holds (a device
+    `dtype` and `shape` are what is stored (a typed PRNG key's data, with
+    `key_impl` naming its implementation). `array` is the whole host
+    array; it is `None` when the leaf is held as `shards` instead, or when
+    it was only described (`fetch=False`). `shards` are `(box,
+    single-device array)` for each distinct shard this process writes, their
+    transfers started: read each with `await_host` when it is written.
+    `private`: `array` is a host buffer no one else holds (a device
     transfer's result, or a copy), so it stays valid whatever later happens
     to the tree it came from (a numpy leaf or a CPU array may alias memory the
     caller reuses).
@@ -141,24 +162,24 @@ class HostLeaf(NamedTuple):
 
 def host_leaves(leaves: Iterable[tuple[str, Any]], *, pieces: bool = False, spread: bool = False,
                 fetch: bool = True, copy: bool = False) -> list[HostLeaf]:
-    """Bring ``(where, leaf)`` pairs to host: every leaf checked and its transfer started, then the waits.
+    """Bring `(where, leaf)` pairs to host: every leaf checked and its transfer started, then the waits.
 
     The one path from a leaf to be stored to its host data. Typed PRNG keys
-    become their key data and ``key_impl``. Every leaf is checked (an array
+    become their key data and `key_impl`. Every leaf is checked (an array
     or a number, fully addressable, of a storable dtype; otherwise
-    :class:`~jckpt.errors.InputError` naming ``where``) and every transfer is
+    `InputError` naming `where`) and every transfer is
     started before the first is awaited, so they overlap. Arrays already in
     host memory (numpy, CPU devices) need no transfer.
 
     Args:
-      leaves: ``(where, leaf)``: ``where`` names the leaf in errors (``namespace/a/b``).
-      pieces: keep a multi-device array as its distinct shards (``HostLeaf.shards``,
-        read with :func:`await_host` when written) instead of gathering it whole.
-      spread: accept arrays spread over several processes (with ``pieces``): this
+      leaves: `(where, leaf)`: `where` names the leaf in errors (`namespace/a/b`).
+      pieces: keep a multi-device array as its distinct shards (`HostLeaf.shards`,
+        read with `await_host` when written) instead of gathering it whole.
+      spread: accept arrays spread over several processes (with `pieces`): this
         process's shards of them.
-      fetch: ``False`` to only check and describe the leaves this process holds
-        whole (another process writes them): no transfer, ``array`` None for each.
-      copy: make each ``array`` private (:attr:`HostLeaf.private`), copying only
+      fetch: `False` to only check and describe the leaves this process holds
+        whole (another process writes them): no transfer, `array` None for each.
+      copy: make each `array` private (`HostLeaf.private`), copying only
         what a transfer did not already copy: the snapshot a background writer needs.
 
     >>> [h.shape for h in host_leaves([('ns/w', np.ones((2, 3))), ('ns/n', 7)])]
@@ -186,45 +207,49 @@ def _stage(where: str, leaf: Any, *, pieces: bool, spread: bool, fetch: bool) ->
         # np.asarray made a new array of anything but an ndarray (which the caller may reuse)
         return HostLeaf(where, array.dtype, array.shape, key_impl, array,
                         private=not isinstance(leaf, np.ndarray))
-    dtype = np.dtype(leaf.dtype)
-    apart = not leaf.is_fully_addressable
-    if apart and not (pieces and spread):
+    dtype = leaf.dtype
+    facts = _facts(leaf.sharding)
+    if not facts.whole and not (pieces and spread):
         raise InputError("array is not fully addressable from this process", entry=where,
                          fix="save from every process (multi-process checkpoints)")
     _check_dtype(dtype, where)
-    shape = tuple(leaf.shape)
-    if pieces and (apart or is_sharded(leaf)):
-        shards = tuple(owned_shards(leaf)) if fetch or apart else ()
+    shape = leaf.shape
+    if pieces and (not facts.whole or facts.several):
+        shards = tuple(owned_shards(leaf)) if fetch or not facts.whole else ()
         start_transfers(shards)
         return HostLeaf(where, dtype, shape, key_impl, shards=shards)
     if not fetch:
         return HostLeaf(where, dtype, shape, key_impl)
-    if not _on_cpu(leaf):
-        try:
-            leaf.copy_to_host_async()
-        except Exception:  # a backend without async copies: the copy happens on read
-            pass
+    if _on_cpu(leaf):  # in host memory already: no transfer to wait for
+        return HostLeaf(where, dtype, shape, key_impl, np.asarray(leaf))
+    try:
+        leaf.copy_to_host_async()
+    except Exception:  # a backend without async copies: the copy happens on read
+        pass
     return HostLeaf(where, dtype, shape, key_impl, leaf)  # array: the device array until _finish
 
 
 def _finish(staged: HostLeaf, copy: bool) -> HostLeaf:
     """Wait for a whole leaf's transfer; copy what must be private."""
     array = staged.array
-    if array is None:
+    if array is None or (staged.private and type(array) is np.ndarray):
         return staged
     private = staged.private
-    if isinstance(array, jax.Array):
-        private = not _on_cpu(array)  # a transfer from an accelerator made a fresh host buffer
-        array = await_host(array)
+    if isinstance(array, jax.Array):  # from an accelerator: the transfer made a fresh host buffer
+        array, private = await_host(array), True
     if copy and not private:
         array, private = np.array(array, copy=True), True
+    elif array is staged.array:
+        return staged
     return staged._replace(array=array, private=private)
 
 
 def _check_dtype(dtype: np.dtype, where: str) -> None:
-    if not precs.is_supported(dtype):
-        raise InputError(f"dtype {dtype} cannot be stored", entry=where,
-                         fix="cast to a supported dtype (see the format's prec table)")
+    if dtype not in _STORABLE:
+        if not precs.is_supported(dtype):
+            raise InputError(f"dtype {dtype} cannot be stored", entry=where,
+                             fix="cast to a supported dtype (see the format's prec table)")
+        _STORABLE.add(dtype)
 
 
 def _x64_ok(dtype: np.dtype) -> bool:
@@ -256,10 +281,10 @@ def put(array: np.ndarray, placement: Any) -> jax.Array:
 
 def place(array: np.ndarray, target: Any, *, host: bool, device: Any, where: str,
           key_impl: str | None = None, file: str | None = None) -> Any:
-    """Turn a loaded host array into what ``target`` (a leaf, or None) asks for.
+    """Turn a loaded host array into what `target` (a leaf, or None) asks for.
 
     Typed PRNG keys always come back as key arrays (numpy has no key dtype),
-    even for host contexts; their raw data is ``jax.random.key_data(key)``.
+    even for host contexts; their raw data is `jax.random.key_data(key)`.
     """
     placement = getattr(target, 'sharding', None) if target is not None else None
     if key_impl is not None:  # key data has a trailing dim the key's sharding lacks
@@ -291,9 +316,9 @@ _COPY_CHUNK = 32 << 20
 
 def plain_target(array: Any, target: Any, *, host: bool, device: Any,
                  key_impl: str | None = None) -> Any:
-    """The one device (or one-device sharding) a plain ``device_put`` puts ``array`` on.
+    """The one device (or one-device sharding) a plain `device_put` puts `array` on.
 
-    ``None`` when :func:`place` has more to do: keys, scalars, host results,
+    `None` when `place` has more to do: keys, scalars, host results,
     64-bit values without x64, multi-device shardings, lazily read pieces.
     """
     if key_impl is not None or not isinstance(array, np.ndarray) or (
@@ -316,9 +341,9 @@ def _is_cpu(dest: Any) -> bool:
 
 
 def aligned_copy(array: np.ndarray, alignment: int = CPU_ALIAS_ALIGNMENT) -> np.ndarray:
-    """A copy of ``array`` at an ``alignment``-byte address, so the CPU client can alias it.
+    """A copy of `array` at an `alignment`-byte address, so the CPU client can alias it.
 
-    When ``array`` views a memory mapping, the mapping's pages are released
+    When `array` views a memory mapping, the mapping's pages are released
     behind the copy, chunk by chunk (they are clean file pages; a later read
     maps them again), so the process never holds the payload twice.
     """
@@ -346,9 +371,9 @@ def aligned_copy(array: np.ndarray, alignment: int = CPU_ALIAS_ALIGNMENT) -> np.
 
 def place_all(requests: list[tuple[Any, Any, str, str | None]], *, host: bool, device: Any,
               file: str | None = None) -> list[Any]:
-    """:func:`place` for many ``(array, target, where, key_impl)`` at once.
+    """`place` for many `(array, target, where, key_impl)` at once.
 
-    Arrays bound for one device go in a single batched ``device_put`` (one
+    Arrays bound for one device go in a single batched `device_put` (one
     dispatch instead of one per array: 100,000 small arrays in a fraction of a
     second). On the CPU a payload the client could not alias in place (not
     64-byte aligned) is first copied to an aligned buffer, so it is copied once.
@@ -363,25 +388,65 @@ def place_all(requests: list[tuple[Any, Any, str, str | None]], *, host: bool, d
             out[i] = place(array, target, host=host, device=device, where=where,
                            key_impl=key_impl, file=file)
             continue
-        if array.ctypes.data % CPU_ALIAS_ALIGNMENT and array.nbytes >= (1 << 16) and _is_cpu(dest):
+        if array.nbytes >= (1 << 16) and array.ctypes.data % CPU_ALIAS_ALIGNMENT and _is_cpu(dest):
             array = aligned_copy(array)
         batch.append(i)
         arrays.append(array)
         dests.append(dest)
     if arrays:
-        for i, value in zip(batch, _put_batch(arrays, dests)):
+        for i, value in zip(batch, _put_grouped(arrays, dests)):
             out[i] = value
     return out
 
 
-def _put_batch(arrays: list[np.ndarray], dests: list[Any]) -> list[jax.Array]:
-    """``jax.device_put(arrays, dests)`` for one-device destinations, at a fraction of the cost.
+def _put_grouped(arrays: list[np.ndarray], dests: list[Any]) -> list[jax.Array]:
+    """Small arrays bound for one accelerator travel packed (`jckpt.trees.packing`); the rest
+    (and everything bound for the CPU, where arrays alias the file) go one by one."""
+    accelerators: dict[Any, Any] = {}  # dest -> its accelerator device, or None
+    groups: dict[Any, list[int]] = {}
+    for i, (array, dest) in enumerate(zip(arrays, dests)):
+        if dest not in accelerators:
+            accelerators[dest] = _accelerator(dest)
+        device = accelerators[dest]
+        if device is not None and packing.packable(array):
+            groups.setdefault(device, []).append(i)
+    out: list[Any] = [None] * len(arrays)
+    for device, indices in groups.items():
+        if len(indices) >= packing.PACK_MIN:
+            for i, value in zip(indices, packing.put_packed([arrays[i] for i in indices], device)):
+                out[i] = value
+    rest = [i for i, value in enumerate(out) if value is None]
+    for i, value in zip(rest, _put_batch([arrays[i] for i in rest], [dests[i] for i in rest])):
+        out[i] = value
+    return out
 
-    ``jax.device_put`` spends about 40 microseconds of Python per array (tree
+
+def _accelerator(dest: Any) -> Any:
+    """The device of a one-device destination in an accelerator's own memory; None otherwise."""
+    if isinstance(dest, jax.sharding.Sharding):
+        if type(dest) is not jax.sharding.SingleDeviceSharding or \
+                dest.memory_kind not in (None, 'device'):
+            return None
+        (dest,) = dest.device_set
+    return None if getattr(dest, 'platform', 'cpu') == 'cpu' else dest
+
+
+def _transfer_target(dest: Any) -> tuple[Any, list | None]:
+    """`(sharding, devices)` of a destination; devices None unless one plain device's memory."""
+    sharding = dest if isinstance(dest, jax.sharding.Sharding) else jax.sharding.SingleDeviceSharding(dest)
+    plain = type(sharding) is jax.sharding.SingleDeviceSharding and \
+        sharding.memory_kind in (None, 'device')
+    return sharding, list(sharding.device_set) if plain else None
+
+
+def _put_batch(arrays: list[np.ndarray], dests: list[Any]) -> list[jax.Array]:
+    """`jax.device_put(arrays, dests)` for one-device destinations, at a fraction of the cost.
+
+    `jax.device_put` spends about 40 microseconds of Python per array (tree
     broadcasting, shape canonicalization, aval updates). With one cached aval
     per shape and dtype, JAX's own per-array transfer routine does the same
     work in about 6: 100,000 small arrays in well under a second. Falls back
-    to ``jax.device_put`` if that routine is missing or answers unexpectedly.
+    to `jax.device_put` if that routine is missing or answers unexpectedly.
     """
     try:
         from jax._src import core as jax_core
@@ -390,24 +455,22 @@ def _put_batch(arrays: list[np.ndarray], dests: list[Any]) -> list[jax.Array]:
     except (ImportError, AttributeError):
         return jax.device_put(arrays, dests)
     avals: dict[tuple, Any] = {}
-    shardings: dict[Any, Any] = {}
+    targets: dict[Any, tuple[Any, list | None]] = {}  # dest -> (sharding, its devices if plain)
     out = []
     try:
         for array, dest in zip(arrays, dests):
-            sharding = shardings.get(dest)
-            if sharding is None:
-                sharding = shardings[dest] = (
-                    dest if isinstance(dest, jax.sharding.Sharding)
-                    else jax.sharding.SingleDeviceSharding(dest))
-            if type(sharding) is not jax.sharding.SingleDeviceSharding or \
-                    sharding.memory_kind not in (None, 'device'):
+            target = targets.get(dest)
+            if target is None:
+                target = targets[dest] = _transfer_target(dest)
+            sharding, devices = target
+            if devices is None:
                 out.append(jax.device_put(array, sharding))
                 continue
             key = (array.shape, array.dtype)
             aval = avals.get(key)
             if aval is None:
                 aval = avals[key] = jax_core.ShapedArray(array.shape, array.dtype)
-            value = transfer(aval, sharding, [array], list(sharding.device_set), True)
+            value = transfer(aval, sharding, [array], devices, True)
             if value.shape != array.shape or value.dtype != array.dtype:
                 raise TypeError('unexpected transfer result')
             out.append(value)

@@ -123,14 +123,156 @@ def is_leaf(x: Any) -> bool:
 
 def flatten(tree: Any) -> list[tuple[KeyPath, Any]]:
     """`[(path, leaf), ...]` in JAX's leaf order."""
-    leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
-    return [(to_path(kp), leaf) for kp, leaf in leaves]
+    return flatten_with_treedef(tree)[0]
+
+
+def _is_leaf_or_empty(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct) or is_empty_node(x)
+
+
+def is_empty_node(x: Any) -> bool:
+    """Whether `x` is a node that holds no leaves and that exports must keep: `None`, and
+    empty tuples (optax's `EmptyState` and other NamedTuples without fields), lists and dicts.
+
+    >>> is_empty_node(None), is_empty_node(()), is_empty_node({'a': None}), is_empty_node(0)
+    (True, True, False, False)
+    """
+    return x is None or (isinstance(x, (tuple, list, dict)) and len(x) == 0)
+
+
+def flatten_with_empty(tree: Any) -> tuple[list[tuple[KeyPath, Any]], list[KeyPath]]:
+    """`flatten`, with the paths of the outermost empty nodes below the root (`is_empty_node`).
+
+    A save records them (`jckpt.format.names.EMPTY_NODES_KEY`) so that an
+    export to a format that keeps such nodes (orbax) can put them back.
+
+    >>> items, empty = flatten_with_empty({'w': 1.0, 'opt': [2.0, (), None]})
+    >>> len(items), empty
+    (2, [(('k', 'opt'), ('i', 1)), (('k', 'opt'), ('i', 2))])
+    """
+    empty: list[KeyPath] = []
+    _empties(tree, (), empty)
+    return flatten(tree), sorted(empty)  # in path order, whatever order dicts were built in
+
+
+def _empties(node: Any, prefix: KeyPath, out: list[KeyPath]) -> None:
+    """Append the path of each outermost node without leaves below `node` (at `prefix`).
+
+    Plain dicts, lists and tuples are walked here, their leaves skipped by type
+    (a save of many leaves stays cheap); other nodes go through JAX's key paths.
+    """
+    kind = type(node)
+    if kind is dict and all(type(k) is str for k in node):
+        children: Iterable[tuple[str, Any]] = node.items()
+        step = 'k'
+    elif kind is list or kind is tuple:
+        children, step = enumerate(node), 'i'
+    elif node is None or _is_plain_leaf(node):
+        return
+    else:  # NamedTuples, dataclasses, modules: JAX's key paths, with empty nodes as leaves
+        for kp, leaf in jax.tree_util.tree_flatten_with_path(node, is_leaf=_is_leaf_or_empty)[0]:
+            if kp and is_empty_node(leaf):
+                out.append(prefix + to_path(kp))
+        return
+    leaf_types = _LEAF_TYPES
+    for key, child in children:
+        if type(child) in leaf_types:
+            continue
+        if is_empty_node(child):
+            out.append((*prefix, (step, key)))
+        else:
+            _empties(child, (*prefix, (step, key)), out)
+
+
+def with_empty_nodes(tree: Any, paths: Iterable[KeyPath]) -> Any:
+    """`tree` (nested dicts and lists, as `unflatten` builds) with `None` at each of `paths`
+    whose parent it holds; other paths are left out (they only help exports).
+
+    >>> with_empty_nodes([{'count': 1}], [(('i', 1),), (('i', 2),), (('k', 'x'), ('k', 'y'))])
+    [{'count': 1}, None, None]
+    """
+    paths = list(paths)
+    for p in paths:
+        node = tree
+        try:
+            for _, key in p[:-1]:
+                node = node[key]
+        except (KeyError, IndexError, TypeError):
+            continue
+        key = p[-1][1]
+        if isinstance(node, dict):
+            node.setdefault(key, None)
+        elif isinstance(node, list) and isinstance(key, int) and 0 <= key <= len(node) + len(paths):
+            node.extend([None] * (key + 1 - len(node)))  # a bounded extension: holes are None
+    return tree
 
 
 def flatten_with_treedef(tree: Any) -> tuple[list[tuple[KeyPath, Any]], Any]:
-    """Like `flatten`, also returning the treedef to rebuild `tree`'s structure."""
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
-    return [(to_path(kp), leaf) for kp, leaf in leaves], treedef
+    """Like `flatten`, also returning the treedef to rebuild `tree`'s structure.
+
+    The leaves and the treedef come from JAX's own `tree_flatten`; the paths of
+    plain dicts (string keys), lists, tuples and `None` are built here, about
+    ten times faster than `tree_flatten_with_path` (which builds a key object
+    per step of every path), and only other nodes (dataclasses, NamedTuples,
+    flax and equinox modules, ...) go through JAX's key paths. Checkpoints of
+    100,000 leaves are common: this runs once per save and restore.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)  # a ShapeDtypeStruct is a leaf
+    paths: list[KeyPath] = []
+    _paths(tree, (), paths)
+    if len(paths) != len(leaves):  # cannot happen for the nodes above; JAX decides if it does
+        pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+        return [(to_path(kp), leaf) for kp, leaf in pairs], treedef
+    return list(zip(paths, leaves)), treedef
+
+
+#: Leaf types met in checkpoints, known without asking JAX's registry.
+_LEAF_TYPES = {int, float, bool, complex, jax.ShapeDtypeStruct}
+
+
+def _is_plain_leaf(node: Any) -> bool:
+    kind = type(node)
+    if kind in _LEAF_TYPES:
+        return True
+    if isinstance(node, jax.Array) or kind.__module__ == 'numpy':  # ndarray, numpy scalars
+        _LEAF_TYPES.add(kind)
+        return True
+    return False
+
+
+def _paths(node: Any, prefix: KeyPath, out: list[KeyPath]) -> None:
+    """Append the path of every leaf under `node` (at `prefix`), in JAX's order."""
+    kind = type(node)
+    if kind is dict and all(type(k) is str for k in node):
+        keys = sorted(node)
+        steps = [(('k', key),) for key in keys]
+        children = [node[key] for key in keys]
+    elif kind is list or kind is tuple:
+        steps = [(('i', i),) for i in range(len(node))]
+        children = node
+    elif node is None:
+        return
+    elif _is_plain_leaf(node):
+        out.append(prefix)
+        return
+    else:  # any other node, or a leaf of another type: JAX's key paths
+        out.extend(prefix + p for p in _jax_paths(node, prefix))
+        return
+    for step, child in zip(steps, children):
+        if type(child) in _LEAF_TYPES:  # most children are leaves: no call for them
+            out.append(prefix + step)
+        else:
+            _paths(child, prefix + step, out)
+
+
+def _jax_paths(node: Any, prefix: KeyPath) -> list[KeyPath]:
+    """The paths of the leaves under `node` by JAX's key paths; errors name the whole path."""
+    pairs = jax.tree_util.tree_flatten_with_path(node, is_leaf=is_leaf)[0]
+    try:
+        return [to_path(kp) for kp, _ in pairs]
+    except InputError as e:
+        raise InputError(e.message, entry=f"{path_name(prefix)}/{e.entry}" if prefix else e.entry,
+                         fix=e.fix) from None
 
 
 def unflatten(items: Iterable[tuple[KeyPath, Any]], *, file: str | None = None) -> Any:

@@ -1,12 +1,12 @@
 """Sharded arrays on restore: reading one device's slice, and checking a sharding fits.
 
-A *box* is a tuple of ``(start, stop)`` pairs, one per dimension: the part of
+A *box* is a tuple of `(start, stop)` pairs, one per dimension: the part of
 a global array a shard, a stored piece or a device holds (the arithmetic is in
-:mod:`jckpt.format.boxes`, re-exported here). Restoring builds each device's
+`jckpt.format.boxes`, re-exported here). Restoring builds each device's
 shard from the mapped file, reading only that device's box through a
-:class:`~jckpt.storage.lazy.LazyArray`; saving's side (each distinct shard to
-host once) is in :mod:`jckpt.trees.placement`, and writing shards into place in
-:mod:`jckpt.storage.regions`.
+`LazyArray`; saving's side (each distinct shard to
+host once) is in `jckpt.trees.placement`, and writing shards into place in
+`jckpt.storage.regions`.
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ from jckpt.storage.regions import ShardedSource
 
 
 def as_lazy(array: Any) -> LazyArray:
-    """``array`` (numpy or lazy) as a :class:`LazyArray`."""
+    """`array` (numpy or lazy) as a `LazyArray`."""
     if isinstance(array, LazyArray):
         return array
     return LazyArray(array.shape, array.dtype, lambda box: read_box(array, box))
 
 
 def read_box(array: Any, box: Box, *, log: bool = True) -> np.ndarray:
-    """Read ``box`` of ``array`` (a mapped view or a :class:`LazyArray`), logging the bytes."""
+    """Read `box` of `array` (a mapped view or a `LazyArray`), logging the bytes."""
     if isinstance(array, LazyArray):
         return array.read(box)
     out = np.asarray(np.asarray(array)[box_slices(box)])  # a 0-d index gives a numpy scalar
@@ -50,14 +50,14 @@ def read_box(array: Any, box: Box, *, log: bool = True) -> np.ndarray:
 
 
 def read_index(array: Any, index: Any) -> np.ndarray:
-    """Read the part of ``array`` that a device's shard ``index`` selects."""
+    """Read the part of `array` that a device's shard `index` selects."""
     if not isinstance(index, tuple):
         index = (index,)
     return read_box(array, box_of(index, array.shape))
 
 
 def check_fits(shape: Sequence[int], sharding: Any, *, file: str | None, where: str) -> None:
-    """Raise :class:`MismatchError` when ``shape`` cannot be split by ``sharding``.
+    """Raise `MismatchError` when `shape` cannot be split by `sharding`.
 
     JAX refuses arrays whose dims do not divide evenly by the mesh axes that
     shard them; this says so naming the leaf, before any byte is read.
@@ -78,12 +78,12 @@ def check_fits(shape: Sequence[int], sharding: Any, *, file: str | None, where: 
 
 
 def with_concrete_mesh(leaf: Any, cache: dict[Any, Any], *, file: str | None, where: str) -> Any:
-    """``leaf`` (a target ``ShapeDtypeStruct``) with its abstract mesh made concrete.
+    """`leaf` (a target `ShapeDtypeStruct`) with its abstract mesh made concrete.
 
-    ``nnx.eval_shape`` under ``jax.set_mesh`` gives targets whose
-    ``NamedSharding`` names an ``AbstractMesh`` (axis names and sizes, no
-    devices); restore places them on the mesh :func:`concrete_mesh` finds.
-    Any other leaf comes back unchanged. ``cache`` maps abstract meshes to
+    `nnx.eval_shape` under `jax.set_mesh` gives targets whose
+    `NamedSharding` names an `AbstractMesh` (axis names and sizes, no
+    devices); restore places them on the mesh `concrete_mesh` finds.
+    Any other leaf comes back unchanged. `cache` maps abstract meshes to
     concrete ones, so a tree is resolved once per mesh.
     """
     import jax
@@ -100,14 +100,14 @@ def with_concrete_mesh(leaf: Any, cache: dict[Any, Any], *, file: str | None, wh
 
 
 def concrete_mesh(abstract: Any, *, file: str | None = None, where: str | None = None) -> Any:
-    """The concrete ``jax.sharding.Mesh`` that ``abstract`` (an ``AbstractMesh``) stands for.
+    """The concrete `jax.sharding.Mesh` that `abstract` (an `AbstractMesh`) stands for.
 
-    The mesh in context (set by ``jax.set_mesh``) when its axis names and
+    The mesh in context (set by `jax.set_mesh`) when its axis names and
     sizes are the abstract mesh's; else, when the abstract mesh spans exactly
-    the devices JAX has, ``jax.make_mesh`` of its axes over them (the mesh
-    ``jax.make_mesh`` would have given the code that built the target). The
+    the devices JAX has, `jax.make_mesh` of its axes over them (the mesh
+    `jax.make_mesh` would have given the code that built the target). The
     result has the abstract mesh's axis types. Refuses, with
-    :class:`~jckpt.errors.InputError`, when neither applies.
+    `InputError`, when neither applies.
     """
     import jax
     names, sizes = tuple(abstract.axis_names), tuple(abstract.axis_sizes)

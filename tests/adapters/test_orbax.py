@@ -57,6 +57,31 @@ def test_manager_saves_and_restores_through_jckpt(tmp_path):
     assert np.array_equal(whole['state']['params']['w'], tree['params']['w'])
 
 
+def test_item_metadata_describes_a_jckpt_item_as_an_abstract_tree(tmp_path):
+    tree = {'params': {'w': jnp.ones((2, 3), jnp.bfloat16)}, 'opt': [jnp.zeros(4, jnp.int32)],
+            'rng': jax.random.key(1, impl='rbg'), 'step': 3}
+    with ocp.CheckpointManager(tmp_path) as manager:
+        manager.save(5, args=ocp.args.Composite(state=orbax_handler.JckptSave(tree)))
+        manager.wait_until_finished()
+        assert isinstance(manager.item_metadata(5)['state'], orbax_handler.JckptItemMetadata)
+    # as for orbax's own items, a fresh manager is told the item's handler
+    handlers = {'state': orbax_handler.JckptCheckpointHandler()}
+    with ocp.CheckpointManager(tmp_path, item_handlers=handlers) as fresh:
+        meta = fresh.item_metadata(5)['state']
+        assert isinstance(meta, orbax_handler.JckptItemMetadata)
+        assert meta.tree['params']['w'] == jax.ShapeDtypeStruct((2, 3), jnp.bfloat16)
+        assert meta.tree['opt'][0] == jax.ShapeDtypeStruct((4,), jnp.int32)
+        assert meta.tree['rng'] == jax.eval_shape(lambda: tree['rng'])  # a typed key stays one
+        assert meta.tree['step'].shape == () and meta.header.tensors
+        # the metadata's tree is a target restore takes as it is
+        got = fresh.restore(5, args=ocp.args.Composite(
+            state=orbax_handler.JckptRestore(meta.tree)))['state']
+    assert got['params']['w'].dtype == jnp.bfloat16 and int(got['step']) == 3
+    np.testing.assert_array_equal(jax.random.key_data(got['rng']), jax.random.key_data(tree['rng']))
+    handler = orbax_handler.JckptCheckpointHandler()
+    assert handler.metadata(tmp_path / '5' / 'state').custom_metadata == {}
+
+
 def test_save_is_asynchronous_and_snapshots_the_tree(tmp_path, monkeypatch):
     release = threading.Event()
     started = threading.Event()

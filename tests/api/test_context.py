@@ -87,3 +87,51 @@ def test_replace_refuses_an_unknown_field_naming_the_known_ones():
     with pytest.raises(InputError, match="Context has no field 'nmespace'") as err:
         Context().replace(nmespace="x")
     assert "namespace" in err.value.fix
+
+
+@pytest.mark.parametrize('field', ['mmap', 'durable', 'host'])
+@pytest.mark.parametrize('value', ['x', 'False', 1, 0, [], None])
+def test_context_flags_must_be_bools(field, value):
+    with pytest.raises(InputError, match=f"Context's {field} must be True or False") as e:
+        Context(**{field: value})
+    assert e.value.fix == f"pass {field}=True or {field}=False"
+    assert getattr(Context(**{field: np.bool_(False)}), field) is False  # numpy's bools are bools
+
+
+@pytest.mark.parametrize('device', ['x', 'cpu:0', 3, object()])
+def test_context_device_must_be_a_device_or_a_sharding(device):
+    import jax
+
+    with pytest.raises(InputError, match="device must be a jax.Device or a jax.sharding.Sharding") as e:
+        Context(device=device)
+    assert "jax.devices()[0]" in e.value.fix
+    assert Context(device=jax.devices()[0]).device is jax.devices()[0]
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    assert Context(device=sharding).device is sharding
+
+
+def test_context_registry_must_be_a_registry():
+    with pytest.raises(InputError, match="registry must be a Registry"):
+        Context(registry='x')
+    with pytest.raises(InputError, match="mmap must be True or False"):
+        Context().replace(mmap='no')
+
+
+@pytest.mark.parametrize('call', [
+    lambda p: jckpt.save(Context(), {'w': np.ones(2)}, p, appending='yes'),
+    lambda p: jckpt.save(Context(), {'w': np.ones(2)}, p, progress='yes'),
+    lambda p: jckpt.load(Context(), p, mmap='no'),
+    lambda p: jckpt.load(Context(), p, verify='no'),
+    lambda p: jckpt.load(Context(), p, progress=1),
+    lambda p: jckpt.restore(Context(), {'w': np.ones(2)}, p, cast='yes'),
+    lambda p: jckpt.restore(Context(), {'w': np.ones(2)}, p, mmap='no'),
+    lambda p: jckpt.restore(Context(), {'w': np.ones(2)}, p, verify='no'),
+], ids=['save-appending', 'save-progress', 'load-mmap', 'load-verify', 'load-progress',
+        'restore-cast', 'restore-mmap', 'restore-verify'])
+def test_save_load_restore_refuse_flags_that_are_not_bools(tmp_path, call):
+    path = tmp_path / 'w.jckpt'
+    jckpt.save(Context(), {'w': np.arange(2.0)}, path)
+    before = path.read_bytes()
+    with pytest.raises(InputError, match="must be True or False"):
+        call(path)
+    assert path.read_bytes() == before  # refused before anything was touched

@@ -3,7 +3,7 @@
 import pytest
 
 from jckpt.errors import InputError
-from jckpt.format.metadata import check_metadata
+from jckpt.format.metadata import check_metadata, empty_nodes, empty_nodes_text
 from jckpt.format.names import LINEAGE_KEY
 
 
@@ -31,3 +31,23 @@ def test_reserved_keys_are_refused_only_when_asked():
     assert check_metadata({LINEAGE_KEY: 'x'}) == {LINEAGE_KEY: 'x'}
     with pytest.raises(InputError, match='is reserved'):
         check_metadata({LINEAGE_KEY: 'x'}, 'f.jckpt', reserved=False)
+
+
+def test_empty_nodes_round_trip_and_merge_on_append():
+    text = empty_nodes_text(None, 'opt', [(('i', 1),), (('i', 2), ('a', 'x'))])
+    assert empty_nodes(text, 'opt') == [(('i', 1),), (('i', 2), ('a', 'x'))]
+    assert empty_nodes(text, 'model') == []
+    # an append of another namespace keeps these; one of the same namespace drops the empty
+    # nodes its leaves now fill, and keeps the others
+    both = empty_nodes_text(text, 'model', [(('k', 'cache'),)])
+    assert empty_nodes(both, 'opt') == empty_nodes(text, 'opt')
+    again = empty_nodes_text(both, 'opt', [], stored=[(('i', 1), ('k', 'mu'))])
+    assert empty_nodes(again, 'opt') == [(('i', 2), ('a', 'x'))]
+    assert empty_nodes_text(None, 'opt', []) is None
+
+
+@pytest.mark.parametrize('text', ['', 'not json', '[1]', '{"opt": 3}', '{"opt": [[["z", 1]]]}',
+                                  '{"opt": [[["i", -1]]]}', '{"opt": [[["k", 1]]]}',
+                                  '{"opt": [[["i", true]]]}', '{"opt": [[]]}', '[' * 5000])
+def test_empty_nodes_that_are_not_as_written_are_ignored(text):
+    assert empty_nodes(text, 'opt') == []

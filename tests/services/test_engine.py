@@ -215,6 +215,7 @@ def test_a_failed_copy_gives_the_slot_back():
 @pytest.mark.parametrize("options, match", [
     ({"slots": 0}, "slots"), ({"when_full": "drop"}, "when_full"),
     ({"retry_after": -1}, "retry_after"), ({"patience": 0}, "patience"),
+    ({"retry_after": "1"}, "retry_after"), ({"retry_after": True}, "retry_after"),
 ])
 def test_bad_options_are_refused(options, match):
     with pytest.raises(jckpt.InputError, match=match):
@@ -233,3 +234,8 @@ def test_deadline_after_refuses_a_timeout_that_is_not_a_number():
     for bad in ("1", True, float("nan"), [1]):
         with pytest.raises(jckpt.InputError, match="timeout must be a number of seconds"):
             deadline_after(bad)
+    for negative in (-1, -0.5, float("-inf")):
+        with pytest.raises(jckpt.InputError, match="timeout must be >= 0 seconds") as e:
+            deadline_after(negative)
+        assert "timeout=0" in e.value.fix
+    assert deadline_after(float("inf")) is None  # waits as long as None does

@@ -255,3 +255,40 @@ def test_directory_steps_for_multi_process_saves(tmp_path):
     with jckpt.CheckpointManager(tmp_path, directory_steps=True) as mgr:
         assert mgr.all_steps() == [2, 3] and mgr.counters.generation == 3
     assert not half.exists() and not stage.exists()
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"handle_sigterm": "yes"}, "handle_sigterm must be True or False"),
+    ({"asynchronous": "no"}, "asynchronous must be True or False"),
+    ({"new_lineage": "yes"}, "new_lineage must be True or False"),
+    ({"best_metric": 3}, "best_metric must be a metric's name"),
+])
+def test_manager_options_of_the_wrong_kind_are_refused(tmp_path, options, match):
+    with pytest.raises(jckpt.InputError, match=match):
+        jckpt.CheckpointManager(tmp_path / "run", **options)
+    with jckpt.CheckpointManager(tmp_path / "run") as mgr:  # the lease was given back
+        assert mgr.all_steps() == []
+
+
+def test_manager_calls_refuse_bad_steps_flags_and_timeouts(tmp_path):
+    with jckpt.CheckpointManager(tmp_path / "run") as mgr:
+        for bad in ("x", -1, 1.5, True):
+            with pytest.raises(jckpt.InputError, match="step must be a non-negative integer"):
+                mgr.reached_preemption(bad)
+        with pytest.raises(jckpt.InputError, match="force must be True or False"):
+            mgr.save(1, {"w": jnp.ones(2)}, force="yes")
+        with pytest.raises(jckpt.InputError, match="timeout must be >= 0 seconds"):
+            mgr.wait_durable(timeout=-1)
+        assert mgr.save(1, {"w": jnp.ones(2)}) and mgr.wait_durable(timeout=60)
+        assert mgr.all_steps() == [1]
+
+
+def test_mirror_refuses_negative_timeouts(tmp_path):
+    with jckpt.Mirror(tmp_path / "m.jckpt") as mirror:
+        with pytest.raises(jckpt.InputError, match="timeout must be >= 0 seconds"):
+            mirror.wait_durable(timeout=-1)
+        with pytest.raises(jckpt.InputError, match="timeout must be >= 0 seconds"):
+            mirror.submit({"w": jnp.ones(2)}, timeout=-1)
+        mirror.submit({"w": jnp.ones(2)})
+        assert mirror.wait_durable(timeout=float("inf"))
+    assert jckpt.restore(jckpt.Context(), {"w": jnp.zeros(2)}, tmp_path / "m.jckpt")["w"].sum() == 2

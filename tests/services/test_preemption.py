@@ -134,3 +134,10 @@ def test_a_preemption_is_usable_from_another_thread_once_made(sigterm):
         assert seen == [True]
     finally:
         p.close()
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_handle_sigterm_must_be_a_bool(sigterm, bad):
+    with pytest.raises(InputError, match="handle_sigterm must be True or False"):
+        Preemption(handle_sigterm=bad)
+    assert signal.getsignal(signal.SIGTERM) is sigterm  # nothing was installed

@@ -13,7 +13,6 @@ from jckpt.format.layout import lay_out
 from jckpt.format.names import GENERATION_KEY, LINEAGE_KEY
 from jckpt.format.precs import prec_of
 from jckpt.services.snapshot import (
-    HashedSource,
     HostLeaf,
     Slot,
     build_entries,
@@ -21,7 +20,7 @@ from jckpt.services.snapshot import (
     namespace_leaves,
 )
 from jckpt.storage.reader import CheckpointReader
-from jckpt.storage.writer import write_checkpoint
+from jckpt.storage.writer import ArraySource, write_checkpoint
 
 W = (('k', 'w'),)
 B = (('k', 'b'),)
@@ -104,7 +103,7 @@ def test_fill_of_nothing_is_empty():
     assert Slot(0).fill([]) == []
 
 
-# --- build_entries and HashedSource ------------------------------------------------------------
+# --- build_entries and ArraySource ------------------------------------------------------------
 
 def host(ns, path, array, key_impl=None):
     return HostLeaf(ns, path, np.asarray(array), key_impl)
@@ -121,7 +120,7 @@ def test_entries_count_ids_per_namespace_in_order():
     assert [e.dims for e in entries] == [(2,), (3,), (2, 2), ()]
     assert [e.byte_length for e in entries] == [8, 3, 8, 8]
     assert [e.label for e in entries] == [('w',), ('w',), ('b',), ('b',)]
-    assert all(isinstance(s, HashedSource) for s in sources) and len(sources) == 4
+    assert all(isinstance(s, ArraySource) for s in sources) and len(sources) == 4
     assert sources[0].array is items[0].array
 
 
@@ -151,9 +150,9 @@ def test_hashed_sources_write_files_that_verify(tmp_path):
 
 
 def test_a_wrong_known_checksum_is_written_as_given(tmp_path):
-    """A HashedSource does not hash again: a stale checksum would be caught only by verify."""
+    """A ArraySource does not hash again: a stale checksum would be caught only by verify."""
     (entry,), (source,) = build_entries([host('jckpt', W, np.ones(4, np.float32))])
-    stale = HashedSource(np.zeros(4, np.float32), source.checksum)
+    stale = ArraySource(np.zeros(4, np.float32), source.checksum)
     write_checkpoint(tmp_path / 'x.jckpt', lay_out(Header(tensors=(entry,))), [stale], durable=False)
     assert len(CheckpointReader(tmp_path / 'x.jckpt').verify()) == 1
 

@@ -88,3 +88,40 @@ def test_a_file_that_is_not_a_checkpoint_is_a_format_error(tmp_path):
 def test_a_url_no_backend_serves_is_an_input_error(tmp_path):
     with pytest.raises(InputError, match='no storage backend'):
         open_checkpoint('nosuch://bucket/m.jckpt')
+
+
+@pytest.fixture
+def fake_format():
+    """A directory format that claims directories holding a file named FAKE."""
+    from jckpt.storage import checkpoint
+
+    opened = []
+
+    def claims(path):
+        if os.path.exists(os.path.join(path, 'BROKEN')):
+            raise RuntimeError('a claim that fails does not claim')
+        return os.path.exists(os.path.join(path, 'FAKE'))
+
+    fmt = checkpoint.register_directory_reader('fake', claims=claims,
+                                               open=lambda path: opened.append(path) or 'reader')
+    yield fmt, opened
+    with checkpoint._LOCK:
+        checkpoint._DIRECTORY_FORMATS.pop('fake')
+
+
+def test_a_registered_directory_format_opens_its_directories(tmp_path, fake_format):
+    _, opened = fake_format
+    (tmp_path / 'foreign').mkdir()
+    (tmp_path / 'foreign' / 'FAKE').write_text('')
+    assert open_checkpoint(tmp_path / 'foreign') == 'reader'
+    assert opened == [str(tmp_path / 'foreign')]
+
+
+def test_a_directory_checkpoint_is_never_offered_to_another_format(tmp_path, fake_format):
+    write_directory(tmp_path / 'ckpt')
+    (tmp_path / 'ckpt' / 'FAKE').write_text('')
+    assert isinstance(open_checkpoint(tmp_path / 'ckpt'), DirectoryReader)
+    (tmp_path / 'other').mkdir()
+    (tmp_path / 'other' / 'BROKEN').write_text('')
+    with pytest.raises(FormatError, match=f"no {INDEX_NAME}"):  # a failing claim claims nothing
+        open_checkpoint(tmp_path / 'other')

@@ -33,7 +33,8 @@ _FENCE = re.compile(r"^```(?P<info>[^\n]*)\n(?P<body>.*?)^```[ \t]*$", re.M | re
 _NOT_RUN = re.compile(r"<!--\s*not-run:\s*(?P<reason>\S[^>]*?)\s*-->\s*\Z")
 
 # Optional extras: a module that needs one of these is skipped when it is missing.
-_OPTIONAL = {"orbax", "torch", "safetensors", "flax", "matplotlib", "rich", "psutil", "optax"}
+_OPTIONAL = {"orbax", "torch", "safetensors", "flax", "matplotlib", "rich", "psutil", "optax",
+             "equinox"}
 
 
 def doc_blocks(text: str) -> list[tuple[int, str, str]]:
@@ -112,7 +113,7 @@ def test_block_extraction():
 
 def test_docs_have_examples():
     runnable = {p.name for p in _pages() if python_blocks(p.read_text())}
-    for name in ("index.md", "getting-started.md", "concepts.md"):
+    for name in ("index.md", "getting-started.md", "concepts.md", "recipes.md"):
         assert name in runnable
 
 
@@ -185,7 +186,7 @@ def test_typecheck_api_file_runs(tmp_path, monkeypatch):
 
 
 # reStructuredText the API reference (mkdocstrings, Google style, Markdown) shows literally.
-_REST = re.compile(r":(?:class|func|meth|data|mod|attr|exc|obj):`|(?<!`)``(?!`)|::\n")
+_REST = re.compile(r":(?:class|func|meth|data|mod|attr|exc|obj):`|(?<!`)``(?!`)|::\n|^\s*={3,}  +=", re.M)
 
 
 def _api_objects() -> list[tuple[str, tuple[str, ...]]]:
@@ -248,7 +249,41 @@ def test_api_reference_docstrings_are_markdown(dotted: str, inherited: tuple[str
     assert not leftovers, f"reStructuredText the API reference would show literally: {leftovers}"
 
 
+def _source_docstrings(path: Path) -> list[tuple[str, str]]:
+    """``(file:line name, docstring)`` of the module and of every class and function in it,
+    private and nested ones included (read from the source: nothing is imported)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    where = path.relative_to(ROOT)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                name = getattr(node, "name", "<module>")
+                found.append((f"{where}:{getattr(node, 'lineno', 1)} {name}", doc))
+    return found
+
+
+def test_every_docstring_is_markdown():
+    """Not only the API reference: every docstring of the package is Google style with Markdown
+    (help(), editors' hovers and the source read the same as the site)."""
+    leftovers = [(where, m.group(0)) for path in sorted((ROOT / "jckpt").rglob("*.py"))
+                 for where, doc in _source_docstrings(path) for m in [_REST.search(doc)] if m]
+    assert not leftovers, f"reStructuredText in docstrings ({len(leftovers)}): {leftovers[:20]}"
+
+
+def test_source_docstrings_are_all_found(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "m.py").write_text('"""Mod ``x``."""\nclass A:\n    def _f(self):\n'
+                                   '        """See :class:`B`."""\n')
+    docs = dict(_source_docstrings(tmp_path / "m.py"))
+    assert docs == {"m.py:1 <module>": "Mod ``x``.", "m.py:3 _f": "See :class:`B`."}
+
+
 def test_rest_leftovers_are_found():
-    for bad in (":class:`~jckpt.errors.InputError`", "``x``", "Example::\n\n    f()", ":func:`f`"):
+    for bad in (":class:`~jckpt.errors.InputError`", "``x``", "Example::\n\n    f()", ":func:`f`",
+                "=====  =====\na      b\n=====  ====="):
         assert _REST.search(bad), bad
     assert not _REST.search("Example:\n    ```python\n    f(`x`)\n    ```\n")

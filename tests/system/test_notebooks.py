@@ -21,7 +21,7 @@ _URL = re.compile(r"https?://")
 
 def test_there_are_notebooks():
     names = {p.stem for p in NOTEBOOKS}
-    assert {"quickstart", "model_surgery", "sharded_restore", "async_mirror", "interop"} <= names
+    assert {"quickstart", "model_surgery", "sharded_restore", "async_mirror", "interop", "nnx"} <= names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

@@ -34,3 +34,23 @@ def test_changelog_has_unreleased_and_the_current_version():
     versions = re.findall(r"^## (\S+)", text, re.M)
     assert versions[0] == "Unreleased"
     assert jckpt.__version__ in versions
+
+
+def test_the_wheel_smoke_test_refuses_the_source_tree():
+    """`nox -s build` runs the smoke test against the installed wheel; run here, against the
+    source tree, it must fail rather than pass for the wrong package."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "system" / "smoke_installed.py"),
+                          "--pure"], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "imported from the source tree" in out.stderr, out.stderr
+
+
+def test_the_build_session_builds_both_wheels():
+    noxfile = (ROOT / "noxfile.py").read_text()
+    assert 'ids=["c-extension", "pure-python"]' in noxfile
+    assert "python -m nox -s build" in (ROOT / ".ci" / "run").read_text()
+    assert "JCKPT_PURE_PYTHON" in (ROOT / "setup.py").read_text()

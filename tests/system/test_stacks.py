@@ -190,6 +190,34 @@ def test_optax_state_exports_to_orbax_with_its_empty_states(tmp_path):
     _same(back, state)
 
 
+def test_a_saved_optax_file_exports_to_orbax_with_its_empty_states(tmp_path):
+    ocp = _orbax()
+    state = _adamw_state()
+    abstract = jax.eval_shape(lambda: state)
+    jckpt.save(CTX, state, tmp_path / "s.jckpt")  # records where the EmptyStates are
+    jckpt.save(jckpt.Context(namespace="model"), {"w": jnp.ones(2)}, tmp_path / "s.jckpt",
+               appending=True)
+    jckpt.convert(tmp_path / "s.jckpt", tmp_path / "exported", format="orbax")
+    with ocp.StandardCheckpointer() as checkpointer:
+        back = checkpointer.restore(tmp_path / "exported" / "jckpt", abstract)
+    _same(back, state)
+    jckpt.convert(tmp_path / "exported", tmp_path / "again.jckpt")  # and back: still recorded
+    jckpt.convert(tmp_path / "again.jckpt", tmp_path / "twice", format="orbax")
+    with ocp.StandardCheckpointer() as checkpointer:
+        _same(checkpointer.restore(tmp_path / "twice" / "jckpt", abstract), state)
+
+
+def test_a_directory_checkpoint_records_its_empty_states_too(tmp_path):
+    ocp = _orbax()
+    state = _adamw_state()
+    save_directory(CTX, {"w": jnp.ones(2)}, tmp_path / "d.jckpt")  # a directory checkpoint...
+    jckpt.save(CTX, state, tmp_path / "d.jckpt")  # ...stays one, replaced by the optax state
+    jckpt.convert(tmp_path / "d.jckpt", tmp_path / "exported", format="orbax")
+    with ocp.StandardCheckpointer() as checkpointer:
+        _same(checkpointer.restore(tmp_path / "exported" / "jckpt", jax.eval_shape(lambda: state)),
+              state)
+
+
 def test_typed_prng_keys_cross_to_orbax_and_back(tmp_path):
     ocp = _orbax()
     tree = {"key": jax.random.key(3), "keys": jax.random.split(jax.random.key(1), 3),
@@ -277,13 +305,12 @@ def test_save_refuses_metadata_that_is_not_strings(tmp_path):
 
 # --- friction ---------------------------------------------------------------------------------
 
-def test_restore_of_an_orbax_directory_points_to_convert(tmp_path):
+def test_restore_reads_an_orbax_directory_without_converting(tmp_path):
     ocp = _orbax()
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(tmp_path / "orbax_state", {"w": jnp.ones(2)})
-    with pytest.raises(jckpt.FormatError, match="no index.jckpt") as e:
-        jckpt.restore(CTX, {"w": jnp.zeros(2)}, tmp_path / "orbax_state")
-    assert "orbax checkpoint" in e.value.fix and "jckpt.convert(" in e.value.fix
+    back = jckpt.restore(CTX, {"w": jnp.zeros(2)}, tmp_path / "orbax_state")
+    np.testing.assert_array_equal(back["w"], np.ones(2))
 
 
 def test_old_style_prng_key_into_a_typed_key_target_says_how_to_wrap(tmp_path):

@@ -1,9 +1,11 @@
 """Pytrees <-> (key path, leaf) lists, and namespace prefixing."""
 
+import collections
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -108,3 +110,57 @@ def test_prefix_that_is_not_a_string_is_refused():
         tree_mod.check_prefix(3)
     tree_mod.check_prefix(None)
     tree_mod.check_prefix("")
+
+
+class _Empty(NamedTuple):
+    pass
+
+
+def test_flatten_with_empty_finds_the_outermost_nodes_without_leaves():
+    tree = {'w': np.ones(2), 'opt': (np.zeros(1), _Empty(), None), 'cache': {'a': [], 'b': {}}}
+    items, empty = tree_mod.flatten_with_empty(tree)
+    assert [p for p, _ in items] == [p for p, _ in tree_mod.flatten(tree)]
+    assert empty == [(('k', 'cache'), ('k', 'a')), (('k', 'cache'), ('k', 'b')),
+                     (('k', 'opt'), ('i', 1)), (('k', 'opt'), ('i', 2))]
+    assert tree_mod.flatten_with_empty({'only': None}) == ([], [(('k', 'only'),)])
+    assert tree_mod.flatten_with_empty(None) == ([], [])  # the root is not recorded
+
+
+def test_with_empty_nodes_puts_none_where_the_parent_exists():
+    loaded = {'opt': [np.zeros(1)], 'w': np.ones(2)}
+    out = tree_mod.with_empty_nodes(loaded, [(('k', 'opt'), ('i', 2)), (('k', 'cache'),),
+                                             (('k', 'gone'), ('k', 'x')), (('k', 'w'), ('i', 0)),
+                                             (('k', 'opt'), ('i', 10**12))])
+    assert out['opt'][1:] == [None, None] and out['cache'] is None and 'gone' not in out
+    assert len(out['opt']) == 3  # an index far beyond the list adds nothing
+
+
+class _Pair(NamedTuple):
+    left: Any
+    right: Any
+
+
+@dataclasses.dataclass
+class _Node:
+    w: Any
+    b: Any
+
+
+jax.tree_util.register_dataclass(_Node, data_fields=['w', 'b'], meta_fields=[])
+
+
+@pytest.mark.parametrize("tree", [
+    {"b": [1, (2.0, None, np.float32(3))], "a": {"z": np.ones(2), "y": []}},
+    {"opt": _Pair(left={"mu": np.zeros(3)}, right=(None, jnp.ones(1))), "i": {1: 2, 0: [3]}},
+    [_Node(w=np.ones(1), b={"k": _Pair(1, 2)}), collections.OrderedDict(z=1, a=2), 7],
+    {"key": jax.random.key(0), "sds": jax.ShapeDtypeStruct((2,), jnp.float32), "n": None},
+    np.arange(3),
+    (),
+])
+def test_flatten_gives_jax_order_and_key_paths(tree):
+    """The fast path for plain containers agrees with JAX's own key paths, leaf for leaf."""
+    expected, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    items, got_treedef = tree_mod.flatten_with_treedef(tree)
+    assert [p for p, _ in items] == [tree_mod.to_path(kp) for kp, _ in expected]
+    assert all(a is b for (_, a), (_, b) in zip(items, expected))
+    assert got_treedef == treedef

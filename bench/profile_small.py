@@ -1,0 +1,38 @@
+"""Where a save and a restore of many small arrays spend their time: the top functions by own time.
+
+`python -m bench.profile_small [small|tiny] [save|restore]` profiles one
+operation (after a warm-up) with `cProfile` and prints its top entries, the
+per-leaf costs docs/benchmarks.md quotes.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import os
+import pstats
+import sys
+import tempfile
+
+import jax
+
+import jckpt
+from bench import workloads
+
+
+def main(workload: str = 'small', op: str = 'save', top: int = 12) -> None:
+    tree = jax.tree.map(jax.numpy.asarray, workloads.build(workload, quick=False))
+    spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+    path = os.path.join(tempfile.mkdtemp(), 'p.jckpt')
+    ctx = jckpt.Context(durable=False)
+    jckpt.save(ctx, tree, path)
+    run = {'save': lambda: jckpt.save(ctx, tree, path),
+           'restore': lambda: jax.block_until_ready(jckpt.restore(ctx, spec, path))}[op]
+    run()
+    profile = cProfile.Profile()
+    profile.runcall(run)
+    stats = pstats.Stats(profile)
+    stats.sort_stats('tottime').print_stats(top)
+
+
+if __name__ == '__main__':
+    main(*sys.argv[1:3])

@@ -1,0 +1,151 @@
+"""`jckpt.restore` and `jckpt.load` read orbax directories directly, with no conversion step."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+ocp = pytest.importorskip('orbax.checkpoint')
+optax = pytest.importorskip('optax')
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import jckpt  # noqa: E402
+from jckpt.errors import FormatError, MissingEntryError  # noqa: E402
+from jckpt.format.names import ORBAX_JSON_KEY  # noqa: E402
+
+CTX = jckpt.Context()
+
+
+def adamw_state():
+    params = {'w': jnp.arange(6.0).reshape(2, 3), 'b': jnp.ones(3)}
+    tx = optax.adamw(1e-3)
+    state = tx.init(params)
+    _, state = tx.update(jax.tree_util.tree_map(jnp.ones_like, params), state, params)
+    return params, state
+
+
+def same(a, b):
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        assert np.asarray(x).dtype == np.asarray(y).dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_restore_an_optax_state_straight_from_a_standard_checkpointer_directory(tmp_path):
+    _, state = adamw_state()
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / 'opt', state)
+    back = jckpt.restore(CTX, jax.eval_shape(lambda: state), tmp_path / 'opt')
+    same(back, state)  # the NamedTuples and the EmptyStates, from the target's structure
+    assert type(back[0]).__name__ == 'ScaleByAdamState' and type(back[1]).__name__ == 'EmptyState'
+    assert isinstance(back[0].mu['w'], jax.Array)
+    assert sorted(os.listdir(tmp_path)) == ['opt']  # read-only: nothing written beside it
+
+
+def test_restore_a_flax_train_state_from_a_manager_step(tmp_path):
+    train_state = pytest.importorskip('flax.training.train_state')
+    params, _ = adamw_state()
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.adamw(1e-3))
+    with ocp.CheckpointManager(tmp_path / 'run') as manager:
+        manager.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                meta=ocp.args.JsonSave({'lr': 0.001, 'seed': 7})))
+        manager.wait_until_finished()
+    abstract = jax.eval_shape(lambda: state)
+    back = jckpt.restore(CTX, abstract, tmp_path / 'run' / '3', namespace='state')
+    assert type(back) is type(state) and int(back.step) == 0
+    same(back.params, state.params)
+    same(back.opt_state, state.opt_state)
+    # the JSON item is in the header's metadata, and convert keeps it
+    assert json.loads(jckpt.describe(tmp_path / 'run' / '3').metadata_dict()[ORBAX_JSON_KEY]) == \
+        {'meta': {'lr': 0.001, 'seed': 7}}
+    jckpt.convert(tmp_path / 'run' / '3', tmp_path / 'c.jckpt')
+    assert json.loads(jckpt.describe(tmp_path / 'c.jckpt').metadata_dict()[ORBAX_JSON_KEY]) == \
+        {'meta': {'lr': 0.001, 'seed': 7}}
+    with pytest.warns(UserWarning, match=r"orbax_json.*not kept in 'npz'"):
+        jckpt.convert(tmp_path / 'run' / '3', tmp_path / 'c.npz')
+
+
+def test_load_an_orbax_step_as_namespaces(tmp_path):
+    params, state = adamw_state()
+    with ocp.CheckpointManager(tmp_path / 'run') as manager:
+        manager.save(1, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
+                                                opt=ocp.args.StandardSave(state)))
+        manager.wait_until_finished()
+    _, tree = jckpt.load(CTX, tmp_path / 'run' / '1', namespaces='params')
+    assert list(tree) == ['params']
+    same(tree['params'], params)
+    both = jckpt.restore(CTX, {'params': jax.eval_shape(lambda: params),
+                               'opt': jax.eval_shape(lambda: state)},
+                         tmp_path / 'run' / '1', namespaces=['params', 'opt'])
+    same(both['opt'], state)
+
+
+def test_typed_keys_and_partial_targets(tmp_path):
+    tree = {'rng': jax.random.key(4), 'w': jnp.arange(3.0), 'b': jnp.zeros(2, jnp.bfloat16)}
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / 'k', tree)
+    back = jckpt.restore(CTX, {'rng': jax.eval_shape(lambda: tree['rng'])}, tmp_path / 'k')
+    assert jax.dtypes.issubdtype(back['rng'].dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(jax.random.key_data(back['rng']), jax.random.key_data(tree['rng']))
+    with pytest.raises(MissingEntryError, match='not in the checkpoint'):
+        jckpt.restore(CTX, {'nope': jnp.zeros(2)}, tmp_path / 'k')
+
+
+def test_a_manager_root_names_a_step_and_a_damaged_item_is_refused(tmp_path):
+    with ocp.CheckpointManager(tmp_path / 'run') as manager:
+        manager.save(2, args=ocp.args.Composite(state=ocp.args.StandardSave({'w': jnp.ones(2)})))
+        manager.wait_until_finished()
+    with pytest.raises(FormatError, match=r"holds no orbax checkpoint item") as e:
+        jckpt.restore(CTX, {'w': jnp.zeros(2)}, tmp_path / 'run')
+    assert os.path.join(str(tmp_path / 'run'), '2') in e.value.fix
+    os.remove(tmp_path / 'run' / '2' / 'state' / '_METADATA')
+    os.remove(tmp_path / 'run' / '2' / 'state' / 'manifest.ocdbt')
+    with pytest.raises(FormatError):
+        jckpt.restore(CTX, {'w': jnp.zeros(2)}, tmp_path / 'run' / '2', namespace='state')
+
+
+def test_a_json_item_that_is_not_json_is_refused(tmp_path):
+    with ocp.CheckpointManager(tmp_path / 'run') as manager:
+        manager.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave({'w': jnp.ones(2)}),
+                                                meta=ocp.args.JsonSave({'a': 1})))
+        manager.wait_until_finished()
+    (tmp_path / 'run' / '0' / 'meta' / 'metadata').write_text('{"a": ')
+    with pytest.raises(FormatError, match="JSON item 'meta' cannot be read"):
+        jckpt.describe(tmp_path / 'run' / '0')
+
+
+def test_only_the_items_asked_for_are_read(tmp_path, monkeypatch):
+    from jckpt.adapters import orbax
+
+    params, state = adamw_state()
+    with ocp.CheckpointManager(tmp_path / 'run') as manager:
+        manager.save(1, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
+                                                opt=ocp.args.StandardSave(state)))
+        manager.wait_until_finished()
+    step = tmp_path / 'run' / '1'
+    read = []
+    real = orbax.read_item
+    monkeypatch.setattr(orbax, 'read_item', lambda item: read.append(os.path.basename(item))
+                        or real(item))
+    header = jckpt.describe(step)  # from the metadata alone
+    assert {e.namespace for e in header.tensors} == {'params', 'opt'} and read == []
+    back = jckpt.restore(CTX, {'params': jax.eval_shape(lambda: params)}, step,
+                         namespaces=['params'])
+    same(back['params'], params)
+    assert read == ['params']
+
+
+def test_data_that_does_not_match_the_metadata_is_refused(tmp_path, monkeypatch):
+    from jckpt.adapters import orbax
+
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / 'w', {'w': jnp.ones(3)})
+    specs = orbax.item_specs
+    monkeypatch.setattr(orbax, 'item_specs', lambda item: [
+        (kp, (4,), dtype, impl) for kp, _, dtype, impl in specs(item)])
+    with pytest.raises(FormatError, match=r"metadata lists float32\[4\] here, its data holds "
+                                          r"float32\[3\]"):
+        jckpt.restore(CTX, {'w': jax.ShapeDtypeStruct((4,), jnp.float32)}, tmp_path / 'w')

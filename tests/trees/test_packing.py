@@ -1,0 +1,73 @@
+"""Small arrays packed into one transfer and split on the device: values, dtypes, placement."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jckpt
+from jckpt.trees import packing, placement
+
+ARRAYS = [np.arange(5, dtype=np.int32), np.array([True, False, True]), np.float32(2.5),
+          np.arange(6, dtype=np.float16).reshape(2, 3), np.array([-3, 4], np.int8),
+          np.array([1.5, -2.25], ml_dtypes.bfloat16), np.arange(12, dtype=np.uint16).reshape(3, 2, 2),
+          np.array([7], np.uint8), np.arange(4, dtype=np.float32)[::2]]  # not contiguous
+
+
+def test_packed_arrays_arrive_whole_and_exact():
+    device = jax.devices()[-1]
+    out = packing.put_packed([np.asarray(a) for a in ARRAYS], device)
+    for got, want in zip(out, ARRAYS):
+        want = np.asarray(want)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(got), want)
+        assert got.devices() == {device} and got.committed
+
+
+def test_layout_keeps_every_slice_aligned():
+    layout, size = packing.layout_of([np.zeros(3, np.int8), np.zeros(5, np.float32), np.zeros(1)])
+    assert [o for o, _, _ in layout] == [0, 16, 48] and size == 64
+    assert all(o % packing.PACK_ALIGN == 0 for o, _, _ in layout)
+
+
+def test_only_small_arrays_of_whole_byte_dtypes_pack():
+    assert packing.packable(np.zeros(4, np.float32))
+    assert not packing.packable(np.zeros(0, np.float32))
+    assert not packing.packable(np.zeros(packing.PACK_BYTES // 4 + 1, np.float32))
+    assert not packing.packable(np.zeros(4, np.complex64))
+    assert not packing.packable(np.zeros(4, ml_dtypes.int4))
+
+
+def test_restore_packs_small_leaves_bound_for_an_accelerator(tmp_path, monkeypatch):
+    """With the device taken for an accelerator, many small leaves go in one packed transfer."""
+    tree = {f"b{i:03d}": np.full((i % 7) + 1, i, np.float32) for i in range(packing.PACK_MIN + 8)}
+    tree["big"] = np.ones(packing.PACK_BYTES // 4 + 1, np.float32)
+    tree["step"] = np.int32(9)
+    path = tmp_path / "c.jckpt"
+    jckpt.save(jckpt.Context(), tree, path)
+    calls = []
+    real = packing.put_packed
+    monkeypatch.setattr(placement, "_accelerator", lambda dest: jax.devices()[0])
+    monkeypatch.setattr(packing, "put_packed", lambda arrays, device: (
+        calls.append(len(arrays)), real(arrays, device))[1])
+    spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+    out = jckpt.restore(jckpt.Context(), spec, path)
+    assert calls == [packing.PACK_MIN + 9]  # every small leaf, the scalar too; not the big one
+    for k, v in tree.items():
+        assert isinstance(out[k], jax.Array)
+        np.testing.assert_array_equal(np.asarray(out[k]), v)
+
+
+def test_few_small_leaves_go_one_by_one(tmp_path, monkeypatch):
+    path = tmp_path / "c.jckpt"
+    jckpt.save(jckpt.Context(), {"a": jnp.ones(3), "b": jnp.zeros(2)}, path)
+    monkeypatch.setattr(placement, "_accelerator", lambda dest: jax.devices()[0])
+    monkeypatch.setattr(packing, "put_packed", lambda *a: pytest.fail("packed"))
+    out = jckpt.restore(jckpt.Context(), {"a": jnp.zeros(3), "b": jnp.ones(2)}, path)
+    assert out["a"].tolist() == [1, 1, 1]
+
+
+def test_on_the_cpu_nothing_is_packed():
+    assert placement._accelerator(jax.devices()[0]) is None
+    assert placement._accelerator(jax.sharding.SingleDeviceSharding(jax.devices()[0])) is None
