@@ -48,7 +48,7 @@ from jckpt.api.loading import describe, load, restore
 from jckpt.api.saving import save
 from jckpt.errors import InputError
 from jckpt.format.entries import Entry, Header
-from jckpt.trees import placement
+from jckpt.trees import image, placement
 from jckpt.trees import pytree as tree_mod
 
 #: The file each item is stored in, inside the item's directory.
@@ -56,19 +56,33 @@ FILENAME = 'checkpoint.jckpt'
 
 
 def _snapshot(tree: Any, namespace: str) -> Any:
-    """Private host copies of every leaf (typed PRNG keys stay keys), safe from later mutation.
+    """`tree` as it is now, safe from the caller's later donation or mutation.
 
-    Every leaf is checked now (an unstorable one raises
-    `InputError` before orbax starts its commit), and
-    every transfer is started before any is awaited.
+    Accelerator arrays become an image on their device (one dispatched copy,
+    `jckpt.trees.image`) when the devices have room, written from there in
+    the background commit; everything else becomes a private host copy
+    (typed PRNG keys stay keys). Every leaf is checked now (an unstorable one
+    raises `InputError` before orbax starts its commit), and every transfer is
+    started before any is awaited.
     """
     items, treedef = tree_mod.flatten_with_treedef(tree)
-    hosts = placement.host_leaves([(tree_mod.leaf_name(namespace, p), leaf) for p, leaf in items],
-                                  copy=True)
+    named = [(tree_mod.leaf_name(namespace, p), leaf) for p, leaf in items]
+    devices = [i for i, (_, leaf) in enumerate(named)
+               if isinstance(leaf, jax.Array) and not placement._on_cpu(leaf)]
+    if devices and not image.has_room([named[i][1] for i in devices], None):
+        devices = []
+    imaged = set(devices)
+    out: list[Any] = [None] * len(named)
+    keys = placement.host_leaves([named[i] for i in devices], fetch=False)
+    for i, h, data in zip(devices, keys, image.take_image([named[i][1] for i in devices], None)
+                          if devices else []):
+        out[i] = data if h.key_impl is None else jax.random.wrap_key_data(data, impl=h.key_impl)
+    rest = [i for i in range(len(named)) if i not in imaged]
+    hosts = placement.host_leaves([named[i] for i in rest], copy=True)
     # a key array of copied data is a fresh array: safe from the caller's donation
-    return jax.tree_util.tree_unflatten(treedef, [
-        h.array if h.key_impl is None else jax.random.wrap_key_data(h.array, impl=h.key_impl)
-        for h in hosts])
+    for i, h in zip(rest, hosts):
+        out[i] = h.array if h.key_impl is None else jax.random.wrap_key_data(h.array, impl=h.key_impl)
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 class JckptCheckpointHandler(ocp.AsyncCheckpointHandler):
@@ -85,7 +99,7 @@ class JckptCheckpointHandler(ocp.AsyncCheckpointHandler):
             save(self._context, tree, self._path(directory))
 
     async def async_save(self, directory: Any, args: JckptSave | None = None) -> list | None:
-        """Copy `args.tree` to host memory now; write the file in the background commit."""
+        """Snapshot `args.tree` now (on its device, or in host memory); write it in the background."""
         if args is None:
             raise InputError("save needs args=jckpt.adapters.orbax_handler.JckptSave(tree)")
         host = _snapshot(args.tree, self._context.namespace)

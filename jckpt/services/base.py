@@ -78,7 +78,7 @@ class BackgroundWriter(Generic[InfoT]):
 
     def __init__(self, name: str, *, backend: Backend, lease: str, ctx: Context | None,
                  lineage: str | None, new_lineage: bool, slots: int, when_full: str,
-                 retry_after: float, patience: int) -> None:
+                 retry_after: float, patience: int, device_image_bytes: int | None = None) -> None:
         self.ctx = check_context(ctx) if ctx is not None else Context()
         self.backend = backend
         check_name(lineage, name)
@@ -95,7 +95,8 @@ class BackgroundWriter(Generic[InfoT]):
             self._staged = self._published = _Head(opened.generation, digest)
             self._pipeline: Pipeline[InfoT, Staged[InfoT]] = Pipeline(
                 name, self, slots=slots, when_full=when_full, retry_after=retry_after,
-                patience=patience, generation=opened.generation, owner=self)
+                patience=patience, generation=opened.generation, owner=self,
+                image_bytes=device_image_bytes)
         except BaseException:
             self._lease.release()
             raise

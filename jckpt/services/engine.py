@@ -41,8 +41,9 @@ from typing import Generic, Protocol, TypeVar
 
 from jckpt.errors import CapacityError, CheckpointError, InputError
 from jckpt.format.header import Entry
-from jckpt.services.snapshot import HostLeaf, Leaf, Slot, build_entries
+from jckpt.services.snapshot import HostLeaf, Leaf, Slot, Snapshot, build_entries
 from jckpt.storage.writer import ArraySource
+from jckpt.trees import image
 
 log = logging.getLogger('jckpt')
 
@@ -86,6 +87,7 @@ class MirrorCounters:
       failures: failed write attempts since the mirror opened.
       last_error: the message of the most recent failure, kept after recovery.
       stalls: submits that had to wait for a free slot (the disk is not keeping up).
+      images: snapshots taken as an image on their accelerator (drained in the background).
     """
 
     committed: int = 0
@@ -96,6 +98,7 @@ class MirrorCounters:
     failures: int = 0
     last_error: str | None = None
     stalls: int = 0
+    images: int = 0
 
     def __str__(self) -> str:
         return (f"memory mirror: committed {self.committed} durable {self.durable} "
@@ -114,17 +117,19 @@ def error_code(exc: BaseException) -> str:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Job(Generic[InfoT]):
-    """One admitted snapshot: its number (1, 2, ... in admission order), slot and host arrays.
-
-    `metadata` is the user's metadata for the generation and `info`
-    whatever the committer attached at admission (the manager: the step).
-    """
+    """One admitted snapshot: its number (1, 2, ...), slot and snapshot, the user's
+    `metadata` for the generation and the committer's `info` (the manager: the step)."""
 
     seq: int
     slot: Slot
-    items: tuple[HostLeaf, ...]
+    snapshot: Snapshot
     metadata: Mapping[str, str]
     info: InfoT
+
+    @functools.cached_property
+    def items(self) -> tuple[HostLeaf, ...]:
+        """The leaves in host memory (device images drained on first use)."""
+        return tuple(self.snapshot.drain())
 
     @functools.cached_property
     def built(self) -> tuple[tuple[Entry, ...], tuple[ArraySource, ...]]:
@@ -244,12 +249,16 @@ class Pipeline(Generic[InfoT, StagedT]):
       patience: failed attempts in a row after which waiting callers get the error.
       generation: the generation already on disk (the counters start from it).
       owner: what is closed at interpreter exit if left open (default: the pipeline).
+      image_bytes: the most device memory a slot's image of accelerator arrays may take
+        (None: what the devices have free; 0: copy to host at submit instead).
     """
 
     def __init__(self, name: str, commit: Committer[StagedT], *, slots: int = 2,
                  when_full: str = 'block', retry_after: float = 1.0, patience: int = 3,
-                 generation: int = 0, owner: _Closable | None = None) -> None:
+                 generation: int = 0, owner: _Closable | None = None,
+                 image_bytes: int | None = None) -> None:
         _check_options(slots, when_full, retry_after, patience)
+        image.check_limit(image_bytes)
         self.name = name
         self._commit = commit
         self.when_full = when_full
@@ -257,7 +266,9 @@ class Pipeline(Generic[InfoT, StagedT]):
         self.patience = patience
         self._cond = threading.Condition()
         self._submit_lock = threading.Lock()
-        self._free: collections.deque[Slot] = collections.deque(Slot(i) for i in range(slots))
+        self._free: collections.deque[Slot] = collections.deque(
+            Slot(i, image_limit=image_bytes) for i in range(slots))
+        self._images = 0
         self._queue: collections.deque[Job[InfoT]] = collections.deque()
         self._committed = 0
         self._durable = 0
@@ -284,7 +295,7 @@ class Pipeline(Generic[InfoT, StagedT]):
                                   generation=self._generation, pending=len(self._queue),
                                   error=error_code(self._error) if self._error is not None else 0,
                                   failures=self._failures, last_error=self._last_error,
-                                  stalls=self._stalls)
+                                  stalls=self._stalls, images=self._images)
 
     def _given_up(self) -> BaseException | None:
         return self._error if self._error is not None and self._streak >= self.patience else None
@@ -295,11 +306,15 @@ class Pipeline(Generic[InfoT, StagedT]):
 
     def admit(self, leaves: Sequence[Leaf], metadata: Mapping[str, str], info: InfoT = None,
               timeout: float | None = None) -> int:
-        """Copy `leaves` into a free slot and queue them; return the snapshot's number."""
+        """Snapshot `leaves` into a free slot and queue them; return the snapshot's number.
+
+        Returns once the snapshot is taken (`Slot.take`): device images are
+        dispatched, not awaited, and drained to host by the writer thread.
+        """
         with self._submit_lock:
             slot = self._take_slot(timeout)
             try:
-                items = slot.fill(leaves)
+                snapshot = slot.take(leaves)
             except BaseException:
                 with self._cond:
                     self._free.appendleft(slot)
@@ -307,7 +322,8 @@ class Pipeline(Generic[InfoT, StagedT]):
                 raise
             with self._cond:
                 self._committed += 1
-                job = Job(self._committed, slot, tuple(items), dict(metadata), info)
+                self._images += snapshot.on_device
+                job = Job(self._committed, slot, snapshot, dict(metadata), info)
                 self._queue.append(job)
                 self._cond.notify_all()
                 return job.seq

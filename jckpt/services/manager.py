@@ -120,6 +120,8 @@ class CheckpointManager(BackgroundWriter[_Step]):
       when_full: `'block'` or `'raise'` when every slot is pending, as for the mirror.
       retry_after: seconds before a failed write is retried, as for the mirror.
       patience: failed attempts in a row before the error is raised, as for the mirror.
+      device_image_bytes: the most accelerator memory one slot's snapshot image may take, as
+        for the mirror.
       lineage: the lineage to continue, checked against the latest step.
       new_lineage: start a new lineage even if the latest step has another or
         none; without it, such a step is refused with `LineageError`
@@ -166,7 +168,8 @@ class CheckpointManager(BackgroundWriter[_Step]):
                  patience: int = 3, lineage: str | None = None, new_lineage: bool = False,
                  handle_sigterm: bool = False, directory_steps: bool | None = None,
                  options: CheckpointOptions | None = None,
-                 load_options: CheckpointLoadOptions | None = None) -> None:
+                 load_options: CheckpointLoadOptions | None = None,
+                 device_image_bytes: int | None = None) -> None:
         self.directory = checked_path(directory)
         self.options = steps.checked(options, CheckpointOptions, 'options')
         self.load_options = steps.checked(load_options, CheckpointLoadOptions, 'load_options')
@@ -198,7 +201,8 @@ class CheckpointManager(BackgroundWriter[_Step]):
         try:
             super().__init__(self.directory, backend=backend, lease=lease, ctx=ctx,
                              lineage=lineage, new_lineage=new_lineage, slots=slots,
-                             when_full=when_full, retry_after=retry_after, patience=patience)
+                             when_full=when_full, retry_after=retry_after, patience=patience,
+                             device_image_bytes=device_image_bytes)
         except BaseException:
             self._preemption.close()
             raise

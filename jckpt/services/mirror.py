@@ -68,6 +68,8 @@ class Mirror(BackgroundWriter[None]):
         pending; `'raise'` refuses with `CapacityError`.
       retry_after: seconds between attempts after a disk error (default 1).
       patience: failed attempts in a row after which waiting callers get the error.
+      device_image_bytes: the most accelerator memory one slot's snapshot image may
+        take (None: as much as the devices have free; 0: copy to host at submit).
 
     Raises:
         InUseError: if another mirror holds `path`.
@@ -89,20 +91,25 @@ class Mirror(BackgroundWriter[None]):
 
     def __init__(self, path: str | os.PathLike, *, ctx: Context | None = None,
                  lineage: str | None = None, new_lineage: bool = False, slots: int = 2,
-                 when_full: str = 'block', retry_after: float = 1.0, patience: int = 3) -> None:
+                 when_full: str = 'block', retry_after: float = 1.0, patience: int = 3,
+                 device_image_bytes: int | None = None) -> None:
         self.path = checked_path(path)
         super().__init__(self.path, backend=backend_for(self.path), lease=self.path, ctx=ctx,
                          lineage=lineage, new_lineage=new_lineage, slots=slots,
-                         when_full=when_full, retry_after=retry_after, patience=patience)
+                         when_full=when_full, retry_after=retry_after, patience=patience,
+                         device_image_bytes=device_image_bytes)
 
     def submit(self, tree: Any, *, metadata: Mapping[str, str] | None = None,
                timeout: float | None = None) -> int:
-        """Snapshot `tree` to host memory and queue it; return its number (1, 2, ...).
+        """Snapshot `tree` and queue it; return its number (1, 2, ...).
 
-        Blocks only for the device-to-host copy, and for a free slot when every
-        slot is pending (or raises `CapacityError` with
-        `when_full='raise'`, or after `timeout` seconds). Once it returns,
-        the caller may donate or overwrite the arrays.
+        Blocks only to take the snapshot, and for a free slot when every slot
+        is pending (or raises `CapacityError` with `when_full='raise'`, or
+        after `timeout` seconds). Accelerator arrays are copied on their
+        device in one dispatched call (drained to host in the background),
+        CPU arrays are held as they are (immutable), numpy leaves are copied
+        into the slot's reused buffers. Once it returns, the caller may
+        donate or overwrite the arrays.
         """
         meta = check_metadata(metadata, self.path)
         leaves = namespace_leaves({self.ctx.namespace: tree})

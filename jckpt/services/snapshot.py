@@ -1,11 +1,13 @@
-"""A snapshot: a tree's leaves copied into host buffers, and the entries that describe them.
+"""A snapshot: a tree's leaves held immutable at submit, and the entries that describe them.
 
-A `Slot` holds one snapshot's host buffers and is reused from snapshot
-to snapshot; `Slot.fill` is the only step of a background save that the
-training loop waits for. `build_entries` turns the host arrays into
-entries with their checksums (on the writer's thread), and
-`content_digest` says when two snapshots would write the same
-generation, so an unchanged state is not written again.
+A `Slot` holds one snapshot's buffers (host buffers for numpy leaves, device
+images for accelerator arrays) and is reused from snapshot to snapshot;
+`Slot.take` is the only step of a background save that the training loop
+waits for, and `Snapshot.drain` brings what is still on a device to host on
+the writer's thread. `build_entries` turns the host arrays into entries with
+their checksums (on the writer's thread too), and `content_digest` says when
+two snapshots would write the same generation, so an unchanged state is not
+written again.
 
 >>> import numpy as np
 >>> leaves = [('jckpt', (('k', 'w'),), np.ones(3, np.float32))]
@@ -19,9 +21,11 @@ False
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
 from jckpt.api.context import Context
@@ -29,13 +33,15 @@ from jckpt.format import payload as payload_mod
 from jckpt.format.entries import Entry, KeyPath, entry_for
 from jckpt.format.names import RESERVED_PREFIX
 from jckpt.storage.writer import ArraySource
-from jckpt.trees import placement
+from jckpt.trees import image, placement
 from jckpt.trees import pytree as tree_mod
 
-#: A leaf as submitted: ``(namespace, path, leaf)``; the leaf is anything a tree may hold.
+log = logging.getLogger('jckpt')
+
+#: A leaf as submitted: `(namespace, path, leaf)`; the leaf is anything a tree may hold.
 Leaf = tuple[str, KeyPath, Any]
 
-#: What makes two generations equal (see :func:`content_digest`).
+#: What makes two generations equal (see `content_digest`).
 Digest = tuple[tuple[tuple[Any, ...], ...], tuple[tuple[str, str], ...]]
 
 
@@ -57,36 +63,108 @@ def namespace_leaves(trees: Mapping[str, Any]) -> list[Leaf]:
     return leaves
 
 
-class Slot:
-    """One snapshot's worth of host buffers, reused from snapshot to snapshot."""
+class Snapshot:
+    """A slot's snapshot as submit took it: host arrays, and device images still to drain.
 
-    def __init__(self, index: int) -> None:
+    Taking it is what the training loop waits for; `drain` (on the writer's
+    thread) brings the device images to host memory.
+    """
+
+    def __init__(self, leaves: Sequence[Leaf], hosts: list[Any], imaged: list[int],
+                 images: list[Any], key_impls: list[str | None]) -> None:
+        self._leaves = [(namespace, path) for namespace, path, _ in leaves]
+        self._hosts = hosts
+        self._imaged = imaged
+        self.images = images
+        self._key_impls = key_impls
+
+    @property
+    def on_device(self) -> bool:
+        """Whether some leaves were imaged on their device (and are drained later)."""
+        return bool(self._imaged)
+
+    def drain(self) -> list[HostLeaf]:
+        """Every leaf in host memory, in submit order (device images transferred now)."""
+        arrays = list(self._hosts)
+        for i, array in zip(self._imaged, image.drain(self.images)):
+            arrays[i] = array
+        return [HostLeaf(namespace, path, array, impl)
+                for (namespace, path), array, impl in zip(self._leaves, arrays, self._key_impls)]
+
+
+class Slot:
+    """One snapshot's worth of buffers, host and device, reused from snapshot to snapshot.
+
+    Args:
+      index: the slot's number.
+      image_limit: bytes a device image may take (None: as much as the devices have free;
+        0: never image, copy accelerator arrays to host at submit).
+    """
+
+    def __init__(self, index: int, image_limit: int | None = None) -> None:
         self.index = index
-        self.buffers: list[np.ndarray] = []
+        self.image_limit = image_limit
+        self.buffers: dict[int, np.ndarray] = {}
+        self._images: list[Any] | None = None
+
+    def take(self, leaves: Sequence[Leaf]) -> Snapshot:
+        """Snapshot `leaves` the fastest way that survives donation and overwriting of them.
+
+        * Accelerator arrays: an image on their device, one dispatched copy
+          (`jckpt.trees.image`), when the devices have room for it; else a
+          transfer to host now.
+        * Arrays in host memory (CPU arrays, numpy leaves): copied into this
+          slot's host buffers, allocated once and reused from snapshot to
+          snapshot (no page faults after the first).
+          (Holding a CPU array's memory instead would cost no copy here, but
+          XLA cannot donate memory the host views, so the caller's next step
+          would allocate fresh buffers for its output: measured slower.)
+        """
+        named = [(tree_mod.leaf_name(namespace, path), leaf) for namespace, path, leaf in leaves]
+        devices = [i for i, (_, leaf) in enumerate(named)
+                   if isinstance(leaf, jax.Array) and not placement._on_cpu(leaf)]
+        if devices and not image.has_room([named[i][1] for i in devices], self.image_limit):
+            log.info("jckpt: no device room for a snapshot image: copying to host at submit")
+            devices = []
+        imaged = set(devices)
+        described = iter(placement.host_leaves([named[i] for i in devices], fetch=False))
+        hosts = iter(placement.host_leaves([x for i, x in enumerate(named) if i not in imaged]))
+        images = image.take_image([named[i][1] for i in devices], self._images) if devices else []
+        self._images = images or None
+        staged: list[Any] = []
+        impls: list[str | None] = []
+        copies: list[tuple[np.ndarray, np.ndarray]] = []
+        for i in range(len(named)):
+            h = next(described) if i in imaged else next(hosts)
+            impls.append(h.key_impl)
+            if i in imaged or h.private:  # drained later, or a transfer's own fresh buffer
+                staged.append(h.array)
+                continue
+            staged.append(self._buffer(i, h.array))
+            copies.append((staged[-1], h.array))
+        copy_all(copies)
+        return Snapshot(leaves, staged, devices, images, impls)
 
     def fill(self, leaves: Sequence[Leaf]) -> list[HostLeaf]:
-        """Copy every leaf into this slot's buffers (device-to-host for JAX arrays).
+        """`take` the leaves and `drain` them at once: every leaf in host memory."""
+        return self.take(leaves).drain()
 
-        The leaves come to host through `jckpt.trees.placement.host_leaves`,
-        so every device transfer is started before any is awaited. A private
-        host array (what a transfer from an accelerator made) is adopted as
-        it is; anything else (a CPU or numpy leaf, which may alias memory the
-        caller will reuse) is copied into the slot's buffer of its shape.
-        """
-        hosts = placement.host_leaves(
-            [(tree_mod.leaf_name(namespace, path), leaf) for namespace, path, leaf in leaves])
-        buffers = [h.array if h.private else self._copy(i, h.array) for i, h in enumerate(hosts)]
-        self.buffers = buffers
-        return [HostLeaf(namespace, path, array, h.key_impl)
-                for (namespace, path, _), array, h in zip(leaves, buffers, hosts)]
-
-    def _copy(self, i: int, host: np.ndarray) -> np.ndarray:
-        """`host` copied into this slot's `i`-th buffer (a new one if that does not fit)."""
-        buf = self.buffers[i] if i < len(self.buffers) else None
-        if buf is None or buf.shape != host.shape or buf.dtype != host.dtype or not buf.flags.writeable:
-            buf = np.empty(host.shape, host.dtype)
-        np.copyto(buf, host)
+    def _buffer(self, i: int, host: np.ndarray) -> np.ndarray:
+        """This slot's `i`-th host buffer, of `host`'s shape and dtype (a new one if it differs)."""
+        buf = self.buffers.get(i)
+        if buf is None or buf.shape != host.shape or buf.dtype != host.dtype:
+            buf = self.buffers[i] = np.empty(host.shape, host.dtype)
         return buf
+
+
+def copy_all(copies: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+    """`np.copyto(dst, src)` for every pair: the one part of a host snapshot the loop waits for.
+
+    (Splitting large copies across threads was measured on a 2-core machine
+    and was slower: one thread already keeps memory busy.)
+    """
+    for dst, src in copies:
+        np.copyto(dst, src)
 
 
 def _array_checksum(array: np.ndarray) -> tuple[str, str]:
@@ -116,5 +194,5 @@ def content_digest(entries: Sequence[Entry], metadata: Mapping[str, str]) -> Dig
             tuple(sorted((k, v) for k, v in metadata.items() if not k.startswith(RESERVED_PREFIX))))
 
 
-__all__ = ['Digest', 'HostLeaf', 'Leaf', 'Slot', 'build_entries', 'content_digest',
-           'namespace_leaves']
+__all__ = ['Digest', 'HostLeaf', 'Leaf', 'Slot', 'Snapshot', 'build_entries',
+           'content_digest', 'copy_all', 'namespace_leaves']

@@ -106,6 +106,25 @@ def test_save_is_asynchronous_and_snapshots_the_tree(tmp_path, monkeypatch):
     assert got['state']['v'].tolist() == [0, 1, 2, 3, 4, 5]
 
 
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+def test_save_images_accelerator_arrays_on_their_device_before_they_are_donated(tmp_path,
+                                                                                 monkeypatch):
+    from jckpt.trees import placement
+    monkeypatch.setattr(placement, '_on_cpu', lambda leaf: False)  # the device path, on the CPU
+    tree = {'w': jnp.arange(6.0), 'key': jax.random.key(3), 'n': np.arange(3)}
+    want = {'w': np.arange(6.0, dtype=np.float32), 'key': np.asarray(jax.random.key_data(tree['key'])),
+            'n': np.arange(3)}
+    with ocp.CheckpointManager(tmp_path) as manager:
+        manager.save(1, args=ocp.args.Composite(state=orbax_handler.JckptSave(tree)))
+        step = jax.jit(lambda t: {'w': t['w'] * 0 - 1, 'key': t['key']}, donate_argnums=0)
+        jax.block_until_ready(step({'w': tree['w'], 'key': tree['key']}))
+        tree['n'][:] = -1
+        manager.wait_until_finished()
+        got = manager.restore(1, args=ocp.args.Composite(state=orbax_handler.JckptRestore()))['state']
+    assert got['w'].tolist() == want['w'].tolist() and got['n'].tolist() == want['n'].tolist()
+    assert np.asarray(jax.random.key_data(got['key'])).tolist() == want['key'].tolist()
+
+
 @pytest.fixture(scope='module')
 def orbax_tree():
     return {'a': np.arange(12, dtype=np.float32).reshape(3, 4),
