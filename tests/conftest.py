@@ -18,3 +18,28 @@ def ctx():
     import jckpt
 
     return jckpt.Context()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server for this test process, on a free port (stopped at the end)."""
+    pytest.importorskip("moto.server", reason="moto[server] is not installed (pip install 'jckpt[test]')")
+    pytest.importorskip("obstore", reason="obstore is not installed (pip install 'jckpt[cloud]')")
+    from tests.s3server import S3Server
+
+    server = S3Server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch):
+    """A fresh bucket on the S3 server, the environment pointing at it: yields ``'s3://<bucket>'``."""
+    from jckpt.storage import object_store
+    from tests.s3server import CREDENTIALS
+
+    for name, value in {**CREDENTIALS, "AWS_ENDPOINT_URL": s3_server.endpoint}.items():
+        monkeypatch.setenv(name, value)
+    object_store.forget_stores()
+    yield f"s3://{s3_server.bucket()}"
+    object_store.forget_stores()

@@ -190,7 +190,7 @@ def detect_format(path: PathLike) -> str:
     path = checked_path(path)
     backend = backend_for(path)
     known = formats()
-    head = None if backend.isdir(path) else backend.map(path)[:SNIFF_BYTES]
+    head = None if backend.isdir(path) else backend.head(path, SNIFF_BYTES)
     for fmt in reversed(list(known.values())):
         if fmt.sniff is None:
             continue

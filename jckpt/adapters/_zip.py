@@ -18,14 +18,17 @@ refused after at most one step past its bound, never held in memory.
 from __future__ import annotations
 
 import bz2
+import io
 import struct
 import zipfile
 import zlib
 from collections.abc import Iterable
+from typing import Any
 
 from jckpt.adapters._common import check_member_name
 from jckpt.errors import FormatError
 from jckpt.format import limits
+from jckpt.storage.backend import backend_for, is_url
 
 try:
     import lzma
@@ -42,11 +45,19 @@ _LOCAL_HEADER = struct.Struct('<4sHHHHHIIIHH')
 _PAD_ID = 0x4246  # 'FB': the padding record torch.save uses
 
 
-def open_zip(path: str) -> zipfile.ZipFile:
+def zip_source(path: str, buffer: Any = None) -> Any:
+    """What `zipfile.ZipFile` reads `path` from: the local path, or an object's bytes in memory."""
+    if not is_url(path):
+        return path
+    return io.BytesIO(buffer if buffer is not None else backend_for(path).map(path))
+
+
+def open_zip(path: str, buffer: Any = None) -> zipfile.ZipFile:
     """Open `path` as a zip archive; `FormatError` if it is not one or is truncated,
-    or if a member name could escape a directory."""
+    or if a member name could escape a directory. A URL's `buffer` (its bytes) is read
+    again from the store when not given."""
     try:
-        zf = zipfile.ZipFile(path)
+        zf = zipfile.ZipFile(zip_source(path, buffer))
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError,
             struct.error) as e:
         raise FormatError(f"not a readable zip archive ({e})", file=path,

@@ -25,6 +25,7 @@ from jckpt.format.header import looks_like_header
 from jckpt.format.layout import lay_out
 from jckpt.format.metadata import empty_nodes, empty_nodes_text
 from jckpt.format.names import EMPTY_NODES_KEY, INDEX_NAME
+from jckpt.storage.backend import LOCAL, backend_for
 from jckpt.storage.writer import ArraySource, write_checkpoint
 from jckpt.version import __version__
 
@@ -34,7 +35,9 @@ def sniff(path: str, head: bytes | None) -> bool:
     (`looks_like_header`); or a directory checkpoint
     (multi-process), which holds `index.jckpt`."""
     if head is None:
-        return os.path.isfile(os.path.join(path, INDEX_NAME))
+        backend = backend_for(path)
+        return INDEX_NAME in backend.list(path) if backend is not LOCAL else \
+            os.path.isfile(os.path.join(path, INDEX_NAME))
     return looks_like_header(head)
 
 

@@ -199,7 +199,7 @@ def write_npy(tree: Any, path: str) -> None:
 def sniff_npz(path: str, head: bytes | None) -> bool:
     if head is None or head[:4] not in (b'PK\x03\x04', b'PK\x05\x06'):
         return False
-    with zipfile.ZipFile(path) as zf:
+    with zipfile.ZipFile(_zip.zip_source(path)) as zf:
         return all(n.endswith('.npy') for n in zf.namelist())
 
 
@@ -208,7 +208,7 @@ def read_npz(path: str) -> dict[str, Any]:
     path = os.fspath(path)
     buffer = map_file(path)
     budget = _zip.Budget(len(buffer))
-    with _zip.open_zip(path) as zf:
+    with _zip.open_zip(path, buffer) as zf:
         arrays: dict[str, np.ndarray] = {}
         for info in zf.infolist():
             if info.is_dir():

@@ -54,6 +54,7 @@ from jckpt.adapters._common import (
 from jckpt.errors import FormatError, InputError
 from jckpt.format import limits
 from jckpt.format.payload import iter_payload_chunks, stored_dtype
+from jckpt.storage.backend import is_url
 
 #: The safetensors reader refuses headers larger than this.
 MAX_HEADER_BYTES = 100_000_000
@@ -254,7 +255,8 @@ def sniff(path: str, head: bytes | None) -> bool:
     if len(head) < 9:
         return False
     (n,) = struct.unpack_from('<Q', head, 0)
-    return 2 <= n <= MAX_HEADER_BYTES and head[8:9] == b'{' and 8 + n <= os.path.getsize(path)
+    return 2 <= n <= MAX_HEADER_BYTES and head[8:9] == b'{' and (
+        is_url(path) or 8 + n <= os.path.getsize(path))
 
 
 # --- writing ----------------------------------------------------------------

@@ -254,7 +254,7 @@ def _root(zf: zipfile.ZipFile, path: str) -> str:
 def sniff(path: str, head: bytes | None) -> bool:
     if head is None or head[:4] != b'PK\x03\x04':
         return False
-    with zipfile.ZipFile(path) as zf:
+    with zipfile.ZipFile(_zip.zip_source(path)) as zf:
         return any(n.endswith('/data.pkl') and n.count('/') == 1 for n in zf.namelist())
 
 
@@ -266,7 +266,7 @@ def read(path: str) -> dict[str, Any]:
         raise FormatError("a legacy (pre-1.6, non-zip) torch file", file=path,
                           fix="re-save it with a current torch.save")
     budget = _zip.Budget(len(buffer))
-    with _zip.open_zip(path) as zf:
+    with _zip.open_zip(path, buffer) as zf:
         root = _root(zf, path)
         infos = {i.filename: i for i in zf.infolist()}
         order = bytes(_zip.member_bytes(zf, buffer, infos[root + 'byteorder'], path, limit=16,

@@ -42,7 +42,7 @@ from jckpt.trees import placement, sharding
 from jckpt.trees import pytree as tree_mod
 
 PathLike = str | os.PathLike
-#: What ``namespaces=`` takes: one namespace, or several.
+#: What `namespaces=` takes: one namespace, or several.
 Namespaces = str | Collection[str]
 
 
@@ -64,7 +64,7 @@ def load(ctx: Context, path: PathLike, *, prefix_namespace: str | None = None,
       path: a checkpoint file or directory, or an orbax item or step directory (as it is).
       prefix_namespace: rename every namespace `ns` to `prefix + "__" + ns`.
       mmap: map payloads (default `ctx.mmap`).
-      verify: check payload checksums (default: when copying, not when mapping).
+      verify: check payload checksums (default: when copying or reading a URL, not when mapping).
       progress: draw a progress bar on stderr while reading (only when stderr is a terminal).
       namespaces: read only these namespaces (a name, or a collection of names, as
         stored: before `prefix_namespace` renames them); default every namespace.
@@ -92,7 +92,7 @@ def load(ctx: Context, path: PathLike, *, prefix_namespace: str | None = None,
     entries = tree_mod.prefix_namespace(Header(tensors=stored), prefix_namespace).tensors
     _check_clash(ctx, entries, path)
     mmap = ctx.mmap if mmap is None else mmap
-    verify = (not mmap) if verify is None else verify
+    verify = _verify_default(reader, mmap) if verify is None else verify
     groups: dict[str, list[tuple[KeyPath, int]]] = {}
     requests: list[tuple[Any, Any, str, str | None]] = []
     with progress_mod.bar(f"loading {os.path.basename(path)}",
@@ -105,6 +105,11 @@ def load(ctx: Context, path: PathLike, *, prefix_namespace: str | None = None,
     out = {ns: tree_mod.unflatten([(k, values[i]) for k, i in items], file=path)
            for ns, items in groups.items()}
     return ctx.replace(registry=ctx.registry.add(entries)), out
+
+
+def _verify_default(reader: Any, mmap: bool) -> bool:
+    """Check checksums when copying, and always for an object read from a store (never mapped)."""
+    return not mmap or getattr(reader, 'remote', False)
 
 
 def _stored_path(e: Entry) -> KeyPath:
@@ -160,7 +165,7 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
       mmap: map payloads (default `ctx.mmap`).
       cast: convert to the target's dtype instead of refusing a dtype mismatch.
       namespace: read this namespace instead of `ctx.namespace`.
-      verify: check checksums of the leaves read (default: when copying).
+      verify: check checksums of the leaves read (default: when copying or reading a URL).
       namespaces: read several namespaces at once (a name or a collection of
         names); the result is `{namespace: subtree}`, each subtree of its
         target's type, and every leaf of every namespace is placed together.
@@ -209,7 +214,7 @@ def _requests(ctx: Context, reader: Any, parts: Sequence[tuple[str, list, Any]],
               verify: bool | None) -> list[tuple[Any, Any, str, str | None]]:
     """`(array, target leaf, name, key_impl)` for each target leaf: matched, checked, read."""
     mmap = ctx.mmap if mmap is None else mmap
-    verify = (not mmap) if verify is None else verify
+    verify = _verify_default(reader, mmap) if verify is None else verify
     index = _index(reader.header, {ns for ns, _, _ in parts})
     requests = []
     meshes: dict[Any, Any] = {}  # abstract meshes of the target, resolved once each

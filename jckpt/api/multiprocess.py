@@ -39,8 +39,8 @@ from jckpt.errors import DistributedError, InputError
 from jckpt.format.boxes import Box, box_shape, coalesce, full_box, intersect
 from jckpt.format.entries import Entry, Header, KeyPath, entry_for
 from jckpt.format.layout import lay_out
-from jckpt.format.names import DIRECTORY_LOCK_NAME, STAGE_DIR_TAG, piece_name
-from jckpt.storage.backend import Backend, backend_for
+from jckpt.format.names import DIRECTORY_LOCK_NAME, INDEX_NAME, STAGE_DIR_TAG, piece_name
+from jckpt.storage.backend import LOCAL, Backend, backend_for
 from jckpt.storage.directory import make_stage, publish_directory, reclaim_stage_dirs, write_index
 from jckpt.storage.regions import ShardedSource
 from jckpt.storage.writer import ArraySource, write_checkpoint
@@ -48,7 +48,7 @@ from jckpt.trees import placement
 from jckpt.trees import pytree as tree_mod
 from jckpt.version import __version__
 
-#: Seconds a process waits at a barrier for the others (``JCKPT_BARRIER_TIMEOUT`` overrides).
+#: Seconds a process waits at a barrier for the others (`JCKPT_BARRIER_TIMEOUT` overrides).
 DEFAULT_BARRIER_TIMEOUT = 300.0
 _saves = itertools.count()
 
@@ -230,8 +230,28 @@ class _Stage:
     lock_fd: int = -1
 
 
-def _open_stage(rt: _Runtime, path: str, process: int, stage: _Stage) -> None:
-    """Process 0 creates the staging directory and tells the others its name."""
+def _open_stage(rt: _Runtime, path: str, process: int, stage: _Stage, backend: Backend) -> None:
+    """Process 0 creates the staging directory and tells the others its name.
+
+    In an object store there is no directory to rename: process 0 clears the
+    prefix (its index first, so what was there stops being a checkpoint at
+    once), the pieces are written in place, and the index, written last, is
+    the commit.
+    """
+    if backend is not LOCAL:
+        if process == 0:
+            try:
+                backend.remove(os.path.join(path, INDEX_NAME))
+                backend.remove(path)
+            except BaseException as e:
+                rt.share('stage', '!' + _first_line(e))
+                raise
+            rt.share('stage', STAGE_DIR_TAG)
+        elif (name := rt.share('stage', None)).startswith('!'):
+            raise DistributedError(f"process 0 could not start the save: {name[1:]}", file=path,
+                                   fix="see process 0's error")
+        stage.path = path
+        return
     if process == 0:
         try:
             reclaim_stage_dirs(path)
@@ -255,7 +275,8 @@ def _publish(backend: Backend, stage: _Stage, path: str, count: int, alignment: 
     """Process 0: index the pieces, publish the directory, then let go of its lock."""
     assert stage.path is not None
     write_index(stage.path, count, alignment, dict(metadata or {}), durable=durable)
-    publish_directory(stage.path, path, durable=durable)
+    if backend is LOCAL:
+        publish_directory(stage.path, path, durable=durable)
     stage.path = None
     backend.remove(os.path.join(path, DIRECTORY_LOCK_NAME))  # held until now: never a lockless stage
 
@@ -279,7 +300,7 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
         ```
     """
     backend = backend_for(path)  # before abspath, which would take a URL for a relative path
-    path = os.path.abspath(os.fspath(path))
+    path = os.path.abspath(os.fspath(path)) if backend is LOCAL else os.fspath(path)
     namespace = ctx.namespace
     alignment = ctx.alignment if alignment is None else alignment
     if not isinstance(alignment, int) or alignment < 1:
@@ -290,7 +311,7 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
     rt = _Runtime(f"jckpt/save/{next(_saves)}", path, timeout, count)
     stage = _Stage()
     try:
-        _open_stage(rt, path, process, stage)
+        _open_stage(rt, path, process, stage, backend)
         rt.together('written', 'wrote its pieces', process, lambda: _write_pieces(
             stage.path, leaves, namespace, alignment, process, ctx.durable))
         rt.together('published', 'saw the checkpoint published', process, None if process else (

@@ -27,7 +27,7 @@ import jax
 from jckpt.api import progress as progress_mod
 from jckpt.api.context import Context, check_context
 from jckpt.api.multiprocess import save_directory
-from jckpt.errors import InputError, InUseError
+from jckpt.errors import CheckpointError, InputError, InUseError
 from jckpt.format._gc import paused
 from jckpt.format.entries import Entry, Header, KeyPath, entry_for, round_up
 from jckpt.format.layout import lay_out
@@ -35,11 +35,11 @@ from jckpt.format.limits import MAX_ALIGNMENT, valid_alignment
 from jckpt.format.metadata import check_metadata, empty_nodes_text
 from jckpt.format.names import EMPTY_NODES_KEY, INDEX_NAME
 from jckpt.format.payload import CHECKSUM_PLACEHOLDER
-from jckpt.storage.backend import checked_path
+from jckpt.storage.backend import LOCAL, backend_for, checked_path
 from jckpt.storage.publish import storage_error
 from jckpt.storage.reader import CheckpointReader
 from jckpt.storage.regions import ShardedSource
-from jckpt.storage.writer import ArraySource, CopySource, array_source, write_checkpoint
+from jckpt.storage.writer import ArraySource, CopySource, ReaderSource, array_source, write_checkpoint
 from jckpt.trees import placement
 from jckpt.trees import pytree as tree_mod
 from jckpt.version import __version__
@@ -82,7 +82,7 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
     path, ctx = checked_path(path), check_context(ctx, appending=appending, progress=progress)
     metadata = check_metadata(metadata, path)  # strings only, refused before anything is written
     # several processes save their pieces into one directory; a directory checkpoint stays one
-    if jax.process_count() > 1 or os.path.isfile(os.path.join(path, INDEX_NAME)):
+    if jax.process_count() > 1 or _holds_directory(path):
         if appending:
             raise InputError("appending is not supported for directory checkpoints",
                              file=path, fix="save the whole tree")
@@ -93,16 +93,34 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
     hosts = placement.host_leaves([(tree_mod.leaf_name(ctx.namespace, p), leaf) for p, leaf in items],
                                   pieces=True)
     alignment = _alignment(ctx.alignment if alignment is None else alignment, path)
-    old = CheckpointReader(path) if appending and os.path.exists(path) else None
+    old = _appended(path) if appending else None
     metadata = _with_empty_nodes(metadata, old, ctx.namespace, empty, [p for p, _ in items])
     entries, sources = _entries(ctx, [p for p, _ in items], hosts,
                                 kept=old.header.tensors if old is not None else (), alignment=alignment)
     header = _header(entries, alignment, old.header if old is not None else Header(), metadata)
     if old is None:
         _publish(ctx, path, header, sources, progress)
+    else:
+        _publish_appended(ctx, path, header, entries, sources, old, progress)
+
+
+def _appended(path: str) -> Any:
+    """The checkpoint at `path` whose entries an appending save keeps (None when nothing is there)."""
+    backend = backend_for(path)
+    if backend is LOCAL:
+        return CheckpointReader(path) if os.path.exists(path) else None
+    return backend.open(path) if backend.exists(path) else None
+
+
+def _publish_appended(ctx: Context, path: str, header: Header, entries: Sequence[Entry],
+                      sources: Sequence[Any], old: Any, progress: bool) -> None:
+    """Publish with the kept entries' payloads copied from the very checkpoint whose header was read."""
+    if getattr(old, 'remote', False):  # an object: fetched by ranges conditional on the version read
+        _publish(ctx, path, header, [ReaderSource(old, e) if s is None else s
+                                     for e, s in zip(entries, sources)], progress)
         return
     fd = _open_read_file(path, old)
-    try:  # the kept payloads are copied from the very file whose header was read
+    try:
         sources = [CopySource(fd, old.data_start + e.offset, e.byte_length, e.checksum)
                    if s is None else s for e, s in zip(entries, sources)]
         _publish(ctx, path, header, sources, progress)
@@ -119,6 +137,19 @@ def _with_empty_nodes(metadata: dict[str, str], old: CheckpointReader | None, na
     if text is None:
         return metadata
     return {**metadata, EMPTY_NODES_KEY: text}
+
+
+def _holds_directory(path: str) -> bool:
+    """Whether `path` holds a directory checkpoint (for a URL, an index under its prefix)."""
+    index = os.path.join(path, INDEX_NAME)
+    backend = backend_for(path)
+    if backend is LOCAL:
+        return os.path.isfile(index)
+    try:
+        return backend.exists(index)
+    except CheckpointError as e:  # the checkpoint's URL, not its index's
+        e.file = path
+        raise
 
 
 def _alignment(alignment: Any, path: str) -> int:

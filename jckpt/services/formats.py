@@ -229,7 +229,7 @@ def stage_step(temporary: str, target: str, step: int, items: Sequence[HostLeaf]
 
 def finish_step(temporary: str, target: str, *, durable: bool) -> None:
     """Publish a staged step directory as `target`: every file durable, then one rename."""
-    step_directory.publish_dir(temporary, target, durable=durable)
+    step_directory.publish_dir(temporary, target, durable=durable, marker=TRAINER_STATE_NAME)
 
 
 def staging_remove(temporary: str) -> None:

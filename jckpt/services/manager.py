@@ -62,7 +62,7 @@ from jckpt.services.preemption import Preemption
 from jckpt.services.retention import Retention, check_metrics, check_step, ranked
 from jckpt.services.snapshot import Digest, namespace_leaves
 from jckpt.services.trainer_state import TrainerState
-from jckpt.storage.backend import backend_for, checked_path
+from jckpt.storage.backend import LOCAL, backend_for, checked_path
 from jckpt.storage.publish import fsync_dir, storage_error
 
 log = logging.getLogger('jckpt')
@@ -186,10 +186,11 @@ class CheckpointManager(BackgroundWriter[_Step]):
         self.best_metric, self.best_mode = best_metric, best_mode
         self.save_interval_steps = save_interval_steps
         self.asynchronous = check_flag(asynchronous, 'asynchronous', self.directory, optional=False)
-        try:
-            os.makedirs(self.directory, exist_ok=True)
-        except OSError as e:
-            raise storage_error(e, "creating the checkpoint directory", self.directory) from e
+        if backend is LOCAL:  # an object store's prefix needs no creating
+            try:
+                os.makedirs(self.directory, exist_ok=True)
+            except OSError as e:
+                raise storage_error(e, "creating the checkpoint directory", self.directory) from e
         self._lock = threading.Lock()
         self._metrics: dict[int, dict[str, float]] = {}
         self._last_admitted: int | None = None
@@ -413,7 +414,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
                 for marker in (INDEX_NAME, TRAINER_STATE_NAME):
                     self.backend.remove(os.path.join(path, marker))
             self.backend.remove(path)
-        if doomed and self.ctx.durable and self.process_index == 0:
+        if doomed and self.ctx.durable and self.process_index == 0 and self.backend is LOCAL:
             fsync_dir(self.directory)
 
     # --- restoring -------------------------------------------------------------
@@ -455,7 +456,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
                 raise FormatError("no checkpoint in the directory", file=self.directory,
                                   fix="save a step first, or check the directory")
         path = self._path(check_step(step, self.directory))
-        if not os.path.exists(path):
+        if not (self.backend.exists(path) or self.backend.isdir(path)):  # a file or a directory step
             raise FormatError(f"no step {step}", file=self.directory,
                               fix=f"pick one of {self.all_steps()[-5:]}")
         meta = steps.read_metadata(path, step)

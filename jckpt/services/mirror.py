@@ -120,7 +120,7 @@ class Mirror(BackgroundWriter[None]):
 
     def _recover(self) -> str | None:
         staging.remove_staged(self.path)
-        return self.path if os.path.exists(self.path) else None
+        return self.path if self.backend.exists(self.path) else None
 
     def _target(self, info: None) -> str:
         return self.path

@@ -21,7 +21,7 @@ from jckpt.format import metadata
 from jckpt.format.names import INDEX_NAME, NEXT_TAG, STAGE_DIR_TAG, STAGE_TAG, STEP_RE, TRAINER_STATE_NAME
 from jckpt.services import formats
 from jckpt.services.formats import CheckpointLoadOptions
-from jckpt.storage.backend import Backend
+from jckpt.storage.backend import LOCAL, Backend
 from jckpt.storage.directory import reclaim_stage_dirs
 from jckpt.storage.publish import reclaim_staging
 from jckpt.storage.staging import remove_staged
@@ -59,7 +59,21 @@ def parse_metrics(text: str | None, path: str) -> dict[str, float]:
 
 
 def clean_staging(backend: Backend, directory: str) -> None:
-    """Remove staging files and directories of steps whose writer died (incomplete steps)."""
+    """Remove staging files and directories of steps whose writer died (incomplete steps).
+
+    In an object store, file steps are staged in local files and uploaded whole;
+    what a dead save leaves there is a step prefix of pieces without its index.
+    """
+    if backend is not LOCAL:
+        for name in backend.list(directory):
+            path = os.path.join(directory, name)
+            if STEP_RE.match(name):
+                remove_staged(path)
+                if backend.isdir(path) and not any(backend.exists(os.path.join(path, marker))
+                                                   for marker in (INDEX_NAME, TRAINER_STATE_NAME)):
+                    log.info("jckpt: removing the unfinished step %s", path)
+                    backend.remove(path)
+        return
     files, dirs = set(), set()
     for name in backend.list(directory):
         path = os.path.join(directory, name)

@@ -6,22 +6,24 @@ points (save and load, the mirror and the manager, conversion, the tools and
 the command line) all do, before they create or read anything. A backend
 offers six things: opening a stored checkpoint for ranged reads, mapping a
 stored file of any format whole, a streaming write that publishes
-atomically, listing, removal, and a writer lease. Local POSIX files
-are the one backend today (`LocalBackend`: mapped reads, a staging
-file renamed over the target, `flock` leases); an object store is another
-module implementing `Backend`, registered by its URL scheme.
+atomically, listing, removal, and a writer lease. Local POSIX files are
+one backend (`LocalBackend`: mapped reads, a staging file renamed over the
+target, `flock` leases); object stores are the other
+(`jckpt.storage.object_backend`: ranged reads, uploads completed at publish,
+conditional-create leases), registered by URL scheme (`s3`, `gs`, `az`,
+`memory`).
 
-Until then a URL is refused with a clear error, rather than taken for a
-relative local path (`s3://b/x` would otherwise create `./s3:/b/x`);
-`backend_for` says exactly which strings count as URLs:
+A URL of a scheme no backend serves is refused with a clear error, rather
+than taken for a relative local path (`s3x://b/x` would otherwise create
+`./s3x:/b/x`); `backend_for` says exactly which strings count as URLs:
 
 >>> backend_for('model.jckpt') is LOCAL
 True
 >>> try:
-...     backend_for('s3://bucket/model.jckpt')
+...     backend_for('ftp://host/model.jckpt')
 ... except InputError as e:
 ...     print(e.message)
-no storage backend for URL scheme 's3'
+no storage backend for URL scheme 'ftp'
 """
 
 from __future__ import annotations
@@ -33,15 +35,17 @@ import shutil
 from typing import Protocol, runtime_checkable
 
 from jckpt.errors import FormatError, InputError
+from jckpt.storage import object_store
 from jckpt.storage.lease import WriterLease
+from jckpt.storage.object_backend import OBJECT_STORE
 from jckpt.storage.publish import StagingFile, storage_error
 from jckpt.storage.reader import CheckpointReader
 
 #: A URL: at the very start, a scheme of two or more characters (RFC 3986: a letter, then
-#: letters, digits, ``+ - .``) and ``:/``. See :func:`backend_for` for why this rule.
+#: letters, digits, `+ - .`) and `:/`. See `backend_for` for why this rule.
 _URL = re.compile(r'([A-Za-z][A-Za-z0-9+.-]+):/')
 
-#: A whole stored file: locally a private (copy-on-write) mapping, ``b''`` for an empty file.
+#: A whole stored file: locally a private (copy-on-write) mapping, `b''` for an empty file.
 Buffer = mmap_mod.mmap | bytes
 
 
@@ -65,6 +69,12 @@ class Backend(Protocol):
         which the adapters parse themselves. Raises
         `FormatError` when `path` is missing or a directory.
         """
+
+    def head(self, path: str, length: int) -> bytes:
+        """The first `length` bytes of the stored file `path` (fewer if shorter); errors as `map`."""
+
+    def exists(self, path: str) -> bool:
+        """Whether something is stored at `path` (locally a file or a directory; in a store, an object)."""
 
     def isdir(self, path: str) -> bool:
         """Whether `path` is a directory (a directory checkpoint, or a manager's root)."""
@@ -115,6 +125,12 @@ class LocalBackend:
                               fix="pass a file, or the format that reads this directory") from None
         except OSError as e:
             raise storage_error(e, "reading", path) from e
+
+    def head(self, path: str, length: int) -> bytes:
+        return bytes(self.map(path)[:length])
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
 
     def isdir(self, path: str) -> bool:
         return os.path.isdir(path)
@@ -185,6 +201,15 @@ def url_scheme(path: str | os.PathLike) -> str | None:
     return m.group(1).lower() if m else None
 
 
+def is_url(path: str | os.PathLike) -> bool:
+    """Whether `path` is a URL (by `backend_for`'s rule), not a local path.
+
+    >>> is_url('s3://b/x'), is_url('run/x.jckpt')
+    (True, False)
+    """
+    return url_scheme(path) is not None
+
+
 def backend_for(path: str | os.PathLike) -> Backend:
     """The backend that stores `path`: the local one for a filesystem path.
 
@@ -204,9 +229,11 @@ def backend_for(path: str | os.PathLike) -> Backend:
     `s3:x` and `run:1/ckpt` (no `/` right after the colon),
     `2024-01-01T10:00/ckpt` (a scheme starts with a letter).
 
-    Raises `InputError` for a URL, naming its scheme and
-    saying that local paths are what this version stores: no backend for
-    object stores ships yet.
+    A URL of a scheme in `jckpt.storage.object_store.SCHEMES` (`s3`, `gs`,
+    `az`, `memory` and their aliases) is served by the object store backend;
+    its library is imported when the first object is read or written, and a
+    missing library is an `InputError` saying what to install. Any other URL
+    is an `InputError` naming its scheme.
 
     >>> backend_for('C:/x') is backend_for('dir/a://b') is LOCAL
     True
@@ -214,9 +241,14 @@ def backend_for(path: str | os.PathLike) -> Backend:
     scheme = url_scheme(path)
     if scheme is None:
         return LOCAL
+    if scheme in object_store.SCHEMES:
+        if not object_store.available():
+            raise InputError(f"URLs of scheme {scheme!r} need obstore, which is not installed",
+                             file=checked_path(path), fix="pip install 'jckpt[cloud]'")
+        return OBJECT_STORE
     raise InputError(f"no storage backend for URL scheme {scheme!r}", file=checked_path(path),
-                     fix="save to and read from a local filesystem path; this version of jckpt "
-                         "stores checkpoints on local (POSIX) filesystems only")
+                     fix="use a local filesystem path, or a URL of a scheme jckpt stores to: "
+                         + ", ".join(f"{s}://" for s in sorted(object_store.SCHEMES)))
 
 
-__all__ = ['LOCAL', 'Backend', 'Buffer', 'LocalBackend', 'backend_for', 'url_scheme']
+__all__ = ['LOCAL', 'Backend', 'Buffer', 'LocalBackend', 'backend_for', 'is_url', 'url_scheme']

@@ -22,9 +22,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from jckpt.errors import FormatError
 from jckpt.format.names import INDEX_NAME
-from jckpt.storage.backend import backend_for, checked_path
+from jckpt.storage.backend import LOCAL, backend_for, checked_path
 from jckpt.storage.directory import DirectoryReader
+from jckpt.storage.object_store import MISSING_OBJECT
 from jckpt.storage.reader import CheckpointReader
 
 
@@ -88,6 +90,13 @@ def open_checkpoint(path: str | os.PathLike) -> Any:
     """
     path = checked_path(path)
     backend = backend_for(path)
+    if backend is not LOCAL:  # an object: its header's GET first; a prefix is listed only if none is there
+        try:
+            return backend.open(path)
+        except FormatError as e:
+            if e.message != MISSING_OBJECT or not backend.isdir(path):
+                raise
+        return DirectoryReader(path)
     if not backend.isdir(path):
         return backend.open(path)
     if not os.path.exists(os.path.join(path, INDEX_NAME)):

@@ -40,7 +40,7 @@ from jckpt.format.boxes import Box, box_shape, box_size, box_slices, check_tilin
 from jckpt.format.header import Entry, Header
 from jckpt.format.index import IndexedArray, global_entry, index_header, parse_index
 from jckpt.format.names import DIRECTORY_LOCK_NAME, INDEX_NAME, PIECE_RE, STAGE_DIR_TAG, piece_name
-from jckpt.storage.backend import LOCAL, backend_for
+from jckpt.storage.backend import LOCAL, Backend, backend_for
 from jckpt.storage.lazy import LazyArray, note_read
 from jckpt.storage.publish import STALE_AFTER, fsync_dir, storage_error
 from jckpt.storage.reader import CheckpointReader
@@ -180,11 +180,13 @@ def publish_directory(stage: str, path: str, *, durable: bool = True) -> None:
 # --- the index ----------------------------------------------------------------------------------
 
 @paused  # a million pieces, and no cycles among them
-def collect_arrays(stage: str, names: Iterable[str]) -> list[IndexedArray]:
+def collect_arrays(stage: str, names: Iterable[str],
+                   backend: Backend | None = None) -> list[IndexedArray]:
     """Every array of the piece files `names` with its pieces, ordered by namespace and id."""
+    backend = backend if backend is not None else backend_for(stage)
     arrays: dict[tuple[str, Any], tuple[tuple[Any, ...], Entry, list[tuple[int, Box]]]] = {}
     for fi, name in enumerate(names):
-        reader = LOCAL.open(os.path.join(stage, name))
+        reader = backend.open(os.path.join(stage, name))
         for e in reader.header.tensors:
             if e.slice is None:
                 raise FormatError("piece entry without slice", file=reader.path, entry=e.name)
@@ -230,12 +232,13 @@ def write_index_file(stage: str, names: list[str], process_count: int,
 def write_index(stage: str, process_count: int, alignment: int, metadata: dict[str, str], *,
                 durable: bool = True) -> Header:
     """Read every piece file's header in `stage`, check the tiling, write `index.jckpt`."""
-    names = [n for n in LOCAL.list(stage) if PIECE_RE.match(n)]
+    backend = backend_for(stage)
+    names = [n for n in backend.list(stage) if PIECE_RE.match(n)]
     for p in range(process_count):
         if piece_name(p) not in names:
             raise DistributedError(f"process {p} wrote no piece file", file=stage,
                                    fix="check that process's log")
-    arrays = collect_arrays(stage, names)
+    arrays = collect_arrays(stage, names, backend)
     check_arrays(stage, arrays)
     return write_index_file(stage, names, process_count, arrays, alignment, metadata,
                             durable=durable)
@@ -292,10 +295,12 @@ class DirectoryReader:
         self.backend = backend_for(path)
         self.path = os.fspath(path)
         index = os.path.join(self.path, INDEX_NAME)
-        if not os.path.exists(index):
+        if not self.backend.exists(index):
             raise FormatError(f"directory has no {INDEX_NAME}: not a checkpoint, or one whose "
                               "save did not finish", file=self.path, fix=_no_index_fix(self.path))
         self.index = self.backend.open(index, follow_symlinks=False)
+        #: Whether the pieces are objects read by range (checksums are then verified by default).
+        self.remote = getattr(self.index, 'remote', False)
         self.files, arrays = parse_index(self.index.header, index)
         self.arrays = {a.entry.identity: a for a in arrays}
         ih = self.index.header
@@ -322,6 +327,8 @@ class DirectoryReader:
             raise FormatError(f"piece {box} is not in {self.files[fi]} as the index says",
                               file=reader.path, entry=array.entry.name,
                               fix="the directory is damaged; restore it from a good copy")
+        if verify and getattr(reader, 'remote', False):  # fetched once, checked as it is decoded
+            return reader.decode(e, verify=True, count=False)
         if verify and (fi, e.identity) not in self._verified:
             reader.verify_entry(e)
             self._verified.add((fi, e.identity))

@@ -38,7 +38,7 @@ from jckpt.format.boxes import Box, box_shape, box_size, box_slices, full_box
 #: Payloads up to this size are assembled in one host buffer and written sequentially
 #: (fewer system calls than one write per run); larger ones are written in place.
 ASSEMBLE_BYTES = 4 << 20
-#: Runs of at least this many bytes are written with one ``pwrite`` each; a piece with
+#: Runs of at least this many bytes are written with one `pwrite` each; a piece with
 #: shorter runs is scattered through a shared mapping of the file instead.
 DIRECT_RUN_BYTES = 64 << 10
 
@@ -82,13 +82,20 @@ class ShardedSource:
         return hash_region(fd, base, nbytes)
 
     def _write_assembled(self, sink: Any, dtype: np.dtype) -> tuple[str, str]:
-        buf = np.empty(self.shape, dtype)
+        flat = self.assemble()
+        sink.write(flat)
+        return payload_mod.checksum(flat)
+
+    def assemble(self) -> np.ndarray:
+        """The whole payload assembled in one host buffer: its stored bytes, flat `uint8`.
+
+        What a streamed upload sends (an object cannot be written in place).
+        """
+        buf = np.empty(self.shape, payload_mod.stored_dtype(self.dtype))
         for box, get in self.pieces:
             if box_size(box):
                 buf[box_slices(box)] = _piece(box, get)
-        flat = stored_bytes(buf)
-        sink.write(flat)
-        return payload_mod.checksum(flat)
+        return stored_bytes(buf)
 
 
 def _piece(box: Box, get: Callable[[], Any]) -> np.ndarray:

@@ -8,6 +8,10 @@ generation n+1 overlaps with persisting generation n. Readers of `target`
 only ever see a complete generation. `remove_staged` clears what a
 writer that died left behind.
 
+A `target` in an object store (a URL) is staged in a local file instead
+(in the temporary directory, named after the URL), and publishing uploads it
+whole: an object has no rename, and the upload is what makes it durable.
+
 >>> import os, tempfile
 >>> import numpy as np
 >>> from jckpt.format import precs
@@ -25,14 +29,17 @@ writer that died left behind.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import tempfile
 from collections.abc import Mapping, Sequence
 
 from jckpt.errors import CheckpointError
 from jckpt.format.header import Entry, Header
 from jckpt.format.layout import lay_out
 from jckpt.format.names import NEXT_TAG
+from jckpt.storage.backend import LOCAL, backend_for, is_url
 from jckpt.storage.publish import fsync_dir, fsync_file, reclaim_staging, storage_error
 from jckpt.storage.writer import PayloadSource, write_checkpoint
 from jckpt.version import __version__
@@ -40,7 +47,15 @@ from jckpt.version import __version__
 
 def next_name(target: str, seq: int) -> str:
     """The temporary name generation `seq` of `target` is staged under before it is durable."""
+    if is_url(target):
+        return f"{_local_stem(target)}{NEXT_TAG}{seq}"
     return f"{target}{NEXT_TAG}{seq}"
+
+
+def _local_stem(url: str) -> str:
+    """Where the generations of the object `url` are staged locally (one name per URL)."""
+    digest = hashlib.sha256(url.encode()).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), f"jckpt-{digest}-{os.path.basename(url)}")
 
 
 def write_items(target: str, entries: Sequence[Entry], sources: Sequence[PayloadSource], *,
@@ -69,6 +84,11 @@ def stage_items(temporary: str, target: str, entries: Sequence[Entry],
 
 def finish_staged(temporary: str, target: str, *, durable: bool) -> None:
     """fsync `temporary`, rename it over `target`, fsync the directory (`durable=False`: rename)."""
+    backend = backend_for(target)
+    if backend is not LOCAL:  # an object: the upload publishes it
+        backend.upload(temporary, target)
+        discard_staged(temporary)
+        return
     try:
         if durable:
             fsync_file(temporary)
@@ -94,8 +114,9 @@ def remove_staged(target: str) -> list[str]:
     and the staging files of those (reclaimed as `reclaim_staging`
     does).
     """
-    directory = os.path.dirname(os.path.abspath(target))
-    pattern = re.compile(re.escape(os.path.basename(target)) + re.escape(NEXT_TAG) + r'([0-9]+)')
+    stem = _local_stem(target) if is_url(target) else target
+    directory = os.path.dirname(os.path.abspath(stem))
+    pattern = re.compile(re.escape(os.path.basename(stem)) + re.escape(NEXT_TAG) + r'([0-9]+)')
     removed: list[str] = []
     try:
         names = os.listdir(directory)

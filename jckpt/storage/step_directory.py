@@ -22,6 +22,8 @@ from __future__ import annotations
 import os
 import shutil
 
+from jckpt.errors import FormatError
+from jckpt.storage.backend import LOCAL, Backend, backend_for
 from jckpt.storage.publish import fsync_dir, fsync_file, storage_error
 from jckpt.storage.staging import discard_staged
 
@@ -45,7 +47,13 @@ def write_text(path: str, text: str) -> None:
 
 
 def read_text(path: str) -> str:
-    """The text (UTF-8) of the file `path`."""
+    """The text (UTF-8) of the file `path` (or of the object, for a URL)."""
+    backend = backend_for(path)
+    if backend is not LOCAL:
+        try:
+            return bytes(backend.map(path)).decode('utf-8')
+        except UnicodeDecodeError as e:
+            raise FormatError(f"not UTF-8 text ({e})", file=path, fix="the step is damaged") from None
     try:
         with open(path, encoding='utf-8') as f:
             return f.read()
@@ -53,8 +61,17 @@ def read_text(path: str) -> str:
         raise storage_error(e, "reading", path) from e
 
 
-def publish_dir(temporary: str, target: str, *, durable: bool) -> None:
-    """fsync every file of `temporary` and the directory, rename it to `target`, fsync the parent."""
+def publish_dir(temporary: str, target: str, *, durable: bool, marker: str | None = None) -> None:
+    """fsync every file of `temporary` and the directory, rename it to `target`, fsync the parent.
+
+    A `target` in an object store (a URL) gets every file of the local
+    `temporary` uploaded under its prefix, `marker` last (the step exists
+    once its marker does), and `temporary` is removed.
+    """
+    backend = backend_for(target)
+    if backend is not LOCAL:
+        _upload_dir(backend, temporary, target, marker)
+        return
     try:
         if durable:
             for name in os.listdir(temporary):
@@ -67,6 +84,14 @@ def publish_dir(temporary: str, target: str, *, durable: bool) -> None:
         raise storage_error(e, "publishing the step directory", target) from e
 
 
+def _upload_dir(backend: Backend, temporary: str, target: str, marker: str | None) -> None:
+    files = sorted(os.path.relpath(os.path.join(root, name), temporary)
+                   for root, _dirs, names in os.walk(temporary) for name in names)
+    for name in sorted(files, key=lambda n: n == marker):  # the marker last
+        backend.upload(os.path.join(temporary, name), f"{target}/{name.replace(os.sep, '/')}")
+    remove_staged_dir(temporary)
+
+
 def remove_staged_dir(temporary: str) -> None:
     """Remove a staged directory (or file) that will not be published; gone already is fine."""
     if os.path.isdir(temporary) and not os.path.islink(temporary):
@@ -77,12 +102,16 @@ def remove_staged_dir(temporary: str) -> None:
 
 def is_published(path: str, marker: str) -> bool:
     """Whether `path` is a directory holding the file `marker` (a published step)."""
+    backend = backend_for(path)
+    if backend is not LOCAL:
+        return backend.exists(f"{path}/{marker}")
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, marker))
 
 
 def is_file(path: str) -> bool:
-    """Whether `path` is a file (a step's model or optimizer file)."""
-    return os.path.isfile(path)
+    """Whether `path` is a file (a step's model or optimizer file; for a URL, an object)."""
+    backend = backend_for(path)
+    return os.path.isfile(path) if backend is LOCAL else backend.exists(path)
 
 
 __all__ = ['is_file', 'is_published', 'make_staged', 'publish_dir', 'read_text',

@@ -16,7 +16,7 @@ import os
 import struct
 import types
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -26,6 +26,7 @@ from jckpt.format.header import Entry, Header, encode_header_with_slots
 from jckpt.format.header_seal import seal_header
 from jckpt.storage.backend import backend_for
 from jckpt.storage.publish import storage_error
+from jckpt.storage.regions import ShardedSource
 
 
 class Sink:
@@ -247,6 +248,23 @@ class CopySource:
         return self.checksum
 
 
+@dataclasses.dataclass(frozen=True)
+class ReaderSource:
+    """A payload kept verbatim from a checkpoint read by range (an object in a store).
+
+    `CopySource` copies between descriptors; an object has none, so its
+    payload is fetched whole (concurrent ranged GETs) and streamed to the sink.
+    """
+
+    reader: Any
+    entry: Entry
+
+    def write(self, sink: Sink) -> tuple[str, str]:
+        data = self.reader.payload(self.entry)
+        sink.write(data)
+        return self.entry.checksum if self.entry.checksum is not None else payload_mod.checksum(data)
+
+
 def with_placeholders(header: Header) -> Header:
     """`header` with a fixed-width placeholder checksum on every entry that has none."""
     return dataclasses.replace(header, tensors=tuple(
@@ -269,6 +287,8 @@ def write_checkpoint(target: str | os.PathLike, header: Header,
     if len(sources) != len(header.tensors):
         raise InputError(f"{len(sources)} payload sources for {len(header.tensors)} entries",
                          file=target, fix="give one source per entry of the header")
+    if getattr(backend, 'streams', False) and all(type(s) in STREAMED for s in sources):
+        return stream_arrays(backend, target, header, sources, on_payload)  # an object: no spool file
     draft = with_placeholders(header)
     raw, slots = encode_header_with_slots(draft)
     raw = pad_for_aliasing(raw, draft)
@@ -305,3 +325,66 @@ def write_checkpoint(target: str | os.PathLike, header: Header,
             raise storage_error(e, "writing the checkpoint", target) from e
         staging.publish()
     return final
+
+
+#: The payload sources a streamed upload takes (`stream_arrays`): host arrays and sharded payloads.
+STREAMED = (ArraySource, BytesSource, ShardedSource)
+Streamed = ArraySource | BytesSource | ShardedSource
+
+
+def _chunks(source: Streamed):
+    """A streamed source's stored bytes, in chunks (a sharded payload is assembled on the host)."""
+    if type(source) is ShardedSource:
+        return [source.assemble()]
+    if type(source) is BytesSource:
+        return [source.data]
+    return payload_mod.iter_payload_chunks(source.array)
+
+
+def array_checksum(source: Streamed) -> tuple[str, str]:
+    """The payload checksum of a streamed source (its own when known), without writing it anywhere."""
+    if getattr(source, 'checksum', None) is not None:
+        return source.checksum
+    hasher = payload_mod.new_hasher()
+    for chunk in _chunks(source):
+        hasher.update(chunk)
+    return payload_mod.hasher_checksum(hasher)
+
+
+def stream_arrays(backend: Any, target: str, header: Header, sources: Sequence[Streamed],
+                  on_payload: Callable[[Entry], None] | None = None) -> Header:
+    """Host arrays to a backend that streams uploads (an object store), with no spool file.
+
+    The payloads are hashed first (far faster than any upload), so the header
+    is final before its first byte is sent; then the header and the payloads
+    stream into one upload (`backend.stream`), which publishes the object whole
+    only once every byte is in, and aborts it if anything fails. A sharded
+    payload is assembled on the host twice (to hash it, then to send it), one
+    payload at a time.
+    """
+    final = dataclasses.replace(header, tensors=tuple(
+        _evolve(e, checksum=array_checksum(s)) for e, s in zip(header.tensors, sources)))
+    raw, _ = encode_header_with_slots(final)
+    raw = pad_for_aliasing(raw, final)
+    size = len(raw) + max((e.offset + e.byte_length for e in final.tensors), default=0)
+
+    def chunks():
+        yield raw
+        position = 0
+        for entry, source in zip(final.tensors, sources):
+            if entry.offset > position:
+                yield bytes(entry.offset - position)
+            written = 0
+            for chunk in _chunks(source):
+                written += chunk.nbytes
+                yield chunk
+            if written != entry.byte_length:
+                raise StorageError(f"wrote {written} bytes for an entry of {entry.byte_length}",
+                                   file=target, entry=entry.name)
+            position = entry.offset + entry.byte_length
+            if on_payload is not None:
+                on_payload(entry)
+
+    backend.stream(target, chunks(), size)
+    return final
+

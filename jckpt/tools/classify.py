@@ -23,12 +23,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import stat
+from typing import Any
 
 from jckpt.adapters import SNIFF_BYTES, detect_format
 from jckpt.errors import CheckpointError, FormatError
 from jckpt.format.header import looks_like_header
 from jckpt.format.names import INDEX_NAME, PIECE_RE, STEP_RE
-from jckpt.storage.backend import backend_for, checked_path
+from jckpt.storage.backend import LOCAL, backend_for, checked_path
 from jckpt.storage.publish import storage_error
 from jckpt.storage.reader import CheckpointReader
 
@@ -36,22 +37,22 @@ from jckpt.storage.reader import CheckpointReader
 
 #: A checkpoint file (jckpt or OCANNL); its header may still be damaged: reading it says how.
 FILE = 'file'
-#: A multi-process checkpoint: a directory with an index (``index.jckpt``) and piece files.
+#: A multi-process checkpoint: a directory with an index (`index.jckpt`) and piece files.
 DIRECTORY = 'directory'
-#: A checkpoint manager's directory: ``step_NNNNNNNN.jckpt`` steps (files or directories).
+#: A checkpoint manager's directory: `step_NNNNNNNN.jckpt` steps (files or directories).
 MANAGER = 'manager'
-#: A file in another format a format adapter recognises (``Kind.detail`` names it).
+#: A file in another format a format adapter recognises (`Kind.detail` names it).
 FOREIGN = 'foreign'
 #: Nothing at the path (a dangling symbolic link included).
 MISSING = 'missing'
-#: Something that holds no checkpoint (``Kind.detail`` says what: one of the three below).
+#: Something that holds no checkpoint (`Kind.detail` says what: one of the three below).
 UNKNOWN = 'unknown'
 
 #: An UNKNOWN directory of piece files without an index: a save that did not finish.
 UNFINISHED = 'unfinished save'
 #: An UNKNOWN directory holding no checkpoint at all.
 NO_CHECKPOINT = 'no checkpoint'
-#: An UNKNOWN regular file that no reader accepts (``Kind.error`` is the reader's).
+#: An UNKNOWN regular file that no reader accepts (`Kind.error` is the reader's).
 UNREADABLE = 'unreadable file'
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +103,9 @@ def classify(path: str | os.PathLike) -> Kind:
         ```
     """
     path = checked_path(path)
-    backend_for(path)  # a URL no backend serves: an InputError, not a "missing" file
+    backend = backend_for(path)  # a URL no backend serves: an InputError, not a "missing" file
+    if backend is not LOCAL:
+        return _classify_url(path, backend)
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
@@ -132,13 +135,40 @@ def not_jckpt_error(path: str | os.PathLike, fmt: str) -> FormatError:
                            "(or jckpt.convert in Python)")
 
 
+def _classify_url(path: str, backend: Any) -> Kind:
+    """What a URL holds: an object (read as a checkpoint, else sniffed), a prefix of objects, or nothing."""
+    if backend.exists(path):
+        try:
+            backend.open(path)
+        except FormatError as e:
+            try:
+                fmt: str | None = detect_format(path)
+            except CheckpointError:
+                fmt = None
+            if fmt is not None and fmt not in ('jckpt', 'ocannl'):
+                return Kind(FOREIGN, path, fmt, not_jckpt_error(path, fmt))
+            return Kind(UNKNOWN, path, UNREADABLE, e)
+        return Kind(FILE, path)
+    names = backend.list(path)
+    if not names:
+        return Kind(MISSING, path, error=missing_error(path))
+    return _classify_names(path, names)
+
+
 def _classify_directory(path: str) -> Kind:
-    if os.path.isfile(os.path.join(path, INDEX_NAME)):
-        return Kind(DIRECTORY, path)
     try:
         names = os.listdir(path)
     except OSError as e:
         raise storage_error(e, "listing", path) from e
+    if os.path.isfile(os.path.join(path, INDEX_NAME)):
+        return Kind(DIRECTORY, path)
+    return _classify_names(path, names)
+
+
+def _classify_names(path: str, names: list[str]) -> Kind:
+    """A directory's (or a prefix's) kind from the names in it."""
+    if INDEX_NAME in names:
+        return Kind(DIRECTORY, path)
     if any(STEP_RE.match(n) for n in names):
         return Kind(MANAGER, path)
     if any(PIECE_RE.match(n) for n in names):

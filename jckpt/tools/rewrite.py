@@ -38,9 +38,9 @@ from jckpt.errors import ChecksumError, ClashError, InputError
 from jckpt.format.header import DEFAULT_ALIGNMENT, Entry, Header
 from jckpt.format.layout import lay_out
 from jckpt.format.limits import MAX_ALIGNMENT, valid_alignment
-from jckpt.storage.backend import backend_for
+from jckpt.storage.backend import LOCAL, backend_for, is_url
 from jckpt.storage.reader import CheckpointReader
-from jckpt.storage.writer import CopySource, write_checkpoint
+from jckpt.storage.writer import CopySource, ReaderSource, write_checkpoint
 from jckpt.version import __version__
 
 
@@ -62,6 +62,9 @@ def _copy_out(target: str, header: Header, copies: Sequence[tuple[CheckpointRead
         fds: dict[str, int] = {}
         sources = []
         for reader, entry in copies:
+            if getattr(reader, 'remote', False):  # an object: its payload is fetched by range
+                sources.append(ReaderSource(reader, entry))
+                continue
             fd = fds.get(reader.path)
             if fd is None:
                 fd = fds[reader.path] = os.open(reader.path, os.O_RDONLY | os.O_CLOEXEC)
@@ -75,8 +78,14 @@ def _copy_out(target: str, header: Header, copies: Sequence[tuple[CheckpointRead
                                 on_payload=lambda e: bar.advance(e.byte_length))
 
 
+def _exists(path: str) -> bool:
+    """Whether a file (or, for a URL, an object) is at `path`."""
+    backend = backend_for(path)
+    return os.path.lexists(path) if backend is LOCAL else backend.exists(path)
+
+
 def _refuse_existing(target: str, what: str) -> None:
-    if os.path.lexists(target):
+    if _exists(target):
         raise InputError(f"{what} would replace an existing checkpoint", file=target,
                          fix="choose another output path, or allow overwriting it")
 
@@ -103,7 +112,7 @@ def relayout(src: str | os.PathLike, dst: str | os.PathLike, *, alignment: int |
     if alignment is not None and not valid_alignment(alignment):
         raise InputError(f"alignment must be a positive integer up to {MAX_ALIGNMENT}, "
                          f"not {alignment!r}", file=dst)
-    same = os.path.exists(dst) and os.path.samefile(src, dst)
+    same = src == dst if is_url(src) or is_url(dst) else os.path.exists(dst) and os.path.samefile(src, dst)
     if not (overwrite or same):
         _refuse_existing(dst, "writing the re-laid-out file")
     if verify:
@@ -190,7 +199,7 @@ def _merge_sources(out: str, inputs: Sequence[str], prefixes: Sequence[str | Non
     from jckpt.trees.pytree import prefix_namespace  # as above: JAX
 
     sources: list[_Source] = []
-    if append and os.path.exists(out):
+    if append and _exists(out):
         base = backend_for(out).open(out)
         sources.append((base, base.header))
     elif not overwrite:

@@ -31,9 +31,8 @@ from jckpt.format.header import Entry, path_name
 from jckpt.format.limits import json_loads
 from jckpt.format.names import GENERATION_KEY, LINEAGE_KEY, METRICS_KEY, STEP_KEY, TRAINER_STATE_KEY
 from jckpt.format.payload import can_map
-from jckpt.storage.backend import backend_for
+from jckpt.storage.backend import LOCAL, backend_for
 from jckpt.storage.directory import DirectoryReader
-from jckpt.storage.reader import CheckpointReader
 from jckpt.tools.render import (
     REPR_ROWS,
     VALUE_WIDTH,
@@ -415,7 +414,9 @@ def directory_info(path: str | os.PathLike) -> DirectoryInfo:
     files, mappable = _piece_files(reader)
     arrays = tuple(_array_info(reader, a, mappable) for a in reader.arrays.values())
     h = reader.header
-    return DirectoryInfo(path=reader.path, size=tree_size(reader.path), alignment=h.alignment,
+    size = tree_size(reader.path) if reader.backend is LOCAL else \
+        reader.index.size + sum(f.size for f in files)  # an object store: the pieces and the index
+    return DirectoryInfo(path=reader.path, size=size, alignment=h.alignment,
                          writer=h.writer, metadata=tuple(h.metadata), arrays=arrays,
                          files=tuple(files))
 
@@ -426,7 +427,7 @@ def _piece_files(reader: DirectoryReader) -> tuple[list[PieceFileInfo], dict[tup
     files = []
     mappable: dict[tuple[int, Any, Any], bool] = {}
     for fi, name in enumerate(reader.files):
-        r = CheckpointReader(os.path.join(reader.path, name), follow_symlinks=False)
+        r = reader.backend.open(os.path.join(reader.path, name), follow_symlinks=False)
         for e in r.header.tensors:
             mappable[(fi, e.identity, e.slice)] = can_map(e, r.data_start)
         files.append(PieceFileInfo(name, r.size, len(r.header.tensors),

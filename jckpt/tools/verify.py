@@ -226,7 +226,7 @@ def _combine(path: str, reports: list[VerifyReport], extra: list[Problem]) -> Ve
 
 def _verify_steps(path: str, progress: bool) -> VerifyReport:
     """Every step of a checkpoint manager's directory, as one report."""
-    names = sorted(n for n in os.listdir(path) if STEP_RE.match(n))
+    names = sorted(n for n in backend_for(path).list(path) if STEP_RE.match(n))
     return _combine(path, [verify(os.path.join(path, n), progress=progress) for n in names], [])
 
 
@@ -240,7 +240,7 @@ def _verify_sharded(path: str, progress: bool) -> VerifyReport:
     problems += _index_mismatches(reader, pieces)
     listed = set(reader.files)
     problems += [Problem('warning', f"piece file {name} is not listed in {INDEX_NAME}", path)
-                 for name in sorted(os.listdir(path)) if PIECE_RE.match(name) and name not in listed]
+                 for name in backend_for(path).list(path) if PIECE_RE.match(name) and name not in listed]
     return _combine(path, reports, problems)
 
 
@@ -251,7 +251,7 @@ def _verify_pieces(reader: DirectoryReader, progress: bool) -> tuple[
     reports, problems, pieces = [], [], {}
     for fi, name in enumerate(reader.files):
         piece_path = os.path.join(reader.path, name)
-        if not os.path.exists(piece_path):
+        if not reader.backend.exists(piece_path):
             problems.append(Problem('error', f"piece file {name} listed in the index is missing",
                                     reader.path))
             continue
@@ -260,7 +260,7 @@ def _verify_pieces(reader: DirectoryReader, progress: bool) -> tuple[
         if report.errors and report.entries == 0:
             continue  # the piece file itself is unreadable: already reported
         pieces[fi] = {(e.identity, e.slice): e for e in
-                      CheckpointReader(piece_path, follow_symlinks=False).header.tensors}
+                      reader.backend.open(piece_path, follow_symlinks=False).header.tensors}
     return reports, problems, pieces
 
 

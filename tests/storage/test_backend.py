@@ -1,4 +1,5 @@
-"""The storage backend seam: the local backend round-trips; URLs no backend serves are refused."""
+"""The storage backend seam: the local backend round-trips; object store URLs go to their backend;
+URLs no backend serves are refused."""
 
 import os
 
@@ -14,7 +15,7 @@ from jckpt.storage.backend import checked_path, url_scheme
 from jckpt.storage.directory import DirectoryReader
 from jckpt.storage.writer import ArraySource, write_checkpoint
 
-URLS = ["s3://bucket/model.jckpt", "gs://bucket/run/ckpt", "S3://Bucket/x", "file:///tmp/x.jckpt"]
+URLS = ["ftp://bucket/model.jckpt", "hdfs://bucket/run/ckpt", "FTP://Bucket/x", "file:///tmp/x.jckpt"]
 
 
 def test_plain_paths_are_local(tmp_path):
@@ -65,19 +66,38 @@ def test_backend_for_refuses_urls(url):
             as info:
         backend_for(url)
     assert info.value.file == url
-    assert "local" in info.value.fix
+    assert "local filesystem path" in info.value.fix and "s3://" in info.value.fix
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/model.jckpt", "gs://bucket/run/ckpt", "S3://Bucket/x",
+                                 "az://container/x", "memory://b/x"])
+def test_object_store_urls_have_their_backend(url):
+    pytest.importorskip("obstore")
+    from jckpt.storage.object_backend import OBJECT_STORE
+
+    assert backend_for(url) is OBJECT_STORE
+    assert isinstance(OBJECT_STORE, Backend)
+
+
+def test_a_missing_library_is_named(monkeypatch):
+    from jckpt.storage import object_store
+
+    monkeypatch.setattr(object_store, "available", lambda: False)
+    with pytest.raises(InputError, match="need obstore") as info:
+        backend_for("s3://bucket/x")
+    assert info.value.fix == "pip install 'jckpt[cloud]'"
 
 
 @pytest.fixture
 def in_empty_dir(tmp_path, monkeypatch):
-    """Run in an empty directory and check that nothing was created there (s3: taken as a dir)."""
+    """Run in an empty directory and check that nothing was created there (ftp: taken as a dir)."""
     monkeypatch.chdir(tmp_path)
     yield tmp_path
     assert os.listdir(tmp_path) == []
 
 
-URL = "s3://bucket/model.jckpt"
-NO_BACKEND = "no storage backend for URL scheme 's3'"
+URL = "ftp://bucket/model.jckpt"
+NO_BACKEND = "no storage backend for URL scheme 'ftp'"
 
 
 def test_save_refuses_a_url(in_empty_dir):

@@ -507,7 +507,7 @@ def test_verify_returns_a_failed_report_for_every_input_and_never_raises(tmp_pat
     assert 'FAILED' in report.render() and report.to_dict()['ok'] is False
 
 
-@pytest.mark.parametrize('path', ['s3://bucket/model.jckpt', 'a\0b.jckpt', 5], ids=['url', 'nul', 'int'])
+@pytest.mark.parametrize('path', ['ftp://host/model.jckpt', 'a\0b.jckpt', 5], ids=['url', 'nul', 'int'])
 def test_verify_of_an_argument_that_is_no_path_is_an_input_error(path):
     with pytest.raises(jckpt.InputError):  # a usage error, as every tool raises it
         jckpt.verify(path)

@@ -1,9 +1,10 @@
-"""URLs at every entry point: refused with one clear InputError before anything is created.
+"""URLs at every entry point: served by the object store backend, or refused with one clear InputError.
 
-No storage backend for object stores ships yet, so ``s3://bucket/x`` (or
-``gs://``, ``memory://``) must never be taken for a relative local path: that
-would silently create a file or a directory called ``s3:`` in the working
-directory. Every test runs in an empty working directory and checks that its
+A URL must never be taken for a relative local path: that would silently
+create a file or a directory called ``ftp:`` in the working directory. A URL
+of a scheme jckpt stores to (``s3://``, ``gs://``, ``az://``, ``memory://``)
+goes to the object store backend; any other scheme is refused before anything
+is created. Every test runs in an empty working directory and checks that its
 listing did not change. The rule for what counts as a URL is
 ``jckpt.storage.backend.backend_for``'s; the last tests pin it down.
 """
@@ -24,12 +25,13 @@ from jckpt.adapters import safetensors as st_adapter
 from jckpt.api.multiprocess import save_directory
 from jckpt.storage import LOCAL, backend_for
 from jckpt.storage.backend import url_scheme
+from jckpt.storage.object_backend import OBJECT_STORE
 from jckpt.tools import classify, rewrite
 from jckpt.tools.cli import EXIT_ERROR, main
 from jckpt.tools.diff import diff
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-URLS = {"s3://bucket/x": "s3", "gs://b/x": "gs", "memory://x": "memory"}
+URLS = {"ftp://bucket/x": "ftp", "hdfs://b/x": "hdfs", "file:///x": "file"}
 TREE = {"w": np.arange(3, dtype=np.float32)}
 
 
@@ -62,7 +64,7 @@ def refused(url, call, *args, **kwargs):
     e = info.value
     assert e.message == f"no storage backend for URL scheme {URLS[url]!r}"
     assert e.file == url
-    assert "local" in e.fix and "filesystem" in e.fix
+    assert "local filesystem path" in e.fix and "s3://" in e.fix and "gs://" in e.fix
     return e
 
 
@@ -148,17 +150,35 @@ def test_tools(here, url):
     refused(url, jckpt.consolidate, "d", url)
 
 
-def test_a_url_made_into_a_path_is_still_refused(here):
-    """``pathlib.Path('s3://b/x')`` collapses the slashes to ``s3:/b/x``: still not a local path."""
+def test_a_url_made_into_a_path_is_still_a_url(here):
+    """``pathlib.Path('ftp://b/x')`` collapses the slashes to ``ftp:/b/x``: still not a local path."""
     here.freeze()
-    path = pathlib.Path("s3://bucket/x")
-    assert str(path) == "s3:/bucket/x"
-    with pytest.raises(jckpt.InputError, match="no storage backend for URL scheme 's3'"):
+    path = pathlib.Path("ftp://bucket/x")
+    assert str(path) == "ftp:/bucket/x"
+    with pytest.raises(jckpt.InputError, match="no storage backend for URL scheme 'ftp'"):
         jckpt.save(jckpt.Context(), TREE, path)
-    with pytest.raises(jckpt.InputError, match="no storage backend for URL scheme 's3'"):
+    with pytest.raises(jckpt.InputError, match="no storage backend for URL scheme 'ftp'"):
         jckpt.CheckpointManager(path)
-    with pytest.raises(jckpt.InputError, match="no storage backend for URL scheme 's3'"):
+    with pytest.raises(jckpt.InputError, match="no storage backend for URL scheme 'ftp'"):
         jckpt.Mirror(path)
+    pytest.importorskip("obstore")
+    jckpt.save(jckpt.Context(), TREE, pathlib.Path("memory://paths/x.jckpt"))
+    np.testing.assert_array_equal(jckpt.load(jckpt.Context(), "memory:/paths/x.jckpt")[1]["jckpt"]["w"],
+                                  TREE["w"])
+
+
+def test_supported_urls_create_nothing_locally(here):
+    """Saving to and reading from a served URL touches the store only, never the working directory."""
+    pytest.importorskip("obstore")
+    src = local_file()
+    here.freeze()
+    url = "memory://here/run/a.jckpt"
+    jckpt.save(jckpt.Context(), TREE, url)
+    jckpt.restore(jckpt.Context(), TREE, url)
+    jckpt.convert(src, "memory://here/run/b.safetensors")
+    assert jckpt.verify(url).ok
+    assert classify.classify("memory://here/run").name == "unknown"
+    assert classify.classify("memory://here/nothing").name == "missing"
 
 
 # --- the command line --------------------------------------------------------------------------
@@ -184,7 +204,7 @@ def test_cli(here, url, cli):
         assert rc == EXIT_ERROR, args
         assert out == "", args
         assert f"no storage backend for URL scheme {URLS[url]!r}" in err, args
-        assert "local (POSIX) filesystems" in err, args
+        assert "local filesystem path" in err, args
         assert url in err, args
 
 
@@ -192,11 +212,11 @@ def test_cli_process(here):
     """As a command: exit status 2, one line naming the URL and the scheme, nothing created."""
     here.freeze()
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run([sys.executable, "-m", "jckpt", "convert", "a.npz", "s3://bucket/x"],
+    done = subprocess.run([sys.executable, "-m", "jckpt", "convert", "a.npz", "ftp://bucket/x"],
                           capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 2
-    assert done.stderr.startswith("jckpt: error: s3://bucket/x: no storage backend for URL "
-                                  "scheme 's3' (fix: ")
+    assert done.stderr.startswith("jckpt: error: ftp://bucket/x: no storage backend for URL "
+                                  "scheme 'ftp' (fix: ")
     assert done.stderr.count("\n") == 1
 
 
@@ -204,10 +224,20 @@ def test_cli_process(here):
 
 @pytest.mark.parametrize("path, scheme", [
     ("s3://bucket/x", "s3"), ("gs://b/x", "gs"), ("memory://x", "memory"), ("S3://B/x", "s3"),
-    ("file:///tmp/x", "file"), ("git+ssh://host/x", "git+ssh"), ("s3:/bucket/x", "s3"),
-    (b"s3://bucket/x", "s3"), (pathlib.PurePosixPath("gs://b/x"), "gs"),
+    ("az://c/x", "az"), ("s3:/bucket/x", "s3"), (b"s3://bucket/x", "s3"),
+    (pathlib.PurePosixPath("gs://b/x"), "gs"),
 ])
-def test_urls(path, scheme):
+def test_served_urls(path, scheme):
+    pytest.importorskip("obstore")
+    assert url_scheme(path) == scheme
+    assert backend_for(path) is OBJECT_STORE
+
+
+@pytest.mark.parametrize("path, scheme", [
+    ("file:///tmp/x", "file"), ("git+ssh://host/x", "git+ssh"), ("ftp:/host/x", "ftp"),
+    ("HTTP://host/x", "http"),
+])
+def test_refused_urls(path, scheme):
     assert url_scheme(path) == scheme
     with pytest.raises(jckpt.InputError) as info:
         backend_for(path)

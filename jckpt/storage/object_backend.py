@@ -1,0 +1,132 @@
+"""The backend of object store URLs: `s3://`, `gs://`, `az://` and `memory://` checkpoints.
+
+`backend_for` hands `OBJECT_STORE` out for every URL of those schemes. It
+implements the `Backend` protocol of `jckpt.storage.backend` over obstore
+(`jckpt.storage.object_store` holds the configuration, the uploads and the
+ranged source; `jckpt.storage.remote_reader` the reader;
+`jckpt.storage.object_lease` the writer lease). A "directory" is a key
+prefix: `s3://b/run` holds `s3://b/run/step_00000100.jckpt`.
+
+>>> OBJECT_STORE.list('memory://doc-backend/run')
+[]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from jckpt.errors import FormatError
+from jckpt.storage.object_lease import ObjectLease
+from jckpt.storage.object_store import (
+    ObjectSource,
+    ObjectStaging,
+    ObjectURL,
+    is_missing,
+    obstore_module,
+    store_error,
+    store_for,
+    tuning,
+    upload,
+    upload_stream,
+)
+from jckpt.storage.remote_reader import RemoteReader
+
+
+class ObjectStoreBackend:
+    """Checkpoints in an object store (the `Backend` of `jckpt.storage.backend` for URLs).
+
+    Paths are URLs; a "directory" is a key prefix (`s3://b/run` holds
+    `s3://b/run/step_00000100.jckpt`).
+    """
+
+    name = 'object store'
+    #: Uploads can be streamed (`stream`): the writer sends host arrays without a spool file.
+    streams = True
+
+    def open(self, path: str, *, follow_symlinks: bool = True) -> RemoteReader:
+        u = ObjectURL.parse(path)
+        part, concurrency = tuning(u)
+        return RemoteReader(ObjectSource(u), path, part=part, concurrency=concurrency)
+
+    def map(self, path: str) -> bytes:
+        u = ObjectURL.parse(path)
+        try:
+            return bytes(obstore_module().get(store_for(u), u.key).bytes())
+        except Exception as e:
+            if is_missing(e):
+                raise FormatError("no such object", file=path, fix="check the URL") from None
+            raise store_error(e, "reading", path) from e
+
+    def head(self, path: str, length: int) -> bytes:
+        u = ObjectURL.parse(path)
+        try:
+            return ObjectSource(u).head(length)[0]
+        except FormatError as e:
+            raise FormatError("no such object", file=path, fix="check the URL") from e
+
+    def exists(self, path: str) -> bool:
+        """Whether an object is stored at `path`."""
+        u = ObjectURL.parse(path)
+        try:
+            obstore_module().head(store_for(u), u.key)
+            return True
+        except Exception as e:
+            if is_missing(e):
+                return False
+            raise store_error(e, "looking up", path) from e
+
+    def isdir(self, path: str) -> bool:
+        u = ObjectURL.parse(path)
+        try:
+            for chunk in obstore_module().list(store_for(u), prefix=u.prefix, chunk_size=1):
+                return bool(chunk)
+            return False
+        except Exception as e:
+            raise store_error(e, "listing", path) from e
+
+    def create(self, target: str, *, durable: bool = True) -> ObjectStaging:
+        return ObjectStaging(ObjectURL.parse(target))
+
+    def stream(self, target: str, chunks: Iterator[Any], size: int) -> None:
+        """Upload the `size` bytes of `chunks` as the object `target`, whole or not at all."""
+        upload_stream(ObjectURL.parse(target), chunks, size)
+
+    def upload(self, local: str, target: str) -> None:
+        """Put the local file `local` at `target` whole (see `upload`)."""
+        upload(local, ObjectURL.parse(target))
+
+    def list(self, path: str) -> list[str]:
+        u = ObjectURL.parse(path)
+        try:
+            found = obstore_module().list_with_delimiter(store_for(u), prefix=u.prefix or None)
+        except Exception as e:
+            raise store_error(e, "listing", path) from e
+        names = [o['path'] for o in found['objects']] + list(found['common_prefixes'])
+        return sorted({n.rstrip('/').rsplit('/', 1)[-1] for n in names} - {''})
+
+    def remove(self, path: str) -> None:
+        u = ObjectURL.parse(path)
+        obs, store = obstore_module(), store_for(u)
+        try:
+            keys = [o['path'] for chunk in obs.list(store, prefix=u.prefix) for o in chunk]
+            if u.key:
+                keys.append(u.key)
+            for start in range(0, len(keys), 1000):
+                obs.delete(store, keys[start:start + 1000])
+        except Exception as e:
+            if not is_missing(e):
+                raise store_error(e, "removing", path) from e
+
+    def lease(self, path: str) -> ObjectLease:
+        return ObjectLease(ObjectURL.parse(path))
+
+    def __repr__(self) -> str:
+        return 'ObjectStoreBackend()'
+
+
+#: The object store backend (one for every scheme; stores are per bucket).
+OBJECT_STORE = ObjectStoreBackend()
+
+
+__all__ = ['OBJECT_STORE', 'ObjectStoreBackend']

@@ -1,0 +1,359 @@
+"""Object stores through obstore: configuration, stores per bucket, uploads, ranged reads, errors.
+
+What the backend of `s3://`, `gs://`, `az://` and `memory://` URLs is
+built on. It uses obstore, the Python bindings of the Rust `object_store`
+crate (docs/design.md has the measurements that chose it over fsspec and
+s3fs), imported only when a URL is first used: `pip install 'jckpt[cloud]'`.
+
+* **Configuration** is each cloud's own: environment variables
+  (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
+  `AWS_REGION`; `GOOGLE_APPLICATION_CREDENTIALS` or application default
+  credentials; `AZURE_STORAGE_ACCOUNT_NAME` ...), and, where a program
+  needs more, `configure` for a scheme or a bucket: obstore's options
+  (`endpoint`, `region`, `client_options`, `retry_config`, or a
+  ready `store`), and jckpt's own `part_size` and `concurrency`. An
+  `http://` endpoint (a local S3 server) is allowed without more ado.
+* **Writes** stream to a local spool file (the writer patches checksums into
+  the header in place, which an object cannot take), then go up in one PUT or
+  one multipart upload completed at publish: the object appears whole or not
+  at all, and a failed upload is aborted. obstore cannot list multipart
+  uploads, so those of a killed writer are left to the bucket's lifecycle
+  rule (docs/object-storage.md); they are never visible as objects.
+* **Reads** are ranged: see `jckpt.storage.remote_reader`.
+* **The writer lease** is an object created only if absent (a conditional
+  PUT): see `jckpt.storage.object_lease`. The backend itself, which
+  `backend_for` hands out, is `jckpt.storage.object_backend`.
+
+>>> url = ObjectURL.parse('memory://bucket/run/model.jckpt')
+>>> url.bucket, url.key, url.child('x').url
+('bucket', 'run/model.jckpt', 'memory://bucket/run/model.jckpt/x')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import os
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from jckpt.errors import CheckpointError, FormatError, InputError, StorageError
+
+#: URL schemes served here, and the store kind each names.
+SCHEMES = {'s3': 's3', 's3a': 's3', 'gs': 'gs', 'gcs': 'gs', 'az': 'az', 'azure': 'az', 'abfs': 'az',
+           'abfss': 'az', 'memory': 'memory'}
+#: Options of `configure` that are jckpt's own (the rest go to the store).
+OWN_OPTIONS = ('part_size', 'concurrency', 'store')
+#: The message of the `FormatError` for a URL where no object is stored.
+MISSING_OBJECT = "no such checkpoint object"
+DEFAULT_PART_SIZE = 16 << 20
+DEFAULT_CONCURRENCY = 8
+_CREDENTIALS_FIX = ("check the credentials: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a profile) for "
+                    "s3://, GOOGLE_APPLICATION_CREDENTIALS or application default credentials for gs://, "
+                    "AZURE_STORAGE_* for az://, or pass them with jckpt.storage.configure")
+_NETWORK_FIX = ("check the endpoint (AWS_ENDPOINT_URL for S3-compatible servers) and the network, "
+                "then try again")
+
+_LOCK = threading.Lock()
+_OPTIONS: dict[str, dict[str, Any]] = {}
+_STORES: dict[tuple[str, str], Any] = {}
+_MEMORY: dict[str, Any] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectURL:
+    """A URL split into the store's kind, its bucket and the object key (`url` is kept as given)."""
+
+    url: str
+    kind: str
+    scheme: str
+    bucket: str
+    key: str
+
+    @classmethod
+    def parse(cls, url: str) -> ObjectURL:
+        scheme, _, rest = url.partition(':')
+        scheme = scheme.lower()
+        bucket, _, key = rest.removeprefix('/').removeprefix('/').partition('/')
+        if not bucket:
+            raise InputError("the URL names no bucket", file=url,
+                             fix=f"write it as {scheme}://BUCKET/path/to/checkpoint")
+        return cls(url, SCHEMES[scheme], scheme, bucket, '/'.join(p for p in key.split('/') if p))
+
+    def child(self, name: str) -> ObjectURL:
+        return ObjectURL.parse(f"{self.scheme}://{self.bucket}/{self.prefix}{name}")
+
+    @property
+    def prefix(self) -> str:
+        """The key as a directory: what objects "inside" it start with."""
+        return f"{self.key}/" if self.key else ''
+
+
+def configure(prefix: str, **options: Any) -> None:
+    """Options for the stores of URLs that start with `prefix` (a scheme, or `scheme://bucket`).
+
+    For what the environment does not say: the options of obstore's store for
+    that cloud (`endpoint`, `region`, `access_key_id`,
+    `secret_access_key`, `client_options`, `retry_config`, ...), or a
+    ready obstore `store` to use as is; and jckpt's own `part_size` (bytes
+    per part of a multipart upload and per ranged GET, default 16 MiB, at least 5 MiB) and
+    `concurrency` (requests in flight, default 8). A bucket's options are
+    applied over its scheme's. Calling it again replaces the options of that
+    prefix; `configure(prefix)` clears them. Process-wide: every entry point
+    (`save`, `restore`, the `Mirror`, the `CheckpointManager`, the tools) sees
+    them.
+
+    Example:
+        ```python
+        jckpt.storage.configure("s3", endpoint="http://localhost:9000", region="us-east-1")
+        jckpt.storage.configure("s3://big-bucket", part_size=64 << 20, concurrency=16)
+        ```
+    """
+    scheme = prefix.split(':', 1)[0].lower()
+    if scheme not in SCHEMES:
+        raise InputError(f"no storage backend for URL scheme {scheme!r}", file=prefix,
+                         fix=f"configure one of {sorted(SCHEMES)}")
+    _check_tuning(options, prefix)
+    key = scheme if '://' not in prefix else f"{scheme}://{ObjectURL.parse(prefix).bucket}"
+    with _LOCK:
+        if options:
+            _OPTIONS[key] = dict(options)
+        else:
+            _OPTIONS.pop(key, None)
+        _STORES.clear()
+
+
+#: The smallest part S3 accepts in a multipart upload (but the last).
+MIN_PART_SIZE = 5 << 20
+
+
+def _check_tuning(options: dict[str, Any], prefix: str) -> None:
+    part, concurrency = options.get('part_size', DEFAULT_PART_SIZE), options.get('concurrency', 1)
+    if not isinstance(part, int) or isinstance(part, bool) or part < MIN_PART_SIZE:
+        raise InputError(f"part_size must be an integer of at least {MIN_PART_SIZE} bytes (5 MiB, the "
+                         f"smallest part S3 takes), not {part!r}", file=prefix)
+    if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:
+        raise InputError(f"concurrency must be a positive integer, not {concurrency!r}", file=prefix)
+
+
+def forget_stores() -> None:
+    """Drop the stores built so far (the next use reads the environment again); memory:// stays."""
+    with _LOCK:
+        _STORES.clear()
+
+
+def _settings(u: ObjectURL) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for key in (u.scheme, f"{u.scheme}://{u.bucket}"):
+        merged.update(_OPTIONS.get(key, {}))
+    return merged
+
+
+def available() -> bool:
+    """Whether obstore is installed (without importing it)."""
+    return importlib.util.find_spec('obstore') is not None
+
+
+def obstore_module() -> Any:
+    """The obstore module, imported on first use; an `InputError` saying what to install when missing."""
+    try:
+        return importlib.import_module('obstore')
+    except ImportError:
+        raise InputError("reading and writing URLs needs obstore, which is not installed",
+                         fix="pip install 'jckpt[cloud]'") from None
+
+
+def store_for(u: ObjectURL) -> Any:
+    """The obstore store of `u`'s bucket, built once per bucket from the environment and `configure`."""
+    with _LOCK:
+        store = _STORES.get((u.scheme, u.bucket))
+        if store is None:
+            store = _STORES[(u.scheme, u.bucket)] = _build(u, _settings(u))
+        return store
+
+
+def _build(u: ObjectURL, options: dict[str, Any]) -> Any:
+    obs = obstore_module()
+    if options.get('store') is not None:
+        return options['store']
+    if u.kind == 'memory':
+        if u.bucket not in _MEMORY:
+            _MEMORY[u.bucket] = obs.store.MemoryStore()
+        return _MEMORY[u.bucket]
+    store_options = {k: v for k, v in options.items() if k not in OWN_OPTIONS}
+    if u.kind == 's3':
+        endpoint = store_options.get('endpoint') or os.environ.get('AWS_ENDPOINT_URL_S3') \
+            or os.environ.get('AWS_ENDPOINT_URL') or os.environ.get('AWS_ENDPOINT') or ''
+        if endpoint.startswith('http://'):
+            store_options['client_options'] = {'allow_http': True, **store_options.get('client_options', {})}
+    root = {'s3': 's3', 'gs': 'gs', 'az': 'az'}[u.kind]
+    try:
+        return obs.store.from_url(f"{root}://{u.bucket}", **store_options)
+    except Exception as e:
+        raise store_error(e, "configuring the object store", u.url) from e
+
+
+def tuning(u: ObjectURL) -> tuple[int, int]:
+    """`(part_size, concurrency)` for `u`'s bucket (`configure`'s, else the defaults)."""
+    s = _settings(u)
+    return int(s.get('part_size', DEFAULT_PART_SIZE)), int(s.get('concurrency', DEFAULT_CONCURRENCY))
+
+
+def store_error(exc: BaseException, action: str, url: str) -> CheckpointError:
+    """An obstore failure as a `CheckpointError` naming the URL and a fix."""
+    if isinstance(exc, CheckpointError):
+        return exc
+    name = type(exc).__name__
+    text = str(exc)
+    detail = text.splitlines()[0][:200] if text else name
+    if 'NoSuchBucket' in text:
+        return StorageError(f"{action} failed: the bucket does not exist", file=url,
+                            fix="create the bucket, or check the URL and the endpoint")
+    if name in ('PermissionDeniedError', 'UnauthenticatedError') or 'AccessDenied' in text \
+            or 'InvalidAccessKeyId' in text or 'SignatureDoesNotMatch' in text:
+        return StorageError(f"{action} failed: access denied ({detail})", file=url, fix=_CREDENTIALS_FIX)
+    if 'credential' in text.lower() or 'service account' in text.lower():
+        return StorageError(f"{action} failed: the credentials could not be loaded ({detail})", file=url,
+                            fix=_CREDENTIALS_FIX)
+    if name == 'UnknownConfigurationKeyError':
+        return InputError(f"{action} failed: {detail}", file=url,
+                          fix="see obstore's options for this store; jckpt's own are "
+                              + ", ".join(OWN_OPTIONS))
+    if name == 'PreconditionError':
+        return StorageError(f"{action} failed: the object changed while it was read", file=url,
+                            fix="another writer replaced it; read it again")
+    return StorageError(f"{action} failed: {detail}", file=url, fix=_NETWORK_FIX)
+
+
+def is_missing(exc: BaseException) -> bool:
+    return isinstance(exc, FileNotFoundError) and 'NoSuchBucket' not in str(exc)
+
+
+class ObjectSource:
+    """One object, read by ranges (a `RangeSource` of `jckpt.storage.remote_reader`)."""
+
+    def __init__(self, u: ObjectURL) -> None:
+        self.u, self.store, self.obs = u, store_for(u), obstore_module()
+
+    def head(self, length: int) -> tuple[bytes, int, str | None]:
+        try:
+            result = self.obs.get(self.store, self.u.key, options={'range': (0, length)})
+            meta = result.meta
+            return bytes(result.bytes()), meta['size'], meta.get('e_tag')
+        except Exception as e:
+            if is_missing(e):
+                raise FormatError(MISSING_OBJECT, file=self.u.url,
+                                  fix="check the URL, or save a checkpoint there first") from None
+            try:  # an empty object has no range to read
+                meta = self.obs.head(self.store, self.u.key)
+            except Exception:
+                raise store_error(e, "reading the checkpoint", self.u.url) from e
+            if meta['size']:
+                raise store_error(e, "reading the checkpoint", self.u.url) from e
+            return b'', 0, meta.get('e_tag')
+
+    def read_into(self, dest: memoryview, offset: int, version: str | None) -> None:
+        options: dict[str, Any] = {'range': (offset, offset + len(dest))}
+        if version:
+            options['if_match'] = version
+        try:
+            data = self.obs.get(self.store, self.u.key, options=options).bytes()
+        except Exception as e:
+            if is_missing(e):
+                raise StorageError("the object was removed while it was read", file=self.u.url,
+                                   fix="another writer removed it; read a checkpoint that exists") from None
+            raise store_error(e, "reading the checkpoint", self.u.url) from e
+        if len(data) != len(dest):
+            raise FormatError(f"object ended early: {len(data)} bytes at offset {offset}, expected "
+                              f"{len(dest)}", file=self.u.url, fix="the object is truncated")
+        dest[:] = memoryview(data)
+
+
+def upload(local: str, u: ObjectURL) -> None:
+    """Put the local file `local` at `u`: one PUT, or a multipart upload completed at the end.
+
+    The object is the previous one (or none) until the upload completes; a
+    failed multipart upload is aborted.
+    """
+    part, concurrency = tuning(u)
+    try:
+        obstore_module().put(store_for(u), u.key, Path(local), chunk_size=part, max_concurrency=concurrency)
+    except Exception as e:
+        raise store_error(e, "uploading the checkpoint", u.url) from e
+
+
+def upload_stream(u: ObjectURL, chunks: Iterator[Any], size: int) -> None:
+    """Put the `size` bytes of `chunks` (buffers) at `u`, whole or not at all.
+
+    Up to one part, one PUT of the joined bytes; above, a multipart upload
+    that sends parts while `chunks` is still being produced, completed at
+    the end and aborted if producing or sending fails.
+    """
+    part, concurrency = tuning(u)
+    obs, store = obstore_module(), store_for(u)
+    try:
+        if size <= part:
+            obs.put(store, u.key, b''.join(bytes(memoryview(c).cast('B')) for c in chunks),
+                    use_multipart=False)
+        else:
+            obs.put(store, u.key, chunks, chunk_size=part, max_concurrency=concurrency)
+    except Exception as e:
+        raise store_error(e, "uploading the checkpoint", u.url) from e
+
+
+class ObjectStaging:
+    """A write to an object: spooled to a local file, uploaded whole at `publish`.
+
+    The surface of `jckpt.storage.publish.StagingFile` (`fd`, `publish`,
+    `discard`, a context manager), so the streaming writer and the format
+    adapters write an object as they write a file. Leaving without
+    `publish` uploads nothing. The upload is one PUT, or a multipart upload
+    of `part_size` parts that is completed only when every part is in and
+    aborted on any failure: the object is the previous one until then.
+    """
+
+    def __init__(self, u: ObjectURL) -> None:
+        self.u, self.target = u, u.url
+        store_for(u)  # a bad configuration is refused before anything is written
+        self.published = False
+        try:
+            self.fd, self.path = tempfile.mkstemp(prefix='jckpt-upload-')
+        except OSError as e:
+            raise StorageError(f"creating the local spool file failed: {e.strerror}", file=u.url,
+                               fix="free space in the temporary directory (TMPDIR)") from e
+
+    def publish(self) -> None:
+        """Upload the spooled bytes as the object (one PUT, or a multipart upload completed at the end)."""
+        try:
+            upload(self.path, self.u)
+            self.published = True
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        """Close and remove the spool file."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self) -> ObjectStaging:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.discard()
+
+    def __repr__(self) -> str:
+        return f"ObjectStaging({self.target!r})"
+
+
+__all__ = ['MISSING_OBJECT', 'SCHEMES', 'ObjectSource', 'ObjectStaging', 'ObjectURL', 'available',
+           'configure', 'forget_stores', 'is_missing', 'obstore_module', 'store_error', 'store_for', 'tuning',
+           'upload', 'upload_stream']

@@ -1,0 +1,287 @@
+"""The remote reader: a checkpoint object read by ranges, with the surface of the local reader.
+
+An object store has no mapping to hand out, so `RemoteReader` reads
+what is asked and nothing else: the header with one ranged GET (two when it
+is longer than the first), each payload with concurrent ranged GETs written
+straight into the array that is returned, small neighbouring payloads
+together in one GET, and, for a payload read box by box (a device's shard),
+only the byte runs of that box, neighbours coalesced. It decodes with the
+same codec functions as `jckpt.storage.reader.CheckpointReader`
+(`decode_payload`, `check_extents`), so the two agree on every byte.
+
+The object itself is behind a small interface, `RangeSource` (the
+object store backend provides one), so this module knows nothing of any
+store library. Every GET after the header is conditional on the ETag the
+header was read with: an object replaced while it is read is an error, never
+a mix of two checkpoints.
+
+>>> src = BytesSource(b'')  # an in-memory object, for illustration
+>>> try:
+...     RemoteReader(src, 'memory://b/empty.jckpt')
+... except FormatError as e:
+...     print(e.message)
+object is 0 bytes, shorter than the 4-byte header length
+"""
+
+from __future__ import annotations
+
+import bisect
+import concurrent.futures
+import math
+import struct
+import threading
+from collections.abc import Iterable
+from typing import Protocol
+
+import numpy as np
+
+from jckpt.errors import ChecksumError, FormatError
+from jckpt.format import payload as payload_mod
+from jckpt.format import precs
+from jckpt.format.boxes import Box, box_shape, box_size, box_slices
+from jckpt.format.header import Entry, Header, decode_header
+from jckpt.format.layout import check_extents
+from jckpt.storage.lazy import LazyArray, note_read
+from jckpt.storage.reader import COUNTS
+
+#: The first GET asks for this many bytes: the header of most checkpoints, in one request.
+HEAD_BYTES = 64 << 10
+#: A payload below this size is read together with its small neighbours in one GET.
+SMALL_PAYLOAD = 256 << 10
+#: How far one GET of small neighbouring payloads reaches.
+WINDOW_BYTES = 4 << 20
+#: Byte runs closer than this are read by one GET (as object_store's coalescing does).
+COALESCE_GAP = 1 << 20
+
+
+class RangeSource(Protocol):
+    """One stored object, read by ranges (the object store backend implements it)."""
+
+    def head(self, length: int) -> tuple[bytes, int, str | None]:
+        """The first `length` bytes (fewer if the object is shorter), its size and its version tag."""
+
+    def read_into(self, dest: memoryview, offset: int, version: str | None) -> None:
+        """Fill `dest` with the object's bytes from `offset`, refusing another version."""
+
+
+class BytesSource:
+    """A `RangeSource` over bytes in memory (for tests and examples)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = bytes(data)
+
+    def head(self, length: int) -> tuple[bytes, int, str | None]:
+        return self.data[:length], len(self.data), None
+
+    def read_into(self, dest: memoryview, offset: int, version: str | None) -> None:
+        got = self.data[offset:offset + len(dest)]
+        if len(got) != len(dest):
+            raise FormatError("object ended early", fix="the object is truncated")
+        dest[:] = got
+
+
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix='jckpt-get')
+        return _POOL
+
+
+def read_ranges(source: RangeSource, ranges: list[tuple[int, memoryview]], version: str | None, *,
+                part: int, concurrency: int) -> None:
+    """Fill each `(offset, dest)` from `source`, in parts of `part` bytes, concurrently."""
+    jobs = [(offset + start, dest[start:start + part])
+            for offset, dest in ranges for start in range(0, len(dest), part)]
+    if len(jobs) <= 1:
+        for offset, dest in jobs:
+            source.read_into(dest, offset, version)
+        return
+    futures = [_pool(concurrency).submit(source.read_into, dest, offset, version) for offset, dest in jobs]
+    for f in futures:
+        f.result()
+
+
+def box_runs(shape: tuple[int, ...], item: int, box: Box) -> tuple[list[int], int]:
+    """The byte offsets of the contiguous runs that `box` covers in a C-ordered payload, and their length.
+
+    >>> box_runs((4, 6), 1, ((1, 3), (0, 6)))   # two whole rows: one run
+    ([6], 12)
+    >>> box_runs((4, 6), 1, ((1, 3), (2, 4)))   # a block: one run per row
+    ([8, 14], 2)
+    """
+    ndim = len(shape)
+    split = [d for d in range(ndim) if box[d] != (0, shape[d])]
+    strides = [math.prod(shape[d + 1:]) * item for d in range(ndim)]
+    if not split:
+        return [0], math.prod(shape) * item
+    j = split[-1]
+    run = (box[j][1] - box[j][0]) * strides[j]
+    lead = box_shape(box)[:j]
+    base = sum(box[d][0] * strides[d] for d in range(j + 1))
+    offsets = [base + sum(i * strides[d] for d, i in enumerate(idx)) for idx in np.ndindex(*lead)]
+    return offsets, run
+
+
+class RemoteReader:
+    """A checkpoint object: its validated header, its payloads read by range on demand.
+
+    The same surface as `jckpt.storage.reader.CheckpointReader`
+    (`header`, `data_start`, `size`, `decode`, `payload_bytes`, `verify`),
+    so `load`, `restore`, `verify` and the tools read an object as they read
+    a file. `remote` is True: checksums are verified by default (see
+    `jckpt.api.loading`), and a large payload read without verification is
+    a `LazyArray` that fetches only the boxes asked of it.
+    """
+
+    remote = True
+
+    def __init__(self, source: RangeSource, url: str, *, part: int = 16 << 20,
+                 concurrency: int = 8) -> None:
+        self.path = url
+        self.source, self.part, self.concurrency = source, part, concurrency
+        first, self.size, self.version = source.head(HEAD_BYTES)
+        #: What identifies the object read (its ETag), to tell if it was replaced since.
+        self.file_id = self.version
+        if len(first) < 4:
+            raise FormatError(f"object is {len(first)} bytes, shorter than the 4-byte header length",
+                              file=url, fix="the object is truncated or empty")
+        (hlen,) = struct.unpack('>I', first[:4])
+        if 4 + hlen > self.size:
+            raise FormatError(f"header length {hlen} extends past the end of the object "
+                              f"({self.size} bytes)", file=url,
+                              fix="the object is truncated or not a checkpoint")
+        raw = first[:4 + hlen]
+        if len(raw) < 4 + hlen:
+            rest = bytearray(4 + hlen - len(raw))
+            source.read_into(memoryview(rest), len(raw), self.version)
+            raw = bytes(raw) + bytes(rest)
+        self.header: Header = decode_header(raw, file=url)
+        self.data_start = 4 + hlen
+        check_extents(self.header, self.data_start, self.size, file=url)
+        spans = sorted((e.offset, e.offset + e.byte_length) for e in self.header.tensors)
+        self._starts = [s for s, _ in spans]
+        self._spans = spans
+        self._window: tuple[int, np.ndarray] | None = None
+        self._whole: np.ndarray | None = None
+        self._lock = threading.Lock()
+
+    # --- bytes ------------------------------------------------------------------------------
+
+    def _fetch(self, start: int, length: int) -> np.ndarray:
+        """`length` bytes at payload offset `start`, fetched concurrently into one new buffer."""
+        out = np.empty(length, np.uint8)
+        read_ranges(self.source, [(self.data_start + start, memoryview(out))], self.version,
+                    part=self.part, concurrency=self.concurrency)
+        return out
+
+    def _small(self, entry: Entry) -> np.ndarray:
+        """A small payload, read with the small payloads that follow it in one GET."""
+        start, end = entry.offset, entry.offset + entry.byte_length
+        with self._lock:
+            window = self._window
+            if window is not None and window[0] <= start and end <= window[0] + window[1].size:
+                return window[1][start - window[0]:end - window[0]]
+            reach = end
+            for s, e in self._spans[bisect.bisect_left(self._starts, start):]:
+                if e - s >= SMALL_PAYLOAD or e - start > WINDOW_BYTES or s - reach > COALESCE_GAP:
+                    break
+                reach = max(reach, e)
+            data = self._fetch(start, reach - start)
+            self._window = (start, data)
+        return data[:end - start]
+
+    def payload(self, entry: Entry) -> np.ndarray:
+        """The entry's stored bytes as a `uint8` array (fetched now)."""
+        if self._whole is not None:
+            start = entry.offset
+            return self._whole[self.data_start + start:self.data_start + start + entry.byte_length]
+        if entry.byte_length < SMALL_PAYLOAD:
+            return self._small(entry)
+        return self._fetch(entry.offset, entry.byte_length)
+
+    @property
+    def buffer(self) -> np.ndarray:
+        """The whole object's bytes (fetched on first use, concurrently)."""
+        if self._whole is None:
+            whole = np.empty(self.size, np.uint8)
+            read_ranges(self.source, [(0, memoryview(whole))], self.version, part=self.part,
+                        concurrency=self.concurrency)
+            self._whole = whole
+        return self._whole
+
+    def payload_bytes(self, entry: Entry) -> memoryview:
+        return memoryview(self.payload(entry))
+
+    # --- arrays -----------------------------------------------------------------------------
+
+    def decode(self, entry: Entry, *, mmap: bool = True, verify: bool = False,
+               count: bool = True) -> np.ndarray | LazyArray:
+        """The entry's array, read now; without `verify` a large one is a `LazyArray` read box by box."""
+        if (not verify and entry.byte_length >= SMALL_PAYLOAD and entry.padding is None
+                and entry.key_impl is None and entry.prec != precs.VOID and entry.shape
+                and self._whole is None):
+            return LazyArray(entry.shape, entry.dtype, lambda box: self.read_box(entry, box))
+        data = self.payload(entry) if entry.prec != precs.VOID else np.empty(0, np.uint8)
+        if verify:
+            self._check(entry, data)
+        array, _ = payload_mod.decode_payload(data, entry, data_start=-entry.offset, mmap=True,
+                                              file=self.path)
+        if count:
+            COUNTS.add(0, 1)
+        return array
+
+    def read_box(self, entry: Entry, box: Box) -> np.ndarray:
+        """The contents of `box` of `entry`: only its byte runs are fetched, close ones together."""
+        dtype, shape = entry.dtype, entry.shape
+        item = dtype.itemsize
+        offsets, run = box_runs(shape, item, box)
+        if box_size(box) == 0:
+            return np.empty(box_shape(box), dtype)
+        if run >= COALESCE_GAP or len(offsets) <= 16:
+            out = np.empty(box_size(box) * item, np.uint8)
+            view = memoryview(out)
+            read_ranges(self.source, [(self.data_start + entry.offset + o, view[i * run:(i + 1) * run])
+                                      for i, o in enumerate(offsets)], self.version,
+                        part=self.part, concurrency=self.concurrency)
+            note_read(box, out.nbytes)
+            return out.view(dtype).reshape(box_shape(box))
+        # Short runs: fetch the rows the box spans at once and slice them.
+        row = math.prod(shape[1:]) * item
+        rows = self._fetch(entry.offset + box[0][0] * row, (box[0][1] - box[0][0]) * row)
+        note_read(box, rows.nbytes)
+        block = rows.view(dtype).reshape((box[0][1] - box[0][0], *shape[1:]))
+        return np.ascontiguousarray(block[(slice(None), *box_slices(box[1:]))])
+
+    def _check(self, entry: Entry, data: np.ndarray) -> None:
+        if entry.checksum is None or entry.checksum[0] != payload_mod.CHECKSUM_ALGORITHM:
+            return
+        actual = payload_mod.checksum(data)[1]
+        if actual != entry.checksum[1].lower():
+            raise ChecksumError(f"checksum mismatch: stored {entry.checksum[1]}, computed {actual}",
+                                file=self.path, entry=entry.name,
+                                fix="the object is damaged; restore it from a good copy")
+
+    def verify_entry(self, entry: Entry) -> None:
+        """Raise `ChecksumError` if the payload does not match its checksum."""
+        self._check(entry, self.payload(entry))
+
+    def verify(self, entries: Iterable[Entry] | None = None) -> list[ChecksumError]:
+        """Check every (or the given) entry's checksum; return the failures."""
+        bad = []
+        for e in self.header.tensors if entries is None else entries:
+            try:
+                self.verify_entry(e)
+            except ChecksumError as err:
+                bad.append(err)
+        return bad
+
+    def __repr__(self) -> str:
+        return f"RemoteReader({self.path!r}, size={self.size})"
+
+
+__all__ = ['BytesSource', 'RangeSource', 'RemoteReader', 'box_runs', 'read_ranges']

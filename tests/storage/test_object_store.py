@@ -1,0 +1,486 @@
+"""Checkpoints in object stores, against a real S3 API server (moto's) and obstore's memory store.
+
+What a user does: save to ``s3://bucket/...`` and read it back with every
+reader, partially, after faults; what they must never see: a partial
+object, another checkpoint's bytes, an error without the URL and a fix.
+"""
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import jckpt
+from jckpt.storage import backend_for, object_store
+from jckpt.storage.object_store import ObjectURL
+from tests.helpers import cpu_mesh
+
+pytest.importorskip("obstore", reason="obstore is not installed (pip install 'jckpt[cloud]')")
+
+TREE = {"w": np.arange(300_000, dtype=np.float32).reshape(600, 500), "b": np.arange(7, dtype=np.int32),
+        "nested": {"s": np.float32(2.5), "m": np.ones((3, 4), np.float64)}}
+HOST = jckpt.Context(host=True)
+
+
+def assert_tree_equal(a, b):
+    for x, y in zip(jax_leaves(a), jax_leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def jax_leaves(tree):
+    import jax
+    return jax.tree_util.tree_leaves(tree)
+
+
+class ByteCount:
+    """Counts the bytes and requests the object store backend reads (header and payload GETs)."""
+
+    def __init__(self, monkeypatch):
+        self.bytes = self.requests = 0
+        head, read_into = object_store.ObjectSource.head, object_store.ObjectSource.read_into
+        lock = threading.Lock()
+
+        def counted_head(src, length):
+            data, size, version = head(src, length)
+            with lock:
+                self.bytes += len(data)
+                self.requests += 1
+            return data, size, version
+
+        def counted_read(src, dest, offset, version):
+            read_into(src, dest, offset, version)
+            with lock:
+                self.bytes += len(dest)
+                self.requests += 1
+
+        monkeypatch.setattr(object_store.ObjectSource, "head", counted_head)
+        monkeypatch.setattr(object_store.ObjectSource, "read_into", counted_read)
+
+
+# --- round trips against the server -------------------------------------------------------------
+
+def test_save_load_restore_describe_verify(s3):
+    url = f"{s3}/run/model.jckpt"
+    jckpt.save(jckpt.Context(), TREE, url)
+    _, loaded = jckpt.load(HOST, url)
+    assert_tree_equal(loaded["jckpt"], TREE)
+    assert_tree_equal(jckpt.restore(HOST, TREE, url), TREE)
+    assert [e.name for e in jckpt.describe(url).tensors] == ["jckpt/b", "jckpt/nested/m",
+                                                               "jckpt/nested/s", "jckpt/w"]
+    report = jckpt.verify(url)
+    assert report.ok and report.checked == 4
+    assert "4 entries" in str(jckpt.info(url))
+
+
+def test_restore_to_devices_and_a_replaced_checkpoint(s3):
+    """A second save replaces the object whole; restore onto JAX arrays reads the new one."""
+    url = f"{s3}/model.jckpt"
+    jckpt.save(jckpt.Context(), TREE, url)
+    newer = {**TREE, "w": TREE["w"] + 1}
+    jckpt.save(jckpt.Context(), newer, url)
+    restored = jckpt.restore(jckpt.Context(), newer, url)
+    np.testing.assert_array_equal(np.asarray(restored["w"]), newer["w"])
+
+
+def test_restoring_one_small_leaf_reads_only_its_bytes(s3, monkeypatch):
+    url = f"{s3}/big.jckpt"
+    big = {f"w{i}": np.full(1 << 20, i, np.float32) for i in range(4)}  # 16 MiB
+    jckpt.save(jckpt.Context(), {**big, "small": np.arange(64, dtype=np.float32)}, url)
+    count = ByteCount(monkeypatch)
+    out = jckpt.restore(HOST, {"small": np.zeros(64, np.float32)}, url)
+    np.testing.assert_array_equal(out["small"], np.arange(64))
+    assert count.bytes < 0.01 * 16 * (1 << 20), count.bytes
+    assert count.requests == 2  # the header, then the leaf
+
+
+def test_each_device_reads_only_its_shard(s3, monkeypatch):
+    """Restored onto 8 devices without verification, the object is read once in all, not 8 times."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    url = f"{s3}/sharded.jckpt"
+    w = np.arange(2048 * 256, dtype=np.float32).reshape(2048, 256)  # 2 MiB
+    mesh = cpu_mesh((8,), ("x",))
+    rows = NamedSharding(mesh, PartitionSpec("x"))
+    jckpt.save(jckpt.Context(), {"w": jax.device_put(w, rows)}, url)  # shards written in place, then uploaded
+    target = {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=rows)}
+    count = ByteCount(monkeypatch)
+    out = jckpt.restore(jckpt.Context(), target, url, verify=False)
+    np.testing.assert_array_equal(np.asarray(out["w"]), w)
+    assert w.nbytes <= count.bytes < w.nbytes + (300 << 10)
+    assert count.requests >= 9  # the header, then each device's rows
+
+
+def test_many_small_leaves_are_read_together(s3, monkeypatch):
+    url = f"{s3}/small.jckpt"
+    tree = {f"p{i:03d}": np.full(100, i, np.float32) for i in range(200)}
+    jckpt.save(jckpt.Context(), tree, url)
+    count = ByteCount(monkeypatch)
+    _, loaded = jckpt.load(HOST, url)
+    assert_tree_equal(loaded["jckpt"], tree)
+    assert count.requests <= 3
+
+
+def test_tools_convert_merge_and_the_command_line(s3, tmp_path, capsys):
+    from jckpt.tools import rewrite
+    from jckpt.tools.cli import main
+
+    url = f"{s3}/a.jckpt"
+    jckpt.save(jckpt.Context(), TREE, url)
+    jckpt.convert(url, f"{s3}/a.safetensors")
+    assert jckpt.detect_format(f"{s3}/a.safetensors") == "safetensors"
+    jckpt.convert(f"{s3}/a.safetensors", str(tmp_path / "back.jckpt"))
+    jckpt.convert(str(tmp_path / "back.jckpt"), f"{s3}/a.npz")
+    jckpt.convert(f"{s3}/a.npz", f"{s3}/b.jckpt")
+    rewrite.merge(f"{s3}/merged.jckpt", [url, f"{s3}/b.jckpt"], prefixes=["x", "y"])
+    names = {e.name for e in jckpt.describe(f"{s3}/merged.jckpt").tensors}
+    assert "x__jckpt/w" in names and "y__jckpt/w" in names
+    capsys.readouterr()
+    assert main(["inspect", url]) == 0
+    assert main(["verify", f"{s3}/merged.jckpt"]) == 0
+    out = capsys.readouterr().out
+    assert url in out and "OK" in out
+
+
+def test_the_command_line_reads_its_credentials_from_the_environment(s3, s3_server, tmp_path):
+    """`jckpt` as a command: the endpoint and the keys come from the AWS_* variables."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.s3server import CREDENTIALS
+
+    url = f"{s3}/cli.jckpt"
+    jckpt.save(jckpt.Context(), TREE, url)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL": s3_server.endpoint, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for args, expect in ((["inspect", url], "4 entries"), (["verify", url], "OK"),
+                         (["convert", url, str(tmp_path / "x.safetensors")], "")):
+        done = subprocess.run([sys.executable, "-m", "jckpt", *args], capture_output=True, text=True,
+                              timeout=120, env=env)
+        assert done.returncode == 0 and expect in done.stdout, (args, done.stdout, done.stderr)
+    assert (tmp_path / "x.safetensors").exists()
+
+
+# --- what a user gets wrong, and faults ------------------------------------------------------------
+
+def test_a_missing_object_and_a_missing_bucket(s3):
+    with pytest.raises(jckpt.FormatError, match="no such checkpoint") as e:
+        jckpt.load(HOST, f"{s3}/nothing.jckpt")
+    assert e.value.file == f"{s3}/nothing.jckpt"
+    gone = "s3://no-such-bucket-here/x.jckpt"
+    with pytest.raises(jckpt.StorageError, match="the bucket does not exist") as e:
+        jckpt.save(jckpt.Context(), TREE, gone)
+    assert e.value.file == gone and "create the bucket" in e.value.fix
+    with pytest.raises(jckpt.StorageError, match="the bucket does not exist"):
+        jckpt.load(HOST, gone)
+
+
+def test_a_truncated_object_and_a_damaged_one(s3):
+    import obstore
+
+    url = f"{s3}/t.jckpt"
+    jckpt.save(jckpt.Context(), TREE, url)
+    u = ObjectURL.parse(url)
+    store = object_store.store_for(u)
+    whole = bytes(obstore.get(store, u.key).bytes())
+    obstore.put(store, u.key, whole[:len(whole) // 2])
+    with pytest.raises(jckpt.FormatError, match="past the end") as e:
+        jckpt.load(HOST, url)
+    assert e.value.file == url
+    damaged = bytearray(whole)
+    damaged[-100] ^= 0xFF
+    obstore.put(store, u.key, bytes(damaged))
+    with pytest.raises(jckpt.ChecksumError, match="checksum mismatch") as e:
+        jckpt.load(HOST, url)  # verified by default: an object is never mapped
+    assert e.value.file == url and e.value.entry == "jckpt/w"
+    assert not jckpt.verify(url).ok
+
+
+def test_denied_credentials():
+    """A server that checks signatures refuses unknown keys: access denied, and what to set."""
+    pytest.importorskip("moto.server")
+    from tests.s3server import S3Server
+
+    server = S3Server.start(env={"INITIAL_NO_AUTH_ACTION_COUNT": "0"})
+    try:
+        object_store.configure("s3://guarded", endpoint=server.endpoint, access_key_id="nobody",
+                               secret_access_key="wrong", region="us-east-1")
+        with pytest.raises(jckpt.StorageError, match="access denied") as e:
+            jckpt.save(jckpt.Context(), TREE, "s3://guarded/x.jckpt")
+        assert e.value.file == "s3://guarded/x.jckpt" and "AWS_ACCESS_KEY_ID" in e.value.fix
+        with pytest.raises(jckpt.StorageError, match="access denied"):
+            jckpt.load(HOST, "s3://guarded/x.jckpt")
+    finally:
+        object_store.configure("s3://guarded")
+        server.stop()
+
+
+def test_server_killed_mid_upload_leaves_nothing_half_written(monkeypatch):
+    """The server dies while a large save uploads: a StorageError naming the URL; no partial object."""
+    from datetime import timedelta
+
+    from tests.s3server import CREDENTIALS, S3Server
+
+    server = S3Server.start()
+    try:
+        for name, value in {**CREDENTIALS, "AWS_ENDPOINT_URL": server.endpoint}.items():
+            monkeypatch.setenv(name, value)
+        bucket = server.bucket()
+        object_store.configure(f"s3://{bucket}", part_size=5 << 20, concurrency=2,
+                               retry_config={"max_retries": 1, "retry_timeout": timedelta(seconds=2)})
+        url = f"s3://{bucket}/model.jckpt"
+        jckpt.save(jckpt.Context(), TREE, url)
+        big = {"w": np.ones(40 << 20, np.uint8)}
+        killer = threading.Thread(target=lambda: (time.sleep(0.3), server.stop()))
+        killer.start()
+        with pytest.raises(jckpt.StorageError) as e:
+            jckpt.save(jckpt.Context(), big, url)
+        killer.join()
+        assert e.value.file == url and e.value.fix
+        with pytest.raises(jckpt.StorageError) as e:  # and reading from a server that is gone
+            jckpt.load(HOST, url)
+        assert e.value.file == url and "endpoint" in e.value.fix
+    finally:
+        object_store.configure(f"s3://{bucket}")
+        server.stop()
+
+
+def test_server_killed_mid_read(monkeypatch):
+    """The server dies while a restore reads: a StorageError naming the URL and what to check."""
+    from datetime import timedelta
+
+    from tests.s3server import CREDENTIALS, S3Server
+
+    server = S3Server.start()
+    try:
+        for name, value in {**CREDENTIALS, "AWS_ENDPOINT_URL": server.endpoint}.items():
+            monkeypatch.setenv(name, value)
+        bucket = server.bucket()
+        object_store.configure(f"s3://{bucket}", part_size=5 << 20, concurrency=2,
+                               retry_config={"max_retries": 1, "retry_timeout": timedelta(seconds=2)})
+        url = f"s3://{bucket}/model.jckpt"
+        big = {f"w{i}": np.full(6 << 20, i, np.uint8) for i in range(4)}
+        jckpt.save(jckpt.Context(), big, url)
+        reader = jckpt.storage.open_checkpoint(url)
+        first = reader.header.tensors[0]
+        reader.decode(first, verify=True)  # reads while the server is up
+        server.stop()
+        with pytest.raises(jckpt.StorageError) as e:
+            for entry in reader.header.tensors[1:]:
+                reader.decode(entry, verify=True)
+        assert e.value.file == url and "endpoint" in e.value.fix
+    finally:
+        object_store.configure(f"s3://{bucket}")
+        server.stop()
+
+
+def test_a_failed_upload_keeps_the_previous_checkpoint(s3, monkeypatch):
+    """An upload that fails (here: after its parts were sent) is aborted; the old object stays."""
+    import obstore
+
+    url = f"{s3}/model.jckpt"
+    jckpt.save(jckpt.Context(), TREE, url)
+    put = obstore.put
+
+    def failing_put(store, key, file, **kw):
+        def parts():  # the connection drops once 6 MiB are sent
+            sent = 0
+            for chunk in [file.read_bytes()] if isinstance(file, Path) else file:
+                yield chunk
+                sent += memoryview(chunk).nbytes
+                if sent > 6 << 20:
+                    raise OSError("connection reset by peer")
+        return put(store, key, parts(), **{k: v for k, v in kw.items() if k != "use_multipart"})
+
+    monkeypatch.setattr(obstore, "put", failing_put)
+    with pytest.raises(jckpt.StorageError, match="uploading the checkpoint failed") as e:
+        jckpt.save(jckpt.Context(), {"w": np.zeros(4 << 20, np.float32)}, url)
+    assert e.value.file == url
+    monkeypatch.setattr(obstore, "put", put)
+    assert_tree_equal(jckpt.restore(HOST, TREE, url), TREE)
+    assert backend_for(s3).list(s3) == ["model.jckpt"]
+
+
+def test_saves_stream_without_a_spool_file(s3, monkeypatch):
+    """Host arrays and device shards are hashed first and streamed into the upload: no local file."""
+    import tempfile
+
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    def no_spool(*args, **kwargs):
+        raise AssertionError("a spool file was created")
+
+    monkeypatch.setattr(tempfile, "mkstemp", no_spool)
+    url = f"{s3}/streamed.jckpt"
+    big = {"w": np.arange(6 << 20, dtype=np.float32), "b": np.arange(5, dtype=np.int8)}  # 24 MiB: multipart
+    jckpt.save(jckpt.Context(), big, url)
+    jckpt.save(jckpt.Context(), TREE, f"{s3}/small.jckpt")  # one PUT
+    assert_tree_equal(jckpt.restore(HOST, big, url), big)
+    assert jckpt.verify(url).ok and jckpt.verify(f"{s3}/small.jckpt").ok
+    w = np.arange(4096 * 1024, dtype=np.float32).reshape(4096, 1024)  # 16 MiB in 8 shards
+    sharded = jax.device_put(w, NamedSharding(cpu_mesh((4, 2), ("a", "b")), PartitionSpec("a", "b")))
+    jckpt.save(jckpt.Context(), {"w": sharded}, f"{s3}/sharded.jckpt")
+    np.testing.assert_array_equal(jckpt.restore(HOST, {"w": w}, f"{s3}/sharded.jckpt")["w"], w)
+
+
+# --- configuration, without a server -----------------------------------------------------------------
+
+def test_memory_urls_make_fast_round_trips():
+    url = "memory://unit/model.jckpt"
+    jckpt.save(jckpt.Context(), TREE, url)
+    assert_tree_equal(jckpt.restore(HOST, TREE, url), TREE)
+
+
+def test_gs_urls_through_a_configured_store():
+    """gs:// has no local server here: its URLs go through obstore's memory store, configured for it."""
+    from obstore.store import MemoryStore
+
+    object_store.configure("gs://ckpts", store=MemoryStore())
+    try:
+        url = "gs://ckpts/run/model.jckpt"
+        jckpt.save(jckpt.Context(), TREE, url)
+        assert_tree_equal(jckpt.restore(HOST, TREE, url), TREE)
+        assert backend_for("gs://ckpts/run").list("gs://ckpts/run") == ["model.jckpt"]
+    finally:
+        object_store.configure("gs://ckpts")
+
+
+def test_unknown_options_and_schemes_are_input_errors():
+    object_store.configure("s3://typo", no_such_option=1)
+    try:
+        with pytest.raises(jckpt.InputError) as e:
+            jckpt.save(jckpt.Context(), TREE, "s3://typo/x.jckpt")
+        assert e.value.file == "s3://typo/x.jckpt"
+    finally:
+        object_store.configure("s3://typo")
+    with pytest.raises(jckpt.InputError, match="no storage backend for URL scheme 'ftp'"):
+        object_store.configure("ftp", endpoint="x")
+    with pytest.raises(jckpt.InputError, match="part_size must be an integer of at least 5242880"):
+        object_store.configure("s3", part_size=1 << 20)
+    with pytest.raises(jckpt.InputError, match="concurrency must be a positive integer"):
+        object_store.configure("s3", concurrency=0)
+    with pytest.raises(jckpt.InputError, match="names no bucket"):
+        jckpt.save(jckpt.Context(), TREE, "s3:///x.jckpt")
+
+
+def test_gcs_credentials_come_from_the_environment_or_configure(monkeypatch):
+    """No GCS server here: what is checked is that the credentials reach the store, and their errors."""
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", "/nonexistent/key.json")
+    object_store.forget_stores()
+    with pytest.raises(jckpt.StorageError, match="credentials could not be loaded") as e:
+        jckpt.load(HOST, "gs://env-bucket/x.jckpt")
+    assert e.value.file == "gs://env-bucket/x.jckpt" and "GOOGLE_APPLICATION_CREDENTIALS" in e.value.fix
+    monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS")
+    object_store.configure("gs://opts-bucket", service_account_path="/nonexistent/other.json")
+    try:
+        with pytest.raises(jckpt.StorageError, match="other.json"):
+            jckpt.save(jckpt.Context(), TREE, "gs://opts-bucket/x.jckpt")
+        object_store.configure("gs://opts-bucket", bogus_option=1)
+        with pytest.raises(jckpt.InputError, match="bogus_option"):
+            jckpt.describe("gs://opts-bucket/x.jckpt")
+    finally:
+        object_store.configure("gs://opts-bucket")
+        object_store.forget_stores()
+
+
+def test_appending_to_an_object_keeps_its_entries(s3):
+    """An appending save to a URL writes a new object with the kept payloads copied by range."""
+    url = f"{s3}/appended.jckpt"
+    jckpt.save(jckpt.Context(namespace="model"), TREE, url, appending=True)  # nothing there yet
+    jckpt.save(jckpt.Context(namespace="opt"), {"mu": np.ones(3)}, url, appending=True)
+    _, tree = jckpt.load(HOST, url)
+    assert_tree_equal(tree["model"], TREE)
+    np.testing.assert_array_equal(tree["opt"]["mu"], np.ones(3))
+    assert jckpt.verify(url).ok
+
+
+def test_urls_parse_into_bucket_and_key():
+    u = ObjectURL.parse("S3://bucket//run/./x.jckpt")
+    assert (u.kind, u.bucket, u.key) == ("s3", "bucket", "run/./x.jckpt")
+    assert ObjectURL.parse("s3:/bucket/x").key == "x"  # what pathlib makes of s3://bucket/x
+    assert ObjectURL.parse("gs://b").prefix == ""
+    assert ObjectURL.parse("az://c/d/").child("e").url == "az://c/d/e"
+
+
+# --- the mirror and the manager in a bucket -------------------------------------------------------
+
+def test_mirror_publishes_whole_generations_and_holds_the_lease(s3):
+    url = f"{s3}/run/mirror.jckpt"
+    with jckpt.Mirror(url) as mirror:
+        with pytest.raises(jckpt.InUseError, match="in use"):
+            jckpt.Mirror(url)
+        for step in range(3):
+            mirror.submit({**TREE, "w": TREE["w"] + step})
+        mirror.wait_durable()
+        np.testing.assert_array_equal(jckpt.restore(HOST, TREE, url)["w"], TREE["w"] + 2)
+    assert backend_for(s3).list(f"{s3}/run") == ["mirror.jckpt"]  # the lease is gone, nothing staged
+    with jckpt.Mirror(url) as mirror:  # the same lineage continues
+        assert mirror.counters.generation == 3
+
+
+def test_manager_keeps_steps_in_a_prefix(s3):
+    run = f"{s3}/run"
+    with jckpt.CheckpointManager(run, keep_last=2, asynchronous=False) as mgr:
+        for step in range(5):
+            mgr.save(step, {**TREE, "w": TREE["w"] + step}, metrics={"loss": 5 - step})
+    assert backend_for(run).list(run) == ["step_00000003.jckpt", "step_00000004.jckpt"]
+    with jckpt.CheckpointManager(run, keep_last=2) as mgr:
+        assert mgr.all_steps() == [3, 4]
+        restored = mgr.restore(target=TREE)
+        assert restored.step == 4 and restored.metrics == {"loss": 1.0}
+        np.testing.assert_array_equal(restored.tree["w"], TREE["w"] + 4)
+    assert "2 steps" in str(jckpt.info(run)) and jckpt.verify(run).ok
+
+
+def test_manager_directory_steps_in_a_prefix(s3):
+    """Directory steps (what several processes write) in a bucket: pieces first, the index last."""
+    import jax
+    import jax.numpy as jnp
+
+    mesh = cpu_mesh((8,), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    run = f"{s3}/mp"
+    with jckpt.CheckpointManager(run, directory_steps=True, keep_last=2) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": jax.device_put(jnp.full((8, 2), float(step)), sharding)},
+                     metrics={"loss": 1.0 / step})
+        assert mgr.all_steps() == [2, 3]
+        target = {"w": jax.ShapeDtypeStruct((8, 2), jnp.float32, sharding=sharding)}
+        r = mgr.restore(target=target)
+        assert r.step == 3 and r.tree["w"].sharding == sharding
+        np.testing.assert_array_equal(r.tree["w"], np.full((8, 2), 3.0))
+    backend = backend_for(run)
+    assert backend.list(f"{run}/step_00000003.jckpt") == ["index.jckpt", "process_00000.jckpt"]
+    # a save that died after its pieces, before its index: removed by the next manager
+    from jckpt.api.multiprocess import save_directory
+    save_directory(jckpt.Context(), {"w": np.zeros(2)}, f"{run}/step_00000009.jckpt")
+    backend.remove(f"{run}/step_00000009.jckpt/index.jckpt")
+    with jckpt.CheckpointManager(run, directory_steps=True) as mgr:
+        assert mgr.all_steps() == [2, 3]
+    assert backend.list(run) == ["step_00000002.jckpt", "step_00000003.jckpt"]
+
+
+def test_manager_steps_in_a_foreign_format_in_a_prefix(s3):
+    """The model as safetensors and the rest as optimizer.jckpt, uploaded with trainer_state.json last."""
+    pytest.importorskip("safetensors")
+    run = f"{s3}/st"
+    tree = {"model": {"w": np.arange(6, dtype=np.float32)}, "opt": {"mu": np.zeros(6, np.float32)}}
+    options = jckpt.CheckpointOptions(format="safetensors", model_namespace="model")
+    with jckpt.CheckpointManager(run, keep_last=2, options=options) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, items={"model": {"w": tree["model"]["w"] + step}, "opt": tree["opt"]},
+                     metrics={"loss": 1.0 / step})
+    backend = backend_for(run)
+    assert backend.list(run) == ["step_00000002.jckpt", "step_00000003.jckpt"]
+    assert backend.list(f"{run}/step_00000003.jckpt") == ["model.safetensors", "optimizer.jckpt",
+                                                          "trainer_state.json"]
+    with jckpt.CheckpointManager(run, options=options) as mgr:
+        assert mgr.all_steps() == [2, 3]
+        r = mgr.restore()
+        np.testing.assert_array_equal(r.tree["model"]["w"], tree["model"]["w"] + 3)
+        assert r.metrics == {"loss": pytest.approx(1 / 3)}

@@ -1,0 +1,108 @@
+"""The remote reader: a checkpoint read by ranges gives what the local reader gives, and reads little.
+
+Its object is a `BytesSource` that logs each read, so each test sees exactly
+which bytes were asked for.
+"""
+
+import numpy as np
+import pytest
+
+from jckpt.errors import ChecksumError, FormatError
+from jckpt.storage import remote_reader
+from jckpt.storage.lazy import record_reads
+from jckpt.storage.reader import CheckpointReader
+from jckpt.storage.remote_reader import BytesSource, RemoteReader, box_runs
+from tests.helpers import write_arrays
+
+
+class Logged(BytesSource):
+    def __init__(self, data):
+        super().__init__(data)
+        self.reads = []
+
+    def head(self, length):
+        self.reads.append((0, min(length, len(self.data))))
+        return super().head(length)
+
+    def read_into(self, dest, offset, version):
+        self.reads.append((offset, len(dest)))
+        super().read_into(dest, offset, version)
+
+    @property
+    def total(self):
+        return sum(n for _, n in self.reads)
+
+
+ARRAYS = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "c": np.array([1, 2, 3], np.int16),
+          "big": np.arange(1 << 18, dtype=np.float64)}
+
+
+@pytest.fixture
+def stored(tmp_path):
+    path = write_arrays(tmp_path / "m.jckpt", ARRAYS)
+    return path, open(path, "rb").read()
+
+
+def test_same_header_and_arrays_as_the_local_reader(stored):
+    path, data = stored
+    local, remote = CheckpointReader(path), RemoteReader(Logged(data), "memory://b/m.jckpt")
+    assert remote.header == local.header and remote.data_start == local.data_start
+    for e in local.header.tensors:
+        np.testing.assert_array_equal(np.asarray(remote.decode(e, verify=True)), local.decode(e))
+    assert remote.verify() == []
+    assert bytes(remote.buffer) == data
+
+
+def test_the_header_takes_one_read_or_two(stored, monkeypatch):
+    _, data = stored
+    src = Logged(data)
+    RemoteReader(src, "memory://b/m.jckpt")
+    assert len(src.reads) == 1
+    monkeypatch.setattr(remote_reader, "HEAD_BYTES", 16)
+    src = Logged(data)
+    RemoteReader(src, "memory://b/m.jckpt")
+    assert len(src.reads) == 2
+
+
+def test_small_neighbours_come_in_one_read_and_a_big_payload_in_parts(stored):
+    _, data = stored
+    src = Logged(data)
+    reader = RemoteReader(src, "memory://b/m.jckpt", part=512 << 10)
+    entries = {e.name: e for e in reader.header.tensors}
+    reader.decode(entries["jckpt/a"])
+    reader.decode(entries["jckpt/c"])
+    assert len(src.reads) == 2  # the header, then a and c together
+    reader.decode(entries["jckpt/big"], verify=True)
+    assert len(src.reads) == 2 + 4  # 2 MiB in parts of 512 KiB
+
+
+def test_a_box_reads_only_its_runs(stored):
+    _, data = stored
+    src = Logged(data)
+    reader = RemoteReader(src, "memory://b/m.jckpt")
+    big = next(e for e in reader.header.tensors if e.name == "jckpt/big")
+    lazy = reader.decode(big)  # unverified and large: read box by box
+    before = src.total
+    with record_reads() as log:
+        part = lazy[1000:3000]
+    np.testing.assert_array_equal(part, ARRAYS["big"][1000:3000])
+    assert src.total - before == 2000 * 8 and log == [(((1000, 3000),), 2000 * 8)]
+
+
+def test_box_runs_of_blocks():
+    assert box_runs((4, 6), 4, ((0, 4), (0, 6))) == ([0], 96)
+    assert box_runs((4, 6), 4, ((2, 4), (0, 6))) == ([48], 48)
+    assert box_runs((2, 3, 4), 1, ((0, 2), (1, 2), (0, 4))) == ([4, 16], 4)
+
+
+def test_damage_and_truncation(stored):
+    _, data = stored
+    damaged = bytearray(data)
+    damaged[-3] ^= 0xFF
+    reader = RemoteReader(BytesSource(bytes(damaged)), "memory://b/m.jckpt")
+    last = max(reader.header.tensors, key=lambda e: e.offset)
+    with pytest.raises(ChecksumError, match="checksum mismatch") as e:
+        reader.decode(last, verify=True)
+    assert e.value.file == "memory://b/m.jckpt"
+    with pytest.raises(FormatError, match="extends past the end"):
+        RemoteReader(BytesSource(data[:len(data) // 2]), "memory://b/m.jckpt")
