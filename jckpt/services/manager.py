@@ -60,7 +60,7 @@ from jckpt.services.formats import CheckpointLoadOptions, CheckpointOptions
 from jckpt.services.lineage import MANAGER_STEP
 from jckpt.services.preemption import Preemption
 from jckpt.services.retention import Retention, check_metrics, check_step, ranked
-from jckpt.services.snapshot import Digest, namespace_leaves
+from jckpt.services.snapshot import Digest, empty_nodes_metadata, namespace_leaves
 from jckpt.services.trainer_state import TrainerState
 from jckpt.storage.backend import LOCAL, backend_for, checked_path
 from jckpt.storage.publish import fsync_dir, storage_error
@@ -315,7 +315,9 @@ class CheckpointManager(BackgroundWriter[_Step]):
         if self.directory_steps:
             self._save_directory(step, tree, items, meta, clean_metrics)
             return True
-        leaves = namespace_leaves(items if items is not None else {self.ctx.namespace: tree})
+        trees = items if items is not None else {self.ctx.namespace: tree}
+        leaves = namespace_leaves(trees)
+        meta.update(empty_nodes_metadata(trees))
         self._pipeline.admit(leaves, meta, _Step(step, clean_metrics, options, model_ns),
                              timeout=timeout)
         self._last_admitted = step

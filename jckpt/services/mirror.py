@@ -46,7 +46,7 @@ from jckpt.api.context import Context
 from jckpt.services.base import BackgroundWriter, check_metadata
 from jckpt.services.engine import MirrorCounters
 from jckpt.services.lineage import MIRROR_FILE
-from jckpt.services.snapshot import namespace_leaves
+from jckpt.services.snapshot import empty_nodes_metadata, namespace_leaves
 from jckpt.storage import staging
 from jckpt.storage.backend import backend_for, checked_path
 
@@ -106,13 +106,15 @@ class Mirror(BackgroundWriter[None]):
         Blocks only to take the snapshot, and for a free slot when every slot
         is pending (or raises `CapacityError` with `when_full='raise'`, or
         after `timeout` seconds). Accelerator arrays are copied on their
-        device in one dispatched call (drained to host in the background),
-        CPU arrays are held as they are (immutable), numpy leaves are copied
-        into the slot's reused buffers. Once it returns, the caller may
-        donate or overwrite the arrays.
+        device in one dispatched call (drained to host in the background);
+        arrays in host memory (CPU arrays, numpy leaves) are copied into the
+        slot's reused buffers. Once it returns, the caller may donate or
+        overwrite the arrays. The tree's nodes without leaves are recorded
+        as `save` records them.
         """
-        meta = check_metadata(metadata, self.path)
-        leaves = namespace_leaves({self.ctx.namespace: tree})
+        trees = {self.ctx.namespace: tree}
+        meta = {**check_metadata(metadata, self.path), **empty_nodes_metadata(trees)}
+        leaves = namespace_leaves(trees)
         return self._pipeline.admit(leaves, meta, None, timeout=timeout)
 
     def __repr__(self) -> str:

@@ -31,7 +31,8 @@ import numpy as np
 from jckpt.api.context import Context
 from jckpt.format import payload as payload_mod
 from jckpt.format.entries import Entry, KeyPath, entry_for
-from jckpt.format.names import RESERVED_PREFIX
+from jckpt.format.metadata import empty_nodes_text
+from jckpt.format.names import EMPTY_NODES_KEY, RESERVED_PREFIX
 from jckpt.storage.writer import ArraySource
 from jckpt.trees import image, placement
 from jckpt.trees import pytree as tree_mod
@@ -61,6 +62,19 @@ def namespace_leaves(trees: Mapping[str, Any]) -> list[Leaf]:
         Context(namespace=namespace)  # validates the name
         leaves.extend((namespace, p, leaf) for p, leaf in tree_mod.flatten(tree))
     return leaves
+
+
+def empty_nodes_metadata(trees: Mapping[str, Any]) -> dict[str, str]:
+    """The metadata entry (`EMPTY_NODES_KEY`) recording the key paths of `{namespace: tree}`'s
+    nodes without leaves, as `save` records them; `{}` when there are none.
+
+    >>> empty_nodes_metadata({'opt': [{'count': 1}, (), None]})
+    {'jckpt.empty_nodes': '{"opt": [[["i", 1]], [["i", 2]]]}'}
+    """
+    text = None
+    for namespace, tree in trees.items():
+        text = empty_nodes_text(text, namespace, tree_mod.empty_paths(tree)) or text
+    return {} if text is None else {EMPTY_NODES_KEY: text}
 
 
 class Snapshot:
@@ -195,4 +209,4 @@ def content_digest(entries: Sequence[Entry], metadata: Mapping[str, str]) -> Dig
 
 
 __all__ = ['Digest', 'HostLeaf', 'Leaf', 'Slot', 'Snapshot', 'build_entries',
-           'content_digest', 'copy_all', 'namespace_leaves']
+           'content_digest', 'copy_all', 'empty_nodes_metadata', 'namespace_leaves']

@@ -150,9 +150,18 @@ def flatten_with_empty(tree: Any) -> tuple[list[tuple[KeyPath, Any]], list[KeyPa
     >>> len(items), empty
     (2, [(('k', 'opt'), ('i', 1)), (('k', 'opt'), ('i', 2))])
     """
+    return flatten(tree), empty_paths(tree)
+
+
+def empty_paths(tree: Any) -> list[KeyPath]:
+    """The paths of `tree`'s outermost empty nodes below the root, in path order.
+
+    >>> empty_paths({'opt': [1.0, (), {}]})
+    [(('k', 'opt'), ('i', 1)), (('k', 'opt'), ('i', 2))]
+    """
     empty: list[KeyPath] = []
     _empties(tree, (), empty)
-    return flatten(tree), sorted(empty)  # in path order, whatever order dicts were built in
+    return sorted(empty)  # in path order, whatever order dicts were built in
 
 
 def _empties(node: Any, prefix: KeyPath, out: list[KeyPath]) -> None:

@@ -6,6 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import jckpt
 from jckpt.errors import InputError
 from jckpt.format import payload
 from jckpt.format.header import Header
@@ -192,3 +193,19 @@ def test_digest_sees_the_key_implementation():
     plain = build_entries([host('jckpt', W, data)])[0]
     keyed = build_entries([host('jckpt', W, data, key_impl='threefry2x32')])[0]
     assert content_digest(plain, {}) != content_digest(keyed, {})
+
+
+def test_mirror_and_manager_record_empty_nodes_for_exports(tmp_path):
+    """A snapshot records the tree's nodes without leaves, as `save` does (for orbax exports)."""
+    import optax
+    state = optax.adamw(1e-3).init({"w": jnp.ones(3)})
+    with jckpt.Mirror(tmp_path / "m.jckpt") as m:
+        m.submit(state)
+    with jckpt.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, items={"opt": state})
+    jckpt.save(jckpt.Context(namespace="opt"), state, tmp_path / "s.jckpt")
+    want = jckpt.describe(tmp_path / "s.jckpt").metadata_dict()["jckpt.empty_nodes"]
+    assert jckpt.describe(tmp_path / "m.jckpt").metadata_dict()["jckpt.empty_nodes"] == \
+        want.replace('"opt"', '"jckpt"')
+    step = next(p for p in (tmp_path / "run").iterdir() if p.name.startswith("step"))
+    assert jckpt.describe(step).metadata_dict()["jckpt.empty_nodes"] == want
