@@ -145,11 +145,18 @@ class CheckpointReader:
 
     def verify(self, entries: Iterable[Entry] | None = None) -> list[ChecksumError]:
         """Check every (or the given) entry's checksum; return the failures."""
-        bad = []
-        for e in self.header.tensors if entries is None else entries:
-            try:
-                self.verify_entry(e)
-            except ChecksumError as err:
-                bad.append(err)
-        return bad
+        return verify_entries(self, entries)
 
+
+def verify_entries(reader, entries: Iterable[Entry] | None = None) -> list[ChecksumError]:
+    """`reader.verify_entry` for every (or the given) entry; the failures, in order.
+
+    Shared by the readers of local files and of objects in a store.
+    """
+    bad = []
+    for e in reader.header.tensors if entries is None else entries:
+        try:
+            reader.verify_entry(e)
+        except ChecksumError as err:
+            bad.append(err)
+    return bad

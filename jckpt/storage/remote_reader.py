@@ -42,7 +42,7 @@ from jckpt.format.boxes import Box, box_shape, box_size, box_slices
 from jckpt.format.header import Entry, Header, decode_header
 from jckpt.format.layout import check_extents
 from jckpt.storage.lazy import LazyArray, note_read
-from jckpt.storage.reader import COUNTS
+from jckpt.storage.reader import COUNTS, verify_entries
 
 #: The first GET asks for this many bytes: the header of most checkpoints, in one request.
 HEAD_BYTES = 64 << 10
@@ -272,13 +272,7 @@ class RemoteReader:
 
     def verify(self, entries: Iterable[Entry] | None = None) -> list[ChecksumError]:
         """Check every (or the given) entry's checksum; return the failures."""
-        bad = []
-        for e in self.header.tensors if entries is None else entries:
-            try:
-                self.verify_entry(e)
-            except ChecksumError as err:
-                bad.append(err)
-        return bad
+        return verify_entries(self, entries)
 
     def __repr__(self) -> str:
         return f"RemoteReader({self.path!r}, size={self.size})"

@@ -5,6 +5,7 @@ reader, partially, after faults; what they must never see: a partial
 object, another checkpoint's bytes, an error without the URL and a fix.
 """
 
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -219,20 +220,30 @@ def test_denied_credentials():
         server.stop()
 
 
-def test_server_killed_mid_upload_leaves_nothing_half_written(monkeypatch):
-    """The server dies while a large save uploads: a StorageError naming the URL; no partial object."""
+@contextlib.contextmanager
+def _own_server(monkeypatch):
+    """A server of the test's own (it is stopped mid-test), its bucket set to small parts and
+    one quick retry; yields `(server, url of an object in it)`."""
     from datetime import timedelta
 
     from tests.s3server import CREDENTIALS, S3Server
 
     server = S3Server.start()
+    bucket = server.bucket()
     try:
         for name, value in {**CREDENTIALS, "AWS_ENDPOINT_URL": server.endpoint}.items():
             monkeypatch.setenv(name, value)
-        bucket = server.bucket()
         object_store.configure(f"s3://{bucket}", part_size=5 << 20, concurrency=2,
                                retry_config={"max_retries": 1, "retry_timeout": timedelta(seconds=2)})
-        url = f"s3://{bucket}/model.jckpt"
+        yield server, f"s3://{bucket}/model.jckpt"
+    finally:
+        object_store.configure(f"s3://{bucket}")
+        server.stop()
+
+
+def test_server_killed_mid_upload_leaves_nothing_half_written(monkeypatch):
+    """The server dies while a large save uploads: a StorageError naming the URL; no partial object."""
+    with _own_server(monkeypatch) as (server, url):
         jckpt.save(jckpt.Context(), TREE, url)
         big = {"w": np.ones(40 << 20, np.uint8)}
         killer = threading.Thread(target=lambda: (time.sleep(0.3), server.stop()))
@@ -244,25 +255,11 @@ def test_server_killed_mid_upload_leaves_nothing_half_written(monkeypatch):
         with pytest.raises(jckpt.StorageError) as e:  # and reading from a server that is gone
             jckpt.load(HOST, url)
         assert e.value.file == url and "endpoint" in e.value.fix
-    finally:
-        object_store.configure(f"s3://{bucket}")
-        server.stop()
 
 
 def test_server_killed_mid_read(monkeypatch):
     """The server dies while a restore reads: a StorageError naming the URL and what to check."""
-    from datetime import timedelta
-
-    from tests.s3server import CREDENTIALS, S3Server
-
-    server = S3Server.start()
-    try:
-        for name, value in {**CREDENTIALS, "AWS_ENDPOINT_URL": server.endpoint}.items():
-            monkeypatch.setenv(name, value)
-        bucket = server.bucket()
-        object_store.configure(f"s3://{bucket}", part_size=5 << 20, concurrency=2,
-                               retry_config={"max_retries": 1, "retry_timeout": timedelta(seconds=2)})
-        url = f"s3://{bucket}/model.jckpt"
+    with _own_server(monkeypatch) as (server, url):
         big = {f"w{i}": np.full(6 << 20, i, np.uint8) for i in range(4)}
         jckpt.save(jckpt.Context(), big, url)
         reader = jckpt.storage.open_checkpoint(url)
@@ -273,9 +270,6 @@ def test_server_killed_mid_read(monkeypatch):
             for entry in reader.header.tensors[1:]:
                 reader.decode(entry, verify=True)
         assert e.value.file == url and "endpoint" in e.value.fix
-    finally:
-        object_store.configure(f"s3://{bucket}")
-        server.stop()
 
 
 def test_a_failed_upload_keeps_the_previous_checkpoint(s3, monkeypatch):

@@ -16,9 +16,8 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
-from jckpt.format import Entry, Header, lay_out, prec_of
-from jckpt.storage import ArraySource, CheckpointReader, write_checkpoint
-from tests.helpers import write_directory
+from jckpt.storage import CheckpointReader
+from tests.helpers import write_arrays, write_directory
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT = 60
@@ -64,19 +63,7 @@ def cli(capsys):
     return run
 
 
-def write(path, arrays, *, namespace='jckpt', alignment=32, metadata=None):
-    """A checkpoint holding ``{'a/b': array}`` under ``namespace``, written by the storage layer."""
-    entries, sources = [], []
-    for i, (name, a) in enumerate(arrays.items()):
-        a = np.asarray(a)
-        entries.append(Entry(id=i, namespace=namespace, prec=prec_of(a.dtype), dims=a.shape,
-                             offset=0, byte_length=a.nbytes, label=tuple(name.split('/')),
-                             path=tuple(('k', p) for p in name.split('/'))))
-        sources.append(ArraySource(a))
-    header = lay_out(Header(tensors=tuple(entries), alignment=alignment, writer='jckpt test',
-                            metadata=tuple((metadata or {}).items())))
-    write_checkpoint(path, header, sources, durable=False)
-    return str(path)
+write = write_arrays  # a checkpoint of {'a/b': array}, written by the storage layer
 
 
 
