@@ -348,6 +348,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument('--small', type=int, default=None, help='how many small arrays (2000)')
     ap.add_argument('--reps', type=int, default=None, help='timed repetitions (5; quick 2)')
     ap.add_argument('--skip', default='', help='sections to leave out: limits,restore,blocking')
+    ap.add_argument('--steps', type=int, default=None, help='training steps of the blocking loop (60)')
+    ap.add_argument('--every', type=int, default=None, help='a checkpoint every this many steps (20)')
     ap.add_argument('--json', default=None, help='write the result there')
     ap.add_argument('--dir', default=None, help='where to write files (a temporary directory)')
     args = ap.parse_args(argv)
@@ -368,8 +370,9 @@ def main(argv: list[str] | None = None) -> dict:
             states[f'{small} small arrays'] = small_state(small)
             result['restore'] = restores(states, device, reps, directory)
         if 'blocking' not in skip:
-            quick = dict(step_ms=10, steps=12, every=4, n=256) if args.quick else dict(step_ms=60, n=2048)
-            result['blocking'] = mirror_blocking(sizes[0], device, directory=directory, **quick)
+            loop = dict(step_ms=10, steps=12, every=4, n=256) if args.quick else dict(step_ms=60, n=2048)
+            loop.update({k: getattr(args, k) for k in ('steps', 'every') if getattr(args, k)})
+            result['blocking'] = mirror_blocking(sizes[0], device, directory=directory, **loop)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     print(markdown(result))
