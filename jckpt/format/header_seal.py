@@ -16,6 +16,7 @@ header without it (an older file) decodes as before.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 import xxhash
 
@@ -53,6 +54,18 @@ def _seal_digest(raw: bytes | bytearray | memoryview, slot: int) -> str:
     hasher = xxhash.xxh3_64(view[:slot])
     hasher.update(UNSEALED.encode('ascii'))
     hasher.update(view[slot + 16:])
+    return f'{hasher.intdigest():016x}'
+
+
+def unsealed_digest(parts: Iterable[bytes]) -> str:
+    """The header checksum of the header `b''.join(parts)`, whose digits are still `UNSEALED`.
+
+    What `seal_header` writes, for a writer that has its header in pieces and its
+    digits in a known place: it hashes the pieces without joining them first.
+    """
+    hasher = xxhash.xxh3_64()
+    for part in parts:
+        hasher.update(part)
     return f'{hasher.intdigest():016x}'
 
 
@@ -110,4 +123,4 @@ def check_header_checksum(raw: bytes | bytearray | memoryview, tree: Sexp | None
 
 
 __all__ = ['HEADER_CHECKSUM_ALGORITHM', 'HEADER_CHECKSUM_FIELD', 'UNSEALED', 'UNSEALED_FIELD',
-           'check_header_checksum', 'seal_header']
+           'check_header_checksum', 'seal_header', 'unsealed_digest']
