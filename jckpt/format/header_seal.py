@@ -42,9 +42,14 @@ def _seal_slot(raw: bytes | bytearray | memoryview) -> int | None:
     `raw` is the file's first `4 + HLEN` bytes; the field is the last of the header.
     """
     end = len(raw)
+    while end > 4:  # past the padding, which can be longer than the window (a large alignment)
+        blanks = bytes(raw[max(4, end - _SEAL_WINDOW):end])
+        kept = len(blanks.rstrip())
+        end -= len(blanks) - kept
+        if kept:
+            break
     start = max(4, end - _SEAL_WINDOW)
-    tail = bytes(raw[start:end])
-    m = _SEAL_TAIL.search(tail)
+    m = _SEAL_TAIL.search(bytes(raw[start:end]))
     return None if m is None else start + m.start(1)
 
 
