@@ -428,10 +428,19 @@ static int put_int(buffer *b, PyObject *v) {
     long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
     if (overflow) return PUNT;
     if (x == -1 && PyErr_Occurred()) return FAILED;
+    static const char pairs[] =
+        "00010203040506070809101112131415161718192021222324252627282930313233343536373839"
+        "40414243444546474849505152535455565758596061626364656667686970717273747576777879"
+        "8081828384858687888990919293949596979899";
     char digits[24];
     int k = sizeof digits;
     unsigned long long u = x < 0 ? 0ULL - (unsigned long long)x : (unsigned long long)x;
-    do { digits[--k] = (char)('0' + u % 10); u /= 10; } while (u);
+    for (; u >= 100; u /= 100) {  /* two digits at a time */
+        k -= 2;
+        memcpy(digits + k, pairs + 2 * (u % 100), 2);
+    }
+    if (u >= 10) { k -= 2; memcpy(digits + k, pairs + 2 * u, 2); }
+    else digits[--k] = (char)('0' + u);
     if (x < 0) digits[--k] = '-';
     return put(b, digits + k, (Py_ssize_t)sizeof digits - k);
 }
