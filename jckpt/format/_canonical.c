@@ -392,11 +392,10 @@ typedef struct {
 enum { DONE = 0, FAILED = -1, PUNT = 1 };
 
 static int grow(buffer *b, Py_ssize_t more) {
-    Py_ssize_t cap = b->cap ? b->cap : 1 << 16;
-    while (cap < b->n + more) {
-        if (cap > PY_SSIZE_T_MAX / 2) { PyErr_NoMemory(); return FAILED; }
-        cap *= 2;
-    }
+    if (more > PY_SSIZE_T_MAX / 4 - b->n) { PyErr_NoMemory(); return FAILED; }
+    Py_ssize_t cap = b->n + more;
+    if (cap < 2 * b->cap) cap = 2 * b->cap;
+    if (cap < 1 << 12) cap = 1 << 12;
     if (b->bytes == NULL) b->bytes = PyBytes_FromStringAndSize(NULL, cap);
     else if (_PyBytes_Resize(&b->bytes, cap) < 0) b->bytes = NULL;
     if (b->bytes == NULL) return FAILED;
@@ -655,6 +654,11 @@ static int put_entries(buffer *b, PyObject *entries, PyObject *entry_type,
             rc = put_fallback(b, fallback, e, &slot);
         }
         if (rc != DONE) return rc;
+        if (i == 0) {  /* room for as many more entries like this one, and an eighth: one copy */
+            Py_ssize_t rest = PyTuple_GET_SIZE(entries) - 1, each = b->n - start + 4;
+            if (rest > 0 && each <= PY_SSIZE_T_MAX / 2 / rest && reserve(b, each * rest / 8 * 9 + 4096) != DONE)
+                return FAILED;
+        }
         PyObject *at = slot < 0 ? Py_NewRef(Py_None) : PyLong_FromSsize_t(base + slot);
         if (at == NULL) return FAILED;
         PyList_SET_ITEM(slots, i, at);
