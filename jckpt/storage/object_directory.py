@@ -23,6 +23,7 @@ pieces. A reader that read the index before the replacement and then asks
 for a deleted piece gets a `FormatError` saying so, never another
 checkpoint's bytes: piece names are never reused.
 
+>>> from jckpt.format.names import piece_name
 >>> tag = new_tag()
 >>> piece_tag(piece_name(0, 0, tag)) == tag and writer_gone(tag)   # no save of it runs here
 True
