@@ -254,6 +254,8 @@ def write_index(stage: str, process_count: int, alignment: int, metadata: dict[s
 
 # --- reading ------------------------------------------------------------------------------------
 
+#: The message of the `FormatError` for a directory (or a prefix) without an index.
+NO_INDEX = f"directory has no {INDEX_NAME}: not a checkpoint, or one whose save did not finish"
 #: Files that mark another tool's checkpoint directory (orbax's items and steps).
 _FOREIGN_MARKERS = ('_METADATA', '_CHECKPOINT_METADATA', 'manifest.ocdbt')
 
@@ -304,8 +306,7 @@ class DirectoryReader:
         self.path = os.fspath(path)
         index = os.path.join(self.path, INDEX_NAME)
         if not self.backend.exists(index):
-            raise FormatError(f"directory has no {INDEX_NAME}: not a checkpoint, or one whose "
-                              "save did not finish", file=self.path, fix=_no_index_fix(self.path))
+            raise FormatError(NO_INDEX, file=self.path, fix=_no_index_fix(self.path))
         self.index = self.backend.open(index, follow_symlinks=False)
         #: Whether the pieces are objects read by range (checksums are then verified by default).
         self.remote = getattr(self.index, 'remote', False)
@@ -380,5 +381,5 @@ class DirectoryReader:
         return bad
 
 
-__all__ = ['DirectoryReader', 'check_arrays', 'collect_arrays', 'indexed_pieces', 'make_stage', 'overlapping',
-           'publish_directory', 'reclaim_stage_dirs', 'write_index', 'write_index_file']
+__all__ = ['NO_INDEX', 'DirectoryReader', 'check_arrays', 'collect_arrays', 'indexed_pieces', 'make_stage',
+           'overlapping', 'publish_directory', 'reclaim_stage_dirs', 'write_index', 'write_index_file']
