@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -144,6 +145,42 @@ def test_orphans_of_a_writer_elsewhere_are_kept_until_old(s3, monkeypatch):
     (tag,) = tags(url)
     assert backend_for(url).list(url) == ["index.jckpt", piece_name(0, 0, tag)]
     assert_is(url, 3)
+
+
+def test_a_save_still_running_keeps_its_pieces_through_another_save(s3, monkeypatch):
+    """Two saves of one URL at once: the one that commits first leaves the other's pieces alone,
+    and the one that commits last is the checkpoint."""
+    url = f"{s3}/ckpt"
+    save_directory(jckpt.Context(), tree(1), url)
+    real, reached, gate = multiprocess.indexed_pieces, threading.Event(), threading.Event()
+
+    def held(*args, **kwargs):  # the slow save waits after its pieces, before its index
+        if threading.current_thread().name == "slow":
+            reached.set()
+            assert gate.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(multiprocess, "indexed_pieces", held)
+    errors = []
+    slow = threading.Thread(name="slow", target=lambda: _save_catching(tree(2), url, errors))
+    slow.start()
+    assert reached.wait(60)
+    (slow_tag,) = tags(url) - {piece_tag(n) for n in open_checkpoint(url).files}
+    jckpt.save(jckpt.Context(), tree(3), url)  # commits first: the slow save is running here
+    assert_is(url, 3)
+    assert piece_name(0, 0, slow_tag) in backend_for(url).list(url)
+    gate.set()
+    slow.join(60)
+    assert not errors
+    assert backend_for(url).list(url) == ["index.jckpt", piece_name(0, 0, slow_tag)]
+    assert_is(url, 2)
+
+
+def _save_catching(value, url, errors):
+    try:
+        jckpt.save(jckpt.Context(), value, url)
+    except Exception as e:
+        errors.append(e)
 
 
 def test_a_reader_of_the_replaced_index_gets_an_error_not_a_mix(s3):
