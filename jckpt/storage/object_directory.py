@@ -112,11 +112,10 @@ def current_files(url: str) -> list[str]:
 
 def _listing(u: ObjectURL) -> tuple[list[dict[str, Any]], datetime.datetime]:
     """The objects directly under `u`'s prefix, and the time of its index by the store's clock."""
-    try:
-        found = [o for chunk in obstore_module().list(store_for(u), prefix=u.prefix) for o in chunk]
+    try:  # one level only: what lies deeper is no piece
+        found = obstore_module().list_with_delimiter(store_for(u), prefix=u.prefix or None)['objects']
     except Exception as e:
         raise store_error(e, "listing", u.url) from e
-    found = [o for o in found if '/' not in o['path'][len(u.prefix):]]
     now = next((o['last_modified'] for o in found if o['path'] == u.prefix + INDEX_NAME),
                datetime.datetime.now(datetime.UTC))
     return found, now
@@ -129,7 +128,7 @@ def _delete(u: ObjectURL, keys: list[str]) -> None:
             obs.delete(store, keys[start:start + _DELETE_BATCH])
         except Exception as e:
             if not is_missing(e):
-                raise store_error(e, "deleting replaced pieces", u.url) from e
+                raise store_error(e, "deleting pieces", u.url) from e
 
 
 def _orphan(name: str, modified: datetime.datetime, now: datetime.datetime) -> bool:
