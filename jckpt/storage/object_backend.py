@@ -2,9 +2,10 @@
 
 `backend_for` hands `OBJECT_STORE` out for every URL of those schemes. It
 implements the `Backend` protocol of `jckpt.storage.backend` over obstore
-(`jckpt.storage.object_store` holds the configuration, the uploads and the
-ranged source; `jckpt.storage.remote_reader` the reader;
-`jckpt.storage.object_lease` the writer lease). A "directory" is a key
+(`jckpt.storage.object_store` holds the configuration and the ranged
+source, `jckpt.storage.object_uploads` the uploads,
+`jckpt.storage.remote_reader` the reader, `jckpt.storage.object_lease`
+the writer lease). A "directory" is a key
 prefix: `s3://b/run` holds `s3://b/run/step_00000100.jckpt`.
 
 >>> OBJECT_STORE.list('memory://doc-backend/run')
@@ -20,16 +21,14 @@ from jckpt.errors import FormatError
 from jckpt.storage.object_lease import ObjectLease
 from jckpt.storage.object_store import (
     ObjectSource,
-    ObjectStaging,
     ObjectURL,
     is_missing,
     obstore_module,
     store_error,
     store_for,
     tuning,
-    upload,
-    upload_stream,
 )
+from jckpt.storage.object_uploads import ObjectStaging, upload, upload_stream
 from jckpt.storage.remote_reader import RemoteReader
 
 
