@@ -14,6 +14,7 @@ prefix: `s3://b/run` holds `s3://b/run/step_00000100.jckpt`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,6 +31,10 @@ from jckpt.storage.object_store import (
 )
 from jckpt.storage.object_uploads import ObjectStaging, upload, upload_stream
 from jckpt.storage.remote_reader import RemoteReader
+from jckpt.storage.s3_api import api_for
+from jckpt.storage.upload_markers import reclaim
+
+log = logging.getLogger('jckpt')
 
 
 class ObjectStoreBackend:
@@ -119,6 +124,18 @@ class ObjectStoreBackend:
 
     def lease(self, path: str) -> ObjectLease:
         return ObjectLease(ObjectURL.parse(path))
+
+    def reclaim_uploads(self, path: str) -> int:
+        """Abort the incomplete uploads of `path` that killed writers left (see
+        `jckpt.storage.upload_markers`); how many. Only S3 with botocore can; failures are logged."""
+        u = ObjectURL.parse(path)
+        try:
+            api = api_for(u, store_for(u))
+            return 0 if api is None else reclaim(api, u, '')
+        except Exception as e:
+            log.warning("jckpt: could not look for incomplete uploads of %s left by killed writers: %s",
+                        path, e)
+            return 0
 
     def __repr__(self) -> str:
         return 'ObjectStoreBackend()'

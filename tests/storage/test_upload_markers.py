@@ -142,6 +142,17 @@ def test_a_writer_that_starts_during_the_listing_is_spared(s3):
     assert len(uploads_of(url)) == 2 and len(markers_of(url)) == 2
 
 
+def test_a_manager_opening_its_prefix_aborts_a_killed_writers_step_upload(s3):
+    """As it removes the staging files of killed writers: the next writer of the step may never come."""
+    step = f"{s3}/run/step_00000007.jckpt"
+    plant_marker(step, "dead", pid=dead_pid())
+    start_upload(step)
+    kept = start_upload(f"{s3}/run/notes.txt")
+    with jckpt.CheckpointManager(f"{s3}/run"):
+        assert uploads_of(step) == [] and markers_of(step) == []
+    assert uploads_of(f"{s3}/run/notes.txt") == [("run/notes.txt", kept)]
+
+
 def test_uploads_started_after_a_dead_writer_stopped_are_not_its_own():
     t = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
     late = t + datetime.timedelta(seconds=SLACK_SECONDS + 1)
