@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from jckpt.errors import FormatError
+from jckpt.format.names import UPLOAD_TAG
 from jckpt.storage.object_lease import ObjectLease
 from jckpt.storage.object_store import (
     ObjectSource,
@@ -110,10 +111,17 @@ class ObjectStoreBackend:
         return sorted({n.rstrip('/').rsplit('/', 1)[-1] for n in names} - {''})
 
     def remove(self, path: str) -> None:
+        """Remove the object `path` and everything under the prefix `path/`; missing is fine.
+
+        The uploads that killed writers left for objects under it (found by
+        their markers) are aborted first: no later writer would find them.
+        """
         u = ObjectURL.parse(path)
         obs, store = obstore_module(), store_for(u)
         try:
             keys = [o['path'] for chunk in obs.list(store, prefix=u.prefix) for o in chunk]
+            for key in sorted({k.partition(UPLOAD_TAG)[0] for k in keys if UPLOAD_TAG in k}):
+                self.reclaim_uploads(f"{u.scheme}://{u.bucket}/{key}")
             if u.key:
                 keys.append(u.key)
             for start in range(0, len(keys), 1000):

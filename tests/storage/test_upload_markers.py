@@ -153,6 +153,15 @@ def test_a_manager_opening_its_prefix_aborts_a_killed_writers_step_upload(s3):
     assert uploads_of(f"{s3}/run/notes.txt") == [("run/notes.txt", kept)]
 
 
+def test_removing_a_prefix_aborts_the_uploads_killed_writers_left_in_it(s3):
+    """A directory checkpoint's pieces, say: once the prefix is gone no writer of them comes."""
+    piece = f"{s3}/step/process_00001.jckpt"
+    plant_marker(piece, "dead", pid=dead_pid())
+    start_upload(piece)
+    jckpt.storage.backend_for(s3).remove(f"{s3}/step")
+    assert uploads_of(piece) == [] and markers_of(piece) == []
+
+
 def test_uploads_started_after_a_dead_writer_stopped_are_not_its_own():
     t = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
     late = t + datetime.timedelta(seconds=SLACK_SECONDS + 1)
