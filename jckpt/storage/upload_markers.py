@@ -109,8 +109,9 @@ def _is_dead(holder: dict[str, Any]) -> bool:
 def reclaim(api: S3Api, u: ObjectURL, own: str) -> int:
     """Abort the multipart uploads of `u`'s key left by killed writers; how many were aborted.
 
-    `own` is the caller's marker (put before), which is not looked at. Does
-    nothing while another writer of the key is live.
+    `own` is the key of the caller's own marker (put before), which is not
+    looked at (`''` for none). Does nothing while another writer of the key
+    is live.
     """
     listed = dict(api.keys(u.key + UPLOAD_TAG))
     listed.pop(own, None)
@@ -158,6 +159,10 @@ class UploadMarker:
             log.warning("jckpt: could not put the upload marker of %s (%s); uploading without it",
                         self.u.url, e)
             return self
+        # refreshed from now on, so that the upload, which starts after the reclaim, is always
+        # initiated within REFRESH_SECONDS of a rewrite of its marker (see `owned`)
+        self._thread = threading.Thread(target=self._refresh, name='jckpt-upload-marker', daemon=True)
+        self._thread.start()
         try:
             api = api_for(self.u, store)
             if api is not None:
@@ -165,8 +170,6 @@ class UploadMarker:
         except Exception as e:
             log.warning("jckpt: could not look for incomplete uploads of %s left by killed writers: %s",
                         self.u.url, e)
-        self._thread = threading.Thread(target=self._refresh, name='jckpt-upload-marker', daemon=True)
-        self._thread.start()
         return self
 
     def _refresh(self) -> None:
