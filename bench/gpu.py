@@ -190,18 +190,23 @@ def make_step(device: jax.Device, target_ms: float, n: int) -> tuple[Callable, j
                        device)
 
     def build(iters: int) -> Callable:
-        @jax.jit
+        @functools.partial(jax.jit, donate_argnums=0)  # as a training step donates its state
         def step(state, w):
             a = jax.lax.fori_loop(0, iters, lambda i, a: jnp.tanh(a @ w), w)
             return jax.tree.map(lambda s: s + a[0, 0] * 1e-7, state)
         return step
 
-    probe, state = build(4), {'x': jnp.zeros(8, jnp.float32, device=device)}
-    jax.block_until_ready(probe(state, w))
-    per_iter = min(_timed(lambda: probe(state, w)) for _ in range(3)) / 4
-    step = build(max(1, round(target_ms / 1e3 / per_iter)))
-    jax.block_until_ready(step(state, w))
-    return step, w, min(_timed(lambda: step(state, w)) for _ in range(3)) * 1e3
+    def timed(fn: Callable) -> float:
+        return min(_timed(lambda: fn(fresh(), w)) for _ in range(3))
+
+    def fresh() -> dict:
+        return {'x': jnp.zeros(8, jnp.float32, device=device)}
+
+    probe = build(4)
+    jax.block_until_ready(probe(fresh(), w))
+    step = build(max(1, round(target_ms / 1e3 / (timed(probe) / 4))))
+    jax.block_until_ready(step(fresh(), w))
+    return step, w, timed(step) * 1e3
 
 
 def _sink(variant: str, directory: str) -> tuple[Callable, Callable, Callable, Any]:
@@ -209,8 +214,9 @@ def _sink(variant: str, directory: str) -> tuple[Callable, Callable, Callable, A
     import jckpt
     if variant == 'none':
         return (lambda i, s: None), (lambda: None), (lambda: None), None
-    if variant == 'mirror':
-        m = jckpt.Mirror(os.path.join(directory, 'mirror.jckpt'), new_lineage=True)
+    if variant in ('mirror', 'mirror-host'):  # mirror-host: no device image, a copy to host
+        m = jckpt.Mirror(os.path.join(directory, 'mirror.jckpt'), new_lineage=True,
+                         device_image_bytes=0 if variant == 'mirror-host' else None)
         return (lambda i, s: m.submit(s)), m.wait_durable, m.close, m
     if variant == 'manager':
         mgr = jckpt.CheckpointManager(os.path.join(directory, 'manager'), keep_last=2)
@@ -226,7 +232,9 @@ def training_loop(variant: str, state: Any, step: Callable, w: jax.Array, steps:
     """``steps`` steps, a checkpoint through ``variant`` every ``every``: the seconds each
     checkpoint call blocked, the loop's wall time (up to the last step's result), and the
     drain after it. The state is ready before each call (so its time is the checkpoint's own),
-    in the loop without checkpoints too."""
+    in the loop without checkpoints too. Each step donates the state it is given, so the loop
+    runs on a copy of `state`, and a checkpoint must survive that donation."""
+    state = jax.block_until_ready(jax.tree.map(jnp.copy, state))
     save, drain, close, writer = _sink(variant, directory)
     blocks = []
     try:
@@ -247,18 +255,19 @@ def training_loop(variant: str, state: Any, step: Callable, w: jax.Array, steps:
             out.update(blocks_ms=[b * 1e3 for b in blocks], first_ms=blocks[0] * 1e3,
                        block_ms=statistics.median(blocks[1:] or blocks) * 1e3)
         if hasattr(writer, 'counters'):
-            out['counters'] = str(writer.counters)
+            counters = writer.counters
+            out['counters'] = str(counters)
+            out['path'] = ('device image' if counters.images == len(blocks)
+                           else 'host copy' if counters.images == 0 else 'mixed')
         return out
     finally:
         close()
 
 
-# Issue 13, item 1 extends this measurement: which snapshot path each run took (an image on
-# the device, or a direct copy into a reused host slot) and the device and host memory it
-# cost belong in what it returns, beside the blocking times.
 def mirror_blocking(nbytes: int, device: jax.Device, *, step_ms: float, steps: int = 60,
                     every: int = 20, n: int = 2048, directory: str,
-                    variants: tuple[str, ...] = ('none', 'mirror', 'manager', 'orbax', 'none')) -> dict:
+                    variants: tuple[str, ...] = ('none', 'mirror', 'mirror-host', 'manager', 'orbax',
+                                                 'none')) -> dict:
     """Blocking per checkpoint and whole-loop overhead of asynchronous checkpoints of a random
     float32 state of ``nbytes`` on ``device``, checkpointed every ``every`` of ``steps`` steps
     of about ``step_ms`` each; ``{'step_ms': ..., 'runs': {variant: training_loop(...)}}``
@@ -266,8 +275,9 @@ def mirror_blocking(nbytes: int, device: jax.Device, *, step_ms: float, steps: i
     and its faster run counts, so a drift of the machine shows as a spread, not a bias)."""
     step, w, _ = make_step(device, step_ms, n)
     state = jax.device_put(random_state(nbytes), device)
-    jax.block_until_ready(step(state, w))  # compiled for this state, outside the timing
-    measured = min(_timed(lambda: step(state, w)) for _ in range(3)) * 1e3
+    copies = [jax.tree.map(jnp.copy, state) for _ in range(4)]
+    jax.block_until_ready(step(copies.pop(), w))  # compiled for this state, outside the timing
+    measured = min(_timed(lambda: step(copies.pop(), w)) for _ in range(3)) * 1e3
     runs: dict[str, dict] = {}
     for variant in variants:
         if variant == 'orbax' and not bt.TOOLS['orbax'].available():
@@ -319,15 +329,15 @@ def markdown(result: dict) -> str:
     b = result['blocking']
     lines += ['', f"Training loop: {b['steps']} steps of {b['step_ms']:.0f} ms, a checkpoint every "
               f"{b['every']}, state {b['bytes'] / MIB:.0f} MiB random float32.", '',
-              '| | blocked per checkpoint (median; first) | loop | overhead | drain after |',
-              '|---|---|---|---|---|']
+              '| | blocked per checkpoint (median; first) | snapshot | loop | overhead | drain after |',
+              '|---|---|---|---|---|---|']
     for name, r in b['runs'].items():
         if 'error' in r:
-            lines.append(f"| {name} | {r['error'][:60]} | | | |")
+            lines.append(f"| {name} | {r['error'][:60]} | | | | |")
             continue
         block = f"{r['block_ms']:.1f} ms; {r['first_ms']:.1f} ms" if 'block_ms' in r else '-'
-        lines.append(f"| {name} | {block} | {r['wall_s']:.2f} s | {r.get('overhead', 0):+.1%} | "
-                     f"{r['drain_s']:.2f} s |")
+        lines.append(f"| {name} | {block} | {r.get('path', '-')} | {r['wall_s']:.2f} s | "
+                     f"{r.get('overhead', 0):+.1%} | {r['drain_s']:.2f} s |")
     return '\n'.join(lines)
 
 
@@ -338,6 +348,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument('--small', type=int, default=None, help='how many small arrays (2000)')
     ap.add_argument('--reps', type=int, default=None, help='timed repetitions (5; quick 2)')
     ap.add_argument('--skip', default='', help='sections to leave out: limits,restore,blocking')
+    ap.add_argument('--steps', type=int, default=None, help='training steps of the blocking loop (60)')
+    ap.add_argument('--every', type=int, default=None, help='a checkpoint every this many steps (20)')
     ap.add_argument('--json', default=None, help='write the result there')
     ap.add_argument('--dir', default=None, help='where to write files (a temporary directory)')
     args = ap.parse_args(argv)
@@ -358,8 +370,9 @@ def main(argv: list[str] | None = None) -> dict:
             states[f'{small} small arrays'] = small_state(small)
             result['restore'] = restores(states, device, reps, directory)
         if 'blocking' not in skip:
-            quick = dict(step_ms=10, steps=12, every=4, n=256) if args.quick else dict(step_ms=60, n=2048)
-            result['blocking'] = mirror_blocking(sizes[0], device, directory=directory, **quick)
+            loop = dict(step_ms=10, steps=12, every=4, n=256) if args.quick else dict(step_ms=60, n=2048)
+            loop.update({k: getattr(args, k) for k in ('steps', 'every') if getattr(args, k)})
+            result['blocking'] = mirror_blocking(sizes[0], device, directory=directory, **loop)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     print(markdown(result))

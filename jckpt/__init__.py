@@ -61,7 +61,7 @@ _LAZY = {
     'convert': 'jckpt.adapters', 'detect_format': 'jckpt.adapters',
     'register_format': 'jckpt.adapters',
     'verify': 'jckpt.tools.verify',
-    'Mirror': 'jckpt.services.mirror', 'MirrorCounters': 'jckpt.services.engine',
+    'Mirror': 'jckpt.services.mirror', 'MirrorCounters': 'jckpt.services.counters',
     'CheckpointManager': 'jckpt.services.manager', 'Restored': 'jckpt.services.manager',
     'CheckpointOptions': 'jckpt.services.formats', 'CheckpointLoadOptions': 'jckpt.services.formats',
     'TrainerState': 'jckpt.services.trainer_state',

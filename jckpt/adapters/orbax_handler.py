@@ -58,7 +58,7 @@ FILENAME = 'checkpoint.jckpt'
 def _snapshot(tree: Any, namespace: str) -> Any:
     """`tree` as it is now, safe from the caller's later donation or mutation.
 
-    Accelerator arrays become an image on their device (one dispatched copy,
+    jax arrays become an image on their device (a dispatched copy,
     `jckpt.trees.image`) when the devices have room, written from there in
     the background commit; everything else becomes a private host copy
     (typed PRNG keys stay keys). Every leaf is checked now (an unstorable one
@@ -67,14 +67,13 @@ def _snapshot(tree: Any, namespace: str) -> Any:
     """
     items, treedef = tree_mod.flatten_with_treedef(tree)
     named = [(tree_mod.leaf_name(namespace, p), leaf) for p, leaf in items]
-    devices = [i for i, (_, leaf) in enumerate(named)
-               if isinstance(leaf, jax.Array) and not placement._on_cpu(leaf)]
+    devices = [i for i, (_, leaf) in enumerate(named) if image.imageable(leaf)]
     if devices and not image.has_room([named[i][1] for i in devices], None):
         devices = []
     imaged = set(devices)
     out: list[Any] = [None] * len(named)
     keys = placement.host_leaves([named[i] for i in devices], fetch=False)
-    for i, h, data in zip(devices, keys, image.take_image([named[i][1] for i in devices], None)
+    for i, h, data in zip(devices, keys, image.take_image([named[i][1] for i in devices])
                           if devices else []):
         out[i] = data if h.key_impl is None else jax.random.wrap_key_data(data, impl=h.key_impl)
     rest = [i for i in range(len(named)) if i not in imaged]

@@ -28,7 +28,6 @@ from __future__ import annotations
 import atexit
 import collections
 import dataclasses
-import errno as errno_mod
 import functools
 import logging
 import queue
@@ -41,6 +40,7 @@ from typing import Generic, Protocol, TypeVar
 
 from jckpt.errors import CapacityError, CheckpointError, InputError
 from jckpt.format.header import Entry
+from jckpt.services.counters import MirrorCounters, error_code
 from jckpt.services.snapshot import HostLeaf, Leaf, Slot, Snapshot, build_entries
 from jckpt.storage.writer import ArraySource
 from jckpt.trees import image
@@ -70,49 +70,6 @@ def deadline_after(timeout: float | None) -> float | None:
     return time.monotonic() + timeout
 
 
-# --- counters ----------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class MirrorCounters:
-    """A consistent reading of a mirror's progress; `str()` is the one-line summary.
-
-    Attributes:
-      committed: snapshots accepted by `submit` so far.
-      durable: the number (1-based, in submit order) of the last accepted
-        snapshot that is now synchronized on disk (or found identical to it).
-      generation: the generation number in the file (0: none written yet).
-      pending: slots whose snapshot is waiting to be written or being written.
-      error: `0`, or the last persistence error while it is unrecovered, as an
-        errno name (`"ENOSPC"`) or the error's class name.
-      failures: failed write attempts since the mirror opened.
-      last_error: the message of the most recent failure, kept after recovery.
-      stalls: submits that had to wait for a free slot (the disk is not keeping up).
-      images: snapshots taken as an image on their accelerator (drained in the background).
-    """
-
-    committed: int = 0
-    durable: int = 0
-    generation: int = 0
-    pending: int = 0
-    error: int | str = 0
-    failures: int = 0
-    last_error: str | None = None
-    stalls: int = 0
-    images: int = 0
-
-    def __str__(self) -> str:
-        return (f"memory mirror: committed {self.committed} durable {self.durable} "
-                f"generation {self.generation} pending {self.pending} error {self.error}")
-
-
-def error_code(exc: BaseException) -> str:
-    """How the counters name an error: its errno name (`"ENOSPC"`) or its class name."""
-    code = getattr(exc, 'errno', None)
-    if isinstance(code, int) and code in errno_mod.errorcode:
-        return errno_mod.errorcode[code]
-    return type(exc).__name__
-
-
 # --- jobs and committers -----------------------------------------------------
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -135,6 +92,12 @@ class Job(Generic[InfoT]):
     def built(self) -> tuple[tuple[Entry, ...], tuple[ArraySource, ...]]:
         """The entries and payload sources of the items: hashed once, kept across retries."""
         return build_entries(self.items)
+
+    def release(self) -> None:
+        """Drop the drained leaves: on the CPU they view the slot's image, which the slot's
+        next snapshot can reuse (donate) only once no view of it is left."""
+        self.__dict__.pop('built', None)
+        self.__dict__.pop('items', None)
 
 
 class Committer(Protocol[StagedT]):
@@ -477,6 +440,7 @@ class Pipeline(Generic[InfoT, StagedT]):
                 self._generation = generation
             self._error = None
             self._streak = 0
+            job.release()
             self._free.append(job.slot)
             self._cond.notify_all()
 

@@ -120,7 +120,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
       when_full: `'block'` or `'raise'` when every slot is pending, as for the mirror.
       retry_after: seconds before a failed write is retried, as for the mirror.
       patience: failed attempts in a row before the error is raised, as for the mirror.
-      device_image_bytes: the most accelerator memory one slot's snapshot image may take, as
+      device_image_bytes: the most device memory one slot's snapshot image may take, as
         for the mirror.
       lineage: the lineage to continue, checked against the latest step.
       new_lineage: start a new lineage even if the latest step has another or

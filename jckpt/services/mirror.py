@@ -68,7 +68,7 @@ class Mirror(BackgroundWriter[None]):
         pending; `'raise'` refuses with `CapacityError`.
       retry_after: seconds between attempts after a disk error (default 1).
       patience: failed attempts in a row after which waiting callers get the error.
-      device_image_bytes: the most accelerator memory one slot's snapshot image may
+      device_image_bytes: the most device memory one slot's snapshot image may
         take (None: as much as the devices have free; 0: copy to host at submit).
 
     Raises:

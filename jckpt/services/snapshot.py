@@ -1,7 +1,7 @@
 """A snapshot: a tree's leaves held immutable at submit, and the entries that describe them.
 
 A `Slot` holds one snapshot's buffers (host buffers for numpy leaves, device
-images for accelerator arrays) and is reused from snapshot to snapshot;
+images for jax arrays) and is reused from snapshot to snapshot;
 `Slot.take` is the only step of a background save that the training loop
 waits for, and `Snapshot.drain` brings what is still on a device to host on
 the writer's thread. `build_entries` turns the host arrays into entries with
@@ -25,7 +25,6 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-import jax
 import numpy as np
 
 from jckpt.api.context import Context
@@ -119,32 +118,27 @@ class Slot:
         self.index = index
         self.image_limit = image_limit
         self.buffers: dict[int, np.ndarray] = {}
-        self._images: list[Any] | None = None
+        self._images = image.Images()
 
     def take(self, leaves: Sequence[Leaf]) -> Snapshot:
         """Snapshot `leaves` the fastest way that survives donation and overwriting of them.
 
-        * Accelerator arrays: an image on their device, one dispatched copy
-          (`jckpt.trees.image`), when the devices have room for it; else a
-          transfer to host now.
-        * Arrays in host memory (CPU arrays, numpy leaves): copied into this
-          slot's host buffers, allocated once and reused from snapshot to
-          snapshot (no page faults after the first).
-          (Holding a CPU array's memory instead would cost no copy here, but
-          XLA cannot donate memory the host views, so the caller's next step
-          would allocate fresh buffers for its output: measured slower.)
+        * jax arrays (on an accelerator or the CPU): an image on their device,
+          one dispatched copy into this slot's previous image
+          (`jckpt.trees.image.Images`), when the devices have room for it;
+          else a transfer to (or copy in) host memory now.
+        * numpy leaves: copied into this slot's host buffers, allocated once
+          and reused from snapshot to snapshot (no page faults after the first).
         """
         named = [(tree_mod.leaf_name(namespace, path), leaf) for namespace, path, leaf in leaves]
-        devices = [i for i, (_, leaf) in enumerate(named)
-                   if isinstance(leaf, jax.Array) and not placement._on_cpu(leaf)]
+        devices = [i for i, (_, leaf) in enumerate(named) if image.imageable(leaf)]
         if devices and not image.has_room([named[i][1] for i in devices], self.image_limit):
             log.info("jckpt: no device room for a snapshot image: copying to host at submit")
             devices = []
         imaged = set(devices)
         described = iter(placement.host_leaves([named[i] for i in devices], fetch=False))
         hosts = iter(placement.host_leaves([x for i, x in enumerate(named) if i not in imaged]))
-        images = image.take_image([named[i][1] for i in devices], self._images) if devices else []
-        self._images = images or None
+        images = self._images.take([named[i][1] for i in devices]) if devices else []
         staged: list[Any] = []
         impls: list[str | None] = []
         copies: list[tuple[np.ndarray, np.ndarray]] = []

@@ -1,29 +1,32 @@
-"""Immutable images of accelerator arrays, taken on the device in one dispatched call.
+"""Immutable images of jax arrays, taken on their device without waiting for the copy.
 
 A background save must let the training loop go on at once, and the loop may
-donate the very buffers it just submitted to its next step. On an
-accelerator the snapshot is therefore a copy made *on the device*: one jitted
-call copies every submitted array into buffers the snapshot owns, and
-returns as soon as it is dispatched; the writer thread moves the image to
-host memory later (`drain`), while training proceeds. XLA orders the copy
-before any later step that donates or overwrites the source, so the image is
-the state at submit, bit for bit.
+donate the very buffers it just submitted to its next step. The snapshot of
+a jax array is therefore a copy made *on its device* (an accelerator, or the
+CPU): dispatched, not awaited; the writer thread moves the image to host
+memory later (`drain`; on the CPU that is a view, no copy), while training
+proceeds. XLA orders the copy before any later step that donates or
+overwrites the source, so the image is the state at submit, bit for bit.
 
-Each slot keeps its image buffers: the next snapshot of the same shapes is
-copied *into* them (the old image is donated to the copy), so a steady
-state allocates no device memory per snapshot. An image needs room on the
-device; `has_room` asks the device's memory statistics, and a writer falls
-back to a direct copy to host when there is none.
+`Images` keeps a slot's image from snapshot to snapshot. The first snapshot
+of a tree copies each array into fresh buffers (`jax.device_put` with
+`may_alias=False`: no compilation), and meanwhile compiles, on a background
+thread, one call that copies the whole tree *into* the previous image's
+buffers (donated). From then on a snapshot of the same shapes allocates no
+memory and faults in no page: it is that one dispatched call. An image needs
+room on the device; `has_room` asks the device's memory statistics, and a
+writer falls back to a direct copy to host when there is none.
 
 >>> import jax, numpy as np
 >>> x = jax.numpy.arange(4.0)
->>> (image,) = take_image([x], None)
+>>> (image,) = take_image([x])
 >>> np.asarray(image).tolist(), image is x
 ([0.0, 1.0, 2.0, 3.0], False)
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -37,46 +40,85 @@ from jckpt.errors import InputError
 #: Fraction of a device's free memory an image may take when the caller sets no limit.
 FREE_FRACTION = 0.9
 
+#: A runtime operand every image copy also reduces. XLA's CPU client runs a call it
+#: counts as cheap (under 1,000 flops) inline, on the caller's thread, and a copy counts
+#: no flops however many bytes it moves; the token's 2,048-element sum lets the copy be
+#: dispatched like any training step. It is noise beside a copy on an accelerator.
+_TOKEN = np.zeros(2048, np.float32)
+
+#: Compiles a slot's copy in the background, so no snapshot waits for XLA's compiler.
+_COMPILER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='jckpt-image')
+
+Signature = tuple[tuple[Any, ...], ...]
+
 
 def _data(x: jax.Array) -> jax.Array:
-    """A typed PRNG key's data; any other array as it is."""
+    """A typed PRNG key's data (its own buffer, not a copy); any other array as it is."""
     return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
 
 
-@jax.jit
-def _copy(arrays: list[jax.Array]) -> list[jax.Array]:
-    """Fresh device buffers holding `arrays` (a typed key's data for a key)."""
-    return [lax.dynamic_update_slice(jax.numpy.zeros_like(_data(a)), _data(a), (0,) * _data(a).ndim)
-            for a in arrays]
-
-
 @functools.partial(jax.jit, donate_argnums=0)
-def _copy_into(old: list[jax.Array], arrays: list[jax.Array]) -> list[jax.Array]:
+def _copy_into(old: list[jax.Array], arrays: list[jax.Array], token: Any) -> tuple[list, Any]:
     """`arrays` written into the donated buffers of `old` (same shapes): no new device memory."""
-    return [lax.dynamic_update_slice(o, _data(a), (0,) * o.ndim) for o, a in zip(old, arrays)]
+    return [lax.dynamic_update_slice(o, a, (0,) * o.ndim) for o, a in zip(old, arrays)], token.sum()
 
 
-def _signature(arrays: Sequence[jax.Array]) -> list[tuple[Any, ...]]:
-    """What must agree for an old image to be reused: the image's shape, dtype and sharding."""
-    out = []
-    for a in arrays:
-        data = jax.eval_shape(_data, a) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) else a
-        out.append((data.shape, data.dtype, a.sharding))
-    return out
+def _signature(arrays: Sequence[jax.Array]) -> Signature:
+    """What must agree for an old image to be reused: each array's shape, dtype and sharding."""
+    return tuple((a.shape, a.dtype, a.sharding) for a in arrays)
 
 
-def take_image(arrays: Sequence[jax.Array], old: Sequence[jax.Array] | None) -> list[jax.Array]:
-    """Device copies of `arrays` (dispatched, not awaited), in `old`'s buffers when they fit.
+def _compile(signature: Signature) -> Any:
+    """`_copy_into` compiled for images of `signature`."""
+    specs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+             for shape, dtype, sharding in signature]
+    return _copy_into.lower(specs, specs, _TOKEN).compile()
 
-    `old` is the previous image of the same slot, no longer needed (its
-    snapshot is durable): it is donated when every shape, dtype and sharding
-    matches, and simply dropped otherwise.
+
+def imageable(leaf: Any) -> bool:
+    """Whether `leaf` is snapshotted as an image: a jax array this process holds whole."""
+    return isinstance(leaf, jax.Array) and leaf.is_fully_addressable
+
+
+def take_image(arrays: Sequence[jax.Array]) -> list[jax.Array]:
+    """Fresh device copies of `arrays` (a typed key's data for a key): dispatched, not awaited."""
+    return list(jax.device_put([_data(a) for a in arrays], may_alias=False))
+
+
+class Images:
+    """One slot's device image, reused from snapshot to snapshot (see the module's text).
+
+    The slot calls `take` only once the previous image is durable and no
+    host view of it is left: a viewed buffer cannot be donated, and would
+    then be copied around rather than reused.
     """
-    arrays = list(arrays)
-    if old is not None and len(old) == len(arrays) and not any(o.is_deleted() for o in old) \
-            and [(o.shape, o.dtype, o.sharding) for o in old] == _signature(arrays):
-        return _copy_into(list(old), arrays)
-    return _copy(arrays)
+
+    def __init__(self) -> None:
+        self._image: list[jax.Array] | None = None
+        self._signature: Signature | None = None
+        self._copier: concurrent.futures.Future | None = None
+
+    def take(self, arrays: Sequence[jax.Array]) -> list[jax.Array]:
+        """An image of `arrays`, in the previous image's buffers when the compiled copy is ready."""
+        data = [_data(a) for a in arrays]
+        signature = _signature(data)
+        old, self._image = self._image, None
+        copier = self._ready(signature)
+        if copier is not None and old is not None and not any(o.is_deleted() for o in old):
+            image, _ = copier(old, data, _TOKEN)
+        else:
+            image = list(jax.device_put(data, may_alias=False))
+            if signature != self._signature:
+                self._signature, self._copier = signature, _COMPILER.submit(_compile, signature)
+        self._image = list(image)
+        return self._image
+
+    def _ready(self, signature: Signature) -> Any:
+        """The compiled copy for `signature`, if compiled (and compiling did not fail)."""
+        c = self._copier
+        if signature != self._signature or c is None or not c.done() or c.exception() is not None:
+            return None
+        return c.result()
 
 
 def check_limit(limit: int | None) -> None:
@@ -127,4 +169,5 @@ def drain(images: Sequence[jax.Array]) -> list[Any]:
     return [np.asarray(a) for a in images]
 
 
-__all__ = ['FREE_FRACTION', 'check_limit', 'drain', 'has_room', 'image_bytes', 'take_image']
+__all__ = ['FREE_FRACTION', 'Images', 'check_limit', 'drain', 'has_room', 'image_bytes', 'imageable',
+           'take_image']

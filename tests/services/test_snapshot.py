@@ -60,10 +60,11 @@ def test_fill_copies_numpy_leaves_isolated_from_later_mutation():
 
 
 @pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
-def test_cpu_jax_arrays_are_copied_and_outlive_donation_and_deletion():
+@pytest.mark.parametrize('limit', [None, 0])
+def test_cpu_jax_arrays_are_copied_and_outlive_donation_and_deletion(limit):
     x = jnp.arange(8, dtype=jnp.float32)
-    snapshot = Slot(0).take([leaf('jckpt', W, x)])
-    assert not snapshot.on_device
+    snapshot = Slot(0, image_limit=limit).take([leaf('jckpt', W, x)])
+    assert snapshot.on_device == (limit is None)  # an image on the CPU device, or a host copy
     y = jax.jit(lambda a: a * 2 + 1, donate_argnums=0)(x)  # the next step donates x
     x.delete()
     item = snapshot.drain()[0]

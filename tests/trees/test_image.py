@@ -1,8 +1,7 @@
 """Device images of a snapshot, and what survives donation of the submitted buffers.
 
-The image path is for accelerators; here it runs on the CPU device by taking
-it for an accelerator (`placement._on_cpu` patched), which exercises the same
-jitted copies, donation of old images and draining.
+jax arrays are imaged on their device, the CPU included, so these tests run
+the same copies, donation of old images and draining as an accelerator does.
 """
 
 import jax
@@ -12,13 +11,9 @@ import numpy as np
 import pytest
 
 import jckpt
-from jckpt.trees import image, placement
+from jckpt.trees import image
 
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
-
-
-def as_accelerator(monkeypatch):
-    monkeypatch.setattr(placement, "_on_cpu", lambda leaf: False)
 
 
 def state(seed):
@@ -60,21 +55,16 @@ def run_and_check(tmp_path, make_writer, save, n=3):
     return wanted, counters
 
 
-def test_mirror_file_is_the_state_at_submit_despite_donation(tmp_path, monkeypatch):
-    for accelerator in (False, True):
-        if accelerator:
-            as_accelerator(monkeypatch)
-        d = tmp_path / str(accelerator)
-        d.mkdir()
-        wanted, counters = run_and_check(d, lambda p: jckpt.Mirror(p), lambda m, t, i: m.submit(t))
-        assert counters.images == (3 if accelerator else 0)
-        _, got = jckpt.load(jckpt.Context(host=True), d / "run")
-        last = wanted[-1]
-        assert expected_bytes(got["jckpt"]) == last
+@pytest.mark.parametrize("limit", [None, 0])
+def test_mirror_file_is_the_state_at_submit_despite_donation(tmp_path, limit):
+    wanted, counters = run_and_check(tmp_path, lambda p: jckpt.Mirror(p, device_image_bytes=limit),
+                                     lambda m, t, i: m.submit(t))
+    assert counters.images == (0 if limit == 0 else 3)
+    _, got = jckpt.load(jckpt.Context(host=True), tmp_path / "run")
+    assert expected_bytes(got["jckpt"]) == wanted[-1]
 
 
-def test_manager_steps_are_the_states_at_save_despite_donation(tmp_path, monkeypatch):
-    as_accelerator(monkeypatch)
+def test_manager_steps_are_the_states_at_save_despite_donation(tmp_path):
     wanted, counters = run_and_check(
         tmp_path, lambda p: jckpt.CheckpointManager(p), lambda m, t, i: m.save(i, tree=t))
     assert counters.images == 3
@@ -84,21 +74,37 @@ def test_manager_steps_are_the_states_at_save_despite_donation(tmp_path, monkeyp
             assert expected_bytes(got) == want
 
 
-def test_a_slot_copies_into_its_old_image_when_shapes_match(monkeypatch):
-    calls = []
-    real = image._copy_into
-    monkeypatch.setattr(image, "_copy_into", lambda old, new: (calls.append(len(old)),
-                                                               real(old, new))[1])
-    first = image.take_image([jnp.ones(4), jnp.zeros((2, 2), jnp.int8)], None)
-    second = image.take_image([jnp.full(4, 3.0), jnp.ones((2, 2), jnp.int8)], first)
-    assert calls == [2] and all(a.is_deleted() for a in first)  # donated, reused
+def test_a_slot_copies_into_its_old_image_once_its_copy_is_compiled():
+    images = image.Images()
+    first = images.take([jnp.ones(4), jnp.zeros((2, 2), jnp.int8), jax.random.key(0)])
+    assert not any(a.is_deleted() for a in first)
+    images._copier.result()  # compiled in the background meanwhile
+    second = images.take([jnp.full(4, 3.0), jnp.ones((2, 2), jnp.int8), jax.random.key(1)])
+    assert all(a.is_deleted() for a in first)  # donated: the second image is in its buffers
     assert np.asarray(second[0]).tolist() == [3.0] * 4
-    third = image.take_image([jnp.ones(5)], second)  # another shape: a fresh image
-    assert calls == [2] and np.asarray(third[0]).tolist() == [1.0] * 5
+    assert np.asarray(second[2]).tolist() == np.asarray(jax.random.key_data(jax.random.key(1))).tolist()
+    third = images.take([jnp.ones(5)])  # another shape: a fresh image, another compilation
+    assert not any(a.is_deleted() for a in second) and np.asarray(third[0]).tolist() == [1.0] * 5
+
+
+def test_a_mirror_reuses_its_images_memory_from_snapshot_to_snapshot(tmp_path):
+    """After the first snapshots, each one is written into the image the slot already has:
+    the drained views of it are released once it is durable, so it can be donated."""
+    tree = {"w": jnp.arange(1000.0), "b": jnp.ones(10, jnp.int32)}
+    with jckpt.Mirror(tmp_path / "m.jckpt", slots=1) as m:
+        pointers = []
+        for i in range(4):
+            m.submit(jax.tree.map(lambda x, i=i: x + i, tree))
+            m.wait_durable()
+            slot_images = m._pipeline._free[0]._images
+            slot_images._copier.result()
+            pointers.append(slot_images._image[0].unsafe_buffer_pointer())
+    assert len(set(pointers[1:])) == 1  # one buffer from the second snapshot on
+    _, got = jckpt.load(jckpt.Context(host=True), tmp_path / "m.jckpt")
+    assert got["jckpt"]["w"].tolist() == (np.arange(1000.0) + 3).tolist()
 
 
 def test_no_room_or_a_zero_limit_copies_to_host_at_submit(tmp_path, monkeypatch):
-    as_accelerator(monkeypatch)
     assert not image.has_room([jnp.ones(1000)], limit=100)
     assert image.has_room([jnp.ones(10)], limit=None)
     with jckpt.Mirror(tmp_path / "m.jckpt", device_image_bytes=0) as m:
