@@ -100,6 +100,9 @@ STAGE_DIR_TAG = '.jckpt-stage-dir.'
 NEXT_TAG = '.jckpt-next.'
 #: The writer lease beside a path: ``<target>.jckpt-lease``.
 LEASE_SUFFIX = '.jckpt-lease'
+#: The marker of a multipart upload in flight in an object store: ``<key>.jckpt-upload.<random>``,
+#: so that the next writer of the key can find and abort the uploads of a writer that was killed.
+UPLOAD_TAG = '.jckpt-upload.'
 
 # --- metadata keys -----------------------------------------------------------------------------
 
