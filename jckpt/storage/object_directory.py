@@ -19,9 +19,12 @@ that died before their index, when their writer is surely gone (its host
 and pid are in the tag: a process of this host that no longer runs, or a
 finished save of this very process) or when they are older than an hour by
 the store's clock. A save still running elsewhere therefore keeps its
-pieces. A reader that read the index before the replacement and then asks
-for a deleted piece gets a `FormatError` saying so, never another
-checkpoint's bytes: piece names are never reused.
+pieces. The multipart uploads that killed writers left for such pieces are
+aborted too (by their markers, `jckpt.storage.upload_markers`, on S3): no
+later writer of those keys would, since a piece name is used by one save
+only. A reader that read the index before the replacement and then asks for
+a deleted piece gets a `FormatError` saying so, never another checkpoint's
+bytes: piece names are never reused.
 
 >>> from jckpt.format.names import piece_name
 >>> tag = new_tag()
@@ -39,12 +42,12 @@ import secrets
 import socket
 import threading
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from jckpt.errors import CheckpointError, FormatError
 from jckpt.format.index import index_files
-from jckpt.format.names import INDEX_NAME, piece_tag, save_tag, tag_writer
+from jckpt.format.names import INDEX_NAME, UPLOAD_TAG, piece_tag, save_tag, tag_writer
 from jckpt.storage.object_backend import OBJECT_STORE
 from jckpt.storage.object_store import ObjectURL, is_missing, obstore_module, store_error, store_for
 from jckpt.storage.publish import STALE_AFTER
@@ -138,6 +141,16 @@ def _orphan(name: str, modified: datetime.datetime, now: datetime.datetime) -> b
     return (now - modified).total_seconds() > STALE_AFTER
 
 
+def _reclaim_uploads(u: ObjectURL, found: list[dict[str, Any]], doomed: Callable[[str], bool]) -> None:
+    """Abort the uploads that killed writers left for the pieces here that `doomed` names (found by
+    their markers, `jckpt.storage.upload_markers`): a piece name is used by one save only, so no
+    later writer of that key would. Uploads of live writers are spared."""
+    names = [o['path'][len(u.prefix):] for o in found]
+    for head in sorted({n.partition(UPLOAD_TAG)[0] for n in names if UPLOAD_TAG in n}):
+        if piece_tag(head) is not None and doomed(head):
+            OBJECT_STORE.reclaim_uploads(u.child(head).url)
+
+
 def clean_after_commit(url: str, files: Iterable[str], replaced: Iterable[str]) -> list[str]:
     """After the index naming `files` is in: delete the pieces no index names any more.
 
@@ -155,6 +168,7 @@ def clean_after_commit(url: str, files: Iterable[str], replaced: Iterable[str]) 
                   and piece_tag(name) is not None
                   and (name in replaced or _orphan(name, o['last_modified'], now))]
         _delete(u, doomed)
+        _reclaim_uploads(u, found, lambda name: name not in keep)
         if u.key:  # apart: a store that reports a missing key must not stop the others' deletion
             _delete(u, [u.key])
     except CheckpointError as e:
@@ -174,6 +188,7 @@ def discard(url: str, tag: str) -> None:
     try:
         found, _ = _listing(u)
         _delete(u, [o['path'] for o in found if piece_tag(o['path'][len(u.prefix):]) == tag])
+        _reclaim_uploads(u, found, lambda name: piece_tag(name) == tag)
     except CheckpointError as e:
         log.warning("jckpt: deleting the pieces of the failed save of %s failed (the next save "
                     "deletes them): %s", url, e)

@@ -183,6 +183,25 @@ def _save_catching(value, url, errors):
         errors.append(e)
 
 
+def test_uploads_that_killed_writers_left_for_pieces_are_aborted(s3):
+    """A piece name is used by one save only, so no later writer of its key would abort what a
+    killed writer of it left: the next save of the checkpoint does, sparing a live writer's."""
+    from tests.s3server import dead_pid, markers_of, plant_marker, start_upload, uploads_of
+
+    url = f"{s3}/ckpt"
+    save_directory(jckpt.Context(), tree(1), url)
+    dead = f"{url}/{piece_name(1, 0, save_tag(object_directory._host(), dead_pid(), 1))}"
+    plant_marker(dead, "dead", pid=dead_pid())
+    start_upload(dead)
+    live = f"{url}/{piece_name(1, 0, save_tag(0x1234, 42, 7))}"  # another host's save, running
+    plant_marker(live, "live")
+    kept = start_upload(live)
+    jckpt.save(jckpt.Context(), tree(2), url)
+    assert uploads_of(dead) == [] and markers_of(dead) == []
+    assert [i for _, i in uploads_of(live)] == [kept] and len(markers_of(live)) == 1
+    assert_is(url, 2)
+
+
 def test_a_reader_of_the_replaced_index_gets_an_error_not_a_mix(s3):
     url = f"{s3}/ckpt"
     big = {"w": np.arange(1_500_000, dtype=np.float32), "b": np.arange(7, dtype=np.int32)}
