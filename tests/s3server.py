@@ -2,16 +2,22 @@
 
 The tests of object storage run against it (moto's server is the one s3fs's own
 test suite uses). `S3Server.start()` starts one; `server.bucket()` makes a fresh
-bucket; `server.stop()` kills it (a fault test kills it mid-upload).
+bucket; `server.stop()` kills it (a fault test kills it mid-upload). The
+functions below look at a URL's incomplete uploads and upload markers as
+another client would (boto3, the environment pointing at the server).
 """
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
 import uuid
+
+from jckpt.format.names import UPLOAD_TAG
+from jckpt.storage.object_store import ObjectURL, store_for
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                "AWS_REGION": "us-east-1"}
@@ -61,3 +67,48 @@ class S3Server:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+# --- incomplete uploads and their markers, seen through boto3 ------------------------------------
+
+def client(url: str):
+    """boto3's client of the test server (the environment points at it)."""
+    import boto3
+
+    return boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"], region_name="us-east-1")
+
+
+def uploads_of(url: str) -> list[tuple[str, str]]:
+    """The incomplete multipart uploads of the keys that start with `url`'s: `(key, upload id)`."""
+    u = ObjectURL.parse(url)
+    found = client(url).list_multipart_uploads(Bucket=u.bucket, Prefix=u.key).get("Uploads", [])
+    return sorted((o["Key"], o["UploadId"]) for o in found)
+
+
+def markers_of(url: str) -> list[str]:
+    """The keys of the upload markers of `url`'s key."""
+    u = ObjectURL.parse(url)
+    found = client(url).list_objects_v2(Bucket=u.bucket, Prefix=u.key + UPLOAD_TAG).get("Contents", [])
+    return [o["Key"] for o in found]
+
+
+def plant_marker(url: str, token: str, **holder) -> None:
+    """A marker as another writer of `url` would have put it (this host, this pid, now, unless given)."""
+    import obstore
+
+    u = ObjectURL.parse(url)
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), **holder}
+    obstore.put(store_for(u), f"{u.key}{UPLOAD_TAG}{token}", json.dumps(record).encode())
+
+
+def start_upload(url: str) -> str:
+    """Start a multipart upload of `url`'s key as another client would; its upload id."""
+    u = ObjectURL.parse(url)
+    return client(url).create_multipart_upload(Bucket=u.bucket, Key=u.key)["UploadId"]
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited."""
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    return int(done.stdout)

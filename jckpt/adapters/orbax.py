@@ -48,7 +48,7 @@ from jckpt.errors import FormatError, InputError
 from jckpt.format.header import NAMESPACE_RE
 from jckpt.format.limits import json_loads
 from jckpt.format.names import ORBAX_JSON_KEY
-from jckpt.storage.backend import backend_for
+from jckpt.storage.backend import backend_for, is_url
 
 _ITEM_MARKERS = ('_METADATA', 'manifest.ocdbt')
 _STEP_MARKER = '_CHECKPOINT_METADATA'
@@ -79,9 +79,33 @@ def _items(path: str) -> list[str]:
 
 def sniff(path: str, head: bytes | None) -> bool:
     """A directory laid out as an orbax item, step, or `CheckpointManager` root (refused
-    with a message naming a step)."""
+    with a message naming a step); in an object store, a prefix laid out so."""
+    if is_url(path):
+        return head is None and _in_store(path)
     return head is None and (_is_item(path) or os.path.exists(os.path.join(path, _STEP_MARKER))
                              or bool(_items(path)) or bool(_steps(path)))
+
+
+def _in_store(url: str) -> bool:
+    """Whether the prefix `url` holds an orbax item or step, or steps (the last one is listed)."""
+    backend = backend_for(url)
+    names = set(backend.list(url))
+    if names & {*_ITEM_MARKERS, _STEP_MARKER}:
+        return True
+    steps = sorted((n for n in names if n.isascii() and n.isdigit()), key=int)
+    return bool(steps) and _STEP_MARKER in backend.list(os.path.join(url, steps[-1]))
+
+
+def _refuse_url(path: str) -> None:
+    """orbax reads local directories here: one in an object store is an error saying what to do."""
+    if is_url(path):
+        raise FormatError("an orbax checkpoint in an object store is not read in place: jckpt reads "
+                          "orbax directories through orbax, from a local directory", file=path,
+                          fix=f"copy it to a local directory first (gcloud storage cp -r {path} DIR, "
+                              f"or aws s3 cp --recursive {path} DIR), then restore from that directory "
+                              "or convert it: jckpt.convert(DIR, 'state.jckpt'); an item saved by "
+                              f"jckpt's orbax handler is one jckpt file, <item>/{_JCKPT_ITEM}, which "
+                              "restores in place")
 
 
 def _steps(path: str) -> list[str]:
@@ -185,6 +209,7 @@ def item_dirs(path: str) -> list[tuple[str, str]]:
     """
     path = os.fspath(path)
     backend_for(path)  # a URL of an unsupported scheme is refused, never read as a local path
+    _refuse_url(path)
     if not os.path.isdir(path):
         raise FormatError("an orbax checkpoint is a directory", file=path,
                           fix="pass the step or item directory")

@@ -27,6 +27,11 @@ Example:
             state=jckpt.adapters.orbax_handler.JckptRestore(abstract_state)))['state']
     ```
 
+The item's directory may be in a bucket: orbax passes an `epath.Path`
+whose string is a `gs://` (or `s3://`) URL, and the file is then an object
+under it, written and read through jckpt's object store backend
+(docs/object-storage.md).
+
 With several processes, process 0 writes the file, so every array must be
 fully addressable from it (replicated); sharded multi-process state needs
 jckpt's own sharded checkpoints.

@@ -10,6 +10,9 @@ When `jax.process_count() > 1`, `jckpt.save` calls `save_directory`:
 3. process 0 reads the piece headers, checks that the pieces of every array
    tile it exactly, writes `index.jckpt` and publishes the directory with
    one atomic rename; a second barrier returns everyone once it is published.
+   In an object store the pieces carry the save's tag in their names and the
+   index, one PUT over the previous one, is the commit
+   (`jckpt.storage.object_directory`).
 
 A directory without `index.jckpt` is never read as a checkpoint, so a
 process that dies before the barrier leaves the previous checkpoint intact.
@@ -39,9 +42,17 @@ from jckpt.errors import DistributedError, InputError
 from jckpt.format.boxes import Box, box_shape, coalesce, full_box, intersect
 from jckpt.format.entries import Entry, Header, KeyPath, entry_for
 from jckpt.format.layout import lay_out
-from jckpt.format.names import DIRECTORY_LOCK_NAME, INDEX_NAME, STAGE_DIR_TAG, piece_name
+from jckpt.format.names import DIRECTORY_LOCK_NAME, STAGE_DIR_TAG, piece_name, tag_writer
+from jckpt.storage import object_directory
 from jckpt.storage.backend import LOCAL, Backend, backend_for
-from jckpt.storage.directory import make_stage, publish_directory, reclaim_stage_dirs, write_index
+from jckpt.storage.directory import (
+    indexed_pieces,
+    make_stage,
+    publish_directory,
+    reclaim_stage_dirs,
+    write_index,
+    write_index_file,
+)
 from jckpt.storage.regions import ShardedSource
 from jckpt.storage.writer import ArraySource, write_checkpoint
 from jckpt.trees import placement
@@ -204,7 +215,7 @@ def _piece_entry(leaf: _Leaf, namespace: str, box: Box) -> Entry:
 
 
 def _write_pieces(stage: str, leaves: list[_Leaf], namespace: str, alignment: int, process: int,
-                  durable: bool) -> None:
+                  durable: bool, tag: str) -> None:
     """Write this process's piece files: one per layer of blocks (most arrays have one block)."""
     layers = max([len(leaf.blocks) for leaf in leaves] + [1])
     for layer in range(layers):
@@ -216,7 +227,7 @@ def _write_pieces(stage: str, leaves: list[_Leaf], namespace: str, alignment: in
                 sources.append(source)
         header = lay_out(Header(tensors=tuple(entries), alignment=alignment,
                                 writer=f"jckpt {__version__}"))
-        write_checkpoint(os.path.join(stage, piece_name(process, layer)), header, sources,
+        write_checkpoint(os.path.join(stage, piece_name(process, layer, tag)), header, sources,
                          durable=durable)
 
 
@@ -224,47 +235,55 @@ def _write_pieces(stage: str, leaves: list[_Leaf], namespace: str, alignment: in
 
 @dataclasses.dataclass
 class _Stage:
-    """The staging directory of one save, and (in process 0) the lock held on it."""
+    """Where one save writes its pieces, and (in process 0) the lock held on it.
+
+    `path` is the staging directory (the URL itself in an object store) while
+    a failure must delete what was written, None once that must stay; `tag`
+    names the pieces in an object store (`jckpt.storage.object_directory`).
+    """
 
     path: str | None = None
     lock_fd: int = -1
+    tag: str = ''
 
 
-def _open_stage(rt: _Runtime, path: str, process: int, stage: _Stage, backend: Backend) -> None:
-    """Process 0 creates the staging directory and tells the others its name.
-
-    In an object store there is no directory to rename: process 0 clears the
-    prefix (its index first, so what was there stops being a checkpoint at
-    once), the pieces are written in place, and the index, written last, is
-    the commit.
-    """
-    if backend is not LOCAL:
-        if process == 0:
-            try:
-                backend.remove(os.path.join(path, INDEX_NAME))
-                backend.remove(path)
-            except BaseException as e:
-                rt.share('stage', '!' + _first_line(e))
-                raise
-            rt.share('stage', STAGE_DIR_TAG)
-        elif (name := rt.share('stage', None)).startswith('!'):
-            raise DistributedError(f"process 0 could not start the save: {name[1:]}", file=path,
-                                   fix="see process 0's error")
-        stage.path = path
-        return
+def _shared_stage(rt: _Runtime, path: str, process: int, make: Callable[[], str]) -> str:
+    """Process 0 makes the stage's name (`make`) and tells the others; they receive it."""
     if process == 0:
         try:
-            reclaim_stage_dirs(path)
-            stage.path, stage.lock_fd = make_stage(path)
+            name = make()
         except BaseException as e:  # tell the others at once rather than at their timeout
             rt.share('stage', '!' + _first_line(e))
             raise
-        rt.share('stage', os.path.basename(stage.path))
-        return
+        return rt.share('stage', name)
     name = rt.share('stage', None)
     if name.startswith('!'):
         raise DistributedError(f"process 0 could not start the save: {name[1:]}", file=path,
                                fix="see process 0's error")
+    return name
+
+
+def _open_stage(rt: _Runtime, path: str, process: int, stage: _Stage, backend: Backend) -> None:
+    """Process 0 creates the staging directory (or the save's tag) and tells the others its name.
+
+    In an object store there is no directory to rename: the pieces are
+    written under the URL with the save's tag in their names, beside those of
+    the checkpoint there, and the index, written last, is the commit.
+    """
+    if backend is not LOCAL:
+        tag = stage.tag
+        stage.tag = _shared_stage(rt, path, process, lambda: tag)
+        if tag_writer(stage.tag) is None:
+            raise DistributedError(f"unexpected save tag {stage.tag!r}", file=path)
+        stage.path = path
+        return
+
+    def make() -> str:
+        reclaim_stage_dirs(path)
+        stage.path, stage.lock_fd = make_stage(path)
+        return os.path.basename(stage.path)
+
+    name = _shared_stage(rt, path, process, make)
     if STAGE_DIR_TAG not in name or os.sep in name:
         raise DistributedError(f"unexpected staging name {name!r}", file=path)
     stage.path = os.path.join(os.path.dirname(path), name)
@@ -272,13 +291,33 @@ def _open_stage(rt: _Runtime, path: str, process: int, stage: _Stage, backend: B
 
 def _publish(backend: Backend, stage: _Stage, path: str, count: int, alignment: int,
              metadata: Mapping[str, str] | None, durable: bool) -> None:
-    """Process 0: index the pieces, publish the directory, then let go of its lock."""
+    """Process 0: index the pieces, publish the directory, then let go of its lock.
+
+    In an object store the index replaces the one there with one PUT (the
+    commit), then the pieces no index names any more are deleted.
+    """
     assert stage.path is not None
-    write_index(stage.path, count, alignment, dict(metadata or {}), durable=durable)
     if backend is LOCAL:
+        write_index(stage.path, count, alignment, dict(metadata or {}), durable=durable)
         publish_directory(stage.path, path, durable=durable)
-    stage.path = None
-    backend.remove(os.path.join(path, DIRECTORY_LOCK_NAME))  # held until now: never a lockless stage
+        stage.path = None
+        backend.remove(os.path.join(path, DIRECTORY_LOCK_NAME))  # held until now: never a lockless stage
+        return
+    names, arrays = indexed_pieces(path, count, stage.tag)
+    replaced = object_directory.current_files(path)
+    stage.path = None  # the index may be in from here on, whatever the PUT says: keep the pieces
+    write_index_file(path, names, count, arrays, alignment, dict(metadata or {}), durable=durable)
+    object_directory.clean_after_commit(path, names, replaced)
+
+
+def _discard(backend: Backend, stage: _Stage) -> None:
+    """Process 0 after a failure: delete what this save wrote (nothing is published)."""
+    if stage.path is None:
+        return
+    if backend is LOCAL:
+        backend.remove(stage.path)
+    else:
+        object_directory.discard(stage.path, stage.tag)
 
 
 def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: int | None = None,
@@ -309,16 +348,17 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
     timeout = barrier_timeout() if timeout is None else float(timeout)
     leaves = _plan(tree_mod.flatten(tree), namespace, ctx.registry.max_id(namespace) + 1, process)
     rt = _Runtime(f"jckpt/save/{next(_saves)}", path, timeout, count)
-    stage = _Stage()
+    stage = _Stage(tag=object_directory.new_tag() if backend is not LOCAL and process == 0 else '')
     try:
-        _open_stage(rt, path, process, stage, backend)
-        rt.together('written', 'wrote its pieces', process, lambda: _write_pieces(
-            stage.path, leaves, namespace, alignment, process, ctx.durable))
-        rt.together('published', 'saw the checkpoint published', process, None if process else (
-            lambda: _publish(backend, stage, path, count, alignment, metadata, ctx.durable)))
+        with object_directory.saving(stage.tag):
+            _open_stage(rt, path, process, stage, backend)
+            rt.together('written', 'wrote its pieces', process, lambda: _write_pieces(
+                stage.path, leaves, namespace, alignment, process, ctx.durable, stage.tag))
+            rt.together('published', 'saw the checkpoint published', process, None if process else (
+                lambda: _publish(backend, stage, path, count, alignment, metadata, ctx.durable)))
     except BaseException:
-        if process == 0 and stage.path is not None:
-            backend.remove(stage.path)
+        if process == 0:
+            _discard(backend, stage)
         raise
     finally:
         if stage.lock_fd >= 0:

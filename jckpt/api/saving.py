@@ -235,7 +235,7 @@ def _publish(ctx: Context, path: str, header: Header, sources: Sequence[Any], pr
     with progress_mod.bar(f"saving {os.path.basename(path)}",
                           sum(e.byte_length for e in header.tensors), enabled=progress) as bar:
         write_checkpoint(path, header, sources, durable=ctx.durable,
-                         on_payload=lambda e: bar.advance(e.byte_length))
+                         on_payload=(lambda e: bar.advance(e.byte_length)) if bar.drawn else None)
 
 
 __all__ = ['save']

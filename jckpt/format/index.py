@@ -161,8 +161,17 @@ def _piece_files(top: dict[str, Any], file: str) -> list[str]:
     files = top.get('files')
     if not (isinstance(files, list) and all(isinstance(n, str) and PIECE_RE.match(n)
                                             for n in files)):
-        raise _fail("files must be a list of process_NNNNN[.K].jckpt names", file)
+        raise _fail("files must be a list of process_NNNNN[.K][.TAG].jckpt names", file)
     return files
+
+
+def index_files(header: Header, file: str) -> list[str]:
+    """Only the piece file names of an index header (its arrays are not read); raises `FormatError`.
+
+    What a writer replacing a directory checkpoint in an object store needs
+    to know of the one it replaces: which pieces to delete once its own index is in.
+    """
+    return list(_piece_files(_sharded_fields(header, file), file))
 
 
 @functools.lru_cache(maxsize=16)
@@ -291,4 +300,4 @@ def parse_index(header: Header, file: str) -> tuple[list[str], list[IndexedArray
     return list(files), arrays
 
 
-__all__ = ['IndexedArray', 'global_entry', 'index_header', 'parse_index']
+__all__ = ['IndexedArray', 'global_entry', 'index_files', 'index_header', 'parse_index']

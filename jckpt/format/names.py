@@ -5,6 +5,8 @@ these names and the tools that recognise them (which must not import JAX).
 
 >>> step_name(100), piece_name(12, 1)
 ('step_00000100.jckpt', 'process_00012.1.jckpt')
+>>> piece_name(3, 0, save_tag(0xab, 4242, 7))
+'process_00003.s000000ab0000109200000007.jckpt'
 >>> bool(STEP_RE.match(step_name(7))), KNOWN_KEYS[STEP_KEY]
 (True, 'step')
 """
@@ -17,17 +19,56 @@ import re
 
 #: The index of a directory checkpoint: which piece of which array is in which file.
 INDEX_NAME = 'index.jckpt'
-#: A piece file: ``process_00003.jckpt``, or ``process_00003.1.jckpt`` for a later block.
-PIECE_RE = re.compile(r'process_([0-9]{5,})(?:\.([1-9][0-9]*))?\.jckpt\Z')
+#: A piece file: ``process_00003.jckpt``, ``process_00003.1.jckpt`` for a later block, and in an
+#: object store with the save's tag: ``process_00003.s<24 hex digits>.jckpt``,
+#: ``process_00003.1.s<24 hex digits>.jckpt``. Group 1 is the process, 2 the layer, 3 the tag.
+PIECE_RE = re.compile(r'process_([0-9]{5,})(?:\.([1-9][0-9]*))?(?:\.(s[0-9a-f]{24}))?\.jckpt\Z')
+#: A save tag: ``s``, then the writer's host (a CRC-32 of its name), its pid and a random
+#: number, 8 hex digits each; it starts with a letter, so it never reads as a layer number.
+SAVE_TAG_RE = re.compile(r's([0-9a-f]{8})([0-9a-f]{8})([0-9a-f]{8})\Z')
 #: The version of the directory layout written in the index.
 LAYOUT_VERSION = 1
 #: The lock file that keeps a directory checkpoint to one writer.
 DIRECTORY_LOCK_NAME = '.writer.lock'
 
 
-def piece_name(process: int, layer: int = 0) -> str:
-    """The piece file of `process` (`layer` > 0 for a second block of the same array)."""
-    return f"process_{process:05d}.jckpt" if layer == 0 else f"process_{process:05d}.{layer}.jckpt"
+def piece_name(process: int, layer: int = 0, tag: str = '') -> str:
+    """The piece file of `process` (`layer` > 0 for a second block of the same array).
+
+    `tag` (a `save_tag`, or empty) names the save that wrote it: a directory
+    checkpoint in an object store is replaced by writing the new pieces under
+    new names, so they never overwrite the pieces of the checkpoint being replaced.
+    """
+    return f"process_{process:05d}{f'.{layer}' if layer else ''}{f'.{tag}' if tag else ''}.jckpt"
+
+
+def save_tag(host: int, pid: int, nonce: int) -> str:
+    """The tag of one save: its writer's host hash and pid, and a random `nonce` (32 bits each).
+
+    >>> save_tag(1, 2, 3)
+    's000000010000000200000003'
+    """
+    return f"s{host & 0xffffffff:08x}{pid & 0xffffffff:08x}{nonce & 0xffffffff:08x}"
+
+
+def tag_writer(tag: str) -> tuple[int, int] | None:
+    """`(host hash, pid)` of the save that `tag` names; None when `tag` is not a save tag.
+
+    >>> tag_writer(save_tag(1, 2, 3)), tag_writer('1')
+    ((1, 2), None)
+    """
+    m = SAVE_TAG_RE.match(tag)
+    return (int(m.group(1), 16), int(m.group(2), 16)) if m else None
+
+
+def piece_tag(name: str) -> str | None:
+    """The save tag of the piece file `name` (`''` for an untagged piece); None for no piece name.
+
+    >>> piece_tag('process_00000.1.s000000010000000200000003.jckpt'), piece_tag('process_00000.jckpt')
+    ('s000000010000000200000003', '')
+    """
+    m = PIECE_RE.match(name)
+    return (m.group(3) or '') if m else None
 
 
 # --- steps of a manager directory --------------------------------------------------------------
@@ -59,6 +100,9 @@ STAGE_DIR_TAG = '.jckpt-stage-dir.'
 NEXT_TAG = '.jckpt-next.'
 #: The writer lease beside a path: ``<target>.jckpt-lease``.
 LEASE_SUFFIX = '.jckpt-lease'
+#: The marker of a multipart upload in flight in an object store: ``<key>.jckpt-upload.<random>``,
+#: so that the next writer of the key can find and abort the uploads of a writer that was killed.
+UPLOAD_TAG = '.jckpt-upload.'
 
 # --- metadata keys -----------------------------------------------------------------------------
 

@@ -18,7 +18,15 @@ from jckpt import api
 from jckpt.api.context import Context
 from jckpt.errors import InputError
 from jckpt.format import metadata
-from jckpt.format.names import INDEX_NAME, NEXT_TAG, STAGE_DIR_TAG, STAGE_TAG, STEP_RE, TRAINER_STATE_NAME
+from jckpt.format.names import (
+    INDEX_NAME,
+    NEXT_TAG,
+    STAGE_DIR_TAG,
+    STAGE_TAG,
+    STEP_RE,
+    TRAINER_STATE_NAME,
+    UPLOAD_TAG,
+)
 from jckpt.services import formats
 from jckpt.services.formats import CheckpointLoadOptions
 from jckpt.storage.backend import LOCAL, Backend
@@ -62,11 +70,15 @@ def clean_staging(backend: Backend, directory: str) -> None:
     """Remove staging files and directories of steps whose writer died (incomplete steps).
 
     In an object store, file steps are staged in local files and uploaded whole;
-    what a dead save leaves there is a step prefix of pieces without its index.
+    what a dead save leaves there is a step prefix of pieces without its index,
+    and the marker of a step's multipart upload, whose upload is aborted.
     """
     if backend is not LOCAL:
         for name in backend.list(directory):
             path = os.path.join(directory, name)
+            head, tag, _ = name.partition(UPLOAD_TAG)
+            if tag and STEP_RE.match(head):
+                backend.reclaim_uploads(os.path.join(directory, head))
             if STEP_RE.match(name):
                 remove_staged(path)
                 if backend.isdir(path) and not any(backend.exists(os.path.join(path, marker))

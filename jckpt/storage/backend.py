@@ -98,6 +98,9 @@ class Backend(Protocol):
     def lease(self, path: str) -> WriterLease:
         """Take the exclusive writer lease on `path`; raises `InUseError`."""
 
+    def reclaim_uploads(self, path: str) -> int:
+        """Abort the incomplete uploads of `path` that killed writers left; how many (object stores)."""
+
 
 class LocalBackend:
     """Checkpoints on a local (POSIX) filesystem.
@@ -157,6 +160,10 @@ class LocalBackend:
 
     def lease(self, path: str) -> WriterLease:
         return WriterLease(path)
+
+    def reclaim_uploads(self, path: str) -> int:
+        """Nothing to do: a killed writer's staging file is reclaimed by `reclaim_staging`."""
+        return 0
 
     def __repr__(self) -> str:
         return 'LocalBackend()'

@@ -3,7 +3,8 @@
 A file opens as a `CheckpointReader`; a directory holding `index.jckpt` as a
 `DirectoryReader` (written by several processes). Another tool's directory
 (an orbax step) opens through a *directory reader* that a higher layer
-registered with `register_directory_reader`: storage cannot import the
+registered with `register_directory_reader` (a local directory, or a prefix
+in an object store, without `index.jckpt`): storage cannot import the
 adapters, so the adapters register themselves here when `jckpt` is imported,
 and every caller of `open_checkpoint` (`load`, `restore`, `describe`, `diff`)
 reads such a directory without knowing it is foreign.
@@ -25,7 +26,7 @@ from typing import Any
 from jckpt.errors import FormatError
 from jckpt.format.names import INDEX_NAME
 from jckpt.storage.backend import LOCAL, backend_for, checked_path
-from jckpt.storage.directory import DirectoryReader
+from jckpt.storage.directory import NO_INDEX, DirectoryReader
 from jckpt.storage.object_store import MISSING_OBJECT
 from jckpt.storage.reader import CheckpointReader
 
@@ -38,6 +39,10 @@ class DirectoryFormat:
       name: the format's name (`'orbax'`), for messages.
       claims: `claims(path) -> bool`: whether the directory (one without
         `index.jckpt`) is in this format; must be cheap and never raise.
+        `path` may be a URL (a prefix in an object store, listed through
+        `jckpt.storage.backend_for(path)`): a reader that cannot read it
+        there claims it anyway when it can say so, and `open` raises the
+        error that says what to do.
       open: `open(path) -> reader`: an object with a `header` (a
         `jckpt.format.entries.Header` of the directory's arrays) and
         `decode(entry, *, mmap, verify)` returning the entry's array, as
@@ -96,7 +101,13 @@ def open_checkpoint(path: str | os.PathLike) -> Any:
         except FormatError as e:
             if e.message != MISSING_OBJECT or not backend.isdir(path):
                 raise
-        return DirectoryReader(path)
+        try:
+            return DirectoryReader(path)
+        except FormatError as e:  # no index: a registered reader may claim the prefix
+            fmt = directory_format(path) if e.message == NO_INDEX else None
+            if fmt is None:
+                raise
+            return fmt.open(path)
     if not backend.isdir(path):
         return backend.open(path)
     if not os.path.exists(os.path.join(path, INDEX_NAME)):

@@ -39,9 +39,10 @@ from jckpt.format._gc import paused
 from jckpt.format.boxes import Box, box_shape, box_size, box_slices, check_tiling
 from jckpt.format.header import Entry, Header
 from jckpt.format.index import IndexedArray, global_entry, index_header, parse_index
-from jckpt.format.names import DIRECTORY_LOCK_NAME, INDEX_NAME, PIECE_RE, STAGE_DIR_TAG, piece_name
+from jckpt.format.names import DIRECTORY_LOCK_NAME, INDEX_NAME, STAGE_DIR_TAG, piece_name, piece_tag
 from jckpt.storage.backend import LOCAL, Backend, backend_for
 from jckpt.storage.lazy import LazyArray, note_read
+from jckpt.storage.object_store import MISSING_OBJECT
 from jckpt.storage.publish import STALE_AFTER, fsync_dir, storage_error
 from jckpt.storage.reader import CheckpointReader
 from jckpt.storage.writer import write_checkpoint
@@ -229,23 +230,32 @@ def write_index_file(stage: str, names: list[str], process_count: int,
     return header
 
 
-def write_index(stage: str, process_count: int, alignment: int, metadata: dict[str, str], *,
-                durable: bool = True) -> Header:
-    """Read every piece file's header in `stage`, check the tiling, write `index.jckpt`."""
+def indexed_pieces(stage: str, process_count: int, tag: str = '') -> tuple[list[str], list[IndexedArray]]:
+    """The piece files of the save `tag` in `stage` and their arrays, checked to tile them."""
     backend = backend_for(stage)
-    names = [n for n in backend.list(stage) if PIECE_RE.match(n)]
+    names = [n for n in backend.list(stage) if piece_tag(n) == tag]
     for p in range(process_count):
-        if piece_name(p) not in names:
+        if piece_name(p, 0, tag) not in names:
             raise DistributedError(f"process {p} wrote no piece file", file=stage,
                                    fix="check that process's log")
     arrays = collect_arrays(stage, names, backend)
     check_arrays(stage, arrays)
+    return names, arrays
+
+
+def write_index(stage: str, process_count: int, alignment: int, metadata: dict[str, str], *,
+                durable: bool = True, tag: str = '') -> Header:
+    """Read the header of every piece file of the save `tag` in `stage`, check the tiling,
+    write `index.jckpt`."""
+    names, arrays = indexed_pieces(stage, process_count, tag)
     return write_index_file(stage, names, process_count, arrays, alignment, metadata,
                             durable=durable)
 
 
 # --- reading ------------------------------------------------------------------------------------
 
+#: The message of the `FormatError` for a directory (or a prefix) without an index.
+NO_INDEX = f"directory has no {INDEX_NAME}: not a checkpoint, or one whose save did not finish"
 #: Files that mark another tool's checkpoint directory (orbax's items and steps).
 _FOREIGN_MARKERS = ('_METADATA', '_CHECKPOINT_METADATA', 'manifest.ocdbt')
 
@@ -296,8 +306,7 @@ class DirectoryReader:
         self.path = os.fspath(path)
         index = os.path.join(self.path, INDEX_NAME)
         if not self.backend.exists(index):
-            raise FormatError(f"directory has no {INDEX_NAME}: not a checkpoint, or one whose "
-                              "save did not finish", file=self.path, fix=_no_index_fix(self.path))
+            raise FormatError(NO_INDEX, file=self.path, fix=_no_index_fix(self.path))
         self.index = self.backend.open(index, follow_symlinks=False)
         #: Whether the pieces are objects read by range (checksums are then verified by default).
         self.remote = getattr(self.index, 'remote', False)
@@ -313,8 +322,16 @@ class DirectoryReader:
     def _reader(self, fi: int) -> CheckpointReader:
         reader = self._readers.get(fi)
         if reader is None:
-            reader = self.backend.open(os.path.join(self.path, self.files[fi]),
-                                       follow_symlinks=False)
+            path = os.path.join(self.path, self.files[fi])
+            try:
+                reader = self.backend.open(path, follow_symlinks=False)
+            except FormatError as e:
+                if e.message != MISSING_OBJECT:
+                    raise
+                raise FormatError(f"piece file {self.files[fi]}, which the index names, is gone: the "
+                                  "checkpoint was replaced (or removed) after its index was read",
+                                  file=path, fix="open the checkpoint again to read the one there "
+                                                 "now") from None
             self._entries[fi] = {e.identity: e for e in reader.header.tensors}
             self._readers[fi] = reader
         return reader
@@ -364,5 +381,5 @@ class DirectoryReader:
         return bad
 
 
-__all__ = ['DirectoryReader', 'check_arrays', 'collect_arrays', 'make_stage', 'overlapping',
-           'publish_directory', 'reclaim_stage_dirs', 'write_index', 'write_index_file']
+__all__ = ['NO_INDEX', 'DirectoryReader', 'check_arrays', 'collect_arrays', 'indexed_pieces', 'make_stage',
+           'overlapping', 'publish_directory', 'reclaim_stage_dirs', 'write_index', 'write_index_file']

@@ -2,9 +2,10 @@
 
 `backend_for` hands `OBJECT_STORE` out for every URL of those schemes. It
 implements the `Backend` protocol of `jckpt.storage.backend` over obstore
-(`jckpt.storage.object_store` holds the configuration, the uploads and the
-ranged source; `jckpt.storage.remote_reader` the reader;
-`jckpt.storage.object_lease` the writer lease). A "directory" is a key
+(`jckpt.storage.object_store` holds the configuration and the ranged
+source, `jckpt.storage.object_uploads` the uploads,
+`jckpt.storage.remote_reader` the reader, `jckpt.storage.object_lease`
+the writer lease). A "directory" is a key
 prefix: `s3://b/run` holds `s3://b/run/step_00000100.jckpt`.
 
 >>> OBJECT_STORE.list('memory://doc-backend/run')
@@ -13,24 +14,28 @@ prefix: `s3://b/run` holds `s3://b/run/step_00000100.jckpt`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 from jckpt.errors import FormatError
+from jckpt.format.names import UPLOAD_TAG
 from jckpt.storage.object_lease import ObjectLease
 from jckpt.storage.object_store import (
     ObjectSource,
-    ObjectStaging,
     ObjectURL,
     is_missing,
     obstore_module,
     store_error,
     store_for,
     tuning,
-    upload,
-    upload_stream,
 )
+from jckpt.storage.object_uploads import ObjectStaging, upload, upload_stream
 from jckpt.storage.remote_reader import RemoteReader
+from jckpt.storage.s3_api import api_for
+from jckpt.storage.upload_markers import reclaim
+
+log = logging.getLogger('jckpt')
 
 
 class ObjectStoreBackend:
@@ -106,10 +111,17 @@ class ObjectStoreBackend:
         return sorted({n.rstrip('/').rsplit('/', 1)[-1] for n in names} - {''})
 
     def remove(self, path: str) -> None:
+        """Remove the object `path` and everything under the prefix `path/`; missing is fine.
+
+        The uploads that killed writers left for objects under it (found by
+        their markers) are aborted first: no later writer would find them.
+        """
         u = ObjectURL.parse(path)
         obs, store = obstore_module(), store_for(u)
         try:
             keys = [o['path'] for chunk in obs.list(store, prefix=u.prefix) for o in chunk]
+            for key in sorted({k.partition(UPLOAD_TAG)[0] for k in keys if UPLOAD_TAG in k}):
+                self.reclaim_uploads(f"{u.scheme}://{u.bucket}/{key}")
             if u.key:
                 keys.append(u.key)
             for start in range(0, len(keys), 1000):
@@ -120,6 +132,18 @@ class ObjectStoreBackend:
 
     def lease(self, path: str) -> ObjectLease:
         return ObjectLease(ObjectURL.parse(path))
+
+    def reclaim_uploads(self, path: str) -> int:
+        """Abort the incomplete uploads of `path` that killed writers left (see
+        `jckpt.storage.upload_markers`); how many. Only S3 with botocore can; failures are logged."""
+        u = ObjectURL.parse(path)
+        try:
+            api = api_for(u, store_for(u))
+            return 0 if api is None else reclaim(api, u, '')
+        except Exception as e:
+            log.warning("jckpt: could not look for incomplete uploads of %s left by killed writers: %s",
+                        path, e)
+            return 0
 
     def __repr__(self) -> str:
         return 'ObjectStoreBackend()'

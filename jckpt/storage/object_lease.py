@@ -46,11 +46,12 @@ STALE_SECONDS = 300.0
 _TAKEN = ('AlreadyExistsError', 'PreconditionError')
 
 
-def _record() -> bytes:
+def record() -> bytes:
+    """This writer as a holder record (JSON): its host, its pid, and the time it is written."""
     return json.dumps({'host': socket.gethostname(), 'pid': os.getpid(), 'time': time.time()}).encode()
 
 
-def _gone(holder: dict[str, Any]) -> bool:
+def gone(holder: dict[str, Any]) -> bool:
     """Whether the holder is surely gone: a process of this host that no longer runs, or a silent one."""
     if time.time() - float(holder.get('time', 0)) > STALE_SECONDS:
         return True
@@ -86,7 +87,7 @@ class ObjectLease:
             if type(e).__name__ not in _TAKEN:
                 raise store_error(e, "taking the writer lease", self.lock.url) from e
         holder, version = self._holder()
-        if holder is not None and _gone(holder):
+        if holder is not None and gone(holder):
             try:
                 taken = self._put(version)
                 log.warning("jckpt: took over the writer lease of %s from pid %s on %s, which is gone",
@@ -106,7 +107,7 @@ class ObjectLease:
         """Write the lease record: `'create'`, or over the version `mode` only (a conditional PUT)."""
         if isinstance(mode, dict):
             mode = {k: v for k, v in mode.items() if v is not None}
-        result = self.obs.put(self.store, self.lock.key, _record(), mode=mode)
+        result = self.obs.put(self.store, self.lock.key, record(), mode=mode)
         return {'e_tag': result.get('e_tag'), 'version': result.get('version')}
 
     def _holder(self) -> tuple[dict[str, Any] | None, dict[str, Any]]:
@@ -150,4 +151,4 @@ class ObjectLease:
         return f"ObjectLease({self.path!r}, held={self.held})"
 
 
-__all__ = ['REFRESH_SECONDS', 'STALE_SECONDS', 'ObjectLease']
+__all__ = ['REFRESH_SECONDS', 'STALE_SECONDS', 'ObjectLease', 'gone', 'record']

@@ -13,12 +13,8 @@ s3fs), imported only when a URL is first used: `pip install 'jckpt[cloud]'`.
   (`endpoint`, `region`, `client_options`, `retry_config`, or a
   ready `store`), and jckpt's own `part_size` and `concurrency`. An
   `http://` endpoint (a local S3 server) is allowed without more ado.
-* **Writes** stream to a local spool file (the writer patches checksums into
-  the header in place, which an object cannot take), then go up in one PUT or
-  one multipart upload completed at publish: the object appears whole or not
-  at all, and a failed upload is aborted. obstore cannot list multipart
-  uploads, so those of a killed writer are left to the bucket's lifecycle
-  rule (docs/object-storage.md); they are never visible as objects.
+* **Writes** are `jckpt.storage.object_uploads`: one PUT, or one multipart
+  upload completed at the end, so the object appears whole or not at all.
 * **Reads** are ranged: see `jckpt.storage.remote_reader`.
 * **The writer lease** is an object created only if absent (a conditional
   PUT): see `jckpt.storage.object_lease`. The backend itself, which
@@ -35,10 +31,7 @@ import dataclasses
 import importlib
 import importlib.util
 import os
-import tempfile
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from jckpt.errors import CheckpointError, FormatError, InputError, StorageError
@@ -273,87 +266,5 @@ class ObjectSource:
         dest[:] = memoryview(data)
 
 
-def upload(local: str, u: ObjectURL) -> None:
-    """Put the local file `local` at `u`: one PUT, or a multipart upload completed at the end.
-
-    The object is the previous one (or none) until the upload completes; a
-    failed multipart upload is aborted.
-    """
-    part, concurrency = tuning(u)
-    try:
-        obstore_module().put(store_for(u), u.key, Path(local), chunk_size=part, max_concurrency=concurrency)
-    except Exception as e:
-        raise store_error(e, "uploading the checkpoint", u.url) from e
-
-
-def upload_stream(u: ObjectURL, chunks: Iterator[Any], size: int) -> None:
-    """Put the `size` bytes of `chunks` (buffers) at `u`, whole or not at all.
-
-    Up to one part, one PUT of the joined bytes; above, a multipart upload
-    that sends parts while `chunks` is still being produced, completed at
-    the end and aborted if producing or sending fails.
-    """
-    part, concurrency = tuning(u)
-    obs, store = obstore_module(), store_for(u)
-    try:
-        if size <= part:
-            obs.put(store, u.key, b''.join(bytes(memoryview(c).cast('B')) for c in chunks),
-                    use_multipart=False)
-        else:
-            obs.put(store, u.key, chunks, chunk_size=part, max_concurrency=concurrency)
-    except Exception as e:
-        raise store_error(e, "uploading the checkpoint", u.url) from e
-
-
-class ObjectStaging:
-    """A write to an object: spooled to a local file, uploaded whole at `publish`.
-
-    The surface of `jckpt.storage.publish.StagingFile` (`fd`, `publish`,
-    `discard`, a context manager), so the streaming writer and the format
-    adapters write an object as they write a file. Leaving without
-    `publish` uploads nothing. The upload is one PUT, or a multipart upload
-    of `part_size` parts that is completed only when every part is in and
-    aborted on any failure: the object is the previous one until then.
-    """
-
-    def __init__(self, u: ObjectURL) -> None:
-        self.u, self.target = u, u.url
-        store_for(u)  # a bad configuration is refused before anything is written
-        self.published = False
-        try:
-            self.fd, self.path = tempfile.mkstemp(prefix='jckpt-upload-')
-        except OSError as e:
-            raise StorageError(f"creating the local spool file failed: {e.strerror}", file=u.url,
-                               fix="free space in the temporary directory (TMPDIR)") from e
-
-    def publish(self) -> None:
-        """Upload the spooled bytes as the object (one PUT, or a multipart upload completed at the end)."""
-        try:
-            upload(self.path, self.u)
-            self.published = True
-        finally:
-            self.discard()
-
-    def discard(self) -> None:
-        """Close and remove the spool file."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-
-    def __enter__(self) -> ObjectStaging:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.discard()
-
-    def __repr__(self) -> str:
-        return f"ObjectStaging({self.target!r})"
-
-
-__all__ = ['MISSING_OBJECT', 'SCHEMES', 'ObjectSource', 'ObjectStaging', 'ObjectURL', 'available',
-           'configure', 'forget_stores', 'is_missing', 'obstore_module', 'store_error', 'store_for', 'tuning',
-           'upload', 'upload_stream']
+__all__ = ['MISSING_OBJECT', 'SCHEMES', 'ObjectSource', 'ObjectURL', 'available', 'configure',
+           'forget_stores', 'is_missing', 'obstore_module', 'store_error', 'store_for', 'tuning']

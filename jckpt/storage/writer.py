@@ -75,6 +75,18 @@ class Sink:
         if position > self.position:
             self.write(bytes(position - self.position))
 
+    def put_small(self, position: int, data) -> None:
+        """Zero-pad to `position`, then gather `data` (a small contiguous buffer): one call of
+        the writer's loop per small payload, where `pad_to` + `write` would be several."""
+        buffer = self._buffer
+        if position > self.position:
+            buffer += bytes(position - self.position)
+        view = memoryview(data)
+        buffer += view
+        self.position = position + view.nbytes
+        if len(buffer) >= self.BUFFER_BYTES:
+            self.flush()
+
 
 class PayloadSource(Protocol):
     """Something that can stream one entry's payload into a `Sink`."""
@@ -298,17 +310,7 @@ def write_checkpoint(target: str | os.PathLike, header: Header,
             sink = Sink(staging.fd)
             sink.write(raw)
             sink.flush()  # the header on its own: payloads gather after it
-            sums = []
-            for entry, source in zip(draft.tensors, sources):
-                sink.pad_to(data_start + entry.offset)
-                before = sink.position
-                sums.append(source.write(sink))
-                if sink.position - before != entry.byte_length:
-                    raise StorageError(f"wrote {sink.position - before} bytes for an entry of "
-                                       f"{entry.byte_length}", file=target, entry=entry.name)
-                if on_payload is not None:
-                    on_payload(entry)
-            sink.flush()
+            sums = _write_payloads(sink, draft.tensors, sources, data_start, target, on_payload)
             final = dataclasses.replace(header, tensors=tuple(
                 e if e.checksum == s else _evolve(e, checksum=s) for e, s in zip(header.tensors, sums)))
             patched = bytearray(raw)
@@ -325,6 +327,28 @@ def write_checkpoint(target: str | os.PathLike, header: Header,
             raise storage_error(e, "writing the checkpoint", target) from e
         staging.publish()
     return final
+
+
+def _write_payloads(sink: Sink, entries: Sequence[Entry], sources: Sequence[PayloadSource],
+                    data_start: int, target: str, on_payload: Callable[[Entry], None] | None
+                    ) -> list[tuple[str, str] | None]:
+    """Stream each entry's payload to its offset (after `data_start`); their checksums."""
+    sums = []
+    for entry, source in zip(entries, sources):
+        if type(source) is BytesSource and len(source.data) == entry.byte_length:
+            sink.put_small(data_start + entry.offset, source.data)  # the many-small-leaves path
+            sums.append(source.checksum)
+        else:
+            sink.pad_to(data_start + entry.offset)
+            before = sink.position
+            sums.append(source.write(sink))
+            if sink.position - before != entry.byte_length:
+                raise StorageError(f"wrote {sink.position - before} bytes for an entry of "
+                                   f"{entry.byte_length}", file=target, entry=entry.name)
+        if on_payload is not None:
+            on_payload(entry)
+    sink.flush()
+    return sums
 
 
 #: The payload sources a streamed upload takes (`stream_arrays`): host arrays and sharded payloads.

@@ -232,7 +232,7 @@ def _stage(where: str, leaf: Any, *, pieces: bool, spread: bool, fetch: bool) ->
 def _finish(staged: HostLeaf, copy: bool) -> HostLeaf:
     """Wait for a whole leaf's transfer; copy what must be private."""
     array = staged.array
-    if array is None or (staged.private and type(array) is np.ndarray):
+    if array is None or (type(array) is np.ndarray and (staged.private or not copy)):
         return staged
     private = staged.private
     if isinstance(array, jax.Array):  # from an accelerator: the transfer made a fresh host buffer

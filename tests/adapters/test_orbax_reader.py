@@ -149,3 +149,30 @@ def test_data_that_does_not_match_the_metadata_is_refused(tmp_path, monkeypatch)
     with pytest.raises(FormatError, match=r"metadata lists float32\[4\] here, its data holds "
                                           r"float32\[3\]"):
         jckpt.restore(CTX, {'w': jax.ShapeDtypeStruct((4,), jnp.float32)}, tmp_path / 'w')
+
+
+def test_an_orbax_directory_in_a_bucket_is_refused_with_what_to_do(tmp_path, s3):
+    """orbax reads local directories here: one in a bucket is a clear error, for every reader."""
+    from jckpt.adapters import orbax_handler
+    from jckpt.storage import backend_for
+
+    params, _ = adamw_state()
+    with ocp.CheckpointManager(tmp_path / 'run') as manager:
+        manager.save(4, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
+                                                state=orbax_handler.JckptSave(params)))
+    step, url = tmp_path / 'run' / '4', f"{s3}/run/4"
+    for root, _, files in os.walk(step):
+        for name in files:
+            local = os.path.join(root, name)
+            backend_for(url).upload(local, f"{url}/{os.path.relpath(local, step)}")
+    target = jax.eval_shape(lambda: params)
+    for attempt in (lambda: jckpt.restore(CTX, {'params': target}, url),
+                    lambda: jckpt.describe(url), lambda: jckpt.convert(url, tmp_path / 'x.jckpt'),
+                    lambda: jckpt.restore(CTX, target, f"{url}/params")):
+        with pytest.raises(FormatError, match='an orbax checkpoint in an object store is not read '
+                                              'in place') as err:
+            attempt()
+        assert err.value.file.startswith(url) and 'copy it to a local directory first' in err.value.fix
+    # the item jckpt's handler wrote is a jckpt file: it restores in place, as the fix says
+    same(jckpt.restore(CTX, target, f"{url}/state/{orbax_handler.FILENAME}"), params)
+    assert not (tmp_path / 'x.jckpt').exists()

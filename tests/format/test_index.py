@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from jckpt.errors import FormatError
 from jckpt.format.header import Entry, Header, decode_header, encode_header, header_from_sexp
-from jckpt.format.index import IndexedArray, global_entry, index_header, parse_index
+from jckpt.format.index import IndexedArray, global_entry, index_files, index_header, parse_index
 from jckpt.format.names import LAYOUT_VERSION
 from jckpt.format.sexp import SexpError, parse
 
@@ -97,6 +97,18 @@ def test_pieces_kept_as_text_read_as_the_general_reader_reads_them(where, change
     general = _outcome(lambda: parse_index(header_from_sexp(parse(text), file="i"), "i"))
     if "well-formed" not in str(kept[1]):  # else the text is refused before the index is read
         assert kept == general
+
+
+def test_tagged_piece_files_and_the_files_alone():
+    """A writer replacing a directory checkpoint in an object store reads only the file names."""
+    tagged = ["process_00000.s000000010000000200000003.jckpt",
+              "process_00001.1.s000000010000000200000003.jckpt", "process_00000.jckpt"]
+    h = header(array(0), files=tagged)
+    assert parse_index(h, "i")[0] == tagged == index_files(h, "i")
+    with pytest.raises(FormatError, match="no sharded field"):
+        index_files(Header(), "i")
+    with pytest.raises(FormatError, match=r"process_NNNNN\[.K\]\[.TAG\].jckpt"):
+        index_files(header(array(0), files=["process_00000.s0.jckpt"] * 2), "i")
 
 
 def test_global_entry_drops_the_slice():

@@ -14,7 +14,10 @@ from jckpt.format.names import (
     STAGE_TAG,
     STEP_RE,
     piece_name,
+    piece_tag,
+    save_tag,
     step_name,
+    tag_writer,
 )
 
 # --- steps ------------------------------------------------------------------------------------------
@@ -82,7 +85,34 @@ def test_layer_zero_is_the_plain_name():
     assert PIECE_RE.match(piece_name(4)).group(2) is None
 
 
+TAG = save_tag(0xDEADBEEF, 4242, 0x12)
+
+
+@pytest.mark.parametrize('process,layer,name', [
+    (0, 0, f'process_00000.{TAG}.jckpt'),
+    (12, 1, f'process_00012.1.{TAG}.jckpt'),
+    (123_456, 2, f'process_123456.2.{TAG}.jckpt'),
+])
+def test_tagged_piece_names_round_trip(process, layer, name):
+    """In an object store each save names its pieces with its tag, after the layer."""
+    assert TAG == 'sdeadbeef0000109200000012'
+    assert piece_name(process, layer, TAG) == name
+    m = PIECE_RE.match(name)
+    assert (int(m.group(1)), int(m.group(2) or 0), m.group(3)) == (process, layer, TAG)
+    assert piece_tag(name) == TAG and tag_writer(TAG) == (0xDEADBEEF, 4242)
+
+
+def test_untagged_pieces_and_other_names_have_no_tag():
+    assert piece_tag(piece_name(3, 2)) == '' and piece_tag(INDEX_NAME) is None
+    assert tag_writer('s' + '0' * 23) is None and tag_writer('1') is None
+
+
 @pytest.mark.parametrize('name', [
+    'process_00001.' + TAG[1:] + '.jckpt',            # a tag starts with s: never a layer number
+    'process_00001.' + TAG.upper() + '.jckpt',
+    'process_00001.' + TAG + '0.jckpt',                # 24 hex digits exactly
+    'process_00001.' + TAG + '.1.jckpt',               # the layer comes first
+    'process_00001.jckpt.' + TAG + '.jckpt',
     'process_0001.jckpt',                  # four digits
     'process_00001.0.jckpt',               # layer 0 is written without a number
     'process_00001.01.jckpt',              # no leading zero in a layer

@@ -125,3 +125,25 @@ def test_a_directory_checkpoint_is_never_offered_to_another_format(tmp_path, fak
     (tmp_path / 'other' / 'BROKEN').write_text('')
     with pytest.raises(FormatError, match=f"no {INDEX_NAME}"):  # a failing claim claims nothing
         open_checkpoint(tmp_path / 'other')
+
+
+def test_a_prefix_in_an_object_store_is_offered_to_the_registered_formats():
+    """A prefix with no index.jckpt goes to the directory readers too (which list it themselves)."""
+    pytest.importorskip('obstore')
+    from jckpt.storage import backend_for, checkpoint
+
+    store = backend_for('memory://x')
+    opened = []
+    checkpoint.register_directory_reader(
+        'fake-url', claims=lambda path: 'FAKE' in store.list(path),
+        open=lambda path: opened.append(path) or 'reader')
+    try:
+        store.stream('memory://prefixes/foreign/FAKE', iter([b'x']), 1)
+        assert open_checkpoint('memory://prefixes/foreign') == 'reader'
+        assert opened == ['memory://prefixes/foreign']
+        store.stream('memory://prefixes/other/x', iter([b'x']), 1)
+        with pytest.raises(FormatError, match=f"no {INDEX_NAME}"):  # claimed by none
+            open_checkpoint('memory://prefixes/other')
+    finally:
+        with checkpoint._LOCK:
+            checkpoint._DIRECTORY_FORMATS.pop('fake-url')

@@ -1,0 +1,14 @@
+
+
+def test_entry_for_builds_the_same_entry_as_the_dataclass_would():
+    import numpy as np
+
+    from jckpt.format.entries import Entry, entry_for
+    got = entry_for('opt', (('k', 'mu'), ('i', 3)), np.dtype('float32'), (2, 3), id=7,
+                    checksum=('xxh3_64', '0' * 16), key_impl='threefry2x32', offset=128,
+                    slice=[(0, 2), (3, 6)], global_dims=[4, 6])
+    want = Entry(id=7, namespace='opt', prec='Single_prec', dims=(2, 3), offset=128, byte_length=24,
+                 label=('mu', '3'), path=(('k', 'mu'), ('i', 3)), checksum=('xxh3_64', '0' * 16),
+                 key_impl='threefry2x32', slice=((0, 2), (3, 6)), global_dims=(4, 6))
+    assert got == want and hash(got) == hash(want) and repr(got) == repr(want)
+    assert type(got) is Entry
