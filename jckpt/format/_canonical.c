@@ -1,4 +1,4 @@
-/* Decoding of the canonical tensors list: the entries exactly as jckpt writes them.
+/* Decoding and encoding of the canonical tensors list: the entries exactly as jckpt writes them.
  *
  * This is an optional accelerator for jckpt.format.fastpath.canonical_entries: it
  * accepts exactly the language of the regular expression _CANONICAL_ENTRY there and
@@ -13,7 +13,7 @@
  *
  * On success the int is the position of the ')' that closes the tensors list.
  *
- * It also encodes: encode_entries writes exactly what jckpt.format.header_text's
+ * It also encodes: encode_entries writes exactly what jckpt.format.header_encoder's
  * _encode_entry writes for each entry, joined by "\n   ", and where each entry's checksum
  * digits start (counted from `base`). An entry it does not handle (not exactly of
  * entry_type, padding, extra fields, integers beyond 64 bits, fields that are not plain
@@ -24,9 +24,8 @@
  *                  fallback: Callable[[Entry], tuple[str, int | None]], base: int)
  *     -> tuple[bytes, list[int | None]] | None
  *
- * The text comes as ASCII bytes, ready for the file.
- *
- * None when a fallback's text is not ASCII: the caller then encodes every entry itself.
+ * The text comes as ASCII bytes, ready for the file; None when a fallback's text is not
+ * ASCII (its character and byte offsets differ): the caller then encodes every entry.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -615,7 +614,8 @@ static int put_fallback(buffer *b, PyObject *fallback, PyObject *entry, Py_ssize
     int rc = PUNT;
     if (!PyTuple_Check(found) || PyTuple_GET_SIZE(found) != 2 ||
         !PyUnicode_Check(PyTuple_GET_ITEM(found, 0))) {
-        PyErr_SetString(PyExc_TypeError, "encode_entries: the fallback must return (str, int | None)");
+        PyErr_SetString(PyExc_TypeError,
+                        "encode_entries: the fallback must return (str, int | None)");
         rc = FAILED;
         goto done;
     }
@@ -656,7 +656,8 @@ static int put_entries(buffer *b, PyObject *entries, PyObject *entry_type,
         if (rc != DONE) return rc;
         if (i == 0) {  /* room for as many more entries like this one, and an eighth: one copy */
             Py_ssize_t rest = PyTuple_GET_SIZE(entries) - 1, each = b->n - start + 4;
-            if (rest > 0 && each <= PY_SSIZE_T_MAX / 2 / rest && reserve(b, each * rest / 8 * 9 + 4096) != DONE)
+            if (rest > 0 && each <= PY_SSIZE_T_MAX / 2 / rest &&
+                reserve(b, each * rest / 8 * 9 + 4096) != DONE)
                 return FAILED;
         }
         PyObject *at = slot < 0 ? Py_NewRef(Py_None) : PyLong_FromSsize_t(base + slot);
