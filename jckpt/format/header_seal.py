@@ -90,9 +90,8 @@ def seal_header(raw: bytes | bytearray) -> bytes:
     slot = _seal_slot(raw)
     if slot is None:
         return bytes(raw)
-    out = bytearray(raw)
-    out[slot:slot + 16] = _seal_digest(out, slot).encode('ascii')
-    return bytes(out)
+    view = memoryview(raw)  # one copy in all (a header can be tens of megabytes)
+    return b''.join((view[:slot], _seal_digest(view, slot).encode('ascii'), view[slot + 16:]))
 
 
 def check_header_checksum(raw: bytes | bytearray | memoryview, tree: Sexp | None = None,
