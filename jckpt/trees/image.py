@@ -3,9 +3,9 @@
 A background save must let the training loop go on at once, and the loop may
 donate the very buffers it just submitted to its next step. The snapshot of
 a jax array is therefore a copy made *on its device* (an accelerator, or the
-CPU): dispatched, not awaited; the writer thread moves the image to host
-memory later (`drain`; on the CPU that is a view, no copy), while training
-proceeds. XLA orders the copy before any later step that donates or
+CPU for arrays of `CPU_IMAGE_BYTES` or more): dispatched, not awaited; the
+writer thread moves the image to host memory later (`drain`; on the CPU
+that is a view, no copy), while training proceeds. XLA orders the copy before any later step that donates or
 overwrites the source, so the image is the state at submit, bit for bit.
 
 `Images` keeps a slot's image from snapshot to snapshot. The first snapshot
@@ -36,9 +36,14 @@ import numpy as np
 from jax import lax
 
 from jckpt.errors import InputError
+from jckpt.trees import placement
 
 #: Fraction of a device's free memory an image may take when the caller sets no limit.
 FREE_FRACTION = 0.9
+
+#: Bytes from which a CPU array is imaged rather than copied at submit. Measured on 2,000
+#: float32 arrays of 4 KB: a snapshot took 21-30 ms as host copies, 37 ms as an image.
+CPU_IMAGE_BYTES = 1 << 16
 
 #: A runtime operand every image copy also reduces. XLA's CPU client runs a call it
 #: counts as cheap (under 1,000 flops) inline, on the caller's thread, and a copy counts
@@ -76,8 +81,11 @@ def _compile(signature: Signature) -> Any:
 
 
 def imageable(leaf: Any) -> bool:
-    """Whether `leaf` is snapshotted as an image: a jax array this process holds whole."""
-    return isinstance(leaf, jax.Array) and leaf.is_fully_addressable
+    """Whether `leaf` is snapshotted as an image: a jax array this process holds whole, on an
+    accelerator, or on the CPU when it has at least `CPU_IMAGE_BYTES` (a smaller one is
+    copied to a warm host buffer faster than an image of it is described and dispatched)."""
+    return (isinstance(leaf, jax.Array) and leaf.is_fully_addressable
+            and (leaf.nbytes >= CPU_IMAGE_BYTES or not placement._on_cpu(leaf)))
 
 
 def take_image(arrays: Sequence[jax.Array]) -> list[jax.Array]:
@@ -169,5 +177,5 @@ def drain(images: Sequence[jax.Array]) -> list[Any]:
     return [np.asarray(a) for a in images]
 
 
-__all__ = ['FREE_FRACTION', 'Images', 'check_limit', 'drain', 'has_room', 'image_bytes', 'imageable',
-           'take_image']
+__all__ = ['CPU_IMAGE_BYTES', 'FREE_FRACTION', 'Images', 'check_limit', 'drain', 'has_room',
+           'image_bytes', 'imageable', 'take_image']

@@ -125,9 +125,12 @@ def test_slot_copies_shared_leaves_into_reused_buffers_and_images_jax_arrays():
     second = slot.fill([("a", (("k", "h"),), host)])
     assert second[0].array is buffer and buffer.tolist() == [5] * 4  # the slot's buffer, reused
 
-    dev = jnp.arange(4.0)
+    dev = jnp.arange(4.0)  # a small CPU array: copied into the slot's buffer as well
     third = slot.fill([("a", (("k", "h"),), dev)])
-    assert third[0].array is not buffer and third[0].array.tolist() == [0, 1, 2, 3]  # its image
+    assert third[0].array is buffer and buffer.tolist() == [0, 1, 2, 3]
+    big = jnp.arange(float(1 << 15))  # a large one: its image, drained
+    fourth = slot.fill([("a", (("k", "h"),), big)])
+    assert not np.shares_memory(fourth[0].array, buffer) and fourth[0].array[-1] == (1 << 15) - 1
 
 
 def test_slots_block_or_refuse_and_are_not_reused_before_durable(tmp_path, monkeypatch):

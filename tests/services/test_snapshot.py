@@ -62,15 +62,15 @@ def test_fill_copies_numpy_leaves_isolated_from_later_mutation():
 @pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 @pytest.mark.parametrize('limit', [None, 0])
 def test_cpu_jax_arrays_are_copied_and_outlive_donation_and_deletion(limit):
-    x = jnp.arange(8, dtype=jnp.float32)
+    x = jnp.arange(1 << 15, dtype=jnp.float32)  # large enough to be imaged
     snapshot = Slot(0, image_limit=limit).take([leaf('jckpt', W, x)])
     assert snapshot.on_device == (limit is None)  # an image on the CPU device, or a host copy
     y = jax.jit(lambda a: a * 2 + 1, donate_argnums=0)(x)  # the next step donates x
     x.delete()
     item = snapshot.drain()[0]
     assert isinstance(item.array, np.ndarray) and item.array.dtype == np.float32
-    np.testing.assert_array_equal(item.array, np.arange(8, dtype=np.float32))
-    np.testing.assert_array_equal(np.asarray(y), np.arange(8) * 2 + 1)
+    np.testing.assert_array_equal(item.array, np.arange(1 << 15, dtype=np.float32))
+    np.testing.assert_array_equal(np.asarray(y), np.arange(1 << 15) * 2 + 1)
 
 
 def test_fill_reuses_the_slot_buffers_of_the_same_shape_and_dtype():

@@ -1,7 +1,8 @@
 """Device images of a snapshot, and what survives donation of the submitted buffers.
 
-jax arrays are imaged on their device, the CPU included, so these tests run
-the same copies, donation of old images and draining as an accelerator does.
+jax arrays are imaged on their device, the CPU included (from
+`image.CPU_IMAGE_BYTES` up), so these tests run the same copies, donation of
+old images and draining as an accelerator does.
 """
 
 import jax
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not us
 
 def state(seed):
     rng = np.random.default_rng(seed)
-    return {"w": jnp.asarray(rng.standard_normal((64, 32), dtype=np.float32)),
+    return {"w": jnp.asarray(rng.standard_normal((256, 128), dtype=np.float32)),  # imaged
             "b": jnp.asarray(rng.standard_normal(32).astype(ml_dtypes.bfloat16)),
             "step": jnp.int32(seed), "mask": jnp.asarray(rng.random(5) > 0.5),
             "key": jax.random.key(seed), "host": rng.standard_normal(7).astype(np.float32)}
@@ -90,7 +91,7 @@ def test_a_slot_copies_into_its_old_image_once_its_copy_is_compiled():
 def test_a_mirror_reuses_its_images_memory_from_snapshot_to_snapshot(tmp_path):
     """After the first snapshots, each one is written into the image the slot already has:
     the drained views of it are released once it is durable, so it can be donated."""
-    tree = {"w": jnp.arange(1000.0), "b": jnp.ones(10, jnp.int32)}
+    tree = {"w": jnp.arange(32768.0), "b": jnp.ones(10, jnp.int32)}  # w is imaged, b copied
     with jckpt.Mirror(tmp_path / "m.jckpt", slots=1) as m:
         pointers = []
         for i in range(4):
@@ -101,14 +102,20 @@ def test_a_mirror_reuses_its_images_memory_from_snapshot_to_snapshot(tmp_path):
             pointers.append(slot_images._image[0].unsafe_buffer_pointer())
     assert len(set(pointers[1:])) == 1  # one buffer from the second snapshot on
     _, got = jckpt.load(jckpt.Context(host=True), tmp_path / "m.jckpt")
-    assert got["jckpt"]["w"].tolist() == (np.arange(1000.0) + 3).tolist()
+    assert got["jckpt"]["w"].tolist() == (np.arange(32768.0) + 3).tolist()
+
+
+def test_small_cpu_arrays_are_copied_and_large_ones_imaged():
+    small, large = jnp.ones(100), jnp.ones(image.CPU_IMAGE_BYTES // 4)
+    assert not image.imageable(small) and image.imageable(large)
+    assert not image.imageable(np.ones(100_000)) and not image.imageable(3.0)
 
 
 def test_no_room_or_a_zero_limit_copies_to_host_at_submit(tmp_path, monkeypatch):
     assert not image.has_room([jnp.ones(1000)], limit=100)
     assert image.has_room([jnp.ones(10)], limit=None)
     with jckpt.Mirror(tmp_path / "m.jckpt", device_image_bytes=0) as m:
-        m.submit({"w": jnp.ones(3)})
+        m.submit({"w": jnp.ones(1 << 16)})
         m.wait_durable()
         assert m.counters.images == 0
     monkeypatch.setattr(image, "_memory_stats", lambda d: {"bytes_limit": 1000, "bytes_in_use": 990})
