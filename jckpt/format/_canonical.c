@@ -1,4 +1,4 @@
-/* Decoding of the canonical tensors list: the entries exactly as jckpt writes them.
+/* Decoding and encoding of the canonical tensors list: the entries exactly as jckpt writes them.
  *
  * This is an optional accelerator for jckpt.format.fastpath.canonical_entries: it
  * accepts exactly the language of the regular expression _CANONICAL_ENTRY there and
@@ -12,6 +12,20 @@
  *     -> tuple[list[Entry], int] | None
  *
  * On success the int is the position of the ')' that closes the tensors list.
+ *
+ * It also encodes: encode_entries writes exactly what jckpt.format.header_encoder's
+ * _encode_entry writes for each entry, joined by "\n   ", and where each entry's checksum
+ * digits start (counted from `base`). An entry it does not handle (not exactly of
+ * entry_type, padding, extra fields, integers beyond 64 bits, fields that are not plain
+ * str, int and tuple values, text written unquoted that is not ASCII) is encoded by
+ * `fallback` (_encode_entry itself), so the text is the same either way.
+ *
+ *   encode_entries(entries: Sequence[Entry], entry_type: type, fields: tuple[str, ...],
+ *                  fallback: Callable[[Entry], tuple[str, int | None]], base: int)
+ *     -> tuple[bytes, list[int | None]] | None
+ *
+ * The text comes as ASCII bytes, ready for the file; None when a fallback's text is not
+ * ASCII (its character and byte offsets differ): the caller then encodes every entry.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -139,6 +153,23 @@ static int parse_piece(cursor *c, const long long *dimv, int ndim, PyObject **sl
 #define FAIL_IF(cond) do { if (cond) goto fallback; } while (0)
 #define CHECK(obj) do { if ((obj) == NULL) goto error; } while (0)
 
+/* The entry type's fields are __slots__: find each slot's offset in the object. */
+static int slot_offsets(PyObject *entry_type, PyObject *fields, Py_ssize_t *offsets) {
+    for (int k = 0; k < 14; k++) {
+        PyObject *descr = PyObject_GetAttr(entry_type, PyTuple_GET_ITEM(fields, k));
+        if (descr == NULL) return -1;
+        int ok = Py_IS_TYPE(descr, &PyMemberDescr_Type) &&
+                 ((PyMemberDescrObject *)descr)->d_member->type == T_OBJECT_EX;
+        if (ok) offsets[k] = ((PyMemberDescrObject *)descr)->d_member->offset;
+        Py_DECREF(descr);
+        if (!ok) {
+            PyErr_SetString(PyExc_TypeError, "the entry type must use __slots__");
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static PyObject *decode_entries(PyObject *self, PyObject *args) {
     PyObject *text, *entry_type, *fields, *precs, *kinds;
     Py_ssize_t pos;
@@ -150,20 +181,8 @@ static PyObject *decode_entries(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "decode_entries: unexpected arguments");
         return NULL;
     }
-    /* The entry type's fields are __slots__: find each slot's offset in the object. */
     Py_ssize_t offsets[14];
-    for (int k = 0; k < 14; k++) {
-        PyObject *descr = PyObject_GetAttr(entry_type, PyTuple_GET_ITEM(fields, k));
-        if (descr == NULL) return NULL;
-        int ok = Py_IS_TYPE(descr, &PyMemberDescr_Type) &&
-                 ((PyMemberDescrObject *)descr)->d_member->type == T_OBJECT_EX;
-        if (ok) offsets[k] = ((PyMemberDescrObject *)descr)->d_member->offset;
-        Py_DECREF(descr);
-        if (!ok) {
-            PyErr_SetString(PyExc_TypeError, "decode_entries: the entry type must use __slots__");
-            return NULL;
-        }
-    }
+    if (slot_offsets(entry_type, fields, offsets) < 0) return NULL;
     /* kinds: ('k', 'ki', 'i', 'a', 'f') */
     Py_ssize_t n;
     const char *s = PyUnicode_AsUTF8AndSize(text, &n);
@@ -358,15 +377,338 @@ error:
     return NULL;
 }
 
+/* --- encoding ------------------------------------------------------------------------------ */
+
+/* The text being written: a bytes object grown in place (it is ASCII, so bytes and
+ * characters agree), and how much of it is written. */
+typedef struct {
+    PyObject *bytes;
+    char *p;
+    Py_ssize_t n, cap;
+} buffer;
+
+/* What an encoder step returns: done, a Python error is set, or leave this entry to Python. */
+enum { DONE = 0, FAILED = -1, PUNT = 1 };
+
+static int grow(buffer *b, Py_ssize_t more) {
+    if (more > PY_SSIZE_T_MAX / 4 - b->n) { PyErr_NoMemory(); return FAILED; }
+    Py_ssize_t cap = b->n + more;
+    if (cap < 2 * b->cap) cap = 2 * b->cap;
+    if (cap < 1 << 12) cap = 1 << 12;
+    if (b->bytes == NULL) b->bytes = PyBytes_FromStringAndSize(NULL, cap);
+    else if (_PyBytes_Resize(&b->bytes, cap) < 0) b->bytes = NULL;
+    if (b->bytes == NULL) return FAILED;
+    b->p = PyBytes_AS_STRING(b->bytes);
+    b->cap = cap;
+    return DONE;
+}
+
+static inline int reserve(buffer *b, Py_ssize_t more) {
+    return b->n + more <= b->cap ? DONE : grow(b, more);
+}
+
+/* Inlined, so that the copy of a literal of known length is a few moves */
+static inline __attribute__((always_inline)) int put(buffer *b, const char *s, Py_ssize_t k) {
+    if (reserve(b, k) != DONE) return FAILED;
+    memcpy(b->p + b->n, s, k);
+    b->n += k;
+    return DONE;
+}
+
+#define PUT(b, literal) put(b, literal, (Py_ssize_t)sizeof(literal) - 1)
+/* Return from the enclosing encoder step unless the step `x` is DONE. */
+#define STEP(x) do { int rc_ = (x); if (rc_ != DONE) return rc_; } while (0)
+
+/* str(v) of an exact int of at most 64 bits; PUNT for anything else (bool, big ints) */
+static int put_int(buffer *b, PyObject *v) {
+    if (!PyLong_CheckExact(v)) return PUNT;
+    int overflow;
+    long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (overflow) return PUNT;
+    if (x == -1 && PyErr_Occurred()) return FAILED;
+    static const char pairs[] =
+        "00010203040506070809101112131415161718192021222324252627282930313233343536373839"
+        "40414243444546474849505152535455565758596061626364656667686970717273747576777879"
+        "8081828384858687888990919293949596979899";
+    char digits[24];
+    int k = sizeof digits;
+    unsigned long long u = x < 0 ? 0ULL - (unsigned long long)x : (unsigned long long)x;
+    for (; u >= 100; u /= 100) {  /* two digits at a time */
+        k -= 2;
+        memcpy(digits + k, pairs + 2 * (u % 100), 2);
+    }
+    if (u >= 10) { k -= 2; memcpy(digits + k, pairs + 2 * u, 2); }
+    else digits[--k] = (char)('0' + u);
+    if (x < 0) digits[--k] = '-';
+    return put(b, digits + k, (Py_ssize_t)sizeof digits - k);
+}
+
+/* `v` as it is (an f-string of an exact str), when it is ASCII; PUNT otherwise */
+static int put_raw(buffer *b, PyObject *v) {
+    if (!PyUnicode_CheckExact(v) || !PyUnicode_IS_ASCII(v)) return PUNT;
+    return put(b, (const char *)PyUnicode_1BYTE_DATA(v), PyUnicode_GET_LENGTH(v));
+}
+
+/* How quote treats each byte: 0 bare, 1 bare but '#' or '|' (see is_plain), 2 never bare
+ * (space, controls, ( ) " ; \ and everything beyond ASCII) */
+static unsigned char atom_class[256];
+
+static void init_atom_class(void) {
+    for (int c = 0; c < 256; c++)
+        atom_class[c] = (c <= ' ' || c >= 127 || c == '"' || c == '(' || c == ')' || c == ';' ||
+                         c == '\\') ? 2 : (c == '#' || c == '|') ? 1 : 0;
+}
+
+/* Whether jckpt.format.sexp.quote writes the ASCII atom s[0:n] bare: printable, none of
+ * space ( ) " ; \, no "#|" or "|#", not empty. (quote's "not starting #;" follows from
+ * the ';'.) */
+static int is_plain(const unsigned char *s, Py_ssize_t n) {
+    int marks = 0;
+    for (Py_ssize_t k = 0; k < n; k++) marks |= atom_class[s[k]];
+    if (n == 0 || marks & 2) return 0;
+    if (!marks) return 1;
+    for (Py_ssize_t k = 1; k < n; k++)
+        if ((s[k] == '|' && s[k - 1] == '#') || (s[k] == '#' && s[k - 1] == '|')) return 0;
+    return 1;
+}
+
+/* jckpt.format.sexp.quote(v) of an exact str: bare, or quoted with OCaml escapes of its
+ * UTF-8 bytes. PUNT for anything else (and for a str with no UTF-8, which Python refuses). */
+static int put_quoted(buffer *b, PyObject *v) {
+    if (!PyUnicode_CheckExact(v)) return PUNT;
+    const unsigned char *s;
+    Py_ssize_t n;
+    if (PyUnicode_IS_ASCII(v)) {
+        s = PyUnicode_1BYTE_DATA(v);
+        n = PyUnicode_GET_LENGTH(v);
+        if (is_plain(s, n)) return put(b, (const char *)s, n);
+    } else {
+        s = (const unsigned char *)PyUnicode_AsUTF8AndSize(v, &n);
+        if (s == NULL) { PyErr_Clear(); return PUNT; }
+    }
+    if (n > (PY_SSIZE_T_MAX - 2) / 4 || reserve(b, 4 * n + 2) != DONE) return FAILED;
+    char *o = b->p + b->n;
+    *o++ = '"';
+    for (Py_ssize_t k = 0; k < n; k++) {
+        unsigned char c = s[k];
+        switch (c) {
+        case '"': *o++ = '\\'; *o++ = '"'; break;
+        case '\\': *o++ = '\\'; *o++ = '\\'; break;
+        case '\n': *o++ = '\\'; *o++ = 'n'; break;
+        case '\t': *o++ = '\\'; *o++ = 't'; break;
+        case '\r': *o++ = '\\'; *o++ = 'r'; break;
+        case '\b': *o++ = '\\'; *o++ = 'b'; break;
+        default:
+            if (c >= 32 && c < 127) { *o++ = (char)c; break; }
+            *o++ = '\\';
+            *o++ = (char)('0' + c / 100);
+            *o++ = (char)('0' + c / 10 % 10);
+            *o++ = (char)('0' + c % 10);
+        }
+    }
+    *o++ = '"';
+    b->n = o - b->p;
+    return DONE;
+}
+
+/* The items of an exact tuple, each written by `one` and separated by spaces */
+static int put_each(buffer *b, PyObject *t, int (*one)(buffer *, PyObject *)) {
+    if (!PyTuple_CheckExact(t)) return PUNT;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(t); k++) {
+        if (k > 0) STEP(PUT(b, " "));
+        STEP(one(b, PyTuple_GET_ITEM(t, k)));
+    }
+    return DONE;
+}
+
+/* An exact 2-tuple `(x y)` of ints */
+static int put_int_pair(buffer *b, PyObject *t) {
+    if (!PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) != 2) return PUNT;
+    STEP(PUT(b, "("));
+    STEP(put_int(b, PyTuple_GET_ITEM(t, 0)));
+    STEP(PUT(b, " "));
+    STEP(put_int(b, PyTuple_GET_ITEM(t, 1)));
+    return PUT(b, ")");
+}
+
+/* A key path component: `(k VALUE)`, its value an int for the INT_KINDS ki, i and f and
+ * quoted otherwise */
+static int put_component(buffer *b, PyObject *t) {
+    if (!PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) != 2) return PUNT;
+    PyObject *kind = PyTuple_GET_ITEM(t, 0), *value = PyTuple_GET_ITEM(t, 1);
+    if (!PyUnicode_CheckExact(kind)) return PUNT;
+    if (!PyUnicode_IS_ASCII(kind)) return PUNT;
+    const char *k = (const char *)PyUnicode_1BYTE_DATA(kind);
+    Py_ssize_t n = PyUnicode_GET_LENGTH(kind);
+    int numeric = (n == 1 && (k[0] == 'i' || k[0] == 'f')) || (n == 2 && k[0] == 'k' && k[1] == 'i');
+    STEP(PUT(b, "("));
+    STEP(put_raw(b, kind));
+    STEP(PUT(b, " "));
+    STEP(numeric ? put_int(b, value) : put_quoted(b, value));
+    return PUT(b, ")");
+}
+
+enum { F_ID, F_NAMESPACE, F_PREC, F_DIMS, F_OFFSET, F_BYTE_LENGTH, F_LABEL, F_PADDING, F_PATH,
+       F_CHECKSUM, F_KEY_IMPL, F_SLICE, F_GLOBAL_DIMS, F_EXTRA, N_FIELDS };
+
+/* One entry's text, as _encode_entry writes it; *slot is where its checksum digits start in
+ * the buffer (-1 when it has none). */
+static int put_entry(buffer *b, PyObject **f, Py_ssize_t *slot) {
+    if (f[F_PADDING] != Py_None || !PyTuple_CheckExact(f[F_EXTRA]) ||
+        PyTuple_GET_SIZE(f[F_EXTRA]) != 0)
+        return PUNT;
+    STEP(PUT(b, "((id "));
+    STEP(put_int(b, f[F_ID]));
+    STEP(PUT(b, ") (namespace "));
+    STEP(put_quoted(b, f[F_NAMESPACE]));
+    STEP(PUT(b, ") (label ("));
+    STEP(put_each(b, f[F_LABEL], put_quoted));
+    STEP(PUT(b, ")) (prec "));
+    STEP(put_raw(b, f[F_PREC]));
+    STEP(PUT(b, ") (dims ("));
+    STEP(put_each(b, f[F_DIMS], put_int));
+    STEP(PUT(b, ")) (padding none) (offset "));
+    STEP(put_int(b, f[F_OFFSET]));
+    STEP(PUT(b, ") (byte_length "));
+    STEP(put_int(b, f[F_BYTE_LENGTH]));
+    STEP(PUT(b, ")"));
+    if (f[F_PATH] != Py_None) {
+        STEP(PUT(b, " (path ("));
+        STEP(put_each(b, f[F_PATH], put_component));
+        STEP(PUT(b, "))"));
+    }
+    *slot = -1;
+    if (f[F_CHECKSUM] != Py_None) {
+        PyObject *c = f[F_CHECKSUM];
+        if (!PyTuple_CheckExact(c) || PyTuple_GET_SIZE(c) != 2) return PUNT;
+        STEP(PUT(b, " (checksum ("));
+        STEP(put_quoted(b, PyTuple_GET_ITEM(c, 0)));
+        STEP(PUT(b, " "));
+        *slot = b->n;
+        STEP(put_quoted(b, PyTuple_GET_ITEM(c, 1)));
+        STEP(PUT(b, "))"));
+    }
+    if (f[F_KEY_IMPL] != Py_None) {
+        STEP(PUT(b, " (key_impl "));
+        STEP(put_quoted(b, f[F_KEY_IMPL]));
+        STEP(PUT(b, ")"));
+    }
+    if (f[F_SLICE] != Py_None) {
+        STEP(PUT(b, " (slice ("));
+        STEP(put_each(b, f[F_SLICE], put_int_pair));
+        STEP(PUT(b, "))"));
+    }
+    if (f[F_GLOBAL_DIMS] != Py_None) {
+        STEP(PUT(b, " (global_dims ("));
+        STEP(put_each(b, f[F_GLOBAL_DIMS], put_int));
+        STEP(PUT(b, "))"));
+    }
+    return PUT(b, ")");
+}
+
+/* The entry's text from `fallback(entry)`, appended; *slot as put_entry's. PUNT when that
+ * text is not ASCII. */
+static int put_fallback(buffer *b, PyObject *fallback, PyObject *entry, Py_ssize_t *slot) {
+    PyObject *found = PyObject_CallOneArg(fallback, entry);
+    if (found == NULL) return FAILED;
+    int rc = PUNT;
+    if (!PyTuple_Check(found) || PyTuple_GET_SIZE(found) != 2 ||
+        !PyUnicode_Check(PyTuple_GET_ITEM(found, 0))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "encode_entries: the fallback must return (str, int | None)");
+        rc = FAILED;
+        goto done;
+    }
+    PyObject *text = PyTuple_GET_ITEM(found, 0), *at = PyTuple_GET_ITEM(found, 1);
+    if (!PyUnicode_IS_ASCII(text)) goto done;
+    Py_ssize_t start = b->n;
+    *slot = -1;
+    if (at != Py_None) {
+        Py_ssize_t k = PyLong_AsSsize_t(at);
+        if (k == -1 && PyErr_Occurred()) { rc = FAILED; goto done; }
+        *slot = start + k;
+    }
+    rc = put(b, (const char *)PyUnicode_1BYTE_DATA(text), PyUnicode_GET_LENGTH(text));
+done:
+    Py_DECREF(found);
+    return rc;
+}
+
+/* The entries' texts joined by "\n   " into `b`, and their checksum slots (from `base`) */
+static int put_entries(buffer *b, PyObject *entries, PyObject *entry_type,
+                       const Py_ssize_t *offsets, PyObject *fallback, Py_ssize_t base,
+                       PyObject *slots) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(entries); i++) {
+        if (i > 0 && PUT(b, "\n   ") != DONE) return FAILED;
+        PyObject *e = PyTuple_GET_ITEM(entries, i);
+        PyObject *f[N_FIELDS];
+        int rc = Py_IS_TYPE(e, (PyTypeObject *)entry_type) ? DONE : PUNT;
+        for (int k = 0; k < N_FIELDS && rc == DONE; k++) {
+            f[k] = *(PyObject **)((char *)e + offsets[k]);
+            if (f[k] == NULL) rc = PUNT;  /* an unset slot: Python raises its AttributeError */
+        }
+        Py_ssize_t start = b->n, slot = -1;
+        if (rc == DONE) rc = put_entry(b, f, &slot);
+        if (rc == PUNT) {
+            b->n = start;
+            rc = put_fallback(b, fallback, e, &slot);
+        }
+        if (rc != DONE) return rc;
+        if (i == 0) {  /* room for as many more entries like this one, and an eighth: one copy */
+            Py_ssize_t rest = PyTuple_GET_SIZE(entries) - 1, each = b->n - start + 4;
+            if (rest > 0 && each <= PY_SSIZE_T_MAX / 2 / rest &&
+                reserve(b, each * rest / 8 * 9 + 4096) != DONE)
+                return FAILED;
+        }
+        PyObject *at = slot < 0 ? Py_NewRef(Py_None) : PyLong_FromSsize_t(base + slot);
+        if (at == NULL) return FAILED;
+        PyList_SET_ITEM(slots, i, at);
+    }
+    return DONE;
+}
+
+static PyObject *encode_entries(PyObject *self, PyObject *args) {
+    PyObject *seq, *entry_type, *fields, *fallback;
+    Py_ssize_t base, offsets[N_FIELDS];
+    if (!PyArg_ParseTuple(args, "OOO!On", &seq, &entry_type, &PyTuple_Type, &fields, &fallback,
+                          &base))
+        return NULL;
+    if (!PyType_Check(entry_type) || PyTuple_GET_SIZE(fields) != N_FIELDS ||
+        !PyCallable_Check(fallback)) {
+        PyErr_SetString(PyExc_TypeError, "encode_entries: unexpected arguments");
+        return NULL;
+    }
+    if (slot_offsets(entry_type, fields, offsets) < 0) return NULL;
+    PyObject *entries = PySequence_Tuple(seq);  /* the fallback cannot change it under us */
+    if (entries == NULL) return NULL;
+    PyObject *slots = PyList_New(PyTuple_GET_SIZE(entries)), *out = NULL;
+    buffer b = {NULL, NULL, 0, 0};
+    if (slots == NULL || reserve(&b, 1) != DONE) goto end;
+    int rc = put_entries(&b, entries, entry_type, offsets, fallback, base, slots);
+    if (rc == PUNT) out = Py_NewRef(Py_None);
+    if (rc != DONE || _PyBytes_Resize(&b.bytes, b.n) < 0) goto end;
+    out = PyTuple_Pack(2, b.bytes, slots);
+end:
+    Py_XDECREF(b.bytes);
+    Py_XDECREF(slots);
+    Py_DECREF(entries);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"decode_entries", decode_entries, METH_VARARGS,
      "Decode a canonical tensors list; None when the text is not canonical."},
+    {"encode_entries", encode_entries, METH_VARARGS,
+     "Encode entries as jckpt writes them: (text, checksum slots); None to encode in Python."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_canonical",
-    "Optional accelerator for decoding headers laid out as jckpt writes them.", -1, methods,
+    "Optional accelerator for decoding and encoding headers laid out as jckpt writes them.", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__canonical(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__canonical(void) {
+    init_atom_class();
+    return PyModule_Create(&module);
+}

@@ -10,6 +10,8 @@ else (quoted atoms, padding, unknown fields, an inconsistent length) makes
 `canonical_entries` answer `None` and the general reader of
 `jckpt.format.header` decides, so every path accepts and produces
 exactly the same headers (`tests/format/test_codec.py` checks the three agree).
+The same extension encodes entries too (`jckpt.format.header_encoder`); `accelerator`
+is None where it is not built.
 """
 
 from __future__ import annotations

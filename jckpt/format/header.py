@@ -1,4 +1,4 @@
-"""The header's encoding to and from bytes.
+"""The header's decoding from bytes, and its encoding (from `jckpt.format.header_encoder`).
 
 `encode_header` and `decode_header` are exact inverses on valid headers and
 follow `docs/format.md`: a 4-byte big-endian length, then the S-expression text
@@ -18,7 +18,6 @@ headers laid out as jckpt writes them decode through `jckpt.format.fastpath`.
 
 from __future__ import annotations
 
-import functools
 import math
 import struct
 from collections.abc import Iterable, Sequence
@@ -42,117 +41,19 @@ from jckpt.format.entries import (
     KeyPath,
     Padding,
     path_name,
-    round_up,
 )
+from jckpt.format.entries import round_up as round_up
 from jckpt.format.fastpath import canonical_entries, with_canonical_lists
-from jckpt.format.sexp import Sexp, SexpError, dumps, float_atom, parse, quote
+
+# The encoder lives in ``header_encoder``; its names stay importable from here too.
+from jckpt.format.header_encoder import _encode_entry as _encode_entry
+from jckpt.format.header_encoder import encode_header as encode_header
+from jckpt.format.header_encoder import encode_header_with_slots as encode_header_with_slots
+from jckpt.format.header_encoder import header_text as header_text
+from jckpt.format.sexp import Sexp, SexpError, dumps, parse
 
 #: OCANNL's reader refuses headers longer than this; jckpt reads them but warns on write.
 OCANNL_HEADER_LIMIT = 100_000_000
-
-
-# --- encoding --------------------------------------------------------------
-
-#: `quote` remembered: the same keys (`kernel`, `bias`, `mu`, `layer_0`) recur in thousands of entries.
-_quote = functools.lru_cache(maxsize=1 << 16)(quote)
-
-
-def _encode_path(path: KeyPath) -> str:
-    return '(' + ' '.join([f'({k} {v})' if k in INT_KINDS else f'({k} {_quote(v)})'
-                           for k, v in path]) + ')'
-
-
-def _encode_entry(e: Entry) -> tuple[str, int | None]:
-    """The entry's text, and where its checksum digits start in it (None if no checksum)."""
-    if e.padding is None:
-        padding = 'none'
-    else:
-        pairs = ' '.join(f'({lo} {hi})' for lo, hi in e.padding.pairs)
-        padding = f'(({pairs}) {float_atom(e.padding.value)})'
-    dims = ' '.join(map(str, e.dims))
-    label = ' '.join(map(_quote, e.label))
-    parts = [f'((id {e.id}) (namespace {_quote(e.namespace)}) (label ({label})) '
-             f'(prec {e.prec}) (dims ({dims})) (padding {padding}) (offset {e.offset}) '
-             f'(byte_length {e.byte_length})']
-    if e.path is not None:
-        parts.append(f' (path {_encode_path(e.path)})')
-    slot = None
-    if e.checksum is not None:
-        algo = f' (checksum ({quote(e.checksum[0])} '
-        slot = sum(map(len, parts)) + len(algo)
-        parts.append(f'{algo}{quote(e.checksum[1])}))')
-    if e.key_impl is not None:
-        parts.append(f' (key_impl {quote(e.key_impl)})')
-    if e.slice is not None:
-        parts.append(' (slice (' + ' '.join(f'({a} {b})' for a, b in e.slice) + '))')
-    if e.global_dims is not None:
-        parts.append(' (global_dims (' + ' '.join(map(str, e.global_dims)) + '))')
-    for field in e.extra:
-        parts.append(' ' + dumps(field))
-    parts.append(')')
-    return ''.join(parts), slot
-
-
-def _header_text(header: Header, sealed: bool = False) -> tuple[str, list[int | None]]:
-    head = f'((version {header.version})\n (alignment {header.alignment})\n'
-    slots: list[int | None] = []
-    if header.tensors:
-        texts = []
-        pos = len(head) + len(' (tensors\n  (')
-        for e in header.tensors:
-            text, slot = _encode_entry(e)
-            slots.append(None if slot is None else pos + slot)
-            texts.append(text)
-            pos += len(text) + len('\n   ')
-        lines = [head + ' (tensors\n  (' + '\n   '.join(texts) + '))']
-    else:
-        lines = [head + ' (tensors ())']
-    if header.writer is not None:
-        lines.append(f' (writer {quote(header.writer)})')
-    if header.metadata:
-        lines.append(' (metadata (' + ' '.join(f'({quote(k)} {quote(v)})'
-                                               for k, v in header.metadata) + '))')
-    lines.extend(' ' + dumps(field) for field in header.extra
-                 if not (field and field[0] == header_seal.HEADER_CHECKSUM_FIELD))
-    if sealed:
-        lines.append(header_seal.UNSEALED_FIELD)
-    return '\n'.join(lines) + ')', slots
-
-
-def header_text(header: Header) -> str:
-    """The S-expression text of `header`, without length prefix, padding or header checksum."""
-    return _header_text(header)[0]
-
-
-def encode_header_with_slots(header: Header, *, header_checksum: bool = True
-                             ) -> tuple[bytes, list[int | None]]:
-    """`encode_header`, plus the byte offset of each entry's checksum digits.
-
-    A writer that hashes payloads while streaming them writes the header first
-    with fixed-width placeholder digits and later patches the real ones in at
-    these offsets, instead of encoding the header twice; it then calls
-    `seal_header` on the patched bytes. (The text is ASCII: every non-ASCII byte is
-    escaped, so character and byte offsets agree.)
-    """
-    text, slots = _header_text(header, sealed=header_checksum)
-    raw = text.encode('utf-8')
-    size = round_up(4 + len(raw), header.alignment)
-    if size - 4 > 0xFFFFFFFF:
-        raise FormatError(f"header of {len(raw)} bytes does not fit the 32-bit length field",
-                          fix="split the checkpoint into several files")
-    out = struct.pack('>I', size - 4) + raw + b' ' * (size - 4 - len(raw))
-    return (header_seal.seal_header(out) if header_checksum else out,
-            [None if s is None else 4 + s for s in slots])
-
-
-def encode_header(header: Header, *, header_checksum: bool = True) -> bytes:
-    """The file's first bytes: big-endian HLEN, then the space-padded header text.
-
-    The result's length is a multiple of `header.alignment`, so the payloads
-    that follow start aligned. The header's last field is its own checksum (see
-    `seal_header`); `header_checksum=False` leaves it out, as older files did.
-    """
-    return encode_header_with_slots(header, header_checksum=header_checksum)[0]
 
 
 # --- decoding --------------------------------------------------------------

@@ -16,6 +16,7 @@ header without it (an older file) decodes as before.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 import xxhash
 
@@ -41,9 +42,14 @@ def _seal_slot(raw: bytes | bytearray | memoryview) -> int | None:
     `raw` is the file's first `4 + HLEN` bytes; the field is the last of the header.
     """
     end = len(raw)
+    while end > 4:  # past the padding, which can be longer than the window (a large alignment)
+        blanks = bytes(raw[max(4, end - _SEAL_WINDOW):end])
+        kept = len(blanks.rstrip())
+        end -= len(blanks) - kept
+        if kept:
+            break
     start = max(4, end - _SEAL_WINDOW)
-    tail = bytes(raw[start:end])
-    m = _SEAL_TAIL.search(tail)
+    m = _SEAL_TAIL.search(bytes(raw[start:end]))
     return None if m is None else start + m.start(1)
 
 
@@ -53,6 +59,18 @@ def _seal_digest(raw: bytes | bytearray | memoryview, slot: int) -> str:
     hasher = xxhash.xxh3_64(view[:slot])
     hasher.update(UNSEALED.encode('ascii'))
     hasher.update(view[slot + 16:])
+    return f'{hasher.intdigest():016x}'
+
+
+def unsealed_digest(parts: Iterable[bytes]) -> str:
+    """The header checksum of the header `b''.join(parts)`, whose digits are still `UNSEALED`.
+
+    What `seal_header` writes, for a writer that has its header in pieces and its
+    digits in a known place: it hashes the pieces without joining them first.
+    """
+    hasher = xxhash.xxh3_64()
+    for part in parts:
+        hasher.update(part)
     return f'{hasher.intdigest():016x}'
 
 
@@ -72,9 +90,8 @@ def seal_header(raw: bytes | bytearray) -> bytes:
     slot = _seal_slot(raw)
     if slot is None:
         return bytes(raw)
-    out = bytearray(raw)
-    out[slot:slot + 16] = _seal_digest(out, slot).encode('ascii')
-    return bytes(out)
+    view = memoryview(raw)  # one copy in all (a header can be tens of megabytes)
+    return b''.join((view[:slot], _seal_digest(view, slot).encode('ascii'), view[slot + 16:]))
 
 
 def check_header_checksum(raw: bytes | bytearray | memoryview, tree: Sexp | None = None,
@@ -110,4 +127,4 @@ def check_header_checksum(raw: bytes | bytearray | memoryview, tree: Sexp | None
 
 
 __all__ = ['HEADER_CHECKSUM_ALGORITHM', 'HEADER_CHECKSUM_FIELD', 'UNSEALED', 'UNSEALED_FIELD',
-           'check_header_checksum', 'seal_header']
+           'check_header_checksum', 'seal_header', 'unsealed_digest']
