@@ -178,7 +178,7 @@ def _entries(ctx: Context, paths: Sequence[KeyPath], hosts: Sequence[placement.H
     sources: list[Any] = [None] * len(kept)
     cursor = 0  # without kept entries, the offsets lay_out plans: no second pass over 1e5 entries
     for path, host in zip(paths, hosts):
-        slot = slots.get((namespace, path))
+        slot = slots.get((namespace, path)) if slots else None
         if slot is None:
             ident, next_id = next_id, next_id + 1
         else:

@@ -192,27 +192,20 @@ def host_leaves(leaves: Iterable[tuple[str, Any]], *, pieces: bool = False, spre
 
 def _stage(where: str, leaf: Any, *, pieces: bool, spread: bool, fetch: bool) -> HostLeaf:
     """Check one leaf and start its transfers; the host data of a non-JAX leaf is final."""
+    if not isinstance(leaf, jax.Array):
+        return _stage_host(where, leaf, fetch)
     key_impl = None
-    if is_prng_key(leaf):
+    dtype = leaf.dtype
+    if is_key_dtype(dtype):
         key_impl = str(jax.random.key_impl(leaf))
         leaf = jax.random.key_data(leaf)
-    if not isinstance(leaf, jax.Array):
-        if not isinstance(leaf, (np.ndarray, np.generic, *_PY_SCALARS)):
-            raise InputError(f"leaf of type {type(leaf).__name__} is not an array", entry=where,
-                             fix="store arrays or numbers only; put other values in metadata")
-        array = np.asarray(leaf)
-        _check_dtype(array.dtype, where)
-        if not fetch:
-            return HostLeaf(where, array.dtype, array.shape, key_impl)
-        # np.asarray made a new array of anything but an ndarray (which the caller may reuse)
-        return HostLeaf(where, array.dtype, array.shape, key_impl, array,
-                        private=not isinstance(leaf, np.ndarray))
-    dtype = leaf.dtype
+        dtype = leaf.dtype
     facts = _facts(leaf.sharding)
     if not facts.whole and not (pieces and spread):
         raise InputError("array is not fully addressable from this process", entry=where,
                          fix="save from every process (multi-process checkpoints)")
-    _check_dtype(dtype, where)
+    if dtype not in _STORABLE:
+        _check_dtype(dtype, where)
     shape = leaf.shape
     if pieces and (not facts.whole or facts.several):
         shards = tuple(owned_shards(leaf)) if fetch or not facts.whole else ()
@@ -220,13 +213,27 @@ def _stage(where: str, leaf: Any, *, pieces: bool, spread: bool, fetch: bool) ->
         return HostLeaf(where, dtype, shape, key_impl, shards=shards)
     if not fetch:
         return HostLeaf(where, dtype, shape, key_impl)
-    if _on_cpu(leaf):  # in host memory already: no transfer to wait for
+    if facts.on_cpu:  # in host memory already: no transfer to wait for
         return HostLeaf(where, dtype, shape, key_impl, np.asarray(leaf))
     try:
         leaf.copy_to_host_async()
     except Exception:  # a backend without async copies: the copy happens on read
         pass
     return HostLeaf(where, dtype, shape, key_impl, leaf)  # array: the device array until _finish
+
+
+def _stage_host(where: str, leaf: Any, fetch: bool) -> HostLeaf:
+    """A numpy array or a number: checked, and its host data (final)."""
+    if not isinstance(leaf, (np.ndarray, np.generic, *_PY_SCALARS)):
+        raise InputError(f"leaf of type {type(leaf).__name__} is not an array", entry=where,
+                         fix="store arrays or numbers only; put other values in metadata")
+    array = np.asarray(leaf)
+    _check_dtype(array.dtype, where)
+    if not fetch:
+        return HostLeaf(where, array.dtype, array.shape)
+    # np.asarray made a new array of anything but an ndarray (which the caller may reuse)
+    return HostLeaf(where, array.dtype, array.shape, None, array,
+                    private=not isinstance(leaf, np.ndarray))
 
 
 def _finish(staged: HostLeaf, copy: bool) -> HostLeaf:

@@ -105,11 +105,17 @@ def test_sharded_arrays_whole_or_as_their_distinct_shards():
     assert placement.host_leaves([("n", np.ones(3))], pieces=True)[0].shards == ()
 
 
+def as_accelerator(monkeypatch):
+    """Every sharding taken for one whose devices are not the CPU's (data to transfer)."""
+    real = placement._facts
+    monkeypatch.setattr(placement, "_facts", lambda sharding: real(sharding)._replace(on_cpu=False))
+
+
 def test_every_transfer_starts_before_the_first_wait(monkeypatch):
     events = []
     impl = type(jnp.ones(1))
     real_start, real_wait = impl.copy_to_host_async, placement.await_host
-    monkeypatch.setattr(placement, "_on_cpu", lambda leaf: False)  # as on an accelerator
+    as_accelerator(monkeypatch)
     monkeypatch.setattr(impl, "copy_to_host_async", lambda self: (events.append("start"),
                                                                   real_start(self)))
     monkeypatch.setattr(placement, "await_host", lambda d: (events.append("wait"), real_wait(d))[1])
@@ -121,7 +127,7 @@ def test_every_transfer_starts_before_the_first_wait(monkeypatch):
 def test_fetch_false_checks_and_describes_without_transfers(monkeypatch):
     impl = type(jnp.ones(1))
     monkeypatch.setattr(impl, "copy_to_host_async", lambda self: pytest.fail("transferred"))
-    monkeypatch.setattr(placement, "_on_cpu", lambda leaf: False)
+    as_accelerator(monkeypatch)
     leaves = [("a", jnp.ones((2, 3))), ("b", np.zeros(4, np.int8)), ("c", 5),
               ("d", sharded(np.ones((8, 2)), P("a")))]
     hs = placement.host_leaves(leaves, fetch=False, pieces=True)
