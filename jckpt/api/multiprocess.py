@@ -263,8 +263,9 @@ def _shared_stage(rt: _Runtime, path: str, process: int, make: Callable[[], str]
     return name
 
 
-def _open_stage(rt: _Runtime, path: str, process: int, stage: _Stage, backend: Backend) -> None:
-    """Process 0 creates the staging directory (or the save's tag) and tells the others its name.
+def _open_stage(rt: _Runtime, path: str, process: int, stage: _Stage, backend: Backend) -> str:
+    """Process 0 creates the staging directory (or the save's tag) and tells the others its name;
+    where this process writes its pieces (also kept as `stage.path`).
 
     In an object store there is no directory to rename: the pieces are
     written under the URL with the save's tag in their names, beside those of
@@ -276,7 +277,7 @@ def _open_stage(rt: _Runtime, path: str, process: int, stage: _Stage, backend: B
         if tag_writer(stage.tag) is None:
             raise DistributedError(f"unexpected save tag {stage.tag!r}", file=path)
         stage.path = path
-        return
+        return path
 
     def make() -> str:
         reclaim_stage_dirs(path)
@@ -287,6 +288,7 @@ def _open_stage(rt: _Runtime, path: str, process: int, stage: _Stage, backend: B
     if STAGE_DIR_TAG not in name or os.sep in name:
         raise DistributedError(f"unexpected staging name {name!r}", file=path)
     stage.path = os.path.join(os.path.dirname(path), name)
+    return stage.path
 
 
 def _publish(backend: Backend, stage: _Stage, path: str, count: int, alignment: int,
@@ -351,9 +353,9 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
     stage = _Stage(tag=object_directory.new_tag() if backend is not LOCAL and process == 0 else '')
     try:
         with object_directory.saving(stage.tag):
-            _open_stage(rt, path, process, stage, backend)
+            where = _open_stage(rt, path, process, stage, backend)
             rt.together('written', 'wrote its pieces', process, lambda: _write_pieces(
-                stage.path, leaves, namespace, alignment, process, ctx.durable, stage.tag))
+                where, leaves, namespace, alignment, process, ctx.durable, stage.tag))
             rt.together('published', 'saw the checkpoint published', process, None if process else (
                 lambda: _publish(backend, stage, path, count, alignment, metadata, ctx.durable)))
     except BaseException:
