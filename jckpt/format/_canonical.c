@@ -735,6 +735,7 @@ static long long shape_bytes(PyObject *shape, long long size) {
 
 typedef struct {
     PyObject *precs, *hasher, *algorithm, *entry_type, *bytes_source, *uint8, *namespace;
+    PyObject *reshape, *view, *minus_one, *dtype_name;
     Py_ssize_t offsets[14], max_path;
     long long small_limit;
 } leaf_context;
@@ -742,23 +743,26 @@ typedef struct {
 /* The payload of a small C-contiguous array of a storable (little-endian) dtype as a flat uint8
  * view, or NULL (without an error where it is not such an array). */
 static PyObject *small_payload(const leaf_context *x, PyObject *array, long long nbytes) {
-    PyObject *dtype = PyObject_GetAttrString(array, "dtype");
+    PyObject *dtype = PyObject_GetAttr(array, x->dtype_name);
     if (dtype == NULL) { PyErr_Clear(); return NULL; }
     PyObject *known = PyDict_GetItemWithError(x->precs, dtype);
     Py_DECREF(dtype);
     if (known == NULL) { PyErr_Clear(); return NULL; }
     Py_buffer view;
     if (PyObject_GetBuffer(array, &view, PyBUF_C_CONTIGUOUS) < 0) { PyErr_Clear(); return NULL; }
-    int fits = view.len == nbytes && view.len < x->small_limit;
+    int fits = view.len == nbytes && view.len < x->small_limit, flat = view.ndim == 1;
     PyBuffer_Release(&view);
     if (!fits) return NULL;
-    PyObject *minus = PyLong_FromLong(-1);
-    if (minus == NULL) return NULL;
-    PyObject *flat = PyObject_CallMethod(array, "reshape", "O", minus);
-    Py_DECREF(minus);
-    if (flat == NULL) return NULL;
-    PyObject *data = PyObject_CallMethod(flat, "view", "O", x->uint8);
-    Py_DECREF(flat);
+    PyObject *args[2] = {array, x->minus_one};
+    if (!flat) {  /* array.reshape(-1), a view of the contiguous array */
+        if ((args[0] = PyObject_VectorcallMethod(x->reshape, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL)) == NULL)
+            return NULL;
+    } else {
+        Py_INCREF(array);
+    }
+    args[1] = x->uint8;
+    PyObject *data = PyObject_VectorcallMethod(x->view, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    Py_DECREF(args[0]);
     return data;
 }
 
@@ -769,10 +773,10 @@ static PyObject *checksum_of(const leaf_context *x, PyObject *data) {
     unsigned long long h = PyLong_AsUnsignedLongLong(digest);
     Py_DECREF(digest);
     if (h == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
-    char hex[17];
-    snprintf(hex, sizeof hex, "%016llx", h);
-    PyObject *text = PyUnicode_FromStringAndSize(hex, 16);
+    PyObject *text = PyUnicode_New(16, 127);  /* "%016x", written out */
     if (text == NULL) return NULL;
+    Py_UCS1 *hex = PyUnicode_1BYTE_DATA(text);
+    for (int k = 15; k >= 0; k--, h >>= 4) hex[k] = "0123456789abcdef"[h & 15];
     PyObject *pair = PyTuple_Pack(2, x->algorithm, text);
     Py_DECREF(text);
     return pair;
@@ -837,7 +841,7 @@ punt:
 
 static PyObject *host_entries(PyObject *self, PyObject *args) {
     leaf_context x;
-    PyObject *paths, *hosts, *fields, *entries, *sources;
+    PyObject *paths, *hosts, *fields, *entries, *sources, *out = NULL;
     Py_ssize_t start;
     long long first_id, cursor, alignment;
     if (!PyArg_ParseTuple(args, "UO!O!nLLLLnO!OUOOOOO!O!", &x.namespace, &PyList_Type, &paths,
@@ -854,16 +858,27 @@ static PyObject *host_entries(PyObject *self, PyObject *args) {
         return NULL;
     }
     if (slot_offsets(x.entry_type, fields, x.offsets) < 0) return NULL;
+    x.reshape = PyUnicode_InternFromString("reshape");
+    x.view = PyUnicode_InternFromString("view");
+    x.dtype_name = PyUnicode_InternFromString("dtype");
+    x.minus_one = PyLong_FromLong(-1);
+    if (!x.reshape || !x.view || !x.dtype_name || !x.minus_one) goto done;
     Py_ssize_t i = start, n = PyList_GET_SIZE(hosts);
     for (; i < n; i++) {
         long long id;
         if (__builtin_add_overflow(first_id, (long long)(i - start), &id)) break;
         int rc = host_entry(&x, PyList_GET_ITEM(paths, i), PyList_GET_ITEM(hosts, i), id, &cursor,
                             alignment, entries, sources);
-        if (rc < 0) return NULL;
+        if (rc < 0) goto done;
         if (rc == 0) break;
     }
-    return Py_BuildValue("(nL)", i, cursor);
+    out = Py_BuildValue("(nL)", i, cursor);
+done:
+    Py_XDECREF(x.reshape);
+    Py_XDECREF(x.view);
+    Py_XDECREF(x.dtype_name);
+    Py_XDECREF(x.minus_one);
+    return out;
 }
 
 static PyMethodDef methods[] = {
