@@ -26,6 +26,21 @@
  *
  * The text comes as ASCII bytes, ready for the file; None when a fallback's text is not
  * ASCII (its character and byte offsets differ): the caller then encodes every entry.
+ *
+ * And it builds the entries of a save's small host leaves (jckpt.format.leaf_entries.build):
+ *
+ *   host_entries(namespace, paths: list, hosts: list, start, first_id, cursor, alignment,
+ *                small_limit, max_path, precs: dict[dtype, tuple[str, int]], hasher, algorithm,
+ *                entry_type, fields, source_type, uint8, entries: list, sources: list)
+ *     -> tuple[int, int]
+ *
+ * From hosts[start] on, each leaf (where, dtype, shape, key_impl, array, ...) whose array is a
+ * C-contiguous one of fewer than small_limit bytes, of a dtype in precs (native byte order),
+ * with a path of at most max_path (kind, str | int) pairs, gets what saving's Python loop gives
+ * it: the entry entry_for builds (id first_id, first_id + 1, ...; offset the cursor rounded up
+ * to alignment) and source_type(array.reshape(-1).view(uint8), (algorithm, "%016x" of
+ * hasher(data))), appended to entries and sources. It stops at the first other leaf and
+ * returns its index (len(hosts) when none) and the cursor: Python builds that leaf.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
