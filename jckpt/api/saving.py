@@ -28,6 +28,7 @@ from jckpt.api import progress as progress_mod
 from jckpt.api.context import Context, check_context
 from jckpt.api.multiprocess import save_directory
 from jckpt.errors import CheckpointError, InputError, InUseError
+from jckpt.format import leaf_entries
 from jckpt.format._gc import paused
 from jckpt.format.entries import Entry, Header, KeyPath, entry_for, round_up
 from jckpt.format.layout import lay_out
@@ -39,7 +40,15 @@ from jckpt.storage.backend import LOCAL, backend_for, checked_path
 from jckpt.storage.publish import storage_error
 from jckpt.storage.reader import CheckpointReader
 from jckpt.storage.regions import ShardedSource
-from jckpt.storage.writer import ArraySource, CopySource, ReaderSource, array_source, write_checkpoint
+from jckpt.storage.writer import (
+    SMALL_PAYLOAD,
+    ArraySource,
+    BytesSource,
+    CopySource,
+    ReaderSource,
+    array_source,
+    write_checkpoint,
+)
 from jckpt.trees import placement
 from jckpt.trees import pytree as tree_mod
 from jckpt.version import __version__
@@ -160,6 +169,11 @@ def _alignment(alignment: Any, path: str) -> int:
     return alignment
 
 
+#: Whether `_entries` builds the entries of small host leaves in C where the accelerator is built
+#: (False: every leaf through `entry_for` in Python, the reference the tests compare it with).
+ACCELERATE = True
+
+
 def _entries(ctx: Context, paths: Sequence[KeyPath], hosts: Sequence[placement.HostLeaf], *,
              kept: Sequence[Entry] = (), alignment: int) -> tuple[list[Entry], list[Any]]:
     """Entries and payload sources for host leaves saved under `ctx.namespace`.
@@ -171,9 +185,11 @@ def _entries(ctx: Context, paths: Sequence[KeyPath], hosts: Sequence[placement.H
     source `None` (its payload is copied from the old file).
     """
     namespace = ctx.namespace
-    slots = {e.identity: i for i, e in enumerate(kept)}
     next_id = max([ctx.registry.max_id(namespace)]
                   + [e.id for e in kept if e.namespace == namespace]) + 1
+    if not kept and ACCELERATE and leaf_entries.accelerator is not None:
+        return _new_entries(namespace, list(paths), list(hosts), next_id, alignment)
+    slots = {e.identity: i for i, e in enumerate(kept)}
     entries: list[Entry] = list(kept)
     sources: list[Any] = [None] * len(kept)
     cursor = 0  # without kept entries, the offsets lay_out plans: no second pass over 1e5 entries
@@ -184,9 +200,7 @@ def _entries(ctx: Context, paths: Sequence[KeyPath], hosts: Sequence[placement.H
         else:
             ident = kept[slot].id
         offset = 0 if kept else round_up(cursor, alignment)
-        source, checksum = _source(host)
-        entry = entry_for(namespace, path, host.dtype, host.shape, id=ident, key_impl=host.key_impl,
-                          checksum=checksum, offset=offset)
+        entry, source = _entry(namespace, path, host, ident, offset)
         cursor = offset + entry.byte_length
         if slot is None:
             entries.append(entry)
@@ -195,6 +209,35 @@ def _entries(ctx: Context, paths: Sequence[KeyPath], hosts: Sequence[placement.H
             entries[slot] = entry
             sources[slot] = source
     return entries, sources
+
+
+def _new_entries(namespace: str, paths: list[KeyPath], hosts: list[placement.HostLeaf], first_id: int,
+                 alignment: int) -> tuple[list[Entry], list[Any]]:
+    """`_entries` without kept entries: runs of small leaves built in C, each other leaf in Python."""
+    entries: list[Entry] = []
+    sources: list[Any] = []
+    start, cursor = 0, 0
+    while True:
+        start, cursor = leaf_entries.build(
+            namespace, paths, hosts, start=start, first_id=first_id + start, cursor=cursor,
+            alignment=alignment, small_limit=SMALL_PAYLOAD, source_type=BytesSource,
+            entries=entries, sources=sources)
+        if start == len(hosts):
+            return entries, sources
+        offset = round_up(cursor, alignment)
+        entry, source = _entry(namespace, paths[start], hosts[start], first_id + start, offset)
+        entries.append(entry)
+        sources.append(source)
+        cursor = offset + entry.byte_length
+        start += 1
+
+
+def _entry(namespace: str, path: KeyPath, host: placement.HostLeaf, ident: int,
+           offset: int) -> tuple[Entry, Any]:
+    """One leaf's entry, at `offset` with id `ident`, and its payload source."""
+    source, checksum = _source(host)
+    return entry_for(namespace, path, host.dtype, host.shape, id=ident, key_impl=host.key_impl,
+                     checksum=checksum, offset=offset), source
 
 
 def _source(host: placement.HostLeaf) -> tuple[ArraySource | ShardedSource, tuple[str, str]]:

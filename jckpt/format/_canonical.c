@@ -26,6 +26,21 @@
  *
  * The text comes as ASCII bytes, ready for the file; None when a fallback's text is not
  * ASCII (its character and byte offsets differ): the caller then encodes every entry.
+ *
+ * And it builds the entries of a save's small host leaves (jckpt.format.leaf_entries.build):
+ *
+ *   host_entries(namespace, paths: list, hosts: list, start, first_id, cursor, alignment,
+ *                small_limit, max_path, precs: dict[dtype, tuple[str, int]], hasher, algorithm,
+ *                entry_type, fields, source_type, uint8, entries: list, sources: list)
+ *     -> tuple[int, int]
+ *
+ * From hosts[start] on, each leaf (where, dtype, shape, key_impl, array, ...) whose array is a
+ * C-contiguous one of fewer than small_limit bytes, of a dtype in precs (native byte order),
+ * with a path of at most max_path (kind, str | int) pairs, gets what saving's Python loop gives
+ * it: the entry entry_for builds (id first_id, first_id + 1, ...; offset the cursor rounded up
+ * to alignment) and source_type(array.reshape(-1).view(uint8), (algorithm, "%016x" of
+ * hasher(data))), appended to entries and sources. It stops at the first other leaf and
+ * returns its index (len(hosts) when none) and the cursor: Python builds that leaf.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -695,7 +710,195 @@ end:
     return out;
 }
 
+/* --- building the entries of host leaves ------------------------------------------------- */
+
+/* host[i]'s label (its path's values, an int as its decimal text), or NULL without an error
+ * when the path is not a tuple of (kind, str | int) pairs no longer than max_path. */
+static PyObject *label_of(PyObject *path, Py_ssize_t max_path) {
+    if (!PyTuple_CheckExact(path) || PyTuple_GET_SIZE(path) > max_path) return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(path);
+    PyObject *label = PyTuple_New(n);
+    if (label == NULL) return NULL;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *c = PyTuple_GET_ITEM(path, k), *v, *text;
+        if (!PyTuple_CheckExact(c) || PyTuple_GET_SIZE(c) != 2) goto punt;
+        v = PyTuple_GET_ITEM(c, 1);
+        if (PyUnicode_CheckExact(v)) { text = v; Py_INCREF(v); }
+        else if (PyLong_CheckExact(v)) { if ((text = PyObject_Str(v)) == NULL) goto punt; }
+        else goto punt;
+        PyTuple_SET_ITEM(label, k, text);
+    }
+    return label;
+punt:
+    Py_DECREF(label);
+    return NULL;
+}
+
+/* Elements of a shape tuple of exact non-negative ints times size, or -1 when not that. */
+static long long shape_bytes(PyObject *shape, long long size) {
+    if (!PyTuple_CheckExact(shape)) return -1;
+    long long total = size;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(shape); k++) {
+        PyObject *d = PyTuple_GET_ITEM(shape, k);
+        if (!PyLong_CheckExact(d)) return -1;
+        int overflow;
+        long long v = PyLong_AsLongLongAndOverflow(d, &overflow);
+        if (overflow || v < 0 || __builtin_mul_overflow(total, v, &total)) { PyErr_Clear(); return -1; }
+    }
+    return total;
+}
+
+typedef struct {
+    PyObject *precs, *hasher, *algorithm, *entry_type, *bytes_source, *uint8, *namespace;
+    PyObject *reshape, *view, *minus_one, *dtype_name;
+    Py_ssize_t offsets[14], max_path;
+    long long small_limit;
+} leaf_context;
+
+/* The payload of a small C-contiguous array of a storable (little-endian) dtype as a flat uint8
+ * view, or NULL (without an error where it is not such an array). */
+static PyObject *small_payload(const leaf_context *x, PyObject *array, long long nbytes) {
+    PyObject *dtype = PyObject_GetAttr(array, x->dtype_name);
+    if (dtype == NULL) { PyErr_Clear(); return NULL; }
+    PyObject *known = PyDict_GetItemWithError(x->precs, dtype);
+    Py_DECREF(dtype);
+    if (known == NULL) { PyErr_Clear(); return NULL; }
+    Py_buffer view;
+    if (PyObject_GetBuffer(array, &view, PyBUF_C_CONTIGUOUS) < 0) { PyErr_Clear(); return NULL; }
+    int fits = view.len == nbytes && view.len < x->small_limit, flat = view.ndim == 1;
+    PyBuffer_Release(&view);
+    if (!fits) return NULL;
+    PyObject *args[2] = {array, x->minus_one};
+    if (!flat) {  /* array.reshape(-1), a view of the contiguous array */
+        if ((args[0] = PyObject_VectorcallMethod(x->reshape, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL)) == NULL)
+            return NULL;
+    } else {
+        Py_INCREF(array);
+    }
+    args[1] = x->uint8;
+    PyObject *data = PyObject_VectorcallMethod(x->view, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    Py_DECREF(args[0]);
+    return data;
+}
+
+/* ('xxh3_64', 16 hex digits) of data. */
+static PyObject *checksum_of(const leaf_context *x, PyObject *data) {
+    PyObject *digest = PyObject_CallOneArg(x->hasher, data);
+    if (digest == NULL) return NULL;
+    unsigned long long h = PyLong_AsUnsignedLongLong(digest);
+    Py_DECREF(digest);
+    if (h == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    PyObject *text = PyUnicode_New(16, 127);  /* "%016x", written out */
+    if (text == NULL) return NULL;
+    Py_UCS1 *hex = PyUnicode_1BYTE_DATA(text);
+    for (int k = 15; k >= 0; k--, h >>= 4) hex[k] = "0123456789abcdef"[h & 15];
+    PyObject *pair = PyTuple_Pack(2, x->algorithm, text);
+    Py_DECREF(text);
+    return pair;
+}
+
+/* One leaf's entry and source, appended; 1 when done, 0 to leave the leaf to Python, -1 on error. */
+static int host_entry(const leaf_context *x, PyObject *path, PyObject *host, long long id,
+                      long long *cursor, long long alignment, PyObject *entries, PyObject *sources) {
+    if (!PyTuple_Check(host) || PyTuple_GET_SIZE(host) < 5) return 0;
+    PyObject *dtype = PyTuple_GET_ITEM(host, 1), *shape = PyTuple_GET_ITEM(host, 2);
+    PyObject *key_impl = PyTuple_GET_ITEM(host, 3), *array = PyTuple_GET_ITEM(host, 4);
+    if (array == Py_None || (key_impl != Py_None && !PyUnicode_CheckExact(key_impl))) return 0;
+    PyObject *prec = PyDict_GetItemWithError(x->precs, dtype);
+    if (prec == NULL) { PyErr_Clear(); return 0; }
+    long long size = PyLong_AsLongLong(PyTuple_GET_ITEM(prec, 1));
+    long long nbytes = shape_bytes(shape, size), offset = *cursor, end;
+    if (nbytes < 0) return 0;
+    if (alignment > 1) {
+        if (__builtin_add_overflow(offset, alignment - 1, &offset)) return 0;
+        offset -= offset % alignment;
+    }
+    if (__builtin_add_overflow(offset, nbytes, &end)) return 0;
+    PyObject *values[14] = {NULL}, *data = NULL, *source = NULL;
+    if ((values[6] = label_of(path, x->max_path)) == NULL) return PyErr_Occurred() ? -1 : 0;
+    if ((data = small_payload(x, array, nbytes)) == NULL) goto punt;
+    if ((values[9] = checksum_of(x, data)) == NULL) goto punt;
+    PyTypeObject *bs = (PyTypeObject *)x->bytes_source;
+    if ((source = bs->tp_alloc(bs, 2)) == NULL) goto punt;
+    PyTuple_SET_ITEM(source, 0, data);
+    data = NULL;
+    Py_INCREF(values[9]);
+    PyTuple_SET_ITEM(source, 1, values[9]);
+    values[0] = PyLong_FromLongLong(id);
+    values[4] = PyLong_FromLongLong(offset);
+    values[5] = PyLong_FromLongLong(nbytes);
+    values[13] = PyTuple_New(0);
+    if (!values[0] || !values[4] || !values[5] || !values[13]) goto punt;
+    values[1] = x->namespace; values[2] = PyTuple_GET_ITEM(prec, 0); values[3] = shape;
+    values[7] = Py_None; values[8] = path; values[10] = key_impl;
+    values[11] = Py_None; values[12] = Py_None;
+    for (int k = 1; k < 13; k++) if (k != 4 && k != 5 && k != 6 && k != 9) Py_INCREF(values[k]);
+    PyTypeObject *tp = (PyTypeObject *)x->entry_type;
+    PyObject *entry = tp->tp_alloc(tp, 0);
+    if (entry == NULL) goto punt;
+    for (int k = 0; k < 14; k++) {  /* the slots take over the references */
+        *(PyObject **)((char *)entry + x->offsets[k]) = values[k];
+        values[k] = NULL;
+    }
+    int rc = PyList_Append(entries, entry);
+    Py_DECREF(entry);
+    if (rc == 0) rc = PyList_Append(sources, source);
+    Py_DECREF(source);
+    if (rc < 0) return -1;
+    *cursor = end;
+    return 1;
+punt:
+    for (int k = 0; k < 14; k++) Py_XDECREF(values[k]);
+    Py_XDECREF(data);
+    Py_XDECREF(source);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static PyObject *host_entries(PyObject *self, PyObject *args) {
+    leaf_context x;
+    PyObject *paths, *hosts, *fields, *entries, *sources, *out = NULL;
+    Py_ssize_t start;
+    long long first_id, cursor, alignment;
+    if (!PyArg_ParseTuple(args, "UO!O!nLLLLnO!OUOOOOO!O!", &x.namespace, &PyList_Type, &paths,
+                          &PyList_Type, &hosts, &start, &first_id, &cursor, &alignment,
+                          &x.small_limit, &x.max_path, &PyDict_Type, &x.precs, &x.hasher,
+                          &x.algorithm, &x.entry_type, &fields, &x.bytes_source, &x.uint8,
+                          &PyList_Type, &entries, &PyList_Type, &sources))
+        return NULL;
+    if (!PyType_Check(x.entry_type) || !PyType_Check(x.bytes_source) ||
+        !PyType_IsSubtype((PyTypeObject *)x.bytes_source, &PyTuple_Type) ||
+        !PyTuple_Check(fields) || PyTuple_GET_SIZE(fields) != 14 ||
+        PyList_GET_SIZE(paths) != PyList_GET_SIZE(hosts) || start < 0) {
+        PyErr_SetString(PyExc_TypeError, "host_entries: unexpected arguments");
+        return NULL;
+    }
+    if (slot_offsets(x.entry_type, fields, x.offsets) < 0) return NULL;
+    x.reshape = PyUnicode_InternFromString("reshape");
+    x.view = PyUnicode_InternFromString("view");
+    x.dtype_name = PyUnicode_InternFromString("dtype");
+    x.minus_one = PyLong_FromLong(-1);
+    if (!x.reshape || !x.view || !x.dtype_name || !x.minus_one) goto done;
+    Py_ssize_t i = start, n = PyList_GET_SIZE(hosts);
+    for (; i < n; i++) {
+        long long id;
+        if (__builtin_add_overflow(first_id, (long long)(i - start), &id)) break;
+        int rc = host_entry(&x, PyList_GET_ITEM(paths, i), PyList_GET_ITEM(hosts, i), id, &cursor,
+                            alignment, entries, sources);
+        if (rc < 0) goto done;
+        if (rc == 0) break;
+    }
+    out = Py_BuildValue("(nL)", i, cursor);
+done:
+    Py_XDECREF(x.reshape);
+    Py_XDECREF(x.view);
+    Py_XDECREF(x.dtype_name);
+    Py_XDECREF(x.minus_one);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"host_entries", host_entries, METH_VARARGS,
+     "Entries and sources of small host leaves, from `start` on: (where it stopped, cursor)."},
     {"decode_entries", decode_entries, METH_VARARGS,
      "Decode a canonical tensors list; None when the text is not canonical."},
     {"encode_entries", encode_entries, METH_VARARGS,

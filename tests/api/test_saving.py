@@ -1,0 +1,129 @@
+"""The entries of a save built in C (`jckpt.format.leaf_entries`) equal those built in Python.
+
+`jckpt.api.saving.ACCELERATE` switches between the two; every leaf the C
+path leaves alone (large, non-contiguous, Fortran-order, big-endian, sharded,
+a path it cannot label) goes through Python, so both give the same entries,
+sources and files for any tree.
+"""
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import jckpt
+from jckpt.api import saving
+from jckpt.errors import InputError
+from jckpt.format import precs
+from jckpt.storage.writer import SMALL_PAYLOAD, ArraySource, BytesSource
+from jckpt.trees import placement
+
+DTYPES = [precs.dtype_of(p) for p in sorted(precs.ALL_PRECS - {"Void_prec", "Uint4x32_prec"})]
+
+
+@st.composite
+def arrays(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    size = draw(st.sampled_from([None, SMALL_PAYLOAD - 1, SMALL_PAYLOAD, SMALL_PAYLOAD + 1]))
+    if size is None:
+        shape = draw(hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=5))
+    else:  # around the small limit, in bytes where the element size allows
+        shape = (size // dtype.itemsize,)
+    raw = draw(st.binary(min_size=8, max_size=8)) * -(-int(np.prod(shape)) * dtype.itemsize // 8)
+    array = np.frombuffer(raw[:int(np.prod(shape)) * dtype.itemsize], dtype=dtype).reshape(shape).copy()
+    layout = draw(st.sampled_from(["c", "f", "big", "strided"]))
+    if layout == "f" and array.ndim > 1:
+        array = np.asfortranarray(array)
+    elif layout == "big" and dtype.byteorder == "<":
+        array = array.astype(dtype.newbyteorder(">"))
+    elif layout == "strided" and array.ndim:
+        array = np.repeat(array, 2, axis=0)[::2]
+    return array
+
+
+components = st.one_of(
+    st.tuples(st.sampled_from(["k", "a"]), st.text(st.characters(codec="utf-8", exclude_characters="\x00"),
+                                                    max_size=5)),
+    st.tuples(st.sampled_from(["i", "ki", "f"]), st.integers(-2**70, 2**70)))
+leaves = st.lists(st.tuples(st.lists(components, max_size=4).map(tuple), arrays()), max_size=8)
+
+
+def host_leaves(items):
+    """Host leaves as `save` makes them, and the same arrays as given (big-endian ones kept)."""
+    made = placement.host_leaves([(str(p), a) for p, a in items])
+    return made + [placement.HostLeaf(str(p), a.dtype.newbyteorder("="), a.shape, None, a)
+                   for p, a in items if a.dtype.byteorder == ">"]
+
+
+def both(paths, hosts, alignment, namespace="jckpt"):
+    """`saving._entries` in Python, then with the accelerator."""
+    found = []
+    for accelerate in (False, True):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(saving, "ACCELERATE", accelerate)
+            found.append(saving._entries(jckpt.Context(namespace=namespace), paths, hosts,
+                                         alignment=alignment))
+    return found
+
+
+def same_sources(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert type(x) is type(y)
+        if isinstance(x, BytesSource):
+            assert x.checksum == y.checksum and type(x.data) is type(y.data)
+            assert x.data.dtype == y.data.dtype and x.data.tobytes() == y.data.tobytes()
+        elif isinstance(x, ArraySource):
+            assert x.array is y.array
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.data_too_large])
+@given(items=leaves, alignment=st.sampled_from([1, 32, 64, 4096]))
+def test_c_and_python_build_the_same_entries(items, alignment):
+    hosts = host_leaves(items)
+    paths = [p for p, _ in items] + [p for p, a in items if a.dtype.byteorder == ">"]
+    (py_entries, py_sources), (c_entries, c_sources) = both(paths, hosts, alignment)
+    assert c_entries == py_entries
+    assert repr(c_entries) == repr(py_entries)
+    same_sources(py_sources, c_sources)
+
+
+def test_typed_keys_and_unicode_paths_take_the_c_path():
+    keys = jax.random.split(jax.random.key(3, impl="rbg"), 2)
+    items = [((("k", "κλειδί"), ("i", 0)), keys), ((("a", "b"), ("ki", -5)), np.arange(3, dtype=np.int16)),
+             ((), np.float32(2.5))]
+    hosts = placement.host_leaves([(str(p), a) for p, a in items])
+    py, c = both([p for p, _ in items], hosts, 64, namespace="opt")
+    assert c[0] == py[0] and repr(c[0]) == repr(py[0])
+    assert c[0][0].key_impl == "rbg" and c[0][0].label == ("κλειδί", "0")
+    same_sources(py[1], c[1])
+
+
+def test_a_path_too_deep_is_refused_either_way(monkeypatch):
+    path = (("i", 0),) * 300
+    hosts = placement.host_leaves([("deep", np.zeros(2))])
+    for accelerate in (False, True):
+        monkeypatch.setattr(saving, "ACCELERATE", accelerate)
+        with pytest.raises(InputError, match="deeper than"):
+            saving._entries(jckpt.Context(), [path], hosts, alignment=32)
+
+
+@pytest.mark.parametrize("alignment", [1, 64, 4096])
+def test_files_are_byte_identical_with_and_without_c(monkeypatch, tmp_path, alignment):
+    rng = np.random.default_rng(0)
+    tree = {"small": [rng.standard_normal(n).astype(np.float32) for n in (0, 1, 7, 1000)],
+            "big": rng.standard_normal(SMALL_PAYLOAD).astype(np.float64),
+            "fortran": np.asfortranarray(rng.standard_normal((5, 3))), "key": jax.random.key(1),
+            "be": np.arange(4, dtype=">i4"), "scalar": np.int64(9), "flags": np.array([True, False])}
+    files = []
+    for accelerate in (False, True):
+        monkeypatch.setattr(saving, "ACCELERATE", accelerate)
+        path = tmp_path / f"{accelerate}.jckpt"
+        jckpt.save(jckpt.Context(durable=False, alignment=alignment), tree, path)
+        files.append(path.read_bytes())
+    assert files[0] == files[1]
+    back = jckpt.restore(jckpt.Context(host=True), tree, tmp_path / "True.jckpt")
+    assert np.array_equal(back["small"][3], tree["small"][3]) and np.array_equal(back["be"], tree["be"])
