@@ -134,3 +134,19 @@ def cpu_mesh(shape: tuple[int, ...], names: tuple[str, ...]):
     import jax
 
     return jax.make_mesh(tuple(shape), tuple(names), devices=cpu_devices(math.prod(shape)))
+
+
+#: How `laid_out` may lay an array out in memory.
+LAYOUTS = ("c", "f", "big", "strided")
+
+
+def laid_out(array: np.ndarray, layout: str) -> np.ndarray:
+    """`array`'s values in another memory layout: C order, Fortran order, big-endian, or a
+    strided view (each but "c" leaves a copy that is not in stored form)."""
+    if layout == "f" and array.ndim > 1:
+        return np.asfortranarray(array)
+    if layout == "big" and array.dtype.byteorder == "<":
+        return array.astype(array.dtype.newbyteorder(">"))
+    if layout == "strided" and array.ndim:
+        return np.repeat(array, 2, axis=0)[::2]
+    return array

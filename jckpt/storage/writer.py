@@ -212,7 +212,7 @@ def array_source(array: np.ndarray) -> tuple[ArraySource | BytesSource, tuple[st
     >>> checksum == source.checksum != payload_mod.CHECKSUM_PLACEHOLDER
     True
     """
-    if array.nbytes < SMALL_PAYLOAD and array.flags.c_contiguous and array.dtype.byteorder != '>':
+    if array.nbytes < SMALL_PAYLOAD and payload_mod.is_stored_form(array):
         data = array.reshape(-1).view(np.uint8)  # stored form already: its memory is the payload
         known = payload_mod.checksum(data)
         return BytesSource(data, known), known

@@ -9,6 +9,7 @@ from hypothesis.extra import numpy as hnp
 import jckpt
 import jckpt.trees.pytree
 from jckpt.format import precs
+from tests.helpers import LAYOUTS, laid_out
 
 DTYPES = [precs.dtype_of(p) for p in sorted(precs.ALL_PRECS - {"Void_prec", "Uint4x32_prec"})]
 
@@ -20,14 +21,7 @@ def arrays(draw):
     raw = draw(st.binary(min_size=int(np.prod(shape)) * dtype.itemsize,
                          max_size=int(np.prod(shape)) * dtype.itemsize))
     array = np.frombuffer(raw, dtype=dtype).reshape(shape).copy()  # any bits, NaNs included
-    layout = draw(st.sampled_from(["c", "f", "big", "strided"]))
-    if layout == "f":
-        array = np.asfortranarray(array)
-    elif layout == "big" and dtype.byteorder == "<":
-        array = array.astype(dtype.newbyteorder(">"))
-    elif layout == "strided" and array.ndim:
-        array = np.repeat(array, 2, axis=0)[::2]
-    return array
+    return laid_out(array, draw(st.sampled_from(LAYOUTS)))
 
 
 @st.composite

@@ -19,6 +19,7 @@ from jckpt.errors import InputError
 from jckpt.format import precs
 from jckpt.storage.writer import SMALL_PAYLOAD, ArraySource, BytesSource
 from jckpt.trees import placement
+from tests.helpers import LAYOUTS, laid_out
 
 DTYPES = [precs.dtype_of(p) for p in sorted(precs.ALL_PRECS - {"Void_prec", "Uint4x32_prec"})]
 
@@ -33,14 +34,7 @@ def arrays(draw):
         shape = (size // dtype.itemsize,)
     raw = draw(st.binary(min_size=8, max_size=8)) * -(-int(np.prod(shape)) * dtype.itemsize // 8)
     array = np.frombuffer(raw[:int(np.prod(shape)) * dtype.itemsize], dtype=dtype).reshape(shape).copy()
-    layout = draw(st.sampled_from(["c", "f", "big", "strided"]))
-    if layout == "f" and array.ndim > 1:
-        array = np.asfortranarray(array)
-    elif layout == "big" and dtype.byteorder == "<":
-        array = array.astype(dtype.newbyteorder(">"))
-    elif layout == "strided" and array.ndim:
-        array = np.repeat(array, 2, axis=0)[::2]
-    return array
+    return laid_out(array, draw(st.sampled_from(LAYOUTS)))
 
 
 components = st.one_of(
