@@ -62,16 +62,18 @@ def test_injected_faults_leave_previous_file(tmp_path, monkeypatch, step, code):
     target = tmp_path / "t.jckpt"
     jckpt.save(jckpt.Context(), {"w": np.full(100, 1.0)}, target)
     before = target.read_bytes()
-    real = {"write": os.write, "fsync": os.fsync, "rename": os.rename}[step]
     calls = {"n": 0}
 
-    def failing(*args):
-        calls["n"] += 1
-        if calls["n"] >= 2 or step != "write":
-            raise OSError(code, os.strerror(code))
-        return real(*args)
+    def failing(real):
+        def call(*args):
+            calls["n"] += 1
+            if calls["n"] >= 2 or step != "write":  # a write fails after the first
+                raise OSError(code, os.strerror(code))
+            return real(*args)
+        return call
 
-    monkeypatch.setattr(os, step, failing)
+    for name in ["write", "writev"] if step == "write" else [step]:  # payloads are gathered
+        monkeypatch.setattr(os, name, failing(getattr(os, name)))
     with pytest.raises(StorageError) as info:
         jckpt.save(jckpt.Context(), {"w": np.full(100, 2.0)}, target)
     monkeypatch.undo()

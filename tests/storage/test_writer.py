@@ -97,6 +97,42 @@ def test_pad_to_writes_zeros_forward_only(fd):
     assert sink.position == 4 and on_disk(fd) == b'a\0\0\0'
 
 
+
+def test_put_small_pads_and_gathers_by_reference_in_writev_batches(fd, monkeypatch):
+    calls = []
+    real = os.writev
+    monkeypatch.setattr(os, 'writev', lambda f, bufs: (calls.append(len(bufs)), real(f, bufs))[1])
+    sink = Sink(fd)
+    payloads = [np.full(3, i % 200, np.uint8) for i in range(Sink.IOV_MAX)]
+    for i, data in enumerate(payloads):
+        sink.put_small(4 * i, data)  # one zero byte of padding before each but the first
+    payloads[-1][:] = 9  # gathered by reference: what is written is the buffer at flush time
+    sink.flush()
+    assert calls == [Sink.IOV_MAX, Sink.IOV_MAX - 1]  # never more buffers than one call takes
+    expected = b''.join(bytes([i % 200] * 3) + b'\0' for i in range(Sink.IOV_MAX - 1)) + b'\t' * 3
+    assert on_disk(fd) == expected and sink.position == len(expected)
+
+
+def test_a_short_writev_writes_the_rest(fd, monkeypatch):
+    real = os.writev
+    monkeypatch.setattr(os, 'writev', lambda f, bufs: real(f, [b''.join(map(bytes, bufs))[:5]]))
+    sink = Sink(fd)
+    sink.write(b'abc')
+    sink.put_small(7, b'defgh')
+    sink.put_small(12, np.frombuffer(b'ij', np.uint8))
+    sink.flush()
+    assert on_disk(fd) == b'abc\0\0\0\0defghij' and sink.position == 14
+
+
+def test_code_writing_through_the_descriptor_moves_the_position_on(fd):
+    sink = Sink(fd)
+    sink.write(b'ab')
+    os.write(sink.fd, b'cd')  # as a sharded payload writes its pieces in place
+    sink.position += 2
+    sink.write(b'e')
+    sink.flush()
+    assert on_disk(fd) == b'abcde' and sink.position == 5
+
 # --- sources --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('array', [
