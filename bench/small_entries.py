@@ -21,8 +21,8 @@ import jckpt
 from bench import workloads
 from jckpt.api import saving
 from jckpt.format.entries import path_name
-from jckpt.trees import placement
 from jckpt.trees import pytree as tree_mod
+from jckpt.trees import to_host
 
 
 def _timed(fn) -> float:
@@ -46,7 +46,7 @@ def main(reps: int = 15) -> None:
     tree = workloads.build('small')
     flat = dict(tree_mod.flatten(tree))
     paths = list(flat)
-    hosts = placement.host_leaves([(str(p), a) for p, a in flat.items()])
+    hosts = to_host.host_leaves([(str(p), a) for p, a in flat.items()])
     named = {path_name(p): np.asarray(a) for p, a in flat.items()}
     folder = tempfile.mkdtemp()
     ctx = jckpt.Context(durable=False)

@@ -27,10 +27,11 @@ from types import ModuleType
 
 MOVED = {
     'jckpt.tree': 'jckpt.trees.pytree',
-    'jckpt.placement': 'jckpt.trees.placement',
-    # split: restore's side stayed, saving's side went to placement, writes in place to storage
-    'jckpt.sharding': ('jckpt.trees.sharding', 'jckpt.trees.placement', 'jckpt.storage.regions',
-                       'jckpt.format.boxes'),
+    # split: leaf to host went to to_host, host to device stayed in placement
+    'jckpt.placement': ('jckpt.trees.placement', 'jckpt.trees.to_host'),
+    # split: restore's side stayed, saving's side went to to_host, writes in place to storage
+    'jckpt.sharding': ('jckpt.trees.sharding', 'jckpt.trees.to_host', 'jckpt.trees.placement',
+                       'jckpt.storage.regions', 'jckpt.format.boxes'),
     'jckpt.context': 'jckpt.api.context',
     'jckpt.progress': 'jckpt.api.progress',
     'jckpt.lease': 'jckpt.storage.lease',

@@ -42,7 +42,7 @@ def check_namespaced(tree: Any, file: str) -> dict[str, Any]:
 def host_items(tree: Any, file: str) -> list[tuple[str, KeyPath, np.ndarray]]:
     """`[(namespace, path, host array)]` for every leaf of `{namespace: subtree}`.
 
-    Leaves come to host through `jckpt.trees.placement.host_leaves`
+    Leaves come to host through `jckpt.trees.to_host.host_leaves`
     (every transfer started before any is awaited; a typed PRNG key as its
     key data); one that cannot be stored raises
     `InputError` naming `file` and the leaf, before
@@ -54,13 +54,13 @@ def host_items(tree: Any, file: str) -> list[tuple[str, KeyPath, np.ndarray]]:
 def host_items_with_keys(tree: Any, file: str) -> list[tuple[str, KeyPath, np.ndarray, str | None]]:
     """`host_items`, with each leaf's PRNG implementation (`None` but for typed keys),
     for formats that record it."""
-    from jckpt.trees import placement  # JAX: imported only when a tree is written
     from jckpt.trees import pytree as tree_mod
+    from jckpt.trees import to_host  # JAX: imported only when a tree is written
 
     items = [(ns, path, leaf) for ns, sub in check_namespaced(tree, file).items()
              for path, leaf in tree_mod.flatten(sub)]
     try:
-        hosts = placement.host_leaves([(tree_mod.leaf_name(ns, p), leaf) for ns, p, leaf in items])
+        hosts = to_host.host_leaves([(tree_mod.leaf_name(ns, p), leaf) for ns, p, leaf in items])
     except InputError as e:
         raise InputError(e.message, file=file, entry=e.entry, fix=e.fix) from None
     return [(ns, path, host.array, host.key_impl) for (ns, path, _), host in zip(items, hosts)]

@@ -319,7 +319,7 @@ def write(tree: Any, path: str) -> None:
 def _for_orbax(leaf: Any) -> Any:
     """A leaf as orbax is given it: host numpy, but typed PRNG keys as keys (orbax stores
     their data and implementation; numpy has no key dtype)."""
-    from jckpt.trees.placement import is_prng_key
+    from jckpt.trees.to_host import is_prng_key
 
     return leaf if is_prng_key(leaf) else np.asarray(leaf)
 

@@ -53,7 +53,7 @@ from jckpt.api.loading import describe, load, restore
 from jckpt.api.saving import save
 from jckpt.errors import InputError
 from jckpt.format.entries import Entry, Header
-from jckpt.trees import image, placement
+from jckpt.trees import image, to_host
 from jckpt.trees import pytree as tree_mod
 
 #: The file each item is stored in, inside the item's directory.
@@ -77,12 +77,12 @@ def _snapshot(tree: Any, namespace: str) -> Any:
         devices = []
     imaged = set(devices)
     out: list[Any] = [None] * len(named)
-    keys = placement.host_leaves([named[i] for i in devices], fetch=False)
+    keys = to_host.host_leaves([named[i] for i in devices], fetch=False)
     for i, h, data in zip(devices, keys, image.take_image([named[i][1] for i in devices])
                           if devices else []):
         out[i] = data if h.key_impl is None else jax.random.wrap_key_data(data, impl=h.key_impl)
     rest = [i for i in range(len(named)) if i not in imaged]
-    hosts = placement.host_leaves([named[i] for i in rest], copy=True)
+    hosts = to_host.host_leaves([named[i] for i in rest], copy=True)
     # a key array of copied data is a fresh array: safe from the caller's donation
     for i, h in zip(rest, hosts):
         out[i] = h.array if h.key_impl is None else jax.random.wrap_key_data(h.array, impl=h.key_impl)

@@ -419,9 +419,9 @@ class _Pickle:
             self.tensor(x, where)
 
     def tensor(self, x: Any, where: str) -> None:
-        from jckpt.trees import placement
+        from jckpt.trees import to_host
         try:
-            array = placement.host_leaves([(where, x)])[0].array
+            array = to_host.host_leaves([(where, x)])[0].array
         except InputError as e:
             raise InputError(e.message, file=self.path, entry=where, fix=e.fix) from None
         dtype = stored_dtype(array.dtype)

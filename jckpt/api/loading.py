@@ -38,7 +38,7 @@ from jckpt.format.payload import stored_dtype
 from jckpt.storage import open_checkpoint
 from jckpt.storage.backend import checked_path
 from jckpt.storage.reader import COUNTS
-from jckpt.trees import placement, sharding
+from jckpt.trees import placement, sharding, to_host
 from jckpt.trees import pytree as tree_mod
 
 PathLike = str | os.PathLike
@@ -395,7 +395,7 @@ def _check_shape(entry: Entry, want_shape: Sequence[int] | None, path: str, wher
 
 
 def _is_key_target(leaf: Any) -> bool:
-    return placement.is_prng_key(leaf) or (isinstance(leaf, jax.ShapeDtypeStruct) and
+    return to_host.is_prng_key(leaf) or (isinstance(leaf, jax.ShapeDtypeStruct) and
                                             jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key))
 
 
@@ -415,7 +415,7 @@ def _raw_key_data(entry: Entry, want_shape: Any, path: str, where: str) -> Misma
 def _target_spec(leaf: Any) -> tuple[tuple[int, ...] | None, Any]:
     """`(shape, dtype)` a target leaf asks for (None where it does not say)."""
     if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
-        if placement.is_key_dtype(leaf.dtype):
+        if to_host.is_key_dtype(leaf.dtype):
             return tuple(leaf.shape), None
         return tuple(leaf.shape), leaf.dtype
     if isinstance(leaf, (bool, int, float, complex)):

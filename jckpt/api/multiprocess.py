@@ -55,8 +55,8 @@ from jckpt.storage.directory import (
 )
 from jckpt.storage.regions import ShardedSource
 from jckpt.storage.writer import ArraySource, write_checkpoint
-from jckpt.trees import placement
 from jckpt.trees import pytree as tree_mod
+from jckpt.trees import to_host
 from jckpt.version import __version__
 
 #: Seconds a process waits at a barrier for the others (`JCKPT_BARRIER_TIMEOUT` overrides).
@@ -189,21 +189,20 @@ def _plan(items: Sequence[tuple[KeyPath, Any]], namespace: str, first_id: int,
     devices only, or a host value, is saved from process 0's copy (the other
     processes only describe it).
     """
-    hosts = placement.host_leaves(
-        [(tree_mod.leaf_name(namespace, p), leaf) for p, leaf in items],
-        pieces=True, spread=True, fetch=process == 0)
+    hosts = to_host.host_leaves(items, namespace=namespace, pieces=True, spread=True,
+                                  fetch=process == 0)
     return [_Leaf(first_id + n, p, h.dtype, h.shape, h.key_impl, _blocks(h))
             for n, ((p, _), h) in enumerate(zip(items, hosts))]
 
 
-def _blocks(h: placement.HostLeaf) -> list[tuple[Box, Any]]:
+def _blocks(h: to_host.HostLeaf) -> list[tuple[Box, Any]]:
     """`(box, source)` of what this process writes of `h`: its shards joined where they touch."""
     if h.array is not None:
         return [(full_box(h.shape), ArraySource(h.array))]
     blocks: list[tuple[Box, Any]] = []
     for block in coalesce([b for b, _ in h.shards]):
         inside = [(tuple((a - o, z - o) for (a, z), (o, _) in zip(b, block)),
-                   functools.partial(placement.await_host, d))
+                   functools.partial(to_host.await_host, d))
                   for b, d in h.shards if intersect(b, block) == b]
         blocks.append((block, ShardedSource(box_shape(block), h.dtype, inside)))
     return blocks

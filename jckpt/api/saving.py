@@ -1,7 +1,7 @@
 """`save`: a pytree to one checkpoint file, atomically.
 
 The steps, each a function below: flatten the tree and bring every leaf to
-host (`jckpt.trees.placement.host_leaves`: every transfer started
+host (`jckpt.trees.to_host.host_leaves`: every transfer started
 before any is awaited, sharded arrays as their distinct shards); build one
 entry per leaf (`jckpt.format.entries.entry_for`), merged with the
 entries an appending save keeps; publish the file (the writer streams each
@@ -49,8 +49,8 @@ from jckpt.storage.writer import (
     array_source,
     write_checkpoint,
 )
-from jckpt.trees import placement
 from jckpt.trees import pytree as tree_mod
+from jckpt.trees import to_host
 from jckpt.version import __version__
 
 PathLike = str | os.PathLike
@@ -99,8 +99,7 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
             metadata, None, ctx.namespace, tree_mod.flatten_with_empty(tree)[1], ()))
         return
     items, empty = tree_mod.flatten_with_empty(tree)
-    hosts = placement.host_leaves([(tree_mod.leaf_name(ctx.namespace, p), leaf) for p, leaf in items],
-                                  pieces=True)
+    hosts = to_host.host_leaves(items, namespace=ctx.namespace, pieces=True)
     alignment = _alignment(ctx.alignment if alignment is None else alignment, path)
     old = _appended(path) if appending else None
     metadata = _with_empty_nodes(metadata, old, ctx.namespace, empty, [p for p, _ in items])
@@ -174,7 +173,7 @@ def _alignment(alignment: Any, path: str) -> int:
 ACCELERATE = True
 
 
-def _entries(ctx: Context, paths: Sequence[KeyPath], hosts: Sequence[placement.HostLeaf], *,
+def _entries(ctx: Context, paths: Sequence[KeyPath], hosts: Sequence[to_host.HostLeaf], *,
              kept: Sequence[Entry] = (), alignment: int) -> tuple[list[Entry], list[Any]]:
     """Entries and payload sources for host leaves saved under `ctx.namespace`.
 
@@ -211,7 +210,7 @@ def _entries(ctx: Context, paths: Sequence[KeyPath], hosts: Sequence[placement.H
     return entries, sources
 
 
-def _new_entries(namespace: str, paths: list[KeyPath], hosts: list[placement.HostLeaf], first_id: int,
+def _new_entries(namespace: str, paths: list[KeyPath], hosts: list[to_host.HostLeaf], first_id: int,
                  alignment: int) -> tuple[list[Entry], list[Any]]:
     """`_entries` without kept entries: runs of small leaves built in C, each other leaf in Python."""
     entries: list[Entry] = []
@@ -232,7 +231,7 @@ def _new_entries(namespace: str, paths: list[KeyPath], hosts: list[placement.Hos
         start += 1
 
 
-def _entry(namespace: str, path: KeyPath, host: placement.HostLeaf, ident: int,
+def _entry(namespace: str, path: KeyPath, host: to_host.HostLeaf, ident: int,
            offset: int) -> tuple[Entry, Any]:
     """One leaf's entry, at `offset` with id `ident`, and its payload source."""
     source, checksum = _source(host)
@@ -240,12 +239,12 @@ def _entry(namespace: str, path: KeyPath, host: placement.HostLeaf, ident: int,
                      checksum=checksum, offset=offset), source
 
 
-def _source(host: placement.HostLeaf) -> tuple[ArraySource | ShardedSource, tuple[str, str]]:
+def _source(host: to_host.HostLeaf) -> tuple[ArraySource | ShardedSource, tuple[str, str]]:
     """What streams a host leaf's payload (its whole array, or its shards written in place),
     and the checksum its entry starts with (the real one where known already)."""
     if host.array is not None:
         return array_source(host.array)
-    return ShardedSource(host.shape, host.dtype, [(box, functools.partial(placement.await_host, data))
+    return ShardedSource(host.shape, host.dtype, [(box, functools.partial(to_host.await_host, data))
                                                   for box, data in host.shards]), CHECKSUM_PLACEHOLDER
 
 

@@ -34,13 +34,25 @@
  *                entry_type, fields, source_type, uint8, entries: list, sources: list)
  *     -> tuple[int, int]
  *
- * From hosts[start] on, each leaf (where, dtype, shape, key_impl, array, ...) whose array is a
+ * From hosts[start] on, each leaf (dtype, shape, key_impl, array, ...) whose array is a
  * C-contiguous one of fewer than small_limit bytes, of a dtype in precs (native byte order),
  * with a path of at most max_path (kind, str | int) pairs, gets what saving's Python loop gives
  * it: the entry entry_for builds (id first_id, first_id + 1, ...; offset the cursor rounded up
  * to alignment) and source_type(array.reshape(-1).view(uint8), (algorithm, "%016x" of
  * hasher(data))), appended to entries and sources. It stops at the first other leaf and
  * returns its index (len(hosts) when none) and the cursor: Python builds that leaf.
+ *
+ * And it stages a save's plain leaves on the host (jckpt.trees.to_host.host_leaves):
+ *
+ *   stage_leaves(leaves: list, start, storable: set, shardings: dict, jax_types: frozenset,
+ *                host_leaf: type, asarray, out: list, ndarray: type) -> int
+ *
+ * From leaves[start] on, each (where, leaf) whose leaf is exactly a numpy ndarray, or of a type in
+ * jax_types whose sharding's facts (shardings[sharding]: (on_cpu, several, whole)) say one CPU
+ * device of this process, with a dtype in storable, is appended to out as
+ * host_leaf(dtype, shape, None, array, (), False): array is the ndarray itself, or
+ * asarray(leaf) (host memory already, no transfer). It stops at the first other leaf and returns
+ * its index (len(leaves) when none): Python stages that one.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -800,9 +812,9 @@ static PyObject *checksum_of(const leaf_context *x, PyObject *data) {
 /* One leaf's entry and source, appended; 1 when done, 0 to leave the leaf to Python, -1 on error. */
 static int host_entry(const leaf_context *x, PyObject *path, PyObject *host, long long id,
                       long long *cursor, long long alignment, PyObject *entries, PyObject *sources) {
-    if (!PyTuple_Check(host) || PyTuple_GET_SIZE(host) < 5) return 0;
-    PyObject *dtype = PyTuple_GET_ITEM(host, 1), *shape = PyTuple_GET_ITEM(host, 2);
-    PyObject *key_impl = PyTuple_GET_ITEM(host, 3), *array = PyTuple_GET_ITEM(host, 4);
+    if (!PyTuple_Check(host) || PyTuple_GET_SIZE(host) < 4) return 0;
+    PyObject *dtype = PyTuple_GET_ITEM(host, 0), *shape = PyTuple_GET_ITEM(host, 1);
+    PyObject *key_impl = PyTuple_GET_ITEM(host, 2), *array = PyTuple_GET_ITEM(host, 3);
     if (array == Py_None || (key_impl != Py_None && !PyUnicode_CheckExact(key_impl))) return 0;
     PyObject *prec = PyDict_GetItemWithError(x->precs, dtype);
     if (prec == NULL) { PyErr_Clear(); return 0; }
@@ -896,9 +908,85 @@ done:
     return out;
 }
 
+
+/* --- staging plain leaves on the host ----------------------------------------------------- */
+
+/* host_leaf(dtype, shape, None, array, (), False) for a plain leaf, or NULL (an error set or
+ * not) when the leaf is not plain. */
+typedef struct {
+    PyObject *storable, *shardings, *jax_types, *asarray, *empty;
+    PyTypeObject *host_leaf, *ndarray;
+} stage_context;
+
+static PyObject *plain_leaf(const stage_context *x, PyObject *leaf) {
+    PyObject *array, *dtype = NULL, *shape = NULL;
+    if (Py_IS_TYPE(leaf, x->ndarray)) {
+        array = Py_NewRef(leaf);
+    } else {
+        int known = PySet_Contains(x->jax_types, (PyObject *)Py_TYPE(leaf));
+        if (known <= 0) return NULL;
+        PyObject *sharding = PyObject_GetAttrString(leaf, "sharding");
+        if (sharding == NULL) return NULL;
+        PyObject *facts = PyDict_GetItemWithError(x->shardings, sharding);  /* borrowed */
+        Py_DECREF(sharding);
+        if (facts == NULL || !PyTuple_Check(facts) || PyTuple_GET_SIZE(facts) != 3 ||
+            PyTuple_GET_ITEM(facts, 0) != Py_True || PyTuple_GET_ITEM(facts, 1) != Py_False ||
+            PyTuple_GET_ITEM(facts, 2) != Py_True)
+            return NULL;
+        if ((array = PyObject_CallOneArg(x->asarray, leaf)) == NULL) return NULL;
+        if (!Py_IS_TYPE(array, x->ndarray)) goto punt;
+    }
+    if ((dtype = PyObject_GetAttrString(array, "dtype")) == NULL) goto punt;
+    if (PySet_Contains(x->storable, dtype) != 1) goto punt;
+    if ((shape = PyObject_GetAttrString(array, "shape")) == NULL) goto punt;
+    PyObject *out = x->host_leaf->tp_alloc(x->host_leaf, 6);
+    if (out == NULL) goto punt;
+    PyObject *items[6] = {dtype, shape, Py_NewRef(Py_None), array, Py_NewRef(x->empty),
+                          Py_NewRef(Py_False)};
+    for (int k = 0; k < 6; k++) PyTuple_SET_ITEM(out, k, items[k]);
+    return out;
+punt:
+    Py_DECREF(array);
+    Py_XDECREF(dtype);
+    Py_XDECREF(shape);
+    return NULL;
+}
+
+static PyObject *stage_leaves(PyObject *self, PyObject *args) {
+    stage_context x;
+    PyObject *leaves, *out;
+    Py_ssize_t i;
+    if (!PyArg_ParseTuple(args, "O!nO!O!O!O!OO!O!", &PyList_Type, &leaves, &i, &PySet_Type,
+                          &x.storable, &PyDict_Type, &x.shardings, &PyFrozenSet_Type, &x.jax_types,
+                          &PyType_Type, &x.host_leaf, &x.asarray, &PyList_Type, &out, &PyType_Type,
+                          &x.ndarray))
+        return NULL;
+    if (!PyType_IsSubtype(x.host_leaf, &PyTuple_Type) || i < 0) {
+        PyErr_SetString(PyExc_TypeError, "stage_leaves: unexpected arguments");
+        return NULL;
+    }
+    if ((x.empty = PyTuple_New(0)) == NULL) return NULL;
+    for (Py_ssize_t n = PyList_GET_SIZE(leaves); i < n; i++) {
+        PyObject *pair = PyList_GET_ITEM(leaves, i);
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) break;
+        PyObject *staged = plain_leaf(&x, PyTuple_GET_ITEM(pair, 1));
+        if (staged == NULL) {
+            PyErr_Clear();  /* the leaf is not plain (or asking it failed): Python stages it */
+            break;
+        }
+        int rc = PyList_Append(out, staged);
+        Py_DECREF(staged);
+        if (rc < 0) { Py_DECREF(x.empty); return NULL; }
+    }
+    Py_DECREF(x.empty);
+    return PyLong_FromSsize_t(i);
+}
+
 static PyMethodDef methods[] = {
     {"host_entries", host_entries, METH_VARARGS,
      "Entries and sources of small host leaves, from `start` on: (where it stopped, cursor)."},
+    {"stage_leaves", stage_leaves, METH_VARARGS,
+     "A run of plain leaves staged on the host, from `start` on: where it stopped."},
     {"decode_entries", decode_entries, METH_VARARGS,
      "Decode a canonical tensors list; None when the text is not canonical."},
     {"encode_entries", encode_entries, METH_VARARGS,

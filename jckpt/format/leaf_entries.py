@@ -12,7 +12,7 @@ built here.
 
 >>> import numpy as np
 >>> entries, sources = [], []
->>> leaf = ('w', np.dtype('float32'), (2,), None, np.zeros(2, np.float32))
+>>> leaf = (np.dtype('float32'), (2,), None, np.zeros(2, np.float32))
 >>> done, cursor = build('jckpt', [(('k', 'w'),)], [leaf], start=0, first_id=1, cursor=0,
 ...                      alignment=32, small_limit=1 << 16,
 ...                      source_type=tuple, entries=entries, sources=sources)
@@ -55,7 +55,7 @@ def build(namespace: str, paths: list[KeyPath], hosts: list[Any], *, start: int,
 
     Args:
       namespace, paths: where each leaf is stored.
-      hosts: tuples `(where, dtype, shape, key_impl, array, ...)` (host leaves).
+      hosts: tuples `(dtype, shape, key_impl, array, ...)` (host leaves).
       start: the first leaf to build; `first_id` is its id, the next ones count up.
       cursor: where the payloads so far end; each offset is it rounded up to `alignment`.
       small_limit: the arrays built are smaller than this many bytes.

@@ -33,7 +33,7 @@ from jckpt.format.entries import Entry, KeyPath, entry_for
 from jckpt.format.metadata import empty_nodes_text
 from jckpt.format.names import EMPTY_NODES_KEY, RESERVED_PREFIX
 from jckpt.storage.writer import ArraySource
-from jckpt.trees import image, placement
+from jckpt.trees import image, to_host
 from jckpt.trees import pytree as tree_mod
 
 log = logging.getLogger('jckpt')
@@ -136,8 +136,8 @@ class Slot:
             log.info("jckpt: no device room for a snapshot image: copying to host at submit")
             devices = []
         imaged = set(devices)
-        described = iter(placement.host_leaves([named[i] for i in devices], fetch=False))
-        hosts = iter(placement.host_leaves([x for i, x in enumerate(named) if i not in imaged]))
+        described = iter(to_host.host_leaves([named[i] for i in devices], fetch=False))
+        hosts = iter(to_host.host_leaves([x for i, x in enumerate(named) if i not in imaged]))
         images = self._images.take([named[i][1] for i in devices]) if devices else []
         staged: list[Any] = []
         impls: list[str | None] = []

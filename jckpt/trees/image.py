@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 
 from jckpt.errors import InputError
-from jckpt.trees import placement
+from jckpt.trees import to_host
 
 #: Fraction of a device's free memory an image may take when the caller sets no limit.
 FREE_FRACTION = 0.9
@@ -85,7 +85,7 @@ def imageable(leaf: Any) -> bool:
     accelerator, or on the CPU when it has at least `CPU_IMAGE_BYTES` (a smaller one is
     copied to a warm host buffer faster than an image of it is described and dispatched)."""
     return (isinstance(leaf, jax.Array) and leaf.is_fully_addressable
-            and (leaf.nbytes >= CPU_IMAGE_BYTES or not placement._on_cpu(leaf)))
+            and (leaf.nbytes >= CPU_IMAGE_BYTES or not to_host._on_cpu(leaf)))
 
 
 def take_image(arrays: Sequence[jax.Array]) -> list[jax.Array]:

@@ -18,7 +18,7 @@ from jckpt.api import saving
 from jckpt.errors import InputError
 from jckpt.format import precs
 from jckpt.storage.writer import SMALL_PAYLOAD, ArraySource, BytesSource
-from jckpt.trees import placement
+from jckpt.trees import to_host
 from tests.helpers import LAYOUTS, laid_out
 
 DTYPES = [precs.dtype_of(p) for p in sorted(precs.ALL_PRECS - {"Void_prec", "Uint4x32_prec"})]
@@ -46,8 +46,8 @@ leaves = st.lists(st.tuples(st.lists(components, max_size=4).map(tuple), arrays(
 
 def host_leaves(items):
     """Host leaves as `save` makes them, and the same arrays as given (big-endian ones kept)."""
-    made = placement.host_leaves([(str(p), a) for p, a in items])
-    return made + [placement.HostLeaf(str(p), a.dtype.newbyteorder("="), a.shape, None, a)
+    made = to_host.host_leaves([(str(p), a) for p, a in items])
+    return made + [to_host.HostLeaf(a.dtype.newbyteorder("="), a.shape, None, a)
                    for p, a in items if a.dtype.byteorder == ">"]
 
 
@@ -89,7 +89,7 @@ def test_typed_keys_and_unicode_paths_take_the_c_path():
     keys = jax.random.split(jax.random.key(3, impl="rbg"), 2)
     items = [((("k", "κλειδί"), ("i", 0)), keys), ((("a", "b"), ("ki", -5)), np.arange(3, dtype=np.int16)),
              ((), np.float32(2.5))]
-    hosts = placement.host_leaves([(str(p), a) for p, a in items])
+    hosts = to_host.host_leaves([(str(p), a) for p, a in items])
     py, c = both([p for p, _ in items], hosts, 64, namespace="opt")
     assert c[0] == py[0] and repr(c[0]) == repr(py[0])
     assert c[0][0].key_impl == "rbg" and c[0][0].label == ("κλειδί", "0")
@@ -98,7 +98,7 @@ def test_typed_keys_and_unicode_paths_take_the_c_path():
 
 def test_a_path_too_deep_is_refused_either_way(monkeypatch):
     path = (("i", 0),) * 300
-    hosts = placement.host_leaves([("deep", np.zeros(2))])
+    hosts = to_host.host_leaves([("deep", np.zeros(2))])
     for accelerate in (False, True):
         monkeypatch.setattr(saving, "ACCELERATE", accelerate)
         with pytest.raises(InputError, match="deeper than"):

@@ -21,7 +21,7 @@ class Source(tuple):
 
 
 def leaf(array, dtype=None):
-    return ("x", dtype or array.dtype, array.shape, None, array)
+    return (dtype or array.dtype, array.shape, None, array)
 
 
 def build(hosts, **kw):
@@ -52,8 +52,8 @@ def test_small_leaves_are_built_with_their_checksum_and_laid_out():
     leaf(np.zeros((4, 4), np.float32)[:, ::2]),           # not contiguous
     leaf(np.zeros((3, 2), np.float32, order="F")),        # Fortran order
     leaf(np.zeros(2, ">f4"), np.dtype("float32")),        # big-endian
-    ("x", np.dtype("float32"), (2,), None, None),         # sharded: no whole array
-    ("x", np.dtype("U3"), (1,), None, np.array(["abc"])),  # not a storable dtype
+    (np.dtype("float32"), (2,), None, None),              # sharded: no whole array
+    (np.dtype("U3"), (1,), None, np.array(["abc"])),      # not a storable dtype
 ])
 def test_a_run_stops_at_a_leaf_it_leaves_to_python(odd):
     small = leaf(np.arange(3, dtype=np.int8))

@@ -1,0 +1,295 @@
+"""Leaf to host: the one path from a leaf to be saved to its host data.
+
+`host_leaves` checks every leaf (an array or a number, fully addressable, of
+a storable dtype), turns typed PRNG keys into their key data, and starts every
+device-to-host transfer (`copy_to_host_async`) before awaiting any, so they
+overlap; a sharded array is kept as its distinct shards, never gathered.
+Arrays already in host memory (numpy, CPU devices) need no transfer; runs of
+them are staged in one C call where the accelerator is built. The way back,
+host to device, is `jckpt.trees.placement`.
+
+>>> host = host_leaves([('jckpt/w', np.arange(3.0))])[0]
+>>> host.dtype, host.shape, host.key_impl, host.private
+(dtype('float64'), (3,), None, False)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from jckpt.errors import InputError
+from jckpt.format import precs
+from jckpt.format.fastpath import accelerator
+from jckpt.trees import sharding as sharding_mod
+from jckpt.trees.pytree import leaf_name
+from jckpt.trees.sharding import Box
+
+_PY_SCALARS = (bool, int, float, complex)
+
+
+_KEY_DTYPES: dict[Any, bool] = {}  # dtype -> is a typed PRNG key dtype (asked once per dtype)
+_SHARDINGS: dict[Any, _Placement] = {}  # sharding -> what staging asks of it
+_STORABLE: set[np.dtype] = set()  # dtypes known to be storable
+
+
+def is_prng_key(x: Any) -> bool:
+    """Whether `x` is a typed JAX PRNG key array."""
+    return isinstance(x, jax.Array) and is_key_dtype(x.dtype)
+
+
+def is_key_dtype(dtype: Any) -> bool:
+    """Whether `dtype` is a typed PRNG key's (asked of JAX once per dtype)."""
+    try:
+        return _KEY_DTYPES[dtype]
+    except KeyError:
+        known = _KEY_DTYPES[dtype] = bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+        return known
+    except TypeError:  # an unhashable dtype: ask every time
+        return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+
+
+class _Placement(NamedTuple):
+    """What staging needs to know of a sharding, asked once per sharding."""
+
+    on_cpu: bool  # every device a CPU: the data is in host memory already
+    several: bool  # spread over (or replicated on) more than one device
+    whole: bool  # fully addressable from this process
+
+
+def _facts(sharding: Any) -> _Placement:
+    try:
+        return _SHARDINGS[sharding]
+    except KeyError:
+        facts = _SHARDINGS[sharding] = _ask(sharding)
+        return facts
+    except TypeError:  # an unhashable sharding: ask every time
+        return _ask(sharding)
+
+
+def _ask(sharding: Any) -> _Placement:
+    devices = sharding.device_set
+    return _Placement(all(d.platform == 'cpu' for d in devices), len(devices) > 1,
+                      sharding.is_fully_addressable)
+
+
+def _on_cpu(leaf: jax.Array) -> bool:
+    """Whether `leaf` lives in host memory already (every device a CPU): no transfer to start."""
+    return _facts(leaf.sharding).on_cpu
+
+
+def is_sharded(leaf: Any) -> bool:
+    """Whether `leaf` is a `jax.Array` spread over (or replicated on) several devices."""
+    return isinstance(leaf, jax.Array) and _facts(leaf.sharding).several
+
+
+@functools.lru_cache(maxsize=1024)
+def _owner_boxes(sharding: Any, shape: tuple[int, ...], process: int) -> dict[Any, Box]:
+    """`{device: box}` for the devices of `process` that write a distinct shard.
+
+    Each distinct box is owned by the first device holding it in the
+    sharding's device order, the same in every process, so each replicated
+    piece is written exactly once across all processes.
+    """
+    owners: dict[Box, Any] = {}
+    for device, index in sharding.devices_indices_map(shape).items():
+        owners.setdefault(sharding_mod.box_of(index, shape), device)
+    return {d: b for b, d in owners.items() if d.process_index == process}
+
+
+def owned_shards(array: jax.Array) -> list[tuple[Box, jax.Array]]:
+    """`(box, single-device array)` for each distinct shard this process must write."""
+    plan = _owner_boxes(array.sharding, tuple(array.shape), jax.process_index())
+    out = []
+    for shard in array.addressable_shards:
+        box = plan.get(shard.device)
+        if box is not None:
+            out.append((box, shard.data))
+    return out
+
+
+def start_transfers(shards: Sequence[tuple[Box, Any]]) -> None:
+    """Start the device-to-host copy of each shard (they overlap; none is awaited)."""
+    for _, data in shards:
+        try:
+            data.copy_to_host_async()
+        except Exception:  # a backend without async copies: the copy happens on read
+            pass
+
+
+def await_host(data: Any) -> np.ndarray:
+    """Wait for a transfer to host started earlier (a shard's, or a whole array's); its host array."""
+    return np.asarray(data)
+
+
+class HostLeaf(NamedTuple):
+    """One leaf on its way to host: what it stores, and its data, whole or in pieces.
+
+    `dtype` and `shape` are what is stored (a typed PRNG key's data, with
+    `key_impl` naming its implementation). `array` is the whole host
+    array; it is `None` when the leaf is held as `shards` instead, or when
+    it was only described (`fetch=False`). `shards` are `(box,
+    single-device array)` for each distinct shard this process writes, their
+    transfers started: read each with `await_host` when it is written.
+    `private`: `array` is a host buffer no one else holds (a device
+    transfer's result, or a copy), so it stays valid whatever later happens
+    to the tree it came from (a numpy leaf or a CPU array may alias memory the
+    caller reuses).
+    """
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    key_impl: str | None = None
+    array: np.ndarray | None = None
+    shards: tuple[tuple[Box, Any], ...] = ()
+    private: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored payload."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def host_leaves(leaves: Iterable[tuple[Any, Any]], *, namespace: str | None = None,
+                pieces: bool = False, spread: bool = False, fetch: bool = True,
+                copy: bool = False) -> list[HostLeaf]:
+    """Bring `(where, leaf)` pairs to host: every leaf checked and its transfer started, then the waits.
+
+    The one path from a leaf to be stored to its host data. Typed PRNG keys
+    become their key data and `key_impl`. Every leaf is checked (an array
+    or a number, fully addressable, of a storable dtype; otherwise
+    `InputError` naming `where`) and every transfer is
+    started before the first is awaited, so they overlap. Arrays already in
+    host memory (numpy, CPU devices) need no transfer; runs of them are staged
+    in one C call where the accelerator is built.
+
+    Args:
+      leaves: `(where, leaf)`: `where` names the leaf in errors: its name (`namespace/a/b`),
+        or with `namespace` its key path, named (`jckpt.trees.pytree.leaf_name`) only
+        when an error needs it.
+      namespace: the namespace the key paths in `leaves` are under.
+      pieces: keep a multi-device array as its distinct shards (`HostLeaf.shards`,
+        read with `await_host` when written) instead of gathering it whole.
+      spread: accept arrays spread over several processes (with `pieces`): this
+        process's shards of them.
+      fetch: `False` to only check and describe the leaves this process holds
+        whole (another process writes them): no transfer, `array` None for each.
+      copy: make each `array` private (`HostLeaf.private`), copying only
+        what a transfer did not already copy: the snapshot a background writer needs.
+
+    >>> [h.shape for h in host_leaves([('ns/w', np.ones((2, 3))), ('ns/n', 7)])]
+    [(2, 3), ()]
+    >>> host_leaves([((('k', 'w'),), np.ones(2))], namespace='ns')[0].shape
+    (2,)
+    """
+    leaves = leaves if type(leaves) is list else list(leaves)
+    staged: list[HostLeaf] = []
+    finish = []  # the leaves staged in Python: a transfer to await, or a copy to make
+    i = 0
+    while True:
+        i = _stage_plain(leaves, i, staged) if fetch else i
+        if i == len(leaves):
+            break
+        where, leaf = leaves[i]
+        name = where if namespace is None else leaf_name(namespace, where)
+        finish.append(len(staged))
+        staged.append(_stage(name, leaf, pieces=pieces, spread=spread, fetch=fetch))
+        i += 1
+    for k in range(len(staged)) if copy else finish:
+        staged[k] = _finish(staged[k], copy)
+    return staged
+
+
+#: The `jax.Array` types met so far (`_stage` records them): their CPU arrays are staged in C.
+_JAX_TYPES: frozenset[type] = frozenset()
+
+
+def _stage_plain(leaves: list[tuple[Any, Any]], start: int, out: list[HostLeaf]) -> int:
+    """Stage the run of plain leaves from `start` on in C (a numpy array, or an array on one
+    CPU device of this process, of a known storable dtype); the index of the first other one."""
+    if accelerator is None or not ACCELERATE:
+        return start
+    return accelerator.stage_leaves(leaves, start, _STORABLE, _SHARDINGS, _JAX_TYPES, HostLeaf,
+                                    np.asarray, out, np.ndarray)
+
+
+#: Whether `host_leaves` stages plain leaves in C where the accelerator is built (False: every
+#: leaf through `_stage`, the reference the tests compare it with).
+ACCELERATE = True
+
+
+def _stage(where: str, leaf: Any, *, pieces: bool, spread: bool, fetch: bool) -> HostLeaf:
+    """Check one leaf and start its transfers; the host data of a non-JAX leaf is final."""
+    if not isinstance(leaf, jax.Array):
+        return _stage_host(where, leaf, fetch)
+    global _JAX_TYPES
+    if type(leaf) not in _JAX_TYPES:
+        _JAX_TYPES = _JAX_TYPES | {type(leaf)}
+    key_impl = None
+    dtype = leaf.dtype
+    if is_key_dtype(dtype):
+        key_impl = str(jax.random.key_impl(leaf))
+        leaf = jax.random.key_data(leaf)
+        dtype = leaf.dtype
+    facts = _facts(leaf.sharding)
+    if not facts.whole and not (pieces and spread):
+        raise InputError("array is not fully addressable from this process", entry=where,
+                         fix="save from every process (multi-process checkpoints)")
+    if dtype not in _STORABLE:
+        _check_dtype(dtype, where)
+    shape = leaf.shape
+    if pieces and (not facts.whole or facts.several):
+        shards = tuple(owned_shards(leaf)) if fetch or not facts.whole else ()
+        start_transfers(shards)
+        return HostLeaf(dtype, shape, key_impl, shards=shards)
+    if not fetch:
+        return HostLeaf(dtype, shape, key_impl)
+    if facts.on_cpu:  # in host memory already: no transfer to wait for
+        return HostLeaf(dtype, shape, key_impl, np.asarray(leaf))
+    try:
+        leaf.copy_to_host_async()
+    except Exception:  # a backend without async copies: the copy happens on read
+        pass
+    return HostLeaf(dtype, shape, key_impl, leaf)  # array: the device array until _finish
+
+
+def _stage_host(where: str, leaf: Any, fetch: bool) -> HostLeaf:
+    """A numpy array or a number: checked, and its host data (final)."""
+    if not isinstance(leaf, (np.ndarray, np.generic, *_PY_SCALARS)):
+        raise InputError(f"leaf of type {type(leaf).__name__} is not an array", entry=where,
+                         fix="store arrays or numbers only; put other values in metadata")
+    array = np.asarray(leaf)
+    _check_dtype(array.dtype, where)
+    if not fetch:
+        return HostLeaf(array.dtype, array.shape)
+    # np.asarray made a new array of anything but an ndarray (which the caller may reuse)
+    return HostLeaf(array.dtype, array.shape, None, array,
+                    private=not isinstance(leaf, np.ndarray))
+
+
+def _finish(staged: HostLeaf, copy: bool) -> HostLeaf:
+    """Wait for a whole leaf's transfer; copy what must be private."""
+    array = staged.array
+    if array is None or (type(array) is np.ndarray and (staged.private or not copy)):
+        return staged
+    private = staged.private
+    if isinstance(array, jax.Array):  # from an accelerator: the transfer made a fresh host buffer
+        array, private = await_host(array), True
+    if copy and not private:
+        array, private = np.array(array, copy=True), True
+    elif array is staged.array:
+        return staged
+    return staged._replace(array=array, private=private)
+
+
+def _check_dtype(dtype: np.dtype, where: str) -> None:
+    if dtype not in _STORABLE:
+        if not precs.is_supported(dtype):
+            raise InputError(f"dtype {dtype} cannot be stored", entry=where,
+                             fix="cast to a supported dtype (see the format's prec table)")
+        _STORABLE.add(dtype)
