@@ -53,6 +53,19 @@
  * host_leaf(dtype, shape, None, array, (), False): array is the ndarray itself, or
  * asarray(leaf) (host memory already, no transfer). It stops at the first other leaf and returns
  * its index (len(leaves) when none): Python stages that one.
+ *
+ * And it gathers a save's small payloads for one writev (jckpt.storage.writer.Sink.gather_run):
+ *
+ *   gather_payloads(entries: list, sources: list, start, base, position, source_type: type,
+ *                   zeros: memoryview, pending: list, sums: list, max_buffers, max_bytes)
+ *     -> tuple[int, int, int]
+ *
+ * From sources[start] on, each source of exactly source_type (a 2-tuple: (data, checksum))
+ * whose data's len is its entry's byte_length, at base + entry.offset no earlier than the
+ * position, appends to pending the zeros up to that offset (a slice of zeros) and the data,
+ * and to sums the checksum. It stops at the first other source, or before pending would
+ * hold more than max_buffers buffers or max_bytes bytes, and returns where it stopped, the
+ * new position and the bytes it appended.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -982,9 +995,68 @@ static PyObject *stage_leaves(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(i);
 }
 
+
+/* --- gathering small payloads for one writev ---------------------------------------------- */
+
+static PyObject *gather_payloads(PyObject *self, PyObject *args) {
+    PyObject *entries, *sources, *source_type, *zeros, *pending, *sums;
+    Py_ssize_t i, max_buffers;
+    long long base, position, max_bytes, added = 0;
+    if (!PyArg_ParseTuple(args, "O!O!nLLO!OO!O!nL", &PyList_Type, &entries, &PyList_Type, &sources,
+                          &i, &base, &position, &PyType_Type, &source_type, &zeros, &PyList_Type,
+                          &pending, &PyList_Type, &sums, &max_buffers, &max_bytes))
+        return NULL;
+    if (!PyMemoryView_Check(zeros) || PyList_GET_SIZE(entries) != PyList_GET_SIZE(sources) || i < 0) {
+        PyErr_SetString(PyExc_TypeError, "gather_payloads: unexpected arguments");
+        return NULL;
+    }
+    PyObject *offset_name = PyUnicode_InternFromString("offset");
+    PyObject *length_name = PyUnicode_InternFromString("byte_length");
+    if (offset_name == NULL || length_name == NULL) goto error;
+    Py_ssize_t n_zeros = PyObject_Length(zeros);
+    for (Py_ssize_t n = PyList_GET_SIZE(sources); i < n; i++) {
+        PyObject *source = PyList_GET_ITEM(sources, i), *entry = PyList_GET_ITEM(entries, i);
+        if (!Py_IS_TYPE(source, (PyTypeObject *)source_type) || PyTuple_GET_SIZE(source) != 2) break;
+        PyObject *data = PyTuple_GET_ITEM(source, 0);
+        Py_ssize_t size = PyObject_Length(data);
+        if (size < 0) { PyErr_Clear(); break; }
+        PyObject *o = PyObject_GetAttr(entry, offset_name), *l;
+        if (o == NULL) { PyErr_Clear(); break; }
+        long long offset = PyLong_AsLongLong(o), length;
+        Py_DECREF(o);
+        if ((l = PyObject_GetAttr(entry, length_name)) == NULL) { PyErr_Clear(); break; }
+        length = PyLong_AsLongLong(l);
+        Py_DECREF(l);
+        if (PyErr_Occurred()) { PyErr_Clear(); break; }
+        long long at = base + offset, pad = at - position;
+        if (length != size || pad < 0 || pad > n_zeros) break;
+        if (PyList_GET_SIZE(pending) + 2 > max_buffers || added + pad + size > max_bytes) break;
+        if (pad > 0) {
+            PyObject *z = PySequence_GetSlice(zeros, 0, (Py_ssize_t)pad);
+            if (z == NULL) goto error;
+            int rc = PyList_Append(pending, z);
+            Py_DECREF(z);
+            if (rc < 0) goto error;
+        }
+        if (PyList_Append(pending, data) < 0 || PyList_Append(sums, PyTuple_GET_ITEM(source, 1)) < 0)
+            goto error;
+        position = at + size;
+        added += pad + size;
+    }
+    Py_DECREF(offset_name);
+    Py_DECREF(length_name);
+    return Py_BuildValue("(nLL)", i, position, added);
+error:
+    Py_XDECREF(offset_name);
+    Py_XDECREF(length_name);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"host_entries", host_entries, METH_VARARGS,
      "Entries and sources of small host leaves, from `start` on: (where it stopped, cursor)."},
+    {"gather_payloads", gather_payloads, METH_VARARGS,
+     "Gather a run of small payloads for one writev: (where it stopped, position, bytes)."},
     {"stage_leaves", stage_leaves, METH_VARARGS,
      "A run of plain leaves staged on the host, from `start` on: where it stopped."},
     {"decode_entries", decode_entries, METH_VARARGS,

@@ -22,6 +22,7 @@ import numpy as np
 
 from jckpt.errors import InputError, StorageError
 from jckpt.format import payload as payload_mod
+from jckpt.format.fastpath import accelerator
 from jckpt.format.header import Entry, Header, encode_header_with_slots
 from jckpt.format.header_seal import seal_header
 from jckpt.storage.backend import backend_for
@@ -101,6 +102,23 @@ class Sink:
             self._gather(_zeros(position - self.position), position - self.position)
         self._gather(data, len(data))
 
+    def gather_run(self, entries: list[Entry], sources: list[PayloadSource], start: int,
+                   base: int, sums: list) -> int:
+        """`put_small` for the run of small payloads from `sources[start]` on, in C: each a
+        `BytesSource` whose data fills its entry, at `base` + the entry's offset. Appends their
+        checksums to `sums`; returns the index of the first source it did not take."""
+        if accelerator is None:
+            return start
+        while True:
+            stop, self.position, added = accelerator.gather_payloads(
+                entries, sources, start, base, self.position, BytesSource, _ZEROS_VIEW,
+                self._pending, sums, self.IOV_MAX, self.BUFFER_BYTES - self._gathered)
+            self._gathered += added
+            if stop in (start, len(sources)):
+                return stop
+            self.flush()  # a full batch (or a source left to Python: the next call says so)
+            start = stop
+
     def _gather(self, data, nbytes: int) -> None:
         self._pending.append(data)
         self.position += nbytes
@@ -110,11 +128,12 @@ class Sink:
 
 
 _ZEROS = bytes(1 << 16)
+_ZEROS_VIEW = memoryview(_ZEROS)
 
 
 def _zeros(n: int) -> bytes | memoryview:
     """`n` zero bytes (a view of a shared block where it is big enough)."""
-    return memoryview(_ZEROS)[:n] if n <= len(_ZEROS) else bytes(n)
+    return _ZEROS_VIEW[:n] if n <= len(_ZEROS) else bytes(n)
 
 
 class PayloadSource(Protocol):
@@ -362,8 +381,16 @@ def _write_payloads(sink: Sink, entries: Sequence[Entry], sources: Sequence[Payl
                     data_start: int, target: str, on_payload: Callable[[Entry], None] | None
                     ) -> list[tuple[str, str] | None]:
     """Stream each entry's payload to its offset (after `data_start`); their checksums."""
-    sums = []
-    for entry, source in zip(entries, sources):
+    sums: list[tuple[str, str] | None] = []
+    entries, sources = list(entries), list(sources)
+    i = 0
+    while i < len(entries):
+        if on_payload is None:  # runs of small payloads gathered in C, where it is built
+            i = sink.gather_run(entries, sources, i, data_start, sums)
+            if i == len(entries):
+                break
+        entry, source = entries[i], sources[i]
+        i += 1
         if type(source) is BytesSource and len(source.data) == entry.byte_length:
             sink.put_small(data_start + entry.offset, source.data)  # the many-small-leaves path
             sums.append(source.checksum)

@@ -13,6 +13,7 @@ from jckpt.format import payload as payload_mod
 from jckpt.format.entries import entry_for
 from jckpt.format.header import Header, decode_header, encode_header
 from jckpt.format.layout import lay_out
+from jckpt.storage import writer
 from jckpt.storage.reader import CheckpointReader
 from jckpt.storage.writer import (
     SMALL_PAYLOAD,
@@ -132,6 +133,40 @@ def test_code_writing_through_the_descriptor_moves_the_position_on(fd):
     sink.write(b'e')
     sink.flush()
     assert on_disk(fd) == b'abcde' and sink.position == 5
+
+
+def mixed_payloads():
+    """Small payloads (their sources made as a save makes them) between larger and odd ones."""
+    rng = np.random.default_rng(0)
+    arrays = {f's{i}': rng.random(i % 7 + 1, dtype=np.float32) for i in range(40)}
+    arrays['big'] = rng.random(SMALL_PAYLOAD, dtype=np.float32)
+    arrays['be'] = np.arange(6, dtype='>i4')  # converted on the way: not a ready byte view
+    arrays |= {f't{i}': rng.integers(0, 9, i + 1, dtype=np.int8) for i in range(40)}
+    return arrays
+
+
+@pytest.mark.parametrize('batch', [(3, 64), (7, 1 << 20), (1024, 1 << 20)])
+@pytest.mark.skipif(writer.accelerator is None, reason='the C accelerator is not built')
+def test_payloads_gathered_in_c_make_the_same_file(tmp_path, monkeypatch, batch):
+    """Runs of small payloads gathered by C, in batches of at most IOV_MAX buffers and
+    BUFFER_BYTES bytes, write exactly the file the Python path writes."""
+    arrays = mixed_payloads()
+    header = header_of(arrays, alignment=16)
+    sources = [writer.array_source(x)[0] for x in arrays.values()]
+    monkeypatch.setattr(Sink, 'IOV_MAX', batch[0])
+    monkeypatch.setattr(Sink, 'BUFFER_BYTES', batch[1])
+    calls = []
+    real = writer.accelerator.gather_payloads
+    monkeypatch.setattr(writer.accelerator, 'gather_payloads', lambda *a: calls.append(1) or real(*a))
+    fast = write_checkpoint(tmp_path / 'c.jckpt', header, sources, durable=False)
+    assert calls
+    monkeypatch.setattr(writer, 'accelerator', None)
+    slow = write_checkpoint(tmp_path / 'py.jckpt', header, sources, durable=False)
+    assert fast == slow
+    assert (tmp_path / 'c.jckpt').read_bytes() == (tmp_path / 'py.jckpt').read_bytes()
+    reader = CheckpointReader(tmp_path / 'c.jckpt')
+    assert reader.verify() == []
+    assert all(np.array_equal(reader.decode(e), x) for e, x in zip(fast.tensors, arrays.values()))
 
 # --- sources --------------------------------------------------------------------------------------
 
