@@ -44,12 +44,13 @@
  *
  * And it stages a save's plain leaves on the host (jckpt.trees.to_host.host_leaves):
  *
- *   stage_leaves(leaves: list, start, storable: set, shardings: dict, jax_types: frozenset,
- *                host_leaf: type, asarray, out: list, ndarray: type) -> int
+ *   stage_leaves(leaves: list, start, storable: set, shardings: dict, seen: dict,
+ *                jax_types: frozenset, host_leaf: type, asarray, out: list, ndarray: type) -> int
  *
  * From leaves[start] on, each (where, leaf) whose leaf is exactly a numpy ndarray, or of a type in
  * jax_types whose sharding's facts (shardings[sharding]: (on_cpu, several, whole)) say one CPU
- * device of this process, with a dtype in storable, is appended to out as
+ * device of this process (seen caches the facts by the sharding's identity), with a dtype in
+ * storable, is appended to out as
  * host_leaf(dtype, shape, None, array, (), False): array is the ndarray itself, or
  * asarray(leaf) (host memory already, no transfer). It stops at the first other leaf and returns
  * its index (len(leaves) when none): Python stages that one.
@@ -927,9 +928,35 @@ done:
 /* host_leaf(dtype, shape, None, array, (), False) for a plain leaf, or NULL (an error set or
  * not) when the leaf is not plain. */
 typedef struct {
-    PyObject *storable, *shardings, *jax_types, *asarray, *empty;
+    PyObject *storable, *shardings, *seen, *jax_types, *asarray, *empty;
     PyTypeObject *host_leaf, *ndarray;
 } stage_context;
+
+/* Most of the shardings met (SEEN_MAX): id -> (sharding, facts). A jitted step's outputs, or
+ * arrays saved again, come with the same sharding objects every time: found by identity here
+ * without calling the sharding's __hash__ and __eq__ (Python code) as shardings[sharding] does.
+ * Holding each sharding keeps its id from being reused while it is here. */
+#define SEEN_MAX 4096
+
+/* The facts of a sharding (borrowed), NULL (an error set or not) when it has none yet. */
+static PyObject *facts_of(const stage_context *x, PyObject *sharding) {
+    PyObject *key = PyLong_FromVoidPtr(sharding);
+    if (key == NULL) return NULL;
+    PyObject *hit = PyDict_GetItemWithError(x->seen, key);
+    PyObject *facts = NULL;
+    if (hit != NULL && PyTuple_Check(hit) && PyTuple_GET_SIZE(hit) == 2 &&
+        PyTuple_GET_ITEM(hit, 0) == sharding) {
+        facts = PyTuple_GET_ITEM(hit, 1);
+    } else if (!PyErr_Occurred() &&
+               (facts = PyDict_GetItemWithError(x->shardings, sharding)) != NULL) {
+        PyObject *pair = PyTuple_Pack(2, sharding, facts);
+        if (PyDict_GET_SIZE(x->seen) >= SEEN_MAX) PyDict_Clear(x->seen);
+        if (pair == NULL || PyDict_SetItem(x->seen, key, pair) < 0) facts = NULL;
+        Py_XDECREF(pair);
+    }
+    Py_DECREF(key);
+    return facts;
+}
 
 static PyObject *plain_leaf(const stage_context *x, PyObject *leaf) {
     PyObject *array, *dtype = NULL, *shape = NULL;
@@ -940,7 +967,7 @@ static PyObject *plain_leaf(const stage_context *x, PyObject *leaf) {
         if (known <= 0) return NULL;
         PyObject *sharding = PyObject_GetAttrString(leaf, "sharding");
         if (sharding == NULL) return NULL;
-        PyObject *facts = PyDict_GetItemWithError(x->shardings, sharding);  /* borrowed */
+        PyObject *facts = facts_of(x, sharding);  /* borrowed */
         Py_DECREF(sharding);
         if (facts == NULL || !PyTuple_Check(facts) || PyTuple_GET_SIZE(facts) != 3 ||
             PyTuple_GET_ITEM(facts, 0) != Py_True || PyTuple_GET_ITEM(facts, 1) != Py_False ||
@@ -969,8 +996,9 @@ static PyObject *stage_leaves(PyObject *self, PyObject *args) {
     stage_context x;
     PyObject *leaves, *out;
     Py_ssize_t i;
-    if (!PyArg_ParseTuple(args, "O!nO!O!O!O!OO!O!", &PyList_Type, &leaves, &i, &PySet_Type,
-                          &x.storable, &PyDict_Type, &x.shardings, &PyFrozenSet_Type, &x.jax_types,
+    if (!PyArg_ParseTuple(args, "O!nO!O!O!O!O!OO!O!", &PyList_Type, &leaves, &i, &PySet_Type,
+                          &x.storable, &PyDict_Type, &x.shardings, &PyDict_Type, &x.seen,
+                          &PyFrozenSet_Type, &x.jax_types,
                           &PyType_Type, &x.host_leaf, &x.asarray, &PyList_Type, &out, &PyType_Type,
                           &x.ndarray))
         return NULL;

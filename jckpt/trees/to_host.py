@@ -214,8 +214,12 @@ def _stage_plain(leaves: list[tuple[Any, Any]], start: int, out: list[HostLeaf])
     CPU device of this process, of a known storable dtype); the index of the first other one."""
     if accelerator is None or not ACCELERATE:
         return start
-    return accelerator.stage_leaves(leaves, start, _STORABLE, _SHARDINGS, _JAX_TYPES, HostLeaf,
-                                    np.asarray, out, np.ndarray)
+    return accelerator.stage_leaves(leaves, start, _STORABLE, _SHARDINGS, _SEEN, _JAX_TYPES,
+                                    HostLeaf, np.asarray, out, np.ndarray)
+
+
+#: The C staging's cache of `_SHARDINGS` by sharding identity (bounded; see `stage_leaves`).
+_SEEN: dict[int, tuple[Any, _Placement]] = {}
 
 
 #: Whether `host_leaves` stages plain leaves in C where the accelerator is built (False: every

@@ -161,6 +161,8 @@ def test_leaves_staged_in_c_are_those_python_stages(monkeypatch, copy):
                                                                     real(where, *a, **kw))[1])
     fast = to_host.host_leaves(leaves, pieces=True, copy=copy)
     assert staged == ["e", "f", "g", "h"]  # numbers, a key, a sharded array: the rest went through C
+    seen = {id(leaf.sharding) for _, leaf in leaves if isinstance(leaf, jax.Array)} & set(to_host._SEEN)
+    assert seen and all(to_host._SEEN[k][0] is not None for k in seen)  # known by identity now
     monkeypatch.setattr(to_host, "ACCELERATE", False)
     slow = to_host.host_leaves(leaves, pieces=True, copy=copy)
     for (where, leaf), f, s in zip(leaves, fast, slow):
