@@ -65,3 +65,14 @@ def test_index_scale_benchmark_runs_its_smallest_size():
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     header, row = p.stdout.splitlines()[:2]
     assert "plan one" in header and row.split()[0] == "1025"
+
+
+def test_small_save_benchmark_times_every_writer_with_and_without_c():
+    from bench import small_save
+    from jckpt.trees import to_host
+
+    for python in (False, True):
+        medians = small_save.main(reps=1, python=python)
+        assert set(medians) == {'jckpt save', 'safetensors save', 'raw write', 'jckpt durable save',
+                                'raw write + fsync'} and all(t > 0 for t in medians.values())
+    assert to_host.ACCELERATE  # the switches are back
