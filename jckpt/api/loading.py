@@ -97,14 +97,24 @@ def load(ctx: Context, path: PathLike, *, prefix_namespace: str | None = None,
     requests: list[tuple[Any, Any, str, str | None]] = []
     with progress_mod.bar(f"loading {os.path.basename(path)}",
                           sum(e.byte_length for e in entries), enabled=progress) as bar:
-        for s, e in zip(stored, entries):
-            requests.append((reader.decode(s, mmap=mmap, verify=verify), None, e.name, e.key_impl))
+        for e, array in zip(entries, _decoded(reader, stored, mmap, verify, bar)):
+            requests.append((array, None, e.name, e.key_impl))
             groups.setdefault(e.namespace, []).append((_stored_path(e), len(requests) - 1))
-            bar.advance(s.byte_length)
     values = placement.place_all(requests, host=ctx.host, device=ctx.device, file=path)
     out = {ns: tree_mod.unflatten([(k, values[i]) for k, i in items], file=path)
            for ns, items in groups.items()}
     return ctx.replace(registry=ctx.registry.add(entries)), out
+
+
+def _decoded(reader: Any, entries: Sequence[Entry], mmap: bool, verify: bool, bar: Any) -> Any:
+    """Each entry's array, in order: a local file's all at once (mapped views made in one C
+    call), else one by one, advancing a drawn progress bar as each is read."""
+    if bar.drawn or not hasattr(reader, 'decode_all'):
+        for e in entries:
+            yield reader.decode(e, mmap=mmap, verify=verify)
+            bar.advance(e.byte_length)
+        return
+    yield from reader.decode_all(entries, mmap=mmap, verify=verify)
 
 
 def _verify_default(reader: Any, mmap: bool) -> bool:

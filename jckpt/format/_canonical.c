@@ -66,7 +66,17 @@
  * position, appends to pending the zeros up to that offset (a slice of zeros) and the data,
  * and to sums the checksum. It stops at the first other source, or before pending would
  * hold more than max_buffers buffers or max_bytes bytes, and returns where it stopped, the
- * new position and the bytes it appended.
+ * new position and the bytes it appended. *
+ * And it maps a load's payloads (jckpt.storage.reader.CheckpointReader.decode_all):
+ *
+ *   map_payloads(buffer, entries: list, data_start, size, precs: dict[str, tuple[dtype, int]],
+ *                frombuffer, out: list) -> int
+ *
+ * appends, for each entry, frombuffer(buffer, dtype, count, data_start + offset) shaped as its
+ * dims (a zero-copy view of the mapping), as payload.decode_payload maps it, when the entry is
+ * unpadded, of a prec in precs (dtype and its itemsize: the precs whose array shape is their
+ * dims), element-aligned, non-empty, inside size bytes and as long as its dims say; else None
+ * (Python decodes that one). Returns how many it mapped.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -1080,9 +1090,87 @@ error:
     return NULL;
 }
 
+
+/* --- mapping a load's payloads ------------------------------------------------------------- */
+
+/* entry's payload as a view of buffer, or None (a new reference; NULL on a Python error). */
+static PyObject *map_payload(PyObject *buffer, PyObject *entry, long long data_start, long long size,
+                             PyObject *precs, PyObject *frombuffer, PyObject *const *names) {
+    PyObject *v[5] = {NULL};  /* prec, dims, padding, offset, byte_length */
+    PyObject *out = NULL, *flat = NULL;
+    for (int k = 0; k < 5; k++)
+        if ((v[k] = PyObject_GetAttr(entry, names[k])) == NULL) { PyErr_Clear(); goto none; }
+    if (v[2] != Py_None || !PyTuple_CheckExact(v[1]) || PyTuple_GET_SIZE(v[1]) > MAX_DIMS) goto none;
+    PyObject *known = PyDict_GetItemWithError(precs, v[0]);  /* borrowed */
+    if (known == NULL || !PyTuple_Check(known) || PyTuple_GET_SIZE(known) != 2) {
+        PyErr_Clear();
+        goto none;
+    }
+    long long itemsize = PyLong_AsLongLong(PyTuple_GET_ITEM(known, 1));
+    long long offset = PyLong_AsLongLong(v[3]), length = PyLong_AsLongLong(v[4]);
+    long long count = shape_bytes(v[1], 1), start, end;
+    if (PyErr_Occurred()) { PyErr_Clear(); goto none; }
+    if (itemsize <= 0 || count <= 0 || offset < 0 || __builtin_mul_overflow(count, itemsize, &end) ||
+        end != length || __builtin_add_overflow(data_start, offset, &start) || start % itemsize ||
+        __builtin_add_overflow(start, length, &end) || end > size)
+        goto none;
+    PyObject *c = PyLong_FromLongLong(count), *o = PyLong_FromLongLong(start);
+    if (c == NULL || o == NULL) { Py_XDECREF(c); Py_XDECREF(o); goto error; }
+    PyObject *args[4] = {buffer, PyTuple_GET_ITEM(known, 0), c, o};
+    flat = PyObject_Vectorcall(frombuffer, args, 4, NULL);
+    Py_DECREF(c);
+    Py_DECREF(o);
+    if (flat == NULL) goto error;
+    if (PyTuple_GET_SIZE(v[1]) == 1) {
+        out = flat;
+        flat = NULL;
+    } else {
+        PyObject *rargs[2] = {flat, v[1]};
+        out = PyObject_VectorcallMethod(names[5], rargs, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        if (out == NULL) goto error;
+    }
+    goto done;
+none:
+    out = Py_NewRef(Py_None);
+done:
+error:
+    for (int k = 0; k < 5; k++) Py_XDECREF(v[k]);
+    Py_XDECREF(flat);
+    return out;
+}
+
+static PyObject *map_payloads(PyObject *self, PyObject *args) {
+    PyObject *buffer, *entries, *precs, *frombuffer, *out;
+    long long data_start, size;
+    if (!PyArg_ParseTuple(args, "OO!LLO!OO!", &buffer, &PyList_Type, &entries, &data_start, &size,
+                          &PyDict_Type, &precs, &frombuffer, &PyList_Type, &out))
+        return NULL;
+    static const char *fields[6] = {"prec", "dims", "padding", "offset", "byte_length", "reshape"};
+    PyObject *names[6] = {NULL};
+    Py_ssize_t mapped = 0, i = 0;
+    for (int k = 0; k < 6; k++)
+        if ((names[k] = PyUnicode_InternFromString(fields[k])) == NULL) goto error;
+    for (; i < PyList_GET_SIZE(entries); i++) {
+        PyObject *array = map_payload(buffer, PyList_GET_ITEM(entries, i), data_start, size, precs,
+                                      frombuffer, names);
+        if (array == NULL) goto error;
+        mapped += array != Py_None;
+        int rc = PyList_Append(out, array);
+        Py_DECREF(array);
+        if (rc < 0) goto error;
+    }
+    for (int k = 0; k < 6; k++) Py_DECREF(names[k]);
+    return PyLong_FromSsize_t(mapped);
+error:
+    for (int k = 0; k < 6; k++) Py_XDECREF(names[k]);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"host_entries", host_entries, METH_VARARGS,
      "Entries and sources of small host leaves, from `start` on: (where it stopped, cursor)."},
+    {"map_payloads", map_payloads, METH_VARARGS,
+     "Views of a load's payloads in the mapping (None where Python decodes): how many."},
     {"gather_payloads", gather_payloads, METH_VARARGS,
      "Gather a run of small payloads for one writev: (where it stopped, position, bytes)."},
     {"stage_leaves", stage_leaves, METH_VARARGS,

@@ -199,3 +199,53 @@ def test_ingestion_counts_add_up():
     counts.add(2, 0)
     counts.add(1, 3)
     assert counts.snapshot() == {'mapped': 3, 'decoded': 3}
+
+
+def every_kind_of_entry(path, alignment):
+    """A file of entries of every shape a payload decodes to: mapped, copied and padded."""
+    import dataclasses
+
+    import ml_dtypes
+
+    from jckpt.format.entries import Padding
+    arrays = {'f32': A, 'i16': B, 'scalar': np.array(2.5), 'bf16': np.ones((2, 2), ml_dtypes.bfloat16),
+              'bool': np.array([True, False, True]), 'c64': np.arange(3, dtype=np.complex64),
+              'f64': np.arange(5.0), 'empty': np.zeros((0, 3), np.float32),
+              'keys': np.arange(8, dtype=np.uint32).reshape(2, 4), 'pad': A}
+    entries = []
+    for i, (name, x) in enumerate(arrays.items()):
+        e = entry_for('jckpt', (('k', name),), x.dtype, x.shape, id=i)
+        if name == 'keys':  # 2 keys of 4 uint32 words
+            e = dataclasses.replace(e, prec='Uint4x32_prec', dims=(2,), byte_length=32)
+        if name == 'pad':  # a (2, 3) region inside (4, 4)
+            e = dataclasses.replace(e, dims=(4, 4), padding=Padding(((1, 1), (0, 1)), -1.0))
+        entries.append(e)
+    header = lay_out(Header(tensors=tuple(entries), alignment=alignment))
+    write_checkpoint(path, header, [ArraySource(x) for x in arrays.values()], durable=False)
+    return str(path)
+
+
+@pytest.mark.parametrize('mmap', [True, False])
+@pytest.mark.parametrize('alignment', [1, 64])  # 1: most payloads misaligned, so copied
+def test_decode_all_gives_what_decode_gives_each_entry(tmp_path, monkeypatch, mmap, alignment):
+    from jckpt.storage import reader as reader_mod
+    reader = CheckpointReader(every_kind_of_entry(tmp_path / 'k.jckpt', alignment))
+    in_c = []
+    if reader_mod.accelerator is not None:
+        real = reader_mod.accelerator
+        monkeypatch.setattr(reader_mod, 'accelerator', type('Spy', (), {'map_payloads': staticmethod(
+            lambda *a: in_c.append(real.map_payloads(*a)) or in_c[-1])}))
+    before = COUNTS.snapshot()
+    together = reader.decode_all(reader.header.tensors, mmap=mmap, verify=True)
+    middle = COUNTS.snapshot()
+    one_by_one = [reader.decode(e, mmap=mmap, verify=True) for e in reader.header.tensors]
+    after = COUNTS.snapshot()
+    for e, x, y in zip(reader.header.tensors, together, one_by_one):
+        assert (x.dtype, x.shape) == (y.dtype, y.shape) and np.array_equal(x, y), e.name
+        assert x.flags.writeable == y.flags.writeable and x.flags.owndata == y.flags.owndata, e.name
+    counted = {k: middle[k] - before[k] for k in before}
+    assert counted == {k: after[k] - middle[k] for k in before}  # the same payloads mapped
+    assert sum(counted.values()) == 10
+    assert counted['mapped'] == (9 if mmap and alignment == 64 else 1 if mmap else 0)
+    if reader_mod.accelerator is not None and mmap:  # C mapped all but the padded, empty and key ones
+        assert in_c == [7 if alignment == 64 else 1]  # 1: the booleans, 1-byte elements
