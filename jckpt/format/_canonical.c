@@ -44,12 +44,13 @@
  *
  * And it stages a save's plain leaves on the host (jckpt.trees.to_host.host_leaves):
  *
- *   stage_leaves(leaves: list, start, storable: set, shardings: dict, seen: dict,
+ *   stage_leaves(leaves: list, start, storable: set, shardings: dict, seen: dict, seen_max,
  *                jax_types: frozenset, host_leaf: type, asarray, out: list, ndarray: type) -> int
  *
  * From leaves[start] on, each (where, leaf) whose leaf is exactly a numpy ndarray, or of a type in
  * jax_types whose sharding's facts (shardings[sharding]: (on_cpu, several, whole)) say one CPU
- * device of this process (seen caches the facts by the sharding's identity), with a dtype in
+ * device of this process (seen caches the facts by the sharding's identity, at most seen_max
+ * of them), with a dtype in
  * storable, is appended to out as
  * host_leaf(dtype, shape, None, array, (), False): array is the ndarray itself, or
  * asarray(leaf) (host memory already, no transfer). It stops at the first other leaf and returns
@@ -76,7 +77,15 @@
  * dims (a zero-copy view of the mapping), as payload.decode_payload maps it, when the entry is
  * unpadded, of a prec in precs (dtype and its itemsize: the precs whose array shape is their
  * dims), element-aligned, non-empty, inside size bytes and as long as its dims say; else None
- * (Python decodes that one). Returns how many it mapped.
+ * (Python decodes that one). Returns how many it mapped. *
+ * And it copies a snapshot's host arrays into their slot's buffers
+ * (jckpt.services.snapshot.copy_all):
+ *
+ *   copy_arrays(dsts: list, srcs: list) -> list[int]
+ *
+ * copies each srcs[i] into dsts[i] (memcpy, the GIL released for large ones) when both are
+ * C-contiguous buffers of the same format, itemsize and shape, dsts[i] writable; returns
+ * the indices of the pairs it left (Python copies those).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -940,13 +949,13 @@ done:
 typedef struct {
     PyObject *storable, *shardings, *seen, *jax_types, *asarray, *empty;
     PyTypeObject *host_leaf, *ndarray;
+    Py_ssize_t seen_max;
 } stage_context;
 
-/* Most of the shardings met (SEEN_MAX): id -> (sharding, facts). A jitted step's outputs, or
- * arrays saved again, come with the same sharding objects every time: found by identity here
- * without calling the sharding's __hash__ and __eq__ (Python code) as shardings[sharding] does.
- * Holding each sharding keeps its id from being reused while it is here. */
-#define SEEN_MAX 4096
+/* seen: id -> (sharding, facts) of the shardings met lately (at most seen_max). A jitted
+ * step's outputs, or arrays saved again, come with the same sharding objects every time: found
+ * by identity here without calling the sharding's __hash__ and __eq__ (Python code) as
+ * shardings[sharding] does. Holding each sharding keeps its id from being reused. */
 
 /* The facts of a sharding (borrowed), NULL (an error set or not) when it has none yet. */
 static PyObject *facts_of(const stage_context *x, PyObject *sharding) {
@@ -960,7 +969,7 @@ static PyObject *facts_of(const stage_context *x, PyObject *sharding) {
     } else if (!PyErr_Occurred() &&
                (facts = PyDict_GetItemWithError(x->shardings, sharding)) != NULL) {
         PyObject *pair = PyTuple_Pack(2, sharding, facts);
-        if (PyDict_GET_SIZE(x->seen) >= SEEN_MAX) PyDict_Clear(x->seen);
+        if (PyDict_GET_SIZE(x->seen) >= x->seen_max) PyDict_Clear(x->seen);
         if (pair == NULL || PyDict_SetItem(x->seen, key, pair) < 0) facts = NULL;
         Py_XDECREF(pair);
     }
@@ -1006,9 +1015,9 @@ static PyObject *stage_leaves(PyObject *self, PyObject *args) {
     stage_context x;
     PyObject *leaves, *out;
     Py_ssize_t i;
-    if (!PyArg_ParseTuple(args, "O!nO!O!O!O!O!OO!O!", &PyList_Type, &leaves, &i, &PySet_Type,
+    if (!PyArg_ParseTuple(args, "O!nO!O!O!nO!O!OO!O!", &PyList_Type, &leaves, &i, &PySet_Type,
                           &x.storable, &PyDict_Type, &x.shardings, &PyDict_Type, &x.seen,
-                          &PyFrozenSet_Type, &x.jax_types,
+                          &x.seen_max, &PyFrozenSet_Type, &x.jax_types,
                           &PyType_Type, &x.host_leaf, &x.asarray, &PyList_Type, &out, &PyType_Type,
                           &x.ndarray))
         return NULL;
@@ -1166,9 +1175,67 @@ error:
     return NULL;
 }
 
+
+/* --- copying a snapshot's host arrays ------------------------------------------------------ */
+
+/* 1 when src was copied into dst, 0 when they are not plain buffers of the same layout. */
+static int copy_array(PyObject *dst, PyObject *src) {
+    Py_buffer d, s;
+    if (PyObject_GetBuffer(dst, &d, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (PyObject_GetBuffer(src, &s, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        PyBuffer_Release(&d);
+        return 0;
+    }
+    int same = d.len == s.len && d.itemsize == s.itemsize && d.ndim == s.ndim &&
+               d.format != NULL && s.format != NULL && strcmp(d.format, s.format) == 0 &&
+               d.buf != s.buf;
+    for (int k = 0; same && k < d.ndim; k++) same = d.shape[k] == s.shape[k];
+    if (same) {
+        if (d.len >= (1 << 16)) {
+            Py_BEGIN_ALLOW_THREADS
+            memcpy(d.buf, s.buf, (size_t)d.len);
+            Py_END_ALLOW_THREADS
+        } else {
+            memcpy(d.buf, s.buf, (size_t)d.len);
+        }
+    }
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&d);
+    return same;
+}
+
+static PyObject *copy_arrays(PyObject *self, PyObject *args) {
+    PyObject *dsts, *srcs;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &dsts, &PyList_Type, &srcs))
+        return NULL;
+    if (PyList_GET_SIZE(dsts) != PyList_GET_SIZE(srcs)) {
+        PyErr_SetString(PyExc_TypeError, "copy_arrays: as many destinations as sources");
+        return NULL;
+    }
+    PyObject *left = PyList_New(0);
+    if (left == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(dsts); i++) {
+        if (copy_array(PyList_GET_ITEM(dsts, i), PyList_GET_ITEM(srcs, i))) continue;
+        PyObject *index = PyLong_FromSsize_t(i);
+        if (index == NULL || PyList_Append(left, index) < 0) {
+            Py_XDECREF(index);
+            Py_DECREF(left);
+            return NULL;
+        }
+        Py_DECREF(index);
+    }
+    return left;
+}
+
 static PyMethodDef methods[] = {
     {"host_entries", host_entries, METH_VARARGS,
      "Entries and sources of small host leaves, from `start` on: (where it stopped, cursor)."},
+    {"copy_arrays", copy_arrays, METH_VARARGS,
+     "Copy each source into its destination where both are plain buffers alike: the rest."},
     {"map_payloads", map_payloads, METH_VARARGS,
      "Views of a load's payloads in the mapping (None where Python decodes): how many."},
     {"gather_payloads", gather_payloads, METH_VARARGS,

@@ -30,6 +30,7 @@ import numpy as np
 from jckpt.api.context import Context
 from jckpt.format import payload as payload_mod
 from jckpt.format.entries import Entry, KeyPath, entry_for
+from jckpt.format.fastpath import accelerator
 from jckpt.format.metadata import empty_nodes_text
 from jckpt.format.names import EMPTY_NODES_KEY, RESERVED_PREFIX
 from jckpt.storage.writer import ArraySource
@@ -142,27 +143,24 @@ class Slot:
         staged: list[Any] = []
         impls: list[str | None] = []
         copies: list[tuple[np.ndarray, np.ndarray]] = []
+        buffers = self.buffers
         for i in range(len(named)):
             h = next(described) if i in imaged else next(hosts)
             impls.append(h.key_impl)
             if i in imaged or h.private:  # drained later, or a transfer's own fresh buffer
                 staged.append(h.array)
                 continue
-            staged.append(self._buffer(i, h.array))
-            copies.append((staged[-1], h.array))
+            buf = buffers.get(i)
+            if buf is None or buf.shape != h.shape or buf.dtype != h.dtype:
+                buf = buffers[i] = np.empty(h.shape, h.dtype)  # reused by later snapshots
+            staged.append(buf)
+            copies.append((buf, h.array))
         copy_all(copies)
         return Snapshot(leaves, staged, devices, images, impls)
 
     def fill(self, leaves: Sequence[Leaf]) -> list[HostLeaf]:
         """`take` the leaves and `drain` them at once: every leaf in host memory."""
         return self.take(leaves).drain()
-
-    def _buffer(self, i: int, host: np.ndarray) -> np.ndarray:
-        """This slot's `i`-th host buffer, of `host`'s shape and dtype (a new one if it differs)."""
-        buf = self.buffers.get(i)
-        if buf is None or buf.shape != host.shape or buf.dtype != host.dtype:
-            buf = self.buffers[i] = np.empty(host.shape, host.dtype)
-        return buf
 
 
 def copy_all(copies: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
@@ -171,6 +169,9 @@ def copy_all(copies: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
     (Splitting large copies across threads was measured on a 2-core machine
     and was slower: one thread already keeps memory busy.)
     """
+    if accelerator is not None:  # plain buffers alike are copied in C, in one call
+        left = accelerator.copy_arrays([d for d, _ in copies], [s for _, s in copies])
+        copies = [copies[i] for i in left]
     for dst, src in copies:
         np.copyto(dst, src)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -84,8 +85,11 @@ def imageable(leaf: Any) -> bool:
     """Whether `leaf` is snapshotted as an image: a jax array this process holds whole, on an
     accelerator, or on the CPU when it has at least `CPU_IMAGE_BYTES` (a smaller one is
     copied to a warm host buffer faster than an image of it is described and dispatched)."""
-    return (isinstance(leaf, jax.Array) and leaf.is_fully_addressable
-            and (leaf.nbytes >= CPU_IMAGE_BYTES or not to_host._on_cpu(leaf)))
+    if not isinstance(leaf, jax.Array):
+        return False
+    facts = to_host._facts(leaf.sharding)  # asked once per sharding
+    return facts.whole and (not facts.on_cpu
+                            or math.prod(leaf.shape) * leaf.dtype.itemsize >= CPU_IMAGE_BYTES)
 
 
 def take_image(arrays: Sequence[jax.Array]) -> list[jax.Array]:

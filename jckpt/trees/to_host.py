@@ -36,6 +36,11 @@ _PY_SCALARS = (bool, int, float, complex)
 _KEY_DTYPES: dict[Any, bool] = {}  # dtype -> is a typed PRNG key dtype (asked once per dtype)
 _SHARDINGS: dict[Any, _Placement] = {}  # sharding -> what staging asks of it
 _STORABLE: set[np.dtype] = set()  # dtypes known to be storable
+#: `_SHARDINGS` by the sharding's identity, for the shardings met lately (at most `_SEEN_MAX`):
+#: a jitted step's outputs, and arrays saved again, carry the same sharding objects every
+#: time, whose `__hash__` and `__eq__` are Python code. The C staging shares it.
+_SEEN: dict[int, tuple[Any, Any]] = {}
+_SEEN_MAX = 4096
 
 
 def is_prng_key(x: Any) -> bool:
@@ -63,13 +68,20 @@ class _Placement(NamedTuple):
 
 
 def _facts(sharding: Any) -> _Placement:
+    """What staging asks of `sharding`: known by identity (`_SEEN`), else by equality, else asked."""
+    seen = _SEEN.get(id(sharding))
+    if seen is not None and seen[0] is sharding:
+        return seen[1]
     try:
-        return _SHARDINGS[sharding]
+        facts = _SHARDINGS[sharding]
     except KeyError:
         facts = _SHARDINGS[sharding] = _ask(sharding)
-        return facts
     except TypeError:  # an unhashable sharding: ask every time
         return _ask(sharding)
+    if len(_SEEN) >= _SEEN_MAX:
+        _SEEN.clear()
+    _SEEN[id(sharding)] = (sharding, facts)  # holding it keeps its id from being reused
+    return facts
 
 
 def _ask(sharding: Any) -> _Placement:
@@ -214,12 +226,11 @@ def _stage_plain(leaves: list[tuple[Any, Any]], start: int, out: list[HostLeaf])
     CPU device of this process, of a known storable dtype); the index of the first other one."""
     if accelerator is None or not ACCELERATE:
         return start
-    return accelerator.stage_leaves(leaves, start, _STORABLE, _SHARDINGS, _SEEN, _JAX_TYPES,
-                                    HostLeaf, np.asarray, out, np.ndarray)
+    return accelerator.stage_leaves(leaves, start, _STORABLE, _SHARDINGS, _SEEN, _SEEN_MAX,
+                                    _JAX_TYPES, HostLeaf, np.asarray, out, np.ndarray)
 
 
-#: The C staging's cache of `_SHARDINGS` by sharding identity (bounded; see `stage_leaves`).
-_SEEN: dict[int, tuple[Any, _Placement]] = {}
+
 
 
 #: Whether `host_leaves` stages plain leaves in C where the accelerator is built (False: every

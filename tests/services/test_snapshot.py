@@ -210,3 +210,31 @@ def test_mirror_and_manager_record_empty_nodes_for_exports(tmp_path):
         want.replace('"opt"', '"jckpt"')
     step = next(p for p in (tmp_path / "run").iterdir() if p.name.startswith("step"))
     assert jckpt.describe(step).metadata_dict()["jckpt.empty_nodes"] == want
+
+
+@pytest.mark.parametrize("accelerated", [True, False])
+def test_copy_all_copies_every_pair_whatever_its_layout(monkeypatch, accelerated):
+    from jckpt.services import snapshot
+
+    left = []
+    if not accelerated:
+        monkeypatch.setattr(snapshot, "accelerator", None)
+    elif snapshot.accelerator is not None:
+        real = snapshot.accelerator
+        monkeypatch.setattr(snapshot, "accelerator", type("Spy", (), {"copy_arrays": staticmethod(
+            lambda d, s: left.extend(real.copy_arrays(d, s)) or list(left))}))
+    rng = np.random.default_rng(0)
+    sources = [rng.random((3, 4), np.float32),                      # plain: copied in C
+               rng.random(1 << 15),                                 # 256 KiB: C, without the GIL
+               np.asarray(jnp.arange(5)),                           # a CPU jax array's host view
+               rng.random((4, 6))[:, ::2],                          # strided: numpy copies it
+               np.ones((2, 2), ml_dtypes.bfloat16),                 # no buffer export: numpy
+               np.arange(6, dtype=">i4"),                           # big-endian, into native
+               np.float64(2.5).reshape(())]                         # 0-d
+    targets = [np.empty(s.shape, s.dtype) for s in sources[:5]] + [
+        np.empty(6, np.int32), np.empty((), np.float64)]
+    snapshot.copy_all(list(zip(targets, sources)))
+    for t, s in zip(targets, sources):
+        assert np.array_equal(t, s)
+    if accelerated and snapshot.accelerator is not None:
+        assert left == [3, 4, 5]  # what C leaves to numpy: strided, bfloat16, big-endian

@@ -179,3 +179,15 @@ def test_key_paths_under_a_namespace_are_named_in_refusals():
     with pytest.raises(InputError, match="cannot be stored") as info:
         to_host.host_leaves([ok, bad], namespace="ns")
     assert info.value.entry == "ns/params/1"
+
+
+def test_shardings_known_by_identity_stay_few_and_right(monkeypatch):
+    monkeypatch.setattr(to_host, "_SEEN", {})
+    monkeypatch.setattr(to_host, "_SEEN_MAX", 2)
+    arrays = [jax.device_put(np.ones(2), jax.devices("cpu")[0]) for _ in range(3)]
+    arrays.append(sharded(np.ones((8, 2)), P("a")))
+    facts = [to_host._facts(a.sharding) for a in arrays]
+    assert len(to_host._SEEN) <= 2
+    assert [f.several for f in facts] == [False, False, False, True] and all(f.on_cpu for f in facts)
+    assert to_host._facts(arrays[-1].sharding) is facts[-1]  # found again, by identity
+    assert to_host._SEEN[id(arrays[-1].sharding)][0] is arrays[-1].sharding
