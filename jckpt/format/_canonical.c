@@ -1129,14 +1129,14 @@ static PyObject *map_payload(PyObject *buffer, PyObject *entry, long long data_s
     flat = PyObject_Vectorcall(frombuffer, args, 4, NULL);
     Py_DECREF(c);
     Py_DECREF(o);
-    if (flat == NULL) goto error;
+    if (flat == NULL) { PyErr_Clear(); goto none; }  /* Python's decoder names what is wrong */
     if (PyTuple_GET_SIZE(v[1]) == 1) {
         out = flat;
         flat = NULL;
     } else {
         PyObject *rargs[2] = {flat, v[1]};
         out = PyObject_VectorcallMethod(names[5], rargs, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-        if (out == NULL) goto error;
+        if (out == NULL) { PyErr_Clear(); goto none; }
     }
     goto done;
 none:
