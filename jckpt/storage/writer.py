@@ -326,7 +326,10 @@ class ReaderSource:
 
 
 def with_placeholders(header: Header) -> Header:
-    """`header` with a fixed-width placeholder checksum on every entry that has none."""
+    """`header` with a fixed-width placeholder checksum on every entry that has none
+    (`header` itself when every entry has one)."""
+    if all(e.checksum is not None for e in header.tensors):
+        return header
     return dataclasses.replace(header, tensors=tuple(
         e if e.checksum is not None else _evolve(e, checksum=payload_mod.CHECKSUM_PLACEHOLDER)
         for e in header.tensors))
@@ -353,28 +356,39 @@ def write_checkpoint(target: str | os.PathLike, header: Header,
     raw, slots = encode_header_with_slots(draft)
     raw = pad_for_aliasing(raw, draft)
     data_start = len(raw)
+    known = draft is header  # every checksum known already (small payloads): the header is final
     with backend.create(target, durable=durable) as staging:
         try:
             sink = Sink(staging.fd)
-            sink.write(raw)
+            sink.write(seal_header(raw) if known else raw)
             sink.flush()  # the header on its own: payloads gather after it
             sums = _write_payloads(sink, draft.tensors, sources, data_start, target, on_payload)
-            final = dataclasses.replace(header, tensors=tuple(
-                e if e.checksum == s else _evolve(e, checksum=s) for e, s in zip(header.tensors, sums)))
-            patched = bytearray(raw)
-            for e, slot, value in zip(draft.tensors, slots, sums):
-                digits = value[1].encode('ascii') if value is not None else b''
-                if e.checksum == value:
-                    continue
-                if slot is None or value is None or len(digits) != len(e.checksum[1]):
-                    raise StorageError("a payload checksum of unexpected width", file=target,
-                                       entry=e.name)
-                patched[slot:slot + len(digits)] = digits
-            os.pwrite(staging.fd, seal_header(patched), 0)
+            changed = [i for i, (e, s) in enumerate(zip(draft.tensors, sums)) if e.checksum != s]
+            if changed or not known:
+                patched = _patched(raw, draft.tensors, slots, sums, changed, target)
+                os.pwrite(staging.fd, seal_header(patched), 0)
         except OSError as e:
             raise storage_error(e, "writing the checkpoint", target) from e
         staging.publish()
-    return final
+    if not changed:
+        return header
+    tensors = list(header.tensors)
+    for i in changed:
+        tensors[i] = _evolve(tensors[i], checksum=sums[i])
+    return dataclasses.replace(header, tensors=tuple(tensors))
+
+
+def _patched(raw: bytes, entries: Sequence[Entry], slots: Sequence[int | None],
+             sums: Sequence[tuple[str, str] | None], changed: Sequence[int], target: str) -> bytearray:
+    """The header text `raw` with the checksums computed while streaming in their slots."""
+    patched = bytearray(raw)
+    for i in changed:
+        e, slot, value = entries[i], slots[i], sums[i]
+        digits = value[1].encode('ascii') if value is not None else b''
+        if slot is None or value is None or e.checksum is None or len(digits) != len(e.checksum[1]):
+            raise StorageError("a payload checksum of unexpected width", file=target, entry=e.name)
+        patched[slot:slot + len(digits)] = digits
+    return patched
 
 
 def _write_payloads(sink: Sink, entries: Sequence[Entry], sources: Sequence[PayloadSource],
