@@ -14,7 +14,8 @@ from tests.helpers import raw_file, reseal
 
 def independent_offsets(path):
     """Offsets and data start parsed from the bytes, without the library's reader."""
-    raw = open(path, "rb").read()
+    with open(path, "rb") as f:
+        raw = f.read()
     (hlen,) = struct.unpack(">I", raw[:4])
     tree = parse(raw[4:4 + hlen].decode())
     fields = {f[0]: f[1] for f in tree}
