@@ -108,11 +108,12 @@ def load(ctx: Context, path: PathLike, *, prefix_namespace: str | None = None,
 
 def _decoded(reader: Any, entries: Sequence[Entry], mmap: bool, verify: bool, bar: Any) -> Any:
     """Each entry's array, in order: a local file's all at once (mapped views made in one C
-    call), else one by one, advancing a drawn progress bar as each is read."""
-    if bar.drawn or not hasattr(reader, 'decode_all'):
+    call), else one by one, advancing a drawn progress bar (if any) as each is read."""
+    if (bar is not None and bar.drawn) or not hasattr(reader, 'decode_all'):
         for e in entries:
             yield reader.decode(e, mmap=mmap, verify=verify)
-            bar.advance(e.byte_length)
+            if bar is not None:
+                bar.advance(e.byte_length)
         return
     yield from reader.decode_all(entries, mmap=mmap, verify=verify)
 
@@ -222,11 +223,12 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
 def _requests(ctx: Context, reader: Any, parts: Sequence[tuple[str, list, Any]], path: str, *,
               cast: bool, mmap: bool | None,
               verify: bool | None) -> list[tuple[Any, Any, str, str | None]]:
-    """`(array, target leaf, name, key_impl)` for each target leaf: matched, checked, read."""
+    """`(array, target leaf, name, key_impl)` for each target leaf: matched and checked, then
+    every payload read (a local file's mapped in one call), then each cast as the target asks."""
     mmap = ctx.mmap if mmap is None else mmap
     verify = _verify_default(reader, mmap) if verify is None else verify
     index = _index(reader.header, {ns for ns, _, _ in parts})
-    requests = []
+    checked = []
     meshes: dict[Any, Any] = {}  # abstract meshes of the target, resolved once each
     for ns, items, _ in parts:
         for p, leaf in items:
@@ -234,10 +236,11 @@ def _requests(ctx: Context, reader: Any, parts: Sequence[tuple[str, list, Any]],
             entry = _match(index[ns], ns, p, path, where)
             if type(leaf) is jax.ShapeDtypeStruct and leaf.sharding is not None:
                 leaf = sharding.with_concrete_mesh(leaf, meshes, file=path, where=where)
-            array = _read_leaf(ctx, reader, entry, leaf, path, where, cast=cast, mmap=mmap,
-                               verify=verify)
-            requests.append((array, leaf, where, entry.key_impl))
-    return requests
+            want_dtype = _check_leaf(ctx, entry, leaf, path, where)
+            checked.append((entry, leaf, where, want_dtype))
+    arrays = _decoded(reader, [c[0] for c in checked], mmap, verify, None)
+    return [(_as_stored_for(array, entry, leaf, want_dtype, path, where, cast=cast), leaf, where,
+             entry.key_impl) for (entry, leaf, where, want_dtype), array in zip(checked, arrays)]
 
 
 def _rebuild(parts: Sequence[tuple[str, list, Any]], values: Sequence[Any]) -> dict[str, Any]:
@@ -330,9 +333,8 @@ def _missing(stored: _Stored, namespace: str, p: KeyPath, found: Sequence[Entry]
                              f"the file has no entries in namespace {namespace!r}")
 
 
-def _read_leaf(ctx: Context, reader: Any, entry: Entry, leaf: Any, path: str, where: str, *,
-               cast: bool, mmap: bool, verify: bool) -> Any:
-    """Check `entry` against the target `leaf`, then read it (lazily for sharded targets)."""
+def _check_leaf(ctx: Context, entry: Entry, leaf: Any, path: str, where: str) -> Any:
+    """Check `entry` against the target `leaf` before anything is read; the dtype it wants."""
     want_shape, want_dtype = _target_spec(leaf)
     if want_dtype is None and entry.key_impl is None and _is_key_target(leaf):
         raise _raw_key_data(entry, want_shape, path, where)
@@ -341,7 +343,12 @@ def _read_leaf(ctx: Context, reader: Any, entry: Entry, leaf: Any, path: str, wh
         ctx.device if not ctx.host and not isinstance(leaf, (np.ndarray, np.generic)) else None)
     sharding.check_fits(want_shape if want_shape is not None else entry.shape, target_sharding,
                         file=path, where=where)
-    array = reader.decode(entry, mmap=mmap, verify=verify)
+    return want_dtype
+
+
+def _as_stored_for(array: Any, entry: Entry, leaf: Any, want_dtype: Any, path: str, where: str, *,
+                   cast: bool) -> Any:
+    """The array read for `entry`, in the dtype the target wants (lazily for sharded targets)."""
     if want_dtype is not None and entry.key_impl is None and stored_dtype(want_dtype) != array.dtype:
         if cast:
             return sharding.as_lazy(array).astype(want_dtype)  # cast per shard, as read
