@@ -26,7 +26,7 @@ from jckpt.format.fastpath import accelerator
 from jckpt.format.header import Entry, Header, encode_header_with_slots
 from jckpt.format.header_seal import seal_header
 from jckpt.storage.backend import backend_for
-from jckpt.storage.publish import storage_error
+from jckpt.storage.publish import start_writeback, storage_error
 from jckpt.storage.regions import ShardedSource
 
 
@@ -39,7 +39,9 @@ class Sink:
     no copy into a staging buffer of our own (whose fresh pages would fault on
     every save); larger ones go straight to the file. Reading `fd` flushes
     first: code that writes to the descriptor directly finds every earlier
-    byte in place.
+    byte in place. With `writeback` (a durable write from the file's start), the
+    disk is set to work behind every MiB written (`publish.start_writeback`),
+    so the final fsync waits only for the tail.
 
     >>> import tempfile
     >>> with tempfile.TemporaryFile() as f:
@@ -53,11 +55,13 @@ class Sink:
     BUFFER_BYTES = 1 << 20
     IOV_MAX = min(os.sysconf('SC_IOV_MAX'), 1024) if hasattr(os, 'sysconf') else 16
 
-    def __init__(self, fd: int, position: int = 0) -> None:
+    def __init__(self, fd: int, position: int = 0, *, writeback: bool = False) -> None:
         self._fd = fd
         self.position = position
         self._pending: list = []  # buffers gathered for one writev
         self._gathered = 0  # their bytes
+        self._writeback = writeback
+        self._kicked = position  # writeback started for the bytes before this
 
     @property
     def fd(self) -> int:
@@ -77,6 +81,7 @@ class Sink:
                     n -= len(pending[k])
                     k += 1
                 pending = [memoryview(pending[k])[n:], *pending[k + 1:]]
+        self._kick()
 
     def write(self, data) -> None:
         """Write `data` (any contiguous buffer); a small one is copied and gathered."""
@@ -89,6 +94,7 @@ class Sink:
             n = os.write(self._fd, view)
             self.position += n
             view = view[n:]
+        self._kick()
 
     def pad_to(self, position: int) -> None:
         if position > self.position:
@@ -118,6 +124,12 @@ class Sink:
                 return stop
             self.flush()  # a full batch (or a source left to Python: the next call says so)
             start = stop
+
+    def _kick(self) -> None:
+        """Start the disk on what was written since the last kick, once it is a MiB or more."""
+        if self._writeback and self.position - self._kicked >= self.BUFFER_BYTES:
+            start_writeback(self._fd, self._kicked, self.position - self._kicked)
+            self._kicked = self.position
 
     def _gather(self, data, nbytes: int) -> None:
         self._pending.append(data)
@@ -359,7 +371,7 @@ def write_checkpoint(target: str | os.PathLike, header: Header,
     known = draft is header  # every checksum known already (small payloads): the header is final
     with backend.create(target, durable=durable) as staging:
         try:
-            sink = Sink(staging.fd)
+            sink = Sink(staging.fd, writeback=durable)
             sink.write(seal_header(raw) if known else raw)
             sink.flush()  # the header on its own: payloads gather after it
             sums = _write_payloads(sink, draft.tensors, sources, data_start, target, on_payload)

@@ -2,6 +2,7 @@
 
 import dataclasses
 import errno
+import itertools
 import os
 from pathlib import Path
 
@@ -369,3 +370,21 @@ def test_a_header_whose_checksums_are_all_known_is_written_once(tmp_path, monkey
     reader = CheckpointReader(tmp_path / 'o.jckpt')
     assert reader.header.tensors == written.tensors and reader.verify() == []
     assert all(e.checksum is not None for e in written.tensors)
+
+
+@pytest.mark.parametrize('durable', [True, False])
+def test_a_durable_write_starts_the_disk_behind_each_mib(tmp_path, monkeypatch, durable):
+    kicks = []
+    monkeypatch.setattr(writer, 'start_writeback', lambda fd, at, n: kicks.append((at, n)))
+    arrays = {f's{i}': np.full(1000, i, np.float32) for i in range(600)}  # 2.4 MB, gathered
+    arrays['big'] = np.arange(1 << 19, dtype=np.float32)  # 2 MiB, written straight
+    header = header_of(arrays)
+    sources = [writer.array_source(x)[0] for x in arrays.values()]
+    write_checkpoint(tmp_path / 'w.jckpt', header, sources, durable=durable)
+    if not durable:
+        assert kicks == []
+        return
+    assert len(kicks) >= 3 and kicks[0][0] == 0 and all(n >= Sink.BUFFER_BYTES for _, n in kicks)
+    assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(kicks))  # back to back, in order
+    assert kicks[-1][0] + kicks[-1][1] <= (tmp_path / 'w.jckpt').stat().st_size
+    assert CheckpointReader(tmp_path / 'w.jckpt').verify() == []
