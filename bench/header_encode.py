@@ -9,14 +9,13 @@ process, with it disabled, and checks that both give the same bytes. Medians of 
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import statistics
 import tempfile
-import time
 
 import jckpt
 from bench import workloads
+from bench.run import clock
 from jckpt.format import decode_header, fastpath
 from jckpt.format.header import Header, encode_header_with_slots
 
@@ -35,13 +34,7 @@ def saved_header(name: str) -> Header:
 
 def median_s(header: Header, reps: int) -> float:
     """Median seconds of `encode_header_with_slots(header)`."""
-    times = []
-    for _ in range(reps):
-        gc.collect()
-        t0 = time.perf_counter()
-        encode_header_with_slots(header)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(clock(encode_header_with_slots, header)[0] for _ in range(reps))
 
 
 def main() -> None:

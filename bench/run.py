@@ -69,7 +69,8 @@ def host_arrays(tool: Tool, path: str, spec: Any) -> list[Any]:
     return arrays if arrays is not None else jax.tree.leaves(tool.restore(path, spec))
 
 
-def _clock(fn, *args) -> tuple[float, Any]:
+def clock(fn, *args) -> tuple[float, Any]:
+    """Seconds `fn(*args)` takes (after a garbage collection), and what it returns."""
     gc.collect()
     t0 = time.perf_counter()
     out = fn(*args)
@@ -81,19 +82,19 @@ def one_round(tool: Tool, tree: Any, spec: Any, path: str) -> dict[str, float]:
     rec: dict[str, float] = {}
     remove(path)
     if tool.timed_save:
-        rec['save'] = _clock(tool.save, tree, path, False)[0]
+        rec['save'] = clock(tool.save, tree, path, False)[0]
         remove(path)
-        rec['durable_save'] = _clock(tool.save, tree, path, True)[0]
+        rec['durable_save'] = clock(tool.save, tree, path, True)[0]
     else:
         tool.save(tree, path, False)
     if tool.has_async:
         remove(path)
         tool.open_async(path)
-        blocking, wait = _clock(tool.save_async, tree, path)
+        blocking, wait = clock(tool.save_async, tree, path)
         wait()
         rec['async_block'] = blocking
     rec['size'] = disk_size(path)
-    t, arrays = _clock(tool.load_host, path, spec)
+    t, arrays = clock(tool.load_host, path, spec)
     if arrays is not None:
         rec['load_host'] = t
     del arrays
@@ -102,8 +103,8 @@ def one_round(tool: Tool, tree: Any, spec: Any, path: str) -> dict[str, float]:
         out = tool.restore(path, spec)
         jax.block_until_ready(out)
         return out
-    rec['restore'] = _clock(restore)[0]
-    rec['first_use'] = _clock(lambda: touch_all(host_arrays(tool, path, spec)))[0]
+    rec['restore'] = clock(restore)[0]
+    rec['first_use'] = clock(lambda: touch_all(host_arrays(tool, path, spec)))[0]
     remove(path)
     return rec
 
@@ -158,12 +159,7 @@ def header_decode(name: str, quick: bool, base: str, reps: int) -> dict[str, flo
     with open(path, 'rb') as f:
         first = f.read(4)
         raw = first + f.read(int.from_bytes(first, 'big'))
-    times = []
-    for _ in range(reps):
-        gc.collect()
-        t0 = time.perf_counter()
-        decode_header(raw)
-        times.append(time.perf_counter() - t0)
+    times = [clock(decode_header, raw)[0] for _ in range(reps)]
     remove(path)
     return {'header_bytes': len(raw), 'times': times}
 

@@ -15,19 +15,17 @@ saves, so the page cache and the allocator are the same for every writer.
 
 from __future__ import annotations
 
-import gc
 import os
 import statistics
 import sys
 import tempfile
-import time
 
 import jax
 import numpy as np
 
 import jckpt
 from bench import workloads
-from bench.run import to_device
+from bench.run import clock, to_device
 from jckpt.api import saving
 from jckpt.storage import writer
 from jckpt.trees import to_host
@@ -80,10 +78,7 @@ def _run(reps: int) -> dict[str, float]:
         for name, fn in writers.items():
             if os.path.exists(os.path.join(folder, 'out')):
                 os.unlink(os.path.join(folder, 'out'))
-            gc.collect()
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock(fn)[0])
     medians = {name: statistics.median(t) for name, t in times.items()}
     for name, t in medians.items():
         print(f"{name:20s} {t * 1e3:7.1f} ms")

@@ -90,11 +90,6 @@ def _ask(sharding: Any) -> _Placement:
                       sharding.is_fully_addressable)
 
 
-def _on_cpu(leaf: jax.Array) -> bool:
-    """Whether `leaf` lives in host memory already (every device a CPU): no transfer to start."""
-    return _facts(leaf.sharding).on_cpu
-
-
 def is_sharded(leaf: Any) -> bool:
     """Whether `leaf` is a `jax.Array` spread over (or replicated on) several devices."""
     return isinstance(leaf, jax.Array) and _facts(leaf.sharding).several
