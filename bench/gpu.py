@@ -16,6 +16,9 @@ JAX's default device. Prints Markdown tables and writes one JSON object (`--json
   random state, a checkpoint every 20 steps through `jckpt.Mirror.submit`,
   `jckpt.CheckpointManager.save` and orbax's asynchronous `CheckpointManager.save`: the time
   each call blocks, and the whole loop's wall time against the same loop with no checkpoint.
+  `mirror-host` takes no device image (a copy to host at submit, as when the device has no
+  room for one); the `-plain` variants move device data into fresh host buffers instead of
+  pinned ones (`jckpt.trees.image.HOST_MEMORY`), to measure which is faster.
 
 ```console
 $ python -m bench.gpu --quick --json /tmp/gpu.json   # doctest: +SKIP
@@ -111,6 +114,7 @@ def limits(nbytes: int, device: jax.Device, reps: int) -> dict[str, dict[str, fl
         'device-to-device (jitted copy)': _repeat(
             lambda: _copy(on_device), reps, host.nbytes),
         'device-to-host (pinned_host)': None,
+        'device-to-host (pinned_host, as numpy)': None,
     }
     kinds = {m.kind for m in device.addressable_memories()}
     if 'pinned_host' in kinds:
@@ -118,6 +122,10 @@ def limits(nbytes: int, device: jax.Device, reps: int) -> dict[str, dict[str, fl
         jax.block_until_ready(jax.device_put(on_device, pinned))  # warm the path
         out['device-to-host (pinned_host)'] = _repeat(
             lambda x: jax.device_put(x, pinned), reps, host.nbytes, prepare=lambda: fresh(on_device))
+        # the same, read by numpy as a snapshot's drain reads it (no more if numpy views it)
+        out['device-to-host (pinned_host, as numpy)'] = _repeat(
+            lambda x: np.asarray(jax.device_put(x, pinned)), reps, host.nbytes,
+            prepare=lambda: fresh(on_device))
     return out
 
 
@@ -214,10 +222,21 @@ def _sink(variant: str, directory: str) -> tuple[Callable, Callable, Callable, A
     import jckpt
     if variant == 'none':
         return (lambda i, s: None), (lambda: None), (lambda: None), None
-    if variant in ('mirror', 'mirror-host'):  # mirror-host: no device image, a copy to host
+    if variant.startswith('mirror'):
+        # mirror-host: no device image, a copy to host at submit; -plain: into fresh host
+        # buffers instead of the pinned ones the runtime reuses (jckpt.trees.image.HOST_MEMORY)
+        from jckpt.trees import image
+        kept = image.HOST_MEMORY
+        image.HOST_MEMORY = None if variant.endswith('-plain') else kept
         m = jckpt.Mirror(os.path.join(directory, 'mirror.jckpt'), new_lineage=True,
-                         device_image_bytes=0 if variant == 'mirror-host' else None)
-        return (lambda i, s: m.submit(s)), m.wait_durable, m.close, m
+                         device_image_bytes=0 if variant.startswith('mirror-host') else None)
+
+        def close() -> None:
+            try:
+                m.close()
+            finally:
+                image.HOST_MEMORY = kept
+        return (lambda i, s: m.submit(s)), m.wait_durable, close, m
     if variant == 'manager':
         mgr = jckpt.CheckpointManager(os.path.join(directory, 'manager'), keep_last=2)
         return (lambda i, s: mgr.save(i, s)), mgr.wait_durable, mgr.close, mgr
@@ -266,7 +285,8 @@ def training_loop(variant: str, state: Any, step: Callable, w: jax.Array, steps:
 
 def mirror_blocking(nbytes: int, device: jax.Device, *, step_ms: float, steps: int = 60,
                     every: int = 20, n: int = 2048, directory: str,
-                    variants: tuple[str, ...] = ('none', 'mirror', 'mirror-host', 'manager', 'orbax',
+                    variants: tuple[str, ...] = ('none', 'mirror', 'mirror-plain', 'mirror-host',
+                                                 'mirror-host-plain', 'manager', 'orbax',
                                                  'none')) -> dict:
     """Blocking per checkpoint and whole-loop overhead of asynchronous checkpoints of a random
     float32 state of ``nbytes`` on ``device``, checkpointed every ``every`` of ``steps`` steps

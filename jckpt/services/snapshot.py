@@ -127,7 +127,8 @@ class Slot:
         * jax arrays (on an accelerator or the CPU): an image on their device,
           one dispatched copy into this slot's previous image
           (`jckpt.trees.image.Images`), when the devices have room for it;
-          else a transfer to (or copy in) host memory now.
+          else a transfer to host memory now (into pinned buffers the runtime
+          reuses, `jckpt.trees.image.HOST_MEMORY`), or a copy for a CPU array.
         * numpy leaves: copied into this slot's host buffers, allocated once
           and reused from snapshot to snapshot (no page faults after the first).
         """
@@ -138,7 +139,8 @@ class Slot:
             devices = []
         imaged = set(devices)
         described = iter(to_host.host_leaves([named[i] for i in devices], fetch=False))
-        hosts = iter(to_host.host_leaves([x for i, x in enumerate(named) if i not in imaged]))
+        hosts = iter(to_host.host_leaves([x for i, x in enumerate(named) if i not in imaged],
+                                         host_memory=image.HOST_MEMORY))
         images = self._images.take([named[i][1] for i in devices]) if devices else []
         staged: list[Any] = []
         impls: list[str | None] = []

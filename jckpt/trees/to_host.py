@@ -2,8 +2,9 @@
 
 `host_leaves` checks every leaf (an array or a number, fully addressable, of
 a storable dtype), turns typed PRNG keys into their key data, and starts every
-device-to-host transfer (`copy_to_host_async`) before awaiting any, so they
-overlap; a sharded array is kept as its distinct shards, never gathered.
+device-to-host transfer (`start_host_copies`: into fresh buffers, or into pinned
+host memory for a snapshot) before awaiting any, so they overlap; a sharded
+array is kept as its distinct shards, never gathered.
 Arrays already in host memory (numpy, CPU devices) need no transfer; runs of
 them are staged in one C call where the accelerator is built. The way back,
 host to device, is `jckpt.trees.placement`.
@@ -16,6 +17,7 @@ host to device, is `jckpt.trees.placement`.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
@@ -31,6 +33,8 @@ from jckpt.trees.pytree import leaf_name
 from jckpt.trees.sharding import Box
 
 _PY_SCALARS = (bool, int, float, complex)
+
+log = logging.getLogger('jckpt')
 
 
 _KEY_DTYPES: dict[Any, bool] = {}  # dtype -> is a typed PRNG key dtype (asked once per dtype)
@@ -120,13 +124,81 @@ def owned_shards(array: jax.Array) -> list[tuple[Box, jax.Array]]:
     return out
 
 
-def start_transfers(shards: Sequence[tuple[Box, Any]]) -> None:
-    """Start the device-to-host copy of each shard (they overlap; none is awaited)."""
-    for _, data in shards:
+def start_transfers(shards: Sequence[tuple[Box, Any]],
+                    host_memory: str | None = None) -> tuple[tuple[Box, Any], ...]:
+    """Start the device-to-host copy of each shard (they overlap; none is awaited): `(box,
+    data)` to read with `await_host` (see `start_host_copies` for `host_memory`)."""
+    moved = start_host_copies([data for _, data in shards], host_memory)
+    return tuple((box, data) for (box, _), data in zip(shards, moved))
+
+
+#: Log once that the runtime refused a transfer into pinned host memory.
+_REFUSED: list[str] = []
+
+
+def start_host_copies(arrays: Sequence[jax.Array], host_memory: str | None = None) -> list[Any]:
+    """Start the transfer of every device array in `arrays` to host memory, none awaited:
+    what to read each with `await_host`.
+
+    `host_memory='pinned_host'` moves the arrays whose devices have that memory
+    into page-locked host memory, in one dispatched `jax.device_put` (a copy,
+    never an alias). The runtime's host allocator hands such buffers out again
+    once they are freed, so a transfer repeated at every snapshot faults in no
+    new page after the first, and numpy reads the result without a copy.
+    Otherwise (`None`, a device without that memory, or the runtime refusing
+    it) each array's `copy_to_host_async` fills a fresh host buffer.
+
+    >>> x = jax.numpy.arange(3.0)
+    >>> [await_host(h).tolist() for h in start_host_copies([x], 'pinned_host')]
+    [[0.0, 1.0, 2.0]]
+    """
+    out = list(arrays)
+    into = [_in_memory(a.sharding, host_memory) for a in out] if host_memory else []
+    moving = [i for i, s in enumerate(into) if s is not None]
+    if moving:
         try:
-            data.copy_to_host_async()
+            moved = jax.device_put([out[i] for i in moving], [into[i] for i in moving],
+                                   may_alias=False)
+        except Exception as e:  # e.g. the pinned pool exhausted: a plain transfer does
+            if not _REFUSED:
+                _REFUSED.append(str(e))
+                log.warning("jckpt: transfers into %s memory refused (%.200s); copying to "
+                            "fresh host buffers", host_memory, e)
+            moving = []
+        else:
+            for i, m in zip(moving, moved):
+                out[i] = m
+    plain = set(range(len(out))).difference(moving)
+    for i in sorted(plain):
+        try:
+            out[i].copy_to_host_async()
         except Exception:  # a backend without async copies: the copy happens on read
             pass
+    return out
+
+
+#: `(sharding, memory kind)` -> that sharding in that memory, or None where a device lacks it.
+_MEMORIES: dict[tuple[Any, str], Any] = {}
+
+
+def _in_memory(sharding: Any, kind: str) -> Any:
+    """`sharding` moved to memory `kind` (asked once per sharding), None where it cannot be."""
+    try:
+        return _MEMORIES[sharding, kind]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable sharding
+        return None
+    into = None
+    try:
+        if all(kind in {m.kind for m in d.addressable_memories()} for d in sharding.device_set):
+            into = sharding.with_memory_kind(kind)
+    except Exception:  # a sharding or backend without memory kinds
+        into = None
+    if len(_MEMORIES) >= _SEEN_MAX:
+        _MEMORIES.clear()
+    _MEMORIES[sharding, kind] = into
+    return into
 
 
 def await_host(data: Any) -> np.ndarray:
@@ -164,7 +236,7 @@ class HostLeaf(NamedTuple):
 
 def host_leaves(leaves: Iterable[tuple[Any, Any]], *, namespace: str | None = None,
                 pieces: bool = False, spread: bool = False, fetch: bool = True,
-                copy: bool = False) -> list[HostLeaf]:
+                copy: bool = False, host_memory: str | None = None) -> list[HostLeaf]:
     """Bring `(where, leaf)` pairs to host: every leaf checked and its transfer started, then the waits.
 
     The one path from a leaf to be stored to its host data. Typed PRNG keys
@@ -188,6 +260,9 @@ def host_leaves(leaves: Iterable[tuple[Any, Any]], *, namespace: str | None = No
         whole (another process writes them): no transfer, `array` None for each.
       copy: make each `array` private (`HostLeaf.private`), copying only
         what a transfer did not already copy: the snapshot a background writer needs.
+      host_memory: where transfers from a device land (`start_host_copies`): None, fresh
+        host buffers; 'pinned_host', page-locked buffers the runtime reuses, for a
+        snapshot taken again and again.
 
     >>> [h.shape for h in host_leaves([('ns/w', np.ones((2, 3))), ('ns/n', 7)])]
     [(2, 3), ()]
@@ -205,8 +280,10 @@ def host_leaves(leaves: Iterable[tuple[Any, Any]], *, namespace: str | None = No
         where, leaf = leaves[i]
         name = where if namespace is None else leaf_name(namespace, where)
         finish.append(len(staged))
-        staged.append(_stage(name, leaf, pieces=pieces, spread=spread, fetch=fetch))
+        staged.append(_stage(name, leaf, pieces=pieces, spread=spread, fetch=fetch,
+                             host_memory=host_memory))
         i += 1
+    _start_whole(staged, finish, host_memory)
     for k in range(len(staged)) if copy else finish:
         staged[k] = _finish(staged[k], copy)
     return staged
@@ -233,8 +310,20 @@ def _stage_plain(leaves: list[tuple[Any, Any]], start: int, out: list[HostLeaf])
 ACCELERATE = True
 
 
-def _stage(where: str, leaf: Any, *, pieces: bool, spread: bool, fetch: bool) -> HostLeaf:
-    """Check one leaf and start its transfers; the host data of a non-JAX leaf is final."""
+def _start_whole(staged: list[HostLeaf], indices: Sequence[int], host_memory: str | None) -> None:
+    """Start the transfers of the whole leaves at `indices` still on a device, all at once."""
+    on_device = [k for k in indices if isinstance(staged[k].array, jax.Array)]
+    if not on_device:
+        return
+    moved = start_host_copies([staged[k].array for k in on_device], host_memory)
+    for k, data in zip(on_device, moved):
+        staged[k] = staged[k]._replace(array=data)
+
+
+def _stage(where: str, leaf: Any, *, pieces: bool, spread: bool, fetch: bool,
+           host_memory: str | None = None) -> HostLeaf:
+    """Check one leaf and start its shards' transfers (a whole leaf's are started with the
+    others', `_start_whole`); the host data of a non-JAX leaf is final."""
     if not isinstance(leaf, jax.Array):
         return _stage_host(where, leaf, fetch)
     global _JAX_TYPES
@@ -255,16 +344,11 @@ def _stage(where: str, leaf: Any, *, pieces: bool, spread: bool, fetch: bool) ->
     shape = leaf.shape
     if pieces and (not facts.whole or facts.several):
         shards = tuple(owned_shards(leaf)) if fetch or not facts.whole else ()
-        start_transfers(shards)
-        return HostLeaf(dtype, shape, key_impl, shards=shards)
+        return HostLeaf(dtype, shape, key_impl, shards=start_transfers(shards, host_memory))
     if not fetch:
         return HostLeaf(dtype, shape, key_impl)
     if facts.on_cpu:  # in host memory already: no transfer to wait for
         return HostLeaf(dtype, shape, key_impl, np.asarray(leaf))
-    try:
-        leaf.copy_to_host_async()
-    except Exception:  # a backend without async copies: the copy happens on read
-        pass
     return HostLeaf(dtype, shape, key_impl, leaf)  # array: the device array until _finish
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jckpt
-from jckpt.trees import image
+from jckpt.trees import image, to_host
 
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 
@@ -126,3 +126,24 @@ def test_the_image_limit_is_checked(tmp_path):
     with pytest.raises(jckpt.InputError, match="device_image_bytes"):
         jckpt.Mirror(tmp_path / "never.jckpt", device_image_bytes=-1)
     assert not (tmp_path / "never.jckpt").exists()
+
+
+@pytest.mark.parametrize("host_memory", ["pinned_host", None])
+@pytest.mark.parametrize("limit", [None, 0])
+def test_images_and_direct_copies_of_an_accelerator_survive_donation(tmp_path, monkeypatch, limit,
+                                                                     host_memory):
+    """The CPU taken for an accelerator: every jax leaf is imaged (or, at limit 0, moved to host
+    at submit), and drained into pinned host memory or fresh buffers."""
+    from tests.trees.test_to_host import as_accelerator
+    as_accelerator(monkeypatch)
+    monkeypatch.setattr(image, "HOST_MEMORY", host_memory)
+    moved = []
+    real = to_host.start_host_copies
+    monkeypatch.setattr(to_host, "start_host_copies",
+                        lambda a, m=None: (moved.append((len(a), m)), real(a, m))[1])
+    wanted, counters = run_and_check(tmp_path, lambda p: jckpt.Mirror(p, device_image_bytes=limit),
+                                     lambda m, t, i: m.submit(t))
+    assert counters.images == (0 if limit == 0 else 3)
+    assert [(n, m) for n, m in moved if n] == [(5, host_memory)] * 3  # each snapshot's jax leaves
+    _, got = jckpt.load(jckpt.Context(host=True), tmp_path / "run")
+    assert expected_bytes(got["jckpt"]) == wanted[-1]

@@ -191,3 +191,66 @@ def test_shardings_known_by_identity_stay_few_and_right(monkeypatch):
     assert [f.several for f in facts] == [False, False, False, True] and all(f.on_cpu for f in facts)
     assert to_host._facts(arrays[-1].sharding) is facts[-1]  # found again, by identity
     assert to_host._SEEN[id(arrays[-1].sharding)][0] is arrays[-1].sharding
+
+
+# --- transfers into pinned host memory -------------------------------------------------------
+
+def test_pinned_copies_land_in_pinned_memory_and_stay_the_values_at_the_transfer():
+    pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")  # default backend
+    xs = [jnp.arange(6.0).reshape(2, 3), jnp.ones(4, jnp.int8), jax.device_put(jnp.zeros(3), pinned)]
+    moved = to_host.start_host_copies(xs, "pinned_host")
+    assert [m.sharding.memory_kind for m in moved] == ["pinned_host"] * 3
+    views = [to_host.await_host(m) for m in moved]
+    donate = jax.jit(lambda a: a * 0 - 1, donate_argnums=0)
+    for x in xs[:2]:
+        donate(x)  # the caller donates what it handed over
+    assert [v.tolist() for v in views] == [[[0, 1, 2], [3, 4, 5]], [1] * 4, [0, 0, 0]]
+    # an array already in pinned memory is copied too, never aliased
+    assert views[2].ctypes.data != np.asarray(xs[2]).ctypes.data
+
+
+def test_without_pinned_memory_a_transfer_is_a_plain_one(monkeypatch):
+    started = []
+    impl = type(jnp.ones(1))
+    real = impl.copy_to_host_async
+    monkeypatch.setattr(impl, "copy_to_host_async", lambda self: (started.append(1), real(self)))
+    x = jnp.arange(3.0)
+    assert to_host.start_host_copies([x], None) == [x] and started == [1]
+    monkeypatch.setattr(to_host, "_MEMORIES", {})
+    assert to_host._in_memory(x.sharding, "no_such_memory") is None
+    assert to_host.start_host_copies([x], "no_such_memory") == [x] and started == [1, 1]
+
+
+def test_a_refused_pinned_transfer_falls_back_to_a_plain_one_and_says_so(monkeypatch, caplog):
+    def refuse(*a, **k):
+        raise RuntimeError("RESOURCE_EXHAUSTED: pinned pool")
+    monkeypatch.setattr(to_host.jax, "device_put", refuse)
+    monkeypatch.setattr(to_host, "_REFUSED", [])
+    x = jnp.arange(3.0)
+    with caplog.at_level("WARNING", logger="jckpt"):
+        moved = to_host.start_host_copies([x, x], "pinned_host")
+        to_host.start_host_copies([x], "pinned_host")
+    assert moved == [x, x] and to_host.await_host(moved[0]).tolist() == [0, 1, 2]
+    assert len([r for r in caplog.records if "pinned_host memory refused" in r.message]) == 1
+
+
+def test_leaves_of_an_accelerator_go_to_pinned_memory_in_one_transfer(monkeypatch):
+    calls = []
+    real = to_host.jax.device_put
+    monkeypatch.setattr(to_host.jax, "device_put",
+                        lambda *a, **k: (calls.append(len(a[0])), real(*a, **k))[1])
+    as_accelerator(monkeypatch)
+    xs = [jnp.full(3, float(i)) for i in range(4)] + [jax.random.key(7)]
+    hs = to_host.host_leaves([(f"ns/{i}", x) for i, x in enumerate(xs)], host_memory="pinned_host")
+    assert calls == [5] and all(h.private for h in hs)
+    assert [h.array[0] for h in hs[:4]] == [0, 1, 2, 3] and hs[4].key_impl is not None
+    assert hs[4].array.tolist() == np.asarray(jax.random.key_data(xs[4])).tolist()
+
+
+def test_shards_go_to_pinned_memory_too(monkeypatch):
+    as_accelerator(monkeypatch)
+    x = np.arange(16.0).reshape(8, 2)
+    h = to_host.host_leaves([("ns/x", sharded(x, P("a")))], pieces=True, host_memory="pinned_host")[0]
+    assert {d.sharding.memory_kind for _, d in h.shards} == {"pinned_host"}
+    for box, data in h.shards:
+        assert to_host.await_host(data).tolist() == x[tuple(slice(a, b) for a, b in box)].tolist()
