@@ -1,9 +1,14 @@
-"""Restore of many small arrays onto an accelerator, against one packed transfer of their bytes.
+"""Many small arrays onto an accelerator and off it, against one packed transfer of their bytes.
 
 Run on a machine with a GPU or TPU (`python -m bench.gpu_small`); on the CPU it
 runs too, where restores alias the file and nothing is packed. Prints one JSON
 object: medians in milliseconds, and the ratio the goal is stated in
-(restore / one packed transfer, at most 3).
+(restore / one packed transfer, at most 3). Off the device, `take_ms` is what a
+snapshot's drain does with the arrays (`to_host.host_leaves(..., snapshot=True)`: into pinned
+host memory, small arrays joined on the device once that join is compiled), against
+`take_one_by_one_ms` (no joins) and one transfer of the packed bytes
+(`one_packed_d2h_ms`); each run starts from fresh device arrays, which no host
+copy is cached for.
 """
 
 from __future__ import annotations
@@ -19,16 +24,43 @@ import jax
 import numpy as np
 
 import jckpt
-from jckpt.trees import packing, placement
+from jckpt.trees import packing, placement, to_host
 
 
-def _median(fn, reps: int) -> float:
+def _median(fn, reps: int, prepare=None) -> float:
+    """Median milliseconds of `fn()` (of `fn(prepare())` with a `prepare`, untimed)."""
     times = []
     for _ in range(reps):
+        args = () if prepare is None else (jax.block_until_ready(prepare()),)
         start = time.perf_counter()
-        jax.block_until_ready(fn())
+        jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
+
+
+def takes(leaves: list[np.ndarray], device, reps: int) -> dict:
+    """Milliseconds to bring `leaves`, on `device`, back to host: joined, one by one, and the
+    packed bytes as one array."""
+    on_device = jax.device_put(leaves, device)
+    fresh = jax.jit(lambda xs: [x + 0 for x in xs])
+    named = [(f"ns/w{i}", None) for i in range(len(leaves))]
+
+    def take(xs):
+        return [h.array for h in to_host.host_leaves(
+            [(n, x) for (n, _), x in zip(named, xs)], snapshot=True)]
+    take(fresh(on_device))  # the join compiles in the background: wait for it
+    for future in list(packing._JOINS.values()):
+        future.result()
+    out = {"take_ms": _median(take, reps, lambda: fresh(on_device))}
+    kept, packing.TAKE_BYTES = packing.TAKE_BYTES, 0
+    try:
+        out["take_one_by_one_ms"] = _median(take, reps, lambda: fresh(on_device))
+    finally:
+        packing.TAKE_BYTES = kept
+    packed = jax.device_put(np.concatenate([a.reshape(-1).view(np.uint8) for a in leaves]), device)
+    out["one_packed_d2h_ms"] = _median(np.asarray, reps, lambda: packed + 0)
+    out["take_over_packed_d2h"] = out["take_ms"] / out["one_packed_d2h_ms"]
+    return out
 
 
 def main(count: int = 2000, elements: int = 1000, reps: int = 7) -> dict:
@@ -55,6 +87,7 @@ def main(count: int = 2000, elements: int = 1000, reps: int = 7) -> dict:
         "packing_used": placement._accelerator(device) is not None,
     }
     out["restore_over_packed_transfer"] = out["restore_ms"] / out["one_packed_transfer_ms"]
+    out.update(takes(leaves, device, reps))
     return out
 
 

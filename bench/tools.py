@@ -107,7 +107,10 @@ class Tool:
     @classmethod
     def available(cls) -> bool:
         import importlib.util
-        return all(importlib.util.find_spec(m) is not None for m in cls.requires)
+        try:
+            return all(importlib.util.find_spec(m) is not None for m in cls.requires)
+        except ModuleNotFoundError:  # 'orbax.checkpoint' without 'orbax'
+            return False
 
     def path(self, base: str) -> str:
         return os.path.join(base, f"{self.name}{self.ext}")

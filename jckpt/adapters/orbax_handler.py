@@ -66,7 +66,8 @@ def _snapshot(tree: Any, namespace: str) -> Any:
     jax arrays become an image on their device (a dispatched copy,
     `jckpt.trees.image`) when the devices have room, written from there in
     the background commit; everything else becomes a private host copy
-    (typed PRNG keys stay keys). Every leaf is checked now (an unstorable one
+    (typed PRNG keys stay keys; a device's arrays move as a snapshot's do,
+    `jckpt.trees.to_host.start_host_copies`). Every leaf is checked now (an unstorable one
     raises `InputError` before orbax starts its commit), and every transfer is
     started before any is awaited.
     """
@@ -82,7 +83,7 @@ def _snapshot(tree: Any, namespace: str) -> Any:
                           if devices else []):
         out[i] = data if h.key_impl is None else jax.random.wrap_key_data(data, impl=h.key_impl)
     rest = [i for i in range(len(named)) if i not in imaged]
-    hosts = to_host.host_leaves([named[i] for i in rest], copy=True)
+    hosts = to_host.host_leaves([named[i] for i in rest], copy=True, snapshot=True)
     # a key array of copied data is a fresh array: safe from the caller's donation
     for i, h in zip(rest, hosts):
         out[i] = h.array if h.key_impl is None else jax.random.wrap_key_data(h.array, impl=h.key_impl)

@@ -128,7 +128,8 @@ class Slot:
           one dispatched copy into this slot's previous image
           (`jckpt.trees.image.Images`), when the devices have room for it;
           else a transfer to host memory now (into pinned buffers the runtime
-          reuses, `jckpt.trees.image.HOST_MEMORY`), or a copy for a CPU array.
+          reuses, small arrays joined: `jckpt.trees.to_host.start_host_copies`),
+          or a copy for a CPU array.
         * numpy leaves: copied into this slot's host buffers, allocated once
           and reused from snapshot to snapshot (no page faults after the first).
         """
@@ -140,7 +141,7 @@ class Slot:
         imaged = set(devices)
         described = iter(to_host.host_leaves([named[i] for i in devices], fetch=False))
         hosts = iter(to_host.host_leaves([x for i, x in enumerate(named) if i not in imaged],
-                                         host_memory=image.HOST_MEMORY))
+                                         snapshot=True))
         images = self._images.take([named[i][1] for i in devices]) if devices else []
         staged: list[Any] = []
         impls: list[str | None] = []

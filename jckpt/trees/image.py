@@ -171,22 +171,14 @@ def _memory_stats(device: Any) -> dict[str, int] | None:
         return None
 
 
-#: Where a snapshot's device data lands on the host (`jckpt.trees.to_host.start_host_copies`):
-#: 'pinned_host', page-locked buffers the runtime hands out again snapshot after snapshot
-#: (no page faults after the first, and the fastest device-to-host copy), where the device
-#: has that memory; None, a fresh host buffer per transfer. An image on the CPU is read in
-#: place either way.
-HOST_MEMORY: str | None = 'pinned_host'
-
-
 def drain(images: Sequence[jax.Array]) -> list[Any]:
-    """The images in host memory (`HOST_MEMORY`): every transfer started, then each awaited;
-    an image on the CPU is viewed in place."""
+    """The images in host memory (a snapshot's transfers, `to_host.start_host_copies`): every
+    transfer started, then each awaited; an image on the CPU is viewed in place."""
     on_device = [i for i, a in enumerate(images) if not to_host._facts(a.sharding).on_cpu]
     moved = dict(zip(on_device, to_host.start_host_copies([images[i] for i in on_device],
-                                                          HOST_MEMORY)))
+                                                          snapshot=True)))
     return [to_host.await_host(moved.get(i, a)) for i, a in enumerate(images)]
 
 
-__all__ = ['CPU_IMAGE_BYTES', 'FREE_FRACTION', 'HOST_MEMORY', 'Images', 'check_limit', 'drain', 'has_room',
+__all__ = ['CPU_IMAGE_BYTES', 'FREE_FRACTION', 'Images', 'check_limit', 'drain', 'has_room',
            'image_bytes', 'imageable', 'take_image']

@@ -1,4 +1,8 @@
-"""Many small host arrays onto one accelerator in one transfer: packed, then split on the device.
+"""Many small arrays across the host link in one transfer, either way.
+
+Onto an accelerator (`put_packed`): packed into one host buffer, then split
+on the device. Off it (`take_packed`): joined on the device, then viewed on
+the host (`split_on_host`).
 
 A `device_put` per array costs a host-to-device transfer and a dispatch
 each, tens of microseconds on a GPU: restoring 2,000 biases and norms costs
@@ -8,7 +12,13 @@ layout and kept) cuts the device buffer into the arrays by slicing and
 bitcasting, on the device.
 
 This is for accelerators only: on the CPU a restored array aliases the
-mapped file and nothing is copied at all (`jckpt.trees.placement`).
+mapped file and nothing is copied at all (`jckpt.trees.placement`), and a
+saved one is read in place (`jckpt.trees.to_host`).
+
+The way off joins the arrays in one dispatched call compiled per layout. It
+is compiled on a background thread the first time a layout is met, and used
+from then on: a snapshot taken again and again never waits for XLA's
+compiler, and the first one travels array by array.
 
 >>> import jax, numpy as np
 >>> a, b = put_packed([np.arange(3, dtype=np.int32), np.ones((2, 2), np.float32)], jax.devices()[0])
@@ -18,12 +28,14 @@ mapped file and nothing is copied at all (`jckpt.trees.placement`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -96,4 +108,84 @@ def put_packed(arrays: Sequence[np.ndarray], device: Any) -> list[jax.Array]:
     return list(_split(buffer, layout))
 
 
-__all__ = ['PACKABLE', 'PACK_BYTES', 'PACK_MIN', 'layout_of', 'pack', 'packable', 'put_packed']
+# --------------------------------------------------------------------------- off the device
+
+#: Arrays up to this many bytes leave a device joined: a transfer's fixed cost is about that of
+#: moving 0.5 MB over a GPU's host link, so larger ones gain little, and the join costs room.
+TAKE_BYTES = 1 << 16
+
+#: Compiles the joins in the background, so no transfer waits for XLA's compiler.
+_COMPILER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='jckpt-join')
+#: `(sharding, layout)` -> the future of its compiled join (at most `_JOINS_MAX` layouts).
+_JOINS: dict[tuple[Any, Layout], concurrent.futures.Future] = {}
+_JOINS_MAX = 64
+
+
+def takeable(array: jax.Array) -> bool:
+    """Whether `array` may leave its device joined: small, non-empty, of a `PACKABLE` dtype."""
+    return 0 < array.nbytes <= TAKE_BYTES and array.dtype in PACKABLE
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _join(arrays: list[jax.Array], layout: Layout) -> jax.Array:
+    """One `uint8` device array holding each array's bytes at its layout offset."""
+    pieces = []
+    for a, (_, _, dtype) in zip(arrays, layout):
+        flat = (a.astype(jnp.uint8) if dtype == np.bool_ else
+                jax.lax.bitcast_convert_type(a, jnp.uint8)).reshape(-1)
+        pieces.append(flat)
+        pad = -flat.size % PACK_ALIGN
+        if pad:
+            pieces.append(jnp.zeros(pad, jnp.uint8))
+    return jnp.concatenate(pieces)
+
+
+def _compile_join(sharding: Any, layout: Layout) -> Any:
+    specs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for _, shape, dtype in layout]
+    return _join.lower(specs, layout).compile()
+
+
+def take_packed(arrays: Sequence[jax.Array]) -> tuple[jax.Array, Layout] | None:
+    """`arrays` (each `takeable`, all of one single-device sharding) joined into one `uint8`
+    array on their device by one dispatched call, and where each lies in it (read it back with
+    `split_on_host`); None while that call compiles in the background, or if it failed.
+
+    >>> import jax.numpy as jnp
+    >>> xs = [jnp.arange(3.0), jnp.ones(2, jnp.int8)]
+    >>> take_packed(xs) is None  # the first time: the join compiles in the background
+    True
+    >>> _ = _JOINS[xs[0].sharding, layout_of(xs)[0]].result()  # (waited for here)
+    >>> buffer, layout = take_packed(xs)
+    >>> [a.tolist() for a in split_on_host(np.asarray(buffer), layout)]
+    [[0.0, 1.0, 2.0], [1, 1]]
+    """
+    layout, _ = layout_of(arrays)
+    key = (arrays[0].sharding, layout)
+    future = _JOINS.get(key)
+    if future is None:
+        if len(_JOINS) >= _JOINS_MAX:
+            _JOINS.clear()
+        _JOINS[key] = _COMPILER.submit(_compile_join, *key)
+        return None
+    if not future.done() or future.exception() is not None:
+        return None
+    try:
+        return future.result()(list(arrays)), layout
+    except Exception:  # e.g. no device memory left for the join: the caller goes one by one
+        return None
+
+
+def split_on_host(buffer: np.ndarray, layout: Layout) -> list[np.ndarray]:
+    """The arrays of `layout` in a joined host buffer: views of it, no copies."""
+    return [unpack_one(buffer, where) for where in layout]
+
+
+def unpack_one(buffer: np.ndarray, where: tuple[int, tuple[int, ...], np.dtype]) -> np.ndarray:
+    """The array at `where = (offset, shape, dtype)` of a joined host buffer (a view)."""
+    offset, shape, dtype = where
+    n = math.prod(shape) * dtype.itemsize
+    return buffer[offset:offset + n].view(dtype).reshape(shape)
+
+
+__all__ = ['PACKABLE', 'PACK_BYTES', 'PACK_MIN', 'TAKE_BYTES', 'layout_of', 'pack', 'packable',
+           'put_packed', 'split_on_host', 'take_packed', 'takeable', 'unpack_one']

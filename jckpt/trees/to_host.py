@@ -2,8 +2,8 @@
 
 `host_leaves` checks every leaf (an array or a number, fully addressable, of
 a storable dtype), turns typed PRNG keys into their key data, and starts every
-device-to-host transfer (`start_host_copies`: into fresh buffers, or into pinned
-host memory for a snapshot) before awaiting any, so they overlap; a sharded
+device-to-host transfer (`start_host_copies`: into fresh buffers, or for a
+snapshot into pinned host memory, small arrays joined) before awaiting any, so they overlap; a sharded
 array is kept as its distinct shards, never gathered.
 Arrays already in host memory (numpy, CPU devices) need no transfer; runs of
 them are staged in one C call where the accelerator is built. The way back,
@@ -28,6 +28,7 @@ import numpy as np
 from jckpt.errors import InputError
 from jckpt.format import precs
 from jckpt.format.fastpath import accelerator
+from jckpt.trees import packing
 from jckpt.trees import sharding as sharding_mod
 from jckpt.trees.pytree import leaf_name
 from jckpt.trees.sharding import Box
@@ -125,33 +126,75 @@ def owned_shards(array: jax.Array) -> list[tuple[Box, jax.Array]]:
 
 
 def start_transfers(shards: Sequence[tuple[Box, Any]],
-                    host_memory: str | None = None) -> tuple[tuple[Box, Any], ...]:
+                    snapshot: bool = False) -> tuple[tuple[Box, Any], ...]:
     """Start the device-to-host copy of each shard (they overlap; none is awaited): `(box,
-    data)` to read with `await_host` (see `start_host_copies` for `host_memory`)."""
-    moved = start_host_copies([data for _, data in shards], host_memory)
+    data)` to read with `await_host` (see `start_host_copies` for `snapshot`)."""
+    moved = start_host_copies([data for _, data in shards], snapshot)
     return tuple((box, data) for (box, _), data in zip(shards, moved))
 
+
+#: Where a snapshot's device data lands on the host (`start_host_copies`): 'pinned_host',
+#: page-locked buffers the runtime hands out again snapshot after snapshot (no page faults
+#: after the first, and the fastest device-to-host copy), where the device has that memory;
+#: None, a fresh host buffer per transfer.
+SNAPSHOT_MEMORY: str | None = 'pinned_host'
 
 #: Log once that the runtime refused a transfer into pinned host memory.
 _REFUSED: list[str] = []
 
 
-def start_host_copies(arrays: Sequence[jax.Array], host_memory: str | None = None) -> list[Any]:
+def start_host_copies(arrays: Sequence[jax.Array], snapshot: bool = False) -> list[Any]:
     """Start the transfer of every device array in `arrays` to host memory, none awaited:
-    what to read each with `await_host`.
+    what to read each with `await_host`. Each array's `copy_to_host_async`
+    fills a fresh host buffer, unless:
 
-    `host_memory='pinned_host'` moves the arrays whose devices have that memory
-    into page-locked host memory, in one dispatched `jax.device_put` (a copy,
-    never an alias). The runtime's host allocator hands such buffers out again
-    once they are freed, so a transfer repeated at every snapshot faults in no
-    new page after the first, and numpy reads the result without a copy.
-    Otherwise (`None`, a device without that memory, or the runtime refusing
-    it) each array's `copy_to_host_async` fills a fresh host buffer.
+    `snapshot`: the same transfers recur, snapshot after snapshot, so they are
+    made for that. They land in `SNAPSHOT_MEMORY` (page-locked host memory,
+    where the devices have it), in one dispatched `jax.device_put` (a copy,
+    never an alias), whose buffers the runtime's host allocator hands out
+    again once freed: no new page faults after the first snapshot, and numpy
+    reads them without a copy. And small arrays of one accelerator travel
+    joined, one transfer for them all (`jckpt.trees.packing.take_packed`),
+    once their join has compiled in the background (until then, one by one).
+    A refused transfer into pinned memory falls back to a plain one.
 
     >>> x = jax.numpy.arange(3.0)
-    >>> [await_host(h).tolist() for h in start_host_copies([x], 'pinned_host')]
+    >>> [await_host(h).tolist() for h in start_host_copies([x], snapshot=True)]
     [[0.0, 1.0, 2.0]]
     """
+    out = list(arrays)
+    joined = _join_small(out) if snapshot else []
+    alone = sorted(set(range(len(out))).difference(i for ix, _, _ in joined for i in ix))
+    memory = SNAPSHOT_MEMORY if snapshot else None
+    moved = _start([out[i] for i in alone] + [buffer for _, buffer, _ in joined], memory)
+    for i, data in zip(alone, moved):
+        out[i] = data
+    for (indices, _, layout), buffer in zip(joined, moved[len(alone):]):
+        for i, where in zip(indices, layout):
+            out[i] = Piece(buffer, where)
+    return out
+
+
+def _join_small(arrays: Sequence[Any]) -> list[tuple[list[int], jax.Array, packing.Layout]]:
+    """`(indices, joined buffer, layout)` for each group of `packing.PACK_MIN` or more small
+    arrays of one accelerator whose join is compiled (`packing.take_packed`)."""
+    groups: dict[Any, list[int]] = {}
+    for i, a in enumerate(arrays):
+        if packing.takeable(a) and a.sharding.memory_kind in (None, 'device'):
+            facts = _facts(a.sharding)
+            if not (facts.on_cpu or facts.several):
+                groups.setdefault(a.sharding, []).append(i)
+    out = []
+    for indices in groups.values():
+        taken = packing.take_packed([arrays[i] for i in indices]) \
+            if len(indices) >= packing.PACK_MIN else None
+        if taken is not None:
+            out.append((indices, *taken))
+    return out
+
+
+def _start(arrays: list[Any], host_memory: str | None) -> list[Any]:
+    """`start_host_copies` of arrays that each travel alone, into `host_memory` (None: plain)."""
     out = list(arrays)
     into = [_in_memory(a.sharding, host_memory) for a in out] if host_memory else []
     moving = [i for i, s in enumerate(into) if s is not None]
@@ -201,8 +244,17 @@ def _in_memory(sharding: Any, kind: str) -> Any:
     return into
 
 
+class Piece(NamedTuple):
+    """A small array on its way to host joined with others into `buffer` (`start_host_copies`)."""
+
+    buffer: Any
+    where: tuple[int, tuple[int, ...], np.dtype]
+
+
 def await_host(data: Any) -> np.ndarray:
     """Wait for a transfer to host started earlier (a shard's, or a whole array's); its host array."""
+    if type(data) is Piece:
+        return packing.unpack_one(np.asarray(data.buffer), data.where)
     return np.asarray(data)
 
 
@@ -236,7 +288,7 @@ class HostLeaf(NamedTuple):
 
 def host_leaves(leaves: Iterable[tuple[Any, Any]], *, namespace: str | None = None,
                 pieces: bool = False, spread: bool = False, fetch: bool = True,
-                copy: bool = False, host_memory: str | None = None) -> list[HostLeaf]:
+                copy: bool = False, snapshot: bool = False) -> list[HostLeaf]:
     """Bring `(where, leaf)` pairs to host: every leaf checked and its transfer started, then the waits.
 
     The one path from a leaf to be stored to its host data. Typed PRNG keys
@@ -260,9 +312,8 @@ def host_leaves(leaves: Iterable[tuple[Any, Any]], *, namespace: str | None = No
         whole (another process writes them): no transfer, `array` None for each.
       copy: make each `array` private (`HostLeaf.private`), copying only
         what a transfer did not already copy: the snapshot a background writer needs.
-      host_memory: where transfers from a device land (`start_host_copies`): None, fresh
-        host buffers; 'pinned_host', page-locked buffers the runtime reuses, for a
-        snapshot taken again and again.
+      snapshot: the transfers from a device recur, snapshot after snapshot: into pinned
+        buffers the runtime reuses, small arrays joined (`start_host_copies`).
 
     >>> [h.shape for h in host_leaves([('ns/w', np.ones((2, 3))), ('ns/n', 7)])]
     [(2, 3), ()]
@@ -281,9 +332,9 @@ def host_leaves(leaves: Iterable[tuple[Any, Any]], *, namespace: str | None = No
         name = where if namespace is None else leaf_name(namespace, where)
         finish.append(len(staged))
         staged.append(_stage(name, leaf, pieces=pieces, spread=spread, fetch=fetch,
-                             host_memory=host_memory))
+                             snapshot=snapshot))
         i += 1
-    _start_whole(staged, finish, host_memory)
+    _start_whole(staged, finish, snapshot)
     for k in range(len(staged)) if copy else finish:
         staged[k] = _finish(staged[k], copy)
     return staged
@@ -310,18 +361,18 @@ def _stage_plain(leaves: list[tuple[Any, Any]], start: int, out: list[HostLeaf])
 ACCELERATE = True
 
 
-def _start_whole(staged: list[HostLeaf], indices: Sequence[int], host_memory: str | None) -> None:
+def _start_whole(staged: list[HostLeaf], indices: Sequence[int], snapshot: bool) -> None:
     """Start the transfers of the whole leaves at `indices` still on a device, all at once."""
     on_device = [k for k in indices if isinstance(staged[k].array, jax.Array)]
     if not on_device:
         return
-    moved = start_host_copies([staged[k].array for k in on_device], host_memory)
+    moved = start_host_copies([staged[k].array for k in on_device], snapshot)
     for k, data in zip(on_device, moved):
         staged[k] = staged[k]._replace(array=data)
 
 
 def _stage(where: str, leaf: Any, *, pieces: bool, spread: bool, fetch: bool,
-           host_memory: str | None = None) -> HostLeaf:
+           snapshot: bool = False) -> HostLeaf:
     """Check one leaf and start its shards' transfers (a whole leaf's are started with the
     others', `_start_whole`); the host data of a non-JAX leaf is final."""
     if not isinstance(leaf, jax.Array):
@@ -344,7 +395,7 @@ def _stage(where: str, leaf: Any, *, pieces: bool, spread: bool, fetch: bool,
     shape = leaf.shape
     if pieces and (not facts.whole or facts.several):
         shards = tuple(owned_shards(leaf)) if fetch or not facts.whole else ()
-        return HostLeaf(dtype, shape, key_impl, shards=start_transfers(shards, host_memory))
+        return HostLeaf(dtype, shape, key_impl, shards=start_transfers(shards, snapshot))
     if not fetch:
         return HostLeaf(dtype, shape, key_impl)
     if facts.on_cpu:  # in host memory already: no transfer to wait for
@@ -372,7 +423,7 @@ def _finish(staged: HostLeaf, copy: bool) -> HostLeaf:
     if array is None or (type(array) is np.ndarray and (staged.private or not copy)):
         return staged
     private = staged.private
-    if isinstance(array, jax.Array):  # from an accelerator: the transfer made a fresh host buffer
+    if not isinstance(array, np.ndarray):  # from an accelerator: a fresh host buffer
         array, private = await_host(array), True
     if copy and not private:
         array, private = np.array(array, copy=True), True

@@ -136,14 +136,41 @@ def test_images_and_direct_copies_of_an_accelerator_survive_donation(tmp_path, m
     at submit), and drained into pinned host memory or fresh buffers."""
     from tests.trees.test_to_host import as_accelerator
     as_accelerator(monkeypatch)
-    monkeypatch.setattr(image, "HOST_MEMORY", host_memory)
+    monkeypatch.setattr(to_host, "SNAPSHOT_MEMORY", host_memory)
     moved = []
     real = to_host.start_host_copies
     monkeypatch.setattr(to_host, "start_host_copies",
-                        lambda a, m=None: (moved.append((len(a), m)), real(a, m))[1])
+                        lambda a, snapshot=False: (moved.append((len(a), snapshot)),
+                                                   real(a, snapshot))[1])
     wanted, counters = run_and_check(tmp_path, lambda p: jckpt.Mirror(p, device_image_bytes=limit),
                                      lambda m, t, i: m.submit(t))
     assert counters.images == (0 if limit == 0 else 3)
-    assert [(n, m) for n, m in moved if n] == [(5, host_memory)] * 3  # each snapshot's jax leaves
+    assert [(n, s) for n, s in moved if n] == [(5, True)] * 3  # each snapshot's jax leaves
     _, got = jckpt.load(jckpt.Context(host=True), tmp_path / "run")
     assert expected_bytes(got["jckpt"]) == wanted[-1]
+
+
+@pytest.mark.parametrize("limit", [None, 0])
+def test_many_small_leaves_of_an_accelerator_drain_joined_and_survive_donation(tmp_path,
+                                                                                monkeypatch, limit):
+    from jckpt.trees import packing
+    from tests.trees.test_to_host import as_accelerator
+    as_accelerator(monkeypatch)
+    monkeypatch.setattr(packing, "_JOINS", {})
+    sent = []
+    real = to_host._start
+    monkeypatch.setattr(to_host, "_start", lambda a, m: (sent.append(len(a)), real(a, m))[1])
+    step = jax.jit(lambda t: jax.tree.map(lambda x: x + 1, t), donate_argnums=0)
+    tree = {f"b{i}": jnp.full(3 + i % 5, float(i)) for i in range(40)}
+    with jckpt.Mirror(tmp_path / "m.jckpt", device_image_bytes=limit) as m:
+        for _ in range(3):
+            want = {k: np.array(v) for k, v in tree.items()}
+            m.submit(tree)
+            tree = step(tree)  # donates what was submitted
+            m.wait_durable()
+            for future in packing._JOINS.values():
+                future.result()
+            _, got = jckpt.load(jckpt.Context(host=True), tmp_path / "m.jckpt")
+            assert {k: v.tobytes() for k, v in got["jckpt"].items()} == \
+                {k: v.tobytes() for k, v in want.items()}
+    assert [n for n in sent if n] == [40, 1, 1]  # one by one, then joined

@@ -72,3 +72,41 @@ def test_on_the_cpu_nothing_is_packed():
     cpu = jax.devices("cpu")[0]
     assert placement._accelerator(cpu) is None
     assert placement._accelerator(jax.sharding.SingleDeviceSharding(cpu)) is None
+
+
+# --- off the device: joined there, viewed on the host ----------------------------------------
+
+def compiled_join(arrays):
+    """`packing.take_packed(arrays)` once its join has compiled (waited for here)."""
+    if packing.take_packed(arrays) is None:
+        packing._JOINS[arrays[0].sharding, packing.layout_of(arrays)[0]].result()
+    return packing.take_packed(arrays)
+
+
+def test_joined_arrays_come_back_whole_and_exact_as_views_of_one_buffer():
+    device = jax.devices()[-1]  # default backend: an accelerator when there is one
+    arrays = [jax.device_put(a, device) for a in ARRAYS]
+    buffer, layout = compiled_join(arrays)
+    assert buffer.dtype == np.uint8 and buffer.shape == (packing.layout_of(arrays)[1],)
+    host = np.asarray(buffer)
+    out = packing.split_on_host(host, layout)
+    for got, want in zip(out, ARRAYS):
+        want = np.asarray(want)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+        assert np.shares_memory(got, host)
+
+
+def test_only_small_device_arrays_of_whole_byte_dtypes_are_joined():
+    assert packing.takeable(jnp.zeros(4)) and not packing.takeable(jnp.zeros(0))
+    assert not packing.takeable(jnp.zeros(packing.TAKE_BYTES // 4 + 1))
+    assert not packing.takeable(jnp.zeros(4, jnp.complex64))
+
+
+def test_a_join_that_fails_to_compile_leaves_arrays_to_travel_alone(monkeypatch):
+    monkeypatch.setattr(packing, "_JOINS", {})
+    monkeypatch.setattr(packing, "_compile_join", lambda *a: 1 / 0)
+    xs = [jnp.ones(3), jnp.zeros(2)]
+    assert packing.take_packed(xs) is None
+    packing._JOINS[xs[0].sharding, packing.layout_of(xs)[0]].exception()
+    assert packing.take_packed(xs) is None
