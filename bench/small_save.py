@@ -1,13 +1,17 @@
 """A save of many small arrays against safetensors and a raw file, interleaved in one process.
 
-`python -m bench.small_save [reps] [--python]` saves the 2,000 float32 arrays of
+`python -m bench.small_save [reps] [--python] [--over]` saves the 2,000 float32 arrays of
 1,000 elements (as `jax.Array`s on the CPU, as `bench.run` holds them) with
 `jckpt.save`, not durable and durable, with safetensors' `save_file`, and as a
 raw file (one `write` per array; durable: `fsync` of the file and its
 directory), `reps` times each in turn (21 by default), and prints the medians
 and jckpt's ratios against the issue's goals (save ≤ 1.0x safetensors, durable
 save ≤ 1.3x the raw file). `--python` turns the C paths of a save off (staging,
-entries, gathered writes), to show what they are worth.
+entries, gathered writes), to show what they are worth. `--over` saves each file over
+the one before instead of into an empty directory, as a training loop saving to one
+path does: replacing a file frees the old one's cached pages, inside `open(O_TRUNC)` for
+the raw file and safetensors, and on a background thread for jckpt
+(`jckpt.storage.publish.replace`).
 
 Unlike `bench.run`, nothing else (restores, loads, a mirror) runs between the
 saves, so the page cache and the allocator are the same for every writer.
@@ -58,25 +62,25 @@ def _writers(tree, folder: str) -> dict:
             'raw write + fsync': lambda: raw(True)}
 
 
-def main(reps: int = 21, python: bool = False) -> dict[str, float]:
+def main(reps: int = 21, python: bool = False, over: bool = False) -> dict[str, float]:
     switches = to_host.ACCELERATE, saving.ACCELERATE, writer.accelerator
     if python:
         to_host.ACCELERATE = saving.ACCELERATE = False
         writer.accelerator = None
     try:
-        return _run(reps)
+        return _run(reps, over)
     finally:
         to_host.ACCELERATE, saving.ACCELERATE, writer.accelerator = switches
 
 
-def _run(reps: int) -> dict[str, float]:
+def _run(reps: int, over: bool = False) -> dict[str, float]:
     tree = to_device(workloads.build('small'))
     folder = tempfile.mkdtemp(prefix='jckpt-small-save-')
     writers = _writers(tree, folder)
     times: dict[str, list[float]] = {name: [] for name in writers}
     for _ in range(reps):
         for name, fn in writers.items():
-            if os.path.exists(os.path.join(folder, 'out')):
+            if not over and os.path.exists(os.path.join(folder, 'out')):
                 os.unlink(os.path.join(folder, 'out'))
             times[name].append(clock(fn)[0])
     medians = {name: statistics.median(t) for name, t in times.items()}
@@ -90,4 +94,4 @@ def _run(reps: int) -> dict[str, float]:
 
 if __name__ == '__main__':
     args = [a for a in sys.argv[1:] if not a.startswith('--')]
-    main(int(args[0]) if args else 21, python='--python' in sys.argv)
+    main(int(args[0]) if args else 21, python='--python' in sys.argv, over='--over' in sys.argv)

@@ -38,7 +38,7 @@ from jckpt.errors import FormatError, InputError
 from jckpt.storage import object_store
 from jckpt.storage.lease import WriterLease
 from jckpt.storage.object_backend import OBJECT_STORE
-from jckpt.storage.publish import StagingFile, storage_error
+from jckpt.storage.publish import StagingFile, remove_file, storage_error
 from jckpt.storage.reader import CheckpointReader
 
 #: A URL: at the very start, a scheme of two or more characters (RFC 3986: a letter, then
@@ -152,7 +152,7 @@ class LocalBackend:
             shutil.rmtree(path, ignore_errors=True)
             return
         try:
-            os.unlink(path)
+            remove_file(path)
         except FileNotFoundError:
             pass
         except OSError as e:

@@ -31,6 +31,7 @@ import functools
 import itertools
 import logging
 import os
+import queue
 import re
 import secrets
 import stat
@@ -124,6 +125,92 @@ def _sync_file_range():
     call.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
     call.restype = ctypes.c_int
     return call
+
+
+def replace(source: str, target: str) -> None:
+    """Rename `source` over `target`, the replaced file's cached pages freed on another thread.
+
+    Renaming over (or unlinking) a file's last link frees its page cache inside
+    the call: measured on the benchmark machine, 7 ms for an 8 MB file and
+    about 70 ms for 256 MiB, which every save over the previous checkpoint
+    would wait for. A descriptor held on the old file keeps it alive through
+    the rename; closing it afterwards on a background thread
+    (`release_later`) frees the pages there.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> for name in ('old', 'new'):
+    ...     with open(os.path.join(d, name), 'w') as f:
+    ...         _ = f.write(name)
+    >>> replace(os.path.join(d, 'new'), os.path.join(d, 'old'))
+    >>> open(os.path.join(d, 'old')).read(), os.listdir(d)
+    ('new', ['old'])
+    """
+    held = _hold(target)
+    try:
+        os.rename(source, target)
+    finally:
+        release_later(held)
+
+
+def remove_file(path: str) -> None:
+    """Unlink `path`, its cached pages freed on another thread (see `replace`)."""
+    held = _hold(path)
+    try:
+        os.unlink(path)
+    finally:
+        release_later(held)
+
+
+#: How `_hold` opens a file: never following a link, never waiting (a FIFO), never inherited.
+HOLD_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _hold(path: str) -> int | None:
+    """A descriptor on the regular file at `path` (not followed if a link), or None."""
+    try:
+        fd = os.open(path, HOLD_FLAGS)
+    except OSError:  # none there, a link, unreadable: nothing to hold
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
+_RELEASES: queue.SimpleQueue[int] = queue.SimpleQueue()
+_RELEASER: list[threading.Thread] = []  # the thread, once started (in this process)
+_RELEASER_LOCK = threading.Lock()
+
+
+def release_later(fd: int | None) -> None:
+    """Close `fd` on the releaser thread (a daemon: at exit the kernel closes what is left)."""
+    if fd is None:
+        return
+    with _RELEASER_LOCK:
+        if not _RELEASER:
+            thread = threading.Thread(target=_release_forever, name='jckpt-release', daemon=True)
+            thread.start()
+            _RELEASER.append(thread)
+    _RELEASES.put(fd)
+
+
+def _release_forever() -> None:
+    while True:
+        fd = _RELEASES.get()
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _forget_releaser() -> None:
+    """In a forked child the releaser thread does not exist: start another when needed."""
+    _RELEASER.clear()
+
+
+if hasattr(os, 'register_at_fork'):
+    os.register_at_fork(after_in_child=_forget_releaser)
 
 
 def fsync_dir(directory: str) -> None:
@@ -242,7 +329,7 @@ class StagingFile:
         try:
             if self.durable:
                 os.fsync(self.fd)
-            os.rename(self.path, self.target)
+            replace(self.path, self.target)
             self.published = True
             if self.durable:
                 fsync_dir(self.directory)

@@ -40,7 +40,7 @@ from jckpt.format.header import Entry, Header
 from jckpt.format.layout import lay_out
 from jckpt.format.names import NEXT_TAG
 from jckpt.storage.backend import LOCAL, backend_for, is_url
-from jckpt.storage.publish import fsync_dir, fsync_file, reclaim_staging, storage_error
+from jckpt.storage.publish import fsync_dir, fsync_file, reclaim_staging, replace, storage_error
 from jckpt.storage.writer import PayloadSource, write_checkpoint
 from jckpt.version import __version__
 
@@ -92,7 +92,7 @@ def finish_staged(temporary: str, target: str, *, durable: bool) -> None:
     try:
         if durable:
             fsync_file(temporary)
-        os.rename(temporary, target)
+        replace(temporary, target)
         if durable:
             fsync_dir(os.path.dirname(os.path.abspath(target)))
     except OSError as e:

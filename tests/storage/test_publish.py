@@ -151,3 +151,47 @@ time.sleep(60)
     time.sleep(0.05)
     jckpt.save(jckpt.Context(), {"w": np.ones(1)}, target)
     assert os.listdir(tmp_path) == ["t.jckpt"]
+
+
+# --- replacing and removing, the old pages freed on another thread --------------------------
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _settled(baseline: int) -> bool:
+    """Whether the releaser has closed what it was handed (within a second)."""
+    deadline = time.monotonic() + 1.0
+    while _open_fds() > baseline and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return _open_fds() <= baseline
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_replace_and_remove_hold_the_old_file_and_release_it(tmp_path):
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.write_bytes(b"old" * 1000)
+    new.write_bytes(b"new")
+    publish.release_later(None)
+    baseline = _open_fds()
+    publish.replace(str(new), str(old))
+    assert old.read_bytes() == b"new" and not new.exists()
+    assert _settled(baseline)
+    publish.remove_file(str(old))
+    assert not old.exists() and _settled(baseline)
+    with pytest.raises(FileNotFoundError):
+        publish.remove_file(str(old))
+
+
+def test_replace_never_opens_through_a_link_or_waits_on_a_fifo(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_bytes(b"kept")
+    link, fifo = tmp_path / "link", tmp_path / "fifo"
+    link.symlink_to(elsewhere)
+    os.mkfifo(fifo)
+    for target in (link, fifo):
+        source = tmp_path / "source"
+        source.write_bytes(b"new")
+        publish.replace(str(source), str(target))  # a FIFO opened for reading would block
+        assert target.read_bytes() == b"new" and not target.is_symlink()
+    assert elsewhere.read_bytes() == b"kept"
