@@ -195,7 +195,7 @@ def _join_small(arrays: Sequence[Any]) -> list[tuple[list[int], jax.Array, packi
 
 def _start(arrays: list[Any], host_memory: str | None) -> list[Any]:
     """`start_host_copies` of arrays that each travel alone, into `host_memory` (None: plain)."""
-    out = list(arrays)
+    out = [_one_copy(a) for a in arrays] if host_memory else list(arrays)
     into = [_in_memory(a.sharding, host_memory) for a in out] if host_memory else []
     moving = [i for i, s in enumerate(into) if s is not None]
     if moving:
@@ -220,6 +220,17 @@ def _start(arrays: list[Any], host_memory: str | None) -> list[Any]:
     return out
 
 
+def _one_copy(array: jax.Array) -> jax.Array:
+    """One device's copy of a replicated array (the value, one transfer); any other as it is.
+
+    Moved to another memory whole, a replicated array would move every replica,
+    where a plain read of it copies one.
+    """
+    if _facts(array.sharding).several and array.is_fully_replicated:
+        return array.addressable_shards[0].data
+    return array
+
+
 #: `(sharding, memory kind)` -> that sharding in that memory, or None where a device lacks it.
 _MEMORIES: dict[tuple[Any, str], Any] = {}
 
@@ -233,8 +244,9 @@ def _in_memory(sharding: Any, kind: str) -> Any:
     except TypeError:  # an unhashable sharding
         return None
     into = None
-    try:
-        if all(kind in {m.kind for m in d.addressable_memories()} for d in sharding.device_set):
+    try:  # one device's arrays only: a sharded array is gathered by numpy, into fresh memory
+        if len(sharding.device_set) == 1 and \
+                all(kind in {m.kind for m in d.addressable_memories()} for d in sharding.device_set):
             into = sharding.with_memory_kind(kind)
     except Exception:  # a sharding or backend without memory kinds
         into = None

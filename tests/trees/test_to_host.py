@@ -285,3 +285,13 @@ def test_small_arrays_of_an_accelerator_travel_joined_once_their_join_is_compile
         assert [h.array.dtype for h in hs] == [w.dtype for w in want]
     jax.jit(lambda t: [x * 0 for x in t], donate_argnums=0)(xs)
     assert [h.array.tobytes() for h in second] == [w.tobytes() for w in want]
+
+
+def test_a_replicated_array_moves_one_copy_and_a_sharded_one_travels_plainly(monkeypatch):
+    as_accelerator(monkeypatch)
+    x = np.arange(16.0).reshape(8, 2)
+    replicated, split = sharded(x, P()), sharded(x, P("a"))
+    moved = to_host.start_host_copies([replicated, split], snapshot=True)
+    assert moved[0].sharding.memory_kind == "pinned_host" and len(moved[0].devices()) == 1
+    assert moved[1] is split  # numpy gathers its shards
+    assert [to_host.await_host(m).tolist() for m in moved] == [x.tolist()] * 2
