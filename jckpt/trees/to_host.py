@@ -2,9 +2,10 @@
 
 `host_leaves` checks every leaf (an array or a number, fully addressable, of
 a storable dtype), turns typed PRNG keys into their key data, and starts every
-device-to-host transfer (`start_host_copies`: into fresh buffers, or for a
-snapshot into pinned host memory, small arrays joined) before awaiting any, so they overlap; a sharded
-array is kept as its distinct shards, never gathered.
+device-to-host transfer before awaiting any, so they overlap
+(`start_host_copies`: into fresh buffers; for a snapshot, into pinned host
+memory, small arrays joined); a sharded array is kept as its distinct
+shards, never gathered.
 Arrays already in host memory (numpy, CPU devices) need no transfer; runs of
 them are staged in one C call where the accelerator is built. The way back,
 host to device, is `jckpt.trees.placement`.
