@@ -193,6 +193,20 @@ def _ratios(res: dict[str, Any]) -> list[str]:
     return lines
 
 
+#: The line of `notes.md` where the run's tables go: the prose before it comes first.
+TABLES_MARK = "<!-- the run's tables go here -->"
+
+
+def _notes() -> tuple[str, str]:
+    """`notes.md` before and after `TABLES_MARK` (all of it before, without the mark)."""
+    if not os.path.exists(NOTES):
+        return '', ''
+    with open(NOTES) as f:
+        text = f.read()
+    before, _, after = text.partition(TABLES_MARK)
+    return before.strip(), after.strip()
+
+
 def write(results: dict[str, Any], out: str) -> str:
     """Write ``out/benchmarks.md`` and ``out/img/benchmarks.png``; return the markdown's path."""
     os.makedirs(os.path.join(out, 'img'), exist_ok=True)
@@ -206,9 +220,9 @@ def write(results: dict[str, Any], out: str) -> str:
          f"**Machine:** {m['cpu']}, {m['cores']} cores, {m['memory']} RAM, {m['os']}, files on "
          f"{m['filesystem']}; Python {m['python']}; {m['versions']}. No accelerator: "
          "`jax.Array`s live on the CPU device.", '']
-    if os.path.exists(NOTES):
-        with open(NOTES) as f:
-            L += [f.read().strip(), '']
+    before, after = _notes()
+    if before:
+        L += [before, '']
     L += ['## Targets', '', '| workload | target | measured | met |', '|---|---|---|---|']
     for w, text, value, ok in targets(results):
         L.append(f"| {w} | {text} | {value} | {'yes' if ok else '**no**'} |")
@@ -233,8 +247,8 @@ def write(results: dict[str, Any], out: str) -> str:
         for t, e in errors.items():
             L += ['', f"Peak memory of {t} not measured: `{e.strip().splitlines()[-1] if e.strip() else e}`"]
         L.append('')
-    extra = results.get('extra_sections') or []
-    L += extra
+    if after:
+        L += [after, '']
     path = os.path.join(out, 'benchmarks.md')
     with open(path, 'w') as f:
         f.write('\n'.join(L).rstrip() + '\n')
