@@ -76,3 +76,16 @@ def test_small_save_benchmark_times_every_writer_with_and_without_c():
         assert set(medians) == {'jckpt save', 'safetensors save', 'raw write', 'jckpt durable save',
                                 'raw write + fsync'} and all(t > 0 for t in medians.values())
     assert to_host.ACCELERATE  # the switches are back
+
+
+def test_the_benchmarks_page_is_what_its_results_and_notes_make(tmp_path):
+    """docs/benchmarks.md is written by `bench.run --from-json bench/comparison-results.json
+    --out docs`: no section of it lives only in the page, where a rewrite would lose it."""
+    from bench import report
+    results = json.loads(open(os.path.join(ROOT, "bench", "comparison-results.json")).read())
+    written = report.write(results, str(tmp_path))
+    page = open(os.path.join(ROOT, "docs", "benchmarks.md")).read().splitlines()
+    made = open(written).read().splitlines()
+    if not any(x.startswith("![") for x in made):  # no matplotlib: no plot, an empty line
+        page = [x for x in page if not x.startswith("![")]
+    assert [x for x in made if x.strip()] == [x for x in page if x.strip()]
