@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 import jckpt
-from jckpt.trees import packing, placement, to_host
+from jckpt.trees import compiled, packing, placement, to_host
 
 
 def _median(fn, reps: int, prepare=None) -> float:
@@ -49,8 +49,7 @@ def takes(leaves: list[np.ndarray], device, reps: int) -> dict:
         return [h.array for h in to_host.host_leaves(
             [(n, x) for (n, _), x in zip(named, xs)], snapshot=True)]
     take(fresh(on_device))  # the join compiles in the background: wait for it
-    for future in list(packing._JOINS.values()):
-        future.result()
+    compiled.wait_all()
     out = {"take_ms": _median(take, reps, lambda: fresh(on_device))}
     kept, packing.TAKE_BYTES = packing.TAKE_BYTES, 0
     try:

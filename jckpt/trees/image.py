@@ -26,7 +26,6 @@ writer falls back to a direct copy to host when there is none.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import math
 from collections.abc import Sequence
@@ -37,7 +36,7 @@ import numpy as np
 from jax import lax
 
 from jckpt.errors import InputError
-from jckpt.trees import to_host
+from jckpt.trees import compiled, to_host
 
 #: Fraction of a device's free memory an image may take when the caller sets no limit.
 FREE_FRACTION = 0.9
@@ -51,9 +50,6 @@ CPU_IMAGE_BYTES = 1 << 16
 #: no flops however many bytes it moves; the token's 2,048-element sum lets the copy be
 #: dispatched like any training step. It is noise beside a copy on an accelerator.
 _TOKEN = np.zeros(2048, np.float32)
-
-#: Compiles a slot's copy in the background, so no snapshot waits for XLA's compiler.
-_COMPILER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='jckpt-image')
 
 Signature = tuple[tuple[Any, ...], ...]
 
@@ -107,30 +103,24 @@ class Images:
 
     def __init__(self) -> None:
         self._image: list[jax.Array] | None = None
-        self._signature: Signature | None = None
-        self._copier: concurrent.futures.Future | None = None
+        self._signature: Signature | None = None  # the image's
+        self._copy: Any = None  # the compiled copy into an image of that signature, once ready
 
     def take(self, arrays: Sequence[jax.Array]) -> list[jax.Array]:
         """An image of `arrays`, in the previous image's buffers when the compiled copy is ready."""
         data = [_data(a) for a in arrays]
         signature = _signature(data)
         old, self._image = self._image, None
-        copier = self._ready(signature)
-        if copier is not None and old is not None and not any(o.is_deleted() for o in old):
-            image, _ = copier(old, data, _TOKEN)
+        if signature != self._signature:  # other shapes: the old image cannot hold them
+            self._signature, self._copy, old = signature, None, None
+        if self._copy is None:
+            self._copy = compiled.ready(('image', signature), functools.partial(_compile, signature))
+        if self._copy is not None and old is not None and not any(o.is_deleted() for o in old):
+            image, _ = self._copy(old, data, _TOKEN)
         else:
             image = list(jax.device_put(data, may_alias=False))
-            if signature != self._signature:
-                self._signature, self._copier = signature, _COMPILER.submit(_compile, signature)
         self._image = list(image)
         return self._image
-
-    def _ready(self, signature: Signature) -> Any:
-        """The compiled copy for `signature`, if compiled (and compiling did not fail)."""
-        c = self._copier
-        if signature != self._signature or c is None or not c.done() or c.exception() is not None:
-            return None
-        return c.result()
 
 
 def check_limit(limit: int | None) -> None:

@@ -28,7 +28,6 @@ compiler, and the first one travels array by array.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import math
 from collections.abc import Sequence
@@ -38,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+
+from jckpt.trees import compiled
 
 #: Arrays up to this many bytes travel packed (larger ones gain nothing from it).
 PACK_BYTES = 1 << 20
@@ -114,13 +115,6 @@ def put_packed(arrays: Sequence[np.ndarray], device: Any) -> list[jax.Array]:
 #: moving 0.5 MB over a GPU's host link, so larger ones gain little, and the join costs room.
 TAKE_BYTES = 1 << 16
 
-#: Compiles the joins in the background, so no transfer waits for XLA's compiler.
-_COMPILER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='jckpt-join')
-#: `(sharding, layout)` -> the future of its compiled join (at most `_JOINS_MAX` layouts).
-_JOINS: dict[tuple[Any, Layout], concurrent.futures.Future] = {}
-_JOINS_MAX = 64
-
-
 def takeable(array: jax.Array) -> bool:
     """Whether `array` may leave its device joined: small, non-empty, of a `PACKABLE` dtype."""
     return 0 < array.nbytes <= TAKE_BYTES and array.dtype in PACKABLE
@@ -141,6 +135,7 @@ def _join(arrays: list[jax.Array], layout: Layout) -> jax.Array:
 
 
 def _compile_join(sharding: Any, layout: Layout) -> Any:
+    """`_join` compiled for arrays of `layout` on `sharding`."""
     specs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for _, shape, dtype in layout]
     return _join.lower(specs, layout).compile()
 
@@ -154,23 +149,19 @@ def take_packed(arrays: Sequence[jax.Array]) -> tuple[jax.Array, Layout] | None:
     >>> xs = [jnp.arange(3.0), jnp.ones(2, jnp.int8)]
     >>> take_packed(xs) is None  # the first time: the join compiles in the background
     True
-    >>> _ = _JOINS[xs[0].sharding, layout_of(xs)[0]].result()  # (waited for here)
+    >>> compiled.wait_all()  # (waited for here)
     >>> buffer, layout = take_packed(xs)
     >>> [a.tolist() for a in split_on_host(np.asarray(buffer), layout)]
     [[0.0, 1.0, 2.0], [1, 1]]
     """
     layout, _ = layout_of(arrays)
-    key = (arrays[0].sharding, layout)
-    future = _JOINS.get(key)
-    if future is None:
-        if len(_JOINS) >= _JOINS_MAX:
-            _JOINS.clear()
-        _JOINS[key] = _COMPILER.submit(_compile_join, *key)
-        return None
-    if not future.done() or future.exception() is not None:
+    sharding = arrays[0].sharding
+    join = compiled.ready(('join', sharding, layout),
+                          functools.partial(_compile_join, sharding, layout))
+    if join is None:
         return None
     try:
-        return future.result()(list(arrays)), layout
+        return join(list(arrays)), layout
     except Exception:  # e.g. no device memory left for the join: the caller goes one by one
         return None
 

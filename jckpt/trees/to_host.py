@@ -212,8 +212,10 @@ def _start(arrays: list[Any], host_memory: str | None) -> list[Any]:
         else:
             for i, m in zip(moving, moved):
                 out[i] = m
-    plain = set(range(len(out))).difference(moving)
-    for i in sorted(plain):
+    pinned = set(moving)
+    for i in range(len(out)):
+        if i in pinned:
+            continue
         try:
             out[i].copy_to_host_async()
         except Exception:  # a backend without async copies: the copy happens on read

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jckpt
-from jckpt.trees import image, to_host
+from jckpt.trees import compiled, image, to_host
 
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 
@@ -79,7 +79,7 @@ def test_a_slot_copies_into_its_old_image_once_its_copy_is_compiled():
     images = image.Images()
     first = images.take([jnp.ones(4), jnp.zeros((2, 2), jnp.int8), jax.random.key(0)])
     assert not any(a.is_deleted() for a in first)
-    images._copier.result()  # compiled in the background meanwhile
+    compiled.wait_all()  # compiled in the background meanwhile
     second = images.take([jnp.full(4, 3.0), jnp.ones((2, 2), jnp.int8), jax.random.key(1)])
     assert all(a.is_deleted() for a in first)  # donated: the second image is in its buffers
     assert np.asarray(second[0]).tolist() == [3.0] * 4
@@ -98,7 +98,7 @@ def test_a_mirror_reuses_its_images_memory_from_snapshot_to_snapshot(tmp_path):
             m.submit(jax.tree.map(lambda x, i=i: x + i, tree))
             m.wait_durable()
             slot_images = m._pipeline._free[0]._images
-            slot_images._copier.result()
+            compiled.wait_all()
             pointers.append(slot_images._image[0].unsafe_buffer_pointer())
     assert len(set(pointers[1:])) == 1  # one buffer from the second snapshot on
     _, got = jckpt.load(jckpt.Context(host=True), tmp_path / "m.jckpt")
@@ -153,10 +153,9 @@ def test_images_and_direct_copies_of_an_accelerator_survive_donation(tmp_path, m
 @pytest.mark.parametrize("limit", [None, 0])
 def test_many_small_leaves_of_an_accelerator_drain_joined_and_survive_donation(tmp_path,
                                                                                 monkeypatch, limit):
-    from jckpt.trees import packing
     from tests.trees.test_to_host import as_accelerator
     as_accelerator(monkeypatch)
-    monkeypatch.setattr(packing, "_JOINS", {})
+    monkeypatch.setattr(compiled, "_CALLS", {})
     sent = []
     real = to_host._start
     monkeypatch.setattr(to_host, "_start", lambda a, m: (sent.append(len(a)), real(a, m))[1])
@@ -168,8 +167,7 @@ def test_many_small_leaves_of_an_accelerator_drain_joined_and_survive_donation(t
             m.submit(tree)
             tree = step(tree)  # donates what was submitted
             m.wait_durable()
-            for future in packing._JOINS.values():
-                future.result()
+            compiled.wait_all()
             _, got = jckpt.load(jckpt.Context(host=True), tmp_path / "m.jckpt")
             assert {k: v.tobytes() for k, v in got["jckpt"].items()} == \
                 {k: v.tobytes() for k, v in want.items()}

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jckpt
-from jckpt.trees import packing, placement
+from jckpt.trees import compiled, packing, placement
 
 ARRAYS = [np.arange(5, dtype=np.int32), np.array([True, False, True]), np.float32(2.5),
           np.arange(6, dtype=np.float16).reshape(2, 3), np.array([-3, 4], np.int8),
@@ -79,7 +79,7 @@ def test_on_the_cpu_nothing_is_packed():
 def compiled_join(arrays):
     """`packing.take_packed(arrays)` once its join has compiled (waited for here)."""
     if packing.take_packed(arrays) is None:
-        packing._JOINS[arrays[0].sharding, packing.layout_of(arrays)[0]].result()
+        compiled.wait_all()
     return packing.take_packed(arrays)
 
 
@@ -104,9 +104,9 @@ def test_only_small_device_arrays_of_whole_byte_dtypes_are_joined():
 
 
 def test_a_join_that_fails_to_compile_leaves_arrays_to_travel_alone(monkeypatch):
-    monkeypatch.setattr(packing, "_JOINS", {})
+    monkeypatch.setattr(compiled, "_CALLS", {})
     monkeypatch.setattr(packing, "_compile_join", lambda *a: 1 / 0)
     xs = [jnp.ones(3), jnp.zeros(2)]
     assert packing.take_packed(xs) is None
-    packing._JOINS[xs[0].sharding, packing.layout_of(xs)[0]].exception()
+    compiled.wait_all()
     assert packing.take_packed(xs) is None

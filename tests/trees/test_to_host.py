@@ -260,10 +260,10 @@ def test_shards_go_to_pinned_memory_too(monkeypatch):
 @pytest.mark.parametrize("host_memory", ["pinned_host", None])
 def test_small_arrays_of_an_accelerator_travel_joined_once_their_join_is_compiled(monkeypatch,
                                                                                   host_memory):
-    from jckpt.trees import packing
+    from jckpt.trees import compiled
     as_accelerator(monkeypatch)
     monkeypatch.setattr(to_host, "SNAPSHOT_MEMORY", host_memory)
-    monkeypatch.setattr(packing, "_JOINS", {})
+    monkeypatch.setattr(compiled, "_CALLS", {})
     sent = []
     real = to_host._start
     monkeypatch.setattr(to_host, "_start", lambda a, m: (sent.append(len(a)), real(a, m))[1])
@@ -272,8 +272,7 @@ def test_small_arrays_of_an_accelerator_travel_joined_once_their_join_is_compile
     xs += [jnp.asarray(rng.random(3) > 0.5), jnp.int8(-3), jnp.ones(1 << 15)]  # the last: large
     want = [np.array(x) for x in xs]
     first = to_host.host_leaves([(f"ns/{i}", x) for i, x in enumerate(xs)], snapshot=True)
-    for future in packing._JOINS.values():
-        future.result()  # compiled in the background meanwhile
+    compiled.wait_all()  # compiled in the background meanwhile
     leaves = [(f"ns/{i}", x) for i, x in enumerate(xs)]
     second = to_host.host_leaves(leaves, snapshot=True)
     plain = to_host.host_leaves(leaves)  # a one-shot save: one by one, no join

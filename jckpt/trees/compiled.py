@@ -1,0 +1,53 @@
+"""Calls compiled on a background thread, used once ready: no snapshot waits for XLA's compiler.
+
+A snapshot's device work (the copy into a slot's previous image,
+`jckpt.trees.image`; the join of small arrays, `jckpt.trees.packing`) is one
+jitted call per layout of the tree. Compiling it can take seconds; `ready`
+starts that compilation the first time a layout is asked for and answers
+None until it is done, so the caller takes its slower path meanwhile. The
+compiled calls are shared by every caller (two slots of a mirror compile a
+layout's copy once) and kept for the last `MAX` layouts.
+
+>>> import jax, numpy as np
+>>> lower = lambda: jax.jit(lambda x: x + 1).lower(np.zeros(3, np.float32))
+>>> ready('doctest', lambda: lower().compile()) is None  # started now
+True
+>>> wait_all()
+>>> ready('doctest', lambda: lower().compile())(np.ones(3, np.float32)).tolist()
+[2.0, 2.0, 2.0]
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable, Hashable
+from typing import Any
+
+#: How many layouts' compiled calls are kept (the oldest are dropped all at once beyond it).
+MAX = 64
+
+_COMPILER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='jckpt-compile')
+_CALLS: dict[Hashable, concurrent.futures.Future] = {}
+
+
+def ready(key: Hashable, compile: Callable[[], Any]) -> Any | None:
+    """The compiled call for `key` once `compile()` has made it on the background thread; None
+    while it compiles (started by the first call for `key`) or if compiling failed."""
+    future = _CALLS.get(key)
+    if future is None:
+        if len(_CALLS) >= MAX:
+            _CALLS.clear()
+        _CALLS[key] = _COMPILER.submit(compile)
+        return None
+    if not future.done() or future.exception() is not None:
+        return None
+    return future.result()
+
+
+def wait_all() -> None:
+    """Wait until every compilation started so far has finished (or failed): for tests and
+    benchmarks that time the compiled path."""
+    concurrent.futures.wait(list(_CALLS.values()))
+
+
+__all__ = ['MAX', 'ready', 'wait_all']
