@@ -110,3 +110,10 @@ def test_a_join_that_fails_to_compile_leaves_arrays_to_travel_alone(monkeypatch)
     assert packing.take_packed(xs) is None
     compiled.wait_all()
     assert packing.take_packed(xs) is None
+
+
+def test_a_join_that_fails_when_called_leaves_arrays_to_travel_alone(monkeypatch):
+    def broken(arrays):
+        raise RuntimeError("RESOURCE_EXHAUSTED: no room for the join")
+    monkeypatch.setattr(compiled, "ready", lambda key, compile: broken)
+    assert packing.take_packed([jnp.ones(3), jnp.zeros(2)]) is None
