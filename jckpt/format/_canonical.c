@@ -48,7 +48,7 @@
  *                jax_types: frozenset, host_leaf: type, asarray, out: list, ndarray: type) -> int
  *
  * From leaves[start] on, each (where, leaf) whose leaf is exactly a numpy ndarray, or of a type in
- * jax_types whose sharding's facts (shardings[sharding]: (on_cpu, several, whole)) say one CPU
+ * jax_types whose sharding's facts (shardings[sharding]: (on_cpu, several, whole, ...)) say one CPU
  * device of this process (seen caches the facts by the sharding's identity, at most seen_max
  * of them), with a dtype in
  * storable, is appended to out as
@@ -988,7 +988,7 @@ static PyObject *plain_leaf(const stage_context *x, PyObject *leaf) {
         if (sharding == NULL) return NULL;
         PyObject *facts = facts_of(x, sharding);  /* borrowed */
         Py_DECREF(sharding);
-        if (facts == NULL || !PyTuple_Check(facts) || PyTuple_GET_SIZE(facts) != 3 ||
+        if (facts == NULL || !PyTuple_Check(facts) || PyTuple_GET_SIZE(facts) < 3 ||
             PyTuple_GET_ITEM(facts, 0) != Py_True || PyTuple_GET_ITEM(facts, 1) != Py_False ||
             PyTuple_GET_ITEM(facts, 2) != Py_True)
             return NULL;

@@ -71,6 +71,7 @@ class _Placement(NamedTuple):
     on_cpu: bool  # every device a CPU: the data is in host memory already
     several: bool  # spread over (or replicated on) more than one device
     whole: bool  # fully addressable from this process
+    device: Any = None  # the one device, when there is only one
 
 
 def _facts(sharding: Any) -> _Placement:
@@ -93,7 +94,8 @@ def _facts(sharding: Any) -> _Placement:
 def _ask(sharding: Any) -> _Placement:
     devices = sharding.device_set
     return _Placement(all(d.platform == 'cpu' for d in devices), len(devices) > 1,
-                      sharding.is_fully_addressable)
+                      sharding.is_fully_addressable,
+                      next(iter(devices)) if len(devices) == 1 else None)
 
 
 def is_sharded(leaf: Any) -> bool:
@@ -366,9 +368,6 @@ def _stage_plain(leaves: list[tuple[Any, Any]], start: int, out: list[HostLeaf])
         return start
     return accelerator.stage_leaves(leaves, start, _STORABLE, _SHARDINGS, _SEEN, _SEEN_MAX,
                                     _JAX_TYPES, HostLeaf, np.asarray, out, np.ndarray)
-
-
-
 
 
 #: Whether `host_leaves` stages plain leaves in C where the accelerator is built (False: every

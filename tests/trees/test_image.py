@@ -122,6 +122,27 @@ def test_no_room_or_a_zero_limit_copies_to_host_at_submit(tmp_path, monkeypatch)
     assert not image.has_room([jnp.ones(100)], limit=None)
 
 
+def test_device_bytes_counts_every_shard_and_replica_as_the_shards_say():
+    """The per-device count (one-device arrays counted whole, without listing their shards)
+    equals the sum over each array's addressable shards, for every kind of placement."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tests.helpers import cpu_mesh
+    mesh = cpu_mesh((4, 2), ("a", "b"))
+    x = np.arange(64.0, dtype=np.float32).reshape(8, 8)
+    arrays = [jnp.ones(10), jnp.ones((3, 5), jnp.int8), jax.random.split(jax.random.key(0), 3),
+              jax.device_put(x, NamedSharding(mesh, P("a", "b"))),
+              jax.device_put(x, NamedSharding(mesh, P("a"))),  # replicated over "b"
+              jax.device_put(x, NamedSharding(mesh, P()))]  # on all 8
+    want: dict = {}
+    for a in arrays:
+        for s in a.addressable_shards:
+            want[s.device] = want.get(s.device, 0) + s.data.nbytes
+    assert image.device_bytes(arrays) == want
+    assert image.image_bytes(arrays) == sum(want.values()) == 10 * 4 + 15 + 3 * 8 + 256 * (1 + 2 + 8)
+
+
 def test_the_image_limit_is_checked(tmp_path):
     with pytest.raises(jckpt.InputError, match="device_image_bytes"):
         jckpt.Mirror(tmp_path / "never.jckpt", device_image_bytes=-1)
