@@ -18,7 +18,7 @@ JAX's default device. Prints Markdown tables and writes one JSON object (`--json
   each call blocks, and the whole loop's wall time against the same loop with no checkpoint.
   `mirror-host` takes no device image (a copy to host at submit, as when the device has no
   room for one); the `-plain` variants move device data into fresh host buffers instead of
-  pinned ones (`jckpt.trees.to_host.SNAPSHOT_MEMORY`), to measure which is faster.
+  pinned ones (`jckpt.trees.transfers.SNAPSHOT_MEMORY`), to measure which is faster.
 
 ```console
 $ python -m bench.gpu --quick --json /tmp/gpu.json   # doctest: +SKIP
@@ -224,10 +224,10 @@ def _sink(variant: str, directory: str) -> tuple[Callable, Callable, Callable, A
         return (lambda i, s: None), (lambda: None), (lambda: None), None
     if variant.startswith('mirror'):
         # mirror-host: no device image, a copy to host at submit; -plain: into fresh host
-        # buffers instead of the pinned ones the runtime reuses (to_host.SNAPSHOT_MEMORY)
-        from jckpt.trees import to_host
-        kept = to_host.SNAPSHOT_MEMORY
-        to_host.SNAPSHOT_MEMORY = None if variant.endswith('-plain') else kept
+        # buffers instead of the pinned ones the runtime reuses (transfers.SNAPSHOT_MEMORY)
+        from jckpt.trees import transfers
+        kept = transfers.SNAPSHOT_MEMORY
+        transfers.SNAPSHOT_MEMORY = None if variant.endswith('-plain') else kept
         m = jckpt.Mirror(os.path.join(directory, 'mirror.jckpt'), new_lineage=True,
                          device_image_bytes=0 if variant.startswith('mirror-host') else None)
 
@@ -235,7 +235,7 @@ def _sink(variant: str, directory: str) -> tuple[Callable, Callable, Callable, A
             try:
                 m.close()
             finally:
-                to_host.SNAPSHOT_MEMORY = kept
+                transfers.SNAPSHOT_MEMORY = kept
         return (lambda i, s: m.submit(s)), m.wait_durable, close, m
     if variant == 'manager':
         mgr = jckpt.CheckpointManager(os.path.join(directory, 'manager'), keep_last=2)

@@ -27,11 +27,14 @@ from types import ModuleType
 
 MOVED = {
     'jckpt.tree': 'jckpt.trees.pytree',
-    # split: leaf to host went to to_host, host to device stayed in placement
-    'jckpt.placement': ('jckpt.trees.placement', 'jckpt.trees.to_host'),
+    # split: leaf to host went to to_host (its transfers to transfers, sharding facts to facts),
+    # host to device stayed in placement
+    'jckpt.placement': ('jckpt.trees.placement', 'jckpt.trees.to_host', 'jckpt.trees.facts',
+                        'jckpt.trees.transfers'),
     # split: restore's side stayed, saving's side went to to_host, writes in place to storage
-    'jckpt.sharding': ('jckpt.trees.sharding', 'jckpt.trees.to_host', 'jckpt.trees.placement',
-                       'jckpt.storage.regions', 'jckpt.format.boxes'),
+    'jckpt.sharding': ('jckpt.trees.sharding', 'jckpt.trees.to_host', 'jckpt.trees.facts',
+                       'jckpt.trees.transfers', 'jckpt.trees.placement', 'jckpt.storage.regions',
+                       'jckpt.format.boxes'),
     'jckpt.context': 'jckpt.api.context',
     'jckpt.progress': 'jckpt.api.progress',
     'jckpt.lease': 'jckpt.storage.lease',

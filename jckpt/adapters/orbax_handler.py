@@ -67,7 +67,7 @@ def _snapshot(tree: Any, namespace: str) -> Any:
     `jckpt.trees.image`) when the devices have room, written from there in
     the background commit; everything else becomes a private host copy
     (typed PRNG keys stay keys; a device's arrays move as a snapshot's do,
-    `jckpt.trees.to_host.start_host_copies`). Every leaf is checked now (an unstorable one
+    `jckpt.trees.transfers.start_host_copies`). Every leaf is checked now (an unstorable one
     raises `InputError` before orbax starts its commit), and every transfer is
     started before any is awaited.
     """

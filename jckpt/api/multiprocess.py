@@ -56,7 +56,7 @@ from jckpt.storage.directory import (
 from jckpt.storage.regions import ShardedSource
 from jckpt.storage.writer import ArraySource, write_checkpoint
 from jckpt.trees import pytree as tree_mod
-from jckpt.trees import to_host
+from jckpt.trees import to_host, transfers
 from jckpt.version import __version__
 
 #: Seconds a process waits at a barrier for the others (`JCKPT_BARRIER_TIMEOUT` overrides).
@@ -202,7 +202,7 @@ def _blocks(h: to_host.HostLeaf) -> list[tuple[Box, Any]]:
     blocks: list[tuple[Box, Any]] = []
     for block in coalesce([b for b, _ in h.shards]):
         inside = [(tuple((a - o, z - o) for (a, z), (o, _) in zip(b, block)),
-                   functools.partial(to_host.await_host, d))
+                   functools.partial(transfers.await_host, d))
                   for b, d in h.shards if intersect(b, block) == b]
         blocks.append((block, ShardedSource(box_shape(block), h.dtype, inside)))
     return blocks

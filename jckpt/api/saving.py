@@ -50,7 +50,7 @@ from jckpt.storage.writer import (
     write_checkpoint,
 )
 from jckpt.trees import pytree as tree_mod
-from jckpt.trees import to_host
+from jckpt.trees import to_host, transfers
 from jckpt.version import __version__
 
 PathLike = str | os.PathLike
@@ -244,7 +244,7 @@ def _source(host: to_host.HostLeaf) -> tuple[ArraySource | ShardedSource, tuple[
     and the checksum its entry starts with (the real one where known already)."""
     if host.array is not None:
         return array_source(host.array)
-    return ShardedSource(host.shape, host.dtype, [(box, functools.partial(to_host.await_host, data))
+    return ShardedSource(host.shape, host.dtype, [(box, functools.partial(transfers.await_host, data))
                                                   for box, data in host.shards]), CHECKSUM_PLACEHOLDER
 
 

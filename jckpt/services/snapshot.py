@@ -128,7 +128,7 @@ class Slot:
           one dispatched copy into this slot's previous image
           (`jckpt.trees.image.Images`), when the devices have room for it;
           else a transfer to host memory now (into pinned buffers the runtime
-          reuses, small arrays joined: `jckpt.trees.to_host.start_host_copies`),
+          reuses, small arrays joined: `jckpt.trees.transfers.start_host_copies`),
           or a copy for a CPU array.
         * numpy leaves: copied into this slot's host buffers, allocated once
           and reused from snapshot to snapshot (no page faults after the first).

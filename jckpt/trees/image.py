@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 
 from jckpt.errors import InputError
-from jckpt.trees import compiled, to_host
+from jckpt.trees import compiled, facts, transfers
 
 #: Fraction of a device's free memory an image may take when the caller sets no limit.
 FREE_FRACTION = 0.9
@@ -83,8 +83,8 @@ def imageable(leaf: Any) -> bool:
     copied to a warm host buffer faster than an image of it is described and dispatched)."""
     if not isinstance(leaf, jax.Array):
         return False
-    facts = to_host._facts(leaf.sharding)  # asked once per sharding
-    return facts.whole and (not facts.on_cpu
+    placed = facts.of(leaf.sharding)  # asked once per sharding
+    return placed.whole and (not placed.on_cpu
                             or math.prod(leaf.shape) * leaf.dtype.itemsize >= CPU_IMAGE_BYTES)
 
 
@@ -136,7 +136,7 @@ def device_bytes(arrays: Sequence[jax.Array]) -> dict[Any, int]:
     a snapshot of thousands of small arrays asks this on the training loop's time."""
     per_device: dict[Any, int] = {}
     for a in arrays:
-        device = to_host._facts(a.sharding).device  # asked once per sharding
+        device = facts.of(a.sharding).device  # asked once per sharding
         if device is not None:
             per_device[device] = per_device.get(device, 0) + math.prod(a.shape) * a.dtype.itemsize
             continue
@@ -173,12 +173,12 @@ def _memory_stats(device: Any) -> dict[str, int] | None:
 
 
 def drain(images: Sequence[jax.Array]) -> list[Any]:
-    """The images in host memory (a snapshot's transfers, `to_host.start_host_copies`): every
+    """The images in host memory (a snapshot's transfers, `transfers.start_host_copies`): every
     transfer started, then each awaited; an image on the CPU is viewed in place."""
-    on_device = [i for i, a in enumerate(images) if not to_host._facts(a.sharding).on_cpu]
-    moved = dict(zip(on_device, to_host.start_host_copies([images[i] for i in on_device],
+    on_device = [i for i, a in enumerate(images) if not facts.of(a.sharding).on_cpu]
+    moved = dict(zip(on_device, transfers.start_host_copies([images[i] for i in on_device],
                                                           snapshot=True)))
-    return [to_host.await_host(moved.get(i, a)) for i, a in enumerate(images)]
+    return [transfers.await_host(moved.get(i, a)) for i, a in enumerate(images)]
 
 
 __all__ = ['CPU_IMAGE_BYTES', 'FREE_FRACTION', 'Images', 'check_limit', 'device_bytes', 'drain',

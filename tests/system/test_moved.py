@@ -25,12 +25,13 @@ def test_a_module_moved_whole_is_its_new_home(monkeypatch):
 
 def test_a_split_module_finds_what_moved_out_of_it(monkeypatch):
     from jckpt.services import engine, mirror
-    from jckpt.trees import to_host
+    from jckpt.trees import facts, transfers
 
     with pytest.warns(DeprecationWarning, match="jckpt.sharding moved to jckpt.trees.sharding"):
         old = fresh_import(monkeypatch, "jckpt.sharding")
     assert old.record_reads is jckpt.trees.sharding.record_reads
-    assert old.is_sharded is to_host.is_sharded
+    assert old.is_sharded is facts.is_sharded
+    assert old.await_host is transfers.await_host
     with pytest.warns(DeprecationWarning, match="jckpt.mirror moved to jckpt.services.mirror"):
         old = fresh_import(monkeypatch, "jckpt.mirror")
     assert old.Mirror is mirror.Mirror and old.MirrorCounters is engine.MirrorCounters

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jckpt
-from jckpt.trees import compiled, image, to_host
+from jckpt.trees import compiled, image, transfers
 
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 
@@ -151,16 +151,14 @@ def test_the_image_limit_is_checked(tmp_path):
 
 @pytest.mark.parametrize("host_memory", ["pinned_host", None])
 @pytest.mark.parametrize("limit", [None, 0])
-def test_images_and_direct_copies_of_an_accelerator_survive_donation(tmp_path, monkeypatch, limit,
-                                                                     host_memory):
+def test_images_and_direct_copies_of_an_accelerator_survive_donation(accelerator, tmp_path,
+                                                                     monkeypatch, limit, host_memory):
     """The CPU taken for an accelerator: every jax leaf is imaged (or, at limit 0, moved to host
     at submit), and drained into pinned host memory or fresh buffers."""
-    from tests.trees.test_to_host import as_accelerator
-    as_accelerator(monkeypatch)
-    monkeypatch.setattr(to_host, "SNAPSHOT_MEMORY", host_memory)
+    monkeypatch.setattr(transfers, "SNAPSHOT_MEMORY", host_memory)
     moved = []
-    real = to_host.start_host_copies
-    monkeypatch.setattr(to_host, "start_host_copies",
+    real = transfers.start_host_copies
+    monkeypatch.setattr(transfers, "start_host_copies",
                         lambda a, snapshot=False: (moved.append((len(a), snapshot)),
                                                    real(a, snapshot))[1])
     wanted, counters = run_and_check(tmp_path, lambda p: jckpt.Mirror(p, device_image_bytes=limit),
@@ -172,14 +170,12 @@ def test_images_and_direct_copies_of_an_accelerator_survive_donation(tmp_path, m
 
 
 @pytest.mark.parametrize("limit", [None, 0])
-def test_many_small_leaves_of_an_accelerator_drain_joined_and_survive_donation(tmp_path,
-                                                                                monkeypatch, limit):
-    from tests.trees.test_to_host import as_accelerator
-    as_accelerator(monkeypatch)
+def test_many_small_leaves_of_an_accelerator_drain_joined_and_survive_donation(
+        accelerator, tmp_path, monkeypatch, limit):
     monkeypatch.setattr(compiled, "_CALLS", {})
     sent = []
-    real = to_host._start
-    monkeypatch.setattr(to_host, "_start", lambda a, m: (sent.append(len(a)), real(a, m))[1])
+    real = transfers._start
+    monkeypatch.setattr(transfers, "_start", lambda a, m: (sent.append(len(a)), real(a, m))[1])
     step = jax.jit(lambda t: jax.tree.map(lambda x: x + 1, t), donate_argnums=0)
     tree = {f"b{i}": jnp.full(3 + i % 5, float(i)) for i in range(40)}
     with jckpt.Mirror(tmp_path / "m.jckpt", device_image_bytes=limit) as m:

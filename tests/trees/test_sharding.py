@@ -13,8 +13,8 @@ import jckpt
 from jckpt.api.multiprocess import save_directory
 from jckpt.errors import FormatError, MismatchError
 from jckpt.storage.reader import CheckpointReader
+from jckpt.trees import facts, to_host, transfers
 from jckpt.trees import sharding as sh
-from jckpt.trees import to_host
 from tests.helpers import cpu_devices
 
 
@@ -122,13 +122,13 @@ def test_a_cast_restore_still_reads_only_each_shard(tmp_path, m42, m24):
 def test_replicas_are_read_once_and_no_gather(tmp_path, m42, monkeypatch):
     tree = {"full": put(data((8, 8)), m42, P()), "rows": put(data((8, 8)), m42, P("data")),
             "both": put(data((8, 8)), m42, P("data", "model"))}
-    real = to_host.await_host
+    real = transfers.await_host
 
     def no_gather(data):
-        assert not to_host.is_sharded(data), f"{data.shape} was gathered to host whole"
+        assert not facts.is_sharded(data), f"{data.shape} was gathered to host whole"
         return real(data)
 
-    monkeypatch.setattr(to_host, "await_host", no_gather)
+    monkeypatch.setattr(transfers, "await_host", no_gather)
     leaves = to_host.host_leaves([(str(p), leaf) for p, leaf in jckpt.trees.pytree.flatten(tree)],
                                    pieces=True)
     assert [len(h.shards) for h in leaves] == [8, 1, 4]  # both, full, rows
@@ -223,7 +223,7 @@ def test_every_transfer_starts_before_any_is_awaited(tmp_path, m42, monkeypatch)
             "c": put(data((16,)), m42, P("data"))}
     impl = type(tree["a"])
     events = []
-    real_start, real_wait = impl.copy_to_host_async, to_host.await_host
+    real_start, real_wait = impl.copy_to_host_async, transfers.await_host
 
     def start(self):
         events.append(("start", self.shape))
@@ -234,7 +234,7 @@ def test_every_transfer_starts_before_any_is_awaited(tmp_path, m42, monkeypatch)
         return real_wait(data)
 
     monkeypatch.setattr(impl, "copy_to_host_async", start)
-    monkeypatch.setattr(to_host, "await_host", wait)
+    monkeypatch.setattr(transfers, "await_host", wait)
     jckpt.save(jckpt.Context(), tree, tmp_path / "t.jckpt")
     kinds = [k for k, _ in events]
     # one transfer per distinct shard (8 + 1 + 4), each started before the first wait
