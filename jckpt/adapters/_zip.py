@@ -77,11 +77,25 @@ def member_span(buffer, info: zipfile.ZipInfo, file: str) -> tuple[int, int]:
     if fields[0] != b'PK\x03\x04':
         raise FormatError(f"archive member {info.filename!r} has no local header", file=file,
                           fix="the file is damaged")
+    _check_local_name(buffer, at + _LOCAL_HEADER.size, fields, info, file)
     start = at + _LOCAL_HEADER.size + fields[9] + fields[10]
     if start + info.compress_size > len(buffer):
         raise FormatError(f"archive member {info.filename!r} extends past the end of the file",
                           file=file, fix="the file is truncated")
     return start, info.compress_size
+
+
+def _check_local_name(buffer, at: int, fields: tuple, info: zipfile.ZipInfo, file: str) -> None:
+    """Refuse a member whose local header names another file than the central directory.
+
+    No checksum covers names: a damaged directory entry would otherwise hand
+    the member's data out under another name (`zipfile` refuses it too).
+    """
+    raw = bytes(buffer[at:at + fields[9]])
+    name = raw.decode('utf-8' if fields[2] & 0x800 else 'cp437', errors='replace')
+    if len(raw) != fields[9] or name != info.orig_filename:
+        raise FormatError(f"archive member {info.filename!r} is named {name!r} in its local "
+                          f"header", file=file, fix="the archive is damaged; write it again")
 
 
 class Budget:

@@ -106,8 +106,9 @@ def canonical_entries(text: str, *, accelerate: bool = True) -> tuple[list[Entry
         if prec not in precs.ALL_PRECS:
             return None
         dims = tuple(map(int, dims.split())) if dims else ()
-        byte_length = int(byte_length)
-        if prod(dims) * element_size(prec) != byte_length or byte_length > MAX_INT64:
+        byte_length, offset = int(byte_length), int(offset)
+        if prod(dims) * element_size(prec) != byte_length or \
+                byte_length > MAX_INT64 or offset > MAX_INT64:
             return None  # let the general reader report it
         if path is not None:
             path = tuple([(k, int(v)) if k in int_kinds else (k, v) for k, v in findall(path)])
@@ -117,7 +118,7 @@ def canonical_entries(text: str, *, accelerate: bool = True) -> tuple[list[Entry
                 return None  # let the general reader report it
         e = new(Entry)
         for name, value in zip(_FIELDS, (
-                int(ident), namespace, prec, dims, int(offset), byte_length,
+                int(ident), namespace, prec, dims, offset, byte_length,
                 tuple(label.split(' ')) if label else (), None, path,
                 (algo, digest) if algo is not None else None, key_impl, slc, global_dims, ())):
             setattr_(e, name, value)

@@ -123,6 +123,27 @@ def test_a_member_whose_local_header_is_gone_is_refused(tmp_path):
     assert e.value.file == path
 
 
+def test_a_member_named_otherwise_in_its_local_header_is_refused(tmp_path):
+    """No checksum covers names: a damaged directory entry must not rename a member's data."""
+    path = archive(tmp_path / 's.npz', {'w.npy': b'w', 's.npy': DATA})
+    data = bytearray(open(path, 'rb').read())
+    at = data.find(b's.npy', data.find(b'PK\x01\x02'))  # the central directory's copy
+    data[at] = ord('t')
+    open(path, 'wb').write(data)
+    zf = open_zip(path)
+    assert read_member(path, 'w.npy').tobytes() == b'w'
+    with pytest.raises(FormatError, match="member 't.npy' is named 's.npy' in its local header"):
+        member_bytes(zf, map_file(path), zf.getinfo('t.npy'), path)
+    import jckpt.adapters
+    npz = str(tmp_path / 'arrays.npz')
+    np.savez(npz, w=np.ones(3), s=np.arange(4))
+    data = bytearray(open(npz, 'rb').read())
+    data[data.find(b's.npy', data.find(b'PK\x01\x02'))] = ord('t')
+    open(npz, 'wb').write(data)
+    with pytest.raises(FormatError, match="'t.npy' is named 's.npy' in its local header"):
+        jckpt.adapters.read(npz)
+
+
 def test_a_member_past_the_end_is_refused(tmp_path):
     path = archive(tmp_path / 's.zip', {'a.bin': DATA})
     zf = open_zip(path)

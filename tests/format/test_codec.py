@@ -1,6 +1,7 @@
 """Header, layout and payload codec: pure functions, no files, no JAX."""
 
 import dataclasses
+import re
 import struct
 import sys
 import time
@@ -326,6 +327,20 @@ def test_pieces_of_directory_checkpoints_take_the_fast_path():
         found = fastpath.canonical_entries(text, accelerate=accelerate)
         assert found is not None
         assert [(e.slice, e.global_dims) for e in found[0]] == [(((2, 4), (0, 3)), (8, 3)), ((), ())]
+
+
+@pytest.mark.parametrize("field", ["offset", "byte_length"])
+def test_every_decoding_path_refuses_a_number_past_64_bits(field):
+    """19 digits the fast paths' patterns admit, past 2**63 - 1: refused alike, not taken."""
+    e = entry_for("n", (("k", "w"),), np.dtype("uint8"), (2,), id=0)  # non-empty: the fast path
+    text = encode_header(lay_out(Header(tensors=(e,))))[4:].decode()
+    big = "9999999999999999999"
+    text, n = re.subn(rf"\({field} \d+\)", f"({field} {big})", text)
+    if field == "byte_length":
+        text = text.replace("(dims 2)", f"(dims {big})")
+    assert n == 1
+    outcomes = _decode_all_ways(text)
+    assert outcomes == [("error", "FormatError")] * 3
 
 
 @settings(max_examples=300, deadline=None)
