@@ -21,6 +21,7 @@ transfer per device).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
@@ -186,6 +187,9 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
     * By `(namespace, path)`; else the one entry whose path differs only in
       key kinds: dict key or attribute of one name; index, flattened index or
       integer dict key of one number (orbax stores NamedTuple fields as dict keys).
+    * A typed PRNG key entry comes back as keys into a typed-key target of its
+      implementation (another one is a `MismatchError`), as its raw key data into any
+      other target.
     * Another dtype is a `MismatchError` unless `cast=True`; but a weakly typed
       target (`jax.eval_shape` of a Python number, like a flax `TrainState`'s
       `step=0`, stored as int64) of the stored value's kind (bool, integer,
@@ -230,15 +234,19 @@ def _requests(ctx: Context, reader: Any, parts: Sequence[tuple[str, list, Any]],
     index = _index(reader.header, {ns for ns, _, _ in parts})
     checked = []
     meshes: dict[Any, Any] = {}  # abstract meshes of the target, resolved once each
+    stored = []
     for ns, items, _ in parts:
         for p, leaf in items:
             where = tree_mod.leaf_name(ns, p)
             entry = _match(index[ns], ns, p, path, where)
+            stored.append(entry)
             if type(leaf) is jax.ShapeDtypeStruct and leaf.sharding is not None:
                 leaf = sharding.with_concrete_mesh(leaf, meshes, file=path, where=where)
+            if entry.key_impl is not None:
+                entry = _as_key_target_takes(entry, leaf, path, where)
             want_dtype = _check_leaf(ctx, entry, leaf, path, where)
             checked.append((entry, leaf, where, want_dtype))
-    arrays = _decoded(reader, [c[0] for c in checked], mmap, verify, None)
+    arrays = _decoded(reader, stored, mmap, verify, None)
     return [(_as_stored_for(array, entry, leaf, want_dtype, path, where, cast=cast), leaf, where,
              entry.key_impl) for (entry, leaf, where, want_dtype), array in zip(checked, arrays)]
 
@@ -331,6 +339,33 @@ def _missing(stored: _Stored, namespace: str, p: KeyPath, found: Sequence[Entry]
                              fix=f"check the namespace and the tree; the file's {namespace!r} "
                                  f"entries include {near}" if near else
                              f"the file has no entries in namespace {namespace!r}")
+
+
+def _as_key_target_takes(entry: Entry, leaf: Any, path: str, where: str) -> Entry:
+    """A typed PRNG key's entry as the target `leaf` takes it: keys of the stored implementation
+    for a typed-key target (another implementation refused), else the raw key data as stored
+    (`jax.random.key_data` of the keys: an old-style `PRNGKey`'s form)."""
+    if not _is_key_target(leaf):
+        return dataclasses.replace(entry, key_impl=None)
+    want = _key_impl_of(leaf)
+    if want is not None and want != entry.key_impl:
+        raise MismatchError(
+            f"PRNG key implementation mismatch: file has {entry.key_impl} keys, target has "
+            f"{want} keys", file=path, entry=where,
+            fix=f"restore into keys of {entry.key_impl!r} (jax.random.key(0, impl="
+                f"{entry.key_impl!r})), or into jax.ShapeDtypeStruct({tuple(entry.shape)}, "
+                f"jnp.{entry.dtype}) for the raw key data")
+    return entry
+
+
+def _key_impl_of(leaf: Any) -> str | None:
+    """The name of a typed-key target's implementation (`jax.random.key_impl`'s), if it says."""
+    try:
+        if isinstance(leaf, jax.Array):
+            return str(jax.random.key_impl(leaf))
+        return str(leaf.dtype._impl.name)  # a ShapeDtypeStruct's key dtype knows its impl
+    except Exception:  # a JAX that keeps it elsewhere: the stored impl is taken as it is
+        return None
 
 
 def _check_leaf(ctx: Context, entry: Entry, leaf: Any, path: str, where: str) -> Any:

@@ -119,6 +119,28 @@ def test_typed_prng_keys(tmp_path):
     assert tree["jckpt"]["many"].shape == (5,)
 
 
+def test_typed_keys_come_back_as_the_target_asks_or_are_refused(tmp_path):
+    """A plain target takes the raw key data; a typed-key target of another implementation
+    is refused, never handed keys of the stored one."""
+    path = tmp_path / "k.jckpt"
+    keys = {"fry": jax.random.split(jax.random.key(4), 3), "rbg": jax.random.key(5, impl="rbg")}
+    jckpt.save(jckpt.Context(), keys, path)
+    data = {k: np.asarray(jax.random.key_data(v)) for k, v in keys.items()}
+    raw = jckpt.restore(jckpt.Context(), {"fry": jax.ShapeDtypeStruct((3, 2), jnp.uint32),
+                                          "rbg": np.zeros((4,), np.uint32)}, path)
+    assert raw["fry"].dtype == jnp.uint32 and isinstance(raw["rbg"], np.ndarray)
+    assert {k: np.asarray(v).tolist() for k, v in raw.items()} == {k: v.tolist() for k, v in data.items()}
+    abstract = jax.eval_shape(lambda: {"fry": jax.random.split(jax.random.key(0), 3),
+                                       "rbg": jax.random.key(0, impl="rbg")})
+    typed = jckpt.restore(jckpt.Context(), abstract, path)
+    assert str(jax.random.key_impl(typed["rbg"])) == "rbg"
+    with pytest.raises(jckpt.MismatchError, match="file has rbg keys, target has threefry2x32") as e:
+        jckpt.restore(jckpt.Context(), {"rbg": jax.random.key(0)}, path)
+    assert "impl='rbg'" in e.value.fix and e.value.entry == "jckpt/rbg"
+    with pytest.raises(jckpt.MismatchError, match="shape mismatch"):  # the data has a trailing dim
+        jckpt.restore(jckpt.Context(), {"fry": jax.ShapeDtypeStruct((3,), jnp.uint32)}, path)
+
+
 def test_save_refuses_bad_leaf_before_touching_file(tmp_path):
     path = tmp_path / "s.jckpt"
     jckpt.save(jckpt.Context(), {"w": np.ones(2)}, path)
