@@ -164,10 +164,9 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
             verify: bool | None = None, namespaces: Namespaces | None = None) -> Any:
     """Fill `target`'s structure from `path`: a tree of exactly `target`'s type.
 
-    `target` may be partial (only its leaves are read; an empty one returns at
-    once, and the file is never modified). Leaves come back where it says: a
-    `jax.Array`'s or a `ShapeDtypeStruct`'s sharding, numpy for numpy leaves,
-    and `ctx`'s placement otherwise.
+    `target` may be partial (only its leaves are read). Leaves come back where it
+    says: a `jax.Array`'s or a `ShapeDtypeStruct`'s sharding, numpy for numpy
+    leaves, and `ctx`'s placement otherwise.
 
     Args:
       ctx: the context (namespace, placement).
@@ -187,9 +186,7 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
     * By `(namespace, path)`; else the one entry whose path differs only in
       key kinds: dict key or attribute of one name; index, flattened index or
       integer dict key of one number (orbax stores NamedTuple fields as dict keys).
-    * A typed PRNG key entry comes back as keys into a typed-key target of its
-      implementation (another one is a `MismatchError`), as its raw key data into any
-      other target.
+    * Typed PRNG keys: keys into a key target of their implementation, raw data otherwise.
     * Another dtype is a `MismatchError` unless `cast=True`; but a weakly typed
       target (`jax.eval_shape` of a Python number, like a flax `TrainState`'s
       `step=0`, stored as int64) of the stored value's kind (bool, integer,

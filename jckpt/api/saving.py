@@ -76,7 +76,9 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
         does not replace (matched by namespace and path), with its id.
       alignment: payload alignment for this file (default `ctx.alignment`).
       metadata: string pairs stored in the header (merged over an appended file's); a
-        value that is not a string is an `InputError` naming its key.
+        value that is not a string, or a key starting with `jckpt.` (reserved for what
+        jckpt records: a mirror's lineage and generation, a manager's step), is an
+        `InputError` naming its key.
       progress: draw a progress bar on stderr while writing (only when stderr is a terminal).
 
     Raises:
@@ -89,7 +91,7 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
         ```
     """
     path, ctx = checked_path(path), check_context(ctx, appending=appending, progress=progress)
-    metadata = check_metadata(metadata, path)  # strings only, refused before anything is written
+    metadata = check_metadata(metadata, path, reserved=False)  # refused before anything is written
     # several processes save their pieces into one directory; a directory checkpoint stays one
     if jax.process_count() > 1 or _holds_directory(path):
         if appending:

@@ -22,8 +22,10 @@ def check_metadata(metadata: Mapping[str, str] | None, file: str | None = None, 
 
     The header stores metadata as string pairs, so a number or `None` is
     refused here, before anything is written, rather than when the header is
-    encoded. With `reserved=False` (the mirror and the manager, which write
-    their own `jckpt.` keys), keys starting with `jckpt.` are refused too.
+    encoded. With `reserved=False` (what a caller passes to `save`, a mirror
+    or a manager, which write their own `jckpt.` keys), keys starting with
+    `jckpt.` are refused too: a file must not claim a lineage it was not
+    written in.
 
     >>> check_metadata({'step': '3'})
     {'step': '3'}

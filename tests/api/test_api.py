@@ -198,6 +198,16 @@ def test_metadata_and_appending_keeps_it(tmp_path):
     assert h.writer.startswith("jckpt ")
 
 
+@pytest.mark.parametrize("key", ["jckpt.lineage", "jckpt.generation", "jckpt.step", "jckpt.x"])
+def test_save_refuses_reserved_metadata_keys_before_writing(tmp_path, key):
+    """A file saved by hand must not claim a mirror's lineage and generation, or a manager's
+    step: a mirror opening it would take it for its own."""
+    path = tmp_path / "md.jckpt"
+    with pytest.raises(jckpt.InputError, match=f"metadata key '{key}' is reserved") as e:
+        jckpt.save(jckpt.Context(), {"w": np.ones(1)}, path, metadata={key: "7"})
+    assert not path.exists() and "jckpt." in e.value.fix
+
+
 def test_appending_relays_at_new_alignment(tmp_path):
     path = tmp_path / "s.jckpt"
     jckpt.save(jckpt.Context(alignment=1), {"a": np.arange(3, dtype=np.uint8),

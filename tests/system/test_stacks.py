@@ -311,7 +311,7 @@ def test_save_refuses_metadata_that_is_not_strings(tmp_path):
         jckpt.save(CTX, {"w": np.ones(2)}, path, metadata={3: "x"})
     with pytest.raises(InputError, match="metadata must be a mapping"):
         jckpt.save(CTX, {"w": np.ones(2)}, path, metadata=[("step", "3")])
-    jckpt.save(CTX, {"w": np.ones(2)}, path, metadata={"jckpt.note": "x", "step": "3"})
+    jckpt.save(CTX, {"w": np.ones(2)}, path, metadata={"note": "x", "step": "3"})
     assert jckpt.describe(path).metadata_dict()["step"] == "3"
 
 
