@@ -26,15 +26,26 @@ from typing import Any
 
 import numpy as np
 
+from jckpt import adapters
 from jckpt.api import progress as progress_mod
 from jckpt.errors import CheckpointError, ChecksumError, FormatError
 from jckpt.format import payload as payload_mod
 from jckpt.format.header import Entry
 from jckpt.format.names import INDEX_NAME, PIECE_RE, STEP_RE
+from jckpt.services import formats
 from jckpt.storage.backend import backend_for, checked_path
 from jckpt.storage.directory import DirectoryReader
 from jckpt.storage.reader import CheckpointReader
-from jckpt.tools.classify import DIRECTORY, FILE, FOREIGN, MANAGER, UNREADABLE, classify
+from jckpt.tools.classify import (
+    DIRECTORY,
+    FILE,
+    FOREIGN,
+    MANAGER,
+    NO_CHECKPOINT,
+    UNREADABLE,
+    classify,
+)
+from jckpt.trees import pytree as tree_mod
 
 #: Bytes read per step when checking the zero fill between payloads.
 GAP_CHUNK = 16 << 20
@@ -128,7 +139,9 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
     the writer's alignment, non-zero bytes between payloads, bytes after the
     last payload and entries without a checksum are warnings. A
     multi-process directory is checked piece file by piece file and against
-    its index; a checkpoint manager's directory step by step.
+    its index; a checkpoint manager's directory step by step (a step whose
+    model is in another format has that file read whole: a warning says its
+    payloads carry no checksums).
 
     `progress=True` draws a bar on stderr when stderr is a terminal.
 
@@ -158,6 +171,8 @@ def _verify(path: str | os.PathLike, progress: bool) -> VerifyReport:
         return _verify_steps(kind.path, progress)
     if kind.name in (FILE, FOREIGN) or kind.detail == UNREADABLE:
         return _verify_file(kind.path, progress)
+    if kind.detail == NO_CHECKPOINT and formats.is_step_directory(kind.path):
+        return _verify_step(kind.path, progress)
     assert kind.error is not None  # the kinds left hold no checkpoint
     return _failed(kind.path, Problem('error', kind.error.message, kind.path))
 
@@ -227,7 +242,42 @@ def _combine(path: str, reports: list[VerifyReport], extra: list[Problem]) -> Ve
 def _verify_steps(path: str, progress: bool) -> VerifyReport:
     """Every step of a checkpoint manager's directory, as one report."""
     names = sorted(n for n in backend_for(path).list(path) if STEP_RE.match(n))
-    return _combine(path, [verify(os.path.join(path, n), progress=progress) for n in names], [])
+    return _combine(path, [_verify_step(os.path.join(path, n), progress) for n in names], [])
+
+
+def _verify_step(path: str, progress: bool) -> VerifyReport:
+    """One manager step: a jckpt file, or a step directory whose model is in another format
+    (`CheckpointOptions(format=...)`): its record read, its model file read whole by its
+    format's reader (another format's payloads carry no jckpt checksums: a warning says
+    so), its optimizer file verified."""
+    if not formats.is_step_directory(path):
+        return verify(path, progress=progress)
+    try:
+        record = formats.read_record(path)
+    except CheckpointError as err:
+        return _failed(path, _unreadable(path, err))
+    reports = [_verify_model(os.path.join(path, record['model']), progress)]
+    if record.get('optimizer'):
+        reports.append(_verify_file(os.path.join(path, record['optimizer']), progress))
+    return _combine(path, reports, [])
+
+
+def _verify_model(path: str, progress: bool) -> VerifyReport:
+    """A format step's model file: verified as jckpt, else read whole by its format's reader."""
+    kind = classify(path)
+    if kind.name == FILE:
+        return _verify_file(path, progress)
+    if kind.name != FOREIGN:
+        assert kind.error is not None
+        return _failed(path, _unreadable(path, kind.error))
+    try:
+        tree = adapters.read(path, format=kind.detail)
+    except CheckpointError as err:
+        return _failed(path, _unreadable(path, err))
+    names = [tree_mod.leaf_name(ns, p) for ns, sub in tree.items() for p, _ in tree_mod.flatten(sub)]
+    return VerifyReport(path, len(names), 0, tuple(names), (Problem(
+        'warning', f"{kind.detail} stores no jckpt checksums: the model was read whole, its "
+                   f"{len(names)} payloads not checked", path),))
 
 
 def _verify_sharded(path: str, progress: bool) -> VerifyReport:

@@ -222,6 +222,26 @@ def test_a_manager_directory_is_checked_step_by_step(tmp_path):
     assert f"({r.files} files)" in r.render()
 
 
+@pytest.mark.parametrize("fmt", ["safetensors", "npz"])
+def test_steps_of_a_manager_writing_another_format_are_verified(tmp_path, fmt):
+    """The model file is read whole by its format's reader (a warning: no jckpt checksums),
+    the optimizer file verified; a damaged model file is an error naming it."""
+    with jckpt.CheckpointManager(tmp_path, options=jckpt.CheckpointOptions(format=fmt)) as mgr:
+        for step in (1, 2):
+            mgr.save(step, items={"model": {"w": np.full(3, step, np.float32)},
+                                  "opt": {"mu": np.ones(2, np.float32)}})
+    r = verify(tmp_path)
+    assert r.ok and r.files == 4 and r.entries == 4 and r.checked == 2, r.render()
+    assert [p.severity for p in r.problems] == ["warning"] * 2
+    assert "stores no jckpt checksums" in r.problems[0].message
+    step = tmp_path / step_name(2)
+    assert verify(step).ok and verify(step).files == 2
+    model = next(p for p in step.iterdir() if p.name.startswith("model."))
+    model.write_bytes(model.read_bytes()[:20])
+    r = verify(tmp_path)
+    assert not r.ok and [p.file for p in r.errors] == [str(model)]
+
+
 # --- the values --------------------------------------------------------------------------------
 
 def test_problem_and_report_values():
