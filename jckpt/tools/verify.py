@@ -26,13 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from jckpt import adapters
 from jckpt.api import progress as progress_mod
 from jckpt.errors import CheckpointError, ChecksumError, FormatError
 from jckpt.format import payload as payload_mod
 from jckpt.format.header import Entry
-from jckpt.format.names import INDEX_NAME, PIECE_RE, STEP_RE
-from jckpt.services import formats
+from jckpt.format.names import INDEX_NAME, PIECE_RE, STEP_RE, TRAINER_STATE_NAME
+from jckpt.storage import step_directory
 from jckpt.storage.backend import backend_for, checked_path
 from jckpt.storage.directory import DirectoryReader
 from jckpt.storage.reader import CheckpointReader
@@ -45,7 +44,6 @@ from jckpt.tools.classify import (
     UNREADABLE,
     classify,
 )
-from jckpt.trees import pytree as tree_mod
 
 #: Bytes read per step when checking the zero fill between payloads.
 GAP_CHUNK = 16 << 20
@@ -171,7 +169,7 @@ def _verify(path: str | os.PathLike, progress: bool) -> VerifyReport:
         return _verify_steps(kind.path, progress)
     if kind.name in (FILE, FOREIGN) or kind.detail == UNREADABLE:
         return _verify_file(kind.path, progress)
-    if kind.detail == NO_CHECKPOINT and formats.is_step_directory(kind.path):
+    if kind.detail == NO_CHECKPOINT and step_directory.is_published(kind.path, TRAINER_STATE_NAME):
         return _verify_step(kind.path, progress)
     assert kind.error is not None  # the kinds left hold no checkpoint
     return _failed(kind.path, Problem('error', kind.error.message, kind.path))
@@ -250,8 +248,9 @@ def _verify_step(path: str, progress: bool) -> VerifyReport:
     (`CheckpointOptions(format=...)`): its record read, its model file read whole by its
     format's reader (another format's payloads carry no jckpt checksums: a warning says
     so), its optimizer file verified."""
-    if not formats.is_step_directory(path):
+    if not step_directory.is_published(path, TRAINER_STATE_NAME):
         return verify(path, progress=progress)
+    from jckpt.services import formats  # imports JAX: only for such steps, not for jckpt files
     try:
         record = formats.read_record(path)
     except CheckpointError as err:
@@ -270,6 +269,8 @@ def _verify_model(path: str, progress: bool) -> VerifyReport:
     if kind.name != FOREIGN:
         assert kind.error is not None
         return _failed(path, _unreadable(path, kind.error))
+    from jckpt import adapters
+    from jckpt.trees import pytree as tree_mod
     try:
         tree = adapters.read(path, format=kind.detail)
     except CheckpointError as err:
