@@ -402,19 +402,23 @@ def _kind(dtype: Any) -> str | None:
 
 
 def _exactly(array: Any, dtype: np.dtype, path: str, where: str) -> np.ndarray:
-    """`array` as `dtype` for a weakly typed target: only if every value converts exactly.
+    """`array` as `dtype` for a weakly typed target: only if every value converts as JAX
+    would convert the Python number itself.
 
     A weakly typed target stands for a Python number (`jax.eval_shape` of a
-    tree holding `step=0`), which jckpt stored as 64-bit: such a value is
-    accepted when the target's dtype holds it exactly, and refused otherwise
-    (never narrowed silently).
+    tree holding `step=0` or `lr=0.1`), which jckpt stored as 64-bit. An
+    integer (or bool) is accepted when the target's dtype holds it exactly; a
+    float or complex number is rounded to the target's precision, as JAX
+    rounds the Python number 0.1 to float32, unless it overflows. Never
+    narrowed silently otherwise.
     """
     values = np.asarray(array)
     with np.errstate(all='ignore'):
         out = values.astype(dtype)
-        same = out.astype(values.dtype) == values
-    if _kind(values.dtype) in ('floating', 'complex'):
-        same |= np.isnan(values) & np.isnan(out)
+        if _kind(values.dtype) in ('floating', 'complex'):
+            same = np.isfinite(out) | ~np.isfinite(values)  # rounded, but never overflowed
+        else:
+            same = out.astype(values.dtype) == values
     if not np.all(same):
         bad = values[~same].flat[0].item()
         raise MismatchError(f"dtype mismatch: the file's {values.dtype} value {bad!r} does not fit "

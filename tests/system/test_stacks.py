@@ -103,25 +103,30 @@ def test_flax_train_state_at_step_zero_restores_into_eval_shape(tmp_path):
 
 
 def test_weak_target_takes_a_stored_value_only_when_it_fits(tmp_path):
+    """Integers only when they fit exactly; floats rounded to the target's precision, as JAX
+    rounds the Python number itself, but never overflowed."""
     path = tmp_path / "n.jckpt"
-    jckpt.save(CTX, {"step": 3, "big": 2 ** 40, "half": 0.5, "tenth": 0.1, "flag": 1}, path)
-    weak = jax.eval_shape(lambda: {"step": 0, "big": 0, "half": 0.0, "tenth": 0.0, "flag": 0.0})
-    back = jckpt.restore(CTX, {"step": weak["step"], "half": weak["half"]}, path)
+    jckpt.save(CTX, {"step": 3, "big": 2 ** 40, "half": 0.5, "tenth": 0.1, "flag": 1,
+                     "huge": 1e300, "nan": float("nan"), "inf": float("-inf")}, path)
+    weak = jax.eval_shape(lambda: {"step": 0, "big": 0, "half": 0.0, "tenth": 0.0, "flag": 0.0,
+                                   "huge": 0.0, "nan": 0.0, "inf": 0.0})
+    back = jckpt.restore(CTX, {k: weak[k] for k in ("step", "half", "tenth", "nan", "inf")}, path)
     assert back["step"].dtype == jnp.int32 and int(back["step"]) == 3
     assert back["half"].dtype == jnp.float32 and float(back["half"]) == 0.5
+    assert back["tenth"].dtype == jnp.float32 and back["tenth"] == jnp.asarray(0.1)
+    assert jnp.isnan(back["nan"]) and back["inf"] == -jnp.inf
     assert int(jckpt.restore(CTX, {"step": jnp.asarray(0)}, path)["step"]) == 3  # a weak array
 
     with pytest.raises(MismatchError, match=r"jckpt/big.*value 1099511627776 does not fit.*int32") as e:
         jckpt.restore(CTX, {"big": weak["big"]}, path)
     assert "cast=True" in e.value.fix and "int64" in e.value.fix
-    with pytest.raises(MismatchError, match=r"jckpt/tenth.*does not fit the target's weakly typed float32"):
-        jckpt.restore(CTX, {"tenth": weak["tenth"]}, path)  # never narrowed silently
+    with pytest.raises(MismatchError, match=r"jckpt/huge.*1e\+300 does not fit the target's weakly typed float32"):
+        jckpt.restore(CTX, {"huge": weak["huge"]}, path)  # never overflowed silently
     with pytest.raises(MismatchError, match=r"jckpt/flag: dtype mismatch: file has int64"):
         jckpt.restore(CTX, {"flag": weak["flag"]}, path)  # another kind: not taken
     with pytest.raises(MismatchError, match="dtype mismatch"):  # a strongly typed target refuses
         jckpt.restore(CTX, {"step": jax.ShapeDtypeStruct((), jnp.int32)}, path)
-    assert float(jckpt.restore(CTX, {"tenth": weak["tenth"]}, path, cast=True)["tenth"]) == \
-        np.float32(0.1)
+    assert float(jckpt.restore(CTX, {"huge": weak["huge"]}, path, cast=True)["huge"]) == np.inf
 
 
 # --- optax states through orbax: NamedTuple fields become dict keys --------------------------
