@@ -188,9 +188,8 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
       integer dict key of one number (orbax stores NamedTuple fields as dict keys).
     * Typed PRNG keys: keys into a key target of their implementation, raw data otherwise.
     * Another dtype is a `MismatchError` unless `cast=True`; but a weakly typed
-      target (`jax.eval_shape` of a Python number, like a flax `TrainState`'s
-      `step=0`, stored as int64) of the stored value's kind (bool, integer,
-      floating, complex) takes it as JAX takes the number: an integer if it fits
+      target (`jax.eval_shape` of a Python number, stored 64-bit) of the stored
+      value's kind takes it as JAX takes the number: an integer if it fits
       exactly, a float rounded unless it overflows.
     * A `NamedSharding` on an `AbstractMesh` (`nnx.eval_shape` under
       `jax.set_mesh`) goes to the mesh in context with those axes, else to
