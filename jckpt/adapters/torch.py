@@ -251,7 +251,13 @@ def _root(zf: zipfile.ZipFile, path: str) -> str:
     return pkls[0][:-len('data.pkl')]
 
 
+#: How a legacy (non-zip) `torch.save` file starts: pickle protocol 2, then torch's magic number.
+LEGACY_MAGIC = b'\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19.'
+
+
 def sniff(path: str, head: bytes | None) -> bool:
+    if head is not None and head.startswith(LEGACY_MAGIC):
+        return True  # recognised, so that reading it says why it is refused
     if head is None or head[:4] != b'PK\x03\x04':
         return False
     with zipfile.ZipFile(_zip.zip_source(path)) as zf:
@@ -262,9 +268,12 @@ def read(path: str) -> dict[str, Any]:
     """A `torch.save` file as `{'jckpt': obj}`, tensors as numpy views; no code runs."""
     path = os.fspath(path)
     buffer = map_file(path)
-    if bytes(buffer[:2]) == b'\x80\x02' or bytes(buffer[:1]) == b'\x80':
-        raise FormatError("a legacy (pre-1.6, non-zip) torch file", file=path,
-                          fix="re-save it with a current torch.save")
+    if bytes(buffer[:1]) == b'\x80':
+        raise FormatError("a legacy torch.save file (not a zip archive: written by torch before "
+                          "1.6 or with _use_new_zipfile_serialization=False), which jckpt does "
+                          "not read", file=path,
+                          fix="load it with torch.load and save it again with torch.save's "
+                              "default (zip) format")
     budget = _zip.Budget(len(buffer))
     with _zip.open_zip(path, buffer) as zf:
         root = _root(zf, path)

@@ -198,6 +198,17 @@ def test_corrupt_pickle_and_legacy_file_are_refused(tmp_path):
         pt.read(path)
 
 
+def test_a_legacy_torch_file_is_recognised_and_refused_saying_why(tmp_path):
+    """Through every entry point (read, convert, the command line's classification)."""
+    torch = pytest.importorskip('torch')
+    path = tmp_path / 'legacy.pt'
+    torch.save({'w': torch.ones(2)}, path, _use_new_zipfile_serialization=False)
+    assert jckpt.detect_format(path) == 'torch'
+    with pytest.raises(FormatError, match='legacy torch.save file') as e:
+        jckpt.convert(path, tmp_path / 'out.jckpt')
+    assert 'torch.load' in e.value.fix and not (tmp_path / 'out.jckpt').exists()
+
+
 def test_unrepresentable_dtype_is_refused_before_writing(tmp_path):
     path = tmp_path / 'x.pt'
     with pytest.raises(InputError, match='no torch equivalent'):
