@@ -53,6 +53,7 @@ from jckpt.adapters._common import (
 )
 from jckpt.errors import FormatError, InputError
 from jckpt.format import limits
+from jckpt.format.names import RESERVED_PREFIX
 from jckpt.format.payload import iter_payload_chunks, stored_dtype
 from jckpt.storage.backend import is_url
 
@@ -228,7 +229,26 @@ def read_sharded(index_path: str) -> tuple[dict[str, np.ndarray], dict[str, str]
 
 def read(path: str) -> dict[str, Any]:
     """A safetensors file, sharded index or directory holding one, as `{namespace: subtree}`."""
-    path = os.fspath(path)
+    arrays, metadata = _arrays_and_metadata(os.fspath(path))
+    return tree_from_names(arrays, metadata.get(PATHS_KEY))
+
+
+def read_metadata(path: str) -> dict[str, str]:
+    """The file's own `__metadata__` (what `jckpt.convert` keeps as a jckpt file's metadata),
+    less the keys jckpt records there for itself.
+
+    >>> import numpy as np, tempfile, os
+    >>> p = os.path.join(tempfile.mkdtemp(), 'm.safetensors')
+    >>> _ = write({'jckpt': {'w': np.ones(2)}}, p, metadata={'source': 'hub'})
+    >>> read_metadata(p)
+    {'format': 'pt', 'source': 'hub'}
+    """
+    _, metadata = _arrays_and_metadata(os.fspath(path))
+    return {k: v for k, v in metadata.items() if not k.startswith(RESERVED_PREFIX)}
+
+
+def _arrays_and_metadata(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Every array by name (mapped views) and the `__metadata__`, of a file, index or directory."""
     index = _index_file(path)
     if index is not None:
         arrays, metadata = read_sharded(index)
@@ -243,7 +263,7 @@ def read(path: str) -> dict[str, Any]:
         arrays, metadata = read_arrays(single)
     else:
         arrays, metadata = read_arrays(path)
-    return tree_from_names(arrays, metadata.get(PATHS_KEY))
+    return arrays, metadata
 
 
 def sniff(path: str, head: bytes | None) -> bool:
@@ -384,5 +404,5 @@ def write_sharded(tree: Any, index_path: str, *, max_shard_bytes: int = DEFAULT_
 def register() -> None:
     from jckpt.adapters import register_format
 
-    register_format('safetensors', read=read, write=write, sniff=sniff,
+    register_format('safetensors', read=read, write=write, sniff=sniff, read_metadata=read_metadata,
                     extensions=('.safetensors', INDEX_SUFFIX), replace=True)

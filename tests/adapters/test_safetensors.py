@@ -122,6 +122,19 @@ def test_reads_what_the_package_writes(tmp_path):
         assert same_bits(back['jckpt'][name], array)
 
 
+def test_convert_keeps_the_files_own_metadata_but_not_jckpts(tmp_path):
+    safetensors_numpy = pytest.importorskip('safetensors.numpy')
+    path = tmp_path / 'theirs.safetensors'
+    safetensors_numpy.save_file({'w': np.ones(2, np.float32)}, path,
+                                metadata={'format': 'np', 'source': 'hub'})
+    jckpt.convert(path, tmp_path / 'c.jckpt')
+    assert jckpt.describe(tmp_path / 'c.jckpt').metadata_dict() == {'format': 'np', 'source': 'hub'}
+    ours = tmp_path / 'ours.safetensors'
+    st.write({'jckpt': {'a': {'b': np.ones(1)}}}, ours, metadata={'run': '7'})
+    assert 'jckpt.paths' in st.read_arrays(str(ours))[1]  # how jckpt records structure there
+    assert st.read_metadata(str(ours)) == {'format': 'pt', 'run': '7'}  # is not the file's own
+
+
 def test_loading_is_zero_copy_where_aligned(tmp_path):
     path = tmp_path / 'z.safetensors'
     st.write({'jckpt': {'a': np.ones(5, np.float64), 'b': np.ones(3, np.float16),
