@@ -21,25 +21,22 @@ transfer per device).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
 from jckpt.api import progress as progress_mod
+from jckpt.api import targets
 from jckpt.api.context import Context, check_context
-from jckpt.errors import ClashError, InputError, MismatchError, MissingEntryError
-from jckpt.format import precs
+from jckpt.errors import ClashError, InputError, MissingEntryError
 from jckpt.format._gc import paused
 from jckpt.format.entries import Entry, Header, KeyPath, path_name
-from jckpt.format.payload import stored_dtype
 from jckpt.storage import open_checkpoint
 from jckpt.storage.backend import checked_path
 from jckpt.storage.reader import COUNTS
-from jckpt.trees import placement, sharding, to_host
+from jckpt.trees import placement, sharding
 from jckpt.trees import pytree as tree_mod
 
 PathLike = str | os.PathLike
@@ -239,13 +236,12 @@ def _requests(ctx: Context, reader: Any, parts: Sequence[tuple[str, list, Any]],
             stored.append(entry)
             if type(leaf) is jax.ShapeDtypeStruct and leaf.sharding is not None:
                 leaf = sharding.with_concrete_mesh(leaf, meshes, file=path, where=where)
-            if entry.key_impl is not None:
-                entry = _as_key_target_takes(entry, leaf, path, where)
-            want_dtype = _check_leaf(ctx, entry, leaf, path, where)
+            entry = targets.as_target_takes(entry, leaf, path, where)
+            want_dtype = targets.check_leaf(ctx, entry, leaf, path, where)
             checked.append((entry, leaf, where, want_dtype))
     arrays = _decoded(reader, stored, mmap, verify, None)
-    return [(_as_stored_for(array, entry, leaf, want_dtype, path, where, cast=cast), leaf, where,
-             entry.key_impl) for (entry, leaf, where, want_dtype), array in zip(checked, arrays)]
+    return [(targets.as_stored_for(array, entry, leaf, want_dtype, path, where, cast=cast), leaf,
+             where, entry.key_impl) for (entry, leaf, where, want_dtype), array in zip(checked, arrays)]
 
 
 def _rebuild(parts: Sequence[tuple[str, list, Any]], values: Sequence[Any]) -> dict[str, Any]:
@@ -336,145 +332,6 @@ def _missing(stored: _Stored, namespace: str, p: KeyPath, found: Sequence[Entry]
                              fix=f"check the namespace and the tree; the file's {namespace!r} "
                                  f"entries include {near}" if near else
                              f"the file has no entries in namespace {namespace!r}")
-
-
-def _as_key_target_takes(entry: Entry, leaf: Any, path: str, where: str) -> Entry:
-    """A typed PRNG key's entry as the target `leaf` takes it: keys of the stored implementation
-    for a typed-key target (another implementation refused), else the raw key data as stored
-    (`jax.random.key_data` of the keys: an old-style `PRNGKey`'s form)."""
-    if not _is_key_target(leaf):
-        return dataclasses.replace(entry, key_impl=None)
-    want = _key_impl_of(leaf)
-    if want is not None and want != entry.key_impl:
-        raise MismatchError(
-            f"PRNG key implementation mismatch: file has {entry.key_impl} keys, target has "
-            f"{want} keys", file=path, entry=where,
-            fix=f"restore into keys of {entry.key_impl!r} (jax.random.key(0, impl="
-                f"{entry.key_impl!r})), or into jax.ShapeDtypeStruct({tuple(entry.shape)}, "
-                f"jnp.{entry.dtype}) for the raw key data")
-    return entry
-
-
-def _key_impl_of(leaf: Any) -> str | None:
-    """The name of a typed-key target's implementation (`jax.random.key_impl`'s), if it says."""
-    try:
-        if isinstance(leaf, jax.Array):
-            return str(jax.random.key_impl(leaf))
-        return str(leaf.dtype._impl.name)  # a ShapeDtypeStruct's key dtype knows its impl
-    except Exception:  # a JAX that keeps it elsewhere: the stored impl is taken as it is
-        return None
-
-
-def _check_leaf(ctx: Context, entry: Entry, leaf: Any, path: str, where: str) -> Any:
-    """Check `entry` against the target `leaf` before anything is read; the dtype it wants."""
-    want_shape, want_dtype = _target_spec(leaf)
-    if want_dtype is None and entry.key_impl is None and _is_key_target(leaf):
-        raise _raw_key_data(entry, want_shape, path, where)
-    _check_shape(entry, want_shape, path, where)
-    target_sharding = getattr(leaf, 'sharding', None) or (
-        ctx.device if not ctx.host and not isinstance(leaf, (np.ndarray, np.generic)) else None)
-    sharding.check_fits(want_shape if want_shape is not None else entry.shape, target_sharding,
-                        file=path, where=where)
-    return want_dtype
-
-
-def _as_stored_for(array: Any, entry: Entry, leaf: Any, want_dtype: Any, path: str, where: str, *,
-                   cast: bool) -> Any:
-    """The array read for `entry`, in the dtype the target wants (lazily for sharded targets)."""
-    if want_dtype is not None and entry.key_impl is None and stored_dtype(want_dtype) != array.dtype:
-        if cast:
-            return sharding.as_lazy(array).astype(want_dtype)  # cast per shard, as read
-        if getattr(leaf, 'weak_type', False) and _kind(array.dtype) == _kind(want_dtype):
-            return _exactly(array, np.dtype(want_dtype), path, where)
-        raise MismatchError(f"dtype mismatch: file has {array.dtype}, target has "
-                            f"{np.dtype(want_dtype)}", file=path, entry=where,
-                            fix="pass cast=True to convert, or fix the target's dtype")
-    return array
-
-
-_KINDS = (('bool', np.bool_), ('integer', np.integer), ('floating', np.floating),
-          ('complex', np.complexfloating))
-
-
-def _kind(dtype: Any) -> str | None:
-    """Which of bool, integer (signed or not), floating and complex `dtype` is."""
-    return next((name for name, t in _KINDS if jax.dtypes.issubdtype(dtype, t)), None)
-
-
-def _exactly(array: Any, dtype: np.dtype, path: str, where: str) -> np.ndarray:
-    """`array` as `dtype` for a weakly typed target: only if every value converts as JAX
-    would convert the Python number itself.
-
-    A weakly typed target stands for a Python number (`jax.eval_shape` of a
-    tree holding `step=0` or `lr=0.1`), which jckpt stored as 64-bit. An
-    integer (or bool) is accepted when the target's dtype holds it exactly; a
-    float or complex number is rounded to the target's precision, as JAX
-    rounds the Python number 0.1 to float32, unless it overflows. Never
-    narrowed silently otherwise.
-    """
-    values = np.asarray(array)
-    with np.errstate(all='ignore'):
-        out = values.astype(dtype)
-        if _kind(values.dtype) in ('floating', 'complex'):
-            same = np.isfinite(out) | ~np.isfinite(values)  # rounded, but never overflowed
-        else:
-            same = out.astype(values.dtype) == values
-    if not np.all(same):
-        bad = values[~same].flat[0].item()
-        raise MismatchError(f"dtype mismatch: the file's {values.dtype} value {bad!r} does not fit "
-                            f"the target's weakly typed {dtype}", file=path, entry=where,
-                            fix=f"restore into a target of dtype {values.dtype} (64-bit needs "
-                                f"jax_enable_x64), or pass cast=True to convert anyway (the value "
-                                f"changes)")
-    return out
-
-
-def _check_shape(entry: Entry, want_shape: Sequence[int] | None, path: str, where: str) -> None:
-    """Refuse a target shape other than the stored one (a PRNG key's: less its trailing dim)."""
-    if entry.padding is not None and want_shape is not None and \
-            tuple(want_shape) == entry.logical_dims and entry.logical_dims != entry.dims:
-        raise MismatchError(f"padding mismatch: the stored entry is padded {entry.padding.pairs} "
-                            f"to dims {entry.dims}; the target has the unpadded shape "
-                            f"{tuple(want_shape)}", file=path, entry=where,
-                            fix="give the target the padded shape")
-    stored_shape = entry.shape
-    if entry.key_impl is not None:
-        stored_shape = stored_shape[:-1] if stored_shape else stored_shape
-    if want_shape is not None and tuple(want_shape) != tuple(stored_shape) and not (
-            entry.key_impl is not None and tuple(want_shape) == entry.shape[:len(want_shape)]):
-        raise MismatchError(f"shape mismatch: file has {entry.shape}, target has "
-                            f"{tuple(want_shape)}", file=path, entry=where,
-                            fix="restore into a target of the stored shape")
-
-
-def _is_key_target(leaf: Any) -> bool:
-    return to_host.is_prng_key(leaf) or (isinstance(leaf, jax.ShapeDtypeStruct) and
-                                            jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key))
-
-
-def _raw_key_data(entry: Entry, want_shape: Any, path: str, where: str) -> MismatchError:
-    """The error for a typed-key target whose entry holds plain integers (an old-style
-    `jax.random.PRNGKey`, or key data saved with `jax.random.key_data`)."""
-    dtype = precs.dtype_of(entry.prec)
-    return MismatchError(
-        f"the file holds plain {dtype}{list(entry.shape)} key data (an old-style "
-        f"jax.random.PRNGKey), not a typed PRNG key as the target (shape {tuple(want_shape)})",
-        file=path, entry=where,
-        fix=f"restore into jax.ShapeDtypeStruct({tuple(entry.shape)}, jnp.{dtype}) and wrap the "
-            f"result with jax.random.wrap_key_data(data); to store typed keys, save "
-            f"jax.random.key(...) (jax.random.key_data(key) unwraps one)")
-
-
-def _target_spec(leaf: Any) -> tuple[tuple[int, ...] | None, Any]:
-    """`(shape, dtype)` a target leaf asks for (None where it does not say)."""
-    if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
-        if to_host.is_key_dtype(leaf.dtype):
-            return tuple(leaf.shape), None
-        return tuple(leaf.shape), leaf.dtype
-    if isinstance(leaf, (bool, int, float, complex)):
-        return (), None
-    raise InputError(f"target leaf of type {type(leaf).__name__} is not an array or a spec",
-                     fix="use arrays, jax.ShapeDtypeStruct or numbers as target leaves")
 
 
 # --- the header and the counters ---------------------------------------------------------

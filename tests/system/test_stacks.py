@@ -330,11 +330,18 @@ def test_restore_reads_an_orbax_directory_without_converting(tmp_path):
     np.testing.assert_array_equal(back["w"], np.ones(2))
 
 
-def test_old_style_prng_key_into_a_typed_key_target_says_how_to_wrap(tmp_path):
+def test_old_style_prng_key_restores_into_a_typed_key_target(tmp_path):
+    """Plain uint32 key data (an old-style PRNGKey, or keys through a format without key types)
+    is wrapped as the target's keys when its shape is their data's; else refused, saying how."""
     old = jax.random.PRNGKey(5)  # uint32[2]
-    jckpt.save(CTX, {"rng": old}, tmp_path / "k.jckpt")
-    with pytest.raises(MismatchError, match=r"plain uint32\[2\] key data") as e:
-        jckpt.restore(CTX, {"rng": jax.random.key(0)}, tmp_path / "k.jckpt")
+    jckpt.save(CTX, {"rng": old, "many": jax.random.split(old, 3)}, tmp_path / "k.jckpt")
+    back = jckpt.restore(CTX, jax.eval_shape(lambda: {"rng": jax.random.key(0),
+                                                      "many": jax.random.split(jax.random.key(0), 3)}),
+                         tmp_path / "k.jckpt")
+    assert str(jax.random.key_impl(back["rng"])) == "threefry2x32" and back["many"].shape == (3,)
+    assert jax.random.randint(back["rng"], (), 0, 100) == jax.random.randint(old, (), 0, 100)
+    with pytest.raises(MismatchError, match=r"plain uint32\[2\] data, not the key data") as e:
+        jckpt.restore(CTX, {"rng": jax.random.key(0, impl="rbg")}, tmp_path / "k.jckpt")  # 4 words
     assert "wrap_key_data" in e.value.fix and "shape mismatch" not in str(e.value)
     raw = jckpt.restore(CTX, {"rng": jax.ShapeDtypeStruct((2,), jnp.uint32)}, tmp_path / "k.jckpt")
     key = jax.random.wrap_key_data(raw["rng"])  # the fix, as given, works

@@ -1,0 +1,75 @@
+"""How a target leaf takes a stored entry (targets): shapes, dtypes, weak types, PRNG keys."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jckpt
+from jckpt.api import targets
+from jckpt.format.entries import entry_for
+
+CTX = jckpt.Context()
+
+
+def entry(dtype, dims, key_impl=None):
+    return entry_for("jckpt", (("k", "x"),), np.dtype(dtype), dims, id=0, key_impl=key_impl)
+
+
+def takes(e, leaf):
+    e = targets.as_target_takes(e, leaf, "f.jckpt", "jckpt/x")
+    return e, targets.check_leaf(CTX, e, leaf, "f.jckpt", "jckpt/x")
+
+
+def test_typed_key_entries_become_keys_or_their_data_as_the_target_asks():
+    fry = entry("uint32", (3, 2), "threefry2x32")
+    e, _ = takes(fry, jax.eval_shape(lambda: jax.random.split(jax.random.key(0), 3)))
+    assert e.key_impl == "threefry2x32"
+    e, want = takes(fry, jax.ShapeDtypeStruct((3, 2), jnp.uint32))
+    assert e.key_impl is None and want == jnp.uint32
+    with pytest.raises(jckpt.MismatchError, match="file has threefry2x32 keys, target has rbg"):
+        takes(fry, jax.eval_shape(lambda: jax.random.split(jax.random.key(0, impl="rbg"), 3)))
+
+
+def test_plain_key_data_becomes_keys_only_of_an_implementation_of_its_shape():
+    e, _ = takes(entry("uint32", (2,)), jax.random.key(0))
+    assert e.key_impl == "threefry2x32"
+    e, _ = takes(entry("uint32", (4,)), jax.random.key(0, impl="rbg"))
+    assert e.key_impl == "rbg"
+    for plain in (entry("uint32", (3,)), entry("int32", (2,))):
+        with pytest.raises(jckpt.MismatchError, match="not the key data"):
+            takes(plain, jax.random.key(0))
+
+
+def test_shapes_and_dtypes_are_checked_before_reading():
+    with pytest.raises(jckpt.MismatchError, match=r"shape mismatch: file has \(2,\), target has \(3,\)"):
+        takes(entry("float32", (2,)), np.zeros(3, np.float32))
+    e, want = takes(entry("float32", (2,)), np.zeros(2, np.float64))
+    with pytest.raises(jckpt.MismatchError, match="dtype mismatch: file has float32"):
+        targets.as_stored_for(np.ones(2, np.float32), e, np.zeros(2), want, "f", "w", cast=False)
+    cast = targets.as_stored_for(np.ones(2, np.float32), e, np.zeros(2), want, "f", "w", cast=True)
+    assert np.asarray(cast[(slice(0, 2),)]).dtype == np.float64
+    with pytest.raises(jckpt.InputError, match="target leaf of type str"):
+        takes(entry("float32", (2,)), "w")
+
+
+@pytest.mark.parametrize("stored,target,expected", [
+    (np.float64(0.1), 0.0, np.float32(0.1)),  # rounded, as JAX rounds the Python number
+    (np.float64(np.nan), 0.0, None), (np.float64(-np.inf), 0.0, np.float32(-np.inf)),
+    (np.int64(7), 0, np.int32(7)), (np.complex128(0.1 + 1j), 0j, np.complex64(0.1 + 1j)),
+])
+def test_a_weak_target_takes_a_value_as_jax_takes_the_number(stored, target, expected):
+    weak = jax.eval_shape(lambda: target)
+    e = entry(stored.dtype, ())
+    got = targets.as_stored_for(np.asarray(stored), e, weak, weak.dtype, "f", "w", cast=False)
+    assert got.dtype == weak.dtype
+    assert np.isnan(got) if expected is None else got == expected
+
+
+@pytest.mark.parametrize("stored,target", [(np.float64(1e300), 0.0), (np.int64(2 ** 40), 0),
+                                           (np.complex128(1e300), 0j)])
+def test_a_weak_target_refuses_an_overflow(stored, target):
+    weak = jax.eval_shape(lambda: target)
+    with pytest.raises(jckpt.MismatchError, match="does not fit the target's weakly typed"):
+        targets.as_stored_for(np.asarray(stored), entry(stored.dtype, ()), weak, weak.dtype, "f",
+                              "w", cast=False)
