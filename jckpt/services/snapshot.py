@@ -29,6 +29,7 @@ import numpy as np
 
 from jckpt.api.context import Context
 from jckpt.format import payload as payload_mod
+from jckpt.format._gc import paused
 from jckpt.format.entries import Entry, KeyPath, entry_for
 from jckpt.format.fastpath import accelerator
 from jckpt.format.metadata import empty_nodes_text
@@ -55,6 +56,7 @@ class HostLeaf(NamedTuple):
     key_impl: str | None
 
 
+@paused  # on the training loop's time: a collection walking its live objects costs 100+ ms
 def namespace_leaves(trees: Mapping[str, Any]) -> list[Leaf]:
     """`(namespace, path, leaf)` of every leaf of `{namespace: tree}`, refusing a bad namespace."""
     leaves: list[Leaf] = []
@@ -121,6 +123,7 @@ class Slot:
         self.buffers: dict[int, np.ndarray] = {}
         self._images = image.Images()
 
+    @paused  # the loop waits for this: no cyclic collection in the middle of it
     def take(self, leaves: Sequence[Leaf]) -> Snapshot:
         """Snapshot `leaves` the fastest way that survives donation and overwriting of them.
 

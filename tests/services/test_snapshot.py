@@ -48,6 +48,22 @@ def test_namespace_leaves_refuses_a_bad_namespace(namespace):
 
 # --- Slot.fill ---------------------------------------------------------------------------------
 
+def test_no_cyclic_collection_runs_while_the_loop_waits_for_a_snapshot(monkeypatch):
+    """A collection walks every live object of the training program (100+ ms in a big one):
+    flattening the tree and taking the snapshot run with the collector paused."""
+    import gc
+
+    from jckpt.services import snapshot
+    enabled = []
+    for module, name in ((snapshot.tree_mod, "flatten"), (snapshot.to_host, "host_leaves")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, **k: (enabled.append(gc.isenabled()),
+                                                                       _real(*a, **k))[1])
+    leaves = namespace_leaves({"jckpt": {"w": jnp.ones(2), "n": np.ones(3)}})
+    Slot(0).take(leaves)
+    assert enabled == [False, False, False] and gc.isenabled()
+
+
 def test_fill_copies_numpy_leaves_isolated_from_later_mutation():
     w = np.arange(6, dtype=np.float32).reshape(2, 3)
     items = Slot(0).fill([leaf('jckpt', W, w)])
