@@ -52,6 +52,7 @@ from jckpt.api.context import Context
 from jckpt.api.loading import describe, load, restore
 from jckpt.api.saving import save
 from jckpt.errors import InputError
+from jckpt.format._gc import paused
 from jckpt.format.entries import Entry, Header
 from jckpt.trees import image, to_host
 from jckpt.trees import pytree as tree_mod
@@ -60,6 +61,7 @@ from jckpt.trees import pytree as tree_mod
 FILENAME = 'checkpoint.jckpt'
 
 
+@paused  # orbax's save waits for this: no cyclic collection in the middle of it
 def _snapshot(tree: Any, namespace: str) -> Any:
     """`tree` as it is now, safe from the caller's later donation or mutation.
 
