@@ -226,7 +226,12 @@ def flatten_with_treedef(tree: Any) -> tuple[list[tuple[KeyPath, Any]], Any]:
     flax and equinox modules, ...) go through JAX's key paths. Checkpoints of
     100,000 leaves are common: this runs once per save and restore.
     """
-    leaves, treedef = jax.tree_util.tree_flatten(tree)  # a ShapeDtypeStruct is a leaf
+    try:
+        leaves, treedef = jax.tree_util.tree_flatten(tree)  # a ShapeDtypeStruct is a leaf
+    except (TypeError, ValueError) as e:  # e.g. dict keys JAX cannot sort: {1: x, '1': y}
+        raise InputError(f"JAX cannot flatten the tree: {e}",
+                         fix="give each dict keys of one type (all strings, or all integers); "
+                             "a custom pytree node's flatten function must not fail") from None
     paths: list[KeyPath] = []
     _paths(tree, (), paths)
     if len(paths) != len(leaves):  # cannot happen for the nodes above; JAX decides if it does

@@ -164,3 +164,9 @@ def test_flatten_gives_jax_order_and_key_paths(tree):
     assert [p for p, _ in items] == [tree_mod.to_path(kp) for kp, _ in expected]
     assert all(a is b for (_, a), (_, b) in zip(items, expected))
     assert got_treedef == treedef
+
+
+def test_a_tree_jax_cannot_flatten_is_an_input_error():
+    with pytest.raises(InputError, match="JAX cannot flatten the tree") as e:
+        tree_mod.flatten({1: np.ones(1), "1": np.ones(1)})
+    assert "keys of one type" in e.value.fix
