@@ -113,6 +113,15 @@ def _steps(path: str) -> list[str]:
                    and os.path.exists(os.path.join(path, n, _STEP_MARKER))), key=int)
 
 
+def manager_steps(root: str) -> list[int]:
+    """The steps of an orbax `CheckpointManager` under the local directory `root`, ascending
+    (`[]` for anything else): each `<root>/<step>` reads with `jckpt.restore` as it is."""
+    try:
+        return [int(n) for n in _steps(root)] if not is_url(root) else []
+    except OSError:
+        return []
+
+
 def _key_name(key: Any) -> str:
     """One element of orbax's parameter name of a leaf (its key path joined by `.`)."""
     for attr in ('key', 'idx', 'name'):

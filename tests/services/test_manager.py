@@ -293,3 +293,15 @@ def test_mirror_refuses_negative_timeouts(tmp_path):
         mirror.submit({"w": jnp.ones(2)})
         assert mirror.wait_durable(timeout=float("inf"))
     assert jckpt.restore(jckpt.Context(), {"w": jnp.zeros(2)}, tmp_path / "m.jckpt")["w"].sum() == 2
+
+
+def test_a_manager_over_orbax_steps_says_how_to_read_them(tmp_path, caplog):
+    for step in (0, 10):
+        (tmp_path / str(step)).mkdir()
+        (tmp_path / str(step) / "_CHECKPOINT_METADATA").write_text("{}")
+    with caplog.at_level("WARNING", logger="jckpt"):
+        with jckpt.CheckpointManager(tmp_path) as mgr:
+            assert mgr.all_steps() == []
+        jckpt.CheckpointManager(tmp_path).close()  # said once per directory
+    said = [r.message for r in caplog.records if "orbax steps" in r.message]
+    assert len(said) == 1 and "[0, 10]" in said[0] and str(tmp_path / "10") in said[0]
