@@ -41,7 +41,6 @@ from typing import Any
 
 import jax
 
-from jckpt.adapters import orbax as orbax_adapter
 from jckpt.api.context import Context, check_context, check_flag
 from jckpt.api.multiprocess import save_directory
 from jckpt.errors import CheckpointError, FormatError, InputError, StorageError
@@ -233,8 +232,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
                 log.warning("jckpt: ignoring unreadable step %s: %s", name, e)
                 continue
             found[int(m.group(1))] = steps.parse_metrics(meta.get(METRICS_KEY), path)
-        if not found:
-            _say_if_orbax(self.directory)
+        steps.say_if_orbax(self.directory, found)
         with self._lock:
             self._metrics = found
 
@@ -499,18 +497,4 @@ class CheckpointManager(BackgroundWriter[_Step]):
                 f"{self.counters})")
 
 
-def _say_if_orbax(directory: str) -> None:
-    """Warn (once per directory) when a manager finds no steps of its own but orbax's there."""
-    found = orbax_adapter.manager_steps(directory)
-    if found and directory not in _ORBAX_SAID:
-        _ORBAX_SAID.add(directory)
-        log.warning("jckpt: %s holds orbax steps %s and no jckpt steps, and this manager lists "
-                    "and restores jckpt steps only: read one with jckpt.restore(ctx, target, "
-                    "%r) or jckpt.convert it", directory, found[-5:],
-                    os.path.join(directory, str(found[-1])))
-
-
-_ORBAX_SAID: set[str] = set()
-
-__all__ = ['CheckpointLoadOptions', 'CheckpointManager', 'CheckpointOptions', 'Restored',
-           'step_name']
+__all__ = ['CheckpointLoadOptions', 'CheckpointManager', 'CheckpointOptions', 'Restored', 'step_name']

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jckpt import api
+from jckpt.adapters import orbax as orbax_adapter
 from jckpt.api.context import Context
 from jckpt.errors import InputError
 from jckpt.format import metadata
@@ -119,4 +120,19 @@ def checked(value: Any, kind: type, name: str, default: Any = None) -> Any:
     return value
 
 
-__all__ = ['checked', 'clean_staging', 'parse_metrics', 'read_metadata', 'read_tree']
+def say_if_orbax(directory: str, own: Any) -> None:
+    """Warn (once per directory) when a manager finds no steps of its own (`own` is empty)
+    but orbax's there."""
+    found = [] if own else orbax_adapter.manager_steps(directory)
+    if found and directory not in _ORBAX_SAID:
+        _ORBAX_SAID.add(directory)
+        log.warning("jckpt: %s holds orbax steps %s and no jckpt steps, and this manager lists "
+                    "and restores jckpt steps only: read one with jckpt.restore(ctx, target, "
+                    "%r) or jckpt.convert it", directory, found[-5:],
+                    os.path.join(directory, str(found[-1])))
+
+
+_ORBAX_SAID: set[str] = set()
+
+__all__ = ['checked', 'clean_staging', 'parse_metrics', 'read_metadata', 'read_tree',
+           'say_if_orbax']
