@@ -242,6 +242,16 @@ def test_steps_of_a_manager_writing_another_format_are_verified(tmp_path, fmt):
     assert not r.ok and [p.file for p in r.errors] == [str(model)]
 
 
+@pytest.mark.slow
+def test_steps_of_another_format_are_verified_in_an_object_store(s3):
+    url = f"{s3}/run"
+    with jckpt.CheckpointManager(url, options=jckpt.CheckpointOptions(format="safetensors")) as mgr:
+        mgr.save(1, items={"model": {"w": np.ones(3, np.float32)}, "opt": {"mu": np.ones(2)}})
+    r = verify(url)
+    assert r.ok and r.files == 2 and r.checked == 1, r.render()
+    assert "stores no jckpt checksums" in r.problems[0].message
+
+
 # --- the values --------------------------------------------------------------------------------
 
 def test_problem_and_report_values():
