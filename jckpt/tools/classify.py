@@ -28,7 +28,7 @@ from typing import Any
 from jckpt.adapters import SNIFF_BYTES, detect_format
 from jckpt.errors import CheckpointError, FormatError
 from jckpt.format.header import looks_like_header
-from jckpt.format.names import INDEX_NAME, PIECE_RE, STEP_RE
+from jckpt.format.names import INDEX_NAME, PIECE_RE, STEP_RE, TRAINER_STATE_NAME
 from jckpt.storage.backend import LOCAL, backend_for, checked_path
 from jckpt.storage.publish import storage_error
 from jckpt.storage.reader import CheckpointReader
@@ -54,6 +54,9 @@ UNFINISHED = 'unfinished save'
 NO_CHECKPOINT = 'no checkpoint'
 #: An UNKNOWN regular file that no reader accepts (`Kind.error` is the reader's).
 UNREADABLE = 'unreadable file'
+#: An UNKNOWN directory that is one step of a manager writing its model in another format
+#: (`CheckpointOptions(format=...)`): a model file, `optimizer.jckpt`, `trainer_state.json`.
+FORMAT_STEP = 'manager step'
 
 @dataclasses.dataclass(frozen=True)
 class Kind:
@@ -64,7 +67,7 @@ class Kind:
         `MISSING` or `UNKNOWN`.
       path: the path classified.
       detail: for FOREIGN the format's name (`'safetensors'`); for UNKNOWN
-        `UNFINISHED`, `NO_CHECKPOINT` or `UNREADABLE`.
+        `UNFINISHED`, `NO_CHECKPOINT`, `FORMAT_STEP` or `UNREADABLE`.
       error: for the kinds that hold no checkpoint (FOREIGN, MISSING, UNKNOWN),
         the error that says so, naming the path and what to do; else None.
     """
@@ -175,6 +178,13 @@ def _classify_names(path: str, names: list[str]) -> Kind:
         return Kind(UNKNOWN, path, UNFINISHED, FormatError(
             f"piece files but no {INDEX_NAME}: a multi-process save that did not finish; it is "
             "not a checkpoint", file=path, fix="use the previous complete checkpoint"))
+    if TRAINER_STATE_NAME in names:
+        return Kind(UNKNOWN, path, FORMAT_STEP, FormatError(
+            "one step of a checkpoint manager that writes its model in another format: its "
+            f"files are read one by one ({', '.join(sorted(names))})", file=path,
+            fix=f"inspect the manager's directory ({os.path.dirname(path.rstrip('/')) or '.'}), "
+                "restore the step with CheckpointManager(directory).restore(step), or open "
+                "the files in it"))
     return Kind(UNKNOWN, path, NO_CHECKPOINT, FormatError(
         "directory holds no checkpoint (no index.jckpt, no step_NNNNNNNN.jckpt steps)", file=path,
         fix="pass a checkpoint file, a multi-process checkpoint directory or a checkpoint "

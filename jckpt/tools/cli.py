@@ -41,6 +41,7 @@ from jckpt.storage.backend import backend_for
 from jckpt.tools.classify import (
     DIRECTORY,
     FILE,
+    FORMAT_STEP,
     MISSING,
     UNFINISHED,
     UNREADABLE,
@@ -86,7 +87,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     kind = classify(args.path)
-    if kind.error is not None and kind.detail not in (UNREADABLE, UNFINISHED):
+    if kind.error is not None and kind.detail not in (UNREADABLE, UNFINISHED, FORMAT_STEP):
         # no checkpoint there at all (missing, another format, an empty directory): say what it
         # is and exit 2, where verify() would report it as a damaged checkpoint
         raise kind.error

@@ -39,8 +39,8 @@ from jckpt.tools.classify import (
     DIRECTORY,
     FILE,
     FOREIGN,
+    FORMAT_STEP,
     MANAGER,
-    NO_CHECKPOINT,
     UNREADABLE,
     classify,
 )
@@ -169,7 +169,7 @@ def _verify(path: str | os.PathLike, progress: bool) -> VerifyReport:
         return _verify_steps(kind.path, progress)
     if kind.name in (FILE, FOREIGN) or kind.detail == UNREADABLE:
         return _verify_file(kind.path, progress)
-    if kind.detail == NO_CHECKPOINT and step_directory.is_published(kind.path, TRAINER_STATE_NAME):
+    if kind.detail == FORMAT_STEP:
         return _verify_step(kind.path, progress)
     assert kind.error is not None  # the kinds left hold no checkpoint
     return _failed(kind.path, Problem('error', kind.error.message, kind.path))

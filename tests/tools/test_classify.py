@@ -16,6 +16,7 @@ from jckpt.tools.classify import (
     DIRECTORY,
     FILE,
     FOREIGN,
+    FORMAT_STEP,
     MANAGER,
     MISSING,
     NO_CHECKPOINT,
@@ -91,6 +92,17 @@ def test_directories_holding_no_checkpoint(tmp_path):
     kind = classify(empty)
     assert (kind.name, kind.detail) == (UNKNOWN, NO_CHECKPOINT)
     assert kind.error.file == str(empty) and 'holds no checkpoint' in kind.error.message
+
+
+def test_a_step_of_a_manager_writing_another_format_says_what_it_is(tmp_path):
+    step = tmp_path / 'run' / step_name(3)
+    step.mkdir(parents=True)
+    for name in ('model.safetensors', 'optimizer.jckpt', 'trainer_state.json'):
+        (step / name).write_bytes(b'{}')
+    kind = classify(step)
+    assert (kind.name, kind.detail) == (UNKNOWN, FORMAT_STEP) and not kind.is_checkpoint
+    assert 'one step of a checkpoint manager' in kind.error.message
+    assert str(tmp_path / 'run') in kind.error.fix
 
 
 def test_foreign_files(tmp_path):

@@ -308,6 +308,18 @@ def test_verify_manager_directory(tmp_path, cli):
     assert p.returncode == 1 and f'{paths[1]}: entry jckpt/w: checksum mismatch' in p.stdout
 
 
+def test_verify_and_inspect_a_step_of_another_format(tmp_path, cli):
+    import jckpt
+    with jckpt.CheckpointManager(tmp_path / 'run',
+                                 options=jckpt.CheckpointOptions(format='npz')) as mgr:
+        mgr.save(1, items={'model': {'w': np.ones(2)}, 'opt': {'mu': np.ones(2)}})
+    step = tmp_path / 'run' / 'step_00000001.jckpt'
+    p = cli('verify', step)
+    assert p.returncode == 0 and '1 of 2 checksums verified' in p.stdout
+    p = cli('inspect', step)
+    assert p.returncode == 2 and 'one step of a checkpoint manager' in p.stderr
+
+
 # --- diff --------------------------------------------------------------------
 
 def test_diff(tmp_path, model, cli):
