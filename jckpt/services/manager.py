@@ -270,9 +270,9 @@ class CheckpointManager(BackgroundWriter[_Step]):
     # --- saving ----------------------------------------------------------------
 
     def should_save(self, step: int) -> bool:
-        """Whether `save` would write `step`: on the interval, or at preemption."""
-        check_step(step, self.directory)
-        return step % self.save_interval_steps == 0 or self.reached_preemption(step)
+        """Whether `save` would write `step`: on the interval, or where preemption is noticed."""
+        due = self._preemption.due(check_step(step, self.directory))  # asked at every step
+        return step % self.save_interval_steps == 0 or due
 
     def save(self, step: int, tree: Any = None, *, items: Mapping[str, Any] | None = None,
              metrics: Mapping[str, float] | None = None,

@@ -38,14 +38,21 @@ class Preemption:
 
     Args:
       handle_sigterm: treat SIGTERM as preemption where no JAX distributed
-        client runs (needs the main thread).
+        client runs (needs the main thread). Under `jax.distributed` (initialized
+        before this is made) JAX's preemption service handles SIGTERM, and this
+        installs nothing.
     """
 
     def __init__(self, handle_sigterm: bool = False) -> None:
         check_flag(handle_sigterm, 'handle_sigterm', optional=False)
         self._sigterm = threading.Event()
+        self._first: int | None = None  # the step at which preemption was first reached
         self._restore_sigterm: Callable[[], object] | None = None
-        if handle_sigterm:
+        if handle_sigterm and _preemption_client_ready():
+            # JAX's preemption service has the signal (in C++, where Python cannot chain to
+            # it) and makes every process agree on the step: a handler here would swallow it
+            log.info("jckpt: handle_sigterm left to JAX's distributed preemption service")
+        elif handle_sigterm:
             self._install_sigterm()
 
     def reached(self, step: int) -> bool:
@@ -63,6 +70,22 @@ class Preemption:
             except Exception as e:  # no preemption service in this client
                 log.debug("jckpt: preemption sync point unavailable: %s", e)
         return self._sigterm.is_set()
+
+    def due(self, step: int) -> bool:
+        """Whether preemption asks for a save of `step`: the step at which it was first
+        reached. A caught SIGTERM stays reached (a loop that does not stop is still told
+        to), but one save of the state at preemption is enough: later steps are not due.
+
+        >>> p = Preemption()
+        >>> p._sigterm.set()
+        >>> [p.due(s) for s in (7, 7, 8)], p.reached(8)
+        ([True, True, False], True)
+        """
+        if not self.reached(step):
+            return False
+        if self._first is None:
+            self._first = step
+        return step == self._first
 
     def _install_sigterm(self) -> None:
         if threading.current_thread() is not threading.main_thread():

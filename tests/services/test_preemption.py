@@ -141,3 +141,24 @@ def test_handle_sigterm_must_be_a_bool(sigterm, bad):
     with pytest.raises(InputError, match="handle_sigterm must be True or False"):
         Preemption(handle_sigterm=bad)
     assert signal.getsignal(signal.SIGTERM) is sigterm  # nothing was installed
+
+
+def test_under_jax_distributed_sigterm_is_left_to_jax(sigterm, monkeypatch):
+    """JAX's preemption service handles SIGTERM in C++ (Python cannot chain to it) and makes
+    the processes agree on the step: a handler of ours would swallow the signal."""
+    from jckpt.services import preemption
+    monkeypatch.setattr(preemption, "_preemption_client_ready", lambda: True)
+    p = Preemption(handle_sigterm=True)
+    assert signal.getsignal(signal.SIGTERM) is sigterm
+    p.close()
+
+
+def test_a_save_is_due_only_at_the_step_preemption_is_first_noticed(sigterm):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    p = Preemption(handle_sigterm=True)
+    try:
+        assert not p.due(3)
+        signal.raise_signal(signal.SIGTERM)
+        assert p.due(4) and p.due(4) and not p.due(5) and p.reached(5)
+    finally:
+        p.close()
