@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import ClassVar, Generic, Self, TypeVar
 
 from jckpt import api
@@ -30,6 +30,7 @@ from jckpt.services.lineage import Holder, check_name, open_lineage
 from jckpt.services.snapshot import Digest, content_digest
 from jckpt.storage import staging
 from jckpt.storage.backend import Backend
+from jckpt.storage.lease import refuse_if_held
 
 log = logging.getLogger('jckpt')
 
@@ -78,13 +79,15 @@ class BackgroundWriter(Generic[InfoT]):
 
     def __init__(self, name: str, *, backend: Backend, lease: str, ctx: Context | None,
                  lineage: str | None, new_lineage: bool, slots: int, when_full: str,
-                 retry_after: float, patience: int, device_image_bytes: int | None = None) -> None:
+                 retry_after: float, patience: int, device_image_bytes: int | None = None,
+                 rivals: Sequence[str] = ()) -> None:
         self.ctx = check_context(ctx) if ctx is not None else Context()
         self.backend = backend
         check_name(lineage, name)
         check_flag(new_lineage, 'new_lineage', name, optional=False)
         self._lease = backend.lease(lease)
         try:
+            refuse_if_held(rivals, file=name)  # before recovery touches anything there
             latest = self._recover()
             found, digest = None, None
             if latest is not None and not new_lineage:

@@ -194,12 +194,10 @@ class CheckpointManager(BackgroundWriter[_Step]):
         self._lock = threading.Lock()
         self._metrics: dict[int, dict[str, float]] = {}
         self._last_admitted: int | None = None
-        # One writer per directory; in a multi-process run, one per process of it.
-        lease = (self.directory if self.process_count == 1 else
-                 os.path.join(self.directory, f".process{self.process_index:05d}"))
+        lease, rivals = steps.leases(self.directory, self.process_index, self.process_count)
         self._preemption = Preemption(handle_sigterm)
         try:
-            super().__init__(self.directory, backend=backend, lease=lease, ctx=ctx,
+            super().__init__(self.directory, backend=backend, lease=lease, rivals=rivals, ctx=ctx,
                              lineage=lineage, new_lineage=new_lineage, slots=slots,
                              when_full=when_full, retry_after=retry_after, patience=patience,
                              device_image_bytes=device_image_bytes)

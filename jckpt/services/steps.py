@@ -21,6 +21,7 @@ from jckpt.errors import InputError
 from jckpt.format import metadata
 from jckpt.format.names import (
     INDEX_NAME,
+    LEASE_SUFFIX,
     NEXT_TAG,
     STAGE_DIR_TAG,
     STAGE_TAG,
@@ -32,6 +33,7 @@ from jckpt.services import formats
 from jckpt.services.formats import CheckpointLoadOptions
 from jckpt.storage.backend import LOCAL, Backend
 from jckpt.storage.directory import reclaim_stage_dirs
+from jckpt.storage.lease import lease_path
 from jckpt.storage.publish import reclaim_staging
 from jckpt.storage.staging import remove_staged
 
@@ -120,6 +122,20 @@ def checked(value: Any, kind: type, name: str, default: Any = None) -> Any:
     return value
 
 
+def leases(directory: str, process_index: int, process_count: int) -> tuple[str, list[str]]:
+    """`(lease, rivals)`: the path whose writer lease a manager takes (the directory; in a
+    multi-process run, one per process of it), and the lease files (local ones) no other
+    writer may hold meanwhile: a single-process manager and a multi-process run never
+    write one directory together."""
+    if process_count == 1:
+        try:
+            names = os.listdir(directory)
+        except OSError:  # an object store, or not there yet: no process leases to ask
+            names = []
+        return directory, [os.path.join(directory, n) for n in sorted(names)
+                           if n.startswith('.process') and n.endswith(LEASE_SUFFIX)]
+    return os.path.join(directory, f".process{process_index:05d}"), [lease_path(directory)]
+
 def say_if_orbax(directory: str, own: Any) -> None:
     """Warn (once per directory) when a manager finds no steps of its own (`own` is empty)
     but orbax's there."""
@@ -134,5 +150,5 @@ def say_if_orbax(directory: str, own: Any) -> None:
 
 _ORBAX_SAID: set[str] = set()
 
-__all__ = ['checked', 'clean_staging', 'parse_metrics', 'read_metadata', 'read_tree',
+__all__ = ['checked', 'clean_staging', 'leases', 'parse_metrics', 'read_metadata', 'read_tree',
            'say_if_orbax']

@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+from collections.abc import Iterable
 
 from jckpt.errors import InUseError, StorageError
 from jckpt.format.names import LEASE_SUFFIX
@@ -112,6 +113,33 @@ class WriterLease:
 
     def __repr__(self) -> str:
         return f"WriterLease({self.path!r}, held={self.held})"
+
+
+def refuse_if_held(lock_paths: Iterable[str], *, file: str) -> None:
+    """`InUseError` if another writer holds one of the leases `lock_paths` (sidecar files).
+
+    For writers whose leases differ but must not share a path: a manager's
+    directory is leased whole by a single-process manager, and per process by
+    a multi-process run. Each takes its own lease first and then asks here,
+    so of two that start together at least one is refused.
+    """
+    for lock_path in lock_paths:
+        try:
+            fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue  # no such lease: no one holds it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise InUseError(f"in use: another writer{_read_holder(fd)} holds the lease "
+                             f"{os.path.basename(lock_path)}", file=file,
+                             fix="a single-process manager and a multi-process run cannot "
+                                 "share a directory: close the other one first, or write "
+                                 "to another directory") from None
+        except OSError:
+            pass  # no flock on this filesystem: the writer's own lease said so already
+        finally:
+            os.close(fd)
 
 
 def _read_holder(fd: int) -> str:

@@ -305,3 +305,16 @@ def test_a_manager_over_orbax_steps_says_how_to_read_them(tmp_path, caplog):
         jckpt.CheckpointManager(tmp_path).close()  # said once per directory
     said = [r.message for r in caplog.records if "orbax steps" in r.message]
     assert len(said) == 1 and "[0, 10]" in said[0] and str(tmp_path / "10") in said[0]
+
+
+def test_a_single_process_manager_refuses_a_directory_a_multi_process_run_writes(tmp_path):
+    """Their leases differ (the directory's, or one per process): each asks the other's."""
+    from jckpt.services import steps
+    from jckpt.storage.lease import WriterLease
+    with WriterLease(tmp_path / ".process00001"):  # process 1 of a run writing there
+        with pytest.raises(jckpt.InUseError, match=r"\.process00001\.jckpt-lease"):
+            jckpt.CheckpointManager(tmp_path, keep_last=1)
+    with jckpt.CheckpointManager(tmp_path) as mgr:  # free again
+        mgr.save(1, {"w": np.ones(2)})
+    assert steps.leases(str(tmp_path), 1, 2) == (str(tmp_path / ".process00001"),
+                                                 [str(tmp_path / ".jckpt-lease")])

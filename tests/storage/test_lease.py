@@ -12,7 +12,7 @@ import pytest
 
 from jckpt.errors import InUseError, StorageError
 from jckpt.format.names import LEASE_SUFFIX
-from jckpt.storage.lease import WriterLease, lease_path
+from jckpt.storage.lease import WriterLease, lease_path, refuse_if_held
 
 
 def test_lease_path_of_a_file_and_of_a_directory(tmp_path):
@@ -127,3 +127,17 @@ def test_a_missing_directory_is_a_storage_error(tmp_path):
     with pytest.raises(StorageError, match='creating the writer lease failed') as info:
         WriterLease(path)
     assert info.value.errno == errno.ENOENT and info.value.file == lease_path(path)
+
+
+def test_refuse_if_held_asks_other_leases_without_taking_them(tmp_path):
+    mine, theirs = tmp_path / ".process00000", tmp_path / ".process00001"
+    refuse_if_held([lease_path(theirs), str(tmp_path / "absent.jckpt-lease")], file=str(tmp_path))
+    with WriterLease(theirs):
+        with pytest.raises(InUseError, match=r"in use: another writer \(pid \d+\) holds the lease "
+                                             r"\.process00001\.jckpt-lease") as e:
+            refuse_if_held([lease_path(mine), lease_path(theirs)], file=str(tmp_path))
+        assert "cannot share a directory" in e.value.fix
+    refuse_if_held([lease_path(theirs)], file=str(tmp_path))  # released: free again
+    with WriterLease(tmp_path):  # a whole directory's lease, as a single-process manager's
+        with pytest.raises(InUseError):
+            refuse_if_held([lease_path(tmp_path)], file=str(tmp_path))
