@@ -55,7 +55,7 @@ from jckpt.errors import FormatError, InputError
 from jckpt.format import limits
 from jckpt.format.names import RESERVED_PREFIX
 from jckpt.format.payload import iter_payload_chunks, stored_dtype
-from jckpt.storage.backend import is_url
+from jckpt.storage.backend import is_url, open_regular
 
 #: The safetensors reader refuses headers larger than this.
 MAX_HEADER_BYTES = 100_000_000
@@ -192,10 +192,12 @@ def _index_file(path: str) -> str | None:
 def read_sharded(index_path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Tensors of a Hugging Face sharded checkpoint, from its `*.safetensors.index.json`."""
     try:
-        with open(index_path, 'rb') as f:
+        with open_regular(index_path) as f:
             index = json.loads(f.read().decode('utf-8'))
     except FileNotFoundError:
         raise FormatError("no such file", file=index_path, fix="check the path") from None
+    except FormatError:  # not a regular file
+        raise
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise FormatError(f"index is not valid JSON ({e})", file=index_path,
                           fix="the index file is damaged") from None

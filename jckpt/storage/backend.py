@@ -28,11 +28,13 @@ no storage backend for URL scheme 'ftp'
 
 from __future__ import annotations
 
+import errno
 import mmap as mmap_mod
 import os
 import re
 import shutil
-from typing import Protocol, runtime_checkable
+import stat
+from typing import BinaryIO, Protocol, runtime_checkable
 
 from jckpt.errors import FormatError, InputError
 from jckpt.storage import object_store
@@ -102,6 +104,30 @@ class Backend(Protocol):
         """Abort the incomplete uploads of `path` that killed writers left; how many (object stores)."""
 
 
+def open_regular(path: str) -> BinaryIO:
+    """`open(path, 'rb')` of a regular file only: a FIFO, a device or a socket (a planted
+    one, or a symbolic link to one such as `/dev/zero`) is a `FormatError`, found without
+    blocking or reading it; opening a FIFO for reading would wait for a writer forever.
+
+    >>> with open_regular(__file__) as f:
+    ...     f.read(3) == open(__file__, 'rb').read(3)
+    True
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+            raise FormatError("is not a regular file (a FIFO, a device or a socket)", file=path,
+                              fix="pass a checkpoint file; jckpt never reads special files")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, 'rb')
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class LocalBackend:
     """Checkpoints on a local (POSIX) filesystem.
 
@@ -118,7 +144,7 @@ class LocalBackend:
 
     def map(self, path: str) -> Buffer:
         try:
-            with open(path, 'rb') as f:
+            with open_regular(path) as f:
                 size = os.fstat(f.fileno()).st_size
                 return mmap_mod.mmap(f.fileno(), 0, access=mmap_mod.ACCESS_COPY) if size else b''
         except FileNotFoundError:
@@ -258,4 +284,5 @@ def backend_for(path: str | os.PathLike) -> Backend:
                          + ", ".join(f"{s}://" for s in sorted(object_store.SCHEMES)))
 
 
-__all__ = ['LOCAL', 'Backend', 'Buffer', 'LocalBackend', 'backend_for', 'is_url', 'url_scheme']
+__all__ = ['LOCAL', 'Backend', 'Buffer', 'LocalBackend', 'backend_for', 'is_url', 'open_regular',
+           'url_scheme']
