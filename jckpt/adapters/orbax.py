@@ -37,8 +37,10 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+import stat
 from typing import Any
 
 import numpy as np
@@ -46,9 +48,9 @@ import numpy as np
 from jckpt.adapters._common import DEFAULT_NAMESPACE, check_namespaced, host_items, inside
 from jckpt.errors import FormatError, InputError
 from jckpt.format.header import NAMESPACE_RE
-from jckpt.format.limits import json_loads
+from jckpt.format.limits import MAX_DECOMPRESSION_RATIO, json_loads
 from jckpt.format.names import ORBAX_JSON_KEY
-from jckpt.storage.backend import backend_for, is_url
+from jckpt.storage.backend import backend_for, is_url, open_regular
 
 _ITEM_MARKERS = ('_METADATA', 'manifest.ocdbt')
 _STEP_MARKER = '_CHECKPOINT_METADATA'
@@ -122,6 +124,76 @@ def manager_steps(root: str) -> list[int]:
         return []
 
 
+#: The most bytes of one small JSON file of orbax's (array metadata, a `.zarray`) read.
+_MAX_SMALL_JSON = 1 << 20
+
+
+def _small_json(path: str) -> Any:
+    """A small JSON file of the checkpoint: a regular file, at most `_MAX_SMALL_JSON` bytes,
+    nested at most `jckpt.format.limits.MAX_NESTING` deep (`ValueError` otherwise)."""
+    with open_regular(path) as f:
+        data = f.read(_MAX_SMALL_JSON + 1)
+    if len(data) > _MAX_SMALL_JSON:
+        raise ValueError(f"over {_MAX_SMALL_JSON} bytes")
+    return json_loads(data)
+
+
+def check_tree(path: str) -> int:
+    """Refuse what orbax and tensorstore would follow or block on, before they see `path`;
+    the bytes of its files.
+
+    orbax writes no symbolic links: one inside a checkpoint could lead out of it, or to
+    `/dev/zero`, and a FIFO or device would block or never end; both are refused. So is a
+    zarr array (`.zarray`) whose shape claims more bytes than all the checkpoint's files
+    could decompress to (`MAX_DECOMPRESSION_RATIO`): tensorstore allocates it whole.
+    """
+    total, zarrays = 0, []
+    for root, dirs, files in os.walk(path):  # links to directories are listed, not entered
+        for name in dirs + files:
+            full = os.path.join(root, name)
+            mode = os.lstat(full).st_mode
+            if stat.S_ISLNK(mode):
+                raise FormatError("a symbolic link inside an orbax checkpoint", file=full,
+                                  fix="copy what it points to into the checkpoint: jckpt does "
+                                      "not follow links in a checkpoint")
+            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+                raise FormatError("not a regular file (a FIFO, a device or a socket) inside an "
+                                  "orbax checkpoint", file=full, fix="the checkpoint is damaged")
+            if stat.S_ISREG(mode):
+                total += os.lstat(full).st_size
+                if name == '.zarray':
+                    zarrays.append(full)
+    for z in zarrays:
+        _check_claim(_zarray_bytes(z), total, z)
+    return total
+
+
+def _zarray_bytes(path: str) -> int:
+    """The bytes a zarr array's `.zarray` says it holds (its shape times its element size)."""
+    try:
+        meta = _small_json(path)
+        shape = meta['shape']
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise ValueError(f"shape {shape!r:.80}")
+        try:
+            itemsize = max(1, np.dtype(meta.get('dtype')).itemsize)
+        except (TypeError, ValueError):
+            itemsize = 1
+        return math.prod(shape) * itemsize
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise FormatError(f"zarr metadata cannot be read: {e}", file=path,
+                          fix="the checkpoint is damaged") from None
+
+
+def _check_claim(nbytes: int, total: int, file: str) -> None:
+    """Refuse arrays of `nbytes` from a checkpoint of `total` bytes of files: a decompression
+    bomb, or damaged metadata."""
+    if nbytes > MAX_DECOMPRESSION_RATIO * total + (1 << 20):
+        raise FormatError(f"arrays of {nbytes} bytes claimed by a checkpoint of {total} bytes "
+                          f"(more than {MAX_DECOMPRESSION_RATIO} times)", file=file,
+                          fix="the checkpoint's metadata is damaged; do not read it")
+
+
 def _key_name(key: Any) -> str:
     """One element of orbax's parameter name of a leaf (its key path joined by `.`)."""
     for attr in ('key', 'idx', 'name'):
@@ -145,8 +217,7 @@ def _key_impls(item: str) -> dict[str, str]:
         return found
     for name in names:
         try:
-            with open(os.path.join(folder, name), encoding='utf-8') as f:
-                records = json.load(f).get('array_metadatas', [])
+            records = _small_json(os.path.join(folder, name)).get('array_metadatas', [])
             for record in records:
                 meta = record.get('array_metadata', {})
                 impl = (meta.get('ext_metadata') or {}).get('random_key_impl')
@@ -180,6 +251,10 @@ def read_item(item: str) -> Any:
             raise FormatError(f"{_JCKPT_ITEM} is a symbolic link or lies outside its item",
                               file=single, fix="put the file itself in the item directory")
         return native.read(single).get(DEFAULT_NAMESPACE, {})
+    specs = item_specs(item)  # what the metadata says, checked before tensorstore allocates it
+    if specs:
+        _check_claim(sum(math.prod(shape) * dtype.itemsize for _, shape, dtype, _ in specs),
+                     check_tree(item), item)
     ocp = _orbax()
     import jax
     checkpointer = ocp.PyTreeCheckpointer()
@@ -222,6 +297,7 @@ def item_dirs(path: str) -> list[tuple[str, str]]:
     if not os.path.isdir(path):
         raise FormatError("an orbax checkpoint is a directory", file=path,
                           fix="pass the step or item directory")
+    check_tree(path)
     if _is_item(path):
         return [(DEFAULT_NAMESPACE, path)]
     items = _items(path)

@@ -176,3 +176,53 @@ def test_an_orbax_directory_in_a_bucket_is_refused_with_what_to_do(tmp_path, s3)
     # the item jckpt's handler wrote is a jckpt file: it restores in place, as the fix says
     same(jckpt.restore(CTX, target, f"{url}/state/{orbax_handler.FILENAME}"), params)
     assert not (tmp_path / 'x.jckpt').exists()
+
+
+def _item(tmp_path, name='item', **save):
+    path = tmp_path / name
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, {'w': jnp.arange(4.0)}, **save)
+    return path
+
+
+@pytest.mark.parametrize('plant', ['link out', 'link to /dev/zero', 'fifo'])
+def test_links_and_special_files_in_an_orbax_checkpoint_are_refused(tmp_path, plant):
+    """orbax writes none: one could lead out of the checkpoint, never end, or block."""
+    item = _item(tmp_path)
+    outside = _item(tmp_path, 'outside')
+    victim = item / '_CHECKPOINT_METADATA'
+    victim.unlink()
+    if plant == 'link out':
+        victim.symlink_to(outside / '_CHECKPOINT_METADATA')
+    elif plant == 'fifo':
+        os.mkfifo(victim)
+    else:
+        victim.symlink_to('/dev/zero')
+    for read in (lambda p: jckpt.load(jckpt.Context(host=True), p), jckpt.describe,
+                 lambda p: jckpt.convert(p, tmp_path / 'out.jckpt')):
+        with pytest.raises(FormatError, match='symbolic link|not a regular file') as e:
+            read(item)
+        assert e.value.file == str(victim)
+
+
+def test_a_zarr_shape_past_what_the_files_hold_is_refused_before_allocating(tmp_path):
+    """tensorstore allocates a zarr array whole: a shape the files cannot hold is refused first."""
+    item = tmp_path / 'item'  # an item without OCDBT: one zarr array per leaf
+    (item / 'w').mkdir(parents=True)
+    (item / '_METADATA').write_text('{}')
+    (item / 'w' / '.zarray').write_text('{"shape": [17179869184], "dtype": "<f4"}')
+    with pytest.raises(FormatError, match='of 68719476736 bytes claimed by a checkpoint of') as e:
+        jckpt.load(jckpt.Context(host=True), item)
+    assert e.value.file == str(item / 'w' / '.zarray')
+    (item / 'w' / '.zarray').write_text('{"shape": [-1], "dtype": "<f4"}')
+    with pytest.raises(FormatError, match='zarr metadata cannot be read'):
+        jckpt.describe(item)
+
+
+def test_array_metadata_nested_too_deep_reads_as_no_keys(tmp_path):
+    item = _item(tmp_path)
+    folder = item / 'array_metadatas'
+    folder.mkdir(exist_ok=True)
+    (folder / 'process_0').write_text('[' * 100_000 + ']' * 100_000)
+    _, tree = jckpt.load(jckpt.Context(host=True), item)
+    assert tree['jckpt']['w'].tolist() == [0, 1, 2, 3]

@@ -39,3 +39,11 @@ def test_json_nesting_is_bounded_and_strings_do_not_count():
     assert limits.json_loads(b'[[1]]') == [[1]]
     with pytest.raises(ValueError, match='deeper'):
         limits.json_loads('[' * 5000 + ']' * 5000)
+
+
+def test_json_depth_counts_across_chunks_and_skips_a_huge_string_cheaply():
+    from jckpt.format.limits import json_depth
+    deep = "[" * (3 << 20) + "]" * (3 << 20)  # deeper than one chunk of the count
+    assert json_depth(deep) == 3 << 20
+    assert json_depth('{"a": "' + "[\\\"" * (1 << 20) + '", "b": [[]]}') == 3
+    assert json_depth("") == 0 and json_depth('"x"') == 0
