@@ -48,6 +48,8 @@ if TYPE_CHECKING:
     from jckpt.services.mirror import Mirror, MirrorCounters
     from jckpt.services.trainer_state import TrainerState
     from jckpt.tools.consolidate import consolidate
+    from jckpt.tools.diff import diff
+    from jckpt.tools.rewrite import merge, relayout
     from jckpt.tools.verify import verify
     from jckpt.trees.pytree import prefix_namespace
 
@@ -60,7 +62,8 @@ _LAZY = {
     'prefix_namespace': 'jckpt.trees.pytree',
     'convert': 'jckpt.adapters', 'detect_format': 'jckpt.adapters',
     'register_format': 'jckpt.adapters',
-    'verify': 'jckpt.tools.verify',
+    'verify': 'jckpt.tools.verify', 'diff': 'jckpt.tools.diff',
+    'merge': 'jckpt.tools.rewrite', 'relayout': 'jckpt.tools.rewrite',
     'Mirror': 'jckpt.services.mirror', 'MirrorCounters': 'jckpt.services.counters',
     'CheckpointManager': 'jckpt.services.manager', 'Restored': 'jckpt.services.manager',
     'CheckpointOptions': 'jckpt.services.formats', 'CheckpointLoadOptions': 'jckpt.services.formats',
@@ -89,6 +92,6 @@ __all__ = [
     'DistributedError', 'consolidate',
     'FormatError', 'InUseError', 'InputError', 'LineageError', 'MismatchError',
     'MissingEntryError', 'Registry', 'StorageError', 'TargetError', '__version__',
-    'describe', 'info', 'ingestion_counts', 'load', 'prefix_namespace', 'restore', 'save',
-    'verify',
+    'describe', 'diff', 'info', 'ingestion_counts', 'load', 'merge', 'prefix_namespace',
+    'relayout', 'restore', 'save', 'verify',
 ]

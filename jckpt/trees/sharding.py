@@ -71,7 +71,7 @@ def check_fits(shape: Sequence[int], sharding: Any, *, file: str | None, where: 
         spec = getattr(sharding, 'spec', None)
         raise MismatchError(
             f"shape {tuple(shape)} is not divisible by the target's sharding"
-            + (f" {spec}" if spec is not None else "") + f": {str(e).splitlines()[0][:200]}",
+            + (f" {spec}" if spec is not None else "") + f": {str(e).splitlines()[0][:1000]}",
             file=file, entry=where,
             fix="choose a PartitionSpec whose mesh axes divide every sharded dimension, "
                 "or pad the array") from None
