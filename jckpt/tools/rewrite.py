@@ -34,7 +34,7 @@ import os
 from collections.abc import Sequence
 
 from jckpt.api import progress as progress_mod
-from jckpt.errors import ChecksumError, ClashError, InputError
+from jckpt.errors import ChecksumError, ClashError, FormatError, InputError
 from jckpt.format.header import DEFAULT_ALIGNMENT, Entry, Header
 from jckpt.format.layout import lay_out
 from jckpt.format.limits import MAX_ALIGNMENT, valid_alignment
@@ -53,6 +53,22 @@ def _check_sources(reader: CheckpointReader) -> None:
                             file=reader.path, entry=first.entry,
                             fix="restore the input from a good copy, or pass verify=False "
                                 "(--no-verify) to copy it as it is")
+
+
+def _open_whole(path: str) -> CheckpointReader:
+    """A checkpoint file holding whole arrays: a multi-process checkpoint's directory, or one
+    of its piece files (one process's slices), is refused saying how to make one file of it."""
+    from jckpt.tools.classify import DIRECTORY, classify
+    is_directory = classify(path).name == DIRECTORY
+    reader = None if is_directory else backend_for(path).open(path)
+    if reader is None or any(e.global_dims is not None for e in reader.header.tensors):
+        what = ("a multi-process checkpoint's directory" if reader is None else
+                "a piece file of a multi-process checkpoint: one process's slices only")
+        directory = path if reader is None else os.path.dirname(path) or '.'
+        raise FormatError(f"{what}; this rewrites single files of whole arrays", file=path,
+                          fix=f"make one file of the checkpoint first: jckpt convert {directory} "
+                              f"whole.jckpt (jckpt.consolidate in Python)")
+    return reader
 
 
 def _copy_out(target: str, header: Header, copies: Sequence[tuple[CheckpointReader, Entry]],
@@ -108,7 +124,7 @@ def relayout(src: str | os.PathLike, dst: str | os.PathLike, *, alignment: int |
     """
     src, dst = os.fspath(src), os.fspath(dst)
     backend_for(dst)  # a URL no backend serves is refused before the source is read
-    reader = backend_for(src).open(src)
+    reader = _open_whole(src)
     if alignment is not None and not valid_alignment(alignment):
         raise InputError(f"alignment must be a positive integer up to {MAX_ALIGNMENT}, "
                          f"not {alignment!r}", file=dst)
@@ -200,12 +216,12 @@ def _merge_sources(out: str, inputs: Sequence[str], prefixes: Sequence[str | Non
 
     sources: list[_Source] = []
     if append and _exists(out):
-        base = backend_for(out).open(out)
+        base = _open_whole(out)
         sources.append((base, base.header))
     elif not overwrite:
         _refuse_existing(out, "merging")
     for path, prefix in zip(inputs, prefixes):
-        reader = backend_for(path).open(path)
+        reader = _open_whole(path)
         sources.append((reader, prefix_namespace(reader.header, prefix or None)))
     return sources
 

@@ -102,6 +102,21 @@ def test_relayout_of_what_is_not_a_checkpoint(tmp_path):
         relayout(tmp_path / 'missing.jckpt', tmp_path / 'b.jckpt')
 
 
+def test_a_multi_process_checkpoint_or_one_of_its_pieces_is_refused_saying_how(tmp_path):
+    """A piece holds one process's slices: rewritten alone it became a partial model."""
+    from tests.helpers import write_directory
+    d = write_directory(tmp_path / 'sharded', {'jckpt/w': np.arange(8.0).reshape(4, 2)})
+    piece = os.path.join(d, sorted(n for n in os.listdir(d) if n.startswith('process_'))[1])
+    whole = write_arrays(tmp_path / 'whole.jckpt', {'v': np.ones(2)})
+    for source, what in ((d, "multi-process checkpoint's directory"), (piece, 'a piece file')):
+        for rewrite in (lambda s: relayout(s, tmp_path / 'r.jckpt'),
+                        lambda s: merge(tmp_path / 'm.jckpt', [whole, s], prefixes=['a', 'b'])):
+            with pytest.raises(FormatError, match=what) as e:
+                rewrite(source)
+            assert f'jckpt convert {d} whole.jckpt' in e.value.fix
+    assert not (tmp_path / 'r.jckpt').exists() and not (tmp_path / 'm.jckpt').exists()
+
+
 # --- merge -------------------------------------------------------------------------------------
 
 def test_merge_renumbers_ids_and_keeps_bytes(tmp_path):
