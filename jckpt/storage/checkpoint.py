@@ -102,7 +102,7 @@ def open_checkpoint(path: str | os.PathLike) -> Any:
             if e.message != MISSING_OBJECT or not backend.isdir(path):
                 raise
         try:
-            return DirectoryReader(path)
+            return DirectoryReader(path, check_pieces=True)
         except FormatError as e:  # no index: a registered reader may claim the prefix
             fmt = directory_format(path) if e.message == NO_INDEX else None
             if fmt is None:
@@ -114,7 +114,7 @@ def open_checkpoint(path: str | os.PathLike) -> Any:
         fmt = directory_format(path)
         if fmt is not None:
             return fmt.open(path)
-    return DirectoryReader(path)
+    return DirectoryReader(path, check_pieces=True)
 
 
 __all__ = ['CheckpointReader', 'DirectoryFormat', 'DirectoryReader', 'directory_format',

@@ -298,10 +298,11 @@ class DirectoryReader:
     written for `CheckpointReader` works on it;
     `decode` returns a `LazyArray` that reads
     only the pieces overlapping the boxes asked of it. `arrays` maps each
-    entry's identity to its `IndexedArray`.
+    entry's identity to its `IndexedArray`. `check_pieces=True` (what a
+    restore opens) refuses, at once, an index naming a piece file not there.
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, *, check_pieces: bool = False) -> None:
         self.backend = backend_for(path)
         self.path = os.fspath(path)
         index = os.path.join(self.path, INDEX_NAME)
@@ -311,6 +312,8 @@ class DirectoryReader:
         #: Whether the pieces are objects read by range (checksums are then verified by default).
         self.remote = getattr(self.index, 'remote', False)
         self.files, arrays = parse_index(self.index.header, index)
+        if check_pieces:
+            self._check_present()
         self.arrays = {a.entry.identity: a for a in arrays}
         ih = self.index.header
         self.header = Header(tensors=tuple(a.entry for a in arrays), alignment=ih.alignment,
@@ -318,6 +321,19 @@ class DirectoryReader:
         self._readers: dict[int, CheckpointReader] = {}
         self._entries: dict[int, dict[tuple[str, Any], Entry]] = {}
         self._verified: set[tuple[int, Any]] = set()
+
+    def _check_present(self) -> None:
+        """Refuse an index naming a piece file that is not there, at open: every process of a
+        restore then fails alike (one that reads only present pieces would go on, and wait
+        for the others in its next collective)."""
+        present = set(self.backend.list(self.path))
+        missing = [f for f in self.files if '/' not in f and f not in present]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ''
+            raise FormatError(f"piece file {missing[0]}{more}, which the index names, is missing: "
+                              f"the checkpoint is incomplete", file=os.path.join(self.path, missing[0]),
+                              fix="restore the directory from a complete copy, or use an earlier "
+                                  "checkpoint")
 
     def _reader(self, fi: int) -> CheckpointReader:
         reader = self._readers.get(fi)

@@ -236,3 +236,18 @@ def test_storage_directory_imports_without_jax():
             "print('jax' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_restore_refuses_a_directory_missing_a_piece_even_one_it_would_not_read(tmp_path):
+    """Every process of a restore then fails alike at open, none goes on to a collective."""
+    import jckpt
+    from tests.helpers import write_directory
+    d = write_directory(tmp_path / "ckpt", {"jckpt/w": np.arange(8.0).reshape(4, 2)})
+    os.unlink(os.path.join(d, "process_00001.jckpt"))  # rows 2-3
+    for read in (lambda: jckpt.load(jckpt.Context(host=True), d),
+                 lambda: jckpt.restore(jckpt.Context(), {"w": np.zeros((4, 2))}, d)):
+        with pytest.raises(jckpt.FormatError, match="piece file process_00001.jckpt, which the "
+                                                    "index names, is missing") as e:
+            read()
+        assert e.value.file == os.path.join(d, "process_00001.jckpt")
+    assert jckpt.verify(d).errors  # verify still opens it, to report every problem
