@@ -290,6 +290,15 @@ def _open_stage(rt: _Runtime, path: str, process: int, stage: _Stage, backend: B
     return stage.path
 
 
+def _check_same_path(first: str, path: str) -> None:
+    """Refuse to write pieces for another path than process 0's: its directory is the one
+    published, and a piece meant for this path would land there."""
+    if path != first:
+        raise DistributedError(f"process 0 saves to {first}, this process to {path}", file=path,
+                               fix="pass every process the same path, on a filesystem (or "
+                                   "object store) every process sees")
+
+
 def _publish(backend: Backend, stage: _Stage, path: str, count: int, alignment: int,
              metadata: Mapping[str, str] | None, durable: bool) -> None:
     """Process 0: index the pieces, publish the directory, then let go of its lock.
@@ -327,7 +336,8 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
     """Save `tree` from every process of a `jax.distributed` run as a directory checkpoint.
 
     Call it (or `jckpt.save`, which calls it when `jax.process_count() > 1`)
-    from every process with the same tree structure; a single process may call
+    from every process with the same tree structure and the same `path`, on a
+    filesystem (or object store) every process sees; a single process may call
     it too, to write the directory form. Returns in every process
     once the directory is published; raises `DistributedError`
     in the surviving processes when a peer fails or does not reach a barrier within
@@ -352,9 +362,11 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
     stage = _Stage(tag=object_directory.new_tag() if backend is not LOCAL and process == 0 else '')
     try:
         with object_directory.saving(stage.tag):
+            first = rt.share('path', path if process == 0 else None)  # process 0's
             where = _open_stage(rt, path, process, stage, backend)
-            rt.together('written', 'wrote its pieces', process, lambda: _write_pieces(
-                where, leaves, namespace, alignment, process, ctx.durable, stage.tag))
+            rt.together('written', 'wrote its pieces', process, lambda: (
+                _check_same_path(first, path), _write_pieces(
+                    where, leaves, namespace, alignment, process, ctx.durable, stage.tag)))
             rt.together('published', 'saw the checkpoint published', process, None if process else (
                 lambda: _publish(backend, stage, path, count, alignment, metadata, ctx.durable)))
     except BaseException:

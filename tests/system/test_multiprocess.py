@@ -152,6 +152,15 @@ def test_a_process_that_dies_before_the_barrier_publishes_nothing(tmp_path):
     np.testing.assert_array_equal(np.asarray(back["jckpt"]["w"]), expected("w", 1))
 
 
+def test_processes_passing_different_paths_fail_together_and_publish_nothing(tmp_path):
+    found = check(run_pair("diffpath", tmp_path / "ckpt", {"JCKPT_BARRIER_TIMEOUT": "30"}))
+    assert not found[0]["ok"] and not found[1]["ok"], found
+    assert found[1]["error_type"] == "DistributedError"
+    assert f"process 0 saves to {tmp_path / 'ckpt_0'}, this process to" in found[1]["error"]
+    assert "failed in another process" in found[0]["error"]
+    assert sorted(os.listdir(tmp_path)) == []  # neither published, no staging left behind
+
+
 # --- the worker ------------------------------------------------------------------------------
 
 def worker(phase, process, port, path):
@@ -177,9 +186,11 @@ def worker(phase, process, port, path):
         full = expected(name, version)
         return jax.make_array_from_callback(full.shape, sharding, lambda idx: full[idx])
 
-    if phase in ("save", "die"):
+    if phase in ("save", "die", "diffpath"):
         m = jax.make_mesh((2, 2), ("a", "b"))
-        version = 1 if phase == "save" else 2
+        version = 2 if phase == "die" else 1
+        if phase == "diffpath":
+            path = f"{path}_{process}"  # a mistake: each process its own path
         mine, peer = ([dv for dv in jax.devices() if dv.process_index == p] for p in (0, 1))
         m_mixed = jax.sharding.Mesh(np.array([mine[0], peer[0], mine[1], peer[1]]), ("x",))
         tree = {"w": make("w", NamedSharding(m, P("a", "b")), version),
