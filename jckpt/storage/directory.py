@@ -186,6 +186,7 @@ def collect_arrays(stage: str, names: Iterable[str],
     """Every array of the piece files `names` with its pieces, ordered by namespace and id."""
     backend = backend if backend is not None else backend_for(stage)
     arrays: dict[tuple[str, Any], tuple[tuple[Any, ...], Entry, list[tuple[int, Box]]]] = {}
+    names = list(names)
     for fi, name in enumerate(names):
         reader = backend.open(os.path.join(stage, name))
         for e in reader.header.tensors:
@@ -197,13 +198,22 @@ def collect_arrays(stage: str, names: Iterable[str],
             if have is None:
                 have = arrays[e.identity] = (same, global_entry(e), [])
             elif have[0] != same:
-                raise DistributedError(f"processes disagree about this array: {have[1]} vs "
-                                       f"{global_entry(e)}", file=stage, entry=e.name,
-                                       fix="save the same tree structure from every process")
+                first = names[have[2][0][0]] if have[2] else '?'
+                raise DistributedError(
+                    f"processes disagree about this array: {_disagreement(have[0], same)} in "
+                    f"{first} and {name}", file=stage, entry=e.name,
+                    fix="save the same tree structure from every process (a leaf one process "
+                        "has and another lacks shifts the ids of the leaves after it)")
             have[2].append((fi, e.slice))
     by_box = operator.itemgetter(1)
     return [IndexedArray(g, tuple(sorted(pieces, key=by_box)))
             for _, g, pieces in sorted(arrays.values(), key=lambda v: (v[1].namespace, v[1].id))]
+
+
+def _disagreement(a: tuple[Any, ...], b: tuple[Any, ...]) -> str:
+    """What differs between two pieces' `(id, prec, global dims, label, key impl)`, in words."""
+    fields = ('id', 'element type', 'global dims', 'label', 'PRNG key implementation')
+    return '; '.join(f"its {name} is {x} and {y}" for name, x, y in zip(fields, a, b) if x != y)
 
 
 def check_arrays(stage: str, arrays: Iterable[IndexedArray]) -> None:

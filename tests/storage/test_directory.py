@@ -122,8 +122,11 @@ def test_write_index_refuses_a_missing_process(tmp_path):
 def test_write_index_refuses_disagreeing_processes(tmp_path):
     write_piece(tmp_path, 0, [(0, "w", W, ((0, 4), (0, 4)))])
     write_piece(tmp_path, 1, [(0, "w", W[:, :2], ((4, 8), (0, 2)))])
-    with pytest.raises(DistributedError, match="disagree"):
+    with pytest.raises(DistributedError, match=r"disagree about this array: its global dims "
+                                               r"is \(8, 4\) and \(8, 2\) in process_00000.jckpt "
+                                               r"and process_00001.jckpt") as e:
         dr.write_index(str(tmp_path), 2, 32, {}, durable=False)
+    assert "Entry(" not in str(e.value) and "shifts the ids" in e.value.fix
 
 
 def test_write_index_refuses_pieces_that_do_not_tile(tmp_path):
