@@ -53,6 +53,14 @@ def _seal_slot(raw: bytes | bytearray | memoryview) -> int | None:
     return None if m is None else start + m.start(1)
 
 
+def is_sealed(raw: bytes | bytearray | memoryview) -> bool:
+    """Whether the header `raw` (the file's first `4 + HLEN` bytes) ends with a checksum.
+
+    A header without one (an older or OCANNL-written file) is read as it is, unchecked.
+    """
+    return _seal_slot(raw) is not None
+
+
 def _seal_digest(raw: bytes | bytearray | memoryview, slot: int) -> str:
     """The header checksum of `raw`: its hash with the digits at `slot` read as zeros."""
     view = memoryview(raw)
@@ -127,4 +135,4 @@ def check_header_checksum(raw: bytes | bytearray | memoryview, tree: Sexp | None
 
 
 __all__ = ['HEADER_CHECKSUM_ALGORITHM', 'HEADER_CHECKSUM_FIELD', 'UNSEALED', 'UNSEALED_FIELD',
-           'check_header_checksum', 'seal_header', 'unsealed_digest']
+           'check_header_checksum', 'is_sealed', 'seal_header', 'unsealed_digest']

@@ -21,6 +21,7 @@ from jckpt.format import payload as payload_mod
 from jckpt.format import precs
 from jckpt.format.fastpath import accelerator
 from jckpt.format.header import Entry, Header, decode_header
+from jckpt.format.header_seal import is_sealed
 from jckpt.format.layout import check_extents
 from jckpt.storage.publish import storage_error
 
@@ -116,6 +117,8 @@ class CheckpointReader:
             if len(raw) != 4 + hlen:
                 raise FormatError("file changed size while being read", file=self.path)
             self.header: Header = decode_header(raw, file=self.path)
+            #: Whether the header carries its checksum (checked as it was decoded).
+            self.sealed = is_sealed(raw)
             self.data_start = 4 + hlen
             check_extents(self.header, self.data_start, self.size, file=self.path)
             self._map = mmap_mod.mmap(fd, 0, access=mmap_mod.ACCESS_COPY) if self.size else b''

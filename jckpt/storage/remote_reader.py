@@ -40,6 +40,7 @@ from jckpt.format import payload as payload_mod
 from jckpt.format import precs
 from jckpt.format.boxes import Box, box_shape, box_size, box_slices
 from jckpt.format.header import Entry, Header, decode_header
+from jckpt.format.header_seal import is_sealed
 from jckpt.format.layout import check_extents
 from jckpt.storage.lazy import LazyArray, note_read
 from jckpt.storage.reader import COUNTS, verify_entries
@@ -161,6 +162,8 @@ class RemoteReader:
             source.read_into(memoryview(rest), len(raw), self.version)
             raw = bytes(raw) + bytes(rest)
         self.header: Header = decode_header(raw, file=url)
+        #: Whether the header carries its checksum (checked as it was decoded).
+        self.sealed = is_sealed(raw)
         self.data_start = 4 + hlen
         check_extents(self.header, self.data_start, self.size, file=url)
         spans = sorted((e.offset, e.offset + e.byte_length) for e in self.header.tensors)

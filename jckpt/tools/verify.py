@@ -334,6 +334,10 @@ def _index_mismatches(reader: DirectoryReader,
 def _layout_problems(reader: CheckpointReader) -> list[Problem]:
     """Warnings about a readable file not laid out as a jckpt writer lays it out."""
     header, path, out = reader.header, reader.path, []
+    if not getattr(reader, 'sealed', True):
+        out.append(Problem('warning', "the header carries no checksum (written by an older or "
+                           "another writer, or its checksum field is damaged): it was not checked",
+                           path))
     align = header.alignment
     if align > 1 and reader.data_start % align:
         out.append(Problem('warning', f"data starts at byte {reader.data_start}, not a multiple "

@@ -110,7 +110,21 @@ def test_layout_warnings(tmp_path):
     assert (None, '4 bytes follow the last payload') in messages
     assert ('jckpt/n0', "checksum algorithm 'md5' is unknown to this version; payload not checked") \
         in messages
-    assert r.render().endswith('0 of 2 checksums verified, 0 errors, 5 warnings')
+    assert (None, "the header carries no checksum (written by an older or another writer, or "
+                  "its checksum field is damaged): it was not checked") in messages
+    assert r.render().endswith('0 of 2 checksums verified, 0 errors, 6 warnings')
+
+
+def test_a_header_checksum_field_damaged_into_another_name_is_a_warning(tmp_path):
+    """Its bytes no longer name the checksum, so the header reads unsealed: never silently ok."""
+    path = write_arrays(tmp_path / 'm.jckpt', {'w': np.ones(3, np.float32)})
+    assert not verify(path).warnings
+    data = bytearray(open(path, 'rb').read())
+    at = data.find(b'header_checksum')
+    data[at + 7:at + 8] = b'X'  # header_Xhecksum: an unknown field, kept
+    open(path, 'wb').write(data)
+    r = verify(path)
+    assert r.ok and r.warnings[0].message.startswith('the header carries no checksum')
 
 
 def test_zero_gaps_are_checked_in_chunks(tmp_path, monkeypatch):
