@@ -42,7 +42,13 @@ from jckpt.errors import DistributedError, InputError
 from jckpt.format.boxes import Box, box_shape, coalesce, full_box, intersect
 from jckpt.format.entries import Entry, Header, KeyPath, entry_for
 from jckpt.format.layout import lay_out
-from jckpt.format.names import DIRECTORY_LOCK_NAME, STAGE_DIR_TAG, piece_name, tag_writer
+from jckpt.format.names import (
+    DIRECTORY_LOCK_NAME,
+    SAVE_KEY,
+    STAGE_DIR_TAG,
+    piece_name,
+    tag_writer,
+)
 from jckpt.storage import object_directory
 from jckpt.storage.backend import LOCAL, Backend, backend_for
 from jckpt.storage.directory import (
@@ -214,8 +220,9 @@ def _piece_entry(leaf: _Leaf, namespace: str, box: Box) -> Entry:
 
 
 def _write_pieces(stage: str, leaves: list[_Leaf], namespace: str, alignment: int, process: int,
-                  durable: bool, tag: str) -> None:
-    """Write this process's piece files: one per layer of blocks (most arrays have one block)."""
+                  durable: bool, tag: str, save: str) -> None:
+    """Write this process's piece files: one per layer of blocks (most arrays have one block),
+    each recording the save it belongs to (`SAVE_KEY`)."""
     layers = max([len(leaf.blocks) for leaf in leaves] + [1])
     for layer in range(layers):
         entries, sources = [], []
@@ -225,7 +232,7 @@ def _write_pieces(stage: str, leaves: list[_Leaf], namespace: str, alignment: in
                 entries.append(_piece_entry(leaf, namespace, box))
                 sources.append(source)
         header = lay_out(Header(tensors=tuple(entries), alignment=alignment,
-                                writer=f"jckpt {__version__}"))
+                                writer=f"jckpt {__version__}", metadata=((SAVE_KEY, save),)))
         write_checkpoint(os.path.join(stage, piece_name(process, layer, tag)), header, sources,
                          durable=durable)
 
@@ -364,11 +371,13 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
         with object_directory.saving(stage.tag):
             first = rt.share('path', path if process == 0 else None)  # process 0's
             where = _open_stage(rt, path, process, stage, backend)
+            save = stage.tag or os.path.basename(where)  # the same in every process
             rt.together('written', 'wrote its pieces', process, lambda: (
                 _check_same_path(first, path), _write_pieces(
-                    where, leaves, namespace, alignment, process, ctx.durable, stage.tag)))
+                    where, leaves, namespace, alignment, process, ctx.durable, stage.tag, save)))
             rt.together('published', 'saw the checkpoint published', process, None if process else (
-                lambda: _publish(backend, stage, path, count, alignment, metadata, ctx.durable)))
+                lambda: _publish(backend, stage, path, count, alignment,
+                                 {**(metadata or {}), SAVE_KEY: save}, ctx.durable)))
     except BaseException:
         if process == 0:
             _discard(backend, stage)

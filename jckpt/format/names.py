@@ -123,7 +123,11 @@ GENERATION_KEY = 'jckpt.generation'
 EMPTY_NODES_KEY = 'jckpt.empty_nodes'
 #: The JSON items of an orbax step read or converted from it: `{"item": value}` (JSON).
 ORBAX_JSON_KEY = 'jckpt.orbax_json'
+#: The save a directory checkpoint's piece files and index belong to (an id the processes of
+#: one save share), so that a piece file copied in from another save is refused.
+SAVE_KEY = 'jckpt.save'
 #: The reserved keys, under the names the tools show them by.
 KNOWN_KEYS = {STEP_KEY: 'step', METRICS_KEY: 'metrics', TRAINER_STATE_KEY: 'trainer state',
               LINEAGE_KEY: 'lineage', GENERATION_KEY: 'generation',
-              EMPTY_NODES_KEY: 'empty nodes', ORBAX_JSON_KEY: 'orbax JSON items'}
+              EMPTY_NODES_KEY: 'empty nodes', ORBAX_JSON_KEY: 'orbax JSON items',
+              SAVE_KEY: 'save'}

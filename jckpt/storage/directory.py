@@ -39,7 +39,14 @@ from jckpt.format._gc import paused
 from jckpt.format.boxes import Box, box_shape, box_size, box_slices, check_tiling
 from jckpt.format.header import Entry, Header
 from jckpt.format.index import IndexedArray, global_entry, index_header, parse_index
-from jckpt.format.names import DIRECTORY_LOCK_NAME, INDEX_NAME, STAGE_DIR_TAG, piece_name, piece_tag
+from jckpt.format.names import (
+    DIRECTORY_LOCK_NAME,
+    INDEX_NAME,
+    SAVE_KEY,
+    STAGE_DIR_TAG,
+    piece_name,
+    piece_tag,
+)
 from jckpt.storage.backend import LOCAL, Backend, backend_for
 from jckpt.storage.lazy import LazyArray, note_read
 from jckpt.storage.object_store import MISSING_OBJECT
@@ -358,9 +365,20 @@ class DirectoryReader:
                                   "checkpoint was replaced (or removed) after its index was read",
                                   file=path, fix="open the checkpoint again to read the one there "
                                                  "now") from None
+            self.check_save(reader, path)
             self._entries[fi] = {e.identity: e for e in reader.header.tensors}
             self._readers[fi] = reader
         return reader
+
+    def check_save(self, reader: CheckpointReader, path: str) -> None:
+        """Refuse a piece file of another save than its index's (both record theirs)."""
+        mine = self.header.metadata_dict().get(SAVE_KEY)
+        theirs = reader.header.metadata_dict().get(SAVE_KEY)
+        if mine is not None and theirs is not None and mine != theirs:
+            raise FormatError("this piece file belongs to another save than the index (copied "
+                              "in from another checkpoint, or left by an earlier save)",
+                              file=path, fix="restore the directory from a complete copy, or use "
+                                             "an earlier checkpoint")
 
     def piece(self, fi: int, array: IndexedArray, box: Box, *, verify: bool) -> np.ndarray:
         """The stored piece `box` of `array` in file `fi` (a mapped view)."""

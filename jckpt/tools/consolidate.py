@@ -16,6 +16,7 @@ import os
 
 from jckpt.format.header import Header
 from jckpt.format.layout import lay_out
+from jckpt.format.names import SAVE_KEY
 from jckpt.storage.backend import backend_for, checked_path
 from jckpt.storage.directory import DirectoryReader
 from jckpt.storage.regions import ShardedSource
@@ -49,7 +50,8 @@ def consolidate(directory: str | os.PathLike, file: str | os.PathLike, *, durabl
         sources.append(ShardedSource(e.dims, e.dtype, pieces))
     header = lay_out(Header(tensors=tuple(entries),
                             alignment=reader.header.alignment if alignment is None else alignment,
-                            writer=f"jckpt {__version__}", metadata=reader.header.metadata))
+                            writer=f"jckpt {__version__}", metadata=tuple(
+                                (k, v) for k, v in reader.header.metadata if k != SAVE_KEY)))
     return write_checkpoint(file, header, sources, durable=durable)
 
 

@@ -310,8 +310,12 @@ def _verify_pieces(reader: DirectoryReader, progress: bool) -> tuple[
         reports.append(report)
         if report.errors and report.entries == 0:
             continue  # the piece file itself is unreadable: already reported
-        pieces[fi] = {(e.identity, e.slice): e for e in
-                      reader.backend.open(piece_path, follow_symlinks=False).header.tensors}
+        piece = reader.backend.open(piece_path, follow_symlinks=False)
+        try:
+            reader.check_save(piece, piece_path)
+        except FormatError as e:
+            problems.append(Problem('error', e.message, piece_path))
+        pieces[fi] = {(e.identity, e.slice): e for e in piece.header.tensors}
     return reports, problems, pieces
 
 

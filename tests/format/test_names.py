@@ -142,7 +142,7 @@ def test_tags_are_distinct_and_none_is_a_prefix_of_another():
 def test_every_known_key_is_reserved_and_named():
     assert set(KNOWN_KEYS) == {names.STEP_KEY, names.METRICS_KEY, names.TRAINER_STATE_KEY,
                                names.LINEAGE_KEY, names.GENERATION_KEY, names.EMPTY_NODES_KEY,
-                               names.ORBAX_JSON_KEY}
+                               names.ORBAX_JSON_KEY, names.SAVE_KEY}
     assert all(k.startswith(RESERVED_PREFIX) for k in KNOWN_KEYS)
     assert len(set(KNOWN_KEYS.values())) == len(KNOWN_KEYS)
 

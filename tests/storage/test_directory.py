@@ -254,3 +254,21 @@ def test_a_restore_refuses_a_directory_missing_a_piece_even_one_it_would_not_rea
             read()
         assert e.value.file == os.path.join(d, "process_00001.jckpt")
     assert jckpt.verify(d).errors  # verify still opens it, to report every problem
+
+
+def test_a_piece_file_from_another_save_is_refused(tmp_path):
+    """The index and its pieces record the save they belong to; a piece copied in is caught."""
+    import shutil
+
+    from jckpt.api.multiprocess import save_directory
+    ctx = jckpt.Context()
+    save_directory(ctx, {"w": np.arange(4.0)}, tmp_path / "a")
+    save_directory(ctx, {"w": -np.arange(4.0)}, tmp_path / "b")
+    shutil.copy(tmp_path / "b" / "process_00000.jckpt", tmp_path / "a" / "process_00000.jckpt")
+    with pytest.raises(FormatError, match="belongs to another save than the index") as e:
+        jckpt.load(jckpt.Context(host=True), tmp_path / "a")
+    assert e.value.file == str(tmp_path / "a" / "process_00000.jckpt")
+    report = jckpt.verify(tmp_path / "a")
+    assert not report.ok and any("another save" in p.message for p in report.errors)
+    _, back = jckpt.load(jckpt.Context(host=True), tmp_path / "b")  # its own pieces: fine
+    assert back["jckpt"]["w"].tolist() == [0, -1, -2, -3]
