@@ -47,10 +47,18 @@ def default_placement(device: Any):
 
 
 def put(array: np.ndarray, placement: Any) -> jax.Array:
-    """Place a host array on a device or sharding, each device reading only its slice."""
+    """Place a host array on a device or sharding, each device reading only its slice, and
+    each distinct slice read once: the devices holding replicas of it (a partially
+    replicated sharding, `P('model')` on a data x model mesh) share that read."""
     if isinstance(placement, jax.sharding.Sharding) and len(placement.device_set) > 1:
-        return jax.make_array_from_callback(array.shape, placement,
-                                            lambda index: sharding_mod.read_index(array, index))
+        read: dict[Any, np.ndarray] = {}
+
+        def shard(index: Any) -> np.ndarray:
+            box = sharding_mod.box_of(index if isinstance(index, tuple) else (index,), array.shape)
+            if box not in read:
+                read[box] = sharding_mod.read_box(array, box)
+            return read[box]
+        return jax.make_array_from_callback(array.shape, placement, shard)
     return jax.device_put(np.asarray(array), placement)
 
 
