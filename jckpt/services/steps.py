@@ -136,7 +136,8 @@ def leases(directory: str, process_index: int, process_count: int) -> tuple[str,
                            if n.startswith('.process') and n.endswith(LEASE_SUFFIX)]
     return os.path.join(directory, f".process{process_index:05d}"), [lease_path(directory)]
 
-def say_if_orbax(directory: str, own: Any) -> None:
+
+def say_if_orbax(directory: str, own: object) -> None:
     """Warn (once per directory) when a manager finds no steps of its own (`own` is empty)
     but orbax's there."""
     found = [] if own else orbax_adapter.manager_steps(directory)
@@ -149,6 +150,7 @@ def say_if_orbax(directory: str, own: Any) -> None:
 
 
 _ORBAX_SAID: set[str] = set()
+
 
 __all__ = ['checked', 'clean_staging', 'leases', 'parse_metrics', 'read_metadata', 'read_tree',
            'say_if_orbax']
