@@ -128,13 +128,13 @@ def manager_steps(root: str) -> list[int]:
 _MAX_SMALL_JSON = 1 << 20
 
 
-def _small_json(path: str) -> Any:
-    """A small JSON file of the checkpoint: a regular file, at most `_MAX_SMALL_JSON` bytes,
-    nested at most `jckpt.format.limits.MAX_NESTING` deep (`ValueError` otherwise)."""
+def _small_json(path: str, limit: int = _MAX_SMALL_JSON) -> Any:
+    """A JSON file of the checkpoint: a regular file, at most `limit` bytes, nested at most
+    `jckpt.format.limits.MAX_NESTING` deep (`ValueError` otherwise)."""
     with open_regular(path) as f:
-        data = f.read(_MAX_SMALL_JSON + 1)
-    if len(data) > _MAX_SMALL_JSON:
-        raise ValueError(f"over {_MAX_SMALL_JSON} bytes")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"over {limit} bytes")
     return json_loads(data)
 
 
@@ -151,7 +151,8 @@ def check_tree(path: str) -> int:
     for root, dirs, files in os.walk(path):  # links to directories are listed, not entered
         for name in dirs + files:
             full = os.path.join(root, name)
-            mode = os.lstat(full).st_mode
+            st = os.lstat(full)
+            mode = st.st_mode
             if stat.S_ISLNK(mode):
                 raise FormatError("a symbolic link inside an orbax checkpoint", file=full,
                                   fix="copy what it points to into the checkpoint: jckpt does "
@@ -160,7 +161,7 @@ def check_tree(path: str) -> int:
                 raise FormatError("not a regular file (a FIFO, a device or a socket) inside an "
                                   "orbax checkpoint", file=full, fix="the checkpoint is damaged")
             if stat.S_ISREG(mode):
-                total += os.lstat(full).st_size
+                total += st.st_size
                 if name == '.zarray':
                     zarrays.append(full)
     for z in zarrays:
@@ -354,8 +355,7 @@ def json_metadata(path: str) -> dict[str, str]:
                               f"{_MAX_JSON_BYTES} bytes", file=single,
                               fix="keep the item's JSON small and inside its directory")
         try:
-            with open(single, 'rb') as f:
-                found[name] = json_loads(f.read())
+            found[name] = _small_json(single, _MAX_JSON_BYTES)
         except (OSError, ValueError) as e:
             raise FormatError(f"JSON item {name!r} cannot be read: {e}", file=single,
                               fix="the step is damaged; save it again") from None

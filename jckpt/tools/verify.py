@@ -30,8 +30,7 @@ from jckpt.api import progress as progress_mod
 from jckpt.errors import CheckpointError, ChecksumError, FormatError
 from jckpt.format import payload as payload_mod
 from jckpt.format.header import Entry
-from jckpt.format.names import INDEX_NAME, PIECE_RE, STEP_RE, TRAINER_STATE_NAME
-from jckpt.storage import step_directory
+from jckpt.format.names import INDEX_NAME, PIECE_RE, STEP_RE
 from jckpt.storage.backend import backend_for, checked_path
 from jckpt.storage.directory import DirectoryReader
 from jckpt.storage.reader import CheckpointReader
@@ -240,16 +239,14 @@ def _combine(path: str, reports: list[VerifyReport], extra: list[Problem]) -> Ve
 def _verify_steps(path: str, progress: bool) -> VerifyReport:
     """Every step of a checkpoint manager's directory, as one report."""
     names = sorted(n for n in backend_for(path).list(path) if STEP_RE.match(n))
-    return _combine(path, [_verify_step(os.path.join(path, n), progress) for n in names], [])
+    return _combine(path, [verify(os.path.join(path, n), progress=progress) for n in names], [])
 
 
 def _verify_step(path: str, progress: bool) -> VerifyReport:
-    """One manager step: a jckpt file, or a step directory whose model is in another format
+    """A manager's step directory whose model is in another format
     (`CheckpointOptions(format=...)`): its record read, its model file read whole by its
     format's reader (another format's payloads carry no jckpt checksums: a warning says
     so), its optimizer file verified."""
-    if not step_directory.is_published(path, TRAINER_STATE_NAME):
-        return verify(path, progress=progress)
     from jckpt.services import formats  # imports JAX: only for such steps, not for jckpt files
     try:
         record = formats.read_record(path)
