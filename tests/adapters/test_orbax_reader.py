@@ -226,3 +226,16 @@ def test_array_metadata_nested_too_deep_reads_as_no_keys(tmp_path):
     (folder / 'process_0').write_text('[' * 100_000 + ']' * 100_000)
     _, tree = jckpt.load(jckpt.Context(host=True), item)
     assert tree['jckpt']['w'].tolist() == [0, 1, 2, 3]
+
+
+def test_arrays_the_metadata_claims_past_what_the_files_hold_are_refused_before_reading(
+        tmp_path, monkeypatch):
+    """An OCDBT item keeps its shapes in orbax's metadata: checked before tensorstore allocates."""
+    from jckpt.adapters import orbax as orbax_adapter
+    item = _item(tmp_path)
+    real = orbax_adapter.item_specs
+    monkeypatch.setattr(orbax_adapter, 'item_specs', lambda i: [
+        (kp, (1 << 40,), dtype, impl) for kp, _, dtype, impl in real(i)])
+    with pytest.raises(FormatError, match='claimed by a checkpoint of') as e:
+        orbax_adapter.read_item(str(item))
+    assert e.value.file == str(item)
