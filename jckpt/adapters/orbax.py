@@ -50,7 +50,8 @@ from jckpt.errors import FormatError, InputError
 from jckpt.format.header import NAMESPACE_RE
 from jckpt.format.limits import MAX_DECOMPRESSION_RATIO, json_loads
 from jckpt.format.names import ORBAX_JSON_KEY
-from jckpt.storage.backend import backend_for, is_url, open_regular
+from jckpt.storage.backend import backend_for, is_url
+from jckpt.storage.regular import open_regular
 
 _ITEM_MARKERS = ('_METADATA', 'manifest.ocdbt')
 _STEP_MARKER = '_CHECKPOINT_METADATA'

@@ -55,7 +55,8 @@ from jckpt.errors import FormatError, InputError
 from jckpt.format import limits
 from jckpt.format.names import RESERVED_PREFIX
 from jckpt.format.payload import iter_payload_chunks, stored_dtype
-from jckpt.storage.backend import is_url, open_regular
+from jckpt.storage.backend import is_url
+from jckpt.storage.regular import open_regular
 
 #: The safetensors reader refuses headers larger than this.
 MAX_HEADER_BYTES = 100_000_000

@@ -28,13 +28,11 @@ no storage backend for URL scheme 'ftp'
 
 from __future__ import annotations
 
-import errno
 import mmap as mmap_mod
 import os
 import re
 import shutil
-import stat
-from typing import BinaryIO, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from jckpt.errors import FormatError, InputError
 from jckpt.storage import object_store
@@ -42,6 +40,7 @@ from jckpt.storage.lease import WriterLease
 from jckpt.storage.object_backend import OBJECT_STORE
 from jckpt.storage.publish import StagingFile, remove_file, storage_error
 from jckpt.storage.reader import CheckpointReader
+from jckpt.storage.regular import open_regular
 
 #: A URL: at the very start, a scheme of two or more characters (RFC 3986: a letter, then
 #: letters, digits, `+ - .`) and `:/`. See `backend_for` for why this rule.
@@ -102,30 +101,6 @@ class Backend(Protocol):
 
     def reclaim_uploads(self, path: str) -> int:
         """Abort the incomplete uploads of `path` that killed writers left; how many (object stores)."""
-
-
-def open_regular(path: str) -> BinaryIO:
-    """`open(path, 'rb')` of a regular file only: a FIFO, a device or a socket (a planted
-    one, or a symbolic link to one such as `/dev/zero`) is a `FormatError`, found without
-    blocking or reading it; opening a FIFO for reading would wait for a writer forever.
-
-    >>> with open_regular(__file__) as f:
-    ...     f.read(3) == open(__file__, 'rb').read(3)
-    True
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            if stat.S_ISDIR(mode):
-                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
-            raise FormatError("is not a regular file (a FIFO, a device or a socket)", file=path,
-                              fix="pass a checkpoint file; jckpt never reads special files")
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, 'rb')
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 class LocalBackend:

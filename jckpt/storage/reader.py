@@ -9,7 +9,6 @@ import errno
 import functools
 import mmap as mmap_mod
 import os
-import stat
 import struct
 import threading
 from collections.abc import Iterable, Sequence
@@ -24,6 +23,7 @@ from jckpt.format.header import Entry, Header, decode_header
 from jckpt.format.header_seal import is_sealed
 from jckpt.format.layout import check_extents
 from jckpt.storage.publish import storage_error
+from jckpt.storage.regular import open_regular
 
 
 class IngestionCounts:
@@ -59,17 +59,6 @@ def _mappable_precs() -> dict[str, tuple[np.dtype, int]]:
     return out
 
 
-def _check_regular(st: os.stat_result, path: str) -> None:
-    """Refuse what is not a regular file: a directory, a FIFO, a device, a socket."""
-    if stat.S_ISREG(st.st_mode):
-        return
-    if stat.S_ISDIR(st.st_mode):
-        raise FormatError("is a directory, not a checkpoint file", file=path,
-                          fix="pass the checkpoint file inside it")
-    raise FormatError("is not a regular file (a FIFO, device or socket), so not a checkpoint",
-                      file=path, fix="pass a checkpoint file")
-
-
 class CheckpointReader:
     """An open checkpoint file: its validated header and a private mapping of its bytes.
 
@@ -81,11 +70,8 @@ class CheckpointReader:
 
     def __init__(self, path: str | os.PathLike, *, follow_symlinks: bool = True) -> None:
         self.path = os.fspath(path)
-        # O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused below)
-        flags = (os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
-                 | (0 if follow_symlinks else os.O_NOFOLLOW))
         try:
-            fd = os.open(self.path, flags)
+            f = open_regular(self.path, follow_symlinks=follow_symlinks)
         except FileNotFoundError:
             raise FormatError("no such checkpoint file", file=self.path,
                               fix="check the path, or save a checkpoint there first") from None
@@ -98,9 +84,13 @@ class CheckpointReader:
                                   file=self.path, fix="replace the link by the file it points to")\
                     from None
             raise storage_error(e, "opening the checkpoint", self.path) from e
+        with f:
+            self._read_head(f.fileno())
+
+    def _read_head(self, fd: int) -> None:
+        """Read and check the header of the open file `fd`, and map the file."""
         try:
             st = os.fstat(fd)
-            _check_regular(st, self.path)
             self.size = st.st_size
             #: ``(st_dev, st_ino)`` of the file read, to tell if ``path`` was replaced since.
             self.file_id = (st.st_dev, st.st_ino)
@@ -124,8 +114,6 @@ class CheckpointReader:
             self._map = mmap_mod.mmap(fd, 0, access=mmap_mod.ACCESS_COPY) if self.size else b''
         except OSError as e:
             raise storage_error(e, "reading the checkpoint", self.path) from e
-        finally:
-            os.close(fd)
 
     @property
     def buffer(self):

@@ -32,6 +32,7 @@ from jckpt.format.names import INDEX_NAME, PIECE_RE, STEP_RE, TRAINER_STATE_NAME
 from jckpt.storage.backend import LOCAL, backend_for, checked_path
 from jckpt.storage.publish import storage_error
 from jckpt.storage.reader import CheckpointReader
+from jckpt.storage.regular import open_regular, special_name
 
 # --- the kinds (Kind.name) ------------------------------------------------------------------
 
@@ -118,7 +119,7 @@ def classify(path: str | os.PathLike) -> Kind:
     if stat.S_ISDIR(mode):
         return _classify_directory(path)
     if not stat.S_ISREG(mode):
-        raise FormatError(f"is {_special_name(mode)}, not a checkpoint file or directory",
+        raise FormatError(f"is {special_name(mode)}, not a checkpoint file or directory",
                           file=path, fix="pass a checkpoint file or directory")
     return _classify_file(path)
 
@@ -208,27 +209,17 @@ def _classify_file(path: str) -> Kind:
 
 
 def _head(path: str) -> bytes:
-    """The first bytes of a regular file (opened non-blocking: it may have become a FIFO)."""
+    """The first bytes of a regular file (it may have become a FIFO since its stat)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        with open_regular(path) as f:
+            return f.read(SNIFF_BYTES)
     except FileNotFoundError:
         return b''  # removed since its stat: what reads it next will say so
+    except IsADirectoryError:
+        raise FormatError("became a directory while being read", file=path,
+                          fix="try again once nothing else writes there") from None
     except OSError as e:
         raise storage_error(e, "reading", path) from e
-    try:
-        return os.pread(fd, SNIFF_BYTES, 0)
-    except OSError as e:
-        raise storage_error(e, "reading", path) from e
-    finally:
-        os.close(fd)
-
-
-def _special_name(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, 'a FIFO (named pipe)'), (stat.S_ISCHR, 'a character device'),
-                       (stat.S_ISBLK, 'a block device'), (stat.S_ISSOCK, 'a socket')):
-        if test(mode):
-            return name
-    return 'a special file'
 
 
 __all__ = ['DIRECTORY', 'FILE', 'FOREIGN', 'MANAGER', 'MISSING', 'NO_CHECKPOINT', 'UNFINISHED',

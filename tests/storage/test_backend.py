@@ -145,16 +145,3 @@ def test_checked_path_takes_str_bytes_and_pathlike_and_refuses_the_rest(tmp_path
         assert err.value.fix and isinstance(err.value, TypeError)
     with pytest.raises(InputError, match="a path must be"):
         backend_for(5)
-
-
-def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path):
-    """Opening a FIFO for reading blocks until someone writes: every local read asks first."""
-    import jckpt
-    from jckpt.adapters import safetensors as st
-    from jckpt.storage.backend import LOCAL, open_regular
-    fifo = tmp_path / "model.safetensors"
-    os.mkfifo(fifo)
-    for read in (LOCAL.map, lambda p: LOCAL.head(p, 8), open_regular, st.read_sharded,
-                 jckpt.adapters.read):
-        with pytest.raises(jckpt.FormatError, match="not a regular file"):
-            read(str(fifo))
