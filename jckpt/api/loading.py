@@ -78,7 +78,8 @@ def load(ctx: Context, path: PathLike, *, prefix_namespace: str | None = None,
         _, model = jckpt.load(jckpt.Context(), "ckpt.jckpt", namespaces="model")  # no optimizer
         ```
     """
-    path, ctx = checked_path(path), check_context(ctx, mmap=mmap, verify=verify, progress=progress)
+    ctx = check_context(ctx, mmap=mmap, verify=verify, progress=progress)  # first: names a tree given as ctx
+    path = checked_path(path)
     tree_mod.check_prefix(prefix_namespace)
     reader = open_checkpoint(path)  # a file, or a multi-process directory
     stored = reader.header.tensors
@@ -204,7 +205,8 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
                              "ckpt.jckpt", namespaces=["model", "opt"])
         ```
     """
-    path, ctx = checked_path(path), check_context(ctx, mmap=mmap, cast=cast, verify=verify)
+    ctx = check_context(ctx, mmap=mmap, cast=cast, verify=verify)  # first: names a tree given as ctx
+    path = checked_path(path)
     parts = _target_parts(ctx, target, path, namespace, namespaces)
     if not any(items for _, items, _ in parts):
         return target

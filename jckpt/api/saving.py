@@ -90,7 +90,8 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
         jckpt.save(jckpt.Context(), {"params": params, "step": 100}, "ckpt.jckpt")
         ```
     """
-    path, ctx = checked_path(path), check_context(ctx, appending=appending, progress=progress)
+    ctx = check_context(ctx, appending=appending, progress=progress)  # first: names a tree given as ctx
+    path = checked_path(path)
     metadata = check_metadata(metadata, path, reserved=False)  # refused before anything is written
     # several processes save their pieces into one directory; a directory checkpoint stays one
     if jax.process_count() > 1 or _holds_directory(path):

@@ -1,6 +1,7 @@
 """Context and Registry: immutable values; load registers what it read."""
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -136,3 +137,16 @@ def test_save_load_restore_refuse_flags_that_are_not_bools(tmp_path, call):
     with pytest.raises(InputError, match="must be True or False"):
         call(path)
     assert path.read_bytes() == before  # refused before anything was touched
+
+
+def test_a_call_without_its_context_names_the_context_not_the_path(tmp_path):
+    """`jckpt.save(tree, path, x)`: the tree sits where ctx goes, and that is what is said."""
+    tree, path = {"a": np.ones(2)}, str(tmp_path / "x.jckpt")
+    jckpt.save(Context(), tree, path)
+    for call in (lambda: jckpt.save(tree, path, "y.jckpt"),
+                 lambda: jckpt.restore(tree, path, "y.jckpt"),
+                 lambda: jckpt.load(path, "y.jckpt")):
+        with pytest.raises(InputError, match="ctx must be a jckpt.Context") as err:
+            call()
+        assert "jckpt.Context()" in err.value.fix
+    assert not os.path.exists(tmp_path / "y.jckpt")
