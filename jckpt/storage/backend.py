@@ -240,8 +240,10 @@ def backend_for(path: str | os.PathLike) -> Backend:
     A URL of a scheme in `jckpt.storage.object_store.SCHEMES` (`s3`, `gs`,
     `az`, `memory` and their aliases) is served by the object store backend;
     its library is imported when the first object is read or written, and a
-    missing library is an `InputError` saying what to install. Any other URL
-    is an `InputError` naming its scheme.
+    missing library is an `InputError` saying what to install. Such a URL
+    must not hold `.` or `..` segments or credentials (`InputError`
+    otherwise). Any other URL is an
+    `InputError` naming its scheme.
 
     >>> backend_for('C:/x') is backend_for('dir/a://b') is LOCAL
     True
@@ -253,6 +255,7 @@ def backend_for(path: str | os.PathLike) -> Backend:
         if not object_store.available():
             raise InputError(f"URLs of scheme {scheme!r} need obstore, which is not installed",
                              file=checked_path(path), fix="pip install 'jckpt[cloud]'")
+        object_store.ObjectURL.parse(checked_path(path))  # credentials, '..': refused up front
         return OBJECT_STORE
     raise InputError(f"no storage backend for URL scheme {scheme!r}", file=checked_path(path),
                      fix="use a local filesystem path, or a URL of a scheme jckpt stores to: "

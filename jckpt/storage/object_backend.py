@@ -18,7 +18,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from jckpt.errors import FormatError
+from jckpt.errors import FormatError, InputError
 from jckpt.format.names import UPLOAD_TAG
 from jckpt.storage.object_lease import ObjectLease
 from jckpt.storage.object_store import (
@@ -38,6 +38,19 @@ from jckpt.storage.upload_markers import reclaim
 log = logging.getLogger('jckpt')
 
 
+def _object(path: str) -> ObjectURL:
+    """The URL of one checkpoint object (or directory): it names a key inside its bucket.
+
+    A bucket's root is refused: S3 takes no empty key, a lease beside it would
+    land in another bucket, and its removal would empty the bucket.
+    """
+    u = ObjectURL.parse(path)
+    if not u.key:
+        raise InputError("the URL names a bucket, not a checkpoint inside it", file=path,
+                         fix=f"add a path: {u.scheme}://{u.bucket}/run/model.jckpt")
+    return u
+
+
 class ObjectStoreBackend:
     """Checkpoints in an object store (the `Backend` of `jckpt.storage.backend` for URLs).
 
@@ -50,12 +63,12 @@ class ObjectStoreBackend:
     streams = True
 
     def open(self, path: str, *, follow_symlinks: bool = True) -> RemoteReader:
-        u = ObjectURL.parse(path)
+        u = _object(path)
         part, concurrency = tuning(u)
         return RemoteReader(ObjectSource(u), path, part=part, concurrency=concurrency)
 
     def map(self, path: str) -> bytes:
-        u = ObjectURL.parse(path)
+        u = _object(path)
         try:
             return bytes(obstore_module().get(store_for(u), u.key).bytes())
         except Exception as e:
@@ -64,7 +77,7 @@ class ObjectStoreBackend:
             raise store_error(e, "reading", path) from e
 
     def head(self, path: str, length: int) -> bytes:
-        u = ObjectURL.parse(path)
+        u = _object(path)
         try:
             return ObjectSource(u).head(length)[0]
         except FormatError as e:
@@ -91,15 +104,15 @@ class ObjectStoreBackend:
             raise store_error(e, "listing", path) from e
 
     def create(self, target: str, *, durable: bool = True) -> ObjectStaging:
-        return ObjectStaging(ObjectURL.parse(target))
+        return ObjectStaging(_object(target))
 
     def stream(self, target: str, chunks: Iterator[Any], size: int) -> None:
         """Upload the `size` bytes of `chunks` as the object `target`, whole or not at all."""
-        upload_stream(ObjectURL.parse(target), chunks, size)
+        upload_stream(_object(target), chunks, size)
 
     def upload(self, local: str, target: str) -> None:
         """Put the local file `local` at `target` whole (see `upload`)."""
-        upload(local, ObjectURL.parse(target))
+        upload(local, _object(target))
 
     def list(self, path: str) -> list[str]:
         u = ObjectURL.parse(path)
@@ -116,7 +129,7 @@ class ObjectStoreBackend:
         The uploads that killed writers left for objects under it (found by
         their markers) are aborted first: no later writer would find them.
         """
-        u = ObjectURL.parse(path)
+        u = _object(path)
         obs, store = obstore_module(), store_for(u)
         try:
             keys = [o['path'] for chunk in obs.list(store, prefix=u.prefix) for o in chunk]
@@ -131,7 +144,7 @@ class ObjectStoreBackend:
                 raise store_error(e, "removing", path) from e
 
     def lease(self, path: str) -> ObjectLease:
-        return ObjectLease(ObjectURL.parse(path))
+        return ObjectLease(_object(path))
 
     def reclaim_uploads(self, path: str) -> int:
         """Abort the incomplete uploads of `path` that killed writers left (see

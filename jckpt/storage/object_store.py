@@ -75,7 +75,15 @@ class ObjectURL:
         if not bucket:
             raise InputError("the URL names no bucket", file=url,
                              fix=f"write it as {scheme}://BUCKET/path/to/checkpoint")
-        return cls(url, SCHEMES[scheme], scheme, bucket, '/'.join(p for p in key.split('/') if p))
+        if '@' in bucket:  # the credentials are left out of the message
+            raise InputError("a URL must not carry credentials (USER:SECRET@BUCKET)",
+                             file=f"{scheme}://...@{bucket.rpartition('@')[2]}/{key}",
+                             fix="pass credentials in the environment or with jckpt.storage.configure")
+        parts = [p for p in key.split('/') if p]
+        if '.' in parts or '..' in parts:  # a store takes them literally, or refuses them late
+            raise InputError("a URL's path cannot hold '.' or '..' segments", file=url,
+                             fix="write the object's key in full, without '.' or '..'")
+        return cls(url, SCHEMES[scheme], scheme, bucket, '/'.join(parts))
 
     def child(self, name: str) -> ObjectURL:
         return ObjectURL.parse(f"{self.scheme}://{self.bucket}/{self.prefix}{name}")

@@ -16,6 +16,7 @@ import pytest
 
 import jckpt
 from jckpt.storage import backend_for, object_store
+from jckpt.storage.object_backend import OBJECT_STORE
 from jckpt.storage.object_store import ObjectURL
 from tests.helpers import cpu_mesh
 
@@ -366,6 +367,34 @@ def test_unknown_options_and_schemes_are_input_errors():
         jckpt.save(jckpt.Context(), TREE, "s3:///x.jckpt")
 
 
+@pytest.mark.parametrize("url", ["memory://bkt", "memory://bkt/", "memory://bkt//"])
+def test_a_url_must_name_a_checkpoint_inside_its_bucket(url, tmp_path):
+    """A bucket's root would be the key '' (S3 refuses it, memory:// takes it) and its lease
+    would land in another bucket: every entry point refuses it before anything is written."""
+    for call in (lambda: jckpt.save(jckpt.Context(), TREE, url), lambda: jckpt.Mirror(url),
+                 lambda: jckpt.CheckpointManager(url), lambda: jckpt.convert(url, tmp_path / "x.npz")):
+        with pytest.raises(jckpt.InputError, match="names a bucket, not a checkpoint inside it") as e:
+            call()
+        assert e.value.fix.startswith("add a path: memory://bkt/")
+
+
+def test_credentials_in_a_url_are_refused_and_not_repeated():
+    for call in (lambda: jckpt.save(jckpt.Context(), TREE, "s3://AKIA:hunter2@bkt/run/x.jckpt"),
+                 lambda: object_store.configure("s3://AKIA:hunter2@bkt", region="x")):
+        with pytest.raises(jckpt.InputError, match="must not carry credentials") as e:
+            call()
+        assert "hunter2" not in str(e.value) and "AKIA" not in str(e.value)
+        assert "bkt" in e.value.file and "configure" in e.value.fix
+
+
+@pytest.mark.parametrize("url", ["memory://dots/a/../b.jckpt", "memory://dots/./b.jckpt", "s3://dots/.."])
+def test_dot_segments_in_a_url_are_refused(url):
+    """A store keeps `a/../b` as three literal segments (or refuses it late); no entry point takes it."""
+    with pytest.raises(jckpt.InputError, match="cannot hold '.' or '..' segments"):
+        jckpt.save(jckpt.Context(), TREE, url)
+    assert not OBJECT_STORE.list("memory://dots/")
+
+
 def test_gcs_credentials_come_from_the_environment_or_configure(monkeypatch):
     """No GCS server here: what is checked is that the credentials reach the store, and their errors."""
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", "/nonexistent/key.json")
@@ -398,8 +427,8 @@ def test_appending_to_an_object_keeps_its_entries(s3):
 
 
 def test_urls_parse_into_bucket_and_key():
-    u = ObjectURL.parse("S3://bucket//run/./x.jckpt")
-    assert (u.kind, u.bucket, u.key) == ("s3", "bucket", "run/./x.jckpt")
+    u = ObjectURL.parse("S3://bucket//run//x.jckpt")
+    assert (u.kind, u.bucket, u.key) == ("s3", "bucket", "run/x.jckpt")
     assert ObjectURL.parse("s3:/bucket/x").key == "x"  # what pathlib makes of s3://bucket/x
     assert ObjectURL.parse("gs://b").prefix == ""
     assert ObjectURL.parse("az://c/d/").child("e").url == "az://c/d/e"
