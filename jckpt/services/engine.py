@@ -200,7 +200,9 @@ class Pipeline(Generic[InfoT, StagedT]):
     The writer thread stages each job (`Committer`) while a helper
     thread publishes the one before it, so writing a snapshot overlaps with
     waiting for the disk to persist the previous one. A failure keeps the job
-    and retries it after `retry_after` seconds.
+    and retries it after `retry_after` seconds; an `InputError` (what the
+    job holds cannot be written, however often it is tried) drops the job
+    instead, so that the jobs behind it are written.
 
     Args:
       name: what errors and thread names call it (the path written).
@@ -238,6 +240,7 @@ class Pipeline(Generic[InfoT, StagedT]):
         self._generation = generation
         self._error: BaseException | None = None
         self._streak = 0
+        self._dropped: list[tuple[int, BaseException]] = []  # (seq, error), not yet raised
         self._failures = 0
         self._last_error: str | None = None
         self._stalls = 0
@@ -342,14 +345,15 @@ class Pipeline(Generic[InfoT, StagedT]):
                 return self._committed
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait until every admitted snapshot is durable; False on timeout.
+        """Wait until every admitted snapshot is durable (or dropped); False on timeout.
 
-        Raises the persistence error once `patience` attempts in a row failed.
+        Raises the persistence error once `patience` attempts in a row failed, and the
+        error of a dropped snapshot (once) when nothing admitted before it is pending.
         """
         deadline = deadline_after(timeout)
         with self._cond:
             goal = self._committed
-            while self._durable < goal:
+            while self._queue and self._queue[0].seq <= goal:
                 failed = self._given_up()
                 if failed is not None:
                     raise failed
@@ -359,6 +363,10 @@ class Pipeline(Generic[InfoT, StagedT]):
                 if remaining is not None and remaining <= 0:
                     return False
                 self._cond.wait(remaining)
+            dropped = [e for seq, e in self._dropped if seq <= goal]
+            self._dropped = [(seq, e) for seq, e in self._dropped if seq > goal]
+            if dropped:
+                raise dropped[-1]
             return True
 
     def close(self, timeout: float | None = None) -> None:
@@ -413,7 +421,10 @@ class Pipeline(Generic[InfoT, StagedT]):
                     self._retry(error)
                     continue
             if failure is not None:
-                self._retry(failure)
+                if isinstance(failure, InputError):  # the tree, not the disk: retrying cannot help
+                    self._drop(job, failure)
+                else:
+                    self._retry(failure)
                 continue
             if job is not None:
                 inflight = _Publishing(job, staged, self._helper.call(c.publish, staged))
@@ -443,6 +454,22 @@ class Pipeline(Generic[InfoT, StagedT]):
             job.release()
             self._free.append(job.slot)
             self._cond.notify_all()
+
+    def _drop(self, job: Job[InfoT], e: BaseException) -> None:
+        """Give up on a job that can never be written (an `InputError`: a model tree its
+        format cannot hold): it leaves the line, its slot is freed and the jobs behind it go
+        on; the next `wait` raises the error, once."""
+        _quietly(self._commit.rollback)
+        with self._cond:
+            self._queue.remove(job)
+            job.release()
+            self._free.append(job.slot)
+            self._dropped.append((job.seq, e))
+            self._error = e
+            self._failures += 1
+            self._last_error = str(e)
+            self._cond.notify_all()
+        log.error("jckpt: writing %s: snapshot %d is dropped, not retried: %s", self.name, job.seq, e)
 
     def _retry(self, e: BaseException) -> None:
         """Roll back, record the failure and wait `retry_after` seconds (the job stays first)."""

@@ -63,6 +63,7 @@ from jckpt.format.names import (
 )
 from jckpt.services.snapshot import HostLeaf
 from jckpt.storage import staging, step_directory
+from jckpt.storage.publish import storage_error
 from jckpt.trees import placement
 from jckpt.trees import pytree as tree_mod
 
@@ -85,6 +86,10 @@ class CheckpointOptions:
         that format.
       model_writer: `model_writer(tree, path)` writes the model subtree (host
         numpy arrays) to `path` instead of the format's registered writer.
+        A failed write is retried, like a full disk, except an
+        `jckpt.InputError` (raised by a format's writer for a tree it cannot
+        hold, or by the callback): that step is dropped and the next `wait`
+        raises it, so that later steps are still written.
       save_optimizer_state: write the namespaces other than the model
         (`optimizer.jckpt`); `False` keeps only the model and the trainer state.
       model_namespace: which item of `save(items=...)` is the model.
@@ -161,10 +166,24 @@ def is_step_directory(path: str) -> bool:
 # --- writing -------------------------------------------------------------------------------------
 
 def _fail(step: int, file: str, what: str, e: BaseException) -> CheckpointError:
+    """The error of a failed model write, naming the step and the published `file`.
+
+    A `StorageError` (or an `OSError`) stays one, and the pipeline retries it; a
+    writer's `CheckpointError` keeps its class, message, entry and fix, so an `InputError`
+    (a tree the format cannot hold) drops the step instead of retrying it forever;
+    anything else a `model_writer` raised is a `CheckpointError`, retried.
+    """
     if isinstance(e, StorageError):  # keeps its errno for the counters
         return e
-    return CheckpointError(f"step {step}: {what}: {e}", file=file,
-                           fix="check the model tree and the format's writer or callback")
+    if isinstance(e, OSError):
+        return storage_error(e, what, file)
+    if isinstance(e, CheckpointError) and type(e).__init__ is CheckpointError.__init__:
+        return type(e)(f"step {step}: {what}: {e.message}", file=file, entry=e.entry,
+                       fix=e.fix or _WRITER_FIX)
+    return CheckpointError(f"step {step}: {what}: {e}", file=file, fix=_WRITER_FIX)
+
+
+_WRITER_FIX = "check the model tree and the format's writer or callback"
 
 
 def _write_model(options: CheckpointOptions, model: Any, namespace: str, path: str,

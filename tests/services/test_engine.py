@@ -185,6 +185,48 @@ def test_the_error_is_raised_once_patience_runs_out():
     p.close()                                          # closing again does nothing
 
 
+class FailsOn(Fake):
+    """Staging the snapshots whose value is in ``bad`` raises ``error``."""
+
+    def __init__(self, bad, error):
+        super().__init__()
+        self.bad, self.error = bad, error
+
+    def stage(self, job):
+        if float(job.items[0].array[0]) in self.bad:
+            raise self.error
+        return super().stage(job)
+
+
+def test_a_snapshot_that_can_never_be_written_is_dropped_and_the_rest_go_on():
+    """An InputError (the tree, not the disk) is not retried: it would hold every later
+    snapshot behind it forever. The jobs behind it are written; `wait` raises it once."""
+    fake = FailsOn({2.0}, jckpt.InputError("dtype int4 has no safetensors equivalent"))
+    p = Pipeline("drop", fake, slots=1, retry_after=30, patience=1)  # a retry would hang here
+    for value in (1, 2, 3, 4):
+        p.admit(leaves(value), {}, timeout=20)  # one slot: each waits for the one before it
+    with pytest.raises(jckpt.InputError, match="int4"):
+        p.wait(timeout=20)
+    assert fake.published() == [1, 3, 4]
+    c = p.counters()
+    assert (c.committed, c.durable, c.pending, c.failures) == (4, 4, 0, 1) and c.error == 0
+    assert p.wait(timeout=20)  # raised once
+    p.admit(leaves(2), {})     # the same tree again: dropped again, and said again
+    with pytest.raises(jckpt.InputError):
+        p.close()
+    assert fake.published() == [1, 3, 4] and p.counters().failures == 2
+
+
+def test_a_dropped_last_snapshot_does_not_leave_wait_waiting():
+    fake = FailsOn({1.0}, jckpt.InputError("no"))
+    p = Pipeline("drop-last", fake)
+    p.admit(leaves(1), {})
+    with pytest.raises(jckpt.InputError):
+        p.wait(timeout=20)
+    assert p.counters().pending == 0 and p.counters().error == "InputError"
+    p.close()
+
+
 def test_run_now_waits_for_what_was_admitted_and_counts():
     fake = Fake()
     fake.staged_generation = fake.published_generation = 5   # generation 5 is on disk

@@ -284,6 +284,26 @@ def test_a_callback_that_raises_is_a_failed_write(tmp_path):
         assert mgr.restore(3).tree['model']['w'][0] == 3
 
 
+def test_a_step_its_format_cannot_hold_is_dropped_and_later_steps_are_written(tmp_path):
+    """int4 has no safetensors dtype: retrying cannot help, and retrying it forever held every
+    later step behind it. The step is dropped, the error keeps its class and names the step's
+    file (not its staging name), and the next wait raises it once."""
+    import jax.numpy as jnp
+    opts = CheckpointOptions(format='safetensors')
+    with jckpt.CheckpointManager(tmp_path, options=opts, retry_after=30, patience=1) as mgr:
+        for step in range(1, 6):
+            extra = {'q': jnp.ones(4, jnp.int4)} if step == 2 else {}
+            assert mgr.save(step, {'w': jnp.full(2, step, jnp.float32), **extra}, timeout=60)
+        with pytest.raises(InputError, match="step 2: writing the model as safetensors: dtype int4"
+                           ) as e:
+            mgr.wait_durable(timeout=60)
+        assert e.value.file == str(tmp_path / 'step_00000002.jckpt' / 'model.safetensors')
+        assert e.value.entry == 'q' and 'cast it' in e.value.fix
+        assert mgr.all_steps() == [1, 3, 4, 5] and mgr.counters.failures == 1
+        assert mgr.restore(5).tree['jckpt']['w'][0] == 5
+    assert not [n for n in os.listdir(tmp_path) if 'step_00000002' in n]
+
+
 def test_a_loader_that_raises_or_returns_another_tree(tmp_path):
     def raising(path):
         raise ValueError("bad bytes")
