@@ -112,6 +112,17 @@ def as_stored_for(array: Any, entry: Entry, leaf: Any, want_dtype: Any, path: st
     return array
 
 
+def take(ctx: Context, entry: Entry, array: Any, leaf: Any, path: str, where: str, *,
+         cast: bool) -> tuple[Any, Any, str, str | None]:
+    """For an array already read (a foreign file's, described by `entry`): what
+    `jckpt.trees.placement.place_all` is asked, `(array, leaf, where, key_impl)`, by the
+    rules `restore` applies to a jckpt file's entries."""
+    entry = as_target_takes(entry, leaf, path, where)
+    want_dtype = check_leaf(ctx, entry, leaf, path, where)
+    return as_stored_for(array, entry, leaf, want_dtype, path, where, cast=cast), leaf, where, \
+        entry.key_impl
+
+
 _KINDS = (('bool', np.bool_), ('integer', np.integer), ('floating', np.floating),
           ('complex', np.complexfloating))
 

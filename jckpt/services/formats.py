@@ -43,15 +43,17 @@ import jax
 import numpy as np
 
 from jckpt import adapters, api
+from jckpt.api import targets
 from jckpt.api.context import Context
 from jckpt.errors import (
     CheckpointError,
     FormatError,
     InputError,
-    MismatchError,
     MissingEntryError,
     StorageError,
+    TargetError,
 )
+from jckpt.format.entries import entry_for
 from jckpt.format.limits import json_loads
 from jckpt.format.names import (
     METRICS_KEY,
@@ -318,7 +320,8 @@ def _read_model(path: str, file: str, record: Mapping[str, Any], options: Checkp
 
 def _fill(ctx: Context, target: Any, model: Any, file: str, step: int, cast: bool,
           namespace: str) -> Any:
-    """`target`'s structure filled from the model subtree read (shapes, dtypes, placement)."""
+    """`target`'s structure filled from the model subtree read, by `restore`'s own rules
+    (`jckpt.api.targets`: shapes, dtypes, weak types, PRNG keys), then placed."""
     stored = {}
     for p, array in tree_mod.flatten(model):
         stored[p] = stored[tree_mod.loose_path(p)] = np.asarray(array)
@@ -330,16 +333,11 @@ def _fill(ctx: Context, target: Any, model: Any, file: str, step: int, cast: boo
         if array is None:
             raise MissingEntryError(f"step {step}: the model has no leaf {where}", file=file,
                                     entry=where, fix="the target must have the saved model's structure")
-        shape, dtype = tuple(np.shape(leaf)), np.dtype(getattr(leaf, 'dtype', array.dtype))
-        if array.shape != shape:
-            raise MismatchError(f"step {step}: {where} is {list(array.shape)}, the target "
-                                f"{list(shape)}", file=file, entry=where)
-        if array.dtype != dtype:
-            if not cast:
-                raise MismatchError(f"step {step}: {where} is {array.dtype}, the target {dtype}",
-                                    file=file, entry=where, fix="pass cast=True to convert")
-            array = array.astype(dtype)
-        requests.append((array, leaf, where, None))
+        entry = entry_for(namespace, p, array.dtype, array.shape, id=0)
+        try:
+            requests.append(targets.take(ctx, entry, array, leaf, file, where, cast=cast))
+        except TargetError as e:
+            raise type(e)(f"step {step}: {e.message}", file=file, entry=where, fix=e.fix) from None
     values = placement.place_all(requests, host=ctx.host, device=ctx.device, file=file)
     return jax.tree_util.tree_unflatten(treedef, values)
 

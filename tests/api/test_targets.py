@@ -73,3 +73,19 @@ def test_a_weak_target_refuses_an_overflow(stored, target):
     with pytest.raises(jckpt.MismatchError, match="does not fit the target's weakly typed"):
         targets.as_stored_for(np.asarray(stored), entry(stored.dtype, ()), weak, weak.dtype, "f",
                               "w", cast=False)
+
+def test_take_applies_restores_rules_to_an_array_already_read():
+    """What a foreign-format manager step uses: plain key data into a key target becomes keys,
+    a weak target takes the 64-bit value, another dtype is refused unless cast."""
+    from jckpt.api.targets import take
+    ctx = jckpt.Context()
+    data = np.asarray(jax.random.key_data(jax.random.key(1)))
+    e = entry_for('jckpt', (('k', 'rng'),), data.dtype, data.shape, id=0)
+    array, leaf, where, impl = take(ctx, e, data, jax.random.key(0), 'f.npz', 'jckpt/rng', cast=False)
+    assert impl == str(jax.random.key_impl(leaf)) and where == 'jckpt/rng' and array is data
+    step = np.int64(7)
+    e = entry_for('jckpt', (('k', 'step'),), step.dtype, (), id=0)
+    weak = jax.eval_shape(lambda: 0)
+    assert take(ctx, e, step, weak, 'f.npz', 'jckpt/step', cast=False)[0].dtype == np.int32
+    with pytest.raises(jckpt.MismatchError, match="dtype mismatch"):
+        take(ctx, e, step, jnp.zeros((), jnp.int32), 'f.npz', 'jckpt/step', cast=False)

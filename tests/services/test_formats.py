@@ -407,3 +407,26 @@ def test_step_directories_carry_the_lineage_and_the_lease(tmp_path):
 def test_a_format_that_writes_a_directory_is_refused_up_front():
     with pytest.raises(jckpt.InputError, match="writes a directory"):
         jckpt.CheckpointOptions(format="orbax")
+
+
+@pytest.mark.parametrize('fmt', ['npz', 'safetensors', 'torch'])
+def test_a_foreign_step_restores_by_restores_own_rules(tmp_path, fmt):
+    """Typed PRNG keys (an NNX state with Rngs) come back as keys, and a weakly typed target
+    (a Linen TrainState's `step=0` under jax.eval_shape) takes the stored 64-bit integer,
+    as they do from a jckpt step."""
+    import jax
+    import jax.numpy as jnp
+    tree = {'k': jax.random.key(3), 'step': 7, 'w': jnp.arange(3.0)}
+    target = jax.eval_shape(lambda: {'k': jax.random.key(0), 'step': 0, 'w': jnp.zeros(3)})
+    assert target['step'].weak_type
+    with jckpt.CheckpointManager(tmp_path, options=CheckpointOptions(format=fmt)) as mgr:
+        mgr.save(1, tree)
+        mgr.wait_durable()
+        got = mgr.restore(target=target).tree
+        assert jax.random.key_impl(got['k']) == jax.random.key_impl(tree['k'])
+        assert (jax.random.key_data(got['k']) == jax.random.key_data(tree['k'])).all()
+        assert int(got['step']) == 7 and (got['w'] == tree['w']).all()
+        with pytest.raises(MismatchError, match=r"step 1: the file holds plain uint32\[2\] data"):
+            mgr.restore(target={**target, 'k': jax.random.key(0, impl='rbg')})
+        with pytest.raises(MismatchError, match="step 1: dtype mismatch"):
+            mgr.restore(target={**target, 'w': jnp.zeros(3, jnp.int32)})
