@@ -215,9 +215,8 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
         _check_present(reader.header, [ns for ns, _, _ in parts], path)
     requests = _requests(ctx, reader, parts, path, cast=cast, mmap=mmap, verify=verify)
     values = placement.place_all(requests, host=ctx.host, device=ctx.device, file=path)
-    if namespaces is None:
-        return jax.tree_util.tree_unflatten(parts[0][2], values)
-    return _rebuild(parts, values)
+    return jax.tree_util.tree_unflatten(parts[0][2], values) if namespaces is None \
+        else _rebuild(parts, values)
 
 
 def _requests(ctx: Context, reader: Any, parts: Sequence[tuple[str, list, Any]], path: str, *,

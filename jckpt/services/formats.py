@@ -342,13 +342,14 @@ def _fill(ctx: Context, target: Any, model: Any, file: str, step: int, cast: boo
     return jax.tree_util.tree_unflatten(treedef, values)
 
 
-def load_step(ctx: Context, path: str, step: int, target: Any, *,
-              namespaces: Sequence[str] | None, cast: bool, options: CheckpointLoadOptions) -> Any:
+def load_step(ctx: Context, path: str, step: int, target: Any, *, namespaces: Sequence[str] | None,
+              cast: bool, options: CheckpointLoadOptions, verify: bool = True) -> Any:
     """Read a step directory as `CheckpointManager.restore` does for a step file.
 
     Without a target and namespaces: `{namespace: subtree}` of the model and
     (when loaded) the optimizer's namespaces. With a target alone: the
     `ctx.namespace` tree. With `namespaces`: `{namespace: subtree}` of those.
+    `verify` checks the payloads of `optimizer.jckpt` (foreign model files carry no checksums).
     """
     record = read_record(path, step)
     model_ns, optimizer = record['model_namespace'], record.get('optimizer')
@@ -359,7 +360,7 @@ def load_step(ctx: Context, path: str, step: int, target: Any, *,
         namespaces = [ctx.namespace]  # the target is another namespace than the model's
         target = {ctx.namespace: target}
         return load_step(ctx, path, step, target, namespaces=namespaces, cast=cast,
-                         options=options)[ctx.namespace]
+                         options=options, verify=verify)[ctx.namespace]
     names = ([ctx.namespace] if target is not None and namespaces is None
              else None if namespaces is None else list(namespaces))
     rest = [n for n in names or [] if n != model_ns]
@@ -375,16 +376,17 @@ def load_step(ctx: Context, path: str, step: int, target: Any, *,
         part = None if target is None else (target if namespaces is None else target[model_ns])
         out[model_ns] = model if part is None else _fill(ctx, part, model, file, step, cast, model_ns)
     if with_opt and (names is None or rest):
-        out.update(_load_optimizer(ctx, opt_file, target, rest if names else None, cast))
+        out.update(_load_optimizer(ctx, opt_file, target, rest if names else None, cast, verify))
     return out[model_ns] if target is not None and namespaces is None else out
 
 
 def _load_optimizer(ctx: Context, file: str, target: Any, names: Sequence[str] | None,
-                    cast: bool) -> dict[str, Any]:
+                    cast: bool, verify: bool) -> dict[str, Any]:
     if target is None:
-        return api.load(ctx, file, namespaces=names)[1] if names else api.load(ctx, file)[1]
+        return api.load(ctx, file, namespaces=names or None, verify=verify)[1]
     if isinstance(target, Mapping) and names and set(names) <= set(target):
-        return api.restore(ctx, {n: target[n] for n in names}, file, cast=cast, namespaces=names)
+        return api.restore(ctx, {n: target[n] for n in names}, file, cast=cast, namespaces=names,
+                           verify=verify)
     raise InputError("with namespaces, the target must be {namespace: subtree}", file=file)
 
 

@@ -424,7 +424,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
                 namespaces: Sequence[str] | None = None,
                 layout: TrainerState | tuple[int, int, int] | None = None,
                 reshard: bool = True, ctx: Context | None = None, cast: bool = False,
-                options: CheckpointLoadOptions | None = None) -> Restored:
+                options: CheckpointLoadOptions | None = None, verify: bool = True) -> Restored:
         """Read `step` (default: the latest durable one).
 
         Args:
@@ -443,6 +443,8 @@ class CheckpointManager(BackgroundWriter[_Step]):
           cast: convert to the target's dtypes instead of refusing a mismatch.
           options: overrides the manager's `CheckpointLoadOptions`
             for a step directory (a model loader; the model without the optimizer).
+          verify: check every payload read against its checksum (`ChecksumError`
+            on damage): a resume is rare, and damage must not train on silently.
 
         Example:
             ```python
@@ -467,11 +469,11 @@ class CheckpointManager(BackgroundWriter[_Step]):
             if layout is not None:
                 state = state.check_layout(layout, reshard=reshard, file=path)
         options = steps.checked(options, CheckpointLoadOptions, 'options', self.load_options)
-        tree = steps.read_tree(ctx, path, step, target, namespaces, cast, options)
+        check_flag(verify, 'verify', self.directory, optional=False)
+        tree = steps.read_tree(ctx, path, step, target, namespaces, cast, options, verify)
         user = {k: v for k, v in meta.items() if not k.startswith('jckpt.')}
         return Restored(step=step, tree=tree, trainer_state=state,
                         metrics=steps.parse_metrics(meta.get(METRICS_KEY), path), metadata=user)
-
 
     # --- preemption ------------------------------------------------------------
 

@@ -47,17 +47,15 @@ def read_metadata(path: str, step: int | None = None) -> dict[str, str]:
     return api.describe(path).metadata_dict()
 
 
-def read_tree(ctx: Context, path: str, step: int, target: Any,
-              namespaces: Sequence[str] | None, cast: bool, options: CheckpointLoadOptions) -> Any:
+def read_tree(ctx: Context, path: str, step: int, target: Any, namespaces: Sequence[str] | None,
+              cast: bool, options: CheckpointLoadOptions, verify: bool = True) -> Any:
     """The arrays of a step, a jckpt file or directory or a step directory, as restore returns them."""
     if formats.is_step_directory(path):
         return formats.load_step(ctx, path, step, target, namespaces=namespaces, cast=cast,
-                                 options=options)
-    if namespaces is None:
-        return (api.load(ctx, path)[1] if target is None
-                else api.restore(ctx, target, path, cast=cast))
-    return (api.load(ctx, path, namespaces=namespaces)[1] if target is None
-            else api.restore(ctx, target, path, cast=cast, namespaces=namespaces))
+                                 options=options, verify=verify)
+    if target is None:
+        return api.load(ctx, path, namespaces=namespaces, verify=verify)[1]
+    return api.restore(ctx, target, path, cast=cast, namespaces=namespaces, verify=verify)
 
 
 def parse_metrics(text: str | None, path: str) -> dict[str, float]:

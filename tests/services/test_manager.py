@@ -318,3 +318,26 @@ def test_a_single_process_manager_refuses_a_directory_a_multi_process_run_writes
         mgr.save(1, {"w": np.ones(2)})
     assert steps.leases(str(tmp_path), 1, 2) == (str(tmp_path / ".process00001"),
                                                  [str(tmp_path / ".jckpt-lease")])
+
+
+@pytest.mark.parametrize('fmt', ['jckpt', 'npz'])
+def test_restore_verifies_what_it_reads_by_default(tmp_path, fmt):
+    """A resume from silently damaged optimizer moments is what checksums are for: the manager
+    checks every payload it reads (its mapping is not trusted), unless told not to."""
+    opts = jckpt.CheckpointOptions(format=fmt)
+    with jckpt.CheckpointManager(tmp_path, options=opts) as mgr:
+        mgr.save(1, items={'model': {'w': np.zeros(4)}, 'opt': {'m': np.zeros(4)}})
+        mgr.wait_durable()
+    step = tmp_path / 'step_00000001.jckpt'
+    damaged = step if fmt == 'jckpt' else step / 'optimizer.jckpt'
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    with jckpt.CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(jckpt.ChecksumError, match="opt/m"):
+            mgr.restore()
+        with pytest.raises(jckpt.ChecksumError):
+            mgr.restore(target={'m': np.zeros(4)}, ctx=jckpt.Context(namespace='opt'))
+        assert mgr.restore(verify=False).tree['opt']['m'][-1] != 0  # asked for: read as it is
+        with pytest.raises(jckpt.InputError, match="verify must be True or False"):
+            mgr.restore(verify=None)
