@@ -137,6 +137,10 @@ class Slot:
           and reused from snapshot to snapshot (no page faults after the first).
         """
         named = [(tree_mod.leaf_name(namespace, path), leaf) for namespace, path, leaf in leaves]
+        with to_host.naming_unusable(lambda: named):
+            return self._take(leaves, named)
+
+    def _take(self, leaves: Sequence[Leaf], named: list[tuple[str, Any]]) -> Snapshot:
         devices = [i for i, (_, leaf) in enumerate(named) if image.imageable(leaf)]
         if devices and not image.has_room([named[i][1] for i in devices], self.image_limit):
             log.info("jckpt: no device room for a snapshot image: copying to host at submit")

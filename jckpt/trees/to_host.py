@@ -17,15 +17,16 @@ accelerator is built. The way back, host to device, is
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-from jckpt.errors import InputError
+from jckpt.errors import CheckpointError, InputError
 from jckpt.format import precs
 from jckpt.format.fastpath import accelerator
 from jckpt.trees import facts, transfers
@@ -146,20 +147,63 @@ def host_leaves(leaves: Iterable[tuple[Any, Any]], *, namespace: str | None = No
     staged: list[HostLeaf] = []
     finish = []  # the leaves staged in Python: a transfer to await, or a copy to make
     i = 0
-    while True:
-        i = _stage_plain(leaves, i, staged) if fetch else i
-        if i == len(leaves):
-            break
-        where, leaf = leaves[i]
-        name = where if namespace is None else leaf_name(namespace, where)
-        finish.append(len(staged))
-        staged.append(_stage(name, leaf, pieces=pieces, spread=spread, fetch=fetch,
-                             snapshot=snapshot))
-        i += 1
-    _start_whole(staged, finish, snapshot)
+    with naming_unusable(lambda: ((w if namespace is None else leaf_name(namespace, w), x)
+                                  for w, x in leaves)):
+        while True:
+            i = _stage_plain(leaves, i, staged) if fetch else i
+            if i == len(leaves):
+                break
+            where, leaf = leaves[i]
+            name = where if namespace is None else leaf_name(namespace, where)
+            finish.append(len(staged))
+            staged.append(_stage(name, leaf, pieces=pieces, spread=spread, fetch=fetch,
+                                 snapshot=snapshot))
+            i += 1
+        _start_whole(staged, finish, snapshot)
     for k in range(len(staged)) if copy else finish:
         staged[k] = _finish(staged[k], copy)
     return staged
+
+
+@contextlib.contextmanager
+def naming_unusable(named: Callable[[], Iterable[tuple[str, Any]]]) -> Iterator[None]:
+    """Turn what JAX raises for a leaf no snapshot can read into an `InputError` naming it.
+
+    A tracer (a save inside `jax.jit`) and an array whose buffer was donated raise
+    JAX's own errors deep inside a snapshot; only after such a failure are the
+    `named()` leaves, `(name, leaf)`, searched for the culprit, so a snapshot
+    that succeeds pays nothing.
+    """
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as e:
+        found = unusable_leaf(named())
+        if found is None:
+            raise
+        raise found from e
+
+
+def unusable_leaf(named: Iterable[tuple[str, Any]]) -> InputError | None:
+    """The error for the first leaf that cannot be read: a tracer or a deleted array; or None.
+
+    >>> unusable_leaf([('ns/w', np.ones(2))]) is None
+    True
+    """
+    for where, leaf in named:
+        if isinstance(leaf, jax.core.Tracer):
+            return InputError("the leaf is a tracer: a checkpoint was taken inside jax.jit or "
+                              "another transformation", entry=where,
+                              fix="save outside the jitted function: return the state from the "
+                                  "step and save what it returned")
+        deleted = getattr(leaf, 'is_deleted', None)
+        if isinstance(leaf, jax.Array) and deleted is not None and deleted():
+            return InputError("the array has been deleted (its buffer was donated to a jitted "
+                              "step, or deleted)", entry=where,
+                              fix="save the state the step returned, or save before the step "
+                                  "that donates these buffers")
+    return None
 
 
 #: The `jax.Array` types met so far (`_stage` records them): their CPU arrays are staged in C.

@@ -254,3 +254,31 @@ def test_copy_all_copies_every_pair_whatever_its_layout(monkeypatch, accelerated
         assert np.array_equal(t, s)
     if accelerated and snapshot.accelerator is not None:
         assert left == [3, 4, 5]  # what C leaves to numpy: strided, bfloat16, big-endian
+
+
+@pytest.mark.parametrize('size', [8, 1 << 16])  # copied to host, or imaged on the device
+def test_a_donated_or_traced_leaf_is_named_by_submit_and_save(tmp_path, size):
+    """Donation before the snapshot (not after: that is safe) and a save inside jax.jit are
+    user mistakes: an InputError naming the leaf, nothing queued, the writer still usable."""
+    x = jnp.arange(float(size))
+    jax.jit(lambda a: a + 1, donate_argnums=0)(x)
+    with jckpt.Mirror(tmp_path / 'm.jckpt') as mirror, \
+            jckpt.CheckpointManager(tmp_path / 'run') as mgr:
+        for call in (lambda: mirror.submit({'ok': np.ones(2), 'w': x}),
+                     lambda: mgr.save(1, {'w': x})):
+            with pytest.raises(InputError, match="has been deleted") as e:
+                call()
+            assert e.value.entry == 'jckpt/w'
+        seen = []
+
+        def step(a):
+            with pytest.raises(InputError, match="is a tracer") as e:
+                mirror.submit({'w': a})
+            seen.append(e.value.entry)
+            return a
+
+        jax.jit(step)(jnp.ones(size))
+        assert seen == ['jckpt/w'] and mirror.counters.committed == 0
+        mirror.submit({'w': jnp.ones(size)})
+        mgr.save(1, {'w': jnp.ones(size)})
+    assert mirror.counters.durable == 1 and mgr.all_steps() == [1]

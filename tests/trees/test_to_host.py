@@ -170,3 +170,46 @@ def test_key_paths_under_a_namespace_are_named_in_refusals():
     with pytest.raises(InputError, match="cannot be stored") as info:
         to_host.host_leaves([ok, bad], namespace="ns")
     assert info.value.entry == "ns/params/1"
+
+
+def donated(n=8):
+    """A jax array whose buffer a jitted step took (donate_argnums)."""
+    x = jnp.arange(float(n))
+    jax.jit(lambda a: a * 2, donate_argnums=0)(x)
+    return x
+
+
+def test_a_donated_array_is_named_not_a_bare_runtime_error():
+    x = donated()
+    assert x.is_deleted()
+    key = jax.random.key(0)
+    jax.jit(lambda k: jax.random.fold_in(k, 1), donate_argnums=0)(key)
+    for leaf in (x, key):
+        with pytest.raises(InputError, match="has been deleted") as e:
+            to_host.host_leaves([('ns/ok', np.ones(2)), ('ns/w', leaf)])
+        assert e.value.entry == 'ns/w' and 'the state the step returned' in e.value.fix
+    with pytest.raises(InputError, match="has been deleted") as e:  # key paths, named on demand
+        to_host.host_leaves([((('k', 'w'),), x)], namespace='ns', snapshot=True)
+    assert e.value.entry == 'ns/w'
+
+
+def test_a_tracer_is_named_not_a_bare_attribute_error():
+    seen = []
+
+    def step(a):
+        with pytest.raises(InputError, match="is a tracer") as e:
+            to_host.host_leaves([('ns/w', a)])
+        seen.append(e.value)
+        return a
+
+    jax.jit(step)(jnp.ones(3))
+    assert seen[0].entry == 'ns/w' and 'outside the jitted function' in seen[0].fix
+
+
+def test_other_failures_pass_through_and_live_leaves_are_not_blamed():
+    assert to_host.unusable_leaf([('a', np.ones(2)), ('b', jnp.ones(2)), ('c', 3)]) is None
+    with pytest.raises(ZeroDivisionError):
+        with to_host.naming_unusable(lambda: [('a', jnp.ones(2))]):
+            1 / 0  # noqa: B018
+    with pytest.raises(InputError, match="not an array"):  # a CheckpointError stays itself
+        to_host.host_leaves([('ns/s', 'text'), ('ns/w', donated())])
