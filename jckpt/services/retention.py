@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
+import reprlib
 from collections.abc import Mapping
+
+import numpy as np
 
 from jckpt.errors import InputError
 
@@ -83,10 +87,22 @@ class Retention:
 
 
 def check_step(step: object, where: str) -> int:
-    """`step` if it is a non-negative integer; an `InputError` otherwise."""
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise InputError(f"step must be a non-negative integer, not {step!r}", file=where)
-    return step
+    """`step` as an `int` when it is a non-negative integer (a numpy or a 0-d JAX integer
+    too: `operator.index` takes it); an `InputError` otherwise.
+
+    >>> check_step(np.int64(20), 'run')
+    20
+    """
+    if not isinstance(step, (bool, np.bool_)):
+        try:
+            value = operator.index(step)  # type: ignore[arg-type]
+        except TypeError:
+            value = -1
+        if value >= 0:
+            return value
+    raise InputError(f"step must be a non-negative integer, not {type(step).__name__} "
+                     f"{reprlib.repr(step):.80}", file=where,
+                     fix="pass the step number first: mgr.save(step, tree), mgr.restore(step)")
 
 
 def check_metrics(metrics: Mapping[str, float] | None, where: str) -> dict[str, float]:

@@ -3,6 +3,7 @@
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 
 from jckpt.errors import InputError
@@ -141,10 +142,21 @@ def test_check_metrics_refuses_what_is_not_a_number(value):
 
 
 def test_check_step_takes_non_negative_integers_only():
+    import jax.numpy as jnp
     assert check_step(0, "run") == 0 and check_step(7, "run") == 7
-    for bad in (-1, "1", 1.0, True, None):
+    for ok in (np.int64(60), np.uint8(3), jnp.int32(5)):  # a loop counter from numpy or JAX
+        assert check_step(ok, "run") == int(ok) and type(check_step(ok, "run")) is int
+    for bad in (-1, "1", 1.0, True, None, np.bool_(True), np.int64(-2), np.float32(1), jnp.ones(2)):
         with pytest.raises(InputError, match="step must be a non-negative integer"):
             check_step(bad, "run")
+
+
+def test_a_tree_given_as_the_step_is_not_printed_whole():
+    tree = {f"layer_{i}": np.zeros(1000) for i in range(50)}
+    with pytest.raises(InputError) as e:
+        check_step(tree, "run")
+    assert len(str(e.value)) < 300 and "dict" in e.value.message
+    assert "save(step, tree)" in e.value.fix
 
 
 def test_check_metrics_refuses_what_is_not_a_mapping():
