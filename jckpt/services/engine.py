@@ -370,9 +370,17 @@ class Pipeline(Generic[InfoT, StagedT]):
             return True
 
     def close(self, timeout: float | None = None) -> None:
-        """Make everything durable, stop the writer; raise what could not be persisted."""
+        """Make everything durable, stop the writer; raise what could not be persisted.
+
+        After `patience` failures, one more attempt is made at once before giving up (the
+        disk may have been freed since), so nothing admitted is dropped that could be written.
+        """
         if self._closed:
             return
+        with self._cond:
+            if self._given_up() is not None:  # one attempt more, now: the disk may have room again
+                self._streak = self.patience - 1
+                self._cond.notify_all()  # wakes the writer from its wait between attempts
         try:
             if not self.wait(timeout):
                 n = self.counters().pending

@@ -227,6 +227,22 @@ def test_a_dropped_last_snapshot_does_not_leave_wait_waiting():
     p.close()
 
 
+def test_close_tries_once_more_at_once_before_giving_up():
+    """The disk filled, the writer gave up, then room was made: close writes what was
+    admitted (at once, not after retry_after) instead of raising the stale error."""
+    fake = Fake()
+    fake.fail_publish = OSError(errno.ENOSPC, "No space left on device")
+    p = Pipeline("last-try", fake, retry_after=600, patience=1)  # the writer sleeps 600 s
+    p.admit(leaves(1), {})
+    with pytest.raises(OSError, match="No space"):
+        p.wait()
+    fake.fail_publish = None
+    start = time.monotonic()
+    p.close(timeout=60)
+    assert fake.published() == [1] and time.monotonic() - start < 30
+    assert p.counters().durable == 1 and p.counters().error == 0
+
+
 def test_run_now_waits_for_what_was_admitted_and_counts():
     fake = Fake()
     fake.staged_generation = fake.published_generation = 5   # generation 5 is on disk
