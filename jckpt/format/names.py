@@ -96,6 +96,9 @@ def step_name(step: int) -> str:
 STAGE_TAG = '.jckpt-stage.'
 #: A staging directory of a directory checkpoint being published.
 STAGE_DIR_TAG = '.jckpt-stage-dir.'
+#: A directory checkpoint set aside while its replacement is renamed in, where the
+#: filesystem cannot swap two paths: ``<target>.jckpt-old.<random>``.
+OLD_DIR_TAG = '.jckpt-old.'
 #: A staged generation of a mirror: ``.<target>.jckpt-next.<seq>``, published in order.
 NEXT_TAG = '.jckpt-next.'
 #: The writer lease beside a path: ``<target>.jckpt-lease``.

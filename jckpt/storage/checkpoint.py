@@ -26,7 +26,7 @@ from typing import Any
 from jckpt.errors import FormatError
 from jckpt.format.names import INDEX_NAME
 from jckpt.storage.backend import LOCAL, backend_for, checked_path
-from jckpt.storage.directory import NO_INDEX, DirectoryReader
+from jckpt.storage.directory import NO_INDEX, DirectoryReader, set_aside
 from jckpt.storage.object_store import MISSING_OBJECT
 from jckpt.storage.reader import CheckpointReader
 
@@ -109,6 +109,9 @@ def open_checkpoint(path: str | os.PathLike) -> Any:
                 raise
             return fmt.open(path)
     if not backend.isdir(path):
+        aside = set_aside(path) if not os.path.lexists(path) else []
+        if aside:  # a save killed between renaming the old checkpoint aside and the new one in
+            return open_checkpoint(aside[-1])
         return backend.open(path)
     if not os.path.exists(os.path.join(path, INDEX_NAME)):
         fmt = directory_format(path)

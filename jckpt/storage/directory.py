@@ -20,10 +20,12 @@ overlapping the boxes asked of it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import functools
 import itertools
+import logging
 import operator
 import os
 import re
@@ -42,6 +44,7 @@ from jckpt.format.index import IndexedArray, global_entry, index_header, parse_i
 from jckpt.format.names import (
     DIRECTORY_LOCK_NAME,
     INDEX_NAME,
+    OLD_DIR_TAG,
     SAVE_KEY,
     STAGE_DIR_TAG,
     piece_name,
@@ -54,6 +57,8 @@ from jckpt.storage.publish import STALE_AFTER, fsync_dir, storage_error
 from jckpt.storage.reader import CheckpointReader
 from jckpt.storage.writer import write_checkpoint
 from jckpt.version import __version__
+
+log = logging.getLogger('jckpt')
 
 # --- staging ------------------------------------------------------------------------------------
 
@@ -113,9 +118,11 @@ def reclaim_stage_dirs(path: str | os.PathLike, *, stale_after: float = STALE_AF
     A staging directory is reclaimed when its lock file is missing (its
     writer died before creating it: a live save holds it until the directory
     is renamed) or free (the writer died), or when it is older than
-    `stale_after` seconds (for filesystems without `flock`).
+    `stale_after` seconds (for filesystems without `flock`). First, a
+    checkpoint that a killed save had set aside is put back (`recover_set_aside`).
     """
     path = os.fspath(path)
+    recover_set_aside(path)
     parent = os.path.dirname(path) or '.'
     pattern = re.compile(re.escape(os.path.basename(path)) + re.escape(STAGE_DIR_TAG)
                          + r'[0-9a-f]{16}\Z')
@@ -136,6 +143,34 @@ def reclaim_stage_dirs(path: str | os.PathLike, *, stale_after: float = STALE_AF
             LOCAL.remove(stage)
             removed.append(stage)
     return removed
+
+
+def set_aside(path: str) -> list[str]:
+    """The checkpoints of `path` that a save renamed aside (`OLD_DIR_TAG`), newest last."""
+    parent, base = os.path.dirname(path) or '.', os.path.basename(path)
+    pattern = re.compile(re.escape(base) + re.escape(OLD_DIR_TAG) + r'[0-9a-f]{16}\Z')
+    try:
+        names = [n for n in LOCAL.list(parent) if pattern.match(n)]
+    except StorageError:
+        return []
+    found = []
+    for name in names:
+        with contextlib.suppress(OSError):
+            found.append((os.lstat(os.path.join(parent, name)).st_mtime_ns, name))
+    return [os.path.join(parent, name) for _, name in sorted(found)]
+
+
+def recover_set_aside(path: str) -> None:
+    """Put back the checkpoint a save set aside and then died before renaming its replacement
+    in (on a filesystem that cannot swap two paths); remove what is aside beside a checkpoint."""
+    for aside in set_aside(path):
+        try:
+            if os.path.lexists(path):
+                LOCAL.remove(aside)
+            else:
+                os.rename(aside, path)
+        except OSError as e:
+            log.warning("jckpt: could not recover %s: %s", aside, e)
 
 
 # --- publishing ---------------------------------------------------------------------------------
@@ -165,7 +200,9 @@ def publish_directory(stage: str, path: str, *, durable: bool = True) -> None:
 
     An existing checkpoint (file or directory) at `path` is swapped out in
     the same step (`renameat2(RENAME_EXCHANGE)`) and then removed; where the
-    filesystem cannot swap, it is renamed aside first.
+    filesystem cannot swap, it is renamed aside first, and a save killed between
+    the two renames leaves it there: the next save of `path` puts it back
+    (`reclaim_stage_dirs`) and readers find it meanwhile (`open_checkpoint`).
     """
     try:
         if durable:
@@ -175,7 +212,7 @@ def publish_directory(stage: str, path: str, *, durable: bool = True) -> None:
         elif _exchange(stage, path):
             LOCAL.remove(stage)
         else:
-            aside = f"{path}.jckpt-old.{secrets.token_hex(8)}"
+            aside = f"{path}{OLD_DIR_TAG}{secrets.token_hex(8)}"
             os.rename(path, aside)
             os.rename(stage, path)
             LOCAL.remove(aside)

@@ -30,6 +30,7 @@ from jckpt.errors import CheckpointError, FormatError
 from jckpt.format.header import looks_like_header
 from jckpt.format.names import INDEX_NAME, PIECE_RE, STEP_RE, TRAINER_STATE_NAME
 from jckpt.storage.backend import LOCAL, backend_for, checked_path
+from jckpt.storage.directory import set_aside
 from jckpt.storage.publish import storage_error
 from jckpt.storage.reader import CheckpointReader
 from jckpt.storage.regular import open_regular, special_name
@@ -113,7 +114,8 @@ def classify(path: str | os.PathLike) -> Kind:
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
-        return Kind(MISSING, path, error=missing_error(path))
+        aside = set_aside(path)  # a save killed between renaming the old one aside and the new in
+        return classify(aside[-1]) if aside else Kind(MISSING, path, error=missing_error(path))
     except OSError as e:
         raise storage_error(e, "reading", path) from e
     if stat.S_ISDIR(mode):

@@ -216,6 +216,57 @@ def test_publish_replaces_what_was_there(tmp_path, monkeypatch, exchange, old):
     assert os.listdir(tmp_path) == ["ckpt"]
 
 
+class Killed(BaseException):
+    """What a SIGKILL leaves: nothing after this point runs, no OSError handler sees it."""
+
+
+@pytest.mark.parametrize("old", ["directory", "file"])
+def test_a_save_killed_between_setting_aside_and_renaming_in_loses_nothing(tmp_path, monkeypatch,
+                                                                          old):
+    """Without RENAME_EXCHANGE the old checkpoint is renamed aside, then the new one in: a kill
+    between the two left no checkpoint at the path for good. Readers now find the one set
+    aside, and the next save of the path puts it back before publishing."""
+    path = tmp_path / "ckpt"
+    ctx = jckpt.Context()
+    if old == "directory":
+        save_by_hand(path, {"step": "1"})
+    else:
+        jckpt.save(ctx, {"w": np.arange(4.0)}, path, metadata={"step": "1"})
+    monkeypatch.setattr(dr, "_exchange", lambda a, b: False)
+    real_rename = os.rename
+
+    def rename_then_die(a, b):
+        real_rename(a, b)
+        if dr.OLD_DIR_TAG in os.fspath(b):
+            raise Killed
+
+    monkeypatch.setattr(dr.os, "rename", rename_then_die)
+    with pytest.raises(Killed):
+        save_by_hand(path, {"step": "2"})
+    monkeypatch.setattr(dr.os, "rename", real_rename)
+    assert not path.exists() and len(dr.set_aside(str(path))) == 1
+    assert dict(open_checkpoint(path).header.metadata)["step"] == "1"  # readers find it
+    assert jckpt.describe(path).metadata and jckpt.load(ctx, path)[1]
+    assert subprocess.run([sys.executable, "-m", "jckpt", "verify", str(path)],
+                          capture_output=True).returncode == 0  # and so do the tools
+    dr.reclaim_stage_dirs(str(path))  # what the next save of the path does first
+    assert path.exists() and not dr.set_aside(str(path))
+    assert dict(open_checkpoint(path).header.metadata)["step"] == "1"
+    save_by_hand(path, {"step": "3"})
+    assert dict(open_checkpoint(path).header.metadata)["step"] == "3"
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_what_was_set_aside_beside_a_checkpoint_is_removed(tmp_path):
+    path = tmp_path / "ckpt"
+    save_by_hand(path)
+    stray = tmp_path / f"ckpt{dr.OLD_DIR_TAG}{'a' * 16}"
+    stray.mkdir()
+    (tmp_path / f"other{dr.OLD_DIR_TAG}{'b' * 16}").mkdir()  # another path's: not ours
+    dr.reclaim_stage_dirs(str(path))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", f"other{dr.OLD_DIR_TAG}{'b' * 16}"]
+
+
 def test_reclaim_removes_only_abandoned_stages_of_the_path(tmp_path):
     path = str(tmp_path / "ckpt")
     dead, dead_lock = dr.make_stage(path)
