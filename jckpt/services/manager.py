@@ -45,12 +45,10 @@ from jckpt.api.context import Context, check_context, check_flag
 from jckpt.api.multiprocess import save_directory
 from jckpt.errors import CheckpointError, FormatError, InputError, StorageError
 from jckpt.format.names import (
-    INDEX_NAME,
     METRICS_KEY,
     STEP_KEY,
     STEP_RE,
     TRAINER_STATE_KEY,
-    TRAINER_STATE_NAME,
     step_name,
 )
 from jckpt.services import formats, steps
@@ -410,11 +408,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
                 self._metrics.pop(s, None)
             if self.process_index != 0:  # every process drops it; process 0 deletes it
                 continue
-            path = self._path(s)
-            if self.backend.isdir(path):  # the marker first: a half-deleted directory is no step
-                for marker in (INDEX_NAME, TRAINER_STATE_NAME):
-                    self.backend.remove(os.path.join(path, marker))
-            self.backend.remove(path)
+            steps.remove_step(self.backend, self._path(s))
         if doomed and self.ctx.durable and self.process_index == 0 and self.backend is LOCAL:
             fsync_dir(self.directory)
 

@@ -34,7 +34,7 @@ from jckpt.services.formats import CheckpointLoadOptions
 from jckpt.storage.backend import LOCAL, Backend
 from jckpt.storage.directory import reclaim_stage_dirs
 from jckpt.storage.lease import lease_path
-from jckpt.storage.publish import reclaim_staging
+from jckpt.storage.publish import reclaim_staging, storage_error
 from jckpt.storage.staging import remove_staged
 
 log = logging.getLogger('jckpt')
@@ -65,6 +65,28 @@ def parse_metrics(text: str | None, path: str) -> dict[str, float]:
         log.warning("jckpt: unreadable metrics in %s", path)
         return {}
     return metrics
+
+
+def remove_step(backend: Backend, path: str) -> None:
+    """Delete the step at `path` so that no moment shows a half-deleted step.
+
+    A local step directory is first renamed to a staging name (generation 0, which no
+    writer stages; `clean_staging` removes it should this process die), then deleted;
+    one in a bucket loses its markers (index, record) first, so what is left is no step.
+    """
+    if backend is LOCAL and os.path.isdir(path) and not os.path.islink(path):
+        doomed = f"{path}{NEXT_TAG}0"
+        formats.staging_remove(doomed)  # left by a deletion killed before it finished
+        try:
+            os.rename(path, doomed)
+        except OSError as e:
+            raise storage_error(e, "removing the step", path) from e
+        formats.staging_remove(doomed)
+        return
+    if backend.isdir(path):
+        for marker in (INDEX_NAME, TRAINER_STATE_NAME):
+            backend.remove(os.path.join(path, marker))
+    backend.remove(path)
 
 
 def clean_staging(backend: Backend, directory: str) -> None:

@@ -57,3 +57,45 @@ def test_checked_options():
     assert steps.checked(None, CheckpointOptions, 'options') == CheckpointOptions()
     with pytest.raises(InputError, match="options must be a CheckpointOptions, not dict"):
         steps.checked({}, CheckpointOptions, 'options')
+
+
+class Killed(BaseException):
+    """What a SIGKILL leaves: nothing after this point runs."""
+
+
+def test_a_step_directory_vanishes_at_once_when_retention_deletes_it(tmp_path, monkeypatch):
+    """Retention deleted a step directory's markers, then its files: a kill in between left a
+    half-deleted step that the tools reported as damage. It is renamed to a staging name
+    first; a kill after the rename leaves only that, which the next manager removes."""
+    import subprocess
+    import sys
+    opts = CheckpointOptions(format='safetensors')
+    with jckpt.CheckpointManager(tmp_path, options=opts) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {'w': np.arange(3.0) + step})
+    real = steps.formats.staging_remove
+
+    def die_once_renamed(path):
+        if os.path.exists(path):
+            raise Killed
+        real(path)
+
+    monkeypatch.setattr(steps.formats, 'staging_remove', die_once_renamed)
+    with pytest.raises(Killed):
+        steps.remove_step(backend_for(str(tmp_path)), str(tmp_path / 'step_00000001.jckpt'))
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ['step_00000001.jckpt.jckpt-next.0', 'step_00000002.jckpt']
+    verify = subprocess.run([sys.executable, '-m', 'jckpt', 'verify', str(tmp_path)],
+                            capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    with jckpt.CheckpointManager(tmp_path) as mgr:  # opening cleans the staging up
+        assert mgr.all_steps() == [2]
+    assert sorted(os.listdir(tmp_path)) == ['step_00000002.jckpt']
+
+
+def test_remove_step_removes_files_and_directories_whole(tmp_path):
+    with jckpt.CheckpointManager(tmp_path, keep_last=1) as mgr:
+        mgr.save(1, {'w': np.ones(2)})
+        mgr.save(2, {'w': np.ones(2)}, options=CheckpointOptions(format='npz'))
+        mgr.save(3, {'w': np.ones(2)})
+    assert sorted(os.listdir(tmp_path)) == ['step_00000003.jckpt']
