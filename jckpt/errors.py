@@ -53,6 +53,17 @@ class CheckpointError(Exception):
     def __reduce__(self):  # keep the keyword fields across pickling (multiprocessing)
         return (_rebuild, (type(self), self.message, self.file, self.entry, self.fix))
 
+    def published_as(self, staged: str, target: str) -> None:
+        """Name `target` where the error names a file under its staging name `staged`,
+        which is gone once the save failed: the path the user gave is what they look for.
+
+        >>> e = CheckpointError("disk full", file="run/ckpt.stage-1/piece")
+        >>> e.published_as("run/ckpt.stage-1", "run/ckpt"); e.file
+        'run/ckpt/piece'
+        """
+        if self.file is not None and staged and self.file.startswith(staged):
+            self.file = target + self.file[len(staged):]
+
 
 def _rebuild(cls, message, file, entry, fix):
     return cls(message, file=file, entry=entry, fix=fix)

@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jckpt.errors import DistributedError, InputError
+from jckpt.errors import CheckpointError, DistributedError, InputError
 from jckpt.format.boxes import Box, box_shape, coalesce, full_box, intersect
 from jckpt.format.entries import Entry, Header, KeyPath, entry_for
 from jckpt.format.layout import lay_out
@@ -378,9 +378,11 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
             rt.together('published', 'saw the checkpoint published', process, None if process else (
                 lambda: _publish(backend, stage, path, count, alignment,
                                  {**(metadata or {}), SAVE_KEY: save}, ctx.durable)))
-    except BaseException:
+    except BaseException as e:
         if process == 0:
             _discard(backend, stage)
+        if isinstance(e, CheckpointError) and stage.path:
+            e.published_as(stage.path, path)  # the staging directory is gone
         raise
     finally:
         if stage.lock_fd >= 0:

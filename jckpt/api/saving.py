@@ -155,6 +155,9 @@ def _holds_directory(path: str) -> bool:
     index = os.path.join(path, INDEX_NAME)
     backend = backend_for(path)
     if backend is LOCAL:
+        if os.path.isdir(path) and not os.path.isfile(index):  # refused before writing a byte
+            raise InputError("is a directory that holds no directory checkpoint", file=path,
+                             fix="save to a file path (inside it, perhaps), or remove it first")
         return os.path.isfile(index)
     try:
         return backend.exists(index)

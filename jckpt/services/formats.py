@@ -240,8 +240,7 @@ def stage_step(temporary: str, target: str, step: int, items: Sequence[HostLeaf]
                                   json.dumps(record, indent=2, sort_keys=True) + '\n')
     except CheckpointError as e:
         step_directory.remove_staged_dir(temporary)
-        if e.file is not None and e.file.startswith(temporary):  # name the step, not its staging
-            e.file = target + e.file[len(temporary):]
+        e.published_as(temporary, target)  # name the step, not its staging
         raise
     except BaseException:
         step_directory.remove_staged_dir(temporary)

@@ -58,6 +58,8 @@ _FIXES = {
     errno_mod.EROFS: "the filesystem is read-only; save elsewhere",
     errno_mod.EIO: "the device reported an I/O error; check the disk",
     errno_mod.ENOENT: "the directory does not exist; create it first",
+    errno_mod.EISDIR: "a directory is in the way at that path; remove it or save elsewhere",
+    errno_mod.ENOTDIR: "a part of the path is a file, not a directory; fix the path",
 }
 
 

@@ -6,6 +6,8 @@ a path it cannot label) goes through Python, so both give the same entries,
 sources and files for any tree.
 """
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -121,3 +123,32 @@ def test_files_are_byte_identical_with_and_without_c(monkeypatch, tmp_path, alig
     assert files[0] == files[1]
     back = jckpt.restore(jckpt.Context(host=True), tree, tmp_path / "True.jckpt")
     assert np.array_equal(back["small"][3], tree["small"][3]) and np.array_equal(back["be"], tree["be"])
+
+
+def test_a_directory_in_the_way_is_refused_before_anything_is_written(tmp_path):
+    """A save onto a plain directory wrote the whole staging file, then failed to rename it."""
+    target = tmp_path / "taken.jckpt"
+    target.mkdir()
+    (target / "notes.txt").write_text("mine")
+    for appending in (False, True):
+        with pytest.raises(jckpt.InputError, match="a directory that holds no directory checkpoint"):
+            jckpt.save(jckpt.Context(), {"w": np.ones(2)}, target, appending=appending)
+    assert sorted(os.listdir(tmp_path)) == ["taken.jckpt"] and os.listdir(target) == ["notes.txt"]
+
+
+def test_a_failed_directory_save_names_the_checkpoint_not_its_staging(tmp_path, monkeypatch):
+    import errno
+
+    from jckpt.api import multiprocess
+    from jckpt.storage.publish import storage_error
+
+    def full(where, *args):
+        raise storage_error(OSError(errno.ENOSPC, "No space left on device"), "writing",
+                            os.path.join(where, "process_00000.jckpt"))
+
+    monkeypatch.setattr(multiprocess, "_write_pieces", full)
+    path = tmp_path / "dir.jckpt"
+    with pytest.raises(jckpt.StorageError, match="No space") as e:
+        multiprocess.save_directory(jckpt.Context(), {"w": np.ones(2)}, path)
+    assert e.value.file == str(path / "process_00000.jckpt") and "free disk space" in e.value.fix
+    assert os.listdir(tmp_path) == []
