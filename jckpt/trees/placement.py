@@ -88,7 +88,19 @@ def place(array: np.ndarray, target: Any, *, host: bool, device: Any, where: str
     if not _x64_ok(array.dtype):
         _warn_x64(where)
         return np.asarray(array)
-    return put(array, placement if placement is not None else default_placement(device))
+    placed = put(array, placement if placement is not None else default_placement(device))
+    return _weakly_typed(placed) if getattr(target, 'weak_type', False) else placed
+
+
+def _weakly_typed(array: jax.Array) -> jax.Array:
+    """`array` weakly typed, as its target was (a Linen `TrainState`'s `step=0`): a strong
+    value where the traced function saw a weak one would compile the step function again.
+    JAX offers no public way; where its private one moved, the value stays strong."""
+    try:
+        from jax._src.lax.lax import _convert_element_type
+        return _convert_element_type(array, weak_type=True)
+    except (ImportError, TypeError):  # pragma: no cover - another JAX
+        return array
 
 
 #: XLA's CPU client uses host memory in place (no copy) only at this alignment.
@@ -102,10 +114,11 @@ def plain_target(array: Any, target: Any, *, host: bool, device: Any,
     """The one device (or one-device sharding) a plain `device_put` puts `array` on.
 
     `None` when `place` has more to do: keys, scalars, host results,
-    64-bit values without x64, multi-device shardings, lazily read pieces.
+    64-bit values without x64, weakly typed targets, multi-device shardings, lazily read pieces.
     """
     if key_impl is not None or not isinstance(array, np.ndarray) or (
-            isinstance(target, (*_PY_SCALARS, np.ndarray, np.generic))):
+            isinstance(target, (*_PY_SCALARS, np.ndarray, np.generic))) or (
+            getattr(target, 'weak_type', False)):
         return None
     if host and not isinstance(target, (jax.Array, jax.ShapeDtypeStruct)):
         return None

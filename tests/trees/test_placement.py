@@ -26,3 +26,24 @@ def test_damaged_key_data_is_a_format_error():
     with pytest.raises(FormatError, match="cannot rebuild PRNG keys"):
         placement.place(np.zeros(3, np.uint32), None, host=False, device=None, where="k",
                         key_impl="threefry2x32")
+
+
+def test_a_weakly_typed_target_comes_back_weakly_typed(tmp_path):
+    """A Linen TrainState's `step=0` (and an `lr=0.1`) are weak under jax.eval_shape; a strong
+    value restored there made every jitted step compile again after a resume."""
+    import jckpt
+    ctx = jckpt.Context()
+    live = jax.device_put({'step': jnp.asarray(7), 'lr': jnp.asarray(0.1), 'w': jnp.ones(3)},
+                          jax.devices()[0])
+    assert live['step'].weak_type and live['lr'].weak_type and not live['w'].weak_type
+    jckpt.save(ctx, live, tmp_path / 'w.jckpt')
+    target = jax.eval_shape(lambda: {'step': 0, 'lr': 0.1, 'w': jnp.ones(3)})
+    for into in (target, live):
+        got = jckpt.restore(ctx, into, tmp_path / 'w.jckpt')
+        assert {k: (v.dtype, v.weak_type) for k, v in got.items()} == {
+            k: (v.dtype, v.weak_type) for k, v in live.items()}
+        assert int(got['step']) == 7 and float(got['lr']) == np.float32(0.1)
+    step = jax.jit(lambda s: s['step'] + 1)
+    step(live)
+    step(got)
+    assert step._cache_size() == 1  # no second compilation
