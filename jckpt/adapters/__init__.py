@@ -45,6 +45,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jckpt.errors import FormatError, InputError
+from jckpt.format.names import STEP_RE, TRAINER_STATE_NAME
 from jckpt.storage.backend import backend_for, checked_path
 from jckpt.storage.checkpoint import register_directory_reader
 
@@ -191,6 +192,8 @@ def detect_format(path: PathLike) -> str:
     backend = backend_for(path)
     known = formats()
     head = None if backend.isdir(path) else backend.head(path, SNIFF_BYTES)
+    if head is None:
+        _refuse_manager(path, backend.list(path))
     for fmt in reversed(list(known.values())):
         if fmt.sniff is None:
             continue
@@ -203,6 +206,20 @@ def detect_format(path: PathLike) -> str:
     raise FormatError(f"{what} is in no format jckpt recognises", file=path,
                       fix=f"pass format= one of {sorted(n for n, f in known.items() if f.sniff)}, "
                           "or register_format() a reader for it")
+
+
+def _refuse_manager(path: str, names: list[str]) -> None:
+    """A checkpoint manager's directory, or one of its steps, is not one checkpoint of a format
+    (a step holding `model.safetensors` would convert as that file alone, its optimizer lost)."""
+    if TRAINER_STATE_NAME in names:
+        raise FormatError("is one step of a checkpoint manager (its model, optimizer and trainer "
+                          "state), not one checkpoint", file=path,
+                          fix="restore it with jckpt.CheckpointManager(directory).restore(step), or "
+                              "convert the one file of it that you want")
+    if any(STEP_RE.match(n) for n in names):
+        raise FormatError("is a checkpoint manager's directory, not one checkpoint", file=path,
+                          fix="convert one of its steps (a step_NNNNNNNN.jckpt file in it), or "
+                              "restore with jckpt.CheckpointManager(directory).restore()")
 
 
 def format_for_destination(path: PathLike) -> str | None:

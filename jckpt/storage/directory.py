@@ -47,6 +47,8 @@ from jckpt.format.names import (
     OLD_DIR_TAG,
     SAVE_KEY,
     STAGE_DIR_TAG,
+    STEP_RE,
+    TRAINER_STATE_NAME,
     piece_name,
     piece_tag,
 )
@@ -324,7 +326,21 @@ def _no_index_fix(path: str) -> str:
             os.path.exists(os.path.join(path, n, m)) for n in names for m in _FOREIGN_MARKERS):
         return (f"this is an orbax checkpoint: convert it to a jckpt file first, "
                 f"jckpt.convert({path!r}, 'state.jckpt'), then restore from that")
+    if TRAINER_STATE_NAME in names:
+        parent, step = os.path.split(os.path.normpath(path))
+        return (f"this is a checkpoint manager's step: restore it with jckpt.CheckpointManager("
+                f"{parent or '.'!r}).restore({_step_of(step)})")
+    steps = sorted(n for n in names if STEP_RE.match(n))
+    if steps:
+        return (f"this is a checkpoint manager's directory: jckpt.CheckpointManager({path!r})"
+                f".restore(), or pass one of its steps ({os.path.join(path, steps[-1])!r})")
     return "restore from a complete checkpoint"
+
+
+def _step_of(name: str) -> str:
+    """The step number of a step's file name, as text ('STEP' when it is not one)."""
+    m = STEP_RE.match(name)
+    return str(int(m.group(1))) if m else 'STEP'
 
 
 def overlapping(array: IndexedArray, box: Box) -> list[tuple[int, Box, Box]]:

@@ -58,9 +58,14 @@ def _check_sources(reader: CheckpointReader) -> None:
 def _open_whole(path: str) -> CheckpointReader:
     """A checkpoint file holding whole arrays: a multi-process checkpoint's directory, or one
     of its piece files (one process's slices), is refused saying how to make one file of it."""
-    from jckpt.tools.classify import DIRECTORY, classify
-    is_directory = classify(path).name == DIRECTORY
-    reader = None if is_directory else backend_for(path).open(path)
+    from jckpt.tools.classify import DIRECTORY, FILE, MANAGER, classify
+    kind = classify(path)
+    if kind.name == MANAGER:
+        raise FormatError("a checkpoint manager's directory; this rewrites single files", file=path,
+                          fix="pass one of its steps (a step_NNNNNNNN.jckpt file in it)")
+    if kind.name not in (DIRECTORY, FILE) and kind.error is not None:
+        raise kind.error  # a foreign file, a step in another format, nothing: as inspect says
+    reader = None if kind.name == DIRECTORY else backend_for(path).open(path)
     if reader is None or any(e.global_dims is not None for e in reader.header.tensors):
         what = ("a multi-process checkpoint's directory" if reader is None else
                 "a piece file of a multi-process checkpoint: one process's slices only")

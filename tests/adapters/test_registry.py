@@ -199,3 +199,19 @@ def test_register_format_refuses_hooks_that_are_not_functions():
         with pytest.raises(InputError):
             jckpt.register_format("refused_format", **kwargs)
     assert "refused_format" not in adapters.formats()
+
+
+def test_a_manager_or_one_of_its_steps_is_not_converted_as_one_file(tmp_path):
+    """A safetensors step holds model.safetensors: it converted as that file alone, dropping the
+    optimizer and trainer state without a word."""
+    import jckpt
+    opts = jckpt.CheckpointOptions(format='safetensors')
+    with jckpt.CheckpointManager(tmp_path / 'run', options=opts) as mgr:
+        mgr.save(1, items={'model': {'w': np.ones(2)}, 'opt': {'m': np.ones(2)}})
+    step = tmp_path / 'run' / 'step_00000001.jckpt'
+    for src, match in ((step, 'one step of a checkpoint manager'),
+                       (tmp_path / 'run', "a checkpoint manager's directory")):
+        with pytest.raises(jckpt.FormatError, match=match):
+            jckpt.convert(src, tmp_path / 'out.jckpt')
+    assert not (tmp_path / 'out.jckpt').exists()
+    assert jckpt.convert(step / 'model.safetensors', tmp_path / 'model.jckpt')  # the file alone

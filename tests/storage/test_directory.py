@@ -323,3 +323,19 @@ def test_a_piece_file_from_another_save_is_refused(tmp_path):
     assert not report.ok and any("another save" in p.message for p in report.errors)
     _, back = jckpt.load(jckpt.Context(host=True), tmp_path / "b")  # its own pieces: fine
     assert back["jckpt"]["w"].tolist() == [0, -1, -2, -3]
+
+
+def test_loading_a_manager_or_one_of_its_steps_says_how_to_read_it(tmp_path):
+    """load, restore and describe of a manager's directory (or a foreign-format step) said
+    "not a checkpoint, or one whose save did not finish": true, but no help."""
+    with jckpt.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, {"w": np.ones(2)})
+        mgr.save(2, {"w": np.ones(2)}, options=jckpt.CheckpointOptions(format="npz"))
+    run = tmp_path / "run"
+    for path, fix in ((run, f"jckpt.CheckpointManager({str(run)!r}).restore()"),
+                      (run / "step_00000002.jckpt", f"CheckpointManager({str(run)!r}).restore(2)")):
+        for call in (lambda p: jckpt.load(jckpt.Context(), p), jckpt.describe,
+                     lambda p: jckpt.restore(jckpt.Context(), {"w": np.ones(2)}, p)):
+            with pytest.raises(FormatError) as e:
+                call(path)
+            assert fix in e.value.fix

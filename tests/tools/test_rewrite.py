@@ -236,3 +236,19 @@ def test_merge_refuses_a_corrupt_input(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ['a.jckpt', 'b.jckpt']  # nothing written, nothing left
     merge(tmp_path / 'out.jckpt', [a, b], verify=False, durable=False)
     assert [p.entry for p in verify(tmp_path / 'out.jckpt').errors] == ['jckpt/y']
+
+
+def test_merge_names_a_foreign_file_or_a_manager_as_inspect_does(tmp_path):
+    """A safetensors input was read as a jckpt header ("header length 2415919104 extends past
+    the end of the file"); a manager's directory was "a directory, not a checkpoint file"."""
+    a = tmp_path / 'a.jckpt'
+    jckpt.save(jckpt.Context(), {'w': np.ones(2)}, a)
+    jckpt.adapters.write({'jckpt': {'v': np.ones(2)}}, tmp_path / 'b.safetensors')
+    with jckpt.CheckpointManager(tmp_path / 'run') as mgr:
+        mgr.save(1, {'w': np.ones(2)})
+    for other, match, fix in (('b.safetensors', 'in safetensors format', 'jckpt convert'),
+                              ('run', "checkpoint manager's directory", 'step_NNNNNNNN.jckpt')):
+        with pytest.raises(FormatError, match=match) as e:
+            merge(tmp_path / 'out.jckpt', [a, tmp_path / other])
+        assert fix in e.value.fix
+    assert not (tmp_path / 'out.jckpt').exists()
