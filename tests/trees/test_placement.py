@@ -34,7 +34,7 @@ def test_a_weakly_typed_target_comes_back_weakly_typed(tmp_path):
     import jckpt
     ctx = jckpt.Context()
     live = jax.device_put({'step': jnp.asarray(7), 'lr': jnp.asarray(0.1), 'w': jnp.ones(3)},
-                          jax.devices()[0])
+                          jax.devices()[0])  # default backend
     assert live['step'].weak_type and live['lr'].weak_type and not live['w'].weak_type
     jckpt.save(ctx, live, tmp_path / 'w.jckpt')
     target = jax.eval_shape(lambda: {'step': 0, 'lr': 0.1, 'w': jnp.ones(3)})
