@@ -75,10 +75,8 @@ class ObjectURL:
         if not bucket:
             raise InputError("the URL names no bucket", file=url,
                              fix=f"write it as {scheme}://BUCKET/path/to/checkpoint")
-        if '@' in bucket:  # the credentials are left out of the message
-            raise InputError("a URL must not carry credentials (USER:SECRET@BUCKET)",
-                             file=f"{scheme}://...@{bucket.rpartition('@')[2]}/{key}",
-                             fix="pass credentials in the environment or with jckpt.storage.configure")
+        if '@' in bucket or ':' in bucket:  # no cloud's bucket names hold either
+            _refuse_authority(url, scheme)
         parts = [p for p in key.split('/') if p]
         if '.' in parts or '..' in parts:  # a store takes them literally, or refuses them late
             raise InputError("a URL's path cannot hold '.' or '..' segments", file=url,
@@ -92,6 +90,18 @@ class ObjectURL:
     def prefix(self) -> str:
         """The key as a directory: what objects "inside" it start with."""
         return f"{self.key}/" if self.key else ''
+
+
+def _refuse_authority(url: str, scheme: str) -> None:
+    """Refuse credentials (`USER:SECRET@`, and a secret may hold `/`) or a `host:port` where
+    the bucket goes; nothing before the last `@` is repeated in the message."""
+    if '@' in url:
+        raise InputError("a URL must not carry credentials (USER:SECRET@BUCKET)",
+                         file=f"{scheme}://...@{url.rpartition('@')[2]}",
+                         fix="pass credentials in the environment or with jckpt.storage.configure")
+    raise InputError("a bucket's name cannot hold ':'", file=url,
+                     fix="give an endpoint (host:port) in AWS_ENDPOINT_URL or "
+                         "jckpt.storage.configure(scheme, endpoint=...), not in the URL")
 
 
 def configure(prefix: str, **options: Any) -> None:

@@ -378,13 +378,28 @@ def test_a_url_must_name_a_checkpoint_inside_its_bucket(url, tmp_path):
         assert e.value.fix.startswith("add a path: memory://bkt/")
 
 
-def test_credentials_in_a_url_are_refused_and_not_repeated():
-    for call in (lambda: jckpt.save(jckpt.Context(), TREE, "s3://AKIA:hunter2@bkt/run/x.jckpt"),
-                 lambda: object_store.configure("s3://AKIA:hunter2@bkt", region="x")):
+@pytest.mark.parametrize("secret", ["hunter2", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"])
+def test_credentials_in_a_url_are_refused_and_not_repeated(secret):
+    """A secret may hold '/', which splits it between the bucket and the key."""
+    for call in (lambda: jckpt.save(jckpt.Context(), TREE, f"s3://AKIA:{secret}@bkt/run/x.jckpt"),
+                 lambda: jckpt.save(jckpt.Context(), TREE, f"memory://AKIA:{secret}@bkt/x.jckpt"),
+                 lambda: object_store.configure(f"s3://AKIA:{secret}@bkt", region="x")):
         with pytest.raises(jckpt.InputError, match="must not carry credentials") as e:
             call()
-        assert "hunter2" not in str(e.value) and "AKIA" not in str(e.value)
+        for part in ["AKIA", *secret.split("/")]:
+            assert part not in str(e.value)
         assert "bkt" in e.value.file and "configure" in e.value.fix
+
+
+def test_an_endpoint_in_a_url_is_refused():
+    with pytest.raises(jckpt.InputError, match="bucket's name cannot hold ':'") as e:
+        jckpt.save(jckpt.Context(), TREE, "s3://localhost:9000/bkt/x.jckpt")
+    assert "AWS_ENDPOINT_URL" in e.value.fix
+
+
+def test_an_at_sign_in_a_key_is_a_key():
+    u = ObjectURL.parse("s3://bkt/users/a@b.com/x.jckpt")
+    assert (u.bucket, u.key) == ("bkt", "users/a@b.com/x.jckpt")
 
 
 @pytest.mark.parametrize("url", ["memory://dots/a/../b.jckpt", "memory://dots/./b.jckpt", "s3://dots/.."])
