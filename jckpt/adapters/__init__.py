@@ -45,7 +45,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jckpt.errors import FormatError, InputError
-from jckpt.format.names import STEP_RE, TRAINER_STATE_NAME
+from jckpt.format.names import STEP_RE, is_format_step
 from jckpt.storage.backend import backend_for, checked_path
 from jckpt.storage.checkpoint import register_directory_reader
 
@@ -211,7 +211,7 @@ def detect_format(path: PathLike) -> str:
 def _refuse_manager(path: str, names: list[str]) -> None:
     """A checkpoint manager's directory, or one of its steps, is not one checkpoint of a format
     (a step holding `model.safetensors` would convert as that file alone, its optimizer lost)."""
-    if TRAINER_STATE_NAME in names:
+    if is_format_step(path, names):
         raise FormatError("is one step of a checkpoint manager (its model, optimizer and trainer "
                           "state), not one checkpoint", file=path,
                           fix="restore it with jckpt.CheckpointManager(directory).restore(step), or "

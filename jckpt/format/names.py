@@ -14,6 +14,7 @@ these names and the tools that recognise them (which must not import JAX).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 # --- files of a directory checkpoint (one piece file per process, one index) -------------------
 
@@ -88,6 +89,20 @@ TRAINER_STATE_NAME = 'trainer_state.json'
 def step_name(step: int) -> str:
     """The file (or directory) name of `step`: `step_00000100.jckpt`."""
     return f"step_{step:08d}.jckpt"
+
+
+def is_format_step(directory: str, names: Iterable[str]) -> bool:
+    """Whether a directory named `directory` holding `names` is a manager's step in a foreign
+    format: a step's name and its record. Hugging Face's Trainer also writes a
+    `trainer_state.json`, into `checkpoint-500/`, which is no step of ours.
+
+    >>> is_format_step('run/step_00000002.jckpt', ['model.npz', 'trainer_state.json'])
+    True
+    >>> is_format_step('out/checkpoint-500', ['model.safetensors', 'trainer_state.json'])
+    False
+    """
+    name = directory.replace('\\', '/').rstrip('/').rpartition('/')[2]
+    return bool(STEP_RE.match(name)) and TRAINER_STATE_NAME in names
 
 
 # --- staging and leases (siblings of what they protect) ----------------------------------------

@@ -48,7 +48,7 @@ from jckpt.format.names import (
     SAVE_KEY,
     STAGE_DIR_TAG,
     STEP_RE,
-    TRAINER_STATE_NAME,
+    is_format_step,
     piece_name,
     piece_tag,
 )
@@ -326,7 +326,7 @@ def _no_index_fix(path: str) -> str:
             os.path.exists(os.path.join(path, n, m)) for n in names for m in _FOREIGN_MARKERS):
         return (f"this is an orbax checkpoint: convert it to a jckpt file first, "
                 f"jckpt.convert({path!r}, 'state.jckpt'), then restore from that")
-    if TRAINER_STATE_NAME in names:
+    if is_format_step(path, names):
         parent, step = os.path.split(os.path.normpath(path))
         return (f"this is a checkpoint manager's step: restore it with jckpt.CheckpointManager("
                 f"{parent or '.'!r}).restore({_step_of(step)})")

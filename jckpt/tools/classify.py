@@ -28,7 +28,7 @@ from typing import Any
 from jckpt.adapters import SNIFF_BYTES, detect_format
 from jckpt.errors import CheckpointError, FormatError
 from jckpt.format.header import looks_like_header
-from jckpt.format.names import INDEX_NAME, PIECE_RE, STEP_RE, TRAINER_STATE_NAME
+from jckpt.format.names import INDEX_NAME, PIECE_RE, STEP_RE, is_format_step
 from jckpt.storage.backend import LOCAL, backend_for, checked_path
 from jckpt.storage.directory import set_aside
 from jckpt.storage.publish import storage_error
@@ -181,7 +181,7 @@ def _classify_names(path: str, names: list[str]) -> Kind:
         return Kind(UNKNOWN, path, UNFINISHED, FormatError(
             f"piece files but no {INDEX_NAME}: a multi-process save that did not finish; it is "
             "not a checkpoint", file=path, fix="use the previous complete checkpoint"))
-    if TRAINER_STATE_NAME in names:
+    if is_format_step(path, names):
         return Kind(UNKNOWN, path, FORMAT_STEP, FormatError(
             "one step of a checkpoint manager that writes its model in another format: its "
             f"files are read one by one ({', '.join(sorted(names))})", file=path,

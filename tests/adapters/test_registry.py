@@ -215,3 +215,17 @@ def test_a_manager_or_one_of_its_steps_is_not_converted_as_one_file(tmp_path):
             jckpt.convert(src, tmp_path / 'out.jckpt')
     assert not (tmp_path / 'out.jckpt').exists()
     assert jckpt.convert(step / 'model.safetensors', tmp_path / 'model.jckpt')  # the file alone
+
+
+def test_a_hugging_face_trainer_checkpoint_still_converts(tmp_path):
+    """Its `checkpoint-500/` holds `model.safetensors` and a `trainer_state.json` of its own:
+    not a step of a jckpt manager."""
+    import jckpt
+    from jckpt.tools.classify import FORMAT_STEP, classify
+    hf = tmp_path / 'checkpoint-500'
+    hf.mkdir()
+    jckpt.adapters.write({'jckpt': {'w': np.arange(3.0)}}, hf / 'model.safetensors')
+    (hf / 'trainer_state.json').write_text('{"global_step": 500, "log_history": []}')
+    assert jckpt.detect_format(hf) == 'safetensors'
+    assert jckpt.convert(hf, tmp_path / 'hf.jckpt') == ('safetensors', 'jckpt')
+    assert classify(str(hf)).detail != FORMAT_STEP

@@ -151,3 +151,14 @@ def test_the_files_of_a_directory_are_no_steps_and_no_pieces():
     for name in (INDEX_NAME, names.DIRECTORY_LOCK_NAME):
         assert STEP_RE.match(name) is None and PIECE_RE.match(name) is None
     assert isinstance(names.LAYOUT_VERSION, int) and names.LAYOUT_VERSION >= 1
+
+
+@pytest.mark.parametrize('directory, names, expected', [
+    ('run/step_00000002.jckpt', ['model.npz', 'trainer_state.json'], True),
+    ('run/step_00000002.jckpt/', ['trainer_state.json'], True),
+    ('step_00000002.jckpt', ['model.npz'], False),                         # no record: unfinished
+    ('out/checkpoint-500', ['model.safetensors', 'trainer_state.json'], False),  # Hugging Face's
+])
+def test_is_format_step(directory, names, expected):
+    from jckpt.format.names import is_format_step
+    assert is_format_step(directory, names) is expected
