@@ -35,7 +35,7 @@ from jckpt.storage.backend import LOCAL, Backend
 from jckpt.storage.directory import reclaim_stage_dirs
 from jckpt.storage.lease import lease_path
 from jckpt.storage.publish import reclaim_staging, storage_error
-from jckpt.storage.staging import remove_staged
+from jckpt.storage.staging import next_name, remove_staged
 
 log = logging.getLogger('jckpt')
 
@@ -73,9 +73,13 @@ def remove_step(backend: Backend, path: str) -> None:
     A local step directory is first renamed to a staging name (generation 0, which no
     writer stages; `clean_staging` removes it should this process die), then deleted;
     one in a bucket loses its markers (index, record) first, so what is left is no step.
+    A step that is a symbolic link is unlinked; what it points at is left alone.
     """
-    if backend is LOCAL and os.path.isdir(path) and not os.path.islink(path):
-        doomed = f"{path}{NEXT_TAG}0"
+    if backend is LOCAL and os.path.islink(path):  # the link goes, not what it points at
+        backend.remove(path)
+        return
+    if backend is LOCAL and os.path.isdir(path):
+        doomed = next_name(path, 0)
         formats.staging_remove(doomed)  # left by a deletion killed before it finished
         try:
             os.rename(path, doomed)

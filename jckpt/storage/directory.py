@@ -164,8 +164,15 @@ def set_aside(path: str) -> list[str]:
 
 def recover_set_aside(path: str) -> None:
     """Put back the checkpoint a save set aside and then died before renaming its replacement
-    in (on a filesystem that cannot swap two paths); remove what is aside beside a checkpoint."""
-    for aside in set_aside(path):
+    in (on a filesystem that cannot swap two paths); remove what is aside beside a checkpoint.
+
+    An aside is named after its save's staging directory: while that save lives (its stage
+    is locked) it is left alone, as the save is about to rename its replacement in.
+    """
+    for aside in reversed(set_aside(path)):  # the newest is the last published
+        stage = f"{path}{STAGE_DIR_TAG}{aside.rpartition(OLD_DIR_TAG)[2]}"
+        if not _stage_free(stage):
+            continue
         try:
             if os.path.lexists(path):
                 LOCAL.remove(aside)
@@ -214,7 +221,8 @@ def publish_directory(stage: str, path: str, *, durable: bool = True) -> None:
         elif _exchange(stage, path):
             LOCAL.remove(stage)
         else:
-            aside = f"{path}{OLD_DIR_TAG}{secrets.token_hex(8)}"
+            token = stage.rpartition(STAGE_DIR_TAG)[2] if STAGE_DIR_TAG in stage else ''
+            aside = f"{path}{OLD_DIR_TAG}{token or secrets.token_hex(8)}"  # its save's token
             os.rename(path, aside)
             os.rename(stage, path)
             LOCAL.remove(aside)

@@ -65,7 +65,7 @@ def _open_whole(path: str) -> CheckpointReader:
                           fix="pass one of its steps (a step_NNNNNNNN.jckpt file in it)")
     if kind.name not in (DIRECTORY, FILE) and kind.error is not None:
         raise kind.error  # a foreign file, a step in another format, nothing: as inspect says
-    reader = None if kind.name == DIRECTORY else backend_for(path).open(path)
+    reader = None if kind.name == DIRECTORY else backend_for(path).open(kind.path)  # found there
     if reader is None or any(e.global_dims is not None for e in reader.header.tensors):
         what = ("a multi-process checkpoint's directory" if reader is None else
                 "a piece file of a multi-process checkpoint: one process's slices only")

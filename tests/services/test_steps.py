@@ -99,3 +99,19 @@ def test_remove_step_removes_files_and_directories_whole(tmp_path):
         mgr.save(2, {'w': np.ones(2)}, options=CheckpointOptions(format='npz'))
         mgr.save(3, {'w': np.ones(2)})
     assert sorted(os.listdir(tmp_path)) == ['step_00000003.jckpt']
+
+
+def test_retention_unlinks_a_step_that_is_a_link_and_leaves_its_target(tmp_path):
+    """Retention removed the markers inside a linked step's target (an archive, say)."""
+    archive = tmp_path / 'archive'
+    with jckpt.CheckpointManager(archive, options=CheckpointOptions(format='npz')) as mgr:
+        mgr.save(1, {'w': np.ones(2)})
+    run = tmp_path / 'run'
+    run.mkdir()
+    os.symlink(archive / 'step_00000001.jckpt', run / 'step_00000001.jckpt')
+    before = sorted(os.listdir(archive / 'step_00000001.jckpt'))
+    with jckpt.CheckpointManager(run, keep_last=1) as mgr:
+        assert mgr.all_steps() == [1]
+        mgr.save(2, {'w': np.ones(2)})
+    assert sorted(os.listdir(run)) == ['step_00000002.jckpt']
+    assert sorted(os.listdir(archive / 'step_00000001.jckpt')) == before

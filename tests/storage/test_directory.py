@@ -257,6 +257,38 @@ def test_a_save_killed_between_setting_aside_and_renaming_in_loses_nothing(tmp_p
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
+def test_a_live_save_between_its_renames_keeps_what_it_set_aside(tmp_path, monkeypatch):
+    """Another save's reclaim must not put the old checkpoint back while the save that set it
+    aside is about to rename its replacement in: that save would fail ("not empty")."""
+    path = tmp_path / "ckpt"
+    save_by_hand(path, {"step": "1"})
+    monkeypatch.setattr(dr, "_exchange", lambda a, b: False)
+    real_rename = os.rename
+
+    def rename_then_race(a, b):
+        real_rename(a, b)
+        if dr.OLD_DIR_TAG in os.fspath(b):
+            dr.reclaim_stage_dirs(str(path))  # a second save starts in the window
+            assert os.path.exists(b) and not path.exists()
+
+    monkeypatch.setattr(dr.os, "rename", rename_then_race)
+    save_by_hand(path, {"step": "2"})  # succeeds
+    assert dict(open_checkpoint(path).header.metadata)["step"] == "2"
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_of_several_set_aside_the_newest_is_put_back(tmp_path):
+    path = tmp_path / "ckpt"
+    for step, token in (("1", "a" * 16), ("2", "b" * 16)):
+        save_by_hand(path, {"step": step})
+        os.rename(path, f"{path}{dr.OLD_DIR_TAG}{token}")
+        os.utime(f"{path}{dr.OLD_DIR_TAG}{token}", ns=(int(step) * 10**9,) * 2)
+    assert dict(open_checkpoint(path).header.metadata)["step"] == "2"  # readers: the newest
+    dr.reclaim_stage_dirs(str(path))
+    assert dict(open_checkpoint(path).header.metadata)["step"] == "2"  # and so does recovery
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
 def test_what_was_set_aside_beside_a_checkpoint_is_removed(tmp_path):
     path = tmp_path / "ckpt"
     save_by_hand(path)

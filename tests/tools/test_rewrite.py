@@ -252,3 +252,13 @@ def test_merge_names_a_foreign_file_or_a_manager_as_inspect_does(tmp_path):
             merge(tmp_path / 'out.jckpt', [a, tmp_path / other])
         assert fix in e.value.fix
     assert not (tmp_path / 'out.jckpt').exists()
+
+
+def test_merge_reads_a_checkpoint_a_killed_save_set_aside(tmp_path, monkeypatch):
+    """Where readers find it, so does merge (it opened the missing path instead)."""
+    from jckpt.storage import directory as dr
+    path = tmp_path / 'ckpt'
+    jckpt.save(jckpt.Context(), {'w': np.arange(3.0)}, path)
+    os.rename(path, f"{path}{dr.OLD_DIR_TAG}{'c' * 16}")
+    merge(tmp_path / 'out.jckpt', [path], prefixes=['a'])
+    assert load(tmp_path / 'out.jckpt')['a__jckpt']['w'][2] == 2
