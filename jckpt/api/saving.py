@@ -94,6 +94,7 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
     path = checked_path(path)
     metadata = check_metadata(metadata, path, reserved=False)  # refused before anything is written
     # several processes save their pieces into one directory; a directory checkpoint stays one
+    _refuse_plain_directory(path)
     if jax.process_count() > 1 or _holds_directory(path):
         if appending:
             raise InputError("appending is not supported for directory checkpoints",
@@ -150,14 +151,21 @@ def _with_empty_nodes(metadata: dict[str, str], old: CheckpointReader | None, na
     return {**metadata, EMPTY_NODES_KEY: text}
 
 
+def _refuse_plain_directory(path: str) -> None:
+    """Refuse, before a byte is written, a local directory in the way that holds no directory
+    checkpoint (a save would write its whole staging file, then fail to rename it). A
+    symbolic link to one is replaced, as any link at a checkpoint's path is."""
+    if backend_for(path) is LOCAL and os.path.isdir(path) and not os.path.islink(path) \
+            and not os.path.isfile(os.path.join(path, INDEX_NAME)):
+        raise InputError("is a directory that holds no directory checkpoint", file=path,
+                         fix="save to a file path (inside it, perhaps), or remove it first")
+
+
 def _holds_directory(path: str) -> bool:
     """Whether `path` holds a directory checkpoint (for a URL, an index under its prefix)."""
     index = os.path.join(path, INDEX_NAME)
     backend = backend_for(path)
     if backend is LOCAL:
-        if os.path.isdir(path) and not os.path.isfile(index):  # refused before writing a byte
-            raise InputError("is a directory that holds no directory checkpoint", file=path,
-                             fix="save to a file path (inside it, perhaps), or remove it first")
         return os.path.isfile(index)
     try:
         return backend.exists(index)

@@ -152,3 +152,14 @@ def test_a_failed_directory_save_names_the_checkpoint_not_its_staging(tmp_path, 
         multiprocess.save_directory(jckpt.Context(), {"w": np.ones(2)}, path)
     assert e.value.file == str(path / "process_00000.jckpt") and "free disk space" in e.value.fix
     assert os.listdir(tmp_path) == []
+
+
+def test_a_link_to_a_plain_directory_is_replaced_like_any_link(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "notes.txt").write_text("mine")
+    link = tmp_path / "ckpt.jckpt"
+    os.symlink(elsewhere, link)
+    jckpt.save(jckpt.Context(), {"w": np.ones(2)}, link)
+    assert not os.path.islink(link) and jckpt.load(jckpt.Context(), link)[1]["jckpt"]["w"][0] == 1
+    assert os.listdir(elsewhere) == ["notes.txt"]
