@@ -348,7 +348,8 @@ class Pipeline(Generic[InfoT, StagedT]):
         """Wait until every admitted snapshot is durable (or dropped); False on timeout.
 
         Raises the persistence error once `patience` attempts in a row failed, and the
-        error of a dropped snapshot (once) when nothing admitted before it is pending.
+        error of the first snapshot dropped since the last `wait` (once, with a note of how
+        many more were) when nothing admitted before it is pending.
         """
         deadline = deadline_after(timeout)
         with self._cond:
@@ -366,14 +367,18 @@ class Pipeline(Generic[InfoT, StagedT]):
             dropped = [e for seq, e in self._dropped if seq <= goal]
             self._dropped = [(seq, e) for seq, e in self._dropped if seq > goal]
             if dropped:
-                raise dropped[-1]
+                if len(dropped) > 1:
+                    dropped[0].add_note(f"{len(dropped) - 1} later snapshot(s) were dropped too "
+                                        f"(the log names each)")
+                raise dropped[0]
             return True
 
     def close(self, timeout: float | None = None) -> None:
         """Make everything durable, stop the writer; raise what could not be persisted.
 
-        After `patience` failures, one more attempt is made at once before giving up (the
-        disk may have been freed since), so nothing admitted is dropped that could be written.
+        After `patience` failures the writer is woken for one more attempt before giving up
+        (the disk may have been freed since; an attempt under way when `close` is called
+        counts as that one).
         """
         if self._closed:
             return

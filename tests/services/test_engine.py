@@ -217,6 +217,27 @@ def test_a_snapshot_that_can_never_be_written_is_dropped_and_the_rest_go_on():
     assert fake.published() == [1, 3, 4] and p.counters().failures == 2
 
 
+class SlowPublish(FailsOn):
+    def publish(self, staged):
+        time.sleep(0.05)  # the writer stages the next job while this one publishes
+        return super().publish(staged)
+
+
+def test_drops_among_overlapped_jobs_keep_order_and_the_first_error_is_raised():
+    """With several slots the job at index 1 is staged (and dropped) while another publishes."""
+    bad = {float(v) for v in range(2, 31, 3)}
+    fake = SlowPublish(bad, jckpt.InputError("cannot hold"))
+    p = Pipeline("overlap", fake, slots=3, retry_after=30)
+    for value in range(1, 31):
+        p.admit(leaves(value), {}, timeout=20)
+    with pytest.raises(jckpt.InputError, match="cannot hold") as e:
+        p.wait(timeout=60)
+    assert "9 later snapshot(s) were dropped too" in e.value.__notes__[0]
+    assert fake.published() == [v for v in range(1, 31) if float(v) not in bad]
+    assert p.counters().failures == 10 and p.counters().pending == 0
+    p.close()
+
+
 def test_a_dropped_last_snapshot_does_not_leave_wait_waiting():
     fake = FailsOn({1.0}, jckpt.InputError("no"))
     p = Pipeline("drop-last", fake)
