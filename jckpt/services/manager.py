@@ -447,6 +447,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
             ```
         """
         ctx = ctx if ctx is not None else self.ctx
+        check_flag(verify, 'verify', self.directory, optional=False)  # before anything is read
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -463,7 +464,6 @@ class CheckpointManager(BackgroundWriter[_Step]):
             if layout is not None:
                 state = state.check_layout(layout, reshard=reshard, file=path)
         options = steps.checked(options, CheckpointLoadOptions, 'options', self.load_options)
-        check_flag(verify, 'verify', self.directory, optional=False)
         tree = steps.read_tree(ctx, path, step, target, namespaces, cast, options, verify)
         user = {k: v for k, v in meta.items() if not k.startswith('jckpt.')}
         return Restored(step=step, tree=tree, trainer_state=state,
