@@ -458,15 +458,28 @@ class Pipeline(Generic[InfoT, StagedT]):
 
     def _completed(self, job: Job[InfoT], generation: int | None) -> None:
         with self._cond:
-            self._queue.popleft()
             self._durable = job.seq
             if generation is not None:
                 self._generation = generation
             self._error = None
             self._streak = 0
-            job.release()
-            self._free.append(job.slot)
-            self._cond.notify_all()
+            self._leave(job)
+
+    def _leave(self, job: Job[InfoT]) -> None:
+        """Take `job` out of the line and free its slot (holding `_cond`)."""
+        if self._queue[0] is job:
+            self._queue.popleft()
+        else:  # a dropped job, staged behind one being published
+            self._queue.remove(job)
+        job.release()
+        self._free.append(job.slot)
+        self._cond.notify_all()
+
+    def _record(self, e: BaseException) -> None:
+        """Count a failed attempt (holding `_cond`)."""
+        self._error = e
+        self._failures += 1
+        self._last_error = str(e)
 
     def _drop(self, job: Job[InfoT], e: BaseException) -> None:
         """Give up on a job that can never be written (an `InputError`: a model tree its
@@ -474,24 +487,17 @@ class Pipeline(Generic[InfoT, StagedT]):
         on; the next `wait` raises the error, once."""
         _quietly(self._commit.rollback)
         with self._cond:
-            self._queue.remove(job)
-            job.release()
-            self._free.append(job.slot)
             self._dropped.append((job.seq, e))
-            self._error = e
-            self._failures += 1
-            self._last_error = str(e)
-            self._cond.notify_all()
+            self._record(e)
+            self._leave(job)
         log.error("jckpt: writing %s: snapshot %d is dropped, not retried: %s", self.name, job.seq, e)
 
     def _retry(self, e: BaseException) -> None:
         """Roll back, record the failure and wait `retry_after` seconds (the job stays first)."""
         _quietly(self._commit.rollback)
         with self._cond:
-            self._error = e
             self._streak += 1
-            self._failures += 1
-            self._last_error = str(e)
+            self._record(e)
             self._cond.notify_all()
             log.warning("jckpt: writing %s failed (attempt %d, retrying in %.3g s): %s",
                         self.name, self._streak, self.retry_after, e)
