@@ -6,8 +6,10 @@ the manager) says how one job is written (`stage`) and made durable
 N+1 is staged while job N is being published, keeps the jobs in order, retries
 a failed one every `retry_after` seconds, and counts what is durable
 (`MirrorCounters`). A job's slot is reused only once the job is
-durable, so admitted work is never dropped while the pipeline is open, and a
-pipeline left open is flushed when the interpreter exits.
+durable, so admitted work is never dropped while the pipeline is open (but for a job
+no attempt could write: an `InputError` drops it), and a pipeline left open is flushed
+when the interpreter exits. What a job is, and what a committer does with it, is
+`jckpt.services.jobs`.
 
 >>> import numpy as np
 >>> class Counting:                      # a committer that writes nothing: generation = job number
@@ -39,10 +41,9 @@ from concurrent.futures import Future
 from typing import Generic, Protocol, TypeVar
 
 from jckpt.errors import CapacityError, CheckpointError, InputError
-from jckpt.format.header import Entry
 from jckpt.services.counters import MirrorCounters, error_code
-from jckpt.services.snapshot import HostLeaf, Leaf, Slot, Snapshot, build_entries
-from jckpt.storage.writer import ArraySource
+from jckpt.services.jobs import Committer, Job
+from jckpt.services.snapshot import Leaf, Slot
 from jckpt.trees import image
 
 log = logging.getLogger('jckpt')
@@ -68,56 +69,6 @@ def deadline_after(timeout: float | None) -> float | None:
     if timeout == float('inf'):
         return None  # no deadline (monotonic() + inf is no time a wait can be given)
     return time.monotonic() + timeout
-
-
-# --- jobs and committers -----------------------------------------------------
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Job(Generic[InfoT]):
-    """One admitted snapshot: its number (1, 2, ...), slot and snapshot, the user's
-    `metadata` for the generation and the committer's `info` (the manager: the step)."""
-
-    seq: int
-    slot: Slot
-    snapshot: Snapshot
-    metadata: Mapping[str, str]
-    info: InfoT
-
-    @functools.cached_property
-    def items(self) -> tuple[HostLeaf, ...]:
-        """The leaves in host memory (device images drained on first use)."""
-        return tuple(self.snapshot.drain())
-
-    @functools.cached_property
-    def built(self) -> tuple[tuple[Entry, ...], tuple[ArraySource, ...]]:
-        """The entries and payload sources of the items: hashed once, kept across retries."""
-        return build_entries(self.items)
-
-    def release(self) -> None:
-        """Drop the drained leaves: on the CPU they view the slot's image, which the slot's
-        next snapshot can reuse (donate) only once no view of it is left."""
-        self.__dict__.pop('built', None)
-        self.__dict__.pop('items', None)
-
-
-class Committer(Protocol[StagedT]):
-    """How a pipeline makes one job durable, in two stages that overlap across jobs.
-
-    `stage` writes the job's file under a temporary name without waiting
-    for the disk; `publish` makes it durable (fsync, rename into place,
-    directory fsync) and returns the generation it produced, or `None`.
-    While job N is being published, job N+1 is staged. After a failure the
-    pipeline calls `discard` on anything staged but not published, then
-    `rollback` so the next `stage` starts from the last published state.
-    """
-
-    def stage(self, job: Job) -> StagedT: ...
-
-    def publish(self, staged: StagedT) -> int | None: ...
-
-    def discard(self, staged: StagedT) -> None: ...
-
-    def rollback(self) -> None: ...
 
 
 class _Closable(Protocol):
