@@ -50,7 +50,7 @@ from jckpt.errors import FormatError, InputError
 from jckpt.format.header import NAMESPACE_RE
 from jckpt.format.limits import MAX_DECOMPRESSION_RATIO, json_loads
 from jckpt.format.names import ORBAX_JSON_KEY
-from jckpt.storage.backend import backend_for, is_url
+from jckpt.storage.backend import LOCAL, backend_for, is_url
 from jckpt.storage.regular import open_regular
 
 _ITEM_MARKERS = ('_METADATA', 'manifest.ocdbt')
@@ -369,7 +369,11 @@ def write(tree: Any, path: str) -> None:
     The directory is built beside `path` and renamed into place; an
     existing directory at `path` is replaced only after the new one is complete.
     """
-    backend_for(os.fspath(path))  # before abspath, which would make a URL a local path
+    if backend_for(os.fspath(path)) is not LOCAL:  # before abspath, which made the URL a path
+        raise InputError("orbax checkpoints are written to a local directory, not an object "
+                         "store", file=os.fspath(path),
+                         fix="write a local directory, then upload it (gcloud storage cp -r DIR "
+                             "URL, or aws s3 cp --recursive DIR URL); or convert to a .jckpt URL")
     path = os.path.abspath(os.fspath(path))
     tree = check_namespaced(tree, path)
     host_items(tree, path)  # refuse unstorable leaves before writing anything

@@ -258,3 +258,15 @@ def test_the_handler_in_an_s3_directory(s3):
     from etils import epath
 
     handler_round_trip(epath.Path(f'{s3}/run/3/state'))
+
+
+@pytest.mark.parametrize("url", ["memory://ckpts/exp/orb", "s3://ckpts/exp/orb"])
+def test_an_orbax_destination_in_a_bucket_is_refused_not_written_locally(tmp_path, monkeypatch, url):
+    """convert(..., format='orbax') to s3:// reported success and wrote ./s3:/ckpts/... locally."""
+    monkeypatch.chdir(tmp_path)
+    src = tmp_path / "m.jckpt"
+    jckpt.save(jckpt.Context(), {"w": np.ones(2)}, src)
+    with pytest.raises(jckpt.InputError, match="written to a local directory") as e:
+        jckpt.convert(src, url, format="orbax")
+    assert e.value.file == url and "upload" in e.value.fix
+    assert sorted(os.listdir(tmp_path)) == ["m.jckpt"]
