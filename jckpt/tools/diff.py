@@ -249,7 +249,7 @@ def _open(path: str) -> Any:
     """A reader of the checkpoint file or directory at `path`; the error for anything else."""
     kind = classify(path)
     if kind.name == MANAGER:
-        first = min(n for n in os.listdir(path) if STEP_RE.match(n))
+        first = min(n for n in backend_for(path).list(path) if STEP_RE.match(n))  # a URL too
         raise FormatError("a checkpoint manager's directory holds one checkpoint per step",
                           file=path, fix=f"compare two of its steps, e.g. {os.path.join(path, first)}")
     if kind.error is not None:

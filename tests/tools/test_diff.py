@@ -207,3 +207,14 @@ def test_what_is_not_a_checkpoint_is_refused_naming_it(tmp_path):
     junk.write_bytes(b'\x00\x00\x00\x05((((')
     with pytest.raises(jckpt.FormatError):
         diff(good, junk)
+
+
+def test_a_manager_in_a_bucket_is_named_as_a_local_one_is():
+    """diff of a manager's prefix URL raised a bare FileNotFoundError (it listed it locally)."""
+    url = "memory://diffs/run"
+    with jckpt.CheckpointManager(url) as mgr:
+        mgr.save(1, {"w": np.ones(2)})
+    jckpt.save(jckpt.Context(), {"w": np.ones(2)}, "memory://diffs/one.jckpt")
+    with pytest.raises(jckpt.FormatError, match="holds one checkpoint per step") as e:
+        jckpt.diff(url, "memory://diffs/one.jckpt")
+    assert f"{url}/step_00000001.jckpt" in e.value.fix
