@@ -29,7 +29,7 @@ from jckpt.adapters import SNIFF_BYTES, detect_format
 from jckpt.errors import CheckpointError, FormatError
 from jckpt.format.header import looks_like_header
 from jckpt.format.names import INDEX_NAME, PIECE_RE, STEP_RE, is_format_step
-from jckpt.storage.backend import LOCAL, backend_for, checked_path
+from jckpt.storage.backend import LOCAL, backend_for, checked_path, is_url
 from jckpt.storage.directory import set_aside
 from jckpt.storage.publish import storage_error
 from jckpt.storage.reader import CheckpointReader
@@ -136,7 +136,8 @@ def not_jckpt_error(path: str | os.PathLike, fmt: str) -> FormatError:
     """The error for a file in another format, with the command that converts it."""
     path = os.fspath(path)
     stem = os.path.splitext(os.path.basename(path))[0]
-    return FormatError(f"this file is in {fmt} format, not a jckpt checkpoint", file=path,
+    what = 'directory' if not is_url(path) and os.path.isdir(path) else 'file'
+    return FormatError(f"this {what} is in {fmt} format, not a jckpt checkpoint", file=path,
                        fix=f"convert it first: jckpt convert {path} {stem}.jckpt "
                            "(or jckpt.convert in Python)")
 
@@ -188,10 +189,22 @@ def _classify_names(path: str, names: list[str]) -> Kind:
             fix=f"inspect the manager's directory ({os.path.dirname(path.rstrip('/')) or '.'}), "
                 "restore the step with CheckpointManager(directory).restore(step), or open "
                 "the files in it"))
+    fmt = _foreign_directory(path)
+    if fmt is not None:  # an orbax step or item, a Hugging Face checkpoint-500/
+        return Kind(FOREIGN, path, fmt, not_jckpt_error(path, fmt))
     return Kind(UNKNOWN, path, NO_CHECKPOINT, FormatError(
         "directory holds no checkpoint (no index.jckpt, no step_NNNNNNNN.jckpt steps)", file=path,
         fix="pass a checkpoint file, a multi-process checkpoint directory or a checkpoint "
             "manager's directory"))
+
+
+def _foreign_directory(path: str) -> str | None:
+    """The format another tool's checkpoint directory is in, or None."""
+    try:
+        fmt: str | None = detect_format(path)
+    except CheckpointError:
+        return None
+    return fmt if fmt not in ('jckpt', 'ocannl') else None
 
 
 def _classify_file(path: str) -> Kind:

@@ -221,11 +221,11 @@ def test_a_hugging_face_trainer_checkpoint_still_converts(tmp_path):
     """Its `checkpoint-500/` holds `model.safetensors` and a `trainer_state.json` of its own:
     not a step of a jckpt manager."""
     import jckpt
-    from jckpt.tools.classify import FORMAT_STEP, classify
+    from jckpt.tools.classify import classify
     hf = tmp_path / 'checkpoint-500'
     hf.mkdir()
     jckpt.adapters.write({'jckpt': {'w': np.arange(3.0)}}, hf / 'model.safetensors')
     (hf / 'trainer_state.json').write_text('{"global_step": 500, "log_history": []}')
     assert jckpt.detect_format(hf) == 'safetensors'
     assert jckpt.convert(hf, tmp_path / 'hf.jckpt') == ('safetensors', 'jckpt')
-    assert classify(str(hf)).detail != FORMAT_STEP
+    assert (classify(str(hf)).name, classify(str(hf)).detail) == ('foreign', 'safetensors')

@@ -171,3 +171,18 @@ def test_no_tool_hangs_on_a_fifo(tmp_path, capsys):
 def test_character_device_is_refused():
     with pytest.raises(FormatError, match='character device'):
         classify(os.devnull)
+
+
+def test_an_orbax_directory_is_foreign_as_a_safetensors_file_is(tmp_path, capsys):
+    """inspect and verify said "directory holds no checkpoint" of what describe and load read."""
+    pytest.importorskip('orbax.checkpoint')
+    import jckpt
+    from jckpt.tools.cli import main
+    src = tmp_path / 'm.jckpt'
+    jckpt.save(jckpt.Context(), {'w': np.ones(2)}, src)
+    jckpt.convert(src, tmp_path / 'orb', format='orbax')
+    kind = classify(str(tmp_path / 'orb'))
+    assert (kind.name, kind.detail) == (FOREIGN, 'orbax')
+    assert 'this directory is in orbax format' in kind.error.message
+    assert main(['inspect', str(tmp_path / 'orb')]) == 2
+    assert 'jckpt convert' in capsys.readouterr().err
