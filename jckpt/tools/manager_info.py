@@ -180,7 +180,7 @@ def step_info(step: int, path: str) -> StepInfo:
     """The `StepInfo` of one manager step (never raises for a damaged step)."""
     if step_directory.is_published(path, TRAINER_STATE_NAME):
         return _model_step_info(step, path)
-    kind = 'directory' if os.path.isdir(path) else 'file'
+    kind = 'directory' if backend_for(path).isdir(path) else 'file'  # a step prefix in a bucket too
     try:
         fi: FileInfo | DirectoryInfo = directory_info(path) if kind == 'directory' \
             else file_info(path)

@@ -165,3 +165,14 @@ def test_step_directories_with_a_foreign_model_are_summarised_from_their_record(
     (tmp_path / step_name(10) / 'trainer_state.json').write_text('{')
     damaged = step_info(10, str(tmp_path / step_name(10)))
     assert damaged.kind == 'model' and damaged.error.startswith('trainer_state.json: ')
+
+
+def test_directory_steps_in_a_bucket_are_read_as_local_ones_are():
+    """Step prefixes in a bucket were taken for files: "unreadable: no such checkpoint object"."""
+    url = "memory://manager-info/run"
+    with jckpt.CheckpointManager(url, directory_steps=True) as mgr:
+        mgr.save(4, {"w": np.ones(4)})
+        mgr.save(6, {"w": np.ones(4)})
+    info = manager_info(url)
+    assert [(s.step, s.kind, s.entries, s.error) for s in info.steps] == [
+        (4, "directory", 1, None), (6, "directory", 1, None)]
