@@ -28,10 +28,12 @@ save plan and the barriers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -117,35 +119,41 @@ class _Runtime:
     def barrier(self, name: str, what: str) -> None:
         if self.local:
             return
+        start = time.monotonic()
         try:
             self.client.wait_at_barrier(f"{self.tag}/{name}", self.timeout_ms)
         except Exception as e:
             reached = [ln.strip() for ln in str(e).splitlines() if 'reached the barrier' in ln]
-            raise DistributedError(f"not every process {what} within {self.timeout_ms / 1000:g} s; "
-                                   f"nothing was published ({'; '.join([_first_line(e), *reached])})",
-                                   file=self.path,
+            waited = time.monotonic() - start
+            outcome = ("whether it was published is not known: check the checkpoint"
+                       if name == 'published' else "nothing was published")
+            raise DistributedError(f"not every process {what} (waited {waited:.0f} s of "
+                                   f"{self.timeout_ms / 1000:g}); {outcome} "
+                                   f"({'; '.join([_first_line(e), *reached])})", file=self.path,
                                    fix="check the other processes' logs (one may have died); "
                                        "raise JCKPT_BARRIER_TIMEOUT if they are only slow") from None
 
-    def report(self, process: int, error: BaseException) -> None:
+    def report(self, name: str, process: int, error: BaseException) -> None:
         if self.local:
             return
         try:
-            self.client.key_value_set(f"{self.tag}/error/{process}", _first_line(error)[:2000])
+            self.client.key_value_set(f"{self.tag}/error/{name}/{process}",
+                                      _first_line(error)[:2000])
         except Exception:
             pass
 
-    def errors(self) -> list[str]:
+    def errors(self, name: str) -> list[str]:
+        """What the processes reported failing at phase `name` (each phase has its own)."""
         if self.local:
             return []
         try:
-            pairs = self.client.key_value_dir_get(f"{self.tag}/error/")
+            pairs = self.client.key_value_dir_get(f"{self.tag}/error/{name}/")
         except Exception:
             return []
         return [f"process {k.rsplit('/', 1)[-1]}: {v}" for k, v in sorted(pairs)]
 
-    def check(self) -> None:
-        errs = self.errors()
+    def check(self, name: str) -> None:
+        errs = self.errors(name)
         if errs:
             raise DistributedError("the save failed in another process: " + "; ".join(errs),
                                    file=self.path, fix="see that process's error; nothing was "
@@ -155,18 +163,21 @@ class _Runtime:
                  step: Callable[[], None] | None) -> None:
         """Run `step` here (if any), meet every process at barrier `name`, raise if one failed.
 
-        A failing step is reported to the others before this process reaches
-        the barrier, so they fail at once instead of at their timeout.
+        A failing step is reported to the others before this process reaches the barrier,
+        so they fail at once instead of at their timeout, and raises its own error (not the
+        barrier's). Errors are kept per phase: a peer that passed this barrier looks only at
+        this phase's, and so still meets the others at the next one.
         """
         if step is not None:
             try:
                 step()
             except BaseException as e:
-                self.report(process, e)
-                self.barrier(name, what)
+                self.report(name, process, e)
+                with contextlib.suppress(DistributedError):
+                    self.barrier(name, what)
                 raise
         self.barrier(name, what)
-        self.check()
+        self.check(name)
 
 
 def _first_line(e: BaseException) -> str:
