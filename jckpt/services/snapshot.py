@@ -21,6 +21,7 @@ False
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -136,34 +137,36 @@ class Slot:
         * numpy leaves: copied into this slot's host buffers, allocated once
           and reused from snapshot to snapshot (no page faults after the first).
         """
-        named = [(tree_mod.leaf_name(namespace, path), leaf) for namespace, path, leaf in leaves]
-        with to_host.naming_unusable(lambda: named):
-            return self._take(leaves, named)
+        with to_host.naming_unusable(lambda: ((tree_mod.leaf_name(namespace, path), leaf)
+                                              for namespace, path, leaf in leaves)):
+            return self._take(leaves)
 
-    def _take(self, leaves: Sequence[Leaf], named: list[tuple[str, Any]]) -> Snapshot:
-        devices = [i for i, (_, leaf) in enumerate(named) if image.imageable(leaf)]
-        if devices and not image.has_room([named[i][1] for i in devices], self.image_limit):
+    def _take(self, leaves: Sequence[Leaf]) -> Snapshot:
+        arrays = [leaf for _, _, leaf in leaves]
+        devices = image.imageable_indices(arrays)
+        if devices and not image.has_room([arrays[i] for i in devices], self.image_limit):
             log.info("jckpt: no device room for a snapshot image: copying to host at submit")
             devices = []
         imaged = set(devices)
-        described = iter(to_host.host_leaves([named[i] for i in devices], fetch=False))
-        hosts = iter(to_host.host_leaves([x for i, x in enumerate(named) if i not in imaged],
-                                         snapshot=True))
-        images = self._images.take([named[i][1] for i in devices]) if devices else []
-        staged: list[Any] = []
-        impls: list[str | None] = []
+        rest = [i for i in range(len(leaves)) if i not in imaged] if imaged else range(len(leaves))
+        described = _host_leaves(leaves, devices, fetch=False)
+        hosts = _host_leaves(leaves, rest, snapshot=True)
+        images = self._images.take([arrays[i] for i in devices]) if devices else []
+        staged: list[Any] = [None] * len(leaves)
+        impls: list[str | None] = [None] * len(leaves)
+        for i, h in zip(devices, described):
+            staged[i], impls[i] = h.array, h.key_impl  # drained later
         copies: list[tuple[np.ndarray, np.ndarray]] = []
         buffers = self.buffers
-        for i in range(len(named)):
-            h = next(described) if i in imaged else next(hosts)
-            impls.append(h.key_impl)
-            if i in imaged or h.private:  # drained later, or a transfer's own fresh buffer
-                staged.append(h.array)
+        for i, h in zip(rest, hosts):
+            impls[i] = h.key_impl
+            if h.private:  # a transfer's own fresh buffer
+                staged[i] = h.array
                 continue
             buf = buffers.get(i)
             if buf is None or buf.shape != h.shape or buf.dtype != h.dtype:
                 buf = buffers[i] = np.empty(h.shape, h.dtype)  # reused by later snapshots
-            staged.append(buf)
+            staged[i] = buf
             copies.append((buf, h.array))
         copy_all(copies)
         return Snapshot(leaves, staged, devices, images, impls)
@@ -171,6 +174,16 @@ class Slot:
     def fill(self, leaves: Sequence[Leaf]) -> list[HostLeaf]:
         """`take` the leaves and `drain` them at once: every leaf in host memory."""
         return self.take(leaves).drain()
+
+
+def _host_leaves(leaves: Sequence[Leaf], indices: Sequence[int], **options: Any) -> list[Any]:
+    """`to_host.host_leaves` of `leaves[i]` for `i` in `indices`, a run of one namespace at a
+    time (so that a leaf is named only in an error, not for every leaf of every snapshot)."""
+    out: list[Any] = []
+    for namespace, run in itertools.groupby(indices, key=lambda i: leaves[i][0]):
+        out.extend(to_host.host_leaves([(leaves[i][1], leaves[i][2]) for i in run],
+                                       namespace=namespace, **options))
+    return out
 
 
 def copy_all(copies: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:

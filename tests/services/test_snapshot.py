@@ -61,7 +61,7 @@ def test_no_cyclic_collection_runs_while_the_loop_waits_for_a_snapshot(monkeypat
                                                                        _real(*a, **k))[1])
     leaves = namespace_leaves({"jckpt": {"w": jnp.ones(2), "n": np.ones(3)}})
     Slot(0).take(leaves)
-    assert enabled == [False, False, False] and gc.isenabled()
+    assert len(enabled) >= 2 and not any(enabled) and gc.isenabled()  # flatten, host_leaves
 
 
 def test_fill_copies_numpy_leaves_isolated_from_later_mutation():

@@ -109,6 +109,9 @@ def test_small_cpu_arrays_are_copied_and_large_ones_imaged():
     small, large = jnp.ones(100), jnp.ones(image.CPU_IMAGE_BYTES // 4)
     assert not image.imageable(small) and image.imageable(large)
     assert not image.imageable(np.ones(100_000)) and not image.imageable(3.0)
+    leaves = [small, np.ones(100_000), large, 3.0, jax.random.key(0), large + 1]
+    assert image.imageable_indices(leaves) == [i for i, x in enumerate(leaves) if image.imageable(x)] \
+        == [2, 5]
 
 
 def test_no_room_or_a_zero_limit_copies_to_host_at_submit(tmp_path, monkeypatch):
