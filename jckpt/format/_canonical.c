@@ -53,8 +53,9 @@
  * of them), with a dtype in
  * storable, is appended to out as
  * host_leaf(dtype, shape, None, array, (), False): array is the ndarray itself, or
- * asarray(leaf) (host memory already, no transfer). It stops at the first other leaf and returns
- * its index (len(leaves) when none): Python stages that one.
+ * asarray(leaf) (host memory already, no transfer), or the jax array itself when asarray is
+ * None (a caller that copies it at once, from its buffer). It stops at the first other leaf and
+ * returns its index (len(leaves) when none): Python stages that one.
  *
  * And it gathers a save's small payloads for one writev (jckpt.storage.writer.Sink.gather_run):
  *
@@ -84,7 +85,8 @@
  *   copy_arrays(dsts: list, srcs: list) -> list[int]
  *
  * copies each srcs[i] into dsts[i] (memcpy, the GIL released for large ones) when both are
- * C-contiguous buffers of the same format, itemsize and shape, dsts[i] writable; returns
+ * C-contiguous buffers of the same format (less a native byte-order prefix), itemsize and
+ * shape, dsts[i] writable (a source may be any buffer: a jax array on the CPU too); returns
  * the indices of the pairs it left (Python copies those).
  */
 #define PY_SSIZE_T_CLEAN
@@ -992,8 +994,12 @@ static PyObject *plain_leaf(const stage_context *x, PyObject *leaf) {
             PyTuple_GET_ITEM(facts, 0) != Py_True || PyTuple_GET_ITEM(facts, 1) != Py_False ||
             PyTuple_GET_ITEM(facts, 2) != Py_True)
             return NULL;
-        if ((array = PyObject_CallOneArg(x->asarray, leaf)) == NULL) return NULL;
-        if (!Py_IS_TYPE(array, x->ndarray)) goto punt;
+        if (x->asarray == Py_None) {
+            array = Py_NewRef(leaf);  /* kept as it is: its dtype and shape are numpy's */
+        } else {
+            if ((array = PyObject_CallOneArg(x->asarray, leaf)) == NULL) return NULL;
+            if (!Py_IS_TYPE(array, x->ndarray)) goto punt;
+        }
     }
     if ((dtype = PyObject_GetAttrString(array, "dtype")) == NULL) goto punt;
     if (PySet_Contains(x->storable, dtype) != 1) goto punt;
@@ -1178,6 +1184,12 @@ error:
 
 /* --- copying a snapshot's host arrays ------------------------------------------------------ */
 
+/* A buffer format less a native byte-order prefix ('@' or '='): numpy writes "f" where
+ * jax arrays write "=f" (the itemsizes are compared too, which tells native sizes apart). */
+static const char *plain_format(const char *format) {
+    return format[0] == '@' || format[0] == '=' ? format + 1 : format;
+}
+
 /* 1 when src was copied into dst, 0 when they are not plain buffers of the same layout. */
 static int copy_array(PyObject *dst, PyObject *src) {
     Py_buffer d, s;
@@ -1191,7 +1203,8 @@ static int copy_array(PyObject *dst, PyObject *src) {
         return 0;
     }
     int same = d.len == s.len && d.itemsize == s.itemsize && d.ndim == s.ndim &&
-               d.format != NULL && s.format != NULL && strcmp(d.format, s.format) == 0 &&
+               d.format != NULL && s.format != NULL &&
+               strcmp(plain_format(d.format), plain_format(s.format)) == 0 &&
                d.buf != s.buf;
     for (int k = 0; same && k < d.ndim; k++) same = d.shape[k] == s.shape[k];
     if (same) {

@@ -150,7 +150,7 @@ class Slot:
         imaged = set(devices)
         rest = [i for i in range(len(leaves)) if i not in imaged] if imaged else range(len(leaves))
         described = _host_leaves(leaves, devices, fetch=False)
-        hosts = _host_leaves(leaves, rest, snapshot=True)
+        hosts = _host_leaves(leaves, rest, snapshot=True, keep_cpu=True)  # copied below
         images = self._images.take([arrays[i] for i in devices]) if devices else []
         staged: list[Any] = [None] * len(leaves)
         impls: list[str | None] = [None] * len(leaves)
@@ -188,6 +188,7 @@ def _host_leaves(leaves: Sequence[Leaf], indices: Sequence[int], **options: Any)
 
 def copy_all(copies: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
     """`np.copyto(dst, src)` for every pair: the one part of a host snapshot the loop waits for.
+    A source may be a jax array on the CPU, copied from its buffer (no numpy view made).
 
     (Splitting large copies across threads was measured on a 2-core machine
     and was slower: one thread already keeps memory busy.)

@@ -111,7 +111,7 @@ class HostLeaf(NamedTuple):
 
 def host_leaves(leaves: Iterable[tuple[Any, Any]], *, namespace: str | None = None,
                 pieces: bool = False, spread: bool = False, fetch: bool = True,
-                copy: bool = False, snapshot: bool = False) -> list[HostLeaf]:
+                copy: bool = False, snapshot: bool = False, keep_cpu: bool = False) -> list[HostLeaf]:
     """Bring `(where, leaf)` pairs to host: every leaf checked and its transfer started, then the waits.
 
     The one path from a leaf to be stored to its host data. Typed PRNG keys
@@ -137,6 +137,9 @@ def host_leaves(leaves: Iterable[tuple[Any, Any]], *, namespace: str | None = No
         what a transfer did not already copy: the snapshot a background writer needs.
       snapshot: the transfers from a device recur, snapshot after snapshot: into pinned
         buffers the runtime reuses, small arrays joined (`transfers.start_host_copies`).
+      keep_cpu: an array on one CPU device that is staged in C keeps the `jax.Array` itself
+        as `array` (its buffer is in host memory; no numpy view of it is made), for a
+        caller that copies it at once from its buffer (`jckpt.services.snapshot.copy_all`).
 
     >>> [h.shape for h in host_leaves([('ns/w', np.ones((2, 3))), ('ns/n', 7)])]
     [(2, 3), ()]
@@ -150,7 +153,7 @@ def host_leaves(leaves: Iterable[tuple[Any, Any]], *, namespace: str | None = No
     with naming_unusable(lambda: ((w if namespace is None else leaf_name(namespace, w), x)
                                   for w, x in leaves)):
         while True:
-            i = _stage_plain(leaves, i, staged) if fetch else i
+            i = _stage_plain(leaves, i, staged, keep_cpu) if fetch else i
             if i == len(leaves):
                 break
             where, leaf = leaves[i]
@@ -210,13 +213,15 @@ def unusable_leaf(named: Iterable[tuple[str, Any]]) -> InputError | None:
 _JAX_TYPES: frozenset[type] = frozenset()
 
 
-def _stage_plain(leaves: list[tuple[Any, Any]], start: int, out: list[HostLeaf]) -> int:
+def _stage_plain(leaves: list[tuple[Any, Any]], start: int, out: list[HostLeaf],
+                 keep_cpu: bool = False) -> int:
     """Stage the run of plain leaves from `start` on in C (a numpy array, or an array on one
     CPU device of this process, of a known storable dtype); the index of the first other one."""
     if accelerator is None or not ACCELERATE:
         return start
     return accelerator.stage_leaves(leaves, start, _STORABLE, facts.SHARDINGS, facts.SEEN,
-                                    facts.SEEN_MAX, _JAX_TYPES, HostLeaf, np.asarray, out, np.ndarray)
+                                    facts.SEEN_MAX, _JAX_TYPES, HostLeaf,
+                                    None if keep_cpu else np.asarray, out, np.ndarray)
 
 
 #: Whether `host_leaves` stages plain leaves in C where the accelerator is built (False: every

@@ -246,14 +246,17 @@ def test_copy_all_copies_every_pair_whatever_its_layout(monkeypatch, accelerated
                rng.random((4, 6))[:, ::2],                          # strided: numpy copies it
                np.ones((2, 2), ml_dtypes.bfloat16),                 # no buffer export: numpy
                np.arange(6, dtype=">i4"),                           # big-endian, into native
-               np.float64(2.5).reshape(())]                         # 0-d
+               np.float64(2.5).reshape(()),                         # 0-d
+               jnp.arange(7, dtype=jnp.float32),                    # a CPU jax array: its buffer
+               jnp.ones(3, jnp.bfloat16)]                           # no buffer export: numpy
     targets = [np.empty(s.shape, s.dtype) for s in sources[:5]] + [
-        np.empty(6, np.int32), np.empty((), np.float64)]
+        np.empty(6, np.int32), np.empty((), np.float64), np.empty(7, np.float32),
+        np.empty(3, ml_dtypes.bfloat16)]
     snapshot.copy_all(list(zip(targets, sources)))
     for t, s in zip(targets, sources):
         assert np.array_equal(t, s)
     if accelerated and snapshot.accelerator is not None:
-        assert left == [3, 4, 5]  # what C leaves to numpy: strided, bfloat16, big-endian
+        assert left == [3, 4, 5, 8]  # what C leaves to numpy: strided, bfloat16, big-endian
 
 
 @pytest.mark.parametrize('size', [8, 1 << 16])  # copied to host, or imaged on the device

@@ -164,6 +164,20 @@ def test_leaves_staged_in_c_are_those_python_stages(monkeypatch, copy):
             assert (f.array is leaf) == (s.array is leaf), where
 
 
+@pytest.mark.skipif(to_host.accelerator is None, reason="the C accelerator is not built")
+def test_keep_cpu_leaves_the_cpu_arrays_staged_in_c_as_they_are():
+    """For a caller that copies from their buffers at once: no numpy view is made of them."""
+    leaves = every_kind()
+    to_host.host_leaves(leaves)  # the types and shardings met are known from now on
+    kept = to_host.host_leaves(leaves, keep_cpu=True)
+    plain = to_host.host_leaves(leaves)
+    for (where, leaf), k, p in zip(leaves, kept, plain):
+        assert (k.dtype, k.shape, k.key_impl, k.private) == (p.dtype, p.shape, p.key_impl, p.private)
+        assert np.array_equal(np.asarray(k.array), p.array), where
+        on_cpu = isinstance(leaf, jax.Array) and where not in ("g", "h")  # a key, a sharded one
+        assert (k.array is leaf) == (on_cpu or p.array is leaf), where
+
+
 def test_key_paths_under_a_namespace_are_named_in_refusals():
     ok = ((("k", "params"), ("i", 0)), np.ones(2))
     bad = ((("k", "params"), ("i", 1)), np.array(["x"]))
