@@ -178,11 +178,19 @@ def place_all(requests: list[tuple[Any, Any, str, str | None]], *, host: bool, d
     batch: list[int] = []
     arrays: list[np.ndarray] = []
     dests: list[Any] = []
+    known: dict[tuple, tuple[Any, Any]] = {}  # a request's kind -> (its sharding, plain_target's)
     for i, (array, target, where, key_impl) in enumerate(requests):
         if host and target is None and key_impl is None and type(array) is np.ndarray:
             out[i] = array  # what `place` gives: a host load takes the array as read
             continue
-        dest = plain_target(array, target, host=host, device=device, key_impl=key_impl)
+        sharding = getattr(target, 'sharding', None) if target is not None else None
+        kind = (type(array), getattr(array, 'dtype', None), type(target), id(sharding), key_impl)
+        hit = known.get(kind)
+        if hit is not None and hit[0] is sharding:  # held there: its id is not reused
+            dest = hit[1]
+        else:
+            dest = plain_target(array, target, host=host, device=device, key_impl=key_impl)
+            known[kind] = (sharding, dest)
         if dest is None:
             out[i] = place(array, target, host=host, device=device, where=where,
                            key_impl=key_impl, file=file)
@@ -203,10 +211,12 @@ def _put_grouped(arrays: list[np.ndarray], dests: list[Any]) -> list[jax.Array]:
     (and everything bound for the CPU, where arrays alias the file) go one by one."""
     accelerators: dict[Any, Any] = {}  # dest -> its accelerator device, or None
     groups: dict[Any, list[int]] = {}
+    last = device = None  # the last destination (by identity), and its accelerator
     for i, (array, dest) in enumerate(zip(arrays, dests)):
-        if dest not in accelerators:
-            accelerators[dest] = _accelerator(dest)
-        device = accelerators[dest]
+        if dest is not last:
+            if dest not in accelerators:
+                accelerators[dest] = _accelerator(dest)
+            last, device = dest, accelerators[dest]
         if device is not None and packing.packable(array):
             groups.setdefault(device, []).append(i)
     out: list[Any] = [None] * len(arrays)
