@@ -184,7 +184,8 @@ def place_all(requests: list[tuple[Any, Any, str, str | None]], *, host: bool, d
             out[i] = array  # what `place` gives: a host load takes the array as read
             continue
         sharding = getattr(target, 'sharding', None) if target is not None else None
-        kind = (type(array), getattr(array, 'dtype', None), type(target), id(sharding), key_impl)
+        kind = (type(array), getattr(array, 'dtype', None), type(target), id(sharding), key_impl,
+                getattr(target, 'weak_type', False))
         hit = known.get(kind)
         if hit is not None and hit[0] is sharding:  # held there: its id is not reused
             dest = hit[1]

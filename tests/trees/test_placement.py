@@ -78,12 +78,14 @@ def test_put_batch_falls_back_to_device_put_on_an_unexpected_answer(monkeypatch)
 def test_place_all_decides_each_kind_of_request_as_place_does(monkeypatch):
     """Requests that differ only in the array's dtype, the target's type or its sharding are
     each placed as `place` places them alone, in any order."""
-    device = jax.devices()[0]
+    device = cpu_devices(1)[0]
     spec = jax.ShapeDtypeStruct((2,), jnp.float32)
+    weak = jax.ShapeDtypeStruct((2,), jnp.float32, weak_type=True)
     on_device = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device))
     f32 = np.ones(2, np.float32)
     requests = [(f32, spec, "a", None), (np.ones(2, np.float64), spec, "b", None),
                 (f32, np.zeros(2), "c", None), (f32, on_device, "d", None), (f32, spec, "e", None),
+                (f32, weak, "w", None), (f32, spec, "s", None),
                 (np.ones(2, np.uint32), None, "k", "threefry2x32")]
     monkeypatch.setattr(placement, "_warned_x64", False)
     with pytest.warns(UserWarning, match="64-bit") if not jax.config.jax_enable_x64 else nullcontext():
@@ -92,3 +94,4 @@ def test_place_all_decides_each_kind_of_request_as_place_does(monkeypatch):
         want = placement.place(array, target, host=False, device=None, where=where, key_impl=key_impl)
         assert type(value) is type(want) and value.dtype == want.dtype
         assert getattr(value, "sharding", None) == getattr(want, "sharding", None)
+        assert getattr(value, "weak_type", None) == getattr(want, "weak_type", None), where
