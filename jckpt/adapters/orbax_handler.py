@@ -50,7 +50,7 @@ import orbax.checkpoint as ocp
 
 from jckpt.api.context import Context
 from jckpt.api.loading import describe, load, restore
-from jckpt.api.saving import save
+from jckpt.api.saving import save_file
 from jckpt.errors import InputError
 from jckpt.format._gc import paused
 from jckpt.format.entries import Entry, Header
@@ -74,7 +74,8 @@ def _snapshot(tree: Any, namespace: str) -> Any:
     started before any is awaited.
     """
     items, treedef = tree_mod.flatten_with_treedef(tree)
-    named = [(tree_mod.leaf_name(namespace, p), leaf) for p, leaf in items]
+    named = [(where, _local(leaf, where)) for where, leaf in
+             ((tree_mod.leaf_name(namespace, p), leaf) for p, leaf in items)]
     devices = [i for i, (_, leaf) in enumerate(named) if image.imageable(leaf)]
     if devices and not image.has_room([named[i][1] for i in devices], None):
         devices = []
@@ -92,6 +93,20 @@ def _snapshot(tree: Any, namespace: str) -> Any:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
+def _local(leaf: Any, where: str) -> Any:
+    """A leaf this process can write whole: a jax array replicated over several processes
+    (a global mesh's `P()`) is its copy on one of this process's devices; an array sharded
+    across processes cannot be written by one process (process 0 writes the item)."""
+    if not isinstance(leaf, jax.Array) or leaf.is_fully_addressable:
+        return leaf
+    if leaf.is_fully_replicated:
+        return leaf.addressable_shards[0].data
+    raise InputError("the orbax handler writes an item from one process, and this array is "
+                     "sharded across processes", entry=where,
+                     fix="replicate it on every process, or save the state with jckpt.save or "
+                         "jckpt.CheckpointManager, which write a multi-process checkpoint")
+
+
 class JckptCheckpointHandler(ocp.AsyncCheckpointHandler):
     """An orbax handler that stores one pytree as one jckpt file (no constructor arguments)."""
 
@@ -102,8 +117,8 @@ class JckptCheckpointHandler(ocp.AsyncCheckpointHandler):
         return os.path.join(os.fspath(directory), FILENAME)
 
     async def _write(self, tree: Any, directory: Any) -> None:
-        if jax.process_index() == 0:
-            save(self._context, tree, self._path(directory))
+        if jax.process_index() == 0:  # one file, written by this process alone
+            save_file(self._context, tree, self._path(directory))
 
     async def async_save(self, directory: Any, args: JckptSave | None = None) -> list | None:
         """Snapshot `args.tree` now (on its device, or in host memory); write it in the background."""

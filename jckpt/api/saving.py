@@ -102,6 +102,21 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
         save_directory(ctx, tree, path, alignment=alignment, metadata=_with_empty_nodes(
             metadata, None, ctx.namespace, tree_mod.flatten_with_empty(tree)[1], ()))
         return
+    _save_file(ctx, tree, path, appending, alignment, metadata, progress)
+
+
+@paused
+def save_file(ctx: Context, tree: Any, path: PathLike) -> None:
+    """`save` of `tree` as one file that this process alone writes, whatever the process count:
+    what a writer that runs on one process of several uses (orbax's handler, on process 0).
+    Every leaf must be fully addressable from this process."""
+    ctx, path = check_context(ctx), checked_path(path)
+    _refuse_plain_directory(path)
+    _save_file(ctx, tree, path, False, None, {}, False)
+
+
+def _save_file(ctx: Context, tree: Any, path: str, appending: bool, alignment: int | None,
+               metadata: dict[str, str], progress: bool) -> None:
     items, empty = tree_mod.flatten_with_empty(tree)
     hosts = to_host.host_leaves(items, namespace=ctx.namespace, pieces=True)
     alignment = _alignment(ctx.alignment if alignment is None else alignment, path)

@@ -175,6 +175,22 @@ def test_processes_saving_different_trees_fail_at_once_each_with_the_real_error(
     assert sorted(os.listdir(tmp_path)) == []
 
 
+def test_orbax_saves_replicated_state_from_two_processes(tmp_path):
+    """A global array replicated over both processes (P()) was refused as "not fully
+    addressable"; one sharded across them is refused naming what writes it instead."""
+    pytest.importorskip("orbax.checkpoint")
+    import jckpt
+    d = tmp_path / "orbax_run"
+    found = check(run_pair("orbax", d))
+    for r in found.values():
+        assert r["ok"] and r["error_type"] == "InputError", r
+        assert "sharded across processes" in r["error"] and "jckpt.save" in r["error"]
+    item = d / "1" / "state" / "checkpoint.jckpt"
+    back = jckpt.load(jckpt.Context(host=True), item)[1]["jckpt"]
+    np.testing.assert_array_equal(back["rep"], expected("rep", 1))
+    assert back["step"] == 7
+
+
 class FakeClient:
     """What _Runtime asks of JAX's distributed client: a key-value store and barriers, one
     process's view; `blocked` barriers time out as a missing peer makes them."""
@@ -293,6 +309,26 @@ def worker(phase, process, port, path):
         print("RESULT " + json.dumps(result), flush=True)
         if phase == "die":
             os._exit(0)  # the peer is gone: skip jax.distributed's shutdown barrier
+        return
+
+    if phase == "orbax":  # orbax's CheckpointManager in every process, jckpt's handler
+        import orbax.checkpoint as ocp
+
+        from jckpt.adapters.orbax_handler import JckptSave
+        m = jax.make_mesh((2, 2), ("a", "b"))
+        state = {"rep": make("rep", NamedSharding(m, P()), 1), "step": jax.device_put(
+            np.int32(7), NamedSharding(m, P()))}
+        with ocp.CheckpointManager(path) as manager:
+            manager.save(1, args=ocp.args.Composite(state=JckptSave(state)))
+            manager.wait_until_finished()
+            sharded = {"w": make("w", NamedSharding(m, P("a", "b")), 1)}
+            try:
+                manager.save(2, args=ocp.args.Composite(state=JckptSave(sharded)))
+                manager.wait_until_finished()
+            except jckpt.CheckpointError as e:
+                result.update(error_type=type(e).__name__, error=str(e))
+        result["ok"] = True
+        print("RESULT " + json.dumps(result), flush=True)
         return
 
     if phase == "restore":
