@@ -163,3 +163,13 @@ def test_a_link_to_a_plain_directory_is_replaced_like_any_link(tmp_path):
     jckpt.save(jckpt.Context(), {"w": np.ones(2)}, link)
     assert not os.path.islink(link) and jckpt.load(jckpt.Context(), link)[1]["jckpt"]["w"][0] == 1
     assert os.listdir(elsewhere) == ["notes.txt"]
+
+
+def test_save_file_writes_one_file_whatever_the_process_count(tmp_path, monkeypatch):
+    """What orbax's handler calls on process 0: never the multi-process collective."""
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(saving, "save_directory", lambda *a, **k: pytest.fail("a collective"))
+    saving.save_file(jckpt.Context(), {"w": np.arange(3.0)}, tmp_path / "one.jckpt")
+    assert jckpt.load(jckpt.Context(), tmp_path / "one.jckpt")[1]["jckpt"]["w"][2] == 2
+    with pytest.raises(InputError, match="ctx must be a jckpt.Context"):
+        saving.save_file({"w": np.ones(1)}, tmp_path / "x.jckpt", tmp_path / "y.jckpt")
