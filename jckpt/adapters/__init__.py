@@ -303,9 +303,10 @@ def _write_converted(source: Format, src: str, target: Format, tree: Any, dst: s
         write(tree, dst, metadata=meta)  # type: ignore[call-arg]  # native.write takes it
         return
     if meta:
+        keep = ("the .jckpt file keeps it" if source.name == 'jckpt'
+                else "convert to a .jckpt file to keep it as metadata")
         warnings.warn(f"{src}: {sorted(meta)} ({source.name}'s data besides arrays) is not kept in "
-                      f"{target.name!r}; convert to a .jckpt file to keep it as metadata",
-                      stacklevel=3)
+                      f"{target.name!r}; {keep}", stacklevel=3)
     write(tree, dst)
 
 

@@ -24,7 +24,7 @@ from jckpt.format.entries import DEFAULT_ALIGNMENT, Header, KeyPath, entry_for
 from jckpt.format.header import looks_like_header
 from jckpt.format.layout import lay_out
 from jckpt.format.metadata import empty_nodes, empty_nodes_text
-from jckpt.format.names import EMPTY_NODES_KEY, INDEX_NAME
+from jckpt.format.names import EMPTY_NODES_KEY, INDEX_NAME, ORBAX_JSON_KEY, RESERVED_PREFIX
 from jckpt.storage.backend import LOCAL, backend_for
 from jckpt.storage.writer import ArraySource, write_checkpoint
 from jckpt.version import __version__
@@ -51,6 +51,16 @@ def read(path: str) -> dict[str, Any]:
     _, tree = load(Context(host=True), path)
     recorded = describe(path).metadata_dict().get(EMPTY_NODES_KEY)
     return {ns: with_empty_nodes(sub, empty_nodes(recorded, ns)) for ns, sub in tree.items()}
+
+
+def read_metadata(path: str) -> dict[str, str]:
+    """What the file holds besides arrays that another format would lose: the user's
+    metadata and orbax's JSON items (what jckpt records of the tree itself is left out:
+    the writer keeps the tree's structure by its own means)."""
+    from jckpt.api.loading import describe
+
+    return {k: v for k, v in describe(path).metadata_dict().items()
+            if not k.startswith(RESERVED_PREFIX) or k == ORBAX_JSON_KEY}
 
 
 def build_header(items: Sequence[tuple[str, KeyPath, Any]], *, alignment: int = DEFAULT_ALIGNMENT,
@@ -96,4 +106,4 @@ def write(tree: Any, path: str, *, metadata: dict[str, str] | None = None) -> No
 
 def register() -> None:
     register_format('jckpt', read=read, write=write, sniff=sniff, extensions=('.jckpt',),
-                    replace=True)
+                    read_metadata=read_metadata, replace=True)

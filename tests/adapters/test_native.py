@@ -148,3 +148,21 @@ def test_the_format_is_registered_under_its_name():
     fmt = adapters.get_format('jckpt')
     assert fmt.read is native.read and fmt.write is native.write and fmt.sniff is native.sniff
     assert '.jckpt' in fmt.extensions
+
+
+def test_converting_out_of_jckpt_says_which_metadata_is_left_behind(tmp_path):
+    """The user's metadata (and orbax's JSON items) went without a word into npz or orbax;
+    what jckpt records of the tree itself is not the user's and is not named."""
+    import warnings
+
+    import jckpt
+    jckpt.save(jckpt.Context(), {"w": np.ones(2), "opt": ()}, tmp_path / "meta.jckpt",
+               metadata={"run": "abc"})
+    with pytest.warns(UserWarning, match=r"\['run'\] .* is not kept in 'npz'; the .jckpt file keeps"):
+        jckpt.convert(tmp_path / "meta.jckpt", tmp_path / "m.npz")
+    jckpt.save(jckpt.Context(), {"w": np.ones(2), "opt": ()}, tmp_path / "plain.jckpt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jckpt.convert(tmp_path / "plain.jckpt", tmp_path / "p.npz")
+    jckpt.convert(tmp_path / "meta.jckpt", tmp_path / "again.jckpt")
+    assert jckpt.describe(tmp_path / "again.jckpt").metadata_dict()["run"] == "abc"

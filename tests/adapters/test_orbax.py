@@ -86,14 +86,14 @@ def test_item_metadata_describes_a_jckpt_item_as_an_abstract_tree(tmp_path):
 def test_save_is_asynchronous_and_snapshots_the_tree(tmp_path, monkeypatch):
     release = threading.Event()
     started = threading.Event()
-    real_save = orbax_handler.save
+    real_save = orbax_handler.save_file
 
     def slow_save(*args, **kwargs):
         started.set()
         assert release.wait(60)
         return real_save(*args, **kwargs)
 
-    monkeypatch.setattr(orbax_handler, 'save', slow_save)
+    monkeypatch.setattr(orbax_handler, 'save_file', slow_save)
     values = np.arange(6, dtype=np.float32)
     with ocp.CheckpointManager(tmp_path) as manager:
         manager.save(1, args=ocp.args.Composite(state=orbax_handler.JckptSave({'v': values})))
