@@ -129,6 +129,7 @@ def configure(prefix: str, **options: Any) -> None:
         raise InputError(f"no storage backend for URL scheme {scheme!r}", file=prefix,
                          fix=f"configure one of {sorted(SCHEMES)}")
     _check_tuning(options, prefix)
+    _check_store_options(prefix, scheme, options)
     key = scheme if '://' not in prefix else f"{scheme}://{ObjectURL.parse(prefix).bucket}"
     with _LOCK:
         if options:
@@ -149,6 +150,24 @@ def _check_tuning(options: dict[str, Any], prefix: str) -> None:
                          f"smallest part S3 takes), not {part!r}", file=prefix)
     if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:
         raise InputError(f"concurrency must be a positive integer, not {concurrency!r}", file=prefix)
+
+
+def _check_store_options(prefix: str, scheme: str, options: dict[str, Any]) -> None:
+    """Refuse now what obstore refuses of the options themselves (an unknown key, a value of the
+    wrong type or form): later, it failed every use of the scheme with a network error's fix.
+    A store is built to ask (no request is made); what the environment lacks is left for use."""
+    if options.get('store') is not None or SCHEMES[scheme] == 'memory' or not available():
+        return
+    bucket = ObjectURL.parse(prefix).bucket if '://' in prefix else 'jckpt-configure-check'
+    try:
+        _build(ObjectURL.parse(f"{scheme}://{bucket}/x"), {**_OPTIONS.get(scheme, {}), **options})
+    except CheckpointError as e:
+        cause = e.__cause__
+        if isinstance(cause, TypeError) or type(cause).__name__ == 'UnknownConfigurationKeyError' \
+                or 'Config error' in str(cause):
+            raise InputError(f"the store refuses these options: {str(cause).splitlines()[0]}",
+                             file=prefix, fix="check the option's name and value against "
+                             "obstore's store for this cloud (S3Store, GCSStore, AzureStore)") from None
 
 
 def forget_stores() -> None:

@@ -350,13 +350,9 @@ def test_gs_urls_through_a_configured_store():
 
 
 def test_unknown_options_and_schemes_are_input_errors():
-    object_store.configure("s3://typo", no_such_option=1)
-    try:
-        with pytest.raises(jckpt.InputError) as e:
-            jckpt.save(jckpt.Context(), TREE, "s3://typo/x.jckpt")
-        assert e.value.file == "s3://typo/x.jckpt"
-    finally:
-        object_store.configure("s3://typo")
+    with pytest.raises(jckpt.InputError, match="no_such_option") as e:  # refused when given
+        object_store.configure("s3://typo", no_such_option=1)
+    assert e.value.file == "s3://typo"
     with pytest.raises(jckpt.InputError, match="no storage backend for URL scheme 'ftp'"):
         object_store.configure("ftp", endpoint="x")
     with pytest.raises(jckpt.InputError, match="part_size must be an integer of at least 5242880"):
@@ -422,9 +418,8 @@ def test_gcs_credentials_come_from_the_environment_or_configure(monkeypatch):
     try:
         with pytest.raises(jckpt.StorageError, match="other.json"):
             jckpt.save(jckpt.Context(), TREE, "gs://opts-bucket/x.jckpt")
-        object_store.configure("gs://opts-bucket", bogus_option=1)
         with pytest.raises(jckpt.InputError, match="bogus_option"):
-            jckpt.describe("gs://opts-bucket/x.jckpt")
+            object_store.configure("gs://opts-bucket", bogus_option=1)
     finally:
         object_store.configure("gs://opts-bucket")
         object_store.forget_stores()
@@ -527,3 +522,20 @@ def test_manager_steps_in_a_foreign_format_in_a_prefix(s3):
         r = mgr.restore()
         np.testing.assert_array_equal(r.tree["model"]["w"], tree["model"]["w"] + 3)
         assert r.metrics == {"loss": pytest.approx(1 / 3)}
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(endpnt="http://x"), "'endpnt' is not valid"),
+    (dict(client_options={"timeout": "nonsense"}), "as Duration"),
+    (dict(region=5), "not an instance of 'str'"),
+    (dict(client_options="fast"), "not an instance of 'dict'"),
+])
+def test_configure_refuses_options_the_store_refuses_at_once(options, match):
+    """They were taken, then failed every later use of the scheme, in every bucket, with the
+    fix of a network error."""
+    for prefix in ("s3", "s3://one-bucket"):
+        with pytest.raises(jckpt.InputError, match=match) as e:
+            object_store.configure(prefix, **options)
+        assert e.value.file == prefix and "S3Store" in e.value.fix
+    object_store.configure("s3", region="us-east-1")  # good options are taken
+    object_store.configure("s3")
