@@ -54,6 +54,8 @@ from jckpt.api.saving import save_file
 from jckpt.errors import InputError
 from jckpt.format._gc import paused
 from jckpt.format.entries import Entry, Header
+from jckpt.format.metadata import empty_nodes
+from jckpt.format.names import EMPTY_NODES_KEY
 from jckpt.trees import image, to_host
 from jckpt.trees import pytree as tree_mod
 
@@ -180,8 +182,10 @@ def item_metadata(header: Header, namespace: str) -> JckptItemMetadata:
     """The `JckptItemMetadata` of `header`'s entries in `namespace`."""
     items = [(e.path if e.path is not None else (('k', f"n{e.id}"),), _spec(e))
              for e in header.tensors if e.namespace == namespace]
-    return JckptItemMetadata(tree=tree_mod.unflatten(items) if items else {},
-                             custom_metadata=header.metadata_dict(), header=header)
+    meta = header.metadata_dict()  # nodes without leaves (an optax EmptyState) come back as None
+    tree = tree_mod.with_empty_nodes(tree_mod.unflatten(items) if items else {},
+                                     empty_nodes(meta.get(EMPTY_NODES_KEY), namespace))
+    return JckptItemMetadata(tree=tree, custom_metadata=meta, header=header)
 
 
 def _spec(entry: Entry) -> jax.ShapeDtypeStruct:

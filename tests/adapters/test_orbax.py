@@ -270,3 +270,17 @@ def test_an_orbax_destination_in_a_bucket_is_refused_not_written_locally(tmp_pat
         jckpt.convert(src, url, format="orbax")
     assert e.value.file == url and "upload" in e.value.fix
     assert sorted(os.listdir(tmp_path)) == ["m.jckpt"]
+
+
+def test_item_metadata_keeps_nodes_without_leaves(tmp_path):
+    """adamw's state is (ScaleByAdamState, EmptyState, EmptyState): the metadata's tree had one
+    element instead of three."""
+    optax = pytest.importorskip("optax")
+    params = {"w": jnp.ones(3)}
+    state = {"params": params, "opt": optax.adamw(1e-3).init(params)}
+    with ocp.CheckpointManager(tmp_path / "run") as manager:
+        manager.save(1, args=ocp.args.Composite(state=orbax_handler.JckptSave(state)))
+        manager.wait_until_finished()
+        tree = manager.item_metadata(1)["state"].tree
+    assert len(tree["opt"]) == 3 and tree["opt"][1] is None and tree["opt"][2] is None
+    assert tree["opt"][0]["mu"]["w"].shape == (3,)
