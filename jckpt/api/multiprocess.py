@@ -348,6 +348,12 @@ def _discard(backend: Backend, stage: _Stage) -> None:
         object_directory.discard(stage.path, stage.tag)
 
 
+def _checked_write(first: str, path: str, where: str, *pieces: Any) -> None:
+    """Check that process 0 saves to this process's `path`, then write this process's pieces."""
+    _check_same_path(first, path)
+    _write_pieces(where, *pieces)
+
+
 def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: int | None = None,
                    metadata: Mapping[str, str] | None = None,
                    timeout: float | None = None) -> None:
@@ -383,9 +389,9 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
             first = rt.share('path', path if process == 0 else None)  # process 0's
             where = _open_stage(rt, path, process, stage, backend)
             save = stage.tag or os.path.basename(where)  # the same in every process
-            rt.together('written', 'wrote its pieces', process, lambda: (
-                _check_same_path(first, path), _write_pieces(
-                    where, leaves, namespace, alignment, process, ctx.durable, stage.tag, save)))
+            rt.together('written', 'wrote its pieces', process, functools.partial(
+                _checked_write, first, path, where, leaves, namespace, alignment, process,
+                ctx.durable, stage.tag, save))
             rt.together('published', 'saw the checkpoint published', process, None if process else (
                 lambda: _publish(backend, stage, path, count, alignment,
                                  {**(metadata or {}), SAVE_KEY: save}, ctx.durable)))
