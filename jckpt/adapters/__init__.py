@@ -69,6 +69,9 @@ class Format:
       read_metadata: `read_metadata(path) -> {key: str}`: what a file holds
         besides arrays (an orbax step's JSON items), which `convert` stores as
         the jckpt file's metadata; None: nothing.
+      check: `check(tree, path)`: raise `InputError` for a `{namespace: subtree}` the
+        writer cannot hold, from the leaves' shapes and dtypes alone (no data is read), so
+        a manager refuses such a step when it is saved, not when it is written.
     """
 
     name: str
@@ -77,6 +80,7 @@ class Format:
     sniff: Callable[[str, bytes | None], bool] | None = None
     extensions: tuple[str, ...] = ()
     read_metadata: Callable[[str], dict[str, str]] | None = None
+    check: Callable[[Any, str], None] | None = None
 
 
 _LOCK = threading.RLock()
@@ -88,7 +92,8 @@ def register_format(name: str, *, read: Callable[[str], Any],
                     sniff: Callable[[str, bytes | None], bool] | None = None,
                     extensions: tuple[str, ...] | list[str] = (),
                     replace: bool = False,
-                    read_metadata: Callable[[str], dict[str, str]] | None = None) -> Format:
+                    read_metadata: Callable[[str], dict[str, str]] | None = None,
+                    check: Callable[[Any, str], None] | None = None) -> Format:
     """Add a format to the registry (formats registered later are tried first).
 
     Args:
@@ -101,6 +106,8 @@ def register_format(name: str, *, read: Callable[[str], Any],
       replace: allow replacing a format of the same name.
       read_metadata: `read_metadata(path) -> {key: str}`, what a file holds
         besides arrays; `convert` keeps it as a jckpt file's metadata.
+      check: `check(tree, path)` raising `InputError` for a tree `write` cannot hold,
+        from shapes and dtypes alone (see `Format.check`).
 
     Example:
         ```python
@@ -112,11 +119,13 @@ def register_format(name: str, *, read: Callable[[str], Any],
     if not isinstance(name, str) or not name:
         raise InputError(f"format name must be a non-empty string, not {name!r}")
     _check_hooks(read=read, write=write, sniff=sniff, extensions=extensions)
-    if read_metadata is not None and not callable(read_metadata):
-        raise InputError(f"register_format's read_metadata must be a function, not "
-                         f"{read_metadata!r:.80}", fix="pass read_metadata=a function or None")
+    for what, hook in (('read_metadata', read_metadata), ('check', check)):
+        if hook is not None and not callable(hook):
+            raise InputError(f"register_format's {what} must be a function, not {hook!r:.80}",
+                             fix=f"pass {what}=a function or None")
     fmt = Format(name=name, read=read, write=write, sniff=sniff,
-                 extensions=tuple(e.lower() for e in extensions), read_metadata=read_metadata)
+                 extensions=tuple(e.lower() for e in extensions), read_metadata=read_metadata,
+                 check=check)
     with _LOCK:
         if name in _FORMATS and not replace:
             raise InputError(f"format {name!r} is already registered",

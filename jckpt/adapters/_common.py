@@ -66,6 +66,26 @@ def host_items_with_keys(tree: Any, file: str) -> list[tuple[str, KeyPath, np.nd
     return [(ns, path, host.array, host.key_impl) for (ns, path, _), host in zip(items, hosts)]
 
 
+def abstract_items(tree: Any, file: str) -> list[tuple[str, KeyPath, Any]]:
+    """`[(namespace, path, spec)]` for every leaf of `{namespace: subtree}`: `spec` has the
+    `shape` and `dtype` the leaf is written with (a typed PRNG key's: its key data's), and
+    nothing is read or moved: what a format's `check` looks at."""
+    import jax
+
+    from jckpt.trees.pytree import flatten
+    from jckpt.trees.to_host import is_key_dtype
+    out = []
+    for ns, sub in check_namespaced(tree, file).items():
+        for path, leaf in flatten(sub):
+            dtype = getattr(leaf, 'dtype', None)
+            if dtype is None:
+                leaf = np.asarray(leaf)  # a Python number
+            elif is_key_dtype(dtype):
+                leaf = jax.eval_shape(jax.random.key_data, leaf)
+            out.append((ns, path, leaf))
+    return out
+
+
 def flat_name(ns: str, path: KeyPath, several: bool, sep: str = '.') -> str:
     """The flat tensor name of a leaf: its path joined by `sep`, prefixed by the
     namespace when the tree has several."""

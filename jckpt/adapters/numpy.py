@@ -39,6 +39,7 @@ import numpy as np
 from jckpt.adapters import _zip
 from jckpt.adapters._common import (
     DEFAULT_NAMESPACE,
+    abstract_items,
     array_view,
     flat_names,
     host_items,
@@ -184,9 +185,7 @@ def write_npy(tree: Any, path: str) -> None:
     """Write the only leaf of `tree` as a `.npy` file."""
     path = os.fspath(path)
     items = host_items(tree, path)
-    if len(items) != 1:
-        raise InputError(f".npy holds exactly one array; the tree has {len(items)} leaves",
-                         file=path, fix="write an .npz archive instead")
+    _one_leaf(items, path)
     array = items[0][2]
     with published(path) as f:
         f.write(npy_header(array))
@@ -247,10 +246,14 @@ def _npz_member(zf, buffer, info, path: str, name: str, budget: _zip.Budget) -> 
     return parse_npy(data, 0, len(data), path, name)
 
 
-def write_npz(tree: Any, path: str) -> None:
-    """Write `{namespace: subtree}` as an uncompressed `.npz` archive (members 64-byte aligned)."""
-    path = os.fspath(path)
-    items = host_items(tree, path)
+def _one_leaf(items: list, path: str) -> None:
+    if len(items) != 1:
+        raise InputError(f".npy holds exactly one array; the tree has {len(items)} leaves",
+                         file=path, fix="write an .npz archive instead")
+
+
+def _member_names(items: list, path: str) -> list[str]:
+    """The items' archive names: distinct, and none a member `read_npz` would refuse."""
     names = flat_names(items, path)
     for (ns, key_path, _), name in zip(items, names):
         if unsafe_member_name(name + '.npy'):  # read_npz refuses such members, as np.load may not
@@ -258,6 +261,24 @@ def write_npz(tree: Any, path: str) -> None:
                              f"{name + '.npy'!r} (absolute or with '..')", file=path,
                              entry=f"{ns}/{path_name(key_path)}",
                              fix="rename the leaf, or convert to .jckpt or .safetensors")
+    return names
+
+
+def check_npy(tree: Any, path: str) -> None:
+    """Refuse a tree `write_npy` cannot hold (not one leaf), reading no data."""
+    _one_leaf(abstract_items(tree, path), path)
+
+
+def check_npz(tree: Any, path: str) -> None:
+    """Refuse a tree `write_npz` cannot hold (names alike or unsafe), reading no data."""
+    _member_names(abstract_items(tree, path), path)
+
+
+def write_npz(tree: Any, path: str) -> None:
+    """Write `{namespace: subtree}` as an uncompressed `.npz` archive (members 64-byte aligned)."""
+    path = os.fspath(path)
+    items = host_items(tree, path)
+    names = _member_names(items, path)
     record = _COMMENT_TAG + paths_json(items, names).encode('utf-8')
     with published(path) as f, zipfile.ZipFile(f, 'w', zipfile.ZIP_STORED,
                                                allowZip64=True) as zf:
@@ -272,7 +293,7 @@ def write_npz(tree: Any, path: str) -> None:
 def register() -> None:
     from jckpt.adapters import register_format
 
-    register_format('npy', read=read_npy, write=write_npy, sniff=sniff_npy,
+    register_format('npy', read=read_npy, write=write_npy, sniff=sniff_npy, check=check_npy,
                     extensions=('.npy',), replace=True)
-    register_format('npz', read=read_npz, write=write_npz, sniff=sniff_npz,
+    register_format('npz', read=read_npz, write=write_npz, sniff=sniff_npz, check=check_npz,
                     extensions=('.npz',), replace=True)

@@ -42,6 +42,7 @@ import ml_dtypes
 import numpy as np
 
 from jckpt.adapters._common import (
+    abstract_items,
     check_member_name,
     flat_names,
     host_items,
@@ -304,13 +305,24 @@ def encode_header(entries: list[tuple[str, np.dtype, tuple[int, ...], int]],
 def _prepare(tree: Any, path: str) -> tuple[list, list[str], list[int]]:
     """Host items, their names, and the write order (largest element first, then name)."""
     items = host_items(tree, path)
+    names = _checked_names(items, path)
+    order = sorted(range(len(items)), key=lambda i: (-items[i][2].dtype.itemsize, names[i]))
+    return items, names, order
+
+
+def _checked_names(items: list, path: str) -> list[str]:
+    """The items' tensor names, every dtype one safetensors has (`InputError` otherwise)."""
     names = flat_names(items, path)
     for (_ns, _p, array), name in zip(items, names):
         if dtype_name(array.dtype) is None:
             raise InputError(f"dtype {array.dtype} has no safetensors equivalent", file=path,
                              entry=name, fix="cast it, or write a jckpt or npz file instead")
-    order = sorted(range(len(items)), key=lambda i: (-items[i][2].dtype.itemsize, names[i]))
-    return items, names, order
+    return names
+
+
+def check(tree: Any, path: str) -> None:
+    """Refuse a tree `write` cannot hold (a dtype, two names alike), reading no data."""
+    _checked_names(abstract_items(tree, path), path)
 
 
 def _write_file(path: str, items: list, names: list[str], order: list[int],
@@ -408,4 +420,4 @@ def register() -> None:
     from jckpt.adapters import register_format
 
     register_format('safetensors', read=read, write=write, sniff=sniff, read_metadata=read_metadata,
-                    extensions=('.safetensors', INDEX_SUFFIX), replace=True)
+                    check=check, extensions=('.safetensors', INDEX_SUFFIX), replace=True)

@@ -188,6 +188,22 @@ def _fail(step: int, file: str, what: str, e: BaseException) -> CheckpointError:
 _WRITER_FIX = "check the model tree and the format's writer or callback"
 
 
+def check_model(options: CheckpointOptions, trees: Mapping[str, Any], namespace: str, step: int,
+                target: str) -> None:
+    """Refuse, when the step is saved, a model its format's writer cannot hold (from shapes and
+    dtypes, `Format.check`); one that passes can still fail when written, and is dropped then."""
+    if not options.foreign or options.model_writer is not None:
+        return
+    check = adapters.get_format(options.format).check
+    if check is not None:
+        named = os.path.join(target, options.model_file)
+        try:
+            check({namespace: trees[namespace]}, named)
+        except InputError as e:
+            raise InputError(f"step {step}: the model cannot be written as {options.format}: "
+                             f"{e.message}", file=named, entry=e.entry, fix=e.fix) from None
+
+
 def _write_model(options: CheckpointOptions, model: Any, namespace: str, path: str,
                  step: int, named: str) -> None:
     """Write the model to `path`; errors name the step and `named`, the file once published."""

@@ -313,6 +313,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
             self._save_directory(step, tree, items, meta, clean_metrics)
             return True
         trees = items if items is not None else {self.ctx.namespace: tree}
+        formats.check_model(options, trees, model_ns, step, self._path(step))  # before admitting
         leaves = namespace_leaves(trees)
         meta.update(empty_nodes_metadata(trees))
         self._pipeline.admit(leaves, meta, _Step(step, clean_metrics, options, model_ns),

@@ -229,3 +229,24 @@ def test_a_hugging_face_trainer_checkpoint_still_converts(tmp_path):
     assert jckpt.detect_format(hf) == 'safetensors'
     assert jckpt.convert(hf, tmp_path / 'hf.jckpt') == ('safetensors', 'jckpt')
     assert (classify(str(hf)).name, classify(str(hf)).detail) == ('foreign', 'safetensors')
+
+
+def test_a_format_may_check_a_tree_from_shapes_and_dtypes(tmp_path, clean_registry):
+    """What a manager asks before admitting a step: no data is read, typed keys are their
+    key data, and a check that is not a function is refused."""
+    import jax
+    import jax.numpy as jnp
+
+    import jckpt
+    from jckpt.adapters import _common, get_format
+    seen = []
+    fmt = jckpt.register_format('checked', read=lambda p: {}, write=lambda t, p: None,
+                                check=lambda tree, path: seen.append(
+                                    _common.abstract_items(tree, path)), replace=True)
+    fmt.check({'m': {'k': jax.random.key(0), 'w': jax.ShapeDtypeStruct((2, 3), jnp.bfloat16),
+                     'n': 3}}, 'x.checked')
+    specs = {p[0][1]: (s.shape, str(s.dtype)) for _, p, s in seen[0]}
+    assert specs == {'k': ((2,), 'uint32'), 'w': ((2, 3), 'bfloat16'), 'n': ((), 'int64')}
+    get_format('safetensors').check({'m': {'w': jax.ShapeDtypeStruct((2,), jnp.bfloat16)}}, 'x')
+    with pytest.raises(jckpt.InputError, match="check must be a function"):
+        jckpt.register_format('bad', read=lambda p: {}, check=3)

@@ -284,24 +284,46 @@ def test_a_callback_that_raises_is_a_failed_write(tmp_path):
         assert mgr.restore(3).tree['model']['w'][0] == 3
 
 
-def test_a_step_its_format_cannot_hold_is_dropped_and_later_steps_are_written(tmp_path):
-    """int4 has no safetensors dtype: retrying cannot help, and retrying it forever held every
-    later step behind it. The step is dropped, the error keeps its class and names the step's
-    file (not its staging name), and the next wait raises it once."""
+@pytest.mark.parametrize('fmt, bad', [
+    ('safetensors', {'q': 'int4'}),         # a dtype safetensors lacks
+    ('npz', {'a.b': 'float32'}),            # 'a.b' and a/b would share one member name
+    ('npy', {'second': 'float32'}),         # .npy holds one array
+])
+def test_a_model_its_format_cannot_hold_is_refused_when_saved(tmp_path, fmt, bad):
+    """Found from shapes and dtypes (the format's check), before anything is admitted: it was
+    found only when written, in the background, and retried forever."""
     import jax.numpy as jnp
-    opts = CheckpointOptions(format='safetensors')
+    opts = CheckpointOptions(format=fmt)
+    with jckpt.CheckpointManager(tmp_path, options=opts) as mgr:
+        mgr.save(1, {'w': jnp.ones(2)} if fmt == 'npy' else {'w': jnp.ones(2), 'a': {'b': jnp.ones(1)}})
+        tree = {'w': jnp.ones(2), **{k: jnp.ones(4, getattr(jnp, d)) for k, d in bad.items()}}
+        if fmt == 'npz':
+            tree['a'] = {'b': jnp.ones(1)}
+        with pytest.raises(InputError, match=f"step 2: the model cannot be written as {fmt}") as e:
+            mgr.save(2, tree)
+        assert e.value.file == str(tmp_path / 'step_00000002.jckpt' / CheckpointOptions(
+            format=fmt).model_file) and e.value.fix
+        assert mgr.counters.committed == 1
+        mgr.save(3, {'w': jnp.ones(2)})
+    assert jckpt.CheckpointManager(tmp_path).all_steps() == [1, 3]
+
+
+def test_a_step_its_writer_refuses_later_is_dropped_and_later_steps_are_written(tmp_path):
+    """What no check finds before writing (an llm.c model that is not a GPT-2) is dropped when
+    written: retrying cannot help, and retrying it forever held every later step behind it.
+    The error keeps its class, names the step's file (not its staging name), and the next
+    wait raises it once."""
+    import jax.numpy as jnp
+    opts = CheckpointOptions(format='llmc')
     with jckpt.CheckpointManager(tmp_path, options=opts, retry_after=30, patience=1) as mgr:
-        for step in range(1, 6):
-            extra = {'q': jnp.ones(4, jnp.int4)} if step == 2 else {}
-            assert mgr.save(step, {'w': jnp.full(2, step, jnp.float32), **extra}, timeout=60)
-        with pytest.raises(InputError, match="step 2: writing the model as safetensors: dtype int4"
-                           ) as e:
+        assert mgr.save(1, {'w': jnp.ones(2)})
+        assert mgr.save(2, items={'model': gpt2(2), 'opt': optimizer(2)}, timeout=60)
+        with pytest.raises(InputError, match="step 1: writing the model as llmc") as e:
             mgr.wait_durable(timeout=60)
-        assert e.value.file == str(tmp_path / 'step_00000002.jckpt' / 'model.safetensors')
-        assert e.value.entry == 'q' and 'cast it' in e.value.fix
-        assert mgr.all_steps() == [1, 3, 4, 5] and mgr.counters.failures == 1
-        assert mgr.restore(5).tree['jckpt']['w'][0] == 5
-    assert not [n for n in os.listdir(tmp_path) if 'step_00000002' in n]
+        assert e.value.file == str(tmp_path / 'step_00000001.jckpt' / 'model.bin')
+        assert mgr.all_steps() == [2] and mgr.counters.failures == 1
+        assert mgr.wait_durable(timeout=60)  # raised once
+    assert not [n for n in os.listdir(tmp_path) if 'step_00000001' in n]
 
 
 def test_a_loader_that_raises_or_returns_another_tree(tmp_path):
