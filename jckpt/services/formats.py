@@ -191,17 +191,34 @@ _WRITER_FIX = "check the model tree and the format's writer or callback"
 def check_model(options: CheckpointOptions, trees: Mapping[str, Any], namespace: str, step: int,
                 target: str) -> None:
     """Refuse, when the step is saved, a model its format's writer cannot hold (from shapes and
-    dtypes, `Format.check`); one that passes can still fail when written, and is dropped then."""
+    dtypes, `Format.check`); one that passes can still fail when written, and is dropped then.
+
+    A model of the structure, shapes and dtypes of one that passed is not checked again: the
+    check runs on the training loop's time, and a run saves one such model step after step.
+    """
     if not options.foreign or options.model_writer is not None:
         return
     check = adapters.get_format(options.format).check
-    if check is not None:
-        named = os.path.join(target, options.model_file)
-        try:
-            check({namespace: trees[namespace]}, named)
-        except InputError as e:
-            raise InputError(f"step {step}: the model cannot be written as {options.format}: "
-                             f"{e.message}", file=named, entry=e.entry, fix=e.fix) from None
+    if check is None:
+        return
+    leaves, treedef = jax.tree_util.tree_flatten(trees[namespace])
+    seen = (check, namespace, treedef, tuple((getattr(x, 'dtype', type(x)), getattr(x, 'shape', ()))
+                                             for x in leaves))
+    if seen in _PASSED:
+        return
+    named = os.path.join(target, options.model_file)
+    try:
+        check({namespace: trees[namespace]}, named)
+    except InputError as e:
+        raise InputError(f"step {step}: the model cannot be written as {options.format}: "
+                         f"{e.message}", file=named, entry=e.entry, fix=e.fix) from None
+    if len(_PASSED) >= 16:
+        _PASSED.clear()
+    _PASSED.add(seen)
+
+
+#: The models (check, namespace, structure, dtypes and shapes) that passed `check_model`.
+_PASSED: set[tuple] = set()
 
 
 def _write_model(options: CheckpointOptions, model: Any, namespace: str, path: str,

@@ -452,3 +452,17 @@ def test_a_foreign_step_restores_by_restores_own_rules(tmp_path, fmt):
             mgr.restore(target={**target, 'k': jax.random.key(0, impl='rbg')})
         with pytest.raises(MismatchError, match="step 1: dtype mismatch"):
             mgr.restore(target={**target, 'w': jnp.zeros(3, jnp.int32)})
+
+
+def test_a_model_like_one_that_passed_is_not_checked_again(monkeypatch):
+    """The check runs on the training loop's time: step after step of one structure is checked
+    once; another dtype or shape is checked anew."""
+    from jckpt import adapters
+    from jckpt.services import formats
+    calls = []
+    fmt = dataclasses.replace(adapters.get_format('npz'), check=lambda t, p: calls.append(p))
+    monkeypatch.setattr(adapters, 'get_format', lambda name: fmt)
+    opts = CheckpointOptions(format='npz')
+    for step, w in enumerate([np.ones(2), np.zeros(2), np.ones(2, np.int32), np.ones(3)]):
+        formats.check_model(opts, {'m': {'w': w}}, 'm', step, f'run/{step}')
+    assert len(calls) == 3  # the second had the first's structure, dtype and shape
