@@ -148,11 +148,8 @@ def _classify_url(path: str, backend: Any) -> Kind:
         try:
             backend.open(path)
         except FormatError as e:
-            try:
-                fmt: str | None = detect_format(path)
-            except CheckpointError:
-                fmt = None
-            if fmt is not None and fmt not in ('jckpt', 'ocannl'):
+            fmt = _foreign_format(path)
+            if fmt is not None:
                 return Kind(FOREIGN, path, fmt, not_jckpt_error(path, fmt))
             return Kind(UNKNOWN, path, UNREADABLE, e)
         return Kind(FILE, path)
@@ -189,7 +186,7 @@ def _classify_names(path: str, names: list[str]) -> Kind:
             fix=f"inspect the manager's directory ({os.path.dirname(path.rstrip('/')) or '.'}), "
                 "restore the step with CheckpointManager(directory).restore(step), or open "
                 "the files in it"))
-    fmt = _foreign_directory(path)
+    fmt = _foreign_format(path)
     if fmt is not None:  # an orbax step or item, a Hugging Face checkpoint-500/
         return Kind(FOREIGN, path, fmt, not_jckpt_error(path, fmt))
     return Kind(UNKNOWN, path, NO_CHECKPOINT, FormatError(
@@ -198,8 +195,9 @@ def _classify_names(path: str, names: list[str]) -> Kind:
             "manager's directory"))
 
 
-def _foreign_directory(path: str) -> str | None:
-    """The format another tool's checkpoint directory is in, or None."""
+def _foreign_format(path: str) -> str | None:
+    """The format of another tool's checkpoint file or directory at `path`, or None (none
+    recognises it, or it is jckpt's own)."""
     try:
         fmt: str | None = detect_format(path)
     except CheckpointError:
@@ -210,11 +208,8 @@ def _foreign_directory(path: str) -> str | None:
 def _classify_file(path: str) -> Kind:
     if looks_like_header(_head(path)):
         return Kind(FILE, path)
-    try:
-        fmt: str | None = detect_format(path)
-    except CheckpointError:  # no format recognises it
-        fmt = None
-    if fmt is not None and fmt not in ('jckpt', 'ocannl'):
+    fmt = _foreign_format(path)
+    if fmt is not None:
         return Kind(FOREIGN, path, fmt, not_jckpt_error(path, fmt))
     try:
         CheckpointReader(path)

@@ -200,8 +200,7 @@ def unusable_leaf(named: Iterable[tuple[str, Any]]) -> InputError | None:
                               "another transformation", entry=where,
                               fix="save outside the jitted function: return the state from the "
                                   "step and save what it returned")
-        deleted = getattr(leaf, 'is_deleted', None)
-        if isinstance(leaf, jax.Array) and deleted is not None and deleted():
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
             return InputError("the array has been deleted (its buffer was donated to a jitted "
                               "step, or deleted)", entry=where,
                               fix="save the state the step returned, or save before the step "
