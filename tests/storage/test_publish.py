@@ -195,3 +195,13 @@ def test_replace_never_opens_through_a_link_or_waits_on_a_fifo(tmp_path):
         publish.replace(str(source), str(target))  # a FIFO opened for reading would block
         assert target.read_bytes() == b"new" and not target.is_symlink()
     assert elsewhere.read_bytes() == b"kept"
+
+
+def test_a_path_through_a_file_or_onto_a_directory_says_what_to_do(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(StorageError, match="Not a directory") as e:
+        jckpt.save(jckpt.Context(), {"w": np.ones(2)}, tmp_path / "afile" / "x.jckpt")
+    assert e.value.fix == "a part of the path is a file, not a directory; fix the path"
+    assert "afile" in e.value.file
+    err = publish.storage_error(IsADirectoryError(21, "Is a directory"), "publishing", "ckpt")
+    assert err.fix == "a directory is in the way at that path; remove it or save elsewhere"
