@@ -67,7 +67,8 @@ def main(count: int = 2000, elements: int = 1000, reps: int = 7) -> dict:
     rng = np.random.default_rng(0)
     tree = {f"w{i:04d}": rng.random(elements, dtype=np.float32) for i in range(count)}
     spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
-    path = os.path.join(tempfile.mkdtemp(), "small.jckpt")
+    scratch = tempfile.TemporaryDirectory()  # removed when main returns
+    path = os.path.join(scratch.name, "small.jckpt")
     jckpt.save(jckpt.Context(), tree, path)
     leaves = list(tree.values())
     packed = np.concatenate(leaves)

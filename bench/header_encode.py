@@ -22,14 +22,12 @@ from jckpt.format.header import Header, encode_header_with_slots
 
 def saved_header(name: str) -> Header:
     """The header of the workload as `jckpt.save` writes it."""
-    path = os.path.join(tempfile.mkdtemp(), 'h.jckpt')
-    jckpt.save(jckpt.Context(durable=False), workloads.build(name, quick=False), path)
-    try:
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, 'h.jckpt')
+        jckpt.save(jckpt.Context(durable=False), workloads.build(name, quick=False), path)
         with open(path, 'rb') as f:
             first = f.read(4)
             return decode_header(first + f.read(int.from_bytes(first, 'big')))
-    finally:
-        os.remove(path)
 
 
 def median_s(header: Header, reps: int) -> float:

@@ -22,7 +22,8 @@ from bench import workloads
 def main(workload: str = 'small', op: str = 'save', top: int = 12) -> None:
     tree = jax.tree.map(jax.numpy.asarray, workloads.build(workload, quick=False))
     spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
-    path = os.path.join(tempfile.mkdtemp(), 'p.jckpt')
+    scratch = tempfile.TemporaryDirectory()  # removed when main returns
+    path = os.path.join(scratch.name, 'p.jckpt')
     ctx = jckpt.Context(durable=False)
     jckpt.save(ctx, tree, path)
     run = {'save': lambda: jckpt.save(ctx, tree, path),

@@ -48,7 +48,8 @@ def main(reps: int = 15) -> None:
     paths = list(flat)
     hosts = to_host.host_leaves([(str(p), a) for p, a in flat.items()])
     named = {path_name(p): np.asarray(a) for p, a in flat.items()}
-    folder = tempfile.mkdtemp()
+    scratch = tempfile.TemporaryDirectory()  # removed when main returns
+    folder = scratch.name
     ctx = jckpt.Context(durable=False)
     runs = {
         'entries, Python': _switched(False, lambda: saving._entries(ctx, paths, hosts, alignment=32)),

@@ -75,8 +75,11 @@ def main(reps: int = 21, python: bool = False, over: bool = False) -> dict[str, 
 
 def _run(reps: int, over: bool = False) -> dict[str, float]:
     tree = to_device(workloads.build('small'))
-    folder = tempfile.mkdtemp(prefix='jckpt-small-save-')
-    writers = _writers(tree, folder)
+    with tempfile.TemporaryDirectory(prefix='jckpt-small-save-') as folder:
+        return _timed_writers(_writers(tree, folder), folder, reps, over)
+
+
+def _timed_writers(writers: dict, folder: str, reps: int, over: bool) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in writers}
     for _ in range(reps):
         for name, fn in writers.items():

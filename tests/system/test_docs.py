@@ -21,6 +21,7 @@ import pkgutil
 import re
 import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -117,12 +118,19 @@ def test_docs_have_examples():
         assert name in runnable
 
 
+def _work_in(folder: Path, monkeypatch) -> None:
+    """Run examples in ``folder``, their ``tempfile.mkdtemp()`` folders too (none left behind)."""
+    monkeypatch.chdir(folder)
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    monkeypatch.setenv("TMPDIR", str(folder))
+
+
 @pytest.mark.parametrize("page", _pages(), ids=lambda p: p.name)
 def test_page_examples_run(page: Path, tmp_path, monkeypatch):
     blocks = doc_blocks(page.read_text())
     if not blocks:
         pytest.skip(f"{page.name} has no examples")
-    monkeypatch.chdir(tmp_path)
+    _work_in(tmp_path, monkeypatch)
     namespace: dict = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
     for line, kind, code in blocks:
         if kind == "console":
@@ -155,7 +163,7 @@ def _modules() -> list[str]:
 @pytest.mark.parametrize("name", _modules())
 def test_module_doctests(name: str, tmp_path, monkeypatch):
     """The ``>>>`` examples in docstrings (the API reference shows them) pass."""
-    monkeypatch.chdir(tmp_path)
+    _work_in(tmp_path, monkeypatch)
     try:
         module = importlib.import_module(name)
     except ModuleNotFoundError as err:
