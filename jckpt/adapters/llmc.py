@@ -45,7 +45,14 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from jckpt.adapters._common import DEFAULT_NAMESPACE, host_items, map_file, published, single_content
+from jckpt.adapters._common import (
+    DEFAULT_NAMESPACE,
+    abstract_items,
+    host_items,
+    map_file,
+    published,
+    single_content,
+)
 from jckpt.errors import FormatError, InputError
 from jckpt.format.payload import iter_payload_chunks
 
@@ -174,14 +181,12 @@ def _get(tree: Any, where: tuple, what: str, file: str) -> np.ndarray:
     return node
 
 
-def write(tree: Any, path: str) -> None:
-    """Write a GPT-2 parameter tree (the form `read` returns) as an llm.c model file.
+def _plan(items: list, path: str) -> tuple[Config, np.dtype, list]:
+    """`(config, dtype, leaves in file order)` of a GPT-2 tree's `[(namespace, path, leaf)]`.
 
-    `config` needs at least `num_heads` and `vocab_size`; the other
-    dimensions come from the parameters' shapes and are checked against it.
+    Looks only at shapes and dtypes (and the `config` integers), so it
+    serves `check` with abstract leaves as well as `write` with host arrays.
     """
-    path = os.fspath(path)
-    items = host_items(tree, path)  # validates leaves, moves device arrays to the host
     rebuilt: dict = {}
     for ns, p, array in items:
         node = rebuilt.setdefault(ns, {})
@@ -195,13 +200,36 @@ def write(tree: Any, path: str) -> None:
     h = model['h']
     layers = [h[k] for k in sorted(h)] if isinstance(h, dict) else list(h)
     if sorted(h) != list(range(len(layers))):
-        raise InputError("'h' must hold layers 0..L-1", file=path)
+        raise InputError("'h' must hold layers 0..L-1", file=path,
+                         fix="number the layers 0, 1, ... without gaps")
+    config = _config(model, len(layers), path)
+    dtype = np.dtype(_get(model, ('wte',), 'wte', path).dtype)
+    if dtype not in VERSIONS.values():
+        raise InputError(f"llm.c stores float32 or bfloat16 parameters, not {dtype}", file=path,
+                         entry='wte', fix="cast the parameters to float32 or bfloat16")
+    leaves = []
+    for (kind, shape), (_, where, per_layer) in zip(param_shapes(config), KINDS):
+        name = '/'.join(where)
+        sources = [(f"h/{i}/{name}", layer) for i, layer in enumerate(layers)] if per_layer \
+            else [(name, model)]
+        for entry, node in sources:
+            leaf = _get(node, where, entry, path)
+            if tuple(leaf.shape) != shape or leaf.dtype != dtype:
+                raise InputError(f"{kind} is {np.dtype(leaf.dtype)}{list(leaf.shape)}, expected "
+                                 f"{dtype}{list(shape)}", file=path, entry=entry,
+                                 fix="every parameter must have GPT-2's shape and one dtype")
+            leaves.append(leaf)
+    return config, dtype, leaves
+
+
+def _config(model: dict, num_layers: int, path: str) -> Config:
+    """The dimensions the parameters' shapes give, checked against the tree's `config`."""
     cfg = model.get('config', {})
     wte = _get(model, ('wte',), 'wte', path)
     wpe = _get(model, ('wpe',), 'wpe', path)
     try:
         config = Config(max_seq_len=wpe.shape[0], vocab_size=int(cfg['vocab_size']),
-                        num_layers=len(layers), num_heads=int(cfg['num_heads']),
+                        num_layers=num_layers, num_heads=int(cfg['num_heads']),
                         channels=wte.shape[1], padded_vocab_size=wte.shape[0])
     except (KeyError, IndexError, TypeError) as e:
         raise InputError(f"cannot tell the model's dimensions ({e!r})", file=path,
@@ -210,19 +238,31 @@ def write(tree: Any, path: str) -> None:
     for field in dataclasses.fields(Config):
         if field.name in cfg and int(cfg[field.name]) != getattr(config, field.name):
             raise InputError(f"config.{field.name} is {int(cfg[field.name])} but the parameters "
-                             f"say {getattr(config, field.name)}", file=path)
-    dtype = wte.dtype
-    arrays = []
-    for (kind, shape), (_, where, per_layer) in zip(param_shapes(config), KINDS):
-        sources = [(f"h/{i}/{'/'.join(where)}", _get(layer, where, f"h/{i}/{'/'.join(where)}", path))
-                   for i, layer in enumerate(layers)] if per_layer else \
-            [('/'.join(where), _get(model, where, '/'.join(where), path))]
-        for name, array in sources:
-            if array.shape != shape or array.dtype != dtype:
-                raise InputError(f"{kind} is {array.dtype}{list(array.shape)}, expected "
-                                 f"{dtype}{list(shape)}", file=path, entry=name,
-                                 fix="every parameter must have GPT-2's shape and one dtype")
-            arrays.append(array)
+                             f"say {getattr(config, field.name)}", file=path,
+                             entry=f"config/{field.name}", fix=f"drop config.{field.name} or "
+                             "make it match the parameters")
+    return config
+
+
+def check(tree: Any, path: str) -> None:
+    """Refuse a tree `write` cannot hold (not GPT-2's names, shapes or one dtype), reading no data.
+
+    >>> check({'jckpt': {'wte': np.zeros((4, 2))}}, 'model.bin')
+    Traceback (most recent call last):
+    ...
+    jckpt.errors.InputError: model.bin: the tree is not a GPT-2 parameter tree (no 'h' layers) ...
+    """
+    _plan(abstract_items(tree, os.fspath(path)), os.fspath(path))
+
+
+def write(tree: Any, path: str) -> None:
+    """Write a GPT-2 parameter tree (the form `read` returns) as an llm.c model file.
+
+    `config` needs at least `num_heads` and `vocab_size`; the other
+    dimensions come from the parameters' shapes and are checked against it.
+    """
+    path = os.fspath(path)
+    config, dtype, arrays = _plan(host_items(tree, path), path)
     header = encode_header(config, dtype)
     with published(path) as f:
         f.write(header)
@@ -234,8 +274,9 @@ def write(tree: Any, path: str) -> None:
 def register() -> None:
     from jckpt.adapters import register_format
 
-    register_format('llmc', read=read, write=write, sniff=sniff, extensions=('.bin',), replace=True)
+    register_format('llmc', read=read, write=write, sniff=sniff, check=check, extensions=('.bin',),
+                    replace=True)
 
 
-__all__ = ['Config', 'KINDS', 'MAGIC', 'decode_header', 'encode_header', 'num_parameters',
+__all__ = ['Config', 'KINDS', 'MAGIC', 'check', 'decode_header', 'encode_header', 'num_parameters',
            'param_shapes', 'read', 'write']

@@ -126,6 +126,37 @@ def test_write_refuses_wrong_shapes_and_mixed_dtypes(tmp_path):
     assert not (tmp_path / 'x.bin').exists()
 
 
+def test_check_refuses_what_write_refuses_reading_no_data(tmp_path):
+    """`check` (the manager's save-time check) sees shapes and dtypes only: abstract leaves
+    and typed keys pass through it, and it refuses the trees `write` refuses, naming the entry."""
+    import jax
+    src = tmp_path / 'a.bin'
+    tiny_file(src)
+    tree = jckpt.adapters.read(src)
+    abstract = {'jckpt': {**jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                         {k: v for k, v in tree['jckpt'].items() if k != 'config'}),
+                          'config': tree['jckpt']['config']}}
+    llmc.check(abstract, 'm.bin')
+    llmc.check(tree, 'm.bin')
+    cases = [
+        (dict(tree['jckpt'], ln_f={'weight': np.zeros(5, np.float32),
+                                   'bias': tree['jckpt']['ln_f']['bias']}), 'lnfw', 'ln_f/weight'),
+        (dict(tree['jckpt'], wpe=tree['jckpt']['wpe'].astype(ml_dtypes.bfloat16)), 'wpe', 'wpe'),
+        ({k: jax.numpy.asarray(v).astype('float16') if k == 'wte' else v
+          for k, v in tree['jckpt'].items()}, 'float16', 'wte'),
+        (dict(tree['jckpt'], config=dict(tree['jckpt']['config'], channels=np.int32(8))),
+         'config.channels is 8', 'config/channels'),
+    ]
+    for bad, match, entry in cases:
+        with pytest.raises(InputError, match=match) as e:
+            llmc.check({'jckpt': bad}, 'm.bin')
+        assert e.value.file == 'm.bin' and e.value.entry == entry and e.value.fix
+        with pytest.raises(InputError, match=match):
+            llmc.write({'jckpt': bad}, tmp_path / 'x.bin')
+    assert not (tmp_path / 'x.bin').exists()
+    assert jckpt.adapters.get_format('llmc').check is llmc.check
+
+
 def test_damaged_files_are_refused(tmp_path):
     path = tmp_path / 'a.bin'
     tiny_file(path)

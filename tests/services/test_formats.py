@@ -284,6 +284,22 @@ def test_a_callback_that_raises_is_a_failed_write(tmp_path):
         assert mgr.restore(3).tree['model']['w'][0] == 3
 
 
+def test_llmc_is_checked_when_saved(tmp_path):
+    """A tree that is not GPT-2's (names, shapes, one dtype) is refused by save, not dropped
+    later by the writer."""
+    import jax.numpy as jnp
+    with jckpt.CheckpointManager(tmp_path, options=CheckpointOptions(format='llmc')) as mgr:
+        with pytest.raises(InputError, match="step 1: the model cannot be written as llmc.*'h'"):
+            mgr.save(1, {'w': jnp.ones(2)})
+        wide = gpt2(1)
+        wide['h'][1]['mlp']['c_fc']['bias'] = np.zeros(17, np.float32)
+        with pytest.raises(InputError, match="fcb is float32\\[17\\]") as e:
+            mgr.save(2, items={'model': wide, 'opt': optimizer(2)})
+        assert e.value.entry == 'h/1/mlp/c_fc/bias'
+        assert mgr.save(3, items={'model': gpt2(3), 'opt': optimizer(3)})
+    assert jckpt.CheckpointManager(tmp_path).all_steps() == [3]
+
+
 @pytest.mark.parametrize('fmt, bad', [
     ('safetensors', {'q': 'int4'}),         # a dtype safetensors lacks
     ('npz', {'a.b': 'float32'}),            # 'a.b' and a/b would share one member name
@@ -308,12 +324,17 @@ def test_a_model_its_format_cannot_hold_is_refused_when_saved(tmp_path, fmt, bad
     assert jckpt.CheckpointManager(tmp_path).all_steps() == [1, 3]
 
 
-def test_a_step_its_writer_refuses_later_is_dropped_and_later_steps_are_written(tmp_path):
-    """What no check finds before writing (an llm.c model that is not a GPT-2) is dropped when
-    written: retrying cannot help, and retrying it forever held every later step behind it.
-    The error keeps its class, names the step's file (not its staging name), and the next
-    wait raises it once."""
+def test_a_step_its_writer_refuses_later_is_dropped_and_later_steps_are_written(tmp_path,
+                                                                                 monkeypatch):
+    """What no check finds before writing (here an llm.c format registered without its check)
+    is dropped when written: retrying cannot help, and retrying it forever held every later
+    step behind it. The error keeps its class, names the step's file (not its staging name),
+    and the next wait raises it once."""
     import jax.numpy as jnp
+
+    from jckpt import adapters
+    unchecked = dataclasses.replace(adapters.get_format('llmc'), check=None)
+    monkeypatch.setattr(adapters, 'get_format', lambda name: unchecked)
     opts = CheckpointOptions(format='llmc')
     with jckpt.CheckpointManager(tmp_path, options=opts, retry_after=30, patience=1) as mgr:
         assert mgr.save(1, {'w': jnp.ones(2)})
