@@ -33,38 +33,17 @@ import io
 import math
 import os
 import pickle
-import struct
 import zipfile
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from jckpt.adapters import _zip
 from jckpt.adapters._common import DEFAULT_NAMESPACE, check_namespaced, map_file, published, single_content
-from jckpt.errors import FormatError, InputError
+from jckpt.adapters._torch_pickle import DTYPES, STORAGES, Pickler
+from jckpt.errors import FormatError
 from jckpt.format import limits
-from jckpt.format.payload import iter_payload_chunks, stored_dtype
-
-#: Typed storages torch pickles by class name (the classic dtypes).
-STORAGES = {
-    'FloatStorage': np.float32, 'DoubleStorage': np.float64, 'HalfStorage': np.float16,
-    'BFloat16Storage': ml_dtypes.bfloat16, 'LongStorage': np.int64, 'IntStorage': np.int32,
-    'ShortStorage': np.int16, 'CharStorage': np.int8, 'ByteStorage': np.uint8,
-    'BoolStorage': np.bool_, 'ComplexFloatStorage': np.complex64,
-    'ComplexDoubleStorage': np.complex128,
-}
-#: torch dtypes by the name torch pickles them under.
-DTYPES = {
-    'float32': np.float32, 'float64': np.float64, 'float16': np.float16,
-    'bfloat16': ml_dtypes.bfloat16, 'int64': np.int64, 'int32': np.int32, 'int16': np.int16,
-    'int8': np.int8, 'uint8': np.uint8, 'bool': np.bool_, 'complex64': np.complex64,
-    'complex128': np.complex128, 'uint16': np.uint16, 'uint32': np.uint32, 'uint64': np.uint64,
-    'float8_e4m3fn': ml_dtypes.float8_e4m3fn, 'float8_e5m2': ml_dtypes.float8_e5m2,
-    'float8_e4m3fnuz': ml_dtypes.float8_e4m3fnuz, 'float8_e5m2fnuz': ml_dtypes.float8_e5m2fnuz,
-    'float8_e8m0fnu': ml_dtypes.float8_e8m0fnu,
-}
-
+from jckpt.format.payload import iter_payload_chunks
 
 # --- reading ----------------------------------------------------------------
 
@@ -353,116 +332,17 @@ def _check_expansion(tree: Any, file_size: int, path: str) -> None:
                               "(tied weights once per tie)")
 
 
-# --- writing ----------------------------------------------------------------
+def check(tree: Any, path: str) -> None:
+    """Refuse a tree `write` cannot hold (a dtype torch lacks, a key that is not a str or an
+    int, a leaf that is not an array or a number), reading no data.
 
-_TYPED = {np.dtype(dt): name for name, dt in STORAGES.items()}
-_UNTYPED = {np.dtype(dt): name for name, dt in DTYPES.items()
-            if np.dtype(dt) not in _TYPED}
-
-
-class _Pickle:
-    """A minimal protocol-2 pickle emitter for containers, numbers, strings and tensors."""
-
-    def __init__(self, path: str) -> None:
-        self.out = bytearray(b'\x80\x02')
-        self.path = path
-        self.storages: list[np.ndarray] = []
-
-    def glob(self, module: str, name: str) -> None:
-        self.out += b'c' + module.encode() + b'\n' + name.encode() + b'\n'
-
-    def int(self, v: int) -> None:
-        if 0 <= v < 256:
-            self.out += b'K' + bytes([v])
-        elif 0 <= v < 65536:
-            self.out += b'M' + struct.pack('<H', v)
-        elif -2**31 <= v < 2**31:
-            self.out += b'J' + struct.pack('<i', v)
-        else:
-            raw = v.to_bytes((v.bit_length() + 8) // 8, 'little', signed=True)
-            self.out += b'\x8a' + bytes([len(raw)]) + raw
-
-    def tuple(self, items, where: str) -> None:
-        if not items:
-            self.out += b')'
-            return
-        if len(items) > 3:
-            self.out += b'('
-        for i, x in enumerate(items):
-            self.value(x, f"{where}/{i}")
-        self.out += {1: b'\x85', 2: b'\x86', 3: b'\x87'}.get(len(items), b't')
-
-    def value(self, x: Any, where: str) -> None:
-        if x is None:
-            self.out += b'N'
-        elif isinstance(x, bool):
-            self.out += b'\x88' if x else b'\x89'
-        elif isinstance(x, int):
-            self.int(x)
-        elif isinstance(x, float):
-            self.out += b'G' + struct.pack('>d', x)
-        elif isinstance(x, str):
-            raw = x.encode('utf-8', 'surrogatepass')
-            self.out += b'X' + struct.pack('<I', len(raw)) + raw
-        elif isinstance(x, dict):
-            self.out += b'}'
-            if x:
-                self.out += b'('
-                for k, v in x.items():
-                    if isinstance(k, bool) or not isinstance(k, (str, int)):
-                        raise InputError(f"dict key {k!r} cannot be saved", file=self.path,
-                                         entry=where, fix="use str or int keys")
-                    self.value(k, where)
-                    self.value(v, f"{where}/{k}")
-                self.out += b'u'
-        elif isinstance(x, list):
-            self.out += b']'
-            if x:
-                self.out += b'('
-                for i, v in enumerate(x):
-                    self.value(v, f"{where}/{i}")
-                self.out += b'e'
-        elif isinstance(x, tuple) and not hasattr(x, '_fields'):
-            self.tuple(x, where)
-        else:
-            self.tensor(x, where)
-
-    def tensor(self, x: Any, where: str) -> None:
-        from jckpt.trees import to_host
-        try:
-            array = to_host.host_leaves([(where, x)])[0].array
-        except InputError as e:
-            raise InputError(e.message, file=self.path, entry=where, fix=e.fix) from None
-        dtype = stored_dtype(array.dtype)
-        plain = dtype.newbyteorder('=') if dtype.byteorder == '<' else dtype
-        key = str(len(self.storages))
-        if plain in _TYPED:
-            rebuild, kind, numel = '_rebuild_tensor_v2', ('torch', _TYPED[plain]), array.size
-        elif plain in _UNTYPED:
-            rebuild, kind, numel = '_rebuild_tensor_v3', ('torch.storage', 'UntypedStorage'), \
-                array.nbytes
-        else:
-            raise InputError(f"dtype {array.dtype} has no torch equivalent", file=self.path,
-                             entry=where, fix="cast it, or write a jckpt or npz file instead")
-        self.storages.append(array)
-        self.glob('torch._utils', rebuild)
-        self.out += b'(('
-        self.value('storage', where)
-        self.glob(*kind)
-        self.value(key, where)
-        self.value('cpu', where)
-        self.int(numel)
-        self.out += b'tQ'
-        self.int(0)
-        shape = tuple(int(d) for d in array.shape)
-        self.tuple(shape, where)
-        self.tuple(tuple(math.prod(shape[i + 1:]) for i in range(len(shape))), where)
-        self.out += b'\x89'
-        self.glob('collections', 'OrderedDict')
-        self.out += b')R'
-        if rebuild == '_rebuild_tensor_v3':
-            self.glob('torch', _UNTYPED[plain])
-        self.out += b'tR'
+    >>> check({'jckpt': {'w': np.ones(2, 'int4')}}, 'm.pt')
+    Traceback (most recent call last):
+    ...
+    jckpt.errors.InputError: m.pt: entry w: dtype int4 has no torch equivalent ...
+    """
+    path = os.fspath(path)
+    Pickler(path, fetch=False).value(single_content(check_namespaced(tree, path)), '')
 
 
 def write(tree: Any, path: str) -> None:
@@ -472,9 +352,8 @@ def write(tree: Any, path: str) -> None:
     pickled as themselves; arrays (numpy, JAX) become CPU tensors.
     """
     path = os.fspath(path)
-    content = single_content(check_namespaced(tree, path))
-    pickler = _Pickle(path)
-    pickler.value(content, '')
+    pickler = Pickler(path)
+    pickler.value(single_content(check_namespaced(tree, path)), '')
     pickler.out += b'.'
     root = 'archive/'
     with published(path) as f, zipfile.ZipFile(f, 'w', zipfile.ZIP_STORED, allowZip64=True) as zf:
@@ -493,5 +372,5 @@ def write(tree: Any, path: str) -> None:
 def register() -> None:
     from jckpt.adapters import register_format
 
-    register_format('torch', read=read, write=write, sniff=sniff, extensions=('.pt', '.pth'),
-                    replace=True)
+    register_format('torch', read=read, write=write, sniff=sniff, check=check,
+                    extensions=('.pt', '.pth'), replace=True)

@@ -304,6 +304,7 @@ def test_llmc_is_checked_when_saved(tmp_path):
     ('safetensors', {'q': 'int4'}),         # a dtype safetensors lacks
     ('npz', {'a.b': 'float32'}),            # 'a.b' and a/b would share one member name
     ('npy', {'second': 'float32'}),         # .npy holds one array
+    ('torch', {'q': 'int4'}),               # a dtype torch lacks
 ])
 def test_a_model_its_format_cannot_hold_is_refused_when_saved(tmp_path, fmt, bad):
     """Found from shapes and dtypes (the format's check), before anything is admitted: it was

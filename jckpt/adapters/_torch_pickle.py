@@ -1,0 +1,170 @@
+"""The pickle side of `torch.save` files: torch's dtype vocabulary, and an emitter of the
+`data.pkl` that `torch.load(..., weights_only=True)` accepts.
+
+The emitter writes protocol 2 by hand, using only the globals torch's
+weights-only unpickler allows (its tensor rebuild functions, storage types
+and `OrderedDict`), so writing needs no torch. `jckpt.adapters.torch` puts
+its output and the storages it collects into the zip archive.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from jckpt.errors import InputError
+from jckpt.format.payload import stored_dtype
+
+#: Typed storages torch pickles by class name (the classic dtypes).
+STORAGES = {
+    'FloatStorage': np.float32, 'DoubleStorage': np.float64, 'HalfStorage': np.float16,
+    'BFloat16Storage': ml_dtypes.bfloat16, 'LongStorage': np.int64, 'IntStorage': np.int32,
+    'ShortStorage': np.int16, 'CharStorage': np.int8, 'ByteStorage': np.uint8,
+    'BoolStorage': np.bool_, 'ComplexFloatStorage': np.complex64,
+    'ComplexDoubleStorage': np.complex128,
+}
+#: torch dtypes by the name torch pickles them under.
+DTYPES = {
+    'float32': np.float32, 'float64': np.float64, 'float16': np.float16,
+    'bfloat16': ml_dtypes.bfloat16, 'int64': np.int64, 'int32': np.int32, 'int16': np.int16,
+    'int8': np.int8, 'uint8': np.uint8, 'bool': np.bool_, 'complex64': np.complex64,
+    'complex128': np.complex128, 'uint16': np.uint16, 'uint32': np.uint32, 'uint64': np.uint64,
+    'float8_e4m3fn': ml_dtypes.float8_e4m3fn, 'float8_e5m2': ml_dtypes.float8_e5m2,
+    'float8_e4m3fnuz': ml_dtypes.float8_e4m3fnuz, 'float8_e5m2fnuz': ml_dtypes.float8_e5m2fnuz,
+    'float8_e8m0fnu': ml_dtypes.float8_e8m0fnu,
+}
+
+_TYPED = {np.dtype(dt): name for name, dt in STORAGES.items()}
+_UNTYPED = {np.dtype(dt): name for name, dt in DTYPES.items()
+            if np.dtype(dt) not in _TYPED}
+
+
+def _child(where: str, key: Any) -> str:
+    """The name of `where`'s child `key` in errors (`a/b/0`)."""
+    return f"{where}/{key}" if where else str(key)
+
+
+class Pickler:
+    """A minimal protocol-2 pickle emitter for containers, numbers, strings and tensors.
+
+    `fetch=False` only checks: each tensor is described (dtype, shape), not
+    brought to host, and no storage is kept, so a tree is refused for what
+    `fetch=True` would refuse without its data being read.
+
+    >>> p = Pickler('m.pt')
+    >>> p.value({'w': np.ones(2, np.float32), 'n': 3}, '')
+    >>> [s.dtype.name for s in p.storages]
+    ['float32']
+    """
+
+    def __init__(self, path: str, fetch: bool = True) -> None:
+        self.out = bytearray(b'\x80\x02')
+        self.path = path
+        self.fetch = fetch
+        self.storages: list[np.ndarray] = []
+        self.tensors = 0  # storages emitted (kept in `storages` only when fetching)
+
+    def glob(self, module: str, name: str) -> None:
+        self.out += b'c' + module.encode() + b'\n' + name.encode() + b'\n'
+
+    def int(self, v: int) -> None:
+        if 0 <= v < 256:
+            self.out += b'K' + bytes([v])
+        elif 0 <= v < 65536:
+            self.out += b'M' + struct.pack('<H', v)
+        elif -2**31 <= v < 2**31:
+            self.out += b'J' + struct.pack('<i', v)
+        else:
+            raw = v.to_bytes((v.bit_length() + 8) // 8, 'little', signed=True)
+            self.out += b'\x8a' + bytes([len(raw)]) + raw
+
+    def tuple(self, items, where: str) -> None:
+        if not items:
+            self.out += b')'
+            return
+        if len(items) > 3:
+            self.out += b'('
+        for i, x in enumerate(items):
+            self.value(x, _child(where, i))
+        self.out += {1: b'\x85', 2: b'\x86', 3: b'\x87'}.get(len(items), b't')
+
+    def value(self, x: Any, where: str) -> None:
+        if x is None:
+            self.out += b'N'
+        elif isinstance(x, bool):
+            self.out += b'\x88' if x else b'\x89'
+        elif isinstance(x, int):
+            self.int(x)
+        elif isinstance(x, float):
+            self.out += b'G' + struct.pack('>d', x)
+        elif isinstance(x, str):
+            raw = x.encode('utf-8', 'surrogatepass')
+            self.out += b'X' + struct.pack('<I', len(raw)) + raw
+        elif isinstance(x, dict):
+            self.out += b'}'
+            if x:
+                self.out += b'('
+                for k, v in x.items():
+                    if isinstance(k, bool) or not isinstance(k, (str, int)):
+                        raise InputError(f"dict key {k!r} cannot be saved", file=self.path,
+                                         entry=where or None, fix="use str or int keys")
+                    self.value(k, where)
+                    self.value(v, _child(where, k))
+                self.out += b'u'
+        elif isinstance(x, list):
+            self.out += b']'
+            if x:
+                self.out += b'('
+                for i, v in enumerate(x):
+                    self.value(v, _child(where, i))
+                self.out += b'e'
+        elif isinstance(x, tuple) and not hasattr(x, '_fields'):
+            self.tuple(x, where)
+        else:
+            self.tensor(x, where)
+
+    def tensor(self, x: Any, where: str) -> None:
+        from jckpt.trees import to_host
+        try:
+            leaf = to_host.host_leaves([(where, x)], fetch=self.fetch)[0]
+        except InputError as e:
+            raise InputError(e.message, file=self.path, entry=where, fix=e.fix) from None
+        dtype = stored_dtype(leaf.dtype)
+        plain = dtype.newbyteorder('=') if dtype.byteorder == '<' else dtype
+        key = str(self.tensors)
+        self.tensors += 1
+        shape = tuple(int(d) for d in leaf.shape)
+        if plain in _TYPED:
+            rebuild, kind, numel = '_rebuild_tensor_v2', ('torch', _TYPED[plain]), math.prod(shape)
+        elif plain in _UNTYPED:
+            rebuild, kind, numel = '_rebuild_tensor_v3', ('torch.storage', 'UntypedStorage'), \
+                leaf.nbytes
+        else:
+            raise InputError(f"dtype {leaf.dtype} has no torch equivalent", file=self.path,
+                             entry=where, fix="cast it, or write a jckpt or npz file instead")
+        if self.fetch:
+            self.storages.append(leaf.array)
+        self.glob('torch._utils', rebuild)
+        self.out += b'(('
+        self.value('storage', where)
+        self.glob(*kind)
+        self.value(key, where)
+        self.value('cpu', where)
+        self.int(numel)
+        self.out += b'tQ'
+        self.int(0)
+        self.tuple(shape, where)
+        self.tuple(tuple(math.prod(shape[i + 1:]) for i in range(len(shape))), where)
+        self.out += b'\x89'
+        self.glob('collections', 'OrderedDict')
+        self.out += b')R'
+        if rebuild == '_rebuild_tensor_v3':
+            self.glob('torch', _UNTYPED[plain])
+        self.out += b'tR'
+
+
+__all__ = ['DTYPES', 'STORAGES', 'Pickler']
