@@ -93,6 +93,9 @@ class Backend(Protocol):
     def list(self, path: str) -> list[str]:
         """The names directly under `path`, sorted."""
 
+    def size(self, path: str) -> int:
+        """Bytes of the file `path`, or of every file under the directory `path`; 0 if missing."""
+
     def remove(self, path: str) -> None:
         """Remove `path` (a file, or a directory and everything in it); missing is fine."""
 
@@ -147,6 +150,22 @@ class LocalBackend:
             return sorted(os.listdir(path))
         except OSError as e:
             raise storage_error(e, "listing the directory", path) from e
+
+    def size(self, path: str) -> int:
+        """Bytes of `path` or of every file under it (symbolic links counted as links)."""
+        if not os.path.isdir(path) or os.path.islink(path):
+            try:
+                return os.lstat(path).st_size
+            except OSError:
+                return 0
+        total = 0
+        for root, _dirs, files in os.walk(path):
+            for name in files:
+                try:
+                    total += os.lstat(os.path.join(root, name)).st_size
+                except OSError:
+                    pass
+        return total
 
     def remove(self, path: str) -> None:
         if os.path.isdir(path) and not os.path.islink(path):

@@ -123,6 +123,18 @@ class ObjectStoreBackend:
         names = [o['path'] for o in found['objects']] + list(found['common_prefixes'])
         return sorted({n.rstrip('/').rsplit('/', 1)[-1] for n in names} - {''})
 
+    def size(self, path: str) -> int:
+        """Bytes of the object `path`, or of every object under the prefix `path/`; 0 if none."""
+        u = ObjectURL.parse(path)
+        obs, store = obstore_module(), store_for(u)
+        try:
+            below = [o['size'] for chunk in obs.list(store, prefix=u.prefix) for o in chunk]
+            return sum(below) if below or not u.key else obs.head(store, u.key)['size']
+        except Exception as e:
+            if is_missing(e):
+                return 0
+            raise store_error(e, "listing", path) from e
+
     def remove(self, path: str) -> None:
         """Remove the object `path` and everything under the prefix `path/`; missing is fine.
 

@@ -185,9 +185,7 @@ def step_info(step: int, path: str) -> StepInfo:
         fi: FileInfo | DirectoryInfo = directory_info(path) if kind == 'directory' \
             else file_info(path)
     except CheckpointError as e:
-        size = tree_size(path) if kind == 'directory' else (
-            os.path.getsize(path) if os.path.exists(path) else 0)
-        return StepInfo(step, path, kind, size, error=str(e.message))
+        return StepInfo(step, path, kind, tree_size(path), error=str(e.message))
     known = known_metadata(dict(fi.metadata))
     metrics = parse_metrics(dict(fi.metadata).get(METRICS_KEY)) or {}
     generation = known.get('generation')

@@ -449,15 +449,9 @@ def _array_info(reader: DirectoryReader, a: Any, mappable: dict[tuple, bool]) ->
 
 
 def tree_size(path: str) -> int:
-    """Bytes of every file under `path` (symbolic links counted as links)."""
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_size
-            except OSError:
-                pass
-    return total
+    """Bytes of the file `path`, or of every file under the directory `path` (a prefix in a
+    bucket too); symbolic links counted as links, 0 if missing."""
+    return backend_for(path).size(path)
 
 
 __all__ = ['ArrayInfo', 'DirectoryInfo', 'EntryInfo', 'FileInfo', 'PieceFileInfo', 'directory_info',

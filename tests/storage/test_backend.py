@@ -54,6 +54,18 @@ def test_local_backend_round_trip(tmp_path):
     assert LOCAL.list(str(tmp_path)) == []
 
 
+def test_sizes_of_files_and_directories(tmp_path):
+    (tmp_path / "d" / "e").mkdir(parents=True)
+    (tmp_path / "d" / "a").write_bytes(b"x" * 10)
+    (tmp_path / "d" / "e" / "b").write_bytes(b"x" * 1000)
+    (tmp_path / "d" / "link").symlink_to(tmp_path / "d" / "e" / "b")
+    link = os.lstat(tmp_path / "d" / "link").st_size
+    assert LOCAL.size(str(tmp_path / "d" / "a")) == 10
+    assert LOCAL.size(str(tmp_path / "d")) == 1010 + link
+    assert LOCAL.size(str(tmp_path / "d" / "link")) == link
+    assert LOCAL.size(str(tmp_path / "missing")) == 0
+
+
 def test_listing_a_missing_directory_is_a_storage_error(tmp_path):
     with pytest.raises(jckpt.StorageError, match="listing the directory failed") as info:
         LOCAL.list(str(tmp_path / "missing"))

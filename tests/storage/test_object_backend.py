@@ -18,6 +18,10 @@ def test_listing_and_removal(s3):
     assert backend.list(f"{s3}/run") == ["a.jckpt", "sub"]
     assert backend.isdir(f"{s3}/run") and not backend.isdir(f"{s3}/other.jckpt")
     assert backend.exists(f"{s3}/other.jckpt") and not backend.exists(f"{s3}/run")
+    one = backend.size(f"{s3}/other.jckpt")
+    assert one == len(backend.map(f"{s3}/other.jckpt")) > 0
+    assert backend.size(f"{s3}/run") == 2 * one and backend.size(f"{s3}/run/sub") == one
+    assert backend.size(s3) == 3 * one and backend.size(f"{s3}/run/none") == 0
     backend.remove(f"{s3}/run")
     assert backend.list(s3) == ["other.jckpt"]
     backend.remove(f"{s3}/nothing")  # missing is fine

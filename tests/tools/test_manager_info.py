@@ -8,6 +8,7 @@ import pytest
 
 import jckpt
 from jckpt.format.names import step_name
+from jckpt.storage import backend_for
 from jckpt.tools.manager_info import ManagerInfo, StepInfo, manager_info, step_info
 from tests.helpers import write_arrays, write_directory
 
@@ -165,6 +166,25 @@ def test_step_directories_with_a_foreign_model_are_summarised_from_their_record(
     (tmp_path / step_name(10) / 'trainer_state.json').write_text('{')
     damaged = step_info(10, str(tmp_path / step_name(10)))
     assert damaged.kind == 'model' and damaged.error.startswith('trainer_state.json: ')
+
+
+def test_foreign_format_and_damaged_steps_in_a_bucket_have_their_size():
+    """Their size was counted from the local disk: 0 B in a bucket."""
+    url = "memory://manager-info/foreign"
+    opts = jckpt.CheckpointOptions(format="npz")
+    with jckpt.CheckpointManager(url, options=opts) as mgr:
+        mgr.save(1, items={"model": {"w": np.ones(256)}, "opt": {"m": np.ones(4)}})
+    with jckpt.CheckpointManager(url + "/plain") as mgr:
+        mgr.save(2, {"w": np.ones(256)})
+    backend = backend_for(url)
+    step = backend.list(url)[-1]
+    info = manager_info(url).steps[0]
+    assert info.kind == "model" and info.size == backend.size(f"{url}/{step}") > 2048
+    damaged = f"{url}/plain/{step_name(2)}"
+    with backend.create(damaged) as staging:
+        os.write(staging.fd, b"\0" * 100)
+        staging.publish()
+    assert manager_info(url + "/plain").steps[0].size == 100
 
 
 def test_directory_steps_in_a_bucket_are_read_as_local_ones_are():
