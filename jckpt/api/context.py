@@ -23,7 +23,7 @@ import numpy as np
 
 from jckpt.errors import InputError
 from jckpt.format.header import DEFAULT_ALIGNMENT, NAMESPACE_RE, Entry
-from jckpt.format.limits import MAX_ALIGNMENT, valid_alignment
+from jckpt.format.limits import check_alignment
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,9 +85,7 @@ class Context:
         if not isinstance(self.namespace, str) or not NAMESPACE_RE.match(self.namespace):
             raise InputError(f"invalid namespace {self.namespace!r}: must match "
                              "[A-Za-z_][A-Za-z0-9_]*", fix="use letters, digits and underscores")
-        if not valid_alignment(self.alignment):
-            raise InputError(f"alignment must be a positive integer up to {MAX_ALIGNMENT}, "
-                             f"not {self.alignment!r}")
+        object.__setattr__(self, 'alignment', check_alignment(self.alignment))
         for name in ('mmap', 'durable', 'host'):  # numpy's bools become bools
             object.__setattr__(self, name, check_flag(getattr(self, name), f"Context's {name}",
                                                       optional=False))

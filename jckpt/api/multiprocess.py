@@ -44,6 +44,7 @@ from jckpt.errors import CheckpointError, DistributedError, InputError
 from jckpt.format.boxes import Box, box_shape, coalesce, full_box, intersect
 from jckpt.format.entries import Entry, Header, KeyPath, entry_for
 from jckpt.format.layout import lay_out
+from jckpt.format.limits import check_alignment
 from jckpt.format.names import (
     DIRECTORY_LOCK_NAME,
     SAVE_KEY,
@@ -377,8 +378,7 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
     path = os.path.abspath(os.fspath(path)) if backend is LOCAL else os.fspath(path)
     namespace = ctx.namespace
     alignment = ctx.alignment if alignment is None else alignment
-    if not isinstance(alignment, int) or alignment < 1:
-        raise InputError(f"alignment must be a positive integer, not {alignment!r}", file=path)
+    alignment = check_alignment(alignment, path)
     process, count = jax.process_index(), jax.process_count()
     timeout = barrier_timeout() if timeout is None else float(timeout)
     leaves = _plan(tree_mod.flatten(tree), namespace, ctx.registry.max_id(namespace) + 1, process)

@@ -32,7 +32,7 @@ from jckpt.format import leaf_entries
 from jckpt.format._gc import paused
 from jckpt.format.entries import Entry, Header, KeyPath, entry_for, round_up
 from jckpt.format.layout import lay_out
-from jckpt.format.limits import MAX_ALIGNMENT, valid_alignment
+from jckpt.format.limits import check_alignment
 from jckpt.format.metadata import check_metadata, empty_nodes_text
 from jckpt.format.names import EMPTY_NODES_KEY, INDEX_NAME
 from jckpt.format.payload import CHECKSUM_PLACEHOLDER
@@ -119,7 +119,7 @@ def _save_file(ctx: Context, tree: Any, path: str, appending: bool, alignment: i
                metadata: dict[str, str], progress: bool) -> None:
     items, empty = tree_mod.flatten_with_empty(tree)
     hosts = to_host.host_leaves(items, namespace=ctx.namespace, pieces=True)
-    alignment = _alignment(ctx.alignment if alignment is None else alignment, path)
+    alignment = check_alignment(ctx.alignment if alignment is None else alignment, path)
     old = _appended(path) if appending else None
     metadata = _with_empty_nodes(metadata, old, ctx.namespace, empty, [p for p, _ in items])
     entries, sources = _entries(ctx, [p for p, _ in items], hosts,
@@ -187,14 +187,6 @@ def _holds_directory(path: str) -> bool:
     except CheckpointError as e:  # the checkpoint's URL, not its index's
         e.file = path
         raise
-
-
-def _alignment(alignment: Any, path: str) -> int:
-    """`alignment` when it is one a reader accepts; InputError otherwise."""
-    if not valid_alignment(alignment):
-        raise InputError(f"alignment must be a positive integer up to {MAX_ALIGNMENT}, "
-                         f"not {alignment!r}", file=path)
-    return alignment
 
 
 #: Whether `_entries` builds the entries of small host leaves in C where the accelerator is built

@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import re
 from typing import Any
 
 import numpy as np
+
+from jckpt.errors import InputError
 
 #: Most dimensions an array may have (numpy's own limit: 32 before numpy 2, 64 since).
 MAX_NDIM = 64 if int(np.__version__.split('.')[0]) >= 2 else 32
@@ -80,10 +83,22 @@ def check_shape(shape: Any, itemsize: int) -> tuple[int, ...]:
     return dims
 
 
-def valid_alignment(alignment: Any) -> bool:
-    """Whether `alignment` is an int from 1 to `MAX_ALIGNMENT` (`bool` excluded)."""
-    return isinstance(alignment, int) and not isinstance(alignment, bool) \
-        and 1 <= alignment <= MAX_ALIGNMENT
+def check_alignment(alignment: Any, file: str | None = None) -> int:
+    """`alignment` as an int when a reader accepts it (1 to `MAX_ALIGNMENT`; numpy integers
+    too, `bool` not); `InputError` naming `file` otherwise: the one check of every writer.
+
+    >>> check_alignment(64)
+    64
+    """
+    try:
+        value = None if isinstance(alignment, bool) else operator.index(alignment)
+    except TypeError:
+        value = None
+    if value is None or not 1 <= value <= MAX_ALIGNMENT:
+        raise InputError(f"alignment must be a positive integer up to {MAX_ALIGNMENT}, "
+                         f"not {alignment!r}", file=file,
+                         fix="use a power of two such as 64 (the default) or 4096")
+    return value
 
 
 def check_itemsize(dtype: np.dtype) -> np.dtype:
@@ -132,7 +147,7 @@ def json_loads(text: str | bytes) -> Any:
     return json.loads(text)
 
 
-__all__ = ['MAX_ALIGNMENT', 'MAX_BYTES', 'MAX_DECOMPRESSION_RATIO', 'MAX_INT_DIGITS',
+__all__ = ['MAX_ALIGNMENT', 'check_alignment', 'MAX_BYTES', 'MAX_DECOMPRESSION_RATIO', 'MAX_INT_DIGITS',
            'MAX_LEAF_EXPANSION', 'MAX_NDIM', 'MAX_NESTING', 'MAX_PATH_LENGTH',
            'PADDED_ALLOCATION_FACTOR', 'check_itemsize', 'check_path_length', 'check_shape',
-           'json_depth', 'json_loads', 'valid_alignment']
+           'json_depth', 'json_loads']

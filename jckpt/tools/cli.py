@@ -37,6 +37,7 @@ from typing import Any
 from jckpt.adapters import convert, format_for_destination
 from jckpt.api.progress import bar
 from jckpt.errors import CheckpointError, FormatError, InputError
+from jckpt.format.limits import check_alignment
 from jckpt.storage.backend import backend_for
 from jckpt.tools.classify import (
     DIRECTORY,
@@ -189,9 +190,10 @@ def _alignment(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+    try:
+        return check_alignment(value)
+    except InputError as e:
+        raise argparse.ArgumentTypeError(e.message) from None
 
 
 def _common(defaults: bool) -> argparse.ArgumentParser:

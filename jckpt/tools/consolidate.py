@@ -16,6 +16,7 @@ import os
 
 from jckpt.format.header import Header
 from jckpt.format.layout import lay_out
+from jckpt.format.limits import check_alignment
 from jckpt.format.names import SAVE_KEY
 from jckpt.storage.backend import backend_for, checked_path
 from jckpt.storage.directory import DirectoryReader
@@ -40,6 +41,7 @@ def consolidate(directory: str | os.PathLike, file: str | os.PathLike, *, durabl
     """
     directory, file = checked_path(directory), checked_path(file)
     backend_for(file)  # a URL no backend serves is refused before the directory is read
+    alignment = None if alignment is None else check_alignment(alignment, file)
     reader = DirectoryReader(directory)
     entries, sources = [], []
     for array in reader.arrays.values():

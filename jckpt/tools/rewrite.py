@@ -37,7 +37,7 @@ from jckpt.api import progress as progress_mod
 from jckpt.errors import ChecksumError, ClashError, FormatError, InputError
 from jckpt.format.header import DEFAULT_ALIGNMENT, Entry, Header
 from jckpt.format.layout import lay_out
-from jckpt.format.limits import MAX_ALIGNMENT, valid_alignment
+from jckpt.format.limits import check_alignment
 from jckpt.storage.backend import LOCAL, backend_for, is_url
 from jckpt.storage.reader import CheckpointReader
 from jckpt.storage.writer import CopySource, ReaderSource, write_checkpoint
@@ -130,9 +130,7 @@ def relayout(src: str | os.PathLike, dst: str | os.PathLike, *, alignment: int |
     src, dst = os.fspath(src), os.fspath(dst)
     backend_for(dst)  # a URL no backend serves is refused before the source is read
     reader = _open_whole(src)
-    if alignment is not None and not valid_alignment(alignment):
-        raise InputError(f"alignment must be a positive integer up to {MAX_ALIGNMENT}, "
-                         f"not {alignment!r}", file=dst)
+    alignment = None if alignment is None else check_alignment(alignment, dst)
     same = src == dst if is_url(src) or is_url(dst) else os.path.exists(dst) and os.path.samefile(src, dst)
     if not (overwrite or same):
         _refuse_existing(dst, "writing the re-laid-out file")
@@ -208,9 +206,8 @@ def _merge_prefixes(out: str, inputs: Sequence[str], prefixes: Sequence[str | No
                          fix="give one prefix per input (an empty one leaves that input alone)")
     for p in prefixes:
         check_prefix(p)
-    if alignment is not None and not valid_alignment(alignment):
-        raise InputError(f"alignment must be a positive integer up to {MAX_ALIGNMENT}, "
-                         f"not {alignment!r}", file=out)
+    if alignment is not None:
+        check_alignment(alignment, out)
     return prefixes
 
 

@@ -31,6 +31,10 @@ def test_replace_returns_a_new_context_and_validates():
         ctx.replace(namespace="no-dash")
     with pytest.raises(InputError, match="alignment must be a positive integer"):
         ctx.replace(alignment=0)
+    for bad in (True, 1 << 25, 64.0, "64"):
+        with pytest.raises(InputError, match="alignment must be a positive integer"):
+            ctx.replace(alignment=bad)
+    assert type(ctx.replace(alignment=np.int64(128)).alignment) is int  # numpy's ints are ints
     with pytest.raises(InputError):
         Context(namespace="")  # type: ignore[arg-type]
     with pytest.raises(TypeError):

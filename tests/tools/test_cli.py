@@ -457,6 +457,9 @@ def test_usage_errors(cli):
     assert p.returncode == 2 and 'invalid choice' in p.stderr
     p = cli('--version')
     assert p.returncode == 0 and p.stdout.startswith('jckpt ')
+    for bad in ('0', str(1 << 25), 'x'):
+        p = cli('convert', 'a.jckpt', 'b.jckpt', '--alignment', bad)
+        assert p.returncode == 2 and '--alignment' in p.stderr and 'Traceback' not in p.stderr
 
 
 def test_read_commands_do_not_import_jax(model, tmp_path):

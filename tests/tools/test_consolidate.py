@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import jckpt
 from jckpt.api.multiprocess import save_directory
-from jckpt.errors import ChecksumError, FormatError
+from jckpt.errors import ChecksumError, FormatError, InputError
 from jckpt.storage import CheckpointReader
 from jckpt.tools.consolidate import consolidate
 from jckpt.tools.verify import verify
@@ -76,6 +76,16 @@ def test_alignment(tmp_path, alignment):
     reader = CheckpointReader(tmp_path / 'one.jckpt')
     assert (reader.data_start + reader.header.tensors[0].offset) % header.alignment == 0
     np.testing.assert_array_equal(reader.decode(reader.header.tensors[0]), np.arange(12.0))
+
+
+@pytest.mark.parametrize('alignment', [0, -5, True, 1 << 25, 2.0])
+def test_an_alignment_no_reader_accepts_is_refused(tmp_path, alignment):
+    """0 and -5 were written: a file describe refused and verify called damaged."""
+    d = write_directory(tmp_path / 'ckpt', {'w': np.arange(12.0)}, processes=2)
+    with pytest.raises(InputError, match='alignment must be a positive integer') as e:
+        consolidate(d, tmp_path / 'one.jckpt', alignment=alignment)
+    assert e.value.file == str(tmp_path / 'one.jckpt') and e.value.fix
+    assert not (tmp_path / 'one.jckpt').exists()
 
 
 def test_a_damaged_piece_is_reported_and_nothing_written(tmp_path):
