@@ -257,6 +257,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
 
     def metrics(self, step: int) -> dict[str, float]:
         """The metrics saved with a durable `step`."""
+        step = check_step(step, self.directory)
         with self._lock:
             if step not in self._metrics:
                 raise FormatError(f"no durable step {step}", file=self.directory,
@@ -267,7 +268,8 @@ class CheckpointManager(BackgroundWriter[_Step]):
 
     def should_save(self, step: int) -> bool:
         """Whether `save` would write `step`: on the interval, or where preemption is noticed."""
-        due = self._preemption.due(check_step(step, self.directory))  # asked at every step
+        step = check_step(step, self.directory)
+        due = self._preemption.due(step)  # asked at every step
         return step % self.save_interval_steps == 0 or due
 
     def save(self, step: int, tree: Any = None, *, items: Mapping[str, Any] | None = None,
@@ -289,7 +291,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
         Raises:
             InputError: for a step not above every step already saved.
         """
-        check_step(step, self.directory)
+        step = check_step(step, self.directory)  # a numpy or JAX integer becomes an int
         if not check_flag(force, 'force', self.directory, optional=False) and not self.should_save(step):
             return False
         self._check_next(step)
@@ -454,7 +456,8 @@ class CheckpointManager(BackgroundWriter[_Step]):
             if step is None:
                 raise FormatError("no checkpoint in the directory", file=self.directory,
                                   fix="save a step first, or check the directory")
-        path = self._path(check_step(step, self.directory))
+        step = check_step(step, self.directory)
+        path = self._path(step)
         if not (self.backend.exists(path) or self.backend.isdir(path)):  # a file or a directory step
             raise FormatError(f"no step {step}", file=self.directory,
                               fix=f"pick one of {self.all_steps()[-5:]}")

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
+import reprlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,6 +28,40 @@ from jckpt.format.limits import json_loads
 from jckpt.format.names import TRAINER_STATE_KEY
 
 _LAYOUT_NAMES = ('dp', 'tp', 'pp')
+
+
+def _count(value: Any, name: str) -> int:
+    """A counter field as an `int` (a numpy or 0-d JAX integer too); `InputError` otherwise."""
+    try:
+        count = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        count = None
+    if count is None or count < 0:
+        raise InputError(f"TrainerState.{name} must be a non-negative integer, not "
+                         f"{type(value).__name__} {reprlib.repr(value):.80}",
+                         fix=f"pass int({name})" if count is None else None)
+    return count
+
+
+def _number(value: Any, name: str) -> float | None:
+    """An optional real field as a `float` (a numpy or 0-d JAX number too: a schedule's
+    output); `InputError` otherwise."""
+    if value is None or type(value) is float:
+        return value
+    if not isinstance(value, (bool, str, bytes)) and getattr(value, 'ndim', 0) == 0:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            pass
+    raise InputError(f"TrainerState.{name} must be a real number or None, not "
+                     f"{type(value).__name__} {reprlib.repr(value):.80}", fix=f"pass float({name})")
+
+
+def _scalar(value: Any) -> Any:
+    """`json.dumps`'s fallback for `user`: a numpy or 0-d JAX scalar as its Python value."""
+    if getattr(value, 'ndim', None) == 0 and hasattr(value, 'item'):
+        return value.item()
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,13 +88,12 @@ class TrainerState:
 
     def __post_init__(self) -> None:
         for name in ('global_step', 'consumed_batches', *_LAYOUT_NAMES):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise InputError(f"TrainerState.{name} must be a non-negative integer, "
-                                 f"not {value!r}")
+            object.__setattr__(self, name, _count(getattr(self, name), name))
         for name in _LAYOUT_NAMES:
             if getattr(self, name) < 1:
                 raise InputError(f"TrainerState.{name} must be at least 1")
+        for name in ('learning_rate', 'best_loss'):
+            object.__setattr__(self, name, _number(getattr(self, name), name))
         if not isinstance(self.user, Mapping):
             raise InputError(f"TrainerState.user must be a mapping, not {type(self.user).__name__}")
 
@@ -81,7 +116,7 @@ class TrainerState:
         fields = dataclasses.asdict(self)
         fields['user'] = dict(self.user)
         try:
-            return json.dumps(fields, sort_keys=True)
+            return json.dumps(fields, sort_keys=True, default=_scalar)
         except (TypeError, ValueError) as e:
             raise InputError(f"TrainerState.user is not JSON-serializable: {e}",
                              fix="keep user fields to numbers, strings, lists and dicts") from None

@@ -284,6 +284,22 @@ def test_manager_calls_refuse_bad_steps_flags_and_timeouts(tmp_path):
         assert mgr.all_steps() == [1]
 
 
+def test_numpy_and_jax_steps_are_ints(tmp_path):
+    """`mgr.save(state.step, state)`: a JAX step was admitted, then failed the writer with
+    "unhashable type" and every later step was lost; a numpy step was listed as np.int64."""
+    with jckpt.CheckpointManager(tmp_path / "run", best_metric="loss") as mgr:
+        assert mgr.should_save(jnp.int32(1))
+        assert mgr.save(jnp.int32(1), {"w": jnp.ones(2)}, metrics={"loss": 1.0})
+        assert mgr.save(np.int64(2), {"w": jnp.ones(2)}, metrics={"loss": 0.5})
+        assert mgr.save(3, {"w": jnp.ones(2)}, metrics={"loss": 2.0})
+        assert mgr.wait_durable(timeout=60)
+        assert mgr.all_steps() == [1, 2, 3] and all(type(s) is int for s in mgr.all_steps())
+        assert mgr.metrics(jnp.int32(2)) == {"loss": 0.5} and mgr.best_step() == 2
+        restored = mgr.restore(jnp.int32(2))
+        assert type(restored.step) is int and restored.step == 2
+    assert sorted(os.listdir(tmp_path / "run")) == [step_name(s) for s in (1, 2, 3)]
+
+
 def test_mirror_refuses_negative_timeouts(tmp_path):
     with jckpt.Mirror(tmp_path / "m.jckpt") as mirror:
         with pytest.raises(jckpt.InputError, match="timeout must be >= 0 seconds"):

@@ -72,6 +72,30 @@ def test_counts_and_layout_must_be_integers(field, value):
         TrainerState(**{field: value})
 
 
+def test_numpy_and_jax_scalars_are_taken_as_python_numbers():
+    """What a training loop has at hand: `state.step` (a JAX int), a schedule's output (a
+    JAX float), numpy counters; a schedule's value was refused as "TrainerState.user is not
+    JSON-serializable", naming the wrong field."""
+    import jax.numpy as jnp
+    import numpy as np
+    s = TrainerState(global_step=jnp.int32(2), consumed_batches=np.int64(5),
+                     learning_rate=jnp.float32(0.5), best_loss=np.float64(0.25), dp=np.int8(2),
+                     user={'seed': np.int64(3), 'lr': [jnp.float32(1.5)]})
+    assert (type(s.global_step), type(s.consumed_batches), type(s.dp)) == (int, int, int)
+    assert (s.global_step, s.learning_rate, s.best_loss) == (2, 0.5, 0.25)
+    assert type(s.learning_rate) is float
+    assert json.loads(s.to_json())['user'] == {'seed': 3, 'lr': [1.5]}
+    assert TrainerState.from_json(s.to_json()) == s
+
+
+@pytest.mark.parametrize('field,value', [('learning_rate', '0.1'), ('best_loss', True),
+                                         ('learning_rate', [0.1]), ('best_loss', object())])
+def test_rates_and_losses_must_be_numbers(field, value):
+    with pytest.raises(InputError, match=f"TrainerState.{field} must be a real number") as e:
+        TrainerState(**{field: value})
+    assert e.value.fix == f"pass float({field})"
+
+
 def test_user_must_be_a_mapping():
     with pytest.raises(InputError, match='TrainerState.user must be a mapping, not list'):
         TrainerState(user=[1, 2])  # type: ignore[arg-type]
