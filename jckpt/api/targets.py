@@ -101,6 +101,8 @@ def check_leaf(ctx: Context, entry: Entry, leaf: Any, path: str, where: str) -> 
 def as_stored_for(array: Any, entry: Entry, leaf: Any, want_dtype: Any, path: str, where: str, *,
                    cast: bool) -> Any:
     """The array read for `entry`, in the dtype the target wants (lazily for sharded targets)."""
+    if type(leaf) in _PYTHON_KINDS and not cast and entry.key_impl is None:
+        _check_python_kind(array.dtype, leaf, path, where)
     if want_dtype is not None and entry.key_impl is None and stored_dtype(want_dtype) != array.dtype:
         if cast:
             return sharding.as_lazy(array).astype(want_dtype)  # cast per shard, as read
@@ -130,6 +132,23 @@ _KINDS = (('bool', np.bool_), ('integer', np.integer), ('floating', np.floating)
 def _kind(dtype: Any) -> str | None:
     """Which of bool, integer (signed or not), floating and complex `dtype` is."""
     return next((name for name, t in _KINDS if jax.dtypes.issubdtype(dtype, t)), None)
+
+
+#: A Python number target's kind, and the stored kinds it takes without a cast (each takes
+#: the kinds before it: a stored int becomes a float target's float, never the reverse).
+_PYTHON_KINDS = {bool: 0, int: 1, float: 2, complex: 3}
+
+
+def _check_python_kind(dtype: Any, leaf: Any, path: str, where: str) -> None:
+    """Refuse a stored value a Python number target would narrow (a float into an `int`)."""
+    stored = [name for name, _ in _KINDS].index(_kind(dtype)) if _kind(dtype) else None
+    if stored is not None and stored > _PYTHON_KINDS[type(leaf)]:
+        kind = list(_PYTHON_KINDS)[stored].__name__
+        raise MismatchError(f"dtype mismatch: file has {np.dtype(dtype)}, the target is the "
+                            f"Python {type(leaf).__name__} {leaf!r}", file=path, entry=where,
+                            fix=f"make the target leaf a {kind} (or a spec of dtype "
+                                f"{np.dtype(dtype)}), or pass cast=True to convert (the value "
+                                "changes)")
 
 
 def _exactly(array: Any, dtype: np.dtype, path: str, where: str) -> np.ndarray:

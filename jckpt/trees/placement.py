@@ -80,8 +80,12 @@ def place(array: np.ndarray, target: Any, *, host: bool, device: Any, where: str
                               entry=where, fix="the entry's key_impl or dims are damaged") from None
         return keys if placement is None else jax.device_put(keys, placement)
     if isinstance(target, _PY_SCALARS) and not isinstance(target, np.generic):
-        return type(target)(np.asarray(array).item())
-    if isinstance(target, (np.ndarray, np.generic)):
+        value = np.asarray(array).item()  # a narrower target's kind was refused unless cast
+        return type(target)(value.real if isinstance(value, complex) and type(target) is not complex
+                            else value)
+    if isinstance(target, np.generic):
+        return np.asarray(array)[()]  # a numpy scalar, as the target was
+    if isinstance(target, np.ndarray):
         return np.asarray(array)
     if host and not isinstance(target, (jax.Array, jax.ShapeDtypeStruct)):
         return np.asarray(array)

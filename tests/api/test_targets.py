@@ -89,3 +89,34 @@ def test_take_applies_restores_rules_to_an_array_already_read():
     assert take(ctx, e, step, weak, 'f.npz', 'jckpt/step', cast=False)[0].dtype == np.int32
     with pytest.raises(jckpt.MismatchError, match="dtype mismatch"):
         take(ctx, e, step, jnp.zeros((), jnp.int32), 'f.npz', 'jckpt/step', cast=False)
+
+
+@pytest.mark.parametrize('stored, target, expected', [
+    (2.5, 0.0, 2.5), (3, 0.0, 3.0), (3, 0j, 3 + 0j), (True, 0, 1), (7, 0, 7), (True, False, True),
+])
+def test_a_python_number_target_takes_its_kind_or_a_narrower_one(tmp_path, stored, target,
+                                                                  expected):
+    path = tmp_path / 'n.jckpt'
+    jckpt.save(jckpt.Context(), {'v': stored}, path)
+    out = jckpt.restore(jckpt.Context(), {'v': target}, path)['v']
+    assert out == expected and type(out) is type(target)
+
+
+@pytest.mark.parametrize('stored, target', [(2.5, 0), (2, False), (1 + 2j, 0.0), (0.5, True)])
+def test_a_python_number_target_refuses_to_narrow_without_cast(tmp_path, stored, target):
+    """A float restored into `step=0` came back truncated (2.5 as 2), silently."""
+    path = tmp_path / 'n.jckpt'
+    jckpt.save(jckpt.Context(), {'v': stored}, path)
+    with pytest.raises(jckpt.MismatchError, match=f"the target is the Python {type(target).__name__}") as e:
+        jckpt.restore(jckpt.Context(), {'v': target}, path)
+    assert e.value.entry == 'jckpt/v' and 'cast=True' in e.value.fix
+    out = jckpt.restore(jckpt.Context(), {'v': target}, path, cast=True)['v']
+    assert out == type(target)(stored.real if isinstance(stored, complex) else stored)
+
+
+def test_a_numpy_scalar_target_gets_a_numpy_scalar(tmp_path):
+    path = tmp_path / 'n.jckpt'
+    jckpt.save(jckpt.Context(), {'v': np.float32(1.5), 'a': np.ones(())}, path)
+    out = jckpt.restore(jckpt.Context(), {'v': np.float32(0), 'a': np.zeros(())}, path)
+    assert type(out['v']) is np.float32 and out['v'] == 1.5
+    assert type(out['a']) is np.ndarray and out['a'].shape == ()
