@@ -41,6 +41,23 @@ def _warn_x64(where: str) -> None:
                       "arrays)", stacklevel=3)
 
 
+def warn_unsharded_specs(specs: list[str], path: str, devices: list[Any] | None = None) -> None:
+    """Warn that the named array specs without a sharding all go to one accelerator.
+
+    `jax.eval_shape` gives specs without shardings, so a restore into it puts a
+    sharded model on the first device: an out-of-memory error, or a model
+    nobody notices is no longer sharded. Only where that device is one of
+    several accelerators (on the CPU, every device shares host memory).
+    """
+    devices = jax.local_devices() if devices is None else devices
+    if specs and len(devices) > 1 and devices[0].platform != 'cpu':
+        warnings.warn(f"{path}: {len(specs)} target leaves ({specs[0]}, ...) are "
+                      f"ShapeDtypeStructs without a sharding (jax.eval_shape gives none), so "
+                      f"they go to one device, {devices[0]}, of the {len(devices)} here; give "
+                      "the specs the shardings to restore onto (docs/sharding.md), or pass "
+                      "jckpt.Context(device=...) to say where they go", stacklevel=4)
+
+
 def default_placement(device: Any):
     """The sharding or device loaded arrays go to when nothing else says."""
     return device if device is not None else jax.local_devices()[0]  # addressable in every process

@@ -1,5 +1,6 @@
 """Host to device (placement.place, place_all)."""
 
+import warnings
 from contextlib import nullcontext
 
 import jax
@@ -7,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jckpt
 from jckpt.errors import FormatError
 from jckpt.trees import placement
 from tests.helpers import cpu_devices
@@ -95,3 +97,41 @@ def test_place_all_decides_each_kind_of_request_as_place_does(monkeypatch):
         assert type(value) is type(want) and value.dtype == want.dtype
         assert getattr(value, "sharding", None) == getattr(want, "sharding", None)
         assert getattr(value, "weak_type", None) == getattr(want, "weak_type", None), where
+
+
+class _Device:
+    def __init__(self, platform, id):
+        self.platform, self.id = platform, id
+
+    def __repr__(self):
+        return f"{self.platform}:{self.id}"
+
+
+def test_specs_without_a_sharding_warn_only_where_one_of_several_accelerators_takes_them():
+    """`jax.eval_shape` gives no shardings: a restore into it put a sharded model on one GPU."""
+    gpus = [_Device('gpu', i) for i in range(4)]
+    with pytest.warns(UserWarning, match=r"m.jckpt: 2 target leaves \(jckpt/w, ...\) are "
+                                         r"ShapeDtypeStructs without a sharding .* gpu:0, of the 4"):
+        placement.warn_unsharded_specs(['jckpt/w', 'jckpt/b'], 'm.jckpt', gpus)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        placement.warn_unsharded_specs([], 'm.jckpt', gpus)
+        placement.warn_unsharded_specs(['jckpt/w'], 'm.jckpt', gpus[:1])
+        placement.warn_unsharded_specs(['jckpt/w'], 'm.jckpt', [_Device('cpu', i) for i in range(8)])
+
+
+def test_restore_names_the_unsharded_array_specs(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(placement, 'warn_unsharded_specs', lambda specs, path: seen.append(specs))
+    path = tmp_path / 'm.jckpt'
+    jckpt.save(jckpt.Context(), {'w': np.ones(4), 'step': 3, 'b': np.ones(2)}, path)
+    mesh = jax.sharding.Mesh(np.array(cpu_devices()[:2]), ('d',))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    target = {'w': jax.ShapeDtypeStruct((4,), np.float64), 'step': jax.ShapeDtypeStruct((), np.int64),
+              'b': jax.ShapeDtypeStruct((2,), np.float64, sharding=replicated)}
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')  # 64-bit without x64
+        jckpt.restore(jckpt.Context(), target, path)
+        jckpt.restore(jckpt.Context(device=cpu_devices()[1]), target, path)  # said where
+        jckpt.restore(jckpt.Context(host=True), target, path)
+    assert seen == [['jckpt/w']]
