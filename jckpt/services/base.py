@@ -177,7 +177,7 @@ class BackgroundWriter(Generic[InfoT]):
         try:
             self.close()
         except Exception as e:  # do not hide the exception that ended the block
-            log.error("jckpt: closing the %s of %s after an error: %s",
+            log.error("closing the %s of %s after an error: %s",
                       self._kind, self._pipeline.name, e)
 
     # The two stages the pipeline runs (see jckpt.services.engine.Committer).

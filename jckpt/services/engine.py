@@ -84,14 +84,14 @@ def _flush_at_exit() -> None:  # pragma: no cover - exercised by interpreter shu
         try:
             writer.close()
         except Exception as e:
-            log.error("jckpt: snapshots not made durable at exit: %s", e)
+            log.error("snapshots not made durable at exit: %s", e)
 
 
 def _quietly(fn: Callable[..., object], *args: object) -> None:
     try:
         fn(*args)
     except Exception as e:  # cleanup must not mask the failure being handled
-        log.debug("jckpt: cleanup failed: %s", e)
+        log.debug("cleanup failed: %s", e)
 
 
 class _Helper:
@@ -441,7 +441,7 @@ class Pipeline(Generic[InfoT, StagedT]):
             self._dropped.append((job.seq, e))
             self._record(e)
             self._leave(job)
-        log.error("jckpt: writing %s: snapshot %d is dropped, not retried: %s", self.name, job.seq, e)
+        log.error("writing %s: snapshot %d is dropped, not retried: %s", self.name, job.seq, e)
 
     def _retry(self, e: BaseException) -> None:
         """Roll back, record the failure and wait `retry_after` seconds (the job stays first)."""
@@ -450,7 +450,7 @@ class Pipeline(Generic[InfoT, StagedT]):
             self._streak += 1
             self._record(e)
             self._cond.notify_all()
-            log.warning("jckpt: writing %s failed (attempt %d, retrying in %.3g s): %s",
+            log.warning("writing %s failed (attempt %d, retrying in %.3g s): %s",
                         self.name, self._streak, self.retry_after, e)
             if not self._closing:
                 self._cond.wait(self.retry_after)

@@ -225,7 +225,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
             try:
                 meta = steps.read_metadata(path)
             except CheckpointError as e:
-                log.warning("jckpt: ignoring unreadable step %s: %s", name, e)
+                log.warning("ignoring unreadable step %s: %s", name, e)
                 continue
             found[int(m.group(1))] = steps.parse_metrics(meta.get(METRICS_KEY), path)
         steps.say_if_orbax(self.directory, found)
@@ -303,7 +303,8 @@ class CheckpointManager(BackgroundWriter[_Step]):
         options = steps.checked(options, CheckpointOptions, 'options', self.options)
         model_ns = self._model_namespace(options, items)
         meta = check_metadata(metadata, self.directory)
-        clean_metrics = check_metrics(metrics, self.directory)
+        clean_metrics = check_metrics(metrics, self.directory,
+                                      self.best_metric if self.keep_best else None)
         meta[STEP_KEY] = str(step)
         meta[METRICS_KEY] = json.dumps(clean_metrics, sort_keys=True)
         if trainer_state is not None:
@@ -400,7 +401,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
         try:
             self._prune()
         except (OSError, StorageError) as e:  # a failed deletion must not fail (and so repeat) the save
-            log.warning("jckpt: retention in %s failed: %s", self.directory, e)
+            log.warning("retention in %s failed: %s", self.directory, e)
 
     def _prune(self) -> None:
         """Delete the steps the retention policy does not keep (process 0; the others forget them)."""

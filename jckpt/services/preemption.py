@@ -51,7 +51,7 @@ class Preemption:
         if handle_sigterm and _preemption_client_ready():
             # JAX's preemption service has the signal (in C++, where Python cannot chain to
             # it) and makes every process agree on the step: a handler here would swallow it
-            log.info("jckpt: handle_sigterm left to JAX's distributed preemption service")
+            log.info("handle_sigterm left to JAX's distributed preemption service")
         elif handle_sigterm:
             self._install_sigterm()
 
@@ -68,7 +68,7 @@ class Preemption:
 
                 return bool(multihost_utils.reached_preemption_sync_point(step))
             except Exception as e:  # no preemption service in this client
-                log.debug("jckpt: preemption sync point unavailable: %s", e)
+                log.debug("preemption sync point unavailable: %s", e)
         return self._sigterm.is_set()
 
     def due(self, step: int) -> bool:

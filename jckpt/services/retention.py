@@ -18,6 +18,7 @@ import dataclasses
 import math
 import operator
 import reprlib
+import warnings
 from collections.abc import Mapping
 
 import numpy as np
@@ -105,8 +106,14 @@ def check_step(step: object, where: str) -> int:
                      fix="pass the step number first: mgr.save(step, tree), mgr.restore(step)")
 
 
-def check_metrics(metrics: Mapping[str, float] | None, where: str) -> dict[str, float]:
-    """Metrics as `{name: float}`, refusing a value that is not a number."""
+def check_metrics(metrics: Mapping[str, float] | None, where: str,
+                  rank_by: str | None = None) -> dict[str, float]:
+    """Metrics as `{name: float}`, refusing a value that is not a number.
+
+    With `rank_by` (a `keep_best` policy's metric), metrics that lack it get a
+    warning: a step without it is never kept as best, and a misspelt
+    `best_metric` would let retention delete the best steps.
+    """
     if metrics is not None and not isinstance(metrics, Mapping):
         raise InputError(f"metrics must be a mapping {{name: number}}, not {type(metrics).__name__}",
                          file=where, fix="pass metrics={'loss': float(loss)}")
@@ -117,6 +124,10 @@ def check_metrics(metrics: Mapping[str, float] | None, where: str) -> dict[str, 
         except (TypeError, ValueError):
             raise InputError(f"metric {k!r} is not a number: {v!r}", file=where,
                              fix="pass plain numbers (float(loss))") from None
+    if rank_by is not None and out and rank_by not in out:
+        warnings.warn(f"{where}: metrics {sorted(out)[:5]} have no {rank_by!r}, the best_metric "
+                      "keep_best ranks by: a step without it is never kept as a best one (is "
+                      "best_metric misspelt?)", stacklevel=3)
     return out
 
 

@@ -145,7 +145,7 @@ class Slot:
         arrays = [leaf for _, _, leaf in leaves]
         devices = image.imageable_indices(arrays)
         if devices and not image.has_room([arrays[i] for i in devices], self.image_limit):
-            log.info("jckpt: no device room for a snapshot image: copying to host at submit")
+            log.info("no device room for a snapshot image: copying to host at submit")
             devices = []
         imaged = set(devices)
         rest = [i for i in range(len(leaves)) if i not in imaged] if imaged else range(len(leaves))

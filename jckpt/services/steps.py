@@ -62,7 +62,7 @@ def parse_metrics(text: str | None, path: str) -> dict[str, float]:
     """The metrics of a step's metadata (`{}`, with a warning, when unreadable)."""
     metrics = metadata.parse_metrics(text)
     if metrics is None:
-        log.warning("jckpt: unreadable metrics in %s", path)
+        log.warning("unreadable metrics in %s", path)
         return {}
     return metrics
 
@@ -110,7 +110,7 @@ def clean_staging(backend: Backend, directory: str) -> None:
                 remove_staged(path)
                 if backend.isdir(path) and not any(backend.exists(os.path.join(path, marker))
                                                    for marker in (INDEX_NAME, TRAINER_STATE_NAME)):
-                    log.info("jckpt: removing the unfinished step %s", path)
+                    log.info("removing the unfinished step %s", path)
                     backend.remove(path)
         return
     files, dirs = set(), set()
@@ -119,7 +119,7 @@ def clean_staging(backend: Backend, directory: str) -> None:
         if STEP_RE.match(name) and backend.isdir(path) and not os.path.islink(path) \
                 and not any(os.path.exists(os.path.join(path, marker))
                             for marker in (INDEX_NAME, TRAINER_STATE_NAME)):
-            log.info("jckpt: removing the half-deleted step directory %s", path)
+            log.info("removing the half-deleted step directory %s", path)
             backend.remove(path)  # published directories have an index or a record
             continue
         head, sep, _ = name.partition(NEXT_TAG)
@@ -167,7 +167,7 @@ def say_if_orbax(directory: str, own: object) -> None:
     found = [] if own else orbax_adapter.manager_steps(directory)
     if found and directory not in _ORBAX_SAID:
         _ORBAX_SAID.add(directory)
-        log.warning("jckpt: %s holds orbax steps %s and no jckpt steps, and this manager lists "
+        log.warning("%s holds orbax steps %s and no jckpt steps, and this manager lists "
                     "and restores jckpt steps only: read one with jckpt.restore(ctx, target, "
                     "%r) or jckpt.convert it", directory, found[-5:],
                     os.path.join(directory, str(found[-1])))

@@ -179,7 +179,7 @@ def recover_set_aside(path: str) -> None:
             else:
                 os.rename(aside, path)
         except OSError as e:
-            log.warning("jckpt: could not recover %s: %s", aside, e)
+            log.warning("could not recover %s: %s", aside, e)
 
 
 # --- publishing ---------------------------------------------------------------------------------

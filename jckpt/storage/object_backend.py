@@ -166,7 +166,7 @@ class ObjectStoreBackend:
             api = api_for(u, store_for(u))
             return 0 if api is None else reclaim(api, u, '')
         except Exception as e:
-            log.warning("jckpt: could not look for incomplete uploads of %s left by killed writers: %s",
+            log.warning("could not look for incomplete uploads of %s left by killed writers: %s",
                         path, e)
             return 0
 

@@ -172,7 +172,7 @@ def clean_after_commit(url: str, files: Iterable[str], replaced: Iterable[str]) 
         if u.key:  # apart: a store that reports a missing key must not stop the others' deletion
             _delete(u, [u.key])
     except CheckpointError as e:
-        log.warning("jckpt: the checkpoint %s is saved, but deleting the pieces it replaced failed "
+        log.warning("the checkpoint %s is saved, but deleting the pieces it replaced failed "
                     "(the next save deletes them): %s", url, e)
         return []
     return [k[len(u.prefix):] for k in doomed]
@@ -190,7 +190,7 @@ def discard(url: str, tag: str) -> None:
         _delete(u, [o['path'] for o in found if piece_tag(o['path'][len(u.prefix):]) == tag])
         _reclaim_uploads(u, found, lambda name: piece_tag(name) == tag)
     except CheckpointError as e:
-        log.warning("jckpt: deleting the pieces of the failed save of %s failed (the next save "
+        log.warning("deleting the pieces of the failed save of %s failed (the next save "
                     "deletes them): %s", url, e)
 
 

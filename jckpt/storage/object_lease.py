@@ -90,7 +90,7 @@ class ObjectLease:
         if holder is not None and gone(holder):
             try:
                 taken = self._put(version)
-                log.warning("jckpt: took over the writer lease of %s from pid %s on %s, which is gone",
+                log.warning("took over the writer lease of %s from pid %s on %s, which is gone",
                             self.path, holder.get('pid'), holder.get('host'))
                 return taken
             except Exception as e:
@@ -125,7 +125,7 @@ class ObjectLease:
             try:
                 self._version = self._put(self._version)
             except Exception as e:  # lost (taken over) or unreachable: say so, keep trying if unreachable
-                log.error("jckpt: could not refresh the writer lease of %s: %s", self.path, e)
+                log.error("could not refresh the writer lease of %s: %s", self.path, e)
                 if type(e).__name__ in _TAKEN:
                     return
 

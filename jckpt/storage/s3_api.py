@@ -138,7 +138,7 @@ def _client(s: S3Settings) -> Any:
     except ImportError:
         if not _WARNED:
             _WARNED.append(True)
-            log.warning("jckpt: botocore is not installed, so incomplete multipart uploads of killed "
+            log.warning("botocore is not installed, so incomplete multipart uploads of killed "
                         "writers cannot be found and aborted (pip install 'jckpt[cloud]'); give the "
                         "bucket a lifecycle rule that aborts them (docs/object-storage.md)")
         return None

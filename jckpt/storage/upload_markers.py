@@ -128,7 +128,7 @@ def reclaim(api: S3Api, u: ObjectURL, own: str) -> int:
     obstore_module().delete(store_for(u), list(holders))
     who = ', '.join(sorted({f"pid {h.get('pid')} on {h.get('host')}" for h in holders.values()}))
     log.log(logging.WARNING if aborted else logging.INFO,
-            "jckpt: aborted %d incomplete upload(s) of %s left by writers that are gone (%s), and "
+            "aborted %d incomplete upload(s) of %s left by writers that are gone (%s), and "
             "removed their markers", aborted, u.url, who)
     return aborted
 
@@ -156,7 +156,7 @@ class UploadMarker:
             obstore_module().put(store, self.key, record())
             self.placed = True
         except Exception as e:
-            log.warning("jckpt: could not put the upload marker of %s (%s); uploading without it",
+            log.warning("could not put the upload marker of %s (%s); uploading without it",
                         self.u.url, e)
             return self
         # refreshed from now on, so that the upload, which starts after the reclaim, is always
@@ -168,7 +168,7 @@ class UploadMarker:
             if api is not None:
                 reclaim(api, self.u, self.key)
         except Exception as e:
-            log.warning("jckpt: could not look for incomplete uploads of %s left by killed writers: %s",
+            log.warning("could not look for incomplete uploads of %s left by killed writers: %s",
                         self.u.url, e)
         return self
 
@@ -177,7 +177,7 @@ class UploadMarker:
             try:
                 obstore_module().put(store_for(self.u), self.key, record())
             except Exception as e:
-                log.warning("jckpt: could not refresh the upload marker of %s: %s", self.u.url, e)
+                log.warning("could not refresh the upload marker of %s: %s", self.u.url, e)
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
@@ -187,7 +187,7 @@ class UploadMarker:
             try:
                 obstore_module().delete(store_for(self.u), self.key)
             except Exception as e:
-                log.warning("jckpt: could not delete the upload marker %s/%s: %s", self.u.bucket, self.key, e)
+                log.warning("could not delete the upload marker %s/%s: %s", self.u.bucket, self.key, e)
             self.placed = False
 
     def __repr__(self) -> str:

@@ -109,7 +109,7 @@ def _start(arrays: list[Any], host_memory: str | None) -> list[Any]:
         except Exception as e:  # e.g. the pinned pool exhausted: a plain transfer does
             if not _REFUSED:
                 _REFUSED.append(str(e))
-                log.warning("jckpt: transfers into %s memory refused (%.200s); copying to "
+                log.warning("transfers into %s memory refused (%.200s); copying to "
                             "fresh host buffers", host_memory, e)
             moving = []
         else:

@@ -2,10 +2,12 @@
 
 import dataclasses
 import math
+import warnings
 
 import numpy as np
 import pytest
 
+import jckpt
 from jckpt.errors import InputError
 from jckpt.services.retention import Retention, check_metrics, check_step, ranked
 
@@ -163,3 +165,17 @@ def test_check_metrics_refuses_what_is_not_a_mapping():
     with pytest.raises(InputError, match="metrics must be a mapping"):
         check_metrics("loss", "run")
     assert check_metrics(None, "run") == {}
+
+
+def test_metrics_without_the_metric_keep_best_ranks_by_warn(tmp_path):
+    """A misspelt best_metric let retention delete the best step without a word."""
+    import jax.numpy as jnp
+    run = tmp_path / "run"
+    with pytest.warns(UserWarning, match=r"metrics \['val_los'\] have no 'val_loss'.*misspelt"):
+        with jckpt.CheckpointManager(run, keep_last=1, keep_best=1, best_metric="val_loss") as mgr:
+            mgr.save(1, {"w": jnp.ones(2)}, metrics={"val_los": 0.5})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_metrics({"val_loss": 1.0, "lr": 0.1}, "run", "val_loss")
+        check_metrics({}, "run", "val_loss")  # no metrics this step: nothing to say
+        check_metrics({"lr": 0.1}, "run", None)
