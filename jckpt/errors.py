@@ -10,7 +10,9 @@ m.jckpt: entry jckpt/w: unknown prec Foo_prec (fix: upgrade jckpt)
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 
 class CheckpointError(Exception):
@@ -63,6 +65,25 @@ class CheckpointError(Exception):
         """
         if self.file is not None and staged and self.file.startswith(staged):
             self.file = target + self.file[len(staged):]
+
+
+@contextlib.contextmanager
+def naming_file(file: str) -> Iterator[None]:
+    """Name `file` in a `CheckpointError` raised inside that names no file (a leaf's check
+    knows the leaf, not the file it is saved to).
+
+    >>> with naming_file("m.jckpt"):
+    ...     raise InputError("dtype object cannot be stored", entry="jckpt/n")
+    Traceback (most recent call last):
+    ...
+    jckpt.errors.InputError: m.jckpt: entry jckpt/n: dtype object cannot be stored
+    """
+    try:
+        yield
+    except CheckpointError as e:
+        if e.file is None:
+            e.file = file
+        raise
 
 
 def _rebuild(cls, message, file, entry, fix):

@@ -230,16 +230,13 @@ def _requests(ctx: Context, reader: Any, parts: Sequence[tuple[str, list, Any]],
     checked = []
     meshes: dict[Any, Any] = {}  # abstract meshes of the target, resolved once each
     stored = []
-    for ns, items, _ in parts:
-        for p, leaf in items:
-            where = tree_mod.leaf_name(ns, p)
-            entry = _match(index[ns], ns, p, path, where)
-            stored.append(entry)
-            if type(leaf) is jax.ShapeDtypeStruct and leaf.sharding is not None:
-                leaf = sharding.with_concrete_mesh(leaf, meshes, file=path, where=where)
-            entry = targets.as_target_takes(entry, leaf, path, where)
-            want_dtype = targets.check_leaf(ctx, entry, leaf, path, where)
-            checked.append((entry, leaf, where, want_dtype))
+    for entry, leaf, where in _match_all(index, parts, path):
+        stored.append(entry)
+        if type(leaf) is jax.ShapeDtypeStruct and leaf.sharding is not None:
+            leaf = sharding.with_concrete_mesh(leaf, meshes, file=path, where=where)
+        entry = targets.as_target_takes(entry, leaf, path, where)
+        want_dtype = targets.check_leaf(ctx, entry, leaf, path, where)
+        checked.append((entry, leaf, where, want_dtype))
     if ctx.device is None and not ctx.host:
         placement.warn_unsharded_specs([w for _, leaf, w, _ in checked if type(leaf) is
                                         jax.ShapeDtypeStruct and leaf.sharding is None and
@@ -269,17 +266,22 @@ def _target_parts(ctx: Context, target: Any, path: str, namespace: str | None,
                          fix="name the one namespace in namespaces=")
     names = _namespace_names(namespaces, path)
     if not isinstance(target, Mapping) or set(target) != set(names):
-        raise InputError("with namespaces, the target must be {namespace: subtree} for "
-                         "exactly those namespaces", file=path)
+        keys = sorted(map(str, target))[:5] if isinstance(target, Mapping) else type(target).__name__
+        raise InputError(f"with namespaces, the target must be {{namespace: subtree}} for exactly "
+                         f"those namespaces, {list(names)}; its keys are {keys}", file=path,
+                         fix=f"pass target={{{names[0]!r}: subtree, ...}}, or drop namespaces= "
+                             f"and pass namespace={names[0]!r} for one")
     return [(ns, *tree_mod.flatten_with_treedef(target[ns])) for ns in names]
 
 
 class _Stored:
-    """One namespace's entries by stored path, and by path less key kinds (built on first need)."""
+    """One namespace's entries by stored path, and by path less key kinds (built on first need);
+    `others`: the file's namespaces, for errors."""
 
-    def __init__(self) -> None:
+    def __init__(self, others: set[str]) -> None:
         self.by_path: dict[KeyPath, Entry] = {}
         self._loose: dict[KeyPath, list[Entry]] | None = None
+        self.others = others
 
     def loose(self) -> dict[KeyPath, list[Entry]]:
         if self._loose is None:
@@ -291,11 +293,35 @@ class _Stored:
 
 def _index(header: Header, names: Collection[str]) -> dict[str, _Stored]:
     """The entries of the namespaces in `names`, by namespace."""
-    out: dict[str, _Stored] = {ns: _Stored() for ns in names}
+    others: set[str] = set()
+    out: dict[str, _Stored] = {ns: _Stored(others) for ns in names}
     for e in header.tensors:
+        others.add(e.namespace)
         found = out.get(e.namespace)
         if found is not None:
             found.by_path[_stored_path(e)] = e
+    return out
+
+
+def _match_all(index: dict[str, _Stored], parts: Sequence[tuple[str, list, Any]],
+               path: str) -> list[tuple[Entry, Any, str]]:
+    """`(entry, target leaf, name)` of each target leaf; for leaves the file lacks, the first
+    one's error, counting the others (a model with new layers lacks several)."""
+    out, missing = [], []
+    for ns, items, _ in parts:
+        for p, leaf in items:
+            where = tree_mod.leaf_name(ns, p)
+            try:
+                out.append((_match(index[ns], ns, p, path, where), leaf, where))
+            except MissingEntryError as e:
+                missing.append(e)
+    if len(missing) > 1:
+        more = [e.entry for e in missing[1:6]] + (['...'] if len(missing) > 6 else [])
+        n = len(missing) - 1
+        missing[0].message += (f"; {n} other target {'leaf is' if n == 1 else 'leaves are'} "
+                               f"missing too: {', '.join(more)}")
+    if missing:
+        raise missing[0]
     return out
 
 
@@ -333,10 +359,17 @@ def _missing(stored: _Stored, namespace: str, p: KeyPath, found: Sequence[Entry]
             f"nesting than the target's {show(p)}", file=path, entry=where,
             fix="restore into a target of the stored structure (jckpt.load shows it)")
     near = [path_name(q) for q in stored.by_path][:5]
-    return MissingEntryError("not in the checkpoint", file=path, entry=where,
-                             fix=f"check the namespace and the tree; the file's {namespace!r} "
-                                 f"entries include {near}" if near else
-                             f"the file has no entries in namespace {namespace!r}")
+    if near:
+        return MissingEntryError("not in the checkpoint", file=path, entry=where,
+                                 fix=f"check the tree (the file's {namespace!r} entries include "
+                                     f"{near}); to keep a new leaf's initial value, restore a "
+                                     "target without it and add it after")
+    return MissingEntryError(f"not in the checkpoint: it has no namespace {namespace!r}",
+                             file=path, entry=where,
+                             fix=f"its namespaces are {sorted(stored.others)}: pass namespace=... "
+                                 "(or jckpt.Context(namespace=...)), or namespaces=[...] with "
+                                 "{namespace: subtree} targets" if stored.others else
+                             "the file holds no arrays")
 
 
 # --- the header and the counters ---------------------------------------------------------

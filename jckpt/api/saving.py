@@ -27,7 +27,7 @@ import jax
 from jckpt.api import progress as progress_mod
 from jckpt.api.context import Context, check_context
 from jckpt.api.multiprocess import save_directory
-from jckpt.errors import CheckpointError, InputError, InUseError
+from jckpt.errors import CheckpointError, InputError, InUseError, naming_file
 from jckpt.format import leaf_entries
 from jckpt.format._gc import paused
 from jckpt.format.entries import Entry, Header, KeyPath, entry_for, round_up
@@ -95,14 +95,15 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
     metadata = check_metadata(metadata, path, reserved=False)  # refused before anything is written
     # several processes save their pieces into one directory; a directory checkpoint stays one
     _refuse_plain_directory(path)
-    if jax.process_count() > 1 or _holds_directory(path):
-        if appending:
-            raise InputError("appending is not supported for directory checkpoints",
-                             file=path, fix="save the whole tree")
-        save_directory(ctx, tree, path, alignment=alignment, metadata=_with_empty_nodes(
-            metadata, None, ctx.namespace, tree_mod.flatten_with_empty(tree)[1], ()))
-        return
-    _save_file(ctx, tree, path, appending, alignment, metadata, progress)
+    with naming_file(path):  # a leaf's error names the file too
+        if jax.process_count() > 1 or _holds_directory(path):
+            if appending:
+                raise InputError("appending is not supported for directory checkpoints",
+                                 file=path, fix="save the whole tree")
+            save_directory(ctx, tree, path, alignment=alignment, metadata=_with_empty_nodes(
+                metadata, None, ctx.namespace, tree_mod.flatten_with_empty(tree)[1], ()))
+            return
+        _save_file(ctx, tree, path, appending, alignment, metadata, progress)
 
 
 @paused
@@ -112,7 +113,8 @@ def save_file(ctx: Context, tree: Any, path: PathLike) -> None:
     Every leaf must be fully addressable from this process."""
     ctx, path = check_context(ctx), checked_path(path)
     _refuse_plain_directory(path)
-    _save_file(ctx, tree, path, False, None, {}, False)
+    with naming_file(path):
+        _save_file(ctx, tree, path, False, None, {}, False)
 
 
 def _save_file(ctx: Context, tree: Any, path: str, appending: bool, alignment: int | None,

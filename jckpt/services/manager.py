@@ -43,7 +43,7 @@ import jax
 
 from jckpt.api.context import Context, check_context, check_flag
 from jckpt.api.multiprocess import save_directory
-from jckpt.errors import CheckpointError, FormatError, InputError, StorageError
+from jckpt.errors import CheckpointError, FormatError, InputError, StorageError, naming_file
 from jckpt.format.names import (
     METRICS_KEY,
     STEP_KEY,
@@ -319,8 +319,9 @@ class CheckpointManager(BackgroundWriter[_Step]):
         formats.check_model(options, trees, model_ns, step, self._path(step))  # before admitting
         leaves = namespace_leaves(trees)
         meta.update(empty_nodes_metadata(trees))
-        self._pipeline.admit(leaves, meta, _Step(step, clean_metrics, options, model_ns),
-                             timeout=timeout)
+        with naming_file(self._path(step)):  # a leaf's error names the step too
+            self._pipeline.admit(leaves, meta, _Step(step, clean_metrics, options, model_ns),
+                                 timeout=timeout)
         self._last_admitted = step
         if not self.asynchronous:
             self._pipeline.wait()

@@ -43,6 +43,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jckpt.api.context import Context
+from jckpt.errors import naming_file
 from jckpt.services.base import BackgroundWriter, check_metadata
 from jckpt.services.engine import MirrorCounters
 from jckpt.services.lineage import MIRROR_FILE
@@ -115,7 +116,8 @@ class Mirror(BackgroundWriter[None]):
         trees = {self.ctx.namespace: tree}
         meta = {**check_metadata(metadata, self.path), **empty_nodes_metadata(trees)}
         leaves = namespace_leaves(trees)
-        return self._pipeline.admit(leaves, meta, None, timeout=timeout)
+        with naming_file(self.path):  # a leaf's error names the file too
+            return self._pipeline.admit(leaves, meta, None, timeout=timeout)
 
     def __repr__(self) -> str:
         return f"Mirror({self.path!r}, lineage={self.lineage!r}, {self.counters})"

@@ -276,6 +276,9 @@ def _stage_host(where: str, leaf: Any, fetch: bool) -> HostLeaf:
         raise InputError(f"leaf of type {type(leaf).__name__} is not an array", entry=where,
                          fix="store arrays or numbers only; put other values in metadata")
     array = np.asarray(leaf)
+    if array.dtype == object and isinstance(leaf, int):  # beyond 64 bits
+        raise InputError(f"the integer {leaf:.6g} does not fit 64 bits", entry=where,
+                         fix="store it as a float, or as a string in metadata")
     _check_dtype(array.dtype, where)
     if not fetch:
         return HostLeaf(array.dtype, array.shape)
@@ -301,6 +304,10 @@ def _finish(staged: HostLeaf, copy: bool) -> HostLeaf:
 
 def _check_dtype(dtype: np.dtype, where: str) -> None:
     if dtype not in _STORABLE:
+        if dtype == jax.dtypes.float0:
+            raise InputError("a float0 array (the gradient of an integer input) holds no values",
+                             entry=where, fix="leave float0 leaves out of the checkpoint "
+                                              "(map them to None), or differentiate float inputs only")
         if not precs.is_supported(dtype):
             raise InputError(f"dtype {dtype} cannot be stored", entry=where,
                              fix="cast to a supported dtype (see the format's prec table)")

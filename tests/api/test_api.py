@@ -312,12 +312,33 @@ def test_restore_with_namespaces_keeps_each_subtree_type(tmp_path):
     assert type(back["s"]) is State and int(back["s"].step) == 4
 
 
+def test_a_missing_namespace_and_missing_leaves_are_all_named(tmp_path):
+    """A target for the default namespace of a file without it was told only "the file has no
+    entries in namespace 'jckpt'"; a model with new layers was told of its first new leaf."""
+    path = two_namespaces(tmp_path)
+    with pytest.raises(jckpt.MissingEntryError, match="it has no namespace 'jckpt'") as e:
+        jckpt.restore(jckpt.Context(), {"w": np.zeros(4)}, path)
+    assert "['ema', 'model', 'opt']" in e.value.fix and "namespace=" in e.value.fix
+    target = {"w": np.zeros(4), **{f"new{i}": {"b": np.zeros(1)} for i in range(8)}}
+    with pytest.raises(jckpt.MissingEntryError) as e:
+        jckpt.restore(jckpt.Context(namespace="model"), target, path)
+    assert e.value.entry == "model/new0/b"
+    assert e.value.message.endswith("7 other target leaves are missing too: model/new1/b, "
+                                    "model/new2/b, model/new3/b, model/new4/b, model/new5/b, ...")
+    assert "restore a target without it" in e.value.fix
+    with pytest.raises(jckpt.MissingEntryError, match=r"1 other target leaf is missing too: model/x \(fix"):
+        jckpt.restore(jckpt.Context(namespace="model"), {"w": np.zeros(4), "v": 0, "x": 0}, path)
+
+
 def test_restore_with_namespaces_refusals(tmp_path):
     path = two_namespaces(tmp_path)
     ctx = jckpt.Context()
-    for target in ({"model": {"w": np.zeros(4)}}, {"model": {}, "opt": {}, "x": {}}, [np.zeros(4)]):
-        with pytest.raises(InputError, match="exactly those namespaces"):
+    for target, keys in (({"model": {"w": np.zeros(4)}}, "['model']"),
+                         ({"model": {}, "opt": {}, "x": {}}, "['model', 'opt', 'x']"),
+                         ([np.zeros(4)], "list")):
+        with pytest.raises(InputError, match="exactly those namespaces") as e:
             jckpt.restore(ctx, target, path, namespaces=["model", "opt"])
+        assert e.value.message.endswith(f"its keys are {keys}") and "target={'model'" in e.value.fix
     with pytest.raises(InputError, match="not both"):
         jckpt.restore(ctx, {"model": {"w": np.zeros(4)}}, path, namespace="model",
                       namespaces=["model"])
@@ -327,3 +348,20 @@ def test_restore_with_namespaces_refusals(tmp_path):
         jckpt.restore(ctx, {"opt": {"nu": np.zeros(4)}}, path, namespaces=["opt"])
     # an empty target returns at once, without opening the file
     assert jckpt.restore(ctx, {"x": {}}, tmp_path / "missing", namespaces="x") == {"x": {}}
+
+
+def test_a_leaf_that_cannot_be_saved_names_the_file(tmp_path):
+    """The leaf's check knows the leaf; save, the mirror and the manager add the file (it was None)."""
+    path = str(tmp_path / "m.jckpt")
+    with pytest.raises(InputError, match="leaf of type str") as e:
+        jckpt.save(jckpt.Context(), {"s": "text"}, path)
+    assert (e.value.file, e.value.entry) == (path, "jckpt/s")
+    with jckpt.Mirror(tmp_path / "mirror.jckpt") as mirror:
+        with pytest.raises(InputError, match="leaf of type str") as e:
+            mirror.submit({"s": "text"})
+        assert e.value.file == str(tmp_path / "mirror.jckpt")
+    with jckpt.CheckpointManager(tmp_path / "run") as mgr:
+        with pytest.raises(InputError, match="leaf of type str") as e:
+            mgr.save(3, {"s": "text"})
+        assert e.value.file == str(tmp_path / "run" / "step_00000003.jckpt")
+    assert not os.path.exists(path)

@@ -77,7 +77,7 @@ def test_typed_prng_keys_become_key_data_and_impl():
     (jax.ShapeDtypeStruct((2,), jnp.float32), "ShapeDtypeStruct is not an array"),
     (np.array(["a"]), "dtype <U1 cannot be stored"),
     (np.array([object()]), "dtype object cannot be stored"),
-    (2**70, "dtype object cannot be stored"),
+    (2**70, "the integer .* does not fit 64 bits"),
 ])
 def test_refusals_name_the_leaf(leaf, message):
     with pytest.raises(InputError, match=message) as info:
@@ -227,3 +227,17 @@ def test_other_failures_pass_through_and_live_leaves_are_not_blamed():
             1 / 0  # noqa: B018
     with pytest.raises(InputError, match="not an array"):  # a CheckpointError stays itself
         to_host.host_leaves([('ns/s', 'text'), ('ns/w', donated())])
+
+
+def test_leaves_no_file_can_hold_say_why():
+    """float0 (a gradient of an integer input) was told to cast to a supported dtype, and an
+    integer beyond 64 bits that "dtype object cannot be stored"."""
+    g = jax.grad(lambda x, i: x, argnums=(0, 1), allow_int=True)(1.0, 3)[1]
+    with pytest.raises(InputError, match="float0 array .* holds no values") as e:
+        to_host.host_leaves([('ns/g', g)])
+    assert e.value.entry == 'ns/g' and 'None' in e.value.fix
+    for big in (2**64, -2**63 - 1):
+        with pytest.raises(InputError, match="does not fit 64 bits") as e:
+            to_host.host_leaves([('ns/n', big)])
+        assert e.value.entry == 'ns/n'
+    assert to_host.host_leaves([('ns/n', 2**64 - 1)])[0].dtype == np.uint64
