@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import types
 from typing import TYPE_CHECKING
 
 from jckpt import _moved
@@ -81,7 +82,10 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    """The public names and jckpt's submodules (not `logging`, `importlib`, ... used here)."""
+    modules = {name for name, value in globals().items() if isinstance(value, types.ModuleType)
+               and value.__name__.startswith('jckpt.') and not name.startswith('_')}
+    return sorted(set(__all__) | modules)
 
 
 __all__ = [

@@ -54,3 +54,15 @@ def test_the_build_session_builds_both_wheels():
     assert 'ids=["c-extension", "pure-python"]' in noxfile
     assert "python -m nox -s build" in (ROOT / ".ci" / "run").read_text()
     assert "JCKPT_PURE_PYTHON" in (ROOT / "setup.py").read_text()
+
+
+def test_the_top_level_shows_only_the_public_names_and_submodules():
+    """`dir(jckpt)` (what completion offers) listed `logging`, `importlib`, `TYPE_CHECKING`."""
+    import types
+
+    import jckpt
+    assert set(jckpt.__all__) <= set(dir(jckpt))
+    extra = set(dir(jckpt)) - set(jckpt.__all__)
+    assert extra and all(isinstance(getattr(jckpt, n), types.ModuleType) for n in extra), extra
+    for name in jckpt.__all__:
+        assert getattr(jckpt, name) is not None
