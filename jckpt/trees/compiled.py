@@ -20,14 +20,15 @@ True
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from collections.abc import Callable, Hashable
 from typing import Any
 
 #: How many layouts' compiled calls are kept (the oldest are dropped all at once beyond it).
 MAX = 64
 
-_COMPILER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='jckpt-compile')
 _CALLS: dict[Hashable, concurrent.futures.Future] = {}
+_ONE_AT_A_TIME = threading.Lock()  # compilations queue, as on one compiler thread
 
 
 def ready(key: Hashable, compile: Callable[[], Any]) -> Any | None:
@@ -37,11 +38,22 @@ def ready(key: Hashable, compile: Callable[[], Any]) -> Any | None:
     if future is None:
         if len(_CALLS) >= MAX:
             _CALLS.clear()
-        _CALLS[key] = _COMPILER.submit(compile)
+        future = _CALLS[key] = concurrent.futures.Future()
+        # a thread per compilation, gone when it is done: none lingers after the writers close
+        threading.Thread(target=_compile, args=(future, compile), name='jckpt-compile',
+                         daemon=True).start()
         return None
     if not future.done() or future.exception() is not None:
         return None
     return future.result()
+
+
+def _compile(future: concurrent.futures.Future, compile: Callable[[], Any]) -> None:
+    with _ONE_AT_A_TIME:
+        try:
+            future.set_result(compile())
+        except BaseException as e:  # kept for `ready` to see; the caller's slower path goes on
+            future.set_exception(e)
 
 
 def wait_all() -> None:

@@ -45,3 +45,28 @@ def test_beyond_max_layouts_the_kept_calls_are_dropped(monkeypatch):
         compiled.ready(key, lambda key=key: key)
     compiled.wait_all()
     assert set(compiled._CALLS) == {"c"}
+
+
+def test_no_compiler_thread_outlives_its_compilations():
+    """A pool's idle worker stayed alive after every writer had closed."""
+    import threading
+    import time
+    order = []
+
+    def slow(name):
+        def compile():
+            order.append(f"{name} start")
+            time.sleep(0.05)
+            order.append(f"{name} end")
+            return name
+        return compile
+    assert compiled.ready("x", slow("x")) is None and compiled.ready("y", slow("y")) is None
+    compiled.wait_all()
+    first, second = order[0].split()[0], order[2].split()[0]
+    assert order == [f"{first} start", f"{first} end", f"{second} start", f"{second} end"]
+    assert {first, second} == {"x", "y"}  # one at a time
+    deadline = time.monotonic() + 10
+    while any(t.name == "jckpt-compile" for t in threading.enumerate()):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert compiled.ready("x", slow("x")) == "x"
