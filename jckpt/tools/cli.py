@@ -98,7 +98,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(report.to_dict())
     else:
-        _print(report.render())
+        _print(report.render(strict=args.strict))
     failed = not report.ok or (args.strict and report.warnings)
     return EXIT_DIFFERENT if failed else EXIT_OK
 

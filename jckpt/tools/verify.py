@@ -101,14 +101,16 @@ class VerifyReport:
         """True when the layout is valid and every stored checksum holds."""
         return not self.errors
 
-    def render(self) -> str:
-        """The text `jckpt verify` prints."""
+    def render(self, strict: bool = False) -> str:
+        """The text `jckpt verify` prints; `strict`: warnings fail it too (`--strict`)."""
         lines = [f"{p.severity.upper()}: {p}" for p in self.problems]
-        verdict = 'OK' if self.ok else 'FAILED'
+        failed = not self.ok or (strict and bool(self.warnings))
+        verdict = 'FAILED' if failed else 'OK'
         where = f"{self.path} ({self.files} files)" if self.files != 1 else self.path
         summary = (f"{verdict}: {where}: {self.checked} of {self.entries} checksums verified"
                    f", {len(self.errors)} error{'s' if len(self.errors) != 1 else ''}"
-                   f", {len(self.warnings)} warning{'s' if len(self.warnings) != 1 else ''}")
+                   f", {len(self.warnings)} warning{'s' if len(self.warnings) != 1 else ''}"
+                   + (" (--strict: warnings fail)" if strict and self.ok and self.warnings else ''))
         return '\n'.join([*lines, summary])
 
     def __repr__(self) -> str:

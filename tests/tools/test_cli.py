@@ -295,7 +295,10 @@ def test_verify_warnings_and_strict(tmp_path, cli):
         f.write(b'trailing')
     p = cli('verify', path)
     assert p.returncode == 0 and 'WARNING' in p.stdout and '8 bytes follow the last payload' in p.stdout
-    assert cli('verify', path, '--strict').returncode == 1
+    assert p.stdout.splitlines()[-1].startswith('OK: ')
+    p = cli('verify', path, '--strict')  # it printed "OK" and exited 1
+    assert p.returncode == 1 and p.stdout.splitlines()[-1].startswith('FAILED: ')
+    assert p.stdout.rstrip().endswith('1 warning (--strict: warnings fail)')
 
 
 def test_verify_manager_directory(tmp_path, cli):
