@@ -36,11 +36,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 import shutil
 import stat
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -68,6 +71,19 @@ def _orbax():
         raise InputError("reading or writing orbax checkpoints needs orbax-checkpoint",
                          fix="pip install 'jckpt[orbax]'") from None
     return ocp
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Hold back orbax's warnings while it reads for jckpt ("Metadata file does not exist"
+    for the optional files of a step): they are not the user's to act on."""
+    logger = logging.getLogger('absl')
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _is_item(path: str) -> bool:
@@ -262,13 +278,14 @@ def read_item(item: str) -> Any:
     checkpointer = ocp.PyTreeCheckpointer()
     item = os.path.abspath(item)  # orbax wants absolute paths
     try:
-        metadata = checkpointer.metadata(item)
-        tree = getattr(metadata, 'item_metadata', metadata)
-        tree = getattr(tree, 'tree', tree)
-        restore_args = jax.tree_util.tree_map(
-            lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-        restored = checkpointer.restore(item, args=ocp.args.PyTreeRestore(
-            restore_args=restore_args))
+        with _quiet():
+            metadata = checkpointer.metadata(item)
+            tree = getattr(metadata, 'item_metadata', metadata)
+            tree = getattr(tree, 'tree', tree)
+            restore_args = jax.tree_util.tree_map(
+                lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+            restored = checkpointer.restore(item, args=ocp.args.PyTreeRestore(
+                restore_args=restore_args))
     except FormatError:
         raise
     except Exception as e:  # orbax and tensorstore raise many types for damaged data
@@ -325,7 +342,8 @@ def item_specs(item: str) -> list[tuple[Any, tuple[int, ...], np.dtype, str | No
     import jax
 
     try:
-        metadata = ocp.PyTreeCheckpointer().metadata(os.path.abspath(item))
+        with _quiet():
+            metadata = ocp.PyTreeCheckpointer().metadata(os.path.abspath(item))
         tree = getattr(getattr(metadata, 'item_metadata', metadata), 'tree', None)
         leaves = jax.tree_util.tree_flatten_with_path(tree)[0] if tree is not None else None
         impls = _key_impls(item)

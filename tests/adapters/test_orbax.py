@@ -284,3 +284,15 @@ def test_item_metadata_keeps_nodes_without_leaves(tmp_path):
         tree = manager.item_metadata(1)["state"].tree
     assert len(tree["opt"]) == 3 and tree["opt"][1] is None and tree["opt"][2] is None
     assert tree["opt"][0]["mu"]["w"].shape == (3,)
+
+
+def test_reading_a_manager_step_holds_back_orbax_warnings(tmp_path, caplog):
+    """`jckpt convert <orbax step>` printed "WARNING:absl:Metadata file does not exist"."""
+    import logging
+    with ocp.CheckpointManager(str(tmp_path / 'run')) as manager:
+        manager.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave({'w': np.ones(3)})))
+    with caplog.at_level(logging.WARNING):
+        tree = jckpt.adapters.read(tmp_path / 'run' / '1')
+    assert np.asarray(jax.tree.leaves(tree)[0]).tolist() == [1, 1, 1]
+    assert not [r for r in caplog.records if r.name == 'absl'], caplog.text
+    assert logging.getLogger('absl').level != logging.ERROR  # restored
