@@ -135,10 +135,27 @@ def _encode(text, encoding='latin1'):
 
 
 class _StateDict(dict):
-    """`OrderedDict` as unpickled: a dict that ignores the `_metadata` state torch attaches."""
+    """`OrderedDict` as unpickled: a dict that ignores the `_metadata` state torch attaches.
+
+    Built from nothing (torch pickles `OrderedDict()`, then its items) or from a
+    list of pairs, never from a tensor: iterating a crafted view of a tiny storage
+    would cost time and memory far beyond the pickle's size.
+    """
+
+    def __init__(self, *args: Any) -> None:
+        if args and (len(args) > 1 or not isinstance(args[0], (list, tuple))):
+            raise ValueError("OrderedDict is allowed only empty or from a list of pairs")
+        super().__init__(*args)
 
     def __setstate__(self, state: Any) -> None:
         pass
+
+
+def _size(dims: Any = ()) -> tuple[int, ...]:
+    """`torch.Size` as unpickled: a tuple of ints, never built from a tensor (see `_StateDict`)."""
+    if not isinstance(dims, (list, tuple)) or not all(type(d) is int for d in dims):
+        raise ValueError("torch.Size is allowed only from a tuple of ints")
+    return tuple(dims)
 
 
 def _plain(obj: Any, budget: list[int], depth: int = 0, open_ids: frozenset = frozenset()) -> Any:
@@ -179,7 +196,7 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ('torch._utils', '_rebuild_parameter'): _rebuild_parameter,
     ('torch._utils', '_rebuild_parameter_with_state'): _rebuild_parameter_with_state,
     ('collections', 'OrderedDict'): _StateDict,
-    ('torch', 'Size'): tuple,
+    ('torch', 'Size'): _size,
     ('_codecs', 'encode'): _encode,
     ('torch.storage', 'UntypedStorage'): _StorageType('UntypedStorage', None),
     **{('torch', name): _StorageType(name, dt) for name, dt in STORAGES.items()},

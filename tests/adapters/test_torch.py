@@ -250,6 +250,20 @@ def test_view_far_larger_than_its_storage_is_refused(tmp_path):
     assert pt.read(path)['jckpt'].tolist() == [1.0, 1.0, 1.0]
 
 
+@pytest.mark.parametrize('glob', [b'ctorch\nSize\n', b'ccollections\nOrderedDict\n'])
+def test_a_tensor_is_never_iterated_by_an_allowed_class(tmp_path, glob):
+    """`torch.Size(view)` or `OrderedDict(view)` of a stride-0 view of a 1-byte storage, 400
+    times over in 3 KB: 4 GB of memory, or a minute, before; refused at once now."""
+    pickled = (b'\x80\x02ctorch._utils\n_rebuild_tensor_v2\n((X\x07\x00\x00\x00storage'
+               b'ctorch\nByteStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x01tQK\x00'
+               b'J\x40\x00\x10\x00\x85K\x00\x85\x89ccollections\nOrderedDict\n)RtRq\x01' + glob
+               + b'q\x02' + b'h\x02h\x01\x85R' * 400 + b'h\x01.')
+    path = tmp_path / 'bomb.pt'
+    path.write_bytes(zip_with(pickled, {'archive/data/0': b'\x07'}))
+    with pytest.raises(FormatError, match='is allowed only'):
+        pt.read(path)
+
+
 def test_big_endian_archive(tmp_path):
     pickled = (b'\x80\x02ctorch._utils\n_rebuild_tensor_v2\n((X\x07\x00\x00\x00storage'
                b'ctorch\nFloatStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x02tQK\x00'
