@@ -26,7 +26,7 @@ from jckpt.errors import FormatError
 from jckpt.format import precs
 from jckpt.format.entries import INT_KINDS, MAX_INT64, Entry, Header
 from jckpt.format.limits import MAX_NDIM, MAX_PATH_LENGTH
-from jckpt.format.sexp import _SPLIT_QUOTED, Verbatim
+from jckpt.format.sexp import _SPLIT_QUOTED, Verbatim, unterminated
 
 _A = r"[!$%&'*+,\-./0-9:<=>?@A-Z\[\]^_`a-z{}~]+"
 _PAIR = r"\([0-9]{1,19} [0-9]{1,19}\)"
@@ -145,7 +145,7 @@ def _splice_lists(text: str) -> tuple[str, dict[str, str]] | None:
     if _PLACEHOLDER in text:
         return None
     parts = _SPLIT_QUOTED.split(text)  # structural text and quoted atoms, alternating
-    if any(c in part for part in parts[0::2] for c in ';#\\'):
+    if unterminated(parts) or any(c in part for part in parts[0::2] for c in ';#\\'):
         return None
     lists: dict[str, str] = {}
 

@@ -58,7 +58,9 @@ MAX_LEAF_EXPANSION = 64
 #: The largest array, in bytes, numpy can describe (and any 64-bit offset can address).
 MAX_BYTES = 2**63 - 1
 
-_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # unrolled: no backtracking stack
+# unrolled (no backtracking stack); an unterminated string runs to the end, so that a match
+# never fails once started (retrying at every later quote was quadratic)
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
 
 
 def check_shape(shape: Any, itemsize: int) -> tuple[int, ...]:

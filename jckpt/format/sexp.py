@@ -40,12 +40,14 @@ class SexpError(ValueError):
 # --- reading ---------------------------------------------------------------
 
 _QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_SPLIT_QUOTED = re.compile(r'("(?:[^"\\]|\\.)*")', re.DOTALL)
+# A quoted atom, or an unterminated one to the end of the text: a match never fails once
+# started, so splitting is linear (retrying at every later quote was quadratic).
+_SPLIT_QUOTED = re.compile(r'("(?:[^"\\]|\\.)*(?:"|\\?\Z))', re.DOTALL)
 _FAST_UNSAFE = re.compile(r'[^\t\n\r -~]|[\\;#|"]')
 _ATOM_SPLIT = re.compile(r'([^\s()]+)')
 _COMMA_BEFORE_CLOSE = re.compile(r',(?=\s*\])')
 # a trailing comma before ']', outside the JSON strings (group 1 skips over them whole)
-_TRAILING_COMMA = re.compile(r'("(?:[^"\\]|\\.)*")|,(\s*)\]')
+_TRAILING_COMMA = re.compile(r'("(?:[^"\\]|\\.)*(?:"|\\?\Z))|,(\s*)\]')
 _TOKEN = re.compile(
     r'(?P<ws>\s+)|(?P<comment>;[^\n]*)|(?P<open>\()|(?P<close>\))'
     r'|(?P<quoted>"(?:[^"\\]|\\.)*")|(?P<atom>[^\s()";]+)|(?P<bad>.)',
@@ -155,10 +157,15 @@ def parse(text: str) -> Sexp:
     """
     parts = _SPLIT_QUOTED.split(text)
     structural = ''.join(parts[0::2])
-    if _FAST_UNSAFE.search(structural) is None:
+    if not unterminated(parts) and _FAST_UNSAFE.search(structural) is None:
         _check_depth(structural)
         return _parse_fast(parts)
     return _parse_slow(text)
+
+
+def unterminated(parts: list[str]) -> bool:
+    """Whether `_SPLIT_QUOTED.split`'s last quoted part runs to the end unclosed."""
+    return len(parts) > 1 and _QUOTED.fullmatch(parts[-2]) is None
 
 
 def parse_slow(text: str) -> Sexp:

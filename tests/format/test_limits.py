@@ -47,3 +47,11 @@ def test_json_depth_counts_across_chunks_and_skips_a_huge_string_cheaply():
     assert json_depth(deep) == 3 << 20
     assert json_depth('{"a": "' + "[\\\"" * (1 << 20) + '", "b": [[]]}') == 3
     assert json_depth("") == 0 and json_depth('"x"') == 0
+
+
+def test_an_unterminated_json_string_is_measured_in_linear_time():
+    """Each quote started a scan to the end: a 320 KB safetensors header took minutes."""
+    text = '{"a": "' + '\\"' * 500_000
+    assert limits.json_depth(text) == 1
+    with pytest.raises(ValueError):
+        limits.json_loads(text)

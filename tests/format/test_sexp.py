@@ -109,3 +109,18 @@ def test_atoms_that_look_like_json_punctuation_survive_the_fast_path():
     for value in [',]', ['a,]', ', ]'], ',', ['x', [',]']], '"a,]"']:
         text = dumps(value)
         assert parse(text) == value and parse_slow(text) == value
+
+
+@pytest.mark.parametrize('text', [
+    '((writer "' + '\\"' * 500_000 + '))',        # an unterminated atom full of escaped quotes
+    '((writer "' + '\\"' * 500_000 + '\\',        # ... ending in a lone backslash
+])
+def test_an_unterminated_quoted_atom_is_refused_in_linear_time(text):
+    """Each quote started a scan to the end: 64 KB took a minute, this 1 MB would take hours."""
+    with pytest.raises(SexpError, match='unexpected character'):
+        parse(text)
+
+
+def test_quotes_in_a_comment_parse_in_linear_time():
+    text = '((version 1) ; "' + '\\"' * 500_000 + '\n (tensors ()))'
+    assert parse(text) == parse('((version 1) (tensors ()))')
