@@ -46,7 +46,7 @@ from typing import Any
 
 from jckpt.errors import FormatError, InputError
 from jckpt.format.names import STEP_RE, is_format_step
-from jckpt.storage.backend import backend_for, checked_path
+from jckpt.storage.backend import backend_for, checked_path, same_place
 from jckpt.storage.checkpoint import register_directory_reader
 
 PathLike = str | os.PathLike
@@ -294,7 +294,7 @@ def convert(src: PathLike, dst: PathLike, *, format: str | None = None) -> tuple
     fmt = get_format(target)
     if fmt.write is None:
         raise InputError(f"format {target!r} cannot be written, only read", file=dst)
-    if os.path.exists(dst) and os.path.samefile(src, dst):
+    if same_place(src, dst):
         raise InputError("source and destination are the same file", file=dst,
                          fix="convert into another path")
     reader = get_format(source)

@@ -281,5 +281,35 @@ def backend_for(path: str | os.PathLike) -> Backend:
                          + ", ".join(f"{s}://" for s in sorted(object_store.SCHEMES)))
 
 
-__all__ = ['LOCAL', 'Backend', 'Buffer', 'LocalBackend', 'backend_for', 'is_url', 'open_regular',
-           'url_scheme']
+def occupied(path: str) -> bool:
+    """Whether anything is at `path`: a file, a directory or a link; an object or a prefix.
+
+    >>> occupied('no/such/file')
+    False
+    """
+    backend = backend_for(path)
+    if backend is LOCAL:
+        return os.path.lexists(path)
+    return backend.exists(path) or backend.isdir(path)
+
+
+def same_place(a: str, b: str) -> bool:
+    """Whether `a` and `b` name one checkpoint: one local file or directory (links and
+    relative paths resolved; False while either is missing), or one object.
+
+    >>> same_place('s3://b/run/x', 's3a://b//run/x'), same_place('s3://b/x', 'x')
+    (True, False)
+    """
+    if is_url(a) or is_url(b):
+        if not (is_url(a) and is_url(b)):
+            return False
+        ua, ub = object_store.ObjectURL.parse(a), object_store.ObjectURL.parse(b)
+        return (ua.kind, ua.bucket, ua.key) == (ub.kind, ub.bucket, ub.key)
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+__all__ = ['LOCAL', 'Backend', 'Buffer', 'LocalBackend', 'backend_for', 'is_url', 'occupied',
+           'open_regular', 'same_place', 'url_scheme']

@@ -38,7 +38,7 @@ from jckpt.adapters import convert, format_for_destination
 from jckpt.api.progress import bar
 from jckpt.errors import CheckpointError, FormatError, InputError
 from jckpt.format.limits import check_alignment
-from jckpt.storage.backend import backend_for
+from jckpt.storage.backend import backend_for, occupied, same_place
 from jckpt.tools.classify import (
     DIRECTORY,
     FILE,
@@ -119,8 +119,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     kind = classify(src)
     if kind.name == MISSING:
         raise FormatError("no such file or directory", file=src, fix="check the source path")
-    same = os.path.exists(dst) and os.path.samefile(src, dst)
-    if os.path.lexists(dst) and not (same or args.overwrite):
+    same = same_place(src, dst)
+    if occupied(dst) and not (same or args.overwrite):
         raise InputError("converting would replace an existing checkpoint", file=dst,
                          fix="choose another destination, or pass --overwrite")
     if (args.format or format_for_destination(dst)) in (None, 'jckpt'):

@@ -38,7 +38,7 @@ from jckpt.errors import ChecksumError, ClashError, FormatError, InputError
 from jckpt.format.header import DEFAULT_ALIGNMENT, Entry, Header
 from jckpt.format.layout import lay_out
 from jckpt.format.limits import check_alignment
-from jckpt.storage.backend import LOCAL, backend_for, is_url
+from jckpt.storage.backend import backend_for, occupied, same_place
 from jckpt.storage.reader import CheckpointReader
 from jckpt.storage.writer import CopySource, ReaderSource, write_checkpoint
 from jckpt.version import __version__
@@ -99,14 +99,8 @@ def _copy_out(target: str, header: Header, copies: Sequence[tuple[CheckpointRead
                                 on_payload=lambda e: bar.advance(e.byte_length))
 
 
-def _exists(path: str) -> bool:
-    """Whether a file (or, for a URL, an object) is at `path`."""
-    backend = backend_for(path)
-    return os.path.lexists(path) if backend is LOCAL else backend.exists(path)
-
-
 def _refuse_existing(target: str, what: str) -> None:
-    if _exists(target):
+    if occupied(target):
         raise InputError(f"{what} would replace an existing checkpoint", file=target,
                          fix="choose another output path, or allow overwriting it")
 
@@ -131,7 +125,7 @@ def relayout(src: str | os.PathLike, dst: str | os.PathLike, *, alignment: int |
     backend_for(dst)  # a URL no backend serves is refused before the source is read
     reader = _open_whole(src)
     alignment = None if alignment is None else check_alignment(alignment, dst)
-    same = src == dst if is_url(src) or is_url(dst) else os.path.exists(dst) and os.path.samefile(src, dst)
+    same = same_place(src, dst)
     if not (overwrite or same):
         _refuse_existing(dst, "writing the re-laid-out file")
     if verify:
@@ -217,7 +211,7 @@ def _merge_sources(out: str, inputs: Sequence[str], prefixes: Sequence[str | Non
     from jckpt.trees.pytree import prefix_namespace  # as above: JAX
 
     sources: list[_Source] = []
-    if append and _exists(out):
+    if append and occupied(out):
         base = _open_whole(out)
         sources.append((base, base.header))
     elif not overwrite:

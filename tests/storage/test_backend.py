@@ -66,6 +66,21 @@ def test_sizes_of_files_and_directories(tmp_path):
     assert LOCAL.size(str(tmp_path / "missing")) == 0
 
 
+def test_same_place_and_occupied(tmp_path):
+    from jckpt.storage.backend import occupied, same_place
+    (tmp_path / "a").write_bytes(b"x")
+    os.symlink(tmp_path / "a", tmp_path / "link")
+    os.symlink(tmp_path / "gone", tmp_path / "dangling")
+    assert same_place(str(tmp_path / "a"), str(tmp_path / "link"))
+    assert not same_place(str(tmp_path / "a"), str(tmp_path / "missing"))
+    assert same_place("s3://b/run/x", "S3A://b//run/x") and not same_place("s3://b/x", "gs://b/x")
+    assert not same_place("s3://b/x", str(tmp_path / "a"))
+    assert occupied(str(tmp_path / "dangling")) and not occupied(str(tmp_path / "missing"))
+    jckpt.save(jckpt.Context(), {"w": np.ones(2)}, "memory://occupied/run/x.jckpt")
+    assert occupied("memory://occupied/run/x.jckpt") and occupied("memory://occupied/run")
+    assert not occupied("memory://occupied/run/y")
+
+
 def test_listing_a_missing_directory_is_a_storage_error(tmp_path):
     with pytest.raises(jckpt.StorageError, match="listing the directory failed") as info:
         LOCAL.list(str(tmp_path / "missing"))

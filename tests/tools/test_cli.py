@@ -526,3 +526,23 @@ def test_progress_bar_only_on_a_terminal(tmp_path):
     # the bar can be turned off, and CI environments never get one
     assert 'verifying' not in _run_under_pty(['--no-progress', 'verify', big], tty_env)[2]
     assert 'verifying' not in _run_under_pty(['verify', big], _env(CI='true', TERM='xterm'))[2]
+
+
+def test_convert_keeps_an_existing_destination_at_a_url(tmp_path, model, cli):
+    """An existing object was replaced without --overwrite (the check looked on the local disk),
+    and a URL source with an existing local destination failed with "No such file"."""
+    import numpy as np
+
+    import jckpt
+    for dst in ('memory://cli-convert/keep.jckpt', 'memory://cli-convert/keep.npz'):
+        jckpt.save(jckpt.Context(), {'keep': np.full(3, 7.0)}, dst)
+        p = cli('convert', model, dst)
+        assert p.returncode == 2 and 'would replace an existing checkpoint' in p.stderr
+        assert jckpt.adapters.read(dst)['jckpt']['keep'].tolist() == [7.0] * 3
+        assert cli('convert', model, dst, '--overwrite').returncode == 0
+        assert 'keep' not in str(jckpt.adapters.read(dst))
+    local = tmp_path / 'local.npz'
+    local.write_bytes(b'old')
+    assert cli('convert', 'memory://cli-convert/keep.npz', local).returncode == 2
+    p = cli('convert', 'memory://cli-convert/keep.npz', local, '--overwrite')
+    assert p.returncode == 0, p.stderr
