@@ -44,11 +44,13 @@ def sniff(path: str, head: bytes | None) -> bool:
 def read(path: str) -> dict[str, Any]:
     """Every entry of the file (or directory checkpoint) as `{namespace: subtree}` of host
     numpy arrays, with `None` where the saved tree had a node without leaves (an optax
-    `EmptyState`: recorded under `EMPTY_NODES_KEY`), so an orbax export keeps it."""
+    `EmptyState`: recorded under `EMPTY_NODES_KEY`), so an orbax export keeps it. Every
+    payload is checked against its checksum (`ChecksumError`): what is read here is written
+    out again (`jckpt.convert`), and a damaged payload must not be sealed in another file."""
     from jckpt.api.loading import describe, load  # JAX: imported only when a checkpoint is read
     from jckpt.trees.pytree import with_empty_nodes
 
-    _, tree = load(Context(host=True), path)
+    _, tree = load(Context(host=True), path, verify=True)
     recorded = describe(path).metadata_dict().get(EMPTY_NODES_KEY)
     return {ns: with_empty_nodes(sub, empty_nodes(recorded, ns)) for ns, sub in tree.items()}
 

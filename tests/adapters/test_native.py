@@ -166,3 +166,19 @@ def test_converting_out_of_jckpt_says_which_metadata_is_left_behind(tmp_path):
         jckpt.convert(tmp_path / "plain.jckpt", tmp_path / "p.npz")
     jckpt.convert(tmp_path / "meta.jckpt", tmp_path / "again.jckpt")
     assert jckpt.describe(tmp_path / "again.jckpt").metadata_dict()["run"] == "abc"
+
+
+@pytest.mark.parametrize('dst', ['out.jckpt', 'out.safetensors', 'out.npz'])
+def test_a_damaged_payload_is_not_converted(tmp_path, dst):
+    """convert copied a corrupt payload into a new file under a fresh checksum (verify then
+    said the copy was fine)."""
+    import jckpt
+    from jckpt.errors import ChecksumError
+    src = tmp_path / 'm.jckpt'
+    jckpt.save(jckpt.Context(), {'w': np.arange(8, dtype=np.float32)}, src)
+    raw = bytearray(src.read_bytes())
+    raw[-1] ^= 1
+    src.write_bytes(bytes(raw))
+    with pytest.raises(ChecksumError, match='checksum mismatch') as e:
+        jckpt.convert(src, tmp_path / dst)
+    assert e.value.entry == 'jckpt/w' and not (tmp_path / dst).exists()
