@@ -297,8 +297,10 @@ def unflatten(items: Iterable[tuple[KeyPath, Any]], *, file: str | None = None) 
     sentinel = object()
     for path, leaf in items:
         if not path:
-            if root:
-                raise FormatError("a root leaf conflicts with other entries", file=file)
+            if len(items) > 1:  # whichever comes first: the others would be dropped
+                raise FormatError(f"a root leaf conflicts with {len(items) - 1} other entries",
+                                  file=file, fix="the file is damaged or crafted: a tree whose "
+                                                 "root is a leaf holds nothing else")
             return leaf
         node = root
         for n, (_kind, key) in enumerate(path):
@@ -306,7 +308,7 @@ def unflatten(items: Iterable[tuple[KeyPath, Any]], *, file: str | None = None) 
             if last:
                 if key in node:
                     raise FormatError("two entries claim the same place", file=file,
-                                      entry=path_name(path))
+                                      entry=path_name(path), fix="the file is damaged or crafted")
                 node[key] = leaf
             else:
                 child = node.get(key, sentinel)
@@ -314,7 +316,7 @@ def unflatten(items: Iterable[tuple[KeyPath, Any]], *, file: str | None = None) 
                     child = node[key] = {}
                 elif not isinstance(child, dict):
                     raise FormatError("an entry sits inside another entry's leaf", file=file,
-                                      entry=path_name(path))
+                                      entry=path_name(path), fix="the file is damaged or crafted")
                 node = child
     # Holes (indices no entry fills) become None; a hostile index must not allocate a huge list.
     holes = [_MAX_HOLES + 16 * len(items)]

@@ -58,14 +58,17 @@ def test_unflatten_builds_dicts_and_lists():
 
 @pytest.mark.parametrize("items,message", [
     ([((("k", "a"),), 2), ((), 1)], "root leaf conflicts"),
+    ([((), 1), ((("k", "a"),), 2)], "root leaf conflicts"),  # first: the rest were dropped
+    ([((), 1), ((), 2)], "root leaf conflicts"),
     ([((("k", "a"),), 1), ((("k", "a"),), 2)], "two entries claim the same place"),
     ([((("k", "a"),), 1), ((("k", "a"), ("k", "b")), 2)], "inside another entry's leaf"),
     ([((("i", -1),), 1)], "negative or leaves too many empty slots"),
     ([((("i", 10**9),), 1)], "negative or leaves too many empty slots"),
 ])
 def test_unflatten_refuses_inconsistent_paths(items, message):
-    with pytest.raises(FormatError, match=message):
+    with pytest.raises(FormatError, match=message) as e:
         tree_mod.unflatten(items, file="f.jckpt")
+    assert e.value.fix
 
 
 def test_keys_that_cannot_be_stored_name_the_leaf():
