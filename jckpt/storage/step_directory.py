@@ -54,11 +54,21 @@ def read_text(path: str) -> str:
             return bytes(backend.map(path)).decode('utf-8')
         except UnicodeDecodeError as e:
             raise FormatError(f"not UTF-8 text ({e})", file=path, fix="the step is damaged") from None
+    _refuse_link(path)
     try:
         with open(path, encoding='utf-8') as f:
             return f.read()
     except OSError as e:
         raise storage_error(e, "reading", path) from e
+
+
+def _refuse_link(path: str) -> None:
+    """Refuse a step's member that is a symbolic link: what a step holds lives inside it
+    (a link could make a restore read any file the process can)."""
+    if os.path.islink(path):
+        raise FormatError("is a symbolic link: a step's files live inside its directory",
+                          file=path, fix="the step is damaged or crafted: replace the link by "
+                                         "the file it names")
 
 
 def publish_dir(temporary: str, target: str, *, durable: bool, marker: str | None = None) -> None:
@@ -109,9 +119,13 @@ def is_published(path: str, marker: str) -> bool:
 
 
 def is_file(path: str) -> bool:
-    """Whether `path` is a file (a step's model or optimizer file; for a URL, an object)."""
+    """Whether `path` is a file (a step's model or optimizer file; for a URL, an object); a
+    symbolic link there is a `FormatError`."""
     backend = backend_for(path)
-    return os.path.isfile(path) if backend is LOCAL else backend.exists(path)
+    if backend is not LOCAL:
+        return backend.exists(path)
+    _refuse_link(path)
+    return os.path.isfile(path)
 
 
 __all__ = ['is_file', 'is_published', 'make_staged', 'publish_dir', 'read_text',

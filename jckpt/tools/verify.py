@@ -31,6 +31,7 @@ from jckpt.errors import CheckpointError, ChecksumError, FormatError
 from jckpt.format import payload as payload_mod
 from jckpt.format.header import Entry
 from jckpt.format.names import INDEX_NAME, PIECE_RE, STEP_RE
+from jckpt.storage import step_directory
 from jckpt.storage.backend import backend_for, checked_path
 from jckpt.storage.directory import DirectoryReader
 from jckpt.storage.reader import CheckpointReader
@@ -254,9 +255,15 @@ def _verify_step(path: str, progress: bool) -> VerifyReport:
         record = formats.read_record(path)
     except CheckpointError as err:
         return _failed(path, _unreadable(path, err))
-    reports = [_verify_model(os.path.join(path, record['model']), progress)]
-    if record.get('optimizer'):
-        reports.append(_verify_file(os.path.join(path, record['optimizer']), progress))
+    members = [os.path.join(path, record['model'])]
+    members += [os.path.join(path, record['optimizer'])] if record.get('optimizer') else []
+    try:
+        for member in members:
+            step_directory.is_file(member)  # a symbolic link is refused
+    except CheckpointError as err:
+        return _failed(path, _unreadable(path, err))
+    reports = [_verify_model(members[0], progress)]
+    reports += [_verify_file(member, progress) for member in members[1:]]
     return _combine(path, reports, [])
 
 

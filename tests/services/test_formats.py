@@ -236,6 +236,25 @@ def saved_steps(tmp_path, fmt='npz'):
     return mgr
 
 
+@pytest.mark.parametrize('member', ['model.npz', 'optimizer.jckpt', 'trainer_state.json'])
+def test_a_step_member_that_is_a_link_is_refused(tmp_path, member):
+    """A link to a file outside the step was followed: restore returned its arrays, and verify
+    said OK."""
+    run = tmp_path / 'run'
+    with saved_steps(run):
+        pass
+    d = run / 'step_00000002.jckpt'
+    outside = tmp_path / member
+    os.replace(d / member, outside)
+    os.symlink(outside, d / member)
+    with jckpt.CheckpointManager(run, options=CheckpointOptions(format='npz')) as mgr:
+        with pytest.raises(FormatError, match="is a symbolic link") as e:
+            mgr.restore(step=2)
+        assert e.value.file == str(d / member) and e.value.fix
+    report = jckpt.verify(run)
+    assert not report.ok and 'is a symbolic link' in report.render()
+
+
 def test_a_damaged_step_directory_names_the_step_and_the_file(tmp_path):
     with saved_steps(tmp_path) as mgr:
         d = tmp_path / 'step_00000002.jckpt'
