@@ -133,11 +133,14 @@ def _decompressor(info: zipfile.ZipInfo, data: memoryview, file: str):
         props = bytes(data[4:4 + size])
         if size == 5 and len(props) == 5 and props[0] < 9 * 5 * 5:
             lc, rest = props[0] % 9, props[0] // 9
+            # no output needs a dictionary larger than itself, and the output is bounded: the
+            # file's 4 GiB claim would be allocated otherwise
+            most = max(4096, min(info.file_size, limits.MAX_DECOMPRESSION_RATIO * len(data)))
             flt = {'id': lzma.FILTER_LZMA1, 'lc': lc, 'lp': rest % 5, 'pb': rest // 5,
-                   'dict_size': int.from_bytes(props[1:], 'little')}
+                   'dict_size': min(int.from_bytes(props[1:], 'little'), most)}
             try:
                 return lzma.LZMADecompressor(lzma.FORMAT_RAW, filters=[flt]), data[4 + size:]
-            except lzma.LZMAError:
+            except (lzma.LZMAError, MemoryError):
                 pass
     raise FormatError(f"archive member {info.filename!r} uses a compression method "
                       f"({method}) or parameters this reader does not know", file=file,

@@ -274,3 +274,30 @@ def test_an_unknown_compression_method_is_refused(tmp_path):
     zf, buffer, infos = members_of(path)
     with pytest.raises(FormatError, match="compression method"):
         member_bytes(zf, buffer, infos['a.bin'], path)
+
+
+def test_an_lzma_member_claiming_a_huge_dictionary_reads_with_one_its_output_needs(tmp_path,
+                                                                                  monkeypatch):
+    """A 4 GiB dictionary size from the file was allocated (MemoryError under a memory limit)."""
+    import io
+    import lzma
+
+    from jckpt import adapters
+    buf = io.BytesIO()
+    np.save(buf, np.arange(2000, dtype=np.float32))
+    path = tmp_path / 'l.npz'
+    with zipfile.ZipFile(path, 'w', zipfile.ZIP_LZMA) as zf:
+        zf.writestr('a.npy', buf.getvalue())
+    raw = bytearray(path.read_bytes())
+    at = raw.index(b'\x05\x00', 30)  # the properties' size, then lc/lp/pb and the dictionary size
+    raw[at + 3:at + 7] = b'\xff\xff\xff\xff'
+    path.write_bytes(bytes(raw))
+    asked = []
+    real = lzma.LZMADecompressor
+
+    def recording(format, filters):
+        asked.append(filters[0]['dict_size'])
+        return real(format, filters=filters)
+    monkeypatch.setattr(lzma, 'LZMADecompressor', recording)
+    assert adapters.read(path)['jckpt']['a'][-1] == 1999
+    assert asked and max(asked) <= max(4096, len(buf.getvalue()))
