@@ -124,8 +124,7 @@ def read_header(buffer, file: str) -> tuple[dict[str, Any], dict[str, str], int]
         raise _fail(f"header of {n} bytes extends past the end of the file ({len(buffer)} bytes)",
                     file)
     try:
-        header = json.loads(bytes(buffer[8:8 + n]).decode('utf-8'),
-                            object_pairs_hook=_no_duplicates)
+        header = limits.json_loads(bytes(buffer[8:8 + n]).decode('utf-8'), object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise _fail(f"header is not valid JSON ({e})", file) from None
     if not isinstance(header, dict):
@@ -195,7 +194,7 @@ def read_sharded(index_path: str) -> tuple[dict[str, np.ndarray], dict[str, str]
     """Tensors of a Hugging Face sharded checkpoint, from its `*.safetensors.index.json`."""
     try:
         with open_regular(index_path) as f:
-            index = json.loads(f.read().decode('utf-8'))
+            index = limits.json_loads(f.read().decode('utf-8'))
     except FileNotFoundError:
         raise FormatError("no such file", file=index_path, fix="check the path") from None
     except FormatError:  # not a regular file

@@ -171,6 +171,8 @@ def _plain(obj: Any, budget: list[int], depth: int = 0, open_ids: frozenset = fr
     budget[0] -= 1
     if budget[0] < 0:
         raise ValueError("shared references expand to more objects than the pickle holds")
+    if isinstance(obj, str):
+        obj.encode('utf-8')  # a lone surrogate (pickles may spell one) is no name: ValueError
     if not isinstance(obj, (dict, list, tuple)):
         return obj
     if depth >= limits.MAX_NESTING:
@@ -185,7 +187,8 @@ def _plain(obj: Any, budget: list[int], depth: int = 0, open_ids: frozenset = fr
             kinds = sorted({type(k).__name__ for k in obj})
             raise ValueError(f"a dict mixes keys of types {', '.join(kinds)}, which a tree "
                              "cannot order") from None
-        return {k: _plain(v, budget, depth + 1, inner) for k, v in obj.items()}
+        return {_plain(k, budget, depth + 1, inner): _plain(v, budget, depth + 1, inner)
+                for k, v in obj.items()}
     out = [_plain(v, budget, depth + 1, inner) for v in obj]
     return out if isinstance(obj, list) else tuple(out)
 

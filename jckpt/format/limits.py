@@ -139,14 +139,39 @@ def json_depth(text: str) -> int:
     return deepest
 
 
-def json_loads(text: str | bytes) -> Any:
-    """`json.loads`, refusing nesting deeper than `MAX_NESTING` with a ValueError
-    (`json.loads` itself raises `RecursionError`, and what walks the result later would too)."""
+def json_loads(text: str | bytes, **options: Any) -> Any:
+    """`json.loads`, refusing with a ValueError nesting deeper than `MAX_NESTING` (`json.loads`
+    itself raises `RecursionError`, and what walks the result later would too) and strings
+    with a lone surrogate (`"\\ud800"`: no name or text can hold one, and writing it fails).
+
+    >>> json_loads('{"a": ["\\u00e9"]}')
+    {'a': ['é']}
+    """
     if isinstance(text, (bytes, bytearray)):
         text = text.decode('utf-8')
     if json_depth(text) > MAX_NESTING:
         raise ValueError(f"JSON nests deeper than {MAX_NESTING}")
-    return json.loads(text)
+    value = json.loads(text, **options)  # options: `json.loads`'s (`object_pairs_hook`)
+    if '\\ud' in text or '\\uD' in text:  # only an escape can spell a surrogate
+        _refuse_surrogates(value)
+    return value
+
+
+def _refuse_surrogates(value: Any) -> None:
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend(node)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, str):
+            try:
+                node.encode('utf-8')
+            except UnicodeEncodeError:
+                raise ValueError(f"the string {node[:40]!r} holds a lone surrogate, which no "
+                                 "text can") from None
 
 
 __all__ = ['MAX_ALIGNMENT', 'check_alignment', 'MAX_BYTES', 'MAX_DECOMPRESSION_RATIO', 'MAX_INT_DIGITS',

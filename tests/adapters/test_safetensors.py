@@ -266,3 +266,14 @@ def test_sharded_write(tmp_path):
     assert same_bits(back['step'], np.int64(3))
     with pytest.raises(InputError, match='strings'):
         st.write(tree, tmp_path / 'm.safetensors', metadata={'epoch': 3})
+
+
+def test_a_tensor_name_with_a_lone_surrogate_is_refused(tmp_path):
+    """It was read, and every writer then failed with UnicodeEncodeError (not a CheckpointError)."""
+    header = b'{"w\\ud800": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}'
+    header += b' ' * (-len(header) % 8)
+    path = tmp_path / 's.safetensors'
+    path.write_bytes(struct.pack('<Q', len(header)) + header + bytes(8))
+    with pytest.raises(FormatError, match='lone surrogate') as e:
+        jckpt.adapters.read(path)
+    assert e.value.file == str(path)

@@ -298,3 +298,13 @@ def test_converting_a_string_leaf_names_it(tmp_path):
         jckpt.convert(STATE, tmp_path / 'x.jckpt')
     assert str(tmp_path / 'x.jckpt') in str(info.value)
     assert not (tmp_path / 'x.jckpt').exists()
+
+
+def test_a_key_with_a_lone_surrogate_is_refused(tmp_path):
+    """BINUNICODE bytes of a lone surrogate became a dict key that no writer could write."""
+    key = b'\xed\xa0\x80'
+    pickled = b'\x80\x02}X' + len(key).to_bytes(4, 'little') + key + b'K\x01s.'
+    path = tmp_path / 'k.pt'
+    path.write_bytes(zip_with(pickled))
+    with pytest.raises(FormatError, match='surrogate'):
+        pt.read(path)

@@ -55,3 +55,14 @@ def test_an_unterminated_json_string_is_measured_in_linear_time():
     assert limits.json_depth(text) == 1
     with pytest.raises(ValueError):
         limits.json_loads(text)
+
+
+@pytest.mark.parametrize('text', ['{"w\\ud800": 1}', '["\\udc00"]', '{"a": {"b": ["x", "\\uD800y"]}}'])
+def test_json_with_a_lone_surrogate_is_refused(text):
+    """A tensor named "w\\ud800" was read, then failed every writer with UnicodeEncodeError."""
+    with pytest.raises(ValueError, match='lone surrogate'):
+        limits.json_loads(text)
+
+
+def test_json_with_a_surrogate_pair_reads():
+    assert limits.json_loads('["\\ud83d\\ude00", "\\\\ud800"]') == ['\U0001F600', '\\ud800']
