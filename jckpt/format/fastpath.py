@@ -39,9 +39,12 @@ _CANONICAL_ENTRY = re.compile(
     rf"\(offset ([0-9]{{1,19}})\) "
     rf"\(byte_length ([0-9]{{1,19}})\)(?: \(path \(((?:(?:{_P})(?: (?:{_P}))*)?)\)\))?"
     rf"(?: \(checksum \(([A-Za-z0-9_]+) ([0-9a-f]+)\)\))?(?: \(key_impl ([A-Za-z0-9_]+)\))?"
-    rf"(?: \(slice \(((?:{_PAIR}(?: {_PAIR})*)?)\)\) \(global_dims \({_INTS}\)\))?\)")
-_CANONICAL_HEAD = re.compile(r"\(\(version [0-9]+\)\s*(?:\(alignment [0-9]+\)\s*)?\(tensors\s*\(")
-_CANONICAL_TAIL = re.compile(r"\s*\)")
+    rf"(?: \(slice \(((?:{_PAIR}(?: {_PAIR})*)?)\)\) \(global_dims \({_INTS}\)\))?\)", re.ASCII)
+# ASCII only (`\s` is no NBSP): what they match is as many characters as UTF-8 bytes, so the
+# C decoder's byte offsets are the text's character positions
+_CANONICAL_HEAD = re.compile(r"\(\(version [0-9]+\)\s*(?:\(alignment [0-9]+\)\s*)?\(tensors\s*\(",
+                             re.ASCII)
+_CANONICAL_TAIL = re.compile(r"\s*\)", re.ASCII)
 _COMPONENT = re.compile(rf"\((k|ki|i|a|f) ({_A})\)")
 _FIELDS = tuple(f.name for f in dataclasses.fields(Entry))
 

@@ -368,3 +368,28 @@ def test_decoding_paths_agree_on_mutated_text(es, data):
         text = text[:pos] + char + text[pos + 1:]
     outcomes = _decode_all_ways(text)
     assert outcomes[0] == outcomes[1] == outcomes[2]
+
+
+_FIELDS_TEXT = ("(id 0) (namespace jckpt) (label (w)) (prec Single_prec) (dims (2)) (padding none) "
+                "(offset 0) (byte_length 8) (path ((k w))))")
+
+
+@pytest.mark.parametrize("text", [
+    # an NBSP the fast paths took for whitespace: the C decoder then read character positions
+    # as byte offsets and accepted what the general reader calls unbalanced
+    "((version 1)\u00a0(tensors (" + _FIELDS_TEXT + ")))",
+    "((version 1)\u00a0(tensors ((" + _FIELDS_TEXT + ")))",
+    "((version 1) (tensors (\u00a0(" + _FIELDS_TEXT + ")))",
+    "((version 1) (tensors ((" + _FIELDS_TEXT + "\u00a0)) (writer \"\u00e9\"))",
+])
+def test_every_decoding_path_agrees_on_non_ascii_whitespace(text, monkeypatch):
+    raw = len(text.encode()).to_bytes(4, "big") + text.encode()
+    outcomes = []
+    for accelerator in ([fastpath.accelerator, None] if fastpath.accelerator else [None]):
+        monkeypatch.setattr(fastpath, "accelerator", accelerator)
+        try:
+            outcomes.append(decode_header(raw, file="x.jckpt").tensors)
+        except FormatError as e:
+            outcomes.append(e.message)
+    assert all(o == outcomes[0] for o in outcomes), outcomes
+    assert all(_decode_all_ways(text)[0] == o for o in _decode_all_ways(text)), text
