@@ -27,7 +27,7 @@ from jckpt.format import metadata as metadata_mod
 from jckpt.format.names import GENERATION_KEY, LINEAGE_KEY
 from jckpt.services.engine import Job, MirrorCounters, Pipeline
 from jckpt.services.lineage import Holder, check_name, open_lineage
-from jckpt.services.snapshot import Digest, content_digest
+from jckpt.services.snapshot import Digest, Leaf, content_digest
 from jckpt.storage import staging
 from jckpt.storage.backend import Backend
 from jckpt.storage.lease import refuse_if_held
@@ -190,8 +190,15 @@ class BackgroundWriter(Generic[InfoT]):
         """Record a generation written outside the pipeline's stages (`Pipeline.run_now`)."""
         self._staged = self._published = _Head(generation)
 
+    def _admit(self, leaves: Sequence[Leaf], metadata: Mapping[str, str], info: InfoT,
+               timeout: float | None) -> int:
+        """Take a snapshot into the pipeline; `InUseError` once the lease is lost."""
+        self._lease.check()
+        return self._pipeline.admit(leaves, metadata, info, timeout=timeout)
+
     def stage(self, job: Job[InfoT]) -> Staged[InfoT]:
         """Write the job's generation under a temporary name, not yet durable."""
+        self._lease.check()  # a writer whose lease was taken over writes nothing more
         entries, _ = job.built
         digest = content_digest(entries, job.metadata)
         target = self._target(job.info)
@@ -207,6 +214,7 @@ class BackgroundWriter(Generic[InfoT]):
         """Make a staged generation durable and put it in place; its number (`None`: none written)."""
         if staged.temporary is None:
             return None
+        self._lease.check()  # nor publishes (nor deletes, by retention) what it staged
         self._finish_staged(staged)
         self._published = _Head(staged.generation, staged.digest)
         self._on_published(staged)

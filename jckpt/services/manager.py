@@ -320,8 +320,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
         leaves = namespace_leaves(trees)
         meta.update(empty_nodes_metadata(trees))
         with naming_file(self._path(step)):  # a leaf's error names the step too
-            self._pipeline.admit(leaves, meta, _Step(step, clean_metrics, options, model_ns),
-                                 timeout=timeout)
+            self._admit(leaves, meta, _Step(step, clean_metrics, options, model_ns), timeout)
         self._last_admitted = step
         if not self.asynchronous:
             self._pipeline.wait()

@@ -117,7 +117,7 @@ class Mirror(BackgroundWriter[None]):
         meta = {**check_metadata(metadata, self.path), **empty_nodes_metadata(trees)}
         leaves = namespace_leaves(trees)
         with naming_file(self.path):  # a leaf's error names the file too
-            return self._pipeline.admit(leaves, meta, None, timeout=timeout)
+            return self._admit(leaves, meta, None, timeout)
 
     def __repr__(self) -> str:
         return f"Mirror({self.path!r}, lineage={self.lineage!r}, {self.counters})"

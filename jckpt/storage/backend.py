@@ -100,7 +100,8 @@ class Backend(Protocol):
         """Remove `path` (a file, or a directory and everything in it); missing is fine."""
 
     def lease(self, path: str) -> WriterLease:
-        """Take the exclusive writer lease on `path`; raises `InUseError`."""
+        """Take the exclusive writer lease on `path`; raises `InUseError`. The lease's
+        `check()` raises `InUseError` once another writer has taken it over."""
 
     def reclaim_uploads(self, path: str) -> int:
         """Abort the incomplete uploads of `path` that killed writers left; how many (object stores)."""

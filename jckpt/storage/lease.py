@@ -88,6 +88,10 @@ class WriterLease:
     def held(self) -> bool:
         return self.fd >= 0
 
+    def check(self) -> None:
+        """Raise `InUseError` if another writer took the lease over (a `flock` is never taken
+        over while held: nothing to raise; `ObjectLease`'s can be)."""
+
     def release(self) -> None:
         """Remove the sidecar file and drop the lock (idempotent)."""
         if self.fd < 0:

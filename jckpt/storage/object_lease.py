@@ -75,6 +75,7 @@ class ObjectLease:
         self.store, self.obs = store_for(self.lock), obstore_module()
         self._version = self._take()
         self.held = True
+        self._lost: str | None = None  # who took the lease over, once it is lost
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._refresh, name='jckpt-lease', daemon=True)
         self._thread.start()
@@ -127,7 +128,19 @@ class ObjectLease:
             except Exception as e:  # lost (taken over) or unreachable: say so, keep trying if unreachable
                 log.error("could not refresh the writer lease of %s: %s", self.path, e)
                 if type(e).__name__ in _TAKEN:
+                    holder = self._holder()[0] or {}
+                    self._lost = f"pid {holder.get('pid')} on {holder.get('host')}"
                     return
+
+    def check(self) -> None:
+        """Raise `InUseError` once another writer has taken the lease over: this one must not
+        write, nor delete, under the path any more."""
+        if self._lost is not None:
+            raise InUseError(f"the writer lease was taken over by another writer ({self._lost}): "
+                             "this one no longer writes here", file=self.path,
+                             fix=f"close this writer; the lease is taken over when its holder "
+                                 f"has not refreshed it for {STALE_SECONDS:.0f} s (a stalled "
+                                 f"process, or a clock far off), so keep one writer per path")
 
     def release(self) -> None:
         """Stop refreshing and delete the lease object, unless another writer has taken it (idempotent)."""

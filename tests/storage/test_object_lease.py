@@ -69,3 +69,26 @@ def test_the_holder_keeps_its_lease_fresh(monkeypatch):
         time.sleep(0.3)
         assert json.loads(bytes(obstore.get(store_for(u), u.key).bytes()))["time"] > first
     assert backend_for("memory://leases").list("memory://leases") == []
+
+
+def test_a_writer_whose_lease_was_taken_over_stops_writing(monkeypatch):
+    """It went on saving and running retention beside the new holder: each deleted the
+    other's steps."""
+    import numpy as np
+    monkeypatch.setattr(object_lease, "REFRESH_SECONDS", 0.05)
+    url = "memory://leases/run"
+    mgr = jckpt.CheckpointManager(url, keep_last=1, asynchronous=False)
+    mgr.save(1, {"w": np.ones(2)})
+    plant(url, host="another-host", pid=1)  # taken over, as by a writer that found it stale
+    deadline = time.monotonic() + 10
+    while mgr._lease._lost is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    with pytest.raises(jckpt.InUseError, match=r"taken over .* \(pid 1 on another-host\)") as e:
+        mgr.save(2, {"w": np.ones(2)})
+    assert e.value.file == url and "one writer per path" in e.value.fix
+    with pytest.raises(jckpt.InUseError):
+        mgr.stage(None)  # what the background writer would stage next is refused too
+    mgr.close()
+    assert backend_for(url).list(url) == ["step_00000001.jckpt"]
+    assert json.loads(bytes(backend_for(url).map(url + ".jckpt-lease")))["host"] == "another-host"
