@@ -35,7 +35,7 @@ from jckpt.storage.backend import LOCAL, Backend
 from jckpt.storage.directory import reclaim_stage_dirs
 from jckpt.storage.lease import lease_path
 from jckpt.storage.publish import reclaim_staging, storage_error
-from jckpt.storage.staging import next_name, remove_staged
+from jckpt.storage.staging import next_name, remove_staged, remove_staged_below
 
 log = logging.getLogger('jckpt')
 
@@ -101,13 +101,13 @@ def clean_staging(backend: Backend, directory: str) -> None:
     and the marker of a step's multipart upload, whose upload is aborted.
     """
     if backend is not LOCAL:
+        remove_staged_below(directory)  # the local files of steps that never reached the bucket
         for name in backend.list(directory):
             path = os.path.join(directory, name)
             head, tag, _ = name.partition(UPLOAD_TAG)
             if tag and STEP_RE.match(head):
                 backend.reclaim_uploads(os.path.join(directory, head))
             if STEP_RE.match(name):
-                remove_staged(path)
                 if backend.isdir(path) and not any(backend.exists(os.path.join(path, marker))
                                                    for marker in (INDEX_NAME, TRAINER_STATE_NAME)):
                     log.info("removing the unfinished step %s", path)

@@ -53,9 +53,15 @@ def next_name(target: str, seq: int) -> str:
 
 
 def _local_stem(url: str) -> str:
-    """Where the generations of the object `url` are staged locally (one name per URL)."""
-    digest = hashlib.sha256(url.encode()).hexdigest()[:16]
-    return os.path.join(tempfile.gettempdir(), f"jckpt-{digest}-{os.path.basename(url)}")
+    """Where the generations of the object `url` are staged locally (one name per URL): named
+    by its prefix's digest and its own name, so that what a dead writer staged for any object
+    of a prefix is found from the prefix (`remove_staged_below`)."""
+    parent, _, name = url.rstrip('/').rpartition('/')
+    return os.path.join(tempfile.gettempdir(), f"{_prefix_tag(parent)}{name}")
+
+
+def _prefix_tag(parent: str) -> str:
+    return f"jckpt-{hashlib.sha256(parent.encode()).hexdigest()[:16]}-"
 
 
 def write_items(target: str, entries: Sequence[Entry], sources: Sequence[PayloadSource], *,
@@ -140,5 +146,19 @@ def remove_staged(target: str) -> list[str]:
     return removed
 
 
-__all__ = ['discard_staged', 'finish_staged', 'next_name', 'remove_staged', 'stage_items',
-           'write_items']
+def remove_staged_below(directory: str) -> list[str]:
+    """`remove_staged` of every object directly under the URL `directory` that a dead writer
+    staged locally: a manager's step that never reached the bucket left its whole file in the
+    temporary directory. The caller holds the directory's writer lease."""
+    tag = _prefix_tag(directory.rstrip('/'))
+    try:
+        names = os.listdir(tempfile.gettempdir())
+    except OSError:
+        return []
+    heads = {name[len(tag):].partition(NEXT_TAG)[0] for name in names
+             if name.startswith(tag) and NEXT_TAG in name}
+    return [r for head in sorted(heads) for r in remove_staged(f"{directory.rstrip('/')}/{head}")]
+
+
+__all__ = ['discard_staged', 'finish_staged', 'next_name', 'remove_staged', 'remove_staged_below',
+           'stage_items', 'write_items']

@@ -115,3 +115,25 @@ def test_retention_unlinks_a_step_that_is_a_link_and_leaves_its_target(tmp_path)
         mgr.save(2, {'w': np.ones(2)})
     assert sorted(os.listdir(run)) == ['step_00000002.jckpt']
     assert sorted(os.listdir(archive / 'step_00000001.jckpt')) == before
+
+
+def test_a_bucket_manager_removes_the_local_files_of_steps_that_never_reached_the_bucket(
+        tmp_path, monkeypatch):
+    """A manager killed while writing step 3 left its whole staged file in the temporary
+    directory; the next one looked only for the steps it found in the bucket."""
+    import tempfile
+
+    from jckpt.storage import staging
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    url = "memory://spool/run"
+    with jckpt.CheckpointManager(url) as mgr:
+        mgr.save(1, {"w": np.ones(2)})
+    dead = staging.next_name(f"{url}/step_00000003.jckpt", 7)
+    elsewhere = staging.next_name("memory://spool/other/step_00000003.jckpt", 7)
+    for path in (dead, elsewhere):
+        with open(path, "wb") as f:
+            f.write(b"x" * 1000)
+    assert os.path.dirname(dead) == str(tmp_path)
+    with jckpt.CheckpointManager(url) as mgr:
+        assert mgr.all_steps() == [1]
+    assert not os.path.exists(dead) and os.path.exists(elsewhere)
