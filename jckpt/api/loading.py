@@ -84,7 +84,7 @@ def load(ctx: Context, path: PathLike, *, prefix_namespace: str | None = None,
     reader = open_checkpoint(path)  # a file, or a multi-process directory
     stored = reader.header.tensors
     if namespaces is not None:
-        names = _namespace_names(namespaces, path)
+        names = namespace_names(namespaces, path)
         _check_present(reader.header, names, path)
         wanted = set(names)
         stored = tuple(e for e in stored if e.namespace in wanted)
@@ -134,7 +134,7 @@ def _check_clash(ctx: Context, entries: tuple[Entry, ...], path: str) -> None:
                              fix="load with prefix_namespace=... or use a fresh Context")
 
 
-def _namespace_names(namespaces: Namespaces, path: str) -> tuple[str, ...]:
+def namespace_names(namespaces: Namespaces, path: str) -> tuple[str, ...]:
     """`namespaces` as distinct names in order; refuses anything but a str or strs."""
     try:
         names = (namespaces,) if isinstance(namespaces, str) else tuple(namespaces)
@@ -264,7 +264,7 @@ def _target_parts(ctx: Context, target: Any, path: str, namespace: str | None,
     if namespace is not None:
         raise InputError("give namespace= or namespaces=, not both", file=path,
                          fix="name the one namespace in namespaces=")
-    names = _namespace_names(namespaces, path)
+    names = namespace_names(namespaces, path)
     if not isinstance(target, Mapping) or set(target) != set(names):
         keys = sorted(map(str, target))[:5] if isinstance(target, Mapping) else type(target).__name__
         raise InputError(f"with namespaces, the target must be {{namespace: subtree}} for exactly "

@@ -45,6 +45,7 @@ import numpy as np
 from jckpt import adapters, api
 from jckpt.api import targets
 from jckpt.api.context import Context
+from jckpt.api.loading import Namespaces, namespace_names
 from jckpt.errors import (
     CheckpointError,
     FormatError,
@@ -374,7 +375,7 @@ def _fill(ctx: Context, target: Any, model: Any, file: str, step: int, cast: boo
     return jax.tree_util.tree_unflatten(treedef, values)
 
 
-def load_step(ctx: Context, path: str, step: int, target: Any, *, namespaces: Sequence[str] | None,
+def load_step(ctx: Context, path: str, step: int, target: Any, *, namespaces: Namespaces | None,
               cast: bool, options: CheckpointLoadOptions, verify: bool = True) -> Any:
     """Read a step directory as `CheckpointManager.restore` does for a step file.
 
@@ -394,7 +395,7 @@ def load_step(ctx: Context, path: str, step: int, target: Any, *, namespaces: Se
         return load_step(ctx, path, step, target, namespaces=namespaces, cast=cast,
                          options=options, verify=verify)[ctx.namespace]
     names = ([ctx.namespace] if target is not None and namespaces is None
-             else None if namespaces is None else list(namespaces))
+             else None if namespaces is None else list(namespace_names(namespaces, path)))
     rest = [n for n in names or [] if n != model_ns]
     if rest and not with_opt:
         raise MissingEntryError(f"step {step} has no namespace {rest[0]!r} to read (its "

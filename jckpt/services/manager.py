@@ -419,7 +419,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
     # --- restoring -------------------------------------------------------------
 
     def restore(self, step: int | None = None, target: Any = None, *,
-                namespaces: Sequence[str] | None = None,
+                namespaces: str | Sequence[str] | None = None,
                 layout: TrainerState | tuple[int, int, int] | None = None,
                 reshard: bool = True, ctx: Context | None = None, cast: bool = False,
                 options: CheckpointLoadOptions | None = None, verify: bool = True) -> Restored:

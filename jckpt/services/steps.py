@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
 from typing import Any
 
 from jckpt import api
 from jckpt.adapters import orbax as orbax_adapter
 from jckpt.api.context import Context
+from jckpt.api.loading import Namespaces
 from jckpt.errors import InputError
 from jckpt.format import metadata
 from jckpt.format.names import (
@@ -47,7 +47,7 @@ def read_metadata(path: str, step: int | None = None) -> dict[str, str]:
     return api.describe(path).metadata_dict()
 
 
-def read_tree(ctx: Context, path: str, step: int, target: Any, namespaces: Sequence[str] | None,
+def read_tree(ctx: Context, path: str, step: int, target: Any, namespaces: Namespaces | None,
               cast: bool, options: CheckpointLoadOptions, verify: bool = True) -> Any:
     """The arrays of a step, a jckpt file or directory or a step directory, as restore returns them."""
     if formats.is_step_directory(path):

@@ -255,6 +255,15 @@ def test_a_step_member_that_is_a_link_is_refused(tmp_path, member):
     assert not report.ok and 'is a symbolic link' in report.render()
 
 
+def test_namespaces_may_be_one_name_as_restore_takes_it(tmp_path):
+    """`namespaces='model'` asked a foreign-format step for namespaces 'm', 'o', 'd', ..."""
+    with saved_steps(tmp_path) as mgr:
+        one = mgr.restore(namespaces='model').tree
+        assert list(one) == ['model'] and one['model']['w'].tolist() == [2.0, 2.0]
+        both = mgr.restore(namespaces=('model', 'opt')).tree
+        assert sorted(both) == ['model', 'opt']
+
+
 def test_a_damaged_step_directory_names_the_step_and_the_file(tmp_path):
     with saved_steps(tmp_path) as mgr:
         d = tmp_path / 'step_00000002.jckpt'
