@@ -402,6 +402,8 @@ def load_step(ctx: Context, path: str, step: int, target: Any, *, namespaces: Na
                                 f"optimizer state is {'not loaded' if optimizer else 'absent'})",
                                 file=opt_file, fix="read the model's namespace "
                                 f"{model_ns!r}, or pass load_optimizer_state=True")
+    if rest and with_opt:
+        _check_held(rest, record, opt_file, step)
     out: dict[str, Any] = {}
     if names is None or model_ns in names:
         file = os.path.join(path, record['model'])
@@ -411,6 +413,19 @@ def load_step(ctx: Context, path: str, step: int, target: Any, *, namespaces: Na
     if with_opt and (names is None or rest):
         out.update(_load_optimizer(ctx, opt_file, target, rest if names else None, cast, verify))
     return out[model_ns] if target is not None and namespaces is None else out
+
+
+def _check_held(names: Sequence[str], record: Mapping[str, Any], opt_file: str, step: int) -> None:
+    """Refuse namespaces neither the model nor the optimizer file holds, naming those it does."""
+    held = sorted({e.namespace for e in api.describe(opt_file).tensors})
+    missing = [n for n in names if n not in held]
+    if missing:
+        model_ns = record['model_namespace']
+        raise MissingEntryError(
+            f"step {step} has no namespace {missing[0]!r}: it holds {model_ns!r} (the model, "
+            f"{record['model']}) and {held} ({OPTIMIZER_NAME})", file=os.path.dirname(opt_file),
+            fix=f"restore the model with ctx=jckpt.Context(namespace={model_ns!r}), or name "
+                "what to read with namespaces=[...]")
 
 
 def _load_optimizer(ctx: Context, file: str, target: Any, names: Sequence[str] | None,

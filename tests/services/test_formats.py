@@ -264,6 +264,18 @@ def test_namespaces_may_be_one_name_as_restore_takes_it(tmp_path):
         assert sorted(both) == ['model', 'opt']
 
 
+def test_a_namespace_the_step_lacks_is_named_with_those_it_holds(tmp_path):
+    """A target for the manager's default namespace was told only that optimizer.jckpt has no
+    namespace 'jckpt' (fix: "the file holds ['opt']"): nothing said where the model was."""
+    with saved_steps(tmp_path) as mgr:
+        with pytest.raises(MissingEntryError, match=r"step 2 has no namespace 'jckpt': it holds "
+                                                     r"'model' \(the model, model.npz\)") as e:
+            mgr.restore(target={'w': np.zeros(2)})
+        assert "Context(namespace='model')" in e.value.fix
+        assert mgr.restore(target={'w': np.zeros(2)},
+                           ctx=jckpt.Context(namespace='model')).tree['w'].tolist() == [2, 2]
+
+
 def test_a_damaged_step_directory_names_the_step_and_the_file(tmp_path):
     with saved_steps(tmp_path) as mgr:
         d = tmp_path / 'step_00000002.jckpt'
