@@ -137,9 +137,27 @@ def not_jckpt_error(path: str | os.PathLike, fmt: str) -> FormatError:
     path = os.fspath(path)
     stem = os.path.splitext(os.path.basename(path))[0]
     what = 'directory' if not is_url(path) and os.path.isdir(path) else 'file'
+    steps = _orbax_steps(path) if what == 'directory' and fmt == 'orbax' else []
+    if steps:  # orbax's CheckpointManager directory: a step is what converts (and restores)
+        return FormatError(f"this directory holds orbax steps ({', '.join(steps[-3:])}), not a "
+                           "jckpt checkpoint", file=path,
+                           fix=f"convert a step first: jckpt convert {os.path.join(path, steps[-1])} "
+                               f"{steps[-1]}.jckpt; jckpt.restore and jckpt.load read a step as "
+                               "it is")
+    direct = "; jckpt.restore and jckpt.load read it as it is" if fmt == 'orbax' else ''
     return FormatError(f"this {what} is in {fmt} format, not a jckpt checkpoint", file=path,
                        fix=f"convert it first: jckpt convert {path} {stem}.jckpt "
-                           "(or jckpt.convert in Python)")
+                           f"(or jckpt.convert in Python){direct}")
+
+
+def _orbax_steps(path: str) -> list[str]:
+    """The step directories of orbax's CheckpointManager directory `path`, ascending."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return []
+    return sorted((n for n in names if n.isdigit() and os.path.isdir(os.path.join(path, n))),
+                  key=int)
 
 
 def _classify_url(path: str, backend: Any) -> Kind:

@@ -186,3 +186,20 @@ def test_an_orbax_directory_is_foreign_as_a_safetensors_file_is(tmp_path, capsys
     assert 'this directory is in orbax format' in kind.error.message
     assert main(['inspect', str(tmp_path / 'orb')]) == 2
     assert 'jckpt convert' in capsys.readouterr().err
+
+
+def test_orbax_managers_directory_is_told_to_convert_a_step(tmp_path, capsys):
+    """`jckpt inspect run` suggested `jckpt convert run run.jckpt`, which fails: a step
+    converts, not the directory of steps."""
+    ocp = pytest.importorskip('orbax.checkpoint')
+    from jckpt.tools.cli import main
+    with ocp.CheckpointManager(str(tmp_path / 'run')) as manager:
+        for step in (2, 10):
+            manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave({'w': np.ones(3)})))
+    kind = classify(str(tmp_path / 'run'))
+    assert (kind.name, kind.detail) == (FOREIGN, 'orbax')
+    assert kind.error.message.startswith('this directory holds orbax steps (2, 10)')
+    assert f"jckpt convert {tmp_path / 'run' / '10'} 10.jckpt" in kind.error.fix
+    assert 'jckpt.restore' in classify(str(tmp_path / 'run' / '10')).error.fix
+    assert main(['convert', str(tmp_path / 'run' / '10'), str(tmp_path / '10.jckpt')]) == 0
+    capsys.readouterr()
