@@ -53,7 +53,7 @@ from jckpt.format.names import (
     piece_tag,
 )
 from jckpt.storage.backend import LOCAL, Backend, backend_for
-from jckpt.storage.lazy import LazyArray, note_read
+from jckpt.storage.lazy import FetchCache, LazyArray, note_read
 from jckpt.storage.object_store import MISSING_OBJECT
 from jckpt.storage.publish import STALE_AFTER, fsync_dir, storage_error
 from jckpt.storage.reader import CheckpointReader
@@ -185,6 +185,8 @@ def recover_set_aside(path: str) -> None:
 # --- publishing ---------------------------------------------------------------------------------
 
 _RENAME_EXCHANGE = 2
+#: Bytes of remote pieces a reader keeps, fetched and verified, for the boxes that overlap them.
+PIECE_CACHE_BYTES = 1 << 30
 _AT_FDCWD = -100
 
 
@@ -399,6 +401,7 @@ class DirectoryReader:
         self._readers: dict[int, CheckpointReader] = {}
         self._entries: dict[int, dict[tuple[str, Any], Entry]] = {}
         self._verified: set[tuple[int, Any]] = set()
+        self._pieces = FetchCache(PIECE_CACHE_BYTES)  # remote pieces, fetched and verified
 
     def _check_present(self) -> None:
         """Refuse an index naming a piece file that is not there, at open: every process of a
@@ -450,7 +453,9 @@ class DirectoryReader:
                               file=reader.path, entry=array.entry.name,
                               fix="the directory is damaged; restore it from a good copy")
         if verify and getattr(reader, 'remote', False):  # fetched once, checked as it is decoded
-            return reader.decode(e, verify=True, count=False)
+            # kept for the other devices' boxes it overlaps, which fetched it again
+            return self._pieces.get((fi, e.identity),
+                                    lambda: reader.decode(e, verify=True, count=False))
         if verify and (fi, e.identity) not in self._verified:
             reader.verify_entry(e)
             self._verified.add((fi, e.identity))

@@ -105,4 +105,35 @@ class LazyArray:
         return f"LazyArray(shape={self.shape}, dtype={self.dtype})"
 
 
-__all__ = ['LazyArray', 'note_read', 'record_reads']
+class FetchCache:
+    """Arrays fetched for one box and kept for the next boxes over them (other devices'), up
+    to `budget` bytes, the oldest dropped first.
+
+    >>> cache = FetchCache(budget=16)
+    >>> cache.get('a', lambda: np.zeros(2)).tolist(), cache.get('a', lambda: 1 / 0).tolist()
+    ([0.0, 0.0], [0.0, 0.0])
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self._kept: dict[Any, np.ndarray] = {}  # insertion order: the oldest first
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: Any, fetch: Callable[[], np.ndarray]) -> np.ndarray:
+        """The array kept under `key`, or `fetch()`'s, then kept."""
+        with self._lock:
+            found = self._kept.get(key)
+        if found is not None:
+            return found
+        data = fetch()
+        with self._lock:
+            self._kept[key] = data
+            self._bytes += data.nbytes
+            while self._bytes > self.budget and len(self._kept) > 1:
+                old = self._kept.pop(next(iter(self._kept)))
+                self._bytes -= old.nbytes
+        return data
+
+
+__all__ = ['FetchCache', 'LazyArray', 'note_read', 'record_reads']

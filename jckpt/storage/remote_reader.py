@@ -170,6 +170,9 @@ class RemoteReader:
         self._starts = [s for s, _ in spans]
         self._spans = spans
         self._window: tuple[int, np.ndarray] | None = None
+        #: The rows last fetched for a box of short runs, `(offset, length, bytes)`: the boxes of
+        #: a column sharding span the same rows, and each device's fetched them all again.
+        self._rows: tuple[int, int, np.ndarray] | None = None
         self._whole: np.ndarray | None = None
         self._lock = threading.Lock()
 
@@ -253,10 +256,19 @@ class RemoteReader:
                         part=self.part, concurrency=self.concurrency)
             note_read(box, out.nbytes)
             return out.view(dtype).reshape(box_shape(box))
-        # Short runs: fetch the rows the box spans at once and slice them.
+        # Short runs: fetch the rows the box spans at once and slice them (kept for the next
+        # box, another device's, over the same rows).
         row = math.prod(shape[1:]) * item
-        rows = self._fetch(entry.offset + box[0][0] * row, (box[0][1] - box[0][0]) * row)
-        note_read(box, rows.nbytes)
+        start, length = entry.offset + box[0][0] * row, (box[0][1] - box[0][0]) * row
+        with self._lock:
+            kept = self._rows
+        if kept is not None and kept[0] <= start and start + length <= kept[0] + kept[1]:
+            rows = kept[2][start - kept[0]:start - kept[0] + length]  # no read: not noted
+        else:
+            rows = self._fetch(start, length)
+            with self._lock:
+                self._rows = (start, length, rows)
+            note_read(box, rows.nbytes)
         block = rows.view(dtype).reshape((box[0][1] - box[0][0], *shape[1:]))
         return np.ascontiguousarray(block[(slice(None), *box_slices(box[1:]))])
 
