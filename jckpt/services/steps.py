@@ -17,7 +17,7 @@ from jckpt import api
 from jckpt.adapters import orbax as orbax_adapter
 from jckpt.api.context import Context
 from jckpt.api.loading import Namespaces
-from jckpt.errors import InputError
+from jckpt.errors import FormatError, InputError
 from jckpt.format import metadata
 from jckpt.format.names import (
     INDEX_NAME,
@@ -31,7 +31,7 @@ from jckpt.format.names import (
 )
 from jckpt.services import formats
 from jckpt.services.formats import CheckpointLoadOptions
-from jckpt.storage.backend import LOCAL, Backend
+from jckpt.storage.backend import LOCAL, Backend, is_url
 from jckpt.storage.directory import reclaim_stage_dirs
 from jckpt.storage.lease import lease_path
 from jckpt.storage.publish import reclaim_staging, storage_error
@@ -41,10 +41,20 @@ log = logging.getLogger('jckpt')
 
 
 def read_metadata(path: str, step: int | None = None) -> dict[str, str]:
-    """A step's metadata (a file's header, a directory's index, or a step directory's record)."""
-    if formats.is_step_directory(path):
-        return formats.read_metadata(path, step)
-    return api.describe(path).metadata_dict()
+    """A step's metadata (a file's header, a directory's index, or a step directory's record).
+
+    In a bucket a step is most often an object: its header's GET comes first, alone (asking
+    for a step directory's record first cost a request more per step, and per manager open).
+    """
+    if is_url(path):
+        try:
+            return api.describe(path).metadata_dict()
+        except FormatError:
+            if not formats.is_step_directory(path):
+                raise
+    elif not formats.is_step_directory(path):
+        return api.describe(path).metadata_dict()
+    return formats.read_metadata(path, step)
 
 
 def read_tree(ctx: Context, path: str, step: int, target: Any, namespaces: Namespaces | None,
@@ -102,13 +112,14 @@ def clean_staging(backend: Backend, directory: str) -> None:
     """
     if backend is not LOCAL:
         remove_staged_below(directory)  # the local files of steps that never reached the bucket
-        for name in backend.list(directory):
+        objects, prefixes = backend.list_kinds(directory)  # file steps need no request more
+        for name in sorted(set(objects) | set(prefixes)):
             path = os.path.join(directory, name)
             head, tag, _ = name.partition(UPLOAD_TAG)
             if tag and STEP_RE.match(head):
                 backend.reclaim_uploads(os.path.join(directory, head))
             if STEP_RE.match(name):
-                if backend.isdir(path) and not any(backend.exists(os.path.join(path, marker))
+                if name in prefixes and not any(backend.exists(os.path.join(path, marker))
                                                    for marker in (INDEX_NAME, TRAINER_STATE_NAME)):
                     log.info("removing the unfinished step %s", path)
                     backend.remove(path)

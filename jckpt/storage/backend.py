@@ -93,6 +93,10 @@ class Backend(Protocol):
     def list(self, path: str) -> list[str]:
         """The names directly under `path`, sorted."""
 
+    def list_kinds(self, path: str) -> tuple[list[str], list[str]]:
+        """The names directly under `path` as `(files, directories)`, each sorted (in a
+        bucket: objects and prefixes, and a name may be both)."""
+
     def size(self, path: str) -> int:
         """Bytes of the file `path`, or of every file under the directory `path`; 0 if missing."""
 
@@ -151,6 +155,11 @@ class LocalBackend:
             return sorted(os.listdir(path))
         except OSError as e:
             raise storage_error(e, "listing the directory", path) from e
+
+    def list_kinds(self, path: str) -> tuple[list[str], list[str]]:
+        names = self.list(path)
+        dirs = [n for n in names if os.path.isdir(os.path.join(path, n))]
+        return [n for n in names if n not in set(dirs)], dirs
 
     def size(self, path: str) -> int:
         """Bytes of `path` or of every file under it (symbolic links counted as links)."""

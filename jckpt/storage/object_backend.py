@@ -115,13 +115,21 @@ class ObjectStoreBackend:
         upload(local, _object(target))
 
     def list(self, path: str) -> list[str]:
+        objects, prefixes = self.list_kinds(path)
+        return sorted(set(objects) | set(prefixes))
+
+    def list_kinds(self, path: str) -> tuple[list[str], list[str]]:
+        """The names directly under `path`: `(objects, prefixes)`, each sorted (a name may be
+        both). One listing tells a manager's file steps from its directory steps."""
         u = ObjectURL.parse(path)
         try:
             found = obstore_module().list_with_delimiter(store_for(u), prefix=u.prefix or None)
         except Exception as e:
             raise store_error(e, "listing", path) from e
-        names = [o['path'] for o in found['objects']] + list(found['common_prefixes'])
-        return sorted({n.rstrip('/').rsplit('/', 1)[-1] for n in names} - {''})
+
+        def names(keys: Any) -> list[str]:
+            return sorted({k.rstrip('/').rsplit('/', 1)[-1] for k in keys} - {''})
+        return names(o['path'] for o in found['objects']), names(found['common_prefixes'])
 
     def size(self, path: str) -> int:
         """Bytes of the object `path`, or of every object under the prefix `path/`; 0 if none."""

@@ -137,3 +137,27 @@ def test_a_bucket_manager_removes_the_local_files_of_steps_that_never_reached_th
     with jckpt.CheckpointManager(url) as mgr:
         assert mgr.all_steps() == [1]
     assert not os.path.exists(dead) and os.path.exists(elsewhere)
+
+
+def test_opening_a_bucket_manager_reads_each_file_step_once(monkeypatch):
+    """3,000 steps took 9,013 requests (45 s): a HEAD for a step record, a LIST of the step as
+    a prefix, then the GET of its header; now the listing tells file steps apart."""
+    from jckpt.storage import object_store
+    from jckpt.storage.object_backend import OBJECT_STORE
+    url = "memory://open-requests/run"
+    with jckpt.CheckpointManager(url) as mgr:
+        for step in range(1, 6):
+            mgr.save(step, {"w": np.ones(2)})
+    calls = []
+    for name in ("exists", "isdir", "list", "list_kinds"):
+        real = getattr(OBJECT_STORE, name)
+        monkeypatch.setattr(OBJECT_STORE, name,
+                            lambda *a, _n=name, _r=real, **k: (calls.append(_n), _r(*a, **k))[1])
+    real_head = object_store.ObjectSource.head
+    monkeypatch.setattr(object_store.ObjectSource, "head",
+                        lambda self, n: (calls.append("GET"), real_head(self, n))[1])
+    with jckpt.CheckpointManager(url) as mgr:
+        assert mgr.all_steps() == [1, 2, 3, 4, 5]
+    # a GET per step, one more for the latest step's lineage; a listing or two, not one per step
+    assert calls.count("GET") == 6 and "isdir" not in calls, calls
+    assert sum(c in ("exists", "list", "list_kinds") for c in calls) <= 4, calls

@@ -172,3 +172,12 @@ def test_checked_path_takes_str_bytes_and_pathlike_and_refuses_the_rest(tmp_path
         assert err.value.fix and isinstance(err.value, TypeError)
     with pytest.raises(InputError, match="a path must be"):
         backend_for(5)
+
+
+def test_list_kinds_tells_files_from_directories(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "f").write_bytes(b"x")
+    assert LOCAL.list_kinds(str(tmp_path)) == (["f"], ["d"])
+    jckpt.save(jckpt.Context(), {"w": np.ones(2)}, "memory://kinds/run/a.jckpt")
+    jckpt.save(jckpt.Context(), {"w": np.ones(2)}, "memory://kinds/run/b/c.jckpt")
+    assert backend_for("memory://kinds/run").list_kinds("memory://kinds/run") == (["a.jckpt"], ["b"])
