@@ -246,7 +246,9 @@ def store_error(exc: BaseException, action: str, url: str) -> CheckpointError:
     if name in ('PermissionDeniedError', 'UnauthenticatedError') or 'AccessDenied' in text \
             or 'InvalidAccessKeyId' in text or 'SignatureDoesNotMatch' in text:
         return StorageError(f"{action} failed: access denied ({detail})", file=url, fix=_CREDENTIALS_FIX)
-    if 'credential' in text.lower() or 'service account' in text.lower():
+    # no keys in the environment: the store asked the cloud's instance metadata service
+    metadata_service = '169.254.169.254' in text or 'metadata.google.internal' in text
+    if 'credential' in text.lower() or 'service account' in text.lower() or metadata_service:
         return StorageError(f"{action} failed: the credentials could not be loaded ({detail})", file=url,
                             fix=_CREDENTIALS_FIX)
     if name == 'UnknownConfigurationKeyError':

@@ -539,3 +539,13 @@ def test_configure_refuses_options_the_store_refuses_at_once(options, match):
         assert e.value.file == prefix and "S3Store" in e.value.fix
     object_store.configure("s3", region="us-east-1")  # good options are taken
     object_store.configure("s3")
+
+
+def test_no_credentials_at_all_is_said_as_such():
+    """Without keys, the S3 store asks the instance metadata service, whose refusal was shown
+    as a network error ("check the endpoint ... and the network")."""
+    failure = RuntimeError("Generic S3 error: Error performing PUT "
+                           "http://169.254.169.254/latest/api/token in 1.2s - Server returned 403")
+    e = object_store.store_error(failure, "saving", "s3://b/x.jckpt")
+    assert "credentials could not be loaded" in e.message and "AWS_ACCESS_KEY_ID" in e.fix
+    assert e.file == "s3://b/x.jckpt"
