@@ -48,7 +48,14 @@ def open_regular(path: str, *, follow_symlinks: bool = True) -> BinaryIO:
     directory checkpoint's pieces). A missing file raises `FileNotFoundError`.
     """
     flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow_symlinks else os.O_NOFOLLOW)
-    fd = os.open(path, flags)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:  # a socket cannot be opened (ENXIO): say what it is
+        mode = _mode(path, follow_symlinks) if e.errno == errno.ENXIO else None
+        if mode is not None and not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+            raise FormatError(f"is {special_name(mode)}, not a regular file", file=path,
+                              fix="pass a checkpoint file; jckpt never reads special files") from None
+        raise
     try:
         mode = os.fstat(fd).st_mode
         if stat.S_ISDIR(mode):
@@ -61,6 +68,13 @@ def open_regular(path: str, *, follow_symlinks: bool = True) -> BinaryIO:
     except BaseException:
         os.close(fd)
         raise
+
+
+def _mode(path: str, follow_symlinks: bool) -> int | None:
+    try:
+        return os.stat(path, follow_symlinks=follow_symlinks).st_mode
+    except OSError:
+        return None
 
 
 __all__ = ['open_regular', 'special_name']

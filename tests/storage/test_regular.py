@@ -85,3 +85,15 @@ def test_no_descriptor_leaks_when_a_file_is_refused(tmp_path):
                                         (stat.S_IFSOCK, 'a socket'), (0, 'a special file')])
 def test_special_name(mode, name):
     assert special_name(mode) == name
+
+
+def test_a_socket_is_named_as_a_fifo_is(tmp_path):
+    """Opening a socket fails with ENXIO, which was reported as "No such device or address"
+    with the fix of an OS error, where info and verify said "is a socket"."""
+    import socket
+    path = str(tmp_path / 's')
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(path)
+        with pytest.raises(jckpt.FormatError, match='is a socket, not a regular file') as e:
+            open_regular(path)
+        assert e.value.file == path and e.value.fix
