@@ -27,7 +27,7 @@ import jax
 from jckpt.api import progress as progress_mod
 from jckpt.api.context import Context, check_context
 from jckpt.api.multiprocess import save_directory
-from jckpt.errors import CheckpointError, InputError, InUseError, naming_file
+from jckpt.errors import CheckpointError, InputError, naming_file
 from jckpt.format import leaf_entries
 from jckpt.format._gc import paused
 from jckpt.format.entries import Entry, Header, KeyPath, entry_for, round_up
@@ -37,8 +37,7 @@ from jckpt.format.metadata import check_metadata, empty_nodes_text
 from jckpt.format.names import EMPTY_NODES_KEY, INDEX_NAME
 from jckpt.format.payload import CHECKSUM_PLACEHOLDER
 from jckpt.storage.backend import LOCAL, backend_for, checked_path
-from jckpt.storage.publish import storage_error
-from jckpt.storage.reader import CheckpointReader
+from jckpt.storage.reader import CheckpointReader, reopen
 from jckpt.storage.regions import ShardedSource
 from jckpt.storage.writer import (
     SMALL_PAYLOAD,
@@ -148,7 +147,7 @@ def _publish_appended(ctx: Context, path: str, header: Header, entries: Sequence
         _publish(ctx, path, header, [ReaderSource(old, e) if s is None else s
                                      for e, s in zip(entries, sources)], progress)
         return
-    fd = _open_read_file(path, old)
+    fd = reopen(old, "opening the checkpoint to append to")
     try:
         sources = [CopySource(fd, old.data_start + e.offset, e.byte_length, e.checksum)
                    if s is None else s for e, s in zip(entries, sources)]
@@ -279,21 +278,6 @@ def _header(entries: Sequence[Entry], alignment: int, old: Header,
     return lay_out(Header(tensors=tuple(entries), alignment=alignment,
                           writer=f"jckpt {__version__}", metadata=tuple(meta.items()),
                           extra=old.extra))
-
-
-def _open_read_file(path: str, old: CheckpointReader) -> int:
-    """A descriptor of the file `old` read, refusing one replaced since (another writer's)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as e:
-        raise storage_error(e, "opening the checkpoint to append to", path) from e
-    st = os.fstat(fd)
-    if (st.st_dev, st.st_ino) != old.file_id:  # kept payloads must come from the file read
-        os.close(fd)
-        raise InUseError("the file was replaced while this appending save read it",
-                         file=path, fix="save again; let one writer at a time append to a "
-                                        "path (a jckpt.Mirror holds a lease for that)")
-    return fd
 
 
 def _publish(ctx: Context, path: str, header: Header, sources: Sequence[Any], progress: bool) -> None:

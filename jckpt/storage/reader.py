@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from jckpt.errors import ChecksumError, FormatError
+from jckpt.errors import ChecksumError, FormatError, InUseError
 from jckpt.format import payload as payload_mod
 from jckpt.format import precs
 from jckpt.format.fastpath import accelerator
@@ -194,3 +194,19 @@ def verify_entries(reader, entries: Iterable[Entry] | None = None) -> list[Check
         except ChecksumError as err:
             bad.append(err)
     return bad
+
+
+def reopen(reader: CheckpointReader, action: str) -> int:
+    """A descriptor of the file `reader` read, to copy its payloads from: `InUseError` if the
+    path holds another file since (another writer's), whose bytes the header would not fit."""
+    try:
+        fd = os.open(reader.path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise storage_error(e, action, reader.path) from e
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != reader.file_id:
+        os.close(fd)
+        raise InUseError("the file was replaced since it was read", file=reader.path,
+                         fix="run it again; let one writer at a time write a path (a "
+                             "jckpt.Mirror or CheckpointManager holds a lease for that)")
+    return fd

@@ -39,7 +39,7 @@ from jckpt.format.header import DEFAULT_ALIGNMENT, Entry, Header
 from jckpt.format.layout import lay_out
 from jckpt.format.limits import check_alignment
 from jckpt.storage.backend import backend_for, occupied, same_place
-from jckpt.storage.reader import CheckpointReader
+from jckpt.storage.reader import CheckpointReader, reopen
 from jckpt.storage.writer import CopySource, ReaderSource, write_checkpoint
 from jckpt.version import __version__
 
@@ -88,7 +88,7 @@ def _copy_out(target: str, header: Header, copies: Sequence[tuple[CheckpointRead
                 continue
             fd = fds.get(reader.path)
             if fd is None:
-                fd = fds[reader.path] = os.open(reader.path, os.O_RDONLY | os.O_CLOEXEC)
+                fd = fds[reader.path] = reopen(reader, "reading the payloads to copy")
                 stack.callback(os.close, fd)
             sources.append(CopySource(fd, reader.data_start + entry.offset, entry.byte_length,
                                       entry.checksum))

@@ -262,3 +262,24 @@ def test_merge_reads_a_checkpoint_a_killed_save_set_aside(tmp_path, monkeypatch)
     os.rename(path, f"{path}{dr.OLD_DIR_TAG}{'c' * 16}")
     merge(tmp_path / 'out.jckpt', [path], prefixes=['a'])
     assert load(tmp_path / 'out.jckpt')['a__jckpt']['w'][2] == 2
+
+
+@pytest.mark.parametrize('rewrite', ['relayout', 'merge'])
+def test_a_source_replaced_after_it_was_read_is_not_copied_from(tmp_path, monkeypatch, rewrite):
+    """relayout and merge copied the payloads of whatever file held the path by then, under
+    the header of the file they had read (an appending save refused it already)."""
+    from jckpt.tools import rewrite as rewrite_mod
+    src = tmp_path / 'a.jckpt'
+    jckpt.save(jckpt.Context(), {'w': np.arange(64.0)}, src)
+    other = tmp_path / 'other.jckpt'
+    jckpt.save(jckpt.Context(), {'w': np.zeros(64)}, other)
+    real = rewrite_mod._check_sources
+
+    def replaced_meanwhile(reader):
+        real(reader)
+        os.replace(other, src)
+    monkeypatch.setattr(rewrite_mod, '_check_sources', replaced_meanwhile)
+    out = tmp_path / 'out.jckpt'
+    with pytest.raises(jckpt.InUseError, match='the file was replaced since it was read') as e:
+        relayout(src, out) if rewrite == 'relayout' else merge(out, [src])
+    assert e.value.file == str(src) and not out.exists()
