@@ -1,6 +1,6 @@
 """Storage backends: where a checkpoint's bytes live, behind one small interface.
 
-Everything above storage names a checkpoint by a path (or, later, a URL) and
+Everything above storage names a checkpoint by a path or a URL and
 asks `backend_for` for the backend that holds it: the library's entry
 points (save and load, the mirror and the manager, conversion, the tools and
 the command line) all do, before they create or read anything. A backend
@@ -54,8 +54,8 @@ Buffer = mmap_mod.mmap | bytes
 class Backend(Protocol):
     """The operations jckpt needs from where checkpoints are stored.
 
-    Paths are the backend's own (a local path, or later an object key under a
-    URL). Failures raise `StorageError` (or
+    Paths are the backend's own (a local path, or a URL of an object or a
+    prefix). Failures raise `StorageError` (or
     `FormatError` for bytes that are not a checkpoint).
     """
 

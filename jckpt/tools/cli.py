@@ -13,8 +13,8 @@ jckpt merge both.jckpt teacher.jckpt student.jckpt --prefix teacher --prefix stu
 Exit status: 0 when the command succeeded (and, for `verify` and
 `diff`, the file is sound / the checkpoints match), 1 when `verify`
 found damage or `diff` found differences, 2 for a usage error, a file
-that cannot be read, or a URL (`s3://...`: checkpoints are stored on local
-filesystems only, and nothing is created for one). An error prints one line
+that cannot be read, or a URL no storage backend serves (`s3://`, `gs://`,
+`az://` are served; see docs/object-storage.md). An error prints one line
 naming the file and what to do; `--debug` shows the traceback too.
 
 `inspect`, `verify` and `diff` read headers and payloads with the

@@ -5,7 +5,7 @@ a global array a shard, a stored piece or a device holds (the arithmetic is in
 `jckpt.format.boxes`, re-exported here). Restoring builds each device's
 shard from the mapped file, reading only that device's box through a
 `LazyArray`; saving's side (each distinct shard to
-host once) is in `jckpt.trees.placement`, and writing shards into place in
+host once) is in `jckpt.trees.to_host`, and writing shards into place in
 `jckpt.storage.regions`.
 """
 
