@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Iterable, Sequence
 from typing import Any
 
 from jckpt.errors import FormatError
@@ -46,7 +45,6 @@ from jckpt.format.entries import round_up as round_up
 from jckpt.format.fastpath import canonical_entries, with_canonical_lists
 
 # The encoder lives in ``header_encoder``; its names stay importable from here too.
-from jckpt.format.header_encoder import _encode_entry as _encode_entry
 from jckpt.format.header_encoder import encode_header as encode_header
 from jckpt.format.header_encoder import encode_header_with_slots as encode_header_with_slots
 from jckpt.format.header_encoder import header_text as header_text
@@ -382,16 +380,3 @@ def header_from_sexp(tree: Sexp, *, file: str | None = None,
                   metadata=tuple(metadata), extra=extra)
 
 
-def entries_by_identity(entries: Iterable[Entry]) -> dict[tuple[str, Any], Entry]:
-    """Index entries by `(namespace, path)` / `(namespace, id)`."""
-    return {e.identity: e for e in entries}
-
-
-def check_unique(entries: Sequence[Entry], file: str | None = None) -> None:
-    """Refuse duplicate identities (a writer-side check)."""
-    seen: set = set()
-    for e in entries:
-        if e.identity in seen:
-            raise FormatError("duplicate entry identity", file=file, entry=e.name,
-                              fix="give each leaf a distinct path")
-        seen.add(e.identity)

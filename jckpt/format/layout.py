@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from jckpt.errors import FormatError
 from jckpt.format import precs
-from jckpt.format.header import Header, encode_header, round_up
+from jckpt.format.header import Header, round_up
 from jckpt.format.limits import PADDED_ALLOCATION_FACTOR
 
 
@@ -45,11 +45,6 @@ def lay_out(header: Header) -> Header:
 def data_size(header: Header) -> int:
     """Bytes of DATA the header describes (end of the last payload)."""
     return max((e.offset + e.byte_length for e in header.tensors), default=0)
-
-
-def file_size(header: Header) -> int:
-    """Total size of a file written with this header (header encoded once)."""
-    return len(encode_header(header)) + data_size(header)
 
 
 def check_extents(header: Header, data_start: int, size: int, file: str | None = None) -> None:

@@ -49,13 +49,6 @@ def read_box(array: Any, box: Box, *, log: bool = True) -> np.ndarray:
     return out
 
 
-def read_index(array: Any, index: Any) -> np.ndarray:
-    """Read the part of `array` that a device's shard `index` selects."""
-    if not isinstance(index, tuple):
-        index = (index,)
-    return read_box(array, box_of(index, array.shape))
-
-
 def check_fits(shape: Sequence[int], sharding: Any, *, file: str | None, where: str) -> None:
     """Raise `MismatchError` when `shape` cannot be split by `sharding`.
 
@@ -129,4 +122,4 @@ def concrete_mesh(abstract: Any, *, file: str | None = None, where: str | None =
 
 
 __all__ = ['Box', 'LazyArray', 'ShardedSource', 'box_of', 'check_fits', 'coalesce', 'concrete_mesh',
-           'intersect', 'read_box', 'read_index', 'record_reads', 'with_concrete_mesh']
+           'intersect', 'read_box', 'record_reads', 'with_concrete_mesh']
