@@ -174,7 +174,9 @@ def _fail(step: int, file: str, what: str, e: BaseException) -> CheckpointError:
     A `StorageError` (or an `OSError`) stays one, and the pipeline retries it; a
     writer's `CheckpointError` keeps its class, message, entry and fix, so an `InputError`
     (a tree the format cannot hold) drops the step instead of retrying it forever;
-    anything else a `model_writer` raised is a `CheckpointError`, retried.
+    what a `model_writer` raises for a fault of its own, which another attempt repeats
+    (a `TypeError`, `ValueError`, `KeyError`, ...: `_CALLBACK_FAULTS`), is an `InputError`
+    and drops the step too; anything else it raises is a `CheckpointError`, retried.
     """
     if isinstance(e, StorageError):  # keeps its errno for the counters
         return e
@@ -183,7 +185,15 @@ def _fail(step: int, file: str, what: str, e: BaseException) -> CheckpointError:
     if isinstance(e, CheckpointError) and type(e).__init__ is CheckpointError.__init__:
         return type(e)(f"step {step}: {what}: {e.message}", file=file, entry=e.entry,
                        fix=e.fix or _WRITER_FIX)
-    return CheckpointError(f"step {step}: {what}: {e}", file=file, fix=_WRITER_FIX)
+    if isinstance(e, CheckpointError):
+        return e
+    fault = InputError if isinstance(e, _CALLBACK_FAULTS) else CheckpointError
+    return fault(f"step {step}: {what}: {e}", file=file, fix=_WRITER_FIX)
+
+
+#: What a callback raises for a fault of its own (not of the disk or the network).
+_CALLBACK_FAULTS = (TypeError, ValueError, KeyError, IndexError, AttributeError,
+                    NotImplementedError, AssertionError)
 
 
 _WRITER_FIX = "check the model tree and the format's writer or callback"

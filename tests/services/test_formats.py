@@ -295,6 +295,24 @@ def test_a_damaged_step_directory_names_the_step_and_the_file(tmp_path):
         assert mgr.restore(1).tree['model']['w'][0] == 1  # the previous step is untouched
 
 
+def test_a_callback_fault_of_its_own_drops_the_step(tmp_path):
+    """A callback's KeyError was retried forever: every later step waited behind it."""
+    def writer(tree, path):
+        if float(tree['w'][0]) == 3:
+            raise KeyError('w2')
+        jckpt.adapters.write({'model': tree}, path, format='npz')
+
+    with saved_steps(tmp_path) as mgr:
+        opts = CheckpointOptions(format='npz', model_writer=writer)
+        for step in (3, 4):
+            mgr.save(step, items={'model': {'w': np.ones(2) * step}, 'opt': optimizer(step)},
+                     options=opts)
+        with pytest.raises(InputError, match="step 3: writing the model as npz: 'w2'") as e:
+            mgr.wait_durable(timeout=60)
+        assert e.value.file == str(tmp_path / 'step_00000003.jckpt' / 'model.npz')
+        assert mgr.wait_durable(timeout=60) and mgr.all_steps() == [1, 2, 4]
+
+
 def test_a_callback_that_raises_is_a_failed_write(tmp_path):
     broken = [True]
 
