@@ -190,6 +190,36 @@ def _entry_maker() -> Callable[..., Entry]:
 _new_entry = _entry_maker()
 
 
+def check_prefix(prefix: str | None) -> None:
+    """Raise `InputError` unless `prefix` is `None`, `""` or an identifier (what `prefixed`
+    puts before a namespace)."""
+    if prefix is not None and not isinstance(prefix, str):
+        raise InputError(f"a namespace prefix must be a string or None, not {prefix!r:.80}",
+                         fix="use letters, digits and underscores")
+    if prefix and not NAMESPACE_RE.match(prefix):
+        raise InputError(f"invalid namespace prefix {prefix!r}: must match "
+                         "[A-Za-z_][A-Za-z0-9_]*", fix="use letters, digits and underscores")
+
+
+def prefixed(namespace: str, prefix: str | None) -> str:
+    """`prefix + '__' + namespace` (unchanged for `None` or `""`).
+
+    >>> prefixed('params', 'teacher'), prefixed('params', None)
+    ('teacher__params', 'params')
+    """
+    return f"{prefix}__{namespace}" if prefix else namespace
+
+
+def prefix_header(header: Header, prefix: str | None) -> Header:
+    """`header` with every entry's namespace `prefixed` (ids unchanged): a pure function."""
+    check_prefix(prefix)
+    if not prefix:
+        return header
+    return dataclasses.replace(header, tensors=tuple(
+        dataclasses.replace(e, namespace=prefixed(e.namespace, prefix)) for e in header.tensors))
+
+
 __all__ = ['DEFAULT_ALIGNMENT', 'FORMAT_VERSION', 'LEGACY_NAMESPACE', 'NAMESPACE_RE', 'PATH_KINDS',
+           'check_prefix', 'prefix_header', 'prefixed',
            'Entry', 'Header', 'KeyPath', 'Padding', 'PathComponent', 'entry_for', 'path_name',
            'round_up']

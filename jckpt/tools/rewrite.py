@@ -35,6 +35,7 @@ from collections.abc import Sequence
 
 from jckpt.api import progress as progress_mod
 from jckpt.errors import ChecksumError, ClashError, FormatError, InputError
+from jckpt.format.entries import check_prefix, prefix_header
 from jckpt.format.header import DEFAULT_ALIGNMENT, Entry, Header
 from jckpt.format.layout import lay_out
 from jckpt.format.limits import check_alignment
@@ -189,7 +190,6 @@ _Source = tuple[CheckpointReader, Header]
 def _merge_prefixes(out: str, inputs: Sequence[str], prefixes: Sequence[str | None] | None,
                     alignment: int | None) -> list[str | None]:
     """One checked prefix per input (None where none); the errors for bad arguments."""
-    from jckpt.trees.pytree import check_prefix  # the tree layer imports JAX: only merge needs it
 
     if not inputs:
         raise InputError("nothing to merge: no input files given", file=out,
@@ -208,7 +208,6 @@ def _merge_prefixes(out: str, inputs: Sequence[str], prefixes: Sequence[str | No
 def _merge_sources(out: str, inputs: Sequence[str], prefixes: Sequence[str | None], *,
                    append: bool, overwrite: bool) -> list[_Source]:
     """The files to merge, in order: `out` itself first when appending to it."""
-    from jckpt.trees.pytree import prefix_namespace  # as above: JAX
 
     sources: list[_Source] = []
     if append and occupied(out):
@@ -218,7 +217,7 @@ def _merge_sources(out: str, inputs: Sequence[str], prefixes: Sequence[str | Non
         _refuse_existing(out, "merging")
     for path, prefix in zip(inputs, prefixes):
         reader = _open_whole(path)
-        sources.append((reader, prefix_namespace(reader.header, prefix or None)))
+        sources.append((reader, prefix_header(reader.header, prefix or None)))
     return sources
 
 

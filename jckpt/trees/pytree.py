@@ -17,17 +17,15 @@ index. Without a target, `unflatten` rebuilds nested dicts (for `k`,
 
 from __future__ import annotations
 
-import dataclasses
-import re
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
 import jax
 
 from jckpt.errors import FormatError, InputError
+from jckpt.format.entries import check_prefix, prefix_header, prefixed
 from jckpt.format.header import Header, KeyPath, path_name
 
-_PREFIX_RE = re.compile(r'[A-Za-z_][A-Za-z0-9_]*\Z')
 T = TypeVar('T')
 
 
@@ -358,21 +356,6 @@ def _lists(node: Any, seq: set[tuple], prefix: tuple = (), *, holes: list[int],
     return out
 
 
-def check_prefix(prefix: str | None) -> None:
-    """Raise unless `prefix` is `None`, `""` or an identifier."""
-    if prefix is not None and not isinstance(prefix, str):
-        raise InputError(f"a namespace prefix must be a string or None, not {prefix!r:.80}",
-                         fix="use letters, digits and underscores")
-    if prefix and not _PREFIX_RE.match(prefix):
-        raise InputError(f"invalid namespace prefix {prefix!r}: must match "
-                         "[A-Za-z_][A-Za-z0-9_]*", fix="use letters, digits and underscores")
-
-
-def prefixed(namespace: str, prefix: str | None) -> str:
-    """`prefix + '__' + namespace` (unchanged for `None` or `""`)."""
-    return f"{prefix}__{namespace}" if prefix else namespace
-
-
 def prefix_namespace(tree_or_header: T, prefix: str | None) -> T:
     """Prefix every namespace of a loaded tree `{ns: subtree}` or of a `Header`.
 
@@ -380,12 +363,10 @@ def prefix_namespace(tree_or_header: T, prefix: str | None) -> T:
     the argument is not modified.
     """
     check_prefix(prefix)
+    if isinstance(tree_or_header, Header):
+        return prefix_header(tree_or_header, prefix)  # type: ignore[return-value]
     if not prefix:
         return tree_or_header
-    if isinstance(tree_or_header, Header):
-        return dataclasses.replace(tree_or_header, tensors=tuple(
-            dataclasses.replace(e, namespace=prefixed(e.namespace, prefix))
-            for e in tree_or_header.tensors))
     if isinstance(tree_or_header, dict):
         return {prefixed(ns, prefix): sub for ns, sub in tree_or_header.items()}
     raise InputError(f"prefix_namespace takes a loaded tree {{namespace: subtree}} or a Header, "

@@ -466,9 +466,11 @@ def test_usage_errors(cli):
 
 
 def test_read_commands_do_not_import_jax(model, tmp_path):
+    merged = str(tmp_path / 'merged.jckpt')  # merge renames namespaces in the header alone
     code = ("import sys; from jckpt.tools.cli import main\n"
             f"for argv in (['inspect', {model!r}], ['verify', {model!r}], "
-            f"['diff', {model!r}, {model!r}]):\n"
+            f"['diff', {model!r}, {model!r}], "
+            f"['merge', {merged!r}, {model!r}, {model!r}, '--prefix', 'a', '--prefix', 'b']):\n"
             "    assert main(argv) == 0\n"
             "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))\n")
     p = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
