@@ -28,6 +28,7 @@ from jckpt.format.names import (
     STEP_RE,
     TRAINER_STATE_NAME,
     UPLOAD_TAG,
+    is_step_member,
 )
 from jckpt.services import formats
 from jckpt.services.formats import CheckpointLoadOptions
@@ -103,6 +104,18 @@ def remove_step(backend: Backend, path: str) -> None:
     backend.remove(path)
 
 
+def _remove_unfinished(backend: Backend, path: str) -> None:
+    """Remove a local step directory without its index or record, if all it holds is what a
+    manager writes there; one holding anything else is left, with a warning."""
+    foreign = [n for n in backend.list(path) if not is_step_member(n)]
+    if foreign:
+        log.warning("leaving %s: named as a step, it holds no index or record but files no "
+                    "manager writes (%s)", path, ', '.join(foreign[:3]))
+        return
+    log.info("removing the unfinished step directory %s", path)
+    backend.remove(path)
+
+
 def clean_staging(backend: Backend, directory: str) -> None:
     """Remove staging files and directories of steps whose writer died (incomplete steps).
 
@@ -130,8 +143,7 @@ def clean_staging(backend: Backend, directory: str) -> None:
         if STEP_RE.match(name) and backend.isdir(path) and not os.path.islink(path) \
                 and not any(os.path.exists(os.path.join(path, marker))
                             for marker in (INDEX_NAME, TRAINER_STATE_NAME)):
-            log.info("removing the half-deleted step directory %s", path)
-            backend.remove(path)  # published directories have an index or a record
+            _remove_unfinished(backend, path)  # published directories have an index or a record
             continue
         head, sep, _ = name.partition(NEXT_TAG)
         if sep and STEP_RE.match(head):

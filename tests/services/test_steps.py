@@ -51,6 +51,21 @@ def test_clean_staging_keeps_published_steps_only(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ['other', 'step_00000001.jckpt']
 
 
+def test_a_step_named_directory_of_somebody_elses_files_is_left(tmp_path, caplog):
+    """Opening a manager deleted `step_00000099.jckpt/sub/notes.txt` whole: it had a step's
+    name and no index or record."""
+    import logging
+    (tmp_path / 'step_00000099.jckpt' / 'sub').mkdir(parents=True)
+    (tmp_path / 'step_00000099.jckpt' / 'sub' / 'notes.txt').write_text('x')
+    (tmp_path / 'step_00000007.jckpt').mkdir()  # what a killed directory save leaves
+    (tmp_path / 'step_00000007.jckpt' / 'process_00000.jckpt').write_bytes(b'')
+    (tmp_path / 'step_00000007.jckpt' / 'model.npz.jckpt-stage.ab').write_bytes(b'')
+    with caplog.at_level(logging.WARNING):
+        steps.clean_staging(backend_for(str(tmp_path)), str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ['step_00000099.jckpt']
+    assert 'holds no index or record but files no manager writes (sub)' in caplog.text
+
+
 def test_checked_options():
     default = CheckpointOptions(format='npz')
     assert steps.checked(None, CheckpointOptions, 'options', default) is default
