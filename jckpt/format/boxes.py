@@ -168,11 +168,10 @@ def _tile_exactly(boxes: Sequence[Box] | np.ndarray, shape: Sequence[int]) -> bo
     grid = tuple(len(c) for c in cuts)
     starts = [np.searchsorted(c, lo[:, i]) for i, c in enumerate(cuts)]
     stops = [np.searchsorted(c, hi[:, i]) for i, c in enumerate(cuts)]
-    corners = np.zeros(math.prod(grid), dtype=np.int64)
-    for corner in itertools.product((0, 1), repeat=ndim):
+    corners = np.zeros(math.prod(grid), dtype=np.int32)
+    for corner in itertools.product((0, 1), repeat=ndim):  # each pass costs the boxes, not the grid
         at = np.ravel_multi_index([stops[i] if c else starts[i] for i, c in enumerate(corner)], grid)
-        counted = np.bincount(at, minlength=corners.size)
-        corners += -counted if sum(corner) % 2 else counted
+        np.add.at(corners, at, -1 if sum(corner) % 2 else 1)
     cover = corners.reshape(grid)
     for axis in range(ndim):
         np.cumsum(cover, axis=axis, out=cover)
