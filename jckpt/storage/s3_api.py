@@ -29,6 +29,7 @@ import datetime
 import importlib
 import logging
 import os
+import re
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -55,6 +56,11 @@ class S3Settings:
     session_token: str | None
     virtual_hosted: bool
     unsigned: bool
+    #: Seconds to connect and to wait for an answer, and attempts per call: the store's
+    #: `client_options` (`connect_timeout`, `timeout`) and `retry_config` (`max_retries`).
+    connect_timeout: float = 10.0
+    read_timeout: float = 30.0
+    attempts: int = 4
 
 
 def _true(value: Any) -> bool:
@@ -120,7 +126,8 @@ def api_for(u: ObjectURL, store: Any) -> S3Api | None:
     config = getattr(store, 'config', None)
     if u.kind != 's3' or type(store).__name__ != 'S3Store' or not isinstance(config, Mapping):
         return None
-    settings = settings_of(config, os.environ)
+    settings = bounds_of(settings_of(config, os.environ), getattr(store, 'client_options', None),
+                         getattr(store, 'retry_config', None))
     with _LOCK:
         client = _CLIENTS.get(settings)
         if client is None:
@@ -129,6 +136,38 @@ def api_for(u: ObjectURL, store: Any) -> S3Api | None:
                 return None
             _CLIENTS[settings] = client
     return S3Api(client, u.bucket)
+
+
+def bounds_of(settings: S3Settings, client_options: Mapping[str, Any] | None,
+              retry_config: Mapping[str, Any] | None) -> S3Settings:
+    """`settings` bounded as the store's own calls are: its `client_options`' timeouts and its
+    `retry_config`'s retries (a server that never answers held botocore for its own 30 s, 3
+    times, whatever `jckpt.storage.configure` said).
+
+    >>> bounds_of(settings_of({}, {}), {'timeout': '2s', 'connect_timeout': '500ms'},
+    ...           {'max_retries': 1}).read_timeout
+    2.0
+    """
+    options, retries = dict(client_options or {}), dict(retry_config or {})
+    connect, read = _seconds(options.get('connect_timeout')), _seconds(options.get('timeout'))
+    attempts = retries.get('max_retries')
+    return dataclasses.replace(
+        settings, connect_timeout=connect or settings.connect_timeout,
+        read_timeout=read or settings.read_timeout,
+        attempts=int(attempts) + 1 if isinstance(attempts, int) and attempts >= 0 else settings.attempts)
+
+
+def _seconds(value: Any) -> float | None:
+    """A duration as obstore takes it (`timedelta`, `'2s'`, `'500ms'`, `'1m'`, a number) in
+    seconds; None for none or one not understood."""
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds() or None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value) or None
+    m = re.fullmatch(r'\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h)?\s*', str(value or ''))
+    if m is None:
+        return None
+    return float(m[1]) * {'ms': 1e-3, 's': 1, 'm': 60, 'h': 3600}[m[2] or 's'] or None
 
 
 def _client(s: S3Settings) -> Any:
@@ -143,8 +182,8 @@ def _client(s: S3Settings) -> Any:
                         "bucket a lifecycle rule that aborts them (docs/object-storage.md)")
         return None
     options: dict[str, Any] = {
-        'region_name': s.region, 'connect_timeout': 10, 'read_timeout': 30,
-        'retries': {'max_attempts': 3, 'mode': 'standard'},
+        'region_name': s.region, 'connect_timeout': s.connect_timeout,
+        'read_timeout': s.read_timeout, 'retries': {'total_max_attempts': s.attempts, 'mode': 'standard'},
         's3': {'addressing_style': 'virtual' if s.virtual_hosted else 'path'}}
     if s.unsigned:
         options['signature_version'] = importlib.import_module('botocore').UNSIGNED
@@ -154,4 +193,4 @@ def _client(s: S3Settings) -> Any:
         config=config.Config(**options))
 
 
-__all__ = ['PAGE', 'S3Api', 'S3Settings', 'api_for', 'settings_of']
+__all__ = ['PAGE', 'S3Api', 'S3Settings', 'api_for', 'bounds_of', 'settings_of']

@@ -72,3 +72,25 @@ def test_without_botocore_a_log_line_and_the_save_goes_on(s3, monkeypatch, caplo
     np.testing.assert_array_equal(jckpt.restore(jckpt.Context(host=True), tree, url)["w"], tree["w"])
     assert uploads_of(url) == [("model.jckpt", left)]  # nothing found, nothing aborted
     assert markers_of(url) == [ObjectURL.parse(url).key + ".jckpt-upload.dead"]  # its own is gone
+
+
+def test_botocore_is_bounded_as_the_store_is():
+    """configure's timeouts and retries bounded obstore's calls only: botocore's listing of
+    uploads kept its own 30 s and 3 attempts (a stalled server held a save for 2 minutes)."""
+    pytest.importorskip("botocore")
+    from datetime import timedelta
+
+    from obstore.store import S3Store
+
+    from jckpt.storage.object_store import ObjectURL
+    store = S3Store("bounded", endpoint="http://127.0.0.1:9", skip_signature=True,
+                    client_options={"timeout": "2s", "connect_timeout": "500ms"},
+                    retry_config={"max_retries": 1, "retry_timeout": timedelta(seconds=5)})
+    api = api_for(ObjectURL.parse("s3://bounded/x"), store)
+    config = api.client.meta.config
+    assert (config.connect_timeout, config.read_timeout) == (0.5, 2.0)
+    assert config.retries["total_max_attempts"] == 2  # one retry
+    plain = api_for(ObjectURL.parse("s3://bounded/x"), S3Store("bounded", endpoint="http://127.0.0.1:9",
+                                                                skip_signature=True))
+    assert (plain.client.meta.config.read_timeout,
+            plain.client.meta.config.retries["total_max_attempts"]) == (30.0, 4)
