@@ -37,6 +37,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -279,7 +280,7 @@ def read_item(item: str) -> Any:
     item = os.path.abspath(item)  # orbax wants absolute paths
     try:
         with _quiet():
-            metadata = checkpointer.metadata(item)
+            metadata = _metadata(item)
             tree = getattr(metadata, 'item_metadata', metadata)
             tree = getattr(tree, 'tree', tree)
             restore_args = jax.tree_util.tree_map(
@@ -332,18 +333,32 @@ def item_dirs(path: str) -> list[tuple[str, str]]:
     return [(name, os.path.join(path, name)) for name in items]
 
 
+def _metadata(item: str) -> Any:
+    """orbax's metadata of a PyTree item, asked once per version of its `_METADATA` file: it
+    costs a second or more for a few thousand leaves, and opening, checking and reading an
+    item each asked for it (three times a restore)."""
+    path = os.path.abspath(item)
+    st = os.stat(os.path.join(path, '_METADATA'))
+    return _metadata_of(path, st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+@functools.lru_cache(maxsize=4)
+def _metadata_of(path: str, *version: int) -> Any:
+    with _quiet():
+        return _orbax().PyTreeCheckpointer().metadata(path)
+
+
 def item_specs(item: str) -> list[tuple[Any, tuple[int, ...], np.dtype, str | None]] | None:
     """`[(JAX key path, shape, dtype, PRNG implementation or None)]` of an orbax PyTree item,
     from its metadata alone (no array is read); None for an item jckpt saved (a jckpt file)
     or metadata that cannot be read (the caller then reads the item)."""
     if not os.path.exists(os.path.join(item, '_METADATA')):
         return None
-    ocp = _orbax()
+    _orbax()  # orbax missing: an InputError saying what to install
     import jax
 
     try:
-        with _quiet():
-            metadata = ocp.PyTreeCheckpointer().metadata(os.path.abspath(item))
+        metadata = _metadata(item)
         tree = getattr(getattr(metadata, 'item_metadata', metadata), 'tree', None)
         leaves = jax.tree_util.tree_flatten_with_path(tree)[0] if tree is not None else None
         impls = _key_impls(item)

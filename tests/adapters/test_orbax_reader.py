@@ -239,3 +239,20 @@ def test_arrays_the_metadata_claims_past_what_the_files_hold_are_refused_before_
     with pytest.raises(FormatError, match='claimed by a checkpoint of') as e:
         orbax_adapter.read_item(str(item))
     assert e.value.file == str(item)
+
+
+def test_a_restore_asks_orbax_for_the_metadata_once(tmp_path, monkeypatch):
+    """Opening, checking and reading an item each asked for it: three times, about a second
+    each for a few thousand leaves (a restore took twice orbax's own)."""
+    from jckpt.adapters import orbax as orbax_adapter
+    tree = {f"l{i}": np.full(3, i, np.float32) for i in range(20)}
+    path = os.path.abspath(tmp_path / 'std')
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, tree)
+    asked = []
+    real = ocp.PyTreeCheckpointer.metadata
+    monkeypatch.setattr(ocp.PyTreeCheckpointer, 'metadata',
+                        lambda self, *a, **k: (asked.append(1), real(self, *a, **k))[1])
+    orbax_adapter._metadata_of.cache_clear()
+    back = jckpt.restore(jckpt.Context(host=True), tree, path)
+    assert len(asked) == 1 and back['l7'].tolist() == [7, 7, 7]
