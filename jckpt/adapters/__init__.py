@@ -41,10 +41,10 @@ import importlib
 import os
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
-from jckpt.errors import FormatError, InputError
+from jckpt.errors import FormatError, InputError, MissingEntryError
 from jckpt.format.names import STEP_RE, is_format_step
 from jckpt.storage.backend import backend_for, checked_path, same_place
 from jckpt.storage.checkpoint import register_directory_reader
@@ -263,7 +263,8 @@ def write(tree: Any, path: PathLike, format: str | None = None) -> None:
     fmt.write(tree, path)
 
 
-def convert(src: PathLike, dst: PathLike, *, format: str | None = None) -> tuple[str, str]:
+def convert(src: PathLike, dst: PathLike, *, format: str | None = None,
+            namespaces: str | Collection[str] | None = None) -> tuple[str, str]:
     """Convert the checkpoint at `src` into `dst`; return `(source, destination)` formats.
 
     The source format is detected from the file's bytes (or the directory's
@@ -272,6 +273,9 @@ def convert(src: PathLike, dst: PathLike, *, format: str | None = None) -> tuple
     `.bin`, `.pt`/`.pth`; `.safetensors.index.json` writes Hugging
     Face's sharded layout), else `jckpt` when the source is not a jckpt
     file. The destination is replaced atomically; values are copied bit-exactly.
+    `namespaces` (a name or several) converts only those: a model's parameters out of a
+    training checkpoint, named as they are when they are the only namespace
+    (safetensors and npz prefix the names with the namespace when there are several).
     A URL no storage backend serves, as either path, is an
     `InputError` before anything is read or written.
 
@@ -279,6 +283,7 @@ def convert(src: PathLike, dst: PathLike, *, format: str | None = None) -> tuple
         ```python
         jckpt.convert('model.safetensors', 'model.jckpt')
         jckpt.convert('ckpt.jckpt', 'exported', format='orbax')
+        jckpt.convert('train.jckpt', 'model.safetensors', namespaces='params')
         ```
     """
     src, dst = checked_path(src), checked_path(dst)
@@ -298,8 +303,25 @@ def convert(src: PathLike, dst: PathLike, *, format: str | None = None) -> tuple
         raise InputError("source and destination are the same file", file=dst,
                          fix="convert into another path")
     reader = get_format(source)
-    _write_converted(reader, src, fmt, reader.read(src), dst)
+    tree = reader.read(src)
+    if namespaces is not None:
+        tree = _only(tree, namespaces, src)
+    _write_converted(reader, src, fmt, tree, dst)
     return source, target
+
+
+def _only(tree: dict[str, Any], namespaces: str | Collection[str], src: str) -> dict[str, Any]:
+    """The namespaces `namespaces` of a tree read, in that order; `MissingEntryError` naming
+    the ones the checkpoint has for one it lacks."""
+    names = [namespaces] if isinstance(namespaces, str) else list(namespaces)
+    if not names or not all(isinstance(n, str) for n in names):
+        raise InputError(f"namespaces must be a namespace or several, not {namespaces!r:.80}",
+                         file=src, fix=f"pass e.g. namespaces={sorted(tree)[:1]}")
+    for n in names:
+        if n not in tree:
+            raise MissingEntryError(f"no namespace {n!r} in the checkpoint", file=src,
+                                    fix=f"its namespaces are {sorted(tree)}")
+    return {n: tree[n] for n in dict.fromkeys(names)}
 
 
 def _write_converted(source: Format, src: str, target: Format, tree: Any, dst: str) -> None:

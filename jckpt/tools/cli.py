@@ -123,7 +123,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if occupied(dst) and not (same or args.overwrite):
         raise InputError("converting would replace an existing checkpoint", file=dst,
                          fix="choose another destination, or pass --overwrite")
-    if (args.format or format_for_destination(dst)) in (None, 'jckpt'):
+    if (args.format or format_for_destination(dst)) in (None, 'jckpt') and not args.namespace:
         if kind.name == DIRECTORY:
             return _consolidate(args)
         if kind.name == FILE:
@@ -135,7 +135,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise InputError("source and destination are the same file", file=dst,
                          fix="convert into another path")
     with bar(f"converting {os.path.basename(src)}", 0, enabled=_progress(args)):
-        source, written = convert(src, dst, format=args.format)
+        source, written = convert(src, dst, format=args.format, namespaces=args.namespace)
     _print(f"wrote {dst}: {written}, converted from {source}")
     return EXIT_OK
 
@@ -289,6 +289,9 @@ def _add_convert(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument('--overwrite', action='store_true', help='replace an existing DST')
     p.add_argument('--no-verify', action='store_true',
                    help='copy payloads without checking their checksums first')
+    p.add_argument('--namespace', metavar='NS', action='append', default=None,
+                   help='convert only this namespace (repeat for several), e.g. the parameters '
+                        'of a training checkpoint')
     p.set_defaults(func=cmd_convert)
 
 

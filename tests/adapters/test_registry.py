@@ -250,3 +250,21 @@ def test_a_format_may_check_a_tree_from_shapes_and_dtypes(tmp_path, clean_regist
     get_format('safetensors').check({'m': {'w': jax.ShapeDtypeStruct((2,), jnp.bfloat16)}}, 'x')
     with pytest.raises(jckpt.InputError, match="check must be a function"):
         jckpt.register_format('bad', read=lambda p: {}, check=3)
+
+
+def test_convert_one_namespace_keeps_its_names(tmp_path):
+    """Adding an `ema` namespace renamed every tensor of a safetensors export
+    (`w` became `params.w`); converting only `params` keeps the names, as for one namespace."""
+    from safetensors.numpy import load_file
+    src = tmp_path / 'train.jckpt'
+    jckpt.save(jckpt.Context(namespace='params'), {'w': np.ones(2, np.float32)}, src)
+    jckpt.save(jckpt.Context(namespace='ema'), {'w': np.zeros(2, np.float32)}, src, appending=True)
+    assert jckpt.convert(src, tmp_path / 'p.safetensors', namespaces='params') == ('jckpt', 'safetensors')
+    assert list(load_file(tmp_path / 'p.safetensors')) == ['w']
+    jckpt.convert(src, tmp_path / 'both.safetensors', namespaces=['params', 'ema'])
+    assert sorted(load_file(tmp_path / 'both.safetensors')) == ['ema.w', 'params.w']
+    with pytest.raises(jckpt.MissingEntryError, match="no namespace 'opt'") as e:
+        jckpt.convert(src, tmp_path / 'x.npz', namespaces=['opt'])
+    assert "['ema', 'params']" in e.value.fix and not (tmp_path / 'x.npz').exists()
+    with pytest.raises(jckpt.InputError, match="namespaces must be"):
+        jckpt.convert(src, tmp_path / 'x.npz', namespaces=[3])

@@ -548,3 +548,17 @@ def test_convert_keeps_an_existing_destination_at_a_url(tmp_path, model, cli):
     assert cli('convert', 'memory://cli-convert/keep.npz', local).returncode == 2
     p = cli('convert', 'memory://cli-convert/keep.npz', local, '--overwrite')
     assert p.returncode == 0, p.stderr
+
+
+def test_convert_one_namespace(tmp_path, cli):
+    import numpy as np
+
+    import jckpt
+    src = tmp_path / 'train.jckpt'
+    jckpt.save(jckpt.Context(namespace='params'), {'w': np.ones(2, np.float32)}, src)
+    jckpt.save(jckpt.Context(namespace='opt'), {'m': np.zeros(2, np.float32)}, src, appending=True)
+    p = cli('convert', src, tmp_path / 'p.jckpt', '--namespace', 'params')
+    assert p.returncode == 0, p.stderr
+    assert [e.name for e in jckpt.describe(tmp_path / 'p.jckpt').tensors] == ['params/w']
+    p = cli('convert', src, tmp_path / 'x.npz', '--namespace', 'nope')
+    assert p.returncode == 2 and "no namespace 'nope'" in p.stderr
