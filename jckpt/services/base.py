@@ -97,7 +97,7 @@ class BackgroundWriter(Generic[InfoT]):
             self.lineage = opened.name
             self._staged = self._published = _Head(opened.generation, digest)
             self._pipeline: Pipeline[InfoT, Staged[InfoT]] = Pipeline(
-                name, self, slots=slots, when_full=when_full, retry_after=retry_after,
+                name, _Stages(self), slots=slots, when_full=when_full, retry_after=retry_after,
                 patience=patience, generation=opened.generation, owner=self,
                 image_bytes=device_image_bytes)
         except BaseException:
@@ -196,7 +196,7 @@ class BackgroundWriter(Generic[InfoT]):
         self._lease.check()
         return self._pipeline.admit(leaves, metadata, info, timeout=timeout)
 
-    def stage(self, job: Job[InfoT]) -> Staged[InfoT]:
+    def _stage(self, job: Job[InfoT]) -> Staged[InfoT]:
         """Write the job's generation under a temporary name, not yet durable."""
         self._lease.check()  # a writer whose lease was taken over writes nothing more
         entries, _ = job.built
@@ -210,7 +210,7 @@ class BackgroundWriter(Generic[InfoT]):
         self._staged = _Head(generation, digest)
         return Staged(temporary, target, generation, digest, job.info)
 
-    def publish(self, staged: Staged[InfoT]) -> int | None:
+    def _publish(self, staged: Staged[InfoT]) -> int | None:
         """Make a staged generation durable and put it in place; its number (`None`: none written)."""
         if staged.temporary is None:
             return None
@@ -220,14 +220,34 @@ class BackgroundWriter(Generic[InfoT]):
         self._on_published(staged)
         return staged.generation
 
-    def discard(self, staged: Staged[InfoT]) -> None:
+    def _discard(self, staged: Staged[InfoT]) -> None:
         """Remove a staged generation that will not be published."""
         if staged.temporary is not None:
             self._discard_staged(staged)
 
-    def rollback(self) -> None:
+    def _rollback(self) -> None:
         """Stage the next job from the last published generation again."""
         self._staged = self._published
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stages(Generic[InfoT]):
+    """A writer's two stages as the pipeline's `Committer`: kept off the mirror's and the
+    manager's own surface, which users see."""
+
+    writer: BackgroundWriter[InfoT]
+
+    def stage(self, job: Job[InfoT]) -> Staged[InfoT]:
+        return self.writer._stage(job)
+
+    def publish(self, staged: Staged[InfoT]) -> int | None:
+        return self.writer._publish(staged)
+
+    def discard(self, staged: Staged[InfoT]) -> None:
+        self.writer._discard(staged)
+
+    def rollback(self) -> None:
+        self.writer._rollback()
 
 
 __all__ = ['BackgroundWriter', 'Staged', 'check_metadata']

@@ -266,3 +266,12 @@ def test_a_close_error_without_an_error_in_the_block_is_raised(tmp_path):
         with Files(tmp_path, patience=1) as w:
             w.submit('unwritable', ones())
     assert not os.path.exists(lease_path(str(tmp_path)))
+
+
+def test_the_pipelines_stages_are_not_on_the_writers_surface(tmp_path):
+    """`stage`, `publish`, `discard` and `rollback` showed in a Mirror's and a manager's
+    completion, undocumented: they are the pipeline's, through an adapter."""
+    import jckpt
+    with jckpt.Mirror(tmp_path / 'm.jckpt') as mirror, jckpt.CheckpointManager(tmp_path / 'run') as mgr:
+        for writer in (mirror, mgr):
+            assert not {'stage', 'publish', 'discard', 'rollback'} & set(dir(writer))

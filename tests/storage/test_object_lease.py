@@ -88,7 +88,7 @@ def test_a_writer_whose_lease_was_taken_over_stops_writing(monkeypatch):
         mgr.save(2, {"w": np.ones(2)})
     assert e.value.file == url and "one writer per path" in e.value.fix
     with pytest.raises(jckpt.InUseError):
-        mgr.stage(None)  # what the background writer would stage next is refused too
+        mgr._stage(None)  # what the background writer would stage next is refused too
     mgr.close()
     assert backend_for(url).list(url) == ["step_00000001.jckpt"]
     assert json.loads(bytes(backend_for(url).map(url + ".jckpt-lease")))["host"] == "another-host"
