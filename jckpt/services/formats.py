@@ -64,7 +64,7 @@ from jckpt.format.names import (
     TRAINER_STATE_KEY,
     TRAINER_STATE_NAME,
 )
-from jckpt.services.snapshot import HostLeaf
+from jckpt.services.snapshot import SnapshotLeaf
 from jckpt.storage import staging, step_directory
 from jckpt.storage.publish import storage_error
 from jckpt.trees import placement
@@ -258,7 +258,7 @@ def step_record(step: int, options: CheckpointOptions, namespace: str, optimizer
             'metrics': json.loads(metadata.get(METRICS_KEY, '{}')), 'metadata': rest}
 
 
-def stage_step(temporary: str, target: str, step: int, items: Sequence[HostLeaf], built: tuple, *,
+def stage_step(temporary: str, target: str, step: int, items: Sequence[SnapshotLeaf], built: tuple, *,
                options: CheckpointOptions, namespace: str, metadata: Mapping[str, str],
                alignment: int) -> None:
     """Write a step directory under `temporary` (not yet durable): model, optimizer, trainer state.

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Generic, Protocol, TypeVar
 
 from jckpt.format.header import Entry
-from jckpt.services.snapshot import HostLeaf, Slot, Snapshot, build_entries
+from jckpt.services.snapshot import Slot, Snapshot, SnapshotLeaf, build_entries
 from jckpt.storage.writer import ArraySource
 
 InfoT = TypeVar('InfoT')
@@ -32,7 +32,7 @@ class Job(Generic[InfoT]):
     info: InfoT
 
     @functools.cached_property
-    def items(self) -> tuple[HostLeaf, ...]:
+    def items(self) -> tuple[SnapshotLeaf, ...]:
         """The leaves in host memory (device images drained on first use)."""
         return tuple(self.snapshot.drain())
 

@@ -48,7 +48,7 @@ Leaf = tuple[str, KeyPath, Any]
 Digest = tuple[tuple[tuple[Any, ...], ...], tuple[tuple[str, str], ...]]
 
 
-class HostLeaf(NamedTuple):
+class SnapshotLeaf(NamedTuple):
     """One leaf of a snapshot, on the host: where it goes and its private copy."""
 
     namespace: str
@@ -100,12 +100,12 @@ class Snapshot:
         """Whether some leaves were imaged on their device (and are drained later)."""
         return bool(self._imaged)
 
-    def drain(self) -> list[HostLeaf]:
+    def drain(self) -> list[SnapshotLeaf]:
         """Every leaf in host memory, in submit order (device images transferred now)."""
         arrays = list(self._hosts)
         for i, array in zip(self._imaged, image.drain(self.images)):
             arrays[i] = array
-        return [HostLeaf(namespace, path, array, impl)
+        return [SnapshotLeaf(namespace, path, array, impl)
                 for (namespace, path), array, impl in zip(self._leaves, arrays, self._key_impls)]
 
 
@@ -171,7 +171,7 @@ class Slot:
         copy_all(copies)
         return Snapshot(leaves, staged, devices, images, impls)
 
-    def fill(self, leaves: Sequence[Leaf]) -> list[HostLeaf]:
+    def fill(self, leaves: Sequence[Leaf]) -> list[SnapshotLeaf]:
         """`take` the leaves and `drain` them at once: every leaf in host memory."""
         return self.take(leaves).drain()
 
@@ -207,7 +207,7 @@ def _array_checksum(array: np.ndarray) -> tuple[str, str]:
     return payload_mod.hasher_checksum(hasher)
 
 
-def build_entries(items: Sequence[HostLeaf]) -> tuple[tuple[Entry, ...], tuple[ArraySource, ...]]:
+def build_entries(items: Sequence[SnapshotLeaf]) -> tuple[tuple[Entry, ...], tuple[ArraySource, ...]]:
     """Entries (with checksums, ids per namespace in order) and payload sources for `items`."""
     next_ids: dict[str, int] = {}
     entries, sources = [], []
@@ -227,5 +227,5 @@ def content_digest(entries: Sequence[Entry], metadata: Mapping[str, str]) -> Dig
             tuple(sorted((k, v) for k, v in metadata.items() if not k.startswith(RESERVED_PREFIX))))
 
 
-__all__ = ['Digest', 'HostLeaf', 'Leaf', 'Slot', 'Snapshot', 'build_entries',
+__all__ = ['Digest', 'SnapshotLeaf', 'Leaf', 'Slot', 'Snapshot', 'build_entries',
            'content_digest', 'copy_all', 'empty_nodes_metadata', 'namespace_leaves']

@@ -14,8 +14,8 @@ from jckpt.format.layout import lay_out
 from jckpt.format.names import GENERATION_KEY, LINEAGE_KEY
 from jckpt.format.precs import prec_of
 from jckpt.services.snapshot import (
-    HostLeaf,
     Slot,
+    SnapshotLeaf,
     build_entries,
     content_digest,
     namespace_leaves,
@@ -67,7 +67,7 @@ def test_no_cyclic_collection_runs_while_the_loop_waits_for_a_snapshot(monkeypat
 def test_fill_copies_numpy_leaves_isolated_from_later_mutation():
     w = np.arange(6, dtype=np.float32).reshape(2, 3)
     items = Slot(0).fill([leaf('jckpt', W, w)])
-    assert len(items) == 1 and isinstance(items[0], HostLeaf)
+    assert len(items) == 1 and isinstance(items[0], SnapshotLeaf)
     item = items[0]
     assert (item.namespace, item.path, item.key_impl) == ('jckpt', W, None)
     assert not np.shares_memory(item.array, w)
@@ -129,7 +129,7 @@ def test_fill_of_nothing_is_empty():
 # --- build_entries and ArraySource ------------------------------------------------------------
 
 def host(ns, path, array, key_impl=None):
-    return HostLeaf(ns, path, np.asarray(array), key_impl)
+    return SnapshotLeaf(ns, path, np.asarray(array), key_impl)
 
 
 def test_entries_count_ids_per_namespace_in_order():
