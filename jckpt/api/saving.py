@@ -91,7 +91,7 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
     """
     ctx = check_context(ctx, appending=appending, progress=progress)  # first: names a tree given as ctx
     path = checked_path(path)
-    metadata = check_metadata(metadata, path, reserved=False)  # refused before anything is written
+    metadata = check_metadata(metadata, path)  # refused before anything is written
     # several processes save their pieces into one directory; a directory checkpoint stays one
     _refuse_plain_directory(path)
     with naming_file(path):  # a leaf's error names the file too

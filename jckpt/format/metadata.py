@@ -16,16 +16,14 @@ from jckpt.format.limits import MAX_PATH_LENGTH, json_loads
 from jckpt.format.names import RESERVED_PREFIX
 
 
-def check_metadata(metadata: Mapping[str, str] | None, file: str | None = None, *,
-                   reserved: bool = True) -> dict[str, str]:
+def check_metadata(metadata: Mapping[str, str] | None, file: str | None = None) -> dict[str, str]:
     """User metadata as a dict of strings; `InputError` naming the key otherwise.
 
     The header stores metadata as string pairs, so a number or `None` is
     refused here, before anything is written, rather than when the header is
-    encoded. With `reserved=False` (what a caller passes to `save`, a mirror
-    or a manager, which write their own `jckpt.` keys), keys starting with
-    `jckpt.` are refused too: a file must not claim a lineage it was not
-    written in.
+    encoded. Keys starting with `jckpt.` are refused too: they are what `save`,
+    a mirror or a manager record themselves, and a file must not claim a
+    lineage it was not written in.
 
     >>> check_metadata({'step': '3'})
     {'step': '3'}
@@ -43,7 +41,7 @@ def check_metadata(metadata: Mapping[str, str] | None, file: str | None = None, 
                              f"maps strings to strings", file=file,
                              fix=f"store it as a string: metadata={{{k!r}: str(value)}} "
                                  f"(or json.dumps(value) for structured values)")
-        if not reserved and k.startswith(RESERVED_PREFIX):
+        if k.startswith(RESERVED_PREFIX):
             raise InputError(f"metadata key {k!r} is reserved", file=file,
                              fix=f"use a key that does not start with {RESERVED_PREFIX!r}")
         out[k] = v

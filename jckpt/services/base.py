@@ -23,7 +23,6 @@ from typing import ClassVar, Generic, Self, TypeVar
 
 from jckpt import api
 from jckpt.api.context import Context, check_context, check_flag
-from jckpt.format import metadata as metadata_mod
 from jckpt.format.names import GENERATION_KEY, LINEAGE_KEY
 from jckpt.services.engine import Job, MirrorCounters, Pipeline
 from jckpt.services.lineage import Holder, check_name, open_lineage
@@ -36,10 +35,6 @@ log = logging.getLogger('jckpt')
 
 InfoT = TypeVar('InfoT')
 
-
-def check_metadata(metadata: Mapping[str, str] | None, where: str) -> dict[str, str]:
-    """User metadata as a dict of strings, refusing the reserved `jckpt.` keys."""
-    return metadata_mod.check_metadata(metadata, where, reserved=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,4 +245,4 @@ class _Stages(Generic[InfoT]):
         self.writer._rollback()
 
 
-__all__ = ['BackgroundWriter', 'Staged', 'check_metadata']
+__all__ = ['BackgroundWriter', 'Staged']

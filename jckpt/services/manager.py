@@ -44,6 +44,7 @@ import jax
 from jckpt.api.context import Context, check_context, check_flag
 from jckpt.api.multiprocess import save_directory
 from jckpt.errors import CheckpointError, FormatError, InputError, StorageError, naming_file
+from jckpt.format.metadata import check_metadata
 from jckpt.format.names import (
     METRICS_KEY,
     STEP_KEY,
@@ -52,7 +53,7 @@ from jckpt.format.names import (
     step_name,
 )
 from jckpt.services import formats, steps
-from jckpt.services.base import BackgroundWriter, Staged, check_metadata
+from jckpt.services.base import BackgroundWriter, Staged
 from jckpt.services.engine import Job
 from jckpt.services.formats import CheckpointLoadOptions, CheckpointOptions
 from jckpt.services.lineage import MANAGER_STEP

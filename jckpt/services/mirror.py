@@ -44,7 +44,8 @@ from typing import Any
 
 from jckpt.api.context import Context
 from jckpt.errors import naming_file
-from jckpt.services.base import BackgroundWriter, check_metadata
+from jckpt.format.metadata import check_metadata
+from jckpt.services.base import BackgroundWriter
 from jckpt.services.engine import MirrorCounters
 from jckpt.services.lineage import MIRROR_FILE
 from jckpt.services.snapshot import empty_nodes_metadata, namespace_leaves

@@ -27,10 +27,10 @@ def test_a_mapping_is_required():
         check_metadata([('a', 'b')], 'f.jckpt')
 
 
-def test_reserved_keys_are_refused_only_when_asked():
-    assert check_metadata({LINEAGE_KEY: 'x'}) == {LINEAGE_KEY: 'x'}
-    with pytest.raises(InputError, match='is reserved'):
-        check_metadata({LINEAGE_KEY: 'x'}, 'f.jckpt', reserved=False)
+def test_reserved_keys_are_refused():
+    with pytest.raises(InputError, match='is reserved') as e:
+        check_metadata({LINEAGE_KEY: 'x'}, 'f.jckpt')
+    assert e.value.file == 'f.jckpt' and 'jckpt.' in e.value.fix
 
 
 def test_empty_nodes_round_trip_and_merge_on_append():

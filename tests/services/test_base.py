@@ -15,8 +15,9 @@ import pytest
 
 import jckpt
 from jckpt.errors import InputError, InUseError, LineageError
+from jckpt.format.metadata import check_metadata
 from jckpt.format.names import GENERATION_KEY, LINEAGE_KEY, NEXT_TAG
-from jckpt.services.base import BackgroundWriter, Staged, check_metadata
+from jckpt.services.base import BackgroundWriter, Staged
 from jckpt.services.engine import MirrorCounters
 from jckpt.services.lineage import MANAGER_STEP
 from jckpt.services.snapshot import namespace_leaves
