@@ -120,7 +120,7 @@ def tree_from_names(arrays: dict[str, np.ndarray], record: str | None,
                     namespace: str = DEFAULT_NAMESPACE) -> dict[str, Any]:
     """Rebuild `{namespace: subtree}` from named arrays and, when it is present
     and covers exactly these names, the paths record written by `paths_json`."""
-    from jckpt.trees import pytree as tree_mod
+    from jckpt.trees.nested import unflatten  # plain Python: reading needs no JAX
 
     paths = _parse_record(record, set(arrays))
     if paths is None:
@@ -130,7 +130,7 @@ def tree_from_names(arrays: dict[str, np.ndarray], record: str | None,
         ns, p = paths[name]
         groups.setdefault(ns, []).append((p, array))
     try:
-        return {ns: tree_mod.unflatten(items) for ns, items in groups.items()}
+        return {ns: unflatten(items) for ns, items in groups.items()}
     except FormatError:
         return {namespace: dict(arrays)}
 

@@ -58,6 +58,7 @@ from jckpt.format.metadata import empty_nodes
 from jckpt.format.names import EMPTY_NODES_KEY
 from jckpt.trees import image, to_host
 from jckpt.trees import pytree as tree_mod
+from jckpt.trees.nested import unflatten
 
 #: The file each item is stored in, inside the item's directory.
 FILENAME = 'checkpoint.jckpt'
@@ -183,7 +184,7 @@ def item_metadata(header: Header, namespace: str) -> JckptItemMetadata:
     items = [(e.path if e.path is not None else (('k', f"n{e.id}"),), _spec(e))
              for e in header.tensors if e.namespace == namespace]
     meta = header.metadata_dict()  # nodes without leaves (an optax EmptyState) come back as None
-    tree = tree_mod.with_empty_nodes(tree_mod.unflatten(items) if items else {},
+    tree = tree_mod.with_empty_nodes(unflatten(items) if items else {},
                                      empty_nodes(meta.get(EMPTY_NODES_KEY), namespace))
     return JckptItemMetadata(tree=tree, custom_metadata=meta, header=header)
 

@@ -38,6 +38,7 @@ from jckpt.storage.backend import checked_path
 from jckpt.storage.reader import COUNTS
 from jckpt.trees import placement, sharding
 from jckpt.trees import pytree as tree_mod
+from jckpt.trees.nested import unflatten
 
 PathLike = str | os.PathLike
 #: What `namespaces=` takes: one namespace, or several.
@@ -100,7 +101,7 @@ def load(ctx: Context, path: PathLike, *, prefix_namespace: str | None = None,
             requests.append((array, None, e.name, e.key_impl))
             groups.setdefault(e.namespace, []).append((_stored_path(e), len(requests) - 1))
     values = placement.place_all(requests, host=ctx.host, device=ctx.device, file=path)
-    out = {ns: tree_mod.unflatten([(k, values[i]) for k, i in items], file=path)
+    out = {ns: unflatten([(k, values[i]) for k, i in items], file=path)
            for ns, items in groups.items()}
     return ctx.replace(registry=ctx.registry.add(entries)), out
 

@@ -55,7 +55,6 @@ from jckpt.errors import (
     TargetError,
 )
 from jckpt.format.entries import entry_for
-from jckpt.format.limits import json_loads
 from jckpt.format.names import (
     METRICS_KEY,
     MODEL_STEM,
@@ -69,6 +68,7 @@ from jckpt.storage import staging, step_directory
 from jckpt.storage.publish import storage_error
 from jckpt.trees import placement
 from jckpt.trees import pytree as tree_mod
+from jckpt.trees.nested import unflatten
 
 #: Names that choose a registered format under another name.
 _ALIASES = {'pth': 'torch'}
@@ -268,7 +268,7 @@ def stage_step(temporary: str, target: str, step: int, items: Sequence[SnapshotL
     """
     step_directory.make_staged(temporary)  # what an earlier attempt of this job left is removed
     try:
-        model = tree_mod.unflatten([(leaf.path, leaf.array) for leaf in items
+        model = unflatten([(leaf.path, leaf.array) for leaf in items
                                     if leaf.namespace == namespace])
         _write_model(options, model, namespace, os.path.join(temporary, options.model_file), step,
                      os.path.join(target, options.model_file))
@@ -303,32 +303,9 @@ def staging_remove(temporary: str) -> None:
 
 # --- reading -------------------------------------------------------------------------------------
 
-def read_record(path: str, step: int | None = None) -> dict[str, Any]:
-    """The checked content of a step directory's `trainer_state.json`."""
-    file = os.path.join(path, TRAINER_STATE_NAME)
-    where = f"step {step}" if step is not None else "the step"
-    text = step_directory.read_text(file)
-    try:
-        record = json_loads(text)
-    except ValueError as e:  # not JSON, not UTF-8, or nested past the limit
-        raise FormatError(f"{where}: {TRAINER_STATE_NAME} is not valid JSON ({e})", file=file,
-                          fix="the step is damaged: restore an earlier step") from None
-    ok = (isinstance(record, dict) and isinstance(record.get('model'), str)
-          and os.path.basename(record['model']) == record['model']
-          and isinstance(record.get('model_namespace'), str)
-          and isinstance(record.get('metadata'), dict)
-          and all(isinstance(k, str) and isinstance(v, str) for k, v in record['metadata'].items())
-          and isinstance(record.get('metrics', {}), dict)
-          and record.get('optimizer') in (None, OPTIMIZER_NAME))
-    if not ok:
-        raise FormatError(f"{where}: {TRAINER_STATE_NAME} is not a step record", file=file,
-                          fix="the step is damaged: restore an earlier step")
-    return record
-
-
 def read_metadata(path: str, step: int | None = None) -> dict[str, str]:
     """A step directory's metadata, as a jckpt step file's header would hold it."""
-    record = read_record(path, step)
+    record = step_directory.read_record(path, step)
     meta = dict(record['metadata'])
     meta[METRICS_KEY] = json.dumps(record.get('metrics', {}), sort_keys=True)
     if record.get('trainer_state') is not None:
@@ -394,7 +371,7 @@ def load_step(ctx: Context, path: str, step: int, target: Any, *, namespaces: Na
     `ctx.namespace` tree. With `namespaces`: `{namespace: subtree}` of those.
     `verify` checks the payloads of `optimizer.jckpt` (foreign model files carry no checksums).
     """
-    record = read_record(path, step)
+    record = step_directory.read_record(path, step)
     model_ns, optimizer = record['model_namespace'], record.get('optimizer')
     opt_file = os.path.join(path, OPTIMIZER_NAME)
     with_opt = (options.load_optimizer_state and optimizer is not None
@@ -449,5 +426,5 @@ def _load_optimizer(ctx: Context, file: str, target: Any, names: Sequence[str] |
 
 
 __all__ = ['CheckpointLoadOptions', 'CheckpointOptions', 'finish_step', 'is_step_directory',
-           'load_step', 'read_metadata', 'read_record', 'stage_step', 'staging_remove',
+           'load_step', 'read_metadata', 'stage_step', 'staging_remove',
            'step_record']

@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import os
 import shutil
+from typing import Any
 
 from jckpt.errors import FormatError
+from jckpt.format.limits import json_loads
+from jckpt.format.names import OPTIMIZER_NAME, TRAINER_STATE_NAME
 from jckpt.storage.backend import LOCAL, Backend, backend_for
 from jckpt.storage.publish import fsync_dir, fsync_file, storage_error
 from jckpt.storage.staging import discard_staged
@@ -128,5 +131,28 @@ def is_file(path: str) -> bool:
     return os.path.isfile(path)
 
 
-__all__ = ['is_file', 'is_published', 'make_staged', 'publish_dir', 'read_text',
+def read_record(path: str, step: int | None = None) -> dict[str, Any]:
+    """The checked content of a step directory's `trainer_state.json`."""
+    file = os.path.join(path, TRAINER_STATE_NAME)
+    where = f"step {step}" if step is not None else "the step"
+    text = read_text(file)
+    try:
+        record = json_loads(text)
+    except ValueError as e:  # not JSON, not UTF-8, or nested past the limit
+        raise FormatError(f"{where}: {TRAINER_STATE_NAME} is not valid JSON ({e})", file=file,
+                          fix="the step is damaged: restore an earlier step") from None
+    ok = (isinstance(record, dict) and isinstance(record.get('model'), str)
+          and os.path.basename(record['model']) == record['model']
+          and isinstance(record.get('model_namespace'), str)
+          and isinstance(record.get('metadata'), dict)
+          and all(isinstance(k, str) and isinstance(v, str) for k, v in record['metadata'].items())
+          and isinstance(record.get('metrics', {}), dict)
+          and record.get('optimizer') in (None, OPTIMIZER_NAME))
+    if not ok:
+        raise FormatError(f"{where}: {TRAINER_STATE_NAME} is not a step record", file=file,
+                          fix="the step is damaged: restore an earlier step")
+    return record
+
+
+__all__ = ['is_file', 'is_published', 'read_record', 'make_staged', 'publish_dir', 'read_text',
            'remove_staged_dir', 'write_text']

@@ -30,7 +30,6 @@ import os
 from typing import Any
 
 from jckpt.errors import CheckpointError, InputError
-from jckpt.format.limits import json_loads
 from jckpt.format.metadata import parse_metrics
 from jckpt.format.names import GENERATION_KEY, LINEAGE_KEY, METRICS_KEY, STEP_RE, TRAINER_STATE_NAME
 from jckpt.storage import step_directory
@@ -197,15 +196,15 @@ def _model_step_info(step: int, path: str) -> StepInfo:
     """A step directory's `StepInfo`, from its `trainer_state.json` (never raises)."""
     size = tree_size(path)
     try:
-        record = json_loads(step_directory.read_text(os.path.join(path, TRAINER_STATE_NAME)))
-        meta, metrics = record['metadata'], record.get('metrics') or {}
+        record = step_directory.read_record(path, step)  # checked as the manager checks it
+        meta = record['metadata']
         generation = meta.get(GENERATION_KEY)
-        metrics = parse_metrics(json.dumps(metrics)) if isinstance(metrics, dict) else None
-        return StepInfo(step, path, 'model', size, metrics=metrics or {},
-                        generation=int(generation) if generation else None,
-                        lineage=meta.get(LINEAGE_KEY), model=str(record['model']))
-    except (CheckpointError, ValueError, TypeError, KeyError, AttributeError) as e:
-        return StepInfo(step, path, 'model', size, error=f"{TRAINER_STATE_NAME}: {e}")
+        return StepInfo(step, path, 'model', size,
+                        metrics=parse_metrics(json.dumps(record.get('metrics', {}))) or {},
+                        generation=int(generation) if str(generation or '').isdigit() else None,
+                        lineage=meta.get(LINEAGE_KEY), model=record['model'])
+    except CheckpointError as e:
+        return StepInfo(step, path, 'model', size, error=e.message)
 
 
 def manager_info(path: str | os.PathLike, *, best_metric: str | None = None,

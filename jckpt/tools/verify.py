@@ -250,9 +250,8 @@ def _verify_step(path: str, progress: bool) -> VerifyReport:
     (`CheckpointOptions(format=...)`): its record read, its model file read whole by its
     format's reader (another format's payloads carry no jckpt checksums: a warning says
     so), its optimizer file verified."""
-    from jckpt.services import formats  # imports JAX: only for such steps, not for jckpt files
     try:
-        record = formats.read_record(path)
+        record = step_directory.read_record(path)
     except CheckpointError as err:
         return _failed(path, _unreadable(path, err))
     members = [os.path.join(path, record['model'])]
@@ -276,15 +275,29 @@ def _verify_model(path: str, progress: bool) -> VerifyReport:
         assert kind.error is not None
         return _failed(path, _unreadable(path, kind.error))
     from jckpt import adapters
-    from jckpt.trees import pytree as tree_mod
     try:
         tree = adapters.read(path, format=kind.detail)
     except CheckpointError as err:
         return _failed(path, _unreadable(path, err))
-    names = [tree_mod.leaf_name(ns, p) for ns, sub in tree.items() for p, _ in tree_mod.flatten(sub)]
+    names = _leaf_names(tree)
     return VerifyReport(path, len(names), 0, tuple(names), (Problem(
         'warning', f"{kind.detail} stores no jckpt checksums: the model was read whole, its "
                    f"{len(names)} payloads not checked", path),))
+
+
+def _leaf_names(tree: dict[str, Any]) -> list[str]:
+    """`ns/a/0/b` of every array of a tree an adapter read (dicts, lists and tuples of host
+    arrays: no JAX needed to walk it)."""
+    names, stack = [], list(tree.items())
+    while stack:
+        name, node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend((f"{name}/{k}", v) for k, v in node.items())
+        elif isinstance(node, (list, tuple)):
+            stack.extend((f"{name}/{i}", v) for i, v in enumerate(node))
+        elif node is not None:
+            names.append(name)
+    return sorted(names)
 
 
 def _verify_sharded(path: str, progress: bool) -> VerifyReport:

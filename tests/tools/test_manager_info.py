@@ -165,7 +165,7 @@ def test_step_directories_with_a_foreign_model_are_summarised_from_their_record(
     assert s.best == 10 and 'model: model.npz' in repr(s)
     (tmp_path / step_name(10) / 'trainer_state.json').write_text('{')
     damaged = step_info(10, str(tmp_path / step_name(10)))
-    assert damaged.kind == 'model' and damaged.error.startswith('trainer_state.json: ')
+    assert damaged.kind == 'model' and damaged.error.startswith('step 10: trainer_state.json is not valid')
 
 
 def test_foreign_format_and_damaged_steps_in_a_bucket_have_their_size():

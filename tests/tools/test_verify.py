@@ -275,3 +275,21 @@ def test_problem_and_report_values():
     r = VerifyReport('f.jckpt', 1, 1, (), (p,))
     assert r.ok and r.warnings == (p,) and r.errors == ()
     assert r.render() == 'WARNING: f.jckpt: odd\nOK: f.jckpt: 1 of 1 checksums verified, 0 errors, 1 warning'
+
+
+def test_verifying_a_manager_of_foreign_format_steps_needs_no_jax(tmp_path):
+    """verify imported the services (and so JAX) only to read a step's record."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    import jckpt
+    with jckpt.CheckpointManager(tmp_path / 'run', options=jckpt.CheckpointOptions(format='npz')) as mgr:
+        mgr.save(1, items={'model': {'w': np.ones(2)}, 'opt': {'m': np.ones(2)}})
+    code = ("import sys; from jckpt.tools.verify import verify\n"
+            f"assert verify({str(tmp_path / 'run')!r}).ok\n"
+            "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))\n")
+    p = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().splitlines()[-1] == '[]'

@@ -1,0 +1,86 @@
+"""Nested dicts and lists from stored key paths: the tree a checkpoint read without a target
+becomes. Plain Python, no JAX: the adapters and the tools build trees this way too.
+
+>>> unflatten([((('k', 'w'),), 1), ((('k', 'l'), ('i', 1)), 2)])
+{'w': 1, 'l': [None, 2]}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from jckpt.errors import FormatError
+from jckpt.format.header import KeyPath, path_name
+
+
+def unflatten(items: Iterable[tuple[KeyPath, Any]], *, file: str | None = None) -> Any:
+    """Nested dicts and lists from `(path, leaf)` pairs (the inverse of `flatten`
+    for trees of dicts and lists)."""
+    items = list(items)
+    root: dict = {}
+    sentinel = object()
+    for path, leaf in items:
+        if not path:
+            if len(items) > 1:  # whichever comes first: the others would be dropped
+                raise FormatError(f"a root leaf conflicts with {len(items) - 1} other entries",
+                                  file=file, fix="the file is damaged or crafted: a tree whose "
+                                                 "root is a leaf holds nothing else")
+            return leaf
+        node = root
+        for n, (_kind, key) in enumerate(path):
+            last = n == len(path) - 1
+            if last:
+                if key in node:
+                    raise FormatError("two entries claim the same place", file=file,
+                                      entry=path_name(path), fix="the file is damaged or crafted")
+                node[key] = leaf
+            else:
+                child = node.get(key, sentinel)
+                if child is sentinel:
+                    child = node[key] = {}
+                elif not isinstance(child, dict):
+                    raise FormatError("an entry sits inside another entry's leaf", file=file,
+                                      entry=path_name(path), fix="the file is damaged or crafted")
+                node = child
+    # Holes (indices no entry fills) become None; a hostile index must not allocate a huge list.
+    holes = [_MAX_HOLES + 16 * len(items)]
+    return _lists(root, _sequence_nodes(items), holes=holes, file=file)
+
+
+#: Sequence slots without an entry that ``unflatten`` fills with None, beyond 16 per entry.
+_MAX_HOLES = 1 << 16
+
+
+def _sequence_nodes(items) -> set[tuple]:
+    """Prefixes of paths whose children are sequence indices (`i`/`f`)."""
+    seq = set()
+    for path, _ in items:
+        for n, (kind, _key) in enumerate(path):
+            if kind in ('i', 'f'):
+                seq.add(tuple(k for _, k in path[:n]))
+    return seq
+
+
+def _lists(node: Any, seq: set[tuple], prefix: tuple = (), *, holes: list[int],
+           file: str | None) -> Any:
+    if not isinstance(node, dict):
+        return node
+    out = {k: _lists(v, seq, (*prefix, k), holes=holes, file=file) for k, v in node.items()}
+    if prefix in seq and all(isinstance(k, int) for k in out):
+        size = max(out, default=-1) + 1
+        holes[0] -= size - len(out)
+        if holes[0] < 0 or min(out, default=0) < 0:
+            raise FormatError(f"sequence index {min(out) if min(out) < 0 else max(out)} is "
+                              "negative or leaves too many empty slots", file=file,
+                              entry='/'.join(map(str, prefix)) or '<root>',
+                              fix="the header's paths are damaged")
+        return [out.get(i) for i in range(size)]
+    if len({isinstance(k, int) for k in out}) > 1:  # JAX sorts a dict's keys: it could not
+        raise FormatError("a node mixes integer and string keys, which no tree can order",
+                          file=file, entry='/'.join(map(str, prefix)) or '<root>',
+                          fix="the header's paths are damaged")
+    return out
+
+
+__all__ = ['unflatten']

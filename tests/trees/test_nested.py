@@ -1,0 +1,41 @@
+"""Nested dicts and lists from stored key paths (jckpt.trees.nested), built without JAX."""
+
+import subprocess
+import sys
+
+import pytest
+
+from jckpt.errors import FormatError
+from jckpt.trees.nested import unflatten
+
+
+def test_dicts_lists_and_holes():
+    assert unflatten([((("k", "w"),), 1), ((("k", "l"), ("i", 1)), 2)]) == {"w": 1, "l": [None, 2]}
+    assert unflatten([((("ki", 3), ("a", "x")), 5)]) == {3: {"x": 5}}
+    assert unflatten([((), 9)]) == 9
+
+
+@pytest.mark.parametrize("items,message", [
+    ([((("k", "a"),), 2), ((), 1)], "root leaf conflicts"),
+    ([((), 1), ((("k", "a"),), 2)], "root leaf conflicts"),  # first: the rest were dropped
+    ([((), 1), ((), 2)], "root leaf conflicts"),
+    ([((("k", "a"),), 1), ((("k", "a"),), 2)], "two entries claim the same place"),
+    ([((("k", "a"),), 1), ((("k", "a"), ("k", "b")), 2)], "inside another entry's leaf"),
+    ([((("i", -1),), 1)], "negative or leaves too many empty slots"),
+    ([((("i", 10**9),), 1)], "negative or leaves too many empty slots"),
+])
+def test_unflatten_refuses_inconsistent_paths(items, message):
+    with pytest.raises(FormatError, match=message) as e:
+        unflatten(items, file="f.jckpt")
+    assert e.value.fix
+
+
+def test_building_a_tree_imports_no_jax():
+    """The adapters' readers build their trees here: reading an npz or safetensors file, or
+    verifying a manager's steps, imported JAX through the tree layer."""
+    code = ("import sys; from jckpt.trees.nested import unflatten\n"
+            "unflatten([((('k', 'a'),), 1)])\n"
+            "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]"
