@@ -198,12 +198,14 @@ def _classify_names(path: str, names: list[str]) -> Kind:
             f"piece files but no {INDEX_NAME}: a multi-process save that did not finish; it is "
             "not a checkpoint", file=path, fix="use the previous complete checkpoint"))
     if is_format_step(path, names):
+        files = sorted(n for n in names if n.endswith('.jckpt'))
+        one = f" (a jckpt file in it: {os.path.join(path, files[0])})" if files else ''
         return Kind(UNKNOWN, path, FORMAT_STEP, FormatError(
             "one step of a checkpoint manager that writes its model in another format: its "
             f"files are read one by one ({', '.join(sorted(names))})", file=path,
             fix=f"inspect the manager's directory ({os.path.dirname(path.rstrip('/')) or '.'}), "
-                "restore the step with CheckpointManager(directory).restore(step), or open "
-                "the files in it"))
+                "restore the step with CheckpointManager(directory).restore(step), or name "
+                f"one of its files{one}"))
     fmt = _foreign_format(path)
     if fmt is not None:  # an orbax step or item, a Hugging Face checkpoint-500/
         return Kind(FOREIGN, path, fmt, not_jckpt_error(path, fmt))
