@@ -78,6 +78,10 @@ class ObjectURL:
         if '@' in bucket or ':' in bucket:  # no cloud's bucket names hold either
             _refuse_authority(url, scheme)
         parts = [p for p in key.split('/') if p]
+        if any(ord(c) < 32 or c == '\x7f' for c in key):  # stores refuse them, saying "network"
+            raise InputError("a URL's path cannot hold control characters (a newline, a tab)",
+                             file=url.encode('unicode_escape').decode('ascii'),
+                             fix="name the checkpoint with printable characters")
         if '.' in parts or '..' in parts:  # a store takes them literally, or refuses them late
             raise InputError("a URL's path cannot hold '.' or '..' segments", file=url,
                              fix="write the object's key in full, without '.' or '..'")

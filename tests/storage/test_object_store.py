@@ -549,3 +549,11 @@ def test_no_credentials_at_all_is_said_as_such():
     e = object_store.store_error(failure, "saving", "s3://b/x.jckpt")
     assert "credentials could not be loaded" in e.message and "AWS_ACCESS_KEY_ID" in e.fix
     assert e.file == "s3://b/x.jckpt"
+
+
+@pytest.mark.parametrize("url", ["s3://b/run/a\nb.jckpt", "memory://b/x\t.jckpt", "gs://b/\x7f"])
+def test_control_characters_in_a_url_are_refused(url):
+    """A newline reached the store, which refused the path with a network error's fix."""
+    with pytest.raises(jckpt.InputError, match="cannot hold control characters") as e:
+        ObjectURL.parse(url)
+    assert "\n" not in e.value.file and "\t" not in e.value.file
