@@ -28,6 +28,7 @@ from jckpt.format.limits import json_loads
 from jckpt.format.names import TRAINER_STATE_KEY
 
 _LAYOUT_NAMES = ('dp', 'tp', 'pp')
+_DAMAGED = "the metadata is damaged: restore an earlier step, or pass the text to_json wrote"
 
 
 def _count(value: Any, name: str) -> int:
@@ -130,9 +131,10 @@ class TrainerState:
         try:
             fields = json_loads(text)
         except ValueError as e:
-            raise FormatError(f"trainer state is not valid JSON: {e}", file=file) from None
+            raise FormatError(f"trainer state is not valid JSON: {e}", file=file,
+                              fix=_DAMAGED) from None
         if not isinstance(fields, dict):
-            raise FormatError("trainer state is not a JSON object", file=file)
+            raise FormatError("trainer state is not a JSON object", file=file, fix=_DAMAGED)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = {k: v for k, v in fields.items() if k not in known}
         kwargs = {k: v for k, v in fields.items() if k in known}
@@ -145,7 +147,8 @@ class TrainerState:
         try:
             return cls(**kwargs)
         except InputError as e:
-            raise FormatError(f"invalid trainer state: {e.message}", file=file) from None
+            raise FormatError(f"invalid trainer state: {e.message}", file=file,
+                              fix=_DAMAGED) from None
 
     def check_layout(self, current: TrainerState | tuple[int, int, int], *, reshard: bool,
                      file: str | None = None) -> TrainerState:

@@ -113,7 +113,7 @@ def test_user_must_be_a_mapping():
 def test_from_json_refuses_with_a_format_error_naming_the_file(text, message):
     with pytest.raises(FormatError, match=message) as info:
         TrainerState.from_json(text, file='run/step_00000010.jckpt')
-    assert info.value.file == 'run/step_00000010.jckpt'
+    assert info.value.file == 'run/step_00000010.jckpt' and info.value.fix
     assert str(info.value).startswith('run/step_00000010.jckpt: ')
 
 
