@@ -142,9 +142,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def _consolidate(args: argparse.Namespace) -> int:
     """`convert` of a multi-process directory into one jckpt file."""
-    with bar(f"consolidating {os.path.basename(args.src)}", 0, enabled=_progress(args)):
-        header = consolidate(args.src, args.dst, alignment=args.alignment,
-                             verify=not args.no_verify)
+    header = consolidate(args.src, args.dst, alignment=args.alignment,
+                         verify=not args.no_verify, progress=_progress(args))
     _print(f"wrote {args.dst}: {len(header.tensors)} entries in one file, "
            f"alignment {header.alignment}")
     return EXIT_OK

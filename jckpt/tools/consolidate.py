@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import os
 
+from jckpt.api import progress as progress_mod
 from jckpt.format.header import Header
 from jckpt.format.layout import lay_out
 from jckpt.format.limits import check_alignment
@@ -26,13 +27,15 @@ from jckpt.version import __version__
 
 
 def consolidate(directory: str | os.PathLike, file: str | os.PathLike, *, durable: bool = True,
-                verify: bool = True, alignment: int | None = None) -> Header:
+                verify: bool = True, alignment: int | None = None,
+                progress: bool = False) -> Header:
     """Write the directory checkpoint `directory` as one checkpoint file `file`.
 
     Each array is assembled in place from its pieces (never whole in memory);
     pieces are checked against their checksums first (`verify=True`) so a
     damaged piece is reported rather than sealed under a new checksum. Ids,
     paths, key implementations and metadata are kept. Returns the header written.
+    `progress` draws a bar on stderr while writing (only when stderr is a terminal).
 
     Example:
         ```python
@@ -54,7 +57,10 @@ def consolidate(directory: str | os.PathLike, file: str | os.PathLike, *, durabl
                             alignment=reader.header.alignment if alignment is None else alignment,
                             writer=f"jckpt {__version__}", metadata=tuple(
                                 (k, v) for k, v in reader.header.metadata if k != SAVE_KEY)))
-    return write_checkpoint(file, header, sources, durable=durable)
+    total = sum(e.byte_length for e in header.tensors)
+    with progress_mod.bar(f"consolidating {os.path.basename(file)}", total, enabled=progress) as bar:
+        return write_checkpoint(file, header, sources, durable=durable,
+                                on_payload=lambda e: bar.advance(e.byte_length))
 
 
 __all__ = ['consolidate']

@@ -562,3 +562,11 @@ def test_convert_one_namespace(tmp_path, cli):
     assert [e.name for e in jckpt.describe(tmp_path / 'p.jckpt').tensors] == ['params/w']
     p = cli('convert', src, tmp_path / 'x.npz', '--namespace', 'nope')
     assert p.returncode == 2 and "no namespace 'nope'" in p.stderr
+
+
+def test_consolidating_draws_a_bar_of_its_bytes(tmp_path):
+    """It drew an empty bar of 0 bytes: consolidate took no progress."""
+    d = write_directory(tmp_path / 'ckpt', {'w': np.arange(1 << 20, dtype=np.float32)}, processes=2)
+    tty_env = _env(CI=None, TERM='xterm-256color', COLUMNS='120')
+    rc, _, terminal = _run_under_pty(['convert', d, str(tmp_path / 'one.jckpt')], tty_env)
+    assert rc == 0 and 'consolidating one.jckpt' in terminal and '4.2/4.2 MB' in terminal, terminal
