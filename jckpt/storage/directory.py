@@ -54,7 +54,7 @@ from jckpt.format.names import (
 )
 from jckpt.storage.backend import LOCAL, Backend, backend_for
 from jckpt.storage.lazy import FetchCache, LazyArray, note_read
-from jckpt.storage.object_store import MISSING_OBJECT
+from jckpt.storage.object_store import MISSING_OBJECT, pieces_replaced
 from jckpt.storage.publish import STALE_AFTER, fsync_dir, storage_error
 from jckpt.storage.reader import CheckpointReader
 from jckpt.storage.writer import write_checkpoint
@@ -454,8 +454,9 @@ class DirectoryReader:
                               fix="the directory is damaged; restore it from a good copy")
         if verify and getattr(reader, 'remote', False):  # fetched once, checked as it is decoded
             # kept for the other devices' boxes it overlaps, which fetched it again
-            return self._pieces.get((fi, e.identity),
-                                    lambda: reader.decode(e, verify=True, count=False))
+            with pieces_replaced():
+                return self._pieces.get((fi, e.identity),
+                                        lambda: reader.decode(e, verify=True, count=False))
         if verify and (fi, e.identity) not in self._verified:
             reader.verify_entry(e)
             self._verified.add((fi, e.identity))
@@ -471,7 +472,8 @@ class DirectoryReader:
         out = np.empty(box_shape(box) + (e.shape[len(e.dims):]), dtype=e.dtype)
         copied = 0
         for common, pbox, src in parts:
-            out[box_slices(common, box)] = src[box_slices(common, pbox)]
+            with pieces_replaced():  # a lazily read piece is fetched here
+                out[box_slices(common, box)] = src[box_slices(common, pbox)]
             copied += box_size(common) * e.dtype.itemsize
         note_read(box, copied)
         return out

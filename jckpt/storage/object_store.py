@@ -27,11 +27,13 @@ s3fs), imported only when a URL is first used: `pip install 'jckpt[cloud]'`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from jckpt.errors import CheckpointError, FormatError, InputError, StorageError
@@ -43,6 +45,7 @@ SCHEMES = {'s3': 's3', 's3a': 's3', 'gs': 'gs', 'gcs': 'gs', 'az': 'az', 'azure'
 OWN_OPTIONS = ('part_size', 'concurrency', 'store')
 #: The message of the `FormatError` for a URL where no object is stored.
 MISSING_OBJECT = "no such checkpoint object"
+REMOVED_WHILE_READ = "the object was removed while it was read"
 DEFAULT_PART_SIZE = 16 << 20
 DEFAULT_CONCURRENCY = 8
 _CREDENTIALS_FIX = ("check the credentials: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a profile) for "
@@ -300,7 +303,7 @@ class ObjectSource:
             data = self.obs.get(self.store, self.u.key, options=options).bytes()
         except Exception as e:
             if is_missing(e):
-                raise StorageError("the object was removed while it was read", file=self.u.url,
+                raise StorageError(REMOVED_WHILE_READ, file=self.u.url,
                                    fix="another writer removed it; read a checkpoint that exists") from None
             raise store_error(e, "reading the checkpoint", self.u.url) from e
         if len(data) != len(dest):
@@ -309,5 +312,21 @@ class ObjectSource:
         dest[:] = memoryview(data)
 
 
-__all__ = ['MISSING_OBJECT', 'SCHEMES', 'ObjectSource', 'ObjectURL', 'available', 'configure',
+@contextlib.contextmanager
+def pieces_replaced() -> Iterator[None]:
+    """Say of a directory checkpoint's piece removed while it was read that the checkpoint was
+    replaced (a `FormatError`: open it again), as of one gone before it was opened."""
+    try:
+        yield
+    except StorageError as e:
+        if e.message != REMOVED_WHILE_READ:
+            raise
+        raise FormatError(f"piece file {e.file.rsplit('/', 1)[-1]}, which the index names, is "
+                          "gone: the checkpoint was replaced (or removed) after its index was "
+                          "read", file=e.file, fix="open the checkpoint again to read the one "
+                                                   "there now") from None
+
+
+__all__ = ['MISSING_OBJECT', 'REMOVED_WHILE_READ', 'SCHEMES', 'ObjectSource', 'ObjectURL', 'available',
+           'configure', 'pieces_replaced',
            'forget_stores', 'is_missing', 'obstore_module', 'store_error', 'store_for', 'tuning']

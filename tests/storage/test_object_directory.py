@@ -281,3 +281,20 @@ def test_a_verified_restore_onto_a_mesh_fetches_each_piece_once(monkeypatch):
         back = jckpt.restore(jckpt.Context(), target, url)  # verified: a URL
         np.testing.assert_array_equal(np.asarray(back["w"]), w)
         assert w.nbytes <= sum(fetched) < 1.1 * w.nbytes, (spec, sum(fetched) / w.nbytes)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_piece_removed_while_it_is_read_says_the_checkpoint_was_replaced(verify):
+    """Its header read, its payload gone: a StorageError said "removed while it was read",
+    where the docs promise the FormatError of a replaced checkpoint."""
+    from jckpt.storage.directory import DirectoryReader
+    url = f"memory://removed-{verify}/ckpt"
+    save_directory(jckpt.Context(), {"w": np.arange(1 << 17, dtype=np.float32)}, url)
+    reader = DirectoryReader(url)
+    array = next(iter(reader.arrays.values()))
+    (fi, _), = array.pieces
+    reader._reader(fi)  # its header read, as a restore reads it
+    backend_for(url).remove(f"{url}/{reader.files[fi]}")
+    with pytest.raises(jckpt.FormatError, match="is gone: the checkpoint was replaced") as e:
+        np.asarray(reader.decode(array.entry, verify=verify)[:10])
+    assert "open the checkpoint again" in e.value.fix
