@@ -3,12 +3,13 @@
 Key paths are stored as `path` components: `('k', str)` dict key,
 `('ki', int)` integer dict key, `('i', int)` sequence index, `('a', str)`
 attribute (dataclasses, NamedTuples, flax structs), `('f', int)` flattened
-index. Without a target, `unflatten` rebuilds nested dicts (for `k`,
-`ki` and `a`) and lists (for `i` and `f`).
+index. Without a target, `jckpt.trees.nested.unflatten` rebuilds nested dicts
+(for `k`, `ki` and `a`) and lists (for `i` and `f`).
 
 >>> items = flatten({'params': {'w': 1.0}, 'opt': [2, 3]})
 >>> [p for p, _ in items]
 [(('k', 'opt'), ('i', 0)), (('k', 'opt'), ('i', 1)), (('k', 'params'), ('k', 'w'))]
+>>> from jckpt.trees.nested import unflatten
 >>> unflatten(items)
 {'opt': [2, 3], 'params': {'w': 1.0}}
 >>> prefix_namespace({'jckpt': 1}, 'student')
