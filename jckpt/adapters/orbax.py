@@ -44,6 +44,7 @@ import math
 import os
 import shutil
 import stat
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -74,17 +75,35 @@ def _orbax():
     return ocp
 
 
+class _QuietHere(logging.Filter):
+    """Drops orbax's (absl's) warnings logged by the threads reading for jckpt, and only
+    theirs: the logger's level, shared by every thread, stays as it is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: dict[int, int] = {}  # thread id -> depth of `_quiet` blocks in it
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or record.thread not in self.threads
+
+
+_QUIET = _QuietHere()
+logging.getLogger('absl').addFilter(_QUIET)
+
+
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """Hold back orbax's warnings while it reads for jckpt ("Metadata file does not exist"
-    for the optional files of a step): they are not the user's to act on."""
-    logger = logging.getLogger('absl')
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    """Hold back orbax's warnings while this thread reads for jckpt ("Metadata file does not
+    exist" for the optional files of a step): they are not the user's to act on."""
+    me = threading.get_ident()
+    _QUIET.threads[me] = _QUIET.threads.get(me, 0) + 1
     try:
         yield
     finally:
-        logger.setLevel(level)
+        if _QUIET.threads[me] == 1:
+            del _QUIET.threads[me]
+        else:
+            _QUIET.threads[me] -= 1
 
 
 def _is_item(path: str) -> bool:

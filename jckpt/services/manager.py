@@ -43,12 +43,11 @@ import jax
 
 from jckpt.api.context import Context, check_context, check_flag
 from jckpt.api.multiprocess import save_directory
-from jckpt.errors import CheckpointError, FormatError, InputError, StorageError, naming_file
+from jckpt.errors import FormatError, InputError, StorageError, naming_file
 from jckpt.format.metadata import check_metadata
 from jckpt.format.names import (
     METRICS_KEY,
     STEP_KEY,
-    STEP_RE,
     TRAINER_STATE_KEY,
     step_name,
 )
@@ -217,18 +216,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
         return None if latest is None else self._path(latest)
 
     def _scan(self) -> None:
-        found: dict[int, dict[str, float]] = {}
-        for name in self.backend.list(self.directory):
-            m = STEP_RE.match(name)
-            if not m:
-                continue
-            path = os.path.join(self.directory, name)
-            try:
-                meta = steps.read_metadata(path)
-            except CheckpointError as e:
-                log.warning("ignoring unreadable step %s: %s", name, e)
-                continue
-            found[int(m.group(1))] = steps.parse_metrics(meta.get(METRICS_KEY), path)
+        found = steps.scan(self.backend, self.directory)
         steps.say_if_orbax(self.directory, found)
         with self._lock:
             self._metrics = found
@@ -360,11 +348,14 @@ class CheckpointManager(BackgroundWriter[_Step]):
                              file=self.directory)
 
         def write(generation: int) -> None:
+            self._lease.check()  # a writer whose lease was taken over writes nothing more
             save_directory(self.ctx, tree, self._path(step), metadata=self._stamped(meta, generation))
             self._mark_published(generation)
 
+        self._lease.check()
         self._pipeline.run_now(write)
         self._last_admitted = step
+        self._lease.check()  # nor deletes, by retention
         self._record(step, metrics)
 
     def _target(self, info: _Step) -> str:

@@ -17,11 +17,12 @@ from jckpt import api
 from jckpt.adapters import orbax as orbax_adapter
 from jckpt.api.context import Context
 from jckpt.api.loading import Namespaces
-from jckpt.errors import FormatError, InputError
+from jckpt.errors import CheckpointError, InputError
 from jckpt.format import metadata
 from jckpt.format.names import (
     INDEX_NAME,
     LEASE_SUFFIX,
+    METRICS_KEY,
     NEXT_TAG,
     STAGE_DIR_TAG,
     STAGE_TAG,
@@ -32,7 +33,7 @@ from jckpt.format.names import (
 )
 from jckpt.services import formats
 from jckpt.services.formats import CheckpointLoadOptions
-from jckpt.storage.backend import LOCAL, Backend, is_url
+from jckpt.storage.backend import LOCAL, Backend
 from jckpt.storage.directory import reclaim_stage_dirs
 from jckpt.storage.lease import lease_path
 from jckpt.storage.publish import reclaim_staging, storage_error
@@ -41,21 +42,39 @@ from jckpt.storage.staging import next_name, remove_staged, remove_staged_below
 log = logging.getLogger('jckpt')
 
 
-def read_metadata(path: str, step: int | None = None) -> dict[str, str]:
+def read_metadata(path: str, step: int | None = None, *,
+                  prefix: bool | None = None) -> dict[str, str]:
     """A step's metadata (a file's header, a directory's index, or a step directory's record).
 
-    In a bucket a step is most often an object: its header's GET comes first, alone (asking
-    for a step directory's record first cost a request more per step, and per manager open).
+    `prefix`, when the caller's listing knows it: whether the step is a directory (a prefix
+    in a bucket), so that a file step costs its header's GET alone and a step directory no
+    failed GET (a request more per step, and per manager open, either way).
     """
-    if is_url(path):
-        try:
-            return api.describe(path).metadata_dict()
-        except FormatError:
-            if not formats.is_step_directory(path):
-                raise
-    elif not formats.is_step_directory(path):
+    if prefix is False or (prefix is None and not formats.is_step_directory(path)):
         return api.describe(path).metadata_dict()
+    if prefix and not formats.is_step_directory(path):
+        return api.describe(path).metadata_dict()  # a directory checkpoint: its index
     return formats.read_metadata(path, step)
+
+
+def scan(backend: Backend, directory: str) -> dict[int, dict[str, float]]:
+    """The metrics of every readable step in `directory`, by step (an unreadable one is
+    logged and left out): one listing, then each step's metadata."""
+    found: dict[int, dict[str, float]] = {}
+    files, dirs = backend.list_kinds(directory)
+    folders = set(dirs)
+    for name in sorted(set(files) | folders):
+        m = STEP_RE.match(name)
+        if not m:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            meta = read_metadata(path, prefix=name in folders and name not in files)
+        except CheckpointError as e:
+            log.warning("ignoring unreadable step %s: %s", name, e)
+            continue
+        found[int(m.group(1))] = parse_metrics(meta.get(METRICS_KEY), path)
+    return found
 
 
 def read_tree(ctx: Context, path: str, step: int, target: Any, namespaces: Namespaces | None,
@@ -105,8 +124,8 @@ def remove_step(backend: Backend, path: str) -> None:
 
 
 def _remove_unfinished(backend: Backend, path: str) -> None:
-    """Remove a local step directory without its index or record, if all it holds is what a
-    manager writes there; one holding anything else is left, with a warning."""
+    """Remove a step directory (a prefix in a bucket) without its index or record, if all it holds
+    is what a manager writes there; one holding anything else is left, with a warning."""
     foreign = [n for n in backend.list(path) if not is_step_member(n)]
     if foreign:
         log.warning("leaving %s: named as a step, it holds no index or record but files no "
@@ -124,18 +143,18 @@ def clean_staging(backend: Backend, directory: str) -> None:
     and the marker of a step's multipart upload, whose upload is aborted.
     """
     if backend is not LOCAL:
-        remove_staged_below(directory)  # the local files of steps that never reached the bucket
+        remove_staged_below(directory, STEP_RE)  # local files of steps never uploaded
         objects, prefixes = backend.list_kinds(directory)  # file steps need no request more
-        for name in sorted(set(objects) | set(prefixes)):
+        folders = set(prefixes)
+        for name in sorted(set(objects) | folders):
             path = os.path.join(directory, name)
             head, tag, _ = name.partition(UPLOAD_TAG)
             if tag and STEP_RE.match(head):
                 backend.reclaim_uploads(os.path.join(directory, head))
             if STEP_RE.match(name):
-                if name in prefixes and not any(backend.exists(os.path.join(path, marker))
+                if name in folders and not any(backend.exists(os.path.join(path, marker))
                                                    for marker in (INDEX_NAME, TRAINER_STATE_NAME)):
-                    log.info("removing the unfinished step %s", path)
-                    backend.remove(path)
+                    _remove_unfinished(backend, path)
         return
     files, dirs = set(), set()
     for name in backend.list(directory):

@@ -159,7 +159,8 @@ class LocalBackend:
     def list_kinds(self, path: str) -> tuple[list[str], list[str]]:
         names = self.list(path)
         dirs = [n for n in names if os.path.isdir(os.path.join(path, n))]
-        return [n for n in names if n not in set(dirs)], dirs
+        known = set(dirs)
+        return [n for n in names if n not in known], dirs
 
     def size(self, path: str) -> int:
         """Bytes of `path` or of every file under it (symbolic links counted as links)."""

@@ -128,6 +128,8 @@ class FetchCache:
             return found
         data = fetch()
         with self._lock:
+            old = self._kept.pop(key, None)  # another thread fetched it meanwhile
+            self._bytes -= 0 if old is None else old.nbytes
             self._kept[key] = data
             self._bytes += data.nbytes
             while self._bytes > self.budget and len(self._kept) > 1:

@@ -42,7 +42,7 @@ from jckpt.format.boxes import Box, box_shape, box_size, box_slices
 from jckpt.format.header import Entry, Header, decode_header
 from jckpt.format.header_seal import is_sealed
 from jckpt.format.layout import check_extents
-from jckpt.storage.lazy import LazyArray, note_read
+from jckpt.storage.lazy import FetchCache, LazyArray, note_read
 from jckpt.storage.reader import COUNTS, verify_entries
 
 #: The first GET asks for this many bytes: the header of most checkpoints, in one request.
@@ -53,6 +53,8 @@ SMALL_PAYLOAD = 256 << 10
 WINDOW_BYTES = 4 << 20
 #: Byte runs closer than this are read by one GET (as object_store's coalescing does).
 COALESCE_GAP = 1 << 20
+#: Bytes of rows a reader keeps for the boxes of a column sharding (`FetchCache`).
+ROWS_CACHE_BYTES = 1 << 30
 
 
 class RangeSource(Protocol):
@@ -170,9 +172,10 @@ class RemoteReader:
         self._starts = [s for s, _ in spans]
         self._spans = spans
         self._window: tuple[int, np.ndarray] | None = None
-        #: The rows last fetched for a box of short runs, `(offset, length, bytes)`: the boxes of
-        #: a column sharding span the same rows, and each device's fetched them all again.
-        self._rows: tuple[int, int, np.ndarray] | None = None
+        #: The rows fetched for boxes of short runs, by `(offset, length)`: the boxes of a column
+        #: sharding span the same rows (in whatever order the devices come), and each device's
+        #: fetched them all again.
+        self._rows = FetchCache(ROWS_CACHE_BYTES)
         self._whole: np.ndarray | None = None
         self._lock = threading.Lock()
 
@@ -260,14 +263,13 @@ class RemoteReader:
         # box, another device's, over the same rows).
         row = math.prod(shape[1:]) * item
         start, length = entry.offset + box[0][0] * row, (box[0][1] - box[0][0]) * row
-        with self._lock:
-            kept = self._rows
-        if kept is not None and kept[0] <= start and start + length <= kept[0] + kept[1]:
-            rows = kept[2][start - kept[0]:start - kept[0] + length]  # no read: not noted
-        else:
-            rows = self._fetch(start, length)
-            with self._lock:
-                self._rows = (start, length, rows)
+        fetched: list[int] = []
+
+        def fetch() -> np.ndarray:
+            fetched.append(length)
+            return self._fetch(start, length)
+        rows = self._rows.get((start, length), fetch)
+        if fetched:  # a box served from rows already fetched read nothing
             note_read(box, rows.nbytes)
         block = rows.view(dtype).reshape((box[0][1] - box[0][0], *shape[1:]))
         return np.ascontiguousarray(block[(slice(None), *box_slices(box[1:]))])

@@ -146,17 +146,19 @@ def remove_staged(target: str) -> list[str]:
     return removed
 
 
-def remove_staged_below(directory: str) -> list[str]:
-    """`remove_staged` of every object directly under the URL `directory` that a dead writer
-    staged locally: a manager's step that never reached the bucket left its whole file in the
-    temporary directory. The caller holds the directory's writer lease."""
+def remove_staged_below(directory: str, names: re.Pattern[str]) -> list[str]:
+    """`remove_staged` of the objects directly under the URL `directory` whose names match
+    `names` (a manager's steps) that a dead writer staged locally: a step that never reached
+    the bucket left its whole file in the temporary directory. The caller holds the writer
+    lease of those names (another writer's, a mirror's file beside them, are left alone)."""
     tag = _prefix_tag(directory.rstrip('/'))
     try:
-        names = os.listdir(tempfile.gettempdir())
+        found = os.listdir(tempfile.gettempdir())
     except OSError:
         return []
-    heads = {name[len(tag):].partition(NEXT_TAG)[0] for name in names
+    heads = {name[len(tag):].partition(NEXT_TAG)[0] for name in found
              if name.startswith(tag) and NEXT_TAG in name}
+    heads = {head for head in heads if names.match(head)}
     return [r for head in sorted(heads) for r in remove_staged(f"{directory.rstrip('/')}/{head}")]
 
 

@@ -156,8 +156,8 @@ def _orbax_steps(path: str) -> list[str]:
         names = os.listdir(path)
     except OSError:
         return []
-    return sorted((n for n in names if n.isdigit() and os.path.isdir(os.path.join(path, n))),
-                  key=int)
+    return sorted((n for n in names if n.isascii() and n.isdigit()
+                   and os.path.isdir(os.path.join(path, n))), key=int)
 
 
 def _classify_url(path: str, backend: Any) -> Kind:

@@ -96,7 +96,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     report = verify(args.path, progress=_progress(args))
     log.info("verified %s in %.3f s", args.path, time.perf_counter() - start)
     if args.json:
-        _print_json(report.to_dict())
+        _print_json(report.to_dict(strict=args.strict))
     else:
         _print(report.render(strict=args.strict))
     failed = not report.ok or (args.strict and report.warnings)
@@ -129,8 +129,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if kind.name == FILE:
             return _relayout(args)
     if args.alignment is not None:
-        raise InputError("--alignment applies only to jckpt destinations", file=dst,
-                         fix="drop --alignment, or convert to a .jckpt file")
+        raise InputError("--alignment applies only to jckpt destinations, and not with "
+                         "--namespace", file=dst, fix="drop --alignment, or convert the "
+                         "namespace first and rewrite that file with --alignment")
     if same:
         raise InputError("source and destination are the same file", file=dst,
                          fix="convert into another path")
@@ -290,7 +291,7 @@ def _add_convert(sub: Any, common: argparse.ArgumentParser) -> None:
                    help='copy payloads without checking their checksums first')
     p.add_argument('--namespace', metavar='NS', action='append', default=None,
                    help='convert only this namespace (repeat for several), e.g. the parameters '
-                        'of a training checkpoint')
+                        'of a training checkpoint; its payloads are always checked')
     p.set_defaults(func=cmd_convert)
 
 

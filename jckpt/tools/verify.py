@@ -117,8 +117,10 @@ class VerifyReport:
     def __repr__(self) -> str:
         return self.render()
 
-    def to_dict(self) -> dict[str, Any]:
-        return {'path': self.path, 'ok': self.ok, 'files': self.files, 'entries': self.entries,
+    def to_dict(self, strict: bool = False) -> dict[str, Any]:
+        """The report as JSON data (`jckpt verify --json`); `strict`: warnings make `ok` false."""
+        ok = self.ok and not (strict and self.warnings)
+        return {'path': self.path, 'ok': ok, 'files': self.files, 'entries': self.entries,
                 'checked': self.checked, 'unchecked': list(self.unchecked),
                 'problems': [dataclasses.asdict(p) for p in self.problems]}
 

@@ -40,8 +40,9 @@ def ready(key: Hashable, compile: Callable[[], Any]) -> Any | None:
             _CALLS.clear()
         future = _CALLS[key] = concurrent.futures.Future()
         # a thread per compilation, gone when it is done: none lingers after the writers close
-        threading.Thread(target=_compile, args=(future, compile), name='jckpt-compile',
-                         daemon=True).start()
+        # not a daemon: the interpreter waits for a compilation under way at exit, as it waited
+        # for the pool's (a daemon thread left inside XLA at exit can crash the process)
+        threading.Thread(target=_compile, args=(future, compile), name='jckpt-compile').start()
         return None
     if not future.done() or future.exception() is not None:
         return None

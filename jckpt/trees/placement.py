@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mmap as mmap_mod
 import warnings
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -55,7 +56,14 @@ def warn_unsharded_specs(specs: list[str], path: str, devices: list[Any] | None 
                       f"ShapeDtypeStructs without a sharding (jax.eval_shape gives none), so "
                       f"they go to one device, {devices[0]}, of the {len(devices)} here; give "
                       "the specs the shardings to restore onto (docs/sharding.md), or pass "
-                      "jckpt.Context(device=...) to say where they go", stacklevel=4)
+                      "jckpt.Context(device=...) to say where they go", stacklevel=5)
+
+
+def warn_if_unsharded(named: Iterable[tuple[str, Any]], path: str) -> None:
+    """`warn_unsharded_specs` of the `(name, target leaf)` pairs that are array specs
+    without a sharding (what `restore` and a manager's foreign-format step both place)."""
+    warn_unsharded_specs([w for w, leaf in named if type(leaf) is jax.ShapeDtypeStruct
+                          and leaf.sharding is None and leaf.ndim], path)
 
 
 def default_placement(device: Any):

@@ -26,6 +26,7 @@ import jax
 from jckpt.errors import InputError
 from jckpt.format.entries import check_prefix, prefix_header, prefixed
 from jckpt.format.header import Header, KeyPath, path_name
+from jckpt.trees.nested import unflatten as unflatten  # its home before trees.nested
 
 T = TypeVar('T')
 

@@ -277,7 +277,8 @@ def _stage_host(where: str, leaf: Any, fetch: bool) -> HostLeaf:
                          fix="store arrays or numbers only; put other values in metadata")
     array = np.asarray(leaf)
     if array.dtype == object and isinstance(leaf, int):  # beyond 64 bits
-        raise InputError(f"the integer {leaf:.6g} does not fit 64 bits", entry=where,
+        raise InputError(f"an integer of {len(str(abs(leaf)))} digits does not fit 64 bits",
+                         entry=where,
                          fix="store it as a float, or as a string in metadata")
     _check_dtype(array.dtype, where)
     if not fetch:

@@ -296,3 +296,36 @@ def test_reading_a_manager_step_holds_back_orbax_warnings(tmp_path, caplog):
     assert np.asarray(jax.tree.leaves(tree)[0]).tolist() == [1, 1, 1]
     assert not [r for r in caplog.records if r.name == 'absl'], caplog.text
     assert logging.getLogger('absl').level != logging.ERROR  # restored
+
+
+def test_holding_back_orbax_warnings_is_this_threads_alone():
+    """It set the absl logger's shared level: two readers at once could leave it at ERROR for
+    good, and another thread's warnings were dropped meanwhile."""
+    import logging
+    import threading
+
+    from jckpt.adapters import orbax as orbax_adapter
+    absl = logging.getLogger('absl')
+    level = absl.level
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append((record.threadName, record.getMessage()))
+    absl.addHandler(handler)
+    try:
+        inside, done = threading.Event(), threading.Event()
+
+        def reader():
+            with orbax_adapter._quiet():
+                absl.warning("held back")
+                inside.set()
+                done.wait(10)
+        t = threading.Thread(target=reader, name='reader')
+        t.start()
+        inside.wait(10)
+        absl.warning("shown")  # another thread, while the reader is quiet
+        done.set()
+        t.join()
+    finally:
+        absl.removeHandler(handler)
+    assert seen == [('MainThread', 'shown')] and absl.level == level
+    assert not orbax_adapter._QUIET.threads

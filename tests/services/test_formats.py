@@ -276,6 +276,20 @@ def test_a_namespace_the_step_lacks_is_named_with_those_it_holds(tmp_path):
                            ctx=jckpt.Context(namespace='model')).tree['w'].tolist() == [2, 2]
 
 
+def test_a_foreign_format_step_warns_of_unsharded_specs_as_restore_does(tmp_path, monkeypatch):
+    """The warning that specs without a sharding all go to one accelerator came from restore
+    of a jckpt step only."""
+    import jax
+
+    from jckpt.trees import placement
+    seen = []
+    monkeypatch.setattr(placement, 'warn_unsharded_specs', lambda specs, path: seen.append(specs))
+    with saved_steps(tmp_path) as mgr:
+        target = {'w': jax.ShapeDtypeStruct((2,), np.float64)}
+        mgr.restore(target=target, ctx=jckpt.Context(namespace='model'))
+    assert seen == [['model/w']]
+
+
 def test_a_damaged_step_directory_names_the_step_and_the_file(tmp_path):
     with saved_steps(tmp_path) as mgr:
         d = tmp_path / 'step_00000002.jckpt'

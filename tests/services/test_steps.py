@@ -145,13 +145,14 @@ def test_a_bucket_manager_removes_the_local_files_of_steps_that_never_reached_th
         mgr.save(1, {"w": np.ones(2)})
     dead = staging.next_name(f"{url}/step_00000003.jckpt", 7)
     elsewhere = staging.next_name("memory://spool/other/step_00000003.jckpt", 7)
-    for path in (dead, elsewhere):
+    mirrors = staging.next_name(f"{url}/latest.jckpt", 7)  # a live mirror's, beside the steps
+    for path in (dead, elsewhere, mirrors):
         with open(path, "wb") as f:
             f.write(b"x" * 1000)
     assert os.path.dirname(dead) == str(tmp_path)
     with jckpt.CheckpointManager(url) as mgr:
         assert mgr.all_steps() == [1]
-    assert not os.path.exists(dead) and os.path.exists(elsewhere)
+    assert not os.path.exists(dead) and os.path.exists(elsewhere) and os.path.exists(mirrors)
 
 
 def test_opening_a_bucket_manager_reads_each_file_step_once(monkeypatch):
@@ -176,3 +177,36 @@ def test_opening_a_bucket_manager_reads_each_file_step_once(monkeypatch):
     # a GET per step, one more for the latest step's lineage; a listing or two, not one per step
     assert calls.count("GET") == 6 and "isdir" not in calls, calls
     assert sum(c in ("exists", "list", "list_kinds") for c in calls) <= 4, calls
+
+
+def test_a_step_named_prefix_of_somebody_elses_objects_is_left(caplog):
+    """The bucket's branch still deleted a step-named prefix of the user's own objects."""
+    import logging
+    url = "memory://own-objects/run"
+    with jckpt.CheckpointManager(url) as mgr:
+        mgr.save(1, {"w": np.ones(2)})
+    backend = backend_for(url)
+    with backend.create(f"{url}/step_00000099.jckpt/notes.txt") as staging_file:
+        os.write(staging_file.fd, b"mine")
+        staging_file.publish()
+    with caplog.at_level(logging.WARNING):
+        with jckpt.CheckpointManager(url) as mgr:
+            assert mgr.all_steps() == [1]
+    assert backend.list(f"{url}/step_00000099.jckpt") == ["notes.txt"]
+    assert "files no manager writes (notes.txt)" in caplog.text
+
+
+def test_opening_a_bucket_manager_of_format_steps_asks_no_header_of_them(monkeypatch):
+    """Trying each step as a file first cost a failed GET (and a LIST) per step directory."""
+    from jckpt.storage import object_store
+    url = "memory://open-format/run"
+    with jckpt.CheckpointManager(url, options=CheckpointOptions(format='npz')) as mgr:
+        for step in range(1, 5):
+            mgr.save(step, items={'model': {'w': np.ones(2)}, 'opt': {'m': np.ones(2)}})
+    heads = []
+    real_head = object_store.ObjectSource.head
+    monkeypatch.setattr(object_store.ObjectSource, "head",
+                        lambda self, n: (heads.append(self.u.key), real_head(self, n))[1])
+    with jckpt.CheckpointManager(url) as mgr:
+        assert mgr.all_steps() == [1, 2, 3, 4]
+    assert not [k for k in heads if k.rsplit('/', 1)[-1].startswith('step_')], heads

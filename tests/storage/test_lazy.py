@@ -166,3 +166,23 @@ def test_a_negative_integer_reads_the_last_row(stored):
     with record_reads() as log:
         lazy[-1]
     assert log == [(((3, 4), (0, 6)), 6 * 4)]
+
+
+def test_a_fetch_cache_counts_a_key_fetched_twice_once():
+    """Two threads missing one key both fetched it; the second replaced the first without its
+    bytes leaving the count, so the cache held less than its budget said."""
+    import threading
+
+    from jckpt.storage.lazy import FetchCache
+    cache = FetchCache(budget=1 << 20)
+    barrier = threading.Barrier(2)
+
+    def fetch():
+        barrier.wait(10)
+        return np.zeros(100, np.uint8)
+    threads = [threading.Thread(target=cache.get, args=('k', fetch)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert cache._bytes == 100 and len(cache._kept) == 1

@@ -92,3 +92,17 @@ def test_a_writer_whose_lease_was_taken_over_stops_writing(monkeypatch):
     mgr.close()
     assert backend_for(url).list(url) == ["step_00000001.jckpt"]
     assert json.loads(bytes(backend_for(url).map(url + ".jckpt-lease")))["host"] == "another-host"
+
+
+def test_a_directory_step_manager_whose_lease_was_taken_over_stops_writing():
+    """Directory steps (the default with several processes) bypassed the check: step 2 was
+    written and retention deleted step 1 beside the new holder."""
+    import numpy as np
+    url = "memory://leases/dirsteps"
+    mgr = jckpt.CheckpointManager(url, keep_last=1, asynchronous=False, directory_steps=True)
+    mgr.save(1, {"w": np.ones(2)})
+    mgr._lease._lost = "pid 1 on another-host"  # what the refresher records when it is taken
+    with pytest.raises(jckpt.InUseError, match="taken over"):
+        mgr.save(2, {"w": np.ones(2)})
+    mgr.close()
+    assert backend_for(url).list(url) == ["step_00000001.jckpt"]

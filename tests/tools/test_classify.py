@@ -202,4 +202,7 @@ def test_orbax_managers_directory_is_told_to_convert_a_step(tmp_path, capsys):
     assert f"jckpt convert {tmp_path / 'run' / '10'} 10.jckpt" in kind.error.fix
     assert 'jckpt.restore' in classify(str(tmp_path / 'run' / '10')).error.fix
     assert main(['convert', str(tmp_path / 'run' / '10'), str(tmp_path / '10.jckpt')]) == 0
+    (tmp_path / 'run' / '\u00b2').mkdir()  # a digit to str.isdigit, not to int()
+    again = classify(str(tmp_path / 'run')).error.message
+    assert again.startswith('this directory holds orbax steps (2, 10)')
     capsys.readouterr()

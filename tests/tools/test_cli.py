@@ -299,6 +299,9 @@ def test_verify_warnings_and_strict(tmp_path, cli):
     p = cli('verify', path, '--strict')  # it printed "OK" and exited 1
     assert p.returncode == 1 and p.stdout.splitlines()[-1].startswith('FAILED: ')
     assert p.stdout.rstrip().endswith('1 warning (--strict: warnings fail)')
+    p = cli('verify', path, '--strict', '--json')  # it said "ok": true, and exited 1
+    assert p.returncode == 1 and json.loads(p.stdout)['ok'] is False
+    assert json.loads(cli('verify', path, '--json').stdout)['ok'] is True
 
 
 def test_verify_manager_directory(tmp_path, cli):
