@@ -38,9 +38,15 @@ def run_notebook(path: Path, timeout: int, output: Path | None = None) -> float:
         client = nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
                                          resources={"metadata": {"path": cwd}})
         start = time.perf_counter()
+        before = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = cwd  # the kernel's tempfile.mkdtemp() folders go with cwd
         try:
             client.execute()
         finally:
+            if before is None:
+                os.environ.pop("TMPDIR", None)
+            else:
+                os.environ["TMPDIR"] = before
             if output is not None:
                 output.mkdir(parents=True, exist_ok=True)
                 nbformat.write(nb, output / path.name)
