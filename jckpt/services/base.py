@@ -36,7 +36,6 @@ log = logging.getLogger('jckpt')
 InfoT = TypeVar('InfoT')
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Staged(Generic[InfoT]):
     """A generation of `target` written under `temporary` (`None`: equal content, nothing to write)."""
