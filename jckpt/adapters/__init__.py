@@ -313,15 +313,14 @@ def convert(src: PathLike, dst: PathLike, *, format: str | None = None,
 def _only(tree: dict[str, Any], namespaces: str | Collection[str], src: str) -> dict[str, Any]:
     """The namespaces `namespaces` of a tree read, in that order; `MissingEntryError` naming
     the ones the checkpoint has for one it lacks."""
-    names = [namespaces] if isinstance(namespaces, str) else list(namespaces)
-    if not names or not all(isinstance(n, str) for n in names):
-        raise InputError(f"namespaces must be a namespace or several, not {namespaces!r:.80}",
-                         file=src, fix=f"pass e.g. namespaces={sorted(tree)[:1]}")
+    from jckpt.api.loading import namespace_names  # JAX: imported only when a subset is asked
+
+    names = namespace_names(namespaces, src)
     for n in names:
         if n not in tree:
             raise MissingEntryError(f"no namespace {n!r} in the checkpoint", file=src,
                                     fix=f"its namespaces are {sorted(tree)}")
-    return {n: tree[n] for n in dict.fromkeys(names)}
+    return {n: tree[n] for n in names}
 
 
 def _write_converted(source: Format, src: str, target: Format, tree: Any, dst: str) -> None:

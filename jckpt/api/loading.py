@@ -238,8 +238,6 @@ def _requests(ctx: Context, reader: Any, parts: Sequence[tuple[str, list, Any]],
         entry = targets.as_target_takes(entry, leaf, path, where)
         want_dtype = targets.check_leaf(ctx, entry, leaf, path, where)
         checked.append((entry, leaf, where, want_dtype))
-    if ctx.device is None and not ctx.host:
-        placement.warn_if_unsharded([(w, leaf) for _, leaf, w, _ in checked], path)
     arrays = _decoded(reader, stored, mmap, verify, None)
     return [(targets.as_stored_for(array, entry, leaf, want_dtype, path, where, cast=cast), leaf,
              where, entry.key_impl) for (entry, leaf, where, want_dtype), array in zip(checked, arrays)]

@@ -358,8 +358,6 @@ def _fill(ctx: Context, target: Any, model: Any, file: str, step: int, cast: boo
             requests.append(targets.take(ctx, entry, array, leaf, file, where, cast=cast))
         except TargetError as e:
             raise type(e)(f"step {step}: {e.message}", file=file, entry=where, fix=e.fix) from None
-    if ctx.device is None and not ctx.host:
-        placement.warn_if_unsharded([(w, leaf) for _, leaf, w, _ in requests], file)
     values = placement.place_all(requests, host=ctx.host, device=ctx.device, file=file)
     return jax.tree_util.tree_unflatten(treedef, values)
 

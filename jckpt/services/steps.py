@@ -50,10 +50,8 @@ def read_metadata(path: str, step: int | None = None, *,
     in a bucket), so that a file step costs its header's GET alone and a step directory no
     failed GET (a request more per step, and per manager open, either way).
     """
-    if prefix is False or (prefix is None and not formats.is_step_directory(path)):
+    if prefix is False or not formats.is_step_directory(path):  # a file, or a directory's index
         return api.describe(path).metadata_dict()
-    if prefix and not formats.is_step_directory(path):
-        return api.describe(path).metadata_dict()  # a directory checkpoint: its index
     return formats.read_metadata(path, step)
 
 
@@ -126,6 +124,8 @@ def remove_step(backend: Backend, path: str) -> None:
 def _remove_unfinished(backend: Backend, path: str) -> None:
     """Remove a step directory (a prefix in a bucket) without its index or record, if all it holds
     is what a manager writes there; one holding anything else is left, with a warning."""
+    if any(backend.exists(os.path.join(path, marker)) for marker in (INDEX_NAME, TRAINER_STATE_NAME)):
+        return  # published: a directory checkpoint has its index, a step directory its record
     foreign = [n for n in backend.list(path) if not is_step_member(n)]
     if foreign:
         log.warning("leaving %s: named as a step, it holds no index or record but files no "
@@ -152,17 +152,14 @@ def clean_staging(backend: Backend, directory: str) -> None:
             if tag and STEP_RE.match(head):
                 backend.reclaim_uploads(os.path.join(directory, head))
             if STEP_RE.match(name):
-                if name in folders and not any(backend.exists(os.path.join(path, marker))
-                                                   for marker in (INDEX_NAME, TRAINER_STATE_NAME)):
+                if name in folders:
                     _remove_unfinished(backend, path)
         return
     files, dirs = set(), set()
     for name in backend.list(directory):
         path = os.path.join(directory, name)
-        if STEP_RE.match(name) and backend.isdir(path) and not os.path.islink(path) \
-                and not any(os.path.exists(os.path.join(path, marker))
-                            for marker in (INDEX_NAME, TRAINER_STATE_NAME)):
-            _remove_unfinished(backend, path)  # published directories have an index or a record
+        if STEP_RE.match(name) and backend.isdir(path) and not os.path.islink(path):
+            _remove_unfinished(backend, path)
             continue
         head, sep, _ = name.partition(NEXT_TAG)
         if sep and STEP_RE.match(head):

@@ -263,14 +263,12 @@ class RemoteReader:
         # box, another device's, over the same rows).
         row = math.prod(shape[1:]) * item
         start, length = entry.offset + box[0][0] * row, (box[0][1] - box[0][0]) * row
-        fetched: list[int] = []
 
-        def fetch() -> np.ndarray:
-            fetched.append(length)
-            return self._fetch(start, length)
+        def fetch() -> np.ndarray:  # a box served from rows fetched before reads nothing
+            fetched = self._fetch(start, length)
+            note_read(box, fetched.nbytes)
+            return fetched
         rows = self._rows.get((start, length), fetch)
-        if fetched:  # a box served from rows already fetched read nothing
-            note_read(box, rows.nbytes)
         block = rows.view(dtype).reshape((box[0][1] - box[0][0], *shape[1:]))
         return np.ascontiguousarray(block[(slice(None), *box_slices(box[1:]))])
 

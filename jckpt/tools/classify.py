@@ -26,6 +26,7 @@ import stat
 from typing import Any
 
 from jckpt.adapters import SNIFF_BYTES, detect_format
+from jckpt.adapters.orbax import manager_steps
 from jckpt.errors import CheckpointError, FormatError
 from jckpt.format.header import looks_like_header
 from jckpt.format.names import INDEX_NAME, PIECE_RE, STEP_RE, is_format_step
@@ -137,7 +138,7 @@ def not_jckpt_error(path: str | os.PathLike, fmt: str) -> FormatError:
     path = os.fspath(path)
     stem = os.path.splitext(os.path.basename(path))[0]
     what = 'directory' if not is_url(path) and os.path.isdir(path) else 'file'
-    steps = _orbax_steps(path) if what == 'directory' and fmt == 'orbax' else []
+    steps = [str(s) for s in manager_steps(path)] if what == 'directory' and fmt == 'orbax' else []
     if steps:  # orbax's CheckpointManager directory: a step is what converts (and restores)
         return FormatError(f"this directory holds orbax steps ({', '.join(steps[-3:])}), not a "
                            "jckpt checkpoint", file=path,
@@ -149,15 +150,6 @@ def not_jckpt_error(path: str | os.PathLike, fmt: str) -> FormatError:
                        fix=f"convert it first: jckpt convert {path} {stem}.jckpt "
                            f"(or jckpt.convert in Python){direct}")
 
-
-def _orbax_steps(path: str) -> list[str]:
-    """The step directories of orbax's CheckpointManager directory `path`, ascending."""
-    try:
-        names = os.listdir(path)
-    except OSError:
-        return []
-    return sorted((n for n in names if n.isascii() and n.isdigit()
-                   and os.path.isdir(os.path.join(path, n))), key=int)
 
 
 def _classify_url(path: str, backend: Any) -> Kind:

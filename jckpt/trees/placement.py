@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import mmap as mmap_mod
 import warnings
-from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -56,14 +55,7 @@ def warn_unsharded_specs(specs: list[str], path: str, devices: list[Any] | None 
                       f"ShapeDtypeStructs without a sharding (jax.eval_shape gives none), so "
                       f"they go to one device, {devices[0]}, of the {len(devices)} here; give "
                       "the specs the shardings to restore onto (docs/sharding.md), or pass "
-                      "jckpt.Context(device=...) to say where they go", stacklevel=5)
-
-
-def warn_if_unsharded(named: Iterable[tuple[str, Any]], path: str) -> None:
-    """`warn_unsharded_specs` of the `(name, target leaf)` pairs that are array specs
-    without a sharding (what `restore` and a manager's foreign-format step both place)."""
-    warn_unsharded_specs([w for w, leaf in named if type(leaf) is jax.ShapeDtypeStruct
-                          and leaf.sharding is None and leaf.ndim], path)
+                      "jckpt.Context(device=...) to say where they go", stacklevel=5)  # restore's caller
 
 
 def default_placement(device: Any):
@@ -208,11 +200,14 @@ def place_all(requests: list[tuple[Any, Any, str, str | None]], *, host: bool, d
     arrays: list[np.ndarray] = []
     dests: list[Any] = []
     known: dict[tuple, tuple[Any, Any]] = {}  # a request's kind -> (its sharding, plain_target's)
+    unsharded: list[str] = []  # array specs that say nowhere to go (`warn_unsharded_specs`)
     for i, (array, target, where, key_impl) in enumerate(requests):
         if host and target is None and key_impl is None and type(array) is np.ndarray:
             out[i] = array  # what `place` gives: a host load takes the array as read
             continue
         sharding = getattr(target, 'sharding', None) if target is not None else None
+        if sharding is None and type(target) is jax.ShapeDtypeStruct and target.ndim:
+            unsharded.append(where)
         kind = (type(array), getattr(array, 'dtype', None), type(target), id(sharding), key_impl,
                 getattr(target, 'weak_type', False))
         hit = known.get(kind)
@@ -230,6 +225,8 @@ def place_all(requests: list[tuple[Any, Any, str, str | None]], *, host: bool, d
         batch.append(i)
         arrays.append(array)
         dests.append(dest)
+    if unsharded and device is None and not host:
+        warn_unsharded_specs(unsharded, file or '')
     if arrays:
         for i, value in zip(batch, _put_grouped(arrays, dests)):
             out[i] = value
