@@ -22,12 +22,11 @@ from jckpt.adapters._common import check_namespaced, host_items_with_keys
 from jckpt.api.context import Context
 from jckpt.format.entries import DEFAULT_ALIGNMENT, Header, KeyPath, entry_for
 from jckpt.format.header import looks_like_header
-from jckpt.format.layout import lay_out
+from jckpt.format.layout import written_header
 from jckpt.format.metadata import empty_nodes, empty_nodes_text
 from jckpt.format.names import EMPTY_NODES_KEY, INDEX_NAME, ORBAX_JSON_KEY, RESERVED_PREFIX
 from jckpt.storage.backend import LOCAL, backend_for
 from jckpt.storage.writer import ArraySource, write_checkpoint
-from jckpt.version import __version__
 
 
 def sniff(path: str, head: bytes | None) -> bool:
@@ -77,8 +76,7 @@ def build_header(items: Sequence[tuple[str, KeyPath, Any]], *, alignment: int = 
         ident = next_id.get(ns, 0)
         next_id[ns] = ident + 1
         entries.append(entry_for(ns, path, array.dtype, array.shape, id=ident, key_impl=impl))
-    return lay_out(Header(tensors=tuple(entries), alignment=alignment,
-                          writer=f"jckpt {__version__}", metadata=tuple(metadata)))
+    return written_header(entries, alignment, metadata=metadata)
 
 
 def write_items(items: Sequence[tuple[str, KeyPath, Any]], path: str, *,

@@ -42,8 +42,8 @@ import numpy as np
 
 from jckpt.errors import CheckpointError, DistributedError, InputError
 from jckpt.format.boxes import Box, box_shape, coalesce, full_box, intersect
-from jckpt.format.entries import Entry, Header, KeyPath, entry_for
-from jckpt.format.layout import lay_out
+from jckpt.format.entries import Entry, KeyPath, entry_for
+from jckpt.format.layout import written_header
 from jckpt.format.limits import check_alignment
 from jckpt.format.names import (
     DIRECTORY_LOCK_NAME,
@@ -66,7 +66,6 @@ from jckpt.storage.regions import ShardedSource
 from jckpt.storage.writer import ArraySource, write_checkpoint
 from jckpt.trees import pytree as tree_mod
 from jckpt.trees import to_host, transfers
-from jckpt.version import __version__
 
 #: Seconds a process waits at a barrier for the others (`JCKPT_BARRIER_TIMEOUT` overrides).
 DEFAULT_BARRIER_TIMEOUT = 300.0
@@ -243,8 +242,7 @@ def _write_pieces(stage: str, leaves: list[_Leaf], namespace: str, alignment: in
                 box, source = leaf.blocks[layer]
                 entries.append(_piece_entry(leaf, namespace, box))
                 sources.append(source)
-        header = lay_out(Header(tensors=tuple(entries), alignment=alignment,
-                                writer=f"jckpt {__version__}", metadata=((SAVE_KEY, save),)))
+        header = written_header(entries, alignment, metadata=[(SAVE_KEY, save)])
         write_checkpoint(os.path.join(stage, piece_name(process, layer, tag)), header, sources,
                          durable=durable)
 

@@ -31,7 +31,7 @@ from jckpt.errors import CheckpointError, InputError, naming_file
 from jckpt.format import leaf_entries
 from jckpt.format._gc import paused
 from jckpt.format.entries import Entry, Header, KeyPath, entry_for, round_up
-from jckpt.format.layout import lay_out
+from jckpt.format.layout import written_header
 from jckpt.format.limits import check_alignment
 from jckpt.format.metadata import check_metadata, empty_nodes_text
 from jckpt.format.names import EMPTY_NODES_KEY, INDEX_NAME
@@ -50,7 +50,6 @@ from jckpt.storage.writer import (
 )
 from jckpt.trees import pytree as tree_mod
 from jckpt.trees import to_host, transfers
-from jckpt.version import __version__
 
 PathLike = str | os.PathLike
 
@@ -275,9 +274,7 @@ def _header(entries: Sequence[Entry], alignment: int, old: Header,
     """The laid-out header; `metadata` merged over the old file's, whose unknown fields are kept."""
     meta = dict(old.metadata)
     meta.update(metadata or {})
-    return lay_out(Header(tensors=tuple(entries), alignment=alignment,
-                          writer=f"jckpt {__version__}", metadata=tuple(meta.items()),
-                          extra=old.extra))
+    return written_header(entries, alignment, metadata=list(meta.items()), extra=old.extra)
 
 
 def _publish(ctx: Context, path: str, header: Header, sources: Sequence[Any], progress: bool) -> None:

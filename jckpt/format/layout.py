@@ -15,8 +15,12 @@ from collections.abc import Sequence
 
 from jckpt.errors import FormatError
 from jckpt.format import precs
-from jckpt.format.header import Header, round_up
+from jckpt.format.header import Entry, Header, round_up
 from jckpt.format.limits import PADDED_ALLOCATION_FACTOR
+from jckpt.version import __version__
+
+#: The `writer` field of every header this version of jckpt writes.
+WRITER = f"jckpt {__version__}"
 
 
 def plan_layout(byte_lengths: Sequence[int], alignment: int = 32) -> tuple[int, ...]:
@@ -40,6 +44,22 @@ def lay_out(header: Header) -> Header:
     return dataclasses.replace(header, tensors=tuple(
         e if e.offset == o else dataclasses.replace(e, offset=o)
         for e, o in zip(header.tensors, offsets)))
+
+
+def written_header(entries: Sequence[Entry], alignment: int, *,
+                   metadata: Sequence[tuple[str, str]] = (), extra: tuple = ()) -> Header:
+    """The laid-out header jckpt writes for `entries`, in payload order: every writer
+    (save, directory pieces, staging, rewrites, adapters) builds its header here.
+
+    >>> import numpy as np
+    >>> from jckpt.format.entries import entry_for
+    >>> e = entry_for('jckpt', (('k', 'w'),), np.float32, (3,), id=0)
+    >>> h = written_header([e, e], 64, metadata=[('step', '7')])
+    >>> [t.offset for t in h.tensors], h.writer == WRITER, h.metadata_dict()
+    ([0, 64], True, {'step': '7'})
+    """
+    return lay_out(Header(tensors=tuple(entries), alignment=alignment, writer=WRITER,
+                          metadata=tuple(metadata), extra=extra))
 
 
 def data_size(header: Header) -> int:

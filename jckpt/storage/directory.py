@@ -41,6 +41,7 @@ from jckpt.format._gc import paused
 from jckpt.format.boxes import Box, box_shape, box_size, box_slices, check_tiling
 from jckpt.format.header import Entry, Header
 from jckpt.format.index import IndexedArray, global_entry, index_header, parse_index
+from jckpt.format.layout import WRITER
 from jckpt.format.names import (
     DIRECTORY_LOCK_NAME,
     INDEX_NAME,
@@ -58,7 +59,6 @@ from jckpt.storage.object_store import MISSING_OBJECT, pieces_replaced
 from jckpt.storage.publish import STALE_AFTER, fsync_dir, storage_error
 from jckpt.storage.reader import CheckpointReader
 from jckpt.storage.writer import write_checkpoint
-from jckpt.version import __version__
 
 log = logging.getLogger('jckpt')
 
@@ -291,7 +291,7 @@ def write_index_file(stage: str, names: list[str], process_count: int,
                      durable: bool = True) -> Header:
     """Encode the index of `arrays` (checked) and write it as `stage`'s `index.jckpt`."""
     header = index_header(names, process_count, arrays, alignment, metadata,
-                          writer=f"jckpt {__version__}")
+                          writer=WRITER)
     write_checkpoint(os.path.join(stage, INDEX_NAME), header, [], durable=durable)
     return header
 

@@ -37,12 +37,11 @@ from collections.abc import Mapping, Sequence
 
 from jckpt.errors import CheckpointError
 from jckpt.format.header import Entry, Header
-from jckpt.format.layout import lay_out
+from jckpt.format.layout import written_header
 from jckpt.format.names import NEXT_TAG
 from jckpt.storage.backend import LOCAL, backend_for, is_url
 from jckpt.storage.publish import fsync_dir, fsync_file, reclaim_staging, replace, storage_error
 from jckpt.storage.writer import PayloadSource, write_checkpoint
-from jckpt.version import __version__
 
 
 def next_name(target: str, seq: int) -> str:
@@ -71,8 +70,7 @@ def write_items(target: str, entries: Sequence[Entry], sources: Sequence[Payload
     `sources[i]` streams the payload of `entries[i]`; `durable` says
     whether the file and its directory are fsynced before this returns.
     """
-    header = lay_out(Header(tensors=tuple(entries), alignment=alignment,
-                            writer=f"jckpt {__version__}", metadata=tuple(metadata.items())))
+    header = written_header(entries, alignment, metadata=list(metadata.items()))
     return write_checkpoint(target, header, sources, durable=durable)
 
 

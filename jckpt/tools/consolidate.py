@@ -16,14 +16,13 @@ import os
 
 from jckpt.api import progress as progress_mod
 from jckpt.format.header import Header
-from jckpt.format.layout import lay_out
+from jckpt.format.layout import written_header
 from jckpt.format.limits import check_alignment
 from jckpt.format.names import SAVE_KEY
 from jckpt.storage.backend import backend_for, checked_path
 from jckpt.storage.directory import DirectoryReader
 from jckpt.storage.regions import ShardedSource
 from jckpt.storage.writer import write_checkpoint
-from jckpt.version import __version__
 
 
 def consolidate(directory: str | os.PathLike, file: str | os.PathLike, *, durable: bool = True,
@@ -53,10 +52,9 @@ def consolidate(directory: str | os.PathLike, file: str | os.PathLike, *, durabl
                   for fi, pbox in array.pieces]
         entries.append(e)
         sources.append(ShardedSource(e.dims, e.dtype, pieces))
-    header = lay_out(Header(tensors=tuple(entries),
-                            alignment=reader.header.alignment if alignment is None else alignment,
-                            writer=f"jckpt {__version__}", metadata=tuple(
-                                (k, v) for k, v in reader.header.metadata if k != SAVE_KEY)))
+    header = written_header(
+        entries, reader.header.alignment if alignment is None else alignment,
+        metadata=[(k, v) for k, v in reader.header.metadata if k != SAVE_KEY])
     total = sum(e.byte_length for e in header.tensors)
     with progress_mod.bar(f"consolidating {os.path.basename(file)}", total, enabled=progress) as bar:
         return write_checkpoint(file, header, sources, durable=durable,

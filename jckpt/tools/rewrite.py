@@ -37,12 +37,11 @@ from jckpt.api import progress as progress_mod
 from jckpt.errors import ChecksumError, ClashError, FormatError, InputError
 from jckpt.format.entries import check_prefix, prefix_header
 from jckpt.format.header import DEFAULT_ALIGNMENT, Entry, Header
-from jckpt.format.layout import lay_out
+from jckpt.format.layout import WRITER, lay_out, written_header
 from jckpt.format.limits import check_alignment
 from jckpt.storage.backend import backend_for, occupied, same_place
 from jckpt.storage.reader import CheckpointReader, reopen
 from jckpt.storage.writer import CopySource, ReaderSource, write_checkpoint
-from jckpt.version import __version__
 
 
 def _check_sources(reader: CheckpointReader) -> None:
@@ -133,8 +132,7 @@ def relayout(src: str | os.PathLike, dst: str | os.PathLike, *, alignment: int |
         _check_sources(reader)
     old = reader.header
     header = lay_out(dataclasses.replace(
-        old, alignment=old.alignment if alignment is None else alignment,
-        writer=f"jckpt {__version__}"))
+        old, alignment=old.alignment if alignment is None else alignment, writer=WRITER))
     return _copy_out(dst, header, [(reader, e) for e in old.tensors], durable=durable,
                      progress=progress, what='writing')
 
@@ -176,10 +174,8 @@ def merge(out: str | os.PathLike, inputs: Sequence[str | os.PathLike],
         for reader, _ in sources:
             _check_sources(reader)
     entries, copies = _merged_entries(sources)
-    header = lay_out(Header(tensors=tuple(entries),
-                            alignment=DEFAULT_ALIGNMENT if alignment is None else alignment,
-                            writer=f"jckpt {__version__}", metadata=_merged_metadata(sources),
-                            extra=sources[0][1].extra))
+    header = written_header(entries, DEFAULT_ALIGNMENT if alignment is None else alignment,
+                            metadata=_merged_metadata(sources), extra=sources[0][1].extra)
     return _copy_out(out, header, copies, durable=durable, progress=progress, what='merging into')
 
 

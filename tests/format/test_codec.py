@@ -51,6 +51,17 @@ def test_plan_layout_ocannl_cases():
     assert plan_layout([], 32) == ()
 
 
+def test_written_header_lays_out_and_names_this_writer():
+    from jckpt.format.layout import written_header
+    from jckpt.version import __version__
+    entries = [entry(offset=999), entry(id=1, label=("v",), path=(("k", "v"),), offset=999)]
+    header = written_header(entries, 64, metadata=[("k", "v")], extra=(("x", "1"),))
+    assert [e.offset for e in header.tensors] == [0, 64]
+    assert header.writer == f"jckpt {__version__}" and header.alignment == 64
+    assert header.metadata == (("k", "v"),) and header.extra == (("x", "1"),)
+    assert decode_header(encode_header(header)).writer == header.writer
+
+
 @pytest.mark.parametrize("alignment", [1, 8, 32, 4096])
 def test_header_padding_aligns_data(alignment):
     raw = encode_header(Header(tensors=(entry(),), alignment=alignment))
