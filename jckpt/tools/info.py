@@ -4,8 +4,8 @@ The summary is read from headers alone (no payload is touched, no JAX is
 imported), so it is instant even for very large files. Which summary
 depends on what `classify` finds at the path: a
 file (`FileInfo`), a multi-process directory
-(`DirectoryInfo`) or a checkpoint manager's
-directory (`ManagerInfo`). Each one's
+(`DirectoryInfo`), a checkpoint manager's
+directory (`ManagerInfo`) or another tool's checkpoint (`ForeignInfo`). Each one's
 `repr` is a readable table, in Jupyter an HTML table; `to_dict()` gives
 the same content as JSON-ready data (what `jckpt inspect --json` prints).
 
@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import os
 
-from jckpt.tools.classify import DIRECTORY, FILE, MANAGER, classify
+from jckpt.tools.classify import DIRECTORY, FILE, FOREIGN, MANAGER, classify
+from jckpt.tools.foreign_info import ForeignInfo, foreign_info
 from jckpt.tools.manager_info import ManagerInfo, manager_info
 from jckpt.tools.summary import DirectoryInfo, FileInfo, directory_info, file_info
 
 
 def info(path: str | os.PathLike, *, best_metric: str | None = None,
-         best_mode: str = 'min') -> FileInfo | DirectoryInfo | ManagerInfo:
+         best_mode: str = 'min') -> FileInfo | DirectoryInfo | ManagerInfo | ForeignInfo:
     """A summary of the checkpoint at `path`, read from its header alone.
 
     Returns a value whose `repr` is a table of namespaces, paths, dtypes,
@@ -46,12 +47,12 @@ def info(path: str | os.PathLike, *, best_metric: str | None = None,
     (`step_00000100.jckpt` steps) gives a
     `ManagerInfo` instead: a table of steps,
     sizes and metrics, with the latest step and the best one by
-    `best_metric` (`best_mode` `'min'` or `'max'`).
+    `best_metric` (`best_mode` `'min'` or `'max'`). Another tool's checkpoint
+    (safetensors, PyTorch, numpy, llm.c, orbax) gives a `ForeignInfo`: its
+    arrays as `jckpt.convert` reads them, and the file's own metadata.
 
     Raises:
-        FormatError: naming the file when it is missing or not a valid checkpoint
-            (and, for a file in another format such as safetensors or npz, the
-            conversion that reads it).
+        FormatError: naming the file when it is missing or not a valid checkpoint.
 
     Examples:
         >>> jckpt.info("ckpt.jckpt")                 # doctest: +SKIP
@@ -64,7 +65,10 @@ def info(path: str | os.PathLike, *, best_metric: str | None = None,
         return directory_info(kind.path)
     if kind.name == MANAGER:
         return manager_info(kind.path, best_metric=best_metric, best_mode=best_mode)
-    assert kind.error is not None  # missing, foreign or unknown: no checkpoint
+    if kind.name == FOREIGN:
+        assert kind.detail is not None  # the format's name
+        return foreign_info(kind.path, kind.detail)
+    assert kind.error is not None  # missing or unknown: no checkpoint
     raise kind.error
 
 

@@ -184,8 +184,10 @@ def test_an_orbax_directory_is_foreign_as_a_safetensors_file_is(tmp_path, capsys
     kind = classify(str(tmp_path / 'orb'))
     assert (kind.name, kind.detail) == (FOREIGN, 'orbax')
     assert 'this directory is in orbax format' in kind.error.message
-    assert main(['inspect', str(tmp_path / 'orb')]) == 2
+    assert main(['verify', str(tmp_path / 'orb')]) == 2
     assert 'jckpt convert' in capsys.readouterr().err
+    assert main(['inspect', str(tmp_path / 'orb')]) == 0  # listed as the converter reads it
+    assert 'orbax checkpoint, 1 array' in capsys.readouterr().out
 
 
 def test_orbax_managers_directory_is_told_to_convert_a_step(tmp_path, capsys):

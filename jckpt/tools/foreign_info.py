@@ -1,0 +1,163 @@
+"""The summary of another tool's checkpoint: what `jckpt inspect model.safetensors` shows.
+
+A safetensors, PyTorch, numpy, llm.c or orbax checkpoint is listed as
+`jckpt.convert` would read it: each array's namespace, path, dtype, shape and
+size, with the file's own metadata (safetensors' `__metadata__`, orbax's
+`_CHECKPOINT_METADATA`). Files are read the way the converter reads them,
+mapped and never copied where the format allows (safetensors, `.pt`,
+`.npy`, llm.c); an orbax directory is described from its metadata alone.
+Reading checks the file as a conversion would, so a damaged or crafted file
+gets the converter's error.
+
+>>> import numpy as np, tempfile, os
+>>> path = os.path.join(tempfile.mkdtemp(), 'w.npz')
+>>> np.savez(path, w=np.zeros((2, 3), np.float32), b=np.zeros(3, np.float32))
+>>> s = foreign_info(path, 'npz')
+>>> [(e.path, e.dtype, e.shape) for e in s.entries]
+[('w', 'float32', (2, 3)), ('b', 'float32', (3,))]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import os
+from typing import Any
+
+import numpy as np
+
+from jckpt.adapters import read as read_format
+from jckpt.format.header import path_name
+from jckpt.storage.checkpoint import open_checkpoint
+from jckpt.tools.render import (
+    REPR_ROWS,
+    VALUE_WIDTH,
+    format_shape,
+    html_table,
+    human_bytes,
+    plural,
+    printable,
+    shorten,
+    text_table,
+)
+from jckpt.tools.summary import _Totals, tree_size
+
+#: Formats whose checkpoints are directories, described from their metadata.
+_DIRECTORY_FORMATS = ('orbax',)
+_COLUMNS = ('namespace', 'path', 'dtype', 'shape', 'size')
+_RIGHT = (4,)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayRow:
+    """One array of a foreign checkpoint: `namespace`, `path` (`a/b/0`), `dtype` (numpy's
+    name), `shape`, `nbytes`."""
+
+    namespace: str
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.namespace}/{self.path}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), 'shape': list(self.shape)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ForeignInfo(_Totals):
+    """The summary of a checkpoint in another format: `path`, `format`, `size` (bytes on
+    disk), the file's `metadata` pairs and one `ArrayRow` per array (`entries`). `repr`
+    prints a table; in Jupyter it renders as HTML; `to_dict` gives the JSON form."""
+
+    path: str
+    format: str
+    size: int
+    metadata: tuple[tuple[str, str], ...]
+    entries: tuple[ArrayRow, ...]
+
+    kind = 'foreign'
+
+    def _description(self) -> str:
+        return (f"{self.format} checkpoint, {plural(len(self.entries), 'array')} in "
+                f"{plural(len(self.namespaces), 'namespace')}, "
+                f"{human_bytes(self.payload_bytes)} of arrays, {human_bytes(self.size)} on disk; "
+                f"jckpt convert makes it a jckpt file")
+
+    def _rows(self, limit: int | None) -> list[list[str]]:
+        shown = self.entries if limit is None else self.entries[:limit]
+        return [[e.namespace, e.path, e.dtype, format_shape(e.shape), human_bytes(e.nbytes)]
+                for e in shown]
+
+    def render(self, limit: int | None = None, width: int | None = VALUE_WIDTH) -> str:
+        """The text view: summary, metadata, the arrays' table (`limit` rows at most)."""
+        rows = self._rows(limit)
+        parts = [f"{self.path}: {self._description()}",
+                 *(f"{printable(k)}: {shorten(v, width)}" for k, v in self.metadata), '']
+        parts.append(text_table(_COLUMNS, rows, right=_RIGHT) if rows else '(no arrays)')
+        if len(rows) < len(self.entries):
+            parts.append(f"... {len(self.entries) - len(rows)} more arrays")
+        return '\n'.join(parts)
+
+    def __repr__(self) -> str:
+        return self.render(limit=REPR_ROWS)
+
+    def _repr_html_(self) -> str:
+        meta = ''.join(f"<tr><th style=\"text-align:left\">{html.escape(k)}</th><td><code>"
+                       f"{html.escape(shorten(v))}</code></td></tr>" for k, v in self.metadata)
+        return (f"<div><p><b>{html.escape(self.path)}</b>: {html.escape(self._description())}"
+                f"</p><table>{meta}</table>"
+                f"{html_table(_COLUMNS, self._rows(REPR_ROWS), right=_RIGHT)}</div>")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data."""
+        return {'kind': self.kind, 'path': self.path, 'format': self.format, 'size': self.size,
+                'metadata': dict(self.metadata), 'entries': [e.to_dict() for e in self.entries],
+                'totals': {'entries': len(self.entries), 'payload_bytes': self.payload_bytes,
+                           'namespaces': self.namespaces}}
+
+
+def foreign_info(path: str | os.PathLike, fmt: str) -> ForeignInfo:
+    """The `ForeignInfo` of the checkpoint at `path`, in the format `fmt` (a name
+    `jckpt.detect_format` gives); the format's reader's `FormatError` for a damaged file."""
+    path = os.fspath(path)
+    if fmt in _DIRECTORY_FORMATS:
+        header = open_checkpoint(path).header
+        rows = [ArrayRow(e.namespace, path_name(e.path or ()), e.dtype.name, tuple(e.shape),
+                         e.byte_length) for e in header.tensors]
+        metadata = tuple(header.metadata)
+    else:
+        tree = read_format(path, fmt)
+        rows = [row for ns, sub in tree.items() for row in _array_rows(ns, sub)]
+        metadata = tuple(_file_metadata(path, fmt).items())
+    return ForeignInfo(path, fmt, tree_size(path), metadata, tuple(rows))
+
+
+def _array_rows(namespace: str, tree: Any) -> list[ArrayRow]:
+    """The arrays (and numbers, stored as 0-d arrays) of a tree a format reader gave."""
+    rows, stack = [], [((), tree)]
+    while stack:
+        keys, node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend(((*keys, k), v) for k, v in reversed(node.items()))
+        elif isinstance(node, (list, tuple)):
+            stack.extend(((*keys, i), v) for i, v in reversed(list(enumerate(node))))
+        elif isinstance(node, (np.ndarray, np.generic, int, float, complex)):
+            a = np.asarray(node)
+            rows.append(ArrayRow(namespace, '/'.join(map(str, keys)), a.dtype.name, a.shape,
+                                 a.nbytes))
+    return rows
+
+
+def _file_metadata(path: str, fmt: str) -> dict[str, str]:
+    """The string pairs a file carries besides its arrays (safetensors' `__metadata__`)."""
+    if fmt == 'safetensors':
+        from jckpt.adapters.safetensors import read_metadata
+        return read_metadata(path)
+    return {}
+
+
+__all__ = ['ArrayRow', 'ForeignInfo', 'foreign_info']
