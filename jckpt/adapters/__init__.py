@@ -72,6 +72,9 @@ class Format:
       check: `check(tree, path)`: raise `InputError` for a `{namespace: subtree}` the
         writer cannot hold, from the leaves' shapes and dtypes alone (no data is read), so
         a manager refuses such a step when it is saved, not when it is written.
+      keeps_metadata: whether `write` takes `metadata=` (string pairs) and stores them,
+        so `convert` hands it what the source holds besides arrays (a jckpt file's
+        metadata, a safetensors file's `__metadata__`).
     """
 
     name: str
@@ -81,6 +84,7 @@ class Format:
     extensions: tuple[str, ...] = ()
     read_metadata: Callable[[str], dict[str, str]] | None = None
     check: Callable[[Any, str], None] | None = None
+    keeps_metadata: bool = False
 
 
 _LOCK = threading.RLock()
@@ -93,7 +97,8 @@ def register_format(name: str, *, read: Callable[[str], Any],
                     extensions: tuple[str, ...] | list[str] = (),
                     replace: bool = False,
                     read_metadata: Callable[[str], dict[str, str]] | None = None,
-                    check: Callable[[Any, str], None] | None = None) -> Format:
+                    check: Callable[[Any, str], None] | None = None,
+                    keeps_metadata: bool = False) -> Format:
     """Add a format to the registry (formats registered later are tried first).
 
     Args:
@@ -108,6 +113,7 @@ def register_format(name: str, *, read: Callable[[str], Any],
         besides arrays; `convert` keeps it as a jckpt file's metadata.
       check: `check(tree, path)` raising `InputError` for a tree `write` cannot hold,
         from shapes and dtypes alone (see `Format.check`).
+      keeps_metadata: `write` takes `metadata=` string pairs and stores them.
 
     Example:
         ```python
@@ -125,7 +131,7 @@ def register_format(name: str, *, read: Callable[[str], Any],
                              fix=f"pass {what}=a function or None")
     fmt = Format(name=name, read=read, write=write, sniff=sniff,
                  extensions=tuple(e.lower() for e in extensions), read_metadata=read_metadata,
-                 check=check)
+                 check=check, keeps_metadata=bool(keeps_metadata))
     with _LOCK:
         if name in _FORMATS and not replace:
             raise InputError(f"format {name!r} is already registered",
@@ -324,13 +330,14 @@ def _only(tree: dict[str, Any], namespaces: str | Collection[str], src: str) -> 
 
 
 def _write_converted(source: Format, src: str, target: Format, tree: Any, dst: str) -> None:
-    """Write `tree` with what `src` holds besides arrays: a jckpt file keeps it as metadata;
-    another format cannot, and a warning names what is left behind (never a silent drop)."""
+    """Write `tree` with what `src` holds besides arrays: a format with a place for string
+    pairs keeps it (a jckpt file's metadata, safetensors' `__metadata__`); for another, a
+    warning names what is left behind (never a silent drop)."""
     meta = source.read_metadata(src) if source.read_metadata is not None else {}
     write = target.write
     assert write is not None  # convert refuses a format it cannot write before reading
-    if meta and target.name == 'jckpt':
-        write(tree, dst, metadata=meta)  # type: ignore[call-arg]  # native.write takes it
+    if meta and target.keeps_metadata:
+        write(tree, dst, metadata=meta)  # type: ignore[call-arg]  # such a writer takes it
         return
     if meta:
         keep = ("the .jckpt file keeps it" if source.name == 'jckpt'

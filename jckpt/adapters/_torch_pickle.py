@@ -95,6 +95,8 @@ class Pickler:
     def value(self, x: Any, where: str) -> None:
         if x is None:
             self.out += b'N'
+        elif isinstance(x, np.generic):  # np.float64 is a float, but a scalar array to the user
+            self.tensor(x, where)
         elif isinstance(x, bool):
             self.out += b'\x88' if x else b'\x89'
         elif isinstance(x, int):

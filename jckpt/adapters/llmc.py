@@ -54,7 +54,7 @@ from jckpt.adapters._common import (
     single_content,
 )
 from jckpt.errors import FormatError, InputError
-from jckpt.format.payload import iter_payload_chunks
+from jckpt.format.payload import iter_payload_chunks, stored_dtype
 
 MAGIC = 20240326
 HEADER_INTS = 256
@@ -203,7 +203,7 @@ def _plan(items: list, path: str) -> tuple[Config, np.dtype, list]:
         raise InputError("'h' must hold layers 0..L-1", file=path,
                          fix="number the layers 0, 1, ... without gaps")
     config = _config(model, len(layers), path)
-    dtype = np.dtype(_get(model, ('wte',), 'wte', path).dtype)
+    dtype = stored_dtype(np.dtype(_get(model, ('wte',), 'wte', path).dtype))  # '>f4' is float32
     if dtype not in VERSIONS.values():
         raise InputError(f"llm.c stores float32 or bfloat16 parameters, not {dtype}", file=path,
                          entry='wte', fix="cast the parameters to float32 or bfloat16")
@@ -214,7 +214,7 @@ def _plan(items: list, path: str) -> tuple[Config, np.dtype, list]:
             else [(name, model)]
         for entry, node in sources:
             leaf = _get(node, where, entry, path)
-            if tuple(leaf.shape) != shape or leaf.dtype != dtype:
+            if tuple(leaf.shape) != shape or stored_dtype(np.dtype(leaf.dtype)) != dtype:
                 raise InputError(f"{kind} is {np.dtype(leaf.dtype)}{list(leaf.shape)}, expected "
                                  f"{dtype}{list(shape)}", file=path, entry=entry,
                                  fix="every parameter must have GPT-2's shape and one dtype")

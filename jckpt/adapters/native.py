@@ -106,4 +106,4 @@ def write(tree: Any, path: str, *, metadata: dict[str, str] | None = None) -> No
 
 def register() -> None:
     register_format('jckpt', read=read, write=write, sniff=sniff, extensions=('.jckpt',),
-                    read_metadata=read_metadata, replace=True)
+                    read_metadata=read_metadata, keeps_metadata=True, replace=True)

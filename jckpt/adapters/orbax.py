@@ -50,9 +50,16 @@ from typing import Any
 
 import numpy as np
 
-from jckpt.adapters._common import DEFAULT_NAMESPACE, check_namespaced, host_items, inside
+from jckpt.adapters._common import (
+    DEFAULT_NAMESPACE,
+    abstract_items,
+    check_namespaced,
+    flat_names,
+    host_items,
+    inside,
+)
 from jckpt.errors import FormatError, InputError
-from jckpt.format.header import NAMESPACE_RE
+from jckpt.format.header import NAMESPACE_RE, path_name
 from jckpt.format.limits import MAX_DECOMPRESSION_RATIO, json_loads
 from jckpt.format.names import ORBAX_JSON_KEY
 from jckpt.storage.backend import LOCAL, backend_for, is_url
@@ -428,6 +435,7 @@ def write(tree: Any, path: str) -> None:
                              "URL, or aws s3 cp --recursive DIR URL); or convert to a .jckpt URL")
     path = os.path.abspath(os.fspath(path))
     tree = check_namespaced(tree, path)
+    check(tree, path)
     host_items(tree, path)  # refuse unstorable leaves before writing anything
     ocp = _orbax()
     import jax
@@ -458,6 +466,43 @@ def write(tree: Any, path: str) -> None:
                          file=path, fix="cast leaves to dtypes orbax stores") from None
 
 
+def check(tree: Any, path: str) -> None:
+    """Refuse a tree orbax cannot hold, naming the leaf and reading no data: two leaves of a
+    namespace whose `.`-joined names agree (orbax would store one array under both names,
+    and one value would be lost), an array with no elements, a dtype tensorstore lacks.
+
+    >>> check({'jckpt': {'a.b': np.ones(2), 'a': {'b': np.ones(2)}}}, 'out')
+    Traceback (most recent call last):
+    ...
+    jckpt.errors.InputError: out: entry jckpt/a.b: two leaves would both be stored as 'a.b' ...
+    """
+    path = os.fspath(path)
+    items = abstract_items(tree, path)
+    for ns in dict.fromkeys(ns for ns, _, _ in items):  # one orbax item per namespace
+        flat_names([item for item in items if item[0] == ns], path)
+    for ns, p, spec in items:
+        if math.prod(spec.shape) == 0:
+            raise InputError(f"orbax cannot store an array with no elements (shape "
+                             f"{tuple(spec.shape)})", file=path, entry=f"{ns}/{path_name(p)}",
+                             fix="drop the leaf, or write a jckpt, safetensors or npz file")
+        if not _tensorstore_has(np.dtype(spec.dtype)):
+            raise InputError(f"dtype {spec.dtype} has no tensorstore equivalent, so orbax "
+                             "cannot store it", file=path, entry=f"{ns}/{path_name(p)}",
+                             fix="cast it, or write a jckpt file")
+
+
+@functools.lru_cache(maxsize=64)
+def _tensorstore_has(dtype: np.dtype) -> bool:
+    """Whether tensorstore (orbax's array store) has `dtype`."""
+    import tensorstore as ts
+
+    try:
+        ts.dtype(dtype.name)
+    except ValueError:
+        return False
+    return True
+
+
 def _for_orbax(leaf: Any) -> Any:
     """A leaf as orbax is given it: host numpy, but typed PRNG keys as keys (orbax stores
     their data and implementation; numpy has no key dtype)."""
@@ -470,4 +515,4 @@ def register() -> None:
     from jckpt.adapters import register_format
 
     register_format('orbax', read=read, write=write, sniff=sniff, read_metadata=json_metadata,
-                    replace=True)
+                    check=check, replace=True)

@@ -419,4 +419,5 @@ def register() -> None:
     from jckpt.adapters import register_format
 
     register_format('safetensors', read=read, write=write, sniff=sniff, read_metadata=read_metadata,
-                    check=check, extensions=('.safetensors', INDEX_SUFFIX), replace=True)
+                    check=check, extensions=('.safetensors', INDEX_SUFFIX), keeps_metadata=True,
+                    replace=True)

@@ -102,9 +102,11 @@ def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, dtype: np.dtype 
     contiguous = tuple(math.prod(size[i + 1:]) for i in range(len(size)))
     if stride == contiguous:
         return base[:math.prod(size)].reshape(size)
-    return np.lib.stride_tricks.as_strided(base, shape=size,
+    raw = base.view(np.dtype((np.void, storage.itemsize)))  # as_strided goes through the
+    # array interface, which cannot name some ml_dtypes (float8_e5m2 says '<f1')
+    return np.lib.stride_tricks.as_strided(raw, shape=size,
                                            strides=tuple(s * storage.itemsize for s in stride),
-                                           writeable=False)
+                                           writeable=False).view(storage.dtype)
 
 
 def _rebuild_tensor_v2(storage, offset, size, stride, requires_grad=False, hooks=None,

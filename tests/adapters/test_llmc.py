@@ -126,6 +126,21 @@ def test_write_refuses_wrong_shapes_and_mixed_dtypes(tmp_path):
     assert not (tmp_path / 'x.bin').exists()
 
 
+def test_big_endian_float32_is_float32(tmp_path):
+    """'>f4' parameters were refused as "not float32 or bfloat16"."""
+    src = tmp_path / 'a.bin'
+    tiny_file(src)
+    tree = jckpt.adapters.read(src)
+
+    def swap(node):
+        if isinstance(node, dict):
+            return {k: swap(v) for k, v in node.items()}
+        return node.astype('>f4') if isinstance(node, np.ndarray) else node
+
+    llmc.write(swap(tree), tmp_path / 'be.bin')
+    assert (tmp_path / 'be.bin').read_bytes() == src.read_bytes()
+
+
 def test_check_refuses_what_write_refuses_reading_no_data(tmp_path):
     """`check` (the manager's save-time check) sees shapes and dtypes only: abstract leaves
     and typed keys pass through it, and it refuses the trees `write` refuses, naming the entry."""

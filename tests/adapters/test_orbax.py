@@ -166,6 +166,28 @@ def test_orbax_pytree_checkpoint_to_jckpt_and_back(tmp_path, orbax_tree):
     assert_same(orbax_tree, composite['jckpt'])
 
 
+@pytest.mark.parametrize('tree, entry, words', [
+    ({'a.b': np.zeros(3, np.float32), 'a': {'b': np.ones(3, np.float32)}}, 'jckpt/a.b',
+     "both be stored as 'a.b'"),  # orbax joins names with '.': one value was silently lost
+    ({'w': np.ones(2), 'empty': np.zeros((3, 0))}, 'jckpt/empty', 'no elements'),
+    ({'w': np.ones(2, ml_dtypes.uint4)}, 'jckpt/w', 'no tensorstore equivalent'),
+])
+def test_what_orbax_cannot_hold_is_refused_naming_the_leaf(tmp_path, tree, entry, words):
+    out = tmp_path / 'o'
+    with pytest.raises(jckpt.InputError, match=words) as e:
+        jckpt.adapters.write({'jckpt': tree}, out, format='orbax')
+    assert e.value.entry == entry and list(tmp_path.iterdir()) == []
+    with pytest.raises(jckpt.InputError, match=words):
+        jckpt.adapters.get_format('orbax').check({'jckpt': tree}, out)
+
+
+def test_the_same_names_in_two_namespaces_are_two_orbax_items(tmp_path):
+    tree = {'p': {'a.b': np.zeros(3, np.float32)}, 'q': {'a': {'b': np.ones(3, np.float32)}}}
+    jckpt.adapters.write(tree, tmp_path / 'o', format='orbax')
+    back = jckpt.adapters.read(tmp_path / 'o')
+    assert back['p']['a.b'].tolist() == [0, 0, 0] and back['q']['a']['b'].tolist() == [1, 1, 1]
+
+
 def test_manager_step_with_several_items(tmp_path, orbax_tree):
     with ocp.CheckpointManager(tmp_path / 'run') as manager:
         manager.save(5, args=ocp.args.Composite(params=ocp.args.PyTreeSave(orbax_tree),

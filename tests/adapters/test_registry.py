@@ -268,3 +268,23 @@ def test_convert_one_namespace_keeps_its_names(tmp_path):
     assert "['ema', 'params']" in e.value.fix and not (tmp_path / 'x.npz').exists()
     with pytest.raises(jckpt.InputError, match="namespaces must be"):
         jckpt.convert(src, tmp_path / 'x.npz', namespaces=[3])
+
+
+def test_a_format_that_keeps_metadata_gets_what_the_source_holds_besides_arrays(
+        tmp_path, clean_registry):
+    seen = {}
+
+    def write_meta(tree, path, metadata=None):
+        seen['metadata'] = metadata
+        adapters.write(tree, path, format='npz')
+
+    src = tmp_path / 'm.jckpt'
+    jckpt.save(jckpt.Context(), {'w': np.ones(2, np.float32)}, src, metadata={'run': '7'})
+    jckpt.register_format('meta', read=adapters.get_format('npz').read, write=write_meta,
+                          keeps_metadata=True)
+    jckpt.convert(src, tmp_path / 'a', format='meta')
+    assert seen['metadata'] == {'run': '7'}
+    jckpt.register_format('plain', read=adapters.get_format('npz').read,
+                          write=lambda tree, path: adapters.write(tree, path, format='npz'))
+    with pytest.warns(UserWarning, match=r"\['run'\] .* is not kept in 'plain'"):
+        jckpt.convert(src, tmp_path / 'b', format='plain')

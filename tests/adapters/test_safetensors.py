@@ -5,6 +5,7 @@ import os
 import struct
 import subprocess
 import sys
+import warnings
 
 import ml_dtypes
 import numpy as np
@@ -133,6 +134,17 @@ def test_convert_keeps_the_files_own_metadata_but_not_jckpts(tmp_path):
     st.write({'jckpt': {'a': {'b': np.ones(1)}}}, ours, metadata={'run': '7'})
     assert 'jckpt.paths' in st.read_arrays(str(ours))[1]  # how jckpt records structure there
     assert st.read_metadata(str(ours)) == {'format': 'pt', 'run': '7'}  # is not the file's own
+
+
+def test_converting_a_jckpt_file_keeps_its_metadata_in_the_files_own(tmp_path):
+    src = tmp_path / 'm.jckpt'
+    jckpt.save(jckpt.Context(), {'w': np.ones(2, np.float32)}, src, metadata={'run': '7'})
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')  # nothing is left behind, so nothing is warned of
+        jckpt.convert(src, tmp_path / 'm.safetensors')
+    assert st.read_metadata(str(tmp_path / 'm.safetensors')) == {'format': 'pt', 'run': '7'}
+    jckpt.convert(tmp_path / 'm.safetensors', tmp_path / 'back.jckpt')
+    assert jckpt.describe(tmp_path / 'back.jckpt').metadata_dict() == {'format': 'pt', 'run': '7'}
 
 
 def test_loading_is_zero_copy_where_aligned(tmp_path):

@@ -216,6 +216,26 @@ def test_unrepresentable_dtype_is_refused_before_writing(tmp_path):
     assert not path.exists()
 
 
+@pytest.mark.parametrize('dtype', [ml_dtypes.float8_e5m2, ml_dtypes.float8_e4m3fn,
+                                   ml_dtypes.bfloat16, np.complex128])
+def test_a_strided_view_of_any_dtype_is_rebuilt(dtype):
+    """A transposed float8_e5m2 tensor was refused as a damaged pickle: numpy's array
+    interface, which as_strided goes through, cannot name that dtype."""
+    storage = np.arange(6).astype(dtype)
+    view = pt._rebuild(storage, 0, (3, 2), (1, 3))
+    want = np.ascontiguousarray(storage.reshape(2, 3).T)
+    assert view.dtype == dtype and np.ascontiguousarray(view).tobytes() == want.tobytes()
+
+
+def test_numpy_scalars_are_written_as_tensors_python_numbers_as_themselves(tmp_path):
+    """np.float64 is a Python float: it was pickled as one, np.float32 as a tensor."""
+    path = tmp_path / 'm.pt'
+    pt.write({'jckpt': {'f64': np.float64(1.5), 'f32': np.float32(1.5), 'py': 1.5}}, path)
+    back = pt.read(path)['jckpt']
+    assert isinstance(back['f64'], np.ndarray) and back['f64'].dtype == np.float64
+    assert isinstance(back['f32'], np.ndarray) and back['py'] == 1.5 and type(back['py']) is float
+
+
 def test_storages_are_64_byte_aligned_and_mapped(tmp_path):
     path = tmp_path / 'a.pt'
     pt.write({'jckpt': {'a': np.arange(5, dtype=np.float64), 'b': np.arange(3, dtype=np.int8)}}, path)
