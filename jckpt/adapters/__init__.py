@@ -170,7 +170,7 @@ def get_format(name: str) -> Format:
 
 _BUILTINS = ('jckpt.adapters.native', 'jckpt.adapters.ocannl', 'jckpt.adapters.numpy',
              'jckpt.adapters.safetensors', 'jckpt.adapters.llmc', 'jckpt.adapters.torch',
-             'jckpt.adapters.orbax')
+             'jckpt.adapters.orbax_writer')  # the orbax format: orbax reads, orbax_writer writes
 _loaded = False
 
 

@@ -12,8 +12,9 @@ hold no arrays: `json_metadata` gives them as metadata under
 `jckpt.restore` and `jckpt.load` read these directories directly too
 (`jckpt.adapters.orbax_reader`).
 
-Writing makes a step-style directory with one PyTree item per namespace,
-which `ocp.CheckpointManager`/`ocp.Checkpointer` and this reader open;
+Writing (`jckpt.adapters.orbax_writer`) makes a step-style directory with one
+PyTree item per namespace, which `ocp.CheckpointManager`/`ocp.Checkpointer` and
+this reader open;
 typed PRNG keys are handed to orbax as keys (orbax stores them itself), and
 nodes without leaves that the tree holds (optax's `EmptyState`, `None`)
 are kept, as orbax keeps them. A jckpt file records the key paths of such
@@ -42,7 +43,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import stat
 import threading
 from collections.abc import Iterator
@@ -52,17 +52,13 @@ import numpy as np
 
 from jckpt.adapters._common import (
     DEFAULT_NAMESPACE,
-    abstract_items,
-    check_namespaced,
-    flat_names,
-    host_items,
     inside,
 )
 from jckpt.errors import FormatError, InputError
-from jckpt.format.header import NAMESPACE_RE, path_name
+from jckpt.format.header import NAMESPACE_RE
 from jckpt.format.limits import MAX_DECOMPRESSION_RATIO, json_loads
 from jckpt.format.names import ORBAX_JSON_KEY
-from jckpt.storage.backend import LOCAL, backend_for, is_url
+from jckpt.storage.backend import backend_for, is_url
 from jckpt.storage.regular import open_regular
 
 _ITEM_MARKERS = ('_METADATA', 'manifest.ocdbt')
@@ -73,7 +69,8 @@ _JSON_ITEM = 'metadata'
 _MAX_JSON_BYTES = 64 << 20
 
 
-def _orbax():
+def import_orbax() -> Any:
+    """`orbax.checkpoint`, or an `InputError` saying what to install."""
     try:
         import orbax.checkpoint as ocp
     except ImportError:
@@ -300,7 +297,7 @@ def read_item(item: str) -> Any:
     if specs:
         _check_claim(sum(math.prod(shape) * dtype.itemsize for _, shape, dtype, _ in specs),
                      check_tree(item), item)
-    ocp = _orbax()
+    ocp = import_orbax()
     import jax
     checkpointer = ocp.PyTreeCheckpointer()
     item = os.path.abspath(item)  # orbax wants absolute paths
@@ -371,7 +368,7 @@ def _metadata(item: str) -> Any:
 @functools.lru_cache(maxsize=4)
 def _metadata_of(path: str, *version: int) -> Any:
     with _quiet():
-        return _orbax().PyTreeCheckpointer().metadata(path)
+        return import_orbax().PyTreeCheckpointer().metadata(path)
 
 
 def item_specs(item: str) -> list[tuple[Any, tuple[int, ...], np.dtype, str | None]] | None:
@@ -380,7 +377,7 @@ def item_specs(item: str) -> list[tuple[Any, tuple[int, ...], np.dtype, str | No
     or metadata that cannot be read (the caller then reads the item)."""
     if not os.path.exists(os.path.join(item, '_METADATA')):
         return None
-    _orbax()  # orbax missing: an InputError saying what to install
+    import_orbax()  # orbax missing: an InputError saying what to install
     import jax
 
     try:
@@ -420,99 +417,3 @@ def json_metadata(path: str) -> dict[str, str]:
             raise FormatError(f"JSON item {name!r} cannot be read: {e}", file=single,
                               fix="the step is damaged; save it again") from None
     return {ORBAX_JSON_KEY: json.dumps(found, sort_keys=True)} if found else {}
-
-
-def write(tree: Any, path: str) -> None:
-    """Write `{namespace: subtree}` as an orbax step directory, one PyTree item per namespace.
-
-    The directory is built beside `path` and renamed into place; an
-    existing directory at `path` is replaced only after the new one is complete.
-    """
-    if backend_for(os.fspath(path)) is not LOCAL:  # before abspath, which made the URL a path
-        raise InputError("orbax checkpoints are written to a local directory, not an object "
-                         "store", file=os.fspath(path),
-                         fix="write a local directory, then upload it (gcloud storage cp -r DIR "
-                             "URL, or aws s3 cp --recursive DIR URL); or convert to a .jckpt URL")
-    path = os.path.abspath(os.fspath(path))
-    tree = check_namespaced(tree, path)
-    check(tree, path)
-    host_items(tree, path)  # refuse unstorable leaves before writing anything
-    ocp = _orbax()
-    import jax
-
-    hosts = {ns: jax.tree_util.tree_map(_for_orbax, sub) for ns, sub in tree.items()}
-    parent = os.path.dirname(os.path.abspath(path))
-    staging = os.path.join(parent, f".{os.path.basename(path)}.jckpt-orbax.{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-            checkpointer.save(staging, ocp.args.Composite(**{
-                ns: ocp.args.PyTreeSave(sub) for ns, sub in hosts.items()}))
-        if os.path.isdir(path):
-            old = staging + '.old'
-            os.rename(path, old)
-            os.rename(staging, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(staging, path)
-    except InputError:
-        raise
-    except Exception as e:
-        shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(e, OSError):
-            from jckpt.storage.publish import storage_error
-            raise storage_error(e, "writing the orbax checkpoint", path) from e
-        raise InputError(f"orbax could not save the tree ({type(e).__name__}: {str(e)[:300]})",
-                         file=path, fix="cast leaves to dtypes orbax stores") from None
-
-
-def check(tree: Any, path: str) -> None:
-    """Refuse a tree orbax cannot hold, naming the leaf and reading no data: two leaves of a
-    namespace whose `.`-joined names agree (orbax would store one array under both names,
-    and one value would be lost), an array with no elements, a dtype tensorstore lacks.
-
-    >>> check({'jckpt': {'a.b': np.ones(2), 'a': {'b': np.ones(2)}}}, 'out')
-    Traceback (most recent call last):
-    ...
-    jckpt.errors.InputError: out: entry jckpt/a.b: two leaves would both be stored as 'a.b' ...
-    """
-    path = os.fspath(path)
-    items = abstract_items(tree, path)
-    for ns in dict.fromkeys(ns for ns, _, _ in items):  # one orbax item per namespace
-        flat_names([item for item in items if item[0] == ns], path)
-    for ns, p, spec in items:
-        if math.prod(spec.shape) == 0:
-            raise InputError(f"orbax cannot store an array with no elements (shape "
-                             f"{tuple(spec.shape)})", file=path, entry=f"{ns}/{path_name(p)}",
-                             fix="drop the leaf, or write a jckpt, safetensors or npz file")
-        if not _tensorstore_has(np.dtype(spec.dtype)):
-            raise InputError(f"dtype {spec.dtype} has no tensorstore equivalent, so orbax "
-                             "cannot store it", file=path, entry=f"{ns}/{path_name(p)}",
-                             fix="cast it, or write a jckpt file")
-
-
-@functools.lru_cache(maxsize=64)
-def _tensorstore_has(dtype: np.dtype) -> bool:
-    """Whether tensorstore (orbax's array store) has `dtype`."""
-    import tensorstore as ts
-
-    try:
-        ts.dtype(dtype.name)
-    except ValueError:
-        return False
-    return True
-
-
-def _for_orbax(leaf: Any) -> Any:
-    """A leaf as orbax is given it: host numpy, but typed PRNG keys as keys (orbax stores
-    their data and implementation; numpy has no key dtype)."""
-    from jckpt.trees.to_host import is_prng_key
-
-    return leaf if is_prng_key(leaf) else np.asarray(leaf)
-
-
-def register() -> None:
-    from jckpt.adapters import register_format
-
-    register_format('orbax', read=read, write=write, sniff=sniff, read_metadata=json_metadata,
-                    check=check, replace=True)

@@ -91,8 +91,8 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
     ctx = check_context(ctx, appending=appending, progress=progress)  # first: names a tree given as ctx
     path = checked_path(path)
     metadata = check_metadata(metadata, path)  # refused before anything is written
+    backend_for(path).check_target(path)  # a directory in the way, a bucket: before any request
     # several processes save their pieces into one directory; a directory checkpoint stays one
-    _refuse_plain_directory(path)
     with naming_file(path):  # a leaf's error names the file too
         if jax.process_count() > 1 or _holds_directory(path):
             if appending:
@@ -110,7 +110,7 @@ def save_file(ctx: Context, tree: Any, path: PathLike) -> None:
     what a writer that runs on one process of several uses (orbax's handler, on process 0).
     Every leaf must be fully addressable from this process."""
     ctx, path = check_context(ctx), checked_path(path)
-    _refuse_plain_directory(path)
+    backend_for(path).check_target(path)
     with naming_file(path):
         _save_file(ctx, tree, path, False, None, {}, False)
 
@@ -164,16 +164,6 @@ def _with_empty_nodes(metadata: dict[str, str], old: CheckpointReader | None, na
     if text is None:
         return metadata
     return {**metadata, EMPTY_NODES_KEY: text}
-
-
-def _refuse_plain_directory(path: str) -> None:
-    """Refuse, before a byte is written, a local directory in the way that holds no directory
-    checkpoint (a save would write its whole staging file, then fail to rename it). A
-    symbolic link to one is replaced, as any link at a checkpoint's path is."""
-    if backend_for(path) is LOCAL and os.path.isdir(path) and not os.path.islink(path) \
-            and not os.path.isfile(os.path.join(path, INDEX_NAME)):
-        raise InputError("is a directory that holds no directory checkpoint", file=path,
-                         fix="save to a file path (inside it, perhaps), or remove it first")
 
 
 def _holds_directory(path: str) -> bool:

@@ -99,7 +99,7 @@ def check_alignment(alignment: Any, file: str | None = None) -> int:
     if value is None or not 1 <= value <= MAX_ALIGNMENT:
         raise InputError(f"alignment must be a positive integer up to {MAX_ALIGNMENT}, "
                          f"not {alignment!r}", file=file,
-                         fix="use a power of two such as 64 (the default) or 4096")
+                         fix="use a power of two such as 32 (the default) or 4096")
     return value
 
 

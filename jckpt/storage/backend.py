@@ -35,6 +35,7 @@ import shutil
 from typing import Protocol, runtime_checkable
 
 from jckpt.errors import FormatError, InputError
+from jckpt.format.names import INDEX_NAME
 from jckpt.storage import object_store
 from jckpt.storage.lease import WriterLease
 from jckpt.storage.object_backend import OBJECT_STORE
@@ -79,6 +80,10 @@ class Backend(Protocol):
 
     def isdir(self, path: str) -> bool:
         """Whether `path` is a directory (a directory checkpoint, or a manager's root)."""
+
+    def check_target(self, path: str) -> None:
+        """Refuse, before any byte is written or any request made, a path no checkpoint file
+        can be saved at (`InputError`): a local directory in the way, a bucket's root."""
 
     def create(self, target: str, *, durable: bool = True) -> StagingFile:
         """A streaming write that replaces `target` atomically when published.
@@ -146,6 +151,14 @@ class LocalBackend:
 
     def isdir(self, path: str) -> bool:
         return os.path.isdir(path)
+
+    def check_target(self, path: str) -> None:
+        # a save would write its whole staging file, then fail to rename it over a directory;
+        # a symbolic link to one is replaced, as any link at a checkpoint's path is
+        if os.path.isdir(path) and not os.path.islink(path) \
+                and not os.path.isfile(os.path.join(path, INDEX_NAME)):
+            raise InputError("is a directory that holds no directory checkpoint", file=path,
+                             fix="save to a file path (inside it, perhaps), or remove it first")
 
     def create(self, target: str, *, durable: bool = True) -> StagingFile:
         return StagingFile(target, durable=durable)

@@ -67,6 +67,9 @@ class ObjectStoreBackend:
         part, concurrency = tuning(u)
         return RemoteReader(ObjectSource(u), path, part=part, concurrency=concurrency)
 
+    def check_target(self, path: str) -> None:
+        _object(path)
+
     def map(self, path: str) -> bytes:
         u = _object(path)
         try:

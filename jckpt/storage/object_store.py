@@ -48,11 +48,25 @@ MISSING_OBJECT = "no such checkpoint object"
 REMOVED_WHILE_READ = "the object was removed while it was read"
 DEFAULT_PART_SIZE = 16 << 20
 DEFAULT_CONCURRENCY = 8
-_CREDENTIALS_FIX = ("check the credentials: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a profile) for "
-                    "s3://, GOOGLE_APPLICATION_CREDENTIALS or application default credentials for gs://, "
-                    "AZURE_STORAGE_* for az://, or pass them with jckpt.storage.configure")
-_NETWORK_FIX = ("check the endpoint (AWS_ENDPOINT_URL for S3-compatible servers) and the network, "
-                "then try again")
+#: Where each kind of store finds its credentials, and its endpoint, for errors' fixes.
+_CREDENTIALS = {'s3': "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a profile)",
+                'gs': "GOOGLE_APPLICATION_CREDENTIALS or application default credentials",
+                'az': "AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY (or another "
+                      "AZURE_STORAGE_* credential)"}
+_ENDPOINTS = {'s3': "the endpoint (AWS_ENDPOINT_URL for S3-compatible servers)",
+              'gs': "the endpoint", 'az': "the account and endpoint (AZURE_STORAGE_ENDPOINT)"}
+
+
+def _credentials_fix(url: str) -> str:
+    where = _CREDENTIALS.get(SCHEMES.get(url.partition('://')[0].lower(), ''))
+    return (f"check the credentials: {where}, or pass them with jckpt.storage.configure" if where
+            else "check the credentials, or pass them with jckpt.storage.configure")
+
+
+def _network_fix(url: str) -> str:
+    where = _ENDPOINTS.get(SCHEMES.get(url.partition('://')[0].lower(), ''), "the endpoint")
+    return f"check {where} and the network, then try again"
+
 
 _LOCK = threading.Lock()
 _OPTIONS: dict[str, dict[str, Any]] = {}
@@ -252,12 +266,15 @@ def store_error(exc: BaseException, action: str, url: str) -> CheckpointError:
                             fix="create the bucket, or check the URL and the endpoint")
     if name in ('PermissionDeniedError', 'UnauthenticatedError') or 'AccessDenied' in text \
             or 'InvalidAccessKeyId' in text or 'SignatureDoesNotMatch' in text:
-        return StorageError(f"{action} failed: access denied ({detail})", file=url, fix=_CREDENTIALS_FIX)
+        return StorageError(f"{action} failed: access denied ({detail})", file=url,
+                            fix=_credentials_fix(url))
     # no keys in the environment: the store asked the cloud's instance metadata service
     metadata_service = '169.254.169.254' in text or 'metadata.google.internal' in text
-    if 'credential' in text.lower() or 'service account' in text.lower() or metadata_service:
-        return StorageError(f"{action} failed: the credentials could not be loaded ({detail})", file=url,
-                            fix=_CREDENTIALS_FIX)
+    lower = text.lower()
+    if 'credential' in lower or 'service account' in lower or 'account must be specified' in lower \
+            or metadata_service:
+        return StorageError(f"{action} failed: the credentials could not be loaded ({detail})",
+                            file=url, fix=_credentials_fix(url))
     if name == 'UnknownConfigurationKeyError':
         return InputError(f"{action} failed: {detail}", file=url,
                           fix="see obstore's options for this store; jckpt's own are "
@@ -265,7 +282,7 @@ def store_error(exc: BaseException, action: str, url: str) -> CheckpointError:
     if name == 'PreconditionError':
         return StorageError(f"{action} failed: the object changed while it was read", file=url,
                             fix="another writer replaced it; read it again")
-    return StorageError(f"{action} failed: {detail}", file=url, fix=_NETWORK_FIX)
+    return StorageError(f"{action} failed: {detail}", file=url, fix=_network_fix(url))
 
 
 def is_missing(exc: BaseException) -> bool:

@@ -31,6 +31,8 @@ import logging
 import os
 import sys
 import time
+import traceback
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,7 +53,7 @@ from jckpt.tools.classify import (
 from jckpt.tools.consolidate import consolidate
 from jckpt.tools.diff import diff
 from jckpt.tools.info import info
-from jckpt.tools.render import printable
+from jckpt.tools.render import plural, printable
 from jckpt.tools.rewrite import merge, relayout
 from jckpt.tools.verify import verify
 from jckpt.version import __version__
@@ -145,7 +147,7 @@ def _consolidate(args: argparse.Namespace) -> int:
     """`convert` of a multi-process directory into one jckpt file."""
     header = consolidate(args.src, args.dst, alignment=args.alignment,
                          verify=not args.no_verify, progress=_progress(args))
-    _print(f"wrote {args.dst}: {len(header.tensors)} entries in one file, "
+    _print(f"wrote {args.dst}: {plural(len(header.tensors), 'entry')} in one file, "
            f"alignment {header.alignment}")
     return EXIT_OK
 
@@ -154,7 +156,8 @@ def _relayout(args: argparse.Namespace) -> int:
     """`convert` of a jckpt file into another: payloads copied, laid out anew."""
     header = relayout(args.src, args.dst, alignment=args.alignment, overwrite=True,
                       verify=not args.no_verify, progress=_progress(args))
-    _print(f"wrote {args.dst}: {len(header.tensors)} entries, alignment {header.alignment}")
+    _print(f"wrote {args.dst}: {plural(len(header.tensors), 'entry')}, "
+           f"alignment {header.alignment}")
     return EXIT_OK
 
 
@@ -168,7 +171,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
                    append=args.append, overwrite=args.overwrite, verify=not args.no_verify,
                    progress=_progress(args))
     namespaces = sorted({e.namespace for e in header.tensors})
-    _print(f"wrote {args.out}: {len(header.tensors)} entries in namespaces "
+    _print(f"wrote {args.out}: {plural(len(header.tensors), 'entry')} in namespaces "
            f"{', '.join(namespaces) or '(none)'}")
     return EXIT_OK
 
@@ -246,7 +249,8 @@ def _add_verify(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser('verify', parents=[common], help='check layout and every checksum',
                        description='Check the layout and recompute every payload checksum. '
                                    'Exit status 0 only if all hold; each bad entry is named.')
-    p.add_argument('path', help='a checkpoint file')
+    p.add_argument('path', help="a checkpoint file, a multi-process checkpoint directory or a "
+                               "checkpoint manager's directory")
     p.add_argument('--json', action='store_true', help='print JSON instead of text')
     p.add_argument('--strict', action='store_true',
                    help='also fail on warnings (unchecked payloads, non-canonical layout)')
@@ -345,13 +349,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _configure_logging(args)
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The subcommand's exit status; an error is one line (`--debug`: after its traceback),
+    and exits `EXIT_ERROR` either way."""
     try:
         return args.func(args)
-    except CheckpointError as e:
-        if args.debug:
-            raise
-        _error(str(e))
-        return EXIT_ERROR
     except BrokenPipeError:  # output piped into `head` and the like: stop quietly
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
@@ -359,18 +366,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         _error("interrupted")
         return 130
-    except OSError as e:
-        if args.debug:
-            raise
-        where = f"{e.filename}: " if e.filename else ''
-        _error(f"{where}{e.strerror or e}")
-        return EXIT_ERROR
     except Exception as e:
         if args.debug:
-            raise
-        _error(f"unexpected {type(e).__name__}: {e} (rerun with --debug for the traceback, "
-               "and please report it)")
+            traceback.print_exc()
+        _error(_message(e))
         return EXIT_ERROR
+
+
+def _message(e: Exception) -> str:
+    """The one line that says what went wrong."""
+    if isinstance(e, CheckpointError):
+        return str(e)
+    if isinstance(e, OSError):
+        return f"{e.filename}: {e.strerror or e}" if e.filename else f"{e.strerror or e}"
+    return (f"unexpected {type(e).__name__}: {e} (rerun with --debug for the traceback, "
+            "and please report it)")
+
+
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: Any = None, line: str | None = None) -> None:
+    """A warning as one line, as errors are (Python's form names a line of jckpt's source)."""
+    sys.stderr.write(f"jckpt: warning: {printable(str(message))}\n")
+    sys.stderr.flush()
 
 
 __all__ = ['build_parser', 'main']

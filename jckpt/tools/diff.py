@@ -220,7 +220,7 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float = 0.0, rtol:
 
     Example:
         ```python
-        report = jckpt.tools.diff.diff("before.jckpt", "after.jckpt", atol=1e-6)
+        report = jckpt.diff("before.jckpt", "after.jckpt", atol=1e-6)
         print(report)            # entries only in one, and what changed
         ```
     """

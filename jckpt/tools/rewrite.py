@@ -118,7 +118,7 @@ def relayout(src: str | os.PathLike, dst: str | os.PathLike, *, alignment: int |
 
     Example:
         ```python
-        jckpt.tools.rewrite.relayout("ocannl_model.ckpt", "model.jckpt", alignment=4096)
+        jckpt.relayout("ocannl_model.ckpt", "model.jckpt", alignment=4096)
         ```
     """
     src, dst = os.fspath(src), os.fspath(dst)
@@ -159,7 +159,7 @@ def merge(out: str | os.PathLike, inputs: Sequence[str | os.PathLike],
 
     Example:
         ```python
-        jckpt.tools.rewrite.merge("both.jckpt", ["teacher.jckpt", "student.jckpt"],
+        jckpt.merge("both.jckpt", ["teacher.jckpt", "student.jckpt"],
                             prefixes=["teacher", "student"])
         # namespaces teacher__jckpt and student__jckpt
         ```

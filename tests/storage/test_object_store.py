@@ -551,6 +551,32 @@ def test_no_credentials_at_all_is_said_as_such():
     assert e.file == "s3://b/x.jckpt"
 
 
+@pytest.mark.parametrize("url, names, other", [
+    ("s3://b/x.jckpt", "AWS_ACCESS_KEY_ID", "AZURE"), ("az://c/x.jckpt", "AZURE_STORAGE_ACCOUNT_NAME", "AWS"),
+    ("gs://b/x.jckpt", "GOOGLE_APPLICATION_CREDENTIALS", "AWS")])
+def test_each_stores_fix_names_its_own_settings(url, names, other):
+    """An az:// URL without an account was told to check AWS_ENDPOINT_URL."""
+    azure = RuntimeError("Generic MicrosoftAzure error: Account must be specified")
+    denied = RuntimeError("AccessDenied")
+    for failure in (azure, denied):
+        e = object_store.store_error(failure, "saving", url)
+        assert "credentials" in e.fix and names in e.fix and other not in e.fix, e.fix
+    network = object_store.store_error(RuntimeError("connection refused"), "saving", url)
+    assert "network" in network.fix and other not in network.fix
+
+
+def test_a_bucket_alone_is_refused_before_any_request(monkeypatch):
+    """s3://bucket reached the store first: a lookup retried for seconds, then a network or
+    credentials error instead of the refusal."""
+    def no_store(u):
+        raise AssertionError(f"a request for {u.url}")
+
+    monkeypatch.setattr(object_store, "store_for", no_store)
+    for url in ("s3://bucket", "gs://bucket/", "az://container"):
+        with pytest.raises(jckpt.InputError, match="names a bucket, not a checkpoint inside it"):
+            jckpt.save(jckpt.Context(), TREE, url)
+
+
 @pytest.mark.parametrize("url", ["s3://b/run/a\nb.jckpt", "memory://b/x\t.jckpt", "gs://b/\x7f"])
 def test_control_characters_in_a_url_are_refused(url):
     """A newline reached the store, which refused the path with a network error's fix."""

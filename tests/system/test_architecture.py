@@ -138,6 +138,7 @@ COVERED_BY = {
     'jckpt.api.multiprocess': 'system/test_multiprocess.py',
     'jckpt.adapters.orbax': 'adapters/test_orbax.py',
     'jckpt.adapters.orbax_handler': 'adapters/test_orbax.py',
+    'jckpt.adapters.orbax_writer': 'adapters/test_orbax.py',
 }
 
 

@@ -171,8 +171,9 @@ def test_inspect_garbage_and_debug(tmp_path):
     bad = tmp_path / 'bad.jckpt'
     bad.write_bytes(b'\x00\x00\x00\x0c(not (closed')
     one_line_error(jckpt_cmd('inspect', bad), str(bad), 'S-expression')
-    p = jckpt_cmd('--debug', 'inspect', bad)
-    assert p.returncode != 0 and 'Traceback' in p.stderr and 'FormatError' in p.stderr
+    p = jckpt_cmd('--debug', 'inspect', bad)  # the traceback, then the same line and status
+    assert p.returncode == 2 and 'Traceback' in p.stderr and 'FormatError' in p.stderr
+    assert p.stderr.rstrip().splitlines()[-1].startswith('jckpt: error: ')
     p = jckpt_cmd('inspect', bad, '--debug', '-v')  # accepted after the subcommand too
     assert 'Traceback' in p.stderr
 
@@ -417,6 +418,9 @@ def test_convert_other_formats(tmp_path, model, cli):
     shown = cli('inspect', npz)  # another format is listed as the converter reads it
     assert shown.returncode == 0 and 'npz checkpoint, 3 arrays' in shown.stdout, shown.stderr
     one_line_error(cli('verify', npz), 'npz format', 'jckpt convert')
+    p = jckpt_cmd('convert', model, tmp_path / 'm.pt')  # npz and .pt have no place for metadata
+    assert p.returncode == 0 and p.stderr.startswith("jckpt: warning: ")
+    assert "['note']" in p.stderr and len(p.stderr.strip().splitlines()) == 1  # no source line
     one_line_error(cli('convert', model, tmp_path / 'x.npz', '--alignment', '64'), '--alignment')
 
 

@@ -1,0 +1,130 @@
+"""Writing `{namespace: subtree}` as an orbax step directory (the `orbax` format's writer).
+
+One PyTree item per namespace, written by orbax itself through its
+`CompositeCheckpointHandler`, in a staging directory beside the destination
+and renamed into place, so `ocp.CheckpointManager`/`ocp.Checkpointer` and
+`jckpt.adapters.orbax` read it. `check` refuses, naming the leaf and before
+anything is written, what orbax would lose or fail on.
+
+Example:
+    ```python
+    jckpt.convert('step1000.jckpt', 'exported', format='orbax')
+    ```
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import shutil
+from typing import Any
+
+import numpy as np
+
+from jckpt.adapters import orbax
+from jckpt.adapters._common import abstract_items, check_namespaced, flat_names, host_items
+from jckpt.errors import InputError
+from jckpt.format.header import path_name
+from jckpt.storage.backend import LOCAL, backend_for
+
+
+def write(tree: Any, path: str) -> None:
+    """Write `{namespace: subtree}` as an orbax step directory, one PyTree item per namespace.
+
+    The directory is built beside `path` and renamed into place; an
+    existing directory at `path` is replaced only after the new one is complete.
+    """
+    if backend_for(os.fspath(path)) is not LOCAL:  # before abspath, which made the URL a path
+        raise InputError("orbax checkpoints are written to a local directory, not an object "
+                         "store", file=os.fspath(path),
+                         fix="write a local directory, then upload it (gcloud storage cp -r DIR "
+                             "URL, or aws s3 cp --recursive DIR URL); or convert to a .jckpt URL")
+    path = os.path.abspath(os.fspath(path))
+    tree = check_namespaced(tree, path)
+    check(tree, path)
+    host_items(tree, path)  # refuse unstorable leaves before writing anything
+    ocp = orbax.import_orbax()
+    import jax
+
+    hosts = {ns: jax.tree_util.tree_map(_for_orbax, sub) for ns, sub in tree.items()}
+    parent = os.path.dirname(os.path.abspath(path))
+    staging = os.path.join(parent, f".{os.path.basename(path)}.jckpt-orbax.{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+            checkpointer.save(staging, ocp.args.Composite(**{
+                ns: ocp.args.PyTreeSave(sub) for ns, sub in hosts.items()}))
+        if os.path.isdir(path):
+            old = staging + '.old'
+            os.rename(path, old)
+            os.rename(staging, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(staging, path)
+    except InputError:
+        raise
+    except Exception as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(e, OSError):
+            from jckpt.storage.publish import storage_error
+            raise storage_error(e, "writing the orbax checkpoint", path) from e
+        raise InputError(f"orbax could not save the tree ({type(e).__name__}: {str(e)[:300]})",
+                         file=path, fix="cast leaves to dtypes orbax stores") from None
+
+
+def check(tree: Any, path: str) -> None:
+    """Refuse a tree orbax cannot hold, naming the leaf and reading no data: two leaves of a
+    namespace whose `.`-joined names agree (orbax would store one array under both names,
+    and one value would be lost), an array with no elements, a dtype tensorstore lacks.
+
+    >>> check({'jckpt': {'a.b': np.ones(2), 'a': {'b': np.ones(2)}}}, 'out')
+    Traceback (most recent call last):
+    ...
+    jckpt.errors.InputError: out: entry jckpt/a.b: two leaves would both be stored as 'a.b' ...
+    """
+    path = os.fspath(path)
+    items = abstract_items(tree, path)
+    for ns in dict.fromkeys(ns for ns, _, _ in items):  # one orbax item per namespace
+        flat_names([item for item in items if item[0] == ns], path)
+    for ns, p, spec in items:
+        if math.prod(spec.shape) == 0:
+            raise InputError(f"orbax cannot store an array with no elements (shape "
+                             f"{tuple(spec.shape)})", file=path, entry=f"{ns}/{path_name(p)}",
+                             fix="drop the leaf, or write a jckpt, safetensors or npz file")
+        if not _tensorstore_has(np.dtype(spec.dtype)):
+            raise InputError(f"dtype {spec.dtype} has no tensorstore equivalent, so orbax "
+                             "cannot store it", file=path, entry=f"{ns}/{path_name(p)}",
+                             fix="cast it, or write a jckpt file")
+
+
+@functools.lru_cache(maxsize=64)
+def _tensorstore_has(dtype: np.dtype) -> bool:
+    """Whether tensorstore (orbax's array store) has `dtype`."""
+    import tensorstore as ts
+
+    try:
+        ts.dtype(dtype.name)
+    except ValueError:
+        return False
+    return True
+
+
+def _for_orbax(leaf: Any) -> Any:
+    """A leaf as orbax is given it: host numpy, but typed PRNG keys as keys (orbax stores
+    their data and implementation; numpy has no key dtype)."""
+    from jckpt.trees.to_host import is_prng_key
+
+    return leaf if is_prng_key(leaf) else np.asarray(leaf)
+
+
+
+def register() -> None:
+    """Register the `orbax` format: `jckpt.adapters.orbax` reads, this module writes."""
+    from jckpt.adapters import register_format
+
+    register_format('orbax', read=orbax.read, write=write, sniff=orbax.sniff,
+                    read_metadata=orbax.json_metadata, check=check, replace=True)
+
+
+__all__ = ['check', 'register', 'write']
