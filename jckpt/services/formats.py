@@ -362,6 +362,19 @@ def _fill(ctx: Context, target: Any, model: Any, file: str, step: int, cast: boo
     return jax.tree_util.tree_unflatten(treedef, values)
 
 
+def _placed(ctx: Context, model: Any, file: str, namespace: str) -> Any:
+    """The model subtree read without a target, its arrays placed as `load` places a jckpt
+    step's (on `ctx.device`, or left on host with `ctx.host`); other leaves as read."""
+    items, treedef = tree_mod.flatten_with_treedef(model)
+    values = [leaf for _, leaf in items]
+    arrays = [i for i, leaf in enumerate(values) if isinstance(leaf, np.ndarray)]
+    requests = [(values[i], None, tree_mod.leaf_name(namespace, items[i][0]), None) for i in arrays]
+    for i, value in zip(arrays, placement.place_all(requests, host=ctx.host, device=ctx.device,
+                                                    file=file)):
+        values[i] = value
+    return jax.tree_util.tree_unflatten(treedef, values)
+
+
 def load_step(ctx: Context, path: str, step: int, target: Any, *, namespaces: Namespaces | None,
               cast: bool, options: CheckpointLoadOptions, verify: bool = True) -> Any:
     """Read a step directory as `CheckpointManager.restore` does for a step file.
@@ -396,7 +409,8 @@ def load_step(ctx: Context, path: str, step: int, target: Any, *, namespaces: Na
         file = os.path.join(path, record['model'])
         model = _read_model(path, file, record, options, step)
         part = None if target is None else (target if namespaces is None else target[model_ns])
-        out[model_ns] = model if part is None else _fill(ctx, part, model, file, step, cast, model_ns)
+        out[model_ns] = (_placed(ctx, model, file, model_ns) if part is None
+                         else _fill(ctx, part, model, file, step, cast, model_ns))
     if with_opt and (names is None or rest):
         out.update(_load_optimizer(ctx, opt_file, target, rest if names else None, cast, verify))
     return out[model_ns] if target is not None and namespaces is None else out

@@ -548,6 +548,23 @@ def test_a_foreign_step_restores_by_restores_own_rules(tmp_path, fmt):
             mgr.restore(target={**target, 'w': jnp.zeros(3, jnp.int32)})
 
 
+@pytest.mark.parametrize('fmt', ['npz', 'safetensors', 'torch'])
+def test_a_foreign_step_without_a_target_is_placed_as_a_jckpt_step_is(tmp_path, fmt):
+    """Its arrays came back as host numpy arrays where a jckpt step's are jax.Arrays."""
+    import jax
+    import jax.numpy as jnp
+    with jckpt.CheckpointManager(tmp_path / fmt, options=CheckpointOptions(format=fmt)) as mgr:
+        mgr.save(1, {'w': jnp.arange(3.0), 'b': jnp.ones(2, jnp.bfloat16)}, force=True)
+        mgr.wait_durable()
+        model = mgr.restore().tree['jckpt']
+        assert all(isinstance(v, jax.Array) for v in model.values()), model
+        assert model['b'].dtype == jnp.bfloat16 and model['w'].tolist() == [0, 1, 2]
+    host = jckpt.Context(host=True)
+    with jckpt.CheckpointManager(tmp_path / fmt, ctx=host,
+                                 options=CheckpointOptions(format=fmt)) as mgr:
+        assert type(mgr.restore().tree['jckpt']['w']) is np.ndarray  # as `load` with host=True
+
+
 def test_a_model_like_one_that_passed_is_not_checked_again(monkeypatch):
     """The check runs on the training loop's time: step after step of one structure is checked
     once; another dtype or shape is checked anew."""
