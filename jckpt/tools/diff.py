@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from jckpt.adapters.tree_reader import open_foreign
 from jckpt.api import progress as progress_mod
 from jckpt.errors import FormatError, InputError
 from jckpt.format import precs
@@ -37,7 +38,7 @@ from jckpt.format.header import Entry
 from jckpt.format.names import STEP_RE
 from jckpt.storage import open_checkpoint
 from jckpt.storage.backend import backend_for, checked_path
-from jckpt.tools.classify import MANAGER, classify
+from jckpt.tools.classify import FOREIGN, MANAGER, classify
 from jckpt.tools.render import format_shape, text_table
 
 #: Elements compared per step by :func:`diff` (bounds its temporary memory).
@@ -208,15 +209,17 @@ def _diff_entry(ra: Any, ea: Entry, rb: Any, eb: Entry,
 
 def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float = 0.0, rtol: float = 0.0,
          progress: bool = False) -> DiffReport:
-    """Compare checkpoints `a` and `b` (files or multi-process directories) entry by entry.
+    """Compare checkpoints `a` and `b` (files or multi-process directories, in jckpt's format
+    or another's) entry by entry.
 
     Entries are matched by `(namespace, path)`. For each shared entry the
     report gives dtype and shape changes and, when the shapes agree, the
     largest absolute and relative differences and how many values lie
     outside `atol + rtol * |b|` (exact comparison by default; NaNs in the
-    same place are equal). Raises `FormatError` naming
-    the file if either is missing, damaged or not a checkpoint (a file in
-    another format names the conversion that reads it).
+    same place are equal). A checkpoint in another format (safetensors, `.pt`,
+    numpy, llm.c, orbax) is compared as `jckpt.convert` reads it, so an
+    export can be checked against its source. Raises `FormatError` naming
+    the file if either is missing, damaged or not a checkpoint.
 
     Example:
         ```python
@@ -252,8 +255,11 @@ def _open(path: str) -> Any:
         first = min(n for n in backend_for(path).list(path) if STEP_RE.match(n))  # a URL too
         raise FormatError("a checkpoint manager's directory holds one checkpoint per step",
                           file=path, fix=f"compare two of its steps, e.g. {os.path.join(path, first)}")
+    if kind.name == FOREIGN:  # compared as the converter reads it
+        assert kind.detail is not None
+        return open_foreign(path, kind.detail)
     if kind.error is not None:
-        raise kind.error  # missing, another format, unreadable, or a directory holding none
+        raise kind.error  # missing, unreadable, or a directory holding none
     return open_checkpoint(path)
 
 

@@ -3,9 +3,10 @@
 A safetensors, PyTorch, numpy, llm.c or orbax checkpoint is listed as
 `jckpt.convert` would read it: each array's namespace, path, dtype, shape and
 size, with the file's own metadata (safetensors' `__metadata__`, orbax's
-`_CHECKPOINT_METADATA`). Files are read the way the converter reads them,
-mapped and never copied where the format allows (safetensors, `.pt`,
-`.npy`, llm.c); an orbax directory is described from its metadata alone.
+`_CHECKPOINT_METADATA`), opened by `jckpt.adapters.tree_reader.open_foreign`:
+files are read the way the converter reads them, mapped and never copied
+where the format allows (safetensors, `.pt`, `.npy`, llm.c); an orbax
+directory is described from its metadata alone.
 Reading checks the file as a conversion would, so a damaged or crafted file
 gets the converter's error.
 
@@ -14,7 +15,7 @@ gets the converter's error.
 >>> np.savez(path, w=np.zeros((2, 3), np.float32), b=np.zeros(3, np.float32))
 >>> s = foreign_info(path, 'npz')
 >>> [(e.path, e.dtype, e.shape) for e in s.entries]
-[('w', 'float32', (2, 3)), ('b', 'float32', (3,))]
+[('b', 'float32', (3,)), ('w', 'float32', (2, 3))]
 """
 
 from __future__ import annotations
@@ -24,11 +25,8 @@ import html
 import os
 from typing import Any
 
-import numpy as np
-
-from jckpt.adapters import read as read_format
+from jckpt.adapters.tree_reader import open_foreign
 from jckpt.format.header import path_name
-from jckpt.storage.checkpoint import open_checkpoint
 from jckpt.tools.render import (
     REPR_ROWS,
     VALUE_WIDTH,
@@ -42,8 +40,6 @@ from jckpt.tools.render import (
 )
 from jckpt.tools.summary import _Totals, tree_size
 
-#: Formats whose checkpoints are directories, described from their metadata.
-_DIRECTORY_FORMATS = ('orbax',)
 _COLUMNS = ('namespace', 'path', 'dtype', 'shape', 'size')
 _RIGHT = (4,)
 
@@ -124,40 +120,10 @@ def foreign_info(path: str | os.PathLike, fmt: str) -> ForeignInfo:
     """The `ForeignInfo` of the checkpoint at `path`, in the format `fmt` (a name
     `jckpt.detect_format` gives); the format's reader's `FormatError` for a damaged file."""
     path = os.fspath(path)
-    if fmt in _DIRECTORY_FORMATS:
-        header = open_checkpoint(path).header
-        rows = [ArrayRow(e.namespace, path_name(e.path or ()), e.dtype.name, tuple(e.shape),
-                         e.byte_length) for e in header.tensors]
-        metadata = tuple(header.metadata)
-    else:
-        tree = read_format(path, fmt)
-        rows = [row for ns, sub in tree.items() for row in _array_rows(ns, sub)]
-        metadata = tuple(_file_metadata(path, fmt).items())
-    return ForeignInfo(path, fmt, tree_size(path), metadata, tuple(rows))
-
-
-def _array_rows(namespace: str, tree: Any) -> list[ArrayRow]:
-    """The arrays (and numbers, stored as 0-d arrays) of a tree a format reader gave."""
-    rows, stack = [], [((), tree)]
-    while stack:
-        keys, node = stack.pop()
-        if isinstance(node, dict):
-            stack.extend(((*keys, k), v) for k, v in reversed(node.items()))
-        elif isinstance(node, (list, tuple)):
-            stack.extend(((*keys, i), v) for i, v in reversed(list(enumerate(node))))
-        elif isinstance(node, (np.ndarray, np.generic, int, float, complex)):
-            a = np.asarray(node)
-            rows.append(ArrayRow(namespace, '/'.join(map(str, keys)), a.dtype.name, a.shape,
-                                 a.nbytes))
-    return rows
-
-
-def _file_metadata(path: str, fmt: str) -> dict[str, str]:
-    """The string pairs a file carries besides its arrays (safetensors' `__metadata__`)."""
-    if fmt == 'safetensors':
-        from jckpt.adapters.safetensors import read_metadata
-        return read_metadata(path)
-    return {}
+    header = open_foreign(path, fmt).header
+    rows = [ArrayRow(e.namespace, path_name(e.path or ()), e.dtype.name, tuple(e.shape),
+                     e.byte_length) for e in header.tensors]
+    return ForeignInfo(path, fmt, tree_size(path), tuple(header.metadata), tuple(rows))
 
 
 __all__ = ['ArrayRow', 'ForeignInfo', 'foreign_info']

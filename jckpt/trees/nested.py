@@ -3,6 +3,8 @@ becomes. Plain Python, no JAX: the adapters and the tools build trees this way t
 
 >>> unflatten([((('k', 'w'),), 1), ((('k', 'l'), ('i', 1)), 2)])
 {'w': 1, 'l': [None, 2]}
+>>> flatten_plain({'w': 1, 'l': [None, 2]})
+[((('k', 'l'), ('i', 1)), 2), ((('k', 'w'),), 1)]
 """
 
 from __future__ import annotations
@@ -48,6 +50,25 @@ def unflatten(items: Iterable[tuple[KeyPath, Any]], *, file: str | None = None) 
     return _lists(root, _sequence_nodes(items), holes=holes, file=file)
 
 
+def flatten_plain(tree: Any) -> list[tuple[KeyPath, Any]]:
+    """`(path, leaf)` pairs of a tree of dicts, lists and tuples, in JAX's order (a dict's
+    keys sorted) and with its path kinds (`k`, `ki` for an integer key, `i`), without JAX:
+    None and empty containers hold no leaf. What a format's reader gives is flattened so."""
+    out: list[tuple[KeyPath, Any]] = []
+    stack: list[tuple[KeyPath, Any]] = [((), tree)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, dict):
+            keys = sorted(node, key=lambda k: (isinstance(k, str), k))  # ints first, as JAX
+            stack.extend(((*path, ('ki' if isinstance(k, int) else 'k', k)), node[k])
+                         for k in reversed(keys))
+        elif isinstance(node, (list, tuple)):
+            stack.extend(((*path, ('i', i)), v) for i, v in reversed(list(enumerate(node))))
+        elif node is not None:
+            out.append((path, node))
+    return out
+
+
 #: Sequence slots without an entry that ``unflatten`` fills with None, beyond 16 per entry.
 _MAX_HOLES = 1 << 16
 
@@ -83,4 +104,4 @@ def _lists(node: Any, seq: set[tuple], prefix: tuple = (), *, holes: list[int],
     return out
 
 
-__all__ = ['unflatten']
+__all__ = ['flatten_plain', 'unflatten']

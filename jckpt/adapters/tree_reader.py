@@ -1,0 +1,78 @@
+"""A checkpoint in another format opened with a jckpt reader's surface: `header` and `decode`.
+
+The tools that read headers and payloads (`jckpt.info`, `jckpt.diff`) take
+a safetensors, `.pt`, numpy or llm.c file the way they take a jckpt file:
+`open_foreign` reads it with its format's reader (mapped, never copied, where
+the format allows) and describes each array as an `Entry`, with the
+`(namespace, path)` identity the same tree saved by jckpt would have. A
+directory format that registered a directory reader (orbax) opens through
+that reader instead, from its metadata alone.
+
+>>> import numpy as np, tempfile, os
+>>> path = os.path.join(tempfile.mkdtemp(), 'w.npz')
+>>> np.savez(path, w=np.arange(3.0))
+>>> reader = open_foreign(path, 'npz')
+>>> [(e.name, e.dims) for e in reader.header.tensors], reader.decode(reader.header.tensors[0])
+([('jckpt/w', (3,))], array([0., 1., 2.]))
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from jckpt.adapters import get_format, read
+from jckpt.errors import FormatError
+from jckpt.format import precs
+from jckpt.format.entries import Entry, Header, KeyPath, entry_for, path_name
+from jckpt.storage.backend import backend_for
+from jckpt.storage.checkpoint import directory_format
+from jckpt.trees.nested import flatten_plain
+
+
+class TreeReader:
+    """A file in another format, read whole by its format's reader, as a jckpt reader.
+
+    Numbers (a `.pt` file's epoch) are 0-d arrays; strings and None hold no
+    array. `header.writer` is the format's name; `header.metadata` what the
+    file holds besides arrays (safetensors' `__metadata__`).
+    """
+
+    def __init__(self, path: str | os.PathLike, fmt: str) -> None:
+        self.path = os.fspath(path)
+        self.format = fmt
+        self._arrays: dict[tuple[str, KeyPath], np.ndarray] = {}
+        entries: list[Entry] = []
+        for ns, sub in read(self.path, fmt).items():
+            leaves = [(p, leaf) for p, leaf in flatten_plain(sub)
+                      if isinstance(leaf, (np.ndarray, np.generic, int, float, complex))]
+            for ident, (p, leaf) in enumerate(leaves):
+                array = np.asarray(leaf)
+                if not precs.is_supported(array.dtype):
+                    raise FormatError(f"an array of dtype {array.dtype} has no jckpt element type",
+                                      file=self.path, entry=f"{ns}/{path_name(p)}",
+                                      fix="the file holds what jckpt cannot represent")
+                self._arrays[ns, p] = array
+                entries.append(entry_for(ns, p, array.dtype, array.shape, id=ident))
+        meta = get_format(fmt).read_metadata
+        self.header = Header(tensors=tuple(entries), writer=fmt,
+                             metadata=tuple((meta(self.path) if meta else {}).items()))
+
+    def decode(self, entry: Entry, *, mmap: bool = True, verify: bool = False,
+               count: bool = True) -> np.ndarray:
+        """The array of `entry` (one of `header`'s), as the format's reader gave it."""
+        return self._arrays[entry.namespace, entry.path]  # type: ignore[index]
+
+
+def open_foreign(path: str | os.PathLike, fmt: str) -> Any:
+    """A reader of the checkpoint in format `fmt` at `path`: a registered directory reader
+    where one claims the directory, else a `TreeReader`. Raises the format's `FormatError`
+    for a damaged checkpoint."""
+    path = os.fspath(path)
+    found = directory_format(path) if backend_for(path).isdir(path) else None
+    return found.open(path) if found is not None else TreeReader(path, fmt)
+
+
+__all__ = ['TreeReader', 'open_foreign']
