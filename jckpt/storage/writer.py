@@ -302,19 +302,17 @@ class CopySource:
                 remaining -= len(chunk)
             return payload_mod.hasher_checksum(hasher)
         while remaining:
+            fd = sink.fd  # flushes what is gathered: a failure there is the write's, raised
             try:
-                n = os.copy_file_range(self.fd, sink.fd, remaining, src, sink.position)
-                # copy_file_range with an explicit offset leaves the file position alone
-                os.lseek(sink.fd, n, os.SEEK_CUR)
-            except (OSError, AttributeError):
+                n = os.copy_file_range(self.fd, fd, remaining, src, sink.position)
+            except (OSError, AttributeError):  # not here, or not between these files: copy
                 n = min(remaining, payload_mod.CHUNK_BYTES)
                 sink.write(os.pread(self.fd, n, src))
-                src += n
-                remaining -= n
-                continue
-            if n == 0:
-                raise StorageError("source file ended early while copying a kept payload")
-            sink.position += n
+            else:
+                if n == 0:
+                    raise StorageError("source file ended early while copying a kept payload")
+                os.lseek(fd, n, os.SEEK_CUR)  # an explicit offset leaves the position alone
+                sink.position += n
             src += n
             remaining -= n
         return self.checksum

@@ -30,7 +30,7 @@ from jckpt.storage.reader import CheckpointReader
 from tests.system.fuzz_reader import record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-OPS = ("open", "write", "pwrite", "copy_file_range", "fsync", "rename")
+OPS = ("open", "write", "writev", "pwrite", "copy_file_range", "fsync", "rename")
 CODES = (errno.EIO, errno.ENOSPC, errno.EACCES)
 
 
@@ -70,7 +70,9 @@ def _setup(kind: str, target) -> None:
     if target.exists():
         target.unlink()
     if kind == "appending":
-        jckpt.save(jckpt.Context(), {"kept": np.arange(30_000, dtype=np.float64)}, target)
+        # a small kept payload is gathered for one writev, flushed before the big one is copied
+        jckpt.save(jckpt.Context(), {"early": np.arange(3, dtype=np.float32),
+                                     "kept": np.arange(30_000, dtype=np.float64)}, target)
         jckpt.save(jckpt.Context(), _tree(1), target, appending=True)
     else:
         jckpt.save(jckpt.Context(), _tree(1), target)
