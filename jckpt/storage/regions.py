@@ -23,6 +23,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import mmap as mmap_mod
 import os
@@ -133,7 +134,7 @@ def _write_box(fd: int, base: int, shape: tuple[int, ...], dtype: np.dtype, box:
     # Short runs: map the rows the box spans and let numpy scatter the piece.
     first = base + box[0][0] * strides[0]
     last = base + box[0][1] * strides[0]
-    _ensure_size(fd, last)
+    _reserve(fd, first, last)
     start = first - first % mmap_mod.ALLOCATIONGRANULARITY
     with mmap_mod.mmap(fd, last - start, access=mmap_mod.ACCESS_WRITE, offset=start) as m:
         view = np.frombuffer(m, dtype=dtype, count=(last - first) // item,
@@ -142,9 +143,17 @@ def _write_box(fd: int, base: int, shape: tuple[int, ...], dtype: np.dtype, box:
         del view
 
 
-def _ensure_size(fd: int, size: int) -> None:
-    if os.fstat(fd).st_size < size:
-        os.ftruncate(fd, size)
+def _reserve(fd: int, first: int, last: int) -> None:
+    """Give the bytes `[first, last)` of the file their disk blocks before they are written
+    through a mapping: a store into a mapped page the full disk cannot back kills the process
+    with SIGBUS, where reserving raises `ENOSPC` (a `StorageError` of the save)."""
+    try:
+        os.posix_fallocate(fd, first, last - first)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+        if os.fstat(fd).st_size < last:  # no way to reserve here: extend the file, as before
+            os.ftruncate(fd, last)
 
 
 def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:

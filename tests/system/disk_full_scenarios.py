@@ -86,6 +86,29 @@ def scenario_append(mount: str, leave: int) -> dict:
     return out
 
 
+def scenario_sharded(mount: str, leave: int) -> dict:
+    """Columns sharded over 8 devices: short runs scattered through a mapping of the file
+    (a store into a page the full disk cannot back was a SIGBUS that killed the process)."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jckpt
+    d = os.path.join(mount, f"sharded-{leave}")
+    os.mkdir(d)
+    path = os.path.join(d, "model.jckpt")
+    jckpt.save(jckpt.Context(), {"w": np.arange(1000, dtype=np.float32)}, path)
+    before = open(path, "rb").read()
+    mesh = Mesh(np.array(jax.devices("cpu")[:8]), ("x",))
+    w = jax.device_put(np.ones((1536, 1024), np.float32),  # 6 MiB: over ASSEMBLE_BYTES
+                       NamedSharding(mesh, P(None, "x")))
+    fill(mount, leave)
+    out = _outcome(lambda: jckpt.save(jckpt.Context(), {"w": w}, path))
+    out.update(identical=open(path, "rb").read() == before, leftovers=leftovers(d))
+    unfill(mount)
+    return out
+
+
 def scenario_mirror(mount: str, leave: int) -> dict:
     import jckpt
     d = os.path.join(mount, f"mirror-{leave}")
@@ -109,8 +132,10 @@ def scenario_mirror(mount: str, leave: int) -> dict:
 
 def main(mount: str) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"  # before JAX starts
     results = {f"{name}-{leave}": fn(mount, leave) for leave in LEAVES for name, fn in (
-        ("save", scenario_save), ("append", scenario_append), ("mirror", scenario_mirror))}
+        ("save", scenario_save), ("append", scenario_append), ("mirror", scenario_mirror),
+        ("sharded", scenario_sharded))}
     print("RESULT " + json.dumps(results))
     return 0
 

@@ -1,5 +1,5 @@
-"""A real full disk, not an injected ENOSPC: a save, an append and a mirror's drain on a small
-tmpfs fail with a StorageError (errno ENOSPC), leave the previous checkpoint byte for byte as
+"""A real full disk, not an injected ENOSPC: a save, an append, a sharded save (short runs
+written through a mapping) and a mirror's drain on a small tmpfs fail with a StorageError (errno ENOSPC), leave the previous checkpoint byte for byte as
 it was, and leave no staging file.
 
 The tmpfs is mounted in a private mount namespace (``unshare -m``, or ``unshare -rm`` as a
@@ -43,7 +43,8 @@ def test_a_full_disk_mid_save_mid_append_and_mid_drain(tmp_path):
     mount = tmp_path / "small"
     mount.mkdir()
     results = run_on_small_tmpfs(mount)
-    assert len(results) == 6  # save, append and mirror, each at a page and at 256 KiB left
+    # save, append, mirror and a sharded save of short runs, each at a page and 256 KiB left
+    assert len(results) == 8
     for name, r in results.items():
         assert r["error"] == "StorageError" and r["errno"] == 28, (name, r)   # ENOSPC
         assert "No space left on device" in r["message"] and "free disk space" in r["message"]
