@@ -21,7 +21,6 @@ overlapping the boxes asked of it.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import functools
 import itertools
@@ -56,7 +55,7 @@ from jckpt.format.names import (
 from jckpt.storage.backend import LOCAL, Backend, backend_for
 from jckpt.storage.lazy import FetchCache, LazyArray, note_read
 from jckpt.storage.object_store import MISSING_OBJECT, pieces_replaced
-from jckpt.storage.publish import STALE_AFTER, fsync_dir, storage_error
+from jckpt.storage.publish import STALE_AFTER, exchange, fsync_dir, storage_error
 from jckpt.storage.reader import CheckpointReader
 from jckpt.storage.writer import write_checkpoint
 
@@ -184,26 +183,8 @@ def recover_set_aside(path: str) -> None:
 
 # --- publishing ---------------------------------------------------------------------------------
 
-_RENAME_EXCHANGE = 2
 #: Bytes of remote pieces a reader keeps, fetched and verified, for the boxes that overlap them.
 PIECE_CACHE_BYTES = 1 << 30
-_AT_FDCWD = -100
-
-
-def _exchange(a: str, b: str) -> bool:
-    """Atomically swap two paths (Linux `renameat2`); False where unsupported."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: the filesystem cannot swap
-        return False
-    raise OSError(err, os.strerror(err), b)
 
 
 def publish_directory(stage: str, path: str, *, durable: bool = True) -> None:
@@ -220,7 +201,7 @@ def publish_directory(stage: str, path: str, *, durable: bool = True) -> None:
             fsync_dir(stage)
         if not os.path.lexists(path):
             os.rename(stage, path)
-        elif _exchange(stage, path):
+        elif exchange(stage, path):
             LOCAL.remove(stage)
         else:
             token = stage.rpartition(STAGE_DIR_TAG)[2] if STAGE_DIR_TAG in stage else ''

@@ -25,6 +25,7 @@ never touched.
 
 from __future__ import annotations
 
+import ctypes
 import errno as errno_mod
 import fcntl
 import functools
@@ -362,3 +363,24 @@ class StagingFile:
 
     def __repr__(self) -> str:
         return f"StagingFile({self.target!r}, staging={os.path.basename(self.path)!r})"
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths (Linux `renameat2(RENAME_EXCHANGE)`): what replaces a
+    directory in one step, as a rename replaces a file; False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: the filesystem cannot swap
+        return False
+    raise OSError(err, os.strerror(err), b)

@@ -27,7 +27,7 @@ from jckpt.errors import FormatError
 from jckpt.format.limits import json_loads
 from jckpt.format.names import OPTIMIZER_NAME, TRAINER_STATE_NAME
 from jckpt.storage.backend import LOCAL, Backend, backend_for
-from jckpt.storage.publish import fsync_dir, fsync_file, storage_error
+from jckpt.storage.publish import exchange, fsync_dir, fsync_file, storage_error
 from jckpt.storage.staging import discard_staged
 
 
@@ -75,7 +75,8 @@ def _refuse_link(path: str) -> None:
 
 
 def publish_dir(temporary: str, target: str, *, durable: bool, marker: str | None = None) -> None:
-    """fsync every file of `temporary` and the directory, rename it to `target`, fsync the parent.
+    """fsync every file of `temporary` and the directory, put it at `target` (replacing a step
+    directory there: a retry whose rename went through), fsync the parent.
 
     A `target` in an object store (a URL) gets every file of the local
     `temporary` uploaded under its prefix, `marker` last (the step exists
@@ -90,11 +91,27 @@ def publish_dir(temporary: str, target: str, *, durable: bool, marker: str | Non
             for name in os.listdir(temporary):
                 fsync_file(os.path.join(temporary, name))
             fsync_dir(temporary)
-        os.rename(temporary, target)
+        if os.path.lexists(target):  # a retry whose rename went through, or the step saved again
+            _replace(temporary, target)
+        else:
+            os.rename(temporary, target)
         if durable:
             fsync_dir(os.path.dirname(os.path.abspath(target)))
     except OSError as e:
         raise storage_error(e, "publishing the step directory", target) from e
+
+
+def _replace(temporary: str, target: str) -> None:
+    """Put the directory `temporary` in place of the step directory `target` (a rename cannot
+    replace a directory that holds files): swapped in one step where the filesystem can,
+    else `target` is renamed aside first, under a staging name a manager's open removes."""
+    if exchange(temporary, target):
+        remove_staged_dir(temporary)  # the old step, swapped out
+        return
+    aside = f"{temporary}.old"
+    os.rename(target, aside)
+    os.rename(temporary, target)
+    remove_staged_dir(aside)
 
 
 def _upload_dir(backend: Backend, temporary: str, target: str, marker: str | None) -> None:

@@ -204,7 +204,7 @@ def test_a_directory_of_many_pieces_reads_each_box_from_its_pieces(tmp_path):
 @pytest.mark.parametrize("old", ["directory", "file", None])
 def test_publish_replaces_what_was_there(tmp_path, monkeypatch, exchange, old):
     if not exchange:  # a filesystem without renameat2(RENAME_EXCHANGE): renamed aside first
-        monkeypatch.setattr(dr, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(dr, "exchange", lambda a, b: False)
     path = tmp_path / "ckpt"
     if old == "directory":
         path.mkdir()
@@ -232,7 +232,7 @@ def test_a_save_killed_between_setting_aside_and_renaming_in_loses_nothing(tmp_p
         save_by_hand(path, {"step": "1"})
     else:
         jckpt.save(ctx, {"w": np.arange(4.0)}, path, metadata={"step": "1"})
-    monkeypatch.setattr(dr, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(dr, "exchange", lambda a, b: False)
     real_rename = os.rename
 
     def rename_then_die(a, b):
@@ -262,7 +262,7 @@ def test_a_live_save_between_its_renames_keeps_what_it_set_aside(tmp_path, monke
     aside is about to rename its replacement in: that save would fail ("not empty")."""
     path = tmp_path / "ckpt"
     save_by_hand(path, {"step": "1"})
-    monkeypatch.setattr(dr, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(dr, "exchange", lambda a, b: False)
     real_rename = os.rename
 
     def rename_then_race(a, b):

@@ -43,3 +43,45 @@ def test_failures_are_storage_errors_naming_the_path(tmp_path):
         sd.write_text(str(tmp_path / 'no' / 'dir'), 'x')
     with pytest.raises(StorageError):
         sd.publish_dir(str(tmp_path / 'absent'), str(tmp_path / 'step'), durable=False)
+
+
+@pytest.mark.parametrize('swaps', [True, False])
+def test_publishing_over_a_step_directory_replaces_it(tmp_path, monkeypatch, swaps):
+    """A retry whose first rename went through (the fsync after it failed) renamed its new
+    staging directory onto the step, non-empty: ENOTEMPTY on every attempt, for good."""
+    target = str(tmp_path / 'step_00000001.jckpt')
+    for version in ('old', 'new'):
+        staged = f"{target}.jckpt-next.{version == 'new' and 2 or 1}"
+        sd.make_staged(staged)
+        sd.write_text(os.path.join(staged, 'v.txt'), version)
+        if version == 'new' and not swaps:  # a filesystem without renameat2's exchange
+            monkeypatch.setattr(sd, 'exchange', lambda a, b: False)
+        sd.publish_dir(staged, target, durable=True)
+    assert os.listdir(tmp_path) == ['step_00000001.jckpt']
+    assert sd.read_text(os.path.join(target, 'v.txt')) == 'new'
+
+
+def test_a_manager_recovers_from_a_failed_fsync_after_the_steps_rename(tmp_path, monkeypatch):
+    import errno
+
+    import numpy as np
+
+    import jckpt
+    real, failed = sd.fsync_dir, []
+
+    def once(path):
+        if os.path.abspath(path) == str(tmp_path) and not failed:
+            failed.append(path)  # the step is in place; its durability is not known
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(path)
+
+    monkeypatch.setattr(sd, 'fsync_dir', once)
+    options = jckpt.CheckpointOptions(format='safetensors')
+    with jckpt.CheckpointManager(tmp_path, options=options, retry_after=0.01) as mgr:
+        mgr.save(1, {'w': np.ones(4, np.float32)})
+        mgr.save(2, {'w': np.full(4, 2, np.float32)}, force=True)
+        assert mgr.wait_durable(timeout=30)
+        assert failed and mgr.counters.durable == 2 and mgr.all_steps() == [1, 2]
+        assert mgr.restore(1).tree['jckpt']['w'].tolist() == [1, 1, 1, 1]
+    assert sorted(n for n in os.listdir(tmp_path) if not n.startswith('.')) == [
+        'step_00000001.jckpt', 'step_00000002.jckpt']
