@@ -51,7 +51,7 @@ def test_publishing_over_a_step_directory_replaces_it(tmp_path, monkeypatch, swa
     staging directory onto the step, non-empty: ENOTEMPTY on every attempt, for good."""
     target = str(tmp_path / 'step_00000001.jckpt')
     for version in ('old', 'new'):
-        staged = f"{target}.jckpt-next.{version == 'new' and 2 or 1}"
+        staged = f"{target}.jckpt-next.{(version == 'new' and 2) or 1}"
         sd.make_staged(staged)
         sd.write_text(os.path.join(staged, 'v.txt'), version)
         if version == 'new' and not swaps:  # a filesystem without renameat2's exchange
