@@ -1,6 +1,7 @@
 """A real full disk, not an injected ENOSPC: a save, an append, a sharded save (short runs
-written through a mapping) and a mirror's drain on a small tmpfs fail with a StorageError (errno ENOSPC), leave the previous checkpoint byte for byte as
-it was, and leave no staging file.
+written through a mapping) and a mirror's drain on a small tmpfs fail with a StorageError
+(errno ENOSPC), leave the previous checkpoint byte for byte as it was, and leave no staging
+file.
 
 The tmpfs is mounted in a private mount namespace (``unshare -m``, or ``unshare -rm`` as a
 user namespace where the machine allows one), so nothing outside the test sees it; where the
