@@ -21,6 +21,7 @@ import jckpt
 from jckpt import adapters
 from jckpt.adapters import numpy as npy_adapter
 from jckpt.adapters import orbax as orbax_adapter
+from jckpt.adapters import orbax_writer
 from jckpt.adapters import safetensors as st_adapter
 from jckpt.api.multiprocess import save_directory
 from jckpt.storage import LOCAL, backend_for
@@ -129,7 +130,7 @@ def test_adapters_read_and_publish_through_the_backend(here, url):
     refused(url, npy_adapter.write_npz, {"jckpt": TREE}, url)
     refused(url, st_adapter.write, {"jckpt": TREE}, url)
     refused(url, orbax_adapter.read, url)
-    refused(url, orbax_adapter.write, {"jckpt": TREE}, url)
+    refused(url, orbax_writer.write, {"jckpt": TREE}, url)
 
 
 def test_tools(here, url):
