@@ -32,6 +32,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import os
 import queue
 import threading
 import time
@@ -80,11 +81,17 @@ _OPEN: weakref.WeakSet[_Closable] = weakref.WeakSet()
 
 @atexit.register
 def _flush_at_exit() -> None:  # pragma: no cover - exercised by interpreter shutdown
-    for writer in list(_OPEN):
+    for writer in list(_OPEN):  # this process's own: a forked child forgets its parent's
         try:
             writer.close()
         except Exception as e:
             log.error("snapshots not made durable at exit: %s", e)
+
+
+if hasattr(os, 'register_at_fork'):
+    # a forked child has copies of the parent's writers but not their threads: closing them
+    # at its exit would publish and release what the parent is writing
+    os.register_at_fork(after_in_child=_OPEN.clear)
 
 
 def _quietly(fn: Callable[..., object], *args: object) -> None:

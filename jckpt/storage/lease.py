@@ -48,6 +48,7 @@ class WriterLease:
         self.path = os.fspath(path)
         self.lock_path = lease_path(self.path)
         self.fd = -1
+        self._pid = os.getpid()  # a forked child's copy never removes its parent's lease
         for _ in range(100):
             try:
                 fd = os.open(self.lock_path,
@@ -93,13 +94,16 @@ class WriterLease:
         over while held: nothing to raise; `ObjectLease`'s can be)."""
 
     def release(self) -> None:
-        """Remove the sidecar file and drop the lock (idempotent)."""
+        """Remove the sidecar file and drop the lock (idempotent). In a forked child, only
+        its copy of the descriptor is closed: the parent still holds the lock, and unlinking
+        the file would let another writer lock a new one beside it."""
         if self.fd < 0:
             return
-        try:
-            os.unlink(self.lock_path)
-        except OSError:
-            pass
+        if os.getpid() == self._pid:
+            try:
+                os.unlink(self.lock_path)
+            except OSError:
+                pass
         fd, self.fd = self.fd, -1
         os.close(fd)
 

@@ -75,6 +75,7 @@ class ObjectLease:
         self.store, self.obs = store_for(self.lock), obstore_module()
         self._version = self._take()
         self.held = True
+        self._pid = os.getpid()  # a forked child's copy never deletes its parent's lease
         self._lost: str | None = None  # who took the lease over, once it is lost
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._refresh, name='jckpt-lease', daemon=True)
@@ -148,6 +149,8 @@ class ObjectLease:
             return
         self.held = False
         self._stop.set()
+        if os.getpid() != self._pid:
+            return
         try:
             if self._holder()[1].get('e_tag') == self._version.get('e_tag'):
                 self.obs.delete(self.store, self.lock.key)

@@ -141,3 +141,43 @@ def test_refuse_if_held_asks_other_leases_without_taking_them(tmp_path):
     with WriterLease(tmp_path):  # a whole directory's lease, as a single-process manager's
         with pytest.raises(InUseError):
             refuse_if_held([lease_path(tmp_path)], file=str(tmp_path))
+
+
+def test_a_forked_childs_exit_leaves_the_parents_lease(tmp_path):
+    """The child's release (its exit, or a writer it inherited closed there) unlinked the
+    sidecar the parent holds its lock on: a second writer then locked a new file beside it."""
+    path = tmp_path / 'run.jckpt'
+    lease = WriterLease(path)
+    pid = os.fork()
+    if pid == 0:  # the child: drop its copy as its exit would
+        try:
+            lease.release()
+        finally:
+            os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert os.path.exists(lease_path(path)) and lease.held
+    with pytest.raises(InUseError, match=f'pid {os.getpid()}'):
+        WriterLease(path)
+    lease.release()
+    WriterLease(path).release()  # free once the parent lets go
+
+
+def test_a_forked_child_does_not_close_its_parents_mirror_at_exit(tmp_path):
+    script = textwrap.dedent(f'''
+        import os, numpy as np, jckpt
+        m = jckpt.Mirror({str(tmp_path / 'run.jckpt')!r})
+        m.submit({{'w': np.ones(3)}})
+        assert m.wait_durable(timeout=30)
+        pid = os.fork()
+        if pid == 0:
+            raise SystemExit(0)  # a normal exit: atexit runs in the child
+        assert os.waitpid(pid, 0)[1] == 0
+        try:
+            jckpt.Mirror({str(tmp_path / 'run.jckpt')!r})
+        except jckpt.InUseError:
+            print('refused')
+        m.close()
+    ''')
+    out = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == 'refused', out.stderr[-2000:]
