@@ -14,6 +14,7 @@ False
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -47,6 +48,7 @@ class Preemption:
         check_flag(handle_sigterm, 'handle_sigterm', optional=False)
         self._sigterm = threading.Event()
         self._first: int | None = None  # the step at which preemption was first reached
+        self._asked: tuple[int, bool] | None = None  # the last step `due` was asked, and its answer
         self._restore_sigterm: Callable[[], object] | None = None
         if handle_sigterm and _preemption_client_ready():
             # JAX's preemption service has the signal (in C++, where Python cannot chain to
@@ -69,7 +71,15 @@ class Preemption:
                 return bool(multihost_utils.reached_preemption_sync_point(step))
             except Exception as e:  # no preemption service in this client
                 log.debug("preemption sync point unavailable: %s", e)
-        return self._sigterm.is_set()
+        # a SIGTERM that came after this step's save was decided: the next step's save
+        # writes the state, and its `reached` says stop (a loop that broke now lost it)
+        return self._sigterm.is_set() and self._asked != (step, False)
+
+    def _noticed(self, step: int) -> bool:
+        """Whether preemption is noticed at `step`, whatever `due` said of it before."""
+        if self._asked == (step, False):
+            self._asked = None
+        return self.reached(step)
 
     def due(self, step: int) -> bool:
         """Whether preemption asks for a save of `step`: the step at which it was first
@@ -80,8 +90,17 @@ class Preemption:
         >>> p._sigterm.set()
         >>> [p.due(s) for s in (7, 7, 8)], p.reached(8)
         ([True, True, False], True)
+
+        A SIGTERM caught after `due(step)` said False is not `reached` at that
+        step: the save it asks for comes with the next.
+
+        >>> q = Preemption()
+        >>> q.due(3), q._sigterm.set(), q.reached(3), q.due(4), q.reached(4)
+        (False, None, False, True, True)
         """
-        if not self.reached(step):
+        seen = self._noticed(step)
+        self._asked = (step, seen)
+        if not seen:
             return False
         if self._first is None:
             self._first = step
@@ -92,17 +111,31 @@ class Preemption:
             raise InputError("handle_sigterm=True needs the main thread",
                              fix="create the manager in the main thread")
         previous = signal.getsignal(signal.SIGTERM)
+        closed = threading.Event()
 
         def handler(signum, frame):
-            self._sigterm.set()
+            if not closed.is_set():
+                self._sigterm.set()
             if callable(previous) and previous not in (signal.SIG_DFL, signal.SIG_IGN):
                 previous(signum, frame)
+            elif closed.is_set() and previous == signal.SIG_DFL \
+                    and signal.getsignal(signum) is handler:  # put back by a later one's close:
+                signal.signal(signum, signal.SIG_DFL)  # what the default does, terminate
+                os.kill(os.getpid(), signum)
+
+        def restore() -> None:
+            closed.set()
+            if signal.getsignal(signal.SIGTERM) is handler:
+                signal.signal(signal.SIGTERM, previous)
+            # else a handler installed later (another manager's) calls this one, which now
+            # only passes the signal on to what it replaced
 
         signal.signal(signal.SIGTERM, handler)
-        self._restore_sigterm = lambda: signal.signal(signal.SIGTERM, previous)
+        self._restore_sigterm = restore
 
     def close(self) -> None:
-        """Put back the SIGTERM handler that was there before (idempotent)."""
+        """Put back the SIGTERM handler that was there before, or, when another was installed
+        over this one since, leave that in place and pass the signal through (idempotent)."""
         restore, self._restore_sigterm = self._restore_sigterm, None
         if restore is not None and threading.current_thread() is threading.main_thread():
             restore()

@@ -162,3 +162,40 @@ def test_a_save_is_due_only_at_the_step_preemption_is_first_noticed(sigterm):
         assert p.due(4) and p.due(4) and not p.due(5) and p.reached(5)
     finally:
         p.close()
+
+
+def test_closing_out_of_order_keeps_the_later_handler(sigterm):
+    """Closing the first of two put back the handler from before both: the second's
+    SIGTERM handling was gone, and the signal killed the process."""
+    import subprocess
+    import sys
+    import textwrap
+    script = textwrap.dedent('''
+        import signal
+        from jckpt.services.preemption import Preemption
+        first, second = Preemption(handle_sigterm=True), Preemption(handle_sigterm=True)
+        first.close()
+        signal.raise_signal(signal.SIGTERM)  # caught by the second, which is still open
+        print(second.reached(1), first.reached(1), flush=True)
+        second.close()  # nothing open now: SIGTERM terminates, as before either
+        signal.raise_signal(signal.SIGTERM)
+        print('survived', flush=True)
+    ''')
+    out = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.split() == ['True', 'False'] and out.returncode == -signal.SIGTERM, out
+
+
+def test_a_sigterm_after_the_steps_save_was_decided_is_reached_at_the_next(sigterm):
+    """The loop `save(step); if reached_preemption(step): break` stopped without saving
+    when the signal fell between the two calls."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    p = Preemption(handle_sigterm=True)
+    try:
+        assert not p.due(7)  # save(7) decided not to write
+        signal.raise_signal(signal.SIGTERM)
+        assert not p.reached(7)  # so the loop goes on to step 8...
+        assert p.due(8) and p.reached(8)  # ...whose save writes, and then it stops
+        assert p.reached(9)  # and it stays reached
+    finally:
+        p.close()
