@@ -28,11 +28,12 @@ save plan and the barriers.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
-import itertools
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -69,7 +70,25 @@ from jckpt.trees import to_host, transfers
 
 #: Seconds a process waits at a barrier for the others (`JCKPT_BARRIER_TIMEOUT` overrides).
 DEFAULT_BARRIER_TIMEOUT = 300.0
-_saves = itertools.count()
+_SAVES: collections.Counter[str] = collections.Counter()  # saves begun here: all, and by path
+_SAVES_LOCK = threading.Lock()
+_SAVING = 'jckpt/saving'  # key of each process's save in progress (for errors)
+
+
+def next_save(path: str) -> tuple[str, str]:
+    """This process's next save of `path`: its coordination tag (how many saves this
+    process began before) and its place among the saves of `path` (`'3 /ckpt'`: the 4th),
+    which process 0 shares and the others compare with their own. Processes that made
+    different saves (one saved a debug dump alone, or its save failed before its turn)
+    then refuse to pair different states, where they would have published a mix.
+
+    >>> next_save('/ckpt/a')[1], next_save('/ckpt/a')[1]
+    ('0 /ckpt/a', '1 /ckpt/a')
+    """
+    with _SAVES_LOCK:
+        n, k = _SAVES[''], _SAVES['/' + path]
+        _SAVES[''], _SAVES['/' + path] = n + 1, k + 1
+    return f"jckpt/save/{n}", f"{k} {path}"
 
 
 def barrier_timeout() -> float:
@@ -86,7 +105,8 @@ def barrier_timeout() -> float:
 class _Runtime:
     """Barriers and shared values through JAX's distributed client."""
 
-    def __init__(self, tag: str, path: str, timeout: float, processes: int) -> None:
+    def __init__(self, tag: str, path: str, timeout: float, processes: int,
+                 process: int = 0) -> None:
         # JAX's client lives in a private module; imported here so a JAX that moves it
         # breaks only multi-process saves, not every import of jckpt.
         from jax._src import distributed as jdist
@@ -99,6 +119,17 @@ class _Runtime:
         self.tag = tag
         self.path = path
         self.timeout_ms = max(1, int(timeout * 1000))
+        if not self.local:  # what this process saves now, for a peer's error to name
+            with contextlib.suppress(Exception):
+                self.client.key_value_set(f"{_SAVING}/{process}", path, allow_overwrite=True)
+
+    def _elsewhere(self) -> str:
+        """What process 0 saves instead, when it is not this save's path ('' otherwise)."""
+        try:
+            theirs = self.client.key_value_try_get(f"{_SAVING}/0")
+        except Exception:
+            return ''
+        return f"; process 0 is saving {theirs}" if theirs and theirs != self.path else ''
 
     def share(self, key: str, value: str | None) -> str:
         """Process 0 sets `key` to `value`; every process returns it."""
@@ -112,9 +143,11 @@ class _Runtime:
             return self.client.blocking_key_value_get(full, self.timeout_ms)
         except Exception as e:
             raise DistributedError(f"process 0 did not start the save within "
-                                   f"{self.timeout_ms / 1000:g} s ({_first_line(e)})",
-                                   file=self.path, fix="check process 0's log; it may have "
-                                   "failed or died") from None
+                                   f"{self.timeout_ms / 1000:g} s ({_first_line(e)}"
+                                   f"{self._elsewhere()})", file=self.path,
+                                   fix="every process must save the same path, the same number "
+                                       "of times; check process 0's log: it may have failed "
+                                       "or died") from None
 
     def barrier(self, name: str, what: str) -> None:
         if self.local:
@@ -307,13 +340,21 @@ def _open_stage(rt: _Runtime, path: str, process: int, stage: _Stage, backend: B
     return stage.path
 
 
-def _check_same_path(first: str, path: str) -> None:
-    """Refuse to write pieces for another path than process 0's: its directory is the one
-    published, and a piece meant for this path would land there."""
-    if path != first:
-        raise DistributedError(f"process 0 saves to {first}, this process to {path}", file=path,
+def _check_same_save(first: str, mine: str) -> None:
+    """Refuse to write pieces for another save than process 0's (`next_save`'s `'3 /ckpt'`):
+    its directory is the one published, and a piece of another path, or of another save of
+    this path, would land there."""
+    (n, theirs), (k, path) = first.split(' ', 1), mine.split(' ', 1)
+    if path != theirs:
+        raise DistributedError(f"process 0 saves to {theirs}, this process to {path}", file=path,
                                fix="pass every process the same path, on a filesystem (or "
                                    "object store) every process sees")
+    if n != k:
+        raise DistributedError(f"process 0 is at its save {int(n) + 1} of this path, this process "
+                               f"at its save {int(k) + 1}", file=path,
+                               fix="every process must make the same saves in the same order "
+                                   "(a save made by one process alone shifts them); restart "
+                                   "the run's processes together")
 
 
 def _publish(backend: Backend, stage: _Stage, path: str, count: int, alignment: int,
@@ -347,10 +388,14 @@ def _discard(backend: Backend, stage: _Stage) -> None:
         object_directory.discard(stage.path, stage.tag)
 
 
-def _checked_write(first: str, path: str, where: str, *pieces: Any) -> None:
-    """Check that process 0 saves to this process's `path`, then write this process's pieces."""
-    _check_same_path(first, path)
-    _write_pieces(where, *pieces)
+def _checked_write(first: str, which: str, where: str, leaves: list[_Leaf] | BaseException,
+                   *pieces: Any) -> None:
+    """Check that process 0 makes this process's save (`next_save`), then write this
+    process's pieces (or raise the error its plan met, now that the others hear of it)."""
+    _check_same_save(first, which)
+    if isinstance(leaves, BaseException):
+        raise leaves
+    _write_pieces(where, leaves, *pieces)
 
 
 def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: int | None = None,
@@ -379,16 +424,21 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
     alignment = check_alignment(alignment, path)
     process, count = jax.process_index(), jax.process_count()
     timeout = barrier_timeout() if timeout is None else float(timeout)
-    leaves = _plan(tree_mod.flatten(tree), namespace, ctx.registry.max_id(namespace) + 1, process)
-    rt = _Runtime(f"jckpt/save/{next(_saves)}", path, timeout, count)
+    tag, which = next_save(path)  # first: a save that fails here still takes its turn
+    rt = _Runtime(tag, path, timeout, count, process)
+    try:
+        leaves: list[_Leaf] | BaseException = _plan(
+            tree_mod.flatten(tree), namespace, ctx.registry.max_id(namespace) + 1, process)
+    except Exception as e:  # raised at the first barrier, which the others are told of
+        leaves = e
     stage = _Stage(tag=object_directory.new_tag() if backend is not LOCAL and process == 0 else '')
     try:
         with object_directory.saving(stage.tag):
-            first = rt.share('path', path if process == 0 else None)  # process 0's
+            first = rt.share('path', which if process == 0 else None)  # process 0's
             where = _open_stage(rt, path, process, stage, backend)
             save = stage.tag or os.path.basename(where)  # the same in every process
             rt.together('written', 'wrote its pieces', process, functools.partial(
-                _checked_write, first, path, where, leaves, namespace, alignment, process,
+                _checked_write, first, which, where, leaves, namespace, alignment, process,
                 ctx.durable, stage.tag, save))
             rt.together('published', 'saw the checkpoint published', process, None if process else (
                 lambda: _publish(backend, stage, path, count, alignment,

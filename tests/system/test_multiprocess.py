@@ -175,6 +175,38 @@ def test_processes_saving_different_trees_fail_at_once_each_with_the_real_error(
     assert sorted(os.listdir(tmp_path)) == []
 
 
+def test_a_save_that_fails_early_on_one_process_fails_at_once_on_all(tmp_path):
+    """Process 1's save failed while planning, before its turn was taken: process 0 waited
+    out its timeout, and from then on process 1's save k met process 0's save k-1, and a mix
+    of two states was published as one checkpoint."""
+    import jckpt
+
+    d = tmp_path / "ckpt"
+    found = check(run_pair("planfail", d, {"JCKPT_BARRIER_TIMEOUT": "60"}))
+    (t0, m0, s0), (t0b, _, _) = found[0]["attempts"]
+    (t1, _, _), (t1b, _, _) = found[1]["attempts"]
+    assert (t0, t1) == ("DistributedError", "InputError") and "not an array" in m0, found
+    assert s0 < 30 and (t0b, t1b) == (None, None), found  # at once; then both save version 2
+    _, back = jckpt.load(jckpt.Context(host=True), d)
+    np.testing.assert_array_equal(back["jckpt"]["w"], expected("w", 2))
+    assert int(back["jckpt"]["step"]) == 102
+
+
+def test_a_save_made_by_one_process_alone_never_publishes_a_mix(tmp_path):
+    """After a save only process 0 made, the next two saves of both paired process 0's
+    version 1 with process 1's version 2, and both reported success."""
+    import jckpt
+
+    d = tmp_path / "ckpt"
+    found = check(run_pair("alone", d, {"JCKPT_BARRIER_TIMEOUT": "20"}))
+    errors = [m for r in found.values() for t, m, _ in r["attempts"] if t is not None]
+    assert any("process 0 is at its save" in m or "process 0 saves to" in m for m in errors)
+    if d.exists():  # whatever was published is one version, never a mix
+        _, back = jckpt.load(jckpt.Context(host=True), d)
+        step = int(back["jckpt"]["step"]) - 100
+        np.testing.assert_array_equal(back["jckpt"]["w"], expected("w", step))
+
+
 def test_orbax_saves_replicated_state_from_two_processes(tmp_path):
     """A global array replicated over both processes (P()) was refused as "not fully
     addressable"; one sharded across them is refused naming what writes it instead."""
@@ -255,6 +287,17 @@ def test_a_barrier_that_times_out_says_what_is_known():
 
 # --- the worker ------------------------------------------------------------------------------
 
+def _attempt(jckpt, tree, path, timeout=None):
+    """One save from this process: `[error type or None, message, seconds]`."""
+    from jckpt.api.multiprocess import save_directory
+    start = time.monotonic()
+    try:
+        save_directory(jckpt.Context(), tree, path, timeout=timeout)
+        return [None, "", time.monotonic() - start]
+    except jckpt.CheckpointError as e:
+        return [type(e).__name__, str(e), time.monotonic() - start]
+
+
 def worker(phase, process, port, path):
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -309,6 +352,21 @@ def worker(phase, process, port, path):
         print("RESULT " + json.dumps(result), flush=True)
         if phase == "die":
             os._exit(0)  # the peer is gone: skip jax.distributed's shutdown barrier
+        return
+
+    if phase in ("planfail", "alone"):  # one process's save fails early, or is its own
+        m = jax.make_mesh((2, 2), ("a", "b"))
+        results_ = []
+        if phase == "alone" and process == 0:  # a debug dump only this process saves
+            results_.append(_attempt(jckpt, {"d": np.ones(2)}, path + "-debug", timeout=3))
+        for version in (1, 2):
+            tree = {"w": make("w", NamedSharding(m, P("a", "b")), version),
+                    "step": expected("step", version)}
+            if phase == "planfail" and process == 1 and version == 1:
+                tree["step"] = "not an array"  # refused while this process plans its pieces
+            results_.append(_attempt(jckpt, tree, path))
+        result.update(ok=True, attempts=results_)
+        print("RESULT " + json.dumps(result), flush=True)
         return
 
     if phase == "orbax":  # orbax's CheckpointManager in every process, jckpt's handler
