@@ -88,14 +88,17 @@ def place(array: np.ndarray, target: Any, *, host: bool, device: Any, where: str
     """
     placement = getattr(target, 'sharding', None) if target is not None else None
     if key_impl is not None:  # key data has a trailing dim the key's sharding lacks
+        data_placement = _key_data_sharding(placement, array.ndim)
         try:
-            keys = jax.random.wrap_key_data(jax.device_put(np.asarray(array),
-                                                           default_placement(device)),
-                                            impl=key_impl)
+            keys = jax.random.wrap_key_data(
+                put(np.asarray(array), data_placement) if data_placement is not None
+                else jax.device_put(np.asarray(array), default_placement(device)), impl=key_impl)
         except (ValueError, TypeError) as e:  # an unknown impl, or data of the wrong shape
             raise FormatError(f"cannot rebuild PRNG keys of {key_impl!r}: {e}", file=file,
                               entry=where, fix="the entry's key_impl or dims are damaged") from None
-        return keys if placement is None else jax.device_put(keys, placement)
+        if placement is None or keys.sharding.is_equivalent_to(placement, keys.ndim):
+            return keys
+        return jax.device_put(keys, placement)
     if isinstance(target, _PY_SCALARS) and not isinstance(target, np.generic):
         value = np.asarray(array).item()  # a narrower target's kind was refused unless cast
         return type(target)(value.real if isinstance(value, complex) and type(target) is not complex
@@ -111,6 +114,17 @@ def place(array: np.ndarray, target: Any, *, host: bool, device: Any, where: str
         return np.asarray(array)
     placed = put(array, placement if placement is not None else default_placement(device))
     return _weakly_typed(placed) if getattr(target, 'weak_type', False) else placed
+
+
+def _key_data_sharding(placement: Any, ndim: int) -> Any:
+    """Where the data of keys bound for `placement` goes, each device reading only its slice
+    (a sharding over several processes cannot take keys put on one device): the keys'
+    `NamedSharding` with the data's trailing dimension whole. None for another placement."""
+    if not isinstance(placement, jax.sharding.NamedSharding) or len(placement.device_set) < 2:
+        return None
+    spec = (*placement.spec, *(None,) * (ndim - 1 - len(placement.spec)), None)
+    return jax.sharding.NamedSharding(placement.mesh, jax.sharding.PartitionSpec(*spec),
+                                      memory_kind=placement.memory_kind)
 
 
 def _weakly_typed(array: jax.Array) -> jax.Array:

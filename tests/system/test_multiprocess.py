@@ -207,6 +207,12 @@ def test_a_save_made_by_one_process_alone_never_publishes_a_mix(tmp_path):
         np.testing.assert_array_equal(back["jckpt"]["w"], expected("w", step))
 
 
+def test_typed_keys_restore_onto_a_sharding_over_both_processes(tmp_path):
+    """Keys were put on one device, then moved onto the global sharding: JAX refused it with
+    a ValueError outside jckpt's errors, for keys sharded and replicated alike."""
+    check(run_pair("keys", tmp_path / "ckpt"))
+
+
 def test_orbax_saves_replicated_state_from_two_processes(tmp_path):
     """A global array replicated over both processes (P()) was refused as "not fully
     addressable"; one sharded across them is refused naming what writes it instead."""
@@ -352,6 +358,27 @@ def worker(phase, process, port, path):
         print("RESULT " + json.dumps(result), flush=True)
         if phase == "die":
             os._exit(0)  # the peer is gone: skip jax.distributed's shutdown barrier
+        return
+
+    if phase == "keys":  # typed PRNG keys sharded over both processes, and one replicated
+        mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+        def global_keys(keys, spec):  # each process puts only its own devices' part
+            data = np.asarray(jax.random.key_data(keys))
+            return jax.random.wrap_key_data(jax.make_array_from_callback(
+                data.shape, NamedSharding(mesh, spec), lambda idx: data[idx]))
+
+        tree = {"k": global_keys(jax.random.split(jax.random.key(7), 8), P("x", None)),
+                "one": global_keys(jax.random.key(3), P(None))}
+        jckpt.save(jckpt.Context(), tree, path)
+        back = jckpt.restore(jckpt.Context(), tree, path)
+        for name in ("k", "one"):
+            got, want = back[name], tree[name]
+            assert got.sharding.is_equivalent_to(want.sharding, got.ndim), name
+            assert jax.random.key_impl(got) == jax.random.key_impl(want), name
+            for a, b in zip(got.addressable_shards, want.addressable_shards):
+                assert (jax.random.key_data(a.data) == jax.random.key_data(b.data)).all(), name
+        result.update(ok=True)
+        print("RESULT " + json.dumps(result), flush=True)
         return
 
     if phase in ("planfail", "alone"):  # one process's save fails early, or is its own
