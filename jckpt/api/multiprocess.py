@@ -32,6 +32,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import os
 import threading
 import time
@@ -340,11 +341,24 @@ def _open_stage(rt: _Runtime, path: str, process: int, stage: _Stage, backend: B
     return stage.path
 
 
+def _plan_digest(leaves: list[_Leaf] | BaseException) -> str:
+    """What every process must agree on of a save's leaves: their ids, paths, dtypes, shapes
+    and PRNG implementations (a host value is written from process 0's copy alone, so a
+    process whose copy differs in shape or dtype is found here or not at all)."""
+    if isinstance(leaves, BaseException):
+        return '-'  # raised at the barrier that follows
+    h = hashlib.sha256()
+    for leaf in leaves:
+        h.update(repr((leaf.ident, leaf.path, leaf.dtype.str, leaf.shape, leaf.key_impl))
+                 .encode('utf-8', 'surrogatepass'))
+    return h.hexdigest()[:32]
+
+
 def _check_same_save(first: str, mine: str) -> None:
-    """Refuse to write pieces for another save than process 0's (`next_save`'s `'3 /ckpt'`):
-    its directory is the one published, and a piece of another path, or of another save of
-    this path, would land there."""
-    (n, theirs), (k, path) = first.split(' ', 1), mine.split(' ', 1)
+    """Refuse to write pieces for another save than process 0's (`next_save`'s `'3 /ckpt'`
+    after `_plan_digest`'s digest): its directory is the one published, and a piece of
+    another path, of another save of this path or of another tree would land there."""
+    (n, their_plan, theirs), (k, plan, path) = first.split(' ', 2), mine.split(' ', 2)
     if path != theirs:
         raise DistributedError(f"process 0 saves to {theirs}, this process to {path}", file=path,
                                fix="pass every process the same path, on a filesystem (or "
@@ -355,6 +369,12 @@ def _check_same_save(first: str, mine: str) -> None:
                                fix="every process must make the same saves in the same order "
                                    "(a save made by one process alone shifts them); restart "
                                    "the run's processes together")
+    if '-' not in (plan, their_plan) and plan != their_plan:
+        raise DistributedError("processes disagree about the tree they save: a leaf's path, "
+                               "dtype or shape differs from process 0's", file=path,
+                               fix="save the same tree in every process; a host value (numpy, "
+                                   "a number) must have the same shape and dtype in each, and "
+                                   "is saved from process 0's copy")
 
 
 def _publish(backend: Backend, stage: _Stage, path: str, count: int, alignment: int,
@@ -431,6 +451,8 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
             tree_mod.flatten(tree), namespace, ctx.registry.max_id(namespace) + 1, process)
     except Exception as e:  # raised at the first barrier, which the others are told of
         leaves = e
+    which = which.replace(' ', f" {_plan_digest(leaves)} ", 1)  # '3 <digest> /ckpt'
+
     stage = _Stage(tag=object_directory.new_tag() if backend is not LOCAL and process == 0 else '')
     try:
         with object_directory.saving(stage.tag):

@@ -207,6 +207,21 @@ def test_a_save_made_by_one_process_alone_never_publishes_a_mix(tmp_path):
         np.testing.assert_array_equal(back["jckpt"]["w"], expected("w", step))
 
 
+def test_a_host_value_of_another_shape_in_one_process_is_refused(tmp_path):
+    """Only process 0 writes a host value: process 1's of another shape and dtype was saved
+    without a word, and the checkpoint held process 0's."""
+    import jckpt
+
+    d = tmp_path / "ckpt"
+    found = check(run_pair("hostdiff", d, {"JCKPT_BARRIER_TIMEOUT": "60"}))
+    first = [r["attempts"][0] for r in found.values()]
+    assert all(t == "DistributedError" for t, _, _ in first), found
+    assert any("disagree about the tree" in m for _, m, _ in first), found
+    assert all(r["attempts"][1][0] is None for r in found.values()), found  # the next goes on
+    _, back = jckpt.load(jckpt.Context(host=True), d)
+    assert int(back["jckpt"]["step"]) == 102
+
+
 def test_typed_keys_restore_onto_a_sharding_over_both_processes(tmp_path):
     """Keys were put on one device, then moved onto the global sharding: JAX refused it with
     a ValueError outside jckpt's errors, for keys sharded and replicated alike."""
@@ -381,7 +396,7 @@ def worker(phase, process, port, path):
         print("RESULT " + json.dumps(result), flush=True)
         return
 
-    if phase in ("planfail", "alone"):  # one process's save fails early, or is its own
+    if phase in ("planfail", "alone", "hostdiff"):  # one process's save fails, or differs
         m = jax.make_mesh((2, 2), ("a", "b"))
         results_ = []
         if phase == "alone" and process == 0:  # a debug dump only this process saves
@@ -391,6 +406,8 @@ def worker(phase, process, port, path):
                     "step": expected("step", version)}
             if phase == "planfail" and process == 1 and version == 1:
                 tree["step"] = "not an array"  # refused while this process plans its pieces
+            if phase == "hostdiff" and process == 1 and version == 1:
+                tree["step"] = np.zeros(9, np.int64)  # process 0's is a scalar int32
             results_.append(_attempt(jckpt, tree, path))
         result.update(ok=True, attempts=results_)
         print("RESULT " + json.dumps(result), flush=True)
