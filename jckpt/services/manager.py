@@ -356,6 +356,10 @@ class CheckpointManager(BackgroundWriter[_Step]):
         self._pipeline.run_now(write)
         self._last_admitted = step
         self._lease.check()  # nor deletes, by retention
+        if self.process_count > 1:  # keep the metrics the step records (process 0's), as all do
+            path = self._path(step)
+            metrics = steps.parse_metrics(steps.read_metadata(path, prefix=False).get(METRICS_KEY),
+                                          path)
         self._record(step, metrics)
 
     def _target(self, info: _Step) -> str:

@@ -222,6 +222,15 @@ def test_a_host_value_of_another_shape_in_one_process_is_refused(tmp_path):
     assert int(back["jckpt"]["step"]) == 102
 
 
+def test_a_managers_processes_agree_on_its_steps_whatever_metrics_each_passes(tmp_path):
+    """Each process pruned by the metrics it was given: process 0 kept steps [1, 5] and
+    process 1 [5], and a restore of the best step mixed the two. The metrics a step records
+    (process 0's) are the ones every process keeps."""
+    found = check(run_pair("best", tmp_path / "run"))
+    assert found[0]["steps"] == found[1]["steps"] == [1, 5], found
+    assert found[0]["best"] == found[1]["best"] == 1, found
+
+
 def test_typed_keys_restore_onto_a_sharding_over_both_processes(tmp_path):
     """Keys were put on one device, then moved onto the global sharding: JAX refused it with
     a ValueError outside jckpt's errors, for keys sharded and replicated alike."""
@@ -373,6 +382,19 @@ def worker(phase, process, port, path):
         print("RESULT " + json.dumps(result), flush=True)
         if phase == "die":
             os._exit(0)  # the peer is gone: skip jax.distributed's shutdown barrier
+        return
+
+    if phase == "best":  # a manager keeping the best step, told each process's own loss
+        mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+        sh = NamedSharding(mesh, P("x"))
+        with jckpt.CheckpointManager(path, keep_best=1, keep_last=1, best_metric="loss") as mgr:
+            for step in range(1, 6):
+                x = jax.make_array_from_callback(
+                    (4,), sh, lambda i, s=step: np.full(4, s, np.float32)[i])
+                mgr.save(step, {"x": x}, metrics={"loss": float(step if process == 0 else 10 - step)})
+            mgr.wait_durable()
+            result.update(ok=True, steps=mgr.all_steps(), best=mgr.best_step())
+        print("RESULT " + json.dumps(result), flush=True)
         return
 
     if phase == "keys":  # typed PRNG keys sharded over both processes, and one replicated
