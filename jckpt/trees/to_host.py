@@ -255,8 +255,11 @@ def _stage(where: str, leaf: Any, *, pieces: bool, spread: bool, fetch: bool,
         dtype = leaf.dtype
     placed = facts.of(leaf.sharding)
     if not placed.whole and not (pieces and spread):
-        raise InputError("array is not fully addressable from this process", entry=where,
-                         fix="save from every process (multi-process checkpoints)")
+        raise InputError("array is not fully addressable from this process, and this writes "
+                         "one file from one process", entry=where,
+                         fix="call jckpt.save from every process (a directory checkpoint), or "
+                             "use a CheckpointManager, which saves each step from every process; "
+                             "a Mirror and the other formats' writers hold one process's arrays")
     if dtype not in _STORABLE:
         _check_dtype(dtype, where)
     shape = leaf.shape
