@@ -57,6 +57,9 @@ MAX_DECOMPRESSION_RATIO = 1100
 MAX_LEAF_EXPANSION = 64
 #: The largest array, in bytes, numpy can describe (and any 64-bit offset can address).
 MAX_BYTES = 2**63 - 1
+#: Largest text file of a step directory (`trainer_state.json`) a reader takes: its metadata
+#: and metrics are strings a header would hold, and far below this.
+MAX_RECORD_BYTES = 64 << 20
 
 # unrolled (no backtracking stack); an unterminated string runs to the end, so that a match
 # never fails once started (retrying at every later quote was quadratic)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -66,8 +67,16 @@ def parse_metrics(text: str | None) -> dict[str, float] | None:
         return None
     if not isinstance(value, dict):
         return None
-    return {str(k): float(v) for k, v in value.items()
+    return {str(k): _real(v) for k, v in value.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _real(v: int | float) -> float:
+    """A JSON number as a float: an integer past float's range (`1e400` written out) is inf."""
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf if v > 0 else -math.inf
 
 
 def empty_nodes_text(old: str | None, namespace: str, paths: Sequence[KeyPath],

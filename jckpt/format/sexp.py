@@ -39,18 +39,18 @@ class SexpError(ValueError):
 
 # --- reading ---------------------------------------------------------------
 
-_QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_QUOTED = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 # A quoted atom, or an unterminated one to the end of the text: a match never fails once
 # started, so splitting is linear (retrying at every later quote was quadratic).
-_SPLIT_QUOTED = re.compile(r'("(?:[^"\\]|\\.)*(?:"|\\?\Z))', re.DOTALL)
+_SPLIT_QUOTED = re.compile(r'("[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z))', re.DOTALL)
 _FAST_UNSAFE = re.compile(r'[^\t\n\r -~]|[\\;#|"]')
 _ATOM_SPLIT = re.compile(r'([^\s()]+)')
 _COMMA_BEFORE_CLOSE = re.compile(r',(?=\s*\])')
 # a trailing comma before ']', outside the JSON strings (group 1 skips over them whole)
-_TRAILING_COMMA = re.compile(r'("(?:[^"\\]|\\.)*(?:"|\\?\Z))|,(\s*)\]')
+_TRAILING_COMMA = re.compile(r'("[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z))|,(\s*)\]')
 _TOKEN = re.compile(
     r'(?P<ws>\s+)|(?P<comment>;[^\n]*)|(?P<open>\()|(?P<close>\))'
-    r'|(?P<quoted>"(?:[^"\\]|\\.)*")|(?P<atom>[^\s()";]+)|(?P<bad>.)',
+    r'|(?P<quoted>"[^"\\]*(?:\\.[^"\\]*)*")|(?P<atom>[^\s()";]+)|(?P<bad>.)',
     re.DOTALL,
 )
 _ESCAPE = re.compile(rb'\\(?:([\\"\'ntrb ])|(\d{3})|x([0-9a-fA-F]{2})|\n[ \t]*)')

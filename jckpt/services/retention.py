@@ -121,7 +121,7 @@ def check_metrics(metrics: Mapping[str, float] | None, where: str,
     for k, v in (metrics or {}).items():
         try:
             out[str(k)] = float(v)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise InputError(f"metric {k!r} is not a number: {v!r}", file=where,
                              fix="pass plain numbers (float(loss))") from None
     if rank_by is not None and out and rank_by not in out:

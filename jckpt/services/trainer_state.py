@@ -52,7 +52,7 @@ def _number(value: Any, name: str) -> float | None:
     if not isinstance(value, (bool, str, bytes)) and getattr(value, 'ndim', 0) == 0:
         try:
             return float(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # 10**400 from a crafted record
             pass
     raise InputError(f"TrainerState.{name} must be a real number or None, not "
                      f"{type(value).__name__} {reprlib.repr(value):.80}", fix=f"pass float({name})")

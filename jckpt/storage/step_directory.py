@@ -24,10 +24,11 @@ import shutil
 from typing import Any
 
 from jckpt.errors import FormatError
-from jckpt.format.limits import json_loads
+from jckpt.format.limits import MAX_RECORD_BYTES, json_loads
 from jckpt.format.names import OPTIMIZER_NAME, TRAINER_STATE_NAME
 from jckpt.storage.backend import LOCAL, Backend, backend_for
 from jckpt.storage.publish import exchange, fsync_dir, fsync_file, storage_error
+from jckpt.storage.regular import open_regular
 from jckpt.storage.staging import discard_staged
 
 
@@ -59,10 +60,20 @@ def read_text(path: str) -> str:
             raise FormatError(f"not UTF-8 text ({e})", file=path, fix="the step is damaged") from None
     _refuse_link(path)
     try:
-        with open(path, encoding='utf-8') as f:
-            return f.read()
+        with open_regular(path) as f:  # a FIFO there is refused, never waited on
+            raw = f.read(MAX_RECORD_BYTES + 1)
+    except IsADirectoryError:
+        raise FormatError("is a directory, not a file", file=path,
+                          fix="the step is damaged: restore an earlier step") from None
     except OSError as e:
         raise storage_error(e, "reading", path) from e
+    if len(raw) > MAX_RECORD_BYTES:
+        raise FormatError(f"holds over {MAX_RECORD_BYTES} bytes, more than a step's text file "
+                          "ever does", file=path, fix="the step is damaged or crafted")
+    try:
+        return raw.decode('utf-8')
+    except UnicodeDecodeError as e:
+        raise FormatError(f"not UTF-8 text ({e})", file=path, fix="the step is damaged") from None
 
 
 def _refuse_link(path: str) -> None:
@@ -160,6 +171,7 @@ def read_record(path: str, step: int | None = None) -> dict[str, Any]:
                           fix="the step is damaged: restore an earlier step") from None
     ok = (isinstance(record, dict) and isinstance(record.get('model'), str)
           and os.path.basename(record['model']) == record['model']
+          and record['model'] not in ('', '.', '..', TRAINER_STATE_NAME, OPTIMIZER_NAME)
           and isinstance(record.get('model_namespace'), str)
           and isinstance(record.get('metadata'), dict)
           and all(isinstance(k, str) and isinstance(v, str) for k, v in record['metadata'].items())

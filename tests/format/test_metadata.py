@@ -51,3 +51,14 @@ def test_empty_nodes_round_trip_and_merge_on_append():
                                   '{"opt": [[["i", true]]]}', '{"opt": [[]]}', '[' * 5000])
 def test_empty_nodes_that_are_not_as_written_are_ignored(text):
     assert empty_nodes(text, 'opt') == []
+
+
+def test_metrics_past_floats_range_are_infinite_never_an_error():
+    """`{"loss": 10**400}` written out raised a bare OverflowError from the manager, info
+    and the command line; parse_metrics never raises."""
+    import math
+
+    from jckpt.format.metadata import parse_metrics
+    big = '1' + '0' * 400
+    assert parse_metrics(f'{{"loss": {big}, "acc": -{big}, "x": 0.5}}') == {
+        'loss': math.inf, 'acc': -math.inf, 'x': 0.5}

@@ -124,3 +124,21 @@ def test_an_unterminated_quoted_atom_is_refused_in_linear_time(text):
 def test_quotes_in_a_comment_parse_in_linear_time():
     text = '((version 1) ; "' + '\\"' * 500_000 + '\n (tensors ()))'
     assert parse(text) == parse('((version 1) (tensors ()))')
+
+
+def test_a_long_quoted_atom_is_read_in_memory_linear_in_it():
+    """`"(?:[^"\\]|\\.)*"` kept a backtracking frame per character: a 20 MB atom (a writer
+    field, a metadata value) took 3 GB to read, and a MemoryError under a limit."""
+    import struct
+    import tracemalloc
+
+    from jckpt.format import decode_header
+    atom = 'a' * (4 << 20)
+    text = f'((version 1) (alignment 1) (tensors ()) (writer "{atom}"))'.encode()
+    tracemalloc.start()
+    try:
+        header = decode_header(struct.pack('>I', len(text)) + text)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert header.writer == atom and peak < 20 * len(text)  # it was about 140 times

@@ -162,3 +162,11 @@ def test_replace_and_from_json_refuse_bad_arguments():
     assert "global_step" in err.value.fix
     with pytest.raises(InputError, match="from_json takes the JSON text"):
         TrainerState.from_json(5)
+
+
+def test_a_number_past_floats_range_is_refused_not_an_overflow():
+    """A crafted record's learning rate of 10**400 raised a bare OverflowError on restore."""
+    with pytest.raises(jckpt.CheckpointError):
+        jckpt.TrainerState.from_json('{"learning_rate": 1' + '0' * 400 + '}')
+    with pytest.raises(jckpt.InputError, match="learning_rate"):
+        jckpt.TrainerState(learning_rate=10 ** 400)

@@ -85,3 +85,45 @@ def test_a_manager_recovers_from_a_failed_fsync_after_the_steps_rename(tmp_path,
         assert mgr.restore(1).tree['jckpt']['w'].tolist() == [1, 1, 1, 1]
     assert sorted(n for n in os.listdir(tmp_path) if not n.startswith('.')) == [
         'step_00000001.jckpt', 'step_00000002.jckpt']
+
+
+def _record(tmp_path, raw: bytes) -> str:
+    step = tmp_path / 'step_00000001.jckpt'
+    step.mkdir(exist_ok=True)
+    (step / 'trainer_state.json').write_bytes(raw)
+    return str(step)
+
+
+@pytest.mark.parametrize('model', ['..', '.', '', 'trainer_state.json', 'optimizer.jckpt'])
+def test_a_record_naming_no_model_file_of_its_own_is_refused(tmp_path, model):
+    """'..' passed as a file name (verify then failed on an AssertionError), and the
+    optimizer's file was restored as the model."""
+    import json
+
+    from jckpt.errors import FormatError
+    step = _record(tmp_path, json.dumps({'model': model, 'model_namespace': 'jckpt',
+                                         'metadata': {}}).encode())
+    with pytest.raises(FormatError, match='not a step record'):
+        sd.read_record(step, 1)
+
+
+def test_a_record_that_is_a_fifo_or_not_utf8_is_refused_at_once(tmp_path):
+    """A FIFO there blocked `jckpt verify` for ever; bytes that are not UTF-8 raised a bare
+    UnicodeDecodeError from the manager, info and verify."""
+    from jckpt.errors import FormatError
+    step = _record(tmp_path, b'\xff{}')
+    with pytest.raises(FormatError, match='not UTF-8'):
+        sd.read_record(step, 1)
+    fifo = os.path.join(step, 'trainer_state.json')
+    os.unlink(fifo)
+    os.mkfifo(fifo)
+    with pytest.raises(FormatError, match='FIFO'):
+        sd.read_record(step, 1)
+
+
+def test_an_oversized_record_is_refused_reading_no_more_than_the_limit(tmp_path, monkeypatch):
+    from jckpt.errors import FormatError
+    monkeypatch.setattr(sd, 'MAX_RECORD_BYTES', 100)
+    step = _record(tmp_path, b' ' * 101)
+    with pytest.raises(FormatError, match='over 100 bytes'):
+        sd.read_record(step, 1)

@@ -293,3 +293,20 @@ def test_verifying_a_manager_of_foreign_format_steps_needs_no_jax(tmp_path):
     p = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip().splitlines()[-1] == '[]'
+
+
+def test_a_step_whose_record_is_a_fifo_or_names_no_model_is_reported(tmp_path):
+    """A FIFO as trainer_state.json blocked verify for ever; a record naming '..' as the
+    model failed on an AssertionError."""
+    import json
+    with jckpt.CheckpointManager(tmp_path, options=jckpt.CheckpointOptions(format="npz")) as mgr:
+        mgr.save(1, {"w": np.ones(2, np.float32)})
+        mgr.save(2, {"w": np.ones(2, np.float32)}, force=True)
+    record = tmp_path / step_name(1) / "trainer_state.json"
+    text = json.loads(record.read_text())
+    record.write_text(json.dumps({**text, "model": ".."}))
+    fifo = tmp_path / step_name(2) / "trainer_state.json"
+    fifo.unlink()
+    os.mkfifo(fifo)
+    r = verify(tmp_path)
+    assert not r.ok and {p.file for p in r.errors} == {str(record), str(fifo)}, r.render()
