@@ -120,7 +120,7 @@ class _Runtime:
         self.tag = tag
         self.path = path
         self.timeout_ms = max(1, int(timeout * 1000))
-        if not self.local:  # what this process saves now, for a peer's error to name
+        if self.client is not None and not self.local:  # what this process saves, for errors
             with contextlib.suppress(Exception):
                 self.client.key_value_set(f"{_SAVING}/{process}", path, allow_overwrite=True)
 
