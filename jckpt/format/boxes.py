@@ -120,6 +120,9 @@ def check_tiling(boxes: Sequence[Box] | np.ndarray, shape: Sequence[int]) -> str
     """
     if _tile_exactly(boxes, shape):
         return None
+    twice = _listed_twice(boxes)  # at numpy's speed: a crafted index repeats one piece
+    if twice is not None:         # millions of times, and the loop below took minutes
+        return f"piece {twice} is listed twice: pieces overlap"
     if isinstance(boxes, np.ndarray):  # (boxes, ndim, 2), as a directory index holds them
         boxes = [tuple(map(tuple, b)) for b in boxes.tolist()]
     whole = full_box(shape)
@@ -132,6 +135,27 @@ def check_tiling(boxes: Sequence[Box] | np.ndarray, shape: Sequence[int]) -> str
         return (f"pieces hold {total} elements but the array has {math.prod(shape)}: "
                 "a piece is missing or duplicated")
     return _first_overlap([b for b in boxes if box_size(b)], shape)
+
+
+def _listed_twice(boxes: Sequence[Box] | np.ndarray) -> Box | None:
+    """A non-empty box that `boxes` hold twice, or None (also when they are too few to be
+    worth asking, or not all integers of 64 bits)."""
+    if len(boxes) < 1024:  # the loop is quick enough
+        return None
+    if not isinstance(boxes, np.ndarray):
+        try:
+            boxes = np.asarray(boxes, dtype=np.int64)
+        except (ValueError, TypeError, OverflowError):
+            return None
+    if boxes.dtype.kind not in 'iu' or boxes.ndim != 3:
+        return None
+    flat = boxes.reshape(len(boxes), -1)
+    rows, counts = np.unique(flat, axis=0, return_counts=True)
+    for row in rows[counts > 1]:
+        box = tuple(map(tuple, row.reshape(-1, 2).tolist()))
+        if box_size(box):  # empty boxes hold nothing, however often they are listed
+            return box
+    return None
 
 
 #: The most cells `check_tiling` paints (4 bytes each): pieces cut finer are refused.
