@@ -36,6 +36,7 @@ from jckpt.format.limits import check_alignment
 from jckpt.format.metadata import check_metadata, empty_nodes_text
 from jckpt.format.names import EMPTY_NODES_KEY, INDEX_NAME
 from jckpt.format.payload import CHECKSUM_PLACEHOLDER
+from jckpt.storage import staging
 from jckpt.storage.backend import LOCAL, backend_for, checked_path
 from jckpt.storage.reader import CheckpointReader, reopen
 from jckpt.storage.regions import ShardedSource
@@ -129,6 +130,7 @@ def _save_file(ctx: Context, tree: Any, path: str, appending: bool, alignment: i
         _publish(ctx, path, header, sources, progress)
     else:
         _publish_appended(ctx, path, header, entries, sources, old, progress)
+    staging.remove_abandoned(path)  # a killed mirror's generations of this path (one stat else)
 
 
 def _appended(path: str) -> Any:

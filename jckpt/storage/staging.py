@@ -40,6 +40,7 @@ from jckpt.format.header import Entry, Header
 from jckpt.format.layout import written_header
 from jckpt.format.names import NEXT_TAG
 from jckpt.storage.backend import LOCAL, backend_for, is_url
+from jckpt.storage.lease import is_held, lease_path
 from jckpt.storage.publish import fsync_dir, fsync_file, reclaim_staging, replace, storage_error
 from jckpt.storage.writer import PayloadSource, write_checkpoint
 
@@ -109,6 +110,20 @@ def discard_staged(temporary: str) -> None:
         os.unlink(temporary)
     except FileNotFoundError:
         pass
+
+
+def remove_abandoned(target: str) -> list[str]:
+    """`remove_staged` of a local `target` whose mirror was killed: its lease file is still
+    there and no one holds it. A live mirror's generations are left alone; with no lease
+    file (the usual case: no mirror, or one closed cleanly) nothing is even listed.
+
+    >>> remove_abandoned(os.path.join(tempfile.mkdtemp(), 'm.jckpt'))
+    []
+    """
+    lock = lease_path(target)
+    if is_url(target) or not os.path.lexists(lock) or is_held(lock):
+        return []
+    return remove_staged(target)
 
 
 def remove_staged(target: str) -> list[str]:

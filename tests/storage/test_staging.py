@@ -132,3 +132,24 @@ def test_remove_staged_keeps_a_generation_being_written(tmp_path):
 
 def test_remove_staged_in_a_missing_directory_removes_nothing(tmp_path):
     assert remove_staged(str(tmp_path / 'missing' / 'run.jckpt')) == []
+
+
+def test_a_killed_mirrors_generations_go_with_the_next_save_of_its_path(tmp_path):
+    """A mirror killed mid-write left `.jckpt-next.N` files that only another mirror of
+    the path removed: a plain save over it left megabytes behind."""
+    import jckpt
+    from jckpt.storage.lease import WriterLease, lease_path
+    target = tmp_path / 'm.jckpt'
+    stale = [tmp_path / 'm.jckpt.jckpt-next.3',
+             tmp_path / 'm.jckpt.jckpt-next.4.jckpt-stage.00004cfc.00000001.ffead962fc1483ed']
+    for f in stale:
+        f.write_bytes(b'x' * 100)
+    jckpt.save(jckpt.Context(), {'w': np.ones(2)}, target)  # no lease file: no mirror here
+    assert all(f.exists() for f in stale)
+    with WriterLease(target):  # a live mirror's generations stay
+        jckpt.save(jckpt.Context(), {'w': np.ones(2)}, target)
+        assert all(f.exists() for f in stale)
+    open(lease_path(target), 'w').close()  # what a killed mirror leaves: a lease no one holds
+    jckpt.save(jckpt.Context(), {'w': np.ones(2)}, target)
+    assert not any(f.exists() for f in stale)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['m.jckpt', 'm.jckpt.jckpt-lease']
