@@ -18,6 +18,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from jckpt.api.context import check_flag
 from jckpt.errors import InputError
@@ -110,35 +111,42 @@ class Preemption:
         if threading.current_thread() is not threading.main_thread():
             raise InputError("handle_sigterm=True needs the main thread",
                              fix="create the manager in the main thread")
-        previous = signal.getsignal(signal.SIGTERM)
-        closed = threading.Event()
-
-        def handler(signum, frame):
-            if not closed.is_set():
-                self._sigterm.set()
-            if callable(previous) and previous not in (signal.SIG_DFL, signal.SIG_IGN):
-                previous(signum, frame)
-            elif closed.is_set() and previous == signal.SIG_DFL \
-                    and signal.getsignal(signum) is handler:  # put back by a later one's close:
-                signal.signal(signum, signal.SIG_DFL)  # what the default does, terminate
-                os.kill(os.getpid(), signum)
-
-        def restore() -> None:
-            closed.set()
-            if signal.getsignal(signal.SIGTERM) is handler:
-                signal.signal(signal.SIGTERM, previous)
-            # else a handler installed later (another manager's) calls this one, which now
-            # only passes the signal on to what it replaced
-
-        signal.signal(signal.SIGTERM, handler)
-        self._restore_sigterm = restore
+        if not _PREVIOUS:  # one handler for every open preemption, installed once
+            _PREVIOUS.append(signal.getsignal(signal.SIGTERM))
+            signal.signal(signal.SIGTERM, _on_sigterm)
+        _FLAGS.add(self._sigterm)
+        self._restore_sigterm = lambda: _release(self._sigterm)
 
     def close(self) -> None:
-        """Put back the SIGTERM handler that was there before, or, when another was installed
-        over this one since, leave that in place and pass the signal through (idempotent)."""
+        """Stop catching SIGTERM for this preemption; the last one open puts back the handler
+        that was there before (unless another was installed over it since) (idempotent)."""
         restore, self._restore_sigterm = self._restore_sigterm, None
         if restore is not None and threading.current_thread() is threading.main_thread():
             restore()
+
+
+#: The flags of the preemptions that catch SIGTERM now, and the handler `_on_sigterm`
+#: replaced (while it is installed). One handler serves them all: a chain of one handler
+#: per manager, closed in another order than opened, swallowed SIGTERM or dropped a catcher.
+_FLAGS: set[threading.Event] = set()
+_PREVIOUS: list[Any] = []
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    for flag in list(_FLAGS):
+        flag.set()
+    previous = _PREVIOUS[0] if _PREVIOUS else signal.SIG_DFL
+    if callable(previous) and previous not in (signal.SIG_DFL, signal.SIG_IGN):
+        previous(signum, frame)
+    elif not _FLAGS and previous == signal.SIG_DFL:  # none open (a handler installed over
+        signal.signal(signum, signal.SIG_DFL)       # this one kept it): what SIGTERM would do
+        os.kill(os.getpid(), signum)
+
+
+def _release(flag: threading.Event) -> None:
+    _FLAGS.discard(flag)
+    if not _FLAGS and _PREVIOUS and signal.getsignal(signal.SIGTERM) is _on_sigterm:
+        signal.signal(signal.SIGTERM, _PREVIOUS.pop())
 
 
 __all__ = ['Preemption']

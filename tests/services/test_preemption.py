@@ -199,3 +199,30 @@ def test_a_sigterm_after_the_steps_save_was_decided_is_reached_at_the_next(sigte
         assert p.reached(9)  # and it stays reached
     finally:
         p.close()
+
+
+@pytest.mark.parametrize('order', ['abc', 'acb', 'bac', 'bca', 'cab', 'cba'])
+def test_three_closed_in_any_order_leave_sigterm_as_it_was(order):
+    """With one handler per preemption chained, some close orders (abc, bac, bca) left a
+    closed handler that swallowed SIGTERM: the process lived on."""
+    import subprocess
+    import sys
+    import textwrap
+    script = textwrap.dedent(f'''
+        import signal
+        from jckpt.services.preemption import Preemption
+        p = {{name: Preemption(handle_sigterm=True) for name in 'abc'}}
+        for name in {order!r}[:2]:
+            p[name].close()
+        signal.raise_signal(signal.SIGTERM)  # caught by the one still open
+        print([p[n].reached(1) for n in 'abc'], flush=True)
+        p[{order!r}[2]].close()
+        print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, flush=True)
+        signal.raise_signal(signal.SIGTERM)
+        print('survived', flush=True)
+    ''')
+    out = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True,
+                         timeout=60)
+    open_one = order[2]
+    assert out.stdout.split('\n')[0] == str([n == open_one for n in 'abc']), out
+    assert out.stdout.split('\n')[1] == 'True' and out.returncode == -signal.SIGTERM, out
