@@ -84,6 +84,7 @@ def check(tree: Any, path: str) -> None:
     jckpt.errors.InputError: out: entry jckpt/a.b: two leaves would both be stored as 'a.b' ...
     """
     path = os.fspath(path)
+    orbax.import_orbax()  # missing: the InputError that says what to install, before tensorstore
     items = abstract_items(tree, path)
     for ns in dict.fromkeys(ns for ns, _, _ in items):  # one orbax item per namespace
         flat_names([item for item in items if item[0] == ns], path)

@@ -79,9 +79,10 @@ _SAVING = 'jckpt/saving'  # key of each process's save in progress (for errors)
 def next_save(path: str) -> tuple[str, str]:
     """This process's next save of `path`: its coordination tag (how many saves this
     process began before) and its place among the saves of `path` (`'3 /ckpt'`: the 4th),
-    which process 0 shares and the others compare with their own. Processes that made
-    different saves (one saved a debug dump alone, or its save failed before its turn)
-    then refuse to pair different states, where they would have published a mix.
+    which process 0 shares and the others compare with their own. A process whose save failed
+    before its barriers still took its turn, and one that saved another path alone (a debug
+    dump) is found out at the others' next save, where a mix of two states was published.
+    A save of the same path made alone, of the same tree, cannot be told apart.
 
     >>> next_save('/ckpt/a')[1], next_save('/ckpt/a')[1]
     ('0 /ckpt/a', '1 /ckpt/a')
@@ -107,7 +108,7 @@ class _Runtime:
     """Barriers and shared values through JAX's distributed client."""
 
     def __init__(self, tag: str, path: str, timeout: float, processes: int,
-                 process: int = 0) -> None:
+                 process: int) -> None:
         # JAX's client lives in a private module; imported here so a JAX that moves it
         # breaks only multi-process saves, not every import of jckpt.
         from jax._src import distributed as jdist
@@ -371,7 +372,8 @@ def _check_same_save(first: str, mine: str) -> None:
                                    "the run's processes together")
     if '-' not in (plan, their_plan) and plan != their_plan:
         raise DistributedError("processes disagree about the tree they save: a leaf's path, "
-                               "dtype or shape differs from process 0's", file=path,
+                               "dtype, shape, id or PRNG implementation differs from process "
+                               "0's", file=path,
                                fix="save the same tree in every process; a host value (numpy, "
                                    "a number) must have the same shape and dtype in each, and "
                                    "is saved from process 0's copy")

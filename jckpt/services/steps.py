@@ -33,6 +33,7 @@ from jckpt.format.names import (
 )
 from jckpt.services import formats
 from jckpt.services.formats import CheckpointLoadOptions
+from jckpt.storage import step_directory
 from jckpt.storage.backend import LOCAL, Backend
 from jckpt.storage.directory import reclaim_stage_dirs
 from jckpt.storage.lease import lease_path
@@ -163,6 +164,8 @@ def clean_staging(backend: Backend, directory: str) -> None:
             continue
         head, sep, _ = name.partition(NEXT_TAG)
         if sep and STEP_RE.match(head):
+            if step_directory.recover_aside(path, os.path.join(directory, head)):
+                continue  # a step its replacement set aside, whose writer died: back in place
             formats.staging_remove(path)  # a staged step directory
             remove_staged(os.path.join(directory, head))
             continue

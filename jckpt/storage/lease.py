@@ -123,24 +123,6 @@ class WriterLease:
         return f"WriterLease({self.path!r}, held={self.held})"
 
 
-def is_held(lock_path: str) -> bool:
-    """Whether a live writer holds the lease file `lock_path` (False: none there, or one a
-    killed writer left)."""
-    try:
-        fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    except OSError:  # no flock on this filesystem: take it for held, and touch nothing
-        return True
-    finally:
-        os.close(fd)
-
-
 def refuse_if_held(lock_paths: Iterable[str], *, file: str) -> None:
     """`InUseError` if another writer holds one of the leases `lock_paths` (sidecar files).
 

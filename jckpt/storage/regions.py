@@ -147,8 +147,11 @@ def _reserve(fd: int, first: int, last: int) -> None:
     """Give the bytes `[first, last)` of the file their disk blocks before they are written
     through a mapping: a store into a mapped page the full disk cannot back kills the process
     with SIGBUS, where reserving raises `ENOSPC` (a `StorageError` of the save)."""
+    fallocate = getattr(os, 'posix_fallocate', None)  # not on every platform (macOS)
     try:
-        os.posix_fallocate(fd, first, last - first)
+        if fallocate is None:
+            raise OSError(errno.ENOSYS, "posix_fallocate is not available")
+        fallocate(fd, first, last - first)
     except OSError as e:
         if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
             raise

@@ -40,7 +40,7 @@ from jckpt.format.header import Entry, Header
 from jckpt.format.layout import written_header
 from jckpt.format.names import NEXT_TAG
 from jckpt.storage.backend import LOCAL, backend_for, is_url
-from jckpt.storage.lease import is_held, lease_path
+from jckpt.storage.lease import WriterLease, lease_path
 from jckpt.storage.publish import fsync_dir, fsync_file, reclaim_staging, replace, storage_error
 from jckpt.storage.writer import PayloadSource, write_checkpoint
 
@@ -114,16 +114,21 @@ def discard_staged(temporary: str) -> None:
 
 def remove_abandoned(target: str) -> list[str]:
     """`remove_staged` of a local `target` whose mirror was killed: its lease file is still
-    there and no one holds it. A live mirror's generations are left alone; with no lease
+    there and no one holds it, so this takes the lease, clears what was staged, and lets go
+    (removing the lease file). A live mirror's generations are left alone; with no lease
     file (the usual case: no mirror, or one closed cleanly) nothing is even listed.
 
     >>> remove_abandoned(os.path.join(tempfile.mkdtemp(), 'm.jckpt'))
     []
     """
-    lock = lease_path(target)
-    if is_url(target) or not os.path.lexists(lock) or is_held(lock):
+    if is_url(target) or not os.path.lexists(lease_path(target)):
         return []
-    return remove_staged(target)
+    try:
+        lease = WriterLease(target)
+    except CheckpointError:  # a live mirror holds it (or it cannot be taken): not ours to clear
+        return []
+    with lease:
+        return remove_staged(target)
 
 
 def remove_staged(target: str) -> list[str]:

@@ -54,6 +54,9 @@ def read_text(path: str) -> str:
     """The text (UTF-8) of the file `path` (or of the object, for a URL)."""
     backend = backend_for(path)
     if backend is not LOCAL:
+        if backend.size(path) > MAX_RECORD_BYTES:
+            raise FormatError(f"holds over {MAX_RECORD_BYTES} bytes, more than a step's text "
+                              "file ever does", file=path, fix="the step is damaged or crafted")
         try:
             return bytes(backend.map(path)).decode('utf-8')
         except UnicodeDecodeError as e:
@@ -115,14 +118,32 @@ def publish_dir(temporary: str, target: str, *, durable: bool, marker: str | Non
 def _replace(temporary: str, target: str) -> None:
     """Put the directory `temporary` in place of the step directory `target` (a rename cannot
     replace a directory that holds files): swapped in one step where the filesystem can,
-    else `target` is renamed aside first, under a staging name a manager's open removes."""
+    else `target` is renamed aside first (`<temporary>.old`), and a manager's open puts it
+    back should the process die before the second rename (`recover_aside`)."""
     if exchange(temporary, target):
         remove_staged_dir(temporary)  # the old step, swapped out
         return
-    aside = f"{temporary}.old"
+    aside = temporary + ASIDE_SUFFIX
+    remove_staged_dir(aside)  # one an earlier attempt left
     os.rename(target, aside)
     os.rename(temporary, target)
     remove_staged_dir(aside)
+
+
+#: The ending of a step directory `_replace` set aside.
+ASIDE_SUFFIX = '.old'
+
+
+def recover_aside(path: str, target: str) -> bool:
+    """Put back the step directory `target` that `_replace` set aside at `path`, when the
+    step is missing (its writer died between the two renames); True if it did so."""
+    if not path.endswith(ASIDE_SUFFIX) or os.path.lexists(target) or not os.path.isdir(path):
+        return False
+    try:
+        os.rename(path, target)
+    except OSError as e:
+        raise storage_error(e, "putting back the step directory set aside", target) from e
+    return True
 
 
 def _upload_dir(backend: Backend, temporary: str, target: str, marker: str | None) -> None:

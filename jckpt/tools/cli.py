@@ -385,8 +385,10 @@ def _message(e: Exception) -> str:
 
 def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
                   file: Any = None, line: str | None = None) -> None:
-    """A warning as one line, as errors are (Python's form names a line of jckpt's source)."""
-    sys.stderr.write(f"jckpt: warning: {printable(str(message))}\n")
+    """A warning as one line, as errors are (Python's form names a line of jckpt's source);
+    another library's names its kind (`DeprecationWarning: ...`)."""
+    kind = '' if issubclass(category, UserWarning) else f"{category.__name__}: "
+    sys.stderr.write(f"jckpt: warning: {kind}{printable(str(message))}\n")
     sys.stderr.flush()
 
 

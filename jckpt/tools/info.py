@@ -1,7 +1,9 @@
 """`jckpt.info(path)`: what a checkpoint holds, as a value that shows itself.
 
-The summary is read from headers alone (no payload is touched, no JAX is
-imported), so it is instant even for very large files. Which summary
+The summary of a jckpt checkpoint is read from headers alone (no payload is
+touched, no JAX is imported), so it is instant even for very large files;
+another format's is read as the converter reads it (mapped where the format
+allows, a compressed npz inflated). Which summary
 depends on what `classify` finds at the path: a
 file (`FileInfo`), a multi-process directory
 (`DirectoryInfo`), a checkpoint manager's
@@ -34,7 +36,8 @@ from jckpt.tools.summary import DirectoryInfo, FileInfo, directory_info, file_in
 
 def info(path: str | os.PathLike, *, best_metric: str | None = None,
          best_mode: str = 'min') -> FileInfo | DirectoryInfo | ManagerInfo | ForeignInfo:
-    """A summary of the checkpoint at `path`, read from its header alone.
+    """A summary of the checkpoint at `path`, read from its header alone (another format's,
+    as the converter reads it).
 
     Returns a value whose `repr` is a table of namespaces, paths, dtypes,
     shapes, sizes, offsets and whether each payload can be memory-mapped,

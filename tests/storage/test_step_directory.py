@@ -51,7 +51,7 @@ def test_publishing_over_a_step_directory_replaces_it(tmp_path, monkeypatch, swa
     staging directory onto the step, non-empty: ENOTEMPTY on every attempt, for good."""
     target = str(tmp_path / 'step_00000001.jckpt')
     for version in ('old', 'new'):
-        staged = f"{target}.jckpt-next.{(version == 'new' and 2) or 1}"
+        staged = f"{target}.jckpt-next.{2 if version == 'new' else 1}"
         sd.make_staged(staged)
         sd.write_text(os.path.join(staged, 'v.txt'), version)
         if version == 'new' and not swaps:  # a filesystem without renameat2's exchange
@@ -127,3 +127,23 @@ def test_an_oversized_record_is_refused_reading_no_more_than_the_limit(tmp_path,
     step = _record(tmp_path, b' ' * 101)
     with pytest.raises(FormatError, match='over 100 bytes'):
         sd.read_record(step, 1)
+
+
+def test_a_step_set_aside_by_a_writer_killed_between_its_renames_is_put_back(tmp_path):
+    """Without renameat2's exchange the old step is renamed aside first: a writer killed
+    before the second rename left no step, and the next manager deleted both copies."""
+    import numpy as np
+
+    import jckpt
+    options = jckpt.CheckpointOptions(format='npz')
+    with jckpt.CheckpointManager(tmp_path, options=options) as mgr:
+        mgr.save(1, {'w': np.ones(2, np.float32)})
+    step = tmp_path / 'step_00000001.jckpt'
+    aside = tmp_path / ('step_00000001.jckpt.jckpt-next.2' + sd.ASIDE_SUFFIX)
+    os.rename(step, aside)  # where the kill left it
+    (tmp_path / 'step_00000001.jckpt.jckpt-next.2').mkdir()  # and the new one, unpublished
+    with jckpt.CheckpointManager(tmp_path, options=options) as mgr:
+        assert mgr.all_steps() == [1]
+        assert mgr.restore(1).tree['jckpt']['w'].tolist() == [1, 1]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith('.')) == [
+        'step_00000001.jckpt']
