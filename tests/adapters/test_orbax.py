@@ -181,6 +181,15 @@ def test_what_orbax_cannot_hold_is_refused_naming_the_leaf(tmp_path, tree, entry
         jckpt.adapters.get_format('orbax').check({'jckpt': tree}, out)
 
 
+def test_checking_for_orbax_without_orbax_says_what_to_install(monkeypatch):
+    """The check asked tensorstore first: a ModuleNotFoundError, not the InputError."""
+    import sys
+    monkeypatch.setitem(sys.modules, 'orbax.checkpoint', None)
+    monkeypatch.setitem(sys.modules, 'tensorstore', None)
+    with pytest.raises(jckpt.InputError, match="needs orbax-checkpoint"):
+        jckpt.adapters.get_format('orbax').check({'jckpt': {'w': np.ones(2)}}, 'out')
+
+
 def test_the_same_names_in_two_namespaces_are_two_orbax_items(tmp_path):
     tree = {'p': {'a.b': np.zeros(3, np.float32)}, 'q': {'a': {'b': np.ones(3, np.float32)}}}
     jckpt.adapters.write(tree, tmp_path / 'o', format='orbax')

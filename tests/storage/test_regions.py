@@ -148,3 +148,15 @@ def test_stored_bytes_are_c_ordered_little_endian():
     assert flat.tobytes() == np.ascontiguousarray(x).astype('<i4').tobytes()
     y = data((2, 2))
     assert np.shares_memory(stored_bytes(y), y)  # already in stored form: no copy
+
+
+def test_reserving_falls_back_to_extending_where_there_is_no_fallocate(tmp_path, monkeypatch):
+    """posix_fallocate is not on every platform (macOS): its absence was an AttributeError."""
+    import os
+    monkeypatch.delattr(os, 'posix_fallocate', raising=False)
+    fd = os.open(tmp_path / 'f', os.O_RDWR | os.O_CREAT)
+    try:
+        regions._reserve(fd, 100, 4096)
+        assert os.fstat(fd).st_size == 4096
+    finally:
+        os.close(fd)
