@@ -121,7 +121,7 @@ class Preemption:
         """Stop catching SIGTERM for this preemption; the last one open puts back the handler
         that was there before (unless another was installed over it since) (idempotent)."""
         restore, self._restore_sigterm = self._restore_sigterm, None
-        if restore is not None and threading.current_thread() is threading.main_thread():
+        if restore is not None:
             restore()
 
 
@@ -144,8 +144,11 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 
 def _release(flag: threading.Event) -> None:
+    """Stop setting `flag`; the last one out puts the old handler back (signals can be set in
+    the main thread only: from another, `_on_sigterm` stays and does what it would do)."""
     _FLAGS.discard(flag)
-    if not _FLAGS and _PREVIOUS and signal.getsignal(signal.SIGTERM) is _on_sigterm:
+    if (not _FLAGS and _PREVIOUS and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is _on_sigterm):
         signal.signal(signal.SIGTERM, _PREVIOUS.pop())
 
 

@@ -226,3 +226,19 @@ def test_three_closed_in_any_order_leave_sigterm_as_it_was(order):
     open_one = order[2]
     assert out.stdout.split('\n')[0] == str([n == open_one for n in 'abc']), out
     assert out.stdout.split('\n')[1] == 'True' and out.returncode == -signal.SIGTERM, out
+
+
+def test_closing_from_another_thread_stops_catching(sigterm):
+    """Closed off the main thread, a preemption kept being told of SIGTERM for good (the
+    handler cannot be put back there, but the flag can leave)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    p, other = Preemption(handle_sigterm=True), Preemption(handle_sigterm=True)
+    try:
+        t = threading.Thread(target=p.close)
+        t.start()
+        t.join()
+        signal.raise_signal(signal.SIGTERM)
+        assert other.reached(1) and not p.reached(1)
+    finally:
+        other.close()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
