@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import itertools
 import os
 import threading
 import time
@@ -71,26 +72,27 @@ from jckpt.trees import to_host, transfers
 
 #: Seconds a process waits at a barrier for the others (`JCKPT_BARRIER_TIMEOUT` overrides).
 DEFAULT_BARRIER_TIMEOUT = 300.0
-_SAVES: collections.Counter[str] = collections.Counter()  # saves begun here: all, and by path
+_SAVES = itertools.count()  # saves begun in this process
+_SAVES_OF: collections.Counter[str] = collections.Counter()  # ... of each path
 _SAVES_LOCK = threading.Lock()
 _SAVING = 'jckpt/saving'  # key of each process's save in progress (for errors)
 
 
-def next_save(path: str) -> tuple[str, str]:
+def next_save(path: str) -> tuple[str, int]:
     """This process's next save of `path`: its coordination tag (how many saves this
-    process began before) and its place among the saves of `path` (`'3 /ckpt'`: the 4th),
-    which process 0 shares and the others compare with their own. A process whose save failed
+    process began before) and its place among the saves of `path` (3: the 4th), which
+    process 0 shares and the others compare with their own (`_check_same_save`). A process whose save failed
     before its barriers still took its turn, and one that saved another path alone (a debug
     dump) is found out at the others' next save, where a mix of two states was published.
     A save of the same path made alone, of the same tree, cannot be told apart.
 
     >>> next_save('/ckpt/a')[1], next_save('/ckpt/a')[1]
-    ('0 /ckpt/a', '1 /ckpt/a')
+    (0, 1)
     """
     with _SAVES_LOCK:
-        n, k = _SAVES[''], _SAVES['/' + path]
-        _SAVES[''], _SAVES['/' + path] = n + 1, k + 1
-    return f"jckpt/save/{n}", f"{k} {path}"
+        k = _SAVES_OF[path]
+        _SAVES_OF[path] = k + 1
+        return f"jckpt/save/{next(_SAVES)}", k
 
 
 def barrier_timeout() -> float:
@@ -356,9 +358,10 @@ def _plan_digest(leaves: list[_Leaf] | BaseException) -> str:
 
 
 def _check_same_save(first: str, mine: str) -> None:
-    """Refuse to write pieces for another save than process 0's (`next_save`'s `'3 /ckpt'`
-    after `_plan_digest`'s digest): its directory is the one published, and a piece of
-    another path, of another save of this path or of another tree would land there."""
+    """Refuse to write pieces for another save than process 0's (`'3 <digest> /ckpt'`: the
+    place `next_save` gives, `_plan_digest`'s digest, the path): its directory is the one
+    published, and a piece of another path, of another save of this path or of another
+    tree would land there."""
     (n, their_plan, theirs), (k, plan, path) = first.split(' ', 2), mine.split(' ', 2)
     if path != theirs:
         raise DistributedError(f"process 0 saves to {theirs}, this process to {path}", file=path,
@@ -446,14 +449,14 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
     alignment = check_alignment(alignment, path)
     process, count = jax.process_index(), jax.process_count()
     timeout = barrier_timeout() if timeout is None else float(timeout)
-    tag, which = next_save(path)  # first: a save that fails here still takes its turn
+    tag, place = next_save(path)  # first: a save that fails here still takes its turn
     rt = _Runtime(tag, path, timeout, count, process)
     try:
         leaves: list[_Leaf] | BaseException = _plan(
             tree_mod.flatten(tree), namespace, ctx.registry.max_id(namespace) + 1, process)
     except Exception as e:  # raised at the first barrier, which the others are told of
         leaves = e
-    which = which.replace(' ', f" {_plan_digest(leaves)} ", 1)  # '3 <digest> /ckpt'
+    which = f"{place} {_plan_digest(leaves)} {path}"  # what process 0 shares, and others compare
 
     stage = _Stage(tag=object_directory.new_tag() if backend is not LOCAL and process == 0 else '')
     try:

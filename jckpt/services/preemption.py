@@ -17,7 +17,6 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable
 from typing import Any
 
 from jckpt.api.context import check_flag
@@ -50,7 +49,7 @@ class Preemption:
         self._sigterm = threading.Event()
         self._first: int | None = None  # the step at which preemption was first reached
         self._asked: tuple[int, bool] | None = None  # the last step `due` was asked, and its answer
-        self._restore_sigterm: Callable[[], object] | None = None
+        self._catching = False  # whether `_on_sigterm` sets `_sigterm`
         if handle_sigterm and _preemption_client_ready():
             # JAX's preemption service has the signal (in C++, where Python cannot chain to
             # it) and makes every process agree on the step: a handler here would swallow it
@@ -115,14 +114,14 @@ class Preemption:
             _PREVIOUS.append(signal.getsignal(signal.SIGTERM))
             signal.signal(signal.SIGTERM, _on_sigterm)
         _FLAGS.add(self._sigterm)
-        self._restore_sigterm = lambda: _release(self._sigterm)
+        self._catching = True
 
     def close(self) -> None:
         """Stop catching SIGTERM for this preemption; the last one open puts back the handler
         that was there before (unless another was installed over it since) (idempotent)."""
-        restore, self._restore_sigterm = self._restore_sigterm, None
-        if restore is not None:
-            restore()
+        if self._catching:
+            self._catching = False
+            _release(self._sigterm)
 
 
 #: The flags of the preemptions that catch SIGTERM now, and the handler `_on_sigterm`

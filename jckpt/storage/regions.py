@@ -148,15 +148,15 @@ def _reserve(fd: int, first: int, last: int) -> None:
     through a mapping: a store into a mapped page the full disk cannot back kills the process
     with SIGBUS, where reserving raises `ENOSPC` (a `StorageError` of the save)."""
     fallocate = getattr(os, 'posix_fallocate', None)  # not on every platform (macOS)
-    try:
-        if fallocate is None:
-            raise OSError(errno.ENOSYS, "posix_fallocate is not available")
-        fallocate(fd, first, last - first)
-    except OSError as e:
-        if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            raise
-        if os.fstat(fd).st_size < last:  # no way to reserve here: extend the file, as before
-            os.ftruncate(fd, last)
+    if fallocate is not None:
+        try:
+            fallocate(fd, first, last - first)
+            return
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+    if os.fstat(fd).st_size < last:  # no way to reserve here: extend the file, as before
+        os.ftruncate(fd, last)
 
 
 def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:

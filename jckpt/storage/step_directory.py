@@ -55,12 +55,8 @@ def read_text(path: str) -> str:
     backend = backend_for(path)
     if backend is not LOCAL:
         if backend.size(path) > MAX_RECORD_BYTES:
-            raise FormatError(f"holds over {MAX_RECORD_BYTES} bytes, more than a step's text "
-                              "file ever does", file=path, fix="the step is damaged or crafted")
-        try:
-            return bytes(backend.map(path)).decode('utf-8')
-        except UnicodeDecodeError as e:
-            raise FormatError(f"not UTF-8 text ({e})", file=path, fix="the step is damaged") from None
+            raise _too_large(path)
+        return _text(bytes(backend.map(path)), path)
     _refuse_link(path)
     try:
         with open_regular(path) as f:  # a FIFO there is refused, never waited on
@@ -71,8 +67,16 @@ def read_text(path: str) -> str:
     except OSError as e:
         raise storage_error(e, "reading", path) from e
     if len(raw) > MAX_RECORD_BYTES:
-        raise FormatError(f"holds over {MAX_RECORD_BYTES} bytes, more than a step's text file "
-                          "ever does", file=path, fix="the step is damaged or crafted")
+        raise _too_large(path)
+    return _text(raw, path)
+
+
+def _too_large(path: str) -> FormatError:
+    return FormatError(f"holds over {MAX_RECORD_BYTES} bytes, more than a step's text file ever "
+                       "does", file=path, fix="the step is damaged or crafted")
+
+
+def _text(raw: bytes, path: str) -> str:
     try:
         return raw.decode('utf-8')
     except UnicodeDecodeError as e:
