@@ -165,6 +165,24 @@ def _piece_files(top: dict[str, Any], file: str) -> list[str]:
     return files
 
 
+def _check_process_count(top: dict[str, Any], files: list[str], file: str) -> None:
+    """Refuse a `process_count` the files disagree with: each of processes 0 to N-1 writes
+    its `process_NNNNN[.TAG].jckpt` (empty or not), no other process writes any, and no
+    file is named twice (two file numbers would then be one file)."""
+    count = _count(top.get('process_count'), 'process_count', file)
+    found = [PIECE_RE.match(n) for n in files]
+    first = {int(m.group(1)) for m in found if m is not None and m.group(2) is None}
+    if len(set(files)) != len(files):
+        raise _fail("files names a piece file twice", file)
+    beyond = [n for n, m in zip(files, found) if m is not None and int(m.group(1)) >= count]
+    if count < 1 or beyond or len(first) != count:
+        why = (f"{beyond[0]} is of a process beyond them" if beyond else
+               f"files hold the first piece file of {len(first)} processes")
+        raise FormatError(f"process_count {count} disagrees with files: {why}", file=file,
+                          fix="the directory is damaged or was assembled from several saves; "
+                              "restore it from a good copy")
+
+
 def index_files(header: Header, file: str) -> list[str]:
     """Only the piece file names of an index header (its arrays are not read); raises `FormatError`.
 
@@ -286,6 +304,7 @@ def parse_index(header: Header, file: str) -> tuple[list[str], list[IndexedArray
     """The piece file names and arrays of an index header; raises `FormatError`."""
     top = _sharded_fields(header, file)
     files = _piece_files(top, file)
+    _check_process_count(top, files, file)
     nodes = top.get('arrays')
     if not isinstance(nodes, list):
         raise _fail("arrays must be a list", file)

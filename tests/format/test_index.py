@@ -102,13 +102,31 @@ def test_pieces_kept_as_text_read_as_the_general_reader_reads_them(where, change
 def test_tagged_piece_files_and_the_files_alone():
     """A writer replacing a directory checkpoint in an object store reads only the file names."""
     tagged = ["process_00000.s000000010000000200000003.jckpt",
-              "process_00001.1.s000000010000000200000003.jckpt", "process_00000.jckpt"]
+              "process_00001.1.s000000010000000200000003.jckpt",
+              "process_00001.s000000010000000200000003.jckpt"]
     h = header(array(0), files=tagged)
     assert parse_index(h, "i")[0] == tagged == index_files(h, "i")
     with pytest.raises(FormatError, match="no sharded field"):
         index_files(Header(), "i")
     with pytest.raises(FormatError, match=r"process_NNNNN\[.K\]\[.TAG\].jckpt"):
         index_files(header(array(0), files=["process_00000.s0.jckpt"] * 2), "i")
+
+
+@pytest.mark.parametrize("count, files, message", [
+    (3, FILES, "files hold the first piece file of 2 processes"),
+    (1, FILES, "process_00001.jckpt is of a process beyond them"),
+    (0, FILES, "process_count 0 disagrees"),
+    (2, ["process_00000.jckpt", "process_00000.1.jckpt", "process_00001.1.jckpt"], "of 1 processes"),
+    (2, [*FILES, "process_00000.jckpt"], "names a piece file twice"),
+    (10**30, FILES, "must be an integer|more than"),
+])
+def test_a_process_count_the_files_disagree_with_is_refused(count, files, message):
+    """Every process writes its first piece file and no other process writes any: an index
+    whose process_count says otherwise was damaged or assembled from several saves."""
+    h = index_header(files, count, [array(0)], 32, {}, writer="jckpt test")
+    with pytest.raises(FormatError, match=message) as info:
+        reparsed(text_of(h))
+    assert info.value.file == "i" and info.value.fix
 
 
 def test_global_entry_drops_the_slice():
