@@ -23,10 +23,11 @@ from collections.abc import Callable
 from typing import Any
 
 from jckpt.errors import FormatError
-from jckpt.format import precs
+from jckpt.format import limits, precs
 from jckpt.format.entries import INT_KINDS, MAX_INT64, Entry, Header
 from jckpt.format.limits import MAX_NDIM, MAX_PATH_LENGTH, check_shape
 from jckpt.format.sexp import _SPLIT_QUOTED, Verbatim, unterminated
+from jckpt.format.sexp import _unescape as unescape
 
 _A = r"[!$%&'*+,\-./0-9:<=>?@A-Z\[\]^_`a-z{}~]+"
 _PAIR = r"\([0-9]{1,19} [0-9]{1,19}\)"
@@ -146,10 +147,19 @@ def canonical_entries(text: str, *, accelerate: bool = True) -> tuple[list[Entry
 
 # --- the pieces of a directory index, kept as text ---------------------------------------------
 
+#: Blanks between the tokens of a pieces list: jckpt writes one space, a person's editor
+#: (or the docs' example, broken for reading) may write any run of these.
+_W = r"[ \t\r\n]"
 _NUM = r"[0-9]{1,18}+"
-_PIECE = rf"\({_NUM} \((?:\({_NUM} {_NUM}\)(?: \({_NUM} {_NUM}\))*+)?\)\)"
-#: An index's `(pieces (...))` as jckpt writes it (possessive: linear, no backtracking).
-_PIECES_FIELD = re.compile(rf"\(pieces (\((?:{_PIECE}(?: {_PIECE})*+)?\))\)")
+_PAIR = rf"\({_W}*+{_NUM}{_W}++{_NUM}{_W}*+\)"
+_PIECE = rf"\({_W}*+{_NUM}{_W}*+\({_W}*+(?:{_PAIR}(?:{_W}*+{_PAIR})*+)?{_W}*+\){_W}*+\)"
+#: An index's `(pieces (...))` as jckpt writes it, blanks aside (possessive: linear, no
+#: backtracking).
+_PIECES_FIELD = re.compile(
+    rf"\({_W}*+pieces{_W}*+(\({_W}*+(?:{_PIECE}(?:{_W}*+{_PIECE})*+)?{_W}*+\)){_W}*+\)")
+#: The start of a `(pieces (...))` field left to the general reader (one that is not
+#: kept as text; a kept one reads `(pieces %jckpt-list-N)`).
+_LOOSE_FIELD = re.compile(rf"\({_W}*+pieces{_W}*+\(")
 _PLACEHOLDER = '%jckpt-list-'
 
 
@@ -172,6 +182,44 @@ def _splice_lists(text: str) -> tuple[str, dict[str, str]] | None:
     return (''.join(parts), lists) if lists else None
 
 
+def _quoted_pieces(parts: list[str], k: int) -> bool:
+    """Whether quoted atom `parts[k]` is a `pieces` field's name: `("pieces" (...`."""
+    body = parts[k][1:-1]
+    try:
+        name = unescape(body) if '\\' in body else body
+    except ValueError:
+        return False
+    return (name == 'pieces' and parts[k - 1].rstrip(' \t\r\n').endswith('(')
+            and k + 1 < len(parts) and parts[k + 1].lstrip(' \t\r\n').startswith('('))
+
+
+def loose_piece_lists(text: str) -> int:
+    """How many lists the general reader would build for the pieces of a directory index in
+    `text` that are not kept as text: every list from the first such `(pieces (...))`
+    field on (its name quoted or escaped too; lists in comments counted as well), 0 when
+    there is none. What `with_canonical_lists` bounds before it parses."""
+    parts = _SPLIT_QUOTED.split(text)
+    for k, part in enumerate(parts):
+        m = _LOOSE_FIELD.search(part) if k % 2 == 0 else None
+        if m is not None:
+            return part.count('(', m.start()) + sum(p.count('(') for p in parts[k + 2::2])
+        if k % 2 and _quoted_pieces(parts, k):
+            return sum(p.count('(') for p in parts[k + 1::2])
+    return 0
+
+
+def _check_loose(text: str, file: str | None) -> None:
+    lists = loose_piece_lists(text)
+    if lists > limits.MAX_LOOSE_INDEX_LISTS:
+        raise FormatError(
+            f"directory index whose pieces are not laid out as jckpt writes them holds "
+            f"{lists} lists from its first such pieces field on, more than the general reader "
+            f"takes ({limits.MAX_LOOSE_INDEX_LISTS})", file=file,
+            fix="the index was not written by jckpt (or was edited): write the pieces as "
+                "((FILE ((START STOP) ...)) ...) with plain decimal numbers and no comments "
+                "or quotes, or restore the directory from a good copy")
+
+
 def _restored(x: Any, lists: dict[str, str], found: list[str]) -> Any:
     """`x` (an extra field) with each placeholder atom replaced by its list, as `Verbatim`."""
     if isinstance(x, tuple):
@@ -182,7 +230,8 @@ def _restored(x: Any, lists: dict[str, str], found: list[str]) -> Any:
     return x
 
 
-def with_canonical_lists(text: str, decode: Callable[[str], Header]) -> Header:
+def with_canonical_lists(text: str, decode: Callable[[str], Header], file: str | None = None
+                         ) -> Header:
     """`decode(text)`, but with a directory index's pieces lists kept as text.
 
     An index of a million pieces would otherwise be parsed into millions of
@@ -191,8 +240,12 @@ def with_canonical_lists(text: str, decode: Callable[[str], Header]) -> Header:
     atom that `jckpt.format.index` reads with numpy. Whenever that does
     not give exactly what decoding the whole text gives (a placeholder landing
     outside the extra fields, a refusal), the whole text is decoded instead.
+    Pieces lists left to the general reader are bounded first (`loose_piece_lists`,
+    `FormatError` naming `file` beyond `limits.MAX_LOOSE_INDEX_LISTS`): it builds
+    about 700 bytes per piece, and a crafted index of millions cost seconds and gigabytes.
     """
     spliced = _splice_lists(text)
+    _check_loose(text if spliced is None else spliced[0], file)
     if spliced is not None:
         try:
             header = decode(spliced[0])
@@ -203,7 +256,8 @@ def with_canonical_lists(text: str, decode: Callable[[str], Header]) -> Header:
             extra = _restored(header.extra, spliced[1], found)
             if len(found) == len(spliced[1]):
                 return dataclasses.replace(header, extra=extra)
+        _check_loose(text, file)  # every list to the general reader now
     return decode(text)
 
 
-__all__ = ['accelerator', 'canonical_entries', 'with_canonical_lists']
+__all__ = ['accelerator', 'canonical_entries', 'loose_piece_lists', 'with_canonical_lists']

@@ -323,7 +323,7 @@ def decode_header(raw: bytes | memoryview, *, file: str | None = None) -> Header
         entries, list_open, list_close = fast
         text = text[:list_open] + '()' + text[list_close + 1:]
     head = memoryview(raw)[:start]  # what the header checksum covers
-    return with_canonical_lists(text, lambda t: _from_text(t, file, fast and entries, head))
+    return with_canonical_lists(text, lambda t: _from_text(t, file, fast and entries, head), file)
 
 
 def _from_text(text: str, file: str | None, entries: list[Entry] | None, head: memoryview) -> Header:

@@ -195,24 +195,38 @@ def index_files(header: Header, file: str) -> list[str]:
 @functools.lru_cache(maxsize=16)
 def _piece_list(ndim: int) -> re.Pattern[str]:
     """A pieces list of `ndim` dimensions as jckpt writes it, numbers of at most 18 digits (so
-    that they fit 64 bits): `((0 ((0 2) (0 4))) (1 ((2 4) (0 4))))`."""
-    num = "[0-9]{1,18}+"
-    box = r"\(\)" if ndim == 0 else rf"\(\({num} {num}\)(?: \({num} {num}\)){{{ndim - 1}}}\)"
-    piece = rf"\({num} {box}\)"
-    return re.compile(rf"\((?:{piece}(?: {piece})*+)?\)")  # possessive: no backtracking
+    that they fit 64 bits): `((0 ((0 2) (0 4))) (1 ((2 4) (0 4))))`, with any blanks
+    (spaces, tabs, line breaks) where jckpt writes one space or none."""
+    w, num = r"[ \t\r\n]", "[0-9]{1,18}+"
+    pair = rf"\({w}*+{num}{w}++{num}{w}*+\)"
+    pairs = '' if ndim == 0 else rf"{pair}(?:{w}*+{pair}){{{ndim - 1}}}"
+    piece = rf"\({w}*+{num}{w}*+\({w}*+{pairs}{w}*+\){w}*+\)"
+    return re.compile(rf"\({w}*+(?:{piece}(?:{w}*+{piece})*+)?{w}*+\)")  # possessive: linear
 
 
-def _pieces_at_once(text: str, ndim: int, file_count: int
+def _check_one_per_file(numbers: np.ndarray, file: str, where: str) -> None:
+    """Refuse two pieces of one array in one file (a file holds an identity once, so the
+    reader could find only one of them): also what bounds an array's pieces by the files."""
+    ordered = np.sort(numbers)
+    twice = ordered[1:][ordered[1:] == ordered[:-1]]
+    if twice.size:
+        raise _fail(f"two pieces are in piece file number {int(twice[0])}: a piece file holds "
+                    "one piece of an array at most", file, where)
+
+
+def _pieces_at_once(text: str, ndim: int, file_count: int, file: str, where: str
                     ) -> tuple[tuple[tuple[int, Box], ...], np.ndarray] | None:
     """`_pieces` of a well-formed list kept as text, read with one regular expression and
     numpy; None for anything else (reading it piece by piece then says what is wrong)."""
     if not _piece_list(ndim).fullmatch(text):
         return None
-    numbers = np.fromstring(text.translate(_PARENTHESES), dtype=np.int64, sep=' ') \
-        if text != '()' else np.empty(0, np.int64)  # (numpy reads one number from blanks)
+    blank = text.translate(_PARENTHESES)
+    numbers = np.fromstring(blank, dtype=np.int64, sep=' ') \
+        if not blank.isspace() else np.empty(0, np.int64)  # (numpy reads one number from blanks)
     table = numbers.reshape(-1, 1 + 2 * ndim)
     if len(table) and table[:, 0].max() >= file_count:
         return None
+    _check_one_per_file(table[:, 0], file, where)  # before a tuple is built: the cost of
     return _as_pieces(table, ndim), table[:, 1:].reshape(len(table), ndim, 2)
 
 
@@ -231,9 +245,14 @@ def _pieces(node: Any, ndim: int, file_count: int, file: str,
     """An array's `pieces`: `(FILE ((START STOP) ...))` each, in files that exist; and
     their `IndexedArray.bounds` when read at once."""
     if isinstance(node, Verbatim):  # as jckpt writes it: read at once, else piece by piece
-        found = _pieces_at_once(node, ndim, file_count)
+        found = _pieces_at_once(node, ndim, file_count, file, where)
         if found is not None:
             return found
+        lists = node.count('(')
+        if lists > limits.MAX_LOOSE_INDEX_LISTS:  # the general reader's cost, refused unpaid
+            raise _fail(f"pieces are not boxes of {ndim} dimensions in files 0 to "
+                        f"{file_count - 1}, and their {lists} lists are more than the general "
+                        f"reader takes ({limits.MAX_LOOSE_INDEX_LISTS}) to say which", file, where)
         try:
             node = parse(node)
         except SexpError as e:
@@ -252,6 +271,7 @@ def _pieces(node: Any, ndim: int, file_count: int, file: str,
                 raise _fail("piece slice must be ((START STOP) ...)", file, where)
             box.append((_count(pair[0], 'slice', file, where), _count(pair[1], 'slice', file, where)))
         pieces.append((fi, tuple(box)))
+    _check_one_per_file(np.array([fi for fi, _ in pieces], dtype=np.int64), file, where)
     return tuple(pieces), None
 
 

@@ -55,6 +55,10 @@ MAX_DECOMPRESSION_RATIO = 1100
 #: pickle, and each leaf becomes a payload of its own when the tree is converted or saved.
 #: Tied weights double a storage; nothing real repeats one 64 times.
 MAX_LEAF_EXPANSION = 64
+#: Most lists the general S-expression reader builds for the pieces of a directory index not
+#: laid out as jckpt writes it (about four per piece of a 1-D array, 700 bytes and 13 us a
+#: piece): jckpt's own pieces, blanks aside, are read as text at once and never count.
+MAX_LOOSE_INDEX_LISTS = 1 << 18
 #: The largest array, in bytes, numpy can describe (and any 64-bit offset can address).
 MAX_BYTES = 2**63 - 1
 #: Largest text file of a step directory (`trainer_state.json`) a reader takes: its metadata
@@ -178,6 +182,6 @@ def _refuse_surrogates(value: Any) -> None:
 
 
 __all__ = ['MAX_ALIGNMENT', 'check_alignment', 'MAX_BYTES', 'MAX_DECOMPRESSION_RATIO', 'MAX_INT_DIGITS',
-           'MAX_LEAF_EXPANSION', 'MAX_NDIM', 'MAX_NESTING', 'MAX_PATH_LENGTH',
+           'MAX_LEAF_EXPANSION', 'MAX_LOOSE_INDEX_LISTS', 'MAX_NDIM', 'MAX_NESTING', 'MAX_PATH_LENGTH',
            'PADDED_ALLOCATION_FACTOR', 'check_itemsize', 'check_path_length', 'check_shape',
            'json_depth', 'json_loads']

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from jckpt.errors import FormatError
 from jckpt.format.header import Entry, Header, decode_header, encode_header, header_from_sexp
 from jckpt.format.index import IndexedArray, global_entry, index_files, index_header, parse_index
-from jckpt.format.names import LAYOUT_VERSION
+from jckpt.format.names import LAYOUT_VERSION, PIECE_RE
 from jckpt.format.sexp import SexpError, parse
 
 FILES = ["process_00000.jckpt", "process_00001.jckpt", "process_00000.1.jckpt"]
@@ -27,7 +27,8 @@ def array(ident=0, dims=(4, 2), pieces=None, **kw):
 
 
 def header(*arrays, files=FILES, metadata=None) -> Header:
-    return index_header(files, 2, list(arrays), 32, metadata or {}, writer="jckpt test")
+    count = len({m[1] for m in map(PIECE_RE.match, files) if m and m[2] is None})  # processes
+    return index_header(files, count, list(arrays), 32, metadata or {}, writer="jckpt test")
 
 
 def text_of(h: Header) -> str:
@@ -54,15 +55,16 @@ def test_round_trip_in_memory_and_through_bytes():
 
 def test_many_pieces_of_every_rank_round_trip_with_their_bounds():
     """Pieces read from the index's text at once are those written, and so are their bounds."""
-    grid = tuple((i % 3, ((i, i + 1), (0, 2), (2 * h, 2 * h + 2))) for i in range(40) for h in (0, 1))
+    grid = tuple((2 * i + h, ((i, i + 1), (0, 2), (2 * h, 2 * h + 2))) for i in range(40) for h in (0, 1))
     arrays = [array(0, dims=(40, 2, 4), pieces=grid, byte_length=40 * 2 * 4 * 4),
-              array(1, dims=(50,), pieces=tuple((i % 3, ((i, i + 1),)) for i in range(50)),
+              array(1, dims=(50,), pieces=tuple((i, ((i, i + 1),)) for i in range(50)),
                     byte_length=200),
               array(2, dims=(), pieces=((2, ()),), byte_length=4),
               array(4, dims=(0,), pieces=(), byte_length=0),
               array(3, dims=(12345678901234, 1), pieces=((0, ((0, 12345678901234), (0, 1))),),
                     prec="Byte_prec", byte_length=12345678901234)]
-    back = decode_header(encode_header(header(*arrays)), file="i")
+    files = [f"process_{p:05d}.jckpt" for p in range(80)]
+    back = decode_header(encode_header(header(*arrays, files=files)), file="i")
     _files, parsed = parse_index(back, "i")
     assert parsed == arrays
     for a in parsed:
@@ -200,3 +202,61 @@ def test_index_codec_imports_without_jax():
     code = "import sys, jckpt.format.index; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def _one_array_index(pieces: str, n: int, name: str = "pieces") -> bytes:
+    """The bytes of an index of one 1-D array of `n` elements whose pieces field is given."""
+    text = ('((version 1) (alignment 32) (tensors ()) (writer "jckpt test") (sharded ((layout 1) '
+            '(process_count 1) (files (process_00000.jckpt)) (arrays (((id 0) (namespace jckpt) '
+            f'(label (w)) (prec Single_prec) (global_dims ({n})) (path ((k w))) ({name} {pieces})'
+            '))))))')
+    return len(text).to_bytes(4, "big") + text.encode()
+
+
+def test_pieces_broken_over_lines_are_read_at_once_as_written():
+    """The docs' example, broken for reading: blanks of any kind between tokens."""
+    arrays = [array(0), array(1, dims=(3,), pieces=((2, ((0, 3),)),), byte_length=12),
+              array(2, dims=(), pieces=((0, ()),), byte_length=4, path=None, label=())]
+    text = text_of(header(*arrays))
+    spread = text.replace(" (", "\n\t (").replace("((", "( \r\n(").replace("))", ")\n )")
+    raw = spread.encode()
+    assert spread.count("\n") > 20
+    assert parse_index(decode_header(len(raw).to_bytes(4, "big") + raw, file="i"), "i") == (FILES, arrays)
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda ps: ["; a comment ) ((\n" + ps[0], *ps[1:]],          # comments: the general reader
+    lambda ps: [*ps[:-1], '("0" ((%d %d)))' % (len(ps) - 1, len(ps))],  # a quoted number
+    lambda ps: [*ps[:-1], "(0 ((%d %d) (0 1)))" % (len(ps) - 1, len(ps))],  # a box of 2 dims
+    lambda ps: [*ps[:-1], "(7 ((%d %d)))" % (len(ps) - 1, len(ps))],  # a file not in files
+])
+def test_a_crafted_index_of_many_pieces_off_the_layout_is_refused_before_it_is_parsed(mutate):
+    """Pieces the general reader would build one list at a time (700 bytes and 13 us each:
+    a 20 MB index cost 13 s and 700 MB) are refused past a bound, before they are built."""
+    n = 100_000
+    pieces = "(" + " ".join(mutate([f"(0 (({i} {i + 1})))" for i in range(n)])) + ")"
+    with pytest.raises(FormatError, match="more than the general reader takes") as info:
+        parse_index(decode_header(_one_array_index(pieces, n), file="i"), "i")
+    assert info.value.file == "i" and info.value.fix
+
+
+def test_a_quoted_or_escaped_pieces_field_name_counts_too():
+    n = 100_000
+    pieces = "(" + " ".join(f"(0 (({i} {i + 1})))" for i in range(n)) + ")"
+    for name in ['"pieces"', '"pie\\099es"']:
+        with pytest.raises(FormatError, match="more than the general reader takes"):
+            decode_header(_one_array_index(pieces, n, name), file="i")
+
+
+def test_many_pieces_in_one_file_are_refused_before_they_are_built():
+    """A file holds one piece of an array: an index listing a million pieces of one array in
+    one file (or one piece many times) is refused at numpy's speed."""
+    n = 200_000
+    pieces = "(" + " ".join(f"(0 (({i} {i + 1})))" for i in range(n)) + ")"
+    with pytest.raises(FormatError, match="two pieces are in piece file number 0") as info:
+        parse_index(decode_header(_one_array_index(pieces, n), file="i"), "i")
+    assert info.value.entry == "jckpt/w"
+    text = text_of(header(array(1, dims=(2,), pieces=((0, ((0, 1),)), (1, ((1, 2),))),
+                                byte_length=8)))
+    with pytest.raises(FormatError, match="two pieces are in piece file number 0"):
+        reparsed(text.replace("(1 ((1 2)))", '("0" ((1 2)))'))  # the general reader says the same
