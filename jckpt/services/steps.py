@@ -49,8 +49,10 @@ def read_metadata(path: str, step: int | None = None, *,
 
     `prefix`, when the caller's listing knows it: whether the step is a directory (a prefix
     in a bucket), so that a file step costs its header's GET alone and a step directory no
-    failed GET (a request more per step, and per manager open, either way).
+    failed GET (a request more per step, and per manager open, either way). A step that is
+    a link out of its directory is refused (`step_directory.check_step_link`).
     """
+    step_directory.check_step_link(path)
     if prefix is False or not formats.is_step_directory(path):  # a file, or a directory's index
         return api.describe(path).metadata_dict()
     return formats.read_metadata(path, step)
@@ -79,6 +81,7 @@ def scan(backend: Backend, directory: str) -> dict[int, dict[str, float]]:
 def read_tree(ctx: Context, path: str, step: int, target: Any, namespaces: Namespaces | None,
               cast: bool, options: CheckpointLoadOptions, verify: bool = True) -> Any:
     """The arrays of a step, a jckpt file or directory or a step directory, as restore returns them."""
+    step_directory.check_step_link(path)
     if formats.is_step_directory(path):
         return formats.load_step(ctx, path, step, target, namespaces=namespaces, cast=cast,
                                  options=options, verify=verify)

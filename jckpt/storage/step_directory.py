@@ -92,6 +92,27 @@ def _refuse_link(path: str) -> None:
                                          "the file it names")
 
 
+def check_step_link(path: str) -> None:
+    """Refuse a manager's step at `path` that is a symbolic link leading out of the manager's
+    directory (the one that holds `path`); a link to a step inside it is followed.
+
+    A manager reads every step it lists, and restores the latest: a link planted
+    in its directory could make it read (and offer as a resume point) any
+    checkpoint or file the process can reach. Retention unlinks a link step
+    and leaves what it points at.
+
+    >>> check_step_link('run/step_00000001.jckpt')   # not a link: nothing to check
+    """
+    if backend_for(path) is not LOCAL or not os.path.islink(path):
+        return
+    root = os.path.realpath(os.path.dirname(path) or '.')
+    target = os.path.realpath(path)
+    if target == root or os.path.commonpath([root, target]) != root:
+        raise FormatError(f"is a symbolic link to {target}, outside the manager's directory",
+                          file=path, fix="copy the step into the directory (cp -rL) in place of "
+                                         "the link, or open a manager on the directory it is in")
+
+
 def publish_dir(temporary: str, target: str, *, durable: bool, marker: str | None = None) -> None:
     """fsync every file of `temporary` and the directory, put it at `target` (replacing a step
     directory there: a retry whose rename went through), fsync the parent.
@@ -208,5 +229,5 @@ def read_record(path: str, step: int | None = None) -> dict[str, Any]:
     return record
 
 
-__all__ = ['is_file', 'is_published', 'read_record', 'make_staged', 'publish_dir', 'read_text',
+__all__ = ['check_step_link', 'is_file', 'is_published', 'read_record', 'make_staged', 'publish_dir', 'read_text',
            'remove_staged_dir', 'write_text']

@@ -177,6 +177,11 @@ class ManagerInfo:
 
 def step_info(step: int, path: str) -> StepInfo:
     """The `StepInfo` of one manager step (never raises for a damaged step)."""
+    try:
+        step_directory.check_step_link(path)
+    except CheckpointError as e:
+        kind = 'directory' if os.path.isdir(path) else 'file'  # a link out: not read
+        return StepInfo(step, path, kind, 0, error=str(e.message))
     if step_directory.is_published(path, TRAINER_STATE_NAME):
         return _model_step_info(step, path)
     kind = 'directory' if backend_for(path).isdir(path) else 'file'  # a step prefix in a bucket too

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jckpt
-from jckpt.errors import InputError
+from jckpt.errors import FormatError, InputError
 from jckpt.format.names import METRICS_KEY, STEP_KEY, TRAINER_STATE_KEY
 from jckpt.services import steps
 from jckpt.services.formats import CheckpointLoadOptions, CheckpointOptions
@@ -117,21 +117,46 @@ def test_remove_step_removes_files_and_directories_whole(tmp_path):
 
 
 def test_retention_unlinks_a_step_that_is_a_link_and_leaves_its_target(tmp_path):
-    """Retention removed the markers inside a linked step's target (an archive, say)."""
-    archive = tmp_path / 'archive'
-    with jckpt.CheckpointManager(archive, options=CheckpointOptions(format='npz')) as mgr:
-        mgr.save(1, {'w': np.ones(2)})
+    """Retention removed the markers inside a linked step's target (a kept copy, say)."""
     run = tmp_path / 'run'
-    run.mkdir()
-    os.symlink(archive / 'step_00000001.jckpt', run / 'step_00000001.jckpt')
-    before = sorted(os.listdir(archive / 'step_00000001.jckpt'))
+    keep = run / 'kept'
+    with jckpt.CheckpointManager(keep, options=CheckpointOptions(format='npz')) as mgr:
+        mgr.save(1, {'w': np.ones(2)})
+    os.symlink(keep / 'step_00000001.jckpt', run / 'step_00000001.jckpt')
+    before = sorted(os.listdir(keep / 'step_00000001.jckpt'))
     with jckpt.CheckpointManager(run, keep_last=1) as mgr:
         assert mgr.all_steps() == [1]
         mgr.save(2, {'w': np.ones(2)})
-    assert sorted(os.listdir(run)) == ['step_00000002.jckpt']
-    assert sorted(os.listdir(archive / 'step_00000001.jckpt')) == before
+    assert sorted(os.listdir(run)) == ['kept', 'step_00000002.jckpt']
+    assert sorted(os.listdir(keep / 'step_00000001.jckpt')) == before
 
 
+@pytest.mark.parametrize('directory_step', [False, True])
+def test_a_step_that_links_out_of_the_managers_directory_is_refused(tmp_path, caplog, directory_step):
+    """A link planted in a manager's directory made it read, list and resume from any
+    checkpoint the process could reach; it is now refused, and listed as unreadable."""
+    archive = tmp_path / 'elsewhere'
+    if directory_step:
+        with jckpt.CheckpointManager(archive, options=CheckpointOptions(format='npz')) as mgr:
+            mgr.save(7, {'w': np.full(2, 7.0)})
+    else:
+        with jckpt.CheckpointManager(archive) as mgr:
+            mgr.save(7, {'w': np.full(2, 7.0)})
+    run = tmp_path / 'run'
+    with jckpt.CheckpointManager(run) as mgr:
+        mgr.save(1, {'w': np.ones(2)})
+    link = run / 'step_00000007.jckpt'
+    os.symlink(archive / 'step_00000007.jckpt', link)
+    with jckpt.CheckpointManager(run) as mgr:
+        assert mgr.all_steps() == [1] and mgr.latest_step() == 1
+        assert 'outside the manager' in caplog.text
+        with pytest.raises(FormatError, match="outside the manager's directory") as info:
+            mgr.restore(7)
+        assert str(link) in str(info.value) and 'cp -rL' in info.value.fix
+        assert mgr.restore().step == 1
+    step = [s for s in jckpt.info(str(run)).steps if s.step == 7][0]
+    assert 'outside the manager' in step.error
+    assert sorted(os.listdir(archive)) and os.path.islink(link)  # nothing deleted either side
 def test_a_bucket_manager_removes_the_local_files_of_steps_that_never_reached_the_bucket(
         tmp_path, monkeypatch):
     """A manager killed while writing step 3 left its whole staged file in the temporary
