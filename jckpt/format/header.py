@@ -311,9 +311,22 @@ def decode_header(raw: bytes | memoryview, *, file: str | None = None) -> Header
     """Decode and validate a header from the file's first `4 + HLEN` bytes (or more).
 
     Raises:
-        FormatError: naming `file`, for every fault.
+        FormatError: naming `file`, for every fault; also when decoding it runs out of
+            memory (a crafted header of tens of MB off jckpt's layout builds hundreds of MB
+            of lists: the error then says so, where a bare `MemoryError` named nothing).
     """
-    _hlen, start = split_header(raw, None, file)
+    hlen, start = split_header(raw, None, file)
+    try:
+        return _decode(raw, start, file)
+    except MemoryError:
+        raise FormatError(f"the header ({hlen} bytes) needs more memory to read than is "
+                          "available", file=file,
+                          fix="read it where more memory is free; a header this large that "
+                              "jckpt's fast reader does not take was likely damaged or "
+                              "crafted") from None
+
+
+def _decode(raw: bytes | memoryview, start: int, file: str | None) -> Header:
     try:
         text = bytes(raw[4:start]).decode('utf-8')
     except UnicodeDecodeError as e:

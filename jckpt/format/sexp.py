@@ -84,18 +84,29 @@ def _unescape(body: str) -> str:
 
 
 def _check_depth(structural: str) -> None:
-    """Raise unless parentheses in `structural` balance within MAX_DEPTH."""
+    """Raise unless parentheses in `structural` balance within MAX_DEPTH.
+
+    Counted a MiB at a time in small integers: a header of 40 MB took 500 MB of
+    temporaries (8 bytes of depth per byte of text) and seconds when counted at once.
+    """
     codes = np.frombuffer(structural.encode('utf-8', 'surrogatepass'), dtype=np.uint8)
-    steps = (codes == 40).astype(np.int32) - (codes == 41).astype(np.int32)
-    if steps.size == 0:
-        return
-    depth = np.cumsum(steps)
-    if depth.min() < 0:
-        raise SexpError("unbalanced ')'")
-    if depth.max() > MAX_DEPTH:
-        raise SexpError(f"nesting deeper than {MAX_DEPTH}")
-    if depth[-1] != 0:
+    depth = 0
+    for start in range(0, codes.size, _DEPTH_CHUNK):
+        chunk = codes[start:start + _DEPTH_CHUNK]
+        steps = (chunk == 40).view(np.int8) - (chunk == 41).view(np.int8)
+        running = np.cumsum(steps, dtype=np.int32)
+        running += depth
+        if running.min() < 0:
+            raise SexpError("unbalanced ')'")
+        if running.max() > MAX_DEPTH:
+            raise SexpError(f"nesting deeper than {MAX_DEPTH}")
+        depth = int(running[-1])
+    if depth != 0:
         raise SexpError("unbalanced '(': the text ends inside a list")
+
+
+#: Bytes of text `_check_depth` counts at a time.
+_DEPTH_CHUNK = 1 << 20
 
 
 def _parse_fast(parts: list[str]) -> Sexp:

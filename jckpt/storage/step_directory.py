@@ -229,5 +229,5 @@ def read_record(path: str, step: int | None = None) -> dict[str, Any]:
     return record
 
 
-__all__ = ['check_step_link', 'is_file', 'is_published', 'read_record', 'make_staged', 'publish_dir', 'read_text',
-           'remove_staged_dir', 'write_text']
+__all__ = ['check_step_link', 'is_file', 'is_published', 'read_record', 'make_staged', 'publish_dir',
+           'read_text', 'remove_staged_dir', 'write_text']

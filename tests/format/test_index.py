@@ -226,9 +226,9 @@ def test_pieces_broken_over_lines_are_read_at_once_as_written():
 
 @pytest.mark.parametrize("mutate", [
     lambda ps: ["; a comment ) ((\n" + ps[0], *ps[1:]],          # comments: the general reader
-    lambda ps: [*ps[:-1], '("0" ((%d %d)))' % (len(ps) - 1, len(ps))],  # a quoted number
-    lambda ps: [*ps[:-1], "(0 ((%d %d) (0 1)))" % (len(ps) - 1, len(ps))],  # a box of 2 dims
-    lambda ps: [*ps[:-1], "(7 ((%d %d)))" % (len(ps) - 1, len(ps))],  # a file not in files
+    lambda ps: [*ps[:-1], f'("0" (({len(ps) - 1} {len(ps)})))'],  # a quoted number
+    lambda ps: [*ps[:-1], f"(0 (({len(ps) - 1} {len(ps)}) (0 1)))"],  # a box of 2 dims
+    lambda ps: [*ps[:-1], f"(7 (({len(ps) - 1} {len(ps)})))"],  # a file not in files
 ])
 def test_a_crafted_index_of_many_pieces_off_the_layout_is_refused_before_it_is_parsed(mutate):
     """Pieces the general reader would build one list at a time (700 bytes and 13 us each:

@@ -154,7 +154,7 @@ def test_a_step_that_links_out_of_the_managers_directory_is_refused(tmp_path, ca
             mgr.restore(7)
         assert str(link) in str(info.value) and 'cp -rL' in info.value.fix
         assert mgr.restore().step == 1
-    step = [s for s in jckpt.info(str(run)).steps if s.step == 7][0]
+    step = next(s for s in jckpt.info(str(run)).steps if s.step == 7)
     assert 'outside the manager' in step.error
     assert sorted(os.listdir(archive)) and os.path.islink(link)  # nothing deleted either side
 def test_a_bucket_manager_removes_the_local_files_of_steps_that_never_reached_the_bucket(

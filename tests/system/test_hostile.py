@@ -4,6 +4,8 @@
 import json
 import os
 import struct
+import subprocess
+import sys
 import zipfile
 
 import numpy as np
@@ -14,6 +16,8 @@ from jckpt.adapters import read
 from jckpt.errors import CheckpointError, FormatError
 from jckpt.format.names import INDEX_NAME
 from tests.helpers import entry_text, header_text, raw_file, write_arrays, write_directory
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture
@@ -545,3 +549,29 @@ def test_a_native_file_mixing_int_and_str_keys_is_refused(tmp_path):
         entry_text(id=1, offset=4, extra=' (path ((k a)))')), b'\0' * 8))
     refused(lambda: jckpt.load(jckpt.Context(host=True), path), path, FormatError,
             'mixes integer and string keys')
+
+
+def test_a_header_too_large_for_the_memory_left_is_a_format_error(tmp_path):
+    """A 40 MB header off jckpt's layout (ten million atoms) read under an address-space cap:
+    the reader ran out of memory counting its parentheses (8 bytes a byte of text) and the
+    command line said "unexpected MemoryError"; now it is a FormatError naming the file."""
+    atoms = ' '.join(['a'] * 10_000_000)
+    text = header_text(entry_text(extra=f' (metadata_of_nothing ({atoms}))'))
+    path = put(tmp_path, 'big.jckpt', raw_file(text, b'\0' * 4))
+    code = (
+        "import resource, sys\n"
+        "import jckpt\n"
+        "from jckpt.errors import CheckpointError\n"
+        "vm = next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmSize'))\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20), resource.RLIM_INFINITY))\n"
+        "try:\n"
+        "    jckpt.info(sys.argv[1])\n"
+        "    print('read')\n"
+        "except CheckpointError as e:\n"
+        "    print('refused', sys.argv[1] in str(e), e.message)\n"
+        "except MemoryError as e:\n"
+        "    print('MemoryError', e)\n")
+    env = dict(os.environ, JAX_PLATFORMS='cpu', MALLOC_ARENA_MAX='2')
+    out = subprocess.run([sys.executable, '-c', code, path], capture_output=True, text=True,
+                         env=env, timeout=300, cwd=ROOT)
+    assert out.stdout.startswith(('refused True', 'read')), out.stdout + out.stderr[-2000:]
