@@ -1,0 +1,43 @@
+"""Every reader under mutation, each case in a process of its own (``tests/system/fuzz_hostile.py``
+says how): no crash, hang, memory blow-up, or error other than a CheckpointError naming the
+case. 600 cases a run (50 a family); ``JCKPT_FUZZ_SCALE`` multiplies them. The ``amplify``
+mutation (an item repeated up to 400,000 times: headers of tens of MB, seconds each) is left
+to runs by hand: ``python -m tests.system.fuzz_hostile --cases 3000``."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.system.fuzz_hostile import FAMILIES
+from tests.system.fuzz_reader import record
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCALE = float(os.environ.get("JCKPT_FUZZ_SCALE", "1"))
+CASES = max(len(FAMILIES), int(50 * len(FAMILIES) * SCALE))
+
+
+@pytest.mark.slow
+def test_mutated_files_of_every_family_are_read_or_refused_in_bounds(tmp_path):
+    out = tmp_path / "summary.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path), MALLOC_ARENA_MAX="2")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.system.fuzz_hostile", "--cases", str(CASES), "--seed", "3",
+         "--json", str(out), "--keep", str(tmp_path / "failing"), "--timeout", "60",
+         "--slow", "20", "--skip", "amplify"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900 * max(1.0, SCALE))
+    assert out.exists(), f"the fuzzer died (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+    run = json.loads(out.read_text())
+    assert run["defects"] == {}, json.dumps(run["defects"], indent=1)[:6000]
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert run["cases"] == CASES
+    # Not degenerate: every family written, read unmutated and refused mutated.
+    assert set(run["families"]) == set(FAMILIES) - set(run["skipped_families"])
+    for family, outcomes in run["families"].items():
+        assert outcomes.get("refused", 0) > 0, (family, outcomes)
+        if family != "torch_legacy":  # jckpt reads torch's zip format only
+            assert outcomes.get("ok", 0) > 0, (family, outcomes)
+    record("fuzz_hostile", seed=3, cases=run["cases"], outcomes=run["outcomes"],
+           seconds=run["seconds"], slowest_case_s=run["slowest_case_s"])
