@@ -661,7 +661,7 @@ def run(seed: int, cases: int, corpus: str, work: str, *, timeout: float, rss_li
         cls = result["class"]
         outcomes[cls] += 1
         by_family[family][cls] += 1
-        by_mutation[mutation] += 1
+        by_mutation.update(m.replace("@member", "") for m in mutation.split("+"))
         slowest = max(slowest, result["seconds"])
         if cls not in ("ok", "refused"):
             found = defects.setdefault(cls, [])
