@@ -213,6 +213,23 @@ def test_a_saved_optax_file_exports_to_orbax_with_its_empty_states(tmp_path):
         _same(checkpointer.restore(tmp_path / "twice" / "jckpt", abstract), state)
 
 
+def test_masked_weight_decay_state_exports_to_orbax(tmp_path):
+    """A chain that starts with masked weight decay: its first state holds no array at all
+    (`MaskedState(inner_state=EmptyState())`), so the export must build that node too."""
+    ocp = _orbax()
+    optax = pytest.importorskip("optax")
+    params = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}
+    tx = optax.chain(optax.masked(optax.add_decayed_weights(1e-4), {"w": True, "b": False}),
+                     optax.adam(1e-3))
+    _, state = tx.update(jax.tree_util.tree_map(jnp.ones_like, params), tx.init(params), params)
+    jckpt.save(CTX, state, tmp_path / "s.jckpt")
+    jckpt.convert(tmp_path / "s.jckpt", tmp_path / "exported", format="orbax")
+    with ocp.StandardCheckpointer() as checkpointer:
+        back = checkpointer.restore(tmp_path / "exported" / "jckpt", jax.eval_shape(tx.init, params))
+    _same(back, state)
+    assert type(back[0]).__name__ == "MaskedState"
+
+
 def test_a_directory_checkpoint_records_its_empty_states_too(tmp_path):
     ocp = _orbax()
     state = _adamw_state()
