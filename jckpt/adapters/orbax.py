@@ -45,6 +45,7 @@ import math
 import os
 import stat
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -283,6 +284,24 @@ def _host_or_key(impls: dict[str, str]):
     return convert
 
 
+def _is_string(metadata: Any) -> bool:
+    """Whether orbax's metadata of a leaf is a string's (kept in `_strings.json`, not an array)."""
+    return type(metadata).__name__ == 'StringMetadata'
+
+
+def _without_strings(tree: Any, item: str) -> Any:
+    """`tree` with its string leaves left out (they are not arrays), with a warning naming them."""
+    import jax
+
+    found = [kp for kp, leaf in jax.tree_util.tree_flatten_with_path(tree)[0] if isinstance(leaf, str)]
+    if not found:
+        return tree
+    names = ['.'.join(_key_name(k) for k in kp) for kp in found]
+    warnings.warn(f"{item}: orbax string leaves {names[:5]}{' ...' if len(names) > 5 else ''} "
+                  "are not arrays and are left out (orbax's restore reads them)", stacklevel=2)
+    return jax.tree_util.tree_map(lambda leaf: None if isinstance(leaf, str) else leaf, tree)
+
+
 def read_item(item: str) -> Any:
     """One item directory's tree: host numpy arrays, and typed PRNG keys as keys."""
     if os.path.lexists(os.path.join(item, _JCKPT_ITEM)) and not os.path.exists(
@@ -306,10 +325,10 @@ def read_item(item: str) -> Any:
             metadata = _metadata(item)
             tree = getattr(metadata, 'item_metadata', metadata)
             tree = getattr(tree, 'tree', tree)
-            restore_args = jax.tree_util.tree_map(
-                lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-            restored = checkpointer.restore(item, args=ocp.args.PyTreeRestore(
-                restore_args=restore_args))
+            restore_args = jax.tree_util.tree_map(  # a string leaf is restored as orbax stored it
+                lambda m: ocp.RestoreArgs(restore_type=str if _is_string(m) else np.ndarray), tree)
+            restored = _without_strings(checkpointer.restore(item, args=ocp.args.PyTreeRestore(
+                restore_args=restore_args)), item)
     except FormatError:
         raise
     except Exception as e:  # orbax and tensorstore raise many types for damaged data
@@ -387,7 +406,8 @@ def item_specs(item: str) -> list[tuple[Any, tuple[int, ...], np.dtype, str | No
         impls = _key_impls(item)
         return None if leaves is None else [
             (kp, tuple(int(d) for d in m.shape), np.dtype(m.dtype),
-             impls.get('.'.join(_key_name(k) for k in kp))) for kp, m in leaves]
+             impls.get('.'.join(_key_name(k) for k in kp))) for kp, m in leaves
+            if not _is_string(m)]  # strings are not arrays (read_item leaves them out)
     except Exception:  # metadata orbax cannot give: read the item instead
         return None
 

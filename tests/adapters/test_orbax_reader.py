@@ -256,3 +256,23 @@ def test_a_restore_asks_orbax_for_the_metadata_once(tmp_path, monkeypatch):
     orbax_adapter._metadata_of.cache_clear()
     back = jckpt.restore(jckpt.Context(host=True), tree, path)
     assert len(asked) == 1 and back['l7'].tolist() == [7, 7, 7]
+
+
+def test_an_item_with_string_and_python_number_leaves_reads_its_arrays(tmp_path):
+    """orbax's PyTreeSave stores a string leaf (a run name) beside the arrays, and Python
+    numbers as scalars: the arrays and numbers read; the strings, which are not arrays, are
+    left out with a warning naming them (orbax's own restore reads them)."""
+    tree = {'w': jnp.arange(3.0), 'step': 5, 'lr': 0.5, 'run': 'run-1', 'cfg': {'tag': 'x'}}
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / 'item', args=ocp.args.PyTreeSave(tree))
+    assert [e.name for e in jckpt.describe(tmp_path / 'item').tensors] == [
+        'jckpt/lr', 'jckpt/step', 'jckpt/w']
+    with pytest.warns(UserWarning, match=r"string leaves \['cfg.tag', 'run'\] are not arrays"):
+        back = jckpt.restore(CTX, jax.eval_shape(lambda: {'w': tree['w'], 'step': 5, 'lr': 0.5}),
+                             tmp_path / 'item')
+    np.testing.assert_array_equal(back['w'], np.arange(3.0))
+    assert int(back['step']) == 5 and float(back['lr']) == 0.5
+    with pytest.warns(UserWarning, match="string leaves"):
+        jckpt.convert(tmp_path / 'item', tmp_path / 'c.jckpt')
+    assert [e.name for e in jckpt.describe(tmp_path / 'c.jckpt').tensors] == [
+        'jckpt/lr', 'jckpt/step', 'jckpt/w']
