@@ -322,6 +322,38 @@ def test_nnx_model_sharded_under_set_mesh_restores_into_nnx_eval_shape(tmp_path)
     np.testing.assert_array_equal(kernel, model.linear.kernel[...])
 
 
+def test_nnx_state_and_its_pure_dict_mixed_up_say_which_to_restore_into(tmp_path):
+    nnx = pytest.importorskip("flax.nnx")
+
+    def create():
+        return nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+
+    model, abstract = create(), nnx.eval_shape(create)
+    jckpt.save(CTX, nnx.to_pure_dict(nnx.state(model)), tmp_path / "pure.jckpt")
+    with pytest.raises(MissingEntryError, match=r"the file has a leaf at \['bias'\]") as e:
+        jckpt.restore(CTX, nnx.state(abstract), tmp_path / "pure.jckpt")
+    assert "nnx.to_pure_dict(state), then nnx.replace_by_pure_dict" in e.value.fix
+    state = nnx.state(abstract)  # the fix, as given, works
+    nnx.replace_by_pure_dict(state, jckpt.restore(CTX, nnx.to_pure_dict(state), tmp_path / "pure.jckpt"))
+    np.testing.assert_array_equal(nnx.merge(nnx.graphdef(abstract), state).kernel[...], model.kernel[...])
+
+    jckpt.save(CTX, nnx.state(model), tmp_path / "state.jckpt")
+    with pytest.raises(MissingEntryError, match=r"the file holds a subtree there, \['bias'\]") as e:
+        jckpt.restore(CTX, nnx.to_pure_dict(nnx.state(abstract)), tmp_path / "state.jckpt")
+    assert "restore into nnx.state(abstract_model)" in e.value.fix
+
+
+def test_linen_variables_saved_whole_restored_as_params_say_where_they_are(tmp_path):
+    nn = pytest.importorskip("flax.linen")
+    variables = nn.Dense(3).init(jax.random.key(0), jnp.ones((1, 2)))  # {"params": {...}}
+    jckpt.save(CTX, variables, tmp_path / "v.jckpt")
+    abstract_params = jax.eval_shape(lambda: variables["params"])
+    with pytest.raises(MissingEntryError, match=r"the file has it as \['params'\]\['bias'\]"):
+        jckpt.restore(CTX, abstract_params, tmp_path / "v.jckpt")
+    back = jckpt.restore(CTX, {"params": abstract_params}, tmp_path / "v.jckpt")  # nested as saved
+    _same(back["params"], variables["params"])
+
+
 # --- metadata ---------------------------------------------------------------------------------
 
 def test_save_refuses_metadata_that_is_not_strings(tmp_path):
