@@ -43,6 +43,7 @@ import json
 import logging
 import math
 import os
+import re
 import stat
 import threading
 import warnings
@@ -136,7 +137,7 @@ def _in_store(url: str) -> bool:
     names = set(backend.list(url))
     if names & {*_ITEM_MARKERS, _STEP_MARKER}:
         return True
-    steps = sorted((n for n in names if n.isascii() and n.isdigit()), key=int)
+    steps = sorted((n for n in names if _step_number(n) is not None), key=_step_number)
     return bool(steps) and _STEP_MARKER in backend.list(os.path.join(url, steps[-1]))
 
 
@@ -152,18 +153,36 @@ def _refuse_url(path: str) -> None:
                               "restores in place")
 
 
+#: A step directory's name as orbax's `CheckpointManager` writes it: the step, zero-padded
+#: with `step_format_fixed_length`, after `<step_prefix>_` when there is one (`ckpt_000100`).
+_STEP_NAME = re.compile(r'(?:[^/]*_)?([0-9]+)\Z')
+
+
+def _step_number(name: str) -> int | None:
+    m = _STEP_NAME.match(name)
+    return int(m.group(1)) if m else None
+
+
 def _steps(path: str) -> list[str]:
-    return sorted((n for n in os.listdir(path) if n.isascii() and n.isdigit()  # not '²'
-                   and os.path.exists(os.path.join(path, n, _STEP_MARKER))), key=int)
+    """The names of the step directories under `path`, by step."""
+    return sorted((n for n in os.listdir(path) if _step_number(n) is not None
+                   and os.path.exists(os.path.join(path, n, _STEP_MARKER))), key=_step_number)
+
+
+def manager_step_names(root: str) -> list[str]:
+    """The step directories of an orbax `CheckpointManager` under the local directory `root`
+    (`100`, `000100`, `ckpt_100`), by step (`[]` for anything else): each
+    `<root>/<name>` reads with `jckpt.restore` as it is."""
+    try:
+        return _steps(root) if not is_url(root) else []
+    except OSError:
+        return []
 
 
 def manager_steps(root: str) -> list[int]:
     """The steps of an orbax `CheckpointManager` under the local directory `root`, ascending
-    (`[]` for anything else): each `<root>/<step>` reads with `jckpt.restore` as it is."""
-    try:
-        return [int(n) for n in _steps(root)] if not is_url(root) else []
-    except OSError:
-        return []
+    (`[]` for anything else); `manager_step_names` gives their directories."""
+    return [int(_step_number(n) or 0) for n in manager_step_names(root)]
 
 
 #: The most bytes of one small JSON file of orbax's (array metadata, a `.zarray`) read.

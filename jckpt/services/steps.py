@@ -206,13 +206,13 @@ def leases(directory: str, process_index: int, process_count: int) -> tuple[str,
 def say_if_orbax(directory: str, own: object) -> None:
     """Warn (once per directory) when a manager finds no steps of its own (`own` is empty)
     but orbax's there."""
-    found = [] if own else orbax_adapter.manager_steps(directory)
+    found = [] if own else orbax_adapter.manager_step_names(directory)
     if found and directory not in _ORBAX_SAID:
         _ORBAX_SAID.add(directory)
         log.warning("%s holds orbax steps %s and no jckpt steps, and this manager lists "
                     "and restores jckpt steps only: read one with jckpt.restore(ctx, target, "
-                    "%r) or jckpt.convert it", directory, found[-5:],
-                    os.path.join(directory, str(found[-1])))
+                    "%r) or jckpt.convert it", directory, orbax_adapter.manager_steps(directory)[-5:],
+                    os.path.join(directory, found[-1]))
 
 
 _ORBAX_SAID: set[str] = set()

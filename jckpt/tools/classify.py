@@ -26,7 +26,7 @@ import stat
 from typing import Any
 
 from jckpt.adapters import SNIFF_BYTES, detect_format
-from jckpt.adapters.orbax import manager_steps
+from jckpt.adapters.orbax import manager_step_names
 from jckpt.errors import CheckpointError, FormatError
 from jckpt.format.header import looks_like_header
 from jckpt.format.names import INDEX_NAME, PIECE_RE, STEP_RE, is_format_step
@@ -138,7 +138,7 @@ def not_jckpt_error(path: str | os.PathLike, fmt: str) -> FormatError:
     path = os.fspath(path)
     stem = os.path.splitext(os.path.basename(path))[0]
     what = 'directory' if not is_url(path) and os.path.isdir(path) else 'file'
-    steps = [str(s) for s in manager_steps(path)] if what == 'directory' and fmt == 'orbax' else []
+    steps = manager_step_names(path) if what == 'directory' and fmt == 'orbax' else []
     if steps:  # orbax's CheckpointManager directory: a step is what converts (and restores)
         return FormatError(f"this directory holds orbax steps ({', '.join(steps[-3:])}), not a "
                            "jckpt checkpoint", file=path,
