@@ -179,6 +179,8 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
       namespaces: read several namespaces at once (a name or a collection of
         names); the result is `{namespace: subtree}`, each subtree of its
         target's type, and every leaf of every namespace is placed together.
+        A namespace whose target holds no leaves (optax.sgd's state) reads nothing
+        and need not be in the file, which stores no arrays for it.
 
     How each leaf is matched (examples in docs/concepts.md):
 
@@ -212,8 +214,8 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
     if not any(items for _, items, _ in parts):
         return target
     reader = open_checkpoint(path)  # a file, or a multi-process directory
-    if namespaces is not None:
-        _check_present(reader.header, [ns for ns, _, _ in parts], path)
+    if namespaces is not None:  # one whose target holds no leaves (optax.sgd's state) reads nothing
+        _check_present(reader.header, [ns for ns, items, _ in parts if items], path)
     requests = _requests(ctx, reader, parts, path, cast=cast, mmap=mmap, verify=verify)
     values = placement.place_all(requests, host=ctx.host, device=ctx.device, file=path)
     return jax.tree_util.tree_unflatten(parts[0][2], values) if namespaces is None \

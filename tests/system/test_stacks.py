@@ -230,6 +230,27 @@ def test_masked_weight_decay_state_exports_to_orbax(tmp_path):
     assert type(back[0]).__name__ == "MaskedState"
 
 
+def test_an_optimizer_state_without_arrays_resumes_as_saved(tmp_path):
+    """Plain SGD keeps no arrays ((EmptyState(), EmptyState())): its namespace was saved and
+    recorded, and the resume that asked for it was refused with "no namespace 'opt'"."""
+    optax = pytest.importorskip("optax")
+    params, tx = {"w": jnp.ones(3)}, optax.sgd(1e-2)
+    abstract = {"params": jax.eval_shape(lambda: params), "opt": jax.eval_shape(tx.init, params)}
+    with jckpt.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, items={"params": params, "opt": tx.init(params)}, force=True)
+        mgr.wait_durable()
+        back = mgr.restore(target=abstract, namespaces=["params", "opt"]).tree
+    assert type(back["opt"][0]).__name__ == "EmptyState"
+    _same(back["params"], params)
+    jckpt.save(jckpt.Context(namespace="params"), params, tmp_path / "s.jckpt")
+    jckpt.save(jckpt.Context(namespace="opt"), tx.init(params), tmp_path / "s.jckpt", appending=True)
+    back = jckpt.restore(CTX, abstract, tmp_path / "s.jckpt", namespaces=["params", "opt"])
+    assert type(back["opt"][1]).__name__ == "EmptyState"
+    with pytest.raises(MissingEntryError, match="no namespace 'model'"):  # one with leaves: refused
+        jckpt.restore(CTX, {"model": abstract["params"], "opt": abstract["opt"]}, tmp_path / "s.jckpt",
+                      namespaces=["model", "opt"])
+
+
 def test_a_directory_checkpoint_records_its_empty_states_too(tmp_path):
     ocp = _orbax()
     state = _adamw_state()
