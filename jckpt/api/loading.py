@@ -165,7 +165,8 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
 
     `target` may be partial (only its leaves are read). Leaves come back where it
     says: a `jax.Array`'s or a `ShapeDtypeStruct`'s sharding, numpy for numpy
-    leaves, and `ctx`'s placement otherwise.
+    leaves, and `ctx`'s placement otherwise (under `jax.set_mesh`, a
+    `ShapeDtypeStruct` without a sharding is replicated over that mesh).
 
     Args:
       ctx: the context (namespace, placement).

@@ -102,6 +102,31 @@ def test_flax_train_state_at_step_zero_restores_into_eval_shape(tmp_path):
     assert int(back.step) == 1
 
 
+def test_flax_train_state_restores_into_eval_shape_under_a_mesh_and_trains_there(tmp_path):
+    """Under `jax.set_mesh`, `jax.eval_shape` gives the parameters shardings on the abstract
+    mesh and the weakly typed `step` none: its restore failed with JAX's "incompatible
+    devices" ValueError (the step, put on one device, made weak under the mesh)."""
+    nn = pytest.importorskip("flax.linen")
+    optax = pytest.importorskip("optax")
+    from flax.training import train_state
+
+    net, tx = nn.Dense(8), optax.adam(1e-3)
+
+    def create():
+        params = net.init(jax.random.key(0), jnp.ones((1, 4)))["params"]
+        return train_state.TrainState.create(apply_fn=net.apply, params=params, tx=tx)
+
+    jckpt.save(CTX, create(), tmp_path / "ts.jckpt")
+    mesh = cpu_mesh((2, 4), ("data", "model"))
+    with jax.set_mesh(mesh):
+        back = jckpt.restore(CTX, jax.eval_shape(create), tmp_path / "ts.jckpt")
+        assert back.step.weak_type and back.step.sharding == NamedSharding(mesh, P())
+        assert back.params["kernel"].sharding.mesh == mesh
+        step = jax.jit(lambda s: s.apply_gradients(grads=jax.tree_util.tree_map(jnp.ones_like,
+                                                                                 s.params)))
+        assert int(step(back).step) == 1
+
+
 def test_weak_target_takes_a_stored_value_only_when_it_fits(tmp_path):
     """Integers only when they fit exactly; floats rounded to the target's precision, as JAX
     rounds the Python number itself, but never overflowed."""
