@@ -164,9 +164,8 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
     """Fill `target`'s structure from `path`: a tree of exactly `target`'s type.
 
     `target` may be partial (only its leaves are read). Leaves come back where it
-    says: a `jax.Array`'s or a `ShapeDtypeStruct`'s sharding, numpy for numpy
-    leaves, and `ctx`'s placement otherwise (under `jax.set_mesh`, a
-    `ShapeDtypeStruct` without a sharding is replicated over that mesh).
+    says: a `jax.Array`'s or a `ShapeDtypeStruct`'s sharding (none: replicated over
+    the `jax.set_mesh` mesh), numpy for numpy leaves, and `ctx`'s placement otherwise.
 
     Args:
       ctx: the context (namespace, placement).
@@ -177,11 +176,9 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
       cast: convert to the target's dtype instead of refusing a dtype mismatch.
       namespace: read this namespace instead of `ctx.namespace`.
       verify: check checksums of the leaves read (default: when copying or reading a URL).
-      namespaces: read several namespaces at once (a name or a collection of
-        names); the result is `{namespace: subtree}`, each subtree of its
-        target's type, and every leaf of every namespace is placed together.
-        A namespace whose target holds no leaves (optax.sgd's state) reads nothing
-        and need not be in the file, which stores no arrays for it.
+      namespaces: read several namespaces at once (a name or names): `{namespace: subtree}`,
+        each of its target's type, every leaf placed together; one whose target holds no
+        leaves (optax.sgd's state) need not be in the file.
 
     How each leaf is matched (examples in docs/concepts.md):
 
