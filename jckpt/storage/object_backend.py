@@ -146,15 +146,20 @@ class ObjectStoreBackend:
                 return 0
             raise store_error(e, "listing", path) from e
 
-    def remove(self, path: str) -> None:
+    def remove(self, path: str, *, below: bool = True) -> None:
         """Remove the object `path` and everything under the prefix `path/`; missing is fine.
 
         The uploads that killed writers left for objects under it (found by
         their markers) are aborted first: no later writer would find them.
+        With `below=False`, the object `path` alone: one DELETE, no listing
+        (a caller that knows nothing is under it: a manager's file step).
         """
         u = _object(path)
         obs, store = obstore_module(), store_for(u)
         try:
+            if not below:
+                obs.delete(store, u.key)
+                return
             keys = [o['path'] for chunk in obs.list(store, prefix=u.prefix) for o in chunk]
             for key in sorted({k.partition(UPLOAD_TAG)[0] for k in keys if UPLOAD_TAG in k}):
                 self.reclaim_uploads(f"{u.scheme}://{u.bucket}/{key}")

@@ -177,14 +177,20 @@ class RemoteReader:
         #: fetched them all again.
         self._rows = FetchCache(ROWS_CACHE_BYTES)
         self._whole: np.ndarray | None = None
+        #: The bytes the header's GET brought: a small checkpoint's payloads too, read from here.
+        self._first = np.frombuffer(first, np.uint8)
         self._lock = threading.Lock()
 
     # --- bytes ------------------------------------------------------------------------------
 
     def _fetch(self, start: int, length: int) -> np.ndarray:
-        """`length` bytes at payload offset `start`, fetched concurrently into one new buffer."""
+        """`length` bytes at payload offset `start`, fetched concurrently into one new buffer
+        (copied from what the header's GET brought, when it holds them: no request)."""
+        at = self.data_start + start
+        if at + length <= self._first.size:
+            return self._first[at:at + length].copy()
         out = np.empty(length, np.uint8)
-        read_ranges(self.source, [(self.data_start + start, memoryview(out))], self.version,
+        read_ranges(self.source, [(at, memoryview(out))], self.version,
                     part=self.part, concurrency=self.concurrency)
         return out
 
@@ -216,6 +222,8 @@ class RemoteReader:
     @property
     def buffer(self) -> np.ndarray:
         """The whole object's bytes (fetched on first use, concurrently)."""
+        if self._whole is None and self._first.size >= self.size:
+            self._whole = self._first.copy()
         if self._whole is None:
             whole = np.empty(self.size, np.uint8)
             read_ranges(self.source, [(0, memoryview(whole))], self.version, part=self.part,

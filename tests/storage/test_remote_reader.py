@@ -64,6 +64,18 @@ def test_the_header_takes_one_read_or_two(stored, monkeypatch):
     assert len(src.reads) == 2
 
 
+def test_a_checkpoint_within_the_first_read_is_read_by_it_alone(tmp_path):
+    """The header's GET brought a small checkpoint whole, and each payload was asked again."""
+    small = {"a": ARRAYS["a"], "c": ARRAYS["c"]}
+    src = Logged(open(write_arrays(tmp_path / "s.jckpt", small), "rb").read())
+    reader = RemoteReader(src, "memory://b/s.jckpt")
+    arrays = {e.name: reader.decode(e, verify=True) for e in reader.header.tensors}
+    assert bytes(reader.buffer) == src.data and reader.verify() == []
+    assert len(src.reads) == 1
+    arrays["jckpt/a"][0, 0] = 99  # a copy of its own, not a view of the shared first read
+    np.testing.assert_array_equal(reader.decode(reader.header.tensors[0]), ARRAYS["a"])
+
+
 def test_small_neighbours_come_in_one_read_and_a_big_payload_in_parts(stored):
     _, data = stored
     src = Logged(data)
@@ -71,9 +83,9 @@ def test_small_neighbours_come_in_one_read_and_a_big_payload_in_parts(stored):
     entries = {e.name: e for e in reader.header.tensors}
     reader.decode(entries["jckpt/a"])
     reader.decode(entries["jckpt/c"])
-    assert len(src.reads) == 2  # the header, then a and c together
+    assert len(src.reads) == 1  # the header's read brought a and c, stored right after it
     reader.decode(entries["jckpt/big"], verify=True)
-    assert len(src.reads) == 2 + 4  # 2 MiB in parts of 512 KiB
+    assert len(src.reads) == 1 + 4  # 2 MiB in parts of 512 KiB
 
 
 def test_a_box_reads_only_its_runs(stored):

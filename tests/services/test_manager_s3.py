@@ -1,0 +1,131 @@
+"""A `CheckpointManager` whose directory is an S3 prefix, as a training job uses it, with the
+requests it makes counted from the server's request log (`tests/s3server.py`)."""
+
+import logging
+
+import numpy as np
+import pytest
+
+import jckpt
+from jckpt.errors import InputError
+
+TREE = {"w": np.arange(6, dtype=np.float32)}
+
+
+def _saved(url, steps, **kw):
+    with jckpt.CheckpointManager(url, **kw) as mgr:
+        for step in steps:
+            mgr.save(step, TREE, metrics={"loss": 1.0 / (step + 1)})
+
+
+def _new(server, bucket, since):
+    return server.requests(bucket)[since:]
+
+
+def test_opening_a_manager_lists_its_prefix_once_and_reads_each_step_header_once(s3, s3_server):
+    """Opening listed the prefix twice (once to clean up, once to find the steps) and read the
+    latest step's header a second time, after a HEAD of a step record it could not have."""
+    url = f"{s3}/run"
+    _saved(url, range(1, 4))
+    before = len(s3_server.requests(s3))
+    with jckpt.CheckpointManager(url) as mgr:
+        assert mgr.all_steps() == [1, 2, 3] and mgr.metrics(2) == {"loss": 1 / 3}
+        opened = _new(s3_server, s3, before)
+    assert [r for r in opened if "list-type" in r] == ["GET ?delimiter=/&list-type=2&prefix=run/"], opened
+    assert sorted(r for r in opened if r.startswith("GET /run/")) == [
+        f"GET /run/step_0000000{s}.jckpt" for s in (1, 2, 3)], opened
+    assert not [r for r in opened if r.startswith("HEAD")], opened
+    assert len(opened) == 5, opened  # the lease's PUT, the LIST, a GET per step
+
+
+def test_retention_deletes_a_file_step_with_one_request(s3, s3_server):
+    """Each removed step cost two LISTs (is it a prefix? what is under it?) before its DELETE."""
+    url = f"{s3}/run"
+    with jckpt.CheckpointManager(url, keep_last=1, asynchronous=False) as mgr:
+        mgr.save(1, TREE)
+        before = len(s3_server.requests(s3))
+        mgr.save(2, TREE)
+        saved = _new(s3_server, s3, before)
+    assert saved == ["PUT /run/step_00000002.jckpt", "POST ?delete"], saved
+    with jckpt.CheckpointManager(url) as mgr:
+        assert mgr.all_steps() == [2]
+
+
+def test_restoring_the_latest_step_reads_its_header_once(s3, s3_server):
+    """A restore asked whether the step exists (HEAD), whether it is a step directory (two HEADs),
+    and read the header twice: 6 requests for a step that one GET holds whole."""
+    url = f"{s3}/run"
+    _saved(url, [5], keep_last=2)
+    with jckpt.CheckpointManager(url) as mgr:
+        before = len(s3_server.requests(s3))
+        restored = mgr.restore(target={"w": np.zeros(6, np.float32)})
+        asked = _new(s3_server, s3, before)
+    np.testing.assert_array_equal(restored.tree["w"], TREE["w"])
+    assert restored.metrics == {"loss": 1 / 6}
+    assert asked == ["GET /run/step_00000005.jckpt"], asked
+
+
+def test_a_step_removed_behind_the_managers_back_is_an_error_naming_it(s3):
+    url = f"{s3}/run"
+    _saved(url, [1, 2])
+    with jckpt.CheckpointManager(url) as mgr:
+        jckpt.storage.backend_for(url).remove(f"{url}/step_00000002.jckpt")
+        with pytest.raises(jckpt.FormatError, match="no step 2") as e:
+            mgr.restore(2, target=TREE)
+        assert e.value.file == f"{url}/step_00000002.jckpt" and "open the manager again" in e.value.fix
+
+
+def test_a_manager_of_a_prefix_that_is_a_checkpoint_object_is_refused(s3, caplog):
+    """A manager pointed at a checkpoint file's URL opened, found no steps, and saved its steps
+    under the file's name as a prefix, where a local manager refuses a file in the way."""
+    url = f"{s3}/model.jckpt"
+    jckpt.save(jckpt.Context(), TREE, url)
+    with pytest.raises(InputError, match="is an object, not a directory of steps") as e:
+        jckpt.CheckpointManager(url)
+    assert e.value.file == url and "another URL" in e.value.fix
+    with jckpt.CheckpointManager(f"{s3}/run") as mgr:  # the lease object beside it is no step file
+        assert mgr.all_steps() == []
+
+
+def test_opening_a_manager_reads_the_step_headers_concurrently(s3, s3_server, monkeypatch):
+    """Resuming a run of 1,105 steps read their headers one after another: 5.7 s on moto."""
+    import threading
+
+    from jckpt.storage import object_store
+    url = f"{s3}/run"
+    _saved(url, range(8))
+    seen, lock = set(), threading.Lock()
+    real = object_store.ObjectSource.head
+    gate = threading.Barrier(2, timeout=5)
+
+    def head(self, length):
+        with lock:
+            seen.add(threading.get_ident())
+        if self.u.key.endswith(("step_00000000.jckpt", "step_00000001.jckpt")):
+            gate.wait()  # both first GETs in flight at once, or this times out
+        return real(self, length)
+    monkeypatch.setattr(object_store.ObjectSource, "head", head)
+    with jckpt.CheckpointManager(url) as mgr:
+        assert mgr.all_steps() == list(range(8))
+    assert len(seen) > 1 and not gate.broken
+
+
+def test_a_training_job_resumes_from_a_bucket_with_best_n_and_foreign_steps(s3, caplog):
+    url = f"{s3}/run"
+    losses = {1: 0.5, 2: 0.1, 3: 0.9, 4: 0.3, 5: 0.7}
+    opts = jckpt.CheckpointOptions(format="safetensors")
+    with jckpt.CheckpointManager(url, keep_last=1, keep_best=2, best_metric="loss", options=opts) as mgr:
+        for step, loss in losses.items():
+            mgr.save(step, items={"model": TREE, "opt": {"m": TREE["w"] * step}}, metrics={"loss": loss})
+    with caplog.at_level(logging.WARNING), \
+            jckpt.CheckpointManager(url, keep_last=1, keep_best=2, best_metric="loss") as mgr:
+        assert mgr.all_steps() == [2, 4, 5] and mgr.best_step() == 2
+        back = mgr.restore(4)
+        np.testing.assert_array_equal(back.tree["opt"]["m"], TREE["w"] * 4)
+        mgr.save(6, {"w": TREE["w"]}, metrics={"loss": 0.05})  # a jckpt step after foreign ones
+        mgr.wait_durable()
+        assert mgr.all_steps() == [2, 6] and mgr.best_step() == 6
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    with jckpt.CheckpointManager(url) as mgr:
+        assert mgr.all_steps() == [2, 6]
+        assert mgr.restore(2).metrics == {"loss": 0.1}
