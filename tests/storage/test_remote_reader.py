@@ -96,9 +96,24 @@ def test_a_box_reads_only_its_runs(stored):
     lazy = reader.decode(big)  # unverified and large: read box by box
     before = src.total
     with record_reads() as log:
-        part = lazy[1000:3000]
-    np.testing.assert_array_equal(part, ARRAYS["big"][1000:3000])
-    assert src.total - before == 2000 * 8 and log == [(((1000, 3000),), 2000 * 8)]
+        part = lazy[10000:12000]  # past the header's first read
+    np.testing.assert_array_equal(part, ARRAYS["big"][10000:12000])
+    assert src.total - before == 2000 * 8 and log == [(((10000, 12000),), 2000 * 8)]
+
+
+def test_no_byte_the_headers_read_brought_is_fetched_again(stored):
+    """A payload starting inside the first 64 KiB read was fetched whole: a 4 MiB array
+    restored onto 8 devices read 1.016 times its bytes; now each byte once."""
+    _, data = stored
+    src = Logged(data)
+    reader = RemoteReader(src, "memory://b/m.jckpt")
+    big = next(e for e in reader.header.tensors if e.name == "jckpt/big")
+    lazy = reader.decode(big)
+    np.testing.assert_array_equal(lazy[0:20000], ARRAYS["big"][:20000])
+    np.testing.assert_array_equal(reader.decode(big, verify=True), ARRAYS["big"])
+    first = remote_reader.HEAD_BYTES
+    assert src.reads[1] == (first, reader.data_start + big.offset + 20000 * 8 - first)
+    assert src.reads[2] == (first, reader.data_start + big.offset + big.byte_length - first)
 
 
 def test_column_boxes_fetch_their_rows_once(tmp_path):
@@ -113,12 +128,13 @@ def test_column_boxes_fetch_their_rows_once(tmp_path):
     for k in range(8):  # each device's columns, as restore asks them one after another
         part = lazy[:, k * 512:(k + 1) * 512]
         np.testing.assert_array_equal(part, w[:, k * 512:(k + 1) * 512])
-    assert src.total - before == w.nbytes
+    inside = remote_reader.HEAD_BYTES - reader.data_start  # the bytes the header's read brought
+    assert src.total - before == w.nbytes - inside
     # a 2-D sharding whose devices alternate between row blocks (P('y', 'x') on a 2 x 4 mesh)
     for k in range(8):
         rows, cols = slice((k % 2) * 32, (k % 2 + 1) * 32), slice((k // 2) * 1024, (k // 2 + 1) * 1024)
         np.testing.assert_array_equal(lazy[rows, cols], w[rows, cols])
-    assert src.total - before == 2 * w.nbytes  # each row block fetched once
+    assert src.total - before == 2 * (w.nbytes - inside)  # each row block fetched once
     np.testing.assert_array_equal(reader.decode(reader.header.tensors[0], verify=True), w)
 
 
