@@ -129,3 +129,70 @@ def test_a_training_job_resumes_from_a_bucket_with_best_n_and_foreign_steps(s3, 
     with jckpt.CheckpointManager(url) as mgr:
         assert mgr.all_steps() == [2, 6]
         assert mgr.restore(2).metrics == {"loss": 0.1}
+
+
+#: A training job that saves step 1, then is killed while step 2's multipart upload runs
+#: (its upload stalls after the first 5 MiB part).
+TRAINER = """
+import sys, time
+import numpy as np, obstore
+import jckpt
+from jckpt.storage import object_store
+
+url = sys.argv[1]
+object_store.configure(url.rsplit("/", 1)[0], part_size=5 << 20, concurrency=1)
+put = obstore.put
+
+def stalling_put(store, key, data, **kw):
+    if not key.endswith("step_00000002.jckpt"):
+        return put(store, key, data, **kw)
+    def parts():  # the manager uploads the step's staged local file
+        sent = 0
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            yield chunk
+            sent += memoryview(chunk).nbytes
+            if sent > 6 << 20:
+                time.sleep(3600)
+    f = open(data, "rb")
+    return put(store, key, parts(), **kw)
+
+obstore.put = stalling_put
+mgr = jckpt.CheckpointManager(url, keep_last=2)
+mgr.save(1, {"w": np.full(4, 1, np.float32)}, metrics={"loss": 1.0})
+mgr.wait_durable()
+mgr.save(2, {"w": np.full(3 << 20, 2, np.float32)}, metrics={"loss": 0.5})
+mgr.wait_durable()
+"""
+
+
+@pytest.mark.slow
+def test_a_training_job_killed_mid_upload_resumes_from_its_last_step(s3):
+    """The next manager takes over the dead job's lease at once (same host), aborts the step
+    upload it left, and resumes from step 1, which is whole."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.s3server import markers_of, uploads_of
+    url = f"{s3}/run"
+    step2 = f"{url}/step_00000002.jckpt"
+    proc = subprocess.Popen([sys.executable, "-c", TRAINER, url], cwd=os.getcwd(),
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        deadline = time.monotonic() + 120
+        while not uploads_of(step2):
+            assert proc.poll() is None, "the job exited before its step 2 upload started"
+            assert time.monotonic() < deadline, "the step 2 upload did not start within 120 s"
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    assert markers_of(step2)
+    with jckpt.CheckpointManager(url, keep_last=2) as mgr:
+        assert mgr.all_steps() == [1] and uploads_of(step2) == [] and markers_of(step2) == []
+        np.testing.assert_array_equal(mgr.restore(target={"w": np.zeros(4, np.float32)}).tree["w"], 1)
+        mgr.save(2, TREE, metrics={"loss": 0.5})
+    with jckpt.CheckpointManager(url) as mgr:
+        assert mgr.all_steps() == [1, 2] and mgr.metrics(2) == {"loss": 0.5}
