@@ -210,10 +210,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
         return os.path.join(self.directory, step_name(step))
 
     def _recover(self) -> str | None:
-        listing = steps.listed(self.backend, self.directory)  # a bucket's: listed once
-        if self.process_index == 0:
-            listing = steps.clean_staging(self.backend, self.directory, listing)
-        found = steps.scan(self.backend, self.directory, listing)
+        found = steps.recover(self.backend, self.directory, clean=self.process_index == 0)
         steps.say_if_orbax(self.directory, found.metrics)
         with self._lock:
             self._metrics, self._folders, self._found = found.metrics, set(found.folders), found.latest
@@ -463,13 +460,13 @@ class CheckpointManager(BackgroundWriter[_Step]):
             raise FormatError(f"no step {step}", file=self.directory,
                               fix=f"pick one of {self.all_steps()[-5:]}")
         options = steps.checked(options, CheckpointLoadOptions, 'options', self.load_options)
-        with steps.step_metadata(path, step, folder) as meta:
+        with steps.step_metadata(path, step, folder) as (meta, kind):
             state = None
             if TRAINER_STATE_KEY in meta:
                 state = TrainerState.from_json(meta[TRAINER_STATE_KEY], file=path)
                 if layout is not None:
                     state = state.check_layout(layout, reshard=reshard, file=path)
-            tree = steps.read_tree(ctx, path, step, target, namespaces, cast, options, verify, folder)
+            tree = steps.read_tree(ctx, path, step, target, namespaces, cast, options, verify, kind)
         user = {k: v for k, v in meta.items() if not k.startswith('jckpt.')}
         return Restored(step=step, tree=tree, trainer_state=state,
                         metrics=steps.parse_metrics(meta.get(METRICS_KEY), path), metadata=user)

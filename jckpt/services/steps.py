@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jckpt import api
@@ -40,10 +40,11 @@ from jckpt.services import formats
 from jckpt.services.formats import CheckpointLoadOptions
 from jckpt.services.snapshot import Digest, content_digest
 from jckpt.storage import step_directory
-from jckpt.storage.backend import LOCAL, Backend
+from jckpt.storage.backend import LOCAL, Backend, is_url
 from jckpt.storage.checkpoint import open_checkpoint, reusing
-from jckpt.storage.directory import reclaim_stage_dirs
+from jckpt.storage.directory import NO_INDEX, DirectoryReader, reclaim_stage_dirs
 from jckpt.storage.lease import lease_path
+from jckpt.storage.object_backend import NO_SUCH_OBJECT
 from jckpt.storage.object_store import MISSING_OBJECT
 from jckpt.storage.publish import reclaim_staging, storage_error
 from jckpt.storage.staging import next_name, remove_staged, remove_staged_below
@@ -67,10 +68,36 @@ def read_metadata(path: str, step: int | None = None, *,
 
 def _read_step(path: str, step: int | None, prefix: bool | None) -> tuple[dict[str, str], Header | None]:
     """A step's metadata, and its header when the step is a jckpt file or directory checkpoint."""
+    if prefix and is_url(path):
+        got = _read_bucket_folder(path, step)
+        if got is None:
+            raise FormatError(f"holds neither {TRAINER_STATE_NAME} nor {INDEX_NAME}: a step whose "
+                              "save did not finish", file=path, fix="restore another step")
+        return got[0], got[1]
     if prefix is False or not formats.is_step_directory(path):  # a file, or a directory's index
         header = api.describe(path)
         return header.metadata_dict(), header
     return formats.read_metadata(path, step), None
+
+
+def _read_bucket_folder(path: str, step: int | None, *, check_pieces: bool = False
+                        ) -> tuple[dict[str, str], Header | None, Any] | None:
+    """A step that is a prefix in a bucket: `(metadata, header, reader)` from its record (a step
+    directory: one GET; no header, no reader) or else its index (a directory checkpoint: the
+    failed GET of the record, the index's GET, and with `check_pieces` a LIST, as a restore
+    checks them); None when it holds neither (unfinished)."""
+    try:
+        return formats.read_metadata(path, step), None, None
+    except FormatError as e:
+        if e.message != NO_SUCH_OBJECT:
+            raise
+    try:
+        reader = DirectoryReader(path, check_pieces=check_pieces)
+    except FormatError as e:
+        if e.message != NO_INDEX:
+            raise
+        return None
+    return reader.header.metadata_dict(), reader.header, reader
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,14 +110,30 @@ class Found:
         directory checkpoints; the others are single files.
       latest: the latest step's metadata and header (`None` for a step directory's): the
         lineage check takes them from here rather than reading the step again.
+      unfinished: the names of the step prefixes in a bucket that hold neither a record nor
+        an index (a save that died): `remove_unfinished` removes them.
     """
 
     metrics: dict[int, dict[str, float]]
     folders: frozenset[int]
     latest: tuple[dict[str, str], Header | None] | None
+    unfinished: tuple[str, ...] = ()
 
 
 Listing = tuple[list[str], list[str]]
+
+
+def recover(backend: Backend, directory: str, *, clean: bool) -> Found:
+    """What a manager opening `directory` does: with `clean` (process 0), remove what killed
+    writers left (`clean_staging`, `remove_unfinished`), and find the steps (`scan`). A
+    bucket's prefix is listed once for both."""
+    listing = listed(backend, directory)
+    if clean:
+        clean_staging(backend, directory, listing)
+    found = scan(backend, directory, listing)
+    if clean:
+        remove_unfinished(backend, directory, found.unfinished)
+    return found
 
 
 def scan(backend: Backend, directory: str, listing: Listing | None = None) -> Found:
@@ -101,10 +144,17 @@ def scan(backend: Backend, directory: str, listing: Listing | None = None) -> Fo
     folders, plain = set(dirs), set(files)
     names = [(int(m.group(1)), name) for name in sorted(plain | folders) if (m := STEP_RE.match(name))]
 
+    unfinished: list[str] = []
+
     def read(item: tuple[int, str]) -> tuple[dict[str, str], Header | None] | None:
-        path = os.path.join(directory, item[1])
+        path, prefix = os.path.join(directory, item[1]), item[1] in folders and item[1] not in plain
         try:
-            return _read_step(path, item[0], item[1] in folders and item[1] not in plain)
+            if prefix and backend is not LOCAL:  # its record, else its index: no HEAD first
+                got = _read_bucket_folder(path, item[0])
+                if got is None:
+                    unfinished.append(item[1])
+                return None if got is None else (got[0], got[1])
+            return _read_step(path, item[0], prefix)
         except CheckpointError as e:
             log.warning("ignoring unreadable step %s: %s", item[1], e)
             return None
@@ -117,7 +167,7 @@ def scan(backend: Backend, directory: str, listing: Listing | None = None) -> Fo
     metrics = {step: parse_metrics(got[0].get(METRICS_KEY), os.path.join(directory, name))
                for step, (name, got) in found.items()}
     return Found(metrics, frozenset(step for step, (name, _) in found.items() if name in folders),
-                 found[max(found)][1] if found else None)
+                 found[max(found)][1] if found else None, tuple(sorted(unfinished)))
 
 
 def described(path: str, found: tuple[dict[str, str], Header | None] | None
@@ -129,12 +179,21 @@ def described(path: str, found: tuple[dict[str, str], Header | None] | None
 
 
 @contextlib.contextmanager
-def step_metadata(path: str, step: int, folder: bool | None) -> Iterator[dict[str, str]]:
-    """A step's metadata; for a step known to be a jckpt file (`folder` False), its header is
-    read once: `read_tree` within the block reads the arrays through the same reader (and so
-    the same version of the object)."""
-    if folder is not False:
-        yield read_metadata(path, step, prefix=folder)
+def step_metadata(path: str, step: int, folder: bool | None) -> Iterator[tuple[dict[str, str], str | None]]:
+    """A step's metadata and what the step is (`'file'`, `'record'`: a step directory,
+    `'index'`: a directory checkpoint; None: not known), for `read_tree`. A step known to
+    be a file (`folder` False), or a prefix in a bucket, is read once: within the block,
+    `read_tree` reads its arrays through the same reader (the same version of the object)."""
+    if folder is None or (folder and not is_url(path)):
+        yield read_metadata(path, step, prefix=folder), None
+        return
+    if folder:
+        got = _read_bucket_folder(path, step, check_pieces=True)  # for the restore's reader
+        if got is None:
+            _read_step(path, step, True)  # its error
+        assert got is not None
+        with reusing(got[2]) if got[2] is not None else contextlib.nullcontext():
+            yield got[0], 'record' if got[2] is None else 'index'
         return
     try:
         reader = open_checkpoint(path)
@@ -144,15 +203,15 @@ def step_metadata(path: str, step: int, folder: bool | None) -> Iterator[dict[st
         raise FormatError(f"no step {step}: it was removed since the manager listed its steps",
                           file=path, fix="open the manager again to list the steps there now") from None
     with reusing(reader):
-        yield reader.header.metadata_dict()
+        yield reader.header.metadata_dict(), 'file'
 
 
 def read_tree(ctx: Context, path: str, step: int, target: Any, namespaces: Namespaces | None,
               cast: bool, options: CheckpointLoadOptions, verify: bool = True,
-              folder: bool | None = None) -> Any:
+              kind: str | None = None) -> Any:
     """The arrays of a step, a jckpt file or directory or a step directory, as restore returns them
-    (`folder` as for `remove_step`: a file step is not asked whether it is a step directory)."""
-    if folder is not False and formats.is_step_directory(path):
+    (`kind` as `step_metadata` says it: a step of known kind is not asked what it is)."""
+    if kind == 'record' or (kind is None and formats.is_step_directory(path)):
         return formats.load_step(ctx, path, step, target, namespaces=namespaces, cast=cast,
                                  options=options, verify=verify)
     if target is None:
@@ -200,19 +259,20 @@ def remove_step(backend: Backend, path: str, folder: bool | None = None) -> None
     backend.remove(path)
 
 
-def _remove_unfinished(backend: Backend, path: str) -> bool:
+def _remove_unfinished(backend: Backend, path: str, published: bool | None = None) -> None:
     """Remove a step directory (a prefix in a bucket) without its index or record, if all it holds
-    is what a manager writes there (True); one holding anything else is left, with a warning."""
-    if any(backend.exists(os.path.join(path, marker)) for marker in (INDEX_NAME, TRAINER_STATE_NAME)):
-        return False  # published: a directory checkpoint has its index, a step directory its record
+    is what a manager writes there; one holding anything else is left, with a warning.
+    `published=False`: the caller found neither (no request asks again)."""
+    if published is None and any(backend.exists(os.path.join(path, marker))
+                                 for marker in (INDEX_NAME, TRAINER_STATE_NAME)):
+        return  # published: a directory checkpoint has its index, a step directory its record
     foreign = [n for n in backend.list(path) if not is_step_member(n)]
     if foreign:
         log.warning("leaving %s: named as a step, it holds no index or record but files no "
                     "manager writes (%s)", path, ', '.join(foreign[:3]))
-        return False
+        return
     log.info("removing the unfinished step directory %s", path)
     backend.remove(path)
-    return True
 
 
 def listed(backend: Backend, directory: str) -> Listing | None:
@@ -234,27 +294,23 @@ def listed(backend: Backend, directory: str) -> Listing | None:
     return listing
 
 
-def clean_staging(backend: Backend, directory: str, listing: Listing | None = None) -> Listing | None:
+def clean_staging(backend: Backend, directory: str, listing: Listing | None = None) -> None:
     """Remove staging files and directories of steps whose writer died (incomplete steps).
 
     In an object store, file steps are staged in local files and uploaded whole;
-    what a dead save leaves there is a step prefix of pieces without its index,
-    and the marker of a step's multipart upload, whose upload is aborted. There,
-    `listing` is the directory's (`list_kinds`, made once by the caller), and the
-    listing without the prefixes removed is returned, for `scan`.
+    what a dead save leaves there is the marker of a step's multipart upload, whose
+    upload is aborted here (`listing`: the directory's `list_kinds`, made once by the
+    caller), and a step prefix without its index or record, which `scan` finds as it
+    reads the steps and `remove_unfinished` removes.
     """
     if backend is not LOCAL:
         remove_staged_below(directory, STEP_RE)  # local files of steps never uploaded
-        objects, prefixes = listing if listing is not None else backend.list_kinds(directory)
-        removed = set()
-        for name in sorted(set(objects) | set(prefixes)):
+        objects, _ = listing if listing is not None else backend.list_kinds(directory)
+        for name in objects:
             head, tag, _ = name.partition(UPLOAD_TAG)
             if tag and STEP_RE.match(head):
                 backend.reclaim_uploads(os.path.join(directory, head))
-            if STEP_RE.match(name) and name in prefixes \
-                    and _remove_unfinished(backend, os.path.join(directory, name)):
-                removed.add(name)
-        return objects, [n for n in prefixes if n not in removed]
+        return
     files, dirs = set(), set()
     for name in backend.list(directory):
         path = os.path.join(directory, name)
@@ -276,7 +332,13 @@ def clean_staging(backend: Backend, directory: str, listing: Listing | None = No
         reclaim_staging(target)
     for target in sorted(dirs):
         reclaim_stage_dirs(target)
-    return None
+
+
+def remove_unfinished(backend: Backend, directory: str, names: Sequence[str]) -> None:
+    """Remove the step prefixes `scan` found unfinished (`Found.unfinished`), each if all it
+    holds is what a manager writes there."""
+    for name in names:
+        _remove_unfinished(backend, os.path.join(directory, name), published=False)
 
 
 def checked(value: Any, kind: type, name: str, default: Any = None) -> Any:
@@ -319,4 +381,5 @@ _ORBAX_SAID: set[str] = set()
 
 
 __all__ = ['Found', 'checked', 'clean_staging', 'described', 'leases', 'listed', 'parse_metrics',
-           'read_metadata', 'read_tree', 'remove_step', 'say_if_orbax', 'scan', 'step_metadata']
+           'read_metadata', 'read_tree', 'recover', 'remove_step', 'remove_unfinished', 'say_if_orbax',
+           'scan', 'step_metadata']

@@ -65,6 +65,61 @@ def test_restoring_the_latest_step_reads_its_header_once(s3, s3_server):
     assert asked == ["GET /run/step_00000005.jckpt"], asked
 
 
+def test_opening_a_manager_of_step_directories_reads_one_record_per_step(s3, s3_server):
+    """Each step directory cost two HEADs (is it published?), a HEAD of its record, a LIST and a
+    HEAD before the record's GET: 14 requests to open 2 steps, now 4; its restore 14, now 8."""
+    url = f"{s3}/run"
+    opts = jckpt.CheckpointOptions(format="safetensors")
+    with jckpt.CheckpointManager(url, options=opts, keep_last=2) as mgr:
+        for step in range(1, 4):
+            mgr.save(step, items={"model": TREE, "opt": {"m": TREE["w"]}})
+    before = len(s3_server.requests(s3))
+    with jckpt.CheckpointManager(url) as mgr:
+        opened = _new(s3_server, s3, before)
+        before = len(s3_server.requests(s3))
+        back = mgr.restore()
+        restored = _new(s3_server, s3, before)
+    np.testing.assert_array_equal(back.tree["model"]["w"], TREE["w"])
+    assert sorted(opened) == ["GET /run/step_00000002.jckpt/trainer_state.json",
+                              "GET /run/step_00000003.jckpt/trainer_state.json",
+                              "GET ?delimiter=/&list-type=2&prefix=run/", "PUT /run.jckpt-lease"]
+    assert len(restored) <= 8, restored
+
+
+def test_a_directory_step_is_opened_and_restored_without_asking_what_it_is(s3, s3_server):
+    """A directory checkpoint step cost 7 requests to open and 13 to restore (HEADs of its record
+    and index, a failed GET of the step as an object, LISTs), now 2 and 4."""
+    url = f"{s3}/run"
+    with jckpt.CheckpointManager(url, directory_steps=True) as mgr:
+        mgr.save(1, TREE, metrics={"loss": 0.5})
+    before = len(s3_server.requests(s3))
+    with jckpt.CheckpointManager(url) as mgr:
+        opened = _new(s3_server, s3, before)
+        assert mgr.metrics(1) == {"loss": 0.5}
+        before = len(s3_server.requests(s3))
+        back = mgr.restore(target={"w": np.zeros(6, np.float32)})
+        restored = _new(s3_server, s3, before)
+    np.testing.assert_array_equal(back.tree["w"], TREE["w"])
+    step = "/run/step_00000001.jckpt"
+    assert opened[2:] == [f"GET {step}/trainer_state.json", f"GET {step}/index.jckpt"], opened
+    assert restored[:3] == [f"GET {step}/trainer_state.json", f"GET {step}/index.jckpt",
+                            f"GET ?delimiter=/&list-type=2&prefix={step[1:]}/"], restored
+    assert len(restored) == 4 and restored[3].startswith(f"GET {step}/process_00000."), restored
+
+
+def test_an_unfinished_step_prefix_is_removed_when_a_manager_opens(s3):
+    url = f"{s3}/run"
+    _saved(url, [1])
+    backend = jckpt.storage.backend_for(url)
+    with backend.create(f"{url}/step_00000002.jckpt/process_00000.jckpt") as staged:  # no index
+        import os
+        os.write(staged.fd, b"piece")
+        staged.publish()
+    with jckpt.CheckpointManager(url) as mgr:
+        assert mgr.all_steps() == [1]
+    assert backend.list(url) == ["step_00000001.jckpt"]
+
+
 def test_a_step_removed_behind_the_managers_back_is_an_error_naming_it(s3):
     url = f"{s3}/run"
     _saved(url, [1, 2])
