@@ -251,3 +251,21 @@ def test_a_training_job_killed_mid_upload_resumes_from_its_last_step(s3):
         mgr.save(2, TREE, metrics={"loss": 0.5})
     with jckpt.CheckpointManager(url) as mgr:
         assert mgr.all_steps() == [1, 2] and mgr.metrics(2) == {"loss": 0.5}
+
+
+def test_keys_with_spaces_signs_and_unicode_round_trip(s3):
+    names = ["run with space", "a+b%20c#d?e&f;g", "ünï cödé 日本 😀"]
+    for name in names:
+        url = f"{s3}/{name}"
+        _saved(url, [1, 2], keep_last=1)
+        with jckpt.CheckpointManager(url) as mgr:
+            assert mgr.all_steps() == [2]
+            np.testing.assert_array_equal(mgr.restore(target=TREE).tree["w"], TREE["w"])
+        assert jckpt.verify(url).ok
+    listed = {o["Key"].split("/")[0] for o in _client_objects(s3)}
+    assert listed == set(names), listed  # each key stored as written, none encoded twice
+
+
+def _client_objects(s3):
+    from tests.s3server import client
+    return client(s3).list_objects_v2(Bucket=s3.removeprefix("s3://"))["Contents"]
