@@ -157,8 +157,13 @@ def _plain(obj: Any, budget: list[int], depth: int = 0, open_ids: frozenset = fr
     budget[0] -= 1
     if budget[0] < 0:
         raise ValueError("shared references expand to more objects than the pickle holds")
+    if isinstance(obj, _DType):
+        return f"torch.{obj.name}"  # a dtype as a value (a config's): its name, as str() gives
+    if isinstance(obj, (StorageType, _TensorClass)) or obj is _Device or obj is complex:
+        raise ValueError(f"a bare {getattr(obj, 'name', type(obj).__name__)} is no value")
     if isinstance(obj, str):
         obj.encode('utf-8')  # a lone surrogate (pickles may spell one) is no name: ValueError
+        obj = str(obj)  # a torch.device read as its name
     if not isinstance(obj, (dict, list, tuple)):
         return obj
     if depth >= limits.MAX_NESTING:
@@ -179,7 +184,36 @@ def _plain(obj: Any, budget: list[int], depth: int = 0, open_ids: frozenset = fr
     return out if isinstance(obj, list) else tuple(out)
 
 
+class _TensorClass:
+    """`torch.Tensor` (or `Parameter`, `Buffer`) named as the class of a rebuilt tensor."""
+
+
+class _Device(str):
+    """`torch.device` as unpickled: its name (`'cuda:0'`), a string a tree can hold."""
+
+    def __new__(cls, kind: Any, index: Any = None) -> _Device:
+        if not isinstance(kind, str) or not (index is None or type(index) is int):
+            raise ValueError("torch.device is allowed only from a name and an index")
+        return super().__new__(cls, kind if index is None or ':' in kind else f"{kind}:{index}")
+
+
+def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> np.ndarray:
+    """A tensor pickled with Python attributes (a `Buffer`, a tagged parameter): the tensor,
+    its attributes (`state`) dropped."""
+    if func not in (_rebuild_tensor_v2, _rebuild_tensor_v3, _rebuild_parameter) \
+            or not isinstance(new_type, _TensorClass) or not isinstance(args, tuple):
+        raise ValueError("_rebuild_from_type_v2 is allowed only for tensors")
+    return func(*args)
+
+
 _ALLOWED: dict[tuple[str, str], Any] = {
+    ('torch._tensor', '_rebuild_from_type_v2'): _rebuild_from_type_v2,
+    ('torch', 'Tensor'): _TensorClass(),
+    ('torch.nn.parameter', 'Parameter'): _TensorClass(),
+    ('torch.nn.parameter', 'Buffer'): _TensorClass(),
+    ('torch', 'device'): _Device,
+    ('builtins', 'complex'): complex,
+    ('__builtin__', 'complex'): complex,
     ('torch._utils', '_rebuild_tensor_v2'): _rebuild_tensor_v2,
     ('torch._utils', '_rebuild_tensor_v3'): _rebuild_tensor_v3,
     ('torch._utils', '_rebuild_parameter'): _rebuild_parameter,
@@ -190,6 +224,35 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ('torch.storage', 'UntypedStorage'): StorageType('UntypedStorage', None),
     **{('torch', name): StorageType(name, dt) for name, dt in STORAGES.items()},
     **{('torch', name): _DType(name) for name in DTYPES},
+}
+
+
+def _dtypes(names: str, fix: str) -> dict[tuple[str, str], tuple[str, str]]:
+    return {('torch', n): (f"a tensor of dtype torch.{n.replace('Storage', '')}",
+                           f"numpy has no such type: {fix} in torch and save it again")
+            for n in names.split()}
+
+
+#: Globals torch's own weights-only loading accepts but a tree of numpy arrays cannot hold:
+#: refused saying what they are, not as code.
+_UNSUPPORTED: dict[tuple[str, str], tuple[str, str]] = {
+    **_dtypes('complex32 chalf ComplexHalfStorage', "convert it with t.to(torch.complex64)"),
+    **_dtypes('qint8 quint8 qint32 quint4x2 quint2x4 QInt8Storage QUInt8Storage QInt32Storage '
+              'QUInt4x2Storage QUInt2x4Storage', "dequantize it with t.dequantize()"),
+    **_dtypes('float4_e2m1fn_x2 bits8 bits16 bits1x8 bits2x4 bits4x2 int1 int2 int3 int4 int5 '
+              'int6 int7 uint1 uint2 uint3 uint4 uint5 uint6 uint7',
+              "view or convert it (t.view(torch.uint8), t.to(torch.float32))"),
+    ('torch._utils', '_rebuild_qtensor'): ("a quantized tensor",
+                                           "dequantize it in torch first (t.dequantize())"),
+    ('torch._utils', '_rebuild_sparse_tensor'): ("a sparse tensor",
+                                                 "make it dense in torch first (t.to_dense())"),
+    ('torch._utils', '_rebuild_nested_tensor'): ("a nested tensor",
+                                                 "save its components (t.unbind()) instead"),
+    ('torch._utils', '_rebuild_meta_tensor_no_storage'): (
+        "a tensor on the meta device (a shape without data)", "save a tensor that holds data"),
+    ('torch._utils', '_rebuild_wrapper_subclass'): (
+        "a tensor subclass without storage (a meta or distributed tensor)",
+        "save plain tensors (for a DTensor, t.full_tensor())"),
 }
 
 
@@ -214,6 +277,8 @@ class _Unpickler(pickle._Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         found = _ALLOWED.get((module, name))
         if found is None:
+            if (module, name) in _UNSUPPORTED:
+                raise _Unsupported(*_UNSUPPORTED[module, name])
             raise _Refused(f"{module}.{name}")
         return found
 
@@ -230,6 +295,12 @@ class _Unpickler(pickle._Unpickler):
 
 class _Refused(Exception):
     pass
+
+
+class _Unsupported(Exception):
+    def __init__(self, what: str, fix: str) -> None:
+        super().__init__(what)
+        self.what, self.fix = what, fix
 
 
 def _leaf_bytes(tree: Any) -> int:
@@ -266,6 +337,9 @@ def unpickle(file: IO[bytes], storage: Storage | None, path: str, what: str = 'd
     """
     try:
         return _Unpickler(file, storage).load()
+    except _Unsupported as e:
+        raise FormatError(f"it holds {e.what}, which jckpt cannot read", file=path,
+                          fix=e.fix) from None
     except _Refused as e:
         raise FormatError(f"refusing to unpickle global {e}: only tensors, storages, dtypes "
                           "and plain containers are allowed", file=path,

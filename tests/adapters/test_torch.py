@@ -401,3 +401,27 @@ def test_a_flax_state_with_dataclass_nodes_is_written_flat(tmp_path):
     pt.write({'jckpt': {'opt': state}}, path)
     back = pt.read(path)['jckpt']
     assert back['opt']['mu'].tolist() == [1, 1] and back['opt']['nu'].tolist() == [0, 0]
+
+
+def test_tied_weights_stay_tied_through_a_torch_file(tmp_path):
+    torch = pytest.importorskip('torch')
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(100, 64)
+            self.head = torch.nn.Linear(64, 100, bias=False)
+            self.head.weight = self.emb.weight
+
+    model = Tied()
+    path, out = tmp_path / 'tied.pt', tmp_path / 'back.pt'
+    torch.save(model.state_dict(), path)
+    tree = pt.read(path)
+    assert np.shares_memory(tree['jckpt']['emb.weight'], tree['jckpt']['head.weight'])
+    pt.write(tree, out)
+    loaded = torch.load(out, weights_only=True)
+    assert loaded['emb.weight'].data_ptr() == loaded['head.weight'].data_ptr()
+    assert os.path.getsize(out) < 1.2 * 100 * 64 * 4
+    again = Tied()
+    again.load_state_dict(loaded)
+    assert torch.equal(again.head.weight, model.emb.weight)

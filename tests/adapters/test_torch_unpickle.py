@@ -38,3 +38,38 @@ def test_a_strided_view_of_any_dtype_is_rebuilt(dtype):
     assert view.dtype == dtype and np.ascontiguousarray(view).tobytes() == want.tobytes()
 
 
+
+
+def saved(torch, obj, tmp_path):
+    from jckpt.adapters import torch as pt
+    path = tmp_path / 'x.pt'
+    torch.save(obj, path)
+    return pt.read(path)['jckpt'], path
+
+
+def test_values_torch_loads_with_weights_only_read_as_plain_values(tmp_path):
+    """A dtype or device in a checkpoint's config, a complex number, a tensor with Python
+    attributes (an nn.Buffer): a dtype came back as an internal object, the rest refused
+    as code."""
+    torch = pytest.importorskip('torch')
+    obj = {'dtype': torch.bfloat16, 'device': torch.device('cuda', 1), 'cpu': torch.device('cpu'),
+           'c': 1 + 2j, 'buf': torch.nn.Buffer(torch.ones(2)), 'shape': torch.Size([2, 3])}
+    got, _ = saved(torch, obj, tmp_path)
+    assert got == {'dtype': 'torch.bfloat16', 'device': 'cuda:1', 'cpu': 'cpu', 'c': 1 + 2j,
+                   'buf': got['buf'], 'shape': (2, 3)}
+    assert type(got['device']) is str and got['buf'].tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize('make, what, fix', [
+    (lambda t: t.ones(2, dtype=t.complex32), 'dtype torch.complex32', 'torch.complex64'),
+    (lambda t: t.quantize_per_tensor(t.ones(2), 0.1, 0, t.qint8), 'a quantized tensor',
+     'dequantize'),
+    (lambda t: t.eye(2).to_sparse(), 'a sparse tensor', 'to_dense'),
+    (lambda t: t.empty(2, device='meta'), 'meta device', 'holds data'),
+    (lambda t: t.zeros(2, dtype=t.float4_e2m1fn_x2), 'dtype torch.float4_e2m1fn_x2', 'view'),
+])
+def test_tensors_numpy_cannot_hold_are_named_not_called_code(tmp_path, make, what, fix):
+    torch = pytest.importorskip('torch')
+    with pytest.raises(FormatError, match=f'holds .*{what}.*which jckpt cannot read') as e:
+        saved(torch, {'w': make(torch)}, tmp_path)
+    assert fix in e.value.fix and str(tmp_path / 'x.pt') in str(e.value)
