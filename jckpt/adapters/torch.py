@@ -34,6 +34,7 @@ it is; `read(path, nest=True)` splits its dotted keys into nested dicts.
 from __future__ import annotations
 
 import io
+import json
 import os
 import zipfile
 from typing import Any
@@ -57,6 +58,7 @@ from jckpt.adapters._torch_legacy import LEGACY_MAGIC
 from jckpt.adapters._torch_pickle import Pickler
 from jckpt.adapters._torch_unpickle import StorageType, to_tree, unpickle
 from jckpt.errors import FormatError, InputError
+from jckpt.format.limits import json_loads
 from jckpt.format.payload import iter_payload_chunks
 
 # --- reading ----------------------------------------------------------------
@@ -93,18 +95,47 @@ def read(path: str, *, nest: bool = False) -> dict[str, Any]:
     (['dense.kernel'], ['kernel'])
     """
     path = os.fspath(path)
-    buffer = map_file(path)
-    if bytes(buffer[:len(LEGACY_MAGIC)]) == LEGACY_MAGIC:
-        tree, record = _torch_legacy.read(buffer, path), None
-    else:
-        tree, record = _read_zip(buffer, path)
-    out = tree_from_names(tree, record) if isinstance(tree, dict) and record_covers(record, tree) \
-        else {DEFAULT_NAMESPACE: tree}
+    tree, record, _ = _read_file(path)
+    out = tree_from_names(tree, record) if _recorded(tree, record) else {DEFAULT_NAMESPACE: tree}
     return {ns: nest_dotted(sub, path) for ns, sub in out.items()} if nest else out
 
 
-def _read_zip(buffer: Any, path: str) -> tuple[Any, str | None]:
-    """The tree a zip `torch.save` file holds, and its paths record (None: none)."""
+def read_metadata(path: str) -> dict[str, str]:
+    """The string pairs a file `write` made keeps (a jckpt file's metadata), and
+    `{LAYOUT_KEY: 'nested'}` for a file holding more than a flat `state_dict` (a checkpoint
+    dict, an optimizer's): `convert` hands them on, so such a file converted to jckpt and
+    back, or to another `.pt` file, keeps its structure."""
+    path = os.fspath(path)
+    tree, record, text = _read_file(path)
+    try:
+        meta = json_loads(text) if text is not None else {}
+    except ValueError:
+        meta = None
+    if not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise FormatError(f"archive member {METADATA_MEMBER} is not a JSON object of strings",
+                          file=path, fix="the file is damaged")
+    flat = isinstance(tree, dict) and not any(isinstance(v, (dict, list, tuple))
+                                              for v in tree.values())
+    if not (flat or _recorded(tree, record)):
+        meta[LAYOUT_KEY] = 'nested'
+    return meta
+
+
+def _recorded(tree: Any, record: str | None) -> bool:
+    """Whether the paths record rebuilds `tree` (a flat dict written by `write`)."""
+    return isinstance(tree, dict) and record_covers(record, tree)
+
+
+def _read_file(path: str) -> tuple[Any, str | None, str | None]:
+    """The tree a file holds, its paths record and its metadata's JSON (None: none)."""
+    buffer = map_file(path)
+    if bytes(buffer[:len(LEGACY_MAGIC)]) == LEGACY_MAGIC:
+        return _torch_legacy.read(buffer, path), None, None
+    return _read_zip(buffer, path)
+
+
+def _read_zip(buffer: Any, path: str) -> tuple[Any, str | None, str | None]:
+    """The tree a zip `torch.save` file holds, its paths record and metadata (None: none)."""
     budget = _zip.Budget(len(buffer))
     with _zip.open_zip(path, buffer) as zf:
         root = _root(zf, path)
@@ -136,15 +167,24 @@ def _read_zip(buffer: Any, path: str) -> tuple[Any, str | None]:
         pickled = bytes(_zip.member_bytes(zf, buffer, infos[root + 'data.pkl'], path,
                                           budget=budget))
         obj = unpickle(io.BytesIO(pickled), storage, path)
-        member, record = infos.get(root + PATHS_MEMBER), None
-        if member is not None:
-            record = bytes(_zip.member_bytes(zf, buffer, member, path, budget=budget)).decode(
-                'utf-8', 'replace')
-    return to_tree(obj, len(pickled), len(buffer), path), record
+        record, meta = (_text(zf, buffer, infos.get(root + name), path, budget)
+                        for name in (PATHS_MEMBER, METADATA_MEMBER))
+    return to_tree(obj, len(pickled), len(buffer), path), record, meta
+
+
+def _text(zf: zipfile.ZipFile, buffer: Any, info: zipfile.ZipInfo | None, path: str,
+          budget: _zip.Budget) -> str | None:
+    if info is None:
+        return None
+    return bytes(_zip.member_bytes(zf, buffer, info, path, budget=budget)).decode('utf-8', 'replace')
 
 
 #: The archive member (beside `data.pkl`) recording each flat name's namespace and key path.
 PATHS_MEMBER = '.data/jckpt_paths.json'
+#: The archive member holding the string pairs `write(..., metadata=)` was given.
+METADATA_MEMBER = '.data/jckpt_metadata.json'
+#: The metadata key saying a file holds more than a flat `state_dict` (see `read_metadata`).
+LAYOUT_KEY = 'torch.layout'
 
 
 def _flat_items(node: Any, prefix: tuple, out: list) -> None:
@@ -182,6 +222,8 @@ def _content(tree: Any, path: str, flat: bool) -> tuple[Any, str | None]:
             items.extend((ns, p, leaf) for p, leaf in found)
     except InputError as e:
         raise InputError(e.message, file=path, entry=e.entry, fix=e.fix) from None
+    if len(items) == 1 and not items[0][1] and len(tree) == 1:
+        return items[0][2], None  # a lone tensor (torch.save(t)) is pickled as itself
     names = flat_names(items, path)
     return dict(zip(names, (leaf for _, _, leaf in items))), paths_json(items, names)
 
@@ -200,7 +242,8 @@ def check(tree: Any, path: str, *, flat: bool = True) -> None:
     Pickler(path, fetch=False).value(_content(tree, path, flat)[0], '')
 
 
-def write(tree: Any, path: str, *, flat: bool = True) -> None:
+def write(tree: Any, path: str, *, flat: bool | None = None,
+          metadata: dict[str, str] | None = None) -> None:
     """Write `{namespace: subtree}` as a file `torch.load(path, weights_only=True)` reads.
 
     By default (`flat=True`) the file holds a flat `state_dict`: each leaf under its key
@@ -209,13 +252,21 @@ def write(tree: Any, path: str, *, flat: bool = True) -> None:
     what `model.load_state_dict(torch.load(path, weights_only=True))` takes. The exact
     namespaces and key paths are recorded beside the pickle (`PATHS_MEMBER`, which torch
     ignores), so `read` gives the nested tree back. `flat=False` pickles the tree as it is
-    (a checkpoint dict `{'model': ..., 'optimizer': ...}`, an optimizer's `state_dict`).
+    (a checkpoint dict `{'model': ..., 'optimizer': ...}`, an optimizer's `state_dict`);
+    left out, it is `True` unless `metadata` says the tree came nested from a torch file
+    (`LAYOUT_KEY`, see `read_metadata`). `metadata` (string pairs) is kept in the archive.
 
     Containers (dict, list, tuple), Python numbers, strings and None are
     pickled as themselves; arrays (numpy, JAX) become CPU tensors, one storage for a
     leaf that appears twice (tied weights).
     """
     path = os.fspath(path)
+    meta = dict(metadata or {})
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise InputError("torch file metadata must map strings to strings", file=path,
+                         fix="convert the values with str() or json.dumps()")
+    if flat is None:
+        flat = meta.get(LAYOUT_KEY) != 'nested'
     content, record = _content(tree, path, flat)
     pickler = Pickler(path)
     pickler.value(content, '')
@@ -234,10 +285,13 @@ def write(tree: Any, path: str, *, flat: bool = True) -> None:
         small('.data/serialization_id', b'%040d' % (int.from_bytes(os.urandom(16), 'little') % 10**40))
         if record is not None:
             small(PATHS_MEMBER, record.encode('utf-8'))
+        if meta:
+            small(METADATA_MEMBER, json.dumps(meta, separators=(',', ':')).encode('utf-8'))
 
 
 def register() -> None:
     from jckpt.adapters import register_format
 
     register_format('torch', read=read, write=write, sniff=sniff, check=check,
-                    extensions=('.pt', '.pth'), replace=True)
+                    extensions=('.pt', '.pth'), replace=True, read_metadata=read_metadata,
+                    keeps_metadata=True)

@@ -6,6 +6,7 @@ import pickle
 import struct
 import subprocess
 import sys
+import warnings
 import zipfile
 
 import ml_dtypes
@@ -425,3 +426,69 @@ def test_tied_weights_stay_tied_through_a_torch_file(tmp_path):
     again = Tied()
     again.load_state_dict(loaded)
     assert torch.equal(again.head.weight, model.emb.weight)
+
+
+def optimizer_and_model(torch):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_a_checkpoint_dict_keeps_its_structure_through_convert(tmp_path):
+    """torch -> jckpt -> torch, and a legacy file -> a zip one: the tree came back flattened
+    ('optimizer.param_groups.0.lr'), which optimizer.load_state_dict cannot take."""
+    torch = pytest.importorskip('torch')
+    model, opt = optimizer_and_model(torch)
+    src, mid, out = tmp_path / 'ckpt.pt', tmp_path / 'ckpt.jckpt', tmp_path / 'again.pt'
+    torch.save({'model': model.state_dict(), 'optimizer': opt.state_dict(), 'epoch': 3}, src,
+               _use_new_zipfile_serialization=False)
+    assert jckpt.convert(src, mid) == ('torch', 'jckpt')
+    assert jckpt.describe(mid).metadata_dict()[pt.LAYOUT_KEY] == 'nested'
+    assert jckpt.convert(mid, out) == ('jckpt', 'torch')
+    loaded = torch.load(out, weights_only=True)
+    assert sorted(loaded) == ['epoch', 'model', 'optimizer'] and loaded['epoch'] == 3
+    again, opt2 = optimizer_and_model(torch)
+    again.load_state_dict(loaded['model'])
+    opt2.load_state_dict(loaded['optimizer'])
+    assert opt2.state_dict()['param_groups'][0]['lr'] == 1e-3
+    assert torch.equal(opt2.state_dict()['state'][0]['exp_avg'], opt.state_dict()['state'][0]['exp_avg'])
+    assert torch.equal(again[1].num_batches_tracked, model[1].num_batches_tracked)
+    direct = tmp_path / 'direct.pt'
+    assert jckpt.convert(src, direct) == ('torch', 'torch')  # legacy to zip: the same object
+    assert sorted(torch.load(direct, weights_only=True)) == ['epoch', 'model', 'optimizer']
+
+
+def test_a_state_dict_and_a_jckpt_tree_convert_flat_and_keep_metadata(tmp_path):
+    torch = pytest.importorskip('torch')
+    model, _ = optimizer_and_model(torch)
+    src, mid, out = tmp_path / 'sd.pt', tmp_path / 'sd.jckpt', tmp_path / 'again.pt'
+    torch.save(model.state_dict(), src)
+    jckpt.convert(src, mid)
+    assert pt.LAYOUT_KEY not in jckpt.describe(mid).metadata_dict()
+    jckpt.convert(mid, out)
+    model.load_state_dict(torch.load(out, weights_only=True))
+    state = {'params': {'dense': {'kernel': np.ones((2, 2), np.float32)}}}
+    jckpt.save(jckpt.Context(), state, tmp_path / 'state.jckpt', metadata={'run': 'r1'})
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')  # the metadata is kept, not dropped with a warning
+        jckpt.convert(tmp_path / 'state.jckpt', out)
+    assert list(torch.load(out, weights_only=True)) == ['params.dense.kernel']
+    jckpt.convert(out, tmp_path / 'back.jckpt')
+    back = jckpt.describe(tmp_path / 'back.jckpt')
+    assert back.metadata_dict()['run'] == 'r1'
+    _, tree = jckpt.load(jckpt.Context(host=True), tmp_path / 'back.jckpt')
+    assert tree['jckpt']['params']['dense']['kernel'].shape == (2, 2)
+
+
+def test_a_lone_tensor_is_written_as_itself(tmp_path):
+    torch = pytest.importorskip('torch')
+    path = tmp_path / 't.pt'
+    pt.write({'jckpt': np.arange(3, dtype=np.float32)}, path)
+    assert torch.load(path, weights_only=True).tolist() == [0.0, 1.0, 2.0]
+
+
+def test_metadata_must_be_strings(tmp_path):
+    with pytest.raises(InputError, match='strings to strings'):
+        pt.write({'jckpt': {}}, tmp_path / 'm.pt', metadata={'a': 1})

@@ -78,4 +78,4 @@ def test_torch_legacy_files_read_as_torch_loads_them(tmp_path):
     out = tmp_path / 'new.pt'
     assert jckpt.convert(path, out) == ('torch', 'torch')
     again = torch.load(out, weights_only=True)
-    assert torch.equal(again['t'], base.T) and torch.equal(again['bn.running_var'], bn.running_var)
+    assert torch.equal(again['t'], base.T) and torch.equal(again['bn']['running_var'], bn.running_var)
