@@ -428,6 +428,21 @@ def test_convert_other_formats(tmp_path, model, cli):
     one_line_error(cli('convert', model, tmp_path / 'x.npz', '--alignment', '64'), '--alignment')
 
 
+def test_convert_nest_splits_a_state_dicts_dotted_names(tmp_path, cli):
+    import jckpt
+    from jckpt.adapters import torch as pt
+    src = tmp_path / 'sd.pt'
+    pt.write({'jckpt': {'dense.kernel': np.ones((2, 2), np.float32)}}, src, flat=False)
+    out = tmp_path / 'sd.jckpt'
+    assert cli('convert', src, out, '--nest').returncode == 0
+    _, tree = jckpt.load(jckpt.Context(host=True), out)
+    assert list(tree['jckpt']['dense']) == ['kernel']
+    flat = write(tmp_path / 'flat.jckpt', {'a.b': np.ones(1, np.float32)})
+    assert cli('convert', flat, tmp_path / 'nested.jckpt', '--nest').returncode == 0
+    _, tree = jckpt.load(jckpt.Context(host=True), tmp_path / 'nested.jckpt')
+    assert list(tree['jckpt']['a']) == ['b']
+
+
 # --- merge -------------------------------------------------------------------
 
 def test_merge_with_prefixes(tmp_path, model, cli):
