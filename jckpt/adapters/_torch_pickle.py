@@ -108,6 +108,14 @@ class Pickler:
         elif isinstance(x, str):
             raw = x.encode('utf-8', 'surrogatepass')
             self.out += b'X' + struct.pack('<I', len(raw)) + raw
+        elif isinstance(x, complex):  # as torch pickles one (its weights-only loading takes it)
+            self.glob('__builtin__', 'complex')
+            self.tuple((x.real, x.imag), where)
+            self.out += b'R'
+        elif isinstance(x, bytes):  # protocol 2's spelling: _codecs.encode(text, 'latin1')
+            self.glob('_codecs', 'encode')
+            self.tuple((x.decode('latin1'), 'latin1'), where)
+            self.out += b'R'
         elif isinstance(x, dict):
             self.out += b'}'
             if x:

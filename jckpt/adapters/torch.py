@@ -122,8 +122,9 @@ def read_metadata(path: str) -> dict[str, str]:
 
 
 def _recorded(tree: Any, record: str | None) -> bool:
-    """Whether the paths record rebuilds `tree` (a flat dict written by `write`)."""
-    return isinstance(tree, dict) and record_covers(record, tree)
+    """Whether the paths record rebuilds `tree` (a flat dict written by `write`; an empty
+    one reads as `{'jckpt': {}}`, as it did)."""
+    return isinstance(tree, dict) and bool(tree) and record_covers(record, tree)
 
 
 def _read_file(path: str) -> tuple[Any, str | None, str | None]:
@@ -140,8 +141,10 @@ def _read_zip(buffer: Any, path: str) -> tuple[Any, str | None, str | None]:
     with _zip.open_zip(path, buffer) as zf:
         root = _root(zf, path)
         infos = {i.filename: i for i in zf.infolist()}
+        # torch.serialization.set_crc32_options(False) writes every CRC-32 as 0: none to check
+        crc = any(i.CRC for i in infos.values())
         order = bytes(_zip.member_bytes(zf, buffer, infos[root + 'byteorder'], path, limit=16,
-                                        budget=budget)).decode(
+                                        budget=budget, check_crc=crc)).decode(
             'ascii', 'replace').strip() if root + 'byteorder' in infos else 'little'
         if order not in ('little', 'big'):
             raise FormatError(f"unknown byteorder {order!r}", file=path, fix="the file is damaged")
@@ -153,7 +156,7 @@ def _read_zip(buffer: Any, path: str) -> tuple[Any, str | None, str | None]:
             if info is None or '/' in key or key in ('', '.', '..'):
                 raise ValueError(f"storage {key!r} is not in the archive")
             if name not in cache:
-                data = _zip.member_bytes(zf, buffer, info, path, budget=budget)
+                data = _zip.member_bytes(zf, buffer, info, path, budget=budget, check_crc=crc)
                 cache[name] = np.frombuffer(data, dtype=np.uint8)
             raw = cache[name]
             dtype = np.dtype(np.uint8) if kind.dtype is None else kind.dtype
@@ -165,7 +168,7 @@ def _read_zip(buffer: Any, path: str) -> tuple[Any, str | None, str | None]:
             return raw[:numel * dtype.itemsize].view(dtype)
 
         pickled = bytes(_zip.member_bytes(zf, buffer, infos[root + 'data.pkl'], path,
-                                          budget=budget))
+                                          budget=budget, check_crc=crc))
         obj = unpickle(io.BytesIO(pickled), storage, path)
         record, meta = (_text(zf, buffer, infos.get(root + name), path, budget)
                         for name in (PATHS_MEMBER, METADATA_MEMBER))

@@ -492,3 +492,41 @@ def test_a_lone_tensor_is_written_as_itself(tmp_path):
 def test_metadata_must_be_strings(tmp_path):
     with pytest.raises(InputError, match='strings to strings'):
         pt.write({'jckpt': {}}, tmp_path / 'm.pt', metadata={'a': 1})
+
+
+def test_a_file_torch_wrote_without_crc32s_reads(tmp_path):
+    """torch.serialization.set_crc32_options(False) writes every CRC-32 as 0: the file was
+    refused as damaged. One CRC-32 damaged among others is still refused."""
+    torch = pytest.importorskip('torch')
+    path = tmp_path / 'nocrc.pt'
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save({'w': torch.arange(3.0)}, path)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert pt.read(path)['jckpt']['w'].tolist() == [0.0, 1.0, 2.0]
+    raw = bytearray(open(STATE, 'rb').read())
+    with zipfile.ZipFile(STATE) as zf:
+        info = next(i for i in zf.infolist() if i.filename.endswith('data.pkl'))
+    at = raw.index(struct.pack('<I', info.CRC), raw.index(b'PK\x01\x02'))  # the central entry
+    raw[at:at + 4] = b'\0\0\0\0'
+    (tmp_path / 'bad.pt').write_bytes(bytes(raw))
+    with pytest.raises(FormatError, match='CRC-32'):
+        pt.read(tmp_path / 'bad.pt')
+
+
+def test_plain_values_torch_accepts_round_trip(tmp_path):
+    """bytes were refused as a leaf that is not an array, complex numbers became tensors."""
+    torch = pytest.importorskip('torch')
+    path = tmp_path / 'v.pt'
+    values = {'by': b'\x00\xffraw', 'c': 1 + 2j, 'big': -2**70, 'ik': {0: {'lr': 0.5}},
+              't': (1, None, 'x')}
+    pt.write({'jckpt': values}, path, flat=False)
+    assert torch.load(path, weights_only=True) == values
+    assert pt.read(path)['jckpt'] == values
+
+
+def test_an_empty_tree_reads_back_empty(tmp_path):
+    path = tmp_path / 'e.pt'
+    pt.write({'jckpt': {'nothing': None, 'empty': {}}}, path)
+    assert pt.read(path) == {'jckpt': {}}
