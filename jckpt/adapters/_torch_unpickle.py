@@ -279,6 +279,11 @@ class _Unpickler(pickle._Unpickler):
         if found is None:
             if (module, name) in _UNSUPPORTED:
                 raise _Unsupported(*_UNSUPPORTED[module, name])
+            if module.split('.')[0] == 'numpy':
+                raise _Unsupported(f"a numpy object ({module}.{name}: an np.ndarray or "
+                                   "np.random.get_state()), which torch.load(weights_only=True) "
+                                   "refuses too", "save tensors (torch.from_numpy(a)) or plain "
+                                                  "numbers instead of numpy objects")
             raise _Refused(f"{module}.{name}")
         return found
 

@@ -64,11 +64,18 @@ from jckpt.format.payload import iter_payload_chunks
 # --- reading ----------------------------------------------------------------
 
 def _root(zf: zipfile.ZipFile, path: str) -> str:
-    pkls = [n for n in zf.namelist() if n.split('/')[-1] == 'data.pkl' and n.count('/') <= 1]
+    names = zf.namelist()
+    pkls = [n for n in names if n.split('/')[-1] == 'data.pkl' and n.count('/') <= 1]
     if len(pkls) != 1:
         raise FormatError("archive holds no single <root>/data.pkl", file=path,
                           fix="pass a file written by torch.save")
-    return pkls[0][:-len('data.pkl')]
+    root = pkls[0][:-len('data.pkl')]
+    if root + 'constants.pkl' in names or any(n.startswith(root + 'code/') for n in names):
+        raise FormatError("a TorchScript archive (torch.jit.save), which holds code, not a "
+                          "torch.save file", file=path,
+                          fix="save its weights in torch: torch.save(torch.jit.load(path)"
+                              ".state_dict(), 'weights.pt')")
+    return root
 
 
 def sniff(path: str, head: bytes | None) -> bool:

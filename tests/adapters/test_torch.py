@@ -530,3 +530,12 @@ def test_an_empty_tree_reads_back_empty(tmp_path):
     path = tmp_path / 'e.pt'
     pt.write({'jckpt': {'nothing': None, 'empty': {}}}, path)
     assert pt.read(path) == {'jckpt': {}}
+
+
+def test_a_torchscript_archive_is_named(tmp_path):
+    torch = pytest.importorskip('torch')
+    path = tmp_path / 'ts.pt'
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), path)
+    with pytest.raises(FormatError, match=r'a TorchScript archive \(torch.jit.save\)') as e:
+        pt.read(path)
+    assert 'torch.jit.load' in e.value.fix

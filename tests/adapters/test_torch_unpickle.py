@@ -73,3 +73,11 @@ def test_tensors_numpy_cannot_hold_are_named_not_called_code(tmp_path, make, wha
     with pytest.raises(FormatError, match=f'holds .*{what}.*which jckpt cannot read') as e:
         saved(torch, {'w': make(torch)}, tmp_path)
     assert fix in e.value.fix and str(tmp_path / 'x.pt') in str(e.value)
+
+
+def test_numpy_objects_are_named_not_called_code(tmp_path):
+    """np.random.get_state() in a checkpoint (a trainer's RNG state)."""
+    torch = pytest.importorskip('torch')
+    with pytest.raises(FormatError, match=r'a numpy object \(numpy\S*_reconstruct') as e:
+        saved(torch, {'rng': np.random.get_state()}, tmp_path)
+    assert 'torch.from_numpy' in e.value.fix
