@@ -44,8 +44,10 @@ import numpy as np
 from jckpt.adapters import _torch_legacy, _zip
 from jckpt.adapters._common import (
     DEFAULT_NAMESPACE,
+    check_member_name,
     check_namespaced,
     flat_names,
+    inside,
     map_file,
     nest_dotted,
     paths_json,
@@ -58,8 +60,10 @@ from jckpt.adapters._torch_legacy import LEGACY_MAGIC
 from jckpt.adapters._torch_pickle import Pickler
 from jckpt.adapters._torch_unpickle import StorageType, to_tree, unpickle
 from jckpt.errors import FormatError, InputError
+from jckpt.format import limits
 from jckpt.format.limits import json_loads
 from jckpt.format.payload import iter_payload_chunks
+from jckpt.storage.regular import open_regular
 
 # --- reading ----------------------------------------------------------------
 
@@ -81,6 +85,8 @@ def _root(zf: zipfile.ZipFile, path: str) -> str:
 def sniff(path: str, head: bytes | None) -> bool:
     if head is not None and head.startswith(LEGACY_MAGIC):
         return True
+    if head is not None and head[:1] == b'{' and b'"weight_map"' in head:
+        return _shard_names(path) is not None
     if head is None or head[:4] != b'PK\x03\x04':
         return False
     with zipfile.ZipFile(_zip.zip_source(path)) as zf:
@@ -102,9 +108,50 @@ def read(path: str, *, nest: bool = False) -> dict[str, Any]:
     (['dense.kernel'], ['kernel'])
     """
     path = os.fspath(path)
-    tree, record, _ = _read_file(path)
+    shards = _shard_names(path) if path.endswith('.json') else None
+    tree, record, _ = (_read_sharded(path, shards), None, None) if shards else _read_file(path)
     out = tree_from_names(tree, record) if _recorded(tree, record) else {DEFAULT_NAMESPACE: tree}
     return {ns: nest_dotted(sub, path) for ns, sub in out.items()} if nest else out
+
+
+def _shard_names(path: str) -> dict[str, str] | None:
+    """A Hugging Face index's `weight_map` (tensor name -> shard file), when `path` is the
+    index of torch shards (`pytorch_model.bin.index.json`); None for another file."""
+    try:
+        with open_regular(path) as f:
+            index = json_loads(f.read(limits.MAX_RECORD_BYTES + 1).decode('utf-8'))
+    except (OSError, UnicodeDecodeError, ValueError, FormatError):
+        return None
+    weight_map = index.get('weight_map') if isinstance(index, dict) else None
+    if not (isinstance(weight_map, dict) and weight_map
+            and all(isinstance(v, str) for v in weight_map.values())):
+        return None
+    shard = os.path.join(os.path.dirname(os.path.abspath(path)), min(weight_map.values()))
+    try:
+        with open_regular(shard) as f:
+            head = f.read(len(LEGACY_MAGIC))
+    except (OSError, FormatError):
+        return None
+    return weight_map if head[:4] == b'PK\x03\x04' or head == LEGACY_MAGIC else None
+
+
+def _read_sharded(path: str, weight_map: dict[str, str]) -> dict[str, Any]:
+    """The flat `state_dict` of a sharded torch checkpoint, each tensor from the shard the
+    index names (shards must lie beside the index)."""
+    directory, out = os.path.dirname(os.path.abspath(path)), {}
+    for shard in sorted(set(weight_map.values())):
+        check_member_name(shard, path)
+        shard_path = os.path.join(directory, shard)
+        if not inside(directory, shard_path):
+            raise FormatError(f"shard {shard!r} is a symbolic link or lies outside the index's "
+                              "directory", file=path, fix="put the shard files beside the index")
+        tree = _read_file(shard_path)[0]
+        for name in (n for n, f in weight_map.items() if f == shard):
+            if not isinstance(tree, dict) or name not in tree:
+                raise FormatError(f"the index places {name!r} in {shard}, which lacks it",
+                                  file=path, entry=name, fix="the shards are incomplete")
+            out[name] = tree[name]
+    return out
 
 
 def read_metadata(path: str) -> dict[str, str]:
@@ -113,6 +160,8 @@ def read_metadata(path: str) -> dict[str, str]:
     dict, an optimizer's): `convert` hands them on, so such a file converted to jckpt and
     back, or to another `.pt` file, keeps its structure."""
     path = os.fspath(path)
+    if path.endswith('.json'):
+        return {}  # a sharded state_dict: flat
     tree, record, text = _read_file(path)
     try:
         meta = json_loads(text) if text is not None else {}

@@ -1,6 +1,7 @@
 """The torch adapter: torch.save fixtures read without torch, files torch.load accepts, refusals."""
 
 import io
+import json
 import os
 import pickle
 import struct
@@ -539,3 +540,39 @@ def test_a_torchscript_archive_is_named(tmp_path):
     with pytest.raises(FormatError, match=r'a TorchScript archive \(torch.jit.save\)') as e:
         pt.read(path)
     assert 'torch.jit.load' in e.value.fix
+
+
+def sharded_checkpoint(torch, directory):
+    """What transformers' save_pretrained(safe_serialization=False) writes for a large model."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    sd = model.state_dict()
+    shards = {'pytorch_model-00001-of-00002.bin': ['0.weight', '0.bias'],
+              'pytorch_model-00002-of-00002.bin': ['1.weight', '1.bias']}
+    for shard, names in shards.items():
+        torch.save({n: sd[n] for n in names}, directory / shard)
+    index = directory / 'pytorch_model.bin.index.json'
+    index.write_text(json.dumps({'metadata': {'total_size': 68}, 'weight_map': {
+        n: shard for shard, names in shards.items() for n in names}}))
+    return model, index
+
+
+def test_a_sharded_torch_checkpoint_reads_from_its_index(tmp_path):
+    """pytorch_model.bin.index.json was taken for a safetensors index and failed on the
+    first .bin shard."""
+    torch = pytest.importorskip('torch')
+    model, index = sharded_checkpoint(torch, tmp_path)
+    assert jckpt.detect_format(index) == 'torch'
+    tree = jckpt.adapters.read(index)['jckpt']
+    assert sorted(tree) == ['0.bias', '0.weight', '1.bias', '1.weight']
+    assert same_bits(tree['1.weight'], model[1].weight.detach().numpy())
+    out = tmp_path / 'model.jckpt'
+    assert jckpt.convert(index, out, nest=True) == ('torch', 'jckpt')
+    _, got = jckpt.load(jckpt.Context(host=True), out)
+    assert got['jckpt']['0']['bias'].shape == (3,)
+    index.write_text(json.dumps({'weight_map': {'0.weight': 'pytorch_model-00001-of-00002.bin',
+                                                'extra': 'pytorch_model-00002-of-00002.bin'}}))
+    with pytest.raises(FormatError, match="places 'extra' in pytorch_model-00002"):
+        pt.read(index)
+    index.write_text(json.dumps({'weight_map': {'w': '../pytorch_model-00001-of-00002.bin'}}))
+    with pytest.raises(FormatError):
+        pt.read(index)
