@@ -576,3 +576,12 @@ def test_a_sharded_torch_checkpoint_reads_from_its_index(tmp_path):
     index.write_text(json.dumps({'weight_map': {'w': '../pytorch_model-00001-of-00002.bin'}}))
     with pytest.raises(FormatError):
         pt.read(index)
+
+
+def test_loading_a_torch_file_as_a_checkpoint_says_what_it_is(tmp_path):
+    """jckpt.load('model.pt') said "header length 1347093252 ... truncated or not a checkpoint"."""
+    path = tmp_path / 'm.pt'
+    pt.write({'jckpt': {'w': np.ones(2, np.float32)}}, path)
+    with pytest.raises(FormatError, match='it is a zip archive .a PyTorch .pt/.pth') as e:
+        jckpt.load(jckpt.Context(host=True), path)
+    assert 'jckpt.convert' in e.value.fix and str(path) in str(e.value)
