@@ -55,14 +55,16 @@ from jckpt.adapters._common import (
     record_covers,
     single_content,
     tree_from_names,
+    unsafe_member_name,
 )
 from jckpt.adapters._torch_legacy import LEGACY_MAGIC
 from jckpt.adapters._torch_pickle import Pickler
 from jckpt.adapters._torch_unpickle import StorageType, to_tree, unpickle
-from jckpt.errors import FormatError, InputError
+from jckpt.errors import CheckpointError, FormatError, InputError
 from jckpt.format import limits
 from jckpt.format.limits import json_loads
 from jckpt.format.payload import iter_payload_chunks
+from jckpt.storage.backend import is_url
 from jckpt.storage.regular import open_regular
 
 # --- reading ----------------------------------------------------------------
@@ -117,20 +119,25 @@ def read(path: str, *, nest: bool = False) -> dict[str, Any]:
 def _shard_names(path: str) -> dict[str, str] | None:
     """A Hugging Face index's `weight_map` (tensor name -> shard file), when `path` is the
     index of torch shards (`pytorch_model.bin.index.json`); None for another file."""
+    if is_url(path):
+        return None
     try:
         with open_regular(path) as f:
             index = json_loads(f.read(limits.MAX_RECORD_BYTES + 1).decode('utf-8'))
-    except (OSError, UnicodeDecodeError, ValueError, FormatError):
+    except (OSError, UnicodeDecodeError, ValueError, CheckpointError):
         return None
     weight_map = index.get('weight_map') if isinstance(index, dict) else None
     if not (isinstance(weight_map, dict) and weight_map
-            and all(isinstance(v, str) for v in weight_map.values())):
+            and all(isinstance(v, str) and not unsafe_member_name(v) for v in weight_map.values())):
         return None
-    shard = os.path.join(os.path.dirname(os.path.abspath(path)), min(weight_map.values()))
+    directory = os.path.dirname(os.path.abspath(path))
+    shard = os.path.join(directory, min(weight_map.values()))
     try:
+        if not inside(directory, shard):
+            return None
         with open_regular(shard) as f:
             head = f.read(len(LEGACY_MAGIC))
-    except (OSError, FormatError):
+    except (OSError, CheckpointError):
         return None
     return weight_map if head[:4] == b'PK\x03\x04' or head == LEGACY_MAGIC else None
 
