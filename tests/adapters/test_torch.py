@@ -585,3 +585,21 @@ def test_loading_a_torch_file_as_a_checkpoint_says_what_it_is(tmp_path):
     with pytest.raises(FormatError, match='it is a zip archive .a PyTorch .pt/.pth') as e:
         jckpt.load(jckpt.Context(host=True), path)
     assert 'jckpt.convert' in e.value.fix and str(path) in str(e.value)
+
+
+def test_one_namespace_of_a_training_checkpoint_exports_with_bare_names(tmp_path):
+    torch = pytest.importorskip('torch')
+    src = tmp_path / 'train.jckpt'
+    params = {'dense': {'weight': np.ones((2, 3), np.float32), 'bias': np.zeros(2, np.float32)}}
+    jckpt.save(jckpt.Context(namespace='params'), params, src)
+    jckpt.save(jckpt.Context(namespace='opt'), {'mu': np.zeros(3, np.float32)}, src, appending=True)
+    both, only = tmp_path / 'both.pt', tmp_path / 'params.pt'
+    jckpt.convert(src, both)
+    assert sorted(torch.load(both, weights_only=True)) == [
+        'opt.mu', 'params.dense.bias', 'params.dense.weight']
+    assert sorted(pt.read(both)) == ['opt', 'params']
+    jckpt.convert(src, only, namespaces='params')
+    model = torch.nn.Module()
+    model.dense = torch.nn.Linear(3, 2)
+    model.load_state_dict(torch.load(only, weights_only=True))
+    assert model.dense.weight.sum().item() == 6.0
