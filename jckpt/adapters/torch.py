@@ -59,6 +59,7 @@ from jckpt.adapters._common import (
 )
 from jckpt.adapters._torch_legacy import LEGACY_MAGIC
 from jckpt.adapters._torch_pickle import Pickler
+from jckpt.adapters._torch_scalars import SCALARS_KEY, scalar_record, with_scalars
 from jckpt.adapters._torch_unpickle import StorageType, to_tree, unpickle
 from jckpt.errors import CheckpointError, FormatError, InputError
 from jckpt.format import limits
@@ -164,8 +165,9 @@ def _read_sharded(path: str, weight_map: dict[str, str]) -> dict[str, Any]:
 def read_metadata(path: str) -> dict[str, str]:
     """The string pairs a file `write` made keeps (a jckpt file's metadata), and
     `{LAYOUT_KEY: 'nested'}` for a file holding more than a flat `state_dict` (a checkpoint
-    dict, an optimizer's): `convert` hands them on, so such a file converted to jckpt and
-    back, or to another `.pt` file, keeps its structure."""
+    dict, an optimizer's), and where its Python numbers are (`SCALARS_KEY`): `convert`
+    hands them on, so such a file converted to jckpt and back, or to another `.pt` file,
+    keeps its structure and its numbers (not 0-d tensors)."""
     path = os.fspath(path)
     if path.endswith('.json'):
         return {}  # a sharded state_dict: flat
@@ -177,10 +179,14 @@ def read_metadata(path: str) -> dict[str, str]:
     if not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
         raise FormatError(f"archive member {METADATA_MEMBER} is not a JSON object of strings",
                           file=path, fix="the file is damaged")
-    flat = isinstance(tree, dict) and not any(isinstance(v, (dict, list, tuple))
-                                              for v in tree.values())
-    if not (flat or _recorded(tree, record)):
+    if _recorded(tree, record):
+        return meta
+    if not (isinstance(tree, dict) and not any(isinstance(v, (dict, list, tuple))
+                                               for v in tree.values())):
         meta[LAYOUT_KEY] = 'nested'
+    numbers = scalar_record(tree)
+    if numbers is not None:
+        meta[SCALARS_KEY] = numbers
     return meta
 
 
@@ -320,7 +326,9 @@ def write(tree: Any, path: str, *, flat: bool | None = None,
     ignores), so `read` gives the nested tree back. `flat=False` pickles the tree as it is
     (a checkpoint dict `{'model': ..., 'optimizer': ...}`, an optimizer's `state_dict`);
     left out, it is `True` unless `metadata` says the tree came nested from a torch file
-    (`LAYOUT_KEY`, see `read_metadata`). `metadata` (string pairs) is kept in the archive.
+    (`LAYOUT_KEY`, see `read_metadata`). `metadata` (string pairs) is kept in the archive;
+    where it lists a torch file's Python numbers (`SCALARS_KEY`), the 0-d arrays there are
+    written as numbers again.
 
     Containers (dict, list, tuple), Python numbers, strings and None are
     pickled as themselves; arrays (numpy, JAX) become CPU tensors, one storage for a
@@ -333,6 +341,8 @@ def write(tree: Any, path: str, *, flat: bool | None = None,
                          fix="convert the values with str() or json.dumps()")
     if flat is None:
         flat = meta.get(LAYOUT_KEY) != 'nested'
+    if SCALARS_KEY in meta and len(tree) == 1:  # numbers the torch file held as numbers
+        tree = {ns: with_scalars(sub, meta[SCALARS_KEY]) for ns, sub in tree.items()}
     content, record = _content(tree, path, flat)
     pickler = Pickler(path)
     pickler.value(content, '')

@@ -603,3 +603,23 @@ def test_one_namespace_of_a_training_checkpoint_exports_with_bare_names(tmp_path
     model.dense = torch.nn.Linear(3, 2)
     model.load_state_dict(torch.load(only, weights_only=True))
     assert model.dense.weight.sum().item() == 6.0
+
+
+def test_an_optimizers_numbers_stay_numbers_through_jckpt(tmp_path):
+    """lr, betas and the params ids came back as 0-d tensors: load_state_dict matched no
+    state to the parameters, and training resumed with fresh Adam moments, silently."""
+    torch = pytest.importorskip('torch')
+    model, opt = optimizer_and_model(torch)
+    src, mid, out = tmp_path / 'opt.pt', tmp_path / 'opt.jckpt', tmp_path / 'again.pt'
+    torch.save({'optimizer': opt.state_dict(), 'epoch': 3}, src)
+    jckpt.convert(src, mid)
+    jckpt.convert(mid, out)
+    loaded = torch.load(out, weights_only=True)
+    group = loaded['optimizer']['param_groups'][0]
+    assert group['params'] == [0, 1, 2, 3] and type(group['lr']) is float
+    assert type(group['amsgrad']) is bool and loaded['epoch'] == 3 and type(loaded['epoch']) is int
+    assert torch.is_tensor(loaded['optimizer']['state'][0]['step'])  # a tensor stays a tensor
+    opt2 = torch.optim.AdamW(model.parameters())
+    opt2.load_state_dict(loaded['optimizer'])
+    assert all(torch.equal(opt2.state[p]['exp_avg'], opt.state[p]['exp_avg'])
+               for p in model.parameters())
