@@ -12,7 +12,7 @@ The object is unpickled with the same allow-list as a zip file's `data.pkl`
 (`jckpt.adapters._torch_unpickle`), so no code runs. Its storages' data
 comes after it, so it is unpickled twice: first to learn each storage's type
 (against stand-ins that hold no memory), then against the file's bytes. The
-older tar form (torch before 0.4) is refused saying how to re-save it.
+older tar form (torch before 0.4) is not read.
 
 >>> import io, pickle
 >>> raw = LEGACY_MAGIC + b''.join(pickle.dumps(x, protocol=2) for x in (1001, {}, {'epoch': 3}, []))

@@ -147,14 +147,17 @@ def _read_sharded(path: str, weight_map: dict[str, str]) -> dict[str, Any]:
     """The flat `state_dict` of a sharded torch checkpoint, each tensor from the shard the
     index names (shards must lie beside the index)."""
     directory, out = os.path.dirname(os.path.abspath(path)), {}
-    for shard in sorted(set(weight_map.values())):
+    names: dict[str, list[str]] = {}
+    for name, shard in weight_map.items():
+        names.setdefault(shard, []).append(name)
+    for shard in sorted(names):
         check_member_name(shard, path)
         shard_path = os.path.join(directory, shard)
         if not inside(directory, shard_path):
             raise FormatError(f"shard {shard!r} is a symbolic link or lies outside the index's "
                               "directory", file=path, fix="put the shard files beside the index")
         tree = _read_file(shard_path)[0]
-        for name in (n for n, f in weight_map.items() if f == shard):
+        for name in names[shard]:
             if not isinstance(tree, dict) or name not in tree:
                 raise FormatError(f"the index places {name!r} in {shard}, which lacks it",
                                   file=path, entry=name, fix="the shards are incomplete")
