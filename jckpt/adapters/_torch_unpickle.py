@@ -279,6 +279,10 @@ class _Unpickler(pickle._Unpickler):
         if found is None:
             if (module, name) in _UNSUPPORTED:
                 raise _Unsupported(*_UNSUPPORTED[module, name])
+            if module.startswith('torch.distributed'):
+                raise _Unsupported(f"a distributed (sharded) tensor ({module}.{name})",
+                                   "gather it into plain tensors first: a FULL_STATE_DICT of "
+                                   "FSDP, or DTensor.full_tensor()")
             if module.split('.')[0] == 'numpy':
                 raise _Unsupported(f"a numpy object ({module}.{name}: an np.ndarray or "
                                    "np.random.get_state()), which torch.load(weights_only=True) "

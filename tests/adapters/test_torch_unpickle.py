@@ -81,3 +81,13 @@ def test_numpy_objects_are_named_not_called_code(tmp_path):
     with pytest.raises(FormatError, match=r'a numpy object \(numpy\S*_reconstruct') as e:
         saved(torch, {'rng': np.random.get_state()}, tmp_path)
     assert 'torch.from_numpy' in e.value.fix
+
+
+@pytest.mark.parametrize('glob, what, fix', [
+    (b'torch.distributed._shard.sharded_tensor.api\nShardedTensor', 'a distributed', 'FULL_STATE_DICT'),
+    (b'torch._utils\n_rebuild_wrapper_subclass', 'tensor subclass without storage', 'full_tensor'),
+])
+def test_distributed_tensors_say_how_to_gather_them(glob, what, fix):
+    with pytest.raises(FormatError, match=what) as e:
+        up.unpickle(io.BytesIO(b'\x80\x02c' + glob + b'\n)R.'), None, 'm.pt')
+    assert fix in e.value.fix
