@@ -623,3 +623,34 @@ def test_an_optimizers_numbers_stay_numbers_through_jckpt(tmp_path):
     opt2.load_state_dict(loaded['optimizer'])
     assert all(torch.equal(opt2.state[p]['exp_avg'], opt.state[p]['exp_avg'])
                for p in model.parameters())
+
+
+def test_a_real_model_goes_to_a_nested_jckpt_file_and_back(tmp_path):
+    """Conv2d, BatchNorm (an int64 num_batches_tracked), Embedding, LayerNorm: nested for JAX,
+    then flat again, and the model computes the same."""
+    torch = pytest.importorskip('torch')
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+            self.emb = torch.nn.Embedding(5, 4)
+            self.norm = torch.nn.LayerNorm(4)
+
+        def forward(self, x, i):
+            return self.norm(self.conv(x).mean((2, 3)) + self.emb(i))
+
+    net = Net()
+    net.train()
+    net(torch.randn(2, 3, 5, 5), torch.tensor([1, 2]))  # running stats and a batch count
+    net.eval()
+    src, mid, out = tmp_path / 'net.pt', tmp_path / 'net.jckpt', tmp_path / 'back.pt'
+    torch.save(net.state_dict(), src)
+    jckpt.convert(src, mid, nest=True)
+    _, tree = jckpt.load(jckpt.Context(host=True), mid)
+    assert tree['jckpt']['conv']['1']['num_batches_tracked'].dtype == np.int64
+    jckpt.convert(mid, out)
+    again = Net().eval()
+    again.load_state_dict(torch.load(out, weights_only=True, mmap=True))
+    x, i = torch.randn(2, 3, 5, 5), torch.tensor([0, 4])
+    assert torch.equal(again(x, i), net(x, i))
