@@ -2,7 +2,9 @@
 
 The tests of object storage run against it (moto's server is the one s3fs's own
 test suite uses). `S3Server.start()` starts one; `server.bucket()` makes a fresh
-bucket; `server.stop()` kills it (a fault test kills it mid-upload). The
+bucket; `server.requests(bucket)` lists the requests the server answered for a
+bucket, from its request log (how the tests count a call's requests);
+`server.stop()` kills it (a fault test kills it mid-upload). The
 functions below look at a URL's incomplete uploads and upload markers as
 another client would (boto3, the environment pointing at the server).
 """
@@ -10,10 +12,13 @@ another client would (boto3, the environment pointing at the server).
 import contextlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.parse
 import uuid
 
 from jckpt.format.names import UPLOAD_TAG
@@ -32,25 +37,46 @@ def free_port() -> int:
 class S3Server:
     """A running moto server: its `endpoint` URL, `bucket()` to make buckets, `stop()`."""
 
-    def __init__(self, proc: subprocess.Popen, port: int) -> None:
-        self.proc, self.port = proc, port
+    def __init__(self, proc: subprocess.Popen, port: int, log) -> None:
+        self.proc, self.port, self.log = proc, port, log
         self.endpoint = f"http://127.0.0.1:{port}"
 
     @classmethod
     def start(cls, *, env: dict[str, str] | None = None) -> "S3Server":
         port = free_port()
+        log = tempfile.TemporaryFile("w+")  # the server's request log (werkzeug's, on stderr)
         proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=log,
                                 env={**os.environ, **(env or {})})
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if proc.poll() is not None:
+                log.close()
                 raise RuntimeError("moto's server exited at start")
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-                return cls(proc, port)
+                return cls(proc, port, log)
             time.sleep(0.1)
         proc.kill()
+        log.close()
         raise RuntimeError("moto's server did not start within 60 s")
+
+    def requests(self, bucket: str) -> list[str]:
+        """The requests the server answered for `bucket` so far, oldest first, each as
+        `"METHOD path?query"` with the bucket left out (`"GET /run/step_00000001.jckpt"`,
+        `"GET ?list-type=2&prefix=run/"`). The server logs a request as it starts its
+        answer, so every request a call has returned from is there."""
+        bucket = bucket.removeprefix("s3://")
+        self.log.seek(0)
+        found = []
+        for line in self.log.read().splitlines():
+            m = _REQUEST.search(line)
+            if m:
+                path, sep, query = m.group(2).partition("?")
+                head, _, rest = urllib.parse.unquote(path).lstrip("/").partition("/")
+                if head == bucket:
+                    found.append(f"{m.group(1)} /{rest}{sep}{urllib.parse.unquote(query)}".replace(
+                        " /?", " ?"))
+        return found
 
     def client(self):
         import boto3
@@ -67,6 +93,11 @@ class S3Server:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+        self.log.close()
+
+
+#: A request line of werkzeug's log: `... "GET /bucket/key?query HTTP/1.1" 200 -`.
+_REQUEST = re.compile(r'"([A-Z]+) (\S+) HTTP/[\d.]+" \d{3}')
 
 
 # --- incomplete uploads and their markers, seen through boto3 ------------------------------------

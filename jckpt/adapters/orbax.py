@@ -43,8 +43,10 @@ import json
 import logging
 import math
 import os
+import re
 import stat
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -135,7 +137,7 @@ def _in_store(url: str) -> bool:
     names = set(backend.list(url))
     if names & {*_ITEM_MARKERS, _STEP_MARKER}:
         return True
-    steps = sorted((n for n in names if n.isascii() and n.isdigit()), key=int)
+    steps = sorted((n for n in names if _step_number(n) is not None), key=_step_number)
     return bool(steps) and _STEP_MARKER in backend.list(os.path.join(url, steps[-1]))
 
 
@@ -151,18 +153,36 @@ def _refuse_url(path: str) -> None:
                               "restores in place")
 
 
+#: A step directory's name as orbax's `CheckpointManager` writes it: the step, zero-padded
+#: with `step_format_fixed_length`, after `<step_prefix>_` when there is one (`ckpt_000100`).
+_STEP_NAME = re.compile(r'(?:[^/]*_)?([0-9]+)\Z')
+
+
+def _step_number(name: str) -> int | None:
+    m = _STEP_NAME.match(name)
+    return int(m.group(1)) if m else None
+
+
 def _steps(path: str) -> list[str]:
-    return sorted((n for n in os.listdir(path) if n.isascii() and n.isdigit()  # not '²'
-                   and os.path.exists(os.path.join(path, n, _STEP_MARKER))), key=int)
+    """The names of the step directories under `path`, by step."""
+    return sorted((n for n in os.listdir(path) if _step_number(n) is not None
+                   and os.path.exists(os.path.join(path, n, _STEP_MARKER))), key=_step_number)
+
+
+def manager_step_names(root: str) -> list[str]:
+    """The step directories of an orbax `CheckpointManager` under the local directory `root`
+    (`100`, `000100`, `ckpt_100`), by step (`[]` for anything else): each
+    `<root>/<name>` reads with `jckpt.restore` as it is."""
+    try:
+        return _steps(root) if not is_url(root) else []
+    except OSError:
+        return []
 
 
 def manager_steps(root: str) -> list[int]:
     """The steps of an orbax `CheckpointManager` under the local directory `root`, ascending
-    (`[]` for anything else): each `<root>/<step>` reads with `jckpt.restore` as it is."""
-    try:
-        return [int(n) for n in _steps(root)] if not is_url(root) else []
-    except OSError:
-        return []
+    (`[]` for anything else); `manager_step_names` gives their directories."""
+    return [int(_step_number(n) or 0) for n in manager_step_names(root)]
 
 
 #: The most bytes of one small JSON file of orbax's (array metadata, a `.zarray`) read.
@@ -283,6 +303,24 @@ def _host_or_key(impls: dict[str, str]):
     return convert
 
 
+def _is_string(metadata: Any) -> bool:
+    """Whether orbax's metadata of a leaf is a string's (kept in `_strings.json`, not an array)."""
+    return type(metadata).__name__ == 'StringMetadata'
+
+
+def _without_strings(tree: Any, item: str) -> Any:
+    """`tree` with its string leaves left out (they are not arrays), with a warning naming them."""
+    import jax
+
+    found = [kp for kp, leaf in jax.tree_util.tree_flatten_with_path(tree)[0] if isinstance(leaf, str)]
+    if not found:
+        return tree
+    names = ['.'.join(_key_name(k) for k in kp) for kp in found]
+    warnings.warn(f"{item}: orbax string leaves {names[:5]}{' ...' if len(names) > 5 else ''} "
+                  "are not arrays and are left out (orbax's restore reads them)", stacklevel=2)
+    return jax.tree_util.tree_map(lambda leaf: None if isinstance(leaf, str) else leaf, tree)
+
+
 def read_item(item: str) -> Any:
     """One item directory's tree: host numpy arrays, and typed PRNG keys as keys."""
     if os.path.lexists(os.path.join(item, _JCKPT_ITEM)) and not os.path.exists(
@@ -306,10 +344,10 @@ def read_item(item: str) -> Any:
             metadata = _metadata(item)
             tree = getattr(metadata, 'item_metadata', metadata)
             tree = getattr(tree, 'tree', tree)
-            restore_args = jax.tree_util.tree_map(
-                lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-            restored = checkpointer.restore(item, args=ocp.args.PyTreeRestore(
-                restore_args=restore_args))
+            restore_args = jax.tree_util.tree_map(  # a string leaf is restored as orbax stored it
+                lambda m: ocp.RestoreArgs(restore_type=str if _is_string(m) else np.ndarray), tree)
+            restored = _without_strings(checkpointer.restore(item, args=ocp.args.PyTreeRestore(
+                restore_args=restore_args)), item)
     except FormatError:
         raise
     except Exception as e:  # orbax and tensorstore raise many types for damaged data
@@ -387,7 +425,8 @@ def item_specs(item: str) -> list[tuple[Any, tuple[int, ...], np.dtype, str | No
         impls = _key_impls(item)
         return None if leaves is None else [
             (kp, tuple(int(d) for d in m.shape), np.dtype(m.dtype),
-             impls.get('.'.join(_key_name(k) for k in kp))) for kp, m in leaves]
+             impls.get('.'.join(_key_name(k) for k in kp))) for kp, m in leaves
+            if not _is_string(m)]  # strings are not arrays (read_item leaves them out)
     except Exception:  # metadata orbax cannot give: read the item instead
         return None
 

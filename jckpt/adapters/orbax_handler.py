@@ -8,7 +8,8 @@ Saving is asynchronous where orbax runs handlers asynchronously: the call
 copies the arrays to host memory (so training may change or donate them at
 once) and the file is written in orbax's background commit. Restoring fills
 a target tree (arrays, `jax.ShapeDtypeStruct`s with shardings, numbers)
-through `jckpt.api.loading.restore`, or returns the whole tree without one.
+through `jckpt.api.loading.restore`, or returns the whole tree without one
+(nested dicts and lists, `None` for a node without leaves, as orbax's own restore gives it).
 `manager.item_metadata(step)[item]` is a `JckptItemMetadata` read from the
 header alone: `.tree` holds a `jax.ShapeDtypeStruct` per array, in the saved
 structure (as orbax's `TreeMetadata.tree` does). As for orbax's own items, a
@@ -137,12 +138,16 @@ class JckptCheckpointHandler(ocp.AsyncCheckpointHandler):
             f.result()
 
     def restore(self, directory: Any, args: JckptRestore | None = None) -> Any:
-        """The saved tree: `target`'s structure when given, else nested dicts and lists."""
+        """The saved tree: `target`'s structure when given, else nested dicts and lists with
+        `None` where the tree had a node without leaves (as `metadata(directory).tree` has it,
+        and as orbax's own restore without a target gives it)."""
         path = self._path(directory)
         target = None if args is None else args.target
         if target is None:
-            _, tree = load(self._context, path)
-            return tree.get(self._context.namespace, {})
+            ctx, tree = load(self._context, path)
+            recorded = describe(path).metadata_dict().get(EMPTY_NODES_KEY)
+            return tree_mod.with_empty_nodes(tree.get(ctx.namespace, {}),
+                                             empty_nodes(recorded, ctx.namespace))
         return restore(self._context, target, path, cast=args.cast)
 
     def metadata(self, directory: Any) -> JckptItemMetadata:

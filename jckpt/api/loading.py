@@ -164,8 +164,8 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
     """Fill `target`'s structure from `path`: a tree of exactly `target`'s type.
 
     `target` may be partial (only its leaves are read). Leaves come back where it
-    says: a `jax.Array`'s or a `ShapeDtypeStruct`'s sharding, numpy for numpy
-    leaves, and `ctx`'s placement otherwise.
+    says: a `jax.Array`'s or a `ShapeDtypeStruct`'s sharding (none: replicated over
+    the `jax.set_mesh` mesh), numpy for numpy leaves, and `ctx`'s placement otherwise.
 
     Args:
       ctx: the context (namespace, placement).
@@ -176,9 +176,9 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
       cast: convert to the target's dtype instead of refusing a dtype mismatch.
       namespace: read this namespace instead of `ctx.namespace`.
       verify: check checksums of the leaves read (default: when copying or reading a URL).
-      namespaces: read several namespaces at once (a name or a collection of
-        names); the result is `{namespace: subtree}`, each subtree of its
-        target's type, and every leaf of every namespace is placed together.
+      namespaces: read several namespaces at once (a name or names): `{namespace: subtree}`,
+        each of its target's type, every leaf placed together; one whose target holds no
+        leaves (optax.sgd's state) need not be in the file.
 
     How each leaf is matched (examples in docs/concepts.md):
 
@@ -212,8 +212,8 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
     if not any(items for _, items, _ in parts):
         return target
     reader = open_checkpoint(path)  # a file, or a multi-process directory
-    if namespaces is not None:
-        _check_present(reader.header, [ns for ns, _, _ in parts], path)
+    if namespaces is not None:  # one whose target holds no leaves (optax.sgd's state) reads nothing
+        _check_present(reader.header, [ns for ns, items, _ in parts if items], path)
     requests = _requests(ctx, reader, parts, path, cast=cast, mmap=mmap, verify=verify)
     values = placement.place_all(requests, host=ctx.host, device=ctx.device, file=path)
     return jax.tree_util.tree_unflatten(parts[0][2], values) if namespaces is None \
@@ -303,27 +303,36 @@ def _index(header: Header, names: Collection[str]) -> dict[str, _Stored]:
 def _match_all(index: dict[str, _Stored], parts: Sequence[tuple[str, list, Any]],
                path: str) -> list[tuple[Entry, Any, str]]:
     """`(entry, target leaf, name)` of each target leaf; for leaves the file lacks, the first
-    one's error, counting the others (a model with new layers lacks several)."""
-    out, missing = [], []
+    one's error, counting the others (a model with new layers lacks several). Only the first
+    is explained: explaining each searches the file's entries, and a target of another
+    nesting than the file's lacks every one of its 100,000 leaves."""
+    out: list[tuple[Entry, Any, str]] = []
+    missing: list[str] = []
+    first = None
     for ns, items, _ in parts:
         for p, leaf in items:
             where = tree_mod.leaf_name(ns, p)
-            try:
-                out.append((_match(index[ns], ns, p, path, where), leaf, where))
-            except MissingEntryError as e:
-                missing.append(e)
+            entry, found = _match(index[ns], p)
+            if entry is not None:
+                out.append((entry, leaf, where))
+            else:
+                first = first or (index[ns], ns, p, found, where)
+                missing.append(where)
+    if first is None:
+        return out
+    stored, ns, p, found, where = first  # a target nested otherwise than the file matches nothing
+    first = _missing(stored, ns, p, found, path, where, nested=not out)
     if len(missing) > 1:
-        more = [e.entry for e in missing[1:6]] + (['...'] if len(missing) > 6 else [])
+        more = missing[1:6] + (['...'] if len(missing) > 6 else [])
         n = len(missing) - 1
-        missing[0].message += (f"; {n} other target {'leaf is' if n == 1 else 'leaves are'} "
-                               f"missing too: {', '.join(more)}")
-    if missing:
-        raise missing[0]
-    return out
+        first.message += (f"; {n} other target {'leaf is' if n == 1 else 'leaves are'} "
+                          f"missing too: {', '.join(more)}")
+    raise first
 
 
-def _match(stored: _Stored, namespace: str, p: KeyPath, path: str, where: str) -> Entry:
-    """The entry stored at `p`, or at the one path that differs from `p` only in key kinds.
+def _match(stored: _Stored, p: KeyPath) -> tuple[Entry | None, Sequence[Entry]]:
+    """The entry stored at `p`, or at the one path that differs from `p` only in key kinds;
+    else `(None, the entries that differ from it only in key kinds: none, or several)`.
 
     A dict key and an attribute of the same name match, and so do a sequence
     index, a flattened index and an integer dict key of the same number:
@@ -331,16 +340,17 @@ def _match(stored: _Stored, namespace: str, p: KeyPath, path: str, where: str) -
     """
     entry = stored.by_path.get(p)
     if entry is not None:
-        return entry
+        return entry, ()
     found = stored.loose().get(tree_mod.loose_path(p), ())
     if len(found) == 1:
-        return found[0]
-    raise _missing(stored, namespace, p, found, path, where)
+        return found[0], ()
+    return None, found
 
 
 def _missing(stored: _Stored, namespace: str, p: KeyPath, found: Sequence[Entry], path: str,
-             where: str) -> MissingEntryError:
-    """The error for a target leaf no stored entry matches, never listing its own name as present."""
+             where: str, nested: bool = False) -> MissingEntryError:
+    """The error for a target leaf no stored entry matches, never listing its own name as present;
+    `nested`: no leaf of the target matched, so the file may hold it nested otherwise (`_moved`)."""
     show = tree_mod.path_repr
     if found:
         return MissingEntryError(
@@ -355,6 +365,10 @@ def _missing(stored: _Stored, namespace: str, p: KeyPath, found: Sequence[Entry]
             f"not in the checkpoint: the file's {show(same[0])} has the same name but another "
             f"nesting than the target's {show(p)}", file=path, entry=where,
             fix="restore into a target of the stored structure (jckpt.load shows it)")
+    moved = _moved(stored, p) if nested else None  # only when no target leaf matched
+    if moved is not None:
+        message, fix = moved
+        return MissingEntryError(f"not in the checkpoint: {message}", file=path, entry=where, fix=fix)
     near = [path_name(q) for q in stored.by_path][:5]
     if near:
         return MissingEntryError("not in the checkpoint", file=path, entry=where,
@@ -367,6 +381,38 @@ def _missing(stored: _Stored, namespace: str, p: KeyPath, found: Sequence[Entry]
                                  "(or jckpt.Context(namespace=...)), or namespaces=[...] with "
                                  "{namespace: subtree} targets" if stored.others else
                              "the file holds no arrays")
+
+
+def _moved(stored: _Stored, p: KeyPath) -> tuple[str, str] | None:
+    """`(message, fix)` when a stored path is the target's `p` with steps more or fewer at
+    one end: a tree saved whole and restored in part (a Linen `init` dict and its `params`),
+    or an `nnx.State` (paths end in `value`) and its pure dict. None when there is none."""
+    show, lp = tree_mod.path_repr, tree_mod.loose_path(p)
+    for q in stored.by_path:
+        lq = tree_mod.loose_path(q)
+        if len(lq) == len(lp):
+            continue
+        short, long_ = (lp, lq) if len(lp) < len(lq) else (lq, lp)
+        extra = len(long_) - len(short)
+        if long_[extra:] == short:  # the same path under a prefix
+            if long_ is lq:
+                return (f"the file has it as {show(q)}, under {show(q[:extra])}",
+                        f"restore a target nested as the file's tree is, under {show(q[:extra])}")
+            return (f"the file has it as {show(q)}, without the target's {show(p[:extra])}",
+                    f"restore into the target's subtree at {show(p[:extra])}")
+        if long_[:len(short)] == short:  # a leaf in one is a subtree in the other
+            tail = (q if long_ is lq else p)[len(short):]
+            pure = [key for _, key in tail] == ['value']  # flax NNX's Variable holds `value`
+            if long_ is lq:
+                return (f"the file holds a subtree there, {show(q)}",
+                        "the file was saved from an nnx.State (its paths end in `value`): restore "
+                        "into nnx.state(abstract_model), not its pure dict" if pure else
+                        "restore into a target of the stored structure (jckpt.load shows it)")
+            return (f"the file has a leaf at {show(q)}, where the target has {show(p)}",
+                    "the file was saved from a pure dict (nnx.to_pure_dict): restore into "
+                    "nnx.to_pure_dict(state), then nnx.replace_by_pure_dict(state, restored)"
+                    if pure else "restore into a target of the stored structure (jckpt.load shows it)")
+    return None
 
 
 # --- the header and the counters ---------------------------------------------------------

@@ -191,6 +191,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
                 raise storage_error(e, "creating the checkpoint directory", self.directory) from e
         self._lock = threading.Lock()
         self._metrics: dict[int, dict[str, float]] = {}
+        self._folders: set[int] = set()  # the steps stored as directories (prefixes), not files
         self._last_admitted: int | None = None
         lease, rivals = steps.leases(self.directory, self.process_index, self.process_count)
         self._preemption = Preemption(handle_sigterm)
@@ -209,17 +210,12 @@ class CheckpointManager(BackgroundWriter[_Step]):
         return os.path.join(self.directory, step_name(step))
 
     def _recover(self) -> str | None:
-        if self.process_index == 0:
-            steps.clean_staging(self.backend, self.directory)
-        self._scan()
+        found = steps.recover(self.backend, self.directory, clean=self.process_index == 0)
+        steps.say_if_orbax(self.directory, found.metrics)
+        with self._lock:
+            self._metrics, self._folders, self._found = found.metrics, set(found.folders), found.latest
         latest = self.latest_step()
         return None if latest is None else self._path(latest)
-
-    def _scan(self) -> None:
-        found = steps.scan(self.backend, self.directory)
-        steps.say_if_orbax(self.directory, found)
-        with self._lock:
-            self._metrics = found
 
     def all_steps(self) -> list[int]:
         """Every durable step in the directory, ascending."""
@@ -355,6 +351,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
         self._lease.check()
         self._pipeline.run_now(write)
         self._last_admitted = step
+        self._folders.add(step)
         self._lease.check()  # nor deletes, by retention
         if self.process_count > 1:  # keep the metrics the step records (process 0's), as all do
             path = self._path(step)
@@ -366,9 +363,8 @@ class CheckpointManager(BackgroundWriter[_Step]):
         return self._path(info.step)
 
     def _describe(self, path: str) -> tuple[dict[str, str], Digest | None]:
-        if formats.is_step_directory(path):
-            return formats.read_metadata(path), None
-        return super()._describe(path)
+        found, self._found = self._found, None  # the latest step, as the scan read it
+        return steps.described(path, found)
 
     def _write_staged(self, temporary: str, target: str, job: Job[_Step],
                       metadata: Mapping[str, str]) -> None:
@@ -388,6 +384,8 @@ class CheckpointManager(BackgroundWriter[_Step]):
         formats.staging_remove(staged.temporary)
 
     def _on_published(self, staged: Staged[_Step]) -> None:
+        if staged.info.options.foreign:
+            self._folders.add(staged.info.step)
         self._record(staged.info.step, staged.info.metrics)
 
     def _record(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -408,7 +406,8 @@ class CheckpointManager(BackgroundWriter[_Step]):
                 self._metrics.pop(s, None)
             if self.process_index != 0:  # every process drops it; process 0 deletes it
                 continue
-            steps.remove_step(self.backend, self._path(s))
+            steps.remove_step(self.backend, self._path(s), folder=s in self._folders)
+            self._folders.discard(s)
         if doomed and self.ctx.durable and self.process_index == 0 and self.backend is LOCAL:
             fsync_dir(self.directory)
 
@@ -455,17 +454,19 @@ class CheckpointManager(BackgroundWriter[_Step]):
                                   fix="save a step first, or check the directory")
         step = check_step(step, self.directory)
         path = self._path(step)
-        if not (self.backend.exists(path) or self.backend.isdir(path)):  # a file or a directory step
+        with self._lock:  # a step this manager knows: no request asks what it is
+            folder = (step in self._folders) if step in self._metrics else None
+        if folder is None and not (self.backend.exists(path) or self.backend.isdir(path)):
             raise FormatError(f"no step {step}", file=self.directory,
                               fix=f"pick one of {self.all_steps()[-5:]}")
-        meta = steps.read_metadata(path, step)
-        state = None
-        if TRAINER_STATE_KEY in meta:
-            state = TrainerState.from_json(meta[TRAINER_STATE_KEY], file=path)
-            if layout is not None:
-                state = state.check_layout(layout, reshard=reshard, file=path)
         options = steps.checked(options, CheckpointLoadOptions, 'options', self.load_options)
-        tree = steps.read_tree(ctx, path, step, target, namespaces, cast, options, verify)
+        with steps.step_metadata(path, step, folder) as (meta, kind):
+            state = None
+            if TRAINER_STATE_KEY in meta:
+                state = TrainerState.from_json(meta[TRAINER_STATE_KEY], file=path)
+                if layout is not None:
+                    state = state.check_layout(layout, reshard=reshard, file=path)
+            tree = steps.read_tree(ctx, path, step, target, namespaces, cast, options, verify, kind)
         user = {k: v for k, v in meta.items() if not k.startswith('jckpt.')}
         return Restored(step=step, tree=tree, trainer_state=state,
                         metrics=steps.parse_metrics(meta.get(METRICS_KEY), path), metadata=user)

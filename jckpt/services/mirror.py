@@ -43,14 +43,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from jckpt.api.context import Context
-from jckpt.errors import naming_file
+from jckpt.errors import FormatError, naming_file
+from jckpt.format.entries import Header
 from jckpt.format.metadata import check_metadata
 from jckpt.services.base import BackgroundWriter
 from jckpt.services.engine import MirrorCounters
 from jckpt.services.lineage import MIRROR_FILE
-from jckpt.services.snapshot import empty_nodes_metadata, namespace_leaves
+from jckpt.services.snapshot import Digest, content_digest, empty_nodes_metadata, namespace_leaves
 from jckpt.storage import staging
-from jckpt.storage.backend import backend_for, checked_path
+from jckpt.storage.backend import LOCAL, backend_for, checked_path
+from jckpt.storage.object_store import MISSING_OBJECT
 
 
 class Mirror(BackgroundWriter[None]):
@@ -96,6 +98,7 @@ class Mirror(BackgroundWriter[None]):
                  when_full: str = 'block', retry_after: float = 1.0, patience: int = 3,
                  device_image_bytes: int | None = None) -> None:
         self.path = checked_path(path)
+        self._found: Header | None = None  # the header `_recover` read of a checkpoint in a bucket
         super().__init__(self.path, backend=backend_for(self.path), lease=self.path, ctx=ctx,
                          lineage=lineage, new_lineage=new_lineage, slots=slots,
                          when_full=when_full, retry_after=retry_after, patience=patience,
@@ -125,7 +128,22 @@ class Mirror(BackgroundWriter[None]):
 
     def _recover(self) -> str | None:
         staging.remove_staged(self.path)
-        return self.path if self.backend.exists(self.path) else None
+        if self.backend is LOCAL:
+            return self.path if self.backend.exists(self.path) else None
+        try:  # in a bucket, the header's GET says whether it is there: no HEAD first
+            self._found = self.backend.open(self.path).header
+        except FormatError as e:
+            if e.message != MISSING_OBJECT:
+                raise
+            return None
+        return self.path
+
+    def _describe(self, path: str) -> tuple[dict[str, str], Digest | None]:
+        header, self._found = self._found, None  # as `_recover` read it
+        if header is None:
+            return super()._describe(path)
+        found = header.metadata_dict()
+        return found, content_digest(header.tensors, found)
 
     def _target(self, info: None) -> str:
         return self.path

@@ -9,16 +9,21 @@ writer that died left.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import dataclasses
 import logging
 import os
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jckpt import api
 from jckpt.adapters import orbax as orbax_adapter
 from jckpt.api.context import Context
 from jckpt.api.loading import Namespaces
-from jckpt.errors import CheckpointError, InputError
+from jckpt.errors import CheckpointError, FormatError, InputError
 from jckpt.format import metadata
+from jckpt.format.entries import Header
 from jckpt.format.names import (
     INDEX_NAME,
     LEASE_SUFFIX,
@@ -33,14 +38,21 @@ from jckpt.format.names import (
 )
 from jckpt.services import formats
 from jckpt.services.formats import CheckpointLoadOptions
+from jckpt.services.snapshot import Digest, content_digest
 from jckpt.storage import step_directory
-from jckpt.storage.backend import LOCAL, Backend
-from jckpt.storage.directory import reclaim_stage_dirs
+from jckpt.storage.backend import LOCAL, Backend, is_url
+from jckpt.storage.checkpoint import open_checkpoint, reusing
+from jckpt.storage.directory import NO_INDEX, DirectoryReader, reclaim_stage_dirs
 from jckpt.storage.lease import lease_path
+from jckpt.storage.object_backend import NO_SUCH_OBJECT
+from jckpt.storage.object_store import MISSING_OBJECT
 from jckpt.storage.publish import reclaim_staging, storage_error
 from jckpt.storage.staging import next_name, remove_staged, remove_staged_below
 
 log = logging.getLogger('jckpt')
+
+#: Step headers a manager opening a bucket reads at a time (each is one GET).
+READERS = 8
 
 
 def read_metadata(path: str, step: int | None = None, *,
@@ -51,35 +63,155 @@ def read_metadata(path: str, step: int | None = None, *,
     in a bucket), so that a file step costs its header's GET alone and a step directory no
     failed GET (a request more per step, and per manager open, either way).
     """
+    return _read_step(path, step, prefix)[0]
+
+
+def _read_step(path: str, step: int | None, prefix: bool | None) -> tuple[dict[str, str], Header | None]:
+    """A step's metadata, and its header when the step is a jckpt file or directory checkpoint."""
+    if prefix and is_url(path):
+        got = _read_bucket_folder(path, step)
+        if got is None:
+            raise FormatError(f"holds neither {TRAINER_STATE_NAME} nor {INDEX_NAME}: a step whose "
+                              "save did not finish", file=path, fix="restore another step")
+        return got[0], got[1]
     if prefix is False or not formats.is_step_directory(path):  # a file, or a directory's index
-        return api.describe(path).metadata_dict()
-    return formats.read_metadata(path, step)
+        header = api.describe(path)
+        return header.metadata_dict(), header
+    return formats.read_metadata(path, step), None
 
 
-def scan(backend: Backend, directory: str) -> dict[int, dict[str, float]]:
-    """The metrics of every readable step in `directory`, by step (an unreadable one is
-    logged and left out): one listing, then each step's metadata."""
-    found: dict[int, dict[str, float]] = {}
-    files, dirs = backend.list_kinds(directory)
-    folders = set(dirs)
-    for name in sorted(set(files) | folders):
-        m = STEP_RE.match(name)
-        if not m:
-            continue
-        path = os.path.join(directory, name)
-        try:
-            meta = read_metadata(path, prefix=name in folders and name not in files)
-        except CheckpointError as e:
-            log.warning("ignoring unreadable step %s: %s", name, e)
-            continue
-        found[int(m.group(1))] = parse_metrics(meta.get(METRICS_KEY), path)
+def _read_bucket_folder(path: str, step: int | None, *, check_pieces: bool = False
+                        ) -> tuple[dict[str, str], Header | None, Any] | None:
+    """A step that is a prefix in a bucket: `(metadata, header, reader)` from its record (a step
+    directory: one GET; no header, no reader) or else its index (a directory checkpoint: the
+    failed GET of the record, the index's GET, and with `check_pieces` a LIST, as a restore
+    checks them); None when it holds neither (unfinished)."""
+    try:
+        return formats.read_metadata(path, step), None, None
+    except FormatError as e:
+        if e.message != NO_SUCH_OBJECT:
+            raise
+    try:
+        reader = DirectoryReader(path, check_pieces=check_pieces)
+    except FormatError as e:
+        if e.message != NO_INDEX:
+            raise
+        return None
+    return reader.header.metadata_dict(), reader.header, reader
+
+
+@dataclasses.dataclass(frozen=True)
+class Found:
+    """What a manager finds in its directory.
+
+    Attributes:
+      metrics: the metrics of every readable step, by step.
+      folders: the steps stored as directories (prefixes in a bucket): step directories and
+        directory checkpoints; the others are single files.
+      latest: the latest step's metadata and header (`None` for a step directory's): the
+        lineage check takes them from here rather than reading the step again.
+      unfinished: the names of the step prefixes in a bucket that hold neither a record nor
+        an index (a save that died): `remove_unfinished` removes them.
+    """
+
+    metrics: dict[int, dict[str, float]]
+    folders: frozenset[int]
+    latest: tuple[dict[str, str], Header | None] | None
+    unfinished: tuple[str, ...] = ()
+
+
+Listing = tuple[list[str], list[str]]
+
+
+def recover(backend: Backend, directory: str, *, clean: bool) -> Found:
+    """What a manager opening `directory` does: with `clean` (process 0), remove what killed
+    writers left (`clean_staging`, `remove_unfinished`), and find the steps (`scan`). A
+    bucket's prefix is listed once for both."""
+    listing = listed(backend, directory)
+    if clean:
+        clean_staging(backend, directory, listing)
+    found = scan(backend, directory, listing)
+    if clean:
+        remove_unfinished(backend, directory, found.unfinished)
     return found
 
 
+def scan(backend: Backend, directory: str, listing: Listing | None = None) -> Found:
+    """Every readable step in `directory` (an unreadable one is logged and left out): one
+    listing (`listing`, when the caller has made it), then each step's metadata; in a bucket,
+    `READERS` GETs at a time."""
+    files, dirs = listing if listing is not None else backend.list_kinds(directory)
+    folders, plain = set(dirs), set(files)
+    names = [(int(m.group(1)), name) for name in sorted(plain | folders) if (m := STEP_RE.match(name))]
+
+    unfinished: list[str] = []
+
+    def read(item: tuple[int, str]) -> tuple[dict[str, str], Header | None] | None:
+        path, prefix = os.path.join(directory, item[1]), item[1] in folders and item[1] not in plain
+        try:
+            if prefix and backend is not LOCAL:  # its record, else its index: no HEAD first
+                got = _read_bucket_folder(path, item[0])
+                if got is None:
+                    unfinished.append(item[1])
+                return None if got is None else (got[0], got[1])
+            return _read_step(path, item[0], prefix)
+        except CheckpointError as e:
+            log.warning("ignoring unreadable step %s: %s", item[1], e)
+            return None
+    if backend is LOCAL or len(names) < 2:
+        read_all = list(map(read, names))
+    else:
+        with concurrent.futures.ThreadPoolExecutor(READERS, thread_name_prefix='jckpt-scan') as pool:
+            read_all = list(pool.map(read, names))
+    found = {step: (name, got) for (step, name), got in zip(names, read_all) if got is not None}
+    metrics = {step: parse_metrics(got[0].get(METRICS_KEY), os.path.join(directory, name))
+               for step, (name, got) in found.items()}
+    return Found(metrics, frozenset(step for step, (name, _) in found.items() if name in folders),
+                 found[max(found)][1] if found else None, tuple(sorted(unfinished)))
+
+
+def described(path: str, found: tuple[dict[str, str], Header | None] | None
+              ) -> tuple[dict[str, str], Digest | None]:
+    """The metadata and content digest of the step at `path` (a step directory has no digest),
+    from `found` (`Found.latest`) when the scan read it, else read now."""
+    meta, header = found if found is not None else _read_step(path, None, None)
+    return meta, None if header is None else content_digest(header.tensors, meta)
+
+
+@contextlib.contextmanager
+def step_metadata(path: str, step: int, folder: bool | None) -> Iterator[tuple[dict[str, str], str | None]]:
+    """A step's metadata and what the step is (`'file'`, `'record'`: a step directory,
+    `'index'`: a directory checkpoint; None: not known), for `read_tree`. A step known to
+    be a file (`folder` False), or a prefix in a bucket, is read once: within the block,
+    `read_tree` reads its arrays through the same reader (the same version of the object)."""
+    if folder is None or (folder and not is_url(path)):
+        yield read_metadata(path, step, prefix=folder), None
+        return
+    if folder:
+        got = _read_bucket_folder(path, step, check_pieces=True)  # for the restore's reader
+        if got is None:
+            _read_step(path, step, True)  # its error
+        assert got is not None
+        with reusing(got[2]) if got[2] is not None else contextlib.nullcontext():
+            yield got[0], 'record' if got[2] is None else 'index'
+        return
+    try:
+        reader = open_checkpoint(path)
+    except FormatError as e:
+        if e.message != MISSING_OBJECT:
+            raise
+        raise FormatError(f"no step {step}: it was removed since the manager listed its steps",
+                          file=path, fix="open the manager again to list the steps there now") from None
+    with reusing(reader):
+        yield reader.header.metadata_dict(), 'file'
+
+
 def read_tree(ctx: Context, path: str, step: int, target: Any, namespaces: Namespaces | None,
-              cast: bool, options: CheckpointLoadOptions, verify: bool = True) -> Any:
-    """The arrays of a step, a jckpt file or directory or a step directory, as restore returns them."""
-    if formats.is_step_directory(path):
+              cast: bool, options: CheckpointLoadOptions, verify: bool = True,
+              kind: str | None = None) -> Any:
+    """The arrays of a step, a jckpt file or directory or a step directory, as restore returns them
+    (`kind` as `step_metadata` says it: a step of known kind is not asked what it is)."""
+    if kind == 'record' or (kind is None and formats.is_step_directory(path)):
         return formats.load_step(ctx, path, step, target, namespaces=namespaces, cast=cast,
                                  options=options, verify=verify)
     if target is None:
@@ -96,14 +228,19 @@ def parse_metrics(text: str | None, path: str) -> dict[str, float]:
     return metrics
 
 
-def remove_step(backend: Backend, path: str) -> None:
+def remove_step(backend: Backend, path: str, folder: bool | None = None) -> None:
     """Delete the step at `path` so that no moment shows a half-deleted step.
 
     A local step directory is first renamed to a staging name (generation 0, which no
     writer stages; `clean_staging` removes it should this process die), then deleted;
     one in a bucket loses its markers (index, record) first, so what is left is no step.
     A step that is a symbolic link is unlinked; what it points at is left alone.
+    `folder`, when the caller knows it: whether the step is a directory (a prefix in a
+    bucket); a file step in a bucket is then one DELETE, with no listing.
     """
+    if backend is not LOCAL and folder is False:
+        backend.remove(path, below=False)
+        return
     if backend is LOCAL and os.path.islink(path):  # the link goes, not what it points at
         backend.remove(path)
         return
@@ -116,16 +253,18 @@ def remove_step(backend: Backend, path: str) -> None:
             raise storage_error(e, "removing the step", path) from e
         formats.staging_remove(doomed)
         return
-    if backend.isdir(path):
+    if folder or (folder is None and backend.isdir(path)):
         for marker in (INDEX_NAME, TRAINER_STATE_NAME):
-            backend.remove(os.path.join(path, marker))
+            backend.remove(os.path.join(path, marker), below=False)
     backend.remove(path)
 
 
-def _remove_unfinished(backend: Backend, path: str) -> None:
+def _remove_unfinished(backend: Backend, path: str, published: bool | None = None) -> None:
     """Remove a step directory (a prefix in a bucket) without its index or record, if all it holds
-    is what a manager writes there; one holding anything else is left, with a warning."""
-    if any(backend.exists(os.path.join(path, marker)) for marker in (INDEX_NAME, TRAINER_STATE_NAME)):
+    is what a manager writes there; one holding anything else is left, with a warning.
+    `published=False`: the caller found neither (no request asks again)."""
+    if published is None and any(backend.exists(os.path.join(path, marker))
+                                 for marker in (INDEX_NAME, TRAINER_STATE_NAME)):
         return  # published: a directory checkpoint has its index, a step directory its record
     foreign = [n for n in backend.list(path) if not is_step_member(n)]
     if foreign:
@@ -136,25 +275,41 @@ def _remove_unfinished(backend: Backend, path: str) -> None:
     backend.remove(path)
 
 
-def clean_staging(backend: Backend, directory: str) -> None:
+def listed(backend: Backend, directory: str) -> Listing | None:
+    """A bucket directory's `list_kinds`, made once for `clean_staging` and `scan` (None for a
+    local directory, which each lists itself).
+
+    A URL with nothing below it that is an object itself (a checkpoint file's URL given as a
+    manager's directory, whose steps would go under the file's name) is refused: one HEAD,
+    asked only when the listing found nothing.
+    """
+    if backend is LOCAL:
+        return None
+    listing = backend.list_kinds(directory)
+    if not any(listing) and backend.exists(directory):
+        raise InputError("is an object, not a directory of steps: a manager keeps its steps "
+                         "under a prefix", file=directory,
+                         fix="give the manager another URL (a prefix such as s3://bucket/run), or "
+                             "restore the object with jckpt.restore")
+    return listing
+
+
+def clean_staging(backend: Backend, directory: str, listing: Listing | None = None) -> None:
     """Remove staging files and directories of steps whose writer died (incomplete steps).
 
     In an object store, file steps are staged in local files and uploaded whole;
-    what a dead save leaves there is a step prefix of pieces without its index,
-    and the marker of a step's multipart upload, whose upload is aborted.
+    what a dead save leaves there is the marker of a step's multipart upload, whose
+    upload is aborted here (`listing`: the directory's `list_kinds`, made once by the
+    caller), and a step prefix without its index or record, which `scan` finds as it
+    reads the steps and `remove_unfinished` removes.
     """
     if backend is not LOCAL:
         remove_staged_below(directory, STEP_RE)  # local files of steps never uploaded
-        objects, prefixes = backend.list_kinds(directory)  # file steps need no request more
-        folders = set(prefixes)
-        for name in sorted(set(objects) | folders):
-            path = os.path.join(directory, name)
+        objects, _ = listing if listing is not None else backend.list_kinds(directory)
+        for name in objects:
             head, tag, _ = name.partition(UPLOAD_TAG)
             if tag and STEP_RE.match(head):
                 backend.reclaim_uploads(os.path.join(directory, head))
-            if STEP_RE.match(name):
-                if name in folders:
-                    _remove_unfinished(backend, path)
         return
     files, dirs = set(), set()
     for name in backend.list(directory):
@@ -177,6 +332,13 @@ def clean_staging(backend: Backend, directory: str) -> None:
         reclaim_staging(target)
     for target in sorted(dirs):
         reclaim_stage_dirs(target)
+
+
+def remove_unfinished(backend: Backend, directory: str, names: Sequence[str]) -> None:
+    """Remove the step prefixes `scan` found unfinished (`Found.unfinished`), each if all it
+    holds is what a manager writes there."""
+    for name in names:
+        _remove_unfinished(backend, os.path.join(directory, name), published=False)
 
 
 def checked(value: Any, kind: type, name: str, default: Any = None) -> Any:
@@ -206,17 +368,18 @@ def leases(directory: str, process_index: int, process_count: int) -> tuple[str,
 def say_if_orbax(directory: str, own: object) -> None:
     """Warn (once per directory) when a manager finds no steps of its own (`own` is empty)
     but orbax's there."""
-    found = [] if own else orbax_adapter.manager_steps(directory)
+    found = [] if own else orbax_adapter.manager_step_names(directory)
     if found and directory not in _ORBAX_SAID:
         _ORBAX_SAID.add(directory)
         log.warning("%s holds orbax steps %s and no jckpt steps, and this manager lists "
                     "and restores jckpt steps only: read one with jckpt.restore(ctx, target, "
-                    "%r) or jckpt.convert it", directory, found[-5:],
-                    os.path.join(directory, str(found[-1])))
+                    "%r) or jckpt.convert it", directory, orbax_adapter.manager_steps(directory)[-5:],
+                    os.path.join(directory, found[-1]))
 
 
 _ORBAX_SAID: set[str] = set()
 
 
-__all__ = ['checked', 'clean_staging', 'leases', 'parse_metrics', 'read_metadata', 'read_tree',
-           'say_if_orbax']
+__all__ = ['Found', 'checked', 'clean_staging', 'described', 'leases', 'listed', 'parse_metrics',
+           'read_metadata', 'read_tree', 'recover', 'remove_step', 'remove_unfinished', 'say_if_orbax',
+           'scan', 'step_metadata']

@@ -105,8 +105,9 @@ class Backend(Protocol):
     def size(self, path: str) -> int:
         """Bytes of the file `path`, or of every file under the directory `path`; 0 if missing."""
 
-    def remove(self, path: str) -> None:
-        """Remove `path` (a file, or a directory and everything in it); missing is fine."""
+    def remove(self, path: str, *, below: bool = True) -> None:
+        """Remove `path` (a file, or a directory and everything in it); missing is fine.
+        `below=False` removes a file (an object) alone, without looking below it."""
 
     def lease(self, path: str) -> WriterLease:
         """Take the exclusive writer lease on `path`; raises `InUseError`. The lease's
@@ -191,8 +192,8 @@ class LocalBackend:
                     pass
         return total
 
-    def remove(self, path: str) -> None:
-        if os.path.isdir(path) and not os.path.islink(path):
+    def remove(self, path: str, *, below: bool = True) -> None:
+        if below and os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)
             return
         try:

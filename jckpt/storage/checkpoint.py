@@ -17,10 +17,12 @@ reads such a directory without knowing it is foreign.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from jckpt.errors import FormatError
@@ -85,6 +87,31 @@ def directory_format(path: str) -> DirectoryFormat | None:
     return None
 
 
+_REUSED: contextvars.ContextVar[Any] = contextvars.ContextVar('jckpt_reused_reader', default=None)
+
+
+@contextlib.contextmanager
+def reusing(reader: Any) -> Iterator[Any]:
+    """Within the block, `open_checkpoint(reader.path)` returns `reader` instead of opening again.
+
+    A caller that reads a checkpoint's metadata and then its arrays through calls that each
+    open it (the manager's restore: the step's metadata, then `restore`) reads the header
+    once (one GET fewer from a store) and both from one version of the object.
+
+    Example:
+        ```python
+        with reusing(open_checkpoint(url)) as reader:
+            meta = reader.header.metadata_dict()
+            tree = jckpt.restore(ctx, target, url)  # the same reader, no second GET
+        ```
+    """
+    token = _REUSED.set(reader)
+    try:
+        yield reader
+    finally:
+        _REUSED.reset(token)
+
+
 def open_checkpoint(path: str | os.PathLike) -> Any:
     """Open a checkpoint file, a directory checkpoint, or a registered foreign directory.
 
@@ -94,6 +121,9 @@ def open_checkpoint(path: str | os.PathLike) -> Any:
     serves.
     """
     path = checked_path(path)
+    reused = _REUSED.get()
+    if reused is not None and reused.path == path:
+        return reused
     backend = backend_for(path)
     if backend is not LOCAL:  # an object: its header's GET first; a prefix is listed only if none is there
         try:
@@ -121,4 +151,4 @@ def open_checkpoint(path: str | os.PathLike) -> Any:
 
 
 __all__ = ['CheckpointReader', 'DirectoryFormat', 'DirectoryReader', 'directory_format',
-           'open_checkpoint', 'register_directory_reader']
+           'open_checkpoint', 'register_directory_reader', 'reusing']

@@ -367,9 +367,12 @@ class DirectoryReader:
         self.backend = backend_for(path)
         self.path = os.fspath(path)
         index = os.path.join(self.path, INDEX_NAME)
-        if not self.backend.exists(index):
-            raise FormatError(NO_INDEX, file=self.path, fix=_no_index_fix(self.path))
-        self.index = self.backend.open(index, follow_symlinks=False)
+        try:  # opened first: in a bucket, no HEAD before the GET
+            self.index = self.backend.open(index, follow_symlinks=False)
+        except CheckpointError:
+            if self.backend.exists(index):
+                raise
+            raise FormatError(NO_INDEX, file=self.path, fix=_no_index_fix(self.path)) from None
         #: Whether the pieces are objects read by range (checksums are then verified by default).
         self.remote = getattr(self.index, 'remote', False)
         self.files, arrays = parse_index(self.index.header, index)

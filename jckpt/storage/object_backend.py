@@ -37,6 +37,9 @@ from jckpt.storage.upload_markers import reclaim
 
 log = logging.getLogger('jckpt')
 
+#: The message of the `FormatError` of `map` and `head` for a URL where no object is stored.
+NO_SUCH_OBJECT = "no such object"
+
 
 def _object(path: str) -> ObjectURL:
     """The URL of one checkpoint object (or directory): it names a key inside its bucket.
@@ -76,7 +79,7 @@ class ObjectStoreBackend:
             return bytes(obstore_module().get(store_for(u), u.key).bytes())
         except Exception as e:
             if is_missing(e):
-                raise FormatError("no such object", file=path, fix="check the URL") from None
+                raise FormatError(NO_SUCH_OBJECT, file=path, fix="check the URL") from None
             raise store_error(e, "reading", path) from e
 
     def head(self, path: str, length: int) -> bytes:
@@ -84,7 +87,7 @@ class ObjectStoreBackend:
         try:
             return ObjectSource(u).head(length)[0]
         except FormatError as e:
-            raise FormatError("no such object", file=path, fix="check the URL") from e
+            raise FormatError(NO_SUCH_OBJECT, file=path, fix="check the URL") from e
 
     def exists(self, path: str) -> bool:
         """Whether an object is stored at `path`."""
@@ -146,15 +149,20 @@ class ObjectStoreBackend:
                 return 0
             raise store_error(e, "listing", path) from e
 
-    def remove(self, path: str) -> None:
+    def remove(self, path: str, *, below: bool = True) -> None:
         """Remove the object `path` and everything under the prefix `path/`; missing is fine.
 
         The uploads that killed writers left for objects under it (found by
         their markers) are aborted first: no later writer would find them.
+        With `below=False`, the object `path` alone: one DELETE, no listing
+        (a caller that knows nothing is under it: a manager's file step).
         """
         u = _object(path)
         obs, store = obstore_module(), store_for(u)
         try:
+            if not below:
+                obs.delete(store, u.key)
+                return
             keys = [o['path'] for chunk in obs.list(store, prefix=u.prefix) for o in chunk]
             for key in sorted({k.partition(UPLOAD_TAG)[0] for k in keys if UPLOAD_TAG in k}):
                 self.reclaim_uploads(f"{u.scheme}://{u.bucket}/{key}")
@@ -189,4 +197,4 @@ class ObjectStoreBackend:
 OBJECT_STORE = ObjectStoreBackend()
 
 
-__all__ = ['OBJECT_STORE', 'ObjectStoreBackend']
+__all__ = ['NO_SUCH_OBJECT', 'OBJECT_STORE', 'ObjectStoreBackend']

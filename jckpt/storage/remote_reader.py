@@ -177,16 +177,29 @@ class RemoteReader:
         #: fetched them all again.
         self._rows = FetchCache(ROWS_CACHE_BYTES)
         self._whole: np.ndarray | None = None
+        #: The bytes the header's GET brought: a small checkpoint's payloads too, read from here.
+        self._first = np.frombuffer(first, np.uint8)
         self._lock = threading.Lock()
 
     # --- bytes ------------------------------------------------------------------------------
 
     def _fetch(self, start: int, length: int) -> np.ndarray:
-        """`length` bytes at payload offset `start`, fetched concurrently into one new buffer."""
+        """`length` bytes at payload offset `start`, fetched concurrently into one new buffer
+        (what the header's GET brought of them copied, not asked again)."""
         out = np.empty(length, np.uint8)
-        read_ranges(self.source, [(self.data_start + start, memoryview(out))], self.version,
-                    part=self.part, concurrency=self.concurrency)
+        self._read([(self.data_start + start, memoryview(out))])
         return out
+
+    def _read(self, ranges: list[tuple[int, memoryview]]) -> None:
+        """Fill each `(object offset, dest)`: what the header's GET brought is copied from it,
+        the rest fetched (concurrently, in parts)."""
+        rest = []
+        for at, dest in ranges:
+            have = max(0, min(len(dest), self._first.size - at))
+            dest[:have] = self._first[at:at + have].data
+            if have < len(dest):
+                rest.append((at + have, dest[have:]))
+        read_ranges(self.source, rest, self.version, part=self.part, concurrency=self.concurrency)
 
     def _small(self, entry: Entry) -> np.ndarray:
         """A small payload, read with the small payloads that follow it in one GET."""
@@ -218,8 +231,7 @@ class RemoteReader:
         """The whole object's bytes (fetched on first use, concurrently)."""
         if self._whole is None:
             whole = np.empty(self.size, np.uint8)
-            read_ranges(self.source, [(0, memoryview(whole))], self.version, part=self.part,
-                        concurrency=self.concurrency)
+            self._read([(0, memoryview(whole))])
             self._whole = whole
         return self._whole
 
@@ -254,9 +266,8 @@ class RemoteReader:
         if run >= COALESCE_GAP or len(offsets) <= 16:
             out = np.empty(box_size(box) * item, np.uint8)
             view = memoryview(out)
-            read_ranges(self.source, [(self.data_start + entry.offset + o, view[i * run:(i + 1) * run])
-                                      for i, o in enumerate(offsets)], self.version,
-                        part=self.part, concurrency=self.concurrency)
+            self._read([(self.data_start + entry.offset + o, view[i * run:(i + 1) * run])
+                        for i, o in enumerate(offsets)])
             note_read(box, out.nbytes)
             return out.view(dtype).reshape(box_shape(box))
         # Short runs: fetch the rows the box spans at once and slice them (kept for the next

@@ -53,10 +53,11 @@ def write_text(path: str, text: str) -> None:
 def read_text(path: str) -> str:
     """The text (UTF-8) of the file `path` (or of the object, for a URL)."""
     backend = backend_for(path)
-    if backend is not LOCAL:
-        if backend.size(path) > MAX_RECORD_BYTES:
+    if backend is not LOCAL:  # one ranged GET (no HEAD or LIST first); missing: NO_SUCH_OBJECT
+        raw = backend.head(path, MAX_RECORD_BYTES + 1)
+        if len(raw) > MAX_RECORD_BYTES:
             raise _too_large(path)
-        return _text(bytes(backend.map(path)), path)
+        return _text(raw, path)
     _refuse_link(path)
     try:
         with open_regular(path) as f:  # a FIFO there is refused, never waited on

@@ -26,12 +26,13 @@ import stat
 from typing import Any
 
 from jckpt.adapters import SNIFF_BYTES, detect_format
-from jckpt.adapters.orbax import manager_steps
+from jckpt.adapters.orbax import manager_step_names
 from jckpt.errors import CheckpointError, FormatError
 from jckpt.format.header import looks_like_header
 from jckpt.format.names import INDEX_NAME, PIECE_RE, STEP_RE, is_format_step
 from jckpt.storage.backend import LOCAL, backend_for, checked_path, is_url
 from jckpt.storage.directory import set_aside
+from jckpt.storage.object_store import MISSING_OBJECT
 from jckpt.storage.publish import storage_error
 from jckpt.storage.reader import CheckpointReader
 from jckpt.storage.regular import open_regular, special_name
@@ -73,12 +74,15 @@ class Kind:
         `UNFINISHED`, `NO_CHECKPOINT`, `FORMAT_STEP` or `UNREADABLE`.
       error: for the kinds that hold no checkpoint (FOREIGN, MISSING, UNKNOWN),
         the error that says so, naming the path and what to do; else None.
+      reader: for a FILE in an object store, the reader `classify` opened it with (its
+        header read), so that a tool reads it without another GET; else None.
     """
 
     name: str
     path: str
     detail: str | None = None
     error: CheckpointError | None = dataclasses.field(default=None, compare=False, repr=False)
+    reader: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def is_checkpoint(self) -> bool:
@@ -138,7 +142,7 @@ def not_jckpt_error(path: str | os.PathLike, fmt: str) -> FormatError:
     path = os.fspath(path)
     stem = os.path.splitext(os.path.basename(path))[0]
     what = 'directory' if not is_url(path) and os.path.isdir(path) else 'file'
-    steps = [str(s) for s in manager_steps(path)] if what == 'directory' and fmt == 'orbax' else []
+    steps = manager_step_names(path) if what == 'directory' and fmt == 'orbax' else []
     if steps:  # orbax's CheckpointManager directory: a step is what converts (and restores)
         return FormatError(f"this directory holds orbax steps ({', '.join(steps[-3:])}), not a "
                            "jckpt checkpoint", file=path,
@@ -153,16 +157,16 @@ def not_jckpt_error(path: str | os.PathLike, fmt: str) -> FormatError:
 
 
 def _classify_url(path: str, backend: Any) -> Kind:
-    """What a URL holds: an object (read as a checkpoint, else sniffed), a prefix of objects, or nothing."""
-    if backend.exists(path):
-        try:
-            backend.open(path)
-        except FormatError as e:
+    """What a URL holds: an object (read as a checkpoint, else sniffed), a prefix of objects, or
+    nothing. The object's header GET comes first (no HEAD): a prefix is listed only if it fails."""
+    try:
+        return Kind(FILE, path, reader=backend.open(path))
+    except FormatError as e:
+        if e.message != MISSING_OBJECT:
             fmt = _foreign_format(path)
             if fmt is not None:
                 return Kind(FOREIGN, path, fmt, not_jckpt_error(path, fmt))
             return Kind(UNKNOWN, path, UNREADABLE, e)
-        return Kind(FILE, path)
     names = backend.list(path)
     if not names:
         return Kind(MISSING, path, error=missing_error(path))

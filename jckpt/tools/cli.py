@@ -55,7 +55,7 @@ from jckpt.tools.diff import diff
 from jckpt.tools.info import info
 from jckpt.tools.render import plural, printable
 from jckpt.tools.rewrite import merge, relayout
-from jckpt.tools.verify import verify
+from jckpt.tools.verify import verify_classified
 from jckpt.version import __version__
 
 log = logging.getLogger('jckpt.cli')
@@ -95,7 +95,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         # is and exit 2, where verify() would report it as a damaged checkpoint
         raise kind.error
     start = time.perf_counter()
-    report = verify(args.path, progress=_progress(args))
+    report = verify_classified(kind, progress=_progress(args))  # classified once, read once
     log.info("verified %s in %.3f s", args.path, time.perf_counter() - start)
     if args.json:
         _print_json(report.to_dict(strict=args.strict))

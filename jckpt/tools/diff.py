@@ -260,7 +260,7 @@ def _open(path: str) -> Any:
         return open_foreign(path, kind.detail)
     if kind.error is not None:
         raise kind.error  # missing, unreadable, or a directory holding none
-    return open_checkpoint(path)
+    return kind.reader or open_checkpoint(path)  # an object's reader, its header read
 
 
 __all__ = ['DiffReport', 'EntryDiff', 'diff']

@@ -63,7 +63,7 @@ def info(path: str | os.PathLike, *, best_metric: str | None = None,
     """
     kind = classify(path)
     if kind.name == FILE:
-        return file_info(kind.path)
+        return file_info(kind.path, kind.reader)
     if kind.name == DIRECTORY:
         return directory_info(kind.path)
     if kind.name == MANAGER:

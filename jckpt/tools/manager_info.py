@@ -179,11 +179,14 @@ class ManagerInfo:
                 'best_mode': self.best_mode, 'steps': [s.to_dict() for s in self.steps]}
 
 
-def step_info(step: int, path: str) -> StepInfo:
-    """The `StepInfo` of one manager step (never raises for a damaged step)."""
-    if step_directory.is_published(path, TRAINER_STATE_NAME):
+def step_info(step: int, path: str, *, folder: bool | None = None) -> StepInfo:
+    """The `StepInfo` of one manager step (never raises for a damaged step). `folder`, when the
+    caller's listing says it: whether the step is a directory (a prefix in a bucket); a file
+    step is then read with its header's GET alone, not asked first whether it is a directory."""
+    if folder is not False and step_directory.is_published(path, TRAINER_STATE_NAME):
         return _model_step_info(step, path)
-    kind = 'directory' if backend_for(path).isdir(path) else 'file'  # a step prefix in a bucket too
+    is_dir = folder if folder is not None else backend_for(path).isdir(path)  # a bucket's prefix too
+    kind = 'directory' if is_dir else 'file'
     try:
         fi: FileInfo | DirectoryInfo = directory_info(path) if kind == 'directory' \
             else file_info(path)
@@ -238,9 +241,12 @@ def manager_info(path: str | os.PathLike, *, best_metric: str | None = None,
     path = os.fspath(path)
     if best_mode not in ('min', 'max'):
         raise InputError(f"best_mode must be 'min' or 'max', not {best_mode!r}")
-    found = sorted((int(m.group(1)), name) for name in backend_for(path).list(path)
+    objects, prefixes = backend_for(path).list_kinds(path)  # tells file steps from the others
+    folders = set(prefixes)
+    found = sorted((int(m.group(1)), name) for name in set(objects) | folders
                    if (m := STEP_RE.match(name)))
-    steps = tuple(step_info(step, os.path.join(path, name)) for step, name in found)
+    steps = tuple(step_info(step, os.path.join(path, name), folder=name in folders)
+                  for step, name in found)
     names = sorted({k for s in steps for k in s.metrics})
     if best_metric is None and names:
         best_metric = 'loss' if 'loss' in names else names[0]

@@ -267,9 +267,10 @@ def known_metadata(meta: dict[str, str]) -> dict[str, Any]:
     return out
 
 
-def file_info(path: str | os.PathLike) -> FileInfo:
-    """The `FileInfo` of one checkpoint file (header only; payloads untouched)."""
-    reader = backend_for(path).open(os.fspath(path))
+def file_info(path: str | os.PathLike, reader: Any = None) -> FileInfo:
+    """The `FileInfo` of one checkpoint file (header only; payloads untouched); `reader`: the
+    file already opened (by `classify`, for an object)."""
+    reader = reader or backend_for(path).open(os.fspath(path))
     h = reader.header
     return FileInfo(path=reader.path, size=reader.size, data_start=reader.data_start,
                     version=h.version, alignment=h.alignment, writer=h.writer,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,7 @@ from jckpt.tools.classify import (
     FORMAT_STEP,
     MANAGER,
     UNREADABLE,
+    Kind,
     classify,
 )
 
@@ -156,8 +158,19 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
     """
     path = checked_path(path)  # no path at all (wrong type, NUL, a URL): an InputError
     backend_for(path)
+    return _guarded(path, lambda: _verify(classify(path), progress))
+
+
+def verify_classified(kind: Kind, *, progress: bool = False) -> VerifyReport:
+    """`verify` of what `classify` found: for a caller that classified the path first (the
+    command line), so that nothing is listed or read twice (an object's header GET is reused)."""
+    return _guarded(kind.path, lambda: _verify(kind, progress))
+
+
+def _guarded(path: str, run: Callable[[], VerifyReport]) -> VerifyReport:
+    """`run()`, a failure to read at all reported as an error, not raised."""
     try:
-        return _verify(path, progress)
+        return run()
     except CheckpointError as err:
         where = err.file or path
         return _failed(where, _unreadable(where, err))
@@ -165,14 +178,13 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
         return _failed(path, Problem('error', f"cannot be read ({err})", path))
 
 
-def _verify(path: str | os.PathLike, progress: bool) -> VerifyReport:
-    kind = classify(path)
+def _verify(kind: Kind, progress: bool) -> VerifyReport:
     if kind.name == DIRECTORY:
         return _verify_sharded(kind.path, progress)
     if kind.name == MANAGER:
         return _verify_steps(kind.path, progress)
     if kind.name in (FILE, FOREIGN) or kind.detail == UNREADABLE:
-        return _verify_file(kind.path, progress)
+        return _verify_file(kind.path, progress, reader=kind.reader)
     if kind.detail == FORMAT_STEP:
         return _verify_step(kind.path, progress)
     assert kind.error is not None  # the kinds left hold no checkpoint
@@ -190,10 +202,12 @@ def _unreadable(path: str, err: CheckpointError) -> Problem:
                    err.file or path, err.entry)
 
 
-def _verify_file(path: str, progress: bool, *, follow_symlinks: bool = True) -> VerifyReport:
-    """One checkpoint file: its header, its layout, every payload's checksum."""
+def _verify_file(path: str, progress: bool, *, follow_symlinks: bool = True,
+                 reader: Any = None) -> VerifyReport:
+    """One checkpoint file: its header, its layout, every payload's checksum (`reader`: the
+    file already opened, by `classify`)."""
     try:
-        reader = backend_for(path).open(path, follow_symlinks=follow_symlinks)
+        reader = reader or backend_for(path).open(path, follow_symlinks=follow_symlinks)
     except FormatError as err:
         return _failed(path, _unreadable(path, err))
     problems = _layout_problems(reader)
@@ -396,4 +410,4 @@ def _nonzero(buffer: Any, start: int, stop: int) -> bool:
     return False
 
 
-__all__ = ['Problem', 'VerifyReport', 'verify']
+__all__ = ['Problem', 'VerifyReport', 'verify', 'verify_classified']

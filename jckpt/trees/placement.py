@@ -116,6 +116,18 @@ def place(array: np.ndarray, target: Any, *, host: bool, device: Any, where: str
     return _weakly_typed(placed) if getattr(target, 'weak_type', False) else placed
 
 
+def context_placement(device: Any, host: bool) -> Any:
+    """Where a target `ShapeDtypeStruct` without a sharding goes under `jax.set_mesh`:
+    replicated over the mesh in context, as JAX puts what is made there (`jnp.zeros`, a
+    Python number), so that a step jitted under that mesh takes it. None without a mesh in
+    context, for host loads, or where `device` says where arrays go."""
+    get_mesh = getattr(jax.sharding, 'get_mesh', None)
+    mesh = get_mesh() if get_mesh is not None and device is None and not host else None
+    if mesh is None or mesh.empty:
+        return None
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
 def _key_data_sharding(placement: Any, ndim: int) -> Any:
     """Where the data of keys bound for `placement` goes, each device reading only its slice
     (a sharding over several processes cannot take keys put on one device): the keys'
@@ -135,6 +147,8 @@ def _weakly_typed(array: jax.Array) -> jax.Array:
         from jax._src.lax.lax import _convert_element_type
         return _convert_element_type(array, weak_type=True)
     except (ImportError, TypeError):  # pragma: no cover - another JAX
+        return array
+    except ValueError:  # placed off the mesh in context (a Context(device=...) under jax.set_mesh)
         return array
 
 
@@ -215,11 +229,16 @@ def place_all(requests: list[tuple[Any, Any, str, str | None]], *, host: bool, d
     dests: list[Any] = []
     known: dict[tuple, tuple[Any, Any]] = {}  # a request's kind -> (its sharding, plain_target's)
     unsharded: list[str] = []  # array specs that say nowhere to go (`warn_unsharded_specs`)
+    on_mesh = context_placement(device, host)
     for i, (array, target, where, key_impl) in enumerate(requests):
         if host and target is None and key_impl is None and type(array) is np.ndarray:
             out[i] = array  # what `place` gives: a host load takes the array as read
             continue
         sharding = getattr(target, 'sharding', None) if target is not None else None
+        if sharding is None and type(target) is jax.ShapeDtypeStruct and on_mesh is not None:
+            sharding = on_mesh
+            target = jax.ShapeDtypeStruct(target.shape, target.dtype, sharding=on_mesh,
+                                          weak_type=target.weak_type)
         if sharding is None and type(target) is jax.ShapeDtypeStruct and target.ndim:
             unsharded.append(where)
         kind = (type(array), getattr(array, 'dtype', None), type(target), id(sharding), key_impl,

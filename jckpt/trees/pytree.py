@@ -194,26 +194,46 @@ def _empties(node: Any, prefix: KeyPath, out: list[KeyPath]) -> None:
 
 
 def with_empty_nodes(tree: Any, paths: Iterable[KeyPath]) -> Any:
-    """`tree` (nested dicts and lists, as `unflatten` builds) with `None` at each of `paths`
-    whose parent it holds; other paths are left out (they only help exports).
+    """`tree` (nested dicts and lists, as `unflatten` builds) with `None` at each of `paths`.
+
+    A parent that holds no leaves (optax's `MaskedState(inner_state=EmptyState())`, whose
+    only empty node is its field) is missing from `tree`, or a `None` hole of a list:
+    it is built, a list where the path's next step is an index, else a dict. A path that
+    runs into a leaf, or a key of the wrong kind, is left out (the paths only help exports).
 
     >>> with_empty_nodes([{'count': 1}], [(('i', 1),), (('i', 2),), (('k', 'x'), ('k', 'y'))])
     [{'count': 1}, None, None]
+    >>> with_empty_nodes([None, {'count': 1}], [(('i', 0), ('a', 'inner_state'))])
+    [{'inner_state': None}, {'count': 1}]
     """
     paths = list(paths)
     for p in paths:
         node = tree
-        try:
-            for _, key in p[:-1]:
-                node = node[key]
-        except (KeyError, IndexError, TypeError):
-            continue
-        key = p[-1][1]
-        if isinstance(node, dict):
-            node.setdefault(key, None)
-        elif isinstance(node, list) and isinstance(key, int) and 0 <= key <= len(node) + len(paths):
-            node.extend([None] * (key + 1 - len(node)))  # a bounded extension: holes are None
+        for n, (_, key) in enumerate(p[:-1]):
+            node = _child_node(node, key, [] if p[n + 1][0] == 'i' else {}, len(paths))
+            if node is None:
+                break
+        else:
+            _child_node(node, p[-1][1], None, len(paths))
     return tree
+
+
+def _child_node(node: Any, key: Any, made: Any, slack: int) -> Any:
+    """`node[key]`, with `made` put there first in place of nothing or of a `None` hole; the
+    child if it is a dict or a list, else None. None too where `key` cannot be in `node`: a
+    leaf, a list's key that is not an index or lies beyond `slack` slots past its end."""
+    if isinstance(node, dict):
+        if node.get(key) is None:
+            node[key] = made
+        child = node[key]
+    elif isinstance(node, list) and type(key) is int and 0 <= key <= len(node) + slack:
+        node.extend([None] * (key + 1 - len(node)))  # a bounded extension: holes are None
+        if node[key] is None:
+            node[key] = made
+        child = node[key]
+    else:
+        return None
+    return child if isinstance(child, (dict, list)) else None
 
 
 def flatten_with_treedef(tree: Any) -> tuple[list[tuple[KeyPath, Any]], Any]:

@@ -317,6 +317,25 @@ def test_item_metadata_keeps_nodes_without_leaves(tmp_path):
     assert tree["opt"][0]["mu"]["w"].shape == (3,)
 
 
+def test_restore_without_a_target_has_the_structure_of_the_metadata(tmp_path):
+    """orbax's own restore without a target, and the item's metadata, give adamw's state as
+    three elements; the jckpt item's restore without a target gave one."""
+    optax = pytest.importorskip("optax")
+    params = {"w": jnp.ones(3)}
+    state = {"params": params, "opt": optax.adamw(1e-3).init(params)}
+    with ocp.CheckpointManager(tmp_path / "run") as manager:
+        manager.save(1, args=ocp.args.Composite(state=orbax_handler.JckptSave(state),
+                                                theirs=ocp.args.StandardSave(state)))
+        manager.wait_until_finished()
+        tree = manager.item_metadata(1)["state"].tree
+        got = manager.restore(1, args=ocp.args.Composite(state=orbax_handler.JckptRestore(),
+                                                         theirs=ocp.args.StandardRestore()))
+    assert jax.tree_util.tree_structure(got["state"]) == jax.tree_util.tree_structure(tree)
+    assert jax.tree_util.tree_structure(got["state"]) == jax.tree_util.tree_structure(got["theirs"])
+    assert got["state"]["opt"][1:] == [None, None]
+    np.testing.assert_array_equal(got["state"]["opt"][0]["nu"]["w"], np.zeros(3))
+
+
 def test_reading_a_manager_step_holds_back_orbax_warnings(tmp_path, caplog):
     """`jckpt convert <orbax step>` printed "WARNING:absl:Metadata file does not exist"."""
     import logging

@@ -107,6 +107,32 @@ def test_a_manager_root_names_a_step_and_a_damaged_item_is_refused(tmp_path):
         jckpt.restore(CTX, {'w': jnp.zeros(2)}, tmp_path / 'run' / '2', namespace='state')
 
 
+def test_a_manager_root_with_prefixed_padded_step_names_names_its_step(tmp_path, caplog):
+    """orbax names steps `<step_prefix>_<step>`, zero-padded with `step_format_fixed_length`:
+    such a root was told "no index.jckpt ... convert it", which fails too, and jckpt's manager
+    opened on it said nothing of the orbax steps there."""
+    import logging
+
+    from jckpt.tools.classify import classify
+    options = ocp.CheckpointManagerOptions(step_prefix='ckpt', step_format_fixed_length=6)
+    with ocp.CheckpointManager(tmp_path / 'run', options=options) as manager:
+        for step in (7, 100):
+            manager.save(step, args=ocp.args.StandardSave({'w': jnp.full(2, step, jnp.float32)}))
+        manager.wait_until_finished()
+    step_dir = os.path.join(str(tmp_path / 'run'), 'ckpt_000100')
+    with pytest.raises(FormatError, match=r"holds no orbax checkpoint item") as e:
+        jckpt.restore(CTX, {'w': jnp.zeros(2)}, tmp_path / 'run')
+    assert step_dir in e.value.fix
+    back = jckpt.restore(CTX, {'w': jnp.zeros(2)}, step_dir, namespace='default')  # as the fix says
+    assert back['w'].tolist() == [100, 100]
+    assert classify(str(tmp_path / 'run')).error.message.startswith(
+        'this directory holds orbax steps (ckpt_000007, ckpt_000100)')
+    with caplog.at_level(logging.WARNING, logger='jckpt'):
+        with jckpt.CheckpointManager(tmp_path / 'run') as mgr:
+            assert mgr.all_steps() == []
+    assert 'holds orbax steps [7, 100] and no jckpt steps' in caplog.text and step_dir in caplog.text
+
+
 def test_a_json_item_that_is_not_json_is_refused(tmp_path):
     with ocp.CheckpointManager(tmp_path / 'run') as manager:
         manager.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave({'w': jnp.ones(2)}),
@@ -256,3 +282,23 @@ def test_a_restore_asks_orbax_for_the_metadata_once(tmp_path, monkeypatch):
     orbax_adapter._metadata_of.cache_clear()
     back = jckpt.restore(jckpt.Context(host=True), tree, path)
     assert len(asked) == 1 and back['l7'].tolist() == [7, 7, 7]
+
+
+def test_an_item_with_string_and_python_number_leaves_reads_its_arrays(tmp_path):
+    """orbax's PyTreeSave stores a string leaf (a run name) beside the arrays, and Python
+    numbers as scalars: the arrays and numbers read; the strings, which are not arrays, are
+    left out with a warning naming them (orbax's own restore reads them)."""
+    tree = {'w': jnp.arange(3.0), 'step': 5, 'lr': 0.5, 'run': 'run-1', 'cfg': {'tag': 'x'}}
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / 'item', args=ocp.args.PyTreeSave(tree))
+    assert [e.name for e in jckpt.describe(tmp_path / 'item').tensors] == [
+        'jckpt/lr', 'jckpt/step', 'jckpt/w']
+    with pytest.warns(UserWarning, match=r"string leaves \['cfg.tag', 'run'\] are not arrays"):
+        back = jckpt.restore(CTX, jax.eval_shape(lambda: {'w': tree['w'], 'step': 5, 'lr': 0.5}),
+                             tmp_path / 'item')
+    np.testing.assert_array_equal(back['w'], np.arange(3.0))
+    assert int(back['step']) == 5 and float(back['lr']) == 0.5
+    with pytest.warns(UserWarning, match="string leaves"):
+        jckpt.convert(tmp_path / 'item', tmp_path / 'c.jckpt')
+    assert [e.name for e in jckpt.describe(tmp_path / 'c.jckpt').tensors] == [
+        'jckpt/lr', 'jckpt/step', 'jckpt/w']

@@ -330,6 +330,40 @@ def test_a_missing_namespace_and_missing_leaves_are_all_named(tmp_path):
         jckpt.restore(jckpt.Context(namespace="model"), {"w": np.zeros(4), "v": 0, "x": 0}, path)
 
 
+def test_a_target_nested_otherwise_than_the_file_is_told_where_the_file_has_it(tmp_path):
+    """A tree saved whole and restored in part, or the other way round: no target leaf
+    matches, and the error says what the file holds at the first one's place."""
+    path = tmp_path / "vars.jckpt"
+    jckpt.save(jckpt.Context(), {"params": {"dense": {"w": np.ones(2)}}}, path)
+    with pytest.raises(jckpt.MissingEntryError, match=r"jckpt/dense/w: not in the checkpoint: the "
+                       r"file has it as \['params'\]\['dense'\]\['w'\], under \['params'\]") as e:
+        jckpt.restore(jckpt.Context(), {"dense": {"w": np.zeros(2)}}, path)
+    assert "under ['params']" in e.value.fix
+    with pytest.raises(jckpt.MissingEntryError, match=r"without the target's \['state'\]") as e:
+        jckpt.restore(jckpt.Context(), {"state": {"params": {"dense": {"w": np.zeros(2)}}}}, path)
+    assert "subtree at ['state']" in e.value.fix
+    with pytest.raises(jckpt.MissingEntryError, match=r"the file has a leaf at \['params'\]\['dense'\]"):
+        jckpt.restore(jckpt.Context(), {"params": {"dense": {"w": {"x": np.zeros(2)}}}}, path)
+    with pytest.raises(jckpt.MissingEntryError, match="the file holds a subtree there"):
+        jckpt.restore(jckpt.Context(), {"params": {"dense": np.zeros(2)}}, path)
+    # a target that matches in part lacks new leaves: no guess from a leaf of the same name
+    with pytest.raises(jckpt.MissingEntryError, match=r"new/w: not in the checkpoint \(fix: check"):
+        jckpt.restore(jckpt.Context(), {"params": {"dense": {"w": np.zeros(2)}}, "new": {"w": 0.0}},
+                      path)
+
+
+@pytest.mark.timeout(120)  # a guard against a hang, not a speed goal: it took an hour
+def test_a_large_target_nested_otherwise_is_refused_at_once(tmp_path):
+    """Every one of a large target's leaves missing (a tree saved from a pure dict, restored
+    into its nnx.State): each was explained by a search of all the file's entries."""
+    n = 30_000
+    path = tmp_path / "big.jckpt"
+    jckpt.save(jckpt.Context(), {f"l{i}": np.zeros(1, np.float32) for i in range(n)}, path)
+    target = {f"l{i}": {"value": np.zeros(1, np.float32)} for i in range(n)}
+    with pytest.raises(jckpt.MissingEntryError, match=f"{n - 1} other target leaves are missing"):
+        jckpt.restore(jckpt.Context(), target, path)
+
+
 def test_restore_with_namespaces_refusals(tmp_path):
     path = two_namespaces(tmp_path)
     ctx = jckpt.Context()

@@ -460,3 +460,22 @@ def test_a_mirror_left_open_is_flushed_at_exit(tmp_path):
     np.testing.assert_array_equal(read(path), np.full(4, 4))
     assert meta(path)["jckpt.generation"] == "5"
     assert sorted(os.listdir(tmp_path)) == ["run.jckpt"]   # lease released, nothing staged left
+
+
+def test_reopening_a_mirror_in_a_bucket_reads_its_checkpoint_once(s3, s3_server):
+    """It asked whether the object was there (HEAD), then read its header: one GET does both;
+    a snapshot equal to it is still not written again."""
+    url = f"{s3}/mirror.jckpt"
+    state = {"w": np.arange(4, dtype=np.float32)}
+    with jckpt.Mirror(url) as m:
+        m.submit(state)
+    before = len(s3_server.requests(s3))
+    with jckpt.Mirror(url) as m:
+        assert s3_server.requests(s3)[before:] == ["PUT /mirror.jckpt.jckpt-lease", "GET /mirror.jckpt"]
+        m.submit(state)
+        m.wait_durable()
+        assert "PUT /mirror.jckpt" not in s3_server.requests(s3)[before:]  # equal: not written
+    with jckpt.Mirror(f"{s3}/fresh.jckpt") as m:  # nothing there yet: the failed GET alone
+        m.submit(state)
+    np.testing.assert_array_equal(jckpt.restore(jckpt.Context(host=True), state, f"{s3}/fresh.jckpt")["w"],
+                                  state["w"])

@@ -64,6 +64,18 @@ def test_the_header_takes_one_read_or_two(stored, monkeypatch):
     assert len(src.reads) == 2
 
 
+def test_a_checkpoint_within_the_first_read_is_read_by_it_alone(tmp_path):
+    """The header's GET brought a small checkpoint whole, and each payload was asked again."""
+    small = {"a": ARRAYS["a"], "c": ARRAYS["c"]}
+    src = Logged(open(write_arrays(tmp_path / "s.jckpt", small), "rb").read())
+    reader = RemoteReader(src, "memory://b/s.jckpt")
+    arrays = {e.name: reader.decode(e, verify=True) for e in reader.header.tensors}
+    assert bytes(reader.buffer) == src.data and reader.verify() == []
+    assert len(src.reads) == 1
+    arrays["jckpt/a"][0, 0] = 99  # a copy of its own, not a view of the shared first read
+    np.testing.assert_array_equal(reader.decode(reader.header.tensors[0]), ARRAYS["a"])
+
+
 def test_small_neighbours_come_in_one_read_and_a_big_payload_in_parts(stored):
     _, data = stored
     src = Logged(data)
@@ -71,9 +83,9 @@ def test_small_neighbours_come_in_one_read_and_a_big_payload_in_parts(stored):
     entries = {e.name: e for e in reader.header.tensors}
     reader.decode(entries["jckpt/a"])
     reader.decode(entries["jckpt/c"])
-    assert len(src.reads) == 2  # the header, then a and c together
+    assert len(src.reads) == 1  # the header's read brought a and c, stored right after it
     reader.decode(entries["jckpt/big"], verify=True)
-    assert len(src.reads) == 2 + 4  # 2 MiB in parts of 512 KiB
+    assert len(src.reads) == 1 + 4  # 2 MiB in parts of 512 KiB
 
 
 def test_a_box_reads_only_its_runs(stored):
@@ -84,9 +96,24 @@ def test_a_box_reads_only_its_runs(stored):
     lazy = reader.decode(big)  # unverified and large: read box by box
     before = src.total
     with record_reads() as log:
-        part = lazy[1000:3000]
-    np.testing.assert_array_equal(part, ARRAYS["big"][1000:3000])
-    assert src.total - before == 2000 * 8 and log == [(((1000, 3000),), 2000 * 8)]
+        part = lazy[10000:12000]  # past the header's first read
+    np.testing.assert_array_equal(part, ARRAYS["big"][10000:12000])
+    assert src.total - before == 2000 * 8 and log == [(((10000, 12000),), 2000 * 8)]
+
+
+def test_no_byte_the_headers_read_brought_is_fetched_again(stored):
+    """A payload starting inside the first 64 KiB read was fetched whole: a 4 MiB array
+    restored onto 8 devices read 1.016 times its bytes; now each byte once."""
+    _, data = stored
+    src = Logged(data)
+    reader = RemoteReader(src, "memory://b/m.jckpt")
+    big = next(e for e in reader.header.tensors if e.name == "jckpt/big")
+    lazy = reader.decode(big)
+    np.testing.assert_array_equal(lazy[0:20000], ARRAYS["big"][:20000])
+    np.testing.assert_array_equal(reader.decode(big, verify=True), ARRAYS["big"])
+    first = remote_reader.HEAD_BYTES
+    assert src.reads[1] == (first, reader.data_start + big.offset + 20000 * 8 - first)
+    assert src.reads[2] == (first, reader.data_start + big.offset + big.byte_length - first)
 
 
 def test_column_boxes_fetch_their_rows_once(tmp_path):
@@ -101,12 +128,13 @@ def test_column_boxes_fetch_their_rows_once(tmp_path):
     for k in range(8):  # each device's columns, as restore asks them one after another
         part = lazy[:, k * 512:(k + 1) * 512]
         np.testing.assert_array_equal(part, w[:, k * 512:(k + 1) * 512])
-    assert src.total - before == w.nbytes
+    inside = remote_reader.HEAD_BYTES - reader.data_start  # the bytes the header's read brought
+    assert src.total - before == w.nbytes - inside
     # a 2-D sharding whose devices alternate between row blocks (P('y', 'x') on a 2 x 4 mesh)
     for k in range(8):
         rows, cols = slice((k % 2) * 32, (k % 2 + 1) * 32), slice((k // 2) * 1024, (k // 2 + 1) * 1024)
         np.testing.assert_array_equal(lazy[rows, cols], w[rows, cols])
-    assert src.total - before == 2 * w.nbytes  # each row block fetched once
+    assert src.total - before == 2 * (w.nbytes - inside)  # each row block fetched once
     np.testing.assert_array_equal(reader.decode(reader.header.tensors[0], verify=True), w)
 
 

@@ -102,6 +102,31 @@ def test_flax_train_state_at_step_zero_restores_into_eval_shape(tmp_path):
     assert int(back.step) == 1
 
 
+def test_flax_train_state_restores_into_eval_shape_under_a_mesh_and_trains_there(tmp_path):
+    """Under `jax.set_mesh`, `jax.eval_shape` gives the parameters shardings on the abstract
+    mesh and the weakly typed `step` none: its restore failed with JAX's "incompatible
+    devices" ValueError (the step, put on one device, made weak under the mesh)."""
+    nn = pytest.importorskip("flax.linen")
+    optax = pytest.importorskip("optax")
+    from flax.training import train_state
+
+    net, tx = nn.Dense(8), optax.adam(1e-3)
+
+    def create():
+        params = net.init(jax.random.key(0), jnp.ones((1, 4)))["params"]
+        return train_state.TrainState.create(apply_fn=net.apply, params=params, tx=tx)
+
+    jckpt.save(CTX, create(), tmp_path / "ts.jckpt")
+    mesh = cpu_mesh((2, 4), ("data", "model"))
+    with jax.set_mesh(mesh):
+        back = jckpt.restore(CTX, jax.eval_shape(create), tmp_path / "ts.jckpt")
+        assert back.step.weak_type and back.step.sharding == NamedSharding(mesh, P())
+        assert back.params["kernel"].sharding.mesh == mesh
+        step = jax.jit(lambda s: s.apply_gradients(grads=jax.tree_util.tree_map(jnp.ones_like,
+                                                                                 s.params)))
+        assert int(step(back).step) == 1
+
+
 def test_weak_target_takes_a_stored_value_only_when_it_fits(tmp_path):
     """Integers only when they fit exactly; floats rounded to the target's precision, as JAX
     rounds the Python number itself, but never overflowed."""
@@ -213,6 +238,44 @@ def test_a_saved_optax_file_exports_to_orbax_with_its_empty_states(tmp_path):
         _same(checkpointer.restore(tmp_path / "twice" / "jckpt", abstract), state)
 
 
+def test_masked_weight_decay_state_exports_to_orbax(tmp_path):
+    """A chain that starts with masked weight decay: its first state holds no array at all
+    (`MaskedState(inner_state=EmptyState())`), so the export must build that node too."""
+    ocp = _orbax()
+    optax = pytest.importorskip("optax")
+    params = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}
+    tx = optax.chain(optax.masked(optax.add_decayed_weights(1e-4), {"w": True, "b": False}),
+                     optax.adam(1e-3))
+    _, state = tx.update(jax.tree_util.tree_map(jnp.ones_like, params), tx.init(params), params)
+    jckpt.save(CTX, state, tmp_path / "s.jckpt")
+    jckpt.convert(tmp_path / "s.jckpt", tmp_path / "exported", format="orbax")
+    with ocp.StandardCheckpointer() as checkpointer:
+        back = checkpointer.restore(tmp_path / "exported" / "jckpt", jax.eval_shape(tx.init, params))
+    _same(back, state)
+    assert type(back[0]).__name__ == "MaskedState"
+
+
+def test_an_optimizer_state_without_arrays_resumes_as_saved(tmp_path):
+    """Plain SGD keeps no arrays ((EmptyState(), EmptyState())): its namespace was saved and
+    recorded, and the resume that asked for it was refused with "no namespace 'opt'"."""
+    optax = pytest.importorskip("optax")
+    params, tx = {"w": jnp.ones(3)}, optax.sgd(1e-2)
+    abstract = {"params": jax.eval_shape(lambda: params), "opt": jax.eval_shape(tx.init, params)}
+    with jckpt.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, items={"params": params, "opt": tx.init(params)}, force=True)
+        mgr.wait_durable()
+        back = mgr.restore(target=abstract, namespaces=["params", "opt"]).tree
+    assert type(back["opt"][0]).__name__ == "EmptyState"
+    _same(back["params"], params)
+    jckpt.save(jckpt.Context(namespace="params"), params, tmp_path / "s.jckpt")
+    jckpt.save(jckpt.Context(namespace="opt"), tx.init(params), tmp_path / "s.jckpt", appending=True)
+    back = jckpt.restore(CTX, abstract, tmp_path / "s.jckpt", namespaces=["params", "opt"])
+    assert type(back["opt"][1]).__name__ == "EmptyState"
+    with pytest.raises(MissingEntryError, match="no namespace 'model'"):  # one with leaves: refused
+        jckpt.restore(CTX, {"model": abstract["params"], "opt": abstract["opt"]}, tmp_path / "s.jckpt",
+                      namespaces=["model", "opt"])
+
+
 def test_a_directory_checkpoint_records_its_empty_states_too(tmp_path):
     ocp = _orbax()
     state = _adamw_state()
@@ -303,6 +366,38 @@ def test_nnx_model_sharded_under_set_mesh_restores_into_nnx_eval_shape(tmp_path)
     kernel = restored.linear.kernel[...]
     assert kernel.sharding == NamedSharding(mesh, P(None, "model"))
     np.testing.assert_array_equal(kernel, model.linear.kernel[...])
+
+
+def test_nnx_state_and_its_pure_dict_mixed_up_say_which_to_restore_into(tmp_path):
+    nnx = pytest.importorskip("flax.nnx")
+
+    def create():
+        return nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+
+    model, abstract = create(), nnx.eval_shape(create)
+    jckpt.save(CTX, nnx.to_pure_dict(nnx.state(model)), tmp_path / "pure.jckpt")
+    with pytest.raises(MissingEntryError, match=r"the file has a leaf at \['bias'\]") as e:
+        jckpt.restore(CTX, nnx.state(abstract), tmp_path / "pure.jckpt")
+    assert "nnx.to_pure_dict(state), then nnx.replace_by_pure_dict" in e.value.fix
+    state = nnx.state(abstract)  # the fix, as given, works
+    nnx.replace_by_pure_dict(state, jckpt.restore(CTX, nnx.to_pure_dict(state), tmp_path / "pure.jckpt"))
+    np.testing.assert_array_equal(nnx.merge(nnx.graphdef(abstract), state).kernel[...], model.kernel[...])
+
+    jckpt.save(CTX, nnx.state(model), tmp_path / "state.jckpt")
+    with pytest.raises(MissingEntryError, match=r"the file holds a subtree there, \['bias'\]") as e:
+        jckpt.restore(CTX, nnx.to_pure_dict(nnx.state(abstract)), tmp_path / "state.jckpt")
+    assert "restore into nnx.state(abstract_model)" in e.value.fix
+
+
+def test_linen_variables_saved_whole_restored_as_params_say_where_they_are(tmp_path):
+    nn = pytest.importorskip("flax.linen")
+    variables = nn.Dense(3).init(jax.random.key(0), jnp.ones((1, 2)))  # {"params": {...}}
+    jckpt.save(CTX, variables, tmp_path / "v.jckpt")
+    abstract_params = jax.eval_shape(lambda: variables["params"])
+    with pytest.raises(MissingEntryError, match=r"the file has it as \['params'\]\['bias'\]"):
+        jckpt.restore(CTX, abstract_params, tmp_path / "v.jckpt")
+    back = jckpt.restore(CTX, {"params": abstract_params}, tmp_path / "v.jckpt")  # nested as saved
+    _same(back["params"], variables["params"])
 
 
 # --- metadata ---------------------------------------------------------------------------------

@@ -212,3 +212,19 @@ def test_directory_steps_in_a_bucket_are_read_as_local_ones_are():
     info = manager_info(url)
     assert [(s.step, s.kind, s.entries, s.error) for s in info.steps] == [
         (4, "directory", 1, None), (6, "directory", 1, None)]
+
+
+def test_inspecting_a_manager_in_a_bucket_reads_each_file_step_once(s3, s3_server):
+    """Each file step cost a HEAD of a step record and a LIST of the step as a prefix before
+    its header's GET: `jckpt.info` of 3 steps took 10 requests, now 4."""
+    url = f"{s3}/run"
+    with jckpt.CheckpointManager(url) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": np.ones(4, np.float32)}, metrics={"loss": 1 / step})
+    before = len(s3_server.requests(s3))
+    info = manager_info(url)
+    asked = s3_server.requests(s3)[before:]
+    assert [s.metrics["loss"] for s in info.steps] == [1, 0.5, 1 / 3]
+    assert [s.kind for s in info.steps] == ["file"] * 3
+    assert asked == ["GET ?delimiter=/&list-type=2&prefix=run/"] + [
+        f"GET /run/{step_name(s)}" for s in (1, 2, 3)], asked

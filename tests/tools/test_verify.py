@@ -266,6 +266,23 @@ def test_steps_of_another_format_are_verified_in_an_object_store(s3):
     assert "stores no jckpt checksums" in r.problems[0].message
 
 
+def test_the_tools_read_an_object_with_one_get(s3, s3_server, capsys):
+    """Each tool asked a HEAD (is an object there?), read the header to classify it, then read
+    it again to do its work: `verify` of a small file took 3 requests, `jckpt verify` 5."""
+    from jckpt.tools.cli import main
+    url = f"{s3}/run/model.jckpt"
+    jckpt.save(jckpt.Context(), {"w": np.arange(8, dtype=np.float32)}, url)
+    for run in (lambda: verify(url), lambda: jckpt.info(url), lambda: main(["verify", url]),
+                lambda: main(["inspect", url])):
+        before = len(s3_server.requests(s3))
+        run()
+        assert s3_server.requests(s3)[before:] == ["GET /run/model.jckpt"]
+    before = len(s3_server.requests(s3))
+    assert jckpt.diff(url, url).same
+    assert s3_server.requests(s3)[before:] == ["GET /run/model.jckpt"] * 2
+    assert "OK" in capsys.readouterr().out
+
+
 # --- the values --------------------------------------------------------------------------------
 
 def test_problem_and_report_values():

@@ -115,13 +115,21 @@ def test_flatten_with_empty_finds_the_outermost_nodes_without_leaves():
     assert tree_mod.flatten_with_empty(None) == ([], [])  # the root is not recorded
 
 
-def test_with_empty_nodes_puts_none_where_the_parent_exists():
+def test_with_empty_nodes_puts_none_at_each_path_and_builds_parents_without_leaves():
     loaded = {'opt': [np.zeros(1)], 'w': np.ones(2)}
     out = tree_mod.with_empty_nodes(loaded, [(('k', 'opt'), ('i', 2)), (('k', 'cache'),),
                                              (('k', 'gone'), ('k', 'x')), (('k', 'w'), ('i', 0)),
-                                             (('k', 'opt'), ('i', 10**12))])
-    assert out['opt'][1:] == [None, None] and out['cache'] is None and 'gone' not in out
-    assert len(out['opt']) == 3  # an index far beyond the list adds nothing
+                                             (('k', 'opt'), ('i', 10**12)),
+                                             (('k', 'opt'), ('k', 'x'))])
+    assert out['opt'][1:] == [None, None] and out['cache'] is None
+    assert out['gone'] == {'x': None}  # a parent without leaves is built
+    assert len(out['opt']) == 3  # an index far beyond the list adds nothing, nor a key in a list
+    np.testing.assert_array_equal(out['w'], np.ones(2))  # a path into a leaf is left out
+    # a list's hole (an index no entry filled) whose node holds only empty nodes: built
+    holes = tree_mod.with_empty_nodes({'opt': [None, {'count': 1}]},
+                                      [(('k', 'opt'), ('i', 0), ('a', 'inner_state')),
+                                       (('k', 'skip'), ('i', 1), ('i', 0))])
+    assert holes == {'opt': [{'inner_state': None}, {'count': 1}], 'skip': [None, [None]]}
 
 
 class _Pair(NamedTuple):

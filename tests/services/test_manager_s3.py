@@ -1,0 +1,271 @@
+"""A `CheckpointManager` whose directory is an S3 prefix, as a training job uses it, with the
+requests it makes counted from the server's request log (`tests/s3server.py`)."""
+
+import logging
+
+import numpy as np
+import pytest
+
+import jckpt
+from jckpt.errors import InputError
+
+TREE = {"w": np.arange(6, dtype=np.float32)}
+
+
+def _saved(url, steps, **kw):
+    with jckpt.CheckpointManager(url, **kw) as mgr:
+        for step in steps:
+            mgr.save(step, TREE, metrics={"loss": 1.0 / (step + 1)})
+
+
+def _new(server, bucket, since):
+    return server.requests(bucket)[since:]
+
+
+def test_opening_a_manager_lists_its_prefix_once_and_reads_each_step_header_once(s3, s3_server):
+    """Opening listed the prefix twice (once to clean up, once to find the steps) and read the
+    latest step's header a second time, after a HEAD of a step record it could not have."""
+    url = f"{s3}/run"
+    _saved(url, range(1, 4))
+    before = len(s3_server.requests(s3))
+    with jckpt.CheckpointManager(url) as mgr:
+        assert mgr.all_steps() == [1, 2, 3] and mgr.metrics(2) == {"loss": 1 / 3}
+        opened = _new(s3_server, s3, before)
+    assert [r for r in opened if "list-type" in r] == ["GET ?delimiter=/&list-type=2&prefix=run/"], opened
+    assert sorted(r for r in opened if r.startswith("GET /run/")) == [
+        f"GET /run/step_0000000{s}.jckpt" for s in (1, 2, 3)], opened
+    assert not [r for r in opened if r.startswith("HEAD")], opened
+    assert len(opened) == 5, opened  # the lease's PUT, the LIST, a GET per step
+
+
+def test_retention_deletes_a_file_step_with_one_request(s3, s3_server):
+    """Each removed step cost two LISTs (is it a prefix? what is under it?) before its DELETE."""
+    url = f"{s3}/run"
+    with jckpt.CheckpointManager(url, keep_last=1, asynchronous=False) as mgr:
+        mgr.save(1, TREE)
+        before = len(s3_server.requests(s3))
+        mgr.save(2, TREE)
+        saved = _new(s3_server, s3, before)
+    assert saved == ["PUT /run/step_00000002.jckpt", "POST ?delete"], saved
+    with jckpt.CheckpointManager(url) as mgr:
+        assert mgr.all_steps() == [2]
+
+
+def test_restoring_the_latest_step_reads_its_header_once(s3, s3_server):
+    """A restore asked whether the step exists (HEAD), whether it is a step directory (two HEADs),
+    and read the header twice: 6 requests for a step that one GET holds whole."""
+    url = f"{s3}/run"
+    _saved(url, [5], keep_last=2)
+    with jckpt.CheckpointManager(url) as mgr:
+        before = len(s3_server.requests(s3))
+        restored = mgr.restore(target={"w": np.zeros(6, np.float32)})
+        asked = _new(s3_server, s3, before)
+    np.testing.assert_array_equal(restored.tree["w"], TREE["w"])
+    assert restored.metrics == {"loss": 1 / 6}
+    assert asked == ["GET /run/step_00000005.jckpt"], asked
+
+
+def test_opening_a_manager_of_step_directories_reads_one_record_per_step(s3, s3_server):
+    """Each step directory cost two HEADs (is it published?), a HEAD of its record, a LIST and a
+    HEAD before the record's GET: 14 requests to open 2 steps, now 4; its restore 14, now 8."""
+    url = f"{s3}/run"
+    opts = jckpt.CheckpointOptions(format="safetensors")
+    with jckpt.CheckpointManager(url, options=opts, keep_last=2) as mgr:
+        for step in range(1, 4):
+            mgr.save(step, items={"model": TREE, "opt": {"m": TREE["w"]}})
+    before = len(s3_server.requests(s3))
+    with jckpt.CheckpointManager(url) as mgr:
+        opened = _new(s3_server, s3, before)
+        before = len(s3_server.requests(s3))
+        back = mgr.restore()
+        restored = _new(s3_server, s3, before)
+    np.testing.assert_array_equal(back.tree["model"]["w"], TREE["w"])
+    assert sorted(opened) == ["GET /run/step_00000002.jckpt/trainer_state.json",
+                              "GET /run/step_00000003.jckpt/trainer_state.json",
+                              "GET ?delimiter=/&list-type=2&prefix=run/", "PUT /run.jckpt-lease"]
+    assert len(restored) <= 8, restored
+
+
+def test_a_directory_step_is_opened_and_restored_without_asking_what_it_is(s3, s3_server):
+    """A directory checkpoint step cost 7 requests to open and 13 to restore (HEADs of its record
+    and index, a failed GET of the step as an object, LISTs), now 2 and 4."""
+    url = f"{s3}/run"
+    with jckpt.CheckpointManager(url, directory_steps=True) as mgr:
+        mgr.save(1, TREE, metrics={"loss": 0.5})
+    before = len(s3_server.requests(s3))
+    with jckpt.CheckpointManager(url) as mgr:
+        opened = _new(s3_server, s3, before)
+        assert mgr.metrics(1) == {"loss": 0.5}
+        before = len(s3_server.requests(s3))
+        back = mgr.restore(target={"w": np.zeros(6, np.float32)})
+        restored = _new(s3_server, s3, before)
+    np.testing.assert_array_equal(back.tree["w"], TREE["w"])
+    step = "/run/step_00000001.jckpt"
+    assert opened[2:] == [f"GET {step}/trainer_state.json", f"GET {step}/index.jckpt"], opened
+    assert restored[:3] == [f"GET {step}/trainer_state.json", f"GET {step}/index.jckpt",
+                            f"GET ?delimiter=/&list-type=2&prefix={step[1:]}/"], restored
+    assert len(restored) == 4 and restored[3].startswith(f"GET {step}/process_00000."), restored
+
+
+def test_an_unfinished_step_prefix_is_removed_when_a_manager_opens(s3):
+    url = f"{s3}/run"
+    _saved(url, [1])
+    backend = jckpt.storage.backend_for(url)
+    with backend.create(f"{url}/step_00000002.jckpt/process_00000.jckpt") as staged:  # no index
+        import os
+        os.write(staged.fd, b"piece")
+        staged.publish()
+    with jckpt.CheckpointManager(url) as mgr:
+        assert mgr.all_steps() == [1]
+    assert backend.list(url) == ["step_00000001.jckpt"]
+
+
+def test_a_step_removed_behind_the_managers_back_is_an_error_naming_it(s3):
+    url = f"{s3}/run"
+    _saved(url, [1, 2])
+    with jckpt.CheckpointManager(url) as mgr:
+        jckpt.storage.backend_for(url).remove(f"{url}/step_00000002.jckpt")
+        with pytest.raises(jckpt.FormatError, match="no step 2") as e:
+            mgr.restore(2, target=TREE)
+        assert e.value.file == f"{url}/step_00000002.jckpt" and "open the manager again" in e.value.fix
+
+
+def test_a_manager_of_a_prefix_that_is_a_checkpoint_object_is_refused(s3, caplog):
+    """A manager pointed at a checkpoint file's URL opened, found no steps, and saved its steps
+    under the file's name as a prefix, where a local manager refuses a file in the way."""
+    url = f"{s3}/model.jckpt"
+    jckpt.save(jckpt.Context(), TREE, url)
+    with pytest.raises(InputError, match="is an object, not a directory of steps") as e:
+        jckpt.CheckpointManager(url)
+    assert e.value.file == url and "another URL" in e.value.fix
+    with jckpt.CheckpointManager(f"{s3}/run") as mgr:  # the lease object beside it is no step file
+        assert mgr.all_steps() == []
+
+
+def test_opening_a_manager_reads_the_step_headers_concurrently(s3, s3_server, monkeypatch):
+    """Resuming a run of 1,105 steps read their headers one after another: 5.7 s on moto."""
+    import threading
+
+    from jckpt.storage import object_store
+    url = f"{s3}/run"
+    _saved(url, range(8))
+    seen, lock = set(), threading.Lock()
+    real = object_store.ObjectSource.head
+    gate = threading.Barrier(2, timeout=5)
+
+    def head(self, length):
+        with lock:
+            seen.add(threading.get_ident())
+        if self.u.key.endswith(("step_00000000.jckpt", "step_00000001.jckpt")):
+            gate.wait()  # both first GETs in flight at once, or this times out
+        return real(self, length)
+    monkeypatch.setattr(object_store.ObjectSource, "head", head)
+    with jckpt.CheckpointManager(url) as mgr:
+        assert mgr.all_steps() == list(range(8))
+    assert len(seen) > 1 and not gate.broken
+
+
+def test_a_training_job_resumes_from_a_bucket_with_best_n_and_foreign_steps(s3, caplog):
+    url = f"{s3}/run"
+    losses = {1: 0.5, 2: 0.1, 3: 0.9, 4: 0.3, 5: 0.7}
+    opts = jckpt.CheckpointOptions(format="safetensors")
+    with jckpt.CheckpointManager(url, keep_last=1, keep_best=2, best_metric="loss", options=opts) as mgr:
+        for step, loss in losses.items():
+            mgr.save(step, items={"model": TREE, "opt": {"m": TREE["w"] * step}}, metrics={"loss": loss})
+    with caplog.at_level(logging.WARNING), \
+            jckpt.CheckpointManager(url, keep_last=1, keep_best=2, best_metric="loss") as mgr:
+        assert mgr.all_steps() == [2, 4, 5] and mgr.best_step() == 2
+        back = mgr.restore(4)
+        np.testing.assert_array_equal(back.tree["opt"]["m"], TREE["w"] * 4)
+        mgr.save(6, {"w": TREE["w"]}, metrics={"loss": 0.05})  # a jckpt step after foreign ones
+        mgr.wait_durable()
+        assert mgr.all_steps() == [2, 6] and mgr.best_step() == 6
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    with jckpt.CheckpointManager(url) as mgr:
+        assert mgr.all_steps() == [2, 6]
+        assert mgr.restore(2).metrics == {"loss": 0.1}
+
+
+#: A training job that saves step 1, then is killed while step 2's multipart upload runs
+#: (its upload stalls after the first 5 MiB part).
+TRAINER = """
+import sys, time
+import numpy as np, obstore
+import jckpt
+from jckpt.storage import object_store
+
+url = sys.argv[1]
+object_store.configure(url.rsplit("/", 1)[0], part_size=5 << 20, concurrency=1)
+put = obstore.put
+
+def stalling_put(store, key, data, **kw):
+    if not key.endswith("step_00000002.jckpt"):
+        return put(store, key, data, **kw)
+    def parts():  # the manager uploads the step's staged local file
+        sent = 0
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            yield chunk
+            sent += memoryview(chunk).nbytes
+            if sent > 6 << 20:
+                time.sleep(3600)
+    f = open(data, "rb")
+    return put(store, key, parts(), **kw)
+
+obstore.put = stalling_put
+mgr = jckpt.CheckpointManager(url, keep_last=2)
+mgr.save(1, {"w": np.full(4, 1, np.float32)}, metrics={"loss": 1.0})
+mgr.wait_durable()
+mgr.save(2, {"w": np.full(3 << 20, 2, np.float32)}, metrics={"loss": 0.5})
+mgr.wait_durable()
+"""
+
+
+@pytest.mark.slow
+def test_a_training_job_killed_mid_upload_resumes_from_its_last_step(s3):
+    """The next manager takes over the dead job's lease at once (same host), aborts the step
+    upload it left, and resumes from step 1, which is whole."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.s3server import markers_of, uploads_of
+    url = f"{s3}/run"
+    step2 = f"{url}/step_00000002.jckpt"
+    proc = subprocess.Popen([sys.executable, "-c", TRAINER, url], cwd=os.getcwd(),
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        deadline = time.monotonic() + 120
+        while not uploads_of(step2):
+            assert proc.poll() is None, "the job exited before its step 2 upload started"
+            assert time.monotonic() < deadline, "the step 2 upload did not start within 120 s"
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    assert markers_of(step2)
+    with jckpt.CheckpointManager(url, keep_last=2) as mgr:
+        assert mgr.all_steps() == [1] and uploads_of(step2) == [] and markers_of(step2) == []
+        np.testing.assert_array_equal(mgr.restore(target={"w": np.zeros(4, np.float32)}).tree["w"], 1)
+        mgr.save(2, TREE, metrics={"loss": 0.5})
+    with jckpt.CheckpointManager(url) as mgr:
+        assert mgr.all_steps() == [1, 2] and mgr.metrics(2) == {"loss": 0.5}
+
+
+def test_keys_with_spaces_signs_and_unicode_round_trip(s3):
+    names = ["run with space", "a+b%20c#d?e&f;g", "ünï cödé 日本 😀"]
+    for name in names:
+        url = f"{s3}/{name}"
+        _saved(url, [1, 2], keep_last=1)
+        with jckpt.CheckpointManager(url) as mgr:
+            assert mgr.all_steps() == [2]
+            np.testing.assert_array_equal(mgr.restore(target=TREE).tree["w"], TREE["w"])
+        assert jckpt.verify(url).ok
+    listed = {o["Key"].split("/")[0] for o in _client_objects(s3)}
+    assert listed == set(names), listed  # each key stored as written, none encoded twice
+
+
+def _client_objects(s3):
+    from tests.s3server import client
+    return client(s3).list_objects_v2(Bucket=s3.removeprefix("s3://"))["Contents"]
