@@ -44,6 +44,7 @@ import warnings
 from collections.abc import Callable, Collection
 from typing import Any
 
+from jckpt.adapters._common import nest_dotted
 from jckpt.errors import FormatError, InputError, MissingEntryError
 from jckpt.format.names import STEP_RE, is_format_step
 from jckpt.storage.backend import backend_for, checked_path, same_place
@@ -270,7 +271,8 @@ def write(tree: Any, path: PathLike, format: str | None = None) -> None:
 
 
 def convert(src: PathLike, dst: PathLike, *, format: str | None = None,
-            namespaces: str | Collection[str] | None = None) -> tuple[str, str]:
+            namespaces: str | Collection[str] | None = None, nest: bool = False
+            ) -> tuple[str, str]:
     """Convert the checkpoint at `src` into `dst`; return `(source, destination)` formats.
 
     The source format is detected from the file's bytes (or the directory's
@@ -282,6 +284,9 @@ def convert(src: PathLike, dst: PathLike, *, format: str | None = None,
     `namespaces` (a name or several) converts only those: a model's parameters out of a
     training checkpoint, named as they are when they are the only namespace
     (safetensors and npz prefix the names with the namespace when there are several).
+    `nest=True` splits dotted names (a torch or safetensors `state_dict`'s
+    `'dense.kernel'`) into nested dicts, the tree a JAX model holds
+    (`jckpt.adapters._common.nest_dotted`).
     A URL no storage backend serves, as either path, is an
     `InputError` before anything is read or written.
 
@@ -290,6 +295,7 @@ def convert(src: PathLike, dst: PathLike, *, format: str | None = None,
         jckpt.convert('model.safetensors', 'model.jckpt')
         jckpt.convert('ckpt.jckpt', 'exported', format='orbax')
         jckpt.convert('train.jckpt', 'model.safetensors', namespaces='params')
+        jckpt.convert('model.pth', 'model.jckpt', nest=True)   # {'dense': {'kernel': ...}}
         ```
     """
     src, dst = checked_path(src), checked_path(dst)
@@ -312,6 +318,8 @@ def convert(src: PathLike, dst: PathLike, *, format: str | None = None,
     tree = reader.read(src)
     if namespaces is not None:
         tree = _only(tree, namespaces, src)
+    if nest:
+        tree = {ns: nest_dotted(sub, src) for ns, sub in tree.items()}
     _write_converted(reader, src, fmt, tree, dst)
     return source, target
 

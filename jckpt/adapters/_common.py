@@ -14,7 +14,7 @@ import io
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import numpy as np
@@ -133,6 +133,55 @@ def tree_from_names(arrays: dict[str, np.ndarray], record: str | None,
         return {ns: unflatten(items) for ns, items in groups.items()}
     except FormatError:
         return {namespace: dict(arrays)}
+
+
+def record_covers(record: str | None, names: Collection[str]) -> bool:
+    """Whether `record` (written by `paths_json`) is well formed and names exactly `names`,
+    so `tree_from_names` rebuilds the structure from it."""
+    return _parse_record(record, set(names)) is not None
+
+
+def nest_dotted(tree: Any, file: str, sep: str = '.') -> Any:
+    """`tree` with every dict's `sep`-joined str keys split into nested dicts, all the way down.
+
+    A flat `state_dict` becomes the nested tree a JAX model holds; index-like parts stay
+    str keys (`'layers.0.w'` gives `{'layers': {'0': {'w': ...}}}`). Refuses with
+    `FormatError` a key that cannot be nested: an empty part (`'a..b'`), or a name that
+    is both an entry and the prefix of others (`'a'` and `'a.b'`).
+
+    >>> nest_dotted({'params.dense.kernel': 1, 'params.dense.bias': 2, 'step': 3}, 'm.pt')
+    {'params': {'dense': {'kernel': 1, 'bias': 2}}, 'step': 3}
+    """
+    if isinstance(tree, dict):
+        out: dict = {}
+        made: set[int] = {id(out)}
+        for key, value in tree.items():
+            parts = key.split(sep) if isinstance(key, str) and sep in key else [key]
+            if '' in parts or len(parts) > MAX_PATH_LENGTH:
+                raise FormatError(f"key {key!r} has an empty part or too many parts to nest",
+                                  file=file, entry=str(key), fix="read it without nesting")
+            _place(out, parts, nest_dotted(value, file, sep), made, str(key), file)
+        return out
+    if isinstance(tree, (list, tuple)):
+        items = [nest_dotted(v, file, sep) for v in tree]
+        return items if isinstance(tree, list) else tuple(items)
+    return tree
+
+
+def _place(out: dict, parts: list, value: Any, made: set[int], key: str, file: str) -> None:
+    """Put `value` at `parts` under `out`, through dicts made here only (`made`)."""
+    node = out
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict) or (id(child) not in made and child):
+            raise FormatError(f"key {key!r} cannot be nested: {part!r} is an entry of its own",
+                              file=file, entry=key, fix="read it without nesting (keys stay flat)")
+        made.add(id(child))
+        node = child
+    if parts[-1] in node:
+        raise FormatError(f"key {key!r} cannot be nested: other keys start with it", file=file,
+                          entry=key, fix="read it without nesting (keys stay flat)")
+    node[parts[-1]] = value
 
 
 def _parse_record(record: str | None, names: set[str]) -> dict[str, tuple[str, KeyPath]] | None:

@@ -67,6 +67,8 @@ class Pickler:
         self.fetch = fetch
         self.storages: list[np.ndarray] = []
         self.tensors = 0  # storages emitted (kept in `storages` only when fetching)
+        self._seen: dict[tuple, tuple[str, Any]] = {}  # a leaf's identity: its key, the leaf
+        self._keep: list[Any] = []  # the leaves seen, alive while their ids are keys
 
     def glob(self, module: str, name: str) -> None:
         self.out += b'c' + module.encode() + b'\n' + name.encode() + b'\n'
@@ -106,6 +108,14 @@ class Pickler:
         elif isinstance(x, str):
             raw = x.encode('utf-8', 'surrogatepass')
             self.out += b'X' + struct.pack('<I', len(raw)) + raw
+        elif isinstance(x, complex):  # as torch pickles one (its weights-only loading takes it)
+            self.glob('__builtin__', 'complex')
+            self.tuple((x.real, x.imag), where)
+            self.out += b'R'
+        elif isinstance(x, bytes):  # protocol 2's spelling: _codecs.encode(text, 'latin1')
+            self.glob('_codecs', 'encode')
+            self.tuple((x.decode('latin1'), 'latin1'), where)
+            self.out += b'R'
         elif isinstance(x, dict):
             self.out += b'}'
             if x:
@@ -130,15 +140,27 @@ class Pickler:
             self.tensor(x, where)
 
     def tensor(self, x: Any, where: str) -> None:
-        from jckpt.trees import to_host
-        try:
-            leaf = to_host.host_leaves([(where, x)], fetch=self.fetch)[0]
-        except InputError as e:
-            raise InputError(e.message, file=self.path, entry=where, fix=e.fix) from None
+        """Emit `x` as a tensor; a leaf met again (tied weights: the same array, or a numpy
+        view of the same memory) reuses its storage, as torch's own `state_dict` does."""
+        ident = _identity(x)
+        if ident in self._seen:
+            key, leaf = self._seen[ident]
+        else:
+            from jckpt.trees import to_host
+            try:
+                leaf = to_host.host_leaves([(where, x)], fetch=self.fetch)[0]
+            except InputError as e:
+                raise InputError(e.message, file=self.path, entry=where, fix=e.fix) from None
+            key = None
+        self._emit(leaf, key, where)
+        if key is None:
+            self._seen[ident] = (str(self.tensors - 1), leaf)
+        self._keep.append(x)
+
+    def _emit(self, leaf: Any, key: str | None, where: str) -> None:
+        """The rebuild call of `leaf` on storage `key` (None: a new storage, kept)."""
         dtype = stored_dtype(leaf.dtype)
         plain = dtype.newbyteorder('=') if dtype.byteorder == '<' else dtype
-        key = str(self.tensors)
-        self.tensors += 1
         shape = tuple(int(d) for d in leaf.shape)
         if plain in _TYPED:
             rebuild, kind, numel = '_rebuild_tensor_v2', ('torch', _TYPED[plain]), math.prod(shape)
@@ -148,8 +170,11 @@ class Pickler:
         else:
             raise InputError(f"dtype {leaf.dtype} has no torch equivalent", file=self.path,
                              entry=where, fix="cast it, or write a jckpt or npz file instead")
-        if self.fetch:
-            self.storages.append(leaf.array)
+        if key is None:
+            key = str(self.tensors)
+            self.tensors += 1
+            if self.fetch:
+                self.storages.append(leaf.array)
         self.glob('torch._utils', rebuild)
         self.out += b'(('
         self.value('storage', where)
@@ -167,6 +192,14 @@ class Pickler:
         if rebuild == '_rebuild_tensor_v3':
             self.glob('torch', _UNTYPED[plain])
         self.out += b'tR'
+
+
+def _identity(x: Any) -> tuple:
+    """What makes two leaves one tensor: the same object, or numpy arrays over the same
+    memory with the same dtype, shape and strides (tied weights read from a torch file)."""
+    if isinstance(x, np.ndarray) and x.size:
+        return ('memory', x.ctypes.data, x.dtype.str, x.dtype.name, x.shape, x.strides)
+    return ('object', id(x))
 
 
 __all__ = ['DTYPES', 'STORAGES', 'Pickler']

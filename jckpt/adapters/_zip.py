@@ -210,7 +210,7 @@ def member_head(buffer, info: zipfile.ZipInfo, file: str, n: int):
 
 
 def member_bytes(zf: zipfile.ZipFile, buffer, info: zipfile.ZipInfo, file: str, *,
-                 limit: int | None = None, budget: Budget | None = None):
+                 limit: int | None = None, budget: Budget | None = None, check_crc: bool = True):
     """A member's content: a zero-copy memoryview when stored, else decompressed bytes.
 
     Either way its CRC-32 is checked and an encrypted member is refused. A
@@ -218,7 +218,8 @@ def member_bytes(zf: zipfile.ZipFile, buffer, info: zipfile.ZipInfo, file: str, 
     caller knows it must hold) and its declared size, each step charged to
     `budget` (by default one of its own archive's); beyond any of these it
     is refused with `FormatError`. `zf` is the open archive (kept
-    for callers; the bytes are read from `buffer`).
+    for callers; the bytes are read from `buffer`). `check_crc=False` skips the CRC-32 (an
+    archive written without them: `torch.serialization.set_crc32_options(False)`).
     """
     _check_readable(info, file)
     start, length = member_span(buffer, info, file)
@@ -231,7 +232,7 @@ def member_bytes(zf: zipfile.ZipFile, buffer, info: zipfile.ZipInfo, file: str, 
             raise FormatError(f"archive member {info.filename!r} decompresses to {len(view)} "
                               f"bytes, not the {info.file_size} it declares", file=file,
                               fix="the file is damaged")
-    if zlib.crc32(view) != info.CRC:
+    if check_crc and zlib.crc32(view) != info.CRC:
         what = ("fails its CRC-32 check" if info.compress_type == zipfile.ZIP_STORED else
                 f"cannot be read (Bad CRC-32 for file {info.filename!r})")
         raise FormatError(f"archive member {info.filename!r} {what}",

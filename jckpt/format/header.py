@@ -294,6 +294,35 @@ def looks_like_header(head: bytes) -> bool:
     return hlen >= len(HEADER_START) and head[4:].lstrip()[:len(HEADER_START)] == HEADER_START
 
 
+def foreign_kind(head: bytes) -> str | None:
+    """What another format's file that is no jckpt file is, from its first 16 bytes (None:
+    not one jckpt knows), so that opening it as a checkpoint can say so.
+
+    >>> foreign_kind(b'PK\\x03\\x04'), foreign_kind(b'\\x00\\x00\\x00\\x20((version')
+    ('a zip archive (a PyTorch .pt/.pth or numpy .npz file)', None)
+    """
+    if head[:4] == b'PK\x03\x04':
+        return 'a zip archive (a PyTorch .pt/.pth or numpy .npz file)'
+    if head[:2] == b'\x80\x02':
+        return 'a pickle (a legacy PyTorch .pt file)'
+    if head[:6] == b'\x93NUMPY':
+        return 'a numpy .npy file'
+    if len(head) >= 9 and head[8:9] == b'{':
+        return 'a safetensors file'
+    return None
+
+
+def foreign_error(head: bytes, message: str, file: str | None) -> FormatError | None:
+    """The error for opening another format's file as a checkpoint: `message`, what the file
+    is and how to convert it; None when `head` is no format jckpt knows."""
+    kind = foreign_kind(head)
+    if kind is None:
+        return None
+    return FormatError(f"{message}: it is {kind}, not a jckpt checkpoint", file=file,
+                       fix="convert it first (jckpt.convert(path, 'model.jckpt'), or jckpt convert "
+                           "on the command line), or read it with jckpt.adapters.read(path)")
+
+
 def split_header(raw: bytes | memoryview, file_size: int | None = None,
                  file: str | None = None) -> tuple[int, int]:
     """`(hlen, data_start)` from a file's first 4 bytes, checked against its size."""

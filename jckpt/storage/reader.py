@@ -19,7 +19,7 @@ from jckpt.errors import ChecksumError, FormatError, InUseError
 from jckpt.format import payload as payload_mod
 from jckpt.format import precs
 from jckpt.format.fastpath import accelerator
-from jckpt.format.header import Entry, Header, decode_header
+from jckpt.format.header import Entry, Header, decode_header, foreign_error
 from jckpt.format.header_seal import is_sealed
 from jckpt.format.layout import check_extents
 from jckpt.storage.publish import storage_error
@@ -100,9 +100,9 @@ class CheckpointReader:
                                   "length", file=self.path, fix="the file is truncated or empty")
             (hlen,) = struct.unpack('>I', first)
             if 4 + hlen > self.size:
-                raise FormatError(f"header length {hlen} extends past the end of the file "
-                                  f"({self.size} bytes)", file=self.path,
-                                  fix="the file is truncated or not a checkpoint")
+                message = f"header length {hlen} extends past the end of the file ({self.size} bytes)"
+                raise foreign_error(os.pread(fd, 16, 0), message, self.path) or FormatError(
+                    message, file=self.path, fix="the file is truncated or not a checkpoint")
             raw = first + os.pread(fd, hlen, 4)
             if len(raw) != 4 + hlen:
                 raise FormatError("file changed size while being read", file=self.path)

@@ -39,7 +39,7 @@ from jckpt.errors import ChecksumError, FormatError
 from jckpt.format import payload as payload_mod
 from jckpt.format import precs
 from jckpt.format.boxes import Box, box_shape, box_size, box_slices
-from jckpt.format.header import Entry, Header, decode_header
+from jckpt.format.header import Entry, Header, decode_header, foreign_error
 from jckpt.format.header_seal import is_sealed
 from jckpt.format.layout import check_extents
 from jckpt.storage.lazy import FetchCache, LazyArray, note_read
@@ -155,9 +155,9 @@ class RemoteReader:
                               file=url, fix="the object is truncated or empty")
         (hlen,) = struct.unpack('>I', first[:4])
         if 4 + hlen > self.size:
-            raise FormatError(f"header length {hlen} extends past the end of the object "
-                              f"({self.size} bytes)", file=url,
-                              fix="the object is truncated or not a checkpoint")
+            message = f"header length {hlen} extends past the end of the object ({self.size} bytes)"
+            raise foreign_error(bytes(first[:16]), message, url) or FormatError(
+                message, file=url, fix="the object is truncated or not a checkpoint")
         raw = first[:4 + hlen]
         if len(raw) < 4 + hlen:
             rest = bytearray(4 + hlen - len(raw))

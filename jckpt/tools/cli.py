@@ -125,7 +125,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if occupied(dst) and not (same or args.overwrite):
         raise InputError("converting would replace an existing checkpoint", file=dst,
                          fix="choose another destination, or pass --overwrite")
-    if (args.format or format_for_destination(dst)) in (None, 'jckpt') and not args.namespace:
+    if (args.format or format_for_destination(dst)) in (None, 'jckpt') and not args.namespace \
+            and not args.nest:
         if kind.name == DIRECTORY:
             return _consolidate(args)
         if kind.name == FILE:
@@ -138,7 +139,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise InputError("source and destination are the same file", file=dst,
                          fix="convert into another path")
     with bar(f"converting {os.path.basename(src)}", 0, enabled=_progress(args)):
-        source, written = convert(src, dst, format=args.format, namespaces=args.namespace)
+        source, written = convert(src, dst, format=args.format, namespaces=args.namespace,
+                                  nest=args.nest)
     _print(f"wrote {dst}: {written}, converted from {source}")
     return EXIT_OK
 
@@ -296,6 +298,9 @@ def _add_convert(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument('--namespace', metavar='NS', action='append', default=None,
                    help='convert only this namespace (repeat for several), e.g. the parameters '
                         'of a training checkpoint; its payloads are always checked')
+    p.add_argument('--nest', action='store_true',
+                   help="split dotted names into nested dicts: a torch or safetensors "
+                        "state_dict's 'dense.kernel' becomes dense/kernel")
     p.set_defaults(func=cmd_convert)
 
 

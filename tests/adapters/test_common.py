@@ -15,8 +15,10 @@ from jckpt.adapters._common import (
     flat_names,
     host_items,
     map_file,
+    nest_dotted,
     paths_json,
     published,
+    record_covers,
     single_content,
     tree_from_names,
 )
@@ -248,3 +250,32 @@ def test_published_into_a_missing_directory_is_a_storage_error(tmp_path):
     with pytest.raises(StorageError):
         with published(str(tmp_path / 'no' / 'out.bin')):
             pass
+
+
+# --- nesting flat names ----------------------------------------------------------------------
+
+def test_dotted_keys_nest_at_every_depth_and_keep_order():
+    flat = {'b.x': 1, 'a.y.z': 2, 'a.w': 3, 7: {'c.d': [{'e.f': 4}]}}
+    assert nest_dotted(flat, 'm.pt') == {'b': {'x': 1}, 'a': {'y': {'z': 2}, 'w': 3},
+                                         7: {'c': {'d': [{'e': {'f': 4}}]}}}
+    assert list(nest_dotted(flat, 'm.pt')) == ['b', 'a', 7]
+
+
+@pytest.mark.parametrize('flat, match', [
+    ({'a': 1, 'a.b': 2}, "'a.b' cannot be nested: 'a' is an entry"),
+    ({'a.b': 2, 'a': 1}, "'a' cannot be nested: other keys start with it"),
+    ({'a': {'b': 1}, 'a.c': 2}, "'a.c' cannot be nested: 'a' is an entry"),
+    ({'a..b': 1}, 'empty part'),
+    ({'.a': 1}, 'empty part'),
+])
+def test_keys_that_cannot_nest_are_named(flat, match):
+    with pytest.raises(FormatError, match=match) as e:
+        nest_dotted(flat, 'm.pt')
+    assert e.value.file == 'm.pt' and e.value.entry and 'without nesting' in e.value.fix
+
+
+def test_a_record_covers_exactly_its_names():
+    items = [('jckpt', W, np.ones(1))]
+    record = paths_json(items, ['w'])
+    assert record_covers(record, ['w']) and not record_covers(record, ['w', 'v'])
+    assert not record_covers(None, ['w']) and not record_covers('{not json', ['w'])

@@ -288,3 +288,24 @@ def test_a_format_that_keeps_metadata_gets_what_the_source_holds_besides_arrays(
                           write=lambda tree, path: adapters.write(tree, path, format='npz'))
     with pytest.warns(UserWarning, match=r"\['run'\] .* is not kept in 'plain'"):
         jckpt.convert(src, tmp_path / 'b', format='plain')
+
+
+@pytest.mark.parametrize('ext', ['.pt', '.safetensors', '.npz'])
+def test_convert_nests_a_state_dict_when_asked(tmp_path, ext):
+    """A torch (or Hugging Face) state_dict into the nested tree a JAX model holds."""
+    src = tmp_path / f'sd{ext}'
+    flat = {'dense.kernel': np.ones((2, 3), np.float32), 'dense.bias': np.zeros(3, np.float32),
+            'layers.0.w': np.ones(1, np.float32)}
+    if ext == '.pt':
+        adapters.get_format('torch').write({'jckpt': flat}, src, flat=False)  # as torch saves it
+    else:
+        from safetensors.numpy import save_file
+        save_file(flat, src) if ext == '.safetensors' else np.savez(src, **flat)
+    out = tmp_path / 'nested.jckpt'
+    jckpt.convert(src, out, nest=True)
+    _, tree = jckpt.load(jckpt.Context(host=True), out)
+    assert tree['jckpt']['dense']['kernel'].shape == (2, 3)
+    assert tree['jckpt']['layers']['0']['w'].tolist() == [1.0]
+    jckpt.convert(src, tmp_path / 'flat.jckpt')
+    _, tree = jckpt.load(jckpt.Context(host=True), tmp_path / 'flat.jckpt')
+    assert sorted(tree['jckpt']) == ['dense.bias', 'dense.kernel', 'layers.0.w']

@@ -1,11 +1,13 @@
 """The torch adapter: torch.save fixtures read without torch, files torch.load accepts, refusals."""
 
 import io
+import json
 import os
 import pickle
 import struct
 import subprocess
 import sys
+import warnings
 import zipfile
 
 import ml_dtypes
@@ -88,9 +90,11 @@ def test_torch_load_weights_only_accepts_what_jckpt_writes(tmp_path):
         assert raw == np.ascontiguousarray(array).tobytes(), name
         assert list(t.shape) == list(array.shape), name
     assert loaded['epoch'] == 7 and loaded['name'] == 'tiny'
-    assert loaded['nested']['tuple'][0].tolist() == [2]
+    assert loaded['nested.tuple.0'].tolist() == [2]  # a flat state_dict by default
     mapped = torch.load(path, weights_only=True, mmap=True)  # needs the 64-byte alignment
     assert torch.equal(mapped['float32'], loaded['float32'])
+    pt.write(tree, path, flat=False)
+    assert torch.load(path, weights_only=True)['nested']['tuple'][0].tolist() == [2]
 
 
 def test_live_torch_save_round_trip(tmp_path):
@@ -188,25 +192,14 @@ def test_truncated_file_is_refused(tmp_path, cut):
     assert str(path) in str(info.value)
 
 
-def test_corrupt_pickle_and_legacy_file_are_refused(tmp_path):
+def test_corrupt_pickle_and_a_bare_pickle_are_refused(tmp_path):
     path = tmp_path / 'c.pt'
     path.write_bytes(zip_with(b'\x80\x02}q\x00(X\x01\x00'))
     with pytest.raises(FormatError, match='not a valid torch pickle'):
         pt.read(path)
     path.write_bytes(pickle.dumps({'a': 1}, protocol=2))
-    with pytest.raises(FormatError, match='legacy'):
+    with pytest.raises(FormatError, match='not a readable zip archive'):
         pt.read(path)
-
-
-def test_a_legacy_torch_file_is_recognised_and_refused_saying_why(tmp_path):
-    """Through every entry point (read, convert, the command line's classification)."""
-    torch = pytest.importorskip('torch')
-    path = tmp_path / 'legacy.pt'
-    torch.save({'w': torch.ones(2)}, path, _use_new_zipfile_serialization=False)
-    assert jckpt.detect_format(path) == 'torch'
-    with pytest.raises(FormatError, match='legacy torch.save file') as e:
-        jckpt.convert(path, tmp_path / 'out.jckpt')
-    assert 'torch.load' in e.value.fix and not (tmp_path / 'out.jckpt').exists()
 
 
 def test_unrepresentable_dtype_is_refused_before_writing(tmp_path):
@@ -214,17 +207,6 @@ def test_unrepresentable_dtype_is_refused_before_writing(tmp_path):
     with pytest.raises(InputError, match='no torch equivalent'):
         pt.write({'jckpt': {'q': np.zeros(2, ml_dtypes.int4)}}, path)
     assert not path.exists()
-
-
-@pytest.mark.parametrize('dtype', [ml_dtypes.float8_e5m2, ml_dtypes.float8_e4m3fn,
-                                   ml_dtypes.bfloat16, np.complex128])
-def test_a_strided_view_of_any_dtype_is_rebuilt(dtype):
-    """A transposed float8_e5m2 tensor was refused as a damaged pickle: numpy's array
-    interface, which as_strided goes through, cannot name that dtype."""
-    storage = np.arange(6).astype(dtype)
-    view = pt._rebuild(storage, 0, (3, 2), (1, 3))
-    want = np.ascontiguousarray(storage.reshape(2, 3).T)
-    assert view.dtype == dtype and np.ascontiguousarray(view).tobytes() == want.tobytes()
 
 
 def test_numpy_scalars_are_written_as_tensors_python_numbers_as_themselves(tmp_path):
@@ -328,3 +310,347 @@ def test_a_key_with_a_lone_surrogate_is_refused(tmp_path):
     path.write_bytes(zip_with(pickled))
     with pytest.raises(FormatError, match='surrogate'):
         pt.read(path)
+
+
+# --- flat state_dicts: what a torch model loads ---------------------------------------------------
+
+def flax_tree():
+    return {'params': {'dense': {'kernel': np.arange(6, dtype=np.float32).reshape(3, 2),
+                                 'bias': np.zeros(2, np.float32)},
+                       'layers': [{'w': np.ones(2, np.float32)}, {'w': np.full(2, 2, np.float32)}]},
+            'step': 7}
+
+
+def test_a_nested_tree_is_written_as_a_flat_state_dict_torch_loads(tmp_path):
+    """A flax-style tree was pickled as nested dicts, which no nn.Module loads."""
+    torch = pytest.importorskip('torch')
+    path = tmp_path / 'm.pt'
+    pt.write({'jckpt': flax_tree()}, path)
+    loaded = torch.load(path, weights_only=True)
+    assert sorted(loaded) == ['params.dense.bias', 'params.dense.kernel', 'params.layers.0.w',
+                              'params.layers.1.w', 'step']
+    assert loaded['params.layers.1.w'].tolist() == [2.0, 2.0] and loaded['step'] == 7
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dense = torch.nn.Linear(3, 2)
+
+    model = Model()
+    flat = {'jckpt': {'dense': {'weight': np.ones((2, 3), np.float32), 'bias': np.ones(2, np.float32)}}}
+    pt.write(flat, path)
+    model.load_state_dict(torch.load(path, weights_only=True))
+    assert model.dense.weight.sum().item() == 6.0
+
+
+def test_a_flat_file_reads_back_as_the_tree_it_was_written_from(tmp_path):
+    path = tmp_path / 'm.pt'
+    tree = {'params': {'w': np.ones(2, np.float32)}, 'opt': {'mu': [np.zeros(2, np.float32)]}}
+    pt.write(tree, path)  # two namespaces: names prefixed by the namespace
+    with zipfile.ZipFile(path) as zf:
+        assert 'archive/' + pt.PATHS_MEMBER in zf.namelist()
+    back = pt.read(path)
+    assert sorted(back) == ['opt', 'params']
+    assert back['params']['w'].tolist() == [1, 1] and back['opt']['mu'][0].tolist() == [0, 0]
+    back = jckpt.adapters.read(path)
+    assert back['opt']['mu'][0].tolist() == [0, 0]
+
+
+def test_a_state_dict_reads_nested_when_asked_and_writes_back_flat(tmp_path):
+    torch = pytest.importorskip('torch')
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1))
+    path = tmp_path / 'sd.pt'
+    torch.save(model.state_dict(), path)
+    assert sorted(pt.read(path)['jckpt']) == ['0.bias', '0.weight', '2.bias', '2.weight']
+    nested = pt.read(path, nest=True)['jckpt']
+    assert sorted(nested) == ['0', '2'] and sorted(nested['2']) == ['bias', 'weight']
+    out = tmp_path / 'back.pt'
+    pt.write({'jckpt': nested}, out)
+    again = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1))
+    again.load_state_dict(torch.load(out, weights_only=True))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                  again.state_dict().values()))
+    assert list(torch.load(out, weights_only=True)) == list(model.state_dict())  # its order
+
+
+def test_a_state_dict_that_cannot_nest_says_so(tmp_path):
+    path = tmp_path / 'c.pt'
+    pt.write({'jckpt': {'a': np.ones(1, np.float32), 'a.b': np.ones(1, np.float32)}}, path,
+             flat=False)
+    with pytest.raises(FormatError, match="key 'a.b' cannot be nested: 'a' is an entry") as e:
+        pt.read(path, nest=True)
+    assert str(path) in str(e.value) and 'without nesting' in e.value.fix
+    assert sorted(pt.read(path)['jckpt']) == ['a', 'a.b']
+
+
+def test_leaves_whose_flat_names_collide_are_refused_before_writing(tmp_path):
+    path = tmp_path / 'x.pt'
+    tree = {'jckpt': {'a.b': np.ones(1, np.float32), 'a': {'b': np.ones(1, np.float32)}}}
+    with pytest.raises(InputError, match="two leaves would both be stored as 'a.b'"):
+        pt.write(tree, path)
+    with pytest.raises(InputError, match="'a.b'"):
+        pt.check(tree, path)
+    assert not path.exists()
+    pt.write(tree, path, flat=False)  # as it is, they do not collide
+    assert sorted(pt.read(path)['jckpt']) == ['a', 'a.b']
+
+
+def test_a_flax_state_with_dataclass_nodes_is_written_flat(tmp_path):
+    """Nodes that are not dicts or lists (a flax struct, a NamedTuple) go through JAX."""
+    import collections
+    state = collections.namedtuple('State', 'mu nu')(np.ones(2, np.float32), np.zeros(2, np.float32))
+    path = tmp_path / 's.pt'
+    pt.write({'jckpt': {'opt': state}}, path)
+    back = pt.read(path)['jckpt']
+    assert back['opt']['mu'].tolist() == [1, 1] and back['opt']['nu'].tolist() == [0, 0]
+
+
+def test_tied_weights_stay_tied_through_a_torch_file(tmp_path):
+    torch = pytest.importorskip('torch')
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(100, 64)
+            self.head = torch.nn.Linear(64, 100, bias=False)
+            self.head.weight = self.emb.weight
+
+    model = Tied()
+    path, out = tmp_path / 'tied.pt', tmp_path / 'back.pt'
+    torch.save(model.state_dict(), path)
+    tree = pt.read(path)
+    assert np.shares_memory(tree['jckpt']['emb.weight'], tree['jckpt']['head.weight'])
+    pt.write(tree, out)
+    loaded = torch.load(out, weights_only=True)
+    assert loaded['emb.weight'].data_ptr() == loaded['head.weight'].data_ptr()
+    assert os.path.getsize(out) < 1.2 * 100 * 64 * 4
+    again = Tied()
+    again.load_state_dict(loaded)
+    assert torch.equal(again.head.weight, model.emb.weight)
+
+
+def optimizer_and_model(torch):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_a_checkpoint_dict_keeps_its_structure_through_convert(tmp_path):
+    """torch -> jckpt -> torch, and a legacy file -> a zip one: the tree came back flattened
+    ('optimizer.param_groups.0.lr'), which optimizer.load_state_dict cannot take."""
+    torch = pytest.importorskip('torch')
+    model, opt = optimizer_and_model(torch)
+    src, mid, out = tmp_path / 'ckpt.pt', tmp_path / 'ckpt.jckpt', tmp_path / 'again.pt'
+    torch.save({'model': model.state_dict(), 'optimizer': opt.state_dict(), 'epoch': 3}, src,
+               _use_new_zipfile_serialization=False)
+    assert jckpt.convert(src, mid) == ('torch', 'jckpt')
+    assert jckpt.describe(mid).metadata_dict()[pt.LAYOUT_KEY] == 'nested'
+    assert jckpt.convert(mid, out) == ('jckpt', 'torch')
+    loaded = torch.load(out, weights_only=True)
+    assert sorted(loaded) == ['epoch', 'model', 'optimizer'] and loaded['epoch'] == 3
+    again, opt2 = optimizer_and_model(torch)
+    again.load_state_dict(loaded['model'])
+    opt2.load_state_dict(loaded['optimizer'])
+    assert opt2.state_dict()['param_groups'][0]['lr'] == 1e-3
+    assert torch.equal(opt2.state_dict()['state'][0]['exp_avg'], opt.state_dict()['state'][0]['exp_avg'])
+    assert torch.equal(again[1].num_batches_tracked, model[1].num_batches_tracked)
+    direct = tmp_path / 'direct.pt'
+    assert jckpt.convert(src, direct) == ('torch', 'torch')  # legacy to zip: the same object
+    assert sorted(torch.load(direct, weights_only=True)) == ['epoch', 'model', 'optimizer']
+
+
+def test_a_state_dict_and_a_jckpt_tree_convert_flat_and_keep_metadata(tmp_path):
+    torch = pytest.importorskip('torch')
+    model, _ = optimizer_and_model(torch)
+    src, mid, out = tmp_path / 'sd.pt', tmp_path / 'sd.jckpt', tmp_path / 'again.pt'
+    torch.save(model.state_dict(), src)
+    jckpt.convert(src, mid)
+    assert pt.LAYOUT_KEY not in jckpt.describe(mid).metadata_dict()
+    jckpt.convert(mid, out)
+    model.load_state_dict(torch.load(out, weights_only=True))
+    state = {'params': {'dense': {'kernel': np.ones((2, 2), np.float32)}}}
+    jckpt.save(jckpt.Context(), state, tmp_path / 'state.jckpt', metadata={'run': 'r1'})
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')  # the metadata is kept, not dropped with a warning
+        jckpt.convert(tmp_path / 'state.jckpt', out)
+    assert list(torch.load(out, weights_only=True)) == ['params.dense.kernel']
+    jckpt.convert(out, tmp_path / 'back.jckpt')
+    back = jckpt.describe(tmp_path / 'back.jckpt')
+    assert back.metadata_dict()['run'] == 'r1'
+    _, tree = jckpt.load(jckpt.Context(host=True), tmp_path / 'back.jckpt')
+    assert tree['jckpt']['params']['dense']['kernel'].shape == (2, 2)
+
+
+def test_a_lone_tensor_is_written_as_itself(tmp_path):
+    torch = pytest.importorskip('torch')
+    path = tmp_path / 't.pt'
+    pt.write({'jckpt': np.arange(3, dtype=np.float32)}, path)
+    assert torch.load(path, weights_only=True).tolist() == [0.0, 1.0, 2.0]
+
+
+def test_metadata_must_be_strings(tmp_path):
+    with pytest.raises(InputError, match='strings to strings'):
+        pt.write({'jckpt': {}}, tmp_path / 'm.pt', metadata={'a': 1})
+
+
+def test_a_file_torch_wrote_without_crc32s_reads(tmp_path):
+    """torch.serialization.set_crc32_options(False) writes every CRC-32 as 0: the file was
+    refused as damaged. One CRC-32 damaged among others is still refused."""
+    torch = pytest.importorskip('torch')
+    path = tmp_path / 'nocrc.pt'
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save({'w': torch.arange(3.0)}, path)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert pt.read(path)['jckpt']['w'].tolist() == [0.0, 1.0, 2.0]
+    raw = bytearray(open(STATE, 'rb').read())
+    with zipfile.ZipFile(STATE) as zf:
+        info = next(i for i in zf.infolist() if i.filename.endswith('data.pkl'))
+    at = raw.index(struct.pack('<I', info.CRC), raw.index(b'PK\x01\x02'))  # the central entry
+    raw[at:at + 4] = b'\0\0\0\0'
+    (tmp_path / 'bad.pt').write_bytes(bytes(raw))
+    with pytest.raises(FormatError, match='CRC-32'):
+        pt.read(tmp_path / 'bad.pt')
+
+
+def test_plain_values_torch_accepts_round_trip(tmp_path):
+    """bytes were refused as a leaf that is not an array, complex numbers became tensors."""
+    torch = pytest.importorskip('torch')
+    path = tmp_path / 'v.pt'
+    values = {'by': b'\x00\xffraw', 'c': 1 + 2j, 'big': -2**70, 'ik': {0: {'lr': 0.5}},
+              't': (1, None, 'x')}
+    pt.write({'jckpt': values}, path, flat=False)
+    assert torch.load(path, weights_only=True) == values
+    assert pt.read(path)['jckpt'] == values
+
+
+def test_an_empty_tree_reads_back_empty(tmp_path):
+    path = tmp_path / 'e.pt'
+    pt.write({'jckpt': {'nothing': None, 'empty': {}}}, path)
+    assert pt.read(path) == {'jckpt': {}}
+
+
+def test_a_torchscript_archive_is_named(tmp_path):
+    torch = pytest.importorskip('torch')
+    path = tmp_path / 'ts.pt'
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), path)
+    with pytest.raises(FormatError, match=r'a TorchScript archive \(torch.jit.save\)') as e:
+        pt.read(path)
+    assert 'torch.jit.load' in e.value.fix
+
+
+def sharded_checkpoint(torch, directory):
+    """What transformers' save_pretrained(safe_serialization=False) writes for a large model."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    sd = model.state_dict()
+    shards = {'pytorch_model-00001-of-00002.bin': ['0.weight', '0.bias'],
+              'pytorch_model-00002-of-00002.bin': ['1.weight', '1.bias']}
+    for shard, names in shards.items():
+        torch.save({n: sd[n] for n in names}, directory / shard)
+    index = directory / 'pytorch_model.bin.index.json'
+    index.write_text(json.dumps({'metadata': {'total_size': 68}, 'weight_map': {
+        n: shard for shard, names in shards.items() for n in names}}))
+    return model, index
+
+
+def test_a_sharded_torch_checkpoint_reads_from_its_index(tmp_path):
+    """pytorch_model.bin.index.json was taken for a safetensors index and failed on the
+    first .bin shard."""
+    torch = pytest.importorskip('torch')
+    model, index = sharded_checkpoint(torch, tmp_path)
+    assert jckpt.detect_format(index) == 'torch'
+    tree = jckpt.adapters.read(index)['jckpt']
+    assert sorted(tree) == ['0.bias', '0.weight', '1.bias', '1.weight']
+    assert same_bits(tree['1.weight'], model[1].weight.detach().numpy())
+    out = tmp_path / 'model.jckpt'
+    assert jckpt.convert(index, out, nest=True) == ('torch', 'jckpt')
+    _, got = jckpt.load(jckpt.Context(host=True), out)
+    assert got['jckpt']['0']['bias'].shape == (3,)
+    index.write_text(json.dumps({'weight_map': {'0.weight': 'pytorch_model-00001-of-00002.bin',
+                                                'extra': 'pytorch_model-00002-of-00002.bin'}}))
+    with pytest.raises(FormatError, match="places 'extra' in pytorch_model-00002"):
+        pt.read(index)
+    index.write_text(json.dumps({'weight_map': {'w': '../pytorch_model-00001-of-00002.bin'}}))
+    with pytest.raises(FormatError):
+        pt.read(index)
+
+
+def test_loading_a_torch_file_as_a_checkpoint_says_what_it_is(tmp_path):
+    """jckpt.load('model.pt') said "header length 1347093252 ... truncated or not a checkpoint"."""
+    path = tmp_path / 'm.pt'
+    pt.write({'jckpt': {'w': np.ones(2, np.float32)}}, path)
+    with pytest.raises(FormatError, match='it is a zip archive .a PyTorch .pt/.pth') as e:
+        jckpt.load(jckpt.Context(host=True), path)
+    assert 'jckpt.convert' in e.value.fix and str(path) in str(e.value)
+
+
+def test_one_namespace_of_a_training_checkpoint_exports_with_bare_names(tmp_path):
+    torch = pytest.importorskip('torch')
+    src = tmp_path / 'train.jckpt'
+    params = {'dense': {'weight': np.ones((2, 3), np.float32), 'bias': np.zeros(2, np.float32)}}
+    jckpt.save(jckpt.Context(namespace='params'), params, src)
+    jckpt.save(jckpt.Context(namespace='opt'), {'mu': np.zeros(3, np.float32)}, src, appending=True)
+    both, only = tmp_path / 'both.pt', tmp_path / 'params.pt'
+    jckpt.convert(src, both)
+    assert sorted(torch.load(both, weights_only=True)) == [
+        'opt.mu', 'params.dense.bias', 'params.dense.weight']
+    assert sorted(pt.read(both)) == ['opt', 'params']
+    jckpt.convert(src, only, namespaces='params')
+    model = torch.nn.Module()
+    model.dense = torch.nn.Linear(3, 2)
+    model.load_state_dict(torch.load(only, weights_only=True))
+    assert model.dense.weight.sum().item() == 6.0
+
+
+def test_an_optimizers_numbers_stay_numbers_through_jckpt(tmp_path):
+    """lr, betas and the params ids came back as 0-d tensors: load_state_dict matched no
+    state to the parameters, and training resumed with fresh Adam moments, silently."""
+    torch = pytest.importorskip('torch')
+    model, opt = optimizer_and_model(torch)
+    src, mid, out = tmp_path / 'opt.pt', tmp_path / 'opt.jckpt', tmp_path / 'again.pt'
+    torch.save({'optimizer': opt.state_dict(), 'epoch': 3}, src)
+    jckpt.convert(src, mid)
+    jckpt.convert(mid, out)
+    loaded = torch.load(out, weights_only=True)
+    group = loaded['optimizer']['param_groups'][0]
+    assert group['params'] == [0, 1, 2, 3] and type(group['lr']) is float
+    assert type(group['amsgrad']) is bool and loaded['epoch'] == 3 and type(loaded['epoch']) is int
+    assert torch.is_tensor(loaded['optimizer']['state'][0]['step'])  # a tensor stays a tensor
+    opt2 = torch.optim.AdamW(model.parameters())
+    opt2.load_state_dict(loaded['optimizer'])
+    assert all(torch.equal(opt2.state[p]['exp_avg'], opt.state[p]['exp_avg'])
+               for p in model.parameters())
+
+
+def test_a_real_model_goes_to_a_nested_jckpt_file_and_back(tmp_path):
+    """Conv2d, BatchNorm (an int64 num_batches_tracked), Embedding, LayerNorm: nested for JAX,
+    then flat again, and the model computes the same."""
+    torch = pytest.importorskip('torch')
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+            self.emb = torch.nn.Embedding(5, 4)
+            self.norm = torch.nn.LayerNorm(4)
+
+        def forward(self, x, i):
+            return self.norm(self.conv(x).mean((2, 3)) + self.emb(i))
+
+    net = Net()
+    net.train()
+    net(torch.randn(2, 3, 5, 5), torch.tensor([1, 2]))  # running stats and a batch count
+    net.eval()
+    src, mid, out = tmp_path / 'net.pt', tmp_path / 'net.jckpt', tmp_path / 'back.pt'
+    torch.save(net.state_dict(), src)
+    jckpt.convert(src, mid, nest=True)
+    _, tree = jckpt.load(jckpt.Context(host=True), mid)
+    assert tree['jckpt']['conv']['1']['num_batches_tracked'].dtype == np.int64
+    jckpt.convert(mid, out)
+    again = Net().eval()
+    again.load_state_dict(torch.load(out, weights_only=True, mmap=True))
+    x, i = torch.randn(2, 3, 5, 5), torch.tensor([0, 4])
+    assert torch.equal(again(x, i), net(x, i))

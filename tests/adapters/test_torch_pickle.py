@@ -56,3 +56,15 @@ def test_the_vocabulary_covers_each_dtype_once():
     typed = {np.dtype(d) for d in STORAGES.values()}
     assert typed <= {np.dtype(d) for d in DTYPES.values()}
     assert len(typed) == len(STORAGES)
+
+
+def test_a_leaf_met_twice_shares_one_storage():
+    """Tied weights were written twice: two storages, the file twice the size."""
+    w = np.arange(6, dtype=np.float32).reshape(2, 3)
+    tree = {'emb': w, 'head': w, 'view': w.view(), 'row': w[1], 'j': jax.numpy.ones(2)}
+    tree['j2'] = tree['j']
+    raw, p = emitted(tree)
+    assert len(p.storages) == 3  # w (three times), w[1] (a copy), j (twice)
+    checked = Pickler('m.pt', fetch=False)
+    checked.value(tree, '')
+    assert bytes(checked.out) + b'.' == raw

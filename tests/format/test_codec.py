@@ -26,7 +26,7 @@ from jckpt.format import (
     plan_layout,
     precs,
 )
-from jckpt.format.header import header_from_sexp, looks_like_header
+from jckpt.format.header import foreign_kind, header_from_sexp, looks_like_header
 from jckpt.format.sexp import parse
 
 
@@ -429,3 +429,13 @@ def _spy(fn, seen):
         seen.append(out is not None)
         return out
     return wrapped
+
+
+@pytest.mark.parametrize('head, kind', [
+    (b'PK\x03\x04\x14\x00', 'zip archive'), (b'\x80\x02\x8a\nl\xfc', 'legacy PyTorch'),
+    (b'\x93NUMPY\x01\x00', 'numpy .npy'), (b'\x40\x00\x00\x00\x00\x00\x00\x00{"w"', 'safetensors'),
+    (b'\x00\x00\x00\x20((version', None), (b'', None), (b'garbage garbage', None),
+])
+def test_another_formats_file_is_told_from_its_first_bytes(head, kind):
+    got = foreign_kind(head)
+    assert got is None if kind is None else kind in got

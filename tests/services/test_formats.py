@@ -119,6 +119,22 @@ def test_each_format_writes_and_restores_a_target(tmp_path, fmt, name):
     assert_trees_equal(r.tree['opt'], optimizer(2))
 
 
+def test_a_torch_steps_model_loads_into_a_torch_module(tmp_path):
+    """The model file held nested dicts, which no nn.Module loads."""
+    torch = pytest.importorskip('torch')
+    model = {'encoder': {'weight': np.ones((3, 2), np.float32), 'bias': np.zeros(3, np.float32)}}
+    with jckpt.CheckpointManager(tmp_path, options=CheckpointOptions(format='torch')) as mgr:
+        mgr.save(1, items={'model': model, 'opt': optimizer(1)})
+        mgr.wait_durable()
+        r = mgr.restore(namespaces=['model'])
+    module = torch.nn.Module()
+    module.encoder = torch.nn.Linear(2, 3)
+    module.load_state_dict(torch.load(tmp_path / 'step_00000001.jckpt' / 'model.pth',
+                                      weights_only=True))
+    assert module.encoder.weight.sum().item() == 6.0
+    assert_trees_equal(r.tree['model'], model)
+
+
 def test_a_whole_tree_is_the_model_and_a_target_fills_it(tmp_path):
     import jax
     import jax.numpy as jnp

@@ -418,10 +418,29 @@ def test_convert_other_formats(tmp_path, model, cli):
     shown = cli('inspect', npz)  # another format is listed as the converter reads it
     assert shown.returncode == 0 and 'npz checkpoint, 3 arrays' in shown.stdout, shown.stderr
     one_line_error(cli('verify', npz), 'npz format', 'jckpt convert')
-    p = jckpt_cmd('convert', model, tmp_path / 'm.pt')  # npz and .pt have no place for metadata
+    p = jckpt_cmd('convert', model, tmp_path / 'm2.npz')  # npz has no place for metadata
     assert p.returncode == 0 and p.stderr.startswith("jckpt: warning: ")
     assert "['note']" in p.stderr and len(p.stderr.strip().splitlines()) == 1  # no source line
+    p = jckpt_cmd('convert', model, tmp_path / 'm.pt')  # .pt keeps it, and says nothing
+    assert p.returncode == 0 and not p.stderr, p.stderr
+    p = jckpt_cmd('convert', tmp_path / 'm.pt', tmp_path / 'm.jckpt')
+    assert p.returncode == 0 and cli('inspect', tmp_path / 'm.jckpt', '--json').stdout.count('hello')
     one_line_error(cli('convert', model, tmp_path / 'x.npz', '--alignment', '64'), '--alignment')
+
+
+def test_convert_nest_splits_a_state_dicts_dotted_names(tmp_path, cli):
+    import jckpt
+    from jckpt.adapters import torch as pt
+    src = tmp_path / 'sd.pt'
+    pt.write({'jckpt': {'dense.kernel': np.ones((2, 2), np.float32)}}, src, flat=False)
+    out = tmp_path / 'sd.jckpt'
+    assert cli('convert', src, out, '--nest').returncode == 0
+    _, tree = jckpt.load(jckpt.Context(host=True), out)
+    assert list(tree['jckpt']['dense']) == ['kernel']
+    flat = write(tmp_path / 'flat.jckpt', {'a.b': np.ones(1, np.float32)})
+    assert cli('convert', flat, tmp_path / 'nested.jckpt', '--nest').returncode == 0
+    _, tree = jckpt.load(jckpt.Context(host=True), tmp_path / 'nested.jckpt')
+    assert list(tree['jckpt']['a']) == ['b']
 
 
 # --- merge -------------------------------------------------------------------

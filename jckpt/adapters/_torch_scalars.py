@@ -1,0 +1,81 @@
+"""Python numbers in a torch file, remembered across a conversion that stores them as arrays.
+
+A torch checkpoint holds Python numbers beside its tensors: an optimizer's
+`lr`, `betas` and `params` ids, an `epoch`. A jckpt file stores every leaf as
+an array, so converted there and back they would come back as 0-d tensors,
+and `optimizer.load_state_dict` would match `params` ids that are tensors to
+no state (silently resuming with fresh moments). `scalar_record` lists where
+the numbers are (in the metadata `jckpt.convert` hands on, under
+`SCALARS_KEY`); `with_scalars` makes the 0-d arrays there numbers again.
+
+>>> record = scalar_record({'lr': 0.5, 'params': [0, 1], 'w': None})
+>>> with_scalars({'lr': np.array(0.5), 'params': [np.array(0), np.array(1)]}, record)
+{'lr': 0.5, 'params': [0, 1]}
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from jckpt.format.limits import json_loads
+
+#: The metadata key listing where a torch file's Python numbers are.
+SCALARS_KEY = 'torch.scalars'
+#: Most numbers recorded (an optimizer's groups hold tens); a file with more records none.
+MAX_SCALARS = 10_000
+_TYPES = {'bool': bool, 'int': int, 'float': float}
+
+
+def scalar_record(tree: Any) -> str | None:
+    """JSON `[[path, type], ...]` of the Python numbers in `tree` (a path is a list of
+    `[kind, key]`: `k` str key, `ki` int key, `i` index); None when there are none or more
+    than `MAX_SCALARS`."""
+    found: list = []
+    stack: list[tuple[list, Any]] = [([], tree)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend(([*path, ['ki' if isinstance(k, int) else 'k', k]], v)
+                         for k, v in node.items() if isinstance(k, (str, int)))
+        elif isinstance(node, (list, tuple)):
+            stack.extend(([*path, ['i', i]], v) for i, v in enumerate(node))
+        elif type(node) in (bool, int, float) and -2**63 <= node < 2**63:
+            found.append([path, type(node).__name__])
+            if len(found) > MAX_SCALARS:
+                return None
+    return json.dumps(found, separators=(',', ':')) if found else None
+
+
+def with_scalars(tree: Any, record: str) -> Any:
+    """`tree` with the 0-d arrays at the record's paths made Python numbers again (a path
+    that is not there, or holds something else, is left alone)."""
+    try:
+        spec = json_loads(record)
+    except ValueError:
+        return tree
+    if not isinstance(spec, list):
+        return tree
+    for item in spec[:MAX_SCALARS]:
+        if isinstance(item, list) and len(item) == 2 and item[1] in _TYPES \
+                and isinstance(item[0], list):
+            tree = _replace(tree, item[0], _TYPES[item[1]])
+    return tree
+
+
+def _replace(node: Any, path: list, kind: type) -> Any:
+    """`node` with the leaf at `path` made a `kind`, containers copied along the way."""
+    if not path:
+        ok = getattr(node, 'shape', None) == () and getattr(node, 'dtype', None) is not None
+        return kind(np.asarray(node).item()) if ok else node
+    step = path[0]
+    if not (isinstance(step, list) and len(step) == 2):
+        return node
+    key = step[1]
+    if isinstance(node, dict) and key in node and not isinstance(key, list):
+        return {**node, key: _replace(node[key], path[1:], kind)}
+    if isinstance(node, list) and type(key) is int and 0 <= key < len(node):
+        return [*node[:key], _replace(node[key], path[1:], kind), *node[key + 1:]]
+    return node
