@@ -43,6 +43,7 @@ import jax
 
 from jckpt.api.context import Context, check_context, check_flag
 from jckpt.api.multiprocess import save_directory
+from jckpt.api.runtime import agree
 from jckpt.errors import FormatError, InputError, StorageError, naming_file
 from jckpt.format.metadata import check_metadata
 from jckpt.format.names import (
@@ -208,6 +209,11 @@ class CheckpointManager(BackgroundWriter[_Step]):
     def _path(self, step: int) -> str:
         return os.path.join(self.directory, step_name(step))
 
+    def _opened(self, failure: BaseException | None) -> None:
+        """Every process raises at open what one met taking its lease (`runtime.agree`)."""
+        agree("opening the manager", self.directory, failure, process=self.process_index,
+              processes=self.process_count)
+
     def _recover(self) -> str | None:
         if self.process_index == 0:
             steps.clean_staging(self.backend, self.directory)
@@ -302,7 +308,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
                                  f"{type(trainer_state).__name__}", file=self.directory)
             meta[TRAINER_STATE_KEY] = trainer_state.to_json()
         if self.directory_steps:
-            self._save_directory(step, tree, items, meta, clean_metrics)
+            self._save_directory(step, tree, items, meta)
             return True
         trees = items if items is not None else {self.ctx.namespace: tree}
         formats.check_model(options, trees, model_ns, step, self._path(step))  # before admitting
@@ -342,25 +348,23 @@ class CheckpointManager(BackgroundWriter[_Step]):
                              fix="save increasing steps (delete later steps to rewind)")
 
     def _save_directory(self, step: int, tree: Any, items: Mapping[str, Any] | None,
-                        meta: dict[str, str], metrics: dict[str, float]) -> None:
+                        meta: dict[str, str]) -> None:
         if items is not None:
             raise InputError("directory steps hold one namespace: pass tree, not items",
                              file=self.directory)
+        recorded: dict[str, str] = {}  # process 0's metrics, which every process keeps
 
         def write(generation: int) -> None:
             self._lease.check()  # a writer whose lease was taken over writes nothing more
-            save_directory(self.ctx, tree, self._path(step), metadata=self._stamped(meta, generation))
+            recorded.update(save_directory(self.ctx, tree, self._path(step), returning=(METRICS_KEY,),
+                                           metadata=self._stamped(meta, generation)))
             self._mark_published(generation)
 
         self._lease.check()
         self._pipeline.run_now(write)
         self._last_admitted = step
         self._lease.check()  # nor deletes, by retention
-        if self.process_count > 1:  # keep the metrics the step records (process 0's), as all do
-            path = self._path(step)
-            metrics = steps.parse_metrics(steps.read_metadata(path, prefix=False).get(METRICS_KEY),
-                                          path)
-        self._record(step, metrics)
+        self._record(step, steps.parse_metrics(recorded.get(METRICS_KEY), self._path(step)))
 
     def _target(self, info: _Step) -> str:
         return self._path(info.step)

@@ -36,15 +36,17 @@ def expected(name, version):
             + 1000 * version)
 
 
-def run_pair(phase, path, extra_env=None, timeout=WORKER_TIMEOUT):
-    """Run two worker processes of one jax.distributed run; return their (rc, output, seconds)."""
+def run_pair(phase, path, extra_env=None, timeout=WORKER_TIMEOUT, processes=2, devices=2):
+    """Run the worker processes of one jax.distributed run (two, of two CPU devices each, unless
+    told otherwise); return their (rc, output, seconds)."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                **(extra_env or {}))
     env.pop("XLA_FLAGS", None)  # the worker sets its own
-    procs = [subprocess.Popen([sys.executable, HERE, phase, str(i), str(port), str(path)],
+    procs = [subprocess.Popen([sys.executable, HERE, phase, str(i), str(port), str(path),
+                               str(processes), str(devices)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
+             for i in range(processes)]
     out = []
     start = time.monotonic()
     for p in procs:
@@ -171,7 +173,10 @@ def test_processes_saving_different_trees_fail_at_once_each_with_the_real_error(
         assert not found[0]["ok"] and not found[1]["ok"], found
         for r in found.values():
             assert "not every process" not in r["error"] and r["seconds"] < 30, r
-        assert "disagree" in found[0]["error"] + found[1]["error"]
+        for r in found.values():  # each names the entry, and says what each process has
+            assert "entry jckpt/extra: processes disagree about the tree they save" in r["error"], r
+        assert "this process saves it (float32[3]), process 0 does not" in found[1]["error"]
+        assert "process 1 saves it (float32[3]), this process does not" in found[0]["error"]
     assert sorted(os.listdir(tmp_path)) == []
 
 
@@ -198,13 +203,35 @@ def test_a_save_made_by_one_process_alone_never_publishes_a_mix(tmp_path):
     import jckpt
 
     d = tmp_path / "ckpt"
-    found = check(run_pair("alone", d, {"JCKPT_BARRIER_TIMEOUT": "20"}))
+    found = check(run_pair("alone", d, {"JCKPT_BARRIER_TIMEOUT": "10"}))
     errors = [m for r in found.values() for t, m, _ in r["attempts"] if t is not None]
     assert any("process 0 is at its save" in m or "process 0 saves to" in m for m in errors)
     if d.exists():  # whatever was published is one version, never a mix
         _, back = jckpt.load(jckpt.Context(host=True), d)
         step = int(back["jckpt"]["step"]) - 100
         np.testing.assert_array_equal(back["jckpt"]["w"], expected("w", step))
+
+
+def test_a_save_of_the_same_path_by_one_process_alone_is_refused_not_mixed(tmp_path):
+    """Process 0 saved the run's path alone (a dump the other process never made): its save paired
+    with process 1's next one, and both published a checkpoint mixing two versions as a success."""
+    import jckpt
+
+    d = tmp_path / "ckpt"
+    found = check(run_pair("lonesame", d))
+    (lone, p0), (p1, p1b) = found[0]["attempts"], found[1]["attempts"]
+    assert [t for t, _, _ in (lone, p0, p1, p1b)] == ["DistributedError"] * 4, found
+    assert "process 0 makes this save from test_multiprocess.py:" in p1[1], p1
+    assert "made by one process alone" in p1[1] and "(phase_lone_save_of_the_same_path)" in p1[1]
+    assert "process 0 makes this save from" in lone[1], lone  # process 0 is told too
+    assert "process 0 is at its save 1 of this path from test_multiprocess.py" in p1b[1], p1b
+    assert "this process at its save 2" in p1b[1], p1b
+    assert all(s < 15 for _, _, s in (lone, p0, p1, p1b)), found  # at once, not at a timeout
+    if d.exists():  # whatever was published is one version, never a mix
+        _, back = jckpt.load(jckpt.Context(host=True), d)
+        step = int(back["jckpt"]["step"]) - 100
+        np.testing.assert_array_equal(back["jckpt"]["w"], expected("w", step))
+    assert sorted(os.listdir(tmp_path)) in ([], ["ckpt"])
 
 
 def test_a_host_value_of_another_shape_in_one_process_is_refused(tmp_path):
@@ -229,6 +256,31 @@ def test_a_managers_processes_agree_on_its_steps_whatever_metrics_each_passes(tm
     found = check(run_pair("best", tmp_path / "run"))
     assert found[0]["steps"] == found[1]["steps"] == [1, 5], found
     assert found[0]["best"] == found[1]["best"] == 1, found
+    # process 0's metrics come with the save: no process reads a step's index back for them
+    assert [r["index_reads"] for r in found.values()] == [[], []], found
+
+
+def test_a_manager_opened_beside_a_live_run_fails_at_open_in_every_process(tmp_path):
+    """Four processes opened a manager on the directory of a live two-process run (which holds
+    the leases of its processes 0 and 1): processes 0 and 1 were refused at open, 2 and 3
+    opened and failed at their first save, after a barrier's timeout."""
+    from jckpt.storage.lease import WriterLease
+
+    d = tmp_path / "run"
+    d.mkdir()
+    live = [WriterLease(d / f".process{p:05d}") for p in range(2)]  # what the live run holds
+    try:
+        found = check(run_pair("openconflict", d, {"JCKPT_BARRIER_TIMEOUT": "15"}, processes=4),
+                      n=4)
+    finally:
+        for lease in live:
+            lease.release()
+    assert {(r["error_type"], r["where"]) for r in found.values()} == {("InUseError", "open")}, found
+    (error,) = {r["error"] for r in found.values()}  # the same error in every process
+    assert "process 0: in use" in error and "process 1: in use" in error, error
+    assert f"(pid {os.getpid()})" in error and "process 2" not in error, error
+    assert all(r["seconds"] < 10 for r in found.values()), found
+    assert not [n for n in os.listdir(d) if n.startswith("step_")]
 
 
 def test_typed_keys_restore_onto_a_sharding_over_both_processes(tmp_path):
@@ -253,68 +305,6 @@ def test_orbax_saves_replicated_state_from_two_processes(tmp_path):
     assert back["step"] == 7
 
 
-class FakeClient:
-    """What _Runtime asks of JAX's distributed client: a key-value store and barriers, one
-    process's view; `blocked` barriers time out as a missing peer makes them."""
-
-    def __init__(self, blocked=()):
-        self.kv, self.blocked, self.met = {}, set(blocked), []
-
-    def key_value_set(self, key, value):
-        self.kv[key] = value
-
-    def key_value_dir_get(self, prefix):
-        return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
-
-    def wait_at_barrier(self, name, timeout_ms):
-        self.met.append(name.rsplit("/", 1)[1])
-        if name.rsplit("/", 1)[1] in self.blocked:
-            raise RuntimeError("DEADLINE_EXCEEDED: Barrier timed out. # of tasks that reached the "
-                               "barrier: 1/2")
-
-
-def runtime(client):
-    from jckpt.api import multiprocess
-    rt = multiprocess._Runtime.__new__(multiprocess._Runtime)
-    rt.client, rt.local, rt.tag, rt.path, rt.timeout_ms = client, False, "t", "ckpt", 5000
-    return rt
-
-
-def test_a_peer_checks_only_the_phase_it_passed():
-    """Process 0's publish error, reported while a peer still checked the phase before, made the
-    peer fail there and never meet process 0 at the last barrier."""
-    import jckpt
-    client = FakeClient()
-    rt = runtime(client)
-    rt.report("published", 0, ValueError("processes disagree about this array"))
-    rt.together("written", "wrote its pieces", 1, None)  # passes: not this phase's error
-    with pytest.raises(jckpt.DistributedError, match="process 0: processes disagree"):
-        rt.together("published", "saw the checkpoint published", 1, None)
-    assert client.met == ["written", "published"]  # it met process 0 at both barriers
-
-
-def test_a_failing_step_raises_its_own_error_not_the_barriers():
-    client = FakeClient(blocked={"published"})
-    rt = runtime(client)
-
-    def publish():
-        raise ValueError("the index could not be written")
-
-    with pytest.raises(ValueError, match="the index could not be written"):
-        rt.together("published", "saw the checkpoint published", 0, publish)
-    assert client.kv == {"t/error/published/0": "the index could not be written"}
-
-
-def test_a_barrier_that_times_out_says_what_is_known():
-    import jckpt
-    rt = runtime(FakeClient(blocked={"written", "published"}))
-    with pytest.raises(jckpt.DistributedError, match="nothing was published"):
-        rt.barrier("written", "wrote its pieces")
-    with pytest.raises(jckpt.DistributedError, match="whether it was published is not known") as e:
-        rt.barrier("published", "saw the checkpoint published")
-    assert "of 5)" in str(e.value) and "reached the barrier: 1/2" in str(e.value)
-
-
 # --- the worker ------------------------------------------------------------------------------
 
 def _attempt(jckpt, tree, path, timeout=None):
@@ -328,13 +318,62 @@ def _attempt(jckpt, tree, path, timeout=None):
         return [type(e).__name__, str(e), time.monotonic() - start]
 
 
-def worker(phase, process, port, path):
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+def global_array(jax, name, sharding, version):
+    """`expected(name, version)` as a global array on `sharding`, each process putting its part."""
+    full = expected(name, version)
+    return jax.make_array_from_callback(full.shape, sharding, lambda idx: full[idx])
+
+
+def phase_lone_save_of_the_same_path(jax, jckpt, result, path):
+    """Process 0 dumps the state alone to the path the run saves to, then both save twice."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    m = jax.make_mesh((2, 2), ("a", "b"))
+
+    def tree(version):
+        return {"w": global_array(jax, "w", NamedSharding(m, P("a", "b")), version),
+                "step": expected("step", version)}
+
+    attempts = []
+    if jax.process_index() == 0:  # a mistake: a save the other process does not make
+        attempts.append(_attempt(jckpt, tree(1), path, timeout=20))
+    for version in (2,) if jax.process_index() == 0 else (2, 3):  # process 1 saves once more
+        attempts.append(_attempt(jckpt, tree(version), path, timeout=20))
+    result.update(ok=True, attempts=attempts)
+
+
+def phase_open_beside_a_live_run(jax, jckpt, result, path):
+    """A manager opened in every process of this run, on a directory another run writes."""
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    start, where = time.monotonic(), "open"
+    try:
+        with jckpt.CheckpointManager(path, keep_last=2) as mgr:
+            where = "save"
+            mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+            x = jax.make_array_from_callback((8,), NamedSharding(mesh, P("x")),
+                                             lambda i: np.arange(8, dtype=np.float32)[i])
+            mgr.save(1, {"x": x})
+        result["ok"] = True
+    except jckpt.CheckpointError as e:
+        result.update(error_type=type(e).__name__, error=str(e), where=where)
+    result["seconds"] = time.monotonic() - start
+
+
+PHASES = {"lonesame": phase_lone_save_of_the_same_path, "openconflict": phase_open_beside_a_live_run}
+
+
+
+def worker(phase, process, port, path, processes=2, devices=2):
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=processes,
                                process_id=process, initialization_timeout=60)
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -344,8 +383,12 @@ def worker(phase, process, port, path):
     from jckpt.storage.directory import DirectoryReader
     from jckpt.trees import sharding as sh
 
-    assert jax.process_count() == 2 and jax.device_count() == 4
+    assert jax.process_count() == processes and jax.device_count() == processes * devices
     result = {"process": process, "ok": False}
+    if phase in PHASES:  # the phases of several process counts
+        PHASES[phase](jax, jckpt, result, path)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
 
     def make(name, sharding, version):
         full = expected(name, version)
@@ -387,13 +430,18 @@ def worker(phase, process, port, path):
     if phase == "best":  # a manager keeping the best step, told each process's own loss
         mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
         sh = NamedSharding(mesh, P("x"))
+        reads = []  # the steps' indexes this process opens once the manager is open
+        sys.addaudithook(lambda event, args: reads.append(args[0]) if event == "open" and str(
+            args[0]).endswith("index.jckpt") and "jckpt-stage" not in str(args[0]) else None)
         with jckpt.CheckpointManager(path, keep_best=1, keep_last=1, best_metric="loss") as mgr:
+            reads.clear()
             for step in range(1, 6):
                 x = jax.make_array_from_callback(
                     (4,), sh, lambda i, s=step: np.full(4, s, np.float32)[i])
                 mgr.save(step, {"x": x}, metrics={"loss": float(step if process == 0 else 10 - step)})
             mgr.wait_durable()
-            result.update(ok=True, steps=mgr.all_steps(), best=mgr.best_step())
+            result.update(ok=True, steps=mgr.all_steps(), best=mgr.best_step(),
+                          index_reads=[str(r) for r in reads])
         print("RESULT " + json.dumps(result), flush=True)
         return
 
@@ -489,4 +537,5 @@ def worker(phase, process, port, path):
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]),
+           int(sys.argv[6]))
