@@ -63,6 +63,7 @@ class Runtime:
         self.local = self.client is None  # one process: nobody to wait for
         self.tag = tag
         self.path = path
+        self.process, self.processes = process, processes
         self.timeout_ms = max(1, int(timeout * 1000))
         self.announce = announce or path
         if not self.local and announce is not None:  # what this process saves, for errors
@@ -126,6 +127,7 @@ class Runtime:
         if self.local:
             return
         start = time.monotonic()
+        self.put(f"at/{name}/{self.process}", '')  # so that a timeout names who is missing
         try:
             self.client.wait_at_barrier(f"{self.tag}/{name}", self.timeout_ms)
         except Exception as e:
@@ -133,11 +135,23 @@ class Runtime:
             waited = time.monotonic() - start
             outcome = ("whether it was published is not known: check the checkpoint"
                        if name == 'published' else "nothing was published")
-            raise DistributedError(f"not every process {what} (waited {waited:.0f} s of "
-                                   f"{self.timeout_ms / 1000:g}); {outcome} "
+            raise DistributedError(f"not every process {what} (waited {waited:.1f} s of "
+                                   f"{self.timeout_ms / 1000:g}{self._missing(name)}); {outcome} "
                                    f"({'; '.join([first_line(e), *reached])})", file=self.path,
                                    fix="check the other processes' logs (one may have died); "
                                        "raise JCKPT_BARRIER_TIMEOUT if they are only slow") from None
+
+    def _missing(self, name: str) -> str:
+        """`'; process 2 did not come'`: who did not reach barrier `name` ('' if not known)."""
+        came = {k for k, _ in self.listed(f"at/{name}")}
+        if not came:
+            return ''
+        missing = [str(p) for p in range(self.processes) if str(p) not in came]
+        if not missing:
+            return ''
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ''
+        return (f"; process{'es' if len(missing) > 1 else ''} {', '.join(missing[:8])}{more} "
+                f"did not come")
 
     def report(self, name: str, process: int, error: BaseException) -> None:
         if self.local:

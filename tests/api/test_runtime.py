@@ -38,7 +38,7 @@ class FakeClient:
 def runtime(client):
     rt = Runtime.__new__(Runtime)
     rt.client, rt.local, rt.tag, rt.path, rt.timeout_ms = client, False, "t", "ckpt", 5000
-    rt.announce = "ckpt"
+    rt.announce, rt.process, rt.processes = "ckpt", 0, 2
     return rt
 
 
@@ -63,7 +63,8 @@ def test_a_failing_step_raises_its_own_error_not_the_barriers():
 
     with pytest.raises(ValueError, match="the index could not be written"):
         rt.together("published", "saw the checkpoint published", 0, publish)
-    assert client.kv == {"t/error/published/0": "the index could not be written"}
+    assert client.kv["t/error/published/0"] == "the index could not be written"
+    assert "t/at/published/0" in client.kv  # it came to the barrier: a timeout names who did not
 
 
 def test_a_barrier_that_times_out_says_what_is_known():
@@ -72,7 +73,8 @@ def test_a_barrier_that_times_out_says_what_is_known():
         rt.barrier("written", "wrote its pieces")
     with pytest.raises(jckpt.DistributedError, match="whether it was published is not known") as e:
         rt.barrier("published", "saw the checkpoint published")
-    assert "of 5)" in str(e.value) and "reached the barrier: 1/2" in str(e.value)
+    assert "of 5; process 1 did not come)" in str(e.value), e.value
+    assert "reached the barrier: 1/2" in str(e.value)
 
 
 def _peer_failure(message, kind="InUseError", fix="close the other one"):

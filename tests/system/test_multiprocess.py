@@ -144,7 +144,8 @@ def test_a_process_that_dies_before_the_barrier_publishes_nothing(tmp_path):
     assert 0 in found and 1 not in found, "\n\n".join(text[-3000:] for _, text, _ in out)
     survivor = found[0]
     assert survivor["error_type"] == "DistributedError", survivor
-    assert "of 4)" in survivor["error"] and "nothing was published" in survivor["error"]
+    assert "of 4; process 1 did not come)" in survivor["error"], survivor
+    assert "nothing was published" in survivor["error"]
     assert survivor["seconds"] < 30, survivor
     assert out[1][0] not in (0, None)
     # the previous checkpoint is intact and no staging directory is left behind
@@ -283,6 +284,73 @@ def test_a_manager_opened_beside_a_live_run_fails_at_open_in_every_process(tmp_p
     assert not [n for n in os.listdir(d) if n.startswith("step_")]
 
 
+def test_4_processes_save_on_a_2d_mesh_and_2_processes_restore_onto_another(tmp_path):
+    """4 processes x 2 devices save on a (4, 2) mesh and restore onto its transpose; 2 processes
+    x 3 devices restore onto a (3, 2) mesh, each device reading its own slice; one process
+    loads it all."""
+    import jckpt
+    from tests.system.test_multiprocess import MESH_SHAPES, mesh_value
+
+    d = tmp_path / "ckpt"
+    assert all(r["ok"] for r in check(run_pair("meshsave", d, processes=4), n=4).values())
+    assert sorted(os.listdir(d)) == ["index.jckpt", *(f"process_0000{p}.jckpt" for p in range(4))]
+    assert all(r["ok"] for r in check(run_pair("meshrestore", d, devices=3)).values())
+    _, back = jckpt.load(jckpt.Context(host=True), d)
+    for name in (*MESH_SHAPES, "step"):
+        np.testing.assert_array_equal(back["jckpt"][name], mesh_value(name, 1))
+
+
+def test_a_process_killed_mid_save_fails_the_others_and_leaves_the_last_checkpoint(tmp_path):
+    """Process 2 of 4 is killed while it writes its piece of the second save: the others get a
+    DistributedError naming it once the barrier's timeout passes, and the first save stays."""
+    import jckpt
+    from tests.system.test_multiprocess import MESH_SHAPES, mesh_value
+
+    d = tmp_path / "ckpt"
+    out = run_pair("killed", d, {"KILLED": "2", "JCKPT_BARRIER_TIMEOUT": "5"}, processes=4,
+                   timeout=60)
+    found = results(out)
+    assert sorted(found) == [0, 1, 3] and out[2][0] == -9, "\n\n".join(t[-2000:] for _, t, _ in out)
+    for r in found.values():
+        assert r["error_type"] == "DistributedError" and r["seconds"] < 20, r
+        assert "not every process wrote its pieces" in r["error"], r
+        assert "process 2 did not come" in r["error"] and "nothing was published" in r["error"], r
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # its half-written piece went with the stage
+    _, back = jckpt.load(jckpt.Context(host=True), d)
+    for name in (*MESH_SHAPES, "step"):
+        np.testing.assert_array_equal(back["jckpt"][name], mesh_value(name, 1))
+
+
+def test_a_preempted_managers_processes_stop_together_and_one_process_resumes(tmp_path):
+    """SIGTERM reaches process 1 alone: both processes save the same step and stop; retention
+    keeps the same steps in both; one process of 4 devices resumes from that step."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jckpt
+    from tests.helpers import cpu_mesh
+
+    d = tmp_path / "run"
+    found = check(run_pair("preempted", d))
+    stopped = found[0]["stopped"]
+    assert stopped is not None and stopped >= 7 and found[1]["stopped"] == stopped, found
+    assert found[0]["saved"] == found[1]["saved"] and found[0]["saved"][-1] == stopped, found
+    saved = found[0]["saved"]
+    kept = sorted(set(saved[-2:]) | {s for s in saved if s % 4 == 0})  # keep_last=2, keep_every=4
+    assert found[0]["steps"] == found[1]["steps"] == kept, found
+    assert sorted(os.listdir(d)) == [f"step_{s:08d}.jckpt" for s in kept]
+    assert found[0]["restored"] == found[1]["restored"] == [stopped, stopped], found
+    sharding = NamedSharding(cpu_mesh((4,), ("x",)), P("x"))
+    with jckpt.CheckpointManager(d, keep_last=2, keep_every=4) as mgr:  # the same lineage, resumed
+        back = mgr.restore(target={"x": jax.ShapeDtypeStruct((16,), np.float32, sharding=sharding)})
+        assert back.step == stopped and back.tree["x"].sharding == sharding
+        np.testing.assert_array_equal(np.asarray(back.tree["x"]), np.full(16, stopped, np.float32))
+        mgr.save(stopped + 1, {"x": np.full(16, stopped + 1, np.float32)})
+        mgr.wait_durable()
+        assert mgr.all_steps() == sorted({kept[-1], stopped + 1} | {s for s in kept if s % 4 == 0})
+
+
 def test_typed_keys_restore_onto_a_sharding_over_both_processes(tmp_path):
     """Keys were put on one device, then moved onto the global sharding: JAX refused it with
     a ValueError outside jckpt's errors, for keys sharded and replicated alike."""
@@ -363,8 +431,126 @@ def phase_open_beside_a_live_run(jax, jckpt, result, path):
     result["seconds"] = time.monotonic() - start
 
 
-PHASES = {"lonesame": phase_lone_save_of_the_same_path, "openconflict": phase_open_beside_a_live_run}
+MESH_SHAPES = {"w": (24, 12), "b": (12,), "rep": (4, 4)}
 
+
+def mesh_value(name, version):
+    """The global value of each array of the mesh phases."""
+    if name == "step":
+        return np.int32(100 + version)
+    shape = MESH_SHAPES[name]
+    return np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape) + 1000 * version
+
+
+def mesh_tree(jax, mesh, version):
+    """A state on a 2-d mesh `("data", "model")` of every process's devices."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    specs = {"w": P("data", "model"), "b": P("model"), "rep": P()}
+    tree = {}
+    for name, spec in specs.items():
+        full = mesh_value(name, version)
+        tree[name] = jax.make_array_from_callback(full.shape, NamedSharding(mesh, spec),
+                                                  lambda idx, full=full: full[idx])
+    tree["step"] = mesh_value("step", version)
+    return tree
+
+
+def mesh_of(jax, shape):
+    import numpy as np
+    return jax.sharding.Mesh(np.array(jax.devices()).reshape(shape), ("data", "model"))
+
+
+def check_mesh_tree(back, version):
+    """Every shard this process holds has the value saved; the step too."""
+    ok = int(back["step"]) == int(mesh_value("step", version))
+    for name in MESH_SHAPES:
+        full = mesh_value(name, version)
+        for shard in back[name].addressable_shards:
+            ok &= bool(np.array_equal(np.asarray(shard.data), full[shard.index]))
+    return ok
+
+
+def phase_mesh_save(jax, jckpt, result, path):
+    """Save on a `(processes, devices)` mesh, restore onto its transpose in the same run."""
+    n, k = jax.process_count(), jax.local_device_count()
+    jckpt.save(jckpt.Context(), mesh_tree(jax, mesh_of(jax, (n, k)), 1), path)
+    result["ok"] = check_mesh_tree(_mesh_restore(jax, jckpt, path, (k, n)), 1)
+
+
+def _mesh_restore(jax, jckpt, path, shape):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = mesh_of(jax, shape)
+    specs = {"w": P("model", "data"), "b": P("data"), "rep": P(None, "model")}
+    target = {name: jax.ShapeDtypeStruct(MESH_SHAPES[name], np.float32,
+                                         sharding=NamedSharding(mesh, spec))
+              for name, spec in specs.items()}
+    target["step"] = 0
+    return jckpt.restore(jckpt.Context(), target, path)
+
+
+def phase_mesh_restore(jax, jckpt, result, path):
+    """Restore what another process count saved onto this run's `(devices, processes)` mesh."""
+    back = _mesh_restore(jax, jckpt, path, (jax.local_device_count(), jax.process_count()))
+    result["ok"] = check_mesh_tree(back, 1)
+
+
+def phase_killed_mid_save(jax, jckpt, result, path):
+    """Every process saves version 1, then version 2, in which process KILLED dies writing."""
+    import signal
+
+    n, k = jax.process_count(), jax.local_device_count()
+    mesh = mesh_of(jax, (n, k))
+    jckpt.save(jckpt.Context(), mesh_tree(jax, mesh, 1), path)
+    if jax.process_index() == int(os.environ["KILLED"]):
+        from jckpt.api import multiprocess
+
+        def dying(stage, *args, **kwargs):  # killed with a piece half written into the stage
+            with open(os.path.join(stage, f".process_{jax.process_index():05d}.jckpt.partial"),
+                      "wb") as f:
+                f.write(b"jckpt half a piece")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        multiprocess._write_pieces = dying
+    result.update(ok=True, **dict(zip(("error_type", "error", "seconds"),
+                                      _attempt(jckpt, mesh_tree(jax, mesh, 2), path))))
+    print("RESULT " + json.dumps(result), flush=True)
+    os._exit(0)  # a peer is gone: skip jax.distributed's shutdown barrier
+
+
+def phase_preempted(jax, jckpt, result, path):
+    """A manager saving every 3rd step, keeping the last 2 and every 4th; process 1 gets
+    SIGTERM at step 7 (a preemption notice) and every process saves and stops together."""
+    import signal
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    size = 16
+    saved, stopped = [], None
+    with jckpt.CheckpointManager(path, keep_last=2, keep_every=4, save_interval_steps=3) as mgr:
+        for step in range(1, 100):
+            x = jax.make_array_from_callback((size,), sharding,
+                                             lambda i, s=step: np.full(size, s, np.float32)[i])
+            if step == 7 and jax.process_index() == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+            if mgr.save(step, {"x": x}):
+                saved.append(step)
+            if mgr.reached_preemption(step):
+                stopped = step
+                break
+            time.sleep(0.05)  # a training step
+        mgr.wait_durable()
+        back = mgr.restore(target={"x": x})
+        result.update(ok=True, saved=saved, stopped=stopped, steps=mgr.all_steps(),
+                      restored=[back.step, float(np.asarray(back.tree["x"].addressable_shards[0].data)[0])])
+
+
+PHASES = {"lonesame": phase_lone_save_of_the_same_path, "openconflict": phase_open_beside_a_live_run,
+          "meshsave": phase_mesh_save, "meshrestore": phase_mesh_restore,
+          "killed": phase_killed_mid_save, "preempted": phase_preempted}
 
 
 def worker(phase, process, port, path, processes=2, devices=2):
