@@ -12,7 +12,6 @@ True
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import itertools
 import json
 import os
@@ -222,23 +221,30 @@ def agree(what: str, path: str, failure: BaseException | None, *, process: int, 
         return
     with _OPENS_LOCK:
         n = next(_OPENS)
-    digest = hashlib.sha256(os.fspath(path).encode('utf-8', 'surrogatepass')).hexdigest()[:16]
-    rt = Runtime(f"jckpt/agree/{digest}/{n}", path, barrier_timeout() if timeout is None
-                 else float(timeout), processes, process, announce=None)
-    if failure is not None:
-        rt.put(f"failed/{process}", json.dumps(_described(failure)))
+    rt = Runtime(f"jckpt/agree/{n}", path, barrier_timeout() if timeout is None else float(timeout),
+                 processes, process, announce=None)
+    rt.put(f"said/{process}", json.dumps({'path': os.fspath(path), **_described(failure)}))
     try:
         rt.barrier('opened', f"reached {what}")
     except DistributedError:
         if failure is not None:
             raise failure from None
         raise
-    failed = [(int(k), json.loads(v)) for k, v in rt.listed('failed')]
+    said = sorted((int(k), json.loads(v)) for k, v in rt.listed('said'))
+    paths = {d['path'] for _, d in said}
+    if len(paths) > 1:
+        raise DistributedError(f"{what}: the processes name different paths (" + '; '.join(
+            f"process {k}: {d['path']}" for k, d in said[:8]) + ')', file=path,
+            fix="pass every process the same path, on a filesystem (or object store) every "
+                "process sees") from failure
+    failed = [(k, d) for k, d in said if d['type'] is not None]
     if failed:
-        raise _common(what, path, sorted(failed)) from failure
+        raise _common(what, path, failed) from failure
 
 
-def _described(e: BaseException) -> dict[str, str | None]:
+def _described(e: BaseException | None) -> dict[str, str | None]:
+    if e is None:
+        return {'type': None, 'message': None, 'fix': None}
     if isinstance(e, CheckpointError):
         return {'type': type(e).__name__, 'message': e.message, 'fix': e.fix}
     return {'type': 'DistributedError', 'message': f"{type(e).__name__}: {first_line(e)}",

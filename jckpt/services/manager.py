@@ -211,7 +211,8 @@ class CheckpointManager(BackgroundWriter[_Step]):
 
     def _opened(self, failure: BaseException | None) -> None:
         """Every process raises at open what one met taking its lease (`runtime.agree`)."""
-        agree("opening the manager", self.directory, failure, process=self.process_index,
+        where = os.path.abspath(self.directory) if self.backend is LOCAL else self.directory
+        agree("opening the manager", where, failure, process=self.process_index,
               processes=self.process_count)
 
     def _recover(self) -> str | None:

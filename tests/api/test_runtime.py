@@ -77,15 +77,16 @@ def test_a_barrier_that_times_out_says_what_is_known():
     assert "reached the barrier: 1/2" in str(e.value)
 
 
-def _peer_failure(message, kind="InUseError", fix="close the other one"):
-    return json.dumps({"type": kind, "message": message, "fix": fix})
+def _peer_failure(message, kind="InUseError", fix="close the other one", path="run"):
+    return json.dumps({"path": path, "type": kind, "message": message, "fix": fix})
 
 
 def test_every_process_raises_the_error_another_met(monkeypatch):
     """Processes 0 and 1 could not take their leases: process 2, which could, learns of it at
     once and raises the same error, naming both."""
-    client = FakeClient(peers={"failed/0": _peer_failure("in use: another writer (pid 7)"),
-                               "failed/1": _peer_failure("in use: another writer (pid 8)")})
+    client = FakeClient(peers={"said/0": _peer_failure("in use: another writer (pid 7)"),
+                               "said/1": _peer_failure("in use: another writer (pid 8)"),
+                               "said/3": _peer_failure(None, None, None)})
     monkeypatch.setattr(runtime_mod, "client", lambda processes, path: client)
     with pytest.raises(jckpt.InUseError) as e:
         agree("opening the manager", "run", None, process=2, processes=4, timeout=5)
@@ -120,6 +121,17 @@ def test_no_failure_anywhere_passes_and_one_process_waits_for_nobody(monkeypatch
     with pytest.raises(jckpt.InUseError, match="^in use$"):
         agree("opening the manager", "run", jckpt.InUseError("in use"), process=0, processes=1)
     assert client.met == ["opened"]
+
+
+def test_processes_naming_different_paths_all_fail_at_once(monkeypatch):
+    """Each process's path comes with what it says: a run opening managers on different
+    directories fails at open, in every process alike, instead of at its first save."""
+    client = FakeClient(peers={"said/1": _peer_failure(None, None, None, path="run-b")})
+    monkeypatch.setattr(runtime_mod, "client", lambda processes, path: client)
+    with pytest.raises(jckpt.DistributedError) as e:
+        agree("opening the manager", "run", None, process=0, processes=2, timeout=5)
+    assert e.value.message == ("opening the manager: the processes name different paths "
+                               "(process 0: run; process 1: run-b)")
 
 
 def test_a_peer_that_never_comes_gives_this_processs_own_error_or_a_timeout(monkeypatch):

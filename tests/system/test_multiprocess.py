@@ -351,6 +351,16 @@ def test_a_preempted_managers_processes_stop_together_and_one_process_resumes(tm
         assert mgr.all_steps() == sorted({kept[-1], stopped + 1} | {s for s in kept if s % 4 == 0})
 
 
+def test_processes_opening_managers_on_different_directories_fail_at_open(tmp_path):
+    found = check(run_pair("openconflict", tmp_path / "run", {"OWN_DIRECTORY": "1",
+                                                              "JCKPT_BARRIER_TIMEOUT": "30"}))
+    (error,) = {r["error"].split(": ", 1)[1] for r in found.values()}  # the same, but for the file
+    assert {(r["error_type"], r["where"]) for r in found.values()} == {("DistributedError", "open")}
+    assert error.startswith("opening the manager: the processes name different paths (process 0: "
+                            f"{tmp_path / 'run-0'}; process 1: {tmp_path / 'run-1'})"), error
+    assert all(r["seconds"] < 15 for r in found.values()), found
+
+
 def test_typed_keys_restore_onto_a_sharding_over_both_processes(tmp_path):
     """Keys were put on one device, then moved onto the global sharding: JAX refused it with
     a ValueError outside jckpt's errors, for keys sharded and replicated alike."""
@@ -418,6 +428,8 @@ def phase_open_beside_a_live_run(jax, jckpt, result, path):
     from jax.sharding import PartitionSpec as P
 
     start, where = time.monotonic(), "open"
+    if os.environ.get("OWN_DIRECTORY"):  # a mistake: each process its own directory
+        path = f"{path}-{jax.process_index()}"
     try:
         with jckpt.CheckpointManager(path, keep_last=2) as mgr:
             where = "save"
