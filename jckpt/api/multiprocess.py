@@ -2,6 +2,9 @@
 
 When `jax.process_count() > 1`, `jckpt.save` calls `save_directory`:
 
+0. process 0 shares its claim of the save (`jckpt.api.pairing`: the path, the
+   save's place, the line of the program making it, a digest of the leaves),
+   and every other process refuses to go on with another save than process 0's;
 1. every process writes one piece file (`process_NNNNN.jckpt`) holding the
    pieces of each array it owns (the shards whose replica 0 it holds, joined
    into one block where they touch), so each replicated piece is written once;
@@ -18,7 +21,7 @@ A directory without `index.jckpt` is never read as a checkpoint, so a
 process that dies before the barrier leaves the previous checkpoint intact.
 The directory form on disk (staging, index, publishing, reading) is
 `jckpt.storage.directory`; this module is the part that needs JAX: the
-save plan and the barriers.
+save plan and the barriers (`jckpt.api.runtime`).
 
 >>> # in every process of a jax.distributed run:
 >>> # jckpt.save(ctx, state, "ckpt")          # a directory

@@ -26,6 +26,7 @@ import sys
 import sysconfig
 import threading
 from collections.abc import Sequence
+from types import FrameType
 from typing import Any
 
 from jckpt.errors import DistributedError
@@ -87,7 +88,7 @@ def call_site(frames: int = SITE_FRAMES) -> tuple[str, ...]:
     True
     """
     found: list[str] = []
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and len(found) < frames:
         code = frame.f_code
         if _foreign(code.co_filename):
