@@ -47,6 +47,7 @@ from jckpt.api.runtime import Runtime as _Runtime
 from jckpt.errors import CheckpointError, DistributedError
 from jckpt.format.boxes import Box, box_shape, coalesce, full_box, intersect
 from jckpt.format.entries import Entry, KeyPath, entry_for, path_name
+from jckpt.format.index import IndexedArray
 from jckpt.format.layout import written_header
 from jckpt.format.limits import check_alignment
 from jckpt.format.names import (
@@ -63,7 +64,6 @@ from jckpt.storage.directory import (
     make_stage,
     publish_directory,
     reclaim_stage_dirs,
-    write_index,
     write_index_file,
 )
 from jckpt.storage.regions import ShardedSource
@@ -81,6 +81,7 @@ class _Leaf:
     shape: tuple[int, ...]
     key_impl: str | None
     blocks: list[tuple[Box, Any]]  # (box, source)
+    value: Any = None  # the tree's leaf
 
 
 def _plan(items: Sequence[tuple[KeyPath, Any]], namespace: str, first_id: int,
@@ -90,12 +91,34 @@ def _plan(items: Sequence[tuple[KeyPath, Any]], namespace: str, first_id: int,
     Every process checks every leaf. A sharded array's distinct shards are
     written by the processes that own them; an array on this process's
     devices only, or a host value, is saved from process 0's copy (the other
-    processes only describe it).
+    processes only describe it), unless process 0 holds none of it (`_adopt`).
     """
     hosts = to_host.host_leaves(items, namespace=namespace, pieces=True, spread=True,
                                   fetch=process == 0)
-    return [_Leaf(first_id + n, p, h.dtype, h.shape, h.key_impl, _blocks(h))
-            for n, ((p, _), h) in enumerate(zip(items, hosts))]
+    return [_Leaf(first_id + n, p, h.dtype, h.shape, h.key_impl, _blocks(h), x)
+            for n, ((p, x), h) in enumerate(zip(items, hosts))]
+
+
+def _absent(leaves: list[_Leaf] | BaseException) -> list[int]:
+    """Process 0: its leaves it holds no part of, which other processes hold (a pipeline
+    stage on their devices): their holders write them (`_adopt`)."""
+    if isinstance(leaves, BaseException):
+        return []
+    return [n for n, leaf in enumerate(leaves)
+            if isinstance(leaf.value, jax.Array) and not leaf.value.addressable_shards]
+
+
+def _adopt(leaves: list[_Leaf], absent: Sequence[int], namespace: str) -> None:
+    """Write the leaves process 0 holds no part of (`_absent`) that this process holds
+    whole: it only described them, as it does what process 0 writes from its own copy."""
+    for n in absent:
+        leaf = leaves[n] if 0 <= n < len(leaves) else None
+        if leaf is None or leaf.blocks or not isinstance(leaf.value, jax.Array):
+            continue
+        if leaf.value.is_fully_addressable:
+            (h,) = to_host.host_leaves([(leaf.path, leaf.value)], namespace=namespace,
+                                       pieces=True, spread=True)
+            leaf.blocks = _blocks(h)
 
 
 def _blocks(h: to_host.HostLeaf) -> list[tuple[Box, Any]]:
@@ -233,8 +256,19 @@ def _named(rt: _Runtime, process: int, facts: list[list[Any]] | None,
                                 "saved from process 0's copy")
 
 
+def _check_complete(stage: str, arrays: Sequence[IndexedArray], expected: Sequence[str]) -> None:
+    """Refuse an index that would lack one of process 0's leaves: one no process wrote."""
+    missing = set(expected) - {a.entry.name for a in arrays}
+    if missing:
+        name = next(n for n in expected if n in missing)
+        raise DistributedError(f"no process wrote this array ({len(missing)} such in all)",
+                               file=stage, entry=name,
+                               fix="save a tree whose every array some process holds; report "
+                                   "this if one did")
+
+
 def _publish(backend: Backend, stage: _Stage, path: str, count: int, alignment: int,
-             metadata: Mapping[str, str] | None, durable: bool) -> None:
+             metadata: Mapping[str, str] | None, durable: bool, expected: Sequence[str]) -> None:
     """Process 0: index the pieces, publish the directory, then let go of its lock.
 
     In an object store the index replaces the one there with one PUT (the
@@ -242,12 +276,16 @@ def _publish(backend: Backend, stage: _Stage, path: str, count: int, alignment: 
     """
     assert stage.path is not None
     if backend is LOCAL:
-        write_index(stage.path, count, alignment, dict(metadata or {}), durable=durable)
+        names, arrays = indexed_pieces(stage.path, count)
+        _check_complete(stage.path, arrays, expected)
+        write_index_file(stage.path, names, count, arrays, alignment, dict(metadata or {}),
+                         durable=durable)
         publish_directory(stage.path, path, durable=durable)
         stage.path = None
         backend.remove(os.path.join(path, DIRECTORY_LOCK_NAME))  # held until now: never a lockless stage
         return
     names, arrays = indexed_pieces(path, count, stage.tag)
+    _check_complete(path, arrays, expected)
     replaced = object_directory.current_files(path)
     stage.path = None  # the index may be in from here on, whatever the PUT says: keep the pieces
     write_index_file(path, names, count, arrays, alignment, dict(metadata or {}), durable=durable)
@@ -264,26 +302,29 @@ def _discard(backend: Backend, stage: _Stage) -> None:
         object_directory.discard(stage.path, stage.tag)
 
 
-def _checked_write(first: pairing.Claim, mine: pairing.Claim, where: str,
-                   leaves: list[_Leaf] | BaseException, *pieces: Any) -> None:
+def _checked_write(first: pairing.Claim, mine: pairing.Claim, absent: Sequence[int], where: str,
+                   leaves: list[_Leaf] | BaseException, namespace: str, *pieces: Any) -> None:
     """Check that process 0 makes this process's save (`pairing.check_claims`), then write
-    this process's pieces (or raise the error its plan met, now that the others hear of it)."""
+    this process's pieces (or raise the error its plan met, now that the others hear of it),
+    those of the leaves process 0 holds none of (`absent`) included."""
     pairing.check_claims(first, mine)
     if isinstance(leaves, BaseException):
         raise leaves
-    _write_pieces(where, leaves, *pieces)
+    _adopt(leaves, absent, namespace)
+    _write_pieces(where, leaves, namespace, *pieces)
 
 
 def _claimed(rt: _Runtime, process: int, mine: pairing.Claim, facts: list[list[Any]] | None,
-             values: dict[str, str]) -> tuple[pairing.Claim, dict[str, str]]:
-    """Process 0's claim and `values`, shared with every process; a process whose leaves
-    differ from process 0's puts its own where process 0 reads them (`_named`)."""
-    text = rt.share('path', json.dumps([mine.encode(), values]) if process == 0 else None)
-    claim, theirs = json.loads(text)
+             values: dict[str, str], absent: list[int]
+             ) -> tuple[pairing.Claim, dict[str, str], list[int]]:
+    """Process 0's claim, `values` and `absent`, shared with every process; a process whose
+    leaves differ from process 0's puts its own where process 0 reads them (`_named`)."""
+    text = rt.share('path', json.dumps([mine.encode(), values, absent]) if process == 0 else None)
+    claim, theirs, absent = json.loads(text)
     first = pairing.Claim.decode(claim)
     if process and facts is not None and '-' != first.plan != mine.plan:
         rt.put(f"leaves/{process}", json.dumps(facts))
-    return first, theirs
+    return first, theirs, absent
 
 
 def _begin(path: str, timeout: float, count: int, process: int) -> tuple[_Runtime, pairing.Claim]:
@@ -344,15 +385,17 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
     first: pairing.Claim | None = None
     try:
         with object_directory.saving(stage.tag):
-            first, values = _claimed(rt, process, mine, facts, values)
+            first, values, absent = _claimed(rt, process, mine, facts, values,
+                                             _absent(leaves) if process == 0 else [])
             where = _open_stage(rt, path, process, stage, backend)
             save = stage.tag or os.path.basename(where)  # the same in every process
             rt.together('written', 'wrote its pieces', process, functools.partial(
-                _checked_write, first, mine, where, leaves, namespace, alignment, process,
+                _checked_write, first, mine, absent, where, leaves, namespace, alignment, process,
                 ctx.durable, stage.tag, save))
             rt.together('published', 'saw the checkpoint published', process, None if process else (
                 lambda: _publish(backend, stage, path, count, alignment,
-                                 {**(metadata or {}), SAVE_KEY: save}, ctx.durable)))
+                                 {**(metadata or {}), SAVE_KEY: save}, ctx.durable,
+                                 [f[1] for f in facts or ()])))
     except BaseException as e:
         named = _named(rt, process, facts, first, mine, e)
         if process == 0:

@@ -361,6 +361,27 @@ def test_processes_opening_managers_on_different_directories_fail_at_open(tmp_pa
     assert all(r["seconds"] < 15 for r in found.values()), found
 
 
+def test_pipeline_stages_on_other_processes_devices_are_saved_and_restored(tmp_path):
+    """An array on process 1's devices only (a pipeline stage) was written by no process: process
+    0, which saves what is whole in one process, holds none of it, and process 1 left it to
+    process 0. The save published a checkpoint without it, and restoring it onto its sharding
+    raised JAX's ValueError in process 0 (no shard of it there to infer the dtype from)."""
+    import jckpt
+    from tests.system.test_multiprocess import mesh_value
+
+    d = tmp_path / "ckpt"
+    found = check(run_pair("stages", d))
+    for r in found.values():
+        assert r["ok"], r
+        kind, message, _ = r["unwritten"]  # a save that writes no piece of an array fails
+        assert kind == "DistributedError" and "entry jckpt/stage1: no process wrote this array" \
+            in message, r
+    _, back = jckpt.load(jckpt.Context(host=True), d)
+    for i in range(2):
+        np.testing.assert_array_equal(back["jckpt"][f"stage{i}"], mesh_value("w", i))
+    assert back["jckpt"]["empty"].shape == (0, 3)
+
+
 def test_typed_keys_restore_onto_a_sharding_over_both_processes(tmp_path):
     """Keys were put on one device, then moved onto the global sharding: JAX refused it with
     a ValueError outside jckpt's errors, for keys sharded and replicated alike."""
@@ -560,9 +581,48 @@ def phase_preempted(jax, jckpt, result, path):
                       restored=[back.step, float(np.asarray(back.tree["x"].addressable_shards[0].data)[0])])
 
 
+def phase_stages(jax, jckpt, result, path):
+    """Pipeline stages: each array on the devices of half the processes only (one process of
+    two: none on process 0's devices), beside empty arrays. A first save, in which the
+    processes holding what process 0 does not leave it unwritten (as they did), is refused."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jckpt.api import multiprocess
+
+    half = jax.process_count() // 2
+    tree = {"empty": np.zeros((0, 3), np.float32),
+            "empty_rep": jax.make_array_from_callback(
+                (0, 4), NamedSharding(jax.make_mesh((jax.device_count(),), ("x",)), P()),
+                lambda idx: np.zeros((0, 4), np.float32)[idx])}
+    for i in range(2):
+        mesh = jax.sharding.Mesh(np.array([d for d in jax.devices()
+                                           if (d.process_index < half) == (i == 0)]), ("x",))
+        full = mesh_value("w", i)
+        tree[f"stage{i}"] = jax.make_array_from_callback(
+            full.shape, NamedSharding(mesh, P("x")), lambda idx, full=full: full[idx],
+            dtype=full.dtype)  # a process holding none of it calls nothing: JAX needs the dtype
+    adopt = getattr(multiprocess, "_adopt", None)
+    multiprocess._adopt = lambda *args: None
+    result["unwritten"] = _attempt(jckpt, tree, path, timeout=30)
+    multiprocess._adopt = adopt
+    try:
+        jckpt.save(jckpt.Context(), tree, path)
+        back = jckpt.restore(jckpt.Context(), tree, path)
+    except Exception as e:
+        result["error"] = f"{type(e).__name__}: {e}"
+        return
+    ok = back["empty"].shape == (0, 3) and back["empty_rep"].shape == (0, 4)
+    for i in range(2):
+        for shard in back[f"stage{i}"].addressable_shards:
+            ok &= bool(np.array_equal(np.asarray(shard.data), mesh_value("w", i)[shard.index]))
+    result["ok"] = bool(ok)
+
+
 PHASES = {"lonesame": phase_lone_save_of_the_same_path, "openconflict": phase_open_beside_a_live_run,
           "meshsave": phase_mesh_save, "meshrestore": phase_mesh_restore,
-          "killed": phase_killed_mid_save, "preempted": phase_preempted}
+          "killed": phase_killed_mid_save, "preempted": phase_preempted,
+          "stages": phase_stages}
 
 
 def worker(phase, process, port, path, processes=2, devices=2):
