@@ -1,10 +1,9 @@
 """`CheckpointManager`: one checkpoint per training step in a directory, written in the background.
 
-Each step is its own file, `step_00000100.jckpt` (or a directory of that
-name for a multi-process save), published atomically; saves go through the
-mirror's machinery (a host snapshot in a free slot, then a background writer),
-so training blocks only for the device-to-host copy. Metrics and a
-`TrainerState` travel in the file's metadata.
+Each step is its own file, `step_00000100.jckpt` (or a directory of that name for a
+multi-process save), published atomically; saves go through the mirror's machinery (a
+host snapshot in a free slot, then a background writer), so training blocks only for
+the device-to-host copy. Metrics and a `TrainerState` travel in the file's metadata.
 With `options=CheckpointOptions(format="llmc")` (or another registered format) a
 step is instead a directory whose model file another toolchain reads directly,
 beside `optimizer.jckpt` and `trainer_state.json` (`jckpt.services.formats`).
@@ -130,7 +129,8 @@ class CheckpointManager(BackgroundWriter[_Step]):
         preemption (`reached_preemption` then says True).
       directory_steps: write each step as a multi-process directory checkpoint
         (`jckpt.api.multiprocess`), synchronously, from every process. Default:
-        when `jax.process_count() > 1`. Only process 0 deletes old steps.
+        when `jax.process_count() > 1`. Only process 0 deletes old steps. `False`
+        with several processes: this process's own steps (a directory of its own).
       options: how steps are written (`jckpt.CheckpointOptions`: one jckpt file, or a
         directory with the model in another format; see `jckpt.services.formats`);
         `save` may override it.
@@ -177,6 +177,8 @@ class CheckpointManager(BackgroundWriter[_Step]):
         self.process_index, self.process_count = jax.process_index(), jax.process_count()
         self.directory_steps = (self.process_count > 1 if directory_steps is None
                                 else bool(directory_steps))
+        self._rank, self._ranks = ((self.process_index, self.process_count)  # who writes the steps
+                                   if self.directory_steps else (0, 1))  # file steps: this process
         self._retention = Retention(keep_last, keep_every, keep_best, best_metric, best_mode)
         if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
             raise InputError(f"save_interval_steps must be a positive integer, "
@@ -193,7 +195,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
         self._lock = threading.Lock()
         self._metrics: dict[int, dict[str, float]] = {}
         self._last_admitted: int | None = None
-        lease, rivals = steps.leases(self.directory, self.process_index, self.process_count)
+        lease, rivals = steps.leases(self.directory, self._rank, self._ranks)
         self._preemption = Preemption(handle_sigterm)
         try:
             super().__init__(self.directory, backend=backend, lease=lease, rivals=rivals, ctx=ctx,
@@ -211,16 +213,14 @@ class CheckpointManager(BackgroundWriter[_Step]):
 
     def _opened(self, failure: BaseException | None) -> None:
         """Every process raises at open what one met taking its lease (`runtime.agree`)."""
-        where = os.path.abspath(self.directory) if self.backend is LOCAL else self.directory
-        agree("opening the manager", where, failure, process=self.process_index,
-              processes=self.process_count)
+        agree("opening the manager", os.path.abspath(self.directory) if self.backend is LOCAL
+              else self.directory, failure, process=self._rank, processes=self._ranks)
 
     def _recover(self) -> str | None:
-        if self.process_index == 0:
+        if self._rank == 0:
             steps.clean_staging(self.backend, self.directory)
         self._scan()
-        latest = self.latest_step()
-        return None if latest is None else self._path(latest)
+        return None if (latest := self.latest_step()) is None else self._path(latest)
 
     def _scan(self) -> None:
         found = steps.scan(self.backend, self.directory)
@@ -411,10 +411,10 @@ class CheckpointManager(BackgroundWriter[_Step]):
         for s in doomed:
             with self._lock:
                 self._metrics.pop(s, None)
-            if self.process_index != 0:  # every process drops it; process 0 deletes it
+            if self._rank != 0:  # every process drops it; process 0 deletes it
                 continue
             steps.remove_step(self.backend, self._path(s))
-        if doomed and self.ctx.durable and self.process_index == 0 and self.backend is LOCAL:
+        if doomed and self.ctx.durable and self._rank == 0 and self.backend is LOCAL:
             fsync_dir(self.directory)
 
     # --- restoring -------------------------------------------------------------

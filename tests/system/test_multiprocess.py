@@ -382,6 +382,21 @@ def test_pipeline_stages_on_other_processes_devices_are_saved_and_restored(tmp_p
     assert back["jckpt"]["empty"].shape == (0, 3)
 
 
+def test_managers_of_file_steps_in_a_run_of_several_processes_are_each_processs_own(tmp_path):
+    """With `directory_steps=False`, each process's manager writes its own steps: in one
+    directory, both wrote the same step files (the last rename won, silently), and in
+    directories of their own, only process 0 deleted old steps."""
+    import jckpt
+
+    found = check(run_pair("filesteps", tmp_path))
+    for p, r in found.items():
+        assert r["steps"] == [2] and r["files"] == ["step_00000002.jckpt"], r
+        _, back = jckpt.load(jckpt.Context(host=True), tmp_path / f"own{p}" / "step_00000002.jckpt")
+        np.testing.assert_array_equal(back["jckpt"]["x"], np.full(4, 2 + 10 * p, np.float32))
+    refused = [r["shared_error"] for r in found.values() if "shared_error" in r]
+    assert len(refused) == 1 and "in use: another writer (pid" in refused[0], found
+
+
 def test_typed_keys_restore_onto_a_sharding_over_both_processes(tmp_path):
     """Keys were put on one device, then moved onto the global sharding: JAX refused it with
     a ValueError outside jckpt's errors, for keys sharded and replicated alike."""
@@ -619,10 +634,34 @@ def phase_stages(jax, jckpt, result, path):
     result["ok"] = bool(ok)
 
 
+def phase_file_steps(jax, jckpt, result, path):
+    """Managers of file steps (`directory_steps=False`) in a run of several processes: each
+    process's in a directory of its own, then both in one directory."""
+    from jax.experimental import multihost_utils
+
+    own = os.path.join(path, f"own{jax.process_index()}")
+    with jckpt.CheckpointManager(own, directory_steps=False, keep_last=1) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"x": np.full(4, step + 10 * jax.process_index(), np.float32)})
+        mgr.wait_durable()
+        result["steps"] = mgr.all_steps()
+    result["files"] = sorted(os.listdir(own))
+    shared = None
+    try:
+        shared = jckpt.CheckpointManager(os.path.join(path, "shared"), directory_steps=False)
+    except jckpt.InUseError as e:
+        result["shared_error"] = str(e)
+    multihost_utils.sync_global_devices("both tried")  # while the other holds it
+    if shared is not None:
+        shared.close()
+    result["ok"] = True
+
+
 PHASES = {"lonesame": phase_lone_save_of_the_same_path, "openconflict": phase_open_beside_a_live_run,
           "meshsave": phase_mesh_save, "meshrestore": phase_mesh_restore,
           "killed": phase_killed_mid_save, "preempted": phase_preempted,
-          "stages": phase_stages}
+          "stages": phase_stages,
+          "filesteps": phase_file_steps}
 
 
 def worker(phase, process, port, path, processes=2, devices=2):
