@@ -29,11 +29,13 @@ import json
 import os
 from typing import Any
 
+from jckpt.adapters import formats
 from jckpt.errors import CheckpointError, InputError
 from jckpt.format.metadata import parse_metrics
 from jckpt.format.names import GENERATION_KEY, LINEAGE_KEY, METRICS_KEY, STEP_RE, TRAINER_STATE_NAME
 from jckpt.storage import step_directory
-from jckpt.storage.backend import backend_for
+from jckpt.storage.backend import backend_for, is_url
+from jckpt.tools.foreign_info import ForeignInfo, foreign_info
 from jckpt.tools.render import REPR_ROWS, VALUE_WIDTH, html_table, human_bytes, plural, shorten, text_table
 from jckpt.tools.summary import DirectoryInfo, FileInfo, directory_info, file_info, known_metadata, tree_size
 
@@ -48,7 +50,9 @@ class StepInfo:
       kind: `'file'`, `'directory'` (multi-process) or `'model'` (a step
         directory with the model in another format, `jckpt.services.formats`).
       size: bytes on disk (all files, for a directory).
-      entries, payload_bytes: from the step's header (None when unknown).
+      entries, payload_bytes: from the step's header; for a `'model'` step, its model
+        file's arrays and its optimizer file's entries (None when unknown: a step in a
+        bucket, a model only a `model_writer` reads).
       metrics: the metrics saved with the step.
       generation, lineage: the writer's generation counter and lineage id.
       error: why the step could not be read (None when it could).
@@ -199,12 +203,29 @@ def _model_step_info(step: int, path: str) -> StepInfo:
         record = step_directory.read_record(path, step)  # checked as the manager checks it
         meta = record['metadata']
         generation = meta.get(GENERATION_KEY)
-        return StepInfo(step, path, 'model', size,
+        entries, payload_bytes = _model_counts(path, record)
+        return StepInfo(step, path, 'model', size, entries, payload_bytes,
                         metrics=parse_metrics(json.dumps(record.get('metrics', {}))) or {},
                         generation=int(generation) if str(generation or '').isdigit() else None,
                         lineage=meta.get(LINEAGE_KEY), model=record['model'])
     except CheckpointError as e:
         return StepInfo(step, path, 'model', size, error=e.message)
+
+
+def _model_counts(path: str, record: dict[str, Any]) -> tuple[int | None, int | None]:
+    """The entries and payload bytes of a model step's model and optimizer files, read as
+    `jckpt inspect` reads each; None (shown `?`) for a step in a bucket (its model would be
+    downloaded whole), or a model no registered reader reads (a `model_writer`'s file)."""
+    fmt = record.get('model_format')
+    if is_url(path) or fmt not in formats():
+        return None, None
+    try:
+        infos: list[ForeignInfo | FileInfo] = [foreign_info(os.path.join(path, record['model']), fmt)]
+        if record.get('optimizer') is not None:
+            infos.append(file_info(os.path.join(path, record['optimizer'])))
+    except CheckpointError:  # restoring the step says what is wrong, naming the file
+        return None, None
+    return sum(len(i.entries) for i in infos), sum(i.payload_bytes for i in infos)
 
 
 def manager_info(path: str | os.PathLike, *, best_metric: str | None = None,

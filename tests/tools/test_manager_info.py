@@ -10,6 +10,7 @@ import jckpt
 from jckpt.format.names import step_name
 from jckpt.storage import backend_for
 from jckpt.tools.manager_info import ManagerInfo, StepInfo, manager_info, step_info
+from jckpt.tools.render import human_bytes
 from tests.helpers import write_arrays, write_directory
 
 
@@ -163,9 +164,24 @@ def test_step_directories_with_a_foreign_model_are_summarised_from_their_record(
                                                                           {'loss': 0.5}, 1)
     assert first.lineage == s.steps[1].lineage is not None and first.error is None
     assert s.best == 10 and 'model: model.npz' in repr(s)
+    # the model file's arrays and the optimizer file's, as `jckpt inspect` reads each
+    assert (first.entries, first.payload_bytes) == (2, 2 * 4 + 2 * 8)
+    row = repr(s).splitlines()[4]
+    assert row.split()[:4] == ['10', *human_bytes(first.size).split(), '2']
     (tmp_path / step_name(10) / 'trainer_state.json').write_text('{')
     damaged = step_info(10, str(tmp_path / step_name(10)))
     assert damaged.kind == 'model' and damaged.error.startswith('step 10: trainer_state.json is not valid')
+
+
+def test_a_model_no_registered_reader_reads_counts_no_entries(tmp_path):
+    def write_raw(tree, path):
+        tree['w'].tofile(path)
+    opts = jckpt.CheckpointOptions(format='raw', model_writer=write_raw)
+    with jckpt.CheckpointManager(tmp_path, asynchronous=False, options=opts) as mgr:
+        mgr.save(1, {'w': np.arange(4, dtype=np.float32)})
+    step = manager_info(tmp_path).steps[0]
+    assert (step.model, step.entries, step.error) == ('model.raw', None, None)
+    assert repr(manager_info(tmp_path)).splitlines()[-1].split()[3] == '?'
 
 
 def test_foreign_format_and_damaged_steps_in_a_bucket_have_their_size():
