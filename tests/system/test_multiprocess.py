@@ -443,7 +443,7 @@ def phase_lone_save_of_the_same_path(jax, jckpt, result, path):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    m = jax.make_mesh((2, 2), ("a", "b"))
+    m = jax.make_mesh((2, 2), ("a", "b"), devices=jax.devices("cpu"))
 
     def tree(version):
         return {"w": global_array(jax, "w", NamedSharding(m, P("a", "b")), version),
@@ -469,7 +469,7 @@ def phase_open_beside_a_live_run(jax, jckpt, result, path):
     try:
         with jckpt.CheckpointManager(path, keep_last=2) as mgr:
             where = "save"
-            mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+            mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")), ("x",))
             x = jax.make_array_from_callback((8,), NamedSharding(mesh, P("x")),
                                              lambda i: np.arange(8, dtype=np.float32)[i])
             mgr.save(1, {"x": x})
@@ -507,7 +507,7 @@ def mesh_tree(jax, mesh, version):
 
 def mesh_of(jax, shape):
     import numpy as np
-    return jax.sharding.Mesh(np.array(jax.devices()).reshape(shape), ("data", "model"))
+    return jax.sharding.Mesh(np.array(jax.devices("cpu")).reshape(shape), ("data", "model"))
 
 
 def check_mesh_tree(back, version):
@@ -522,7 +522,7 @@ def check_mesh_tree(back, version):
 
 def phase_mesh_save(jax, jckpt, result, path):
     """Save on a `(processes, devices)` mesh, restore onto its transpose in the same run."""
-    n, k = jax.process_count(), jax.local_device_count()
+    n, k = jax.process_count(), jax.local_device_count("cpu")
     jckpt.save(jckpt.Context(), mesh_tree(jax, mesh_of(jax, (n, k)), 1), path)
     result["ok"] = check_mesh_tree(_mesh_restore(jax, jckpt, path, (k, n)), 1)
 
@@ -542,7 +542,7 @@ def _mesh_restore(jax, jckpt, path, shape):
 
 def phase_mesh_restore(jax, jckpt, result, path):
     """Restore what another process count saved onto this run's `(devices, processes)` mesh."""
-    back = _mesh_restore(jax, jckpt, path, (jax.local_device_count(), jax.process_count()))
+    back = _mesh_restore(jax, jckpt, path, (jax.local_device_count("cpu"), jax.process_count()))
     result["ok"] = check_mesh_tree(back, 1)
 
 
@@ -550,7 +550,7 @@ def phase_killed_mid_save(jax, jckpt, result, path):
     """Every process saves version 1, then version 2, in which process KILLED dies writing."""
     import signal
 
-    n, k = jax.process_count(), jax.local_device_count()
+    n, k = jax.process_count(), jax.local_device_count("cpu")
     mesh = mesh_of(jax, (n, k))
     jckpt.save(jckpt.Context(), mesh_tree(jax, mesh, 1), path)
     if jax.process_index() == int(os.environ["KILLED"]):
@@ -574,7 +574,7 @@ def phase_preempted(jax, jckpt, result, path):
     SIGTERM at step 7 (a preemption notice) and every process saves and stops together."""
     import signal
 
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")), ("x",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
     size = 16
     saved, stopped = [], None
@@ -606,12 +606,12 @@ def phase_stages(jax, jckpt, result, path):
     from jckpt.api import multiprocess
 
     half = jax.process_count() // 2
+    everywhere = jax.sharding.Mesh(np.array(jax.devices("cpu")), ("x",))
     tree = {"empty": np.zeros((0, 3), np.float32),
             "empty_rep": jax.make_array_from_callback(
-                (0, 4), NamedSharding(jax.make_mesh((jax.device_count(),), ("x",)), P()),
-                lambda idx: np.zeros((0, 4), np.float32)[idx])}
+                (0, 4), NamedSharding(everywhere, P()), lambda idx: np.zeros((0, 4), np.float32)[idx])}
     for i in range(2):
-        mesh = jax.sharding.Mesh(np.array([d for d in jax.devices()
+        mesh = jax.sharding.Mesh(np.array([d for d in jax.devices("cpu")
                                            if (d.process_index < half) == (i == 0)]), ("x",))
         full = mesh_value("w", i)
         tree[f"stage{i}"] = jax.make_array_from_callback(
