@@ -2,6 +2,9 @@
 
 When `jax.process_count() > 1`, `jckpt.save` calls `save_directory`:
 
+0. process 0 shares its claim of the save (`jckpt.api.pairing`: the path, the
+   save's place, the line of the program making it, a digest of the leaves),
+   and every other process refuses to go on with another save than process 0's;
 1. every process writes one piece file (`process_NNNNN.jckpt`) holding the
    pieces of each array it owns (the shards whose replica 0 it holds, joined
    into one block where they touch), so each replicated piece is written once;
@@ -18,7 +21,7 @@ A directory without `index.jckpt` is never read as a checkpoint, so a
 process that dies before the barrier leaves the previous checkpoint intact.
 The directory form on disk (staging, index, publishing, reading) is
 `jckpt.storage.directory`; this module is the part that needs JAX: the
-save plan and the barriers.
+save plan and the barriers (`jckpt.api.runtime`).
 
 >>> # in every process of a jax.distributed run:
 >>> # jckpt.save(ctx, state, "ckpt")          # a directory
@@ -28,24 +31,23 @@ save plan and the barriers.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import dataclasses
 import functools
-import hashlib
-import itertools
+import json
 import os
-import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from jckpt.errors import CheckpointError, DistributedError, InputError
+from jckpt.api import pairing
+from jckpt.api.runtime import DEFAULT_BARRIER_TIMEOUT, barrier_timeout, first_line
+from jckpt.api.runtime import Runtime as _Runtime
+from jckpt.errors import CheckpointError, DistributedError
 from jckpt.format.boxes import Box, box_shape, coalesce, full_box, intersect
-from jckpt.format.entries import Entry, KeyPath, entry_for
+from jckpt.format.entries import Entry, KeyPath, entry_for, path_name
+from jckpt.format.index import IndexedArray
 from jckpt.format.layout import written_header
 from jckpt.format.limits import check_alignment
 from jckpt.format.names import (
@@ -62,165 +64,12 @@ from jckpt.storage.directory import (
     make_stage,
     publish_directory,
     reclaim_stage_dirs,
-    write_index,
     write_index_file,
 )
 from jckpt.storage.regions import ShardedSource
 from jckpt.storage.writer import ArraySource, write_checkpoint
 from jckpt.trees import pytree as tree_mod
 from jckpt.trees import to_host, transfers
-
-#: Seconds a process waits at a barrier for the others (`JCKPT_BARRIER_TIMEOUT` overrides).
-DEFAULT_BARRIER_TIMEOUT = 300.0
-_SAVES = itertools.count()  # saves begun in this process
-_SAVES_OF: collections.Counter[str] = collections.Counter()  # ... of each path
-_SAVES_LOCK = threading.Lock()
-_SAVING = 'jckpt/saving'  # key of each process's save in progress (for errors)
-
-
-def next_save(path: str) -> tuple[str, int]:
-    """This process's next save of `path`: its coordination tag (how many saves this
-    process began before) and its place among the saves of `path` (3: the 4th), which
-    process 0 shares and the others compare with their own (`_check_same_save`). A process whose save failed
-    before its barriers still took its turn, and one that saved another path alone (a debug
-    dump) is found out at the others' next save, where a mix of two states was published.
-    A save of the same path made alone, of the same tree, cannot be told apart.
-
-    >>> next_save('/ckpt/a')[1], next_save('/ckpt/a')[1]
-    (0, 1)
-    """
-    with _SAVES_LOCK:
-        k = _SAVES_OF[path]
-        _SAVES_OF[path] = k + 1
-        return f"jckpt/save/{next(_SAVES)}", k
-
-
-def barrier_timeout() -> float:
-    """The barrier timeout in seconds: `JCKPT_BARRIER_TIMEOUT` or the default."""
-    raw = os.environ.get('JCKPT_BARRIER_TIMEOUT')
-    try:
-        return float(raw) if raw else DEFAULT_BARRIER_TIMEOUT
-    except ValueError:
-        raise InputError(f"JCKPT_BARRIER_TIMEOUT={raw!r} is not a number of seconds") from None
-
-
-# --- the runtime: barriers and a key-value store through jax.distributed -------------------
-
-class _Runtime:
-    """Barriers and shared values through JAX's distributed client."""
-
-    def __init__(self, tag: str, path: str, timeout: float, processes: int,
-                 process: int) -> None:
-        # JAX's client lives in a private module; imported here so a JAX that moves it
-        # breaks only multi-process saves, not every import of jckpt.
-        from jax._src import distributed as jdist
-        self.client: Any = jdist.global_state.client
-        self.local = processes == 1  # one process: nobody to wait for
-        if self.client is None and not self.local:
-            raise DistributedError("several processes but jax.distributed is not initialized",
-                                   file=path, fix="call jax.distributed.initialize(...) in every "
-                                                  "process before saving")
-        self.tag = tag
-        self.path = path
-        self.timeout_ms = max(1, int(timeout * 1000))
-        if self.client is not None and not self.local:  # what this process saves, for errors
-            with contextlib.suppress(Exception):
-                self.client.key_value_set(f"{_SAVING}/{process}", path, allow_overwrite=True)
-
-    def _elsewhere(self) -> str:
-        """What process 0 saves instead, when it is not this save's path ('' otherwise)."""
-        try:
-            theirs = self.client.key_value_try_get(f"{_SAVING}/0")
-        except Exception:
-            return ''
-        return f"; process 0 is saving {theirs}" if theirs and theirs != self.path else ''
-
-    def share(self, key: str, value: str | None) -> str:
-        """Process 0 sets `key` to `value`; every process returns it."""
-        full = f"{self.tag}/{key}"
-        if self.local:
-            return value or ''
-        if value is not None:
-            self.client.key_value_set(full, value)
-            return value
-        try:
-            return self.client.blocking_key_value_get(full, self.timeout_ms)
-        except Exception as e:
-            raise DistributedError(f"process 0 did not start the save within "
-                                   f"{self.timeout_ms / 1000:g} s ({_first_line(e)}"
-                                   f"{self._elsewhere()})", file=self.path,
-                                   fix="every process must save the same path, the same number "
-                                       "of times; check process 0's log: it may have failed "
-                                       "or died") from None
-
-    def barrier(self, name: str, what: str) -> None:
-        if self.local:
-            return
-        start = time.monotonic()
-        try:
-            self.client.wait_at_barrier(f"{self.tag}/{name}", self.timeout_ms)
-        except Exception as e:
-            reached = [ln.strip() for ln in str(e).splitlines() if 'reached the barrier' in ln]
-            waited = time.monotonic() - start
-            outcome = ("whether it was published is not known: check the checkpoint"
-                       if name == 'published' else "nothing was published")
-            raise DistributedError(f"not every process {what} (waited {waited:.0f} s of "
-                                   f"{self.timeout_ms / 1000:g}); {outcome} "
-                                   f"({'; '.join([_first_line(e), *reached])})", file=self.path,
-                                   fix="check the other processes' logs (one may have died); "
-                                       "raise JCKPT_BARRIER_TIMEOUT if they are only slow") from None
-
-    def report(self, name: str, process: int, error: BaseException) -> None:
-        if self.local:
-            return
-        try:
-            self.client.key_value_set(f"{self.tag}/error/{name}/{process}",
-                                      _first_line(error)[:2000])
-        except Exception:
-            pass
-
-    def errors(self, name: str) -> list[str]:
-        """What the processes reported failing at phase `name` (each phase has its own)."""
-        if self.local:
-            return []
-        try:
-            pairs = self.client.key_value_dir_get(f"{self.tag}/error/{name}/")
-        except Exception:
-            return []
-        return [f"process {k.rsplit('/', 1)[-1]}: {v}" for k, v in sorted(pairs)]
-
-    def check(self, name: str) -> None:
-        errs = self.errors(name)
-        if errs:
-            raise DistributedError("the save failed in another process: " + "; ".join(errs),
-                                   file=self.path, fix="see that process's error; nothing was "
-                                   "published and the previous checkpoint is intact")
-
-    def together(self, name: str, what: str, process: int,
-                 step: Callable[[], None] | None) -> None:
-        """Run `step` here (if any), meet every process at barrier `name`, raise if one failed.
-
-        A failing step is reported to the others before this process reaches the barrier,
-        so they fail at once instead of at their timeout, and raises its own error (not the
-        barrier's). Errors are kept per phase: a peer that passed this barrier looks only at
-        this phase's, and so still meets the others at the next one.
-        """
-        if step is not None:
-            try:
-                step()
-            except BaseException as e:
-                self.report(name, process, e)
-                with contextlib.suppress(DistributedError):
-                    self.barrier(name, what)
-                raise
-        self.barrier(name, what)
-        self.check(name)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
 
 # --- the plan: what this process writes -----------------------------------------------------
 
@@ -232,6 +81,7 @@ class _Leaf:
     shape: tuple[int, ...]
     key_impl: str | None
     blocks: list[tuple[Box, Any]]  # (box, source)
+    value: Any = None  # the tree's leaf
 
 
 def _plan(items: Sequence[tuple[KeyPath, Any]], namespace: str, first_id: int,
@@ -241,12 +91,34 @@ def _plan(items: Sequence[tuple[KeyPath, Any]], namespace: str, first_id: int,
     Every process checks every leaf. A sharded array's distinct shards are
     written by the processes that own them; an array on this process's
     devices only, or a host value, is saved from process 0's copy (the other
-    processes only describe it).
+    processes only describe it), unless process 0 holds none of it (`_adopt`).
     """
     hosts = to_host.host_leaves(items, namespace=namespace, pieces=True, spread=True,
                                   fetch=process == 0)
-    return [_Leaf(first_id + n, p, h.dtype, h.shape, h.key_impl, _blocks(h))
-            for n, ((p, _), h) in enumerate(zip(items, hosts))]
+    return [_Leaf(first_id + n, p, h.dtype, h.shape, h.key_impl, _blocks(h), x)
+            for n, ((p, x), h) in enumerate(zip(items, hosts))]
+
+
+def _absent(leaves: list[_Leaf] | BaseException) -> list[int]:
+    """Process 0: its leaves it holds no part of, which other processes hold (a pipeline
+    stage on their devices): their holders write them (`_adopt`)."""
+    if isinstance(leaves, BaseException):
+        return []
+    return [n for n, leaf in enumerate(leaves)
+            if isinstance(leaf.value, jax.Array) and not leaf.value.addressable_shards]
+
+
+def _adopt(leaves: list[_Leaf], absent: Sequence[int], namespace: str) -> None:
+    """Write the leaves process 0 holds no part of (`_absent`) that this process holds
+    whole: it only described them, as it does what process 0 writes from its own copy."""
+    for n in absent:
+        leaf = leaves[n] if 0 <= n < len(leaves) else None
+        if leaf is None or leaf.blocks or not isinstance(leaf.value, jax.Array):
+            continue
+        if leaf.value.is_fully_addressable:
+            (h,) = to_host.host_leaves([(leaf.path, leaf.value)], namespace=namespace,
+                                       pieces=True, spread=True)
+            leaf.blocks = _blocks(h)
 
 
 def _blocks(h: to_host.HostLeaf) -> list[tuple[Box, Any]]:
@@ -306,7 +178,7 @@ def _shared_stage(rt: _Runtime, path: str, process: int, make: Callable[[], str]
         try:
             name = make()
         except BaseException as e:  # tell the others at once rather than at their timeout
-            rt.share('stage', '!' + _first_line(e))
+            rt.share('stage', '!' + first_line(e))
             raise
         return rt.share('stage', name)
     name = rt.share('stage', None)
@@ -344,46 +216,59 @@ def _open_stage(rt: _Runtime, path: str, process: int, stage: _Stage, backend: B
     return stage.path
 
 
-def _plan_digest(leaves: list[_Leaf] | BaseException) -> str:
+def _facts(leaves: list[_Leaf] | BaseException, namespace: str) -> list[list[Any]] | None:
     """What every process must agree on of a save's leaves: their ids, paths, dtypes, shapes
     and PRNG implementations (a host value is written from process 0's copy alone, so a
     process whose copy differs in shape or dtype is found here or not at all)."""
     if isinstance(leaves, BaseException):
-        return '-'  # raised at the barrier that follows
-    h = hashlib.sha256()
-    for leaf in leaves:
-        h.update(repr((leaf.ident, leaf.path, leaf.dtype.str, leaf.shape, leaf.key_impl))
-                 .encode('utf-8', 'surrogatepass'))
-    return h.hexdigest()[:32]
+        return None  # raised at the barrier that follows
+    return [pairing.leaf_facts(leaf.ident, f"{namespace}/{path_name(leaf.path)}", leaf.dtype,
+                               leaf.shape, leaf.key_impl) for leaf in leaves]
 
 
-def _check_same_save(first: str, mine: str) -> None:
-    """Refuse to write pieces for another save than process 0's (`'3 <digest> /ckpt'`: the
-    place `next_save` gives, `_plan_digest`'s digest, the path): its directory is the one
-    published, and a piece of another path, of another save of this path or of another
-    tree would land there."""
-    (n, their_plan, theirs), (k, plan, path) = first.split(' ', 2), mine.split(' ', 2)
-    if path != theirs:
-        raise DistributedError(f"process 0 saves to {theirs}, this process to {path}", file=path,
-                               fix="pass every process the same path, on a filesystem (or "
-                                   "object store) every process sees")
-    if n != k:
-        raise DistributedError(f"process 0 is at its save {int(n) + 1} of this path, this process "
-                               f"at its save {int(k) + 1}", file=path,
-                               fix="every process must make the same saves in the same order "
-                                   "(a save made by one process alone shifts them); restart "
-                                   "the run's processes together")
-    if '-' not in (plan, their_plan) and plan != their_plan:
-        raise DistributedError("processes disagree about the tree they save: a leaf's path, "
-                               "dtype, shape, id or PRNG implementation differs from process "
-                               "0's", file=path,
-                               fix="save the same tree in every process; a host value (numpy, "
-                                   "a number) must have the same shape and dtype in each, and "
-                                   "is saved from process 0's copy")
+def _named(rt: _Runtime, process: int, facts: list[list[Any]] | None,
+           first: pairing.Claim | None, mine: pairing.Claim, error: BaseException) -> BaseException:
+    """`error`, or where the processes disagree about the tree, an error naming the entry.
+
+    A process whose leaves differ from process 0's puts its own in the key-value
+    store before the first barrier; process 0, past it, reads them, names the first
+    leaf they differ at and puts its own for them, which they read (a few seconds
+    at most: it is there once process 0 is past the barrier they passed).
+    """
+    if facts is None or not isinstance(error, DistributedError):
+        return error
+    if process == 0:
+        theirs = rt.listed('leaves')
+        if not theirs:
+            return error
+        rt.put('leaves/0', json.dumps(facts))
+        found = pairing.difference(facts, json.loads(theirs[0][1]), f"process {theirs[0][0]}")
+    else:
+        disagrees = first is not None and '-' != first.plan != mine.plan
+        text = rt.get('leaves/0', min(30.0, rt.timeout_ms / 1000)) if disagrees else None
+        found = None if text is None else pairing.difference(facts, json.loads(text), 'process 0')
+    if found is None:
+        return error
+    return DistributedError(f"processes disagree about the tree they save: {found[1]}",
+                            file=rt.path, entry=found[0],
+                            fix="save the same tree in every process; a host value (numpy, a "
+                                "number) must have the same shape and dtype in each, and is "
+                                "saved from process 0's copy")
+
+
+def _check_complete(stage: str, arrays: Sequence[IndexedArray], expected: Sequence[str]) -> None:
+    """Refuse an index that would lack one of process 0's leaves: one no process wrote."""
+    missing = set(expected) - {a.entry.name for a in arrays}
+    if missing:
+        name = next(n for n in expected if n in missing)
+        raise DistributedError(f"no process wrote this array ({len(missing)} such in all)",
+                               file=stage, entry=name,
+                               fix="save a tree whose every array some process holds; report "
+                                   "this if one did")
 
 
 def _publish(backend: Backend, stage: _Stage, path: str, count: int, alignment: int,
-             metadata: Mapping[str, str] | None, durable: bool) -> None:
+             metadata: Mapping[str, str] | None, durable: bool, expected: Sequence[str]) -> None:
     """Process 0: index the pieces, publish the directory, then let go of its lock.
 
     In an object store the index replaces the one there with one PUT (the
@@ -391,12 +276,16 @@ def _publish(backend: Backend, stage: _Stage, path: str, count: int, alignment: 
     """
     assert stage.path is not None
     if backend is LOCAL:
-        write_index(stage.path, count, alignment, dict(metadata or {}), durable=durable)
+        names, arrays = indexed_pieces(stage.path, count)
+        _check_complete(stage.path, arrays, expected)
+        write_index_file(stage.path, names, count, arrays, alignment, dict(metadata or {}),
+                         durable=durable)
         publish_directory(stage.path, path, durable=durable)
         stage.path = None
         backend.remove(os.path.join(path, DIRECTORY_LOCK_NAME))  # held until now: never a lockless stage
         return
     names, arrays = indexed_pieces(path, count, stage.tag)
+    _check_complete(path, arrays, expected)
     replaced = object_directory.current_files(path)
     stage.path = None  # the index may be in from here on, whatever the PUT says: keep the pieces
     write_index_file(path, names, count, arrays, alignment, dict(metadata or {}), durable=durable)
@@ -413,29 +302,70 @@ def _discard(backend: Backend, stage: _Stage) -> None:
         object_directory.discard(stage.path, stage.tag)
 
 
-def _checked_write(first: str, which: str, where: str, leaves: list[_Leaf] | BaseException,
-                   *pieces: Any) -> None:
-    """Check that process 0 makes this process's save (`next_save`), then write this
-    process's pieces (or raise the error its plan met, now that the others hear of it)."""
-    _check_same_save(first, which)
+def _checked_write(first: pairing.Claim, mine: pairing.Claim, absent: Sequence[int], where: str,
+                   leaves: list[_Leaf] | BaseException, namespace: str, *pieces: Any) -> None:
+    """Check that process 0 makes this process's save (`pairing.check_claims`), then write
+    this process's pieces (or raise the error its plan met, now that the others hear of it),
+    those of the leaves process 0 holds none of (`absent`) included."""
+    pairing.check_claims(first, mine)
     if isinstance(leaves, BaseException):
         raise leaves
-    _write_pieces(where, leaves, *pieces)
+    _adopt(leaves, absent, namespace)
+    _write_pieces(where, leaves, namespace, *pieces)
+
+
+def _claimed(rt: _Runtime, process: int, mine: pairing.Claim, facts: list[list[Any]] | None,
+             values: dict[str, str], absent: list[int]
+             ) -> tuple[pairing.Claim, dict[str, str], list[int]]:
+    """Process 0's claim, `values` and `absent`, shared with every process; a process whose
+    leaves differ from process 0's puts its own where process 0 reads them (`_named`)."""
+    text = rt.share('path', json.dumps([mine.encode(), values, absent]) if process == 0 else None)
+    claim, theirs, absent = json.loads(text)
+    first = pairing.Claim.decode(claim)
+    if process and facts is not None and '-' != first.plan != mine.plan:
+        rt.put(f"leaves/{process}", json.dumps(facts))
+    return first, theirs, absent
+
+
+def _begin(path: str, timeout: float, count: int, process: int) -> tuple[_Runtime, pairing.Claim]:
+    """Take this save's turn (`pairing.next_save`, from the caller's line of the program):
+    the runtime it meets the others through, and its claim (the plan's digest still to come)."""
+    site = pairing.call_site()
+    tag, place, site_place = pairing.next_save(path, site)
+    rt = _Runtime(tag, path, timeout, count, process, announce=f"{path} from {site[0] if site else '?'}")
+    return rt, pairing.Claim(path, place, site, site_place, '-')
+
+
+def _planned(ctx: Any, tree: Any, process: int, mine: pairing.Claim
+             ) -> tuple[list[_Leaf] | BaseException, list[list[Any]] | None, pairing.Claim]:
+    """This process's plan (or the error it met, raised at the first barrier, which the
+    others are told of), its leaves' facts, and its claim with their digest."""
+    namespace = ctx.namespace
+    try:
+        leaves: list[_Leaf] | BaseException = _plan(
+            tree_mod.flatten(tree), namespace, ctx.registry.max_id(namespace) + 1, process)
+    except Exception as e:
+        leaves = e
+    facts = _facts(leaves, namespace)
+    return leaves, facts, dataclasses.replace(
+        mine, plan='-' if facts is None else pairing.plan_digest(facts))
 
 
 def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: int | None = None,
-                   metadata: Mapping[str, str] | None = None,
-                   timeout: float | None = None) -> None:
+                   metadata: Mapping[str, str] | None = None, timeout: float | None = None,
+                   returning: Sequence[str] = ()) -> dict[str, str]:
     """Save `tree` from every process of a `jax.distributed` run as a directory checkpoint.
 
     Call it (or `jckpt.save`, which calls it when `jax.process_count() > 1`)
-    from every process with the same tree structure and the same `path`, on a
-    filesystem (or object store) every process sees; a single process may call
-    it too, to write the directory form. Returns in every process
-    once the directory is published; raises `DistributedError`
-    in the surviving processes when a peer fails or does not reach a barrier within
-    `timeout` seconds (default `barrier_timeout`), and then nothing is
-    published.
+    from every process with the same tree structure and the same `path`, from
+    the same line of the program, on a filesystem (or object store) every
+    process sees; a single process may call it too, to write the directory form.
+    Returns in every process once the directory is published; raises
+    `DistributedError` in the surviving processes when a peer fails or does not
+    reach a barrier within `timeout` seconds (default `barrier_timeout`), and
+    then nothing is published. The checkpoint records process 0's `metadata`;
+    the values of its keys named in `returning` are returned in every process
+    (what a manager's processes keep of a step's metrics), with no read of the index.
 
     Example:
         ```python
@@ -445,40 +375,40 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
     backend = backend_for(path)  # before abspath, which would take a URL for a relative path
     path = os.path.abspath(os.fspath(path)) if backend is LOCAL else os.fspath(path)
     namespace = ctx.namespace
-    alignment = ctx.alignment if alignment is None else alignment
-    alignment = check_alignment(alignment, path)
+    alignment = check_alignment(ctx.alignment if alignment is None else alignment, path)
     process, count = jax.process_index(), jax.process_count()
     timeout = barrier_timeout() if timeout is None else float(timeout)
-    tag, place = next_save(path)  # first: a save that fails here still takes its turn
-    rt = _Runtime(tag, path, timeout, count, process)
-    try:
-        leaves: list[_Leaf] | BaseException = _plan(
-            tree_mod.flatten(tree), namespace, ctx.registry.max_id(namespace) + 1, process)
-    except Exception as e:  # raised at the first barrier, which the others are told of
-        leaves = e
-    which = f"{place} {_plan_digest(leaves)} {path}"  # what process 0 shares, and others compare
-
+    rt, mine = _begin(path, timeout, count, process)  # first: a failed save still takes its turn
+    leaves, facts, mine = _planned(ctx, tree, process, mine)
+    values = {k: (metadata or {})[k] for k in returning if k in (metadata or {})}
     stage = _Stage(tag=object_directory.new_tag() if backend is not LOCAL and process == 0 else '')
+    first: pairing.Claim | None = None
     try:
         with object_directory.saving(stage.tag):
-            first = rt.share('path', which if process == 0 else None)  # process 0's
+            first, values, absent = _claimed(rt, process, mine, facts, values,
+                                             _absent(leaves) if process == 0 else [])
             where = _open_stage(rt, path, process, stage, backend)
             save = stage.tag or os.path.basename(where)  # the same in every process
             rt.together('written', 'wrote its pieces', process, functools.partial(
-                _checked_write, first, which, where, leaves, namespace, alignment, process,
+                _checked_write, first, mine, absent, where, leaves, namespace, alignment, process,
                 ctx.durable, stage.tag, save))
             rt.together('published', 'saw the checkpoint published', process, None if process else (
                 lambda: _publish(backend, stage, path, count, alignment,
-                                 {**(metadata or {}), SAVE_KEY: save}, ctx.durable)))
+                                 {**(metadata or {}), SAVE_KEY: save}, ctx.durable,
+                                 [f[1] for f in facts or ()])))
     except BaseException as e:
+        named = _named(rt, process, facts, first, mine, e)
         if process == 0:
             _discard(backend, stage)
-        if isinstance(e, CheckpointError) and stage.path:
-            e.published_as(stage.path, path)  # the staging directory is gone
-        raise
+        if isinstance(named, CheckpointError) and stage.path:
+            named.published_as(stage.path, path)  # the staging directory is gone
+        if named is e:
+            raise
+        raise named from None
     finally:
         if stage.lock_fd >= 0:
             os.close(stage.lock_fd)
+    return values
 
 
 __all__ = ['DEFAULT_BARRIER_TIMEOUT', 'barrier_timeout', 'save_directory']

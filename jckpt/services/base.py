@@ -79,9 +79,16 @@ class BackgroundWriter(Generic[InfoT]):
         self.backend = backend
         check_name(lineage, name)
         check_flag(new_lineage, 'new_lineage', name, optional=False)
-        self._lease = backend.lease(lease)
+        held, failure = None, None
         try:
+            held = backend.lease(lease)
             refuse_if_held(rivals, file=name)  # before recovery touches anything there
+        except Exception as e:
+            failure = e
+        try:
+            self._opened(failure)
+            assert held is not None
+            self._lease = held
             latest = self._recover()
             found, digest = None, None
             if latest is not None and not new_lineage:
@@ -95,10 +102,17 @@ class BackgroundWriter(Generic[InfoT]):
                 patience=patience, generation=opened.generation, owner=self,
                 image_bytes=device_image_bytes)
         except BaseException:
-            self._lease.release()
+            if held is not None:
+                held.release()
             raise
 
     # What a subclass says.
+
+    def _opened(self, failure: BaseException | None) -> None:
+        """Raise `failure`, met taking the lease (default); a writer of several processes
+        raises in every one what any of them met (`jckpt.api.runtime.agree`)."""
+        if failure is not None:
+            raise failure
 
     def _recover(self) -> str | None:
         """Clear what a writer that died left; return the latest durable checkpoint, if any."""

@@ -1,10 +1,9 @@
 """`CheckpointManager`: one checkpoint per training step in a directory, written in the background.
 
-Each step is its own file, `step_00000100.jckpt` (or a directory of that
-name for a multi-process save), published atomically; saves go through the
-mirror's machinery (a host snapshot in a free slot, then a background writer),
-so training blocks only for the device-to-host copy. Metrics and a
-`TrainerState` travel in the file's metadata.
+Each step is its own file, `step_00000100.jckpt` (or a directory of that name for a
+multi-process save), published atomically; saves go through the mirror's machinery (a
+host snapshot in a free slot, then a background writer), so training blocks only for
+the device-to-host copy. Metrics and a `TrainerState` travel in the file's metadata.
 With `options=CheckpointOptions(format="llmc")` (or another registered format) a
 step is instead a directory whose model file another toolchain reads directly,
 beside `optimizer.jckpt` and `trainer_state.json` (`jckpt.services.formats`).
@@ -43,6 +42,7 @@ import jax
 
 from jckpt.api.context import Context, check_context, check_flag
 from jckpt.api.multiprocess import save_directory
+from jckpt.api.runtime import agree
 from jckpt.errors import FormatError, InputError, StorageError, naming_file
 from jckpt.format.metadata import check_metadata
 from jckpt.format.names import (
@@ -129,7 +129,8 @@ class CheckpointManager(BackgroundWriter[_Step]):
         preemption (`reached_preemption` then says True).
       directory_steps: write each step as a multi-process directory checkpoint
         (`jckpt.api.multiprocess`), synchronously, from every process. Default:
-        when `jax.process_count() > 1`. Only process 0 deletes old steps.
+        when `jax.process_count() > 1`. Only process 0 deletes old steps. `False`
+        with several processes: this process's own steps (a directory of its own).
       options: how steps are written (`jckpt.CheckpointOptions`: one jckpt file, or a
         directory with the model in another format; see `jckpt.services.formats`);
         `save` may override it.
@@ -176,6 +177,8 @@ class CheckpointManager(BackgroundWriter[_Step]):
         self.process_index, self.process_count = jax.process_index(), jax.process_count()
         self.directory_steps = (self.process_count > 1 if directory_steps is None
                                 else bool(directory_steps))
+        self._rank, self._ranks = ((self.process_index, self.process_count)  # who writes the steps
+                                   if self.directory_steps else (0, 1))  # file steps: this process
         self._retention = Retention(keep_last, keep_every, keep_best, best_metric, best_mode)
         if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
             raise InputError(f"save_interval_steps must be a positive integer, "
@@ -193,7 +196,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
         self._metrics: dict[int, dict[str, float]] = {}
         self._folders: set[int] = set()  # the steps stored as directories (prefixes), not files
         self._last_admitted: int | None = None
-        lease, rivals = steps.leases(self.directory, self.process_index, self.process_count)
+        lease, rivals = steps.leases(self.directory, self._rank, self._ranks)
         self._preemption = Preemption(handle_sigterm)
         try:
             super().__init__(self.directory, backend=backend, lease=lease, rivals=rivals, ctx=ctx,
@@ -209,13 +212,17 @@ class CheckpointManager(BackgroundWriter[_Step]):
     def _path(self, step: int) -> str:
         return os.path.join(self.directory, step_name(step))
 
+    def _opened(self, failure: BaseException | None) -> None:
+        """Every process raises at open what one met taking its lease (`runtime.agree`)."""
+        agree("opening the manager", os.path.abspath(self.directory) if self.backend is LOCAL
+              else self.directory, failure, process=self._rank, processes=self._ranks)
+
     def _recover(self) -> str | None:
-        found = steps.recover(self.backend, self.directory, clean=self.process_index == 0)
+        found = steps.recover(self.backend, self.directory, clean=self._rank == 0)
         steps.say_if_orbax(self.directory, found.metrics)
         with self._lock:
             self._metrics, self._folders, self._found = found.metrics, set(found.folders), found.latest
-        latest = self.latest_step()
-        return None if latest is None else self._path(latest)
+        return None if (latest := self.latest_step()) is None else self._path(latest)
 
     def all_steps(self) -> list[int]:
         """Every durable step in the directory, ascending."""
@@ -224,8 +231,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
 
     def latest_step(self) -> int | None:
         """The latest durable step, or `None` if there is none."""
-        steps = self.all_steps()
-        return steps[-1] if steps else None
+        return (self.all_steps() or [None])[-1]
 
     def best_step(self, metric: str | None = None, mode: str | None = None) -> int | None:
         """The durable step with the best `metric` (default `best_metric`), or `None`."""
@@ -298,7 +304,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
                                  f"{type(trainer_state).__name__}", file=self.directory)
             meta[TRAINER_STATE_KEY] = trainer_state.to_json()
         if self.directory_steps:
-            self._save_directory(step, tree, items, meta, clean_metrics)
+            self._save_directory(step, tree, items, meta)
             return True
         trees = items if items is not None else {self.ctx.namespace: tree}
         formats.check_model(options, trees, model_ns, step, self._path(step))  # before admitting
@@ -338,14 +344,16 @@ class CheckpointManager(BackgroundWriter[_Step]):
                              fix="save increasing steps (delete later steps to rewind)")
 
     def _save_directory(self, step: int, tree: Any, items: Mapping[str, Any] | None,
-                        meta: dict[str, str], metrics: dict[str, float]) -> None:
+                        meta: dict[str, str]) -> None:
         if items is not None:
             raise InputError("directory steps hold one namespace: pass tree, not items",
                              file=self.directory)
+        recorded: dict[str, str] = {}  # process 0's metrics, which every process keeps
 
         def write(generation: int) -> None:
             self._lease.check()  # a writer whose lease was taken over writes nothing more
-            save_directory(self.ctx, tree, self._path(step), metadata=self._stamped(meta, generation))
+            recorded.update(save_directory(self.ctx, tree, self._path(step), returning=(METRICS_KEY,),
+                                           metadata=self._stamped(meta, generation)))
             self._mark_published(generation)
 
         self._lease.check()
@@ -353,11 +361,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
         self._last_admitted = step
         self._folders.add(step)
         self._lease.check()  # nor deletes, by retention
-        if self.process_count > 1:  # keep the metrics the step records (process 0's), as all do
-            path = self._path(step)
-            metrics = steps.parse_metrics(steps.read_metadata(path, prefix=False).get(METRICS_KEY),
-                                          path)
-        self._record(step, metrics)
+        self._record(step, steps.parse_metrics(recorded.get(METRICS_KEY), self._path(step)))
 
     def _target(self, info: _Step) -> str:
         return self._path(info.step)
@@ -404,11 +408,11 @@ class CheckpointManager(BackgroundWriter[_Step]):
         for s in doomed:
             with self._lock:
                 self._metrics.pop(s, None)
-            if self.process_index != 0:  # every process drops it; process 0 deletes it
+            if self._rank != 0:  # every process drops it; process 0 deletes it
                 continue
             steps.remove_step(self.backend, self._path(s), folder=s in self._folders)
             self._folders.discard(s)
-        if doomed and self.ctx.durable and self.process_index == 0 and self.backend is LOCAL:
+        if doomed and self.ctx.durable and self._rank == 0 and self.backend is LOCAL:
             fsync_dir(self.directory)
 
     # --- restoring -------------------------------------------------------------

@@ -75,7 +75,9 @@ def put(array: np.ndarray, placement: Any) -> jax.Array:
             if box not in read:
                 read[box] = sharding_mod.read_box(array, box)
             return read[box]
-        return jax.make_array_from_callback(array.shape, placement, shard)
+        # the dtype too: a process holding none of the array's devices (a pipeline stage
+        # of other processes) calls `shard` for nothing, so JAX cannot infer it
+        return jax.make_array_from_callback(array.shape, placement, shard, dtype=array.dtype)
     return jax.device_put(np.asarray(array), placement)
 
 

@@ -36,15 +36,17 @@ def expected(name, version):
             + 1000 * version)
 
 
-def run_pair(phase, path, extra_env=None, timeout=WORKER_TIMEOUT):
-    """Run two worker processes of one jax.distributed run; return their (rc, output, seconds)."""
+def run_pair(phase, path, extra_env=None, timeout=WORKER_TIMEOUT, processes=2, devices=2):
+    """Run the worker processes of one jax.distributed run (two, of two CPU devices each, unless
+    told otherwise); return their (rc, output, seconds)."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                **(extra_env or {}))
     env.pop("XLA_FLAGS", None)  # the worker sets its own
-    procs = [subprocess.Popen([sys.executable, HERE, phase, str(i), str(port), str(path)],
+    procs = [subprocess.Popen([sys.executable, HERE, phase, str(i), str(port), str(path),
+                               str(processes), str(devices)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
+             for i in range(processes)]
     out = []
     start = time.monotonic()
     for p in procs:
@@ -142,7 +144,8 @@ def test_a_process_that_dies_before_the_barrier_publishes_nothing(tmp_path):
     assert 0 in found and 1 not in found, "\n\n".join(text[-3000:] for _, text, _ in out)
     survivor = found[0]
     assert survivor["error_type"] == "DistributedError", survivor
-    assert "of 4)" in survivor["error"] and "nothing was published" in survivor["error"]
+    assert "of 4; process 1 did not come)" in survivor["error"], survivor
+    assert "nothing was published" in survivor["error"]
     assert survivor["seconds"] < 30, survivor
     assert out[1][0] not in (0, None)
     # the previous checkpoint is intact and no staging directory is left behind
@@ -171,7 +174,10 @@ def test_processes_saving_different_trees_fail_at_once_each_with_the_real_error(
         assert not found[0]["ok"] and not found[1]["ok"], found
         for r in found.values():
             assert "not every process" not in r["error"] and r["seconds"] < 30, r
-        assert "disagree" in found[0]["error"] + found[1]["error"]
+        for r in found.values():  # each names the entry, and says what each process has
+            assert "entry jckpt/extra: processes disagree about the tree they save" in r["error"], r
+        assert "this process saves it (float32[3]), process 0 does not" in found[1]["error"]
+        assert "process 1 saves it (float32[3]), this process does not" in found[0]["error"]
     assert sorted(os.listdir(tmp_path)) == []
 
 
@@ -198,13 +204,35 @@ def test_a_save_made_by_one_process_alone_never_publishes_a_mix(tmp_path):
     import jckpt
 
     d = tmp_path / "ckpt"
-    found = check(run_pair("alone", d, {"JCKPT_BARRIER_TIMEOUT": "20"}))
+    found = check(run_pair("alone", d, {"JCKPT_BARRIER_TIMEOUT": "10"}))
     errors = [m for r in found.values() for t, m, _ in r["attempts"] if t is not None]
     assert any("process 0 is at its save" in m or "process 0 saves to" in m for m in errors)
     if d.exists():  # whatever was published is one version, never a mix
         _, back = jckpt.load(jckpt.Context(host=True), d)
         step = int(back["jckpt"]["step"]) - 100
         np.testing.assert_array_equal(back["jckpt"]["w"], expected("w", step))
+
+
+def test_a_save_of_the_same_path_by_one_process_alone_is_refused_not_mixed(tmp_path):
+    """Process 0 saved the run's path alone (a dump the other process never made): its save paired
+    with process 1's next one, and both published a checkpoint mixing two versions as a success."""
+    import jckpt
+
+    d = tmp_path / "ckpt"
+    found = check(run_pair("lonesame", d))
+    (lone, p0), (p1, p1b) = found[0]["attempts"], found[1]["attempts"]
+    assert [t for t, _, _ in (lone, p0, p1, p1b)] == ["DistributedError"] * 4, found
+    assert "process 0 makes this save from test_multiprocess.py:" in p1[1], p1
+    assert "made by one process alone" in p1[1] and "(phase_lone_save_of_the_same_path)" in p1[1]
+    assert "process 0 makes this save from" in lone[1], lone  # process 0 is told too
+    assert "process 0 is at its save 1 of this path from test_multiprocess.py" in p1b[1], p1b
+    assert "this process at its save 2" in p1b[1], p1b
+    assert all(s < 15 for _, _, s in (lone, p0, p1, p1b)), found  # at once, not at a timeout
+    if d.exists():  # whatever was published is one version, never a mix
+        _, back = jckpt.load(jckpt.Context(host=True), d)
+        step = int(back["jckpt"]["step"]) - 100
+        np.testing.assert_array_equal(back["jckpt"]["w"], expected("w", step))
+    assert sorted(os.listdir(tmp_path)) in ([], ["ckpt"])
 
 
 def test_a_host_value_of_another_shape_in_one_process_is_refused(tmp_path):
@@ -229,6 +257,144 @@ def test_a_managers_processes_agree_on_its_steps_whatever_metrics_each_passes(tm
     found = check(run_pair("best", tmp_path / "run"))
     assert found[0]["steps"] == found[1]["steps"] == [1, 5], found
     assert found[0]["best"] == found[1]["best"] == 1, found
+    # process 0's metrics come with the save: no process reads a step's index back for them
+    assert [r["index_reads"] for r in found.values()] == [[], []], found
+
+
+def test_a_manager_opened_beside_a_live_run_fails_at_open_in_every_process(tmp_path):
+    """Four processes opened a manager on the directory of a live two-process run (which holds
+    the leases of its processes 0 and 1): processes 0 and 1 were refused at open, 2 and 3
+    opened and failed at their first save, after a barrier's timeout."""
+    from jckpt.storage.lease import WriterLease
+
+    d = tmp_path / "run"
+    d.mkdir()
+    live = [WriterLease(d / f".process{p:05d}") for p in range(2)]  # what the live run holds
+    try:
+        found = check(run_pair("openconflict", d, {"JCKPT_BARRIER_TIMEOUT": "15"}, processes=4),
+                      n=4)
+    finally:
+        for lease in live:
+            lease.release()
+    assert {(r["error_type"], r["where"]) for r in found.values()} == {("InUseError", "open")}, found
+    (error,) = {r["error"] for r in found.values()}  # the same error in every process
+    assert "process 0: in use" in error and "process 1: in use" in error, error
+    assert f"(pid {os.getpid()})" in error and "process 2" not in error, error
+    assert all(r["seconds"] < 10 for r in found.values()), found
+    assert not [n for n in os.listdir(d) if n.startswith("step_")]
+
+
+def test_4_processes_save_on_a_2d_mesh_and_2_processes_restore_onto_another(tmp_path):
+    """4 processes x 2 devices save on a (4, 2) mesh and restore onto its transpose; 2 processes
+    x 3 devices restore onto a (3, 2) mesh, each device reading its own slice; one process
+    loads it all."""
+    import jckpt
+    from tests.system.test_multiprocess import MESH_SHAPES, mesh_value
+
+    d = tmp_path / "ckpt"
+    assert all(r["ok"] for r in check(run_pair("meshsave", d, processes=4), n=4).values())
+    assert sorted(os.listdir(d)) == ["index.jckpt", *(f"process_0000{p}.jckpt" for p in range(4))]
+    assert all(r["ok"] for r in check(run_pair("meshrestore", d, devices=3)).values())
+    _, back = jckpt.load(jckpt.Context(host=True), d)
+    for name in (*MESH_SHAPES, "step"):
+        np.testing.assert_array_equal(back["jckpt"][name], mesh_value(name, 1))
+
+
+def test_a_process_killed_mid_save_fails_the_others_and_leaves_the_last_checkpoint(tmp_path):
+    """Process 2 of 4 is killed while it writes its piece of the second save: the others get a
+    DistributedError naming it once the barrier's timeout passes, and the first save stays."""
+    import jckpt
+    from tests.system.test_multiprocess import MESH_SHAPES, mesh_value
+
+    d = tmp_path / "ckpt"
+    out = run_pair("killed", d, {"KILLED": "2", "JCKPT_BARRIER_TIMEOUT": "5"}, processes=4,
+                   timeout=60)
+    found = results(out)
+    assert sorted(found) == [0, 1, 3] and out[2][0] == -9, "\n\n".join(t[-2000:] for _, t, _ in out)
+    for r in found.values():
+        assert r["error_type"] == "DistributedError" and r["seconds"] < 20, r
+        assert "not every process wrote its pieces" in r["error"], r
+        assert "process 2 did not come" in r["error"] and "nothing was published" in r["error"], r
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # its half-written piece went with the stage
+    _, back = jckpt.load(jckpt.Context(host=True), d)
+    for name in (*MESH_SHAPES, "step"):
+        np.testing.assert_array_equal(back["jckpt"][name], mesh_value(name, 1))
+
+
+def test_a_preempted_managers_processes_stop_together_and_one_process_resumes(tmp_path):
+    """SIGTERM reaches process 1 alone: both processes save the same step and stop; retention
+    keeps the same steps in both; one process of 4 devices resumes from that step."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jckpt
+    from tests.helpers import cpu_mesh
+
+    d = tmp_path / "run"
+    found = check(run_pair("preempted", d))
+    stopped = found[0]["stopped"]
+    assert stopped is not None and stopped >= 7 and found[1]["stopped"] == stopped, found
+    assert found[0]["saved"] == found[1]["saved"] and found[0]["saved"][-1] == stopped, found
+    saved = found[0]["saved"]
+    kept = sorted(set(saved[-2:]) | {s for s in saved if s % 4 == 0})  # keep_last=2, keep_every=4
+    assert found[0]["steps"] == found[1]["steps"] == kept, found
+    assert sorted(os.listdir(d)) == [f"step_{s:08d}.jckpt" for s in kept]
+    assert found[0]["restored"] == found[1]["restored"] == [stopped, stopped], found
+    sharding = NamedSharding(cpu_mesh((4,), ("x",)), P("x"))
+    with jckpt.CheckpointManager(d, keep_last=2, keep_every=4) as mgr:  # the same lineage, resumed
+        back = mgr.restore(target={"x": jax.ShapeDtypeStruct((16,), np.float32, sharding=sharding)})
+        assert back.step == stopped and back.tree["x"].sharding == sharding
+        np.testing.assert_array_equal(np.asarray(back.tree["x"]), np.full(16, stopped, np.float32))
+        mgr.save(stopped + 1, {"x": np.full(16, stopped + 1, np.float32)})
+        mgr.wait_durable()
+        assert mgr.all_steps() == sorted({kept[-1], stopped + 1} | {s for s in kept if s % 4 == 0})
+
+
+def test_processes_opening_managers_on_different_directories_fail_at_open(tmp_path):
+    found = check(run_pair("openconflict", tmp_path / "run", {"OWN_DIRECTORY": "1",
+                                                              "JCKPT_BARRIER_TIMEOUT": "30"}))
+    (error,) = {r["error"].split(": ", 1)[1] for r in found.values()}  # the same, but for the file
+    assert {(r["error_type"], r["where"]) for r in found.values()} == {("DistributedError", "open")}
+    assert error.startswith("opening the manager: the processes name different paths (process 0: "
+                            f"{tmp_path / 'run-0'}; process 1: {tmp_path / 'run-1'})"), error
+    assert all(r["seconds"] < 15 for r in found.values()), found
+
+
+def test_pipeline_stages_on_other_processes_devices_are_saved_and_restored(tmp_path):
+    """An array on process 1's devices only (a pipeline stage) was written by no process: process
+    0, which saves what is whole in one process, holds none of it, and process 1 left it to
+    process 0. The save published a checkpoint without it, and restoring it onto its sharding
+    raised JAX's ValueError in process 0 (no shard of it there to infer the dtype from)."""
+    import jckpt
+    from tests.system.test_multiprocess import mesh_value
+
+    d = tmp_path / "ckpt"
+    found = check(run_pair("stages", d))
+    for r in found.values():
+        assert r["ok"], r
+        kind, message, _ = r["unwritten"]  # a save that writes no piece of an array fails
+        assert kind == "DistributedError" and "entry jckpt/stage1: no process wrote this array" \
+            in message, r
+    _, back = jckpt.load(jckpt.Context(host=True), d)
+    for i in range(2):
+        np.testing.assert_array_equal(back["jckpt"][f"stage{i}"], mesh_value("w", i))
+    assert back["jckpt"]["empty"].shape == (0, 3)
+
+
+def test_managers_of_file_steps_in_a_run_of_several_processes_are_each_processs_own(tmp_path):
+    """With `directory_steps=False`, each process's manager writes its own steps: in one
+    directory, both wrote the same step files (the last rename won, silently), and in
+    directories of their own, only process 0 deleted old steps."""
+    import jckpt
+
+    found = check(run_pair("filesteps", tmp_path))
+    for p, r in found.items():
+        assert r["steps"] == [2] and r["files"] == ["step_00000002.jckpt"], r
+        _, back = jckpt.load(jckpt.Context(host=True), tmp_path / f"own{p}" / "step_00000002.jckpt")
+        np.testing.assert_array_equal(back["jckpt"]["x"], np.full(4, 2 + 10 * p, np.float32))
+    refused = [r["shared_error"] for r in found.values() if "shared_error" in r]
+    assert len(refused) == 1 and "in use: another writer (pid" in refused[0], found
 
 
 def test_typed_keys_restore_onto_a_sharding_over_both_processes(tmp_path):
@@ -279,68 +445,6 @@ def test_orbax_checkpoints_sharded_across_two_processes_restore_onto_one_process
                                   ["jckpt"]["w"], expected("w", 1))
 
 
-class FakeClient:
-    """What _Runtime asks of JAX's distributed client: a key-value store and barriers, one
-    process's view; `blocked` barriers time out as a missing peer makes them."""
-
-    def __init__(self, blocked=()):
-        self.kv, self.blocked, self.met = {}, set(blocked), []
-
-    def key_value_set(self, key, value):
-        self.kv[key] = value
-
-    def key_value_dir_get(self, prefix):
-        return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
-
-    def wait_at_barrier(self, name, timeout_ms):
-        self.met.append(name.rsplit("/", 1)[1])
-        if name.rsplit("/", 1)[1] in self.blocked:
-            raise RuntimeError("DEADLINE_EXCEEDED: Barrier timed out. # of tasks that reached the "
-                               "barrier: 1/2")
-
-
-def runtime(client):
-    from jckpt.api import multiprocess
-    rt = multiprocess._Runtime.__new__(multiprocess._Runtime)
-    rt.client, rt.local, rt.tag, rt.path, rt.timeout_ms = client, False, "t", "ckpt", 5000
-    return rt
-
-
-def test_a_peer_checks_only_the_phase_it_passed():
-    """Process 0's publish error, reported while a peer still checked the phase before, made the
-    peer fail there and never meet process 0 at the last barrier."""
-    import jckpt
-    client = FakeClient()
-    rt = runtime(client)
-    rt.report("published", 0, ValueError("processes disagree about this array"))
-    rt.together("written", "wrote its pieces", 1, None)  # passes: not this phase's error
-    with pytest.raises(jckpt.DistributedError, match="process 0: processes disagree"):
-        rt.together("published", "saw the checkpoint published", 1, None)
-    assert client.met == ["written", "published"]  # it met process 0 at both barriers
-
-
-def test_a_failing_step_raises_its_own_error_not_the_barriers():
-    client = FakeClient(blocked={"published"})
-    rt = runtime(client)
-
-    def publish():
-        raise ValueError("the index could not be written")
-
-    with pytest.raises(ValueError, match="the index could not be written"):
-        rt.together("published", "saw the checkpoint published", 0, publish)
-    assert client.kv == {"t/error/published/0": "the index could not be written"}
-
-
-def test_a_barrier_that_times_out_says_what_is_known():
-    import jckpt
-    rt = runtime(FakeClient(blocked={"written", "published"}))
-    with pytest.raises(jckpt.DistributedError, match="nothing was published"):
-        rt.barrier("written", "wrote its pieces")
-    with pytest.raises(jckpt.DistributedError, match="whether it was published is not known") as e:
-        rt.barrier("published", "saw the checkpoint published")
-    assert "of 5)" in str(e.value) and "reached the barrier: 1/2" in str(e.value)
-
-
 # --- the worker ------------------------------------------------------------------------------
 
 def _attempt(jckpt, tree, path, timeout=None):
@@ -354,13 +458,245 @@ def _attempt(jckpt, tree, path, timeout=None):
         return [type(e).__name__, str(e), time.monotonic() - start]
 
 
-def worker(phase, process, port, path):
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+def global_array(jax, name, sharding, version):
+    """`expected(name, version)` as a global array on `sharding`, each process putting its part."""
+    full = expected(name, version)
+    return jax.make_array_from_callback(full.shape, sharding, lambda idx: full[idx])
+
+
+def phase_lone_save_of_the_same_path(jax, jckpt, result, path):
+    """Process 0 dumps the state alone to the path the run saves to, then both save twice."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    m = jax.make_mesh((2, 2), ("a", "b"), devices=jax.devices("cpu"))
+
+    def tree(version):
+        return {"w": global_array(jax, "w", NamedSharding(m, P("a", "b")), version),
+                "step": expected("step", version)}
+
+    attempts = []
+    if jax.process_index() == 0:  # a mistake: a save the other process does not make
+        attempts.append(_attempt(jckpt, tree(1), path, timeout=20))
+    for version in (2,) if jax.process_index() == 0 else (2, 3):  # process 1 saves once more
+        attempts.append(_attempt(jckpt, tree(version), path, timeout=20))
+    result.update(ok=True, attempts=attempts)
+
+
+def phase_open_beside_a_live_run(jax, jckpt, result, path):
+    """A manager opened in every process of this run, on a directory another run writes."""
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    start, where = time.monotonic(), "open"
+    if os.environ.get("OWN_DIRECTORY"):  # a mistake: each process its own directory
+        path = f"{path}-{jax.process_index()}"
+    try:
+        with jckpt.CheckpointManager(path, keep_last=2) as mgr:
+            where = "save"
+            mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")), ("x",))
+            x = jax.make_array_from_callback((8,), NamedSharding(mesh, P("x")),
+                                             lambda i: np.arange(8, dtype=np.float32)[i])
+            mgr.save(1, {"x": x})
+        result["ok"] = True
+    except jckpt.CheckpointError as e:
+        result.update(error_type=type(e).__name__, error=str(e), where=where)
+    result["seconds"] = time.monotonic() - start
+
+
+MESH_SHAPES = {"w": (24, 12), "b": (12,), "rep": (4, 4)}
+
+
+def mesh_value(name, version):
+    """The global value of each array of the mesh phases."""
+    if name == "step":
+        return np.int32(100 + version)
+    shape = MESH_SHAPES[name]
+    return np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape) + 1000 * version
+
+
+def mesh_tree(jax, mesh, version):
+    """A state on a 2-d mesh `("data", "model")` of every process's devices."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    specs = {"w": P("data", "model"), "b": P("model"), "rep": P()}
+    tree = {}
+    for name, spec in specs.items():
+        full = mesh_value(name, version)
+        tree[name] = jax.make_array_from_callback(full.shape, NamedSharding(mesh, spec),
+                                                  lambda idx, full=full: full[idx])
+    tree["step"] = mesh_value("step", version)
+    return tree
+
+
+def mesh_of(jax, shape):
+    import numpy as np
+    return jax.sharding.Mesh(np.array(jax.devices("cpu")).reshape(shape), ("data", "model"))
+
+
+def check_mesh_tree(back, version):
+    """Every shard this process holds has the value saved; the step too."""
+    ok = int(back["step"]) == int(mesh_value("step", version))
+    for name in MESH_SHAPES:
+        full = mesh_value(name, version)
+        for shard in back[name].addressable_shards:
+            ok &= bool(np.array_equal(np.asarray(shard.data), full[shard.index]))
+    return ok
+
+
+def phase_mesh_save(jax, jckpt, result, path):
+    """Save on a `(processes, devices)` mesh, restore onto its transpose in the same run."""
+    n, k = jax.process_count(), jax.local_device_count("cpu")
+    jckpt.save(jckpt.Context(), mesh_tree(jax, mesh_of(jax, (n, k)), 1), path)
+    result["ok"] = check_mesh_tree(_mesh_restore(jax, jckpt, path, (k, n)), 1)
+
+
+def _mesh_restore(jax, jckpt, path, shape):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = mesh_of(jax, shape)
+    specs = {"w": P("model", "data"), "b": P("data"), "rep": P(None, "model")}
+    target = {name: jax.ShapeDtypeStruct(MESH_SHAPES[name], np.float32,
+                                         sharding=NamedSharding(mesh, spec))
+              for name, spec in specs.items()}
+    target["step"] = 0
+    return jckpt.restore(jckpt.Context(), target, path)
+
+
+def phase_mesh_restore(jax, jckpt, result, path):
+    """Restore what another process count saved onto this run's `(devices, processes)` mesh."""
+    back = _mesh_restore(jax, jckpt, path, (jax.local_device_count("cpu"), jax.process_count()))
+    result["ok"] = check_mesh_tree(back, 1)
+
+
+def phase_killed_mid_save(jax, jckpt, result, path):
+    """Every process saves version 1, then version 2, in which process KILLED dies writing."""
+    import signal
+
+    n, k = jax.process_count(), jax.local_device_count("cpu")
+    mesh = mesh_of(jax, (n, k))
+    jckpt.save(jckpt.Context(), mesh_tree(jax, mesh, 1), path)
+    if jax.process_index() == int(os.environ["KILLED"]):
+        from jckpt.api import multiprocess
+
+        def dying(stage, *args, **kwargs):  # killed with a piece half written into the stage
+            with open(os.path.join(stage, f".process_{jax.process_index():05d}.jckpt.partial"),
+                      "wb") as f:
+                f.write(b"jckpt half a piece")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        multiprocess._write_pieces = dying
+    result.update(ok=True, **dict(zip(("error_type", "error", "seconds"),
+                                      _attempt(jckpt, mesh_tree(jax, mesh, 2), path))))
+    print("RESULT " + json.dumps(result), flush=True)
+    os._exit(0)  # a peer is gone: skip jax.distributed's shutdown barrier
+
+
+def phase_preempted(jax, jckpt, result, path):
+    """A manager saving every 3rd step, keeping the last 2 and every 4th; process 1 gets
+    SIGTERM at step 7 (a preemption notice) and every process saves and stops together."""
+    import signal
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    size = 16
+    saved, stopped = [], None
+    with jckpt.CheckpointManager(path, keep_last=2, keep_every=4, save_interval_steps=3) as mgr:
+        for step in range(1, 100):
+            x = jax.make_array_from_callback((size,), sharding,
+                                             lambda i, s=step: np.full(size, s, np.float32)[i])
+            if step == 7 and jax.process_index() == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+            if mgr.save(step, {"x": x}):
+                saved.append(step)
+            if mgr.reached_preemption(step):
+                stopped = step
+                break
+            time.sleep(0.05)  # a training step
+        mgr.wait_durable()
+        back = mgr.restore(target={"x": x})
+        result.update(ok=True, saved=saved, stopped=stopped, steps=mgr.all_steps(),
+                      restored=[back.step, float(np.asarray(back.tree["x"].addressable_shards[0].data)[0])])
+
+
+def phase_stages(jax, jckpt, result, path):
+    """Pipeline stages: each array on the devices of half the processes only (one process of
+    two: none on process 0's devices), beside empty arrays. A first save, in which the
+    processes holding what process 0 does not leave it unwritten (as they did), is refused."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jckpt.api import multiprocess
+
+    half = jax.process_count() // 2
+    everywhere = jax.sharding.Mesh(np.array(jax.devices("cpu")), ("x",))
+    tree = {"empty": np.zeros((0, 3), np.float32),
+            "empty_rep": jax.make_array_from_callback(
+                (0, 4), NamedSharding(everywhere, P()), lambda idx: np.zeros((0, 4), np.float32)[idx])}
+    for i in range(2):
+        mesh = jax.sharding.Mesh(np.array([d for d in jax.devices("cpu")
+                                           if (d.process_index < half) == (i == 0)]), ("x",))
+        full = mesh_value("w", i)
+        tree[f"stage{i}"] = jax.make_array_from_callback(
+            full.shape, NamedSharding(mesh, P("x")), lambda idx, full=full: full[idx],
+            dtype=full.dtype)  # a process holding none of it calls nothing: JAX needs the dtype
+    adopt = getattr(multiprocess, "_adopt", None)
+    multiprocess._adopt = lambda *args: None
+    result["unwritten"] = _attempt(jckpt, tree, path, timeout=30)
+    multiprocess._adopt = adopt
+    try:
+        jckpt.save(jckpt.Context(), tree, path)
+        back = jckpt.restore(jckpt.Context(), tree, path)
+    except Exception as e:
+        result["error"] = f"{type(e).__name__}: {e}"
+        return
+    ok = back["empty"].shape == (0, 3) and back["empty_rep"].shape == (0, 4)
+    for i in range(2):
+        for shard in back[f"stage{i}"].addressable_shards:
+            ok &= bool(np.array_equal(np.asarray(shard.data), mesh_value("w", i)[shard.index]))
+    result["ok"] = bool(ok)
+
+
+def phase_file_steps(jax, jckpt, result, path):
+    """Managers of file steps (`directory_steps=False`) in a run of several processes: each
+    process's in a directory of its own, then both in one directory."""
+    from jax.experimental import multihost_utils
+
+    own = os.path.join(path, f"own{jax.process_index()}")
+    with jckpt.CheckpointManager(own, directory_steps=False, keep_last=1) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"x": np.full(4, step + 10 * jax.process_index(), np.float32)})
+        mgr.wait_durable()
+        result["steps"] = mgr.all_steps()
+    result["files"] = sorted(os.listdir(own))
+    shared = None
+    try:
+        shared = jckpt.CheckpointManager(os.path.join(path, "shared"), directory_steps=False)
+    except jckpt.InUseError as e:
+        result["shared_error"] = str(e)
+    multihost_utils.sync_global_devices("both tried")  # while the other holds it
+    if shared is not None:
+        shared.close()
+    result["ok"] = True
+
+
+PHASES = {"lonesame": phase_lone_save_of_the_same_path, "openconflict": phase_open_beside_a_live_run,
+          "meshsave": phase_mesh_save, "meshrestore": phase_mesh_restore,
+          "killed": phase_killed_mid_save, "preempted": phase_preempted,
+          "stages": phase_stages,
+          "filesteps": phase_file_steps}
+
+
+def worker(phase, process, port, path, processes=2, devices=2):
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=processes,
                                process_id=process, initialization_timeout=60)
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -370,8 +706,12 @@ def worker(phase, process, port, path):
     from jckpt.storage.directory import DirectoryReader
     from jckpt.trees import sharding as sh
 
-    assert jax.process_count() == 2 and jax.device_count() == 4
+    assert jax.process_count() == processes and jax.device_count() == processes * devices
     result = {"process": process, "ok": False}
+    if phase in PHASES:  # the phases of several process counts
+        PHASES[phase](jax, jckpt, result, path)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
 
     def make(name, sharding, version):
         full = expected(name, version)
@@ -413,13 +753,18 @@ def worker(phase, process, port, path):
     if phase == "best":  # a manager keeping the best step, told each process's own loss
         mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
         sh = NamedSharding(mesh, P("x"))
+        reads = []  # the steps' indexes this process opens once the manager is open
+        sys.addaudithook(lambda event, args: reads.append(args[0]) if event == "open" and str(
+            args[0]).endswith("index.jckpt") and "jckpt-stage" not in str(args[0]) else None)
         with jckpt.CheckpointManager(path, keep_best=1, keep_last=1, best_metric="loss") as mgr:
+            reads.clear()
             for step in range(1, 6):
                 x = jax.make_array_from_callback(
                     (4,), sh, lambda i, s=step: np.full(4, s, np.float32)[i])
                 mgr.save(step, {"x": x}, metrics={"loss": float(step if process == 0 else 10 - step)})
             mgr.wait_durable()
-            result.update(ok=True, steps=mgr.all_steps(), best=mgr.best_step())
+            result.update(ok=True, steps=mgr.all_steps(), best=mgr.best_step(),
+                          index_reads=[str(r) for r in reads])
         print("RESULT " + json.dumps(result), flush=True)
         return
 
@@ -534,4 +879,5 @@ def worker(phase, process, port, path):
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]),
+           int(sys.argv[6]))

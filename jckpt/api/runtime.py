@@ -1,0 +1,264 @@
+"""Barriers and shared values between the processes of a `jax.distributed` run.
+
+A multi-process save (`jckpt.api.multiprocess`) and a multi-process manager's
+open (`agree`) meet through JAX's distributed client: its key-value store and
+its barriers, each with a timeout, so a dead or absent peer gives an error in
+bounded time, never a hang. With one process nothing is waited for.
+
+>>> barrier_timeout() > 0
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from jckpt import errors
+from jckpt.errors import CheckpointError, DistributedError, InputError
+
+#: Seconds a process waits at a barrier for the others (`JCKPT_BARRIER_TIMEOUT` overrides).
+DEFAULT_BARRIER_TIMEOUT = 300.0
+SAVING = 'jckpt/saving'  # key of each process's save in progress (for errors)
+_OPENS = itertools.count()  # agreements begun in this process
+_OPENS_LOCK = threading.Lock()
+
+
+def barrier_timeout() -> float:
+    """The barrier timeout in seconds: `JCKPT_BARRIER_TIMEOUT` or the default."""
+    raw = os.environ.get('JCKPT_BARRIER_TIMEOUT')
+    try:
+        return float(raw) if raw else DEFAULT_BARRIER_TIMEOUT
+    except ValueError:
+        raise InputError(f"JCKPT_BARRIER_TIMEOUT={raw!r} is not a number of seconds") from None
+
+
+def client(processes: int, path: str) -> Any:
+    """JAX's distributed client (`None` with one process); `DistributedError` when several
+    processes run without one."""
+    # JAX's client lives in a private module; imported here so a JAX that moves it
+    # breaks only multi-process saves, not every import of jckpt.
+    from jax._src import distributed as jdist
+    found = jdist.global_state.client
+    if found is None and processes > 1:
+        raise DistributedError("several processes but jax.distributed is not initialized",
+                               file=path, fix="call jax.distributed.initialize(...) in every "
+                                              "process before saving")
+    return found if processes > 1 else None
+
+
+class Runtime:
+    """Barriers and shared values through JAX's distributed client, under one save's `tag`."""
+
+    def __init__(self, tag: str, path: str, timeout: float, processes: int,
+                 process: int, announce: str | None = '') -> None:
+        self.client: Any = client(processes, path)
+        self.local = self.client is None  # one process: nobody to wait for
+        self.tag = tag
+        self.path = path
+        self.process, self.processes = process, processes
+        self.timeout_ms = max(1, int(timeout * 1000))
+        self.announce = announce or path
+        if not self.local and announce is not None:  # what this process saves, for errors
+            with contextlib.suppress(Exception):
+                self.client.key_value_set(f"{SAVING}/{process}", self.announce,
+                                          allow_overwrite=True)
+
+    def _elsewhere(self) -> str:
+        """What process 0 saves instead, when it is not this save's path ('' otherwise)."""
+        try:
+            theirs = self.client.key_value_try_get(f"{SAVING}/0")
+        except Exception:
+            return ''
+        return f"; process 0 is saving {theirs}" if theirs and theirs != self.announce else ''
+
+    def share(self, key: str, value: str | None) -> str:
+        """Process 0 sets `key` to `value`; every process returns it."""
+        full = f"{self.tag}/{key}"
+        if self.local:
+            return value or ''
+        if value is not None:
+            self.client.key_value_set(full, value)
+            return value
+        try:
+            return self.client.blocking_key_value_get(full, self.timeout_ms)
+        except Exception as e:
+            raise DistributedError(f"process 0 did not start the save within "
+                                   f"{self.timeout_ms / 1000:g} s ({first_line(e)}"
+                                   f"{self._elsewhere()})", file=self.path,
+                                   fix="every process must save the same path, the same number "
+                                       "of times; check process 0's log: it may have failed "
+                                       "or died") from None
+
+    def put(self, key: str, value: str) -> None:
+        """Set this save's `key` (best effort: what it is for is an error message)."""
+        if not self.local:
+            with contextlib.suppress(Exception):
+                self.client.key_value_set(f"{self.tag}/{key}", value, allow_overwrite=True)
+
+    def get(self, key: str, timeout: float) -> str | None:
+        """This save's `key`, waiting up to `timeout` seconds for it (`None`: not there)."""
+        if self.local:
+            return None
+        try:
+            return self.client.blocking_key_value_get(f"{self.tag}/{key}",
+                                                      max(1, int(timeout * 1000)))
+        except Exception:
+            return None
+
+    def listed(self, prefix: str) -> list[tuple[str, str]]:
+        """This save's keys under `prefix`, and their values (the last part of each key)."""
+        if self.local:
+            return []
+        try:
+            pairs = self.client.key_value_dir_get(f"{self.tag}/{prefix}/")
+        except Exception:
+            return []
+        return [(k.rsplit('/', 1)[-1], v) for k, v in sorted(pairs)]
+
+    def barrier(self, name: str, what: str) -> None:
+        if self.local:
+            return
+        start = time.monotonic()
+        self.put(f"at/{name}/{self.process}", '')  # so that a timeout names who is missing
+        try:
+            self.client.wait_at_barrier(f"{self.tag}/{name}", self.timeout_ms)
+        except Exception as e:
+            reached = [ln.strip() for ln in str(e).splitlines() if 'reached the barrier' in ln]
+            waited = time.monotonic() - start
+            outcome = ("whether it was published is not known: check the checkpoint"
+                       if name == 'published' else "nothing was published")
+            raise DistributedError(f"not every process {what} (waited {waited:.1f} s of "
+                                   f"{self.timeout_ms / 1000:g}{self._missing(name)}); {outcome} "
+                                   f"({'; '.join([first_line(e), *reached])})", file=self.path,
+                                   fix="check the other processes' logs (one may have died); "
+                                       "raise JCKPT_BARRIER_TIMEOUT if they are only slow") from None
+
+    def _missing(self, name: str) -> str:
+        """`'; process 2 did not come'`: who did not reach barrier `name` ('' if not known)."""
+        came = {k for k, _ in self.listed(f"at/{name}")}
+        if not came:
+            return ''
+        missing = [str(p) for p in range(self.processes) if str(p) not in came]
+        if not missing:
+            return ''
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ''
+        return (f"; process{'es' if len(missing) > 1 else ''} {', '.join(missing[:8])}{more} "
+                f"did not come")
+
+    def report(self, name: str, process: int, error: BaseException) -> None:
+        if self.local:
+            return
+        try:
+            self.client.key_value_set(f"{self.tag}/error/{name}/{process}",
+                                      first_line(error)[:2000])
+        except Exception:
+            pass
+
+    def errors(self, name: str) -> list[str]:
+        """What the processes reported failing at phase `name` (each phase has its own)."""
+        return [f"process {k}: {v}" for k, v in self.listed(f"error/{name}")]
+
+    def check(self, name: str) -> None:
+        errs = self.errors(name)
+        if errs:
+            raise DistributedError("the save failed in another process: " + "; ".join(errs),
+                                   file=self.path, fix="see that process's error; nothing was "
+                                   "published and the previous checkpoint is intact")
+
+    def together(self, name: str, what: str, process: int,
+                 step: Callable[[], None] | None) -> None:
+        """Run `step` here (if any), meet every process at barrier `name`, raise if one failed.
+
+        A failing step is reported to the others before this process reaches the barrier,
+        so they fail at once instead of at their timeout, and raises its own error (not the
+        barrier's). Errors are kept per phase: a peer that passed this barrier looks only at
+        this phase's, and so still meets the others at the next one.
+        """
+        if step is not None:
+            try:
+                step()
+            except BaseException as e:
+                self.report(name, process, e)
+                with contextlib.suppress(DistributedError):
+                    self.barrier(name, what)
+                raise
+        self.barrier(name, what)
+        self.check(name)
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def agree(what: str, path: str, failure: BaseException | None, *, process: int, processes: int,
+          timeout: float | None = None) -> None:
+    """Meet every process, each saying whether its part of `what` failed; raise the same
+    error in every process when one did.
+
+    Each process reports its `failure` (or none) and waits at a barrier (up to
+    `timeout` seconds, default `barrier_timeout`), so the processes that
+    succeeded learn at once of those that did not, rather than at their first
+    save, after a barrier's timeout. The error raised everywhere has the type of
+    the first process's failure and names every failing process. With one
+    process, `failure` is raised as it is.
+
+    Example:
+        ```python
+        agree("opening the manager", "ckpts", lease_error, process=2, processes=4)
+        ```
+    """
+    if processes == 1:
+        if failure is not None:
+            raise failure
+        return
+    with _OPENS_LOCK:
+        n = next(_OPENS)
+    rt = Runtime(f"jckpt/agree/{n}", path, barrier_timeout() if timeout is None else float(timeout),
+                 processes, process, announce=None)
+    rt.put(f"said/{process}", json.dumps({'path': os.fspath(path), **_described(failure)}))
+    try:
+        rt.barrier('opened', f"reached {what}")
+    except DistributedError:
+        if failure is not None:
+            raise failure from None
+        raise
+    said = sorted((int(k), json.loads(v)) for k, v in rt.listed('said'))
+    paths = {d['path'] for _, d in said}
+    if len(paths) > 1:
+        raise DistributedError(f"{what}: the processes name different paths (" + '; '.join(
+            f"process {k}: {d['path']}" for k, d in said[:8]) + ')', file=path,
+            fix="pass every process the same path, on a filesystem (or object store) every "
+                "process sees") from failure
+    failed = [(k, d) for k, d in said if d['type'] is not None]
+    if failed:
+        raise _common(what, path, failed) from failure
+
+
+def _described(e: BaseException | None) -> dict[str, str | None]:
+    if e is None:
+        return {'type': None, 'message': None, 'fix': None}
+    if isinstance(e, CheckpointError):
+        return {'type': type(e).__name__, 'message': e.message, 'fix': e.fix}
+    return {'type': 'DistributedError', 'message': f"{type(e).__name__}: {first_line(e)}",
+            'fix': None}
+
+
+def _common(what: str, path: str, failed: list[tuple[int, dict[str, Any]]]) -> CheckpointError:
+    """The one error every process raises: the first failure's type, every failure named."""
+    kind = getattr(errors, failed[0][1]['type'], None)
+    if not (isinstance(kind, type) and issubclass(kind, CheckpointError)):
+        kind = DistributedError
+    said = '; '.join(f"process {k}: {d['message']}" for k, d in failed)
+    return kind(f"{what} failed in {len(failed)} of the run's processes ({said})", file=path,
+                fix=failed[0][1]['fix'])
+
+
+__all__ = ['DEFAULT_BARRIER_TIMEOUT', 'Runtime', 'agree', 'barrier_timeout', 'client', 'first_line']

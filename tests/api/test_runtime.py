@@ -1,0 +1,153 @@
+"""Barriers and shared values between processes, against a stand-in for JAX's distributed client
+(the multi-process runs themselves are in tests/system/test_multiprocess.py)."""
+
+import json
+
+import pytest
+
+import jckpt
+from jckpt.api import runtime as runtime_mod
+from jckpt.api.runtime import Runtime, agree
+
+
+class FakeClient:
+    """What Runtime asks of JAX's distributed client: a key-value store and barriers, one
+    process's view; `blocked` barriers time out as a missing peer makes them, and `peers`
+    says what the other processes put before a barrier (keys under the barrier's tag)."""
+
+    def __init__(self, blocked=(), peers=None):
+        self.kv, self.blocked, self.met, self.peers = {}, set(blocked), [], peers or {}
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        assert allow_overwrite or key not in self.kv, key
+        self.kv[key] = value
+
+    def key_value_dir_get(self, prefix):
+        return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
+
+    def wait_at_barrier(self, name, timeout_ms):
+        tag, _, last = name.rpartition("/")
+        self.met.append(last)
+        for key, value in self.peers.items():
+            self.kv[f"{tag}/{key}"] = value
+        if last in self.blocked:
+            raise RuntimeError("DEADLINE_EXCEEDED: Barrier timed out. # of tasks that reached the "
+                               "barrier: 1/2")
+
+
+def runtime(client):
+    rt = Runtime.__new__(Runtime)
+    rt.client, rt.local, rt.tag, rt.path, rt.timeout_ms = client, False, "t", "ckpt", 5000
+    rt.announce, rt.process, rt.processes = "ckpt", 0, 2
+    return rt
+
+
+def test_a_peer_checks_only_the_phase_it_passed():
+    """Process 0's publish error, reported while a peer still checked the phase before, made the
+    peer fail there and never meet process 0 at the last barrier."""
+    client = FakeClient()
+    rt = runtime(client)
+    rt.report("published", 0, ValueError("processes disagree about this array"))
+    rt.together("written", "wrote its pieces", 1, None)  # passes: not this phase's error
+    with pytest.raises(jckpt.DistributedError, match="process 0: processes disagree"):
+        rt.together("published", "saw the checkpoint published", 1, None)
+    assert client.met == ["written", "published"]  # it met process 0 at both barriers
+
+
+def test_a_failing_step_raises_its_own_error_not_the_barriers():
+    client = FakeClient(blocked={"published"})
+    rt = runtime(client)
+
+    def publish():
+        raise ValueError("the index could not be written")
+
+    with pytest.raises(ValueError, match="the index could not be written"):
+        rt.together("published", "saw the checkpoint published", 0, publish)
+    assert client.kv["t/error/published/0"] == "the index could not be written"
+    assert "t/at/published/0" in client.kv  # it came to the barrier: a timeout names who did not
+
+
+def test_a_barrier_that_times_out_says_what_is_known():
+    rt = runtime(FakeClient(blocked={"written", "published"}))
+    with pytest.raises(jckpt.DistributedError, match="nothing was published"):
+        rt.barrier("written", "wrote its pieces")
+    with pytest.raises(jckpt.DistributedError, match="whether it was published is not known") as e:
+        rt.barrier("published", "saw the checkpoint published")
+    assert "of 5; process 1 did not come)" in str(e.value), e.value
+    assert "reached the barrier: 1/2" in str(e.value)
+
+
+def _peer_failure(message, kind="InUseError", fix="close the other one", path="run"):
+    return json.dumps({"path": path, "type": kind, "message": message, "fix": fix})
+
+
+def test_every_process_raises_the_error_another_met(monkeypatch):
+    """Processes 0 and 1 could not take their leases: process 2, which could, learns of it at
+    once and raises the same error, naming both."""
+    client = FakeClient(peers={"said/0": _peer_failure("in use: another writer (pid 7)"),
+                               "said/1": _peer_failure("in use: another writer (pid 8)"),
+                               "said/3": _peer_failure(None, None, None)})
+    monkeypatch.setattr(runtime_mod, "client", lambda processes, path: client)
+    with pytest.raises(jckpt.InUseError) as e:
+        agree("opening the manager", "run", None, process=2, processes=4, timeout=5)
+    assert e.value.message == ("opening the manager failed in 2 of the run's processes (process 0: "
+                               "in use: another writer (pid 7); process 1: in use: another writer "
+                               "(pid 8))")
+    assert e.value.file == "run" and e.value.fix == "close the other one"
+    assert client.met == ["opened"]
+
+
+def test_a_failing_process_raises_what_the_others_raise(monkeypatch):
+    client = FakeClient()
+    monkeypatch.setattr(runtime_mod, "client", lambda processes, path: client)
+    mine = jckpt.InUseError("in use: another writer (pid 7)", file="run/.process00001",
+                            fix="close it")
+    with pytest.raises(jckpt.InUseError, match=r"failed in 1 of the run's processes \(process 1: "
+                                               r"in use: another writer \(pid 7\)\)"):
+        agree("opening the manager", "run", mine, process=1, processes=2, timeout=5)
+    other = jckpt.StorageError("disk full", errno=28)  # errors with fields of their own too
+    with pytest.raises(jckpt.StorageError, match=r"process 1: disk full"):
+        agree("opening the manager", "run", other, process=1, processes=2, timeout=5)
+    with pytest.raises(jckpt.DistributedError, match=r"process 1: OSError: no"):
+        agree("opening the manager", "run", OSError("no"), process=1, processes=2, timeout=5)
+
+
+def test_no_failure_anywhere_passes_and_one_process_waits_for_nobody(monkeypatch):
+    client = FakeClient()
+    monkeypatch.setattr(runtime_mod, "client", lambda processes, path: client)
+    agree("opening the manager", "run", None, process=0, processes=2, timeout=5)
+    assert client.met == ["opened"]
+    agree("opening the manager", "run", None, process=0, processes=1)  # nothing to meet
+    with pytest.raises(jckpt.InUseError, match="^in use$"):
+        agree("opening the manager", "run", jckpt.InUseError("in use"), process=0, processes=1)
+    assert client.met == ["opened"]
+
+
+def test_processes_naming_different_paths_all_fail_at_once(monkeypatch):
+    """Each process's path comes with what it says: a run opening managers on different
+    directories fails at open, in every process alike, instead of at its first save."""
+    client = FakeClient(peers={"said/1": _peer_failure(None, None, None, path="run-b")})
+    monkeypatch.setattr(runtime_mod, "client", lambda processes, path: client)
+    with pytest.raises(jckpt.DistributedError) as e:
+        agree("opening the manager", "run", None, process=0, processes=2, timeout=5)
+    assert e.value.message == ("opening the manager: the processes name different paths "
+                               "(process 0: run; process 1: run-b)")
+
+
+def test_a_peer_that_never_comes_gives_this_processs_own_error_or_a_timeout(monkeypatch):
+    client = FakeClient(blocked={"opened"})
+    monkeypatch.setattr(runtime_mod, "client", lambda processes, path: client)
+    with pytest.raises(jckpt.InUseError, match="^in use$"):
+        agree("opening the manager", "run", jckpt.InUseError("in use"), process=0, processes=2,
+              timeout=1)
+    with pytest.raises(jckpt.DistributedError, match="not every process reached opening the "
+                                                      "manager"):
+        agree("opening the manager", "run", None, process=0, processes=2, timeout=1)
+
+
+def test_the_barrier_timeout_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("JCKPT_BARRIER_TIMEOUT", "12.5")
+    assert runtime_mod.barrier_timeout() == 12.5
+    monkeypatch.setenv("JCKPT_BARRIER_TIMEOUT", "soon")
+    with pytest.raises(jckpt.InputError, match="JCKPT_BARRIER_TIMEOUT='soon'"):
+        runtime_mod.barrier_timeout()
