@@ -69,7 +69,7 @@ class S3Server:
         self.log.seek(0)
         found = []
         for line in self.log.read().splitlines():
-            m = _REQUEST.search(line)
+            m = _REQUEST.search(_ANSI.sub("", line))
             if m:
                 path, sep, query = m.group(2).partition("?")
                 head, _, rest = urllib.parse.unquote(path).lstrip("/").partition("/")
@@ -98,6 +98,8 @@ class S3Server:
 
 #: A request line of werkzeug's log: `... "GET /bucket/key?query HTTP/1.1" 200 -`.
 _REQUEST = re.compile(r'"([A-Z]+) (\S+) HTTP/[\d.]+" \d{3}')
+#: The terminal colours werkzeug may put around a line whose status is not 200 (a 206, a 404).
+_ANSI = re.compile(r'\x1b\[[0-9;]*m')
 
 
 # --- incomplete uploads and their markers, seen through boto3 ------------------------------------
