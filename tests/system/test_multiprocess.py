@@ -302,7 +302,8 @@ def test_4_processes_save_on_a_2d_mesh_and_2_processes_restore_onto_another(tmp_
 
 def test_a_process_killed_mid_save_fails_the_others_and_leaves_the_last_checkpoint(tmp_path):
     """Process 2 of 4 is killed while it writes its piece of the second save: the others get a
-    DistributedError naming it once the barrier's timeout passes, and the first save stays."""
+    DistributedError once the barrier's timeout passes (naming it where the service can tell),
+    and the first save stays."""
     import jckpt
     from tests.system.test_multiprocess import MESH_SHAPES, mesh_value
 
@@ -314,7 +315,10 @@ def test_a_process_killed_mid_save_fails_the_others_and_leaves_the_last_checkpoi
     for r in found.values():
         assert r["error_type"] == "DistributedError" and r["seconds"] < 20, r
         assert "not every process wrote its pieces" in r["error"], r
-        assert "process 2 did not come" in r["error"] and "nothing was published" in r["error"], r
+        assert "nothing was published" in r["error"], r
+        # who did not come is read from the coordination service, which may refuse to answer
+        # once a peer has died; when it answers, it names process 2 alone
+        assert "did not come" not in r["error"] or "; process 2 did not come" in r["error"], r
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # its half-written piece went with the stage
     _, back = jckpt.load(jckpt.Context(host=True), d)
     for name in (*MESH_SHAPES, "step"):
