@@ -34,7 +34,6 @@ import dataclasses
 import json
 import logging
 import os
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -57,33 +56,15 @@ from jckpt.services.engine import Job
 from jckpt.services.formats import CheckpointLoadOptions, CheckpointOptions
 from jckpt.services.lineage import MANAGER_STEP
 from jckpt.services.preemption import Preemption
-from jckpt.services.retention import Retention, check_metrics, check_step, ranked
+from jckpt.services.restoring import Loaded, Restored, read_step
+from jckpt.services.retention import Retention, check_metrics, check_step
 from jckpt.services.snapshot import Digest, empty_nodes_metadata, namespace_leaves
+from jckpt.services.step_view import StepView
 from jckpt.services.trainer_state import TrainerState
 from jckpt.storage.backend import LOCAL, backend_for, checked_path
 from jckpt.storage.publish import fsync_dir, storage_error
 
 log = logging.getLogger('jckpt')
-
-
-@dataclasses.dataclass(frozen=True)
-class Restored:
-    """What `CheckpointManager.restore` returns.
-
-    Attributes:
-      step: the step restored.
-      tree: the arrays (the target's structure, or `{namespace: subtree}`).
-      trainer_state: the stored `TrainerState` (adapted to the current
-        layout when resharding), or `None` if the step has none.
-      metrics: the metrics saved with the step.
-      metadata: the user metadata saved with the step.
-    """
-
-    step: int
-    tree: Any
-    trainer_state: TrainerState | None
-    metrics: dict[str, float]
-    metadata: dict[str, str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,9 +173,8 @@ class CheckpointManager(BackgroundWriter[_Step]):
                 os.makedirs(self.directory, exist_ok=True)
             except OSError as e:
                 raise storage_error(e, "creating the checkpoint directory", self.directory) from e
-        self._lock = threading.Lock()
-        self._metrics: dict[int, dict[str, float]] = {}
-        self._folders: set[int] = set()  # the steps stored as directories (prefixes), not files
+        self._view = StepView()
+        self._found: tuple[dict[str, str], Any] | None = None
         self._last_admitted: int | None = None
         lease, rivals = steps.leases(self.directory, self._rank, self._ranks)
         self._preemption = Preemption(handle_sigterm)
@@ -220,18 +200,17 @@ class CheckpointManager(BackgroundWriter[_Step]):
     def _recover(self) -> str | None:
         found = steps.recover(self.backend, self.directory, clean=self._rank == 0)
         steps.say_if_orbax(self.directory, found.metrics)
-        with self._lock:
-            self._metrics, self._folders, self._found = found.metrics, set(found.folders), found.latest
+        self._view.reset(found.metrics, found.folders)
+        self._found = found.latest
         return None if (latest := self.latest_step()) is None else self._path(latest)
 
     def all_steps(self) -> list[int]:
         """Every durable step in the directory, ascending."""
-        with self._lock:
-            return sorted(self._metrics)
+        return self._view.steps()
 
     def latest_step(self) -> int | None:
         """The latest durable step, or `None` if there is none."""
-        return (self.all_steps() or [None])[-1]
+        return self._view.latest()
 
     def best_step(self, metric: str | None = None, mode: str | None = None) -> int | None:
         """The durable step with the best `metric` (default `best_metric`), or `None`."""
@@ -242,18 +221,16 @@ class CheckpointManager(BackgroundWriter[_Step]):
         if not isinstance(metric, str) or mode not in ('min', 'max'):
             raise InputError(f"best_step takes a metric name and mode 'min' or 'max', not "
                              f"{metric!r}, {mode!r}", file=self.directory)
-        with self._lock:
-            best = ranked(self._metrics, metric, mode)
-        return best[0] if best else None
+        return self._view.best(metric, mode)
 
     def metrics(self, step: int) -> dict[str, float]:
         """The metrics saved with a durable `step`."""
         step = check_step(step, self.directory)
-        with self._lock:
-            if step not in self._metrics:
-                raise FormatError(f"no durable step {step}", file=self.directory,
-                                  fix=f"pick one of {sorted(self._metrics)[-5:]}")
-            return dict(self._metrics[step])
+        found = self._view.metrics(step)
+        if found is None:
+            raise FormatError(f"no durable step {step}", file=self.directory,
+                              fix=f"pick one of {self.all_steps()[-5:]}")
+        return found
 
     # --- saving ----------------------------------------------------------------
 
@@ -359,9 +336,9 @@ class CheckpointManager(BackgroundWriter[_Step]):
         self._lease.check()
         self._pipeline.run_now(write)
         self._last_admitted = step
-        self._folders.add(step)
         self._lease.check()  # nor deletes, by retention
-        self._record(step, steps.parse_metrics(recorded.get(METRICS_KEY), self._path(step)))
+        self._record(step, steps.parse_metrics(recorded.get(METRICS_KEY), self._path(step)),
+                     folder=True)
 
     def _target(self, info: _Step) -> str:
         return self._path(info.step)
@@ -388,14 +365,11 @@ class CheckpointManager(BackgroundWriter[_Step]):
         formats.staging_remove(staged.temporary)
 
     def _on_published(self, staged: Staged[_Step]) -> None:
-        if staged.info.options.foreign:
-            self._folders.add(staged.info.step)
-        self._record(staged.info.step, staged.info.metrics)
+        self._record(staged.info.step, staged.info.metrics, folder=staged.info.options.foreign)
 
-    def _record(self, step: int, metrics: Mapping[str, float]) -> None:
-        """Count a durable `step` and apply the retention policy."""
-        with self._lock:
-            self._metrics[step] = dict(metrics)
+    def _record(self, step: int, metrics: Mapping[str, float], *, folder: bool) -> None:
+        """Count a durable `step` (`folder`: a directory) and apply the retention policy."""
+        self._view.add(step, metrics, folder=folder)
         try:
             self._prune()
         except (OSError, StorageError) as e:  # a failed deletion must not fail (and so repeat) the save
@@ -403,15 +377,12 @@ class CheckpointManager(BackgroundWriter[_Step]):
 
     def _prune(self) -> None:
         """Delete the steps the retention policy does not keep (process 0; the others forget them)."""
-        with self._lock:
-            doomed = self._retention.doomed(self._metrics)
-        for s in doomed:
-            with self._lock:
-                self._metrics.pop(s, None)
+        doomed = self._view.doomed(self._retention)
+        for s, folder in doomed.items():
+            self._view.forget([s])
             if self._rank != 0:  # every process drops it; process 0 deletes it
                 continue
-            steps.remove_step(self.backend, self._path(s), folder=s in self._folders)
-            self._folders.discard(s)
+            steps.remove_step(self.backend, self._path(s), folder=folder)
         if doomed and self.ctx.durable and self._rank == 0 and self.backend is LOCAL:
             fsync_dir(self.directory)
 
@@ -458,22 +429,13 @@ class CheckpointManager(BackgroundWriter[_Step]):
                                   fix="save a step first, or check the directory")
         step = check_step(step, self.directory)
         path = self._path(step)
-        with self._lock:  # a step this manager knows: no request asks what it is
-            folder = (step in self._folders) if step in self._metrics else None
+        folder = self._view.folder(step)  # a step this manager knows: no request asks what it is
         if folder is None and not (self.backend.exists(path) or self.backend.isdir(path)):
             raise FormatError(f"no step {step}", file=self.directory,
                               fix=f"pick one of {self.all_steps()[-5:]}")
         options = steps.checked(options, CheckpointLoadOptions, 'options', self.load_options)
-        with steps.step_metadata(path, step, folder) as (meta, kind):
-            state = None
-            if TRAINER_STATE_KEY in meta:
-                state = TrainerState.from_json(meta[TRAINER_STATE_KEY], file=path)
-                if layout is not None:
-                    state = state.check_layout(layout, reshard=reshard, file=path)
-            tree = steps.read_tree(ctx, path, step, target, namespaces, cast, options, verify, kind)
-        user = {k: v for k, v in meta.items() if not k.startswith('jckpt.')}
-        return Restored(step=step, tree=tree, trainer_state=state,
-                        metrics=steps.parse_metrics(meta.get(METRICS_KEY), path), metadata=user)
+        return read_step(ctx, path, step, folder, target,
+                         loaded=Loaded(options, namespaces, layout, reshard, cast, verify))
 
     # --- preemption ------------------------------------------------------------
 

@@ -1,0 +1,47 @@
+"""How a manager reads a step (jckpt.services.restoring): with and without its view's knowledge of
+the step, its trainer state checked against the layout."""
+
+import numpy as np
+import pytest
+
+import jckpt
+from jckpt.services.formats import CheckpointLoadOptions
+from jckpt.services.restoring import Loaded, Restored, read_step
+
+TREE = {"w": np.arange(4, dtype=np.float32)}
+
+
+@pytest.fixture
+def saved(tmp_path):
+    state = jckpt.TrainerState(global_step=3, dp=2)
+    with jckpt.CheckpointManager(tmp_path) as mgr:
+        mgr.save(3, TREE, metrics={"loss": 0.25}, trainer_state=state, metadata={"run": "a"})
+    return str(tmp_path / "step_00000003.jckpt")
+
+
+@pytest.mark.parametrize("folder", [False, None])
+def test_a_step_reads_the_same_known_or_not(saved, folder):
+    r = read_step(jckpt.Context(), saved, 3, folder, {"w": np.zeros(4, np.float32)},
+                  loaded=Loaded(CheckpointLoadOptions()))
+    assert isinstance(r, Restored) and r.step == 3
+    np.testing.assert_array_equal(r.tree["w"], TREE["w"])
+    assert r.metrics == {"loss": 0.25} and r.metadata == {"run": "a"}
+    assert r.trainer_state.global_step == 3
+
+
+def test_a_layout_adapts_the_trainer_state_or_is_refused(saved):
+    ctx, opts = jckpt.Context(), CheckpointLoadOptions()
+    r = read_step(ctx, saved, 3, False, None, loaded=Loaded(opts, layout=(4, 1, 1)))
+    assert r.trainer_state.dp == 4
+    with pytest.raises(jckpt.MismatchError):
+        read_step(ctx, saved, 3, False, None, loaded=Loaded(opts, layout=(4, 1, 1), reshard=False))
+
+
+def test_a_step_directory_reads_its_model(tmp_path):
+    opts = jckpt.CheckpointOptions(format="npz")
+    with jckpt.CheckpointManager(tmp_path, options=opts) as mgr:
+        mgr.save(1, items={"model": TREE, "opt": {"m": TREE["w"] * 2}}, metrics={"loss": 1.0})
+    r = read_step(jckpt.Context(), str(tmp_path / "step_00000001.jckpt"), 1, True, None,
+                  loaded=Loaded(CheckpointLoadOptions(), namespaces=["opt"]))
+    assert list(r.tree) == ["opt"] and r.metrics == {"loss": 1.0}
+    np.testing.assert_array_equal(r.tree["opt"]["m"], TREE["w"] * 2)
