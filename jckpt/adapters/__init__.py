@@ -44,7 +44,7 @@ import warnings
 from collections.abc import Callable, Collection
 from typing import Any
 
-from jckpt.adapters._common import nest_dotted
+from jckpt.adapters._common import held_bytes, holding, map_file, nest_dotted
 from jckpt.errors import FormatError, InputError, MissingEntryError
 from jckpt.format.names import STEP_RE, is_format_step
 from jckpt.storage.backend import backend_for, checked_path, same_place
@@ -207,7 +207,9 @@ def detect_format(path: PathLike) -> str:
     path = checked_path(path)
     backend = backend_for(path)
     known = formats()
-    head = None if backend.isdir(path) else backend.head(path, SNIFF_BYTES)
+    held = held_bytes(path)
+    head = (bytes(held[:SNIFF_BYTES]) if held is not None
+            else None if backend.isdir(path) else backend.head(path, SNIFF_BYTES))
     if head is None:
         _refuse_manager(path, backend.list(path))
     for fmt in reversed(list(known.values())):
@@ -370,4 +372,4 @@ register_directory_reader('orbax', claims=_claims_orbax, open=_open_orbax)
 
 
 __all__ = ['Format', 'convert', 'detect_format', 'format_for_destination', 'formats',
-           'get_format', 'read', 'register_format', 'write']
+           'get_format', 'holding', 'map_file', 'read', 'register_format', 'write']

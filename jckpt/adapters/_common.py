@@ -10,6 +10,7 @@ top level of what is written).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import io
 import json
 import math
@@ -239,8 +240,42 @@ def inside(directory: str, path: str) -> bool:
 
 def map_file(path: str) -> Buffer:
     """The whole file `path` from its storage backend (locally a private copy-on-write
-    mapping; `b''` when it is empty). A URL no backend serves is an `InputError`."""
-    return backend_for(path).map(path)
+    mapping; `b''` when it is empty), or the bytes `holding` holds for it. A URL no backend
+    serves is an `InputError`."""
+    held = held_bytes(path)
+    return held if held is not None else backend_for(path).map(path)
+
+
+_HELD: contextvars.ContextVar[tuple[str, Buffer] | None] = contextvars.ContextVar(
+    'jckpt_held_file', default=None)
+
+
+@contextlib.contextmanager
+def holding(path: str, buffer: Buffer) -> Iterator[Buffer]:
+    """Within the block, `map_file(path)` and `detect_format(path)` use `buffer` (the whole
+    file, as `map_file` returned it) instead of asking the storage again.
+
+    Detecting a file's format and reading it each read the file, and several sniffers map
+    it whole (a zip's directory): from an object store, one GET each. A caller that reads
+    one file by its detected format reads it once.
+
+    Example:
+        ```python
+        with holding(url, map_file(url)):
+            tree = adapters.read(url)  # detected and read from the one GET's bytes
+        ```
+    """
+    token = _HELD.set((path, buffer))
+    try:
+        yield buffer
+    finally:
+        _HELD.reset(token)
+
+
+def held_bytes(path: str) -> Buffer | None:
+    """The bytes `holding` holds for `path` in this context, or `None`."""
+    held = _HELD.get()
+    return held[1] if held is not None and held[0] == path else None
 
 
 def array_view(buffer, dtype: np.dtype, shape: tuple[int, ...], offset: int,

@@ -25,10 +25,10 @@ import zlib
 from collections.abc import Iterable
 from typing import Any
 
-from jckpt.adapters._common import check_member_name
+from jckpt.adapters._common import check_member_name, map_file
 from jckpt.errors import FormatError
 from jckpt.format import limits
-from jckpt.storage.backend import backend_for, is_url
+from jckpt.storage.backend import is_url
 
 try:
     import lzma
@@ -46,10 +46,11 @@ _PAD_ID = 0x4246  # 'FB': the padding record torch.save uses
 
 
 def zip_source(path: str, buffer: Any = None) -> Any:
-    """What `zipfile.ZipFile` reads `path` from: the local path, or an object's bytes in memory."""
+    """What `zipfile.ZipFile` reads `path` from: the local path, or in memory an object's bytes
+    (those held for it, `holding`, when they are)."""
     if not is_url(path):
         return path
-    return io.BytesIO(buffer if buffer is not None else backend_for(path).map(path))
+    return io.BytesIO(buffer if buffer is not None else map_file(path))
 
 
 def open_zip(path: str, buffer: Any = None) -> zipfile.ZipFile:

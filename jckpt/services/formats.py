@@ -33,6 +33,7 @@ default) and every other item goes to `optimizer.jckpt`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -65,6 +66,10 @@ from jckpt.format.names import (
 )
 from jckpt.services.snapshot import SnapshotLeaf
 from jckpt.storage import staging, step_directory
+from jckpt.storage.backend import is_url
+from jckpt.storage.checkpoint import open_checkpoint, reusing
+from jckpt.storage.object_backend import NO_SUCH_OBJECT
+from jckpt.storage.object_store import MISSING_OBJECT
 from jckpt.storage.publish import storage_error
 from jckpt.trees import placement
 from jckpt.trees import pytree as tree_mod
@@ -305,7 +310,12 @@ def staging_remove(temporary: str) -> None:
 
 def read_metadata(path: str, step: int | None = None) -> dict[str, str]:
     """A step directory's metadata, as a jckpt step file's header would hold it."""
-    record = step_directory.read_record(path, step)
+    return metadata_of(step_directory.read_record(path, step))
+
+
+def metadata_of(record: Mapping[str, Any]) -> dict[str, str]:
+    """The metadata of a step directory's record (`trainer_state.json`, checked by
+    `step_directory.read_record`), as a jckpt step file's header would hold it."""
     meta = dict(record['metadata'])
     meta[METRICS_KEY] = json.dumps(record.get('metrics', {}), sort_keys=True)
     if record.get('trainer_state') is not None:
@@ -314,21 +324,49 @@ def read_metadata(path: str, step: int | None = None) -> dict[str, str]:
     return meta
 
 
-def _read_model(path: str, file: str, record: Mapping[str, Any], options: CheckpointLoadOptions,
+def _read_model(file: str, record: Mapping[str, Any], options: CheckpointLoadOptions,
                 step: int) -> Any:
-    """The model subtree of a step, read by the reader its magic picks (or the loader)."""
-    if not step_directory.is_file(file):
-        raise FormatError(f"step {step} has no model file {record['model']}", file=file,
+    """The model subtree of a step, read by the reader its magic picks (or the loader).
+
+    Without a loader the file is read once (from an object store, one GET: its format
+    is detected from the bytes read, `adapters.holding`); a loader reads it itself, after
+    its first bytes are looked at (is it a jckpt file?).
+    """
+    missing = FormatError(f"step {step} has no model file {record['model']}", file=file,
                           fix="the step is damaged: restore an earlier step")
+    if not is_url(file) and not step_directory.is_file(file):  # a link is refused here
+        raise missing
+    if options.model_loader is not None:
+        found = _detected(file, missing)
+        if found != 'jckpt':
+            try:
+                return options.model_loader(file)
+            except Exception as e:
+                raise _fail(step, file, "the model loader failed", e) from e
+        return _read_detected(file, found, step)
     try:
-        found = adapters.detect_format(file)
-    except FormatError:
-        found = None
-    if options.model_loader is not None and found != 'jckpt':
-        try:
-            return options.model_loader(file)
-        except Exception as e:
-            raise _fail(step, file, "the model loader failed", e) from e
+        buffer = adapters.map_file(file)
+    except FormatError as e:
+        if e.message != NO_SUCH_OBJECT:
+            raise
+        raise missing from None
+    with adapters.holding(file, buffer):
+        return _read_detected(file, _detected(file, missing), step)
+
+
+def _detected(file: str, missing: FormatError) -> str | None:
+    """The model file's format by its content (`None`: no known one); `missing` when there is
+    no such object in the store."""
+    try:
+        return adapters.detect_format(file)
+    except FormatError as e:
+        if e.message == NO_SUCH_OBJECT:
+            raise missing from None
+        return None
+
+
+def _read_detected(file: str, found: str | None, step: int) -> Any:
+    """The model subtree of `file`, in the format `found` (which its name must not belie)."""
     named = adapters.format_for_destination(file)
     if found is None or (found != 'jckpt' and named is not None and found != named):
         raise FormatError(f"step {step}: the model file is {found or 'in no known format'}, "
@@ -376,44 +414,62 @@ def _placed(ctx: Context, model: Any, file: str, namespace: str) -> Any:
 
 
 def load_step(ctx: Context, path: str, step: int, target: Any, *, namespaces: Namespaces | None,
-              cast: bool, options: CheckpointLoadOptions, verify: bool = True) -> Any:
+              cast: bool, options: CheckpointLoadOptions, verify: bool = True,
+              record: Mapping[str, Any] | None = None) -> Any:
     """Read a step directory as `CheckpointManager.restore` does for a step file.
 
     Without a target and namespaces: `{namespace: subtree}` of the model and
     (when loaded) the optimizer's namespaces. With a target alone: the
     `ctx.namespace` tree. With `namespaces`: `{namespace: subtree}` of those.
     `verify` checks the payloads of `optimizer.jckpt` (foreign model files carry no checksums).
+    `record`: the step's record, when the caller has read it (`read_record`). From an object
+    store, each file read is one GET (the record, the model, the optimizer's header and,
+    past its first part, its payloads): no request asks what is there first.
     """
-    record = step_directory.read_record(path, step)
+    record = record if record is not None else step_directory.read_record(path, step)
     model_ns, optimizer = record['model_namespace'], record.get('optimizer')
-    opt_file = os.path.join(path, OPTIMIZER_NAME)
-    with_opt = (options.load_optimizer_state and optimizer is not None
-                and step_directory.is_file(opt_file))
     if target is not None and namespaces is None and ctx.namespace != model_ns:
         namespaces = [ctx.namespace]  # the target is another namespace than the model's
         target = {ctx.namespace: target}
         return load_step(ctx, path, step, target, namespaces=namespaces, cast=cast,
-                         options=options, verify=verify)[ctx.namespace]
+                         options=options, verify=verify, record=record)[ctx.namespace]
     names = ([ctx.namespace] if target is not None and namespaces is None
              else None if namespaces is None else list(namespace_names(namespaces, path)))
     rest = [n for n in names or [] if n != model_ns]
-    if rest and not with_opt:
+    opt_file = os.path.join(path, OPTIMIZER_NAME)
+    wanted = options.load_optimizer_state and optimizer is not None and (names is None or rest)
+    reader = _optimizer_reader(opt_file) if wanted else None
+    if rest and reader is None:
         raise MissingEntryError(f"step {step} has no namespace {rest[0]!r} to read (its "
                                 f"optimizer state is {'not loaded' if optimizer else 'absent'})",
                                 file=opt_file, fix="read the model's namespace "
                                 f"{model_ns!r}, or pass load_optimizer_state=True")
-    if rest and with_opt:
-        _check_held(rest, record, opt_file, step)
     out: dict[str, Any] = {}
-    if names is None or model_ns in names:
-        file = os.path.join(path, record['model'])
-        model = _read_model(path, file, record, options, step)
-        part = None if target is None else (target if namespaces is None else target[model_ns])
-        out[model_ns] = (_placed(ctx, model, file, model_ns) if part is None
-                         else _fill(ctx, part, model, file, step, cast, model_ns))
-    if with_opt and (names is None or rest):
-        out.update(_load_optimizer(ctx, opt_file, target, rest if names else None, cast, verify))
+    with reusing(reader) if reader is not None else contextlib.nullcontext():
+        if rest:
+            _check_held(rest, record, opt_file, step)
+        if names is None or model_ns in names:
+            file = os.path.join(path, record['model'])
+            model = _read_model(file, record, options, step)
+            part = None if target is None else (target if namespaces is None else target[model_ns])
+            out[model_ns] = (_placed(ctx, model, file, model_ns) if part is None
+                             else _fill(ctx, part, model, file, step, cast, model_ns))
+        if reader is not None:
+            out.update(_load_optimizer(ctx, opt_file, target, rest if names else None, cast, verify))
     return out[model_ns] if target is not None and namespaces is None else out
+
+
+def _optimizer_reader(file: str) -> Any:
+    """The reader of a step's optimizer file, or `None` when the step lacks it (from an object
+    store, the GET of its header, which a missing object fails; a local link is refused)."""
+    if not is_url(file):
+        return open_checkpoint(file) if step_directory.is_file(file) else None
+    try:
+        return open_checkpoint(file)
+    except FormatError as e:
+        if e.message != MISSING_OBJECT:
+            raise
+        return None
 
 
 def _check_held(names: Sequence[str], record: Mapping[str, Any], opt_file: str, step: int) -> None:
@@ -440,5 +496,5 @@ def _load_optimizer(ctx: Context, file: str, target: Any, names: Sequence[str] |
 
 
 __all__ = ['CheckpointLoadOptions', 'CheckpointOptions', 'finish_step', 'is_step_directory',
-           'load_step', 'read_metadata', 'stage_step', 'staging_remove',
+           'load_step', 'metadata_of', 'read_metadata', 'stage_step', 'staging_remove',
            'step_record']

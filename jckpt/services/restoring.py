@@ -77,14 +77,14 @@ def read_step(ctx: Context, path: str, step: int, folder: bool | None, target: A
     bucket), or `None` when it does not know the step: a known step is read without
     asking what it is (the caller has checked that a step it does not know is there).
     """
-    with steps.step_metadata(path, step, folder) as (meta, kind):
+    with steps.step_metadata(path, step, folder) as (meta, kind, record):
         state = None
         if TRAINER_STATE_KEY in meta:
             state = TrainerState.from_json(meta[TRAINER_STATE_KEY], file=path)
             if loaded.layout is not None:
                 state = state.check_layout(loaded.layout, reshard=loaded.reshard, file=path)
         tree = steps.read_tree(ctx, path, step, target, loaded.namespaces, loaded.cast,
-                               loaded.options, loaded.verify, kind)
+                               loaded.options, loaded.verify, kind, record)
     user = {k: v for k, v in meta.items() if not k.startswith('jckpt.')}
     return Restored(step=step, tree=tree, trainer_state=state,
                     metrics=steps.parse_metrics(meta.get(METRICS_KEY), path), metadata=user)

@@ -85,12 +85,14 @@ def _read_step(path: str, step: int | None, prefix: bool | None) -> tuple[dict[s
 
 def _read_bucket_folder(path: str, step: int | None, *, check_pieces: bool = False
                         ) -> tuple[dict[str, str], Header | None, Any] | None:
-    """A step that is a prefix in a bucket: `(metadata, header, reader)` from its record (a step
-    directory: one GET; no header, no reader) or else its index (a directory checkpoint: the
-    failed GET of the record, the index's GET, and with `check_pieces` a LIST, as a restore
-    checks them); None when it holds neither (unfinished)."""
+    """A step that is a prefix in a bucket: `(metadata, header, source)` from its record (a step
+    directory: one GET; no header, the record as its source) or else its index (a directory
+    checkpoint: the failed GET of the record, the index's GET, and with `check_pieces` a LIST,
+    as a restore checks them; its reader as the source); None when it holds neither
+    (unfinished)."""
     try:
-        return formats.read_metadata(path, step), None, None
+        record = step_directory.read_record(path, step)
+        return formats.metadata_of(record), None, record
     except FormatError as e:
         if e.message != NO_SUCH_OBJECT:
             raise
@@ -181,23 +183,31 @@ def described(path: str, found: tuple[dict[str, str], Header | None] | None
     return meta, None if header is None else content_digest(header.tensors, meta)
 
 
+StepRead = tuple[dict[str, str], str | None, dict[str, Any] | None]
+
+
 @contextlib.contextmanager
-def step_metadata(path: str, step: int, folder: bool | None) -> Iterator[tuple[dict[str, str], str | None]]:
-    """A step's metadata and what the step is (`'file'`, `'record'`: a step directory,
-    `'index'`: a directory checkpoint; None: not known), for `read_tree`. A step known to
-    be a file (`folder` False), or a prefix in a bucket, is read once: within the block,
-    `read_tree` reads its arrays through the same reader (the same version of the object)."""
+def step_metadata(path: str, step: int, folder: bool | None) -> Iterator[StepRead]:
+    """A step's metadata, what the step is (`'file'`, `'record'`: a step directory,
+    `'index'`: a directory checkpoint; None: not known) and a step directory's record
+    (else None), for `read_tree`. A step known to be a file (`folder` False), or a prefix
+    in a bucket, is read once: within the block, `read_tree` reads its arrays through the
+    same reader (the same version of the object), or from the record read here."""
     step_directory.check_step_link(path)
     if folder is None or (folder and not is_url(path)):
-        yield read_metadata(path, step, prefix=folder), None
+        yield read_metadata(path, step, prefix=folder), None, None
         return
     if folder:
         got = _read_bucket_folder(path, step, check_pieces=True)  # for the restore's reader
         if got is None:
             _read_step(path, step, True)  # its error
         assert got is not None
-        with reusing(got[2]) if got[2] is not None else contextlib.nullcontext():
-            yield got[0], 'record' if got[2] is None else 'index'
+        meta, header, source = got
+        if header is None:
+            yield meta, 'record', source
+            return
+        with reusing(source):
+            yield meta, 'index', None
         return
     try:
         reader = open_checkpoint(path)
@@ -207,18 +217,19 @@ def step_metadata(path: str, step: int, folder: bool | None) -> Iterator[tuple[d
         raise FormatError(f"no step {step}: it was removed since the manager listed its steps",
                           file=path, fix="open the manager again to list the steps there now") from None
     with reusing(reader):
-        yield reader.header.metadata_dict(), 'file'
+        yield reader.header.metadata_dict(), 'file', None
 
 
 def read_tree(ctx: Context, path: str, step: int, target: Any, namespaces: Namespaces | None,
               cast: bool, options: CheckpointLoadOptions, verify: bool = True,
-              kind: str | None = None) -> Any:
+              kind: str | None = None, record: dict[str, Any] | None = None) -> Any:
     """The arrays of a step, a jckpt file or directory or a step directory, as restore returns them
-    (`kind` as `step_metadata` says it: a step of known kind is not asked what it is)."""
+    (`kind` and `record` as `step_metadata` says them: a step of known kind is not asked what
+    it is, and a record read is not read again)."""
     step_directory.check_step_link(path)
     if kind == 'record' or (kind is None and formats.is_step_directory(path)):
         return formats.load_step(ctx, path, step, target, namespaces=namespaces, cast=cast,
-                                 options=options, verify=verify)
+                                 options=options, verify=verify, record=record)
     if target is None:
         return api.load(ctx, path, namespaces=namespaces, verify=verify)[1]
     return api.restore(ctx, target, path, cast=cast, namespaces=namespaces, verify=verify)

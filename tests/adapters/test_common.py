@@ -279,3 +279,20 @@ def test_a_record_covers_exactly_its_names():
     record = paths_json(items, ['w'])
     assert record_covers(record, ['w']) and not record_covers(record, ['w', 'v'])
     assert not record_covers(None, ['w']) and not record_covers('{not json', ['w'])
+
+
+def test_a_held_file_is_detected_and_read_from_its_bytes_without_the_storage(tmp_path):
+    """Detecting a model file's format and reading it each read it again: from an object store,
+    one GET each (four for an npz, whose sniffers read the zip's directory)."""
+    pytest.importorskip("obstore")
+    import jckpt.adapters as adapters
+    from jckpt.adapters._common import holding
+
+    src, path = tmp_path / "a.npz", "memory://jckpt-held/gone.npz"  # no object is there
+    adapters.write({"jckpt": {"w": np.arange(3.0)}}, str(src))
+    with holding(path, src.read_bytes()):  # nothing is at `path`: every read uses the bytes held
+        assert bytes(map_file(path)) == src.read_bytes()
+        assert adapters.detect_format(path) == "npz"
+        np.testing.assert_array_equal(adapters.read(path)["jckpt"]["w"], np.arange(3.0))
+    with pytest.raises(FormatError, match="no such object"):
+        map_file(path)
