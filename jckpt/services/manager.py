@@ -376,14 +376,19 @@ class CheckpointManager(BackgroundWriter[_Step]):
             log.warning("retention in %s failed: %s", self.directory, e)
 
     def _prune(self) -> None:
-        """Delete the steps the retention policy does not keep (process 0; the others forget them)."""
-        doomed = self._view.doomed(self._retention)
-        for s, folder in doomed.items():
-            self._view.forget([s])
-            if self._rank != 0:  # every process drops it; process 0 deletes it
-                continue
-            steps.remove_step(self.backend, self._path(s), folder=folder)
-        if doomed and self.ctx.durable and self._rank == 0 and self.backend is LOCAL:
+        """Delete the steps the retention policy does not keep (process 0; the others forget them).
+
+        A step is forgotten once it is no step on storage any more: one whose deletion failed
+        stays known (and restorable), and the next prune deletes it again.
+        """
+        doomed = self._view.doomed(self._retention)  # never the latest durable step
+        if self._rank != 0 or not doomed:
+            self._view.forget(doomed)
+            return
+        paths = {self._path(s): s for s in doomed}
+        steps.remove_steps(self.backend, {p: doomed[s] for p, s in paths.items()},
+                           lambda gone: self._view.forget(paths[p] for p in gone))
+        if self.ctx.durable and self.backend is LOCAL:
             fsync_dir(self.directory)
 
     # --- restoring -------------------------------------------------------------

@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from jckpt import api
@@ -275,6 +275,33 @@ def remove_step(backend: Backend, path: str, folder: bool | None = None) -> None
     backend.remove(path)
 
 
+def remove_steps(backend: Backend, doomed: Mapping[str, bool],
+                 gone: Callable[[list[str]], None]) -> None:
+    """Delete the steps at `doomed`'s paths (`True`: a directory step), calling `gone(paths)` as
+    soon as those paths hold no step any more (even if what is left of them fails to go).
+
+    In a bucket: one multi-object DELETE per 1,000 keys removes the file steps and the markers
+    (index, record) of the directory steps, so that no step is ever seen half deleted; then
+    one LIST per directory step and one DELETE per 1,000 keys remove what they hold (what a
+    failure leaves, the next manager to open removes as unfinished). Locally, each step as
+    `remove_step` removes it. A failure is a `StorageError` naming what was being deleted;
+    the steps `gone` was not told of are all still there, or some of them only partly
+    (a file step deleted, a directory step's record and not its index): a retry deletes
+    what is left.
+    """
+    if backend is LOCAL:
+        for path, folder in doomed.items():
+            remove_step(backend, path, folder=folder)
+            gone([path])
+        return
+    folders = [path for path, folder in doomed.items() if folder]
+    backend.remove_all([path for path, folder in doomed.items() if not folder]
+                       + [os.path.join(p, m) for p in folders for m in (INDEX_NAME, TRAINER_STATE_NAME)],
+                       below=False)
+    gone(list(doomed))
+    backend.remove_all(folders)
+
+
 def _remove_unfinished(backend: Backend, path: str, published: bool | None = None) -> None:
     """Remove a step directory (a prefix in a bucket) without its index or record, if all it holds
     is what a manager writes there; one holding anything else is left, with a warning.
@@ -397,5 +424,5 @@ _ORBAX_SAID: set[str] = set()
 
 
 __all__ = ['Found', 'checked', 'clean_staging', 'described', 'leases', 'listed', 'parse_metrics',
-           'read_metadata', 'read_tree', 'recover', 'remove_step', 'remove_unfinished', 'say_if_orbax',
-           'scan', 'step_metadata']
+           'read_metadata', 'read_tree', 'recover', 'remove_step', 'remove_steps',
+           'remove_unfinished', 'say_if_orbax', 'scan', 'step_metadata']

@@ -32,6 +32,7 @@ import mmap as mmap_mod
 import os
 import re
 import shutil
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from jckpt.errors import FormatError, InputError
@@ -108,6 +109,11 @@ class Backend(Protocol):
     def remove(self, path: str, *, below: bool = True) -> None:
         """Remove `path` (a file, or a directory and everything in it); missing is fine.
         `below=False` removes a file (an object) alone, without looking below it."""
+
+    def remove_all(self, paths: Sequence[str], *, below: bool = True) -> None:
+        """Remove each of `paths` as `remove` does, in as few requests as the store allows (an
+        object store deletes up to 1,000 keys per request); a failure is a `StorageError`
+        naming what was being removed."""
 
     def lease(self, path: str) -> WriterLease:
         """Take the exclusive writer lease on `path`; raises `InUseError`. The lease's
@@ -202,6 +208,10 @@ class LocalBackend:
             pass
         except OSError as e:
             raise storage_error(e, "removing", path) from e
+
+    def remove_all(self, paths: Sequence[str], *, below: bool = True) -> None:
+        for path in paths:
+            self.remove(path, below=below)
 
     def lease(self, path: str) -> WriterLease:
         return WriterLease(path)

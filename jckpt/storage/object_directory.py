@@ -48,16 +48,14 @@ from typing import Any
 from jckpt.errors import CheckpointError, FormatError
 from jckpt.format.index import index_files
 from jckpt.format.names import INDEX_NAME, UPLOAD_TAG, piece_tag, save_tag, tag_writer
-from jckpt.storage.object_backend import OBJECT_STORE
-from jckpt.storage.object_store import ObjectURL, is_missing, obstore_module, store_error, store_for
+from jckpt.storage.object_backend import OBJECT_STORE, delete_keys
+from jckpt.storage.object_store import ObjectURL, obstore_module, store_error, store_for
 from jckpt.storage.publish import STALE_AFTER
 
 log = logging.getLogger('jckpt')
 
 _LIVE: set[str] = set()  # the tags of this process's saves in progress
 _LIVE_LOCK = threading.Lock()
-#: Keys per DELETE request (S3's limit for one multi-object delete).
-_DELETE_BATCH = 1000
 
 
 def _host() -> int:
@@ -124,16 +122,6 @@ def _listing(u: ObjectURL) -> tuple[list[dict[str, Any]], datetime.datetime]:
     return found, now
 
 
-def _delete(u: ObjectURL, keys: list[str]) -> None:
-    obs, store = obstore_module(), store_for(u)
-    for start in range(0, len(keys), _DELETE_BATCH):
-        try:
-            obs.delete(store, keys[start:start + _DELETE_BATCH])
-        except Exception as e:
-            if not is_missing(e):
-                raise store_error(e, "deleting pieces", u.url) from e
-
-
 def _orphan(name: str, modified: datetime.datetime, now: datetime.datetime) -> bool:
     tag = piece_tag(name)
     if tag and writer_gone(tag):
@@ -167,10 +155,10 @@ def clean_after_commit(url: str, files: Iterable[str], replaced: Iterable[str]) 
         doomed = [o['path'] for o in found if (name := o['path'][len(u.prefix):]) not in keep
                   and piece_tag(name) is not None
                   and (name in replaced or _orphan(name, o['last_modified'], now))]
-        _delete(u, doomed)
+        delete_keys(u, doomed)
         _reclaim_uploads(u, found, lambda name: name not in keep)
         if u.key:  # apart: a store that reports a missing key must not stop the others' deletion
-            _delete(u, [u.key])
+            delete_keys(u, [u.key])
     except CheckpointError as e:
         log.warning("the checkpoint %s is saved, but deleting the pieces it replaced failed "
                     "(the next save deletes them): %s", url, e)
@@ -187,7 +175,7 @@ def discard(url: str, tag: str) -> None:
     u = ObjectURL.parse(url)
     try:
         found, _ = _listing(u)
-        _delete(u, [o['path'] for o in found if piece_tag(o['path'][len(u.prefix):]) == tag])
+        delete_keys(u, [o['path'] for o in found if piece_tag(o['path'][len(u.prefix):]) == tag])
         _reclaim_uploads(u, found, lambda name: piece_tag(name) == tag)
     except CheckpointError as e:
         log.warning("deleting the pieces of the failed save of %s failed (the next save "

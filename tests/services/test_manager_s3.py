@@ -51,6 +51,93 @@ def test_retention_deletes_a_file_step_with_one_request(s3, s3_server):
         assert mgr.all_steps() == [2]
 
 
+def test_retention_deletes_many_file_steps_with_one_request(s3, s3_server):
+    """A manager opened with a stricter policy deleted the steps it no longer keeps one DELETE
+    each: 12 requests for 12 steps, now one multi-object DELETE per 1,000."""
+    url = f"{s3}/run"
+    _saved(url, range(1, 13))
+    with jckpt.CheckpointManager(url, keep_last=1, asynchronous=False) as mgr:
+        before = len(s3_server.requests(s3))
+        mgr.save(13, TREE)
+        saved = _new(s3_server, s3, before)
+        assert mgr.all_steps() == [13]
+    assert saved == ["PUT /run/step_00000013.jckpt", "POST ?delete"], saved
+    assert jckpt.storage.backend_for(url).list(url) == ["step_00000013.jckpt"]
+
+
+def test_retention_deletes_many_foreign_steps_with_three_requests(s3, s3_server):
+    """Each step directory removed cost 4 requests (its index's and its record's DELETEs, a LIST
+    and a DELETE of the rest): 20 for 5 steps, now 3 (the markers of all, one LIST from the first
+    to the last, the rest of all), the markers first so that no step is seen half deleted."""
+    url = f"{s3}/run"
+    opts = jckpt.CheckpointOptions(format="npz")
+    with jckpt.CheckpointManager(url, options=opts) as mgr:
+        for step in range(1, 6):
+            mgr.save(step, items={"model": TREE, "opt": {"m": TREE["w"]}})
+    with jckpt.CheckpointManager(url, keep_last=1, options=opts, asynchronous=False) as mgr:
+        before = len(s3_server.requests(s3))
+        mgr.save(6, items={"model": TREE, "opt": {"m": TREE["w"]}})
+        saved = _new(s3_server, s3, before)
+        assert mgr.all_steps() == [6]
+    assert [r for r in saved if not r.startswith("PUT ")] == [
+        "POST ?delete", "GET ?list-type=2&prefix=run/&start-after=run/step_00000001.jckpt",
+        "POST ?delete"], saved
+    assert jckpt.storage.backend_for(url).list(url) == ["step_00000006.jckpt"]
+
+
+def _failing_deletes(monkeypatch, calls):
+    """obstore's `delete` fails at the calls numbered in `calls` (1 the first)."""
+    import obstore
+
+    real, seen = obstore.delete, []
+
+    def delete(store, paths):
+        seen.append(paths)
+        if len(seen) in calls:
+            raise ConnectionError("connection reset by peer")
+        return real(store, paths)
+    monkeypatch.setattr(obstore, "delete", delete)
+    return seen
+
+
+def test_a_failed_deletion_keeps_the_steps_known_and_is_tried_again(s3, monkeypatch, caplog):
+    """Retention forgot a step before deleting it: one whose DELETE failed stayed in the bucket,
+    unknown to the manager and never deleted by it."""
+    url = f"{s3}/run"
+    _saved(url, range(1, 4))
+    with jckpt.CheckpointManager(url, keep_last=1, asynchronous=False) as mgr:
+        _failing_deletes(monkeypatch, {1})
+        with caplog.at_level(logging.WARNING):
+            assert mgr.save(4, TREE)
+        [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert "retention" in warning and "connection reset" in warning
+        assert "run/step_00000001.jckpt, run/step_00000002.jckpt, run/step_00000003.jckpt" in warning
+        assert mgr.all_steps() == [1, 2, 3, 4] and mgr.latest_step() == 4
+        np.testing.assert_array_equal(mgr.restore(2, target=TREE).tree["w"], TREE["w"])
+        mgr.save(5, TREE)  # the next prune deletes them all
+        assert mgr.all_steps() == [5]
+    assert jckpt.storage.backend_for(url).list(url) == ["step_00000005.jckpt"]
+
+
+def test_a_step_directory_whose_markers_are_gone_is_forgotten_and_its_rest_removed_later(
+        s3, monkeypatch, caplog):
+    url = f"{s3}/run"
+    opts = jckpt.CheckpointOptions(format="npz")
+    with jckpt.CheckpointManager(url, options=opts, keep_last=1, asynchronous=False) as mgr:
+        mgr.save(1, items={"model": TREE, "opt": {"m": TREE["w"]}})
+        _failing_deletes(monkeypatch, {2})  # the markers go, the model and optimizer stay
+        with caplog.at_level(logging.WARNING):
+            mgr.save(2, items={"model": TREE, "opt": {"m": TREE["w"]}})
+        assert "run/step_00000001.jckpt/model.npz" in caplog.text
+        assert mgr.all_steps() == [2]
+    monkeypatch.undo()
+    backend = jckpt.storage.backend_for(url)
+    assert backend.list(f"{url}/step_00000001.jckpt") == ["model.npz", "optimizer.jckpt"]
+    with jckpt.CheckpointManager(url) as mgr:  # no step: removed as unfinished
+        assert mgr.all_steps() == [2]
+    assert backend.list(url) == ["step_00000002.jckpt"]
+
+
 def test_restoring_the_latest_step_reads_its_header_once(s3, s3_server):
     """A restore asked whether the step exists (HEAD), whether it is a step directory (two HEADs),
     and read the header twice: 6 requests for a step that one GET holds whole."""

@@ -8,7 +8,7 @@ import pytest
 
 import jckpt
 from jckpt.errors import FormatError, InputError
-from jckpt.format.names import METRICS_KEY, STEP_KEY, TRAINER_STATE_KEY
+from jckpt.format.names import METRICS_KEY, STEP_KEY, TRAINER_STATE_KEY, step_name
 from jckpt.services import steps
 from jckpt.services.formats import CheckpointLoadOptions, CheckpointOptions
 from jckpt.storage.backend import backend_for
@@ -235,3 +235,39 @@ def test_opening_a_bucket_manager_of_format_steps_asks_no_header_of_them(monkeyp
     with jckpt.CheckpointManager(url) as mgr:
         assert mgr.all_steps() == [1, 2, 3, 4]
     assert not [k for k in heads if k.rsplit('/', 1)[-1].startswith('step_')], heads
+
+
+def test_remove_steps_says_which_steps_are_gone_as_they_go(tmp_path):
+    from jckpt.storage.backend import LOCAL
+    with jckpt.CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {'w': np.ones(2)})
+        mgr.save(2, {'w': np.ones(2)}, options=CheckpointOptions(format='npz'))
+        mgr.save(3, {'w': np.ones(2)})
+    paths = {str(tmp_path / step_name(s)): s == 2 for s in (1, 2)}
+    told = []
+    steps.remove_steps(LOCAL, paths, told.append)
+    assert told == [[p] for p in paths] and sorted(os.listdir(tmp_path)) == ['step_00000003.jckpt']
+
+
+def test_remove_steps_in_a_bucket_removes_the_markers_first(monkeypatch):
+    """The markers of every directory step (and the file steps) go in the first request, and
+    `gone` is told before what is left of the directory steps is deleted."""
+    pytest.importorskip("obstore")
+    import obstore
+    root = "memory://remove-steps/run"
+    with jckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, {'w': np.ones(2)})
+        mgr.save(2, {'w': np.ones(2)}, options=CheckpointOptions(format='npz'))
+        mgr.save(3, {'w': np.ones(2)})
+    real, order = obstore.delete, []
+    monkeypatch.setattr(obstore, "delete", lambda store, paths: (order.append(sorted(paths)),
+                                                                 real(store, paths))[1])
+    backend = jckpt.storage.backend_for(root)
+    steps.remove_steps(backend, {f"{root}/step_00000001.jckpt": False,
+                                 f"{root}/step_00000002.jckpt": True}, lambda gone: order.append(gone))
+    assert order == [
+        ['run/step_00000001.jckpt', 'run/step_00000002.jckpt/index.jckpt',
+         'run/step_00000002.jckpt/trainer_state.json'],
+        [f"{root}/step_00000001.jckpt", f"{root}/step_00000002.jckpt"],
+        ['run/step_00000002.jckpt', 'run/step_00000002.jckpt/model.npz']]
+    assert backend.list(root) == ['step_00000003.jckpt']

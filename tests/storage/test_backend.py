@@ -181,3 +181,14 @@ def test_list_kinds_tells_files_from_directories(tmp_path):
     jckpt.save(jckpt.Context(), {"w": np.ones(2)}, "memory://kinds/run/a.jckpt")
     jckpt.save(jckpt.Context(), {"w": np.ones(2)}, "memory://kinds/run/b/c.jckpt")
     assert backend_for("memory://kinds/run").list_kinds("memory://kinds/run") == (["a.jckpt"], ["b"])
+
+
+def test_a_local_remove_all_removes_each_path_as_remove_does(tmp_path):
+    from jckpt.storage.backend import LOCAL
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f").write_bytes(b"x")
+    for name in ("a", "b"):
+        (tmp_path / name).write_bytes(b"x")
+    LOCAL.remove_all([str(tmp_path / "a"), str(tmp_path / "d"), str(tmp_path / "gone")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
