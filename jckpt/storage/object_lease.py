@@ -81,13 +81,19 @@ class ObjectLease:
         self._thread = threading.Thread(target=self._refresh, name='jckpt-lease', daemon=True)
         self._thread.start()
 
+    @property
+    def _taking(self) -> str:
+        """What a failure to take the lease was doing (its error names the path written)."""
+        return f"taking the writer lease ({self.lock.url.rsplit('/', 1)[-1]})"
+
     def _take(self) -> dict[str, Any]:
-        """Create the lease object, or take over one whose holder is gone; its version."""
+        """Create the lease object, or take over one whose holder is gone; its version.
+        A failure is an error naming the path the lease is for (a manager's directory)."""
         try:
             return self._put('create')
         except Exception as e:
             if type(e).__name__ not in _TAKEN:
-                raise store_error(e, "taking the writer lease", self.lock.url) from e
+                raise store_error(e, self._taking, self.path) from e
         holder, version = self._holder()
         if holder is not None and gone(holder):
             try:
@@ -97,7 +103,7 @@ class ObjectLease:
                 return taken
             except Exception as e:
                 if type(e).__name__ not in _TAKEN:
-                    raise store_error(e, "taking the writer lease", self.lock.url) from e
+                    raise store_error(e, self._taking, self.path) from e
         who = f" (pid {holder.get('pid')} on {holder.get('host')})" if holder else ''
         raise InUseError(f"in use: another writer{who} holds the lease {self.lock.url.rsplit('/', 1)[-1]}",
                          file=self.path,

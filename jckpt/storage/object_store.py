@@ -261,9 +261,9 @@ def store_error(exc: BaseException, action: str, url: str) -> CheckpointError:
     name = type(exc).__name__
     text = str(exc)
     detail = text.splitlines()[0][:200] if text else name
-    if 'NoSuchBucket' in text:
-        return StorageError(f"{action} failed: the bucket does not exist", file=url,
-                            fix="create the bucket, or check the URL and the endpoint")
+    if _no_bucket(text):
+        return StorageError(f"{action} failed: the bucket {_bucket(url)!r} does not exist",
+                            file=url, fix=_bucket_fix(url))
     if name in ('PermissionDeniedError', 'UnauthenticatedError') or 'AccessDenied' in text \
             or 'InvalidAccessKeyId' in text or 'SignatureDoesNotMatch' in text:
         return StorageError(f"{action} failed: access denied ({detail})", file=url,
@@ -286,7 +286,31 @@ def store_error(exc: BaseException, action: str, url: str) -> CheckpointError:
 
 
 def is_missing(exc: BaseException) -> bool:
-    return isinstance(exc, FileNotFoundError) and 'NoSuchBucket' not in str(exc)
+    """Whether `exc` says an object is not there (a missing bucket is an error of its own)."""
+    return isinstance(exc, FileNotFoundError) and not _no_bucket(str(exc))
+
+
+def _no_bucket(text: str) -> bool:
+    """Whether a store's error says the bucket (an Azure container) does not exist."""
+    return 'NoSuchBucket' in text or 'ContainerNotFound' in text \
+        or 'bucket does not exist' in text.lower()
+
+
+def _bucket(url: str) -> str:
+    return url.partition('://')[2].partition('/')[0]
+
+
+#: How each kind of store's bucket is created, for the fix of a missing one.
+_CREATE = {'s3': "aws s3 mb s3://{}", 'gs': "gcloud storage buckets create gs://{}",
+           'az': "az storage container create --name {}"}
+
+
+def _bucket_fix(url: str) -> str:
+    """The fix of a missing bucket: create it, or check where the URL leads."""
+    kind = SCHEMES.get(url.partition('://')[0].lower(), '')
+    create = f" ({_CREATE[kind].format(_bucket(url))})" if kind in _CREATE else ''
+    return (f"create the bucket{create}, or check the URL, {_ENDPOINTS.get(kind, 'the endpoint')} "
+            "and the credentials (another server or account may not have the bucket)")
 
 
 class ObjectSource:

@@ -415,3 +415,14 @@ def test_keys_with_spaces_signs_and_unicode_round_trip(s3):
 def _client_objects(s3):
     from tests.s3server import client
     return client(s3).list_objects_v2(Bucket=s3.removeprefix("s3://"))["Contents"]
+
+
+def test_a_manager_on_a_bucket_that_does_not_exist_names_the_bucket_and_its_directory(s3):
+    """The error named the lease object beside the directory, not the directory, nor the bucket."""
+    url = "s3://no-such-bucket-for-a-manager/run"
+    with pytest.raises(jckpt.StorageError, match="the bucket 'no-such-bucket-for-a-manager' "
+                                                 "does not exist") as e:
+        jckpt.CheckpointManager(url)
+    assert e.value.file == url
+    assert "create the bucket (aws s3 mb s3://no-such-bucket-for-a-manager)" in e.value.fix
+    assert "AWS_ENDPOINT_URL" in e.value.fix and "credentials" in e.value.fix

@@ -175,10 +175,10 @@ def test_a_missing_object_and_a_missing_bucket(s3):
         jckpt.load(HOST, f"{s3}/nothing.jckpt")
     assert e.value.file == f"{s3}/nothing.jckpt"
     gone = "s3://no-such-bucket-here/x.jckpt"
-    with pytest.raises(jckpt.StorageError, match="the bucket does not exist") as e:
+    with pytest.raises(jckpt.StorageError, match="the bucket 'no-such-bucket-here' does not exist") as e:
         jckpt.save(jckpt.Context(), TREE, gone)
     assert e.value.file == gone and "create the bucket" in e.value.fix
-    with pytest.raises(jckpt.StorageError, match="the bucket does not exist"):
+    with pytest.raises(jckpt.StorageError, match="the bucket 'no-such-bucket-here' does not exist"):
         jckpt.load(HOST, gone)
 
 
@@ -583,3 +583,20 @@ def test_control_characters_in_a_url_are_refused(url):
     with pytest.raises(jckpt.InputError, match="cannot hold control characters") as e:
         ObjectURL.parse(url)
     assert "\n" not in e.value.file and "\t" not in e.value.file
+
+
+@pytest.mark.parametrize("url, text, create", [
+    ("s3://b1/run", "NoSuchBucket: The specified bucket does not exist", "aws s3 mb s3://b1"),
+    ("gs://b2/run", "404 Not Found: The specified bucket does not exist.",
+     "gcloud storage buckets create gs://b2"),
+    ("az://b3/run", "ContainerNotFound: The specified container does not exist.",
+     "az storage container create --name b3")])
+def test_a_missing_bucket_is_named_with_how_to_create_it(url, text, create):
+    from jckpt.storage.object_store import is_missing, store_error
+
+    error = FileNotFoundError(text)
+    e = store_error(error, "taking the writer lease", url)
+    assert not is_missing(error)
+    assert isinstance(e, jckpt.StorageError) and e.file == url
+    assert f"the bucket {url[5:7]!r} does not exist" in e.message
+    assert create in e.fix and "credentials" in e.fix
