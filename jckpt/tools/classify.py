@@ -76,6 +76,9 @@ class Kind:
         the error that says so, naming the path and what to do; else None.
       reader: for a FILE in an object store, the reader `classify` opened it with (its
         header read), so that a tool reads it without another GET; else None.
+      listing: for a prefix in an object store, its `list_kinds` as `classify` listed it
+        (`(objects, prefixes)`), so that a tool reads a manager's steps without another LIST;
+        else None.
     """
 
     name: str
@@ -83,6 +86,8 @@ class Kind:
     detail: str | None = None
     error: CheckpointError | None = dataclasses.field(default=None, compare=False, repr=False)
     reader: Any = dataclasses.field(default=None, compare=False, repr=False)
+    listing: tuple[list[str], list[str]] | None = dataclasses.field(default=None, compare=False,
+                                                                     repr=False)
 
     @property
     def is_checkpoint(self) -> bool:
@@ -167,10 +172,11 @@ def _classify_url(path: str, backend: Any) -> Kind:
             if fmt is not None:
                 return Kind(FOREIGN, path, fmt, not_jckpt_error(path, fmt))
             return Kind(UNKNOWN, path, UNREADABLE, e)
-    names = backend.list(path)
+    listing = backend.list_kinds(path)
+    names = sorted(set(listing[0]) | set(listing[1]))
     if not names:
         return Kind(MISSING, path, error=missing_error(path))
-    return _classify_names(path, names)
+    return dataclasses.replace(_classify_names(path, names), listing=listing)
 
 
 def _classify_directory(path: str) -> Kind:

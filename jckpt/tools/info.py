@@ -67,7 +67,8 @@ def info(path: str | os.PathLike, *, best_metric: str | None = None,
     if kind.name == DIRECTORY:
         return directory_info(kind.path)
     if kind.name == MANAGER:
-        return manager_info(kind.path, best_metric=best_metric, best_mode=best_mode)
+        return manager_info(kind.path, best_metric=best_metric, best_mode=best_mode,
+                            listing=kind.listing)
     if kind.name == FOREIGN:
         assert kind.detail is not None  # the format's name
         return foreign_info(kind.path, kind.detail)

@@ -30,11 +30,12 @@ import os
 from typing import Any
 
 from jckpt.adapters import formats
-from jckpt.errors import CheckpointError, InputError
+from jckpt.errors import CheckpointError, FormatError, InputError
 from jckpt.format.metadata import parse_metrics
 from jckpt.format.names import GENERATION_KEY, LINEAGE_KEY, METRICS_KEY, STEP_RE, TRAINER_STATE_NAME
 from jckpt.storage import step_directory
 from jckpt.storage.backend import backend_for, is_url
+from jckpt.storage.object_backend import NO_SUCH_OBJECT
 from jckpt.tools.foreign_info import ForeignInfo, foreign_info
 from jckpt.tools.render import REPR_ROWS, VALUE_WIDTH, html_table, human_bytes, plural, shorten, text_table
 from jckpt.tools.summary import DirectoryInfo, FileInfo, directory_info, file_info, known_metadata, tree_size
@@ -189,7 +190,13 @@ def step_info(step: int, path: str, *, folder: bool | None = None) -> StepInfo:
     except CheckpointError as e:
         kind = 'directory' if os.path.isdir(path) else 'file'  # a link out: not read
         return StepInfo(step, path, kind, 0, error=str(e.message))
-    if folder is not False and step_directory.is_published(path, TRAINER_STATE_NAME):
+    if folder and is_url(path):  # a prefix: its record's GET tells a step directory, no HEAD first
+        try:
+            return _model_step_info(step, path, step_directory.read_record(path, step))
+        except FormatError as e:
+            if e.message != NO_SUCH_OBJECT:
+                return StepInfo(step, path, 'model', tree_size(path), error=e.message)
+    elif folder is not False and step_directory.is_published(path, TRAINER_STATE_NAME):
         return _model_step_info(step, path)
     is_dir = folder if folder is not None else backend_for(path).isdir(path)  # a bucket's prefix too
     kind = 'directory' if is_dir else 'file'
@@ -205,11 +212,13 @@ def step_info(step: int, path: str, *, folder: bool | None = None) -> StepInfo:
                     generation if isinstance(generation, int) else None, known.get('lineage'))
 
 
-def _model_step_info(step: int, path: str) -> StepInfo:
-    """A step directory's `StepInfo`, from its `trainer_state.json` (never raises)."""
+def _model_step_info(step: int, path: str, record: dict[str, Any] | None = None) -> StepInfo:
+    """A step directory's `StepInfo`, from its `trainer_state.json` (`record`, when read;
+    never raises)."""
     size = tree_size(path)
     try:
-        record = step_directory.read_record(path, step)  # checked as the manager checks it
+        if record is None:
+            record = step_directory.read_record(path, step)  # checked as the manager checks it
         meta = record['metadata']
         generation = meta.get(GENERATION_KEY)
         entries, payload_bytes = _model_counts(path, record)
@@ -238,16 +247,18 @@ def _model_counts(path: str, record: dict[str, Any]) -> tuple[int | None, int | 
 
 
 def manager_info(path: str | os.PathLike, *, best_metric: str | None = None,
-                 best_mode: str = 'min') -> ManagerInfo:
+                 best_mode: str = 'min',
+                 listing: tuple[list[str], list[str]] | None = None) -> ManagerInfo:
     """The `ManagerInfo` of a checkpoint manager directory (headers only).
 
     `best_metric` defaults to `loss` when the steps record it, else to the
-    first metric name in sorted order.
+    first metric name in sorted order. `listing`: the directory's `list_kinds`, when the
+    caller has listed it (`classify` a bucket's prefix), so that it is not listed again.
     """
     path = os.fspath(path)
     if best_mode not in ('min', 'max'):
         raise InputError(f"best_mode must be 'min' or 'max', not {best_mode!r}")
-    objects, prefixes = backend_for(path).list_kinds(path)  # tells file steps from the others
+    objects, prefixes = listing or backend_for(path).list_kinds(path)  # file steps from the others
     folders = set(prefixes)
     found = sorted((int(m.group(1)), name) for name in set(objects) | folders
                    if (m := STEP_RE.match(name)))

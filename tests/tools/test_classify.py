@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 
+import jckpt
 from jckpt.errors import FormatError
 from jckpt.format import Entry, Header, lay_out, prec_of
 from jckpt.format.names import piece_name, step_name
@@ -208,3 +209,15 @@ def test_orbax_managers_directory_is_told_to_convert_a_step(tmp_path, capsys):
     again = classify(str(tmp_path / 'run')).error.message
     assert again.startswith('this directory holds orbax steps (2, 10)')
     capsys.readouterr()
+
+
+def test_a_prefix_in_a_bucket_carries_its_listing_for_the_tool_that_reads_it():
+    pytest.importorskip("obstore")
+    url = "memory://classify-listing/run"
+    with jckpt.CheckpointManager(url) as mgr:
+        mgr.save(1, {"w": np.ones(2)})
+        mgr.save(2, {"w": np.ones(2)}, options=jckpt.CheckpointOptions(format="npz"))
+    kind = classify(url)
+    assert kind.name == MANAGER
+    assert kind.listing == (["step_00000001.jckpt"], ["step_00000002.jckpt"])
+    assert classify(f"{url}/step_00000001.jckpt").listing is None  # an object: no listing
