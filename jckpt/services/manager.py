@@ -200,7 +200,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
     def _recover(self) -> str | None:
         found = steps.recover(self.backend, self.directory, clean=self._rank == 0)
         steps.say_if_orbax(self.directory, found.metrics)
-        self._view.reset(found.metrics, found.folders)
+        self._view.reset(found.metrics, found.folders, found.indexed)
         self._found = found.latest
         return None if (latest := self.latest_step()) is None else self._path(latest)
 
@@ -338,7 +338,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
         self._last_admitted = step
         self._lease.check()  # nor deletes, by retention
         self._record(step, steps.parse_metrics(recorded.get(METRICS_KEY), self._path(step)),
-                     folder=True)
+                     folder=True, indexed=True)
 
     def _target(self, info: _Step) -> str:
         return self._path(info.step)
@@ -367,9 +367,11 @@ class CheckpointManager(BackgroundWriter[_Step]):
     def _on_published(self, staged: Staged[_Step]) -> None:
         self._record(staged.info.step, staged.info.metrics, folder=staged.info.options.foreign)
 
-    def _record(self, step: int, metrics: Mapping[str, float], *, folder: bool) -> None:
-        """Count a durable `step` (`folder`: a directory) and apply the retention policy."""
-        self._view.add(step, metrics, folder=folder)
+    def _record(self, step: int, metrics: Mapping[str, float], *, folder: bool,
+                indexed: bool = False) -> None:
+        """Count a durable `step` (`folder`: a directory; `indexed`: a directory checkpoint)
+        and apply the retention policy."""
+        self._view.add(step, metrics, folder=folder, indexed=indexed)
         try:
             self._prune()
         except (OSError, StorageError) as e:  # a failed deletion must not fail (and so repeat) the save
@@ -439,7 +441,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
             raise FormatError(f"no step {step}", file=self.directory,
                               fix=f"pick one of {self.all_steps()[-5:]}")
         options = steps.checked(options, CheckpointLoadOptions, 'options', self.load_options)
-        return read_step(ctx, path, step, folder, target,
+        return read_step(ctx, path, step, folder, target, indexed=self._view.indexed(step),
                          loaded=Loaded(options, namespaces, layout, reshard, cast, verify))
 
     # --- preemption ------------------------------------------------------------

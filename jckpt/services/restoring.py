@@ -70,14 +70,15 @@ class Loaded:
 
 
 def read_step(ctx: Context, path: str, step: int, folder: bool | None, target: Any, *,
-              loaded: Loaded) -> Restored:
+              loaded: Loaded, indexed: bool = False) -> Restored:
     """Read the step at `path` as `CheckpointManager.restore` returns it.
 
     `folder`: whether the manager's view holds the step as a directory (a prefix in a
     bucket), or `None` when it does not know the step: a known step is read without
-    asking what it is (the caller has checked that a step it does not know is there).
+    asking what it is (the caller has checked that a step it does not know is there);
+    `indexed`: the view holds it as a directory checkpoint (read by its index).
     """
-    with steps.step_metadata(path, step, folder) as (meta, kind, record):
+    with steps.step_metadata(path, step, folder, indexed) as (meta, kind, record):
         state = None
         if TRAINER_STATE_KEY in meta:
             state = TrainerState.from_json(meta[TRAINER_STATE_KEY], file=path)

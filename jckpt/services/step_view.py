@@ -28,21 +28,26 @@ class StepView:
         self._lock = threading.Lock()
         self._metrics: dict[int, dict[str, float]] = {}
         self._folders: set[int] = set()
+        self._indexed: set[int] = set()  # the folders that are directory checkpoints
 
-    def reset(self, metrics: Mapping[int, Mapping[str, float]], folders: Iterable[int]) -> None:
-        """Know exactly the steps found in the directory (`metrics`; `folders` the directories)."""
+    def reset(self, metrics: Mapping[int, Mapping[str, float]], folders: Iterable[int],
+              indexed: Iterable[int] = ()) -> None:
+        """Know exactly the steps found in the directory (`metrics`; `folders` the directories,
+        `indexed` those of them that are directory checkpoints)."""
         with self._lock:
             self._metrics = {s: dict(m) for s, m in metrics.items()}
-            self._folders = set(folders)
+            self._folders, self._indexed = set(folders), set(indexed)
 
-    def add(self, step: int, metrics: Mapping[str, float], *, folder: bool) -> None:
-        """Know `step`, durable now, with its `metrics`."""
+    def add(self, step: int, metrics: Mapping[str, float], *, folder: bool,
+            indexed: bool = False) -> None:
+        """Know `step`, durable now, with its `metrics` (`indexed`: a directory checkpoint)."""
         with self._lock:
             self._metrics[step] = dict(metrics)
-            if folder:
-                self._folders.add(step)
-            else:
-                self._folders.discard(step)
+            for known, now in ((self._folders, folder), (self._indexed, folder and indexed)):
+                if now:
+                    known.add(step)
+                else:
+                    known.discard(step)
 
     def forget(self, steps: Iterable[int]) -> None:
         """Know no more `steps` (deleted)."""
@@ -50,6 +55,7 @@ class StepView:
             for s in steps:
                 self._metrics.pop(s, None)
                 self._folders.discard(s)
+                self._indexed.discard(s)
 
     def steps(self) -> list[int]:
         """Every durable step, ascending."""
@@ -77,6 +83,11 @@ class StepView:
         """Whether `step` is a directory; `None` when it is not a durable step known here."""
         with self._lock:
             return (step in self._folders) if step in self._metrics else None
+
+    def indexed(self, step: int) -> bool:
+        """Whether `step` is known as a directory checkpoint (read by its index)."""
+        with self._lock:
+            return step in self._indexed
 
     def doomed(self, retention: Retention) -> dict[int, bool]:
         """The steps `retention` does not keep, each with whether it is a directory; never

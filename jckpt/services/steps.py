@@ -117,12 +117,15 @@ class Found:
         lineage check takes them from here rather than reading the step again.
       unfinished: the names of the step prefixes in a bucket that hold neither a record nor
         an index (a save that died): `remove_unfinished` removes them.
+      indexed: the folders that are directory checkpoints (read by their index), not step
+        directories (read by their record).
     """
 
     metrics: dict[int, dict[str, float]]
     folders: frozenset[int]
     latest: tuple[dict[str, str], Header | None] | None
     unfinished: tuple[str, ...] = ()
+    indexed: frozenset[int] = frozenset()
 
 
 Listing = tuple[list[str], list[str]]
@@ -171,8 +174,10 @@ def scan(backend: Backend, directory: str, listing: Listing | None = None) -> Fo
     found = {step: (name, got) for (step, name), got in zip(names, read_all) if got is not None}
     metrics = {step: parse_metrics(got[0].get(METRICS_KEY), os.path.join(directory, name))
                for step, (name, got) in found.items()}
-    return Found(metrics, frozenset(step for step, (name, _) in found.items() if name in folders),
-                 found[max(found)][1] if found else None, tuple(sorted(unfinished)))
+    dirs_found = {step: got for step, (name, got) in found.items() if name in folders}
+    return Found(metrics, frozenset(dirs_found), found[max(found)][1] if found else None,
+                 tuple(sorted(unfinished)),
+                 frozenset(step for step, got in dirs_found.items() if got[1] is not None))
 
 
 def described(path: str, found: tuple[dict[str, str], Header | None] | None
@@ -187,15 +192,21 @@ StepRead = tuple[dict[str, str], str | None, dict[str, Any] | None]
 
 
 @contextlib.contextmanager
-def step_metadata(path: str, step: int, folder: bool | None) -> Iterator[StepRead]:
+def step_metadata(path: str, step: int, folder: bool | None,
+                  indexed: bool = False) -> Iterator[StepRead]:
     """A step's metadata, what the step is (`'file'`, `'record'`: a step directory,
     `'index'`: a directory checkpoint; None: not known) and a step directory's record
     (else None), for `read_tree`. A step known to be a file (`folder` False), or a prefix
     in a bucket, is read once: within the block, `read_tree` reads its arrays through the
-    same reader (the same version of the object), or from the record read here."""
+    same reader (the same version of the object), or from the record read here. A prefix
+    known to be a directory checkpoint (`indexed`) is read by its index, no record asked for."""
     step_directory.check_step_link(path)
     if folder is None or (folder and not is_url(path)):
         yield read_metadata(path, step, prefix=folder), None, None
+        return
+    if folder and indexed:
+        with reusing(_index_reader(path, step)) as reader:
+            yield reader.header.metadata_dict(), 'index', None
         return
     if folder:
         got = _read_bucket_folder(path, step, check_pieces=True)  # for the restore's reader
@@ -218,6 +229,18 @@ def step_metadata(path: str, step: int, folder: bool | None) -> Iterator[StepRea
                           file=path, fix="open the manager again to list the steps there now") from None
     with reusing(reader):
         yield reader.header.metadata_dict(), 'file', None
+
+
+def _index_reader(path: str, step: int) -> DirectoryReader:
+    """The reader of a directory checkpoint step in a bucket, its pieces checked as a restore
+    checks them; its index gone is the error of a step removed since it was listed."""
+    try:
+        return DirectoryReader(path, check_pieces=True)
+    except FormatError as e:
+        if e.message != NO_INDEX:
+            raise
+        raise FormatError(f"no step {step}: it was removed since the manager listed its steps",
+                          file=path, fix="open the manager again to list the steps there now") from None
 
 
 def read_tree(ctx: Context, path: str, step: int, target: Any, namespaces: Namespaces | None,

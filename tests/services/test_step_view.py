@@ -47,6 +47,16 @@ def test_a_step_saved_again_as_another_kind_is_known_as_that_kind():
     assert view.folder(1) is False
 
 
+def test_directory_checkpoints_are_known_as_such_until_forgotten():
+    view = StepView()
+    view.reset({1: {}, 2: {}, 3: {}}, {1, 2}, {2})
+    view.add(4, {}, folder=True, indexed=True)
+    view.add(5, {}, folder=False, indexed=True)  # a file is no directory checkpoint
+    assert [view.indexed(s) for s in (1, 2, 3, 4, 5)] == [False, True, False, True, False]
+    view.forget([2])
+    assert not view.indexed(2)
+
+
 def test_doomed_names_each_step_with_its_kind_and_never_the_latest():
     view = view_of(s1=({}, True), s2=({}, False), s3=({}, True))
     assert view.doomed(Retention(keep_last=1)) == {1: True, 2: False}

@@ -271,3 +271,16 @@ def test_remove_steps_in_a_bucket_removes_the_markers_first(monkeypatch):
         [f"{root}/step_00000001.jckpt", f"{root}/step_00000002.jckpt"],
         ['run/step_00000002.jckpt', 'run/step_00000002.jckpt/model.npz']]
     assert backend.list(root) == ['step_00000003.jckpt']
+
+
+def test_a_directory_step_removed_since_it_was_listed_is_an_error_naming_it():
+    pytest.importorskip("obstore")
+    url = "memory://steps-indexed/run"
+    with jckpt.CheckpointManager(url, directory_steps=True) as mgr:
+        mgr.save(1, {'w': np.ones(2)})
+    path = f"{url}/step_00000001.jckpt"
+    backend_for(url).remove(path)
+    with pytest.raises(FormatError, match="no step 1: it was removed since") as e:
+        with steps.step_metadata(path, 1, True, indexed=True):
+            pass
+    assert e.value.file == path
