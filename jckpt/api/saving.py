@@ -26,9 +26,8 @@ import jax
 
 from jckpt.api import progress as progress_mod
 from jckpt.api.context import Context, check_context
-from jckpt.api.loading import stored_path
 from jckpt.api.multiprocess import save_directory
-from jckpt.errors import CheckpointError, FormatError, InputError, naming_file
+from jckpt.errors import CheckpointError, InputError, naming_file
 from jckpt.format import leaf_entries
 from jckpt.format._gc import paused
 from jckpt.format.entries import Entry, Header, KeyPath, entry_for, round_up
@@ -52,7 +51,7 @@ from jckpt.storage.writer import (
 )
 from jckpt.trees import pytree as tree_mod
 from jckpt.trees import to_host, transfers
-from jckpt.trees.nested import unflatten
+from jckpt.trees.nested import check_one_tree
 
 PathLike = str | os.PathLike
 
@@ -128,35 +127,16 @@ def _save_file(ctx: Context, tree: Any, path: str, appending: bool, alignment: i
     metadata = _with_empty_nodes(metadata, old, ctx.namespace, empty, [p for p, _ in items])
     entries, sources = _entries(ctx, [p for p, _ in items], hosts,
                                 kept=old.header.tensors if old is not None else (), alignment=alignment)
-    if old is not None:
-        _check_one_tree(entries, ctx.namespace)
+    if old is not None:  # the namespace saved into: the tree and the entries kept there
+        check_one_tree([e for e in entries if e.namespace == ctx.namespace], file=path,
+                       fix="save the namespace whole without appending=True, or under "
+                           "another namespace")
     header = _header(entries, alignment, old.header if old is not None else Header(), metadata)
     if old is None:
         _publish(ctx, path, header, sources, progress)
     else:
         _publish_appended(ctx, path, header, entries, sources, old, progress)
     staging.remove_abandoned(path)  # a killed mirror's generations of this path (one stat else)
-
-
-def _check_one_tree(entries: Sequence[Entry], namespace: str) -> None:
-    """Refuse an appended tree that does not fit the entries kept in its namespace: a leaf
-    where they hold a node (or the reverse), a field where they hold a dict key of its name,
-    an index where they hold a key. `load` could not rebuild that namespace.
-
-    >>> import numpy as np
-    >>> root = entry_for('jckpt', (), np.dtype('f4'), (), id=0)
-    >>> _check_one_tree([root, entry_for('jckpt', (('k', 'w'),), np.dtype('f4'), (), id=1)], 'jckpt')
-    Traceback (most recent call last):
-    jckpt.errors.InputError: the tree and the entries kept from the file ...
-    """
-    try:
-        unflatten([(stored_path(e), None) for e in entries if e.namespace == namespace])
-    except FormatError as e:
-        raise InputError(f"the tree and the entries kept from the file in namespace {namespace!r} "
-                         f"would not form one tree: {e.message}",
-                         entry=e.entry and f"{namespace}/{e.entry}",
-                         fix="save the namespace whole without appending=True, or "
-                             "under another namespace") from None
 
 
 def _appended(path: str) -> Any:
