@@ -225,11 +225,18 @@ def test_namespaces_append_and_prefix_keep_every_tree(tmp_path_factory, first, s
     ctx = jckpt.Context(durable=False)
     jckpt.save(ctx.replace(namespace="a"), first, path)
     jckpt.save(ctx.replace(namespace="b"), second, path, appending=True)
+    ids = {(e.namespace, e.path): e.id for e in jckpt.describe(path).tensors}
     try:
         jckpt.save(ctx.replace(namespace="a"), third, path, appending=True)
         expected_a = {**loose(first), **loose(third)}
     except jckpt.CheckpointError:  # a leaf of one tree where the other has a node
         expected_a = loose(first)
+    after = jckpt.describe(path).tensors
+    for e in after:  # a kept or replaced entry keeps its id; a new one gets a fresh id
+        assert ids.get((e.namespace, e.path), e.id) == e.id
+    for ns in ("a", "b"):
+        assert len({e.id for e in after if e.namespace == ns}) == sum(e.namespace == ns
+                                                                     for e in after)
     same_tree(second, jckpt.restore(jckpt.Context(host=True), second, path, namespace="b"))
     _, tree = jckpt.load(jckpt.Context(host=True), path, prefix_namespace="p")
     assert loose(tree.get("p__b", {})) == loose(second)
@@ -464,3 +471,21 @@ def test_manager_steps_of_every_form_restore_exactly(tmp_path_factory, model, op
     for ns, tree in saved.items():
         foreign = ns == "model" and form in ("safetensors", "npz")
         assert loose(plain.tree.get(ns, {}), key_data=foreign) == loose(tree, key_data=foreign)
+
+
+@PROPERTY
+@given(tree=trees, alignment=st.sampled_from([1, 8, 64, 4096]), in_place=st.booleans())
+def test_relayout_keeps_every_entry(tmp_path_factory, tree, alignment, in_place):
+    """`convert --alignment` (a relayout) keeps each entry's bits, path, id and key type."""
+    d = tmp_path_factory.mktemp("relayout")
+    src = str(d / "a.jckpt")
+    dst = src if in_place else str(d / "b.jckpt")
+    jckpt.save(jckpt.Context(durable=False), tree, src)
+    before = jckpt.describe(src)
+    assert cli.main(["convert", src, dst, "--alignment", str(alignment)]) == 0
+    after = jckpt.describe(dst)
+    assert after.alignment == alignment
+    assert [(e.id, e.path, e.key_impl, e.checksum) for e in after.tensors] == [
+        (e.id, e.path, e.key_impl, e.checksum) for e in before.tensors]
+    same_tree(tree, jckpt.restore(jckpt.Context(host=True), tree, dst))
+    assert jckpt.verify(dst).ok
