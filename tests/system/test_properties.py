@@ -20,7 +20,6 @@ import os
 
 import jax
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -373,8 +372,7 @@ def test_adapters_write_exactly_or_refuse(tmp_path_factory, tree, fmt):
     write_and_read(tmp_path_factory, tree, fmt)
 
 
-@pytest.mark.slow
-@settings(PROPERTY, max_examples=max(5, EXAMPLES // 3))
+@settings(PROPERTY, max_examples=max(5, EXAMPLES // 3))  # orbax writes are the slowest
 @given(tree=trees)
 def test_orbax_writes_exactly_or_refuses(tmp_path_factory, tree):
     """What the orbax writer wrote reads back, and restores into the tree as it is (but
