@@ -176,17 +176,6 @@ def loaded(path, namespace="jckpt", **kw):
     return tree.get(namespace, {})
 
 
-def expect_roundtrip(write, read, tree):
-    """`write()` then `read()`: the same tree (loosely), or a CheckpointError from write."""
-    try:
-        write()
-    except jckpt.CheckpointError:
-        return None
-    back = read()
-    assert loose(back) == loose(tree)
-    return back
-
-
 # --- jckpt files ----------------------------------------------------------------
 
 @PROPERTY
