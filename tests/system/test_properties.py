@@ -334,24 +334,29 @@ def leaf_bits(tree):
                   (stored_bits(stored_host(x)) for x in jax.tree.leaves(tree)))  # dtypes: no order
 
 
-def write_and_read(tmp_path_factory, tree, fmt):
+def write_and_read(tmp_path_factory, tree, fmt, namespaces=None):
     """A format's write and read give back the tree's leaves exactly, at its paths where
-    the format keeps them, or the write refuses with a CheckpointError and leaves no file."""
+    the format keeps them, or the write refuses with a CheckpointError and leaves no file.
+    `namespaces` (`{namespace: subtree}`) writes several namespaces instead."""
     ext, dtypes = FORMATS[fmt]
     path = str(tmp_path_factory.mktemp("fmt") / f"x.{ext}")
+    written = namespaces or {"jckpt": tree}
     try:
-        jckpt.adapters.write({"jckpt": tree}, path, format=fmt.split()[0])
+        jckpt.adapters.write(written, path, format=fmt.split()[0])
     except jckpt.CheckpointError:
         assert not os.path.exists(path)
         return None
     if dtypes is not None:
         assert all(np.asarray(stored_host(x)).dtype.newbyteorder("=") in dtypes
-                   for x in jax.tree.leaves(tree)), f"{fmt} wrote a dtype it does not hold"
-    back = jckpt.adapters.read(path, format=fmt.split()[0]).get("jckpt", {})
-    if fmt in ("npy", "orbax"):  # npy: one unnamed array; orbax: integer keys become strings
-        assert leaf_bits(back) == leaf_bits(tree)
-    else:
-        assert loose(back, key_data=True) == loose(tree, key_data=True)
+                   for x in jax.tree.leaves(written)), f"{fmt} wrote a dtype it does not hold"
+    back = jckpt.adapters.read(path, format=fmt.split()[0])
+    if namespaces is not None and fmt != "npy":
+        assert sorted(back) == sorted(ns for ns, sub in written.items() if jax.tree.leaves(sub))
+    for ns, sub in written.items():
+        if fmt in ("npy", "orbax"):  # npy: one unnamed array; orbax: integer keys become strings
+            assert leaf_bits(back.get(ns, {})) == leaf_bits(sub)
+        else:
+            assert loose(back.get(ns, {}), key_data=True) == loose(sub, key_data=True)
     return path
 
 
@@ -359,6 +364,14 @@ def write_and_read(tmp_path_factory, tree, fmt):
 @given(tree=trees, fmt=st.sampled_from(sorted(set(FORMATS) - {"orbax"})))
 def test_adapters_write_exactly_or_refuse(tmp_path_factory, tree, fmt):
     write_and_read(tmp_path_factory, tree, fmt)
+
+
+@PROPERTY
+@given(namespaces=st.dictionaries(st.sampled_from(["jckpt", "opt", "ema_2"]), trees,
+                                  min_size=2, max_size=3),
+       fmt=st.sampled_from(sorted(set(FORMATS) - {"orbax", "npy"})))
+def test_adapters_keep_namespaces_apart(tmp_path_factory, namespaces, fmt):
+    write_and_read(tmp_path_factory, None, fmt, namespaces)
 
 
 @settings(PROPERTY, max_examples=max(5, EXAMPLES // 3))  # orbax writes are the slowest
