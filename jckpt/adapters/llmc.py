@@ -89,6 +89,18 @@ KINDS = (
 )
 
 
+def plausible(config: Config) -> bool:
+    """Whether a header may hold `config`: every dimension a positive int32, and the padded
+    vocabulary no smaller than the vocabulary (what `read` accepts, so `write` checks it too).
+
+    >>> plausible(Config(1024, 50257, 12, 12, 768, 50304)), plausible(Config(8, 9, 1, 1, 4, 8))
+    (True, False)
+    """
+    dims = dataclasses.astuple(config)
+    return (all(0 < d < 2 ** 31 for d in dims)
+            and config.vocab_size <= config.padded_vocab_size)
+
+
 def param_shapes(config: Config) -> list[tuple[str, tuple[int, ...]]]:
     """`(kind, shape of one layer's or the whole parameter)` in file order."""
     c, vp, t = config.channels, config.padded_vocab_size, config.max_seq_len
@@ -132,7 +144,7 @@ def decode_header(raw, file: str) -> tuple[Config, np.dtype]:
         raise fail(f"unsupported version {ints[1]} (3 is float32, 5 is bfloat16)",
                    fix="re-export the model with a current llm.c")
     config = Config(*ints[2:8])
-    if min(ints[2:8]) <= 0 or config.vocab_size > config.padded_vocab_size:
+    if not plausible(config):
         raise fail(f"implausible dimensions {config}")
     return config, VERSIONS[ints[1]]
 
@@ -241,6 +253,10 @@ def _config(model: dict, num_layers: int, path: str) -> Config:
                              f"say {getattr(config, field.name)}", file=path,
                              entry=f"config/{field.name}", fix=f"drop config.{field.name} or "
                              "make it match the parameters")
+    if not plausible(config):  # llm.c (and `read`) would refuse the file
+        raise InputError(f"llm.c cannot hold the dimensions {config}", file=path,
+                         fix="every dimension must be positive and under 2**31, and wte must "
+                             "have at least config.vocab_size rows")
     return config
 
 

@@ -75,8 +75,9 @@ def write(tree: Any, path: str) -> None:
 
 def check(tree: Any, path: str) -> None:
     """Refuse a tree orbax cannot hold, naming the leaf and reading no data: two leaves of a
-    namespace whose `.`-joined names agree (orbax would store one array under both names,
-    and one value would be lost), an array with no elements, a dtype tensorstore lacks.
+    namespace whose `.`-joined names agree, or agree but for a trailing `/` (orbax would
+    store one array under both names, and one value would be lost), an array with no
+    elements, a dtype tensorstore lacks.
 
     >>> check({'jckpt': {'a.b': np.ones(2), 'a': {'b': np.ones(2)}}}, 'out')
     Traceback (most recent call last):
@@ -87,7 +88,8 @@ def check(tree: Any, path: str) -> None:
     orbax.import_orbax()  # missing: the InputError that says what to install, before tensorstore
     items = abstract_items(tree, path)
     for ns in dict.fromkeys(ns for ns, _, _ in items):  # one orbax item per namespace
-        flat_names([item for item in items if item[0] == ns], path)
+        mine = [item for item in items if item[0] == ns]
+        _distinct_in_store(mine, flat_names(mine, path), path)
     for ns, p, spec in items:
         if math.prod(spec.shape) == 0:
             raise InputError(f"orbax cannot store an array with no elements (shape "
@@ -97,6 +99,28 @@ def check(tree: Any, path: str) -> None:
             raise InputError(f"dtype {spec.dtype} has no tensorstore equivalent, so orbax "
                              "cannot store it", file=path, entry=f"{ns}/{path_name(p)}",
                              fix="cast it, or write a jckpt file")
+
+
+def _distinct_in_store(items: list, names: list[str], path: str) -> None:
+    """Refuse two leaves whose names tensorstore stores under one key: its zarr driver ends
+    a name without a trailing `/` with one, so `a` and `a/` (and `''` and `/`) share an
+    array, and the value written last would be read back for both.
+
+    >>> _distinct_in_store([('jckpt', (('k', 'a'),), None), ('jckpt', (('k', 'a/'),), None)],
+    ...                    ['a', 'a/'], 'out')
+    Traceback (most recent call last):
+    ...
+    jckpt.errors.InputError: out: entry jckpt/a/: leaves 'a' and 'a/' would be one array ...
+    """
+    seen: dict[str, str] = {}
+    for (ns, p, _), name in zip(items, names):
+        key = name if name.endswith('/') else name + '/'
+        if key in seen:
+            raise InputError(f"leaves {seen[key]!r} and {name!r} would be one array in orbax's "
+                             "store (a trailing '/' is dropped)", file=path,
+                             entry=f"{ns}/{path_name(p)}",
+                             fix="rename one of them, or write a jckpt or safetensors file")
+        seen[key] = name
 
 
 @functools.lru_cache(maxsize=64)

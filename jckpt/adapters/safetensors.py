@@ -310,9 +310,14 @@ def _prepare(tree: Any, path: str) -> tuple[list, list[str], list[int]]:
 
 
 def _checked_names(items: list, path: str) -> list[str]:
-    """The items' tensor names, every dtype one safetensors has (`InputError` otherwise)."""
+    """The items' tensor names, every dtype one safetensors has, none the header's own
+    `__metadata__` key (`InputError` otherwise)."""
     names = flat_names(items, path)
     for (_ns, _p, array), name in zip(items, names):
+        if name == METADATA_KEY:  # the file's JSON would hold the key twice: no reader takes it
+            raise InputError(f"a tensor cannot be named {METADATA_KEY!r}, the header's key for "
+                             "the file's metadata", file=path, entry=name,
+                             fix="rename the leaf, or write a jckpt or npz file instead")
         if dtype_name(array.dtype) is None:
             raise InputError(f"dtype {array.dtype} has no safetensors equivalent", file=path,
                              entry=name, fix="cast it, or write a jckpt or npz file instead")

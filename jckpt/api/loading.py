@@ -38,7 +38,7 @@ from jckpt.storage.backend import checked_path
 from jckpt.storage.reader import COUNTS
 from jckpt.trees import placement, sharding
 from jckpt.trees import pytree as tree_mod
-from jckpt.trees.nested import unflatten
+from jckpt.trees.nested import entry_path, unflatten
 
 PathLike = str | os.PathLike
 #: What `namespaces=` takes: one namespace, or several.
@@ -99,7 +99,7 @@ def load(ctx: Context, path: PathLike, *, prefix_namespace: str | None = None,
                           sum(e.byte_length for e in entries), enabled=progress) as bar:
         for e, array in zip(entries, _decoded(reader, stored, mmap, verify, bar)):
             requests.append((array, None, e.name, e.key_impl))
-            groups.setdefault(e.namespace, []).append((_stored_path(e), len(requests) - 1))
+            groups.setdefault(e.namespace, []).append((entry_path(e), len(requests) - 1))
     values = placement.place_all(requests, host=ctx.host, device=ctx.device, file=path)
     out = {ns: unflatten([(k, values[i]) for k, i in items], file=path)
            for ns, items in groups.items()}
@@ -121,11 +121,6 @@ def _decoded(reader: Any, entries: Sequence[Entry], mmap: bool, verify: bool, ba
 def _verify_default(reader: Any, mmap: bool) -> bool:
     """Check checksums when copying, and always for an object read from a store (never mapped)."""
     return not mmap or getattr(reader, 'remote', False)
-
-
-def _stored_path(e: Entry) -> KeyPath:
-    """Where the entry sits in its namespace's tree: its path, or `n<id>` for path-less ones."""
-    return e.path if e.path is not None else (('k', f"n{e.id}"),)
 
 
 def _check_clash(ctx: Context, entries: tuple[Entry, ...], path: str) -> None:
@@ -296,7 +291,7 @@ def _index(header: Header, names: Collection[str]) -> dict[str, _Stored]:
         others.add(e.namespace)
         found = out.get(e.namespace)
         if found is not None:
-            found.by_path[_stored_path(e)] = e
+            found.by_path[entry_path(e)] = e
     return out
 
 
@@ -355,7 +350,7 @@ def _missing(stored: _Stored, namespace: str, p: KeyPath, found: Sequence[Entry]
     if found:
         return MissingEntryError(
             f"ambiguous: the target's {show(p)} differs only in key kinds from "
-            f"{', '.join(show(_stored_path(e)) for e in found)} in the file", file=path, entry=where,
+            f"{', '.join(show(entry_path(e)) for e in found)} in the file", file=path, entry=where,
             fix="load the file and pick the entry, or restore into a target whose key kinds "
                 "(dict key, attribute, index) match one of them exactly")
     name = path_name(p)

@@ -51,6 +51,7 @@ from jckpt.storage.writer import (
 )
 from jckpt.trees import pytree as tree_mod
 from jckpt.trees import to_host, transfers
+from jckpt.trees.nested import check_one_tree
 
 PathLike = str | os.PathLike
 
@@ -72,7 +73,8 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
         save together (`jax.process_count() > 1`: call `save` from every one)
         or when `path` already holds one.
       appending: keep every entry of an existing file at `path` that `tree`
-        does not replace (matched by namespace and path), with its id.
+        does not replace (matched by namespace and path), with its id. `tree`
+        and the entries kept in its namespace must form one tree (`InputError`).
       alignment: payload alignment for this file (default `ctx.alignment`).
       metadata: string pairs stored in the header (merged over an appended file's); a
         value that is not a string, or a key starting with `jckpt.` (reserved for what
@@ -125,6 +127,10 @@ def _save_file(ctx: Context, tree: Any, path: str, appending: bool, alignment: i
     metadata = _with_empty_nodes(metadata, old, ctx.namespace, empty, [p for p, _ in items])
     entries, sources = _entries(ctx, [p for p, _ in items], hosts,
                                 kept=old.header.tensors if old is not None else (), alignment=alignment)
+    if old is not None:  # the namespace saved into: the tree and the entries kept there
+        check_one_tree([e for e in entries if e.namespace == ctx.namespace], file=path,
+                       fix="save the namespace whole without appending=True, or under "
+                           "another namespace")
     header = _header(entries, alignment, old.header if old is not None else Header(), metadata)
     if old is None:
         _publish(ctx, path, header, sources, progress)

@@ -42,6 +42,7 @@ from jckpt.format.limits import check_alignment
 from jckpt.storage.backend import backend_for, occupied, same_place
 from jckpt.storage.reader import CheckpointReader, reopen
 from jckpt.storage.writer import CopySource, ReaderSource, write_checkpoint
+from jckpt.trees.nested import check_one_tree
 
 
 def _check_sources(reader: CheckpointReader) -> None:
@@ -147,7 +148,9 @@ def merge(out: str | os.PathLike, inputs: Sequence[str | os.PathLike],
     of `inputs[i]` to `prefixes[i] + "__" + ns`, as
     `jckpt.load(..., prefix_namespace=...)` does, so two models with the
     same namespace can sit side by side. An entry whose `(namespace, path)`
-    is already taken is refused (naming both files); an id already used in
+    is already taken is refused (naming both files), and so are entries of one
+    namespace that would not form one tree (`InputError`: a leaf of one input
+    where another holds a node); an id already used in
     its namespace is renumbered above that namespace's largest id. Metadata
     is combined with the first file's values winning. Payloads are laid out
     at `alignment` (default 32, the writer's default).
@@ -174,6 +177,8 @@ def merge(out: str | os.PathLike, inputs: Sequence[str | os.PathLike],
         for reader, _ in sources:
             _check_sources(reader)
     entries, copies = _merged_entries(sources)
+    check_one_tree(entries, file=out, fix="give the inputs that share a namespace a prefix "
+                                          "each (prefixes=..., --prefix on the command line)")
     header = written_header(entries, DEFAULT_ALIGNMENT if alignment is None else alignment,
                             metadata=_merged_metadata(sources), extra=sources[0][1].extra)
     return _copy_out(out, header, copies, durable=durable, progress=progress, what='merging into')

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from jckpt.errors import FormatError
-from jckpt.format.header import KeyPath, path_name
+from jckpt.errors import FormatError, InputError
+from jckpt.format.header import Entry, KeyPath, path_name
 
 
 def unflatten(items: Iterable[tuple[KeyPath, Any]], *, file: str | None = None) -> Any:
@@ -48,6 +48,37 @@ def unflatten(items: Iterable[tuple[KeyPath, Any]], *, file: str | None = None) 
     # Holes (indices no entry fills) become None; a hostile index must not allocate a huge list.
     holes = [_MAX_HOLES + 16 * len(items)]
     return _lists(root, _sequence_nodes(items), holes=holes, file=file)
+
+
+def entry_path(e: Entry) -> KeyPath:
+    """Where an entry sits in its namespace's tree: its path, or `n<id>` for a path-less
+    (OCANNL) one."""
+    return e.path if e.path is not None else (('k', f"n{e.id}"),)
+
+
+def check_one_tree(entries: Iterable[Entry], *, file: str, fix: str) -> None:
+    """Refuse, before a file is written, entries that `load` could not rebuild into one tree
+    per namespace: a leaf where others hold a node, a root leaf beside other leaves, a
+    field and a dict key of one name, an index and an integer key of one number.
+
+    >>> import numpy as np
+    >>> from jckpt.format.entries import entry_for
+    >>> root, w = (entry_for('jckpt', p, np.dtype('f4'), (), id=i) for i, p in
+    ...            enumerate([(), (('k', 'w'),)]))
+    >>> check_one_tree([root, w], file='m.jckpt', fix='save it whole')
+    Traceback (most recent call last):
+    jckpt.errors.InputError: m.jckpt: namespace 'jckpt' would not form one tree: ...
+    """
+    groups: dict[str, list[tuple[KeyPath, None]]] = {}
+    for e in entries:
+        groups.setdefault(e.namespace, []).append((entry_path(e), None))
+    for namespace, items in groups.items():
+        try:
+            unflatten(items)
+        except FormatError as err:
+            raise InputError(f"namespace {namespace!r} would not form one tree: {err.message}",
+                             file=file, entry=err.entry and f"{namespace}/{err.entry}",
+                             fix=fix) from None
 
 
 def flatten_plain(tree: Any) -> list[tuple[KeyPath, Any]]:
@@ -104,4 +135,4 @@ def _lists(node: Any, seq: set[tuple], prefix: tuple = (), *, holes: list[int],
     return out
 
 
-__all__ = ['flatten_plain', 'unflatten']
+__all__ = ['check_one_tree', 'entry_path', 'flatten_plain', 'unflatten']

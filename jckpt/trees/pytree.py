@@ -26,6 +26,7 @@ import jax
 from jckpt.errors import InputError
 from jckpt.format.entries import check_prefix, prefix_header, prefixed
 from jckpt.format.header import Header, KeyPath, path_name
+from jckpt.format.limits import MAX_INT_DIGITS
 from jckpt.trees.nested import unflatten as unflatten  # its home before trees.nested
 
 T = TypeVar('T')
@@ -39,6 +40,9 @@ def key_to_component(key: Any, where: str = '') -> tuple[str, str | int]:
         if isinstance(k, str):
             return ('k', k)
         if isinstance(k, int) and not isinstance(k, bool):
+            if abs(k) >= 10 ** MAX_INT_DIGITS:  # a reader would refuse it as a damaged header
+                raise InputError(f"integer dict key has more than {MAX_INT_DIGITS} digits",
+                                 entry=where or None, fix="use keys that fit in 64 bits, or strings")
             return ('ki', int(k))
         raise InputError(f"dict key {k!r} of type {type(k).__name__} cannot be stored",
                          entry=where or None, fix="use str or int dict keys")
@@ -76,8 +80,15 @@ def to_path(keypath: Iterable[Any]) -> KeyPath:
     try:
         return tuple([_component(k) for k in keypath])
     except InputError:  # again, naming the leaf (formatted only when needed)
-        where = jax.tree_util.keystr(keypath)
-        return tuple(key_to_component(k, where) for k in keypath)
+        return tuple(key_to_component(k, _keystr(keypath)) for k in keypath)
+
+
+def _keystr(keypath: tuple[Any, ...]) -> str:
+    """`jax.tree_util.keystr`, or a placeholder where a key is an integer too long to print."""
+    try:
+        return jax.tree_util.keystr(keypath)
+    except ValueError:  # Python refuses str() of an integer over 4300 digits
+        return '<a path with an integer key too long to print>'
 
 
 def leaf_name(namespace: str, path: KeyPath) -> str:

@@ -186,3 +186,21 @@ def test_damaged_files_are_refused(tmp_path):
         with pytest.raises(FormatError, match=message) as info:
             llmc.read(path)
         assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize('config, match', [
+    ({'num_heads': np.int32(2), 'vocab_size': np.int32(17)}, 'vocab_size=17'),   # wte has 16 rows
+    ({'num_heads': np.int32(0), 'vocab_size': np.int32(10)}, 'num_heads=0'),
+    ({'num_heads': 2 ** 31, 'vocab_size': np.int32(10)}, 'num_heads=2147483648'),  # no int32
+], ids=['vocab-over-padded', 'no-heads', 'heads-over-int32'])
+def test_write_refuses_dimensions_the_reader_refuses(tmp_path, config, match):
+    """The file was written, and reading it failed ("implausible dimensions"), or the
+    header's packing failed with struct.error."""
+    src = tmp_path / 'a.bin'
+    tiny_file(src)
+    tree = {'jckpt': dict(jckpt.adapters.read(src)['jckpt'], config=config)}
+    with pytest.raises(InputError, match=match) as e:
+        llmc.write(tree, tmp_path / 'x.bin')
+    assert 'positive' in e.value.fix and not (tmp_path / 'x.bin').exists()
+    with pytest.raises(InputError, match=match):
+        llmc.check(tree, 'x.bin')

@@ -169,6 +169,10 @@ def test_orbax_pytree_checkpoint_to_jckpt_and_back(tmp_path, orbax_tree):
 @pytest.mark.parametrize('tree, entry, words', [
     ({'a.b': np.zeros(3, np.float32), 'a': {'b': np.ones(3, np.float32)}}, 'jckpt/a.b',
      "both be stored as 'a.b'"),  # orbax joins names with '.': one value was silently lost
+    # tensorstore ends a name with '/': both leaves read back the one written last
+    ({'a': np.ones(2), 'a/': np.zeros(2)}, 'jckpt/a/', "'a' and 'a/' would be one array"),
+    ({'': np.ones(2), '/': np.zeros(2)}, 'jckpt//', "'' and '/' would be one array"),
+    ({'x': {'a': np.ones(2)}, 'x.a/': np.zeros(2)}, 'jckpt/x.a/', "would be one array"),
     ({'w': np.ones(2), 'empty': np.zeros((3, 0))}, 'jckpt/empty', 'no elements'),
     ({'w': np.ones(2, ml_dtypes.uint4)}, 'jckpt/w', 'no tensorstore equivalent'),
 ])

@@ -251,6 +251,20 @@ def test_unrepresentable_dtype_refused_before_writing(tmp_path):
     assert not path.exists()
 
 
+@pytest.mark.parametrize('name', ['x.safetensors', 'model.safetensors.index.json'])
+def test_a_leaf_named_like_the_metadata_key_is_refused_before_writing(tmp_path, name):
+    """The header held `__metadata__` twice and every reader refused the file as damaged."""
+    path = tmp_path / name
+    tree = {'jckpt': {'__metadata__': np.ones(2, np.float32), 'w': np.zeros(1, np.float32)}}
+    with pytest.raises(InputError, match="cannot be named '__metadata__'") as e:
+        jckpt.adapters.write(tree, path)
+    assert e.value.entry == '__metadata__' and not path.exists()
+    with pytest.raises(InputError, match="__metadata__"):
+        st.check(tree, path)
+    st.write({'jckpt': {'a': {'__metadata__': np.ones(2, np.float32)}}}, tmp_path / 'y.safetensors')
+    assert sorted(st.read(tmp_path / 'y.safetensors')['jckpt']['a']) == ['__metadata__']
+
+
 def test_sharded_write(tmp_path):
     safetensors_numpy = pytest.importorskip('safetensors.numpy')
     tree = {'jckpt': {'layers': [{'w': np.full((16, 16), i, np.float32)} for i in range(5)],

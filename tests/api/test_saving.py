@@ -7,6 +7,7 @@ sources and files for any tree.
 """
 
 import os
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -173,3 +174,41 @@ def test_save_file_writes_one_file_whatever_the_process_count(tmp_path, monkeypa
     assert jckpt.load(jckpt.Context(), tmp_path / "one.jckpt")[1]["jckpt"]["w"][2] == 2
     with pytest.raises(InputError, match="ctx must be a jckpt.Context"):
         saving.save_file({"w": np.ones(1)}, tmp_path / "x.jckpt", tmp_path / "y.jckpt")
+
+
+class _Pair(NamedTuple):
+    a: Any
+    b: Any
+
+
+@pytest.mark.parametrize("first, second", [
+    (np.float32(1), {"w": np.ones(2)}),                           # root leaf, then a node
+    ({"w": np.ones(2)}, np.float32(1)),                           # a node, then a root leaf
+    ({"x": np.ones(2)}, {"x": {"y": np.ones(2)}}),                # leaf, then a node there
+    ({"x": {"y": np.ones(2)}}, {"x": np.ones(2)}),                # node, then a leaf there
+    ({"a": np.ones(2)}, _Pair(np.ones(2), np.zeros(2))),          # dict key, then a field
+    ({1: np.ones(2)}, [np.ones(2), np.zeros(2)]),                 # int key, then an index
+    ({1: np.ones(2)}, {"w": np.ones(2)}),                         # int keys, then str keys
+], ids=["root-node", "node-root", "leaf-node", "node-leaf", "key-field", "key-index", "mixed-keys"])
+def test_an_appended_tree_that_does_not_fit_the_kept_entries_is_refused(tmp_path, first, second):
+    """The file would hold two trees in one namespace that no load could rebuild."""
+    path = tmp_path / "m.jckpt"
+    jckpt.save(jckpt.Context(), first, path)
+    before = path.read_bytes()
+    with pytest.raises(InputError, match="would not form one tree") as err:
+        jckpt.save(jckpt.Context(), second, path, appending=True)
+    assert err.value.file == str(path) and "without appending" in err.value.fix
+    assert err.value.entry is None or err.value.entry.startswith("jckpt/")
+    assert path.read_bytes() == before
+    jckpt.save(jckpt.Context(namespace="other"), second, path, appending=True)  # its own namespace
+    _, tree = jckpt.load(jckpt.Context(host=True), path)
+    assert sorted(tree) == ["jckpt", "other"]
+
+
+def test_an_appended_tree_that_fits_replaces_and_extends(tmp_path):
+    path = tmp_path / "m.jckpt"
+    jckpt.save(jckpt.Context(), {"x": {"y": np.ones(2)}, "l": [np.ones(1)]}, path)
+    jckpt.save(jckpt.Context(), {"x": {"z": np.zeros(3)}, "l": [np.ones(1), np.zeros(1)]}, path,
+               appending=True)
+    _, tree = jckpt.load(jckpt.Context(host=True), path)
+    assert sorted(tree["jckpt"]["x"]) == ["y", "z"] and len(tree["jckpt"]["l"]) == 2

@@ -184,6 +184,23 @@ def test_merge_clashes_name_both_files(tmp_path):
     assert sorted(load(out)) == ['b__jckpt', 'jckpt']
 
 
+@pytest.mark.parametrize('first, second', [
+    (np.float32(1), {'w': np.ones(2)}),            # a root leaf, and a leaf below the root
+    ({'x': np.ones(1)}, {'x': {'y': np.ones(2)}}),  # a leaf where the other holds a node
+    ({1: np.ones(1)}, {'w': np.ones(2)}),          # integer keys beside string keys
+], ids=['root', 'leaf-node', 'mixed-keys'])
+def test_merge_refuses_inputs_that_would_not_form_one_tree(tmp_path, first, second):
+    """The merged file was written, and no load could rebuild its namespace."""
+    a, b, out = tmp_path / 'a.jckpt', tmp_path / 'b.jckpt', tmp_path / 'm.jckpt'
+    jckpt.save(jckpt.Context(), first, a)
+    jckpt.save(jckpt.Context(), second, b)
+    with pytest.raises(InputError, match="namespace 'jckpt' would not form one tree") as e:
+        merge(out, [a, b], durable=False)
+    assert e.value.file == str(out) and 'prefix' in e.value.fix and not out.exists()
+    merge(out, [a, b], ['', 'b'], durable=False)
+    assert sorted(load(out)) == ['b__jckpt', 'jckpt']
+
+
 def test_merge_appends_to_an_existing_file(tmp_path):
     out = write_arrays(tmp_path / 'm.jckpt', {'x': np.arange(2.0)}, metadata={'k': 'out'})
     b = write_arrays(tmp_path / 'b.jckpt', {'y': np.arange(3.0)}, metadata={'k': 'b', 'n': '1'})

@@ -39,3 +39,25 @@ def test_building_a_tree_imports_no_jax():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "[]"
+
+
+def test_check_one_tree_refuses_what_unflatten_cannot_rebuild():
+    import numpy as np
+
+    from jckpt.errors import InputError
+    from jckpt.format.entries import entry_for
+    from jckpt.trees.nested import check_one_tree, entry_path
+
+    def entry(ns, path, i):
+        return entry_for(ns, path, np.dtype('f4'), (), id=i)
+
+    path_less = entry('ocannl', None, 0)
+    assert entry_path(path_less) == (('k', 'n0'),)
+    check_one_tree([path_less, entry('ocannl', (('k', 'w'),), 1), entry('jckpt', (), 0)],
+                   file='m', fix='f')  # a root leaf alone in its namespace
+    with pytest.raises(InputError, match="namespace 'ocannl' would not form one tree: two") as e:
+        check_one_tree([path_less, entry('ocannl', (('k', 'n0'),), 1)], file='m', fix='f')
+    assert (e.value.file, e.value.entry, e.value.fix) == ('m', 'ocannl/n0', 'f')
+    with pytest.raises(InputError, match="an entry sits inside another entry's leaf"):
+        check_one_tree([entry('j', (('k', 'a'),), 0), entry('j', (('k', 'a'), ('i', 0)), 1)],
+                       file='m', fix='f')

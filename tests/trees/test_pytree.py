@@ -167,3 +167,25 @@ def test_a_tree_jax_cannot_flatten_is_an_input_error():
     with pytest.raises(InputError, match="JAX cannot flatten the tree") as e:
         tree_mod.flatten({1: np.ones(1), "1": np.ones(1)})
     assert "keys of one type" in e.value.fix
+
+
+@pytest.mark.parametrize("key", [10 ** 20, -10 ** 20, 2 ** 70, 10 ** 5000],
+                         ids=["1e20", "-1e20", "2**70", "1e5000"])
+def test_an_integer_key_too_long_to_read_back_is_refused_at_save(tmp_path, key):
+    import jckpt
+
+    path = tmp_path / "big.jckpt"
+    with pytest.raises(InputError, match="more than 20 digits") as err:
+        jckpt.save(jckpt.Context(), {key: np.ones(1)}, path)
+    assert err.value.file == str(path) and not path.exists()
+    with pytest.raises(InputError, match="more than 20 digits"):
+        tree_mod.key_to_component(jax.tree_util.DictKey(key))
+
+
+def test_the_longest_integer_keys_round_trip(tmp_path):
+    import jckpt
+
+    tree = {10 ** 20 - 1: np.ones(1), -(10 ** 20 - 1): np.zeros(1), 2 ** 64 - 1: np.ones(2)}
+    jckpt.save(jckpt.Context(), tree, tmp_path / "k.jckpt")
+    _, back = jckpt.load(jckpt.Context(host=True), tmp_path / "k.jckpt")
+    assert sorted(back["jckpt"]) == sorted(tree)
