@@ -90,7 +90,7 @@ def place(array: np.ndarray, target: Any, *, host: bool, device: Any, where: str
     """
     placement = getattr(target, 'sharding', None) if target is not None else None
     if key_impl is not None:  # key data has a trailing dim the key's sharding lacks
-        data_placement = _key_data_sharding(placement, array.ndim)
+        data_placement = _key_data_sharding(placement, target)
         try:
             keys = jax.random.wrap_key_data(
                 put(np.asarray(array), data_placement) if data_placement is not None
@@ -130,14 +130,22 @@ def context_placement(device: Any, host: bool) -> Any:
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
-def _key_data_sharding(placement: Any, ndim: int) -> Any:
+def _key_data_sharding(placement: Any, target: Any) -> Any:
     """Where the data of keys bound for `placement` goes, each device reading only its slice
-    (a sharding over several processes cannot take keys put on one device): the keys'
-    `NamedSharding` with the data's trailing dimension whole. None for another placement."""
+    (a sharding over several processes cannot take keys put on one device). None for a
+    placement that is not a `NamedSharding` over several devices.
+
+    A key array's `sharding` does not say how its data is laid out: keys put with `P()` and
+    with `P(None)` show the same sharding over data sharded `P(None)` and `P(None, None)`, and
+    a jitted step compiled for one compiles again for the other. So the data goes where the
+    target keys' own data is, and only for a target without data (a `ShapeDtypeStruct`) where
+    JAX puts the data of keys at `placement`: the keys' spec, the data's trailing axis whole.
+    """
     if not isinstance(placement, jax.sharding.NamedSharding) or len(placement.device_set) < 2:
         return None
-    spec = (*placement.spec, *(None,) * (ndim - 1 - len(placement.spec)), None)
-    return jax.sharding.NamedSharding(placement.mesh, jax.sharding.PartitionSpec(*spec),
+    if isinstance(target, jax.Array) and not target.is_deleted():
+        return jax.random.key_data(target).sharding
+    return jax.sharding.NamedSharding(placement.mesh, jax.sharding.PartitionSpec(*placement.spec, None),
                                       memory_kind=placement.memory_kind)
 
 

@@ -11,7 +11,7 @@ import pytest
 import jckpt
 from jckpt.errors import FormatError
 from jckpt.trees import placement
-from tests.helpers import cpu_devices
+from tests.helpers import cpu_devices, cpu_mesh
 
 
 def test_place_all_follows_each_target():
@@ -135,3 +135,25 @@ def test_restore_names_the_unsharded_array_specs(tmp_path, monkeypatch):
         jckpt.restore(jckpt.Context(device=cpu_devices()[1]), target, path)  # said where
         jckpt.restore(jckpt.Context(host=True), target, path)
     assert seen == [['jckpt/w']]
+
+
+@pytest.mark.parametrize("spec", [(), (None,), ("x",)])
+def test_restored_keys_lay_their_data_out_as_the_target_keys_do(tmp_path, spec):
+    """Keys put with `P()` and with `P(None)` show one sharding over data laid out two ways; keys
+    restored with their data laid out the other way made a jitted step compile again."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = cpu_mesh((8,), ("x",))
+    keys = jax.device_put(jax.random.split(jax.random.key(0), 8), NamedSharding(mesh, PartitionSpec(*spec)))
+    ctx = jckpt.Context()
+    jckpt.save(ctx, {"k": keys}, str(tmp_path / "k.jckpt"))
+    got = jckpt.restore(ctx, {"k": keys}, str(tmp_path / "k.jckpt"))["k"]
+    assert jax.random.key_data(got).sharding == jax.random.key_data(keys).sharding
+    step = jax.jit(lambda k: jax.random.key_data(k).sum())
+    assert int(step(got)) == int(step(keys))
+    if hasattr(step, "_cache_size"):
+        assert step._cache_size() == 1
+    spec_target = jax.ShapeDtypeStruct(keys.shape, keys.dtype, sharding=keys.sharding)
+    from_spec = jckpt.restore(ctx, {"k": spec_target}, str(tmp_path / "k.jckpt"))["k"]
+    again = jax.device_put(jax.random.split(jax.random.key(0), 8), keys.sharding)
+    assert jax.random.key_data(from_spec).sharding == jax.random.key_data(again).sharding
