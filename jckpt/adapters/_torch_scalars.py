@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from jckpt.format.limits import json_loads
+from jckpt.format.limits import json_as
 
 #: The metadata key listing where a torch file's Python numbers are.
 SCALARS_KEY = 'torch.scalars'
@@ -52,13 +52,7 @@ def scalar_record(tree: Any) -> str | None:
 def with_scalars(tree: Any, record: str) -> Any:
     """`tree` with the 0-d arrays at the record's paths made Python numbers again (a path
     that is not there, or holds something else, is left alone)."""
-    try:
-        spec = json_loads(record)
-    except ValueError:
-        return tree
-    if not isinstance(spec, list):
-        return tree
-    for item in spec[:MAX_SCALARS]:
+    for item in (json_as(record, list) or [])[:MAX_SCALARS]:
         if isinstance(item, list) and len(item) == 2 and item[1] in _TYPES \
                 and isinstance(item[0], list):
             tree = _replace(tree, item[0], _TYPES[item[1]])

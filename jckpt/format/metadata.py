@@ -13,7 +13,7 @@ from typing import Any
 
 from jckpt.errors import InputError
 from jckpt.format.entries import INT_KINDS, PATH_KINDS, KeyPath
-from jckpt.format.limits import MAX_PATH_LENGTH, json_loads
+from jckpt.format.limits import MAX_PATH_LENGTH, json_as
 from jckpt.format.names import RESERVED_PREFIX
 
 
@@ -61,11 +61,8 @@ def parse_metrics(text: str | None) -> dict[str, float] | None:
     """
     if not text:
         return {}
-    try:
-        value = json_loads(text)
-    except ValueError:
-        return None
-    if not isinstance(value, dict):
+    value = json_as(text, dict)
+    if value is None:
         return None
     return {str(k): _real(v) for k, v in value.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -117,14 +114,7 @@ def empty_nodes(text: str | None, namespace: str) -> list[KeyPath]:
 
 
 def _parse_empty(text: str | None) -> dict[str, list[KeyPath]]:
-    if not text:
-        return {}
-    try:
-        value = json_loads(text)
-    except ValueError:
-        return {}
-    if not isinstance(value, dict):
-        return {}
+    value = json_as(text, dict) or {}
     out: dict[str, list[KeyPath]] = {}
     for ns, paths in value.items():
         if isinstance(ns, str) and isinstance(paths, list):
