@@ -113,6 +113,16 @@ def empty_nodes(text: str | None, namespace: str) -> list[KeyPath]:
     return _parse_empty(text).get(namespace, [])
 
 
+def empty_node_namespaces(text: str | None) -> list[str]:
+    """The namespaces `EMPTY_NODES_KEY`'s value records empty nodes of, in its order: one
+    whose nodes are all empty (`optax.sgd`'s `EmptyState`s) holds no entry to name it.
+
+    >>> empty_node_namespaces('{"opt": [[["i", 0]]], "bad": 1}')
+    ['opt']
+    """
+    return list(_parse_empty(text))
+
+
 def _parse_empty(text: str | None) -> dict[str, list[KeyPath]]:
     value = json_as(text, dict) or {}
     out: dict[str, list[KeyPath]] = {}
@@ -142,4 +152,4 @@ def _path(value: Any) -> KeyPath | None:
     return tuple(out)
 
 
-__all__ = ['check_metadata', 'empty_nodes', 'empty_nodes_text', 'parse_metrics']
+__all__ = ['check_metadata', 'empty_node_namespaces', 'empty_nodes', 'empty_nodes_text', 'parse_metrics']
