@@ -110,11 +110,21 @@ def read(path: str, *, nest: bool = False) -> dict[str, Any]:
     >>> list(read(path)['jckpt']), list(read(path, nest=True)['jckpt']['dense'])
     (['dense.kernel'], ['kernel'])
     """
+    return read_with_metadata(path, nest=nest)[0]
+
+
+def read_with_metadata(path: str, *, nest: bool = False) -> tuple[dict[str, Any], dict[str, str]]:
+    """`(read(path, nest=nest), read_metadata(path))` from one reading of the file (a
+    `.pt` file is parsed whole for either, so `convert` and `jckpt inspect` read it once)."""
     path = os.fspath(path)
     shards = _shard_names(path) if path.endswith('.json') else None
-    tree, record, _ = (_read_sharded(path, shards), None, None) if shards else _read_file(path)
+    if shards:  # a sharded state_dict: flat, no metadata
+        tree, record, meta = _read_sharded(path, shards), None, {}
+    else:
+        tree, record, text = _read_file(path)
+        meta = _metadata(tree, record, text, path)
     out = tree_from_names(tree, record) if _recorded(tree, record) else {DEFAULT_NAMESPACE: tree}
-    return {ns: nest_dotted(sub, path) for ns, sub in out.items()} if nest else out
+    return ({ns: nest_dotted(sub, path) for ns, sub in out.items()} if nest else out), meta
 
 
 def _shard_names(path: str) -> dict[str, str] | None:
@@ -171,10 +181,11 @@ def read_metadata(path: str) -> dict[str, str]:
     dict, an optimizer's), and where its Python numbers are (`SCALARS_KEY`): `convert`
     hands them on, so such a file converted to jckpt and back, or to another `.pt` file,
     keeps its structure and its numbers (not 0-d tensors)."""
-    path = os.fspath(path)
-    if path.endswith('.json'):
-        return {}  # a sharded state_dict: flat
-    tree, record, text = _read_file(path)
+    return read_with_metadata(path)[1]
+
+
+def _metadata(tree: Any, record: str | None, text: str | None, path: str) -> dict[str, str]:
+    """`read_metadata` of a file holding `tree`, its paths `record` and metadata JSON `text`."""
     try:
         meta = json_loads(text) if text is not None else {}
     except ValueError:
@@ -373,4 +384,4 @@ def register() -> None:
 
     register_format('torch', read=read, write=write, sniff=sniff, check=check,
                     extensions=('.pt', '.pth'), replace=True, read_metadata=read_metadata,
-                    keeps_metadata=True)
+                    keeps_metadata=True, read_with_metadata=read_with_metadata)

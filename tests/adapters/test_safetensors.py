@@ -289,3 +289,20 @@ def test_a_tensor_name_with_a_lone_surrogate_is_refused(tmp_path):
     with pytest.raises(FormatError, match='lone surrogate') as e:
         jckpt.adapters.read(path)
     assert e.value.file == str(path)
+
+
+@pytest.mark.parametrize('action', ['convert', 'inspect'])
+def test_convert_and_inspect_parse_the_header_once(tmp_path, monkeypatch, action):
+    """The header was parsed twice, once for the arrays and once for `__metadata__`: `jckpt
+    inspect` of a file of 200,000 empty tensors took 11.7 s."""
+    src = tmp_path / 'm.safetensors'
+    st.write({'jckpt': {'w': np.ones(3, np.float32)}}, src, metadata={'source': 'hub'})
+    parses = []
+    real = st.read_header
+    monkeypatch.setattr(st, 'read_header', lambda *a: parses.append(1) or real(*a))
+    if action == 'convert':
+        jckpt.convert(src, tmp_path / 'm.jckpt')
+        assert jckpt.describe(tmp_path / 'm.jckpt').metadata_dict()['source'] == 'hub'
+    else:
+        assert dict(jckpt.info(src).metadata)['source'] == 'hub'
+    assert len(parses) == 1

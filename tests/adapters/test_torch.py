@@ -654,3 +654,21 @@ def test_a_real_model_goes_to_a_nested_jckpt_file_and_back(tmp_path):
     again.load_state_dict(torch.load(out, weights_only=True, mmap=True))
     x, i = torch.randn(2, 3, 5, 5), torch.tensor([0, 4])
     assert torch.equal(again(x, i), net(x, i))
+
+
+@pytest.mark.parametrize('action', ['convert', 'inspect'])
+def test_convert_and_inspect_read_the_file_once(tmp_path, monkeypatch, action):
+    """The file was read twice, once for its tree and once for its metadata: a 1 GB
+    checkpoint was mapped, checked and unpickled twice."""
+    src = tmp_path / 'ckpt.pt'
+    pt.write({'jckpt': {'model': {'w': np.ones(3, np.float32)}, 'epoch': 3}}, src, flat=False)
+    reads = []
+    real = pt._read_file
+    monkeypatch.setattr(pt, '_read_file', lambda path: reads.append(path) or real(path))
+    if action == 'convert':
+        jckpt.convert(src, tmp_path / 'ckpt.jckpt')
+        assert jckpt.describe(tmp_path / 'ckpt.jckpt').metadata_dict()['torch.layout'] == 'nested'
+    else:
+        summary = jckpt.info(src)
+        assert dict(summary.metadata)['torch.layout'] == 'nested'
+    assert reads == [str(src)]
