@@ -672,3 +672,27 @@ def test_convert_and_inspect_read_the_file_once(tmp_path, monkeypatch, action):
         summary = jckpt.info(src)
         assert dict(summary.metadata)['torch.layout'] == 'nested'
     assert reads == [str(src)]
+
+
+def test_an_adam_state_dict_keeps_its_tuples_through_jckpt(tmp_path):
+    """torch -> jckpt -> torch gave param_groups' betas back as a list: torch takes it, but
+    the state_dict was not the one saved."""
+    torch = pytest.importorskip('torch')
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.8, 0.9))
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    src, mid, out = tmp_path / 'opt.pt', tmp_path / 'opt.jckpt', tmp_path / 'back.pt'
+    torch.save(opt.state_dict(), src)
+    jckpt.convert(src, mid)
+    jckpt.convert(mid, out)
+    back = torch.load(out, weights_only=True)
+    groups = opt.state_dict()['param_groups']
+    assert back['param_groups'] == groups
+    assert [{k: type(v) for k, v in g.items()} for g in back['param_groups']] == \
+        [{k: type(v) for k, v in g.items()} for g in groups]
+    again = torch.optim.Adam(torch.nn.Linear(3, 2).parameters())
+    again.load_state_dict(back)
+    assert again.param_groups[0]['betas'] == (0.8, 0.9)
+    assert type(again.param_groups[0]['betas']) is tuple
+    assert torch.equal(again.state_dict()['state'][0]['exp_avg'], opt.state_dict()['state'][0]['exp_avg'])
