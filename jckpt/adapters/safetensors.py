@@ -86,12 +86,16 @@ def dtype_name(dtype: np.dtype) -> str | None:
 
 # --- reading ----------------------------------------------------------------
 
-def _no_duplicates(pairs):
-    out = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"key {k!r} appears twice")
-        out[k] = v
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict; ValueError naming a key that appears twice (called
+    for every object of a header: a dict built in C, the pairs searched only on a repeat)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise ValueError(f"key {k!r} appears twice")
+            seen.add(k)
     return out
 
 

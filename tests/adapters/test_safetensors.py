@@ -306,3 +306,15 @@ def test_convert_and_inspect_parse_the_header_once(tmp_path, monkeypatch, action
     else:
         assert dict(jckpt.info(src).metadata)['source'] == 'hub'
     assert len(parses) == 1
+
+
+@pytest.mark.parametrize('header', [
+    b'{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"w":{"dtype":"F32","shape":[1],'
+    b'"data_offsets":[0,4]}}',
+    b'{"w":{"dtype":"F32","dtype":"F32","shape":[1],"data_offsets":[0,4]}}'])
+def test_a_key_twice_in_the_header_is_refused(tmp_path, header):
+    """JSON keeps the last of two equal keys: a tensor named twice would silently be one."""
+    path = tmp_path / 'dup.safetensors'
+    path.write_bytes(struct.pack('<Q', len(header)) + header + b'\0' * 4)
+    with pytest.raises(FormatError, match="key 'w' appears twice|key 'dtype' appears twice"):
+        st.read(path)
