@@ -346,7 +346,8 @@ def write(tree: Any, path: str, *, flat: bool | None = None,
 
     Containers (dict, list, tuple), Python numbers, strings and None are
     pickled as themselves; arrays (numpy, JAX) become CPU tensors, one storage for a
-    leaf that appears twice (tied weights).
+    leaf that appears twice (tied weights) and for numpy views of one memory (`w`, `w[0]`,
+    `w.T`; see `jckpt.adapters._torch_pickle.overlapping_views`).
     """
     path = os.fspath(path)
     meta = dict(metadata or {})
@@ -359,6 +360,7 @@ def write(tree: Any, path: str, *, flat: bool | None = None,
         tree = {ns: with_scalars(sub, meta[SCALARS_KEY]) for ns, sub in tree.items()}
     content, record = _content(tree, path, flat)
     pickler = Pickler(path)
+    pickler.share(content)
     pickler.value(content, '')
     pickler.out += b'.'
     root = 'archive/'

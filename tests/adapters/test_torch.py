@@ -696,3 +696,26 @@ def test_an_adam_state_dict_keeps_its_tuples_through_jckpt(tmp_path):
     assert again.param_groups[0]['betas'] == (0.8, 0.9)
     assert type(again.param_groups[0]['betas']) is tuple
     assert torch.equal(again.state_dict()['state'][0]['exp_avg'], opt.state_dict()['state'][0]['exp_avg'])
+
+
+def test_views_of_one_storage_stay_views_through_a_torch_file(tmp_path):
+    """A state_dict holding `w`, `w[1]` and `w.t()` of one storage was written as copies
+    (torch.save keeps one storage, and an in-place update of one shows in the others)."""
+    torch = pytest.importorskip('torch')
+    w = torch.arange(12.0).reshape(3, 4)
+    sd = {'w': w, 'row': w[1], 't': w.t(), 'col': w[:, 2]}
+    path, out = tmp_path / 'views.pt', tmp_path / 'back.pt'
+    torch.save(sd, path)
+    pt.write(pt.read(path), out)
+    back = torch.load(out, weights_only=True)
+    assert {k: torch.equal(v, sd[k]) for k, v in back.items()} == dict.fromkeys(sd, True)
+    assert len({v.untyped_storage().data_ptr() for v in back.values()}) == 1
+    assert [(back[k].storage_offset(), back[k].stride()) for k in sd] == \
+        [(v.storage_offset(), v.stride()) for v in sd.values()]
+    back['w'][1, 0] = 100.0
+    assert back['row'][0] == back['t'][0, 1] == 100.0
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)  # a numpy tree: views of one array too
+    pt.write({'jckpt': {'a': a, 'c': a[:, 1], 'r': a[::-1]}}, out)
+    back = torch.load(out, weights_only=True)
+    assert back['c'].untyped_storage().data_ptr() == back['a'].untyped_storage().data_ptr()
+    assert back['r'].tolist() == a[::-1].tolist()  # a negative stride: a copy
