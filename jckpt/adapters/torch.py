@@ -110,21 +110,29 @@ def read(path: str, *, nest: bool = False) -> dict[str, Any]:
     >>> list(read(path)['jckpt']), list(read(path, nest=True)['jckpt']['dense'])
     (['dense.kernel'], ['kernel'])
     """
-    return read_with_metadata(path, nest=nest)[0]
+    path = os.fspath(path)
+    return _namespaced(*_read_parts(path)[:2], path, nest)
 
 
 def read_with_metadata(path: str, *, nest: bool = False) -> tuple[dict[str, Any], dict[str, str]]:
     """`(read(path, nest=nest), read_metadata(path))` from one reading of the file (a
     `.pt` file is parsed whole for either, so `convert` and `jckpt inspect` read it once)."""
     path = os.fspath(path)
+    tree, record, text = _read_parts(path)
+    return _namespaced(tree, record, path, nest), _metadata(tree, record, text, path)
+
+
+def _read_parts(path: str) -> tuple[Any, str | None, str | None]:
+    """The tree a file (or a sharded index's shards: flat, no record) holds, its paths
+    record and its metadata's JSON (None: none)."""
     shards = _shard_names(path) if path.endswith('.json') else None
-    if shards:  # a sharded state_dict: flat, no metadata
-        tree, record, meta = _read_sharded(path, shards), None, {}
-    else:
-        tree, record, text = _read_file(path)
-        meta = _metadata(tree, record, text, path)
+    return (_read_sharded(path, shards), None, None) if shards else _read_file(path)
+
+
+def _namespaced(tree: Any, record: str | None, path: str, nest: bool) -> dict[str, Any]:
+    """`{namespace: subtree}` of what a file holds (see `read`)."""
     out = tree_from_names(tree, record) if _recorded(tree, record) else {DEFAULT_NAMESPACE: tree}
-    return ({ns: nest_dotted(sub, path) for ns, sub in out.items()} if nest else out), meta
+    return {ns: nest_dotted(sub, path) for ns, sub in out.items()} if nest else out
 
 
 def _shard_names(path: str) -> dict[str, str] | None:
@@ -178,9 +186,9 @@ def _read_sharded(path: str, weight_map: dict[str, str]) -> dict[str, Any]:
 def read_metadata(path: str) -> dict[str, str]:
     """The string pairs a file `write` made keeps (a jckpt file's metadata), and
     `{LAYOUT_KEY: 'nested'}` for a file holding more than a flat `state_dict` (a checkpoint
-    dict, an optimizer's), and where its Python numbers are (`SCALARS_KEY`): `convert`
+    dict, an optimizer's), and where its Python numbers and tuples are (`SCALARS_KEY`): `convert`
     hands them on, so such a file converted to jckpt and back, or to another `.pt` file,
-    keeps its structure and its numbers (not 0-d tensors)."""
+    keeps its structure, its numbers (not 0-d tensors) and its tuples."""
     return read_with_metadata(path)[1]
 
 

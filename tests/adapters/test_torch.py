@@ -719,3 +719,19 @@ def test_views_of_one_storage_stay_views_through_a_torch_file(tmp_path):
     back = torch.load(out, weights_only=True)
     assert back['c'].untyped_storage().data_ptr() == back['a'].untyped_storage().data_ptr()
     assert back['r'].tolist() == a[::-1].tolist()  # a negative stride: a copy
+
+
+def test_damaged_metadata_fails_its_reading_not_the_tensors(tmp_path):
+    """The tree and the metadata are read in one pass; a damaged metadata member is still
+    refused where the metadata is asked for, and only there."""
+    good, bad = tmp_path / 'good.pt', tmp_path / 'bad.pt'
+    pt.write({'jckpt': {'w': np.ones(2, np.float32)}}, good, metadata={'run': 'a'})
+    with zipfile.ZipFile(good) as src, zipfile.ZipFile(bad, 'w') as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            dst.writestr(info, b'[1]' if info.filename.endswith(pt.METADATA_MEMBER) else data)
+    assert pt.read(bad)['jckpt']['w'].tolist() == [1.0, 1.0]
+    with pytest.raises(FormatError, match='not a JSON object of strings'):
+        pt.read_metadata(bad)
+    with pytest.raises(FormatError, match='not a JSON object of strings'):
+        jckpt.convert(bad, tmp_path / 'bad.jckpt')
