@@ -76,6 +76,10 @@ class Format:
       keeps_metadata: whether `write` takes `metadata=` (string pairs) and stores them,
         so `convert` hands it what the source holds besides arrays (a jckpt file's
         metadata, a safetensors file's `__metadata__`).
+      read_with_metadata: `read_with_metadata(path) -> (tree, metadata)`: `read` and
+        `read_metadata` from one reading of the file, for a format whose metadata comes
+        from the same parse as its arrays (a `.pt` file's pickle, a safetensors header);
+        None: the two are called in turn (see `read_with_metadata`).
     """
 
     name: str
@@ -86,6 +90,7 @@ class Format:
     read_metadata: Callable[[str], dict[str, str]] | None = None
     check: Callable[[Any, str], None] | None = None
     keeps_metadata: bool = False
+    read_with_metadata: Callable[[str], tuple[Any, dict[str, str]]] | None = None
 
 
 _LOCK = threading.RLock()
@@ -99,7 +104,9 @@ def register_format(name: str, *, read: Callable[[str], Any],
                     replace: bool = False,
                     read_metadata: Callable[[str], dict[str, str]] | None = None,
                     check: Callable[[Any, str], None] | None = None,
-                    keeps_metadata: bool = False) -> Format:
+                    keeps_metadata: bool = False,
+                    read_with_metadata: Callable[[str], tuple[Any, dict[str, str]]] | None = None
+                    ) -> Format:
     """Add a format to the registry (formats registered later are tried first).
 
     Args:
@@ -115,6 +122,8 @@ def register_format(name: str, *, read: Callable[[str], Any],
       check: `check(tree, path)` raising `InputError` for a tree `write` cannot hold,
         from shapes and dtypes alone (see `Format.check`).
       keeps_metadata: `write` takes `metadata=` string pairs and stores them.
+      read_with_metadata: `read_with_metadata(path) -> (tree, metadata)`, what `read`
+        and `read_metadata` give, from one reading of the file (see `Format`).
 
     Example:
         ```python
@@ -126,13 +135,15 @@ def register_format(name: str, *, read: Callable[[str], Any],
     if not isinstance(name, str) or not name:
         raise InputError(f"format name must be a non-empty string, not {name!r}")
     _check_hooks(read=read, write=write, sniff=sniff, extensions=extensions)
-    for what, hook in (('read_metadata', read_metadata), ('check', check)):
+    for what, hook in (('read_metadata', read_metadata), ('check', check),
+                       ('read_with_metadata', read_with_metadata)):
         if hook is not None and not callable(hook):
             raise InputError(f"register_format's {what} must be a function, not {hook!r:.80}",
                              fix=f"pass {what}=a function or None")
     fmt = Format(name=name, read=read, write=write, sniff=sniff,
                  extensions=tuple(e.lower() for e in extensions), read_metadata=read_metadata,
-                 check=check, keeps_metadata=bool(keeps_metadata))
+                 check=check, keeps_metadata=bool(keeps_metadata),
+                 read_with_metadata=read_with_metadata)
     with _LOCK:
         if name in _FORMATS and not replace:
             raise InputError(f"format {name!r} is already registered",
@@ -258,6 +269,30 @@ def read(path: PathLike, format: str | None = None) -> dict[str, Any]:
     return get_format(format or detect_format(path)).read(path)
 
 
+def read_with_metadata(path: PathLike, format: str | None = None
+                       ) -> tuple[dict[str, Any], dict[str, str]]:
+    """`(read(path), metadata)`: the tree and what the file holds besides arrays (the
+    format's `read_metadata`; `{}` for a format without), the file read once where the
+    format can (`Format.read_with_metadata`). What `convert` and `jckpt inspect` read.
+
+    >>> import numpy as np, tempfile, os
+    >>> p = os.path.join(tempfile.mkdtemp(), 'w.safetensors')
+    >>> write({'jckpt': {'w': np.ones(2)}}, p)
+    >>> tree, meta = read_with_metadata(p)
+    >>> list(tree['jckpt']), meta
+    (['w'], {'format': 'pt'})
+    """
+    path = checked_path(path)
+    backend_for(path)  # a URL no backend serves is refused before any format looks at it
+    return _read_with_metadata(get_format(format or detect_format(path)), path)
+
+
+def _read_with_metadata(fmt: Format, path: str) -> tuple[Any, dict[str, str]]:
+    if fmt.read_with_metadata is not None:
+        return fmt.read_with_metadata(path)
+    return fmt.read(path), (fmt.read_metadata(path) if fmt.read_metadata is not None else {})
+
+
 def write(tree: Any, path: PathLike, format: str | None = None) -> None:
     """Write `{namespace: subtree}` to `path` in `format` (default: from its extension)."""
     path = checked_path(path)
@@ -317,12 +352,12 @@ def convert(src: PathLike, dst: PathLike, *, format: str | None = None,
         raise InputError("source and destination are the same file", file=dst,
                          fix="convert into another path")
     reader = get_format(source)
-    tree = reader.read(src)
+    tree, meta = _read_with_metadata(reader, src)
     if namespaces is not None:
         tree = _only(tree, namespaces, src)
     if nest:
         tree = {ns: nest_dotted(sub, src) for ns, sub in tree.items()}
-    _write_converted(reader, src, fmt, tree, dst)
+    _write_converted(reader, src, fmt, tree, meta, dst)
     return source, target
 
 
@@ -339,11 +374,11 @@ def _only(tree: dict[str, Any], namespaces: str | Collection[str], src: str) -> 
     return {n: tree[n] for n in names}
 
 
-def _write_converted(source: Format, src: str, target: Format, tree: Any, dst: str) -> None:
-    """Write `tree` with what `src` holds besides arrays: a format with a place for string
-    pairs keeps it (a jckpt file's metadata, safetensors' `__metadata__`); for another, a
-    warning names what is left behind (never a silent drop)."""
-    meta = source.read_metadata(src) if source.read_metadata is not None else {}
+def _write_converted(source: Format, src: str, target: Format, tree: Any, meta: dict[str, str],
+                     dst: str) -> None:
+    """Write `tree` with `meta`, what `src` holds besides arrays: a format with a place for
+    string pairs keeps it (a jckpt file's metadata, safetensors' `__metadata__`); for
+    another, a warning names what is left behind (never a silent drop)."""
     write = target.write
     assert write is not None  # convert refuses a format it cannot write before reading
     if meta and target.keeps_metadata:
@@ -372,4 +407,5 @@ register_directory_reader('orbax', claims=_claims_orbax, open=_open_orbax)
 
 
 __all__ = ['Format', 'convert', 'detect_format', 'format_for_destination', 'formats',
-           'get_format', 'holding', 'map_file', 'read', 'register_format', 'write']
+           'get_format', 'holding', 'map_file', 'read', 'read_with_metadata', 'register_format',
+           'write']

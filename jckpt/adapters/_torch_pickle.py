@@ -69,6 +69,17 @@ class Pickler:
         self.tensors = 0  # storages emitted (kept in `storages` only when fetching)
         self._seen: dict[tuple, tuple[str, Any]] = {}  # a leaf's identity: its key, the leaf
         self._keep: list[Any] = []  # the leaves seen, alive while their ids are keys
+        self._views: dict[int, tuple[int, int, tuple[int, ...]]] = {}  # see `share`
+        self._spans: list[np.ndarray] = []  # the storages `share` found, by number
+        self._span_keys: dict[int, str] = {}  # a span's storage key, once emitted
+
+    def share(self, content: Any) -> None:
+        """Plan one storage for the numpy arrays of `content` that view overlapping memory
+        (`w`, `w[0]`, `w.T`, as tensors read from one storage are), each a view of it with
+        its own offset and strides, as `torch.save` keeps them; see `overlapping_views`."""
+        if self.fetch:
+            self._keep.append(content)  # the ids below stay valid while it lives
+            self._spans, self._views = overlapping_views(_arrays(content))
 
     def glob(self, module: str, name: str) -> None:
         self.out += b'c' + module.encode() + b'\n' + name.encode() + b'\n'
@@ -141,7 +152,11 @@ class Pickler:
 
     def tensor(self, x: Any, where: str) -> None:
         """Emit `x` as a tensor; a leaf met again (tied weights: the same array, or a numpy
-        view of the same memory) reuses its storage, as torch's own `state_dict` does."""
+        view of the same memory) reuses its storage, as torch's own `state_dict` does, and
+        a view `share` planned is emitted on its span's storage."""
+        if id(x) in self._views:
+            self._view(x, where)
+            return
         ident = _identity(x)
         if ident in self._seen:
             key, leaf = self._seen[ident]
@@ -157,24 +172,38 @@ class Pickler:
             self._seen[ident] = (str(self.tensors - 1), leaf)
         self._keep.append(x)
 
-    def _emit(self, leaf: Any, key: str | None, where: str) -> None:
-        """The rebuild call of `leaf` on storage `key` (None: a new storage, kept)."""
+    def _view(self, x: np.ndarray, where: str) -> None:
+        """Emit `x` on the storage of the span `share` placed it in (emitted at its first view)."""
+        span, offset, strides = self._views[id(x)]
+        new = span not in self._span_keys
+        if new:
+            self._span_keys[span] = str(self.tensors)
+        self._emit(x, self._span_keys[span], where, (self._spans[span], offset, strides), new=new)
+
+    def _emit(self, leaf: Any, key: str | None, where: str,
+              view: tuple[np.ndarray, int, tuple[int, ...]] | None = None, new: bool = False
+              ) -> None:
+        """The rebuild call of `leaf` on storage `key` (None: a new storage, kept), at
+        `view`'s `(storage, offset, strides)` (in elements) when given (`new`: the storage
+        is emitted here first), else contiguous from its start."""
         dtype = stored_dtype(leaf.dtype)
         plain = dtype.newbyteorder('=') if dtype.byteorder == '<' else dtype
         shape = tuple(int(d) for d in leaf.shape)
+        whole = leaf if view is None else view[0]
         if plain in _TYPED:
-            rebuild, kind, numel = '_rebuild_tensor_v2', ('torch', _TYPED[plain]), math.prod(shape)
+            rebuild, kind = '_rebuild_tensor_v2', ('torch', _TYPED[plain])
+            numel = math.prod(shape) if view is None else view[0].size
         elif plain in _UNTYPED:
             rebuild, kind, numel = '_rebuild_tensor_v3', ('torch.storage', 'UntypedStorage'), \
-                leaf.nbytes
+                whole.nbytes
         else:
             raise InputError(f"dtype {leaf.dtype} has no torch equivalent", file=self.path,
                              entry=where, fix="cast it, or write a jckpt or npz file instead")
-        if key is None:
+        if key is None or new:
             key = str(self.tensors)
             self.tensors += 1
             if self.fetch:
-                self.storages.append(leaf.array)
+                self.storages.append(leaf.array if view is None else view[0])
         self.glob('torch._utils', rebuild)
         self.out += b'(('
         self.value('storage', where)
@@ -183,15 +212,88 @@ class Pickler:
         self.value('cpu', where)
         self.int(numel)
         self.out += b'tQ'
-        self.int(0)
+        self.int(0 if view is None else view[1])
         self.tuple(shape, where)
-        self.tuple(tuple(math.prod(shape[i + 1:]) for i in range(len(shape))), where)
+        self.tuple(tuple(math.prod(shape[i + 1:]) for i in range(len(shape))) if view is None
+                   else view[2], where)
         self.out += b'\x89'
         self.glob('collections', 'OrderedDict')
         self.out += b')R'
         if rebuild == '_rebuild_tensor_v3':
             self.glob('torch', _UNTYPED[plain])
         self.out += b'tR'
+
+
+def _arrays(tree: Any) -> list[np.ndarray]:
+    """The numpy arrays in the plain containers of `tree` (what `Pickler.value` walks)."""
+    out, stack = [], [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, np.ndarray):
+            out.append(node)
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+    return out
+
+
+def _root(x: Any) -> Any:
+    """The object whose memory `x` views (a mapped file, the array that owns it), through
+    the views between (`as_strided` leaves one that is not an array but has a `base`)."""
+    while getattr(x, 'base', None) is not None:
+        x = x.base
+    return x
+
+
+def _viewable(x: np.ndarray) -> bool:
+    """Whether a torch tensor can view `x` where it lies: elements, strides >= 0, little-endian."""
+    item, plain = x.dtype.itemsize, x.dtype.newbyteorder('=')
+    return bool(x.size) and x.dtype.byteorder in '=<|' and (plain in _TYPED or plain in _UNTYPED) \
+        and all(s >= 0 and s % item == 0 for s in x.strides)
+
+
+def overlapping_views(arrays: list[np.ndarray]
+                      ) -> tuple[list[np.ndarray], dict[int, tuple[int, int, tuple[int, ...]]]]:
+    """Spans of memory that several of `arrays` view, and each such array's place in one:
+    `(spans, {id(array): (span, offset, strides)})`, offset and strides in elements.
+
+    Arrays whose memory overlaps (`w`, `w[0]`, `w.T`) share a span when they have one dtype,
+    view one allocation and the span is no larger than their copies would be together (two
+    columns of a large matrix are written as copies, not as the matrix). Others are left out.
+
+    >>> w = np.arange(6.0).reshape(2, 3)
+    >>> spans, views = overlapping_views([w, w[1], w.T])
+    >>> spans[0].tolist(), sorted(v[1:] for v in views.values())
+    ([0.0, 1.0, 2.0, 3.0, 4.0, 5.0], [(0, (1, 3)), (0, (3, 1)), (3, (1,))])
+    """
+    from numpy.lib.array_utils import byte_bounds
+
+    found = sorted(((*byte_bounds(a), n) for n, a in enumerate(arrays) if _viewable(a)))
+    groups: list[tuple[int, int, list[tuple[int, int]]]] = []  # (lo, hi, [(start, index)])
+    for lo, hi, n in found:
+        if groups and lo < groups[-1][1]:  # overlaps the group before: joins it
+            groups[-1][2].append((lo, n))
+            groups[-1] = (groups[-1][0], max(groups[-1][1], hi), groups[-1][2])
+        else:
+            groups.append((lo, hi, [(lo, n)]))
+    spans: list[np.ndarray] = []
+    views: dict[int, tuple[int, int, tuple[int, ...]]] = {}
+    for lo, hi, group in groups:
+        members = [arrays[n] for _, n in group]
+        first = members[0]
+        item = first.dtype.itemsize
+        if (len(members) < 2 or any(m.dtype != first.dtype or _root(m) is not _root(first)
+                                    or (b - lo) % item for m, (b, _) in zip(members, group))
+                or hi - lo > sum(m.nbytes for m in members) or (hi - lo) % item):
+            continue
+        raw = first.view(np.dtype((np.void, item)))  # as_strided cannot name some ml_dtypes
+        span = np.lib.stride_tricks.as_strided(raw, shape=((hi - lo) // item,), strides=(item,),
+                                               writeable=False).view(first.dtype)
+        for m, (b, _) in zip(members, group):
+            views[id(m)] = (len(spans), (b - lo) // item, tuple(s // item for s in m.strides))
+        spans.append(span)
+    return spans, views
 
 
 def _identity(x: Any) -> tuple:

@@ -23,7 +23,7 @@ from jckpt.api.context import Context
 from jckpt.format.entries import DEFAULT_ALIGNMENT, Header, KeyPath, entry_for
 from jckpt.format.header import looks_like_header
 from jckpt.format.layout import written_header
-from jckpt.format.metadata import empty_nodes, empty_nodes_text
+from jckpt.format.metadata import empty_node_namespaces, empty_nodes, empty_nodes_text
 from jckpt.format.names import EMPTY_NODES_KEY, INDEX_NAME, ORBAX_JSON_KEY, RESERVED_PREFIX
 from jckpt.storage.backend import LOCAL, backend_for
 from jckpt.storage.writer import ArraySource, write_checkpoint
@@ -43,7 +43,8 @@ def sniff(path: str, head: bytes | None) -> bool:
 def read(path: str) -> dict[str, Any]:
     """Every entry of the file (or directory checkpoint) as `{namespace: subtree}` of host
     numpy arrays, with `None` where the saved tree had a node without leaves (an optax
-    `EmptyState`: recorded under `EMPTY_NODES_KEY`), so an orbax export keeps it. Every
+    `EmptyState`: recorded under `EMPTY_NODES_KEY`), so an orbax export keeps it; a
+    namespace of such nodes alone (`optax.sgd`'s state) is there too. Every
     payload is checked against its checksum (`ChecksumError`): what is read here is written
     out again (`jckpt.convert`), and a damaged payload must not be sealed in another file."""
     from jckpt.api.loading import describe, load  # JAX: imported only when a checkpoint is read
@@ -51,6 +52,8 @@ def read(path: str) -> dict[str, Any]:
 
     _, tree = load(Context(host=True), path, verify=True)
     recorded = describe(path).metadata_dict().get(EMPTY_NODES_KEY)
+    for ns in empty_node_namespaces(recorded):  # a namespace of empty nodes alone has no entry
+        tree.setdefault(ns, [] if empty_nodes(recorded, ns)[0][0][0] == 'i' else {})
     return {ns: with_empty_nodes(sub, empty_nodes(recorded, ns)) for ns, sub in tree.items()}
 
 

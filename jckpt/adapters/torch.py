@@ -111,8 +111,26 @@ def read(path: str, *, nest: bool = False) -> dict[str, Any]:
     (['dense.kernel'], ['kernel'])
     """
     path = os.fspath(path)
+    return _namespaced(*_read_parts(path)[:2], path, nest)
+
+
+def read_with_metadata(path: str, *, nest: bool = False) -> tuple[dict[str, Any], dict[str, str]]:
+    """`(read(path, nest=nest), read_metadata(path))` from one reading of the file (a
+    `.pt` file is parsed whole for either, so `convert` and `jckpt inspect` read it once)."""
+    path = os.fspath(path)
+    tree, record, text = _read_parts(path)
+    return _namespaced(tree, record, path, nest), _metadata(tree, record, text, path)
+
+
+def _read_parts(path: str) -> tuple[Any, str | None, str | None]:
+    """The tree a file (or a sharded index's shards: flat, no record) holds, its paths
+    record and its metadata's JSON (None: none)."""
     shards = _shard_names(path) if path.endswith('.json') else None
-    tree, record, _ = (_read_sharded(path, shards), None, None) if shards else _read_file(path)
+    return (_read_sharded(path, shards), None, None) if shards else _read_file(path)
+
+
+def _namespaced(tree: Any, record: str | None, path: str, nest: bool) -> dict[str, Any]:
+    """`{namespace: subtree}` of what a file holds (see `read`)."""
     out = tree_from_names(tree, record) if _recorded(tree, record) else {DEFAULT_NAMESPACE: tree}
     return {ns: nest_dotted(sub, path) for ns, sub in out.items()} if nest else out
 
@@ -168,13 +186,14 @@ def _read_sharded(path: str, weight_map: dict[str, str]) -> dict[str, Any]:
 def read_metadata(path: str) -> dict[str, str]:
     """The string pairs a file `write` made keeps (a jckpt file's metadata), and
     `{LAYOUT_KEY: 'nested'}` for a file holding more than a flat `state_dict` (a checkpoint
-    dict, an optimizer's), and where its Python numbers are (`SCALARS_KEY`): `convert`
+    dict, an optimizer's), and where its Python numbers and tuples are (`SCALARS_KEY`): `convert`
     hands them on, so such a file converted to jckpt and back, or to another `.pt` file,
-    keeps its structure and its numbers (not 0-d tensors)."""
-    path = os.fspath(path)
-    if path.endswith('.json'):
-        return {}  # a sharded state_dict: flat
-    tree, record, text = _read_file(path)
+    keeps its structure, its numbers (not 0-d tensors) and its tuples."""
+    return read_with_metadata(path)[1]
+
+
+def _metadata(tree: Any, record: str | None, text: str | None, path: str) -> dict[str, str]:
+    """`read_metadata` of a file holding `tree`, its paths `record` and metadata JSON `text`."""
     try:
         meta = json_loads(text) if text is not None else {}
     except ValueError:
@@ -335,7 +354,8 @@ def write(tree: Any, path: str, *, flat: bool | None = None,
 
     Containers (dict, list, tuple), Python numbers, strings and None are
     pickled as themselves; arrays (numpy, JAX) become CPU tensors, one storage for a
-    leaf that appears twice (tied weights).
+    leaf that appears twice (tied weights) and for numpy views of one memory (`w`, `w[0]`,
+    `w.T`; see `jckpt.adapters._torch_pickle.overlapping_views`).
     """
     path = os.fspath(path)
     meta = dict(metadata or {})
@@ -348,6 +368,7 @@ def write(tree: Any, path: str, *, flat: bool | None = None,
         tree = {ns: with_scalars(sub, meta[SCALARS_KEY]) for ns, sub in tree.items()}
     content, record = _content(tree, path, flat)
     pickler = Pickler(path)
+    pickler.share(content)
     pickler.value(content, '')
     pickler.out += b'.'
     root = 'archive/'
@@ -373,4 +394,4 @@ def register() -> None:
 
     register_format('torch', read=read, write=write, sniff=sniff, check=check,
                     extensions=('.pt', '.pth'), replace=True, read_metadata=read_metadata,
-                    keeps_metadata=True)
+                    keeps_metadata=True, read_with_metadata=read_with_metadata)

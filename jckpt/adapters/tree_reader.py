@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from jckpt.adapters import get_format, read
+from jckpt.adapters import read_with_metadata
 from jckpt.errors import FormatError
 from jckpt.format import precs
 from jckpt.format.entries import Entry, Header, KeyPath, entry_for, path_name
@@ -45,7 +45,8 @@ class TreeReader:
         self.format = fmt
         self._arrays: dict[tuple[str, KeyPath], np.ndarray] = {}
         entries: list[Entry] = []
-        for ns, sub in read(self.path, fmt).items():
+        tree, metadata = read_with_metadata(self.path, fmt)  # the file read once
+        for ns, sub in tree.items():
             leaves = [(p, leaf) for p, leaf in flatten_plain(sub)
                       if isinstance(leaf, (np.ndarray, np.generic, int, float, complex))]
             for ident, (p, leaf) in enumerate(leaves):
@@ -56,9 +57,7 @@ class TreeReader:
                                       fix="the file holds what jckpt cannot represent")
                 self._arrays[ns, p] = array
                 entries.append(entry_for(ns, p, array.dtype, array.shape, id=ident))
-        meta = get_format(fmt).read_metadata
-        self.header = Header(tensors=tuple(entries), writer=fmt,
-                             metadata=tuple((meta(self.path) if meta else {}).items()))
+        self.header = Header(tensors=tuple(entries), writer=fmt, metadata=tuple(metadata.items()))
 
     def decode(self, entry: Entry, *, mmap: bool = True, verify: bool = False,
                count: bool = True) -> np.ndarray:

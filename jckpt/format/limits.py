@@ -164,6 +164,24 @@ def json_loads(text: str | bytes, **options: Any) -> Any:
     return value
 
 
+def json_as(text: str | bytes | None, kind: type | tuple[type, ...]) -> Any:
+    """The JSON value of `text` when it parses (`json_loads`) and is a `kind`; None otherwise.
+
+    For records that are only hints (metrics, a writer's notes on the tree): a damaged or
+    foreign value is ignored, never an error.
+
+    >>> json_as('{"a": 1}', dict), json_as('[1]', dict), json_as('{', list), json_as(None, list)
+    ({'a': 1}, None, None, None)
+    """
+    if not text:
+        return None
+    try:
+        value = json_loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, kind) else None
+
+
 def _refuse_surrogates(value: Any) -> None:
     stack = [value]
     while stack:

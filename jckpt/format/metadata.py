@@ -13,7 +13,7 @@ from typing import Any
 
 from jckpt.errors import InputError
 from jckpt.format.entries import INT_KINDS, PATH_KINDS, KeyPath
-from jckpt.format.limits import MAX_PATH_LENGTH, json_loads
+from jckpt.format.limits import MAX_PATH_LENGTH, json_as
 from jckpt.format.names import RESERVED_PREFIX
 
 
@@ -61,11 +61,8 @@ def parse_metrics(text: str | None) -> dict[str, float] | None:
     """
     if not text:
         return {}
-    try:
-        value = json_loads(text)
-    except ValueError:
-        return None
-    if not isinstance(value, dict):
+    value = json_as(text, dict)
+    if value is None:
         return None
     return {str(k): _real(v) for k, v in value.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -116,15 +113,18 @@ def empty_nodes(text: str | None, namespace: str) -> list[KeyPath]:
     return _parse_empty(text).get(namespace, [])
 
 
+def empty_node_namespaces(text: str | None) -> list[str]:
+    """The namespaces `EMPTY_NODES_KEY`'s value records empty nodes of, in its order: one
+    whose nodes are all empty (`optax.sgd`'s `EmptyState`s) holds no entry to name it.
+
+    >>> empty_node_namespaces('{"opt": [[["i", 0]]], "bad": 1}')
+    ['opt']
+    """
+    return list(_parse_empty(text))
+
+
 def _parse_empty(text: str | None) -> dict[str, list[KeyPath]]:
-    if not text:
-        return {}
-    try:
-        value = json_loads(text)
-    except ValueError:
-        return {}
-    if not isinstance(value, dict):
-        return {}
+    value = json_as(text, dict) or {}
     out: dict[str, list[KeyPath]] = {}
     for ns, paths in value.items():
         if isinstance(ns, str) and isinstance(paths, list):
@@ -152,4 +152,4 @@ def _path(value: Any) -> KeyPath | None:
     return tuple(out)
 
 
-__all__ = ['check_metadata', 'empty_nodes', 'empty_nodes_text', 'parse_metrics']
+__all__ = ['check_metadata', 'empty_node_namespaces', 'empty_nodes', 'empty_nodes_text', 'parse_metrics']

@@ -383,3 +383,26 @@ def test_holding_back_orbax_warnings_is_this_threads_alone():
         absl.removeHandler(handler)
     assert seen == [('MainThread', 'shown')] and absl.level == level
     assert not orbax_adapter._QUIET.threads
+
+
+def test_an_export_keeps_a_namespace_of_empty_states(tmp_path):
+    """optax.sgd without momentum holds only EmptyStates: its namespace has no entry, and the
+    export left it out, where orbax's own save of the same tree keeps the item."""
+    optax = pytest.importorskip("optax")
+    params = {"w": jnp.ones(3)}
+    tree = {"params": params, "opt": optax.sgd(0.1).init(params)}
+    jckpt.adapters.write(tree, tmp_path / "sgd.jckpt", format="jckpt")
+    jckpt.convert(tmp_path / "sgd.jckpt", tmp_path / "ours", format="orbax")
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        checkpointer.save(tmp_path / "theirs", ocp.args.Composite(
+            **{ns: ocp.args.PyTreeSave(sub) for ns, sub in tree.items()}))
+
+    def restored(name):
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+            return dict(checkpointer.restore(tmp_path / name, ocp.args.Composite(
+                **{ns: ocp.args.PyTreeRestore() for ns in tree})))
+
+    ours, theirs = restored("ours"), restored("theirs")
+    assert sorted(ours) == sorted(theirs) == ["opt", "params"]
+    assert ours["opt"] == theirs["opt"] == [None, None]
+    assert jax.tree_util.tree_structure(ours) == jax.tree_util.tree_structure(theirs)

@@ -309,3 +309,28 @@ def test_convert_nests_a_state_dict_when_asked(tmp_path, ext):
     jckpt.convert(src, tmp_path / 'flat.jckpt')
     _, tree = jckpt.load(jckpt.Context(host=True), tmp_path / 'flat.jckpt')
     assert sorted(tree['jckpt']) == ['dense.bias', 'dense.kernel', 'layers.0.w']
+
+
+def test_a_format_read_once_for_tree_and_metadata(tmp_path, clean_registry):
+    """convert and inspect read the tree and the metadata with one call where the format
+    gives one (`read_with_metadata`), and with `read` and `read_metadata` otherwise."""
+    calls = []
+
+    def both(path):
+        calls.append('both')
+        return {'jckpt': {'w': np.arange(2.0)}}, {'run': 'a'}
+
+    jckpt.register_format('once', read=lambda p: calls.append('read'),
+                          read_metadata=lambda p: calls.append('meta'), read_with_metadata=both,
+                          sniff=lambda p, head: str(p).endswith('.once'))
+    (tmp_path / 'a.once').write_bytes(b'x')
+    assert jckpt.convert(tmp_path / 'a.once', tmp_path / 'a.jckpt') == ('once', 'jckpt')
+    assert jckpt.describe(tmp_path / 'a.jckpt').metadata_dict()['run'] == 'a'
+    assert dict(jckpt.info(tmp_path / 'a.once').metadata) == {'run': 'a'}
+    assert calls == ['both', 'both']
+    assert adapters.read_with_metadata(tmp_path / 'a.once')[1] == {'run': 'a'}
+    with pytest.raises(InputError, match='read_with_metadata must be a function'):
+        jckpt.register_format('bad', read=both, read_with_metadata='no')
+    jckpt.register_format('twice', read=lambda p: {'jckpt': {'w': np.ones(1)}},
+                          read_metadata=lambda p: {'run': 'b'})
+    assert adapters.read_with_metadata(tmp_path / 'a.once', 'twice')[1] == {'run': 'b'}

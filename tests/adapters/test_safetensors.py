@@ -303,3 +303,32 @@ def test_a_tensor_name_with_a_lone_surrogate_is_refused(tmp_path):
     with pytest.raises(FormatError, match='lone surrogate') as e:
         jckpt.adapters.read(path)
     assert e.value.file == str(path)
+
+
+@pytest.mark.parametrize('action', ['convert', 'inspect'])
+def test_convert_and_inspect_parse_the_header_once(tmp_path, monkeypatch, action):
+    """The header was parsed twice, once for the arrays and once for `__metadata__`: `jckpt
+    inspect` of a file of 200,000 empty tensors took 11.7 s."""
+    src = tmp_path / 'm.safetensors'
+    st.write({'jckpt': {'w': np.ones(3, np.float32)}}, src, metadata={'source': 'hub'})
+    parses = []
+    real = st.read_header
+    monkeypatch.setattr(st, 'read_header', lambda *a: parses.append(1) or real(*a))
+    if action == 'convert':
+        jckpt.convert(src, tmp_path / 'm.jckpt')
+        assert jckpt.describe(tmp_path / 'm.jckpt').metadata_dict()['source'] == 'hub'
+    else:
+        assert dict(jckpt.info(src).metadata)['source'] == 'hub'
+    assert len(parses) == 1
+
+
+@pytest.mark.parametrize('header', [
+    b'{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"w":{"dtype":"F32","shape":[1],'
+    b'"data_offsets":[0,4]}}',
+    b'{"w":{"dtype":"F32","dtype":"F32","shape":[1],"data_offsets":[0,4]}}'])
+def test_a_key_twice_in_the_header_is_refused(tmp_path, header):
+    """JSON keeps the last of two equal keys: a tensor named twice would silently be one."""
+    path = tmp_path / 'dup.safetensors'
+    path.write_bytes(struct.pack('<Q', len(header)) + header + b'\0' * 4)
+    with pytest.raises(FormatError, match="key 'w' appears twice|key 'dtype' appears twice"):
+        st.read(path)

@@ -654,3 +654,84 @@ def test_a_real_model_goes_to_a_nested_jckpt_file_and_back(tmp_path):
     again.load_state_dict(torch.load(out, weights_only=True, mmap=True))
     x, i = torch.randn(2, 3, 5, 5), torch.tensor([0, 4])
     assert torch.equal(again(x, i), net(x, i))
+
+
+@pytest.mark.parametrize('action', ['convert', 'inspect'])
+def test_convert_and_inspect_read_the_file_once(tmp_path, monkeypatch, action):
+    """The file was read twice, once for its tree and once for its metadata: a 1 GB
+    checkpoint was mapped, checked and unpickled twice."""
+    src = tmp_path / 'ckpt.pt'
+    pt.write({'jckpt': {'model': {'w': np.ones(3, np.float32)}, 'epoch': 3}}, src, flat=False)
+    reads = []
+    real = pt._read_file
+    monkeypatch.setattr(pt, '_read_file', lambda path: reads.append(path) or real(path))
+    if action == 'convert':
+        jckpt.convert(src, tmp_path / 'ckpt.jckpt')
+        assert jckpt.describe(tmp_path / 'ckpt.jckpt').metadata_dict()['torch.layout'] == 'nested'
+    else:
+        summary = jckpt.info(src)
+        assert dict(summary.metadata)['torch.layout'] == 'nested'
+    assert reads == [str(src)]
+
+
+def test_an_adam_state_dict_keeps_its_tuples_through_jckpt(tmp_path):
+    """torch -> jckpt -> torch gave param_groups' betas back as a list: torch takes it, but
+    the state_dict was not the one saved."""
+    torch = pytest.importorskip('torch')
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.8, 0.9))
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    src, mid, out = tmp_path / 'opt.pt', tmp_path / 'opt.jckpt', tmp_path / 'back.pt'
+    torch.save(opt.state_dict(), src)
+    jckpt.convert(src, mid)
+    jckpt.convert(mid, out)
+    back = torch.load(out, weights_only=True)
+    groups = opt.state_dict()['param_groups']
+    assert back['param_groups'] == groups
+    assert [{k: type(v) for k, v in g.items()} for g in back['param_groups']] == \
+        [{k: type(v) for k, v in g.items()} for g in groups]
+    again = torch.optim.Adam(torch.nn.Linear(3, 2).parameters())
+    again.load_state_dict(back)
+    assert again.param_groups[0]['betas'] == (0.8, 0.9)
+    assert type(again.param_groups[0]['betas']) is tuple
+    assert torch.equal(again.state_dict()['state'][0]['exp_avg'], opt.state_dict()['state'][0]['exp_avg'])
+
+
+def test_views_of_one_storage_stay_views_through_a_torch_file(tmp_path):
+    """A state_dict holding `w`, `w[1]` and `w.t()` of one storage was written as copies
+    (torch.save keeps one storage, and an in-place update of one shows in the others)."""
+    torch = pytest.importorskip('torch')
+    w = torch.arange(12.0).reshape(3, 4)
+    sd = {'w': w, 'row': w[1], 't': w.t(), 'col': w[:, 2]}
+    path, out = tmp_path / 'views.pt', tmp_path / 'back.pt'
+    torch.save(sd, path)
+    pt.write(pt.read(path), out)
+    back = torch.load(out, weights_only=True)
+    assert {k: torch.equal(v, sd[k]) for k, v in back.items()} == dict.fromkeys(sd, True)
+    assert len({v.untyped_storage().data_ptr() for v in back.values()}) == 1
+    assert [(back[k].storage_offset(), back[k].stride()) for k in sd] == \
+        [(v.storage_offset(), v.stride()) for v in sd.values()]
+    back['w'][1, 0] = 100.0
+    assert back['row'][0] == back['t'][0, 1] == 100.0
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)  # a numpy tree: views of one array too
+    pt.write({'jckpt': {'a': a, 'c': a[:, 1], 'r': a[::-1]}}, out)
+    back = torch.load(out, weights_only=True)
+    assert back['c'].untyped_storage().data_ptr() == back['a'].untyped_storage().data_ptr()
+    assert back['r'].tolist() == a[::-1].tolist()  # a negative stride: a copy
+
+
+def test_damaged_metadata_fails_its_reading_not_the_tensors(tmp_path):
+    """The tree and the metadata are read in one pass; a damaged metadata member is still
+    refused where the metadata is asked for, and only there."""
+    good, bad = tmp_path / 'good.pt', tmp_path / 'bad.pt'
+    pt.write({'jckpt': {'w': np.ones(2, np.float32)}}, good, metadata={'run': 'a'})
+    with zipfile.ZipFile(good) as src, zipfile.ZipFile(bad, 'w') as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            dst.writestr(info, b'[1]' if info.filename.endswith(pt.METADATA_MEMBER) else data)
+    assert pt.read(bad)['jckpt']['w'].tolist() == [1.0, 1.0]
+    with pytest.raises(FormatError, match='not a JSON object of strings'):
+        pt.read_metadata(bad)
+    with pytest.raises(FormatError, match='not a JSON object of strings'):
+        jckpt.convert(bad, tmp_path / 'bad.jckpt')

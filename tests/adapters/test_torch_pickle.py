@@ -68,3 +68,30 @@ def test_a_leaf_met_twice_shares_one_storage():
     checked = Pickler('m.pt', fetch=False)
     checked.value(tree, '')
     assert bytes(checked.out) + b'.' == raw
+
+
+
+def test_overlapping_views_share_one_span():
+    """`w`, `w[1]` and `w.T` were each written as a copy; torch.save keeps them on one storage."""
+    from jckpt.adapters._torch_pickle import overlapping_views
+    w = np.arange(12, dtype=ml_dtypes.bfloat16).reshape(3, 4)
+    arrays = [w, w[1], w.T, w[:, 2]]
+    spans, views = overlapping_views(arrays)
+    assert len(spans) == 1 and spans[0].dtype == w.dtype and spans[0].tolist() == w.ravel().tolist()
+    assert [views[id(a)] for a in arrays] == [(0, 0, (4, 1)), (0, 4, (1,)), (0, 0, (1, 4)),
+                                              (0, 2, (4,))]
+
+
+@pytest.mark.parametrize('case', ['columns', 'reversed', 'dtypes', 'apart', 'single', 'big-endian'])
+def test_views_that_cannot_share_are_left_to_copies(case):
+    from jckpt.adapters._torch_pickle import overlapping_views
+    big, a = np.zeros((64, 64), np.float32), np.ones(4, np.float32)
+    arrays = {
+        'columns': [big[:, 0], big[:, 1]],  # the span would be the whole matrix, not 2 columns
+        'reversed': [a, a[::-1]],  # a negative stride: no tensor views it
+        'dtypes': [a, a.view(np.int32)],
+        'apart': [a, np.ones(4, np.float32)],
+        'single': [a[:2]],
+        'big-endian': [b := a.astype('>f4'), b[1:]],
+    }[case]
+    assert overlapping_views(arrays) == ([], {})

@@ -1,4 +1,4 @@
-"""Where a torch file's Python numbers are, and making them numbers again after a conversion."""
+"""Where a torch file's Python numbers and tuples are, and making them so again after a conversion."""
 
 import json
 
@@ -15,8 +15,9 @@ def test_numbers_are_found_at_every_depth_and_restored_by_type():
                      'amsgrad': np.array(False), 'betas': [np.array(0.9), np.array(0.99)]}],
               'state': {0: {'step': np.array(3.0)}}}
     back = with_scalars(stored, record)
-    assert back['g'][0] == {'lr': 0.5, 'params': [0, 1], 'amsgrad': False, 'betas': [0.9, 0.99]}
+    assert back['g'][0] == {'lr': 0.5, 'params': [0, 1], 'amsgrad': False, 'betas': (0.9, 0.99)}
     assert type(back['g'][0]['amsgrad']) is bool and type(back['g'][0]['params'][0]) is int
+    assert type(back['g'][0]['betas']) is tuple  # a jckpt file reads it as a list
     assert isinstance(back['state'][0]['step'], np.ndarray)  # a tensor was a tensor
     assert isinstance(stored['g'][0]['lr'], np.ndarray)  # the input is not changed
 
@@ -32,3 +33,15 @@ def test_paths_that_are_gone_or_hold_arrays_are_left_alone():
 def test_no_numbers_or_too_many_record_nothing():
     assert scalar_record({'w': np.ones(1), 's': 'x'}) is None
     assert scalar_record(list(range(MAX_SCALARS + 1))) is None
+
+
+def test_nested_tuples_come_back_at_every_depth():
+    """A tuple of tuples (and a tuple in a list) came back as lists of lists."""
+    tree = {'t': ((1.0, np.ones(2)), [(2, 3)]), 'l': [4]}
+    record = scalar_record(tree)
+    stored = {'t': [[np.array(1.0), np.ones(2)], [[np.array(2), np.array(3)]]], 'l': [np.array(4)]}
+    back = with_scalars(stored, record)
+    assert type(back['t']) is tuple and type(back['t'][0]) is tuple and back['t'][0][0] == 1.0
+    assert type(back['t'][1]) is list and back['t'][1][0] == (2, 3)
+    assert back['l'] == [4] and type(back['l']) is list
+    assert with_scalars({'t': np.ones(2)}, record)['t'].shape == (2,)  # not a list: left alone

@@ -66,3 +66,12 @@ def test_json_with_a_lone_surrogate_is_refused(text):
 
 def test_json_with_a_surrogate_pair_reads():
     assert limits.json_loads('["\\ud83d\\ude00", "\\\\ud800"]') == ['\U0001F600', '\\ud800']
+
+
+@pytest.mark.parametrize('text, kind, expected', [
+    ('{"a": 1}', dict, {'a': 1}), ('[1, 2]', list, [1, 2]), ('[1]', dict, None),
+    ('{', list, None), ('', dict, None), (None, dict, None), ('[' * 1000, list, None),
+    ('["\\ud800"]', list, None)])
+def test_json_as_gives_a_hint_record_or_none(text, kind, expected):
+    """Metrics, empty nodes and a torch file's numbers are hints: damage reads as None."""
+    assert limits.json_as(text, kind) == expected

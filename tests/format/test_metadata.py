@@ -3,7 +3,7 @@
 import pytest
 
 from jckpt.errors import InputError
-from jckpt.format.metadata import check_metadata, empty_nodes, empty_nodes_text
+from jckpt.format.metadata import check_metadata, empty_node_namespaces, empty_nodes, empty_nodes_text
 from jckpt.format.names import LINEAGE_KEY
 
 
@@ -62,3 +62,9 @@ def test_metrics_past_floats_range_are_infinite_never_an_error():
     big = '1' + '0' * 400
     assert parse_metrics(f'{{"loss": {big}, "acc": -{big}, "x": 0.5}}') == {
         'loss': math.inf, 'acc': -math.inf, 'x': 0.5}
+
+
+def test_empty_node_namespaces_lists_the_recorded_ones_and_ignores_damage():
+    text = empty_nodes_text(None, 'opt', [(('i', 0),), (('i', 1),)])
+    assert empty_node_namespaces(text) == ['opt']
+    assert empty_node_namespaces('{"opt": "bad"}') == empty_node_namespaces('[') == []
