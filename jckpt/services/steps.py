@@ -2,9 +2,9 @@
 
 A step is a jckpt file, a multi-process directory checkpoint (with an
 index), or a step directory of the format layer (with a `trainer_state.json`,
-`jckpt.services.formats`). These functions read any of them the same way
-for `CheckpointManager`, and clear what a
-writer that died left.
+`jckpt.services.formats`, read by `jckpt.services.format_reading`). These
+functions read any of them the same way for `CheckpointManager`, and clear
+what a writer that died left.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from jckpt.format.names import (
     UPLOAD_TAG,
     is_step_member,
 )
-from jckpt.services import formats
+from jckpt.services import format_reading, formats
 from jckpt.services.formats import CheckpointLoadOptions
 from jckpt.services.snapshot import Digest, content_digest
 from jckpt.storage import step_directory
@@ -80,7 +80,7 @@ def _read_step(path: str, step: int | None, prefix: bool | None) -> tuple[dict[s
     if prefix is False or not formats.is_step_directory(path):  # a file, or a directory's index
         header = api.describe(path)
         return header.metadata_dict(), header
-    return formats.read_metadata(path, step), None
+    return format_reading.read_metadata(path, step), None
 
 
 def _read_bucket_folder(path: str, step: int | None, *, check_pieces: bool = False
@@ -92,7 +92,7 @@ def _read_bucket_folder(path: str, step: int | None, *, check_pieces: bool = Fal
     (unfinished)."""
     try:
         record = step_directory.read_record(path, step)
-        return formats.metadata_of(record), None, record
+        return format_reading.metadata_of(record), None, record
     except FormatError as e:
         if e.message != NO_SUCH_OBJECT:
             raise
@@ -251,7 +251,7 @@ def read_tree(ctx: Context, path: str, step: int, target: Any, namespaces: Names
     it is, and a record read is not read again)."""
     step_directory.check_step_link(path)
     if kind == 'record' or (kind is None and formats.is_step_directory(path)):
-        return formats.load_step(ctx, path, step, target, namespaces=namespaces, cast=cast,
+        return format_reading.load_step(ctx, path, step, target, namespaces=namespaces, cast=cast,
                                  options=options, verify=verify, record=record)
     if target is None:
         return api.load(ctx, path, namespaces=namespaces, verify=verify)[1]
