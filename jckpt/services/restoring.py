@@ -3,7 +3,8 @@
 The read side of the manager, apart from its writer: what it needs of the manager
 is the step's path and what the manager's view of its directory knows of the step
 (whether it is a directory, a prefix in a bucket), so that a step it listed is read
-without a request asking what it is. A step it does not know is looked up first.
+without a request asking what it is. A step it does not know is read as what its first
+GETs find (`steps.step_metadata`).
 
 >>> import tempfile, numpy as np, jckpt
 >>> d = tempfile.mkdtemp()
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jckpt.api.context import Context
+from jckpt.errors import FormatError
 from jckpt.format.names import METRICS_KEY, TRAINER_STATE_KEY
 from jckpt.services import steps
 from jckpt.services.formats import CheckpointLoadOptions
@@ -70,15 +72,17 @@ class Loaded:
 
 
 def read_step(ctx: Context, path: str, step: int, folder: bool | None, target: Any, *,
-              loaded: Loaded, indexed: bool = False) -> Restored:
+              loaded: Loaded, indexed: bool = False, absent: FormatError | None = None) -> Restored:
     """Read the step at `path` as `CheckpointManager.restore` returns it.
 
     `folder`: whether the manager's view holds the step as a directory (a prefix in a
     bucket), or `None` when it does not know the step: a known step is read without
-    asking what it is (the caller has checked that a step it does not know is there);
-    `indexed`: the view holds it as a directory checkpoint (read by its index).
+    asking what it is (locally, the caller has checked that a step it does not know is
+    there; in a bucket, the step's first GETs tell);
+    `indexed`: the view holds it as a directory checkpoint (read by its index); `absent`: the
+    error of a step it does not know that is not there (`steps.step_metadata`).
     """
-    with steps.step_metadata(path, step, folder, indexed) as (meta, kind, record):
+    with steps.step_metadata(path, step, folder, indexed, absent=absent) as (meta, kind, record):
         state = None
         if TRAINER_STATE_KEY in meta:
             state = TrainerState.from_json(meta[TRAINER_STATE_KEY], file=path)

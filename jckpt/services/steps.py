@@ -2,9 +2,9 @@
 
 A step is a jckpt file, a multi-process directory checkpoint (with an
 index), or a step directory of the format layer (with a `trainer_state.json`,
-`jckpt.services.formats`). These functions read any of them the same way
-for `CheckpointManager`, and clear what a
-writer that died left.
+`jckpt.services.formats`, read by `jckpt.services.format_reading`). These
+functions read any of them the same way for `CheckpointManager`, and clear
+what a writer that died left.
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from jckpt.format.names import (
     UPLOAD_TAG,
     is_step_member,
 )
-from jckpt.services import formats
+from jckpt.services import format_reading, formats
 from jckpt.services.formats import CheckpointLoadOptions
 from jckpt.services.snapshot import Digest, content_digest
 from jckpt.storage import step_directory
-from jckpt.storage.backend import LOCAL, Backend, is_url
+from jckpt.storage.backend import LOCAL, Backend, backend_for, is_url
 from jckpt.storage.checkpoint import open_checkpoint, reusing
 from jckpt.storage.directory import NO_INDEX, DirectoryReader, reclaim_stage_dirs
 from jckpt.storage.lease import lease_path
@@ -80,7 +80,7 @@ def _read_step(path: str, step: int | None, prefix: bool | None) -> tuple[dict[s
     if prefix is False or not formats.is_step_directory(path):  # a file, or a directory's index
         header = api.describe(path)
         return header.metadata_dict(), header
-    return formats.read_metadata(path, step), None
+    return format_reading.read_metadata(path, step), None
 
 
 def _read_bucket_folder(path: str, step: int | None, *, check_pieces: bool = False
@@ -92,7 +92,7 @@ def _read_bucket_folder(path: str, step: int | None, *, check_pieces: bool = Fal
     (unfinished)."""
     try:
         record = step_directory.read_record(path, step)
-        return formats.metadata_of(record), None, record
+        return format_reading.metadata_of(record), None, record
     except FormatError as e:
         if e.message != NO_SUCH_OBJECT:
             raise
@@ -192,43 +192,63 @@ StepRead = tuple[dict[str, str], str | None, dict[str, Any] | None]
 
 
 @contextlib.contextmanager
-def step_metadata(path: str, step: int, folder: bool | None,
-                  indexed: bool = False) -> Iterator[StepRead]:
+def step_metadata(path: str, step: int, folder: bool | None, indexed: bool = False, *,
+                  absent: FormatError | None = None) -> Iterator[StepRead]:
     """A step's metadata, what the step is (`'file'`, `'record'`: a step directory,
     `'index'`: a directory checkpoint; None: not known) and a step directory's record
     (else None), for `read_tree`. A step known to be a file (`folder` False), or a prefix
     in a bucket, is read once: within the block, `read_tree` reads its arrays through the
     same reader (the same version of the object), or from the record read here. A prefix
-    known to be a directory checkpoint (`indexed`) is read by its index, no record asked for."""
+    known to be a directory checkpoint (`indexed`) is read by its index, no record asked for.
+
+    A step in a bucket that the caller does not know (`folder` None: saved since it listed
+    the steps) is read as a file step first, its GET telling whether the object is there,
+    then as a prefix (its record, else its index): no request asks what it is first. Where
+    nothing is stored, one LIST tells an unfinished step from none, which is `absent` (by
+    default "no step").
+    """
     step_directory.check_step_link(path)
-    if folder is None or (folder and not is_url(path)):
+    unlisted = folder is None and is_url(path)
+    if (folder is None and not unlisted) or (folder and not is_url(path)):
         yield read_metadata(path, step, prefix=folder), None, None
         return
     if folder and indexed:
         with reusing(_index_reader(path, step)) as reader:
             yield reader.header.metadata_dict(), 'index', None
         return
-    if folder:
-        got = _read_bucket_folder(path, step, check_pieces=True)  # for the restore's reader
-        if got is None:
-            _read_step(path, step, True)  # its error
-        assert got is not None
-        meta, header, source = got
-        if header is None:
-            yield meta, 'record', source
-            return
-        with reusing(source):
-            yield meta, 'index', None
+    reader = None if folder else _file_reader(path, step, missing_ok=unlisted)
+    if reader is not None:
+        with reusing(reader):
+            yield reader.header.metadata_dict(), 'file', None
         return
+    got = _read_bucket_folder(path, step, check_pieces=True)  # for the restore's reader
+    if got is None:
+        if unlisted and not backend_for(path).isdir(path):
+            raise absent or FormatError(f"no step {step}", file=path,
+                                        fix="open the manager again to list the steps there now")
+        _read_step(path, step, True)  # its error
+    assert got is not None
+    meta, header, source = got
+    if header is None:
+        yield meta, 'record', source
+        return
+    with reusing(source):
+        yield meta, 'index', None
+
+
+def _file_reader(path: str, step: int, *, missing_ok: bool) -> Any:
+    """The reader of a file step (one GET of its header, from a bucket); with `missing_ok`,
+    None when there is no such object (no prefix is looked for), else the error of a step
+    removed since it was listed."""
     try:
-        reader = open_checkpoint(path)
+        return backend_for(path).open(path) if missing_ok else open_checkpoint(path)
     except FormatError as e:
         if e.message != MISSING_OBJECT:
             raise
+        if missing_ok:
+            return None
         raise FormatError(f"no step {step}: it was removed since the manager listed its steps",
                           file=path, fix="open the manager again to list the steps there now") from None
-    with reusing(reader):
-        yield reader.header.metadata_dict(), 'file', None
 
 
 def _index_reader(path: str, step: int) -> DirectoryReader:
@@ -251,7 +271,7 @@ def read_tree(ctx: Context, path: str, step: int, target: Any, namespaces: Names
     it is, and a record read is not read again)."""
     step_directory.check_step_link(path)
     if kind == 'record' or (kind is None and formats.is_step_directory(path)):
-        return formats.load_step(ctx, path, step, target, namespaces=namespaces, cast=cast,
+        return format_reading.load_step(ctx, path, step, target, namespaces=namespaces, cast=cast,
                                  options=options, verify=verify, record=record)
     if target is None:
         return api.load(ctx, path, namespaces=namespaces, verify=verify)[1]

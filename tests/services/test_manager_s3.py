@@ -432,3 +432,50 @@ def test_a_manager_on_a_bucket_that_does_not_exist_names_the_bucket_and_its_dire
     assert e.value.file == url
     assert "create the bucket (aws s3 mb s3://no-such-bucket-for-a-manager)" in e.value.fix
     assert "AWS_ENDPOINT_URL" in e.value.fix and "credentials" in e.value.fix
+
+
+def test_a_step_saved_since_the_manager_listed_is_restored_without_asking_what_it_is(s3, s3_server):
+    """A step the manager had not listed was looked up first (HEADs of the step and of its
+    record, a LIST) and its header read twice: 5 requests for a file step that one GET holds,
+    13 for a directory checkpoint, 7 for a step directory; now 1, 5 and 3."""
+    import obstore
+
+    from jckpt.storage.object_store import ObjectURL, store_for
+    src, url = f"{s3}/elsewhere", f"{s3}/run"
+    _saved(src, [1])
+    _saved(src, [2], directory_steps=True)
+    _saved(src, [3], options=jckpt.CheckpointOptions(format="npz"))
+    with jckpt.CheckpointManager(url) as mgr:
+        store = store_for(ObjectURL.parse(src))  # the steps arrive after the manager listed
+        for chunk in obstore.list(store, prefix="elsewhere/"):
+            for o in chunk:
+                obstore.copy(store, o["path"], "run/" + o["path"].removeprefix("elsewhere/"))
+        counts = {}
+        for step in (1, 2, 3):
+            before = len(s3_server.requests(s3))
+            got = mgr.restore(step, target={"w": np.zeros(6, np.float32)})
+            np.testing.assert_array_equal(got.tree["w"], TREE["w"])
+            counts[step] = _new(s3_server, s3, before)
+        with pytest.raises(jckpt.FormatError, match="no step 4") as e:
+            mgr.restore(4, target=TREE)
+        assert e.value.file == url and "pick one of" in e.value.fix
+    step = "/run/step_0000000{}.jckpt"
+    assert counts[1] == [f"GET {step.format(1)}"], counts
+    assert counts[2][:3] == [f"GET {step.format(2)}", f"GET {step.format(2)}/trainer_state.json",
+                             f"GET {step.format(2)}/index.jckpt"] and len(counts[2]) == 5, counts
+    assert counts[3] == [f"GET {step.format(3)}", f"GET {step.format(3)}/trainer_state.json",
+                         f"GET {step.format(3)}/model.npz"], counts
+    assert not [r for rs in counts.values() for r in rs if r.startswith("HEAD")], counts
+
+
+def test_a_step_prefix_saved_since_that_did_not_finish_is_an_error_naming_it(s3):
+    url = f"{s3}/run"
+    with jckpt.CheckpointManager(url) as mgr:
+        with jckpt.storage.backend_for(url).create(
+                f"{url}/step_00000002.jckpt/process_00000.jckpt") as staged:  # no index
+            import os
+            os.write(staged.fd, b"piece")
+            staged.publish()
+        with pytest.raises(jckpt.FormatError, match="did not finish") as e:
+            mgr.restore(2, target=TREE)
+        assert e.value.file == f"{url}/step_00000002.jckpt"
