@@ -23,7 +23,7 @@ import struct
 from typing import Any
 
 from jckpt.errors import FormatError
-from jckpt.format import header_seal, limits, precs
+from jckpt.format import header_seal, limits, precs, prescan
 from jckpt.format._gc import paused
 
 # The header's values are defined in ``entries``; they stay importable from here too.
@@ -365,10 +365,15 @@ def _decode(raw: bytes | memoryview, start: int, file: str | None) -> Header:
         entries, list_open, list_close = fast
         text = text[:list_open] + '()' + text[list_close + 1:]
     head = memoryview(raw)[:start]  # what the header checksum covers
-    return with_canonical_lists(text, lambda t: _from_text(t, file, fast and entries, head), file)
+    try:  # a repetition found in the text with an index's pieces cut out is one in the whole
+        return with_canonical_lists(text, lambda t: _from_text(t, file, fast and entries, head),
+                                    file)
+    except prescan.ShapeError as e:
+        raise _fail(str(e), file, e.entry) from None
 
 
 def _from_text(text: str, file: str | None, entries: list[Entry] | None, head: memoryview) -> Header:
+    prescan.check_header(text)  # crafted repetitions, refused before any list is built
     try:
         tree = parse(text)
     except SexpError as e:

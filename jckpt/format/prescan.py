@@ -1,0 +1,258 @@
+"""A linear scan of a header's text that refuses crafted repetitions before any list is built.
+
+The general S-expression reader builds a Python list per parenthesis, some
+hundred bytes and a microsecond each: a header of tens of MB in which one
+field, one path component or one entry is repeated hundreds of thousands of
+times cost it seconds and hundreds of MB before `jckpt.format.header`
+refused the first duplicate it came to. `check_header` finds those faults
+first, with numpy over the text's bytes (no list built, a few bytes of
+memory per byte of text), and only where the readers would refuse them
+anyway, with the same words:
+
+* a field list (the header, an entry, an index's `sharded` field and each
+  of its arrays) whose field appears twice;
+* a known field holding far more lists than any valid one can (a `dims` with
+  a hundred values, a `path` of far more than `limits.MAX_PATH_LENGTH` components);
+* an entry (or an index's array) that repeats the one before it verbatim:
+  a duplicate identity;
+* a metadata pair repeated verbatim more than `MAX_METADATA_REPEATS` times in a row.
+
+Anything it cannot read plainly (unbalanced, too deep, a comment holding a
+quote) it leaves to the reader, which reports it.
+
+>>> check_header('((version 1) (tensors ()))')
+>>> check_header('((version 1) (version 1) (tensors ()))')
+Traceback (most recent call last):
+...
+jckpt.format.prescan.ShapeError: header: field version appears twice
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from jckpt.format.fastpath import _PLACEHOLDER
+from jckpt.format.limits import MAX_NDIM, MAX_PATH_LENGTH
+from jckpt.format.sexp import _SPLIT_QUOTED, MAX_DEPTH, unterminated
+
+#: Most times one metadata pair may follow itself verbatim (later keys win, so a repeat
+#: changes nothing; jckpt writes none).
+MAX_METADATA_REPEATS = 16
+
+# Most lists a known field `(key value)` holds, value included: None for no bound.
+_PATH = 1 + MAX_PATH_LENGTH
+_HEADER = {'version': 0, 'alignment': 0, 'writer': 0, 'header_checksum': 1}
+_ENTRY = {'id': 0, 'namespace': 0, 'label': 1, 'prec': 0, 'dims': 1, 'padding': 2 + MAX_NDIM,
+          'offset': 0, 'byte_length': 0, 'path': _PATH, 'checksum': 1, 'key_impl': 0,
+          'slice': 1 + MAX_NDIM, 'global_dims': 1}
+_SHARDED = {'layout': 0, 'process_count': 0, 'files': 1}
+_ARRAY = {'id': 0, 'namespace': 0, 'label': 1, 'prec': 0, 'global_dims': 1, 'path': _PATH,
+          'key_impl': 0}
+#: Lists beyond its bound a field may hold before the scan refuses it: a few too many are
+#: left to the reader, whose error says more precisely what is wrong.
+_SLACK = 64
+#: Bytes of a field's key compared at once (every known key is shorter; longer ones that
+#: agree this far are compared in full before a refusal).
+_KEY = 16
+_BLANK = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|;[^\n]*')
+_WHITE = np.zeros(256, bool)
+_WHITE[[9, 10, 11, 12, 13, 28, 29, 30, 31, 32]] = True
+
+
+class ShapeError(ValueError):
+    """The header repeats something its format allows once (`entry`: the entry, `#N`)."""
+
+    def __init__(self, message: str, entry: str | None = None):
+        super().__init__(message)
+        self.entry = entry
+
+
+def _codes(text: str) -> np.ndarray | None:
+    """The text's characters as bytes, quoted atoms and comments blanked, one byte each (so
+    positions are the text's); None when a quote is left open (the reader reports it)."""
+    if ';' in text:  # the tokenizer's order: a quote inside a comment opens nothing
+        blanked = _BLANK.sub(lambda m: ' ' * len(m[0]) if m[0][0] == ';' else 'x' * len(m[0]),
+                             text)
+        if '"' in blanked:
+            return None
+    else:
+        parts = _SPLIT_QUOTED.split(text)
+        if unterminated(parts):
+            return None
+        parts[1::2] = ['x' * len(p) for p in parts[1::2]]
+        blanked = ''.join(parts)
+    return np.frombuffer(blanked.encode('latin-1', 'replace'), dtype=np.uint8)
+
+
+class _Lists:
+    """The lists of a balanced text by nesting level: where each opens and closes, and how
+    many lists it holds."""
+
+    def __init__(self, codes: np.ndarray, depth: np.ndarray, at: np.ndarray):
+        self.codes, self._depth, self._at = codes, depth, at
+        self._is_open = codes[at] == 40
+        self._count = np.cumsum(self._is_open, dtype=np.int32)  # opens up to each parenthesis
+        self._cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def level(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`(opens, closes, inner)` of the lists at nesting level `n` (the whole text's is 1):
+        text positions, and the lists each holds."""
+        if n not in self._cache:
+            is_open, count = self._is_open, self._count
+            opens = np.flatnonzero(is_open & (self._depth == n))
+            closes = np.flatnonzero(~is_open & (self._depth == n - 1))
+            inner = count[closes] - count[opens]
+            self._cache[n] = (self._at[opens], self._at[closes], inner)
+        return self._cache[n]
+
+    def keys(self, opens: np.ndarray) -> np.ndarray:
+        """The first `_KEY` bytes of each list's first atom (zero-padded), a column at a
+        time (a byte per list and column, never an index per byte)."""
+        block = np.zeros((opens.size, _KEY), np.uint8)
+        alive = np.ones(opens.size, bool)
+        last = self.codes.size - 1
+        for j in range(_KEY):
+            column = self.codes[np.minimum(opens + (1 + j), last)]
+            alive &= ~(_WHITE[column] | (column == 40) | (column == 41))
+            block[:, j] = column * alive
+        return block.view(f'S{_KEY}').ravel()
+
+
+def _lists(codes: np.ndarray) -> _Lists | None:
+    """The lists of `codes`, None unless they balance within `MAX_DEPTH`."""
+    at = np.flatnonzero((codes == 40) | (codes == 41)).astype(np.int32)
+    if at.size == 0:
+        return None
+    steps = np.where(codes[at] == 40, 1, -1).astype(np.int8)
+    depth = np.cumsum(steps, dtype=np.int16)  # after each parenthesis
+    if depth.min() < 0 or depth[-1] != 0 or depth.max() > MAX_DEPTH:
+        return None
+    return _Lists(codes, depth, at)
+
+
+def check_header(text: str) -> None:
+    """Raise `ShapeError` when the header's text repeats what its format allows once."""
+    codes = _codes(text)
+    found = _lists(codes) if codes is not None else None
+    if found is None:
+        return
+    roots = found.level(1)[0]
+    fields, keys = _fields(found, text, 1, np.ones(roots.size, bool), _HEADER, lambda k: 'header')
+    _check_tensors(found, text, fields, keys)
+    _check_metadata(found, text, fields, keys)
+    sharded = fields[keys == b'sharded']
+    if sharded.size:
+        owners = np.isin(_parent(found, 3), sharded)
+        inner, inner_keys = _fields(found, text, 3, owners, _SHARDED, lambda k: 'sharded')
+        arrays = inner[inner_keys == b'arrays']
+        if arrays.size:
+            _items(found, text, 5, arrays, _ARRAY, 'array', 'duplicate array')
+
+
+def _parent(found: _Lists, n: int) -> np.ndarray:
+    """For each list at level `n`, where its enclosing list (level `n - 1`) opens."""
+    outer = found.level(n - 1)[0]
+    return outer[np.searchsorted(outer, found.level(n)[0], side='right') - 1]
+
+
+def _fields(found: _Lists, text: str, n: int, owners: np.ndarray, bounds: dict[str, int],
+            what) -> tuple[np.ndarray, np.ndarray]:
+    """Check the fields of the field lists at level `n` picked by `owners` (a mask over
+    that level): no key twice, no known field beyond its bound. Their opens and keys."""
+    opens, _, _ = found.level(n)
+    fields, _, inner = found.level(n + 1)
+    parent = _parent(found, n + 1)
+    mine = np.isin(parent, opens[owners])
+    fields, inner, parent = fields[mine], inner[mine], parent[mine]
+    keys = found.keys(fields)
+    order = np.lexsort((fields, keys, parent))
+    twice = (parent[order][1:] == parent[order][:-1]) & (keys[order][1:] == keys[order][:-1])
+    first, later = fields[order][:-1][twice], fields[order][1:][twice]
+    for k in np.argsort(np.maximum(first, later))[:64]:  # in text order, each checked whole
+        key = _key(text, first[k])
+        if key and key == _key(text, later[k]):
+            owner = what(parent[fields == later[k]][0])
+            raise ShapeError(f"{owner}: field {key} appears twice", _entry(owner))
+    for key, bound in bounds.items():
+        over = (keys == key.encode()) & (inner > bound + _SLACK)
+        if over.any():
+            owner = what(parent[over][0])
+            raise ShapeError(f"{owner}: field {key} holds {inner[over][0]} lists, more "
+                             f"than any valid one ({bound})", _entry(owner))
+    return fields, keys
+
+
+def _key(text: str, at: int) -> str:
+    """The first atom of the list opening at `at`, in full ('' if quoted or none)."""
+    m = _FIRST_ATOM.match(text, int(at))
+    return m[1] if m else ''
+
+
+def _entry(what: str) -> str | None:
+    """`#N` of 'tensor #N' or 'array #N', what errors name the entry by."""
+    return what[what.index('#'):] if '#' in what else None
+
+
+_SPLICED = re.compile(re.escape(_PLACEHOLDER) + '[0-9]+')
+_FIRST_ATOM = re.compile(r'\(\s*([^\s()";]+)')
+
+
+def _check_tensors(found: _Lists, text: str, fields: np.ndarray, keys: np.ndarray) -> None:
+    tensors = fields[keys == b'tensors']
+    if tensors.size:
+        _items(found, text, 3, tensors, _ENTRY, 'tensor', 'duplicate entry identity')
+
+
+def _items(found: _Lists, text: str, n: int, holders: np.ndarray, bounds: dict[str, int],
+           noun: str, duplicate: str) -> None:
+    """Check the items (entries, arrays) in the value of the fields at level `n - 1` that
+    open at `holders`: each item's fields, and no item repeating the one before it."""
+    items, closes, _ = found.level(n + 1)
+    owners = np.isin(_parent(found, n), holders)
+    mine = np.isin(_parent(found, n + 1), found.level(n)[0][owners])
+    rank = np.cumsum(mine) - 1
+
+    def what(at: int) -> str:
+        return f"{noun} #{rank[np.searchsorted(items, at)]}"
+
+    _fields(found, text, n + 1, mine, bounds, what)
+    for k in _repeats(text, items[mine], closes[mine], 1):
+        raise ShapeError(f"{duplicate}: {what(k)} repeats the one before it", _entry(what(k)))
+
+
+def _repeats(text: str, opens: np.ndarray, closes: np.ndarray, most: int):
+    """Where a list repeats verbatim the `most` lists before it (siblings, in text order)."""
+    length = closes - opens
+    same = np.flatnonzero(length[1:] == length[:-1]) + 1
+    run = 0
+    last = -1
+    for k in same:
+        a, b = int(opens[k - 1]), int(opens[k])
+        if _unspliced(text[a:a + int(length[k]) + 1]) == _unspliced(text[b:b + int(length[k]) + 1]):
+            run = run + 1 if last == k - 1 else 1
+            last = k
+            if run >= most:
+                yield int(opens[k])
+                return
+
+
+def _unspliced(text: str) -> str:
+    """`text` without the numbers of the placeholders that stand for an index's pieces lists
+    (`jckpt.format.fastpath`): arrays that differ in pieces alone are still one array."""
+    return _SPLICED.sub(_PLACEHOLDER, text) if _PLACEHOLDER in text else text
+
+
+def _check_metadata(found: _Lists, text: str, fields: np.ndarray, keys: np.ndarray) -> None:
+    metadata = fields[keys == b'metadata']
+    if not metadata.size:
+        return
+    pairs, closes, _ = found.level(4)
+    mine = np.isin(_parent(found, 4), found.level(3)[0][np.isin(_parent(found, 3), metadata)])
+    for _ in _repeats(text, pairs[mine], closes[mine], MAX_METADATA_REPEATS + 1):
+        raise ShapeError(f"metadata: a pair is repeated more than {MAX_METADATA_REPEATS} "
+                         "times in a row")
+
+
+__all__ = ['MAX_METADATA_REPEATS', 'ShapeError', 'check_header']

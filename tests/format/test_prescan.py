@@ -1,0 +1,117 @@
+"""Crafted repetitions (what the hostile fuzzer's `amplify` and `duplicate` mutators write) are
+refused by the scan before the general reader builds a list; legitimate repeats are not."""
+
+import re
+import struct
+
+import pytest
+
+from jckpt.errors import FormatError
+from jckpt.format import fastpath, header
+from jckpt.format.header import Entry, Header, decode_header, encode_header
+from jckpt.format.index import IndexedArray, index_header
+from jckpt.format.prescan import MAX_METADATA_REPEATS, ShapeError, check_header
+
+REPEATS = 3000
+
+
+def _entry(ident: int, namespace: str = 'jckpt', path=()) -> Entry:
+    """An entry; `path=()` gives it `w<ident>`, None none (as OCANNL writes)."""
+    return Entry(id=ident, namespace=namespace, label=('w',), prec='Single_prec', dims=(2,),
+                 offset=8 * ident, byte_length=8,
+                 path=(('k', f'w{ident}'),) if path == () else path,
+                 checksum=('xxh3_64', '0123456789abcdef'))
+
+
+def _text(h: Header) -> str:
+    raw = encode_header(h)
+    return raw[4:4 + struct.unpack('>I', raw[:4])[0]].decode()
+
+
+def _native(namespace: str = 'jckpt') -> str:
+    entries = tuple(_entry(i, namespace, None if namespace == '' else ()) for i in range(2))
+    return _text(Header(tensors=entries, metadata=(('note', 'x'),), writer='w'))
+
+
+def _index() -> str:
+    e = Entry(id=0, namespace='jckpt', prec='Single_prec', dims=(4,), offset=0, byte_length=16,
+              label=('w',), path=(('k', 'w'),))
+    arrays = [IndexedArray(e, ((0, ((0, 2),)), (1, ((2, 4),))))]
+    return _text(index_header(['process_00000.jckpt', 'process_00001.jckpt'], 2, arrays, 32,
+                              {}, writer='jckpt'))
+
+
+def _amplified(text: str, item: str, times: int = REPEATS) -> bytes:
+    """`text` with the list that starts with `item` repeated after itself (as the fuzzer does)."""
+    at = text.index(item)
+    depth, end = 0, at
+    for end in range(at, len(text)):
+        depth += {'(': 1, ')': -1}.get(text[end], 0)
+        if depth == 0:
+            break
+    crafted = text[:end + 1] + (' ' + text[at:end + 1]) * times + text[end + 1:]
+    body = crafted.encode()
+    return struct.pack('>I', len(body)) + body
+
+
+@pytest.fixture
+def no_general_reader(monkeypatch):
+    """The general reader fails the test if reached: the scan must refuse first."""
+    def parse(text):
+        raise AssertionError("the general reader was reached")
+    monkeypatch.setattr(header, 'parse', parse)
+
+
+CRAFTED = [
+    ('native', '(id 1)', r"tensor #1: field id appears twice"),
+    ('native', '(version 1)', r"header: field version appears twice"),
+    ('native', '(writer w)', r"header: field writer appears twice"),
+    ('native', '(2)', r"tensor #0: field dims holds 3001 lists, more than any valid one \(1\)"),
+    ('native', '(k w0)', r"tensor #0: field path holds 3002 lists"),
+    ('native', '(xxh3_64', r"tensor #0: field checksum holds 3001 lists"),
+    ('native', '(note x)', rf"metadata: a pair is repeated more than {MAX_METADATA_REPEATS} times"),
+    ('ocannl', '((id 1)', r"duplicate entry identity: tensor #2 repeats the one before it"),
+    ('index', '(layout 1)', r"sharded: field layout appears twice"),
+    ('index', '(id 0)', r"array #0: field id appears twice"),
+    ('index', '(pieces', r"array #0: field pieces appears twice"),
+    ('index', '((id 0)', r"duplicate array: array #1 repeats the one before it"),
+    ('index', '(w)', r"array #0: field label holds 3001 lists"),
+]
+
+
+@pytest.mark.parametrize('sample, item, message', CRAFTED)
+def test_crafted_repetitions_are_refused_before_a_list_is_built(sample, item, message,
+                                                                  no_general_reader):
+    text = {'native': _native, 'ocannl': lambda: _native(''), 'index': _index}[sample]()
+    with pytest.raises(FormatError, match=message) as info:
+        decode_header(_amplified(text, item), file='crafted.jckpt')
+    assert info.value.file == 'crafted.jckpt'
+
+
+def test_the_pure_python_reader_refuses_them_as_early(monkeypatch, no_general_reader):
+    monkeypatch.setattr(fastpath, 'accelerator', None)
+    with pytest.raises(FormatError, match="tensor #0: field dims holds"):
+        decode_header(_amplified(_native(), '(2)'), file='crafted.jckpt')
+
+
+def test_legitimate_repeats_are_read():
+    deep = (('k', 'a'),) * 256  # a path of one key 256 times: {'a': {'a': ...}}
+    h = Header(tensors=(_entry(0, path=deep), _entry(1)),
+               metadata=(('k', 'v'),) * MAX_METADATA_REPEATS + (('k', 'w'),))
+    got = decode_header(encode_header(h))
+    assert got.tensors[0].path == deep and got.metadata_dict() == {'k': 'w'}
+    check_header(_native())  # adjacent entries of one length that differ
+    check_header(_index())
+
+
+def test_what_it_cannot_read_plainly_is_left_to_the_reader():
+    for text in ('((version 1) (version 1', '((a "b) (a b))', '((a b) ; (a b)\n (a b))'):
+        try:
+            check_header(text)
+        except ShapeError as e:  # a comment is read as the tokenizer reads it
+            assert text.startswith('((a b) ;') and 'field a appears twice' in str(e)
+
+
+def test_a_quote_inside_a_comment_opens_nothing():
+    with pytest.raises(ShapeError, match=re.escape('header: field a appears twice')):
+        check_header('((a b) ; "\n (c "x")\n (a b))')
