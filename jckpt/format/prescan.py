@@ -35,7 +35,7 @@ import numpy as np
 
 from jckpt.format.fastpath import _PLACEHOLDER
 from jckpt.format.limits import MAX_NDIM, MAX_PATH_LENGTH
-from jckpt.format.sexp import _SPLIT_QUOTED, MAX_DEPTH, unterminated
+from jckpt.format.sexp import _SPLIT_QUOTED, SexpError, check_depth, unterminated
 
 #: Most times one metadata pair may follow itself verbatim (later keys win, so a repeat
 #: changes nothing; jckpt writes none).
@@ -72,6 +72,21 @@ class ShapeError(ValueError):
 def _codes(text: str) -> np.ndarray | None:
     """The text's characters as bytes, quoted atoms and comments blanked, one byte each (so
     positions are the text's); None when a quote is left open (the reader reports it)."""
+    if ';' in text or '\\' in text:  # comments or escapes (rare): the tokenizer's reading
+        return _codes_read(text)
+    codes = np.empty(len(text), np.uint8)
+    odd = 0  # without escapes, quotes pair up in order: inside one is after an odd count
+    for start, chunk in _chunks(codes):  # encoded a MiB at a time: no second copy of the text
+        chunk[:] = np.frombuffer(text[start:start + chunk.size].encode('latin-1', 'replace'),
+                                 dtype=np.uint8)
+        count = np.cumsum(chunk == 34, dtype=np.int32) + odd
+        chunk[(count & 1).astype(bool) & (chunk != 34)] = ord('x')
+        odd = int(count[-1]) & 1 if count.size else odd
+    return None if odd else codes
+
+
+def _codes_read(text: str) -> np.ndarray | None:
+    """`_codes` of a text with comments or escapes, read as the tokenizer reads it."""
     if ';' in text:  # the tokenizer's order: a quote inside a comment opens nothing
         blanked = _BLANK.sub(lambda m: ' ' * len(m[0]) if m[0][0] == ';' else 'x' * len(m[0]),
                              text)
@@ -122,14 +137,22 @@ class _Lists:
 
 def _lists(codes: np.ndarray) -> _Lists | None:
     """The lists of `codes`, None unless they balance within `MAX_DEPTH`."""
-    at = np.flatnonzero((codes == 40) | (codes == 41)).astype(np.int32)
+    try:
+        check_depth(codes)  # a MiB at a time: unbalanced or too deep, left to the reader
+    except SexpError:
+        return None
+    at = np.concatenate([np.flatnonzero((chunk == 40) | (chunk == 41)).astype(np.int32) + start
+                         for start, chunk in _chunks(codes)] or [np.empty(0, np.int32)])
     if at.size == 0:
         return None
-    steps = np.where(codes[at] == 40, 1, -1).astype(np.int8)
-    depth = np.cumsum(steps, dtype=np.int16)  # after each parenthesis
-    if depth.min() < 0 or depth[-1] != 0 or depth.max() > MAX_DEPTH:
-        return None
-    return _Lists(codes, depth, at)
+    steps = (codes[at] == 40).view(np.int8) * np.int8(2) - np.int8(1)  # +1 ( and -1 )
+    return _Lists(codes, np.cumsum(steps, dtype=np.int8), at)
+
+
+def _chunks(codes: np.ndarray):
+    """`(start, view)` of `codes` a MiB at a time."""
+    for start in range(0, codes.size, 1 << 20):
+        yield np.int32(start), codes[start:start + (1 << 20)]
 
 
 def check_header(text: str) -> None:
@@ -168,8 +191,9 @@ def _fields(found: _Lists, text: str, n: int, owners: np.ndarray, bounds: dict[s
     fields, inner, parent = fields[mine], inner[mine], parent[mine]
     keys = found.keys(fields)
     order = np.lexsort((fields, keys, parent))
-    twice = (parent[order][1:] == parent[order][:-1]) & (keys[order][1:] == keys[order][:-1])
-    first, later = fields[order][:-1][twice], fields[order][1:][twice]
+    by_parent, by_key, by_place = parent[order], keys[order], fields[order]
+    twice = (by_parent[1:] == by_parent[:-1]) & (by_key[1:] == by_key[:-1])
+    first, later = by_place[:-1][twice], by_place[1:][twice]
     for k in np.argsort(np.maximum(first, later))[:64]:  # in text order, each checked whole
         key = _key(text, first[k])
         if key and key == _key(text, later[k]):
@@ -217,9 +241,9 @@ def _items(found: _Lists, text: str, n: int, holders: np.ndarray, bounds: dict[s
     def what(at: int) -> str:
         return f"{noun} #{rank[np.searchsorted(items, at)]}"
 
-    _fields(found, text, n + 1, mine, bounds, what)
-    for k in _repeats(text, items[mine], closes[mine], 1):
+    for k in _repeats(text, items[mine], closes[mine], 1):  # first: it needs no keys
         raise ShapeError(f"{duplicate}: {what(k)} repeats the one before it", _entry(what(k)))
+    _fields(found, text, n + 1, mine, bounds, what)
 
 
 def _repeats(text: str, opens: np.ndarray, closes: np.ndarray, most: int):
