@@ -35,7 +35,7 @@ import numpy as np
 
 from jckpt.format.fastpath import _PLACEHOLDER
 from jckpt.format.limits import MAX_NDIM, MAX_PATH_LENGTH
-from jckpt.format.sexp import _SPLIT_QUOTED, SexpError, check_depth, unterminated
+from jckpt.format.sexp import _SPLIT_QUOTED, MAX_DEPTH, unterminated
 
 #: Most times one metadata pair may follow itself verbatim (later keys win, so a repeat
 #: changes nothing; jckpt writes none).
@@ -69,24 +69,25 @@ class ShapeError(ValueError):
         self.entry = entry
 
 
-def _codes(text: str) -> np.ndarray | None:
-    """The text's characters as bytes, quoted atoms and comments blanked, one byte each (so
-    positions are the text's); None when a quote is left open (the reader reports it)."""
+def _codes(text: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """The text's characters as bytes (one each, so positions are the text's; encoded a MiB
+    at a time, no second copy of the text), and where its quotes are: a quoted atom runs
+    from an even-numbered one to the next. None when a quote is left open (the reader
+    reports it)."""
     if ';' in text or '\\' in text:  # comments or escapes (rare): the tokenizer's reading
-        return _codes_read(text)
+        codes = _codes_read(text)
+        return None if codes is None else (codes, np.empty(0, np.int64))
     codes = np.empty(len(text), np.uint8)
-    odd = 0  # without escapes, quotes pair up in order: inside one is after an odd count
-    for start, chunk in _chunks(codes):  # encoded a MiB at a time: no second copy of the text
+    for start, chunk in _chunks(codes):
         chunk[:] = np.frombuffer(text[start:start + chunk.size].encode('latin-1', 'replace'),
                                  dtype=np.uint8)
-        count = np.cumsum(chunk == 34, dtype=np.int32) + odd
-        chunk[(count & 1).astype(bool) & (chunk != 34)] = ord('x')
-        odd = int(count[-1]) & 1 if count.size else odd
-    return None if odd else codes
+    quotes = np.flatnonzero(codes == 34)  # without escapes, quotes pair up in order
+    return None if quotes.size % 2 else (codes, quotes)
 
 
 def _codes_read(text: str) -> np.ndarray | None:
-    """`_codes` of a text with comments or escapes, read as the tokenizer reads it."""
+    """The bytes of a text with comments or escapes, its quoted atoms and comments blanked
+    as the tokenizer reads them."""
     if ';' in text:  # the tokenizer's order: a quote inside a comment opens nothing
         blanked = _BLANK.sub(lambda m: ' ' * len(m[0]) if m[0][0] == ';' else 'x' * len(m[0]),
                              text)
@@ -108,18 +109,15 @@ class _Lists:
     def __init__(self, codes: np.ndarray, depth: np.ndarray, at: np.ndarray):
         self.codes, self._depth, self._at = codes, depth, at
         self._is_open = codes[at] == 40
-        self._count = np.cumsum(self._is_open, dtype=np.int32)  # opens up to each parenthesis
         self._cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def level(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`(opens, closes, inner)` of the lists at nesting level `n` (the whole text's is 1):
-        text positions, and the lists each holds."""
+        text positions, and the lists each holds (balanced: half what lies between)."""
         if n not in self._cache:
-            is_open, count = self._is_open, self._count
-            opens = np.flatnonzero(is_open & (self._depth == n))
-            closes = np.flatnonzero(~is_open & (self._depth == n - 1))
-            inner = count[closes] - count[opens]
-            self._cache[n] = (self._at[opens], self._at[closes], inner)
+            opens = np.flatnonzero(self._is_open & (self._depth == n))
+            closes = np.flatnonzero(~self._is_open & (self._depth == n - 1))
+            self._cache[n] = (self._at[opens], self._at[closes], (closes - opens - 1) // 2)
         return self._cache[n]
 
     def keys(self, opens: np.ndarray) -> np.ndarray:
@@ -135,18 +133,23 @@ class _Lists:
         return block.view(f'S{_KEY}').ravel()
 
 
-def _lists(codes: np.ndarray) -> _Lists | None:
-    """The lists of `codes`, None unless they balance within `MAX_DEPTH`."""
-    try:
-        check_depth(codes)  # a MiB at a time: unbalanced or too deep, left to the reader
-    except SexpError:
+def _lists(codes: np.ndarray, quotes: np.ndarray) -> _Lists | None:
+    """The lists of `codes` (parentheses in quoted atoms aside), None unless they balance
+    within `MAX_DEPTH`: counted a MiB at a time, so too deep a text stops at its first."""
+    ats, depths, depth = [], [], 0
+    for start, chunk in _chunks(codes):
+        at = np.flatnonzero((chunk == 40) | (chunk == 41)).astype(np.int32) + start
+        if quotes.size:
+            at = at[np.searchsorted(quotes, at) % 2 == 0]
+        running = np.cumsum((codes[at] == 40).view(np.int8) * np.int32(2) - 1) + depth
+        if running.size and (running.min() < 0 or running.max() > MAX_DEPTH):
+            return None
+        depth = int(running[-1]) if running.size else depth
+        ats.append(at)
+        depths.append(running.astype(np.int8))
+    if depth != 0 or not sum(map(len, ats)):
         return None
-    at = np.concatenate([np.flatnonzero((chunk == 40) | (chunk == 41)).astype(np.int32) + start
-                         for start, chunk in _chunks(codes)] or [np.empty(0, np.int32)])
-    if at.size == 0:
-        return None
-    steps = (codes[at] == 40).view(np.int8) * np.int8(2) - np.int8(1)  # +1 ( and -1 )
-    return _Lists(codes, np.cumsum(steps, dtype=np.int8), at)
+    return _Lists(codes, np.concatenate(depths), np.concatenate(ats))
 
 
 def _chunks(codes: np.ndarray):
@@ -157,8 +160,8 @@ def _chunks(codes: np.ndarray):
 
 def check_header(text: str) -> None:
     """Raise `ShapeError` when the header's text repeats what its format allows once."""
-    codes = _codes(text)
-    found = _lists(codes) if codes is not None else None
+    read = _codes(text)
+    found = _lists(*read) if read is not None else None
     if found is None:
         return
     roots = found.level(1)[0]
