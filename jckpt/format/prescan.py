@@ -30,6 +30,7 @@ jckpt.format.prescan.ShapeError: header: field version appears twice
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import numpy as np
 
@@ -53,6 +54,8 @@ _ARRAY = {'id': 0, 'namespace': 0, 'label': 1, 'prec': 0, 'global_dims': 1, 'pat
 #: Lists beyond its bound a field may hold before the scan refuses it: a few too many are
 #: left to the reader, whose error says more precisely what is wrong.
 _SLACK = 64
+#: Fields whose keys are compared at once (a few MB of temporaries).
+_BATCH = 1 << 18
 #: Bytes of a field's key compared at once (every known key is shorter; longer ones that
 #: agree this far are compared in full before a refusal).
 _KEY = 16
@@ -165,16 +168,16 @@ def check_header(text: str) -> None:
     if found is None:
         return
     roots = found.level(1)[0]
-    fields, keys = _fields(found, text, 1, np.ones(roots.size, bool), _HEADER, lambda k: 'header')
-    _check_tensors(found, text, fields, keys)
-    _check_metadata(found, text, fields, keys)
-    sharded = fields[keys == b'sharded']
-    if sharded.size:
-        owners = np.isin(_parent(found, 3), sharded)
-        inner, inner_keys = _fields(found, text, 3, owners, _SHARDED, lambda k: 'sharded')
-        arrays = inner[inner_keys == b'arrays']
-        if arrays.size:
-            _items(found, text, 5, arrays, _ARRAY, 'array', 'duplicate array')
+    top = _fields(found, text, 1, np.ones(roots.size, bool), _HEADER, lambda k: 'header',
+                  ('tensors', 'metadata', 'sharded'))
+    if top['tensors'].size:
+        _items(found, text, 3, top['tensors'], _ENTRY, 'tensor', 'duplicate entry identity')
+    _check_metadata(found, text, top['metadata'])
+    if top['sharded'].size:
+        owners = np.isin(_parent(found, 3), top['sharded'])
+        arrays = _fields(found, text, 3, owners, _SHARDED, lambda k: 'sharded', ('arrays',))
+        if arrays['arrays'].size:
+            _items(found, text, 5, arrays['arrays'], _ARRAY, 'array', 'duplicate array')
 
 
 def _parent(found: _Lists, n: int) -> np.ndarray:
@@ -184,15 +187,35 @@ def _parent(found: _Lists, n: int) -> np.ndarray:
 
 
 def _fields(found: _Lists, text: str, n: int, owners: np.ndarray, bounds: dict[str, int],
-            what) -> tuple[np.ndarray, np.ndarray]:
+            what: Callable[[int], str], wanted: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
     """Check the fields of the field lists at level `n` picked by `owners` (a mask over
-    that level): no key twice, no known field beyond its bound. Their opens and keys."""
-    opens, _, _ = found.level(n)
+    that level): no key twice, no known field beyond its bound. Where the fields of the
+    `wanted` keys open. Checked `_BATCH` fields at a time (a crafted header repeats one
+    field millions of times: the first batch finds it), then the field lists that span
+    two batches as a whole."""
+    opens = found.level(n)[0]
     fields, _, inner = found.level(n + 1)
     parent = _parent(found, n + 1)
     mine = np.isin(parent, opens[owners])
     fields, inner, parent = fields[mine], inner[mine], parent[mine]
-    keys = found.keys(fields)
+    found_keys: dict[str, list[np.ndarray]] = {key: [] for key in wanted}
+    for start in range(0, fields.size, _BATCH):
+        part = slice(start, start + _BATCH)
+        keys = found.keys(fields[part])
+        _check_fields(text, fields[part], keys, parent[part], inner[part], bounds, what)
+        for key in wanted:
+            found_keys[key].append(fields[part][keys == key.encode()])
+    spanning = parent[_BATCH::_BATCH][parent[_BATCH::_BATCH] == parent[_BATCH - 1:-1:_BATCH]]
+    if spanning.size:
+        whole = np.isin(parent, spanning)
+        _check_fields(text, fields[whole], found.keys(fields[whole]), parent[whole],
+                      inner[whole], {}, what)
+    return {key: np.concatenate(found_keys[key] or [np.empty(0, np.int32)]) for key in wanted}
+
+
+def _check_fields(text: str, fields: np.ndarray, keys: np.ndarray, parent: np.ndarray,
+                  inner: np.ndarray, bounds: dict[str, int], what: Callable[[int], str]) -> None:
+    """Refuse a key twice in one field list, or a known field beyond its bound."""
     order = np.lexsort((fields, keys, parent))
     by_parent, by_key, by_place = parent[order], keys[order], fields[order]
     twice = (by_parent[1:] == by_parent[:-1]) & (by_key[1:] == by_key[:-1])
@@ -208,7 +231,6 @@ def _fields(found: _Lists, text: str, n: int, owners: np.ndarray, bounds: dict[s
             owner = what(parent[over][0])
             raise ShapeError(f"{owner}: field {key} holds {inner[over][0]} lists, more "
                              f"than any valid one ({bound})", _entry(owner))
-    return fields, keys
 
 
 def _key(text: str, at: int) -> str:
@@ -224,12 +246,6 @@ def _entry(what: str) -> str | None:
 
 _SPLICED = re.compile(re.escape(_PLACEHOLDER) + '[0-9]+')
 _FIRST_ATOM = re.compile(r'\(\s*([^\s()";]+)')
-
-
-def _check_tensors(found: _Lists, text: str, fields: np.ndarray, keys: np.ndarray) -> None:
-    tensors = fields[keys == b'tensors']
-    if tensors.size:
-        _items(found, text, 3, tensors, _ENTRY, 'tensor', 'duplicate entry identity')
 
 
 def _items(found: _Lists, text: str, n: int, holders: np.ndarray, bounds: dict[str, int],
@@ -271,8 +287,9 @@ def _unspliced(text: str) -> str:
     return _SPLICED.sub(_PLACEHOLDER, text) if _PLACEHOLDER in text else text
 
 
-def _check_metadata(found: _Lists, text: str, fields: np.ndarray, keys: np.ndarray) -> None:
-    metadata = fields[keys == b'metadata']
+def _check_metadata(found: _Lists, text: str, metadata: np.ndarray) -> None:
+    """Refuse a metadata pair (in the field opening at `metadata`) repeated verbatim more
+    than `MAX_METADATA_REPEATS` times in a row."""
     if not metadata.size:
         return
     pairs, closes, _ = found.level(4)
