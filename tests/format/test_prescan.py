@@ -115,3 +115,14 @@ def test_what_it_cannot_read_plainly_is_left_to_the_reader():
 def test_a_quote_inside_a_comment_opens_nothing():
     with pytest.raises(ShapeError, match=re.escape('header: field a appears twice')):
         check_header('((a b) ; "\n (c "x")\n (a b))')
+
+
+def test_a_key_twice_is_found_across_batches(monkeypatch):
+    from jckpt.format import prescan
+
+    monkeypatch.setattr(prescan, '_BATCH', 4)
+    check_header('((version 1) (b 1) (c 1) (d 1) (e 1) (tensors ()) (f ()))')
+    with pytest.raises(ShapeError, match='header: field version appears twice'):
+        check_header('((version 1) (b 1) (c 1) (d 1) (e 1) (version 2))')
+    with pytest.raises(ShapeError, match='tensor #1: field id appears twice'):  # found late
+        check_header('((b 1) (c 1) (d 1) (e 1) (tensors (((id 0)) ((id 1) (id 1)))))')
