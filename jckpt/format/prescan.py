@@ -30,7 +30,7 @@ jckpt.format.prescan.ShapeError: header: field version appears twice
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -113,6 +113,7 @@ class _Lists:
         self.codes, self._depth, self._at = codes, depth, at
         self._is_open = codes[at] == 40
         self._cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._parents: dict[int, np.ndarray] = {}
 
     def level(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`(opens, closes, inner)` of the lists at nesting level `n` (the whole text's is 1):
@@ -120,8 +121,17 @@ class _Lists:
         if n not in self._cache:
             opens = np.flatnonzero(self._is_open & (self._depth == n))
             closes = np.flatnonzero(~self._is_open & (self._depth == n - 1))
-            self._cache[n] = (self._at[opens], self._at[closes], (closes - opens - 1) // 2)
+            inner = ((closes - opens - 1) // 2).astype(np.int32)
+            self._cache[n] = (self._at[opens], self._at[closes], inner)
         return self._cache[n]
+
+    def parent(self, n: int) -> np.ndarray:
+        """For each list at level `n`, which list of level `n - 1` holds it (its index)."""
+        if n not in self._parents:
+            outer = self.level(n - 1)[0]
+            self._parents[n] = (np.searchsorted(outer, self.level(n)[0], side='right')
+                                - 1).astype(np.int32)
+        return self._parents[n]
 
     def keys(self, opens: np.ndarray) -> np.ndarray:
         """The first `_KEY` bytes of each list's first atom (zero-padded), a column at a
@@ -170,52 +180,53 @@ def check_header(text: str) -> None:
     roots = found.level(1)[0]
     top = _fields(found, text, 1, np.ones(roots.size, bool), _HEADER, lambda k: 'header',
                   ('tensors', 'metadata', 'sharded'))
-    if top['tensors'].size:
-        _items(found, text, 3, top['tensors'], _ENTRY, 'tensor', 'duplicate entry identity')
-    _check_metadata(found, text, top['metadata'])
-    if top['sharded'].size:
-        owners = np.isin(_parent(found, 3), top['sharded'])
-        arrays = _fields(found, text, 3, owners, _SHARDED, lambda k: 'sharded', ('arrays',))
-        if arrays['arrays'].size:
-            _items(found, text, 5, arrays['arrays'], _ARRAY, 'array', 'duplicate array')
-
-
-def _parent(found: _Lists, n: int) -> np.ndarray:
-    """For each list at level `n`, where its enclosing list (level `n - 1`) opens."""
-    outer = found.level(n - 1)[0]
-    return outer[np.searchsorted(outer, found.level(n)[0], side='right') - 1]
+    values = {key: top[key][found.parent(3)] for key in top}  # the lists they hold
+    if values['tensors'].any():
+        _items(found, text, 3, values['tensors'], _ENTRY, 'tensor', 'duplicate entry identity')
+    if values['metadata'].any():
+        pairs, closes, _ = found.level(4)
+        mine = np.flatnonzero(values['metadata'][found.parent(4)])
+        for _ in _repeats(text, pairs[mine], closes[mine], MAX_METADATA_REPEATS + 1):
+            raise ShapeError(f"metadata: a pair is repeated more than {MAX_METADATA_REPEATS} "
+                             "times in a row")
+    if values['sharded'].any():
+        inner = _fields(found, text, 3, values['sharded'], _SHARDED, lambda k: 'sharded',
+                        ('arrays',))
+        arrays = inner['arrays'][found.parent(5)]
+        if arrays.any():
+            _items(found, text, 5, arrays, _ARRAY, 'array', 'duplicate array')
 
 
 def _fields(found: _Lists, text: str, n: int, owners: np.ndarray, bounds: dict[str, int],
             what: Callable[[int], str], wanted: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
     """Check the fields of the field lists at level `n` picked by `owners` (a mask over
-    that level): no key twice, no known field beyond its bound. Where the fields of the
-    `wanted` keys open. Checked `_BATCH` fields at a time (a crafted header repeats one
-    field millions of times: the first batch finds it), then the field lists that span
-    two batches as a whole."""
-    opens = found.level(n)[0]
+    that level): no key twice, no known field beyond its bound. The fields of each `wanted`
+    key (a mask over level `n + 1`). Checked `_BATCH` fields at a time (a crafted header
+    repeats one field millions of times: the first batch finds it), then the field lists
+    that span two batches as a whole."""
     fields, _, inner = found.level(n + 1)
-    parent = _parent(found, n + 1)
-    mine = np.isin(parent, opens[owners])
-    fields, inner, parent = fields[mine], inner[mine], parent[mine]
-    found_keys: dict[str, list[np.ndarray]] = {key: [] for key in wanted}
-    for start in range(0, fields.size, _BATCH):
-        part = slice(start, start + _BATCH)
+    parent = found.parent(n + 1)
+    mine = np.flatnonzero(owners[parent]).astype(np.int32)
+    masks = {key: np.zeros(fields.size, bool) for key in wanted}
+    for start in range(0, mine.size, _BATCH):
+        part = mine[start:start + _BATCH]
         keys = found.keys(fields[part])
         _check_fields(text, fields[part], keys, parent[part], inner[part], bounds, what)
         for key in wanted:
-            found_keys[key].append(fields[part][keys == key.encode()])
-    spanning = parent[_BATCH::_BATCH][parent[_BATCH::_BATCH] == parent[_BATCH - 1:-1:_BATCH]]
+            masks[key][part[keys == key.encode()]] = True
+    ends = parent[mine[_BATCH::_BATCH]]
+    spanning = ends[ends == parent[mine[_BATCH - 1:-1:_BATCH]]]
     if spanning.size:
-        whole = np.isin(parent, spanning)
-        _check_fields(text, fields[whole], found.keys(fields[whole]), parent[whole],
-                      inner[whole], {}, what)
-    return {key: np.concatenate(found_keys[key] or [np.empty(0, np.int32)]) for key in wanted}
+        part = mine[np.isin(parent[mine], spanning)]
+        _check_fields(text, fields[part], found.keys(fields[part]), parent[part], inner[part],
+                      {}, what)
+    return masks
 
 
 def _check_fields(text: str, fields: np.ndarray, keys: np.ndarray, parent: np.ndarray,
                   inner: np.ndarray, bounds: dict[str, int], what: Callable[[int], str]) -> None:
-    """Refuse a key twice in one field list, or a known field beyond its bound."""
+    """Refuse a key twice in one field list, or a known field beyond its bound (`fields`:
+    where they open; `parent`: which list holds each, as `what` names it)."""
     order = np.lexsort((fields, keys, parent))
     by_parent, by_key, by_place = parent[order], keys[order], fields[order]
     twice = (by_parent[1:] == by_parent[:-1]) & (by_key[1:] == by_key[:-1])
@@ -248,55 +259,45 @@ _SPLICED = re.compile(re.escape(_PLACEHOLDER) + '[0-9]+')
 _FIRST_ATOM = re.compile(r'\(\s*([^\s()";]+)')
 
 
-def _items(found: _Lists, text: str, n: int, holders: np.ndarray, bounds: dict[str, int],
+def _items(found: _Lists, text: str, n: int, values: np.ndarray, bounds: dict[str, int],
            noun: str, duplicate: str) -> None:
-    """Check the items (entries, arrays) in the value of the fields at level `n - 1` that
-    open at `holders`: each item's fields, and no item repeating the one before it."""
+    """Check the items (entries, arrays) of the lists at level `n` that `values` picks (a
+    mask): each item's fields, and no item repeating the one before it."""
     items, closes, _ = found.level(n + 1)
-    owners = np.isin(_parent(found, n), holders)
-    mine = np.isin(_parent(found, n + 1), found.level(n)[0][owners])
-    rank = np.cumsum(mine) - 1
+    mine = values[found.parent(n + 1)]
+    rank = np.cumsum(mine, dtype=np.int32) - 1
 
-    def what(at: int) -> str:
-        return f"{noun} #{rank[np.searchsorted(items, at)]}"
+    def what(k: int) -> str:
+        return f"{noun} #{rank[k]}"
 
-    for k in _repeats(text, items[mine], closes[mine], 1):  # first: it needs no keys
-        raise ShapeError(f"{duplicate}: {what(k)} repeats the one before it", _entry(what(k)))
+    picked = np.flatnonzero(mine)
+    for k in _repeats(text, items[picked], closes[picked], 1):  # first: it needs no keys
+        raise ShapeError(f"{duplicate}: {what(picked[k])} repeats the one before it",
+                         _entry(what(picked[k])))
     _fields(found, text, n + 1, mine, bounds, what)
 
 
-def _repeats(text: str, opens: np.ndarray, closes: np.ndarray, most: int):
-    """Where a list repeats verbatim the `most` lists before it (siblings, in text order)."""
-    length = closes - opens
-    same = np.flatnonzero(length[1:] == length[:-1]) + 1
+def _repeats(text: str, opens: np.ndarray, closes: np.ndarray, most: int) -> Iterator[int]:
+    """Which list repeats verbatim the `most` lists before it (siblings, in text order):
+    lists of one length compared, `_BATCH` at a time (a crafted run stops the first)."""
     run = 0
     last = -1
-    for k in same:
-        a, b = int(opens[k - 1]), int(opens[k])
-        if _unspliced(text[a:a + int(length[k]) + 1]) == _unspliced(text[b:b + int(length[k]) + 1]):
-            run = run + 1 if last == k - 1 else 1
-            last = k
-            if run >= most:
-                yield int(opens[k])
-                return
+    for start in range(1, opens.size, _BATCH):
+        length = closes[start - 1:start + _BATCH] - opens[start - 1:start + _BATCH]
+        for k in np.flatnonzero(length[1:] == length[:-1]) + start:
+            a, b, size = int(opens[k - 1]), int(opens[k]), int(closes[k] - opens[k]) + 1
+            if _unspliced(text[a:a + size]) == _unspliced(text[b:b + size]):
+                run = run + 1 if last == k - 1 else 1
+                last = k
+                if run >= most:
+                    yield int(k)
+                    return
 
 
 def _unspliced(text: str) -> str:
     """`text` without the numbers of the placeholders that stand for an index's pieces lists
     (`jckpt.format.fastpath`): arrays that differ in pieces alone are still one array."""
     return _SPLICED.sub(_PLACEHOLDER, text) if _PLACEHOLDER in text else text
-
-
-def _check_metadata(found: _Lists, text: str, metadata: np.ndarray) -> None:
-    """Refuse a metadata pair (in the field opening at `metadata`) repeated verbatim more
-    than `MAX_METADATA_REPEATS` times in a row."""
-    if not metadata.size:
-        return
-    pairs, closes, _ = found.level(4)
-    mine = np.isin(_parent(found, 4), found.level(3)[0][np.isin(_parent(found, 3), metadata)])
-    for _ in _repeats(text, pairs[mine], closes[mine], MAX_METADATA_REPEATS + 1):
-        raise ShapeError(f"metadata: a pair is repeated more than {MAX_METADATA_REPEATS} "
-                         "times in a row")
 
 
 __all__ = ['MAX_METADATA_REPEATS', 'ShapeError', 'check_header']
