@@ -239,9 +239,11 @@ def _check_fields(text: str, fields: np.ndarray, keys: np.ndarray, parent: np.nd
     for key, bound in bounds.items():
         over = (keys == key.encode()) & (inner > bound + _SLACK)
         if over.any():
-            owner = what(parent[over][0])
-            raise ShapeError(f"{owner}: field {key} holds {inner[over][0]} lists, more "
-                             f"than any valid one ({bound})", _entry(owner))
+            owner, lists = what(parent[over][0]), int(inner[over][0])
+            why = (f"key path of {lists - 1} components is deeper than {MAX_PATH_LENGTH}"
+                   if key == 'path' else  # the words of the reader's refusal
+                   f"field {key} holds {lists} lists, more than any valid one ({bound})")
+            raise ShapeError(f"{owner}: {why}", _entry(owner))
 
 
 def _key(text: str, at: int) -> str:

@@ -67,7 +67,7 @@ CRAFTED = [
     ('native', '(version 1)', r"header: field version appears twice"),
     ('native', '(writer w)', r"header: field writer appears twice"),
     ('native', '(2)', r"tensor #0: field dims holds 3001 lists, more than any valid one \(1\)"),
-    ('native', '(k w0)', r"tensor #0: field path holds 3002 lists"),
+    ('native', '(k w0)', r"tensor #0: key path of 3001 components is deeper than 256"),
     ('native', '(xxh3_64', r"tensor #0: field checksum holds 3001 lists"),
     ('native', '(note x)', rf"metadata: a pair is repeated more than {MAX_METADATA_REPEATS} times"),
     ('ocannl', '((id 1)', r"duplicate entry identity: tensor #2 repeats the one before it"),
