@@ -357,9 +357,12 @@ def decode_header(raw: bytes | memoryview, *, file: str | None = None) -> Header
 
 def _decode(raw: bytes | memoryview, start: int, file: str | None) -> Header:
     try:
-        text = bytes(raw[4:start]).decode('utf-8')
+        text = str(memoryview(raw)[4:start], 'utf-8')  # no copy of the bytes first
     except UnicodeDecodeError as e:
         raise _fail(f"header is not UTF-8 ({e.reason} at byte {4 + e.start})", file) from None
+    why = prescan.unbalanced(text)  # before the fast decoder builds every entry, and the
+    if why is not None:  # general reader a copy of the text or three, to come to the end
+        raise _fail(f"header is not a well-formed S-expression: {why}", file)
     fast = canonical_entries(text)
     if fast is not None:
         entries, list_open, list_close = fast

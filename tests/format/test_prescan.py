@@ -126,3 +126,15 @@ def test_a_key_twice_is_found_across_batches(monkeypatch):
         check_header('((version 1) (b 1) (c 1) (d 1) (e 1) (version 2))')
     with pytest.raises(ShapeError, match='tensor #1: field id appears twice'):  # found late
         check_header('((b 1) (c 1) (d 1) (e 1) (tensors (((id 0)) ((id 1) (id 1)))))')
+
+
+def test_a_header_that_cannot_balance_is_refused_before_the_fast_decoder(monkeypatch):
+    """The fast decoder built every entry of a crafted 68 MB header before it came to the
+    stray parenthesis at its end (350 MB); the general reader then made three copies."""
+    text = _native()
+    at = text.index('(id 1)')
+    crafted = (text[:at] + ') ' + text[at:]).encode()
+    monkeypatch.setattr(header, 'canonical_entries',
+                        lambda t: pytest.fail("the fast decoder was reached"))
+    with pytest.raises(FormatError, match=r"not a well-formed S-expression: unbalanced '\)'"):
+        decode_header(struct.pack('>I', len(crafted)) + crafted, file='crafted.jckpt')
