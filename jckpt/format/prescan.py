@@ -17,8 +17,9 @@ anyway, with the same words:
   a duplicate identity;
 * a metadata pair repeated verbatim more than `MAX_METADATA_REPEATS` times in a row.
 
-Anything it cannot read plainly (unbalanced, too deep, a comment holding a
-quote) it leaves to the reader, which reports it.
+Text whose parentheses do not balance within `sexp.MAX_DEPTH` is refused with the
+reader's words too, at the first MiB that shows it; a quote left open is left to the
+reader, which reports it.
 
 >>> check_header('((version 1) (tensors ()))')
 >>> check_header('((version 1) (version 1) (tensors ()))')
@@ -81,10 +82,12 @@ def _codes(text: str) -> tuple[np.ndarray, np.ndarray] | None:
         codes = _codes_read(text)
         return None if codes is None else (codes, np.empty(0, np.int64))
     codes = np.empty(len(text), np.uint8)
+    quotes = []  # without escapes, quotes pair up in order
     for start, chunk in _chunks(codes):
         chunk[:] = np.frombuffer(text[start:start + chunk.size].encode('latin-1', 'replace'),
                                  dtype=np.uint8)
-    quotes = np.flatnonzero(codes == 34)  # without escapes, quotes pair up in order
+        quotes.append(np.flatnonzero(chunk == 34) + start)
+    quotes = np.concatenate(quotes) if quotes else np.empty(0, np.int64)
     return None if quotes.size % 2 else (codes, quotes)
 
 
@@ -169,8 +172,9 @@ class _Lists:
 
 
 def _lists(codes: np.ndarray, quotes: np.ndarray) -> _Lists | None:
-    """The lists of `codes` (parentheses in quoted atoms aside), None unless they balance
-    within `MAX_DEPTH`: counted a MiB at a time, so too deep a text stops at its first."""
+    """The lists of `codes` (parentheses in quoted atoms aside; None if none), refused as
+    the S-expression reader would unless they balance within `MAX_DEPTH`: counted a MiB at
+    a time, so a text too deep stops at its first MiB that is."""
     ats, depths, depth = [], [], 0
     for start, chunk in _chunks(codes):
         at = np.flatnonzero((chunk == 40) | (chunk == 41)).astype(np.int32) + start
@@ -178,11 +182,16 @@ def _lists(codes: np.ndarray, quotes: np.ndarray) -> _Lists | None:
             at = at[np.searchsorted(quotes, at) % 2 == 0]
         running = np.cumsum((codes[at] == 40).view(np.int8) * np.int32(2) - 1) + depth
         if running.size and (running.min() < 0 or running.max() > MAX_DEPTH):
-            return None
+            deep = running.max() > MAX_DEPTH and np.argmax(running > MAX_DEPTH) < (
+                np.argmax(running < 0) if running.min() < 0 else running.size)
+            raise ShapeError(_MALFORMED + (f"nesting deeper than {MAX_DEPTH}" if deep
+                                           else "unbalanced ')'"))
         depth = int(running[-1]) if running.size else depth
         ats.append(at)
         depths.append(running.astype(np.int8))
-    if depth != 0 or not sum(map(len, ats)):
+    if depth != 0:
+        raise ShapeError(_MALFORMED + "unbalanced '(': the text ends inside a list")
+    if not sum(map(len, ats)):
         return None
     return _Lists(codes, np.concatenate(depths), np.concatenate(ats))
 
@@ -279,6 +288,7 @@ def _entry(what: str) -> str | None:
     return what[what.index('#'):] if '#' in what else None
 
 
+_MALFORMED = "header is not a well-formed S-expression: "
 _SPLICED = re.compile(re.escape(_PLACEHOLDER) + '[0-9]+')
 _FIRST_ATOM = re.compile(r'\(\s*([^\s()";]+)')
 
