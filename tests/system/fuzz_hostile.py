@@ -379,7 +379,7 @@ def _mutate_zip(rng: random.Random, raw: bytes, name: str) -> tuple[bytes, str]:
     return out.getvalue(), f"{name}@member"
 
 
-#: Text mutators left out of a run (`--skip amplify`: the quick run CI makes).
+#: Text mutators left out of a run (`--skip amplify`, for a quicker one).
 SKIPPED: set[str] = set()
 
 
