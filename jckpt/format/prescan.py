@@ -43,7 +43,7 @@ from jckpt.format.sexp import _SPLIT_QUOTED, MAX_DEPTH, unterminated
 #: changes nothing; jckpt writes none).
 MAX_METADATA_REPEATS = 16
 
-# Most lists a known field `(key value)` holds, value included: None for no bound.
+# Most lists a known field `(key value)` holds, value included (a field not named: any).
 _PATH = 1 + MAX_PATH_LENGTH
 _HEADER = {'version': 0, 'alignment': 0, 'writer': 0, 'header_checksum': 1}
 _ENTRY = {'id': 0, 'namespace': 0, 'label': 1, 'prec': 0, 'dims': 1, 'padding': 2 + MAX_NDIM,
@@ -66,7 +66,8 @@ _WHITE[[9, 10, 11, 12, 13, 28, 29, 30, 31, 32]] = True
 
 
 class ShapeError(ValueError):
-    """The header repeats something its format allows once (`entry`: the entry, `#N`)."""
+    """The scan refuses the header: it repeats what its format allows once, or does not
+    balance (`entry`: the entry at fault, `#N`, if one is)."""
 
     def __init__(self, message: str, entry: str | None = None):
         super().__init__(message)
@@ -119,15 +120,12 @@ def unbalanced(text: str) -> str | None:
     """
     if ';' in text:
         return None
-    quoted = _QUOTED_OR_OPEN.findall(text) if '"' in text else []
+    quoted = _SPLIT_QUOTED.findall(text) if '"' in text else []  # closed or not
     opens = text.count('(') - sum(q.count('(') for q in quoted)
     closes = text.count(')') - sum(q.count(')') for q in quoted)
     if opens == closes:
         return None
     return "unbalanced '(': the text ends inside a list" if opens > closes else "unbalanced ')'"
-
-
-_QUOTED_OR_OPEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
 
 
 class _Lists:
