@@ -166,10 +166,11 @@ _PLACEHOLDER = '%jckpt-list-'
 def _splice_lists(text: str) -> tuple[str, dict[str, str]] | None:
     """`text` with each canonical pieces list replaced by a placeholder atom, and the lists;
     None when there is none, or comments or escapes make the text not plain enough."""
-    if _PLACEHOLDER in text:
+    if _PLACEHOLDER in text or 'pieces' not in text:
         return None
     parts = _SPLIT_QUOTED.split(text)  # structural text and quoted atoms, alternating
-    if unterminated(parts) or any(c in part for part in parts[0::2] for c in ';#\\'):
+    structural = ''.join(parts[0::2])
+    if unterminated(parts) or any(c in structural for c in ';#\\'):
         return None
     lists: dict[str, str] = {}
 
@@ -198,6 +199,8 @@ def loose_piece_lists(text: str) -> int:
     `text` that are not kept as text: every list from the first such `(pieces (...))`
     field on (its name quoted or escaped too; lists in comments counted as well), 0 when
     there is none. What `with_canonical_lists` bounds before it parses."""
+    if 'pieces' not in text and '\\' not in text:  # no field of that name, even escaped
+        return 0
     parts = _SPLIT_QUOTED.split(text)
     for k, part in enumerate(parts):
         m = _LOOSE_FIELD.search(part) if k % 2 == 0 else None

@@ -23,7 +23,7 @@ import struct
 from typing import Any
 
 from jckpt.errors import FormatError
-from jckpt.format import header_seal, limits, precs
+from jckpt.format import header_seal, limits, precs, prescan
 from jckpt.format._gc import paused
 
 # The header's values are defined in ``entries``; they stay importable from here too.
@@ -357,18 +357,26 @@ def decode_header(raw: bytes | memoryview, *, file: str | None = None) -> Header
 
 def _decode(raw: bytes | memoryview, start: int, file: str | None) -> Header:
     try:
-        text = bytes(raw[4:start]).decode('utf-8')
+        text = str(memoryview(raw)[4:start], 'utf-8')  # no copy of the bytes first
     except UnicodeDecodeError as e:
         raise _fail(f"header is not UTF-8 ({e.reason} at byte {4 + e.start})", file) from None
+    why = prescan.unbalanced(text)  # before the fast decoder builds every entry, and the
+    if why is not None:  # general reader a copy of the text or three, to come to the end
+        raise _fail(f"header is not a well-formed S-expression: {why}", file)
     fast = canonical_entries(text)
     if fast is not None:
         entries, list_open, list_close = fast
         text = text[:list_open] + '()' + text[list_close + 1:]
     head = memoryview(raw)[:start]  # what the header checksum covers
-    return with_canonical_lists(text, lambda t: _from_text(t, file, fast and entries, head), file)
+    try:  # a repetition found in the text with an index's pieces cut out is one in the whole
+        return with_canonical_lists(text, lambda t: _from_text(t, file, fast and entries, head),
+                                    file)
+    except prescan.ShapeError as e:
+        raise _fail(str(e), file, e.entry) from None
 
 
 def _from_text(text: str, file: str | None, entries: list[Entry] | None, head: memoryview) -> Header:
+    prescan.check_header(text)  # crafted repetitions, refused before any list is built
     try:
         tree = parse(text)
     except SexpError as e:

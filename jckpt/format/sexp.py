@@ -89,7 +89,11 @@ def _check_depth(structural: str) -> None:
     Counted a MiB at a time in small integers: a header of 40 MB took 500 MB of
     temporaries (8 bytes of depth per byte of text) and seconds when counted at once.
     """
-    codes = np.frombuffer(structural.encode('utf-8', 'surrogatepass'), dtype=np.uint8)
+    check_depth(np.frombuffer(structural.encode('utf-8', 'surrogatepass'), dtype=np.uint8))
+
+
+def check_depth(codes: np.ndarray) -> None:
+    """`_check_depth` of text already as bytes (`codes`, one per character or UTF-8 byte)."""
     depth = 0
     for start in range(0, codes.size, _DEPTH_CHUNK):
         chunk = codes[start:start + _DEPTH_CHUNK]
@@ -168,8 +172,13 @@ def parse(text: str) -> Sexp:
     """
     parts = _SPLIT_QUOTED.split(text)
     structural = ''.join(parts[0::2])
-    if not unterminated(parts) and _FAST_UNSAFE.search(structural) is None:
-        _check_depth(structural)
+    if ';' in structural:  # a comment may hold parentheses and quotes: the tokenizer's work
+        return _parse_slow(text)
+    if unterminated(parts):  # what the tokenizer would come to, after building all before it
+        at = len(text) - len(parts[-2]) - len(parts[-1])
+        raise SexpError(f"unexpected character '\"' at offset {at}")
+    _check_depth(structural)  # before either path builds a list: the tokenizer's took seconds
+    if _FAST_UNSAFE.search(structural) is None:
         return _parse_fast(parts)
     return _parse_slow(text)
 

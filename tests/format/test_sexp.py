@@ -142,3 +142,21 @@ def test_a_long_quoted_atom_is_read_in_memory_linear_in_it():
     finally:
         tracemalloc.stop()
     assert header.writer == atom and peak < 20 * len(text)  # it was about 140 times
+
+
+@pytest.mark.parametrize('text, message', [
+    ('(a\\b ' + '(c) ' * 1000, "unbalanced '\\('"),       # off the fast path: a backslash
+    ('(a\\b ' + '(' * 100 + ')' * 100 + ')', 'nesting deeper'),
+    ('(a\\b ' + '(c) ' * 1000 + '"d)', 'unexpected character \'"\' at offset 4005'),
+])
+def test_malformed_text_off_the_fast_path_is_refused_before_the_tokenizer(
+        monkeypatch, text, message):
+    """Unbalanced, too deep or unterminated text that the fast path does not take was read
+    whole by the tokenizer before it said so: a crafted 6 MB header took seconds a read."""
+    from jckpt.format import sexp
+
+    with pytest.raises(SexpError, match=message):
+        parse_slow(text)  # what it says, as the tokenizer says it
+    monkeypatch.setattr(sexp, '_parse_slow', lambda t: pytest.fail("the tokenizer was reached"))
+    with pytest.raises(SexpError, match=message):
+        parse(text)

@@ -281,6 +281,15 @@ def _matching(text: str, at: int) -> int:
     raise ValueError("unbalanced")
 
 
+def _random_list(rng: random.Random, text: str) -> tuple[int, int]:
+    """Where a list (or JSON array) of `text` picked at random opens and closes."""
+    opens = [m.start() for m in re.finditer(r"[(\[]", text)]
+    if not opens:
+        raise ValueError("no list")
+    at = rng.choice(opens)
+    return at, _matching(text, at)
+
+
 def _duplicate(rng: random.Random, text: str) -> str:
     """A list item copied next to itself (an entry, a field, a piece), or a JSON key twice."""
     keys = list(re.finditer(r'"([^"\\]{1,80})"\s*:', text))
@@ -288,11 +297,7 @@ def _duplicate(rng: random.Random, text: str) -> str:
         m = rng.choice(keys)
         value = rng.choice(['0', '-1', '"x"', '[]', '{}', 'null', '[1e309]', '"F32"'])
         return text[:m.start()] + f'"{m[1]}": {value}, ' + text[m.start():]
-    opens = [m.start() for m in re.finditer(r"[(\[]", text)]
-    if not opens:
-        raise ValueError("no list")
-    at = rng.choice(opens)
-    end = _matching(text, at)
+    at, end = _random_list(rng, text)
     item = text[at:end + 1]
     sep = ", " if text[at] == "[" else " "
     return text[:end + 1] + (sep + item) * rng.choice([1, 1, 1000]) + text[end + 1:]
@@ -301,11 +306,7 @@ def _duplicate(rng: random.Random, text: str) -> str:
 def _amplify(rng: random.Random, text: str) -> str:
     """A list item repeated a hundred thousand times or more (a piece of an index, an entry,
     a dim), spaced as jckpt writes or not: what a few MB of crafted header can ask."""
-    opens = [m.start() for m in re.finditer(r"[(\[]", text)]
-    if not opens:
-        raise ValueError("no list")
-    at = rng.choice(opens)
-    end = _matching(text, at)
+    at, end = _random_list(rng, text)
     item = text[at:end + 1]
     if len(item) > 200:
         raise ValueError("too long an item to repeat")
@@ -378,7 +379,7 @@ def _mutate_zip(rng: random.Random, raw: bytes, name: str) -> tuple[bytes, str]:
     return out.getvalue(), f"{name}@member"
 
 
-#: Text mutators left out of a run (`--skip amplify`: the quick run CI makes).
+#: Text mutators left out of a run (`--skip amplify`, for a quicker one).
 SKIPPED: set[str] = set()
 
 

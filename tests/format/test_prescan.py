@@ -1,0 +1,142 @@
+"""Crafted repetitions (what the hostile fuzzer's `amplify` and `duplicate` mutators write) are
+refused by the scan before the general reader builds a list; legitimate repeats are not."""
+
+import re
+import struct
+
+import pytest
+
+from jckpt.errors import FormatError
+from jckpt.format import fastpath, header
+from jckpt.format.header import Entry, Header, decode_header, encode_header
+from jckpt.format.index import IndexedArray, index_header
+from jckpt.format.prescan import MAX_METADATA_REPEATS, ShapeError, check_header
+
+REPEATS = 3000
+
+
+def _entry(ident: int, namespace: str = 'jckpt', path=()) -> Entry:
+    """An entry; `path=()` gives it `w<ident>`, None none (as OCANNL writes)."""
+    return Entry(id=ident, namespace=namespace, label=('w',), prec='Single_prec', dims=(2,),
+                 offset=8 * ident, byte_length=8,
+                 path=(('k', f'w{ident}'),) if path == () else path,
+                 checksum=('xxh3_64', '0123456789abcdef'))
+
+
+def _text(h: Header) -> str:
+    raw = encode_header(h)
+    return raw[4:4 + struct.unpack('>I', raw[:4])[0]].decode()
+
+
+def _native(namespace: str = 'jckpt') -> str:
+    entries = tuple(_entry(i, namespace, None if namespace == '' else ()) for i in range(2))
+    return _text(Header(tensors=entries, metadata=(('note', 'x'),), writer='w'))
+
+
+def _index() -> str:
+    e = Entry(id=0, namespace='jckpt', prec='Single_prec', dims=(4,), offset=0, byte_length=16,
+              label=('w',), path=(('k', 'w'),))
+    arrays = [IndexedArray(e, ((0, ((0, 2),)), (1, ((2, 4),))))]
+    return _text(index_header(['process_00000.jckpt', 'process_00001.jckpt'], 2, arrays, 32,
+                              {}, writer='jckpt'))
+
+
+def _amplified(text: str, item: str, times: int = REPEATS) -> bytes:
+    """`text` with the list that starts with `item` repeated after itself (as the fuzzer does)."""
+    at = text.index(item)
+    depth, end = 0, at
+    for end in range(at, len(text)):
+        depth += {'(': 1, ')': -1}.get(text[end], 0)
+        if depth == 0:
+            break
+    crafted = text[:end + 1] + (' ' + text[at:end + 1]) * times + text[end + 1:]
+    body = crafted.encode()
+    return struct.pack('>I', len(body)) + body
+
+
+@pytest.fixture
+def no_general_reader(monkeypatch):
+    """The general reader fails the test if reached: the scan must refuse first."""
+    def parse(text):
+        raise AssertionError("the general reader was reached")
+    monkeypatch.setattr(header, 'parse', parse)
+
+
+CRAFTED = [
+    ('native', '(id 1)', r"tensor #1: field id appears twice"),
+    ('native', '(version 1)', r"header: field version appears twice"),
+    ('native', '(writer w)', r"header: field writer appears twice"),
+    ('native', '(2)', r"tensor #0: field dims holds 3001 lists, more than any valid one \(1\)"),
+    ('native', '(k w0)', r"tensor #0: key path of 3001 components is deeper than 256"),
+    ('native', '(xxh3_64', r"tensor #0: field checksum holds 3001 lists"),
+    ('native', '(note x)', rf"metadata: a pair is repeated more than {MAX_METADATA_REPEATS} times"),
+    ('ocannl', '((id 1)', r"duplicate entry identity: tensor #2 repeats the one before it"),
+    ('index', '(layout 1)', r"sharded: field layout appears twice"),
+    ('index', '(id 0)', r"array #0: field id appears twice"),
+    ('index', '(pieces', r"array #0: field pieces appears twice"),
+    ('index', '((id 0)', r"duplicate array: array #1 repeats the one before it"),
+    ('index', '(w)', r"array #0: field label holds 3001 lists"),
+]
+
+
+@pytest.mark.parametrize('sample, item, message', CRAFTED)
+def test_crafted_repetitions_are_refused_before_a_list_is_built(sample, item, message,
+                                                                  no_general_reader):
+    text = {'native': _native, 'ocannl': lambda: _native(''), 'index': _index}[sample]()
+    with pytest.raises(FormatError, match=message) as info:
+        decode_header(_amplified(text, item), file='crafted.jckpt')
+    assert info.value.file == 'crafted.jckpt'
+
+
+def test_the_pure_python_reader_refuses_them_as_early(monkeypatch, no_general_reader):
+    monkeypatch.setattr(fastpath, 'accelerator', None)
+    with pytest.raises(FormatError, match="tensor #0: field dims holds"):
+        decode_header(_amplified(_native(), '(2)'), file='crafted.jckpt')
+
+
+def test_legitimate_repeats_are_read():
+    deep = (('k', 'a'),) * 256  # a path of one key 256 times: {'a': {'a': ...}}
+    h = Header(tensors=(_entry(0, path=deep), _entry(1)),
+               metadata=(('k', 'v'),) * MAX_METADATA_REPEATS + (('k', 'w'),))
+    got = decode_header(encode_header(h))
+    assert got.tensors[0].path == deep and got.metadata_dict() == {'k': 'w'}
+    check_header(_native())  # adjacent entries of one length that differ
+    check_header(_index())
+
+
+def test_malformed_text_is_refused_in_the_readers_words_or_left_to_it():
+    for text, why in [('((version 1) (version 1', "unbalanced '\\('"),
+                      ('((a b)) (c))', "unbalanced '\\)'"),
+                      ('(' * 65 + ')' * 65, 'nesting deeper than 64'),
+                      ('((a b) ; (a b)\n (a b))', 'field a appears twice')]:  # as the tokenizer
+        with pytest.raises(ShapeError, match=why):
+            check_header(text)
+    check_header('((a "b) (a b))')  # a quote left open: the reader says where
+
+
+def test_a_quote_inside_a_comment_opens_nothing():
+    with pytest.raises(ShapeError, match=re.escape('header: field a appears twice')):
+        check_header('((a b) ; "\n (c "x")\n (a b))')
+
+
+def test_a_key_twice_is_found_across_batches(monkeypatch):
+    from jckpt.format import prescan
+
+    monkeypatch.setattr(prescan, '_BATCH', 4)
+    check_header('((version 1) (b 1) (c 1) (d 1) (e 1) (tensors ()) (f ()))')
+    with pytest.raises(ShapeError, match='header: field version appears twice'):
+        check_header('((version 1) (b 1) (c 1) (d 1) (e 1) (version 2))')
+    with pytest.raises(ShapeError, match='tensor #1: field id appears twice'):  # found late
+        check_header('((b 1) (c 1) (d 1) (e 1) (tensors (((id 0)) ((id 1) (id 1)))))')
+
+
+def test_a_header_that_cannot_balance_is_refused_before_the_fast_decoder(monkeypatch):
+    """The fast decoder built every entry of a crafted 68 MB header before it came to the
+    stray parenthesis at its end (350 MB); the general reader then made three copies."""
+    text = _native()
+    at = text.index('(id 1)')
+    crafted = (text[:at] + ') ' + text[at:]).encode()
+    monkeypatch.setattr(header, 'canonical_entries',
+                        lambda t: pytest.fail("the fast decoder was reached"))
+    with pytest.raises(FormatError, match=r"not a well-formed S-expression: unbalanced '\)'"):
+        decode_header(struct.pack('>I', len(crafted)) + crafted, file='crafted.jckpt')
