@@ -210,7 +210,7 @@ def read_npz(path: str) -> dict[str, Any]:
     with _zip.open_zip(path, buffer) as zf:
         arrays: dict[str, np.ndarray] = {}
         for info in zf.infolist():
-            if info.is_dir():
+            if info.filename.endswith('/'):  # a folder (`is_dir` fails on an empty name)
                 continue
             if not info.filename.endswith('.npy'):
                 raise FormatError(f"archive member {info.filename!r} is not a .npy array",

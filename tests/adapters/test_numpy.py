@@ -136,3 +136,15 @@ def test_npz_refusals(tmp_path):
     path.write_bytes(buf.getvalue())
     with pytest.raises(FormatError, match="entry a"):
         npa.read_npz(path)
+
+
+def test_an_npz_member_without_a_name_is_refused_naming_the_file(tmp_path):
+    """A zip member whose name length is 0 failed inside zipfile's `is_dir` with an IndexError."""
+    path = tmp_path / 'a.npz'
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, 'w') as zf:
+        zf.writestr(zipfile.ZipInfo(''), b'\x93NUMPY')
+    path.write_bytes(buf.getvalue())
+    with pytest.raises(FormatError, match="member '' is not a .npy array") as info:
+        npa.read_npz(path)
+    assert str(path) in str(info.value)
