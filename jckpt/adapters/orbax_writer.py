@@ -149,7 +149,8 @@ def register() -> None:
     from jckpt.adapters import register_format
 
     register_format('orbax', read=orbax.read, write=write, sniff=orbax.sniff,
-                    read_metadata=orbax.json_metadata, check=check, replace=True)
+                    read_metadata=orbax.json_metadata, check=check, replace=True,
+                    read_with_metadata=orbax.read_with_metadata)
 
 
 __all__ = ['check', 'register', 'write']

@@ -406,3 +406,20 @@ def test_an_export_keeps_a_namespace_of_empty_states(tmp_path):
     assert sorted(ours) == sorted(theirs) == ["opt", "params"]
     assert ours["opt"] == theirs["opt"] == [None, None]
     assert jax.tree_util.tree_structure(ours) == jax.tree_util.tree_structure(theirs)
+
+
+def test_convert_of_a_step_walks_it_once(tmp_path, monkeypatch):
+    """The step's files were walked and checked twice: once for the step, again for each item."""
+    from jckpt.adapters import orbax as orbax_adapter
+
+    step = tmp_path / 'step'
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        checkpointer.save(step, ocp.args.Composite(params=ocp.args.PyTreeSave({'w': np.ones(3)}),
+                                                   meta=ocp.args.JsonSave({'epoch': 2})))
+    walks = []
+    real = orbax_adapter.check_tree
+    monkeypatch.setattr(orbax_adapter, 'check_tree', lambda path: walks.append(path) or real(path))
+    jckpt.convert(step, tmp_path / 'out.jckpt')
+    assert walks == [str(step)]
+    assert json.loads(jckpt.describe(tmp_path / 'out.jckpt').metadata_dict()['jckpt.orbax_json']) == \
+        {'meta': {'epoch': 2}}
