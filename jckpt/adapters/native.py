@@ -72,7 +72,8 @@ def read_with_metadata(path: str) -> tuple[dict[str, Any], dict[str, str]]:
     meta = reader.header.metadata_dict()
     recorded = meta.get(EMPTY_NODES_KEY)
     for ns in empty_node_namespaces(recorded):  # a namespace of empty nodes alone has no entry
-        tree.setdefault(ns, [] if empty_nodes(recorded, ns)[0][0][0] == 'i' else {})
+        first = empty_nodes(recorded, ns)[0]  # `()`: the namespace is itself an empty node
+        tree.setdefault(ns, [] if first and first[0][0] == 'i' else {})
     tree = {ns: with_empty_nodes(sub, empty_nodes(recorded, ns)) for ns, sub in tree.items()}
     return tree, _kept_metadata(meta)
 
