@@ -41,8 +41,10 @@ def _number(kind: type) -> Callable[[Any], Any]:
 
 
 def _tuple(node: Any) -> Any:
-    """A list made a tuple (as a jckpt file reads a tuple); anything else left alone."""
-    return tuple(node) if isinstance(node, list) else node
+    """A list made a tuple (as a jckpt file reads a tuple), and `None` made `()` (a jckpt
+    file keeps an empty tuple as an empty node, which reads as `None`); anything else left
+    alone."""
+    return tuple(node) if isinstance(node, list) else () if node is None else node
 
 
 #: What each type a record names makes of the node at its path.

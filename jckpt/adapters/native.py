@@ -26,6 +26,7 @@ from jckpt.format.layout import written_header
 from jckpt.format.metadata import empty_node_namespaces, empty_nodes, empty_nodes_text
 from jckpt.format.names import EMPTY_NODES_KEY, INDEX_NAME, ORBAX_JSON_KEY, RESERVED_PREFIX
 from jckpt.storage.backend import LOCAL, backend_for
+from jckpt.storage.checkpoint import open_checkpoint, reusing
 from jckpt.storage.writer import ArraySource, write_checkpoint
 
 
@@ -47,14 +48,7 @@ def read(path: str) -> dict[str, Any]:
     namespace of such nodes alone (`optax.sgd`'s state) is there too. Every
     payload is checked against its checksum (`ChecksumError`): what is read here is written
     out again (`jckpt.convert`), and a damaged payload must not be sealed in another file."""
-    from jckpt.api.loading import describe, load  # JAX: imported only when a checkpoint is read
-    from jckpt.trees.pytree import with_empty_nodes
-
-    _, tree = load(Context(host=True), path, verify=True)
-    recorded = describe(path).metadata_dict().get(EMPTY_NODES_KEY)
-    for ns in empty_node_namespaces(recorded):  # a namespace of empty nodes alone has no entry
-        tree.setdefault(ns, [] if empty_nodes(recorded, ns)[0][0][0] == 'i' else {})
-    return {ns: with_empty_nodes(sub, empty_nodes(recorded, ns)) for ns, sub in tree.items()}
+    return read_with_metadata(path)[0]
 
 
 def read_metadata(path: str) -> dict[str, str]:
@@ -63,8 +57,29 @@ def read_metadata(path: str) -> dict[str, str]:
     the writer keeps the tree's structure by its own means)."""
     from jckpt.api.loading import describe
 
-    return {k: v for k, v in describe(path).metadata_dict().items()
-            if not k.startswith(RESERVED_PREFIX) or k == ORBAX_JSON_KEY}
+    return _kept_metadata(describe(path).metadata_dict())
+
+
+def read_with_metadata(path: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """`(read(path), read_metadata(path))` from one opening of the checkpoint: its header
+    (of a directory checkpoint, its index) is read and checked once, not three times, for
+    `convert` and `jckpt inspect`."""
+    from jckpt.api.loading import load  # JAX: imported only when a checkpoint is read
+    from jckpt.trees.pytree import with_empty_nodes
+
+    with reusing(open_checkpoint(path)) as reader:
+        _, tree = load(Context(host=True), path, verify=True)
+    meta = reader.header.metadata_dict()
+    recorded = meta.get(EMPTY_NODES_KEY)
+    for ns in empty_node_namespaces(recorded):  # a namespace of empty nodes alone has no entry
+        first = empty_nodes(recorded, ns)[0]  # `()`: the namespace is itself an empty node
+        tree.setdefault(ns, [] if first and first[0][0] == 'i' else {})
+    tree = {ns: with_empty_nodes(sub, empty_nodes(recorded, ns)) for ns, sub in tree.items()}
+    return tree, _kept_metadata(meta)
+
+
+def _kept_metadata(meta: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in meta.items() if not k.startswith(RESERVED_PREFIX) or k == ORBAX_JSON_KEY}
 
 
 def build_header(items: Sequence[tuple[str, KeyPath, Any]], *, alignment: int = DEFAULT_ALIGNMENT,
@@ -109,4 +124,5 @@ def write(tree: Any, path: str, *, metadata: dict[str, str] | None = None) -> No
 
 def register() -> None:
     register_format('jckpt', read=read, write=write, sniff=sniff, extensions=('.jckpt',),
-                    read_metadata=read_metadata, keeps_metadata=True, replace=True)
+                    read_metadata=read_metadata, keeps_metadata=True, replace=True,
+                    read_with_metadata=read_with_metadata)

@@ -321,8 +321,10 @@ def _without_strings(tree: Any, item: str) -> Any:
     return jax.tree_util.tree_map(lambda leaf: None if isinstance(leaf, str) else leaf, tree)
 
 
-def read_item(item: str) -> Any:
-    """One item directory's tree: host numpy arrays, and typed PRNG keys as keys."""
+def read_item(item: str, checked: int | None = None) -> Any:
+    """One item directory's tree: host numpy arrays, and typed PRNG keys as keys. `checked`:
+    the bytes of files of a directory holding the item that `check_tree` has passed (the
+    item is then not walked again), else None."""
     if os.path.lexists(os.path.join(item, _JCKPT_ITEM)) and not os.path.exists(
             os.path.join(item, '_METADATA')):
         from jckpt.adapters import native
@@ -334,7 +336,7 @@ def read_item(item: str) -> Any:
     specs = item_specs(item)  # what the metadata says, checked before tensorstore allocates it
     if specs:
         _check_claim(sum(math.prod(shape) * dtype.itemsize for _, shape, dtype, _ in specs),
-                     check_tree(item), item)
+                     check_tree(item) if checked is None else checked, item)
     ocp = import_orbax()
     import jax
     checkpointer = ocp.PyTreeCheckpointer()
@@ -363,7 +365,14 @@ def read_item(item: str) -> Any:
 
 def read(path: str) -> dict[str, Any]:
     """An orbax item or step directory as `{namespace: subtree}` of host numpy arrays."""
-    return {ns: read_item(item) for ns, item in item_dirs(path)}
+    items, checked = _checked_items(path)
+    return {ns: read_item(item, checked) for ns, item in items}
+
+
+def read_with_metadata(path: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """`(read(path), json_metadata(path))`, the step's files walked and checked once (not
+    once for the step and again for each item), for `convert` and `jckpt inspect`."""
+    return read(path), json_metadata(path)
 
 
 def item_dirs(path: str) -> list[tuple[str, str]]:
@@ -372,15 +381,20 @@ def item_dirs(path: str) -> list[tuple[str, str]]:
     A `CheckpointManager` root, or a directory with no item, is a `FormatError`
     naming a step to pass instead.
     """
+    return _checked_items(path)[0]
+
+
+def _checked_items(path: str) -> tuple[list[tuple[str, str]], int]:
+    """`item_dirs(path)` and the bytes of the files `check_tree` passed in `path`."""
     path = os.fspath(path)
     backend_for(path)  # a URL of an unsupported scheme is refused, never read as a local path
     _refuse_url(path)
     if not os.path.isdir(path):
         raise FormatError("an orbax checkpoint is a directory", file=path,
                           fix="pass the step or item directory")
-    check_tree(path)
+    checked = check_tree(path)
     if _is_item(path):
-        return [(DEFAULT_NAMESPACE, path)]
+        return [(DEFAULT_NAMESPACE, path)], checked
     items = _items(path)
     if not items:
         steps = _steps(path)
@@ -391,7 +405,7 @@ def item_dirs(path: str) -> list[tuple[str, str]]:
     if bad:
         raise FormatError(f"item names {bad} are not valid namespaces", file=path,
                           fix="pass the item's own directory to read it alone")
-    return [(name, os.path.join(path, name)) for name in items]
+    return [(name, os.path.join(path, name)) for name in items], checked
 
 
 def _metadata(item: str) -> Any:

@@ -18,6 +18,7 @@ import functools
 import math
 import os
 import shutil
+import warnings
 from typing import Any
 
 import numpy as np
@@ -41,7 +42,7 @@ def write(tree: Any, path: str) -> None:
                          fix="write a local directory, then upload it (gcloud storage cp -r DIR "
                              "URL, or aws s3 cp --recursive DIR URL); or convert to a .jckpt URL")
     path = os.path.abspath(os.fspath(path))
-    tree = check_namespaced(tree, path)
+    tree = _without_empty_items(check_namespaced(tree, path), path)
     check(tree, path)
     host_items(tree, path)  # refuse unstorable leaves before writing anything
     ocp = orbax.import_orbax()
@@ -71,6 +72,21 @@ def write(tree: Any, path: str) -> None:
             raise storage_error(e, "writing the orbax checkpoint", path) from e
         raise InputError(f"orbax could not save the tree ({type(e).__name__}: {str(e)[:300]})",
                          file=path, fix="cast leaves to dtypes orbax stores") from None
+
+
+def _without_empty_items(tree: dict[str, Any], path: str) -> dict[str, Any]:
+    """`tree` less its namespaces that are one node without leaves (`optax.identity()`'s
+    bare `EmptyState()`), with a warning naming them: orbax saves no such item ("Found empty
+    item"), so an export leaves them out, and a restore takes them from its target."""
+    from jckpt.trees.pytree import is_empty_node
+
+    empty = [ns for ns, sub in tree.items() if is_empty_node(sub)]
+    if empty and len(empty) < len(tree):
+        warnings.warn(f"{path}: namespaces {empty} hold no arrays (an empty optimizer state) and "
+                      "are left out: orbax saves no item without arrays; a restore with a target "
+                      "takes them from it", stacklevel=3)
+        return {ns: sub for ns, sub in tree.items() if ns not in empty}
+    return tree
 
 
 def check(tree: Any, path: str) -> None:
@@ -149,7 +165,8 @@ def register() -> None:
     from jckpt.adapters import register_format
 
     register_format('orbax', read=orbax.read, write=write, sniff=orbax.sniff,
-                    read_metadata=orbax.json_metadata, check=check, replace=True)
+                    read_metadata=orbax.json_metadata, check=check, replace=True,
+                    read_with_metadata=orbax.read_with_metadata)
 
 
 __all__ = ['check', 'register', 'write']

@@ -135,8 +135,9 @@ def _parse_empty(text: str | None) -> dict[str, list[KeyPath]]:
 
 
 def _path(value: Any) -> KeyPath | None:
-    """A stored key path from its JSON form `[[kind, key], ...]`, or None if it is not one."""
-    if not isinstance(value, list) or not value or len(value) > MAX_PATH_LENGTH:
+    """A stored key path from its JSON form `[[kind, key], ...]`, or None if it is not one
+    (`[]` is the root's: a namespace that is itself one empty node)."""
+    if not isinstance(value, list) or len(value) > MAX_PATH_LENGTH:
         return None
     out = []
     for c in value:

@@ -152,7 +152,7 @@ def is_empty_node(x: Any) -> bool:
 
 
 def flatten_with_empty(tree: Any) -> tuple[list[tuple[KeyPath, Any]], list[KeyPath]]:
-    """`flatten`, with the paths of the outermost empty nodes below the root (`is_empty_node`).
+    """`flatten`, with the paths of the outermost empty nodes (`is_empty_node`; see `empty_paths`).
 
     A save records them (`jckpt.format.names.EMPTY_NODES_KEY`) so that an
     export to a format that keeps such nodes (orbax) can put them back.
@@ -165,11 +165,15 @@ def flatten_with_empty(tree: Any) -> tuple[list[tuple[KeyPath, Any]], list[KeyPa
 
 
 def empty_paths(tree: Any) -> list[KeyPath]:
-    """The paths of `tree`'s outermost empty nodes below the root, in path order.
+    """The paths of `tree`'s outermost empty nodes below the root, in path order; `[()]`
+    (the root's empty path) when `tree` is itself one (`optax.identity().init(params)`,
+    a bare `EmptyState()`), so a namespace holding only that is not lost.
 
-    >>> empty_paths({'opt': [1.0, (), {}]})
-    [(('k', 'opt'), ('i', 1)), (('k', 'opt'), ('i', 2))]
+    >>> empty_paths({'opt': [1.0, (), {}]}), empty_paths(())
+    ([(('k', 'opt'), ('i', 1)), (('k', 'opt'), ('i', 2))], [()])
     """
+    if is_empty_node(tree):
+        return [()]
     empty: list[KeyPath] = []
     _empties(tree, (), empty)
     return sorted(empty)  # in path order, whatever order dicts were built in
@@ -216,8 +220,12 @@ def with_empty_nodes(tree: Any, paths: Iterable[KeyPath]) -> Any:
     [{'count': 1}, None, None]
     >>> with_empty_nodes([None, {'count': 1}], [(('i', 0), ('a', 'inner_state'))])
     [{'inner_state': None}, {'count': 1}]
+    >>> print(with_empty_nodes({}, [()]))  # the root's path: the tree is one empty node
+    None
     """
     paths = list(paths)
+    if () in paths:
+        return None if is_empty_node(tree) else tree
     for p in paths:
         node = tree
         for n, (_, key) in enumerate(p[:-1]):

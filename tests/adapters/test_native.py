@@ -182,3 +182,17 @@ def test_a_damaged_payload_is_not_converted(tmp_path, dst):
     with pytest.raises(ChecksumError, match='checksum mismatch') as e:
         jckpt.convert(src, tmp_path / dst)
     assert e.value.entry == 'jckpt/w' and not (tmp_path / dst).exists()
+
+
+def test_convert_reads_the_header_once(tmp_path, monkeypatch):
+    """The header was read and checked three times (the tree, its empty nodes, its metadata)."""
+    src = tmp_path / 'a.jckpt'
+    native.write({'m': {'w': np.ones(3, np.float32)}}, src, metadata={'source': 'run 7'})
+    reads = []
+    real = CheckpointReader._read_head
+    monkeypatch.setattr(CheckpointReader, '_read_head',
+                        lambda self, fd: reads.append(self.path) or real(self, fd))
+    jckpt.convert(src, tmp_path / 'a.safetensors')
+    assert reads == [str(src)]
+    tree, meta = adapters.read_with_metadata(src)
+    assert meta == {'source': 'run 7'} and tree['m']['w'].tolist() == [1, 1, 1]

@@ -406,3 +406,45 @@ def test_an_export_keeps_a_namespace_of_empty_states(tmp_path):
     assert sorted(ours) == sorted(theirs) == ["opt", "params"]
     assert ours["opt"] == theirs["opt"] == [None, None]
     assert jax.tree_util.tree_structure(ours) == jax.tree_util.tree_structure(theirs)
+
+
+def test_convert_of_a_step_walks_it_once(tmp_path, monkeypatch):
+    """The step's files were walked and checked twice: once for the step, again for each item."""
+    from jckpt.adapters import orbax as orbax_adapter
+
+    step = tmp_path / 'step'
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        checkpointer.save(step, ocp.args.Composite(params=ocp.args.PyTreeSave({'w': np.ones(3)}),
+                                                   meta=ocp.args.JsonSave({'epoch': 2})))
+    walks = []
+    real = orbax_adapter.check_tree
+    monkeypatch.setattr(orbax_adapter, 'check_tree', lambda path: walks.append(path) or real(path))
+    jckpt.convert(step, tmp_path / 'out.jckpt')
+    assert walks == [str(step)]
+    assert json.loads(jckpt.describe(tmp_path / 'out.jckpt').metadata_dict()['jckpt.orbax_json']) == \
+        {'meta': {'epoch': 2}}
+
+
+@pytest.mark.parametrize('empty', ['EmptyState', None, (), {}])
+def test_a_namespace_that_is_one_empty_node_is_kept_and_left_out_of_an_export(tmp_path, empty):
+    """`optax.identity().init(params)` (a bare EmptyState) saved as a namespace had no path
+    to record: `read` and `convert` lost the namespace. orbax saves no such item ("Found
+    empty item"), so an export leaves it out, with a warning, and orbax restores the rest."""
+    optax = pytest.importorskip("optax")
+    state = optax.identity().init({'w': np.ones(3)}) if empty == 'EmptyState' else empty
+    with pytest.raises(ValueError, match='empty item|Must provide item'):
+        with ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(tmp_path / 'theirs', state)
+    src = tmp_path / 'a.jckpt'
+    jckpt.save(jckpt.Context(namespace='params'), {'w': np.ones(3)}, src)
+    jckpt.save(jckpt.Context(namespace='opt'), state, src, appending=True)
+    tree = jckpt.adapters.read(src)
+    assert sorted(tree) == ['opt', 'params'] and tree['opt'] is None
+    jckpt.convert(src, tmp_path / 'b.jckpt')
+    assert jckpt.adapters.read(tmp_path / 'b.jckpt')['opt'] is None
+    with pytest.warns(UserWarning, match=r"\['opt'\] hold no arrays"):
+        jckpt.convert(src, tmp_path / 'ours', format='orbax')
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        back = checkpointer.restore(tmp_path / 'ours', ocp.args.Composite(
+            params=ocp.args.PyTreeRestore()))
+    assert list(back) == ['params'] and back['params']['w'].tolist() == [1, 1, 1]

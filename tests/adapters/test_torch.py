@@ -735,3 +735,15 @@ def test_damaged_metadata_fails_its_reading_not_the_tensors(tmp_path):
         pt.read_metadata(bad)
     with pytest.raises(FormatError, match='not a JSON object of strings'):
         jckpt.convert(bad, tmp_path / 'bad.jckpt')
+
+
+def test_an_empty_tuple_comes_back_through_jckpt(tmp_path):
+    """A jckpt file keeps `()` as an empty node, read as None: torch -> jckpt -> torch gave
+    None where the file held an empty tuple."""
+    src, mid, out = tmp_path / 't.pt', tmp_path / 't.jckpt', tmp_path / 'back.pt'
+    pt.write({'jckpt': {'w': np.ones(2, np.float32), 'e': (), 'n': [(), 1], 'z': None}}, src,
+             flat=False)
+    jckpt.convert(src, mid)
+    jckpt.convert(mid, out)
+    back = jckpt.adapters.read(out)['jckpt']
+    assert back['e'] == () and back['n'] == [(), 1] and back['z'] is None

@@ -48,7 +48,7 @@ def test_empty_nodes_round_trip_and_merge_on_append():
 
 @pytest.mark.parametrize('text', ['', 'not json', '[1]', '{"opt": 3}', '{"opt": [[["z", 1]]]}',
                                   '{"opt": [[["i", -1]]]}', '{"opt": [[["k", 1]]]}',
-                                  '{"opt": [[["i", true]]]}', '{"opt": [[]]}', '[' * 5000])
+                                  '{"opt": [[["i", true]]]}', '{"opt": [[3]]}', '[' * 5000])
 def test_empty_nodes_that_are_not_as_written_are_ignored(text):
     assert empty_nodes(text, 'opt') == []
 
@@ -68,3 +68,13 @@ def test_empty_node_namespaces_lists_the_recorded_ones_and_ignores_damage():
     text = empty_nodes_text(None, 'opt', [(('i', 0),), (('i', 1),)])
     assert empty_node_namespaces(text) == ['opt']
     assert empty_node_namespaces('{"opt": "bad"}') == empty_node_namespaces('[') == []
+
+
+def test_the_roots_empty_path_is_recorded_and_read():
+    """A namespace that is itself one empty node (a bare optax `EmptyState()`) had no path
+    to record, so the namespace was lost; its path is the root's, `[]` (which earlier
+    readers skip as a path that is not one)."""
+    text = empty_nodes_text(None, 'opt', [()])
+    assert text == '{"opt": [[]]}'
+    assert empty_nodes(text, 'opt') == [()] and empty_node_namespaces(text) == ['opt']
+    assert empty_nodes_text(text, 'opt', [], stored=[(('k', 'mu'),)]) is None  # filled: dropped

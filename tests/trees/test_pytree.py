@@ -112,7 +112,9 @@ def test_flatten_with_empty_finds_the_outermost_nodes_without_leaves():
     assert empty == [(('k', 'cache'), ('k', 'a')), (('k', 'cache'), ('k', 'b')),
                      (('k', 'opt'), ('i', 1)), (('k', 'opt'), ('i', 2))]
     assert tree_mod.flatten_with_empty({'only': None}) == ([], [(('k', 'only'),)])
-    assert tree_mod.flatten_with_empty(None) == ([], [])  # the root is not recorded
+    # a tree that is itself one empty node: the root's path, so its namespace is not lost
+    assert tree_mod.flatten_with_empty(None) == ([], [()])
+    assert tree_mod.empty_paths(_Empty()) == tree_mod.empty_paths({}) == [()]
 
 
 def test_with_empty_nodes_puts_none_at_each_path_and_builds_parents_without_leaves():
@@ -130,6 +132,9 @@ def test_with_empty_nodes_puts_none_at_each_path_and_builds_parents_without_leav
                                       [(('k', 'opt'), ('i', 0), ('a', 'inner_state')),
                                        (('k', 'skip'), ('i', 1), ('i', 0))])
     assert holes == {'opt': [{'inner_state': None}, {'count': 1}], 'skip': [None, [None]]}
+    # the root's path: the tree is one empty node, unless entries filled it
+    assert tree_mod.with_empty_nodes({}, [()]) is None
+    assert tree_mod.with_empty_nodes({'mu': 1}, [()]) == {'mu': 1}
 
 
 class _Pair(NamedTuple):
