@@ -183,7 +183,7 @@ def test_paths_differing_only_in_key_kinds_match(tmp_path):
     np.testing.assert_array_equal(back.mu[0], np.ones(2))
 
 
-def test_missing_entry_never_lists_the_missing_name_as_present(tmp_path):
+def test_missing_entry_never_lists_the_missing_name_as_present(tmp_path, monkeypatch):
     path = tmp_path / "m.jckpt"
     jckpt.save(CTX, {"opt/count": np.int32(1), "w": np.ones(2)}, path)
     with pytest.raises(MissingEntryError) as e:
@@ -195,8 +195,12 @@ def test_missing_entry_never_lists_the_missing_name_as_present(tmp_path):
     assert "jckpt/nope: not in the checkpoint" in str(e.value) and "'nope'" not in e.value.fix
 
     # entries that differ from the target only in key kinds, more than one: named, with kinds
+    # (such a file no save writes now, as no load rebuilds it; an older jckpt's append did)
+    from jckpt.api import saving
+    monkeypatch.setattr(saving, "check_one_tree", lambda *a, **k: None)
     jckpt.save(CTX, {0: np.ones(1)}, tmp_path / "two.jckpt")
     jckpt.save(CTX, [np.zeros(1)], tmp_path / "two.jckpt", appending=True)
+    monkeypatch.undo()
 
     class Box:
         def __init__(self, x):
