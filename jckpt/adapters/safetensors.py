@@ -139,19 +139,24 @@ def read_header(buffer, file: str) -> tuple[Layout, dict[str, str], int]:
     except UnicodeDecodeError as e:
         raise _fail(f"header is not valid JSON ({e})", file) from None
     size = len(buffer) - 8 - n
-    header, metadata = _parsed(text, file, None)
-    found = bulk.layout(header, metadata, text, size, DTYPES)
+    try:  # `layout` checks every part's type: nothing nests deeper than it accepts
+        header, metadata = _parsed(text, file, None, shallow=True)
+        found = bulk.layout(header, metadata, text, size, DTYPES)
+    except FormatError:
+        found = None
     if found is None:  # something is amiss (or merely unusual): find it entry by entry
         header, metadata = _parsed(text, file, _no_duplicates)
         found = _checked_entries(header, size, file)
     return found, metadata or {}, 8 + n
 
 
-def _parsed(text: str, file: str, hook: Any) -> tuple[dict[str, Any], dict[str, str] | None]:
+def _parsed(text: str, file: str, hook: Any, shallow: bool = False
+            ) -> tuple[dict[str, Any], dict[str, str] | None]:
     """The header's tensor infos and its `__metadata__` (None when absent), parsed from
-    `text` (`hook`: the `object_pairs_hook`, `_no_duplicates` to refuse a key twice)."""
+    `text` (`hook`: the `object_pairs_hook`, `_no_duplicates` to refuse a key twice;
+    `shallow`: `limits.json_loads`'s)."""
     try:
-        header = limits.json_loads(text, object_pairs_hook=hook)
+        header = limits.json_loads(text, shallow=shallow, object_pairs_hook=hook)
     except (ValueError, RecursionError) as e:
         raise _fail(f"header is not valid JSON ({e})", file) from None
     if not isinstance(header, dict):

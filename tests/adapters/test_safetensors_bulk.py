@@ -105,3 +105,13 @@ def test_an_empty_metadata_value_of_any_type_reads_as_none(tmp_path, value):
     path.write_bytes(struct.pack('<Q', len(header)) + header + b'\x03')
     arrays, metadata = st.read_arrays(str(path))
     assert metadata == {} and arrays['a'].tolist() == [3]
+
+
+@pytest.mark.parametrize('shape', ['[' * 150 + ']' * 150, '[' * 5000 + ']' * 5000])
+def test_a_deeply_nested_header_is_refused_as_too_deep(tmp_path, shape):
+    """The bulk path parses without the nesting scan; what nests deeper is checked again."""
+    header = ('{"a":{"dtype":"U8","shape":' + shape + ',"data_offsets":[0,0]}}').encode()
+    path = tmp_path / 'n.safetensors'
+    path.write_bytes(struct.pack('<Q', len(header)) + header)
+    with pytest.raises(FormatError, match='nests deeper than 100'):
+        st.read(path)
