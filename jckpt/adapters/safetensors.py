@@ -41,6 +41,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from jckpt.adapters import safetensors_bulk as bulk
 from jckpt.adapters._common import (
     abstract_items,
     check_member_name,
@@ -52,8 +53,10 @@ from jckpt.adapters._common import (
     published,
     tree_from_names,
 )
+from jckpt.adapters.safetensors_bulk import Layout
 from jckpt.errors import FormatError, InputError
 from jckpt.format import limits
+from jckpt.format._gc import paused
 from jckpt.format.names import RESERVED_PREFIX
 from jckpt.format.payload import iter_payload_chunks, stored_dtype
 from jckpt.storage.backend import is_url
@@ -116,9 +119,13 @@ def _dtype(dtype: Any, file: str, name: str) -> str:
     return dtype
 
 
-def read_header(buffer, file: str) -> tuple[dict[str, Any], dict[str, str], int]:
-    """`(tensors, metadata, data_start)` of a safetensors file's bytes, validated as the
-    safetensors reader does (no overlaps, gaps or trailing bytes; sizes match shapes)."""
+def read_header(buffer, file: str) -> tuple[Layout, dict[str, str], int]:
+    """`(layout, metadata, data_start)` of a safetensors file's bytes, validated as the
+    safetensors reader does (no overlaps, gaps or trailing bytes; sizes match shapes).
+
+    The checks run over whole columns first (`safetensors_bulk.layout`); only a header
+    they cannot accept is parsed again and checked tensor by tensor, which names the fault.
+    """
     if len(buffer) < 8:
         raise _fail(f"file is {len(buffer)} bytes, shorter than the 8-byte header size", file)
     (n,) = struct.unpack_from('<Q', buffer, 0)
@@ -128,18 +135,43 @@ def read_header(buffer, file: str) -> tuple[dict[str, Any], dict[str, str], int]
         raise _fail(f"header of {n} bytes extends past the end of the file ({len(buffer)} bytes)",
                     file)
     try:
-        header = limits.json_loads(bytes(buffer[8:8 + n]).decode('utf-8'), object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        text = bytes(buffer[8:8 + n]).decode('utf-8')
+    except UnicodeDecodeError as e:
+        raise _fail(f"header is not valid JSON ({e})", file) from None
+    size = len(buffer) - 8 - n
+    try:  # `layout` checks every part's type: nothing nests deeper than it accepts
+        header, metadata = _parsed(text, file, None, shallow=True)
+        found = bulk.layout(header, metadata, text, size, DTYPES)
+    except FormatError:
+        found = None
+    if found is None:  # something is amiss (or merely unusual): find it entry by entry
+        header, metadata = _parsed(text, file, _no_duplicates)
+        found = _checked_entries(header, size, file)
+    return found, metadata or {}, 8 + n
+
+
+def _parsed(text: str, file: str, hook: Any, shallow: bool = False
+            ) -> tuple[dict[str, Any], dict[str, str] | None]:
+    """The header's tensor infos and its `__metadata__` (None when absent), parsed from
+    `text` (`hook`: the `object_pairs_hook`, `_no_duplicates` to refuse a key twice;
+    `shallow`: `limits.json_loads`'s)."""
+    try:
+        header = limits.json_loads(text, shallow=shallow, object_pairs_hook=hook)
+    except (ValueError, RecursionError) as e:
         raise _fail(f"header is not valid JSON ({e})", file) from None
     if not isinstance(header, dict):
         raise _fail("header is not a JSON object", file)
-    metadata = header.pop(METADATA_KEY, None) or {}
-    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+    metadata = (header.pop(METADATA_KEY) or {}) if METADATA_KEY in header else None
+    if not (isinstance(metadata or {}, dict)
+            and all(isinstance(v, str) for v in (metadata or {}).values())):
         raise _fail("__metadata__ must map strings to strings", file)
-    data_start = 8 + n
-    size = len(buffer) - data_start
+    return header, metadata
+
+
+def _checked_entries(header: dict[str, Any], size: int, file: str) -> Layout:
+    """The layout of the tensor infos over `size` data bytes, checked tensor by tensor:
+    a `FormatError` naming the first entry at fault."""
     spans = []
-    tensors = {}
     for name, info in header.items():
         if not isinstance(info, dict) or set(info) != {'dtype', 'shape', 'data_offsets'}:
             raise _fail("tensor info must have exactly dtype, shape and data_offsets", file, name)
@@ -157,10 +189,9 @@ def read_header(buffer, file: str) -> tuple[dict[str, Any], dict[str, str], int]
         if offsets[1] - offsets[0] != expected:
             raise _fail(f"data_offsets {offsets} span {offsets[1] - offsets[0]} bytes; "
                         f"dtype {dtype} and shape {shape} need {expected}", file, name)
-        spans.append((offsets[0], offsets[1], name))
-        tensors[name] = (DTYPES[dtype], tuple(shape), offsets[0])
+        spans.append((offsets[0], offsets[1], name, DTYPES[dtype], tuple(shape)))
     cursor = 0
-    for begin, end, name in sorted(spans):
+    for begin, end, name, _, _ in sorted(spans, key=lambda s: s[:3]):
         if begin != cursor:
             raise _fail(f"tensor data at {begin} {'overlaps' if begin < cursor else 'leaves a gap'} "
                         f"(previous data ends at {cursor})", file, name)
@@ -168,18 +199,16 @@ def read_header(buffer, file: str) -> tuple[dict[str, Any], dict[str, str], int]
     if cursor != size:
         raise _fail(f"the tensors cover {cursor} data bytes but the file holds {size} "
                     f"({'truncated' if cursor > size else 'trailing bytes'})", file)
-    return tensors, metadata, data_start
+    return Layout([s[2] for s in spans], [s[3] for s in spans], [s[4] for s in spans],
+                  [s[0] for s in spans])
 
 
+@paused  # the parse and the views make an object or more per tensor, and no cycle
 def read_arrays(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """`({name: array}, metadata)` of one safetensors file; arrays are zero-copy when aligned."""
-    from jckpt.adapters._common import array_view
-
     buffer = map_file(path)
-    tensors, metadata, start = read_header(buffer, path)
-    arrays = {name: array_view(buffer, dtype, shape, start + offset, path, name)
-              for name, (dtype, shape, offset) in tensors.items()}
-    return arrays, metadata
+    found, metadata, start = read_header(buffer, path)
+    return bulk.views(buffer, start, found, path), metadata
 
 
 def _index_file(path: str) -> str | None:

@@ -47,17 +47,22 @@ class TreeReader:
         entries: list[Entry] = []
         tree, metadata = read_with_metadata(self.path, fmt)  # the file read once
         for ns, sub in tree.items():
-            leaves = [(p, leaf) for p, leaf in flatten_plain(sub)
+            leaves = [(p, np.asarray(leaf)) for p, leaf in flatten_plain(sub)
                       if isinstance(leaf, (np.ndarray, np.generic, int, float, complex))]
-            for ident, (p, leaf) in enumerate(leaves):
-                array = np.asarray(leaf)
-                if not precs.is_supported(array.dtype):
-                    raise FormatError(f"an array of dtype {array.dtype} has no jckpt element type",
-                                      file=self.path, entry=f"{ns}/{path_name(p)}",
-                                      fix="the file holds what jckpt cannot represent")
-                self._arrays[ns, p] = array
-                entries.append(entry_for(ns, p, array.dtype, array.shape, id=ident))
+            self._check_dtypes(ns, leaves)
+            self._arrays.update(((ns, p), array) for p, array in leaves)
+            entries.extend(entry_for(ns, p, array.dtype, array.shape, id=ident)
+                           for ident, (p, array) in enumerate(leaves))
         self.header = Header(tensors=tuple(entries), writer=fmt, metadata=tuple(metadata.items()))
+
+    def _check_dtypes(self, ns: str, leaves: list[tuple[KeyPath, np.ndarray]]) -> None:
+        """Refuse the first leaf of a dtype jckpt cannot store (each dtype looked up once)."""
+        unsupported = {dt for dt in {a.dtype for _, a in leaves} if not precs.is_supported(dt)}
+        for p, array in leaves if unsupported else ():
+            if array.dtype in unsupported:
+                raise FormatError(f"an array of dtype {array.dtype} has no jckpt element type",
+                                  file=self.path, entry=f"{ns}/{path_name(p)}",
+                                  fix="the file holds what jckpt cannot represent")
 
     def decode(self, entry: Entry, *, mmap: bool = True, verify: bool = False,
                count: bool = True) -> np.ndarray:

@@ -26,7 +26,7 @@ import os
 from typing import Any
 
 from jckpt.adapters.tree_reader import open_foreign
-from jckpt.format.header import path_name
+from jckpt.format._gc import paused
 from jckpt.tools.render import (
     REPR_ROWS,
     VALUE_WIDTH,
@@ -85,9 +85,11 @@ class ForeignInfo(_Totals):
 
     def _rows(self, limit: int | None) -> list[list[str]]:
         shown = self.entries if limit is None else self.entries[:limit]
-        return [[e.namespace, e.path, e.dtype, format_shape(e.shape), human_bytes(e.nbytes)]
+        shapes = {shape: format_shape(shape) for shape in {e.shape for e in shown}}
+        return [[e.namespace, e.path, e.dtype, shapes[e.shape], human_bytes(e.nbytes)]
                 for e in shown]
 
+    @paused  # a list per row, and no cycle
     def render(self, limit: int | None = None, width: int | None = VALUE_WIDTH) -> str:
         """The text view: summary, metadata, the arrays' table (`limit` rows at most)."""
         rows = self._rows(limit)
@@ -116,13 +118,15 @@ class ForeignInfo(_Totals):
                            'namespaces': self.namespaces}}
 
 
+@paused  # an object or more per array, and no cycle: the collector would walk them all
 def foreign_info(path: str | os.PathLike, fmt: str) -> ForeignInfo:
     """The `ForeignInfo` of the checkpoint at `path`, in the format `fmt` (a name
     `jckpt.detect_format` gives); the format's reader's `FormatError` for a damaged file."""
     path = os.fspath(path)
     header = open_foreign(path, fmt).header
-    rows = [ArrayRow(e.namespace, path_name(e.path or ()), e.dtype.name, tuple(e.shape),
-                     e.byte_length) for e in header.tensors]
+    dtypes = {prec: e.dtype.name for prec, e in {e.prec: e for e in header.tensors}.items()}
+    rows = [ArrayRow(e.namespace, '/'.join(e.label), dtypes[e.prec], tuple(e.shape),
+                     e.byte_length) for e in header.tensors]  # label: the path's values as text
     return ForeignInfo(path, fmt, tree_size(path), tuple(header.metadata), tuple(rows))
 
 

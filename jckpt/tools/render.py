@@ -14,12 +14,14 @@ yy    22
 
 from __future__ import annotations
 
+import functools
 import html
 import json
 import re
 from collections.abc import Sequence
 from typing import Any
 
+from jckpt.format._gc import paused
 from jckpt.format.limits import json_loads
 from jckpt.format.names import KNOWN_KEYS
 
@@ -30,7 +32,8 @@ VALUE_WIDTH = 100
 
 
 # C0 and C1 controls, DEL, and the invisible marks that reorder or hide text on a terminal
-_UNPRINTABLE = re.compile('[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2066-\u2069\ufeff]')
+_BEYOND_C0 = '\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2066-\u2069\ufeff'
+_UNPRINTABLE = re.compile(f'[\x00-\x1f{_BEYOND_C0}]')
 
 
 def printable(text: str, keep: str = '') -> str:
@@ -40,10 +43,19 @@ def printable(text: str, keep: str = '') -> str:
     >>> printable('w\x1b[2Jx'), printable('a\nb'), printable('a\nb', keep='\n')
     ('w\\x1b[2Jx', 'a\\nb', 'a\nb')
     """
-    return _UNPRINTABLE.sub(lambda m: m[0] if m[0] in keep
-                            else m[0].encode('unicode_escape').decode('ascii'), text)
+    return _unprintable_but(keep).sub(lambda m: m[0] if m[0] in keep
+                                      else m[0].encode('unicode_escape').decode('ascii'), text)
 
 
+@functools.lru_cache(maxsize=8)
+def _unprintable_but(keep: str) -> re.Pattern[str]:
+    """`_UNPRINTABLE` less the C0 controls in `keep`: a table's newlines are not matched one
+    by one (200,000 of them cost a Python call each)."""
+    c0 = ''.join(f'\\x{c:02x}' for c in range(0x20) if chr(c) not in keep)
+    return re.compile(f'[{c0}{_BEYOND_C0}]')
+
+
+@functools.lru_cache(maxsize=4096)  # a table of many arrays repeats a few sizes
 def human_bytes(n: int) -> str:
     """`1536` -> `'1.5 KiB'`: sizes for people (JSON keeps exact byte counts)."""
     value = float(n)
@@ -74,6 +86,7 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}s"
 
 
+@paused  # a list per row: the collector would walk them all, again and again
 def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
                right: Sequence[int] = ()) -> str:
     """Rows as aligned plain-text columns (`right`: indices of right-aligned columns).
@@ -83,13 +96,12 @@ def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
     x      1
     yy    22
     """
-    cells = [[printable(str(h)) for h in headers]] + [[printable(str(c)) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = []
-    for r in cells:
-        parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
-        lines.append('  '.join(parts).rstrip())
-    return '\n'.join(lines)
+    cells = [list(map(str, headers)), *(list(map(str, row)) for row in rows)]
+    if _UNPRINTABLE.search(''.join(map(''.join, cells))):  # one scan; escape cells only if needed
+        cells = [list(map(printable, row)) for row in cells]
+    widths = [max(map(len, column)) for column in zip(*cells)]
+    line = '  '.join(f"{{:{'>' if i in right else '<'}{w}}}" for i, w in enumerate(widths))
+    return '\n'.join(line.format(*r).rstrip() for r in cells)
 
 
 def html_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],

@@ -90,7 +90,7 @@ def flatten_plain(tree: Any) -> list[tuple[KeyPath, Any]]:
     while stack:
         path, node = stack.pop()
         if isinstance(node, dict):
-            keys = sorted(node, key=lambda k: (isinstance(k, str), k))  # ints first, as JAX
+            keys = _sorted_keys(node)
             stack.extend(((*path, ('ki' if isinstance(k, int) else 'k', k)), node[k])
                          for k in reversed(keys))
         elif isinstance(node, (list, tuple)):
@@ -98,6 +98,15 @@ def flatten_plain(tree: Any) -> list[tuple[KeyPath, Any]]:
         elif node is not None:
             out.append((path, node))
     return out
+
+
+def _sorted_keys(node: dict) -> list:
+    """A dict's keys in JAX's order: ints first, then strings, each sorted. Keys of one kind
+    sort as they are (no Python call per key); mixed ones by kind, then value."""
+    try:
+        return sorted(node)
+    except TypeError:
+        return sorted(node, key=lambda k: (isinstance(k, str), k))
 
 
 #: Sequence slots without an entry that ``unflatten`` fills with None, beyond 16 per entry.

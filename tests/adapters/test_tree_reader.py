@@ -55,3 +55,12 @@ def test_a_damaged_file_is_the_formats_error(tmp_path):
     with pytest.raises(jckpt.FormatError) as e:
         open_foreign(path, 'npz')
     assert e.value.file == str(path)
+
+
+def test_the_first_array_of_a_dtype_jckpt_lacks_is_named(tmp_path):
+    """Dtypes are now checked once each: the error must still name the first such array."""
+    path = tmp_path / 'u.npz'
+    np.savez(path, a=np.ones(2), s=np.array(['x']), t=np.array(['yy']), z=np.ones(1, bool))
+    with pytest.raises(jckpt.FormatError, match='dtype <U1 has no jckpt element type') as e:
+        TreeReader(path, 'npz')
+    assert e.value.entry == 'jckpt/s' and e.value.file == str(path)

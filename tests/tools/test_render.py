@@ -11,6 +11,7 @@ from jckpt.tools.render import (
     metadata_rows,
     plural,
     pretty_value,
+    printable,
     shorten,
     text_table,
 )
@@ -55,6 +56,17 @@ def test_text_table_aligns_columns_and_strips_trailing_space():
                                 'w     1024',
                                 'bias     4  x']
     assert text_table(['a'], []) == 'a'
+
+
+def test_text_table_escapes_a_control_character_in_any_cell_and_only_there():
+    """The table is scanned once and cells escaped only when it holds a control character."""
+    text = text_table(['name', 'n'], [['w', 1], ['a\x1b[2Jb', 22], ['c\u202ed', 3]], right=[1])
+    assert text.split('\n') == ['name        n',
+                                'w           1',
+                                'a\\x1b[2Jb  22',
+                                'c\\u202ed    3']
+    assert printable('a\nb\tc\rd\x85', keep='\n\t') == 'a\nb\tc\\rd\\x85'
+    assert printable('a\nb') == 'a\\nb'
 
 
 def test_html_table_escapes_every_cell_and_aligns():

@@ -61,3 +61,17 @@ def test_check_one_tree_refuses_what_unflatten_cannot_rebuild():
     with pytest.raises(InputError, match="an entry sits inside another entry's leaf"):
         check_one_tree([entry('j', (('k', 'a'),), 0), entry('j', (('k', 'a'), ('i', 0)), 1)],
                        file='m', fix='f')
+
+
+def test_flatten_plain_orders_keys_as_jax_does_whatever_kinds_they_mix():
+    """Keys of one kind sort as they are; mixed ones put ints first, as JAX does."""
+    import jax
+    import numpy as np
+
+    from jckpt.trees.nested import flatten_plain
+    for tree in ({'b': 1, 'a': 2, 'a.b': 3}, {3: 1, 1: 2, 2: 3},
+                 {'x': [{'z': 1, 'y': 2}, (3, None)], 'y': {}}):
+        tree = jax.tree.map(np.int64, tree)
+        assert [leaf for _, leaf in flatten_plain(tree)] == jax.tree.leaves(tree), tree
+    mixed = flatten_plain({'b': 1, 2: 2, 'a': 3, 1: 4})  # a torch file's state may mix them
+    assert [p for p, _ in mixed] == [(('ki', 1),), (('ki', 2),), (('k', 'a'),), (('k', 'b'),)]

@@ -1,0 +1,81 @@
+"""Reading safetensors files of many small tensors: jckpt against safetensors' own reader.
+
+`python -m bench.safetensors_many [reps]` writes, with safetensors' `save_file`,
+a file of 2,000 float32 tensors of 1,000 elements and one of 200,000 float32
+tensors of 16 elements, then times, interleaved in one process (medians of
+`reps`, 5 by default): `jckpt.adapters.read`, safetensors' numpy `load_file`
+and `safe_open` (every tensor got) of each, and `jckpt inspect` of the
+200,000-tensor file (the command's function called in-process, its output
+discarded). Prints one line per timing and the ratios the goals name:
+jckpt read over `load_file` (goal <= 1.0) and inspect over read (goal < 2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from jckpt import adapters
+from jckpt.tools import cli
+
+SHAPES = {'2000x1000': (2_000, 1_000), '200000x16': (200_000, 16)}
+
+
+def _write(path: str, count: int, size: int) -> None:
+    from safetensors.numpy import save_file
+    row = np.arange(size, dtype=np.float32)
+    save_file({f"layers.{i}.w": row for i in range(count)}, path)
+
+
+def _safe_open(path: str) -> None:
+    from safetensors import safe_open
+    with safe_open(path, framework='numpy') as f:
+        for k in f.keys():
+            f.get_tensor(k)
+
+
+def _inspect(path: str) -> None:
+    with contextlib.redirect_stdout(io.StringIO()):
+        cli.main(['inspect', path])
+
+
+def _timed(fn, path: str) -> float:
+    start = time.perf_counter()
+    fn(path)
+    return time.perf_counter() - start
+
+
+def main(reps: int = 5) -> None:
+    from safetensors.numpy import load_file
+    runs = {'jckpt read': adapters.read, 'load_file': load_file, 'safe_open': _safe_open}
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = {}
+        for label, (count, size) in SHAPES.items():
+            paths[label] = os.path.join(tmp, f"{label}.safetensors")
+            _write(paths[label], count, size)
+        cases = [(f"{label} {name}", fn, path) for label, path in paths.items()
+                 for name, fn in runs.items()]
+        cases.append(('200000x16 jckpt inspect', _inspect, paths['200000x16']))
+        times: dict[str, list[float]] = {name: [] for name, _, _ in cases}
+        for _ in range(reps):
+            for name, fn, path in cases:
+                times[name].append(_timed(fn, path))
+    med = {name: statistics.median(t) for name, t in times.items()}
+    for name, m in med.items():
+        print(f"{name:28s} {m * 1e3:9.1f} ms (median of {reps})")
+    for label in SHAPES:
+        print(f"{label}: jckpt read / load_file = "
+              f"{med[f'{label} jckpt read'] / med[f'{label} load_file']:.2f}x (goal <= 1.0)")
+    print(f"200000x16: inspect / jckpt read = "
+          f"{med['200000x16 jckpt inspect'] / med['200000x16 jckpt read']:.2f}x (goal < 2)")
+
+
+if __name__ == '__main__':
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 5)
