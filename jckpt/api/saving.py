@@ -269,9 +269,14 @@ def _source(host: to_host.HostLeaf) -> tuple[ArraySource | ShardedSource, tuple[
 
 def _header(entries: Sequence[Entry], alignment: int, old: Header,
             metadata: Mapping[str, str] | None) -> Header:
-    """The laid-out header; `metadata` merged over the old file's, whose unknown fields are kept."""
+    """The laid-out header; `metadata` merged over the old file's, whose unknown fields are kept.
+    The empty nodes' record is `metadata`'s alone (`_with_empty_nodes` merged the old file's
+    into it): an old one left where the save filled every empty node would name nodes that
+    now hold leaves."""
     meta = dict(old.metadata)
     meta.update(metadata or {})
+    if EMPTY_NODES_KEY not in (metadata or {}):
+        meta.pop(EMPTY_NODES_KEY, None)
     return written_header(entries, alignment, metadata=list(meta.items()), extra=old.extra)
 
 

@@ -212,3 +212,19 @@ def test_an_appended_tree_that_fits_replaces_and_extends(tmp_path):
                appending=True)
     _, tree = jckpt.load(jckpt.Context(host=True), path)
     assert sorted(tree["jckpt"]["x"]) == ["y", "z"] and len(tree["jckpt"]["l"]) == 2
+
+
+def test_an_append_that_fills_the_empty_nodes_drops_them_from_the_record(tmp_path):
+    """The old file's `jckpt.empty_nodes` stayed in the header once an appending save filled
+    every node it named: the record must describe the file, namespace by namespace."""
+    path, opt = tmp_path / "c.jckpt", jckpt.Context(namespace="opt")
+    jckpt.save(opt, [np.zeros(2), ()], path, metadata={"note": "kept"})
+    jckpt.save(opt, [np.zeros(2), np.ones(3)], path, appending=True)
+    assert "jckpt.empty_nodes" not in jckpt.describe(path).metadata_dict()
+    jckpt.save(opt, [np.zeros(2), ()], tmp_path / "d.jckpt")
+    jckpt.save(jckpt.Context(namespace="params"), {"w": np.zeros(2), "b": None},
+               tmp_path / "d.jckpt", appending=True)
+    jckpt.save(opt, [np.zeros(2), np.ones(3)], tmp_path / "d.jckpt", appending=True)
+    assert jckpt.describe(tmp_path / "d.jckpt").metadata_dict()["jckpt.empty_nodes"] == \
+        '{"params": [[["k", "b"]]]}'
+    assert jckpt.describe(path).metadata_dict()["note"] == "kept"
