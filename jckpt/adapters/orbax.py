@@ -47,7 +47,7 @@ import re
 import stat
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -199,17 +199,20 @@ def _small_json(path: str, limit: int = _MAX_SMALL_JSON) -> Any:
     return json_loads(data)
 
 
-def check_tree(path: str) -> int:
+def check_tree(path: str, items: Sequence[str] = ()) -> list[int]:
     """Refuse what orbax and tensorstore would follow or block on, before they see `path`;
-    the bytes of its files.
+    the bytes of its files, then of each of `items` (names of its entries: a step's items).
 
     orbax writes no symbolic links: one inside a checkpoint could lead out of it, or to
     `/dev/zero`, and a FIFO or device would block or never end; both are refused. So is a
-    zarr array (`.zarray`) whose shape claims more bytes than all the checkpoint's files
-    could decompress to (`MAX_DECOMPRESSION_RATIO`): tensorstore allocates it whole.
+    zarr array (`.zarray`) whose shape claims more bytes than the files of its item (one of
+    `items`, else all of `path`) could decompress to (`MAX_DECOMPRESSION_RATIO`):
+    tensorstore allocates it whole. One walk checks a step and each of its items.
     """
-    total, zarrays = 0, []
+    sizes: dict[str, int] = {}
+    zarrays: list[tuple[str, str]] = []
     for root, dirs, files in os.walk(path):  # links to directories are listed, not entered
+        top = os.path.relpath(root, path).split(os.sep)[0]
         for name in dirs + files:
             full = os.path.join(root, name)
             st = os.lstat(full)
@@ -222,12 +225,14 @@ def check_tree(path: str) -> int:
                 raise FormatError("not a regular file (a FIFO, a device or a socket) inside an "
                                   "orbax checkpoint", file=full, fix="the checkpoint is damaged")
             if stat.S_ISREG(mode):
-                total += st.st_size
+                group = name if top == os.curdir else top
+                sizes[group] = sizes.get(group, 0) + st.st_size
                 if name == '.zarray':
-                    zarrays.append(full)
-    for z in zarrays:
-        _check_claim(_zarray_bytes(z), total, z)
-    return total
+                    zarrays.append((group, full))
+    total = sum(sizes.values())
+    for group, z in zarrays:
+        _check_claim(_zarray_bytes(z), sizes[group] if group in items else total, z)
+    return [total, *(sizes.get(n, 0) for n in items)]
 
 
 def _zarray_bytes(path: str) -> int:
@@ -336,7 +341,7 @@ def read_item(item: str, checked: int | None = None) -> Any:
     specs = item_specs(item)  # what the metadata says, checked before tensorstore allocates it
     if specs:
         _check_claim(sum(math.prod(shape) * dtype.itemsize for _, shape, dtype, _ in specs),
-                     check_tree(item) if checked is None else checked, item)
+                     check_tree(item)[0] if checked is None else checked, item)
     ocp = import_orbax()
     import jax
     checkpointer = ocp.PyTreeCheckpointer()
@@ -365,8 +370,7 @@ def read_item(item: str, checked: int | None = None) -> Any:
 
 def read(path: str) -> dict[str, Any]:
     """An orbax item or step directory as `{namespace: subtree}` of host numpy arrays."""
-    items, checked = _checked_items(path)
-    return {ns: read_item(item, checked) for ns, item in items}
+    return {ns: read_item(item, checked) for ns, item, checked in checked_items(path)}
 
 
 def read_with_metadata(path: str) -> tuple[dict[str, Any], dict[str, str]]:
@@ -375,37 +379,37 @@ def read_with_metadata(path: str) -> tuple[dict[str, Any], dict[str, str]]:
     return read(path), json_metadata(path)
 
 
-def item_dirs(path: str) -> list[tuple[str, str]]:
-    """`[(namespace, item directory)]` of an orbax item (`jckpt`) or step directory (one per item).
+def checked_items(path: str, *, per_item: bool = False) -> list[tuple[str, str, int]]:
+    """`[(namespace, item directory, checked bytes)]` of an orbax item (`jckpt`) or step
+    directory (one per item), its files walked and checked once (`check_tree`).
 
-    A `CheckpointManager` root, or a directory with no item, is a `FormatError`
-    naming a step to pass instead.
+    The checked bytes are what bounds the sizes an item claims (`read_item`'s `checked`):
+    the step's, or with `per_item` each item's own, against which its `.zarray` files are
+    then checked too, as `check_tree` of the item alone would. A `CheckpointManager` root,
+    or a directory with no item, is a `FormatError` naming a step to pass instead.
     """
-    return _checked_items(path)[0]
-
-
-def _checked_items(path: str) -> tuple[list[tuple[str, str]], int]:
-    """`item_dirs(path)` and the bytes of the files `check_tree` passed in `path`."""
     path = os.fspath(path)
     backend_for(path)  # a URL of an unsupported scheme is refused, never read as a local path
     _refuse_url(path)
     if not os.path.isdir(path):
         raise FormatError("an orbax checkpoint is a directory", file=path,
                           fix="pass the step or item directory")
-    checked = check_tree(path)
-    if _is_item(path):
-        return [(DEFAULT_NAMESPACE, path)], checked
-    items = _items(path)
-    if not items:
+    item = _is_item(path)
+    names = [] if item else _items(path)
+    total, *own = check_tree(path, names if per_item else ())
+    bound = dict(zip(names, own))
+    if item:
+        return [(DEFAULT_NAMESPACE, path, total)]
+    if not names:
         steps = _steps(path)
         raise FormatError("directory holds no orbax checkpoint item", file=path,
                           fix=f"pass one step's directory, e.g. {os.path.join(path, steps[-1])}"
                           if steps else "pass an orbax step or item directory")
-    bad = [n for n in items if not NAMESPACE_RE.match(n)]
+    bad = [n for n in names if not NAMESPACE_RE.match(n)]
     if bad:
         raise FormatError(f"item names {bad} are not valid namespaces", file=path,
                           fix="pass the item's own directory to read it alone")
-    return [(name, os.path.join(path, name)) for name in items], checked
+    return [(n, os.path.join(path, n), bound.get(n, total)) for n in names]
 
 
 def _metadata(item: str) -> Any:

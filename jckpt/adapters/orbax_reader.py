@@ -53,10 +53,11 @@ class OrbaxReader:
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
         self._items: dict[str, str] = {}
+        self._checked: dict[str, int] = {}  # the bytes each item's sizes are checked against
         self._arrays: dict[str, dict[KeyPath, np.ndarray]] = {}  # by namespace, once read
         entries: list[Entry] = []
-        for ns, item in orbax.item_dirs(self.path):
-            self._items[ns] = item
+        for ns, item, checked in orbax.checked_items(self.path, per_item=True):  # walked once
+            self._items[ns], self._checked[ns] = item, checked
             entries.extend(self._entries(ns, item, self._specs(ns, item)))
         self.header = Header(tensors=tuple(entries), writer='orbax',
                              metadata=tuple(orbax.json_metadata(self.path).items()))
@@ -81,7 +82,8 @@ class OrbaxReader:
 
     def _read(self, ns: str) -> dict[KeyPath, tuple[np.ndarray, str | None]]:
         """`{path: (host array, PRNG implementation)}` of one item, read through orbax."""
-        items = host_items_with_keys({ns: orbax.read_item(self._items[ns])}, self._items[ns])
+        item = self._items[ns]
+        items = host_items_with_keys({ns: orbax.read_item(item, self._checked[ns])}, item)
         found = {p: (a, impl) for _, p, a, impl in items}
         self._arrays[ns] = {p: a for p, (a, _) in found.items()}
         return found

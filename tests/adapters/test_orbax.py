@@ -418,7 +418,8 @@ def test_convert_of_a_step_walks_it_once(tmp_path, monkeypatch):
                                                    meta=ocp.args.JsonSave({'epoch': 2})))
     walks = []
     real = orbax_adapter.check_tree
-    monkeypatch.setattr(orbax_adapter, 'check_tree', lambda path: walks.append(path) or real(path))
+    monkeypatch.setattr(orbax_adapter, 'check_tree',
+                        lambda path, *items: walks.append(path) or real(path, *items))
     jckpt.convert(step, tmp_path / 'out.jckpt')
     assert walks == [str(step)]
     assert json.loads(jckpt.describe(tmp_path / 'out.jckpt').metadata_dict()['jckpt.orbax_json']) == \

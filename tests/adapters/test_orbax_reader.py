@@ -154,8 +154,8 @@ def test_only_the_items_asked_for_are_read(tmp_path, monkeypatch):
     step = tmp_path / 'run' / '1'
     read = []
     real = orbax.read_item
-    monkeypatch.setattr(orbax, 'read_item', lambda item: read.append(os.path.basename(item))
-                        or real(item))
+    monkeypatch.setattr(orbax, 'read_item', lambda item, checked=None: read.append(
+        os.path.basename(item)) or real(item, checked))
     header = jckpt.describe(step)  # from the metadata alone
     assert {e.namespace for e in header.tensors} == {'params', 'opt'} and read == []
     back = jckpt.restore(CTX, {'params': jax.eval_shape(lambda: params)}, step,
@@ -302,3 +302,32 @@ def test_an_item_with_string_and_python_number_leaves_reads_its_arrays(tmp_path)
         jckpt.convert(tmp_path / 'item', tmp_path / 'c.jckpt')
     assert [e.name for e in jckpt.describe(tmp_path / 'c.jckpt').tensors] == [
         'jckpt/lr', 'jckpt/step', 'jckpt/w']
+
+
+def test_a_restore_or_load_of_a_step_walks_it_once_and_bounds_each_item_by_its_own_bytes(
+        tmp_path, monkeypatch):
+    """Each item read was walked and checked again after the step was: the step's files
+    are walked once, and an item's claimed sizes still checked against its own files."""
+    from jckpt.adapters import orbax as orbax_adapter
+    params, state = adamw_state()
+    step = tmp_path / 'step'
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        checkpointer.save(step, ocp.args.Composite(params=ocp.args.StandardSave(params),
+                                                   opt=ocp.args.StandardSave(state)))
+    walks, bounds = [], {}
+    real_walk, real_read = orbax_adapter.check_tree, orbax_adapter.read_item
+    monkeypatch.setattr(orbax_adapter, 'check_tree',
+                        lambda path, *items: walks.append(path) or real_walk(path, *items))
+    monkeypatch.setattr(orbax_adapter, 'read_item', lambda item, checked=None: bounds.update(
+        {os.path.basename(item): checked}) or real_read(item, checked))
+    same(jckpt.restore(CTX, {'params': jax.eval_shape(lambda: params),
+                             'opt': jax.eval_shape(lambda: state)}, step,
+                       namespaces=['params', 'opt']),
+         {'params': params, 'opt': state})
+    assert walks == [str(step)]
+    own = {n: sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(step / n) for f in fs)
+           for n in ('params', 'opt')}
+    assert bounds == own
+    walks.clear()
+    same(jckpt.load(CTX, step, namespaces='params')[1]['params'], params)
+    assert walks == [str(step)]
