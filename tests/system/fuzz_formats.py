@@ -664,7 +664,8 @@ def _put(path: str, data: bytes) -> None:
         f.write(data)
 
 
-def _leaves(tree: Any) -> list:
+def leaves(tree: Any) -> list:
+    """Every leaf of a tree of dicts, lists and tuples (no JAX: a child may run without it)."""
     out, stack = [], [tree]
     while stack:
         node = stack.pop()
@@ -724,19 +725,19 @@ def check_case(case: Case, path: str) -> str:
         outcome = "refused:" + type(e).__name__
     else:
         outcome = "loaded"
-        leaves = [np.asarray(x) for x in _leaves(tree) if isinstance(x, np.ndarray)]
+        arrays = [np.asarray(x) for x in leaves(tree) if isinstance(x, np.ndarray)]
         total = 0
-        for a in leaves:
+        for a in arrays:
             total += a.nbytes
             np.ascontiguousarray(a).tobytes()  # every byte readable
         bound = (1100 if case.compressed else 64) * _size(path) + (1 << 20)
         if total > bound:
             raise Disallowed(f"loaded {total} bytes of leaves from {_size(path)} bytes")
-        if case.expected is not None and _signature(leaves) != case.expected:
+        if case.expected is not None and _signature(arrays) != case.expected:
             raise Disallowed("an unmutated file did not load the arrays it was built from")
         if case.format not in ("npy", "llmc"):  # their trees' shapes do not come from the file
             _writable(tree, path)
-        del tree, leaves
+        del tree, arrays
     if case.format in ("index", "orbax"):
         where = os.path.join(path, "ck" if case.format == "index" else "step")
     else:

@@ -62,6 +62,8 @@ from typing import Any
 
 import numpy as np
 
+from tests.system.fuzz_formats import leaves
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: Address space a child may add to its parent's.
 SPACE_BUDGET = 1 << 30
@@ -428,15 +430,9 @@ def make_case(rng: random.Random, sample: str, dest: str) -> tuple[str, str]:
 # --- reading a case (in the child) -------------------------------------------------------------
 
 def _touch(tree: Any) -> None:
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            stack.extend(node.values())
-        elif isinstance(node, (list, tuple)):
-            stack.extend(node)
-        elif isinstance(node, np.ndarray):
-            np.ascontiguousarray(node).tobytes()
+    for leaf in leaves(tree):
+        if isinstance(leaf, np.ndarray):
+            np.ascontiguousarray(leaf).tobytes()
 
 
 def _read_native(path: str) -> None:
