@@ -26,7 +26,7 @@ from jckpt.errors import FormatError
 from jckpt.format import limits, precs
 from jckpt.format.entries import INT_KINDS, MAX_INT64, Entry, Header
 from jckpt.format.limits import MAX_NDIM, MAX_PATH_LENGTH, check_shape
-from jckpt.format.sexp import _SPLIT_QUOTED, Verbatim, unterminated
+from jckpt.format.sexp import SPLIT_QUOTED, Verbatim, unterminated
 from jckpt.format.sexp import _unescape as unescape
 
 _A = r"[!$%&'*+,\-./0-9:<=>?@A-Z\[\]^_`a-z{}~]+"
@@ -160,22 +160,23 @@ _PIECES_FIELD = re.compile(
 #: The start of a `(pieces (...))` field left to the general reader (one that is not
 #: kept as text; a kept one reads `(pieces %jckpt-list-N)`).
 _LOOSE_FIELD = re.compile(rf"\({_W}*+pieces{_W}*+\(")
-_PLACEHOLDER = '%jckpt-list-'
+#: The atom that stands for an index's piece list kept as text (`%jckpt-list-N`).
+PLACEHOLDER = '%jckpt-list-'
 
 
 def _splice_lists(text: str) -> tuple[str, dict[str, str]] | None:
     """`text` with each canonical pieces list replaced by a placeholder atom, and the lists;
     None when there is none, or comments or escapes make the text not plain enough."""
-    if _PLACEHOLDER in text or 'pieces' not in text:
+    if PLACEHOLDER in text or 'pieces' not in text:
         return None
-    parts = _SPLIT_QUOTED.split(text)  # structural text and quoted atoms, alternating
+    parts = SPLIT_QUOTED.split(text)  # structural text and quoted atoms, alternating
     structural = ''.join(parts[0::2])
     if unterminated(parts) or any(c in structural for c in ';#\\'):
         return None
     lists: dict[str, str] = {}
 
     def keep(m: re.Match[str]) -> str:
-        name = f"{_PLACEHOLDER}{len(lists)}"
+        name = f"{PLACEHOLDER}{len(lists)}"
         lists[name] = m[1]
         return f"(pieces {name})"
 
@@ -201,7 +202,7 @@ def loose_piece_lists(text: str) -> int:
     there is none. What `with_canonical_lists` bounds before it parses."""
     if 'pieces' not in text and '\\' not in text:  # no field of that name, even escaped
         return 0
-    parts = _SPLIT_QUOTED.split(text)
+    parts = SPLIT_QUOTED.split(text)
     for k, part in enumerate(parts):
         m = _LOOSE_FIELD.search(part) if k % 2 == 0 else None
         if m is not None:
@@ -263,4 +264,4 @@ def with_canonical_lists(text: str, decode: Callable[[str], Header], file: str |
     return decode(text)
 
 
-__all__ = ['accelerator', 'canonical_entries', 'loose_piece_lists', 'with_canonical_lists']
+__all__ = ['PLACEHOLDER', 'accelerator', 'canonical_entries', 'loose_piece_lists', 'with_canonical_lists']

@@ -35,9 +35,9 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from jckpt.format.fastpath import _PLACEHOLDER
+from jckpt.format.fastpath import PLACEHOLDER
 from jckpt.format.limits import MAX_NDIM, MAX_PATH_LENGTH
-from jckpt.format.sexp import _SPLIT_QUOTED, MAX_DEPTH, unterminated
+from jckpt.format.sexp import MAX_DEPTH, SPLIT_QUOTED, unterminated
 
 #: Most times one metadata pair may follow itself verbatim (later keys win, so a repeat
 #: changes nothing; jckpt writes none).
@@ -101,7 +101,7 @@ def _codes_read(text: str) -> np.ndarray | None:
         if '"' in blanked:
             return None
     else:
-        parts = _SPLIT_QUOTED.split(text)
+        parts = SPLIT_QUOTED.split(text)
         if unterminated(parts):
             return None
         parts[1::2] = ['x' * len(p) for p in parts[1::2]]
@@ -120,7 +120,7 @@ def unbalanced(text: str) -> str | None:
     """
     if ';' in text:
         return None
-    quoted = _SPLIT_QUOTED.findall(text) if '"' in text else []  # closed or not
+    quoted = SPLIT_QUOTED.findall(text) if '"' in text else []  # closed or not
     opens = text.count('(') - sum(q.count('(') for q in quoted)
     closes = text.count(')') - sum(q.count(')') for q in quoted)
     if opens == closes:
@@ -287,7 +287,7 @@ def _entry(what: str) -> str | None:
 
 
 _MALFORMED = "header is not a well-formed S-expression: "
-_SPLICED = re.compile(re.escape(_PLACEHOLDER) + '[0-9]+')
+_SPLICED = re.compile(re.escape(PLACEHOLDER) + '[0-9]+')
 _FIRST_ATOM = re.compile(r'\(\s*([^\s()";]+)')
 
 
@@ -329,7 +329,7 @@ def _repeats(text: str, opens: np.ndarray, closes: np.ndarray, most: int) -> Ite
 def _unspliced(text: str) -> str:
     """`text` without the numbers of the placeholders that stand for an index's pieces lists
     (`jckpt.format.fastpath`): arrays that differ in pieces alone are still one array."""
-    return _SPLICED.sub(_PLACEHOLDER, text) if _PLACEHOLDER in text else text
+    return _SPLICED.sub(PLACEHOLDER, text) if PLACEHOLDER in text else text
 
 
 __all__ = ['MAX_METADATA_REPEATS', 'ShapeError', 'check_header', 'unbalanced']

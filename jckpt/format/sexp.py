@@ -42,7 +42,7 @@ class SexpError(ValueError):
 _QUOTED = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 # A quoted atom, or an unterminated one to the end of the text: a match never fails once
 # started, so splitting is linear (retrying at every later quote was quadratic).
-_SPLIT_QUOTED = re.compile(r'("[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z))', re.DOTALL)
+SPLIT_QUOTED = re.compile(r'("[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z))', re.DOTALL)
 _FAST_UNSAFE = re.compile(r'[^\t\n\r -~]|[\\;#|"]')
 _ATOM_SPLIT = re.compile(r'([^\s()]+)')
 _COMMA_BEFORE_CLOSE = re.compile(r',(?=\s*\])')
@@ -170,7 +170,7 @@ def parse(text: str) -> Sexp:
     Raises `SexpError` on malformed input or nesting deeper than
     `MAX_DEPTH`.
     """
-    parts = _SPLIT_QUOTED.split(text)
+    parts = SPLIT_QUOTED.split(text)
     structural = ''.join(parts[0::2])
     if ';' in structural:  # a comment may hold parentheses and quotes: the tokenizer's work
         return _parse_slow(text)
@@ -184,7 +184,7 @@ def parse(text: str) -> Sexp:
 
 
 def unterminated(parts: list[str]) -> bool:
-    """Whether `_SPLIT_QUOTED.split`'s last quoted part runs to the end unclosed."""
+    """Whether `SPLIT_QUOTED.split`'s last quoted part runs to the end unclosed."""
     return len(parts) > 1 and _QUOTED.fullmatch(parts[-2]) is None
 
 
