@@ -267,7 +267,10 @@ def overlapping_views(arrays: list[np.ndarray]
     >>> spans[0].tolist(), sorted(v[1:] for v in views.values())
     ([0.0, 1.0, 2.0, 3.0, 4.0, 5.0], [(0, (1, 3)), (0, (3, 1)), (3, (1,))])
     """
-    from numpy.lib.array_utils import byte_bounds
+    try:
+        from numpy.lib.array_utils import byte_bounds
+    except ImportError:  # numpy 1.x, where it is np.byte_bounds
+        byte_bounds = np.byte_bounds
 
     found = sorted(((*byte_bounds(a), n) for n, a in enumerate(arrays) if _viewable(a)))
     groups: list[tuple[int, int, list[tuple[int, int]]]] = []  # (lo, hi, [(start, index)])
