@@ -5,12 +5,15 @@ truncated and missing files; progress bars must appear under a
 pseudo-terminal and never in a pipe.
 """
 
+import argparse
 import json
 import os
+import re
 import select
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -597,3 +600,34 @@ def test_consolidating_draws_a_bar_of_its_bytes(tmp_path):
     tty_env = _env(CI=None, TERM='xterm-256color', COLUMNS='120')
     rc, _, terminal = _run_under_pty(['convert', d, str(tmp_path / 'one.jckpt')], tty_env)
     assert rc == 0 and 'consolidating one.jckpt' in terminal and '4.2/4.2 MB' in terminal, terminal
+
+
+# --- the page that documents the command line -----------------------------------
+
+def _documented(text: str, flag: str) -> bool:
+    return re.search(rf'(?<![\w-]){re.escape(flag)}(?![\w-])', text) is not None
+
+
+def test_the_cli_page_documents_every_subcommand_and_flag():
+    """docs/cli.md names each subcommand, and each flag in that command's row or section
+    (it lacked verify's and diff's --json and merge's --alignment, --append, --overwrite and
+    --no-verify); the options every command takes are named somewhere on the page."""
+    from jckpt.tools.cli import build_parser
+
+    text = Path(REPO, 'docs', 'cli.md').read_text()
+    parser = build_parser()
+    common = {o for a in parser._actions for o in a.option_strings} - {'-h', '--help'}
+    assert [o for o in sorted(common) if not _documented(text, o)] == []
+    sub, = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    undocumented = {}
+    for name, command in sub.choices.items():
+        row = [line for line in text.splitlines() if line.startswith(f'| `jckpt {name} ')]
+        assert row, f'docs/cli.md has no row for `jckpt {name}`'
+        assert f'\n## {name}\n' in text, f'docs/cli.md has no section for {name}'
+        section = text.split(f'\n## {name}\n', 1)[1].split('\n## ', 1)[0]
+        flags = {o for a in command._actions for o in a.option_strings if o.startswith('--')}
+        missing = sorted(o for o in flags - common - {'--help'}
+                         if not _documented(row[0] + section, o))
+        if missing:
+            undocumented[name] = missing
+    assert undocumented == {}
