@@ -399,3 +399,41 @@ def test_a_leaf_that_cannot_be_saved_names_the_file(tmp_path):
             mgr.save(3, {"s": "text"})
         assert e.value.file == str(tmp_path / "run" / "step_00000003.jckpt")
     assert not os.path.exists(path)
+
+
+def _mapped_ranges(path) -> list[tuple[int, int]]:
+    """The address ranges of this process's mappings of `path` (from /proc/self/maps)."""
+    ranges = []
+    with open('/proc/self/maps') as maps:
+        for line in maps:
+            if line.rstrip('\n').endswith(str(path)):
+                lo, hi = (int(x, 16) for x in line.split()[0].split('-'))
+                ranges.append((lo, hi))
+    return ranges
+
+
+@pytest.mark.skipif(not os.path.exists('/proc/self/maps'), reason='needs /proc/self/maps')
+def test_restored_cpu_arrays_are_the_mapped_file_in_place(tmp_path):
+    """The zero-copy promise (docs/index.md, "Mapping" in docs/concepts.md) for `jax.Array`s:
+    the CPU client takes a payload in place only at a 64-byte address, so with
+    `alignment=64` every payload restored or loaded is the mapping's memory, and with
+    the default alignment the largest one is."""
+    from tests.helpers import cpu_devices
+
+    rng = np.random.default_rng(0)
+    tree = {f'a{i}': rng.normal(size=n).astype(dtype) for i, (n, dtype) in enumerate(
+        [(3, np.float32), (1000, np.float32), (7, np.int8), (4096, np.float32),
+         (5, np.float16), (100_000, np.float32), (33, ml_dtypes.bfloat16), (1 << 20, np.float32)])}
+    ctx = jckpt.Context(device=cpu_devices(1)[0])
+    for alignment, expect_all in ((64, True), (32, False)):
+        path = (tmp_path / f'a{alignment}.jckpt').resolve()
+        jckpt.save(ctx, tree, path, alignment=alignment)
+        restored = jckpt.restore(ctx, jax.eval_shape(lambda: tree), path)
+        _, loaded = jckpt.load(ctx, path)
+        ranges = _mapped_ranges(path)
+        for got in (restored, loaded['jckpt']):
+            in_place = {k for k, v in got.items()
+                        if any(lo <= v.unsafe_buffer_pointer() < hi for lo, hi in ranges)}
+            assert in_place == set(tree) if expect_all else 'a7' in in_place, (alignment, in_place)
+            for k, v in got.items():
+                np.testing.assert_array_equal(np.asarray(v), tree[k])
