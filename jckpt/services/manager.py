@@ -126,13 +126,14 @@ class CheckpointManager(BackgroundWriter[_Step]):
     Example:
         ```python
         mgr = jckpt.CheckpointManager("ckpts", keep_last=3, save_interval_steps=100)
-        start = mgr.latest_step()
-        if start is not None:
+        start = 0
+        if mgr.latest_step() is not None:  # resume after the last durable step
             r = mgr.restore(target=state)
-            state, trainer = r.tree, r.trainer_state
-        for step in range(...):
-            state = train_step(state)
-            mgr.save(step, state, metrics={"loss": loss}, trainer_state=trainer)
+            state, start = r.tree, r.step + 1
+        for step in range(start, num_steps):
+            state, loss = train_step(state)
+            mgr.save(step, state, metrics={"loss": float(loss)},
+                     trainer_state=jckpt.TrainerState(global_step=step))
         mgr.close()
         ```
     """
