@@ -631,3 +631,15 @@ def test_the_cli_page_documents_every_subcommand_and_flag():
         if missing:
             undocumented[name] = missing
     assert undocumented == {}
+
+
+def test_the_docs_name_only_subcommands_that_exist():
+    """`jckpt info PATH` in docs/recipes.md and docs/object-storage.md named a command the
+    parser does not have (`inspect` is; `jckpt.info` is the Python call)."""
+    from jckpt.tools.cli import build_parser
+
+    sub, = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    pages = [Path(REPO, 'README.md'), *sorted(Path(REPO, 'docs').glob('*.md'))]
+    named = {(page.name, m.group(1)) for page in pages
+             for m in re.finditer(r'(?:`|^\$ )jckpt ([a-z][a-z-]*)\b', page.read_text(), re.M)}
+    assert sorted((page, word) for page, word in named if word not in sub.choices) == []
