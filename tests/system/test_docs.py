@@ -1,7 +1,8 @@
 """Every code example in the documentation (and the README) runs, and every docstring example passes.
 
 Each page's ```python blocks are run in order, in one namespace, in a fresh
-temporary directory (so a page reads as one session). ```console blocks run
+temporary directory (so a page reads as one session), and what a block's comments say
+its prints show (`print(x)  # [1, 2]`) must appear in what it printed. ```console blocks run
 there too, in the same order: each ``$ command`` line is run by the shell
 (``jckpt`` meaning this interpreter's ``python -m jckpt``), must exit 0 (or
 the status its ``# exit N`` comment says), and every output line shown under it
@@ -98,6 +99,41 @@ def run_console(body: str, where: str, cwd: Path) -> None:
                                                f"it printed:\n{printed}")
 
 
+def expected_prints(code: str) -> list[str]:
+    """What a ```python block says its prints show: the comment after a `print(...)` line,
+    or the comment lines right under it (joined), as in `print(err)` then `# m.jckpt: ...`."""
+    lines = code.splitlines()
+    expected = []
+    for i, line in enumerate(lines):
+        if "print(" not in line.split("#", 1)[0]:
+            continue
+        m = re.search(r"\)\s+#\s?(.*)$", line)
+        if m:
+            expected.append(m.group(1).strip())
+            continue
+        below = []
+        for following in lines[i + 1:]:
+            if not following.strip().startswith("#"):
+                break
+            below.append(following.strip().lstrip("#").strip())
+        if below:
+            expected.append(" ".join(below))
+    return expected
+
+
+def missing_prints(code: str, printed: str) -> list[str]:
+    """The expected prints of `code` that `printed` lacks, up to spacing. `...` elides, and a
+    fragment may carry a note after `: ` (`[0. 1. 2.]: the old bytes`)."""
+    out = _squash(printed)
+    missing = []
+    for text in expected_prints(code):
+        for fragment in filter(None, re.split(r"\s*\.\.\.\s*", text)):
+            if _squash(fragment) not in out and _squash(fragment.split(": ", 1)[0]) not in out:
+                missing.append(text)
+                break
+    return missing
+
+
 def _pages() -> list[Path]:
     return [*sorted(DOCS.glob("*.md")), ROOT / "README.md"]
 
@@ -110,6 +146,14 @@ def test_block_extraction():
     assert python_blocks(text) == [(3, "x = 1\n"), (14, "y = x + 1\n")]
     (_, _kind, body), = [b for b in doc_blocks(text) if b[1] == "console"]
     assert console_commands(body) == [("jckpt verify a.jckpt", 1, ["FAILED: a"]), ("ls", 0, [])]
+
+
+def test_expected_prints_are_read_from_comments():
+    code = ("print(x)   # [1, 2]\nprint(y)\n# a: b\n#   (fix: c)\nz = 1  # not a print\n"
+            "print(w)  # [0. 1.]: the old bytes\nprint(v)  # one ... two\n")
+    assert expected_prints(code) == ["[1, 2]", "a: b (fix: c)", "[0. 1.]: the old bytes", "one ... two"]
+    assert missing_prints(code, "[1, 2]\na: b\n (fix: c)\n[0. 1.]\none, and two") == []
+    assert missing_prints(code, "[1, 3]\na: b (fix: c)\n[0. 1.]\none two") == ["[1, 2]"]
 
 
 def test_docs_have_examples():
@@ -149,6 +193,9 @@ def test_page_examples_run(page: Path, tmp_path, monkeypatch):
         except Exception as err:
             raise AssertionError(f"example at docs/{page.name}:{line} failed: {err!r}\n"
                                  f"{code}\n--- its output ---\n{out.getvalue()}") from err
+        missing = missing_prints(code, out.getvalue())
+        assert not missing, (f"example at docs/{page.name}:{line} did not print what its comments "
+                             f"say: {missing}\n--- its output ---\n{out.getvalue()}")
 
 
 def _modules() -> list[str]:
