@@ -313,12 +313,17 @@ def foreign_kind(head: bytes) -> str | None:
 
 
 def foreign_error(head: bytes, message: str, file: str | None) -> FormatError | None:
-    """The error for opening another format's file as a checkpoint: `message`, what the file
-    is and how to convert it; None when `head` is no format jckpt knows."""
+    """The error for opening another format's file as a checkpoint: what the file is first,
+    then `message` (what failed when it was read as one), and how to convert it; None when
+    `head` is no format jckpt knows.
+
+    >>> foreign_error(b'\\x93NUMPY', 'header length 9 is too long', 'w.npy').message
+    'it is a numpy .npy file, not a jckpt checkpoint: header length 9 is too long'
+    """
     kind = foreign_kind(head)
     if kind is None:
         return None
-    return FormatError(f"{message}: it is {kind}, not a jckpt checkpoint", file=file,
+    return FormatError(f"it is {kind}, not a jckpt checkpoint: {message}", file=file,
                        fix="convert it first (jckpt.convert(path, 'model.jckpt'), or jckpt convert "
                            "on the command line), or read it with jckpt.adapters.read(path)")
 

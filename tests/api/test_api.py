@@ -437,3 +437,21 @@ def test_restored_cpu_arrays_are_the_mapped_file_in_place(tmp_path):
             assert in_place == set(tree) if expect_all else 'a7' in in_place, (alignment, in_place)
             for k, v in got.items():
                 np.testing.assert_array_equal(np.asarray(v), tree[k])
+
+
+def test_another_formats_file_is_named_for_what_it_is_first(tmp_path):
+    """docs/interop.md: given another format's file, `load` and `restore` say what it is and
+    how to convert it. The error led with "header length 2415919104 extends past the end of
+    the file", the other format's bytes read as a jckpt header, and said what it was after."""
+    from jckpt.adapters import write
+
+    tree = {'jckpt': {'w': np.ones(3, np.float32)}}
+    for name, kind in (('w.safetensors', 'a safetensors file'), ('w.npy', 'a numpy .npy file'),
+                       ('w.npz', 'a zip archive'), ('w.pt', 'a zip archive')):
+        path = tmp_path / name
+        write(tree, path)
+        for read, target in ((jckpt.load, ()), (jckpt.restore, ({'w': np.zeros(3, np.float32)},))):
+            with pytest.raises(jckpt.FormatError) as e:
+                read(jckpt.Context(), *target, path)
+            assert e.value.message.startswith(f'it is {kind}'), e.value.message
+            assert 'not a jckpt checkpoint' in e.value.message and 'jckpt.convert' in e.value.fix
