@@ -416,7 +416,11 @@ def ingestion_counts() -> dict[str, int]:
     """Process-wide counts of loaded payloads: `{'mapped': M, 'decoded': D}`.
 
     Mapped payloads are zero-copy views of a file; decoded ones were copied
-    (misaligned, padded, or mapping off). Thread-safe.
+    (misaligned, padded, or mapping off). What placing an array on a device
+    copies afterwards is not counted (docs/concepts.md, "Mapping"). Thread-safe.
+
+    >>> sorted(ingestion_counts())
+    ['decoded', 'mapped']
     """
     return COUNTS.snapshot()
 
