@@ -228,3 +228,19 @@ def test_an_append_that_fills_the_empty_nodes_drops_them_from_the_record(tmp_pat
     assert jckpt.describe(tmp_path / "d.jckpt").metadata_dict()["jckpt.empty_nodes"] == \
         '{"params": [[["k", "b"]]]}'
     assert jckpt.describe(path).metadata_dict()["note"] == "kept"
+
+
+@pytest.mark.parametrize("appending", [False, True])
+def test_a_link_to_a_file_is_replaced_and_its_target_left_alone(tmp_path, appending):
+    """docs/reliability.md: a checkpoint path that is a symlink is replaced, not followed; the
+    file it pointed at stays as it was, and an appending save reads the old entries through it."""
+    real = tmp_path / "real.jckpt"
+    jckpt.save(jckpt.Context(), {"old": np.zeros(2)}, real)
+    before = real.read_bytes()
+    link = tmp_path / "ckpt.jckpt"
+    os.symlink(real, link)
+    jckpt.save(jckpt.Context(), {"new": np.ones(2)}, link, appending=appending)
+    assert not os.path.islink(link) and real.read_bytes() == before
+    names = [e.name for e in jckpt.describe(link).tensors]
+    assert names == (["jckpt/old", "jckpt/new"] if appending else ["jckpt/new"])
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.jckpt", "real.jckpt"]

@@ -479,3 +479,18 @@ def test_reopening_a_mirror_in_a_bucket_reads_its_checkpoint_once(s3, s3_server)
         m.submit(state)
     np.testing.assert_array_equal(jckpt.restore(jckpt.Context(host=True), state, f"{s3}/fresh.jckpt")["w"],
                                   state["w"])
+
+
+def test_a_generation_replaces_a_link_and_leaves_its_target_alone(tmp_path):
+    """docs/reliability.md: a mirror's generation is renamed over a path that is a symlink;
+    the file the link pointed at stays as it was."""
+    real = tmp_path / "real.jckpt"
+    jckpt.save(jckpt.Context(), {"w": np.zeros(4, np.float32)}, real)
+    before = real.read_bytes()
+    link = tmp_path / "run.jckpt"
+    os.symlink(real, link)
+    with jckpt.Mirror(link, new_lineage=True) as mirror:
+        mirror.submit({"w": np.ones(4, np.float32)})
+        mirror.wait_durable()
+    assert not os.path.islink(link) and real.read_bytes() == before
+    assert read(link).tolist() == [1.0] * 4
