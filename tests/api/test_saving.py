@@ -244,3 +244,25 @@ def test_a_link_to_a_file_is_replaced_and_its_target_left_alone(tmp_path, append
     names = [e.name for e in jckpt.describe(link).tensors]
     assert names == (["jckpt/old", "jckpt/new"] if appending else ["jckpt/new"])
     assert sorted(os.listdir(tmp_path)) == ["ckpt.jckpt", "real.jckpt"]
+
+
+def test_durable_fsyncs_the_file_and_its_directory_and_durable_false_none(tmp_path, monkeypatch):
+    """docs/concepts.md: `durable` fsyncs the file and its directory when publishing;
+    `durable=False` skips the fsyncs, while the rename stays atomic."""
+    import stat
+
+    synced = []
+    real = os.fsync
+
+    def fsync(fd):
+        synced.append("directory" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    for durable in (True, False):
+        synced.clear()
+        path = tmp_path / f"{durable}.jckpt"
+        for appending in (False, True):
+            jckpt.save(jckpt.Context(durable=durable), {"w": np.ones(3)}, path, appending=appending)
+        assert synced == (["file", "directory"] * 2 if durable else []), synced
+    assert sorted(os.listdir(tmp_path)) == ["False.jckpt", "True.jckpt"]
