@@ -91,10 +91,9 @@ def place(array: np.ndarray, target: Any, *, host: bool, device: Any, where: str
     placement = getattr(target, 'sharding', None) if target is not None else None
     if key_impl is not None:  # key data has a trailing dim the key's sharding lacks
         data_placement = _key_data_sharding(placement, target)
-        try:
-            keys = jax.random.wrap_key_data(
-                put(np.asarray(array), data_placement) if data_placement is not None
-                else jax.device_put(np.asarray(array), default_placement(device)), impl=key_impl)
+        try:  # `array` as it is: a lazily read one gives each device its box alone
+            keys = jax.random.wrap_key_data(put(array, data_placement if data_placement is not None
+                                                else default_placement(device)), impl=key_impl)
         except (ValueError, TypeError) as e:  # an unknown impl, or data of the wrong shape
             raise FormatError(f"cannot rebuild PRNG keys of {key_impl!r}: {e}", file=file,
                               entry=where, fix="the entry's key_impl or dims are damaged") from None
@@ -132,8 +131,9 @@ def context_placement(device: Any, host: bool) -> Any:
 
 def _key_data_sharding(placement: Any, target: Any) -> Any:
     """Where the data of keys bound for `placement` goes, each device reading only its slice
-    (a sharding over several processes cannot take keys put on one device). None for a
-    placement that is not a `NamedSharding` over several devices.
+    (a sharding over several processes cannot take keys put on one device), and keys bound
+    for one device going straight there with the target's sharding. None for a placement
+    that is neither a `NamedSharding` nor a sharding of one device.
 
     A key array's `sharding` does not say how its data is laid out: keys put with `P()` and
     with `P(None)` show the same sharding over data sharded `P(None)` and `P(None, None)`, and
@@ -141,10 +141,13 @@ def _key_data_sharding(placement: Any, target: Any) -> Any:
     target keys' own data is, and only for a target without data (a `ShapeDtypeStruct`) where
     JAX puts the data of keys at `placement`: the keys' spec, the data's trailing axis whole.
     """
-    if not isinstance(placement, jax.sharding.NamedSharding) or len(placement.device_set) < 2:
-        return None
+    if not isinstance(placement, jax.sharding.NamedSharding):
+        return placement if isinstance(placement, jax.sharding.Sharding) and \
+            len(placement.device_set) == 1 else None
     if isinstance(target, jax.Array) and not target.is_deleted():
         return jax.random.key_data(target).sharding
+    if len(placement.device_set) == 1:  # JAX puts keys' data there with the keys' spec as given
+        return placement
     return jax.sharding.NamedSharding(placement.mesh, jax.sharding.PartitionSpec(*placement.spec, None),
                                       memory_kind=placement.memory_kind)
 

@@ -157,3 +157,39 @@ def test_restored_keys_lay_their_data_out_as_the_target_keys_do(tmp_path, spec):
     from_spec = jckpt.restore(ctx, {"k": spec_target}, str(tmp_path / "k.jckpt"))["k"]
     again = jax.device_put(jax.random.split(jax.random.key(0), 8), keys.sharding)
     assert jax.random.key_data(from_spec).sharding == jax.random.key_data(again).sharding
+
+
+def test_keys_from_a_directory_are_read_box_by_box(tmp_path):
+    """Typed PRNG keys of a directory checkpoint were read whole on the host before each
+    device took its box: every process read every piece of them."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jckpt.api.multiprocess import save_directory
+    from jckpt.storage.lazy import record_reads
+
+    keys = jax.random.split(jax.random.key(0), 8)
+    save_directory(jckpt.Context(durable=False), {"k": keys}, str(tmp_path / "ckpt"))
+    target = jax.ShapeDtypeStruct((8,), keys.dtype,
+                                  sharding=NamedSharding(cpu_mesh((8,), ("x",)), PartitionSpec("x")))
+    with record_reads() as log:
+        got = jckpt.restore(jckpt.Context(), {"k": target}, str(tmp_path / "ckpt"))["k"]
+    assert sorted(log) == [(((i, i + 1), (0, 2)), 8) for i in range(8)]
+    assert np.array_equal(jax.random.key_data(got), jax.random.key_data(keys))
+
+
+@pytest.mark.parametrize("device", [0, 3])
+def test_keys_restored_onto_one_device_of_a_mesh_keep_the_targets_sharding(tmp_path, device):
+    """Keys bound for a one-device mesh went to the default device first: on it, they came
+    back with a `SingleDeviceSharding` (another sharding than the target's, so another
+    compilation of a step); elsewhere, they were copied there after."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    jckpt.save(jckpt.Context(durable=False), {"k": keys}, str(tmp_path / "k.jckpt"))
+    mesh = Mesh(np.array(cpu_devices()[device:device + 1]), ("x",))
+    for spec in [(), (None,), ("x",)]:
+        sharding = NamedSharding(mesh, PartitionSpec(*spec))
+        target = jax.ShapeDtypeStruct((4,), keys.dtype, sharding=sharding)
+        got = jckpt.restore(jckpt.Context(), {"k": target}, str(tmp_path / "k.jckpt"))["k"]
+        assert got.sharding == sharding == jax.device_put(keys, sharding).sharding
+        assert np.array_equal(jax.random.key_data(got), jax.random.key_data(keys))
