@@ -13,6 +13,7 @@ move array data between numpy and JAX.
 
 from __future__ import annotations
 
+import contextlib
 import mmap as mmap_mod
 import warnings
 from typing import Any
@@ -155,14 +156,30 @@ def _key_data_sharding(placement: Any, target: Any) -> Any:
 def _weakly_typed(array: jax.Array) -> jax.Array:
     """`array` weakly typed, as its target was (a Linen `TrainState`'s `step=0`): a strong
     value where the traced function saw a weak one would compile the step function again.
-    JAX offers no public way; where its private one moved, the value stays strong."""
+    JAX offers no public way; where its private one moved, the value stays strong.
+
+    That way is an operation, run outside any mesh in context (JAX refuses it for an array
+    off that mesh); its result, which JAX puts in device memory and specs its own way
+    (`P()` as `P(None)`), is put back where `array` is, so the target's sharding is kept.
+    """
     try:
         from jax._src.lax.lax import _convert_element_type
-        return _convert_element_type(array, weak_type=True)
+        with _outside_any_mesh():
+            weak = _convert_element_type(array, weak_type=True)
     except (ImportError, TypeError):  # pragma: no cover - another JAX
         return array
-    except ValueError:  # placed off the mesh in context (a Context(device=...) under jax.set_mesh)
+    except ValueError:  # pragma: no cover - a JAX that refuses it still
         return array
+    return weak if weak.sharding == array.sharding else jax.device_put(weak, array.sharding)
+
+
+def _outside_any_mesh() -> Any:
+    """A context without the mesh `jax.set_mesh` put in context (none to leave: a no-op)."""
+    set_mesh = getattr(jax, 'set_mesh', None)
+    try:
+        return set_mesh(None) if set_mesh is not None else contextlib.nullcontext()
+    except (TypeError, ValueError):  # pragma: no cover - a JAX whose set_mesh needs a mesh
+        return contextlib.nullcontext()
 
 
 #: XLA's CPU client uses host memory in place (no copy) only at this alignment.
