@@ -4,16 +4,18 @@ A tree of a few arrays (0-d, size-0 and odd dims, every stored dtype, 64-bit one
 arrays unless x64 is on, typed PRNG keys) is saved sharded over one mesh of the 8 CPU
 devices (1 to 3 axes, any PartitionSpec the shapes allow, devices in any order, any memory
 kind) as a file, as the directory form `save_directory` writes (both also in an object
-store), or as a directory of pieces tiled at random over several piece files and layers;
-then restored, under `jax.set_mesh` or not, onto other targets: another mesh and spec, an
-abstract mesh, no sharding, one device, `ShapeDtypeStruct`s or live arrays, numpy, a subset
-of the tree, a cast. JAX refuses shardings that do not divide a dim (so no uneven ones
-here); a restore onto one is refused before any byte is read.
+store), as a directory of pieces tiled at random over several piece files and layers, or
+those pieces consolidated into a file; then restored (mapped or copied, verified or not,
+under `jax.set_mesh` or not, with `Context(device=...)` or not) onto other targets: another
+mesh and spec, an abstract mesh, no sharding, one device, `ShapeDtypeStruct`s or live
+arrays, weakly typed ones, numpy, a subset of the tree, a cast. JAX refuses shardings that
+do not divide a dim (so no uneven ones here); a restore onto one is refused before any byte
+is read. `load` with `Context(device=...)`, and a manager's steps with adam's state, too.
 
 Every restored value keeps its bits (NaN payloads included) and lands on its target's
 sharding; restoring one leaf reads each distinct device box of it once, only its bytes
 (`jckpt.storage.lazy.record_reads`), and opens only the piece files that hold part of a
-box asked for (counted at the local storage backend's `open`).
+box asked for (counted at the storage backends' `open`).
 
 The examples are few and derandomized, so CI is reproducible; hunt with more:
 `JCKPT_PROPERTY_EXAMPLES=2000 pytest tests/system/test_placement_properties.py`.
@@ -59,10 +61,10 @@ PROPERTY = settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <
 STORED = [precs.dtype_of(p) for p in sorted(precs.ALL_PRECS - {"Void_prec", "Uint4x32_prec"})]
 #: What a jax array may hold here (x64 is off).
 ON_DEVICE = [d for d in STORED if jax.dtypes.canonicalize_dtype(d) == d]
-#: Stored dtypes only a host (numpy) leaf holds here.
-HOST_ONLY = [d for d in STORED if d not in ON_DEVICE]
 #: What a jax array may hold with x64 on: the 64-bit types too.
 ON_DEVICE_X64 = STORED
+#: The dtypes of Python numbers in JAX, which a weakly typed target has.
+WEAK = [np.dtype(t) for t in ("int32", "float32", "complex64", "int64", "float64", "complex128")]
 #: Dtypes a restore casts floating and integer leaves to (`cast=True`).
 CAST_TO = [np.dtype("float32"), np.dtype("bfloat16"), np.dtype("float16")]
 KEY_IMPLS = ["threefry2x32", "rbg", "unsafe_rbg"]
@@ -154,14 +156,16 @@ def saved_leaves(draw, on_device=tuple(ON_DEVICE)):
 
 
 @st.composite
-def targets(draw, leaf, device_dtypes=tuple(ON_DEVICE), context=None):
+def targets(draw, leaf, device_dtypes=tuple(ON_DEVICE), context=None, device=None):
     """`(kind, target leaf, expected host data, sharding the result must have or None)`, for
-    a restore under `jax.set_mesh(context)` (unless None)."""
+    a restore under `jax.set_mesh(context)` (unless None) with `Context(device=device)`."""
     _, value, host, impl = leaf
     shape = tuple(value.shape)
     on_device = impl is not None or host.dtype in device_dtypes
     kinds = ["spec", "abstract", "unsharded", "array", "device", "numpy"] if on_device \
         else ["spec", "numpy"]
+    if impl is None and on_device and host.dtype in WEAK and host.size:  # (JAX's op making a
+        kinds.append("weak")  # size-0 array weak over an explicit mesh gives one it cannot read)
     if impl is None and on_device and host.dtype.kind in "biuf":
         kinds.append("cast")
     kind = draw(st.sampled_from(kinds))
@@ -176,9 +180,10 @@ def targets(draw, leaf, device_dtypes=tuple(ON_DEVICE), context=None):
             return kind, jax.ShapeDtypeStruct(shape, dtype, sharding=one), host, \
                 _put_at(one, value, impl)
         return kind, jax.device_put(_filler(value, impl), where), host, SingleDeviceSharding(where)
-    if kind == "unsharded":  # jax.eval_shape's: replicated over the mesh in context, or
-        where = NamedSharding(context, P()) if context is not None else \
-            SingleDeviceSharding(cpu_devices(1)[0])  # on the first device
+    if kind == "unsharded":  # jax.eval_shape's: where the Context says, else replicated over
+        where = device if device is not None else NamedSharding(context, P()) \
+            if context is not None else SingleDeviceSharding(cpu_devices(1)[0])  # the mesh
+        # in context, else on the first device
         return kind, jax.ShapeDtypeStruct(shape, dtype), host, _put_at(where, value, impl)
     if kind == "abstract":  # nnx.eval_shape's: on the mesh in context of these axes, else
         mesh = draw(meshes(whole=True))  # on the one jax.make_mesh gives
@@ -197,6 +202,9 @@ def targets(draw, leaf, device_dtypes=tuple(ON_DEVICE), context=None):
     if kind == "array":
         target = jax.device_put(_filler(value, impl), sharding)
         return kind, target, host, target.sharding
+    if kind == "weak":  # jax.eval_shape's of a Python number: weakly typed
+        return kind, jax.ShapeDtypeStruct(shape, dtype, sharding=sharding, weak_type=True), \
+            host, sharding
     return kind, jax.ShapeDtypeStruct(shape, dtype, sharding=sharding), expected, \
         _put_at(sharding, value, impl) if on_device else None
 
@@ -216,14 +224,23 @@ def _filler(value, impl):
 
 
 @st.composite
-def cases(draw, x64=False, context=None):
+def cases(draw, x64=False, context=None, device=None):
     """`(saved {name: leaf}, {name: target})` of 1 to 4 leaves (drawn with x64 on, if asked;
-    targets for a restore under `jax.set_mesh(context)`)."""
+    targets for a restore under `jax.set_mesh(context)` with `Context(device=device)`)."""
     on_device = tuple(ON_DEVICE_X64 if x64 else ON_DEVICE)
     leaves = draw(st.lists(saved_leaves(on_device), min_size=1, max_size=4))
     names = [f"w{i}" for i in range(len(leaves))]
-    return dict(zip(names, leaves)), {n: draw(targets(leaf, on_device, context))
+    return dict(zip(names, leaves)), {n: draw(targets(leaf, on_device, context, device))
                                       for n, leaf in zip(names, leaves)}
+
+
+@st.composite
+def places(draw):
+    """Where `Context(device=...)` puts arrays: one device, or replicated over a mesh."""
+    memory = draw(st.sampled_from(MEMORY_KINDS))
+    if draw(st.booleans()):
+        return SingleDeviceSharding(cpu_devices(8)[draw(st.integers(0, 7))], memory_kind=memory)
+    return NamedSharding(draw(meshes()), P(), memory_kind=memory)
 
 
 # --- the forms a tree is saved in -----------------------------------------------------
@@ -274,8 +291,9 @@ def write_pieces(path: str, saved: dict, plan) -> None:
 
 
 #: How a tree is saved: one file, the directory `save_directory` writes, pieces tiled at
-#: random; the first two in an object store too (memory://, read by ranged GETs).
-FORMS = ["file", "directory", "pieces", "memory file", "memory directory"]
+#: random (and those consolidated into one file); the first two in an object store too
+#: (memory://, read by ranged GETs).
+FORMS = ["file", "directory", "pieces", "consolidated file", "memory file", "memory directory"]
 
 
 def checkpoint_path(tmp_path_factory, form: str) -> str:
@@ -285,7 +303,10 @@ def checkpoint_path(tmp_path_factory, form: str) -> str:
 
 def save_as(form: str, path: str, saved: dict, plan=None) -> None:
     tree = {name: leaf[1] for name, leaf in saved.items()}
-    if form.endswith("file"):
+    if form == "consolidated file":
+        write_pieces(path + ".pieces", saved, plan)
+        jckpt.consolidate(path + ".pieces", path, durable=False)
+    elif form.endswith("file"):
         jckpt.save(jckpt.Context(durable=False), tree, path)
     elif form.endswith("directory"):
         save_directory(jckpt.Context(durable=False), tree, path)
@@ -312,6 +333,7 @@ def check_value(name, result, target_case, impl):
     if sharding is not None:
         assert isinstance(result, jax.Array), (name, type(result))
         assert result.sharding == sharding, (name, result.sharding, sharding)
+        assert getattr(result, "weak_type", False) == (kind == "weak"), name
     else:
         assert isinstance(result, np.ndarray), (name, type(result))
 
@@ -346,14 +368,14 @@ def opened_files():
         yield names
 
 
-def check_reads(path, form, name, target_case, impl, verify):
+def check_reads(path, form, name, target_case, impl, options):
     """Restoring `name` alone reads each distinct device box once, and only its bytes, and
     opens only the piece files that hold part of what is read."""
     kind, target, expected, sharding = target_case
     host = expected if kind != "cast" else None
     with opened_files() as opened, record_reads() as log:
-        got = jckpt.restore(jckpt.Context(), {name: target}, path, cast=kind == "cast",
-                            verify=verify)[name]
+        got = jckpt.restore(target={name: target}, path=path, cast=kind == "cast",
+                            **options)[name]
     assert sharding is None or got.sharding == sharding, (name, got.sharding, sharding)
     stored = DirectoryReader(path).arrays if not form.endswith("file") else None
     shape = tuple(expected.shape)
@@ -385,35 +407,38 @@ def stored_entry(path, name):
 
 @PROPERTY
 @given(form=st.sampled_from(FORMS), x64=st.booleans(), verify=st.sampled_from([None, True, False]),
-       data=st.data())
+       mmap=st.booleans(), data=st.data())
 def test_a_tree_restores_onto_any_target_reading_only_what_each_device_needs(
-        tmp_path_factory, form, x64, verify, data):
+        tmp_path_factory, form, x64, verify, mmap, data):
     context = data.draw(st.one_of(st.none(), meshes()))
+    device = data.draw(st.one_of(st.none(), places()))
     with jax.enable_x64(x64), warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # 64-bit leaves stay host arrays without x64
-        saved, wanted = data.draw(cases(x64, context))
-        plan = data.draw(piece_plans(saved)) if form == "pieces" else None
+        saved, wanted = data.draw(cases(x64, context, device))
+        plan = data.draw(piece_plans(saved)) if form in ("pieces", "consolidated file") else None
         path = checkpoint_path(tmp_path_factory, form)
         save_as(form, path, saved, plan)
         with jax.set_mesh(context) if context is not None else contextlib.nullcontext():
-            restore_and_check(path, form, saved, wanted, verify, data)
+            restore_and_check(path, form, saved, wanted, data, ctx=jckpt.Context(device=device),
+                              verify=verify, mmap=mmap)
 
 
-def restore_and_check(path, form, saved, wanted, verify, data):
-    """The whole tree restored, then a subset of it, then each of its leaves alone."""
+def restore_and_check(path, form, saved, wanted, data, **options):
+    """The whole tree restored, then a subset of it, then each of its leaves alone (with
+    `restore`'s `options`)."""
     cast = any(t[0] == "cast" for t in wanted.values())
-    back = jckpt.restore(jckpt.Context(), {n: t[1] for n, t in wanted.items()}, path,
-                         cast=cast, verify=verify)
+    back = jckpt.restore(target={n: t[1] for n, t in wanted.items()}, path=path, cast=cast,
+                         **options)
     assert sorted(back) == sorted(wanted)
     for name, target_case in wanted.items():
         check_value(name, back[name], target_case, saved[name][3])
     subset = data.draw(st.lists(st.sampled_from(sorted(wanted)), min_size=1, unique=True))
-    part = jckpt.restore(jckpt.Context(), {n: wanted[n][1] for n in subset}, path,
-                         cast=cast, verify=verify)
+    part = jckpt.restore(target={n: wanted[n][1] for n in subset}, path=path, cast=cast,
+                         **options)
     assert sorted(part) == sorted(subset)
     for name in subset:
         check_value(name, part[name], wanted[name], saved[name][3])
-        check_reads(path, form, name, wanted[name], saved[name][3], verify)
+        check_reads(path, form, name, wanted[name], saved[name][3], options)
 
 
 @PROPERTY
@@ -443,15 +468,10 @@ def test_load_puts_every_array_where_the_context_says(tmp_path_factory, form, da
     """`load` with `Context(device=...)` (one device, or replicated over a mesh): every array
     there with its bits, each read once; 64-bit ones (x64 is off) stay host arrays."""
     saved, _ = data.draw(cases())
-    plan = data.draw(piece_plans(saved)) if form == "pieces" else None
+    plan = data.draw(piece_plans(saved)) if form in ("pieces", "consolidated file") else None
     path = checkpoint_path(tmp_path_factory, form)
     save_as(form, path, saved, plan)
-    if data.draw(st.booleans()):
-        where = SingleDeviceSharding(cpu_devices(8)[data.draw(st.integers(0, 7))],
-                                     memory_kind=data.draw(st.sampled_from(MEMORY_KINDS)))
-    else:
-        where = NamedSharding(data.draw(meshes()), P(),
-                              memory_kind=data.draw(st.sampled_from(MEMORY_KINDS)))
+    where = data.draw(places())
     with warnings.catch_warnings(), record_reads() as log:
         warnings.simplefilter("ignore", UserWarning)
         _, tree = jckpt.load(jckpt.Context(device=where), path)
