@@ -13,6 +13,7 @@ move array data between numpy and JAX.
 
 from __future__ import annotations
 
+import contextlib
 import mmap as mmap_mod
 import warnings
 from typing import Any
@@ -91,10 +92,9 @@ def place(array: np.ndarray, target: Any, *, host: bool, device: Any, where: str
     placement = getattr(target, 'sharding', None) if target is not None else None
     if key_impl is not None:  # key data has a trailing dim the key's sharding lacks
         data_placement = _key_data_sharding(placement, target)
-        try:
-            keys = jax.random.wrap_key_data(
-                put(np.asarray(array), data_placement) if data_placement is not None
-                else jax.device_put(np.asarray(array), default_placement(device)), impl=key_impl)
+        try:  # `array` as it is: a lazily read one gives each device its box alone
+            keys = jax.random.wrap_key_data(put(array, data_placement if data_placement is not None
+                                                else default_placement(device)), impl=key_impl)
         except (ValueError, TypeError) as e:  # an unknown impl, or data of the wrong shape
             raise FormatError(f"cannot rebuild PRNG keys of {key_impl!r}: {e}", file=file,
                               entry=where, fix="the entry's key_impl or dims are damaged") from None
@@ -132,8 +132,9 @@ def context_placement(device: Any, host: bool) -> Any:
 
 def _key_data_sharding(placement: Any, target: Any) -> Any:
     """Where the data of keys bound for `placement` goes, each device reading only its slice
-    (a sharding over several processes cannot take keys put on one device). None for a
-    placement that is not a `NamedSharding` over several devices.
+    (a sharding over several processes cannot take keys put on one device), and keys bound
+    for one device going straight there with the target's sharding. None for a placement
+    that is neither a `NamedSharding` nor a sharding of one device.
 
     A key array's `sharding` does not say how its data is laid out: keys put with `P()` and
     with `P(None)` show the same sharding over data sharded `P(None)` and `P(None, None)`, and
@@ -141,10 +142,13 @@ def _key_data_sharding(placement: Any, target: Any) -> Any:
     target keys' own data is, and only for a target without data (a `ShapeDtypeStruct`) where
     JAX puts the data of keys at `placement`: the keys' spec, the data's trailing axis whole.
     """
-    if not isinstance(placement, jax.sharding.NamedSharding) or len(placement.device_set) < 2:
-        return None
+    if not isinstance(placement, jax.sharding.NamedSharding):
+        return placement if isinstance(placement, jax.sharding.Sharding) and \
+            len(placement.device_set) == 1 else None
     if isinstance(target, jax.Array) and not target.is_deleted():
         return jax.random.key_data(target).sharding
+    if len(placement.device_set) == 1:  # JAX puts keys' data there with the keys' spec as given
+        return placement
     return jax.sharding.NamedSharding(placement.mesh, jax.sharding.PartitionSpec(*placement.spec, None),
                                       memory_kind=placement.memory_kind)
 
@@ -152,14 +156,30 @@ def _key_data_sharding(placement: Any, target: Any) -> Any:
 def _weakly_typed(array: jax.Array) -> jax.Array:
     """`array` weakly typed, as its target was (a Linen `TrainState`'s `step=0`): a strong
     value where the traced function saw a weak one would compile the step function again.
-    JAX offers no public way; where its private one moved, the value stays strong."""
+    JAX offers no public way; where its private one moved, the value stays strong.
+
+    That way is an operation, run outside any mesh in context (JAX refuses it for an array
+    off that mesh); its result, which JAX puts in device memory and specs its own way
+    (`P()` as `P(None)`), is put back where `array` is, so the target's sharding is kept.
+    """
     try:
         from jax._src.lax.lax import _convert_element_type
-        return _convert_element_type(array, weak_type=True)
+        with _outside_any_mesh():
+            weak = _convert_element_type(array, weak_type=True)
     except (ImportError, TypeError):  # pragma: no cover - another JAX
         return array
-    except ValueError:  # placed off the mesh in context (a Context(device=...) under jax.set_mesh)
+    except ValueError:  # pragma: no cover - a JAX that refuses it still
         return array
+    return weak if weak.sharding == array.sharding else jax.device_put(weak, array.sharding)
+
+
+def _outside_any_mesh() -> Any:
+    """A context without the mesh `jax.set_mesh` put in context (none to leave: a no-op)."""
+    set_mesh = getattr(jax, 'set_mesh', None)
+    try:
+        return set_mesh(None) if set_mesh is not None else contextlib.nullcontext()
+    except (TypeError, ValueError):  # pragma: no cover - a JAX whose set_mesh needs a mesh
+        return contextlib.nullcontext()
 
 
 #: XLA's CPU client uses host memory in place (no copy) only at this alignment.

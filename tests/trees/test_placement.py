@@ -157,3 +157,72 @@ def test_restored_keys_lay_their_data_out_as_the_target_keys_do(tmp_path, spec):
     from_spec = jckpt.restore(ctx, {"k": spec_target}, str(tmp_path / "k.jckpt"))["k"]
     again = jax.device_put(jax.random.split(jax.random.key(0), 8), keys.sharding)
     assert jax.random.key_data(from_spec).sharding == jax.random.key_data(again).sharding
+
+
+def test_keys_from_a_directory_are_read_box_by_box(tmp_path):
+    """Typed PRNG keys of a directory checkpoint were read whole on the host before each
+    device took its box: every process read every piece of them."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jckpt.api.multiprocess import save_directory
+    from jckpt.storage.lazy import record_reads
+
+    keys = jax.random.split(jax.random.key(0), 8)
+    save_directory(jckpt.Context(durable=False), {"k": keys}, str(tmp_path / "ckpt"))
+    target = jax.ShapeDtypeStruct((8,), keys.dtype,
+                                  sharding=NamedSharding(cpu_mesh((8,), ("x",)), PartitionSpec("x")))
+    with record_reads() as log:
+        got = jckpt.restore(jckpt.Context(), {"k": target}, str(tmp_path / "ckpt"))["k"]
+    assert sorted(log) == [(((i, i + 1), (0, 2)), 8) for i in range(8)]
+    assert np.array_equal(jax.random.key_data(got), jax.random.key_data(keys))
+
+
+@pytest.mark.parametrize("device", [0, 3])
+def test_keys_restored_onto_one_device_of_a_mesh_keep_the_targets_sharding(tmp_path, device):
+    """Keys bound for a one-device mesh went to the default device first: on it, they came
+    back with a `SingleDeviceSharding` (another sharding than the target's, so another
+    compilation of a step); elsewhere, they were copied there after."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    jckpt.save(jckpt.Context(durable=False), {"k": keys}, str(tmp_path / "k.jckpt"))
+    mesh = Mesh(np.array(cpu_devices()[device:device + 1]), ("x",))
+    for spec in [(), (None,), ("x",)]:
+        sharding = NamedSharding(mesh, PartitionSpec(*spec))
+        target = jax.ShapeDtypeStruct((4,), keys.dtype, sharding=sharding)
+        got = jckpt.restore(jckpt.Context(), {"k": target}, str(tmp_path / "k.jckpt"))["k"]
+        assert got.sharding == sharding == jax.device_put(keys, sharding).sharding
+        assert np.array_equal(jax.random.key_data(got), jax.random.key_data(keys))
+
+
+def test_a_weakly_typed_target_keeps_its_sharding(tmp_path):
+    """Making the restored value weakly typed ran a JAX operation, whose result JAX put in
+    device memory and with its own spec: a step count bound for host memory (`unpinned_host`)
+    came back in device memory, and one replicated with `P()` came back as `P(None)`."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    jckpt.save(jckpt.Context(durable=False), {"n": np.arange(8, dtype=np.int32)},
+               str(tmp_path / "n.jckpt"))
+    mesh = cpu_mesh((2, 4), ("x", "y"))
+    for spec, memory in [((), None), ((), "unpinned_host"), (("x",), "unpinned_host"),
+                         (("y",), "pinned_host")]:
+        sharding = NamedSharding(mesh, PartitionSpec(*spec), memory_kind=memory)
+        target = jax.ShapeDtypeStruct((8,), np.int32, sharding=sharding, weak_type=True)
+        got = jckpt.restore(jckpt.Context(), {"n": target}, str(tmp_path / "n.jckpt"))["n"]
+        assert got.weak_type and got.sharding == sharding, (spec, memory, got.sharding)
+        assert np.array_equal(got, np.arange(8))
+
+
+def test_a_weakly_typed_target_off_the_mesh_in_context_comes_back_weakly_typed(tmp_path):
+    """Under `jax.set_mesh`, a weakly typed target on another mesh (or on one device) came
+    back strongly typed: JAX refused the operation that makes it weak for an array off the
+    mesh in context, and the value was kept as it was."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+    jckpt.save(jckpt.Context(durable=False), {"step": np.int32(7)}, str(tmp_path / "s.jckpt"))
+    other = Mesh(np.array(cpu_devices()[4:6]), ("z",))
+    with jax.set_mesh(cpu_mesh((2,), ("x",))):
+        for sharding in (NamedSharding(other, PartitionSpec()), SingleDeviceSharding(cpu_devices()[5])):
+            target = jax.ShapeDtypeStruct((), np.int32, sharding=sharding, weak_type=True)
+            got = jckpt.restore(jckpt.Context(), {"step": target}, str(tmp_path / "s.jckpt"))["step"]
+            assert got.weak_type and got.sharding == sharding and int(got) == 7
