@@ -446,6 +446,41 @@ def test_urls_parse_into_bucket_and_key():
 
 # --- the mirror and the manager in a bucket -------------------------------------------------------
 
+def test_requests_of_a_file_are_those_the_docs_count(s3, s3_server):
+    """docs/object-storage.md, "Requests per operation": a save, a read, a long header, a
+    URL with no object, a multipart save and its upload marker."""
+    def sent(call):
+        before = len(s3_server.requests(s3))
+        call()
+        return [r.partition("?uploadId=")[0].partition("&uploadId=")[0]
+                for r in s3_server.requests(s3)[before:]]
+
+    url = f"{s3}/small.jckpt"
+    assert sent(lambda: jckpt.save(jckpt.Context(), {"b": TREE["b"]}, url)) == [
+        "HEAD /small.jckpt/index.jckpt", "PUT /small.jckpt"]
+    for read in (lambda: jckpt.load(HOST, url), lambda: jckpt.describe(url),
+                 lambda: jckpt.restore(HOST, {"b": TREE["b"]}, url)):
+        assert sent(read) == ["GET /small.jckpt"]
+    long = f"{s3}/long.jckpt"  # a header past the first 64 KiB GET
+    jckpt.save(jckpt.Context(), {f"k{i}": np.float32(i) for i in range(1200)}, long)
+    assert sent(lambda: jckpt.describe(long)) == ["GET /long.jckpt"] * 2
+    with pytest.raises(jckpt.FormatError, match="no such checkpoint object"):
+        sent(lambda: jckpt.load(HOST, f"{s3}/none.jckpt"))
+    assert s3_server.requests(s3)[-2:] == ["GET /none.jckpt", "GET ?list-type=2&prefix=none.jckpt/"]
+    object_store.configure(s3, part_size=5 << 20)
+    big = f"{s3}/big.jckpt"
+    try:
+        got = sent(lambda: jckpt.save(jckpt.Context(), {"w": np.ones(6 << 20 >> 2, np.float32)}, big))
+    finally:
+        object_store.configure(s3)
+    marker = next(r for r in got if ".jckpt-upload." in r)
+    assert got[:4] == ["HEAD /big.jckpt/index.jckpt", marker,
+                       "GET ?list-type=2&prefix=big.jckpt.jckpt-upload.&max-keys=1000"
+                       "&encoding-type=url", "POST /big.jckpt?uploads="]
+    assert sorted(got[4:6]) == ["PUT /big.jckpt?partNumber=1", "PUT /big.jckpt?partNumber=2"]
+    assert got[6:] == ["POST /big.jckpt", "POST ?delete"]  # complete; the marker deleted
+
+
 @pytest.mark.parametrize("read", ["load", "restore", "restore_unverified", "append"])
 def test_an_object_replaced_while_it_is_read_is_an_error_not_a_mix(s3, monkeypatch, read):
     """Every GET after the header's is conditional on the version the header was read with."""
