@@ -27,7 +27,7 @@ import jax
 from jckpt.api import progress as progress_mod
 from jckpt.api.context import Context, check_context
 from jckpt.api.multiprocess import save_directory
-from jckpt.errors import CheckpointError, InputError, naming_file
+from jckpt.errors import CheckpointError, FormatError, InputError, naming_file
 from jckpt.format import leaf_entries
 from jckpt.format._gc import paused
 from jckpt.format.entries import Entry, Header, KeyPath, entry_for, round_up
@@ -38,6 +38,7 @@ from jckpt.format.names import EMPTY_NODES_KEY, INDEX_NAME
 from jckpt.format.payload import CHECKSUM_PLACEHOLDER
 from jckpt.storage import staging
 from jckpt.storage.backend import LOCAL, backend_for, checked_path
+from jckpt.storage.object_store import MISSING_OBJECT
 from jckpt.storage.reader import CheckpointReader, reopen
 from jckpt.storage.regions import ShardedSource
 from jckpt.storage.writer import (
@@ -144,7 +145,12 @@ def _appended(path: str) -> Any:
     backend = backend_for(path)
     if backend is LOCAL:
         return CheckpointReader(path) if os.path.exists(path) else None
-    return backend.open(path) if backend.exists(path) else None
+    try:  # in a bucket, the header's GET says whether it is there: no HEAD first
+        return backend.open(path)
+    except FormatError as e:
+        if e.message != MISSING_OBJECT:
+            raise
+        return None
 
 
 def _publish_appended(ctx: Context, path: str, header: Header, entries: Sequence[Entry],

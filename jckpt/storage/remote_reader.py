@@ -5,7 +5,8 @@ what is asked and nothing else: the header with one ranged GET (two when it
 is longer than the first), each payload with concurrent ranged GETs written
 straight into the array that is returned, small neighbouring payloads
 together in one GET, and, for a payload read box by box (a device's shard),
-only the byte runs of that box, neighbours coalesced. It decodes with the
+only the byte runs of that box (or, for many short runs, the rows they span,
+fetched once for every box over them). It decodes with the
 same codec functions as `jckpt.storage.reader.CheckpointReader`
 (`decode_payload`, `check_extents`), so the two agree on every byte.
 
@@ -51,7 +52,8 @@ HEAD_BYTES = 64 << 10
 SMALL_PAYLOAD = 256 << 10
 #: How far one GET of small neighbouring payloads reaches.
 WINDOW_BYTES = 4 << 20
-#: Byte runs closer than this are read by one GET (as object_store's coalescing does).
+#: Small payloads this close are read by one GET; a box whose runs are shorter than this (and
+#: more than 16) is read as the rows they span.
 COALESCE_GAP = 1 << 20
 #: Bytes of rows a reader keeps for the boxes of a column sharding (`FetchCache`).
 ROWS_CACHE_BYTES = 1 << 30

@@ -446,6 +446,82 @@ def test_urls_parse_into_bucket_and_key():
 
 # --- the mirror and the manager in a bucket -------------------------------------------------------
 
+def test_requests_of_a_file_are_those_the_docs_count(s3, s3_server):
+    """docs/object-storage.md, "Requests per operation": a save, a read, a long header, a
+    URL with no object, a multipart save and its upload marker."""
+    def sent(call):
+        before = len(s3_server.requests(s3))
+        call()
+        return [r.partition("?uploadId=")[0].partition("&uploadId=")[0]
+                for r in s3_server.requests(s3)[before:]]
+
+    url = f"{s3}/small.jckpt"
+    assert sent(lambda: jckpt.save(jckpt.Context(), {"b": TREE["b"]}, url)) == [
+        "HEAD /small.jckpt/index.jckpt", "PUT /small.jckpt"]
+    for read in (lambda: jckpt.load(HOST, url), lambda: jckpt.describe(url),
+                 lambda: jckpt.restore(HOST, {"b": TREE["b"]}, url)):
+        assert sent(read) == ["GET /small.jckpt"]
+    long = f"{s3}/long.jckpt"  # a header past the first 64 KiB GET
+    jckpt.save(jckpt.Context(), {f"k{i}": np.float32(i) for i in range(1200)}, long)
+    assert sent(lambda: jckpt.describe(long)) == ["GET /long.jckpt"] * 2
+    with pytest.raises(jckpt.FormatError, match="no such checkpoint object"):
+        sent(lambda: jckpt.load(HOST, f"{s3}/none.jckpt"))
+    assert s3_server.requests(s3)[-2:] == ["GET /none.jckpt", "GET ?list-type=2&prefix=none.jckpt/"]
+    object_store.configure(s3, part_size=5 << 20)
+    big = f"{s3}/big.jckpt"
+    try:
+        got = sent(lambda: jckpt.save(jckpt.Context(), {"w": np.ones(6 << 20 >> 2, np.float32)}, big))
+    finally:
+        object_store.configure(s3)
+    marker = next(r for r in got if ".jckpt-upload." in r)
+    assert got[:4] == ["HEAD /big.jckpt/index.jckpt", marker,
+                       "GET ?list-type=2&prefix=big.jckpt.jckpt-upload.&max-keys=1000"
+                       "&encoding-type=url", "POST /big.jckpt?uploads="]
+    assert sorted(got[4:6]) == ["PUT /big.jckpt?partNumber=1", "PUT /big.jckpt?partNumber=2"]
+    assert got[6:] == ["POST /big.jckpt", "POST ?delete"]  # complete; the marker deleted
+
+
+@pytest.mark.parametrize("read", ["load", "restore", "restore_unverified", "append"])
+def test_an_object_replaced_while_it_is_read_is_an_error_not_a_mix(s3, monkeypatch, read):
+    """Every GET after the header's is conditional on the version the header was read with."""
+    url = f"{s3}/model.jckpt"
+    jckpt.save(jckpt.Context(), TREE, url)
+    read_into = object_store.ObjectSource.read_into
+
+    def replaced_first(src, dest, offset, version):
+        monkeypatch.setattr(object_store.ObjectSource, "read_into", read_into)
+        jckpt.save(jckpt.Context(), {**TREE, "w": TREE["w"] + 1}, url)  # between header and payload
+        read_into(src, dest, offset, version)
+
+    monkeypatch.setattr(object_store.ObjectSource, "read_into", replaced_first)
+    calls = {"load": lambda: jckpt.load(HOST, url),
+             "restore": lambda: jckpt.restore(HOST, TREE, url),
+             "restore_unverified": lambda: jckpt.restore(HOST, TREE, url, verify=False),
+             "append": lambda: jckpt.save(jckpt.Context(namespace="o"), {"x": np.float32(1)}, url,
+                                          appending=True)}
+    with pytest.raises(jckpt.StorageError, match="the object changed while it was read") as info:
+        calls[read]()
+    assert url in str(info.value)
+
+
+def test_an_appending_save_asks_for_the_object_by_its_header_get_alone(s3, s3_server):
+    """The header's GET says whether an object is there to append to: no HEAD of it first
+    (docs/object-storage.md, "Requests per operation")."""
+    url = f"{s3}/appended.jckpt"
+    small = {"b": np.arange(7, dtype=np.int32)}
+    before = len(s3_server.requests(s3))
+    jckpt.save(jckpt.Context(), small, url, appending=True)  # nothing there yet
+    assert s3_server.requests(s3)[before:] == [
+        "HEAD /appended.jckpt/index.jckpt", "GET /appended.jckpt", "PUT /appended.jckpt"]
+    before = len(s3_server.requests(s3))
+    jckpt.save(jckpt.Context(namespace="opt"), {"mu": np.ones(3)}, url, appending=True)
+    assert s3_server.requests(s3)[before:] == [
+        "HEAD /appended.jckpt/index.jckpt", "GET /appended.jckpt", "PUT /appended.jckpt"]
+    _, tree = jckpt.load(HOST, url)
+    np.testing.assert_array_equal(tree["jckpt"]["b"], small["b"])
+    np.testing.assert_array_equal(tree["opt"]["mu"], np.ones(3))
+
+
 def test_mirror_publishes_whole_generations_and_holds_the_lease(s3):
     url = f"{s3}/run/mirror.jckpt"
     with jckpt.Mirror(url) as mirror:

@@ -138,6 +138,21 @@ def test_column_boxes_fetch_their_rows_once(tmp_path):
     np.testing.assert_array_equal(reader.decode(reader.header.tensors[0], verify=True), w)
 
 
+def test_a_box_of_a_few_short_runs_gets_one_read_per_run_and_no_byte_between(tmp_path):
+    """A block sharding's box of 16 runs or fewer, each under 1 MiB, is read run by run:
+    the runs are not joined across the other devices' bytes between them, however close
+    (docs/object-storage.md, "Requests per operation")."""
+    w = np.arange(8 * 65536, dtype=np.float32).reshape(8, 65536)  # rows of 256 KiB
+    path = write_arrays(tmp_path / "w.jckpt", {"w": w})
+    src = Logged(open(path, "rb").read())
+    reader = RemoteReader(src, "memory://b/w.jckpt")
+    lazy = reader.decode(reader.header.tensors[0])
+    before = len(src.reads)
+    np.testing.assert_array_equal(lazy[:, 16384:32768], w[:, 16384:32768])  # 8 runs of 64 KiB
+    start = reader.data_start + reader.header.tensors[0].offset
+    assert src.reads[before:] == [(start + r * 262144 + 65536, 65536) for r in range(8)]
+
+
 def test_box_runs_of_blocks():
     assert box_runs((4, 6), 4, ((0, 4), (0, 6))) == ([0], 96)
     assert box_runs((4, 6), 4, ((2, 4), (0, 6))) == ([48], 48)
