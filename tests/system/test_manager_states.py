@@ -151,8 +151,9 @@ class Faults:
             self._undo.pop()()
 
     @contextlib.contextmanager
-    def on(self, kind: str, *, after: int = 0) -> Iterator[None]:
-        """Fail every call of the patched function from the `after`-th on, while in the block."""
+    def on(self, kind: str, *, after: int = 0, once: bool = False) -> Iterator[None]:
+        """Fail every call of the patched function from the `after`-th on, while in the block
+        (`once`: that call alone, a fault that passes)."""
         self.calls = 0
 
         def failing(original, err, *, done=False):
@@ -160,7 +161,7 @@ class Faults:
             with `done` after (a request whose answer is lost)."""
             def call(*a, **kw):
                 self.calls += 1
-                if self.calls <= after:
+                if self.calls <= after or (once and self.calls > after + 1):
                     return original(*a, **kw)
                 if done:
                     original(*a, **kw)
@@ -438,21 +439,25 @@ class ManagerMachine(RuleBasedStateMachine):
         return False
 
     @precondition(lambda self: not self.dead)
-    @rule(data=st.data(), after=st.integers(0, 2), heal=st.booleans(), seed=st.integers(0, 2**20))
-    def storage_fails(self, data, after, heal, seed):
-        """A step whose write or publish fails: the steps before it stay listed and intact;
-        healed, it is written; else `close` raises and the step is not there (unless its rename
+    @rule(data=st.data(), after=st.integers(0, 2), heal=st.booleans(), seed=st.integers(0, 2**20),
+          once=st.booleans(), more=st.booleans())
+    def storage_fails(self, data, after, heal, seed, once, more):
+        """A step whose write or publish fails: the steps before it stay listed and intact, and
+        one more save waits for a slot (none free: it raises the error); healed (or failing
+        `once`), it is written; else `close` raises and the step is not there (unless its rename
         went through before the failure)."""
         kind = data.draw(st.sampled_from(["disk_full", "upload", "upload_lost"] if self.remote else
                                          ["disk_full", "fsync_file", "fsync_dir"]))
         self.settle()
         self.save(1, seed, "jckpt" if seed % 2 else "npz", 0.75, True, True, False)
         step = self.last
-        with self.faults.on(kind, after=after):
-            if not self.fails(self.mgr, step_name(step)):
-                self.published()
+        with self.faults.on(kind, after=after, once=once):
+            if once or not self.fails(self.mgr, step_name(step)):
+                self.settle()  # one failed attempt is retried at once, patience is 2
                 return
             self.check_listed(kind)
+            if more:
+                self.save_while_failing(step, seed)
             if not heal:
                 with pytest.raises(jckpt.StorageError) as e:
                     self.mgr.close()
@@ -461,15 +466,32 @@ class ManagerMachine(RuleBasedStateMachine):
             healed(self.mgr)
             self.published()
             return
-        self.pending.remove(step)
         self.open()
-        if step in self.mgr.all_steps():  # its rename (or upload) went through before the failure
+        lost = [s for s in self.pending if s not in self.mgr.all_steps()]
+        assert lost == self.pending[len(self.pending) - len(lost):], (lost, self.pending)
+        if len(lost) < len(self.pending):  # its rename (or upload) went through before the failure
             assert kind in ("fsync_dir", "upload_lost"), kind
             self.view[step] = self.saved[step].metrics  # no retention until the next save
             self.generation += 1
-            self.last = step
-        else:
-            del self.saved[step]
+        for s in lost:
+            del self.saved[s]
+        self.pending = []
+        self.last = max(self.view, default=0)
+
+    def save_while_failing(self, step: int, seed: int) -> None:
+        """A save while the writer has given up on `step`: with a free slot it is admitted; with
+        none, it raises the writer's error (rather than wait for a slot that will not free)."""
+        if self.slots > 1:
+            return self.save(1, seed + 1, "jckpt", 0.5, False, True, False)
+        with pytest.raises(jckpt.StorageError) as e:
+            self.mgr.save(self.last + 1, tree_for(seed)["opt"])
+        check_error(e.value, step_name(step))
+
+    @rule()
+    def a_second_writer_is_refused(self):
+        with pytest.raises(jckpt.InUseError) as e:
+            jckpt.CheckpointManager(self.directory)
+        check_error(e.value, self.directory.rstrip("/"))
 
     @rule(seed=st.integers(0, 2**20), fmt=st.sampled_from(FORMATS), after=st.integers(0, 1))
     def retention_fails(self, seed, fmt, after):
@@ -605,6 +627,11 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         assert listed == sorted(self.view), (listed, sorted(self.view))
         assert self.mgr.latest_step() == (max(self.view) if self.view else None)
+        for mode, sign in (("min", 1), ("max", -1)):  # ties go to the later step
+            best = min(self.view, key=lambda s: (sign * self.view[s]["loss"], -s), default=None)
+            assert self.mgr.best_step("loss", mode) == best, (mode, self.view)
+        for step, metrics in self.view.items():
+            assert self.mgr.metrics(step) == metrics
 
     @invariant()
     def counters_match_the_model(self):
