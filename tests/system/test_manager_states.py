@@ -51,9 +51,10 @@ from hypothesis.stateful import (
 )
 
 import jckpt
-from jckpt.format.names import NEXT_TAG, STAGE_TAG, step_name
+from jckpt.format.names import NEXT_TAG, STAGE_DIR_TAG, STAGE_TAG, step_name
 from jckpt.services import engine, steps
 from jckpt.storage import backend as backend_mod
+from jckpt.storage import directory as directory_mod
 from jckpt.storage import staging, step_directory
 from jckpt.storage import writer as writer_mod
 
@@ -184,7 +185,7 @@ class Faults:
             for module in (staging, step_directory):
                 self.patch(module, "fsync_file", lambda o: failing(o, eio))
         elif kind == "fsync_dir":  # a file step: after its rename
-            for module in (staging, step_directory):
+            for module in (staging, step_directory, directory_mod):
                 self.patch(module, "fsync_dir", lambda o: failing(o, eio))
         elif kind in ("upload", "upload_lost"):
             self.patch(backend_mod.OBJECT_STORE, "upload",
@@ -271,14 +272,18 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def open(self) -> None:
         self.mgr = jckpt.CheckpointManager(self.directory, retry_after=0.005, patience=2,
-                                           slots=self.slots, **self.policy)
+                                           slots=self.slots, directory_steps=self.dirs,
+                                           **self.policy)
         self.committed = self.durable = 0
         self.error, self.dead = 0, False
         self.last = max(self.view, default=0)  # a new process: steps admitted and lost are no bound
 
-    @initialize(policy=st.sampled_from(POLICIES), slots=st.integers(1, 3))
-    def start(self, policy, slots):
-        self.policy, self.slots = policy, slots
+    @initialize(policy=st.sampled_from(POLICIES), slots=st.integers(1, 3),
+                dirs=st.sampled_from([False, False, True]))
+    def start(self, policy, slots, dirs):
+        """Open the first manager: `dirs` writes each step as a directory checkpoint (what a
+        multi-process run writes), synchronously."""
+        self.policy, self.slots, self.dirs = policy, slots, dirs
         self.open()
 
     def teardown(self):
@@ -323,6 +328,8 @@ class ManagerMachine(RuleBasedStateMachine):
     def save(self, gap, seed, fmt, loss, trainer, items, wait):
         step = self.last + gap
         tree = tree_for(seed)
+        if self.dirs:  # jckpt only, one namespace
+            fmt, items = "jckpt", False
         if fmt == "raw":
             tree = {"model": {"w": tree["model"]["w"]}, "opt": tree["opt"]}
         state = jckpt.TrainerState(global_step=step, consumed_batches=seed, user={"seed": seed}) \
@@ -339,7 +346,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.pending.append(step)
         self.committed += 1
         self.last = step
-        if wait:
+        if wait or self.dirs:
             self.settle()
 
     @rule()
@@ -449,6 +456,8 @@ class ManagerMachine(RuleBasedStateMachine):
         kind = data.draw(st.sampled_from(["disk_full", "upload", "upload_lost"] if self.remote else
                                          ["disk_full", "fsync_file", "fsync_dir"]))
         self.settle()
+        if self.dirs:
+            return self.directory_save_fails(kind, after, seed)
         self.save(1, seed, "jckpt" if seed % 2 else "npz", 0.75, True, True, False)
         step = self.last
         with self.faults.on(kind, after=after, once=once):
@@ -477,6 +486,23 @@ class ManagerMachine(RuleBasedStateMachine):
             del self.saved[s]
         self.pending = []
         self.last = max(self.view, default=0)
+
+    def directory_save_fails(self, kind: str, after: int, seed: int) -> None:
+        """A directory step's save is synchronous: a failure raises from `save`, names the step,
+        publishes nothing and leaves the steps before it; the step may be saved again."""
+        step = self.last + 1
+        with self.faults.on(kind, after=after):
+            try:
+                self.mgr.save(step, tree_for(seed), metrics={"loss": 0.75})
+            except jckpt.StorageError as e:
+                check_error(e, step_name(step))
+                self.check_listed(kind)
+                return
+        self.saved[step] = Saved({"jckpt": tree_for(seed)}, "jckpt", {"loss": 0.75}, None, {})
+        self.pending.append(step)
+        self.committed += 1
+        self.last = step
+        self.published()
 
     def save_while_failing(self, step: int, seed: int) -> None:
         """A save while the writer has given up on `step`: with a free slot it is admitted; with
@@ -508,7 +534,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.prune_limit = None
         self.check_listed("retention failed")
 
-    @precondition(lambda self: not self.dead)
+    @precondition(lambda self: not self.dead and not self.dirs)
     @rule(seed=st.integers(0, 2**20), more=st.integers(0, 2))
     def writer_thread_dies(self, seed, more):
         """The background writer dies right after publishing a step: the step is published, the
@@ -541,6 +567,7 @@ class ManagerMachine(RuleBasedStateMachine):
         check_error(e.value, self.directory)
         self.open()
 
+    @precondition(lambda self: not self.dirs)
     @rule(seed=st.integers(0, 2**20))
     def model_writer_raises(self, seed):
         """A model writer callback that raises drops its step: the steps after it are written,
@@ -597,6 +624,10 @@ class ManagerMachine(RuleBasedStateMachine):
             f.write(b"PK\x03\x04 half a model")
         with open(os.path.join(d, f"{name}{STAGE_TAG}000f423f.{seq:08x}.{uuid.uuid4().hex[:16]}"), "wb") as f:
             f.write(b"a save's staging file")
+        stage = os.path.join(d, f"{name}{STAGE_DIR_TAG}{uuid.uuid4().hex[:16]}")
+        os.makedirs(stage)  # a directory checkpoint's, whose lock went with its writer
+        with open(os.path.join(stage, "process_00000.jckpt"), "wb") as f:
+            f.write(b"half a piece")
         if step not in self.view:
             os.makedirs(os.path.join(d, name))
             with open(os.path.join(d, name, "optimizer.jckpt"), "wb") as f:
