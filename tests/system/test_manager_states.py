@@ -425,6 +425,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.published()
         self.open()
         self.check_nothing_else()
+        for step in sorted(self.view):  # no step lost or damaged by what happened since it was saved
+            self.check_step(step)
 
     def check_nothing_else(self) -> None:
         """A manager that opened leaves the steps it lists and nothing else of a step's name."""
@@ -697,6 +699,7 @@ class MirrorMachine(RuleBasedStateMachine):
         self.mirror: jckpt.Mirror | None = None
         self.last: dict | None = None       # the tree durable in the file
         self.staged: dict | None = None     # the last tree submitted
+        self.meta = self.last_meta = {}     # the user metadata submitted with it, and in the file
         self.committed = self.generation = self.queued = 0
 
     def open(self) -> None:
@@ -713,14 +716,16 @@ class MirrorMachine(RuleBasedStateMachine):
             with contextlib.suppress(jckpt.CheckpointError):
                 self.mirror.close(timeout=60)
 
-    @rule(seed=st.integers(0, 5), same=st.booleans(), wait=st.booleans())
-    def submit(self, seed, same, wait):
+    @rule(seed=st.integers(0, 5), same=st.booleans(), wait=st.booleans(),
+          note=st.sampled_from(["", "a", "b"]))
+    def submit(self, seed, same, wait, note=""):
         tree = self.staged if same and self.staged is not None else tree_for(seed)
-        if self.staged is None or flat(tree).keys() != flat(self.staged).keys() or any(
-                flat(tree)[k].tobytes() != flat(self.staged)[k].tobytes() for k in flat(tree)):
-            self.generation += 1  # a snapshot equal to the last makes no generation
-        self.staged = tree
-        assert self.mirror.submit(tree) == self.committed + 1
+        meta = {"note": note} if note else {}
+        if self.staged is None or meta != self.meta or flat(tree).keys() != flat(self.staged).keys() \
+                or any(flat(tree)[k].tobytes() != flat(self.staged)[k].tobytes() for k in flat(tree)):
+            self.generation += 1  # a snapshot equal to the last (metadata too) makes no generation
+        self.staged, self.meta = tree, meta
+        assert self.mirror.submit(tree, metadata=meta) == self.committed + 1
         self.committed += 1
         self.queued += 1
         if wait:
@@ -729,8 +734,7 @@ class MirrorMachine(RuleBasedStateMachine):
     @rule()
     def flush(self):
         settle(self.mirror)
-        self.queued = 0
-        self.last = self.staged
+        self.flush_model()
 
     @rule()
     def reopen(self):
@@ -740,7 +744,7 @@ class MirrorMachine(RuleBasedStateMachine):
 
     def flush_model(self):
         self.queued = 0
-        self.last = self.staged
+        self.last, self.last_meta = self.staged, self.meta
 
     def generation_found(self) -> int | None:
         try:
@@ -753,7 +757,7 @@ class MirrorMachine(RuleBasedStateMachine):
         """A generation whose write or publish fails: the previous one stays in the file,
         intact; healed, it is written; else `close` raises and the file keeps the previous one
         (unless its rename went through before the failure)."""
-        kind = data.draw(st.sampled_from(["disk_full", "upload"] if self.remote else
+        kind = data.draw(st.sampled_from(["disk_full", "upload", "upload_lost"] if self.remote else
                                          ["disk_full", "fsync_file", "fsync_dir"]))
         self.flush()
         with self.faults.on(kind):
@@ -761,8 +765,8 @@ class MirrorMachine(RuleBasedStateMachine):
             with pytest.raises(jckpt.StorageError) as e:
                 assert self.mirror.wait_durable(timeout=60)
             check_error(e.value, self.path)
-            if kind == "fsync_dir" and self.generation_found() == self.generation:
-                self.check_file(self.generation, self.staged)  # renamed, then the fsync failed
+            if kind in ("fsync_dir", "upload_lost") and self.generation_found() == self.generation:
+                self.check_file(self.generation, self.staged, self.meta)  # published, then failed
             else:
                 self.check_file(self.generation - 1)  # the previous generation, intact
             if not heal:
@@ -775,11 +779,35 @@ class MirrorMachine(RuleBasedStateMachine):
             return
         self.open()
         if self.generation_found() == self.generation:  # renamed before the failure
-            assert kind == "fsync_dir", kind
-            self.last = self.staged
+            assert kind in ("fsync_dir", "upload_lost"), kind
+            self.flush_model()
         else:
             self.generation -= 1
-            self.staged = self.last
+            self.staged, self.meta = self.last, self.last_meta
+
+    @rule(seed=st.integers(0, 5))
+    def writer_thread_dies(self, seed):
+        """The writer dies after publishing a generation: submit, wait and close raise an error
+        saying so (never a hang), and the mirror opened again continues from that generation."""
+        self.flush()
+        original = engine.Pipeline._completed
+
+        def dying(pipeline, job, generation):
+            engine.Pipeline._completed = original
+            raise RuntimeError("the writer thread was killed")
+        engine.Pipeline._completed = dying
+        try:
+            self.submit(10**6 + self.generation, False, False)
+            poll(lambda: not self.mirror._pipeline._thread.is_alive(), "the writer did not die")
+        finally:
+            engine.Pipeline._completed = original
+        self.flush_model()  # published before the thread died
+        for call in (lambda: self.mirror.submit(tree_for(seed)), self.mirror.wait_durable,
+                     self.mirror.close):
+            with pytest.raises(jckpt.CheckpointError, match="writer stopped") as e:
+                call()
+            check_error(e.value, self.path)
+        self.open()
 
     @rule(seq=st.integers(1, 9))
     def killed_writer_leftovers(self, seq):
@@ -791,14 +819,17 @@ class MirrorMachine(RuleBasedStateMachine):
         self.open()
         assert not os.path.exists(temporary)
 
-    def check_file(self, generation: int, tree: dict | None = None) -> None:
+    def check_file(self, generation: int, tree: dict | None = None, meta: dict | None = None) -> None:
         tree = tree if tree is not None else self.last
+        meta = meta if meta is not None else self.last_meta
         if tree is None:
             assert self.generation_found() is None
             return
         got = jckpt.load(HOST, self.path, verify=True)[1]
         assert_same(got, {"jckpt": tree}, "the mirror's file")
         assert self.generation_found() == generation
+        found = jckpt.describe(self.path).metadata_dict()
+        assert {k: v for k, v in found.items() if not k.startswith("jckpt.")} == meta, found
 
     @invariant()
     def counters_and_file_match_the_model(self):
