@@ -884,10 +884,12 @@ def run(machine: type, where: Callable[[], str], *, examples: int, steps: int, r
     print(f"{machine.__name__}: {examples * SCALE} examples, {sum(STATS.values())} checks")
 
 
+@pytest.mark.slow
 def test_manager_states(tmp_path):
     run(ManagerMachine, lambda: tempfile.mkdtemp(dir=tmp_path), examples=60, steps=25)
 
 
+@pytest.mark.slow
 def test_mirror_states(tmp_path):
     run(MirrorMachine, lambda: tempfile.mkdtemp(dir=tmp_path), examples=40, steps=20)
 
