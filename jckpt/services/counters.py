@@ -25,8 +25,8 @@ class MirrorCounters:
         snapshot that is now synchronized on disk (or found identical to it).
       generation: the generation number in the file (0: none written yet).
       pending: slots whose snapshot is waiting to be written or being written.
-      error: `0`, or the last persistence error while it is unrecovered, as an
-        errno name (`"ENOSPC"`) or the error's class name.
+      error: `0`, or the last persistence error while it is unrecovered (or what stopped
+        the writer thread), as an errno name (`"ENOSPC"`) or the error's class name.
       failures: failed write attempts since the mirror opened.
       last_error: the message of the most recent failure, kept after recovery.
       stalls: submits that had to wait for a free slot (the disk is not keeping up).

@@ -204,6 +204,7 @@ class Pipeline(Generic[InfoT, StagedT]):
         self._stalls = 0
         self._closing = False
         self._closed = False
+        self._died: BaseException | None = None  # what ended the writer thread, if anything did
         self._helper = _Helper(f"jckpt-publisher {name}")
         self._thread = threading.Thread(target=self._run, name=f"jckpt-writer {name}", daemon=True)
         self._thread.start()
@@ -217,7 +218,8 @@ class Pipeline(Generic[InfoT, StagedT]):
         with self._cond:
             return MirrorCounters(committed=self._committed, durable=self._durable,
                                   generation=self._generation, pending=len(self._queue),
-                                  error=error_code(self._error) if self._error is not None else 0,
+                                  error=error_code(failed) if (failed := self._died or self._error)
+                                  is not None else 0,
                                   failures=self._failures, last_error=self._last_error,
                                   stalls=self._stalls, images=self._images)
 
@@ -225,8 +227,22 @@ class Pipeline(Generic[InfoT, StagedT]):
         return self._error if self._error is not None and self._streak >= self.patience else None
 
     def _check_open(self) -> None:
+        """Refuse new work once closing, or once the writer thread has died (`_stopped`)."""
         if self._closing:
             raise CheckpointError("the writer is closed", file=self.name, fix="open a new one")
+        self._check_alive()
+
+    def _check_alive(self) -> None:
+        """Raise, if the writer thread is gone, an error saying so and why: a snapshot admitted
+        now would never be written, and a caller waiting for a slot would wait forever."""
+        if self._died is None and self._thread.is_alive():
+            return
+        cause = self._died
+        raise CheckpointError(
+            "the background writer stopped" + (f" ({type(cause).__name__}: {cause})" if cause else "")
+            + ": snapshots not yet durable are not written", file=self.name,
+            fix="close it and open a new one; what it made durable is kept, save the rest "
+                "again") from cause
 
     def admit(self, leaves: Sequence[Leaf], metadata: Mapping[str, str], info: InfoT = None,
               timeout: float | None = None) -> int:
@@ -316,8 +332,7 @@ class Pipeline(Generic[InfoT, StagedT]):
                 failed = self._given_up()
                 if failed is not None:
                     raise failed
-                if not self._thread.is_alive():
-                    raise CheckpointError("the background writer stopped", file=self.name)
+                self._check_alive()
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
@@ -363,6 +378,11 @@ class Pipeline(Generic[InfoT, StagedT]):
     def _run(self) -> None:
         try:
             self._loop()
+        except BaseException as e:  # a fault of jckpt's own: say so to every caller, not hang them
+            log.error("the writer of %s stopped: %r", self.name, e, exc_info=e)
+            with self._cond:
+                self._died = e
+                self._cond.notify_all()
         finally:
             self._helper.stop()
 

@@ -74,7 +74,7 @@ def _read_model(file: str, record: Mapping[str, Any], options: CheckpointLoadOpt
             try:
                 return options.model_loader(file)
             except Exception as e:
-                raise model_error(step, file, "the model loader failed", e) from e
+                raise model_error(step, file, "reading the model with its loader", e) from e
         return _read_detected(file, found, step)
     try:
         buffer = adapters.map_file(file)

@@ -171,7 +171,7 @@ def model_error(step: int, file: str, what: str, e: BaseException) -> Checkpoint
     if isinstance(e, StorageError):  # keeps its errno for the counters
         return e
     if isinstance(e, OSError):
-        return storage_error(e, what, file)
+        return storage_error(e, f"step {step}: {what}", file)
     if isinstance(e, CheckpointError) and type(e).__init__ is CheckpointError.__init__:
         return type(e)(f"step {step}: {what}: {e.message}", file=file, entry=e.entry,
                        fix=e.fix or _WRITER_FIX)

@@ -283,6 +283,33 @@ def test_run_now_waits_for_what_was_admitted_and_counts():
     p.close()
 
 
+class Dying(BaseException):
+    """What no `except Exception` catches: it ends the thread it is raised in."""
+
+
+def test_a_writer_that_died_refuses_new_snapshots_and_says_why():
+    """Once the writer thread had died, `admit` still took the free slots for snapshots that
+    would never be written (and then waited forever for one), the counters said `error 0`, and
+    `wait` raised "the background writer stopped" without the cause or a fix."""
+    fake = Fake()
+    fake.fail_publish = OSError(errno.EIO, "Input/output error")
+
+    def rollback():
+        raise Dying("the rollback died")
+    fake.rollback = rollback
+    p = Pipeline("dies", fake, slots=2, retry_after=0)
+    p.admit(leaves(1), {})
+    wait_for(lambda: "jckpt-writer dies" not in writer_threads())
+    with pytest.raises(jckpt.CheckpointError, match=r"writer stopped \(Dying: the rollback died\)") as e:
+        p.admit(leaves(2), {})
+    assert "open a new one" in e.value.fix and e.value.file == "dies"
+    assert p.counters().error == "Dying" and p.counters().committed == 1
+    for call in (p.wait, p.close):
+        with pytest.raises(jckpt.CheckpointError, match="writer stopped") as e:
+            call()
+        assert e.value.fix
+
+
 def test_a_failed_copy_gives_the_slot_back():
     p = Pipeline("copy", Fake(), slots=1, when_full="raise")
     with pytest.raises(jckpt.InputError):

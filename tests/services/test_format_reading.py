@@ -1,6 +1,7 @@
 """Reading a step directory of the manager's format layer: the reader its magic picks, partial
 loads, namespaces, restore's own rules, and the errors a damaged step gives."""
 
+import errno
 import json
 import os
 
@@ -8,7 +9,13 @@ import numpy as np
 import pytest
 
 import jckpt
-from jckpt.errors import CheckpointError, FormatError, MismatchError, MissingEntryError
+from jckpt.errors import (
+    CheckpointError,
+    FormatError,
+    MismatchError,
+    MissingEntryError,
+    StorageError,
+)
 from jckpt.services.format_reading import metadata_of
 from jckpt.services.formats import CheckpointLoadOptions, CheckpointOptions
 from tests.services.test_formats import assert_trees_equal, gpt2, optimizer, saved_steps
@@ -122,12 +129,25 @@ def test_a_loader_that_raises_or_returns_another_tree(tmp_path):
         raise ValueError("bad bytes")
 
     with saved_steps(tmp_path, fmt='safetensors') as mgr:
-        with pytest.raises(CheckpointError, match="step 2: the model loader failed: bad bytes"):
+        with pytest.raises(CheckpointError, match="step 2: reading the model with its loader: bad bytes"):
             mgr.restore(options=CheckpointLoadOptions(model_loader=raising))
         wrong = CheckpointLoadOptions(model_loader=lambda path: {'v': np.ones(2)})
         with pytest.raises(MissingEntryError, match="step 2: the model has no leaf"):
             mgr.restore(target={'w': np.zeros(2)}, ctx=jckpt.Context(namespace='model'),
                         options=wrong)
+
+
+def test_a_loader_that_cannot_open_its_file_is_a_storage_error_naming_the_step(tmp_path):
+    """A loader's OSError (a loader given a URL it cannot open, say) said "the model loader
+    failed failed: ..." and named no step."""
+    def missing(path):
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
+
+    with saved_steps(tmp_path, fmt='safetensors') as mgr:
+        with pytest.raises(StorageError, match="step 2: reading the model with its loader failed: "
+                                               "No such file") as e:
+            mgr.restore(options=CheckpointLoadOptions(model_loader=missing))
+    assert e.value.errno == errno.ENOENT and e.value.file.endswith("model.safetensors")
 
 
 @pytest.mark.parametrize('fmt', ['npz', 'safetensors', 'torch'])
