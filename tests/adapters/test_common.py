@@ -119,7 +119,10 @@ def test_paths_json_round_trips_the_tree():
                                     '{"a": ["bad ns!", [["k", "a"]]]}',
                                     '{"a": ["m", [["zz", "a"]]]}',
                                     '{"a": ["m", [["i", "0"]]]}',
-                                    '{"a": ["m", [["i", true]]]}'])
+                                    '{"a": ["m", [["i", true]]]}',
+                                    '{"a": ["m", [["k", "a", "b"]]]}',
+                                    '{"a": ["m", "ka"]}', '{"a": ["m", [["k", ["a"]]]]}',
+                                    '{"a": [["m"], [["k", "a"]]]}', '[' * 100_000])
 def test_a_record_that_does_not_fit_gives_flat_names(record):
     arrays = {'a': np.ones(1)}
     assert tree_from_names(arrays, record) == {DEFAULT_NAMESPACE: arrays}
@@ -135,6 +138,25 @@ def test_a_record_must_cover_exactly_the_names_and_distinct_paths():
     twice = paths_json([items[0], items[0]], ['x', 'y'])  # two names, one path
     pair = {'x': np.ones(1), 'y': np.ones(1)}
     assert tree_from_names(pair, twice) == {DEFAULT_NAMESPACE: pair}
+
+
+def test_a_tree_read_back_keeps_the_order_it_was_written_in():
+    """The record lists the tree in its own order; the file's tensors (largest element first)
+    are in another. The tree is rebuilt in the record's."""
+    items = [('jckpt', (('k', 'a'),), np.float32(1)), ('jckpt', (('k', 'b'),), np.float64(2)),
+             ('jckpt', (('k', 'c'), ('i', 0)), np.int8(3))]
+    names = flat_names(items, 'f')
+    arrays = {'c.0': items[2][2], 'b': items[1][2], 'a': items[0][2]}  # the file's order
+    assert list(tree_from_names(arrays, paths_json(items, names))['jckpt']) == ['a', 'b', 'c']
+
+
+def test_a_tree_of_lists_of_lists_is_rebuilt_from_its_record():
+    items = [('m', (('k', 'l'), ('i', i), ('i', j), ('k', 'w')), np.full(1, 10 * i + j))
+             for i in range(3) for j in range(2)] + [('o', (('ki', 7),), np.zeros(1))]
+    names = flat_names(items, 'f')
+    tree = tree_from_names({n: a for n, (_, _, a) in zip(names, items)}, paths_json(items, names))
+    assert [[w['w'].item() for w in row] for row in tree['m']['l']] == [[0, 1], [10, 11], [20, 21]]
+    assert list(tree['o']) == [7]
 
 
 def test_single_content():
