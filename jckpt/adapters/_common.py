@@ -15,6 +15,7 @@ import io
 import json
 import math
 import os
+import warnings
 from collections.abc import Collection, Iterator
 from itertools import chain, repeat
 from typing import Any
@@ -67,6 +68,28 @@ def host_items_with_keys(tree: Any, file: str) -> list[tuple[str, KeyPath, np.nd
     except InputError as e:
         raise InputError(e.message, file=file, entry=e.entry, fix=e.fix) from None
     return [(ns, path, host.array, host.key_impl) for (ns, path, _), host in zip(items, hosts)]
+
+
+def warn_empty_namespaces(tree: dict[str, Any], kept: Collection[str], file: str,
+                          format_name: str, keep: str = "write a jckpt file") -> None:
+    """Warn, naming them, of the namespaces of `tree` not in `kept` (those the file holds
+    arrays of): a namespace without arrays (`optax.sgd`'s state of two `EmptyState`s, a
+    bare `EmptyState()`, `None`) has nothing a `format_name` file can hold, so it is left
+    out, as the orbax writer leaves one out, and not silently; `keep` says how to keep it.
+
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter('always')
+    ...     warn_empty_namespaces({'model': 1, 'opt': ()}, ['model'], 'm.npz', 'npz')
+    >>> print(caught[0].message)  # doctest: +ELLIPSIS
+    m.npz: namespaces ['opt'] hold no arrays (an empty optimizer state) and are left out: ...
+    """
+    empty = [ns for ns in tree if ns not in kept]
+    if empty:
+        warnings.warn(f"{file}: namespaces {empty} hold no arrays (an empty optimizer state) and "
+                      f"are left out: {format_name} files hold arrays only, so this one reads "
+                      f"back without them; a restore with a target takes them from it (to keep them, "
+                      f"{keep})", stacklevel=4)
 
 
 def abstract_items(tree: Any, file: str) -> list[tuple[str, KeyPath, Any]]:

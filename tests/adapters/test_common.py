@@ -159,6 +159,35 @@ def test_a_tree_of_lists_of_lists_is_rebuilt_from_its_record():
     assert list(tree['o']) == [7]
 
 
+def _with_empty_namespaces():
+    """A model, `optax.sgd`'s state (two `EmptyState`s) and `optax.identity()`'s (one)."""
+    return {'model': {'w': np.ones(2, np.float32)}, 'opt': ((), ()), 'ident': ()}
+
+
+@pytest.mark.parametrize('ext', ['safetensors', 'npz', 'pt'])
+def test_a_namespace_without_arrays_is_left_out_with_a_warning_naming_it(tmp_path, ext):
+    """As the orbax writer does: these formats hold arrays only, and said nothing."""
+    from jckpt import adapters
+    from jckpt.adapters import native
+
+    native.write(_with_empty_namespaces(), tmp_path / 's.jckpt')
+    with pytest.warns(UserWarning, match=r"\['ident', 'opt'\] hold no arrays .* left out") as w:
+        adapters.convert(tmp_path / 's.jckpt', tmp_path / f'o.{ext}')
+    assert str(tmp_path / f'o.{ext}') in str(w[0].message)
+    assert sorted(adapters.read(tmp_path / f'o.{ext}')) == ['model']
+
+
+def test_a_torch_file_of_the_tree_as_it_is_keeps_them_and_says_nothing(tmp_path, recwarn):
+    from jckpt import adapters
+    from jckpt.adapters import torch as pt
+
+    pt.write(_with_empty_namespaces(), tmp_path / 'n.pt', flat=False)
+    adapters.write({'model': {'w': np.ones(2)}}, tmp_path / 'm.safetensors')
+    assert not [w for w in recwarn if 'hold no arrays' in str(w.message)]
+    back = adapters.read(tmp_path / 'n.pt')['jckpt']
+    assert back['opt'] == ((), ()) and back['ident'] == ()  # pickled as they were
+
+
 def test_single_content():
     assert single_content({'jckpt': {'w': 1}}) == {'w': 1}
     both = {'a': 1, 'b': 2}
