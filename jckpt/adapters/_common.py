@@ -15,12 +15,15 @@ import io
 import json
 import math
 import os
+import warnings
 from collections.abc import Collection, Iterator
+from itertools import chain, repeat
 from typing import Any
 
 import numpy as np
 
 from jckpt.errors import FormatError, InputError
+from jckpt.format._gc import paused
 from jckpt.format.header import NAMESPACE_RE, KeyPath, path_name
 from jckpt.format.limits import MAX_PATH_LENGTH, json_loads
 from jckpt.storage.backend import Buffer, backend_for
@@ -65,6 +68,28 @@ def host_items_with_keys(tree: Any, file: str) -> list[tuple[str, KeyPath, np.nd
     except InputError as e:
         raise InputError(e.message, file=file, entry=e.entry, fix=e.fix) from None
     return [(ns, path, host.array, host.key_impl) for (ns, path, _), host in zip(items, hosts)]
+
+
+def warn_empty_namespaces(tree: dict[str, Any], kept: Collection[str], file: str,
+                          format_name: str, keep: str = "write a jckpt file") -> None:
+    """Warn, naming them, of the namespaces of `tree` not in `kept` (those the file holds
+    arrays of): a namespace without arrays (`optax.sgd`'s state of two `EmptyState`s, a
+    bare `EmptyState()`, `None`) has nothing a `format_name` file can hold, so it is left
+    out, as the orbax writer leaves one out, and not silently; `keep` says how to keep it.
+
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter('always')
+    ...     warn_empty_namespaces({'model': 1, 'opt': ()}, ['model'], 'm.npz', 'npz')
+    >>> print(caught[0].message)  # doctest: +ELLIPSIS
+    m.npz: namespaces ['opt'] hold no arrays (an empty optimizer state) and are left out: ...
+    """
+    empty = [ns for ns in tree if ns not in kept]
+    if empty:
+        warnings.warn(f"{file}: namespaces {empty} hold no arrays (an empty optimizer state) and "
+                      f"are left out: {format_name} files hold arrays only, so this one reads "
+                      f"back without them; a restore with a target takes them from it (to keep them, "
+                      f"{keep})", stacklevel=4)
 
 
 def abstract_items(tree: Any, file: str) -> list[tuple[str, KeyPath, Any]]:
@@ -117,19 +142,31 @@ def paths_json(items: list[tuple[str, KeyPath, np.ndarray]], names: list[str]) -
                       separators=(',', ':'))
 
 
+@paused  # the record's JSON is a list or two per name, and no cycle: 200,000 names made the
+# collector walk millions of objects again and again
 def tree_from_names(arrays: dict[str, np.ndarray], record: str | None,
                     namespace: str = DEFAULT_NAMESPACE) -> dict[str, Any]:
     """Rebuild `{namespace: subtree}` from named arrays and, when it is present
-    and covers exactly these names, the paths record written by `paths_json`."""
+    and covers exactly these names, the paths record written by `paths_json`
+    (in the record's order: the tree's, as it was written).
+
+    The tree is built by `jckpt.trees.nested.unflatten`, as `jckpt.load` builds one,
+    from leaves paired with their paths in C (one namespace, the common case) or
+    grouped by namespace.
+    """
     from jckpt.trees.nested import unflatten  # plain Python: reading needs no JAX
 
-    paths = _parse_record(record, set(arrays))
-    if paths is None:
+    found = _parse_record(record, set(arrays))
+    if found is None:
         return {namespace: dict(arrays)}
+    names, namespaces, paths = found
+    leaves = map(arrays.__getitem__, names)
     groups: dict[str, list] = {}
-    for name, array in arrays.items():
-        ns, p = paths[name]
-        groups.setdefault(ns, []).append((p, array))
+    if len(set(namespaces)) == 1:
+        groups[namespaces[0]] = list(zip(paths, leaves))
+    else:
+        for ns, p, leaf in zip(namespaces, paths, leaves):
+            groups.setdefault(ns, []).append((p, leaf))
     try:
         return {ns: unflatten(items) for ns, items in groups.items()}
     except FormatError:
@@ -185,28 +222,37 @@ def _place(out: dict, parts: list, value: Any, made: set[int], key: str, file: s
     node[parts[-1]] = value
 
 
-def _parse_record(record: str | None, names: set[str]) -> dict[str, tuple[str, KeyPath]] | None:
+#: What a paths record may pair: each path kind with the type of its key.
+_RECORD_KINDS = frozenset({('k', str), ('a', str), ('ki', int), ('i', int), ('f', int)})
+
+
+def _parse_record(record: str | None, names: set[str]
+                  ) -> tuple[list[str], tuple[str, ...], list[KeyPath]] | None:
+    """`(names, namespaces, paths)`, in the record's order, of a record `paths_json` wrote
+    for exactly `names`; None for anything else. Checked column by column (every namespace,
+    every path, every component), not name by name: a record of 200,000 names is checked
+    in a few C passes. Two names of one path are left to `unflatten`, which refuses them."""
     if not record:
         return None
-    try:
-        raw = json_loads(record)
-        out = {}
-        for name, (ns, comps) in raw.items():
-            if not (isinstance(ns, str) and NAMESPACE_RE.match(ns)) or len(comps) > MAX_PATH_LENGTH:
-                return None
-            path = []
-            for kind, value in comps:
-                if (kind in ('k', 'a') and isinstance(value, str)) or (kind in ('ki', 'i', 'f') \
-                        and isinstance(value, int) and not isinstance(value, bool)):
-                    path.append((kind, value))
-                else:
-                    return None
-            out[name] = (ns, tuple(path))
-    except (ValueError, TypeError, AttributeError):
+    try:  # shallow: every part's type is checked below, so nothing nests deeper than the layout
+        raw = json_loads(record, shallow=True)
+        if type(raw) is not dict or raw.keys() != names:
+            return None
+        if not raw:
+            return [], (), []
+        if set(map(type, raw.values())) != {list} or set(map(len, raw.values())) != {2}:
+            return None
+        namespaces, paths = zip(*raw.values())
+        if set(map(type, namespaces)) != {str} or not all(map(NAMESPACE_RE.match, set(namespaces))) \
+                or set(map(type, paths)) != {list} or max(map(len, paths)) > MAX_PATH_LENGTH:
+            return None
+        components = list(chain.from_iterable(paths))
+        if set(map(type, components)) - {list} or \
+                not {(kind, type(key)) for kind, key in components} <= _RECORD_KINDS:
+            return None  # type(key): a bool is no int
+    except (ValueError, TypeError, RecursionError):  # a component not a pair: ValueError
         return None
-    if set(out) != names or len({(ns, p) for ns, p in out.values()}) != len(out):
-        return None
-    return out
+    return list(raw), namespaces, list(map(tuple, map(map, repeat(tuple), paths)))  # tuples, in C
 
 
 def single_content(tree: dict[str, Any]) -> Any:

@@ -48,6 +48,7 @@ from jckpt.adapters._common import (
     published,
     tree_from_names,
     unsafe_member_name,
+    warn_empty_namespaces,
 )
 from jckpt.errors import FormatError, InputError
 from jckpt.format import limits
@@ -186,6 +187,7 @@ def write_npy(tree: Any, path: str) -> None:
     path = os.fspath(path)
     items = host_items(tree, path)
     _one_leaf(items, path)
+    warn_empty_namespaces(tree, {ns for ns, _, _ in items}, path, 'npy')
     array = items[0][2]
     with published(path) as f:
         f.write(npy_header(array))
@@ -278,6 +280,7 @@ def write_npz(tree: Any, path: str) -> None:
     """Write `{namespace: subtree}` as an uncompressed `.npz` archive (members 64-byte aligned)."""
     path = os.fspath(path)
     items = host_items(tree, path)
+    warn_empty_namespaces(tree, {ns for ns, _, _ in items}, path, 'npz')
     names = _member_names(items, path)
     record = _COMMENT_TAG + paths_json(items, names).encode('utf-8')
     with published(path) as f, zipfile.ZipFile(f, 'w', zipfile.ZIP_STORED,

@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -87,6 +88,17 @@ class OrbaxReader:
         found = {p: (a, impl) for _, p, a, impl in items}
         self._arrays[ns] = {p: a for p, (a, _) in found.items()}
         return found
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The header's metadata (the step's JSON items)."""
+        return self.header.metadata
+
+    def specs(self) -> Iterator[tuple[str, KeyPath, np.dtype, tuple[int, ...], int]]:
+        """`(namespace, path, dtype, shape, nbytes)` of each entry of `header`, in order (what
+        `jckpt.adapters.tree_reader.TreeReader.specs` gives of a file)."""
+        return ((e.namespace, e.path, e.dtype, e.shape, e.byte_length)  # type: ignore[misc]
+                for e in self.header.tensors)
 
     def decode(self, entry: Entry, *, mmap: bool = True, verify: bool = False,
                count: bool = True) -> np.ndarray:

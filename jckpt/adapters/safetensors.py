@@ -52,6 +52,7 @@ from jckpt.adapters._common import (
     paths_json,
     published,
     tree_from_names,
+    warn_empty_namespaces,
 )
 from jckpt.adapters.safetensors_bulk import Layout
 from jckpt.errors import FormatError, InputError
@@ -343,6 +344,7 @@ def encode_header(entries: list[tuple[str, np.dtype, tuple[int, ...], int]],
 def _prepare(tree: Any, path: str) -> tuple[list, list[str], list[int]]:
     """Host items, their names, and the write order (largest element first, then name)."""
     items = host_items(tree, path)
+    warn_empty_namespaces(tree, {ns for ns, _, _ in items}, path, 'safetensors')
     names = _checked_names(items, path)
     order = sorted(range(len(items)), key=lambda i: (-items[i][2].dtype.itemsize, names[i]))
     return items, names, order

@@ -56,6 +56,7 @@ from jckpt.adapters._common import (
     single_content,
     tree_from_names,
     unsafe_member_name,
+    warn_empty_namespaces,
 )
 from jckpt.adapters._torch_legacy import LEGACY_MAGIC
 from jckpt.adapters._torch_pickle import Pickler
@@ -303,8 +304,10 @@ def _name(path: tuple) -> str:
     return '/'.join(str(v) for _, v in path)
 
 
-def _content(tree: Any, path: str, flat: bool) -> tuple[Any, str | None]:
-    """What is pickled (the tree, or `{dotted name: leaf}`) and the paths record of a flat one."""
+def _content(tree: Any, path: str, flat: bool, *, warn: bool = False) -> tuple[Any, str | None]:
+    """What is pickled (the tree, or `{dotted name: leaf}`) and the paths record of a flat one;
+    `warn`: warn of the namespaces a flat one leaves out (those without arrays: a tree
+    pickled as it is keeps them)."""
     tree = check_namespaced(tree, path)
     if not flat:
         return single_content(tree), None
@@ -316,6 +319,9 @@ def _content(tree: Any, path: str, flat: bool) -> tuple[Any, str | None]:
             items.extend((ns, p, leaf) for p, leaf in found)
     except InputError as e:
         raise InputError(e.message, file=path, entry=e.entry, fix=e.fix) from None
+    if warn:
+        warn_empty_namespaces(tree, {ns for ns, _, _ in items}, path, 'flat torch',
+                              keep="write with flat=False, or a jckpt file")
     if len(items) == 1 and not items[0][1] and len(tree) == 1:
         return items[0][2], None  # a lone tensor (torch.save(t)) is pickled as itself
     names = flat_names(items, path)
@@ -366,7 +372,7 @@ def write(tree: Any, path: str, *, flat: bool | None = None,
         flat = meta.get(LAYOUT_KEY) != 'nested'
     if SCALARS_KEY in meta and len(tree) == 1:  # numbers the torch file held as numbers
         tree = {ns: with_scalars(sub, meta[SCALARS_KEY]) for ns, sub in tree.items()}
-    content, record = _content(tree, path, flat)
+    content, record = _content(tree, path, flat, warn=True)
     pickler = Pickler(path)
     pickler.share(content)
     pickler.value(content, '')

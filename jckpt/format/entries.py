@@ -121,7 +121,7 @@ class Header:
 
 def path_name(path: KeyPath) -> str:
     """`(('k', 'params'), ('i', 0))` -> `'params/0'`."""
-    return '/'.join(str(v) for _, v in path)
+    return '/'.join([str(v) for _, v in path])  # a list: join makes one of a generator anyway
 
 
 def round_up(n: int, a: int) -> int:

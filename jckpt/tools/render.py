@@ -19,6 +19,7 @@ import html
 import json
 import re
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Any
 
 from jckpt.format._gc import paused
@@ -86,7 +87,7 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}s"
 
 
-@paused  # a list per row: the collector would walk them all, again and again
+@paused  # its caller's rows, and a list per column: nothing for the collector to find
 def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
                right: Sequence[int] = ()) -> str:
     """Rows as aligned plain-text columns (`right`: indices of right-aligned columns).
@@ -96,13 +97,27 @@ def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
     x      1
     yy    22
     """
-    cells = [list(map(str, headers)), *(list(map(str, row)) for row in rows)]
-    if _UNPRINTABLE.search(''.join(map(''.join, cells))):  # one scan; escape cells only if needed
-        cells = [list(map(printable, row)) for row in cells]
-    widths = [max(map(len, column)) for column in zip(*cells)]
-    line = '  '.join(f"{{:{'>' if i in right else '<'}{w}}}" for i, w in enumerate(widths))
-    return '\n'.join(line.format(*r).rstrip() for r in cells)
+    return column_table(headers, list(zip(*rows)) if rows else [()] * len(headers), right)
 
+
+@paused
+def column_table(headers: Sequence[str], columns: Sequence[Sequence[Any]],
+                 right: Sequence[int] = ()) -> str:
+    """`text_table` of the same cells given column by column, as a listing of many rows
+    already holds them (no row-by-row transposing).
+
+    >>> print(column_table(['a', 'size'], [['x', 'yy'], [1, 22]], right=[1]))
+    a   size
+    x      1
+    yy    22
+    """
+    cells = [[str(h), *map(str, column)] for h, column in zip(headers, columns)]
+    if any(_UNPRINTABLE.search(''.join(column)) for column in cells):  # escape only if needed
+        cells = [list(map(printable, column)) for column in cells]
+    # padded column by column and joined row by row in C: no Python call per cell
+    padded = [map(str.rjust if i in right else str.ljust, column, repeat(max(map(len, column))))
+              for i, column in enumerate(cells)]
+    return '\n'.join(map(str.rstrip, map('  '.join, zip(*padded))))
 
 def html_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
                right: Sequence[int] = ()) -> str:
@@ -137,5 +152,5 @@ def pretty_value(value: str) -> str:
     return value
 
 
-__all__ = ['REPR_ROWS', 'VALUE_WIDTH', 'format_shape', 'html_table', 'human_bytes',
+__all__ = ['REPR_ROWS', 'VALUE_WIDTH', 'column_table', 'format_shape', 'html_table', 'human_bytes',
            'metadata_rows', 'plural', 'pretty_value', 'printable', 'shorten', 'text_table']

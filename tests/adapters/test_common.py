@@ -119,7 +119,10 @@ def test_paths_json_round_trips_the_tree():
                                     '{"a": ["bad ns!", [["k", "a"]]]}',
                                     '{"a": ["m", [["zz", "a"]]]}',
                                     '{"a": ["m", [["i", "0"]]]}',
-                                    '{"a": ["m", [["i", true]]]}'])
+                                    '{"a": ["m", [["i", true]]]}',
+                                    '{"a": ["m", [["k", "a", "b"]]]}',
+                                    '{"a": ["m", "ka"]}', '{"a": ["m", [["k", ["a"]]]]}',
+                                    '{"a": [["m"], [["k", "a"]]]}', '[' * 100_000])
 def test_a_record_that_does_not_fit_gives_flat_names(record):
     arrays = {'a': np.ones(1)}
     assert tree_from_names(arrays, record) == {DEFAULT_NAMESPACE: arrays}
@@ -135,6 +138,54 @@ def test_a_record_must_cover_exactly_the_names_and_distinct_paths():
     twice = paths_json([items[0], items[0]], ['x', 'y'])  # two names, one path
     pair = {'x': np.ones(1), 'y': np.ones(1)}
     assert tree_from_names(pair, twice) == {DEFAULT_NAMESPACE: pair}
+
+
+def test_a_tree_read_back_keeps_the_order_it_was_written_in():
+    """The record lists the tree in its own order; the file's tensors (largest element first)
+    are in another. The tree is rebuilt in the record's."""
+    items = [('jckpt', (('k', 'a'),), np.float32(1)), ('jckpt', (('k', 'b'),), np.float64(2)),
+             ('jckpt', (('k', 'c'), ('i', 0)), np.int8(3))]
+    names = flat_names(items, 'f')
+    arrays = {'c.0': items[2][2], 'b': items[1][2], 'a': items[0][2]}  # the file's order
+    assert list(tree_from_names(arrays, paths_json(items, names))['jckpt']) == ['a', 'b', 'c']
+
+
+def test_a_tree_of_lists_of_lists_is_rebuilt_from_its_record():
+    items = [('m', (('k', 'l'), ('i', i), ('i', j), ('k', 'w')), np.full(1, 10 * i + j))
+             for i in range(3) for j in range(2)] + [('o', (('ki', 7),), np.zeros(1))]
+    names = flat_names(items, 'f')
+    tree = tree_from_names({n: a for n, (_, _, a) in zip(names, items)}, paths_json(items, names))
+    assert [[w['w'].item() for w in row] for row in tree['m']['l']] == [[0, 1], [10, 11], [20, 21]]
+    assert list(tree['o']) == [7]
+
+
+def _with_empty_namespaces():
+    """A model, `optax.sgd`'s state (two `EmptyState`s) and `optax.identity()`'s (one)."""
+    return {'model': {'w': np.ones(2, np.float32)}, 'opt': ((), ()), 'ident': ()}
+
+
+@pytest.mark.parametrize('ext', ['safetensors', 'npz', 'pt'])
+def test_a_namespace_without_arrays_is_left_out_with_a_warning_naming_it(tmp_path, ext):
+    """As the orbax writer does: these formats hold arrays only, and said nothing."""
+    from jckpt import adapters
+    from jckpt.adapters import native
+
+    native.write(_with_empty_namespaces(), tmp_path / 's.jckpt')
+    with pytest.warns(UserWarning, match=r"\['ident', 'opt'\] hold no arrays .* left out") as w:
+        adapters.convert(tmp_path / 's.jckpt', tmp_path / f'o.{ext}')
+    assert str(tmp_path / f'o.{ext}') in str(w[0].message)
+    assert sorted(adapters.read(tmp_path / f'o.{ext}')) == ['model']
+
+
+def test_a_torch_file_of_the_tree_as_it_is_keeps_them_and_says_nothing(tmp_path, recwarn):
+    from jckpt import adapters
+    from jckpt.adapters import torch as pt
+
+    pt.write(_with_empty_namespaces(), tmp_path / 'n.pt', flat=False)
+    adapters.write({'model': {'w': np.ones(2)}}, tmp_path / 'm.safetensors')
+    assert not [w for w in recwarn if 'hold no arrays' in str(w.message)]
+    back = adapters.read(tmp_path / 'n.pt')['jckpt']
+    assert back['opt'] == ((), ()) and back['ident'] == ()  # pickled as they were
 
 
 def test_single_content():

@@ -32,6 +32,18 @@ def test_entries_have_the_identity_a_jckpt_save_gives_the_same_tree(tmp_path):
     assert [e.id for e in reader.header.tensors] == [0, 1, 2]
 
 
+def test_specs_describe_the_arrays_without_making_the_header(tmp_path):
+    """A listing needs each array's description only: the entries are made when asked for."""
+    path = tmp_path / 'm.pt'
+    write_format(_tree(), path)
+    reader = TreeReader(path, 'torch')
+    specs = list(reader.specs())
+    assert 'header' not in vars(reader)  # not made yet
+    assert specs == [(e.namespace, e.path, e.dtype, e.shape, e.byte_length)
+                     for e in reader.header.tensors]
+    assert reader.metadata == reader.header.metadata
+
+
 def test_the_files_own_metadata_is_the_headers(tmp_path):
     from jckpt.adapters.safetensors import write
     path = tmp_path / 'm.safetensors'
@@ -47,6 +59,8 @@ def test_a_directory_with_a_registered_reader_opens_through_it(tmp_path):
     assert not isinstance(reader, TreeReader)  # the orbax reader: metadata, then data on demand
     (entry,) = reader.header.tensors
     assert entry.name == 'jckpt/w' and reader.decode(entry).tolist() == [0, 1, 2]
+    assert list(reader.specs()) == [('jckpt', (('k', 'w'),), entry.dtype, (3,), 24)]
+    assert reader.metadata == reader.header.metadata
 
 
 def test_a_damaged_file_is_the_formats_error(tmp_path):

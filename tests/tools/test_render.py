@@ -5,6 +5,7 @@ import pytest
 from jckpt.format.names import GENERATION_KEY, LINEAGE_KEY, METRICS_KEY, STEP_KEY, TRAINER_STATE_KEY
 from jckpt.tools.render import (
     VALUE_WIDTH,
+    column_table,
     format_shape,
     html_table,
     human_bytes,
@@ -67,6 +68,14 @@ def test_text_table_escapes_a_control_character_in_any_cell_and_only_there():
                                 'c\\u202ed    3']
     assert printable('a\nb\tc\rd\x85', keep='\n\t') == 'a\nb\tc\\rd\\x85'
     assert printable('a\nb') == 'a\\nb'
+
+
+def test_column_table_is_the_text_table_of_the_same_cells_given_by_column():
+    rows = [['w', 1024, ''], ['a\x1b[2Jb', 4, 'x'], ['c', 22, 'yy']]
+    columns = [list(column) for column in zip(*rows)]
+    assert column_table(['name', 'size', 'note'], columns, right=[1]) == \
+        text_table(['name', 'size', 'note'], rows, right=[1])
+    assert column_table(['a', 'b'], [(), ()]) == 'a  b'
 
 
 def test_html_table_escapes_every_cell_and_aligns():

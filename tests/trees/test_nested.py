@@ -23,11 +23,21 @@ def test_dicts_lists_and_holes():
     ([((("k", "a"),), 1), ((("k", "a"), ("k", "b")), 2)], "inside another entry's leaf"),
     ([((("i", -1),), 1)], "negative or leaves too many empty slots"),
     ([((("i", 10**9),), 1)], "negative or leaves too many empty slots"),
+    ([((("k", "a"), ("i", 0)), 1), ((("k", "a"), ("k", "b")), 2)], "mixes integer and string"),
+    ([((("k", "a"), ("ki", 0)), 1), ((("k", "a"), ("k", "x")), 2)], "mixes integer and string"),
 ])
 def test_unflatten_refuses_inconsistent_paths(items, message):
     with pytest.raises(FormatError, match=message) as e:
         unflatten(items, file="f.jckpt")
     assert e.value.fix
+
+
+def test_lists_inside_lists_are_made_inside_out_and_name_where_a_mix_is():
+    items = [((("i", i), ("k", "l"), ("i", j)), 10 * i + j) for i in (2, 0) for j in (1, 0)]
+    assert unflatten(items) == [{"l": [0, 1]}, None, {"l": [20, 21]}]
+    with pytest.raises(FormatError) as e:
+        unflatten([((("k", "a"), ("i", 0), ("i", 0)), 1), ((("k", "a"), ("i", 0), ("k", "x")), 2)])
+    assert e.value.entry == "a/0"
 
 
 def test_building_a_tree_imports_no_jax():
