@@ -34,14 +34,13 @@ from unittest import mock
 import jax
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import jckpt
 from jckpt.api.multiprocess import save_directory
-from jckpt.format import precs
 from jckpt.format.boxes import box_of, box_size, full_box, intersect
 from jckpt.format.entries import entry_for
 from jckpt.format.layout import written_header
@@ -52,13 +51,9 @@ from jckpt.storage.lazy import record_reads
 from jckpt.storage.object_backend import OBJECT_STORE
 from jckpt.storage.writer import ArraySource, write_checkpoint
 from tests.helpers import cpu_devices, cpu_mesh
+from tests.properties import EXAMPLES, PROPERTY, STORED_DTYPES
 
-EXAMPLES = int(os.environ.get("JCKPT_PROPERTY_EXAMPLES", "25"))
-PROPERTY = settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 100,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                           HealthCheck.function_scoped_fixture])
-
-STORED = [precs.dtype_of(p) for p in sorted(precs.ALL_PRECS - {"Void_prec", "Uint4x32_prec"})]
+STORED = STORED_DTYPES
 #: What a jax array may hold here (x64 is off).
 ON_DEVICE = [d for d in STORED if jax.dtypes.canonicalize_dtype(d) == d]
 #: What a jax array may hold with x64 on: the 64-bit types too.

@@ -21,7 +21,7 @@ import os
 
 import jax
 import numpy as np
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from jax.sharding import NamedSharding
@@ -30,17 +30,12 @@ from jax.sharding import PartitionSpec as P
 import jckpt
 import jckpt.adapters
 from jckpt.adapters import safetensors as st_adapter
-from jckpt.format import precs
 from jckpt.tools import cli
 from jckpt.trees import pytree
 from tests.helpers import LAYOUTS, cpu_devices, cpu_mesh, laid_out
+from tests.properties import EXAMPLES, PROPERTY, STORED_DTYPES
 
-EXAMPLES = int(os.environ.get("JCKPT_PROPERTY_EXAMPLES", "25"))
-PROPERTY = settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 100,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                           HealthCheck.function_scoped_fixture])
-
-DTYPES = [precs.dtype_of(p) for p in sorted(precs.ALL_PRECS - {"Void_prec", "Uint4x32_prec"})]
+DTYPES = STORED_DTYPES
 #: What a jax array may hold here (x64 is off), packed sub-byte types aside.
 DEVICE_DTYPES = [d for d in DTYPES if jax.dtypes.canonicalize_dtype(d) == d
                  and d.name not in ("int2", "uint2")]
