@@ -226,6 +226,23 @@ def poll(check: Callable[[], bool], what: str, limit: float = 30.0) -> None:
         time.sleep(0.005)
 
 
+@contextlib.contextmanager
+def writer_dies_after_its_next_job(pipeline: Callable[[], engine.Pipeline]) -> Iterator[None]:
+    """The background writer of `pipeline()` raises, and so dies, once it completes its next
+    job (what the block submits, or what is already queued); the block ends once it is dead."""
+    original = engine.Pipeline._completed
+
+    def dying(pipeline, job, generation):
+        engine.Pipeline._completed = original
+        raise RuntimeError("the writer thread was killed")
+    engine.Pipeline._completed = dying
+    try:
+        yield
+        poll(lambda: not pipeline()._thread.is_alive(), "the writer did not die")
+    finally:
+        engine.Pipeline._completed = original
+
+
 # --- the manager -----------------------------------------------------------------------------------
 
 def kept(view: dict[int, dict], policy: dict) -> set[int]:
@@ -571,16 +588,8 @@ class ManagerMachine(RuleBasedStateMachine):
         ran out a save waited forever), and a reopened manager has it."""
         self.settle()
         self.save(1, seed, "jckpt", 0.4, False, True, False)
-        original = engine.Pipeline._completed
-
-        def dying(pipeline, job, generation):
-            engine.Pipeline._completed = original
-            raise RuntimeError("the writer thread was killed")
-        engine.Pipeline._completed = dying
-        try:
-            poll(lambda: not self.mgr._pipeline._thread.is_alive(), "the writer did not die")
-        finally:
-            engine.Pipeline._completed = original
+        with writer_dies_after_its_next_job(lambda: self.mgr._pipeline):
+            pass
         self.dead = True
         self.published()  # the step was renamed into place and recorded before the thread died
         for _ in range(more):  # refused at once: admitted, it would never be written
@@ -818,17 +827,8 @@ class MirrorMachine(RuleBasedStateMachine):
         """The writer dies after publishing a generation: submit, wait and close raise an error
         saying so (never a hang), and the mirror opened again continues from that generation."""
         self.flush()
-        original = engine.Pipeline._completed
-
-        def dying(pipeline, job, generation):
-            engine.Pipeline._completed = original
-            raise RuntimeError("the writer thread was killed")
-        engine.Pipeline._completed = dying
-        try:
+        with writer_dies_after_its_next_job(lambda: self.mirror._pipeline):
             self.submit(10**6 + self.generation, False, False)
-            poll(lambda: not self.mirror._pipeline._thread.is_alive(), "the writer did not die")
-        finally:
-            engine.Pipeline._completed = original
         self.flush_model()  # published before the thread died
         for call in (lambda: self.mirror.submit(tree_for(seed)), self.mirror.wait_durable,
                      self.mirror.close):
