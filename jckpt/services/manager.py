@@ -424,7 +424,8 @@ class CheckpointManager(BackgroundWriter[_Step]):
 
         Example:
             ```python
-            r = mgr.restore(target={"params": abstract_params}, layout=(8, 1, 1))
+            r = mgr.restore(target={"params": abstract_params}, namespaces=["params"],
+                            layout=(8, 1, 1))
             params, trainer = r.tree["params"], r.trainer_state
             ```
         """

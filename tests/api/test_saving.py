@@ -155,6 +155,20 @@ def test_a_failed_directory_save_names_the_checkpoint_not_its_staging(tmp_path, 
     assert os.listdir(tmp_path) == []
 
 
+def test_appending_to_a_directory_checkpoint_is_refused_and_leaves_it_whole(tmp_path):
+    """docs/sharding.md: `appending=True` is not supported for directory checkpoints."""
+    from jckpt.api import multiprocess
+
+    path = tmp_path / "dir.jckpt"
+    multiprocess.save_directory(jckpt.Context(), {"w": np.ones(2)}, path)
+    before = sorted(os.listdir(path))
+    with pytest.raises(jckpt.InputError, match="appending is not supported for directory") as e:
+        jckpt.save(jckpt.Context(), {"b": np.zeros(3)}, path, appending=True)
+    assert e.value.file == str(path) and e.value.fix
+    assert sorted(os.listdir(path)) == before and os.listdir(tmp_path) == ["dir.jckpt"]
+    np.testing.assert_array_equal(jckpt.load(jckpt.Context(host=True), path)[1]["jckpt"]["w"], np.ones(2))
+
+
 def test_a_link_to_a_plain_directory_is_replaced_like_any_link(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

@@ -359,3 +359,33 @@ def test_restore_verifies_what_it_reads_by_default(tmp_path, fmt):
         assert mgr.restore(verify=False).tree['opt']['m'][-1] != 0  # asked for: read as it is
         with pytest.raises(jckpt.InputError, match="verify must be True or False"):
             mgr.restore(verify=None)
+
+
+def test_a_failed_local_deletion_keeps_the_step_listed_and_the_next_save_deletes_it(
+        tmp_path, monkeypatch, caplog):
+    """docs/manager.md: a deletion that fails is a warning naming what it was deleting, the
+    save stands, the step stays listed and restorable, and the next save's retention deletes it."""
+    import logging
+
+    from jckpt.services import steps
+
+    remove, failed = steps.remove_step, []
+
+    def flaky(backend, path, *, folder=False):
+        if not failed:
+            failed.append(path)
+            raise jckpt.StorageError("permission denied", file=path)
+        return remove(backend, path, folder=folder)
+
+    monkeypatch.setattr(steps, "remove_step", flaky)
+    with jckpt.CheckpointManager(tmp_path, keep_last=1, asynchronous=False) as mgr:
+        mgr.save(1, state_at(1))
+        with caplog.at_level(logging.WARNING, logger="jckpt"):
+            assert mgr.save(2, state_at(2))
+        [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert "retention" in warning and step_name(1) in warning and "permission denied" in warning
+        assert mgr.all_steps() == [1, 2] and mgr.latest_step() == 2
+        assert float(mgr.restore(1).tree["jckpt"]["step"]) == 1
+        mgr.save(3, state_at(3))
+        assert mgr.all_steps() == [3]
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step_")) == [step_name(3)]

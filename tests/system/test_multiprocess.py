@@ -400,6 +400,8 @@ def test_managers_of_file_steps_in_a_run_of_several_processes_are_each_processs_
     refused = [r["shared_error"] for r in found.values() if "shared_error" in r]
     # the holder's pid is named once it has written it (it locks the lease first)
     assert len(refused) == 1 and "in use: another writer" in refused[0], found
+    for r in found.values():  # docs/mirror.md: a mirror refuses an array spanning processes
+        assert "not fully addressable" in r["mirror_error"] and "CheckpointManager" in r["mirror_error"]
 
 
 def test_typed_keys_restore_onto_a_sharding_over_both_processes(tmp_path):
@@ -685,6 +687,16 @@ def phase_file_steps(jax, jckpt, result, path):
     multihost_utils.sync_global_devices("both tried")  # while the other holds it
     if shared is not None:
         shared.close()
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    spread = global_array(jax, "b", NamedSharding(jax.sharding.Mesh(np.array(jax.devices()), ("x",)),
+                                                  P("x")), 0)
+    with jckpt.Mirror(os.path.join(path, f"mirror{jax.process_index()}.jckpt")) as mirror:
+        try:  # one writer of one file from one process: an array it cannot hold whole
+            mirror.submit({"b": spread})
+        except jckpt.InputError as e:
+            result["mirror_error"] = str(e)
     result["ok"] = True
 
 

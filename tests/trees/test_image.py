@@ -5,6 +5,8 @@ jax arrays are imaged on their device, the CPU included (from
 old images and draining as an accelerator does.
 """
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -114,13 +116,15 @@ def test_small_cpu_arrays_are_copied_and_large_ones_imaged():
         == [2, 5]
 
 
-def test_no_room_or_a_zero_limit_copies_to_host_at_submit(tmp_path, monkeypatch):
+def test_no_room_or_a_zero_limit_copies_to_host_at_submit(tmp_path, monkeypatch, caplog):
     assert not image.has_room([jnp.ones(1000)], limit=100)
     assert image.has_room([jnp.ones(10)], limit=None)
     with jckpt.Mirror(tmp_path / "m.jckpt", device_image_bytes=0) as m:
-        m.submit({"w": jnp.ones(1 << 16)})
+        with caplog.at_level(logging.INFO, logger="jckpt"):
+            m.submit({"w": jnp.ones(1 << 16)})
         m.wait_durable()
         assert m.counters.images == 0
+    assert any("copying to host at submit" in r.getMessage() for r in caplog.records)  # docs/mirror.md
     monkeypatch.setattr(image, "_memory_stats", lambda d: {"bytes_limit": 1000, "bytes_in_use": 990})
     assert not image.has_room([jnp.ones(100)], limit=None)
 
