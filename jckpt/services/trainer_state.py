@@ -3,7 +3,7 @@
 Arrays go in the checkpoint's tensors; the counters around them (how many
 steps and batches, the last learning rate, the best loss so far, the
 parallel layout the run used, and anything else the user wants) go in the
-header's metadata under `jckpt.services.trainer_state`, readable without loading a
+header's metadata under `jckpt.trainer_state`, readable without loading a
 single payload.
 
 >>> s = TrainerState(global_step=100, consumed_batches=100, learning_rate=3e-4,
@@ -58,6 +58,28 @@ def _number(value: Any, name: str) -> float | None:
                      f"{type(value).__name__} {reprlib.repr(value):.80}", fix=f"pass float({name})")
 
 
+def _check_keys(user: Mapping[str, Any]) -> None:
+    """Refuse a key of `user`, at any depth, that is not a string: JSON would bring `{1: 2}`
+    back as `{'1': 2}`, and a lookup by the integer after a resume would fail far from here."""
+    stack: list[tuple[str, Any]] = [('user', user)]
+    seen: set[int] = set()
+    while stack:
+        where, node = stack.pop()
+        if id(node) in seen:  # a cycle: json.dumps names it
+            continue
+        seen.add(id(node))
+        if isinstance(node, Mapping):
+            for key, value in node.items():
+                if not isinstance(key, str):
+                    raise InputError(
+                        f"TrainerState.{where} has the key {reprlib.repr(key)}, not a string: "
+                        f"JSON would bring it back as {reprlib.repr(str(key))}",
+                        fix="use string keys (str(key)), and turn them back after a restore")
+                stack.append((f"{where}[{key!r}]", value))
+        elif isinstance(node, (list, tuple)):
+            stack.extend((f"{where}[{i}]", value) for i, value in enumerate(node))
+
+
 def _scalar(value: Any) -> Any:
     """`json.dumps`'s fallback for `user`: a numpy or 0-d JAX scalar as its Python value."""
     if getattr(value, 'ndim', None) == 0 and hasattr(value, 'item'):
@@ -75,7 +97,8 @@ class TrainerState:
       learning_rate: the last learning rate used (`None` if not tracked).
       best_loss: the best loss seen so far (`None` if not tracked).
       dp, tp, pp: data-, tensor- and pipeline-parallel sizes of the run.
-      user: any other JSON-serializable fields.
+      user: any other JSON-serializable fields, under string keys (tuples come back as
+        lists, as JSON has them).
     """
 
     global_step: int = 0
@@ -97,6 +120,7 @@ class TrainerState:
             object.__setattr__(self, name, _number(getattr(self, name), name))
         if not isinstance(self.user, Mapping):
             raise InputError(f"TrainerState.user must be a mapping, not {type(self.user).__name__}")
+        _check_keys(self.user)
 
     @property
     def layout(self) -> tuple[int, int, int]:

@@ -98,6 +98,7 @@ CALLS = {
     # the trainer state
     "TrainerState: dp 0": lambda t: jckpt.TrainerState(dp=0),
     "TrainerState: user a list": lambda t: jckpt.TrainerState(user=[1]),
+    "TrainerState: a user key not a string": lambda t: jckpt.TrainerState(user={"a": {1: 2}}),
     "TrainerState.replace: unknown field": lambda t: jckpt.TrainerState().replace(step=1),
     "TrainerState.from_json: not text": lambda t: jckpt.TrainerState.from_json(5),
     "TrainerState.from_json: not JSON": lambda t: jckpt.TrainerState.from_json("{"),
