@@ -690,7 +690,7 @@ def phase_file_steps(jax, jckpt, result, path):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    spread = global_array(jax, "b", NamedSharding(jax.sharding.Mesh(np.array(jax.devices()), ("x",)),
+    spread = global_array(jax, "b", NamedSharding(jax.sharding.Mesh(np.array(jax.devices("cpu")), ("x",)),
                                                   P("x")), 0)
     with jckpt.Mirror(os.path.join(path, f"mirror{jax.process_index()}.jckpt")) as mirror:
         try:  # one writer of one file from one process: an array it cannot hold whole
