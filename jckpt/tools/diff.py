@@ -56,7 +56,7 @@ class EntryDiff:
       max_abs: the largest `|a - b|` (`inf` where exactly one side is NaN).
       max_rel: the largest `|a - b| / |b|` (`inf` where `b` is 0 and `a` is not).
       mismatched: elements with `|a - b| > atol + rtol * |b|` (NaNs in the same
-        place count as equal).
+        place count as equal; a complex value's real and imaginary parts each).
       same: dtypes and shapes agree and no element is mismatched.
     """
 
@@ -155,6 +155,19 @@ def _comparable(x: np.ndarray) -> np.ndarray:
     return x.astype(np.complex128 if x.dtype.kind == 'c' else np.float64)
 
 
+def _same_or_both_nan(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Where `x` equals `y` or both are NaN; a complex value part by part, so that
+    `nan+1j` and `1+nanj` differ (numpy calls both NaN).
+
+    >>> nan = float('nan')
+    >>> _same_or_both_nan(np.array([nan, complex(nan, 1)]), np.array([nan, complex(1, nan)]))
+    array([ True, False])
+    """
+    if x.dtype.kind == 'c':
+        return _same_or_both_nan(x.real, y.real) & _same_or_both_nan(x.imag, y.imag)
+    return (x == y) | (np.isnan(x) & np.isnan(y))
+
+
 def _compare(a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> tuple[float, float, int]:
     """`(max_abs, max_rel, mismatched)` of two same-shaped arrays, in bounded chunks."""
     a, b = a.reshape(-1), b.reshape(-1)
@@ -168,7 +181,7 @@ def _compare(a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> tuple[fl
             continue  # identical bytes: identical values
         x, y = _comparable(xa), _comparable(xb)
         with np.errstate(invalid='ignore', divide='ignore', over='ignore'):
-            equal = (x == y) | (np.isnan(x) & np.isnan(y))
+            equal = _same_or_both_nan(x, y)
             if same_dtype and xa.dtype.kind in 'iu':
                 # 64-bit integers are not all exact in float64: compare and subtract as integers
                 # (max - min wraps into the exact unsigned difference)

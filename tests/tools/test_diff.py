@@ -51,6 +51,20 @@ def test_diff_nan_against_number(tmp_path):
     assert 'inf' in json.dumps(diff(a, b).to_dict())
 
 
+def test_complex_nans_match_only_in_the_same_part(tmp_path):
+    # numpy's isnan calls nan+1j and 1+nanj both NaN: they are different values all the same
+    nan = float('nan')
+    a = write_arrays(tmp_path / 'a.jckpt', {'z': np.array([complex(nan, 1), complex(2, nan)],
+                                                          np.complex64)})
+    b = write_arrays(tmp_path / 'b.jckpt', {'z': np.array([complex(1, nan), complex(2, nan)],
+                                                          np.complex64)})
+    d = diff(a, b).entries[0]
+    assert (d.same, d.mismatched, d.max_abs) == (False, 1, float('inf'))
+    same_parts = write_arrays(tmp_path / 'c.jckpt', {'z': np.array(
+        [complex(-nan, 1), complex(2, nan)], np.complex64)})  # another NaN, in the same part
+    assert diff(a, same_parts).same
+
+
 def test_diff_is_chunked(tmp_path, monkeypatch):
     import jckpt.tools.diff as diff_module
 
