@@ -39,7 +39,7 @@ from jckpt.format.names import STEP_RE
 from jckpt.storage import open_checkpoint
 from jckpt.storage.backend import backend_for, checked_path
 from jckpt.tools.classify import FOREIGN, MANAGER, classify
-from jckpt.tools.render import format_shape, text_table
+from jckpt.tools.render import format_shape, printable, text_table
 
 #: Elements compared per step by :func:`diff` (bounds its temporary memory).
 DIFF_CHUNK = 1 << 20
@@ -118,8 +118,9 @@ class DiffReport:
 
     def render(self, *, show_all: bool = False) -> str:
         """The text `jckpt diff` prints (`show_all`: also the entries that match)."""
-        lines = [f"only in {self.a}: {n}" for n in self.only_a]
-        lines += [f"only in {self.b}: {n}" for n in self.only_b]
+        # a name read from a file is escaped: a newline in it would forge a line of the report
+        lines = [printable(f"only in {self.a}: {n}") for n in self.only_a]
+        lines += [printable(f"only in {self.b}: {n}") for n in self.only_b]
         rows = [[d.name, '; '.join(d.changes) or 'same', _num(d.max_abs), _num(d.max_rel)]
                 for d in self.entries if show_all or not d.same]
         if rows:

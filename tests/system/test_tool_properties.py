@@ -33,20 +33,25 @@ from hypothesis.extra import numpy as hnp
 
 import jckpt
 from jckpt.format import Entry, Header, lay_out, prec_of
+from jckpt.format.entries import path_name
 from jckpt.format.names import piece_name, step_name
 from jckpt.storage import ArraySource, CheckpointReader, open_checkpoint, write_checkpoint
 from jckpt.storage.directory import write_index
 from jckpt.tools import cli
 from jckpt.tools.diff import diff
+from jckpt.tools.render import printable
 from jckpt.tools.rewrite import relayout
 from jckpt.tools.verify import verify
 from tests.properties import PROPERTY, STORED_DTYPES
 
 ALIGNMENTS = (1, 2, 4, 8, 16, 32, 64, 4096)
 #: Key characters: unicode, spaces, dots, dashes, digits (no `/`, which separates keys here).
-KEY_CHARS = st.sampled_from(list("abcxyz019 ._-éλ中🙂"))
-KEYS = st.text(KEY_CHARS, min_size=1, max_size=5)
+KEY_CHARS = st.sampled_from(list("abcxyz019 ._-/éλ中🙂\x1b\t\n"))
+#: A path's parts: dict keys (empty, with `/` or control characters too) and list indices.
+PARTS = st.one_of(st.tuples(st.just("k"), st.text(KEY_CHARS, max_size=5)),
+                  st.tuples(st.just("i"), st.integers(0, 3)))
 SPECIAL = (math.nan, -math.nan, 0.0, -0.0, math.inf, -math.inf, 1.0, -1.5)
+W = (("k", "w"),)  # the path of a one-entry file's entry
 NAMESPACES = st.sampled_from(("jckpt", "student", "opt_state", "_ns2"))
 
 
@@ -76,21 +81,24 @@ def arrays(draw, dtypes=STORED_DTYPES, min_dims=0, shape=None):
 
 @st.composite
 def trees(draw, min_size=1, max_size=5, namespaces=NAMESPACES, min_dims=0):
-    """`{(namespace, 'a/b'): array}` where no name is a prefix node of another leaf."""
-    names = draw(st.lists(st.tuples(namespaces, st.lists(KEYS, min_size=1, max_size=2)),
+    """`{(namespace, path): array}` where no path is a node of another's, nor two read
+    alike (`{'a/b': x}` and `{'a': {'b': y}}` are both `a/b`)."""
+    paths = draw(st.lists(st.tuples(namespaces, st.lists(PARTS, min_size=1, max_size=2)
+                                    .map(tuple)),
                           min_size=min_size, max_size=max_size,
-                          unique_by=lambda t: (t[0], t[1][0])))  # distinct first keys: no clash
-    return {(ns, "/".join(keys)): draw(arrays(min_dims=min_dims)) for ns, keys in names}
+                          unique_by=(lambda t: (t[0], t[1][0]),  # distinct first parts: no clash
+                                     lambda t: name_of(t), lambda t: (t[0], str(t[1][0][1])))))
+    return {key: draw(arrays(min_dims=min_dims)) for key in paths}
 
 
 def write_tree(path, tree, *, alignment=32, metadata=None) -> str:
-    """A checkpoint file of `{(namespace, 'a/b'): array}` through the storage writer."""
+    """A checkpoint file of `{(namespace, path): array}` through the storage writer."""
     entries, sources, ids = [], [], {}
-    for (ns, name), a in tree.items():
+    for (ns, key), a in tree.items():
         ids[ns] = ids.get(ns, -1) + 1
         entries.append(Entry(id=ids[ns], namespace=ns, prec=prec_of(a.dtype), dims=a.shape,
-                             offset=0, byte_length=a.nbytes, label=tuple(name.split("/")),
-                             path=tuple(("k", k) for k in name.split("/"))))
+                             offset=0, byte_length=a.nbytes, label=tuple(str(v) for _, v in key),
+                             path=key))
         sources.append(ArraySource(a))
     header = lay_out(Header(tensors=tuple(entries), alignment=alignment, writer="jckpt test",
                             metadata=tuple((metadata or {}).items())))
@@ -105,15 +113,14 @@ def write_tiled_directory(path, tree, cuts) -> str:
     processes = 1 + max((len(c) for c in cuts.values()), default=0)
     pieces = {p: ([], []) for p in range(processes)}
     ids = {}
-    for (ns, name), a in tree.items():
+    for (ns, key), a in tree.items():
         ids[ns] = ids.get(ns, -1) + 1
-        bounds = [0, *cuts[(ns, name)], a.shape[0]]
+        bounds = [0, *cuts[(ns, key)], a.shape[0]]
         for p, (lo, hi) in enumerate(itertools.pairwise(bounds)):
             part = np.ascontiguousarray(a[lo:hi])
             pieces[p][0].append(Entry(
                 id=ids[ns], namespace=ns, prec=prec_of(a.dtype), dims=part.shape, offset=0,
-                byte_length=part.nbytes, label=tuple(name.split("/")),
-                path=tuple(("k", k) for k in name.split("/")),
+                byte_length=part.nbytes, label=tuple(str(v) for _, v in key), path=key,
                 slice=((lo, hi), *((0, d) for d in a.shape[1:])), global_dims=a.shape))
             pieces[p][1].append(ArraySource(part))
     for p, (entries, sources) in pieces.items():
@@ -135,7 +142,7 @@ def tilings(draw, tree):
 def values(path) -> dict:
     """`{(namespace, path): array}` of the jckpt file or directory at `path`."""
     reader = open_checkpoint(path)
-    return {(e.namespace, "/".join(str(k) for _, k in e.path)): np.array(reader.decode(e))
+    return {(e.namespace, e.path): np.array(reader.decode(e))
             for e in reader.header.tensors}
 
 
@@ -170,7 +177,8 @@ def run_cli(*args) -> tuple[int, str, str]:
 
 
 def name_of(key) -> str:
-    return f"{key[0]}/{key[1]}"
+    """`namespace/a/b/0`, as the tools name an entry."""
+    return f"{key[0]}/{path_name(key[1])}"
 
 
 # --- diff ----------------------------------------------------------------------------
@@ -220,7 +228,8 @@ def edits(draw, tree):
             other[key] = np.frombuffer(bytes(raw), a.dtype).reshape(a.shape).copy()
     added = draw(trees(min_size=0, max_size=2))
     other.update({k: v for k, v in added.items() if k not in other
-                  and k[1].split("/")[0] not in {n.split("/")[0] for ns, n in other if ns == k[0]}})
+                  and (k[0], k[1][0]) not in {(ns, p[0]) for ns, p in other}
+                  and name_of(k) not in {name_of(o) for o in other}})
     return other
 
 
@@ -255,13 +264,13 @@ def test_diff_finds_exactly_the_entries_that_differ_and_json_agrees_with_text(
         assert lines[-1].startswith(f"DIFFERENT: {len(only_a)} only in A, {len(only_b)} only "
                                     f"in B, {len(differ)} of {len(doc['entries'])} shared")
     for name in only_a:
-        assert f"only in {a}: {name}" in lines
+        assert printable(f"only in {a}: {name}") in lines
     for name in only_b:
-        assert f"only in {b}: {name}" in lines
+        assert printable(f"only in {b}: {name}") in lines
     rows = [ln for ln in lines if not ln.startswith(("only in", "SAME:", "DIFFERENT:", "entry "))]
     assert len(rows) == len(differ)
     for name in differ:
-        assert any(r.startswith(name + " ") for r in rows), (name, text)
+        assert any(r.startswith(printable(name) + " ") for r in rows), (name, text)
 
 
 #: Floating types, complex ones weighted up (a NaN in one part of two is a case of its own).
@@ -275,8 +284,8 @@ def test_diff_matches_nans_in_place_and_signed_zeros(tmp_path_factory, data, a):
     b = data.draw(arrays(dtypes=[a.dtype], shape=a.shape)
                   | st.just(np.where(a == 0, -a, a).astype(a.dtype)))
     d = tmp_path_factory.mktemp("nan")
-    pa = write_tree(d / "a.jckpt", {("jckpt", "w"): a})
-    pb = write_tree(d / "b.jckpt", {("jckpt", "w"): b})
+    pa = write_tree(d / "a.jckpt", {("jckpt", W): a})
+    pb = write_tree(d / "b.jckpt", {("jckpt", W): b})
     assert diff(pa, pb).same == same_values(a, b), (a, b)
 
 
@@ -286,8 +295,8 @@ def test_diff_matches_nans_in_place_and_signed_zeros(tmp_path_factory, data, a):
 def test_diff_within_tolerance_follows_the_documented_rule(tmp_path_factory, a, tol, rtol):
     d = tmp_path_factory.mktemp("tol")
     b = np.nextafter(a, np.array(np.inf, a.dtype)) if a.dtype.itemsize >= 4 else a
-    pa = write_tree(d / "a.jckpt", {("jckpt", "w"): a})
-    pb = write_tree(d / "b.jckpt", {("jckpt", "w"): b})
+    pa = write_tree(d / "a.jckpt", {("jckpt", W): a})
+    pb = write_tree(d / "b.jckpt", {("jckpt", W): b})
     x, y = a.astype(np.float64), b.astype(np.float64)
     with np.errstate(invalid="ignore", over="ignore"):
         ok = (x == y) | (np.isnan(x) & np.isnan(y)) | (np.abs(x - y) <= tol + rtol * np.abs(y))
@@ -316,7 +325,7 @@ def test_verify_passes_a_written_file_and_names_the_entry_of_any_flipped_payload
         f.write(bytes([byte[0] ^ data.draw(st.integers(1, 255))]))
     rc, out, err = run_cli("verify", path)
     assert rc == 1, (out, err)
-    assert f"entry {entry.name}: checksum mismatch" in out, out
+    assert printable(f"entry {entry.name}: checksum mismatch") in out, out
     rc, out, _ = run_cli("verify", path, "--json")
     doc = json.loads(out)
     assert rc == 1 and not doc["ok"]
@@ -340,17 +349,26 @@ def test_verify_fails_a_truncated_file(tmp_path_factory, data, tree, alignment):
 
 # --- inspect -----------------------------------------------------------------------------
 
+def rows_by_name(rows: list) -> dict:
+    """`inspect --json`'s rows by `namespace/path`, the names being unique."""
+    by_name = {f"{r['namespace']}/{r['path']}": r for r in rows}
+    assert len(by_name) == len(rows)
+    return by_name
+
+
 def check_listing(summary_dict, tree, text):
-    rows = {(e["namespace"], e["path"]): e for e in summary_dict["entries"]}
-    assert set(rows) == set(tree)
+    rows = rows_by_name(summary_dict["entries"])
+    assert set(rows) == {name_of(k) for k in tree}
     for key, a in tree.items():
-        row = rows[key]
+        row = rows[name_of(key)]
         assert (row["dtype"], tuple(row["shape"]), row["nbytes"]) == \
             (a.dtype.name, a.shape, a.nbytes), (row, a.dtype, a.shape)
     assert summary_dict["totals"]["entries"] == len(tree)
     assert summary_dict["totals"]["payload_bytes"] == sum(a.nbytes for a in tree.values())
-    for ns, p in rows:
-        assert any(ln.startswith(ns) and f" {p} " in ln for ln in text.splitlines()), (ns, p)
+    for row in rows.values():
+        shown = f" {printable(row['path'])} "
+        assert any(ln.startswith(row["namespace"]) and shown in ln
+                   for ln in text.splitlines()), (row, text)
 
 
 @PROPERTY
@@ -378,12 +396,13 @@ def test_a_directory_checkpoint_is_listed_consolidated_and_verified_whole(
     rc, out, _ = run_cli("inspect", path, "--json")
     assert rc == 0
     doc = json.loads(out)
-    rows = {(e["namespace"], e["path"]): e for e in doc["arrays"]}
-    assert set(rows) == set(tree)
+    rows = rows_by_name(doc["arrays"])
+    assert set(rows) == {name_of(k) for k in tree}
     for key, a in tree.items():
-        assert (rows[key]["dtype"], tuple(rows[key]["shape"]), rows[key]["nbytes"]) == \
+        row = rows[name_of(key)]
+        assert (row["dtype"], tuple(row["shape"]), row["nbytes"]) == \
             (a.dtype.name, a.shape, a.nbytes)
-        assert rows[key]["pieces"] == len(cuts[key]) + 1
+        assert row["pieces"] == len(cuts[key]) + 1
     rc, out, _ = run_cli("verify", path)
     assert rc == 0, out
     got = values(path)

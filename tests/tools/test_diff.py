@@ -65,6 +65,14 @@ def test_complex_nans_match_only_in_the_same_part(tmp_path):
     assert diff(a, same_parts).same
 
 
+def test_a_name_with_a_newline_cannot_forge_a_line_of_the_report(tmp_path):
+    a = write_arrays(tmp_path / 'a.jckpt', {'x\nSAME: 0 entries match': np.ones(2)})
+    b = write_arrays(tmp_path / 'b.jckpt', {})
+    lines = diff(a, b).render().splitlines()
+    assert lines[0].endswith('jckpt/x\\nSAME: 0 entries match')
+    assert lines[1].startswith('DIFFERENT:') and len(lines) == 2
+
+
 def test_diff_is_chunked(tmp_path, monkeypatch):
     import jckpt.tools.diff as diff_module
 
