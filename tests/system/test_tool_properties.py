@@ -365,6 +365,10 @@ def check_listing(summary_dict, tree, text):
             (a.dtype.name, a.shape, a.nbytes), (row, a.dtype, a.shape)
     assert summary_dict["totals"]["entries"] == len(tree)
     assert summary_dict["totals"]["payload_bytes"] == sum(a.nbytes for a in tree.values())
+    namespaces = {ns for ns, _ in tree}
+    assert summary_dict["totals"]["namespaces"] == {
+        ns: sum(1 for n, _ in tree if n == ns) for ns in namespaces}
+    assert f" in {len(namespaces)} namespace" in text.splitlines()[0]
     for row in rows.values():
         shown = f" {printable(row['path'])} "
         assert any(ln.startswith(row["namespace"]) and shown in ln
@@ -405,6 +409,8 @@ def test_a_directory_checkpoint_is_listed_consolidated_and_verified_whole(
         assert row["pieces"] == len(cuts[key]) + 1
     rc, out, _ = run_cli("verify", path)
     assert rc == 0, out
+    retiled = write_tiled_directory(d / "retiled", tree, data.draw(tilings(tree)))
+    assert diff(path, retiled).same
     got = values(path)
     assert set(got) == set(tree) and all(same_bits(got[k], tree[k]) for k in tree)
     whole = str(d / "whole.jckpt")
@@ -430,6 +436,11 @@ def test_inspect_of_a_manager_directory_lists_every_step(tmp_path_factory, trees
     assert sorted(steps) == [100 * (i + 1) for i in range(len(trees))]
     for i, tree in enumerate(trees):
         assert steps[100 * (i + 1)]["entries"] == len(tree)
+    rc, text, _ = run_cli("inspect", d)
+    assert rc == 0 and f"{len(trees)} step" in text.splitlines()[0]
+    for i, tree in enumerate(trees):
+        assert any(ln.split()[:1] == [str(100 * (i + 1))] and ln.split()[3] == str(len(tree))
+                   for ln in text.splitlines()), text
     rc, out, _ = run_cli("verify", d)
     assert rc == 0, out
 
