@@ -57,7 +57,9 @@ class EntryDiff:
       max_rel: the largest `|a - b| / |b|` (`inf` where `b` is 0 and `a` is not).
       mismatched: elements with `|a - b| > atol + rtol * |b|` (NaNs in the same
         place count as equal; a complex value's real and imaginary parts each).
-      same: dtypes and shapes agree and no element is mismatched.
+      same: dtypes, shapes and key implementations agree and no element is mismatched.
+      key_impl_a, key_impl_b: the PRNG key implementation of a typed-key entry (`rbg`;
+        None for a plain array).
     """
 
     name: str
@@ -70,6 +72,8 @@ class EntryDiff:
     max_rel: float
     mismatched: int
     same: bool
+    key_impl_a: str | None = None
+    key_impl_b: str | None = None
 
     @property
     def changes(self) -> list[str]:
@@ -79,6 +83,9 @@ class EntryDiff:
             out.append(f"dtype {self.dtype_a} -> {self.dtype_b}")
         if self.shape_a != self.shape_b:
             out.append(f"shape {format_shape(self.shape_a)} -> {format_shape(self.shape_b)}")
+        if self.key_impl_a != self.key_impl_b:
+            out.append(f"key {self.key_impl_a or '(plain array)'} -> "
+                       f"{self.key_impl_b or '(plain array)'}")
         if self.mismatched:
             out.append(f"{self.mismatched} of {self.size} values differ")
         return out
@@ -217,7 +224,7 @@ def _diff_entry(ra: Any, ea: Entry, rb: Any, eb: Entry,
         max_abs, max_rel, bad = _compare(x, y, atol, rtol)
     same = dtype_a == dtype_b and same_shape and ea.key_impl == eb.key_impl and bad == 0
     return EntryDiff(ea.name, dtype_a, dtype_b, tuple(ea.shape), tuple(eb.shape), size,
-                     max_abs, max_rel, bad, same)
+                     max_abs, max_rel, bad, same, ea.key_impl, eb.key_impl)
 
 
 

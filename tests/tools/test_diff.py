@@ -144,6 +144,17 @@ def test_bad_tolerances_are_a_checkpoint_error(near):
 
 # --- entries -----------------------------------------------------------------------------------
 
+def test_a_changed_key_implementation_is_named_as_the_change(tmp_path):
+    ctx = jckpt.Context()
+    jckpt.save(ctx, {'k': jax.random.key(0, impl='rbg')}, tmp_path / 'a.jckpt')
+    jckpt.save(ctx, {'k': jax.random.key(0, impl='unsafe_rbg')}, tmp_path / 'b.jckpt')
+    r = diff(tmp_path / 'a.jckpt', tmp_path / 'b.jckpt')
+    (d,) = r.differing  # the same bits: only the implementation tells them apart
+    assert d.changes == ['key rbg -> unsafe_rbg']
+    assert (d.to_dict()['key_impl_a'], d.to_dict()['key_impl_b']) == ('rbg', 'unsafe_rbg')
+    assert 'key rbg -> unsafe_rbg' in r.render()
+
+
 def test_entries_only_in_one_and_changes_of_type_or_shape(tmp_path):
     a = write_arrays(tmp_path / 'a.jckpt', {'same': np.ones(2), 'gone': np.ones(1),
                                             'dtype': np.ones(3, np.float32), 'shape': np.ones((2, 3))})
@@ -192,6 +203,7 @@ def test_a_typed_key_against_its_raw_data_differs(tmp_path):
     jckpt.save(jckpt.Context(), {'k': jax.random.key_data(key)}, tmp_path / 'raw.jckpt')
     d = diff(tmp_path / 'key.jckpt', tmp_path / 'raw.jckpt').entries[0]
     assert d.mismatched == 0 and d.dtype_a == d.dtype_b and not d.same
+    assert d.changes == ['key threefry2x32 -> (plain array)']
 
 
 # --- what is compared --------------------------------------------------------------------------
