@@ -403,6 +403,10 @@ def test_a_directory_checkpoint_is_listed_consolidated_and_verified_whole(
     doc = json.loads(out)
     rows = rows_by_name(doc["arrays"])
     assert set(rows) == {name_of(k) for k in tree}
+    rc, text, _ = run_cli("inspect", path)
+    for row in rows.values():
+        assert any(ln.startswith(row["namespace"]) and f" {printable(row['path'])} " in ln
+                   for ln in text.splitlines()), (row, text)
     for key, a in tree.items():
         row = rows[name_of(key)]
         assert (row["dtype"], tuple(row["shape"]), row["nbytes"]) == \
@@ -482,6 +486,14 @@ def test_convert_to_another_format_and_back_keeps_every_value_or_refuses_first(
         assert rc == 2 and err.startswith("jckpt: error:"), err
         assert not os.path.exists(there), err
         return
+    rc, out, err = run_cli("inspect", there, "--json")
+    assert rc == 0, err
+    rows = rows_by_name(json.loads(out)["entries"])
+    assert set(rows) == {name_of(k) for k in tree}
+    for key, a in tree.items():
+        row = rows[name_of(key)]
+        assert (row["dtype"], tuple(row["shape"]), row["nbytes"]) == \
+            (a.dtype.name, a.shape, a.nbytes), (row, a.dtype, a.shape)
     rc, _, err = run_cli("convert", there, back)
     assert rc == 0, err
     got = values(back)
