@@ -187,8 +187,8 @@ def _compare(a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> tuple[fl
         xa, xb = a[lo:lo + DIFF_CHUNK], b[lo:lo + DIFF_CHUNK]
         if same_dtype and np.array_equal(xa.view(np.uint8), xb.view(np.uint8)):
             continue  # identical bytes: identical values
-        x, y = _comparable(xa), _comparable(xb)
         with np.errstate(invalid='ignore', divide='ignore', over='ignore'):
+            x, y = _comparable(xa), _comparable(xb)  # a signaling NaN's cast is 'invalid'
             equal = _same_or_both_nan(x, y)
             if same_dtype and xa.dtype.kind in 'iu':
                 # 64-bit integers are not all exact in float64: compare and subtract as integers

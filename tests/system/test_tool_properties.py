@@ -256,8 +256,8 @@ def test_diff_finds_exactly_the_entries_that_differ_and_json_agrees_with_text(
     assert doc["same"] == report.same
     assert set(doc["only_a"]) == only_a and set(doc["only_b"]) == only_b
     assert {e["name"] for e in doc["entries"] if not e["same"]} == differ
-    rc_text, text, _ = run_cli("diff", a, b)
-    assert rc_text == rc
+    rc_text, text, err = run_cli("diff", a, b)
+    assert rc_text == rc and err == "", err  # nothing on stderr: no stray numpy warning
     lines = text.splitlines()
     assert lines[-1].startswith("SAME:" if report.same else "DIFFERENT:"), text
     if not report.same:

@@ -2,6 +2,7 @@
 
 import json
 import math
+import warnings
 
 import jax
 import ml_dtypes
@@ -71,6 +72,16 @@ def test_a_name_with_a_newline_cannot_forge_a_line_of_the_report(tmp_path):
     lines = diff(a, b).render().splitlines()
     assert lines[0].endswith('jckpt/x\\nSAME: 0 entries match')
     assert lines[1].startswith('DIFFERENT:') and len(lines) == 2
+
+
+def test_a_signaling_nan_is_compared_without_a_numpy_warning(tmp_path):
+    snan = np.array([0x7F800001, 0], np.uint32).view(np.float32)  # casting it sets 'invalid'
+    a = write_arrays(tmp_path / 'a.jckpt', {'x': snan})
+    b = write_arrays(tmp_path / 'b.jckpt', {'x': np.array([1, 0], np.float32)})
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        d = diff(a, b).entries[0]
+    assert (d.mismatched, d.max_abs) == (1, float('inf'))
 
 
 def test_diff_is_chunked(tmp_path, monkeypatch):
