@@ -421,9 +421,12 @@ def test_a_directory_checkpoint_is_listed_consolidated_and_verified_whole(
     got = values(path)
     assert set(got) == set(tree) and all(same_bits(got[k], tree[k]) for k in tree)
     whole = str(d / "whole.jckpt")
-    rc, out, err = run_cli("convert", path, whole)
+    alignment = data.draw(st.sampled_from(ALIGNMENTS))
+    rc, out, err = run_cli("convert", path, whole, "--alignment", alignment)
     assert rc == 0, err
-    assert verify(whole).ok
+    rc, out, _ = run_cli("verify", whole, "--strict")
+    assert rc == 0, out
+    assert CheckpointReader(whole).header.alignment == alignment
     got = values(whole)
     assert set(got) == set(tree) and all(same_bits(got[k], tree[k]) for k in tree)
     assert diff(path, whole).same
@@ -469,6 +472,7 @@ def test_relayout_keeps_every_value_and_writes_a_file_verify_passes(
     got = values(dst)
     assert set(got) == set(tree) and all(same_bits(got[k], tree[k]) for k in tree)
     assert CheckpointReader(dst).header.alignment == new
+    assert CheckpointReader(dst).header.metadata == CheckpointReader(src).header.metadata
     relayout(dst, dst)  # in place
     assert verify(dst).ok and diff(src, dst).same
 
