@@ -56,7 +56,8 @@ class EntryDiff:
       max_abs: the largest `|a - b|` (`inf` where exactly one side is NaN).
       max_rel: the largest `|a - b| / |b|` (`inf` where `b` is 0 and `a` is not).
       mismatched: elements with `|a - b| > atol + rtol * |b|` (NaNs in the same
-        place count as equal; a complex value's real and imaginary parts each).
+        place count as equal; a complex value's real and imaginary parts each); a NaN
+        or an infinity matches only itself, whatever the tolerances.
       same: dtypes, shapes and key implementations agree and no element is mismatched.
       key_impl_a, key_impl_b: the PRNG key implementation of a typed-key entry (`rbg`;
         None for a plain array).
@@ -206,7 +207,9 @@ def _compare(a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> tuple[fl
             if exact:
                 bad += int(np.count_nonzero(~equal))
             else:
-                bad += int(np.count_nonzero(~equal & ~(d <= atol + rtol * ay)))
+                # a NaN or an infinity matches only itself: no tolerance covers `inf` or `nan`
+                finite = np.isfinite(x) & np.isfinite(y)
+                bad += int(np.count_nonzero(~equal & ~(finite & (d <= atol + rtol * ay))))
         max_abs = max(max_abs, float(d.max()))
         max_rel = max(max_rel, float(rel.max()))
     return max_abs, max_rel, bad

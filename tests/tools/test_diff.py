@@ -84,6 +84,15 @@ def test_a_signaling_nan_is_compared_without_a_numpy_warning(tmp_path):
     assert (d.mismatched, d.max_abs) == (1, float('inf'))
 
 
+@pytest.mark.parametrize('a,b', [(np.nan, 1.0), (1.0, np.inf), (-np.inf, np.inf), (np.inf, np.nan)])
+def test_no_tolerance_lets_a_nan_or_an_infinity_match_another_value(tmp_path, a, b):
+    pa = write_arrays(tmp_path / 'a.jckpt', {'x': np.array([a, 2.0])})
+    pb = write_arrays(tmp_path / 'b.jckpt', {'x': np.array([b, 2.0])})
+    for atol, rtol in ((np.inf, 0.0), (0.0, 1e-3), (1.0, 1.0)):
+        assert diff(pa, pb, atol=atol, rtol=rtol).entries[0].mismatched == 1, (atol, rtol)
+    assert diff(pa, pa, atol=1.0, rtol=1.0).same
+
+
 def test_diff_is_chunked(tmp_path, monkeypatch):
     import jckpt.tools.diff as diff_module
 
