@@ -39,7 +39,7 @@ from jckpt.format.names import STEP_RE
 from jckpt.storage import open_checkpoint
 from jckpt.storage.backend import backend_for, checked_path
 from jckpt.tools.classify import FOREIGN, MANAGER, classify
-from jckpt.tools.render import format_shape, text_table
+from jckpt.tools.render import format_shape, printable, text_table
 
 #: Elements compared per step by :func:`diff` (bounds its temporary memory).
 DIFF_CHUNK = 1 << 20
@@ -56,8 +56,11 @@ class EntryDiff:
       max_abs: the largest `|a - b|` (`inf` where exactly one side is NaN).
       max_rel: the largest `|a - b| / |b|` (`inf` where `b` is 0 and `a` is not).
       mismatched: elements with `|a - b| > atol + rtol * |b|` (NaNs in the same
-        place count as equal).
-      same: dtypes and shapes agree and no element is mismatched.
+        place count as equal; a complex value's real and imaginary parts each); a NaN
+        or an infinity matches only itself, whatever the tolerances.
+      same: dtypes, shapes and key implementations agree and no element is mismatched.
+      key_impl_a, key_impl_b: the PRNG key implementation of a typed-key entry (`rbg`;
+        None for a plain array).
     """
 
     name: str
@@ -70,6 +73,8 @@ class EntryDiff:
     max_rel: float
     mismatched: int
     same: bool
+    key_impl_a: str | None = None
+    key_impl_b: str | None = None
 
     @property
     def changes(self) -> list[str]:
@@ -79,6 +84,9 @@ class EntryDiff:
             out.append(f"dtype {self.dtype_a} -> {self.dtype_b}")
         if self.shape_a != self.shape_b:
             out.append(f"shape {format_shape(self.shape_a)} -> {format_shape(self.shape_b)}")
+        if self.key_impl_a != self.key_impl_b:
+            out.append(f"key {self.key_impl_a or '(plain array)'} -> "
+                       f"{self.key_impl_b or '(plain array)'}")
         if self.mismatched:
             out.append(f"{self.mismatched} of {self.size} values differ")
         return out
@@ -118,8 +126,9 @@ class DiffReport:
 
     def render(self, *, show_all: bool = False) -> str:
         """The text `jckpt diff` prints (`show_all`: also the entries that match)."""
-        lines = [f"only in {self.a}: {n}" for n in self.only_a]
-        lines += [f"only in {self.b}: {n}" for n in self.only_b]
+        # a name read from a file is escaped: a newline in it would forge a line of the report
+        lines = [printable(f"only in {self.a}: {n}") for n in self.only_a]
+        lines += [printable(f"only in {self.b}: {n}") for n in self.only_b]
         rows = [[d.name, '; '.join(d.changes) or 'same', _num(d.max_abs), _num(d.max_rel)]
                 for d in self.entries if show_all or not d.same]
         if rows:
@@ -155,6 +164,19 @@ def _comparable(x: np.ndarray) -> np.ndarray:
     return x.astype(np.complex128 if x.dtype.kind == 'c' else np.float64)
 
 
+def _same_or_both_nan(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Where `x` equals `y` or both are NaN; a complex value part by part, so that
+    `nan+1j` and `1+nanj` differ (numpy calls both NaN).
+
+    >>> nan = float('nan')
+    >>> _same_or_both_nan(np.array([nan, complex(nan, 1)]), np.array([nan, complex(1, nan)]))
+    array([ True, False])
+    """
+    if x.dtype.kind == 'c':
+        return _same_or_both_nan(x.real, y.real) & _same_or_both_nan(x.imag, y.imag)
+    return (x == y) | (np.isnan(x) & np.isnan(y))
+
+
 def _compare(a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> tuple[float, float, int]:
     """`(max_abs, max_rel, mismatched)` of two same-shaped arrays, in bounded chunks."""
     a, b = a.reshape(-1), b.reshape(-1)
@@ -166,9 +188,9 @@ def _compare(a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> tuple[fl
         xa, xb = a[lo:lo + DIFF_CHUNK], b[lo:lo + DIFF_CHUNK]
         if same_dtype and np.array_equal(xa.view(np.uint8), xb.view(np.uint8)):
             continue  # identical bytes: identical values
-        x, y = _comparable(xa), _comparable(xb)
         with np.errstate(invalid='ignore', divide='ignore', over='ignore'):
-            equal = (x == y) | (np.isnan(x) & np.isnan(y))
+            x, y = _comparable(xa), _comparable(xb)  # a signaling NaN's cast is 'invalid'
+            equal = _same_or_both_nan(x, y)
             if same_dtype and xa.dtype.kind in 'iu':
                 # 64-bit integers are not all exact in float64: compare and subtract as integers
                 # (max - min wraps into the exact unsigned difference)
@@ -185,7 +207,9 @@ def _compare(a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> tuple[fl
             if exact:
                 bad += int(np.count_nonzero(~equal))
             else:
-                bad += int(np.count_nonzero(~equal & ~(d <= atol + rtol * ay)))
+                # a NaN or an infinity matches only itself: no tolerance covers `inf` or `nan`
+                finite = np.isfinite(x) & np.isfinite(y)
+                bad += int(np.count_nonzero(~equal & ~(finite & (d <= atol + rtol * ay))))
         max_abs = max(max_abs, float(d.max()))
         max_rel = max(max_rel, float(rel.max()))
     return max_abs, max_rel, bad
@@ -203,7 +227,7 @@ def _diff_entry(ra: Any, ea: Entry, rb: Any, eb: Entry,
         max_abs, max_rel, bad = _compare(x, y, atol, rtol)
     same = dtype_a == dtype_b and same_shape and ea.key_impl == eb.key_impl and bad == 0
     return EntryDiff(ea.name, dtype_a, dtype_b, tuple(ea.shape), tuple(eb.shape), size,
-                     max_abs, max_rel, bad, same)
+                     max_abs, max_rel, bad, same, ea.key_impl, eb.key_impl)
 
 
 

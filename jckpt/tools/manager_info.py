@@ -37,7 +37,16 @@ from jckpt.storage import step_directory
 from jckpt.storage.backend import backend_for, is_url
 from jckpt.storage.object_backend import NO_SUCH_OBJECT
 from jckpt.tools.foreign_info import ForeignInfo, foreign_info
-from jckpt.tools.render import REPR_ROWS, VALUE_WIDTH, html_table, human_bytes, plural, shorten, text_table
+from jckpt.tools.render import (
+    REPR_ROWS,
+    VALUE_WIDTH,
+    html_table,
+    human_bytes,
+    plural,
+    printable,
+    shorten,
+    text_table,
+)
 from jckpt.tools.summary import DirectoryInfo, FileInfo, directory_info, file_info, known_metadata, tree_size
 
 
@@ -149,7 +158,8 @@ class ManagerInfo:
         lineages = sorted({s.lineage for s in self.steps if s.lineage is not None})
         if not lineages:
             return None
-        return f"lineage{'s' if len(lineages) > 1 else ''}: {', '.join(lineages)}"
+        # ids read from the files are escaped: a newline in one would forge rows of the table
+        return printable(f"lineage{'s' if len(lineages) > 1 else ''}: {', '.join(lineages)}")
 
     def render(self, limit: int | None = None, width: int | None = VALUE_WIDTH) -> str:
         """The text view: summary, lineage, and one row per step (the last `limit`)."""

@@ -46,6 +46,7 @@ from jckpt.tools.classify import (
     Kind,
     classify,
 )
+from jckpt.tools.render import printable
 
 #: Bytes read per step when checking the zero fill between payloads.
 GAP_CHUNK = 16 << 20
@@ -106,7 +107,8 @@ class VerifyReport:
 
     def render(self, strict: bool = False) -> str:
         """The text `jckpt verify` prints; `strict`: warnings fail it too (`--strict`)."""
-        lines = [f"{p.severity.upper()}: {p}" for p in self.problems]
+        # names read from a file are escaped: a newline in one would forge a line (an `OK:`)
+        lines = [printable(f"{p.severity.upper()}: {p}") for p in self.problems]
         failed = not self.ok or (strict and bool(self.warnings))
         verdict = 'FAILED' if failed else 'OK'
         where = f"{self.path} ({self.files} files)" if self.files != 1 else self.path

@@ -2,6 +2,7 @@
 
 import json
 import math
+import warnings
 
 import jax
 import ml_dtypes
@@ -49,6 +50,47 @@ def test_diff_nan_against_number(tmp_path):
     d = diff(a, b, atol=1e9).entries[0]
     assert d.mismatched == 1 and d.max_abs == float('inf')
     assert 'inf' in json.dumps(diff(a, b).to_dict())
+
+
+def test_complex_nans_match_only_in_the_same_part(tmp_path):
+    # numpy's isnan calls nan+1j and 1+nanj both NaN: they are different values all the same
+    nan = float('nan')
+    a = write_arrays(tmp_path / 'a.jckpt', {'z': np.array([complex(nan, 1), complex(2, nan)],
+                                                          np.complex64)})
+    b = write_arrays(tmp_path / 'b.jckpt', {'z': np.array([complex(1, nan), complex(2, nan)],
+                                                          np.complex64)})
+    d = diff(a, b).entries[0]
+    assert (d.same, d.mismatched, d.max_abs) == (False, 1, float('inf'))
+    same_parts = write_arrays(tmp_path / 'c.jckpt', {'z': np.array(
+        [complex(-nan, 1), complex(2, nan)], np.complex64)})  # another NaN, in the same part
+    assert diff(a, same_parts).same
+
+
+def test_a_name_with_a_newline_cannot_forge_a_line_of_the_report(tmp_path):
+    a = write_arrays(tmp_path / 'a.jckpt', {'x\nSAME: 0 entries match': np.ones(2)})
+    b = write_arrays(tmp_path / 'b.jckpt', {})
+    lines = diff(a, b).render().splitlines()
+    assert lines[0].endswith('jckpt/x\\nSAME: 0 entries match')
+    assert lines[1].startswith('DIFFERENT:') and len(lines) == 2
+
+
+def test_a_signaling_nan_is_compared_without_a_numpy_warning(tmp_path):
+    snan = np.array([0x7F800001, 0], np.uint32).view(np.float32)  # casting it sets 'invalid'
+    a = write_arrays(tmp_path / 'a.jckpt', {'x': snan})
+    b = write_arrays(tmp_path / 'b.jckpt', {'x': np.array([1, 0], np.float32)})
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        d = diff(a, b).entries[0]
+    assert (d.mismatched, d.max_abs) == (1, float('inf'))
+
+
+@pytest.mark.parametrize('a,b', [(np.nan, 1.0), (1.0, np.inf), (-np.inf, np.inf), (np.inf, np.nan)])
+def test_no_tolerance_lets_a_nan_or_an_infinity_match_another_value(tmp_path, a, b):
+    pa = write_arrays(tmp_path / 'a.jckpt', {'x': np.array([a, 2.0])})
+    pb = write_arrays(tmp_path / 'b.jckpt', {'x': np.array([b, 2.0])})
+    for atol, rtol in ((np.inf, 0.0), (0.0, 1e-3), (1.0, 1.0)):
+        assert diff(pa, pb, atol=atol, rtol=rtol).entries[0].mismatched == 1, (atol, rtol)
+    assert diff(pa, pa, atol=1.0, rtol=1.0).same
 
 
 def test_diff_is_chunked(tmp_path, monkeypatch):
@@ -122,6 +164,17 @@ def test_bad_tolerances_are_a_checkpoint_error(near):
 
 # --- entries -----------------------------------------------------------------------------------
 
+def test_a_changed_key_implementation_is_named_as_the_change(tmp_path):
+    ctx = jckpt.Context()
+    jckpt.save(ctx, {'k': jax.random.key(0, impl='rbg')}, tmp_path / 'a.jckpt')
+    jckpt.save(ctx, {'k': jax.random.key(0, impl='unsafe_rbg')}, tmp_path / 'b.jckpt')
+    r = diff(tmp_path / 'a.jckpt', tmp_path / 'b.jckpt')
+    (d,) = r.differing  # the same bits: only the implementation tells them apart
+    assert d.changes == ['key rbg -> unsafe_rbg']
+    assert (d.to_dict()['key_impl_a'], d.to_dict()['key_impl_b']) == ('rbg', 'unsafe_rbg')
+    assert 'key rbg -> unsafe_rbg' in r.render()
+
+
 def test_entries_only_in_one_and_changes_of_type_or_shape(tmp_path):
     a = write_arrays(tmp_path / 'a.jckpt', {'same': np.ones(2), 'gone': np.ones(1),
                                             'dtype': np.ones(3, np.float32), 'shape': np.ones((2, 3))})
@@ -170,6 +223,7 @@ def test_a_typed_key_against_its_raw_data_differs(tmp_path):
     jckpt.save(jckpt.Context(), {'k': jax.random.key_data(key)}, tmp_path / 'raw.jckpt')
     d = diff(tmp_path / 'key.jckpt', tmp_path / 'raw.jckpt').entries[0]
     assert d.mismatched == 0 and d.dtype_a == d.dtype_b and not d.same
+    assert d.changes == ['key threefry2x32 -> (plain array)']
 
 
 # --- what is compared --------------------------------------------------------------------------

@@ -118,6 +118,13 @@ def test_the_default_best_metric(tmp_path):
     assert manager_info(tmp_path, best_metric='b_acc', best_mode='max').best == 2
 
 
+def test_a_lineage_id_with_a_newline_cannot_forge_a_row(tmp_path):
+    write_arrays(tmp_path / step_name(1), {'w': np.ones(2)},
+                 metadata={'jckpt.lineage': 'abc\n 999  1 TiB'})
+    text = manager_info(str(tmp_path)).render()
+    assert 'lineage: abc\\n 999  1 TiB' in text.splitlines()
+
+
 def test_only_step_names_are_steps(tmp_path):
     _step(tmp_path, 12, {'loss': 1.0})
     write_arrays(tmp_path / 'other.jckpt', {'w': np.zeros(1)})

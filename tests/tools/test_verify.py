@@ -72,6 +72,15 @@ def test_every_damaged_payload_is_reported_not_only_the_first(tmp_path):
     assert r.to_dict()['problems'][0]['severity'] == 'error'
 
 
+def test_a_name_with_a_newline_cannot_forge_a_line_of_the_report(tmp_path):
+    name = 'w\nOK: m.jckpt: 1 of 1 checksums verified, 0 errors, 0 warnings\nx'
+    path = write_arrays(tmp_path / 'm.jckpt', {name: np.ones(2, np.float32)})
+    corrupt_payload(path, f'jckpt/{name}')
+    lines = verify(path).render().splitlines()
+    assert len(lines) == 2 and lines[0].startswith('ERROR: ') and '\\nOK: ' in lines[0]
+    assert lines[1].startswith('FAILED: ')
+
+
 @pytest.mark.parametrize('data', [b'', b'garbage, not a checkpoint', b'\x00\x00\x00\x05(((('])
 def test_an_unreadable_file_is_a_failed_report_not_an_exception(tmp_path, data):
     path = tmp_path / 'bad.jckpt'
