@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from jckpt.errors import InputError
-from jckpt.format.entries import INT_KINDS, PATH_KINDS, KeyPath
+from jckpt.format.entries import INT_KINDS, PATH_KINDS, KeyPath, prefixed
 from jckpt.format.limits import MAX_PATH_LENGTH, json_as
 from jckpt.format.names import RESERVED_PREFIX
 
@@ -95,6 +95,36 @@ def empty_nodes_text(old: str | None, namespace: str, paths: Sequence[KeyPath],
                 if not any(q[:len(p)] == p for q in stored)]
         paths = list(dict.fromkeys([*kept, *paths]))
     table[namespace] = list(paths)
+    return _empty_text(table)
+
+
+def prefixed_empty_nodes(text: str | None, prefix: str | None) -> str | None:
+    """`EMPTY_NODES_KEY`'s value with every namespace renamed as `prefix_namespace` renames
+    the entries' (`prefix__ns`), so that the empty nodes stay with their namespace's entries.
+
+    >>> prefixed_empty_nodes('{"jckpt": [[["k", "opt"]]]}', 'ema')
+    '{"ema__jckpt": [[["k", "opt"]]]}'
+    """
+    if not prefix:
+        return text
+    return _empty_text({prefixed(ns, prefix): ps for ns, ps in _parse_empty(text).items()})
+
+
+def merged_empty_nodes(texts: Iterable[str | None]) -> str | None:
+    """The `EMPTY_NODES_KEY` value of a file holding the entries of files whose values are
+    `texts`: every namespace's empty nodes, of every file (`jckpt.merge`).
+
+    >>> merged_empty_nodes(['{"a": [[["i", 0]]]}', None, '{"b": [[["k", "x"]]], "a": [[["i", 0]]]}'])
+    '{"a": [[["i", 0]]], "b": [[["k", "x"]]]}'
+    """
+    table: dict[str, list[KeyPath]] = {}
+    for text in texts:
+        for ns, paths in _parse_empty(text).items():
+            table[ns] = list(dict.fromkeys([*table.get(ns, []), *paths]))
+    return _empty_text(table)
+
+
+def _empty_text(table: Mapping[str, Sequence[KeyPath]]) -> str | None:
     table = {ns: ps for ns, ps in table.items() if ps}
     if not table:
         return None
@@ -153,4 +183,5 @@ def _path(value: Any) -> KeyPath | None:
     return tuple(out)
 
 
-__all__ = ['check_metadata', 'empty_node_namespaces', 'empty_nodes', 'empty_nodes_text', 'parse_metrics']
+__all__ = ['check_metadata', 'empty_node_namespaces', 'empty_nodes', 'empty_nodes_text',
+           'merged_empty_nodes', 'parse_metrics', 'prefixed_empty_nodes']
