@@ -82,7 +82,9 @@ def empty_nodes_text(old: str | None, namespace: str, paths: Sequence[KeyPath],
 
     `old` is the value an appended file had (`None`: a new file); its other
     namespaces are kept, and so are its empty nodes of `namespace` that no
-    path in `stored` (the leaves saved now) lies under. `None` when no
+    path in `stored` (the leaves saved now) nor in `paths` lies under, and that
+    lie under none of `paths`: a node that now holds a leaf or another node is
+    not empty, and one the new tree has empty holds nothing. `None` when no
     namespace has any (the key is then left out).
 
     >>> empty_nodes_text(None, 'jckpt', [(('i', 1),), (('i', 2),)])
@@ -90,9 +92,9 @@ def empty_nodes_text(old: str | None, namespace: str, paths: Sequence[KeyPath],
     """
     table = {ns: ps for ns, ps in _parse_empty(old).items()}
     if old is not None and namespace in table:  # an append keeps the empties it does not fill
-        stored = set(stored)
-        kept = [p for p in table[namespace]
-                if not any(q[:len(p)] == p for q in stored)]
+        filled = {*stored, *paths}
+        kept = [p for p in table[namespace]  # neither above what is saved now nor below a new one
+                if not any(q[:len(p)] == p for q in filled) and not any(p[:len(q)] == q for q in paths)]
         paths = list(dict.fromkeys([*kept, *paths]))
     table[namespace] = list(paths)
     return _empty_text(table)
@@ -112,16 +114,20 @@ def prefixed_empty_nodes(text: str | None, prefix: str | None) -> str | None:
 
 def merged_empty_nodes(texts: Iterable[str | None]) -> str | None:
     """The `EMPTY_NODES_KEY` value of a file holding the entries of files whose values are
-    `texts`: every namespace's empty nodes, of every file (`jckpt.merge`).
+    `texts`: every namespace's empty nodes, of every file (`jckpt.merge`), less those that
+    another file's node lies under (no longer empty).
 
     >>> merged_empty_nodes(['{"a": [[["i", 0]]]}', None, '{"b": [[["k", "x"]]], "a": [[["i", 0]]]}'])
     '{"a": [[["i", 0]]], "b": [[["k", "x"]]]}'
+    >>> merged_empty_nodes(['{"a": [[]]}', '{"a": [[["k", "z"]]]}'])  # the root holds z now
+    '{"a": [[["k", "z"]]]}'
     """
     table: dict[str, list[KeyPath]] = {}
     for text in texts:
         for ns, paths in _parse_empty(text).items():
             table[ns] = list(dict.fromkeys([*table.get(ns, []), *paths]))
-    return _empty_text(table)
+    return _empty_text({ns: [p for p in ps if not any(q != p and q[:len(p)] == p for q in ps)]
+                        for ns, ps in table.items()})
 
 
 def _empty_text(table: Mapping[str, Sequence[KeyPath]]) -> str | None:

@@ -44,6 +44,11 @@ def test_empty_nodes_round_trip_and_merge_on_append():
     again = empty_nodes_text(both, 'opt', [], stored=[(('i', 1), ('k', 'mu'))])
     assert empty_nodes(again, 'opt') == [(('i', 2), ('a', 'x'))]
     assert empty_nodes_text(None, 'opt', []) is None
+    # a node under an empty one (the root, `()`) fills it as a leaf would
+    below = empty_nodes_text(empty_nodes_text(None, 'opt', [()]), 'opt', [(('k', 'z'),)])
+    assert empty_nodes(below, 'opt') == [(('k', 'z'),)]
+    # and a namespace saved empty whole (`optax.EmptyState()`) holds none of the old nodes
+    assert empty_nodes(empty_nodes_text(below, 'opt', [()]), 'opt') == [()]
 
 
 @pytest.mark.parametrize('text', ['', 'not json', '[1]', '{"opt": 3}', '{"opt": [[["z", 1]]]}',
