@@ -78,6 +78,18 @@ def nested(leaves: dict[Path, object], empties: set[Path] = frozenset()) -> dict
     return tree
 
 
+def filled(empties: set[Path], paths, new: tuple[Path, ...] = ()) -> set[Path]:
+    """The empty nodes that an append of `paths` (leaves or nodes, `new` empty ones among them)
+    leaves empty: those above none of them and below no new one."""
+    return {p for p in empties if not any(q[:len(p)] == p for q in paths)
+            and not any(p[:len(q)] == q for q in new)}
+
+
+def unfilled(empties: set[Path]) -> set[Path]:
+    """The empty nodes of a merge's inputs that none of the others lies under."""
+    return {p for p in empties if not any(q != p and q[:len(p)] == p for q in empties)}
+
+
 def one_tree(paths) -> bool:
     """Whether no path is a proper prefix of another (no leaf where another has a node)."""
     paths = sorted(set(paths))
@@ -135,6 +147,8 @@ class SurgeryMachine(RuleBasedStateMachine):
         self.empties: dict[str, set[Path]] = {}
         self.metadata: dict[str, str] = {}
         self.pathless: dict[str, set[Path]] = {}  # OCANNL's entries: a same-named leaf is refused
+        self.alignment = 32  # the file's, as its last writer laid it out
+        self.foreign = False  # another writer's file, not rewritten since: no checksums
         self.files = 0
 
     def teardown(self) -> None:
@@ -172,7 +186,7 @@ class SurgeryMachine(RuleBasedStateMachine):
             empties = {("e",)}
         jckpt.save(HOST.replace(namespace=ns), tree, self.path, metadata=metadata)
         self.leaves, self.empties, self.metadata = {ns: dict(leaves)}, {ns: empties}, dict(metadata)
-        self.pathless = {}
+        self.pathless, self.alignment, self.foreign = {}, 32, False
 
     @rule(ns=st.sampled_from(NAMESPACES), leaves=leaf_sets, metadata=metadatas,
           alignment=st.sampled_from([None, 1, 16, 64, 4096]), empty=st.booleans())
@@ -192,11 +206,11 @@ class SurgeryMachine(RuleBasedStateMachine):
             self.refused(jckpt.InputError, call)
             return
         call()
-        empties = {p for p in self.empties.get(ns, set())
-                   if not any(q[:len(p)] == p for q in leaves)}
-        self.empties[ns] = empties | ({new_empty} if new_empty else set())
+        new = [new_empty] if new_empty else []
+        self.empties[ns] = filled(self.empties.get(ns, set()), [*leaves, *new], tuple(new)) | set(new)
         self.leaves[ns] = {**kept, **leaves}
         self.metadata.update(metadata)
+        self.alignment, self.foreign = alignment or 32, False
 
     @rule(ns=st.sampled_from(NAMESPACES), root=st.booleans(), prefix=st.sampled_from([None, "p"]))
     def append_empty_only(self, ns, root, prefix):
@@ -212,9 +226,45 @@ class SurgeryMachine(RuleBasedStateMachine):
         else:
             jckpt.save(HOST.replace(namespace=ns), optax.EmptyState() if root else {"z": ()},
                        self.path, appending=True)
-        empties = self.empties.get(target, set()) if prefix else set()
-        self.empties[target] = empties | {() if root else ("z",)}
+        new = () if root else ("z",)
+        if prefix:  # a merge: every node of either file, those holding another no longer empty
+            self.empties[target] = unfilled({*self.empties.get(target, set()), new})
+        else:  # an append: the new tree's nodes, and the old ones it does not fill
+            self.empties[target] = filled(self.empties.get(target, set()), [new], (new,)) | {new}
         self.leaves.setdefault(target, {})
+        self.alignment, self.foreign = 32, False
+
+    @rule(prefix=st.sampled_from(PREFIXES), how=st.sampled_from(["python", "cli"]))
+    @precondition(lambda self: all(len(ns) < 30 for ns in self.leaves))
+    def merge_into_itself(self, prefix, how):
+        """Merge the file into itself under a prefix: a copy of every namespace beside it."""
+        STATS["self merge"] += 1
+        renamed = {f"{prefix}__{ns}": ns for ns in {*self.leaves, *self.empties}
+                   if self.leaves.get(ns) or self.empties.get(ns)}
+        if how == "python":
+            call = lambda: jckpt.merge(self.path, [self.path], [prefix], append=True,
+                                       durable=False)
+        else:
+            call = lambda: cli.main(["merge", self.path, self.path, "--prefix", prefix,
+                                     "--append"]) and pytest.fail("exit status")
+        def held(ns):
+            return {*self.leaves.get(ns, {}), *self.pathless.get(ns, set())}
+
+        if any(held(new) & held(old) or not one_tree(held(new) | held(old))
+               for new, old in renamed.items()):
+            STATS["self merge refused"] += 1
+            before = open(self.path, "rb").read()
+            with pytest.raises((jckpt.ClashError, jckpt.InputError, pytest.fail.Exception)):
+                call()
+            assert open(self.path, "rb").read() == before
+            return
+        call()
+        leaves, empties, pathless = dict(self.leaves), dict(self.empties), dict(self.pathless)
+        for new, old in renamed.items():  # the file as it was merges in: `p__p__x` is the old `p__x`
+            self.leaves[new] = {**leaves.get(new, {}), **leaves.get(old, {})}
+            self.empties[new] = unfilled({*empties.get(new, set()), *empties.get(old, set())})
+            self.pathless[new] = {*pathless.get(new, set()), *pathless.get(old, set())}
+        self.alignment, self.foreign = 32, False
 
     @rule(ns=st.sampled_from(["bad-name", "", "1x", "a b"]))
     def append_bad_namespace(self, ns):
@@ -242,13 +292,14 @@ class SurgeryMachine(RuleBasedStateMachine):
             renamed = before[ns.split("__", 1)[1]]
             call = lambda ns=ns, sub=sub: jckpt.save(
                 ctx.replace(namespace=ns), sub, self.path, appending=True)
-            if not one_tree([*renamed, *(p for p in kept if p not in renamed)]):
+            if not one_tree([*renamed, *(p for p in kept if p not in renamed)]) or \
+                    set(renamed) & self.pathless.get(ns, set()):
                 self.refused(jckpt.InputError, call)
                 continue
             call()
             self.leaves[ns] = {**kept, **renamed}
-            self.empties[ns] = {p for p in self.empties.get(ns, set())
-                                if not any(q[:len(p)] == p for q in renamed)}
+            self.alignment, self.foreign = 32, False
+            self.empties[ns] = filled(self.empties.get(ns, set()), renamed)
 
     @rule(ns=st.sampled_from(NAMESPACES), leaves=leaf_sets, empty=st.booleans(),
           prefix=st.sampled_from([None, *PREFIXES]), metadata=metadatas,
@@ -298,6 +349,7 @@ class SurgeryMachine(RuleBasedStateMachine):
         if empty and "e" not in nested(leaves):
             self.empties.setdefault(target, set()).add(("e",))
         self.metadata = {**metadata, **self.metadata}
+        self.alignment, self.foreign = 32, False
 
     @rule(seed=st.integers(0, 100))
     def become_ocannl(self, seed):
@@ -308,6 +360,7 @@ class SurgeryMachine(RuleBasedStateMachine):
             f.write(raw)
         self.leaves, self.empties, self.metadata = model, {}, {}
         self.pathless = {ns: set(leaves) for ns, leaves in model.items()}
+        self.alignment, self.foreign = 16, True
 
     # --- invariants ------------------------------------------------------------------------------
 
@@ -339,6 +392,8 @@ class SurgeryMachine(RuleBasedStateMachine):
         assert user == self.metadata
         report = jckpt.verify(self.path)
         assert report.ok, report
+        assert header.alignment == self.alignment
+        assert self.foreign or not report.warnings, report  # laid out as jckpt lays out
 
 
 def assert_same(got, expected, where="") -> None:
