@@ -210,28 +210,7 @@ def prefixed(namespace: str, prefix: str | None) -> str:
     return f"{prefix}__{namespace}" if prefix else namespace
 
 
-def prefix_header(header: Header, prefix: str | None) -> Header:
-    """`header` with every entry's namespace `prefixed` (ids unchanged), and the empty nodes
-    its metadata records of each namespace (`EMPTY_NODES_KEY`) moved with them: a pure function.
-
-    >>> h = Header(metadata=(('jckpt.empty_nodes', '{"jckpt": [[["k", "opt"]]]}'),))
-    >>> prefix_header(h, 'ema').metadata
-    (('jckpt.empty_nodes', '{"ema__jckpt": [[["k", "opt"]]]}'),)
-    """
-    from jckpt.format.metadata import prefixed_empty_nodes  # it builds on this module
-    from jckpt.format.names import EMPTY_NODES_KEY
-
-    check_prefix(prefix)
-    if not prefix:
-        return header
-    metadata = tuple((k, prefixed_empty_nodes(v, prefix) if k == EMPTY_NODES_KEY else v)
-                     for k, v in header.metadata)
-    metadata = tuple((k, v) for k, v in metadata if v is not None)  # nothing left to record
-    return dataclasses.replace(header, metadata=metadata, tensors=tuple(
-        dataclasses.replace(e, namespace=prefixed(e.namespace, prefix)) for e in header.tensors))
-
-
 __all__ = ['DEFAULT_ALIGNMENT', 'FORMAT_VERSION', 'LEGACY_NAMESPACE', 'NAMESPACE_RE', 'PATH_KINDS',
-           'check_prefix', 'prefix_header', 'prefixed',
+           'check_prefix', 'prefixed',
            'Entry', 'Header', 'KeyPath', 'Padding', 'PathComponent', 'entry_for', 'path_name',
            'round_up']

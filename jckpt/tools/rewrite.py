@@ -35,11 +35,11 @@ from collections.abc import Sequence
 
 from jckpt.api import progress as progress_mod
 from jckpt.errors import ChecksumError, ClashError, FormatError, InputError
-from jckpt.format.entries import check_prefix, prefix_header
+from jckpt.format.entries import check_prefix
 from jckpt.format.header import DEFAULT_ALIGNMENT, Entry, Header
 from jckpt.format.layout import WRITER, lay_out, written_header
 from jckpt.format.limits import check_alignment
-from jckpt.format.metadata import merged_empty_nodes
+from jckpt.format.metadata import merged_empty_nodes, prefix_header
 from jckpt.format.names import EMPTY_NODES_KEY
 from jckpt.storage.backend import backend_for, occupied, same_place
 from jckpt.storage.reader import CheckpointReader, reopen

@@ -13,10 +13,3 @@ def test_entry_for_builds_the_same_entry_as_the_dataclass_would():
     assert got == want and hash(got) == hash(want) and repr(got) == repr(want)
     assert type(got) is Entry
 
-
-def test_prefix_header_moves_the_recorded_empty_nodes_with_their_namespace():
-    from jckpt.format.entries import Header, prefix_header
-    header = Header(metadata=(('run', 'a'), ('jckpt.empty_nodes', '{"jckpt": [[["k", "opt"]]]}')))
-    assert prefix_header(header, 'ema').metadata_dict() == {
-        'run': 'a', 'jckpt.empty_nodes': '{"ema__jckpt": [[["k", "opt"]]]}'}
-    assert prefix_header(header, None) is header

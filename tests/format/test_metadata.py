@@ -3,7 +3,14 @@
 import pytest
 
 from jckpt.errors import InputError
-from jckpt.format.metadata import check_metadata, empty_node_namespaces, empty_nodes, empty_nodes_text
+from jckpt.format.entries import Header
+from jckpt.format.metadata import (
+    check_metadata,
+    empty_node_namespaces,
+    empty_nodes,
+    empty_nodes_text,
+    prefix_header,
+)
 from jckpt.format.names import LINEAGE_KEY
 
 
@@ -83,3 +90,10 @@ def test_the_roots_empty_path_is_recorded_and_read():
     assert text == '{"opt": [[]]}'
     assert empty_nodes(text, 'opt') == [()] and empty_node_namespaces(text) == ['opt']
     assert empty_nodes_text(text, 'opt', [], stored=[(('k', 'mu'),)]) is None  # filled: dropped
+
+
+def test_prefix_header_moves_the_recorded_empty_nodes_with_their_namespace():
+    header = Header(metadata=(('run', 'a'), ('jckpt.empty_nodes', '{"jckpt": [[["k", "opt"]]]}')))
+    assert prefix_header(header, 'ema').metadata_dict() == {
+        'run': 'a', 'jckpt.empty_nodes': '{"ema__jckpt": [[["k", "opt"]]]}'}
+    assert prefix_header(header, None) is header
