@@ -210,16 +210,7 @@ def prefixed(namespace: str, prefix: str | None) -> str:
     return f"{prefix}__{namespace}" if prefix else namespace
 
 
-def prefix_header(header: Header, prefix: str | None) -> Header:
-    """`header` with every entry's namespace `prefixed` (ids unchanged): a pure function."""
-    check_prefix(prefix)
-    if not prefix:
-        return header
-    return dataclasses.replace(header, tensors=tuple(
-        dataclasses.replace(e, namespace=prefixed(e.namespace, prefix)) for e in header.tensors))
-
-
 __all__ = ['DEFAULT_ALIGNMENT', 'FORMAT_VERSION', 'LEGACY_NAMESPACE', 'NAMESPACE_RE', 'PATH_KINDS',
-           'check_prefix', 'prefix_header', 'prefixed',
+           'check_prefix', 'prefixed',
            'Entry', 'Header', 'KeyPath', 'Padding', 'PathComponent', 'entry_for', 'path_name',
            'round_up']

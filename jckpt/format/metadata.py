@@ -6,15 +6,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from jckpt.errors import InputError
-from jckpt.format.entries import INT_KINDS, PATH_KINDS, KeyPath
+from jckpt.format.entries import INT_KINDS, PATH_KINDS, Header, KeyPath, check_prefix, prefixed
 from jckpt.format.limits import MAX_PATH_LENGTH, json_as
-from jckpt.format.names import RESERVED_PREFIX
+from jckpt.format.names import EMPTY_NODES_KEY, RESERVED_PREFIX
 
 
 def check_metadata(metadata: Mapping[str, str] | None, file: str | None = None) -> dict[str, str]:
@@ -82,7 +83,9 @@ def empty_nodes_text(old: str | None, namespace: str, paths: Sequence[KeyPath],
 
     `old` is the value an appended file had (`None`: a new file); its other
     namespaces are kept, and so are its empty nodes of `namespace` that no
-    path in `stored` (the leaves saved now) lies under. `None` when no
+    path in `stored` (the leaves saved now) nor in `paths` lies under, and that
+    lie under none of `paths`: a node that now holds a leaf or another node is
+    not empty, and one the new tree has empty holds nothing. `None` when no
     namespace has any (the key is then left out).
 
     >>> empty_nodes_text(None, 'jckpt', [(('i', 1),), (('i', 2),)])
@@ -90,11 +93,63 @@ def empty_nodes_text(old: str | None, namespace: str, paths: Sequence[KeyPath],
     """
     table = {ns: ps for ns, ps in _parse_empty(old).items()}
     if old is not None and namespace in table:  # an append keeps the empties it does not fill
-        stored = set(stored)
-        kept = [p for p in table[namespace]
-                if not any(q[:len(p)] == p for q in stored)]
+        filled = {*stored, *paths}
+        kept = [p for p in table[namespace]  # neither above what is saved now nor below a new one
+                if not any(q[:len(p)] == p for q in filled) and not any(p[:len(q)] == q for q in paths)]
         paths = list(dict.fromkeys([*kept, *paths]))
     table[namespace] = list(paths)
+    return _empty_text(table)
+
+
+def prefixed_empty_nodes(text: str | None, prefix: str | None) -> str | None:
+    """`EMPTY_NODES_KEY`'s value with every namespace renamed as `prefix_namespace` renames
+    the entries' (`prefix__ns`), so that the empty nodes stay with their namespace's entries.
+
+    >>> prefixed_empty_nodes('{"jckpt": [[["k", "opt"]]]}', 'ema')
+    '{"ema__jckpt": [[["k", "opt"]]]}'
+    """
+    if not prefix:
+        return text
+    return _empty_text({prefixed(ns, prefix): ps for ns, ps in _parse_empty(text).items()})
+
+
+def prefix_header(header: Header, prefix: str | None) -> Header:
+    """`header` with every entry's namespace `prefixed` (ids unchanged), and the empty nodes
+    its metadata records of each namespace (`EMPTY_NODES_KEY`) moved with them: a pure function.
+
+    >>> h = Header(metadata=(('jckpt.empty_nodes', '{"jckpt": [[["k", "opt"]]]}'),))
+    >>> prefix_header(h, 'ema').metadata
+    (('jckpt.empty_nodes', '{"ema__jckpt": [[["k", "opt"]]]}'),)
+    """
+    check_prefix(prefix)
+    if not prefix:
+        return header
+    metadata = tuple((k, prefixed_empty_nodes(v, prefix) if k == EMPTY_NODES_KEY else v)
+                     for k, v in header.metadata)
+    metadata = tuple((k, v) for k, v in metadata if v is not None)  # nothing left to record
+    return dataclasses.replace(header, metadata=metadata, tensors=tuple(
+        dataclasses.replace(e, namespace=prefixed(e.namespace, prefix)) for e in header.tensors))
+
+
+def merged_empty_nodes(texts: Iterable[str | None]) -> str | None:
+    """The `EMPTY_NODES_KEY` value of a file holding the entries of files whose values are
+    `texts`: every namespace's empty nodes, of every file (`jckpt.merge`), less those that
+    another file's node lies under (no longer empty).
+
+    >>> merged_empty_nodes(['{"a": [[["i", 0]]]}', None, '{"b": [[["k", "x"]]], "a": [[["i", 0]]]}'])
+    '{"a": [[["i", 0]]], "b": [[["k", "x"]]]}'
+    >>> merged_empty_nodes(['{"a": [[]]}', '{"a": [[["k", "z"]]]}'])  # the root holds z now
+    '{"a": [[["k", "z"]]]}'
+    """
+    table: dict[str, list[KeyPath]] = {}
+    for text in texts:
+        for ns, paths in _parse_empty(text).items():
+            table[ns] = list(dict.fromkeys([*table.get(ns, []), *paths]))
+    return _empty_text({ns: [p for p in ps if not any(q != p and q[:len(p)] == p for q in ps)]
+                        for ns, ps in table.items()})
+
+
+def _empty_text(table: Mapping[str, Sequence[KeyPath]]) -> str | None:
     table = {ns: ps for ns, ps in table.items() if ps}
     if not table:
         return None
@@ -153,4 +208,6 @@ def _path(value: Any) -> KeyPath | None:
     return tuple(out)
 
 
-__all__ = ['check_metadata', 'empty_node_namespaces', 'empty_nodes', 'empty_nodes_text', 'parse_metrics']
+__all__ = ['check_metadata', 'empty_node_namespaces', 'empty_nodes', 'empty_nodes_text',
+           'merged_empty_nodes', 'parse_metrics', 'prefix_header',
+           'prefixed_empty_nodes']

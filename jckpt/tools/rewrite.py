@@ -35,10 +35,12 @@ from collections.abc import Sequence
 
 from jckpt.api import progress as progress_mod
 from jckpt.errors import ChecksumError, ClashError, FormatError, InputError
-from jckpt.format.entries import check_prefix, prefix_header
+from jckpt.format.entries import check_prefix
 from jckpt.format.header import DEFAULT_ALIGNMENT, Entry, Header
 from jckpt.format.layout import WRITER, lay_out, written_header
 from jckpt.format.limits import check_alignment
+from jckpt.format.metadata import merged_empty_nodes, prefix_header
+from jckpt.format.names import EMPTY_NODES_KEY
 from jckpt.storage.backend import backend_for, occupied, same_place
 from jckpt.storage.reader import CheckpointReader, reopen
 from jckpt.storage.writer import CopySource, ReaderSource, write_checkpoint
@@ -223,12 +225,15 @@ def _merge_sources(out: str, inputs: Sequence[str], prefixes: Sequence[str | Non
 
 
 def _merged_metadata(sources: Sequence[_Source]) -> tuple[tuple[str, str], ...]:
-    """Every input's metadata, the first file's value winning for a key in several."""
+    """Every input's metadata, the first file's value winning for a key in several; the
+    empty nodes recorded (`EMPTY_NODES_KEY`) are every input's, as their entries are."""
     metadata: dict[str, str] = {}
     for _, header in sources:
         for key, value in header.metadata:
             metadata.setdefault(key, value)
-    return tuple(metadata.items())
+    empty = merged_empty_nodes(h.metadata_dict().get(EMPTY_NODES_KEY) for _, h in sources)
+    metadata.pop(EMPTY_NODES_KEY, None)
+    return tuple(metadata.items()) + (((EMPTY_NODES_KEY, empty),) if empty is not None else ())
 
 
 def _id_plan(sources: Sequence[_Source]) -> tuple[dict[str, set[int]], dict[str, int]]:

@@ -24,9 +24,10 @@ from typing import Any, TypeVar
 import jax
 
 from jckpt.errors import InputError
-from jckpt.format.entries import check_prefix, prefix_header, prefixed
+from jckpt.format.entries import check_prefix, prefixed
 from jckpt.format.header import Header, KeyPath, path_name
 from jckpt.format.limits import MAX_INT_DIGITS
+from jckpt.format.metadata import prefix_header
 from jckpt.trees.nested import unflatten as unflatten  # its home before trees.nested
 
 T = TypeVar('T')

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import jckpt
+import jckpt.adapters
 from jckpt.api import saving
 from jckpt.errors import InputError
 from jckpt.format import precs
@@ -242,6 +243,19 @@ def test_an_append_that_fills_the_empty_nodes_drops_them_from_the_record(tmp_pat
     assert jckpt.describe(tmp_path / "d.jckpt").metadata_dict()["jckpt.empty_nodes"] == \
         '{"params": [[["k", "b"]]]}'
     assert jckpt.describe(path).metadata_dict()["note"] == "kept"
+
+
+def test_an_append_of_nodes_under_an_empty_node_keeps_them_visible(tmp_path):
+    """A namespace saved as `optax.sgd`'s empty state (its root one empty node), then appended
+    `{"z": ()}`: the root record stayed, so reading the file gave the namespace as `None` and
+    hid `z`. A node that now holds another is no longer empty."""
+    import optax
+
+    path, opt = tmp_path / "e.jckpt", jckpt.Context(namespace="opt", durable=False)
+    jckpt.save(jckpt.Context(durable=False), {"w": np.zeros(2)}, path)
+    jckpt.save(opt, optax.EmptyState(), path, appending=True)
+    jckpt.save(opt, {"z": ()}, path, appending=True)
+    assert jckpt.adapters.read(path)["opt"] == {"z": None}
 
 
 @pytest.mark.parametrize("appending", [False, True])

@@ -12,3 +12,4 @@ def test_entry_for_builds_the_same_entry_as_the_dataclass_would():
                  key_impl='threefry2x32', slice=((0, 2), (3, 6)), global_dims=(4, 6))
     assert got == want and hash(got) == hash(want) and repr(got) == repr(want)
     assert type(got) is Entry
+

@@ -3,7 +3,14 @@
 import pytest
 
 from jckpt.errors import InputError
-from jckpt.format.metadata import check_metadata, empty_node_namespaces, empty_nodes, empty_nodes_text
+from jckpt.format.entries import Header
+from jckpt.format.metadata import (
+    check_metadata,
+    empty_node_namespaces,
+    empty_nodes,
+    empty_nodes_text,
+    prefix_header,
+)
 from jckpt.format.names import LINEAGE_KEY
 
 
@@ -44,6 +51,11 @@ def test_empty_nodes_round_trip_and_merge_on_append():
     again = empty_nodes_text(both, 'opt', [], stored=[(('i', 1), ('k', 'mu'))])
     assert empty_nodes(again, 'opt') == [(('i', 2), ('a', 'x'))]
     assert empty_nodes_text(None, 'opt', []) is None
+    # a node under an empty one (the root, `()`) fills it as a leaf would
+    below = empty_nodes_text(empty_nodes_text(None, 'opt', [()]), 'opt', [(('k', 'z'),)])
+    assert empty_nodes(below, 'opt') == [(('k', 'z'),)]
+    # and a namespace saved empty whole (`optax.EmptyState()`) holds none of the old nodes
+    assert empty_nodes(empty_nodes_text(below, 'opt', [()]), 'opt') == [()]
 
 
 @pytest.mark.parametrize('text', ['', 'not json', '[1]', '{"opt": 3}', '{"opt": [[["z", 1]]]}',
@@ -78,3 +90,10 @@ def test_the_roots_empty_path_is_recorded_and_read():
     assert text == '{"opt": [[]]}'
     assert empty_nodes(text, 'opt') == [()] and empty_node_namespaces(text) == ['opt']
     assert empty_nodes_text(text, 'opt', [], stored=[(('k', 'mu'),)]) is None  # filled: dropped
+
+
+def test_prefix_header_moves_the_recorded_empty_nodes_with_their_namespace():
+    header = Header(metadata=(('run', 'a'), ('jckpt.empty_nodes', '{"jckpt": [[["k", "opt"]]]}')))
+    assert prefix_header(header, 'ema').metadata_dict() == {
+        'run': 'a', 'jckpt.empty_nodes': '{"ema__jckpt": [[["k", "opt"]]]}'}
+    assert prefix_header(header, None) is header

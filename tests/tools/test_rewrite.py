@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import jckpt
+import jckpt.adapters
 from jckpt.errors import ChecksumError, ClashError, FormatError, InputError
 from jckpt.storage import CheckpointReader
 from jckpt.tools.info import info
@@ -144,6 +145,19 @@ def test_merge_matches_load_with_prefix(tmp_path):
     ctx, t2 = jckpt.load(ctx, a, prefix_namespace='student')
     _, merged = jckpt.load(jckpt.Context(host=True), out)
     assert sorted(merged) == sorted({**t1, **t2}) == ['student__jckpt', 'teacher__jckpt']
+
+
+def test_merge_keeps_every_inputs_empty_nodes_in_its_renamed_namespace(tmp_path):
+    """An optax `EmptyState` (here `()`) of each input survives a merge, in the namespace its
+    entries went to, so that reading the merged file (an orbax export) rebuilds it."""
+    ctx = jckpt.Context(durable=False)
+    a, b, out = tmp_path / 'a.jckpt', tmp_path / 'b.jckpt', tmp_path / 'out.jckpt'
+    jckpt.save(ctx, {'w': np.ones(2, np.float32), 'opt': ()}, a)
+    jckpt.save(ctx, {'w': np.zeros(2, np.float32), 'ema': None}, b)
+    merge(out, [a, b], ['teacher', 'student'], durable=False)
+    read = jckpt.adapters.read(out)
+    assert sorted(read) == ['student__jckpt', 'teacher__jckpt']
+    assert read['teacher__jckpt']['opt'] is None and read['student__jckpt']['ema'] is None
 
 
 def test_merge_keeps_the_ids_of_path_less_entries(tmp_path):
