@@ -6,7 +6,7 @@ The examples are few and derandomized, so CI is reproducible; hunt with more by 
 
 import os
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 from jckpt.format import precs
 
@@ -19,3 +19,17 @@ PROPERTY = settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <
 #: `Uint4x32_prec` of typed keys, which come from key arrays).
 STORED_DTYPES = [precs.dtype_of(p)
                  for p in sorted(precs.ALL_PRECS - {"Void_prec", "Uint4x32_prec"})]
+
+#: Stateful tests run `examples * STATES_SCALE` sequences: 1 in CI (derandomized), more by
+#: hand (`JCKPT_STATES_SCALE=20`); `JCKPT_STATES_SHRINK=0` reports a failure as found
+#: instead of shrinking it for minutes.
+STATES_SCALE = int(os.environ.get("JCKPT_STATES_SCALE", "1"))
+STATES_SHRINK = os.environ.get("JCKPT_STATES_SHRINK", "1") != "0"
+
+
+def state_settings(examples: int, steps: int) -> settings:
+    """The settings of a stateful test of `examples` sequences (times the scale) of `steps`."""
+    return settings(max_examples=examples * STATES_SCALE, stateful_step_count=steps,
+                    deadline=None, suppress_health_check=list(HealthCheck),
+                    derandomize=STATES_SCALE == 1, database=None,
+                    phases=[p for p in Phase if p is not Phase.shrink or STATES_SHRINK])

@@ -39,7 +39,6 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -57,9 +56,8 @@ from jckpt.storage import backend as backend_mod
 from jckpt.storage import directory as directory_mod
 from jckpt.storage import staging, step_directory
 from jckpt.storage import writer as writer_mod
+from tests.properties import STATES_SCALE, state_settings
 
-SCALE = int(os.environ.get("JCKPT_STATES_SCALE", "1"))
-SHRINK = os.environ.get("JCKPT_STATES_SHRINK", "1") != "0"  # 0: report a failure as found
 STATS: collections.Counter = collections.Counter()  # rules run, by machine (printed by hand runs)
 HOST = jckpt.Context(host=True)
 POLICIES = [
@@ -877,11 +875,8 @@ class MirrorMachine(RuleBasedStateMachine):
 def run(machine: type, where: Callable[[], str], *, examples: int, steps: int, remote=False) -> None:
     machine = type(machine.__name__, (machine,), {"where": staticmethod(where), "remote": remote})
     STATS.clear()
-    run_state_machine_as_test(machine, settings=settings(
-        max_examples=examples * SCALE, stateful_step_count=steps, deadline=None,
-        suppress_health_check=list(HealthCheck), derandomize=SCALE == 1, database=None,
-        phases=[p for p in Phase if p is not Phase.shrink or SHRINK]))
-    print(f"{machine.__name__}: {examples * SCALE} examples, {sum(STATS.values())} checks")
+    run_state_machine_as_test(machine, settings=state_settings(examples, steps))
+    print(f"{machine.__name__}: {examples * STATES_SCALE} examples, {sum(STATS.values())} checks")
 
 
 @pytest.mark.slow

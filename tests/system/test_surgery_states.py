@@ -32,7 +32,6 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
-from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -48,9 +47,8 @@ import jckpt.adapters
 from jckpt.format.names import RESERVED_PREFIX
 from jckpt.tools import cli
 from tests.helpers import raw_file
+from tests.properties import STATES_SCALE, state_settings
 
-SCALE = int(os.environ.get("JCKPT_STATES_SCALE", "1"))
-SHRINK = os.environ.get("JCKPT_STATES_SHRINK", "1") != "0"
 STATS: collections.Counter = collections.Counter()
 HOST = jckpt.Context(host=True, durable=False)
 DTYPES = [np.dtype(np.float32), np.dtype(np.int8), np.dtype(np.uint16), np.dtype(bool),
@@ -415,11 +413,8 @@ ROOT = tempfile.gettempdir()
 def run(tmp_path, examples: int, steps: int) -> None:
     global ROOT
     ROOT = str(tmp_path)
-    run_state_machine_as_test(SurgeryMachine, settings=settings(
-        max_examples=examples * SCALE, stateful_step_count=steps, deadline=None,
-        suppress_health_check=list(HealthCheck), derandomize=SCALE == 1, database=None,
-        phases=[p for p in Phase if p is not Phase.shrink or SHRINK]))
-    print(f"SurgeryMachine: {examples * SCALE} examples, {dict(STATS)}")
+    run_state_machine_as_test(SurgeryMachine, settings=state_settings(examples, steps))
+    print(f"SurgeryMachine: {examples * STATES_SCALE} examples, {dict(STATS)}")
 
 
 def test_surgery_states(tmp_path):
