@@ -93,9 +93,11 @@ def empty_nodes_text(old: str | None, namespace: str, paths: Sequence[KeyPath],
     """
     table = {ns: ps for ns, ps in _parse_empty(old).items()}
     if old is not None and namespace in table:  # an append keeps the empties it does not fill
-        filled = {*stored, *paths}
-        kept = [p for p in table[namespace]  # neither above what is saved now nor below a new one
-                if not any(q[:len(p)] == p for q in filled) and not any(p[:len(q)] == q for q in paths)]
+        olds = table[namespace]
+        filled = _prefixes([*stored, *paths], {len(p) for p in olds}, proper=False)
+        new = set(paths)
+        kept = [p for p in olds  # neither above what is saved now nor below a new one
+                if p not in filled and not any(p[:n] in new for n in range(len(p) + 1))]
         paths = list(dict.fromkeys([*kept, *paths]))
     table[namespace] = list(paths)
     return _empty_text(table)
@@ -145,8 +147,15 @@ def merged_empty_nodes(texts: Iterable[str | None]) -> str | None:
     for text in texts:
         for ns, paths in _parse_empty(text).items():
             table[ns] = list(dict.fromkeys([*table.get(ns, []), *paths]))
-    return _empty_text({ns: [p for p in ps if not any(q != p and q[:len(p)] == p for q in ps)]
-                        for ns, ps in table.items()})
+    above = {ns: _prefixes(ps, {len(p) for p in ps}, proper=True) for ns, ps in table.items()}
+    return _empty_text({ns: [p for p in ps if p not in above[ns]] for ns, ps in table.items()})
+
+
+def _prefixes(paths: Iterable[KeyPath], lengths: set[int], *, proper: bool) -> set[KeyPath]:
+    """The prefixes of `paths` of the given `lengths` (`proper`: shorter than the path): a node
+    is above one of `paths` when it is in this set, found in one lookup, not a scan of them all
+    (a save of 200,000 leaves, a merge of files recording many empty nodes)."""
+    return {q[:n] for q in paths for n in lengths if n < len(q) or (n == len(q) and not proper)}
 
 
 def _empty_text(table: Mapping[str, Sequence[KeyPath]]) -> str | None:
