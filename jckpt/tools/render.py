@@ -87,7 +87,6 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}s"
 
 
-@paused  # its caller's rows, and a list per column: nothing for the collector to find
 def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
                right: Sequence[int] = ()) -> str:
     """Rows as aligned plain-text columns (`right`: indices of right-aligned columns).
@@ -118,6 +117,7 @@ def column_table(headers: Sequence[str], columns: Sequence[Sequence[Any]],
     padded = [map(str.rjust if i in right else str.ljust, column, repeat(max(map(len, column))))
               for i, column in enumerate(cells)]
     return '\n'.join(map(str.rstrip, map('  '.join, zip(*padded))))
+
 
 def html_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
                right: Sequence[int] = ()) -> str:
