@@ -67,21 +67,50 @@ def data_size(header: Header) -> int:
     return max((e.offset + e.byte_length for e in header.tensors), default=0)
 
 
+def _truncation(header: Header, data_start: int, size: int,
+                file: str | None) -> FormatError | None:
+    """The error for a file shorter than its header says (None when every payload fits): the
+    first entry past the end in file order (a cut payload before an empty one at the same
+    offset), how many entries lie past it, and the size the file should have.
+
+    >>> from jckpt.format.entries import entry_for
+    >>> import numpy as np
+    >>> h = written_header([entry_for('jckpt', (('k', k),), np.float32, (2,), id=i)
+    ...                     for i, k in enumerate('abc')], 8)
+    >>> print(_truncation(h, 100, 110, 'm.jckpt'))  # doctest: +NORMALIZE_WHITESPACE
+    m.jckpt: entry jckpt/b: the file is truncated: it is 110 bytes where its header describes
+    124; 2 of 3 entries lie past its end, from this one (payload [8, 16) extends past the end
+    of the file (10 data bytes)) (fix: the file was cut short (an interrupted copy, download or
+    write): restore it from another copy)
+    """
+    available = size - data_start
+    cut = sorted((e for e in header.tensors if e.offset + e.byte_length > available),
+                 key=lambda e: (e.offset, -e.byte_length))
+    if not cut:
+        return None
+    first, n = cut[0], len(header.tensors)
+    return FormatError(
+        f"the file is truncated: it is {size} bytes where its header describes "
+        f"{data_start + data_size(header)}; {len(cut)} of {n} entr{'y' if n == 1 else 'ies'} "
+        f"lie{'s' if len(cut) == 1 else ''} past its end, from this one (payload "
+        f"[{first.offset}, {first.offset + first.byte_length}) extends past the end of the file "
+        f"({available} data bytes))", file=file, entry=first.name,
+        fix="the file was cut short (an interrupted copy, download or write): restore it from "
+            "another copy")
+
+
 def check_extents(header: Header, data_start: int, size: int, file: str | None = None) -> None:
     """Refuse payloads that extend past the end of the file or overlap each other, and padded
     entries that would rebuild more than `PADDED_ALLOCATION_FACTOR`
     times the file's size in all."""
-    available = size - data_start
+    truncation = _truncation(header, data_start, size, file)
+    if truncation is not None:
+        raise truncation
     spans = []
     padded = 0
     for e in header.tensors:
         if e.padding is not None:
             padded += math.prod(e.dims) * precs.element_size(e.prec)
-        if e.offset + e.byte_length > available:
-            raise FormatError(
-                f"payload [{e.offset}, {e.offset + e.byte_length}) extends past the end of the "
-                f"file ({available} data bytes)", file=file, entry=e.name,
-                fix="the file is truncated; restore it from a complete copy")
         if e.byte_length:
             spans.append((e.offset, e.offset + e.byte_length, e))
     spans.sort(key=lambda s: s[0])

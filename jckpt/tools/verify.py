@@ -112,7 +112,10 @@ class VerifyReport:
         failed = not self.ok or (strict and bool(self.warnings))
         verdict = 'FAILED' if failed else 'OK'
         where = f"{self.path} ({self.files} files)" if self.files != 1 else self.path
-        summary = (f"{verdict}: {where}: {self.checked} of {self.entries} checksums verified"
+        # a file whose header cannot be taken (cut short, damaged) has no count to give
+        counted = (f"{self.checked} of {self.entries} checksums verified"
+                   if self.entries or self.ok else "no checksum verified")
+        summary = (f"{verdict}: {where}: {counted}"
                    f", {len(self.errors)} error{'s' if len(self.errors) != 1 else ''}"
                    f", {len(self.warnings)} warning{'s' if len(self.warnings) != 1 else ''}"
                    + (" (--strict: warnings fail)" if strict and self.ok and self.warnings else ''))

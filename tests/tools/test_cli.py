@@ -266,6 +266,20 @@ def test_verify_good(model):
     assert p.stderr == ''
 
 
+def test_verify_truncated_file(model, cli):
+    data = open(model, 'rb').read()
+    with open(model, 'wb') as f:
+        f.write(data[:-40])
+    p = jckpt_cmd('verify', model)
+    assert p.returncode == 1
+    assert 'the file is truncated' in p.stdout and 'past its end' in p.stdout
+    assert f'where its header describes {len(data)}' in p.stdout
+    assert 'restore it from another copy' in p.stdout
+    assert 'no checksum verified' in p.stdout and '0 of 0' not in p.stdout
+    (problem,) = json.loads(cli('verify', model, '--json').stdout)['problems']
+    assert problem['severity'] == 'error' and 'truncated' in problem['message']
+
+
 def test_verify_corrupt_payload_names_entry(model, cli):
     corrupt_payload(model, 'jckpt/params/w')
     p = jckpt_cmd('verify', model)

@@ -101,6 +101,25 @@ def test_a_truncated_file_fails(tmp_path):
     assert 'extends past the end of the file' in error.message and 'truncated' in error.message
 
 
+def test_a_file_cut_inside_its_payloads_says_so(tmp_path):
+    """The entries past the cut in file order (not an empty entry listed first), how many, the
+    size expected and found, and the fix; the summary gives no made-up count of checksums."""
+    text = header_text(entry_text(id=0, dims='(0)', offset=12, length=0),
+                       entry_text(id=1, dims='(1)', offset=0, length=4),
+                       entry_text(id=2, dims='(2)', offset=4, length=8))
+    path = tmp_path / 'cut.jckpt'
+    path.write_bytes(raw_file(text, b'\0' * 6))
+    size = path.stat().st_size
+    r = verify(path)
+    (error,) = r.errors
+    assert error.entry == 'jckpt/n2'
+    assert f'the file is truncated: it is {size} bytes where its header describes {size + 6}' \
+        in error.message
+    assert '2 of 3 entries lie past its end' in error.message
+    assert 'cut short' in error.message and 'restore it from another copy' in error.message
+    assert r.render().endswith(f'FAILED: {path}: no checksum verified, 1 error, 0 warnings')
+
+
 def test_layout_warnings(tmp_path):
     """A readable file not laid out as the writer lays it out: warnings, still ok."""
     text = header_text(
