@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from jckpt.errors import InputError
-from jckpt.format.header import DEFAULT_ALIGNMENT, NAMESPACE_RE, Entry
+from jckpt.format.entries import check_namespace
+from jckpt.format.header import DEFAULT_ALIGNMENT, Entry
 from jckpt.format.limits import check_alignment
 
 
@@ -82,9 +83,7 @@ class Context:
     registry: Registry = dataclasses.field(default_factory=Registry)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.namespace, str) or not NAMESPACE_RE.match(self.namespace):
-            raise InputError(f"invalid namespace {self.namespace!r}: must match "
-                             "[A-Za-z_][A-Za-z0-9_]*", fix="use letters, digits and underscores")
+        check_namespace(self.namespace)
         object.__setattr__(self, 'alignment', check_alignment(self.alignment))
         for name in ('mmap', 'durable', 'host'):  # numpy's bools become bools
             object.__setattr__(self, name, check_flag(getattr(self, name), f"Context's {name}",

@@ -190,6 +190,31 @@ def _entry_maker() -> Callable[..., Entry]:
 _new_entry = _entry_maker()
 
 
+def check_namespace(namespace: Any, *, file: str | None = None, entry: str | None = None) -> str:
+    """`namespace` when every reader accepts it (an identifier), else `InputError`: what
+    `Context` checks for `save`, and the writer for every header it publishes.
+
+    >>> check_namespace('params')
+    'params'
+    >>> check_namespace('ns.2', file='m.jckpt')  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    jckpt.errors.InputError: m.jckpt: invalid namespace 'ns.2': must match ... (fix: use letters, ...)
+    """
+    if not isinstance(namespace, str) or not NAMESPACE_RE.match(namespace):
+        raise InputError(f"invalid namespace {namespace!r:.80}: must match [A-Za-z_][A-Za-z0-9_]*",
+                         file=file, entry=entry, fix="use letters, digits and underscores")
+    return namespace
+
+
+def check_namespaces(entries: Sequence[Entry], *, file: str | None = None) -> None:
+    """`check_namespace` of each distinct namespace of `entries` (what a writer checks before
+    publishing a header), naming the first entry in a refused one."""
+    firsts = {e.namespace: e for e in reversed(entries)}  # each namespace's first entry
+    for namespace, first in firsts.items():
+        check_namespace(namespace, file=file, entry=first.name)
+
+
 def check_prefix(prefix: str | None) -> None:
     """Raise `InputError` unless `prefix` is `None`, `""` or an identifier (what `prefixed`
     puts before a namespace)."""
@@ -211,6 +236,6 @@ def prefixed(namespace: str, prefix: str | None) -> str:
 
 
 __all__ = ['DEFAULT_ALIGNMENT', 'FORMAT_VERSION', 'LEGACY_NAMESPACE', 'NAMESPACE_RE', 'PATH_KINDS',
-           'check_prefix', 'prefixed',
+           'check_namespace', 'check_namespaces', 'check_prefix', 'prefixed',
            'Entry', 'Header', 'KeyPath', 'Padding', 'PathComponent', 'entry_for', 'path_name',
            'round_up']

@@ -22,6 +22,7 @@ import numpy as np
 
 from jckpt.errors import InputError, StorageError
 from jckpt.format import payload as payload_mod
+from jckpt.format.entries import check_namespaces
 from jckpt.format.fastpath import accelerator
 from jckpt.format.header import Entry, Header, encode_header_with_slots
 from jckpt.format.header_seal import seal_header
@@ -353,13 +354,15 @@ def write_checkpoint(target: str | os.PathLike, header: Header,
     `sources[i]` streams the payload of `header.tensors[i]`; entries
     without a checksum get the one computed while streaming (entries with one,
     kept from another file, keep theirs). Returns the header as written. On any failure the staging
-    file is removed and the target is left as it was.
+    file is removed and the target is left as it was. A namespace no reader accepts is refused
+    (`InputError`) before any byte is written, as `save` refuses it in its `Context`.
     """
     target = os.fspath(target)
     backend = backend_for(target)  # refuses a URL no backend serves, before any work
     if len(sources) != len(header.tensors):
         raise InputError(f"{len(sources)} payload sources for {len(header.tensors)} entries",
                          file=target, fix="give one source per entry of the header")
+    check_namespaces(header.tensors, file=target)
     if getattr(backend, 'streams', False) and all(type(s) in STREAMED for s in sources):
         return stream_arrays(backend, target, header, sources, on_payload)  # an object: no spool file
     draft = with_placeholders(header)

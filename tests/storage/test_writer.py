@@ -336,6 +336,20 @@ def test_fewer_sources_than_entries_is_refused(tmp_path):
     assert not path.exists()
 
 
+@pytest.mark.parametrize('namespace', ['ns.2', '9lives', '', 'a b'])
+def test_a_namespace_readers_refuse_is_refused_before_any_write(tmp_path, namespace):
+    """The writer published `ns.2`, which every reader then refused; it checks the namespace
+    as `save`'s `Context` does, and writes nothing."""
+    path = tmp_path / 'm.jckpt'
+    good = entry_for('ok', (('k', 'a'),), np.float32, (1,), id=0)
+    bad = entry_for('ok', (('k', 'b'),), np.float32, (1,), id=1)
+    header = lay_out(Header(tensors=(good, dataclasses.replace(bad, namespace=namespace))))
+    with pytest.raises(InputError, match=f"invalid namespace '{namespace}'") as e:
+        write_checkpoint(path, header, [ArraySource(np.ones(1, np.float32))] * 2, durable=False)
+    assert (e.value.file, e.value.entry) == (str(path), f'{namespace}/b')
+    assert 'letters, digits and underscores' in e.value.fix and os.listdir(tmp_path) == []
+
+
 def test_an_empty_checkpoint(tmp_path):
     path = tmp_path / 'empty.jckpt'
     written = write_checkpoint(path, Header(tensors=()), [], durable=True)
