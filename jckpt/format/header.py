@@ -61,6 +61,16 @@ def _fail(msg: str, file: str | None, entry: str | None = None) -> FormatError:
                        fix="the file is damaged or was not written by a compatible writer")
 
 
+def _older_ocannl(msg: str, file: str | None, entry: str) -> FormatError:
+    """A padding field in a form FORMAT.md refuses but an older OCANNL writer wrote (`none` or
+    a hex float as the value, fewer `(L R)` pairs than dims): said so, with the way out."""
+    return FormatError(
+        f"{msg}: this looks like a file from an older OCANNL writer (a padding must be none or "
+        "(((L R) ...) VALUE), one (L R) per dim and VALUE a decimal float such as 0.)",
+        file=file, entry=entry,
+        fix="load it with a current OCANNL and save it again, then read that file")
+
+
 def _int(atom: Sexp, what: str, file: str | None, entry: str | None = None) -> int:
     if isinstance(atom, str) and atom.isascii():
         digits = atom[1:] if atom[:1] == '-' else atom
@@ -107,7 +117,8 @@ def _decode_padding(node: Sexp, ndim: int, file: str | None, entry: str) -> Padd
         return None
     if not (isinstance(node, list) and len(node) == 2 and isinstance(node[0], list)
             and isinstance(node[1], str)):
-        raise _fail(f"padding must be none or (((L R) ...) VALUE), got {_short(node)}", file, entry)
+        fail = _older_ocannl if isinstance(node, list) else _fail
+        raise fail(f"padding must be none or (((L R) ...) VALUE), got {_short(node)}", file, entry)
     pairs = []
     for pair in node[0]:
         if not (isinstance(pair, list) and len(pair) == 2):
@@ -117,11 +128,12 @@ def _decode_padding(node: Sexp, ndim: int, file: str | None, entry: str) -> Padd
             raise _fail("padding is negative", file, entry)
         pairs.append((lo, hi))
     if len(pairs) != ndim:
-        raise _fail(f"padding has {len(pairs)} pairs for {ndim} dims", file, entry)
+        fail = _older_ocannl if len(pairs) < ndim else _fail
+        raise fail(f"padding has {len(pairs)} (L R) pairs for {ndim} dims", file, entry)
     try:
         value = float(node[1])
     except ValueError:
-        raise _fail(f"padding value {node[1]!r} is not a float", file, entry) from None
+        raise _older_ocannl(f"padding value {node[1]!r} is not a float", file, entry) from None
     return Padding(tuple(pairs), value)
 
 

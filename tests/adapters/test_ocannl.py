@@ -1,5 +1,6 @@
 """OCANNL interop both ways: files as OCANNL writes them load; what jckpt writes OCANNL accepts."""
 
+import re
 import struct
 import warnings
 
@@ -86,6 +87,37 @@ def test_void_prec_parses_and_refuses_loading(tmp_path):
     got = jckpt.restore(jckpt.Context(namespace='ocannl', host=True), {'n1': np.zeros(1, np.float32)},
                         path)
     assert got['n1'].tolist() == [2.0]
+
+
+@pytest.mark.parametrize('padding,fault', [
+    ('(((1 1) (0 0)) none)', "padding value 'none' is not a float"),
+    ('(((1 1) (0 0)) 0x1p-1)', "padding value '0x1p-1' is not a float"),
+    ('(((1 1)) 0.)', 'padding has 1 (L R) pairs for 2 dims'),
+    ('(none)', 'padding must be none or'),
+])
+def test_padding_as_an_older_ocannl_wrote_it_is_refused_saying_so(tmp_path, padding, fault):
+    """FORMAT.md refuses these forms; the error said only "not a float" or "1 pairs for 2 dims",
+    not that the file comes from an older OCANNL writer nor how to get a readable one."""
+    text = ('((version 1) (tensors (((id 0) (namespace "") (label (p)) (prec Single_prec) '
+            f'(dims (3 2)) (padding {padding}) (offset 0) (byte_length 8)))))')
+    path = tmp_path / 'old.ckpt'
+    path.write_bytes(raw_file(text, np.ones(2, np.float32).tobytes()))
+    for read in (jckpt.describe, lambda p: jckpt.load(jckpt.Context(host=True), p)):
+        with pytest.raises(FormatError, match=re.escape(fault)) as e:
+            read(path)
+        assert 'looks like a file from an older OCANNL writer' in e.value.message
+        assert 'save it again' in e.value.fix and e.value.file == str(path)
+    assert 'older OCANNL writer' in str(jckpt.verify(path).errors[0])
+
+
+def test_padding_damaged_otherwise_is_not_blamed_on_ocannl(tmp_path):
+    text = ('((version 1) (tensors (((id 0) (namespace "") (label (p)) (prec Single_prec) '
+            '(dims (2)) (padding (((0 0) (0 0)) 0.)) (offset 0) (byte_length 8)))))')
+    path = tmp_path / 'odd.ckpt'
+    path.write_bytes(raw_file(text, np.ones(2, np.float32).tobytes()))
+    with pytest.raises(FormatError, match=r'2 \(L R\) pairs for 1 dims') as e:
+        jckpt.describe(path)
+    assert 'OCANNL' not in str(e.value)
 
 
 def independent_check(path):
