@@ -2,6 +2,7 @@
 
 import errno
 import json
+import math
 import os
 import signal
 
@@ -117,6 +118,24 @@ def test_restore_namespaces_without_the_optimizer(tmp_path):
         mgr.wait_durable()
         partial = mgr.restore(target={"params": state_at(0)["params"]}).tree  # no optimizer read
         assert set(partial) == {"params"}
+
+
+@pytest.mark.parametrize('options', [None, jckpt.CheckpointOptions(format='npz')])
+def test_a_nan_loss_in_the_trainer_state_survives_a_save_as_strict_json(tmp_path, options):
+    """The trainer state of a step whose loss went NaN is read back as NaN, and every JSON
+    parser can read what was stored (the header's metadata, or trainer_state.json)."""
+    state = jckpt.TrainerState(global_step=3, best_loss=float('nan'),
+                               user={'loss': float('nan'), 'grad_norm': float('inf')})
+    with jckpt.CheckpointManager(tmp_path, options=options) as mgr:
+        mgr.save(3, {'w': np.ones(2, np.float32)}, trainer_state=state)
+        mgr.wait_durable()
+        r = mgr.restore()
+    assert math.isnan(r.trainer_state.best_loss) and math.isnan(r.trainer_state.user['loss'])
+    assert r.trainer_state.user['grad_norm'] == math.inf
+    step = tmp_path / 'step_00000003.jckpt'
+    text = ((step / 'trainer_state.json').read_text() if step.is_dir()
+            else jckpt.describe(step).metadata_dict()['jckpt.trainer_state'])
+    json.loads(text, parse_constant=lambda token: pytest.fail(f"{token} is not strict JSON"))
 
 
 def test_resume_on_another_layout_reshards_or_refuses(tmp_path):

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 
+import numpy as np
 import pytest
 
 import jckpt
@@ -48,12 +49,38 @@ def test_to_json_is_a_sorted_object_with_every_field():
                       'user': {'seed': 0, 'tags': ['a']}}
 
 
-def test_non_finite_floats_survive_the_round_trip():
-    s = TrainerState(best_loss=float('nan'), learning_rate=float('-inf'))
-    text = s.to_json()
-    assert 'NaN' in text and '-Infinity' in text
-    back = TrainerState.from_json(text)
+def strict_json(text):
+    """`json.loads` as a strict parser has it: `NaN`, `Infinity` and `-Infinity` refused."""
+    def refuse(token):
+        raise ValueError(f"{token} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_non_finite_floats_survive_the_round_trip_as_strict_json():
+    """A loss gone NaN was written as the bare token `NaN`, which strict JSON parsers (jq,
+    JavaScript's JSON.parse, serde_json) refuse."""
+    s = TrainerState(best_loss=float('nan'), learning_rate=float('-inf'),
+                     user={'loss': float('nan'), 'history': [1.5, float('inf')],
+                           'f32': np.float32('nan'), 'nested': {'g': -np.float64('inf')}})
+    fields = strict_json(s.to_json())
+    assert fields['best_loss'] == {'$float': 'nan'} and fields['user']['f32'] == {'$float': 'nan'}
+    back = TrainerState.from_json(s.to_json())
     assert math.isnan(back.best_loss) and back.learning_rate == float('-inf')
+    assert math.isnan(back.user['loss']) and math.isnan(back.user['f32'])
+    assert back.user['history'] == [1.5, float('inf')] and back.user['nested'] == {'g': -math.inf}
+
+
+@pytest.mark.parametrize('value', [{'$float': 'nan'}, {'$object': [['a', 1]]}, {'$float': 2},
+                                   {'$float': 'nan', 'other': 1}, {'a': {'$object': []}}])
+def test_user_dicts_that_look_like_the_encoding_come_back_as_themselves(value):
+    s = TrainerState(user={'v': value, 'in_list': [value]})
+    strict_json(s.to_json())
+    assert TrainerState.from_json(s.to_json()) == s
+
+
+def test_the_bare_nan_and_infinity_earlier_versions_wrote_still_read():
+    back = TrainerState.from_json('{"best_loss": NaN, "user": {"loss": -Infinity}}')
+    assert math.isnan(back.best_loss) and back.user == {'loss': -math.inf}
 
 
 def test_unknown_fields_are_kept_under_user():
