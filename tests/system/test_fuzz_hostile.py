@@ -42,3 +42,31 @@ def test_mutated_files_of_every_family_are_read_or_refused_in_bounds(tmp_path):
             assert outcomes.get("ok", 0) > 0, (family, outcomes)
     record("fuzz_hostile", seed=3, cases=run["cases"], outcomes=run["outcomes"],
            seconds=run["seconds"], slowest_case_s=run["slowest_case_s"])
+
+
+_SMALL_RUN = """
+import json, os, sys, tempfile
+from tests.system import fuzz_hostile as fh
+work = tempfile.mkdtemp()
+os.makedirs(os.path.join(work, "corpus", "native"))
+from tests.helpers import write_arrays  # no JAX runtime: a fork would lose its threads
+write_arrays(os.path.join(work, "corpus", "native", "c.jckpt"), fh._tree())
+fh._warm(os.path.join(work, "corpus"))
+print(json.dumps(fh.run(5, 6, os.path.join(work, "corpus"), work, timeout=60,
+                        rss_limit_mib=256, keep=None)))
+"""
+
+
+@pytest.mark.slow
+def test_memory_is_measured_beyond_what_the_unmutated_sample_costs(tmp_path):
+    """A forked child's growth counted the interpreter's and libraries' pages it faults in
+    again, which no reader allocates, against a limit stated as the readers': the figure is
+    now the growth beyond the family's unmutated sample's, and both are in the summary."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", _SMALL_RUN], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert 0 < run["baseline_rss_mib"]["native"] < 64, run["baseline_rss_mib"]
+    largest = run["largest_rss_growth"]
+    assert largest["rss_mib"] < 256 and run["defects"] == {}, run
