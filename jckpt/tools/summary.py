@@ -4,19 +4,15 @@ A summary is read from the header alone (no payload is touched, no JAX is
 imported), so it is instant even for very large files. Its `repr` is a
 readable table, and in Jupyter it renders as an HTML table; `to_dict()`
 gives the same content as plain JSON-ready data (what `jckpt inspect
---json` prints). `jckpt.info` picks the summary that fits a path.
+--json` prints). `jckpt.info` picks the summary that fits a path (its module,
+`jckpt.tools.info`, shows one of a file written and read back).
 
->>> import numpy as np, tempfile, os
->>> from jckpt.format import Entry, Header, lay_out
->>> from jckpt.storage import ArraySource, write_checkpoint
->>> path = os.path.join(tempfile.mkdtemp(), 'm.jckpt')
+>>> from jckpt.format import Entry
 >>> e = Entry(id=0, namespace='jckpt', prec='Single_prec', dims=(2, 3), offset=0,
 ...           byte_length=24, path=(('k', 'w'),))
->>> _ = write_checkpoint(path, lay_out(Header(tensors=(e,))),
-...                      [ArraySource(np.ones((2, 3), np.float32))], durable=False)
->>> s = file_info(path)
->>> s.entries[0].name, s.entries[0].shape, s.entries[0].mappable
-('jckpt/w', (2, 3), True)
+>>> s = EntryInfo.from_entry(e, data_start=256)
+>>> s.name, s.dtype, s.shape, s.mappable
+('jckpt/w', 'float32', (2, 3), True)
 """
 
 from __future__ import annotations
@@ -50,8 +46,9 @@ from jckpt.tools.render import (
 
 
 @dataclasses.dataclass(frozen=True)
-class EntryInfo:
-    """One stored array, as `jckpt inspect` lists it.
+class _ArrayFacts:
+    """What an entry's header says of its array, common to a file's entry (`EntryInfo`) and a
+    directory's assembled array (`ArrayInfo`).
 
     Attributes:
       namespace, path: the entry's identity (`path` as `a/b/0`; `n<id>`
@@ -60,13 +57,7 @@ class EntryInfo:
       prec: the stored element type's name in the header (`Single_prec`).
       dtype: the numpy name of the loaded dtype (`float32`; `void` for `Void_prec`).
       shape: the shape of the loaded array.
-      nbytes: payload bytes stored in the file.
-      offset: payload offset relative to the data start.
-      mappable: whether loading can map the payload instead of copying it.
-      checksum: `'algorithm:hex'`, or None when the writer stored none.
-      padded: whether the entry is OCANNL-padded (only its interior is stored).
-      key_impl: the PRNG key implementation for typed-key leaves.
-      slice, global_dims: for a piece of a sharded array, which part it is.
+      nbytes: payload bytes stored.
     """
 
     namespace: str
@@ -76,6 +67,41 @@ class EntryInfo:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+
+    @property
+    def name(self) -> str:
+        """`namespace/path`, the name errors and `jckpt diff` use."""
+        return f"{self.namespace}/{self.path}"
+
+
+def _facts(entry: Entry) -> dict[str, Any]:
+    """The `_ArrayFacts` fields of a header `Entry`, as keyword arguments."""
+    return dict(namespace=entry.namespace,
+                path=path_name(entry.path) if entry.path is not None else f"n{entry.id}",
+                id=entry.id, prec=entry.prec,
+                dtype='void' if entry.prec == precs.VOID else str(entry.dtype.name),
+                shape=tuple(entry.shape), nbytes=entry.byte_length)
+
+
+def _dtype_cell(dtype: str, key_impl: str | None) -> str:
+    """The dtype column of a listing: a typed PRNG key shows its implementation."""
+    return dtype if key_impl is None else f"key<{key_impl}>"
+
+
+@dataclasses.dataclass(frozen=True)
+class EntryInfo(_ArrayFacts):
+    """One stored array, as `jckpt inspect` lists it.
+
+    Attributes:
+      namespace, path, id, prec, dtype, shape, nbytes: what its header says (`_ArrayFacts`).
+      offset: payload offset relative to the data start.
+      mappable: whether loading can map the payload instead of copying it.
+      checksum: `'algorithm:hex'`, or None when the writer stored none.
+      padded: whether the entry is OCANNL-padded (only its interior is stored).
+      key_impl: the PRNG key implementation for typed-key leaves.
+      slice, global_dims: for a piece of a sharded array, which part it is.
+    """
+
     offset: int
     mappable: bool
     checksum: str | None = None
@@ -84,20 +110,10 @@ class EntryInfo:
     slice: tuple[tuple[int, int], ...] | None = None
     global_dims: tuple[int, ...] | None = None
 
-    @property
-    def name(self) -> str:
-        """`namespace/path`, the name errors and `jckpt diff` use."""
-        return f"{self.namespace}/{self.path}"
-
     @classmethod
     def from_entry(cls, entry: Entry, data_start: int) -> EntryInfo:
         """Summarize a header `Entry` of a file whose data starts there."""
-        dtype = 'void' if entry.prec == precs.VOID else str(entry.dtype.name)
-        return cls(namespace=entry.namespace,
-                   path=path_name(entry.path) if entry.path is not None else f"n{entry.id}",
-                   id=entry.id, prec=entry.prec, dtype=dtype, shape=tuple(entry.shape),
-                   nbytes=entry.byte_length, offset=entry.offset,
-                   mappable=can_map(entry, data_start),
+        return cls(**_facts(entry), offset=entry.offset, mappable=can_map(entry, data_start),
                    checksum=':'.join(entry.checksum) if entry.checksum else None,
                    padded=entry.padding is not None, key_impl=entry.key_impl,
                    slice=entry.slice, global_dims=entry.global_dims)
@@ -118,7 +134,7 @@ _RIGHT = (4, 5)
 
 
 def _entry_row(e: EntryInfo) -> list[str]:
-    dtype = e.dtype if e.key_impl is None else f"key<{e.key_impl}>"
+    dtype = _dtype_cell(e.dtype, e.key_impl)
     shape = format_shape(e.shape)
     if e.global_dims is not None:
         shape += ' of ' + format_shape(e.global_dims)
@@ -281,7 +297,7 @@ def file_info(path: str | os.PathLike, reader: Any = None) -> FileInfo:
 
 
 @dataclasses.dataclass(frozen=True)
-class ArrayInfo:
+class ArrayInfo(_ArrayFacts):
     """One array of a multi-process (directory) checkpoint, assembled from its pieces.
 
     Attributes:
@@ -292,21 +308,10 @@ class ArrayInfo:
       mappable: whether every piece can be mapped instead of copied.
     """
 
-    namespace: str
-    path: str
-    id: int
-    prec: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
     pieces: int
     files: tuple[str, ...]
     mappable: bool
     key_impl: str | None = None
-
-    @property
-    def name(self) -> str:
-        return f"{self.namespace}/{self.path}"
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -331,9 +336,8 @@ _ARRAY_COLUMNS = ('namespace', 'path', 'dtype', 'shape', 'size', 'pieces', 'map'
 
 
 def _array_row(a: ArrayInfo) -> list[str]:
-    dtype = a.dtype if a.key_impl is None else f"key<{a.key_impl}>"
-    return [a.namespace, a.path, dtype, format_shape(a.shape), human_bytes(a.nbytes),
-            str(a.pieces), 'yes' if a.mappable else 'no']
+    return [a.namespace, a.path, _dtype_cell(a.dtype, a.key_impl), format_shape(a.shape),
+            human_bytes(a.nbytes), str(a.pieces), 'yes' if a.mappable else 'no']
 
 
 @dataclasses.dataclass(frozen=True)
@@ -442,10 +446,7 @@ def _array_info(reader: DirectoryReader, a: Any, mappable: dict[tuple, bool]) ->
     """The `ArrayInfo` of one global array (`a`: the reader's record of it)."""
     e = a.entry
     return ArrayInfo(
-        namespace=e.namespace,
-        path=path_name(e.path) if e.path is not None else f"n{e.id}", id=e.id, prec=e.prec,
-        dtype='void' if e.prec == precs.VOID else e.dtype.name, shape=tuple(e.shape),
-        nbytes=e.byte_length, pieces=len(a.pieces),
+        **_facts(e), pieces=len(a.pieces),
         files=tuple(sorted({reader.files[fi] for fi, _ in a.pieces})),
         mappable=all(mappable.get((fi, e.identity, box), False) for fi, box in a.pieces),
         key_impl=e.key_impl)

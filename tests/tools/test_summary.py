@@ -25,6 +25,18 @@ from tests.helpers import entry_text, header_text, raw_file, write_arrays, write
 
 # --- a file ------------------------------------------------------------------------------------
 
+def test_a_file_and_a_directory_describe_one_array_alike(tmp_path):
+    """Both summaries take an entry's identity, dtype and size from one place: the same
+    array saved as a file and as a directory is listed with the same facts."""
+    arrays = {'a/w': np.arange(8.0, dtype=np.float32).reshape(4, 2), 'n': np.arange(4, dtype=np.int8)}
+    f = file_info(write_arrays(tmp_path / 'm.jckpt', arrays))
+    d = directory_info(write_directory(tmp_path / 'ckpt', arrays))
+    common = ('namespace', 'path', 'id', 'prec', 'dtype', 'shape', 'nbytes', 'name')
+    assert [[getattr(e, k) for k in common] for e in f.entries] == \
+        [[getattr(a, k) for k in common] for a in d.entries]
+    assert [r.split()[2] for r in f.render().splitlines() if r.startswith('jckpt ')] == \
+        [r.split()[2] for r in d.render().splitlines() if r.startswith('jckpt ')]
+
 def test_file_info(tmp_path):
     path = write_arrays(tmp_path / 'm.jckpt', {'params/w': np.ones((784, 512), np.float32),
                                                'step': np.int32(3)},
