@@ -25,6 +25,7 @@ import jax
 
 from jckpt.errors import InputError
 from jckpt.format.entries import check_prefix, prefixed
+from jckpt.format.entries import loose_path as loose_path  # its home is the codec: the tools match by it
 from jckpt.format.header import Header, KeyPath, path_name
 from jckpt.format.limits import MAX_INT_DIGITS
 from jckpt.format.metadata import prefix_header
@@ -100,36 +101,6 @@ def leaf_name(namespace: str, path: KeyPath) -> str:
     """
     # list-built: this runs once per leaf of every save and restore
     return f"{namespace}/{'/'.join([v if type(v) is str else str(v) for _, v in path]) or '<root>'}"
-
-
-#: Key kinds that differ only in how a node keeps its children: by name, or by number.
-_LOOSE_KIND = {'k': 'name', 'a': 'name', 'i': 'number', 'f': 'number', 'ki': 'number'}
-
-
-def loose_path(path: KeyPath) -> KeyPath:
-    """`path` less its key kinds: a dict key and an attribute of one name compare equal,
-    and so do a sequence index, a flattened index, an integer dict key of one number and a
-    string dict key that is that number written out (`'0'`: orbax records every dict key
-    as a string, so an `nnx.State`'s integer keys come back from it as `'0'`, `'1'`).
-
-    >>> loose_path((('i', 0), ('a', 'count'))) == loose_path((('i', 0), ('k', 'count')))
-    True
-    >>> loose_path((('ki', 1), ('i', 0))) == loose_path((('k', '1'), ('k', '0')))
-    True
-    >>> loose_path((('k', '01'),)) == loose_path((('i', 1),))
-    False
-    """
-    return tuple([_loose_component(kind, key) for kind, key in path])
-
-
-def _loose_component(kind: str, key: str | int) -> tuple[str, str | int]:
-    """One component of `loose_path`: a string key that is an integer's decimal form (exactly
-    as `str` writes it: no sign but `-`, no leading zero, no `_`) as that number."""
-    if kind == 'k' and type(key) is str and 0 < len(key) <= MAX_INT_DIGITS:
-        digits = key[1:] if key[:1] == '-' else key
-        if digits.isascii() and digits.isdigit() and str(int(key)) == key:
-            return ('number', int(key))
-    return (_LOOSE_KIND.get(kind, kind), key)
 
 
 _REPR = {'k': '[{!r}]', 'ki': '[{!r}]', 'i': '[{}]', 'a': '.{}', 'f': '[<flat index {}>]'}
