@@ -300,6 +300,17 @@ def test_restore_several_namespaces_in_one_placement(tmp_path, monkeypatch):
     assert one["ema"]["w"].tolist() == [2, 2, 2, 2] and isinstance(one["ema"]["w"], jax.Array)
 
 
+def test_a_target_keyed_by_the_files_namespaces_is_told_to_pass_namespaces(tmp_path):
+    """A target of {namespace: subtree} (what a manager's items= saved) without namespaces=
+    was told only to pass namespace=... or namespaces=[...] in general."""
+    path = two_namespaces(tmp_path)
+    target = {"model": {"w": np.zeros(4)}, "opt": {"mu": np.zeros(4)}}
+    with pytest.raises(jckpt.MissingEntryError, match="it has no namespace 'jckpt'") as e:
+        jckpt.restore(jckpt.Context(), target, path)
+    assert "the target's key 'model' is a namespace of the file" in e.value.fix
+    assert "namespaces=[...]" in e.value.fix
+
+
 def test_restore_with_namespaces_keeps_each_subtree_type(tmp_path):
     path = tmp_path / "p.jckpt"
     jckpt.save(jckpt.Context(namespace="a"), Pair(np.ones(2), np.zeros(2)), path)
