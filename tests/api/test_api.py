@@ -450,6 +450,19 @@ def test_restored_cpu_arrays_are_the_mapped_file_in_place(tmp_path):
                 np.testing.assert_array_equal(np.asarray(v), tree[k])
 
 
+def test_a_flax_msgpack_file_is_named_with_how_to_read_it(tmp_path):
+    """flax.serialization.to_bytes (and flax.training.checkpoints without orbax) write msgpack,
+    which no converter reads: restore said only "header length 2174842823 extends past the
+    end of the file ... truncated or not a checkpoint"."""
+    serialization = pytest.importorskip("flax.serialization")
+    path = tmp_path / "checkpoint_1"
+    path.write_bytes(serialization.to_bytes({"params": {"w": np.ones(3, np.float32)}, "step": 1}))
+    with pytest.raises(jckpt.FormatError) as e:
+        jckpt.restore(jckpt.Context(), {"step": 0}, path)
+    assert e.value.message.startswith("it is a msgpack file (flax.serialization.to_bytes")
+    assert "flax.serialization.from_bytes" in e.value.fix and "jckpt.save" in e.value.fix
+
+
 def test_another_formats_file_is_named_for_what_it_is_first(tmp_path):
     """docs/interop.md: given another format's file, `load` and `restore` say what it is and
     how to convert it. The error led with "header length 2415919104 extends past the end of
