@@ -330,8 +330,9 @@ def _match(stored: _Stored, p: KeyPath) -> tuple[Entry | None, Sequence[Entry]]:
     else `(None, the entries that differ from it only in key kinds: none, or several)`.
 
     A dict key and an attribute of the same name match, and so do a sequence
-    index, a flattened index and an integer dict key of the same number:
-    orbax, for one, records a NamedTuple's fields as dict keys.
+    index, a flattened index, an integer dict key of the same number and a string
+    dict key that writes it out (`loose_path`): orbax, for one, records a
+    NamedTuple's fields as dict keys, and integer dict keys as strings.
     """
     entry = stored.by_path.get(p)
     if entry is not None:
