@@ -330,8 +330,9 @@ def _match(stored: _Stored, p: KeyPath) -> tuple[Entry | None, Sequence[Entry]]:
     else `(None, the entries that differ from it only in key kinds: none, or several)`.
 
     A dict key and an attribute of the same name match, and so do a sequence
-    index, a flattened index and an integer dict key of the same number:
-    orbax, for one, records a NamedTuple's fields as dict keys.
+    index, a flattened index, an integer dict key of the same number and a string
+    dict key that writes it out (`loose_path`): orbax, for one, records a
+    NamedTuple's fields as dict keys, and integer dict keys as strings.
     """
     entry = stored.by_path.get(p)
     if entry is not None:
@@ -371,11 +372,22 @@ def _missing(stored: _Stored, namespace: str, p: KeyPath, found: Sequence[Entry]
                                      f"{near}); to keep a new leaf's initial value, restore a "
                                      "target without it and add it after")
     return MissingEntryError(f"not in the checkpoint: it has no namespace {namespace!r}",
-                             file=path, entry=where,
-                             fix=f"its namespaces are {sorted(stored.others)}: pass namespace=... "
-                                 "(or jckpt.Context(namespace=...)), or namespaces=[...] with "
-                                 "{namespace: subtree} targets" if stored.others else
-                             "the file holds no arrays")
+                             file=path, entry=where, fix=_namespace_fix(stored.others, p))
+
+
+def _namespace_fix(others: set[str], p: KeyPath) -> str:
+    """The fix for a target of a namespace the file lacks; when the target's first key names
+    one of the file's namespaces, it is `{namespace: subtree}` (as a manager's `items=`
+    saved it) and wants `namespaces=`."""
+    if not others:
+        return "the file holds no arrays"
+    head = p[0][1] if p and p[0][0] == 'k' else None
+    if head in others:
+        return (f"the target's key {head!r} is a namespace of the file: restore a target of "
+                f"{{namespace: subtree}} with namespaces=[...] naming its keys (the file's "
+                f"namespaces are {sorted(others)})")
+    return (f"its namespaces are {sorted(others)}: pass namespace=... (or "
+            "jckpt.Context(namespace=...)), or namespaces=[...] with {namespace: subtree} targets")
 
 
 def _moved(stored: _Stored, p: KeyPath) -> tuple[str, str] | None:

@@ -24,7 +24,7 @@ import numpy as np
 
 from jckpt.errors import InputError
 from jckpt.format import precs
-from jckpt.format.limits import MAX_PATH_LENGTH
+from jckpt.format.limits import MAX_INT_DIGITS, MAX_PATH_LENGTH
 
 FORMAT_VERSION = 1
 DEFAULT_ALIGNMENT = 32
@@ -122,6 +122,36 @@ class Header:
 def path_name(path: KeyPath) -> str:
     """`(('k', 'params'), ('i', 0))` -> `'params/0'`."""
     return '/'.join([str(v) for _, v in path])  # a list: join makes one of a generator anyway
+
+
+#: Key kinds that differ only in how a node keeps its children: by name, or by number.
+_LOOSE_KIND = {'k': 'name', 'a': 'name', 'i': 'number', 'f': 'number', 'ki': 'number'}
+
+
+def loose_path(path: KeyPath) -> KeyPath:
+    """`path` less its key kinds: a dict key and an attribute of one name compare equal,
+    and so do a sequence index, a flattened index, an integer dict key of one number and a
+    string dict key that is that number written out (`'0'`: orbax records every dict key
+    as a string, so an `nnx.State`'s integer keys come back from it as `'0'`, `'1'`).
+
+    >>> loose_path((('i', 0), ('a', 'count'))) == loose_path((('i', 0), ('k', 'count')))
+    True
+    >>> loose_path((('ki', 1), ('i', 0))) == loose_path((('k', '1'), ('k', '0')))
+    True
+    >>> loose_path((('k', '01'),)) == loose_path((('i', 1),))
+    False
+    """
+    return tuple([_loose_component(kind, key) for kind, key in path])
+
+
+def _loose_component(kind: str, key: str | int) -> tuple[str, str | int]:
+    """One component of `loose_path`: a string key that is an integer's decimal form (exactly
+    as `str` writes it: no sign but `-`, no leading zero, no `_`) as that number."""
+    if kind == 'k' and type(key) is str and 0 < len(key) <= MAX_INT_DIGITS:
+        digits = key[1:] if key[:1] == '-' else key
+        if digits.isascii() and digits.isdigit() and str(int(key)) == key:
+            return ('number', int(key))
+    return (_LOOSE_KIND.get(kind, kind), key)
 
 
 def round_up(n: int, a: int) -> int:
@@ -237,5 +267,6 @@ def prefixed(namespace: str, prefix: str | None) -> str:
 
 __all__ = ['DEFAULT_ALIGNMENT', 'FORMAT_VERSION', 'LEGACY_NAMESPACE', 'NAMESPACE_RE', 'PATH_KINDS',
            'check_namespace', 'check_namespaces', 'check_prefix', 'prefixed',
-           'Entry', 'Header', 'KeyPath', 'Padding', 'PathComponent', 'entry_for', 'path_name',
+           'Entry', 'Header', 'KeyPath', 'Padding', 'PathComponent', 'entry_for', 'loose_path',
+           'path_name',
            'round_up']

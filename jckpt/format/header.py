@@ -312,6 +312,8 @@ def foreign_kind(head: bytes) -> str | None:
 
     >>> foreign_kind(b'PK\\x03\\x04'), foreign_kind(b'\\x00\\x00\\x00\\x20((version')
     ('a zip archive (a PyTorch .pt/.pth or numpy .npz file)', None)
+    >>> foreign_kind(b'\\x81\\xa6params')[:14]
+    'a msgpack file'
     """
     if head[:4] == b'PK\x03\x04':
         return 'a zip archive (a PyTorch .pt/.pth or numpy .npz file)'
@@ -321,7 +323,25 @@ def foreign_kind(head: bytes) -> str | None:
         return 'a numpy .npy file'
     if len(head) >= 9 and head[8:9] == b'{':
         return 'a safetensors file'
+    if _msgpack_map(head):
+        return _MSGPACK
     return None
+
+
+def _msgpack_map(head: bytes) -> bool:
+    """Whether `head` starts a msgpack map whose first key is a string, as flax writes a state
+    dict (a jckpt header this would match is over 2 GiB long)."""
+    first = head[0] if head else None
+    at = 1 if first is not None and 0x80 <= first <= 0x8f else {0xde: 3, 0xdf: 5}.get(first, 0)
+    return 0 < at < len(head) and (0xa0 <= head[at] <= 0xbf or head[at] in (0xd9, 0xda, 0xdb))
+
+
+#: flax's msgpack checkpoints: `flax.serialization.to_bytes`, flax.training.checkpoints without orbax.
+_MSGPACK = 'a msgpack file (flax.serialization.to_bytes, or flax.training.checkpoints without orbax)'
+_CONVERT = ("convert it first (jckpt.convert(path, 'model.jckpt'), or jckpt convert on the command "
+            "line), or read it with jckpt.adapters.read(path)")
+_FROM_BYTES = ("read it with flax.serialization.from_bytes(abstract_target, data) (or "
+               "msgpack_restore without a target) and jckpt.save the tree it gives")
 
 
 def foreign_error(head: bytes, message: str, file: str | None) -> FormatError | None:
@@ -336,8 +356,7 @@ def foreign_error(head: bytes, message: str, file: str | None) -> FormatError | 
     if kind is None:
         return None
     return FormatError(f"it is {kind}, not a jckpt checkpoint: {message}", file=file,
-                       fix="convert it first (jckpt.convert(path, 'model.jckpt'), or jckpt convert "
-                           "on the command line), or read it with jckpt.adapters.read(path)")
+                       fix=_FROM_BYTES if kind == _MSGPACK else _CONVERT)
 
 
 def split_header(raw: bytes | memoryview, file_size: int | None = None,

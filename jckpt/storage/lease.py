@@ -28,6 +28,11 @@ from jckpt.errors import InUseError, StorageError
 from jckpt.format.names import LEASE_SUFFIX
 from jckpt.storage.publish import storage_error
 
+#: How to read what a lease holder writes: a mirror or manager is a writer, and a second one
+#: on its path is refused, an evaluation job's too.
+READ_WHILE_HELD = ("to read what it writes while it runs (an evaluation job), open no mirror or "
+                   "manager: jckpt.restore its files, which jckpt.info(path) lists")
+
 
 def lease_path(path: str | os.PathLike) -> str:
     """The sidecar lock file guarding writes to `path`."""
@@ -67,7 +72,7 @@ class WriterLease:
                 raise InUseError(f"in use: another writer{holder} holds the lease "
                                  f"{os.path.basename(self.lock_path)}", file=self.path,
                                  fix="close the other mirror or manager first, or write to "
-                                     "another path") from None
+                                     f"another path; {READ_WHILE_HELD}") from None
             except OSError as e:  # no flock on this filesystem
                 os.close(fd)
                 raise storage_error(e, "locking the writer lease", self.lock_path) from e

@@ -35,6 +35,7 @@ from typing import Any
 
 from jckpt.errors import InUseError
 from jckpt.format.names import LEASE_SUFFIX
+from jckpt.storage.lease import READ_WHILE_HELD
 from jckpt.storage.object_store import ObjectURL, obstore_module, store_error, store_for
 
 log = logging.getLogger('jckpt')
@@ -109,7 +110,7 @@ class ObjectLease:
                          file=self.path,
                          fix=f"close the other mirror or manager first, or write to another path; a "
                              f"holder that died is taken over after {STALE_SECONDS:.0f} s, or delete "
-                             f"{self.lock.url}")
+                             f"{self.lock.url}; {READ_WHILE_HELD}")
 
     def _put(self, mode: Any) -> dict[str, Any]:
         """Write the lease record: `'create'`, or over the version `mode` only (a conditional PUT)."""

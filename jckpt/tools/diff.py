@@ -1,6 +1,7 @@
 """Comparing two checkpoints without JAX: `diff` entry by entry.
 
-`diff(a, b)` matches entries by `(namespace, path)` and reports entries
+`diff(a, b)` matches entries by `(namespace, path)` (then by path less key kinds, as
+`restore` does, `pair_entries`) and reports entries
 only in one, dtype and shape changes, and the largest absolute and relative
 differences. Payloads are read through the private mapping (a directory
 checkpoint's pieces on demand) and compared a bounded chunk at a time.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -34,6 +36,7 @@ from jckpt.adapters.tree_reader import open_foreign
 from jckpt.api import progress as progress_mod
 from jckpt.errors import FormatError, InputError
 from jckpt.format import precs
+from jckpt.format.entries import loose_path
 from jckpt.format.header import Entry
 from jckpt.format.names import STEP_RE
 from jckpt.storage import open_checkpoint
@@ -231,12 +234,51 @@ def _diff_entry(ra: Any, ea: Entry, rb: Any, eb: Entry,
 
 
 
+def pair_entries(a: Sequence[Entry], b: Sequence[Entry]) -> tuple[
+        list[tuple[Entry, Entry]], tuple[str, ...], tuple[str, ...]]:
+    """`(pairs, names only in a, names only in b)`: entries paired by `(namespace, path)`, then
+    those left over by the one entry on each side whose path differs only in key kinds
+    (`loose_path`), as `restore` matches a target's leaf. Another format holds an attribute
+    as a dict key (`nnx.State`'s `value`, an optax state's fields), and orbax an integer dict
+    key as a string: an export then pairs with its source.
+
+    >>> from jckpt.format.entries import entry_for
+    >>> w = lambda *path: entry_for('jckpt', path, 'float32', (2,), id=0)
+    >>> pairs, only_a, only_b = pair_entries([w(('k', 'w'), ('a', 'value'))],
+    ...                                      [w(('k', 'w'), ('k', 'value')), w(('k', 'b'),)])
+    >>> len(pairs), only_a, only_b
+    (1, (), ('jckpt/b',))
+    """
+    ia = {e.identity: e for e in a}
+    ib = {e.identity: e for e in b}
+    pairs = [(ea, ib[k]) for k, ea in ia.items() if k in ib]
+    left_a = [e for k, e in ia.items() if k not in ib]
+    left_b = [e for k, e in ib.items() if k not in ia]
+    la, lb = _by_loose_identity(left_a), _by_loose_identity(left_b)
+    loose = {k: (ea[0], lb[k][0]) for k, ea in la.items()
+             if len(ea) == 1 and len(lb.get(k, ())) == 1}
+    paired = {id(e) for pair in loose.values() for e in pair}
+    return (pairs + list(loose.values()),
+            tuple(e.name for e in left_a if id(e) not in paired),
+            tuple(e.name for e in left_b if id(e) not in paired))
+
+
+def _by_loose_identity(entries: Sequence[Entry]) -> dict[tuple[str, Any], list[Entry]]:
+    """Entries with a path, by namespace and path less key kinds."""
+    out: dict[tuple[str, Any], list[Entry]] = {}
+    for e in entries:
+        if e.path is not None:
+            out.setdefault((e.namespace, loose_path(e.path)), []).append(e)
+    return out
+
+
 def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float = 0.0, rtol: float = 0.0,
          progress: bool = False) -> DiffReport:
     """Compare checkpoints `a` and `b` (files or multi-process directories, in jckpt's format
     or another's) entry by entry.
 
-    Entries are matched by `(namespace, path)`. For each shared entry the
+    Entries are matched by `(namespace, path)`, then by the one path that differs only
+    in key kinds (`pair_entries`: an export's dict key for an attribute). For each shared entry the
     report gives dtype and shape changes and, when the shapes agree, the
     largest absolute and relative differences and how many values lie
     outside `atol + rtol * |b|` (exact comparison by default; NaNs in the
@@ -258,11 +300,7 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float = 0.0, rtol:
         raise InputError(f"tolerances must be >= 0, got atol={atol}, rtol={rtol}",
                          fix="pass atol and rtol of zero or more")
     ra, rb = _open(a), _open(b)
-    ia = {e.identity: e for e in ra.header.tensors}
-    ib = {e.identity: e for e in rb.header.tensors}
-    only_a = tuple(e.name for k, e in ia.items() if k not in ib)
-    only_b = tuple(e.name for k, e in ib.items() if k not in ia)
-    shared = [(ea, ib[k]) for k, ea in ia.items() if k in ib]
+    shared, only_a, only_b = pair_entries(ra.header.tensors, rb.header.tensors)
     total = sum(ea.byte_length + eb.byte_length for ea, eb in shared)
     out = []
     with progress_mod.bar(f"comparing {os.path.basename(a)}", total, enabled=progress) as bar:
@@ -287,4 +325,4 @@ def _open(path: str) -> Any:
     return kind.reader or open_checkpoint(path)  # an object's reader, its header read
 
 
-__all__ = ['DiffReport', 'EntryDiff', 'diff']
+__all__ = ['DiffReport', 'EntryDiff', 'diff', 'pair_entries']

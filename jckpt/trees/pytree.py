@@ -25,6 +25,7 @@ import jax
 
 from jckpt.errors import InputError
 from jckpt.format.entries import check_prefix, prefixed
+from jckpt.format.entries import loose_path as loose_path  # its home is the codec: the tools match by it
 from jckpt.format.header import Header, KeyPath, path_name
 from jckpt.format.limits import MAX_INT_DIGITS
 from jckpt.format.metadata import prefix_header
@@ -100,20 +101,6 @@ def leaf_name(namespace: str, path: KeyPath) -> str:
     """
     # list-built: this runs once per leaf of every save and restore
     return f"{namespace}/{'/'.join([v if type(v) is str else str(v) for _, v in path]) or '<root>'}"
-
-
-#: Key kinds that differ only in how a node keeps its children: by name, or by number.
-_LOOSE_KIND = {'k': 'name', 'a': 'name', 'i': 'number', 'f': 'number', 'ki': 'number'}
-
-
-def loose_path(path: KeyPath) -> KeyPath:
-    """`path` less its key kinds: a dict key and an attribute of one name compare equal,
-    and so do a sequence index, a flattened index and an integer dict key of one number.
-
-    >>> loose_path((('i', 0), ('a', 'count'))) == loose_path((('i', 0), ('k', 'count')))
-    True
-    """
-    return tuple([(_LOOSE_KIND.get(kind, kind), key) for kind, key in path])
 
 
 _REPR = {'k': '[{!r}]', 'ki': '[{!r}]', 'i': '[{}]', 'a': '.{}', 'f': '[<flat index {}>]'}

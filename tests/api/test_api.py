@@ -300,6 +300,17 @@ def test_restore_several_namespaces_in_one_placement(tmp_path, monkeypatch):
     assert one["ema"]["w"].tolist() == [2, 2, 2, 2] and isinstance(one["ema"]["w"], jax.Array)
 
 
+def test_a_target_keyed_by_the_files_namespaces_is_told_to_pass_namespaces(tmp_path):
+    """A target of {namespace: subtree} (what a manager's items= saved) without namespaces=
+    was told only to pass namespace=... or namespaces=[...] in general."""
+    path = two_namespaces(tmp_path)
+    target = {"model": {"w": np.zeros(4)}, "opt": {"mu": np.zeros(4)}}
+    with pytest.raises(jckpt.MissingEntryError, match="it has no namespace 'jckpt'") as e:
+        jckpt.restore(jckpt.Context(), target, path)
+    assert "the target's key 'model' is a namespace of the file" in e.value.fix
+    assert "namespaces=[...]" in e.value.fix
+
+
 def test_restore_with_namespaces_keeps_each_subtree_type(tmp_path):
     path = tmp_path / "p.jckpt"
     jckpt.save(jckpt.Context(namespace="a"), Pair(np.ones(2), np.zeros(2)), path)
@@ -437,6 +448,19 @@ def test_restored_cpu_arrays_are_the_mapped_file_in_place(tmp_path):
             assert in_place == set(tree) if expect_all else 'a7' in in_place, (alignment, in_place)
             for k, v in got.items():
                 np.testing.assert_array_equal(np.asarray(v), tree[k])
+
+
+def test_a_flax_msgpack_file_is_named_with_how_to_read_it(tmp_path):
+    """flax.serialization.to_bytes (and flax.training.checkpoints without orbax) write msgpack,
+    which no converter reads: restore said only "header length 2174842823 extends past the
+    end of the file ... truncated or not a checkpoint"."""
+    serialization = pytest.importorskip("flax.serialization")
+    path = tmp_path / "checkpoint_1"
+    path.write_bytes(serialization.to_bytes({"params": {"w": np.ones(3, np.float32)}, "step": 1}))
+    with pytest.raises(jckpt.FormatError) as e:
+        jckpt.restore(jckpt.Context(), {"step": 0}, path)
+    assert e.value.message.startswith("it is a msgpack file (flax.serialization.to_bytes")
+    assert "flax.serialization.from_bytes" in e.value.fix and "jckpt.save" in e.value.fix
 
 
 def test_another_formats_file_is_named_for_what_it_is_first(tmp_path):

@@ -435,6 +435,8 @@ def _spy(fn, seen):
     (b'PK\x03\x04\x14\x00', 'zip archive'), (b'\x80\x02\x8a\nl\xfc', 'legacy PyTorch'),
     (b'\x93NUMPY\x01\x00', 'numpy .npy'), (b'\x40\x00\x00\x00\x00\x00\x00\x00{"w"', 'safetensors'),
     (b'\x00\x00\x00\x20((version', None), (b'', None), (b'garbage garbage', None),
+    (b'\x81\xa6params\x82', 'msgpack'), (b'\xde\x00\x14\xa2w0', 'msgpack'),
+    (b'\xdf\x00\x00\x00\x14\xd9\x20', 'msgpack'), (b'\x81', None), (b'\x81\x00\x00\x20', None),
 ])
 def test_another_formats_file_is_told_from_its_first_bytes(head, kind):
     got = foreign_kind(head)

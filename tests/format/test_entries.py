@@ -13,3 +13,12 @@ def test_entry_for_builds_the_same_entry_as_the_dataclass_would():
     assert got == want and hash(got) == hash(want) and repr(got) == repr(want)
     assert type(got) is Entry
 
+
+def test_loose_path_takes_a_string_key_that_writes_out_a_number_as_that_number():
+    # orbax records every dict key as a string: an nnx.State's integer keys come back as '0'
+    from jckpt.format.entries import loose_path as loose
+    assert loose((("k", "1"), ("k", "0"))) == loose((("ki", 1), ("i", 0)))
+    assert loose((("k", "-3"),)) == loose((("ki", -3),))
+    for not_a_number in ("01", "-0", "+1", "1_0", " 1", "\u0661", "", "x1", "1" * 30):
+        assert loose((("k", not_a_number),)) != loose((("i", 1),))
+        assert loose((("k", not_a_number),)) == loose((("a", not_a_number),))

@@ -372,6 +372,47 @@ def test_nnx_model_sharded_under_set_mesh_restores_into_nnx_eval_shape(tmp_path)
     np.testing.assert_array_equal(kernel, model.linear.kernel[...])
 
 
+def test_nnx_optimizer_state_saved_by_orbax_restores_into_nnx_eval_shape(tmp_path):
+    # flax's own guide saves nnx.state(optimizer) with orbax, which writes the State's
+    # integer keys (a chain's 0, 1) as strings: they match the target's integers
+    nnx = pytest.importorskip("flax.nnx")
+    optax = pytest.importorskip("optax")
+    ocp = _orbax()
+
+    def create():
+        model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+        tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    model, optimizer = create()
+    optimizer.update(model, jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param)))
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "orbax_opt", nnx.state(optimizer))
+    _, abstract = nnx.eval_shape(create)
+    back = jckpt.restore(CTX, nnx.state(abstract), tmp_path / "orbax_opt")
+    _same(back, nnx.state(optimizer))
+
+
+def test_a_nested_state_dict_restores_into_the_pure_dict_of_an_nnx_list(tmp_path):
+    # convert(nest=True) keeps indices as string keys ('0'); nnx.List's pure dict has 0
+    nnx = pytest.importorskip("flax.nnx")
+    adapters.write({"jckpt": {f"layers.{i}.{name}": np.full(shape, i, np.float32)
+                              for i in range(2) for name, shape in (("kernel", (2, 2)), ("bias", (2,)))}},
+                   tmp_path / "model.safetensors")
+    jckpt.convert(tmp_path / "model.safetensors", tmp_path / "model.jckpt", nest=True)
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List([nnx.Linear(2, 2, rngs=rngs) for _ in range(2)])
+
+    abstract = nnx.eval_shape(lambda: Model(nnx.Rngs(0)))
+    state = nnx.state(abstract)
+    back = jckpt.restore(CTX, nnx.to_pure_dict(state), tmp_path / "model.jckpt")
+    nnx.replace_by_pure_dict(state, back)
+    model = nnx.merge(nnx.graphdef(abstract), state)
+    np.testing.assert_array_equal(model.layers[1].kernel[...], np.ones((2, 2)))
+
+
 def test_nnx_state_and_its_pure_dict_mixed_up_say_which_to_restore_into(tmp_path):
     nnx = pytest.importorskip("flax.nnx")
 

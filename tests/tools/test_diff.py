@@ -3,6 +3,7 @@
 import json
 import math
 import warnings
+from typing import NamedTuple
 
 import jax
 import ml_dtypes
@@ -10,8 +11,9 @@ import numpy as np
 import pytest
 
 import jckpt
+from jckpt.format.entries import entry_for
 from jckpt.format.names import step_name
-from jckpt.tools.diff import DiffReport, EntryDiff, diff
+from jckpt.tools.diff import DiffReport, EntryDiff, diff, pair_entries
 from tests.helpers import write_arrays, write_directory
 
 
@@ -271,6 +273,40 @@ def test_an_export_is_compared_with_its_source(tmp_path, ext):
                                  'step': np.int32(7)}, src)
     report = diff(src, out)
     assert not report.same and [e.name for e in report.entries if not e.same] == ['jckpt/p/w']
+
+
+class _Moments(NamedTuple):
+    mu: np.ndarray
+    count: np.ndarray
+
+
+@pytest.mark.parametrize('fmt', ['safetensors', 'npz', 'torch', 'orbax'])
+def test_an_export_of_attributes_and_integer_keys_is_compared_with_its_source(tmp_path, fmt):
+    """Exports hold an attribute (a NamedTuple's field, an nnx.State's `value`) as a dict key,
+    and orbax an integer key as a string: every entry was listed as only in one of them."""
+    if fmt == 'orbax':
+        pytest.importorskip('orbax.checkpoint')
+    src = tmp_path / 'opt.jckpt'
+    state = {'opt_state': {0: _Moments(np.arange(3.0), np.int32(2))}}
+    jckpt.save(jckpt.Context(), state, src)
+    out = tmp_path / f'opt.{fmt}'
+    jckpt.convert(src, out, format=fmt)
+    report = diff(src, out)
+    assert report.same and (report.only_a, report.only_b) == ((), ())
+    assert sorted(e.name for e in report.entries) == ['jckpt/opt_state/0/count', 'jckpt/opt_state/0/mu']
+    assert diff(out, src).same
+
+
+def test_entries_that_differ_only_in_key_kinds_pair_only_one_to_one():
+    def entry(*path):
+        return entry_for('jckpt', path, 'float32', (1,), id=0)
+
+    a = [entry(('a', 'mu')), entry(('i', 0))]
+    b = [entry(('k', 'mu')), entry(('k', '0')), entry(('ki', 0))]  # two for ('i', 0): ambiguous
+    pairs, only_a, only_b = pair_entries(a, b)
+    assert [(x.path, y.path) for x, y in pairs] == [((('a', 'mu'),), (('k', 'mu'),))]
+    assert only_a == ('jckpt/0',) and only_b == ('jckpt/0', 'jckpt/0')
+    assert pair_entries(b, b)[1:] == ((), ())  # exact paths first: each pairs with itself
 
 
 def test_a_damaged_foreign_file_is_refused_naming_it(tmp_path):
