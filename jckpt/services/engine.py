@@ -197,6 +197,7 @@ class Pipeline(Generic[InfoT, StagedT]):
         self._durable = 0
         self._generation = generation
         self._error: BaseException | None = None
+        self._told = False  # `_error` was raised to a caller (`_raise_given_up`)
         self._streak = 0
         self._dropped: list[tuple[int, BaseException]] = []  # (seq, error), not yet raised
         self._failures = 0
@@ -225,6 +226,23 @@ class Pipeline(Generic[InfoT, StagedT]):
 
     def _given_up(self) -> BaseException | None:
         return self._error if self._error is not None and self._streak >= self.patience else None
+
+    def _raise_given_up(self) -> None:
+        """Raise the error of `patience` failed attempts in a row, once (holding `_cond`).
+
+        A caller that comes after it was raised makes the writer try again at once instead
+        (the disk may have room again) and waits for that attempt, whose own error, should it
+        fail too, is raised in turn: an error is never raised twice, nor for a snapshot that
+        was written since.
+        """
+        failed = self._given_up()
+        if failed is None:
+            return
+        if not self._told:
+            self._told = True
+            raise failed
+        self._streak = self.patience - 1  # the next failure gives up again
+        self._cond.notify_all()  # wakes the writer from its wait between attempts
 
     def _check_open(self) -> None:
         """Refuse new work once closing, or once the writer thread has died (`_stopped`)."""
@@ -277,9 +295,7 @@ class Pipeline(Generic[InfoT, StagedT]):
                 self._check_open()
                 if self._free:
                     return self._free.popleft()
-                failed = self._given_up()
-                if failed is not None:
-                    raise failed
+                self._raise_given_up()
                 if self.when_full == 'raise':
                     raise CapacityError(f"all {len(self._queue)} snapshot slots are still "
                                         "being written", file=self.name,
@@ -321,17 +337,16 @@ class Pipeline(Generic[InfoT, StagedT]):
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every admitted snapshot is durable (or dropped); False on timeout.
 
-        Raises the persistence error once `patience` attempts in a row failed, and the
-        error of the first snapshot dropped since the last `wait` (once, with a note of how
-        many more were) when nothing admitted before it is pending.
+        Raises the persistence error once `patience` attempts in a row failed (once: a later
+        `wait` makes the writer try again at once, and raises only if that attempt fails too),
+        and the error of the first snapshot dropped since the last `wait` (once, with a note of
+        how many more were) when nothing admitted before it is pending.
         """
         deadline = deadline_after(timeout)
         with self._cond:
             goal = self._committed
             while self._queue and self._queue[0].seq <= goal:
-                failed = self._given_up()
-                if failed is not None:
-                    raise failed
+                self._raise_given_up()
                 self._check_alive()
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -455,7 +470,7 @@ class Pipeline(Generic[InfoT, StagedT]):
 
     def _record(self, e: BaseException) -> None:
         """Count a failed attempt (holding `_cond`)."""
-        self._error = e
+        self._error, self._told = e, False
         self._failures += 1
         self._last_error = str(e)
 

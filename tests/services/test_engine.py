@@ -264,6 +264,41 @@ def test_close_tries_once_more_at_once_before_giving_up():
     assert p.counters().durable == 1 and p.counters().error == 0
 
 
+def test_an_error_is_raised_once_and_a_later_wait_tries_again_at_once():
+    """The writer gave up and `wait` raised its error; room was made. The next `wait` raised the
+    same, stale error again until the retry `retry_after` later succeeded, even for snapshots
+    admitted since; it now makes the writer try at once and returns once all is durable."""
+    fake = Fake()
+    fake.fail_publish = OSError(errno.ENOSPC, "No space left on device")
+    p = Pipeline("once", fake, slots=2, retry_after=600, patience=1)  # the writer sleeps 600 s
+    p.admit(leaves(1), {})
+    with pytest.raises(OSError, match="No space"):
+        p.wait(timeout=30)
+    fake.fail_publish = None                        # the disk has room again
+    p.admit(leaves(2), {})
+    assert p.wait(timeout=30)                       # not the stale error, not 600 s later
+    assert fake.published() == [1, 2] and p.counters().error == 0
+    p.close()
+
+
+def test_a_wait_after_the_error_was_raised_raises_only_a_new_failure():
+    """Still failing: each later `wait` is one more attempt, whose own error it raises."""
+    fake = Fake()
+    fake.fail_publish = OSError(errno.EIO, "Input/output error")
+    p = Pipeline("again", fake, retry_after=600, patience=1)
+    p.admit(leaves(1), {})
+    with pytest.raises(OSError) as first:
+        p.wait(timeout=30)
+    failures = p.counters().failures
+    fake.fail_publish = OSError(errno.EIO, "Input/output error, again")
+    with pytest.raises(OSError, match="again") as second:
+        p.wait(timeout=30)
+    assert second.value is not first.value and p.counters().failures == failures + 1
+    fake.fail_publish = None
+    p.close(timeout=30)
+    assert fake.published() == [1]
+
+
 def test_run_now_waits_for_what_was_admitted_and_counts():
     fake = Fake()
     fake.staged_generation = fake.published_generation = 5   # generation 5 is on disk

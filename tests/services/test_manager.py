@@ -190,6 +190,30 @@ def test_disk_error_keeps_the_step_and_retries(tmp_path, monkeypatch):
         assert mgr.all_steps() == [1, 2] and mgr.counters.error == 0
 
 
+def test_a_step_written_after_a_disk_error_was_raised_waits_normally(tmp_path, monkeypatch):
+    """After a full disk made `wait_durable` raise, a step saved once the disk had room again
+    raised the same ENOSPC again, until the failed step's retry (`retry_after` later) went
+    through; the error is raised once, and the next wait writes both steps at once."""
+    original = writer_mod.Sink.write
+    broken = {"on": True}
+
+    def write(sink, data):
+        if broken["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(sink, data)
+
+    monkeypatch.setattr(writer_mod.Sink, "write", write)
+    with jckpt.CheckpointManager(tmp_path, retry_after=600, patience=1) as mgr:
+        mgr.save(1, {"x": np.float32(1)})
+        with pytest.raises(jckpt.StorageError, match="No space") as e:
+            mgr.wait_durable(timeout=30)
+        assert e.value.errno == errno.ENOSPC and step_name(1) in str(e.value)
+        broken["on"] = False
+        mgr.save(2, {"x": np.float32(2)})
+        assert mgr.wait_durable(timeout=30)
+        assert mgr.all_steps() == [1, 2] and mgr.counters.error == 0
+
+
 def test_lineage_and_generation_continue_across_runs(tmp_path):
     with jckpt.CheckpointManager(tmp_path, lineage="exp1") as mgr:
         mgr.save(1, {"x": np.float32(1)})

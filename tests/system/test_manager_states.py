@@ -206,15 +206,9 @@ def settle(writer, patience: float = 60.0) -> None:
 
 
 def healed(writer) -> None:
-    """Wait for a writer whose disk works again: its `wait_durable` reports the last error until
-    the next attempt (`retry_after` later) succeeds (docs/reliability.md, "Known limits")."""
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            return settle(writer)
-        except jckpt.StorageError:
-            assert time.monotonic() < deadline, writer.counters
-            time.sleep(0.005)
+    """Wait for a writer whose disk works again, whose error was raised: it is not raised again,
+    the next wait tries at once and returns once everything is durable (docs/mirror.md)."""
+    settle(writer)
 
 
 def poll(check: Callable[[], bool], what: str, limit: float = 30.0) -> None:
