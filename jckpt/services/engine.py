@@ -8,8 +8,8 @@ a failed one every `retry_after` seconds, and counts what is durable
 (`MirrorCounters`). A job's slot is reused only once the job is
 durable, so admitted work is never dropped while the pipeline is open (but for a job
 no attempt could write: an `InputError` drops it), and a pipeline left open is flushed
-when the interpreter exits. What a job is, and what a committer does with it, is
-`jckpt.services.jobs`.
+when the interpreter exits. What a job is, what a committer does with it and the thread
+that publishes it are `jckpt.services.jobs`.
 
 >>> import numpy as np
 >>> class Counting:                      # a committer that writes nothing: generation = job number
@@ -29,21 +29,17 @@ from __future__ import annotations
 
 import atexit
 import collections
-import dataclasses
-import functools
 import logging
 import os
-import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
 from typing import Generic, Protocol, TypeVar
 
 from jckpt.errors import CapacityError, CheckpointError, InputError
 from jckpt.services.counters import MirrorCounters, error_code
-from jckpt.services.jobs import Committer, Job
+from jckpt.services.jobs import Committer, Job, Publisher, Publishing
 from jckpt.services.snapshot import Leaf, Slot
 from jckpt.trees import image
 
@@ -99,43 +95,6 @@ def _quietly(fn: Callable[..., object], *args: object) -> None:
         fn(*args)
     except Exception as e:  # cleanup must not mask the failure being handled
         log.debug("cleanup failed: %s", e)
-
-
-class _Helper:
-    """A daemon thread that runs one call at a time; each outcome comes back as a Future."""
-
-    def __init__(self, name: str) -> None:
-        self._calls: queue.SimpleQueue[tuple[Callable[[], int | None], Future] | None] = \
-            queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        while (call := self._calls.get()) is not None:
-            fn, future = call
-            try:
-                future.set_result(fn())
-            except BaseException as e:
-                future.set_exception(e)
-
-    def call(self, fn: Callable[[StagedT], int | None], arg: StagedT) -> Future[int | None]:
-        """Run `fn(arg)` on the helper's thread, after the calls before it."""
-        future: Future[int | None] = Future()
-        self._calls.put((functools.partial(fn, arg), future))
-        return future
-
-    def stop(self) -> None:
-        """End the thread once the calls already queued have run."""
-        self._calls.put(None)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Publishing(Generic[StagedT]):
-    """A job whose staged generation the helper thread is publishing."""
-
-    job: Job
-    staged: StagedT
-    outcome: Future[int | None]
 
 
 def _check_options(slots: int, when_full: str, retry_after: float, patience: int) -> None:
@@ -206,7 +165,7 @@ class Pipeline(Generic[InfoT, StagedT]):
         self._closing = False
         self._closed = False
         self._died: BaseException | None = None  # what ended the writer thread, if anything did
-        self._helper = _Helper(f"jckpt-publisher {name}")
+        self._helper = Publisher(f"jckpt-publisher {name}")
         self._thread = threading.Thread(target=self._run, name=f"jckpt-writer {name}", daemon=True)
         self._thread.start()
         self._owner: _Closable = owner if owner is not None else self
@@ -404,7 +363,7 @@ class Pipeline(Generic[InfoT, StagedT]):
     def _loop(self) -> None:
         """Stage the next job while the helper publishes the one before it; in order, with retries."""
         c = self._commit
-        inflight: _Publishing[StagedT] | None = None
+        inflight: Publishing[StagedT] | None = None
         while True:
             job = self._next_job(busy=inflight is not None)
             if job is None and inflight is None:
@@ -433,7 +392,7 @@ class Pipeline(Generic[InfoT, StagedT]):
                     self._retry(failure)
                 continue
             if job is not None:
-                inflight = _Publishing(job, staged, self._helper.call(c.publish, staged))
+                inflight = Publishing(job, staged, self._helper.call(c.publish, staged))
 
     def _next_job(self, *, busy: bool) -> Job[InfoT] | None:
         """The job to stage next: the first in line, or the second while the first is `busy`.
