@@ -152,18 +152,15 @@ class Pipeline(Generic[InfoT, StagedT]):
             Slot(i, image_limit=image_bytes) for i in range(slots))
         self._images = 0
         self._queue: collections.deque[Job[InfoT]] = collections.deque()
-        self._committed = 0
-        self._durable = 0
+        self._committed = self._durable = 0
         self._generation = generation
         self._error: BaseException | None = None
         self._told = False  # `_error` was raised to a caller (`_raise_given_up`)
         self._streak = 0
         self._dropped: list[tuple[int, BaseException]] = []  # (seq, error), not yet raised
-        self._failures = 0
+        self._failures = self._stalls = 0
         self._last_error: str | None = None
-        self._stalls = 0
-        self._closing = False
-        self._closed = False
+        self._closing = self._closed = False
         self._died: BaseException | None = None  # what ended the writer thread, if anything did
         self._helper = Publisher(f"jckpt-publisher {name}")
         self._thread = threading.Thread(target=self._run, name=f"jckpt-writer {name}", daemon=True)
@@ -184,16 +181,11 @@ class Pipeline(Generic[InfoT, StagedT]):
                                   stalls=self._stalls, images=self._images)
 
     def _given_up(self) -> BaseException | None:
-        return self._error if self._error is not None and self._streak >= self.patience else None
+        return self._error if self._streak >= self.patience else None
 
     def _raise_given_up(self) -> None:
-        """Raise the error of `patience` failed attempts in a row, once (holding `_cond`).
-
-        A caller that comes after it was raised makes the writer try again at once instead
-        (the disk may have room again) and waits for that attempt, whose own error, should it
-        fail too, is raised in turn: an error is never raised twice, nor for a snapshot that
-        was written since.
-        """
+        """Raise the error of `patience` failed attempts in a row, once (holding `_cond`); a
+        caller after that makes the writer try again at once (the disk may have room now)."""
         failed = self._given_up()
         if failed is None:
             return
@@ -283,13 +275,16 @@ class Pipeline(Generic[InfoT, StagedT]):
                 write(generation)
             except BaseException as e:
                 with self._cond:
-                    self._failures += 1
-                    self._last_error = str(e)
+                    if isinstance(e, InputError):  # the tree, not the storage: as `_drop` counts it
+                        self._count(e)
+                    else:  # it stands in the counters until a write succeeds (raised here, once)
+                        self._record(e)
                 raise
             with self._cond:
                 self._committed += 1
                 self._durable = self._committed
                 self._generation = generation
+                self._error, self._streak = None, 0
                 self._cond.notify_all()
                 return self._committed
 
@@ -330,9 +325,7 @@ class Pipeline(Generic[InfoT, StagedT]):
         if self._closed:
             return
         with self._cond:
-            if self._given_up() is not None:  # one attempt more, now: the disk may have room again
-                self._streak = self.patience - 1
-                self._cond.notify_all()  # wakes the writer from its wait between attempts
+            self._told = True  # so a writer that gave up tries once more, now (`_raise_given_up`)
         try:
             if not self.wait(timeout):
                 n = self.counters().pending
@@ -427,20 +420,25 @@ class Pipeline(Generic[InfoT, StagedT]):
         self._free.append(job.slot)
         self._cond.notify_all()
 
-    def _record(self, e: BaseException) -> None:
-        """Count a failed attempt (holding `_cond`)."""
-        self._error, self._told = e, False
+    def _count(self, e: BaseException) -> None:
+        """Count a failed attempt in `failures` and `last_error` (holding `_cond`)."""
         self._failures += 1
         self._last_error = str(e)
+
+    def _record(self, e: BaseException) -> None:
+        """Count a failed write, whose error stands until a write succeeds (holding `_cond`)."""
+        self._count(e)
+        self._error, self._told = e, False
 
     def _drop(self, job: Job[InfoT], e: BaseException) -> None:
         """Give up on a job that can never be written (an `InputError`: a model tree its
         format cannot hold): it leaves the line, its slot is freed and the jobs behind it go
-        on; the next `wait` raises the error, once."""
+        on; the next `wait` raises the error, once. The storage did not fail: the counters'
+        `error` is left as it was (`failures` and `last_error` count it)."""
         _quietly(self._commit.rollback)
         with self._cond:
             self._dropped.append((job.seq, e))
-            self._record(e)
+            self._count(e)
             self._leave(job)
         log.error("writing %s: snapshot %d is dropped, not retried: %s", self.name, job.seq, e)
 

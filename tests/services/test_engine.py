@@ -244,7 +244,25 @@ def test_a_dropped_last_snapshot_does_not_leave_wait_waiting():
     p.admit(leaves(1), {})
     with pytest.raises(jckpt.InputError):
         p.wait(timeout=20)
-    assert p.counters().pending == 0 and p.counters().error == "InputError"
+    assert p.counters().pending == 0
+    p.close()
+
+
+def test_a_dropped_snapshot_is_no_standing_error_in_the_counters():
+    """A snapshot dropped for what it holds showed `error InputError` until the next snapshot
+    was written (for good, if none came), though the storage worked and the writer went on:
+    `error` names a failing write; the drop counts in `failures` and `last_error`."""
+    fake = FailsOn({2.0}, jckpt.InputError("dtype int4 has no safetensors equivalent"))
+    p = Pipeline("drop-count", fake, retry_after=30)
+    p.admit(leaves(1), {})
+    assert p.wait(timeout=20)
+    p.admit(leaves(2), {})
+    wait_for(lambda: p.counters().failures == 1)
+    c = p.counters()
+    assert str(c) == LINE.format(2, 1, 1, 0, 0) and "int4" in c.last_error
+    with pytest.raises(jckpt.InputError):
+        p.wait(timeout=20)
+    assert p.counters().error == 0
     p.close()
 
 
@@ -315,6 +333,27 @@ def test_run_now_waits_for_what_was_admitted_and_counts():
         p.run_now(fails)
     c = p.counters()
     assert (c.committed, c.durable, c.generation, c.failures) == (2, 2, 7, 1)
+    p.close()
+
+
+def test_a_failed_run_now_stands_in_the_counters_until_a_write_succeeds():
+    """A save run in the caller's thread (a directory step) that failed counted in `failures`
+    but showed `error 0`; it now shows as a failed snapshot does, is raised once (by the call
+    itself, not again by `wait`) and clears once a write succeeds."""
+    p = Pipeline("now-fails", Fake())
+
+    def full(generation):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        p.run_now(full)
+    assert str(p.counters()) == LINE.format(0, 0, 0, 0, "ENOSPC")
+    assert p.wait(timeout=20) and p.counters().failures == 1
+    p.run_now(lambda generation: None)
+    assert str(p.counters()) == LINE.format(1, 1, 1, 0, 0)
+    with pytest.raises(jckpt.InputError):              # bad input: the storage did not fail
+        p.run_now(lambda generation: (_ for _ in ()).throw(jckpt.InputError("no")))
+    assert p.counters().error == 0 and p.counters().failures == 2
     p.close()
 
 

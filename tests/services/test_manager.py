@@ -214,6 +214,31 @@ def test_a_step_written_after_a_disk_error_was_raised_waits_normally(tmp_path, m
         assert mgr.all_steps() == [1, 2] and mgr.counters.error == 0
 
 
+def test_a_failed_directory_step_shows_in_the_counters_like_a_failed_file_step(
+        tmp_path, monkeypatch):
+    """A directory step's failed save counted in `failures` but left `error 0`."""
+    original = writer_mod.Sink.write
+    broken = {"on": False}
+
+    def write(sink, data):
+        if broken["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(sink, data)
+
+    monkeypatch.setattr(writer_mod.Sink, "write", write)
+    with jckpt.CheckpointManager(tmp_path, directory_steps=True) as mgr:
+        mgr.save(1, {"x": np.float32(1)})
+        broken["on"] = True
+        with pytest.raises(jckpt.StorageError, match="No space") as e:
+            mgr.save(2, {"x": np.float32(2)})
+        assert step_name(2) in str(e.value)
+        assert mgr.counters.error == "ENOSPC" and mgr.counters.failures == 1
+        assert mgr.wait_durable(timeout=30)             # raised by the save, not again
+        broken["on"] = False
+        mgr.save(3, {"x": np.float32(3)})
+        assert str(mgr.counters).endswith("error 0") and mgr.all_steps() == [1, 3]
+
+
 def test_lineage_and_generation_continue_across_runs(tmp_path):
     with jckpt.CheckpointManager(tmp_path, lineage="exp1") as mgr:
         mgr.save(1, {"x": np.float32(1)})

@@ -68,6 +68,8 @@ POLICIES = [
     {"keep_best": 2, "best_metric": "loss", "best_mode": "max"},
 ]
 FORMATS = ["jckpt", "npz", "safetensors", "raw"]
+ERRNO = {"disk_full": "ENOSPC", "fsync_file": "EIO", "fsync_dir": "EIO", "upload": "EIO",
+         "upload_lost": "EIO"}  # the counters' `error` of each fault
 
 
 # --- what is saved, and how it is compared -----------------------------------------------------
@@ -517,6 +519,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.mgr.save(step, tree_for(seed), metrics={"loss": 0.75})
             except jckpt.StorageError as e:
                 check_error(e, step_name(step))
+                self.error = ERRNO[kind]  # it stands, as a failed file step's does, until a save
                 self.check_listed(kind)
                 self.left_in_place(step, saved, kind)
                 return
@@ -613,8 +616,8 @@ class ManagerMachine(RuleBasedStateMachine):
         finally:
             RAW_POISON.clear()
         del self.saved[dropped]
-        self.error = "InputError"
-        assert str(self.mgr.counters).endswith(f"error {self.error}")
+        c = self.mgr.counters  # the storage did not fail: no error stands, the drop is counted
+        assert str(c).endswith(f"error {self.error}") and "told to fail" in c.last_error, str(c)
         settle(self.mgr)  # raised once
 
     @rule(where=st.sampled_from(["above", "between"]), data=st.data())
