@@ -155,7 +155,8 @@ class Pipeline(Generic[InfoT, StagedT]):
         self._committed = self._durable = 0
         self._generation = generation
         self._error: BaseException | None = None
-        self._told = False  # `_error` was raised to a caller (`_raise_given_up`)
+        self._told = False  # the failing streak's error was raised to a caller (`_raise_given_up`)
+        self._asked = self._answered = 0  # callers' requests for an attempt; the last one failed
         self._streak = 0
         self._dropped: list[tuple[int, BaseException]] = []  # (seq, error), not yet raised
         self._failures = self._stalls = 0
@@ -183,17 +184,25 @@ class Pipeline(Generic[InfoT, StagedT]):
     def _given_up(self) -> BaseException | None:
         return self._error if self._streak >= self.patience else None
 
-    def _raise_given_up(self) -> None:
-        """Raise the error of `patience` failed attempts in a row, once (holding `_cond`); a
-        caller after that makes the writer try again at once (the disk may have room now)."""
+    def _raise_given_up(self, asked: int) -> int:
+        """Raise, once, the error of `patience` failed attempts in a row (holding `_cond`).
+
+        Once it was raised, a caller asks the writer for an attempt at once (the disk may
+        have room now) and raises only the failure of an attempt begun since, never one of
+        the retries before: an error is raised once, and not for a snapshot written since.
+        `asked`: the caller's request so far (0: none); returns it.
+        """
         failed = self._given_up()
         if failed is None:
-            return
-        if not self._told:
+            return asked
+        if not self._told or 0 < asked <= self._answered:
             self._told = True
             raise failed
-        self._streak = self.patience - 1  # the next failure gives up again
-        self._cond.notify_all()  # wakes the writer from its wait between attempts
+        if not asked:
+            self._asked += 1
+            asked = self._asked
+            self._cond.notify_all()  # wakes the writer from its wait between attempts
+        return asked
 
     def _check_open(self) -> None:
         """Refuse new work once closing, or once the writer thread has died (`_stopped`)."""
@@ -241,12 +250,12 @@ class Pipeline(Generic[InfoT, StagedT]):
         """A free slot: wait for one (`when_full='block'`) or refuse."""
         deadline = deadline_after(timeout)
         with self._cond:
-            stalled = False
+            stalled, asked = False, 0
             while True:
                 self._check_open()
                 if self._free:
                     return self._free.popleft()
-                self._raise_given_up()
+                asked = self._raise_given_up(asked)
                 if self.when_full == 'raise':
                     raise CapacityError(f"all {len(self._queue)} snapshot slots are still "
                                         "being written", file=self.name,
@@ -284,7 +293,7 @@ class Pipeline(Generic[InfoT, StagedT]):
                 self._committed += 1
                 self._durable = self._committed
                 self._generation = generation
-                self._error, self._streak = None, 0
+                self._succeeded()
                 self._cond.notify_all()
                 return self._committed
 
@@ -298,9 +307,9 @@ class Pipeline(Generic[InfoT, StagedT]):
         """
         deadline = deadline_after(timeout)
         with self._cond:
-            goal = self._committed
+            goal, asked = self._committed, 0
             while self._queue and self._queue[0].seq <= goal:
-                self._raise_given_up()
+                asked = self._raise_given_up(asked)
                 self._check_alive()
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -325,7 +334,7 @@ class Pipeline(Generic[InfoT, StagedT]):
         if self._closed:
             return
         with self._cond:
-            self._told = True  # so a writer that gave up tries once more, now (`_raise_given_up`)
+            self._told = True  # a writer that gave up tries once more, now (`_raise_given_up`)
         try:
             if not self.wait(timeout):
                 n = self.counters().pending
@@ -363,6 +372,7 @@ class Pipeline(Generic[InfoT, StagedT]):
                 return  # closing
             staged, failure = None, None
             if job is not None:
+                begun = self._asked  # the attempt answers the requests made before it
                 try:
                     staged = c.stage(job)
                 except BaseException as e:
@@ -376,16 +386,16 @@ class Pipeline(Generic[InfoT, StagedT]):
                     if job is not None and failure is None:
                         _quietly(c.discard, staged)
                     _quietly(c.discard, done.staged)
-                    self._retry(error)
+                    self._retry(error, done.begun)
                     continue
             if failure is not None:
                 if isinstance(failure, InputError):  # the tree, not the disk: retrying cannot help
                     self._drop(job, failure)
                 else:
-                    self._retry(failure)
+                    self._retry(failure, begun)
                 continue
             if job is not None:
-                inflight = Publishing(job, staged, self._helper.call(c.publish, staged))
+                inflight = Publishing(job, staged, self._helper.call(c.publish, staged), begun)
 
     def _next_job(self, *, busy: bool) -> Job[InfoT] | None:
         """The job to stage next: the first in line, or the second while the first is `busy`.
@@ -406,9 +416,12 @@ class Pipeline(Generic[InfoT, StagedT]):
             self._durable = job.seq
             if generation is not None:
                 self._generation = generation
-            self._error = None
-            self._streak = 0
+            self._succeeded()
             self._leave(job)
+
+    def _succeeded(self) -> None:
+        """A write went through: no error stands (holding `_cond`)."""
+        self._error, self._streak, self._told = None, 0, False
 
     def _leave(self, job: Job[InfoT]) -> None:
         """Take `job` out of the line and free its slot (holding `_cond`)."""
@@ -428,7 +441,7 @@ class Pipeline(Generic[InfoT, StagedT]):
     def _record(self, e: BaseException) -> None:
         """Count a failed write, whose error stands until a write succeeds (holding `_cond`)."""
         self._count(e)
-        self._error, self._told = e, False
+        self._error = e
 
     def _drop(self, job: Job[InfoT], e: BaseException) -> None:
         """Give up on a job that can never be written (an `InputError`: a model tree its
@@ -442,16 +455,19 @@ class Pipeline(Generic[InfoT, StagedT]):
             self._leave(job)
         log.error("writing %s: snapshot %d is dropped, not retried: %s", self.name, job.seq, e)
 
-    def _retry(self, e: BaseException) -> None:
-        """Roll back, record the failure and wait `retry_after` seconds (the job stays first)."""
+    def _retry(self, e: BaseException, begun: int) -> None:
+        """Roll back, record the failure of the attempt `begun` (`_asked` when it began) and
+        wait `retry_after` seconds, unless a caller asked for an attempt since (the job stays
+        first)."""
         _quietly(self._commit.rollback)
         with self._cond:
             self._streak += 1
             self._record(e)
+            self._answered = max(self._answered, begun)
             self._cond.notify_all()
             log.warning("writing %s failed (attempt %d, retrying in %.3g s): %s",
                         self.name, self._streak, self.retry_after, e)
-            if not self._closing:
+            if not self._closing and self._asked <= begun:
                 self._cond.wait(self.retry_after)
 
 

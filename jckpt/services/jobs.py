@@ -109,11 +109,13 @@ class Publisher:
 
 @dataclasses.dataclass(frozen=True)
 class Publishing(Generic[StagedT]):
-    """A job whose staged generation the `Publisher` is publishing."""
+    """A job whose staged generation the `Publisher` is publishing; `begun`: how many
+    attempts callers had asked the pipeline for when this one began."""
 
     job: Job
     staged: StagedT
     outcome: Future[int | None]
+    begun: int = 0
 
 
 __all__ = ['Committer', 'Job', 'Publisher', 'Publishing']

@@ -299,6 +299,23 @@ def test_an_error_is_raised_once_and_a_later_wait_tries_again_at_once():
     p.close()
 
 
+def test_retries_that_failed_before_a_wait_are_not_raised_by_it():
+    """Once the error was raised, the writer's own retries went on failing while the disk was
+    full; each made a "new" error that the next `wait`, after room was made, raised though
+    the snapshot could be written at once. A wait raises only an attempt begun after it."""
+    fake = Fake()
+    fake.fail_publish = OSError(errno.ENOSPC, "No space left on device")
+    p = Pipeline("stale", fake, retry_after=0.001, patience=1)
+    p.admit(leaves(1), {})
+    with pytest.raises(OSError, match="No space"):
+        p.wait(timeout=30)
+    failures = p.counters().failures
+    wait_for(lambda: p.counters().failures >= failures + 5)  # retries that failed meanwhile
+    fake.fail_publish = None
+    assert p.wait(timeout=30) and fake.published() == [1]
+    p.close()
+
+
 def test_a_wait_after_the_error_was_raised_raises_only_a_new_failure():
     """Still failing: each later `wait` is one more attempt, whose own error it raises."""
     fake = Fake()
