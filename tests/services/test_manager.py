@@ -68,6 +68,18 @@ def test_retention_last_every_best_and_never_the_latest(tmp_path):
         assert mgr.all_steps() == [13, 14]
 
 
+def test_restoring_a_step_retention_deleted_says_so(tmp_path):
+    with jckpt.CheckpointManager(tmp_path, keep_last=1) as mgr:
+        for s in (1, 2):
+            mgr.save(s, {"x": np.float32(s)})
+        mgr.wait_durable()
+        with pytest.raises(jckpt.FormatError, match="no step 1: retention deleted it") as e:
+            mgr.restore(1)
+        assert "pick one of [2]" in e.value.fix
+        with pytest.raises(jckpt.FormatError, match=r"no step 3 \(") as e:  # never saved
+            mgr.restore(3)
+
+
 def test_interval_force_and_increasing_steps(tmp_path):
     with jckpt.CheckpointManager(tmp_path, save_interval_steps=10, asynchronous=False) as mgr:
         assert [mgr.save(s, {"x": np.float32(s)}) for s in range(1, 21)].count(True) == 2
