@@ -469,6 +469,16 @@ class ManagerMachine(RuleBasedStateMachine):
             return True
         return False
 
+    @staticmethod
+    def still_failing(writer, name: str) -> None:
+        """A wait after the error was raised, the storage still failing: one more attempt,
+        whose own failure it raises (neither the same error again nor a hang)."""
+        failures = writer.counters.failures
+        with pytest.raises(jckpt.StorageError) as e:
+            writer.wait_durable(timeout=60)
+        check_error(e.value, name)
+        assert writer.counters.failures > failures and writer.counters.error != 0
+
     @precondition(lambda self: not self.dead)
     @rule(data=st.data(), after=st.integers(0, 2), heal=st.booleans(), seed=st.integers(0, 2**20),
           once=st.booleans(), more=st.booleans())
@@ -489,6 +499,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.settle()  # one failed attempt is retried at once, patience is 2
                 return
             self.check_listed(kind)
+            self.still_failing(self.mgr, step_name(step))
             if more:
                 self.save_while_failing(step, seed)
             if not heal:
@@ -800,6 +811,7 @@ class MirrorMachine(RuleBasedStateMachine):
             with pytest.raises(jckpt.StorageError) as e:
                 assert self.mirror.wait_durable(timeout=60)
             check_error(e.value, self.path)
+            ManagerMachine.still_failing(self.mirror, self.path)
             if kind in ("fsync_dir", "upload_lost") and self.generation_found() == self.generation:
                 self.check_file(self.generation, self.staged, self.meta)  # published, then failed
             else:
