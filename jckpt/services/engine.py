@@ -328,8 +328,7 @@ class Pipeline(Generic[InfoT, StagedT]):
         """Make everything durable, stop the writer; raise what could not be persisted.
 
         After `patience` failures the writer is woken for one more attempt before giving up
-        (the disk may have been freed since; an attempt under way when `close` is called
-        counts as that one).
+        (the disk may have been freed since): one begun after `close` was called.
         """
         if self._closed:
             return
