@@ -339,6 +339,13 @@ class Pipeline(Generic[InfoT, StagedT]):
                 n = self.counters().pending
                 raise CheckpointError(f"close timed out with {n} snapshot(s) not yet durable",
                                       file=self.name, fix="close with a longer timeout")
+        except BaseException as e:
+            with self._cond:  # no later `wait` will raise them
+                dropped, self._dropped = self._dropped, []
+            if dropped:
+                e.add_note(f"{len(dropped)} snapshot(s) were dropped too, not written (the "
+                           f"first, {dropped[0][0]}: {dropped[0][1]})")
+            raise
         finally:
             with self._cond:
                 self._closing = True

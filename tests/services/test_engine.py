@@ -217,6 +217,20 @@ def test_a_snapshot_that_can_never_be_written_is_dropped_and_the_rest_go_on():
     assert fake.published() == [1, 3, 4] and p.counters().failures == 2
 
 
+def test_close_that_raises_a_disk_error_says_which_snapshots_were_dropped_too():
+    """A dropped snapshot's error waits for the next `wait`; a `close` that raised the disk's
+    error instead left it unsaid for good (but for a log line)."""
+    fake = FailsOn({1.0}, jckpt.InputError("dtype int4 has no safetensors equivalent"))
+    p = Pipeline("drop-then-full", fake, retry_after=600, patience=1)
+    p.admit(leaves(1), {})
+    wait_for(lambda: p.counters().failures == 1)       # dropped
+    fake.fail_publish = OSError(errno.ENOSPC, "No space left on device")
+    p.admit(leaves(2), {})
+    with pytest.raises(OSError, match="No space") as e:
+        p.close(timeout=30)
+    assert any("1 snapshot(s) were dropped" in n and "int4" in n for n in e.value.__notes__)
+
+
 class SlowPublish(FailsOn):
     def publish(self, staged):
         time.sleep(0.05)  # the writer stages the next job while this one publishes
