@@ -162,8 +162,10 @@ class BackgroundWriter(Generic[InfoT]):
     def wait_durable(self, timeout: float | None = None) -> bool:
         """Wait until everything submitted is on disk; `False` if `timeout` passed first.
 
-        Raises the persistence error (a `StorageError`)
-        once `patience` attempts in a row have failed.
+        Raises the persistence error (a `StorageError`) once `patience` attempts in a row
+        have failed, once: the next call makes the writer try again at once and raises only
+        the failure of an attempt begun after it (so it returns normally once the disk has
+        room again). Raises, once, the `InputError` of a snapshot dropped since the last call.
         """
         return self._pipeline.wait(timeout)
 

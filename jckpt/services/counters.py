@@ -25,9 +25,12 @@ class MirrorCounters:
         snapshot that is now synchronized on disk (or found identical to it).
       generation: the generation number in the file (0: none written yet).
       pending: slots whose snapshot is waiting to be written or being written.
-      error: `0`, or the last persistence error while it is unrecovered (or what stopped
-        the writer thread), as an errno name (`"ENOSPC"`) or the error's class name.
-      failures: failed write attempts since the mirror opened.
+      error: `0`, or the persistence error of the last failed write while no write has
+        succeeded since (a snapshot being retried, a directory step whose save raised), or
+        what stopped the writer thread, as an errno name (`"ENOSPC"`) or the error's class
+        name. A snapshot dropped for what it holds (an `InputError`) is not one: the storage
+        works, so it shows in `failures` and `last_error`, and `wait_durable` raises it.
+      failures: failed write attempts since the mirror opened, drops included.
       last_error: the message of the most recent failure, kept after recovery.
       stalls: submits that had to wait for a free slot (the disk is not keeping up).
       images: snapshots taken as an image on their device (drained in the background).

@@ -8,8 +8,8 @@ a failed one every `retry_after` seconds, and counts what is durable
 (`MirrorCounters`). A job's slot is reused only once the job is
 durable, so admitted work is never dropped while the pipeline is open (but for a job
 no attempt could write: an `InputError` drops it), and a pipeline left open is flushed
-when the interpreter exits. What a job is, and what a committer does with it, is
-`jckpt.services.jobs`.
+when the interpreter exits. What a job is, what a committer does with it and the thread
+that publishes it are `jckpt.services.jobs`.
 
 >>> import numpy as np
 >>> class Counting:                      # a committer that writes nothing: generation = job number
@@ -29,21 +29,17 @@ from __future__ import annotations
 
 import atexit
 import collections
-import dataclasses
-import functools
 import logging
 import os
-import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
 from typing import Generic, Protocol, TypeVar
 
 from jckpt.errors import CapacityError, CheckpointError, InputError
 from jckpt.services.counters import MirrorCounters, error_code
-from jckpt.services.jobs import Committer, Job
+from jckpt.services.jobs import Committer, Job, Publisher, Publishing
 from jckpt.services.snapshot import Leaf, Slot
 from jckpt.trees import image
 
@@ -101,43 +97,6 @@ def _quietly(fn: Callable[..., object], *args: object) -> None:
         log.debug("cleanup failed: %s", e)
 
 
-class _Helper:
-    """A daemon thread that runs one call at a time; each outcome comes back as a Future."""
-
-    def __init__(self, name: str) -> None:
-        self._calls: queue.SimpleQueue[tuple[Callable[[], int | None], Future] | None] = \
-            queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        while (call := self._calls.get()) is not None:
-            fn, future = call
-            try:
-                future.set_result(fn())
-            except BaseException as e:
-                future.set_exception(e)
-
-    def call(self, fn: Callable[[StagedT], int | None], arg: StagedT) -> Future[int | None]:
-        """Run `fn(arg)` on the helper's thread, after the calls before it."""
-        future: Future[int | None] = Future()
-        self._calls.put((functools.partial(fn, arg), future))
-        return future
-
-    def stop(self) -> None:
-        """End the thread once the calls already queued have run."""
-        self._calls.put(None)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Publishing(Generic[StagedT]):
-    """A job whose staged generation the helper thread is publishing."""
-
-    job: Job
-    staged: StagedT
-    outcome: Future[int | None]
-
-
 def _check_options(slots: int, when_full: str, retry_after: float, patience: int) -> None:
     if not isinstance(slots, int) or slots < 1:
         raise InputError(f"slots must be a positive integer, not {slots!r}")
@@ -193,19 +152,18 @@ class Pipeline(Generic[InfoT, StagedT]):
             Slot(i, image_limit=image_bytes) for i in range(slots))
         self._images = 0
         self._queue: collections.deque[Job[InfoT]] = collections.deque()
-        self._committed = 0
-        self._durable = 0
+        self._committed = self._durable = 0
         self._generation = generation
         self._error: BaseException | None = None
+        self._told = False  # the failing streak's error was raised to a caller (`_raise_given_up`)
+        self._asked = self._answered = 0  # callers' requests for an attempt; the last one failed
         self._streak = 0
         self._dropped: list[tuple[int, BaseException]] = []  # (seq, error), not yet raised
-        self._failures = 0
+        self._failures = self._stalls = 0
         self._last_error: str | None = None
-        self._stalls = 0
-        self._closing = False
-        self._closed = False
+        self._closing = self._closed = False
         self._died: BaseException | None = None  # what ended the writer thread, if anything did
-        self._helper = _Helper(f"jckpt-publisher {name}")
+        self._helper = Publisher(f"jckpt-publisher {name}")
         self._thread = threading.Thread(target=self._run, name=f"jckpt-writer {name}", daemon=True)
         self._thread.start()
         self._owner: _Closable = owner if owner is not None else self
@@ -224,7 +182,27 @@ class Pipeline(Generic[InfoT, StagedT]):
                                   stalls=self._stalls, images=self._images)
 
     def _given_up(self) -> BaseException | None:
-        return self._error if self._error is not None and self._streak >= self.patience else None
+        return self._error if self._streak >= self.patience else None
+
+    def _raise_given_up(self, asked: int) -> int:
+        """Raise, once, the error of `patience` failed attempts in a row (holding `_cond`).
+
+        Once it was raised, a caller asks the writer for an attempt at once (the disk may
+        have room now) and raises only the failure of an attempt begun since, never one of
+        the retries before: an error is raised once, and not for a snapshot written since.
+        `asked`: the caller's request so far (0: none); returns it.
+        """
+        failed = self._given_up()
+        if failed is None:
+            return asked
+        if not self._told or 0 < asked <= self._answered:
+            self._told = True
+            raise failed
+        if not asked:
+            self._asked += 1
+            asked = self._asked
+            self._cond.notify_all()  # wakes the writer from its wait between attempts
+        return asked
 
     def _check_open(self) -> None:
         """Refuse new work once closing, or once the writer thread has died (`_stopped`)."""
@@ -272,14 +250,12 @@ class Pipeline(Generic[InfoT, StagedT]):
         """A free slot: wait for one (`when_full='block'`) or refuse."""
         deadline = deadline_after(timeout)
         with self._cond:
-            stalled = False
+            stalled, asked = False, 0
             while True:
                 self._check_open()
                 if self._free:
                     return self._free.popleft()
-                failed = self._given_up()
-                if failed is not None:
-                    raise failed
+                asked = self._raise_given_up(asked)
                 if self.when_full == 'raise':
                     raise CapacityError(f"all {len(self._queue)} snapshot slots are still "
                                         "being written", file=self.name,
@@ -308,30 +284,32 @@ class Pipeline(Generic[InfoT, StagedT]):
                 write(generation)
             except BaseException as e:
                 with self._cond:
-                    self._failures += 1
-                    self._last_error = str(e)
+                    if isinstance(e, InputError):  # the tree, not the storage: as `_drop` counts it
+                        self._count(e)
+                    else:  # it stands in the counters until a write succeeds (raised here, once)
+                        self._record(e)
                 raise
             with self._cond:
                 self._committed += 1
                 self._durable = self._committed
                 self._generation = generation
+                self._succeeded()
                 self._cond.notify_all()
                 return self._committed
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every admitted snapshot is durable (or dropped); False on timeout.
 
-        Raises the persistence error once `patience` attempts in a row failed, and the
-        error of the first snapshot dropped since the last `wait` (once, with a note of how
-        many more were) when nothing admitted before it is pending.
+        Raises the persistence error once `patience` attempts in a row failed (once: a later
+        `wait` makes the writer try again at once, and raises only if that attempt fails too),
+        and the error of the first snapshot dropped since the last `wait` (once, with a note of
+        how many more were) when nothing admitted before it is pending.
         """
         deadline = deadline_after(timeout)
         with self._cond:
-            goal = self._committed
+            goal, asked = self._committed, 0
             while self._queue and self._queue[0].seq <= goal:
-                failed = self._given_up()
-                if failed is not None:
-                    raise failed
+                asked = self._raise_given_up(asked)
                 self._check_alive()
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -350,20 +328,24 @@ class Pipeline(Generic[InfoT, StagedT]):
         """Make everything durable, stop the writer; raise what could not be persisted.
 
         After `patience` failures the writer is woken for one more attempt before giving up
-        (the disk may have been freed since; an attempt under way when `close` is called
-        counts as that one).
+        (the disk may have been freed since): one begun after `close` was called.
         """
         if self._closed:
             return
         with self._cond:
-            if self._given_up() is not None:  # one attempt more, now: the disk may have room again
-                self._streak = self.patience - 1
-                self._cond.notify_all()  # wakes the writer from its wait between attempts
+            self._told = True  # a writer that gave up tries once more, now (`_raise_given_up`)
         try:
             if not self.wait(timeout):
                 n = self.counters().pending
                 raise CheckpointError(f"close timed out with {n} snapshot(s) not yet durable",
                                       file=self.name, fix="close with a longer timeout")
+        except BaseException as e:
+            with self._cond:  # no later `wait` will raise them
+                dropped, self._dropped = self._dropped, []
+            if dropped:
+                e.add_note(f"{len(dropped)} snapshot(s) were dropped too, not written (the "
+                           f"first, {dropped[0][0]}: {dropped[0][1]})")
+            raise
         finally:
             with self._cond:
                 self._closing = True
@@ -389,13 +371,14 @@ class Pipeline(Generic[InfoT, StagedT]):
     def _loop(self) -> None:
         """Stage the next job while the helper publishes the one before it; in order, with retries."""
         c = self._commit
-        inflight: _Publishing[StagedT] | None = None
+        inflight: Publishing[StagedT] | None = None
         while True:
             job = self._next_job(busy=inflight is not None)
             if job is None and inflight is None:
                 return  # closing
             staged, failure = None, None
             if job is not None:
+                begun = self._asked  # the attempt answers the requests made before it
                 try:
                     staged = c.stage(job)
                 except BaseException as e:
@@ -409,16 +392,16 @@ class Pipeline(Generic[InfoT, StagedT]):
                     if job is not None and failure is None:
                         _quietly(c.discard, staged)
                     _quietly(c.discard, done.staged)
-                    self._retry(error)
+                    self._retry(error, done.begun)
                     continue
             if failure is not None:
                 if isinstance(failure, InputError):  # the tree, not the disk: retrying cannot help
                     self._drop(job, failure)
                 else:
-                    self._retry(failure)
+                    self._retry(failure, begun)
                 continue
             if job is not None:
-                inflight = _Publishing(job, staged, self._helper.call(c.publish, staged))
+                inflight = Publishing(job, staged, self._helper.call(c.publish, staged), begun)
 
     def _next_job(self, *, busy: bool) -> Job[InfoT] | None:
         """The job to stage next: the first in line, or the second while the first is `busy`.
@@ -439,9 +422,12 @@ class Pipeline(Generic[InfoT, StagedT]):
             self._durable = job.seq
             if generation is not None:
                 self._generation = generation
-            self._error = None
-            self._streak = 0
+            self._succeeded()
             self._leave(job)
+
+    def _succeeded(self) -> None:
+        """A write went through: no error stands (holding `_cond`)."""
+        self._error, self._streak, self._told = None, 0, False
 
     def _leave(self, job: Job[InfoT]) -> None:
         """Take `job` out of the line and free its slot (holding `_cond`)."""
@@ -453,33 +439,41 @@ class Pipeline(Generic[InfoT, StagedT]):
         self._free.append(job.slot)
         self._cond.notify_all()
 
-    def _record(self, e: BaseException) -> None:
-        """Count a failed attempt (holding `_cond`)."""
-        self._error = e
+    def _count(self, e: BaseException) -> None:
+        """Count a failed attempt in `failures` and `last_error` (holding `_cond`)."""
         self._failures += 1
         self._last_error = str(e)
+
+    def _record(self, e: BaseException) -> None:
+        """Count a failed write, whose error stands until a write succeeds (holding `_cond`)."""
+        self._count(e)
+        self._error = e
 
     def _drop(self, job: Job[InfoT], e: BaseException) -> None:
         """Give up on a job that can never be written (an `InputError`: a model tree its
         format cannot hold): it leaves the line, its slot is freed and the jobs behind it go
-        on; the next `wait` raises the error, once."""
+        on; the next `wait` raises the error, once. The storage did not fail: the counters'
+        `error` is left as it was (`failures` and `last_error` count it)."""
         _quietly(self._commit.rollback)
         with self._cond:
             self._dropped.append((job.seq, e))
-            self._record(e)
+            self._count(e)
             self._leave(job)
         log.error("writing %s: snapshot %d is dropped, not retried: %s", self.name, job.seq, e)
 
-    def _retry(self, e: BaseException) -> None:
-        """Roll back, record the failure and wait `retry_after` seconds (the job stays first)."""
+    def _retry(self, e: BaseException, begun: int) -> None:
+        """Roll back, record the failure of the attempt `begun` (`_asked` when it began) and
+        wait `retry_after` seconds, unless a caller asked for an attempt since (the job stays
+        first)."""
         _quietly(self._commit.rollback)
         with self._cond:
             self._streak += 1
             self._record(e)
+            self._answered = max(self._answered, begun)
             self._cond.notify_all()
             log.warning("writing %s failed (attempt %d, retrying in %.3g s): %s",
                         self.name, self._streak, self.retry_after, e)
-            if not self._closing:
+            if not self._closing and self._asked <= begun:
                 self._cond.wait(self.retry_after)
 
 

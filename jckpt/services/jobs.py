@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+import queue
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from typing import Generic, Protocol, TypeVar
 
 from jckpt.format.header import Entry
@@ -68,4 +71,51 @@ class Committer(Protocol[StagedT]):
     def rollback(self) -> None: ...
 
 
-__all__ = ['Committer', 'Job']
+class Publisher:
+    """A daemon thread that runs one call at a time, in order; each outcome comes back as a Future.
+
+    The pipeline publishes each job on it while its own thread stages the next one.
+
+    >>> p = Publisher('demo')
+    >>> p.call(lambda x: x + 1, 41).result()
+    42
+    >>> p.stop()
+    """
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[tuple[Callable[[], int | None], Future] | None] = \
+            queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while (call := self._calls.get()) is not None:
+            fn, future = call
+            try:
+                future.set_result(fn())
+            except BaseException as e:
+                future.set_exception(e)
+
+    def call(self, fn: Callable[[StagedT], int | None], arg: StagedT) -> Future[int | None]:
+        """Run `fn(arg)` on the publisher's thread, after the calls before it."""
+        future: Future[int | None] = Future()
+        self._calls.put((functools.partial(fn, arg), future))
+        return future
+
+    def stop(self) -> None:
+        """End the thread once the calls already queued have run."""
+        self._calls.put(None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Publishing(Generic[StagedT]):
+    """A job whose staged generation the `Publisher` is publishing; `begun`: how many
+    attempts callers had asked the pipeline for when this one began."""
+
+    job: Job
+    staged: StagedT
+    outcome: Future[int | None]
+    begun: int = 0
+
+
+__all__ = ['Committer', 'Job', 'Publisher', 'Publishing']

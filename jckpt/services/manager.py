@@ -439,9 +439,10 @@ class CheckpointManager(BackgroundWriter[_Step]):
         step = check_step(step, self.directory)
         path = self._path(step)
         folder = self._view.folder(step)  # a step this manager knows: no request asks what it is
-        absent = FormatError(f"no step {step}", file=self.directory,
-                             fix=f"pick one of {self.all_steps()[-5:]}")
-        if folder is None and self.backend is LOCAL and not os.path.exists(path):
+        deleted = folder is None and self._view.deleted(step)  # what is left of it is no step
+        absent = FormatError(f"no step {step}" + (": retention deleted it" if deleted else ""),
+                             file=self.directory, fix=f"pick one of {self.all_steps()[-5:]}")
+        if deleted or (folder is None and self.backend is LOCAL and not os.path.exists(path)):
             raise absent  # in a bucket, the step's first GET tells (`steps.step_metadata`)
         options = steps.checked(options, CheckpointLoadOptions, 'options', self.load_options)
         return read_step(ctx, path, step, folder, target, indexed=self._view.indexed(step),

@@ -29,6 +29,7 @@ class StepView:
         self._metrics: dict[int, dict[str, float]] = {}
         self._folders: set[int] = set()
         self._indexed: set[int] = set()  # the folders that are directory checkpoints
+        self._deleted: set[int] = set()  # the steps retention deleted since the manager opened
 
     def reset(self, metrics: Mapping[int, Mapping[str, float]], folders: Iterable[int],
               indexed: Iterable[int] = ()) -> None:
@@ -50,12 +51,20 @@ class StepView:
                     known.discard(step)
 
     def forget(self, steps: Iterable[int]) -> None:
-        """Know no more `steps` (deleted)."""
+        """Know no more `steps` (deleted), but that they were deleted (`deleted`)."""
         with self._lock:
             for s in steps:
                 self._metrics.pop(s, None)
                 self._folders.discard(s)
                 self._indexed.discard(s)
+                self._deleted.add(s)
+
+    def deleted(self, step: int) -> bool:
+        """Whether `step` was deleted (`forget`) since this view was made: what is left of it
+        (in a bucket, the files of a step directory whose deletion failed after its markers
+        went) is no step, and a restore of it should say why."""
+        with self._lock:
+            return step in self._deleted
 
     def steps(self) -> list[int]:
         """Every durable step, ascending."""

@@ -74,8 +74,9 @@ def _read_step(path: str, step: int | None, prefix: bool | None) -> tuple[dict[s
     if prefix and is_url(path):
         got = _read_bucket_folder(path, step)
         if got is None:
-            raise FormatError(f"holds neither {TRAINER_STATE_NAME} nor {INDEX_NAME}: a step whose "
-                              "save did not finish", file=path, fix="restore another step")
+            raise FormatError(f"holds neither {TRAINER_STATE_NAME} nor {INDEX_NAME}: no step, "
+                              "what a save or a deletion that did not finish leaves", file=path,
+                              fix="restore another step (a manager that opens removes it)")
         return got[0], got[1]
     if prefix is False or not formats.is_step_directory(path):  # a file, or a directory's index
         header = api.describe(path)

@@ -217,6 +217,20 @@ def test_a_snapshot_that_can_never_be_written_is_dropped_and_the_rest_go_on():
     assert fake.published() == [1, 3, 4] and p.counters().failures == 2
 
 
+def test_close_that_raises_a_disk_error_says_which_snapshots_were_dropped_too():
+    """A dropped snapshot's error waits for the next `wait`; a `close` that raised the disk's
+    error instead left it unsaid for good (but for a log line)."""
+    fake = FailsOn({1.0}, jckpt.InputError("dtype int4 has no safetensors equivalent"))
+    p = Pipeline("drop-then-full", fake, retry_after=600, patience=1)
+    p.admit(leaves(1), {})
+    wait_for(lambda: p.counters().failures == 1)       # dropped
+    fake.fail_publish = OSError(errno.ENOSPC, "No space left on device")
+    p.admit(leaves(2), {})
+    with pytest.raises(OSError, match="No space") as e:
+        p.close(timeout=30)
+    assert any("1 snapshot(s) were dropped" in n and "int4" in n for n in e.value.__notes__)
+
+
 class SlowPublish(FailsOn):
     def publish(self, staged):
         time.sleep(0.05)  # the writer stages the next job while this one publishes
@@ -244,7 +258,25 @@ def test_a_dropped_last_snapshot_does_not_leave_wait_waiting():
     p.admit(leaves(1), {})
     with pytest.raises(jckpt.InputError):
         p.wait(timeout=20)
-    assert p.counters().pending == 0 and p.counters().error == "InputError"
+    assert p.counters().pending == 0
+    p.close()
+
+
+def test_a_dropped_snapshot_is_no_standing_error_in_the_counters():
+    """A snapshot dropped for what it holds showed `error InputError` until the next snapshot
+    was written (for good, if none came), though the storage worked and the writer went on:
+    `error` names a failing write; the drop counts in `failures` and `last_error`."""
+    fake = FailsOn({2.0}, jckpt.InputError("dtype int4 has no safetensors equivalent"))
+    p = Pipeline("drop-count", fake, retry_after=30)
+    p.admit(leaves(1), {})
+    assert p.wait(timeout=20)
+    p.admit(leaves(2), {})
+    wait_for(lambda: p.counters().failures == 1)
+    c = p.counters()
+    assert str(c) == LINE.format(2, 1, 1, 0, 0) and "int4" in c.last_error
+    with pytest.raises(jckpt.InputError):
+        p.wait(timeout=20)
+    assert p.counters().error == 0
     p.close()
 
 
@@ -264,6 +296,58 @@ def test_close_tries_once_more_at_once_before_giving_up():
     assert p.counters().durable == 1 and p.counters().error == 0
 
 
+def test_an_error_is_raised_once_and_a_later_wait_tries_again_at_once():
+    """The writer gave up and `wait` raised its error; room was made. The next `wait` raised the
+    same, stale error again until the retry `retry_after` later succeeded, even for snapshots
+    admitted since; it now makes the writer try at once and returns once all is durable."""
+    fake = Fake()
+    fake.fail_publish = OSError(errno.ENOSPC, "No space left on device")
+    p = Pipeline("once", fake, slots=2, retry_after=600, patience=1)  # the writer sleeps 600 s
+    p.admit(leaves(1), {})
+    with pytest.raises(OSError, match="No space"):
+        p.wait(timeout=30)
+    fake.fail_publish = None                        # the disk has room again
+    p.admit(leaves(2), {})
+    assert p.wait(timeout=30)                       # not the stale error, not 600 s later
+    assert fake.published() == [1, 2] and p.counters().error == 0
+    p.close()
+
+
+def test_retries_that_failed_before_a_wait_are_not_raised_by_it():
+    """Once the error was raised, the writer's own retries went on failing while the disk was
+    full; each made a "new" error that the next `wait`, after room was made, raised though
+    the snapshot could be written at once. A wait raises only an attempt begun after it."""
+    fake = Fake()
+    fake.fail_publish = OSError(errno.ENOSPC, "No space left on device")
+    p = Pipeline("stale", fake, retry_after=0.001, patience=1)
+    p.admit(leaves(1), {})
+    with pytest.raises(OSError, match="No space"):
+        p.wait(timeout=30)
+    failures = p.counters().failures
+    wait_for(lambda: p.counters().failures >= failures + 5)  # retries that failed meanwhile
+    fake.fail_publish = None
+    assert p.wait(timeout=30) and fake.published() == [1]
+    p.close()
+
+
+def test_a_wait_after_the_error_was_raised_raises_only_a_new_failure():
+    """Still failing: each later `wait` is one more attempt, whose own error it raises."""
+    fake = Fake()
+    fake.fail_publish = OSError(errno.EIO, "Input/output error")
+    p = Pipeline("again", fake, retry_after=600, patience=1)
+    p.admit(leaves(1), {})
+    with pytest.raises(OSError) as first:
+        p.wait(timeout=30)
+    failures = p.counters().failures
+    fake.fail_publish = OSError(errno.EIO, "Input/output error, again")
+    with pytest.raises(OSError, match="again") as second:
+        p.wait(timeout=30)
+    assert second.value is not first.value and p.counters().failures == failures + 1
+    fake.fail_publish = None
+    p.close(timeout=30)
+    assert fake.published() == [1]
+
+
 def test_run_now_waits_for_what_was_admitted_and_counts():
     fake = Fake()
     fake.staged_generation = fake.published_generation = 5   # generation 5 is on disk
@@ -280,6 +364,27 @@ def test_run_now_waits_for_what_was_admitted_and_counts():
         p.run_now(fails)
     c = p.counters()
     assert (c.committed, c.durable, c.generation, c.failures) == (2, 2, 7, 1)
+    p.close()
+
+
+def test_a_failed_run_now_stands_in_the_counters_until_a_write_succeeds():
+    """A save run in the caller's thread (a directory step) that failed counted in `failures`
+    but showed `error 0`; it now shows as a failed snapshot does, is raised once (by the call
+    itself, not again by `wait`) and clears once a write succeeds."""
+    p = Pipeline("now-fails", Fake())
+
+    def full(generation):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        p.run_now(full)
+    assert str(p.counters()) == LINE.format(0, 0, 0, 0, "ENOSPC")
+    assert p.wait(timeout=20) and p.counters().failures == 1
+    p.run_now(lambda generation: None)
+    assert str(p.counters()) == LINE.format(1, 1, 1, 0, 0)
+    with pytest.raises(jckpt.InputError):              # bad input: the storage did not fail
+        p.run_now(lambda generation: (_ for _ in ()).throw(jckpt.InputError("no")))
+    assert p.counters().error == 0 and p.counters().failures == 2
     p.close()
 
 

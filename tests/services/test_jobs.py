@@ -37,3 +37,18 @@ def test_a_job_is_frozen_and_compared_by_identity():
         job.seq = 3
     twin = dataclasses.replace(job)
     assert twin != job and job == job  # a queue removes exactly the job it is given
+
+
+def test_a_publisher_runs_its_calls_in_order_and_hands_back_each_outcome():
+    from jckpt.services.jobs import Publisher
+    p = Publisher("jckpt-test-publisher")
+    seen = []
+
+    def fails(x):
+        raise OSError(x)
+    futures = [p.call(seen.append, 1), p.call(fails, 5), p.call(seen.append, 2)]
+    assert futures[2].result(timeout=20) is None and seen == [1, 2]
+    assert isinstance(futures[1].exception(), OSError)  # a failed call stops none after it
+    p.stop()
+    p.thread.join(timeout=20)
+    assert not p.thread.is_alive()

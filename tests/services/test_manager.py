@@ -69,6 +69,18 @@ def test_retention_last_every_best_and_never_the_latest(tmp_path):
         assert mgr.all_steps() == [13, 14]
 
 
+def test_restoring_a_step_retention_deleted_says_so(tmp_path):
+    with jckpt.CheckpointManager(tmp_path, keep_last=1) as mgr:
+        for s in (1, 2):
+            mgr.save(s, {"x": np.float32(s)})
+        mgr.wait_durable()
+        with pytest.raises(jckpt.FormatError, match="no step 1: retention deleted it") as e:
+            mgr.restore(1)
+        assert "pick one of [2]" in e.value.fix
+        with pytest.raises(jckpt.FormatError, match=r"no step 3 \(") as e:  # never saved
+            mgr.restore(3)
+
+
 def test_interval_force_and_increasing_steps(tmp_path):
     with jckpt.CheckpointManager(tmp_path, save_interval_steps=10, asynchronous=False) as mgr:
         assert [mgr.save(s, {"x": np.float32(s)}) for s in range(1, 21)].count(True) == 2
@@ -207,6 +219,55 @@ def test_disk_error_keeps_the_step_and_retries(tmp_path, monkeypatch):
         broken["on"] = False
         assert mgr.wait_durable(timeout=30)
         assert mgr.all_steps() == [1, 2] and mgr.counters.error == 0
+
+
+def test_a_step_written_after_a_disk_error_was_raised_waits_normally(tmp_path, monkeypatch):
+    """After a full disk made `wait_durable` raise, a step saved once the disk had room again
+    raised the same ENOSPC again, until the failed step's retry (`retry_after` later) went
+    through; the error is raised once, and the next wait writes both steps at once."""
+    original = writer_mod.Sink.write
+    broken = {"on": True}
+
+    def write(sink, data):
+        if broken["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(sink, data)
+
+    monkeypatch.setattr(writer_mod.Sink, "write", write)
+    with jckpt.CheckpointManager(tmp_path, retry_after=600, patience=1) as mgr:
+        mgr.save(1, {"x": np.float32(1)})
+        with pytest.raises(jckpt.StorageError, match="No space") as e:
+            mgr.wait_durable(timeout=30)
+        assert e.value.errno == errno.ENOSPC and step_name(1) in str(e.value)
+        broken["on"] = False
+        mgr.save(2, {"x": np.float32(2)})
+        assert mgr.wait_durable(timeout=30)
+        assert mgr.all_steps() == [1, 2] and mgr.counters.error == 0
+
+
+def test_a_failed_directory_step_shows_in_the_counters_like_a_failed_file_step(
+        tmp_path, monkeypatch):
+    """A directory step's failed save counted in `failures` but left `error 0`."""
+    original = writer_mod.Sink.write
+    broken = {"on": False}
+
+    def write(sink, data):
+        if broken["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(sink, data)
+
+    monkeypatch.setattr(writer_mod.Sink, "write", write)
+    with jckpt.CheckpointManager(tmp_path, directory_steps=True) as mgr:
+        mgr.save(1, {"x": np.float32(1)})
+        broken["on"] = True
+        with pytest.raises(jckpt.StorageError, match="No space") as e:
+            mgr.save(2, {"x": np.float32(2)})
+        assert step_name(2) in str(e.value)
+        assert mgr.counters.error == "ENOSPC" and mgr.counters.failures == 1
+        assert mgr.wait_durable(timeout=30)             # raised by the save, not again
+        broken["on"] = False
+        mgr.save(3, {"x": np.float32(3)})
+        assert str(mgr.counters).endswith("error 0") and mgr.all_steps() == [1, 3]
 
 
 def test_lineage_and_generation_continue_across_runs(tmp_path):

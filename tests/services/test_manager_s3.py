@@ -130,6 +130,10 @@ def test_a_step_directory_whose_markers_are_gone_is_forgotten_and_its_rest_remov
             mgr.save(2, items={"model": TREE, "opt": {"m": TREE["w"]}})
         assert "run/step_00000001.jckpt/model.npz" in caplog.text
         assert mgr.all_steps() == [2]
+        # what is left of it read as "a step whose save did not finish"
+        with pytest.raises(jckpt.FormatError, match="no step 1: retention deleted it") as e:
+            mgr.restore(1)
+        assert "pick one of [2]" in e.value.fix
     monkeypatch.undo()
     backend = jckpt.storage.backend_for(url)
     assert backend.list(f"{url}/step_00000001.jckpt") == ["model.npz", "optimizer.jckpt"]

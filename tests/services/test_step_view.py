@@ -57,6 +57,13 @@ def test_directory_checkpoints_are_known_as_such_until_forgotten():
     assert not view.indexed(2)
 
 
+def test_a_forgotten_step_is_known_as_deleted():
+    view = view_of(s1=({}, True), s2=({}, False))
+    view.forget([1])
+    assert view.deleted(1) and not view.deleted(2) and not view.deleted(3)
+    assert view.folder(1) is None and view.steps() == [2]
+
+
 def test_doomed_names_each_step_with_its_kind_and_never_the_latest():
     view = view_of(s1=({}, True), s2=({}, False), s3=({}, True))
     assert view.doomed(Retention(keep_last=1)) == {1: True, 2: False}

@@ -68,6 +68,8 @@ POLICIES = [
     {"keep_best": 2, "best_metric": "loss", "best_mode": "max"},
 ]
 FORMATS = ["jckpt", "npz", "safetensors", "raw"]
+ERRNO = {"disk_full": "ENOSPC", "fsync_file": "EIO", "fsync_dir": "EIO", "upload": "EIO",
+         "upload_lost": "EIO"}  # the counters' `error` of each fault
 
 
 # --- what is saved, and how it is compared -----------------------------------------------------
@@ -206,15 +208,9 @@ def settle(writer, patience: float = 60.0) -> None:
 
 
 def healed(writer) -> None:
-    """Wait for a writer whose disk works again: its `wait_durable` reports the last error until
-    the next attempt (`retry_after` later) succeeds (docs/reliability.md, "Known limits")."""
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            return settle(writer)
-        except jckpt.StorageError:
-            assert time.monotonic() < deadline, writer.counters
-            time.sleep(0.005)
+    """Wait for a writer whose disk works again, whose error was raised: it is not raised again,
+    the next wait tries at once and returns once everything is durable (docs/mirror.md)."""
+    settle(writer)
 
 
 def poll(check: Callable[[], bool], what: str, limit: float = 30.0) -> None:
@@ -284,6 +280,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.durable = 0                    # the counters' durable: the last snapshot durable
         self.dead = False                   # the writer thread was killed
         self.unlisted: dict[int, int] = {}  # steps a failed save left in place: their generation
+        self.deleted: set[int] = set()      # steps this manager's retention deleted
 
     # opening and closing
 
@@ -297,7 +294,7 @@ class ManagerMachine(RuleBasedStateMachine):
                                            slots=self.slots, directory_steps=self.dirs,
                                            **self.policy)
         self.committed = self.durable = 0
-        self.error, self.dead = 0, False
+        self.error, self.dead, self.deleted = 0, False, set()
         self.last = max(self.view, default=0)  # a new process: steps admitted and lost are no bound
 
     @initialize(policy=st.sampled_from(POLICIES), slots=st.integers(1, 3),
@@ -337,6 +334,7 @@ class ManagerMachine(RuleBasedStateMachine):
         for step in doomed:
             del self.view[step]
             del self.saved[step]
+            self.deleted.add(step)
 
     def settle(self) -> None:
         settle(self.mgr)
@@ -418,8 +416,9 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def restore_a_step_that_is_not_there(self, data):
         gone = data.draw(st.sampled_from([s for s in range(self.last + 4) if s not in self.saved]))
-        with pytest.raises(jckpt.FormatError,  # or what a failed deletion left of it, in a bucket
-                           match=f"no step {gone}|{step_name(gone)}: holds neither") as e:
+        said = f"no step {gone}: retention deleted it" if gone in self.deleted else \
+            f"no step {gone}|{step_name(gone)}: holds neither"  # what a killed save left, in a bucket
+        with pytest.raises(jckpt.FormatError, match=said) as e:
             self.mgr.restore(gone)
         check_error(e.value, self.directory)
 
@@ -470,6 +469,16 @@ class ManagerMachine(RuleBasedStateMachine):
             return True
         return False
 
+    @staticmethod
+    def still_failing(writer, name: str) -> None:
+        """A wait after the error was raised, the storage still failing: one more attempt,
+        whose own failure it raises (neither the same error again nor a hang)."""
+        failures = writer.counters.failures
+        with pytest.raises(jckpt.StorageError) as e:
+            writer.wait_durable(timeout=60)
+        check_error(e.value, name)
+        assert writer.counters.failures > failures and writer.counters.error != 0
+
     @precondition(lambda self: not self.dead)
     @rule(data=st.data(), after=st.integers(0, 2), heal=st.booleans(), seed=st.integers(0, 2**20),
           once=st.booleans(), more=st.booleans())
@@ -490,6 +499,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.settle()  # one failed attempt is retried at once, patience is 2
                 return
             self.check_listed(kind)
+            self.still_failing(self.mgr, step_name(step))
             if more:
                 self.save_while_failing(step, seed)
             if not heal:
@@ -523,6 +533,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.mgr.save(step, tree_for(seed), metrics={"loss": 0.75})
             except jckpt.StorageError as e:
                 check_error(e, step_name(step))
+                self.error = ERRNO[kind]  # it stands, as a failed file step's does, until a save
                 self.check_listed(kind)
                 self.left_in_place(step, saved, kind)
                 return
@@ -619,8 +630,8 @@ class ManagerMachine(RuleBasedStateMachine):
         finally:
             RAW_POISON.clear()
         del self.saved[dropped]
-        self.error = "InputError"
-        assert str(self.mgr.counters).endswith(f"error {self.error}")
+        c = self.mgr.counters  # the storage did not fail: no error stands, the drop is counted
+        assert str(c).endswith(f"error {self.error}") and "told to fail" in c.last_error, str(c)
         settle(self.mgr)  # raised once
 
     @rule(where=st.sampled_from(["above", "between"]), data=st.data())
@@ -800,6 +811,7 @@ class MirrorMachine(RuleBasedStateMachine):
             with pytest.raises(jckpt.StorageError) as e:
                 assert self.mirror.wait_durable(timeout=60)
             check_error(e.value, self.path)
+            ManagerMachine.still_failing(self.mirror, self.path)
             if kind in ("fsync_dir", "upload_lost") and self.generation_found() == self.generation:
                 self.check_file(self.generation, self.staged, self.meta)  # published, then failed
             else:
