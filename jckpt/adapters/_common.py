@@ -71,25 +71,40 @@ def host_items_with_keys(tree: Any, file: str) -> list[tuple[str, KeyPath, np.nd
 
 
 def warn_empty_namespaces(tree: dict[str, Any], kept: Collection[str], file: str,
-                          format_name: str, keep: str = "write a jckpt file") -> None:
+                          format_name: str) -> None:
     """Warn, naming them, of the namespaces of `tree` not in `kept` (those the file holds
     arrays of): a namespace without arrays (`optax.sgd`'s state of two `EmptyState`s, a
-    bare `EmptyState()`, `None`) has nothing a `format_name` file can hold, so it is left
-    out, as the orbax writer leaves one out, and not silently; `keep` says how to keep it.
+    bare `EmptyState()`, `None`) has nothing a `format_name` file (one array, no record of
+    the tree: `.npy`) can hold, so it is left out, as the orbax writer leaves one out, and
+    not silently. Formats with a paths record keep it in their `empty_record`.
 
     >>> import warnings
     >>> with warnings.catch_warnings(record=True) as caught:
     ...     warnings.simplefilter('always')
-    ...     warn_empty_namespaces({'model': 1, 'opt': ()}, ['model'], 'm.npz', 'npz')
+    ...     warn_empty_namespaces({'model': 1, 'opt': ()}, ['model'], 'm.npy', 'npy')
     >>> print(caught[0].message)  # doctest: +ELLIPSIS
-    m.npz: namespaces ['opt'] hold no arrays (an empty optimizer state) and are left out: ...
+    m.npy: namespaces ['opt'] hold no arrays (an empty optimizer state) and are left out: ...
     """
     empty = [ns for ns in tree if ns not in kept]
     if empty:
         warnings.warn(f"{file}: namespaces {empty} hold no arrays (an empty optimizer state) and "
                       f"are left out: {format_name} files hold arrays only, so this one reads "
-                      f"back without them; a restore with a target takes them from it (to keep them, "
-                      f"{keep})", stacklevel=4)
+                      f"back without them; a restore with a target takes them from it (to keep "
+                      f"them, write a .jckpt, .safetensors or .npz file)", stacklevel=4)
+
+
+def empty_record(tree: dict[str, Any]) -> str | None:
+    """The record of the nodes without arrays of `{namespace: subtree}` (optax's `EmptyState`,
+    `None`, empty tuples, lists and dicts), as a jckpt file records them under
+    `jckpt.format.names.EMPTY_NODES_KEY`; `None` when there are none. Formats that hold
+    arrays only carry it beside the paths record, so `tree_from_names` puts them back.
+
+    >>> empty_record({'jckpt': {'w': 1.0, 'opt': (2.0, ())}, 'sgd': ()})
+    '{"jckpt": [[["k", "opt"], ["i", 1]]], "sgd": [[]]}'
+    """
+    from jckpt.trees.pytree import empty_nodes_record  # JAX: imported only when a tree is written
+
+    return empty_nodes_record(tree)
 
 
 def abstract_items(tree: Any, file: str) -> list[tuple[str, KeyPath, Any]]:
@@ -145,16 +160,19 @@ def paths_json(items: list[tuple[str, KeyPath, np.ndarray]], names: list[str]) -
 @paused  # the record's JSON is a list or two per name, and no cycle: 200,000 names made the
 # collector walk millions of objects again and again
 def tree_from_names(arrays: dict[str, np.ndarray], record: str | None,
-                    namespace: str = DEFAULT_NAMESPACE) -> dict[str, Any]:
+                    namespace: str = DEFAULT_NAMESPACE, empty: str | None = None
+                    ) -> dict[str, Any]:
     """Rebuild `{namespace: subtree}` from named arrays and, when it is present
     and covers exactly these names, the paths record written by `paths_json`
-    (in the record's order: the tree's, as it was written).
+    (in the record's order: the tree's, as it was written), with `None` at the nodes
+    without arrays that `empty` (written by `empty_record`) names.
 
     The tree is built by `jckpt.trees.nested.unflatten`, as `jckpt.load` builds one,
     from leaves paired with their paths in C (one namespace, the common case) or
-    grouped by namespace.
+    grouped by namespace. Without a paths record the names stay flat, and `empty`,
+    whose paths name no flat name, is not used.
     """
-    from jckpt.trees.nested import unflatten  # plain Python: reading needs no JAX
+    from jckpt.trees.nested import unflatten, with_recorded_empty_nodes  # reading needs no JAX
 
     found = _parse_record(record, set(arrays))
     if found is None:
@@ -168,9 +186,10 @@ def tree_from_names(arrays: dict[str, np.ndarray], record: str | None,
         for ns, p, leaf in zip(namespaces, paths, leaves):
             groups.setdefault(ns, []).append((p, leaf))
     try:
-        return {ns: unflatten(items) for ns, items in groups.items()}
+        tree = {ns: unflatten(items) for ns, items in groups.items()}
     except FormatError:
         return {namespace: dict(arrays)}
+    return with_recorded_empty_nodes(tree, empty)
 
 
 def record_covers(record: str | None, names: Collection[str]) -> bool:

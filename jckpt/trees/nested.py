@@ -13,7 +13,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from jckpt.errors import FormatError, InputError
-from jckpt.format.header import Entry, KeyPath, path_name
+from jckpt.format.header import NAMESPACE_RE, Entry, KeyPath, path_name
+from jckpt.format.metadata import empty_nodes_table
 
 
 def unflatten(items: Iterable[tuple[KeyPath, Any]], *, file: str | None = None) -> Any:
@@ -116,6 +117,86 @@ def _sorted_keys(node: dict) -> list:
         return sorted(node, key=lambda k: (isinstance(k, str), k))
 
 
+def is_empty_node(x: Any) -> bool:
+    """Whether `x` is a node that holds no leaves and that exports must keep: `None`, and
+    empty tuples (optax's `EmptyState` and other NamedTuples without fields), lists and dicts.
+
+    >>> is_empty_node(None), is_empty_node(()), is_empty_node({'a': None}), is_empty_node(0)
+    (True, True, False, False)
+    """
+    return x is None or (isinstance(x, (tuple, list, dict)) and len(x) == 0)
+
+
+def with_empty_nodes(tree: Any, paths: Iterable[KeyPath]) -> Any:
+    """`tree` (nested dicts and lists, as `unflatten` builds) with `None` at each of `paths`.
+
+    A parent that holds no leaves (optax's `MaskedState(inner_state=EmptyState())`, whose
+    only empty node is its field) is missing from `tree`, or a `None` hole of a list:
+    it is built, a list where the path's next step is an index, else a dict. A path that
+    runs into a leaf, or a key of the wrong kind, is left out (the paths only help exports).
+
+    >>> with_empty_nodes([{'count': 1}], [(('i', 1),), (('i', 2),), (('k', 'x'), ('k', 'y'))])
+    [{'count': 1}, None, None]
+    >>> with_empty_nodes([None, {'count': 1}], [(('i', 0), ('a', 'inner_state'))])
+    [{'inner_state': None}, {'count': 1}]
+    >>> print(with_empty_nodes({}, [()]))  # the root's path: the tree is one empty node
+    None
+    """
+    paths = list(paths)
+    if () in paths:
+        return None if is_empty_node(tree) else tree
+    for p in paths:
+        node = tree
+        for n, (_, key) in enumerate(p[:-1]):
+            node = _child_node(node, key, [] if p[n + 1][0] == 'i' else {}, len(paths))
+            if node is None:
+                break
+        else:
+            _child_node(node, p[-1][1], None, len(paths))
+    return tree
+
+
+def with_recorded_empty_nodes(tree: dict[str, Any], recorded: str | None) -> dict[str, Any]:
+    """`{namespace: subtree}` with `None` at each node without leaves that `recorded` (the
+    value of `jckpt.format.names.EMPTY_NODES_KEY`, by namespace) names (`with_empty_nodes`),
+    and a namespace of such nodes alone (`optax.sgd`'s state) added: the structure a jckpt
+    file, or a file jckpt wrote in another format, records of the tree it was written from.
+
+    A namespace that is not a valid name is left out, as every path that does not fit the
+    tree (the record only describes structure; a damaged one changes no leaf).
+
+    >>> with_recorded_empty_nodes({'jckpt': {'w': 1}}, '{"jckpt": [[["k", "e"]]], "opt": [[]]}')
+    {'jckpt': {'w': 1, 'e': None}, 'opt': None}
+    """
+    table = empty_nodes_table(recorded)  # parsed once: a crafted record may name many
+    if not table:
+        return tree
+    out = dict(tree)
+    for ns, paths in table.items():  # a namespace of empty nodes alone has no leaf
+        if ns not in out and NAMESPACE_RE.match(ns):
+            first = paths[0]  # `()`: the namespace is itself an empty node
+            out[ns] = [] if first and first[0][0] == 'i' else {}
+    return {ns: with_empty_nodes(sub, table.get(ns, ())) for ns, sub in out.items()}
+
+
+def _child_node(node: Any, key: Any, made: Any, slack: int) -> Any:
+    """`node[key]`, with `made` put there first in place of nothing or of a `None` hole; the
+    child if it is a dict or a list, else None. None too where `key` cannot be in `node`: a
+    leaf, a list's key that is not an index or lies beyond `slack` slots past its end."""
+    if isinstance(node, dict):
+        if node.get(key) is None:
+            node[key] = made
+        child = node[key]
+    elif isinstance(node, list) and type(key) is int and 0 <= key <= len(node) + slack:
+        node.extend([None] * (key + 1 - len(node)))  # a bounded extension: holes are None
+        if node[key] is None:
+            node[key] = made
+        child = node[key]
+    else:
+        return None
+    return child if isinstance(child, (dict, list)) else None
+
+
 #: Sequence slots without an entry that ``unflatten`` fills with None, beyond 16 per entry.
 _MAX_HOLES = 1 << 16
 #: Path kinds whose key is a name: every other kind's key is an integer.
@@ -166,4 +247,5 @@ def _sequences(root: dict, numbered: dict[int, list], holes: int, file: str | No
     return root
 
 
-__all__ = ['check_one_tree', 'entry_path', 'flatten_plain', 'unflatten']
+__all__ = ['check_one_tree', 'entry_path', 'flatten_plain', 'is_empty_node', 'unflatten',
+           'with_empty_nodes', 'with_recorded_empty_nodes']

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from jckpt.errors import FormatError
-from jckpt.trees.nested import unflatten
+from jckpt.trees.nested import unflatten, with_recorded_empty_nodes
 
 
 def test_dicts_lists_and_holes():
@@ -85,3 +85,13 @@ def test_flatten_plain_orders_keys_as_jax_does_whatever_kinds_they_mix():
         assert [leaf for _, leaf in flatten_plain(tree)] == jax.tree.leaves(tree), tree
     mixed = flatten_plain({'b': 1, 2: 2, 'a': 3, 1: 4})  # a torch file's state may mix them
     assert [p for p, _ in mixed] == [(('ki', 1),), (('ki', 2),), (('k', 'a'),), (('k', 'b'),)]
+
+
+def test_recorded_empty_nodes_are_put_back_and_a_namespace_of_them_alone_added():
+    recorded = ('{"jckpt": [[["k", "opt"], ["i", 1]]], "sgd": [[["i", 0]], [["i", 1]]], '
+                '"ident": [[]], "bad name": [[]], "w": [[["k", "x"]]]}')
+    tree = {'jckpt': {'opt': [1]}, 'w': 2}
+    out = with_recorded_empty_nodes(tree, recorded)
+    assert out == {'jckpt': {'opt': [1, None]}, 'w': 2, 'sgd': [None, None], 'ident': None}
+    assert with_recorded_empty_nodes(tree, None) is tree  # nothing recorded: as it was
+    assert with_recorded_empty_nodes(tree, 'not json') == tree
