@@ -13,11 +13,14 @@ from collections.abc import Iterable
 from typing import Any
 
 from jckpt.errors import FormatError, InputError
+from jckpt.format.entries import INT_KINDS, PATH_KINDS
 from jckpt.format.header import NAMESPACE_RE, Entry, KeyPath, path_name
+from jckpt.format.limits import MAX_PATH_LENGTH
 from jckpt.format.metadata import empty_nodes_table
 
 
-def unflatten(items: Iterable[tuple[KeyPath, Any]], *, file: str | None = None) -> Any:
+def unflatten(items: Iterable[tuple[KeyPath, Any]], *, file: str | None = None,
+              check: bool = False) -> Any:
     """Nested dicts and lists from `(path, leaf)` pairs (the inverse of `flatten`
     for trees of dicts and lists).
 
@@ -25,11 +28,21 @@ def unflatten(items: Iterable[tuple[KeyPath, Any]], *, file: str | None = None) 
     only those are looked at again (made lists, or refused for mixing key kinds). Every
     load of a file builds its tree here: 200,000 leaves take about what nesting 200,000
     dotted names takes.
+
+    `check=True` takes paths as JSON gives them (lists of `[kind, key]` lists, as a paths
+    record stores them) and checks each component as its leaf is placed, refusing with
+    `FormatError` one that is not a pair of a known kind and a key of its type (a bool is
+    no int): one pass over them, where checking first would walk every component twice.
+
+    >>> unflatten([([['k', 'l'], ['i', 0]], 1)], check=True)
+    {'l': [1]}
     """
     items = items if isinstance(items, list) else list(items)
     root: dict = {}
     numbered: dict[int, list] = {}  # id -> [node, a path through it, its depth, sequence?]
     for path, leaf in items:
+        if check:
+            _check_path(path, file)
         if not path:
             if len(items) > 1:  # whichever comes first: the others would be dropped
                 raise FormatError(f"a root leaf conflicts with {len(items) - 1} other entries",
@@ -56,6 +69,28 @@ def unflatten(items: Iterable[tuple[KeyPath, Any]], *, file: str | None = None) 
         node[key] = leaf
     # Holes (indices no entry fills) become None; a hostile index must not allocate a huge list.
     return _sequences(root, numbered, _MAX_HOLES + 16 * len(items), file) if numbered else root
+
+
+#: The type of the key of each path kind (`type(key)`: a bool is no int).
+_KEY_TYPES = {kind: int if kind in INT_KINDS else str for kind in PATH_KINDS}
+_PAIRS = (list, tuple)
+
+
+def _check_path(path: Any, file: str | None) -> None:
+    """Refuse a path that is not a sequence of at most `MAX_PATH_LENGTH` `[kind, key]` pairs of
+    a known kind and a key of its type (what `unflatten(..., check=True)` is given from a
+    file's JSON)."""
+    try:
+        if type(path) in _PAIRS and len(path) <= MAX_PATH_LENGTH:
+            for c in path:  # a loop, not all(): this runs for every leaf of a large file
+                if type(c) not in _PAIRS or len(c) != 2 or _KEY_TYPES.get(c[0]) is not type(c[1]):
+                    break
+            else:
+                return
+    except TypeError:  # a kind that cannot be looked up: a list
+        pass
+    raise FormatError(f"key path {str(path)[:80]} is not a list of [kind, key] pairs jckpt "
+                      "writes", file=file, fix="the file is damaged or crafted")
 
 
 def entry_path(e: Entry) -> KeyPath:

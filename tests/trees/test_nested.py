@@ -95,3 +95,14 @@ def test_recorded_empty_nodes_are_put_back_and_a_namespace_of_them_alone_added()
     assert out == {'jckpt': {'opt': [1, None]}, 'w': 2, 'sgd': [None, None], 'ident': None}
     assert with_recorded_empty_nodes(tree, None) is tree  # nothing recorded: as it was
     assert with_recorded_empty_nodes(tree, 'not json') == tree
+
+
+@pytest.mark.parametrize("path", [[["zz", "a"]], [["i", "0"]], [["i", True]], [["k", 1]],
+                                  [["k", "a", "b"]], ["ka"], [["k", ["a"]]], [[["k"], "a"]],
+                                  "ka", [None]])
+def test_checked_paths_are_lists_of_pairs_of_a_known_kind_and_a_key_of_its_type(path):
+    """What a paths record's JSON holds is checked as the leaf is placed: a component of
+    two characters (`"ka"`) is no pair, a bool no index."""
+    assert unflatten([([["k", "l"], ["i", 0]], 1)], check=True) == {"l": [1]}
+    with pytest.raises(FormatError, match="is not a list of \\[kind, key\\] pairs"):
+        unflatten([([["k", "w"]], 0), (path, 1)], check=True)
