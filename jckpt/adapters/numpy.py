@@ -56,7 +56,7 @@ from jckpt.adapters._common import (
 from jckpt.errors import FormatError, InputError
 from jckpt.format import limits
 from jckpt.format.entries import path_name
-from jckpt.format.metadata import empty_node_namespaces, empty_nodes
+from jckpt.format.metadata import empty_nodes_table
 from jckpt.format.payload import iter_payload_chunks, stored_dtype
 
 MAGIC = b'\x93NUMPY'
@@ -311,8 +311,8 @@ def _comment(paths: str, empty: str | None, path: str) -> bytes:
         whole = record + (_EMPTY_TAG + empty).encode('utf-8')
         if record and len(whole) <= 0xFFFF:
             return whole
-        ns = empty_node_namespaces(empty)[0]
-        first = empty_nodes(empty, ns)[0]
+        ns, paths = next(iter(empty_nodes_table(empty).items()))
+        first = paths[0]
         warnings.warn(f"{path}: entry {ns}/{path_name(first) or '<root>'} and the tree's other "
                       "nodes without arrays are left out: the .npz comment, where jckpt records "
                       "them, holds at most 65,535 bytes, so this file reads back without them "
