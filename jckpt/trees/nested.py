@@ -9,6 +9,7 @@ becomes. Plain Python, no JAX: the adapters and the tools build trees this way t
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -89,8 +90,8 @@ def _check_path(path: Any, file: str | None) -> None:
                 return
     except TypeError:  # a kind that cannot be looked up: a list
         pass
-    raise FormatError(f"key path {str(path)[:80]} is not a list of [kind, key] pairs jckpt "
-                      "writes", file=file, fix="the file is damaged or crafted")
+    raise FormatError(f"key path {reprlib.repr(path)} is not a list of [kind, key] pairs jckpt "
+                      "writes", file=file, fix="the file is damaged or crafted")  # reprlib: bounded
 
 
 def entry_path(e: Entry) -> KeyPath:

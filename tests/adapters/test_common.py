@@ -127,7 +127,9 @@ def test_paths_json_round_trips_the_tree():
                                     '{"a": ["m", [["i", true]]]}',
                                     '{"a": ["m", [["k", "a", "b"]]]}',
                                     '{"a": ["m", "ka"]}', '{"a": ["m", [["k", ["a"]]]]}',
-                                    '{"a": [["m"], [["k", "a"]]]}', '[' * 100_000])
+                                    '{"a": [["m"], [["k", "a"]]]}', '[' * 100_000,
+                                    '{"a": ["m", [["k", %s]]]}' % ('[' * 900 + ']' * 900),
+                                    '{"a": ["m", [["k", "a"], "ka"]]}', '{"a": "mk"}'])
 def test_a_record_that_does_not_fit_gives_flat_names(record):
     arrays = {'a': np.ones(1)}
     assert tree_from_names(arrays, record) == {DEFAULT_NAMESPACE: arrays}
