@@ -18,16 +18,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from jckpt.adapters import register_format
-from jckpt.adapters._common import check_namespaced, host_items_with_keys
+from jckpt.adapters._common import empty_record, host_items_with_keys
 from jckpt.api.context import Context
 from jckpt.format.entries import DEFAULT_ALIGNMENT, Header, KeyPath, entry_for
 from jckpt.format.header import looks_like_header
 from jckpt.format.layout import written_header
-from jckpt.format.metadata import empty_node_namespaces, empty_nodes, empty_nodes_text
 from jckpt.format.names import EMPTY_NODES_KEY, INDEX_NAME, ORBAX_JSON_KEY, RESERVED_PREFIX
 from jckpt.storage.backend import LOCAL, backend_for
 from jckpt.storage.checkpoint import open_checkpoint, reusing
 from jckpt.storage.writer import ArraySource, write_checkpoint
+from jckpt.trees.nested import with_recorded_empty_nodes
 
 
 def sniff(path: str, head: bytes | None) -> bool:
@@ -65,17 +65,11 @@ def read_with_metadata(path: str) -> tuple[dict[str, Any], dict[str, str]]:
     (of a directory checkpoint, its index) is read and checked once, not three times, for
     `convert` and `jckpt inspect`."""
     from jckpt.api.loading import load  # JAX: imported only when a checkpoint is read
-    from jckpt.trees.pytree import with_empty_nodes
 
     with reusing(open_checkpoint(path)) as reader:
         _, tree = load(Context(host=True), path, verify=True)
     meta = reader.header.metadata_dict()
-    recorded = meta.get(EMPTY_NODES_KEY)
-    for ns in empty_node_namespaces(recorded):  # a namespace of empty nodes alone has no entry
-        first = empty_nodes(recorded, ns)[0]  # `()`: the namespace is itself an empty node
-        tree.setdefault(ns, [] if first and first[0][0] == 'i' else {})
-    tree = {ns: with_empty_nodes(sub, empty_nodes(recorded, ns)) for ns, sub in tree.items()}
-    return tree, _kept_metadata(meta)
+    return with_recorded_empty_nodes(tree, meta.get(EMPTY_NODES_KEY)), _kept_metadata(meta)
 
 
 def _kept_metadata(meta: dict[str, str]) -> dict[str, str]:
@@ -109,15 +103,12 @@ def write_items(items: Sequence[tuple[str, KeyPath, Any]], path: str, *,
 def write(tree: Any, path: str, *, metadata: dict[str, str] | None = None) -> None:
     """Write `{namespace: subtree}` to one jckpt file (typed PRNG keys stay keys), with
     `metadata` (string pairs) in its header and the tree's nodes without leaves recorded."""
-    from jckpt.trees.pytree import flatten_with_empty  # JAX: imported only when a tree is written
-
     path = os.fspath(path)
     items = host_items_with_keys(tree, path)
     meta = dict(metadata or {})
-    for ns, sub in check_namespaced(tree, path).items():
-        text = empty_nodes_text(meta.get(EMPTY_NODES_KEY), ns, flatten_with_empty(sub)[1])
-        if text is not None:
-            meta[EMPTY_NODES_KEY] = text
+    empty = empty_record(tree)
+    if empty is not None:
+        meta[EMPTY_NODES_KEY] = empty
     write_items([(ns, p, a) for ns, p, a, _ in items], path, key_impls=[k for *_, k in items],
                 metadata=tuple(meta.items()))
 

@@ -3,9 +3,10 @@
 `.npy` holds one array: it reads as `{'jckpt': array}` and a tree holding
 exactly one leaf writes as that array. `.npz` holds named arrays: members are
 named by key path joined with `.` (`params.dense.kernel.npy`) and the
-exact paths and namespaces travel as JSON in the archive's comment, so a tree
-comes back with its structure; an archive without that record (from
-`np.savez`) reads as `{'jckpt': {name: array}}`.
+exact paths and namespaces travel as JSON in the archive's comment, with the
+nodes without arrays (optax's `EmptyState`, `None`, empty containers; they read as
+`None`), so a tree comes back with its structure; an archive without that record
+(from `np.savez`) reads as `{'jckpt': {name: array}}`.
 
 ml_dtypes types (bfloat16, the float8s, int4, ...) are written with their
 names as the `descr` (`'bfloat16'`), which `np.load` reads whenever
@@ -30,6 +31,7 @@ import ast
 import math
 import os
 import struct
+import warnings
 import zipfile
 from typing import Any
 
@@ -41,6 +43,7 @@ from jckpt.adapters._common import (
     DEFAULT_NAMESPACE,
     abstract_items,
     array_view,
+    empty_record,
     flat_names,
     host_items,
     map_file,
@@ -53,12 +56,15 @@ from jckpt.adapters._common import (
 from jckpt.errors import FormatError, InputError
 from jckpt.format import limits
 from jckpt.format.entries import path_name
+from jckpt.format.metadata import empty_nodes_table
 from jckpt.format.payload import iter_payload_chunks, stored_dtype
 
 MAGIC = b'\x93NUMPY'
 #: Longest .npy header read (numpy's own writer stays far below: a shape and a dtype).
 MAX_NPY_HEADER = 1 << 20
 _COMMENT_TAG = b'jckpt-paths:'
+#: What follows the paths record in the comment when the tree has nodes without arrays.
+_EMPTY_TAG = '\njckpt.empty_nodes:'
 _ML_NAMES = {np.dtype(getattr(ml_dtypes, n)).name for n in (
     'bfloat16', 'float8_e5m2', 'float8_e4m3fn', 'float8_e4m3fnuz', 'float8_e5m2fnuz',
     'float8_e4m3b11fnuz', 'float8_e3m4', 'float8_e4m3', 'float8_e8m0fnu', 'float4_e2m1fn',
@@ -223,10 +229,11 @@ def read_npz(path: str) -> dict[str, Any]:
                                   fix="the archive is damaged")
             arrays[name] = _npz_member(zf, buffer, info, path, name, budget)
         comment = zf.comment
-    record = None
+    record, empty = None, None
     if comment.startswith(_COMMENT_TAG):
-        record = comment[len(_COMMENT_TAG):].decode('utf-8', 'replace')
-    return tree_from_names(arrays, record)
+        record, _, empty = comment[len(_COMMENT_TAG):].decode('utf-8', 'replace').partition(
+            _EMPTY_TAG)
+    return tree_from_names(arrays, record, empty=empty or None)
 
 
 def _npz_member(zf, buffer, info, path: str, name: str, budget: _zip.Budget) -> np.ndarray:
@@ -280,17 +287,37 @@ def write_npz(tree: Any, path: str) -> None:
     """Write `{namespace: subtree}` as an uncompressed `.npz` archive (members 64-byte aligned)."""
     path = os.fspath(path)
     items = host_items(tree, path)
-    warn_empty_namespaces(tree, {ns for ns, _, _ in items}, path, 'npz')
     names = _member_names(items, path)
-    record = _COMMENT_TAG + paths_json(items, names).encode('utf-8')
+    record = _comment(paths_json(items, names), empty_record(tree), path)
     with published(path) as f, zipfile.ZipFile(f, 'w', zipfile.ZIP_STORED,
                                                allowZip64=True) as zf:
         for (_, _, array), name in zip(items, names):
             header = npy_header(array)
             chunks = [header, *iter_payload_chunks(array)]
             _zip.write_member(zf, name + '.npy', chunks, len(header) + array.nbytes)
-        if len(record) <= 0xFFFF:  # the zip comment's limit; past it, names stay flat
-            zf.comment = record
+        zf.comment = record
+
+
+def _comment(paths: str, empty: str | None, path: str) -> bytes:
+    """The archive comment recording the tree's structure: `jckpt-paths:` and the paths
+    record, then, when the tree has nodes without arrays, a line `jckpt.empty_nodes:` and
+    their record (a reader of the paths alone reads up to it). A zip comment holds at most
+    65,535 bytes: past that, what does not fit is left out with a warning (names stay flat
+    without the paths; the nodes without arrays are dropped)."""
+    record = _COMMENT_TAG + paths.encode('utf-8')
+    if len(record) > 0xFFFF:
+        record = b''
+    if empty is not None:
+        whole = record + (_EMPTY_TAG + empty).encode('utf-8')
+        if record and len(whole) <= 0xFFFF:
+            return whole
+        ns, paths = next(iter(empty_nodes_table(empty).items()))
+        first = paths[0]
+        warnings.warn(f"{path}: entry {ns}/{path_name(first) or '<root>'} and the tree's other "
+                      "nodes without arrays are left out: the .npz comment, where jckpt records "
+                      "them, holds at most 65,535 bytes, so this file reads back without them "
+                      "(to keep them, write a .safetensors or .jckpt file)", stacklevel=3)
+    return record
 
 
 def register() -> None:

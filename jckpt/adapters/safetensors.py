@@ -10,7 +10,9 @@ no import ritual, and the float8 types read and write.
 
 Tree form: tensors are named by key path joined with `.`; the exact
 namespaces and paths are recorded as JSON under the `__metadata__` key
-`jckpt.paths`, so a jckpt tree round-trips with its structure. A file from
+`jckpt.paths`, and the nodes without arrays (optax's `EmptyState`, `None`, empty
+containers) under `jckpt.empty_nodes` as a jckpt file records them, so a jckpt tree
+round-trips with its structure (those nodes read as `None`). A file from
 elsewhere reads as `{'jckpt': {name: array}}`. Hugging Face's sharded layout
 reads from its `*.safetensors.index.json` file (or the directory that holds
 it), whose `weight_map` names each tensor's shard, and writing to a path
@@ -45,6 +47,7 @@ from jckpt.adapters import safetensors_bulk as bulk
 from jckpt.adapters._common import (
     abstract_items,
     check_member_name,
+    empty_record,
     flat_names,
     host_items,
     inside,
@@ -52,13 +55,12 @@ from jckpt.adapters._common import (
     paths_json,
     published,
     tree_from_names,
-    warn_empty_namespaces,
 )
 from jckpt.adapters.safetensors_bulk import Layout
 from jckpt.errors import FormatError, InputError
 from jckpt.format import limits
 from jckpt.format._gc import paused
-from jckpt.format.names import RESERVED_PREFIX
+from jckpt.format.names import EMPTY_NODES_KEY, RESERVED_PREFIX
 from jckpt.format.payload import iter_payload_chunks, stored_dtype
 from jckpt.storage.backend import is_url
 from jckpt.storage.regular import open_regular
@@ -259,8 +261,9 @@ def read_sharded(index_path: str) -> tuple[dict[str, np.ndarray], dict[str, str]
                     raise FormatError(f"the index places {name!r} in {shard}, which lacks it",
                                       file=index_path, entry=name, fix="the shards are incomplete")
                 arrays[name] = shard_arrays[name]
-    if isinstance(index_meta, dict) and isinstance(index_meta.get(PATHS_KEY), str):
-        metadata[PATHS_KEY] = index_meta[PATHS_KEY]
+    for key in (PATHS_KEY, EMPTY_NODES_KEY):  # the tree's records, which the index holds
+        if isinstance(index_meta, dict) and isinstance(index_meta.get(key), str):
+            metadata[key] = index_meta[key]
     return arrays, metadata
 
 
@@ -273,7 +276,7 @@ def read_with_metadata(path: str) -> tuple[dict[str, Any], dict[str, str]]:
     """`(read(path), read_metadata(path))` from one parse of the header (of 200,000 tensors,
     seconds), so `convert` and `jckpt inspect` parse it once."""
     arrays, metadata = _arrays_and_metadata(os.fspath(path))
-    return (tree_from_names(arrays, metadata.get(PATHS_KEY)),
+    return (tree_from_names(arrays, metadata.get(PATHS_KEY), empty=metadata.get(EMPTY_NODES_KEY)),
             {k: v for k, v in metadata.items() if not k.startswith(RESERVED_PREFIX)})
 
 
@@ -344,7 +347,6 @@ def encode_header(entries: list[tuple[str, np.dtype, tuple[int, ...], int]],
 def _prepare(tree: Any, path: str) -> tuple[list, list[str], list[int]]:
     """Host items, their names, and the write order (largest element first, then name)."""
     items = host_items(tree, path)
-    warn_empty_namespaces(tree, {ns for ns, _, _ in items}, path, 'safetensors')
     names = _checked_names(items, path)
     order = sorted(range(len(items)), key=lambda i: (-items[i][2].dtype.itemsize, names[i]))
     return items, names, order
@@ -397,9 +399,15 @@ def write(tree: Any, path: str, *, metadata: dict[str, str] | None = None) -> No
         write_sharded(tree, path, metadata=metadata)
         return
     items, names, order = _prepare(tree, path)
-    meta = _metadata(metadata)
-    meta[PATHS_KEY] = paths_json(items, names)
+    meta = {**_metadata(metadata), **_tree_records(tree, items, names)}
     _write_file(path, items, names, order, meta)
+
+
+def _tree_records(tree: Any, items: list, names: list[str]) -> dict[str, str]:
+    """What the `__metadata__` records of the tree's structure: the paths of its arrays
+    (`PATHS_KEY`) and, when it has any, its nodes without arrays (`EMPTY_NODES_KEY`)."""
+    empty = empty_record(tree)
+    return {PATHS_KEY: paths_json(items, names), **({EMPTY_NODES_KEY: empty} if empty else {})}
 
 
 def _metadata(metadata: dict[str, str] | None) -> dict[str, str]:
@@ -454,7 +462,7 @@ def write_sharded(tree: Any, index_path: str, *, max_shard_bytes: int = DEFAULT_
     for group, file in zip(groups, files):
         _write_file(os.path.join(directory, file), items, names, group, dict(meta))
     index = {'metadata': {**meta, 'total_size': sum(a.nbytes for _, _, a in items),
-                          PATHS_KEY: paths_json(items, names)},
+                          **_tree_records(tree, items, names)},
              'weight_map': {names[i]: file for group, file in zip(groups, files) for i in group}}
     with published(index_path) as f:
         f.write(json.dumps(index, indent=2, ensure_ascii=False).encode('utf-8'))

@@ -16,8 +16,9 @@ Writing emits the same archive and a pickle that uses only what
 `torch.load(..., weights_only=True)` accepts (no torch needed).
 
 Tree form: what is written is a flat `state_dict`, each leaf under its key
-path joined by `.`, with the exact paths recorded in the archive so reading
-gives the tree back (`write(..., flat=False)` pickles the tree as it is).
+path joined by `.`, with the exact paths and the nodes without arrays (an optax
+`EmptyState`, `None`, empty containers) recorded in the archive so reading gives the
+tree back, those nodes as `None` (`write(..., flat=False)` pickles the tree as it is).
 A file without that record reads as `{'jckpt': obj}`, the pickled object as
 it is; `read(path, nest=True)` splits its dotted keys into nested dicts.
 
@@ -46,6 +47,7 @@ from jckpt.adapters._common import (
     DEFAULT_NAMESPACE,
     check_member_name,
     check_namespaced,
+    empty_record,
     flat_names,
     inside,
     map_file,
@@ -56,7 +58,6 @@ from jckpt.adapters._common import (
     single_content,
     tree_from_names,
     unsafe_member_name,
-    warn_empty_namespaces,
 )
 from jckpt.adapters._torch_legacy import LEGACY_MAGIC
 from jckpt.adapters._torch_pickle import Pickler
@@ -119,20 +120,26 @@ def read_with_metadata(path: str, *, nest: bool = False) -> tuple[dict[str, Any]
     """`(read(path, nest=nest), read_metadata(path))` from one reading of the file (a
     `.pt` file is parsed whole for either, so `convert` and `jckpt inspect` read it once)."""
     path = os.fspath(path)
-    tree, record, text = _read_parts(path)
-    return _namespaced(tree, record, path, nest), _metadata(tree, record, text, path)
+    tree, records, text = _read_parts(path)
+    return _namespaced(tree, records, path, nest), _metadata(tree, records, text, path)
 
 
-def _read_parts(path: str) -> tuple[Any, str | None, str | None]:
-    """The tree a file (or a sharded index's shards: flat, no record) holds, its paths
-    record and its metadata's JSON (None: none)."""
+#: A file's records of the tree it was written from: its paths record (`PATHS_MEMBER`) and
+#: the record of its nodes without arrays (`EMPTY_MEMBER`), each None where the file has none.
+Records = tuple[str | None, str | None]
+
+
+def _read_parts(path: str) -> tuple[Any, Records, str | None]:
+    """The tree a file (or a sharded index's shards: flat, no record) holds, its records
+    and its metadata's JSON (None: none)."""
     shards = _shard_names(path) if path.endswith('.json') else None
-    return (_read_sharded(path, shards), None, None) if shards else _read_file(path)
+    return (_read_sharded(path, shards), (None, None), None) if shards else _read_file(path)
 
 
-def _namespaced(tree: Any, record: str | None, path: str, nest: bool) -> dict[str, Any]:
+def _namespaced(tree: Any, records: Records, path: str, nest: bool) -> dict[str, Any]:
     """`{namespace: subtree}` of what a file holds (see `read`)."""
-    out = tree_from_names(tree, record) if _recorded(tree, record) else {DEFAULT_NAMESPACE: tree}
+    out = (tree_from_names(tree, records[0], empty=records[1]) if _recorded(tree, records)
+           else {DEFAULT_NAMESPACE: tree})
     return {ns: nest_dotted(sub, path) for ns, sub in out.items()} if nest else out
 
 
@@ -193,8 +200,8 @@ def read_metadata(path: str) -> dict[str, str]:
     return read_with_metadata(path)[1]
 
 
-def _metadata(tree: Any, record: str | None, text: str | None, path: str) -> dict[str, str]:
-    """`read_metadata` of a file holding `tree`, its paths `record` and metadata JSON `text`."""
+def _metadata(tree: Any, records: Records, text: str | None, path: str) -> dict[str, str]:
+    """`read_metadata` of a file holding `tree`, its `records` and metadata JSON `text`."""
     try:
         meta = json_loads(text) if text is not None else {}
     except ValueError:
@@ -202,7 +209,7 @@ def _metadata(tree: Any, record: str | None, text: str | None, path: str) -> dic
     if not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
         raise FormatError(f"archive member {METADATA_MEMBER} is not a JSON object of strings",
                           file=path, fix="the file is damaged")
-    if _recorded(tree, record):
+    if _recorded(tree, records):
         return meta
     if not (isinstance(tree, dict) and not any(isinstance(v, (dict, list, tuple))
                                                for v in tree.values())):
@@ -213,22 +220,23 @@ def _metadata(tree: Any, record: str | None, text: str | None, path: str) -> dic
     return meta
 
 
-def _recorded(tree: Any, record: str | None) -> bool:
-    """Whether the paths record rebuilds `tree` (a flat dict written by `write`; an empty
-    one reads as `{'jckpt': {}}`, as it did)."""
-    return isinstance(tree, dict) and bool(tree) and record_covers(record, tree)
+def _recorded(tree: Any, records: Records) -> bool:
+    """Whether the records rebuild `tree` (a flat dict written by `write`; an empty one
+    reads as `{'jckpt': {}}`, as it did, unless it records nodes without arrays)."""
+    return isinstance(tree, dict) and (bool(tree) or records[1] is not None) \
+        and record_covers(records[0], tree)
 
 
-def _read_file(path: str) -> tuple[Any, str | None, str | None]:
-    """The tree a file holds, its paths record and its metadata's JSON (None: none)."""
+def _read_file(path: str) -> tuple[Any, Records, str | None]:
+    """The tree a file holds, its records and its metadata's JSON (None: none)."""
     buffer = map_file(path)
     if bytes(buffer[:len(LEGACY_MAGIC)]) == LEGACY_MAGIC:
-        return _torch_legacy.read(buffer, path), None, None
+        return _torch_legacy.read(buffer, path), (None, None), None
     return _read_zip(buffer, path)
 
 
-def _read_zip(buffer: Any, path: str) -> tuple[Any, str | None, str | None]:
-    """The tree a zip `torch.save` file holds, its paths record and metadata (None: none)."""
+def _read_zip(buffer: Any, path: str) -> tuple[Any, Records, str | None]:
+    """The tree a zip `torch.save` file holds, its records and metadata (None: none)."""
     budget = _zip.Budget(len(buffer))
     with _zip.open_zip(path, buffer) as zf:
         root = _root(zf, path)
@@ -262,9 +270,9 @@ def _read_zip(buffer: Any, path: str) -> tuple[Any, str | None, str | None]:
         pickled = bytes(_zip.member_bytes(zf, buffer, infos[root + 'data.pkl'], path,
                                           budget=budget, check_crc=crc))
         obj = unpickle(io.BytesIO(pickled), storage, path)
-        record, meta = (_text(zf, buffer, infos.get(root + name), path, budget)
-                        for name in (PATHS_MEMBER, METADATA_MEMBER))
-    return to_tree(obj, len(pickled), len(buffer), path), record, meta
+        record, empty, meta = (_text(zf, buffer, infos.get(root + name), path, budget)
+                               for name in (PATHS_MEMBER, EMPTY_MEMBER, METADATA_MEMBER))
+    return to_tree(obj, len(pickled), len(buffer), path), (record, empty), meta
 
 
 def _text(zf: zipfile.ZipFile, buffer: Any, info: zipfile.ZipInfo | None, path: str,
@@ -276,6 +284,9 @@ def _text(zf: zipfile.ZipFile, buffer: Any, info: zipfile.ZipInfo | None, path: 
 
 #: The archive member (beside `data.pkl`) recording each flat name's namespace and key path.
 PATHS_MEMBER = '.data/jckpt_paths.json'
+#: The archive member recording the nodes without arrays of a flat file's tree (an optax
+#: `EmptyState`, `None`, empty containers), as a jckpt file records them (`EMPTY_NODES_KEY`).
+EMPTY_MEMBER = '.data/jckpt_empty_nodes.json'
 #: The archive member holding the string pairs `write(..., metadata=)` was given.
 METADATA_MEMBER = '.data/jckpt_metadata.json'
 #: The metadata key saying a file holds more than a flat `state_dict` (see `read_metadata`).
@@ -304,13 +315,12 @@ def _name(path: tuple) -> str:
     return '/'.join(str(v) for _, v in path)
 
 
-def _content(tree: Any, path: str, flat: bool, *, warn: bool = False) -> tuple[Any, str | None]:
-    """What is pickled (the tree, or `{dotted name: leaf}`) and the paths record of a flat one;
-    `warn`: warn of the namespaces a flat one leaves out (those without arrays: a tree
-    pickled as it is keeps them)."""
+def _content(tree: Any, path: str, flat: bool) -> tuple[Any, Records]:
+    """What is pickled (the tree, or `{dotted name: leaf}`) and, of a flat one, the records
+    of its paths and of its nodes without arrays (which a flat `state_dict` cannot hold)."""
     tree = check_namespaced(tree, path)
     if not flat:
-        return single_content(tree), None
+        return single_content(tree), (None, None)
     items = []
     try:
         for ns, sub in tree.items():
@@ -319,13 +329,11 @@ def _content(tree: Any, path: str, flat: bool, *, warn: bool = False) -> tuple[A
             items.extend((ns, p, leaf) for p, leaf in found)
     except InputError as e:
         raise InputError(e.message, file=path, entry=e.entry, fix=e.fix) from None
-    if warn:
-        warn_empty_namespaces(tree, {ns for ns, _, _ in items}, path, 'flat torch',
-                              keep="write with flat=False, or a jckpt file")
     if len(items) == 1 and not items[0][1] and len(tree) == 1:
-        return items[0][2], None  # a lone tensor (torch.save(t)) is pickled as itself
+        return items[0][2], (None, None)  # a lone tensor (torch.save(t)) is pickled as itself
     names = flat_names(items, path)
-    return dict(zip(names, (leaf for _, _, leaf in items))), paths_json(items, names)
+    return (dict(zip(names, (leaf for _, _, leaf in items))),
+            (paths_json(items, names), empty_record(tree)))
 
 
 def check(tree: Any, path: str, *, flat: bool = True) -> None:
@@ -351,7 +359,8 @@ def write(tree: Any, path: str, *, flat: bool | None = None,
     `{'params.dense.kernel': k}`, names prefixed by the namespace when there are several),
     what `model.load_state_dict(torch.load(path, weights_only=True))` takes. The exact
     namespaces and key paths are recorded beside the pickle (`PATHS_MEMBER`, which torch
-    ignores), so `read` gives the nested tree back. `flat=False` pickles the tree as it is
+    ignores), and the nodes without arrays that a flat dict cannot hold (`EMPTY_MEMBER`),
+    so `read` gives the nested tree back, those nodes as `None`. `flat=False` pickles the tree as it is
     (a checkpoint dict `{'model': ..., 'optimizer': ...}`, an optimizer's `state_dict`);
     left out, it is `True` unless `metadata` says the tree came nested from a torch file
     (`LAYOUT_KEY`, see `read_metadata`). `metadata` (string pairs) is kept in the archive;
@@ -372,7 +381,7 @@ def write(tree: Any, path: str, *, flat: bool | None = None,
         flat = meta.get(LAYOUT_KEY) != 'nested'
     if SCALARS_KEY in meta and len(tree) == 1:  # numbers the torch file held as numbers
         tree = {ns: with_scalars(sub, meta[SCALARS_KEY]) for ns, sub in tree.items()}
-    content, record = _content(tree, path, flat, warn=True)
+    content, (record, empty) = _content(tree, path, flat)
     pickler = Pickler(path)
     pickler.share(content)
     pickler.value(content, '')
@@ -391,6 +400,8 @@ def write(tree: Any, path: str, *, flat: bool | None = None,
         small('.data/serialization_id', b'%040d' % (int.from_bytes(os.urandom(16), 'little') % 10**40))
         if record is not None:
             small(PATHS_MEMBER, record.encode('utf-8'))
+        if empty is not None:
+            small(EMPTY_MEMBER, empty.encode('utf-8'))
         if meta:
             small(METADATA_MEMBER, json.dumps(meta, separators=(',', ':')).encode('utf-8'))
 

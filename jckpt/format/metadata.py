@@ -187,6 +187,17 @@ def empty_node_namespaces(text: str | None) -> list[str]:
     return list(_parse_empty(text))
 
 
+def empty_nodes_table(text: str | None) -> dict[str, list[KeyPath]]:
+    """Every namespace's empty nodes in `EMPTY_NODES_KEY`'s value, in its order, from one
+    parse (`empty_nodes` of each namespace parses the value again). Never raises, as
+    `empty_nodes`.
+
+    >>> empty_nodes_table('{"opt": [[["i", 0]], []], "bad": 1}')
+    {'opt': [(('i', 0),), ()]}
+    """
+    return _parse_empty(text)
+
+
 def _parse_empty(text: str | None) -> dict[str, list[KeyPath]]:
     value = json_as(text, dict) or {}
     out: dict[str, list[KeyPath]] = {}
@@ -217,6 +228,7 @@ def _path(value: Any) -> KeyPath | None:
     return tuple(out)
 
 
-__all__ = ['check_metadata', 'empty_node_namespaces', 'empty_nodes', 'empty_nodes_text',
+__all__ = ['check_metadata', 'empty_node_namespaces', 'empty_nodes', 'empty_nodes_table',
+           'empty_nodes_text',
            'merged_empty_nodes', 'parse_metrics', 'prefix_header',
            'prefixed_empty_nodes']

@@ -33,7 +33,6 @@ from jckpt.format import payload as payload_mod
 from jckpt.format._gc import paused
 from jckpt.format.entries import Entry, KeyPath, entry_for
 from jckpt.format.fastpath import accelerator
-from jckpt.format.metadata import empty_nodes_text
 from jckpt.format.names import EMPTY_NODES_KEY, RESERVED_PREFIX
 from jckpt.storage.writer import ArraySource
 from jckpt.trees import image, to_host
@@ -74,9 +73,7 @@ def empty_nodes_metadata(trees: Mapping[str, Any]) -> dict[str, str]:
     >>> empty_nodes_metadata({'opt': [{'count': 1}, (), None]})
     {'jckpt.empty_nodes': '{"opt": [[["i", 1]], [["i", 2]]]}'}
     """
-    text = None
-    for namespace, tree in trees.items():
-        text = empty_nodes_text(text, namespace, tree_mod.empty_paths(tree)) or text
+    text = tree_mod.empty_nodes_record(trees)
     return {} if text is None else {EMPTY_NODES_KEY: text}
 
 

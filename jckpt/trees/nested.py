@@ -9,14 +9,19 @@ becomes. Plain Python, no JAX: the adapters and the tools build trees this way t
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Iterable
 from typing import Any
 
 from jckpt.errors import FormatError, InputError
-from jckpt.format.header import Entry, KeyPath, path_name
+from jckpt.format.entries import INT_KINDS, PATH_KINDS
+from jckpt.format.header import NAMESPACE_RE, Entry, KeyPath, path_name
+from jckpt.format.limits import MAX_PATH_LENGTH
+from jckpt.format.metadata import empty_nodes_table
 
 
-def unflatten(items: Iterable[tuple[KeyPath, Any]], *, file: str | None = None) -> Any:
+def unflatten(items: Iterable[tuple[KeyPath, Any]], *, file: str | None = None,
+              check: bool = False) -> Any:
     """Nested dicts and lists from `(path, leaf)` pairs (the inverse of `flatten`
     for trees of dicts and lists).
 
@@ -24,11 +29,21 @@ def unflatten(items: Iterable[tuple[KeyPath, Any]], *, file: str | None = None) 
     only those are looked at again (made lists, or refused for mixing key kinds). Every
     load of a file builds its tree here: 200,000 leaves take about what nesting 200,000
     dotted names takes.
+
+    `check=True` takes paths as JSON gives them (lists of `[kind, key]` lists, as a paths
+    record stores them) and checks each component as its leaf is placed, refusing with
+    `FormatError` one that is not a pair of a known kind and a key of its type (a bool is
+    no int): one pass over them, where checking first would walk every component twice.
+
+    >>> unflatten([([['k', 'l'], ['i', 0]], 1)], check=True)
+    {'l': [1]}
     """
     items = items if isinstance(items, list) else list(items)
     root: dict = {}
     numbered: dict[int, list] = {}  # id -> [node, a path through it, its depth, sequence?]
     for path, leaf in items:
+        if check:
+            _check_path(path, file)
         if not path:
             if len(items) > 1:  # whichever comes first: the others would be dropped
                 raise FormatError(f"a root leaf conflicts with {len(items) - 1} other entries",
@@ -55,6 +70,28 @@ def unflatten(items: Iterable[tuple[KeyPath, Any]], *, file: str | None = None) 
         node[key] = leaf
     # Holes (indices no entry fills) become None; a hostile index must not allocate a huge list.
     return _sequences(root, numbered, _MAX_HOLES + 16 * len(items), file) if numbered else root
+
+
+#: The type of the key of each path kind (`type(key)`: a bool is no int).
+_KEY_TYPES = {kind: int if kind in INT_KINDS else str for kind in PATH_KINDS}
+_PAIRS = (list, tuple)
+
+
+def _check_path(path: Any, file: str | None) -> None:
+    """Refuse a path that is not a sequence of at most `MAX_PATH_LENGTH` `[kind, key]` pairs of
+    a known kind and a key of its type (what `unflatten(..., check=True)` is given from a
+    file's JSON)."""
+    try:
+        if type(path) in _PAIRS and len(path) <= MAX_PATH_LENGTH:
+            for c in path:  # a loop, not all(): this runs for every leaf of a large file
+                if type(c) not in _PAIRS or len(c) != 2 or _KEY_TYPES.get(c[0]) is not type(c[1]):
+                    break
+            else:
+                return
+    except TypeError:  # a kind that cannot be looked up: a list
+        pass
+    raise FormatError(f"key path {reprlib.repr(path)} is not a list of [kind, key] pairs jckpt "
+                      "writes", file=file, fix="the file is damaged or crafted")  # reprlib: bounded
 
 
 def entry_path(e: Entry) -> KeyPath:
@@ -116,6 +153,86 @@ def _sorted_keys(node: dict) -> list:
         return sorted(node, key=lambda k: (isinstance(k, str), k))
 
 
+def is_empty_node(x: Any) -> bool:
+    """Whether `x` is a node that holds no leaves and that exports must keep: `None`, and
+    empty tuples (optax's `EmptyState` and other NamedTuples without fields), lists and dicts.
+
+    >>> is_empty_node(None), is_empty_node(()), is_empty_node({'a': None}), is_empty_node(0)
+    (True, True, False, False)
+    """
+    return x is None or (isinstance(x, (tuple, list, dict)) and len(x) == 0)
+
+
+def with_empty_nodes(tree: Any, paths: Iterable[KeyPath]) -> Any:
+    """`tree` (nested dicts and lists, as `unflatten` builds) with `None` at each of `paths`.
+
+    A parent that holds no leaves (optax's `MaskedState(inner_state=EmptyState())`, whose
+    only empty node is its field) is missing from `tree`, or a `None` hole of a list:
+    it is built, a list where the path's next step is an index, else a dict. A path that
+    runs into a leaf, or a key of the wrong kind, is left out (the paths only help exports).
+
+    >>> with_empty_nodes([{'count': 1}], [(('i', 1),), (('i', 2),), (('k', 'x'), ('k', 'y'))])
+    [{'count': 1}, None, None]
+    >>> with_empty_nodes([None, {'count': 1}], [(('i', 0), ('a', 'inner_state'))])
+    [{'inner_state': None}, {'count': 1}]
+    >>> print(with_empty_nodes({}, [()]))  # the root's path: the tree is one empty node
+    None
+    """
+    paths = list(paths)
+    if () in paths:
+        return None if is_empty_node(tree) else tree
+    for p in paths:
+        node = tree
+        for n, (_, key) in enumerate(p[:-1]):
+            node = _child_node(node, key, [] if p[n + 1][0] == 'i' else {}, len(paths))
+            if node is None:
+                break
+        else:
+            _child_node(node, p[-1][1], None, len(paths))
+    return tree
+
+
+def with_recorded_empty_nodes(tree: dict[str, Any], recorded: str | None) -> dict[str, Any]:
+    """`{namespace: subtree}` with `None` at each node without leaves that `recorded` (the
+    value of `jckpt.format.names.EMPTY_NODES_KEY`, by namespace) names (`with_empty_nodes`),
+    and a namespace of such nodes alone (`optax.sgd`'s state) added: the structure a jckpt
+    file, or a file jckpt wrote in another format, records of the tree it was written from.
+
+    A namespace that is not a valid name is left out, as every path that does not fit the
+    tree (the record only describes structure; a damaged one changes no leaf).
+
+    >>> with_recorded_empty_nodes({'jckpt': {'w': 1}}, '{"jckpt": [[["k", "e"]]], "opt": [[]]}')
+    {'jckpt': {'w': 1, 'e': None}, 'opt': None}
+    """
+    table = empty_nodes_table(recorded)  # parsed once: a crafted record may name many
+    if not table:
+        return tree
+    out = dict(tree)
+    for ns, paths in table.items():  # a namespace of empty nodes alone has no leaf
+        if ns not in out and NAMESPACE_RE.match(ns):
+            first = paths[0]  # `()`: the namespace is itself an empty node
+            out[ns] = [] if first and first[0][0] == 'i' else {}
+    return {ns: with_empty_nodes(sub, table.get(ns, ())) for ns, sub in out.items()}
+
+
+def _child_node(node: Any, key: Any, made: Any, slack: int) -> Any:
+    """`node[key]`, with `made` put there first in place of nothing or of a `None` hole; the
+    child if it is a dict or a list, else None. None too where `key` cannot be in `node`: a
+    leaf, a list's key that is not an index or lies beyond `slack` slots past its end."""
+    if isinstance(node, dict):
+        if node.get(key) is None:
+            node[key] = made
+        child = node[key]
+    elif isinstance(node, list) and type(key) is int and 0 <= key <= len(node) + slack:
+        node.extend([None] * (key + 1 - len(node)))  # a bounded extension: holes are None
+        if node[key] is None:
+            node[key] = made
+        child = node[key]
+    else:
+        return None
+    return child if isinstance(child, (dict, list)) else None
+
+
 #: Sequence slots without an entry that ``unflatten`` fills with None, beyond 16 per entry.
 _MAX_HOLES = 1 << 16
 #: Path kinds whose key is a name: every other kind's key is an integer.
@@ -166,4 +283,5 @@ def _sequences(root: dict, numbered: dict[int, list], holes: int, file: str | No
     return root
 
 
-__all__ = ['check_one_tree', 'entry_path', 'flatten_plain', 'unflatten']
+__all__ = ['check_one_tree', 'entry_path', 'flatten_plain', 'is_empty_node', 'unflatten',
+           'with_empty_nodes', 'with_recorded_empty_nodes']

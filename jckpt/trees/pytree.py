@@ -18,7 +18,7 @@ index. Without a target, `jckpt.trees.nested.unflatten` rebuilds nested dicts
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
 import jax
@@ -28,8 +28,10 @@ from jckpt.format.entries import check_prefix, prefixed
 from jckpt.format.entries import loose_path as loose_path  # its home is the codec: the tools match by it
 from jckpt.format.header import Header, KeyPath, path_name
 from jckpt.format.limits import MAX_INT_DIGITS
-from jckpt.format.metadata import prefix_header
+from jckpt.format.metadata import empty_nodes_text, prefix_header
+from jckpt.trees.nested import is_empty_node as is_empty_node  # plain Python: readers use them
 from jckpt.trees.nested import unflatten as unflatten  # its home before trees.nested
+from jckpt.trees.nested import with_empty_nodes as with_empty_nodes
 
 T = TypeVar('T')
 
@@ -129,16 +131,6 @@ def _is_leaf_or_empty(x: Any) -> bool:
     return isinstance(x, jax.ShapeDtypeStruct) or is_empty_node(x)
 
 
-def is_empty_node(x: Any) -> bool:
-    """Whether `x` is a node that holds no leaves and that exports must keep: `None`, and
-    empty tuples (optax's `EmptyState` and other NamedTuples without fields), lists and dicts.
-
-    >>> is_empty_node(None), is_empty_node(()), is_empty_node({'a': None}), is_empty_node(0)
-    (True, True, False, False)
-    """
-    return x is None or (isinstance(x, (tuple, list, dict)) and len(x) == 0)
-
-
 def flatten_with_empty(tree: Any) -> tuple[list[tuple[KeyPath, Any]], list[KeyPath]]:
     """`flatten`, with the paths of the outermost empty nodes (`is_empty_node`; see `empty_paths`).
 
@@ -167,11 +159,27 @@ def empty_paths(tree: Any) -> list[KeyPath]:
     return sorted(empty)  # in path order, whatever order dicts were built in
 
 
+def empty_nodes_record(trees: Mapping[str, Any]) -> str | None:
+    """The value of `jckpt.format.names.EMPTY_NODES_KEY` recording the key paths of the
+    empty nodes (`empty_paths`) of every namespace of `{namespace: tree}`, as `save` records
+    them; `None` when there are none.
+
+    >>> empty_nodes_record({'opt': [{'count': 1}, (), None], 'w': {'a': 1}})
+    '{"opt": [[["i", 1]], [["i", 2]]]}'
+    """
+    text = None
+    for namespace, tree in trees.items():
+        text = empty_nodes_text(text, namespace, empty_paths(tree)) or text
+    return text
+
+
 def _empties(node: Any, prefix: KeyPath, out: list[KeyPath]) -> None:
     """Append the path of each outermost node without leaves below `node` (at `prefix`).
 
     Plain dicts, lists and tuples are walked here, their leaves skipped by type
-    (a save of many leaves stays cheap); other nodes go through JAX's key paths.
+    (a save of many leaves stays cheap); other nodes go through JAX's key paths. A dict
+    of integer keys, or of integer and string keys (which JAX cannot sort, but a flat
+    `.pt` file holds), is walked here too, each integer key an `('ki', key)` step.
     """
     kind = type(node)
     if kind is dict and all(type(k) is str for k in node):
@@ -181,6 +189,11 @@ def _empties(node: Any, prefix: KeyPath, out: list[KeyPath]) -> None:
         children, step = enumerate(node), 'i'
     elif node is None or _is_plain_leaf(node):
         return
+    elif kind is dict and all(type(k) is str or type(k) is int for k in node):
+        for key, child in node.items():
+            if type(child) not in _LEAF_TYPES:
+                _empty_child(child, (*prefix, ('k' if type(key) is str else 'ki', key)), out)
+        return
     else:  # NamedTuples, dataclasses, modules: JAX's key paths, with empty nodes as leaves
         for kp, leaf in jax.tree_util.tree_flatten_with_path(node, is_leaf=_is_leaf_or_empty)[0]:
             if kp and is_empty_node(leaf):
@@ -188,59 +201,16 @@ def _empties(node: Any, prefix: KeyPath, out: list[KeyPath]) -> None:
         return
     leaf_types = _LEAF_TYPES
     for key, child in children:
-        if type(child) in leaf_types:
-            continue
-        if is_empty_node(child):
-            out.append((*prefix, (step, key)))
-        else:
-            _empties(child, (*prefix, (step, key)), out)
+        if type(child) not in leaf_types:
+            _empty_child(child, (*prefix, (step, key)), out)
 
 
-def with_empty_nodes(tree: Any, paths: Iterable[KeyPath]) -> Any:
-    """`tree` (nested dicts and lists, as `unflatten` builds) with `None` at each of `paths`.
-
-    A parent that holds no leaves (optax's `MaskedState(inner_state=EmptyState())`, whose
-    only empty node is its field) is missing from `tree`, or a `None` hole of a list:
-    it is built, a list where the path's next step is an index, else a dict. A path that
-    runs into a leaf, or a key of the wrong kind, is left out (the paths only help exports).
-
-    >>> with_empty_nodes([{'count': 1}], [(('i', 1),), (('i', 2),), (('k', 'x'), ('k', 'y'))])
-    [{'count': 1}, None, None]
-    >>> with_empty_nodes([None, {'count': 1}], [(('i', 0), ('a', 'inner_state'))])
-    [{'inner_state': None}, {'count': 1}]
-    >>> print(with_empty_nodes({}, [()]))  # the root's path: the tree is one empty node
-    None
-    """
-    paths = list(paths)
-    if () in paths:
-        return None if is_empty_node(tree) else tree
-    for p in paths:
-        node = tree
-        for n, (_, key) in enumerate(p[:-1]):
-            node = _child_node(node, key, [] if p[n + 1][0] == 'i' else {}, len(paths))
-            if node is None:
-                break
-        else:
-            _child_node(node, p[-1][1], None, len(paths))
-    return tree
-
-
-def _child_node(node: Any, key: Any, made: Any, slack: int) -> Any:
-    """`node[key]`, with `made` put there first in place of nothing or of a `None` hole; the
-    child if it is a dict or a list, else None. None too where `key` cannot be in `node`: a
-    leaf, a list's key that is not an index or lies beyond `slack` slots past its end."""
-    if isinstance(node, dict):
-        if node.get(key) is None:
-            node[key] = made
-        child = node[key]
-    elif isinstance(node, list) and type(key) is int and 0 <= key <= len(node) + slack:
-        node.extend([None] * (key + 1 - len(node)))  # a bounded extension: holes are None
-        if node[key] is None:
-            node[key] = made
-        child = node[key]
+def _empty_child(child: Any, path: KeyPath, out: list[KeyPath]) -> None:
+    """Append `path` if `child` (at `path`) is an empty node, else its own empty nodes'."""
+    if is_empty_node(child):
+        out.append(path)
     else:
-        return None
-    return child if isinstance(child, (dict, list)) else None
+        _empties(child, path, out)
 
 
 def flatten_with_treedef(tree: Any) -> tuple[list[tuple[KeyPath, Any]], Any]:

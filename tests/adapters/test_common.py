@@ -1,10 +1,14 @@
 """What the format adapters share (jckpt.adapters._common): the tree form, flat names, files."""
 
 import os
+import warnings
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from jckpt.adapters._common import (
     DEFAULT_NAMESPACE,
@@ -23,6 +27,7 @@ from jckpt.adapters._common import (
     tree_from_names,
 )
 from jckpt.errors import FormatError, InputError, StorageError
+from tests.properties import PROPERTY
 
 W = (('k', 'w'),)
 
@@ -122,7 +127,9 @@ def test_paths_json_round_trips_the_tree():
                                     '{"a": ["m", [["i", true]]]}',
                                     '{"a": ["m", [["k", "a", "b"]]]}',
                                     '{"a": ["m", "ka"]}', '{"a": ["m", [["k", ["a"]]]]}',
-                                    '{"a": [["m"], [["k", "a"]]]}', '[' * 100_000])
+                                    '{"a": [["m"], [["k", "a"]]]}', '[' * 100_000,
+                                    '{"a": ["m", [["k", %s]]]}' % ('[' * 900 + ']' * 900),
+                                    '{"a": ["m", [["k", "a"], "ka"]]}', '{"a": "mk"}'])
 def test_a_record_that_does_not_fit_gives_flat_names(record):
     arrays = {'a': np.ones(1)}
     assert tree_from_names(arrays, record) == {DEFAULT_NAMESPACE: arrays}
@@ -165,16 +172,92 @@ def _with_empty_namespaces():
 
 
 @pytest.mark.parametrize('ext', ['safetensors', 'npz', 'pt'])
-def test_a_namespace_without_arrays_is_left_out_with_a_warning_naming_it(tmp_path, ext):
-    """As the orbax writer does: these formats hold arrays only, and said nothing."""
+def test_a_namespace_without_arrays_is_kept_as_a_jckpt_file_keeps_it(tmp_path, ext, recwarn):
+    """These formats hold arrays only: such a namespace was left out (with a warning). The file
+    records it now, as it records the paths, so it reads back as the jckpt file reads."""
     from jckpt import adapters
     from jckpt.adapters import native
 
     native.write(_with_empty_namespaces(), tmp_path / 's.jckpt')
-    with pytest.warns(UserWarning, match=r"\['ident', 'opt'\] hold no arrays .* left out") as w:
-        adapters.convert(tmp_path / 's.jckpt', tmp_path / f'o.{ext}')
-    assert str(tmp_path / f'o.{ext}') in str(w[0].message)
-    assert sorted(adapters.read(tmp_path / f'o.{ext}')) == ['model']
+    adapters.convert(tmp_path / 's.jckpt', tmp_path / f'o.{ext}')
+    back = adapters.read(tmp_path / f'o.{ext}')
+    assert jax.tree.structure(back) == jax.tree.structure(native.read(tmp_path / 's.jckpt'))
+    assert back['opt'] == [None, None] and back['ident'] is None
+    assert not [w for w in recwarn if 'hold no arrays' in str(w.message)]
+
+
+def test_adamw_state_reads_back_with_its_empty_states_from_every_array_format(tmp_path):
+    """adamw's state is (ScaleByAdamState, EmptyState, EmptyState): the EmptyStates were
+    dropped by a write to safetensors, npz or a flat .pt and the read gave one node where
+    the state has three, with nothing said."""
+    import optax
+
+    from jckpt import adapters
+
+    state = optax.adamw(1e-3).init({'w': np.ones(3, np.float32)})
+    for name in ('s.safetensors', 's.npz', 's.pt', 'i.safetensors.index.json'):
+        adapters.write({'jckpt': {'opt': state, 'step': np.int32(3)}}, tmp_path / name)
+        back = adapters.read(tmp_path / name)['jckpt']
+        assert len(back['opt']) == 3 and back['opt'][1:] == [None, None], name
+        np.testing.assert_array_equal(back['opt'][0]['mu']['w'], np.zeros(3, np.float32))
+    # the record is jckpt's own: not the file's metadata that convert and inspect show
+    assert adapters.read_with_metadata(tmp_path / 's.safetensors')[1] == {'format': 'pt'}
+    assert adapters.read_with_metadata(tmp_path / 's.pt')[1] == {}
+
+
+class _State(NamedTuple):
+    count: Any
+    mu: Any
+
+
+class _Empty(NamedTuple):
+    """optax's `EmptyState`: a NamedTuple without fields."""
+
+
+def _plain(tree):
+    """`tree` as a reader of these formats rebuilds it: dicts (a NamedTuple's fields as keys),
+    lists, and `None` for each node without arrays."""
+    if tree is None or (isinstance(tree, (tuple, list, dict)) and not tree):
+        return None
+    if isinstance(tree, _State):
+        return {'count': _plain(tree.count), 'mu': _plain(tree.mu)}
+    if isinstance(tree, dict):
+        return {k: _plain(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [_plain(v) for v in tree]
+    return tree
+
+
+def _containers(children):
+    return st.one_of(st.dictionaries(st.sampled_from(['a', 'b', 'w']), children, max_size=3),
+                     st.dictionaries(st.integers(0, 3), children, max_size=2),
+                     st.lists(children, max_size=3), st.lists(children, max_size=3).map(tuple),
+                     st.builds(_State, children, children))
+
+
+_nodes = st.recursive(
+    st.one_of(st.integers(0, 3).map(lambda n: np.arange(n, dtype=np.float32)),
+              st.sampled_from([None, (), [], {}, _Empty()])), _containers, max_leaves=10)
+
+
+@PROPERTY
+@given(tree=st.dictionaries(st.sampled_from(['jckpt', 'opt']), _nodes, min_size=1, max_size=2),
+       name=st.sampled_from(['t.safetensors', 't.npz', 't.pt', 't.safetensors.index.json']))
+def test_trees_with_empty_nodes_at_any_depth_read_back_with_their_structure(tmp_path_factory,
+                                                                          tree, name):
+    """Every node without arrays, at any depth (a whole namespace too), comes back as `None`
+    where the tree had it, as jckpt's own reader gives it: the same treedef and leaves."""
+    from jckpt import adapters
+
+    path = tmp_path_factory.mktemp('empty') / name
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')  # nothing is left out, so nothing is to be said
+        adapters.write(tree, path)
+    back = adapters.read(path)
+    expected = {ns: _plain(sub) for ns, sub in tree.items()}
+    assert jax.tree.structure(back) == jax.tree.structure(expected)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_a_torch_file_of_the_tree_as_it_is_keeps_them_and_says_nothing(tmp_path, recwarn):

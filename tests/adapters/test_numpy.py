@@ -148,3 +148,17 @@ def test_an_npz_member_without_a_name_is_refused_naming_the_file(tmp_path):
     with pytest.raises(FormatError, match="member '' is not a .npy array") as info:
         npa.read_npz(path)
     assert str(path) in str(info.value)
+
+
+def test_nodes_without_arrays_past_the_comments_limit_are_left_out_naming_the_first(tmp_path):
+    """The paths and the nodes without arrays share the archive comment (65,535 bytes at
+    most): nodes that do not fit are left out with a warning, the paths still kept."""
+    path = tmp_path / 'e.npz'
+    tree = {'jckpt': {'w': np.ones(2), 'e': [None] * 10_000}}
+    with pytest.warns(UserWarning, match=r"entry jckpt/e/0 and the tree's other nodes without "
+                                         r"arrays are left out: .* write a \.safetensors"):
+        npa.write_npz(tree, path)
+    assert list(npa.read_npz(path)['jckpt']) == ['w']  # nested by its paths, without the nodes
+    small = {'jckpt': {'w': np.ones(2), 'e': [None] * 10}}
+    npa.write_npz(small, path)
+    assert npa.read_npz(path)['jckpt']['e'] == [None] * 10

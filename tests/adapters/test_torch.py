@@ -527,10 +527,12 @@ def test_plain_values_torch_accepts_round_trip(tmp_path):
     assert pt.read(path)['jckpt'] == values
 
 
-def test_an_empty_tree_reads_back_empty(tmp_path):
+def test_a_tree_without_arrays_reads_back_with_its_empty_nodes(tmp_path):
     path = tmp_path / 'e.pt'
-    pt.write({'jckpt': {'nothing': None, 'empty': {}}}, path)
-    assert pt.read(path) == {'jckpt': {}}
+    pt.write({'jckpt': {'nothing': None, 'empty': {}}}, path)  # an empty state_dict for torch
+    assert pt.read(path) == {'jckpt': {'nothing': None, 'empty': None}}
+    pt.write({'jckpt': {}}, path)  # the namespace is itself one empty node, as a jckpt file reads
+    assert pt.read(path) == {'jckpt': None}
 
 
 def test_a_torchscript_archive_is_named(tmp_path):

@@ -10,6 +10,7 @@ from jckpt.format.metadata import (
     check_metadata,
     empty_node_namespaces,
     empty_nodes,
+    empty_nodes_table,
     empty_nodes_text,
     merged_empty_nodes,
     prefix_header,
@@ -83,6 +84,9 @@ def test_empty_node_namespaces_lists_the_recorded_ones_and_ignores_damage():
     text = empty_nodes_text(None, 'opt', [(('i', 0),), (('i', 1),)])
     assert empty_node_namespaces(text) == ['opt']
     assert empty_node_namespaces('{"opt": "bad"}') == empty_node_namespaces('[') == []
+    both = empty_nodes_text(text, 'sgd', [()])
+    assert empty_nodes_table(both) == {'opt': [(('i', 0),), (('i', 1),)], 'sgd': [()]}
+    assert empty_nodes_table('{"opt": "bad"}') == empty_nodes_table(None) == {}
 
 
 def test_the_roots_empty_path_is_recorded_and_read():

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from jckpt.errors import FormatError
-from jckpt.trees.nested import unflatten
+from jckpt.trees.nested import unflatten, with_recorded_empty_nodes
 
 
 def test_dicts_lists_and_holes():
@@ -85,3 +85,24 @@ def test_flatten_plain_orders_keys_as_jax_does_whatever_kinds_they_mix():
         assert [leaf for _, leaf in flatten_plain(tree)] == jax.tree.leaves(tree), tree
     mixed = flatten_plain({'b': 1, 2: 2, 'a': 3, 1: 4})  # a torch file's state may mix them
     assert [p for p, _ in mixed] == [(('ki', 1),), (('ki', 2),), (('k', 'a'),), (('k', 'b'),)]
+
+
+def test_recorded_empty_nodes_are_put_back_and_a_namespace_of_them_alone_added():
+    recorded = ('{"jckpt": [[["k", "opt"], ["i", 1]]], "sgd": [[["i", 0]], [["i", 1]]], '
+                '"ident": [[]], "bad name": [[]], "w": [[["k", "x"]]]}')
+    tree = {'jckpt': {'opt': [1]}, 'w': 2}
+    out = with_recorded_empty_nodes(tree, recorded)
+    assert out == {'jckpt': {'opt': [1, None]}, 'w': 2, 'sgd': [None, None], 'ident': None}
+    assert with_recorded_empty_nodes(tree, None) is tree  # nothing recorded: as it was
+    assert with_recorded_empty_nodes(tree, 'not json') == tree
+
+
+@pytest.mark.parametrize("path", [[["zz", "a"]], [["i", "0"]], [["i", True]], [["k", 1]],
+                                  [["k", "a", "b"]], ["ka"], [["k", ["a"]]], [[["k"], "a"]],
+                                  "ka", [None]])
+def test_checked_paths_are_lists_of_pairs_of_a_known_kind_and_a_key_of_its_type(path):
+    """What a paths record's JSON holds is checked as the leaf is placed: a component of
+    two characters (`"ka"`) is no pair, a bool no index."""
+    assert unflatten([([["k", "l"], ["i", 0]], 1)], check=True) == {"l": [1]}
+    with pytest.raises(FormatError, match="is not a list of \\[kind, key\\] pairs"):
+        unflatten([([["k", "w"]], 0), (path, 1)], check=True)

@@ -115,6 +115,9 @@ def test_flatten_with_empty_finds_the_outermost_nodes_without_leaves():
     # a tree that is itself one empty node: the root's path, so its namespace is not lost
     assert tree_mod.flatten_with_empty(None) == ([], [()])
     assert tree_mod.empty_paths(_Empty()) == tree_mod.empty_paths({}) == [()]
+    # integer keys, alone or beside string keys (a flat .pt file's dict, which JAX cannot sort)
+    assert tree_mod.empty_paths({'a': 1, 2: (), 'b': {3: None, 4: [1, {}]}}) == [
+        (('k', 'b'), ('ki', 3)), (('k', 'b'), ('ki', 4), ('i', 1)), (('ki', 2),)]
 
 
 def test_with_empty_nodes_puts_none_at_each_path_and_builds_parents_without_leaves():
