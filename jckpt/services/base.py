@@ -82,7 +82,7 @@ class BackgroundWriter(Generic[InfoT]):
         check_flag(new_lineage, 'new_lineage', name, optional=False)
         self._name = name
         if lease is None:  # a reader: no lease, no writer thread, nothing written or removed
-            self._lease, self._pipeline = None, None
+            self._lease, self._pipeline, self._lineage_asked = None, None, lineage
             self.lineage = self._follow(lineage)
             return
         held, failure = None, None

@@ -102,7 +102,8 @@ class CheckpointManager(BackgroundWriter[_Step]):
       patience: failed attempts in a row before the error is raised, as for the mirror.
       device_image_bytes: the most device memory one slot's snapshot image may take, as
         for the mirror.
-      lineage: the lineage to continue, checked against the latest step.
+      lineage: the lineage to continue, checked against the latest step (by a reader, at
+        each `reload` too).
       new_lineage: start a new lineage even if the latest step has another or
         none; without it, such a step is refused with `LineageError`
         (`jckpt.services.lineage`, as for the mirror). Earlier steps stay and
@@ -224,7 +225,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
             raise InputError("reload reads the steps another manager wrote: this manager is "
                              "their writer, and lists them as it goes", file=self.directory,
                              fix="call all_steps(), or reload a CheckpointManager(read_only=True)")
-        self.lineage = self._follow()
+        self.lineage = self._follow(self._lineage_asked)
         return self.all_steps()
 
     def all_steps(self) -> list[int]:
@@ -467,8 +468,8 @@ class CheckpointManager(BackgroundWriter[_Step]):
         folder = self._view.folder(step)  # a step this manager knows: no request asks what it is
         absent = FormatError(f"no step {step}", file=self.directory,
                              fix=f"pick one of {self.all_steps()[-5:]}")
-        if self.backend is LOCAL and not os.path.exists(path):  # in a bucket, the first GET tells
-            raise absent if folder is None else steps.removed(step, path)
+        if folder is None and self.backend is LOCAL and not os.path.exists(path):
+            raise absent  # in a bucket, the step's first GET tells (`steps.step_metadata`)
         options = steps.checked(options, CheckpointLoadOptions, 'options', self.load_options)
         return read_step(ctx, path, step, folder, target, indexed=self._view.indexed(step),
                          loaded=Loaded(options, namespaces, layout, reshard, cast, verify),

@@ -24,12 +24,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from jckpt.api.context import Context
-from jckpt.errors import FormatError, InputError
+from jckpt.errors import CheckpointError, FormatError, InputError
 from jckpt.format.names import METRICS_KEY, TRAINER_STATE_KEY
 from jckpt.services import steps
 from jckpt.services.formats import CheckpointLoadOptions
 from jckpt.services.trainer_state import TrainerState
-from jckpt.storage.backend import LOCAL, Backend
+from jckpt.storage.backend import LOCAL, Backend, is_url
 
 #: What a read-only manager says to do instead of a write.
 READ_ONLY_FIX = ("write with the run's own manager; open one without read_only=True only "
@@ -86,16 +86,23 @@ def read_step(ctx: Context, path: str, step: int, folder: bool | None, target: A
     asking what it is (locally, the caller has checked that a step it does not know is
     there; in a bucket, the step's first GETs tell);
     `indexed`: the view holds it as a directory checkpoint (read by its index); `absent`: the
-    error of a step it does not know that is not there (`steps.step_metadata`).
+    error of a step it does not know that is not there (`steps.step_metadata`). A local step
+    it knows that is gone (retention, by the directory's writer, before or while it is read)
+    is the error that says so (`steps.removed`), not that of the file the read missed.
     """
-    with steps.step_metadata(path, step, folder, indexed, absent=absent) as (meta, kind, record):
-        state = None
-        if TRAINER_STATE_KEY in meta:
-            state = TrainerState.from_json(meta[TRAINER_STATE_KEY], file=path)
-            if loaded.layout is not None:
-                state = state.check_layout(loaded.layout, reshard=loaded.reshard, file=path)
-        tree = steps.read_tree(ctx, path, step, target, loaded.namespaces, loaded.cast,
-                               loaded.options, loaded.verify, kind, record)
+    try:
+        with steps.step_metadata(path, step, folder, indexed, absent=absent) as (meta, kind, record):
+            state = None
+            if TRAINER_STATE_KEY in meta:
+                state = TrainerState.from_json(meta[TRAINER_STATE_KEY], file=path)
+                if loaded.layout is not None:
+                    state = state.check_layout(loaded.layout, reshard=loaded.reshard, file=path)
+            tree = steps.read_tree(ctx, path, step, target, loaded.namespaces, loaded.cast,
+                                   loaded.options, loaded.verify, kind, record)
+    except CheckpointError as e:
+        if folder is None or is_url(path) or os.path.lexists(path):
+            raise
+        raise steps.removed(step, path) from e
     user = {k: v for k, v in meta.items() if not k.startswith('jckpt.')}
     return Restored(step=step, tree=tree, trainer_state=state,
                     metrics=steps.parse_metrics(meta.get(METRICS_KEY), path), metadata=user)

@@ -39,7 +39,7 @@ def where(request, tmp_path):
     return f"{request.getfixturevalue('s3')}/run"
 
 
-@pytest.mark.parametrize("fmt", ["jckpt", "safetensors"])
+@pytest.mark.parametrize("fmt", ["jckpt", "safetensors", "torch"])
 def test_a_reader_follows_a_live_run_and_never_sees_a_step_being_written(where, fmt, monkeypatch):
     """A second manager on a training run's directory was refused with InUseError, and a step
     in another format (model.safetensors) could be read through a manager only."""
@@ -135,9 +135,42 @@ def test_a_reader_of_a_directory_that_is_not_there_is_refused_and_creates_it_not
     assert e.value.file == str(tmp_path / "typo") and not os.path.exists(tmp_path / "typo")
 
 
-def test_a_reader_checks_the_lineage_it_is_given(tmp_path):
+def test_a_reader_checks_the_lineage_it_is_given_at_each_reload(tmp_path):
     with jckpt.CheckpointManager(tmp_path, lineage="run-a") as run:
         run.save(1, TREE)
-    assert jckpt.CheckpointManager(tmp_path, read_only=True, lineage="run-a").lineage == "run-a"
+    reader = jckpt.CheckpointManager(tmp_path, read_only=True, lineage="run-a")
+    assert reader.lineage == "run-a"
     with pytest.raises(jckpt.LineageError, match="run-a"):
         jckpt.CheckpointManager(tmp_path, read_only=True, lineage="run-b")
+    with jckpt.CheckpointManager(tmp_path, lineage="run-b", new_lineage=True) as run:
+        run.save(2, TREE)
+    with pytest.raises(jckpt.LineageError, match="run-b"):
+        reader.reload()  # the directory went on with another run
+
+
+@pytest.mark.parametrize("options", [{"directory_steps": True},
+                                     {"options": jckpt.CheckpointOptions(format="npz")}])
+def test_a_step_removed_while_a_reader_restores_it_is_an_error_that_says_so(
+        tmp_path, monkeypatch, options):
+    """A step directory the run's retention removed between the reader's read of its record
+    (or index) and of its arrays was a StorageError saying to create the directory."""
+    from jckpt.services import steps
+
+    with jckpt.CheckpointManager(tmp_path, **options) as run:
+        run.save(1, TREE)
+        run.save(2, TREE)
+    reader = jckpt.CheckpointManager(tmp_path, read_only=True)
+    assert reader.all_steps() == [1, 2]
+    read_tree = steps.read_tree
+
+    def removed_meanwhile(*args, **kw):
+        steps.remove_step(backend_for(str(tmp_path)), str(tmp_path / "step_00000001.jckpt"))
+        return read_tree(*args, **kw)
+
+    monkeypatch.setattr(steps, "read_tree", removed_meanwhile)
+    with pytest.raises(jckpt.FormatError, match="no step 1: it was removed since") as e:
+        reader.restore(1, target=TREE)
+    assert e.value.file == str(tmp_path / "step_00000001.jckpt") and "reload()" in e.value.fix
+    monkeypatch.undo()
+    assert reader.reload() == [2]
+    np.testing.assert_array_equal(reader.restore(target=TREE).tree["w"], TREE["w"])
