@@ -174,3 +174,27 @@ def test_a_step_removed_while_a_reader_restores_it_is_an_error_that_says_so(
     monkeypatch.undo()
     assert reader.reload() == [2]
     np.testing.assert_array_equal(reader.restore(target=TREE).tree["w"], TREE["w"])
+
+
+def test_a_reader_follows_an_asynchronous_run_step_by_step(where):
+    """The evaluation loop: after each of the run's saves (in flight, retention behind it),
+    reload and restore the newest step; each step read is one the run saved, whole."""
+    evaluated = []
+    with jckpt.CheckpointManager(where, keep_last=2) as run:
+        run.save(0, at(0))
+        run.wait_durable()
+        with jckpt.CheckpointManager(where, read_only=True) as reader:
+            for step in range(1, 9):
+                run.save(step, at(step), metrics={"loss": 1.0 / step})
+                listed = reader.reload()
+                assert listed == sorted(listed) and set(listed) <= set(range(step + 1))
+                try:
+                    got = reader.restore(target=at(-1))
+                except jckpt.FormatError as e:  # retention went past it meanwhile
+                    assert "it was removed since the manager listed its steps" in e.message
+                    continue
+                np.testing.assert_array_equal(got.tree["w"], at(got.step)["w"])
+                evaluated.append(got.step)
+            run.wait_durable()
+            assert reader.reload() == [7, 8] and reader.restore().step == 8
+    assert evaluated == sorted(evaluated) and evaluated
