@@ -61,7 +61,8 @@ class BackgroundWriter(Generic[InfoT]):
     Subclasses set the class attributes, implement `_recover` and
     `_target`, and call `__init__` once their own fields are set,
     passing `backend`, the storage backend of their path (which they get
-    from `backend_for` before touching anything).
+    from `backend_for` before touching anything). `lease=None` opens a reader instead:
+    no lease, no writer thread; `_recover` finds the latest checkpoint and removes nothing.
     """
 
     #: How lineage errors name the checkpoint found.
@@ -71,7 +72,7 @@ class BackgroundWriter(Generic[InfoT]):
     #: Skip a snapshot whose content equals the last generation's.
     _dedupe: ClassVar[bool] = False
 
-    def __init__(self, name: str, *, backend: Backend, lease: str, ctx: Context | None,
+    def __init__(self, name: str, *, backend: Backend, lease: str | None, ctx: Context | None,
                  lineage: str | None, new_lineage: bool, slots: int, when_full: str,
                  retry_after: float, patience: int, device_image_bytes: int | None = None,
                  rivals: Sequence[str] = ()) -> None:
@@ -79,6 +80,11 @@ class BackgroundWriter(Generic[InfoT]):
         self.backend = backend
         check_name(lineage, name)
         check_flag(new_lineage, 'new_lineage', name, optional=False)
+        self._name = name
+        if lease is None:  # a reader: no lease, no writer thread, nothing written or removed
+            self._lease, self._pipeline, self._lineage_asked = None, None, lineage
+            self.lineage = self._follow(lineage)
+            return
         held, failure = None, None
         try:
             held = backend.lease(lease)
@@ -105,6 +111,16 @@ class BackgroundWriter(Generic[InfoT]):
             if held is not None:
                 held.release()
             raise
+
+    def _follow(self, lineage: str | None = None) -> str | None:
+        """A reader's look at the path (`_recover`, which then removes nothing): the latest
+        checkpoint's lineage (None: none there, or one without), which must be `lineage` if given."""
+        latest = self._recover()
+        found = None if latest is None else self._describe(latest)[0]
+        if found is None or lineage is None:
+            return lineage if found is None else found.get(LINEAGE_KEY)
+        return open_lineage(found, file=latest, lineage=lineage, new_lineage=False,
+                            holder=self._holder).name
 
     # What a subclass says.
 
@@ -155,9 +171,9 @@ class BackgroundWriter(Generic[InfoT]):
     def counters(self) -> MirrorCounters:
         """The current counters (`print(writer.counters)` gives the one-line summary).
 
-        `generation` counts the checkpoints written in this lineage.
+        `generation` counts the checkpoints written in this lineage (a reader's are all 0).
         """
-        return self._pipeline.counters()
+        return MirrorCounters() if self._pipeline is None else self._pipeline.counters()
 
     def wait_durable(self, timeout: float | None = None) -> bool:
         """Wait until everything submitted is on disk; `False` if `timeout` passed first.
@@ -166,11 +182,15 @@ class BackgroundWriter(Generic[InfoT]):
         have failed, once: the next call makes the writer try again at once and raises only
         the failure of an attempt begun after it (so it returns normally once the disk has
         room again). Raises, once, the `InputError` of a snapshot dropped since the last call.
+        A reader has nothing to wait for.
         """
-        return self._pipeline.wait(timeout)
+        return True if self._pipeline is None else self._pipeline.wait(timeout)
 
     def close(self, timeout: float | None = None) -> None:
         """Make everything submitted durable, stop the writer and release the path (idempotent)."""
+        if self._pipeline is None or self._lease is None:  # a reader holds nothing
+            self._on_close()
+            return
         try:
             self._pipeline.close(timeout)
         finally:
@@ -187,8 +207,7 @@ class BackgroundWriter(Generic[InfoT]):
         try:
             self.close()
         except Exception as e:  # do not hide the exception that ended the block
-            log.error("closing the %s of %s after an error: %s",
-                      self._kind, self._pipeline.name, e)
+            log.error("closing the %s of %s after an error: %s", self._kind, self._name, e)
 
     # The two stages the pipeline runs (see jckpt.services.engine.Committer).
 

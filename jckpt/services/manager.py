@@ -22,7 +22,8 @@ beside `optimizer.jckpt` and `trainer_state.json` (`jckpt.services.formats`).
 Retention (`keep_last`, `keep_every`, `keep_best` by `best_metric`)
 runs after each step is durable and never removes the latest durable step;
 with no policy every step is kept. Staging files of a killed writer are
-removed when the manager opens; a step file that cannot be read is ignored.
+removed when the manager opens (`read_only=True`: a reader, which removes
+nothing); a step file that cannot be read is ignored.
 The steps share a lineage (`jckpt.services.lineage`): a directory whose
 latest step belongs to another run, or records none, is refused unless
 `new_lineage=True`.
@@ -50,7 +51,7 @@ from jckpt.format.names import (
     TRAINER_STATE_KEY,
     step_name,
 )
-from jckpt.services import formats, steps
+from jckpt.services import formats, restoring, steps
 from jckpt.services.base import BackgroundWriter, Staged
 from jckpt.services.engine import Job
 from jckpt.services.formats import CheckpointLoadOptions, CheckpointOptions
@@ -101,7 +102,8 @@ class CheckpointManager(BackgroundWriter[_Step]):
       patience: failed attempts in a row before the error is raised, as for the mirror.
       device_image_bytes: the most device memory one slot's snapshot image may take, as
         for the mirror.
-      lineage: the lineage to continue, checked against the latest step.
+      lineage: the lineage to continue, checked against the latest step (by a reader, at
+        each `reload` too).
       new_lineage: start a new lineage even if the latest step has another or
         none; without it, such a step is refused with `LineageError`
         (`jckpt.services.lineage`, as for the mirror). Earlier steps stay and
@@ -117,11 +119,13 @@ class CheckpointManager(BackgroundWriter[_Step]):
         `save` may override it.
       load_options: how step directories are read (`jckpt.CheckpointLoadOptions`);
         `restore` may override it.
+      read_only: read a directory another manager may be writing (an evaluation job's):
+        no lease, nothing created or removed; `save` and retention are refused with
+        `InputError`, and `reload` reads the steps published since.
 
-    Only one manager may write a directory at a time
-    (`InUseError` otherwise). A URL no storage backend
-    serves is refused with `InputError` before anything is
-    created.
+    Only one manager may write a directory at a time (`InUseError` otherwise;
+    any number may read it with `read_only=True`). A URL no storage backend
+    serves is refused with `InputError` before anything is created.
 
     Example:
         ```python
@@ -150,8 +154,9 @@ class CheckpointManager(BackgroundWriter[_Step]):
                  handle_sigterm: bool = False, directory_steps: bool | None = None,
                  options: CheckpointOptions | None = None,
                  load_options: CheckpointLoadOptions | None = None,
-                 device_image_bytes: int | None = None) -> None:
+                 device_image_bytes: int | None = None, read_only: bool = False) -> None:
         self.directory = checked_path(directory)
+        self.read_only = check_flag(read_only, 'read_only', self.directory, optional=False)
         self.options = steps.checked(options, CheckpointOptions, 'options')
         self.load_options = steps.checked(load_options, CheckpointLoadOptions, 'load_options')
         backend = backend_for(self.directory)  # a URL is refused before the directory is made
@@ -169,7 +174,11 @@ class CheckpointManager(BackgroundWriter[_Step]):
         self.best_metric, self.best_mode = best_metric, best_mode
         self.save_interval_steps = save_interval_steps
         self.asynchronous = check_flag(asynchronous, 'asynchronous', self.directory, optional=False)
-        if backend is LOCAL:  # an object store's prefix needs no creating
+        if self.read_only:
+            restoring.check_reader(backend, self.directory, (
+                ('keep_last', keep_last), ('keep_every', keep_every), ('keep_best', keep_best),
+                ('new_lineage', new_lineage), ('handle_sigterm', handle_sigterm)))
+        elif backend is LOCAL:  # an object store's prefix needs no creating
             try:
                 os.makedirs(self.directory, exist_ok=True)
             except OSError as e:
@@ -177,7 +186,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
         self._view = StepView()
         self._found: tuple[dict[str, str], Any] | None = None
         self._last_admitted: int | None = None
-        lease, rivals = steps.leases(self.directory, self._rank, self._ranks)
+        lease, rivals = (None, []) if read_only else steps.leases(self.directory, self._rank, self._ranks)
         self._preemption = Preemption(handle_sigterm)
         try:
             super().__init__(self.directory, backend=backend, lease=lease, rivals=rivals, ctx=ctx,
@@ -199,11 +208,24 @@ class CheckpointManager(BackgroundWriter[_Step]):
               else self.directory, failure, process=self._rank, processes=self._ranks)
 
     def _recover(self) -> str | None:
-        found = steps.recover(self.backend, self.directory, clean=self._rank == 0)
+        found = steps.recover(self.backend, self.directory,
+                              clean=self._rank == 0 and not self.read_only)
         steps.say_if_orbax(self.directory, found.metrics)
         self._view.reset(found.metrics, found.folders, found.indexed)
         self._found = found.latest
         return None if (latest := self.latest_step()) is None else self._path(latest)
+
+    def reload(self) -> list[int]:
+        """Read the directory again (a read-only manager): the steps a writer published (and
+        retention left) since, as `all_steps()` returns them. Queries and `restore()` use the
+        listing of the last `reload` (or the open): `reader.reload(); r = reader.restore()`.
+        """
+        if not self.read_only:
+            raise InputError("reload reads the steps another manager wrote: this manager is "
+                             "their writer, and lists them as it goes", file=self.directory,
+                             fix="call all_steps(), or reload a CheckpointManager(read_only=True)")
+        self.lineage = self._follow(self._lineage_asked)
+        return self.all_steps()
 
     def all_steps(self) -> list[int]:
         """Every durable step in the directory, ascending."""
@@ -238,6 +260,8 @@ class CheckpointManager(BackgroundWriter[_Step]):
     def should_save(self, step: int) -> bool:
         """Whether `save` would write `step`: on the interval, or where preemption is noticed."""
         step = check_step(step, self.directory)
+        if self.read_only:
+            raise restoring.read_only_refusal(self.directory, f"should_save({step})")
         due = self._preemption.due(step)  # asked at every step
         return step % self.save_interval_steps == 0 or due
 
@@ -261,6 +285,8 @@ class CheckpointManager(BackgroundWriter[_Step]):
             InputError: for a step not above every step already saved.
         """
         step = check_step(step, self.directory)  # a numpy or JAX integer becomes an int
+        if self.read_only:
+            raise restoring.read_only_refusal(self.directory, f"save({step})")
         if not check_flag(force, 'force', self.directory, optional=False) and not self.should_save(step):
             return False
         self._check_next(step)

@@ -19,15 +19,21 @@ GETs find (`steps.step_metadata`).
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Any
 
 from jckpt.api.context import Context
-from jckpt.errors import FormatError
+from jckpt.errors import CheckpointError, FormatError, InputError
 from jckpt.format.names import METRICS_KEY, TRAINER_STATE_KEY
 from jckpt.services import steps
 from jckpt.services.formats import CheckpointLoadOptions
 from jckpt.services.trainer_state import TrainerState
+from jckpt.storage.backend import LOCAL, Backend, is_url
+
+#: What a read-only manager says to do instead of a write.
+READ_ONLY_FIX = ("write with the run's own manager; open one without read_only=True only "
+                 "where no other manager writes the directory")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,19 +86,50 @@ def read_step(ctx: Context, path: str, step: int, folder: bool | None, target: A
     asking what it is (locally, the caller has checked that a step it does not know is
     there; in a bucket, the step's first GETs tell);
     `indexed`: the view holds it as a directory checkpoint (read by its index); `absent`: the
-    error of a step it does not know that is not there (`steps.step_metadata`).
+    error of a step it does not know that is not there (`steps.step_metadata`). A local step
+    it knows that is gone (retention, by the directory's writer, before or while it is read)
+    is the error that says so (`steps.removed`), not that of the file the read missed.
     """
-    with steps.step_metadata(path, step, folder, indexed, absent=absent) as (meta, kind, record):
-        state = None
-        if TRAINER_STATE_KEY in meta:
-            state = TrainerState.from_json(meta[TRAINER_STATE_KEY], file=path)
-            if loaded.layout is not None:
-                state = state.check_layout(loaded.layout, reshard=loaded.reshard, file=path)
-        tree = steps.read_tree(ctx, path, step, target, loaded.namespaces, loaded.cast,
-                               loaded.options, loaded.verify, kind, record)
+    try:
+        with steps.step_metadata(path, step, folder, indexed, absent=absent) as (meta, kind, record):
+            state = None
+            if TRAINER_STATE_KEY in meta:
+                state = TrainerState.from_json(meta[TRAINER_STATE_KEY], file=path)
+                if loaded.layout is not None:
+                    state = state.check_layout(loaded.layout, reshard=loaded.reshard, file=path)
+            tree = steps.read_tree(ctx, path, step, target, loaded.namespaces, loaded.cast,
+                                   loaded.options, loaded.verify, kind, record)
+    except CheckpointError as e:
+        if folder is None or is_url(path) or os.path.lexists(path):
+            raise
+        raise steps.removed(step, path) from e
     user = {k: v for k, v in meta.items() if not k.startswith('jckpt.')}
     return Restored(step=step, tree=tree, trainer_state=state,
                     metrics=steps.parse_metrics(meta.get(METRICS_KEY), path), metadata=user)
 
 
-__all__ = ['Loaded', 'Restored', 'read_step']
+def read_only_refusal(directory: str, what: str) -> InputError:
+    """The error of `what`, a write asked of a read-only manager (`read_only=True`).
+
+    >>> print(read_only_refusal('ckpts', 'save').message)
+    save: the manager is read-only (read_only=True) and writes nothing
+    """
+    return InputError(f"{what}: the manager is read-only (read_only=True) and writes nothing",
+                      file=directory, fix=READ_ONLY_FIX)
+
+
+def check_reader(backend: Backend, directory: str, writes: Sequence[tuple[str, Any]]) -> None:
+    """Refuse a read-only manager what only a writer does (`writes`: `(argument, value)` pairs
+    where a true value asks for a write: retention, a new lineage, catching SIGTERM), and a
+    local `directory` that is not there (a reader creates none: a misspelt path must not look
+    like a run with no steps yet).
+    """
+    asked = [name for name, value in writes if value]
+    if asked:
+        raise read_only_refusal(directory, ', '.join(asked))
+    if backend is LOCAL and not os.path.isdir(directory):
+        raise FormatError("no such directory: a read-only manager creates none", file=directory,
+                          fix="check the path, or open the reader once the run has made it")
+
+
+__all__ = ['Loaded', 'Restored', 'check_reader', 'read_only_refusal', 'read_step']

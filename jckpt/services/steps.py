@@ -225,8 +225,9 @@ def step_metadata(path: str, step: int, folder: bool | None, indexed: bool = Fal
     got = _read_bucket_folder(path, step, check_pieces=True)  # for the restore's reader
     if got is None:
         if unlisted and not backend_for(path).isdir(path):
-            raise absent or FormatError(f"no step {step}", file=path,
-                                        fix="open the manager again to list the steps there now")
+            raise absent or FormatError(f"no step {step}", file=path, fix=RELIST)
+        if not unlisted:  # listed with its record or index, gone since
+            raise removed(step, path)
         _read_step(path, step, True)  # its error
     assert got is not None
     meta, header, source = got
@@ -235,6 +236,16 @@ def step_metadata(path: str, step: int, folder: bool | None, indexed: bool = Fal
         return
     with reusing(source):
         yield meta, 'index', None
+
+
+#: How a manager lists the steps there now.
+RELIST = "reload() a read-only manager, or open the manager again, to list the steps there now"
+
+
+def removed(step: int, path: str) -> FormatError:
+    """The error of a step listed and gone since (retention, by the directory's writer)."""
+    return FormatError(f"no step {step}: it was removed since the manager listed its steps",
+                       file=path, fix=RELIST)
 
 
 def _file_reader(path: str, step: int, *, missing_ok: bool) -> Any:
@@ -248,8 +259,7 @@ def _file_reader(path: str, step: int, *, missing_ok: bool) -> Any:
             raise
         if missing_ok:
             return None
-        raise FormatError(f"no step {step}: it was removed since the manager listed its steps",
-                          file=path, fix="open the manager again to list the steps there now") from None
+        raise removed(step, path) from None
 
 
 def _index_reader(path: str, step: int) -> DirectoryReader:
@@ -260,8 +270,7 @@ def _index_reader(path: str, step: int) -> DirectoryReader:
     except FormatError as e:
         if e.message != NO_INDEX:
             raise
-        raise FormatError(f"no step {step}: it was removed since the manager listed its steps",
-                          file=path, fix="open the manager again to list the steps there now") from None
+        raise removed(step, path) from None
 
 
 def read_tree(ctx: Context, path: str, step: int, target: Any, namespaces: Namespaces | None,
@@ -468,5 +477,5 @@ _ORBAX_SAID: set[str] = set()
 
 
 __all__ = ['Found', 'checked', 'clean_staging', 'described', 'leases', 'listed', 'parse_metrics',
-           'read_metadata', 'read_tree', 'recover', 'remove_step', 'remove_steps',
+           'read_metadata', 'read_tree', 'recover', 'remove_step', 'removed', 'remove_steps',
            'remove_unfinished', 'say_if_orbax', 'scan', 'step_metadata']

@@ -30,8 +30,9 @@ from jckpt.storage.publish import storage_error
 
 #: How to read what a lease holder writes: a mirror or manager is a writer, and a second one
 #: on its path is refused, an evaluation job's too.
-READ_WHILE_HELD = ("to read what it writes while it runs (an evaluation job), open no mirror or "
-                   "manager: jckpt.restore its files, which jckpt.info(path) lists")
+READ_WHILE_HELD = ("to read what it writes while it runs (an evaluation job), open "
+                   "jckpt.CheckpointManager(path, read_only=True) on a manager's directory, or "
+                   "jckpt.restore the files jckpt.info(path) lists")
 
 
 def lease_path(path: str | os.PathLike) -> str:

@@ -34,7 +34,8 @@ def test_one_holder_and_the_second_is_told_who(tmp_path):
                                       f"the lease m.jckpt{LEASE_SUFFIX}")
     assert info.value.file == path and 'close the other mirror or manager' in info.value.fix
     # an evaluation job reading a live run is told how, not only to close the run
-    assert 'jckpt.restore its files, which jckpt.info(path) lists' in info.value.fix
+    assert 'jckpt.CheckpointManager(path, read_only=True)' in info.value.fix
+    assert 'jckpt.restore the files jckpt.info(path) lists' in info.value.fix
     assert lease.held  # the refusal did not disturb the holder
     lease.release()
 

@@ -383,9 +383,9 @@ class ManagerMachine(RuleBasedStateMachine):
 
     # reading
 
-    def check_step(self, step: int) -> None:
+    def check_step(self, step: int, mgr: jckpt.CheckpointManager | None = None) -> None:
         want = self.saved[step]
-        r = self.mgr.restore(step, ctx=HOST, options=RAW_LOAD if want.fmt == "raw" else None)
+        r = (mgr or self.mgr).restore(step, ctx=HOST, options=RAW_LOAD if want.fmt == "raw" else None)
         assert r.step == step
         assert_same(r.tree, want.tree, f"step {step} ({want.fmt})")
         assert r.metrics == want.metrics
@@ -573,6 +573,21 @@ class ManagerMachine(RuleBasedStateMachine):
         with pytest.raises(jckpt.InUseError) as e:
             jckpt.CheckpointManager(self.directory)
         check_error(e.value, self.directory.rstrip("/"))
+
+    @precondition(lambda self: not self.pending)
+    @rule()
+    def a_reader_lists_and_restores_what_the_writer_does(self):
+        """A read-only manager beside the writer lists what a writer opening now would (its
+        steps, and those a failed save left in place; not what killed writers left), reads
+        them as saved, and creates, renames and removes nothing."""
+        before = sorted(self.names())
+        with jckpt.CheckpointManager(self.directory, read_only=True) as reader:
+            listed = reader.all_steps()
+            assert listed == sorted(set(self.view) | set(self.unlisted)), (listed, self.view)
+            if listed:
+                self.check_step(listed[-1], reader)
+            assert reader.reload() == listed
+        assert sorted(self.names()) == before
 
     @rule(seed=st.integers(0, 2**20), fmt=st.sampled_from(FORMATS), after=st.integers(0, 1))
     def retention_fails(self, seed, fmt, after):
