@@ -278,16 +278,23 @@ def single_content(tree: dict[str, Any]) -> Any:
 
 
 def unsafe_member_name(name: str) -> bool:
-    """Whether an archive member name could escape a directory: `..`, absolute, a drive, NUL."""
+    """Whether an archive member name could escape a directory or names none of its files:
+    `..`, absolute, a drive, NUL, or empty (which `zipfile`'s `ZipInfo.is_dir` and `repr`
+    fail on with an `IndexError`).
+
+    >>> [unsafe_member_name(n) for n in ('a/b.npy', '', '../x')]
+    [False, True, True]
+    """
     norm = name.replace('\\', '/')
-    return norm.startswith('/') or '..' in norm.split('/') or (len(norm) > 1 and norm[1] == ':') \
+    return not name or norm.startswith('/') or '..' in norm.split('/') or (len(norm) > 1 and norm[1] == ':') \
         or '\0' in name
 
 
 def check_member_name(name: str, file: str) -> None:
-    """Refuse archive member names that could escape a directory: `..`, absolute, drive."""
+    """Refuse archive member names that could escape a directory (`..`, absolute, drive) or
+    name no file (empty): every archive reader checks each name here first."""
     if unsafe_member_name(name):
-        raise FormatError(f"archive member name {name!r} is unsafe (absolute or with '..')",
+        raise FormatError(f"archive member name {name!r} is unsafe (empty, absolute or with '..')",
                           file=file, fix="the archive is malicious or damaged; do not use it")
 
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import math
 import os
@@ -57,6 +56,7 @@ from jckpt.adapters._common import (
     inside,
 )
 from jckpt.errors import FormatError, InputError
+from jckpt.format import strict_json
 from jckpt.format.header import NAMESPACE_RE
 from jckpt.format.limits import MAX_DECOMPRESSION_RATIO, json_loads
 from jckpt.format.names import ORBAX_JSON_KEY
@@ -473,4 +473,4 @@ def json_metadata(path: str) -> dict[str, str]:
         except (OSError, ValueError) as e:
             raise FormatError(f"JSON item {name!r} cannot be read: {e}", file=single,
                               fix="the step is damaged; save it again") from None
-    return {ORBAX_JSON_KEY: json.dumps(found, sort_keys=True)} if found else {}
+    return {ORBAX_JSON_KEY: strict_json.dumps(found, sort_keys=True)} if found else {}

@@ -170,8 +170,9 @@ def json_loads(text: str | bytes, *, shallow: bool = False, **options: Any) -> A
     return value
 
 
-def json_as(text: str | bytes | None, kind: type | tuple[type, ...]) -> Any:
-    """The JSON value of `text` when it parses (`json_loads`) and is a `kind`; None otherwise.
+def json_as(text: str | bytes | None, kind: type | tuple[type, ...], **options: Any) -> Any:
+    """The JSON value of `text` when it parses (`json_loads`, with `options`) and is a `kind`;
+    None otherwise.
 
     For records that are only hints (metrics, a writer's notes on the tree): a damaged or
     foreign value is ignored, never an error.
@@ -182,7 +183,7 @@ def json_as(text: str | bytes | None, kind: type | tuple[type, ...]) -> Any:
     if not text:
         return None
     try:
-        value = json_loads(text)
+        value = json_loads(text, **options)
     except ValueError:
         return None
     return value if isinstance(value, kind) else None

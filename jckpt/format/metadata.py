@@ -16,6 +16,7 @@ from jckpt.errors import InputError
 from jckpt.format.entries import INT_KINDS, PATH_KINDS, Header, KeyPath, check_prefix, prefixed
 from jckpt.format.limits import MAX_PATH_LENGTH, json_as
 from jckpt.format.names import EMPTY_NODES_KEY, RESERVED_PREFIX
+from jckpt.format.strict_json import unstrict
 
 
 def check_metadata(metadata: Mapping[str, str] | None, file: str | None = None) -> dict[str, str]:
@@ -55,14 +56,17 @@ def parse_metrics(text: str | None) -> dict[str, float] | None:
 
     `None` when `text` is not a JSON object (not JSON, nested deeper than
     `jckpt.format.limits.MAX_NESTING`, a string, `null`...); values
-    that are not numbers are left out. Never raises: metrics only rank steps.
+    that are not numbers are left out. Never raises: metrics only rank steps. A non-finite
+    value, written `{"$float": "nan"}` (`jckpt.format.strict_json`), reads as the float.
 
     >>> parse_metrics('{"loss": 0.5, "note": "x", "acc": null}'), parse_metrics('"x"')
     ({'loss': 0.5}, None)
+    >>> parse_metrics('{"loss": {"$float": "nan"}, "old": Infinity}')
+    {'loss': nan, 'old': inf}
     """
     if not text:
         return {}
-    value = json_as(text, dict)
+    value = json_as(text, dict, object_hook=unstrict)
     if value is None:
         return None
     return {str(k): _real(v) for k, v in value.items()

@@ -15,7 +15,6 @@ gives the step's metadata as a jckpt file's header would hold it:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -28,6 +27,7 @@ from jckpt.api import targets
 from jckpt.api.context import Context
 from jckpt.api.loading import Namespaces, namespace_names
 from jckpt.errors import FormatError, InputError, MissingEntryError, TargetError
+from jckpt.format import strict_json
 from jckpt.format.entries import entry_for
 from jckpt.format.names import METRICS_KEY, OPTIMIZER_NAME, STEP_KEY, TRAINER_STATE_KEY
 from jckpt.services.formats import CheckpointLoadOptions, model_error
@@ -49,9 +49,9 @@ def metadata_of(record: Mapping[str, Any]) -> dict[str, str]:
     """The metadata of a step directory's record (`trainer_state.json`, checked by
     `step_directory.read_record`), as a jckpt step file's header would hold it."""
     meta = dict(record['metadata'])
-    meta[METRICS_KEY] = json.dumps(record.get('metrics', {}), sort_keys=True)
+    meta[METRICS_KEY] = strict_json.dumps(record.get('metrics', {}), sort_keys=True)
     if record.get('trainer_state') is not None:
-        meta[TRAINER_STATE_KEY] = json.dumps(record['trainer_state'], sort_keys=True)
+        meta[TRAINER_STATE_KEY] = strict_json.dumps(record['trainer_state'], sort_keys=True)
     meta.setdefault(STEP_KEY, str(record.get('step', '')))
     return meta
 

@@ -34,7 +34,6 @@ default) and every other item goes to `optimizer.jckpt`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -48,6 +47,7 @@ from jckpt.errors import (
     InputError,
     StorageError,
 )
+from jckpt.format import strict_json
 from jckpt.format.names import (
     METRICS_KEY,
     MODEL_STEM,
@@ -239,13 +239,14 @@ def _write_model(options: CheckpointOptions, model: Any, namespace: str, path: s
 
 def step_record(step: int, options: CheckpointOptions, namespace: str, optimizer: bool,
                 metadata: Mapping[str, str]) -> dict[str, Any]:
-    """What `trainer_state.json` holds: readable fields, and the metadata to rebuild the header's."""
+    """What `trainer_state.json` holds: readable fields, and the metadata to rebuild the header's
+    (its values decoded, for `stage_step` to write them as strict JSON, `jckpt.format.strict_json`)."""
     rest = {k: v for k, v in metadata.items() if k not in (METRICS_KEY, TRAINER_STATE_KEY)}
     state = metadata.get(TRAINER_STATE_KEY)
     return {'step': step, 'model': options.model_file, 'model_format': options.format,
             'model_namespace': namespace, 'optimizer': OPTIMIZER_NAME if optimizer else None,
-            'trainer_state': None if state is None else json.loads(state),
-            'metrics': json.loads(metadata.get(METRICS_KEY, '{}')), 'metadata': rest}
+            'trainer_state': None if state is None else strict_json.loads(state),
+            'metrics': strict_json.loads(metadata.get(METRICS_KEY, '{}')), 'metadata': rest}
 
 
 def stage_step(temporary: str, target: str, step: int, items: Sequence[SnapshotLeaf], built: tuple, *,
@@ -271,7 +272,7 @@ def stage_step(temporary: str, target: str, step: int, items: Sequence[SnapshotL
                                 metadata=metadata, alignment=alignment, durable=False)
         record = step_record(step, options, namespace, optimizer, metadata)
         step_directory.write_text(os.path.join(temporary, TRAINER_STATE_NAME),
-                                  json.dumps(record, indent=2, sort_keys=True) + '\n')
+                                  strict_json.dumps(record, indent=2, sort_keys=True) + '\n')
     except CheckpointError as e:
         step_directory.remove_staged_dir(temporary)
         e.published_as(temporary, target)  # name the step, not its staging

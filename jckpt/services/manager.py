@@ -32,7 +32,6 @@ latest step belongs to another run, or records none, is refused unless
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -44,6 +43,7 @@ from jckpt.api.context import Context, check_context, check_flag
 from jckpt.api.multiprocess import save_directory
 from jckpt.api.runtime import agree
 from jckpt.errors import FormatError, InputError, StorageError, naming_file
+from jckpt.format import strict_json
 from jckpt.format.metadata import check_metadata
 from jckpt.format.names import (
     METRICS_KEY,
@@ -301,7 +301,7 @@ class CheckpointManager(BackgroundWriter[_Step]):
         clean_metrics = check_metrics(metrics, self.directory,
                                       self.best_metric if self.keep_best else None)
         meta[STEP_KEY] = str(step)
-        meta[METRICS_KEY] = json.dumps(clean_metrics, sort_keys=True)
+        meta[METRICS_KEY] = strict_json.dumps(clean_metrics, sort_keys=True)
         if trainer_state is not None:
             if not isinstance(trainer_state, TrainerState):
                 raise InputError(f"trainer_state must be a TrainerState, not "

@@ -17,15 +17,13 @@ True
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import operator
 import reprlib
 from collections.abc import Mapping
 from typing import Any
 
 from jckpt.errors import FormatError, InputError, MismatchError
-from jckpt.format.limits import json_loads
+from jckpt.format import strict_json
 from jckpt.format.names import TRAINER_STATE_KEY
 
 _LAYOUT_NAMES = ('dp', 'tp', 'pp')
@@ -81,57 +79,10 @@ def _check_keys(user: Mapping[str, Any]) -> None:
             stack.extend((f"{where}[{i}]", value) for i, value in enumerate(node))
 
 
-#: The one-key objects that stand for what strict JSON cannot hold: a non-finite float, and a
-#: user dict that would read as one of these (its one item as a `[key, value]` pair).
-_FLOAT_TAG, _OBJECT_TAG = '$float', '$object'
-_NON_FINITE = {'nan': math.nan, 'inf': math.inf, '-inf': -math.inf}
-
-
-def _strict(value: Any, path: tuple[int, ...] = ()) -> Any:
-    """`value` with each non-finite float as `{"$float": "nan"}` (`"inf"`, `"-inf"`), which
-    strict JSON parsers accept and `_unstrict` turns back (a loss that went NaN must not cost
-    the save); a dict whose one key is a tag is wrapped so that it reads back as itself.
-
-    >>> _strict({'loss': float('nan'), 'ok': [1.5, float('-inf')], 'x': {'$float': 1}})
-    {'loss': {'$float': 'nan'}, 'ok': [1.5, {'$float': '-inf'}], 'x': {'$object': [['$float', 1]]}}
-    """
-    if isinstance(value, float):
-        if math.isfinite(value):
-            return value
-        return {_FLOAT_TAG: 'nan' if math.isnan(value) else 'inf' if value > 0 else '-inf'}
-    if not isinstance(value, (dict, list, tuple)):
-        return value
-    if id(value) in path:
-        raise ValueError("Circular reference detected")
-    inner = (*path, id(value))
-    if not isinstance(value, dict):
-        return [_strict(v, inner) for v in value]
-    out = {k: _strict(v, inner) for k, v in value.items()}
-    if len(out) == 1 and next(iter(out)) in (_FLOAT_TAG, _OBJECT_TAG):
-        return {_OBJECT_TAG: [list(*out.items())]}
-    return out
-
-
-def _unstrict(obj: dict[str, Any]) -> Any:
-    """`json.loads`'s object hook undoing `_strict` (an object that is no tag stays itself).
-
-    >>> json.loads('[{"$float": "-inf"}, {"$object": [["$float", 1]]}]', object_hook=_unstrict)
-    [-inf, {'$float': 1}]
-    """
-    if len(obj) == 1:
-        (key, value), = obj.items()
-        if key == _FLOAT_TAG and value in _NON_FINITE:
-            return _NON_FINITE[value]
-        if key == _OBJECT_TAG and isinstance(value, list) and len(value) == 1 \
-                and isinstance(value[0], list) and len(value[0]) == 2:
-            return {value[0][0]: value[0][1]}
-    return obj
-
-
 def _scalar(value: Any) -> Any:
     """`json.dumps`'s fallback for `user`: a numpy or 0-d JAX scalar as its Python value."""
     if getattr(value, 'ndim', None) == 0 and hasattr(value, 'item'):
-        return _strict(value.item())
+        return strict_json.strict(value.item())
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
@@ -195,7 +146,7 @@ class TrainerState:
         fields = dataclasses.asdict(self)
         fields['user'] = dict(self.user)
         try:
-            return json.dumps(_strict(fields), sort_keys=True, default=_scalar, allow_nan=False)
+            return strict_json.dumps(fields, sort_keys=True, default=_scalar)
         except (TypeError, ValueError) as e:
             raise InputError(f"TrainerState.user is not JSON-serializable: {e}",
                              fix="keep user fields to numbers, strings, lists and dicts") from None
@@ -208,7 +159,7 @@ class TrainerState:
             raise InputError(f"from_json takes the JSON text, not {type(text).__name__}", file=file,
                              fix="pass the string to_json returned")
         try:
-            fields = json_loads(text, object_hook=_unstrict)
+            fields = strict_json.loads(text)
         except ValueError as e:
             raise FormatError(f"trainer state is not valid JSON: {e}", file=file,
                               fix=_DAMAGED) from None

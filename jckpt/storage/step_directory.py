@@ -24,7 +24,8 @@ import shutil
 from typing import Any
 
 from jckpt.errors import FormatError
-from jckpt.format.limits import MAX_RECORD_BYTES, json_loads
+from jckpt.format import strict_json
+from jckpt.format.limits import MAX_RECORD_BYTES
 from jckpt.format.names import OPTIMIZER_NAME, TRAINER_STATE_NAME
 from jckpt.storage.backend import LOCAL, Backend, backend_for
 from jckpt.storage.publish import exchange, fsync_dir, fsync_file, storage_error
@@ -212,7 +213,7 @@ def read_record(path: str, step: int | None = None) -> dict[str, Any]:
     where = f"step {step}" if step is not None else "the step"
     text = read_text(file)
     try:
-        record = json_loads(text)
+        record = strict_json.loads(text)  # a non-finite metric is written tagged
     except ValueError as e:  # not JSON, not UTF-8, or nested past the limit
         raise FormatError(f"{where}: {TRAINER_STATE_NAME} is not valid JSON ({e})", file=file,
                           fix="the step is damaged: restore an earlier step") from None

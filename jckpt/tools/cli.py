@@ -26,7 +26,6 @@ logger to write to stderr (`-v` for more).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -39,6 +38,7 @@ from typing import Any
 from jckpt.adapters import convert, format_for_destination
 from jckpt.api.progress import bar
 from jckpt.errors import CheckpointError, FormatError, InputError
+from jckpt.format import strict_json
 from jckpt.format.limits import check_alignment
 from jckpt.storage.backend import backend_for, occupied, same_place
 from jckpt.tools.classify import (
@@ -70,7 +70,7 @@ def _print(text: str) -> None:
 
 
 def _print_json(value: Any) -> None:
-    _print(json.dumps(value, indent=2))
+    _print(strict_json.dumps(value, indent=2))
 
 
 def _progress(args: argparse.Namespace) -> bool:

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import html
-import json
 import os
 from typing import Any
 
 from jckpt.adapters import formats
 from jckpt.errors import CheckpointError, FormatError, InputError
+from jckpt.format import strict_json
 from jckpt.format.metadata import parse_metrics
 from jckpt.format.names import GENERATION_KEY, LINEAGE_KEY, METRICS_KEY, STEP_RE, TRAINER_STATE_NAME
 from jckpt.storage import step_directory
@@ -233,7 +233,7 @@ def _model_step_info(step: int, path: str, record: dict[str, Any] | None = None)
         generation = meta.get(GENERATION_KEY)
         entries, payload_bytes = _model_counts(path, record)
         return StepInfo(step, path, 'model', size, entries, payload_bytes,
-                        metrics=parse_metrics(json.dumps(record.get('metrics', {}))) or {},
+                        metrics=parse_metrics(strict_json.dumps(record.get('metrics', {}))) or {},
                         generation=int(generation) if str(generation or '').isdigit() else None,
                         lineage=meta.get(LINEAGE_KEY), model=record['model'])
     except CheckpointError as e:

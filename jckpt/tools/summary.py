@@ -24,9 +24,8 @@ import operator
 import os
 from typing import TYPE_CHECKING, Any
 
-from jckpt.format import precs
+from jckpt.format import precs, strict_json
 from jckpt.format.header import Entry, path_name
-from jckpt.format.limits import json_loads
 from jckpt.format.names import GENERATION_KEY, LINEAGE_KEY, METRICS_KEY, STEP_KEY, TRAINER_STATE_KEY
 from jckpt.format.payload import can_map
 from jckpt.storage.backend import LOCAL, backend_for
@@ -277,7 +276,7 @@ def known_metadata(meta: dict[str, str]) -> dict[str, Any]:
     for key, name in ((METRICS_KEY, 'metrics'), (TRAINER_STATE_KEY, 'trainer_state')):
         if key in meta:
             try:
-                out[name] = json_loads(meta[key])
+                out[name] = strict_json.loads(meta[key])
             except ValueError:
                 out[name] = meta[key]
     if LINEAGE_KEY in meta:

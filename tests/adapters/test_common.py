@@ -291,7 +291,7 @@ def test_a_name_starting_with_two_dots_does_not_escape(name):
 
 
 @pytest.mark.parametrize('name', ['../x', 'a/../../x', '/etc/passwd', '\\\\server\\share',
-                                  'C:evil', 'c:/x', 'a\\..\\x', 'a/..', 'nul\0byte'])
+                                  'C:evil', 'c:/x', 'a\\..\\x', 'a/..', 'nul\0byte', ''])
 def test_unsafe_member_names_are_refused(name):
     with pytest.raises(FormatError, match='archive member name .* is unsafe|escapes the archive') as e:
         check_member_name(name, 'a.zip')

@@ -426,6 +426,22 @@ def test_convert_of_a_step_walks_it_once(tmp_path, monkeypatch):
         {'meta': {'epoch': 2}}
 
 
+def test_a_nan_in_an_orbax_json_item_is_kept_as_strict_json(tmp_path):
+    """Orbax writes a NaN in a JSON item as the bare token `NaN`; convert copied it so into
+    the jckpt header, which strict JSON parsers then refuse. It is kept tagged, as jckpt's
+    own non-finite floats are (`jckpt.format.strict_json`), and reads back as NaN."""
+    from jckpt.format import strict_json
+
+    step = tmp_path / 'step'
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        checkpointer.save(step, ocp.args.Composite(params=ocp.args.PyTreeSave({'w': np.ones(3)}),
+                                                   meta=ocp.args.JsonSave({'loss': float('nan')})))
+    jckpt.convert(step, tmp_path / 'out.jckpt')
+    text = jckpt.describe(tmp_path / 'out.jckpt').metadata_dict()['jckpt.orbax_json']
+    json.loads(text, parse_constant=lambda token: pytest.fail(f"{token} is not strict JSON"))
+    assert np.isnan(strict_json.loads(text)['meta']['loss'])
+
+
 @pytest.mark.parametrize('empty', ['EmptyState', None, (), {}])
 def test_a_namespace_that_is_one_empty_node_is_kept_and_left_out_of_an_export(tmp_path, empty):
     """`optax.identity().init(params)` (a bare EmptyState) saved as a namespace had no path

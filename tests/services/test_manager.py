@@ -150,6 +150,28 @@ def test_a_nan_loss_in_the_trainer_state_survives_a_save_as_strict_json(tmp_path
     json.loads(text, parse_constant=lambda token: pytest.fail(f"{token} is not strict JSON"))
 
 
+@pytest.mark.parametrize('options', [None, jckpt.CheckpointOptions(format='npz')])
+def test_nan_metrics_are_stored_as_strict_json_and_read_back(tmp_path, options):
+    """A NaN loss passed as a metric was written as the bare token `NaN` in the step's
+    metadata and its trainer_state.json, which strict JSON parsers refuse."""
+    from jckpt.format.names import METRICS_KEY
+
+    with jckpt.CheckpointManager(tmp_path, options=options, best_metric='loss') as mgr:
+        mgr.save(1, {'w': np.ones(2, np.float32)}, metrics={'loss': 0.5})
+        mgr.save(2, {'w': np.ones(2, np.float32)}, metrics={'loss': math.nan, 'acc': -math.inf})
+        mgr.wait_durable()
+    step = tmp_path / 'step_00000002.jckpt'
+    texts = ([(step / 'trainer_state.json').read_text()] if step.is_dir()
+             else [jckpt.describe(step).metadata_dict()[METRICS_KEY]])
+    for text in texts:
+        json.loads(text, parse_constant=lambda token: pytest.fail(f"{token} is not strict JSON"))
+    with jckpt.CheckpointManager(tmp_path, options=options, best_metric='loss') as mgr:
+        metrics = mgr.metrics(2)
+        assert math.isnan(metrics['loss']) and metrics['acc'] == -math.inf
+        assert mgr.best_step() == 1  # a NaN metric is never the best
+        assert math.isnan(mgr.restore(2).metrics['loss'])
+
+
 def test_resume_on_another_layout_reshards_or_refuses(tmp_path):
     mesh2 = cpu_mesh((2,), ("dp",))
     spec = jax.sharding.PartitionSpec("dp")

@@ -78,6 +78,13 @@ def test_user_dicts_that_look_like_the_encoding_come_back_as_themselves(value):
     assert TrainerState.from_json(s.to_json()) == s
 
 
+@pytest.mark.parametrize('value', [[[1], 2], [{'a': 1}, 2]])
+def test_a_crafted_object_tag_with_a_key_no_dict_holds_reads_as_itself(value):
+    """`{"$object": [[[1], 2]]}` raised TypeError (unhashable list) out of from_json."""
+    text = json.dumps({'user': {'x': {'$object': [value]}}})
+    assert TrainerState.from_json(text).user == {'x': {'$object': [value]}}
+
+
 def test_the_bare_nan_and_infinity_earlier_versions_wrote_still_read():
     back = TrainerState.from_json('{"best_loss": NaN, "user": {"loss": -Infinity}}')
     assert math.isnan(back.best_loss) and back.user == {'loss': -math.inf}

@@ -146,6 +146,19 @@ def test_inspect_json(model, cli):
                               'namespaces': {'jckpt': 3}}
 
 
+def test_inspect_json_is_strict_json_with_non_finite_metrics(tmp_path, cli):
+    """The bare `NaN` an earlier manager wrote in a step's metrics was printed as is, which
+    strict JSON parsers (jq) refuse; it is printed tagged, as jckpt now stores it."""
+    path = write(tmp_path / 'm.jckpt', {'w': np.zeros(2, np.float32)},
+                 metadata={'jckpt.metrics': '{"loss": NaN, "acc": {"$float": "inf"}}',
+                           'jckpt.trainer_state': '{"best_loss": -Infinity}'})
+    p = cli('inspect', path, '--json')
+    assert p.returncode == 0, p.stderr
+    data = json.loads(p.stdout, parse_constant=lambda token: pytest.fail(f"{token} printed"))
+    assert data['metrics'] == {'loss': {'$float': 'nan'}, 'acc': {'$float': 'inf'}}
+    assert data['trainer_state'] == {'best_loss': {'$float': '-inf'}}
+
+
 def test_inspect_unmappable_payload(tmp_path, cli):
     """A float32 payload at an odd absolute offset (alignment 1) is reported as copied."""
     path = write(tmp_path / 'odd.jckpt', {'b': np.ones(3, np.uint8), 'w': np.ones(2, np.float32)},
