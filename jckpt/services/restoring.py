@@ -31,7 +31,7 @@ from jckpt.services.formats import CheckpointLoadOptions
 from jckpt.services.retention import check_step
 from jckpt.services.step_view import StepView
 from jckpt.services.trainer_state import TrainerState
-from jckpt.storage.backend import LOCAL, Backend, is_url
+from jckpt.storage.backend import LOCAL, Backend
 
 #: What a read-only manager says to do instead of a write.
 READ_ONLY_FIX = ("write with the run's own manager; open one without read_only=True only "
@@ -88,9 +88,10 @@ def read_step(ctx: Context, path: str, step: int, folder: bool | None, target: A
     asking what it is (locally, the caller has checked that a step it does not know is
     there; in a bucket, the step's first GETs tell);
     `indexed`: the view holds it as a directory checkpoint (read by its index); `absent`: the
-    error of a step it does not know that is not there (`steps.step_metadata`). A local step
-    it knows that is gone (retention, by the directory's writer, before or while it is read)
-    is the error that says so (`steps.removed`), not that of the file the read missed.
+    error of a step it does not know that is not there (`steps.step_metadata`). A step it
+    knows that is gone (retention, by the directory's writer, before or while it is read),
+    locally or in a bucket, is the error that says so (`steps.removed`), not that of the
+    file the read missed (a step directory's model or optimizer file, a piece).
     """
     try:
         with steps.step_metadata(path, step, folder, indexed, absent=absent) as (meta, kind, record):
@@ -102,7 +103,7 @@ def read_step(ctx: Context, path: str, step: int, folder: bool | None, target: A
             tree = steps.read_tree(ctx, path, step, target, loaded.namespaces, loaded.cast,
                                    loaded.options, loaded.verify, kind, record)
     except CheckpointError as e:
-        if folder is None or is_url(path) or os.path.lexists(path):
+        if folder is None or not steps.gone(path, folder, indexed):
             raise
         raise steps.removed(step, path) from e
     user = {k: v for k, v in meta.items() if not k.startswith('jckpt.')}
