@@ -187,9 +187,7 @@ def _check_shape(entry: Entry, want_shape: Sequence[int] | None, path: str, wher
                             f"to dims {entry.dims}; the target has the unpadded shape "
                             f"{tuple(want_shape)}", file=path, entry=where,
                             fix="give the target the padded shape")
-    stored_shape = entry.shape
-    if entry.key_impl is not None:
-        stored_shape = stored_shape[:-1] if stored_shape else stored_shape
+    stored_shape = entry.array_shape
     if want_shape is not None and tuple(want_shape) != tuple(stored_shape) and not (
             entry.key_impl is not None and tuple(want_shape) == entry.shape[:len(want_shape)]):
         raise MismatchError(f"shape mismatch: file has {entry.shape}, target has "

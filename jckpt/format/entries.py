@@ -86,6 +86,17 @@ class Entry:
         return (*self.dims, 4) if self.prec == precs.UINT4X32 else self.dims
 
     @property
+    def array_shape(self) -> tuple[int, ...]:
+        """The shape of the array a load returns: `shape`, less a typed PRNG key's key-data
+        dim (a scalar `threefry2x32` key stores data of shape `(2,)`, `jax.random.key_data`'s,
+        and is a key array of shape `()`).
+
+        >>> Entry(0, 'n', 'uint32_prec', (2,), 0, 8, key_impl='threefry2x32').array_shape
+        ()
+        """
+        return self.shape[:-1] if self.key_impl is not None and self.shape else self.shape
+
+    @property
     def logical_dims(self) -> tuple[int, ...]:
         """`dims` less the padding: the region actually stored."""
         if self.padding is None:

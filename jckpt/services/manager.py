@@ -27,6 +27,8 @@ nothing); a step file that cannot be read is ignored.
 The steps share a lineage (`jckpt.services.lineage`): a directory whose
 latest step belongs to another run, or records none, is refused unless
 `new_lineage=True`.
+This module is the writer's side; the queries and `restore` are the read side's
+(`jckpt.services.restoring.StepReader`), which a reader and a writer share.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -42,7 +44,7 @@ import jax
 from jckpt.api.context import Context, check_context, check_flag
 from jckpt.api.multiprocess import save_directory
 from jckpt.api.runtime import agree
-from jckpt.errors import FormatError, InputError, StorageError, naming_file
+from jckpt.errors import InputError, StorageError, naming_file
 from jckpt.format import strict_json
 from jckpt.format.metadata import check_metadata
 from jckpt.format.names import (
@@ -57,7 +59,7 @@ from jckpt.services.engine import Job
 from jckpt.services.formats import CheckpointLoadOptions, CheckpointOptions
 from jckpt.services.lineage import MANAGER_STEP
 from jckpt.services.preemption import Preemption
-from jckpt.services.restoring import Loaded, Restored, read_step
+from jckpt.services.restoring import Restored, StepReader
 from jckpt.services.retention import Retention, check_metrics, check_step
 from jckpt.services.snapshot import Digest, empty_nodes_metadata, namespace_leaves
 from jckpt.services.step_view import StepView
@@ -81,7 +83,7 @@ class _Step:
     model_namespace: str
 
 
-class CheckpointManager(BackgroundWriter[_Step]):
+class CheckpointManager(StepReader, BackgroundWriter[_Step]):
     """Step checkpoints in `directory`: asynchronous saves, retention, restore, trainer state.
 
     Args:
@@ -199,9 +201,6 @@ class CheckpointManager(BackgroundWriter[_Step]):
 
     # --- what is on disk ----------------------------------------------------
 
-    def _path(self, step: int) -> str:
-        return os.path.join(self.directory, step_name(step))
-
     def _opened(self, failure: BaseException | None) -> None:
         """Every process raises at open what one met taking its lease (`runtime.agree`)."""
         agree("opening the manager", os.path.abspath(self.directory) if self.backend is LOCAL
@@ -226,34 +225,6 @@ class CheckpointManager(BackgroundWriter[_Step]):
                              fix="call all_steps(), or reload a CheckpointManager(read_only=True)")
         self.lineage = self._follow(self._lineage_asked)
         return self.all_steps()
-
-    def all_steps(self) -> list[int]:
-        """Every durable step in the directory, ascending."""
-        return self._view.steps()
-
-    def latest_step(self) -> int | None:
-        """The latest durable step, or `None` if there is none."""
-        return self._view.latest()
-
-    def best_step(self, metric: str | None = None, mode: str | None = None) -> int | None:
-        """The durable step with the best `metric` (default `best_metric`), or `None`."""
-        metric = metric or self.best_metric
-        mode = mode or self.best_mode
-        if metric is None:
-            raise InputError("best_step needs a metric", fix="pass metric= or set best_metric")
-        if not isinstance(metric, str) or mode not in ('min', 'max'):
-            raise InputError(f"best_step takes a metric name and mode 'min' or 'max', not "
-                             f"{metric!r}, {mode!r}", file=self.directory)
-        return self._view.best(metric, mode)
-
-    def metrics(self, step: int) -> dict[str, float]:
-        """The metrics saved with a durable `step`."""
-        step = check_step(step, self.directory)
-        found = self._view.metrics(step)
-        if found is None:
-            raise FormatError(f"no durable step {step}", file=self.directory,
-                              fix=f"pick one of {self.all_steps()[-5:]}")
-        return found
 
     # --- saving ----------------------------------------------------------------
 
@@ -419,61 +390,6 @@ class CheckpointManager(BackgroundWriter[_Step]):
                            lambda gone: self._view.forget(paths[p] for p in gone))
         if self.ctx.durable and self.backend is LOCAL:
             fsync_dir(self.directory)
-
-    # --- restoring -------------------------------------------------------------
-
-    def restore(self, step: int | None = None, target: Any = None, *,
-                namespaces: str | Sequence[str] | None = None,
-                layout: TrainerState | tuple[int, int, int] | None = None,
-                reshard: bool = True, ctx: Context | None = None, cast: bool = False,
-                options: CheckpointLoadOptions | None = None, verify: bool = True) -> Restored:
-        """Read `step` (default: the latest durable one).
-
-        Args:
-          step: the step to read.
-          target: a tree to fill (its structure, dtypes and shardings; a
-            partial tree reads only its leaves); `None` returns
-            `{namespace: subtree}`.
-          namespaces: read only these namespaces (with a target, the target is
-            `{namespace: subtree}`): the model without the optimizer state.
-          layout: this run's `(dp, tp, pp)` (or a TrainerState); compared with
-            the stored trainer state's.
-          reshard: on a different layout, place the arrays on the target's
-            shardings and return the trainer state with the current layout;
-            `False` refuses with `MismatchError`.
-          ctx: placement and namespace (default the manager's).
-          cast: convert to the target's dtypes instead of refusing a mismatch.
-          options: overrides the manager's `CheckpointLoadOptions`
-            for a step directory (a model loader; the model without the optimizer).
-          verify: check every payload read against its checksum (`ChecksumError`
-            on damage): a resume is rare, and damage must not train on silently.
-
-        Example:
-            ```python
-            r = mgr.restore(target={"params": abstract_params}, namespaces=["params"],
-                            layout=(8, 1, 1))
-            params, trainer = r.tree["params"], r.trainer_state
-            ```
-        """
-        ctx = ctx if ctx is not None else self.ctx
-        check_flag(verify, 'verify', self.directory, optional=False)  # before anything is read
-        if step is None:
-            step = self.latest_step()
-            if step is None:
-                raise FormatError("no checkpoint in the directory", file=self.directory,
-                                  fix="save a step first, or check the directory")
-        step = check_step(step, self.directory)
-        path = self._path(step)
-        folder = self._view.folder(step)  # a step this manager knows: no request asks what it is
-        deleted = folder is None and self._view.deleted(step)  # what is left of it is no step
-        absent = FormatError(f"no step {step}" + (": retention deleted it" if deleted else ""),
-                             file=self.directory, fix=f"pick one of {self.all_steps()[-5:]}")
-        if deleted or (folder is None and self.backend is LOCAL and not os.path.exists(path)):
-            raise absent  # in a bucket, the step's first GET tells (`steps.step_metadata`)
-        options = steps.checked(options, CheckpointLoadOptions, 'options', self.load_options)
-        return read_step(ctx, path, step, folder, target, indexed=self._view.indexed(step),
-                         loaded=Loaded(options, namespaces, layout, reshard, cast, verify),
-                         absent=absent)
 
     # --- preemption ------------------------------------------------------------
 

@@ -23,13 +23,15 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from jckpt.api.context import Context
+from jckpt.api.context import Context, check_flag
 from jckpt.errors import CheckpointError, FormatError, InputError
-from jckpt.format.names import METRICS_KEY, TRAINER_STATE_KEY
+from jckpt.format.names import METRICS_KEY, TRAINER_STATE_KEY, step_name
 from jckpt.services import steps
 from jckpt.services.formats import CheckpointLoadOptions
+from jckpt.services.retention import check_step
+from jckpt.services.step_view import StepView
 from jckpt.services.trainer_state import TrainerState
-from jckpt.storage.backend import LOCAL, Backend, is_url
+from jckpt.storage.backend import LOCAL, Backend
 
 #: What a read-only manager says to do instead of a write.
 READ_ONLY_FIX = ("write with the run's own manager; open one without read_only=True only "
@@ -86,9 +88,10 @@ def read_step(ctx: Context, path: str, step: int, folder: bool | None, target: A
     asking what it is (locally, the caller has checked that a step it does not know is
     there; in a bucket, the step's first GETs tell);
     `indexed`: the view holds it as a directory checkpoint (read by its index); `absent`: the
-    error of a step it does not know that is not there (`steps.step_metadata`). A local step
-    it knows that is gone (retention, by the directory's writer, before or while it is read)
-    is the error that says so (`steps.removed`), not that of the file the read missed.
+    error of a step it does not know that is not there (`steps.step_metadata`). A step it
+    knows that is gone (retention, by the directory's writer, before or while it is read),
+    locally or in a bucket, is the error that says so (`steps.removed`), not that of the
+    file the read missed (a step directory's model or optimizer file, a piece).
     """
     try:
         with steps.step_metadata(path, step, folder, indexed, absent=absent) as (meta, kind, record):
@@ -100,12 +103,121 @@ def read_step(ctx: Context, path: str, step: int, folder: bool | None, target: A
             tree = steps.read_tree(ctx, path, step, target, loaded.namespaces, loaded.cast,
                                    loaded.options, loaded.verify, kind, record)
     except CheckpointError as e:
-        if folder is None or is_url(path) or os.path.lexists(path):
+        if folder is None or not steps.gone(path, folder, indexed):
             raise
         raise steps.removed(step, path) from e
     user = {k: v for k, v in meta.items() if not k.startswith('jckpt.')}
     return Restored(step=step, tree=tree, trainer_state=state,
                     metrics=steps.parse_metrics(meta.get(METRICS_KEY), path), metadata=user)
+
+
+class StepReader:
+    """The read side of `CheckpointManager`: its queries (`all_steps`, `latest_step`,
+    `best_step`, `metrics`) and `restore`, answered from the manager's view of its
+    directory (`StepView`), so that a reader and a writer read the same way.
+
+    The manager sets the attributes below; this class writes none of them.
+
+    >>> import tempfile, numpy as np, jckpt
+    >>> d = tempfile.mkdtemp()
+    >>> with jckpt.CheckpointManager(d) as mgr:
+    ...     _ = mgr.save(1, {'w': np.ones(2, np.float32)}, metrics={'loss': 0.5})
+    >>> with jckpt.CheckpointManager(d, read_only=True) as reader:
+    ...     print(reader.all_steps(), reader.best_step('loss'), reader.restore().step)
+    [1] 1 1
+    """
+
+    directory: str
+    backend: Backend
+    ctx: Context
+    load_options: CheckpointLoadOptions
+    best_metric: str | None
+    best_mode: str
+    _view: StepView
+
+    def _path(self, step: int) -> str:
+        return os.path.join(self.directory, step_name(step))
+
+    def all_steps(self) -> list[int]:
+        """Every durable step in the directory, ascending."""
+        return self._view.steps()
+
+    def latest_step(self) -> int | None:
+        """The latest durable step, or `None` if there is none."""
+        return self._view.latest()
+
+    def best_step(self, metric: str | None = None, mode: str | None = None) -> int | None:
+        """The durable step with the best `metric` (default `best_metric`), or `None`."""
+        metric = metric or self.best_metric
+        mode = mode or self.best_mode
+        if metric is None:
+            raise InputError("best_step needs a metric", fix="pass metric= or set best_metric")
+        if not isinstance(metric, str) or mode not in ('min', 'max'):
+            raise InputError(f"best_step takes a metric name and mode 'min' or 'max', not "
+                             f"{metric!r}, {mode!r}", file=self.directory)
+        return self._view.best(metric, mode)
+
+    def metrics(self, step: int) -> dict[str, float]:
+        """The metrics saved with a durable `step`."""
+        step = check_step(step, self.directory)
+        found = self._view.metrics(step)
+        if found is None:
+            raise FormatError(f"no durable step {step}", file=self.directory,
+                              fix=f"pick one of {self.all_steps()[-5:]}")
+        return found
+
+    def restore(self, step: int | None = None, target: Any = None, *,
+                namespaces: str | Sequence[str] | None = None,
+                layout: TrainerState | tuple[int, int, int] | None = None,
+                reshard: bool = True, ctx: Context | None = None, cast: bool = False,
+                options: CheckpointLoadOptions | None = None, verify: bool = True) -> Restored:
+        """Read `step` (default: the latest durable one).
+
+        Args:
+          step: the step to read.
+          target: a tree to fill (its structure, dtypes and shardings; a
+            partial tree reads only its leaves); `None` returns
+            `{namespace: subtree}`.
+          namespaces: read only these namespaces (with a target, the target is
+            `{namespace: subtree}`): the model without the optimizer state.
+          layout: this run's `(dp, tp, pp)` (or a TrainerState); compared with
+            the stored trainer state's.
+          reshard: on a different layout, place the arrays on the target's
+            shardings and return the trainer state with the current layout;
+            `False` refuses with `MismatchError`.
+          ctx: placement and namespace (default the manager's).
+          cast: convert to the target's dtypes instead of refusing a mismatch.
+          options: overrides the manager's `CheckpointLoadOptions`
+            for a step directory (a model loader; the model without the optimizer).
+          verify: check every payload read against its checksum (`ChecksumError`
+            on damage): a resume is rare, and damage must not train on silently.
+
+        Example:
+            ```python
+            r = mgr.restore(target={"params": abstract_params}, namespaces=["params"],
+                            layout=(8, 1, 1))
+            params, trainer = r.tree["params"], r.trainer_state
+            ```
+        """
+        ctx = ctx if ctx is not None else self.ctx
+        check_flag(verify, 'verify', self.directory, optional=False)  # before anything is read
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FormatError("no checkpoint in the directory", file=self.directory,
+                                  fix="save a step first, or check the directory")
+        step = check_step(step, self.directory)
+        path = self._path(step)
+        folder = self._view.folder(step)  # a step this manager knows: no request asks what it is
+        deleted = folder is None and self._view.deleted(step)  # what is left of it is no step
+        absent = FormatError(f"no step {step}" + (": retention deleted it" if deleted else ""),
+                             file=self.directory, fix=f"pick one of {self.all_steps()[-5:]}")
+        if deleted or (folder is None and self.backend is LOCAL and not os.path.exists(path)):
+            raise absent  # in a bucket, the step's first GET tells (`steps.step_metadata`)
+        options = steps.checked(options, CheckpointLoadOptions, 'options', self.load_options)
+        return read_step(ctx, path, step, folder, target, indexed=self._view.indexed(step),
+                         loaded=Loaded(options, namespaces, layout, reshard, cast, verify),
+                         absent=absent)
 
 
 def read_only_refusal(directory: str, what: str) -> InputError:
@@ -132,4 +244,4 @@ def check_reader(backend: Backend, directory: str, writes: Sequence[tuple[str, A
                           fix="check the path, or open the reader once the run has made it")
 
 
-__all__ = ['Loaded', 'Restored', 'check_reader', 'read_only_refusal', 'read_step']
+__all__ = ['Loaded', 'Restored', 'StepReader', 'check_reader', 'read_only_refusal', 'read_step']

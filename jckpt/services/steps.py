@@ -248,6 +248,18 @@ def removed(step: int, path: str) -> FormatError:
                        file=path, fix=RELIST)
 
 
+def gone(path: str, folder: bool, indexed: bool = False) -> bool:
+    """Whether a step the manager listed is no step any more (removed by the directory's
+    writer): locally, nothing at `path`; in a bucket, the object of a file step, or the marker
+    a step prefix is listed by (its index when `indexed`, else its record), which a removal
+    deletes first (`remove_step`). One request, asked only once a read of the step failed.
+    """
+    if not is_url(path):
+        return not os.path.lexists(path)
+    marker = path if not folder else os.path.join(path, INDEX_NAME if indexed else TRAINER_STATE_NAME)
+    return not backend_for(path).exists(marker)
+
+
 def _file_reader(path: str, step: int, *, missing_ok: bool) -> Any:
     """The reader of a file step (one GET of its header, from a bucket); with `missing_ok`,
     None when there is no such object (no prefix is looked for), else the error of a step
@@ -477,5 +489,5 @@ _ORBAX_SAID: set[str] = set()
 
 
 __all__ = ['Found', 'checked', 'clean_staging', 'described', 'leases', 'listed', 'parse_metrics',
-           'read_metadata', 'read_tree', 'recover', 'remove_step', 'removed', 'remove_steps',
+           'gone', 'read_metadata', 'read_tree', 'recover', 'remove_step', 'removed', 'remove_steps',
            'remove_unfinished', 'say_if_orbax', 'scan', 'step_metadata']

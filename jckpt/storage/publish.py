@@ -58,17 +58,50 @@ _FIXES = {
     errno_mod.EPERM: "check the permissions of the checkpoint's directory",
     errno_mod.EROFS: "the filesystem is read-only; save elsewhere",
     errno_mod.EIO: "the device reported an I/O error; check the disk",
-    errno_mod.ENOENT: "the directory does not exist; create it first",
     errno_mod.EISDIR: "a directory is in the way at that path; remove it or save elsewhere",
     errno_mod.ENOTDIR: "a part of the path is a file, not a directory; fix the path",
 }
 
 
+#: The words of an action that reads what is there (a file gone is read again, not saved again).
+_READS = ('reading', 'opening', 'listing')
+
+
 def storage_error(exc: OSError, action: str, path: str | os.PathLike) -> StorageError:
-    """Wrap an `OSError` as a `StorageError` naming the file and a fix."""
-    reason = exc.strerror or str(exc)
-    return StorageError(f"{action} failed: {reason}", errno=exc.errno, file=path,
-                        fix=_FIXES.get(exc.errno, "see the underlying OS error"))
+    """Wrap an `OSError` as a `StorageError` naming the file and a fix.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> e = storage_error(FileNotFoundError(2, 'No such file or directory'), 'reading', f'{d}/m.jckpt')
+    >>> e.message.replace(d, 'D')
+    'reading failed: No such file or directory (m.jckpt was not found in D: removed by another process?)'
+    >>> storage_error(FileNotFoundError(2, 'No such file'), 'writing', f'{d}/no/m.jckpt').fix
+    'create it first, or fix the path'
+    """
+    reason, fix = exc.strerror or str(exc), _FIXES.get(exc.errno, "see the underlying OS error")
+    if exc.errno == errno_mod.ENOENT:
+        what, fix = _missing(exc, action, os.fspath(path))
+        reason = f"{reason} ({what})"
+    return StorageError(f"{action} failed: {reason}", errno=exc.errno, file=path, fix=fix)
+
+
+def _missing(exc: OSError, action: str, path: str) -> tuple[str, str]:
+    """What an ENOENT means, and its fix: a directory that is not there (create it), or a
+    file gone from a directory that is (removed by another process while it was used: read
+    again what is there, or keep other processes from removing a writer's files)."""
+    names = [n for n in (exc.filename, exc.filename2) if isinstance(n, str)] + [path]
+    for name in names:
+        folder = os.path.dirname(os.path.abspath(name))
+        if not os.path.isdir(folder):
+            return f"the directory {folder} does not exist", "create it first, or fix the path"
+    gone = next((n for n in names if not os.path.lexists(n)), path)
+    folder = os.path.dirname(os.path.abspath(gone))
+    what = f"{os.path.basename(gone)} was not found in {folder}: removed by another process?"
+    if any(word in action for word in _READS):
+        return what, ("open it again to read what is there now; if files keep vanishing, find "
+                      "what else removes them (another run's retention, a cleanup job)")
+    return what, ("make sure no other process writes or cleans the directory (one writer per "
+                  "directory; a cleanup job must spare staging files), then save again")
 
 
 def staging_pattern(target: str) -> re.Pattern[str]:

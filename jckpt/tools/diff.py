@@ -54,7 +54,8 @@ class EntryDiff:
 
     Attributes:
       name: `namespace/path`.
-      dtype_a, dtype_b, shape_a, shape_b: as stored.
+      dtype_a, dtype_b, shape_a, shape_b: as stored (a typed PRNG key's: the key array's,
+        `Entry.array_shape`).
       size: elements compared (0 when the shapes differ).
       max_abs: the largest `|a - b|` (`inf` where exactly one side is NaN).
       max_rel: the largest `|a - b| / |b|` (`inf` where `b` is 0 and `a` is not).
@@ -229,7 +230,7 @@ def _diff_entry(ra: Any, ea: Entry, rb: Any, eb: Entry,
         size = int(x.size)
         max_abs, max_rel, bad = _compare(x, y, atol, rtol)
     same = dtype_a == dtype_b and same_shape and ea.key_impl == eb.key_impl and bad == 0
-    return EntryDiff(ea.name, dtype_a, dtype_b, tuple(ea.shape), tuple(eb.shape), size,
+    return EntryDiff(ea.name, dtype_a, dtype_b, tuple(ea.array_shape), tuple(eb.array_shape), size,
                      max_abs, max_rel, bad, same, ea.key_impl, eb.key_impl)
 
 

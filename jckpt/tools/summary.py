@@ -55,7 +55,8 @@ class _ArrayFacts:
       id: the entry's id within its namespace.
       prec: the stored element type's name in the header (`Single_prec`).
       dtype: the numpy name of the loaded dtype (`float32`; `void` for `Void_prec`).
-      shape: the shape of the loaded array.
+      shape: the shape of the loaded array (a typed PRNG key's: the key array's, not its
+        `jax.random.key_data`'s).
       nbytes: payload bytes stored.
     """
 
@@ -79,12 +80,18 @@ def _facts(entry: Entry) -> dict[str, Any]:
                 path=path_name(entry.path) if entry.path is not None else f"n{entry.id}",
                 id=entry.id, prec=entry.prec,
                 dtype='void' if entry.prec == precs.VOID else str(entry.dtype.name),
-                shape=tuple(entry.shape), nbytes=entry.byte_length)
+                shape=tuple(entry.array_shape), nbytes=entry.byte_length)
 
 
 def _dtype_cell(dtype: str, key_impl: str | None) -> str:
     """The dtype column of a listing: a typed PRNG key shows its implementation."""
     return dtype if key_impl is None else f"key<{key_impl}>"
+
+
+def _key_array(entry: Entry, dims: tuple | None) -> tuple | None:
+    """A piece's `slice` or `global_dims` over the key array (`Entry.array_shape`): less a
+    typed PRNG key's key-data dim."""
+    return dims[:-1] if dims and entry.key_impl is not None else dims
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +122,7 @@ class EntryInfo(_ArrayFacts):
         return cls(**_facts(entry), offset=entry.offset, mappable=can_map(entry, data_start),
                    checksum=':'.join(entry.checksum) if entry.checksum else None,
                    padded=entry.padding is not None, key_impl=entry.key_impl,
-                   slice=entry.slice, global_dims=entry.global_dims)
+                   slice=_key_array(entry, entry.slice), global_dims=_key_array(entry, entry.global_dims))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready data."""

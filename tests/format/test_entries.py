@@ -22,3 +22,14 @@ def test_loose_path_takes_a_string_key_that_writes_out_a_number_as_that_number()
     for not_a_number in ("01", "-0", "+1", "1_0", " 1", "\u0661", "", "x1", "1" * 30):
         assert loose((("k", not_a_number),)) != loose((("i", 1),))
         assert loose((("k", not_a_number),)) == loose((("a", not_a_number),))
+
+
+def test_a_typed_keys_array_shape_drops_its_key_datas_dim():
+    """What a load returns: a scalar key stores key data of shape (2,) and is a key of shape ()."""
+    import dataclasses
+
+    from jckpt.format.entries import Entry
+    key = Entry(0, 'n', 'Uint32_prec', (3, 2), 0, 24, key_impl='threefry2x32')
+    assert (key.shape, key.array_shape) == ((3, 2), (3,))
+    assert dataclasses.replace(key, dims=(2,)).array_shape == ()
+    assert dataclasses.replace(key, key_impl=None).array_shape == (3, 2)

@@ -148,32 +148,37 @@ def test_a_reader_checks_the_lineage_it_is_given_at_each_reload(tmp_path):
         reader.reload()  # the directory went on with another run
 
 
-@pytest.mark.parametrize("options", [{"directory_steps": True},
-                                     {"options": jckpt.CheckpointOptions(format="npz")}])
+@pytest.mark.parametrize("options,items", [
+    ({"directory_steps": True}, False),
+    ({"options": jckpt.CheckpointOptions(format="npz")}, False),  # the model file goes
+    ({"options": jckpt.CheckpointOptions(format="npz")}, True)])  # so does the optimizer's
 def test_a_step_removed_while_a_reader_restores_it_is_an_error_that_says_so(
-        tmp_path, monkeypatch, options):
+        where, monkeypatch, options, items):
     """A step directory the run's retention removed between the reader's read of its record
-    (or index) and of its arrays was a StorageError saying to create the directory."""
+    (or index) and of its arrays was a StorageError saying to create the directory (locally),
+    or the error of its missing model file (in a bucket)."""
     from jckpt.services import steps
 
-    with jckpt.CheckpointManager(tmp_path, **options) as run:
-        run.save(1, TREE)
-        run.save(2, TREE)
-    reader = jckpt.CheckpointManager(tmp_path, read_only=True)
+    with jckpt.CheckpointManager(where, **options) as run:
+        for step in (1, 2):
+            run.save(step, **({"items": {"model": TREE, "opt": TREE}} if items else {"tree": TREE}))
+    reader = jckpt.CheckpointManager(where, read_only=True)
     assert reader.all_steps() == [1, 2]
-    read_tree = steps.read_tree
+    read_tree, first = steps.read_tree, f"{where}/step_00000001.jckpt"
 
     def removed_meanwhile(*args, **kw):
-        steps.remove_step(backend_for(str(tmp_path)), str(tmp_path / "step_00000001.jckpt"))
+        steps.remove_step(backend_for(where), first)
         return read_tree(*args, **kw)
 
     monkeypatch.setattr(steps, "read_tree", removed_meanwhile)
+    asked = {"namespaces": ["opt"], "target": {"opt": TREE}} if items else {"target": TREE}
     with pytest.raises(jckpt.FormatError, match="no step 1: it was removed since") as e:
-        reader.restore(1, target=TREE)
-    assert e.value.file == str(tmp_path / "step_00000001.jckpt") and "reload()" in e.value.fix
+        reader.restore(1, **asked)
+    assert e.value.file == first and "reload()" in e.value.fix
     monkeypatch.undo()
     assert reader.reload() == [2]
-    np.testing.assert_array_equal(reader.restore(target=TREE).tree["w"], TREE["w"])
+    got = reader.restore(**asked).tree
+    np.testing.assert_array_equal((got["opt"] if items else got)["w"], TREE["w"])
 
 
 def test_a_reader_follows_an_asynchronous_run_step_by_step(where):

@@ -45,3 +45,13 @@ def test_a_step_directory_reads_its_model(tmp_path):
                   loaded=Loaded(CheckpointLoadOptions(), namespaces=["opt"]))
     assert list(r.tree) == ["opt"] and r.metrics == {"loss": 1.0}
     np.testing.assert_array_equal(r.tree["opt"]["m"], TREE["w"] * 2)
+
+
+def test_the_manager_reads_through_its_read_side(saved):
+    from jckpt.services.restoring import StepReader
+    assert issubclass(jckpt.CheckpointManager, StepReader)
+    for name in ("all_steps", "latest_step", "best_step", "metrics", "restore"):
+        assert getattr(jckpt.CheckpointManager, name) is getattr(StepReader, name)
+    with jckpt.CheckpointManager(str(saved).rsplit("/", 1)[0], read_only=True) as reader:
+        assert reader.all_steps() == [3] and reader.best_step("loss") == 3
+        assert reader.metrics(3) == {"loss": 0.25} and reader.restore().step == 3

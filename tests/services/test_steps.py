@@ -284,3 +284,22 @@ def test_a_directory_step_removed_since_it_was_listed_is_an_error_naming_it():
         with steps.step_metadata(path, 1, True, indexed=True):
             pass
     assert e.value.file == path
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_step_is_gone_once_what_it_is_listed_by_is(where, tmp_path):
+    """A listed step whose read failed is no step once its file, or its prefix's marker, is
+    gone: what is left of a prefix whose markers a removal deleted first is no step."""
+    pytest.importorskip("obstore")
+    root = str(tmp_path) if where == "local" else "memory://steps-gone/run"
+    with jckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, {'w': np.ones(2)})
+        mgr.save(2, {'w': np.ones(2)}, options=CheckpointOptions(format='npz'))
+    one, two = f"{root}/step_00000001.jckpt", f"{root}/step_00000002.jckpt"
+    assert not steps.gone(one, False) and not steps.gone(two, True)
+    backend = backend_for(root)
+    backend.remove(one, below=False) if where == "memory" else os.remove(one)
+    assert steps.gone(one, False) and not steps.gone(two, True)
+    if where == "memory":
+        backend.remove(f"{two}/trainer_state.json", below=False)  # the model file stays
+        assert steps.gone(two, True) and backend.exists(f"{two}/model.npz")

@@ -205,3 +205,31 @@ def test_a_path_through_a_file_or_onto_a_directory_says_what_to_do(tmp_path):
     assert "afile" in e.value.file
     err = publish.storage_error(IsADirectoryError(21, "Is a directory"), "publishing", "ckpt")
     assert err.fix == "a directory is in the way at that path; remove it or save elsewhere"
+
+
+def test_a_file_gone_from_its_directory_is_not_told_to_create_the_directory(tmp_path):
+    """A staging file another process removed before it was published, in a directory that is
+    there, was "the directory does not exist; create it first"."""
+    from jckpt.storage.staging import finish_staged, next_name
+    target = str(tmp_path / "run.jckpt")
+    staged = next_name(target, 7)
+    with pytest.raises(StorageError, match="publishing the checkpoint failed") as e:
+        finish_staged(staged, target, durable=False)
+    assert e.value.errno == errno.ENOENT and "create it" not in e.value.fix
+    assert f"{os.path.basename(staged)} was not found in {tmp_path}" in e.value.message
+    assert "removed by another process?" in e.value.message
+    assert "no other process writes or cleans the directory" in e.value.fix
+
+
+def test_a_file_gone_while_read_says_to_read_again(tmp_path):
+    path = str(tmp_path / "m.jckpt")
+    e = publish.storage_error(FileNotFoundError(errno.ENOENT, "No such file", path), "reading", path)
+    assert "m.jckpt was not found" in e.message and e.fix.startswith("open it again")
+
+
+def test_a_directory_that_is_not_there_is_named_with_its_fix(tmp_path):
+    path = tmp_path / "missing" / "m.jckpt"
+    with pytest.raises(StorageError) as e:
+        jckpt.save(jckpt.Context(), {"w": np.ones(2)}, path)
+    assert e.value.errno == errno.ENOENT and e.value.fix == "create it first, or fix the path"
+    assert f"the directory {tmp_path / 'missing'} does not exist" in e.value.message

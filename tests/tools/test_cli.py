@@ -159,6 +159,23 @@ def test_inspect_json_is_strict_json_with_non_finite_metrics(tmp_path, cli):
     assert data['trainer_state'] == {'best_loss': {'$float': '-inf'}}
 
 
+def test_inspect_shows_a_typed_keys_array_shape_in_text_and_json(tmp_path, cli):
+    """A scalar key was listed with its key data's shape `(2,)`; `verify` names no shape."""
+    import jax
+
+    import jckpt
+    path = tmp_path / 'keys.jckpt'
+    jckpt.save(jckpt.Context(), {'k': jax.random.key(0),
+                                 'ks': jax.random.split(jax.random.key(1), 3)}, path)
+    rows = {line.split()[1]: line.split()[2:4] for line in cli('inspect', path).stdout.splitlines()
+            if line.startswith('jckpt ')}
+    assert rows == {'k': ['key<threefry2x32>', '()'], 'ks': ['key<threefry2x32>', '(3,)']}
+    entries = json.loads(cli('inspect', path, '--json').stdout)['entries']
+    assert [(e['shape'], e['key_impl']) for e in entries] == [([], 'threefry2x32'),
+                                                              ([3], 'threefry2x32')]
+    assert cli('verify', path).returncode == 0
+
+
 def test_inspect_unmappable_payload(tmp_path, cli):
     """A float32 payload at an odd absolute offset (alignment 1) is reported as copied."""
     path = write(tmp_path / 'odd.jckpt', {'b': np.ones(3, np.uint8), 'w': np.ones(2, np.float32)},

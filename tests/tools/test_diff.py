@@ -224,8 +224,21 @@ def test_a_typed_key_against_its_raw_data_differs(tmp_path):
     jckpt.save(jckpt.Context(), {'k': key}, tmp_path / 'key.jckpt')
     jckpt.save(jckpt.Context(), {'k': jax.random.key_data(key)}, tmp_path / 'raw.jckpt')
     d = diff(tmp_path / 'key.jckpt', tmp_path / 'raw.jckpt').entries[0]
-    assert d.mismatched == 0 and d.dtype_a == d.dtype_b and not d.same
-    assert d.changes == ['key threefry2x32 -> (plain array)']
+    assert d.mismatched == 0 and d.dtype_a == d.dtype_b and not d.same  # the same bits
+    assert d.changes == ['shape () -> (2,)', 'key threefry2x32 -> (plain array)']
+
+
+def test_a_typed_keys_shape_is_the_key_arrays_as_inspect_shows_it(tmp_path):
+    """A scalar key's shape was its key data's, `(2,)`, where a load returns a key of shape ()."""
+    one, many = jax.random.key(1), jax.random.split(jax.random.key(2), 3)
+    jckpt.save(jckpt.Context(), {'k': one, 'ks': many}, tmp_path / 'a.jckpt')
+    jckpt.save(jckpt.Context(), {'k': jax.random.key(3), 'ks': many[:2]}, tmp_path / 'b.jckpt')
+    r = diff(tmp_path / 'a.jckpt', tmp_path / 'b.jckpt')
+    shapes = {d.name: (d.shape_a, d.shape_b) for d in r.entries}
+    assert shapes == {'jckpt/k': ((), ()), 'jckpt/ks': ((3,), (2,))}
+    ks = next(d for d in r.entries if d.name == 'jckpt/ks')
+    assert ks.changes == ['shape (3,) -> (2,)'] and 'shape (3,) -> (2,)' in r.render()
+    assert json.loads(json.dumps(r.to_dict()))['entries'][0]['shape_a'] == []
 
 
 # --- what is compared --------------------------------------------------------------------------

@@ -218,3 +218,37 @@ def test_tree_size_counts_files_below_and_links_as_links(tmp_path):
     os.symlink(tmp_path / 'sub' / 'b', tmp_path / 'link')
     assert tree_size(str(tmp_path)) == 10 + 1000 + os.lstat(tmp_path / 'link').st_size
     assert tree_size(str(tmp_path / 'missing')) == 0
+
+
+KEYS = {'k': jax.random.key(0), 'ks': jax.random.split(jax.random.key(1), 3),
+        'r': jax.random.key(2, impl='rbg')}
+
+
+def test_a_typed_key_shows_the_key_arrays_shape_not_its_datas(tmp_path):
+    """A scalar threefry key was listed as `key<threefry2x32> (2,)`: its key data's shape."""
+    path = tmp_path / 'keys.jckpt'
+    jckpt.save(jckpt.Context(), KEYS, path)
+    s = file_info(path)
+    got = {e.path: (e.key_impl, e.shape) for e in s.entries}
+    assert got == {'k': ('threefry2x32', ()), 'ks': ('threefry2x32', (3,)), 'r': ('rbg', ())}
+    assert {p: e.shape for p, e in KEYS.items()} == {p: shape for p, (_, shape) in got.items()}
+    rows = {line.split()[1]: line.split()[2:4] for line in repr(s).splitlines()
+            if line.startswith('jckpt ')}
+    assert rows == {'k': ['key<threefry2x32>', '()'], 'ks': ['key<threefry2x32>', '(3,)'],
+                    'r': ['key<rbg>', '()']}
+    data = json.loads(json.dumps(s.to_dict()))
+    assert [(e['path'], e['shape'], e['key_impl']) for e in data['entries']] == [
+        ('k', [], 'threefry2x32'), ('ks', [3], 'threefry2x32'), ('r', [], 'rbg')]
+
+
+def test_a_typed_key_in_a_directory_checkpoint_shows_the_key_arrays_shape(tmp_path):
+    with jckpt.CheckpointManager(tmp_path / 'run', directory_steps=True) as mgr:
+        mgr.save(1, KEYS)
+    step = tmp_path / 'run' / 'step_00000001.jckpt'
+    s = jckpt.info(step)
+    assert isinstance(s, DirectoryInfo)
+    assert {a.path: (a.key_impl, a.shape) for a in s.arrays} == {
+        'k': ('threefry2x32', ()), 'ks': ('threefry2x32', (3,)), 'r': ('rbg', ())}
+    assert [a['shape'] for a in json.loads(json.dumps(s.to_dict()))['arrays']] == [[], [3], []]
+    piece = {e.path: e for e in file_info(os.path.join(step, s.files[0].name)).entries}['ks']
+    assert (piece.shape, piece.global_dims, piece.slice) == ((3,), (3,), ((0, 3),))
