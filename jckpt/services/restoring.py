@@ -166,7 +166,8 @@ def recovered(backend: Backend, directory: str, rank: int, ranks: int, read_only
         found = steps.recover(backend, directory, clean=False)
     except CheckpointError as e:
         failure = e
-    listed = agree("listing the steps", directory, failure, process=rank, processes=ranks,
+    where = os.path.abspath(directory) if backend is LOCAL else directory  # as a writer's open
+    listed = agree("listing the steps", where, failure, process=rank, processes=ranks,
                    value=sorted(found.metrics))
     return common_steps(found, listed)
 
