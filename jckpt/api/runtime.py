@@ -132,8 +132,9 @@ class Runtime:
         except Exception as e:
             reached = [ln.strip() for ln in str(e).splitlines() if 'reached the barrier' in ln]
             waited = time.monotonic() - start
-            outcome = ("whether it was published is not known: check the checkpoint"
-                       if name == 'published' else "nothing was published")
+            outcome = {'published': "whether it was published is not known: check the checkpoint",
+                       'opened': "the processes only meet there: nothing was written"
+                       }.get(name, "nothing was published")
             raise DistributedError(f"not every process {what} (waited {waited:.1f} s of "
                                    f"{self.timeout_ms / 1000:g}{self._missing(name)}); {outcome} "
                                    f"({'; '.join([first_line(e), *reached])})", file=self.path,
@@ -199,9 +200,10 @@ def first_line(e: BaseException) -> str:
 
 
 def agree(what: str, path: str, failure: BaseException | None, *, process: int, processes: int,
-          timeout: float | None = None) -> None:
+          timeout: float | None = None, value: Any = None) -> list[Any]:
     """Meet every process, each saying whether its part of `what` failed; raise the same
-    error in every process when one did.
+    error in every process when one did, else return every process's `value` (JSON), by
+    process (what each found: a reader's processes keep the steps they all list).
 
     Each process reports its `failure` (or none) and waits at a barrier (up to
     `timeout` seconds, default `barrier_timeout`), so the processes that
@@ -218,12 +220,13 @@ def agree(what: str, path: str, failure: BaseException | None, *, process: int, 
     if processes == 1:
         if failure is not None:
             raise failure
-        return
+        return [value]
     with _OPENS_LOCK:
         n = next(_OPENS)
     rt = Runtime(f"jckpt/agree/{n}", path, barrier_timeout() if timeout is None else float(timeout),
                  processes, process, announce=None)
-    rt.put(f"said/{process}", json.dumps({'path': os.fspath(path), **_described(failure)}))
+    rt.put(f"said/{process}", json.dumps({'path': os.fspath(path), 'value': value,
+                                          **_described(failure)}))
     try:
         rt.barrier('opened', f"reached {what}")
     except DistributedError:
@@ -240,6 +243,7 @@ def agree(what: str, path: str, failure: BaseException | None, *, process: int, 
     failed = [(k, d) for k, d in said if d['type'] is not None]
     if failed:
         raise _common(what, path, failed) from failure
+    return [d.get('value') for _, d in said]
 
 
 def _described(e: BaseException | None) -> dict[str, str | None]:

@@ -207,8 +207,7 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
               else self.directory, failure, process=self._rank, processes=self._ranks)
 
     def _recover(self) -> str | None:
-        found = steps.recover(self.backend, self.directory,
-                              clean=self._rank == 0 and not self.read_only)
+        found = restoring.recovered(self.backend, self.directory, self._rank, self._ranks, self.read_only)
         steps.say_if_orbax(self.directory, found.metrics)
         self._view.reset(found.metrics, found.folders, found.indexed)
         self._found = found.latest
@@ -218,6 +217,7 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
         """Read the directory again (a read-only manager): the steps a writer published (and
         retention left) since, as `all_steps()` returns them. Queries and `restore()` use the
         listing of the last `reload` (or the open): `reader.reload(); r = reader.restore()`.
+        With several processes, all call it together and keep the steps they all found.
         """
         if not self.read_only:
             raise InputError("reload reads the steps another manager wrote: this manager is "

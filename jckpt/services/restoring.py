@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jckpt.api.context import Context, check_flag
+from jckpt.api.runtime import agree
 from jckpt.errors import CheckpointError, FormatError, InputError
 from jckpt.format.names import METRICS_KEY, TRAINER_STATE_KEY, step_name
 from jckpt.services import steps
@@ -244,4 +245,44 @@ def check_reader(backend: Backend, directory: str, writes: Sequence[tuple[str, A
                           fix="check the path, or open the reader once the run has made it")
 
 
-__all__ = ['Loaded', 'Restored', 'StepReader', 'check_reader', 'read_only_refusal', 'read_step']
+def common_steps(found: steps.Found, listed: Sequence[Sequence[int]]) -> steps.Found:
+    """`found`, less the steps another process of the run did not find (`listed`: each
+    process's steps): what a read-only manager's processes all list, and restore by default,
+    when the writer published or deleted a step between their listings (each restoring its
+    latest would mix two steps in one global array).
+
+    >>> found = steps.Found({1: {}, 2: {}, 3: {}}, frozenset({3}), None)
+    >>> sorted(common_steps(found, [[1, 2], [1, 2, 3]]).metrics)
+    [1, 2]
+    """
+    kept = set(found.metrics).intersection(*listed)
+    if kept == set(found.metrics):
+        return found
+    latest = found.latest if kept and max(kept) == max(found.metrics) else None  # else read again
+    return dataclasses.replace(found, metrics={s: m for s, m in found.metrics.items() if s in kept},
+                               folders=found.folders & kept, latest=latest,
+                               indexed=found.indexed & kept)
+
+
+def recovered(backend: Backend, directory: str, rank: int, ranks: int, read_only: bool
+              ) -> steps.Found:
+    """What a manager of process `rank` of `ranks` finds opening (or a reader reloading)
+    `directory` (`steps.recover`: process 0 of a writer cleans up first). A reader's
+    processes list together (`agree`: one that cannot fails them all at once) and keep
+    the steps they all found (`common_steps`); so every process must open and `reload`.
+    """
+    if not read_only:
+        return steps.recover(backend, directory, clean=rank == 0)
+    found, failure = steps.Found({}, frozenset(), None), None
+    try:
+        found = steps.recover(backend, directory, clean=False)
+    except CheckpointError as e:
+        failure = e
+    where = os.path.abspath(directory) if backend is LOCAL else directory  # as a writer's open
+    listed = agree("listing the steps", where, failure, process=rank, processes=ranks,
+                   value=sorted(found.metrics))
+    return common_steps(found, listed)
+
+
+__all__ = ['Loaded', 'Restored', 'StepReader', 'check_reader', 'common_steps', 'read_only_refusal',
+           'read_step', 'recovered']

@@ -151,3 +151,18 @@ def test_the_barrier_timeout_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("JCKPT_BARRIER_TIMEOUT", "soon")
     with pytest.raises(jckpt.InputError, match="JCKPT_BARRIER_TIMEOUT='soon'"):
         runtime_mod.barrier_timeout()
+
+
+
+def test_agree_returns_every_processs_value_by_process(monkeypatch):
+    said = json.dumps({"path": "run", "value": [1, 2], "type": None, "message": None, "fix": None})
+    client = FakeClient(peers={"said/1": said})
+    monkeypatch.setattr(runtime_mod, "client", lambda processes, path: client)
+    assert agree("listing the steps", "run", None, process=0, processes=2, timeout=5,
+                 value=[1]) == [[1], [1, 2]]
+    assert agree("listing the steps", "run", None, process=0, processes=1, value=[3]) == [[3]]
+    blocked = FakeClient(blocked={"opened"})
+    monkeypatch.setattr(runtime_mod, "client", lambda processes, path: blocked)
+    with pytest.raises(jckpt.DistributedError, match="not every process reached listing the steps") as e:
+        agree("listing the steps", "run", None, process=0, processes=2, timeout=1)
+    assert "nothing was written" in e.value.message and "published" not in e.value.message

@@ -55,3 +55,46 @@ def test_the_manager_reads_through_its_read_side(saved):
     with jckpt.CheckpointManager(str(saved).rsplit("/", 1)[0], read_only=True) as reader:
         assert reader.all_steps() == [3] and reader.best_step("loss") == 3
         assert reader.metrics(3) == {"loss": 0.25} and reader.restore().step == 3
+
+
+def test_a_readers_processes_keep_the_steps_they_all_found():
+    """The writer published step 3 between the listings of a reader's two processes: the one
+    that found it leaves it out, and the latest step's metadata, read for another step, with
+    it (it is read again); a listing the others share is kept as it is."""
+    from jckpt.services import restoring, steps
+
+    found = steps.Found({1: {}, 2: {"loss": 0.5}, 3: {}}, frozenset({2, 3}), ({"step": "3"}, None),
+                        indexed=frozenset({3}))
+    kept = restoring.common_steps(found, [[1, 2], [1, 2, 3]])
+    assert (kept.metrics, kept.folders, kept.indexed, kept.latest) == (
+        {1: {}, 2: {"loss": 0.5}}, frozenset({2}), frozenset(), None)
+    same = steps.Found({1: {}, 2: {}}, frozenset(), ({"step": "2"}, None))
+    assert restoring.common_steps(same, [[1, 2], [1, 2, 3]]) is same
+
+
+def test_a_readers_processes_list_together_and_fail_together(tmp_path, monkeypatch):
+    """What each process of a reader lists goes to the others (`agree`), and so does a
+    failure to list: the others fail at once rather than at a barrier's timeout."""
+    from jckpt.services import restoring, steps
+    from jckpt.storage.backend import LOCAL
+
+    with jckpt.CheckpointManager(tmp_path) as mgr:
+        for step in (1, 2):
+            mgr.save(step, TREE)
+    told = []
+
+    def agree(what, path, failure, *, process, processes, value):
+        told.append((what, path, failure, process, processes, value))
+        if failure is not None:
+            raise failure
+        return [[1], value]
+    monkeypatch.setattr(restoring, "agree", agree)
+    found = restoring.recovered(LOCAL, str(tmp_path), 1, 2, True)
+    assert sorted(found.metrics) == [1] and told == [("listing the steps", str(tmp_path), None,
+                                                      1, 2, [1, 2])]
+    assert sorted(restoring.recovered(LOCAL, str(tmp_path), 0, 1, False).metrics) == [1, 2]
+    broken = jckpt.StorageError("listing failed", file=str(tmp_path))
+    monkeypatch.setattr(steps, "recover", lambda *a, **k: (_ for _ in ()).throw(broken))
+    with pytest.raises(jckpt.StorageError, match="listing failed"):
+        restoring.recovered(LOCAL, str(tmp_path), 1, 2, True)
+    assert told[-1][2] is broken and told[-1][5] == []

@@ -452,6 +452,31 @@ def test_orbax_checkpoints_sharded_across_two_processes_restore_onto_one_process
                                   ["jckpt"]["w"], expected("w", 1))
 
 
+def test_the_processes_of_an_evaluation_job_restore_the_same_step(tmp_path):
+    """Each process of a read-only manager listed the directory on its own: a step the
+    writer published between process 0's listing and process 1's was the latest for process 1
+    only, and a restore onto a sharding over both processes mixed two steps' shards."""
+    import jckpt
+    from tests.helpers import cpu_mesh
+
+    run, side = tmp_path / "run", tmp_path / "side"
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    sharding = NamedSharding(cpu_mesh((4,), ("x",)), P("x"))
+    import jax
+    with jckpt.CheckpointManager(run, directory_steps=True) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"x": jax.device_put(np.full(8, step, np.float32), sharding)})
+        mgr.wait_durable()
+    side.mkdir()
+    os.rename(run / "step_00000002.jckpt", side / "step_00000002.jckpt")  # published during the job
+    found = check(run_pair("readers", run, {"JCKPT_BARRIER_TIMEOUT": "30"}))
+    assert found[0]["steps"] == found[1]["steps"] == [[1], [1]], found
+    assert found[0]["restored"] == found[1]["restored"] == 1 and all(
+        r["ok"] for r in found.values()), found
+    assert sorted(os.listdir(run)) == ["step_00000001.jckpt", "step_00000002.jckpt"]
+
+
 # --- the worker ------------------------------------------------------------------------------
 
 def _attempt(jckpt, tree, path, timeout=None):
@@ -700,11 +725,45 @@ def phase_file_steps(jax, jckpt, result, path):
     result["ok"] = True
 
 
+def phase_readers(jax, jckpt, result, path):
+    """An evaluation job's read-only managers, one per process: process 1 publishes step 2
+    (the writer's rename) once process 0 has listed the directory, then reloads."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jckpt.services import steps
+
+    listed = os.path.join(os.path.dirname(path), "listed")
+    if jax.process_index() == 0:
+        recover = steps.recover
+
+        def recover_then_say(*args, **kwargs):
+            found = recover(*args, **kwargs)
+            with open(listed, "a") as f:  # one line per listing: the open's, the reload's
+                f.write("listed\n")
+            return found
+        steps.recover = recover_then_say
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")), ("x",))
+    target = {"x": jax.ShapeDtypeStruct((8,), np.float32, sharding=NamedSharding(mesh, P("x")))}
+    with jckpt.CheckpointManager(path, read_only=True) as mgr:
+        seen = [mgr.all_steps()]
+        if jax.process_index() == 1:
+            while not os.path.exists(listed) or open(listed).read().count("\n") < 2:
+                time.sleep(0.01)
+            os.rename(os.path.join(os.path.dirname(path), "side", "step_00000002.jckpt"),
+                      os.path.join(path, "step_00000002.jckpt"))
+        seen.append(mgr.reload())
+        back = mgr.restore(target=target)
+    ok = all(bool(np.array_equal(np.asarray(s.data), np.full(8, back.step, np.float32)[s.index]))
+             for s in back.tree["x"].addressable_shards)
+    result.update(steps=seen, restored=back.step, ok=ok)
+
+
 PHASES = {"lonesame": phase_lone_save_of_the_same_path, "openconflict": phase_open_beside_a_live_run,
           "meshsave": phase_mesh_save, "meshrestore": phase_mesh_restore,
           "killed": phase_killed_mid_save, "preempted": phase_preempted,
           "stages": phase_stages,
-          "filesteps": phase_file_steps}
+          "filesteps": phase_file_steps, "readers": phase_readers}
 
 
 def worker(phase, process, port, path, processes=2, devices=2):
