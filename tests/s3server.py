@@ -126,11 +126,12 @@ def markers_of(url: str) -> list[str]:
 
 
 def plant_marker(url: str, token: str, **holder) -> None:
-    """A marker as another writer of `url` would have put it (this host, this pid, now, unless given)."""
+    """A marker as another writer of `url` would have put it (this host, a running process: this
+    one's parent, now, unless given; this process's own markers are its uploads')."""
     import obstore
 
     u = ObjectURL.parse(url)
-    record = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), **holder}
+    record = {"host": socket.gethostname(), "pid": os.getppid(), "time": time.time(), **holder}
     obstore.put(store_for(u), f"{u.key}{UPLOAD_TAG}{token}", json.dumps(record).encode())
 
 

@@ -29,6 +29,7 @@ import operator
 import os
 import re
 import secrets
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -383,6 +384,7 @@ class DirectoryReader:
         self.header = Header(tensors=tuple(a.entry for a in arrays), alignment=ih.alignment,
                              writer=ih.writer, metadata=ih.metadata)
         self._readers: dict[int, CheckpointReader] = {}
+        self._open = threading.Lock()  # placement reads several arrays at once: one open per piece
         self._entries: dict[int, dict[tuple[str, Any], Entry]] = {}
         self._verified: set[tuple[int, Any]] = set()
         self._pieces = FetchCache(PIECE_CACHE_BYTES)  # remote pieces, fetched and verified
@@ -401,6 +403,10 @@ class DirectoryReader:
                                   "checkpoint")
 
     def _reader(self, fi: int) -> CheckpointReader:
+        with self._open:
+            return self._opened(fi)
+
+    def _opened(self, fi: int) -> CheckpointReader:
         reader = self._readers.get(fi)
         if reader is None:
             path = os.path.join(self.path, self.files[fi])

@@ -37,7 +37,9 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import secrets
+import socket
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -102,8 +104,20 @@ def _parse(data: bytes) -> dict[str, Any]:
     return holder if isinstance(holder, dict) else {}
 
 
-def _is_dead(holder: dict[str, Any]) -> bool:
-    return holder is not UNKNOWN and gone(holder)
+#: `(bucket, marker key)` of this process's uploads in progress: a marker of this process not
+#: among them is its writer's, whose upload ended without deleting it (the store did not answer).
+_OPEN: set[tuple[str, str]] = set()
+
+
+def _is_dead(bucket: str, key: str, holder: dict[str, Any]) -> bool:
+    if holder is UNKNOWN:
+        return False
+    mine = holder.get('host') == socket.gethostname() and holder.get('pid') == os.getpid()
+    return gone(holder) or (mine and (bucket, key) not in _OPEN)
+
+
+def _all_dead(bucket: str, holders: Holders) -> bool:
+    return bool(holders) and all(_is_dead(bucket, k, h) for k, h in holders.items())
 
 
 def reclaim(api: S3Api, u: ObjectURL, own: str) -> int:
@@ -116,13 +130,13 @@ def reclaim(api: S3Api, u: ObjectURL, own: str) -> int:
     listed = dict(api.keys(u.key + UPLOAD_TAG))
     listed.pop(own, None)
     holders = _holders(u, listed, {})
-    if not any(_is_dead(h) for h in holders.values()) or not all(_is_dead(h) for h in holders.values()):
+    if not _all_dead(u.bucket, holders):
         return 0
     uploads = api.uploads(u.key)
     again = dict(api.keys(u.key + UPLOAD_TAG))
     again.pop(own, None)
     holders = _holders(u, again, holders)
-    if not holders or not all(_is_dead(h) for h in holders.values()):
+    if not _all_dead(u.bucket, holders):
         return 0
     aborted = sum(api.abort(u.key, upload_id) for upload_id in owned(uploads, again.values()))
     obstore_module().delete(store_for(u), list(holders))
@@ -152,6 +166,7 @@ class UploadMarker:
         store = store_for(self.u)
         if self.u.kind != 's3' or type(store).__name__ != 'S3Store':
             return self
+        _OPEN.add((self.u.bucket, self.key))  # before it is seen: never taken for a dead one's
         try:
             obstore_module().put(store, self.key, record())
             self.placed = True
@@ -189,6 +204,7 @@ class UploadMarker:
             except Exception as e:
                 log.warning("could not delete the upload marker %s/%s: %s", self.u.bucket, self.key, e)
             self.placed = False
+        _OPEN.discard((self.u.bucket, self.key))  # a marker left behind is now a dead one's
 
     def __repr__(self) -> str:
         return f"UploadMarker({self.u.url!r}, placed={self.placed})"

@@ -13,15 +13,19 @@ move array data between numpy and JAX.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import functools
 import mmap as mmap_mod
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
 from jckpt.errors import FormatError
+from jckpt.storage.lazy import LazyArray
 from jckpt.trees import packing
 from jckpt.trees import sharding as sharding_mod
 
@@ -260,6 +264,7 @@ def place_all(requests: list[tuple[Any, Any, str, str | None]], *, host: bool, d
     known: dict[tuple, tuple[Any, Any]] = {}  # a request's kind -> (its sharding, plain_target's)
     unsharded: list[str] = []  # array specs that say nowhere to go (`warn_unsharded_specs`)
     on_mesh = context_placement(device, host)
+    deferred: list[tuple[int, Callable[[], Any]]] = []  # `place` calls, made after the loop
     for i, (array, target, where, key_impl) in enumerate(requests):
         if host and target is None and key_impl is None and type(array) is np.ndarray:
             out[i] = array  # what `place` gives: a host load takes the array as read
@@ -280,20 +285,42 @@ def place_all(requests: list[tuple[Any, Any, str, str | None]], *, host: bool, d
             dest = plain_target(array, target, host=host, device=device, key_impl=key_impl)
             known[kind] = (sharding, dest)
         if dest is None:
-            out[i] = place(array, target, host=host, device=device, where=where,
-                           key_impl=key_impl, file=file)
+            deferred.append((i, functools.partial(place, array, target, host=host, device=device,
+                                                   where=where, key_impl=key_impl, file=file)))
             continue
         if array.nbytes >= (1 << 16) and array.ctypes.data % CPU_ALIAS_ALIGNMENT and _is_cpu(dest):
             array = aligned_copy(array)
         batch.append(i)
         arrays.append(array)
         dests.append(dest)
+    for i, value in zip([i for i, _ in deferred], _call_all(
+            [call for _, call in deferred], [type(requests[i][0]) is LazyArray for i, _ in deferred])):
+        out[i] = value
     if unsharded and device is None and not host:
         warn_unsharded_specs(unsharded, file or '')
     if arrays:
         for i, value in zip(batch, _put_grouped(arrays, dests)):
             out[i] = value
     return out
+
+
+#: Lazily read arrays (an object store's payloads) placed at once: each waits on its reads.
+LAZY_WORKERS = 8
+
+
+def _call_all(calls: list[Callable[[], Any]], lazy: list[bool]) -> list[Any]:
+    """Each of `calls`' result, in order; those that read a `LazyArray` (`lazy`) run
+    `LAZY_WORKERS` at a time when there are several: one array's reads (each a request to the
+    store, box by box) were waited for before the next array's were made.
+
+    >>> _call_all([lambda: 1, lambda: 2], [True, True])
+    [1, 2]
+    """
+    if sum(lazy) < 2:
+        return [call() for call in calls]
+    with concurrent.futures.ThreadPoolExecutor(min(LAZY_WORKERS, sum(lazy))) as pool:
+        futures = {i: pool.submit(call) for i, call in enumerate(calls) if lazy[i]}
+        return [futures[i].result() if i in futures else call() for i, call in enumerate(calls)]
 
 
 def _put_grouped(arrays: list[np.ndarray], dests: list[Any]) -> list[jax.Array]:

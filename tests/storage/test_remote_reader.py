@@ -4,9 +4,12 @@ Its object is a `BytesSource` that logs each read, so each test sees exactly
 which bytes were asked for.
 """
 
+import threading
+
 import numpy as np
 import pytest
 
+import jckpt
 from jckpt.errors import ChecksumError, FormatError
 from jckpt.storage import remote_reader
 from jckpt.storage.lazy import record_reads
@@ -170,3 +173,37 @@ def test_damage_and_truncation(stored):
     assert e.value.file == "memory://b/m.jckpt"
     with pytest.raises(FormatError, match="extends past the end"):
         RemoteReader(BytesSource(data[:len(data) // 2]), "memory://b/m.jckpt")
+
+
+class Together:
+    """Reads that each wait (up to 10 s) for a second read to be in flight with it: `alone`
+    counts the reads that found none, as a reader that reads one payload after another does."""
+
+    def __init__(self, read_into):
+        self.read_into, self.alone = read_into, 0
+        self.barrier = threading.Barrier(2, timeout=10)
+
+    def read(self, source, dest, offset, version):
+        try:
+            self.barrier.wait()
+        except threading.BrokenBarrierError:
+            self.alone += 1
+            self.barrier.reset()
+        self.read_into(source, dest, offset, version)
+
+
+def test_a_restore_reads_the_payloads_of_many_entries_concurrently(monkeypatch):
+    # two payloads of one GET each (below a part): a restore of a model of many such tensors was
+    # one GET after another, latency-bound however many requests the store allows in flight
+    from jckpt.storage.object_store import ObjectSource
+
+    tree = {"x": np.arange(1 << 17, dtype=np.float32), "y": np.ones(1 << 18, np.float32)}
+    url = "memory://remote-reader-together/m.jckpt"
+    jckpt.save(jckpt.Context(), tree, url)
+    together = Together(ObjectSource.read_into)
+    monkeypatch.setattr(ObjectSource, "read_into",
+                        lambda source, dest, offset, version: together.read(source, dest, offset, version))
+    got = jckpt.restore(jckpt.Context(host=True), tree, url)
+    for name, want in tree.items():
+        np.testing.assert_array_equal(got[name], want)
+    assert together.alone == 0

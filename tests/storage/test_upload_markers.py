@@ -97,7 +97,7 @@ def test_a_live_writers_upload_is_never_aborted(s3):
     url = f"{s3}/model.jckpt"
     plant_marker(url, "dead", pid=dead_pid())
     dead = start_upload(url)
-    plant_marker(url, "live")  # this test's own process: it runs
+    plant_marker(url, "live")  # a process that runs
     live = start_upload(url)
     jckpt.save(jckpt.Context(), BIG, url)
     assert uploads_of(url) == sorted([("model.jckpt", dead), ("model.jckpt", live)])
@@ -196,3 +196,15 @@ def test_no_marker_where_uploads_cannot_be_listed():
             assert not marker.placed
     finally:
         object_store.configure("s3://not-s3-store")
+
+
+def test_a_marker_this_process_left_is_reclaimed_by_its_next_upload(s3):
+    # a store that stopped answering mid-upload: the upload, created server-side, and its marker
+    # outlived the failed save; the marker named this very process, which runs, so the retry of
+    # the key (a manager retries a failed step) took it for a live writer's and left both
+    url = f"{s3}/run/step_00000002.jckpt"
+    plant_marker(url, "stalled", pid=os.getpid())
+    stalled = start_upload(url)
+    with UploadMarker(ObjectURL.parse(url)):
+        assert (url.removeprefix(f"{s3}/"), stalled) not in uploads_of(url)
+    assert markers_of(url) == []

@@ -2,6 +2,8 @@
 
 import json
 import os
+import sys
+import threading
 
 import numpy as np
 import pytest
@@ -12,6 +14,8 @@ from jckpt.storage import backend_for
 from jckpt.tools.manager_info import ManagerInfo, StepInfo, manager_info, step_info
 from jckpt.tools.render import human_bytes
 from tests.helpers import write_arrays, write_directory
+
+manager_info_mod = sys.modules[ManagerInfo.__module__]
 
 
 def _step(directory, step, metrics, **meta):
@@ -267,3 +271,26 @@ def test_a_damaged_record_in_a_bucket_is_shown_as_the_steps_error():
         staging.publish()
     [step] = manager_info(url).steps
     assert step.kind == "model" and "not valid JSON" in step.error
+
+
+def test_the_steps_of_a_bucket_are_read_concurrently(monkeypatch):
+    # one GET per step: read in turn, a prefix of a thousand steps took a thousand round trips
+    barrier, alone = threading.Barrier(2, timeout=10), []
+    read = manager_info_mod.step_info
+
+    def step_info(step, path, **kwargs):
+        try:
+            barrier.wait()
+        except threading.BrokenBarrierError:
+            alone.append(step)
+            barrier.reset()
+        return read(step, path, **kwargs)
+
+    url = "memory://manager-info-together/run"
+    with jckpt.CheckpointManager(url) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": np.ones(2, np.float32)}, force=True)
+    monkeypatch.setattr(manager_info_mod, "step_info", step_info)
+    got = manager_info_mod.manager_info(url)
+    assert [s.step for s in got.steps] == [1, 2] and got.latest == 2
+    assert alone == []

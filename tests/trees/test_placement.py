@@ -1,5 +1,6 @@
 """Host to device (placement.place, place_all)."""
 
+import threading
 import warnings
 from contextlib import nullcontext
 
@@ -10,6 +11,8 @@ import pytest
 
 import jckpt
 from jckpt.errors import FormatError
+from jckpt.format.boxes import box_shape
+from jckpt.storage.lazy import LazyArray
 from jckpt.trees import placement
 from tests.helpers import cpu_devices, cpu_mesh
 
@@ -226,3 +229,26 @@ def test_a_weakly_typed_target_off_the_mesh_in_context_comes_back_weakly_typed(t
             target = jax.ShapeDtypeStruct((), np.int32, sharding=sharding, weak_type=True)
             got = jckpt.restore(jckpt.Context(), {"step": target}, str(tmp_path / "s.jckpt"))["step"]
             assert got.weak_type and got.sharding == sharding and int(got) == 7
+
+
+def test_place_all_reads_lazy_arrays_concurrently():
+    # a lazily read array is an object store's payload, each box a request: placing one after
+    # another made a restore with verify=False wait on each request before making the next
+    barrier, alone = threading.Barrier(2, timeout=10), []
+
+    def read(box):
+        try:
+            barrier.wait()
+        except threading.BrokenBarrierError:
+            alone.append(box)
+            barrier.reset()
+        return np.ones(box_shape(box), np.float32)
+
+    mesh = cpu_mesh((2,), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    requests = [(LazyArray((4,), np.float32, read), jax.ShapeDtypeStruct((4,), np.float32,
+                                                                          sharding=sharding), w, None)
+                for w in ("a", "b")]
+    placed = placement.place_all(requests, host=False, device=None)
+    assert [np.asarray(p).tolist() for p in placed] == [[1.0] * 4] * 2
+    assert alone == []
