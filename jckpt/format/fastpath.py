@@ -89,6 +89,15 @@ def _piece(slc: str, global_dims: str, dims: tuple[int, ...]
     return box, whole
 
 
+class RepeatedEntry(ValueError):
+    """An entry of the tensors list repeats the one before it verbatim: a duplicate
+    identity, found before the entries after it are built (`index`: its place)."""
+
+    def __init__(self, index: int):
+        super().__init__(f"duplicate entry identity: tensor #{index} repeats the one before it")
+        self.index = index
+
+
 def canonical_entries(text: str, *, accelerate: bool = True) -> tuple[list[Entry], int, int] | None:
     """Entries of a header laid out as jckpt writes it, or None to use the general reader.
 
@@ -96,16 +105,36 @@ def canonical_entries(text: str, *, accelerate: bool = True) -> tuple[list[Entry
     parentheses around the tensors list, so the rest can be read generally.
     `accelerate=False` uses the regular expression even when the C
     accelerator is built (the tests compare the two).
+
+    Raises `RepeatedEntry` at the first entry whose text is the one before it
+    again (every reader refuses it): a crafted header of one entry repeated
+    hundreds of thousands of times is refused after two entries, not after all
+    of them are built.
+
+    >>> e = ('((id 0) (namespace a) (label ()) (prec Single_prec) (dims ()) (padding none) '
+    ...      '(offset 0) (byte_length 4))')
+    >>> canonical_entries(f'((version 1) (tensors ({e} {e})))')
+    Traceback (most recent call last):
+    ...
+    jckpt.format.fastpath.RepeatedEntry: duplicate entry identity: tensor #1 repeats the one before it
     """
     head = _CANONICAL_HEAD.match(text)
     if head is None:
         return None
     if accelerate and accelerator is not None:
         found = accelerator.decode_entries(text, head.end(), Entry, _FIELDS, _PREC_SIZES, _KINDS)
+        if isinstance(found, int):
+            raise RepeatedEntry(found)
         if found is None or not _within_limits(found[0]):
             return None
         return found[0], head.end() - 1, found[1]
-    scanner = _CANONICAL_ENTRY.scanner(text, head.end())
+    found = _regex_entries(text, head.end())
+    return None if found is None else (found[0], head.end() - 1, found[1])
+
+
+def _regex_entries(text: str, start: int) -> tuple[list[Entry], int] | None:
+    """What the C accelerator's `decode_entries` gives, with the regular expression."""
+    scanner = _CANONICAL_ENTRY.scanner(text, start)
     entries: list[Entry] = []
     append = entries.append
     new = object.__new__
@@ -114,8 +143,12 @@ def canonical_entries(text: str, *, accelerate: bool = True) -> tuple[list[Entry
     prod = math.prod
     int_kinds = INT_KINDS
     findall = _COMPONENT.findall
-    pos = head.end()
+    pos = start
+    last = ''
     while (m := scanner.match()) is not None:
+        if (entry := m[0].lstrip(' \t\n\r\f\v')) == last:
+            raise RepeatedEntry(len(entries))
+        last = entry
         (ident, namespace, label, prec, dims, offset, byte_length, path, algo, digest,
          key_impl, slc, global_dims) = m.groups()
         if prec not in precs.ALL_PRECS:
@@ -142,7 +175,7 @@ def canonical_entries(text: str, *, accelerate: bool = True) -> tuple[list[Entry
     tail = _CANONICAL_TAIL.match(text, pos)
     if tail is None or text[tail.end() - 1] != ')' or not _within_limits(entries):
         return None
-    return entries, head.end() - 1, tail.end() - 1
+    return entries, tail.end() - 1
 
 
 # --- the pieces of a directory index, kept as text ---------------------------------------------
@@ -264,4 +297,5 @@ def with_canonical_lists(text: str, decode: Callable[[str], Header], file: str |
     return decode(text)
 
 
-__all__ = ['PLACEHOLDER', 'accelerator', 'canonical_entries', 'loose_piece_lists', 'with_canonical_lists']
+__all__ = ['PLACEHOLDER', 'RepeatedEntry', 'accelerator', 'canonical_entries', 'loose_piece_lists',
+           'with_canonical_lists']
