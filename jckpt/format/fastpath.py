@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from array import array
 from collections.abc import Callable
 from typing import Any
 
@@ -197,24 +198,70 @@ _LOOSE_FIELD = re.compile(rf"\({_W}*+pieces{_W}*+\(")
 PLACEHOLDER = '%jckpt-list-'
 
 
-def _splice_lists(text: str) -> tuple[str, dict[str, str]] | None:
+class _Kept:
+    """The pieces lists cut out of a text, by placeholder name: where each lies in the text
+    (two 8-byte numbers a list, not a string and a dict slot: a crafted index of hundreds
+    of thousands of arrays held some 200 bytes a list before its scan began)."""
+
+    def __init__(self, text: str, starts: array, stops: array):
+        self._text, self._starts, self._stops = text, starts, stops
+
+    def _number(self, name: object) -> int | None:
+        if not (isinstance(name, str) and name.startswith(PLACEHOLDER)):
+            return None
+        digits = name[len(PLACEHOLDER):]
+        if not (digits.isascii() and digits.isdigit() and str(int(digits)) == digits):
+            return None
+        n = int(digits)
+        return n if n < len(self._starts) else None
+
+    def __contains__(self, name: object) -> bool:
+        return self._number(name) is not None
+
+    def __getitem__(self, name: str) -> str:
+        n = self._number(name)
+        if n is None:
+            raise KeyError(name)
+        return self._text[self._starts[n]:self._stops[n]]
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+
+def _splice_lists(text: str) -> tuple[str, _Kept] | None:
     """`text` with each canonical pieces list replaced by a placeholder atom, and the lists;
-    None when there is none, or comments or escapes make the text not plain enough."""
+    None when there is none, or comments or escapes make the text not plain enough. Read
+    in place and written a batch of lists at a time: no copy of the text but the result."""
     if PLACEHOLDER in text or 'pieces' not in text:
         return None
-    parts = SPLIT_QUOTED.split(text)  # structural text and quoted atoms, alternating
-    structural = ''.join(parts[0::2])
-    if unterminated(parts) or any(c in structural for c in ';#\\'):
+    quoted = [m.span() for m in SPLIT_QUOTED.finditer(text)]
+    if quoted and unterminated(['', text[slice(*quoted[-1])], '']):
         return None
-    lists: dict[str, str] = {}
+    spans = [(0, 0), *quoted, (len(text), len(text))]
+    structural = [(spans[k][1], spans[k + 1][0]) for k in range(len(spans) - 1)]
+    if any(text.find(c, a, b) >= 0 for a, b in structural for c in ';#\\'):
+        return None
+    starts, stops = array('q'), array('q')
+    out: list[str] = []
+    batch: list[str] = []
+    at = 0
+    for a, b in structural:
+        for m in _PIECES_FIELD.finditer(text, a, b):
+            batch += (text[at:m.start()], f"(pieces {PLACEHOLDER}{len(starts)})")
+            starts.append(m.start(1))
+            stops.append(m.end(1))
+            at = m.end()
+            if len(batch) >= _BATCH:
+                out.append(''.join(batch))
+                batch.clear()
+    if not starts:
+        return None
+    out.append(''.join(batch) + text[at:])
+    return ''.join(out), _Kept(text, starts, stops)
 
-    def keep(m: re.Match[str]) -> str:
-        name = f"{PLACEHOLDER}{len(lists)}"
-        lists[name] = m[1]
-        return f"(pieces {name})"
 
-    parts[0::2] = [_PIECES_FIELD.sub(keep, part) for part in parts[0::2]]
-    return (''.join(parts), lists) if lists else None
+#: Pieces of the spliced text joined at once (a few MB of small strings at most).
+_BATCH = 1 << 16
 
 
 def _quoted_pieces(parts: list[str], k: int) -> bool:
@@ -257,7 +304,7 @@ def _check_loose(text: str, file: str | None) -> None:
                 "or quotes, or restore the directory from a good copy")
 
 
-def _restored(x: Any, lists: dict[str, str], found: list[str]) -> Any:
+def _restored(x: Any, lists: _Kept, found: list[str]) -> Any:
     """`x` (an extra field) with each placeholder atom replaced by its list, as `Verbatim`."""
     if isinstance(x, tuple):
         return tuple([_restored(v, lists, found) for v in x])

@@ -405,7 +405,8 @@ def _decode(raw: bytes | memoryview, start: int, file: str | None) -> Header:
         raise _fail(str(e), file, f"#{e.index}") from None
     if fast is not None:
         entries, list_open, list_close = fast
-        text = text[:list_open] + '()' + text[list_close + 1:]
+        if entries:  # an empty list is read as it is, without a copy of the text
+            text = text[:list_open] + '()' + text[list_close + 1:]
     head = memoryview(raw)[:start]  # what the header checksum covers
     try:  # a repetition found in the text with an index's pieces cut out is one in the whole
         return with_canonical_lists(text, lambda t: _from_text(t, file, fast and entries, head),

@@ -169,3 +169,22 @@ def test_an_entry_repeated_as_jckpt_writes_it_stops_the_fast_decoder_at_the_repe
     assert peak < 1.5 * len(raw)  # its text, and little else
     with pytest.raises(FormatError, match="tensor #1 repeats the one before it"):
         decode_header(raw, file='crafted.jckpt')
+
+
+def test_an_amplified_index_is_refused_within_a_few_times_its_size():
+    """A directory index of one array repeated 100,000 times (what the fuzzer's `amplify`
+    wrote, 52 MB of it grew a reader by 446 MiB): the text with its pieces lists cut out,
+    the lists themselves (as strings, by name) and the scan's joined arrays were each held
+    twice at some point, 6.6 times the header at the peak. Now the lists are kept as
+    places in the text and the scan's arrays are filled in place."""
+    import tracemalloc
+
+    raw = seal_header(_amplified(_index(), '((id 0)', 100_000))  # as a crafted file's author
+    tracemalloc.start()
+    try:
+        with pytest.raises(FormatError, match="duplicate array: array #1 repeats"):
+            decode_header(raw, file='index.jckpt')
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 5.5 * len(raw)
