@@ -9,9 +9,12 @@
  *
  *   decode_entries(text: str, pos: int, entry_type: type, fields: tuple[str, ...],
  *                  precs: dict[str, tuple[str, int]], kinds: tuple[str, ...])
- *     -> tuple[list[Entry], int] | None
+ *     -> tuple[list[Entry], int] | int | None
  *
- * On success the int is the position of the ')' that closes the tensors list.
+ * On success the int is the position of the ')' that closes the tensors list. An entry
+ * whose text repeats the one before it verbatim (a duplicate identity, which every reader
+ * refuses) stops the decoding there, before the entries after it are built: the result is
+ * then its index alone.
  *
  * It also encodes: encode_entries writes exactly what jckpt.format.header_encoder's
  * _encode_entry writes for each entry, joined by "\n   ", and where each entry's checksum
@@ -256,11 +259,13 @@ static PyObject *decode_entries(PyObject *self, PyObject *args) {
     PyObject *entries = PyList_New(0), *cache = PyDict_New(), *empty = PyTuple_New(0);
     PyObject *values[14] = {NULL};
     PyObject *items = NULL;
+    Py_ssize_t last = 0, last_size = -1, repeated = -1;  /* the entry before, as text */
     if (entries == NULL || cache == NULL || empty == NULL) goto error;
 
     for (;;) {
         Py_ssize_t save = c->i;
         run(c, is_space);
+        Py_ssize_t begin = c->i;
         if (!lit(c, "((id ")) { c->i = save; break; }
         long long ident, offset, byte_length, v;
         Py_ssize_t start;
@@ -404,6 +409,12 @@ static PyObject *decode_entries(PyObject *self, PyObject *args) {
             values[12] = Py_None; Py_INCREF(Py_None);  /* global_dims */
         }
         FAIL_IF(!lit(c, ")"));
+        if (c->i - begin == last_size && memcmp(s + begin, s + last, last_size) == 0) {
+            repeated = PyList_GET_SIZE(entries);  /* a duplicate identity, refused at once */
+            goto fallback;
+        }
+        last = begin;
+        last_size = c->i - begin;
         values[13] = empty; Py_INCREF(empty);      /* extra */
 
         PyTypeObject *tp = (PyTypeObject *)entry_type;
@@ -429,6 +440,7 @@ fallback:
     Py_XDECREF(entries);
     Py_XDECREF(cache);
     Py_XDECREF(empty);
+    if (repeated >= 0) return PyLong_FromSsize_t(repeated);
     Py_RETURN_NONE;
 error:
     for (int k = 0; k < 14; k++) Py_CLEAR(values[k]);

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from array import array
 from collections.abc import Callable
 from typing import Any
 
@@ -89,6 +90,15 @@ def _piece(slc: str, global_dims: str, dims: tuple[int, ...]
     return box, whole
 
 
+class RepeatedEntry(ValueError):
+    """An entry of the tensors list repeats the one before it verbatim: a duplicate
+    identity, found before the entries after it are built (`index`: its place)."""
+
+    def __init__(self, index: int):
+        super().__init__(f"duplicate entry identity: tensor #{index} repeats the one before it")
+        self.index = index
+
+
 def canonical_entries(text: str, *, accelerate: bool = True) -> tuple[list[Entry], int, int] | None:
     """Entries of a header laid out as jckpt writes it, or None to use the general reader.
 
@@ -96,16 +106,36 @@ def canonical_entries(text: str, *, accelerate: bool = True) -> tuple[list[Entry
     parentheses around the tensors list, so the rest can be read generally.
     `accelerate=False` uses the regular expression even when the C
     accelerator is built (the tests compare the two).
+
+    Raises `RepeatedEntry` at the first entry whose text is the one before it
+    again (every reader refuses it): a crafted header of one entry repeated
+    hundreds of thousands of times is refused after two entries, not after all
+    of them are built.
+
+    >>> e = ('((id 0) (namespace a) (label ()) (prec Single_prec) (dims ()) (padding none) '
+    ...      '(offset 0) (byte_length 4))')
+    >>> canonical_entries(f'((version 1) (tensors ({e} {e})))')
+    Traceback (most recent call last):
+    ...
+    jckpt.format.fastpath.RepeatedEntry: duplicate entry identity: tensor #1 repeats the one before it
     """
     head = _CANONICAL_HEAD.match(text)
     if head is None:
         return None
     if accelerate and accelerator is not None:
         found = accelerator.decode_entries(text, head.end(), Entry, _FIELDS, _PREC_SIZES, _KINDS)
+        if isinstance(found, int):
+            raise RepeatedEntry(found)
         if found is None or not _within_limits(found[0]):
             return None
         return found[0], head.end() - 1, found[1]
-    scanner = _CANONICAL_ENTRY.scanner(text, head.end())
+    found = _regex_entries(text, head.end())
+    return None if found is None else (found[0], head.end() - 1, found[1])
+
+
+def _regex_entries(text: str, start: int) -> tuple[list[Entry], int] | None:
+    """What the C accelerator's `decode_entries` gives, with the regular expression."""
+    scanner = _CANONICAL_ENTRY.scanner(text, start)
     entries: list[Entry] = []
     append = entries.append
     new = object.__new__
@@ -114,8 +144,12 @@ def canonical_entries(text: str, *, accelerate: bool = True) -> tuple[list[Entry
     prod = math.prod
     int_kinds = INT_KINDS
     findall = _COMPONENT.findall
-    pos = head.end()
+    pos = start
+    last = ''
     while (m := scanner.match()) is not None:
+        if (entry := m[0].lstrip(' \t\n\r\f\v')) == last:
+            raise RepeatedEntry(len(entries))
+        last = entry
         (ident, namespace, label, prec, dims, offset, byte_length, path, algo, digest,
          key_impl, slc, global_dims) = m.groups()
         if prec not in precs.ALL_PRECS:
@@ -142,7 +176,7 @@ def canonical_entries(text: str, *, accelerate: bool = True) -> tuple[list[Entry
     tail = _CANONICAL_TAIL.match(text, pos)
     if tail is None or text[tail.end() - 1] != ')' or not _within_limits(entries):
         return None
-    return entries, head.end() - 1, tail.end() - 1
+    return entries, tail.end() - 1
 
 
 # --- the pieces of a directory index, kept as text ---------------------------------------------
@@ -164,24 +198,70 @@ _LOOSE_FIELD = re.compile(rf"\({_W}*+pieces{_W}*+\(")
 PLACEHOLDER = '%jckpt-list-'
 
 
-def _splice_lists(text: str) -> tuple[str, dict[str, str]] | None:
+class _Kept:
+    """The pieces lists cut out of a text, by placeholder name: where each lies in the text
+    (two 8-byte numbers a list, not a string and a dict slot: a crafted index of hundreds
+    of thousands of arrays held some 200 bytes a list before its scan began)."""
+
+    def __init__(self, text: str, starts: array, stops: array):
+        self._text, self._starts, self._stops = text, starts, stops
+
+    def _number(self, name: object) -> int | None:
+        if not (isinstance(name, str) and name.startswith(PLACEHOLDER)):
+            return None
+        digits = name[len(PLACEHOLDER):]
+        if not (digits.isascii() and digits.isdigit() and str(int(digits)) == digits):
+            return None
+        n = int(digits)
+        return n if n < len(self._starts) else None
+
+    def __contains__(self, name: object) -> bool:
+        return self._number(name) is not None
+
+    def __getitem__(self, name: str) -> str:
+        n = self._number(name)
+        if n is None:
+            raise KeyError(name)
+        return self._text[self._starts[n]:self._stops[n]]
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+
+def _splice_lists(text: str) -> tuple[str, _Kept] | None:
     """`text` with each canonical pieces list replaced by a placeholder atom, and the lists;
-    None when there is none, or comments or escapes make the text not plain enough."""
+    None when there is none, or comments or escapes make the text not plain enough. Read
+    in place and written a batch of lists at a time: no copy of the text but the result."""
     if PLACEHOLDER in text or 'pieces' not in text:
         return None
-    parts = SPLIT_QUOTED.split(text)  # structural text and quoted atoms, alternating
-    structural = ''.join(parts[0::2])
-    if unterminated(parts) or any(c in structural for c in ';#\\'):
+    quoted = [m.span() for m in SPLIT_QUOTED.finditer(text)]
+    if quoted and unterminated(['', text[slice(*quoted[-1])], '']):
         return None
-    lists: dict[str, str] = {}
+    spans = [(0, 0), *quoted, (len(text), len(text))]
+    structural = [(spans[k][1], spans[k + 1][0]) for k in range(len(spans) - 1)]
+    if any(text.find(c, a, b) >= 0 for a, b in structural for c in ';#\\'):
+        return None
+    starts, stops = array('q'), array('q')
+    out: list[str] = []
+    batch: list[str] = []
+    at = 0
+    for a, b in structural:
+        for m in _PIECES_FIELD.finditer(text, a, b):
+            batch += (text[at:m.start()], f"(pieces {PLACEHOLDER}{len(starts)})")
+            starts.append(m.start(1))
+            stops.append(m.end(1))
+            at = m.end()
+            if len(batch) >= _BATCH:
+                out.append(''.join(batch))
+                batch.clear()
+    if not starts:
+        return None
+    out.append(''.join(batch) + text[at:])
+    return ''.join(out), _Kept(text, starts, stops)
 
-    def keep(m: re.Match[str]) -> str:
-        name = f"{PLACEHOLDER}{len(lists)}"
-        lists[name] = m[1]
-        return f"(pieces {name})"
 
-    parts[0::2] = [_PIECES_FIELD.sub(keep, part) for part in parts[0::2]]
-    return (''.join(parts), lists) if lists else None
+#: Pieces of the spliced text joined at once (a few MB of small strings at most).
+_BATCH = 1 << 16
 
 
 def _quoted_pieces(parts: list[str], k: int) -> bool:
@@ -224,7 +304,7 @@ def _check_loose(text: str, file: str | None) -> None:
                 "or quotes, or restore the directory from a good copy")
 
 
-def _restored(x: Any, lists: dict[str, str], found: list[str]) -> Any:
+def _restored(x: Any, lists: _Kept, found: list[str]) -> Any:
     """`x` (an extra field) with each placeholder atom replaced by its list, as `Verbatim`."""
     if isinstance(x, tuple):
         return tuple([_restored(v, lists, found) for v in x])
@@ -264,4 +344,5 @@ def with_canonical_lists(text: str, decode: Callable[[str], Header], file: str |
     return decode(text)
 
 
-__all__ = ['PLACEHOLDER', 'accelerator', 'canonical_entries', 'loose_piece_lists', 'with_canonical_lists']
+__all__ = ['PLACEHOLDER', 'RepeatedEntry', 'accelerator', 'canonical_entries', 'loose_piece_lists',
+           'with_canonical_lists']

@@ -42,7 +42,7 @@ from jckpt.format.entries import (
     path_name,
 )
 from jckpt.format.entries import round_up as round_up
-from jckpt.format.fastpath import canonical_entries, with_canonical_lists
+from jckpt.format.fastpath import RepeatedEntry, canonical_entries, with_canonical_lists
 
 # The encoder lives in ``header_encoder``; its names stay importable from here too.
 from jckpt.format.header_encoder import encode_header as encode_header
@@ -399,10 +399,14 @@ def _decode(raw: bytes | memoryview, start: int, file: str | None) -> Header:
     why = prescan.unbalanced(text)  # before the fast decoder builds every entry, and the
     if why is not None:  # general reader a copy of the text or three, to come to the end
         raise _fail(f"header is not a well-formed S-expression: {why}", file)
-    fast = canonical_entries(text)
+    try:  # an entry repeated verbatim stops the fast decoder before it builds the rest
+        fast = canonical_entries(text)
+    except RepeatedEntry as e:
+        raise _fail(str(e), file, f"#{e.index}") from None
     if fast is not None:
         entries, list_open, list_close = fast
-        text = text[:list_open] + '()' + text[list_close + 1:]
+        if entries:  # an empty list is read as it is, without a copy of the text
+            text = text[:list_open] + '()' + text[list_close + 1:]
     head = memoryview(raw)[:start]  # what the header checksum covers
     try:  # a repetition found in the text with an index's pieces cut out is one in the whole
         return with_canonical_lists(text, lambda t: _from_text(t, file, fast and entries, head),

@@ -173,7 +173,9 @@ def _lists(codes: np.ndarray, quotes: np.ndarray) -> _Lists | None:
     """The lists of `codes` (parentheses in quoted atoms aside; None if none), refused as
     the S-expression reader would unless they balance within `MAX_DEPTH`: counted a MiB at
     a time, so a text too deep stops at its first MiB that is."""
-    ats, depths, depth = [], [], 0
+    upper = sum(np.count_nonzero((chunk == 40) | (chunk == 41)) for _, chunk in _chunks(codes))
+    ats, depths = np.empty(upper, np.int32), np.empty(upper, np.int8)  # filled in place:
+    depth = filled = 0  # no second copy of either as the chunks are joined
     for start, chunk in _chunks(codes):
         at = np.flatnonzero((chunk == 40) | (chunk == 41)).astype(np.int32) + start
         if quotes.size:
@@ -185,13 +187,14 @@ def _lists(codes: np.ndarray, quotes: np.ndarray) -> _Lists | None:
             raise ShapeError(_MALFORMED + (f"nesting deeper than {MAX_DEPTH}" if deep
                                            else "unbalanced ')'"))
         depth = int(running[-1]) if running.size else depth
-        ats.append(at)
-        depths.append(running.astype(np.int8))
+        ats[filled:filled + at.size] = at
+        depths[filled:filled + at.size] = running
+        filled += at.size
     if depth != 0:
         raise ShapeError(_MALFORMED + "unbalanced '(': the text ends inside a list")
-    if not sum(map(len, ats)):
+    if not filled:
         return None
-    return _Lists(codes, np.concatenate(depths), np.concatenate(ats))
+    return _Lists(codes, depths[:filled], ats[:filled])
 
 
 def _chunks(codes: np.ndarray):
