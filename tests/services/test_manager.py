@@ -220,9 +220,10 @@ def test_second_manager_on_a_directory_is_refused(tmp_path):
             jckpt.CheckpointManager(str(tmp_path) + "/")
 
 
-def test_disk_error_keeps_the_step_and_retries(tmp_path, monkeypatch):
+def full_disk(monkeypatch, *, on: bool) -> dict:
+    """Make the writer's every write fail with ENOSPC while the returned switch's "on" is set."""
     original = writer_mod.Sink.write
-    broken = {"on": False}
+    broken = {"on": on}
 
     def write(sink, data):
         if broken["on"]:
@@ -230,6 +231,11 @@ def test_disk_error_keeps_the_step_and_retries(tmp_path, monkeypatch):
         return original(sink, data)
 
     monkeypatch.setattr(writer_mod.Sink, "write", write)
+    return broken
+
+
+def test_disk_error_keeps_the_step_and_retries(tmp_path, monkeypatch):
+    broken = full_disk(monkeypatch, on=False)
     with jckpt.CheckpointManager(tmp_path, retry_after=0.02, patience=10**6) as mgr:
         mgr.save(1, {"x": np.float32(1)})
         mgr.wait_durable()
@@ -247,15 +253,7 @@ def test_a_step_written_after_a_disk_error_was_raised_waits_normally(tmp_path, m
     """After a full disk made `wait_durable` raise, a step saved once the disk had room again
     raised the same ENOSPC again, until the failed step's retry (`retry_after` later) went
     through; the error is raised once, and the next wait writes both steps at once."""
-    original = writer_mod.Sink.write
-    broken = {"on": True}
-
-    def write(sink, data):
-        if broken["on"]:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return original(sink, data)
-
-    monkeypatch.setattr(writer_mod.Sink, "write", write)
+    broken = full_disk(monkeypatch, on=True)
     with jckpt.CheckpointManager(tmp_path, retry_after=600, patience=1) as mgr:
         mgr.save(1, {"x": np.float32(1)})
         with pytest.raises(jckpt.StorageError, match="No space") as e:
@@ -270,15 +268,7 @@ def test_a_step_written_after_a_disk_error_was_raised_waits_normally(tmp_path, m
 def test_a_failed_directory_step_shows_in_the_counters_like_a_failed_file_step(
         tmp_path, monkeypatch):
     """A directory step's failed save counted in `failures` but left `error 0`."""
-    original = writer_mod.Sink.write
-    broken = {"on": False}
-
-    def write(sink, data):
-        if broken["on"]:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return original(sink, data)
-
-    monkeypatch.setattr(writer_mod.Sink, "write", write)
+    broken = full_disk(monkeypatch, on=False)
     with jckpt.CheckpointManager(tmp_path, directory_steps=True) as mgr:
         mgr.save(1, {"x": np.float32(1)})
         broken["on"] = True
