@@ -264,18 +264,26 @@ def common_steps(found: steps.Found, listed: Sequence[Sequence[int]]) -> steps.F
                                indexed=found.indexed & kept)
 
 
+#: How many times a reader lists a directory whose writer removed listed steps meanwhile.
+RELISTS = 3
+
+
 def recovered(backend: Backend, directory: str, rank: int, ranks: int, read_only: bool
               ) -> steps.Found:
     """What a manager of process `rank` of `ranks` finds opening (or a reader reloading)
     `directory` (`steps.recover`: process 0 of a writer cleans up first). A reader's
     processes list together (`agree`: one that cannot fails them all at once) and keep
     the steps they all found (`common_steps`); so every process must open and `reload`.
+    A reader lists again (`RELISTS` times at most) while steps it listed were gone when read.
     """
     if not read_only:
         return steps.recover(backend, directory, clean=rank == 0)
     found, failure = steps.Found({}, frozenset(), None), None
     try:
-        found = steps.recover(backend, directory, clean=False)
+        for _ in range(RELISTS):  # the writer's retention removed listed steps: it moved on
+            found = steps.recover(backend, directory, clean=False)
+            if not found.vanished:
+                break
     except CheckpointError as e:
         failure = e
     where = os.path.abspath(directory) if backend is LOCAL else directory  # as a writer's open

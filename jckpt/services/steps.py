@@ -120,6 +120,7 @@ class Found:
         an index (a save that died): `remove_unfinished` removes them.
       indexed: the folders that are directory checkpoints (read by their index), not step
         directories (read by their record).
+      vanished: the steps listed but gone when read (removed by the directory's writer).
     """
 
     metrics: dict[int, dict[str, float]]
@@ -127,6 +128,7 @@ class Found:
     latest: tuple[dict[str, str], Header | None] | None
     unfinished: tuple[str, ...] = ()
     indexed: frozenset[int] = frozenset()
+    vanished: tuple[str, ...] = ()
 
 
 Listing = tuple[list[str], list[str]]
@@ -154,6 +156,7 @@ def scan(backend: Backend, directory: str, listing: Listing | None = None) -> Fo
     names = [(int(m.group(1)), name) for name in sorted(plain | folders) if (m := STEP_RE.match(name))]
 
     unfinished: list[str] = []
+    vanished: list[str] = []
 
     def read(item: tuple[int, str]) -> tuple[dict[str, str], Header | None] | None:
         path, prefix = os.path.join(directory, item[1]), item[1] in folders and item[1] not in plain
@@ -165,7 +168,10 @@ def scan(backend: Backend, directory: str, listing: Listing | None = None) -> Fo
                 return None if got is None else (got[0], got[1])
             return _read_step(path, item[0], prefix)
         except CheckpointError as e:
-            log.warning("ignoring unreadable step %s: %s", item[1], e)
+            if gone(path, prefix):  # removed since the listing, by the directory's writer
+                vanished.append(item[1])
+            else:
+                log.warning("ignoring unreadable step %s: %s", item[1], e)
             return None
     if backend is LOCAL or len(names) < 2:
         read_all = list(map(read, names))
@@ -178,7 +184,8 @@ def scan(backend: Backend, directory: str, listing: Listing | None = None) -> Fo
     dirs_found = {step: got for step, (name, got) in found.items() if name in folders}
     return Found(metrics, frozenset(dirs_found), found[max(found)][1] if found else None,
                  tuple(sorted(unfinished)),
-                 frozenset(step for step, got in dirs_found.items() if got[1] is not None))
+                 frozenset(step for step, got in dirs_found.items() if got[1] is not None),
+                 tuple(sorted(vanished)))
 
 
 def described(path: str, found: tuple[dict[str, str], Header | None] | None

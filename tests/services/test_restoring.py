@@ -98,3 +98,28 @@ def test_a_readers_processes_list_together_and_fail_together(tmp_path, monkeypat
     with pytest.raises(jckpt.StorageError, match="listing failed"):
         restoring.recovered(LOCAL, str(tmp_path), 1, 2, True)
     assert told[-1][2] is broken and told[-1][5] == []
+
+
+def test_a_reader_lists_again_when_the_steps_it_listed_were_removed_meanwhile(tmp_path,
+                                                                               monkeypatch, caplog):
+    """The writer published two steps and its retention removed the two a reader had just
+    listed, before the reader read them: the reader found no step at all ("no checkpoint in
+    the directory") though the run had two; it lists again, and says nothing of the removed."""
+    from jckpt.format.names import step_name
+    from jckpt.services import restoring, steps
+    from jckpt.storage.backend import LOCAL
+
+    with jckpt.CheckpointManager(tmp_path) as mgr:
+        for step in (2, 3):
+            mgr.save(step, TREE)
+    real, calls = steps.listed, []
+
+    def stale(backend, directory):  # the first listing, made before steps 0 and 1 went
+        calls.append(directory)
+        return ([step_name(0), step_name(1)], []) if len(calls) == 1 else real(backend, directory)
+    monkeypatch.setattr(steps, "listed", stale)
+    found = restoring.recovered(LOCAL, str(tmp_path), 0, 1, True)
+    assert sorted(found.metrics) == [2, 3] and len(calls) == 2
+    assert "unreadable" not in caplog.text
+    first = steps.scan(LOCAL, str(tmp_path), ([step_name(1), step_name(2)], []))
+    assert sorted(first.metrics) == [2] and first.vanished == (step_name(1),)
