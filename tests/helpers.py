@@ -150,3 +150,20 @@ def laid_out(array: np.ndarray, layout: str) -> np.ndarray:
     if layout == "strided" and array.ndim:
         return np.repeat(array, 2, axis=0)[::2]
     return array
+
+
+def peak_bytes(call) -> int:
+    """The most memory ``call()`` held at once (numpy's buffers included), even when it raises
+    a `CheckpointError` (a hostile input's refusal); any other exception propagates."""
+    import tracemalloc
+
+    from jckpt.errors import CheckpointError
+    tracemalloc.start()
+    try:
+        call()
+    except CheckpointError:
+        pass
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from jckpt.format import limits
+from tests.helpers import peak_bytes
 
 
 @pytest.mark.parametrize('shape', [(), (0,), (2, 3), (0, 2**40), [np.int64(4)], (1,) * limits.MAX_NDIM])
@@ -53,15 +54,10 @@ def test_json_depth_does_not_encode_the_whole_text_at_once():
     """The text outside strings was encoded whole, and counted with int64 arrays a MiB long:
     4.3 times the text at the peak here (28 MiB of a 65 MB safetensors fuzz case's 286). Now
     the copy the string removal makes (twice the text while it joins), and a few MiB."""
-    import tracemalloc
     text = '{"a": [' + '1, ' * (4 << 20) + '1]}'  # 12 MiB, nearly all outside strings
-    tracemalloc.start()
-    try:
-        assert limits.json_depth(text) == 2
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert peak < 2 * len(text) + (4 << 20), (peak, len(text))
+    depth = []
+    peak = peak_bytes(lambda: depth.append(limits.json_depth(text)))
+    assert depth == [2] and peak < 2 * len(text) + (4 << 20), (peak, len(text))
 
 
 def test_an_unterminated_json_string_is_measured_in_linear_time():

@@ -12,6 +12,7 @@ from jckpt.format.header import Entry, Header, decode_header, encode_header
 from jckpt.format.header_seal import seal_header
 from jckpt.format.index import IndexedArray, index_header
 from jckpt.format.prescan import MAX_METADATA_REPEATS, ShapeError, check_header
+from tests.helpers import peak_bytes
 
 REPEATS = 3000
 
@@ -150,8 +151,6 @@ def test_an_entry_repeated_as_jckpt_writes_it_stops_the_fast_decoder_at_the_repe
     decoder built all of them (400,000 in 68 MB: 1.4 s and about 4 bytes per byte of header
     a read) before the identities were compared. It now stops at the first repeat: the
     memory taken is the text's, not the entries'."""
-    import tracemalloc
-
     if not accelerate:
         monkeypatch.setattr(fastpath, 'accelerator', None)
     text = _native()
@@ -159,14 +158,10 @@ def test_an_entry_repeated_as_jckpt_writes_it_stops_the_fast_decoder_at_the_repe
     entry = text[at:text.index('\n', at)]
     crafted = (text[:at] + (entry + '\n   ') * 20 * REPEATS + text[at:]).encode()
     raw = seal_header(struct.pack('>I', len(crafted)) + crafted)  # as a crafted file's author
-    tracemalloc.start()
-    try:
+    def refused():
         with pytest.raises(FormatError, match="duplicate entry identity"):
             decode_header(raw, file='crafted.jckpt')
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert peak < 1.5 * len(raw)  # its text, and little else
+    assert peak_bytes(refused) < 1.5 * len(raw)  # its text, and little else
     with pytest.raises(FormatError, match="tensor #1 repeats the one before it"):
         decode_header(raw, file='crafted.jckpt')
 
@@ -177,14 +172,8 @@ def test_an_amplified_index_is_refused_within_a_few_times_its_size():
     the lists themselves (as strings, by name) and the scan's joined arrays were each held
     twice at some point, 6.6 times the header at the peak. Now the lists are kept as
     places in the text and the scan's arrays are filled in place."""
-    import tracemalloc
-
     raw = seal_header(_amplified(_index(), '((id 0)', 100_000))  # as a crafted file's author
-    tracemalloc.start()
-    try:
+    def refused():
         with pytest.raises(FormatError, match="duplicate array: array #1 repeats"):
             decode_header(raw, file='index.jckpt')
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert peak < 5.5 * len(raw)
+    assert peak_bytes(refused) < 5.5 * len(raw)

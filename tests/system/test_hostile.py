@@ -15,7 +15,14 @@ import jckpt
 from jckpt.adapters import read
 from jckpt.errors import CheckpointError, FormatError
 from jckpt.format.names import INDEX_NAME
-from tests.helpers import entry_text, header_text, raw_file, write_arrays, write_directory
+from tests.helpers import (
+    entry_text,
+    header_text,
+    peak_bytes,
+    raw_file,
+    write_arrays,
+    write_directory,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -253,19 +260,6 @@ def test_inspect_prints_key_paths_escaped(tmp_path, cli):
 
 
 # --- 3. memory --------------------------------------------------------------------------------------
-
-def peak_bytes(call) -> int:
-    """The most memory ``call()`` held at once (numpy's buffers included), even when it raises."""
-    import tracemalloc
-    tracemalloc.start()
-    try:
-        call()
-    except CheckpointError:
-        pass
-    finally:
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-    return peak
 
 
 def test_alignment_of_a_gigabyte_is_refused(tmp_path, cli):
