@@ -168,7 +168,7 @@ def scan(backend: Backend, directory: str, listing: Listing | None = None) -> Fo
                 return None if got is None else (got[0], got[1])
             return _read_step(path, item[0], prefix)
         except CheckpointError as e:
-            if gone(path, prefix):  # removed since the listing, by the directory's writer
+            if not (prefix and backend is not LOCAL) and gone(path, prefix):  # removed since
                 vanished.append(item[1])
             else:
                 log.warning("ignoring unreadable step %s: %s", item[1], e)
