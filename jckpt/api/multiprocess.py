@@ -42,7 +42,7 @@ import jax
 import numpy as np
 
 from jckpt.api import pairing
-from jckpt.api.runtime import DEFAULT_BARRIER_TIMEOUT, barrier_timeout, first_line
+from jckpt.api.runtime import DEFAULT_BARRIER_TIMEOUT, barrier_timeout, first_line, told
 from jckpt.api.runtime import Runtime as _Runtime
 from jckpt.errors import CheckpointError, DistributedError
 from jckpt.format.boxes import Box, box_shape, coalesce, full_box, intersect
@@ -302,6 +302,22 @@ def _discard(backend: Backend, stage: _Stage) -> None:
         object_directory.discard(stage.path, stage.tag)
 
 
+def _own(e: BaseException, path: str, count: int) -> BaseException:
+    """The error this process raises for its own failure `e`: `e` itself where it is jckpt's
+    (or the process is stopping: `KeyboardInterrupt`), else, with several processes, a
+    `DistributedError` naming it and raised from it, so that every process of the run gets
+    a `CheckpointError` from a failed save (the others get one naming this process's) and
+    one `except jckpt.CheckpointError` keeps them all in step."""
+    if count == 1 or isinstance(e, CheckpointError) or not isinstance(e, Exception):
+        return e
+    own = DistributedError(f"the save failed in this process: {told(e)}", file=path,
+                           fix="see the error this one was raised from; the other processes "
+                               "failed naming it, nothing was published and the previous "
+                               "checkpoint is intact")
+    own.__cause__ = e
+    return own
+
+
 def _checked_write(first: pairing.Claim, mine: pairing.Claim, absent: Sequence[int], where: str,
                    leaves: list[_Leaf] | BaseException, namespace: str, *pieces: Any) -> None:
     """Check that process 0 makes this process's save (`pairing.check_claims`), then write
@@ -363,7 +379,9 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
     Returns in every process once the directory is published; raises
     `DistributedError` in the surviving processes when a peer fails or does not
     reach a barrier within `timeout` seconds (default `barrier_timeout`), and
-    then nothing is published. The checkpoint records process 0's `metadata`;
+    then nothing is published. A failing process raises its own jckpt error, or,
+    for another error (a `ValueError` of the tree's code), a `DistributedError`
+    raised from it: every process gets a `CheckpointError`. The checkpoint records process 0's `metadata`;
     the values of its keys named in `returning` are returned in every process
     (what a manager's processes keep of a step's metrics), with no read of the index.
 
@@ -397,14 +415,14 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
                                  {**(metadata or {}), SAVE_KEY: save}, ctx.durable,
                                  [f[1] for f in facts or ()])))
     except BaseException as e:
-        named = _named(rt, process, facts, first, mine, e)
+        named = _named(rt, process, facts, first, mine, _own(e, path, count))
         if process == 0:
             _discard(backend, stage)
         if isinstance(named, CheckpointError) and stage.path:
             named.published_as(stage.path, path)  # the staging directory is gone
         if named is e:
             raise
-        raise named from None
+        raise named from (e if named.__cause__ is e else None)
     finally:
         if stage.lock_fd >= 0:
             os.close(stage.lock_fd)

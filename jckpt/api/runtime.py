@@ -158,7 +158,7 @@ class Runtime:
             return
         try:
             self.client.key_value_set(f"{self.tag}/error/{name}/{process}",
-                                      first_line(error)[:2000])
+                                      told(error)[:2000])
         except Exception:
             pass
 
@@ -197,6 +197,16 @@ class Runtime:
 def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+def told(e: BaseException) -> str:
+    """What the other processes are told of `e`: its first line, after its type where it is
+    not jckpt's (whose message names the file, the entry and the fix).
+
+    >>> told(ValueError("bad shape"))
+    'ValueError: bad shape'
+    """
+    return first_line(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {first_line(e)}"
 
 
 def agree(what: str, path: str, failure: BaseException | None, *, process: int, processes: int,
@@ -251,7 +261,7 @@ def _described(e: BaseException | None) -> dict[str, str | None]:
         return {'type': None, 'message': None, 'fix': None}
     if isinstance(e, CheckpointError):
         return {'type': type(e).__name__, 'message': e.message, 'fix': e.fix}
-    return {'type': 'DistributedError', 'message': f"{type(e).__name__}: {first_line(e)}",
+    return {'type': 'DistributedError', 'message': told(e),
             'fix': None}
 
 
@@ -265,4 +275,5 @@ def _common(what: str, path: str, failed: list[tuple[int, dict[str, Any]]]) -> C
                 fix=failed[0][1]['fix'])
 
 
-__all__ = ['DEFAULT_BARRIER_TIMEOUT', 'Runtime', 'agree', 'barrier_timeout', 'client', 'first_line']
+__all__ = ['DEFAULT_BARRIER_TIMEOUT', 'Runtime', 'agree', 'barrier_timeout', 'client', 'first_line',
+           'told']

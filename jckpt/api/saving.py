@@ -102,8 +102,8 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
             if appending:
                 raise InputError("appending is not supported for directory checkpoints",
                                  file=path, fix="save the whole tree")
-            save_directory(ctx, tree, path, alignment=alignment, metadata=_with_empty_nodes(
-                metadata, None, ctx.namespace, tree_mod.flatten_with_empty(tree)[1], ()))
+            save_directory(ctx, tree, path, alignment=alignment,
+                           metadata=_directory_metadata(metadata, ctx.namespace, tree))
             return
         _save_file(ctx, tree, path, appending, alignment, metadata, progress)
 
@@ -178,6 +178,18 @@ def _with_empty_nodes(metadata: dict[str, str], old: CheckpointReader | None, na
     if text is None:
         return metadata
     return {**metadata, EMPTY_NODES_KEY: text}
+
+
+def _directory_metadata(metadata: dict[str, str], namespace: str, tree: Any) -> dict[str, str]:
+    """`_with_empty_nodes` of a directory save, or `metadata` alone where `tree` cannot be
+    flattened: `save_directory` meets that error once this process has taken its turn in the
+    run's saves and tells the others, where raising it here left them waiting for this save
+    and paired this process's next save with it."""
+    try:
+        empty = tree_mod.flatten_with_empty(tree)[1]
+    except InputError:
+        return metadata
+    return _with_empty_nodes(metadata, None, namespace, empty, ())
 
 
 def _holds_directory(path: str) -> bool:

@@ -49,7 +49,7 @@ def test_a_peer_checks_only_the_phase_it_passed():
     rt = runtime(client)
     rt.report("published", 0, ValueError("processes disagree about this array"))
     rt.together("written", "wrote its pieces", 1, None)  # passes: not this phase's error
-    with pytest.raises(jckpt.DistributedError, match="process 0: processes disagree"):
+    with pytest.raises(jckpt.DistributedError, match="process 0: ValueError: processes disagree"):
         rt.together("published", "saw the checkpoint published", 1, None)
     assert client.met == ["written", "published"]  # it met process 0 at both barriers
 
@@ -63,7 +63,7 @@ def test_a_failing_step_raises_its_own_error_not_the_barriers():
 
     with pytest.raises(ValueError, match="the index could not be written"):
         rt.together("published", "saw the checkpoint published", 0, publish)
-    assert client.kv["t/error/published/0"] == "the index could not be written"
+    assert client.kv["t/error/published/0"] == "ValueError: the index could not be written"
     assert "t/at/published/0" in client.kv  # it came to the barrier: a timeout names who did not
 
 

@@ -477,6 +477,43 @@ def test_the_processes_of_an_evaluation_job_restore_the_same_step(tmp_path):
     assert sorted(os.listdir(run)) == ["step_00000001.jckpt", "step_00000002.jckpt"]
 
 
+
+def test_a_save_failing_in_one_process_with_another_error_than_jckpts_raises_a_checkpoint_error_in_all(
+        tmp_path):
+    """A ValueError of one process's writing (a tree's own code) was raised there as it was,
+    past an `except jckpt.CheckpointError`, while the others got a DistributedError without the
+    error's type: a run that skips a failed save went on in some processes only."""
+    import jckpt
+
+    d = tmp_path / "ckpt"
+    found = check(run_pair("ownerror", d, {"KIND": "write", "JCKPT_BARRIER_TIMEOUT": "60"}))
+    (t0, m0, s0), (t1, m1, s1) = (found[p]["attempts"][0] for p in (0, 1))
+    assert (t0, t1) == ("DistributedError", "DistributedError") and s0 < 30 and s1 < 30, found
+    assert "the save failed in this process: ValueError: the tree's code failed" in m1, m1
+    assert found[1]["cause"] == "ValueError", found  # raised from it: its traceback is kept
+    assert "the save failed in another process: process 1: ValueError: the tree's code failed" in m0
+    assert found[0]["kept"] == found[1]["kept"] == 101, found  # the previous checkpoint
+    assert [r["attempts"][1][0] for r in found.values()] == [None, None], found  # the next goes on
+    _, back = jckpt.load(jckpt.Context(host=True), d)
+    assert int(back["jckpt"]["step"]) == 103
+
+
+def test_a_tree_one_process_cannot_flatten_fails_the_save_in_all_and_the_next_goes_on(tmp_path):
+    """`jckpt.save` flattened the tree for its empty nodes before the save took its turn: a
+    custom node failing to flatten in one process raised there at once, the others' save met
+    that process's next one (refused as a save from another line), and so did every save after."""
+    import jckpt
+
+    d = tmp_path / "ckpt"
+    found = check(run_pair("ownerror", d, {"KIND": "flatten", "JCKPT_BARRIER_TIMEOUT": "60"}))
+    (t0, m0, s0), (t1, m1, s1) = (found[p]["attempts"][0] for p in (0, 1))
+    assert (t0, t1) == ("DistributedError", "InputError") and s0 < 30 and s1 < 30, found
+    assert "JAX cannot flatten the tree: flatten failed" in m1 and "process 1: " in m0, found
+    assert [r["attempts"][1][0] for r in found.values()] == [None, None], found
+    _, back = jckpt.load(jckpt.Context(host=True), d)
+    assert int(back["jckpt"]["step"]) == 103
+
+
 # --- the worker ------------------------------------------------------------------------------
 
 def _attempt(jckpt, tree, path, timeout=None):
@@ -759,11 +796,56 @@ def phase_readers(jax, jckpt, result, path):
     result.update(steps=seen, restored=back.step, ok=ok)
 
 
+def phase_own_error(jax, jckpt, result, path):
+    """Every process saves version 1; process 1's version 2 fails with an error not jckpt's
+    (`KIND`: while writing its pieces, or flattening a custom node), then both save version 3."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jckpt.api import multiprocess
+
+    m = jax.make_mesh((2, 2), ("a", "b"), devices=jax.devices("cpu"))
+
+    def tree(version):
+        return {"w": global_array(jax, "w", NamedSharding(m, P("a", "b")), version),
+                "step": expected("step", version)}
+
+    class Unflattenable:
+        pass
+
+    jax.tree_util.register_pytree_node(
+        Unflattenable, lambda _: (_ for _ in ()).throw(ValueError("flatten failed")),
+        lambda aux, children: Unflattenable())
+    jckpt.save(jckpt.Context(), tree(1), path)
+    attempts, write = [], multiprocess._write_pieces
+    for version in (2, 3):
+        state = tree(version)
+        if jax.process_index() == 1 and version == 2:
+            if os.environ["KIND"] == "write":
+                def failing(*args, **kwargs):
+                    raise ValueError("the tree's code failed")
+                multiprocess._write_pieces = failing
+            else:
+                state["node"] = Unflattenable()
+        start = time.monotonic()
+        try:
+            jckpt.save(jckpt.Context(), state, path)
+            attempts.append([None, "", time.monotonic() - start])
+        except jckpt.CheckpointError as e:
+            attempts.append([type(e).__name__, str(e), time.monotonic() - start])
+            result["cause"] = type(e.__cause__).__name__ if e.__cause__ is not None else None
+        multiprocess._write_pieces = write
+        if version == 2:
+            result["kept"] = int(jckpt.load(jckpt.Context(host=True), path)[1]["jckpt"]["step"])
+    result.update(ok=True, attempts=attempts)
+
+
 PHASES = {"lonesame": phase_lone_save_of_the_same_path, "openconflict": phase_open_beside_a_live_run,
           "meshsave": phase_mesh_save, "meshrestore": phase_mesh_restore,
           "killed": phase_killed_mid_save, "preempted": phase_preempted,
           "stages": phase_stages,
-          "filesteps": phase_file_steps, "readers": phase_readers}
+          "filesteps": phase_file_steps, "readers": phase_readers,
+          "ownerror": phase_own_error}
 
 
 def worker(phase, process, port, path, processes=2, devices=2):
