@@ -19,8 +19,9 @@ GETs find (`steps.step_metadata`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jckpt.api.context import Context, check_flag
@@ -134,7 +135,11 @@ class StepReader:
     load_options: CheckpointLoadOptions
     best_metric: str | None
     best_mode: str
+    read_only: bool
+    _ranks: int  # processes that read the directory together (1: this one alone)
+    _rank: int
     _view: StepView
+    reload: Callable[[], list[int]]
 
     def _path(self, step: int) -> str:
         return os.path.join(self.directory, step_name(step))
@@ -174,6 +179,9 @@ class StepReader:
                 options: CheckpointLoadOptions | None = None, verify: bool = True) -> Restored:
         """Read `step` (default: the latest durable one).
 
+        A read-only manager of several processes restores in all of them together: they
+        meet once, then return together or raise together (`_read_together`).
+
         Args:
           step: the step to read.
           target: a tree to fill (its structure, dtypes and shardings; a
@@ -202,6 +210,16 @@ class StepReader:
         """
         ctx = ctx if ctx is not None else self.ctx
         check_flag(verify, 'verify', self.directory, optional=False)  # before anything is read
+        read = functools.partial(self._read, ctx, target=target, options=options,
+                                 loaded=Loaded(CheckpointLoadOptions(), namespaces, layout,
+                                               reshard, cast, verify))
+        if self.read_only and self._ranks > 1:
+            return self._read_together(step, read)
+        return read(step)
+
+    def _read(self, ctx: Context, step: int | None, *, target: Any,
+              options: CheckpointLoadOptions | None, loaded: Loaded) -> Restored:
+        """`restore` in this process alone: `step`, or the latest listed."""
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -217,8 +235,44 @@ class StepReader:
             raise absent  # in a bucket, the step's first GET tells (`steps.step_metadata`)
         options = steps.checked(options, CheckpointLoadOptions, 'options', self.load_options)
         return read_step(ctx, path, step, folder, target, indexed=self._view.indexed(step),
-                         loaded=Loaded(options, namespaces, layout, reshard, cast, verify),
-                         absent=absent)
+                         loaded=dataclasses.replace(loaded, options=options), absent=absent)
+
+    def _read_together(self, step: int | None, read: Callable[[int | None], Restored]) -> Restored:
+        """A multi-process reader's `restore`: every process reads its part of the step, then
+        all meet (`agree`: one barrier) and return together or fail together. Where the step
+        read was the latest listed and the writer's retention removed it while they read (one
+        process read it, another found it gone), they list again together (`reload`) and read
+        the new latest, `RELISTS` times at most; a step asked for by number fails in all.
+        """
+        where = os.path.abspath(self.directory) if self.backend is LOCAL else self.directory
+        for attempt in range(RELISTS):
+            asked = self.latest_step() if step is None else step
+            restored, failure = None, None
+            try:
+                restored = read(step)
+            except Exception as e:
+                failure = e
+            vanished = isinstance(failure, FormatError) and self._vanished(asked)
+            said = agree(f"restoring step {asked}", where, None if vanished else failure,
+                         process=self._rank, processes=self._ranks, value=vanished)
+            if restored is not None and not any(said):
+                return restored
+            assert asked is not None  # a process found it gone: they all listed it
+            if step is not None or attempt == RELISTS - 1:
+                raise steps.removed(asked, self._path(asked)) from failure
+            self.reload()
+        raise AssertionError("unreachable")
+
+    def _vanished(self, step: int | None) -> bool:
+        """Whether `step`, which this manager listed, is gone (removed by the writer's
+        retention); False for a step it did not list, or where that cannot be told."""
+        folder = None if step is None else self._view.folder(step)
+        if step is None or folder is None:
+            return False
+        try:
+            return steps.gone(self._path(step), folder, self._view.indexed(step))
+        except CheckpointError:
+            return False
 
 
 def read_only_refusal(directory: str, what: str) -> InputError:

@@ -514,6 +514,33 @@ def test_a_tree_one_process_cannot_flatten_fails_the_save_in_all_and_the_next_go
     assert int(back["jckpt"]["step"]) == 103
 
 
+def test_a_read_only_managers_processes_restore_together_when_retention_removes_the_latest(tmp_path):
+    """The writer's retention removed the latest step after process 0 had read its part and
+    before process 1 read its own: process 0 returned step 2, process 1 raised FormatError, and
+    the run went on with one process restored. A failure in one process only was raised there
+    alone too."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jckpt
+    from tests.helpers import cpu_mesh
+
+    run = tmp_path / "run"
+    sharding = NamedSharding(cpu_mesh((4,), ("x",)), P("x"))
+    with jckpt.CheckpointManager(run, directory_steps=True) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"x": jax.device_put(np.full(8, step, np.float32), sharding)})
+        mgr.wait_durable()
+    found = check(run_pair("readerrace", run, {"JCKPT_BARRIER_TIMEOUT": "30"}))
+    for r in found.values():  # both listed step 2 gone, then read step 1 together
+        assert r["listed"] == [1, 2] and r["restored"] == 1 and r["ok"], found
+        kind, message = r["failed"]  # one process failing fails them all, at once
+        assert kind == "DistributedError" and "restoring step 1 failed in 1 of the run's " \
+            "processes (process 1: ValueError: cannot read)" in message, r
+        assert r["seconds"] < 20, r
+
+
 # --- the worker ------------------------------------------------------------------------------
 
 def _attempt(jckpt, tree, path, timeout=None):
@@ -840,12 +867,55 @@ def phase_own_error(jax, jckpt, result, path):
     result.update(ok=True, attempts=attempts)
 
 
+def phase_reader_race(jax, jckpt, result, path):
+    """A read-only manager's processes restore the latest step, which the writer's retention
+    removes once process 0 has read its part; then one in which process 1 alone fails."""
+    import shutil
+
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jckpt.services import restoring
+
+    read, flag = restoring.read_step, os.path.join(os.path.dirname(path), "read")
+    if jax.process_index() == 0:
+        def read_then_say(*args, **kwargs):
+            back = read(*args, **kwargs)
+            open(flag, "w").close()
+            return back
+        restoring.read_step = read_then_say
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")), ("x",))
+    target = {"x": jax.ShapeDtypeStruct((8,), np.float32, sharding=NamedSharding(mesh, P("x")))}
+    with jckpt.CheckpointManager(path, read_only=True) as mgr:
+        result["listed"] = mgr.all_steps()
+        if jax.process_index() == 1:
+            while not os.path.exists(flag):
+                time.sleep(0.01)
+            shutil.rmtree(os.path.join(path, "step_00000002.jckpt"))  # the writer's retention
+        back = mgr.restore(target=target)
+        restoring.read_step = read
+        result["ok"] = all(bool(np.array_equal(np.asarray(s.data), np.full(8, back.step, np.float32)[
+            s.index])) for s in back.tree["x"].addressable_shards)
+        result["restored"] = back.step
+        if jax.process_index() == 1:
+            def failing(*args, **kwargs):
+                raise ValueError("cannot read")
+            restoring.read_step = failing
+        start = time.monotonic()
+        try:
+            mgr.restore(target=target)
+        except jckpt.CheckpointError as e:
+            result["failed"] = [type(e).__name__, str(e)]
+        result["seconds"] = time.monotonic() - start
+        restoring.read_step = read
+
+
 PHASES = {"lonesame": phase_lone_save_of_the_same_path, "openconflict": phase_open_beside_a_live_run,
           "meshsave": phase_mesh_save, "meshrestore": phase_mesh_restore,
           "killed": phase_killed_mid_save, "preempted": phase_preempted,
           "stages": phase_stages,
           "filesteps": phase_file_steps, "readers": phase_readers,
-          "ownerror": phase_own_error}
+          "ownerror": phase_own_error, "readerrace": phase_reader_race}
 
 
 def worker(phase, process, port, path, processes=2, devices=2):
