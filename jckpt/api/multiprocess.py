@@ -352,12 +352,15 @@ def _begin(path: str, timeout: float, count: int, process: int) -> tuple[_Runtim
     return rt, pairing.Claim(path, place, site, site_place, '-')
 
 
-def _planned(ctx: Any, tree: Any, process: int, mine: pairing.Claim
+def _planned(ctx: Any, tree: Any, process: int, mine: pairing.Claim, failure: Exception | None
              ) -> tuple[list[_Leaf] | BaseException, list[list[Any]] | None, pairing.Claim]:
-    """This process's plan (or the error it met, raised at the first barrier, which the
-    others are told of), its leaves' facts, and its claim with their digest."""
+    """This process's plan (or the error it met, or `failure`, the caller's, raised at the
+    first barrier, which the others are told of), its leaves' facts, and its claim with
+    their digest."""
     namespace = ctx.namespace
     try:
+        if failure is not None:
+            raise failure
         leaves: list[_Leaf] | BaseException = _plan(
             tree_mod.flatten(tree), namespace, ctx.registry.max_id(namespace) + 1, process)
     except Exception as e:
@@ -369,7 +372,8 @@ def _planned(ctx: Any, tree: Any, process: int, mine: pairing.Claim
 
 def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: int | None = None,
                    metadata: Mapping[str, str] | None = None, timeout: float | None = None,
-                   returning: Sequence[str] = ()) -> dict[str, str]:
+                   returning: Sequence[str] = (), failure: Exception | None = None
+                   ) -> dict[str, str]:
     """Save `tree` from every process of a `jax.distributed` run as a directory checkpoint.
 
     Call it (or `jckpt.save`, which calls it when `jax.process_count() > 1`)
@@ -378,12 +382,12 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
     process sees; a single process may call it too, to write the directory form.
     Returns in every process once the directory is published; raises
     `DistributedError` in the surviving processes when a peer fails or does not
-    reach a barrier within `timeout` seconds (default `barrier_timeout`), and
-    then nothing is published. A failing process raises its own jckpt error, or,
-    for another error (a `ValueError` of the tree's code), a `DistributedError`
-    raised from it: every process gets a `CheckpointError`. The checkpoint records process 0's `metadata`;
-    the values of its keys named in `returning` are returned in every process
-    (what a manager's processes keep of a step's metrics), with no read of the index.
+    reach a barrier within `timeout` seconds (default `barrier_timeout`), and then
+    nothing is published. A failing process raises its own jckpt error, or a
+    `DistributedError` raised from another (a `ValueError` of the tree's code);
+    `failure` (the caller's, a manager's metrics) fails the save once it took its turn.
+    The checkpoint records process 0's `metadata`; the values of its keys named in
+    `returning` are returned in every process (a manager's step metrics).
 
     Example:
         ```python
@@ -392,12 +396,11 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
     """
     backend = backend_for(path)  # before abspath, which would take a URL for a relative path
     path = os.path.abspath(os.fspath(path)) if backend is LOCAL else os.fspath(path)
-    namespace = ctx.namespace
     alignment = check_alignment(ctx.alignment if alignment is None else alignment, path)
     process, count = jax.process_index(), jax.process_count()
     timeout = barrier_timeout() if timeout is None else float(timeout)
     rt, mine = _begin(path, timeout, count, process)  # first: a failed save still takes its turn
-    leaves, facts, mine = _planned(ctx, tree, process, mine)
+    leaves, facts, mine = _planned(ctx, tree, process, mine, failure)
     values = {k: (metadata or {})[k] for k in returning if k in (metadata or {})}
     stage = _Stage(tag=object_directory.new_tag() if backend is not LOCAL and process == 0 else '')
     first: pairing.Claim | None = None
@@ -408,7 +411,7 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
             where = _open_stage(rt, path, process, stage, backend)
             save = stage.tag or os.path.basename(where)  # the same in every process
             rt.together('written', 'wrote its pieces', process, functools.partial(
-                _checked_write, first, mine, absent, where, leaves, namespace, alignment, process,
+                _checked_write, first, mine, absent, where, leaves, ctx.namespace, alignment, process,
                 ctx.durable, stage.tag, save))
             rt.together('published', 'saw the checkpoint published', process, None if process else (
                 lambda: _publish(backend, stage, path, count, alignment,

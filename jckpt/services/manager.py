@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -44,7 +44,7 @@ import jax
 from jckpt.api.context import Context, check_context, check_flag
 from jckpt.api.multiprocess import save_directory
 from jckpt.api.runtime import agree
-from jckpt.errors import InputError, StorageError, naming_file
+from jckpt.errors import CheckpointError, InputError, StorageError, naming_file
 from jckpt.format import strict_json
 from jckpt.format.metadata import check_metadata
 from jckpt.format.names import (
@@ -268,19 +268,11 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
                              file=self.directory, fix="pass items={'params': params, ...}")
         options = steps.checked(options, CheckpointOptions, 'options', self.options)
         model_ns = self._model_namespace(options, items)
-        meta = check_metadata(metadata, self.directory)
-        clean_metrics = check_metrics(metrics, self.directory,
-                                      self.best_metric if self.keep_best else None)
-        meta[STEP_KEY] = str(step)
-        meta[METRICS_KEY] = strict_json.dumps(clean_metrics, sort_keys=True)
-        if trainer_state is not None:
-            if not isinstance(trainer_state, TrainerState):
-                raise InputError(f"trainer_state must be a TrainerState, not "
-                                 f"{type(trainer_state).__name__}", file=self.directory)
-            meta[TRAINER_STATE_KEY] = trainer_state.to_json()
-        if self.directory_steps:
-            self._save_directory(step, tree, items, meta)
+        if self.directory_steps:  # every process takes the save's turn, its arguments refused or not
+            self._save_directory(step, tree, items, lambda: self._step_metadata(
+                step, metrics, trainer_state, metadata)[0])
             return True
+        meta, clean_metrics = self._step_metadata(step, metrics, trainer_state, metadata)
         trees = items if items is not None else {self.ctx.namespace: tree}
         formats.check_model(options, trees, model_ns, step, self._path(step))  # before admitting
         leaves = namespace_leaves(trees)
@@ -291,6 +283,23 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
         if not self.asynchronous:
             self._pipeline.wait()
         return True
+
+    def _step_metadata(self, step: int, metrics: Mapping[str, float] | None,
+                       trainer_state: TrainerState | None, metadata: Mapping[str, str] | None
+                       ) -> tuple[dict[str, str], dict[str, float]]:
+        """The metadata `step` records (the user's, its step, metrics and trainer state),
+        and its metrics: `InputError` for one that cannot be stored."""
+        meta = check_metadata(metadata, self.directory)
+        clean_metrics = check_metrics(metrics, self.directory,
+                                      self.best_metric if self.keep_best else None)
+        meta[STEP_KEY] = str(step)
+        meta[METRICS_KEY] = strict_json.dumps(clean_metrics, sort_keys=True)
+        if trainer_state is not None:
+            if not isinstance(trainer_state, TrainerState):
+                raise InputError(f"trainer_state must be a TrainerState, not "
+                                 f"{type(trainer_state).__name__}", file=self.directory)
+            meta[TRAINER_STATE_KEY] = trainer_state.to_json()
+        return meta, clean_metrics
 
     def _model_namespace(self, options: CheckpointOptions,
                          items: Mapping[str, Any] | None) -> str:
@@ -319,16 +328,26 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
                              fix="save increasing steps (delete later steps to rewind)")
 
     def _save_directory(self, step: int, tree: Any, items: Mapping[str, Any] | None,
-                        meta: dict[str, str]) -> None:
+                        metadata: Callable[[], dict[str, str]]) -> None:
+        """Save `step` from every process. An error `metadata` meets in one process (its
+        metrics, say) fails the save in all of them once it has taken its turn: raised
+        before, the others' save met that process's next one."""
         if items is not None:
             raise InputError("directory steps hold one namespace: pass tree, not items",
                              file=self.directory)
         recorded: dict[str, str] = {}  # process 0's metrics, which every process keeps
+        meta: dict[str, str] = {}
+        failure: CheckpointError | None = None
+        try:
+            meta = metadata()
+        except CheckpointError as e:
+            failure = e
 
         def write(generation: int) -> None:
             self._lease.check()  # a writer whose lease was taken over writes nothing more
             recorded.update(save_directory(self.ctx, tree, self._path(step), returning=(METRICS_KEY,),
-                                           metadata=self._stamped(meta, generation)))
+                                           metadata=self._stamped(meta, generation),
+                                           failure=failure))
             self._mark_published(generation)
 
         self._lease.check()

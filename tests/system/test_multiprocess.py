@@ -541,6 +541,22 @@ def test_a_read_only_managers_processes_restore_together_when_retention_removes_
         assert r["seconds"] < 20, r
 
 
+
+def test_a_managers_step_whose_metrics_one_process_gets_wrong_fails_in_all_and_the_next_goes_on(
+        tmp_path):
+    """A metric one process could not store was refused there before the step's save took its
+    turn: the others' save of step 2 met that process's save of step 3 (refused: another path),
+    and then waited out the barrier's timeout at step 3, which no process saved."""
+    found = check(run_pair("managerargs", tmp_path / "run", {"JCKPT_BARRIER_TIMEOUT": "60"}))
+    (t0, m0, s0), (t1, m1, s1) = (found[p]["attempts"][1] for p in (0, 1))
+    assert (t0, t1) == ("DistributedError", "InputError") and s0 < 30 and s1 < 30, found
+    assert "metric 'loss' is not a number" in m1 and "process 1: " in m0 and "step_00000002" in m0
+    for r in found.values():
+        assert [t for t, _, _ in r["attempts"]] == [None, "DistributedError" if r["process"] == 0
+                                                    else "InputError", None], r
+        assert r["steps"] == [1, 3], r
+
+
 # --- the worker ------------------------------------------------------------------------------
 
 def _attempt(jckpt, tree, path, timeout=None):
@@ -910,12 +926,34 @@ def phase_reader_race(jax, jckpt, result, path):
         restoring.read_step = read
 
 
+def phase_manager_arguments(jax, jckpt, result, path):
+    """A manager saves steps 1 to 3; at step 2, process 1's metrics hold a value that is no number."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")), ("x",))
+    attempts = []
+    with jckpt.CheckpointManager(path) as mgr:
+        for step in (1, 2, 3):
+            x = jax.make_array_from_callback((8,), NamedSharding(mesh, P("x")),
+                                             lambda i, s=step: np.full(8, s, np.float32)[i])
+            loss = "nan?" if step == 2 and jax.process_index() == 1 else float(step)
+            start = time.monotonic()
+            try:
+                mgr.save(step, {"x": x}, metrics={"loss": loss})
+                attempts.append([None, "", time.monotonic() - start])
+            except jckpt.CheckpointError as e:
+                attempts.append([type(e).__name__, str(e), time.monotonic() - start])
+        result.update(ok=True, attempts=attempts, steps=mgr.all_steps())
+
+
 PHASES = {"lonesame": phase_lone_save_of_the_same_path, "openconflict": phase_open_beside_a_live_run,
           "meshsave": phase_mesh_save, "meshrestore": phase_mesh_restore,
           "killed": phase_killed_mid_save, "preempted": phase_preempted,
           "stages": phase_stages,
           "filesteps": phase_file_steps, "readers": phase_readers,
-          "ownerror": phase_own_error, "readerrace": phase_reader_race}
+          "ownerror": phase_own_error, "readerrace": phase_reader_race,
+          "managerargs": phase_manager_arguments}
 
 
 def worker(phase, process, port, path, processes=2, devices=2):
