@@ -264,8 +264,11 @@ def store_error(exc: BaseException, action: str, url: str) -> CheckpointError:
     if _no_bucket(text):
         return StorageError(f"{action} failed: the bucket {_bucket(url)!r} does not exist",
                             file=url, fix=_bucket_fix(url))
-    if name in ('PermissionDeniedError', 'UnauthenticatedError') or 'AccessDenied' in text \
-            or 'InvalidAccessKeyId' in text or 'SignatureDoesNotMatch' in text:
+    if name == 'PermissionDeniedError' or 'AccessDenied' in text:  # known, but not allowed
+        return StorageError(f"{action} failed: access denied ({detail})", file=url,
+                            fix=permission_fix(action, url))
+    if name == 'UnauthenticatedError' or 'InvalidAccessKeyId' in text \
+            or 'SignatureDoesNotMatch' in text:
         return StorageError(f"{action} failed: access denied ({detail})", file=url,
                             fix=_credentials_fix(url))
     # no keys in the environment: the store asked the cloud's instance metadata service
@@ -283,6 +286,43 @@ def store_error(exc: BaseException, action: str, url: str) -> CheckpointError:
         return StorageError(f"{action} failed: the object changed while it was read", file=url,
                             fix="another writer replaced it; read it again")
     return StorageError(f"{action} failed: {detail}", file=url, fix=_network_fix(url))
+
+
+#: The S3 IAM actions each kind of request needs, by the start of its action's words.
+_S3_ACTIONS = (
+    ('uploading', "s3:PutObject (a multipart upload, above part_size, also "
+                  "s3:AbortMultipartUpload, and its marker s3:ListBucket, "
+                  "s3:ListBucketMultipartUploads, s3:GetObject and s3:DeleteObject)"),
+    ('taking the writer lease', "s3:PutObject, s3:GetObject and s3:DeleteObject"),
+    ('reading', "s3:GetObject (and s3:ListBucket: without it a missing object is denied, "
+                "not reported missing)"),
+    ('looking up', "s3:GetObject and s3:ListBucket"),
+    ('listing', "s3:ListBucket"),
+    ('deleting', "s3:DeleteObject"))
+#: What a writer (a save, a Mirror, a CheckpointManager) needs on S3, all together.
+S3_WRITER_ACTIONS = ("s3:GetObject, s3:PutObject, s3:DeleteObject, s3:ListBucket, "
+                     "s3:ListBucketMultipartUploads and s3:AbortMultipartUpload")
+#: The roles that grant what jckpt asks of GCS and Azure: to read, and to write.
+_ROLES = {'gs': "roles/storage.objectViewer (to read) or roles/storage.objectUser (to write)",
+          'az': "Storage Blob Data Reader (to read) or Storage Blob Data Contributor (to write)"}
+
+
+def permission_fix(action: str, url: str) -> str:
+    """The fix of a request the store refused to credentials it knows (AccessDenied): the
+    permissions `action` needs (S3's IAM actions; GCS's and Azure's roles) on `url`'s bucket.
+
+    >>> permission_fix("listing", "s3://b/run")[:64]
+    'allow s3:ListBucket on arn:aws:s3:::b and arn:aws:s3:::b/* in th'
+    """
+    kind, bucket = SCHEMES.get(url.partition('://')[0].lower(), ''), _bucket(url)
+    if kind == 's3':
+        needed = next((n for start, n in _S3_ACTIONS if action.startswith(start)), S3_WRITER_ACTIONS)
+        return (f"allow {needed} on arn:aws:s3:::{bucket} and arn:aws:s3:::{bucket}/* in the IAM "
+                f"policy of the user or role whose credentials are used (a writer needs "
+                f"{S3_WRITER_ACTIONS}), or {_credentials_fix(url)}")
+    if kind in _ROLES:
+        return f"grant {_ROLES[kind]} on the bucket {bucket!r}, or {_credentials_fix(url)}"
+    return _credentials_fix(url)
 
 
 def is_missing(exc: BaseException) -> bool:
@@ -369,5 +409,5 @@ def pieces_replaced() -> Iterator[None]:
 
 
 __all__ = ['MISSING_OBJECT', 'REMOVED_WHILE_READ', 'SCHEMES', 'ObjectSource', 'ObjectURL', 'available',
-           'configure', 'pieces_replaced',
+           'configure', 'permission_fix', 'pieces_replaced',
            'forget_stores', 'is_missing', 'obstore_module', 'store_error', 'store_for', 'tuning']

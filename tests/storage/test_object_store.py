@@ -222,6 +222,50 @@ def test_denied_credentials():
         server.stop()
 
 
+def test_a_denied_request_names_the_iam_actions_it_needs():
+    """Known credentials that a policy does not allow to write: the fix said only to check the
+    credentials, as for unknown keys, not which permission was missing."""
+    import json
+
+    import boto3
+
+    from tests.s3server import S3Server
+
+    server = S3Server.start(env={"INITIAL_NO_AUTH_ACTION_COUNT": "4"})  # then policies apply
+    try:
+        def client(service):
+            return boto3.client(service, endpoint_url=server.endpoint, aws_access_key_id="testing",
+                                aws_secret_access_key="testing", region_name="us-east-1")
+        iam = client("iam")
+        iam.create_user(UserName="reader")
+        iam.put_user_policy(UserName="reader", PolicyName="read", PolicyDocument=json.dumps(
+            {"Version": "2012-10-17", "Statement": [
+                {"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"], "Resource": "*"}]}))
+        key = iam.create_access_key(UserName="reader")["AccessKey"]
+        client("s3").create_bucket(Bucket="readonly")
+        object_store.configure("s3://readonly", endpoint=server.endpoint, region="us-east-1",
+                               access_key_id=key["AccessKeyId"], secret_access_key=key["SecretAccessKey"])
+        with pytest.raises(jckpt.StorageError, match="access denied") as e:
+            jckpt.save(jckpt.Context(), TREE, "s3://readonly/x.jckpt")
+        assert e.value.fix.startswith("allow s3:PutObject ") and "arn:aws:s3:::readonly/*" in e.value.fix
+        assert "s3:AbortMultipartUpload" in e.value.fix and "AWS_ACCESS_KEY_ID" in e.value.fix
+    finally:
+        object_store.configure("s3://readonly")
+        server.stop()
+
+
+@pytest.mark.parametrize("action, needed", [
+    ("reading the checkpoint", "s3:GetObject"), ("listing", "s3:ListBucket"),
+    ("deleting run/a.jckpt", "s3:DeleteObject"), ("taking the writer lease (x)", "s3:PutObject")])
+def test_each_denied_request_names_its_own_actions(action, needed):
+    e = object_store.store_error(RuntimeError("AccessDenied: Access Denied"), action, "s3://b/run")
+    assert e.fix.startswith(f"allow {needed}") and "arn:aws:s3:::b" in e.fix
+    from obstore.exceptions import PermissionDeniedError
+
+    gs = object_store.store_error(PermissionDeniedError("denied"), action, "gs://b/run")
+    assert gs.fix.startswith("grant roles/storage.objectViewer") and "credentials" in gs.fix
+
+
 @contextlib.contextmanager
 def _own_server(monkeypatch):
     """A server of the test's own (it is stopped mid-test), its bucket set to small parts and
