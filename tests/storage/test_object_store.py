@@ -720,3 +720,36 @@ def test_a_missing_bucket_is_named_with_how_to_create_it(url, text, create):
     assert isinstance(e, jckpt.StorageError) and e.file == url
     assert f"the bucket {url[5:7]!r} does not exist" in e.message
     assert create in e.fix and "credentials" in e.fix
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_trailing_slash_names_a_directory_locally_and_in_a_bucket(where, tmp_path, request):
+    """`s3://b/m.jckpt/` saved to `m.jckpt` and read it silently, while `m.jckpt/` locally
+    failed with "the directory ... does not exist" and "not a directory": both now refuse a
+    checkpoint file named as a directory, saying so and the path without the '/'; directory
+    checkpoints and managers' directories keep working with one."""
+    from jckpt.api.multiprocess import save_directory
+
+    root = str(tmp_path) if where == "local" else request.getfixturevalue("s3")
+    backend = backend_for(root)
+    with pytest.raises(jckpt.InputError, match="file's path cannot end with '/'") as e:
+        jckpt.save(jckpt.Context(), TREE, f"{root}/m.jckpt/")
+    assert e.value.file == f"{root}/m.jckpt/" and f"save to '{root}/m.jckpt'" in e.value.fix
+    assert backend.list(root) == []
+    with pytest.raises(jckpt.InputError, match="file's path cannot end with '/'"):
+        jckpt.Mirror(f"{root}/m.jckpt/")
+    jckpt.save(jckpt.Context(), TREE, f"{root}/m.jckpt")
+    for read in (lambda p: jckpt.load(HOST, p), jckpt.describe,
+                 lambda p: jckpt.restore(HOST, TREE, p)):
+        with pytest.raises(jckpt.InputError, match="'m.jckpt' is a checkpoint file") as e:
+            read(f"{root}/m.jckpt/")
+        assert e.value.fix == f"read '{root}/m.jckpt', without the trailing '/'"
+    with pytest.raises(jckpt.FormatError, match="no such checkpoint"):
+        jckpt.load(HOST, f"{root}/none/")
+    save_directory(jckpt.Context(), TREE, f"{root}/d/")  # the directory form keeps its '/'
+    jckpt.save(jckpt.Context(), TREE, f"{root}/d/")
+    assert_tree_equal(jckpt.restore(HOST, TREE, f"{root}/d/"), TREE)
+    with jckpt.CheckpointManager(f"{root}/run/") as mgr:
+        mgr.save(1, TREE)
+    with jckpt.CheckpointManager(f"{root}/run/", read_only=True) as reader:
+        assert reader.all_steps() == [1] and reader.restore(target=TREE).step == 1
