@@ -32,6 +32,7 @@ import dataclasses
 import importlib
 import importlib.util
 import os
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -180,8 +181,11 @@ def _check_store_options(prefix: str, scheme: str, options: dict[str, Any]) -> N
     if options.get('store') is not None or SCHEMES[scheme] == 'memory' or not available():
         return
     bucket = ObjectURL.parse(prefix).bucket if '://' in prefix else 'jckpt-configure-check'
+    merged = {**_OPTIONS.get(scheme, {}), **options}
+    if SCHEMES[scheme] == 's3':
+        _s3_endpoint(merged, prefix)
     try:
-        _build(ObjectURL.parse(f"{scheme}://{bucket}/x"), {**_OPTIONS.get(scheme, {}), **options})
+        _build(ObjectURL.parse(f"{scheme}://{bucket}/x"), merged)
     except CheckpointError as e:
         cause = e.__cause__
         if isinstance(cause, TypeError) or type(cause).__name__ == 'UnknownConfigurationKeyError' \
@@ -237,8 +241,7 @@ def _build(u: ObjectURL, options: dict[str, Any]) -> Any:
         return _MEMORY[u.bucket]
     store_options = {k: v for k, v in options.items() if k not in OWN_OPTIONS}
     if u.kind == 's3':
-        endpoint = store_options.get('endpoint') or os.environ.get('AWS_ENDPOINT_URL_S3') \
-            or os.environ.get('AWS_ENDPOINT_URL') or os.environ.get('AWS_ENDPOINT') or ''
+        endpoint = _s3_endpoint(store_options, u.url)
         if endpoint.startswith('http://'):
             store_options['client_options'] = {'allow_http': True, **store_options.get('client_options', {})}
     root = {'s3': 's3', 'gs': 'gs', 'az': 'az'}[u.kind]
@@ -246,6 +249,26 @@ def _build(u: ObjectURL, options: dict[str, Any]) -> Any:
         return obs.store.from_url(f"{root}://{u.bucket}", **store_options)
     except Exception as e:
         raise store_error(e, "configuring the object store", u.url) from e
+
+
+#: The names obstore takes for an S3 store's endpoint.
+_ENDPOINT_OPTIONS = ('endpoint', 'aws_endpoint', 'aws_endpoint_url', 'endpoint_url')
+
+
+def _s3_endpoint(options: dict[str, Any], where: str) -> str:
+    """The endpoint an S3 store of `options` uses (theirs, else the environment's; '' for
+    AWS's own), refused unless an http:// or https:// URL of a host: obstore's client panics
+    on one that is not (`localhost:9000`), past any `except Exception`."""
+    endpoint = next((str(options[k]) for k in _ENDPOINT_OPTIONS if options.get(k)), '') \
+        or os.environ.get('AWS_ENDPOINT_URL_S3') or os.environ.get('AWS_ENDPOINT_URL') \
+        or os.environ.get('AWS_ENDPOINT') or ''
+    if endpoint and not re.fullmatch(r'https?://(\[[0-9a-fA-F:.]+\]|[^/\s:@\[\]]+)(:[0-9]+)?(/\S*)?',
+                                     endpoint):
+        raise InputError(f"the S3 endpoint {endpoint!r} is no http:// or https:// URL of a host "
+                         "(the store's client panics on one)", file=where,
+                         fix="write it as http://HOST:PORT (a local server) or https://HOST, in "
+                             "AWS_ENDPOINT_URL or jckpt.storage.configure(..., endpoint=...)")
+    return endpoint
 
 
 def tuning(u: ObjectURL) -> tuple[int, int]:
@@ -264,6 +287,10 @@ def store_error(exc: BaseException, action: str, url: str) -> CheckpointError:
     if _no_bucket(text):
         return StorageError(f"{action} failed: the bucket {_bucket(url)!r} does not exist",
                             file=url, fix=_bucket_fix(url))
+    if 'incorrectly configured region' in text or 'AuthorizationHeaderMalformed' in text \
+            or 'PermanentRedirect' in text:
+        return StorageError(f"{action} failed: the bucket {_bucket(url)!r} is in another region "
+                            f"than the one asked ({detail})", file=url, fix=_region_fix(url, text))
     if name == 'PermissionDeniedError' or 'AccessDenied' in text:  # known, but not allowed
         return StorageError(f"{action} failed: access denied ({detail})", file=url,
                             fix=permission_fix(action, url))
@@ -323,6 +350,20 @@ def permission_fix(action: str, url: str) -> str:
     if kind in _ROLES:
         return f"grant {_ROLES[kind]} on the bucket {bucket!r}, or {_credentials_fix(url)}"
     return _credentials_fix(url)
+
+
+def _region_fix(url: str, text: str) -> str:
+    """The fix of a request sent to the wrong region: the bucket's own, where the error says it.
+
+    >>> _region_fix('s3://b/x', "the region 'us-east-1' is wrong; expecting 'eu-west-1'")[:53]
+    "set the bucket's region (it is eu-west-1): AWS_REGION"
+    """
+    said = re.search(r"expecting '([a-z0-9-]+)'", text)
+    region = said[1] if said else 'REGION'
+    where = f"it is {region}" if said else f"aws s3api get-bucket-location --bucket {_bucket(url)} tells it"
+    bucket = f"{url.partition('://')[0]}://{_bucket(url)}"
+    return (f"set the bucket's region ({where}): AWS_REGION={region}, or "
+            f"jckpt.storage.configure({bucket!r}, region={region!r})")
 
 
 def is_missing(exc: BaseException) -> bool:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -127,7 +128,7 @@ def abort_failed(abort: BaseException, u: ObjectURL, upload_id: str, first: Base
     how = [f"the next multipart save of {u.url} aborts it"] if placed else []
     if u.kind == 's3':
         how.append(f"abort it with `aws s3api abort-multipart-upload --bucket {u.bucket} "
-                   f"--key '{u.key}' --upload-id {upload_id}`")
+                   f"--key {shlex.quote(u.key)} --upload-id {upload_id}`")
     how.append("a lifecycle rule that aborts incomplete uploads removes it (docs/object-storage.md)")
     error.fix = (f"{error.fix}; " if error.fix else '') + left + "(billed until aborted): " + \
         ', or '.join(how)

@@ -753,3 +753,57 @@ def test_a_trailing_slash_names_a_directory_locally_and_in_a_bucket(where, tmp_p
         mgr.save(1, TREE)
     with jckpt.CheckpointManager(f"{root}/run/", read_only=True) as reader:
         assert reader.all_steps() == [1] and reader.restore(target=TREE).step == 1
+
+
+def test_a_bucket_in_another_region_says_to_set_its_region(monkeypatch):
+    """S3 redirects a request sent to another region than the bucket's (a 301, without a
+    Location): the error's fix said to check the endpoint and the network."""
+    import http.server
+
+    class Redirecting(http.server.BaseHTTPRequestHandler):
+        def answer(self):
+            self.send_response(301)
+            self.send_header("x-amz-bucket-region", "eu-west-1")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = answer
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirecting)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    object_store.configure("s3://far", endpoint=f"http://127.0.0.1:{server.server_address[1]}",
+                           region="us-east-1", access_key_id="k", secret_access_key="s")
+    try:
+        for call in (lambda: jckpt.load(HOST, "s3://far/x.jckpt"),
+                     lambda: jckpt.save(jckpt.Context(), TREE, "s3://far/x.jckpt")):
+            with pytest.raises(jckpt.StorageError, match="'far' is in another region") as e:
+                call()
+            assert e.value.file == "s3://far/x.jckpt" and "network" not in e.value.fix
+            assert "get-bucket-location --bucket far" in e.value.fix
+            assert "jckpt.storage.configure('s3://far', region=" in e.value.fix
+    finally:
+        object_store.configure("s3://far")
+        server.shutdown()
+    said = RuntimeError("AuthorizationHeaderMalformed: the region 'us-east-1' is wrong; "
+                        "expecting 'eu-west-1'")
+    fix = object_store.store_error(said, "reading", "s3://far/x.jckpt").fix
+    assert fix.startswith("set the bucket's region (it is eu-west-1): AWS_REGION=eu-west-1")
+
+
+@pytest.mark.parametrize("endpoint", ["localhost:9000", "htp://host", "http://", "https://a b"])
+def test_an_endpoint_that_is_no_url_is_refused(endpoint, monkeypatch):
+    """obstore's client panicked on it at the first request (a PanicException, which no
+    `except Exception` catches), from configure or from the environment alike."""
+    with pytest.raises(jckpt.InputError, match="is no http:// or https:// URL") as e:
+        object_store.configure("s3://elsewhere", endpoint=endpoint)
+    assert e.value.file == "s3://elsewhere" and "http://HOST:PORT" in e.value.fix
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    object_store.forget_stores()
+    try:
+        with pytest.raises(jckpt.InputError, match="is no http:// or https:// URL") as e:
+            jckpt.load(HOST, "s3://elsewhere/x.jckpt")
+        assert e.value.file == "s3://elsewhere/x.jckpt"
+    finally:
+        object_store.forget_stores()
