@@ -518,3 +518,9 @@ def test_a_reader_lists_again_when_the_step_prefixes_it_listed_were_removed(s3, 
     assert len(calls) == 2 and "unreadable" not in caplog.text
     found = steps.scan(backend, url, real(backend, url))
     assert found.unfinished == (step_name(4),) and found.vanished == ()
+    marker = "index.jckpt" if directory_steps else "trainer_state.json"
+    with backend.create(f"{url}/{step_name(3)}/{marker}") as damaged:  # unreadable, not removed
+        os.write(damaged.fd, b"garbage")
+        damaged.publish()
+    found = steps.scan(backend, url, real(backend, url))
+    assert sorted(found.metrics) == [2] and found.vanished == () and "unreadable step" in caplog.text
