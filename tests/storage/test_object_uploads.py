@@ -148,3 +148,12 @@ def test_a_failed_abort_against_a_server_that_died(monkeypatch):
     assert e.value.message.startswith("uploading the checkpoint failed: the host array could not be read")
     assert "aborting the incomplete upload failed too" in e.value.message
     assert "abort-multipart-upload" in e.value.fix
+
+
+def test_the_abort_command_quotes_the_key_for_a_shell():
+    from jckpt.storage.object_uploads import abort_failed
+
+    u = ObjectURL.parse("s3://b/run/it's a $HOME.jckpt")
+    e = abort_failed(RuntimeError("Error performing DELETE x?uploadId=U1"), u, "U1", None, placed=False)
+    assert """--key 'run/it'"'"'s a $HOME.jckpt' --upload-id U1`""" in e.fix
+    assert "next multipart save" not in e.fix and "replaced by that of the failed abort" in e.message
