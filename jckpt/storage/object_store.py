@@ -325,7 +325,8 @@ _S3_ACTIONS = (
                 "not reported missing)"),
     ('looking up', "s3:GetObject and s3:ListBucket"),
     ('listing', "s3:ListBucket"),
-    ('deleting', "s3:DeleteObject"))
+    ('deleting', "s3:DeleteObject"),
+    ('aborting', "s3:AbortMultipartUpload"))
 #: What a writer (a save, a Mirror, a CheckpointManager) needs on S3, all together.
 S3_WRITER_ACTIONS = ("s3:GetObject, s3:PutObject, s3:DeleteObject, s3:ListBucket, "
                      "s3:ListBucketMultipartUploads and s3:AbortMultipartUpload")

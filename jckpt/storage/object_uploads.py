@@ -118,10 +118,11 @@ def abort_failed(abort: BaseException, u: ObjectURL, upload_id: str, first: Base
     upload's own error (`first`; `None` when the store's error replaced it), the abort's
     failure, and how the incomplete upload `upload_id` left in the bucket goes (`placed`: its
     marker is there, so the next multipart save of the key aborts it)."""
+    said = store_error(abort, "aborting the upload", u.url)  # its fix: a network's, a permission's
     error = store_error(first, "uploading the checkpoint", u.url) if first is not None else \
         StorageError("uploading the checkpoint failed: sending a part or completing the upload "
                      "failed (the store's error was replaced by that of the failed abort)",
-                     file=u.url, fix="check the endpoint and the network, then try again")
+                     file=u.url, fix=said.fix)
     detail = str(abort).splitlines()[0][:200]
     error.message += f"; aborting the incomplete upload failed too ({detail})"
     left = f"the incomplete multipart upload {upload_id} of key {u.key!r} is left in the bucket "

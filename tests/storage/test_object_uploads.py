@@ -115,7 +115,7 @@ def test_a_failed_abort_says_the_uploads_own_error_and_the_upload_left(s3, monke
         upload_stream(ObjectURL.parse(url), chunks(), 20 << 20)
     assert e.value.file == url and isinstance(e.value.__cause__, OSError)
     assert "the host array could not be read; aborting the incomplete upload failed too" in e.value.message
-    assert f"--key 'model.jckpt' --upload-id {started[0]}" in e.value.fix
+    assert f"--key model.jckpt --upload-id {started[0]}" in e.value.fix
     assert uploads_of(url) == [("model.jckpt", started[0])] and len(markers_of(url)) == 1
     monkeypatch.setattr(obstore, "put", put)
     upload_stream(ObjectURL.parse(url), iter([b"b" * (10 << 20)] * 2), 20 << 20)  # the next writer
@@ -157,3 +157,6 @@ def test_the_abort_command_quotes_the_key_for_a_shell():
     e = abort_failed(RuntimeError("Error performing DELETE x?uploadId=U1"), u, "U1", None, placed=False)
     assert """--key 'run/it'"'"'s a $HOME.jckpt' --upload-id U1`""" in e.fix
     assert "next multipart save" not in e.fix and "replaced by that of the failed abort" in e.message
+    denied = abort_failed(RuntimeError("AccessDenied: Error performing DELETE x?uploadId=U1"), u, "U1",
+                          None, placed=True)
+    assert denied.fix.startswith("allow s3:AbortMultipartUpload on arn:aws:s3:::b")
