@@ -37,7 +37,7 @@ from jckpt.format.metadata import check_metadata, empty_nodes_text
 from jckpt.format.names import EMPTY_NODES_KEY, INDEX_NAME
 from jckpt.format.payload import CHECKSUM_PLACEHOLDER
 from jckpt.storage import staging
-from jckpt.storage.backend import LOCAL, backend_for, checked_path
+from jckpt.storage.backend import LOCAL, backend_for, checked_path, folder_path_error, names_folder
 from jckpt.storage.object_store import MISSING_OBJECT
 from jckpt.storage.reader import CheckpointReader, reopen
 from jckpt.storage.regions import ShardedSource
@@ -121,6 +121,8 @@ def save_file(ctx: Context, tree: Any, path: PathLike) -> None:
 
 def _save_file(ctx: Context, tree: Any, path: str, appending: bool, alignment: int | None,
                metadata: dict[str, str], progress: bool) -> None:
+    if names_folder(path):  # a file's name: not saved without the '/', nor failing late
+        raise folder_path_error(path, saving=True)
     items, empty = tree_mod.flatten_with_empty(tree)
     hosts = to_host.host_leaves(items, namespace=ctx.namespace, pieces=True)
     alignment = check_alignment(ctx.alignment if alignment is None else alignment, path)

@@ -51,7 +51,7 @@ from jckpt.services.engine import MirrorCounters
 from jckpt.services.lineage import MIRROR_FILE
 from jckpt.services.snapshot import Digest, content_digest, empty_nodes_metadata, namespace_leaves
 from jckpt.storage import staging
-from jckpt.storage.backend import LOCAL, backend_for, checked_path
+from jckpt.storage.backend import LOCAL, backend_for, checked_path, folder_path_error, names_folder
 from jckpt.storage.object_store import MISSING_OBJECT
 
 
@@ -98,6 +98,9 @@ class Mirror(BackgroundWriter[None]):
                  when_full: str = 'block', retry_after: float = 1.0, patience: int = 3,
                  device_image_bytes: int | None = None) -> None:
         self.path = checked_path(path)
+        if names_folder(self.path):  # its generations are one file: refused before the lease
+            backend_for(self.path).check_target(self.path)  # a bucket's root is said as such
+            raise folder_path_error(self.path, saving=True)
         self._found: Header | None = None  # the header `_recover` read of a checkpoint in a bucket
         super().__init__(self.path, backend=backend_for(self.path), lease=self.path, ctx=ctx,
                          lineage=lineage, new_lineage=new_lineage, slots=slots,

@@ -117,10 +117,10 @@ class Found:
       latest: the latest step's metadata and header (`None` for a step directory's): the
         lineage check takes them from here rather than reading the step again.
       unfinished: the names of the step prefixes in a bucket that hold neither a record nor
-        an index (a save that died): `remove_unfinished` removes them.
+        an index but hold pieces (a save under way, or that died): `remove_unfinished`.
       indexed: the folders that are directory checkpoints (read by their index), not step
         directories (read by their record).
-      vanished: the steps listed but gone when read (removed by the directory's writer).
+      vanished: the steps listed but gone when read (removed by the writer; a prefix: empty).
     """
 
     metrics: dict[int, dict[str, float]]
@@ -163,8 +163,8 @@ def scan(backend: Backend, directory: str, listing: Listing | None = None) -> Fo
         try:
             if prefix and backend is not LOCAL:  # its record, else its index: no HEAD first
                 got = _read_bucket_folder(path, item[0])
-                if got is None:
-                    unfinished.append(item[1])
+                if got is None:  # an emptied prefix was removed since; one holding pieces is not
+                    (unfinished if backend.isdir(path) else vanished).append(item[1])
                 return None if got is None else (got[0], got[1])
             return _read_step(path, item[0], prefix)
         except CheckpointError as e:

@@ -228,6 +228,32 @@ class LocalBackend:
 LOCAL = LocalBackend()
 
 
+def names_folder(path: str) -> bool:
+    """Whether `path` ends with a separator: it names a directory (a prefix in a bucket).
+
+    >>> names_folder('s3://b/run/'), names_folder('run/model.jckpt')
+    (True, False)
+    """
+    return path.endswith(('/', os.sep))
+
+
+def folder_path_error(path: str, *, saving: bool) -> InputError:
+    """The error of a checkpoint file named with a trailing '/' (`names_folder`), saved or
+    read: the same locally and in a bucket, where a save went to the object without the '/'
+    and a read read it, while locally a save said a directory did not exist.
+
+    >>> print(folder_path_error('run/m.jckpt/', saving=False).fix)
+    read 'run/m.jckpt', without the trailing '/'
+    """
+    bare = path.rstrip('/' + os.sep)
+    if saving:
+        return InputError("a checkpoint file's path cannot end with '/', which names a directory",
+                          file=path, fix=f"save to {bare!r}, without the trailing '/' (a directory "
+                                         "checkpoint, which several processes save together, may keep it)")
+    return InputError(f"ends with '/', which names a directory, but {bare.rsplit('/', 1)[-1]!r} is "
+                      "a checkpoint file", file=path, fix=f"read {bare!r}, without the trailing '/'")
+
+
 def checked_path(path: str | os.PathLike) -> str:
     """`path` as a `str`: a `str`, `bytes` or `os.PathLike`, else an `InputError`.
 
@@ -346,5 +372,5 @@ def same_place(a: str, b: str) -> bool:
         return False
 
 
-__all__ = ['LOCAL', 'Backend', 'Buffer', 'LocalBackend', 'backend_for', 'is_url', 'occupied',
-           'open_regular', 'same_place', 'url_scheme']
+__all__ = ['LOCAL', 'Backend', 'Buffer', 'LocalBackend', 'backend_for', 'folder_path_error',
+           'is_url', 'names_folder', 'occupied', 'open_regular', 'same_place', 'url_scheme']

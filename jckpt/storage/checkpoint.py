@@ -27,7 +27,7 @@ from typing import Any
 
 from jckpt.errors import FormatError
 from jckpt.format.names import INDEX_NAME
-from jckpt.storage.backend import LOCAL, backend_for, checked_path
+from jckpt.storage.backend import LOCAL, backend_for, checked_path, folder_path_error, names_folder
 from jckpt.storage.directory import NO_INDEX, DirectoryReader, set_aside
 from jckpt.storage.object_store import MISSING_OBJECT
 from jckpt.storage.reader import CheckpointReader
@@ -125,20 +125,11 @@ def open_checkpoint(path: str | os.PathLike) -> Any:
     if reused is not None and reused.path == path:
         return reused
     backend = backend_for(path)
-    if backend is not LOCAL:  # an object: its header's GET first; a prefix is listed only if none is there
-        try:
-            return backend.open(path)
-        except FormatError as e:
-            if e.message != MISSING_OBJECT or not backend.isdir(path):
-                raise
-        try:
-            return DirectoryReader(path, check_pieces=True)
-        except FormatError as e:  # no index: a registered reader may claim the prefix
-            fmt = directory_format(path) if e.message == NO_INDEX else None
-            if fmt is None:
-                raise
-            return fmt.open(path)
+    if backend is not LOCAL:
+        return _open_url(backend, path)
     if not backend.isdir(path):
+        if names_folder(path) and os.path.isfile(path.rstrip('/' + os.sep)):
+            raise folder_path_error(path, saving=False)  # not the OS's "not a directory"
         aside = set_aside(path) if not os.path.lexists(path) else []
         if aside:  # a save killed between renaming the old checkpoint aside and the new one in
             return open_checkpoint(aside[-1])
@@ -148,6 +139,30 @@ def open_checkpoint(path: str | os.PathLike) -> Any:
         if fmt is not None:
             return fmt.open(path)
     return DirectoryReader(path, check_pieces=True)
+
+
+def _open_url(backend: Any, path: str) -> Any:
+    """A checkpoint at a URL: an object, its header's GET first, and a prefix listed only if no
+    object is there; a URL that ends with '/' names a prefix alone (no GET of the object)."""
+    missing = FormatError(MISSING_OBJECT, file=path, fix="check the URL, or save a checkpoint there first")
+    if not names_folder(path):
+        try:
+            return backend.open(path)
+        except FormatError as e:
+            if e.message != MISSING_OBJECT:
+                raise
+            missing = e
+    if not backend.isdir(path):
+        if names_folder(path) and backend.exists(path.rstrip('/')):
+            raise folder_path_error(path, saving=False)
+        raise missing
+    try:
+        return DirectoryReader(path, check_pieces=True)
+    except FormatError as e:  # no index: a registered reader may claim the prefix
+        fmt = directory_format(path) if e.message == NO_INDEX else None
+        if fmt is None:
+            raise
+        return fmt.open(path)
 
 
 __all__ = ['CheckpointReader', 'DirectoryFormat', 'DirectoryReader', 'directory_format',

@@ -32,6 +32,7 @@ import dataclasses
 import importlib
 import importlib.util
 import os
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -180,8 +181,11 @@ def _check_store_options(prefix: str, scheme: str, options: dict[str, Any]) -> N
     if options.get('store') is not None or SCHEMES[scheme] == 'memory' or not available():
         return
     bucket = ObjectURL.parse(prefix).bucket if '://' in prefix else 'jckpt-configure-check'
+    merged = {**_OPTIONS.get(scheme, {}), **options}
+    if SCHEMES[scheme] == 's3':
+        _s3_endpoint(merged, prefix)
     try:
-        _build(ObjectURL.parse(f"{scheme}://{bucket}/x"), {**_OPTIONS.get(scheme, {}), **options})
+        _build(ObjectURL.parse(f"{scheme}://{bucket}/x"), merged)
     except CheckpointError as e:
         cause = e.__cause__
         if isinstance(cause, TypeError) or type(cause).__name__ == 'UnknownConfigurationKeyError' \
@@ -237,8 +241,7 @@ def _build(u: ObjectURL, options: dict[str, Any]) -> Any:
         return _MEMORY[u.bucket]
     store_options = {k: v for k, v in options.items() if k not in OWN_OPTIONS}
     if u.kind == 's3':
-        endpoint = store_options.get('endpoint') or os.environ.get('AWS_ENDPOINT_URL_S3') \
-            or os.environ.get('AWS_ENDPOINT_URL') or os.environ.get('AWS_ENDPOINT') or ''
+        endpoint = _s3_endpoint(store_options, u.url)
         if endpoint.startswith('http://'):
             store_options['client_options'] = {'allow_http': True, **store_options.get('client_options', {})}
     root = {'s3': 's3', 'gs': 'gs', 'az': 'az'}[u.kind]
@@ -246,6 +249,26 @@ def _build(u: ObjectURL, options: dict[str, Any]) -> Any:
         return obs.store.from_url(f"{root}://{u.bucket}", **store_options)
     except Exception as e:
         raise store_error(e, "configuring the object store", u.url) from e
+
+
+#: The names obstore takes for an S3 store's endpoint.
+_ENDPOINT_OPTIONS = ('endpoint', 'aws_endpoint', 'aws_endpoint_url', 'endpoint_url')
+
+
+def _s3_endpoint(options: dict[str, Any], where: str) -> str:
+    """The endpoint an S3 store of `options` uses (theirs, else the environment's; '' for
+    AWS's own), refused unless an http:// or https:// URL of a host: obstore's client panics
+    on one that is not (`localhost:9000`), past any `except Exception`."""
+    endpoint = next((str(options[k]) for k in _ENDPOINT_OPTIONS if options.get(k)), '') \
+        or os.environ.get('AWS_ENDPOINT_URL_S3') or os.environ.get('AWS_ENDPOINT_URL') \
+        or os.environ.get('AWS_ENDPOINT') or ''
+    if endpoint and not re.fullmatch(r'https?://(\[[0-9a-fA-F:.]+\]|[^/\s:@\[\]]+)(:[0-9]+)?(/\S*)?',
+                                     endpoint):
+        raise InputError(f"the S3 endpoint {endpoint!r} is no http:// or https:// URL of a host "
+                         "(the store's client panics on one)", file=where,
+                         fix="write it as http://HOST:PORT (a local server) or https://HOST, in "
+                             "AWS_ENDPOINT_URL or jckpt.storage.configure(..., endpoint=...)")
+    return endpoint
 
 
 def tuning(u: ObjectURL) -> tuple[int, int]:
@@ -264,8 +287,15 @@ def store_error(exc: BaseException, action: str, url: str) -> CheckpointError:
     if _no_bucket(text):
         return StorageError(f"{action} failed: the bucket {_bucket(url)!r} does not exist",
                             file=url, fix=_bucket_fix(url))
-    if name in ('PermissionDeniedError', 'UnauthenticatedError') or 'AccessDenied' in text \
-            or 'InvalidAccessKeyId' in text or 'SignatureDoesNotMatch' in text:
+    if 'incorrectly configured region' in text or 'AuthorizationHeaderMalformed' in text \
+            or 'PermanentRedirect' in text:
+        return StorageError(f"{action} failed: the bucket {_bucket(url)!r} is in another region "
+                            f"than the one asked ({detail})", file=url, fix=_region_fix(url, text))
+    if name == 'PermissionDeniedError' or 'AccessDenied' in text:  # known, but not allowed
+        return StorageError(f"{action} failed: access denied ({detail})", file=url,
+                            fix=permission_fix(action, url))
+    if name == 'UnauthenticatedError' or 'InvalidAccessKeyId' in text \
+            or 'SignatureDoesNotMatch' in text:
         return StorageError(f"{action} failed: access denied ({detail})", file=url,
                             fix=_credentials_fix(url))
     # no keys in the environment: the store asked the cloud's instance metadata service
@@ -283,6 +313,58 @@ def store_error(exc: BaseException, action: str, url: str) -> CheckpointError:
         return StorageError(f"{action} failed: the object changed while it was read", file=url,
                             fix="another writer replaced it; read it again")
     return StorageError(f"{action} failed: {detail}", file=url, fix=_network_fix(url))
+
+
+#: The S3 IAM actions each kind of request needs, by the start of its action's words.
+_S3_ACTIONS = (
+    ('uploading', "s3:PutObject (a multipart upload, above part_size, also "
+                  "s3:AbortMultipartUpload, and its marker s3:ListBucket, "
+                  "s3:ListBucketMultipartUploads, s3:GetObject and s3:DeleteObject)"),
+    ('taking the writer lease', "s3:PutObject, s3:GetObject and s3:DeleteObject"),
+    ('reading', "s3:GetObject (and s3:ListBucket: without it a missing object is denied, "
+                "not reported missing)"),
+    ('looking up', "s3:GetObject and s3:ListBucket"),
+    ('listing', "s3:ListBucket"),
+    ('deleting', "s3:DeleteObject"),
+    ('aborting', "s3:AbortMultipartUpload"))
+#: What a writer (a save, a Mirror, a CheckpointManager) needs on S3, all together.
+S3_WRITER_ACTIONS = ("s3:GetObject, s3:PutObject, s3:DeleteObject, s3:ListBucket, "
+                     "s3:ListBucketMultipartUploads and s3:AbortMultipartUpload")
+#: The roles that grant what jckpt asks of GCS and Azure: to read, and to write.
+_ROLES = {'gs': "roles/storage.objectViewer (to read) or roles/storage.objectUser (to write)",
+          'az': "Storage Blob Data Reader (to read) or Storage Blob Data Contributor (to write)"}
+
+
+def permission_fix(action: str, url: str) -> str:
+    """The fix of a request the store refused to credentials it knows (AccessDenied): the
+    permissions `action` needs (S3's IAM actions; GCS's and Azure's roles) on `url`'s bucket.
+
+    >>> permission_fix("listing", "s3://b/run")[:64]
+    'allow s3:ListBucket on arn:aws:s3:::b and arn:aws:s3:::b/* in th'
+    """
+    kind, bucket = SCHEMES.get(url.partition('://')[0].lower(), ''), _bucket(url)
+    if kind == 's3':
+        needed = next((n for start, n in _S3_ACTIONS if action.startswith(start)), S3_WRITER_ACTIONS)
+        return (f"allow {needed} on arn:aws:s3:::{bucket} and arn:aws:s3:::{bucket}/* in the IAM "
+                f"policy of the user or role whose credentials are used (a writer needs "
+                f"{S3_WRITER_ACTIONS}), or {_credentials_fix(url)}")
+    if kind in _ROLES:
+        return f"grant {_ROLES[kind]} on the bucket {bucket!r}, or {_credentials_fix(url)}"
+    return _credentials_fix(url)
+
+
+def _region_fix(url: str, text: str) -> str:
+    """The fix of a request sent to the wrong region: the bucket's own, where the error says it.
+
+    >>> _region_fix('s3://b/x', "the region 'us-east-1' is wrong; expecting 'eu-west-1'")[:53]
+    "set the bucket's region (it is eu-west-1): AWS_REGION"
+    """
+    said = re.search(r"expecting '([a-z0-9-]+)'", text)
+    region = said[1] if said else 'REGION'
+    where = f"it is {region}" if said else f"aws s3api get-bucket-location --bucket {_bucket(url)} tells it"
+    bucket = f"{url.partition('://')[0]}://{_bucket(url)}"
+    return (f"set the bucket's region ({where}): AWS_REGION={region}, or "
+            f"jckpt.storage.configure({bucket!r}, region={region!r})")
 
 
 def is_missing(exc: BaseException) -> bool:
@@ -369,5 +451,5 @@ def pieces_replaced() -> Iterator[None]:
 
 
 __all__ = ['MISSING_OBJECT', 'REMOVED_WHILE_READ', 'SCHEMES', 'ObjectSource', 'ObjectURL', 'available',
-           'configure', 'pieces_replaced',
+           'configure', 'permission_fix', 'pieces_replaced',
            'forget_stores', 'is_missing', 'obstore_module', 'store_error', 'store_for', 'tuning']

@@ -23,12 +23,14 @@ b'abcd'
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from jckpt.errors import StorageError
+from jckpt.errors import CheckpointError, StorageError
 from jckpt.storage.object_store import ObjectURL, obstore_module, store_error, store_for, tuning
 from jckpt.storage.upload_markers import UploadMarker
 
@@ -45,9 +47,12 @@ def upload(local: str, u: ObjectURL) -> None:
         if os.path.getsize(local) <= part:
             obstore_module().put(store, u.key, Path(local), use_multipart=False)
             return
-        with UploadMarker(u):
-            obstore_module().put(store, u.key, Path(local), chunk_size=part, max_concurrency=concurrency,
-                                 use_multipart=True)
+        with UploadMarker(u) as marker:
+            _multipart(marker, lambda: obstore_module().put(
+                store, u.key, Path(local), chunk_size=part, max_concurrency=concurrency,
+                use_multipart=True))
+    except CheckpointError:
+        raise  # its own cause kept (a failed abort's: the upload's error)
     except Exception as e:
         raise store_error(e, "uploading the checkpoint", u.url) from e
 
@@ -66,10 +71,70 @@ def upload_stream(u: ObjectURL, chunks: Iterator[Any], size: int) -> None:
             obs.put(store, u.key, b''.join(bytes(memoryview(c).cast('B')) for c in chunks),
                     use_multipart=False)
         else:
-            with UploadMarker(u):
-                obs.put(store, u.key, chunks, chunk_size=part, max_concurrency=concurrency)
+            failed: list[BaseException] = []
+            with UploadMarker(u) as marker:
+                _multipart(marker, lambda: obs.put(store, u.key, _noting(chunks, failed),
+                                                   chunk_size=part, max_concurrency=concurrency),
+                           failed)
+    except CheckpointError:
+        raise  # its own cause kept (a failed abort's: the upload's error)
     except Exception as e:
         raise store_error(e, "uploading the checkpoint", u.url) from e
+
+
+#: obstore's error of the abort it makes once a multipart upload failed: the DELETE of the upload.
+_ABORT = re.compile(r"Error performing DELETE \S*?[?&]uploadId=([^\s&]+)")
+
+
+def _noting(chunks: Iterator[Any], failed: list[BaseException]) -> Iterator[Any]:
+    """`chunks`, noting in `failed` the error producing them raised (see `_multipart`)."""
+    try:
+        yield from chunks
+    except BaseException as e:
+        failed.append(e)
+        raise
+
+
+def _multipart(marker: UploadMarker, put: Any, failed: list[BaseException] | None = None) -> None:
+    """Run `put`, a multipart upload under `marker`. obstore aborts a failed upload, and when
+    the abort fails too it raises the abort's error instead of the upload's: the upload's own
+    (what producing the bytes raised, noted in `failed`) is raised instead, saying that the
+    abort failed and naming the upload left; its marker is left for the next writer of the
+    key, who aborts it (`jckpt.storage.upload_markers`)."""
+    try:
+        put()
+    except Exception as e:
+        found = _ABORT.search(str(e))
+        if found is None:
+            raise
+        marker.leave()
+        first = failed[0] if failed else None
+        raise abort_failed(e, marker.u, found[1], first, placed=marker.placed) from (first or e)
+
+
+def abort_failed(abort: BaseException, u: ObjectURL, upload_id: str, first: BaseException | None,
+                 *, placed: bool) -> CheckpointError:
+    """The error of an upload of `u` that failed and whose abort failed too (`abort`): the
+    upload's own error (`first`; `None` when the store's error replaced it), the abort's
+    failure, and how the incomplete upload `upload_id` left in the bucket goes (`placed`: its
+    marker is there, so the next multipart save of the key aborts it)."""
+    said = store_error(abort, "aborting the upload", u.url)  # its fix: a network's, a permission's
+    error = store_error(first, "uploading the checkpoint", u.url) if first is not None else \
+        StorageError("uploading the checkpoint failed: sending a part or completing the upload "
+                     "failed (the store's error was replaced by that of the failed abort)",
+                     file=u.url, fix=said.fix)
+    detail = str(abort).splitlines()[0][:200]
+    error.message += f"; aborting the incomplete upload failed too ({detail})"
+    left = f"the incomplete multipart upload {upload_id} of key {u.key!r} is left in the bucket "
+    how = [f"the next multipart save of {u.url} aborts it"] if placed else []
+    if u.kind == 's3':
+        how.append(f"abort it with `aws s3api abort-multipart-upload --bucket {u.bucket} "
+                   f"--key {shlex.quote(u.key)} --upload-id {upload_id}`")
+    how.append("a lifecycle rule that aborts incomplete uploads removes it (docs/object-storage.md)")
+    error.fix = (f"{error.fix}; " if error.fix else '') + left + "(billed until aborted): " + \
+        ', or '.join(how)
+    error.args = (str(error),)
+    return error
 
 
 class ObjectStaging:
@@ -121,4 +186,4 @@ class ObjectStaging:
         return f"ObjectStaging({self.target!r})"
 
 
-__all__ = ['ObjectStaging', 'upload', 'upload_stream']
+__all__ = ['ObjectStaging', 'abort_failed', 'upload', 'upload_stream']

@@ -90,20 +90,46 @@ def settings_of(config: Mapping[str, Any], env: Mapping[str, str]) -> S3Settings
 
 @dataclasses.dataclass(frozen=True)
 class S3Api:
-    """The calls on one bucket: `keys` (a string-prefix listing), `uploads`, `abort`."""
+    """The calls on one bucket: `keys` (a string-prefix listing), `uploads`, `abort`.
+
+    Both listings page through everything there (a page is `PAGE` entries, S3's most):
+    their one caller, `jckpt.storage.upload_markers.reclaim`, decides from all of a key's
+    markers and uploads whether its writers are gone.
+    """
 
     client: Any
     bucket: str
 
     def keys(self, prefix: str) -> list[tuple[str, datetime.datetime]]:
-        """The keys that start with `prefix` (the first `PAGE`), with their last-modified times."""
-        found = self.client.list_objects_v2(Bucket=self.bucket, Prefix=prefix, MaxKeys=PAGE)
-        return [(o['Key'], o['LastModified']) for o in found.get('Contents', [])]
+        """Every key that starts with `prefix`, with its last-modified time: `PAGE` keys a
+        request, page after page (`reclaim` must see every marker of a key: a live writer's
+        marker on a second page left its upload to be aborted as a dead one's)."""
+        found: list[tuple[str, datetime.datetime]] = []
+        more: dict[str, str] = {}
+        while True:
+            page = self.client.list_objects_v2(Bucket=self.bucket, Prefix=prefix, MaxKeys=PAGE, **more)
+            found += [(o['Key'], o['LastModified']) for o in page.get('Contents', [])]
+            token = page.get('NextContinuationToken')
+            if not page.get('IsTruncated') or not token or more.get('ContinuationToken') == token:
+                return found
+            more = {'ContinuationToken': token}
 
     def uploads(self, key: str) -> list[tuple[str, datetime.datetime]]:
-        """The incomplete multipart uploads of exactly `key` (the first `PAGE`): `(upload id, initiated)`."""
-        found = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=key, MaxUploads=PAGE)
-        return [(o['UploadId'], o['Initiated']) for o in found.get('Uploads', []) if o['Key'] == key]
+        """Every incomplete multipart upload of exactly `key`: `(upload id, initiated)`, `PAGE`
+        a request, page after page until the listing (by key, then upload) is past `key`."""
+        found: list[tuple[str, datetime.datetime]] = []
+        more: dict[str, str] = {}
+        while True:
+            page = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=key,
+                                                      MaxUploads=PAGE, **more)
+            listed = page.get('Uploads', [])
+            found += [(o['UploadId'], o['Initiated']) for o in listed if o['Key'] == key]
+            after = {'KeyMarker': page.get('NextKeyMarker') or '',
+                     'UploadIdMarker': page.get('NextUploadIdMarker') or ''}
+            if not page.get('IsTruncated') or not after['KeyMarker'] or after == more \
+                    or (listed and listed[-1]['Key'] > key):
+                return found
+            more = after
 
     def abort(self, key: str, upload_id: str) -> bool:
         """Abort one multipart upload of `key`; `False` when it is no longer there (done or aborted)."""

@@ -151,14 +151,15 @@ class UploadMarker:
     """The marker of one multipart upload of `u` (a context manager around the upload).
 
     Entering puts the marker (on S3 stores) and reclaims what killed writers
-    of the key left; leaving stops its refreshing and deletes it. Failures of
+    of the key left; leaving stops its refreshing and deletes it (unless `leave` was
+    called: the upload is left behind, and the marker names it to the next writer). Failures of
     either are logged, never raised: the upload goes on without them.
     """
 
     def __init__(self, u: ObjectURL) -> None:
         self.u = u
         self.key = f"{u.key}{UPLOAD_TAG}{secrets.token_hex(8)}"
-        self.placed = False
+        self.placed = self.left = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -187,6 +188,11 @@ class UploadMarker:
                         self.u.url, e)
         return self
 
+    def leave(self) -> None:
+        """Keep the marker when leaving: its upload is left in the bucket (obstore's abort of
+        it failed), and the marker, its writer gone, has the next writer of the key abort it."""
+        self.left = True
+
     def _refresh(self) -> None:
         while not self._stop.wait(REFRESH_SECONDS):
             try:
@@ -198,7 +204,7 @@ class UploadMarker:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        if self.placed:
+        if self.placed and not self.left:
             try:
                 obstore_module().delete(store_for(self.u), self.key)
             except Exception as e:

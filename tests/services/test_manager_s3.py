@@ -483,3 +483,44 @@ def test_a_step_prefix_saved_since_that_did_not_finish_is_an_error_naming_it(s3)
         with pytest.raises(jckpt.FormatError, match="did not finish") as e:
             mgr.restore(2, target=TREE)
         assert e.value.file == f"{url}/step_00000002.jckpt"
+
+
+@pytest.mark.parametrize("directory_steps, opts", [(True, None), (False, "safetensors")])
+def test_a_reader_lists_again_when_the_step_prefixes_it_listed_were_removed(s3, monkeypatch, caplog,
+                                                                           directory_steps, opts):
+    """A reader listed step prefixes (directory checkpoints, step directories) that the
+    writer's retention removed before they were read: they read as unfinished saves and were
+    left out without listing again, so the reader found no step though the run had two. A
+    prefix that still holds what a save left (no index, no record) stays unfinished, listed once."""
+    from jckpt.format.names import step_name
+    from jckpt.services import steps
+
+    url = f"{s3}/run"
+    kw = {"directory_steps": True} if directory_steps else {
+        "options": jckpt.CheckpointOptions(format=opts)}
+    _saved(url, [0, 1], **kw)
+    backend = jckpt.storage.backend_for(url)
+    stale = steps.listed(backend, url)  # made before the writer moved on
+    _saved(url, [2, 3], keep_last=2, **kw)
+    with backend.create(f"{url}/{step_name(4)}/process_00000.jckpt") as staged:  # a save under way
+        import os
+        os.write(staged.fd, b"piece")
+        staged.publish()
+    real, calls = steps.listed, []
+
+    def listed(backend, directory):
+        calls.append(directory)
+        return stale if len(calls) == 1 else real(backend, directory)
+    monkeypatch.setattr(steps, "listed", listed)
+    with caplog.at_level(logging.WARNING, logger="jckpt"):
+        with jckpt.CheckpointManager(url, read_only=True) as reader:
+            assert reader.all_steps() == [2, 3] and reader.restore().step == 3
+    assert len(calls) == 2 and "unreadable" not in caplog.text
+    found = steps.scan(backend, url, real(backend, url))
+    assert found.unfinished == (step_name(4),) and found.vanished == ()
+    marker = "index.jckpt" if directory_steps else "trainer_state.json"
+    with backend.create(f"{url}/{step_name(3)}/{marker}") as damaged:  # unreadable, not removed
+        os.write(damaged.fd, b"garbage")
+        damaged.publish()
+    found = steps.scan(backend, url, real(backend, url))
+    assert sorted(found.metrics) == [2] and found.vanished == () and "unreadable step" in caplog.text

@@ -222,6 +222,50 @@ def test_denied_credentials():
         server.stop()
 
 
+def test_a_denied_request_names_the_iam_actions_it_needs():
+    """Known credentials that a policy does not allow to write: the fix said only to check the
+    credentials, as for unknown keys, not which permission was missing."""
+    import json
+
+    import boto3
+
+    from tests.s3server import S3Server
+
+    server = S3Server.start(env={"INITIAL_NO_AUTH_ACTION_COUNT": "4"})  # then policies apply
+    try:
+        def client(service):
+            return boto3.client(service, endpoint_url=server.endpoint, aws_access_key_id="testing",
+                                aws_secret_access_key="testing", region_name="us-east-1")
+        iam = client("iam")
+        iam.create_user(UserName="reader")
+        iam.put_user_policy(UserName="reader", PolicyName="read", PolicyDocument=json.dumps(
+            {"Version": "2012-10-17", "Statement": [
+                {"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"], "Resource": "*"}]}))
+        key = iam.create_access_key(UserName="reader")["AccessKey"]
+        client("s3").create_bucket(Bucket="readonly")
+        object_store.configure("s3://readonly", endpoint=server.endpoint, region="us-east-1",
+                               access_key_id=key["AccessKeyId"], secret_access_key=key["SecretAccessKey"])
+        with pytest.raises(jckpt.StorageError, match="access denied") as e:
+            jckpt.save(jckpt.Context(), TREE, "s3://readonly/x.jckpt")
+        assert e.value.fix.startswith("allow s3:PutObject ") and "arn:aws:s3:::readonly/*" in e.value.fix
+        assert "s3:AbortMultipartUpload" in e.value.fix and "AWS_ACCESS_KEY_ID" in e.value.fix
+    finally:
+        object_store.configure("s3://readonly")
+        server.stop()
+
+
+@pytest.mark.parametrize("action, needed", [
+    ("reading the checkpoint", "s3:GetObject"), ("listing", "s3:ListBucket"),
+    ("deleting run/a.jckpt", "s3:DeleteObject"), ("taking the writer lease (x)", "s3:PutObject")])
+def test_each_denied_request_names_its_own_actions(action, needed):
+    e = object_store.store_error(RuntimeError("AccessDenied: Access Denied"), action, "s3://b/run")
+    assert e.fix.startswith(f"allow {needed}") and "arn:aws:s3:::b" in e.fix
+    from obstore.exceptions import PermissionDeniedError
+
+    gs = object_store.store_error(PermissionDeniedError("denied"), action, "gs://b/run")
+    assert gs.fix.startswith("grant roles/storage.objectViewer") and "credentials" in gs.fix
+
+
 @contextlib.contextmanager
 def _own_server(monkeypatch):
     """A server of the test's own (it is stopped mid-test), its bucket set to small parts and
@@ -676,3 +720,90 @@ def test_a_missing_bucket_is_named_with_how_to_create_it(url, text, create):
     assert isinstance(e, jckpt.StorageError) and e.file == url
     assert f"the bucket {url[5:7]!r} does not exist" in e.message
     assert create in e.fix and "credentials" in e.fix
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_trailing_slash_names_a_directory_locally_and_in_a_bucket(where, tmp_path, request):
+    """`s3://b/m.jckpt/` saved to `m.jckpt` and read it silently, while `m.jckpt/` locally
+    failed with "the directory ... does not exist" and "not a directory": both now refuse a
+    checkpoint file named as a directory, saying so and the path without the '/'; directory
+    checkpoints and managers' directories keep working with one."""
+    from jckpt.api.multiprocess import save_directory
+
+    root = str(tmp_path) if where == "local" else request.getfixturevalue("s3")
+    backend = backend_for(root)
+    with pytest.raises(jckpt.InputError, match="file's path cannot end with '/'") as e:
+        jckpt.save(jckpt.Context(), TREE, f"{root}/m.jckpt/")
+    assert e.value.file == f"{root}/m.jckpt/" and f"save to '{root}/m.jckpt'" in e.value.fix
+    assert backend.list(root) == []
+    with pytest.raises(jckpt.InputError, match="file's path cannot end with '/'"):
+        jckpt.Mirror(f"{root}/m.jckpt/")
+    jckpt.save(jckpt.Context(), TREE, f"{root}/m.jckpt")
+    for read in (lambda p: jckpt.load(HOST, p), jckpt.describe,
+                 lambda p: jckpt.restore(HOST, TREE, p)):
+        with pytest.raises(jckpt.InputError, match="'m.jckpt' is a checkpoint file") as e:
+            read(f"{root}/m.jckpt/")
+        assert e.value.fix == f"read '{root}/m.jckpt', without the trailing '/'"
+    with pytest.raises(jckpt.FormatError, match="no such checkpoint"):
+        jckpt.load(HOST, f"{root}/none/")
+    save_directory(jckpt.Context(), TREE, f"{root}/d/")  # the directory form keeps its '/'
+    jckpt.save(jckpt.Context(), TREE, f"{root}/d/")
+    assert_tree_equal(jckpt.restore(HOST, TREE, f"{root}/d/"), TREE)
+    with jckpt.CheckpointManager(f"{root}/run/") as mgr:
+        mgr.save(1, TREE)
+    with jckpt.CheckpointManager(f"{root}/run/", read_only=True) as reader:
+        assert reader.all_steps() == [1] and reader.restore(target=TREE).step == 1
+
+
+def test_a_bucket_in_another_region_says_to_set_its_region(monkeypatch):
+    """S3 redirects a request sent to another region than the bucket's (a 301, without a
+    Location): the error's fix said to check the endpoint and the network."""
+    import http.server
+
+    class Redirecting(http.server.BaseHTTPRequestHandler):
+        def answer(self):
+            self.send_response(301)
+            self.send_header("x-amz-bucket-region", "eu-west-1")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = answer
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirecting)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    object_store.configure("s3://far", endpoint=f"http://127.0.0.1:{server.server_address[1]}",
+                           region="us-east-1", access_key_id="k", secret_access_key="s")
+    try:
+        for call in (lambda: jckpt.load(HOST, "s3://far/x.jckpt"),
+                     lambda: jckpt.save(jckpt.Context(), TREE, "s3://far/x.jckpt")):
+            with pytest.raises(jckpt.StorageError, match="'far' is in another region") as e:
+                call()
+            assert e.value.file == "s3://far/x.jckpt" and "network" not in e.value.fix
+            assert "get-bucket-location --bucket far" in e.value.fix
+            assert "jckpt.storage.configure('s3://far', region=" in e.value.fix
+    finally:
+        object_store.configure("s3://far")
+        server.shutdown()
+    said = RuntimeError("AuthorizationHeaderMalformed: the region 'us-east-1' is wrong; "
+                        "expecting 'eu-west-1'")
+    fix = object_store.store_error(said, "reading", "s3://far/x.jckpt").fix
+    assert fix.startswith("set the bucket's region (it is eu-west-1): AWS_REGION=eu-west-1")
+
+
+@pytest.mark.parametrize("endpoint", ["localhost:9000", "htp://host", "http://", "https://a b"])
+def test_an_endpoint_that_is_no_url_is_refused(endpoint, monkeypatch):
+    """obstore's client panicked on it at the first request (a PanicException, which no
+    `except Exception` catches), from configure or from the environment alike."""
+    with pytest.raises(jckpt.InputError, match="is no http:// or https:// URL") as e:
+        object_store.configure("s3://elsewhere", endpoint=endpoint)
+    assert e.value.file == "s3://elsewhere" and "http://HOST:PORT" in e.value.fix
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    object_store.forget_stores()
+    try:
+        with pytest.raises(jckpt.InputError, match="is no http:// or https:// URL") as e:
+            jckpt.load(HOST, "s3://elsewhere/x.jckpt")
+        assert e.value.file == "s3://elsewhere/x.jckpt"
+    finally:
+        object_store.forget_stores()

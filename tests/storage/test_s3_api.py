@@ -94,3 +94,51 @@ def test_botocore_is_bounded_as_the_store_is():
                                                                 skip_signature=True))
     assert (plain.client.meta.config.read_timeout,
             plain.client.meta.config.retries["total_max_attempts"]) == (30.0, 4)
+
+
+class PagingClient:
+    """botocore's two listings as a store that pages them answers: `page` entries a request."""
+
+    def __init__(self, keys, uploads, page):
+        self.listed_keys, self.listed_uploads, self.page, self.calls = keys, uploads, page, []
+
+    def list_objects_v2(self, Bucket, Prefix, MaxKeys, ContinuationToken="0"):
+        self.calls.append("LIST")
+        keys = [k for k in self.listed_keys if k.startswith(Prefix)]
+        start = int(ContinuationToken)
+        more = start + self.page < len(keys)
+        return {"Contents": [{"Key": k, "LastModified": start} for k in keys[start:start + self.page]],
+                "IsTruncated": more, **({"NextContinuationToken": str(start + self.page)} if more else {})}
+
+    def list_multipart_uploads(self, Bucket, Prefix, MaxUploads, KeyMarker="", UploadIdMarker=""):
+        self.calls.append("UPLOADS")
+        listed = sorted(u for u in self.listed_uploads if u[0].startswith(Prefix))
+        after = [u for u in listed if u > (KeyMarker, UploadIdMarker)] if KeyMarker else listed
+        page, more = after[:self.page], len(after) > self.page
+        return {"Uploads": [{"Key": k, "UploadId": i, "Initiated": 0} for k, i in page],
+                "IsTruncated": more, "NextKeyMarker": page[-1][0] if page else "",
+                "NextUploadIdMarker": page[-1][1] if page else ""}
+
+
+def test_both_listings_page_through_everything(monkeypatch):
+    """They read the first page only (1,000): a key with more incomplete uploads kept the rest,
+    and a live writer's marker past the first page went unseen."""
+    monkeypatch.setattr(s3_api, "PAGE", 3)
+    uploads = [("m.jckpt", f"u{i}") for i in range(7)] + [("m.jckpt2", "other"), ("a.jckpt", "x")]
+    fake = PagingClient([f"m.jckpt.jckpt-upload.{i}" for i in range(8)] + ["n"], uploads, 3)
+    api = s3_api.S3Api(fake, "b")
+    assert [i for i, _ in api.uploads("m.jckpt")] == [f"u{i}" for i in range(7)]
+    assert fake.calls == ["UPLOADS"] * 3  # the third page is past the key: no fourth asked for
+    markers = [f"m.jckpt.jckpt-upload.{i}" for i in range(8)]
+    assert [k for k, _ in api.keys("m.jckpt.jckpt-upload.")] == markers
+
+
+def test_the_key_listing_pages_through_the_server(s3, monkeypatch):
+    """Against the server's own paging (a page of 2 here; S3's is 1,000)."""
+    monkeypatch.setattr(s3_api, "PAGE", 2)
+    url = f"{s3}/model.jckpt"
+    for token in "abcde":
+        plant_marker(url, token)
+    u = ObjectURL.parse(url)
+    assert [k.rsplit(".", 1)[1] for k, _ in api_for(u, store_for(u)).keys(u.key + ".jckpt-upload.")] \
+        == list("abcde")

@@ -208,3 +208,21 @@ def test_a_marker_this_process_left_is_reclaimed_by_its_next_upload(s3):
     with UploadMarker(ObjectURL.parse(url)):
         assert (url.removeprefix(f"{s3}/"), stalled) not in uploads_of(url)
     assert markers_of(url) == []
+
+
+@pytest.mark.slow
+def test_a_live_writer_past_the_first_thousand_markers_is_seen(s3):
+    """1,000 dead writers' markers and a live one after them (one LIST page holds 1,000 keys):
+    the live writer's upload was aborted, its marker never listed."""
+    import concurrent.futures
+
+    url = f"{s3}/model.jckpt"
+    pid = dead_pid()
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda i: plant_marker(url, f"dead{i:04d}", pid=pid), range(1000)))
+    plant_marker(url, "live")  # sorts after the dead ones
+    upload = start_upload(url)
+    u = ObjectURL.parse(url)
+    assert reclaim(api_for(u, store_for(u)), u, "") == 0
+    assert uploads_of(url) == [(u.key, upload)]
+    assert len(api_for(u, store_for(u)).keys(u.key + UPLOAD_TAG)) == 1001  # none deleted
