@@ -18,7 +18,7 @@ import contextlib
 import functools
 import mmap as mmap_mod
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -169,21 +169,50 @@ def _weakly_typed(array: jax.Array) -> jax.Array:
     try:
         from jax._src.lax.lax import _convert_element_type
         with _outside_any_mesh():
-            weak = _convert_element_type(array, weak_type=True)
+            weak = _convert_element_type(_in_device_memory(array), weak_type=True)
     except (ImportError, TypeError):  # pragma: no cover - another JAX
         return array
-    except ValueError:  # pragma: no cover - a JAX that refuses it still
+    except (ValueError, jax.errors.JaxRuntimeError):  # pragma: no cover - a JAX that refuses it
         return array
     return weak if weak.sharding == array.sharding else jax.device_put(weak, array.sharding)
 
 
+def _in_device_memory(array: jax.Array) -> jax.Array:
+    """`array`, copied to device memory if it is in host memory: JAX 0.9 fails inside XLA
+    to run an operation on a replicated array in host memory."""
+    kind = getattr(array.sharding, 'memory_kind', None)
+    if kind in (None, 'device'):
+        return array
+    return jax.device_put(array, array.sharding.with_memory_kind('device'))
+
+
 def _outside_any_mesh() -> Any:
-    """A context without the mesh `jax.set_mesh` put in context (none to leave: a no-op)."""
+    """A context without the mesh `jax.set_mesh` put in context (none to leave: a no-op).
+
+    JAX before 0.10 refuses `set_mesh(None)`; there the meshes in context are swapped for
+    the empty ones by hand, as `set_mesh(None)` does since.
+    """
     set_mesh = getattr(jax, 'set_mesh', None)
     try:
         return set_mesh(None) if set_mesh is not None else contextlib.nullcontext()
-    except (TypeError, ValueError):  # pragma: no cover - a JAX whose set_mesh needs a mesh
-        return contextlib.nullcontext()
+    except (TypeError, ValueError):  # a JAX whose set_mesh needs a mesh
+        return _without_meshes()
+
+
+@contextlib.contextmanager
+def _without_meshes() -> Iterator[None]:
+    try:
+        from jax._src import config, mesh
+        abstract = config.abstract_mesh_context_manager.swap_local(mesh.empty_abstract_mesh)
+        concrete = config.device_context.swap_local(mesh.empty_concrete_mesh)
+    except (ImportError, AttributeError):  # pragma: no cover - another JAX
+        yield
+        return
+    try:
+        yield
+    finally:
+        config.abstract_mesh_context_manager.set_local(abstract)
+        config.device_context.set_local(concrete)
 
 
 #: XLA's CPU client uses host memory in place (no copy) only at this alignment.
