@@ -1,4 +1,5 @@
-"""Developer workflows: `nox -s tests`, `lint`, `typecheck`, `docs`, `notebooks`, `build`, `bench`."""
+"""Developer workflows: `nox -s tests`, `oldest`, `lint`, `typecheck`, `docs`, `notebooks`, `build`,
+`bench`."""
 
 import shutil
 from pathlib import Path
@@ -13,6 +14,22 @@ def tests(session: nox.Session) -> None:
     """The test suite, two workers (the size of the CI machine)."""
     session.install("-e", ".[test]")
     session.run("pytest", "-n", "2", *session.posargs)
+
+
+#: The layers of the library; the system tests need the newest peers (flax, orbax).
+LAYERS = ["tests/format", "tests/storage", "tests/trees", "tests/api", "tests/services",
+          "tests/adapters", "tests/tools"]
+
+
+@nox.session
+def oldest(session: nox.Session) -> None:
+    """The layers' tests on the oldest dependencies pyproject.toml allows: a floor it
+    declares is a floor that is tested (tests/oldest-deps.txt pins them)."""
+    session.install("-c", "tests/oldest-deps.txt", "-e", ".[cloud]", "pytest>=8", "pytest-xdist>=3.5",
+                    "pytest-timeout>=2.3", "hypothesis>=6.100", "optax>=0.2", "safetensors>=0.4",
+                    "moto[server]>=5.1")
+    session.run("python", "-c", "import jax, numpy; print('jax', jax.__version__, numpy.__version__)")
+    session.run("pytest", "-n", "2", *LAYERS, *session.posargs)
 
 
 @nox.session

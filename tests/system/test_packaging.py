@@ -56,6 +56,29 @@ def test_the_build_session_builds_both_wheels():
     assert "JCKPT_PURE_PYTHON" in (ROOT / "setup.py").read_text()
 
 
+def test_the_oldest_tested_dependencies_are_the_declared_floors():
+    """pyproject.toml declared jax>=0.4.35 while the library had not run on a JAX older than
+    0.10 (0.4.35 saved PRNG keys under a name no JAX reads back); `nox -s oldest` now runs
+    the tests on tests/oldest-deps.txt, which must pin each floor exactly."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    project = _project()["project"]
+    floors = {}
+    for spec in project["dependencies"] + project["optional-dependencies"]["cloud"]:
+        req = Requirement(spec)
+        (bound,) = [s for s in req.specifier if s.operator == ">="]
+        floors[req.name.replace("_", "-")] = Version(bound.version)
+    lines = (ROOT / "tests" / "oldest-deps.txt").read_text().splitlines()
+    pins = {}
+    for line in (li.split("#")[0].strip() for li in lines):
+        if line:
+            name, version = line.split("==")
+            pins[name.replace("_", "-")] = Version(version)
+    assert pins == floors
+    assert "python -m nox -s oldest" in (ROOT / ".ci" / "run").read_text()
+
+
 def test_the_top_level_shows_only_the_public_names_and_submodules():
     """`dir(jckpt)` (what completion offers) listed `logging`, `importlib`, `TYPE_CHECKING`."""
     import types
