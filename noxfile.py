@@ -13,7 +13,7 @@ nox.options.sessions = ["lint", "tests"]
 def tests(session: nox.Session) -> None:
     """The test suite, two workers (the size of the CI machine)."""
     session.install("-e", ".[test]")
-    session.run("pytest", "-n", "2", *session.posargs)
+    session.run("python", "-m", "pytest", "-n", "2", *session.posargs)
 
 
 #: The layers of the library; the system tests need the newest peers (flax, orbax).
@@ -29,7 +29,7 @@ def oldest(session: nox.Session) -> None:
                     "pytest-timeout>=2.3", "hypothesis>=6.100", "optax>=0.2", "safetensors>=0.4",
                     "moto[server]>=5.1")
     session.run("python", "-c", "import jax, numpy; print('jax', jax.__version__, numpy.__version__)")
-    session.run("pytest", "-n", "2", *LAYERS, *session.posargs)
+    session.run("python", "-m", "pytest", "-n", "2", *LAYERS, *session.posargs)
 
 
 @nox.session
