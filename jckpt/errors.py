@@ -115,7 +115,8 @@ class ClashError(CheckpointError, ValueError):
 
 
 class InputError(CheckpointError, TypeError):
-    """The tree given to `save` holds something that cannot be stored."""
+    """An argument cannot be used: a leaf `save` cannot store, an invalid option or
+    metadata, or a call the object refuses (a read-only manager's `save`)."""
 
 
 class StorageError(CheckpointError):
