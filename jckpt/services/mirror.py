@@ -79,6 +79,7 @@ class Mirror(BackgroundWriter[None]):
 
     Raises:
         InUseError: if another mirror holds `path`.
+        LineageError: if the file holds another lineage, or none, and `new_lineage` is False.
         InputError: for a URL no storage backend serves (before anything is created).
 
     Example:
