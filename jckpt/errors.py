@@ -91,7 +91,8 @@ def _rebuild(cls, message, file, entry, fix):
 
 
 class FormatError(CheckpointError, ValueError):
-    """The file is not a valid checkpoint: malformed, truncated or inconsistent."""
+    """No valid checkpoint is there: missing, malformed, truncated or inconsistent (or a
+    manager's step that is gone)."""
 
 
 class ChecksumError(FormatError):
@@ -115,7 +116,8 @@ class ClashError(CheckpointError, ValueError):
 
 
 class InputError(CheckpointError, TypeError):
-    """The tree given to `save` holds something that cannot be stored."""
+    """An argument cannot be used: a leaf `save` cannot store, an invalid option or
+    metadata, or a call the object refuses (a read-only manager's `save`)."""
 
 
 class StorageError(CheckpointError):
@@ -138,7 +140,8 @@ def _rebuild_storage(cls, message, file, entry, fix, errno):
 
 
 class InUseError(CheckpointError):
-    """Another writer holds the lease on this checkpoint path."""
+    """Another writer holds the lease on this checkpoint path (or replaced the file an
+    appending save was reading)."""
 
 
 class CapacityError(CheckpointError):
@@ -150,7 +153,8 @@ class LineageError(CheckpointError):
 
 
 class DistributedError(CheckpointError):
-    """A multi-process save could not complete: a peer failed, died or timed out.
+    """The processes of a multi-process run could not act together: a peer failed, died or
+    timed out in a save, a manager's opening, or a read-only manager's `reload` or `restore`.
 
-    Nothing was published; the previous checkpoint at the path is intact.
+    A failed save published nothing; the previous checkpoint at the path is intact.
     """

@@ -178,8 +178,8 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
     How each leaf is matched (examples in docs/concepts.md):
 
     * By `(namespace, path)`; else the one entry whose path differs only in
-      key kinds: dict key or attribute of one name; index, flattened index or
-      integer dict key of one number (orbax stores NamedTuple fields as dict keys).
+      key kinds: dict key or attribute of one name; index, flattened index, integer
+      dict key or its digits as a string key (`"0"`) of one number (as orbax stores them).
     * Typed PRNG keys: keys into a key target of their implementation, raw data otherwise.
     * Another dtype is a `MismatchError` unless `cast=True`; but a weakly typed
       target (`jax.eval_shape` of a Python number, stored 64-bit) of the stored

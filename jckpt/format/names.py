@@ -119,14 +119,14 @@ def is_step_member(name: str) -> bool:
 
 # --- staging and leases (siblings of what they protect) ----------------------------------------
 
-#: A staging file: ``.<target>.jckpt-stage.<random>``, renamed over the target when complete.
+#: A staging file: ``<target>.jckpt-stage.<pid>.<counter>.<random>``, renamed over the target when complete.
 STAGE_TAG = '.jckpt-stage.'
 #: A staging directory of a directory checkpoint being published.
 STAGE_DIR_TAG = '.jckpt-stage-dir.'
 #: A directory checkpoint set aside while its replacement is renamed in, where the
 #: filesystem cannot swap two paths: ``<target>.jckpt-old.<random>``.
 OLD_DIR_TAG = '.jckpt-old.'
-#: A staged generation of a mirror: ``.<target>.jckpt-next.<seq>``, published in order.
+#: A staged generation of a mirror: ``<target>.jckpt-next.<seq>``, published in order.
 NEXT_TAG = '.jckpt-next.'
 #: The writer lease beside a path: ``<target>.jckpt-lease``.
 LEASE_SUFFIX = '.jckpt-lease'

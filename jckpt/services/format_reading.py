@@ -111,11 +111,14 @@ def _read_detected(file: str, found: str | None, step: int) -> Any:
 def _fill(ctx: Context, target: Any, model: Any, file: str, step: int, cast: bool,
           namespace: str) -> Any:
     """`target`'s structure filled from the model subtree read, by `restore`'s own rules
-    (`jckpt.api.targets`: shapes, dtypes, weak types, PRNG keys), then placed."""
+    (`jckpt.api.targets`: shapes, dtypes, weak types, PRNG keys), then placed. A model read
+    as one bare array (an `.npy` file, which keeps no path) fills a target of one leaf."""
     stored = {}
     for p, array in tree_mod.flatten(model):
         stored[p] = stored[tree_mod.loose_path(p)] = np.asarray(array)
     items, treedef = tree_mod.flatten_with_treedef(target)
+    if len(items) == 1 and set(stored) == {()}:
+        stored = {items[0][0]: stored[()]}
     requests = []
     for p, leaf in items:
         where = tree_mod.leaf_name(namespace, p)

@@ -81,8 +81,10 @@ class CheckpointOptions:
         numpy arrays) to `path` instead of the format's registered writer.
         A failed write is retried, like a full disk, except an
         `jckpt.InputError` (raised by a format's writer for a tree it cannot
-        hold, or by the callback): that step is dropped and the next `wait`
-        raises it, so that later steps are still written.
+        hold, or by the callback) or a fault of the callback's own (a
+        `TypeError`, `ValueError`, `KeyError`, ...): that step is dropped and
+        the next `wait_durable` (or `close`) raises it, so that later steps
+        are still written.
       save_optimizer_state: write the namespaces other than the model
         (`optimizer.jckpt`); `False` keeps only the model and the trainer state.
       model_namespace: which item of `save(items=...)` is the model.

@@ -2,8 +2,8 @@
 
 Each step is its own file, `step_00000100.jckpt` (or a directory of that name for a
 multi-process save), published atomically; saves go through the mirror's machinery (a
-host snapshot in a free slot, then a background writer), so training blocks only for
-the device-to-host copy. Metrics and a `TrainerState` travel in the file's metadata.
+snapshot in a free slot, then a background writer), so training blocks only for
+taking the snapshot. Metrics and a `TrainerState` travel in the file's metadata.
 With `options=CheckpointOptions(format="llmc")` (or another registered format) a
 step is instead a directory whose model file another toolchain reads directly,
 beside `optimizer.jckpt` and `trainer_state.json` (`jckpt.services.formats`).
@@ -87,7 +87,8 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
     """Step checkpoints in `directory`: asynchronous saves, retention, restore, trainer state.
 
     Args:
-      directory: where the steps live (created if missing).
+      directory: where the steps live (created if missing; a reader creates none
+        and refuses a missing one with `FormatError`).
       ctx: namespace, alignment, durability and placement (default `Context()`).
       keep_last: keep the last N steps.
       keep_every: keep every step that is a multiple of K.
@@ -247,7 +248,7 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
         (or with `force`). `tree` goes under `ctx.namespace`; `items`
         (`{namespace: subtree}`) puts subtrees in namespaces of their own,
         so that one can later be restored without the others. Blocks only for
-        the device-to-host copy (and a free slot). `options` overrides the
+        taking the snapshot, as `Mirror.submit` does (and for a free slot). `options` overrides the
         manager's `CheckpointOptions` for this step: with a foreign
         format, `tree` is the model, or `items[options.model_namespace]` is
         and the other items are the optimizer state.

@@ -1,12 +1,14 @@
 """The asynchronous durable mirror: keep a checkpoint file in step with training, in the background.
 
-`submit(tree)` copies the tree to host memory into a free snapshot slot and
-returns; in the background, snapshots are encoded and written one after
-another, in order, each under a temporary name (`<path>.jckpt-next.<n>`),
+`submit(tree)` takes a snapshot of the tree into a free slot and returns: a
+copy on the device for jax arrays (accelerator arrays, and CPU arrays of 64 KiB
+or more; drained to host in the background), a copy into the slot's host
+buffers for the rest. In the background, snapshots are encoded and written one
+after another, in order, each under a temporary name (`<path>.jckpt-next.<n>`),
 then fsynced, renamed over the file and the directory fsynced, writing the
 next snapshot while the previous one is being persisted. Training blocks
-only for the copy. The counters say at any moment how much of the work is
-durable:
+only for taking the snapshot. The counters say at any moment how much of the
+work is durable:
 
 >>> import tempfile, os, numpy as np
 >>> path = os.path.join(tempfile.mkdtemp(), 'run.jckpt')
@@ -77,6 +79,7 @@ class Mirror(BackgroundWriter[None]):
 
     Raises:
         InUseError: if another mirror holds `path`.
+        LineageError: if the file holds another lineage, or none, and `new_lineage` is False.
         InputError: for a URL no storage backend serves (before anything is created).
 
     Example:
@@ -113,12 +116,12 @@ class Mirror(BackgroundWriter[None]):
 
         Blocks only to take the snapshot, and for a free slot when every slot
         is pending (or raises `CapacityError` with `when_full='raise'`, or
-        after `timeout` seconds). Accelerator arrays are copied on their
-        device in one dispatched call (drained to host in the background);
-        arrays in host memory (CPU arrays, numpy leaves) are copied into the
-        slot's reused buffers. Once it returns, the caller may donate or
-        overwrite the arrays. The tree's nodes without leaves are recorded
-        as `save` records them.
+        after `timeout` seconds). jax arrays (on an accelerator, and CPU
+        arrays of 64 KiB or more) are copied on their device in one
+        dispatched call (drained to host in the background); numpy leaves and
+        smaller CPU arrays are copied into the slot's reused buffers. Once it
+        returns, the caller may donate or overwrite the arrays. The tree's
+        nodes without leaves are recorded as `save` records them.
         """
         trees = {self.ctx.namespace: tree}
         meta = {**check_metadata(metadata, self.path), **empty_nodes_metadata(trees)}

@@ -98,6 +98,9 @@ class TrainerState:
       dp, tp, pp: data-, tensor- and pipeline-parallel sizes of the run.
       user: any other JSON-serializable fields, under string keys (tuples come back as
         lists, as JSON has them).
+
+    Stored as strict JSON: a non-finite float (a loss gone NaN) is written
+    `{"$float": "nan"}` and comes back as the float.
     """
 
     global_step: int = 0

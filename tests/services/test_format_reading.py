@@ -199,3 +199,15 @@ def test_a_records_metadata_is_what_a_step_files_header_holds(tmp_path):
     record = json.loads((tmp_path / 'step_00000003.jckpt' / 'trainer_state.json').read_text())
     meta = metadata_of(record)
     assert json.loads(meta['jckpt.metrics']) == {'loss': 0.5} and meta['jckpt.step'] == '3'
+
+
+def test_an_npy_step_restores_into_the_target_it_was_saved_from(tmp_path):
+    """An .npy file keeps no path: a model of one leaf under a key, `{'w': x}`, came back as a
+    bare array, and its own structure as the target was a MissingEntryError."""
+    with jckpt.CheckpointManager(tmp_path, options=CheckpointOptions(format='npy')) as mgr:
+        mgr.save(1, {'w': np.arange(3.0, dtype=np.float32)})
+        mgr.wait_durable()
+        got = mgr.restore(target={'w': np.zeros(3, np.float32)}).tree
+        assert list(got) == ['w'] and got['w'].tolist() == [0, 1, 2]
+        with pytest.raises(MismatchError, match="step 1: shape mismatch"):
+            mgr.restore(target={'w': np.zeros(4, np.float32)})
