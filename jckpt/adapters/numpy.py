@@ -43,6 +43,7 @@ from jckpt.adapters._common import (
     DEFAULT_NAMESPACE,
     abstract_items,
     array_view,
+    check_namespaced,
     empty_record,
     flat_names,
     host_items,
@@ -52,6 +53,7 @@ from jckpt.adapters._common import (
     tree_from_names,
     unsafe_member_name,
     warn_empty_namespaces,
+    warn_key_data,
 )
 from jckpt.errors import FormatError, InputError
 from jckpt.format import limits
@@ -191,6 +193,7 @@ def read_npy(path: str) -> dict[str, Any]:
 def write_npy(tree: Any, path: str) -> None:
     """Write the only leaf of `tree` as a `.npy` file."""
     path = os.fspath(path)
+    warn_key_data(check_namespaced(tree, path), path, 'npy')
     items = host_items(tree, path)
     _one_leaf(items, path)
     warn_empty_namespaces(tree, {ns for ns, _, _ in items}, path, 'npy')
@@ -286,6 +289,7 @@ def check_npz(tree: Any, path: str) -> None:
 def write_npz(tree: Any, path: str) -> None:
     """Write `{namespace: subtree}` as an uncompressed `.npz` archive (members 64-byte aligned)."""
     path = os.fspath(path)
+    warn_key_data(check_namespaced(tree, path), path, 'npz')
     items = host_items(tree, path)
     names = _member_names(items, path)
     record = _comment(paths_json(items, names), empty_record(tree), path)

@@ -47,6 +47,7 @@ from jckpt.adapters import safetensors_bulk as bulk
 from jckpt.adapters._common import (
     abstract_items,
     check_member_name,
+    check_namespaced,
     empty_record,
     flat_names,
     host_items,
@@ -55,6 +56,7 @@ from jckpt.adapters._common import (
     paths_json,
     published,
     tree_from_names,
+    warn_key_data,
 )
 from jckpt.adapters.safetensors_bulk import Layout
 from jckpt.errors import FormatError, InputError
@@ -346,6 +348,7 @@ def encode_header(entries: list[tuple[str, np.dtype, tuple[int, ...], int]],
 
 def _prepare(tree: Any, path: str) -> tuple[list, list[str], list[int]]:
     """Host items, their names, and the write order (largest element first, then name)."""
+    warn_key_data(check_namespaced(tree, path), path, 'safetensors')
     items = host_items(tree, path)
     names = _checked_names(items, path)
     order = sorted(range(len(items)), key=lambda i: (-items[i][2].dtype.itemsize, names[i]))
