@@ -191,13 +191,19 @@ def read_npy(path: str) -> dict[str, Any]:
 
 
 def write_npy(tree: Any, path: str) -> None:
-    """Write the only leaf of `tree` as a `.npy` file."""
+    """Write the only leaf of `tree` as a `.npy` file (its name, which the file has no place
+    for, named in a warning unless the tree is `{'jckpt': array}`, what `read_npy` gives)."""
     path = os.fspath(path)
     warn_key_data(check_namespaced(tree, path), path, 'npy')
     items = host_items(tree, path)
     _one_leaf(items, path)
     warn_empty_namespaces(tree, {ns for ns, _, _ in items}, path, 'npy')
-    array = items[0][2]
+    ns, key_path, array = items[0]
+    if key_path or ns != DEFAULT_NAMESPACE:  # read_npy gives {'jckpt': array}: the name is lost
+        warnings.warn(f"{path}: entry {ns}/{path_name(key_path) or '<root>'}: an .npy file holds one array "
+                      f"and no name, so it reads back as the array of namespace "
+                      f"{DEFAULT_NAMESPACE!r}, not under this name (write an .npz file to keep "
+                      "it)", stacklevel=2)
     with published(path) as f:
         f.write(npy_header(array))
         for chunk in iter_payload_chunks(array):

@@ -448,4 +448,5 @@ def test_a_typed_key_written_as_its_data_is_named_in_a_warning(tmp_path, name, f
     assert np.array_equal(back, jax.random.key_data(keys['rng']))
     with warnings.catch_warnings():
         warnings.simplefilter('error')  # plain arrays: no warning
-        adapters.write({'jckpt': {'rng': back}}, tmp_path / ('again.' + name), format=fmt)
+        again = back if name.endswith('.npy') else {'rng': back}  # an .npy file holds no name
+        adapters.write({'jckpt': again}, tmp_path / ('again.' + name), format=fmt)

@@ -1,6 +1,7 @@
 """The numpy adapters: .npy and .npz round trips, numpy reading them, refusals."""
 
 import io
+import warnings
 import zipfile
 
 import ml_dtypes
@@ -91,6 +92,18 @@ def test_npy_round_trip_and_numpy_reads_it(tmp_path):
     jckpt.convert(path, out)
     _, tree = jckpt.load(jckpt.Context(host=True), out)
     assert same_bits(tree['jckpt'], bf)
+
+
+@pytest.mark.parametrize('tree', [{'jckpt': {'x': np.ones(2)}}, {'params': np.ones(2)}])
+def test_a_name_an_npy_file_cannot_hold_is_named_in_a_warning(tmp_path, tree):
+    """The leaf's name was dropped silently: it reads back as {'jckpt': array}."""
+    with pytest.warns(UserWarning, match=r"a.npy: entry (jckpt/x|params/<root>): an .npy file holds "
+                                         r"one array and no name.*write an .npz file"):
+        npa.write_npy(tree, tmp_path / 'a.npy')
+    assert list(npa.read_npy(tmp_path / 'a.npy')) == ['jckpt']
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        npa.write_npy({'jckpt': np.ones(2)}, tmp_path / 'b.npy')  # what read_npy gives: no warning
 
 
 def test_npy_refusals(tmp_path):
