@@ -42,6 +42,7 @@ from jckpt.format import strict_json
 from jckpt.format.limits import check_alignment
 from jckpt.storage.backend import backend_for, occupied, same_place
 from jckpt.tools.classify import (
+    CUT_SHORT,
     DIRECTORY,
     FILE,
     FORMAT_STEP,
@@ -90,7 +91,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     kind = classify(args.path)
-    if kind.error is not None and kind.detail not in (UNREADABLE, UNFINISHED, FORMAT_STEP):
+    if kind.error is not None and kind.detail not in (UNREADABLE, UNFINISHED, FORMAT_STEP,
+                                                      CUT_SHORT):
         # no checkpoint there at all (missing, another format, an empty directory): say what it
         # is and exit 2, where verify() would report it as a damaged checkpoint
         raise kind.error

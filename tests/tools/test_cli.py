@@ -200,6 +200,24 @@ def test_inspect_truncated_file(model, cli):
     one_line_error(cli('inspect', model), model, 'extends past the end', 'truncated')
 
 
+@pytest.mark.parametrize('ext', ['npz', 'pt', 'safetensors'])
+def test_another_formats_file_cut_short_is_named_so_by_every_command(tmp_path, cli, ext):
+    """A zip archive without its end, a safetensors file shorter than its header: each command
+    said "no format jckpt recognises (fix: pass format=...)" or "convert it first"."""
+    import jckpt
+    whole = tmp_path / f'm.{ext}'
+    jckpt.adapters.write({'jckpt': {'w': np.ones((64, 64), np.float32), 'b': np.ones(3)}}, whole)
+    cut = tmp_path / f'cut.{ext}'
+    cut.write_bytes(whole.read_bytes()[:os.path.getsize(whole) // 2 if ext != 'safetensors' else 40])
+    for args, rc in ((('inspect', cut), 2), (('diff', cut, whole), 2),
+                     (('convert', cut, tmp_path / 'out.jckpt'), 2), (('verify', cut), 1)):
+        r = cli(*args)
+        said = r.stdout + r.stderr
+        assert r.returncode == rc, (args, r)
+        assert 'the file is cut short' in said and str(cut) in said, (args, r)
+        assert 'convert it first' not in said and 'format=' not in said
+
+
 def test_inspect_garbage_and_debug(tmp_path):
     bad = tmp_path / 'bad.jckpt'
     bad.write_bytes(b'\x00\x00\x00\x0c(not (closed')
