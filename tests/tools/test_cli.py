@@ -705,3 +705,13 @@ def test_the_docs_name_only_subcommands_that_exist():
     named = {(page.name, m.group(1)) for page in pages
              for m in re.finditer(r'(?:`|^\$ )jckpt ([a-z][a-z-]*)\b', page.read_text(), re.M)}
     assert sorted((page, word) for page, word in named if word not in sub.choices) == []
+
+
+@pytest.mark.parametrize('command', ['inspect', 'diff'])
+def test_help_names_every_kind_of_input_the_command_reads(cli, command):
+    """inspect's help said "a checkpoint file or a checkpoint manager's directory", diff's
+    "first checkpoint file": both also read multi-process directories and other formats."""
+    r = cli(command, '--help')
+    assert r.returncode == 0
+    text = ' '.join(r.stdout.split())
+    assert 'multi-process' in text and 'safetensors, .pt, npz, npy, llm.c, orbax' in text
