@@ -715,3 +715,18 @@ def test_help_names_every_kind_of_input_the_command_reads(cli, command):
     assert r.returncode == 0
     text = ' '.join(r.stdout.split())
     assert 'multi-process' in text and 'safetensors, .pt, npz, npy, llm.c, orbax' in text
+
+
+@pytest.mark.parametrize('name', ['fifo.jckpt', 'fifo.safetensors', 'fifo.pt'])
+def test_overwrite_never_replaces_a_fifo_or_a_device(model, tmp_path, cli, name):
+    """`convert --overwrite` (and merge) renamed the new file over whatever was at DST:
+    run as root onto /dev/null, it replaced the device with a checkpoint file."""
+    import stat
+    fifo = tmp_path / name
+    os.mkfifo(fifo)
+    for args in (('convert', model, fifo, '--overwrite'), ('merge', fifo, model, '--overwrite')):
+        r = cli(*args)
+        assert r.returncode == 2 and 'is a FIFO (named pipe): writing a checkpoint there would ' \
+            'replace it' in r.stderr, (args, r)
+        assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(model), name])
