@@ -48,6 +48,7 @@ from jckpt.tools.classify import (
     FORMAT_STEP,
     MISSING,
     UNFINISHED,
+    UNKNOWN,
     UNREADABLE,
     classify,
 )
@@ -123,6 +124,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     kind = classify(src)
     if kind.name == MISSING:
         raise FormatError("no such file or directory", file=src, fix="check the source path")
+    if kind.name == UNKNOWN and kind.detail != FORMAT_STEP and kind.error is not None:
+        raise kind.error  # what inspect says of it, not detect_format's "pass format=", no flag
     same = same_place(src, dst)
     if occupied(dst) and not (same or args.overwrite):
         raise InputError("converting would replace an existing checkpoint", file=dst,

@@ -730,3 +730,17 @@ def test_overwrite_never_replaces_a_fifo_or_a_device(model, tmp_path, cli, name)
             'replace it' in r.stderr, (args, r)
         assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
     assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(model), name])
+
+
+def test_convert_of_no_checkpoint_says_what_inspect_says(tmp_path, cli):
+    """convert said "in no format jckpt recognises (fix: pass format= one of ...)": the
+    command line has no option naming the source's format (--format is the destination's)."""
+    empty = tmp_path / 'empty'
+    empty.mkdir()
+    junk = tmp_path / 'junk.bin'
+    junk.write_bytes(b'\x00\x00\x00\x05(((((' + bytes(100))
+    for src in (empty, junk):
+        r = cli('convert', src, tmp_path / 'out.safetensors')
+        assert r.returncode == 2 and 'format=' not in r.stderr, r
+        assert r.stderr == cli('inspect', src).stderr
+    assert sorted(os.listdir(tmp_path)) == ['empty', 'junk.bin']
