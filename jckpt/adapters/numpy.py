@@ -28,6 +28,7 @@ their data is aligned (jckpt aligns what it writes to 64 bytes).
 from __future__ import annotations
 
 import ast
+import itertools
 import math
 import os
 import struct
@@ -303,7 +304,8 @@ def write_npz(tree: Any, path: str) -> None:
                                                allowZip64=True) as zf:
         for (_, _, array), name in zip(items, names):
             header = npy_header(array)
-            chunks = [header, *iter_payload_chunks(array)]
+            # one chunk at a time: a strided array's chunks are copies (a list held them all)
+            chunks = itertools.chain([header], iter_payload_chunks(array))
             _zip.write_member(zf, name + '.npy', chunks, len(header) + array.nbytes)
         zf.comment = record
 

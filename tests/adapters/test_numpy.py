@@ -175,3 +175,18 @@ def test_nodes_without_arrays_past_the_comments_limit_are_left_out_naming_the_fi
     small = {'jckpt': {'w': np.ones(2), 'e': [None] * 10}}
     npa.write_npz(small, path)
     assert npa.read_npz(path)['jckpt']['e'] == [None] * 10
+
+
+def test_a_strided_array_is_written_to_an_npz_a_chunk_at_a_time(tmp_path, monkeypatch):
+    """A transposed array's chunks are copies, and the writer listed them all before writing:
+    a full extra copy (1 GiB more to write a 1 GiB array's transpose)."""
+    import functools
+
+    from jckpt.format import payload
+    from tests.helpers import peak_bytes
+    monkeypatch.setattr(npa, 'iter_payload_chunks',
+                        functools.partial(payload.iter_payload_chunks, chunk_bytes=1 << 20))
+    a = np.arange(2048 * 2048, dtype=np.float32).reshape(2048, 2048)  # 16 MiB
+    peak = peak_bytes(lambda: npa.write_npz({'jckpt': {'w': a.T}}, tmp_path / 'w.npz'))
+    assert peak < 4 << 20, peak
+    assert np.array_equal(np.load(tmp_path / 'w.npz')['w'], a.T)
