@@ -180,8 +180,16 @@ def flat_names(items: list[tuple[str, KeyPath, np.ndarray]], file: str,
     return names
 
 
-def paths_json(items: list[tuple[str, KeyPath, np.ndarray]], names: list[str]) -> str:
-    """A JSON record of each stored name's namespace and exact key path."""
+def paths_json(items: list[tuple[str, KeyPath, np.ndarray]], names: list[str],
+               file: str | None = None) -> str:
+    """A JSON record of each stored name's namespace and exact key path; `InputError`
+    naming `file` and the leaf for a path deeper than `MAX_PATH_LENGTH`, which readers
+    refuse (the file read back with flat names, its tree silently lost)."""
+    for ns, p, _ in items:
+        if len(p) > MAX_PATH_LENGTH:
+            raise InputError(f"key path of {len(p)} components is deeper than {MAX_PATH_LENGTH}, "
+                             "more than readers accept", file=file,
+                             entry=f"{ns}/{path_name(p[:8])}/...", fix="store the tree flatter")
     return json.dumps({name: [ns, [list(c) for c in p]] for (ns, p, _), name in zip(items, names)},
                       separators=(',', ':'))
 

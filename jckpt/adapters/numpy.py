@@ -299,7 +299,7 @@ def write_npz(tree: Any, path: str) -> None:
     warn_key_data(check_namespaced(tree, path), path, 'npz')
     items = host_items(tree, path)
     names = _member_names(items, path)
-    record = _comment(paths_json(items, names), empty_record(tree), path)
+    record = _comment(paths_json(items, names, path), empty_record(tree), path)
     with published(path) as f, zipfile.ZipFile(f, 'w', zipfile.ZIP_STORED,
                                                allowZip64=True) as zf:
         for (_, _, array), name in zip(items, names):

@@ -335,7 +335,7 @@ def _content(tree: Any, path: str, flat: bool) -> tuple[Any, Records]:
         return items[0][2], (None, None)  # a lone tensor (torch.save(t)) is pickled as itself
     names = flat_names(items, path)
     return (dict(zip(names, (leaf for _, _, leaf in items))),
-            (paths_json(items, names), empty_record(tree)))
+            (paths_json(items, names, path), empty_record(tree)))
 
 
 def check(tree: Any, path: str, *, flat: bool = True) -> None:

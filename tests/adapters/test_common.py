@@ -450,3 +450,17 @@ def test_a_typed_key_written_as_its_data_is_named_in_a_warning(tmp_path, name, f
         warnings.simplefilter('error')  # plain arrays: no warning
         again = back if name.endswith('.npy') else {'rng': back}  # an .npy file holds no name
         adapters.write({'jckpt': again}, tmp_path / ('again.' + name), format=fmt)
+
+
+@pytest.mark.parametrize('name', ['d.safetensors', 'd.safetensors.index.json', 'd.npz', 'd.pt'])
+def test_a_path_deeper_than_readers_accept_is_refused_before_writing(tmp_path, name):
+    """Written with its paths record, which readers refuse past 256 components: the file
+    read back with flat dotted names, its tree lost without a word."""
+    from jckpt import adapters
+    tree = np.ones(2, np.float32)
+    for i in range(300):
+        tree = {f"k{i}": tree}
+    with pytest.raises(InputError, match='key path of 300 components is deeper than 256') as e:
+        adapters.write({'jckpt': tree}, tmp_path / name)
+    assert e.value.file == str(tmp_path / name) and e.value.entry.startswith('jckpt/k299/k298/')
+    assert os.listdir(tmp_path) == []
