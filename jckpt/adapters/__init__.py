@@ -47,7 +47,7 @@ from typing import Any
 from jckpt.adapters._common import held_bytes, holding, map_file, nest_dotted
 from jckpt.errors import FormatError, InputError, MissingEntryError
 from jckpt.format.names import STEP_RE, is_format_step
-from jckpt.storage.backend import backend_for, checked_path, same_place
+from jckpt.storage.backend import backend_for, checked_path, is_url, same_place
 from jckpt.storage.checkpoint import register_directory_reader
 
 PathLike = str | os.PathLike
@@ -231,6 +231,11 @@ def detect_format(path: PathLike) -> str:
                 return fmt.name
         except Exception:  # a sniffer that fails does not recognise the file
             continue
+    if held is None and not is_url(path):  # a zip or safetensors file cut short: say so
+        from jckpt.adapters.cut_short import cut_short_error
+        error = cut_short_error(path, head)
+        if error is not None:
+            raise error
     what = 'directory' if head is None else 'file'
     raise FormatError(f"{what} is in no format jckpt recognises", file=path,
                       fix=f"pass format= one of {sorted(n for n, f in known.items() if f.sniff)}, "

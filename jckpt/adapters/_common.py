@@ -93,6 +93,35 @@ def warn_empty_namespaces(tree: dict[str, Any], kept: Collection[str], file: str
                       f"them, write a .jckpt, .safetensors or .npz file)", stacklevel=4)
 
 
+def warn_key_data(tree: dict[str, Any], file: str, format_name: str) -> None:
+    """Warn, naming them, of the typed PRNG keys of `{namespace: subtree}`: a `format_name`
+    file has no key dtype, so each is written as its key data (`uint32`, one more axis),
+    which reads back as a plain array, not silently. Only orbax and jckpt files keep keys.
+
+    >>> import jax, warnings
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter('always')
+    ...     warn_key_data({'jckpt': {'rng': jax.random.key(0)}}, 'm.npz', 'npz')
+    >>> print(caught[0].message)  # doctest: +ELLIPSIS
+    m.npz: typed PRNG keys jckpt/rng (threefry2x32) are written as their uint32 key data: ...
+    """
+    from jckpt.trees.pytree import flatten, leaf_name
+    from jckpt.trees.to_host import is_key_dtype
+
+    keys = {leaf_name(ns, p): leaf for ns, sub in tree.items() for p, leaf in flatten(sub)
+            if getattr(leaf, 'dtype', None) is not None and is_key_dtype(leaf.dtype)}
+    if keys:
+        import jax
+
+        named = [f"{name} ({jax.random.key_impl(k)})" for name, k in keys.items()]
+        warnings.warn(f"{file}: typed PRNG keys {', '.join(named[:5])}"
+                      f"{' ...' if len(named) > 5 else ''} are written as their uint32 key data: "
+                      f"{format_name} "
+                      "files have no key dtype, so they read back as plain arrays "
+                      "(jax.random.wrap_key_data(data, impl=...) makes keys of them again; a "
+                      ".jckpt file or an orbax directory keeps them keys)", stacklevel=4)
+
+
 def empty_record(tree: dict[str, Any]) -> str | None:
     """The record of the nodes without arrays of `{namespace: subtree}` (optax's `EmptyState`,
     `None`, empty tuples, lists and dicts), as a jckpt file records them under
@@ -151,8 +180,16 @@ def flat_names(items: list[tuple[str, KeyPath, np.ndarray]], file: str,
     return names
 
 
-def paths_json(items: list[tuple[str, KeyPath, np.ndarray]], names: list[str]) -> str:
-    """A JSON record of each stored name's namespace and exact key path."""
+def paths_json(items: list[tuple[str, KeyPath, np.ndarray]], names: list[str],
+               file: str | None = None) -> str:
+    """A JSON record of each stored name's namespace and exact key path; `InputError`
+    naming `file` and the leaf for a path deeper than `MAX_PATH_LENGTH`, which readers
+    refuse (the file read back with flat names, its tree silently lost)."""
+    for ns, p, _ in items:
+        if len(p) > MAX_PATH_LENGTH:
+            raise InputError(f"key path of {len(p)} components is deeper than {MAX_PATH_LENGTH}, "
+                             "more than readers accept", file=file,
+                             entry=f"{ns}/{path_name(p[:8])}/...", fix="store the tree flatter")
     return json.dumps({name: [ns, [list(c) for c in p]] for (ns, p, _), name in zip(items, names)},
                       separators=(',', ':'))
 

@@ -28,6 +28,7 @@ their data is aligned (jckpt aligns what it writes to 64 bytes).
 from __future__ import annotations
 
 import ast
+import itertools
 import math
 import os
 import struct
@@ -43,6 +44,7 @@ from jckpt.adapters._common import (
     DEFAULT_NAMESPACE,
     abstract_items,
     array_view,
+    check_namespaced,
     empty_record,
     flat_names,
     host_items,
@@ -52,6 +54,7 @@ from jckpt.adapters._common import (
     tree_from_names,
     unsafe_member_name,
     warn_empty_namespaces,
+    warn_key_data,
 )
 from jckpt.errors import FormatError, InputError
 from jckpt.format import limits
@@ -189,12 +192,19 @@ def read_npy(path: str) -> dict[str, Any]:
 
 
 def write_npy(tree: Any, path: str) -> None:
-    """Write the only leaf of `tree` as a `.npy` file."""
+    """Write the only leaf of `tree` as a `.npy` file (its name, which the file has no place
+    for, named in a warning unless the tree is `{'jckpt': array}`, what `read_npy` gives)."""
     path = os.fspath(path)
+    warn_key_data(check_namespaced(tree, path), path, 'npy')
     items = host_items(tree, path)
     _one_leaf(items, path)
     warn_empty_namespaces(tree, {ns for ns, _, _ in items}, path, 'npy')
-    array = items[0][2]
+    ns, key_path, array = items[0]
+    if key_path or ns != DEFAULT_NAMESPACE:  # read_npy gives {'jckpt': array}: the name is lost
+        warnings.warn(f"{path}: entry {ns}/{path_name(key_path) or '<root>'}: an .npy file holds one array "
+                      f"and no name, so it reads back as the array of namespace "
+                      f"{DEFAULT_NAMESPACE!r}, not under this name (write an .npz file to keep "
+                      "it)", stacklevel=2)
     with published(path) as f:
         f.write(npy_header(array))
         for chunk in iter_payload_chunks(array):
@@ -286,14 +296,16 @@ def check_npz(tree: Any, path: str) -> None:
 def write_npz(tree: Any, path: str) -> None:
     """Write `{namespace: subtree}` as an uncompressed `.npz` archive (members 64-byte aligned)."""
     path = os.fspath(path)
+    warn_key_data(check_namespaced(tree, path), path, 'npz')
     items = host_items(tree, path)
     names = _member_names(items, path)
-    record = _comment(paths_json(items, names), empty_record(tree), path)
+    record = _comment(paths_json(items, names, path), empty_record(tree), path)
     with published(path) as f, zipfile.ZipFile(f, 'w', zipfile.ZIP_STORED,
                                                allowZip64=True) as zf:
         for (_, _, array), name in zip(items, names):
             header = npy_header(array)
-            chunks = [header, *iter_payload_chunks(array)]
+            # one chunk at a time: a strided array's chunks are copies (a list held them all)
+            chunks = itertools.chain([header], iter_payload_chunks(array))
             _zip.write_member(zf, name + '.npy', chunks, len(header) + array.nbytes)
         zf.comment = record
 

@@ -23,7 +23,7 @@ import warnings
 from typing import Any
 
 from jckpt.adapters import native
-from jckpt.adapters._common import host_items
+from jckpt.adapters._common import check_namespaced, host_items, warn_key_data
 from jckpt.errors import InputError
 from jckpt.format import precs
 from jckpt.format.header import OCANNL_HEADER_LIMIT, Header, path_name
@@ -76,6 +76,7 @@ def write(tree: Any, path: str) -> None:
         InputError: before touching the file when a leaf's dtype is not an OCANNL prec.
     """
     path = os.fspath(path)
+    warn_key_data(check_namespaced(tree, path), path, 'OCANNL')
     items = host_items(tree, path)
     for ns, p, array in items:
         prec = precs.prec_of(array.dtype)

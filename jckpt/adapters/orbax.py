@@ -253,12 +253,24 @@ def _zarray_bytes(path: str) -> int:
 
 
 def _check_claim(nbytes: int, total: int, file: str) -> None:
-    """Refuse arrays of `nbytes` from a checkpoint of `total` bytes of files: a decompression
-    bomb, or damaged metadata."""
-    if nbytes > MAX_DECOMPRESSION_RATIO * total + (1 << 20):
+    """Refuse arrays of `nbytes` from a checkpoint of `total` bytes of files that could not
+    hold them (a decompression bomb, or damaged metadata) and that would take more than half
+    this machine's memory. tensorstore stores no chunk that is all fill value: an array of
+    zeros (an optimizer's moments at step 0) takes no file at all, yet is a checkpoint."""
+    if nbytes > MAX_DECOMPRESSION_RATIO * total + (1 << 20) and nbytes > memory_bytes() // 2:
         raise FormatError(f"arrays of {nbytes} bytes claimed by a checkpoint of {total} bytes "
-                          f"(more than {MAX_DECOMPRESSION_RATIO} times)", file=file,
-                          fix="the checkpoint's metadata is damaged; do not read it")
+                          f"(more than {MAX_DECOMPRESSION_RATIO} times), more than half this "
+                          f"machine's memory ({memory_bytes()} bytes)", file=file,
+                          fix="the checkpoint's metadata is damaged; do not read it (or read it "
+                              "on a machine with the memory its arrays need)")
+
+
+def memory_bytes() -> int:
+    """This machine's physical memory in bytes (0 where the system does not say)."""
+    try:
+        return os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def _key_name(key: Any) -> str:

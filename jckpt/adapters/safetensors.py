@@ -47,6 +47,7 @@ from jckpt.adapters import safetensors_bulk as bulk
 from jckpt.adapters._common import (
     abstract_items,
     check_member_name,
+    check_namespaced,
     empty_record,
     flat_names,
     host_items,
@@ -55,6 +56,7 @@ from jckpt.adapters._common import (
     paths_json,
     published,
     tree_from_names,
+    warn_key_data,
 )
 from jckpt.adapters.safetensors_bulk import Layout
 from jckpt.errors import FormatError, InputError
@@ -346,6 +348,7 @@ def encode_header(entries: list[tuple[str, np.dtype, tuple[int, ...], int]],
 
 def _prepare(tree: Any, path: str) -> tuple[list, list[str], list[int]]:
     """Host items, their names, and the write order (largest element first, then name)."""
+    warn_key_data(check_namespaced(tree, path), path, 'safetensors')
     items = host_items(tree, path)
     names = _checked_names(items, path)
     order = sorted(range(len(items)), key=lambda i: (-items[i][2].dtype.itemsize, names[i]))
@@ -399,15 +402,16 @@ def write(tree: Any, path: str, *, metadata: dict[str, str] | None = None) -> No
         write_sharded(tree, path, metadata=metadata)
         return
     items, names, order = _prepare(tree, path)
-    meta = {**_metadata(metadata), **_tree_records(tree, items, names)}
+    meta = {**_metadata(metadata), **_tree_records(tree, items, names, path)}
     _write_file(path, items, names, order, meta)
 
 
-def _tree_records(tree: Any, items: list, names: list[str]) -> dict[str, str]:
+def _tree_records(tree: Any, items: list, names: list[str], path: str) -> dict[str, str]:
     """What the `__metadata__` records of the tree's structure: the paths of its arrays
     (`PATHS_KEY`) and, when it has any, its nodes without arrays (`EMPTY_NODES_KEY`)."""
     empty = empty_record(tree)
-    return {PATHS_KEY: paths_json(items, names), **({EMPTY_NODES_KEY: empty} if empty else {})}
+    return {PATHS_KEY: paths_json(items, names, path),
+            **({EMPTY_NODES_KEY: empty} if empty else {})}
 
 
 def _metadata(metadata: dict[str, str] | None) -> dict[str, str]:
@@ -459,10 +463,10 @@ def write_sharded(tree: Any, index_path: str, *, max_shard_bytes: int = DEFAULT_
     directory = os.path.dirname(os.path.abspath(index_path))
     files = [f"{prefix}-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))]
     meta = _metadata(metadata)
+    records = _tree_records(tree, items, names, index_path)  # refuses before a shard is written
     for group, file in zip(groups, files):
         _write_file(os.path.join(directory, file), items, names, group, dict(meta))
-    index = {'metadata': {**meta, 'total_size': sum(a.nbytes for _, _, a in items),
-                          **_tree_records(tree, items, names)},
+    index = {'metadata': {**meta, 'total_size': sum(a.nbytes for _, _, a in items), **records},
              'weight_map': {names[i]: file for group, file in zip(groups, files) for i in group}}
     with published(index_path) as f:
         f.write(json.dumps(index, indent=2, ensure_ascii=False).encode('utf-8'))

@@ -58,6 +58,7 @@ from jckpt.adapters._common import (
     single_content,
     tree_from_names,
     unsafe_member_name,
+    warn_key_data,
 )
 from jckpt.adapters._torch_legacy import LEGACY_MAGIC
 from jckpt.adapters._torch_pickle import Pickler
@@ -319,6 +320,7 @@ def _content(tree: Any, path: str, flat: bool) -> tuple[Any, Records]:
     """What is pickled (the tree, or `{dotted name: leaf}`) and, of a flat one, the records
     of its paths and of its nodes without arrays (which a flat `state_dict` cannot hold)."""
     tree = check_namespaced(tree, path)
+    warn_key_data(tree, path, 'torch')
     if not flat:
         return single_content(tree), (None, None)
     items = []
@@ -333,7 +335,7 @@ def _content(tree: Any, path: str, flat: bool) -> tuple[Any, Records]:
         return items[0][2], (None, None)  # a lone tensor (torch.save(t)) is pickled as itself
     names = flat_names(items, path)
     return (dict(zip(names, (leaf for _, _, leaf in items))),
-            (paths_json(items, names), empty_record(tree)))
+            (paths_json(items, names, path), empty_record(tree)))
 
 
 def check(tree: Any, path: str, *, flat: bool = True) -> None:

@@ -40,8 +40,9 @@ import sys
 import threading
 import time
 
-from jckpt.errors import StorageError
+from jckpt.errors import InputError, StorageError
 from jckpt.format.names import STAGE_TAG
+from jckpt.storage.regular import special_name
 
 log = logging.getLogger('jckpt')
 
@@ -335,6 +336,7 @@ class StagingFile:
         self.target = os.fspath(target)
         self.durable = durable
         self.directory = os.path.dirname(os.path.abspath(self.target))
+        refuse_special(self.target)
         if reclaim:
             reclaim_staging(self.target)
         self.path, self.fd = self._create()
@@ -396,6 +398,24 @@ class StagingFile:
 
     def __repr__(self) -> str:
         return f"StagingFile({self.target!r}, staging={os.path.basename(self.path)!r})"
+
+
+def refuse_special(target: str) -> None:
+    """Refuse a target that is a FIFO, a device or a socket: publishing renames over it, and
+    `--overwrite` onto `/dev/null` replaced the device with a checkpoint file.
+
+    >>> refuse_special('/dev/null')
+    Traceback (most recent call last):
+    ...
+    jckpt.errors.InputError: /dev/null: is a character device: writing a checkpoint there would replace it ...
+    """
+    try:
+        mode = os.lstat(target).st_mode
+    except OSError:
+        return  # nothing there (or unreadable: creating the staging file says so)
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
+        raise InputError(f"is {special_name(mode)}: writing a checkpoint there would replace it",
+                         file=target, fix="write to the path of a regular file")
 
 
 _RENAME_EXCHANGE = 2

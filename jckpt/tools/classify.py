@@ -26,6 +26,7 @@ import stat
 from typing import Any
 
 from jckpt.adapters import SNIFF_BYTES, detect_format
+from jckpt.adapters.cut_short import cut_short_error
 from jckpt.adapters.orbax import manager_step_names
 from jckpt.errors import CheckpointError, FormatError
 from jckpt.format.header import looks_like_header
@@ -58,6 +59,9 @@ UNFINISHED = 'unfinished save'
 NO_CHECKPOINT = 'no checkpoint'
 #: An UNKNOWN regular file that no reader accepts (`Kind.error` is the reader's).
 UNREADABLE = 'unreadable file'
+#: An UNKNOWN regular file of another format cut short (a zip archive without its end, a
+#: safetensors file shorter than its header): `Kind.error` says which.
+CUT_SHORT = 'cut short'
 #: An UNKNOWN directory that is one step of a manager writing its model in another format
 #: (`CheckpointOptions(format=...)`): a model file, `optimizer.jckpt`, `trainer_state.json`.
 FORMAT_STEP = 'manager step'
@@ -71,7 +75,7 @@ class Kind:
         `MISSING` or `UNKNOWN`.
       path: the path classified.
       detail: for FOREIGN the format's name (`'safetensors'`); for UNKNOWN
-        `UNFINISHED`, `NO_CHECKPOINT`, `FORMAT_STEP` or `UNREADABLE`.
+        `UNFINISHED`, `NO_CHECKPOINT`, `FORMAT_STEP`, `UNREADABLE` or `CUT_SHORT`.
       error: for the kinds that hold no checkpoint (FOREIGN, MISSING, UNKNOWN),
         the error that says so, naming the path and what to do; else None.
       reader: for a FILE in an object store, the reader `classify` opened it with (its
@@ -228,11 +232,15 @@ def _foreign_format(path: str) -> str | None:
 
 
 def _classify_file(path: str) -> Kind:
-    if looks_like_header(_head(path)):
+    head = _head(path)
+    if looks_like_header(head):
         return Kind(FILE, path)
     fmt = _foreign_format(path)
     if fmt is not None:
         return Kind(FOREIGN, path, fmt, not_jckpt_error(path, fmt))
+    cut = cut_short_error(path, head)  # another format's file cut short: not one to convert
+    if cut is not None:
+        return Kind(UNKNOWN, path, CUT_SHORT, cut)
     try:
         CheckpointReader(path)
     except FormatError as e:
@@ -254,5 +262,5 @@ def _head(path: str) -> bytes:
         raise storage_error(e, "reading", path) from e
 
 
-__all__ = ['DIRECTORY', 'FILE', 'FOREIGN', 'MANAGER', 'MISSING', 'NO_CHECKPOINT', 'UNFINISHED',
+__all__ = ['CUT_SHORT', 'DIRECTORY', 'FILE', 'FOREIGN', 'MANAGER', 'MISSING', 'NO_CHECKPOINT', 'UNFINISHED',
            'UNKNOWN', 'UNREADABLE', 'Kind', 'classify', 'missing_error', 'not_jckpt_error']

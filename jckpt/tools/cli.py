@@ -42,11 +42,13 @@ from jckpt.format import strict_json
 from jckpt.format.limits import check_alignment
 from jckpt.storage.backend import backend_for, occupied, same_place
 from jckpt.tools.classify import (
+    CUT_SHORT,
     DIRECTORY,
     FILE,
     FORMAT_STEP,
     MISSING,
     UNFINISHED,
+    UNKNOWN,
     UNREADABLE,
     classify,
 )
@@ -90,7 +92,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     kind = classify(args.path)
-    if kind.error is not None and kind.detail not in (UNREADABLE, UNFINISHED, FORMAT_STEP):
+    if kind.error is not None and kind.detail not in (UNREADABLE, UNFINISHED, FORMAT_STEP,
+                                                      CUT_SHORT):
         # no checkpoint there at all (missing, another format, an empty directory): say what it
         # is and exit 2, where verify() would report it as a damaged checkpoint
         raise kind.error
@@ -121,6 +124,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     kind = classify(src)
     if kind.name == MISSING:
         raise FormatError("no such file or directory", file=src, fix="check the source path")
+    if kind.name == UNKNOWN and kind.detail != FORMAT_STEP and kind.error is not None:
+        raise kind.error  # what inspect says of it, not detect_format's "pass format=", no flag
     same = same_place(src, dst)
     if occupied(dst) and not (same or args.overwrite):
         raise InputError("converting would replace an existing checkpoint", file=dst,
@@ -228,14 +233,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: What `inspect`, `diff` and `convert` read besides jckpt's own checkpoints.
+_FOREIGN = ("a file or directory in another format (safetensors, .pt, npz, npy, llm.c, "
+            "orbax)")
+
+
 def _add_inspect(sub: Any, common: argparse.ArgumentParser) -> None:
     """Add the `inspect` subcommand to `sub` (`common`: the options every one takes)."""
     p = sub.add_parser('inspect', parents=[common], help='list what a checkpoint holds',
                        description='A table of namespaces, paths, dtypes, shapes, sizes, '
                                    'offsets and whether each payload can be memory-mapped; '
                                    'totals; and the file\'s metadata. For a checkpoint '
-                                   'manager\'s directory, a table of its steps.')
-    p.add_argument('path', help="a checkpoint file or a checkpoint manager's directory")
+                                   'manager\'s directory, a table of its steps; for another '
+                                   'format, its arrays as convert reads them.')
+    p.add_argument('path', help=f"a checkpoint file, a multi-process checkpoint directory, a "
+                               f"checkpoint manager's directory, or {_FOREIGN}")
     p.add_argument('--json', action='store_true', help='print JSON instead of a table')
     p.add_argument('--best-metric', metavar='NAME', default=None,
                    help='manager directories: the metric that picks the best step '
@@ -265,8 +277,10 @@ def _add_diff(sub: Any, common: argparse.ArgumentParser) -> None:
                        description='Entries only in A, only in B, and for shared entries '
                                    'dtype/shape changes and the largest absolute and relative '
                                    'differences. Exit status 0 when they match.')
-    p.add_argument('a', help='first checkpoint file')
-    p.add_argument('b', help='second checkpoint file (relative differences are taken to it)')
+    p.add_argument('a', help=f'first checkpoint: a jckpt file or multi-process directory, or '
+                             f'{_FOREIGN}')
+    p.add_argument('b', help='second checkpoint, the same kinds (relative differences are taken '
+                             'to it)')
     p.add_argument('--atol', type=_nonnegative, default=0.0,
                    help='absolute tolerance (default 0: exact)')
     p.add_argument('--rtol', type=_nonnegative, default=0.0,

@@ -58,7 +58,8 @@ class EntryDiff:
         `Entry.array_shape`).
       size: elements compared (0 when the shapes differ).
       max_abs: the largest `|a - b|` (`inf` where exactly one side is NaN).
-      max_rel: the largest `|a - b| / |b|` (`inf` where `b` is 0 and `a` is not).
+      max_rel: the largest `|a - b| / |b|` (`inf` where `b` is 0 and `a` is not, and
+        where a NaN or an infinity differs from the other side).
       mismatched: elements with `|a - b| > atol + rtol * |b|` (NaNs in the same
         place count as equal; a complex value's real and imaginary parts each); a NaN
         or an infinity matches only itself, whatever the tolerances.
@@ -189,7 +190,9 @@ def _compare(a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> tuple[fl
     max_abs = max_rel = 0.0
     bad = 0
     for lo in range(0, a.size, DIFF_CHUNK):
-        xa, xb = a[lo:lo + DIFF_CHUNK], b[lo:lo + DIFF_CHUNK]
+        # a foreign file's view (a torch tensor's column) is strided: bytes compare contiguous
+        xa = np.ascontiguousarray(a[lo:lo + DIFF_CHUNK])
+        xb = np.ascontiguousarray(b[lo:lo + DIFF_CHUNK])
         if same_dtype and np.array_equal(xa.view(np.uint8), xb.view(np.uint8)):
             continue  # identical bytes: identical values
         with np.errstate(invalid='ignore', divide='ignore', over='ignore'):
@@ -208,6 +211,7 @@ def _compare(a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> tuple[fl
             d[np.isnan(d)] = np.inf
             ay = np.abs(y)
             rel = np.where(ay > 0, d / np.where(ay > 0, ay, 1.0), np.where(d > 0, np.inf, 0.0))
+            rel[np.isnan(rel)] = np.inf  # inf / inf: an infinity against another value
             if exact:
                 bad += int(np.count_nonzero(~equal))
             else:

@@ -102,10 +102,11 @@ def _copy_out(target: str, header: Header, copies: Sequence[tuple[CheckpointRead
                                 on_payload=lambda e: bar.advance(e.byte_length))
 
 
-def _refuse_existing(target: str, what: str) -> None:
+def _refuse_existing(target: str, what: str, allow: str) -> None:
+    """Refuse to replace a checkpoint at `target`; `allow`: the options that would."""
     if occupied(target):
         raise InputError(f"{what} would replace an existing checkpoint", file=target,
-                         fix="choose another output path, or allow overwriting it")
+                         fix=f"choose another output path, or pass {allow}")
 
 
 def relayout(src: str | os.PathLike, dst: str | os.PathLike, *, alignment: int | None = None,
@@ -130,7 +131,7 @@ def relayout(src: str | os.PathLike, dst: str | os.PathLike, *, alignment: int |
     alignment = None if alignment is None else check_alignment(alignment, dst)
     same = same_place(src, dst)
     if not (overwrite or same):
-        _refuse_existing(dst, "writing the re-laid-out file")
+        _refuse_existing(dst, "writing the re-laid-out file", "overwrite=True (--overwrite)")
     if verify:
         _check_sources(reader)
     old = reader.header
@@ -217,7 +218,8 @@ def _merge_sources(out: str, inputs: Sequence[str], prefixes: Sequence[str | Non
         base = _open_whole(out)
         sources.append((base, base.header))
     elif not overwrite:
-        _refuse_existing(out, "merging")
+        _refuse_existing(out, "merging", "--append to add to it or --overwrite to replace it "
+                                          "(append=True, overwrite=True)")
     for path, prefix in zip(inputs, prefixes):
         reader = _open_whole(path)
         sources.append((reader, prefix_header(reader.header, prefix or None)))

@@ -37,6 +37,7 @@ from jckpt.storage.backend import backend_for, checked_path
 from jckpt.storage.directory import DirectoryReader
 from jckpt.storage.reader import CheckpointReader
 from jckpt.tools.classify import (
+    CUT_SHORT,
     DIRECTORY,
     FILE,
     FOREIGN,
@@ -188,6 +189,9 @@ def _verify(kind: Kind, progress: bool) -> VerifyReport:
         return _verify_sharded(kind.path, progress)
     if kind.name == MANAGER:
         return _verify_steps(kind.path, progress)
+    if kind.detail == CUT_SHORT:  # another format's file cut short: damaged, said as such
+        assert kind.error is not None
+        return _failed(kind.path, _unreadable(kind.path, kind.error))
     if kind.name in (FILE, FOREIGN) or kind.detail == UNREADABLE:
         return _verify_file(kind.path, progress, reader=kind.reader)
     if kind.detail == FORMAT_STEP:

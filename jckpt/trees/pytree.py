@@ -27,7 +27,7 @@ from jckpt.errors import InputError
 from jckpt.format.entries import check_prefix, prefixed
 from jckpt.format.entries import loose_path as loose_path  # its home is the codec: the tools match by it
 from jckpt.format.header import Header, KeyPath, path_name
-from jckpt.format.limits import MAX_INT_DIGITS
+from jckpt.format.limits import MAX_INT_DIGITS, MAX_PATH_LENGTH
 from jckpt.format.metadata import empty_nodes_text, prefix_header
 from jckpt.trees.nested import is_empty_node as is_empty_node  # plain Python: readers use them
 from jckpt.trees.nested import unflatten as unflatten  # its home before trees.nested
@@ -206,10 +206,12 @@ def _empties(node: Any, prefix: KeyPath, out: list[KeyPath]) -> None:
 
 
 def _empty_child(child: Any, path: KeyPath, out: list[KeyPath]) -> None:
-    """Append `path` if `child` (at `path`) is an empty node, else its own empty nodes'."""
+    """Append `path` if `child` (at `path`) is an empty node, else its own empty nodes'.
+    Past `MAX_PATH_LENGTH` components it stops: such a tree is refused, naming the leaf, by
+    the check of its paths, where descending further overflowed Python's stack."""
     if is_empty_node(child):
         out.append(path)
-    else:
+    elif len(path) <= MAX_PATH_LENGTH:
         _empties(child, path, out)
 
 

@@ -430,3 +430,37 @@ def test_a_held_file_is_detected_and_read_from_its_bytes_without_the_storage(tmp
         np.testing.assert_array_equal(adapters.read(path)["jckpt"]["w"], np.arange(3.0))
     with pytest.raises(FormatError, match="no such object"):
         map_file(path)
+
+
+@pytest.mark.parametrize('name,fmt', [('k.safetensors', None), ('k.safetensors.index.json', None),
+                                      ('k.npz', None), ('k.npy', None), ('k.pt', None),
+                                      ('k.ocannl', 'ocannl')])
+def test_a_typed_key_written_as_its_data_is_named_in_a_warning(tmp_path, name, fmt):
+    """Formats without a key dtype write a key's uint32 data, which reads back as a plain
+    array: that was silent, where orbax and jckpt files keep the key."""
+    from jckpt import adapters
+    keys = {'rng': jax.random.split(jax.random.key(0), 3)}
+    with pytest.warns(UserWarning, match=r'typed PRNG keys jckpt/rng \(threefry2x32\) are written '
+                                         r'as their uint32 key data: .*wrap_key_data'):
+        adapters.write({'jckpt': keys}, tmp_path / name, format=fmt)
+    back = adapters.read(tmp_path / name, format=fmt)['jckpt']
+    back = back['rng'] if isinstance(back, dict) else back
+    assert np.array_equal(back, jax.random.key_data(keys['rng']))
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')  # plain arrays: no warning
+        again = back if name.endswith('.npy') else {'rng': back}  # an .npy file holds no name
+        adapters.write({'jckpt': again}, tmp_path / ('again.' + name), format=fmt)
+
+
+@pytest.mark.parametrize('name', ['d.safetensors', 'd.safetensors.index.json', 'd.npz', 'd.pt'])
+def test_a_path_deeper_than_readers_accept_is_refused_before_writing(tmp_path, name):
+    """Written with its paths record, which readers refuse past 256 components: the file
+    read back with flat dotted names, its tree lost without a word."""
+    from jckpt import adapters
+    tree = np.ones(2, np.float32)
+    for i in range(300):
+        tree = {f"k{i}": tree}
+    with pytest.raises(InputError, match='key path of 300 components is deeper than 256') as e:
+        adapters.write({'jckpt': tree}, tmp_path / name)
+    assert e.value.file == str(tmp_path / name) and e.value.entry.startswith('jckpt/k299/k298/')
+    assert os.listdir(tmp_path) == []

@@ -1,6 +1,7 @@
 """The numpy adapters: .npy and .npz round trips, numpy reading them, refusals."""
 
 import io
+import warnings
 import zipfile
 
 import ml_dtypes
@@ -93,6 +94,18 @@ def test_npy_round_trip_and_numpy_reads_it(tmp_path):
     assert same_bits(tree['jckpt'], bf)
 
 
+@pytest.mark.parametrize('tree', [{'jckpt': {'x': np.ones(2)}}, {'params': np.ones(2)}])
+def test_a_name_an_npy_file_cannot_hold_is_named_in_a_warning(tmp_path, tree):
+    """The leaf's name was dropped silently: it reads back as {'jckpt': array}."""
+    with pytest.warns(UserWarning, match=r"a.npy: entry (jckpt/x|params/<root>): an .npy file holds "
+                                         r"one array and no name.*write an .npz file"):
+        npa.write_npy(tree, tmp_path / 'a.npy')
+    assert list(npa.read_npy(tmp_path / 'a.npy')) == ['jckpt']
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        npa.write_npy({'jckpt': np.ones(2)}, tmp_path / 'b.npy')  # what read_npy gives: no warning
+
+
 def test_npy_refusals(tmp_path):
     path = tmp_path / 'a.npy'
     with pytest.raises(InputError, match='exactly one array'):
@@ -162,3 +175,18 @@ def test_nodes_without_arrays_past_the_comments_limit_are_left_out_naming_the_fi
     small = {'jckpt': {'w': np.ones(2), 'e': [None] * 10}}
     npa.write_npz(small, path)
     assert npa.read_npz(path)['jckpt']['e'] == [None] * 10
+
+
+def test_a_strided_array_is_written_to_an_npz_a_chunk_at_a_time(tmp_path, monkeypatch):
+    """A transposed array's chunks are copies, and the writer listed them all before writing:
+    a full extra copy (1 GiB more to write a 1 GiB array's transpose)."""
+    import functools
+
+    from jckpt.format import payload
+    from tests.helpers import peak_bytes
+    monkeypatch.setattr(npa, 'iter_payload_chunks',
+                        functools.partial(payload.iter_payload_chunks, chunk_bytes=1 << 20))
+    a = np.arange(2048 * 2048, dtype=np.float32).reshape(2048, 2048)  # 16 MiB
+    peak = peak_bytes(lambda: npa.write_npz({'jckpt': {'w': a.T}}, tmp_path / 'w.npz'))
+    assert peak < 4 << 20, peak
+    assert np.array_equal(np.load(tmp_path / 'w.npz')['w'], a.T)

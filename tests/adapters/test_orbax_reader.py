@@ -231,8 +231,10 @@ def test_links_and_special_files_in_an_orbax_checkpoint_are_refused(tmp_path, pl
         assert e.value.file == str(victim)
 
 
-def test_a_zarr_shape_past_what_the_files_hold_is_refused_before_allocating(tmp_path):
+def test_a_zarr_shape_past_what_the_files_hold_is_refused_before_allocating(tmp_path, monkeypatch):
     """tensorstore allocates a zarr array whole: a shape the files cannot hold is refused first."""
+    from jckpt.adapters import orbax as orbax_adapter
+    monkeypatch.setattr(orbax_adapter, 'memory_bytes', lambda: 1 << 30)  # on any machine
     item = tmp_path / 'item'  # an item without OCDBT: one zarr array per leaf
     (item / 'w').mkdir(parents=True)
     (item / '_METADATA').write_text('{}')
@@ -258,6 +260,7 @@ def test_arrays_the_metadata_claims_past_what_the_files_hold_are_refused_before_
         tmp_path, monkeypatch):
     """An OCDBT item keeps its shapes in orbax's metadata: checked before tensorstore allocates."""
     from jckpt.adapters import orbax as orbax_adapter
+    monkeypatch.setattr(orbax_adapter, 'memory_bytes', lambda: 1 << 30)  # on any machine
     item = _item(tmp_path)
     real = orbax_adapter.item_specs
     monkeypatch.setattr(orbax_adapter, 'item_specs', lambda i: [
@@ -331,3 +334,19 @@ def test_a_restore_or_load_of_a_step_walks_it_once_and_bounds_each_item_by_its_o
     walks.clear()
     same(jckpt.load(CTX, step, namespaces='params')[1]['params'], params)
     assert walks == [str(step)]
+
+
+def test_arrays_of_zeros_orbax_stored_as_no_chunk_are_read(tmp_path, monkeypatch):
+    """tensorstore writes no chunk that is all zeros: 64 MiB of zeros (an optimizer's moments
+    at step 0) in 40 KiB of files were refused as a decompression bomb. Claims past what the
+    files hold pass where they fit in half the memory, and only there."""
+    from jckpt.adapters import orbax as orbax_adapter
+    path = os.path.abspath(tmp_path / 'zeros')
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, {'mu': np.zeros((16, 1 << 20), np.float32), 'w': np.ones(3)})
+    tree = jckpt.adapters.read(path)['jckpt']  # 64 MiB: within half of any machine's memory
+    assert tree['mu'].shape == (16, 1 << 20) and not tree['mu'].any()
+    assert tree['w'].tolist() == [1, 1, 1]
+    monkeypatch.setattr(orbax_adapter, 'memory_bytes', lambda: 1 << 26)
+    with pytest.raises(FormatError, match='more than half this machine.s memory'):
+        jckpt.adapters.read(path)

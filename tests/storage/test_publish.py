@@ -233,3 +233,17 @@ def test_a_directory_that_is_not_there_is_named_with_its_fix(tmp_path):
         jckpt.save(jckpt.Context(), {"w": np.ones(2)}, path)
     assert e.value.errno == errno.ENOENT and e.value.fix == "create it first, or fix the path"
     assert f"the directory {tmp_path / 'missing'} does not exist" in e.value.message
+
+
+def test_a_fifo_target_is_refused_before_anything_is_written(tmp_path):
+    import stat
+
+    from jckpt.errors import InputError
+    from jckpt.storage.publish import StagingFile, refuse_special
+    fifo = tmp_path / 'pipe'
+    os.mkfifo(fifo)
+    with pytest.raises(InputError, match='is a FIFO'):
+        StagingFile(fifo)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and os.listdir(tmp_path) == ['pipe']
+    for fine in (tmp_path / 'none', tmp_path):
+        refuse_special(str(fine))

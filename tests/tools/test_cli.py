@@ -200,6 +200,24 @@ def test_inspect_truncated_file(model, cli):
     one_line_error(cli('inspect', model), model, 'extends past the end', 'truncated')
 
 
+@pytest.mark.parametrize('ext', ['npz', 'pt', 'safetensors'])
+def test_another_formats_file_cut_short_is_named_so_by_every_command(tmp_path, cli, ext):
+    """A zip archive without its end, a safetensors file shorter than its header: each command
+    said "no format jckpt recognises (fix: pass format=...)" or "convert it first"."""
+    import jckpt
+    whole = tmp_path / f'm.{ext}'
+    jckpt.adapters.write({'jckpt': {'w': np.ones((64, 64), np.float32), 'b': np.ones(3)}}, whole)
+    cut = tmp_path / f'cut.{ext}'
+    cut.write_bytes(whole.read_bytes()[:os.path.getsize(whole) // 2 if ext != 'safetensors' else 40])
+    for args, rc in ((('inspect', cut), 2), (('diff', cut, whole), 2),
+                     (('convert', cut, tmp_path / 'out.jckpt'), 2), (('verify', cut), 1)):
+        r = cli(*args)
+        said = r.stdout + r.stderr
+        assert r.returncode == rc, (args, r)
+        assert 'the file is cut short' in said and str(cut) in said, (args, r)
+        assert 'convert it first' not in said and 'format=' not in said
+
+
 def test_inspect_garbage_and_debug(tmp_path):
     bad = tmp_path / 'bad.jckpt'
     bad.write_bytes(b'\x00\x00\x00\x0c(not (closed')
@@ -687,3 +705,42 @@ def test_the_docs_name_only_subcommands_that_exist():
     named = {(page.name, m.group(1)) for page in pages
              for m in re.finditer(r'(?:`|^\$ )jckpt ([a-z][a-z-]*)\b', page.read_text(), re.M)}
     assert sorted((page, word) for page, word in named if word not in sub.choices) == []
+
+
+@pytest.mark.parametrize('command', ['inspect', 'diff'])
+def test_help_names_every_kind_of_input_the_command_reads(cli, command):
+    """inspect's help said "a checkpoint file or a checkpoint manager's directory", diff's
+    "first checkpoint file": both also read multi-process directories and other formats."""
+    r = cli(command, '--help')
+    assert r.returncode == 0
+    text = ' '.join(r.stdout.split())
+    assert 'multi-process' in text and 'safetensors, .pt, npz, npy, llm.c, orbax' in text
+
+
+@pytest.mark.parametrize('name', ['fifo.jckpt', 'fifo.safetensors', 'fifo.pt'])
+def test_overwrite_never_replaces_a_fifo_or_a_device(model, tmp_path, cli, name):
+    """`convert --overwrite` (and merge) renamed the new file over whatever was at DST:
+    run as root onto /dev/null, it replaced the device with a checkpoint file."""
+    import stat
+    fifo = tmp_path / name
+    os.mkfifo(fifo)
+    for args in (('convert', model, fifo, '--overwrite'), ('merge', fifo, model, '--overwrite')):
+        r = cli(*args)
+        assert r.returncode == 2 and 'is a FIFO (named pipe): writing a checkpoint there would ' \
+            'replace it' in r.stderr, (args, r)
+        assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(model), name])
+
+
+def test_convert_of_no_checkpoint_says_what_inspect_says(tmp_path, cli):
+    """convert said "in no format jckpt recognises (fix: pass format= one of ...)": the
+    command line has no option naming the source's format (--format is the destination's)."""
+    empty = tmp_path / 'empty'
+    empty.mkdir()
+    junk = tmp_path / 'junk.bin'
+    junk.write_bytes(b'\x00\x00\x00\x05(((((' + bytes(100))
+    for src in (empty, junk):
+        r = cli('convert', src, tmp_path / 'out.safetensors')
+        assert r.returncode == 2 and 'format=' not in r.stderr, r
+        assert r.stderr == cli('inspect', src).stderr
+    assert sorted(os.listdir(tmp_path)) == ['empty', 'junk.bin']

@@ -340,3 +340,23 @@ def test_a_manager_in_a_bucket_is_named_as_a_local_one_is():
     with pytest.raises(jckpt.FormatError, match="holds one checkpoint per step") as e:
         jckpt.diff(url, "memory://diffs/one.jckpt")
     assert f"{url}/step_00000001.jckpt" in e.value.fix
+
+
+def test_an_infinity_against_another_value_is_infinitely_relative(tmp_path):
+    # inf / inf is NaN, which max() passed over: three differing values reported a 0 relative diff
+    a = write_arrays(tmp_path / 'a.jckpt', {'x': np.array([np.nan, 1.0, np.inf, 0.0])})
+    b = write_arrays(tmp_path / 'b.jckpt', {'x': np.array([1.0, np.inf, -np.inf, 0.0])})
+    d = diff(a, b).entries[0]
+    assert (d.mismatched, d.max_abs, d.max_rel) == (3, math.inf, math.inf)
+
+
+def test_strided_views_of_a_foreign_file_are_compared(tmp_path):
+    """A .pt file's views (a column, a transpose, as torch saves them) read as strided arrays;
+    comparing their bytes raised an unexpected ValueError."""
+    w = np.arange(24, dtype=np.float32).reshape(4, 6)
+    tree = {'w': w, 'col': w[:, 2], 'T': w.T, 'every_other': w[::2, ::3]}
+    jckpt.adapters.write({'jckpt': tree}, tmp_path / 'views.pt')
+    src = write_arrays(tmp_path / 'm.jckpt', {k: np.ascontiguousarray(v) for k, v in tree.items()})
+    assert diff(tmp_path / 'views.pt', src).same and diff(src, tmp_path / 'views.pt').same
+    changed = write_arrays(tmp_path / 'c.jckpt', {**tree, 'col': w[:, 2] + 1})
+    assert [e.name for e in diff(tmp_path / 'views.pt', changed).differing] == ['jckpt/col']

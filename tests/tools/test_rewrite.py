@@ -229,6 +229,19 @@ def test_merge_appends_to_an_existing_file(tmp_path):
     assert [e.name for e in info(new).entries] == ['jckpt/y']
 
 
+def test_merge_onto_an_existing_file_names_the_options_that_allow_it(tmp_path):
+    """The fix said "allow overwriting it", naming no option (and not --append)."""
+    out = write_arrays(tmp_path / 'm.jckpt', {'old': np.ones(1)})
+    b = write_arrays(tmp_path / 'b.jckpt', {'y': np.ones(1)})
+    with pytest.raises(InputError, match='would replace an existing checkpoint') as e:
+        merge(out, [b], durable=False)
+    assert '--append' in e.value.fix and '--overwrite' in e.value.fix
+    assert 'overwrite=True' in e.value.fix and 'append=True' in e.value.fix
+    with pytest.raises(InputError) as e:
+        relayout(b, out, durable=False)
+    assert 'overwrite=True (--overwrite)' in e.value.fix
+
+
 def test_merge_overwrite_replaces_an_existing_file(tmp_path):
     out = write_arrays(tmp_path / 'm.jckpt', {'old': np.ones(1)})
     b = write_arrays(tmp_path / 'b.jckpt', {'y': np.ones(1)})

@@ -197,3 +197,15 @@ def test_the_longest_integer_keys_round_trip(tmp_path):
     jckpt.save(jckpt.Context(), tree, tmp_path / "k.jckpt")
     _, back = jckpt.load(jckpt.Context(host=True), tmp_path / "k.jckpt")
     assert sorted(back["jckpt"]) == sorted(tree)
+
+
+def test_a_tree_nested_past_the_path_limit_is_refused_not_a_recursion_error(tmp_path):
+    """Looking for empty nodes descended two Python frames a level: 500 levels overflowed
+    the stack (RecursionError) before the paths' check could name the leaf."""
+    import jckpt
+    tree = np.ones(2, np.float32)
+    for i in range(500):
+        tree = {f"k{i}": tree}
+    assert tree_mod.empty_paths(tree) == []
+    with pytest.raises(InputError, match='key path of 500 components is deeper than 256'):
+        jckpt.save(jckpt.Context(), tree, tmp_path / 'deep.jckpt')
