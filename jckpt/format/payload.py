@@ -92,9 +92,8 @@ def hasher_checksum(hasher: xxhash.xxh3_64) -> tuple[str, str]:
 
 def can_map(entry: Entry, data_start: int) -> bool:
     """Whether the payload can be a zero-copy view: unpadded and element-aligned."""
-    size = precs.element_size(entry.prec)
-    return entry.padding is None and size > 0 and (data_start + entry.offset) % (
-        entry.dtype.itemsize) == 0
+    size = precs.item_size(entry.prec)
+    return entry.padding is None and size > 0 and (data_start + entry.offset) % size == 0
 
 
 def decode_payload(buffer, entry: Entry, *, data_start: int, mmap: bool = True,

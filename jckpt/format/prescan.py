@@ -61,8 +61,13 @@ _BATCH = 1 << 18
 #: agree this far are compared in full before a refusal).
 _KEY = 16
 _BLANK = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|;[^\n]*')
-_WHITE = np.zeros(256, bool)
-_WHITE[[9, 10, 11, 12, 13, 28, 29, 30, 31, 32]] = True
+#: Bytes that end a list's first atom: white space and parentheses.
+_ENDS = np.zeros(256, bool)
+_ENDS[[9, 10, 11, 12, 13, 28, 29, 30, 31, 32, 40, 41]] = True
+#: The offsets of a key's bytes from its list's parenthesis, and how many lists' keys are
+#: read at once (one numpy pass each: a header's few fields cost a few calls, not `_KEY`).
+_KEY_STEPS = np.arange(1, _KEY + 1)
+_KEY_ROWS = 1 << 12
 
 
 class ShapeError(ValueError):
@@ -157,15 +162,15 @@ class _Lists:
         return self._parents[n]
 
     def keys(self, opens: np.ndarray) -> np.ndarray:
-        """The first `_KEY` bytes of each list's first atom (zero-padded), a column at a
-        time (a byte per list and column, never an index per byte)."""
-        block = np.zeros((opens.size, _KEY), np.uint8)
-        alive = np.ones(opens.size, bool)
+        """The first `_KEY` bytes of each list's first atom (zero-padded), `_KEY_ROWS` lists
+        at a time (an index per byte of those rows only: a few hundred KiB at most)."""
+        block = np.empty((opens.size, _KEY), np.uint8)
         last = self.codes.size - 1
-        for j in range(_KEY):
-            column = self.codes[np.minimum(opens + (1 + j), last)]
-            alive &= ~(_WHITE[column] | (column == 40) | (column == 41))
-            block[:, j] = column * alive
+        for start in range(0, opens.size, _KEY_ROWS):
+            rows = opens[start:start + _KEY_ROWS, None].astype(np.int64)
+            chars = self.codes[np.minimum(rows + _KEY_STEPS, last)]
+            ended = np.logical_or.accumulate(_ENDS[chars], axis=1)
+            block[start:start + rows.shape[0]] = np.where(ended, 0, chars)
         return block.view(f'S{_KEY}').ravel()
 
 

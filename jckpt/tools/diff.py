@@ -161,7 +161,7 @@ def _num(x: float) -> str:
 
 
 def _dtype_name(e: Entry) -> str:
-    return 'void' if e.prec == precs.VOID else e.dtype.name
+    return precs.dtype_name(e.prec)
 
 
 def _comparable(x: np.ndarray) -> np.ndarray:

@@ -79,7 +79,7 @@ def _facts(entry: Entry) -> dict[str, Any]:
     return dict(namespace=entry.namespace,
                 path=path_name(entry.path) if entry.path is not None else f"n{entry.id}",
                 id=entry.id, prec=entry.prec,
-                dtype='void' if entry.prec == precs.VOID else str(entry.dtype.name),
+                dtype=precs.dtype_name(entry.prec),
                 shape=tuple(entry.array_shape), nbytes=entry.byte_length)
 
 

@@ -38,6 +38,20 @@ def test_codec_does_not_import_jax():
     assert out.stdout.strip() == "False"
 
 
+def test_reading_a_header_does_not_import_ml_dtypes():
+    """Importing ml_dtypes is most of `import jckpt`'s time; a header's precs are read by name
+    and size (`jckpt inspect`, a manager listing its steps), its dtypes made only when used."""
+    import subprocess
+
+    raw = encode_header(lay_out(Header(tensors=(entry(prec="Bfloat16_prec", byte_length=4),))))
+    code = ("import sys, jckpt, jckpt.format as f; h = f.decode_header(bytes.fromhex(sys.argv[1]));"
+            "e = h.tensors[0]; print(f.precs.dtype_name(e.prec), f.precs.item_size(e.prec),"
+            "'ml_dtypes' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, raw.hex()], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.split() == ["bfloat16", "2", "False"]
+
+
 def entry(**kw):
     base = dict(id=0, namespace="jckpt", prec="Single_prec", dims=(2,), offset=0, byte_length=8,
                 label=("w",), path=(("k", "w"),), checksum=("xxh3_64", "00112233445566aa"))
@@ -136,8 +150,10 @@ ALL_DTYPES = [np.dtype(precs.dtype_of(p)) for p in sorted(precs.ALL_PRECS - {"Vo
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 def test_prec_table_roundtrip(dtype):
-    assert precs.dtype_of(precs.prec_of(dtype)) == dtype
-    assert precs.element_size(precs.prec_of(dtype)) == dtype.itemsize
+    prec = precs.prec_of(dtype)
+    assert precs.dtype_of(prec) == dtype
+    assert precs.element_size(prec) == precs.item_size(prec) == dtype.itemsize
+    assert precs.dtype_name(prec) == dtype.name
 
 
 def test_prec_table_matches_format():
@@ -147,6 +163,8 @@ def test_prec_table_matches_format():
     assert precs.prec_of(np.dtype(">f8")) == "Double_prec"
     assert precs.element_size("Uint4x32_prec") == 16
     assert precs.element_size("Void_prec") == 0
+    assert precs.item_size("Uint4x32_prec") == precs.dtype_of("Uint4x32_prec").itemsize == 4
+    assert precs.dtype_name("Uint4x32_prec") == "uint32" and precs.dtype_name("Void_prec") == "void"
 
 
 def test_encode_payload_no_copy_when_stored_form():

@@ -132,6 +132,18 @@ def test_a_key_twice_is_found_across_batches(monkeypatch):
         check_header('((b 1) (c 1) (d 1) (e 1) (tensors (((id 0)) ((id 1) (id 1)))))')
 
 
+def test_keys_are_read_alike_a_row_or_many_at_a_time(monkeypatch):
+    from jckpt.format import prescan
+
+    text = '((version 1) (a\t2) (tensors ()) ((x) 3) ( 4) (abcdefghijklmnopqrstu 5) (q)(r))'
+    found = prescan._lists(*prescan._codes(text))
+    opens = found.level(2)[0]
+    whole = found.keys(opens)
+    monkeypatch.setattr(prescan, '_KEY_ROWS', 1)
+    assert list(found.keys(opens)) == list(whole) == [
+        b'version', b'a', b'tensors', b'', b'', b'abcdefghijklmnop', b'q', b'r']
+
+
 def test_a_header_that_cannot_balance_is_refused_before_the_fast_decoder(monkeypatch):
     """The fast decoder built every entry of a crafted 68 MB header before it came to the
     stray parenthesis at its end (350 MB); the general reader then made three copies."""

@@ -43,7 +43,7 @@ def write_source(path, source, head=b'head'):
 
 
 @pytest.mark.parametrize("shape,box_grid", [
-    ((64, 32), (1, 8)),        # short runs: scattered through a mapping
+    ((64, 32), (1, 8)),        # short runs: assembled in bands of rows
     ((4, 40000), (1, 4)),      # few long runs: one pwrite each
     ((40, 30000), (2, 2)),     # many runs
     ((6, 5, 4), (3, 1, 2)),    # three dims
@@ -74,6 +74,20 @@ def test_direct_and_scattered_runs_write_the_same_bytes(tmp_path, shape, box_gri
     pieces = [(b, lambda b=b: x[box_slices(b)]) for b in grid_boxes(shape, box_grid)]
     checksum, _, raw = write_source(tmp_path / "raw", ShardedSource(shape, x.dtype, pieces))
     assert raw == x.tobytes() and checksum == payload_mod.checksum(x.tobytes())
+
+
+@pytest.mark.parametrize("band_bytes", [1, 5 * 32 * 2, 1 << 20])  # a row, 5 rows, all rows
+@pytest.mark.parametrize("box_grid", [(1, 8), (3, 4), (7, 2)])
+def test_short_runs_are_written_in_bands_whatever_their_rows(tmp_path, band_bytes, box_grid,
+                                                             monkeypatch):
+    """Bands of rows that pieces cross, partly or whole, give the payload and its checksum."""
+    monkeypatch.setattr(regions, "ASSEMBLE_BYTES", 0)
+    monkeypatch.setattr(regions, "BAND_BYTES", band_bytes)
+    x = data((61, 32), np.int16)
+    pieces = [(b, lambda b=b: x[box_slices(b)]) for b in grid_boxes(x.shape, box_grid)]
+    checksum, sink, raw = write_source(tmp_path / "raw", ShardedSource(x.shape, x.dtype, pieces))
+    assert raw == x.tobytes() and checksum == payload_mod.checksum(x.tobytes())
+    assert sink.position == 4 + x.nbytes
 
 
 @pytest.mark.parametrize("assemble", [0, regions.ASSEMBLE_BYTES])
@@ -148,15 +162,3 @@ def test_stored_bytes_are_c_ordered_little_endian():
     assert flat.tobytes() == np.ascontiguousarray(x).astype('<i4').tobytes()
     y = data((2, 2))
     assert np.shares_memory(stored_bytes(y), y)  # already in stored form: no copy
-
-
-def test_reserving_falls_back_to_extending_where_there_is_no_fallocate(tmp_path, monkeypatch):
-    """posix_fallocate is not on every platform (macOS): its absence was an AttributeError."""
-    import os
-    monkeypatch.delattr(os, 'posix_fallocate', raising=False)
-    fd = os.open(tmp_path / 'f', os.O_RDWR | os.O_CREAT)
-    try:
-        regions._reserve(fd, 100, 4096)
-        assert os.fstat(fd).st_size == 4096
-    finally:
-        os.close(fd)

@@ -571,6 +571,20 @@ def test_read_commands_do_not_import_jax(model, tmp_path):
     assert p.stdout.strip().splitlines()[-1] == '[]'
 
 
+def test_inspect_and_verify_do_not_import_ml_dtypes(tmp_path):
+    """Its import was most of these commands' time; they read precs by name and size."""
+    import ml_dtypes
+
+    path = write(tmp_path / 'bf16.jckpt', {'w': np.ones((2, 3), ml_dtypes.bfloat16)})
+    code = ("import sys; from jckpt.tools.cli import main\n"
+            f"assert main(['inspect', {path!r}]) == 0 and main(['verify', {path!r}]) == 0\n"
+            "print('ml_dtypes' in sys.modules)\n")
+    p = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                       timeout=TIMEOUT, env=_env())
+    assert p.returncode == 0, p.stderr
+    assert 'bfloat16  (2, 3)' in p.stdout and p.stdout.strip().splitlines()[-1] == 'False'
+
+
 def _run_under_pty(args, env):
     """Run with stderr on a pseudo-terminal; return (stdout, everything written to the pty)."""
     master, slave = os.openpty()
