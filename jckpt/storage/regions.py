@@ -79,12 +79,12 @@ class ShardedSource:
             return self._write_assembled(sink, dtype)
         base = sink.position
         fd = sink.fd
-        held = [(box, _piece(box, get)) for box, get in self.pieces if box_size(box)]
-        if any(_short_runs(self.shape, dtype, box) for box, _ in held):
-            checksum = _write_bands(fd, base, self.shape, dtype, held)
-        else:
-            for box, data in held:
-                _write_box(fd, base, self.shape, dtype, box, data)
+        pieces = [(box, get) for box, get in self.pieces if box_size(box)]
+        if any(_short_runs(self.shape, dtype, box) for box, _ in pieces):
+            checksum = _write_bands(fd, base, self.shape, dtype, pieces)
+        else:  # one piece on the host at a time
+            for box, get in pieces:
+                _write_box(fd, base, self.shape, dtype, box, _piece(box, get))
             checksum = hash_region(fd, base, nbytes)
         end = base + nbytes
         os.lseek(fd, end, os.SEEK_SET)
@@ -154,21 +154,26 @@ def _write_box(fd: int, base: int, shape: tuple[int, ...], dtype: np.dtype, box:
 
 
 def _write_bands(fd: int, base: int, shape: tuple[int, ...], dtype: np.dtype,
-                 held: Sequence[tuple[Box, np.ndarray]]) -> tuple[str, str]:
-    """Write the payload at `base` from its pieces (`(box, host array)` pairs that tile it) a
-    band of leading rows at a time, each band assembled in one buffer, hashed and written
-    with one `pwrite`; the payload's checksum."""
+                 pieces: Sequence[tuple[Box, Callable[[], Any]]]) -> tuple[str, str]:
+    """Write the payload at `base` from its pieces (`(box, get)` pairs that tile it) a band
+    of leading rows at a time, each band assembled in one buffer, hashed and written with
+    one `pwrite`; the payload's checksum. A piece is fetched when a band first needs it and
+    let go after the last one does: on the host, only the pieces of the current rows."""
     row_bytes = math.prod(shape[1:]) * dtype.itemsize
     per_band = max(1, BAND_BYTES // max(row_bytes, 1))
     hasher = payload_mod.new_hasher()
+    held: dict[int, np.ndarray] = {}
     for top in range(0, shape[0], per_band):
         bottom = min(shape[0], top + per_band)
         band = np.empty((bottom - top, *shape[1:]), dtype)
-        for box, data in held:
+        for n, (box, get) in enumerate(pieces):
             first, last = max(box[0][0], top), min(box[0][1], bottom)
             if first < last:
+                data = held[n] if n in held else held.setdefault(n, _piece(box, get))
                 band[(slice(first - top, last - top), *box_slices(box[1:]))] = \
                     data[first - box[0][0]:last - box[0][0]]
+            if box[0][1] <= bottom:
+                held.pop(n, None)
         flat = stored_bytes(band)
         hasher.update(flat)
         _pwrite_all(fd, flat, base + top * row_bytes)

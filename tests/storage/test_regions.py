@@ -90,6 +90,31 @@ def test_short_runs_are_written_in_bands_whatever_their_rows(tmp_path, band_byte
     assert sink.position == 4 + x.nbytes
 
 
+@pytest.mark.parametrize("box_grid,most", [((4, 4), 4), ((4, 1), 1)])
+def test_pieces_are_fetched_when_needed_and_let_go_after(tmp_path, box_grid, most, monkeypatch):
+    """Every piece of a payload was fetched to the host before any was written, so saving a
+    sharded array held it whole on the host: one piece at a time is enough for long rows, the
+    pieces of the band's rows for short ones."""
+    import weakref
+
+    monkeypatch.setattr(regions, "ASSEMBLE_BYTES", 0)
+    x = data((128, 64), np.float32)
+    monkeypatch.setattr(regions, "BAND_BYTES", 32 * x.shape[1] * x.itemsize)  # a row of pieces
+    alive, peak = [0], [0]
+
+    def fetch(box):
+        piece = x[box_slices(box)].copy()
+        alive[0] += 1
+        peak[0] = max(peak[0], alive[0])
+        weakref.finalize(piece, lambda: alive.__setitem__(0, alive[0] - 1))
+        return piece
+
+    pieces = [(b, lambda b=b: fetch(b)) for b in grid_boxes(x.shape, box_grid)]
+    checksum, _, raw = write_source(tmp_path / "raw", ShardedSource(x.shape, x.dtype, pieces))
+    assert raw == x.tobytes() and checksum == payload_mod.checksum(x.tobytes())
+    assert peak[0] <= most
+
+
 @pytest.mark.parametrize("assemble", [0, regions.ASSEMBLE_BYTES])
 def test_pieces_are_stored_little_endian(tmp_path, assemble, monkeypatch):
     monkeypatch.setattr(regions, "ASSEMBLE_BYTES", assemble)
