@@ -62,6 +62,7 @@ from jckpt.services.preemption import Preemption
 from jckpt.services.restoring import Restored, StepReader
 from jckpt.services.retention import Retention, check_metrics, check_step
 from jckpt.services.snapshot import Digest, empty_nodes_metadata, namespace_leaves
+from jckpt.services.step_cache import StepCache
 from jckpt.services.step_view import StepView
 from jckpt.services.trainer_state import TrainerState
 from jckpt.storage.backend import LOCAL, backend_for, checked_path
@@ -188,6 +189,7 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
                 raise storage_error(e, "creating the checkpoint directory", self.directory) from e
         self._view = StepView()
         self._found: tuple[dict[str, str], Any] | None = None
+        self._step_cache = StepCache() if self.read_only else None  # what `reload` need not read again
         self._last_admitted: int | None = None
         lease, rivals = (None, []) if read_only else steps.leases(self.directory, self._rank, self._ranks)
         self._preemption = Preemption(handle_sigterm)
@@ -208,7 +210,8 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
               else self.directory, failure, process=self._rank, processes=self._ranks)
 
     def _recover(self) -> str | None:
-        found = restoring.recovered(self.backend, self.directory, self._rank, self._ranks, self.read_only)
+        found = restoring.recovered(self.backend, self.directory, self._rank, self._ranks, self.read_only,
+                                    self._step_cache)
         steps.say_if_orbax(self.directory, found.metrics)
         self._view.reset(found.metrics, found.folders, found.indexed)
         self._found = found.latest

@@ -31,6 +31,7 @@ from jckpt.format.names import METRICS_KEY, TRAINER_STATE_KEY, step_name
 from jckpt.services import steps
 from jckpt.services.formats import CheckpointLoadOptions
 from jckpt.services.retention import check_step
+from jckpt.services.step_cache import StepCache
 from jckpt.services.step_view import StepView
 from jckpt.services.trainer_state import TrainerState
 from jckpt.storage.backend import LOCAL, Backend
@@ -322,10 +323,11 @@ def common_steps(found: steps.Found, listed: Sequence[Sequence[int]]) -> steps.F
 RELISTS = 3
 
 
-def recovered(backend: Backend, directory: str, rank: int, ranks: int, read_only: bool
-              ) -> steps.Found:
+def recovered(backend: Backend, directory: str, rank: int, ranks: int, read_only: bool,
+              cache: StepCache | None = None) -> steps.Found:
     """What a manager of process `rank` of `ranks` finds opening (or a reader reloading)
-    `directory` (`steps.recover`: process 0 of a writer cleans up first). A reader's
+    `directory` (`steps.recover`: process 0 of a writer cleans up first; a reader's `cache`:
+    what it read of each step, so that a reload reads only steps new or replaced since). A reader's
     processes list together (`agree`: one that cannot fails them all at once) and keep
     the steps they all found (`common_steps`); so every process must open and `reload`.
     A reader lists again (`RELISTS` times at most) while steps it listed were gone when read.
@@ -335,7 +337,7 @@ def recovered(backend: Backend, directory: str, rank: int, ranks: int, read_only
     found, failure = steps.Found({}, frozenset(), None), None
     try:
         for _ in range(RELISTS):  # the writer's retention removed listed steps: it moved on
-            found = steps.recover(backend, directory, clean=False)
+            found = steps.recover(backend, directory, clean=False, cache=cache)
             if not found.vanished:
                 break
     except CheckpointError as e:

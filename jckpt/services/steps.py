@@ -39,6 +39,7 @@ from jckpt.format.names import (
 from jckpt.services import format_reading, formats
 from jckpt.services.formats import CheckpointLoadOptions
 from jckpt.services.snapshot import Digest, content_digest
+from jckpt.services.step_cache import StepCache
 from jckpt.storage import step_directory
 from jckpt.storage.backend import LOCAL, Backend, backend_for, is_url
 from jckpt.storage.checkpoint import open_checkpoint, reusing
@@ -64,7 +65,6 @@ def read_metadata(path: str, step: int | None = None, *,
     failed GET (a request more per step, and per manager open, either way). A step that is
     a link out of its directory is refused (`step_directory.check_step_link`).
     """
-    step_directory.check_step_link(path)
     return _read_step(path, step, prefix)[0]
 
 
@@ -134,29 +134,27 @@ class Found:
 Listing = tuple[list[str], list[str]]
 
 
-def recover(backend: Backend, directory: str, *, clean: bool) -> Found:
+def recover(backend: Backend, directory: str, *, clean: bool, cache: StepCache | None = None) -> Found:
     """What a manager opening `directory` does: with `clean` (process 0), remove what killed
-    writers left (`clean_staging`, `remove_unfinished`), and find the steps (`scan`). A
-    bucket's prefix is listed once for both."""
+    writers left (`clean_staging`, `remove_unfinished`), and find the steps (`scan`, through
+    `cache`). A bucket's prefix is listed once for both."""
     listing = listed(backend, directory)
     if clean:
         clean_staging(backend, directory, listing)
-    found = scan(backend, directory, listing)
+    found = scan(backend, directory, listing, cache)
     if clean:
         remove_unfinished(backend, directory, found.unfinished)
     return found
 
 
-def scan(backend: Backend, directory: str, listing: Listing | None = None) -> Found:
-    """Every readable step in `directory` (an unreadable one is logged and left out): one
-    listing (`listing`, when the caller has made it), then each step's metadata; in a bucket,
-    `READERS` GETs at a time."""
+def scan(backend: Backend, directory: str, listing: Listing | None = None,
+         cache: StepCache | None = None) -> Found:
+    """Every readable step in `directory` (an unreadable one is logged, left out): one listing (or
+    the caller's `listing`), then each step's metadata, unless in `cache` (`READERS` GETs at once)."""
     files, dirs = listing if listing is not None else backend.list_kinds(directory)
     folders, plain = set(dirs), set(files)
     names = [(int(m.group(1)), name) for name in sorted(plain | folders) if (m := STEP_RE.match(name))]
-
-    unfinished: list[str] = []
-    vanished: list[str] = []
+    unfinished, vanished = list[str](), list[str]()
 
     def read(item: tuple[int, str]) -> tuple[dict[str, str], Header | None] | None:
         path, prefix = os.path.join(directory, item[1]), item[1] in folders and item[1] not in plain
@@ -173,6 +171,7 @@ def scan(backend: Backend, directory: str, listing: Listing | None = None) -> Fo
             else:
                 log.warning("ignoring unreadable step %s: %s", item[1], e)
             return None
+    read = cache.reading(read, directory) if cache is not None and backend is LOCAL else read
     if backend is LOCAL or len(names) < 2:
         read_all = list(map(read, names))
     else:
@@ -182,7 +181,8 @@ def scan(backend: Backend, directory: str, listing: Listing | None = None) -> Fo
     metrics = {step: parse_metrics(got[0].get(METRICS_KEY), os.path.join(directory, name))
                for step, (name, got) in found.items()}
     dirs_found = {step: got for step, (name, got) in found.items() if name in folders}
-    return Found(metrics, frozenset(dirs_found), found[max(found)][1] if found else None,
+    latest = cache.keep(found) if cache is not None else found[max(found)] if found else None
+    return Found(metrics, frozenset(dirs_found), latest and latest[1],
                  tuple(sorted(unfinished)),
                  frozenset(step for step, got in dirs_found.items() if got[1] is not None),
                  tuple(sorted(vanished)))

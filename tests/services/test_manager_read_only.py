@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jckpt
+from jckpt.format.names import step_name
 from jckpt.services import formats
 from jckpt.storage import staging
 from jckpt.storage.backend import backend_for
@@ -203,3 +204,72 @@ def test_a_reader_follows_an_asynchronous_run_step_by_step(where):
             run.wait_durable()
             assert reader.reload() == [7, 8] and reader.restore().step == 8
     assert evaluated == sorted(evaluated) and evaluated
+
+
+def counting_reads(monkeypatch):
+    """The names of the steps whose metadata a manager reads (a header or record decoded)."""
+    from jckpt.services import steps
+    read, names = steps._read_step, []
+
+    def counted(path, *args):
+        names.append(os.path.basename(path))
+        return read(path, *args)
+    monkeypatch.setattr(steps, "_read_step", counted)
+    return names
+
+
+@pytest.mark.parametrize("fmt", ["jckpt", "safetensors"])
+def test_a_reload_reads_only_the_steps_published_since(tmp_path, fmt, monkeypatch):
+    """Each reload decoded every step's header (or record) again: a reader polling a long
+    run's directory paid for its whole history at each poll."""
+    options = jckpt.CheckpointOptions(format=fmt)
+    with jckpt.CheckpointManager(tmp_path, options=options, keep_last=3, asynchronous=False) as run:
+        for step in (1, 2, 3):
+            run.save(step, at(step), metrics={"loss": 1.0 / step})
+        reads = counting_reads(monkeypatch)
+        with jckpt.CheckpointManager(tmp_path, read_only=True) as reader:
+            assert len(reads) == 3  # the open reads them all
+            del reads[:]
+            assert reader.reload() == [1, 2, 3] and reads == []
+            run.save(4, at(4), metrics={"loss": 0.25})  # retention removes step 1
+            assert reader.reload() == [2, 3, 4] and reads == [step_name(4)]
+            assert reader.metrics(4) == {"loss": 0.25} and reader.best_step("loss") == 4
+            assert reader.restore().step == 4
+            assert len(reader._step_cache) == 3  # no more than the steps listed
+
+
+def replaced(directory, step, metrics, fmt):
+    """Step `step` of `directory` replaced by one saved elsewhere with `metrics`: a file step by
+    an atomic rename over it, a step directory deleted and renamed into its place."""
+    elsewhere = os.path.join(os.path.dirname(directory), f"elsewhere-{step}")
+    with jckpt.CheckpointManager(elsewhere, options=jckpt.CheckpointOptions(format=fmt),
+                                 new_lineage=True) as other:
+        other.save(step, at(-step), metrics=metrics)
+    source, target = os.path.join(elsewhere, step_name(step)), os.path.join(directory, step_name(step))
+    if os.path.isdir(target):
+        import shutil
+        shutil.rmtree(target)
+    else:  # the same size: only the file is new
+        assert os.path.getsize(source) == os.path.getsize(target)
+    os.replace(source, target)
+
+
+@pytest.mark.parametrize("fmt", ["jckpt", "safetensors"])
+def test_a_step_replaced_in_place_is_read_again_at_reload(tmp_path, fmt, monkeypatch):
+    """A step replaced under its own name (a file of the same size) is not the step the
+    reader read before: its metadata, arrays and lineage are the new step's."""
+    run_dir = str(tmp_path / "run")
+    with jckpt.CheckpointManager(run_dir, options=jckpt.CheckpointOptions(format=fmt)) as run:
+        for step in (1, 2):
+            run.save(step, at(step), metrics={"loss": 0.5})
+    with jckpt.CheckpointManager(run_dir, read_only=True) as reader:
+        assert reader.metrics(1) == reader.metrics(2) == {"loss": 0.5}
+        reads = counting_reads(monkeypatch)
+        for step in (1, 2):  # an earlier step, and the latest
+            replaced(run_dir, step, {"loss": 0.7}, fmt)
+            assert reader.reload() == [1, 2] and reads == [step_name(step)]
+            assert reader.metrics(step) == {"loss": 0.7}
+            got = reader.restore(step, target=at(0))
+            np.testing.assert_array_equal(got.tree["w"], at(-step)["w"])
+            del reads[:]  # a restore reads the step's metadata again
+        assert reader.lineage != run.lineage  # the latest step's, as read again
