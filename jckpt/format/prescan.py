@@ -13,6 +13,7 @@ anyway, with the same words:
   of its arrays) whose field appears twice;
 * a known field holding far more lists than any valid one can (a `dims` with
   a hundred values, a `path` of far more than `limits.MAX_PATH_LENGTH` components);
+* a field holding two lists or more beside its key: never a `(key value)` pair;
 * an entry (or an index's array) that repeats the one before it verbatim:
   a duplicate identity;
 * a metadata pair repeated verbatim more than `MAX_METADATA_REPEATS` times in a row.
@@ -251,6 +252,7 @@ def _fields(found: _Lists, text: str, n: int, owners: np.ndarray, bounds: dict[s
         _check_fields(text, fields[part], keys, parent[part], inner[part], bounds, what)
         for key in wanted:
             masks[key][part[keys == key.encode()]] = True
+    _check_pairs(found, text, n, mine, what)
     ends = parent[mine[_BATCH::_BATCH]]
     spanning = ends[ends == parent[mine[_BATCH - 1:-1:_BATCH]]]
     if spanning.size:
@@ -258,6 +260,22 @@ def _fields(found: _Lists, text: str, n: int, owners: np.ndarray, bounds: dict[s
         _check_fields(text, fields[part], found.keys(fields[part]), parent[part], inner[part],
                       {}, what)
     return masks
+
+
+def _check_pairs(found: _Lists, text: str, n: int, mine: np.ndarray,
+                 what: Callable[[int], str]) -> None:
+    """Refuse a field of the level `n + 1` lists `mine` that holds two lists or more beside
+    its key: never a `(key value)` pair, which the reader finds only once it has built them
+    all (a field that holds a pair repeated 400,000 times: seconds and hundreds of MB)."""
+    (fields, closes, _), parent = found.level(n + 1), found.parent(n + 1)
+    held = np.bincount(found.parent(n + 2), minlength=fields.size)
+    over = mine[held[mine] > 1]
+    if over.size:
+        k = over[np.argmin(fields[over])]
+        owner = what(parent[k])
+        short = _NO_SPACE.sub('', _SPACES.sub(' ', text[fields[k]:min(closes[k] + 1, fields[k] + 240)]))
+        short = short if len(short) <= 60 else short[:57] + '...'
+        raise ShapeError(f"{owner}: field {short} is not a (key value) pair", _entry(owner))
 
 
 def _check_fields(text: str, fields: np.ndarray, keys: np.ndarray, parent: np.ndarray,
@@ -297,6 +315,9 @@ def _entry(what: str) -> str | None:
 _MALFORMED = "header is not a well-formed S-expression: "
 _SPLICED = re.compile(re.escape(PLACEHOLDER) + '[0-9]+')
 _FIRST_ATOM = re.compile(r'\(\s*([^\s()";]+)')
+_SPACES = re.compile(r'\s+')
+_NO_SPACE = re.compile(r'(?<=\() | (?=\))')
+
 
 
 def _items(found: _Lists, text: str, n: int, values: np.ndarray, bounds: dict[str, int],

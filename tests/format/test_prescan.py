@@ -78,6 +78,8 @@ CRAFTED = [
     ('index', '(pieces', r"array #0: field pieces appears twice"),
     ('index', '((id 0)', r"duplicate array: array #1 repeats the one before it"),
     ('index', '(w)', r"array #0: field label holds 3001 lists"),
+    ('native', '(((id 0)', r"header: field \(tensors .* is not a \(key value\) pair"),
+    ('index', '((0 ((0 2))) (1', r"array #0: field \(pieces .* is not a \(key value\) pair"),
 ]
 
 
@@ -189,3 +191,33 @@ def test_an_amplified_index_is_refused_within_a_few_times_its_size():
         with pytest.raises(FormatError, match="duplicate array: array #1 repeats"):
             decode_header(raw, file='index.jckpt')
     assert peak_bytes(refused) < 5.5 * len(raw)
+
+
+NO_PAIRS = ['((version 1) (tensors ()) (x (a) (b)))',
+            '((version 1) (tensors (((id 0) (namespace jckpt) (label (w)) (prec Single_prec) '
+            '(dims (2) (3)) (offset 0) (byte_length 8)))))']
+
+
+@pytest.mark.parametrize('text', NO_PAIRS)
+def test_a_field_that_is_no_pair_is_refused_in_the_readers_words(text, monkeypatch):
+    """A field holding a list repeated 400,000 times after its value (the hostile fuzzer's
+    `amplify`, a 9 MB header) was refused only by the reader, once it had built every list:
+    7 s and 219 MiB. The scan refuses it first, with the reader's words."""
+    raw = struct.pack('>I', len(text)) + text.encode()
+    with pytest.raises(FormatError) as scanned:
+        decode_header(raw, file='crafted.jckpt')
+    monkeypatch.setattr(header.prescan, 'check_header', lambda text: None)
+    with pytest.raises(FormatError) as read:
+        decode_header(raw, file='crafted.jckpt')
+    assert str(scanned.value) == str(read.value) and 'is not a (key value) pair' in str(read.value)
+
+
+def test_a_field_holding_a_repeated_list_is_refused_within_a_few_times_its_size():
+    """The reader built every list first: 59 times the header's size (a text of little but
+    parentheses: the scan's worst case is 12 to 16 times)."""
+    text = _native().replace('(writer w)', '(extra (x) (y))')
+    raw = seal_header(_amplified(text, '(y)', 250_000))
+    def refused():
+        with pytest.raises(FormatError, match=r"header: field \(extra \(x\) \(y\) .* not a"):
+            decode_header(raw, file='crafted.jckpt')
+    assert peak_bytes(refused) < 20 * len(raw)
