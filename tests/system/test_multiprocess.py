@@ -704,7 +704,29 @@ def phase_killed_mid_save(jax, jckpt, result, path):
     result.update(ok=True, **dict(zip(("error_type", "error", "seconds"),
                                       _attempt(jckpt, mesh_tree(jax, mesh, 2), path))))
     print("RESULT " + json.dumps(result), flush=True)
+    _wait_for_the_others(jax, path, int(os.environ["KILLED"]))
     os._exit(0)  # a peer is gone: skip jax.distributed's shutdown barrier
+
+
+def _wait_for_the_others(jax, path, killed):
+    """Process 0 hosts the coordination service: once it exits, JAX terminates a process
+    still waiting on it (a loaded machine's process whose barrier had not yet timed out),
+    so it waits until the survivors have said they are done (30 s at most)."""
+    import tempfile
+    import zlib
+
+    def done(i):  # named after the checkpoint: alike in every process, unlike hash()
+        return os.path.join(tempfile.gettempdir(), f"jckpt-done-{zlib.crc32(str(path).encode())}-{i}")
+
+    open(done(jax.process_index()), "w").close()
+    if jax.process_index() == 0:
+        others = [i for i in range(1, jax.process_count()) if i != killed]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(os.path.exists(done(i)) for i in others):
+            time.sleep(0.05)
+        for i in (0, *others):
+            if os.path.exists(done(i)):
+                os.remove(done(i))
 
 
 def phase_preempted(jax, jckpt, result, path):
