@@ -28,6 +28,7 @@ from typing import Any
 from jckpt.adapters._common import check_member_name, map_file
 from jckpt.errors import FormatError
 from jckpt.format import limits
+from jckpt.format.header import ZIP_LOCAL
 from jckpt.storage.backend import is_url
 
 try:
@@ -43,6 +44,8 @@ _DECOMPRESS_ERRORS: tuple[type[BaseException], ...] = (zlib.error, OSError, EOFE
     + ((lzma.LZMAError,) if lzma is not None else ())
 _LOCAL_HEADER = struct.Struct('<4sHHHHHIIIHH')
 _PAD_ID = 0x4246  # 'FB': the padding record torch.save uses
+#: An archive's end, the end-of-central-directory record: the first bytes of an empty archive.
+ZIP_END = b'PK\x05\x06'
 
 
 def zip_source(path: str, buffer: Any = None) -> Any:
@@ -75,7 +78,7 @@ def member_span(buffer, info: zipfile.ZipInfo, file: str) -> tuple[int, int]:
         raise FormatError(f"archive member {info.filename!r} lies past the end of the file",
                           file=file, fix="the file is truncated or damaged")
     fields = _LOCAL_HEADER.unpack_from(buffer, at)
-    if fields[0] != b'PK\x03\x04':
+    if fields[0] != ZIP_LOCAL:
         raise FormatError(f"archive member {info.filename!r} has no local header", file=file,
                           fix="the file is damaged")
     _check_local_name(buffer, at + _LOCAL_HEADER.size, fields, info, file)

@@ -19,12 +19,12 @@ from __future__ import annotations
 import os
 import struct
 
+from jckpt.adapters._zip import ZIP_END
 from jckpt.errors import FormatError
+from jckpt.format.header import ZIP_LOCAL
 
-#: A zip archive starts with a member's local header; its end, with the end-of-central-
-#: directory record (22 bytes and a comment of up to 65,535).
-ZIP_LOCAL = b'PK\x03\x04'
-ZIP_END = b'PK\x05\x06'
+#: The most bytes a zip archive's end-of-central-directory record spans (22 bytes and a
+#: comment of up to 65,535).
 _ZIP_END_SPAN = 22 + 65_535
 
 _FIX = ("wait until whatever writes it has finished, or copy or download it again; "

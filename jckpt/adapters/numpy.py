@@ -59,6 +59,7 @@ from jckpt.adapters._common import (
 from jckpt.errors import FormatError, InputError
 from jckpt.format import limits
 from jckpt.format.entries import path_name
+from jckpt.format.header import ZIP_LOCAL
 from jckpt.format.metadata import empty_nodes_table
 from jckpt.format.payload import iter_payload_chunks, stored_dtype
 
@@ -214,7 +215,7 @@ def write_npy(tree: Any, path: str) -> None:
 # --- .npz -------------------------------------------------------------------
 
 def sniff_npz(path: str, head: bytes | None) -> bool:
-    if head is None or head[:4] not in (b'PK\x03\x04', b'PK\x05\x06'):
+    if head is None or head[:4] not in (ZIP_LOCAL, _zip.ZIP_END):
         return False
     with zipfile.ZipFile(_zip.zip_source(path)) as zf:
         return all(n.endswith('.npy') for n in zf.namelist())

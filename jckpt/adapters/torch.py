@@ -66,6 +66,7 @@ from jckpt.adapters._torch_scalars import SCALARS_KEY, scalar_record, with_scala
 from jckpt.adapters._torch_unpickle import StorageType, to_tree, unpickle
 from jckpt.errors import CheckpointError, FormatError, InputError
 from jckpt.format import limits
+from jckpt.format.header import ZIP_LOCAL
 from jckpt.format.limits import json_loads
 from jckpt.format.payload import iter_payload_chunks
 from jckpt.storage.backend import is_url
@@ -93,7 +94,7 @@ def sniff(path: str, head: bytes | None) -> bool:
         return True
     if head is not None and head[:1] == b'{' and b'"weight_map"' in head:
         return _shard_names(path) is not None
-    if head is None or head[:4] != b'PK\x03\x04':
+    if head is None or head[:4] != ZIP_LOCAL:
         return False
     with zipfile.ZipFile(_zip.zip_source(path)) as zf:
         return any(n.endswith('/data.pkl') and n.count('/') == 1 for n in zf.namelist())
@@ -167,7 +168,7 @@ def _shard_names(path: str) -> dict[str, str] | None:
             head = f.read(len(LEGACY_MAGIC))
     except (OSError, CheckpointError):
         return None
-    return weight_map if head[:4] == b'PK\x03\x04' or head == LEGACY_MAGIC else None
+    return weight_map if head[:4] == ZIP_LOCAL or head == LEGACY_MAGIC else None
 
 
 def _read_sharded(path: str, weight_map: dict[str, str]) -> dict[str, Any]:

@@ -297,7 +297,7 @@ def looks_like_header(head: bytes) -> bool:
 
     >>> looks_like_header(b'\\x00\\x00\\x00\\x20((version 1) (tensors ()))')
     True
-    >>> looks_like_header(b'PK\\x03\\x04'), looks_like_header(b'\\x00\\x00\\x00\\x02((version')
+    >>> looks_like_header(ZIP_LOCAL), looks_like_header(b'\\x00\\x00\\x00\\x02((version')
     (False, False)
     """
     if len(head) < 4 + len(HEADER_START):
@@ -306,16 +306,21 @@ def looks_like_header(head: bytes) -> bool:
     return hlen >= len(HEADER_START) and head[4:].lstrip()[:len(HEADER_START)] == HEADER_START
 
 
+#: A zip archive's first bytes: its first member's local header (a PyTorch `.pt`, a numpy
+#: `.npz`); the adapters recognise zip archives by it too.
+ZIP_LOCAL = b'PK\x03\x04'
+
+
 def foreign_kind(head: bytes) -> str | None:
     """What another format's file that is no jckpt file is, from its first 16 bytes (None:
     not one jckpt knows), so that opening it as a checkpoint can say so.
 
-    >>> foreign_kind(b'PK\\x03\\x04'), foreign_kind(b'\\x00\\x00\\x00\\x20((version')
+    >>> foreign_kind(ZIP_LOCAL), foreign_kind(b'\\x00\\x00\\x00\\x20((version')
     ('a zip archive (a PyTorch .pt/.pth or numpy .npz file)', None)
     >>> foreign_kind(b'\\x81\\xa6params')[:14]
     'a msgpack file'
     """
-    if head[:4] == b'PK\x03\x04':
+    if head[:4] == ZIP_LOCAL:
         return 'a zip archive (a PyTorch .pt/.pth or numpy .npz file)'
     if head[:2] == b'\x80\x02':
         return 'a pickle (a legacy PyTorch .pt file)'

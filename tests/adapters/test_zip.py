@@ -9,6 +9,7 @@ import pytest
 from jckpt.adapters._common import map_file
 from jckpt.adapters._zip import (
     ALIGNMENT,
+    ZIP_END,
     Budget,
     member_bytes,
     member_head,
@@ -17,6 +18,7 @@ from jckpt.adapters._zip import (
     write_member,
 )
 from jckpt.errors import FormatError
+from jckpt.format.header import ZIP_LOCAL, foreign_kind
 
 DATA = bytes(range(256)) * 4
 
@@ -30,6 +32,13 @@ def archive(path, members, compression=zipfile.ZIP_STORED):
         for name, data in members.items():
             zf.writestr(name, data)
     return str(path)
+
+
+def test_the_signatures_are_those_zipfile_writes(tmp_path):
+    """One spelling of a zip's first bytes serves the codec's and the adapters' sniffers."""
+    whole, empty = archive(tmp_path / 'a.zip', {'x': b'1'}), archive(tmp_path / 'e.zip', {})
+    assert open(whole, 'rb').read(4) == ZIP_LOCAL and open(empty, 'rb').read(4) == ZIP_END
+    assert 'zip archive' in foreign_kind(ZIP_LOCAL)
 
 
 def patch(path, signature, offset, change):
