@@ -17,7 +17,6 @@ Example:
 from __future__ import annotations
 
 import os
-import struct
 
 from jckpt.adapters._zip import ZIP_END
 from jckpt.errors import FormatError
@@ -68,14 +67,12 @@ def _zip_without_end(path: str, head: bytes, size: int) -> str | None:
 
 
 def _short_safetensors(head: bytes, size: int) -> str | None:
-    from jckpt.adapters.safetensors import MAX_HEADER_BYTES
+    from jckpt.adapters.safetensors import header_end  # the sniffer's own reading of `head`
 
-    if len(head) < 9 or head[8:9] != b'{':
+    end = header_end(head)
+    if end is None or end <= size:
         return None
-    (n,) = struct.unpack_from('<Q', head, 0)
-    if not 2 <= n <= MAX_HEADER_BYTES or 8 + n <= size:
-        return None
-    return f"a safetensors file whose header says {8 + n} bytes of header, in a file of {size}"
+    return f"a safetensors file whose header says {end} bytes of header, in a file of {size}"
 
 
 __all__ = ['cut_short_error']

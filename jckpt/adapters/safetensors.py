@@ -315,16 +315,28 @@ def _arrays_and_metadata(path: str) -> tuple[dict[str, np.ndarray], dict[str, st
 
 
 def sniff(path: str, head: bytes | None) -> bool:
-    """A plausible header size followed by `{`; or a sharded index (file or directory)."""
+    """A plausible header size followed by `{`, in a file that holds that header; or a sharded
+    index (file or directory). (One shorter than its header: `jckpt.adapters.cut_short`.)"""
     if head is None:
         return _index_file(path) is not None or os.path.exists(os.path.join(path, 'model.safetensors'))
     if head[:1] == b'{' and b'"weight_map"' in head:
         return True
-    if len(head) < 9:
-        return False
+    end = header_end(head)
+    return end is not None and (is_url(path) or end <= os.path.getsize(path))
+
+
+def header_end(head: bytes) -> int | None:
+    """Where the header of a safetensors file starting with `head` ends (its 8-byte length and
+    the JSON it announces), or None when `head` starts no safetensors file: a length out of
+    bounds, or no `{` after it. A file shorter than this was cut short.
+
+    >>> header_end(struct.pack('<Q', 2) + b'{}'), header_end(b'not a safetensors file')
+    (10, None)
+    """
+    if len(head) < 9 or head[8:9] != b'{':
+        return None
     (n,) = struct.unpack_from('<Q', head, 0)
-    return 2 <= n <= MAX_HEADER_BYTES and head[8:9] == b'{' and (
-        is_url(path) or 8 + n <= os.path.getsize(path))
+    return 8 + n if 2 <= n <= MAX_HEADER_BYTES else None
 
 
 # --- writing ----------------------------------------------------------------

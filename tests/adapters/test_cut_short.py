@@ -43,3 +43,21 @@ def test_whole_files_and_others_are_not_cut_short(tmp_path):
     assert cut_short_error(str(other), other.read_bytes()[:64]) is None
     assert cut_short_error(str(tmp_path), None) is None
     assert cut_short_error(os.path.join(tmp_path, 'gone'), b'PK\x03\x04') is None
+
+
+def test_the_sniffer_and_the_cut_short_check_read_one_length(tmp_path):
+    """A safetensors file is recognised or called cut short by one reading of its first bytes
+    (`safetensors.header_end`): one byte short of its header is cut short, and not sniffed."""
+    from jckpt.adapters import safetensors
+    whole = tmp_path / 'm.safetensors'
+    jckpt.adapters.write({'jckpt': {'w': np.ones(4, np.float32)}}, whole)
+    head = whole.read_bytes()[:64]
+    end = safetensors.header_end(head)
+    for size, recognised in ((end, True), (end - 1, False)):
+        cut = tmp_path / f'cut{size}.safetensors'
+        cut.write_bytes(whole.read_bytes()[:size])
+        assert safetensors.sniff(str(cut), head) is recognised
+        error = cut_short_error(str(cut), head)
+        assert (error is None) is recognised
+    assert error.message.startswith(f'the file is cut short: a safetensors file whose header says '
+                                    f'{end} bytes of header, in a file of {end - 1}')
