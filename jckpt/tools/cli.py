@@ -65,6 +65,9 @@ log = logging.getLogger('jckpt.cli')
 EXIT_OK = 0
 EXIT_DIFFERENT = 1  # verify found damage, diff found differences
 EXIT_ERROR = 2      # usage error, or a file that could not be read
+#: The reader of the output went away (`jckpt inspect big.jckpt | head -1`): 128 + SIGPIPE, as
+#: a shell reports a command that SIGPIPE ended; neither success nor damage was established.
+EXIT_READER_GONE = 141
 
 
 def _print(text: str) -> None:
@@ -375,13 +378,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     """The subcommand's exit status; an error is one line (`--debug`: after its traceback),
-    and exits `EXIT_ERROR` either way."""
+    and exits `EXIT_ERROR` either way; output whose reader went away, `EXIT_READER_GONE`, with
+    nothing on stderr."""
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # a reader gone shows here, not at exit ("Exception ignored", 120)
+        return status
     except BrokenPipeError:  # output piped into `head` and the like: stop quietly
-        devnull = os.open(os.devnull, os.O_WRONLY)
+        devnull = os.open(os.devnull, os.O_WRONLY)  # what is left in stdout's buffer goes there
         os.dup2(devnull, sys.stdout.fileno())
-        return EXIT_DIFFERENT
+        return EXIT_READER_GONE
     except KeyboardInterrupt:
         _error("interrupted")
         return 130

@@ -636,6 +636,22 @@ def test_progress_bar_only_on_a_terminal(tmp_path):
     assert 'verifying' not in _run_under_pty(['verify', big], _env(CI='true', TERM='xterm'))[2]
 
 
+@pytest.mark.parametrize('buffered', [True, False])
+def test_a_reader_gone_exits_141_quietly(model, buffered):
+    """`jckpt inspect big.jckpt | head -1`: the reader closed before the output was written.
+    Exit 1 (damage, differences) was wrong, and with stdout block-buffered (not a terminal)
+    Python's flush at exit printed "Exception ignored ... BrokenPipeError" and exited 120."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # a reader that went away at once: every write fails with EPIPE
+    try:
+        p = subprocess.run([sys.executable, '-m', 'jckpt', 'inspect', model], stdout=write_end,
+                           stderr=subprocess.PIPE, text=True, timeout=TIMEOUT,
+                           env=_env(PYTHONUNBUFFERED=None if buffered else '1'))
+    finally:
+        os.close(write_end)
+    assert (p.returncode, p.stderr) == (141, '')
+
+
 def test_convert_keeps_an_existing_destination_at_a_url(tmp_path, model, cli):
     """An existing object was replaced without --overwrite (the check looked on the local disk),
     and a URL source with an existing local destination failed with "No such file"."""
