@@ -66,6 +66,7 @@ from jckpt.services.step_cache import StepCache
 from jckpt.services.step_view import StepView
 from jckpt.services.trainer_state import TrainerState
 from jckpt.storage.backend import LOCAL, backend_for, checked_path
+from jckpt.storage.lease import leases
 from jckpt.storage.publish import fsync_dir, storage_error
 
 log = logging.getLogger('jckpt')
@@ -191,7 +192,7 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
         self._found: tuple[dict[str, str], Any] | None = None
         self._step_cache = StepCache() if self.read_only else None  # what `reload` need not read again
         self._last_admitted: int | None = None
-        lease, rivals = (None, []) if read_only else steps.leases(self.directory, self._rank, self._ranks)
+        lease, rivals = (None, []) if read_only else leases(self.directory, self._rank, self._ranks)
         self._preemption = Preemption(handle_sigterm)
         try:
             super().__init__(self.directory, backend=backend, lease=lease, rivals=rivals, ctx=ctx,

@@ -26,7 +26,6 @@ from jckpt.format import metadata
 from jckpt.format.entries import Header
 from jckpt.format.names import (
     INDEX_NAME,
-    LEASE_SUFFIX,
     METRICS_KEY,
     NEXT_TAG,
     STAGE_DIR_TAG,
@@ -44,7 +43,6 @@ from jckpt.storage import step_directory
 from jckpt.storage.backend import LOCAL, Backend, backend_for, is_url
 from jckpt.storage.checkpoint import open_checkpoint, reusing
 from jckpt.storage.directory import NO_INDEX, DirectoryReader, reclaim_stage_dirs
-from jckpt.storage.lease import lease_path
 from jckpt.storage.object_backend import NO_SUCH_OBJECT
 from jckpt.storage.object_store import MISSING_OBJECT
 from jckpt.storage.publish import reclaim_staging, storage_error
@@ -465,21 +463,6 @@ def checked(value: Any, kind: type, name: str, default: Any = None) -> Any:
     return value
 
 
-def leases(directory: str, process_index: int, process_count: int) -> tuple[str, list[str]]:
-    """`(lease, rivals)`: the path whose writer lease a manager takes (the directory; in a
-    multi-process run, one per process of it), and the lease files (local ones) no other
-    writer may hold meanwhile: a single-process manager and a multi-process run never
-    write one directory together."""
-    if process_count == 1:
-        try:
-            names = os.listdir(directory)
-        except OSError:  # an object store, or not there yet: no process leases to ask
-            names = []
-        return directory, [os.path.join(directory, n) for n in sorted(names)
-                           if n.startswith('.process') and n.endswith(LEASE_SUFFIX)]
-    return os.path.join(directory, f".process{process_index:05d}"), [lease_path(directory)]
-
-
 def say_if_orbax(directory: str, own: object) -> None:
     """Warn (once per directory) when a manager finds no steps of its own (`own` is empty)
     but orbax's there."""
@@ -495,6 +478,6 @@ def say_if_orbax(directory: str, own: object) -> None:
 _ORBAX_SAID: set[str] = set()
 
 
-__all__ = ['Found', 'checked', 'clean_staging', 'described', 'leases', 'listed', 'parse_metrics',
+__all__ = ['Found', 'checked', 'clean_staging', 'described', 'listed', 'parse_metrics',
            'gone', 'read_metadata', 'read_tree', 'recover', 'remove_step', 'removed', 'remove_steps',
            'remove_unfinished', 'say_if_orbax', 'scan', 'step_metadata']

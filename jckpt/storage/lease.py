@@ -129,6 +129,25 @@ class WriterLease:
         return f"WriterLease({self.path!r}, held={self.held})"
 
 
+def leases(directory: str, process_index: int, process_count: int) -> tuple[str, list[str]]:
+    """`(lease, rivals)`: the path whose writer lease a checkpoint manager takes (the
+    directory; in a multi-process run, one per process of it), and the lease files (local
+    ones) no other writer may hold meanwhile: a single-process manager and a multi-process
+    run never write one directory together.
+
+    >>> leases('run', 1, 2)
+    ('run/.process00001', ['run.jckpt-lease'])
+    """
+    if process_count == 1:
+        try:
+            names = os.listdir(directory)
+        except OSError:  # an object store, or not there yet: no process leases to ask
+            names = []
+        return directory, [os.path.join(directory, n) for n in sorted(names)
+                           if n.startswith('.process') and n.endswith(LEASE_SUFFIX)]
+    return os.path.join(directory, f".process{process_index:05d}"), [lease_path(directory)]
+
+
 def refuse_if_held(lock_paths: Iterable[str], *, file: str) -> None:
     """`InUseError` if another writer holds one of the leases `lock_paths` (sidecar files).
 

@@ -419,14 +419,13 @@ def test_a_manager_over_orbax_steps_says_how_to_read_them(tmp_path, caplog):
 
 def test_a_single_process_manager_refuses_a_directory_a_multi_process_run_writes(tmp_path):
     """Their leases differ (the directory's, or one per process): each asks the other's."""
-    from jckpt.services import steps
-    from jckpt.storage.lease import WriterLease
+    from jckpt.storage.lease import WriterLease, leases
     with WriterLease(tmp_path / ".process00001"):  # process 1 of a run writing there
         with pytest.raises(jckpt.InUseError, match=r"\.process00001\.jckpt-lease"):
             jckpt.CheckpointManager(tmp_path, keep_last=1)
     with jckpt.CheckpointManager(tmp_path) as mgr:  # free again
         mgr.save(1, {"w": np.ones(2)})
-    assert steps.leases(str(tmp_path), 1, 2) == (str(tmp_path / ".process00001"),
+    assert leases(str(tmp_path), 1, 2) == (str(tmp_path / ".process00001"),
                                                  [str(tmp_path / ".jckpt-lease")])
 
 
