@@ -268,12 +268,8 @@ class StepReader:
         """Whether `step`, which this manager listed, is gone (removed by the writer's
         retention); False for a step it did not list, or where that cannot be told."""
         folder = None if step is None else self._view.folder(step)
-        if step is None or folder is None:
-            return False
-        try:
-            return steps.gone(self._path(step), folder, self._view.indexed(step))
-        except CheckpointError:
-            return False
+        return step is not None and folder is not None and steps.gone(
+            self._path(step), folder, self._view.indexed(step))
 
 
 def read_only_refusal(directory: str, what: str) -> InputError:

@@ -257,12 +257,17 @@ def gone(path: str, folder: bool, indexed: bool = False) -> bool:
     """Whether a step the manager listed is no step any more (removed by the directory's
     writer): locally, nothing at `path`; in a bucket, the object of a file step, or the marker
     a step prefix is listed by (its index when `indexed`, else its record), which a removal
-    deletes first (`remove_step`). One request, asked only once a read of the step failed.
+    deletes first (`remove_step`). One request, asked only once a read of the step failed;
+    where it fails too, False: the read's own error is the one to report.
+
+    The one answer for every reader of a listed step: `scan` (which lists again while steps
+    it listed are gone), a restore's error (`removed`), a multi-process reader's restore.
     """
-    if not is_url(path):
-        return not os.path.lexists(path)
     marker = path if not folder else os.path.join(path, INDEX_NAME if indexed else TRAINER_STATE_NAME)
-    return not backend_for(path).exists(marker)
+    try:
+        return not (backend_for(path).exists(marker) if is_url(path) else os.path.lexists(path))
+    except CheckpointError:
+        return False
 
 
 def _file_reader(path: str, step: int, *, missing_ok: bool) -> Any:

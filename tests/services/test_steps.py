@@ -303,3 +303,32 @@ def test_a_step_is_gone_once_what_it_is_listed_by_is(where, tmp_path):
     if where == "memory":
         backend.remove(f"{two}/trainer_state.json", below=False)  # the model file stays
         assert steps.gone(two, True) and backend.exists(f"{two}/model.npz")
+
+
+def test_a_listed_step_not_known_to_be_gone_is_not_gone(monkeypatch, caplog):
+    """Asked once a read of a listed step failed, `gone` asks the storage once more; where that
+    request failed too, its error replaced the read's: the scan of the whole directory, and a
+    restore's, stopped there. Now the step is not called gone, and the read's error counts."""
+    pytest.importorskip("obstore")
+    from jckpt.errors import StorageError
+    url = "memory://steps-untold/run"
+    with jckpt.CheckpointManager(url) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {'w': np.ones(2)})
+    one = f"{url}/{step_name(1)}"
+    real_read = steps._read_step
+
+    def damaged(path, step, prefix):
+        if path == one:
+            raise FormatError("damaged", file=path)
+        return real_read(path, step, prefix)
+
+    def failing(self, path):
+        raise StorageError("connection reset", file=path)
+    monkeypatch.setattr(steps, "_read_step", damaged)
+    monkeypatch.setattr(type(backend_for(url)), "exists", failing)
+    assert not steps.gone(one, False)
+    with caplog.at_level("WARNING", logger="jckpt"):
+        found = steps.scan(backend_for(url), url)
+    assert sorted(found.metrics) == [2] and found.vanished == ()
+    assert f"ignoring unreadable step {step_name(1)}: {one}: damaged" in caplog.text
