@@ -214,7 +214,7 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
         found = restoring.recovered(self.backend, self.directory, self._rank, self._ranks, self.read_only,
                                     self._step_cache)
         steps.say_if_orbax(self.directory, found.metrics)
-        self._view.reset(found.metrics, found.folders, found.indexed)
+        self._view.reset(found.metrics, found.folders, found.indexed, deleted=found.deleted)
         self._found = found.latest
         return None if (latest := self.latest_step()) is None else self._path(latest)
 

@@ -29,15 +29,17 @@ class StepView:
         self._metrics: dict[int, dict[str, float]] = {}
         self._folders: set[int] = set()
         self._indexed: set[int] = set()  # the folders that are directory checkpoints
-        self._deleted: set[int] = set()  # the steps retention deleted since the manager opened
+        self._deleted: set[int] = set()  # deleted (or being deleted) since the manager opened
 
     def reset(self, metrics: Mapping[int, Mapping[str, float]], folders: Iterable[int],
-              indexed: Iterable[int] = ()) -> None:
+              indexed: Iterable[int] = (), deleted: Iterable[int] = ()) -> None:
         """Know exactly the steps found in the directory (`metrics`; `folders` the directories,
-        `indexed` those of them that are directory checkpoints)."""
+        `indexed` those of them that are directory checkpoints), and that the steps
+        `deleted` were deleted (found being deleted by the directory's writer: `deleted`)."""
         with self._lock:
             self._metrics = {s: dict(m) for s, m in metrics.items()}
             self._folders, self._indexed = set(folders), set(indexed)
+            self._deleted.update(deleted)
 
     def add(self, step: int, metrics: Mapping[str, float], *, folder: bool,
             indexed: bool = False) -> None:
@@ -60,9 +62,9 @@ class StepView:
                 self._deleted.add(s)
 
     def deleted(self, step: int) -> bool:
-        """Whether `step` was deleted (`forget`) since this view was made: what is left of it
-        (in a bucket, the files of a step directory whose deletion failed after its markers
-        went) is no step, and a restore of it should say why."""
+        """Whether `step` was deleted (`forget`) since this view was made, or found being
+        deleted (`reset`): what is left of it (in a bucket, the files of a step directory
+        whose markers went first) is no step, and a restore of it should say why."""
         with self._lock:
             return step in self._deleted
 

@@ -115,10 +115,14 @@ class Found:
       latest: the latest step's metadata and header (`None` for a step directory's): the
         lineage check takes them from here rather than reading the step again.
       unfinished: the names of the step prefixes in a bucket that hold neither a record nor
-        an index but hold pieces (a save under way, or that died): `remove_unfinished`.
+        an index but hold pieces, numbered above every readable step (a save under way, or
+        that died: a manager saves only above its steps): `remove_unfinished`.
       indexed: the folders that are directory checkpoints (read by their index), not step
         directories (read by their record).
       vanished: the steps listed but gone when read (removed by the writer; a prefix: empty).
+      removing: such prefixes numbered below a readable step: steps that retention, which
+        deletes a prefix's markers first and never the latest step, is deleting (or failed
+        to delete whole). No step, as a removed one is (`deleted`); removed as unfinished.
     """
 
     metrics: dict[int, dict[str, float]]
@@ -127,6 +131,12 @@ class Found:
     unfinished: tuple[str, ...] = ()
     indexed: frozenset[int] = frozenset()
     vanished: tuple[str, ...] = ()
+    removing: tuple[str, ...] = ()
+
+    @property
+    def deleted(self) -> frozenset[int]:
+        """The steps of `removing`: a restore of one says that retention deleted it."""
+        return frozenset(int(m.group(1)) for n in self.removing if (m := STEP_RE.match(n)))
 
 
 Listing = tuple[list[str], list[str]]
@@ -141,7 +151,7 @@ def recover(backend: Backend, directory: str, *, clean: bool, cache: StepCache |
         clean_staging(backend, directory, listing)
     found = scan(backend, directory, listing, cache)
     if clean:
-        remove_unfinished(backend, directory, found.unfinished)
+        remove_unfinished(backend, directory, found.unfinished + found.removing)
     return found
 
 
@@ -152,7 +162,7 @@ def scan(backend: Backend, directory: str, listing: Listing | None = None,
     files, dirs = listing if listing is not None else backend.list_kinds(directory)
     folders, plain = set(dirs), set(files)
     names = [(int(m.group(1)), name) for name in sorted(plain | folders) if (m := STEP_RE.match(name))]
-    unfinished, vanished = list[str](), list[str]()
+    bare, vanished = list[tuple[int, str]](), list[str]()
 
     def read(item: tuple[int, str]) -> tuple[dict[str, str], Header | None] | None:
         path, prefix = os.path.join(directory, item[1]), item[1] in folders and item[1] not in plain
@@ -160,7 +170,7 @@ def scan(backend: Backend, directory: str, listing: Listing | None = None,
             if prefix and backend is not LOCAL:  # its record, else its index: no HEAD first
                 got = _read_bucket_folder(path, item[0])
                 if got is None:  # an emptied prefix was removed since; one holding pieces is not
-                    (unfinished if backend.isdir(path) else vanished).append(item[1])
+                    bare.append(item) if backend.isdir(path) else vanished.append(item[1])
                 return None if got is None else (got[0], got[1])
             return _read_step(path, item[0], prefix)
         except CheckpointError as e:
@@ -180,10 +190,11 @@ def scan(backend: Backend, directory: str, listing: Listing | None = None,
                for step, (name, got) in found.items()}
     dirs_found = {step: got for step, (name, got) in found.items() if name in folders}
     latest = cache.keep(found) if cache is not None else found[max(found)] if found else None
+    below = {name for step, name in bare if found and step < max(found)}  # being deleted
     return Found(metrics, frozenset(dirs_found), latest and latest[1],
-                 tuple(sorted(unfinished)),
+                 tuple(sorted(name for _, name in bare if name not in below)),
                  frozenset(step for step, got in dirs_found.items() if got[1] is not None),
-                 tuple(sorted(vanished)))
+                 tuple(sorted(vanished)), tuple(sorted(below)))
 
 
 def described(path: str, found: tuple[dict[str, str], Header | None] | None

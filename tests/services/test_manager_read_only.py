@@ -273,3 +273,37 @@ def test_a_step_replaced_in_place_is_read_again_at_reload(tmp_path, fmt, monkeyp
             np.testing.assert_array_equal(got.tree["w"], at(-step)["w"])
             del reads[:]  # a restore reads the step's metadata again
         assert reader.lineage != run.lineage  # the latest step's, as read again
+
+
+@pytest.mark.parametrize("kw", [{"options": jckpt.CheckpointOptions(format="npz")},
+                                {"directory_steps": True}], ids=["step-directory", "indexed"])
+def test_a_step_retention_is_deleting_is_gone_to_a_reader_not_unfinished(monkeypatch, kw):
+    """In a bucket, retention deletes a step prefix's index or record first, then the files
+    under it. A reader listing in between found a prefix of pieces without a marker, as a save
+    in progress leaves: it called the step unfinished, and a restore of it said "no step, what
+    a save or a deletion that did not finish leaves". Below a published step it can be no save
+    (a manager saves only above its steps): the step is being deleted, and is gone."""
+    from jckpt.services import steps
+    url = f"memory://reader-gap-{next(_MEMORY)}/run"
+    backend = backend_for(url)
+    seen = {}
+    real = type(backend).remove_all
+
+    def remove_all(self, paths, *, below=True):
+        if below and not seen:  # the markers are deleted, the pieces not yet: a reader lists
+            assert backend.list(f"{url}/{step_name(1)}")
+            seen["found"] = steps.scan(backend, url)
+            with jckpt.CheckpointManager(url, read_only=True) as reader:
+                seen["steps"], seen["latest"] = reader.all_steps(), reader.latest_step()
+                with pytest.raises(jckpt.FormatError) as e:
+                    reader.restore(1)
+                seen["error"] = e.value
+        return real(self, paths, below=below)
+    monkeypatch.setattr(type(backend), "remove_all", remove_all)
+    with jckpt.CheckpointManager(url, keep_last=2, asynchronous=False, **kw) as run:
+        for step in (1, 2, 3):
+            run.save(step, at(step))
+    assert seen["steps"] == [2, 3] and seen["latest"] == 3
+    assert seen["error"].message == "no step 1: retention deleted it"
+    assert "pick one of [2, 3]" in seen["error"].fix
+    assert seen["found"].unfinished == () and seen["found"].removing == (step_name(1),)

@@ -64,6 +64,16 @@ def test_a_forgotten_step_is_known_as_deleted():
     assert view.folder(1) is None and view.steps() == [2]
 
 
+def test_a_step_found_being_deleted_is_known_as_deleted_across_listings():
+    """A reader's listing found step 1 being deleted (a prefix without its markers, below a
+    published step): a restore of it says so, also after a later listing no longer finds it."""
+    view = StepView()
+    view.reset({2: {}}, [], deleted=[1])
+    assert view.deleted(1) and view.steps() == [2]
+    view.reset({2: {}, 3: {}}, [])
+    assert view.deleted(1) and not view.deleted(2)
+
+
 def test_doomed_names_each_step_with_its_kind_and_never_the_latest():
     view = view_of(s1=({}, True), s2=({}, False), s3=({}, True))
     assert view.doomed(Retention(keep_last=1)) == {1: True, 2: False}
