@@ -557,6 +557,21 @@ def test_a_managers_step_whose_metrics_one_process_gets_wrong_fails_in_all_and_t
         assert r["steps"] == [1, 3], r
 
 
+@pytest.mark.slow
+def test_a_managers_step_whose_lease_one_process_lost_fails_in_all_and_the_next_goes_on(tmp_path):
+    """The lease check of a directory step raised in the process whose lease was taken over
+    before the save took its turn: the others' save of step 2 met that process's save of step 3
+    and was refused, and their step 3 then waited out the barrier's timeout."""
+    found = check(run_pair("managerargs", tmp_path / "run", {"KIND": "lease",
+                                                             "JCKPT_BARRIER_TIMEOUT": "20"}))
+    (t0, m0, s0), (t1, m1, s1) = (found[p]["attempts"][1] for p in (0, 1))
+    assert (t0, t1) == ("DistributedError", "InUseError") and s0 < 15 and s1 < 15, found
+    assert "lease was taken over" in m1 and "process 1: " in m0 and "step_00000002" in m0, found
+    for r in found.values():
+        assert [a[0] for a in r["attempts"]] == [None, t0 if r["process"] == 0 else t1, None], r
+        assert r["steps"] == [1, 3], r
+
+
 # --- the worker ------------------------------------------------------------------------------
 
 def _attempt(jckpt, tree, path, timeout=None):
@@ -949,23 +964,32 @@ def phase_reader_race(jax, jckpt, result, path):
 
 
 def phase_manager_arguments(jax, jckpt, result, path):
-    """A manager saves steps 1 to 3; at step 2, process 1's metrics hold a value that is no number."""
+    """A manager saves steps 1 to 3; at step 2, process 1's metrics hold a value that is no
+    number, or (`KIND` "lease") process 1 finds its lease taken over by another writer."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
+
+    class TakenOver:  # an object store's lease, taken over by another writer
+        def check(self):
+            raise jckpt.InUseError("the writer lease was taken over", file=str(path))
 
     mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")), ("x",))
     attempts = []
     with jckpt.CheckpointManager(path) as mgr:
+        lease = mgr._lease
         for step in (1, 2, 3):
             x = jax.make_array_from_callback((8,), NamedSharding(mesh, P("x")),
                                              lambda i, s=step: np.full(8, s, np.float32)[i])
-            loss = "nan?" if step == 2 and jax.process_index() == 1 else float(step)
+            lone = step == 2 and jax.process_index() == 1
+            loss = "nan?" if lone and os.environ.get("KIND") != "lease" else float(step)
+            mgr._lease = TakenOver() if lone and os.environ.get("KIND") == "lease" else lease
             start = time.monotonic()
             try:
                 mgr.save(step, {"x": x}, metrics={"loss": loss})
                 attempts.append([None, "", time.monotonic() - start])
             except jckpt.CheckpointError as e:
                 attempts.append([type(e).__name__, str(e), time.monotonic() - start])
+        mgr._lease = lease
         result.update(ok=True, attempts=attempts, steps=mgr.all_steps())
 
 
