@@ -8,7 +8,8 @@ Saving is asynchronous where orbax runs handlers asynchronously: the call
 copies the arrays to host memory (so training may change or donate them at
 once) and the file is written in orbax's background commit. Restoring fills
 a target tree (arrays, `jax.ShapeDtypeStruct`s with shardings, numbers)
-through `jckpt.api.loading.restore`, or returns the whole tree without one
+through `jckpt.api.loading.restore_alone` (meeting no other process: orbax may restore
+several items at once, in an order of its own), or returns the whole tree without one
 (nested dicts and lists, `None` for a node without leaves, as orbax's own restore gives it).
 `manager.item_metadata(step)[item]` is a `JckptItemMetadata` read from the
 header alone: `.tree` holds a `jax.ShapeDtypeStruct` per array, in the saved
@@ -50,7 +51,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jckpt.api.context import Context
-from jckpt.api.loading import describe, load, restore
+from jckpt.api.loading import describe, load, restore_alone
 from jckpt.api.saving import save_file
 from jckpt.errors import InputError
 from jckpt.format._gc import paused
@@ -148,7 +149,7 @@ class JckptCheckpointHandler(ocp.AsyncCheckpointHandler):
             recorded = describe(path).metadata_dict().get(EMPTY_NODES_KEY)
             return tree_mod.with_empty_nodes(tree.get(ctx.namespace, {}),
                                              empty_nodes(recorded, ctx.namespace))
-        return restore(self._context, target, path, cast=args.cast)
+        return restore_alone(self._context, target, path, cast=args.cast)
 
     def metadata(self, directory: Any) -> JckptItemMetadata:
         """What the item holds, from its header alone (no payload is read).

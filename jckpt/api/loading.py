@@ -21,6 +21,7 @@ transfer per device).
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
@@ -30,11 +31,12 @@ import jax
 from jckpt.api import progress as progress_mod
 from jckpt.api import targets
 from jckpt.api.context import Context, check_context
+from jckpt.api.runtime import jointly
 from jckpt.errors import ClashError, InputError, MissingEntryError
 from jckpt.format._gc import paused
 from jckpt.format.entries import Entry, Header, KeyPath, path_name
 from jckpt.storage import open_checkpoint
-from jckpt.storage.backend import checked_path
+from jckpt.storage.backend import LOCAL, backend_for, checked_path
 from jckpt.storage.reader import COUNTS
 from jckpt.trees import placement, sharding
 from jckpt.trees import pytree as tree_mod
@@ -152,7 +154,6 @@ def _check_present(header: Header, names: Sequence[str], path: str) -> None:
 
 # --- restore -----------------------------------------------------------------------------
 
-@paused
 def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = None,
             cast: bool = False, namespace: str | None = None,
             verify: bool | None = None, namespaces: Namespaces | None = None) -> Any:
@@ -189,6 +190,11 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
       `jax.set_mesh`) goes to the mesh in context with those axes, else to
       `jax.make_mesh` of them when they span all devices; else `InputError`.
 
+    With several processes, a restore onto arrays sharded across processes is made by all
+    together, as `save` is (each may name its own path): they meet once (`runtime.jointly`),
+    then return together or all raise the error one met, naming it; onto host values or this
+    process's devices only, it is this process's own.
+
     Raises:
         MissingEntryError: naming a target leaf the checkpoint does not hold.
         MismatchError: naming a leaf whose shape or dtype the target refuses.
@@ -200,6 +206,48 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
         both = jckpt.restore(jckpt.Context(), {"model": abstract_params, "opt": abstract_opt},
                              "ckpt.jckpt", namespaces=["model", "opt"])
         ```
+    """
+    read = functools.partial(restore_alone, ctx, target, path, mmap=mmap, cast=cast,
+                             namespace=namespace, verify=verify, namespaces=namespaces)
+    processes = jax.process_count()
+    if processes == 1 or not _global(ctx, target):
+        return read()
+    return jointly("restoring the checkpoint", _where(path), read, process=jax.process_index(),
+                   processes=processes, same_path=False)
+
+
+def _global(ctx: Any, target: Any) -> bool:
+    """Whether `target` holds a leaf placed on other processes' devices too (a global array), so
+    that the processes restore it together; True where that cannot be told (a `ctx` or target
+    `restore_alone` refuses: refused in every process together)."""
+    try:
+        return any(placement.beyond_this_process(leaf, host=ctx.host, device=ctx.device)
+                   for leaf in jax.tree_util.tree_leaves(target))
+    except Exception:
+        return True
+
+
+def _where(path: Any) -> str:
+    """How the errors of a restore that meets the other processes name `path`."""
+    try:
+        return os.path.abspath(os.fspath(path)) if backend_for(path) is LOCAL else os.fspath(path)
+    except Exception:  # not a path: `restore_alone` says so, in every process
+        return repr(path)
+
+
+@paused
+def restore_alone(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = None,
+                  cast: bool = False, namespace: str | None = None,
+                  verify: bool | None = None, namespaces: Namespaces | None = None) -> Any:
+    """`restore` in this process alone, meeting no other: what a caller that meets the other
+    processes itself reads with (a multi-process manager's `restore`: once per step).
+
+    >>> import numpy as np, tempfile, os
+    >>> from jckpt.api.saving import save
+    >>> path = os.path.join(tempfile.mkdtemp(), 'one.jckpt')
+    >>> save(Context(), {'w': np.ones(2)}, path)
+    >>> restore_alone(Context(), {'w': np.zeros(2)}, path)
+    {'w': array([1., 1.])}
     """
     ctx = check_context(ctx, mmap=mmap, cast=cast, verify=verify)  # first: names a tree given as ctx
     path = checked_path(path)
@@ -442,4 +490,4 @@ def describe(path: PathLike) -> Header:
     return open_checkpoint(path).header
 
 
-__all__ = ['describe', 'ingestion_counts', 'load', 'restore']
+__all__ = ['describe', 'ingestion_counts', 'load', 'restore', 'restore_alone']

@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from jckpt import errors
 from jckpt.errors import CheckpointError, DistributedError, InputError
@@ -28,6 +28,7 @@ DEFAULT_BARRIER_TIMEOUT = 300.0
 SAVING = 'jckpt/saving'  # key of each process's save in progress (for errors)
 _OPENS = itertools.count()  # agreements begun in this process
 _OPENS_LOCK = threading.Lock()
+T = TypeVar('T')
 
 
 def barrier_timeout() -> float:
@@ -210,7 +211,7 @@ def told(e: BaseException) -> str:
 
 
 def agree(what: str, path: str, failure: BaseException | None, *, process: int, processes: int,
-          timeout: float | None = None, value: Any = None) -> list[Any]:
+          timeout: float | None = None, value: Any = None, same_path: bool = True) -> list[Any]:
     """Meet every process, each saying whether its part of `what` failed; raise the same
     error in every process when one did, else return every process's `value` (JSON), by
     process (what each found: a reader's processes keep the steps they all list).
@@ -220,7 +221,8 @@ def agree(what: str, path: str, failure: BaseException | None, *, process: int, 
     succeeded learn at once of those that did not, rather than at their first
     save, after a barrier's timeout. The error raised everywhere has the type of
     the first process's failure and names every failing process. With one
-    process, `failure` is raised as it is.
+    process, `failure` is raised as it is. Processes naming different paths fail
+    together, unless `same_path` is false (each process restoring a file of its own).
 
     Example:
         ```python
@@ -245,7 +247,7 @@ def agree(what: str, path: str, failure: BaseException | None, *, process: int, 
         raise
     said = sorted((int(k), json.loads(v)) for k, v in rt.listed('said'))
     paths = {d['path'] for _, d in said}
-    if len(paths) > 1:
+    if same_path and len(paths) > 1:
         raise DistributedError(f"{what}: the processes name different paths (" + '; '.join(
             f"process {k}: {d['path']}" for k, d in said[:8]) + ')', file=path,
             fix="pass every process the same path, on a filesystem (or object store) every "
@@ -254,6 +256,26 @@ def agree(what: str, path: str, failure: BaseException | None, *, process: int, 
     if failed:
         raise _common(what, path, failed) from failure
     return [d.get('value') for _, d in said]
+
+
+def jointly(what: str, path: str, call: Callable[[], T], *, process: int, processes: int,
+            same_path: bool = True) -> T:
+    """`call()` in this process, then every process meets (`agree`: one barrier): its value
+    once it returned in every process, else, in every process, the error `agree` raises (in
+    a failing process, raised from its own), so that no process goes on alone.
+
+    Example:
+        ```python
+        tree = jointly("restoring the checkpoint", path, read, process=1, processes=2)
+        ```
+    """
+    try:
+        value = call()
+    except Exception as e:  # KeyboardInterrupt and SystemExit pass as they are
+        agree(what, path, e, process=process, processes=processes, same_path=same_path)
+        raise  # agree raised already: `e` is this process's own failure
+    agree(what, path, None, process=process, processes=processes, same_path=same_path)
+    return value
 
 
 def _described(e: BaseException | None) -> dict[str, str | None]:
@@ -276,4 +298,4 @@ def _common(what: str, path: str, failed: list[tuple[int, dict[str, Any]]]) -> C
 
 
 __all__ = ['DEFAULT_BARRIER_TIMEOUT', 'Runtime', 'agree', 'barrier_timeout', 'client', 'first_line',
-           'told']
+           'jointly', 'told']

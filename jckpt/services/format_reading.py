@@ -25,7 +25,7 @@ import numpy as np
 from jckpt import adapters, api
 from jckpt.api import targets
 from jckpt.api.context import Context
-from jckpt.api.loading import Namespaces, namespace_names
+from jckpt.api.loading import Namespaces, namespace_names, restore_alone
 from jckpt.errors import FormatError, InputError, MissingEntryError, TargetError
 from jckpt.format import strict_json
 from jckpt.format.entries import entry_for
@@ -225,8 +225,8 @@ def _load_optimizer(ctx: Context, file: str, target: Any, names: Sequence[str] |
     if target is None:
         return api.load(ctx, file, namespaces=names or None, verify=verify)[1]
     if isinstance(target, Mapping) and names and set(names) <= set(target):
-        return api.restore(ctx, {n: target[n] for n in names}, file, cast=cast, namespaces=names,
-                           verify=verify)
+        return restore_alone(ctx, {n: target[n] for n in names}, file, cast=cast,
+                             namespaces=names, verify=verify)
     raise InputError("with namespaces, the target must be {namespace: subtree}", file=file)
 
 

@@ -334,28 +334,27 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
 
     def _save_directory(self, step: int, tree: Any, items: Mapping[str, Any] | None,
                         metadata: Callable[[], dict[str, str]]) -> None:
-        """Save `step` from every process. An error `metadata` meets in one process (its
-        metrics, say) fails the save in all of them once it has taken its turn: raised
-        before, the others' save met that process's next one."""
+        """Save `step` from every process. An error one process meets before its save (its
+        lease taken over, its metrics, say) fails the save in all of them once it has taken
+        its turn: raised before, the others' save met that process's next one."""
         if items is not None:
             raise InputError("directory steps hold one namespace: pass tree, not items",
                              file=self.directory)
         recorded: dict[str, str] = {}  # process 0's metrics, which every process keeps
-        meta: dict[str, str] = {}
-        failure: CheckpointError | None = None
-        try:
-            meta = metadata()
-        except CheckpointError as e:
-            failure = e
 
         def write(generation: int) -> None:
-            self._lease.check()  # a writer whose lease was taken over writes nothing more
+            meta: dict[str, str] = {}
+            failure: CheckpointError | None = None
+            try:
+                self._lease.check()  # a writer whose lease was taken over writes nothing more
+                meta = metadata()
+            except CheckpointError as e:
+                failure = e
             recorded.update(save_directory(self.ctx, tree, self._path(step), returning=(METRICS_KEY,),
                                            metadata=self._stamped(meta, generation),
                                            failure=failure))
             self._mark_published(generation)
 
-        self._lease.check()
         self._pipeline.run_now(write)
         self._last_admitted = step
         self._lease.check()  # nor deletes, by retention

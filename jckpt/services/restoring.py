@@ -180,8 +180,9 @@ class StepReader:
                 options: CheckpointLoadOptions | None = None, verify: bool = True) -> Restored:
         """Read `step` (default: the latest durable one).
 
-        A read-only manager of several processes restores in all of them together: they
-        meet once, then return together or raise together (`_read_together`).
+        A manager of several processes (a reader's, or a writer's of directory steps) restores
+        in all of them together: they meet once, then return together or raise together
+        (`_read_together`), so that no process trains on while another failed.
 
         Args:
           step: the step to read.
@@ -214,7 +215,7 @@ class StepReader:
         read = functools.partial(self._read, ctx, target=target, options=options,
                                  loaded=Loaded(CheckpointLoadOptions(), namespaces, layout,
                                                reshard, cast, verify))
-        if self.read_only and self._ranks > 1:
+        if self._ranks > 1:
             return self._read_together(step, read)
         return read(step)
 
@@ -239,11 +240,11 @@ class StepReader:
                          loaded=dataclasses.replace(loaded, options=options), absent=absent)
 
     def _read_together(self, step: int | None, read: Callable[[int | None], Restored]) -> Restored:
-        """A multi-process reader's `restore`: every process reads its part of the step, then
-        all meet (`agree`: one barrier) and return together or fail together. Where the step
-        read was the latest listed and the writer's retention removed it while they read (one
-        process read it, another found it gone), they list again together (`reload`) and read
-        the new latest, `RELISTS` times at most; a step asked for by number fails in all.
+        """A multi-process manager's `restore`: every process reads its part of the step, then
+        all meet (`agree`: one barrier) and return together or fail together. Where a reader's
+        step read was the latest listed and the writer's retention removed it while they read
+        (one process read it, another found it gone), they list again together (`reload`) and
+        read the new latest, `RELISTS` times at most; a step asked for by number fails in all.
         """
         where = os.path.abspath(self.directory) if self.backend is LOCAL else self.directory
         for attempt in range(RELISTS):
@@ -253,7 +254,7 @@ class StepReader:
                 restored = read(step)
             except Exception as e:
                 failure = e
-            vanished = isinstance(failure, FormatError) and self._vanished(asked)
+            vanished = self.read_only and isinstance(failure, FormatError) and self._vanished(asked)
             said = agree(f"restoring step {asked}", where, None if vanished else failure,
                          process=self._rank, processes=self._ranks, value=vanished)
             if restored is not None and not any(said):

@@ -20,7 +20,7 @@ from typing import Any
 from jckpt import api
 from jckpt.adapters import orbax as orbax_adapter
 from jckpt.api.context import Context
-from jckpt.api.loading import Namespaces
+from jckpt.api.loading import Namespaces, restore_alone
 from jckpt.errors import CheckpointError, FormatError, InputError
 from jckpt.format import metadata
 from jckpt.format.entries import Header
@@ -318,7 +318,7 @@ def read_tree(ctx: Context, path: str, step: int, target: Any, namespaces: Names
                                  options=options, verify=verify, record=record)
     if target is None:
         return api.load(ctx, path, namespaces=namespaces, verify=verify)[1]
-    return api.restore(ctx, target, path, cast=cast, namespaces=namespaces, verify=verify)
+    return restore_alone(ctx, target, path, cast=cast, namespaces=namespaces, verify=verify)
 
 
 def parse_metrics(text: str | None, path: str) -> dict[str, float]:

@@ -134,6 +134,31 @@ def context_placement(device: Any, host: bool) -> Any:
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
+def beyond_this_process(target: Any, *, host: bool, device: Any) -> bool:
+    """Whether `place` puts what `target` asks for on devices of other processes too: a global
+    array, which the processes of a run make together (a restore onto one meets the others).
+    False for a host value, or an array on this process's devices; True where that cannot be
+    told (a sharding on an abstract mesh, which may span every process's devices).
+
+    >>> import numpy as np
+    >>> beyond_this_process(np.zeros(3), host=False, device=None)
+    False
+    """
+    if isinstance(target, (*_PY_SCALARS, np.ndarray, np.generic)) or (
+            host and not isinstance(target, (jax.Array, jax.ShapeDtypeStruct))):
+        return False
+    dest = getattr(target, 'sharding', None)
+    if dest is None and type(target) is jax.ShapeDtypeStruct:
+        dest = context_placement(device, host)
+    dest = dest if dest is not None else default_placement(device)
+    if not isinstance(dest, jax.sharding.Sharding):
+        return getattr(dest, 'process_index', jax.process_index()) != jax.process_index()
+    try:
+        return not dest.is_fully_addressable
+    except Exception:  # an abstract mesh has no devices to ask
+        return True
+
+
 def _key_data_sharding(placement: Any, target: Any) -> Any:
     """Where the data of keys bound for `placement` goes, each device reading only its slice
     (a sharding over several processes cannot take keys put on one device), and keys bound

@@ -479,3 +479,22 @@ def test_another_formats_file_is_named_for_what_it_is_first(tmp_path):
                 read(jckpt.Context(), *target, path)
             assert e.value.message.startswith(f'it is {kind}'), e.value.message
             assert 'not a jckpt checkpoint' in e.value.message and 'jckpt.convert' in e.value.fix
+
+
+def test_a_restore_in_one_process_meets_nobody(tmp_path, monkeypatch):
+    """Only a run of several processes restores together (tests/system/test_multiprocess.py)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jckpt.api import loading
+    from tests.helpers import cpu_mesh
+
+    path = tmp_path / "m.jckpt"
+    jckpt.save(jckpt.Context(), {"w": np.ones(2, np.float32)}, path)
+    monkeypatch.setattr(loading, "jointly", lambda *a, **k: pytest.fail("a barrier in one process"))
+    abstract = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=NamedSharding(
+        cpu_mesh((2,), ("x",)), P("x")))
+    assert jckpt.restore(jckpt.Context(), {"w": abstract}, path)["w"].tolist() == [1, 1]
+    with pytest.raises(jckpt.MissingEntryError):
+        jckpt.restore(jckpt.Context(), {"v": abstract}, path)
+

@@ -7,7 +7,7 @@ import pytest
 
 import jckpt
 from jckpt.api import runtime as runtime_mod
-from jckpt.api.runtime import Runtime, agree
+from jckpt.api.runtime import Runtime, agree, jointly
 
 
 class FakeClient:
@@ -166,3 +166,28 @@ def test_agree_returns_every_processs_value_by_process(monkeypatch):
     with pytest.raises(jckpt.DistributedError, match="not every process reached listing the steps") as e:
         agree("listing the steps", "run", None, process=0, processes=2, timeout=1)
     assert "nothing was written" in e.value.message and "published" not in e.value.message
+
+
+def test_jointly_returns_the_value_once_every_process_has_or_raises_the_one_error(monkeypatch):
+    """A restore of one process's own file meets the others: their paths may differ."""
+    client = FakeClient(peers={"said/1": _peer_failure(None, None, None, path="b.jckpt")})
+    monkeypatch.setattr(runtime_mod, "client", lambda processes, path: client)
+    assert jointly("restoring the checkpoint", "a.jckpt", lambda: 7, process=0, processes=2,
+                   same_path=False) == 7
+    assert client.met == ["opened"]
+    failing = FakeClient(peers={"said/1": _peer_failure("checksum mismatch", "ChecksumError",
+                                                              path="a.jckpt")})
+    monkeypatch.setattr(runtime_mod, "client", lambda processes, path: failing)
+    with pytest.raises(jckpt.ChecksumError, match=r"restoring the checkpoint failed in 1 of the "
+                                                  r"run's processes \(process 1: checksum mismatch"):
+        jointly("restoring the checkpoint", "a.jckpt", lambda: 7, process=0, processes=2)
+
+
+def test_jointly_in_one_process_raises_its_own_error_as_it_is(monkeypatch):
+    monkeypatch.setattr(runtime_mod, "client", lambda processes, path: pytest.fail("met"))
+    mine = jckpt.FormatError("no such file")
+    with pytest.raises(jckpt.FormatError) as e:
+        jointly("restoring the checkpoint", "a.jckpt", lambda: (_ for _ in ()).throw(mine),
+                process=0, processes=1)
+    assert e.value is mine
+

@@ -557,6 +557,43 @@ def test_a_managers_step_whose_metrics_one_process_gets_wrong_fails_in_all_and_t
         assert r["steps"] == [1, 3], r
 
 
+@pytest.mark.slow
+def test_a_restore_failing_in_one_process_fails_in_all_and_the_next_goes_on(tmp_path):
+    """A writer manager's restore and plain `jckpt.restore` did not meet: a failure one process
+    alone met (a target of another shape, a damaged piece only it reads, a missing file) was
+    raised there while the others returned, and the run went on half restored. A restore onto
+    host values stays one process's own."""
+    import jckpt
+
+    jckpt.save(jckpt.Context(), {"x": np.full(8, 7, np.float32)}, tmp_path / "one.jckpt")
+    found = check(run_pair("lonefailures", tmp_path, {"JCKPT_BARRIER_TIMEOUT": "20"}))
+    (a0, a1) = (found[p]["attempts"] for p in (0, 1))
+    assert [a[0] for a in a0] == [a[0] for a in a1] == [
+        "MismatchError", None, "ChecksumError", None, "FormatError", None, "ChecksumError"], found
+    for failed in (0, 2, 4, 6):  # the same error in both, naming process 1 and what it met
+        for a in (a0, a1):
+            assert "failed in 1 of the run's processes (process 1: " in a[failed][1], a[failed]
+            assert a[failed][2] < 15, a[failed]  # at once, not at the barrier's timeout
+    assert "shape" in a0[0][1] and "checksum mismatch" in a0[2][1], a0
+    assert all(a[3] for a in a0 + a1 if a[0] is None), found  # the restores that went on
+    assert found[0]["alone"][0] and found[0]["alone"][1] < 15, found
+
+
+@pytest.mark.slow
+def test_a_managers_step_whose_lease_one_process_lost_fails_in_all_and_the_next_goes_on(tmp_path):
+    """The lease check of a directory step raised in the process whose lease was taken over
+    before the save took its turn: the others' save of step 2 met that process's save of step 3
+    and was refused, and their step 3 then waited out the barrier's timeout."""
+    found = check(run_pair("managerargs", tmp_path / "run", {"KIND": "lease",
+                                                             "JCKPT_BARRIER_TIMEOUT": "20"}))
+    (t0, m0, s0), (t1, m1, s1) = (found[p]["attempts"][1] for p in (0, 1))
+    assert (t0, t1) == ("DistributedError", "InUseError") and s0 < 15 and s1 < 15, found
+    assert "lease was taken over" in m1 and "process 1: " in m0 and "step_00000002" in m0, found
+    for r in found.values():
+        assert [a[0] for a in r["attempts"]] == [None, t0 if r["process"] == 0 else t1, None], r
+        assert r["steps"] == [1, 3], r
+
+
 # --- the worker ------------------------------------------------------------------------------
 
 def _attempt(jckpt, tree, path, timeout=None):
@@ -949,24 +986,86 @@ def phase_reader_race(jax, jckpt, result, path):
 
 
 def phase_manager_arguments(jax, jckpt, result, path):
-    """A manager saves steps 1 to 3; at step 2, process 1's metrics hold a value that is no number."""
+    """A manager saves steps 1 to 3; at step 2, process 1's metrics hold a value that is no
+    number, or (`KIND` "lease") process 1 finds its lease taken over by another writer."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
+
+    class TakenOver:  # an object store's lease, taken over by another writer
+        def check(self):
+            raise jckpt.InUseError("the writer lease was taken over", file=str(path))
 
     mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")), ("x",))
     attempts = []
     with jckpt.CheckpointManager(path) as mgr:
+        lease = mgr._lease
         for step in (1, 2, 3):
             x = jax.make_array_from_callback((8,), NamedSharding(mesh, P("x")),
                                              lambda i, s=step: np.full(8, s, np.float32)[i])
-            loss = "nan?" if step == 2 and jax.process_index() == 1 else float(step)
+            lone = step == 2 and jax.process_index() == 1
+            loss = "nan?" if lone and os.environ.get("KIND") != "lease" else float(step)
+            mgr._lease = TakenOver() if lone and os.environ.get("KIND") == "lease" else lease
             start = time.monotonic()
             try:
                 mgr.save(step, {"x": x}, metrics={"loss": loss})
                 attempts.append([None, "", time.monotonic() - start])
             except jckpt.CheckpointError as e:
                 attempts.append([type(e).__name__, str(e), time.monotonic() - start])
+        mgr._lease = lease
         result.update(ok=True, attempts=attempts, steps=mgr.all_steps())
+
+
+def phase_lone_failures(jax, jckpt, result, path):
+    """A writer manager's restores, then plain `jckpt.restore`s, each failing in process 1
+    alone: a target of another shape, its piece of step 2 damaged, a file missing for it
+    alone; each followed by one that fails in none."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    sharding = NamedSharding(jax.sharding.Mesh(np.array(jax.devices("cpu")), ("x",)), P("x"))
+    lone = jax.process_index() == 1
+    run = os.path.join(path, "run")
+
+    def target(size=8):
+        return {"x": jax.ShapeDtypeStruct((size,), np.float32, sharding=sharding)}
+
+    def attempt(call, value):
+        """`[error type or None, message, seconds, whether what came back holds value]`."""
+        start = time.monotonic()
+        try:
+            back = call()
+        except jckpt.CheckpointError as e:
+            return [type(e).__name__, str(e), time.monotonic() - start, False]
+        tree = getattr(back, "tree", back)
+        return [None, "", time.monotonic() - start, all(bool(np.all(np.asarray(s.data) == value))
+                                                        for s in tree["x"].addressable_shards)]
+
+    attempts = []
+    with jckpt.CheckpointManager(run) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"x": jax.make_array_from_callback(
+                (8,), sharding, lambda i, s=step: np.full(8, s, np.float32)[i])})
+        attempts.append(attempt(lambda: mgr.restore(target=target(16 if lone else 8)), 2))
+        attempts.append(attempt(lambda: mgr.restore(target=target()), 2))
+        piece = os.path.join(run, "step_00000002.jckpt", "process_00001.jckpt")
+        if lone:  # the damage is in the piece process 1 alone reads
+            data = bytearray(open(piece, "rb").read())
+            data[-1] ^= 0xFF
+            with open(piece, "wb") as f:
+                f.write(data)
+        attempts.append(attempt(lambda: mgr.restore(target=target()), 2))
+        attempts.append(attempt(lambda: mgr.restore(1, target=target()), 1))
+    one = os.path.join(path, "missing.jckpt" if lone else "one.jckpt")
+    attempts.append(attempt(lambda: jckpt.restore(jckpt.Context(), target(), one), 7))
+    one = os.path.join(path, "one.jckpt")
+    attempts.append(attempt(lambda: jckpt.restore(jckpt.Context(), target(), one), 7))
+    if not lone:  # onto host values: this process's own restore, which meets no other
+        start = time.monotonic()
+        back = jckpt.restore(jckpt.Context(), {"x": np.zeros(8, np.float32)}, one)
+        result["alone"] = [bool(np.all(back["x"] == 7)), time.monotonic() - start]
+    step2 = os.path.join(run, "step_00000002.jckpt")
+    attempts.append(attempt(lambda: jckpt.restore(jckpt.Context(), target(), step2, verify=True), 2))
+    result.update(ok=True, attempts=attempts)
 
 
 PHASES = {"lonesame": phase_lone_save_of_the_same_path, "openconflict": phase_open_beside_a_live_run,
@@ -975,7 +1074,7 @@ PHASES = {"lonesame": phase_lone_save_of_the_same_path, "openconflict": phase_op
           "stages": phase_stages,
           "filesteps": phase_file_steps, "readers": phase_readers,
           "ownerror": phase_own_error, "readerrace": phase_reader_race,
-          "managerargs": phase_manager_arguments}
+          "managerargs": phase_manager_arguments, "lonefailures": phase_lone_failures}
 
 
 def worker(phase, process, port, path, processes=2, devices=2):

@@ -252,3 +252,19 @@ def test_place_all_reads_lazy_arrays_concurrently():
     placed = placement.place_all(requests, host=False, device=None)
     assert [np.asarray(p).tolist() for p in placed] == [[1.0] * 4] * 2
     assert alone == []
+
+
+def test_only_an_array_placed_on_other_processes_devices_is_beyond_this_process():
+    """What makes a multi-process `restore` meet the others: in one process, nothing is."""
+    from jax.sharding import AbstractMesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    on_mesh = NamedSharding(cpu_mesh((4,), ("x",)), P("x"))
+    local = [np.zeros(3), 3, np.float32(1), jnp.ones(2), jax.device_put(np.ones(8), on_mesh),
+             jax.ShapeDtypeStruct((8,), jnp.float32, sharding=on_mesh),
+             jax.ShapeDtypeStruct((8,), jnp.float32)]
+    assert not any(placement.beyond_this_process(x, host=False, device=None) for x in local)
+    abstract = NamedSharding(AbstractMesh((4,), ("x",)), P("x"))  # its devices are not known
+    assert placement.beyond_this_process(jax.ShapeDtypeStruct((8,), jnp.float32, sharding=abstract),
+                                         host=False, device=None)
+
