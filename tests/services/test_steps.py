@@ -308,7 +308,7 @@ def test_a_step_is_gone_once_what_it_is_listed_by_is(where, tmp_path):
 @pytest.mark.parametrize('read_only', [False, True])
 def test_opening_a_manager_reads_step_headers_without_the_general_reader(tmp_path, monkeypatch,
                                                                           caplog, read_only):
-    """A manager opening 1,000 steps spent four fifths of its time in the general header
+    """A manager opening 1,000 steps spent two thirds of its time in the general header
     reader's scan for crafted repetitions and parse, once per step: the steps a manager
     writes are read without them, and a damaged one is still left out, named."""
     import logging
