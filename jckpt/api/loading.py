@@ -486,8 +486,8 @@ def ingestion_counts() -> dict[str, int]:
 
 
 def describe(path: PathLike) -> Header:
-    """The validated header of `path` without reading any payload."""
-    return open_checkpoint(path).header
+    """The validated header of `path` without reading (or mapping) any payload."""
+    return open_checkpoint(path, mapped=False).header
 
 
 __all__ = ['describe', 'ingestion_counts', 'load', 'restore', 'restore_alone']

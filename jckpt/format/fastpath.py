@@ -27,7 +27,7 @@ from jckpt.errors import FormatError
 from jckpt.format import limits, precs
 from jckpt.format.entries import INT_KINDS, MAX_INT64, Entry, Header
 from jckpt.format.limits import MAX_NDIM, MAX_PATH_LENGTH, check_shape
-from jckpt.format.sexp import SPLIT_QUOTED, Verbatim, unterminated
+from jckpt.format.sexp import SPLIT_QUOTED, Sexp, SexpError, Verbatim, unterminated
 from jckpt.format.sexp import _unescape as unescape
 
 _A = r"[!$%&'*+,\-./0-9:<=>?@A-Z\[\]^_`a-z{}~]+"
@@ -177,6 +177,66 @@ def _regex_entries(text: str, start: int) -> tuple[list[Entry], int] | None:
     if tail is None or text[tail.end() - 1] != ')' or not _within_limits(entries):
         return None
     return entries, tail.end() - 1
+
+
+# --- the fields around the entries ---------------------------------------------------------------
+
+_BLANKS = r"[ \t\r\n]*"
+#: An atom as jckpt writes it: bare (no character the readers treat specially), or quoted.
+_ATOM = rf'(?:{_A}|"[^"\\]*(?:\\.[^"\\]*)*")'
+#: A header whose tensors list is cut out (`()`), its other fields as jckpt writes them: no
+#: field twice, none unknown, every metadata pair `(KEY VALUE)` of atoms.
+_SHELL = re.compile(
+    rf"\(\(version ([0-9]{{1,19}})\){_BLANKS}(?:\(alignment ([0-9]{{1,19}})\){_BLANKS})?"
+    rf"\(tensors{_BLANKS}\(\){_BLANKS}\)(?:{_BLANKS}\(writer ({_ATOM})\))?"
+    rf"(?:{_BLANKS}\(metadata \(((?:\({_ATOM} {_ATOM}\)(?: \({_ATOM} {_ATOM}\))*)?)\)\))?"
+    rf"(?:{_BLANKS}\(header_checksum \(xxh3_64 ([0-9A-Fa-f]{{16}})\)\))?{_BLANKS}\){_BLANKS}",
+    re.ASCII | re.DOTALL)
+_SHELL_PAIR = re.compile(rf"\(({_ATOM}) ({_ATOM})\)", re.ASCII | re.DOTALL)
+
+
+def _atom(text: str) -> str:
+    return unescape(text[1:-1]) if text[:1] == '"' else text
+
+
+def canonical_shell(text: str) -> Sexp | None:
+    """The parsed header of `text`, a header whose tensors list was cut out (`()`, as
+    `canonical_entries` leaves it), when its other fields are laid out as jckpt writes them;
+    None to use the general reader (and its scan for crafted repetitions).
+
+    A step's header is a few entries and a metadata list: the general reader's scan and
+    parse of those few hundred bytes cost ten times the rest of its decoding. What this
+    accepts, the scan passes (no field twice, no pair repeated: a repeat is left to it) and
+    `parse` reads as the same tree, so `header_from_sexp` gives the same header or error.
+
+    >>> canonical_shell('((version 1) (tensors ()) (metadata ((a "b c"))))')
+    [['version', '1'], ['tensors', []], ['metadata', [['a', 'b c']]]]
+    """
+    m = _SHELL.fullmatch(text)
+    if m is None:
+        return None
+    version, alignment, writer, pairs, digest = m.groups()
+    tree: list[Sexp] = [['version', version]]
+    if alignment is not None:
+        tree.append(['alignment', alignment])
+    tree.append(['tensors', []])
+    try:
+        if writer is not None:
+            tree.append(['writer', _atom(writer)])
+        if pairs is not None:
+            found: list[Sexp] = []
+            last = None
+            for pair in _SHELL_PAIR.finditer(pairs):
+                if pair[0] == last:
+                    return None  # a pair repeated verbatim: the scan's to judge
+                last = pair[0]
+                found.append([_atom(pair[1]), _atom(pair[2])])
+            tree.append(['metadata', found])
+    except SexpError:
+        return None  # a quoted atom the reader refuses: its error
+    if digest is not None:
+        tree.append(['header_checksum', ['xxh3_64', digest]])
+    return tree
 
 
 # --- the pieces of a directory index, kept as text ---------------------------------------------
@@ -344,5 +404,5 @@ def with_canonical_lists(text: str, decode: Callable[[str], Header], file: str |
     return decode(text)
 
 
-__all__ = ['PLACEHOLDER', 'RepeatedEntry', 'accelerator', 'canonical_entries', 'loose_piece_lists',
-           'with_canonical_lists']
+__all__ = ['PLACEHOLDER', 'RepeatedEntry', 'accelerator', 'canonical_entries', 'canonical_shell',
+           'loose_piece_lists', 'with_canonical_lists']

@@ -42,7 +42,12 @@ from jckpt.format.entries import (
     path_name,
 )
 from jckpt.format.entries import round_up as round_up
-from jckpt.format.fastpath import RepeatedEntry, canonical_entries, with_canonical_lists
+from jckpt.format.fastpath import (
+    RepeatedEntry,
+    canonical_entries,
+    canonical_shell,
+    with_canonical_lists,
+)
 
 # The encoder lives in ``header_encoder``; its names stay importable from here too.
 from jckpt.format.header_encoder import encode_header as encode_header
@@ -408,11 +413,15 @@ def _decode(raw: bytes | memoryview, start: int, file: str | None) -> Header:
         fast = canonical_entries(text)
     except RepeatedEntry as e:
         raise _fail(str(e), file, f"#{e.index}") from None
+    head = memoryview(raw)[:start]  # what the header checksum covers
     if fast is not None:
         entries, list_open, list_close = fast
         if entries:  # an empty list is read as it is, without a copy of the text
             text = text[:list_open] + '()' + text[list_close + 1:]
-    head = memoryview(raw)[:start]  # what the header checksum covers
+        shell = canonical_shell(text)  # the other fields as jckpt writes them: read at once
+        if shell is not None:
+            header_seal.check_header_checksum(head, shell, file)
+            return header_from_sexp(shell, file=file, entries=entries)
     try:  # a repetition found in the text with an index's pieces cut out is one in the whole
         return with_canonical_lists(text, lambda t: _from_text(t, file, fast and entries, head),
                                     file)

@@ -54,6 +54,9 @@ _TOKEN = re.compile(
     re.DOTALL,
 )
 _ESCAPE = re.compile(rb'\\(?:([\\"\'ntrb ])|(\d{3})|x([0-9a-fA-F]{2})|\n[ \t]*)')
+#: A quoted atom's inside whose only escapes are \" and \\ (`_unescape`'s common case).
+_QUOTES_ONLY = re.compile(r'[^\\]*(?:\\["\\][^\\]*)*')
+_QUOTE_ESCAPE = re.compile(r'\\(["\\])')
 _SIMPLE_ESCAPES = {b'\\': b'\\', b'"': b'"', b"'": b"'", b'n': b'\n', b't': b'\t',
                    b'r': b'\r', b'b': b'\b', b' ': b' '}
 
@@ -62,6 +65,8 @@ def _unescape(body: str) -> str:
     """Decode the inside of a quoted atom (OCaml escapes; bytes are UTF-8)."""
     if '\\' not in body:
         return body
+    if body.isascii() and _QUOTES_ONLY.fullmatch(body):  # JSON in metadata: \" and \\ alone
+        return _QUOTE_ESCAPE.sub(r'\1', body)
 
     def sub(m: re.Match[bytes]) -> bytes:
         simple, dec, hexa = m.groups()

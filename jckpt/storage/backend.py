@@ -134,8 +134,9 @@ class LocalBackend:
 
     name = 'local'
 
-    def open(self, path: str, *, follow_symlinks: bool = True) -> CheckpointReader:
-        return CheckpointReader(path, follow_symlinks=follow_symlinks)
+    def open(self, path: str, *, follow_symlinks: bool = True, mapped: bool = True
+             ) -> CheckpointReader:
+        return CheckpointReader(path, follow_symlinks=follow_symlinks, mapped=mapped)
 
     def map(self, path: str) -> Buffer:
         try:

@@ -112,13 +112,14 @@ def reusing(reader: Any) -> Iterator[Any]:
         _REUSED.reset(token)
 
 
-def open_checkpoint(path: str | os.PathLike) -> Any:
+def open_checkpoint(path: str | os.PathLike, *, mapped: bool = True) -> Any:
     """Open a checkpoint file, a directory checkpoint, or a registered foreign directory.
 
     Validates the header (and a directory's index) without touching a
     payload. Raises `jckpt.errors.FormatError` for something that is not a
     checkpoint, and `jckpt.errors.InputError` for a URL no storage backend
-    serves.
+    serves. `mapped=False`: a local file is not mapped, its reader's header alone
+    is for use (`describe`).
     """
     path = checked_path(path)
     reused = _REUSED.get()
@@ -132,8 +133,8 @@ def open_checkpoint(path: str | os.PathLike) -> Any:
             raise folder_path_error(path, saving=False)  # not the OS's "not a directory"
         aside = set_aside(path) if not os.path.lexists(path) else []
         if aside:  # a save killed between renaming the old checkpoint aside and the new one in
-            return open_checkpoint(aside[-1])
-        return backend.open(path)
+            return open_checkpoint(aside[-1], mapped=mapped)
+        return LOCAL.open(path, mapped=mapped)
     if not os.path.exists(os.path.join(path, INDEX_NAME)):
         fmt = directory_format(path)
         if fmt is not None:

@@ -66,10 +66,14 @@ class CheckpointReader:
     array viewing it, even after the file is replaced or removed.
     `follow_symlinks=False` refuses a file that is a symbolic link (for
     names read from another file, such as a directory checkpoint's pieces).
+    `mapped=False` checks the header alone and maps nothing (`describe`: a
+    mapping and its removal were a tenth of reading a small step's header).
     """
 
-    def __init__(self, path: str | os.PathLike, *, follow_symlinks: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, *, follow_symlinks: bool = True,
+                 mapped: bool = True) -> None:
         self.path = os.fspath(path)
+        self._mapped = mapped
         try:
             f = open_regular(self.path, follow_symlinks=follow_symlinks)
         except FileNotFoundError:
@@ -88,7 +92,8 @@ class CheckpointReader:
             self._read_head(f.fileno())
 
     def _read_head(self, fd: int) -> None:
-        """Read and check the header of the open file `fd`, and map the file."""
+        """Read and check the header of the open file `fd`, and map the file (unless not
+        `mapped`: a reader of the header alone, `describe`'s, which reads no payload)."""
         try:
             st = os.fstat(fd)
             self.size = st.st_size
@@ -111,7 +116,8 @@ class CheckpointReader:
             self.sealed = is_sealed(raw)
             self.data_start = 4 + hlen
             check_extents(self.header, self.data_start, self.size, file=self.path)
-            self._map = mmap_mod.mmap(fd, 0, access=mmap_mod.ACCESS_COPY) if self.size else b''
+            mapped = self.size and self._mapped
+            self._map = mmap_mod.mmap(fd, 0, access=mmap_mod.ACCESS_COPY) if mapped else b''
         except OSError as e:
             raise storage_error(e, "reading the checkpoint", self.path) from e
 

@@ -459,3 +459,87 @@ def _spy(fn, seen):
 def test_another_formats_file_is_told_from_its_first_bytes(head, kind):
     got = foreign_kind(head)
     assert got is None if kind is None else kind in got
+
+
+# --- the fields around the entries: the shell's fast path and the general reader agree ---
+
+from hypothesis import HealthCheck  # noqa: E402
+
+from jckpt.format import header as header_mod  # noqa: E402
+from jckpt.format import prescan  # noqa: E402
+
+metadata_atoms = st.text(alphabet=st.characters(codec="utf-8", exclude_characters="\x00"),
+                         max_size=8)
+
+
+def _decode_both_ways(raw: bytes, monkeypatch) -> list:
+    """`decode_header(raw)` with the shell's fast path, then with the general reader alone:
+    the header, or the error's message and entry."""
+    outcomes = []
+    for shell in (fastpath.canonical_shell, lambda text: None):
+        monkeypatch.setattr(header_mod, "canonical_shell", shell)
+        try:
+            outcomes.append(("ok", decode_header(raw, file="x.jckpt")))
+        except FormatError as e:
+            outcomes.append(("error", e.message, e.entry))
+    return outcomes
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(metadata_atoms, metadata_atoms), max_size=4),
+       st.one_of(st.none(), metadata_atoms), st.sampled_from([1, 8, 64]), st.booleans(),
+       st.booleans())
+def test_the_shell_fast_path_and_the_general_reader_agree(monkeypatch, pairs, writer, alignment,
+                                                          sealed, empty):
+    tensors = () if empty else (entry(),)
+    header = Header(tensors=tensors, alignment=alignment, writer=writer, metadata=tuple(pairs))
+    raw = encode_header(lay_out(header) if tensors else header, header_checksum=sealed)
+    fast, general = _decode_both_ways(raw, monkeypatch)
+    assert fast == general
+    assert fast[0] == "ok" and fast[1].metadata == tuple(pairs) and fast[1].writer == writer
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(metadata_atoms, metadata_atoms), min_size=1, max_size=3), st.data())
+def test_the_shell_paths_agree_on_mutated_text(monkeypatch, pairs, data):
+    """A mutation anywhere after the entries (quotes, escapes, parentheses, a pair repeated,
+    the checksum's digits): both paths accept the same header or give the same error."""
+    raw = encode_header(lay_out(Header(tensors=(entry(),), metadata=tuple(pairs))),
+                        header_checksum=data.draw(st.booleans()))
+    text = raw[4:].decode().rstrip()
+    start = text.index("(writer") if "(writer" in text else text.index("(metadata")
+    pos = data.draw(st.integers(start, len(text) - 1))
+    choice = data.draw(st.sampled_from(["delete", "insert", "replace", "repeat"]))
+    char = data.draw(st.sampled_from(list("() \"\\;#|0a-9\n\x1c\u00a0")))
+    if choice == "repeat":
+        first = re.search(r"\(metadata \((\([^()]*\))", text)
+        text = text.replace(first[1], f"{first[1]} {first[1]}", 1) if first else text
+    elif choice == "delete":
+        text = text[:pos] + text[pos + 1:]
+    else:
+        text = text[:pos] + char + text[pos + (choice == "replace"):]
+    body = text.encode()
+    fast, general = _decode_both_ways(len(body).to_bytes(4, "big") + body, monkeypatch)
+    assert fast == general
+
+
+def test_a_pair_repeated_past_the_scans_bound_is_refused_by_both_paths(monkeypatch):
+    pairs = (("a", "1"),) * (prescan.MAX_METADATA_REPEATS + 2)
+    raw = encode_header(Header(tensors=(), metadata=pairs))
+    fast, general = _decode_both_ways(raw, monkeypatch)
+    assert fast == general and fast[0] == "error" and "repeated" in fast[1]
+
+
+def test_a_step_header_is_read_without_the_general_reader(monkeypatch):
+    """A manager's step header (entries, writer, metadata with quoted JSON, checksum) is
+    decoded without the general reader's scan and parse: a tenth of what they cost."""
+    seen = []
+    monkeypatch.setattr(prescan, "check_header", lambda text: seen.append(text))
+    metadata = (("jckpt.step", "7"), ("jckpt.metrics", '{"loss": 0.5}'),
+                ("jckpt.trainer_state", '{"user": {"note": "a \\"b\\"\\n"}}'))
+    raw = encode_header(lay_out(Header(tensors=(entry(),), writer="jckpt 0.1.0",
+                                       metadata=metadata)))
+    assert decode_header(raw).metadata == metadata and seen == []
+    damaged = raw.replace(b'0.5', b'0.6')
+    with pytest.raises(FormatError, match="header checksum mismatch"):
+        decode_header(damaged)

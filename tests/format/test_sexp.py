@@ -160,3 +160,24 @@ def test_malformed_text_off_the_fast_path_is_refused_before_the_tokenizer(
     monkeypatch.setattr(sexp, '_parse_slow', lambda t: pytest.fail("the tokenizer was reached"))
     with pytest.raises(SexpError, match=message):
         parse(text)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list('\\"ntx0a1\n \u00e9{}:')), max_size=24))
+def test_a_quoted_atom_of_quote_escapes_alone_reads_as_the_general_unescape_reads_it(body):
+    """The common case (JSON in a metadata value: `\\"` and `\\\\` only) is read at C speed;
+    every body reads as the general escape reader reads it, or is refused alike."""
+    import re
+
+    from jckpt.format import sexp
+    outcomes = []
+    for quotes_only in (sexp._QUOTES_ONLY, re.compile(r'(?!)')):
+        sexp_patch = sexp._QUOTES_ONLY
+        sexp._QUOTES_ONLY = quotes_only
+        try:
+            outcomes.append(sexp._unescape(body))
+        except SexpError as e:
+            outcomes.append(str(e))
+        finally:
+            sexp._QUOTES_ONLY = sexp_patch
+    assert outcomes[0] == outcomes[1]

@@ -50,6 +50,22 @@ def test_a_file_opens_as_a_checkpoint_reader(tmp_path):
     np.testing.assert_array_equal(reader.decode(entry), W)
 
 
+def test_a_file_opened_for_its_header_alone_is_not_mapped(tmp_path, monkeypatch):
+    """`describe` (a manager reads every step's header as it opens) mapped each file, and
+    the mapping and its removal were a tenth of reading a small step's header."""
+    import jckpt
+    from jckpt.storage import reader as reader_mod
+    path = tmp_path / 'm.jckpt'
+    write_file(path)
+    mapped = open_checkpoint(path).header
+    monkeypatch.setattr(reader_mod.mmap_mod, 'mmap', lambda *a, **k: pytest.fail('mapped'))
+    assert open_checkpoint(path, mapped=False).header == mapped == jckpt.describe(path)
+    with open(path, 'r+b') as f:
+        f.truncate(os.path.getsize(path) - 1)  # the header's checks all the same
+    with pytest.raises(FormatError, match="truncated"):
+        jckpt.describe(path)
+
+
 def test_a_directory_opens_as_a_directory_reader(tmp_path):
     path = tmp_path / 'ckpt'
     write_directory(path)
