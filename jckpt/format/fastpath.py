@@ -265,14 +265,17 @@ _BATCH = 1 << 16
 
 
 def _quoted_pieces(parts: list[str], k: int) -> bool:
-    """Whether quoted atom `parts[k]` is a `pieces` field's name: `("pieces" (...`."""
+    """Whether quoted atom `parts[k]` is a `pieces` field's name: `("pieces" (...`. Where it
+    stands is looked at first: a quoted value repeated 400,000 times (metadata) was unescaped
+    each time before being found to be no field's name, 2 s for a 14 MB header."""
+    if not (parts[k - 1].rstrip(' \t\r\n').endswith('(') and k + 1 < len(parts)
+            and parts[k + 1].lstrip(' \t\r\n').startswith('(')):
+        return False
     body = parts[k][1:-1]
     try:
-        name = unescape(body) if '\\' in body else body
+        return (unescape(body) if '\\' in body else body) == 'pieces'
     except ValueError:
         return False
-    return (name == 'pieces' and parts[k - 1].rstrip(' \t\r\n').endswith('(')
-            and k + 1 < len(parts) and parts[k + 1].lstrip(' \t\r\n').startswith('('))
 
 
 def loose_piece_lists(text: str) -> int:
