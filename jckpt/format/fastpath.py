@@ -194,6 +194,8 @@ _PIECES_FIELD = re.compile(
 #: The start of a `(pieces (...))` field left to the general reader (one that is not
 #: kept as text; a kept one reads `(pieces %jckpt-list-N)`).
 _LOOSE_FIELD = re.compile(rf"\({_W}*+pieces{_W}*+\(")
+#: A quoted atom first in its list, where a field's name stands.
+_QUOTED_NAME = re.compile(r'\([ \t\r\n]*+"')
 #: The atom that stands for an index's piece list kept as text (`%jckpt-list-N`).
 PLACEHOLDER = '%jckpt-list-'
 
@@ -285,6 +287,8 @@ def loose_piece_lists(text: str) -> int:
     there is none. What `with_canonical_lists` bounds before it parses."""
     if 'pieces' not in text and '\\' not in text:  # no field of that name, even escaped
         return 0
+    if _LOOSE_FIELD.search(text) is None and _QUOTED_NAME.search(text) is None:
+        return 0  # each of the loop's finds below is one of these in the whole text
     parts = SPLIT_QUOTED.split(text)
     for k, part in enumerate(parts):
         m = _LOOSE_FIELD.search(part) if k % 2 == 0 else None
