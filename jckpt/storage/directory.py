@@ -453,7 +453,15 @@ class DirectoryReader:
         return reader.decode(e, mmap=True, count=False)
 
     def read_box(self, array: IndexedArray, box: Box, *, verify: bool = False) -> np.ndarray:
-        """Assemble `box` of an array from the pieces that overlap it."""
+        """Assemble `box` of an array from the pieces that overlap it. `box` is over the
+        array's `shape`: a `Uint4x32_prec` element's trailing dim of 4, which no piece splits,
+        is sliced after the pieces of `box`'s leading dims are assembled."""
+        dims = len(array.entry.dims)
+        box, within = box[:dims], box[dims:]
+        out = self._assemble(array, box, verify)
+        return out[(..., *box_slices(within))] if within else out
+
+    def _assemble(self, array: IndexedArray, box: Box, verify: bool) -> np.ndarray:
         e = array.entry
         # Every overlapping piece is found in its file (and so within that file's size) before
         # the box is allocated: an index cannot make a reader allocate more than the pieces hold.

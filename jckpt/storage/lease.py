@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import stat
 from collections.abc import Iterable
 
 from jckpt.errors import InUseError, StorageError
@@ -57,14 +58,15 @@ class WriterLease:
         self._pid = os.getpid()  # a forked child's copy never removes its parent's lease
         for _ in range(100):
             try:
-                fd = os.open(self.lock_path,
-                             os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
+                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+                             | os.O_NONBLOCK, 0o666)
             except OSError as e:
                 if e.errno == errno.ELOOP:  # a planted symlink must not redirect the write
                     raise StorageError("the writer lease is a symbolic link; not following it",
                                        errno=e.errno, file=self.lock_path,
                                        fix="remove the symbolic link, then save again") from None
                 raise storage_error(e, "creating the writer lease", self.lock_path) from e
+            _refuse_unless_regular(fd, self.lock_path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -158,11 +160,14 @@ def refuse_if_held(lock_paths: Iterable[str], *, file: str) -> None:
     """
     for lock_path in lock_paths:
         try:
-            fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             continue  # no such lease: no one holds it
+        regular = True
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            regular = stat.S_ISREG(os.fstat(fd).st_mode)
+            if regular:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             raise InUseError(f"in use: another writer{_read_holder(fd)} holds the lease "
                              f"{os.path.basename(lock_path)}", file=file,
@@ -173,6 +178,23 @@ def refuse_if_held(lock_paths: Iterable[str], *, file: str) -> None:
             pass  # no flock on this filesystem: the writer's own lease said so already
         finally:
             os.close(fd)
+        if not regular:
+            raise _not_a_lease(lock_path)
+
+
+def _refuse_unless_regular(fd: int, lock_path: str) -> None:
+    """`StorageError` (closing `fd`) unless `fd` is a regular file: a FIFO planted at a lease's
+    name would block its reader (leases are opened with `O_NONBLOCK` so that this check is
+    reached) and takes no truncation, and a device or a directory is no lease either."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _not_a_lease(lock_path)
+
+
+def _not_a_lease(lock_path: str) -> StorageError:
+    return StorageError("the writer lease is not a regular file; not using it", file=lock_path,
+                        fix="remove what is at the lease's name (no writer makes one), then "
+                            "open the writer again")
 
 
 def _read_holder(fd: int) -> str:

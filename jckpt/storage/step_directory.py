@@ -221,6 +221,7 @@ def read_record(path: str, step: int | None = None) -> dict[str, Any]:
           and os.path.basename(record['model']) == record['model']
           and record['model'] not in ('', '.', '..', TRAINER_STATE_NAME, OPTIMIZER_NAME)
           and isinstance(record.get('model_namespace'), str)
+          and isinstance(record.get('model_format', ''), str)
           and isinstance(record.get('metadata'), dict)
           and all(isinstance(k, str) and isinstance(v, str) for k, v in record['metadata'].items())
           and isinstance(record.get('metrics', {}), dict)

@@ -267,7 +267,18 @@ def _combine(path: str, reports: list[VerifyReport], extra: list[Problem]) -> Ve
 def _verify_steps(path: str, progress: bool) -> VerifyReport:
     """Every step of a checkpoint manager's directory, as one report."""
     names = sorted(n for n in backend_for(path).list(path) if STEP_RE.match(n))
-    return _combine(path, [verify(os.path.join(path, n), progress=progress) for n in names], [])
+    return _combine(path, [_verify_listed(os.path.join(path, n), progress) for n in names], [])
+
+
+def _verify_listed(step: str, progress: bool) -> VerifyReport:
+    """A step as the manager reads it: a symbolic link out of its directory, or to the
+    directory itself (which made verify go round through it until the stack ran out), is
+    reported, not followed."""
+    try:
+        step_directory.check_step_link(step)
+    except CheckpointError as err:
+        return _failed(step, _unreadable(step, err))
+    return verify(step, progress=progress)
 
 
 def _verify_step(path: str, progress: bool) -> VerifyReport:

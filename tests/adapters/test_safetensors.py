@@ -332,3 +332,20 @@ def test_a_key_twice_in_the_header_is_refused(tmp_path, header):
     path.write_bytes(struct.pack('<Q', len(header)) + header + b'\0' * 4)
     with pytest.raises(FormatError, match="key 'w' appears twice|key 'dtype' appears twice"):
         st.read(path)
+
+
+def test_a_header_of_deep_lists_repeated_is_refused_before_they_are_built(tmp_path):
+    """A 40-deep list repeated as a tensor's data_offsets (the hostile fuzzer, seed 48): the
+    JSON reader built every list before the offsets were checked, about 40 times the
+    header's size in memory (over a GiB for a 32 MB header, a `MemoryError` under a cap)."""
+    from tests.helpers import peak_bytes
+
+    deep = "[" * 40 + "]" * 40
+    header = ('{"w":{"dtype":"F32","shape":[1],"data_offsets":[' + ", ".join([deep] * 25_000)
+              + ']}}').encode()
+    path = tmp_path / "deep.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
+    with pytest.raises(FormatError, match="nests 43 deep") as info:
+        st.read(str(path))
+    assert str(path) in str(info.value)
+    assert peak_bytes(lambda: st.read(str(path))) < 8 * len(header)

@@ -113,5 +113,5 @@ def test_a_deeply_nested_header_is_refused_as_too_deep(tmp_path, shape):
     header = ('{"a":{"dtype":"U8","shape":' + shape + ',"data_offsets":[0,0]}}').encode()
     path = tmp_path / 'n.safetensors'
     path.write_bytes(struct.pack('<Q', len(header)) + header)
-    with pytest.raises(FormatError, match='nests deeper than 100'):
+    with pytest.raises(FormatError, match='nests'):
         st.read(path)

@@ -21,6 +21,7 @@ from jckpt.storage.checkpoint import open_checkpoint
 from jckpt.storage.lazy import LazyArray, record_reads
 from jckpt.storage.reader import CheckpointReader
 from jckpt.storage.writer import ArraySource, write_checkpoint
+from tests.helpers import raw_file
 
 W = np.arange(32, dtype=np.float32).reshape(8, 4)
 B = np.arange(4, dtype=np.int32)
@@ -371,3 +372,38 @@ def test_loading_a_manager_or_one_of_its_steps_says_how_to_read_it(tmp_path):
             with pytest.raises(FormatError) as e:
                 call(path)
             assert fix in e.value.fix
+
+
+def test_an_array_of_four_word_elements_reads_whole_and_by_box(tmp_path):
+    """A `Uint4x32_prec` array's lazy view has the element's trailing dim of 4, which no
+    piece splits: a box over that shape (`np.asarray` asks the whole of it) was searched
+    among the pieces' boxes of one dim fewer and escaped as a numpy ValueError (found by
+    the reader fuzzer, seed 41: an index whose prec was changed to Uint4x32_prec)."""
+    keys = np.arange(3 * 4, dtype=np.uint32).reshape(3, 4)
+    for p, (lo, hi) in enumerate([(0, 2), (2, 3)]):
+        entry = Entry(id=0, namespace="jckpt", prec="Uint4x32_prec", dims=(hi - lo,), offset=0,
+                      byte_length=(hi - lo) * 16, label=("k",), path=(("k", "k"),),
+                      slice=((lo, hi),), global_dims=(3,))
+        write_checkpoint(os.path.join(tmp_path, piece_name(p)),
+                         lay_out(Header(tensors=(entry,), alignment=32)),
+                         [ArraySource(keys[lo:hi])], durable=False)
+    dr.write_index(str(tmp_path), 2, 32, {}, durable=False)
+    reader = dr.DirectoryReader(tmp_path)
+    lazy = reader.decode(reader.header.tensors[0])
+    assert lazy.shape == (3, 4)
+    np.testing.assert_array_equal(np.asarray(lazy), keys)
+    np.testing.assert_array_equal(lazy[1:3, 2:4], keys[1:3, 2:4])
+    loaded = jckpt.load(jckpt.Context(host=True), tmp_path)[1]["jckpt"]["k"]
+    np.testing.assert_array_equal(loaded, keys)
+
+
+def test_an_index_that_says_four_word_elements_of_one_word_pieces_is_refused(tmp_path):
+    """The fuzzer's case: the index's prec says `Uint4x32_prec`, its pieces hold `float32`."""
+    save_by_hand(tmp_path / "ck")
+    index = tmp_path / "ck" / INDEX_NAME
+    raw = index.read_bytes()
+    text = raw[4:4 + int.from_bytes(raw[:4], "big")].decode().rstrip()
+    index.write_bytes(raw_file(text.replace("(prec Single_prec)", "(prec Uint4x32_prec)"), align=32))
+    with pytest.raises(FormatError, match="as the index says") as info:
+        jckpt.load(jckpt.Context(host=True), tmp_path / "ck")
+    assert str(tmp_path / "ck") in str(info.value)

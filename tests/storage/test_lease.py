@@ -184,3 +184,16 @@ def test_a_forked_child_does_not_close_its_parents_mirror_at_exit(tmp_path):
     out = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == 'refused', out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", [LEASE_SUFFIX, ".process00001" + LEASE_SUFFIX])
+def test_a_planted_fifo_is_refused_not_waited_on(tmp_path, name):
+    """A FIFO at a lease's name blocked the writer opening it (forever: no one writes into it)
+    or escaped as a bare OSError from the truncation; it is no lease, and is refused."""
+    os.mkfifo(tmp_path / name)
+    with pytest.raises(StorageError, match="not a regular file") as info:
+        if name == LEASE_SUFFIX:
+            WriterLease(tmp_path)
+        else:
+            refuse_if_held([str(tmp_path / name)], file=str(tmp_path))
+    assert info.value.file == str(tmp_path / name)

@@ -147,3 +147,19 @@ def test_a_step_set_aside_by_a_writer_killed_between_its_renames_is_put_back(tmp
         assert mgr.restore(1).tree['jckpt']['w'].tolist() == [1, 1]
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith('.')) == [
         'step_00000001.jckpt']
+
+
+@pytest.mark.parametrize('model_format', [['npz'], {'a': 1}, 5])
+def test_a_record_whose_model_format_is_no_string_is_refused(tmp_path, model_format):
+    """A list there reached `jckpt inspect`'s look-up among the registered formats and escaped
+    as `TypeError: unhashable type` (found by the manager-directory fuzzer)."""
+    import json
+
+    import jckpt
+    from jckpt.errors import FormatError
+    step = _record(tmp_path, json.dumps({'model': 'model.npz', 'model_format': model_format,
+                                         'model_namespace': 'jckpt', 'metadata': {}}).encode())
+    with pytest.raises(FormatError, match='not a step record'):
+        sd.read_record(step, 1)
+    shown = jckpt.info(str(tmp_path)).render()
+    assert 'not a step record' in shown

@@ -767,9 +767,12 @@ def _fresh(workdir: str, n: int) -> str:
 
 def run(seed: int, cases: int, workdir: str, *, formats: list[str] | None = None,
         soft_limit: float = 2.0, hard_limit: float = 30.0, keep: str | None = None,
-        limit_memory: bool = True) -> dict:
-    """Run ``cases`` cases from ``seed``, cycling through ``formats``; the summary dict."""
-    formats = formats or sorted(MAKERS)
+        limit_memory: bool = True, makers: dict[str, Callable] | None = None,
+        check: Callable[[Case, str], str] | None = None) -> dict:
+    """Run ``cases`` cases from ``seed``, cycling through ``formats``; the summary dict.
+    ``makers`` and ``check`` stand in for this module's (another fuzzer's cases, same harness)."""
+    makers, check = makers or MAKERS, check or check_case
+    formats = formats or sorted(makers)
     rng = random.Random(seed)
     # The watchdog is a timer signal, not faulthandler's thread: a thread per case would need
     # address space (a stack, perhaps a malloc arena) that the cap below may no longer grant.
@@ -777,8 +780,8 @@ def run(seed: int, cases: int, workdir: str, *, formats: list[str] | None = None
     for i, fmt in enumerate(formats):  # warm every reader before capping memory
         for _ in range(3):
             where = _fresh(workdir, i)
-            path = os.path.join(where, "case" + EXTENSIONS[fmt])
-            check_case(MAKERS[fmt](random.Random(i), path), path)
+            path = os.path.join(where, "case" + EXTENSIONS.get(fmt, ""))
+            check(makers[fmt](random.Random(i), path), path)
     if "orbax" in formats:  # orbax's own reader (a step with _METADATA) starts thread pools
         for i in range(3):
             where = _fresh(workdir, i)
@@ -796,15 +799,15 @@ def run(seed: int, cases: int, workdir: str, *, formats: list[str] | None = None
     for n in range(cases):
         fmt = formats[n % len(formats)]
         where = _fresh(workdir, n)
-        path = os.path.join(where, "case" + EXTENSIONS[fmt])
+        path = os.path.join(where, "case" + EXTENSIONS.get(fmt, ""))
         case_seed = rng.randrange(2**32)
         signal.setitimer(signal.ITIMER_REAL, hard_limit)  # a stuck case: traceback, then exit
         case = None
         t0 = time.perf_counter()
         try:
-            case = MAKERS[fmt](random.Random(case_seed), path)
+            case = makers[fmt](random.Random(case_seed), path)
             t0 = time.perf_counter()  # the reader's time, not the making of the case
-            outcome = check_case(case, path)
+            outcome = check(case, path)
         except Exception as e:  # anything but a CheckpointError escaping is the finding
             outcome = "FAIL"
             failures.append(_failure(seed, n, fmt, case_seed, case, e, where, keep))
@@ -812,7 +815,7 @@ def run(seed: int, cases: int, workdir: str, *, formats: list[str] | None = None
         if elapsed > soft_limit and outcome != "FAIL":  # a stall of a busy machine, or slow?
             t0 = time.perf_counter()
             try:
-                check_case(case, path)
+                check(case, path)
             except Exception:
                 pass
             elapsed = time.perf_counter() - t0
@@ -834,22 +837,31 @@ def run(seed: int, cases: int, workdir: str, *, formats: list[str] | None = None
             "failures": failures}
 
 
+def _special_files(directory: str, names: list[str]) -> list[str]:
+    """The FIFOs, sockets and devices of a case (a mutator's), which no copy takes."""
+    return [n for n in names if not os.path.islink(os.path.join(directory, n))
+            and not os.path.isfile(os.path.join(directory, n))
+            and not os.path.isdir(os.path.join(directory, n))]
+
+
 def _failure(seed, n, fmt, case_seed, case, exc, where, keep) -> dict:
     kept = None
     if keep is not None:
         kept = os.path.join(keep, f"fuzz-{fmt}-{seed}-{n}")
-        shutil.copytree(where, kept, symlinks=True, dirs_exist_ok=True)
+        shutil.copytree(where, kept, symlinks=True, dirs_exist_ok=True, ignore=_special_files)
     return {"seed": seed, "case": n, "format": fmt, "case_seed": case_seed,
             "mutations": case.mutations if case is not None else None,
             "error": f"{type(exc).__name__}: {exc}"[:500],
             "traceback": "".join(traceback.format_exception(exc))[-2500:], "kept": kept}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, *, makers: dict[str, Callable] | None = None,
+         check: Callable[[Case, str], str] | None = None, doc: str | None = None) -> int:
+    makers = makers or MAKERS
+    parser = argparse.ArgumentParser(description=(doc or __doc__).split("\n\n")[0])
     parser.add_argument("--cases", type=int, default=10_000, help="cases per seed")
     parser.add_argument("--seed", type=int, action="append", help="repeatable (default 1)")
-    parser.add_argument("--format", action="append", choices=sorted(MAKERS),
+    parser.add_argument("--format", action="append", choices=sorted(makers),
                         help="only these formats (repeatable; default all)")
     parser.add_argument("--soft-limit", type=float, default=2.0)
     parser.add_argument("--hard-limit", type=float, default=30.0)
@@ -864,7 +876,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             results.append(run(seed, args.cases, workdir, formats=args.format,
                                soft_limit=args.soft_limit, hard_limit=args.hard_limit,
-                               keep=args.keep, limit_memory=not args.no_memory_limit))
+                               keep=args.keep, limit_memory=not args.no_memory_limit,
+                               makers=makers, check=check))
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
     summary = {"cases": sum(r["cases"] for r in results),

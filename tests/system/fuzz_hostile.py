@@ -22,7 +22,8 @@ a container (the native header, safetensors' JSON, an ``.npy`` dict, a member of
 mutated as text and written back with its length, its checksum and its zip CRC made right, as
 a crafted file's author would, so that the reader gets past its first check.
 
-Each case's child opens the case as users do: ``jckpt.info`` (rendered), ``jckpt.verify``, and
+Each case's child opens the case as users do: ``jckpt inspect`` (and, below 4 MiB, ``jckpt
+verify`` and ``jckpt diff`` of the case with itself), ``jckpt.info`` (rendered), ``jckpt.verify``, and
 a full read of every array (``open_checkpoint`` and every entry decoded and touched for jckpt's
 own files and directories, ``jckpt.adapters.read`` for the others, the manager's step records,
 model and optimizer for a manager directory).
@@ -490,6 +491,9 @@ def read_case(family: str, path: str, *, with_jax: bool = True) -> None:
 
     target = _target(family, path)
     _cli("inspect", target)
+    if _tree_size(target) < CLI_ALL_BELOW:  # an amplified header is read often enough already
+        _cli("verify", target)
+        _cli("diff", target, target)
     jckpt.info(target).render()
     try:
         jckpt.verify(target)
@@ -514,6 +518,17 @@ def _target(family: str, path: str) -> str:
     if family.startswith("orbax"):
         return os.path.join(path, "step")
     return os.path.join(path, names[0]) if names else path
+
+
+#: Cases smaller than this go through `jckpt verify` and `jckpt diff` (against themselves) too.
+CLI_ALL_BELOW = 4 << 20
+
+
+def _tree_size(path: str) -> int:
+    if not os.path.isdir(path):
+        return os.path.getsize(path) if os.path.exists(path) else 0
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path)
+               for f in files if os.path.isfile(os.path.join(root, f)))
 
 
 def _cli(*args: str) -> None:

@@ -264,6 +264,19 @@ def test_a_manager_directory_is_checked_step_by_step(tmp_path):
     assert f"({r.files} files)" in r.render()
 
 
+def test_a_step_linking_back_to_its_manager_directory_is_reported_not_followed(tmp_path):
+    """Verifying the link verified the directory again, and so on until RecursionError, which
+    verify let out (two such links: exponential time; found by the manager-directory fuzzer).
+    A link to another step of the directory is followed, as the manager follows it."""
+    write_arrays(tmp_path / step_name(1), {'w': np.ones(3, np.float32)})
+    os.symlink(tmp_path, tmp_path / step_name(2))
+    os.symlink(step_name(1), tmp_path / step_name(3))
+    r = verify(tmp_path)
+    assert [p.file for p in r.errors] == [str(tmp_path / step_name(2))]
+    assert "outside the manager's directory" in r.errors[0].message
+    assert r.checked == 2
+
+
 @pytest.mark.parametrize("fmt", ["safetensors", "npz"])
 def test_steps_of_a_manager_writing_another_format_are_verified(tmp_path, fmt):
     """The model file is read whole by its format's reader (a warning: no jckpt checksums),
