@@ -229,3 +229,68 @@ def test_equinox_module_restored_whole_names_the_leaf_no_file_stores(tmp_path):
     with pytest.raises(InputError, match=r"target leaf of type str \('batch'\) is not an array") as e:
         jckpt.restore(CTX, abstract, tmp_path / "e.jckpt")
     assert e.value.entry == "jckpt/norm/axis_name" and "eqx.partition" in e.value.fix
+
+
+# --- orbax, as its 0.12 users write it ---------------------------------------------------------
+
+def _nnx_train_state():
+    """An NNX model (batch statistics, a dropout stream) and its optimizer after one update."""
+    nnx, Model = _nnx_model()
+    optax = pytest.importorskip("optax")
+
+    def create():
+        model = Model(nnx.Rngs(0, dropout=1))
+        return model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+
+    with jax.set_mesh(cpu_mesh((2, 4), ("data", "model"))):
+        model, optimizer = create()
+        optimizer.update(model, jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param)))
+    return nnx, create, model, optimizer
+
+
+def test_orbax_manager_with_jckpt_items_beside_json_restores_nnx_on_another_mesh(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    from jckpt.adapters.orbax_handler import JckptRestore, JckptSave
+    nnx, create, model, optimizer = _nnx_train_state()
+    options = ocp.CheckpointManagerOptions(max_to_keep=2)
+    with ocp.CheckpointManager(tmp_path / "run", options=options) as manager:
+        for step in range(3):
+            manager.save(step, args=ocp.args.Composite(
+                model=JckptSave(nnx.state(model)), opt=JckptSave(nnx.state(optimizer)),
+                meta=ocp.args.JsonSave({"step": step})))
+        manager.wait_until_finished()
+    with jax.set_mesh(cpu_mesh((4, 2), ("data", "model"))):
+        abstract_model, abstract_opt = nnx.eval_shape(create)
+        with ocp.CheckpointManager(tmp_path / "run") as manager:
+            got = manager.restore(manager.latest_step(), args=ocp.args.Composite(
+                model=JckptRestore(nnx.state(abstract_model)), opt=JckptRestore(nnx.state(abstract_opt)),
+                meta=ocp.args.JsonRestore()))
+    assert manager.all_steps() == [1, 2] and got["meta"] == {"step": 2}
+    assert got["model"]["hidden"]["kernel"][...].sharding.mesh.shape == {"data": 4, "model": 2}
+    _same({"model": got["model"], "opt": got["opt"]},
+          {"model": nnx.state(model), "opt": nnx.state(optimizer)})
+
+
+@pytest.mark.slow
+def test_jckpt_reads_orbax_own_checkpoints_of_nnx_and_linen_states(tmp_path):
+    """An orbax manager's step of StandardSave items (nnx states, their typed keys) and a
+    StandardCheckpointer's Linen TrainState restore into the stacks' abstract states."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    nnx, create, model, optimizer = _nnx_train_state()
+    with ocp.CheckpointManager(tmp_path / "run") as manager:
+        manager.save(5, args=ocp.args.Composite(model=ocp.args.StandardSave(nnx.state(model)),
+                                                opt=ocp.args.StandardSave(nnx.state(optimizer))))
+        manager.wait_until_finished()
+    with jax.set_mesh(cpu_mesh((2, 4), ("data", "model"))):
+        abstract_model, abstract_opt = nnx.eval_shape(create)
+        back = jckpt.restore(CTX, {"model": nnx.state(abstract_model), "opt": nnx.state(abstract_opt)},
+                             tmp_path / "run" / "5", namespaces=["model", "opt"])
+    _same(back, {"model": nnx.state(model), "opt": nnx.state(optimizer)})
+
+    TrainState, create_linen, step = _linen_state()
+    state = step(create_linen())
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "linen", state)
+    back = jckpt.restore(CTX, jax.eval_shape(create_linen), tmp_path / "linen")
+    assert isinstance(back, TrainState) and int(back.step) == 1
+    _same(back, state)
