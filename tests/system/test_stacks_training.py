@@ -117,6 +117,31 @@ def test_nnx_rngs_and_split_filters_restore_their_streams(tmp_path):
     _same(nnx.state(nnx.merge(graph, back["params"], back["rest"])), nnx.state(model))
 
 
+@pytest.mark.slow
+def test_nnx_named_shardings_and_live_models_take_the_state_onto_another_mesh(tmp_path):
+    """The targets flax's guides build for another mesh: `nnx.get_named_sharding` of the
+    abstract state, `nnx.get_abstract_model`, and a live model made on that mesh."""
+    nnx, Model = _nnx_model()
+    with jax.set_mesh(cpu_mesh((2, 4), ("data", "model"))):
+        model = Model(nnx.Rngs(0, dropout=1))
+        graph, abstract = nnx.split(nnx.eval_shape(lambda: Model(nnx.Rngs(0, dropout=1))))
+    jckpt.save(CTX, nnx.state(model), tmp_path / "m.jckpt")
+    other = cpu_mesh((4, 2), ("data", "model"))
+    shardings = nnx.get_named_sharding(abstract, other)
+    targets = {"named": jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                     abstract, shardings)}
+    if hasattr(nnx, "get_abstract_model"):
+        targets["abstract_model"] = nnx.get_abstract_model(lambda: Model(nnx.Rngs(0, dropout=1)), other)[1]
+    with jax.set_mesh(other):
+        live = Model(nnx.Rngs(5, dropout=6))
+    targets["live"] = nnx.state(live)
+    for name, target in targets.items():
+        back = jckpt.restore(CTX, target, tmp_path / "m.jckpt")
+        kernel = nnx.merge(graph, back).hidden.kernel[...]
+        assert kernel.sharding.mesh.shape == {"data": 4, "model": 2}, name
+        _same(back, nnx.state(model))
+
+
 def _linen_state():
     nn = pytest.importorskip("flax.linen")
     optax = pytest.importorskip("optax")
@@ -294,3 +319,24 @@ def test_jckpt_reads_orbax_own_checkpoints_of_nnx_and_linen_states(tmp_path):
     back = jckpt.restore(CTX, jax.eval_shape(create_linen), tmp_path / "linen")
     assert isinstance(back, TrainState) and int(back.step) == 1
     _same(back, state)
+
+
+@pytest.mark.slow
+def test_equinox_arrays_cross_to_orbax_and_back(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    eqx = pytest.importorskip("equinox")
+
+    def make(key):
+        return eqx.nn.MLP(4, 2, width_size=8, depth=2, key=key)
+
+    model = make(jax.random.key(0))
+    arrays, rest = eqx.partition(eqx.filter_eval_shape(make, jax.random.key(1)),
+                                 lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "orbax", eqx.filter(model, eqx.is_array))
+        jckpt.save(CTX, eqx.filter(model, eqx.is_array), tmp_path / "m.jckpt")
+        jckpt.convert(tmp_path / "m.jckpt", tmp_path / "exported", format="orbax")
+        from_jckpt = checkpointer.restore(tmp_path / "exported" / "jckpt", arrays)
+    from_orbax = jckpt.restore(CTX, arrays, tmp_path / "orbax")
+    for back in (from_orbax, from_jckpt):
+        np.testing.assert_array_equal(eqx.combine(back, rest)(jnp.ones(4)), model(jnp.ones(4)))
