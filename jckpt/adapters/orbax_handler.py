@@ -138,18 +138,22 @@ class JckptCheckpointHandler(ocp.AsyncCheckpointHandler):
         for f in jax.tree_util.tree_leaves(_run(self.async_save(directory, args=args))):
             f.result()
 
-    def restore(self, directory: Any, args: JckptRestore | None = None) -> Any:
+    def restore(self, directory: Any, args: JckptRestore | Any = None) -> Any:
         """The saved tree: `target`'s structure when given, else nested dicts and lists with
         `None` where the tree had a node without leaves (as `metadata(directory).tree` has it,
-        and as orbax's own restore without a target gives it)."""
+        and as orbax's own restore without a target gives it).
+
+        `args` may also be orbax's `ocp.args.StandardRestore(abstract)`, for code that
+        restores with it and a manager whose `handler_registry` gives such an item to this
+        handler (its `item` is the target; a restore here is always strict)."""
         path = self._path(directory)
-        target = None if args is None else args.target
+        target, cast = _restore_args(args, path)
         if target is None:
             ctx, tree = load(self._context, path)
             recorded = describe(path).metadata_dict().get(EMPTY_NODES_KEY)
             return tree_mod.with_empty_nodes(tree.get(ctx.namespace, {}),
                                              empty_nodes(recorded, ctx.namespace))
-        return restore_alone(self._context, target, path, cast=args.cast)
+        return restore_alone(self._context, target, path, cast=cast)
 
     def metadata(self, directory: Any) -> JckptItemMetadata:
         """What the item holds, from its header alone (no payload is read).
@@ -201,6 +205,19 @@ def _spec(entry: Entry) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(entry.shape, entry.dtype)
     data = jax.ShapeDtypeStruct(entry.shape, entry.dtype)
     return jax.eval_shape(lambda d: jax.random.wrap_key_data(d, impl=entry.key_impl), data)
+
+
+def _restore_args(args: Any, path: str) -> tuple[Any, bool]:
+    """`(target, cast)` of a restore's `args`: `JckptRestore`, orbax's `StandardRestore`, or None."""
+    if args is None:
+        return None, False
+    if isinstance(args, JckptRestore):
+        return args.target, args.cast
+    if isinstance(args, ocp.args.StandardRestore):
+        return args.item, False
+    raise InputError(f"a jckpt item restores with JckptRestore or ocp.args.StandardRestore, "
+                     f"not {type(args).__name__}", file=path,
+                     fix="restore it with jckpt.adapters.orbax_handler.JckptRestore(abstract_tree)")
 
 
 def _run(coro):

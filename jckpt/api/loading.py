@@ -358,6 +358,8 @@ def _match_all(index: dict[str, _Stored], parts: Sequence[tuple[str, list, Any]]
             entry, found = _match(index[ns], p)
             if entry is not None:
                 out.append((entry, leaf, where))
+            elif not targets.is_target(leaf):  # never stored: say what it is, not "missing"
+                raise targets.not_a_target(leaf, path, where)
             else:
                 first = first or (index[ns], ns, p, found, where)
                 missing.append(where)

@@ -21,6 +21,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -87,7 +88,7 @@ def _key_impl_of(leaf: Any) -> str | None:
 
 def check_leaf(ctx: Context, entry: Entry, leaf: Any, path: str, where: str) -> Any:
     """Check `entry` against the target `leaf` before anything is read; the dtype it wants."""
-    want_shape, want_dtype = _target_spec(leaf)
+    want_shape, want_dtype = _target_spec(leaf, path, where)
     if want_dtype is None and entry.key_impl is None and _is_key_target(leaf):
         raise _raw_key_data(entry, want_shape, path, where)
     _check_shape(entry, want_shape, path, where)
@@ -213,16 +214,42 @@ def _raw_key_data(entry: Entry, want_shape: Any, path: str, where: str) -> Misma
             f"jax.random.key(...) (jax.random.key_data(key) unwraps one)")
 
 
-def _target_spec(leaf: Any) -> tuple[tuple[int, ...] | None, Any]:
+def _target_spec(leaf: Any, path: str, where: str) -> tuple[tuple[int, ...] | None, Any]:
     """`(shape, dtype)` a target leaf asks for (None where it does not say)."""
-    if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
-        if to_host.is_key_dtype(leaf.dtype):
-            return tuple(leaf.shape), None
-        return tuple(leaf.shape), leaf.dtype
-    if isinstance(leaf, (bool, int, float, complex)):
-        return (), None
-    raise InputError(f"target leaf of type {type(leaf).__name__} is not an array or a spec",
-                     fix="use arrays, jax.ShapeDtypeStruct or numbers as target leaves")
+    if not is_target(leaf):
+        raise not_a_target(leaf, path, where)
+    if not isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
+        return (), None  # a Python number (np.float64 is a float too, and says its dtype)
+    if to_host.is_key_dtype(leaf.dtype):
+        return tuple(leaf.shape), None
+    return tuple(leaf.shape), leaf.dtype
 
 
-__all__ = ['as_stored_for', 'as_target_takes', 'check_leaf']
+def is_target(leaf: Any) -> bool:
+    """Whether `leaf` can stand for a stored array: an array, a `jax.ShapeDtypeStruct` or a number."""
+    return isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic,
+                             bool, int, float, complex))
+
+
+def not_a_target(leaf: Any, path: str | None, where: str | None) -> InputError:
+    """The error for a target leaf no checkpoint stores (a function, a string).
+
+    An equinox module's abstract tree keeps its activation functions and its
+    non-static strings as leaves; such a leaf is never in a file (`save`
+    refuses it), so it is named as what it is, with the split that restores
+    the arrays alone, not reported as an entry missing from the file.
+
+    >>> not_a_target("batch", "m.jckpt", "jckpt/bn/axis_name").message
+    "target leaf of type str ('batch') is not an array, a spec or a number"
+    """
+    name = getattr(leaf, '__name__', None) if callable(leaf) else None  # a function: its name
+    shown = name if isinstance(name, str) else reprlib.repr(leaf)
+    return InputError(
+        f"target leaf of type {type(leaf).__name__} ({shown}) is not an array, "
+        "a spec or a number", file=path, entry=where,
+        fix="restore the arrays alone and put the rest back, e.g. for equinox: arrays, rest = "
+            "eqx.partition(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct)); "
+            "eqx.combine(jckpt.restore(ctx, arrays, path), rest)")
+
+
+__all__ = ['as_stored_for', 'as_target_takes', 'check_leaf', 'is_target', 'not_a_target']

@@ -465,3 +465,24 @@ def test_a_namespace_that_is_one_empty_node_is_kept_and_left_out_of_an_export(tm
         back = checkpointer.restore(tmp_path / 'ours', ocp.args.Composite(
             params=ocp.args.PyTreeRestore()))
     assert list(back) == ['params'] and back['params']['w'].tolist() == [1, 1, 1]
+
+
+def test_a_restore_written_with_standard_restore_reads_a_jckpt_item(tmp_path):
+    """Code that restores with `ocp.args.StandardRestore` reads jckpt items once the manager's
+    registry gives them to the handler; other args are refused naming the item's file."""
+    tree = {'w': jnp.arange(4.0), 'step': jnp.int32(3)}
+    with ocp.CheckpointManager(tmp_path) as manager:
+        manager.save(1, args=ocp.args.Composite(state=orbax_handler.JckptSave(tree)))
+        manager.wait_until_finished()
+    handler = orbax_handler.JckptCheckpointHandler()
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    for args in (orbax_handler.JckptSave, orbax_handler.JckptRestore, ocp.args.StandardRestore,
+                 ocp.args.PyTreeRestore):
+        registry.add('state', args, handler)
+    with ocp.CheckpointManager(tmp_path, handler_registry=registry) as manager:
+        got = manager.restore(1, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(jax.eval_shape(lambda: tree))))['state']
+        with pytest.raises(jckpt.InputError, match='not PyTreeRestore') as e:
+            manager.restore(1, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(tree)))
+    assert e.value.file.endswith(orbax_handler.FILENAME) and 'JckptRestore' in e.value.fix
+    assert np.array_equal(got['w'], tree['w']) and got['step'] == 3

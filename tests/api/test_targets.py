@@ -120,3 +120,20 @@ def test_a_numpy_scalar_target_gets_a_numpy_scalar(tmp_path):
     out = jckpt.restore(jckpt.Context(), {'v': np.float32(0), 'a': np.zeros(())}, path)
     assert type(out['v']) is np.float32 and out['v'] == 1.5
     assert type(out['a']) is np.ndarray and out['a'].shape == ()
+
+
+def test_a_target_leaf_no_file_stores_is_named_as_such_whether_stored_or_not(tmp_path):
+    """A function or string among the target's leaves (an equinox module's activation) is
+    named as what it is, with the split that restores the arrays alone: the file can hold no
+    such leaf, so "not in the checkpoint" would send the user looking for it there."""
+    path = tmp_path / "m.jckpt"
+    jckpt.save(CTX, {"w": np.ones(2, np.float32)}, path)
+    target = {"act": jax.nn.relu, "w": jax.ShapeDtypeStruct((2,), jnp.float32)}
+    with pytest.raises(jckpt.InputError, match=r"target leaf of type \w+ \(.*relu.*\) is not an "
+                                               r"array, a spec or a number") as e:
+        jckpt.restore(CTX, target, path)
+    assert e.value.entry == "jckpt/act" and e.value.file.endswith("m.jckpt")
+    assert "eqx.partition" in e.value.fix
+    with pytest.raises(jckpt.InputError, match="target leaf of type str") as e:
+        takes(entry("float32", (2,)), "w")  # one the file has an entry for
+    assert e.value.entry == "jckpt/x" and e.value.file == "f.jckpt"
