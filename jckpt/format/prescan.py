@@ -57,7 +57,7 @@ _ARRAY = {'id': 0, 'namespace': 0, 'label': 1, 'prec': 0, 'global_dims': 1, 'pat
 #: left to the reader, whose error says more precisely what is wrong.
 _SLACK = 64
 #: Fields whose keys are compared at once (a few MB of temporaries).
-_BATCH = 1 << 18
+_BATCH = 1 << 16
 #: Bytes of a field's key compared at once (every known key is shorter; longer ones that
 #: agree this far are compared in full before a refusal).
 _KEY = 16
@@ -88,12 +88,9 @@ def _codes(text: str) -> tuple[np.ndarray, np.ndarray] | None:
     if ';' in text or '\\' in text:  # comments or escapes (rare): the tokenizer's reading
         codes = _codes_read(text)
         return None if codes is None else (codes, np.empty(0, np.int64))
-    codes = np.empty(len(text), np.uint8)
-    quotes = []  # without escapes, quotes pair up in order
-    for start, chunk in _chunks(codes):
-        chunk[:] = np.frombuffer(text[start:start + chunk.size].encode('latin-1', 'replace'),
-                                 dtype=np.uint8)
-        quotes.append(np.flatnonzero(chunk == 34) + start)
+    codes = _encoded(text)
+    quotes = [np.flatnonzero(chunk == 34) + start  # without escapes, quotes pair up in order
+              for start, chunk in _chunks(codes)]
     quotes = np.concatenate(quotes) if quotes else np.empty(0, np.int64)
     return None if quotes.size % 2 else (codes, quotes)
 
@@ -106,13 +103,22 @@ def _codes_read(text: str) -> np.ndarray | None:
                              text)
         if '"' in blanked:
             return None
-    else:
-        parts = SPLIT_QUOTED.split(text)
-        if unterminated(parts):
-            return None
-        parts[1::2] = ['x' * len(p) for p in parts[1::2]]
-        blanked = ''.join(parts)
-    return np.frombuffer(blanked.encode('latin-1', 'replace'), dtype=np.uint8)
+        return np.frombuffer(blanked.encode('latin-1', 'replace'), dtype=np.uint8)
+    codes = _encoded(text)
+    for m in SPLIT_QUOTED.finditer(text):  # blanked in place, an atom at a time: a list of
+        if m.end() == len(text) and unterminated(['', m[0], '']):  # them all and the text
+            return None  # joined again cost six times a crafted header's size
+        codes[m.start():m.end()] = 120  # 'x'
+    return codes
+
+
+def _encoded(text: str) -> np.ndarray:
+    """The text's characters as bytes, one each (others as '?'), a MiB at a time."""
+    codes = np.empty(len(text), np.uint8)
+    for start, chunk in _chunks(codes):
+        chunk[:] = np.frombuffer(text[start:start + chunk.size].encode('latin-1', 'replace'),
+                                 dtype=np.uint8)
+    return codes
 
 
 def unbalanced(text: str) -> str | None:
@@ -126,9 +132,9 @@ def unbalanced(text: str) -> str | None:
     """
     if ';' in text:
         return None
-    quoted = SPLIT_QUOTED.findall(text) if '"' in text else []  # closed or not
-    opens = text.count('(') - sum(q.count('(') for q in quoted)
-    closes = text.count(')') - sum(q.count(')') for q in quoted)
+    opens, closes = text.count('('), text.count(')')
+    for m in SPLIT_QUOTED.finditer(text) if '"' in text else ():  # closed or not; one at a
+        opens, closes = opens - m[0].count('('), closes - m[0].count(')')  # time, not a list
     if opens == closes:
         return None
     return "unbalanced '(': the text ends inside a list" if opens > closes else "unbalanced ')'"
