@@ -70,6 +70,7 @@ from jckpt.storage.regular import open_regular
 #: The safetensors reader refuses headers larger than this.
 MAX_HEADER_BYTES = 100_000_000
 _LAYOUT_DEPTH = 3  # the header, a tensor's info, its shape or offsets
+_MIN_ENTRY = 50  # a tensor's entry at its shortest: "":{"dtype":"U8","shape":[],"data_offsets":[0,0]},
 METADATA_KEY = '__metadata__'
 PATHS_KEY = 'jckpt.paths'
 INDEX_SUFFIX = '.safetensors.index.json'
@@ -141,32 +142,41 @@ def read_header(buffer, file: str) -> tuple[Layout, dict[str, str], int]:
         raise _fail(f"header of {n} bytes extends past the end of the file ({len(buffer)} bytes)",
                     file)
     try:
-        text = bytes(buffer[8:8 + n]).decode('utf-8')
+        text = str(memoryview(buffer)[8:8 + n], 'utf-8')  # no copy of the bytes first
     except UnicodeDecodeError as e:
         raise _fail(f"header is not valid JSON ({e})", file) from None
-    _refuse_nesting(text, file)
+    _refuse_unparsable(text, file)
     size = len(buffer) - 8 - n
     try:  # `layout` checks every part's type: nothing nests deeper than it accepts
         header, metadata = _parsed(text, file, None, shallow=True)
         found = bulk.layout(header, metadata, text, size, DTYPES)
     except FormatError:
         found = None
-    if found is None:  # something is amiss (or merely unusual): find it entry by entry
-        header, metadata = _parsed(text, file, _no_duplicates)
+    if found is None:  # something is amiss (or merely unusual): find it entry by entry,
+        header = metadata = None  # from a second parse that never meets the first (held at
+        header, metadata = _parsed(text, file, _no_duplicates)  # once: twice the memory)
         found = _checked_entries(header, size, file)
     return found, metadata or {}, 8 + n
 
 
-def _refuse_nesting(text: str, file: str) -> None:
-    """Refuse a header nested deeper than the layout (the header, a tensor's info, its shape
-    or offsets: 3) before `json.loads` builds every list of it: a crafted 32 MB header of a
-    40-deep list repeated took 15 million lists, over a GiB. Only a header dense with
-    brackets is scanned; a legitimate one holds about one in fifteen characters."""
+def _refuse_unparsable(text: str, file: str) -> None:
+    """Refuse, before `json.loads` builds every list and key of it, a header nested deeper
+    than the layout (the header, a tensor's info, its shape or offsets: 3; a crafted 32 MB
+    header of a 40-deep list repeated took 15 million lists, over a GiB), or of more entries
+    than its size holds (`_MIN_ENTRY` bytes each at least; millions of short keys cost 35
+    times its size). Only a header dense with brackets or colons is scanned: a legitimate
+    one holds a bracket in some fifteen characters, four colons in some seventy."""
     if text.count('[') + text.count('{') > len(text) // 4:
         depth = limits.json_depth(text)
         if depth > _LAYOUT_DEPTH:
             raise _fail(f"header nests {depth} deep; a safetensors header nests "
                         f"{_LAYOUT_DEPTH} deep at most", file)
+    if text.count(':') * _MIN_ENTRY > 4 * len(text):
+        entries = limits.json_top_keys(text)
+        if entries * _MIN_ENTRY > len(text) + _MIN_ENTRY:  # `__metadata__`'s may be shorter
+            raise _fail(f"header of {len(text)} bytes holds {entries} entries; a tensor's "
+                        f"entry takes {_MIN_ENTRY} bytes at least, so no more than "
+                        f"{len(text) // _MIN_ENTRY + 1} fit", file)
 
 
 def _parsed(text: str, file: str, hook: Any, shallow: bool = False

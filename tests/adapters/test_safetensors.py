@@ -349,3 +349,38 @@ def test_a_header_of_deep_lists_repeated_is_refused_before_they_are_built(tmp_pa
         st.read(str(path))
     assert str(path) in str(info.value)
     assert peak_bytes(lambda: st.read(str(path))) < 8 * len(header)
+
+
+def _crafted(tmp_path, items: list[str]) -> str:
+    header = ('{' + ','.join(items) + '}').encode()
+    path = tmp_path / "crafted.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    return str(path)
+
+
+def test_a_header_of_more_entries_than_its_size_holds_is_refused_before_they_are_built(
+        tmp_path):
+    """Millions of short keys (`"k1":[]`, a few bytes each) made `json.loads` build every
+    key and value, twice (the per-entry check parsed again while the first parse was held):
+    about 35 times the header's size before the first entry was refused. A tensor's entry
+    takes 50 bytes at least, so the keys are counted first, on the text."""
+    from tests.helpers import peak_bytes
+
+    path = _crafted(tmp_path, [f'"{i:x}":[]' for i in range(1_000_000)])
+    assert peak_bytes(lambda: st.read(path)) < 4 * os.path.getsize(path)
+    with pytest.raises(FormatError, match=r"holds 1000000 entries; a tensor's entry takes 50 "
+                                          r"bytes at least, so no more than \d+ fit") as info:
+        st.read(path)
+    assert path in str(info.value)
+
+
+def test_a_refused_header_is_not_held_twice_while_its_fault_is_named(tmp_path):
+    """The per-entry check parses the header again (to refuse duplicate keys), while the
+    first parse was still held: twice the memory of one. The first is let go first."""
+    from tests.helpers import peak_bytes
+
+    path = _crafted(tmp_path, [f'"{i:x}":{{"data_offsets":[0,0]}}' for i in range(50_000)])
+    with pytest.raises(FormatError, match="must have exactly dtype, shape and data_offsets"):
+        st.read(path)
+    one = peak_bytes(lambda: json.loads(open(path, 'rb').read()[8:]))
+    assert peak_bytes(lambda: st.read(path)) < 1.5 * one

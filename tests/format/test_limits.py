@@ -86,3 +86,21 @@ def test_json_with_a_surrogate_pair_reads():
 def test_json_as_gives_a_hint_record_or_none(text, kind, expected):
     """Metrics, empty nodes and a torch file's numbers are hints: damage reads as None."""
     assert limits.json_as(text, kind) == expected
+
+
+def test_json_top_keys_counts_the_outer_objects_keys_only():
+    assert limits.json_top_keys('{"a": {"b": 1, "c:": [2]}, "d": 3}') == 2
+    assert limits.json_top_keys('{"a\\":{": 1, "b": "x:y"}') == 2  # escapes: read apart
+    assert limits.json_top_keys('[1, {"a": 2}]') == 0 and limits.json_top_keys('') == 0
+    many = '{' + ','.join(f'"{i}":{{"x":"{{:"}}' for i in range(200_000)) + '}'  # 3 MiB
+    assert limits.json_top_keys(many) == 200_000
+
+
+def test_a_json_text_of_short_strings_is_measured_without_a_string_per_piece():
+    """Taking the strings out with `re.sub` made a string of each piece between two of them
+    before joining the pieces: eight times the text at the peak for a safetensors header of
+    millions of short keys. Without escapes the strings are blanked a MiB at a time (some
+    12 MiB of temporaries, whatever the size of the text)."""
+    text = '{' + '"k":0,' * (2 << 20) + '"k":0}'  # 12 MiB
+    peak = peak_bytes(lambda: limits.json_depth(text))
+    assert peak < 2 * len(text), (peak, len(text))  # 12 times it before
