@@ -67,7 +67,7 @@ def _zip_without_end(path: str, head: bytes, size: int) -> str | None:
 
 
 def _short_safetensors(head: bytes, size: int) -> str | None:
-    from jckpt.adapters.safetensors import header_end  # the sniffer's own reading of `head`
+    from jckpt.adapters.safetensors_header import header_end  # the sniffer's own reading of `head`
 
     end = header_end(head)
     if end is None or end <= size:
