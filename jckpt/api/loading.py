@@ -112,6 +112,8 @@ def _decoded(reader: Any, entries: Sequence[Entry], mmap: bool, verify: bool, ba
     """Each entry's array, in order: a local file's all at once (mapped views made in one C
     call), else one by one, advancing a drawn progress bar (if any) as each is read."""
     if (bar is not None and bar.drawn) or not hasattr(reader, 'decode_all'):
+        if hasattr(reader, 'advise'):  # a local file's: their pages alone, read ahead of their use
+            reader.advise(entries)
         for e in entries:
             yield reader.decode(e, mmap=mmap, verify=verify)
             if bar is not None:

@@ -68,6 +68,25 @@ def full_box(shape: Sequence[int]) -> Box:
     return tuple((0, int(d)) for d in shape)
 
 
+def rows_span(box: Box, within: Box, nbytes: int) -> tuple[int, int]:
+    """`(start, length)` of the bytes holding the rows (leading dim) of `within` among the
+    `nbytes` of `box` stored in C order; all `nbytes` where a row is not whole bytes.
+
+    What a reader of part of a stored piece asks the kernel for (the other dims of a row are
+    interleaved, so they come whole).
+
+    >>> rows_span(((0, 4), (0, 8)), ((2, 3), (0, 4)), 128)
+    (64, 32)
+    >>> rows_span(((0, 3), (0, 3)), ((1, 2), (0, 3)), 5)   # 4-bit elements, rows of 1.5 bytes
+    (0, 5)
+    """
+    rows = box[0][1] - box[0][0] if box else 0
+    if not rows or nbytes % rows:
+        return 0, nbytes
+    stride = nbytes // rows
+    return (within[0][0] - box[0][0]) * stride, (within[0][1] - within[0][0]) * stride
+
+
 def intersect(a: Box, b: Box) -> Box | None:
     """The common part of two boxes, or None when they do not overlap."""
     out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
@@ -232,5 +251,4 @@ def _first_overlap(boxes: Sequence[Box], shape: Sequence[int]) -> str | None:
 
 
 __all__ = ['MAX_TILING_CELLS', 'Box', 'box_of', 'box_shape', 'box_size', 'box_slices', 'check_tiling',
-           'coalesce',
-           'full_box', 'intersect']
+           'coalesce', 'full_box', 'intersect', 'rows_span']

@@ -339,4 +339,23 @@ def parse_index(header: Header, file: str) -> tuple[list[str], list[IndexedArray
     return list(files), arrays
 
 
-__all__ = ['IndexedArray', 'global_entry', 'index_files', 'index_header', 'parse_index']
+def overlapping(array: IndexedArray, box: Box) -> list[tuple[int, Box, Box]]:
+    """`(file number, piece box, common box)` of every piece of `array` that `box` needs.
+
+    The pieces are searched at once (`array.bounds`), so planning a restore
+    of one shard of each of 1,000 arrays of 1,024 pieces costs milliseconds.
+    """
+    if not array.pieces:
+        return []
+    want = np.array(box, dtype=np.int64).reshape(len(box), 2)
+    lo = np.maximum(array.bounds[:, :, 0], want[:, 0])
+    hi = np.minimum(array.bounds[:, :, 1], want[:, 1])
+    hit = np.flatnonzero((lo < hi).all(axis=1))
+    columns = np.stack([lo[hit], hi[hit]], axis=2).reshape(len(hit), 2 * len(box)).T.tolist()
+    commons = zip(*[zip(columns[2 * k], columns[2 * k + 1]) for k in range(len(box))]) \
+        if box else itertools.repeat(())
+    return [(*array.pieces[i], common) for i, common in zip(hit.tolist(), commons)]
+
+
+__all__ = ['IndexedArray', 'global_entry', 'index_files', 'index_header', 'overlapping',
+           'parse_index']

@@ -21,9 +21,9 @@ overlapping the boxes asked of it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import functools
-import itertools
 import logging
 import operator
 import os
@@ -38,9 +38,9 @@ import numpy as np
 
 from jckpt.errors import CheckpointError, DistributedError, FormatError, StorageError
 from jckpt.format._gc import paused
-from jckpt.format.boxes import Box, box_shape, box_size, box_slices, check_tiling
+from jckpt.format.boxes import Box, box_shape, box_size, box_slices, check_tiling, rows_span
 from jckpt.format.header import Entry, Header
-from jckpt.format.index import IndexedArray, global_entry, index_header, parse_index
+from jckpt.format.index import IndexedArray, global_entry, index_header, overlapping, parse_index
 from jckpt.format.layout import WRITER
 from jckpt.format.names import (
     DIRECTORY_LOCK_NAME,
@@ -57,7 +57,7 @@ from jckpt.storage.backend import LOCAL, Backend, backend_for
 from jckpt.storage.lazy import FetchCache, LazyArray, note_read
 from jckpt.storage.object_store import MISSING_OBJECT, pieces_replaced
 from jckpt.storage.publish import STALE_AFTER, exchange, fsync_dir, storage_error
-from jckpt.storage.reader import CheckpointReader
+from jckpt.storage.reader import CheckpointReader, needed_ranges
 from jckpt.storage.writer import write_checkpoint
 
 log = logging.getLogger('jckpt')
@@ -335,24 +335,6 @@ def _step_of(name: str) -> str:
     return str(int(m.group(1))) if m else 'STEP'
 
 
-def overlapping(array: IndexedArray, box: Box) -> list[tuple[int, Box, Box]]:
-    """`(file number, piece box, common box)` of every piece of `array` that `box` needs.
-
-    The pieces are searched at once (`array.bounds`), so planning a restore
-    of one shard of each of 1,000 arrays of 1,024 pieces costs milliseconds.
-    """
-    if not array.pieces:
-        return []
-    want = np.array(box, dtype=np.int64).reshape(len(box), 2)
-    lo = np.maximum(array.bounds[:, :, 0], want[:, 0])
-    hi = np.minimum(array.bounds[:, :, 1], want[:, 1])
-    hit = np.flatnonzero((lo < hi).all(axis=1))
-    columns = np.stack([lo[hit], hi[hit]], axis=2).reshape(len(hit), 2 * len(box)).T.tolist()
-    commons = zip(*[zip(columns[2 * k], columns[2 * k + 1]) for k in range(len(box))]) \
-        if box else itertools.repeat(())
-    return [(*array.pieces[i], common) for i, common in zip(hit.tolist(), commons)]
-
-
 class DirectoryReader:
     """An open directory checkpoint: the global entries, read piece by piece on demand.
 
@@ -387,6 +369,8 @@ class DirectoryReader:
         self._open = threading.Lock()  # placement reads several arrays at once: one open per piece
         self._entries: dict[int, dict[tuple[str, Any], Entry]] = {}
         self._verified: set[tuple[int, Any]] = set()
+        self._wanted: set[tuple[str, Any]] = set()  # the arrays decoded: what a restore reads
+        self._part: dict[int, bool] = {}  # whether they are part of each piece file's payloads
         self._pieces = FetchCache(PIECE_CACHE_BYTES)  # remote pieces, fetched and verified
 
     def _check_present(self) -> None:
@@ -434,8 +418,10 @@ class DirectoryReader:
                               file=path, fix="restore the directory from a complete copy, or use "
                                              "an earlier checkpoint")
 
-    def piece(self, fi: int, array: IndexedArray, box: Box, *, verify: bool) -> np.ndarray:
-        """The stored piece `box` of `array` in file `fi` (a mapped view)."""
+    def piece(self, fi: int, array: IndexedArray, box: Box, *, verify: bool,
+              common: Box | None = None) -> np.ndarray:
+        """The stored piece `box` of `array` in file `fi` (a mapped view), of which `common`
+        (default: all) will be read."""
         reader = self._reader(fi)
         e = self._entries[fi].get(array.entry.identity)
         if e is None or e.slice != box or e.prec != array.entry.prec:
@@ -447,10 +433,24 @@ class DirectoryReader:
             with pieces_replaced():
                 return self._pieces.get((fi, e.identity),
                                         lambda: reader.decode(e, verify=True, count=False))
+        if not self.remote:
+            self._advise(fi, reader, e, common or box)
         if verify and (fi, e.identity) not in self._verified:
             reader.verify_entry(e)
             self._verified.add((fi, e.identity))
         return reader.decode(e, mmap=True, count=False)
+
+    def _advise(self, fi: int, reader: CheckpointReader, e: Entry, common: Box) -> None:
+        """Have the kernel read the rows of piece `e` that `common` needs when the arrays read
+        are part of file `fi`'s (a subtree): the read-around about each piece read its
+        neighbours too. Nothing when they are all of it, which the read-ahead streams."""
+        part = self._part.get(fi)
+        if part is None:
+            wanted = [p for p in reader.header.tensors if p.identity in self._wanted]
+            part = self._part[fi] = bool(needed_ranges(wanted, reader.data_start, reader.size))
+        if part:
+            start, n = (0, e.byte_length) if e.padding else rows_span(e.slice, common, e.byte_length)
+            reader.advise([dataclasses.replace(e, offset=e.offset + start, byte_length=n)])
 
     def read_box(self, array: IndexedArray, box: Box, *, verify: bool = False) -> np.ndarray:
         """Assemble `box` of an array from the pieces that overlap it. `box` is over the
@@ -465,7 +465,7 @@ class DirectoryReader:
         e = array.entry
         # Every overlapping piece is found in its file (and so within that file's size) before
         # the box is allocated: an index cannot make a reader allocate more than the pieces hold.
-        parts = [(common, pbox, self.piece(fi, array, pbox, verify=verify))
+        parts = [(common, pbox, self.piece(fi, array, pbox, verify=verify, common=common))
                  for fi, pbox, common in overlapping(array, box)]
         out = np.empty(box_shape(box) + (e.shape[len(e.dims):]), dtype=e.dtype)
         copied = 0
@@ -480,6 +480,7 @@ class DirectoryReader:
                count: bool = True) -> LazyArray:
         """A lazy view of the array `entry` (one of `header`'s entries)."""
         array = self.arrays[entry.identity]
+        self._wanted.add(entry.identity)
         return LazyArray(entry.shape, entry.dtype,
                          functools.partial(self.read_box, array, verify=verify))
 

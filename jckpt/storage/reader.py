@@ -207,8 +207,7 @@ class CheckpointReader:
         [[0.0, 1.0, 2.0]]
         """
         entries = list(entries)
-        if self.size and self._mapped:
-            advise_needed(self._map, needed_ranges(entries, self.data_start, self.size))
+        self.advise(entries)
         if verify:
             for entry in entries:
                 self.verify_entry(entry)
@@ -224,6 +223,19 @@ class CheckpointReader:
             if array is None:  # padded, empty, a prec of another shape: the general decoder
                 arrays[i] = self.decode(entries[i], mmap=mmap)
         return arrays
+
+    def advise(self, entries: Sequence[Entry]) -> None:
+        """Have the kernel read exactly `entries`' payloads now (`advise_needed`), so that
+        touching them reads none of their neighbours; nothing when they are all the file's
+        payloads, which the kernel's read-ahead streams.
+
+        >>> import tempfile, os, jckpt
+        >>> path = os.path.join(tempfile.mkdtemp(), 'a.jckpt')
+        >>> jckpt.save(jckpt.Context(), {'w': np.arange(3.0), 'b': np.ones(2)}, path)
+        >>> CheckpointReader(path).advise(CheckpointReader(path).header.tensors[:1])
+        """
+        if self.size and self._mapped:
+            advise_needed(self._map, needed_ranges(entries, self.data_start, self.size))
 
     def payload_bytes(self, entry: Entry) -> memoryview:
         start = self.data_start + entry.offset

@@ -119,3 +119,30 @@ def test_rich_is_imported_only_to_draw():
     out = subprocess.run([sys.executable, '-c', RICH_IMPORT], capture_output=True, text=True,
                          env=env, timeout=120, check=True).stdout
     assert out.split() == ['False', 'True']
+
+
+def test_a_load_drawing_a_bar_asks_the_kernel_for_the_pages_it_reads_alone(tmp_path, monkeypatch):
+    """A `load` that draws a bar decodes its entries one by one; of one namespace of a file it
+    still advises the kernel of that namespace's pages alone (the read-around about each
+    payload read the other namespace's too), and of the whole file nothing."""
+    import numpy as np
+
+    import jckpt
+    from jckpt.storage import reader as reader_mod
+    path = tmp_path / 'two.jckpt'
+    big = {n: np.full(300_000, i, np.float32) for i, n in enumerate('ab')}  # 1.2 MB each
+    jckpt.save(jckpt.Context(namespace='model'), big, path)
+    jckpt.save(jckpt.Context(namespace='opt'), big, path, appending=True)
+    advised = []
+    monkeypatch.setattr(reader_mod, '_advise', lambda m, start, n: advised.append((start, n)))
+    on_terminal(monkeypatch)
+    _, tree = jckpt.load(jckpt.Context(), path, namespaces='model', progress=True)
+    assert float(tree['model']['b'][0]) == 1
+    r = reader_mod.CheckpointReader(path)
+    model = [e for e in r.header.tensors if e.namespace == 'model']
+    assert advised and sum(n for _, n in advised) < 2 * big['a'].nbytes + 4 * 4096
+    assert all(any(r.data_start + e.offset - 4096 < s < r.data_start + e.offset + e.byte_length
+                   for e in model) for s, _ in advised), advised
+    advised.clear()
+    jckpt.load(jckpt.Context(), path, progress=True)
+    assert advised == []

@@ -252,3 +252,14 @@ def test_intersection_lies_in_both(g1, g2):
                 continue
             assert intersect(common, a) == common == intersect(common, b)
             assert box_size(common) > 0
+
+
+def test_rows_span_is_the_bytes_of_the_rows_of_a_box_within_a_piece():
+    """The rows of a box inside a stored piece are one run of its bytes; where a row is not
+    whole bytes (4-bit elements, odd rows), the whole piece."""
+    from jckpt.format.boxes import rows_span
+    piece = ((10, 20), (0, 6))
+    assert rows_span(piece, ((12, 15), (2, 4)), 240) == (48, 72)  # 24 bytes a row
+    assert rows_span(piece, piece, 240) == (0, 240)
+    assert rows_span(((0, 3), (0, 3)), ((1, 2), (0, 3)), 5) == (0, 5)
+    assert rows_span((), (), 8) == (0, 8)

@@ -407,3 +407,34 @@ def test_an_index_that_says_four_word_elements_of_one_word_pieces_is_refused(tmp
     with pytest.raises(FormatError, match="as the index says") as info:
         jckpt.load(jckpt.Context(host=True), tmp_path / "ck")
     assert str(tmp_path / "ck") in str(info.value)
+
+
+def test_a_reader_of_part_of_a_piece_file_asks_the_kernel_for_the_rows_it_reads_alone(tmp_path,
+                                                                                      monkeypatch):
+    """Reading one array of a piece file holding two advises the kernel of the rows of the
+    box read alone (the read-around about it read the other array too); reading every
+    array of it advises nothing, and the kernel's read-ahead streams the file."""
+    from jckpt.storage import reader as reader_mod
+    w, v = (np.full((1000, 300), i, np.float32) for i in range(2))  # 1.2 MB each
+    path = tmp_path / "ckpt"
+    stage, lock = dr.make_stage(str(path))
+    write_piece(stage, 0, [(0, "w", w, ((0, 1000), (0, 300))), (1, "v", v, ((0, 1000), (0, 300)))])
+    dr.write_index(stage, 1, 32, {}, durable=False)
+    dr.publish_directory(stage, str(path), durable=False)
+    os.close(lock)
+    advised = []
+    monkeypatch.setattr(reader_mod, '_advise', lambda m, start, n: advised.append((start, n)))
+    reader = open_checkpoint(path)
+    by_name = {e.name: e for e in reader.header.tensors}
+    np.testing.assert_array_equal(reader.decode(by_name["jckpt/w"])[500:750], w[500:750])
+    piece = reader._reader(0)
+    e = next(p for p in piece.header.tensors if p.name == "jckpt/w")
+    page = reader_mod.mmap_mod.PAGESIZE
+    lo = (piece.data_start + e.offset + 500 * 1200) // page * page
+    hi = -(-(piece.data_start + e.offset + 750 * 1200) // page) * page
+    assert advised and advised[0][0] == lo and sum(n for _, n in advised) == hi - lo, advised
+    advised.clear()
+    reader = open_checkpoint(path)
+    for lazy in [reader.decode(entry) for entry in reader.header.tensors]:  # as a restore does
+        np.asarray(lazy)
+    assert advised == []
