@@ -96,13 +96,36 @@ def advise_needed(mapping: mmap_mod.mmap, ranges: Iterable[tuple[int, int]]) -> 
     of nine read 1.35x its bytes; pages already read ahead are then found in the page
     cache, so touching them reads no more. Advice is a hint: a kernel that refuses it
     leaves the restore as it was.
+
+    At most `advice_budget()` bytes are advised, the first ranges first: what the kernel
+    reads ahead of its use must still be in memory when it is used (a process restoring its
+    part of a checkpoint larger than its memory would otherwise read pages that are evicted
+    before they are touched, and read them again). The rest is read as it is touched.
     """
+    budget = advice_budget()
     for start, length in ranges:
         for at in range(start, start + length, ADVISE_BYTES):
+            n = min(ADVISE_BYTES, start + length - at, budget)
+            if n <= 0:
+                return
             try:
-                _advise(mapping, at, min(ADVISE_BYTES, start + length - at))
+                _advise(mapping, at, n)
             except (OSError, ValueError):
                 return
+            budget -= n
+
+
+def advice_budget() -> int:
+    """How many bytes a restore may have the kernel read ahead of their use: a quarter of
+    the memory free now (a default of 1 GiB where the system does not say).
+
+    >>> advice_budget() > 0
+    True
+    """
+    try:
+        return os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') // 4
+    except (ValueError, OSError):
+        return 1 << 30
 
 
 @functools.cache

@@ -274,3 +274,16 @@ def test_a_partial_read_asks_the_kernel_for_exactly_its_payloads(tmp_path, monke
     advised.clear()
     r.decode_all(r.header.tensors)
     assert advised == []
+
+
+def test_the_advice_stops_at_its_budget_the_first_ranges_first(monkeypatch):
+    """Pages read ahead of their use must still be cached when they are touched: a restore
+    of more than a quarter of the free memory is advised up to that much, the rest read as
+    it is touched (advised whole, the first pages would be evicted before their use)."""
+    from jckpt.storage import reader as reader_mod
+    advised = []
+    monkeypatch.setattr(reader_mod, '_advise', lambda m, start, n: advised.append((start, n)))
+    monkeypatch.setattr(reader_mod, 'advice_budget', lambda: 5 << 20)
+    reader_mod.advise_needed(None, [(0, 3 << 20), (8 << 20, 4 << 20), (16 << 20, 1 << 20)])
+    assert advised == [(0, 2 << 20), (2 << 20, 1 << 20), (8 << 20, 2 << 20)]
+    assert sum(n for _, n in advised) == 5 << 20
