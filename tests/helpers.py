@@ -167,3 +167,19 @@ def peak_bytes(call) -> int:
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
     return peak
+
+
+def cli_in_process(*args: str) -> tuple[object, str]:
+    """`(exit status, stderr)` of `jckpt ARGS` run in this process, its output discarded: how
+    the fuzzers hold the command line to its promise (an error is one line, never a traceback)."""
+    import contextlib
+
+    from jckpt.tools.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            rc: object = main(list(args))
+        except SystemExit as e:
+            rc = e.code
+    return rc, err.getvalue()

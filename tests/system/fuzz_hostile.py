@@ -67,6 +67,7 @@ from typing import Any
 
 import numpy as np
 
+from tests.helpers import cli_in_process
 from tests.system.fuzz_formats import leaves
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -533,18 +534,9 @@ def _tree_size(path: str) -> int:
 
 def _cli(*args: str) -> None:
     """`jckpt ARGS`: an error must be one line naming what failed, never "unexpected"."""
-    import contextlib
-
-    from jckpt.tools.cli import main
-
-    err, out = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-        try:
-            rc = main(list(args))
-        except SystemExit as e:
-            rc = e.code
-    if "error: unexpected " in err.getvalue() or rc not in (0, 1, 2):
-        raise CliEscaped(f"jckpt {' '.join(args)}: exit {rc}: {err.getvalue()[-600:]}")
+    rc, err = cli_in_process(*args)
+    if "error: unexpected " in err or rc not in (0, 1, 2):
+        raise CliEscaped(f"jckpt {' '.join(args)}: exit {rc}: {err[-600:]}")
 
 
 class CliEscaped(Exception):

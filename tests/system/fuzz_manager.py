@@ -27,8 +27,6 @@ By hand, for longer::
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import random
@@ -38,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from tests.helpers import cli_in_process
 from tests.system import fuzz_formats
 from tests.system.fuzz_formats import (
     INTS,
@@ -272,16 +271,9 @@ def make_trainer_state(rng: random.Random, path: str) -> Case:
 # --- reading a case --------------------------------------------------------------------
 
 def _cli(*args: str) -> None:
-    from jckpt.tools.cli import main
-
-    err, out = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-        try:
-            rc = main(list(args))
-        except SystemExit as e:
-            rc = e.code
-    if "unexpected" in err.getvalue() or "Traceback" in err.getvalue() or rc not in (0, 1, 2):
-        raise Disallowed(f"jckpt {' '.join(args)}: exit {rc}: {err.getvalue()[-600:]}")
+    rc, err = cli_in_process(*args)
+    if "unexpected" in err or "Traceback" in err or rc not in (0, 1, 2):
+        raise Disallowed(f"jckpt {' '.join(args)}: exit {rc}: {err[-600:]}")
 
 
 def _files(path: str, step: str) -> dict[str, bytes] | None:
