@@ -183,3 +183,26 @@ def cli_in_process(*args: str) -> tuple[object, str]:
         except SystemExit as e:
             rc = e.code
     return rc, err.getvalue()
+
+
+def run_fuzzer(module: str, tmp_path, seed: int, cases: int, timeout: float) -> dict:
+    """One run of the structure-aware fuzzer `module` (``tests.system.fuzz_formats`` or one
+    built on its harness) in a subprocess under its caps: its summary, once no case failed."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "summary.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path), MALLOC_ARENA_MAX="2")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "--cases", str(cases),
+         "--seed", str(seed), "--json", str(out), "--keep", str(tmp_path / "failing"),
+         "--soft-limit", "5", "--hard-limit", "60"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.exists(), f"the fuzz worker died (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["failures"] == [], json.dumps(run["failures"][:5], indent=1)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert run["cases"] == cases
+    return run
