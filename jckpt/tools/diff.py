@@ -39,6 +39,7 @@ from jckpt.format import precs
 from jckpt.format.entries import loose_path
 from jckpt.format.header import Entry
 from jckpt.format.names import STEP_RE
+from jckpt.format.strict_json import strict
 from jckpt.storage import open_checkpoint
 from jckpt.storage.backend import backend_for, checked_path
 from jckpt.tools.classify import FOREIGN, MANAGER, classify
@@ -99,10 +100,7 @@ class EntryDiff:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d['shape_a'], d['shape_b'] = list(self.shape_a), list(self.shape_b)
-        for k in ('max_abs', 'max_rel'):  # JSON has no inf or nan
-            if not math.isfinite(d[k]):
-                d[k] = str(d[k])
-        return d
+        return strict(d)  # JSON has no inf: written {"$float": "inf"}, as `inspect --json` does
 
 
 @dataclasses.dataclass(frozen=True)
