@@ -426,6 +426,7 @@ def test_a_reader_of_part_of_a_piece_file_asks_the_kernel_for_the_rows_it_reads_
     monkeypatch.setattr(reader_mod, '_advise', lambda m, start, n: advised.append((start, n)))
     reader = open_checkpoint(path)
     by_name = {e.name: e for e in reader.header.tensors}
+    reader.advise([(by_name["jckpt/w"], [((500, 750), (0, 300))])])  # as a restore plans it
     np.testing.assert_array_equal(reader.decode(by_name["jckpt/w"])[500:750], w[500:750])
     piece = reader._reader(0)
     e = next(p for p in piece.header.tensors if p.name == "jckpt/w")
@@ -435,6 +436,60 @@ def test_a_reader_of_part_of_a_piece_file_asks_the_kernel_for_the_rows_it_reads_
     assert advised and advised[0][0] == lo and sum(n for _, n in advised) == hi - lo, advised
     advised.clear()
     reader = open_checkpoint(path)
-    for lazy in [reader.decode(entry) for entry in reader.header.tensors]:  # as a restore does
+    reader.advise([(entry, None) for entry in reader.header.tensors])
+    for lazy in [reader.decode(entry) for entry in reader.header.tensors]:
         np.asarray(lazy)
     assert advised == []
+
+
+def _four_piece_directory(tmp_path, monkeypatch):
+    """A directory of one (64, 32768) float32 array written as 4 pieces of 16 rows (4 piece
+    files), and the `(start, length)` of every range the kernel is then asked to read."""
+    from jckpt.storage import reader as reader_mod
+    from tests.helpers import write_directory
+    w = np.arange(64 * 32768, dtype=np.float32).reshape(64, 32768)  # rows of 128 KiB
+    path = write_directory(tmp_path / "ck", {"w": w}, processes=4)
+    advised = []
+    monkeypatch.setattr(reader_mod, '_advise', lambda m, start, n: advised.append((start, n, m)))
+    return w, path, advised
+
+
+def test_a_restore_needing_half_of_each_of_four_pieces_asks_for_that_half_alone(tmp_path,
+                                                                                monkeypatch):
+    """A process whose devices need the left half of every row (a directory written by 4
+    processes, restored by 2 along the other axis) has the kernel read that half of each
+    piece: planned from the index before any read, not the whole piece files (the kernel's
+    read-ahead over every array of the file read twice the bytes needed)."""
+    from jckpt.storage import reader as reader_mod
+    w, path, advised = _four_piece_directory(tmp_path, monkeypatch)
+    reader = open_checkpoint(path)
+    (e,) = reader.header.tensors
+    left = ((0, 64), (0, 16384))
+    reader.advise([(e, [left])])
+    needed = w.nbytes // 2
+    assert needed <= sum(n for _, n, _ in advised) <= 1.1 * needed, advised
+    for fi in range(4):  # each piece file: the left half of each of its rows
+        piece = reader._readers[fi]
+        start = piece.data_start + piece.header.tensors[0].offset
+        page = reader_mod.mmap_mod.PAGESIZE
+        mine = [s for s, _, m in advised if m is piece.buffer]
+        assert mine == [(start + r * 131072) // page * page for r in range(16)], (fi, mine)
+    np.testing.assert_array_equal(reader.decode(e)[:, :16384], w[:, :16384])
+
+
+def test_a_verified_restore_plans_the_whole_pieces_it_reads(tmp_path, monkeypatch):
+    """A checksum covers a piece whole, so a verified read of half of each piece of an array
+    asks the kernel for those pieces whole (and checks them): not for the other array's."""
+    from jckpt.storage import reader as reader_mod
+    from tests.helpers import write_directory
+    w = np.ones((64, 32768), np.float32)
+    path = write_directory(tmp_path / "ck", {"w": w, "v": w}, processes=4)
+    advised = []
+    monkeypatch.setattr(reader_mod, '_advise', lambda m, start, n: advised.append(n))
+    reader = open_checkpoint(path)
+    e = next(e for e in reader.header.tensors if e.name == "jckpt/w")
+    reader.advise([(e, [((0, 64), (0, 16384))])], verify=True)
+    assert w.nbytes <= sum(advised) <= w.nbytes + 8 * 4096, advised
+    advised.clear()
+    reader.advise([(e, [((0, 64), (0, 16384))])])
+    assert w.nbytes // 2 <= sum(advised) <= 1.1 * w.nbytes // 2, advised

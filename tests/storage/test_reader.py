@@ -252,15 +252,16 @@ def test_decode_all_gives_what_decode_gives_each_entry(tmp_path, monkeypatch, mm
 
 
 def test_a_partial_read_asks_the_kernel_for_exactly_its_payloads(tmp_path, monkeypatch):
-    """Decoding some entries advises `MADV_WILLNEED` on their pages alone, in chunks the
-    kernel reads whole, so its read-around does not read the neighbours; a whole-file
-    decode advises nothing and keeps the kernel's read-ahead."""
+    """A plan of some entries advises `MADV_WILLNEED` on their pages alone, in chunks the
+    kernel reads whole, so its read-around does not read the neighbours; one of the whole
+    file advises nothing and keeps the kernel's read-ahead."""
     from jckpt.storage import reader as reader_mod
     big = {n: np.full(300_000, i, np.float32) for i, n in enumerate('abcd')}  # 1.2 MB each
     r = CheckpointReader(write(tmp_path / 'x.jckpt', big))
     advised = []
     monkeypatch.setattr(reader_mod, '_advise', lambda m, start, n: advised.append((start, n)))
     a, c = r.header.tensors[0], r.header.tensors[2]
+    r.advise([(c, None), (a, None)])
     out = r.decode_all([c, a])
     assert [x[0] for x in out] == [2, 0]
     page = reader_mod.mmap_mod.PAGESIZE
@@ -272,7 +273,7 @@ def test_a_partial_read_asks_the_kernel_for_exactly_its_payloads(tmp_path, monke
         assert all(n <= reader_mod.ADVISE_BYTES for _, n in got)
     assert sum(n for _, n in advised) < 2 * big['a'].nbytes + 4 * page  # b and d not advised
     advised.clear()
-    r.decode_all(r.header.tensors)
+    r.advise([(e, None) for e in r.header.tensors])
     assert advised == []
 
 
