@@ -99,7 +99,8 @@ def load(ctx: Context, path: PathLike, *, prefix_namespace: str | None = None,
     requests: list[tuple[Any, Any, str, str | None]] = []
     with progress_mod.bar(f"loading {os.path.basename(path)}",
                           sum(e.byte_length for e in entries), enabled=progress) as bar:
-        for e, array in zip(entries, _decoded(reader, stored, mmap, verify, bar)):
+        boxes = [sharding.needed_boxes(None, e, host=ctx.host, device=ctx.device) for e in stored]
+        for e, array in zip(entries, _decoded(reader, stored, mmap, verify, bar, boxes)):
             requests.append((array, None, e.name, e.key_impl))
             groups.setdefault(e.namespace, []).append((entry_path(e), len(requests) - 1))
     values = placement.place_all(requests, host=ctx.host, device=ctx.device, file=path)
@@ -108,12 +109,13 @@ def load(ctx: Context, path: PathLike, *, prefix_namespace: str | None = None,
     return ctx.replace(registry=ctx.registry.add(entries)), out
 
 
-def _decoded(reader: Any, entries: Sequence[Entry], mmap: bool, verify: bool, bar: Any) -> Any:
-    """Each entry's array, in order: a local file's all at once (mapped views made in one C
-    call), else one by one, advancing a drawn progress bar (if any) as each is read."""
+def _decoded(reader: Any, entries: Sequence[Entry], mmap: bool, verify: bool, bar: Any, boxes: list) -> Any:
+    """Each entry's array, in order, a local reader told first what placing them reads (`boxes`):
+    a local file's all at once (mapped views made in one C call), else one by one, advancing
+    a drawn progress bar (if any) as each is read."""
+    if hasattr(reader, 'advise'):
+        reader.advise(list(zip(entries, boxes)), verify=verify, mmap=mmap)
     if (bar is not None and bar.drawn) or not hasattr(reader, 'decode_all'):
-        if hasattr(reader, 'advise'):  # a local file's: their pages alone, read ahead of their use
-            reader.advise(entries)
         for e in entries:
             yield reader.decode(e, mmap=mmap, verify=verify)
             if bar is not None:
@@ -275,7 +277,7 @@ def _requests(ctx: Context, reader: Any, parts: Sequence[tuple[str, list, Any]],
     index = _index(reader.header, {ns for ns, _, _ in parts})
     checked = []
     meshes: dict[Any, Any] = {}  # abstract meshes of the target, resolved once each
-    stored = []
+    stored, boxes = [], []  # what each leaf's placement reads: the plan of the reads
     for entry, leaf, where in _match_all(index, parts, path):
         stored.append(entry)
         if type(leaf) is jax.ShapeDtypeStruct and leaf.sharding is not None:
@@ -283,7 +285,8 @@ def _requests(ctx: Context, reader: Any, parts: Sequence[tuple[str, list, Any]],
         entry = targets.as_target_takes(entry, leaf, path, where)
         want_dtype = targets.check_leaf(ctx, entry, leaf, path, where)
         checked.append((entry, leaf, where, want_dtype))
-    arrays = _decoded(reader, stored, mmap, verify, None)
+        boxes.append(sharding.needed_boxes(leaf, entry, host=ctx.host, device=ctx.device))
+    arrays = _decoded(reader, stored, mmap, verify, None, boxes)
     return [(targets.as_stored_for(array, entry, leaf, want_dtype, path, where, cast=cast), leaf,
              where, entry.key_impl) for (entry, leaf, where, want_dtype), array in zip(checked, arrays)]
 

@@ -68,23 +68,43 @@ def full_box(shape: Sequence[int]) -> Box:
     return tuple((0, int(d)) for d in shape)
 
 
-def rows_span(box: Box, within: Box, nbytes: int) -> tuple[int, int]:
-    """`(start, length)` of the bytes holding the rows (leading dim) of `within` among the
-    `nbytes` of `box` stored in C order; all `nbytes` where a row is not whole bytes.
+def box_spans(box: Box, within: Box, nbytes: int, gap: int = 0) -> list[tuple[int, int]]:
+    """`(start, length)` of the bytes holding `within` among the `nbytes` of `box` stored in C
+    order, ascending; runs fewer than `gap` bytes apart joined (reading a short gap costs less
+    than a second request). All `nbytes` where an element is not whole bytes.
 
-    What a reader of part of a stored piece asks the kernel for (the other dims of a row are
-    interleaved, so they come whole).
+    What a reader of part of a stored payload asks for: a box over the leading dim is one
+    run; one over inner dims is a run per row, which `gap` joins when the rows skipped are
+    short. The spans cover exactly `within`'s bytes when `gap` is 0.
 
-    >>> rows_span(((0, 4), (0, 8)), ((2, 3), (0, 4)), 128)
-    (64, 32)
-    >>> rows_span(((0, 3), (0, 3)), ((1, 2), (0, 3)), 5)   # 4-bit elements, rows of 1.5 bytes
-    (0, 5)
+    >>> box_spans(((0, 4), (0, 8)), ((2, 3), (0, 8)), 128)      # one row of 32 bytes
+    [(64, 32)]
+    >>> box_spans(((0, 4), (0, 8)), ((1, 3), (0, 4)), 128)      # half of two rows
+    [(32, 16), (64, 16)]
+    >>> box_spans(((0, 4), (0, 8)), ((1, 3), (0, 4)), 128, gap=64)
+    [(32, 48)]
+    >>> box_spans(((0, 3), (0, 3)), ((1, 2), (0, 3)), 5)        # 4-bit elements
+    [(0, 5)]
     """
-    rows = box[0][1] - box[0][0] if box else 0
-    if not rows or nbytes % rows:
-        return 0, nbytes
-    stride = nbytes // rows
-    return (within[0][0] - box[0][0]) * stride, (within[0][1] - within[0][0]) * stride
+    count = box_size(box)
+    if not count or nbytes % count or not box:
+        return [(0, nbytes)] if nbytes else []
+    rel = [(a - o, b - o) for (a, b), (o, _) in zip(within, box)]
+    if any(lo >= hi for lo, hi in rel):
+        return []
+    strides = [nbytes // count] * len(box)
+    for k in range(len(box) - 2, -1, -1):
+        strides[k] = strides[k + 1] * (box[k + 1][1] - box[k + 1][0])
+    k = len(box) - 1
+    first, length = rel[k][0] * strides[k], (rel[k][1] - rel[k][0]) * strides[k]
+    while k:  # join the runs of the next dim out while they are close enough
+        skipped, rows = strides[k - 1] - length, rel[k - 1][1] - rel[k - 1][0]
+        if rows > 1 and skipped and skipped >= gap:
+            break
+        k -= 1
+        first, length = first + rel[k][0] * strides[k], (rows - 1) * strides[k] + length
+    outer = itertools.product(*(range(lo, hi) for lo, hi in rel[:k]))
+    return [(first + sum(i * s for i, s in zip(at, strides)), length) for at in outer]
 
 
 def intersect(a: Box, b: Box) -> Box | None:
@@ -250,5 +270,5 @@ def _first_overlap(boxes: Sequence[Box], shape: Sequence[int]) -> str | None:
     return None
 
 
-__all__ = ['MAX_TILING_CELLS', 'Box', 'box_of', 'box_shape', 'box_size', 'box_slices', 'check_tiling',
-           'coalesce', 'full_box', 'intersect', 'rows_span']
+__all__ = ['MAX_TILING_CELLS', 'Box', 'box_of', 'box_shape', 'box_size', 'box_slices', 'box_spans',
+           'check_tiling', 'coalesce', 'full_box', 'intersect']

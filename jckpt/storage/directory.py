@@ -21,7 +21,6 @@ overlapping the boxes asked of it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import functools
 import logging
@@ -31,14 +30,14 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from jckpt.errors import CheckpointError, DistributedError, FormatError, StorageError
 from jckpt.format._gc import paused
-from jckpt.format.boxes import Box, box_shape, box_size, box_slices, check_tiling, rows_span
+from jckpt.format.boxes import Box, box_shape, box_size, box_slices, check_tiling, full_box
 from jckpt.format.header import Entry, Header
 from jckpt.format.index import IndexedArray, global_entry, index_header, overlapping, parse_index
 from jckpt.format.layout import WRITER
@@ -57,7 +56,7 @@ from jckpt.storage.backend import LOCAL, Backend, backend_for
 from jckpt.storage.lazy import FetchCache, LazyArray, note_read
 from jckpt.storage.object_store import MISSING_OBJECT, pieces_replaced
 from jckpt.storage.publish import STALE_AFTER, exchange, fsync_dir, storage_error
-from jckpt.storage.reader import CheckpointReader, needed_ranges
+from jckpt.storage.reader import CheckpointReader, Need, advice_budget, payload_spans
 from jckpt.storage.writer import write_checkpoint
 
 log = logging.getLogger('jckpt')
@@ -369,8 +368,6 @@ class DirectoryReader:
         self._open = threading.Lock()  # placement reads several arrays at once: one open per piece
         self._entries: dict[int, dict[tuple[str, Any], Entry]] = {}
         self._verified: set[tuple[int, Any]] = set()
-        self._wanted: set[tuple[str, Any]] = set()  # the arrays decoded: what a restore reads
-        self._part: dict[int, bool] = {}  # whether they are part of each piece file's payloads
         self._pieces = FetchCache(PIECE_CACHE_BYTES)  # remote pieces, fetched and verified
 
     def _check_present(self) -> None:
@@ -418,39 +415,47 @@ class DirectoryReader:
                               file=path, fix="restore the directory from a complete copy, or use "
                                              "an earlier checkpoint")
 
-    def piece(self, fi: int, array: IndexedArray, box: Box, *, verify: bool,
-              common: Box | None = None) -> np.ndarray:
-        """The stored piece `box` of `array` in file `fi` (a mapped view), of which `common`
-        (default: all) will be read."""
+    def _piece_entry(self, fi: int, array: IndexedArray, box: Box) -> tuple[CheckpointReader, Entry]:
+        """File `fi`'s reader and entry of the piece `box` of `array`, checked against the index."""
         reader = self._reader(fi)
         e = self._entries[fi].get(array.entry.identity)
         if e is None or e.slice != box or e.prec != array.entry.prec:
             raise FormatError(f"piece {box} is not in {self.files[fi]} as the index says",
                               file=reader.path, entry=array.entry.name,
                               fix="the directory is damaged; restore it from a good copy")
+        return reader, e
+
+    def piece(self, fi: int, array: IndexedArray, box: Box, *, verify: bool) -> np.ndarray:
+        """The stored piece `box` of `array` in file `fi` (a mapped view)."""
+        reader, e = self._piece_entry(fi, array, box)
         if verify and getattr(reader, 'remote', False):  # fetched once, checked as it is decoded
             # kept for the other devices' boxes it overlaps, which fetched it again
             with pieces_replaced():
                 return self._pieces.get((fi, e.identity),
                                         lambda: reader.decode(e, verify=True, count=False))
-        if not self.remote:
-            self._advise(fi, reader, e, common or box)
         if verify and (fi, e.identity) not in self._verified:
             reader.verify_entry(e)
             self._verified.add((fi, e.identity))
         return reader.decode(e, mmap=True, count=False)
 
-    def _advise(self, fi: int, reader: CheckpointReader, e: Entry, common: Box) -> None:
-        """Have the kernel read the rows of piece `e` that `common` needs when the arrays read
-        are part of file `fi`'s (a subtree): the read-around about each piece read its
-        neighbours too. Nothing when they are all of it, which the read-ahead streams."""
-        part = self._part.get(fi)
-        if part is None:
-            wanted = [p for p in reader.header.tensors if p.identity in self._wanted]
-            part = self._part[fi] = bool(needed_ranges(wanted, reader.data_start, reader.size))
-        if part:
-            start, n = (0, e.byte_length) if e.padding else rows_span(e.slice, common, e.byte_length)
-            reader.advise([dataclasses.replace(e, offset=e.offset + start, byte_length=n)])
+    def advise(self, needs: Sequence[Need], *, verify: bool = False, mmap: bool = True) -> None:
+        """`CheckpointReader.advise` of each piece file, planned from the index before any
+        piece is read: the bytes of each box asked in each piece it overlaps, or those whole
+        pieces when `verify`'d (a checksum covers a piece whole); nothing for objects in a
+        store. (Pieces are always mapped: `mmap` changes nothing.)"""
+        if self.remote:
+            return
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for entry, boxes in needs:
+            array = self.arrays[entry.identity]
+            whole = full_box(array.entry.dims)
+            for box in [whole] if boxes is None else boxes:
+                for fi, pbox, common in overlapping(array, (*box[:len(whole)], *whole[len(box):])):
+                    e = self._piece_entry(fi, array, pbox)[1]
+                    spans.setdefault(fi, []).extend(payload_spans(e, pbox, None if verify else [common]))
+        budget = advice_budget()
+        for fi in sorted(spans):
+            budget = self._readers[fi].advise_spans(spans[fi], budget)
 
     def read_box(self, array: IndexedArray, box: Box, *, verify: bool = False) -> np.ndarray:
         """Assemble `box` of an array from the pieces that overlap it. `box` is over the
@@ -465,7 +470,7 @@ class DirectoryReader:
         e = array.entry
         # Every overlapping piece is found in its file (and so within that file's size) before
         # the box is allocated: an index cannot make a reader allocate more than the pieces hold.
-        parts = [(common, pbox, self.piece(fi, array, pbox, verify=verify, common=common))
+        parts = [(common, pbox, self.piece(fi, array, pbox, verify=verify))
                  for fi, pbox, common in overlapping(array, box)]
         out = np.empty(box_shape(box) + (e.shape[len(e.dims):]), dtype=e.dtype)
         copied = 0
@@ -480,7 +485,6 @@ class DirectoryReader:
                count: bool = True) -> LazyArray:
         """A lazy view of the array `entry` (one of `header`'s entries)."""
         array = self.arrays[entry.identity]
-        self._wanted.add(entry.identity)
         return LazyArray(entry.shape, entry.dtype,
                          functools.partial(self.read_box, array, verify=verify))
 

@@ -18,6 +18,7 @@ import numpy as np
 from jckpt.errors import ChecksumError, FormatError, InUseError
 from jckpt.format import payload as payload_mod
 from jckpt.format import precs
+from jckpt.format.boxes import Box, box_spans, full_box
 from jckpt.format.fastpath import accelerator
 from jckpt.format.header import Entry, Header, decode_header, foreign_error
 from jckpt.format.header_seal import is_sealed
@@ -55,25 +56,25 @@ MERGE_GAP = 64 << 10
 ADVISE_BYTES = 2 << 20
 
 
-def needed_ranges(entries: Iterable[Entry], data_start: int, size: int,
+def needed_ranges(spans: Iterable[tuple[int, int]], data_start: int, size: int,
                   page: int = mmap_mod.PAGESIZE) -> list[tuple[int, int]]:
-    """`(start, length)` of the page-aligned file ranges holding `entries`' payloads, sorted,
-    those closer than `MERGE_GAP` merged; `[]` when they span the whole file's payloads
-    (a whole-file read keeps the kernel's read-ahead, which streams it).
+    """`(start, length)` of the page-aligned file ranges holding the payload bytes `spans`
+    (`(offset, length)` from the data start), sorted, those closer than `MERGE_GAP` merged;
+    `[]` when they span the whole file's payloads (a whole-file read keeps the kernel's
+    read-ahead, which streams it).
 
-    >>> from types import SimpleNamespace
-    >>> e = lambda offset, n: SimpleNamespace(offset=offset, byte_length=n)
-    >>> needed_ranges([e(0, 100), e(1 << 20, 100)], 4096, 2 << 20)
+    >>> needed_ranges([(0, 100), (1 << 20, 100)], 4096, 2 << 20)
     [(4096, 4096), (1052672, 4096)]
-    >>> needed_ranges([e(0, 100), e(200, 100)], 4096, 4396)
+    >>> needed_ranges([(0, 100), (200, 100)], 4096, 4396)
     []
     """
-    spans = sorted((data_start + e.offset, data_start + e.offset + e.byte_length)
-                   for e in entries if e.byte_length)
+    ordered = sorted((data_start + offset, data_start + offset + n) for offset, n in spans if n)
     merged: list[list[int]] = []
-    for lo, hi in spans:
+    end = None  # the last span's end, before rounding: the gap skipped is the bytes not needed
+    for lo, hi in ordered:
+        gap, end = (None if end is None else lo - end), max(hi, end or 0)
         lo, hi = lo // page * page, min(size, -(-hi // page) * page)
-        if merged and lo - merged[-1][1] < MERGE_GAP:
+        if merged and (gap < MERGE_GAP or lo <= merged[-1][1]):
             merged[-1][1] = max(merged[-1][1], hi)
         else:
             merged.append([lo, hi])
@@ -83,12 +84,34 @@ def needed_ranges(entries: Iterable[Entry], data_start: int, size: int,
     return [(lo, hi - lo) for lo, hi in merged]
 
 
+#: What a restore reads of one array: the boxes of it its devices need, None for all of it.
+Need = tuple[Entry, Sequence[Box] | None]
+
+
+def payload_spans(entry: Entry, box: Box, wanted: Iterable[Box] | None) -> list[tuple[int, int]]:
+    """`(offset, length)` of the bytes of the stored payload `entry` (the part `box` of its
+    array) that reading the boxes `wanted` of it touches: all of it for None, or for a padded
+    payload; the plan of a partial read, made before any of it is read.
+
+    >>> from types import SimpleNamespace
+    >>> e = SimpleNamespace(offset=4096, byte_length=64, padding=None)
+    >>> payload_spans(e, ((0, 4), (0, 4)), [((2, 4), (0, 4))]), payload_spans(e, (), None)
+    ([(4128, 32)], [(4096, 64)])
+    """
+    if wanted is None or entry.padding:
+        return [(entry.offset, entry.byte_length)]
+    return [(entry.offset + start, n) for within in wanted  # (the trailing dims unsaid: whole)
+            for start, n in box_spans(box, (*within[:len(box)], *box[len(within):]),
+                                      entry.byte_length, MERGE_GAP)]
+
+
 def _advise(mapping: mmap_mod.mmap, start: int, length: int) -> None:
     """Ask the kernel to read `length` bytes of `mapping` at `start` now (`MADV_WILLNEED`)."""
     mapping.madvise(mmap_mod.MADV_WILLNEED, start, length)
 
 
-def advise_needed(mapping: mmap_mod.mmap, ranges: Iterable[tuple[int, int]]) -> None:
+def advise_needed(mapping: mmap_mod.mmap, ranges: Iterable[tuple[int, int]],
+                  budget: int | None = None) -> int:
     """Have the kernel read exactly `ranges` of the file `mapping` maps, ahead of their use.
 
     Without it, the first touch of each payload reads the kernel's read-around window
@@ -101,18 +124,21 @@ def advise_needed(mapping: mmap_mod.mmap, ranges: Iterable[tuple[int, int]]) -> 
     reads ahead of its use must still be in memory when it is used (a process restoring its
     part of a checkpoint larger than its memory would otherwise read pages that are evicted
     before they are touched, and read them again). The rest is read as it is touched.
+    `budget` (default `advice_budget()`) is what is left of it for this file; the bytes left
+    after its ranges are returned, for the next file a restore reads.
     """
-    budget = advice_budget()
+    budget = advice_budget() if budget is None else budget
     for start, length in ranges:
         for at in range(start, start + length, ADVISE_BYTES):
             n = min(ADVISE_BYTES, start + length - at, budget)
             if n <= 0:
-                return
+                return 0
             try:
                 _advise(mapping, at, n)
             except (OSError, ValueError):
-                return
+                return 0
             budget -= n
+    return budget
 
 
 def advice_budget() -> int:
@@ -230,7 +256,6 @@ class CheckpointReader:
         [[0.0, 1.0, 2.0]]
         """
         entries = list(entries)
-        self.advise(entries)
         if verify:
             for entry in entries:
                 self.verify_entry(entry)
@@ -247,18 +272,30 @@ class CheckpointReader:
                 arrays[i] = self.decode(entries[i], mmap=mmap)
         return arrays
 
-    def advise(self, entries: Sequence[Entry]) -> None:
-        """Have the kernel read exactly `entries`' payloads now (`advise_needed`), so that
-        touching them reads none of their neighbours; nothing when they are all the file's
-        payloads, which the kernel's read-ahead streams.
+    def advise(self, needs: Sequence[Need], *, verify: bool = False, mmap: bool = True) -> None:
+        """Have the kernel read now exactly what decoding `needs` will read (`advise_needed`),
+        so that touching it reads none of its neighbours: the bytes of the boxes asked of
+        each array, or the whole payloads of those whose boxes are None, or of every one when
+        they are `verify`'d (a checksum covers a payload whole) or copied (not `mmap`).
+        Nothing when that is all the file's payloads, which the kernel's read-ahead streams.
 
         >>> import tempfile, os, jckpt
         >>> path = os.path.join(tempfile.mkdtemp(), 'a.jckpt')
-        >>> jckpt.save(jckpt.Context(), {'w': np.arange(3.0), 'b': np.ones(2)}, path)
-        >>> CheckpointReader(path).advise(CheckpointReader(path).header.tensors[:1])
+        >>> jckpt.save(jckpt.Context(), {'w': np.ones((4, 3)), 'b': np.ones(2)}, path)
+        >>> reader = CheckpointReader(path)
+        >>> reader.advise([(reader.header.tensors[1], [((0, 2), (0, 3))])])  # half of w
         """
-        if self.size and self._mapped:
-            advise_needed(self._map, needed_ranges(entries, self.data_start, self.size))
+        whole = verify or not mmap
+        self.advise_spans([span for e, boxes in needs for span in payload_spans(
+            e, full_box(e.dims), None if whole else boxes)])
+
+    def advise_spans(self, spans: Iterable[tuple[int, int]], budget: int | None = None) -> int:
+        """`advise_needed` of the payload bytes `spans` (`(offset, length)` from the data
+        start); the budget left (all of it where nothing is mapped)."""
+        budget = advice_budget() if budget is None else budget
+        if not (self.size and self._mapped):
+            return budget
+        return advise_needed(self._map, needed_ranges(spans, self.data_start, self.size), budget)
 
     def payload_bytes(self, entry: Entry) -> memoryview:
         start = self.data_start + entry.offset

@@ -32,11 +32,6 @@ from jckpt.trees import sharding as sharding_mod
 _PY_SCALARS = (bool, int, float, complex)
 _warned_x64 = False
 
-def _x64_ok(dtype: np.dtype) -> bool:
-    return dtype.itemsize < 8 or (dtype.kind == 'c' and dtype.itemsize == 8) or bool(
-        jax.config.jax_enable_x64)
-
-
 def _warn_x64(where: str) -> None:
     global _warned_x64
     if not _warned_x64:
@@ -115,7 +110,7 @@ def place(array: np.ndarray, target: Any, *, host: bool, device: Any, where: str
         return np.asarray(array)
     if host and not isinstance(target, (jax.Array, jax.ShapeDtypeStruct)):
         return np.asarray(array)
-    if not _x64_ok(array.dtype):
+    if not sharding_mod.x64_ok(array.dtype):
         _warn_x64(where)
         return np.asarray(array)
     placed = put(array, placement if placement is not None else default_placement(device))
@@ -259,7 +254,7 @@ def plain_target(array: Any, target: Any, *, host: bool, device: Any,
         return None
     if host and not isinstance(target, (jax.Array, jax.ShapeDtypeStruct)):
         return None
-    if not _x64_ok(array.dtype):
+    if not sharding_mod.x64_ok(array.dtype):
         return None
     dest = getattr(target, 'sharding', None) if target is not None else None
     dest = dest if dest is not None else default_placement(device)

@@ -11,6 +11,7 @@ host once) is in `jckpt.trees.to_host`, and writing shards into place in
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ from jckpt.format.boxes import (  # noqa: F401  (box arithmetic, re-exported whe
     full_box,
     intersect,
 )
+from jckpt.format.entries import Entry
 from jckpt.storage.lazy import LazyArray, note_read, record_reads
 from jckpt.storage.regions import ShardedSource
 
@@ -47,6 +49,43 @@ def read_box(array: Any, box: Box, *, log: bool = True) -> np.ndarray:
     if log:
         note_read(box, out.nbytes)
     return out
+
+
+def x64_ok(dtype: np.dtype) -> bool:
+    """Whether JAX holds arrays of `dtype` as they are (64-bit ones only with x64 on)."""
+    import jax
+    return dtype.itemsize < 8 or (dtype.kind == 'c' and dtype.itemsize == 8) or bool(
+        jax.config.jax_enable_x64)
+
+
+def needed_boxes(target: Any, entry: Entry, *, host: bool, device: Any) -> list[Box] | None:
+    """The distinct boxes of the stored array `entry` that placing it where `target` (or, for
+    None, the context's `device`) says reads: this process's devices' slices of a sharding
+    over several; None where it reads all of it (keys, host values, one device, a target of
+    another shape). What a restore plans its reads by.
+
+    >>> from jckpt.format.entries import Entry
+    >>> e = Entry(id=0, namespace='n', prec='Single_prec', dims=(4,), offset=0, byte_length=16)
+    >>> needed_boxes(None, e, host=True, device=None) is None
+    True
+    """
+    import jax
+    if (target is not None and not isinstance(target, (jax.Array, jax.ShapeDtypeStruct))) or (
+            host and target is None) or entry.key_impl is not None or not x64_ok(entry.dtype):
+        return None
+    dest = getattr(target, 'sharding', None) if target is not None else device
+    if not isinstance(dest, jax.sharding.Sharding) or len(dest.device_set) == 1 or (
+            target is not None and tuple(target.shape) != entry.shape):
+        return None
+    return _local_boxes(dest, entry.shape)
+
+
+@functools.lru_cache(maxsize=1024)
+def _local_boxes(dest: Any, shape: tuple[int, ...]) -> list[Box]:
+    """The distinct boxes of an array of `shape` that this process's devices hold under the
+    sharding `dest` (each array of a restore asks it: a model's are of few shapes)."""
+    return list(dict.fromkeys(box_of(i if isinstance(i, tuple) else (i,), shape)
+                              for i in dest.addressable_devices_indices_map(shape).values()))
 
 
 def check_fits(shape: Sequence[int], sharding: Any, *, file: str | None, where: str) -> None:
@@ -122,4 +161,4 @@ def concrete_mesh(abstract: Any, *, file: str | None = None, where: str | None =
 
 
 __all__ = ['Box', 'LazyArray', 'ShardedSource', 'box_of', 'check_fits', 'coalesce', 'concrete_mesh',
-           'intersect', 'read_box', 'record_reads', 'with_concrete_mesh']
+           'intersect', 'needed_boxes', 'read_box', 'record_reads', 'with_concrete_mesh', 'x64_ok']

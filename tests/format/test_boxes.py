@@ -254,12 +254,49 @@ def test_intersection_lies_in_both(g1, g2):
             assert box_size(common) > 0
 
 
-def test_rows_span_is_the_bytes_of_the_rows_of_a_box_within_a_piece():
-    """The rows of a box inside a stored piece are one run of its bytes; where a row is not
-    whole bytes (4-bit elements, odd rows), the whole piece."""
-    from jckpt.format.boxes import rows_span
-    piece = ((10, 20), (0, 6))
-    assert rows_span(piece, ((12, 15), (2, 4)), 240) == (48, 72)  # 24 bytes a row
-    assert rows_span(piece, piece, 240) == (0, 240)
-    assert rows_span(((0, 3), (0, 3)), ((1, 2), (0, 3)), 5) == (0, 5)
-    assert rows_span((), (), 8) == (0, 8)
+def test_box_spans_of_a_box_within_a_piece():
+    """The rows of a box over a piece's leading dim are one run of its bytes; a box over its
+    inner dims is a run per row, joined when the rows skipped are shorter than the gap; where
+    an element is not whole bytes (4-bit elements), the whole piece."""
+    from jckpt.format.boxes import box_spans
+    piece = ((10, 20), (0, 6))                                    # 24 bytes a row
+    assert box_spans(piece, ((12, 15), (0, 6)), 240) == [(48, 72)]
+    assert box_spans(piece, ((12, 15), (2, 4)), 240) == [(56, 8), (80, 8), (104, 8)]
+    assert box_spans(piece, ((12, 15), (2, 4)), 240, gap=17) == [(56, 56)]
+    assert box_spans(piece, ((12, 15), (2, 4)), 240, gap=16) == [(56, 8), (80, 8), (104, 8)]
+    assert box_spans(piece, piece, 240) == [(0, 240)]
+    assert box_spans(piece, ((12, 12), (0, 6)), 240) == []        # an empty box reads nothing
+    assert box_spans(((0, 3), (0, 3)), ((1, 2), (0, 3)), 5) == [(0, 5)]
+    assert box_spans((), (), 8) == [(0, 8)]
+
+
+@st.composite
+def _piece_and_box(draw):
+    """A piece (its box in a larger array), a non-empty box within it, and an element size."""
+    ndim = draw(st.integers(1, 4))
+    piece, within = [], []
+    for _ in range(ndim):
+        start, size = draw(st.integers(0, 5)), draw(st.integers(1, 6))
+        lo = draw(st.integers(start, start + size - 1))
+        piece.append((start, start + size))
+        within.append((lo, draw(st.integers(lo + 1, start + size))))
+    return tuple(piece), tuple(within), draw(st.sampled_from([1, 2, 4, 8]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(_piece_and_box(), st.integers(0, 64))
+def test_box_spans_cover_exactly_the_bytes_of_the_box(case, gap):
+    """Without a gap the spans are exactly the box's bytes; with one they cover them, with
+    no more than the short gaps between, and every two spans are at least `gap` apart."""
+    from jckpt.format.boxes import box_spans
+    piece, within, item = case
+    stored = np.arange(box_size(piece) * item).reshape(*box_shape(piece), item)
+    want = set(stored[box_slices(within, piece)].ravel().tolist())
+    spans = box_spans(piece, within, stored.size, gap)
+    covered = [b for s, n in spans for b in range(s, s + n)]
+    assert covered == sorted(set(covered))                       # ascending, no overlap
+    assert want <= set(covered)
+    if gap == 0:
+        assert set(covered) == want
+    assert all(b[0] - (a[0] + a[1]) >= max(gap, 1) for a, b in itertools.pairwise(spans))
+    assert all(s in want and s + n - 1 in want for s, n in spans)  # each starts and ends on it

@@ -5,13 +5,16 @@ import itertools
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import jckpt
 from jckpt.errors import ChecksumError, DistributedError, FormatError
-from jckpt.format.boxes import box_slices
+from jckpt.format.boxes import box_slices, intersect
 from jckpt.format.header import Entry, Header
 from jckpt.format.layout import lay_out
 from jckpt.format.names import DIRECTORY_LOCK_NAME, INDEX_NAME, STAGE_DIR_TAG, piece_name
@@ -21,7 +24,8 @@ from jckpt.storage.checkpoint import open_checkpoint
 from jckpt.storage.lazy import LazyArray, record_reads
 from jckpt.storage.reader import CheckpointReader
 from jckpt.storage.writer import ArraySource, write_checkpoint
-from tests.helpers import raw_file
+from tests.helpers import raw_file, write_directory
+from tests.properties import PROPERTY
 
 W = np.arange(32, dtype=np.float32).reshape(8, 4)
 B = np.arange(4, dtype=np.int32)
@@ -426,6 +430,7 @@ def test_a_reader_of_part_of_a_piece_file_asks_the_kernel_for_the_rows_it_reads_
     monkeypatch.setattr(reader_mod, '_advise', lambda m, start, n: advised.append((start, n)))
     reader = open_checkpoint(path)
     by_name = {e.name: e for e in reader.header.tensors}
+    reader.advise([(by_name["jckpt/w"], [((500, 750), (0, 300))])])  # as a restore plans it
     np.testing.assert_array_equal(reader.decode(by_name["jckpt/w"])[500:750], w[500:750])
     piece = reader._reader(0)
     e = next(p for p in piece.header.tensors if p.name == "jckpt/w")
@@ -435,6 +440,116 @@ def test_a_reader_of_part_of_a_piece_file_asks_the_kernel_for_the_rows_it_reads_
     assert advised and advised[0][0] == lo and sum(n for _, n in advised) == hi - lo, advised
     advised.clear()
     reader = open_checkpoint(path)
-    for lazy in [reader.decode(entry) for entry in reader.header.tensors]:  # as a restore does
+    reader.advise([(entry, None) for entry in reader.header.tensors])
+    for lazy in [reader.decode(entry) for entry in reader.header.tensors]:
         np.asarray(lazy)
     assert advised == []
+
+
+def _four_piece_directory(tmp_path, monkeypatch):
+    """A directory of one (64, 32768) float32 array written as 4 pieces of 16 rows (4 piece
+    files), and the `(start, length)` of every range the kernel is then asked to read."""
+    from jckpt.storage import reader as reader_mod
+    from tests.helpers import write_directory
+    w = np.arange(64 * 32768, dtype=np.float32).reshape(64, 32768)  # rows of 128 KiB
+    path = write_directory(tmp_path / "ck", {"w": w}, processes=4)
+    advised = []
+    monkeypatch.setattr(reader_mod, '_advise', lambda m, start, n: advised.append((start, n, m)))
+    return w, path, advised
+
+
+def test_a_restore_needing_half_of_each_of_four_pieces_asks_for_that_half_alone(tmp_path,
+                                                                                monkeypatch):
+    """A process whose devices need the left half of every row (a directory written by 4
+    processes, restored by 2 along the other axis) has the kernel read that half of each
+    piece: planned from the index before any read, not the whole piece files (the kernel's
+    read-ahead over every array of the file read twice the bytes needed)."""
+    from jckpt.storage import reader as reader_mod
+    w, path, advised = _four_piece_directory(tmp_path, monkeypatch)
+    reader = open_checkpoint(path)
+    (e,) = reader.header.tensors
+    left = ((0, 64), (0, 16384))
+    reader.advise([(e, [left])])
+    needed = w.nbytes // 2
+    assert needed <= sum(n for _, n, _ in advised) <= 1.1 * needed, advised
+    for fi in range(4):  # each piece file: the left half of each of its rows
+        piece = reader._readers[fi]
+        start = piece.data_start + piece.header.tensors[0].offset
+        page = reader_mod.mmap_mod.PAGESIZE
+        mine = [s for s, _, m in advised if m is piece.buffer]
+        assert mine == [(start + r * 131072) // page * page for r in range(16)], (fi, mine)
+    np.testing.assert_array_equal(reader.decode(e)[:, :16384], w[:, :16384])
+
+
+def test_a_verified_restore_plans_the_whole_pieces_it_reads(tmp_path, monkeypatch):
+    """A checksum covers a piece whole, so a verified read of half of each piece of an array
+    asks the kernel for those pieces whole (and checks them): not for the other array's."""
+    from jckpt.storage import reader as reader_mod
+    from tests.helpers import write_directory
+    w = np.ones((64, 32768), np.float32)
+    path = write_directory(tmp_path / "ck", {"w": w, "v": w}, processes=4)
+    advised = []
+    monkeypatch.setattr(reader_mod, '_advise', lambda m, start, n: advised.append(n))
+    reader = open_checkpoint(path)
+    e = next(e for e in reader.header.tensors if e.name == "jckpt/w")
+    reader.advise([(e, [((0, 64), (0, 16384))])], verify=True)
+    assert w.nbytes <= sum(advised) <= w.nbytes + 8 * 4096, advised
+    advised.clear()
+    reader.advise([(e, [((0, 64), (0, 16384))])])
+    assert w.nbytes // 2 <= sum(advised) <= 1.1 * w.nbytes // 2, advised
+
+
+@st.composite
+def _plan_case(draw):
+    """An array (2 or 3 dims, 1 to 8 bytes an element) split into row pieces over 1 to 4 piece
+    files, and 1 to 3 boxes of it a process's devices need."""
+    shape = (draw(st.integers(4, 16)), draw(st.integers(1, 16)) * 2048,
+             *draw(st.sampled_from([(), (1,), (3,)])))
+    boxes = []
+    for _ in range(draw(st.integers(1, 3))):
+        box = []
+        for i, d in enumerate(shape):  # narrow across the rows: ranges of their own
+            lo = draw(st.integers(0, d - 1))
+            box.append((lo, min(d, lo + draw(st.integers(1, d if i == 0 else max(1, d // 3))))))
+        boxes.append(tuple(box))
+    return shape, draw(st.sampled_from(["u1", "<f2", "<f4", "<i8"])), draw(st.integers(1, 4)), boxes
+
+
+@PROPERTY
+@given(case=_plan_case())
+def test_the_planned_ranges_cover_exactly_the_boxes_needed(tmp_path_factory, case):
+    """For random arrays, piece files and boxes, the ranges a restore asks the kernel for hold
+    every byte of the boxes, and nothing more than the pages about them and gaps under
+    `MERGE_GAP` between them; none where a piece file is needed (nearly) whole."""
+    from jckpt.storage import reader as reader_mod
+    shape, dtype, processes, boxes = case
+    path = tmp_path_factory.mktemp("plan") / "ck"
+    a = np.zeros(shape, dtype)
+    write_directory(path, {"a": a}, processes=processes)
+    advised = []
+    with mock.patch.object(reader_mod, '_advise', lambda m, s, n: advised.append((m, s, n))):
+        reader = open_checkpoint(path)
+        (e,) = reader.header.tensors
+        reader.advise([(e, boxes)])
+    page = reader_mod.mmap_mod.PAGESIZE
+    for fi in range(processes):
+        piece = reader._readers.get(fi)
+        if piece is None:  # a file none of the boxes overlaps is not even opened
+            assert all(intersect(b, reader.arrays[e.identity].pieces[fi][1]) is None for b in boxes)
+            continue
+        (p,) = piece.header.tensors
+        byte = np.arange(p.byte_length).reshape(*p.dims, a.itemsize)  # each element's bytes
+        needed = sorted({piece.data_start + p.offset + int(x) for b in boxes
+                         if (common := intersect(b, p.slice)) is not None
+                         for x in byte[box_slices(common, p.slice)].ravel()})
+        ranges = [(s, s + n) for m, s, n in advised if m is piece.buffer]
+        if not ranges:  # the file's payload nearly whole: left to the kernel's read-ahead
+            assert needed[0] - piece.data_start < reader_mod.MERGE_GAP + page
+            assert piece.size - needed[-1] <= reader_mod.MERGE_GAP + page
+            continue
+        starts, ends = np.array([r[0] for r in ranges]), np.array([r[1] for r in ranges])
+        inside = np.searchsorted(starts, needed, side="right") - 1
+        assert (inside >= 0).all() and (np.asarray(needed) < ends[inside]).all()  # all covered
+        for s, t in ranges:  # each range starts and ends within a page of a needed byte
+            k = np.searchsorted(needed, s)
+            assert k < len(needed) and needed[k] < s + page and needed[k] < t

@@ -252,15 +252,16 @@ def test_decode_all_gives_what_decode_gives_each_entry(tmp_path, monkeypatch, mm
 
 
 def test_a_partial_read_asks_the_kernel_for_exactly_its_payloads(tmp_path, monkeypatch):
-    """Decoding some entries advises `MADV_WILLNEED` on their pages alone, in chunks the
-    kernel reads whole, so its read-around does not read the neighbours; a whole-file
-    decode advises nothing and keeps the kernel's read-ahead."""
+    """A plan of some entries advises `MADV_WILLNEED` on their pages alone, in chunks the
+    kernel reads whole, so its read-around does not read the neighbours; one of the whole
+    file advises nothing and keeps the kernel's read-ahead."""
     from jckpt.storage import reader as reader_mod
     big = {n: np.full(300_000, i, np.float32) for i, n in enumerate('abcd')}  # 1.2 MB each
     r = CheckpointReader(write(tmp_path / 'x.jckpt', big))
     advised = []
     monkeypatch.setattr(reader_mod, '_advise', lambda m, start, n: advised.append((start, n)))
     a, c = r.header.tensors[0], r.header.tensors[2]
+    r.advise([(c, None), (a, None)])
     out = r.decode_all([c, a])
     assert [x[0] for x in out] == [2, 0]
     page = reader_mod.mmap_mod.PAGESIZE
@@ -272,7 +273,7 @@ def test_a_partial_read_asks_the_kernel_for_exactly_its_payloads(tmp_path, monke
         assert all(n <= reader_mod.ADVISE_BYTES for _, n in got)
     assert sum(n for _, n in advised) < 2 * big['a'].nbytes + 4 * page  # b and d not advised
     advised.clear()
-    r.decode_all(r.header.tensors)
+    r.advise([(e, None) for e in r.header.tensors])
     assert advised == []
 
 
@@ -287,3 +288,24 @@ def test_the_advice_stops_at_its_budget_the_first_ranges_first(monkeypatch):
     reader_mod.advise_needed(None, [(0, 3 << 20), (8 << 20, 4 << 20), (16 << 20, 1 << 20)])
     assert advised == [(0, 2 << 20), (2 << 20, 1 << 20), (8 << 20, 2 << 20)]
     assert sum(n for _, n in advised) == 5 << 20
+
+
+def test_a_plan_of_boxes_of_a_file_asks_for_their_rows_alone(tmp_path, monkeypatch):
+    """A single file restored onto a mesh takes the directory's plan: the left half of every
+    row of an array (rows of 256 KiB) is a range per row; a verified or copied read, whose
+    payloads are read whole, plans them whole."""
+    from jckpt.storage import reader as reader_mod
+    big = {n: np.ones((16, 65536), np.float32) for n in 'ab'}
+    r = CheckpointReader(write(tmp_path / 'x.jckpt', big))
+    advised = []
+    monkeypatch.setattr(reader_mod, '_advise', lambda m, start, n: advised.append((start, n)))
+    a = r.header.tensors[0]
+    r.advise([(a, [((0, 16), (0, 32768))])])
+    page = reader_mod.mmap_mod.PAGESIZE
+    start = r.data_start + a.offset
+    assert advised == [((start + row * 262144) // page * page, 131072 + page * bool(start % page))
+                       for row in range(16)]
+    for how in ({'verify': True}, {'mmap': False}):
+        advised.clear()
+        r.advise([(a, [((0, 16), (0, 32768))])], **how)
+        assert sum(n for _, n in advised) == pytest.approx(a.byte_length, abs=2 * page), how

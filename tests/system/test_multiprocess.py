@@ -404,6 +404,20 @@ def test_managers_of_file_steps_in_a_run_of_several_processes_are_each_processs_
         assert "not fully addressable" in r["mirror_error"] and "CheckpointManager" in r["mirror_error"]
 
 
+def test_a_process_needing_half_of_each_of_4_pieces_asks_the_kernel_for_that_half(tmp_path):
+    """A directory written by 4 processes (pieces of rows), restored by 2 splitting the columns:
+    each process has the kernel read its half of every piece, planned from the index before
+    any read; without the plan it advised nothing, and the kernel's read-ahead over the piece
+    files read them whole (1,408 MiB for 720 in a benchmark)."""
+    from tests.helpers import write_directory
+    from tests.system.test_multiprocess import HALF
+
+    d = write_directory(tmp_path / "ckpt", {"w": np.arange(int(np.prod(HALF)), dtype=np.float32)
+                                            .reshape(HALF)}, processes=4)
+    for r in check(run_pair("halfpieces", d)).values():
+        assert r["ok"] and r["needed"] <= r["advised"] <= 1.1 * r["needed"], r
+
+
 def test_typed_keys_restore_onto_a_sharding_over_both_processes(tmp_path):
     """Keys were put on one device, then moved onto the global sharding: JAX refused it with
     a ValueError outside jckpt's errors, for keys sharded and replicated alike."""
@@ -1068,13 +1082,37 @@ def phase_lone_failures(jax, jckpt, result, path):
     result.update(ok=True, attempts=attempts)
 
 
+HALF = (64, 32768)  # rows of 128 KiB: half of each is 64 KiB, no shorter than a gap read through
+
+
+def phase_half_of_each_piece(jax, jckpt, result, path):
+    """Restore a directory written as 4 pieces of rows onto a mesh whose `data` axis (across
+    the processes) splits the columns: each process needs half of every piece. The bytes the
+    kernel is asked to read ahead of their use are counted."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jckpt.storage import reader as reader_mod
+    advise, advised = reader_mod._advise, []
+    reader_mod._advise = lambda m, start, n: (advised.append(n), advise(m, start, n))
+    sharding = NamedSharding(mesh_of(jax, (jax.process_count(), jax.local_device_count())),
+                             P(None, "data"))
+    back = jckpt.restore(jckpt.Context(), {"w": jax.ShapeDtypeStruct(HALF, np.float32,
+                                                                     sharding=sharding)}, path)
+    full = np.arange(int(np.prod(HALF)), dtype=np.float32).reshape(HALF)
+    result["advised"], result["needed"] = sum(advised), full.nbytes // 2
+    result["ok"] = all(np.array_equal(np.asarray(s.data), full[s.index])
+                       for s in back["w"].addressable_shards)
+
+
 PHASES = {"lonesame": phase_lone_save_of_the_same_path, "openconflict": phase_open_beside_a_live_run,
           "meshsave": phase_mesh_save, "meshrestore": phase_mesh_restore,
           "killed": phase_killed_mid_save, "preempted": phase_preempted,
           "stages": phase_stages,
           "filesteps": phase_file_steps, "readers": phase_readers,
           "ownerror": phase_own_error, "readerrace": phase_reader_race,
-          "managerargs": phase_manager_arguments, "lonefailures": phase_lone_failures}
+          "managerargs": phase_manager_arguments, "lonefailures": phase_lone_failures,
+          "halfpieces": phase_half_of_each_piece}
 
 
 def worker(phase, process, port, path, processes=2, devices=2):

@@ -244,3 +244,31 @@ def test_every_transfer_starts_before_any_is_awaited(tmp_path, m42, monkeypatch)
     assert kinds.count("start") == 13 and kinds.count("wait") == 13, events
     assert kinds.index("wait") == 13
     assert all(shape != (8, 8) and shape != (16,) for _, shape in events)  # never the whole array
+
+
+def test_needed_boxes_are_the_distinct_slices_of_this_processs_devices(m42):
+    """What a restore plans its reads by: one box per distinct slice of a sharding over
+    several devices (replicas share theirs); None where placing reads the whole array."""
+    from jckpt.format.entries import Entry
+
+    def entry(dims, prec="Single_prec", key_impl=None):
+        return Entry(id=0, namespace="n", prec=prec, dims=dims, offset=0, byte_length=0,
+                     key_impl=key_impl)
+
+    def target(spec, shape=(16, 24)):
+        return jax.ShapeDtypeStruct(shape, np.float32, sharding=NamedSharding(m42, spec))
+
+    w = entry((16, 24))
+    assert sh.needed_boxes(target(P("data", "model")), w, host=False, device=None) == [
+        ((r, r + 4), (c, c + 12)) for r in range(0, 16, 4) for c in (0, 12)]
+    assert sh.needed_boxes(target(P("data")), w, host=False, device=None) == [
+        ((r, r + 4), (0, 24)) for r in range(0, 16, 4)]
+    assert sh.needed_boxes(None, w, host=False, device=NamedSharding(m42, P(None, "model"))) == [
+        ((0, 16), (0, 12)), ((0, 16), (12, 24))]                     # a load onto a sharding
+    one = jax.sharding.SingleDeviceSharding(cpu_devices(1)[0])
+    for leaf, e, host in [(data((16, 24)), w, False), (None, w, True), (None, w, False),
+                          (jax.ShapeDtypeStruct((16, 24), np.float32, sharding=one), w, False),
+                          (target(P("data"), (8, 24)), w, False),         # another shape
+                          (target(P("data")), entry((16, 24), key_impl="threefry2x32"), False),
+                          (target(P("data")), entry((16, 24), "Double_prec"), False)]:  # no x64
+        assert sh.needed_boxes(leaf, e, host=host, device=None) is None, (leaf, e)
