@@ -594,6 +594,34 @@ def test_a_managers_step_whose_lease_one_process_lost_fails_in_all_and_the_next_
         assert r["steps"] == [1, 3], r
 
 
+@pytest.mark.slow
+def test_a_meeting_one_process_makes_alone_fails_by_name_and_other_meetings_go_on(tmp_path):
+    """Meetings were paired by one counter per process: process 0's lone restore onto a global
+    array paired with process 1's lone reader open (the restore returned, the open failed on
+    "different paths"), and later meetings paired whatever came at the same count. Now each
+    meeting pairs only with one about the same thing: the lone ones time out naming where the
+    other process is, a restore both make after process 0's lone one fails in both, naming
+    both meetings, and the meetings of the manager go on together."""
+    import jckpt
+
+    jckpt.save(jckpt.Context(), {"x": np.full(8, 7, np.float32)}, tmp_path / "one.jckpt")
+    os.makedirs(tmp_path / "empty")
+    found = check(run_pair("lonemeeting", tmp_path, {"JCKPT_BARRIER_TIMEOUT": "3"}))
+    (a0, a1) = (found[p]["attempts"] for p in (0, 1))
+    assert [a[0] for a in a0] == [a[0] for a in a1] == [
+        "DistributedError", "DistributedError", None, None], found
+    assert "this process is at restoring the checkpoint (its 1st such meeting), process 1 is at " \
+           "listing the steps of " in a0[0][1], a0
+    assert "this process is at listing the steps of " in a1[0][1] and \
+           "process 0 is at restoring the checkpoint (its 1st such meeting)" in a1[0][1], a1
+    assert "restoring the checkpoint (its 2nd such meeting), process 1 is at restoring the " \
+           "checkpoint (its 1st such meeting)" in a0[1][1], a0
+    assert "restoring the checkpoint (its 1st such meeting), process 0 is at restoring the " \
+           "checkpoint (its 2nd such meeting)" in a1[1][1], a1
+    assert all("restart the run's processes together" in a[1] for a in a0[:2] + a1[:2])
+    assert all(a[3] for a in a0[2:] + a1[2:]), found  # the manager's save and restore went on
+
+
 # --- the worker ------------------------------------------------------------------------------
 
 def _attempt(jckpt, tree, path, timeout=None):
@@ -1068,13 +1096,52 @@ def phase_lone_failures(jax, jckpt, result, path):
     result.update(ok=True, attempts=attempts)
 
 
+def phase_lone_meeting(jax, jckpt, result, path):
+    """Process 0 restores onto a global array alone while process 1 opens a reader alone;
+    then both restore onto a global array, and a manager of both saves and restores a step."""
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    sharding = NamedSharding(jax.sharding.Mesh(np.array(jax.devices("cpu")), ("x",)), P("x"))
+    target = {"x": jax.ShapeDtypeStruct((8,), np.float32, sharding=sharding)}
+    one = os.path.join(path, "one.jckpt")
+
+    def attempt(call, value):
+        """`[error type or None, message, seconds, whether what came back holds value]`."""
+        start = time.monotonic()
+        try:
+            back = call()
+        except jckpt.CheckpointError as e:
+            return [type(e).__name__, str(e), time.monotonic() - start, False]
+        tree = getattr(back, "tree", back)
+        return [None, "", time.monotonic() - start, all(bool(np.all(np.asarray(s.data) == value))
+                                                        for s in tree["x"].addressable_shards)]
+
+    def read_alone():
+        with jckpt.CheckpointManager(os.path.join(path, "empty"), read_only=True):
+            return {"x": jax.numpy.zeros(8)}
+
+    attempts = [attempt(lambda: jckpt.restore(jckpt.Context(), target, one), 7)
+                if jax.process_index() == 0 else attempt(read_alone, 7)]
+    multihost_utils.sync_global_devices("both alone")
+    attempts.append(attempt(lambda: jckpt.restore(jckpt.Context(), target, one), 7))
+    multihost_utils.sync_global_devices("both timed out")  # however far apart they did
+    with jckpt.CheckpointManager(os.path.join(path, "run")) as mgr:
+        x = jax.make_array_from_callback((8,), sharding, lambda i: np.full(8, 1, np.float32)[i])
+        attempts.append(attempt(lambda: (mgr.save(1, {"x": x}), {"x": x})[1], 1))
+        attempts.append(attempt(lambda: mgr.restore(target=target), 1))
+    result.update(ok=True, attempts=attempts)
+
+
 PHASES = {"lonesame": phase_lone_save_of_the_same_path, "openconflict": phase_open_beside_a_live_run,
           "meshsave": phase_mesh_save, "meshrestore": phase_mesh_restore,
           "killed": phase_killed_mid_save, "preempted": phase_preempted,
           "stages": phase_stages,
           "filesteps": phase_file_steps, "readers": phase_readers,
           "ownerror": phase_own_error, "readerrace": phase_reader_race,
-          "managerargs": phase_manager_arguments, "lonefailures": phase_lone_failures}
+          "managerargs": phase_manager_arguments, "lonefailures": phase_lone_failures,
+          "lonemeeting": phase_lone_meeting}
 
 
 def worker(phase, process, port, path, processes=2, devices=2):
