@@ -336,7 +336,10 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
                         metadata: Callable[[], dict[str, str]]) -> None:
         """Save `step` from every process. An error one process meets before its save (its
         lease taken over, its metrics, say) fails the save in all of them once it has taken
-        its turn: raised before, the others' save met that process's next one."""
+        its turn: raised before, the others' save met that process's next one. A lease taken
+        over while it saved fails the published step in all of them too, and none applies
+        retention (`save_directory`'s `then`): raised in that process alone, process 0 went
+        on deleting steps for a writer that was no longer one."""
         if items is not None:
             raise InputError("directory steps hold one namespace: pass tree, not items",
                              file=self.directory)
@@ -352,12 +355,11 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
                 failure = e
             recorded.update(save_directory(self.ctx, tree, self._path(step), returning=(METRICS_KEY,),
                                            metadata=self._stamped(meta, generation),
-                                           failure=failure))
-            self._mark_published(generation)
+                                           failure=failure, then=lambda: self._lease.check()))
+            self._mark_published(generation)  # every process checked its lease after: retention
 
         self._pipeline.run_now(write)
         self._last_admitted = step
-        self._lease.check()  # nor deletes, by retention
         self._record(step, steps.parse_metrics(recorded.get(METRICS_KEY), self._path(step)),
                      folder=True, indexed=True)
 
