@@ -211,7 +211,6 @@ class StepReader:
             ```
         """
         ctx = ctx if ctx is not None else self.ctx
-        check_flag(verify, 'verify', self.directory, optional=False)  # before anything is read
         read = functools.partial(self._read, ctx, target=target, options=options,
                                  loaded=Loaded(CheckpointLoadOptions(), namespaces, layout,
                                                reshard, cast, verify))
@@ -221,7 +220,10 @@ class StepReader:
 
     def _read(self, ctx: Context, step: int | None, *, target: Any,
               options: CheckpointLoadOptions | None, loaded: Loaded) -> Restored:
-        """`restore` in this process alone: `step`, or the latest listed."""
+        """`restore` in this process alone: `step`, or the latest listed. Its arguments are
+        checked here, before anything is read: with several processes, one process's refusal
+        is raised in all of them (`_read_together`)."""
+        check_flag(loaded.verify, 'verify', self.directory, optional=False)
         if step is None:
             step = self.latest_step()
             if step is None:

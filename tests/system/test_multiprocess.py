@@ -562,15 +562,17 @@ def test_a_restore_failing_in_one_process_fails_in_all_and_the_next_goes_on(tmp_
     """A writer manager's restore and plain `jckpt.restore` did not meet: a failure one process
     alone met (a target of another shape, a damaged piece only it reads, a missing file) was
     raised there while the others returned, and the run went on half restored. A restore onto
-    host values stays one process's own."""
+    host values stays one process's own. A manager's `verify=` that is no flag was refused
+    before the meeting, in that process alone."""
     import jckpt
 
     jckpt.save(jckpt.Context(), {"x": np.full(8, 7, np.float32)}, tmp_path / "one.jckpt")
     found = check(run_pair("lonefailures", tmp_path, {"JCKPT_BARRIER_TIMEOUT": "20"}))
     (a0, a1) = (found[p]["attempts"] for p in (0, 1))
     assert [a[0] for a in a0] == [a[0] for a in a1] == [
-        "MismatchError", None, "ChecksumError", None, "FormatError", None, "ChecksumError"], found
-    for failed in (0, 2, 4, 6):  # the same error in both, naming process 1 and what it met
+        "MismatchError", None, "ChecksumError", None, "InputError", "FormatError", None,
+        "ChecksumError"], found
+    for failed in (0, 2, 4, 5, 7):  # the same error in both, naming process 1 and what it met
         for a in (a0, a1):
             assert "failed in 1 of the run's processes (process 1: " in a[failed][1], a[failed]
             assert a[failed][2] < 15, a[failed]  # at once, not at the barrier's timeout
@@ -620,6 +622,22 @@ def test_a_meeting_one_process_makes_alone_fails_by_name_and_other_meetings_go_o
            "checkpoint (its 2nd such meeting)" in a1[1][1], a1
     assert all("restart the run's processes together" in a[1] for a in a0[:2] + a1[:2])
     assert all(a[3] for a in a0[2:] + a1[2:]), found  # the manager's save and restore went on
+
+
+@pytest.mark.slow
+def test_a_managers_save_whose_arguments_one_process_gets_wrong_fails_in_all_and_the_next_goes_on(
+        tmp_path):
+    """`items=` with directory steps (and any argument `save` refuses) was refused in that
+    process before the save took its turn: the others' save of step 2 met that process's save
+    of step 3 and was refused, and their step 3 then waited out the barrier's timeout."""
+    found = check(run_pair("managerargs", tmp_path / "run", {"KIND": "items",
+                                                             "JCKPT_BARRIER_TIMEOUT": "20"}))
+    (t0, m0, s0), (t1, m1, s1) = (found[p]["attempts"][1] for p in (0, 1))
+    assert (t0, t1) == ("DistributedError", "InputError") and s0 < 15 and s1 < 15, found
+    assert "pass tree, not items" in m1 and "process 1: " in m0 and "pass tree, not items" in m0
+    for r in found.values():
+        assert [a[0] for a in r["attempts"]] == [None, t0 if r["process"] == 0 else t1, None], r
+        assert r["steps"] == [1, 3], r
 
 
 @pytest.mark.slow
@@ -1031,7 +1049,8 @@ def phase_reader_race(jax, jckpt, result, path):
 
 def phase_manager_arguments(jax, jckpt, result, path):
     """A manager saves steps 1 to 3; at step 2, process 1's metrics hold a value that is no
-    number, or (`KIND` "lease") process 1 finds its lease taken over by another writer."""
+    number, or (`KIND` "lease") process 1 finds its lease taken over by another writer (or,
+    "leaseafter", while it saves), or ("items") process 1 passes `items=`."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -1054,10 +1073,13 @@ def phase_manager_arguments(jax, jckpt, result, path):
             lone = step == 2 and jax.process_index() == 1
             kind = os.environ.get("KIND")
             loss = "nan?" if lone and kind is None else float(step)
-            mgr._lease = TakenOver(1 if kind == "leaseafter" else 0) if lone and kind else lease
+            lost = lone and kind in ("lease", "leaseafter")
+            mgr._lease = TakenOver(1 if kind == "leaseafter" else 0) if lost else lease
             start = time.monotonic()
             try:
-                mgr.save(step, {"x": x}, metrics={"loss": loss})
+                items = lone and kind == "items"  # refused with directory steps
+                mgr.save(step, None if items else {"x": x}, items={"jckpt": {"x": x}} if items
+                         else None, metrics={"loss": loss})  # one line: the same save's site
                 attempts.append([None, "", time.monotonic() - start])
             except jckpt.CheckpointError as e:
                 attempts.append([type(e).__name__, str(e), time.monotonic() - start])
@@ -1067,8 +1089,8 @@ def phase_manager_arguments(jax, jckpt, result, path):
 
 def phase_lone_failures(jax, jckpt, result, path):
     """A writer manager's restores, then plain `jckpt.restore`s, each failing in process 1
-    alone: a target of another shape, its piece of step 2 damaged, a file missing for it
-    alone; each followed by one that fails in none."""
+    alone: a target of another shape, its piece of step 2 damaged, a `verify=` that is no
+    flag, a file missing for it alone; each followed by one that fails in none (but the flag)."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -1105,6 +1127,8 @@ def phase_lone_failures(jax, jckpt, result, path):
                 f.write(data)
         attempts.append(attempt(lambda: mgr.restore(target=target()), 2))
         attempts.append(attempt(lambda: mgr.restore(1, target=target()), 1))
+        attempts.append(attempt(lambda: mgr.restore(1, target=target(), verify="yes" if lone
+                                                    else True), 1))  # refused before the read
     one = os.path.join(path, "missing.jckpt" if lone else "one.jckpt")
     attempts.append(attempt(lambda: jckpt.restore(jckpt.Context(), target(), one), 7))
     one = os.path.join(path, "one.jckpt")
