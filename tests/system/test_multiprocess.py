@@ -198,6 +198,21 @@ def test_a_save_that_fails_early_on_one_process_fails_at_once_on_all(tmp_path):
     assert int(back["jckpt"]["step"]) == 102
 
 
+def test_a_save_whose_metadata_one_process_gets_wrong_fails_at_once_on_all(tmp_path):
+    """`jckpt.save` refused metadata that is no string in that process before its turn: the
+    others waited out their timeout, and from then on each save met the other's previous one."""
+    import jckpt
+
+    d = tmp_path / "ckpt"
+    found = check(run_pair("metafail", d, {"JCKPT_BARRIER_TIMEOUT": "60"}))
+    (t0, m0, s0), (t0b, _, _) = found[0]["attempts"]
+    (t1, m1, _), (t1b, _, _) = found[1]["attempts"]
+    assert (t0, t1) == ("DistributedError", "InputError") and "'note'" in m1, found
+    assert "process 1: " in m0 and "'note'" in m0 and s0 < 30, found
+    assert (t0b, t1b) == (None, None), found  # then both save version 2
+    assert dict(jckpt.describe(d).metadata)["note"] == "ok"
+
+
 def test_a_save_made_by_one_process_alone_never_publishes_a_mix(tmp_path):
     """After a save only process 0 made, the next two saves of both paired process 0's
     version 1 with process 1's version 2, and both reported success."""
@@ -658,12 +673,16 @@ def test_a_managers_lease_lost_while_a_step_saved_fails_that_step_in_all(tmp_pat
 
 # --- the worker ------------------------------------------------------------------------------
 
-def _attempt(jckpt, tree, path, timeout=None):
-    """One save from this process: `[error type or None, message, seconds]`."""
+def _attempt(jckpt, tree, path, timeout=None, metadata=None):
+    """One save from this process: `[error type or None, message, seconds]` (with `metadata`,
+    through `jckpt.save`)."""
     from jckpt.api.multiprocess import save_directory
     start = time.monotonic()
     try:
-        save_directory(jckpt.Context(), tree, path, timeout=timeout)
+        if metadata is not None:
+            jckpt.save(jckpt.Context(), tree, path, metadata=metadata)
+        else:
+            save_directory(jckpt.Context(), tree, path, timeout=timeout)
         return [None, "", time.monotonic() - start]
     except jckpt.CheckpointError as e:
         return [type(e).__name__, str(e), time.monotonic() - start]
@@ -1289,7 +1308,7 @@ def worker(phase, process, port, path, processes=2, devices=2):
         print("RESULT " + json.dumps(result), flush=True)
         return
 
-    if phase in ("planfail", "alone", "hostdiff"):  # one process's save fails, or differs
+    if phase in ("planfail", "alone", "hostdiff", "metafail"):  # one process's save fails, or differs
         m = jax.make_mesh((2, 2), ("a", "b"))
         results_ = []
         if phase == "alone" and process == 0:  # a debug dump only this process saves
@@ -1301,7 +1320,9 @@ def worker(phase, process, port, path, processes=2, devices=2):
                 tree["step"] = "not an array"  # refused while this process plans its pieces
             if phase == "hostdiff" and process == 1 and version == 1:
                 tree["step"] = np.zeros(9, np.int64)  # process 0's is a scalar int32
-            results_.append(_attempt(jckpt, tree, path))
+            metadata = {"note": 3 if process == 1 and version == 1 else "ok"}  # 3: no string
+            results_.append(_attempt(jckpt, tree, path, metadata=metadata if phase == "metafail"
+                                     else None))
         result.update(ok=True, attempts=results_)
         print("RESULT " + json.dumps(result), flush=True)
         return
