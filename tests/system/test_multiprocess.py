@@ -404,7 +404,9 @@ def test_pipeline_stages_on_other_processes_devices_are_saved_and_restored(tmp_p
 def test_managers_of_file_steps_in_a_run_of_several_processes_are_each_processs_own(tmp_path):
     """With `directory_steps=False`, each process's manager writes its own steps: in one
     directory, both wrote the same step files (the last rename won, silently), and in
-    directories of their own, only process 0 deleted old steps."""
+    directories of their own, only process 0 deleted old steps. Its restore onto arrays across
+    processes did not meet: a target of another shape in process 1 alone failed there while
+    process 0 returned."""
     import jckpt
 
     found = check(run_pair("filesteps", tmp_path))
@@ -417,6 +419,11 @@ def test_managers_of_file_steps_in_a_run_of_several_processes_are_each_processs_
     assert len(refused) == 1 and "in use: another writer" in refused[0], found
     for r in found.values():  # docs/mirror.md: a mirror refuses an array spanning processes
         assert "not fully addressable" in r["mirror_error"] and "CheckpointManager" in r["mirror_error"]
+    for p, r in found.items():  # a restore onto arrays across processes met the others: it
+        (failed, message), (ok, values) = r["restores"]  # failed in process 1 alone
+        assert (failed, ok) == ("MismatchError", None), r
+        assert "restoring a step failed in 1 of the run's processes (process 1: " in message, r
+        assert values == [2.0 + 10 * p] * 2, r  # each process's own steps
 
 
 def test_typed_keys_restore_onto_a_sharding_over_both_processes(tmp_path):
@@ -916,13 +923,24 @@ def phase_file_steps(jax, jckpt, result, path):
     """Managers of file steps (`directory_steps=False`) in a run of several processes: each
     process's in a directory of its own, then both in one directory."""
     from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     own = os.path.join(path, f"own{jax.process_index()}")
+    across = NamedSharding(jax.sharding.Mesh(np.array(jax.devices("cpu")), ("x",)), P("x"))
     with jckpt.CheckpointManager(own, directory_steps=False, keep_last=1) as mgr:
         for step in (1, 2):
             mgr.save(step, {"x": np.full(4, step + 10 * jax.process_index(), np.float32)})
         mgr.wait_durable()
         result["steps"] = mgr.all_steps()
+        result["restores"] = []
+        for size in (8 if jax.process_index() else 4, 4):  # onto arrays across processes
+            target = {"x": jax.ShapeDtypeStruct((size,), np.float32, sharding=across)}
+            try:
+                back = mgr.restore(target=target).tree["x"]
+                result["restores"].append([None, [float(s.data[0]) for s in back.addressable_shards]])
+            except jckpt.CheckpointError as e:
+                result["restores"].append([type(e).__name__, str(e)])
     result["files"] = sorted(os.listdir(own))
     shared = None
     try:
@@ -932,9 +950,6 @@ def phase_file_steps(jax, jckpt, result, path):
     multihost_utils.sync_global_devices("both tried")  # while the other holds it
     if shared is not None:
         shared.close()
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
     spread = global_array(jax, "b", NamedSharding(jax.sharding.Mesh(np.array(jax.devices("cpu")), ("x",)),
                                                   P("x")), 0)
     with jckpt.Mirror(os.path.join(path, f"mirror{jax.process_index()}.jckpt")) as mirror:
