@@ -625,7 +625,8 @@ def test_a_meeting_one_process_makes_alone_fails_by_name_and_other_meetings_go_o
     "different paths"), and later meetings paired whatever came at the same count. Now each
     meeting pairs only with one about the same thing: the lone ones time out naming where the
     other process is, a restore both make after process 0's lone one fails in both, naming
-    both meetings, and the meetings of the manager go on together."""
+    both meetings, and the meetings of the manager go on together. A manager's restore of
+    another step in each process met, and returned one step here and another there."""
     import jckpt
 
     jckpt.save(jckpt.Context(), {"x": np.full(8, 7, np.float32)}, tmp_path / "one.jckpt")
@@ -633,7 +634,7 @@ def test_a_meeting_one_process_makes_alone_fails_by_name_and_other_meetings_go_o
     found = check(run_pair("lonemeeting", tmp_path, {"JCKPT_BARRIER_TIMEOUT": "3"}))
     (a0, a1) = (found[p]["attempts"] for p in (0, 1))
     assert [a[0] for a in a0] == [a[0] for a in a1] == [
-        "DistributedError", "DistributedError", None, None], found
+        "DistributedError", "DistributedError", None, None, "DistributedError"], found
     assert "this process is at restoring the checkpoint (its 1st such meeting), process 1 is at " \
            "listing the steps of " in a0[0][1], a0
     assert "this process is at listing the steps of " in a1[0][1] and \
@@ -643,7 +644,9 @@ def test_a_meeting_one_process_makes_alone_fails_by_name_and_other_meetings_go_o
     assert "restoring the checkpoint (its 1st such meeting), process 0 is at restoring the " \
            "checkpoint (its 2nd such meeting)" in a1[1][1], a1
     assert all("restart the run's processes together" in a[1] for a in a0[:2] + a1[:2])
-    assert all(a[3] for a in a0[2:] + a1[2:]), found  # the manager's save and restore went on
+    assert all(a[3] for a in a0[2:4] + a1[2:4]), found  # the manager's save and restore went on
+    assert "this process is at restoring step 1 of " in a0[4][1] and \
+           "process 1 is at restoring step 2 of " in a0[4][1], a0  # it returned both steps
 
 
 @pytest.mark.slow
@@ -1211,6 +1214,10 @@ def phase_lone_meeting(jax, jckpt, result, path):
         x = jax.make_array_from_callback((8,), sharding, lambda i: np.full(8, 1, np.float32)[i])
         attempts.append(attempt(lambda: (mgr.save(1, {"x": x}), {"x": x})[1], 1))
         attempts.append(attempt(lambda: mgr.restore(target=target), 1))
+        y = jax.make_array_from_callback((8,), sharding, lambda i: np.full(8, 2, np.float32)[i])
+        mgr.save(2, {"x": y})
+        asked = 1 + jax.process_index()  # each process another step: never one array of both
+        attempts.append(attempt(lambda: mgr.restore(asked, target=target), asked))
     result.update(ok=True, attempts=attempts)
 
 
