@@ -214,16 +214,16 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
     read = functools.partial(restore_alone, ctx, target, path, mmap=mmap, cast=cast,
                              namespace=namespace, verify=verify, namespaces=namespaces)
     processes = jax.process_count()
-    if processes == 1 or not _global(ctx, target):
+    if processes == 1 or not spans_processes(ctx, target):
         return read()
     return jointly("restoring the checkpoint", _where(path), read, process=jax.process_index(),
                    processes=processes, same_path=False)
 
 
-def _global(ctx: Any, target: Any) -> bool:
+def spans_processes(ctx: Any, target: Any) -> bool:
     """Whether `target` holds a leaf placed on other processes' devices too (a global array), so
     that the processes restore it together; True where that cannot be told (a `ctx` or target
-    `restore_alone` refuses: refused in every process together)."""
+    `restore_alone` refuses: refused in every process together); a file-step manager asks it too."""
     try:
         return any(placement.beyond_this_process(leaf, host=ctx.host, device=ctx.device)
                    for leaf in jax.tree_util.tree_leaves(target))
@@ -497,4 +497,4 @@ def describe(path: PathLike) -> Header:
     return open_checkpoint(path, mapped=False).header
 
 
-__all__ = ['describe', 'ingestion_counts', 'load', 'restore', 'restore_alone']
+__all__ = ['describe', 'ingestion_counts', 'load', 'restore', 'restore_alone', 'spans_processes']

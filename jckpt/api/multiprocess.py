@@ -370,10 +370,46 @@ def _planned(ctx: Any, tree: Any, process: int, mine: pairing.Claim, failure: Ex
         mine, plan='-' if facts is None else pairing.plan_digest(facts))
 
 
+def _after(rt: _Runtime, process: int, then: Callable[[], None] | None,
+           failed: list[BaseException]) -> None:
+    """Run `then` in this process, before the last barrier: its error goes to the others (phase
+    `then`, apart from the publish's own) and to `failed`, to be raised once all have met."""
+    if then is None:
+        return
+    try:
+        then()
+    except Exception as e:
+        rt.report('then', process, e)
+        failed.append(e)
+
+
+def _finish(rt: _Runtime, process: int, then: Callable[[], None] | None,
+            publish: Callable[[], None] | None) -> None:
+    """The save's last phase: process 0 publishes, every process runs `then` (`_after`), and
+    all meet; then this process's error of `then` is raised, or one naming the others', so
+    that every process raises at this save (the checkpoint published all the same)."""
+    failed: list[BaseException] = []
+
+    def last() -> None:
+        if publish is not None:
+            publish()
+        _after(rt, process, then, failed)
+
+    rt.together('published', 'saw the checkpoint published', process,
+                last if publish is not None or then is not None else None)
+    if failed:
+        raise failed[0]
+    errs = rt.errors('then')
+    if errs:
+        raise DistributedError("the checkpoint is published, but failed after it in another "
+                               "process: " + "; ".join(errs), file=rt.path,
+                               fix="see that process's error; the checkpoint is intact")
+
+
 def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: int | None = None,
                    metadata: Mapping[str, str] | None = None, timeout: float | None = None,
-                   returning: Sequence[str] = (), failure: Exception | None = None
-                   ) -> dict[str, str]:
+                   returning: Sequence[str] = (), failure: Exception | None = None,
+                   then: Callable[[], None] | None = None) -> dict[str, str]:
     """Save `tree` from every process of a `jax.distributed` run as a directory checkpoint.
 
     Call it (or `jckpt.save`, which calls it when `jax.process_count() > 1`)
@@ -385,7 +421,8 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
     reach a barrier within `timeout` seconds (default `barrier_timeout`), and then
     nothing is published. A failing process raises its own jckpt error, or a
     `DistributedError` raised from another (a `ValueError` of the tree's code);
-    `failure` (the caller's, a manager's metrics) fails the save once it took its turn.
+    `failure` (the caller's, a manager's metrics) fails the save once it took its turn;
+    `then` (a manager's lease check) fails it in every process once published (`_finish`).
     The checkpoint records process 0's `metadata`; the values of its keys named in
     `returning` are returned in every process (a manager's step metrics).
 
@@ -413,10 +450,9 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
             rt.together('written', 'wrote its pieces', process, functools.partial(
                 _checked_write, first, mine, absent, where, leaves, ctx.namespace, alignment, process,
                 ctx.durable, stage.tag, save))
-            rt.together('published', 'saw the checkpoint published', process, None if process else (
-                lambda: _publish(backend, stage, path, count, alignment,
-                                 {**(metadata or {}), SAVE_KEY: save}, ctx.durable,
-                                 [f[1] for f in facts or ()])))
+            _finish(rt, process, then, None if process else functools.partial(
+                _publish, backend, stage, path, count, alignment,
+                {**(metadata or {}), SAVE_KEY: save}, ctx.durable, [f[1] for f in facts or ()]))
     except BaseException as e:
         named = _named(rt, process, facts, first, mine, _own(e, path, count))
         if process == 0:

@@ -11,8 +11,10 @@ True
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import itertools
+import dataclasses
+import hashlib
 import json
 import os
 import threading
@@ -26,8 +28,14 @@ from jckpt.errors import CheckpointError, DistributedError, InputError
 #: Seconds a process waits at a barrier for the others (`JCKPT_BARRIER_TIMEOUT` overrides).
 DEFAULT_BARRIER_TIMEOUT = 300.0
 SAVING = 'jckpt/saving'  # key of each process's save in progress (for errors)
-_OPENS = itertools.count()  # agreements begun in this process
-_OPENS_LOCK = threading.Lock()
+MEETING = 'jckpt/meeting'  # key of each process's latest meeting (`agree`), for errors
+_MEETINGS: collections.Counter[tuple[str, str]] = collections.Counter()  # begun here, by topic
+_MEETINGS_LOCK = threading.Lock()
+#: What a process told that the others are at another meeting is to do.
+MISMATCH_FIX = ("every process must make the calls that meet the others (a manager's open, "
+                "reload and restore, a restore onto arrays spread over processes) together, in "
+                "the same order; one made by some processes alone shifts them: restart the "
+                "run's processes together")
 T = TypeVar('T')
 
 
@@ -103,6 +111,28 @@ class Runtime:
             with contextlib.suppress(Exception):
                 self.client.key_value_set(f"{self.tag}/{key}", value, allow_overwrite=True)
 
+    def put_global(self, key: str, value: str) -> None:
+        """Set `key`, outside this meeting's tag (best effort: what it is for is an error message)."""
+        if not self.local:
+            with contextlib.suppress(Exception):
+                self.client.key_value_set(key, value, allow_overwrite=True)
+
+    def positions(self) -> dict[int, Meeting]:
+        """The other processes' latest meetings (`agree`), as each said arriving there."""
+        if self.local:
+            return {}
+        try:
+            pairs = self.client.key_value_dir_get(f"{MEETING}/")
+        except Exception:
+            return {}
+        found = {}
+        for key, text in pairs:
+            with contextlib.suppress(ValueError, TypeError, KeyError):
+                process = int(key.rsplit('/', 1)[-1])
+                if process != self.process:
+                    found[process] = Meeting.decode(text)
+        return found
+
     def get(self, key: str, timeout: float) -> str | None:
         """This save's `key`, waiting up to `timeout` seconds for it (`None`: not there)."""
         if self.local:
@@ -123,11 +153,14 @@ class Runtime:
             return []
         return [(k.rsplit('/', 1)[-1], v) for k, v in sorted(pairs)]
 
-    def barrier(self, name: str, what: str) -> None:
+    def barrier(self, name: str, what: str, mark: bool = True) -> None:
+        """Meet every process at barrier `name` (`mark`: say so first, so that a timeout names
+        who did not come); `DistributedError` at the timeout, saying what is known."""
         if self.local:
             return
         start = time.monotonic()
-        self.put(f"at/{name}/{self.process}", '')  # so that a timeout names who is missing
+        if mark:
+            self.put(f"at/{name}/{self.process}", '')
         try:
             self.client.wait_at_barrier(f"{self.tag}/{name}", self.timeout_ms)
         except Exception as e:
@@ -195,6 +228,72 @@ class Runtime:
         self.check(name)
 
 
+@dataclasses.dataclass(frozen=True)
+class Meeting:
+    """One meeting of the processes (`agree`): what it is about, the path it is about ('' where
+    each process names its own) and how many such meetings this process began before.
+
+    Meetings about different things never pair: the barrier's name is made of `what` and `n`,
+    counted per `(what, path)`, so a meeting one process makes alone shifts only the meetings
+    about that very thing (and those of another path, met at the same count, are refused at
+    once: the processes name different paths).
+
+    >>> Meeting('opening the manager', 'run', 1).tag.startswith('jckpt/agree/')
+    True
+    """
+
+    what: str
+    path: str
+    n: int
+
+    @property
+    def tag(self) -> str:
+        digest = hashlib.sha256(self.what.encode('utf-8', 'surrogatepass')).hexdigest()[:16]
+        return f"jckpt/agree/{digest}/{self.n}"
+
+    def encode(self) -> str:
+        return json.dumps([self.what, self.path, self.n])
+
+    @classmethod
+    def decode(cls, text: str) -> Meeting:
+        what, path, n = json.loads(text)
+        return cls(str(what), str(path), int(n))
+
+    def describe(self) -> str:
+        """`'restoring the checkpoint (its 2nd such meeting)'`."""
+        of = f" of {self.path}" if self.path else ''
+        return f"{self.what}{of} (its {_ordinal(self.n + 1)} such meeting)"
+
+    def mismatched(self, e: DistributedError, positions: dict[int, Meeting], processes: int,
+                   process: int, path: str) -> DistributedError:
+        """`e`, the barrier's timeout, naming where the processes that did not come are
+        instead, as each said arriving at its latest meeting (`positions`), and what this
+        process was doing."""
+        absent = [p for p in range(processes) if p != process and positions.get(p) != self]
+        if not absent:
+            return e
+        where = '; '.join(f"process {p} is at {positions[p].describe()}" if p in positions
+                          else f"process {p} has been at no meeting" for p in absent[:8])
+        more = f" and {len(absent) - 8} more" if len(absent) > 8 else ''
+        return DistributedError(f"{e.message}; this process is at {self.describe()}, {where}"
+                                f"{more}: the processes are at different meetings", file=path,
+                                fix=MISMATCH_FIX)
+
+
+def meeting(what: str, path: str) -> Meeting:
+    """This process's next meeting about `what` and `path`, counted."""
+    with _MEETINGS_LOCK:
+        n = _MEETINGS[what, path]
+        _MEETINGS[what, path] += 1
+    return Meeting(what, path, n)
+
+
+def _ordinal(n: int) -> str:
+    """`'1st'`, `'2nd'`, `'11th'`."""
+    suffix = 'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')
+    return f"{n}{suffix}"
+
+
 def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
@@ -233,18 +332,18 @@ def agree(what: str, path: str, failure: BaseException | None, *, process: int, 
         if failure is not None:
             raise failure
         return [value]
-    with _OPENS_LOCK:
-        n = next(_OPENS)
-    rt = Runtime(f"jckpt/agree/{n}", path, barrier_timeout() if timeout is None else float(timeout),
+    here = meeting(what, os.fspath(path) if same_path else '')
+    rt = Runtime(here.tag, path, barrier_timeout() if timeout is None else float(timeout),
                  processes, process, announce=None)
     rt.put(f"said/{process}", json.dumps({'path': os.fspath(path), 'value': value,
                                           **_described(failure)}))
-    try:
-        rt.barrier('opened', f"reached {what}")
-    except DistributedError:
+    rt.put_global(f"{MEETING}/{process}", here.encode())
+    try:  # where each process is, not who came: `positions` tells, on a timeout
+        rt.barrier('opened', f"reached {what}", mark=False)
+    except DistributedError as e:
         if failure is not None:
             raise failure from None
-        raise
+        raise here.mismatched(e, rt.positions(), processes, process, rt.path) from None
     said = sorted((int(k), json.loads(v)) for k, v in rt.listed('said'))
     paths = {d['path'] for _, d in said}
     if same_path and len(paths) > 1:
@@ -297,5 +396,5 @@ def _common(what: str, path: str, failed: list[tuple[int, dict[str, Any]]]) -> C
                 fix=failed[0][1]['fix'])
 
 
-__all__ = ['DEFAULT_BARRIER_TIMEOUT', 'Runtime', 'agree', 'barrier_timeout', 'client', 'first_line',
-           'jointly', 'told']
+__all__ = ['DEFAULT_BARRIER_TIMEOUT', 'MEETING', 'MISMATCH_FIX', 'Meeting', 'Runtime', 'agree',
+           'barrier_timeout', 'client', 'first_line', 'jointly', 'meeting', 'told']

@@ -94,17 +94,23 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
     """
     ctx = check_context(ctx, appending=appending, progress=progress)  # first: names a tree given as ctx
     path = checked_path(path)
-    metadata = check_metadata(metadata, path)  # refused before anything is written
+    refused: InputError | None = None
+    try:
+        metadata = check_metadata(metadata, path)  # refused before anything is written
+    except InputError as e:  # a directory save refuses it once it took its turn, in every process
+        metadata, refused = {}, e
     backend_for(path).check_target(path)  # a directory in the way, a bucket: before any request
     # several processes save their pieces into one directory; a directory checkpoint stays one
     with naming_file(path):  # a leaf's error names the file too
         if jax.process_count() > 1 or _holds_directory(path):
-            if appending:
-                raise InputError("appending is not supported for directory checkpoints",
-                                 file=path, fix="save the whole tree")
-            save_directory(ctx, tree, path, alignment=alignment,
+            if appending and refused is None:
+                refused = InputError("appending is not supported for directory checkpoints",
+                                     file=path, fix="save the whole tree")
+            save_directory(ctx, tree, path, alignment=alignment, failure=refused,
                            metadata=_directory_metadata(metadata, ctx.namespace, tree))
             return
+        if refused is not None:
+            raise refused
         _save_file(ctx, tree, path, appending, alignment, metadata, progress)
 
 

@@ -44,7 +44,7 @@ import jax
 from jckpt.api.context import Context, check_context, check_flag
 from jckpt.api.multiprocess import save_directory
 from jckpt.api.runtime import agree
-from jckpt.errors import CheckpointError, InputError, StorageError, naming_file
+from jckpt.errors import InputError, StorageError, naming_file
 from jckpt.format import strict_json
 from jckpt.format.metadata import check_metadata
 from jckpt.format.names import (
@@ -257,6 +257,12 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
         format, `tree` is the model, or `items[options.model_namespace]` is
         and the other items are the optimizer state.
 
+        With directory steps, an argument one process passes that is refused (`items`, a
+        step not above the last, `metrics`, `options`) fails the step in every process, an
+        `InputError` there and a `DistributedError` naming it in the others, once the save
+        took its turn; a `step` or `force` that is no step or flag is refused in that process
+        alone: whether and where it saves is what the others' save is paired by.
+
         Raises:
             InputError: for a step not above every step already saved.
         """
@@ -265,18 +271,12 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
             raise restoring.read_only_refusal(self.directory, f"save({step})")
         if not check_flag(force, 'force', self.directory, optional=False) and not self.should_save(step):
             return False
-        self._check_next(step)
-        if (tree is None) == (items is None):
-            raise InputError("pass exactly one of tree and items", file=self.directory)
-        if items is not None and not isinstance(items, Mapping):
-            raise InputError(f"items must be {{namespace: subtree}}, not {type(items).__name__}",
-                             file=self.directory, fix="pass items={'params': params, ...}")
-        options = steps.checked(options, CheckpointOptions, 'options', self.options)
-        model_ns = self._model_namespace(options, items)
         if self.directory_steps:  # every process takes the save's turn, its arguments refused or not
-            self._save_directory(step, tree, items, lambda: self._step_metadata(
-                step, metrics, trainer_state, metadata)[0])
+            self._save_directory(step, tree, lambda: (
+                self._arguments(step, tree, items, options),
+                self._step_metadata(step, metrics, trainer_state, metadata)[0])[1])
             return True
+        options, model_ns = self._arguments(step, tree, items, options)
         meta, clean_metrics = self._step_metadata(step, metrics, trainer_state, metadata)
         trees = items if items is not None else {self.ctx.namespace: tree}
         formats.check_model(options, trees, model_ns, step, self._path(step))  # before admitting
@@ -288,6 +288,24 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
         if not self.asynchronous:
             self._pipeline.wait()
         return True
+
+    def _arguments(self, step: int, tree: Any, items: Mapping[str, Any] | None,
+                   options: CheckpointOptions | None) -> tuple[CheckpointOptions, str]:
+        """`save`'s options and model namespace (`_model_namespace`), once its step, `tree`,
+        `items` and `options` are checked; `InputError` for one that is refused. With directory
+        steps, each process checks them once the save took its turn (`_save_directory`), so
+        that one process's refusal fails the save in all of them."""
+        self._check_next(step)
+        if (tree is None) == (items is None):
+            raise InputError("pass exactly one of tree and items", file=self.directory)
+        if items is not None and not isinstance(items, Mapping):
+            raise InputError(f"items must be {{namespace: subtree}}, not {type(items).__name__}",
+                             file=self.directory, fix="pass items={'params': params, ...}")
+        if items is not None and self.directory_steps:
+            raise InputError("directory steps hold one namespace: pass tree, not items",
+                             file=self.directory)
+        options = steps.checked(options, CheckpointOptions, 'options', self.options)
+        return options, self._model_namespace(options, items)
 
     def _step_metadata(self, step: int, metrics: Mapping[str, float] | None,
                        trainer_state: TrainerState | None, metadata: Mapping[str, str] | None
@@ -332,32 +350,30 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
                              file=self.directory,
                              fix="save increasing steps (delete later steps to rewind)")
 
-    def _save_directory(self, step: int, tree: Any, items: Mapping[str, Any] | None,
-                        metadata: Callable[[], dict[str, str]]) -> None:
+    def _save_directory(self, step: int, tree: Any, metadata: Callable[[], dict[str, str]]) -> None:
         """Save `step` from every process. An error one process meets before its save (its
         lease taken over, its metrics, say) fails the save in all of them once it has taken
-        its turn: raised before, the others' save met that process's next one."""
-        if items is not None:
-            raise InputError("directory steps hold one namespace: pass tree, not items",
-                             file=self.directory)
+        its turn: raised before, the others' save met that process's next one. A lease taken
+        over while it saved fails the published step in all of them too, and none applies
+        retention (`save_directory`'s `then`): raised in that process alone, process 0 went
+        on deleting steps for a writer that was no longer one."""
         recorded: dict[str, str] = {}  # process 0's metrics, which every process keeps
 
         def write(generation: int) -> None:
             meta: dict[str, str] = {}
-            failure: CheckpointError | None = None
+            failure: Exception | None = None
             try:
                 self._lease.check()  # a writer whose lease was taken over writes nothing more
                 meta = metadata()
-            except CheckpointError as e:
+            except Exception as e:  # the save's arguments too: refused in every process
                 failure = e
             recorded.update(save_directory(self.ctx, tree, self._path(step), returning=(METRICS_KEY,),
                                            metadata=self._stamped(meta, generation),
-                                           failure=failure))
-            self._mark_published(generation)
+                                           failure=failure, then=lambda: self._lease.check()))
+            self._mark_published(generation)  # every process checked its lease after: retention
 
         self._pipeline.run_now(write)
         self._last_admitted = step
-        self._lease.check()  # nor deletes, by retention
         self._record(step, steps.parse_metrics(recorded.get(METRICS_KEY), self._path(step)),
                      folder=True, indexed=True)
 

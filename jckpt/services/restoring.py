@@ -25,7 +25,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jckpt.api.context import Context, check_flag
-from jckpt.api.runtime import agree
+from jckpt.api.loading import spans_processes
+from jckpt.api.runtime import agree, jointly
 from jckpt.errors import CheckpointError, FormatError, InputError
 from jckpt.format.names import METRICS_KEY, TRAINER_STATE_KEY, step_name
 from jckpt.services import steps
@@ -139,6 +140,8 @@ class StepReader:
     read_only: bool
     _ranks: int  # processes that read the directory together (1: this one alone)
     _rank: int
+    process_index: int  # of the run (a manager of file steps is this process's own)
+    process_count: int
     _view: StepView
     reload: Callable[[], list[int]]
 
@@ -182,7 +185,10 @@ class StepReader:
 
         A manager of several processes (a reader's, or a writer's of directory steps) restores
         in all of them together: they meet once, then return together or raise together
-        (`_read_together`), so that no process trains on while another failed.
+        (`_read_together`), so that no process trains on while another failed. So does each
+        process's own manager of file steps (`directory_steps=False`) onto arrays placed on
+        other processes' devices too, as `jckpt.restore` does; onto host values or this
+        process's devices, it meets no other.
 
         Args:
           step: the step to read.
@@ -211,17 +217,23 @@ class StepReader:
             ```
         """
         ctx = ctx if ctx is not None else self.ctx
-        check_flag(verify, 'verify', self.directory, optional=False)  # before anything is read
         read = functools.partial(self._read, ctx, target=target, options=options,
                                  loaded=Loaded(CheckpointLoadOptions(), namespaces, layout,
                                                reshard, cast, verify))
         if self._ranks > 1:
             return self._read_together(step, read)
+        if self.process_count > 1 and spans_processes(ctx, target):  # this process's file steps
+            return jointly("restoring a step", self.directory, functools.partial(read, step),
+                           process=self.process_index, processes=self.process_count,
+                           same_path=False)
         return read(step)
 
     def _read(self, ctx: Context, step: int | None, *, target: Any,
               options: CheckpointLoadOptions | None, loaded: Loaded) -> Restored:
-        """`restore` in this process alone: `step`, or the latest listed."""
+        """`restore` in this process alone: `step`, or the latest listed. Its arguments are
+        checked here, before anything is read: with several processes, one process's refusal
+        is raised in all of them (`_read_together`)."""
+        check_flag(loaded.verify, 'verify', self.directory, optional=False)
         if step is None:
             step = self.latest_step()
             if step is None:

@@ -17,6 +17,7 @@ class FakeClient:
 
     def __init__(self, blocked=(), peers=None):
         self.kv, self.blocked, self.met, self.peers = {}, set(blocked), [], peers or {}
+        self.names = []  # every barrier's full name
 
     def key_value_set(self, key, value, allow_overwrite=False):
         assert allow_overwrite or key not in self.kv, key
@@ -28,6 +29,7 @@ class FakeClient:
     def wait_at_barrier(self, name, timeout_ms):
         tag, _, last = name.rpartition("/")
         self.met.append(last)
+        self.names.append(name)
         for key, value in self.peers.items():
             self.kv[f"{tag}/{key}"] = value
         if last in self.blocked:
@@ -181,6 +183,48 @@ def test_jointly_returns_the_value_once_every_process_has_or_raises_the_one_erro
     with pytest.raises(jckpt.ChecksumError, match=r"restoring the checkpoint failed in 1 of the "
                                                   r"run's processes \(process 1: checksum mismatch"):
         jointly("restoring the checkpoint", "a.jckpt", lambda: 7, process=0, processes=2)
+
+
+def test_meetings_about_different_things_never_pair(monkeypatch):
+    """Meetings were paired by one counter of the process: a restore one process made alone
+    paired its next meeting (a manager's open) with the others' restore, and every later one
+    with the wrong call. Now a barrier's name says what it is about, counted per thing."""
+    import collections
+
+    client = FakeClient()
+    monkeypatch.setattr(runtime_mod, "client", lambda processes, path: client)
+    monkeypatch.setattr(runtime_mod, "_MEETINGS", collections.Counter())
+    for _ in range(2):
+        jointly("restoring the checkpoint", "a.jckpt", lambda: 7, process=0, processes=2,
+                same_path=False)
+    agree("opening the manager", "run", None, process=0, processes=2, timeout=5)
+    agree("listing the steps", "run", None, process=0, processes=2, timeout=5)
+    agree("opening the manager", "run", None, process=0, processes=2, timeout=5)
+    restore0, restore1, open0, _, _ = client.names
+    assert len(set(client.names)) == 5, client.names
+    assert restore0.rsplit("/", 2)[0] == restore1.rsplit("/", 2)[0] != open0.rsplit("/", 2)[0]
+    assert [n.split("/")[-2] for n in client.names] == ["0", "1", "0", "0", "1"], client.names
+    assert json.loads(client.kv["jckpt/meeting/0"]) == ["opening the manager", "run", 1]
+
+
+def test_a_timeout_names_the_meeting_this_process_is_at_and_where_the_others_are(monkeypatch):
+    """A process waiting for a partner at another meeting waited out the timeout to learn
+    only that the other did not come, and then went on pairing the wrong calls."""
+    import collections
+
+    client = FakeClient(blocked={"opened"})
+    client.kv["jckpt/meeting/1"] = json.dumps(["listing the steps", "/runs/a", 0])
+    monkeypatch.setattr(runtime_mod, "client", lambda processes, path: client)
+    monkeypatch.setattr(runtime_mod, "_MEETINGS", collections.Counter({
+        ("restoring the checkpoint", ""): 1}))
+    with pytest.raises(jckpt.DistributedError) as e:
+        jointly("restoring the checkpoint", "a.jckpt", lambda: 7, process=0, processes=3,
+                same_path=False)
+    assert ("this process is at restoring the checkpoint (its 2nd such meeting), process 1 is at "
+            "listing the steps of /runs/a (its 1st such meeting); process 2 has been at no "
+            "meeting: the processes are at different meetings") in e.value.message, e.value
+    assert e.value.message.startswith("not every process reached restoring the checkpoint")
+    assert "in the same order" in e.value.fix and "restart the run's processes" in e.value.fix
 
 
 def test_jointly_in_one_process_raises_its_own_error_as_it_is(monkeypatch):

@@ -198,6 +198,21 @@ def test_a_save_that_fails_early_on_one_process_fails_at_once_on_all(tmp_path):
     assert int(back["jckpt"]["step"]) == 102
 
 
+def test_a_save_whose_metadata_one_process_gets_wrong_fails_at_once_on_all(tmp_path):
+    """`jckpt.save` refused metadata that is no string in that process before its turn: the
+    others waited out their timeout, and from then on each save met the other's previous one."""
+    import jckpt
+
+    d = tmp_path / "ckpt"
+    found = check(run_pair("metafail", d, {"JCKPT_BARRIER_TIMEOUT": "60"}))
+    (t0, m0, s0), (t0b, _, _) = found[0]["attempts"]
+    (t1, m1, _), (t1b, _, _) = found[1]["attempts"]
+    assert (t0, t1) == ("DistributedError", "InputError") and "'note'" in m1, found
+    assert "process 1: " in m0 and "'note'" in m0 and s0 < 30, found
+    assert (t0b, t1b) == (None, None), found  # then both save version 2
+    assert dict(jckpt.describe(d).metadata)["note"] == "ok"
+
+
 def test_a_save_made_by_one_process_alone_never_publishes_a_mix(tmp_path):
     """After a save only process 0 made, the next two saves of both paired process 0's
     version 1 with process 1's version 2, and both reported success."""
@@ -389,7 +404,9 @@ def test_pipeline_stages_on_other_processes_devices_are_saved_and_restored(tmp_p
 def test_managers_of_file_steps_in_a_run_of_several_processes_are_each_processs_own(tmp_path):
     """With `directory_steps=False`, each process's manager writes its own steps: in one
     directory, both wrote the same step files (the last rename won, silently), and in
-    directories of their own, only process 0 deleted old steps."""
+    directories of their own, only process 0 deleted old steps. Its restore onto arrays across
+    processes did not meet: a target of another shape in process 1 alone failed there while
+    process 0 returned."""
     import jckpt
 
     found = check(run_pair("filesteps", tmp_path))
@@ -402,6 +419,11 @@ def test_managers_of_file_steps_in_a_run_of_several_processes_are_each_processs_
     assert len(refused) == 1 and "in use: another writer" in refused[0], found
     for r in found.values():  # docs/mirror.md: a mirror refuses an array spanning processes
         assert "not fully addressable" in r["mirror_error"] and "CheckpointManager" in r["mirror_error"]
+    for p, r in found.items():  # a restore onto arrays across processes met the others: it
+        (failed, message), (ok, values) = r["restores"]  # failed in process 1 alone
+        assert (failed, ok) == ("MismatchError", None), r
+        assert "restoring a step failed in 1 of the run's processes (process 1: " in message, r
+        assert values == [2.0 + 10 * p] * 2, r  # each process's own steps
 
 
 def test_a_process_needing_half_of_each_of_4_pieces_asks_the_kernel_for_that_half(tmp_path):
@@ -576,15 +598,17 @@ def test_a_restore_failing_in_one_process_fails_in_all_and_the_next_goes_on(tmp_
     """A writer manager's restore and plain `jckpt.restore` did not meet: a failure one process
     alone met (a target of another shape, a damaged piece only it reads, a missing file) was
     raised there while the others returned, and the run went on half restored. A restore onto
-    host values stays one process's own."""
+    host values stays one process's own. A manager's `verify=` that is no flag was refused
+    before the meeting, in that process alone."""
     import jckpt
 
     jckpt.save(jckpt.Context(), {"x": np.full(8, 7, np.float32)}, tmp_path / "one.jckpt")
     found = check(run_pair("lonefailures", tmp_path, {"JCKPT_BARRIER_TIMEOUT": "20"}))
     (a0, a1) = (found[p]["attempts"] for p in (0, 1))
     assert [a[0] for a in a0] == [a[0] for a in a1] == [
-        "MismatchError", None, "ChecksumError", None, "FormatError", None, "ChecksumError"], found
-    for failed in (0, 2, 4, 6):  # the same error in both, naming process 1 and what it met
+        "MismatchError", None, "ChecksumError", None, "InputError", "FormatError", None,
+        "ChecksumError"], found
+    for failed in (0, 2, 4, 5, 7):  # the same error in both, naming process 1 and what it met
         for a in (a0, a1):
             assert "failed in 1 of the run's processes (process 1: " in a[failed][1], a[failed]
             assert a[failed][2] < 15, a[failed]  # at once, not at the barrier's timeout
@@ -608,14 +632,81 @@ def test_a_managers_step_whose_lease_one_process_lost_fails_in_all_and_the_next_
         assert r["steps"] == [1, 3], r
 
 
+@pytest.mark.slow
+def test_a_meeting_one_process_makes_alone_fails_by_name_and_other_meetings_go_on(tmp_path):
+    """Meetings were paired by one counter per process: process 0's lone restore onto a global
+    array paired with process 1's lone reader open (the restore returned, the open failed on
+    "different paths"), and later meetings paired whatever came at the same count. Now each
+    meeting pairs only with one about the same thing: the lone ones time out naming where the
+    other process is, a restore both make after process 0's lone one fails in both, naming
+    both meetings, and the meetings of the manager go on together. A manager's restore of
+    another step in each process met, and returned one step here and another there."""
+    import jckpt
+
+    jckpt.save(jckpt.Context(), {"x": np.full(8, 7, np.float32)}, tmp_path / "one.jckpt")
+    os.makedirs(tmp_path / "empty")
+    found = check(run_pair("lonemeeting", tmp_path, {"JCKPT_BARRIER_TIMEOUT": "3"}))
+    (a0, a1) = (found[p]["attempts"] for p in (0, 1))
+    assert [a[0] for a in a0] == [a[0] for a in a1] == [
+        "DistributedError", "DistributedError", None, None, "DistributedError"], found
+    assert "this process is at restoring the checkpoint (its 1st such meeting), process 1 is at " \
+           "listing the steps of " in a0[0][1], a0
+    assert "this process is at listing the steps of " in a1[0][1] and \
+           "process 0 is at restoring the checkpoint (its 1st such meeting)" in a1[0][1], a1
+    assert "restoring the checkpoint (its 2nd such meeting), process 1 is at restoring the " \
+           "checkpoint (its 1st such meeting)" in a0[1][1], a0
+    assert "restoring the checkpoint (its 1st such meeting), process 0 is at restoring the " \
+           "checkpoint (its 2nd such meeting)" in a1[1][1], a1
+    assert all("restart the run's processes together" in a[1] for a in a0[:2] + a1[:2])
+    assert all(a[3] for a in a0[2:4] + a1[2:4]), found  # the manager's save and restore went on
+    assert "this process is at restoring step 1 of " in a0[4][1] and \
+           "process 1 is at restoring step 2 of " in a0[4][1], a0  # it returned both steps
+
+
+@pytest.mark.slow
+def test_a_managers_save_whose_arguments_one_process_gets_wrong_fails_in_all_and_the_next_goes_on(
+        tmp_path):
+    """`items=` with directory steps (and any argument `save` refuses) was refused in that
+    process before the save took its turn: the others' save of step 2 met that process's save
+    of step 3 and was refused, and their step 3 then waited out the barrier's timeout."""
+    found = check(run_pair("managerargs", tmp_path / "run", {"KIND": "items",
+                                                             "JCKPT_BARRIER_TIMEOUT": "20"}))
+    (t0, m0, s0), (t1, m1, s1) = (found[p]["attempts"][1] for p in (0, 1))
+    assert (t0, t1) == ("DistributedError", "InputError") and s0 < 15 and s1 < 15, found
+    assert "pass tree, not items" in m1 and "process 1: " in m0 and "pass tree, not items" in m0
+    for r in found.values():
+        assert [a[0] for a in r["attempts"]] == [None, t0 if r["process"] == 0 else t1, None], r
+        assert r["steps"] == [1, 3], r
+
+
+@pytest.mark.slow
+def test_a_managers_lease_lost_while_a_step_saved_fails_that_step_in_all(tmp_path):
+    """The lease check after a published step (before retention) raised in the process whose
+    lease was taken over alone: the others went on (process 0 applying retention for a writer
+    that was no longer one), and only the next save failed in all of them."""
+    found = check(run_pair("managerargs", tmp_path / "run", {"KIND": "leaseafter",
+                                                             "JCKPT_BARRIER_TIMEOUT": "20"}))
+    (t0, m0, s0), (t1, m1, s1) = (found[p]["attempts"][1] for p in (0, 1))
+    assert (t0, t1) == ("DistributedError", "InUseError") and s0 < 15 and s1 < 15, found
+    assert "lease was taken over" in m1 and "the checkpoint is published, but failed after it " \
+        "in another process: process 1: " in m0 and "lease was taken over" in m0, found
+    for r in found.values():
+        assert [a[0] for a in r["attempts"]] == [None, t0 if r["process"] == 0 else t1, None], r
+        assert r["steps"] == [1, 3], r  # step 2 is published, but no process counts it
+    assert sorted(os.listdir(tmp_path / "run" / "step_00000002.jckpt"))[0] == "index.jckpt"
+
 # --- the worker ------------------------------------------------------------------------------
 
-def _attempt(jckpt, tree, path, timeout=None):
-    """One save from this process: `[error type or None, message, seconds]`."""
+def _attempt(jckpt, tree, path, timeout=None, metadata=None):
+    """One save from this process: `[error type or None, message, seconds]` (with `metadata`,
+    through `jckpt.save`)."""
     from jckpt.api.multiprocess import save_directory
     start = time.monotonic()
     try:
-        save_directory(jckpt.Context(), tree, path, timeout=timeout)
+        if metadata is not None:
+            jckpt.save(jckpt.Context(), tree, path, metadata=metadata)
+        else:
+            save_directory(jckpt.Context(), tree, path, timeout=timeout)
         return [None, "", time.monotonic() - start]
     except jckpt.CheckpointError as e:
         return [type(e).__name__, str(e), time.monotonic() - start]
@@ -849,13 +940,24 @@ def phase_file_steps(jax, jckpt, result, path):
     """Managers of file steps (`directory_steps=False`) in a run of several processes: each
     process's in a directory of its own, then both in one directory."""
     from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     own = os.path.join(path, f"own{jax.process_index()}")
+    across = NamedSharding(jax.sharding.Mesh(np.array(jax.devices("cpu")), ("x",)), P("x"))
     with jckpt.CheckpointManager(own, directory_steps=False, keep_last=1) as mgr:
         for step in (1, 2):
             mgr.save(step, {"x": np.full(4, step + 10 * jax.process_index(), np.float32)})
         mgr.wait_durable()
         result["steps"] = mgr.all_steps()
+        result["restores"] = []
+        for size in (8 if jax.process_index() else 4, 4):  # onto arrays across processes
+            target = {"x": jax.ShapeDtypeStruct((size,), np.float32, sharding=across)}
+            try:
+                back = mgr.restore(target=target).tree["x"]
+                result["restores"].append([None, [float(s.data[0]) for s in back.addressable_shards]])
+            except jckpt.CheckpointError as e:
+                result["restores"].append([type(e).__name__, str(e)])
     result["files"] = sorted(os.listdir(own))
     shared = None
     try:
@@ -865,9 +967,6 @@ def phase_file_steps(jax, jckpt, result, path):
     multihost_utils.sync_global_devices("both tried")  # while the other holds it
     if shared is not None:
         shared.close()
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
     spread = global_array(jax, "b", NamedSharding(jax.sharding.Mesh(np.array(jax.devices("cpu")), ("x",)),
                                                   P("x")), 0)
     with jckpt.Mirror(os.path.join(path, f"mirror{jax.process_index()}.jckpt")) as mirror:
@@ -1001,13 +1100,19 @@ def phase_reader_race(jax, jckpt, result, path):
 
 def phase_manager_arguments(jax, jckpt, result, path):
     """A manager saves steps 1 to 3; at step 2, process 1's metrics hold a value that is no
-    number, or (`KIND` "lease") process 1 finds its lease taken over by another writer."""
+    number, or (`KIND` "lease") process 1 finds its lease taken over by another writer (or,
+    "leaseafter", while it saves), or ("items") process 1 passes `items=`."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     class TakenOver:  # an object store's lease, taken over by another writer
+        def __init__(self, checks=0):
+            self.checks = checks  # those that pass first (`KIND` "leaseafter": while it saves)
+
         def check(self):
-            raise jckpt.InUseError("the writer lease was taken over", file=str(path))
+            self.checks -= 1
+            if self.checks < 0:
+                raise jckpt.InUseError("the writer lease was taken over", file=str(path))
 
     mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")), ("x",))
     attempts = []
@@ -1017,11 +1122,15 @@ def phase_manager_arguments(jax, jckpt, result, path):
             x = jax.make_array_from_callback((8,), NamedSharding(mesh, P("x")),
                                              lambda i, s=step: np.full(8, s, np.float32)[i])
             lone = step == 2 and jax.process_index() == 1
-            loss = "nan?" if lone and os.environ.get("KIND") != "lease" else float(step)
-            mgr._lease = TakenOver() if lone and os.environ.get("KIND") == "lease" else lease
+            kind = os.environ.get("KIND")
+            loss = "nan?" if lone and kind is None else float(step)
+            lost = lone and kind in ("lease", "leaseafter")
+            mgr._lease = TakenOver(1 if kind == "leaseafter" else 0) if lost else lease
             start = time.monotonic()
             try:
-                mgr.save(step, {"x": x}, metrics={"loss": loss})
+                items = lone and kind == "items"  # refused with directory steps
+                mgr.save(step, None if items else {"x": x}, items={"jckpt": {"x": x}} if items
+                         else None, metrics={"loss": loss})  # one line: the same save's site
                 attempts.append([None, "", time.monotonic() - start])
             except jckpt.CheckpointError as e:
                 attempts.append([type(e).__name__, str(e), time.monotonic() - start])
@@ -1031,8 +1140,8 @@ def phase_manager_arguments(jax, jckpt, result, path):
 
 def phase_lone_failures(jax, jckpt, result, path):
     """A writer manager's restores, then plain `jckpt.restore`s, each failing in process 1
-    alone: a target of another shape, its piece of step 2 damaged, a file missing for it
-    alone; each followed by one that fails in none."""
+    alone: a target of another shape, its piece of step 2 damaged, a `verify=` that is no
+    flag, a file missing for it alone; each followed by one that fails in none (but the flag)."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -1069,6 +1178,8 @@ def phase_lone_failures(jax, jckpt, result, path):
                 f.write(data)
         attempts.append(attempt(lambda: mgr.restore(target=target()), 2))
         attempts.append(attempt(lambda: mgr.restore(1, target=target()), 1))
+        attempts.append(attempt(lambda: mgr.restore(1, target=target(), verify="yes" if lone
+                                                    else True), 1))  # refused before the read
     one = os.path.join(path, "missing.jckpt" if lone else "one.jckpt")
     attempts.append(attempt(lambda: jckpt.restore(jckpt.Context(), target(), one), 7))
     one = os.path.join(path, "one.jckpt")
@@ -1105,6 +1216,48 @@ def phase_half_of_each_piece(jax, jckpt, result, path):
                        for s in back["w"].addressable_shards)
 
 
+def phase_lone_meeting(jax, jckpt, result, path):
+    """Process 0 restores onto a global array alone while process 1 opens a reader alone;
+    then both restore onto a global array, and a manager of both saves and restores a step."""
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    sharding = NamedSharding(jax.sharding.Mesh(np.array(jax.devices("cpu")), ("x",)), P("x"))
+    target = {"x": jax.ShapeDtypeStruct((8,), np.float32, sharding=sharding)}
+    one = os.path.join(path, "one.jckpt")
+
+    def attempt(call, value):
+        """`[error type or None, message, seconds, whether what came back holds value]`."""
+        start = time.monotonic()
+        try:
+            back = call()
+        except jckpt.CheckpointError as e:
+            return [type(e).__name__, str(e), time.monotonic() - start, False]
+        tree = getattr(back, "tree", back)
+        return [None, "", time.monotonic() - start, all(bool(np.all(np.asarray(s.data) == value))
+                                                        for s in tree["x"].addressable_shards)]
+
+    def read_alone():
+        with jckpt.CheckpointManager(os.path.join(path, "empty"), read_only=True):
+            return {"x": jax.numpy.zeros(8)}
+
+    attempts = [attempt(lambda: jckpt.restore(jckpt.Context(), target, one), 7)
+                if jax.process_index() == 0 else attempt(read_alone, 7)]
+    multihost_utils.sync_global_devices("both alone")
+    attempts.append(attempt(lambda: jckpt.restore(jckpt.Context(), target, one), 7))
+    multihost_utils.sync_global_devices("both timed out")  # however far apart they did
+    with jckpt.CheckpointManager(os.path.join(path, "run")) as mgr:
+        x = jax.make_array_from_callback((8,), sharding, lambda i: np.full(8, 1, np.float32)[i])
+        attempts.append(attempt(lambda: (mgr.save(1, {"x": x}), {"x": x})[1], 1))
+        attempts.append(attempt(lambda: mgr.restore(target=target), 1))
+        y = jax.make_array_from_callback((8,), sharding, lambda i: np.full(8, 2, np.float32)[i])
+        mgr.save(2, {"x": y})
+        asked = 1 + jax.process_index()  # each process another step: never one array of both
+        attempts.append(attempt(lambda: mgr.restore(asked, target=target), asked))
+    result.update(ok=True, attempts=attempts)
+
+
 PHASES = {"lonesame": phase_lone_save_of_the_same_path, "openconflict": phase_open_beside_a_live_run,
           "meshsave": phase_mesh_save, "meshrestore": phase_mesh_restore,
           "killed": phase_killed_mid_save, "preempted": phase_preempted,
@@ -1112,7 +1265,7 @@ PHASES = {"lonesame": phase_lone_save_of_the_same_path, "openconflict": phase_op
           "filesteps": phase_file_steps, "readers": phase_readers,
           "ownerror": phase_own_error, "readerrace": phase_reader_race,
           "managerargs": phase_manager_arguments, "lonefailures": phase_lone_failures,
-          "halfpieces": phase_half_of_each_piece}
+          "halfpieces": phase_half_of_each_piece, "lonemeeting": phase_lone_meeting}
 
 
 def worker(phase, process, port, path, processes=2, devices=2):
@@ -1214,7 +1367,7 @@ def worker(phase, process, port, path, processes=2, devices=2):
         print("RESULT " + json.dumps(result), flush=True)
         return
 
-    if phase in ("planfail", "alone", "hostdiff"):  # one process's save fails, or differs
+    if phase in ("planfail", "alone", "hostdiff", "metafail"):  # one process's save fails, or differs
         m = jax.make_mesh((2, 2), ("a", "b"))
         results_ = []
         if phase == "alone" and process == 0:  # a debug dump only this process saves
@@ -1226,7 +1379,9 @@ def worker(phase, process, port, path, processes=2, devices=2):
                 tree["step"] = "not an array"  # refused while this process plans its pieces
             if phase == "hostdiff" and process == 1 and version == 1:
                 tree["step"] = np.zeros(9, np.int64)  # process 0's is a scalar int32
-            results_.append(_attempt(jckpt, tree, path))
+            metadata = {"note": 3 if process == 1 and version == 1 else "ok"}  # 3: no string
+            results_.append(_attempt(jckpt, tree, path, metadata=metadata if phase == "metafail"
+                                     else None))
         result.update(ok=True, attempts=results_)
         print("RESULT " + json.dumps(result), flush=True)
         return
