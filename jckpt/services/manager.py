@@ -279,10 +279,10 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
             return True
         meta, clean_metrics = self._step_metadata(step, metrics, trainer_state, metadata)
         trees = items if items is not None else {self.ctx.namespace: tree}
-        formats.check_model(options, trees, model_ns, step, self._path(step))  # before admitting
-        leaves = namespace_leaves(trees)
-        meta.update(empty_nodes_metadata(trees))
         with naming_file(self._path(step)):  # a leaf's error names the step too
+            leaves = namespace_leaves(trees)  # a tree JAX cannot flatten: InputError, first
+            formats.check_model(options, trees, model_ns, step, self._path(step))  # before admitting
+            meta.update(empty_nodes_metadata(trees))
             self._admit(leaves, meta, _Step(step, clean_metrics, options, model_ns), timeout)
         self._last_admitted = step
         if not self.asynchronous:

@@ -310,6 +310,20 @@ def test_a_model_its_format_cannot_hold_is_refused_when_saved(tmp_path, fmt, bad
     assert jckpt.CheckpointManager(tmp_path).all_steps() == [1, 3]
 
 
+@pytest.mark.parametrize('fmt', ['jckpt', 'safetensors'])
+def test_a_tree_jax_cannot_flatten_is_an_input_error_naming_the_step(tmp_path, fmt):
+    """Dict keys of two types ({'w': ..., 1: ...}) cannot be sorted by JAX: a step in another
+    format raised JAX's bare ValueError from the format's check, and a jckpt step's error
+    named no file."""
+    import jax.numpy as jnp
+    with jckpt.CheckpointManager(tmp_path, options=CheckpointOptions(format=fmt)) as mgr:
+        with pytest.raises(InputError, match="JAX cannot flatten the tree") as e:
+            mgr.save(1, {'w': jnp.ones(2), 1: jnp.ones(1)})
+        assert e.value.file == str(tmp_path / 'step_00000001.jckpt') and e.value.fix
+        assert mgr.save(2, {'w': jnp.ones(2)})
+    assert jckpt.CheckpointManager(tmp_path).all_steps() == [2]
+
+
 def test_a_step_its_writer_refuses_later_is_dropped_and_later_steps_are_written(tmp_path,
                                                                                  monkeypatch):
     """What no check finds before writing (here an llm.c format registered without its check)
