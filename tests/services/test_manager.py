@@ -48,6 +48,24 @@ def test_steps_are_files_published_in_the_background(tmp_path):
     assert not os.path.exists(tmp_path / ".jckpt-lease")
 
 
+def test_a_manager_no_variable_refers_to_is_named_as_this_processs(tmp_path):
+    """A notebook cell `mgr = jckpt.CheckpointManager(d)` run again: the first manager's
+    threads keep it and its lease alive, and the refusal named the notebook's own pid as
+    "another writer", with a fix (close it) that nothing could reach."""
+    import gc
+
+    mgr = jckpt.CheckpointManager(tmp_path)
+    mgr.save(1, {"w": np.ones(2, np.float32)}, force=True)
+    first, mgr = mgr, None
+    gc.collect()
+    with pytest.raises(jckpt.InUseError, match=r"a writer of this process \(pid \d+\) holds "
+                                               r"the lease .*opened on this path earlier") as e:
+        jckpt.CheckpointManager(tmp_path)
+    assert "mgr.close()" in e.value.fix and "restart" in e.value.fix
+    first.close()
+    jckpt.CheckpointManager(tmp_path).close()
+
+
 def test_retention_last_every_best_and_never_the_latest(tmp_path):
     losses = {s: 1.0 / s for s in range(1, 13)}
     losses[3] = 0.001          # the best loss, early
