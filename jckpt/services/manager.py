@@ -184,6 +184,7 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
                 ('keep_last', keep_last), ('keep_every', keep_every), ('keep_best', keep_best),
                 ('new_lineage', new_lineage), ('handle_sigterm', handle_sigterm)))
         elif backend is LOCAL:  # an object store's prefix needs no creating
+            restoring.refuse_a_file(self.directory)
             try:
                 os.makedirs(self.directory, exist_ok=True)
             except OSError as e:

@@ -66,6 +66,19 @@ def test_a_manager_no_variable_refers_to_is_named_as_this_processs(tmp_path):
     jckpt.CheckpointManager(tmp_path).close()
 
 
+@pytest.mark.parametrize("read_only", [False, True])
+def test_a_manager_given_a_checkpoint_file_says_it_is_a_file(tmp_path, read_only):
+    """A step file passed where the run's directory goes: a writer failed with the bare "File
+    exists" of the directory it could not create (its fix: "see the underlying OS error"),
+    and a reader called it "no such directory"."""
+    path = tmp_path / "step_00000001.jckpt"
+    jckpt.save(jckpt.Context(), {"w": np.ones(2, np.float32)}, path)
+    with pytest.raises(jckpt.InputError, match="is a file, not a directory") as e:
+        jckpt.CheckpointManager(path, read_only=read_only)
+    assert e.value.file == str(path) and "jckpt.restore" in e.value.fix
+    assert jckpt.restore(jckpt.Context(), {"w": np.zeros(2, np.float32)}, path)["w"].sum() == 2
+
+
 def test_retention_last_every_best_and_never_the_latest(tmp_path):
     losses = {s: 1.0 / s for s in range(1, 13)}
     losses[3] = 0.001          # the best loss, early
