@@ -358,6 +358,18 @@ def test_a_model_namespace_is_needed_and_multi_process_steps_stay_jckpt(tmp_path
             mgr.save(1, {'w': np.ones(2)}, options=CheckpointOptions(format='npz'))
 
 
+def test_a_manager_of_directory_steps_refuses_another_format_when_opened(tmp_path):
+    """It was taken, and every save refused, so a misconfigured run of several processes found
+    out at its first save, a save interval of training later."""
+    with pytest.raises(InputError, match="directory steps are jckpt only.*'safetensors'") as e:
+        jckpt.CheckpointManager(tmp_path, directory_steps=True,
+                                options=CheckpointOptions(format='safetensors'))
+    assert e.value.file == str(tmp_path) and 'format="jckpt"' in e.value.fix
+    assert not [n for n in os.listdir(tmp_path) if n.startswith('.jckpt-lease')]  # none held
+    jckpt.CheckpointManager(tmp_path, read_only=True,  # a reader writes nothing: any options
+                            options=CheckpointOptions(format='safetensors')).close()
+
+
 def test_staged_and_half_deleted_step_directories_are_cleared_on_open(tmp_path):
     with saved_steps(tmp_path) as mgr:
         pass
