@@ -363,6 +363,19 @@ def test_a_target_nested_otherwise_than_the_file_is_told_where_the_file_has_it(t
                       path)
 
 
+def test_a_renamed_leaf_is_shown_what_the_file_holds_beside_it(tmp_path):
+    """A leaf renamed between save and restore (`w1` -> `fc1` in layer 7 of 12): the fix listed
+    the file's first five entries (`embed`, layer 0's), none of them the old name."""
+    path = tmp_path / "layers.jckpt"
+    layer = {"attn": {"q": np.ones(2), "k": np.ones(2)}, "mlp": {"w1": np.ones(2), "w2": np.ones(2)}}
+    jckpt.save(jckpt.Context(), {"embed": np.ones(2), "layers": [layer] * 12}, path)
+    renamed = [dict(layer) for _ in range(12)]
+    renamed[7] = {"attn": layer["attn"], "mlp": {"fc1": np.ones(2), "w2": np.ones(2)}}
+    with pytest.raises(jckpt.MissingEntryError, match=r"jckpt/layers/7/mlp/fc1: not in") as e:
+        jckpt.restore(jckpt.Context(), {"embed": np.ones(2), "layers": renamed}, path)
+    assert "entries nearest it: ['layers/7/mlp/w1', 'layers/7/mlp/w2']" in e.value.fix
+
+
 @pytest.mark.timeout(120)  # a guard against a hang, not a speed goal: it took an hour
 def test_a_large_target_nested_otherwise_is_refused_at_once(tmp_path):
     """Every one of a large target's leaves missing (a tree saved from a pure dict, restored
