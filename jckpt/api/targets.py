@@ -116,10 +116,14 @@ def as_stored_for(array: Any, entry: Entry, leaf: Any, want_dtype: Any, path: st
 
 
 def take(ctx: Context, entry: Entry, array: Any, leaf: Any, path: str, where: str, *,
-         cast: bool) -> tuple[Any, Any, str, str | None]:
+         cast: bool, meshes: dict[Any, Any] | None = None) -> tuple[Any, Any, str, str | None]:
     """For an array already read (a foreign file's, described by `entry`): what
     `jckpt.trees.placement.place_all` is asked, `(array, leaf, where, key_impl)`, by the
-    rules `restore` applies to a jckpt file's entries."""
+    rules `restore` applies to a jckpt file's entries, a spec's abstract mesh made concrete
+    among them (`meshes` caches them across a tree's leaves)."""
+    if type(leaf) is jax.ShapeDtypeStruct and leaf.sharding is not None:
+        leaf = sharding.with_concrete_mesh(leaf, {} if meshes is None else meshes, file=path,
+                                           where=where)
     entry = as_target_takes(entry, leaf, path, where)
     want_dtype = check_leaf(ctx, entry, leaf, path, where)
     return as_stored_for(array, entry, leaf, want_dtype, path, where, cast=cast), leaf, where, \
