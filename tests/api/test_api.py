@@ -476,6 +476,23 @@ def test_a_flax_msgpack_file_is_named_with_how_to_read_it(tmp_path):
     assert "flax.serialization.from_bytes" in e.value.fix and "jckpt.save" in e.value.fix
 
 
+def test_a_pickle_or_a_gzip_file_is_named_with_what_to_do(tmp_path):
+    """`pickle.dump(params, f)`, the oldest way to checkpoint a JAX tree, and a compressed
+    checkpoint: restore said "header length ... extends past the end of the file (fix: the
+    file is truncated or not a checkpoint)"."""
+    import gzip
+    import pickle
+    pkl, gz, good = tmp_path / "params.pkl", tmp_path / "m.jckpt.gz", tmp_path / "m.jckpt"
+    pkl.write_bytes(pickle.dumps({"w": np.ones(3, np.float32)}, protocol=pickle.DEFAULT_PROTOCOL))
+    jckpt.save(jckpt.Context(), {"w": np.ones(3, np.float32)}, good)
+    gz.write_bytes(gzip.compress(good.read_bytes()))
+    for path, kind, fix in ((pkl, "a Python pickle (pickle.dump)", "pickle.load it and jckpt.save"),
+                            (gz, "a gzip-compressed file", "decompress it first")):
+        with pytest.raises(jckpt.FormatError) as e:
+            jckpt.restore(jckpt.Context(), {"w": np.zeros(3, np.float32)}, path)
+        assert e.value.message.startswith(f"it is {kind}, not a jckpt checkpoint") and fix in e.value.fix
+
+
 def test_another_formats_file_is_named_for_what_it_is_first(tmp_path):
     """docs/interop.md: given another format's file, `load` and `restore` say what it is and
     how to convert it. The error led with "header length 2415919104 extends past the end of
