@@ -227,7 +227,7 @@ def entry_for(namespace: str, path: KeyPath | None, dtype: Any, shape: Sequence[
     dims = tuple(shape)
     if path is not None and len(path) > MAX_PATH_LENGTH:
         raise InputError(f"key path of {len(path)} components is deeper than {MAX_PATH_LENGTH}, "
-                         "more than readers accept", entry=path_name(path[:8]) + '/...',
+                         "more than readers accept", entry=f"{namespace}/{path_name(path[:8])}/...",
                          fix="store the tree flatter")
     return _new_entry(id, namespace, prec, dims, offset, math.prod(dims) * size,
                       () if path is None else tuple([v if type(v) is str else str(v) for _, v in path]),
