@@ -172,12 +172,28 @@ def formats() -> dict[str, Format]:
         return dict(_FORMATS)
 
 
+#: Other names of registered formats, as their files' extensions name them (`model.pth`).
+ALIASES = {'pth': 'torch', 'pt': 'torch'}
+
+
+def format_name(name: str) -> str:
+    """The registered name `name` stands for: itself, unless it is one of the `ALIASES` and
+    no format registered under it (a name nothing registered is returned as it is).
+
+    >>> format_name('pth'), format_name('safetensors'), format_name('raw')
+    ('torch', 'safetensors', 'raw')
+    """
+    return name if name in formats() else ALIASES.get(name, name)
+
+
 def get_format(name: str) -> Format:
-    """The registered format called `name`; `InputError` naming the known ones."""
+    """The registered format called `name` (or one of its `ALIASES`: `'pth'` is `'torch'`);
+    `InputError` naming the known ones."""
     known = formats()
-    if name not in known:
+    fmt = known.get(format_name(name))
+    if fmt is None:
         raise InputError(f"unknown format {name!r}", fix=f"use one of {sorted(known)}")
-    return known[name]
+    return fmt
 
 
 _BUILTINS = ('jckpt.adapters.native', 'jckpt.adapters.ocannl', 'jckpt.adapters.numpy',
@@ -308,7 +324,7 @@ def write(tree: Any, path: PathLike, format: str | None = None) -> None:
                          fix=f"pass format= one of {sorted(formats())}")
     fmt = get_format(name)
     if fmt.write is None:
-        raise InputError(f"format {name!r} cannot be written, only read", file=path)
+        raise InputError(f"format {fmt.name!r} cannot be written, only read", file=path)
     fmt.write(tree, path)
 
 
@@ -351,6 +367,7 @@ def convert(src: PathLike, dst: PathLike, *, format: str | None = None,
                              fix=f"pass format= one of {sorted(formats())}")
         target = 'jckpt'
     fmt = get_format(target)
+    target = fmt.name  # an alias ('pth') names the format it stands for
     if fmt.write is None:
         raise InputError(f"format {target!r} cannot be written, only read", file=dst)
     if same_place(src, dst):

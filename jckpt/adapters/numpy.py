@@ -186,10 +186,31 @@ def sniff_npy(path: str, head: bytes | None) -> bool:
 
 
 def read_npy(path: str) -> dict[str, Any]:
-    """A `.npy` file as `{'jckpt': array}` (zero-copy when aligned)."""
+    """A `.npy` file as `{'jckpt': array}` (zero-copy when aligned); one with more bytes after
+    its array is refused (`_refuse_trailing`), not read in part."""
     path = os.fspath(path)
     buffer = map_file(path)
-    return {DEFAULT_NAMESPACE: parse_npy(buffer, 0, len(buffer), path)}
+    array = parse_npy(buffer, 0, len(buffer), path)
+    _refuse_trailing(buffer, npy_size(buffer, path), path)
+    return {DEFAULT_NAMESPACE: array}
+
+
+def _refuse_trailing(buffer: Any, end: int, path: str) -> None:
+    """`FormatError` when bytes follow the first array, which `np.load` (and a reader of the
+    first array alone) would leave unread: an equinox `tree_serialise_leaves` file, arrays
+    `np.save`d one after another to one open file, or a damaged file. Converting one gave
+    its first array alone, silently."""
+    extra = len(buffer) - end
+    if extra <= 0:
+        return
+    if bytes(buffer[end:end + len(MAGIC)]) == MAGIC:
+        raise FormatError(f"the file holds more .npy arrays after its first ({extra} bytes "
+                          "more), as equinox's tree_serialise_leaves and np.save to one open "
+                          "file write them; a .npy file holds one", file=path,
+                          fix="read it with eqx.tree_deserialise_leaves(path, like=model) (or "
+                              "np.load once per array from one open file) and jckpt.save the tree")
+    raise FormatError(f"{extra} bytes follow the .npy array", file=path,
+                      fix="the file is damaged or not .npy: a .npy file holds one array")
 
 
 def write_npy(tree: Any, path: str) -> None:

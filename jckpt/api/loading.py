@@ -34,7 +34,7 @@ from jckpt.api.context import Context, check_context
 from jckpt.api.runtime import jointly
 from jckpt.errors import ClashError, InputError, MissingEntryError
 from jckpt.format._gc import paused
-from jckpt.format.entries import Entry, Header, KeyPath, path_name
+from jckpt.format.entries import Entry, Header, KeyPath, nearest_paths, path_name
 from jckpt.storage import open_checkpoint
 from jckpt.storage.backend import LOCAL, backend_for, checked_path
 from jckpt.storage.reader import COUNTS
@@ -420,11 +420,11 @@ def _missing(stored: _Stored, namespace: str, p: KeyPath, found: Sequence[Entry]
     if moved is not None:
         message, fix = moved
         return MissingEntryError(f"not in the checkpoint: {message}", file=path, entry=where, fix=fix)
-    near = [path_name(q) for q in stored.by_path][:5]
+    near = [path_name(q) for q in nearest_paths(stored.by_path, p)]  # a renamed leaf's old name
     if near:
         return MissingEntryError("not in the checkpoint", file=path, entry=where,
-                                 fix=f"check the tree (the file's {namespace!r} entries include "
-                                     f"{near}); to keep a new leaf's initial value, restore a "
+                                 fix=f"check the tree (the file's {namespace!r} entries nearest "
+                                     f"it: {near}); to keep a new leaf's initial value, restore a "
                                      "target without it and add it after")
     return MissingEntryError(f"not in the checkpoint: it has no namespace {namespace!r}",
                              file=path, entry=where, fix=_namespace_fix(stored.others, p))

@@ -111,19 +111,36 @@ def as_stored_for(array: Any, entry: Entry, leaf: Any, want_dtype: Any, path: st
             return _exactly(array, np.dtype(want_dtype), path, where)
         raise MismatchError(f"dtype mismatch: file has {array.dtype}, target has "
                             f"{np.dtype(want_dtype)}", file=path, entry=where,
-                            fix="pass cast=True to convert, or fix the target's dtype")
+                            fix="pass cast=True to convert, or fix the target's dtype"
+                            + _x64_hint(array.dtype, np.dtype(want_dtype), leaf))
     return array
 
 
 def take(ctx: Context, entry: Entry, array: Any, leaf: Any, path: str, where: str, *,
-         cast: bool) -> tuple[Any, Any, str, str | None]:
+         cast: bool, meshes: dict[Any, Any] | None = None) -> tuple[Any, Any, str, str | None]:
     """For an array already read (a foreign file's, described by `entry`): what
     `jckpt.trees.placement.place_all` is asked, `(array, leaf, where, key_impl)`, by the
-    rules `restore` applies to a jckpt file's entries."""
+    rules `restore` applies to a jckpt file's entries, a spec's abstract mesh made concrete
+    among them (`meshes` caches them across a tree's leaves)."""
+    if type(leaf) is jax.ShapeDtypeStruct and leaf.sharding is not None:
+        leaf = sharding.with_concrete_mesh(leaf, {} if meshes is None else meshes, file=path,
+                                           where=where)
     entry = as_target_takes(entry, leaf, path, where)
     want_dtype = check_leaf(ctx, entry, leaf, path, where)
     return as_stored_for(array, entry, leaf, want_dtype, path, where, cast=cast), leaf, where, \
         entry.key_impl
+
+
+def _x64_hint(stored: np.dtype, wanted: np.dtype, leaf: Any) -> str:
+    """Why a 64-bit entry meets a JAX target of its kind in 32 bits when this process runs with
+    `jax_enable_x64` off (a file saved with it on, restored into `jax.eval_shape`'s specs)."""
+    if jax.config.jax_enable_x64 or not isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) or \
+            _kind(stored) != _kind(wanted) or \
+            (stored.itemsize, wanted.itemsize) not in ((8, 4), (16, 8)):
+        return ''
+    return (f" (the file holds {stored}, as a process with jax_enable_x64 on saves it, and with "
+            f"x64 off here JAX makes the target {wanted}: cast=True narrows the values, "
+            "jax.config.update('jax_enable_x64', True) before building the target keeps them)")
 
 
 _KINDS = (('bool', np.bool_), ('integer', np.integer), ('floating', np.floating),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -165,6 +165,30 @@ def _loose_component(kind: str, key: str | int) -> tuple[str, str | int]:
     return (_LOOSE_KIND.get(kind, kind), key)
 
 
+def nearest_paths(paths: Iterable[KeyPath], path: KeyPath, count: int = 5) -> list[KeyPath]:
+    """Up to `count` of `paths`, in their order, that share the longest leading part with
+    `path` (key kinds aside, as `loose_path` compares them): where a leaf a restore looks for
+    is missing, what the file holds beside it (a renamed leaf's old name), not its first
+    entries.
+
+    >>> nearest_paths([(('k', 'a'),), (('k', 'l'), ('i', 7), ('k', 'w1')),
+    ...                (('k', 'l'), ('i', 7), ('k', 'w2'))], (('k', 'l'), ('k', '7'), ('k', 'fc1')))
+    [(('k', 'l'), ('i', 7), ('k', 'w1')), (('k', 'l'), ('i', 7), ('k', 'w2'))]
+    """
+    want = loose_path(path)
+
+    def shared(q: KeyPath) -> int:
+        n = 0
+        for mine, theirs in zip(loose_path(q), want):
+            if mine != theirs:
+                break
+            n += 1
+        return n
+    scored = [(shared(q), q) for q in paths]
+    best = max((n for n, _ in scored), default=0)
+    return [q for n, q in scored if n == best][:count]
+
+
 def round_up(n: int, a: int) -> int:
     """`n` rounded up to a multiple of `a` (`a <= 1` leaves it alone)."""
     return n if a <= 1 else -(-n // a) * a
@@ -203,7 +227,7 @@ def entry_for(namespace: str, path: KeyPath | None, dtype: Any, shape: Sequence[
     dims = tuple(shape)
     if path is not None and len(path) > MAX_PATH_LENGTH:
         raise InputError(f"key path of {len(path)} components is deeper than {MAX_PATH_LENGTH}, "
-                         "more than readers accept", entry=path_name(path[:8]) + '/...',
+                         "more than readers accept", entry=f"{namespace}/{path_name(path[:8])}/...",
                          fix="store the tree flatter")
     return _new_entry(id, namespace, prec, dims, offset, math.prod(dims) * size,
                       () if path is None else tuple([v if type(v) is str else str(v) for _, v in path]),
@@ -279,5 +303,5 @@ def prefixed(namespace: str, prefix: str | None) -> str:
 __all__ = ['DEFAULT_ALIGNMENT', 'FORMAT_VERSION', 'LEGACY_NAMESPACE', 'NAMESPACE_RE', 'PATH_KINDS',
            'check_namespace', 'check_namespaces', 'check_prefix', 'prefixed',
            'Entry', 'Header', 'KeyPath', 'Padding', 'PathComponent', 'entry_for', 'loose_path',
-           'path_name',
+           'nearest_paths', 'path_name',
            'round_up']

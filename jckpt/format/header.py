@@ -325,10 +325,16 @@ def foreign_kind(head: bytes) -> str | None:
     >>> foreign_kind(b'\\x81\\xa6params')[:14]
     'a msgpack file'
     """
+    if looks_like_header(head):  # a jckpt file cut short, whatever its length's bytes
+        return None
     if head[:4] == ZIP_LOCAL:
         return 'a zip archive (a PyTorch .pt/.pth or numpy .npz file)'
     if head[:2] == b'\x80\x02':
         return 'a pickle (a legacy PyTorch .pt file)'
+    if head[:1] == b'\x80' and head[1:2] in (b'\x03', b'\x04', b'\x05'):
+        return _PICKLE
+    if head[:3] == b'\x1f\x8b\x08':  # gzip's magic and its one method, deflate
+        return _GZIP
     if head[:6] == b'\x93NUMPY':
         return 'a numpy .npy file'
     if len(head) >= 9 and head[8:9] == b'{':
@@ -352,6 +358,12 @@ _CONVERT = ("convert it first (jckpt.convert(path, 'model.jckpt'), or jckpt conv
             "line), or read it with jckpt.adapters.read(path)")
 _FROM_BYTES = ("read it with flax.serialization.from_bytes(abstract_target, data) (or "
                "msgpack_restore without a target) and jckpt.save the tree it gives")
+#: Python's own pickles (`pickle.dump(params, f)`), which jckpt never loads: unpickling runs code.
+_PICKLE = 'a Python pickle (pickle.dump)'
+_GZIP = 'a gzip-compressed file'
+_FIXES = {_MSGPACK: _FROM_BYTES, _GZIP: "decompress it first (gunzip), then read what it holds",
+          _PICKLE: "jckpt never unpickles (it can run code): in a process that trusts the file, "
+                   "pickle.load it and jckpt.save the tree it gives"}
 
 
 def foreign_error(head: bytes, message: str, file: str | None) -> FormatError | None:
@@ -366,7 +378,7 @@ def foreign_error(head: bytes, message: str, file: str | None) -> FormatError | 
     if kind is None:
         return None
     return FormatError(f"it is {kind}, not a jckpt checkpoint: {message}", file=file,
-                       fix=_FROM_BYTES if kind == _MSGPACK else _CONVERT)
+                       fix=_FIXES.get(kind, _CONVERT))
 
 
 def split_header(raw: bytes | memoryview, file_size: int | None = None,

@@ -120,6 +120,7 @@ def _fill(ctx: Context, target: Any, model: Any, file: str, step: int, cast: boo
     if len(items) == 1 and set(stored) == {()}:
         stored = {items[0][0]: stored[()]}
     requests = []
+    meshes: dict[Any, Any] = {}  # the target's abstract meshes, made concrete once each
     for p, leaf in items:
         where = tree_mod.leaf_name(namespace, p)
         array = stored.get(p, stored.get(tree_mod.loose_path(p)))
@@ -128,7 +129,8 @@ def _fill(ctx: Context, target: Any, model: Any, file: str, step: int, cast: boo
                                     entry=where, fix="the target must have the saved model's structure")
         entry = entry_for(namespace, p, array.dtype, array.shape, id=0)
         try:
-            requests.append(targets.take(ctx, entry, array, leaf, file, where, cast=cast))
+            requests.append(targets.take(ctx, entry, array, leaf, file, where, cast=cast,
+                                         meshes=meshes))
         except TargetError as e:
             raise type(e)(f"step {step}: {e.message}", file=file, entry=where, fix=e.fix) from None
     values = placement.place_all(requests, host=ctx.host, device=ctx.device, file=file)

@@ -60,8 +60,6 @@ from jckpt.storage import staging, step_directory
 from jckpt.storage.publish import storage_error
 from jckpt.trees.nested import unflatten
 
-#: Names that choose a registered format under another name.
-_ALIASES = {'pth': 'torch'}
 #: The model file's extension where the format's first one is not the usual one.
 _EXTENSIONS = {'torch': '.pth'}
 #: Registered formats whose writer makes a directory: a step's model is one file.
@@ -98,7 +96,7 @@ class CheckpointOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.format, str) or not self.format:
             raise InputError(f"format must be a format's name, not {self.format!r}")
-        name = _ALIASES.get(self.format, self.format)
+        name = adapters.format_name(self.format)
         object.__setattr__(self, 'format', name)
         if self.model_writer is not None and not callable(self.model_writer):
             raise InputError("model_writer must be callable as model_writer(tree, path)")

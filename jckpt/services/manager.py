@@ -85,6 +85,17 @@ class _Step:
     model_namespace: str
 
 
+def _refuse_foreign_directory_steps(options: CheckpointOptions, directory_steps: bool,
+                                    directory: str) -> None:
+    """`InputError` for a model in another format in a multi-process directory step, which
+    holds jckpt pieces only."""
+    if options.foreign and directory_steps:
+        raise InputError(f"multi-process directory steps are jckpt only, and the options ask "
+                         f"for format {options.format!r}", file=directory,
+                         fix='use CheckpointOptions(format="jckpt") (the default) with several '
+                             "processes, or directory_steps=False in a run of one process")
+
+
 class CheckpointManager(StepReader, BackgroundWriter[_Step]):
     """Step checkpoints in `directory`: asynchronous saves, retention, restore, trainer state.
 
@@ -171,6 +182,8 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
                                 else bool(directory_steps))
         self._rank, self._ranks = ((self.process_index, self.process_count)  # who writes the steps
                                    if self.directory_steps else (0, 1))  # file steps: this process
+        if not self.read_only:  # at open, not at the first save, hours of training later
+            _refuse_foreign_directory_steps(self.options, self.directory_steps, self.directory)
         self._retention = Retention(keep_last, keep_every, keep_best, best_metric, best_mode)
         if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
             raise InputError(f"save_interval_steps must be a positive integer, "
@@ -184,6 +197,7 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
                 ('keep_last', keep_last), ('keep_every', keep_every), ('keep_best', keep_best),
                 ('new_lineage', new_lineage), ('handle_sigterm', handle_sigterm)))
         elif backend is LOCAL:  # an object store's prefix needs no creating
+            restoring.refuse_a_file(self.directory)
             try:
                 os.makedirs(self.directory, exist_ok=True)
             except OSError as e:
@@ -279,10 +293,10 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
         options, model_ns = self._arguments(step, tree, items, options)
         meta, clean_metrics = self._step_metadata(step, metrics, trainer_state, metadata)
         trees = items if items is not None else {self.ctx.namespace: tree}
-        formats.check_model(options, trees, model_ns, step, self._path(step))  # before admitting
-        leaves = namespace_leaves(trees)
-        meta.update(empty_nodes_metadata(trees))
         with naming_file(self._path(step)):  # a leaf's error names the step too
+            leaves = namespace_leaves(trees)  # a tree JAX cannot flatten: InputError, first
+            formats.check_model(options, trees, model_ns, step, self._path(step))  # before admitting
+            meta.update(empty_nodes_metadata(trees))
             self._admit(leaves, meta, _Step(step, clean_metrics, options, model_ns), timeout)
         self._last_admitted = step
         if not self.asynchronous:
@@ -329,9 +343,7 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
         """The namespace a foreign-format step writes as its model ('' for jckpt steps)."""
         if not options.foreign:
             return ''
-        if self.directory_steps:
-            raise InputError("multi-process directory steps are jckpt only", file=self.directory,
-                             fix='use CheckpointOptions(format="jckpt") with several processes')
+        _refuse_foreign_directory_steps(options, self.directory_steps, self.directory)
         if items is None:
             return self.ctx.namespace
         if options.model_namespace not in items:

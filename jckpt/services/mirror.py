@@ -45,7 +45,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jckpt.api.context import Context
-from jckpt.errors import FormatError, naming_file
+from jckpt.errors import FormatError, InputError, naming_file
 from jckpt.format.entries import Header
 from jckpt.format.metadata import check_metadata
 from jckpt.services.base import BackgroundWriter
@@ -104,6 +104,12 @@ class Mirror(BackgroundWriter[None]):
         if names_folder(self.path):  # its generations are one file: refused before the lease
             backend_for(self.path).check_target(self.path)  # a bucket's root is said as such
             raise folder_path_error(self.path, saving=True)
+        if backend_for(self.path) is LOCAL and os.path.isdir(self.path) \
+                and not os.path.islink(self.path):  # no file can be published over it
+            raise InputError("is a directory: a mirror keeps one checkpoint file", file=self.path,
+                             fix="mirror to a file path (inside it, perhaps: os.path.join(path, "
+                                 "'state.jckpt')); for one checkpoint per step in a directory, "
+                                 "use jckpt.CheckpointManager")
         self._found: Header | None = None  # the header `_recover` read of a checkpoint in a bucket
         super().__init__(self.path, backend=backend_for(self.path), lease=self.path, ctx=ctx,
                          lineage=lineage, new_lineage=new_lineage, slots=slots,

@@ -304,9 +304,23 @@ def check_reader(backend: Backend, directory: str, writes: Sequence[tuple[str, A
     asked = [name for name, value in writes if value]
     if asked:
         raise read_only_refusal(directory, ', '.join(asked))
+    if backend is LOCAL:
+        refuse_a_file(directory)
     if backend is LOCAL and not os.path.isdir(directory):
         raise FormatError("no such directory: a read-only manager creates none", file=directory,
                           fix="check the path, or open the reader once the run has made it")
+
+
+def refuse_a_file(directory: str) -> None:
+    """`InputError` when the local `directory` a manager is given is a file: a manager's
+    directory holds its steps, and one checkpoint file (a step passed by mistake) reads with
+    `jckpt.restore`. Opening one failed with the bare "File exists" of the directory it
+    could not create, or, read-only, as "no such directory"."""
+    if os.path.lexists(directory) and not os.path.isdir(directory):
+        raise InputError("is a file, not a directory: a checkpoint manager keeps its steps in "
+                         "a directory", file=directory,
+                         fix="pass the run's directory (the one holding its step_NNNNNNNN.jckpt "
+                             "steps); to read this one checkpoint, jckpt.restore or jckpt.load it")
 
 
 def common_steps(found: steps.Found, listed: Sequence[Sequence[int]]) -> steps.Found:

@@ -57,9 +57,15 @@ def _number(value: Any, name: str) -> float | None:
                      f"{type(value).__name__} {reprlib.repr(value):.80}", fix=f"pass float({name})")
 
 
+#: The values `user` holds as they are (besides dicts, lists, tuples and 0-d numpy or JAX scalars).
+_JSON_VALUES = (str, int, float, bool, type(None))
+
+
 def _check_keys(user: Mapping[str, Any]) -> None:
     """Refuse a key of `user`, at any depth, that is not a string: JSON would bring `{1: 2}`
-    back as `{'1': 2}`, and a lookup by the integer after a resume would fail far from here."""
+    back as `{'1': 2}`, and a lookup by the integer after a resume would fail far from here.
+    Refuse a value JSON cannot hold (a set, an array, an object) where it sits, too: it was
+    refused only by the manager's save, naming neither the key nor the step."""
     stack: list[tuple[str, Any]] = [('user', user)]
     seen: set[int] = set()
     while stack:
@@ -77,6 +83,12 @@ def _check_keys(user: Mapping[str, Any]) -> None:
                 stack.append((f"{where}[{key!r}]", value))
         elif isinstance(node, (list, tuple)):
             stack.extend((f"{where}[{i}]", value) for i, value in enumerate(node))
+        elif not isinstance(node, _JSON_VALUES) and not (
+                getattr(node, 'ndim', None) == 0 and hasattr(node, 'item')):
+            raise InputError(f"TrainerState.{where} is a {type(node).__name__} "
+                             f"({reprlib.repr(node):.60}), which JSON cannot hold",
+                             fix="keep user fields to numbers, strings, lists and dicts (a set as "
+                                 "sorted(s), an array as a.tolist())")
 
 
 def _scalar(value: Any) -> Any:

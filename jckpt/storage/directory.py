@@ -313,10 +313,14 @@ def _no_index_fix(path: str) -> str:
         names = set(os.listdir(path))
     except OSError:
         names = set()
-    if names & set(_FOREIGN_MARKERS) or any(  # an item, a step, or a step's items
-            os.path.exists(os.path.join(path, n, m)) for n in names for m in _FOREIGN_MARKERS):
+    if names & set(_FOREIGN_MARKERS):  # an orbax item or step
         return (f"this is an orbax checkpoint: convert it to a jckpt file first, "
                 f"jckpt.convert({path!r}, 'state.jckpt'), then restore from that")
+    inner = sorted(n for n in names for m in _FOREIGN_MARKERS
+                   if os.path.exists(os.path.join(path, n, m)))
+    if inner:  # a directory holding orbax checkpoints, under names orbax's steps do not take
+        return (f"{os.path.join(path, inner[0])!r} in it is an orbax checkpoint: restore that "
+                "path (or convert it to a jckpt file)")
     if is_format_step(path, names):
         parent, step = os.path.split(os.path.normpath(path))
         return (f"this is a checkpoint manager's step: restore it with jckpt.CheckpointManager("

@@ -72,10 +72,7 @@ class WriterLease:
             except BlockingIOError:
                 holder = _read_holder(fd)
                 os.close(fd)
-                raise InUseError(f"in use: another writer{holder} holds the lease "
-                                 f"{os.path.basename(self.lock_path)}", file=self.path,
-                                 fix="close the other mirror or manager first, or write to "
-                                     f"another path; {READ_WHILE_HELD}") from None
+                raise _in_use(holder, self.lock_path, self.path) from None
             except OSError as e:  # no flock on this filesystem
                 os.close(fd)
                 raise storage_error(e, "locking the writer lease", self.lock_path) from e
@@ -195,6 +192,24 @@ def _not_a_lease(lock_path: str) -> StorageError:
     return StorageError("the writer lease is not a regular file; not using it", file=lock_path,
                         fix="remove what is at the lease's name (no writer makes one), then "
                             "open the writer again")
+
+
+def _in_use(holder: str, lock_path: str, path: str) -> InUseError:
+    """The refusal of a lease another writer holds. A holder of this very process is a mirror
+    or manager opened earlier and not closed (a notebook cell that opens one run again): its
+    pid alone read as another program's."""
+    lease = os.path.basename(lock_path)
+    if holder == f" (pid {os.getpid()})":
+        return InUseError(f"in use: a writer of this process{holder} holds the lease {lease}: a "
+                          "Mirror or CheckpointManager opened on this path earlier and not closed",
+                          file=path,
+                          fix="close that one first (mirror.close(), mgr.close(), or open it in a "
+                              "`with` block); one no variable refers to any more (a notebook cell "
+                              "run again) holds the lease until the process ends: restart it, or "
+                              "write to another path")
+    return InUseError(f"in use: another writer{holder} holds the lease {lease}", file=path,
+                      fix=f"close the other mirror or manager first, or write to another path; "
+                          f"{READ_WHILE_HELD}")
 
 
 def _read_holder(fd: int) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jckpt.errors import FormatError
+from jckpt.errors import FormatError, InputError
 from jckpt.storage.lazy import LazyArray
 from jckpt.trees import packing
 from jckpt.trees import sharding as sharding_mod
@@ -91,6 +91,8 @@ def place(array: np.ndarray, target: Any, *, host: bool, device: Any, where: str
     placement = getattr(target, 'sharding', None) if target is not None else None
     if key_impl is not None:  # key data has a trailing dim the key's sharding lacks
         data_placement = _key_data_sharding(placement, target)
+        if placement is None and data_placement is None and not host:
+            _check_context_fits(array.shape[:-1], device, file, where)
         try:  # `array` as it is: a lazily read one gives each device its box alone
             keys = jax.random.wrap_key_data(put(array, data_placement if data_placement is not None
                                                 else default_placement(device)), impl=key_impl)
@@ -113,8 +115,22 @@ def place(array: np.ndarray, target: Any, *, host: bool, device: Any, where: str
     if not sharding_mod.x64_ok(array.dtype):
         _warn_x64(where)
         return np.asarray(array)
+    if placement is None:
+        _check_context_fits(array.shape, device, file, where)
     placed = put(array, placement if placement is not None else default_placement(device))
     return _weakly_typed(placed) if getattr(target, 'weak_type', False) else placed
+
+
+def _check_context_fits(shape: tuple[int, ...], device: Any, file: str | None, where: str) -> None:
+    """An `InputError` naming the entry when the Context's `device`, a sharding, cannot split
+    an array of `shape` (a dimension it does not divide, a scalar under `P('data')`): `load`
+    places every array there, and JAX's own error named neither the entry nor the file."""
+    if isinstance(device, jax.sharding.Sharding) and len(device.device_set) > 1:
+        sharding_mod.check_fits(
+            shape, device, file=file, where=where, whose="the Context's device sharding",
+            error=InputError,
+            fix="load with a device sharding that every array fits (NamedSharding(mesh, P()) "
+                "replicates them), or restore into a target whose leaves carry their own shardings")
 
 
 def context_placement(device: Any, host: bool) -> Any:

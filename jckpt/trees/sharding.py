@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from jckpt.errors import InputError, MismatchError
+from jckpt.errors import CheckpointError, InputError, MismatchError
 from jckpt.format.boxes import (  # noqa: F401  (box arithmetic, re-exported where it was)
     Box,
     box_of,
@@ -88,8 +88,14 @@ def _local_boxes(dest: Any, shape: tuple[int, ...]) -> list[Box]:
                               for i in dest.addressable_devices_indices_map(shape).values()))
 
 
-def check_fits(shape: Sequence[int], sharding: Any, *, file: str | None, where: str) -> None:
-    """Raise `MismatchError` when `shape` cannot be split by `sharding`.
+#: What to do about a target's sharding that does not fit the stored shape.
+_FITS_FIX = "choose a PartitionSpec whose mesh axes divide every sharded dimension, or pad the array"
+
+
+def check_fits(shape: Sequence[int], sharding: Any, *, file: str | None, where: str,
+               whose: str = "the target's sharding", error: type[CheckpointError] = MismatchError,
+               fix: str = _FITS_FIX) -> None:
+    """Raise `error` (`MismatchError`) when `shape` cannot be split by `sharding` (`whose`).
 
     JAX refuses arrays whose dims do not divide evenly by the mesh axes that
     shard them; this says so naming the leaf, before any byte is read.
@@ -97,16 +103,17 @@ def check_fits(shape: Sequence[int], sharding: Any, *, file: str | None, where: 
     import jax
     if not isinstance(sharding, jax.sharding.Sharding):
         return
+    spec = getattr(sharding, 'spec', None)
+    if spec is not None and len(spec) > len(shape):  # JAX's own error: an IndexError
+        raise error(f"shape {tuple(shape)} has {len(shape)} axes, fewer than the {len(spec)} "
+                    f"that {whose} {spec} splits", file=file, entry=where, fix=fix)
     try:
         sharding.shard_shape(tuple(shape))
     except Exception as e:  # IndivisibleError / ValueError, depending on the JAX version
-        spec = getattr(sharding, 'spec', None)
-        raise MismatchError(
-            f"shape {tuple(shape)} is not divisible by the target's sharding"
+        raise error(
+            f"shape {tuple(shape)} is not divisible by {whose}"
             + (f" {spec}" if spec is not None else "") + f": {str(e).splitlines()[0][:1000]}",
-            file=file, entry=where,
-            fix="choose a PartitionSpec whose mesh axes divide every sharded dimension, "
-                "or pad the array") from None
+            file=file, entry=where, fix=fix) from None
 
 
 def with_concrete_mesh(leaf: Any, cache: dict[Any, Any], *, file: str | None, where: str) -> Any:

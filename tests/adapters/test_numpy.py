@@ -128,6 +128,25 @@ def test_npy_refusals(tmp_path):
         assert str(path) in str(info.value)
 
 
+def test_an_npy_file_with_more_after_its_array_is_refused_not_read_in_part(tmp_path):
+    """equinox's `tree_serialise_leaves` writes one .npy record per leaf, back to back: it was
+    detected as .npy, and `convert` wrote its first array alone, the rest dropped silently."""
+    path = tmp_path / "model.eqx"
+    with open(path, "wb") as f:  # what tree_serialise_leaves writes
+        for leaf in (np.ones((8, 4), np.float32), np.zeros(8, np.float32), np.float32(2)):
+            np.save(f, leaf)
+    with pytest.raises(FormatError, match=r"holds more \.npy arrays after its first") as e:
+        jckpt.convert(path, tmp_path / "model.jckpt")
+    assert "eqx.tree_deserialise_leaves" in e.value.fix and not (tmp_path / "model.jckpt").exists()
+    junk = tmp_path / "junk.npy"
+    np.save(junk, np.ones(3))
+    junk.write_bytes(junk.read_bytes() + b"xyz")
+    with pytest.raises(FormatError, match="3 bytes follow the .npy array"):
+        npa.read_npy(junk)
+    np.save(tmp_path / "one.npy", np.arange(3))
+    assert npa.read_npy(tmp_path / "one.npy")["jckpt"].tolist() == [0, 1, 2]
+
+
 def test_npz_refusals(tmp_path):
     path = tmp_path / 'a.npz'
     npa.write_npz({'jckpt': {'a': np.arange(100.0)}}, path)

@@ -80,6 +80,23 @@ def test_destination_format(tmp_path):
         jckpt.convert(src, src, format='npz')
 
 
+@pytest.mark.parametrize('alias', ['pth', 'pt'])
+def test_a_torch_files_extension_names_its_format_everywhere(tmp_path, alias):
+    """`CheckpointOptions(format='pth')` took the torch format, where `convert(format='pth')`
+    (and `jckpt convert --format pth`) was an unknown format: one name, two answers."""
+    src = tmp_path / 'a.npz'
+    adapters.write({'jckpt': {'w': np.ones(2, np.float32)}}, src)
+    assert jckpt.convert(src, tmp_path / 'model.bin', format=alias) == ('npz', 'torch')
+    assert jckpt.detect_format(tmp_path / 'model.bin') == 'torch'
+    assert adapters.get_format(alias) is adapters.get_format('torch')
+    assert jckpt.CheckpointOptions(format=alias).format == 'torch'
+
+
+def test_a_format_registered_under_an_alias_is_that_format(tmp_path, clean_registry):
+    jckpt.register_format('pt', read=adapters.get_format('npz').read)
+    assert adapters.get_format('pt').name == 'pt' and adapters.format_name('pth') == 'torch'
+
+
 def test_user_format(tmp_path, clean_registry):
     def write_json(tree, path):
         with open(path, 'w') as f:

@@ -363,6 +363,19 @@ def test_a_target_nested_otherwise_than_the_file_is_told_where_the_file_has_it(t
                       path)
 
 
+def test_a_renamed_leaf_is_shown_what_the_file_holds_beside_it(tmp_path):
+    """A leaf renamed between save and restore (`w1` -> `fc1` in layer 7 of 12): the fix listed
+    the file's first five entries (`embed`, layer 0's), none of them the old name."""
+    path = tmp_path / "layers.jckpt"
+    layer = {"attn": {"q": np.ones(2), "k": np.ones(2)}, "mlp": {"w1": np.ones(2), "w2": np.ones(2)}}
+    jckpt.save(jckpt.Context(), {"embed": np.ones(2), "layers": [layer] * 12}, path)
+    renamed = [dict(layer) for _ in range(12)]
+    renamed[7] = {"attn": layer["attn"], "mlp": {"fc1": np.ones(2), "w2": np.ones(2)}}
+    with pytest.raises(jckpt.MissingEntryError, match=r"jckpt/layers/7/mlp/fc1: not in") as e:
+        jckpt.restore(jckpt.Context(), {"embed": np.ones(2), "layers": renamed}, path)
+    assert "entries nearest it: ['layers/7/mlp/w1', 'layers/7/mlp/w2']" in e.value.fix
+
+
 @pytest.mark.timeout(120)  # a guard against a hang, not a speed goal: it took an hour
 def test_a_large_target_nested_otherwise_is_refused_at_once(tmp_path):
     """Every one of a large target's leaves missing (a tree saved from a pure dict, restored
@@ -461,6 +474,23 @@ def test_a_flax_msgpack_file_is_named_with_how_to_read_it(tmp_path):
         jckpt.restore(jckpt.Context(), {"step": 0}, path)
     assert e.value.message.startswith("it is a msgpack file (flax.serialization.to_bytes")
     assert "flax.serialization.from_bytes" in e.value.fix and "jckpt.save" in e.value.fix
+
+
+def test_a_pickle_or_a_gzip_file_is_named_with_what_to_do(tmp_path):
+    """`pickle.dump(params, f)`, the oldest way to checkpoint a JAX tree, and a compressed
+    checkpoint: restore said "header length ... extends past the end of the file (fix: the
+    file is truncated or not a checkpoint)"."""
+    import gzip
+    import pickle
+    pkl, gz, good = tmp_path / "params.pkl", tmp_path / "m.jckpt.gz", tmp_path / "m.jckpt"
+    pkl.write_bytes(pickle.dumps({"w": np.ones(3, np.float32)}, protocol=pickle.DEFAULT_PROTOCOL))
+    jckpt.save(jckpt.Context(), {"w": np.ones(3, np.float32)}, good)
+    gz.write_bytes(gzip.compress(good.read_bytes()))
+    for path, kind, fix in ((pkl, "a Python pickle (pickle.dump)", "pickle.load it and jckpt.save"),
+                            (gz, "a gzip-compressed file", "decompress it first")):
+        with pytest.raises(jckpt.FormatError) as e:
+            jckpt.restore(jckpt.Context(), {"w": np.zeros(3, np.float32)}, path)
+        assert e.value.message.startswith(f"it is {kind}, not a jckpt checkpoint") and fix in e.value.fix
 
 
 def test_another_formats_file_is_named_for_what_it_is_first(tmp_path):

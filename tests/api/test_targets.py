@@ -114,6 +114,25 @@ def test_a_python_number_target_refuses_to_narrow_without_cast(tmp_path, stored,
     assert out == type(target)(stored.real if isinstance(stored, complex) else stored)
 
 
+@pytest.mark.skipif(jax.config.jax_enable_x64, reason="the hint is for processes with x64 off")
+def test_a_64_bit_entry_into_a_32_bit_jax_target_says_that_x64_is_off(tmp_path):
+    """A state saved with jax_enable_x64 on, restored into `jax.eval_shape`'s specs in a process
+    with it off: the fix said only "pass cast=True, or fix the target's dtype", as if the user
+    had asked for float32."""
+    path = tmp_path / 'x64.jckpt'
+    jckpt.save(jckpt.Context(), {'w': np.ones(3, np.float64), 'n': np.arange(2)}, path)
+    target = jax.eval_shape(lambda: {'w': jnp.ones(3), 'n': jnp.arange(2)})
+    with pytest.raises(jckpt.MismatchError, match="file has float64, target has float32") as e:
+        jckpt.restore(jckpt.Context(), {'w': target['w']}, path)
+    assert "jax_enable_x64" in e.value.fix and "cast=True" in e.value.fix
+    with pytest.raises(jckpt.MismatchError, match="file has int64, target has int32") as e:
+        jckpt.restore(jckpt.Context(), {'n': target['n']}, path)
+    assert "jax_enable_x64" in e.value.fix
+    with pytest.raises(jckpt.MismatchError) as e:  # a numpy target asked for float32 itself
+        jckpt.restore(jckpt.Context(), {'w': np.zeros(3, np.float32)}, path)
+    assert "jax_enable_x64" not in e.value.fix
+
+
 def test_a_numpy_scalar_target_gets_a_numpy_scalar(tmp_path):
     path = tmp_path / 'n.jckpt'
     jckpt.save(jckpt.Context(), {'v': np.float32(1.5), 'a': np.ones(())}, path)

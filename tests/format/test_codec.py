@@ -455,6 +455,8 @@ def _spy(fn, seen):
     (b'\x00\x00\x00\x20((version', None), (b'', None), (b'garbage garbage', None),
     (b'\x81\xa6params\x82', 'msgpack'), (b'\xde\x00\x14\xa2w0', 'msgpack'),
     (b'\xdf\x00\x00\x00\x14\xd9\x20', 'msgpack'), (b'\x81', None), (b'\x81\x00\x00\x20', None),
+    (b'\x80\x04\x95\x1b\x01\x00', 'Python pickle'), (b'\x80\x05\x95', 'Python pickle'),
+    (b'\x1f\x8b\x08\x00\x00\x00', 'gzip'), (b'\x1f\x8b\x08\x00((version', None),
 ])
 def test_another_formats_file_is_told_from_its_first_bytes(head, kind):
     got = foreign_kind(head)

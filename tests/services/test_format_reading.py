@@ -174,6 +174,29 @@ def test_a_foreign_step_restores_by_restores_own_rules(tmp_path, fmt):
 
 
 @pytest.mark.parametrize('fmt', ['npz', 'safetensors', 'torch'])
+def test_a_foreign_step_restores_onto_a_targets_abstract_mesh(tmp_path, fmt):
+    """`jax.eval_shape` of a sharded state (or `nnx.eval_shape` under `jax.set_mesh`) gives
+    specs on an abstract mesh: a jckpt step restored onto its concrete mesh, a step in another
+    format raised JAX's bare ValueError ("device_set is not implemented")."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tests.helpers import cpu_mesh
+    mesh = cpu_mesh((2, 4), ('data', 'model'))
+    w = jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(mesh, P('data', 'model')))
+    target = {'w': jax.ShapeDtypeStruct((8, 4), jnp.float32,
+                                        sharding=NamedSharding(mesh.abstract_mesh, P('model')))}
+    with jckpt.CheckpointManager(tmp_path, options=CheckpointOptions(format=fmt)) as mgr:
+        mgr.save(1, {'w': w})
+        mgr.wait_durable()
+        got = mgr.restore(target=target).tree['w']
+    assert got.sharding.mesh == mesh and got.sharding.spec == P('model')
+    assert (np.asarray(got) == np.asarray(w)).all()
+
+
+@pytest.mark.parametrize('fmt', ['npz', 'safetensors', 'torch'])
 def test_a_foreign_step_without_a_target_is_placed_as_a_jckpt_step_is(tmp_path, fmt):
     """Its arrays came back as host numpy arrays where a jckpt step's are jax.Arrays."""
     import jax

@@ -310,6 +310,20 @@ def test_a_model_its_format_cannot_hold_is_refused_when_saved(tmp_path, fmt, bad
     assert jckpt.CheckpointManager(tmp_path).all_steps() == [1, 3]
 
 
+@pytest.mark.parametrize('fmt', ['jckpt', 'safetensors'])
+def test_a_tree_jax_cannot_flatten_is_an_input_error_naming_the_step(tmp_path, fmt):
+    """Dict keys of two types ({'w': ..., 1: ...}) cannot be sorted by JAX: a step in another
+    format raised JAX's bare ValueError from the format's check, and a jckpt step's error
+    named no file."""
+    import jax.numpy as jnp
+    with jckpt.CheckpointManager(tmp_path, options=CheckpointOptions(format=fmt)) as mgr:
+        with pytest.raises(InputError, match="JAX cannot flatten the tree") as e:
+            mgr.save(1, {'w': jnp.ones(2), 1: jnp.ones(1)})
+        assert e.value.file == str(tmp_path / 'step_00000001.jckpt') and e.value.fix
+        assert mgr.save(2, {'w': jnp.ones(2)})
+    assert jckpt.CheckpointManager(tmp_path).all_steps() == [2]
+
+
 def test_a_step_its_writer_refuses_later_is_dropped_and_later_steps_are_written(tmp_path,
                                                                                  monkeypatch):
     """What no check finds before writing (here an llm.c format registered without its check)
@@ -342,6 +356,18 @@ def test_a_model_namespace_is_needed_and_multi_process_steps_stay_jckpt(tmp_path
     with jckpt.CheckpointManager(tmp_path / 'mp', directory_steps=True) as mgr:
         with pytest.raises(InputError, match="directory steps are jckpt only"):
             mgr.save(1, {'w': np.ones(2)}, options=CheckpointOptions(format='npz'))
+
+
+def test_a_manager_of_directory_steps_refuses_another_format_when_opened(tmp_path):
+    """It was taken, and every save refused, so a misconfigured run of several processes found
+    out at its first save, a save interval of training later."""
+    with pytest.raises(InputError, match="directory steps are jckpt only.*'safetensors'") as e:
+        jckpt.CheckpointManager(tmp_path, directory_steps=True,
+                                options=CheckpointOptions(format='safetensors'))
+    assert e.value.file == str(tmp_path) and 'format="jckpt"' in e.value.fix
+    assert not [n for n in os.listdir(tmp_path) if n.startswith('.jckpt-lease')]  # none held
+    jckpt.CheckpointManager(tmp_path, read_only=True,  # a reader writes nothing: any options
+                            options=CheckpointOptions(format='safetensors')).close()
 
 
 def test_staged_and_half_deleted_step_directories_are_cleared_on_open(tmp_path):

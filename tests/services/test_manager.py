@@ -48,6 +48,37 @@ def test_steps_are_files_published_in_the_background(tmp_path):
     assert not os.path.exists(tmp_path / ".jckpt-lease")
 
 
+def test_a_manager_no_variable_refers_to_is_named_as_this_processs(tmp_path):
+    """A notebook cell `mgr = jckpt.CheckpointManager(d)` run again: the first manager's
+    threads keep it and its lease alive, and the refusal named the notebook's own pid as
+    "another writer", with a fix (close it) that nothing could reach."""
+    import gc
+
+    mgr = jckpt.CheckpointManager(tmp_path)
+    mgr.save(1, {"w": np.ones(2, np.float32)}, force=True)
+    first, mgr = mgr, None
+    gc.collect()
+    with pytest.raises(jckpt.InUseError, match=r"a writer of this process \(pid \d+\) holds "
+                                               r"the lease .*opened on this path earlier") as e:
+        jckpt.CheckpointManager(tmp_path)
+    assert "mgr.close()" in e.value.fix and "restart" in e.value.fix
+    first.close()
+    jckpt.CheckpointManager(tmp_path).close()
+
+
+@pytest.mark.parametrize("read_only", [False, True])
+def test_a_manager_given_a_checkpoint_file_says_it_is_a_file(tmp_path, read_only):
+    """A step file passed where the run's directory goes: a writer failed with the bare "File
+    exists" of the directory it could not create (its fix: "see the underlying OS error"),
+    and a reader called it "no such directory"."""
+    path = tmp_path / "step_00000001.jckpt"
+    jckpt.save(jckpt.Context(), {"w": np.ones(2, np.float32)}, path)
+    with pytest.raises(jckpt.InputError, match="is a file, not a directory") as e:
+        jckpt.CheckpointManager(path, read_only=read_only)
+    assert e.value.file == str(path) and "jckpt.restore" in e.value.fix
+    assert jckpt.restore(jckpt.Context(), {"w": np.zeros(2, np.float32)}, path)["w"].sum() == 2
+
+
 def test_retention_last_every_best_and_never_the_latest(tmp_path):
     losses = {s: 1.0 / s for s in range(1, 13)}
     losses[3] = 0.001          # the best loss, early

@@ -229,6 +229,22 @@ def test_bad_input_is_refused_before_admission(tmp_path):
         jckpt.Mirror(path, when_full="drop")
 
 
+def test_a_mirror_on_a_directory_is_refused_when_opened(tmp_path):
+    """An empty directory was refused as "no index.jckpt ... restore from a complete
+    checkpoint", nothing a writer can act on; a directory checkpoint opened, and every
+    snapshot then failed to publish ("Is a directory"), in the background."""
+    from jckpt.api.multiprocess import save_directory
+    save_directory(jckpt.Context(), {"w": np.ones(2, np.float32)}, tmp_path / "ckpt")
+    (tmp_path / "empty").mkdir()
+    for path in (tmp_path / "empty", tmp_path / "ckpt"):
+        with pytest.raises(jckpt.InputError, match="is a directory: a mirror keeps one") as e:
+            jckpt.Mirror(path, new_lineage=True)
+        assert e.value.file == str(path) and "CheckpointManager" in e.value.fix
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["index.jckpt", "process_00000.jckpt"]
+    with jckpt.Mirror(tmp_path / "empty" / "state.jckpt") as mirror:  # what the fix says
+        mirror.submit({"w": np.ones(2, np.float32)})
+
+
 def test_injected_oserror_is_counted_and_retried(tmp_path, monkeypatch):
     gate = Gate(monkeypatch)
     path = str(tmp_path / "run.jckpt")

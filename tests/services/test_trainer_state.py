@@ -151,6 +151,20 @@ def test_a_user_key_that_is_not_a_string_is_refused_where_it_sits(user, where, k
     assert "str(key)" in e.value.fix
 
 
+@pytest.mark.parametrize('user,where,kind', [
+    ({'seen': {1, 2}}, "TrainerState.user['seen']", 'set'),
+    ({'runs': [{'a': np.arange(3)}]}, "TrainerState.user['runs'][0]['a']", 'ndarray'),
+    ({'blob': b'x'}, "TrainerState.user['blob']", 'bytes'),
+])
+def test_a_user_value_json_cannot_hold_is_refused_where_it_sits(user, where, kind):
+    # it was taken, and refused by the manager's save alone, naming neither the key nor the step
+    with pytest.raises(InputError) as e:
+        TrainerState(user=user)
+    assert e.value.message.startswith(f"{where} is a {kind} (")
+    assert "JSON cannot hold" in e.value.message and "lists and dicts" in e.value.fix
+    TrainerState(user={'ok': [np.float32(1.5), None, True, 'x', (1, 2)]}).to_json()
+
+
 def test_a_user_of_string_keys_at_any_depth_round_trips():
     s = TrainerState(user={'seeds': {'data': 7}, 'runs': [{'a': 1}], 'betas': (0.9, 0.99)})
     back = TrainerState.from_json(s.to_json())

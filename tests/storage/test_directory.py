@@ -378,6 +378,23 @@ def test_loading_a_manager_or_one_of_its_steps_says_how_to_read_it(tmp_path):
             assert fix in e.value.fix
 
 
+def test_a_directory_holding_an_orbax_checkpoint_names_it_rather_than_calling_itself_one(
+        tmp_path):
+    """A run's folder with an orbax step in it (`final/`, a name orbax's steps do not take):
+    its error said "this is an orbax checkpoint: convert it", and converting it failed, since
+    no format reads that folder. It names the checkpoint inside instead."""
+    runs = tmp_path / "runs"
+    (runs / "final" / "state").mkdir(parents=True)
+    (runs / "final" / "_CHECKPOINT_METADATA").write_text("{}")
+    (runs / "notes.txt").write_text("lr 1e-3")
+    with pytest.raises(FormatError, match=f"no {INDEX_NAME}") as e:
+        jckpt.restore(jckpt.Context(), {"w": np.ones(2)}, runs)
+    assert e.value.fix == (f"{str(runs / 'final')!r} in it is an orbax checkpoint: restore that "
+                           "path (or convert it to a jckpt file)")
+    with pytest.raises(FormatError, match="no format jckpt recognises"):
+        jckpt.convert(runs, tmp_path / "state.jckpt")  # what the old fix said to do
+
+
 def test_an_array_of_four_word_elements_reads_whole_and_by_box(tmp_path):
     """A `Uint4x32_prec` array's lazy view has the element's trailing dim of 4, which no
     piece splits: a box over that shape (`np.asarray` asks the whole of it) was searched

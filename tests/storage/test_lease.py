@@ -29,15 +29,29 @@ def test_one_holder_and_the_second_is_told_who(tmp_path):
     with open(lease_path(path)) as f:
         assert f.read() == f"{os.getpid()}\n"
     with pytest.raises(InUseError) as info:
-        WriterLease(path)  # the same process counts as another writer
-    assert str(info.value).startswith(f"{path}: in use: another writer (pid {os.getpid()}) holds "
-                                      f"the lease m.jckpt{LEASE_SUFFIX}")
-    assert info.value.file == path and 'close the other mirror or manager' in info.value.fix
+        WriterLease(path)  # the same process is refused too, and told that it holds the lease
+    assert str(info.value).startswith(f"{path}: in use: a writer of this process (pid "
+                                      f"{os.getpid()}) holds the lease m.jckpt{LEASE_SUFFIX}: a "
+                                      "Mirror or CheckpointManager opened on this path earlier")
+    assert info.value.file == path and 'mgr.close()' in info.value.fix
+    assert 'restart it' in info.value.fix  # one no variable refers to cannot be closed
+    assert lease.held  # the refusal did not disturb the holder
+    lease.release()
+
+
+def test_a_holder_in_another_process_is_named_with_how_to_read_while_it_writes(tmp_path):
+    path = str(tmp_path / 'm.jckpt')
+    with WriterLease(path):
+        with open(lease_path(path), 'w') as f:  # as another process's lease records its pid
+            f.write(f"{os.getpid() + 1}\n")
+        with pytest.raises(InUseError) as info:
+            WriterLease(path)
+    assert str(info.value).startswith(f"{path}: in use: another writer (pid {os.getpid() + 1}) "
+                                      f"holds the lease m.jckpt{LEASE_SUFFIX}")
+    assert 'close the other mirror or manager' in info.value.fix
     # an evaluation job reading a live run is told how, not only to close the run
     assert 'jckpt.CheckpointManager(path, read_only=True)' in info.value.fix
     assert 'jckpt.restore the files jckpt.info(path) lists' in info.value.fix
-    assert lease.held  # the refusal did not disturb the holder
-    lease.release()
 
 
 def test_release_frees_the_path_and_is_idempotent(tmp_path):

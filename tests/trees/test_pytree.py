@@ -207,5 +207,7 @@ def test_a_tree_nested_past_the_path_limit_is_refused_not_a_recursion_error(tmp_
     for i in range(500):
         tree = {f"k{i}": tree}
     assert tree_mod.empty_paths(tree) == []
-    with pytest.raises(InputError, match='key path of 500 components is deeper than 256'):
+    with pytest.raises(InputError, match='key path of 500 components is deeper than 256') as e:
         jckpt.save(jckpt.Context(), tree, tmp_path / 'deep.jckpt')
+    # named as every other entry is, with its namespace (it was 'k499/k498/...', alone so)
+    assert e.value.entry.startswith('jckpt/k499/k498/') and e.value.entry.endswith('/...')

@@ -155,6 +155,27 @@ def test_indivisible_target_is_a_clear_error(tmp_path, m42):
         jckpt.restore(ctx, {"w": jax.ShapeDtypeStruct((10, 6), np.float32)}, path)
 
 
+def test_a_context_device_sharding_an_array_cannot_take_is_an_input_error_naming_it(tmp_path,
+                                                                                    m42):
+    """`load` with `Context(device=<sharding>)` raised JAX's own IndivisibleError (an array of 3
+    rows under P('data') of 4) or an IndexError (a scalar or a single typed key under it),
+    naming neither the file nor the entry."""
+    path = tmp_path / "s.jckpt"
+    jckpt.save(jckpt.Context(), {"w": data((8, 6)), "odd": data((3,))}, path)
+    ctx = jckpt.Context(device=NamedSharding(m42, P("data")))
+    with pytest.raises(jckpt.InputError, match="not divisible by the Context's device sharding") \
+            as info:
+        jckpt.load(ctx, path)
+    assert info.value.entry == "jckpt/odd" and info.value.file == str(path)
+    assert "P()" in info.value.fix
+    for leaf in (np.float32(1), jax.random.key(0)):
+        jckpt.save(jckpt.Context(), {"s": leaf}, tmp_path / "one.jckpt")
+        with pytest.raises(jckpt.InputError, match=r"shape \(\) has 0 axes, fewer than the 1"):
+            jckpt.load(ctx, tmp_path / "one.jckpt")
+    _, back = jckpt.load(jckpt.Context(device=NamedSharding(m42, P())), path)
+    assert back["jckpt"]["odd"].sharding.spec == P()
+
+
 def test_cast_partial_target_and_namespace(tmp_path, m42, m24):
     path = tmp_path / "s.jckpt"
     x = data((16, 8))
