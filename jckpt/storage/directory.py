@@ -47,13 +47,12 @@ from jckpt.format.names import (
     OLD_DIR_TAG,
     SAVE_KEY,
     STAGE_DIR_TAG,
-    STEP_RE,
-    is_format_step,
     piece_name,
     piece_tag,
 )
 from jckpt.storage.backend import LOCAL, Backend, backend_for
 from jckpt.storage.lazy import FetchCache, LazyArray, note_read
+from jckpt.storage.no_index import NO_INDEX, no_index_fix
 from jckpt.storage.object_store import MISSING_OBJECT, pieces_replaced
 from jckpt.storage.publish import STALE_AFTER, exchange, fsync_dir, storage_error
 from jckpt.storage.reader import CheckpointReader, Need, advice_budget, payload_spans
@@ -301,43 +300,6 @@ def write_index(stage: str, process_count: int, alignment: int, metadata: dict[s
 
 # --- reading ------------------------------------------------------------------------------------
 
-#: The message of the `FormatError` for a directory (or a prefix) without an index.
-NO_INDEX = f"directory has no {INDEX_NAME}: not a checkpoint, or one whose save did not finish"
-#: Files that mark another tool's checkpoint directory (orbax's items and steps).
-_FOREIGN_MARKERS = ('_METADATA', '_CHECKPOINT_METADATA', 'manifest.ocdbt')
-
-
-def _no_index_fix(path: str) -> str:
-    """What to do with a directory that is not a jckpt checkpoint: convert a foreign one."""
-    try:
-        names = set(os.listdir(path))
-    except OSError:
-        names = set()
-    if names & set(_FOREIGN_MARKERS):  # an orbax item or step
-        return (f"this is an orbax checkpoint: convert it to a jckpt file first, "
-                f"jckpt.convert({path!r}, 'state.jckpt'), then restore from that")
-    inner = sorted(n for n in names for m in _FOREIGN_MARKERS
-                   if os.path.exists(os.path.join(path, n, m)))
-    if inner:  # a directory holding orbax checkpoints, under names orbax's steps do not take
-        return (f"{os.path.join(path, inner[0])!r} in it is an orbax checkpoint: restore that "
-                "path (or convert it to a jckpt file)")
-    if is_format_step(path, names):
-        parent, step = os.path.split(os.path.normpath(path))
-        return (f"this is a checkpoint manager's step: restore it with jckpt.CheckpointManager("
-                f"{parent or '.'!r}).restore({_step_of(step)})")
-    steps = sorted(n for n in names if STEP_RE.match(n))
-    if steps:
-        return (f"this is a checkpoint manager's directory: jckpt.CheckpointManager({path!r})"
-                f".restore(), or pass one of its steps ({os.path.join(path, steps[-1])!r})")
-    return "restore from a complete checkpoint"
-
-
-def _step_of(name: str) -> str:
-    """The step number of a step's file name, as text ('STEP' when it is not one)."""
-    m = STEP_RE.match(name)
-    return str(int(m.group(1))) if m else 'STEP'
-
-
 class DirectoryReader:
     """An open directory checkpoint: the global entries, read piece by piece on demand.
 
@@ -358,7 +320,7 @@ class DirectoryReader:
         except CheckpointError:
             if self.backend.exists(index):
                 raise
-            raise FormatError(NO_INDEX, file=self.path, fix=_no_index_fix(self.path)) from None
+            raise FormatError(NO_INDEX, file=self.path, fix=no_index_fix(self.path)) from None
         #: Whether the pieces are objects read by range (checksums are then verified by default).
         self.remote = getattr(self.index, 'remote', False)
         self.files, arrays = parse_index(self.index.header, index)
