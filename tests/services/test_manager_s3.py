@@ -38,6 +38,23 @@ def test_opening_a_manager_lists_its_prefix_once_and_reads_each_step_header_once
     assert len(opened) == 5, opened  # the lease's PUT, the LIST, a GET per step
 
 
+def test_a_readers_reload_lists_the_prefix_and_reads_only_new_steps(s3, s3_server):
+    """A read-only manager's `reload()` read every step's header again (a GET per step: 201
+    requests for 200 steps with none new); the listing's ETags say which steps changed."""
+    url = f"{s3}/run"
+    _saved(url, range(1, 4))
+    with jckpt.CheckpointManager(url, read_only=True) as reader:
+        before = len(s3_server.requests(s3))
+        assert reader.reload() == [1, 2, 3]
+        assert _new(s3_server, s3, before) == ["GET ?delimiter=/&list-type=2&prefix=run/"]
+        with jckpt.CheckpointManager(url) as writer:
+            writer.save(4, TREE)
+        before = len(s3_server.requests(s3))
+        assert reader.reload() == [1, 2, 3, 4]
+        assert _new(s3_server, s3, before) == ["GET ?delimiter=/&list-type=2&prefix=run/",
+                                               "GET /run/step_00000004.jckpt"]
+
+
 def test_retention_deletes_a_file_step_with_one_request(s3, s3_server):
     """Each removed step cost two LISTs (is it a prefix? what is under it?) before its DELETE."""
     url = f"{s3}/run"
