@@ -807,3 +807,18 @@ def test_an_endpoint_that_is_no_url_is_refused(endpoint, monkeypatch):
         assert e.value.file == "s3://elsewhere/x.jckpt"
     finally:
         object_store.forget_stores()
+
+
+@pytest.mark.parametrize("code, said", [("503", "throttling"), ("429", "throttling"),
+                                        ("500", "a server error"), ("502", "a server error")])
+def test_a_server_answering_5xx_or_429_through_the_retries_says_so(code, said):
+    # the fix was "check the endpoint and the network", with the code cut off the message
+    from jckpt.storage.object_store import store_error
+
+    text = ("Generic S3 error: Error performing PUT http://host/b/run/m.jckpt?partNumber=2&uploadId="
+            + "x" * 120 + f" in 44ms, after 10 retries, max_retries: 10 - Server returned non-2xx "
+            f"status code: {code} ")
+    e = store_error(OSError(text), "uploading the checkpoint", "s3://b/run/m.jckpt")
+    assert isinstance(e, jckpt.StorageError) and e.file == "s3://b/run/m.jckpt"
+    assert f"answered {code} (" in e.message and said in e.message and "after 10 retries" in e.message
+    assert "retry_config" in e.fix and "configure('s3://b'" in e.fix
