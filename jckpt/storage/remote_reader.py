@@ -33,12 +33,12 @@ import itertools
 import math
 import struct
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
 
 import numpy as np
 
-from jckpt.errors import ChecksumError, FormatError
+from jckpt.errors import CheckpointError, ChecksumError, FormatError
 from jckpt.format import payload as payload_mod
 from jckpt.format import precs
 from jckpt.format.boxes import Box, box_shape, box_size, box_slices
@@ -100,17 +100,21 @@ def _pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
 
 
 def read_ranges(source: RangeSource, ranges: list[tuple[int, memoryview]], version: str | None, *,
-                part: int, concurrency: int) -> None:
-    """Fill each `(offset, dest)` from `source`, in parts of `part` bytes, concurrently."""
+                part: int, concurrency: int, entry_at: Callable[[int], str | None] | None = None) -> None:
+    """Fill each `(offset, dest)` from `source`, in parts of `part` bytes, concurrently. A
+    failed read's `CheckpointError` names the entry `entry_at` gives for its offset."""
     jobs = [(offset + start, dest[start:start + part])
             for offset, dest in ranges for start in range(0, len(dest), part)]
-    if len(jobs) <= 1:
-        for offset, dest in jobs:
-            source.read_into(dest, offset, version)
-        return
-    futures = [_pool(concurrency).submit(source.read_into, dest, offset, version) for offset, dest in jobs]
-    for f in futures:
-        f.result()
+    pool = _pool(concurrency) if len(jobs) > 1 else None
+    futures = [pool.submit(source.read_into, dest, offset, version) if pool else None
+               for offset, dest in jobs]
+    for (offset, dest), f in zip(jobs, futures):
+        try:
+            f.result() if f is not None else source.read_into(dest, offset, version)
+        except CheckpointError as e:
+            if e.entry is None and entry_at is not None:
+                e.entry = entry_at(offset)
+            raise
 
 
 def join_spans(spans: Iterable[tuple[int, int]], *, gap: int, reach: int) -> Iterator[tuple[int, int]]:
@@ -192,9 +196,10 @@ class RemoteReader:
         self.sealed = is_sealed(raw)
         self.data_start = 4 + hlen
         check_extents(self.header, self.data_start, self.size, file=url)
-        spans = sorted((e.offset, e.offset + e.byte_length) for e in self.header.tensors)
-        self._starts = [s for s, _ in spans]
-        self._spans = spans
+        ordered = sorted(self.header.tensors, key=lambda e: (e.offset, e.byte_length))
+        self._spans = [(e.offset, e.offset + e.byte_length) for e in ordered]
+        self._starts = [s for s, _ in self._spans]
+        self._names = [e.name for e in ordered]
         self._window: tuple[int, np.ndarray] | None = None
         #: The rows fetched for boxes of short runs, by `(offset, length)`: the boxes of a column
         #: sharding span the same rows (in whatever order the devices come), and each device's
@@ -223,7 +228,13 @@ class RemoteReader:
             dest[:have] = self._first[at:at + have].data
             if have < len(dest):
                 rest.append((at + have, dest[have:]))
-        read_ranges(self.source, rest, self.version, part=self.part, concurrency=self.concurrency)
+        read_ranges(self.source, rest, self.version, part=self.part, concurrency=self.concurrency,
+                    entry_at=self._entry_at)
+
+    def _entry_at(self, at: int) -> str | None:
+        """The name of the entry whose payload holds object offset `at` (None: the header)."""
+        i = bisect.bisect_right(self._starts, at - self.data_start) - 1
+        return self._names[i] if at >= self.data_start and i >= 0 else None
 
     def _small(self, entry: Entry) -> np.ndarray:
         """A small payload, read with the small payloads that follow it in one GET."""

@@ -326,7 +326,7 @@ def test_a_store_that_keeps_throttling_a_restore_is_said_to_throttle(faulty):
     proxy.rule["pick"] = _payload_gets("503")
     with pytest.raises(StorageError) as e:
         jckpt.restore(jckpt.Context(host=True), BIG, f"{url}/m.jckpt")
-    assert e.value.file == f"{url}/m.jckpt"
+    assert e.value.file == f"{url}/m.jckpt" and e.value.entry == "jckpt/w"
     assert "answered 503 (it is throttling requests: Slow Down) after 2 retries" in e.value.message
     assert "concurrency" in e.value.fix and "retry_config" in e.value.fix
     assert len(proxy.faults) == 3  # one GET: its attempt and 2 retries, then the error
@@ -338,7 +338,7 @@ def test_connections_reset_through_every_retry_are_a_storage_error(faulty):
     proxy.rule["pick"] = _payload_gets("reset")
     with pytest.raises(StorageError, match="reading the checkpoint failed") as e:
         jckpt.restore(jckpt.Context(host=True), BIG, f"{url}/m.jckpt")
-    assert e.value.file == f"{url}/m.jckpt" and "network" in e.value.fix
+    assert e.value.file == f"{url}/m.jckpt" and e.value.entry == "jckpt/w" and "network" in e.value.fix
     assert len(proxy.faults) == 3
 
 

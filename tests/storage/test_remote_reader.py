@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jckpt
-from jckpt.errors import ChecksumError, FormatError
+from jckpt.errors import ChecksumError, FormatError, StorageError
 from jckpt.storage import remote_reader
 from jckpt.storage.lazy import record_reads
 from jckpt.storage.reader import CheckpointReader
@@ -247,3 +247,25 @@ def test_the_windows_of_small_payloads_are_fetched_concurrently(monkeypatch):
     got = jckpt.restore(jckpt.Context(host=True), tree, url)
     np.testing.assert_array_equal(got["a1234"], tree["a1234"])
     assert together.alone == 1  # the header's rest, past its first GET; the windows were 2 more
+
+
+class Failing(BytesSource):
+    """Fails every read past the header's with a `StorageError`, as a store that went away."""
+
+    def read_into(self, dest, offset, version):
+        raise StorageError("reading the checkpoint failed: connection reset", file="memory://b/m.jckpt")
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_failed_read_names_the_entry_it_was_for(stored, lazy):
+    # the error named the object alone: of a restore of many arrays, not which failed
+    _, data = stored
+    reader = RemoteReader(Failing(data), "memory://b/m.jckpt")
+    name = "jckpt/big"
+    entry = next(e for e in reader.header.tensors if e.name == name)
+    with pytest.raises(StorageError, match="connection reset") as e:
+        if lazy:
+            reader.decode(entry)[100000:100010]
+        else:
+            reader.decode_all([entry], verify=True)
+    assert e.value.entry == name and e.value.file == "memory://b/m.jckpt"
