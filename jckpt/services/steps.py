@@ -1,10 +1,9 @@
 """What is on disk in a manager's directory: step files, step directories, and staging left behind.
 
-A step is a jckpt file, a multi-process directory checkpoint (with an
-index), or a step directory of the format layer (with a `trainer_state.json`,
-`jckpt.services.formats`, read by `jckpt.services.format_reading`). These
-functions read any of them the same way for `CheckpointManager`, and clear
-what a writer that died left.
+A step is a jckpt file, a multi-process directory checkpoint (with an index), or a step
+directory of the format layer (with a `trainer_state.json`, `jckpt.services.formats`, read
+by `jckpt.services.format_reading`). These functions read any of them the same way for
+`CheckpointManager`, and clear what a writer that died left.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from jckpt import api
 from jckpt.adapters import orbax as orbax_adapter
 from jckpt.api.context import Context
 from jckpt.api.loading import Namespaces, restore_alone
-from jckpt.errors import CheckpointError, FormatError, InputError
+from jckpt.errors import CheckpointError, FormatError, InputError, StorageError
 from jckpt.format import metadata
 from jckpt.format.entries import Header
 from jckpt.format.names import (
@@ -176,6 +175,8 @@ def scan(backend: Backend, directory: str, listing: Listing | None = None,
         except CheckpointError as e:
             if not (prefix and backend is not LOCAL) and gone(path, prefix):  # removed since
                 vanished.append(item[1])
+            elif isinstance(e, StorageError):  # refused or failed, not damaged: left out, saved over
+                raise
             else:
                 log.warning("ignoring unreadable step %s: %s", item[1], e)
             return None
