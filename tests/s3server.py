@@ -4,19 +4,24 @@ The tests of object storage run against it (moto's server is the one s3fs's own
 test suite uses). `S3Server.start()` starts one; `server.bucket()` makes a fresh
 bucket; `server.requests(bucket)` lists the requests the server answered for a
 bucket, from its request log (how the tests count a call's requests);
-`server.stop()` kills it (a fault test kills it mid-upload). The
+`server.stop()` kills it (a fault test kills it mid-upload); a `FaultProxy` in front of it
+fails the requests a test picks (503 Slow Down, a connection reset mid-answer). The
 functions below look at a URL's incomplete uploads and upload markers as
 another client would (boto3, the environment pointing at the server).
 """
 
 import contextlib
+import http.client
+import http.server
 import json
 import os
 import re
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.parse
 import uuid
@@ -100,6 +105,82 @@ class S3Server:
 _REQUEST = re.compile(r'"([A-Z]+) (\S+) HTTP/[\d.]+" \d{3}')
 #: The terminal colours werkzeug may put around a line whose status is not 200 (a 206, a 404).
 _ANSI = re.compile(r'\x1b\[[0-9;]*m')
+
+
+# --- faults: a proxy in front of the server -----------------------------------------------------
+
+#: What S3 answers a client it throttles.
+SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+             b'<Message>Please reduce your request rate.</Message></Error>')
+
+
+class FaultProxy:
+    """An HTTP proxy in front of the S3 server that fails the requests `fault` picks: `fault(method,
+    path, headers)` gives None (pass it on), "503" (SlowDown), "reset" (the answer's headers
+    and half its body, then the connection reset) or "drop" (the request read, not passed on,
+    and the connection reset: a part upload cut off)."""
+
+    def __init__(self, upstream, fault):
+        self.fault, self.faults = fault, []
+        host, port = urllib.parse.urlsplit(upstream).netloc.split(":")
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def _any(self):
+                n = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(n) if n else b""
+                what = proxy.fault(self.command, self.path, self.headers)
+                if what:
+                    proxy.faults.append((what, self.command, self.path))
+                if what == "503":
+                    self.send_response(503)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(SLOW_DOWN)))
+                    self.end_headers()
+                    self.wfile.write(SLOW_DOWN)
+                    return
+                if what == "drop":
+                    self._reset()
+                    return
+                conn = http.client.HTTPConnection(host, int(port), timeout=30)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                headers["Host"] = f"{host}:{port}"
+                conn.request(self.command, self.path, body=body, headers=headers)
+                r = conn.getresponse()
+                data = r.read()
+                self.send_response(r.status)
+                for k, v in r.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if what == "reset":
+                    self.wfile.write(data[: len(data) // 2])
+                    self.wfile.flush()
+                    self._reset()
+                    return
+                self.wfile.write(data)
+
+            def _reset(self):
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                self.close_connection = True
+                self.connection.close()
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _any
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
 
 
 # --- incomplete uploads and their markers, seen through boto3 ------------------------------------

@@ -1,10 +1,9 @@
 """What is on disk in a manager's directory: step files, step directories, and staging left behind.
 
-A step is a jckpt file, a multi-process directory checkpoint (with an
-index), or a step directory of the format layer (with a `trainer_state.json`,
-`jckpt.services.formats`, read by `jckpt.services.format_reading`). These
-functions read any of them the same way for `CheckpointManager`, and clear
-what a writer that died left.
+A step is a jckpt file, a multi-process directory checkpoint (with an index), or a step
+directory of the format layer (with a `trainer_state.json`, `jckpt.services.formats`, read
+by `jckpt.services.format_reading`). These functions read any of them the same way for
+`CheckpointManager`, and clear what a writer that died left.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from jckpt import api
 from jckpt.adapters import orbax as orbax_adapter
 from jckpt.api.context import Context
 from jckpt.api.loading import Namespaces, restore_alone
-from jckpt.errors import CheckpointError, FormatError, InputError
+from jckpt.errors import CheckpointError, FormatError, InputError, StorageError
 from jckpt.format import metadata
 from jckpt.format.entries import Header
 from jckpt.format.names import (
@@ -43,7 +42,7 @@ from jckpt.storage import step_directory
 from jckpt.storage.backend import LOCAL, Backend, backend_for, is_url
 from jckpt.storage.checkpoint import open_checkpoint, reusing
 from jckpt.storage.directory import NO_INDEX, DirectoryReader, reclaim_stage_dirs
-from jckpt.storage.object_backend import NO_SUCH_OBJECT
+from jckpt.storage.object_backend import NO_SUCH_OBJECT, OBJECT_STORE
 from jckpt.storage.object_store import MISSING_OBJECT
 from jckpt.storage.publish import reclaim_staging, storage_error
 from jckpt.storage.staging import next_name, remove_staged, remove_staged_below
@@ -139,7 +138,7 @@ class Found:
         return frozenset(int(m.group(1)) for n in self.removing if (m := STEP_RE.match(n)))
 
 
-Listing = tuple[list[str], list[str]]
+Listing = tuple[list[str], list[str], Mapping[str, str] | None]
 
 
 def recover(backend: Backend, directory: str, *, clean: bool, cache: StepCache | None = None) -> Found:
@@ -159,7 +158,7 @@ def scan(backend: Backend, directory: str, listing: Listing | None = None,
          cache: StepCache | None = None) -> Found:
     """Every readable step in `directory` (an unreadable one is logged, left out): one listing (or
     the caller's `listing`), then each step's metadata, unless in `cache` (`READERS` GETs at once)."""
-    files, dirs = listing if listing is not None else backend.list_kinds(directory)
+    files, dirs, versions = listing if listing is not None else (*backend.list_kinds(directory), None)
     folders, plain = set(dirs), set(files)
     names = [(int(m.group(1)), name) for name in sorted(plain | folders) if (m := STEP_RE.match(name))]
     bare, vanished = list[tuple[int, str]](), list[str]()
@@ -176,10 +175,12 @@ def scan(backend: Backend, directory: str, listing: Listing | None = None,
         except CheckpointError as e:
             if not (prefix and backend is not LOCAL) and gone(path, prefix):  # removed since
                 vanished.append(item[1])
+            elif isinstance(e, StorageError):  # refused or failed, not damaged: left out, saved over
+                raise
             else:
                 log.warning("ignoring unreadable step %s: %s", item[1], e)
             return None
-    read = cache.reading(read, directory) if cache is not None and backend is LOCAL else read
+    read = cache.reading(read, directory, versions) if cache is not None else read
     if backend is LOCAL or len(names) < 2:
         read_all = list(map(read, names))
     else:
@@ -405,8 +406,8 @@ def _remove_unfinished(backend: Backend, path: str, published: bool | None = Non
 
 
 def listed(backend: Backend, directory: str) -> Listing | None:
-    """A bucket directory's `list_kinds`, made once for `clean_staging` and `scan` (None for a
-    local directory, which each lists itself).
+    """A bucket directory's `list_versions` (names and versions), made once for `clean_staging`
+    and `scan` (None for a local directory, which each lists itself).
 
     A URL with nothing below it that is an object itself (a checkpoint file's URL given as a
     manager's directory, whose steps would go under the file's name) is refused: one HEAD,
@@ -414,8 +415,8 @@ def listed(backend: Backend, directory: str) -> Listing | None:
     """
     if backend is LOCAL:
         return None
-    listing = backend.list_kinds(directory)
-    if not any(listing) and backend.exists(directory):
+    listing = OBJECT_STORE.list_versions(directory)
+    if not any(listing[:2]) and backend.exists(directory):
         raise InputError("is an object, not a directory of steps: a manager keeps its steps "
                          "under a prefix", file=directory,
                          fix="give the manager another URL (a prefix such as s3://bucket/run), or "
@@ -434,7 +435,7 @@ def clean_staging(backend: Backend, directory: str, listing: Listing | None = No
     """
     if backend is not LOCAL:
         remove_staged_below(directory, STEP_RE)  # local files of steps never uploaded
-        objects, _ = listing if listing is not None else backend.list_kinds(directory)
+        objects = (listing or backend.list_kinds(directory))[0]
         for name in objects:
             head, tag, _ = name.partition(UPLOAD_TAG)
             if tag and STEP_RE.match(head):

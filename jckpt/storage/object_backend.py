@@ -129,6 +129,13 @@ class ObjectStoreBackend:
     def list_kinds(self, path: str) -> tuple[list[str], list[str]]:
         """The names directly under `path`: `(objects, prefixes)`, each sorted (a name may be
         both). One listing tells a manager's file steps from its directory steps."""
+        objects, prefixes, _ = self.list_versions(path)
+        return objects, prefixes
+
+    def list_versions(self, path: str) -> tuple[list[str], list[str], dict[str, str]]:
+        """`list_kinds`, with the version of each object the listing names (its ETag and size,
+        which the listing carries: no request more), by name: what tells a reader's `reload`
+        which steps were replaced since it read them (`jckpt.services.step_cache`)."""
         u = ObjectURL.parse(path)
         try:
             found = obstore_module().list_with_delimiter(store_for(u), prefix=u.prefix or None)
@@ -137,7 +144,9 @@ class ObjectStoreBackend:
 
         def names(keys: Any) -> list[str]:
             return sorted({k.rstrip('/').rsplit('/', 1)[-1] for k in keys} - {''})
-        return names(o['path'] for o in found['objects']), names(found['common_prefixes'])
+        versions = {o['path'].rsplit('/', 1)[-1]: f"{o['e_tag']}:{o['size']}"
+                    for o in found['objects'] if o.get('e_tag')}
+        return names(o['path'] for o in found['objects']), names(found['common_prefixes']), versions
 
     def size(self, path: str) -> int:
         """Bytes of the object `path`, or of every object under the prefix `path/`; 0 if none."""

@@ -309,10 +309,40 @@ def store_error(exc: BaseException, action: str, url: str) -> CheckpointError:
         return InputError(f"{action} failed: {detail}", file=url,
                           fix="see obstore's options for this store; jckpt's own are "
                               + ", ".join(OWN_OPTIONS))
+    busy = _server_refused(text, action, url)
+    if busy is not None:
+        return busy
     if name == 'PreconditionError':
         return StorageError(f"{action} failed: the object changed while it was read", file=url,
                             fix="another writer replaced it; read it again")
     return StorageError(f"{action} failed: {detail}", file=url, fix=_network_fix(url))
+
+
+def _server_refused(text: str, action: str, url: str) -> StorageError | None:
+    """The error of a request the store kept answering with a 5xx or 429 through the retries
+    (obstore's `retry_config`, by default up to 10 within 180 s): throttling (503 Slow Down,
+    429) is said as such, with how to ask less at once; the fix was to check the network.
+
+    >>> e = _server_refused("Error performing GET ... after 2 retries, max_retries: 2 - Server "
+    ...                     "returned non-2xx status code: 503 Service Unavailable", "reading", "s3://b/m")
+    >>> e.message
+    'reading failed: the store answered 503 (it is throttling requests: Slow Down) after 2 retries'
+    """
+    code = re.search(r"status code: ([45][0-9][0-9])", text)
+    if code is None or not (code[1] in ('429', '503') or code[1].startswith('5')):
+        return None
+    said = re.search(r"after ([0-9]+) retries", text)
+    tries = f" after {said[1]} retries" if said else ""
+    bucket = f"{url.partition('://')[0]}://{_bucket(url)}"
+    retry = (f"allow more retries: jckpt.storage.configure({bucket!r}, "
+             "retry_config={'max_retries': 10, 'retry_timeout': timedelta(minutes=5)})")
+    if code[1] in ('429', '503'):
+        return StorageError(f"{action} failed: the store answered {code[1]} (it is throttling requests: "
+                            f"Slow Down){tries}", file=url,
+                            fix=f"try again later, make fewer requests at once (configure's concurrency, "
+                                f"8 by default), or {retry}")
+    return StorageError(f"{action} failed: the store answered {code[1]} (a server error){tries}",
+                        file=url, fix=f"try again later, or {retry}; if it persists, {_network_fix(url)}")
 
 
 #: The S3 IAM actions each kind of request needs, by the start of its action's words.

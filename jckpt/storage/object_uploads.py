@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from jckpt.errors import CheckpointError, StorageError
-from jckpt.storage.object_store import ObjectURL, obstore_module, store_error, store_for, tuning
+from jckpt.storage.object_store import ObjectURL, is_missing, obstore_module, store_error, store_for, tuning
 from jckpt.storage.upload_markers import UploadMarker
 
 
@@ -124,6 +124,14 @@ def abort_failed(abort: BaseException, u: ObjectURL, upload_id: str, first: Base
                      "failed (the store's error was replaced by that of the failed abort)",
                      file=u.url, fix=said.fix)
     detail = str(abort).splitlines()[0][:200]
+    if is_missing(abort):  # no such upload: completed (its answer lost on the way) or aborted
+        error.message += ("; the upload is no longer there to abort: its completion may have been "
+                          "made, its answer lost, so the object is the checkpoint saved, whole, or "
+                          "the previous one")
+        error.fix = (f"read {u.url} (jckpt.describe, or jckpt inspect) to see which, and save again "
+                     "if it is the previous one; nothing is left in the bucket to abort")
+        error.args = (str(error),)
+        return error
     error.message += f"; aborting the incomplete upload failed too ({detail})"
     left = f"the incomplete multipart upload {upload_id} of key {u.key!r} is left in the bucket "
     how = [f"the next multipart save of {u.url} aborts it"] if placed else []

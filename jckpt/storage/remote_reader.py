@@ -3,8 +3,9 @@
 An object store has no mapping to hand out, so `RemoteReader` reads
 what is asked and nothing else: the header with one ranged GET (two when it
 is longer than the first), each payload with concurrent ranged GETs written
-straight into the array that is returned, small neighbouring payloads
-together in one GET, and, for a payload read box by box (a device's shard),
+straight into the array that is returned, runs of the small payloads asked
+together in one GET each (concurrent, never bytes of payloads not asked beyond
+short gaps), and, for a payload read box by box (a device's shard),
 only the byte runs of that box (or, for many short runs, the rows they span,
 fetched once for every box over them). It decodes with the
 same codec functions as `jckpt.storage.reader.CheckpointReader`
@@ -28,15 +29,16 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
+import itertools
 import math
 import struct
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
 
 import numpy as np
 
-from jckpt.errors import ChecksumError, FormatError
+from jckpt.errors import CheckpointError, ChecksumError, FormatError
 from jckpt.format import payload as payload_mod
 from jckpt.format import precs
 from jckpt.format.boxes import Box, box_shape, box_size, box_slices
@@ -98,17 +100,41 @@ def _pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
 
 
 def read_ranges(source: RangeSource, ranges: list[tuple[int, memoryview]], version: str | None, *,
-                part: int, concurrency: int) -> None:
-    """Fill each `(offset, dest)` from `source`, in parts of `part` bytes, concurrently."""
+                part: int, concurrency: int, entry_at: Callable[[int], str | None] | None = None) -> None:
+    """Fill each `(offset, dest)` from `source`, in parts of `part` bytes, concurrently. A
+    failed read's `CheckpointError` names the entry `entry_at` gives for its offset."""
     jobs = [(offset + start, dest[start:start + part])
             for offset, dest in ranges for start in range(0, len(dest), part)]
-    if len(jobs) <= 1:
-        for offset, dest in jobs:
-            source.read_into(dest, offset, version)
-        return
-    futures = [_pool(concurrency).submit(source.read_into, dest, offset, version) for offset, dest in jobs]
-    for f in futures:
-        f.result()
+    pool = _pool(concurrency) if len(jobs) > 1 else None
+    futures = [pool.submit(source.read_into, dest, offset, version) if pool else None
+               for offset, dest in jobs]
+    for (offset, dest), f in zip(jobs, futures):
+        try:
+            f.result() if f is not None else source.read_into(dest, offset, version)
+        except CheckpointError as e:
+            if e.entry is None and entry_at is not None:
+                e.entry = entry_at(offset)
+            raise
+
+
+def join_spans(spans: Iterable[tuple[int, int]], *, gap: int, reach: int) -> Iterator[tuple[int, int]]:
+    """`spans` (`(start, end)`, ascending) joined into the windows one GET each reads: a span
+    starting at most `gap` bytes past a window's end, and ending within `reach` bytes of its
+    start, joins it. Lazy, so the first window costs only the spans it looks at.
+
+    >>> list(join_spans([(0, 10), (12, 20), (5000, 5010), (5010, 6100)], gap=100, reach=1000))
+    [(0, 20), (5000, 5010), (5010, 6100)]
+    """
+    window: tuple[int, int] | None = None
+    for start, end in spans:
+        if window is not None and start - window[1] <= gap and end - window[0] <= reach:
+            window = (window[0], max(window[1], end))
+            continue
+        if window is not None:
+            yield window
+        window = (start, end)
+    if window is not None:
+        yield window
 
 
 def box_runs(shape: tuple[int, ...], item: int, box: Box) -> tuple[list[int], int]:
@@ -170,9 +196,10 @@ class RemoteReader:
         self.sealed = is_sealed(raw)
         self.data_start = 4 + hlen
         check_extents(self.header, self.data_start, self.size, file=url)
-        spans = sorted((e.offset, e.offset + e.byte_length) for e in self.header.tensors)
-        self._starts = [s for s, _ in spans]
-        self._spans = spans
+        ordered = sorted(self.header.tensors, key=lambda e: (e.offset, e.byte_length))
+        self._spans = [(e.offset, e.offset + e.byte_length) for e in ordered]
+        self._starts = [s for s, _ in self._spans]
+        self._names = [e.name for e in ordered]
         self._window: tuple[int, np.ndarray] | None = None
         #: The rows fetched for boxes of short runs, by `(offset, length)`: the boxes of a column
         #: sharding span the same rows (in whatever order the devices come), and each device's
@@ -201,7 +228,13 @@ class RemoteReader:
             dest[:have] = self._first[at:at + have].data
             if have < len(dest):
                 rest.append((at + have, dest[have:]))
-        read_ranges(self.source, rest, self.version, part=self.part, concurrency=self.concurrency)
+        read_ranges(self.source, rest, self.version, part=self.part, concurrency=self.concurrency,
+                    entry_at=self._entry_at)
+
+    def _entry_at(self, at: int) -> str | None:
+        """The name of the entry whose payload holds object offset `at` (None: the header)."""
+        i = bisect.bisect_right(self._starts, at - self.data_start) - 1
+        return self._names[i] if at >= self.data_start and i >= 0 else None
 
     def _small(self, entry: Entry) -> np.ndarray:
         """A small payload, read with the small payloads that follow it in one GET."""
@@ -210,11 +243,9 @@ class RemoteReader:
             window = self._window
             if window is not None and window[0] <= start and end <= window[0] + window[1].size:
                 return window[1][start - window[0]:end - window[0]]
-            reach = end
-            for s, e in self._spans[bisect.bisect_left(self._starts, start):]:
-                if e - s >= SMALL_PAYLOAD or e - start > WINDOW_BYTES or s - reach > COALESCE_GAP:
-                    break
-                reach = max(reach, e)
+            following = itertools.takewhile(lambda span: span[1] - span[0] < SMALL_PAYLOAD,
+                                            self._spans[bisect.bisect_left(self._starts, start):])
+            _, reach = next(join_spans(following, gap=COALESCE_GAP, reach=WINDOW_BYTES))
             data = self._fetch(start, reach - start)
             self._window = (start, data)
         return data[:end - start]
@@ -254,7 +285,8 @@ class RemoteReader:
                    verify: bool = False) -> list[np.ndarray | LazyArray]:
         """`decode` of each entry, the payloads read now fetched together: `concurrency` GETs in
         flight across entries, not one entry's at a time (a model of many tensors of a few MiB,
-        each one GET, was read one GET after another).
+        each one GET, was read one GET after another). The small payloads asked are read in
+        windows of their own runs (`join_spans`), not with the payloads stored after them.
 
         >>> import tempfile, os, jckpt
         >>> path = os.path.join(tempfile.mkdtemp(), 'a.jckpt')
@@ -266,7 +298,17 @@ class RemoteReader:
         entries = list(entries)
         ahead = {i: np.empty(e.byte_length, np.uint8) for i, e in enumerate(entries)
                  if e.byte_length >= SMALL_PAYLOAD and self._whole is None and not self._lazy(e, verify)}
-        self._read([(self.data_start + entries[i].offset, memoryview(out)) for i, out in ahead.items()])
+        small = {i: e for i, e in enumerate(entries) if i not in ahead and self._whole is None
+                 and 0 < e.byte_length < SMALL_PAYLOAD and e.prec != precs.VOID}
+        windows = [(start, np.empty(end - start, np.uint8)) for start, end in join_spans(
+            sorted({(e.offset, e.offset + e.byte_length) for e in small.values()}), gap=COALESCE_GAP,
+            reach=WINDOW_BYTES)]
+        self._read([(self.data_start + entries[i].offset, memoryview(out)) for i, out in ahead.items()]
+                   + [(self.data_start + start, memoryview(out)) for start, out in windows])
+        starts = [start for start, _ in windows]
+        for i, e in small.items():
+            start, out = windows[bisect.bisect_right(starts, e.offset) - 1]
+            ahead[i] = out[e.offset - start:e.offset - start + e.byte_length]
         return [self._array(e, ahead[i], verify, True) if i in ahead else self.decode(e, verify=verify)
                 for i, e in enumerate(entries)]
 

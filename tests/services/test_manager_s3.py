@@ -38,6 +38,23 @@ def test_opening_a_manager_lists_its_prefix_once_and_reads_each_step_header_once
     assert len(opened) == 5, opened  # the lease's PUT, the LIST, a GET per step
 
 
+def test_a_readers_reload_lists_the_prefix_and_reads_only_new_steps(s3, s3_server):
+    """A read-only manager's `reload()` read every step's header again (a GET per step: 201
+    requests for 200 steps with none new); the listing's ETags say which steps changed."""
+    url = f"{s3}/run"
+    _saved(url, range(1, 4))
+    with jckpt.CheckpointManager(url, read_only=True) as reader:
+        before = len(s3_server.requests(s3))
+        assert reader.reload() == [1, 2, 3]
+        assert _new(s3_server, s3, before) == ["GET ?delimiter=/&list-type=2&prefix=run/"]
+        with jckpt.CheckpointManager(url) as writer:
+            writer.save(4, TREE)
+        before = len(s3_server.requests(s3))
+        assert reader.reload() == [1, 2, 3, 4]
+        assert _new(s3_server, s3, before) == ["GET ?delimiter=/&list-type=2&prefix=run/",
+                                               "GET /run/step_00000004.jckpt"]
+
+
 def test_retention_deletes_a_file_step_with_one_request(s3, s3_server):
     """Each removed step cost two LISTs (is it a prefix? what is under it?) before its DELETE."""
     url = f"{s3}/run"
@@ -524,3 +541,48 @@ def test_a_reader_lists_again_when_the_step_prefixes_it_listed_were_removed(s3, 
         damaged.publish()
     found = steps.scan(backend, url, real(backend, url))
     assert sorted(found.metrics) == [2] and found.vanished == () and "unreadable step" in caplog.text
+
+
+def test_a_manager_that_may_not_read_its_steps_fails_to_open_and_saves_over_none():
+    """Credentials without s3:GetObject (or a store failing through its retries) made every
+    step "unreadable", logged and left out: the manager opened on no step, and a job that
+    resumed from none saved step 1 over the published one."""
+    import json
+
+    import boto3
+
+    from jckpt.storage import object_store
+    from tests.s3server import S3Server
+
+    server = S3Server.start(env={"INITIAL_NO_AUTH_ACTION_COUNT": "7"})  # then policies apply
+
+    def client(service, **keys):
+        return boto3.client(service, endpoint_url=server.endpoint, region_name="us-east-1",
+                            **(keys or {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}))
+
+    def user(name, actions):
+        iam = client("iam")
+        iam.create_user(UserName=name)
+        iam.put_user_policy(UserName=name, PolicyName="p", PolicyDocument=json.dumps(
+            {"Version": "2012-10-17",
+             "Statement": [{"Effect": "Allow", "Action": actions, "Resource": "*"}]}))
+        key = iam.create_access_key(UserName=name)["AccessKey"]
+        return {"access_key_id": key["AccessKeyId"], "secret_access_key": key["SecretAccessKey"]}
+
+    try:
+        writer = user("writer", ["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:ListBucket"])
+        blind = user("blind", ["s3:PutObject", "s3:DeleteObject", "s3:ListBucket"])
+        client("s3").create_bucket(Bucket="steps")
+        object_store.configure("s3://steps", endpoint=server.endpoint, region="us-east-1", **writer)
+        _saved("s3://steps/run", [1, 2])
+        object_store.configure("s3://steps", endpoint=server.endpoint, region="us-east-1", **blind)
+        for read_only in (False, True):
+            with pytest.raises(jckpt.StorageError, match="access denied") as e:
+                jckpt.CheckpointManager("s3://steps/run", read_only=read_only)
+            assert e.value.file.startswith("s3://steps/run/step_0000000") and "s3:GetObject" in e.value.fix
+        object_store.configure("s3://steps", endpoint=server.endpoint, region="us-east-1", **writer)
+        with jckpt.CheckpointManager("s3://steps/run", read_only=True) as reader:
+            assert reader.all_steps() == [1, 2] and reader.restore(2, TREE).step == 2
+    finally:
+        object_store.configure("s3://steps")
+        server.stop()

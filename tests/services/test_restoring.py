@@ -116,10 +116,10 @@ def test_a_reader_lists_again_when_the_steps_it_listed_were_removed_meanwhile(tm
 
     def stale(backend, directory):  # the first listing, made before steps 0 and 1 went
         calls.append(directory)
-        return ([step_name(0), step_name(1)], []) if len(calls) == 1 else real(backend, directory)
+        return ([step_name(0), step_name(1)], [], None) if len(calls) == 1 else real(backend, directory)
     monkeypatch.setattr(steps, "listed", stale)
     found = restoring.recovered(LOCAL, str(tmp_path), 0, 1, True)
     assert sorted(found.metrics) == [2, 3] and len(calls) == 2
     assert "unreadable" not in caplog.text
-    first = steps.scan(LOCAL, str(tmp_path), ([step_name(1), step_name(2)], []))
+    first = steps.scan(LOCAL, str(tmp_path), ([step_name(1), step_name(2)], [], None))
     assert sorted(first.metrics) == [2] and first.vanished == (step_name(1),)

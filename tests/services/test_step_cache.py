@@ -68,3 +68,24 @@ def test_a_scan_through_a_cache_reads_each_step_once_and_lists_the_same(tmp_path
     assert found.latest is None and reads == []  # step 2's header was let go
     meta, digest = steps.described(str(tmp_path / step_name(2)), found.latest)
     assert meta["jckpt.step"] == "2" and digest is not None
+
+
+def test_a_bucket_step_is_kept_while_its_listed_version_is_the_same(monkeypatch):
+    # a step in a bucket was never kept: each reload read every step's header again
+    import obstore
+
+    from jckpt.storage.object_store import ObjectSource, ObjectURL, store_for
+
+    url = "memory://step-cache-versions/run"
+    saved(url, 1, 2, 3)
+    reads = []
+    real = ObjectSource.head
+    monkeypatch.setattr(ObjectSource, "head", lambda src, n: reads.append(src.u.key) or real(src, n))
+    with jckpt.CheckpointManager(url, read_only=True) as reader:
+        assert len(reads) == 3
+        assert reader.reload() == [1, 2, 3] and len(reads) == 3  # nothing new: nothing read
+        one, two = ObjectURL.parse(f"{url}/{step_name(1)}"), ObjectURL.parse(f"{url}/{step_name(2)}")
+        store = store_for(two)
+        obstore.put(store, two.key, bytes(obstore.get(store, one.key).bytes()))  # step 2 replaced
+        reader.reload()
+        assert reads[3:] == [two.key]  # the step replaced, alone

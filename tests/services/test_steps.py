@@ -190,7 +190,7 @@ def test_opening_a_bucket_manager_reads_each_file_step_once(monkeypatch):
         for step in range(1, 6):
             mgr.save(step, {"w": np.ones(2)})
     calls = []
-    for name in ("exists", "isdir", "list", "list_kinds"):
+    for name in ("exists", "isdir", "list", "list_kinds", "list_versions"):
         real = getattr(OBJECT_STORE, name)
         monkeypatch.setattr(OBJECT_STORE, name,
                             lambda *a, _n=name, _r=real, **k: (calls.append(_n), _r(*a, **k))[1])
@@ -201,7 +201,7 @@ def test_opening_a_bucket_manager_reads_each_file_step_once(monkeypatch):
         assert mgr.all_steps() == [1, 2, 3, 4, 5]
     # a GET per step (the lineage check takes the latest's from the scan); one listing
     assert calls.count("GET") == 5 and "isdir" not in calls, calls
-    assert sum(c in ("exists", "list", "list_kinds") for c in calls) == 1, calls
+    assert sum(c in ("exists", "list", "list_kinds", "list_versions") for c in calls) == 1, calls
 
 
 def test_a_step_named_prefix_of_somebody_elses_objects_is_left(caplog):

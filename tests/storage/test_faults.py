@@ -9,10 +9,14 @@
   covers the first write, fsync and rename of a plain save; this covers every
   one, for plain and appending saves.
 * Faults while reading, and a manager whose disk fails for a while.
+* A bucket's faults, through a proxy in front of moto's server (``tests/s3server.py``): a
+  store throttling (503 Slow Down) or resetting connections mid-answer, for a ranged GET and
+  a multipart upload's part, transient (retried) and persistent (an error after the retries).
 """
 
 from __future__ import annotations
 
+import datetime
 import errno
 import os
 import subprocess
@@ -257,3 +261,126 @@ def test_real_size_limit_efbig(tmp_path, kind, limit):
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
     assert "File too large" in proc.stdout
     record("faults_real_efbig", kind=kind, limit=limit, injected=1, previous_intact=1)
+
+
+# --- a bucket's faults ---------------------------------------------------------------------------
+
+#: obstore's retries for these tests: 2 (3 attempts a request), with short waits between.
+RETRIES = {"max_retries": 2, "retry_timeout": datetime.timedelta(seconds=20),
+           "backoff": {"init_backoff": datetime.timedelta(milliseconds=10),
+                       "max_backoff": datetime.timedelta(milliseconds=100), "base": 2}}
+
+
+@pytest.fixture
+def faulty(s3, s3_server):
+    """`(bucket URL, proxy)`: the bucket reached through a `FaultProxy` that fails what its
+    `pick` (method, path, headers -> None, "503" or "reset") says, with `RETRIES`."""
+    from jckpt.storage import object_store
+    from tests.s3server import FaultProxy
+
+    rule = {"pick": lambda method, path, headers: None}
+    proxy = FaultProxy(s3_server.endpoint, lambda *a: rule["pick"](*a))
+    proxy.rule = rule
+    object_store.configure(s3, endpoint=proxy.endpoint, retry_config=RETRIES)
+    try:
+        yield s3, proxy
+    finally:
+        object_store.configure(s3)
+        proxy.close()
+
+
+def _payload_gets(kind, times=None):
+    """A rule failing the ranged GETs past the header's (`times` of them, else all) with `kind`."""
+    left = [times]
+
+    def pick(method, path, headers):
+        if method != "GET" or "bytes=0-" in headers.get("Range", "bytes=0-") or left[0] == 0:
+            return None
+        left[0] = None if left[0] is None else left[0] - 1
+        return kind
+    return pick
+
+
+def _part(number, kind):
+    return lambda method, path, headers: kind if method == "PUT" and f"partNumber={number}&" in path else None
+
+
+BIG = {"w": np.arange(1 << 18, dtype=np.float32)}  # 1 MiB past the header's 64 KiB: one GET
+
+
+@pytest.mark.parametrize("kind", ["503", "reset"])
+def test_a_transient_fault_of_a_ranged_get_is_retried(faulty, kind):
+    url, proxy = faulty
+    jckpt.save(jckpt.Context(), BIG, f"{url}/m.jckpt")
+    proxy.rule["pick"] = _payload_gets(kind, times=1)
+    back = jckpt.restore(jckpt.Context(host=True), BIG, f"{url}/m.jckpt")
+    np.testing.assert_array_equal(back["w"], BIG["w"])
+    assert [f[0] for f in proxy.faults] == [kind]
+
+
+def test_a_store_that_keeps_throttling_a_restore_is_said_to_throttle(faulty):
+    """A 503 Slow Down through every retry said "check the endpoint and the network": the
+    store is there, and asks for fewer requests."""
+    url, proxy = faulty
+    jckpt.save(jckpt.Context(), BIG, f"{url}/m.jckpt")
+    proxy.rule["pick"] = _payload_gets("503")
+    with pytest.raises(StorageError) as e:
+        jckpt.restore(jckpt.Context(host=True), BIG, f"{url}/m.jckpt")
+    assert e.value.file == f"{url}/m.jckpt" and e.value.entry == "jckpt/w"
+    assert "answered 503 (it is throttling requests: Slow Down) after 2 retries" in e.value.message
+    assert "concurrency" in e.value.fix and "retry_config" in e.value.fix
+    assert len(proxy.faults) == 3  # one GET: its attempt and 2 retries, then the error
+
+
+def test_connections_reset_through_every_retry_are_a_storage_error(faulty):
+    url, proxy = faulty
+    jckpt.save(jckpt.Context(), BIG, f"{url}/m.jckpt")
+    proxy.rule["pick"] = _payload_gets("reset")
+    with pytest.raises(StorageError, match="reading the checkpoint failed") as e:
+        jckpt.restore(jckpt.Context(host=True), BIG, f"{url}/m.jckpt")
+    assert e.value.file == f"{url}/m.jckpt" and e.value.entry == "jckpt/w" and "network" in e.value.fix
+    assert len(proxy.faults) == 3
+
+
+@pytest.mark.parametrize("kind", ["503", "drop"])
+def test_a_failed_part_leaves_the_managers_previous_step(faulty, kind):
+    from jckpt.storage import object_store
+
+    url, proxy = faulty
+    object_store.configure(url, endpoint=proxy.endpoint, retry_config=RETRIES, part_size=5 << 20)
+    big = {"w": np.arange(3 << 20, dtype=np.float32)}  # 12 MiB: 3 parts
+    with pytest.raises(StorageError, match="uploading") as e:
+        with jckpt.CheckpointManager(f"{url}/run") as mgr:
+            mgr.save(1, big)
+            mgr.wait_durable()
+            proxy.rule["pick"] = _part(2, kind)
+            mgr.save(2, {"w": big["w"] + 1})
+            mgr.wait_durable()
+    assert "run/step_00000002.jckpt" in e.value.file
+    assert kind == "drop" or "throttling" in e.value.message
+    proxy.rule["pick"] = lambda *a: None
+    with jckpt.CheckpointManager(f"{url}/run", read_only=True) as reader:
+        assert reader.all_steps() == [1]
+        np.testing.assert_array_equal(reader.restore(1, big).tree["w"], big["w"])
+
+
+def test_a_completion_whose_answer_is_lost_says_the_object_may_be_the_new_one(faulty):
+    """The store completed the upload and the connection was reset before its answer: the
+    retried completion and the abort found no upload, and the error said the upload was left
+    in the bucket, billed, with the command to abort it, though the object was published."""
+    from jckpt.storage import object_store
+    from tests.s3server import uploads_of
+
+    url, proxy = faulty
+    object_store.configure(url, endpoint=proxy.endpoint, retry_config=RETRIES, part_size=5 << 20)
+    old = {"w": np.arange(3 << 20, dtype=np.float32)}  # 12 MiB: 3 parts
+    jckpt.save(jckpt.Context(), old, f"{url}/m.jckpt")
+    proxy.rule["pick"] = lambda method, path, headers: (
+        "reset" if method == "POST" and "uploadId=" in path and "partNumber" not in path else None)
+    with pytest.raises(StorageError, match="the upload is no longer there to abort") as e:
+        jckpt.save(jckpt.Context(), {"w": old["w"] + 1}, f"{url}/m.jckpt")
+    assert "nothing is left in the bucket" in e.value.fix and "abort-multipart-upload" not in e.value.fix
+    proxy.rule["pick"] = lambda *a: None
+    assert uploads_of(f"{url}/m.jckpt") == []
+    back = jckpt.restore(jckpt.Context(host=True), old, f"{url}/m.jckpt")["w"]
+    assert np.array_equal(back, old["w"]) or np.array_equal(back, old["w"] + 1)  # whole, one of them

@@ -525,16 +525,24 @@ def test_requests_of_a_file_are_those_the_docs_count(s3, s3_server):
     assert got[6:] == ["POST /big.jckpt", "POST ?delete"]  # complete; the marker deleted
 
 
+@pytest.mark.parametrize("how", ["saved", "truncated"])
 @pytest.mark.parametrize("read", ["load", "restore", "restore_unverified", "append"])
-def test_an_object_replaced_while_it_is_read_is_an_error_not_a_mix(s3, monkeypatch, read):
-    """Every GET after the header's is conditional on the version the header was read with."""
+def test_an_object_replaced_while_it_is_read_is_an_error_not_a_mix(s3, monkeypatch, read, how):
+    """Every GET after the header's is conditional on the version the header was read with;
+    the error names the entry being read (it named the object alone)."""
+    import obstore
+
     url = f"{s3}/model.jckpt"
     jckpt.save(jckpt.Context(), TREE, url)
     read_into = object_store.ObjectSource.read_into
 
     def replaced_first(src, dest, offset, version):
         monkeypatch.setattr(object_store.ObjectSource, "read_into", read_into)
-        jckpt.save(jckpt.Context(), {**TREE, "w": TREE["w"] + 1}, url)  # between header and payload
+        if how == "saved":  # between header and payload
+            jckpt.save(jckpt.Context(), {**TREE, "w": TREE["w"] + 1}, url)
+        else:  # cut short by another tool: the same bytes, fewer of them
+            whole = bytes(obstore.get(src.store, src.u.key).bytes())
+            obstore.put(src.store, src.u.key, whole[:offset + 8])
         read_into(src, dest, offset, version)
 
     monkeypatch.setattr(object_store.ObjectSource, "read_into", replaced_first)
@@ -545,7 +553,7 @@ def test_an_object_replaced_while_it_is_read_is_an_error_not_a_mix(s3, monkeypat
                                           appending=True)}
     with pytest.raises(jckpt.StorageError, match="the object changed while it was read") as info:
         calls[read]()
-    assert url in str(info.value)
+    assert info.value.file == url and info.value.entry.startswith("jckpt/")
 
 
 def test_an_appending_save_asks_for_the_object_by_its_header_get_alone(s3, s3_server):
@@ -807,3 +815,18 @@ def test_an_endpoint_that_is_no_url_is_refused(endpoint, monkeypatch):
         assert e.value.file == "s3://elsewhere/x.jckpt"
     finally:
         object_store.forget_stores()
+
+
+@pytest.mark.parametrize("code, said", [("503", "throttling"), ("429", "throttling"),
+                                        ("500", "a server error"), ("502", "a server error")])
+def test_a_server_answering_5xx_or_429_through_the_retries_says_so(code, said):
+    # the fix was "check the endpoint and the network", with the code cut off the message
+    from jckpt.storage.object_store import store_error
+
+    text = ("Generic S3 error: Error performing PUT http://host/b/run/m.jckpt?partNumber=2&uploadId="
+            + "x" * 120 + f" in 44ms, after 10 retries, max_retries: 10 - Server returned non-2xx "
+            f"status code: {code} ")
+    e = store_error(OSError(text), "uploading the checkpoint", "s3://b/run/m.jckpt")
+    assert isinstance(e, jckpt.StorageError) and e.file == "s3://b/run/m.jckpt"
+    assert f"answered {code} (" in e.message and said in e.message and "after 10 retries" in e.message
+    assert "retry_config" in e.fix and "configure('s3://b'" in e.fix

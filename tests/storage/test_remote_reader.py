@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jckpt
-from jckpt.errors import ChecksumError, FormatError
+from jckpt.errors import ChecksumError, FormatError, StorageError
 from jckpt.storage import remote_reader
 from jckpt.storage.lazy import record_reads
 from jckpt.storage.reader import CheckpointReader
@@ -207,3 +207,65 @@ def test_a_restore_reads_the_payloads_of_many_entries_concurrently(monkeypatch):
     for name, want in tree.items():
         np.testing.assert_array_equal(got[name], want)
     assert together.alone == 0
+
+
+def _namespaces(path, count=10, leaves=50):
+    """A file of `count` namespaces of `leaves` small arrays each (4,000 bytes apiece)."""
+    trees = {f"ns{j}": {f"a{i:02d}": np.full(1000, j * 100 + i, np.float32) for i in range(leaves)}
+             for j in range(count)}
+    for j, (ns, tree) in enumerate(trees.items()):
+        jckpt.save(jckpt.Context(namespace=ns), tree, path, appending=j > 0)
+    return trees
+
+
+def test_a_partial_restore_fetches_the_payloads_it_restores_not_their_neighbours(tmp_path):
+    # one namespace of ten: the small payloads' GET reached 4 MiB past the first one asked, so
+    # restoring 200 KB of small arrays fetched the 1.4 MB of the namespaces stored after it
+    path = str(tmp_path / "ns.jckpt")
+    trees = _namespaces(path)
+    src = Logged(open(path, "rb").read())
+    reader = RemoteReader(src, "memory://b/ns.jckpt")
+    wanted = [e for e in reader.header.tensors if e.namespace == "ns3"]
+    arrays = reader.decode_all(wanted, verify=True)
+    for e, array in zip(wanted, arrays):
+        np.testing.assert_array_equal(array, trees["ns3"][e.path[-1][1]])
+    needed = sum(e.byte_length for e in wanted)
+    payloads = [(offset, n) for offset, n in src.reads if offset >= reader.data_start]
+    assert payloads == [(reader.data_start + wanted[0].offset, needed)]  # one GET, no byte more
+
+
+def test_the_windows_of_small_payloads_are_fetched_concurrently(monkeypatch):
+    # 2,000 arrays of 4,000 bytes: two windows of small payloads, read one after the other
+    from jckpt.storage.object_store import ObjectSource
+
+    tree = {f"a{i:04d}": np.full(1000, i, np.float32) for i in range(2000)}
+    url = "memory://remote-reader-windows/m.jckpt"
+    jckpt.save(jckpt.Context(), tree, url)
+    together = Together(ObjectSource.read_into)
+    monkeypatch.setattr(ObjectSource, "read_into",
+                        lambda source, dest, offset, version: together.read(source, dest, offset, version))
+    got = jckpt.restore(jckpt.Context(host=True), tree, url)
+    np.testing.assert_array_equal(got["a1234"], tree["a1234"])
+    assert together.alone == 1  # the header's rest, past its first GET; the windows were 2 more
+
+
+class Failing(BytesSource):
+    """Fails every read past the header's with a `StorageError`, as a store that went away."""
+
+    def read_into(self, dest, offset, version):
+        raise StorageError("reading the checkpoint failed: connection reset", file="memory://b/m.jckpt")
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_failed_read_names_the_entry_it_was_for(stored, lazy):
+    # the error named the object alone: of a restore of many arrays, not which failed
+    _, data = stored
+    reader = RemoteReader(Failing(data), "memory://b/m.jckpt")
+    name = "jckpt/big"
+    entry = next(e for e in reader.header.tensors if e.name == name)
+    with pytest.raises(StorageError, match="connection reset") as e:
+        if lazy:
+            reader.decode(entry)[100000:100010]
+        else:
+            reader.decode_all([entry], verify=True)
+    assert e.value.entry == name and e.value.file == "memory://b/m.jckpt"
