@@ -1206,7 +1206,7 @@ def phase_half_of_each_piece(jax, jckpt, result, path):
     from jckpt.storage import reader as reader_mod
     advise, advised = reader_mod._advise, []
     reader_mod._advise = lambda m, start, n: (advised.append(n), advise(m, start, n))
-    sharding = NamedSharding(mesh_of(jax, (jax.process_count(), jax.local_device_count())),
+    sharding = NamedSharding(mesh_of(jax, (jax.process_count(), len(jax.local_devices(backend="cpu")))),
                              P(None, "data"))
     back = jckpt.restore(jckpt.Context(), {"w": jax.ShapeDtypeStruct(HALF, np.float32,
                                                                      sharding=sharding)}, path)
