@@ -32,16 +32,20 @@ from jckpt.format.sexp import _unescape as unescape
 
 _A = r"[!$%&'*+,\-./0-9:<=>?@A-Z\[\]^_`a-z{}~]+"
 _PAIR = r"\([0-9]{1,19} [0-9]{1,19}\)"
-_INTS = r"((?:[0-9]{1,19}(?: [0-9]{1,19})*)?)"
+_INTS = r"((?:[0-9]{1,19}(?: [0-9]{1,19})*+)?)"
 _P = rf"\((?:k|a) {_A}\)|\((?:ki|i|f) -?[0-9]{{1,19}}\)"
 _CANONICAL_ENTRY = re.compile(
     rf"\s*\(\(id ([0-9]{{1,19}})\) \(namespace ([A-Za-z_][A-Za-z0-9_]*)\) "
-    rf"\(label \(((?:{_A}(?: {_A})*)?)\)\) \(prec ([A-Za-z0-9_]+)\) "
-    rf"\(dims \(((?:[0-9]{{1,19}}(?: [0-9]{{1,19}})*)?)\)\) \(padding none\) "
+    rf"\(label \(((?:{_A}(?: {_A})*+)?)\)\) \(prec ([A-Za-z0-9_]+)\) "
+    rf"\(dims \(((?:[0-9]{{1,19}}(?: [0-9]{{1,19}})*+)?)\)\) \(padding none\) "
     rf"\(offset ([0-9]{{1,19}})\) "
-    rf"\(byte_length ([0-9]{{1,19}})\)(?: \(path \(((?:(?:{_P})(?: (?:{_P}))*)?)\)\))?"
+    rf"\(byte_length ([0-9]{{1,19}})\)"
+    rf"(?: \(path \(((?:(?:{_P})(?: (?:{_P})){{0,{MAX_PATH_LENGTH - 1}}}+)?)\)\))?"
     rf"(?: \(checksum \(([A-Za-z0-9_]+) ([0-9a-f]+)\)\))?(?: \(key_impl ([A-Za-z0-9_]+)\))?"
-    rf"(?: \(slice \(((?:{_PAIR}(?: {_PAIR})*)?)\)\) \(global_dims \({_INTS}\)\))?\)", re.ASCII)
+    rf"(?: \(slice \(((?:{_PAIR}(?: {_PAIR})*+)?)\)\) \(global_dims \({_INTS}\)\))?\)", re.ASCII)
+# A path of at most MAX_PATH_LENGTH components: a longer one (the general reader refuses it)
+# ends the match. Lists are matched possessively: the engine kept a backtracking state an
+# item (80 to 600 bytes of memory a byte of a crafted label or path of a million items).
 # ASCII only (`\s` is no NBSP): what they match is as many characters as UTF-8 bytes, so the
 # C decoder's byte offsets are the text's character positions
 _CANONICAL_HEAD = re.compile(r"\(\(version [0-9]+\)\s*(?:\(alignment [0-9]+\)\s*)?\(tensors\s*\(",
@@ -123,7 +127,8 @@ def canonical_entries(text: str, *, accelerate: bool = True) -> tuple[list[Entry
     if head is None:
         return None
     if accelerate and accelerator is not None:
-        found = accelerator.decode_entries(text, head.end(), Entry, _FIELDS, _PREC_SIZES, _KINDS)
+        found = accelerator.decode_entries(text, head.end(), Entry, _FIELDS, _PREC_SIZES, _KINDS,
+                                           MAX_PATH_LENGTH)
         if isinstance(found, int):
             raise RepeatedEntry(found)
         if found is None or not _within_limits(found[0]):

@@ -296,3 +296,32 @@ def test_a_repeated_metadata_field_is_refused_within_twice_its_size(field):
             decode_header(raw, file='crafted.jckpt')
     assert peak_bytes(refused) < 2.5 * len(raw)  # 1.9 at 53 MB: a few MB are the chunks'
 
+
+
+@pytest.mark.parametrize('accelerate', [True, False])
+def test_a_path_of_a_component_repeated_is_not_built_by_the_fast_decoder(monkeypatch, accelerate):
+    """An entry in jckpt's layout whose path repeats a component 600,000 times: the fast
+    decoder built every component (a tuple each, 11 times the header's size) before its
+    limits sent the header to the scan. It hands the header over at the first component
+    past `limits.MAX_PATH_LENGTH` now."""
+    if not accelerate:
+        monkeypatch.setattr(fastpath, 'accelerator', None)
+    raw = seal_header(_amplified(_native(), '(k w0)', 600_000))
+
+    def refused():
+        with pytest.raises(FormatError, match="key path of 600001 components is deeper than"):
+            decode_header(raw, file='crafted.jckpt')
+    assert peak_bytes(refused) < 2.5 * len(raw)
+    deep = (('k', 'a'),) * 256  # a path as long as any may be: still the fast decoder's
+    assert fastpath.canonical_entries(_text(Header(tensors=(_entry(0, path=deep),))))
+
+
+def test_a_long_label_is_read_by_the_pure_python_decoder_in_what_its_tuple_takes(monkeypatch):
+    """The regular expression kept a backtracking state for each atom of a list it matched:
+    a label of 600,000 atoms took 113 times the header to read (the C decoder 9.4). Lists
+    are matched possessively now."""
+    monkeypatch.setattr(fastpath, 'accelerator', None)
+    body = _native().replace('(label (w))', '(label (' + 'w ' * 600_000 + 'w))', 1).encode()
+    raw = seal_header(struct.pack('>I', len(body)) + body)
+    assert peak_bytes(lambda: decode_header(raw)) < 16 * len(raw)
+    assert len(decode_header(raw).tensors[0].label) == 600_001
