@@ -86,7 +86,6 @@ class ShapeError(ValueError):
         self.entry = entry
 
 
-
 def unbalanced(text: str | Buffer) -> str | None:
     """What the S-expression reader would say of `text` (best given as its bytes, read in
     place) when its parentheses certainly do not balance (more of one kind than of the
@@ -116,13 +115,11 @@ def unbalanced(text: str | Buffer) -> str | None:
     return "unbalanced '(': the text ends inside a list" if opens > closes else "unbalanced ')'"
 
 
-
-
 class _Lists:
     """The lists of a balanced text by nesting level: where each opens and closes, and how
     many lists it holds. Each level is found when first asked for, by a pass over the text's
-    bytes (the first two levels, then every other at once): a header refused for its fields
-    holds no index of the lists inside them."""
+    bytes that finds its group of `_LEVELS`: a header refused for its fields holds no index
+    of the lists inside them."""
 
     def __init__(self, codes: np.ndarray, blanks: np.ndarray, counts: np.ndarray):
         self.codes, self._blanks, self._counts = codes, blanks, counts
@@ -224,7 +221,6 @@ def _lists(codes: np.ndarray, blanks: np.ndarray) -> _Lists | None:
     if depth != 0:
         raise ShapeError(_MALFORMED + "unbalanced '(': the text ends inside a list")
     return _Lists(codes, blanks, counts) if counts.any() else None
-
 
 
 def check_header(text: str | Buffer, skip: tuple[int, int] | None = None) -> None:
@@ -365,7 +361,6 @@ _FIRST_BYTES = re.compile(rb'\([\t-\r\x1c-\x1f ]*([^\t-\r\x1c-\x1f ()";]+)')
 _FIRST_ATOM = re.compile(r'\(\s*([^\s()";]+)')
 _SPACES = re.compile(r'\s+')
 _NO_SPACE = re.compile(r'(?<=\() | (?=\))')
-
 
 
 def _items(found: _Lists, text: Buffer, n: int, values: np.ndarray, bounds: dict[str, int],
