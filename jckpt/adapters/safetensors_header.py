@@ -121,18 +121,38 @@ def _refuse_unparsable(text: str, file: str) -> None:
     header of a 40-deep list repeated took 15 million lists, over a GiB), or of more entries
     than its size holds (`_MIN_ENTRY` bytes each at least; millions of short keys cost 35
     times its size). Only a header dense with brackets or colons is scanned: a legitimate
-    one holds a bracket in some fifteen characters, four colons in some seventy."""
+    one holds a bracket in some fifteen characters, four colons in some seventy; or one
+    whose colons could be too many entries and are not four an object, as a tensor's are
+    (keys of 13 to 50 bytes each, escapes in them, built in full: 8 to 21 times its size)."""
     if text.count('[') + text.count('{') > len(text) // 4:
         depth = limits.json_depth(text)
         if depth > _LAYOUT_DEPTH:
             raise _fail(f"header nests {depth} deep; a safetensors header nests "
                         f"{_LAYOUT_DEPTH} deep at most", file)
-    if text.count(':') * _MIN_ENTRY > 4 * len(text):
+    colons = text.count(':')
+    if colons * _MIN_ENTRY > 4 * len(text) or (
+            colons * _MIN_ENTRY > len(text) and not _four_an_object(colons, text.count('{'))):
         entries = limits.json_top_keys(text)
         if entries * _MIN_ENTRY > len(text) + _MIN_ENTRY:  # `__metadata__`'s may be shorter
             raise _fail(f"header of {len(text)} bytes holds {entries} entries; a tensor's "
                         f"entry takes {_MIN_ENTRY} bytes at least, so no more than "
                         f"{len(text) // _MIN_ENTRY + 1} fit", file)
+
+
+def _four_an_object(colons: int, braces: int) -> bool:
+    """Whether a header's colons are four an object (a tensor's entry: its key and three
+    fields), give or take its metadata's (the `__metadata__` key, an object, and a colon a
+    pair: up to `_EXTRA_COLONS`), as in every header a writer lays out.
+
+    >>> _four_an_object(4 * 1000, 1 + 1000), _four_an_object(1000, 1)
+    (True, False)
+    """
+    return -3 <= colons - 4 * (braces - 1) <= _EXTRA_COLONS
+
+
+#: Colons a header may hold beyond four an object (its metadata's pairs, names with colons)
+#: before its entries are counted on its text.
+_EXTRA_COLONS = 64
 
 
 def _parsed(text: str, file: str, hook: Any, shallow: bool = False

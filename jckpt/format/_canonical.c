@@ -8,8 +8,12 @@
  * piece's slice that does not fit its dims and global_dims) returns None, and the Python reader takes over with its full validation.
  *
  *   decode_entries(text: str, pos: int, entry_type: type, fields: tuple[str, ...],
- *                  precs: dict[str, tuple[str, int]], kinds: tuple[str, ...])
+ *                  precs: dict[str, tuple[str, int]], kinds: tuple[str, ...], max_path: int)
  *     -> tuple[list[Entry], int] | int | None
+ *
+ * A key path of more than max_path components returns None as soon as it is met (the
+ * general reader refuses it: a crafted path of a component repeated a million times was
+ * built in full first, 11 times the header's size).
  *
  * On success the int is the position of the ')' that closes the tensors list. An entry
  * whose text repeats the one before it verbatim (a duplicate identity, which every reader
@@ -237,9 +241,9 @@ static int slot_offsets(PyObject *entry_type, PyObject *fields, Py_ssize_t *offs
 
 static PyObject *decode_entries(PyObject *self, PyObject *args) {
     PyObject *text, *entry_type, *fields, *precs, *kinds;
-    Py_ssize_t pos;
-    if (!PyArg_ParseTuple(args, "UnOO!O!O!", &text, &pos, &entry_type, &PyTuple_Type, &fields,
-                          &PyDict_Type, &precs, &PyTuple_Type, &kinds))
+    Py_ssize_t pos, max_path;
+    if (!PyArg_ParseTuple(args, "UnOO!O!O!n", &text, &pos, &entry_type, &PyTuple_Type, &fields,
+                          &PyDict_Type, &precs, &PyTuple_Type, &kinds, &max_path))
         return NULL;
     if (!PyType_Check(entry_type) || PyTuple_GET_SIZE(fields) != 14 ||
         PyTuple_GET_SIZE(kinds) != 5) {
@@ -340,7 +344,7 @@ static PyObject *decode_entries(PyObject *self, PyObject *args) {
             CHECK(items = PyList_New(0));
             if (c->i < c->n && s[c->i] != ')') {
                 for (;;) {
-                    FAIL_IF(!lit(c, "("));
+                    FAIL_IF(PyList_GET_SIZE(items) >= max_path || !lit(c, "("));
                     PyObject *kind, *value;
                     int numeric;
                     if (lit(c, "k ")) { kind = PyTuple_GET_ITEM(kinds, 0); numeric = 0; }

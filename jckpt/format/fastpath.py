@@ -32,16 +32,20 @@ from jckpt.format.sexp import _unescape as unescape
 
 _A = r"[!$%&'*+,\-./0-9:<=>?@A-Z\[\]^_`a-z{}~]+"
 _PAIR = r"\([0-9]{1,19} [0-9]{1,19}\)"
-_INTS = r"((?:[0-9]{1,19}(?: [0-9]{1,19})*)?)"
+_INTS = r"((?:[0-9]{1,19}(?: [0-9]{1,19})*+)?)"
 _P = rf"\((?:k|a) {_A}\)|\((?:ki|i|f) -?[0-9]{{1,19}}\)"
 _CANONICAL_ENTRY = re.compile(
     rf"\s*\(\(id ([0-9]{{1,19}})\) \(namespace ([A-Za-z_][A-Za-z0-9_]*)\) "
-    rf"\(label \(((?:{_A}(?: {_A})*)?)\)\) \(prec ([A-Za-z0-9_]+)\) "
-    rf"\(dims \(((?:[0-9]{{1,19}}(?: [0-9]{{1,19}})*)?)\)\) \(padding none\) "
+    rf"\(label \(((?:{_A}(?: {_A})*+)?)\)\) \(prec ([A-Za-z0-9_]+)\) "
+    rf"\(dims \(((?:[0-9]{{1,19}}(?: [0-9]{{1,19}})*+)?)\)\) \(padding none\) "
     rf"\(offset ([0-9]{{1,19}})\) "
-    rf"\(byte_length ([0-9]{{1,19}})\)(?: \(path \(((?:(?:{_P})(?: (?:{_P}))*)?)\)\))?"
+    rf"\(byte_length ([0-9]{{1,19}})\)"
+    rf"(?: \(path \(((?:(?:{_P})(?: (?:{_P})){{0,{MAX_PATH_LENGTH - 1}}}+)?)\)\))?"
     rf"(?: \(checksum \(([A-Za-z0-9_]+) ([0-9a-f]+)\)\))?(?: \(key_impl ([A-Za-z0-9_]+)\))?"
-    rf"(?: \(slice \(((?:{_PAIR}(?: {_PAIR})*)?)\)\) \(global_dims \({_INTS}\)\))?\)", re.ASCII)
+    rf"(?: \(slice \(((?:{_PAIR}(?: {_PAIR})*+)?)\)\) \(global_dims \({_INTS}\)\))?\)", re.ASCII)
+# A path of at most MAX_PATH_LENGTH components: a longer one (the general reader refuses it)
+# ends the match. Lists are matched possessively: the engine kept a backtracking state an
+# item (80 to 600 bytes of memory a byte of a crafted label or path of a million items).
 # ASCII only (`\s` is no NBSP): what they match is as many characters as UTF-8 bytes, so the
 # C decoder's byte offsets are the text's character positions
 _CANONICAL_HEAD = re.compile(r"\(\(version [0-9]+\)\s*(?:\(alignment [0-9]+\)\s*)?\(tensors\s*\(",
@@ -123,7 +127,8 @@ def canonical_entries(text: str, *, accelerate: bool = True) -> tuple[list[Entry
     if head is None:
         return None
     if accelerate and accelerator is not None:
-        found = accelerator.decode_entries(text, head.end(), Entry, _FIELDS, _PREC_SIZES, _KINDS)
+        found = accelerator.decode_entries(text, head.end(), Entry, _FIELDS, _PREC_SIZES, _KINDS,
+                                           MAX_PATH_LENGTH)
         if isinstance(found, int):
             raise RepeatedEntry(found)
         if found is None or not _within_limits(found[0]):
@@ -184,11 +189,13 @@ def _regex_entries(text: str, start: int) -> tuple[list[Entry], int] | None:
 _BLANKS = r"[ \t\r\n]*"
 #: An atom as jckpt writes it: bare (no character the readers treat specially), or quoted.
 _ATOM = rf'(?:{_A}|"[^"\\]*(?:\\.[^"\\]*)*")'
-#: A header whose tensors list is cut out (`()`), its other fields as jckpt writes them: no
-#: field twice, none unknown, every metadata pair `(KEY VALUE)` of atoms.
-_SHELL = re.compile(
+#: A header's fields before its tensors list, and after it (`(tensors ...)` closed), laid out
+#: as jckpt writes them: no field twice, none unknown, every metadata pair `(KEY VALUE)` of atoms.
+_SHELL_HEAD = re.compile(
     rf"\(\(version ([0-9]{{1,19}})\){_BLANKS}(?:\(alignment ([0-9]{{1,19}})\){_BLANKS})?"
-    rf"\(tensors{_BLANKS}\(\){_BLANKS}\)(?:{_BLANKS}\(writer ({_ATOM})\))?"
+    rf"\(tensors{_BLANKS}", re.ASCII)
+_SHELL_TAIL = re.compile(
+    rf"{_BLANKS}\)(?:{_BLANKS}\(writer ({_ATOM})\))?"
     rf"(?:{_BLANKS}\(metadata \(((?:\({_ATOM} {_ATOM}\)(?: \({_ATOM} {_ATOM}\))*)?)\)\))?"
     rf"(?:{_BLANKS}\(header_checksum \(xxh3_64 ([0-9A-Fa-f]{{16}})\)\))?{_BLANKS}\){_BLANKS}",
     re.ASCII | re.DOTALL)
@@ -199,10 +206,12 @@ def _atom(text: str) -> str:
     return unescape(text[1:-1]) if text[:1] == '"' else text
 
 
-def canonical_shell(text: str) -> Sexp | None:
-    """The parsed header of `text`, a header whose tensors list was cut out (`()`, as
-    `canonical_entries` leaves it), when its other fields are laid out as jckpt writes them;
-    None to use the general reader (and its scan for crafted repetitions).
+def canonical_shell(text: str, cut: tuple[int, int] | None = None) -> Sexp | None:
+    """The parsed header of `text`, its tensors list read as `()` (the list `cut` opens and
+    closes, as `canonical_entries` finds it; else an empty one), when its other fields are
+    laid out as jckpt writes them; None to use the general reader (and its scan for crafted
+    repetitions). Matched in place: a header of a few entries and a metadata list of
+    tens of MB is not copied to cut its entries out.
 
     A step's header is a few entries and a metadata list: the general reader's scan and
     parse of those few hundred bytes cost ten times the rest of its decoding. What this
@@ -212,10 +221,18 @@ def canonical_shell(text: str) -> Sexp | None:
     >>> canonical_shell('((version 1) (tensors ()) (metadata ((a "b c"))))')
     [['version', '1'], ['tensors', []], ['metadata', [['a', 'b c']]]]
     """
-    m = _SHELL.fullmatch(text)
-    if m is None:
+    if cut is None:
+        head = _SHELL_HEAD.match(text)
+        if head is None or not text.startswith('()', head.end()):
+            return None
+        cut = (head.end(), head.end() + 1)
+    else:
+        head = _SHELL_HEAD.fullmatch(text, 0, cut[0])
+    tail = _SHELL_TAIL.fullmatch(text, cut[1] + 1)
+    if head is None or tail is None:
         return None
-    version, alignment, writer, pairs, digest = m.groups()
+    version, alignment = head.groups()
+    writer, pairs, digest = tail.groups()
     tree: list[Sexp] = [['version', version]]
     if alignment is not None:
         tree.append(['alignment', alignment])

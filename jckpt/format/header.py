@@ -418,31 +418,39 @@ def _decode(raw: bytes | memoryview, start: int, file: str | None) -> Header:
         text = str(memoryview(raw)[4:start], 'utf-8')  # no copy of the bytes first
     except UnicodeDecodeError as e:
         raise _fail(f"header is not UTF-8 ({e.reason} at byte {4 + e.start})", file) from None
-    why = prescan.unbalanced(text)  # before the fast decoder builds every entry, and the
-    if why is not None:  # general reader a copy of the text or three, to come to the end
+    why = prescan.unbalanced(memoryview(raw)[4:start])  # before the fast decoder builds every
+    if why is not None:  # entry, and the general reader copies of the text, to come to the end
         raise _fail(f"header is not a well-formed S-expression: {why}", file)
     try:  # an entry repeated verbatim stops the fast decoder before it builds the rest
         fast = canonical_entries(text)
     except RepeatedEntry as e:
         raise _fail(str(e), file, f"#{e.index}") from None
     head = memoryview(raw)[:start]  # what the header checksum covers
-    if fast is not None:
-        entries, list_open, list_close = fast
-        if entries:  # an empty list is read as it is, without a copy of the text
-            text = text[:list_open] + '()' + text[list_close + 1:]
-        shell = canonical_shell(text)  # the other fields as jckpt writes them: read at once
-        if shell is not None:
-            header_seal.check_header_checksum(head, shell, file)
-            return header_from_sexp(shell, file=file, entries=entries)
-    try:  # a repetition found in the text with an index's pieces cut out is one in the whole
-        return with_canonical_lists(text, lambda t: _from_text(t, file, fast and entries, head),
-                                    file)
+    scanned = None  # the text whose scan for crafted repetitions is done
+    try:
+        if fast is not None:
+            entries, list_open, list_close = fast
+            cut = (list_open, list_close) if entries else None  # an empty list: read as it is
+            shell = canonical_shell(text, cut)  # the other fields as jckpt writes them
+            if shell is not None:
+                header_seal.check_header_checksum(head, shell, file)
+                return header_from_sexp(shell, file=file, entries=entries)
+            if cut is not None:  # scanned on its bytes, entries left out, before a copy is
+                prescan.check_header(head[4:], cut)  # cut (entries are ASCII: places agree)
+                text = scanned = text[:list_open] + '()' + text[list_close + 1:]
+        whole = text
+
+        def decode(t: str) -> Header:
+            if t is not scanned:  # crafted repetitions, refused before any list is built:
+                prescan.check_header(head[4:] if t is whole and scanned is None else t)
+            return _from_text(t, file, fast and entries, head)  # on the bytes read if it can
+        # a repetition found in the text with an index's pieces cut out is one in the whole
+        return with_canonical_lists(text, decode, file)
     except prescan.ShapeError as e:
         raise _fail(str(e), file, e.entry) from None
 
 
 def _from_text(text: str, file: str | None, entries: list[Entry] | None, head: memoryview) -> Header:
-    prescan.check_header(text)  # crafted repetitions, refused before any list is built
     try:
         tree = parse(text)
     except SexpError as e:

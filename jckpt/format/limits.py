@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import operator
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -66,9 +65,6 @@ MAX_BYTES = 2**63 - 1
 #: and metrics are strings a header would hold, and far below this.
 MAX_RECORD_BYTES = 64 << 20
 
-# unrolled (no backtracking stack); an unterminated string runs to the end, so that a match
-# never fails once started (retrying at every later quote was quadratic)
-_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
 
 
 def check_shape(shape: Any, itemsize: int) -> tuple[int, ...]:
@@ -150,21 +146,23 @@ def json_top_keys(text: str) -> int:
 
 
 def _depths(text: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """`(bytes, nesting after each)` of `text` outside its strings, a MiB at a time. Without
-    escapes, quotes pair up in order and the strings are blanked in place; with some, the
-    text is read without its strings (a copy, and a string object per piece while `re.sub`
-    joins them: eight times the size of a text of millions of short keys)."""
+    """`(bytes, nesting after each)` of `text` outside its strings, `_JSON_CHUNK` characters at
+    a time, with nothing copied but a chunk: a byte after an odd number of quotes is inside a
+    string, the quotes escaped (after an odd run of backslashes) left out where the text has
+    a backslash. (Its strings were cut out with `re.sub` there: a copy, and a string object a
+    piece while it joined them, eight times the size of a header of millions of escaped keys.)"""
     escaped = '\\' in text
-    source = _JSON_STRING.sub('', text) if escaped else text
-    depth = open_quote = 0
-    for start in range(0, len(source), 1 << 20):
-        chunk = np.frombuffer(source[start:start + (1 << 20)].encode('utf-8', 'surrogatepass'),
+    depth = open_quote = run = 0
+    for start in range(0, len(text), _JSON_CHUNK):
+        chunk = np.frombuffer(text[start:start + _JSON_CHUNK].encode('utf-8', 'surrogatepass'),
                               dtype=np.uint8)
-        if not escaped:  # a byte after an odd number of quotes is inside a string
-            seen = np.cumsum(chunk == 34, dtype=np.uint8)  # wraps, keeping the parity
-            seen += np.uint8(open_quote)
-            open_quote = int(seen[-1]) & 1
-            chunk = np.where(seen & 1, np.uint8(0), chunk)
+        quotes = chunk == 34
+        if escaped:
+            quotes, run = _unescaped(chunk, quotes, run)
+        seen = np.cumsum(quotes, dtype=np.uint8)  # wraps, keeping the parity
+        seen += np.uint8(open_quote)
+        open_quote = int(seen[-1]) & 1
+        chunk = np.where(seen & 1, np.uint8(0), chunk)
         steps = (chunk == 91).astype(np.int32)  # [ and { open, ] and } close
         steps += chunk == 123
         steps -= chunk == 93
@@ -173,6 +171,24 @@ def _depths(text: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         steps += depth
         yield chunk, steps
         depth = int(steps[-1])
+
+
+#: Characters of JSON text `_depths` reads at once (its temporaries: some 20 bytes each, a
+#: MiB or two whatever the text's size).
+_JSON_CHUNK = 1 << 16
+
+
+def _unescaped(chunk: np.ndarray, quotes: np.ndarray, run: int) -> tuple[np.ndarray, int]:
+    """`quotes` without those after an odd run of backslashes (`run`: the backslashes that
+    ended the chunk before), and the run that ends this one."""
+    at = np.arange(chunk.size, dtype=np.int32)
+    last = np.maximum.accumulate(np.where(chunk == 92, np.int32(-1), at))  # its last non-\
+    before = np.empty(chunk.size, np.int32)  # the backslashes just before each byte
+    before[0] = run
+    before[1:] = at[:-1] - last[:-1]
+    before[1:] += np.where(last[:-1] < 0, run, 0)  # a run from the chunk before, unbroken
+    end = chunk.size - 1 - int(last[-1]) + (run if last[-1] < 0 else 0)
+    return quotes & (before % 2 == 0), end
 
 
 def _openers(text: str) -> int:

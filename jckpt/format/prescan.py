@@ -19,7 +19,7 @@ anyway, with the same words:
 * a metadata pair repeated verbatim more than `MAX_METADATA_REPEATS` times in a row.
 
 Text whose parentheses do not balance within `sexp.MAX_DEPTH` is refused with the
-reader's words too, at the first MiB that shows it; a quote left open is left to the
+reader's words too, at the first chunk of text that shows it; a quote left open is left to the
 reader, which reports it.
 
 >>> check_header('((version 1) (tensors ()))')
@@ -36,9 +36,10 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from jckpt.format.blanks import CHUNK, Buffer, chunks, find_blanks, holding, holds, outside
 from jckpt.format.fastpath import PLACEHOLDER
 from jckpt.format.limits import MAX_NDIM, MAX_PATH_LENGTH
-from jckpt.format.sexp import MAX_DEPTH, SPLIT_QUOTED, unterminated
+from jckpt.format.sexp import MAX_DEPTH
 
 #: Most times one metadata pair may follow itself verbatim (later keys win, so a repeat
 #: changes nothing; jckpt writes none).
@@ -56,15 +57,20 @@ _ARRAY = {'id': 0, 'namespace': 0, 'label': 1, 'prec': 0, 'global_dims': 1, 'pat
 #: Lists beyond its bound a field may hold before the scan refuses it: a few too many are
 #: left to the reader, whose error says more precisely what is wrong.
 _SLACK = 64
+#: The nesting levels indexed together (one pass over the text each): the header's fields,
+#: then the entries' and metadata's down to their fields' values, then an index's arrays';
+#: the first two groups at once when the header has no more than `_FEW` fields (as every
+#: valid one: a crafted header of one field repeated is refused before the rest is indexed).
+_LEVELS = ((1, 2), (3, 4, 5, 6), (7, 8))
+_FEW = 64
 #: Fields whose keys are compared at once (a few MB of temporaries).
 _BATCH = 1 << 16
 #: Bytes of a field's key compared at once (every known key is shorter; longer ones that
 #: agree this far are compared in full before a refusal).
 _KEY = 16
-_BLANK = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|;[^\n]*')
-#: Bytes that end a list's first atom: white space and parentheses.
+#: Bytes that end a list's first atom: white space, parentheses, a quote, a comment.
 _ENDS = np.zeros(256, bool)
-_ENDS[[9, 10, 11, 12, 13, 28, 29, 30, 31, 32, 40, 41]] = True
+_ENDS[[9, 10, 11, 12, 13, 28, 29, 30, 31, 32, 34, 40, 41, 59]] = True
 #: The offsets of a key's bytes from its list's parenthesis, and how many lists' keys are
 #: read at once (one numpy pass each: a header's few fields cost a few calls, not `_KEY`).
 _KEY_STEPS = np.arange(1, _KEY + 1)
@@ -80,61 +86,30 @@ class ShapeError(ValueError):
         self.entry = entry
 
 
-def _codes(text: str) -> tuple[np.ndarray, np.ndarray] | None:
-    """The text's characters as bytes (one each, so positions are the text's; encoded a MiB
-    at a time, no second copy of the text), and where its quotes are: a quoted atom runs
-    from an even-numbered one to the next. None when a quote is left open (the reader
-    reports it)."""
-    if ';' in text or '\\' in text:  # comments or escapes (rare): the tokenizer's reading
-        codes = _codes_read(text)
-        return None if codes is None else (codes, np.empty(0, np.int64))
-    codes = _encoded(text)
-    quotes = [np.flatnonzero(chunk == 34) + start  # without escapes, quotes pair up in order
-              for start, chunk in _chunks(codes)]
-    quotes = np.concatenate(quotes) if quotes else np.empty(0, np.int64)
-    return None if quotes.size % 2 else (codes, quotes)
-
-
-def _codes_read(text: str) -> np.ndarray | None:
-    """The bytes of a text with comments or escapes, its quoted atoms and comments blanked
-    as the tokenizer reads them."""
-    if ';' in text:  # the tokenizer's order: a quote inside a comment opens nothing
-        blanked = _BLANK.sub(lambda m: ' ' * len(m[0]) if m[0][0] == ';' else 'x' * len(m[0]),
-                             text)
-        if '"' in blanked:
-            return None
-        return np.frombuffer(blanked.encode('latin-1', 'replace'), dtype=np.uint8)
-    codes = _encoded(text)
-    for m in SPLIT_QUOTED.finditer(text):  # blanked in place, an atom at a time: a list of
-        if m.end() == len(text) and unterminated(['', m[0], '']):  # them all and the text
-            return None  # joined again cost six times a crafted header's size
-        codes[m.start():m.end()] = 120  # 'x'
-    return codes
-
-
-def _encoded(text: str) -> np.ndarray:
-    """The text's characters as bytes, one each (others as '?'), a MiB at a time."""
-    codes = np.empty(len(text), np.uint8)
-    for start, chunk in _chunks(codes):
-        chunk[:] = np.frombuffer(text[start:start + chunk.size].encode('latin-1', 'replace'),
-                                 dtype=np.uint8)
-    return codes
-
-
-def unbalanced(text: str) -> str | None:
-    """What the S-expression reader would say of `text` when its parentheses certainly do
-    not balance (more of one kind than of the other outside quoted atoms); None otherwise,
-    and where a comment could hold some. Two counts at C speed, and a look at each quoted
-    atom (a header holds few).
+def unbalanced(text: str | Buffer) -> str | None:
+    """What the S-expression reader would say of `text` (best given as its bytes, read in
+    place) when its parentheses certainly do not balance (more of one kind than of the
+    other outside quoted atoms, one left open running to the end); None otherwise, and
+    where a comment could hold some. Counted a chunk at a time, quoted atoms found as the
+    scan finds them.
 
     >>> unbalanced('((a "(") b)'), unbalanced('((a ")") b'), unbalanced('(a ; )')
     (None, "unbalanced '(': the text ends inside a list", None)
     """
-    if ';' in text:
+    body = text.encode('utf-8', 'surrogatepass') if isinstance(text, str) else text
+    codes = np.frombuffer(body, np.uint8)
+    if holds(codes, 59):
         return None
-    opens, closes = text.count('('), text.count(')')
-    for m in SPLIT_QUOTED.finditer(text) if '"' in text else ():  # closed or not; one at a
-        opens, closes = opens - m[0].count('('), closes - m[0].count(')')  # time, not a list
+    opens = closes = 0
+    blanks = find_blanks(body, codes, None, open_end=True)
+    for start, chunk in chunks(codes):
+        at = outside(chunk, start, blanks)
+        if at is None:  # no quoted atom in it: counted at once
+            opens += np.count_nonzero(chunk == 40)
+            closes += np.count_nonzero(chunk == 41)
+        else:
+            opens += np.count_nonzero(codes[at] == 40)
+            closes += at.size - np.count_nonzero(codes[at] == 40)
     if opens == closes:
         return None
     return "unbalanced '(': the text ends inside a list" if opens > closes else "unbalanced ')'"
@@ -142,30 +117,64 @@ def unbalanced(text: str) -> str | None:
 
 class _Lists:
     """The lists of a balanced text by nesting level: where each opens and closes, and how
-    many lists it holds."""
+    many lists it holds. Each level is found when first asked for, by a pass over the text's
+    bytes that finds its group of `_LEVELS`: a header refused for its fields holds no index
+    of the lists inside them."""
 
-    def __init__(self, codes: np.ndarray, depth: np.ndarray, at: np.ndarray):
-        self.codes, self._depth, self._at = codes, depth, at
-        self._is_open = codes[at] == 40
+    def __init__(self, codes: np.ndarray, blanks: np.ndarray, counts: np.ndarray):
+        self.codes, self._blanks, self._counts = codes, blanks, counts
+        self._dtype = np.int32 if codes.size < 1 << 31 else np.int64
         self._cache: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._parents: dict[int, np.ndarray] = {}
 
     def level(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`(opens, closes, inner)` of the lists at nesting level `n` (the whole text's is 1):
-        text positions, and the lists each holds (balanced: half what lies between)."""
+        text positions, and the lists each holds (balanced: half the parentheses between)."""
         if n not in self._cache:
-            opens = np.flatnonzero(self._is_open & (self._depth == n))
-            closes = np.flatnonzero(~self._is_open & (self._depth == n - 1))
-            inner = ((closes - opens - 1) // 2).astype(np.int32)
-            self._cache[n] = (self._at[opens], self._at[closes], inner)
+            group = next((group for group in _LEVELS if n in group), (n,))
+            if group == _LEVELS[0] and self._counts[2] <= _FEW:
+                group += _LEVELS[1]
+            self._collect(group)
         return self._cache[n]
+
+    def _collect(self, levels: tuple[int, ...]) -> None:
+        """Index `levels` in one pass over the text, into arrays of their exact size: where
+        each list opens and closes (the k-th closing parenthesis of a level closes its k-th
+        list), and the lists between (the ordinal of its opening parenthesis until then)."""
+        levels = tuple(n for n in levels if n < self._counts.size)
+        out = {n: [np.empty(self._counts[n], self._dtype) for _ in range(3)] for n in levels}
+        filled = {n: [0, 0] for n in levels}
+        for at, is_open, running, first in _parentheses(self.codes, self._blanks):
+            level = (running + ~is_open).astype(np.int8)  # of the list each opens or closes
+            order = np.argsort(level, kind='stable')  # a radix sort: by level, in text order
+            ends = np.cumsum(np.bincount(level, minlength=self._counts.size))
+            for n in levels:
+                at_n = order[ends[n - 1]:ends[n]]
+                opening = is_open[at_n]
+                opens, closes, inner = out[n]
+                picked, k = at_n[opening], filled[n][0]
+                opens[k:k + picked.size], inner[k:k + picked.size] = at[picked], picked + first
+                picked, k = at_n[~opening], filled[n][1]
+                closes[k:k + picked.size] = at[picked]
+                gap = inner[k:k + picked.size]  # the open's ordinal: opens come first
+                np.subtract(picked + first - 1, gap, out=gap, casting='unsafe')
+                gap //= 2  # the parentheses between, halved
+                filled[n][0] += np.count_nonzero(opening)
+                filled[n][1] += picked.size
+        self._cache.update((n, tuple(out[n])) for n in levels)
 
     def parent(self, n: int) -> np.ndarray:
         """For each list at level `n`, which list of level `n - 1` holds it (its index)."""
         if n not in self._parents:
-            outer = self.level(n - 1)[0]
-            self._parents[n] = (np.searchsorted(outer, self.level(n)[0], side='right')
-                                - 1).astype(np.int32)
+            outer, inner = self.level(n - 1)[0], self.level(n)[0]
+            if outer.size == 1:  # the header's fields: all in one list, no index needed
+                self._parents[n] = np.broadcast_to(np.int32(0), inner.shape)
+                return self._parents[n]
+            found = np.empty(inner.size, np.int32)
+            for start in range(0, inner.size, CHUNK):  # no 8-byte index of them all
+                found[start:start + CHUNK] = np.searchsorted(
+                    outer, inner[start:start + CHUNK], side='right') - 1
+            self._parents[n] = found
         return self._parents[n]
 
     def keys(self, opens: np.ndarray) -> np.ndarray:
@@ -181,46 +190,53 @@ class _Lists:
         return block.view(f'S{_KEY}').ravel()
 
 
-def _lists(codes: np.ndarray, quotes: np.ndarray) -> _Lists | None:
-    """The lists of `codes` (parentheses in quoted atoms aside; None if none), refused as
-    the S-expression reader would unless they balance within `MAX_DEPTH`: counted a MiB at
-    a time, so a text too deep stops at its first MiB that is."""
-    upper = sum(np.count_nonzero((chunk == 40) | (chunk == 41)) for _, chunk in _chunks(codes))
-    ats, depths = np.empty(upper, np.int32), np.empty(upper, np.int8)  # filled in place:
-    depth = filled = 0  # no second copy of either as the chunks are joined
-    for start, chunk in _chunks(codes):
-        at = np.flatnonzero((chunk == 40) | (chunk == 41)).astype(np.int32) + start
-        if quotes.size:
-            at = at[np.searchsorted(quotes, at) % 2 == 0]
-        running = np.cumsum((codes[at] == 40).view(np.int8) * np.int32(2) - 1) + depth
+def _parentheses(codes: np.ndarray, blanks: np.ndarray):
+    """`(at, is_open, running, first)` of the parentheses outside `blanks`, a chunk of text
+    at a time: their places, which open, the depth after each, the ordinal of the first."""
+    depth = seen = 0
+    for start, chunk in chunks(codes):
+        at = outside(chunk, start, blanks)
+        at = np.flatnonzero((chunk | 1) == 41) + start if at is None else at
+        is_open = codes[at] == 40
+        running = np.cumsum(is_open.view(np.int8) * np.int32(2) - 1, dtype=np.int32) + depth
+        yield at, is_open, running, seen
+        depth = int(running[-1]) if running.size else depth
+        seen += at.size
+
+
+def _lists(codes: np.ndarray, blanks: np.ndarray) -> _Lists | None:
+    """The lists of `codes` (parentheses in `blanks` aside; None if none), refused as the
+    S-expression reader would unless they balance within `MAX_DEPTH`: counted a chunk at a
+    time, so a text too deep stops at its first chunk that is."""
+    counts = np.zeros(MAX_DEPTH + 2, np.int64)
+    depth = 0
+    for _, is_open, running, _ in _parentheses(codes, blanks):
         if running.size and (running.min() < 0 or running.max() > MAX_DEPTH):
             deep = running.max() > MAX_DEPTH and np.argmax(running > MAX_DEPTH) < (
                 np.argmax(running < 0) if running.min() < 0 else running.size)
             raise ShapeError(_MALFORMED + (f"nesting deeper than {MAX_DEPTH}" if deep
                                            else "unbalanced ')'"))
+        counts += np.bincount(running[is_open], minlength=counts.size)
         depth = int(running[-1]) if running.size else depth
-        ats[filled:filled + at.size] = at
-        depths[filled:filled + at.size] = running
-        filled += at.size
     if depth != 0:
         raise ShapeError(_MALFORMED + "unbalanced '(': the text ends inside a list")
-    if not filled:
-        return None
-    return _Lists(codes, depths[:filled], ats[:filled])
+    return _Lists(codes, blanks, counts) if counts.any() else None
 
 
-def _chunks(codes: np.ndarray):
-    """`(start, view)` of `codes` a MiB at a time."""
-    for start in range(0, codes.size, 1 << 20):
-        yield np.int32(start), codes[start:start + (1 << 20)]
+def check_header(text: str | Buffer, skip: tuple[int, int] | None = None) -> None:
+    """Raise `ShapeError` when the header's text repeats what its format allows once.
 
-
-def check_header(text: str) -> None:
-    """Raise `ShapeError` when the header's text repeats what its format allows once."""
-    read = _codes(text)
-    found = _lists(*read) if read is not None else None
+    `text` is best given as the header's bytes (UTF-8), which are read in place: the scan
+    then holds no copy of them, only an index of the lists it checks (a text is encoded
+    first). `skip`: the places of the parentheses of a list whose inside is left out (a
+    tensors list the fast decoder has read), as if it were empty."""
+    body = text.encode('utf-8', 'surrogatepass') if isinstance(text, str) else text
+    codes = np.frombuffer(body, np.uint8)
+    blanks = find_blanks(body, codes, skip)
+    found = _lists(codes, holding(codes, blanks)) if blanks is not None else None
     if found is None:
         return
+    text = memoryview(body).cast('B')  # slices compared in place
     roots = found.level(1)[0]
     top = _fields(found, text, 1, np.ones(roots.size, bool), _HEADER, lambda k: 'header',
                   ('tensors', 'metadata', 'sharded'))
@@ -241,7 +257,7 @@ def check_header(text: str) -> None:
             _items(found, text, 5, arrays, _ARRAY, 'array', 'duplicate array')
 
 
-def _fields(found: _Lists, text: str, n: int, owners: np.ndarray, bounds: dict[str, int],
+def _fields(found: _Lists, text: Buffer, n: int, owners: np.ndarray, bounds: dict[str, int],
             what: Callable[[int], str], wanted: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
     """Check the fields of the field lists at level `n` picked by `owners` (a mask over
     that level): no key twice, no known field beyond its bound. The fields of each `wanted`
@@ -250,14 +266,18 @@ def _fields(found: _Lists, text: str, n: int, owners: np.ndarray, bounds: dict[s
     that span two batches as a whole."""
     fields, _, inner = found.level(n + 1)
     parent = found.parent(n + 1)
-    mine = np.flatnonzero(owners[parent]).astype(np.int32)
-    masks = {key: np.zeros(fields.size, bool) for key in wanted}
+    mine = _nonzero(owners[parent])
+    chosen: dict[str, list[np.ndarray]] = {key: [] for key in wanted}
     for start in range(0, mine.size, _BATCH):
         part = mine[start:start + _BATCH]
         keys = found.keys(fields[part])
         _check_fields(text, fields[part], keys, parent[part], inner[part], bounds, what)
         for key in wanted:
-            masks[key][part[keys == key.encode()]] = True
+            chosen[key].append(part[keys == key.encode()])
+    masks = {key: np.zeros(fields.size, bool) for key in wanted}
+    for key, parts in chosen.items():
+        for part in parts:
+            masks[key][part] = True
     _check_pairs(found, text, n, mine, what)
     ends = parent[mine[_BATCH::_BATCH]]
     spanning = ends[ends == parent[mine[_BATCH - 1:-1:_BATCH]]]
@@ -268,7 +288,18 @@ def _fields(found: _Lists, text: str, n: int, owners: np.ndarray, bounds: dict[s
     return masks
 
 
-def _check_pairs(found: _Lists, text: str, n: int, mine: np.ndarray,
+def _nonzero(mask: np.ndarray) -> np.ndarray:
+    """`np.flatnonzero(mask)` as 4-byte numbers, found a chunk at a time (no 8-byte index)."""
+    out = np.empty(np.count_nonzero(mask), np.int32)
+    filled = 0
+    for start in range(0, mask.size, CHUNK):
+        found = np.flatnonzero(mask[start:start + CHUNK]) + start
+        out[filled:filled + found.size] = found
+        filled += found.size
+    return out
+
+
+def _check_pairs(found: _Lists, text: Buffer, n: int, mine: np.ndarray,
                  what: Callable[[int], str]) -> None:
     """Refuse a field of the level `n + 1` lists `mine` that holds two lists or more beside
     its key: never a `(key value)` pair, which the reader finds only once it has built them
@@ -279,12 +310,13 @@ def _check_pairs(found: _Lists, text: str, n: int, mine: np.ndarray,
     if over.size:
         k = over[np.argmin(fields[over])]
         owner = what(parent[k])
-        short = _NO_SPACE.sub('', _SPACES.sub(' ', text[fields[k]:min(closes[k] + 1, fields[k] + 240)]))
+        cut = bytes(text[fields[k]:min(closes[k] + 1, fields[k] + 240)])
+        short = _NO_SPACE.sub('', _SPACES.sub(' ', cut.decode('utf-8', 'replace')))
         short = short if len(short) <= 60 else short[:57] + '...'
         raise ShapeError(f"{owner}: field {short} is not a (key value) pair", _entry(owner))
 
 
-def _check_fields(text: str, fields: np.ndarray, keys: np.ndarray, parent: np.ndarray,
+def _check_fields(text: Buffer, fields: np.ndarray, keys: np.ndarray, parent: np.ndarray,
                   inner: np.ndarray, bounds: dict[str, int], what: Callable[[int], str]) -> None:
     """Refuse a key twice in one field list, or a known field beyond its bound (`fields`:
     where they open; `parent`: which list holds each, as `what` names it)."""
@@ -307,9 +339,14 @@ def _check_fields(text: str, fields: np.ndarray, keys: np.ndarray, parent: np.nd
             raise ShapeError(f"{owner}: {why}", _entry(owner))
 
 
-def _key(text: str, at: int) -> str:
-    """The first atom of the list opening at `at`, in full ('' if quoted or none)."""
-    m = _FIRST_ATOM.match(text, int(at))
+def _key(text: Buffer, at: int) -> str:
+    """The first atom of the list opening at `at`, in full ('' if quoted or none): its bytes
+    up to a byte that ends it, read as the tokenizer reads them (a non-ASCII space ends it
+    too)."""
+    m = _FIRST_BYTES.match(text, int(at))
+    if m is None:
+        return ''
+    m = _FIRST_ATOM.match('(' + m[1].decode('utf-8', 'replace'))
     return m[1] if m else ''
 
 
@@ -319,14 +356,14 @@ def _entry(what: str) -> str | None:
 
 
 _MALFORMED = "header is not a well-formed S-expression: "
-_SPLICED = re.compile(re.escape(PLACEHOLDER) + '[0-9]+')
+_SPLICED = re.compile(re.escape(PLACEHOLDER.encode()) + rb'[0-9]+')
+_FIRST_BYTES = re.compile(rb'\([\t-\r\x1c-\x1f ]*([^\t-\r\x1c-\x1f ()";]+)')
 _FIRST_ATOM = re.compile(r'\(\s*([^\s()";]+)')
 _SPACES = re.compile(r'\s+')
 _NO_SPACE = re.compile(r'(?<=\() | (?=\))')
 
 
-
-def _items(found: _Lists, text: str, n: int, values: np.ndarray, bounds: dict[str, int],
+def _items(found: _Lists, text: Buffer, n: int, values: np.ndarray, bounds: dict[str, int],
            noun: str, duplicate: str) -> None:
     """Check the items (entries, arrays) of the lists at level `n` that `values` picks (a
     mask): each item's fields, and no item repeating the one before it."""
@@ -344,16 +381,18 @@ def _items(found: _Lists, text: str, n: int, values: np.ndarray, bounds: dict[st
     _fields(found, text, n + 1, mine, bounds, what)
 
 
-def _repeats(text: str, opens: np.ndarray, closes: np.ndarray, most: int) -> Iterator[int]:
+def _repeats(text: memoryview, opens: np.ndarray, closes: np.ndarray, most: int) -> Iterator[int]:
     """Which list repeats verbatim the `most` lists before it (siblings, in text order):
     lists of one length compared, `_BATCH` at a time (a crafted run stops the first)."""
+    spliced = holds(np.frombuffer(text, np.uint8), PLACEHOLDER.encode()[0])
     run = 0
     last = -1
     for start in range(1, opens.size, _BATCH):
         length = closes[start - 1:start + _BATCH] - opens[start - 1:start + _BATCH]
         for k in np.flatnonzero(length[1:] == length[:-1]) + start:
             a, b, size = int(opens[k - 1]), int(opens[k]), int(closes[k] - opens[k]) + 1
-            if _unspliced(text[a:a + size]) == _unspliced(text[b:b + size]):
+            if (_unspliced(text[a:a + size]) == _unspliced(text[b:b + size]) if spliced
+                    else text[a:a + size] == text[b:b + size]):
                 run = run + 1 if last == k - 1 else 1
                 last = k
                 if run >= most:
@@ -361,10 +400,10 @@ def _repeats(text: str, opens: np.ndarray, closes: np.ndarray, most: int) -> Ite
                     return
 
 
-def _unspliced(text: str) -> str:
+def _unspliced(text: memoryview) -> bytes:
     """`text` without the numbers of the placeholders that stand for an index's pieces lists
     (`jckpt.format.fastpath`): arrays that differ in pieces alone are still one array."""
-    return _SPLICED.sub(PLACEHOLDER, text) if PLACEHOLDER in text else text
+    return _SPLICED.sub(PLACEHOLDER.encode(), text)
 
 
 __all__ = ['MAX_METADATA_REPEATS', 'ShapeError', 'check_header', 'unbalanced']

@@ -97,8 +97,41 @@ def test_a_refused_header_is_not_held_twice_while_its_fault_is_named(tmp_path):
     first parse was still held: twice the memory of one. The first is let go first."""
     from tests.helpers import peak_bytes
 
-    path = _crafted(tmp_path, [f'"{i:x}":{{"data_offsets":[0,0]}}' for i in range(50_000)])
+    path = _crafted(tmp_path, [f'"{i:040x}":{{"data_offsets":[0,0]}}' for i in range(50_000)])
     with pytest.raises(FormatError, match="must have exactly dtype, shape and data_offsets"):
         st.read(path)
     one = peak_bytes(lambda: json.loads(open(path, 'rb').read()[8:]))
     assert peak_bytes(lambda: st.read(path)) < 1.5 * one
+
+
+GAP_KEYS = {  # 13 to 50 bytes an entry: too few colons to look crafted, too many entries
+    'escaped keys': lambda i: f'"k\\u00e9\\u00e9{i:07d}":[]',
+    'empty objects': lambda i: f'"k\\u00e9\\u00e9{i:07d}":{{}}',
+    'one key repeated': lambda i: '"data_offsets":[]',
+    'longer keys': lambda i: f'"k{i:010d}":[]',
+}
+
+
+@pytest.mark.parametrize('entry', GAP_KEYS.values(), ids=list(GAP_KEYS))
+def test_a_header_of_too_many_entries_with_few_colons_is_refused_before_they_are_built(
+        tmp_path, entry):
+    """Keys of 13 to 50 bytes (escapes in them, or a key repeated) left the header's colons
+    too few to count its keys, so `json.loads` built every key and value, and the per-entry
+    check parsed it again: 7.7 to 21 times its size before the refusal (an escape anywhere
+    also sent the count through a copy of the text without its strings, 8 times). Colons
+    that are not four an object, as a tensor's entry's are, are counted now, strings skipped
+    in place."""
+    from tests.helpers import peak_bytes
+
+    path = _crafted(tmp_path, [entry(i) for i in range(200_000)])
+    assert peak_bytes(lambda: st.read(path)) < 2.5 * os.path.getsize(path)
+    with pytest.raises(FormatError, match=r"holds 200000 entries; a tensor's entry takes 50"):
+        st.read(path)
+
+
+def test_a_header_with_metadata_and_names_with_colons_is_read():
+    """Colons beyond four an object (metadata pairs, a name with a colon) are only counted."""
+    entries = [(f'block:{i}', np.dtype(np.float32), (2,), 8) for i in range(100)]
+    raw = sh.encode_header(entries, {f'k{i}': 'v:{x}' for i in range(100)}) + bytes(800)
+    layout, metadata, _ = sh.read_header(raw, 'm.safetensors')
+    assert layout.names[:2] == ['block:0', 'block:1'] and len(metadata) == 100

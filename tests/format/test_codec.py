@@ -478,7 +478,7 @@ def _decode_both_ways(raw: bytes, monkeypatch) -> list:
     """`decode_header(raw)` with the shell's fast path, then with the general reader alone:
     the header, or the error's message and entry."""
     outcomes = []
-    for shell in (fastpath.canonical_shell, lambda text: None):
+    for shell in (fastpath.canonical_shell, lambda text, cut=None: None):
         monkeypatch.setattr(header_mod, "canonical_shell", shell)
         try:
             outcomes.append(("ok", decode_header(raw, file="x.jckpt")))

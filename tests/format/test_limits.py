@@ -104,3 +104,23 @@ def test_a_json_text_of_short_strings_is_measured_without_a_string_per_piece():
     text = '{' + '"k":0,' * (2 << 20) + '"k":0}'  # 12 MiB
     peak = peak_bytes(lambda: limits.json_depth(text))
     assert peak < 2 * len(text), (peak, len(text))  # 12 times it before
+
+
+def test_keys_are_counted_past_escapes_without_a_copy_of_the_text():
+    """With a backslash anywhere, the strings were cut out with `re.sub` before counting: a
+    copy of the text and a string object a piece, 8 times a header of millions of escaped
+    keys. The escaped quotes are now told on each chunk (the backslashes before them)."""
+    text = '{' + ','.join(f'"k\\u00e9{i}\\"\\\\":[]' for i in range(300_000)) + '}'
+    found = []
+    peak = peak_bytes(lambda: found.append(limits.json_top_keys(text)))
+    assert found == [300_000] and peak < len(text) / 2 + (8 << 20), (peak, len(text))
+
+
+@pytest.mark.parametrize('text', ['{"a\\\\": [[[1]]], "b\\"[": 2}', '{"x": "\\\\\\"{:"}',
+                                  '{"' + 'a' * (1 << 18) + '\\\\": {"b": "\\\\\\\\"}, "c": []}',
+                                  '{"' + '\\\\' * (1 << 18) + '": {"b": 1}}'])
+def test_escaped_quotes_and_backslash_runs_across_chunks_are_told(text):
+    import json
+
+    assert limits.json_top_keys(text) == len(json.loads(text))
+    assert limits.json_depth(text) == 2 if '{"b"' in text else True

@@ -4,10 +4,12 @@ refused by the scan before the general reader builds a list; legitimate repeats 
 import re
 import struct
 
+import numpy as np
 import pytest
 
 from jckpt.errors import FormatError
 from jckpt.format import fastpath, header
+from jckpt.format.blanks import find_blanks
 from jckpt.format.header import Entry, Header, decode_header, encode_header
 from jckpt.format.header_seal import seal_header
 from jckpt.format.index import IndexedArray, index_header
@@ -138,7 +140,8 @@ def test_keys_are_read_alike_a_row_or_many_at_a_time(monkeypatch):
     from jckpt.format import prescan
 
     text = '((version 1) (a\t2) (tensors ()) ((x) 3) ( 4) (abcdefghijklmnopqrstu 5) (q)(r))'
-    found = prescan._lists(*prescan._codes(text))
+    codes = np.frombuffer(text.encode(), np.uint8)
+    found = prescan._lists(codes, find_blanks(codes, codes, None))
     opens = found.level(2)[0]
     whole = found.keys(opens)
     monkeypatch.setattr(prescan, '_KEY_ROWS', 1)
@@ -268,3 +271,57 @@ def test_a_repeated_field_with_escaped_quotes_is_refused_within_a_few_times_its_
         with pytest.raises(FormatError, match="field metadata appears twice"):
             decode_header(raw, file='crafted.jckpt')
     assert peak_bytes(refused) < 5 * len(raw)
+
+
+REPEATED_METADATA = {
+    'plain': '(metadata ((note x)))',
+    'escaped quotes': '(metadata ((k "{\\"loss\\": 1.5}")))',
+    'a comment': '(metadata ((note x))) ; a comment (with "a quote\n',
+}
+
+
+@pytest.mark.parametrize('field', REPEATED_METADATA.values(), ids=list(REPEATED_METADATA))
+def test_a_repeated_metadata_field_is_refused_within_twice_its_size(field):
+    """A header of the `metadata` field repeated (the hostile fuzzer's `amplify`, seed 46, a
+    53 MB header): the scan held a copy of the text as bytes (blanked where a comment or an
+    escape was) and an index of every parenthesis, 4.9 to 5.9 times the header with its text;
+    a comment anywhere sent it through a copy of the text with its comments blanked. It now
+    reads the header's bytes in place, and indexes the header's fields before the lists
+    inside them: the text, and less than as much again (a few MB more at most)."""
+    text = _native().replace('(metadata ((note x)))', field)
+    raw = seal_header(_amplified(text, '(metadata', 600_000))
+
+    def refused():
+        with pytest.raises(FormatError, match="header: field metadata appears twice"):
+            decode_header(raw, file='crafted.jckpt')
+    assert peak_bytes(refused) < 2.5 * len(raw)  # 1.9 at 53 MB: a few MB are the chunks'
+
+
+
+@pytest.mark.parametrize('accelerate', [True, False])
+def test_a_path_of_a_component_repeated_is_not_built_by_the_fast_decoder(monkeypatch, accelerate):
+    """An entry in jckpt's layout whose path repeats a component 600,000 times: the fast
+    decoder built every component (a tuple each, 11 times the header's size) before its
+    limits sent the header to the scan. It hands the header over at the first component
+    past `limits.MAX_PATH_LENGTH` now."""
+    if not accelerate:
+        monkeypatch.setattr(fastpath, 'accelerator', None)
+    raw = seal_header(_amplified(_native(), '(k w0)', 600_000))
+
+    def refused():
+        with pytest.raises(FormatError, match="key path of 600001 components is deeper than"):
+            decode_header(raw, file='crafted.jckpt')
+    assert peak_bytes(refused) < 2.5 * len(raw)
+    deep = (('k', 'a'),) * 256  # a path as long as any may be: still the fast decoder's
+    assert fastpath.canonical_entries(_text(Header(tensors=(_entry(0, path=deep),))))
+
+
+def test_a_long_label_is_read_by_the_pure_python_decoder_in_what_its_tuple_takes(monkeypatch):
+    """The regular expression kept a backtracking state for each atom of a list it matched:
+    a label of 600,000 atoms took 113 times the header to read (the C decoder 9.4). Lists
+    are matched possessively now."""
+    monkeypatch.setattr(fastpath, 'accelerator', None)
+    body = _native().replace('(label (w))', '(label (' + 'w ' * 600_000 + 'w))', 1).encode()
+    raw = seal_header(struct.pack('>I', len(body)) + body)
+    assert peak_bytes(lambda: decode_header(raw)) < 16 * len(raw)
+    assert len(decode_header(raw).tensors[0].label) == 600_001
