@@ -28,7 +28,7 @@ from typing import Any
 from jckpt.adapters._common import check_member_name, map_file
 from jckpt.errors import FormatError
 from jckpt.format import limits
-from jckpt.format.header import ZIP_LOCAL
+from jckpt.format.sniff import ZIP_LOCAL
 from jckpt.storage.backend import is_url
 
 try:

@@ -20,7 +20,7 @@ import os
 
 from jckpt.adapters._zip import ZIP_END
 from jckpt.errors import FormatError
-from jckpt.format.header import ZIP_LOCAL
+from jckpt.format.sniff import ZIP_LOCAL
 
 #: The most bytes a zip archive's end-of-central-directory record spans (22 bytes and a
 #: comment of up to 65,535).

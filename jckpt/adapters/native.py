@@ -21,9 +21,9 @@ from jckpt.adapters import register_format
 from jckpt.adapters._common import empty_record, host_items_with_keys
 from jckpt.api.context import Context
 from jckpt.format.entries import DEFAULT_ALIGNMENT, Header, KeyPath, entry_for
-from jckpt.format.header import looks_like_header
 from jckpt.format.layout import written_header
 from jckpt.format.names import EMPTY_NODES_KEY, INDEX_NAME, ORBAX_JSON_KEY, RESERVED_PREFIX
+from jckpt.format.sniff import looks_like_header
 from jckpt.storage.backend import LOCAL, backend_for
 from jckpt.storage.checkpoint import open_checkpoint, reusing
 from jckpt.storage.writer import ArraySource, write_checkpoint

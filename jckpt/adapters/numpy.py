@@ -59,9 +59,9 @@ from jckpt.adapters._common import (
 from jckpt.errors import FormatError, InputError
 from jckpt.format import limits
 from jckpt.format.entries import path_name
-from jckpt.format.header import ZIP_LOCAL
 from jckpt.format.metadata import empty_nodes_table
 from jckpt.format.payload import iter_payload_chunks, stored_dtype
+from jckpt.format.sniff import ZIP_LOCAL
 
 MAGIC = b'\x93NUMPY'
 #: Longest .npy header read (numpy's own writer stays far below: a shape and a dtype).

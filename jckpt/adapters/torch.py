@@ -66,9 +66,9 @@ from jckpt.adapters._torch_scalars import SCALARS_KEY, scalar_record, with_scala
 from jckpt.adapters._torch_unpickle import StorageType, to_tree, unpickle
 from jckpt.errors import CheckpointError, FormatError, InputError
 from jckpt.format import limits
-from jckpt.format.header import ZIP_LOCAL
 from jckpt.format.limits import json_loads
 from jckpt.format.payload import iter_payload_chunks
+from jckpt.format.sniff import ZIP_LOCAL
 from jckpt.storage.backend import is_url
 from jckpt.storage.regular import open_regular
 

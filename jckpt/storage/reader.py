@@ -20,9 +20,10 @@ from jckpt.format import payload as payload_mod
 from jckpt.format import precs
 from jckpt.format.boxes import Box, box_spans, full_box
 from jckpt.format.fastpath import accelerator
-from jckpt.format.header import Entry, Header, decode_header, foreign_error
+from jckpt.format.header import Entry, Header, decode_header
 from jckpt.format.header_seal import is_sealed
 from jckpt.format.layout import check_extents
+from jckpt.format.sniff import foreign_error
 from jckpt.storage.publish import storage_error
 from jckpt.storage.regular import open_regular
 

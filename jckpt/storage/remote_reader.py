@@ -42,9 +42,10 @@ from jckpt.errors import CheckpointError, ChecksumError, FormatError
 from jckpt.format import payload as payload_mod
 from jckpt.format import precs
 from jckpt.format.boxes import Box, box_shape, box_size, box_slices
-from jckpt.format.header import Entry, Header, decode_header, foreign_error
+from jckpt.format.header import Entry, Header, decode_header
 from jckpt.format.header_seal import is_sealed
 from jckpt.format.layout import check_extents
+from jckpt.format.sniff import foreign_error
 from jckpt.storage.lazy import FetchCache, LazyArray, note_read
 from jckpt.storage.reader import COUNTS, verify_entries
 

@@ -29,8 +29,8 @@ from jckpt.adapters import SNIFF_BYTES, detect_format
 from jckpt.adapters.cut_short import cut_short_error
 from jckpt.adapters.orbax import manager_step_names
 from jckpt.errors import CheckpointError, FormatError
-from jckpt.format.header import looks_like_header
 from jckpt.format.names import INDEX_NAME, PIECE_RE, STEP_RE, is_format_step
+from jckpt.format.sniff import looks_like_header
 from jckpt.storage.backend import LOCAL, backend_for, checked_path, is_url
 from jckpt.storage.directory import set_aside
 from jckpt.storage.object_store import MISSING_OBJECT

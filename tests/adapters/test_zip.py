@@ -18,7 +18,7 @@ from jckpt.adapters._zip import (
     write_member,
 )
 from jckpt.errors import FormatError
-from jckpt.format.header import ZIP_LOCAL, foreign_kind
+from jckpt.format.sniff import ZIP_LOCAL, foreign_kind
 
 DATA = bytes(range(256)) * 4
 

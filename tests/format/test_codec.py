@@ -26,7 +26,7 @@ from jckpt.format import (
     plan_layout,
     precs,
 )
-from jckpt.format.header import foreign_kind, header_from_sexp, looks_like_header
+from jckpt.format.header import header_from_sexp
 from jckpt.format.sexp import parse
 
 
@@ -98,18 +98,6 @@ def test_header_roundtrip_all_fields():
 def test_sharded_fields_roundtrip():
     e = entry(dims=(2, 3), byte_length=24, slice=((2, 4), (0, 3)), global_dims=(8, 3))
     assert decode_header(encode_header(Header(tensors=(e,)))).tensors[0] == e
-
-
-def test_looks_like_header_accepts_what_writers_write_and_nothing_shorter():
-    raw = encode_header(Header(tensors=(entry(),)))
-    assert looks_like_header(raw) and looks_like_header(raw[:13])
-    ocannl = b"\n  " + raw[4:]  # OCANNL may put blanks before the S-expression
-    assert looks_like_header(struct.pack(">I", len(ocannl)) + ocannl)
-    assert not looks_like_header(raw[:12])                          # too short to tell
-    assert not looks_like_header(struct.pack(">I", 8) + raw[4:])    # shorter than its own start
-    assert not looks_like_header(b"PK\x03\x04\x14\x00\x00\x00\x08\x00\x00\x00!\x00")  # a zip
-    assert not looks_like_header(raw[:4] + b"((tensors ()) (version 1))")
-    assert not looks_like_header(b"")
 
 
 def test_unknown_fields_are_kept_verbatim():
@@ -447,20 +435,6 @@ def _spy(fn, seen):
         seen.append(out is not None)
         return out
     return wrapped
-
-
-@pytest.mark.parametrize('head, kind', [
-    (b'PK\x03\x04\x14\x00', 'zip archive'), (b'\x80\x02\x8a\nl\xfc', 'legacy PyTorch'),
-    (b'\x93NUMPY\x01\x00', 'numpy .npy'), (b'\x40\x00\x00\x00\x00\x00\x00\x00{"w"', 'safetensors'),
-    (b'\x00\x00\x00\x20((version', None), (b'', None), (b'garbage garbage', None),
-    (b'\x81\xa6params\x82', 'msgpack'), (b'\xde\x00\x14\xa2w0', 'msgpack'),
-    (b'\xdf\x00\x00\x00\x14\xd9\x20', 'msgpack'), (b'\x81', None), (b'\x81\x00\x00\x20', None),
-    (b'\x80\x04\x95\x1b\x01\x00', 'Python pickle'), (b'\x80\x05\x95', 'Python pickle'),
-    (b'\x1f\x8b\x08\x00\x00\x00', 'gzip'), (b'\x1f\x8b\x08\x00((version', None),
-])
-def test_another_formats_file_is_told_from_its_first_bytes(head, kind):
-    got = foreign_kind(head)
-    assert got is None if kind is None else kind in got
 
 
 # --- the fields around the entries: the shell's fast path and the general reader agree ---
