@@ -62,7 +62,8 @@ def needed_boxes(target: Any, entry: Entry, *, host: bool, device: Any) -> list[
     """The distinct boxes of the stored array `entry` that placing it where `target` (or, for
     None, the context's `device`) says reads: this process's devices' slices of a sharding
     over several; None where it reads all of it (keys, host values, one device, a target of
-    another shape). What a restore plans its reads by.
+    another shape, a sharding that cannot split it: placing refuses it, naming the entry).
+    What a restore plans its reads by.
 
     >>> from jckpt.format.entries import Entry
     >>> e = Entry(id=0, namespace='n', prec='Single_prec', dims=(4,), offset=0, byte_length=16)
@@ -77,7 +78,10 @@ def needed_boxes(target: Any, entry: Entry, *, host: bool, device: Any) -> list[
     if not isinstance(dest, jax.sharding.Sharding) or len(dest.device_set) == 1 or (
             target is not None and tuple(target.shape) != entry.shape):
         return None
-    return _local_boxes(dest, entry.shape)
+    try:
+        return _local_boxes(dest, entry.shape)
+    except Exception:  # IndivisibleError, IndexError, ...: the plan is no place to refuse it
+        return None
 
 
 @functools.lru_cache(maxsize=1024)
