@@ -43,7 +43,6 @@ import numpy as np
 from jckpt.adapters import safetensors_bulk as bulk
 from jckpt.adapters._common import (
     abstract_items,
-    check_member_name,
     check_namespaced,
     empty_record,
     flat_names,
@@ -52,6 +51,7 @@ from jckpt.adapters._common import (
     map_file,
     paths_json,
     published,
+    shard_path,
     tree_from_names,
     warn_key_data,
 )
@@ -112,18 +112,11 @@ def read_sharded(index_path: str) -> tuple[dict[str, np.ndarray], dict[str, str]
     if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
         raise FormatError("index has no weight_map of tensor name -> shard file", file=index_path,
                           fix="pass a *.safetensors.index.json file")
-    directory = os.path.dirname(os.path.abspath(index_path))
     arrays: dict[str, np.ndarray] = {}
     metadata: dict[str, str] = {}
     index_meta = index.get('metadata')
     for shard in sorted(set(weight_map.values())):
-        check_member_name(shard, index_path)
-        shard_path = os.path.join(directory, shard)
-        if not inside(directory, shard_path):
-            raise FormatError(f"shard {shard!r} is a symbolic link or lies outside the index's "
-                              "directory", file=index_path,
-                              fix="put the shard files themselves beside the index")
-        shard_arrays, shard_meta = read_arrays(shard_path)
+        shard_arrays, shard_meta = read_arrays(shard_path(index_path, shard))
         metadata.update(shard_meta)
         for name, file in weight_map.items():
             if file == shard:
