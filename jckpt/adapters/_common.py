@@ -122,6 +122,29 @@ def warn_key_data(tree: dict[str, Any], file: str, format_name: str) -> None:
                       ".jckpt file or an orbax directory keeps them keys)", stacklevel=4)
 
 
+def refuse_dtypes(leaves: list[tuple[str, np.dtype]], file: str, format_name: str) -> None:
+    """Refuse, naming every one, the `(name, dtype)` leaves a `format_name` file cannot hold
+    (the caller passes only those): a tree with an int4 and a uint4 leaf was told of the first,
+    cast it, and was refused again for the second. Writers call this before any warning, so a
+    tree that cannot be written is told so first.
+
+    >>> refuse_dtypes([('q', np.dtype('int4')), ('p', np.dtype('uint4'))], 'm.pt', 'torch')
+    Traceback (most recent call last):
+    ...
+    jckpt.errors.InputError: m.pt: entry q: dtypes int4, uint4 have no torch equivalent: ...
+    """
+    if not leaves:
+        return
+    dtypes = list(dict.fromkeys(str(dt) for _, dt in leaves))
+    named = [f"{name} ({dt})" for name, dt in leaves[:10]] + (['...'] if len(leaves) > 10 else [])
+    what = f"dtype {dtypes[0]} has" if len(dtypes) == 1 else f"dtypes {', '.join(dtypes)} have"
+    raise InputError(f"{what} no {format_name} equivalent"
+                     + (f": leaves {', '.join(named)} ({len(leaves)} in all)" if len(leaves) > 1
+                        else ""), file=file, entry=leaves[0][0],
+                     fix="cast them, or write a jckpt or npz file instead" if len(leaves) > 1
+                     else "cast it, or write a jckpt or npz file instead")
+
+
 def empty_record(tree: dict[str, Any]) -> str | None:
     """The record of the nodes without arrays of `{namespace: subtree}` (optax's `EmptyState`,
     `None`, empty tuples, lists and dicts), as a jckpt file records them under

@@ -51,6 +51,7 @@ from jckpt.adapters._common import (
     map_file,
     paths_json,
     published,
+    refuse_dtypes,
     shard_path,
     tree_from_names,
     warn_key_data,
@@ -190,9 +191,9 @@ def sniff(path: str, head: bytes | None) -> bool:
 
 def _prepare(tree: Any, path: str) -> tuple[list, list[str], list[int]]:
     """Host items, their names, and the write order (largest element first, then name)."""
-    warn_key_data(check_namespaced(tree, path), path, 'safetensors')
-    items = host_items(tree, path)
-    names = _checked_names(items, path)
+    items = host_items(check_namespaced(tree, path), path)
+    names = _checked_names(items, path)  # everything refused before the keys are warned of
+    warn_key_data(tree, path, 'safetensors')
     order = sorted(range(len(items)), key=lambda i: (-items[i][2].dtype.itemsize, names[i]))
     return items, names, order
 
@@ -201,14 +202,12 @@ def _checked_names(items: list, path: str) -> list[str]:
     """The items' tensor names, every dtype one safetensors has, none the header's own
     `__metadata__` key (`InputError` otherwise)."""
     names = flat_names(items, path)
-    for (_ns, _p, array), name in zip(items, names):
-        if name == METADATA_KEY:  # the file's JSON would hold the key twice: no reader takes it
-            raise InputError(f"a tensor cannot be named {METADATA_KEY!r}, the header's key for "
-                             "the file's metadata", file=path, entry=name,
-                             fix="rename the leaf, or write a jckpt or npz file instead")
-        if dtype_name(array.dtype) is None:
-            raise InputError(f"dtype {array.dtype} has no safetensors equivalent", file=path,
-                             entry=name, fix="cast it, or write a jckpt or npz file instead")
+    if METADATA_KEY in names:  # the file's JSON would hold the key twice: no reader takes it
+        raise InputError(f"a tensor cannot be named {METADATA_KEY!r}, the header's key for "
+                         "the file's metadata", file=path, entry=METADATA_KEY,
+                         fix="rename the leaf, or write a jckpt or npz file instead")
+    refuse_dtypes([(name, array.dtype) for (_, _, array), name in zip(items, names)
+                   if dtype_name(array.dtype) is None], path, 'safetensors')
     return names
 
 

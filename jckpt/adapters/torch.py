@@ -45,8 +45,10 @@ import numpy as np
 from jckpt.adapters import _torch_legacy, _zip
 from jckpt.adapters._common import (
     DEFAULT_NAMESPACE,
+    abstract_items,
     check_namespaced,
     empty_record,
+    flat_name,
     flat_names,
     inside,
     map_file,
@@ -54,6 +56,7 @@ from jckpt.adapters._common import (
     paths_json,
     published,
     record_covers,
+    refuse_dtypes,
     shard_path,
     single_content,
     tree_from_names,
@@ -61,7 +64,7 @@ from jckpt.adapters._common import (
     warn_key_data,
 )
 from jckpt.adapters._torch_legacy import LEGACY_MAGIC
-from jckpt.adapters._torch_pickle import Pickler
+from jckpt.adapters._torch_pickle import Pickler, has_torch_dtype
 from jckpt.adapters._torch_scalars import SCALARS_KEY, scalar_record, with_scalars
 from jckpt.adapters._torch_unpickle import StorageType, to_tree, unpickle
 from jckpt.errors import CheckpointError, FormatError, InputError
@@ -322,6 +325,9 @@ def _content(tree: Any, path: str, flat: bool) -> tuple[Any, Records]:
     """What is pickled (the tree, or `{dotted name: leaf}`) and, of a flat one, the records
     of its paths and of its nodes without arrays (which a flat `state_dict` cannot hold)."""
     tree = check_namespaced(tree, path)
+    several = len(tree) > 1  # every leaf torch cannot hold refused before the keys are warned of
+    refuse_dtypes([(flat_name(ns, p, several), leaf.dtype) for ns, p, leaf in abstract_items(tree, path)
+                   if leaf.dtype.kind not in 'OSU' and not has_torch_dtype(leaf.dtype)], path, 'torch')
     warn_key_data(tree, path, 'torch')
     if not flat:
         return single_content(tree), (None, None)
