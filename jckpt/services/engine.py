@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Generic, Protocol, TypeVar
 
 from jckpt.errors import CapacityError, CheckpointError, InputError
-from jckpt.services.counters import MirrorCounters, error_code
+from jckpt.services.counters import MirrorCounters, error_code, kept_error
 from jckpt.services.jobs import Committer, Job, Publisher, Publishing
 from jckpt.services.snapshot import Leaf, Slot
 from jckpt.trees import image
@@ -161,7 +161,7 @@ class Pipeline(Generic[InfoT, StagedT]):
         self._dropped: list[tuple[int, BaseException]] = []  # (seq, error), not yet raised
         self._failures = self._stalls = 0
         self._last_error: str | None = None
-        self._closing = self._closed = False
+        self._closing = self._closed = self._final = False  # _final: close's last attempt
         self._died: BaseException | None = None  # what ended the writer thread, if anything did
         self._helper = Publisher(f"jckpt-publisher {name}")
         self._thread = threading.Thread(target=self._run, name=f"jckpt-writer {name}", daemon=True)
@@ -197,7 +197,7 @@ class Pipeline(Generic[InfoT, StagedT]):
             return asked
         if not self._told or 0 < asked <= self._answered:
             self._told = True
-            raise failed
+            raise failed if self._final else kept_error(failed)  # close: not retried after it
         if not asked:
             self._asked += 1
             asked = self._asked
@@ -333,7 +333,7 @@ class Pipeline(Generic[InfoT, StagedT]):
         if self._closed:
             return
         with self._cond:
-            self._told = True  # a writer that gave up tries once more, now (`_raise_given_up`)
+            self._told = self._final = True  # a writer that gave up tries once more, now
         try:
             if not self.wait(timeout):
                 n = self.counters().pending
