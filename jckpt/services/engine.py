@@ -98,14 +98,14 @@ def _quietly(fn: Callable[..., object], *args: object) -> None:
 
 
 def _check_options(slots: int, when_full: str, retry_after: float, patience: int) -> None:
-    if not isinstance(slots, int) or slots < 1:
+    if type(slots) is not int or slots < 1:  # a bool is no count
         raise InputError(f"slots must be a positive integer, not {slots!r}")
     if when_full not in ('block', 'raise'):
         raise InputError(f"when_full must be 'block' or 'raise', not {when_full!r}")
     if isinstance(retry_after, bool) or not isinstance(retry_after, (int, float)) \
             or not retry_after >= 0:
         raise InputError(f"retry_after must be >= 0 seconds, not {retry_after!r}")
-    if not isinstance(patience, int) or patience < 1:
+    if type(patience) is not int or patience < 1:
         raise InputError(f"patience must be a positive integer, not {patience!r}")
 
 
