@@ -122,6 +122,29 @@ def warn_key_data(tree: dict[str, Any], file: str, format_name: str) -> None:
                       ".jckpt file or an orbax directory keeps them keys)", stacklevel=4)
 
 
+def refuse_dtypes(leaves: list[tuple[str, np.dtype]], file: str, format_name: str) -> None:
+    """Refuse, naming every one, the `(name, dtype)` leaves a `format_name` file cannot hold
+    (the caller passes only those): a tree with an int4 and a uint4 leaf was told of the first,
+    cast it, and was refused again for the second. Writers call this before any warning, so a
+    tree that cannot be written is told so first.
+
+    >>> refuse_dtypes([('q', np.dtype('int4')), ('p', np.dtype('uint4'))], 'm.pt', 'torch')
+    Traceback (most recent call last):
+    ...
+    jckpt.errors.InputError: m.pt: entry q: dtypes int4, uint4 have no torch equivalent: ...
+    """
+    if not leaves:
+        return
+    dtypes = list(dict.fromkeys(str(dt) for _, dt in leaves))
+    named = [f"{name} ({dt})" for name, dt in leaves[:10]] + (['...'] if len(leaves) > 10 else [])
+    what = f"dtype {dtypes[0]} has" if len(dtypes) == 1 else f"dtypes {', '.join(dtypes)} have"
+    raise InputError(f"{what} no {format_name} equivalent"
+                     + (f": leaves {', '.join(named)} ({len(leaves)} in all)" if len(leaves) > 1
+                        else ""), file=file, entry=leaves[0][0],
+                     fix="cast them, or write a jckpt or npz file instead" if len(leaves) > 1
+                     else "cast it, or write a jckpt or npz file instead")
+
+
 def empty_record(tree: dict[str, Any]) -> str | None:
     """The record of the nodes without arrays of `{namespace: subtree}` (optax's `EmptyState`,
     `None`, empty tuples, lists and dicts), as a jckpt file records them under
@@ -340,6 +363,52 @@ def inside(directory: str, path: str) -> bool:
     directory must not make a reader follow it elsewhere)."""
     return not os.path.islink(path) and os.path.realpath(path).startswith(
         os.path.realpath(directory) + os.sep)
+
+
+def shard_path(index_path: str, shard: str) -> str:
+    """The path of `shard`, a file a Hugging Face index (`*.index.json`) names, beside the index;
+    a `FormatError` naming the index and the shard when the name is unsafe, the file a symbolic
+    link or outside the index's directory, or missing (a download that stopped part way).
+
+    >>> import tempfile
+    >>> shard_path(os.path.join(tempfile.mkdtemp(), 'm.index.json'), 'm-1.bin')
+    Traceback (most recent call last):
+    ...
+    jckpt.errors.FormatError: ...: the index names shard 'm-1.bin', which is not beside it...
+    """
+    check_member_name(shard, index_path)
+    directory = os.path.dirname(os.path.abspath(index_path))
+    path = os.path.join(directory, shard)
+    if not inside(directory, path):
+        raise FormatError(f"shard {shard!r} is a symbolic link or lies outside the index's "
+                          "directory", file=index_path, entry=shard,
+                          fix="put the shard files themselves beside the index")
+    if not os.path.exists(path):
+        raise FormatError(f"the index names shard {shard!r}, which is not beside it ({path})",
+                          file=index_path, entry=shard,
+                          fix="fetch every shard the index's weight_map names into the index's "
+                              "directory (a download that stopped part way lacks some)")
+    return path
+
+
+def index_shards(path: str) -> list[str]:
+    """The shard files beside `path` that it names, when it is a local Hugging Face index
+    (`*.index.json` with a `weight_map` of file names), in name order; [] for another file.
+    What a listing adds to the index's own size (the index holds none of the arrays)."""
+    if not path.endswith('.index.json') or not os.path.isfile(path):
+        return []
+    try:
+        with open(path, 'rb') as f:
+            index = json_loads(f.read().decode('utf-8'))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return []
+    weight_map = index.get('weight_map') if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        return []
+    directory = os.path.dirname(os.path.abspath(path))
+    names = sorted({v for v in weight_map.values() if isinstance(v, str) and not unsafe_member_name(v)})
+    return [p for p in (os.path.join(directory, n) for n in names)
+            if inside(directory, p) and os.path.isfile(p)]
 
 
 def map_file(path: str) -> Buffer:

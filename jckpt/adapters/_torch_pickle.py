@@ -246,6 +246,14 @@ def _root(x: Any) -> Any:
     return x
 
 
+def has_torch_dtype(dtype: np.dtype) -> bool:
+    """Whether torch has a tensor dtype for arrays of `dtype`, as `Pickler` writes them
+    (`bfloat16`, `float8_e4m3fn` yes; `int4`, `float4_e2m1fn` no)."""
+    stored = stored_dtype(np.dtype(dtype))
+    plain = stored.newbyteorder('=') if stored.byteorder == '<' else stored
+    return plain in _TYPED or plain in _UNTYPED
+
+
 def _viewable(x: np.ndarray) -> bool:
     """Whether a torch tensor can view `x` where it lies: elements, strides >= 0, little-endian."""
     item, plain = x.dtype.itemsize, x.dtype.newbyteorder('=')

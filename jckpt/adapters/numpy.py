@@ -217,9 +217,9 @@ def write_npy(tree: Any, path: str) -> None:
     """Write the only leaf of `tree` as a `.npy` file (its name, which the file has no place
     for, named in a warning unless the tree is `{'jckpt': array}`, what `read_npy` gives)."""
     path = os.fspath(path)
-    warn_key_data(check_namespaced(tree, path), path, 'npy')
-    items = host_items(tree, path)
-    _one_leaf(items, path)
+    items = host_items(check_namespaced(tree, path), path)
+    _one_leaf(items, path)  # refused before the keys are warned of
+    warn_key_data(tree, path, 'npy')
     warn_empty_namespaces(tree, {ns for ns, _, _ in items}, path, 'npy')
     ns, key_path, array = items[0]
     if key_path or ns != DEFAULT_NAMESPACE:  # read_npy gives {'jckpt': array}: the name is lost
@@ -318,9 +318,9 @@ def check_npz(tree: Any, path: str) -> None:
 def write_npz(tree: Any, path: str) -> None:
     """Write `{namespace: subtree}` as an uncompressed `.npz` archive (members 64-byte aligned)."""
     path = os.fspath(path)
-    warn_key_data(check_namespaced(tree, path), path, 'npz')
-    items = host_items(tree, path)
-    names = _member_names(items, path)
+    items = host_items(check_namespaced(tree, path), path)
+    names = _member_names(items, path)  # refused before the keys are warned of
+    warn_key_data(tree, path, 'npz')
     record = _comment(paths_json(items, names, path), empty_record(tree), path)
     with published(path) as f, zipfile.ZipFile(f, 'w', zipfile.ZIP_STORED,
                                                allowZip64=True) as zf:

@@ -76,8 +76,7 @@ def write(tree: Any, path: str) -> None:
         InputError: before touching the file when a leaf's dtype is not an OCANNL prec.
     """
     path = os.fspath(path)
-    warn_key_data(check_namespaced(tree, path), path, 'OCANNL')
-    items = host_items(tree, path)
+    items = host_items(check_namespaced(tree, path), path)
     for ns, p, array in items:
         prec = precs.prec_of(array.dtype)
         if prec not in precs.OCANNL_PRECS:
@@ -86,6 +85,7 @@ def write(tree: Any, path: str) -> None:
                              entry=f"{ns}/{path_name(p)}",
                              fix=f"cast it to {widen}" if widen else
                              "cast it to float32, bfloat16 or float16, or write a jckpt file")
+    warn_key_data(tree, path, 'OCANNL')  # after every refusal: a refused tree is told that alone
     from jckpt.format.header import encode_header
     from jckpt.storage.writer import with_placeholders
 

@@ -43,7 +43,6 @@ import numpy as np
 from jckpt.adapters import safetensors_bulk as bulk
 from jckpt.adapters._common import (
     abstract_items,
-    check_member_name,
     check_namespaced,
     empty_record,
     flat_names,
@@ -52,6 +51,8 @@ from jckpt.adapters._common import (
     map_file,
     paths_json,
     published,
+    refuse_dtypes,
+    shard_path,
     tree_from_names,
     warn_key_data,
 )
@@ -112,18 +113,11 @@ def read_sharded(index_path: str) -> tuple[dict[str, np.ndarray], dict[str, str]
     if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
         raise FormatError("index has no weight_map of tensor name -> shard file", file=index_path,
                           fix="pass a *.safetensors.index.json file")
-    directory = os.path.dirname(os.path.abspath(index_path))
     arrays: dict[str, np.ndarray] = {}
     metadata: dict[str, str] = {}
     index_meta = index.get('metadata')
     for shard in sorted(set(weight_map.values())):
-        check_member_name(shard, index_path)
-        shard_path = os.path.join(directory, shard)
-        if not inside(directory, shard_path):
-            raise FormatError(f"shard {shard!r} is a symbolic link or lies outside the index's "
-                              "directory", file=index_path,
-                              fix="put the shard files themselves beside the index")
-        shard_arrays, shard_meta = read_arrays(shard_path)
+        shard_arrays, shard_meta = read_arrays(shard_path(index_path, shard))
         metadata.update(shard_meta)
         for name, file in weight_map.items():
             if file == shard:
@@ -197,9 +191,9 @@ def sniff(path: str, head: bytes | None) -> bool:
 
 def _prepare(tree: Any, path: str) -> tuple[list, list[str], list[int]]:
     """Host items, their names, and the write order (largest element first, then name)."""
-    warn_key_data(check_namespaced(tree, path), path, 'safetensors')
-    items = host_items(tree, path)
-    names = _checked_names(items, path)
+    items = host_items(check_namespaced(tree, path), path)
+    names = _checked_names(items, path)  # everything refused before the keys are warned of
+    warn_key_data(tree, path, 'safetensors')
     order = sorted(range(len(items)), key=lambda i: (-items[i][2].dtype.itemsize, names[i]))
     return items, names, order
 
@@ -208,14 +202,12 @@ def _checked_names(items: list, path: str) -> list[str]:
     """The items' tensor names, every dtype one safetensors has, none the header's own
     `__metadata__` key (`InputError` otherwise)."""
     names = flat_names(items, path)
-    for (_ns, _p, array), name in zip(items, names):
-        if name == METADATA_KEY:  # the file's JSON would hold the key twice: no reader takes it
-            raise InputError(f"a tensor cannot be named {METADATA_KEY!r}, the header's key for "
-                             "the file's metadata", file=path, entry=name,
-                             fix="rename the leaf, or write a jckpt or npz file instead")
-        if dtype_name(array.dtype) is None:
-            raise InputError(f"dtype {array.dtype} has no safetensors equivalent", file=path,
-                             entry=name, fix="cast it, or write a jckpt or npz file instead")
+    if METADATA_KEY in names:  # the file's JSON would hold the key twice: no reader takes it
+        raise InputError(f"a tensor cannot be named {METADATA_KEY!r}, the header's key for "
+                         "the file's metadata", file=path, entry=METADATA_KEY,
+                         fix="rename the leaf, or write a jckpt or npz file instead")
+    refuse_dtypes([(name, array.dtype) for (_, _, array), name in zip(items, names)
+                   if dtype_name(array.dtype) is None], path, 'safetensors')
     return names
 
 

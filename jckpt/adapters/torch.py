@@ -45,9 +45,10 @@ import numpy as np
 from jckpt.adapters import _torch_legacy, _zip
 from jckpt.adapters._common import (
     DEFAULT_NAMESPACE,
-    check_member_name,
+    abstract_items,
     check_namespaced,
     empty_record,
+    flat_name,
     flat_names,
     inside,
     map_file,
@@ -55,13 +56,15 @@ from jckpt.adapters._common import (
     paths_json,
     published,
     record_covers,
+    refuse_dtypes,
+    shard_path,
     single_content,
     tree_from_names,
     unsafe_member_name,
     warn_key_data,
 )
 from jckpt.adapters._torch_legacy import LEGACY_MAGIC
-from jckpt.adapters._torch_pickle import Pickler
+from jckpt.adapters._torch_pickle import Pickler, has_torch_dtype
 from jckpt.adapters._torch_scalars import SCALARS_KEY, scalar_record, with_scalars
 from jckpt.adapters._torch_unpickle import StorageType, to_tree, unpickle
 from jckpt.errors import CheckpointError, FormatError, InputError
@@ -145,6 +148,10 @@ def _namespaced(tree: Any, records: Records, path: str, nest: bool) -> dict[str,
     return {ns: nest_dotted(sub, path) for ns, sub in out.items()} if nest else out
 
 
+#: How torch shards' names end (`pytorch_model-00001-of-00002.bin`).
+_SHARD_ENDINGS = ('.bin', '.pt', '.pth')
+
+
 def _shard_names(path: str) -> dict[str, str] | None:
     """A Hugging Face index's `weight_map` (tensor name -> shard file), when `path` is the
     index of torch shards (`pytorch_model.bin.index.json`); None for another file."""
@@ -161,6 +168,8 @@ def _shard_names(path: str) -> dict[str, str] | None:
         return None
     directory = os.path.dirname(os.path.abspath(path))
     shard = os.path.join(directory, min(weight_map.values()))
+    if not os.path.lexists(shard) and all(v.endswith(_SHARD_ENDINGS) for v in weight_map.values()):
+        return weight_map  # a torch index whose shards are missing: reading it names them
     try:
         if not inside(directory, shard):
             return None
@@ -174,17 +183,12 @@ def _shard_names(path: str) -> dict[str, str] | None:
 def _read_sharded(path: str, weight_map: dict[str, str]) -> dict[str, Any]:
     """The flat `state_dict` of a sharded torch checkpoint, each tensor from the shard the
     index names (shards must lie beside the index)."""
-    directory, out = os.path.dirname(os.path.abspath(path)), {}
+    out: dict[str, Any] = {}
     names: dict[str, list[str]] = {}
     for name, shard in weight_map.items():
         names.setdefault(shard, []).append(name)
     for shard in sorted(names):
-        check_member_name(shard, path)
-        shard_path = os.path.join(directory, shard)
-        if not inside(directory, shard_path):
-            raise FormatError(f"shard {shard!r} is a symbolic link or lies outside the index's "
-                              "directory", file=path, fix="put the shard files beside the index")
-        tree = _read_file(shard_path)[0]
+        tree = _read_file(shard_path(path, shard))[0]
         for name in names[shard]:
             if not isinstance(tree, dict) or name not in tree:
                 raise FormatError(f"the index places {name!r} in {shard}, which lacks it",
@@ -321,6 +325,9 @@ def _content(tree: Any, path: str, flat: bool) -> tuple[Any, Records]:
     """What is pickled (the tree, or `{dotted name: leaf}`) and, of a flat one, the records
     of its paths and of its nodes without arrays (which a flat `state_dict` cannot hold)."""
     tree = check_namespaced(tree, path)
+    several = len(tree) > 1  # every leaf torch cannot hold refused before the keys are warned of
+    refuse_dtypes([(flat_name(ns, p, several), leaf.dtype) for ns, p, leaf in abstract_items(tree, path)
+                   if leaf.dtype.kind not in 'OSU' and not has_torch_dtype(leaf.dtype)], path, 'torch')
     warn_key_data(tree, path, 'torch')
     if not flat:
         return single_content(tree), (None, None)

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from jckpt.adapters import read_with_metadata
+from jckpt.adapters._common import index_shards
 from jckpt.errors import FormatError
 from jckpt.format import precs
 from jckpt.format.entries import Entry, Header, KeyPath, entry_for, path_name
@@ -99,4 +100,13 @@ def open_foreign(path: str | os.PathLike, fmt: str) -> Any:
     return found.open(path) if found is not None else TreeReader(path, fmt)
 
 
-__all__ = ['Spec', 'TreeReader', 'open_foreign']
+def stored_files(path: str | os.PathLike) -> list[str]:
+    """The files the checkpoint at `path` is stored in: a Hugging Face index
+    (`*.safetensors.index.json`, `pytorch_model.bin.index.json`) and the shards beside it that
+    it names, else `path` alone (a directory counts as one). What "on disk" sums: the index
+    alone is a few hundred bytes of a model's gigabytes."""
+    path = os.fspath(path)
+    return [path, *index_shards(path)]
+
+
+__all__ = ['Spec', 'TreeReader', 'open_foreign', 'stored_files']

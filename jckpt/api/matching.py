@@ -60,13 +60,13 @@ def index_entries(header: Header, names: Collection[str]) -> dict[str, Stored]:
 
 def match_all(index: dict[str, Stored], parts: Sequence[tuple[str, list, Any]],
                path: str) -> list[tuple[Entry, Any, str]]:
-    """`(entry, target leaf, name)` of each target leaf; for leaves the file lacks, the first
-    one's error, counting the others (a model with new layers lacks several). Only the first
-    is explained: explaining each searches the file's entries, and a target of another
-    nesting than the file's lacks every one of its 100,000 leaves."""
+    """`(entry, target leaf, name)` of each target leaf; for leaves the file lacks, one error
+    counting them all (a model with new layers lacks several). A subtree of the target the file
+    has nothing of (`batch_stats` restored from a file of `params` alone) is named as a whole;
+    else the first leaf is explained, with the other leaves counted: explaining each searches
+    the file's entries, and a target of another nesting lacks every one of its 100,000 leaves."""
     out: list[tuple[Entry, Any, str]] = []
-    missing: list[str] = []
-    first = None
+    missing: list[tuple[str, KeyPath, Sequence[Entry], str]] = []
     for ns, items, _ in parts:
         for p, leaf in items:
             where = tree_mod.leaf_name(ns, p)
@@ -76,18 +76,86 @@ def match_all(index: dict[str, Stored], parts: Sequence[tuple[str, list, Any]],
             elif not targets.is_target(leaf):  # never stored: say what it is, not "missing"
                 raise targets.not_a_target(leaf, path, where)
             else:
-                first = first or (index[ns], ns, p, found, where)
-                missing.append(where)
-    if first is None:
+                missing.append((ns, p, found, where))
+    if not missing:
         return out
-    stored, ns, p, found, where = first  # a target nested otherwise than the file matches nothing
-    first = _missing(stored, ns, p, found, path, where, nested=not out)
-    if len(missing) > 1:
-        more = missing[1:6] + (['...'] if len(missing) > 6 else [])
-        n = len(missing) - 1
-        first.message += (f"; {n} other target {'leaf is' if n == 1 else 'leaves are'} "
+    absent = _absent_subtrees(index, missing) if out else {}
+    if absent:
+        error = _absent_error(absent, missing, parts, path)
+        rest = [where for ns, p, _, where in missing if _under(absent, ns, p) is None]
+    else:
+        ns, p, found, where = _explained(index, missing, nested=not out)
+        error = _missing(index[ns], ns, p, found, path, where, nested=not out)
+        rest = [w for *_, w in missing if w != where]
+    if rest:
+        more = rest[:5] + (['...'] if len(rest) > 5 else [])
+        n = len(rest)
+        error.message += (f"; {n} other target {'leaf is' if n == 1 else 'leaves are'} "
                           f"missing too: {', '.join(more)}")
-    raise first
+    raise error
+
+
+def _explained(index: dict[str, Stored], missing: list, nested: bool) -> tuple:
+    """The missing leaf to explain: when no target leaf matched, the first one, under each of
+    the target's top-level keys in turn, that the file holds nested otherwise (`_moved`); the
+    first one's key may be a subtree the file lacks (`batch_stats` beside a moved `params`)."""
+    if nested:
+        seen: set[tuple[str, Any]] = set()
+        for item in missing:
+            ns, p = item[0], item[1]
+            top = (ns, tree_mod.loose_path(p[:1]))
+            if top in seen or len(seen) >= 16:
+                continue
+            seen.add(top)
+            if _moved(index[ns], p) is not None:
+                return item
+    return missing[0]
+
+
+def _absent_subtrees(index: dict[str, Stored], missing: list) -> dict[tuple[str, KeyPath], int]:
+    """`{(namespace, prefix): leaves}`: the target subtrees (above a leaf) under which the file
+    stores nothing at all, with how many target leaves each has; from the missing leaves, since
+    every leaf under such a prefix is missing."""
+    prefixes: dict[str, set[KeyPath]] = {}
+    absent: dict[tuple[str, KeyPath], int] = {}
+    for ns, p, _, _ in missing:
+        stored = index[ns]
+        if not stored.by_path or len(p) < 2:  # a namespace the file lacks is told as such
+            continue
+        have = prefixes.get(ns)
+        if have is None:
+            have = prefixes[ns] = {lq[:k] for lq in stored.loose() for k in range(1, len(lq) + 1)}
+        lp = tree_mod.loose_path(p)
+        k = next((k for k in range(1, len(p)) if lp[:k] not in have), None)
+        if k is not None:
+            absent[(ns, p[:k])] = absent.get((ns, p[:k]), 0) + 1
+    return absent
+
+
+def _under(absent: dict[tuple[str, KeyPath], int], ns: str, p: KeyPath) -> KeyPath | None:
+    """The prefix in `absent` that `p` lies under, if any."""
+    return next((q for k in range(1, len(p)) if (ns, q := p[:k]) in absent), None)
+
+
+def _absent_error(absent: dict[tuple[str, KeyPath], int], missing: list,
+                  parts: Sequence[tuple[str, list, Any]], path: str) -> MissingEntryError:
+    """The error for target subtrees the file has nothing of: a new part of the state (Flax's
+    `batch_stats` beside `params`, a new layer) whose initial value is to be kept."""
+    show = tree_mod.path_repr
+    one = len(absent) == 1
+    named = [f"{show(q)} ({n} {'leaf' if n == 1 else 'leaves'})" for (_, q), n in absent.items()]
+    (ns, first), = list(absent)[:1]
+    kept = sorted({show(p[:len(first)]) for n, items, _ in parts if n == ns for p, _ in items
+                   if len(p) >= len(first) and p[:len(first) - 1] == first[:-1]
+                   and (n, p[:len(first)]) not in absent}, key=str)
+    example = f" (e.g. restore only its {', '.join(kept[:4])})" if kept else ""
+    where = next(w for n, p, _, w in missing if _under(absent, n, p) is not None)
+    return MissingEntryError(
+        f"not in the checkpoint: the file has nothing under the target's {', '.join(named[:6])}"
+        f"{', ...' if len(named) > 6 else ''}: it lacks {'that subtree' if one else 'those subtrees'}"
+        " as a whole, not single leaves", file=path, entry=where,
+        fix=f"restore a target without {'it' if one else 'them'}{example} and keep "
+            "the initial values, adding them to the restored tree after")
 
 
 def _match(stored: Stored, p: KeyPath) -> tuple[Entry | None, Sequence[Entry]]:

@@ -11,8 +11,11 @@ memory mirror: committed 3 durable 2 generation 2 pending 1 error 0
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import errno as errno_mod
+
+from jckpt.errors import CheckpointError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,4 +62,24 @@ def error_code(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-__all__ = ['MirrorCounters', 'error_code']
+def kept_error(exc: BaseException) -> BaseException:
+    """`exc`, the failure of a snapshot the writer keeps and retries, with a fix that says so:
+    its "free disk space, then save again" sent a manager's user to save the step again,
+    which is refused as not above the last, while the writer would write it unasked.
+
+    >>> from jckpt.errors import StorageError
+    >>> kept_error(StorageError('writing failed', errno=28, fix='free disk space, then save again')).fix
+    'free disk space: the snapshot is kept and retried, and the next wait_durable() or close() \
+writes it (do not save or submit it again)'
+    """
+    if not isinstance(exc, CheckpointError):
+        return exc
+    out = copy.copy(exc)  # the writer's own record of the failure stays as it was
+    out.__cause__ = exc.__cause__
+    first = (exc.fix or '').removesuffix(', then save again').removesuffix('; save elsewhere')
+    out.fix = (f"{first + ': ' if first else ''}the snapshot is kept and retried, and the next "
+               "wait_durable() or close() writes it (do not save or submit it again)")
+    return out
+
+
+__all__ = ['MirrorCounters', 'error_code', 'kept_error']

@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Generic, Protocol, TypeVar
 
 from jckpt.errors import CapacityError, CheckpointError, InputError
-from jckpt.services.counters import MirrorCounters, error_code
+from jckpt.services.counters import MirrorCounters, error_code, kept_error
 from jckpt.services.jobs import Committer, Job, Publisher, Publishing
 from jckpt.services.snapshot import Leaf, Slot
 from jckpt.trees import image
@@ -98,14 +98,14 @@ def _quietly(fn: Callable[..., object], *args: object) -> None:
 
 
 def _check_options(slots: int, when_full: str, retry_after: float, patience: int) -> None:
-    if not isinstance(slots, int) or slots < 1:
+    if type(slots) is not int or slots < 1:  # a bool is no count
         raise InputError(f"slots must be a positive integer, not {slots!r}")
     if when_full not in ('block', 'raise'):
         raise InputError(f"when_full must be 'block' or 'raise', not {when_full!r}")
     if isinstance(retry_after, bool) or not isinstance(retry_after, (int, float)) \
             or not retry_after >= 0:
         raise InputError(f"retry_after must be >= 0 seconds, not {retry_after!r}")
-    if not isinstance(patience, int) or patience < 1:
+    if type(patience) is not int or patience < 1:
         raise InputError(f"patience must be a positive integer, not {patience!r}")
 
 
@@ -161,7 +161,7 @@ class Pipeline(Generic[InfoT, StagedT]):
         self._dropped: list[tuple[int, BaseException]] = []  # (seq, error), not yet raised
         self._failures = self._stalls = 0
         self._last_error: str | None = None
-        self._closing = self._closed = False
+        self._closing = self._closed = self._final = False  # _final: close's last attempt
         self._died: BaseException | None = None  # what ended the writer thread, if anything did
         self._helper = Publisher(f"jckpt-publisher {name}")
         self._thread = threading.Thread(target=self._run, name=f"jckpt-writer {name}", daemon=True)
@@ -197,7 +197,7 @@ class Pipeline(Generic[InfoT, StagedT]):
             return asked
         if not self._told or 0 < asked <= self._answered:
             self._told = True
-            raise failed
+            raise failed if self._final else kept_error(failed)  # close: not retried after it
         if not asked:
             self._asked += 1
             asked = self._asked
@@ -333,7 +333,7 @@ class Pipeline(Generic[InfoT, StagedT]):
         if self._closed:
             return
         with self._cond:
-            self._told = True  # a writer that gave up tries once more, now (`_raise_given_up`)
+            self._told = self._final = True  # a writer that gave up tries once more, now
         try:
             if not self.wait(timeout):
                 n = self.counters().pending

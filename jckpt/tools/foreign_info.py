@@ -26,7 +26,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from jckpt.adapters.tree_reader import open_foreign
+from jckpt.adapters.tree_reader import open_foreign, stored_files
 from jckpt.format._gc import paused
 from jckpt.format.entries import path_name
 from jckpt.tools.render import (
@@ -68,8 +68,9 @@ class ArrayRow(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class ForeignInfo(_Totals):
     """The summary of a checkpoint in another format: `path`, `format`, `size` (bytes on
-    disk), the file's `metadata` pairs and one `ArrayRow` per array (`entries`). `repr`
-    prints a table; in Jupyter it renders as HTML; `to_dict` gives the JSON form."""
+    disk, a sharded index's shards included), the file's `metadata` pairs and one `ArrayRow`
+    per array (`entries`). `repr` prints a table; in Jupyter it renders as HTML; `to_dict`
+    gives the JSON form."""
 
     path: str
     format: str
@@ -137,7 +138,8 @@ def foreign_info(path: str | os.PathLike, fmt: str) -> ForeignInfo:
     names = {dtype: dtype.name for dtype in set(dtypes)}  # each dtype's name looked up once
     rows = map(ArrayRow._make, zip(namespaces, map(path_name, paths),  # columns zipped in C
                                    map(names.__getitem__, dtypes), map(tuple, shapes), sizes))
-    return ForeignInfo(path, fmt, tree_size(path), tuple(reader.metadata), tuple(rows))
+    size = sum(map(tree_size, stored_files(path)))  # an index's shards with it
+    return ForeignInfo(path, fmt, size, tuple(reader.metadata), tuple(rows))
 
 
 __all__ = ['ArrayRow', 'ForeignInfo', 'foreign_info']

@@ -5,11 +5,13 @@ import warnings
 from typing import Any, NamedTuple
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import jckpt
 from jckpt.adapters._common import (
     DEFAULT_NAMESPACE,
     array_view,
@@ -464,3 +466,20 @@ def test_a_path_deeper_than_readers_accept_is_refused_before_writing(tmp_path, n
         adapters.write({'jckpt': tree}, tmp_path / name)
     assert e.value.file == str(tmp_path / name) and e.value.entry.startswith('jckpt/k299/k298/')
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize('name', ['m.safetensors', 'm.safetensors.index.json', 'm.pt', 'm.npy',
+                                  'm.ocannl.jckpt'])
+def test_a_tree_a_format_refuses_is_refused_before_its_keys_are_warned_of(tmp_path, name):
+    """A tree with a PRNG key and int4 leaves was warned that its keys would be written as key
+    data, then refused for its first int4 leaf alone: cast, and refused again for the next."""
+    tree = {'jckpt': {'rng': jax.random.key(0), 'q': np.zeros(4, ml_dtypes.int4),
+                      'p': np.zeros(2, ml_dtypes.uint4), 'w': np.ones(3, np.float32)}}
+    fmt = 'ocannl' if name.endswith('ocannl.jckpt') else None
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')  # a warning first would be raised here instead
+        with pytest.raises(InputError) as e:
+            jckpt.adapters.write(tree, tmp_path / name, format=fmt)
+    if name.endswith(('.safetensors', '.json', '.pt')):
+        assert 'p (uint4), q (int4)' in e.value.message and e.value.entry == 'p'
+    assert not list(tmp_path.iterdir())

@@ -306,3 +306,12 @@ def test_convert_and_inspect_parse_the_header_once(tmp_path, monkeypatch, action
     else:
         assert dict(jckpt.info(src).metadata)['source'] == 'hub'
     assert len(parses) == 1
+
+
+def test_a_missing_shard_names_the_index_and_the_shard(tmp_path):
+    """A download that stopped part way was told "no such file" of the shard alone."""
+    index, _ = sharded(tmp_path)
+    (tmp_path / 'model-00002-of-00002.safetensors').unlink()
+    with pytest.raises(FormatError, match="names shard 'model-00002-of-00002.safetensors'") as e:
+        jckpt.convert(index, tmp_path / 'out.jckpt')
+    assert e.value.file == str(index) and 'weight_map' in e.value.fix

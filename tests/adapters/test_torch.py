@@ -749,3 +749,14 @@ def test_an_empty_tuple_comes_back_through_jckpt(tmp_path):
     jckpt.convert(mid, out)
     back = jckpt.adapters.read(out)['jckpt']
     assert back['e'] == () and back['n'] == [(), 1] and back['z'] is None
+
+
+def test_a_missing_torch_shard_names_the_index_and_the_shard(tmp_path):
+    """Its first shard missing, a torch index was no format at all; a later one, "no such file"."""
+    torch = pytest.importorskip('torch')
+    _, index = sharded_checkpoint(torch, tmp_path)
+    for shard in ('pytorch_model-00002-of-00002.bin', 'pytorch_model-00001-of-00002.bin'):
+        (tmp_path / shard).unlink()
+        with pytest.raises(FormatError, match=f"names shard '{shard}'") as e:
+            jckpt.convert(index, tmp_path / 'out.jckpt')
+        assert e.value.file == str(index) and 'weight_map' in e.value.fix

@@ -80,3 +80,21 @@ def test_every_missing_leaf_is_counted_in_the_one_error():
 def test_a_leaf_that_is_no_target_is_named_for_what_it_is():
     with pytest.raises(InputError):
         _match(_header(W), (('k', 'act'),), leaf=print)
+
+
+def test_a_subtree_the_file_lacks_whole_is_named_with_how_to_keep_its_initial_value():
+    params = [(('k', 'params'), ('k', n)) for n in ('w', 'b')]
+    stats = [(('k', 'batch_stats'), ('k', n)) for n in ('mean', 'var')]
+    with pytest.raises(MissingEntryError) as e:
+        _match(_header(*params), *stats, *params, (('k', 'params'), ('k', 'new')))
+    assert "nothing under the target's ['batch_stats'] (2 leaves)" in e.value.message
+    assert "1 other target leaf is missing too: model/params/new" in e.value.message
+    assert "without it (e.g. restore only its ['params'])" in e.value.fix
+    assert e.value.entry == 'model/batch_stats/mean'
+
+
+def test_a_tree_nested_otherwise_is_told_so_when_its_first_leaf_is_a_subtree_the_file_lacks():
+    stats = [(('k', 'batch_stats'), ('k', 'mean'))]
+    with pytest.raises(MissingEntryError, match="without the target's \\['params'\\]") as e:
+        _match(_header(W, B), *stats, (('k', 'params'), *W), (('k', 'params'), *B))
+    assert 'params' in e.value.fix and e.value.entry == 'model/params/w'

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from jckpt.errors import StorageError
-from jckpt.services.counters import MirrorCounters, error_code
+from jckpt.services.counters import MirrorCounters, error_code, kept_error
 
 
 def test_the_summary_names_the_five_counters_in_order():
@@ -24,3 +24,13 @@ def test_a_reading_is_immutable():
     (OSError(99999, "odd"), "OSError")])
 def test_an_error_is_named_by_its_errno_or_its_class(exc, code):
     assert error_code(exc) == code
+
+
+def test_a_kept_snapshots_error_says_it_is_retried_and_leaves_the_writers_record_alone():
+    error = StorageError("writing failed", errno=28, file="f.jckpt", fix="free disk space, then save again")
+    kept = kept_error(error)
+    assert kept.fix.startswith("free disk space: the snapshot is kept and retried")
+    assert str(kept).startswith("f.jckpt: writing failed") and kept.errno == 28
+    assert error.fix == "free disk space, then save again"
+    other = OSError(28, "No space left on device")
+    assert kept_error(other) is other

@@ -450,3 +450,10 @@ def test_deadline_after_refuses_a_timeout_that_is_not_a_number():
             deadline_after(negative)
         assert "timeout=0" in e.value.fix
     assert deadline_after(float("inf")) is None  # waits as long as None does
+
+
+@pytest.mark.parametrize("option", [{"slots": True}, {"patience": True}])
+def test_a_flag_is_no_count_of_slots_or_attempts(tmp_path, option):
+    """slots=True or patience=True was taken as 1, as retention's counts are not."""
+    with pytest.raises(jckpt.InputError, match="must be a positive integer"):
+        jckpt.Mirror(str(tmp_path / "m.jckpt"), **option)

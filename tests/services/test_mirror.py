@@ -510,3 +510,26 @@ def test_a_generation_replaces_a_link_and_leaves_its_target_alone(tmp_path):
         mirror.wait_durable()
     assert not os.path.islink(link) and real.read_bytes() == before
     assert read(link).tolist() == [1.0] * 4
+
+
+def test_a_given_up_write_says_its_snapshot_is_kept_and_close_that_it_is_lost(tmp_path, monkeypatch):
+    """wait_durable's error said "free disk space, then save again": a manager's user who did
+    so was refused (step 2 is not above the last saved step 2), the writer keeping it anyway."""
+    gate = Gate(monkeypatch)
+    with jckpt.CheckpointManager(str(tmp_path / "run"), retry_after=0.01, patience=2) as mgr:
+        mgr.save(1, {"w": np.ones(4, np.float32)}, force=True)
+        mgr.wait_durable()
+        gate.fail = OSError(errno.ENOSPC, "No space left on device")
+        mgr.save(2, {"w": np.full(4, 2, np.float32)}, force=True)
+        with pytest.raises(jckpt.StorageError) as info:
+            mgr.wait_durable()
+        assert info.value.errno == errno.ENOSPC and "save again" not in info.value.fix
+        assert "kept and retried" in info.value.fix and "wait_durable()" in info.value.fix
+        gate.fail = None  # room is made: the fix's wait_durable writes step 2
+        assert mgr.wait_durable() and mgr.all_steps() == [1, 2]
+    m = jckpt.Mirror(str(tmp_path / "m.jckpt"), retry_after=0.01, patience=2)
+    gate.fail = OSError(errno.ENOSPC, "No space left on device")
+    m.submit({"w": np.ones(4, np.float32)})
+    with pytest.raises(jckpt.StorageError) as info:
+        m.close()  # its last attempt: the snapshot is not kept after it
+    assert info.value.fix == "free disk space, then save again"

@@ -9,6 +9,7 @@ import pytest
 
 import jckpt
 from jckpt.adapters import write as write_format
+from jckpt.adapters.safetensors import write_sharded
 from jckpt.tools.foreign_info import ForeignInfo, foreign_info
 from tests.tools.test_cli import jckpt_cmd
 
@@ -93,3 +94,13 @@ def test_the_command_line_inspects_another_format(tmp_path):
     assert 'torch checkpoint, 3 arrays' in p.stdout and 'layers/1/w' in p.stdout
     data = json.loads(jckpt_cmd('inspect', path, '--json').stdout)
     assert data['totals'] == {'entries': 3, 'payload_bytes': 76, 'namespaces': {'jckpt': 3}}
+
+
+def test_a_sharded_index_counts_its_shards_on_disk(tmp_path):
+    """`jckpt inspect model.safetensors.index.json` said "272 B on disk": the index alone."""
+    index = tmp_path / 'model.safetensors.index.json'
+    write_sharded({'jckpt': {'a': np.ones(1000, np.float32), 'b': np.ones(1000, np.float32)}},
+                  index, max_shard_bytes=4000)
+    files = [index, *sorted(tmp_path.glob('model-*.safetensors'))]
+    assert len(files) == 3
+    assert jckpt.info(index).size == sum(f.stat().st_size for f in files)
