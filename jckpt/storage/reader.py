@@ -287,8 +287,16 @@ class CheckpointReader:
         >>> reader.advise([(reader.header.tensors[1], [((0, 2), (0, 3))])])  # half of w
         """
         whole = verify or not mmap
-        self.advise_spans([span for e, boxes in needs for span in payload_spans(
-            e, full_box(e.dims), None if whole else boxes)])
+        if not (self.size and self._mapped) or ((whole or all(b is None for _, b in needs)) and len(
+                {e.id for e, _ in needs}) == len(self.header.tensors)):
+            return  # every payload whole (a restore of all of it): left to the read-ahead
+        spans: list[tuple[int, int]] = []
+        for e, boxes in needs:
+            if whole or boxes is None:
+                spans.append((e.offset, e.byte_length))
+            else:
+                spans.extend(payload_spans(e, full_box(e.dims), boxes))
+        self.advise_spans(spans)
 
     def advise_spans(self, spans: Iterable[tuple[int, int]], budget: int | None = None) -> int:
         """`advise_needed` of the payload bytes `spans` (`(offset, length)` from the data

@@ -70,13 +70,16 @@ def needed_boxes(target: Any, entry: Entry, *, host: bool, device: Any) -> list[
     >>> needed_boxes(None, e, host=True, device=None) is None
     True
     """
-    import jax
-    if (target is not None and not isinstance(target, (jax.Array, jax.ShapeDtypeStruct))) or (
-            host and target is None) or entry.key_impl is not None or not x64_ok(entry.dtype):
+    if target is None:
+        dest = None if host else device
+    else:  # asked of every leaf of a restore: the commonest answer (no sharding) first
+        dest = getattr(target, 'sharding', None)
+    if dest is None or entry.key_impl is not None:
         return None
-    dest = getattr(target, 'sharding', None) if target is not None else device
+    import jax
     if not isinstance(dest, jax.sharding.Sharding) or len(dest.device_set) == 1 or (
-            target is not None and tuple(target.shape) != entry.shape):
+            target is not None and (not isinstance(target, (jax.Array, jax.ShapeDtypeStruct))
+                                    or tuple(target.shape) != entry.shape)) or not x64_ok(entry.dtype):
         return None
     try:
         return _local_boxes(dest, entry.shape)
