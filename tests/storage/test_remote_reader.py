@@ -192,18 +192,23 @@ class Together:
         self.read_into(source, dest, offset, version)
 
 
-def test_a_restore_reads_the_payloads_of_many_entries_concurrently(monkeypatch):
-    # two payloads of one GET each (below a part): a restore of a model of many such tensors was
-    # one GET after another, latency-bound however many requests the store allows in flight
+def _restored_together(monkeypatch, tree, url):
+    """`tree` saved at `url` and restored, each payload read through a `Together`, which
+    counts the reads made alone (none other in flight)."""
     from jckpt.storage.object_store import ObjectSource
 
-    tree = {"x": np.arange(1 << 17, dtype=np.float32), "y": np.ones(1 << 18, np.float32)}
-    url = "memory://remote-reader-together/m.jckpt"
     jckpt.save(jckpt.Context(), tree, url)
     together = Together(ObjectSource.read_into)
     monkeypatch.setattr(ObjectSource, "read_into",
                         lambda source, dest, offset, version: together.read(source, dest, offset, version))
-    got = jckpt.restore(jckpt.Context(host=True), tree, url)
+    return jckpt.restore(jckpt.Context(host=True), tree, url), together
+
+
+def test_a_restore_reads_the_payloads_of_many_entries_concurrently(monkeypatch):
+    # two payloads of one GET each (below a part): a restore of a model of many such tensors was
+    # one GET after another, latency-bound however many requests the store allows in flight
+    tree = {"x": np.arange(1 << 17, dtype=np.float32), "y": np.ones(1 << 18, np.float32)}
+    got, together = _restored_together(monkeypatch, tree, "memory://remote-reader-together/m.jckpt")
     for name, want in tree.items():
         np.testing.assert_array_equal(got[name], want)
     assert together.alone == 0
@@ -236,15 +241,8 @@ def test_a_partial_restore_fetches_the_payloads_it_restores_not_their_neighbours
 
 def test_the_windows_of_small_payloads_are_fetched_concurrently(monkeypatch):
     # 2,000 arrays of 4,000 bytes: two windows of small payloads, read one after the other
-    from jckpt.storage.object_store import ObjectSource
-
     tree = {f"a{i:04d}": np.full(1000, i, np.float32) for i in range(2000)}
-    url = "memory://remote-reader-windows/m.jckpt"
-    jckpt.save(jckpt.Context(), tree, url)
-    together = Together(ObjectSource.read_into)
-    monkeypatch.setattr(ObjectSource, "read_into",
-                        lambda source, dest, offset, version: together.read(source, dest, offset, version))
-    got = jckpt.restore(jckpt.Context(host=True), tree, url)
+    got, together = _restored_together(monkeypatch, tree, "memory://remote-reader-windows/m.jckpt")
     np.testing.assert_array_equal(got["a1234"], tree["a1234"])
     assert together.alone == 1  # the header's rest, past its first GET; the windows were 2 more
 

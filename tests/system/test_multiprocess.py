@@ -4,6 +4,7 @@ Each test starts fresh worker processes (this file, run as a script) that
 join one ``jax.distributed`` run with gloo CPU collectives.
 """
 
+import functools
 import json
 import os
 import socket
@@ -1138,6 +1139,19 @@ def phase_manager_arguments(jax, jckpt, result, path):
         result.update(ok=True, attempts=attempts, steps=mgr.all_steps())
 
 
+def _restore_attempt(jckpt, call, value):
+    """`[error type or None, message, seconds, whether what came back holds value]` of a
+    restore (`call`) whose tree (or a manager's restored step's) holds a global array `x`."""
+    start = time.monotonic()
+    try:
+        back = call()
+    except jckpt.CheckpointError as e:
+        return [type(e).__name__, str(e), time.monotonic() - start, False]
+    tree = getattr(back, "tree", back)
+    return [None, "", time.monotonic() - start, all(bool(np.all(np.asarray(s.data) == value))
+                                                    for s in tree["x"].addressable_shards)]
+
+
 def phase_lone_failures(jax, jckpt, result, path):
     """A writer manager's restores, then plain `jckpt.restore`s, each failing in process 1
     alone: a target of another shape, its piece of step 2 damaged, a `verify=` that is no
@@ -1152,16 +1166,7 @@ def phase_lone_failures(jax, jckpt, result, path):
     def target(size=8):
         return {"x": jax.ShapeDtypeStruct((size,), np.float32, sharding=sharding)}
 
-    def attempt(call, value):
-        """`[error type or None, message, seconds, whether what came back holds value]`."""
-        start = time.monotonic()
-        try:
-            back = call()
-        except jckpt.CheckpointError as e:
-            return [type(e).__name__, str(e), time.monotonic() - start, False]
-        tree = getattr(back, "tree", back)
-        return [None, "", time.monotonic() - start, all(bool(np.all(np.asarray(s.data) == value))
-                                                        for s in tree["x"].addressable_shards)]
+    attempt = functools.partial(_restore_attempt, jckpt)
 
     attempts = []
     with jckpt.CheckpointManager(run) as mgr:
@@ -1227,16 +1232,7 @@ def phase_lone_meeting(jax, jckpt, result, path):
     target = {"x": jax.ShapeDtypeStruct((8,), np.float32, sharding=sharding)}
     one = os.path.join(path, "one.jckpt")
 
-    def attempt(call, value):
-        """`[error type or None, message, seconds, whether what came back holds value]`."""
-        start = time.monotonic()
-        try:
-            back = call()
-        except jckpt.CheckpointError as e:
-            return [type(e).__name__, str(e), time.monotonic() - start, False]
-        tree = getattr(back, "tree", back)
-        return [None, "", time.monotonic() - start, all(bool(np.all(np.asarray(s.data) == value))
-                                                        for s in tree["x"].addressable_shards)]
+    attempt = functools.partial(_restore_attempt, jckpt)
 
     def read_alone():
         with jckpt.CheckpointManager(os.path.join(path, "empty"), read_only=True):
