@@ -134,7 +134,7 @@ def take(ctx: Context, entry: Entry, array: Any, leaf: Any, path: str, where: st
 def _x64_hint(stored: np.dtype, wanted: np.dtype, leaf: Any) -> str:
     """Why a 64-bit entry meets a JAX target of its kind in 32 bits when this process runs with
     `jax_enable_x64` off (a file saved with it on, restored into `jax.eval_shape`'s specs)."""
-    if jax.config.jax_enable_x64 or not isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) or \
+    if jax.config.read('jax_enable_x64') or not isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) or \
             _kind(stored) != _kind(wanted) or \
             (stored.itemsize, wanted.itemsize) not in ((8, 4), (16, 8)):
         return ''

@@ -55,7 +55,7 @@ def x64_ok(dtype: np.dtype) -> bool:
     """Whether JAX holds arrays of `dtype` as they are (64-bit ones only with x64 on)."""
     import jax
     return dtype.itemsize < 8 or (dtype.kind == 'c' and dtype.itemsize == 8) or bool(
-        jax.config.jax_enable_x64)
+        jax.config.read('jax_enable_x64'))
 
 
 def needed_boxes(target: Any, entry: Entry, *, host: bool, device: Any) -> list[Box] | None:
