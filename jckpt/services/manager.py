@@ -328,7 +328,7 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
         and its metrics: `InputError` for one that cannot be stored."""
         meta = check_metadata(metadata, self.directory)
         clean_metrics = check_metrics(metrics, self.directory,
-                                      self.best_metric if self.keep_best else None)
+                                      self.best_metric if self.keep_best else None, step)
         meta[STEP_KEY] = str(step)
         meta[METRICS_KEY] = strict_json.dumps(clean_metrics, sort_keys=True)
         if trainer_state is not None:
