@@ -160,6 +160,8 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
 
     _holder = MANAGER_STEP
     _kind = 'manager'
+    _less_often = ("save less often (a larger save_interval_steps: save writes only where "
+                   "should_save(step) is True, unless force=True)")
 
     def __init__(self, directory: str | os.PathLike, *, ctx: Context | None = None,
                  keep_last: int | None = None, keep_every: int | None = None,
