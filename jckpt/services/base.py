@@ -69,6 +69,8 @@ class BackgroundWriter(Generic[InfoT]):
     _holder: ClassVar[Holder]
     #: What log messages call the writer (``'mirror'``, ``'manager'``).
     _kind: ClassVar[str]
+    #: How a full writer's `CapacityError` (`when_full='raise'`) tells the user to call less often.
+    _less_often: ClassVar[str] = 'submit less often'
     #: Skip a snapshot whose content equals the last generation's.
     _dedupe: ClassVar[bool] = False
 
@@ -106,7 +108,7 @@ class BackgroundWriter(Generic[InfoT]):
             self._pipeline: Pipeline[InfoT, Staged[InfoT]] = Pipeline(
                 name, _Stages(self), slots=slots, when_full=when_full, retry_after=retry_after,
                 patience=patience, generation=opened.generation, owner=self,
-                image_bytes=device_image_bytes)
+                image_bytes=device_image_bytes, less_often=self._less_often)
         except BaseException:
             if held is not None:
                 held.release()

@@ -133,15 +133,18 @@ class Pipeline(Generic[InfoT, StagedT]):
       owner: what is closed at interpreter exit if left open (default: the pipeline).
       image_bytes: the most device memory a slot's image of accelerator arrays may take
         (None: what the devices have free; 0: copy to host at submit instead).
+      less_often: how the `CapacityError` of `when_full='raise'` tells the caller to admit
+        less often, in the words of the call it makes (`'submit less often'`, a mirror's).
     """
 
     def __init__(self, name: str, commit: Committer[StagedT], *, slots: int = 2,
                  when_full: str = 'block', retry_after: float = 1.0, patience: int = 3,
                  generation: int = 0, owner: _Closable | None = None,
-                 image_bytes: int | None = None) -> None:
+                 image_bytes: int | None = None, less_often: str = 'submit less often') -> None:
         _check_options(slots, when_full, retry_after, patience)
         image.check_limit(image_bytes)
         self.name = name
+        self.less_often = less_often
         self._commit = commit
         self.when_full = when_full
         self.retry_after = float(retry_after)
@@ -259,7 +262,8 @@ class Pipeline(Generic[InfoT, StagedT]):
                 if self.when_full == 'raise':
                     raise CapacityError(f"all {len(self._queue)} snapshot slots are still "
                                         "being written", file=self.name,
-                                        fix="submit less often, add slots, or use when_full='block'")
+                                        fix=f"{self.less_often}, add slots, or use "
+                                            "when_full='block'")
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise CapacityError("timed out waiting for a free snapshot slot",

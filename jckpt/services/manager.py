@@ -160,6 +160,8 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
 
     _holder = MANAGER_STEP
     _kind = 'manager'
+    _less_often = ("save less often (a larger save_interval_steps: save writes only where "
+                   "should_save(step) is True, unless force=True)")
 
     def __init__(self, directory: str | os.PathLike, *, ctx: Context | None = None,
                  keep_last: int | None = None, keep_every: int | None = None,
@@ -328,7 +330,7 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
         and its metrics: `InputError` for one that cannot be stored."""
         meta = check_metadata(metadata, self.directory)
         clean_metrics = check_metrics(metrics, self.directory,
-                                      self.best_metric if self.keep_best else None)
+                                      self.best_metric if self.keep_best else None, step)
         meta[STEP_KEY] = str(step)
         meta[METRICS_KEY] = strict_json.dumps(clean_metrics, sort_keys=True)
         if trainer_state is not None:

@@ -30,11 +30,17 @@ StepMetrics = Mapping[int, Mapping[str, float]]
 
 
 def ranked(metrics: StepMetrics, metric: str, mode: str) -> list[int]:
-    """The steps that have `metric` (not NaN), best first (`mode` `'min'` or `'max'`).
+    """The steps that have a finite `metric`, best first (`mode` `'min'` or `'max'`).
 
-    Ties go to the later step.
+    Ties go to the later step. A NaN or an infinity is left out, as a missing value is: it
+    is what a diverged run or a broken evaluation records, and an `acc` of `inf` ranked
+    first by `'max'` would be kept as the best step for good.
+
+    >>> ranked({1: {'acc': 0.5}, 2: {'acc': float('inf')}, 3: {'acc': 0.7}}, 'acc', 'max')
+    [3, 1]
     """
-    scored = [(v[metric], s) for s, v in metrics.items() if metric in v and not math.isnan(v[metric])]
+    scored = [(v[metric], s) for s, v in metrics.items()
+              if metric in v and math.isfinite(v[metric])]
     sign = 1 if mode == 'min' else -1
     return [s for _, s in sorted(scored, key=lambda t: (sign * t[0], -t[1]))]
 
@@ -107,12 +113,16 @@ def check_step(step: object, where: str) -> int:
 
 
 def check_metrics(metrics: Mapping[str, float] | None, where: str,
-                  rank_by: str | None = None) -> dict[str, float]:
+                  rank_by: str | None = None, step: int | None = None) -> dict[str, float]:
     """Metrics as `{name: float}`, refusing a value that is not a number.
 
-    With `rank_by` (a `keep_best` policy's metric), metrics that lack it get a
-    warning: a step without it is never kept as best, and a misspelt
-    `best_metric` would let retention delete the best steps.
+    With `rank_by` (a `keep_best` policy's metric), metrics of `step` that
+    `ranked` leaves out get a warning (`unranked_reason`): without it, retention
+    would later delete the step, or a misspelt `best_metric` the best steps,
+    without a word.
+
+    >>> check_metrics({'loss': 1}, 'run', 'loss', step=3)
+    {'loss': 1.0}
     """
     if metrics is not None and not isinstance(metrics, Mapping):
         raise InputError(f"metrics must be a mapping {{name: number}}, not {type(metrics).__name__}",
@@ -124,11 +134,33 @@ def check_metrics(metrics: Mapping[str, float] | None, where: str,
         except (TypeError, ValueError, OverflowError):
             raise InputError(f"metric {k!r} is not a number: {v!r}", file=where,
                              fix="pass plain numbers (float(loss))") from None
-    if rank_by is not None and out and rank_by not in out:
-        warnings.warn(f"{where}: metrics {sorted(out)[:5]} have no {rank_by!r}, the best_metric "
-                      "keep_best ranks by: a step without it is never kept as a best one (is "
-                      "best_metric misspelt?)", stacklevel=3)
+    if rank_by is not None and (reason := unranked_reason(out, rank_by, step)) is not None:
+        warnings.warn(f"{where}: {reason}", stacklevel=3)
     return out
 
 
-__all__ = ['Retention', 'StepMetrics', 'check_metrics', 'check_step', 'ranked']
+def unranked_reason(metrics: Mapping[str, float], rank_by: str, step: int | None) -> str | None:
+    """Why `keep_best` never keeps `step` with these `metrics` as a best one (None: it may).
+
+    >>> unranked_reason({'loss': float('-inf')}, 'loss', 7).split(',')[0]
+    "step 7's 'loss' is -inf"
+    >>> unranked_reason({'loss': 0.5}, 'loss', 7) is None
+    True
+    """
+    name = 'the step' if step is None else f"step {step}"
+    then = ("retention keeps it only while keep_last, keep_every or being the latest step "
+            "keeps it")
+    if not metrics:
+        return (f"{name} was saved with no metrics, so without {rank_by!r}, the best_metric "
+                f"keep_best ranks by: {then} (pass metrics={{{rank_by!r}: ...}} to rank it)")
+    if rank_by not in metrics:
+        return (f"{name}'s metrics {sorted(metrics)[:5]} have no {rank_by!r}, the best_metric "
+                f"keep_best ranks by: it is never kept as a best one, and {then} (is "
+                "best_metric misspelt?)")
+    if not math.isfinite(metrics[rank_by]):
+        return (f"{name}'s {rank_by!r} is {metrics[rank_by]}, which is never ranked as a best "
+                f"one (a diverged run or a broken evaluation, as NaN is): {then}")
+    return None
+
+
+__all__ = ['Retention', 'StepMetrics', 'check_metrics', 'check_step', 'ranked', 'unranked_reason']

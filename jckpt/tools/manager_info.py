@@ -34,6 +34,7 @@ from jckpt.errors import CheckpointError, FormatError, InputError
 from jckpt.format import strict_json
 from jckpt.format.metadata import parse_metrics
 from jckpt.format.names import GENERATION_KEY, LINEAGE_KEY, METRICS_KEY, STEP_RE, TRAINER_STATE_NAME
+from jckpt.services.retention import ranked
 from jckpt.storage import step_directory
 from jckpt.storage.backend import backend_for, is_url
 from jckpt.storage.object_backend import NO_SUCH_OBJECT
@@ -90,8 +91,8 @@ class ManagerInfo:
     """The summary of a checkpoint manager directory: a table of its steps.
 
     `best` ranks the readable steps by `best_metric` (`best_mode`
-    `'min'` or `'max'`; ties go to the later step, as the manager ranks
-    them); `latest` is the highest readable step.
+    `'min'` or `'max'`; ties go to the later step, and a NaN or infinite value
+    is never best, as the manager ranks them); `latest` is the highest readable step.
     """
 
     path: str
@@ -115,11 +116,9 @@ class ManagerInfo:
     def best(self) -> int | None:
         if self.best_metric is None:
             return None
-        sign = 1 if self.best_mode == 'min' else -1
-        scored = [(sign * s.metrics[self.best_metric], -s.step) for s in self.steps
-                  if s.error is None and self.best_metric in s.metrics
-                  and s.metrics[self.best_metric] == s.metrics[self.best_metric]]
-        return -min(scored)[1] if scored else None
+        best = ranked({s.step: s.metrics for s in self.steps if s.error is None},
+                      self.best_metric, self.best_mode)  # as the manager ranks them
+        return best[0] if best else None
 
     @property
     def size(self) -> int:

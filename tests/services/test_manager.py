@@ -280,6 +280,22 @@ def test_disk_error_keeps_the_step_and_retries(tmp_path, monkeypatch):
         assert mgr.all_steps() == [1, 2] and mgr.counters.error == 0
 
 
+def test_a_full_manager_says_to_save_less_often(tmp_path, monkeypatch):
+    """Its CapacityError told the manager's user to "submit less often", a mirror's call."""
+    import threading
+    gate, original = threading.Event(), writer_mod.Sink.write
+    monkeypatch.setattr(writer_mod.Sink, "write", lambda sink, data: (gate.wait(30), original(sink, data))[1])
+    with jckpt.CheckpointManager(tmp_path, slots=1, when_full="raise") as mgr:
+        mgr.save(1, {"x": np.float32(1)})  # held by the writer until the gate opens
+        with pytest.raises(jckpt.CapacityError, match="slots") as info:
+            mgr.save(2, {"x": np.float32(2)})
+        gate.set()
+    fix = info.value.fix
+    assert fix.startswith("save less often") and "submit" not in fix
+    assert "save_interval_steps" in fix and "should_save(step)" in fix and "when_full='block'" in fix
+    assert mgr.all_steps() == [1]
+
+
 def test_a_step_written_after_a_disk_error_was_raised_waits_normally(tmp_path, monkeypatch):
     """After a full disk made `wait_durable` raise, a step saved once the disk had room again
     raised the same ENOSPC again, until the failed step's retry (`retry_after` later) went

@@ -141,8 +141,9 @@ def test_slots_block_or_refuse_and_are_not_reused_before_durable(tmp_path, monke
         m.submit({"w": np.full(4, 1, np.float32)})
         m.submit({"w": np.full(4, 2, np.float32)})
         assert m.counters.pending == 2
-        with pytest.raises(jckpt.CapacityError, match="slots"):
+        with pytest.raises(jckpt.CapacityError, match="slots") as info:
             m.submit({"w": np.full(4, 3, np.float32)})
+        assert info.value.fix.startswith("submit less often")  # the mirror's call, not save
         assert m.counters.committed == 2            # the refused one was not admitted
         gate.open.set()
         m.wait_durable()

@@ -90,12 +90,20 @@ def test_ties_go_to_the_later_step(mode):
         {**metrics, 4: {'other': 1.0}}) == [1, 2]
 
 
-def test_ranked_leaves_out_nan_and_missing_and_orders_infinities():
+def test_ranked_leaves_out_nan_infinities_and_missing():
     metrics = {1: {'loss': NAN}, 2: {'loss': math.inf}, 3: {'loss': -math.inf}, 4: {'x': 0.0},
-               5: {'loss': 0.0}}
-    assert ranked(metrics, 'loss', 'min') == [3, 5, 2]
-    assert ranked(metrics, 'loss', 'max') == [2, 5, 3]
+               5: {'loss': 0.0}, 6: {'loss': 1.0}}
+    assert ranked(metrics, 'loss', 'min') == [5, 6]
+    assert ranked(metrics, 'loss', 'max') == [6, 5]
     assert ranked(metrics, 'acc', 'min') == []
+
+
+@pytest.mark.parametrize('mode,best', [('max', math.inf), ('min', -math.inf)])
+def test_an_infinite_metric_is_never_kept_as_best(mode, best):
+    """An `acc` of inf (a broken evaluation) was kept as the best step for good."""
+    metrics = {1: {'acc': 0.5}, 2: {'acc': best}, 3: {'acc': 0.9 if mode == 'max' else 0.1},
+               4: {'acc': 0.7}, 5: {'acc': 0.6}}
+    assert Retention(keep_best=1, best_metric='acc', best_mode=mode).doomed(metrics) == [1, 2, 4]
 
 
 # --- refusals ----------------------------------------------------------------------------------
@@ -171,11 +179,41 @@ def test_metrics_without_the_metric_keep_best_ranks_by_warn(tmp_path):
     """A misspelt best_metric let retention delete the best step without a word."""
     import jax.numpy as jnp
     run = tmp_path / "run"
-    with pytest.warns(UserWarning, match=r"metrics \['val_los'\] have no 'val_loss'.*misspelt"):
+    with pytest.warns(UserWarning, match=r"step 1's metrics \['val_los'\] have no 'val_loss'.*misspelt"):
         with jckpt.CheckpointManager(run, keep_last=1, keep_best=1, best_metric="val_loss") as mgr:
             mgr.save(1, {"w": jnp.ones(2)}, metrics={"val_los": 0.5})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_metrics({"val_loss": 1.0, "lr": 0.1}, "run", "val_loss")
-        check_metrics({}, "run", "val_loss")  # no metrics this step: nothing to say
+        check_metrics({}, "run", None)  # no keep_best: no step is ranked, nothing to say
         check_metrics({"lr": 0.1}, "run", None)
+
+
+def test_a_step_saved_without_metrics_under_keep_best_warns_once_at_its_save(tmp_path):
+    """Such a step was deleted by retention later without a word."""
+    import jax.numpy as jnp
+    with jckpt.CheckpointManager(tmp_path / "run", keep_last=1, keep_best=1, best_metric="loss",
+                                 asynchronous=False) as mgr:
+        with pytest.warns(UserWarning) as told:
+            mgr.save(1, {"w": jnp.ones(2)}, metrics={"loss": 0.5})
+            mgr.save(2, {"w": jnp.ones(2)})
+            mgr.save(3, {"w": jnp.ones(2)}, metrics={"loss": 0.7})
+        assert mgr.all_steps() == [1, 3]  # step 2 went: neither the last nor a best one
+    assert len(told) == 1
+    message = str(told[0].message)
+    assert "step 2 was saved with no metrics" in message and "'loss'" in message
+    assert "keep_last, keep_every or being the latest" in message
+
+
+@pytest.mark.parametrize('mode,value', [('max', math.inf), ('min', -math.inf), ('min', NAN)])
+def test_a_non_finite_ranked_metric_warns_once_naming_the_step(tmp_path, mode, value):
+    import jax.numpy as jnp
+    with jckpt.CheckpointManager(tmp_path / "run", keep_last=1, keep_best=1, best_metric="acc",
+                                 best_mode=mode, asynchronous=False) as mgr:
+        with pytest.warns(UserWarning) as told:
+            mgr.save(1, {"w": jnp.ones(2)}, metrics={"acc": 0.5})
+            mgr.save(2, {"w": jnp.ones(2)}, metrics={"acc": value})
+            mgr.save(3, {"w": jnp.ones(2)}, metrics={"acc": 0.4 if mode == 'max' else 0.6})
+        assert mgr.all_steps() == [1, 3] and mgr.best_step() == 1
+    assert len(told) == 1
+    assert f"step 2's 'acc' is {value}, which is never ranked as a best one" in str(told[0].message)

@@ -43,6 +43,13 @@ def test_manager_directory(tmp_path):
         manager_info(tmp_path, best_mode='median')
 
 
+def test_an_infinite_or_nan_metric_is_never_best_as_in_the_manager(tmp_path):
+    """`jckpt.info` named a step with acc=inf best, where the manager's best_step did not."""
+    for step, acc in ((1, 0.5), (2, float('inf')), (3, float('nan')), (4, 0.2)):
+        _step(tmp_path, step, {'acc': acc})
+    assert manager_info(tmp_path, best_metric='acc', best_mode='max').best == 1
+
+
 def test_a_real_manager_directory(tmp_path):
     with jckpt.CheckpointManager(tmp_path, asynchronous=False) as mgr:
         for step, loss in ((10, 0.5), (20, 0.2)):
