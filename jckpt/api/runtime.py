@@ -310,7 +310,8 @@ def told(e: BaseException) -> str:
 
 
 def agree(what: str, path: str, failure: BaseException | None, *, process: int, processes: int,
-          timeout: float | None = None, value: Any = None, same_path: bool = True) -> list[Any]:
+          timeout: float | None = None, value: Any = None, same_path: bool = True,
+          here: Meeting | None = None) -> list[Any]:
     """Meet every process, each saying whether its part of `what` failed; raise the same
     error in every process when one did, else return every process's `value` (JSON), by
     process (what each found: a reader's processes keep the steps they all list).
@@ -332,7 +333,7 @@ def agree(what: str, path: str, failure: BaseException | None, *, process: int, 
         if failure is not None:
             raise failure
         return [value]
-    here = meeting(what, os.fspath(path) if same_path else '')
+    here = here or meeting(what, os.fspath(path) if same_path else '')  # `arrive`'s, if any
     rt = Runtime(here.tag, path, barrier_timeout() if timeout is None else float(timeout),
                  processes, process, announce=None)
     rt.put(f"said/{process}", json.dumps({'path': os.fspath(path), 'value': value,
@@ -368,13 +369,28 @@ def jointly(what: str, path: str, call: Callable[[], T], *, process: int, proces
         tree = jointly("restoring the checkpoint", path, read, process=1, processes=2)
         ```
     """
+    # where this process is, said before its part (a slow read): a process that times out
+    # meanwhile names this meeting, not the one this process made before
+    here = arrive(what, path, process=process, processes=processes, same_path=same_path)
     try:
         value = call()
     except Exception as e:  # KeyboardInterrupt and SystemExit pass as they are
-        agree(what, path, e, process=process, processes=processes, same_path=same_path)
+        agree(what, path, e, process=process, processes=processes, same_path=same_path, here=here)
         raise  # agree raised already: `e` is this process's own failure
-    agree(what, path, None, process=process, processes=processes, same_path=same_path)
+    agree(what, path, None, process=process, processes=processes, same_path=same_path, here=here)
     return value
+
+
+def arrive(what: str, path: str, *, process: int, processes: int,
+           same_path: bool = True) -> Meeting | None:
+    """This process's next meeting about `what` (`meeting`), posted now as where this process
+    is, for the errors of processes that wait for it (None with one process)."""
+    if processes == 1:
+        return None
+    here = meeting(what, os.fspath(path) if same_path else '')
+    Runtime(here.tag, path, 1.0, processes, process, announce=None).put_global(
+        f"{MEETING}/{process}", here.encode())
+    return here
 
 
 def _described(e: BaseException | None) -> dict[str, str | None]:
@@ -397,4 +413,4 @@ def _common(what: str, path: str, failed: list[tuple[int, dict[str, Any]]]) -> C
 
 
 __all__ = ['DEFAULT_BARRIER_TIMEOUT', 'MEETING', 'MISMATCH_FIX', 'Meeting', 'Runtime', 'agree',
-           'barrier_timeout', 'client', 'first_line', 'jointly', 'meeting', 'told']
+           'arrive', 'barrier_timeout', 'client', 'first_line', 'jointly', 'meeting', 'told']

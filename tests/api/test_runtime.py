@@ -227,6 +227,24 @@ def test_a_timeout_names_the_meeting_this_process_is_at_and_where_the_others_are
     assert "in the same order" in e.value.fix and "restart the run's processes" in e.value.fix
 
 
+def test_a_process_says_where_it_is_before_its_part_of_a_meeting(monkeypatch):
+    """A process still reading its part of a restore (slow, on a loaded host) showed, to a
+    partner that timed out meanwhile, the meeting it had made before: when that was the same
+    kind of meeting (a restore it made alone), the partner took it as having come, and named
+    no mismatch. Its position is posted before its part begins."""
+    import collections
+
+    client = FakeClient()
+    monkeypatch.setattr(runtime_mod, "client", lambda processes, path: client)
+    monkeypatch.setattr(runtime_mod, "_MEETINGS", collections.Counter({
+        ("restoring the checkpoint", ""): 1}))
+    seen = []
+    jointly("restoring the checkpoint", "a.jckpt", lambda: seen.append(client.kv["jckpt/meeting/0"]),
+            process=0, processes=2, same_path=False)
+    assert json.loads(seen[0]) == ["restoring the checkpoint", "", 1]
+    assert len(client.names) == 1  # still one barrier
+
+
 def test_jointly_in_one_process_raises_its_own_error_as_it_is(monkeypatch):
     monkeypatch.setattr(runtime_mod, "client", lambda processes, path: pytest.fail("met"))
     mine = jckpt.FormatError("no such file")
