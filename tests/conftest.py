@@ -43,3 +43,20 @@ def s3(s3_server, monkeypatch):
     object_store.forget_stores()
     yield f"s3://{s3_server.bucket()}"
     object_store.forget_stores()
+
+
+@pytest.fixture
+def slow_s3(s3, s3_server):
+    """`(bucket URL, proxy)`: the bucket reached through a `FaultProxy` that answers each request
+    `proxy.delay` seconds late (0.05, as a real bucket's latency; 0 to fill a bucket quickly),
+    counting what was in flight at once (`proxy.most_in_flight`, `proxy.rounds()`)."""
+    from jckpt.storage import object_store
+    from tests.s3server import FaultProxy
+
+    proxy = FaultProxy(s3_server.endpoint, delay=0.05)
+    object_store.configure(s3, endpoint=proxy.endpoint)
+    try:
+        yield s3, proxy
+    finally:
+        object_store.configure(s3)
+        proxy.close()

@@ -5,11 +5,13 @@ test suite uses). `S3Server.start()` starts one; `server.bucket()` makes a fresh
 bucket; `server.requests(bucket)` lists the requests the server answered for a
 bucket, from its request log (how the tests count a call's requests);
 `server.stop()` kills it (a fault test kills it mid-upload); a `FaultProxy` in front of it
-fails the requests a test picks (503 Slow Down, a connection reset mid-answer). The
+fails the requests a test picks (503 Slow Down, a connection reset mid-answer), or delays
+each by a fixed time (a real bucket's latency) and records how many were in flight at once. The
 functions below look at a URL's incomplete uploads and upload markers as
 another client would (boto3, the environment pointing at the server).
 """
 
+import bisect
 import contextlib
 import http.client
 import http.server
@@ -118,10 +120,20 @@ class FaultProxy:
     """An HTTP proxy in front of the S3 server that fails the requests `fault` picks: `fault(method,
     path, headers)` gives None (pass it on), "503" (SlowDown), "reset" (the answer's headers
     and half its body, then the connection reset) or "drop" (the request read, not passed on,
-    and the connection reset: a part upload cut off)."""
+    and the connection reset: a part upload cut off).
 
-    def __init__(self, upstream, fault):
-        self.fault, self.faults = fault, []
+    With `delay` (seconds), each request is answered that much later (a real bucket's 10-50 ms
+    a request, where sequential requests cost more than bytes). `in_flight` is how many
+    requests are being answered now, `most_in_flight` the most at once since `reset_counts()`,
+    `seen` the requests since, as `(method, path)`, `rounds()` the longest chain among them of
+    requests each sent after the previous one's answer (the sequential round trips)."""
+
+    def __init__(self, upstream, fault=None, *, delay: float = 0.0):
+        self.fault, self.faults, self.delay = fault or (lambda *a: None), [], delay
+        self.in_flight = self.most_in_flight = 0
+        self.seen: list[tuple[str, str]] = []
+        self._spans: list[tuple[float, float]] = []
+        self._lock = threading.Lock()
         host, port = urllib.parse.urlsplit(upstream).netloc.split(":")
         proxy = self
 
@@ -134,6 +146,15 @@ class FaultProxy:
             def _any(self):
                 n = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(n) if n else b""
+                start = proxy._begin(self.command, self.path)
+                try:
+                    self._answer(body)
+                finally:
+                    proxy._end(start)
+
+            def _answer(self, body):
+                if proxy.delay:
+                    time.sleep(proxy.delay)
                 what = proxy.fault(self.command, self.path, self.headers)
                 if what:
                     proxy.faults.append((what, self.command, self.path))
@@ -177,6 +198,35 @@ class FaultProxy:
         self.server.daemon_threads = True
         self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def _begin(self, method: str, path: str) -> float:
+        with self._lock:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            self.seen.append((method, urllib.parse.unquote(path)))
+            return time.monotonic()
+
+    def _end(self, start: float) -> None:
+        with self._lock:
+            self.in_flight -= 1
+            self._spans.append((start, time.monotonic()))
+
+    def reset_counts(self) -> None:
+        with self._lock:
+            self.most_in_flight, self.seen, self._spans = self.in_flight, [], []
+
+    def rounds(self) -> int:
+        """The longest chain of requests since `reset_counts()` each received after the previous
+        one was answered: the round trips a caller waited for one after another."""
+        with self._lock:
+            spans = sorted(self._spans, key=lambda s: s[1])
+        ends: list[float] = []
+        depth: list[int] = []
+        for start, end in spans:
+            before = bisect.bisect_left(ends, start)
+            depth.append(1 + max(depth[:before], default=0))
+            ends.append(end)
+        return max(depth, default=0)
 
     def close(self):
         self.server.shutdown()

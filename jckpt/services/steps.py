@@ -8,7 +8,6 @@ by `jckpt.services.format_reading`). These functions read any of them the same w
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -42,16 +41,13 @@ from jckpt.storage import step_directory
 from jckpt.storage.backend import LOCAL, Backend, backend_for, is_url
 from jckpt.storage.checkpoint import open_checkpoint, reusing
 from jckpt.storage.directory import NO_INDEX, DirectoryReader, reclaim_stage_dirs
-from jckpt.storage.object_backend import NO_SUCH_OBJECT, OBJECT_STORE
+from jckpt.storage.object_backend import NO_SUCH_OBJECT, OBJECT_STORE, concurrency
 from jckpt.storage.object_store import MISSING_OBJECT
 from jckpt.storage.publish import reclaim_staging, storage_error
+from jckpt.storage.remote_reader import concurrently
 from jckpt.storage.staging import next_name, remove_staged, remove_staged_below
 
 log = logging.getLogger('jckpt')
-
-#: Step headers a manager opening a bucket reads at a time (each is one GET).
-READERS = 8
-
 
 def read_metadata(path: str, step: int | None = None, *,
                   prefix: bool | None = None) -> dict[str, str]:
@@ -157,7 +153,8 @@ def recover(backend: Backend, directory: str, *, clean: bool, cache: StepCache |
 def scan(backend: Backend, directory: str, listing: Listing | None = None,
          cache: StepCache | None = None) -> Found:
     """Every readable step in `directory` (an unreadable one is logged, left out): one listing (or
-    the caller's `listing`), then each step's metadata, unless in `cache` (`READERS` GETs at once)."""
+    the caller's `listing`), then each step's metadata, unless in `cache` (in a bucket, the
+    store's `concurrency` GETs at once: `jckpt.storage.object_backend.concurrency`)."""
     files, dirs, versions = listing if listing is not None else (*backend.list_kinds(directory), None)
     folders, plain = set(dirs), set(files)
     names = [(int(m.group(1)), name) for name in sorted(plain | folders) if (m := STEP_RE.match(name))]
@@ -181,11 +178,7 @@ def scan(backend: Backend, directory: str, listing: Listing | None = None,
                 log.warning("ignoring unreadable step %s: %s", item[1], e)
             return None
     read = cache.reading(read, directory, versions) if cache is not None else read
-    if backend is LOCAL or len(names) < 2:
-        read_all = list(map(read, names))
-    else:
-        with concurrent.futures.ThreadPoolExecutor(READERS, thread_name_prefix='jckpt-scan') as pool:
-            read_all = list(pool.map(read, names))
+    read_all = concurrently(read, names, 1 if backend is LOCAL else concurrency(directory))
     found = {step: (name, got) for (step, name), got in zip(names, read_all) if got is not None}
     metrics = {step: parse_metrics(got[0].get(METRICS_KEY), os.path.join(directory, name))
                for step, (name, got) in found.items()}

@@ -245,6 +245,16 @@ def delete_keys(u: ObjectURL, keys: list[str]) -> None:
                                   f"{u.scheme}://{u.bucket}/{batch[0]}") from e
 
 
+def concurrency(path: str) -> int:
+    """The requests in flight the store of the URL `path` allows (`configure`'s `concurrency`,
+    8 by default): how many objects under a prefix are read at once (a manager's steps).
+
+    >>> concurrency('memory://doc-concurrency/run')
+    8
+    """
+    return tuning(ObjectURL.parse(path))[1]
+
+
 #: Keys per multi-object DELETE request (S3's limit for one).
 DELETE_BATCH = 1000
 
@@ -253,4 +263,5 @@ DELETE_BATCH = 1000
 OBJECT_STORE = ObjectStoreBackend()
 
 
-__all__ = ['DELETE_BATCH', 'NO_SUCH_OBJECT', 'OBJECT_STORE', 'ObjectStoreBackend', 'delete_keys']
+__all__ = ['DELETE_BATCH', 'NO_SUCH_OBJECT', 'OBJECT_STORE', 'ObjectStoreBackend', 'concurrency',
+           'delete_keys']

@@ -23,7 +23,6 @@ manager ranks it.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import html
 import os
@@ -37,7 +36,8 @@ from jckpt.format.names import GENERATION_KEY, LINEAGE_KEY, METRICS_KEY, STEP_RE
 from jckpt.services.retention import ranked
 from jckpt.storage import step_directory
 from jckpt.storage.backend import backend_for, is_url
-from jckpt.storage.object_backend import NO_SUCH_OBJECT
+from jckpt.storage.object_backend import NO_SUCH_OBJECT, concurrency
+from jckpt.storage.remote_reader import concurrently
 from jckpt.tools.foreign_info import ForeignInfo, foreign_info
 from jckpt.tools.render import (
     REPR_ROWS,
@@ -256,10 +256,6 @@ def _model_counts(path: str, record: dict[str, Any]) -> tuple[int | None, int | 
     return sum(len(i.entries) for i in infos), sum(i.payload_bytes for i in infos)
 
 
-#: Steps of a manager directory in a bucket read at once by `manager_info`.
-STEP_READERS = 8
-
-
 def manager_info(path: str | os.PathLike, *, best_metric: str | None = None,
                  best_mode: str = 'min',
                  listing: tuple[list[str], list[str]] | None = None) -> ManagerInfo:
@@ -276,11 +272,11 @@ def manager_info(path: str | os.PathLike, *, best_metric: str | None = None,
     folders = set(prefixes)
     found = sorted((int(m.group(1)), name) for name in set(objects) | folders
                    if (m := STEP_RE.match(name)))
-    with concurrent.futures.ThreadPoolExecutor(STEP_READERS if is_url(path) else 1) as pool:
-        # a bucket's steps: one GET each, `STEP_READERS` in flight (one at a time, 1,203 steps
-        # took 1,206 requests in turn)
-        steps = tuple(pool.map(lambda found: step_info(found[0], os.path.join(path, found[1]),
-                                                       folder=found[1] in folders), found))
+    # a bucket's steps: one GET each, the store's `concurrency` in flight (one at a time, 1,203
+    # steps took 1,206 requests in turn)
+    steps = tuple(concurrently(lambda found: step_info(found[0], os.path.join(path, found[1]),
+                                                       folder=found[1] in folders), found,
+                               concurrency(path) if is_url(path) else 1))
     names = sorted({k for s in steps for k in s.metrics})
     if best_metric is None and names:
         best_metric = 'loss' if 'loss' in names else names[0]

@@ -338,6 +338,27 @@ def test_opening_a_manager_reads_the_step_headers_concurrently(s3, s3_server, mo
     assert len(seen) > 1 and not gate.broken
 
 
+def test_opening_a_manager_reads_as_many_step_headers_at_once_as_the_store_allows(slow_s3):
+    """The step headers were read 8 at a time whatever the store's `concurrency`: a bucket
+    configured for 2 requests in flight got 8, one configured for 12 waited on 2 rounds."""
+    from jckpt.storage import object_store
+
+    s3, proxy = slow_s3
+    url = f"{s3}/run"
+    proxy.delay = 0
+    _saved(url, range(12))
+    proxy.delay = 0.05
+    most = {}
+    for limit in (2, 12):
+        object_store.configure(s3, endpoint=proxy.endpoint, concurrency=limit)
+        proxy.reset_counts()
+        with jckpt.CheckpointManager(url, read_only=True) as mgr:
+            assert mgr.all_steps() == list(range(12))
+        assert len([p for m, p in proxy.seen if m == "GET" and "/run/step_" in p]) == 12, proxy.seen
+        most[limit] = proxy.most_in_flight
+    assert most[2] == 2 and most[12] > 8, most
+
+
 def test_a_training_job_resumes_from_a_bucket_with_best_n_and_foreign_steps(s3, caplog):
     url = f"{s3}/run"
     losses = {1: 0.5, 2: 0.1, 3: 0.9, 4: 0.3, 5: 0.7}

@@ -267,3 +267,28 @@ def test_a_failed_read_names_the_entry_it_was_for(stored, lazy):
         else:
             reader.decode_all([entry], verify=True)
     assert e.value.entry == name and e.value.file == "memory://b/m.jckpt"
+
+
+def test_concurrently_keeps_to_its_limit_keeps_order_and_runs_nested_calls_inline():
+    """What many objects are asked (a manager's step headers) goes `limit` at a time on the
+    pool of the reads of ranges; a call made from inside the pool runs there, never waiting on
+    a pool whose threads all wait."""
+    import time
+
+    from jckpt.storage.remote_reader import concurrently
+
+    lock, now, most = threading.Lock(), [0], [0]
+
+    def call(n):
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        time.sleep(0.01)
+        inner = concurrently(lambda m: m + 1, range(3), 3)  # from a pool thread: inline
+        with lock:
+            now[0] -= 1
+        return n, inner
+    assert concurrently(call, range(9), 3) == [(n, [1, 2, 3]) for n in range(9)]
+    assert 1 < most[0] <= 3
+    with pytest.raises(ValueError, match="2"):
+        concurrently(lambda n: 1 // 0 if n == 5 else int("x2") if n == 2 else n, range(8), 4)
