@@ -2,7 +2,8 @@
 
 An object store has no mapping to hand out, so `RemoteReader` reads
 what is asked and nothing else: the header with one ranged GET (two when it
-is longer than the first), each payload with concurrent ranged GETs written
+is longer than the first, of 64 KiB or of the length of the header read before
+under the same prefix: `header_guess`), each payload with concurrent ranged GETs written
 straight into the array that is returned, runs of the small payloads asked
 together in one GET each (concurrent, never bytes of payloads not asked beyond
 short gaps), and, for a payload read box by box (a device's shard),
@@ -28,6 +29,7 @@ object is 0 bytes, shorter than the 4-byte header length
 from __future__ import annotations
 
 import bisect
+import collections
 import concurrent.futures
 import itertools
 import math
@@ -51,6 +53,12 @@ from jckpt.storage.reader import COUNTS, verify_entries
 
 #: The first GET asks for this many bytes: the header of most checkpoints, in one request.
 HEAD_BYTES = 64 << 10
+#: The most a header's first GET asks for on the strength of a header read before it.
+MAX_HEADER_GUESS = 16 << 20
+#: Prefixes whose last header length is remembered (`header_guess`), the oldest forgotten first.
+_SEEN_PREFIXES = 256
+_SEEN: collections.OrderedDict[str, int] = collections.OrderedDict()
+_SEEN_LOCK = threading.Lock()
 #: A payload below this size is read together with its small neighbours in one GET.
 SMALL_PAYLOAD = 256 << 10
 #: How far one GET of small neighbouring payloads reaches.
@@ -199,6 +207,32 @@ def box_runs(shape: tuple[int, ...], item: int, box: Box) -> tuple[list[int], in
     return offsets, run
 
 
+def header_guess(url: str) -> int:
+    """Bytes the first GET of the object `url` asks for: `HEAD_BYTES`, or, where a longer header
+    was read under the same prefix (a manager's steps, a run's checkpoints side by side), that
+    header's length and `HEAD_BYTES` more (up to `MAX_HEADER_GUESS`): a header as long as
+    the one before, or a little longer, is read in one request, not two in turn, with the
+    small payloads after it as a short header's GET brings them (not fetched again).
+
+    >>> remember_header('memory://doc-guess/run/step_1.jckpt', 200_000)
+    >>> header_guess('memory://doc-guess/run/step_2.jckpt'), header_guess('memory://doc-guess/x')
+    (265536, 65536)
+    """
+    with _SEEN_LOCK:
+        seen = _SEEN.get(url.rpartition('/')[0], 0)
+    return min(MAX_HEADER_GUESS, seen + HEAD_BYTES) if seen > HEAD_BYTES else HEAD_BYTES
+
+
+def remember_header(url: str, length: int) -> None:
+    """Note that the object `url`'s header (with its length field) is `length` bytes."""
+    prefix = url.rpartition('/')[0]
+    with _SEEN_LOCK:
+        _SEEN[prefix] = length
+        _SEEN.move_to_end(prefix)
+        while len(_SEEN) > _SEEN_PREFIXES:
+            _SEEN.popitem(last=False)
+
+
 class RemoteReader:
     """A checkpoint object: its validated header, its payloads read by range on demand.
 
@@ -216,7 +250,7 @@ class RemoteReader:
                  concurrency: int = 8) -> None:
         self.path = url
         self.source, self.part, self.concurrency = source, part, concurrency
-        first, self.size, self.version = source.head(HEAD_BYTES)
+        first, self.size, self.version = source.head(header_guess(url))
         #: What identifies the object read (its ETag), to tell if it was replaced since.
         self.file_id = self.version
         if len(first) < 4:
@@ -233,6 +267,7 @@ class RemoteReader:
             source.read_into(memoryview(rest), len(raw), self.version)
             raw = bytes(raw) + bytes(rest)
         self.header: Header = decode_header(raw, file=url)
+        remember_header(url, len(raw))
         #: Whether the header carries its checksum (checked as it was decoded).
         self.sealed = is_sealed(raw)
         self.data_start = 4 + hlen
@@ -416,4 +451,5 @@ class RemoteReader:
         return f"RemoteReader({self.path!r}, size={self.size})"
 
 
-__all__ = ['BytesSource', 'RangeSource', 'RemoteReader', 'box_runs', 'concurrently', 'read_ranges']
+__all__ = ['BytesSource', 'RangeSource', 'RemoteReader', 'box_runs', 'concurrently', 'header_guess',
+           'read_ranges', 'remember_header']

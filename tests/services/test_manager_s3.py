@@ -338,6 +338,23 @@ def test_opening_a_manager_reads_the_step_headers_concurrently(s3, s3_server, mo
     assert len(seen) > 1 and not gate.broken
 
 
+def test_restoring_a_step_whose_header_is_long_reads_it_in_one_get(s3, s3_server):
+    """A header past the first GET's 64 KiB took a second GET, sent once the first was
+    answered, at each restore of a step: the first GET now asks for as much as the headers
+    the manager read as it opened."""
+    url = f"{s3}/run"
+    tree = {f"k{i:04d}": np.float32(i) for i in range(1200)}  # a header of some 100 KiB
+    with jckpt.CheckpointManager(url) as mgr:
+        for step in (1, 2):
+            mgr.save(step, tree)
+    with jckpt.CheckpointManager(url) as mgr:
+        before = len(s3_server.requests(s3))
+        restored = mgr.restore(2, target=tree)
+        asked = _new(s3_server, s3, before)
+    assert restored.tree["k1199"] == 1199
+    assert asked == ["GET /run/step_00000002.jckpt"], asked
+
+
 def test_opening_a_manager_reads_as_many_step_headers_at_once_as_the_store_allows(slow_s3):
     """The step headers were read 8 at a time whatever the store's `concurrency`: a bucket
     configured for 2 requests in flight got 8, one configured for 12 waited on 2 rounds."""

@@ -508,6 +508,8 @@ def test_requests_of_a_file_are_those_the_docs_count(s3, s3_server):
     long = f"{s3}/long.jckpt"  # a header past the first 64 KiB GET
     jckpt.save(jckpt.Context(), {f"k{i}": np.float32(i) for i in range(1200)}, long)
     assert sent(lambda: jckpt.describe(long)) == ["GET /long.jckpt"] * 2
+    jckpt.save(jckpt.Context(), {f"k{i}": np.float32(i) for i in range(1201)}, f"{s3}/long2.jckpt")
+    assert sent(lambda: jckpt.describe(f"{s3}/long2.jckpt")) == ["GET /long2.jckpt"]  # as long as before
     with pytest.raises(jckpt.FormatError, match="no such checkpoint object"):
         sent(lambda: jckpt.load(HOST, f"{s3}/none.jckpt"))
     assert s3_server.requests(s3)[-2:] == ["GET /none.jckpt", "GET ?list-type=2&prefix=none.jckpt/"]

@@ -59,12 +59,27 @@ def test_same_header_and_arrays_as_the_local_reader(stored):
 def test_the_header_takes_one_read_or_two(stored, monkeypatch):
     _, data = stored
     src = Logged(data)
-    RemoteReader(src, "memory://b/m.jckpt")
+    RemoteReader(src, "memory://one-or-two/a/m.jckpt")
     assert len(src.reads) == 1
     monkeypatch.setattr(remote_reader, "HEAD_BYTES", 16)
     src = Logged(data)
-    RemoteReader(src, "memory://b/m.jckpt")
+    RemoteReader(src, "memory://one-or-two/b/m.jckpt")
     assert len(src.reads) == 2
+
+
+def test_a_header_as_long_as_the_one_read_before_under_its_prefix_takes_one_read(stored, monkeypatch):
+    """A header longer than the first read's took a second read, one after the other, for each
+    step of a manager alike: the first read now asks for as much as the header read before
+    under the same prefix, and 64 KiB more."""
+    _, data = stored
+    monkeypatch.setattr(remote_reader, "HEAD_BYTES", 16)
+    reads = []
+    for url in ("memory://guess/run/step_1.jckpt", "memory://guess/run/step_2.jckpt",
+                "memory://guess/other/step_1.jckpt"):
+        src = Logged(data)
+        RemoteReader(src, url)
+        reads.append(len(src.reads))
+    assert reads == [2, 1, 2]
 
 
 def test_a_checkpoint_within_the_first_read_is_read_by_it_alone(tmp_path):
