@@ -12,7 +12,12 @@ counts each request), one process, medians of `--repeat` runs:
   store against the bytes of the arrays restored;
 * a `CheckpointManager` over a prefix of `--steps` steps: the requests to open it, to
   restore the latest step, to apply retention (`keep_last` half the steps, one more step
-  saved), and a read-only manager's open and `reload()` (nothing new; one new step).
+  saved), and a read-only manager's open and `reload()` (nothing new; one new step);
+* the same manager at `--latency` seconds a request (the tests' `FaultProxy` answering each
+  request that much late, as a real bucket's 10-50 ms): its open, the restore of its latest
+  step and a save, for steps of one array and of 1,200 (a header past the first GET's 64
+  KiB): the requests, how many of them were sent one after another (the longest chain of
+  requests each sent once the one before was answered) and the wall time, medians.
 """
 
 from __future__ import annotations
@@ -33,8 +38,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import numpy as np
 
 import jckpt
-from jckpt.storage import object_store
-from tests.s3server import CREDENTIALS, S3Server
+from jckpt.storage import object_store, remote_reader
+from tests.s3server import CREDENTIALS, FaultProxy, S3Server
 
 HOST = jckpt.Context(host=True)
 
@@ -136,14 +141,62 @@ def manager(server: S3Server, steps: int) -> None:
     reader.close()
 
 
+def _measured(proxy: FaultProxy, runs: list[tuple[int, int, float]], call: Callable[..., Any],
+              *args: Any) -> Any:
+    """`call(*args)`, its requests, those of them in turn and its wall time added to `runs`."""
+    proxy.reset_counts()
+    start = time.perf_counter()
+    got = call(*args)
+    wall = time.perf_counter() - start
+    runs.append((len(proxy.seen), proxy.rounds(), wall))
+    return got
+
+
+def _saved_now(mgr: Any, step: int, state: Any) -> None:
+    mgr.save(step, state)
+    mgr.wait_durable()
+
+
+def at_latency(server: S3Server, steps: int, delay: float, repeat: int) -> None:
+    for name, state in (("1 array", {"w": np.ones(100, np.float32)}),
+                        ("1,200 arrays", {f"k{i:04d}": np.float32(i) for i in range(1200)})):
+        bucket = server.bucket()
+        url = f"s3://{bucket}/run"
+        with jckpt.CheckpointManager(url) as mgr:
+            for step in range(1, steps + 1):
+                mgr.save(step, state, metrics={"loss": 1.0 / step})
+        proxy = FaultProxy(server.endpoint, delay=delay)
+        object_store.configure(f"s3://{bucket}", endpoint=proxy.endpoint)
+        seen: dict[str, list[tuple[int, int, float]]] = collections.defaultdict(list)
+        try:
+            for i in range(repeat):
+                remote_reader._SEEN.clear()  # a job resuming: no header read before in the process
+                mgr = _measured(proxy, seen["open"], jckpt.CheckpointManager, url)
+                _measured(proxy, seen["restore the latest"], mgr.restore, mgr.latest_step(), state)
+                _measured(proxy, seen["save a step"], _saved_now, mgr, steps + 1 + i, state)
+                mgr.close()
+        finally:
+            object_store.configure(f"s3://{bucket}")
+            proxy.close()
+        for what, runs in seen.items():
+            requests, rounds, wall = (statistics.median(r[k] for r in runs) for k in range(3))
+            print(f"| {delay * 1000:.0f} ms a request, manager of {steps} steps of {name}: {what} | "
+                  f"{requests:.0f} requests, {rounds:.0f} in turn | {wall:.2f} s |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--latency", type=float, default=0.02, help="seconds a request, for the last rows")
+    parser.add_argument("--only-latency", action="store_true", help="the rows at --latency alone")
     args = parser.parse_args()
     server = S3Server.start()
     os.environ.update({**CREDENTIALS, "AWS_ENDPOINT_URL": server.endpoint})
     try:
+        if args.only_latency:
+            at_latency(server, args.steps, args.latency, args.repeat)
+            return
         print("| operation | requests | bucket / local disk (medians) |\n|---|---|---|")
         save_restore(server, "2,000 arrays of 1,000 float32",
                      {f"a{i:04d}": np.random.rand(1000).astype(np.float32) for i in range(2000)}, args.repeat)
@@ -152,6 +205,7 @@ def main() -> None:
                       for j in range(100)}, args.repeat)
         partial(server)
         manager(server, args.steps)
+        at_latency(server, args.steps, args.latency, args.repeat)
     finally:
         server.stop()
 

@@ -217,7 +217,11 @@ class FaultProxy:
 
     def rounds(self) -> int:
         """The longest chain of requests since `reset_counts()` each received after the previous
-        one was answered: the round trips a caller waited for one after another."""
+        one was answered: the round trips a caller waited for one after another. (A request
+        is over for the caller a moment before it is for the proxy: waits for that.)"""
+        deadline = time.monotonic() + 5
+        while self.in_flight and time.monotonic() < deadline:
+            time.sleep(0.001)
         with self._lock:
             spans = sorted(self._spans, key=lambda s: s[1])
         ends: list[float] = []
