@@ -206,6 +206,7 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
                 raise storage_error(e, "creating the checkpoint directory", self.directory) from e
         self._view = StepView()
         self._found: tuple[dict[str, str], Any] | None = None
+        self._resume_reader: Any = None  # the latest step's reader, for the restore resuming from it
         self._step_cache = StepCache() if self.read_only else None  # what `reload` need not read again
         self._last_admitted: int | None = None
         lease, rivals = (None, []) if read_only else leases(self.directory, self._rank, self._ranks)
@@ -232,6 +233,7 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
         steps.say_if_orbax(self.directory, found.metrics)
         self._view.reset(found.metrics, found.folders, found.indexed, deleted=found.deleted)
         self._found = found.latest
+        self._resume_reader = None if self.read_only else found.reader  # a reader's may be replaced
         return None if (latest := self.latest_step()) is None else self._path(latest)
 
     def reload(self) -> list[int]:
@@ -287,6 +289,7 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
             raise restoring.read_only_refusal(self.directory, f"save({step})")
         if not check_flag(force, 'force', self.directory, optional=False) and not self.should_save(step):
             return False
+        self._resume_reader = None  # a job saving no longer resumes: the reader's bytes go
         if self.directory_steps:  # every process takes the save's turn, its arguments refused or not
             self._save_directory(step, tree, lambda: (
                 self._arguments(step, tree, items, options),

@@ -18,6 +18,7 @@ GETs find (`steps.step_metadata`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -36,6 +37,7 @@ from jckpt.services.step_cache import StepCache
 from jckpt.services.step_view import StepView
 from jckpt.services.trainer_state import TrainerState
 from jckpt.storage.backend import LOCAL, Backend
+from jckpt.storage.checkpoint import reusing
 
 #: What a read-only manager says to do instead of a write.
 READ_ONLY_FIX = ("write with the run's own manager; open one without read_only=True only "
@@ -120,7 +122,8 @@ class StepReader:
     `best_step`, `metrics`) and `restore`, answered from the manager's view of its
     directory (`StepView`), so that a reader and a writer read the same way.
 
-    The manager sets the attributes below; this class writes none of them.
+    The manager sets the attributes below; this class writes none of them but `_resume_reader`,
+    which the first restore takes (the latest step's reader, its header not read again).
 
     >>> import tempfile, numpy as np, jckpt
     >>> d = tempfile.mkdtemp()
@@ -143,6 +146,7 @@ class StepReader:
     process_index: int  # of the run (a manager of file steps is this process's own)
     process_count: int
     _view: StepView
+    _resume_reader: Any  # the latest step's reader as the open read it (`steps.Found.reader`), or None
     reload: Callable[[], list[int]]
 
     def _path(self, step: int) -> str:
@@ -248,8 +252,10 @@ class StepReader:
         if deleted or (folder is None and self.backend is LOCAL and not os.path.exists(path)):
             raise absent  # in a bucket, the step's first GET tells (`steps.step_metadata`)
         options = steps.checked(options, CheckpointLoadOptions, 'options', self.load_options)
-        return read_step(ctx, path, step, folder, target, indexed=self._view.indexed(step),
-                         loaded=dataclasses.replace(loaded, options=options), absent=absent)
+        opened, self._resume_reader = self._resume_reader, None  # once: a reader keeps what it fetched
+        with reusing(opened) if opened is not None else contextlib.nullcontext():  # a job resuming
+            return read_step(ctx, path, step, folder, target, indexed=self._view.indexed(step),
+                             loaded=dataclasses.replace(loaded, options=options), absent=absent)
 
     def _read_together(self, step: int | None, read: Callable[[int | None], Restored]) -> Restored:
         """A multi-process manager's `restore`: every process reads its part of the step, then

@@ -61,8 +61,10 @@ def read_metadata(path: str, step: int | None = None, *,
     return _read_step(path, step, prefix)[0]
 
 
-def _read_step(path: str, step: int | None, prefix: bool | None) -> tuple[dict[str, str], Header | None]:
-    """A step's metadata, and its header when the step is a jckpt file or directory checkpoint."""
+def _read_step(path: str, step: int | None, prefix: bool | None,
+               opened: dict[int, Any] | None = None) -> tuple[dict[str, str], Header | None]:
+    """A step's metadata, and its header when the step is a jckpt file or directory checkpoint
+    (the reader of a file step known as one put in `opened`, by step, when given)."""
     step_directory.check_step_link(path)
     if prefix and is_url(path):
         got = _read_bucket_folder(path, step)
@@ -72,8 +74,10 @@ def _read_step(path: str, step: int | None, prefix: bool | None) -> tuple[dict[s
                               fix="restore another step (a manager that opens removes it)")
         return got[0], got[1]
     if prefix is False or not formats.is_step_directory(path):  # a file, or a directory's index
-        header = api.describe(path)
-        return header.metadata_dict(), header
+        reader = open_checkpoint(path, mapped=False)
+        if opened is not None and prefix is False and step is not None:
+            opened[step] = reader
+        return reader.header.metadata_dict(), reader.header
     return format_reading.read_metadata(path, step), None
 
 
@@ -118,6 +122,8 @@ class Found:
       removing: such prefixes numbered below a readable step: steps that retention, which
         deletes a prefix's markers first and never the latest step, is deleting (or failed
         to delete whole). No step, as a removed one is (`deleted`); removed as unfinished.
+      reader: the latest step's reader, where it is a file step in a bucket read by this scan:
+        restoring it (`reusing`) reads its header, and what its first GET brought, no more.
     """
 
     metrics: dict[int, dict[str, float]]
@@ -127,6 +133,7 @@ class Found:
     indexed: frozenset[int] = frozenset()
     vanished: tuple[str, ...] = ()
     removing: tuple[str, ...] = ()
+    reader: Any = None
 
     @property
     def deleted(self) -> frozenset[int]:
@@ -158,7 +165,7 @@ def scan(backend: Backend, directory: str, listing: Listing | None = None,
     files, dirs, versions = listing if listing is not None else (*backend.list_kinds(directory), None)
     folders, plain = set(dirs), set(files)
     names = [(int(m.group(1)), name) for name in sorted(plain | folders) if (m := STEP_RE.match(name))]
-    bare, vanished = list[tuple[int, str]](), list[str]()
+    bare, vanished, opened = list[tuple[int, str]](), list[str](), dict[int, Any]()
 
     def read(item: tuple[int, str]) -> tuple[dict[str, str], Header | None] | None:
         path, prefix = os.path.join(directory, item[1]), item[1] in folders and item[1] not in plain
@@ -168,7 +175,7 @@ def scan(backend: Backend, directory: str, listing: Listing | None = None,
                 if got is None:  # an emptied prefix was removed since; one holding pieces is not
                     bare.append(item) if backend.isdir(path) else vanished.append(item[1])
                 return None if got is None else (got[0], got[1])
-            return _read_step(path, item[0], prefix)
+            return _read_step(path, item[0], prefix, opened if backend is not LOCAL else None)
         except CheckpointError as e:
             if not (prefix and backend is not LOCAL) and gone(path, prefix):  # removed since
                 vanished.append(item[1])
@@ -188,7 +195,7 @@ def scan(backend: Backend, directory: str, listing: Listing | None = None,
     return Found(metrics, frozenset(dirs_found), latest and latest[1],
                  tuple(sorted(name for _, name in bare if name not in below)),
                  frozenset(step for step, got in dirs_found.items() if got[1] is not None),
-                 tuple(sorted(vanished)), tuple(sorted(below)))
+                 tuple(sorted(vanished)), tuple(sorted(below)), opened.get(max(found, default=-1)))
 
 
 def described(path: str, found: tuple[dict[str, str], Header | None] | None

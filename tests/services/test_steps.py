@@ -318,10 +318,10 @@ def test_a_listed_step_not_known_to_be_gone_is_not_gone(monkeypatch, caplog):
     one = f"{url}/{step_name(1)}"
     real_read = steps._read_step
 
-    def damaged(path, step, prefix):
+    def damaged(path, step, prefix, *kept):
         if path == one:
             raise FormatError("damaged", file=path)
-        return real_read(path, step, prefix)
+        return real_read(path, step, prefix, *kept)
 
     def failing(self, path):
         raise StorageError("connection reset", file=path)
