@@ -157,7 +157,7 @@ def _saved_now(mgr: Any, step: int, state: Any) -> None:
     mgr.wait_durable()
 
 
-def at_latency(server: S3Server, steps: int, delay: float, repeat: int) -> None:
+def at_latency(server: S3Server, steps: int, delay: float, repeat: int, concurrency: int) -> None:
     for name, state in (("1 array", {"w": np.ones(100, np.float32)}),
                         ("1,200 arrays", {f"k{i:04d}": np.float32(i) for i in range(1200)})):
         bucket = server.bucket()
@@ -166,7 +166,7 @@ def at_latency(server: S3Server, steps: int, delay: float, repeat: int) -> None:
             for step in range(1, steps + 1):
                 mgr.save(step, state, metrics={"loss": 1.0 / step})
         proxy = FaultProxy(server.endpoint, delay=delay)
-        object_store.configure(f"s3://{bucket}", endpoint=proxy.endpoint)
+        object_store.configure(f"s3://{bucket}", endpoint=proxy.endpoint, concurrency=concurrency)
         seen: dict[str, list[tuple[int, int, float]]] = collections.defaultdict(list)
         try:
             for i in range(repeat):
@@ -180,7 +180,8 @@ def at_latency(server: S3Server, steps: int, delay: float, repeat: int) -> None:
             proxy.close()
         for what, runs in seen.items():
             requests, rounds, wall = (statistics.median(r[k] for r in runs) for k in range(3))
-            print(f"| {delay * 1000:.0f} ms a request, manager of {steps} steps of {name}: {what} | "
+            print(f"| {delay * 1000:.0f} ms a request, {concurrency} at once, manager of {steps} steps of "
+                  f"{name}: {what} | "
                   f"{requests:.0f} requests, {rounds:.0f} in turn | {wall:.2f} s |")
 
 
@@ -190,12 +191,13 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--latency", type=float, default=0.02, help="seconds a request, for the last rows")
     parser.add_argument("--only-latency", action="store_true", help="the rows at --latency alone")
+    parser.add_argument("--concurrency", type=int, default=8, help="the bucket's, for the rows at --latency")
     args = parser.parse_args()
     server = S3Server.start()
     os.environ.update({**CREDENTIALS, "AWS_ENDPOINT_URL": server.endpoint})
     try:
         if args.only_latency:
-            at_latency(server, args.steps, args.latency, args.repeat)
+            at_latency(server, args.steps, args.latency, args.repeat, args.concurrency)
             return
         print("| operation | requests | bucket / local disk (medians) |\n|---|---|---|")
         save_restore(server, "2,000 arrays of 1,000 float32",
@@ -205,7 +207,7 @@ def main() -> None:
                       for j in range(100)}, args.repeat)
         partial(server)
         manager(server, args.steps)
-        at_latency(server, args.steps, args.latency, args.repeat)
+        at_latency(server, args.steps, args.latency, args.repeat, args.concurrency)
     finally:
         server.stop()
 
