@@ -132,18 +132,23 @@ def concurrently(call: Callable[[T], R], items: Iterable[T], limit: int) -> list
     items = list(items)
     if limit <= 1 or len(items) < 2 or getattr(_IN_POOL, 'busy', False):
         return [call(item) for item in items]
-    pool, slots = _pool(limit), threading.BoundedSemaphore(limit)
+    pool, slots, failed = _pool(limit), threading.BoundedSemaphore(limit), threading.Event()
 
     def run(item: T) -> R:
         _IN_POOL.busy = True
         try:
             return call(item)
+        except BaseException:
+            failed.set()  # nothing more is sent: the error is raised once those in flight end
+            raise
         finally:
             _IN_POOL.busy = False
             slots.release()
     futures = []
     for item in items:
         slots.acquire()
+        if failed.is_set():
+            break
         futures.append(pool.submit(run, item))
     return [f.result() for f in futures]
 

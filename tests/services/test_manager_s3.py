@@ -401,6 +401,27 @@ def test_opening_a_manager_reads_as_many_step_headers_at_once_as_the_store_allow
     assert most[2] == 2 and most[12] > 8, most
 
 
+def test_a_manager_that_cannot_read_its_steps_stops_asking_at_the_first_refusal(slow_s3):
+    """The open failed on the first step the store refused, but only once every step had been
+    asked: a bucket of 1,000 steps that refused them all was asked 1,000 times first."""
+    import datetime
+
+    from jckpt.storage import object_store
+
+    s3, proxy = slow_s3
+    url = f"{s3}/run"
+    proxy.delay = 0
+    _saved(url, range(20))
+    proxy.fault = lambda method, path, headers: "503" if "/run/step_" in path else None
+    object_store.configure(s3, endpoint=proxy.endpoint, concurrency=2, retry_config={
+        "max_retries": 0, "retry_timeout": datetime.timedelta(seconds=5)})
+    proxy.reset_counts()
+    with pytest.raises(jckpt.StorageError, match="503"):
+        jckpt.CheckpointManager(url, read_only=True)
+    asked = [p for m, p in proxy.seen if m == "GET" and "/run/step_" in p]  # (each failure: HEADs)
+    assert len(asked) <= 2, proxy.seen
+
+
 def test_a_training_job_resumes_from_a_bucket_with_best_n_and_foreign_steps(s3, caplog):
     url = f"{s3}/run"
     losses = {1: 0.5, 2: 0.1, 3: 0.9, 4: 0.3, 5: 0.7}

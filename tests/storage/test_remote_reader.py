@@ -307,3 +307,11 @@ def test_concurrently_keeps_to_its_limit_keeps_order_and_runs_nested_calls_inlin
     assert 1 < most[0] <= 3
     with pytest.raises(ValueError, match="2"):
         concurrently(lambda n: 1 // 0 if n == 5 else int("x2") if n == 2 else n, range(8), 4)
+    asked = []
+
+    def refused(n):
+        asked.append(n)
+        raise PermissionError(n)
+    with pytest.raises(PermissionError):  # once one failed, no more are sent
+        concurrently(refused, range(100), 2)
+    assert len(asked) < 100
