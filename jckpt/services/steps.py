@@ -49,6 +49,7 @@ from jckpt.storage.staging import next_name, remove_staged, remove_staged_below
 
 log = logging.getLogger('jckpt')
 
+
 def read_metadata(path: str, step: int | None = None, *,
                   prefix: bool | None = None) -> dict[str, str]:
     """A step's metadata (a file's header, a directory's index, or a step directory's record).
@@ -63,8 +64,7 @@ def read_metadata(path: str, step: int | None = None, *,
 
 def _read_step(path: str, step: int | None, prefix: bool | None,
                opened: dict[int, Any] | None = None) -> tuple[dict[str, str], Header | None]:
-    """A step's metadata, and its header when the step is a jckpt file or directory checkpoint
-    (the reader of a file step known as one put in `opened`, by step, when given)."""
+    """A step's metadata, its header for a jckpt file or directory (a file's reader put in `opened`)."""
     step_directory.check_step_link(path)
     if prefix and is_url(path):
         got = _read_bucket_folder(path, step)
@@ -122,8 +122,7 @@ class Found:
       removing: such prefixes numbered below a readable step: steps that retention, which
         deletes a prefix's markers first and never the latest step, is deleting (or failed
         to delete whole). No step, as a removed one is (`deleted`); removed as unfinished.
-      reader: the latest step's reader, where it is a file step in a bucket read by this scan:
-        restoring it (`reusing`) reads its header, and what its first GET brought, no more.
+      reader: the latest step's reader (a file step in a bucket this scan read), for a restore.
     """
 
     metrics: dict[int, dict[str, float]]
@@ -165,7 +164,8 @@ def scan(backend: Backend, directory: str, listing: Listing | None = None,
     files, dirs, versions = listing if listing is not None else (*backend.list_kinds(directory), None)
     folders, plain = set(dirs), set(files)
     names = [(int(m.group(1)), name) for name in sorted(plain | folders) if (m := STEP_RE.match(name))]
-    bare, vanished, opened = list[tuple[int, str]](), list[str](), dict[int, Any]()
+    bare, vanished = list[tuple[int, str]](), list[str]()
+    opened, last = ({} if backend is not LOCAL else None), max(names, default=None)  # its reader kept
 
     def read(item: tuple[int, str]) -> tuple[dict[str, str], Header | None] | None:
         path, prefix = os.path.join(directory, item[1]), item[1] in folders and item[1] not in plain
@@ -175,7 +175,7 @@ def scan(backend: Backend, directory: str, listing: Listing | None = None,
                 if got is None:  # an emptied prefix was removed since; one holding pieces is not
                     bare.append(item) if backend.isdir(path) else vanished.append(item[1])
                 return None if got is None else (got[0], got[1])
-            return _read_step(path, item[0], prefix, opened if backend is not LOCAL else None)
+            return _read_step(path, item[0], prefix, opened if item == last else None)
         except CheckpointError as e:
             if not (prefix and backend is not LOCAL) and gone(path, prefix):  # removed since
                 vanished.append(item[1])
@@ -195,7 +195,7 @@ def scan(backend: Backend, directory: str, listing: Listing | None = None,
     return Found(metrics, frozenset(dirs_found), latest and latest[1],
                  tuple(sorted(name for _, name in bare if name not in below)),
                  frozenset(step for step, got in dirs_found.items() if got[1] is not None),
-                 tuple(sorted(vanished)), tuple(sorted(below)), opened.get(max(found, default=-1)))
+                 tuple(sorted(vanished)), tuple(sorted(below)), (opened or {}).get(max(found, default=-1)))
 
 
 def described(path: str, found: tuple[dict[str, str], Header | None] | None
