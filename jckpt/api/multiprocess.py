@@ -8,8 +8,9 @@ When `jax.process_count() > 1`, `jckpt.save` calls `save_directory`:
 1. every process writes one piece file (`process_NNNNN.jckpt`) holding the
    pieces of each array it owns (the shards whose replica 0 it holds, joined
    into one block where they touch), so each replicated piece is written once;
-2. all processes meet at a barrier of JAX's distributed runtime (with a
-   timeout, so a dead peer gives an error in bounded time, never a hang);
+2. all processes meet at a barrier in the key-value store of JAX's distributed
+   runtime (with a timeout, so a dead peer gives an error in bounded time, never
+   a hang; at once where a peer waits at another meeting, `jckpt.api.meetings`);
 3. process 0 reads the piece headers, checks that the pieces of every array
    tile it exactly, writes `index.jckpt` and publishes the directory with
    one atomic rename; a second barrier returns everyone once it is published.
@@ -42,6 +43,7 @@ import jax
 import numpy as np
 
 from jckpt.api import pairing
+from jckpt.api.meetings import SAVING, meeting
 from jckpt.api.runtime import DEFAULT_BARRIER_TIMEOUT, barrier_timeout, first_line, told
 from jckpt.api.runtime import Runtime as _Runtime
 from jckpt.errors import CheckpointError, DistributedError
@@ -348,7 +350,10 @@ def _begin(path: str, timeout: float, count: int, process: int) -> tuple[_Runtim
     the runtime it meets the others through, and its claim (the plan's digest still to come)."""
     site = pairing.call_site()
     tag, place, site_place = pairing.next_save(path, site)
-    rt = _Runtime(tag, path, timeout, count, process, announce=f"{path} from {site[0] if site else '?'}")
+    here = meeting(SAVING, '')  # counted as the saves are: the place a waiting process looks at
+    rt = _Runtime(tag, path, timeout, count, process, announce=f"{path} from {site[0] if site else '?'}",
+                  here=here)
+    rt.post()
     return rt, pairing.Claim(path, place, site, site_place, '-')
 
 

@@ -1,9 +1,11 @@
 """Barriers and shared values between the processes of a `jax.distributed` run.
 
 A multi-process save (`jckpt.api.multiprocess`) and a multi-process manager's
-open (`agree`) meet through JAX's distributed client: its key-value store and
-its barriers, each with a timeout, so a dead or absent peer gives an error in
-bounded time, never a hang. With one process nothing is waited for.
+open (`agree`) meet through JAX's distributed client: barriers made in its
+key-value store (`Runtime.gather`), each with a timeout, so a dead or absent
+peer gives an error in bounded time, never a hang, and left at once where the
+processes wait at different meetings (`jckpt.api.meetings`): none could ever
+move on. With one process nothing is waited for.
 
 >>> barrier_timeout() > 0
 True
@@ -11,31 +13,28 @@ True
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import dataclasses
-import hashlib
 import json
 import os
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from jckpt import errors
+from jckpt.api.meetings import MEETING, MISMATCH_FIX, TOLD, Meeting, meeting, told_alone, told_since
 from jckpt.errors import CheckpointError, DistributedError, InputError
 
 #: Seconds a process waits at a barrier for the others (`JCKPT_BARRIER_TIMEOUT` overrides).
 DEFAULT_BARRIER_TIMEOUT = 300.0
 SAVING = 'jckpt/saving'  # key of each process's save in progress (for errors)
-MEETING = 'jckpt/meeting'  # key of each process's latest meeting (`agree`), for errors
-_MEETINGS: collections.Counter[tuple[str, str]] = collections.Counter()  # begun here, by topic
-_MEETINGS_LOCK = threading.Lock()
-#: What a process told that the others are at another meeting is to do.
-MISMATCH_FIX = ("every process must make the calls that meet the others (a manager's open, "
-                "reload and restore, a restore onto arrays spread over processes) together, in "
-                "the same order; one made by some processes alone shifts them: restart the "
-                "run's processes together")
+#: Seconds between the first looks at where the process waited for is, while one waits for
+#: it (`Runtime.gather`); each wait doubles it, up to `MAX_POLL`.
+POLL = 0.25
+MAX_POLL = 2.0
+LEFT = 1 << 40  # what a process leaving a meeting failing adds to its outcome (`_settle`)
+FEW = 8  # processes whose keys `Runtime.gather` gets one by one, without listing them first
+#: Why a process stopped waiting early (`Runtime.gather`).
+STUCK = "it waits at another meeting, for this process: no process can move on"
 T = TypeVar('T')
 
 
@@ -63,10 +62,15 @@ def client(processes: int, path: str) -> Any:
 
 
 class Runtime:
-    """Barriers and shared values through JAX's distributed client, under one save's `tag`."""
+    """Barriers and shared values through JAX's distributed client, under one save's `tag`.
+
+    `here`: the meeting this is (`jckpt.api.meetings`), posted as where this process is, so
+    that a process waiting for it knows whether it may still come; waiting, this process
+    looks where the process it waits for is, and fails at once where none can move on.
+    """
 
     def __init__(self, tag: str, path: str, timeout: float, processes: int,
-                 process: int, announce: str | None = '') -> None:
+                 process: int, announce: str | None = '', here: Meeting | None = None) -> None:
         self.client: Any = client(processes, path)
         self.local = self.client is None  # one process: nobody to wait for
         self.tag = tag
@@ -74,10 +78,16 @@ class Runtime:
         self.process, self.processes = process, processes
         self.timeout_ms = max(1, int(timeout * 1000))
         self.announce = announce or path
+        self.here = here
         if not self.local and announce is not None:  # what this process saves, for errors
             with contextlib.suppress(Exception):
                 self.client.key_value_set(f"{SAVING}/{process}", self.announce,
                                           allow_overwrite=True)
+
+    def post(self) -> None:
+        """Post `here` as where this process is (before its part of the meeting)."""
+        if self.here is not None:
+            self.put_global(f"{MEETING}/{self.process}", self.here.encode())
 
     def _elsewhere(self) -> str:
         """What process 0 saves instead, when it is not this save's path ('' otherwise)."""
@@ -95,15 +105,16 @@ class Runtime:
         if value is not None:
             self.client.key_value_set(full, value)
             return value
-        try:
-            return self.client.blocking_key_value_get(full, self.timeout_ms)
-        except Exception as e:
-            raise DistributedError(f"process 0 did not start the save within "
-                                   f"{self.timeout_ms / 1000:g} s ({first_line(e)}"
-                                   f"{self._elsewhere()})", file=self.path,
-                                   fix="every process must save the same path, the same number "
-                                       "of times; check process 0's log: it may have failed "
-                                       "or died") from None
+        start = time.monotonic()
+        found, seen = self._await(full, 0, start)
+        if found is not None:
+            return found
+        why = STUCK if seen else f"the wait timed out{self._elsewhere()}"  # stuck: `_placed` says where
+        raise self._placed(seen, DistributedError(
+            f"process 0 did not start the save within {time.monotonic() - start:.1f} s of "
+            f"{self.timeout_ms / 1000:g} ({why})", file=self.path,
+            fix="every process must save the same path, the same number of times; check "
+                "process 0's log: it may have failed or died"))
 
     def put(self, key: str, value: str) -> None:
         """Set this save's `key` (best effort: what it is for is an error message)."""
@@ -118,19 +129,27 @@ class Runtime:
                 self.client.key_value_set(key, value, allow_overwrite=True)
 
     def positions(self) -> dict[int, Meeting]:
-        """The other processes' latest meetings (`agree`), as each said arriving there."""
+        """The other processes' latest meetings (`agree`, a save), as each said arriving there."""
+        found = {}
+        for process, text in self._posted(MEETING).items():
+            with contextlib.suppress(ValueError, TypeError, KeyError):
+                found[process] = Meeting.decode(text)
+        return found
+
+    def _posted(self, prefix: str) -> dict[int, str]:
+        """What the other processes posted under `prefix` (outside any meeting), by process."""
         if self.local:
             return {}
         try:
-            pairs = self.client.key_value_dir_get(f"{MEETING}/")
+            pairs = self.client.key_value_dir_get(f"{prefix}/")
         except Exception:
             return {}
         found = {}
         for key, text in pairs:
-            with contextlib.suppress(ValueError, TypeError, KeyError):
+            with contextlib.suppress(ValueError):
                 process = int(key.rsplit('/', 1)[-1])
                 if process != self.process:
-                    found[process] = Meeting.decode(text)
+                    found[process] = text
         return found
 
     def get(self, key: str, timeout: float) -> str | None:
@@ -153,31 +172,133 @@ class Runtime:
             return []
         return [(k.rsplit('/', 1)[-1], v) for k, v in sorted(pairs)]
 
-    def barrier(self, name: str, what: str, mark: bool = True) -> None:
-        """Meet every process at barrier `name` (`mark`: say so first, so that a timeout names
-        who did not come); `DistributedError` at the timeout, saying what is known."""
-        if self.local:
-            return
-        start = time.monotonic()
-        if mark:
-            self.put(f"at/{name}/{self.process}", '')
-        try:
-            self.client.wait_at_barrier(f"{self.tag}/{name}", self.timeout_ms)
-        except Exception as e:
-            reached = [ln.strip() for ln in str(e).splitlines() if 'reached the barrier' in ln]
-            waited = time.monotonic() - start
-            outcome = {'published': "whether it was published is not known: check the checkpoint",
-                       'opened': "the processes only meet there: nothing was written"
-                       }.get(name, "nothing was published")
-            raise DistributedError(f"not every process {what} (waited {waited:.1f} s of "
-                                   f"{self.timeout_ms / 1000:g}{self._missing(name)}); {outcome} "
-                                   f"({'; '.join([first_line(e), *reached])})", file=self.path,
-                                   fix="check the other processes' logs (one may have died); "
-                                       "raise JCKPT_BARRIER_TIMEOUT if they are only slow") from None
+    def barrier(self, name: str, what: str) -> None:
+        """Meet every process at barrier `name` (`gather`: each says it came, so that a timeout
+        names who did not); `DistributedError` at the timeout, saying what is known."""
+        if not self.local:
+            self.gather(f"at/{name}", '', what, name)
 
-    def _missing(self, name: str) -> str:
-        """`'; process 2 did not come'`: who did not reach barrier `name` ('' if not known)."""
-        came = {k for k, _ in self.listed(f"at/{name}")}
+    def gather(self, prefix: str, mine: str, what: str, name: str) -> list[tuple[str, str]]:
+        """Set this process's key under `prefix` to `mine`; every process's (as `listed`), once
+        each process set its own: a
+        barrier (`name`) in the key-value store, which this process can leave early: waiting
+        for a process, it looks where that one is (`_await`), and where no process can move
+        on raises at once, as at the timeout, `DistributedError` naming where each is.
+
+        Each key is read as its process sets it (a blocking get, woken by the set), so a
+        meeting all make together costs what a barrier does: a get for each other process
+        (with many, one listing first, and a get for each not there yet), and the outcome
+        (`_settle`): a meeting a process left failing fails in a process that comes later,
+        as a barrier that timed out does.
+        """
+        start = time.monotonic()
+        self.put(f"{prefix}/{self.process}", mine)
+        got = {str(self.process): mine}
+        if self.processes > FEW:
+            got.update(self.listed(prefix))
+        for p in range(self.processes):
+            if str(p) in got:
+                continue
+            found, seen = self._await(f"{self.tag}/{prefix}/{p}", p, start)
+            if found is None and self._settle(prefix, 'failed'):
+                came = set(got) | {k for k, _ in self.listed(prefix)}
+                raise self._placed(seen, self._not_every(
+                    name, what, time.monotonic() - start, came,
+                    STUCK if seen else "the barrier timed out"))
+            if found is None:  # every process came after all: another settled it met
+                return self.listed(prefix)
+            got[str(p)] = found
+        if not self._settle(prefix, 'met'):
+            raise self._placed(None, self._not_every(
+                name, what, time.monotonic() - start, set(got),
+                "another process left this meeting failing before this one came"))
+        return sorted(got.items(), key=lambda kv: int(kv[0]))
+
+    def _settle(self, prefix: str, outcome: str) -> bool:
+        """Whether the meeting under `prefix` ends with `outcome` ('met' or 'failed'): the
+        first process to say one decides, and every other follows it. One atomic increment
+        (where the client has one; else a key set once): a process that met every other adds
+        1, and met if no process left before; one leaving adds `LEFT`, and the first to leave
+        learns from the sum whether one met before it, and says so (`-first`) to those that
+        leave after it. Not known (the coordination service does not answer): as if failed."""
+        key = f"{self.tag}/{prefix}-outcome"
+        leaving = outcome == 'failed'
+        if hasattr(self.client, 'key_value_increment'):
+            try:
+                total = self.client.key_value_increment(key, LEFT if leaving else 1)
+                if not leaving:
+                    return total < LEFT
+                if total >= 2 * LEFT:  # another left first, and decided
+                    return self.client.blocking_key_value_get(f"{key}-first", 1000) == outcome
+                self.put(f"{prefix}-outcome-first", 'failed' if total == LEFT else 'met')
+                return total == LEFT
+            except Exception:
+                return leaving
+        try:
+            self.client.key_value_set(key, outcome)
+            return True
+        except Exception:
+            pass
+        try:
+            return self.client.key_value_try_get(key) == outcome
+        except Exception:
+            return leaving
+
+    def _await(self, key: str, process: int, start: float) -> tuple[str | None, Meeting | None]:
+        """`(key's value, None)` once `process` set it; `(None, None)` at the timeout (from
+        `start`), `(None, where process is)` as soon as `process` waits at a meeting this
+        process can never come to (`_stuck`). The looks are `POLL` seconds apart at first,
+        then further apart."""
+        deadline, poll = start + self.timeout_ms / 1000, POLL
+        while (left := deadline - time.monotonic()) > 0:
+            began, wait = time.monotonic(), min(poll, left)
+            try:
+                return self.client.blocking_key_value_get(key, max(1, int(wait * 1000))), None
+            except Exception:
+                pass
+            seen = self._stuck(process)
+            if seen is not None:
+                return None, seen
+            time.sleep(max(0.0, began + wait - time.monotonic()))  # a client failing at once
+            poll = min(2 * poll, MAX_POLL)
+        return None, None
+
+    def _stuck(self, process: int) -> Meeting | None:
+        """Where `process` said it is, if this one (at `here`) can never come there."""
+        if self.here is None:
+            return None
+        try:
+            there = Meeting.decode(self.client.key_value_try_get(f"{MEETING}/{process}"))
+        except Exception:  # not there yet, or not a meeting: not known to be stuck
+            return None
+        return there if self.here.stuck({process: there}) else None
+
+    def _placed(self, seen: Meeting | None, e: DistributedError) -> DistributedError:
+        """`e`, naming where the processes that did not come are (`Meeting.mismatched`), once
+        this process posted that it left its meeting (finding a process stuck at `seen`):
+        a process that has not begun it must not take this one as waiting there for it, and
+        the one at `seen` fails too, if it has not found it itself."""
+        if self.here is None:
+            return e
+        self.put_global(f"{MEETING}/{self.process}", self.here.leaving(seen).encode())
+        positions = self.positions()
+        return self.here.mismatched(e, positions, self.processes, self.process, self.path,
+                                    told_since(self._posted(TOLD), positions))
+
+    def _not_every(self, name: str, what: str, waited: float, came: set[str],
+                   detail: str) -> DistributedError:
+        """The error of a meeting not every process came to (`came`: those that said they did)."""
+        outcome = {'published': "whether it was published is not known: check the checkpoint",
+                   'said': "the processes only meet there: nothing was written"
+                   }.get(name, "nothing was published")
+        return DistributedError(f"not every process {what} (waited {waited:.1f} s of "
+                                f"{self.timeout_ms / 1000:g}{self._missing(came)}); {outcome} "
+                                f"({detail})", file=self.path,
+                                fix="check the other processes' logs (one may have died); "
+                                    "raise JCKPT_BARRIER_TIMEOUT if they are only slow")
+
+    def _missing(self, came: set[str]) -> str:
+        """`'; process 2 did not come'`: who is not among those that `came` ('' if not known)."""
         if not came:
             return ''
         missing = [str(p) for p in range(self.processes) if str(p) not in came]
@@ -228,72 +349,6 @@ class Runtime:
         self.check(name)
 
 
-@dataclasses.dataclass(frozen=True)
-class Meeting:
-    """One meeting of the processes (`agree`): what it is about, the path it is about ('' where
-    each process names its own) and how many such meetings this process began before.
-
-    Meetings about different things never pair: the barrier's name is made of `what` and `n`,
-    counted per `(what, path)`, so a meeting one process makes alone shifts only the meetings
-    about that very thing (and those of another path, met at the same count, are refused at
-    once: the processes name different paths).
-
-    >>> Meeting('opening the manager', 'run', 1).tag.startswith('jckpt/agree/')
-    True
-    """
-
-    what: str
-    path: str
-    n: int
-
-    @property
-    def tag(self) -> str:
-        digest = hashlib.sha256(self.what.encode('utf-8', 'surrogatepass')).hexdigest()[:16]
-        return f"jckpt/agree/{digest}/{self.n}"
-
-    def encode(self) -> str:
-        return json.dumps([self.what, self.path, self.n])
-
-    @classmethod
-    def decode(cls, text: str) -> Meeting:
-        what, path, n = json.loads(text)
-        return cls(str(what), str(path), int(n))
-
-    def describe(self) -> str:
-        """`'restoring the checkpoint (its 2nd such meeting)'`."""
-        of = f" of {self.path}" if self.path else ''
-        return f"{self.what}{of} (its {_ordinal(self.n + 1)} such meeting)"
-
-    def mismatched(self, e: DistributedError, positions: dict[int, Meeting], processes: int,
-                   process: int, path: str) -> DistributedError:
-        """`e`, the barrier's timeout, naming where the processes that did not come are
-        instead, as each said arriving at its latest meeting (`positions`), and what this
-        process was doing."""
-        absent = [p for p in range(processes) if p != process and positions.get(p) != self]
-        if not absent:
-            return e
-        where = '; '.join(f"process {p} is at {positions[p].describe()}" if p in positions
-                          else f"process {p} has been at no meeting" for p in absent[:8])
-        more = f" and {len(absent) - 8} more" if len(absent) > 8 else ''
-        return DistributedError(f"{e.message}; this process is at {self.describe()}, {where}"
-                                f"{more}: the processes are at different meetings", file=path,
-                                fix=MISMATCH_FIX)
-
-
-def meeting(what: str, path: str) -> Meeting:
-    """This process's next meeting about `what` and `path`, counted."""
-    with _MEETINGS_LOCK:
-        n = _MEETINGS[what, path]
-        _MEETINGS[what, path] += 1
-    return Meeting(what, path, n)
-
-
-def _ordinal(n: int) -> str:
-    """`'1st'`, `'2nd'`, `'11th'`."""
-    suffix = 'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')
-    return f"{n}{suffix}"
-
-
 def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
@@ -333,19 +388,20 @@ def agree(what: str, path: str, failure: BaseException | None, *, process: int, 
         if failure is not None:
             raise failure
         return [value]
-    here = here or meeting(what, os.fspath(path) if same_path else '')  # `arrive`'s, if any
+    arrived = here is not None  # `arrive` counted and posted it
+    here = here or meeting(what, os.fspath(path) if same_path else '')
     rt = Runtime(here.tag, path, barrier_timeout() if timeout is None else float(timeout),
-                 processes, process, announce=None)
-    rt.put(f"said/{process}", json.dumps({'path': os.fspath(path), 'value': value,
-                                          **_described(failure)}))
-    rt.put_global(f"{MEETING}/{process}", here.encode())
-    try:  # where each process is, not who came: `positions` tells, on a timeout
-        rt.barrier('opened', f"reached {what}", mark=False)
-    except DistributedError as e:
+                 processes, process, announce=None, here=here)
+    if not arrived:
+        rt.post()
+    said_here = json.dumps({'path': os.fspath(path), 'value': value, **_described(failure)})
+    try:
+        listed = rt.gather('said', said_here, f"reached {what}", 'said')
+    except DistributedError:
         if failure is not None:
             raise failure from None
-        raise here.mismatched(e, rt.positions(), processes, process, rt.path) from None
-    said = sorted((int(k), json.loads(v)) for k, v in rt.listed('said'))
+        raise
+    said = sorted((int(k), json.loads(v)) for k, v in listed)
     paths = {d['path'] for _, d in said}
     if same_path and len(paths) > 1:
         raise DistributedError(f"{what}: the processes name different paths (" + '; '.join(
@@ -388,9 +444,26 @@ def arrive(what: str, path: str, *, process: int, processes: int,
     if processes == 1:
         return None
     here = meeting(what, os.fspath(path) if same_path else '')
-    Runtime(here.tag, path, 1.0, processes, process, announce=None).put_global(
-        f"{MEETING}/{process}", here.encode())
+    Runtime(here.tag, path, 1.0, processes, process, announce=None, here=here).post()
     return here
+
+
+def tell(error: BaseException, *, process: int, processes: int) -> None:
+    """Post `error`, raised in this process alone for a call that cannot meet the others (a
+    manager's save whose step is no step: where it would save is not known), so that the
+    others' errors, waiting for this process at that call, say what it was told (best effort).
+
+    Example:
+        ```python
+        tell(refusal, process=1, processes=2)  # then raise refusal
+        ```
+    """
+    if processes > 1:
+        with contextlib.suppress(Exception):
+            said = (f"{type(error).__name__}: {error.message}" if isinstance(error, CheckpointError)
+                    else told(error))
+            client(processes, '').key_value_set(f"{TOLD}/{process}", told_alone(said),
+                                                allow_overwrite=True)
 
 
 def _described(e: BaseException | None) -> dict[str, str | None]:
@@ -413,4 +486,4 @@ def _common(what: str, path: str, failed: list[tuple[int, dict[str, Any]]]) -> C
 
 
 __all__ = ['DEFAULT_BARRIER_TIMEOUT', 'MEETING', 'MISMATCH_FIX', 'Meeting', 'Runtime', 'agree',
-           'arrive', 'barrier_timeout', 'client', 'first_line', 'jointly', 'meeting', 'told']
+           'arrive', 'barrier_timeout', 'client', 'first_line', 'jointly', 'meeting', 'tell', 'told']

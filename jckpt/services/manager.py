@@ -43,7 +43,7 @@ import jax
 
 from jckpt.api.context import Context, check_context, check_flag
 from jckpt.api.multiprocess import save_directory
-from jckpt.api.runtime import agree
+from jckpt.api.runtime import agree, tell
 from jckpt.errors import InputError, StorageError, naming_file
 from jckpt.format import strict_json
 from jckpt.format.metadata import check_metadata
@@ -276,24 +276,34 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
         and the other items are the optimizer state.
 
         With directory steps, an argument one process passes that is refused (`items`, a
-        step not above the last, `metrics`, `options`) fails the step in every process, an
-        `InputError` there and a `DistributedError` naming it in the others, once the save
-        took its turn; a `step` or `force` that is no step or flag is refused in that process
-        alone: whether and where it saves is what the others' save is paired by.
+        step not above the last, `metrics`, `options`, a `force` that is no flag on a step
+        `should_save` writes anyway) fails the step in every process, an `InputError` there
+        and a `DistributedError` naming it in the others, once the save took its turn; a
+        `step` that is no step is refused in that process alone (where it would save is not
+        known), and the others' error at their timeout says what it was told.
 
         Raises:
             InputError: for a step not above every step already saved.
         """
-        step = check_step(step, self.directory)  # a numpy or JAX integer becomes an int
+        try:
+            step = check_step(step, self.directory)  # a numpy or JAX integer becomes an int
+        except InputError as e:
+            raise self._told(e) from None
         if self.read_only:
             raise restoring.read_only_refusal(self.directory, f"save({step})")
-        if not check_flag(force, 'force', self.directory, optional=False) and not self.should_save(step):
+        wanted, refused = self._wanted(step, force)
+        if not wanted:
             return False
         self._resume_reader = None  # a job saving no longer resumes: the reader's bytes go
         if self.directory_steps:  # every process takes the save's turn, its arguments refused or not
-            self._save_directory(step, tree, lambda: (
-                self._arguments(step, tree, items, options),
-                self._step_metadata(step, metrics, trainer_state, metadata)[0])[1])
+
+            def checked() -> dict[str, str]:
+                if refused is not None:
+                    raise refused
+                self._arguments(step, tree, items, options)
+                return self._step_metadata(step, metrics, trainer_state, metadata)[0]
+
+            self._save_directory(step, tree, checked)
             return True
         options, model_ns = self._arguments(step, tree, items, options)
         meta, clean_metrics = self._step_metadata(step, metrics, trainer_state, metadata)
@@ -307,6 +317,27 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
         if not self.asynchronous:
             self._pipeline.wait()
         return True
+
+    def _wanted(self, step: int, force: Any) -> tuple[bool, InputError | None]:
+        """Whether `save` writes `step` (`force`, or `should_save`), and the refusal of a
+        `force` that is no flag where the step is written all the same: with directory steps,
+        a step on the interval, whose save every process makes, so that the refusal fails it
+        in all of them (`_save_directory`); elsewhere it is refused in this process alone."""
+        try:
+            if check_flag(force, 'force', self.directory, optional=False):
+                return True, None
+        except InputError as e:
+            if self.directory_steps and self.should_save(step):
+                return True, e
+            raise self._told(e) from None
+        return self.should_save(step), None
+
+    def _told(self, e: InputError) -> InputError:
+        """`e`, refused in this process alone where the others' save cannot meet it (where it
+        would save is not known), posted for the errors of the processes waiting for it."""
+        if self.directory_steps:
+            tell(e, process=self._rank, processes=self._ranks)
+        return e
 
     def _arguments(self, step: int, tree: Any, items: Mapping[str, Any] | None,
                    options: CheckpointOptions | None) -> tuple[CheckpointOptions, str]:

@@ -259,23 +259,26 @@ class StepReader:
 
     def _read_together(self, step: int | None, read: Callable[[int | None], Restored]) -> Restored:
         """A multi-process manager's `restore`: every process reads its part of the step, then
-        all meet (`agree`: one barrier) and return together or fail together. Where a reader's
+        all meet (`agree`: one barrier, one meeting of the directory's restores, whatever step
+        each asks for) and return together or fail together: a step one process refuses (no
+        step number) fails in all, and so do processes asking for different steps. Where a reader's
         step read was the latest listed and the writer's retention removed it while they read
         (one process read it, another found it gone), they list again together (`reload`) and
         read the new latest, `RELISTS` times at most; a step asked for by number fails in all.
         """
         where = os.path.abspath(self.directory) if self.backend is LOCAL else self.directory
         for attempt in range(RELISTS):
-            asked = self.latest_step() if step is None else step
-            restored, failure = None, None
+            asked, restored, failure = None, None, None
             try:
-                restored = read(step)
+                asked = self.latest_step() if step is None else check_step(step, self.directory)
+                restored = read(asked)
             except Exception as e:
                 failure = e
             vanished = self.read_only and isinstance(failure, FormatError) and self._vanished(asked)
-            said = agree(f"restoring step {asked}", where, None if vanished else failure,
-                         process=self._rank, processes=self._ranks, value=vanished)
-            if restored is not None and not any(said):
+            said = agree("restoring a step", where, None if vanished else failure,
+                         process=self._rank, processes=self._ranks, value=[vanished, asked])
+            _same_step(said, where)
+            if restored is not None and not any(v for v, _ in said):
                 return restored
             assert asked is not None  # a process found it gone: they all listed it
             if step is not None or attempt == RELISTS - 1:
@@ -289,6 +292,16 @@ class StepReader:
         folder = None if step is None else self._view.folder(step)
         return step is not None and folder is not None and steps.gone(
             self._path(step), folder, self._view.indexed(step))
+
+
+def _same_step(said: Sequence[Sequence[Any]], directory: str) -> None:
+    """Refuse, in every process alike, a restore whose processes asked for different steps
+    (`said`: each process's `[vanished, step]`): each would return its own."""
+    asked = [s for _, s in said]
+    if len(set(asked)) > 1:
+        raise InputError("the processes restore different steps (" + "; ".join(
+            f"process {p}: {s}" for p, s in enumerate(asked[:8])) + ")", file=directory,
+            fix="pass every process the same step (or none: the latest step they all list)")
 
 
 def read_only_refusal(directory: str, what: str) -> InputError:

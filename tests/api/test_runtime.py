@@ -6,18 +6,23 @@ import json
 import pytest
 
 import jckpt
+from jckpt.api import meetings as meetings_mod
 from jckpt.api import runtime as runtime_mod
 from jckpt.api.runtime import Runtime, agree, jointly
 
 
 class FakeClient:
     """What Runtime asks of JAX's distributed client: a key-value store and barriers, one
-    process's view; `blocked` barriers time out as a missing peer makes them, and `peers`
-    says what the other processes put before a barrier (keys under the barrier's tag)."""
+    process's view; `blocked` barriers (or meetings, by the prefix of the keys they gather)
+    time out as a missing peer makes them, and `peers` says what the other processes put
+    before a barrier (keys under the barrier's tag). At a meeting (`Runtime.gather`), a peer
+    not in `peers` says what this process said, without failure."""
 
-    def __init__(self, blocked=(), peers=None):
+    def __init__(self, blocked=(), peers=None, late=0):
         self.kv, self.blocked, self.met, self.peers = {}, set(blocked), [], peers or {}
-        self.names = []  # every barrier's full name
+        self.names = []  # every barrier's (or meeting's) full name
+        self.waits = 0  # blocking gets that timed out
+        self.late = late  # blocking gets that time out before the peers come (slow peers)
 
     def key_value_set(self, key, value, allow_overwrite=False):
         assert allow_overwrite or key not in self.kv, key
@@ -36,10 +41,35 @@ class FakeClient:
             raise RuntimeError("DEADLINE_EXCEEDED: Barrier timed out. # of tasks that reached the "
                                "barrier: 1/2")
 
+    def key_value_try_get(self, key):
+        return self.kv[key]
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        meeting = key.rsplit("/", 1)[0]  # `{tag}/said` (`agree`), `{tag}/at/written` (a barrier)
+        tag, _, name = meeting.rpartition("/")
+        tag = tag.removesuffix("/at")
+        if self.late > 0:
+            self.late -= 1
+        elif key not in self.kv and meeting not in self.names:  # the peers come
+            self.met.append(name)
+            self.names.append(meeting)
+            if name not in self.blocked:
+                for k, value in self.peers.items():
+                    self.kv[f"{tag}/{k}"] = value
+        if key not in self.kv and name not in self.blocked and meeting in self.names:
+            mine = next(v for k, v in self.kv.items() if k.startswith(f"{meeting}/"))
+            self.kv[key] = mine and json.dumps({**json.loads(mine), "type": None, "message": None,
+                                                "fix": None})
+        if key not in self.kv:
+            self.waits += 1
+            raise RuntimeError("DEADLINE_EXCEEDED: Deadline Exceeded")
+        return self.kv[key]
+
 
 def runtime(client):
     rt = Runtime.__new__(Runtime)
-    rt.client, rt.local, rt.tag, rt.path, rt.timeout_ms = client, False, "t", "ckpt", 5000
+    rt.client, rt.local, rt.tag, rt.path, rt.timeout_ms = client, False, "t", "ckpt", 300
+    rt.here = None
     rt.announce, rt.process, rt.processes = "ckpt", 0, 2
     return rt
 
@@ -75,8 +105,8 @@ def test_a_barrier_that_times_out_says_what_is_known():
         rt.barrier("written", "wrote its pieces")
     with pytest.raises(jckpt.DistributedError, match="whether it was published is not known") as e:
         rt.barrier("published", "saw the checkpoint published")
-    assert "of 5; process 1 did not come)" in str(e.value), e.value
-    assert "reached the barrier: 1/2" in str(e.value)
+    assert "of 0.3; process 1 did not come)" in str(e.value), e.value
+    assert "(the barrier timed out)" in str(e.value)
 
 
 def _peer_failure(message, kind="InUseError", fix="close the other one", path="run"):
@@ -96,7 +126,7 @@ def test_every_process_raises_the_error_another_met(monkeypatch):
                                "in use: another writer (pid 7); process 1: in use: another writer "
                                "(pid 8))")
     assert e.value.file == "run" and e.value.fix == "close the other one"
-    assert client.met == ["opened"]
+    assert client.met == ["said"]
 
 
 def test_a_failing_process_raises_what_the_others_raise(monkeypatch):
@@ -118,11 +148,11 @@ def test_no_failure_anywhere_passes_and_one_process_waits_for_nobody(monkeypatch
     client = FakeClient()
     monkeypatch.setattr(runtime_mod, "client", lambda processes, path: client)
     agree("opening the manager", "run", None, process=0, processes=2, timeout=5)
-    assert client.met == ["opened"]
+    assert client.met == ["said"]
     agree("opening the manager", "run", None, process=0, processes=1)  # nothing to meet
     with pytest.raises(jckpt.InUseError, match="^in use$"):
         agree("opening the manager", "run", jckpt.InUseError("in use"), process=0, processes=1)
-    assert client.met == ["opened"]
+    assert client.met == ["said"]
 
 
 def test_processes_naming_different_paths_all_fail_at_once(monkeypatch):
@@ -137,14 +167,14 @@ def test_processes_naming_different_paths_all_fail_at_once(monkeypatch):
 
 
 def test_a_peer_that_never_comes_gives_this_processs_own_error_or_a_timeout(monkeypatch):
-    client = FakeClient(blocked={"opened"})
+    client = FakeClient(blocked={"said"})
     monkeypatch.setattr(runtime_mod, "client", lambda processes, path: client)
     with pytest.raises(jckpt.InUseError, match="^in use$"):
         agree("opening the manager", "run", jckpt.InUseError("in use"), process=0, processes=2,
-              timeout=1)
+              timeout=0.3)
     with pytest.raises(jckpt.DistributedError, match="not every process reached opening the "
                                                       "manager"):
-        agree("opening the manager", "run", None, process=0, processes=2, timeout=1)
+        agree("opening the manager", "run", None, process=0, processes=2, timeout=0.3)
 
 
 def test_the_barrier_timeout_comes_from_the_environment(monkeypatch):
@@ -163,10 +193,10 @@ def test_agree_returns_every_processs_value_by_process(monkeypatch):
     assert agree("listing the steps", "run", None, process=0, processes=2, timeout=5,
                  value=[1]) == [[1], [1, 2]]
     assert agree("listing the steps", "run", None, process=0, processes=1, value=[3]) == [[3]]
-    blocked = FakeClient(blocked={"opened"})
+    blocked = FakeClient(blocked={"said"})
     monkeypatch.setattr(runtime_mod, "client", lambda processes, path: blocked)
     with pytest.raises(jckpt.DistributedError, match="not every process reached listing the steps") as e:
-        agree("listing the steps", "run", None, process=0, processes=2, timeout=1)
+        agree("listing the steps", "run", None, process=0, processes=2, timeout=0.3)
     assert "nothing was written" in e.value.message and "published" not in e.value.message
 
 
@@ -176,7 +206,7 @@ def test_jointly_returns_the_value_once_every_process_has_or_raises_the_one_erro
     monkeypatch.setattr(runtime_mod, "client", lambda processes, path: client)
     assert jointly("restoring the checkpoint", "a.jckpt", lambda: 7, process=0, processes=2,
                    same_path=False) == 7
-    assert client.met == ["opened"]
+    assert client.met == ["said"]
     failing = FakeClient(peers={"said/1": _peer_failure("checksum mismatch", "ChecksumError",
                                                               path="a.jckpt")})
     monkeypatch.setattr(runtime_mod, "client", lambda processes, path: failing)
@@ -193,7 +223,7 @@ def test_meetings_about_different_things_never_pair(monkeypatch):
 
     client = FakeClient()
     monkeypatch.setattr(runtime_mod, "client", lambda processes, path: client)
-    monkeypatch.setattr(runtime_mod, "_MEETINGS", collections.Counter())
+    monkeypatch.setattr(meetings_mod, "_MEETINGS", collections.Counter())
     for _ in range(2):
         jointly("restoring the checkpoint", "a.jckpt", lambda: 7, process=0, processes=2,
                 same_path=False)
@@ -212,10 +242,10 @@ def test_a_timeout_names_the_meeting_this_process_is_at_and_where_the_others_are
     only that the other did not come, and then went on pairing the wrong calls."""
     import collections
 
-    client = FakeClient(blocked={"opened"})
+    client = FakeClient(blocked={"said"})
     client.kv["jckpt/meeting/1"] = json.dumps(["listing the steps", "/runs/a", 0])
     monkeypatch.setattr(runtime_mod, "client", lambda processes, path: client)
-    monkeypatch.setattr(runtime_mod, "_MEETINGS", collections.Counter({
+    monkeypatch.setattr(meetings_mod, "_MEETINGS", collections.Counter({
         ("restoring the checkpoint", ""): 1}))
     with pytest.raises(jckpt.DistributedError) as e:
         jointly("restoring the checkpoint", "a.jckpt", lambda: 7, process=0, processes=3,
@@ -236,7 +266,7 @@ def test_a_process_says_where_it_is_before_its_part_of_a_meeting(monkeypatch):
 
     client = FakeClient()
     monkeypatch.setattr(runtime_mod, "client", lambda processes, path: client)
-    monkeypatch.setattr(runtime_mod, "_MEETINGS", collections.Counter({
+    monkeypatch.setattr(meetings_mod, "_MEETINGS", collections.Counter({
         ("restoring the checkpoint", ""): 1}))
     seen = []
     jointly("restoring the checkpoint", "a.jckpt", lambda: seen.append(client.kv["jckpt/meeting/0"]),
@@ -253,3 +283,107 @@ def test_jointly_in_one_process_raises_its_own_error_as_it_is(monkeypatch):
                 process=0, processes=1)
     assert e.value is mine
 
+
+
+def _at(monkeypatch, client, mine, theirs):
+    """This process has begun the meetings `mine` counts; process 1 said it is at `theirs`."""
+    import collections
+
+    monkeypatch.setattr(runtime_mod, "client", lambda processes, path: client)
+    monkeypatch.setattr(meetings_mod, "_MEETINGS", collections.Counter(mine))
+    client.kv["jckpt/meeting/1"] = json.dumps(theirs)
+    monkeypatch.setattr(runtime_mod, "POLL", 0.01)
+
+
+def test_processes_waiting_at_different_meetings_fail_at_once_not_at_the_timeout(monkeypatch):
+    """Process 0 restoring step 2 while process 1 saves step 3 waited out the barrier's timeout
+    (5 minutes by default) to say so: neither could ever move on. Now the first look at where
+    process 1 is tells, and the error is the timeout's, naming both meetings."""
+    client = FakeClient(blocked={"said"})
+    _at(monkeypatch, client, {}, ["saving", "/run/step_00000003.jckpt", 0])
+    with pytest.raises(jckpt.DistributedError) as e:
+        agree("restoring step 2", "/run", None, process=0, processes=2, timeout=300)
+    assert client.waits == 1, client.waits  # one look, not 300 s of them
+    assert e.value.message.startswith("not every process reached restoring step 2 (waited ")
+    assert ("process 1 did not come); the processes only meet there: nothing was written (it "
+            "waits at another meeting, for this process: no process can move on)") in e.value.message
+    assert ("this process is at restoring step 2 of /run (its 1st such meeting), process 1 is at "
+            "saving of /run/step_00000003.jckpt (its 1st such meeting): the processes are at "
+            "different meetings") in e.value.message, e.value
+    assert "restart the run's processes together" in e.value.fix
+
+
+def test_a_process_behind_by_a_meeting_is_waited_for_not_taken_as_stuck(monkeypatch):
+    """Process 1 still at the listing before this one (which this process passed), or at the
+    open before it: it may yet come, so this process waits (here, out its timeout)."""
+    for theirs in (["listing the steps", "run", 0], ["opening the manager", "run", 0]):
+        client = FakeClient(blocked={"said"})
+        _at(monkeypatch, client, {("listing the steps", "run"): 1, ("opening the manager", "run"): 1},
+            theirs)
+        with pytest.raises(jckpt.DistributedError) as e:
+            agree("listing the steps", "run", None, process=0, processes=2, timeout=0.2)
+        assert client.waits > 1 and "no process can move on" not in e.value.message, e.value
+        assert "(the barrier timed out)" in e.value.message, e.value
+
+
+def test_a_slow_process_is_waited_for(monkeypatch):
+    """Process 1 comes after several looks (still at the meeting before, which this process
+    passed): the meeting goes on, with what it said."""
+    client = FakeClient(late=5, peers={"said/1": json.dumps({"path": "run", "value": 7, "type": None,
+                                                               "message": None, "fix": None})})
+    _at(monkeypatch, client, {("listing the steps", "run"): 1}, ["listing the steps", "run", 0])
+    assert agree("listing the steps", "run", None, process=0, processes=2, timeout=300,
+                 value=6) == [6, 7]
+    assert client.waits == 5
+
+
+def test_a_timeout_says_what_a_process_refusing_a_call_alone_was_told(monkeypatch):
+    """Process 1's save of a step that is no step cannot meet the others (where it would save is
+    not known): process 0's timeout named only where process 1 was before it."""
+    client = FakeClient(blocked={"said"})
+    _at(monkeypatch, client, {("listing the steps", "run"): 1}, ["listing the steps", "run", 0])
+    monkeypatch.setattr(meetings_mod, "_LATEST", [meetings_mod.Meeting("listing the steps", "run", 0)])
+    refusal = jckpt.InputError("step must be a non-negative integer, not int -3", file="run")
+    runtime_mod.tell(refusal, process=1, processes=2)  # as process 1 posts it
+    with pytest.raises(jckpt.DistributedError) as e:
+        agree("opening the manager", "run", None, process=0, processes=2, timeout=0.2)
+    assert ("process 1 is at listing the steps of run (its 1st such meeting), and was told since: "
+            "InputError: step must be a non-negative integer, not int -3: the processes are at "
+            "different meetings") in e.value.message, e.value
+
+
+def test_a_process_coming_to_a_meeting_another_left_failing_fails_too(monkeypatch):
+    """Process 0 left its lone restore at its timeout; process 1's restore, made later, found
+    process 0's word there and passed alone (a barrier that timed out fails a latecomer)."""
+    import collections
+
+    client = FakeClient()
+    monkeypatch.setattr(runtime_mod, "client", lambda processes, path: client)
+    monkeypatch.setattr(meetings_mod, "_MEETINGS", collections.Counter())
+    tag = meetings_mod.Meeting("restoring the checkpoint", "", 0).tag
+    client.kv[f"{tag}/said/0"] = _peer_failure(None, None, None, path="a.jckpt")
+    client.kv[f"{tag}/said-outcome"] = "failed"  # as process 0 settled it, leaving
+    with pytest.raises(jckpt.DistributedError, match="another process left this meeting failing"):
+        jointly("restoring the checkpoint", "a.jckpt", lambda: 7, process=1, processes=2,
+                same_path=False)
+    assert client.kv[f"{tag}/said-outcome"] == "failed" and client.names == []  # no wait
+
+
+class CountingClient(FakeClient):
+    """A client with JAX's atomic increment (the settle of a meeting's outcome)."""
+
+    def key_value_increment(self, key, increment):
+        self.kv[key] = int(self.kv.get(key, 0)) + increment
+        return self.kv[key]
+
+
+@pytest.mark.parametrize("kind", [FakeClient, CountingClient])
+def test_the_first_process_to_settle_a_meetings_outcome_decides_it(kind):
+    """A process leaving a meeting failing and one that met every other there must not end it
+    differently: the first to settle decides, whatever the client offers."""
+    rt = runtime(kind())
+    assert rt._settle("said", "met") and rt._settle("said", "met")  # every process that met
+    assert not rt._settle("said", "failed")  # it met: a process leaving late passes instead
+    rt = runtime(kind())
+    assert rt._settle("said", "failed") and not rt._settle("said", "met")  # a latecomer fails
+    assert rt._settle("said", "failed")  # and so does every other process timing out there

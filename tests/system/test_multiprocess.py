@@ -573,7 +573,7 @@ def test_a_read_only_managers_processes_restore_together_when_retention_removes_
     for r in found.values():  # both listed step 2 gone, then read step 1 together
         assert r["listed"] == [1, 2] and r["restored"] == 1 and r["ok"], found
         kind, message = r["failed"]  # one process failing fails them all, at once
-        assert kind == "DistributedError" and "restoring step 1 failed in 1 of the run's " \
+        assert kind == "DistributedError" and "restoring a step failed in 1 of the run's " \
             "processes (process 1: ValueError: cannot read)" in message, r
         assert r["seconds"] < 20, r
 
@@ -638,10 +638,11 @@ def test_a_meeting_one_process_makes_alone_fails_by_name_and_other_meetings_go_o
     """Meetings were paired by one counter per process: process 0's lone restore onto a global
     array paired with process 1's lone reader open (the restore returned, the open failed on
     "different paths"), and later meetings paired whatever came at the same count. Now each
-    meeting pairs only with one about the same thing: the lone ones time out naming where the
+    meeting pairs only with one about the same thing: the lone ones fail naming where the
     other process is, a restore both make after process 0's lone one fails in both, naming
     both meetings, and the meetings of the manager go on together. A manager's restore of
-    another step in each process met, and returned one step here and another there."""
+    another step in each process met, and returned one step here and another there: now it
+    fails in both, naming each process's step."""
     import jckpt
 
     jckpt.save(jckpt.Context(), {"x": np.full(8, 7, np.float32)}, tmp_path / "one.jckpt")
@@ -649,19 +650,23 @@ def test_a_meeting_one_process_makes_alone_fails_by_name_and_other_meetings_go_o
     found = check(run_pair("lonemeeting", tmp_path, {"JCKPT_BARRIER_TIMEOUT": "3"}))
     (a0, a1) = (found[p]["attempts"] for p in (0, 1))
     assert [a[0] for a in a0] == [a[0] for a in a1] == [
-        "DistributedError", "DistributedError", None, None, "DistributedError"], found
-    assert "this process is at restoring the checkpoint (its 1st such meeting), process 1 is at " \
-           "listing the steps of " in a0[0][1], a0
+        "DistributedError", "DistributedError", None, None, "InputError"], found
+    def placed(message, process, meeting):  # found waiting there, or having left it failing
+        return f"process {process} is at {meeting}" in message or \
+            f"process {process} left {meeting}" in message
+
+    assert "this process is at restoring the checkpoint (its 1st such meeting), process 1 " in \
+        a0[0][1] and placed(a0[0][1], 1, "listing the steps of "), a0
     assert "this process is at listing the steps of " in a1[0][1] and \
-           "process 0 is at restoring the checkpoint (its 1st such meeting)" in a1[0][1], a1
-    assert "restoring the checkpoint (its 2nd such meeting), process 1 is at restoring the " \
-           "checkpoint (its 1st such meeting)" in a0[1][1], a0
+        placed(a1[0][1], 0, "restoring the checkpoint (its 1st such meeting)"), a1
+    assert "restoring the checkpoint (its 2nd such meeting), process 1 left restoring the " \
+           "checkpoint (its 1st such meeting)" in a0[1][1], a0  # at once, process 0 at its timeout
     assert "restoring the checkpoint (its 1st such meeting), process 0 is at restoring the " \
            "checkpoint (its 2nd such meeting)" in a1[1][1], a1
     assert all("restart the run's processes together" in a[1] for a in a0[:2] + a1[:2])
     assert all(a[3] for a in a0[2:4] + a1[2:4]), found  # the manager's save and restore went on
-    assert "this process is at restoring step 1 of " in a0[4][1] and \
-           "process 1 is at restoring step 2 of " in a0[4][1], a0  # it returned both steps
+    assert "the processes restore different steps (process 0: 1; process 1: 2)" in a0[4][1] \
+        and a0[4][1] == a1[4][1], found  # it returned each process's step
 
 
 @pytest.mark.slow
@@ -695,6 +700,69 @@ def test_a_managers_lease_lost_while_a_step_saved_fails_that_step_in_all(tmp_pat
         assert [a[0] for a in r["attempts"]] == [None, t0 if r["process"] == 0 else t1, None], r
         assert r["steps"] == [1, 3], r  # step 2 is published, but no process counts it
     assert sorted(os.listdir(tmp_path / "run" / "step_00000002.jckpt"))[0] == "index.jckpt"
+
+
+@pytest.mark.slow
+def test_processes_waiting_at_different_meetings_fail_at_once_in_all(tmp_path):
+    """Process 0 restoring step 2 while process 1 saved step 3 waited each out the barrier's
+    timeout (60 s here, 300 by default) to say so, though neither could ever move on. Now each
+    sees where the other waits, a meeting it has not begun, and both fail in seconds, naming
+    both meetings."""
+    found = check(run_pair("stuck", tmp_path / "run", {"KIND": "mismatch",
+                                                       "JCKPT_BARRIER_TIMEOUT": "60"}))
+    (t0, m0, s0, _), (t1, m1, s1, _) = (found[p]["attempts"][0] for p in (0, 1))
+    assert (t0, t1) == ("DistributedError", "DistributedError") and s0 < 15 and s1 < 15, found
+    assert "no process can move on" in m0 and "no process can move on" in m1, found
+    # whichever finds it first leaves its meeting, saying so: the other finds that
+    assert "this process is at restoring a step of " in m0 and ("process 1 is at saving a "
+           "checkpoint (its 3rd such meeting)" in m0 or "process 1 left saving a checkpoint (its "
+           "3rd such meeting), failing" in m0), m0
+    assert "this process is at saving a checkpoint (its 3rd such meeting), process 0 " in m1 and \
+           "restoring a step of " in m1, m1
+
+
+@pytest.mark.slow
+def test_a_process_behind_or_slow_is_waited_for_not_taken_as_stuck(tmp_path):
+    """Process 1 comes 3 s late to a restore (still at the save before it), then reads its part
+    of the next one for 3 s: process 0 waits for it both times, and both restores return."""
+    found = check(run_pair("stuck", tmp_path / "run", {"KIND": "slow",
+                                                       "JCKPT_BARRIER_TIMEOUT": "60"}))
+    for r in found.values():
+        assert [a[0] for a in r["attempts"]] == [None, None] and all(
+            a[3] for a in r["attempts"]), found
+    assert all(a[2] > 2.5 for a in found[0]["attempts"]), found  # it did wait for process 1
+
+
+@pytest.mark.slow
+def test_a_managers_argument_refused_in_one_process_fails_in_all_at_once(tmp_path):
+    """A step to `restore` that is no step, another step than the others', or a `force` that is no
+    flag on a step due anyway were refused in process 1 alone (or each returned its own step),
+    and process 0 waited out its timeout. Now each fails in both at once, and the next goes on."""
+    found = check(run_pair("stuck", tmp_path / "run", {"KIND": "arguments",
+                                                       "JCKPT_BARRIER_TIMEOUT": "60"}))
+    a0, a1 = (found[p]["attempts"] for p in (0, 1))
+    assert [a[0] for a in a0] == ["InputError", "InputError", "DistributedError", None, None], a0
+    assert [a[0] for a in a1] == ["InputError", "InputError", "InputError", None, None], a1
+    assert all(a[2] < 15 for a in a0 + a1), found
+    assert a0[0][1] == a1[0][1] and "process 1: " in a0[0][1] and "not str 'two'" in a0[0][1]
+    assert a0[1][1] == a1[1][1] and "the processes restore different steps (process 0: 2; " \
+        "process 1: 1)" in a0[1][1], a0
+    assert "force must be True or False" in a1[2][1] and "process 1: " in a0[2][1] and \
+        "force must be True or False" in a0[2][1], found
+    assert all(a[3] for a in a0[3:] + a1[3:]), found
+
+
+@pytest.mark.slow
+def test_a_step_to_save_refused_in_one_process_is_named_by_the_others_timeout(tmp_path):
+    """A `save` whose step is no step cannot meet the others' (where it would save is not known):
+    process 0 waited out its timeout naming only where process 1 was before. Now it says what
+    process 1 was told."""
+    found = check(run_pair("stuck", tmp_path / "run", {"KIND": "told",
+                                                       "JCKPT_BARRIER_TIMEOUT": "4"}))
+    (t0, m0, _, _), (t1, m1, _, _) = (found[p]["attempts"][0] for p in (0, 1))
+    assert (t0, t1) == ("DistributedError", "InputError") and "not int -3" in m1, found
+    assert "process 1 is at saving a checkpoint (its 2nd such meeting), and was told since: " \
+           "InputError: step must be a non-negative integer, not int -3: " in m0, m0
 
 # --- the worker ------------------------------------------------------------------------------
 
@@ -1254,6 +1322,55 @@ def phase_lone_meeting(jax, jckpt, result, path):
     result.update(ok=True, attempts=attempts)
 
 
+def phase_stuck(jax, jckpt, result, path):
+    """A manager of both processes saves steps 1 and 2. `KIND` "mismatch": process 0 then
+    restores step 2 while process 1 saves step 3 (a mistake). "slow": process 1 comes late to
+    a restore both make (still at the save before), then reads its part slowly. "arguments":
+    process 1 passes a `restore` or `save` argument that is refused; "told": a step to `save`
+    that is no step."""
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    sharding = NamedSharding(jax.sharding.Mesh(np.array(jax.devices("cpu")), ("x",)), P("x"))
+    target = {"x": jax.ShapeDtypeStruct((8,), np.float32, sharding=sharding)}
+    attempt = functools.partial(_restore_attempt, jckpt)
+    lone = jax.process_index() == 1
+
+    def x(step):
+        return {"x": jax.make_array_from_callback((8,), sharding,
+                                                  lambda i: np.full(8, step, np.float32)[i])}
+
+    attempts = []
+    with jckpt.CheckpointManager(path) as mgr:
+        for step in (1, 2):
+            mgr.save(step, x(step))
+        kind = os.environ.get("KIND")
+        if kind == "mismatch":
+            attempts.append(attempt(lambda: (mgr.save(3, x(3)), x(3))[1] if lone
+                                    else mgr.restore(2, target=target), 3 if lone else 2))
+        elif kind == "arguments":  # each refused in process 1 alone, then one refused in none
+            attempts.append(attempt(lambda: mgr.restore("two" if lone else 2, target=target), 2))
+            attempts.append(attempt(lambda: mgr.restore(1 if lone else 2, target=target), 2))
+            for step, force in ((3, "yes" if lone else False), (4, False)):
+                attempts.append(attempt(lambda s=step, f=force: (mgr.save(s, x(s), force=f),
+                                                                 x(s))[1], step))
+            attempts.append(attempt(lambda: mgr.restore(target=target), 4))
+        elif kind == "told":  # process 1 saves a step that is no step: it cannot meet the others
+            attempts.append(attempt(lambda: (mgr.save(-3 if lone else 3, x(3)), x(3))[1], 3))
+            multihost_utils.sync_global_devices("process 0 timed out")
+        else:
+            if lone:
+                time.sleep(3)  # behind: still at the save before, as the others see it
+            attempts.append(attempt(lambda: mgr.restore(2, target=target), 2))
+            read = mgr._read
+            if lone:  # slow: at the restore, reading its part
+                mgr._read = lambda *a, **k: (time.sleep(3), read(*a, **k))[1]
+            attempts.append(attempt(lambda: mgr.restore(1, target=target), 1))
+            mgr._read = read
+    result.update(ok=True, attempts=attempts)
+
+
 PHASES = {"lonesame": phase_lone_save_of_the_same_path, "openconflict": phase_open_beside_a_live_run,
           "meshsave": phase_mesh_save, "meshrestore": phase_mesh_restore,
           "killed": phase_killed_mid_save, "preempted": phase_preempted,
@@ -1261,7 +1378,8 @@ PHASES = {"lonesame": phase_lone_save_of_the_same_path, "openconflict": phase_op
           "filesteps": phase_file_steps, "readers": phase_readers,
           "ownerror": phase_own_error, "readerrace": phase_reader_race,
           "managerargs": phase_manager_arguments, "lonefailures": phase_lone_failures,
-          "halfpieces": phase_half_of_each_piece, "lonemeeting": phase_lone_meeting}
+          "halfpieces": phase_half_of_each_piece, "lonemeeting": phase_lone_meeting,
+          "stuck": phase_stuck}
 
 
 def worker(phase, process, port, path, processes=2, devices=2):

@@ -1,0 +1,76 @@
+"""Where each process is: its meetings, counted per thing, and when none can move on."""
+
+import collections
+
+import jckpt
+from jckpt.api import meetings
+from jckpt.api.meetings import SAVING, Meeting, begun, meeting
+
+
+def test_a_process_at_a_meeting_this_one_has_not_begun_is_stuck(monkeypatch):
+    """Such a process waits there for this one, as this one waits at its own for it."""
+    monkeypatch.setattr(meetings, "_MEETINGS", collections.Counter())
+    here = meeting("restoring step 2", "run")
+    assert here.stuck({1: Meeting(SAVING, "", 2)})  # a save this process never began
+    assert here.stuck({1: Meeting("restoring step 2", "run", 1)})  # the next such: ahead of it
+    assert here.stuck({1: Meeting("restoring step 2", "other", 0)})  # another path
+
+
+def test_a_process_at_this_meeting_or_one_this_one_began_is_not_stuck(monkeypatch):
+    """At this meeting it is only slow; at one this process began (passed), it is behind, or
+    has not said yet where it is now: it may still come."""
+    monkeypatch.setattr(meetings, "_MEETINGS", collections.Counter())
+    for _ in range(3):
+        meeting(SAVING, "")
+    listing = meeting("listing the steps", "run")
+    here = meeting("listing the steps", "run")
+    assert not here.stuck({})  # no process said where it is
+    assert not here.stuck({1: here, 2: listing, 3: Meeting(SAVING, "", 2)})
+    assert here.stuck({1: here, 2: listing, 3: Meeting(SAVING, "", 3)})  # one is enough
+    assert begun(listing) and begun(here) and not begun(Meeting(SAVING, "", 3))
+
+
+def test_a_mismatch_names_where_each_process_that_did_not_come_is():
+    here = Meeting("restoring the checkpoint", "", 1)
+    timeout = jckpt.DistributedError("not every process reached restoring the checkpoint")
+    e = here.mismatched(timeout, {1: here, 2: Meeting(SAVING, "", 0)}, 4, 0, "a.jckpt")
+    assert e.message == ("not every process reached restoring the checkpoint; this process is at "
+                         "restoring the checkpoint (its 2nd such meeting), process 2 is at saving a "
+                         "checkpoint (its 1st such meeting); process 3 has been at no meeting: the "
+                         "processes are at different meetings")
+    assert "restart the run's processes together" in e.fix
+    assert here.mismatched(timeout, {1: here}, 2, 0, "a.jckpt") is timeout  # all came
+    assert Meeting.decode(here.encode()) == here
+
+
+def test_what_a_process_was_told_is_shown_while_it_is_still_where_it_was_told_it(monkeypatch):
+    """A process refusing a call alone (a save whose step is no step) posts what it was told,
+    with its latest meeting; once it went on to another meeting, that is old news."""
+    monkeypatch.setattr(meetings, "_LATEST", [])
+    first = meetings.told_alone("InputError: no step")
+    assert meetings.told_since({1: first}, {}) == {1: "InputError: no step"}  # at no meeting yet
+    here = meeting(SAVING, "")
+    posted = {1: meetings.told_alone("InputError: no step, again"), 2: first, 3: "not json"}
+    assert meetings.told_since(posted, {1: here, 2: here}) == {1: "InputError: no step, again"}
+
+
+def test_a_process_that_left_a_meeting_failing_is_at_none(monkeypatch):
+    """Process 0 timed out at a restore process 1 never began, then went on to the manager's
+    open both make: its old position made process 1, at that open, take it as stuck there."""
+    monkeypatch.setattr(meetings, "_MEETINGS", collections.Counter())
+    here = meeting("opening the manager", "run")
+    gone = Meeting("restoring the checkpoint", "", 1).leaving(None)  # it timed out there
+    assert not here.stuck({0: gone}) and Meeting.decode(gone.encode()) == gone
+    e = here.mismatched(jckpt.DistributedError("timed out"), {0: gone}, 2, 1, "run")
+    assert "process 0 left restoring the checkpoint (its 2nd such meeting), failing" in e.message
+
+
+def test_a_process_that_left_finding_this_one_stuck_makes_it_fail_too(monkeypatch):
+    """Process 1 found process 0 waiting for it at a meeting it had not begun, and left its own
+    posting so: process 0, which had not looked yet, then saw it at no meeting and waited out
+    its timeout. Now it fails too, as it would have."""
+    monkeypatch.setattr(meetings, "_MEETINGS", collections.Counter())
+    here = meeting("restoring step 2", "run")
+    gone = Meeting(SAVING, "", 2).leaving(here)
+    assert here.stuck({1: gone}) and Meeting.decode(gone.encode()) == gone
+    assert not meeting("restoring step 2", "run").stuck({1: gone})  # found at another: not this
