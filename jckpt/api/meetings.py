@@ -8,7 +8,7 @@ where it waits for this one as this one waits for it (`Meeting.stuck`: no proces
 on, so both fail at once instead of at the barrier's timeout).
 
 >>> here = Meeting('restoring step 2', 'run', 0)
->>> here.stuck({1: Meeting('saving a checkpoint', '', 5)})
+>>> here.stuck({1: Meeting('saving a checkpoint', 'elsewhere', 10**6)})  # not begun here
 True
 """
 
