@@ -121,6 +121,35 @@ class CheckpointOptions:
         """Whether a step is a directory with the model in another format."""
         return self.format != 'jckpt'
 
+    def refuse_directory_steps(self, directory_steps: bool, directory: str) -> None:
+        """`InputError` for a model in another format in a multi-process directory step, which
+        holds jckpt pieces only."""
+        if self.foreign and directory_steps:
+            raise InputError(f"multi-process directory steps are jckpt only, and the options ask "
+                             f"for format {self.format!r}", file=directory,
+                             fix='use CheckpointOptions(format="jckpt") (the default) with several '
+                                 "processes, or directory_steps=False in a run of one process")
+
+    def model_namespace_of(self, items: Mapping[str, Any] | None, namespace: str, *,
+                           directory_steps: bool, directory: str) -> str:
+        """The namespace a step saved with these options writes as its model ('' for jckpt
+        steps): `namespace` (the context's) for a tree, `model_namespace` for `items`.
+
+        >>> CheckpointOptions(format='safetensors').model_namespace_of(
+        ...     None, 'jckpt', directory_steps=False, directory='run')
+        'jckpt'
+        """
+        if not self.foreign:
+            return ''
+        self.refuse_directory_steps(directory_steps, directory)
+        if items is None:
+            return namespace
+        if self.model_namespace not in items:
+            raise InputError(f"items has no model namespace {self.model_namespace!r}",
+                             file=directory, fix="pass the model as items[model_namespace], "
+                             "or set CheckpointOptions(model_namespace=...)")
+        return self.model_namespace
+
     @property
     def model_file(self) -> str:
         """The model file's name in a step directory (`model.bin` for llm.c)."""

@@ -53,7 +53,7 @@ from jckpt.format.names import (
     TRAINER_STATE_KEY,
     step_name,
 )
-from jckpt.services import formats, restoring, steps
+from jckpt.services import formats, restoring, step_removal, steps
 from jckpt.services.base import BackgroundWriter, Staged
 from jckpt.services.engine import Job
 from jckpt.services.formats import CheckpointLoadOptions, CheckpointOptions
@@ -83,17 +83,6 @@ class _Step:
     metrics: Mapping[str, float]
     options: CheckpointOptions
     model_namespace: str
-
-
-def _refuse_foreign_directory_steps(options: CheckpointOptions, directory_steps: bool,
-                                    directory: str) -> None:
-    """`InputError` for a model in another format in a multi-process directory step, which
-    holds jckpt pieces only."""
-    if options.foreign and directory_steps:
-        raise InputError(f"multi-process directory steps are jckpt only, and the options ask "
-                         f"for format {options.format!r}", file=directory,
-                         fix='use CheckpointOptions(format="jckpt") (the default) with several '
-                             "processes, or directory_steps=False in a run of one process")
 
 
 class CheckpointManager(StepReader, BackgroundWriter[_Step]):
@@ -185,7 +174,7 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
         self._rank, self._ranks = ((self.process_index, self.process_count)  # who writes the steps
                                    if self.directory_steps else (0, 1))  # file steps: this process
         if not self.read_only:  # at open, not at the first save, hours of training later
-            _refuse_foreign_directory_steps(self.options, self.directory_steps, self.directory)
+            self.options.refuse_directory_steps(self.directory_steps, self.directory)
         self._retention = Retention(keep_last, keep_every, keep_best, best_metric, best_mode)
         if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
             raise InputError(f"save_interval_steps must be a positive integer, "
@@ -341,10 +330,10 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
 
     def _arguments(self, step: int, tree: Any, items: Mapping[str, Any] | None,
                    options: CheckpointOptions | None) -> tuple[CheckpointOptions, str]:
-        """`save`'s options and model namespace (`_model_namespace`), once its step, `tree`,
-        `items` and `options` are checked; `InputError` for one that is refused. With directory
-        steps, each process checks them once the save took its turn (`_save_directory`), so
-        that one process's refusal fails the save in all of them."""
+        """`save`'s options and model namespace (`CheckpointOptions.model_namespace_of`), once
+        its step, `tree`, `items` and `options` are checked; `InputError` for one that is
+        refused. With directory steps, each process checks them once the save took its turn
+        (`_save_directory`), so that one process's refusal fails the save in all of them."""
         self._check_next(step)
         if (tree is None) == (items is None):
             raise InputError("pass exactly one of tree and items", file=self.directory)
@@ -355,7 +344,8 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
             raise InputError("directory steps hold one namespace: pass tree, not items",
                              file=self.directory)
         options = steps.checked(options, CheckpointOptions, 'options', self.options)
-        return options, self._model_namespace(options, items)
+        return options, options.model_namespace_of(items, self.ctx.namespace, directory=self.directory,
+                                                   directory_steps=self.directory_steps)
 
     def _step_metadata(self, step: int, metrics: Mapping[str, float] | None,
                        trainer_state: TrainerState | None, metadata: Mapping[str, str] | None
@@ -373,20 +363,6 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
                                  f"{type(trainer_state).__name__}", file=self.directory)
             meta[TRAINER_STATE_KEY] = trainer_state.to_json()
         return meta, clean_metrics
-
-    def _model_namespace(self, options: CheckpointOptions,
-                         items: Mapping[str, Any] | None) -> str:
-        """The namespace a foreign-format step writes as its model ('' for jckpt steps)."""
-        if not options.foreign:
-            return ''
-        _refuse_foreign_directory_steps(options, self.directory_steps, self.directory)
-        if items is None:
-            return self.ctx.namespace
-        if options.model_namespace not in items:
-            raise InputError(f"items has no model namespace {options.model_namespace!r}",
-                             file=self.directory, fix="pass the model as items[model_namespace], "
-                             "or set CheckpointOptions(model_namespace=...)")
-        return options.model_namespace
 
     def _check_next(self, step: int) -> None:
         """Refuse a step not above every step saved or on disk."""
@@ -473,7 +449,7 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
             self._view.forget(doomed)
             return
         paths = {self._path(s): s for s in doomed}
-        steps.remove_steps(self.backend, {p: doomed[s] for p, s in paths.items()},
+        step_removal.remove_steps(self.backend, {p: doomed[s] for p, s in paths.items()},
                            lambda gone: self._view.forget(paths[p] for p in gone))
         if self.ctx.durable and self.backend is LOCAL:
             fsync_dir(self.directory)

@@ -3,7 +3,7 @@
 A step is a jckpt file, a multi-process directory checkpoint (with an index), or a step
 directory of the format layer (with a `trainer_state.json`, `jckpt.services.formats`, read
 by `jckpt.services.format_reading`). These functions read any of them the same way for
-`CheckpointManager`, and clear what a writer that died left.
+`CheckpointManager`; `jckpt.services.step_removal` removes steps and what a writer that died left.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 from jckpt import api
@@ -25,27 +25,21 @@ from jckpt.format.entries import Header
 from jckpt.format.names import (
     INDEX_NAME,
     METRICS_KEY,
-    NEXT_TAG,
-    STAGE_DIR_TAG,
-    STAGE_TAG,
     STEP_RE,
     TRAINER_STATE_NAME,
-    UPLOAD_TAG,
-    is_step_member,
 )
 from jckpt.services import format_reading, formats
 from jckpt.services.formats import CheckpointLoadOptions
 from jckpt.services.snapshot import Digest, content_digest
 from jckpt.services.step_cache import StepCache
+from jckpt.services.step_removal import Listing, clean_staging, remove_unfinished
 from jckpt.storage import step_directory
 from jckpt.storage.backend import LOCAL, Backend, backend_for, is_url
 from jckpt.storage.checkpoint import open_checkpoint, reusing
-from jckpt.storage.directory import NO_INDEX, DirectoryReader, reclaim_stage_dirs
+from jckpt.storage.directory import NO_INDEX, DirectoryReader
 from jckpt.storage.object_backend import NO_SUCH_OBJECT, OBJECT_STORE, concurrency
 from jckpt.storage.object_store import MISSING_OBJECT
-from jckpt.storage.publish import reclaim_staging, storage_error
 from jckpt.storage.remote_reader import concurrently
-from jckpt.storage.staging import next_name, remove_staged, remove_staged_below
 
 log = logging.getLogger('jckpt')
 
@@ -139,8 +133,6 @@ class Found:
         """The steps of `removing`: a restore of one says that retention deleted it."""
         return frozenset(int(m.group(1)) for n in self.removing if (m := STEP_RE.match(n)))
 
-
-Listing = tuple[list[str], list[str], Mapping[str, str] | None]
 
 
 def recover(backend: Backend, directory: str, *, clean: bool, cache: StepCache | None = None) -> Found:
@@ -331,80 +323,6 @@ def parse_metrics(text: str | None, path: str) -> dict[str, float]:
     return metrics
 
 
-def remove_step(backend: Backend, path: str, folder: bool | None = None) -> None:
-    """Delete the step at `path` so that no moment shows a half-deleted step.
-
-    A local step directory is first renamed to a staging name (generation 0, which no
-    writer stages; `clean_staging` removes it should this process die), then deleted;
-    one in a bucket loses its markers (index, record) first, so what is left is no step.
-    A step that is a symbolic link is unlinked; what it points at is left alone.
-    `folder`, when the caller knows it: whether the step is a directory (a prefix in a
-    bucket); a file step in a bucket is then one DELETE, with no listing.
-    """
-    if backend is not LOCAL and folder is False:
-        backend.remove(path, below=False)
-        return
-    if backend is LOCAL and os.path.islink(path):  # the link goes, not what it points at
-        backend.remove(path)
-        return
-    if backend is LOCAL and os.path.isdir(path):
-        doomed = next_name(path, 0)
-        formats.staging_remove(doomed)  # left by a deletion killed before it finished
-        try:
-            os.rename(path, doomed)
-        except OSError as e:
-            raise storage_error(e, "removing the step", path) from e
-        formats.staging_remove(doomed)
-        return
-    if folder or (folder is None and backend.isdir(path)):
-        for marker in (INDEX_NAME, TRAINER_STATE_NAME):
-            backend.remove(os.path.join(path, marker), below=False)
-    backend.remove(path)
-
-
-def remove_steps(backend: Backend, doomed: Mapping[str, bool],
-                 gone: Callable[[list[str]], None]) -> None:
-    """Delete the steps at `doomed`'s paths (`True`: a directory step), calling `gone(paths)` as
-    soon as those paths hold no step any more (even if what is left of them fails to go).
-
-    In a bucket: one multi-object DELETE per 1,000 keys removes the file steps and the markers
-    (index, record) of the directory steps, so that no step is ever seen half deleted; then
-    one LIST per directory step and one DELETE per 1,000 keys remove what they hold (what a
-    failure leaves, the next manager to open removes as unfinished). Locally, each step as
-    `remove_step` removes it. A failure is a `StorageError` naming what was being deleted;
-    the steps `gone` was not told of are all still there, or some of them only partly
-    (a file step deleted, a directory step's record and not its index): a retry deletes
-    what is left.
-    """
-    if backend is LOCAL:
-        for path, folder in doomed.items():
-            remove_step(backend, path, folder=folder)
-            gone([path])
-        return
-    folders = [path for path, folder in doomed.items() if folder]
-    backend.remove_all([path for path, folder in doomed.items() if not folder]
-                       + [os.path.join(p, m) for p in folders for m in (INDEX_NAME, TRAINER_STATE_NAME)],
-                       below=False)
-    gone(list(doomed))
-    backend.remove_all(folders)
-
-
-def _remove_unfinished(backend: Backend, path: str, published: bool | None = None) -> None:
-    """Remove a step directory (a prefix in a bucket) without its index or record, if all it holds
-    is what a manager writes there; one holding anything else is left, with a warning.
-    `published=False`: the caller found neither (no request asks again)."""
-    if published is None and any(backend.exists(os.path.join(path, marker))
-                                 for marker in (INDEX_NAME, TRAINER_STATE_NAME)):
-        return  # published: a directory checkpoint has its index, a step directory its record
-    foreign = [n for n in backend.list(path) if not is_step_member(n)]
-    if foreign:
-        log.warning("leaving %s: named as a step, it holds no index or record but files no "
-                    "manager writes (%s)", path, ', '.join(foreign[:3]))
-        return
-    log.info("removing the unfinished step directory %s", path)
-    backend.remove(path)
-
-
 def listed(backend: Backend, directory: str) -> Listing | None:
     """A bucket directory's `list_versions` (names and versions), made once for `clean_staging`
     and `scan` (None for a local directory, which each lists itself).
@@ -422,53 +340,6 @@ def listed(backend: Backend, directory: str) -> Listing | None:
                          fix="give the manager another URL (a prefix such as s3://bucket/run), or "
                              "restore the object with jckpt.restore")
     return listing
-
-
-def clean_staging(backend: Backend, directory: str, listing: Listing | None = None) -> None:
-    """Remove staging files and directories of steps whose writer died (incomplete steps).
-
-    In an object store, file steps are staged in local files and uploaded whole;
-    what a dead save leaves there is the marker of a step's multipart upload, whose
-    upload is aborted here (`listing`: the directory's `list_kinds`, made once by the
-    caller), and a step prefix without its index or record, which `scan` finds as it
-    reads the steps and `remove_unfinished` removes.
-    """
-    if backend is not LOCAL:
-        remove_staged_below(directory, STEP_RE)  # local files of steps never uploaded
-        objects = (listing or backend.list_kinds(directory))[0]
-        for name in objects:
-            head, tag, _ = name.partition(UPLOAD_TAG)
-            if tag and STEP_RE.match(head):
-                backend.reclaim_uploads(os.path.join(directory, head))
-        return
-    files, dirs = set(), set()
-    for name in backend.list(directory):
-        path = os.path.join(directory, name)
-        if STEP_RE.match(name) and backend.isdir(path) and not os.path.islink(path):
-            _remove_unfinished(backend, path)
-            continue
-        head, sep, _ = name.partition(NEXT_TAG)
-        if sep and STEP_RE.match(head):
-            if step_directory.recover_aside(path, os.path.join(directory, head)):
-                continue  # a step its replacement set aside, whose writer died: back in place
-            formats.staging_remove(path)  # a staged step directory
-            remove_staged(os.path.join(directory, head))
-            continue
-        for tag, found in ((STAGE_TAG, files), (STAGE_DIR_TAG, dirs)):
-            head, sep, _ = name.partition(tag)
-            if sep and STEP_RE.match(head):
-                found.add(os.path.join(directory, head))
-    for target in sorted(files):
-        reclaim_staging(target)
-    for target in sorted(dirs):
-        reclaim_stage_dirs(target)
-
-
-def remove_unfinished(backend: Backend, directory: str, names: Sequence[str]) -> None:
-    """Remove the step prefixes `scan` found unfinished (`Found.unfinished`), each if all it
-    holds is what a manager writes there."""
-    for name in names:
-        _remove_unfinished(backend, os.path.join(directory, name), published=False)
 
 
 def checked(value: Any, kind: type, name: str, default: Any = None) -> Any:
@@ -495,6 +366,5 @@ def say_if_orbax(directory: str, own: object) -> None:
 _ORBAX_SAID: set[str] = set()
 
 
-__all__ = ['Found', 'checked', 'clean_staging', 'described', 'listed', 'parse_metrics',
-           'gone', 'read_metadata', 'read_tree', 'recover', 'remove_step', 'removed', 'remove_steps',
-           'remove_unfinished', 'say_if_orbax', 'scan', 'step_metadata']
+__all__ = ['Found', 'checked', 'described', 'listed', 'parse_metrics', 'gone', 'read_metadata',
+           'read_tree', 'recover', 'removed', 'say_if_orbax', 'scan', 'step_metadata']

@@ -505,9 +505,9 @@ def test_a_failed_local_deletion_keeps_the_step_listed_and_the_next_save_deletes
     save stands, the step stays listed and restorable, and the next save's retention deletes it."""
     import logging
 
-    from jckpt.services import steps
+    from jckpt.services import step_removal
 
-    remove, failed = steps.remove_step, []
+    remove, failed = step_removal.remove_step, []
 
     def flaky(backend, path, *, folder=False):
         if not failed:
@@ -515,7 +515,7 @@ def test_a_failed_local_deletion_keeps_the_step_listed_and_the_next_save_deletes
             raise jckpt.StorageError("permission denied", file=path)
         return remove(backend, path, folder=folder)
 
-    monkeypatch.setattr(steps, "remove_step", flaky)
+    monkeypatch.setattr(step_removal, "remove_step", flaky)
     with jckpt.CheckpointManager(tmp_path, keep_last=1, asynchronous=False) as mgr:
         mgr.save(1, state_at(1))
         with caplog.at_level(logging.WARNING, logger="jckpt"):

@@ -158,7 +158,7 @@ def test_a_step_removed_while_a_reader_restores_it_is_an_error_that_says_so(
     """A step directory the run's retention removed between the reader's read of its record
     (or index) and of its arrays was a StorageError saying to create the directory (locally),
     or the error of its missing model file (in a bucket)."""
-    from jckpt.services import steps
+    from jckpt.services import step_removal, steps
 
     with jckpt.CheckpointManager(where, **options) as run:
         for step in (1, 2):
@@ -168,7 +168,7 @@ def test_a_step_removed_while_a_reader_restores_it_is_an_error_that_says_so(
     read_tree, first = steps.read_tree, f"{where}/step_00000001.jckpt"
 
     def removed_meanwhile(*args, **kw):
-        steps.remove_step(backend_for(where), first)
+        step_removal.remove_step(backend_for(where), first)
         return read_tree(*args, **kw)
 
     monkeypatch.setattr(steps, "read_tree", removed_meanwhile)

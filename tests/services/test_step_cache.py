@@ -7,7 +7,7 @@ import numpy as np
 
 import jckpt
 from jckpt.format.names import step_name
-from jckpt.services import steps
+from jckpt.services import step_removal, steps
 from jckpt.services.step_cache import DROPPED, StepCache, file_key
 from jckpt.storage.backend import LOCAL
 
@@ -61,7 +61,7 @@ def test_a_scan_through_a_cache_reads_each_step_once_and_lists_the_same(tmp_path
     first = steps.scan(LOCAL, str(tmp_path), cache=cache)
     again = steps.scan(LOCAL, str(tmp_path), cache=cache)
     assert len(reads) == 3 and again == first == steps.scan(LOCAL, str(tmp_path))
-    steps.remove_step(LOCAL, str(tmp_path / step_name(3)))
+    step_removal.remove_step(LOCAL, str(tmp_path / step_name(3)))
     del reads[:]
     found = steps.scan(LOCAL, str(tmp_path), cache=cache)
     assert sorted(found.metrics) == [1, 2] and len(cache) == 2

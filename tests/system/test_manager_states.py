@@ -51,7 +51,7 @@ from hypothesis.stateful import (
 
 import jckpt
 from jckpt.format.names import NEXT_TAG, STAGE_DIR_TAG, STAGE_TAG, step_name
-from jckpt.services import engine, steps
+from jckpt.services import engine, step_removal
 from jckpt.storage import backend as backend_mod
 from jckpt.storage import directory as directory_mod
 from jckpt.storage import staging, step_directory
@@ -192,7 +192,7 @@ class Faults:
             self.patch(backend_mod.OBJECT_STORE, "upload",
                        lambda o: failing(o, storage, done=kind == "upload_lost"))
         elif kind == "retention":
-            self.patch(steps, "remove_step", lambda o: failing(o, storage))
+            self.patch(step_removal, "remove_step", lambda o: failing(o, storage))
             self.patch(backend_mod.OBJECT_STORE, "remove_all", lambda o: failing(o, storage))
         else:
             raise AssertionError(kind)
