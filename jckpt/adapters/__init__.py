@@ -47,7 +47,7 @@ from typing import Any
 from jckpt.adapters._common import held_bytes, holding, map_file, nest_dotted
 from jckpt.errors import FormatError, InputError, MissingEntryError
 from jckpt.format.names import STEP_RE, is_format_step
-from jckpt.storage.backend import backend_for, checked_path, is_url, same_place
+from jckpt.storage.backend import backend_for, checked_path, is_url, refuse_file_as_folder, same_place
 from jckpt.storage.checkpoint import register_directory_reader
 
 PathLike = str | os.PathLike
@@ -233,6 +233,7 @@ def detect_format(path: PathLike) -> str:
     """
     path = checked_path(path)
     backend = backend_for(path)
+    refuse_file_as_folder(path, backend)
     known = formats()
     held = held_bytes(path)
     head = (bytes(held[:SNIFF_BYTES]) if held is not None

@@ -255,6 +255,28 @@ def folder_path_error(path: str, *, saving: bool) -> InputError:
                       "a checkpoint file", file=path, fix=f"read {bare!r}, without the trailing '/'")
 
 
+def refuse_file_as_folder(path: str, backend: Backend) -> None:
+    """Raise `folder_path_error` when `path` ends with '/' but names a file (an object in a
+    bucket), for every reader alike: a bucket read `s3://b/m.jckpt/` as `m.jckpt`, while
+    locally the OS said "not a directory".
+
+    >>> import tempfile
+    >>> f = tempfile.mkstemp(suffix='.jckpt')[1]
+    >>> refuse_file_as_folder(f + '/', LOCAL)
+    Traceback (most recent call last):
+    jckpt.errors.InputError: ...: ends with '/', which names a directory, but ... (fix: ...)
+    """
+    if not names_folder(path):
+        return
+    bare = path.rstrip('/' + os.sep)
+    if backend is LOCAL:
+        found = os.path.isfile(bare)
+    else:  # an object there (not the bucket itself, which no object is), and no prefix of it
+        found = '/' in bare.partition('://')[2] and backend.exists(bare) and not backend.isdir(path)
+    if found:
+        raise folder_path_error(path, saving=False)
+
+
 def checked_path(path: str | os.PathLike) -> str:
     """`path` as a `str`: a `str`, `bytes` or `os.PathLike`, else an `InputError`.
 
@@ -374,4 +396,5 @@ def same_place(a: str, b: str) -> bool:
 
 
 __all__ = ['LOCAL', 'Backend', 'Buffer', 'LocalBackend', 'backend_for', 'folder_path_error',
-           'is_url', 'names_folder', 'occupied', 'open_regular', 'same_place', 'url_scheme']
+           'is_url', 'names_folder', 'occupied', 'open_regular', 'refuse_file_as_folder', 'same_place',
+           'url_scheme']

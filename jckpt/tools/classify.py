@@ -31,7 +31,7 @@ from jckpt.adapters.orbax import manager_step_names
 from jckpt.errors import CheckpointError, FormatError
 from jckpt.format.names import INDEX_NAME, PIECE_RE, STEP_RE, is_format_step
 from jckpt.format.sniff import looks_like_header
-from jckpt.storage.backend import LOCAL, backend_for, checked_path, is_url
+from jckpt.storage.backend import LOCAL, backend_for, checked_path, is_url, refuse_file_as_folder
 from jckpt.storage.directory import set_aside
 from jckpt.storage.object_store import MISSING_OBJECT
 from jckpt.storage.publish import storage_error
@@ -123,6 +123,7 @@ def classify(path: str | os.PathLike) -> Kind:
     """
     path = checked_path(path)
     backend = backend_for(path)  # a URL no backend serves: an InputError, not a "missing" file
+    refuse_file_as_folder(path, backend)  # as open_checkpoint does: a bucket read it silently
     if backend is not LOCAL:
         return _classify_url(path, backend)
     try:
