@@ -152,6 +152,18 @@ def test_save_refuses_bad_leaf_before_touching_file(tmp_path):
     assert path.read_bytes() == before and os.listdir(tmp_path) == ["s.jckpt"]
 
 
+def test_a_target_jax_cannot_flatten_names_the_file_as_saving_it_does(tmp_path):
+    """`save` of `{1: x, '1': y}` named its file; `restore` into it named none."""
+    path = tmp_path / "s.jckpt"
+    jckpt.save(jckpt.Context(), {"w": np.ones(2)}, path)
+    for call in (lambda t: jckpt.save(jckpt.Context(), t, path),
+                 lambda t: jckpt.restore(jckpt.Context(), t, path),
+                 lambda t: jckpt.restore(jckpt.Context(), {"jckpt": t}, path, namespaces="jckpt")):
+        with pytest.raises(InputError, match="JAX cannot flatten the tree") as e:
+            call({1: np.ones(1), "1": np.ones(1)})
+        assert e.value.file == str(path)
+
+
 def test_host_context_returns_mapped_numpy(tmp_path):
     path = tmp_path / "s.jckpt"
     jckpt.save(jckpt.Context(), {"w": np.arange(1000, dtype=np.float32)}, path)
