@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 import stat
 from typing import Any
 
@@ -156,12 +157,14 @@ def not_jckpt_error(path: str | os.PathLike, fmt: str) -> FormatError:
     if steps:  # orbax's CheckpointManager directory: a step is what converts (and restores)
         return FormatError(f"this directory holds orbax steps ({', '.join(steps[-3:])}), not a "
                            "jckpt checkpoint", file=path,
-                           fix=f"convert a step first: jckpt convert {os.path.join(path, steps[-1])} "
-                               f"{steps[-1]}.jckpt; jckpt.restore and jckpt.load read a step as "
-                               "it is")
+                           fix=f"convert a step first: jckpt convert "
+                               f"{shlex.quote(os.path.join(path, steps[-1]))} "
+                               f"{shlex.quote(steps[-1] + '.jckpt')}; jckpt.restore and "
+                               "jckpt.load read a step as it is")
     direct = "; jckpt.restore and jckpt.load read it as it is" if fmt == 'orbax' else ''
     return FormatError(f"this {what} is in {fmt} format, not a jckpt checkpoint", file=path,
-                       fix=f"convert it first: jckpt convert {path} {stem}.jckpt "
+                       fix=f"convert it first: jckpt convert {shlex.quote(path)} "
+                           f"{shlex.quote(stem + '.jckpt')} "
                            f"(or jckpt.convert in Python){direct}")
 
 

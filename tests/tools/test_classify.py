@@ -119,6 +119,27 @@ def test_foreign_files(tmp_path):
     assert (classify(st).name, classify(st).detail) == (FOREIGN, 'safetensors')
 
 
+def test_the_commands_in_fixes_quote_paths_a_shell_would_split(tmp_path):
+    """`jckpt convert my run/w.npz w.jckpt`, pasted into a shell, converts nothing."""
+    import shlex
+
+    from jckpt.api.multiprocess import save_directory
+    from jckpt.tools.rewrite import relayout
+
+    (tmp_path / 'my run').mkdir()
+    npz = tmp_path / 'my run' / 'w 1.npz'
+    np.savez(npz, w=np.zeros(3))
+    fix = classify(npz).error.fix
+    assert f"jckpt convert {shlex.quote(str(npz))} 'w 1.jckpt'" in fix
+    command = fix.split('jckpt convert ', 1)[1].split(' (', 1)[0]
+    assert shlex.split(command) == [str(npz), 'w 1.jckpt']
+    directory = tmp_path / 'my run' / 'd'
+    save_directory(jckpt.Context(), {'w': np.ones(2)}, directory)
+    with pytest.raises(FormatError) as e:
+        relayout(str(directory), str(tmp_path / 'out.jckpt'), alignment=64)
+    assert f"jckpt convert {shlex.quote(str(directory))} whole.jckpt" in e.value.fix
+
+
 def test_missing(tmp_path):
     kind = classify(tmp_path / 'gone.jckpt')
     assert kind.name == MISSING and kind.error.message == 'no such checkpoint file'
