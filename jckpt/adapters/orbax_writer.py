@@ -80,8 +80,12 @@ def _refuse_replacing_other_files(path: str) -> None:
     (a user's folder, a manager's run of many steps): replacing it lost every file in it."""
     try:
         names = sorted(os.listdir(path))
-    except (FileNotFoundError, NotADirectoryError):
-        return  # nothing there, or a file: the rename says what is in the way
+    except FileNotFoundError:
+        return
+    except NotADirectoryError:  # a file or a FIFO: found only once the whole export was made
+        raise InputError("is a file, not a directory: an orbax export is a directory, which "
+                         "would replace it", file=path,
+                         fix="write to a new directory, or remove the file first") from None
     except OSError as e:
         from jckpt.storage.publish import storage_error
         raise storage_error(e, "listing the destination", path) from e

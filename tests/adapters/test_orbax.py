@@ -322,6 +322,12 @@ def test_an_export_replaces_an_orbax_checkpoint_but_never_a_folder_of_other_file
         assert "remove this one first" in e.value.fix
     assert (tmp_path / "mine" / "notes.txt").read_text() == "precious"
     assert jckpt.CheckpointManager(tmp_path / "run", read_only=True).all_steps() == [1]
+    (tmp_path / "file").write_text("precious")
+    os.mkfifo(tmp_path / "fifo")
+    for name in ("file", "fifo"):  # refused once the export was written: "Not a directory"
+        with pytest.raises(jckpt.InputError, match="is a file, not a directory"):
+            jckpt.convert(src, tmp_path / name, format="orbax")
+    assert (tmp_path / "file").read_text() == "precious"
     (tmp_path / "empty").mkdir()
     for dst in ("exported", "exported", "exported/jckpt", "empty"):  # new, replaced, an item
         jckpt.convert(src, tmp_path / dst, format="orbax")
