@@ -47,7 +47,7 @@ from typing import Any
 from jckpt.adapters._common import held_bytes, holding, map_file, nest_dotted
 from jckpt.errors import FormatError, InputError, MissingEntryError
 from jckpt.format.names import STEP_RE, is_format_step
-from jckpt.storage.backend import backend_for, checked_path, is_url, same_place
+from jckpt.storage.backend import backend_for, checked_path, is_url, refuse_file_as_folder, same_place
 from jckpt.storage.checkpoint import register_directory_reader
 
 PathLike = str | os.PathLike
@@ -186,13 +186,13 @@ def format_name(name: str) -> str:
     return name if name in formats() else ALIASES.get(name, name)
 
 
-def get_format(name: str) -> Format:
+def get_format(name: str, file: str | None = None) -> Format:
     """The registered format called `name` (or one of its `ALIASES`: `'pth'` is `'torch'`);
-    `InputError` naming the known ones."""
+    `InputError` naming the known ones (and `file`, the path it was asked for)."""
     known = formats()
     fmt = known.get(format_name(name))
     if fmt is None:
-        raise InputError(f"unknown format {name!r}", fix=f"use one of {sorted(known)}")
+        raise InputError(f"unknown format {name!r}", file=file, fix=f"use one of {sorted(known)}")
     return fmt
 
 
@@ -233,6 +233,7 @@ def detect_format(path: PathLike) -> str:
     """
     path = checked_path(path)
     backend = backend_for(path)
+    refuse_file_as_folder(path, backend)
     known = formats()
     held = held_bytes(path)
     head = (bytes(held[:SNIFF_BYTES]) if held is not None
@@ -287,7 +288,7 @@ def read(path: PathLike, format: str | None = None) -> dict[str, Any]:
     """Read `path` as `{namespace: subtree}`; the format is detected unless given."""
     path = checked_path(path)
     backend_for(path)  # a URL no backend serves is refused before any format looks at it
-    return get_format(format or detect_format(path)).read(path)
+    return get_format(format or detect_format(path), path).read(path)
 
 
 def read_with_metadata(path: PathLike, format: str | None = None
@@ -305,7 +306,7 @@ def read_with_metadata(path: PathLike, format: str | None = None
     """
     path = checked_path(path)
     backend_for(path)  # a URL no backend serves is refused before any format looks at it
-    return _read_with_metadata(get_format(format or detect_format(path)), path)
+    return _read_with_metadata(get_format(format or detect_format(path), path), path)
 
 
 def _read_with_metadata(fmt: Format, path: str) -> tuple[Any, dict[str, str]]:
@@ -322,7 +323,7 @@ def write(tree: Any, path: PathLike, format: str | None = None) -> None:
     if name is None:
         raise InputError("cannot tell the format from the file name", file=path,
                          fix=f"pass format= one of {sorted(formats())}")
-    fmt = get_format(name)
+    fmt = get_format(name, path)
     if fmt.write is None:
         raise InputError(f"format {fmt.name!r} cannot be written, only read", file=path)
     fmt.write(tree, path)
@@ -366,7 +367,7 @@ def convert(src: PathLike, dst: PathLike, *, format: str | None = None,
             raise InputError("cannot tell the destination format from its name", file=dst,
                              fix=f"pass format= one of {sorted(formats())}")
         target = 'jckpt'
-    fmt = get_format(target)
+    fmt = get_format(target, dst)
     target = fmt.name  # an alias ('pth') names the format it stands for
     if fmt.write is None:
         raise InputError(f"format {target!r} cannot be written, only read", file=dst)

@@ -200,7 +200,23 @@ def flat_names(items: list[tuple[str, KeyPath, np.ndarray]], file: str,
                              entry=f"{ns}/{path_name(p)}",
                              fix=f"rename one of them (also {seen[name]})")
         seen[name] = f"{ns}/{path_name(p)}"
+    _check_text(items, names, file)
     return names
+
+
+def _check_text(items: list, names: list[str], file: str) -> None:
+    """Refuse a name no UTF-8 text holds (a lone surrogate, `os.fsdecode`'s of a bad byte)."""
+    try:
+        '\n'.join(names).encode('utf-8')  # one pass; the leaf is looked for only on failure
+    except UnicodeEncodeError:
+        for (ns, p, _), name in zip(items, names):
+            try:
+                name.encode('utf-8')
+            except UnicodeEncodeError:
+                raise InputError(f"the name {name!r} holds a lone surrogate, which no UTF-8 text "
+                                 "can hold", file=file,
+                                 entry=f"{ns}/{path_name(p)}".encode('utf-8', 'backslashreplace')
+                                 .decode(), fix="rename the leaf in plain text") from None
 
 
 def paths_json(items: list[tuple[str, KeyPath, np.ndarray]], names: list[str],

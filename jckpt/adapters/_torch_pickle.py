@@ -117,7 +117,13 @@ class Pickler:
         elif isinstance(x, float):
             self.out += b'G' + struct.pack('>d', x)
         elif isinstance(x, str):
-            raw = x.encode('utf-8', 'surrogatepass')
+            try:  # a lone surrogate: pickle spells it, but jckpt's reader refuses the file
+                raw = x.encode('utf-8')
+            except UnicodeEncodeError:
+                raise InputError(f"the string {x!r:.60} holds a lone surrogate, which no UTF-8 "
+                                 "text can hold", file=self.path,
+                                 entry=where.encode('utf-8', 'backslashreplace').decode() or None,
+                                 fix="use plain text") from None
             self.out += b'X' + struct.pack('<I', len(raw)) + raw
         elif isinstance(x, complex):  # as torch pickles one (its weights-only loading takes it)
             self.glob('__builtin__', 'complex')

@@ -311,8 +311,24 @@ def check_npy(tree: Any, path: str) -> None:
 
 
 def check_npz(tree: Any, path: str) -> None:
-    """Refuse a tree `write_npz` cannot hold (names alike or unsafe), reading no data."""
-    _member_names(abstract_items(tree, path), path)
+    """Refuse a tree `write_npz` cannot hold (names alike or unsafe), or whose key paths its
+    comment cannot record (what a manager's step would not restore into), reading no data."""
+    items = abstract_items(tree, path)
+    names = _member_names(items, path)
+    size = len(_COMMENT_TAG) + len(paths_json(items, names, path).encode('utf-8'))
+    if size > 0xFFFF and not _reads_back_flat(items, names):
+        ns, first, _ = items[0]
+        raise InputError(f"the record of the tree's {len(items)} key paths takes {size:,} bytes, "
+                         "more than the 65,535 an .npz comment holds: the file would read back "
+                         "with flat names, not this tree", file=path,
+                         entry=f"{ns}/{path_name(first)}",
+                         fix="write the model as a .safetensors or .jckpt file")
+
+
+def _reads_back_flat(items: list, names: list[str]) -> bool:
+    """Whether the tree is a flat dict of its member names (a `state_dict`), which an archive
+    without the paths record reads back as it was."""
+    return all(len(p) == 1 and tuple(p[0]) == ('k', name) for (_, p, _), name in zip(items, names))
 
 
 def write_npz(tree: Any, path: str) -> None:
@@ -321,7 +337,8 @@ def write_npz(tree: Any, path: str) -> None:
     items = host_items(check_namespaced(tree, path), path)
     names = _member_names(items, path)  # refused before the keys are warned of
     warn_key_data(tree, path, 'npz')
-    record = _comment(paths_json(items, names, path), empty_record(tree), path)
+    record = _comment(paths_json(items, names, path), empty_record(tree), path,
+                      _reads_back_flat(items, names))
     with published(path) as f, zipfile.ZipFile(f, 'w', zipfile.ZIP_STORED,
                                                allowZip64=True) as zf:
         for (_, _, array), name in zip(items, names):
@@ -332,13 +349,18 @@ def write_npz(tree: Any, path: str) -> None:
         zf.comment = record
 
 
-def _comment(paths: str, empty: str | None, path: str) -> bytes:
+def _comment(paths: str, empty: str | None, path: str, flat: bool = False) -> bytes:
     """The archive comment recording the tree's structure: `jckpt-paths:` and the paths
     record, then, when the tree has nodes without arrays, a line `jckpt.empty_nodes:` and
     their record (a reader of the paths alone reads up to it). A zip comment holds at most
     65,535 bytes: past that, what does not fit is left out with a warning (names stay flat
     without the paths; the nodes without arrays are dropped)."""
     record = _COMMENT_TAG + paths.encode('utf-8')
+    if len(record) > 0xFFFF and not flat:
+        warnings.warn(f"{path}: the record of the tree's key paths takes {len(record):,} bytes, "
+                      "more than the 65,535 an .npz comment holds: it is left out, and the file "
+                      "reads back with flat names ('a.b'), not the tree (to keep it, write a "
+                      ".safetensors or .jckpt file)", stacklevel=3)
     if len(record) > 0xFFFF:
         record = b''
     if empty is not None:

@@ -122,6 +122,12 @@ def _items(path: str) -> list[str]:
                   and _is_item(os.path.join(path, n)))
 
 
+def is_one_checkpoint(path: str) -> bool:
+    """Whether the local directory `path` is one orbax checkpoint, an item or a step: what an
+    export may replace (not a `CheckpointManager`'s root of many steps, nor other files)."""
+    return _is_item(path) or os.path.exists(os.path.join(path, _STEP_MARKER))
+
+
 def sniff(path: str, head: bytes | None) -> bool:
     """A directory laid out as an orbax item, step, or `CheckpointManager` root (refused
     with a message naming a step); in an object store, a prefix laid out so."""

@@ -42,6 +42,7 @@ def write(tree: Any, path: str) -> None:
                          fix="write a local directory, then upload it (gcloud storage cp -r DIR "
                              "URL, or aws s3 cp --recursive DIR URL); or convert to a .jckpt URL")
     path = os.path.abspath(os.fspath(path))
+    _refuse_replacing_other_files(path)
     tree = _without_empty_items(check_namespaced(tree, path), path)
     check(tree, path)
     host_items(tree, path)  # refuse unstorable leaves before writing anything
@@ -72,6 +73,27 @@ def write(tree: Any, path: str) -> None:
             raise storage_error(e, "writing the orbax checkpoint", path) from e
         raise InputError(f"orbax could not save the tree ({type(e).__name__}: {str(e)[:300]})",
                          file=path, fix="cast leaves to dtypes orbax stores") from None
+
+
+def _refuse_replacing_other_files(path: str) -> None:
+    """Refuse a destination directory the export would delete that is not one orbax checkpoint
+    (a user's folder, a manager's run of many steps): replacing it lost every file in it."""
+    try:
+        names = sorted(os.listdir(path))
+    except FileNotFoundError:
+        return
+    except NotADirectoryError:  # a file or a FIFO: found only once the whole export was made
+        raise InputError("is a file, not a directory: an orbax export is a directory, which "
+                         "would replace it", file=path,
+                         fix="write to a new directory, or remove the file first") from None
+    except OSError as e:
+        from jckpt.storage.publish import storage_error
+        raise storage_error(e, "listing the destination", path) from e
+    if names and not orbax.is_one_checkpoint(path):
+        shown = ', '.join(names[:3]) + (', ...' if len(names) > 3 else '')
+        raise InputError(f"is a directory that is not an orbax checkpoint (it holds {shown}): "
+                         "writing the export there would delete it", file=path,
+                         fix="write to a new directory, or remove this one first")
 
 
 def _without_empty_items(tree: dict[str, Any], path: str) -> dict[str, Any]:

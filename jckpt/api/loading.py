@@ -32,7 +32,7 @@ from jckpt.api import matching, targets
 from jckpt.api import progress as progress_mod
 from jckpt.api.context import Context, check_context
 from jckpt.api.runtime import jointly
-from jckpt.errors import ClashError, InputError, MissingEntryError
+from jckpt.errors import ClashError, InputError, MissingEntryError, naming_file
 from jckpt.format._gc import paused
 from jckpt.format.entries import Entry, Header, KeyPath
 from jckpt.storage import open_checkpoint
@@ -255,7 +255,8 @@ def restore_alone(ctx: Context, target: Any, path: PathLike, *, mmap: bool | Non
     """
     ctx = check_context(ctx, mmap=mmap, cast=cast, verify=verify)  # first: names a tree given as ctx
     path = checked_path(path)
-    parts = _target_parts(ctx, target, path, namespace, namespaces)
+    with naming_file(path):  # a target JAX cannot flatten names the file too, as save's does
+        parts = _target_parts(ctx, target, path, namespace, namespaces)
     if not any(items for _, items, _ in parts):
         return target
     reader = open_checkpoint(path)  # a file, or a multi-process directory

@@ -60,7 +60,7 @@ from jckpt.format.names import (
     tag_writer,
 )
 from jckpt.storage import object_directory
-from jckpt.storage.backend import LOCAL, Backend, backend_for
+from jckpt.storage.backend import LOCAL, Backend, backend_for, refuse_others_files
 from jckpt.storage.directory import (
     indexed_pieces,
     make_stage,
@@ -426,10 +426,9 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
     reach a barrier within `timeout` seconds (default `barrier_timeout`), and then
     nothing is published. A failing process raises its own jckpt error, or a
     `DistributedError` raised from another (a `ValueError` of the tree's code);
-    `failure` (the caller's, a manager's metrics) fails the save once it took its turn;
-    `then` (a manager's lease check) fails it in every process once published (`_finish`).
-    The checkpoint records process 0's `metadata`; the values of its keys named in
-    `returning` are returned in every process (a manager's step metrics).
+    `failure` (the caller's, a manager's metrics) fails the save once it took its turn; `then`
+    (a manager's lease check) fails it in every process once published (`_finish`).
+    It records process 0's `metadata`, and returns in every process its keys in `returning`.
 
     Example:
         ```python
@@ -438,6 +437,7 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
     """
     backend = backend_for(path)  # before abspath, which would take a URL for a relative path
     path = os.path.abspath(os.fspath(path)) if backend is LOCAL else os.fspath(path)
+    refuse_others_files(path)  # publishing swaps the whole directory: not a folder of others'
     alignment = check_alignment(ctx.alignment if alignment is None else alignment, path)
     process, count = jax.process_index(), jax.process_count()
     timeout = barrier_timeout() if timeout is None else float(timeout)

@@ -51,6 +51,9 @@ def _as_key_target_takes(entry: Entry, leaf: Any, path: str, where: str) -> Entr
     for a typed-key target (another implementation refused), else the raw key data as stored
     (`jax.random.key_data` of the keys: an old-style `PRNGKey`'s form)."""
     if not _is_key_target(leaf):
+        want_shape, want_dtype = _target_spec(leaf, path, where)
+        if want_shape is not None and tuple(want_shape) != tuple(entry.shape):
+            raise _keys_into_plain(entry, want_shape, want_dtype, path, where)
         return dataclasses.replace(entry, key_impl=None)
     want = _key_impl_of(leaf)
     if want is not None and want != entry.key_impl:
@@ -61,6 +64,21 @@ def _as_key_target_takes(entry: Entry, leaf: Any, path: str, where: str) -> Entr
                 f"{entry.key_impl!r})), or into jax.ShapeDtypeStruct({tuple(entry.shape)}, "
                 f"jnp.{entry.dtype}) for the raw key data")
     return entry
+
+
+def _keys_into_plain(entry: Entry, want_shape: Sequence[int], want_dtype: Any, path: str,
+                     where: str) -> MismatchError:
+    """The error for typed PRNG keys restored into a plain target that is not their key data's
+    shape: named as the keys `inspect` shows (`key<threefry2x32>` of shape `()`), not as a
+    shape mismatch against the `(2,)` of their data, which the file's listing never shows."""
+    what = f"{np.dtype(want_dtype)}{list(want_shape)}" if want_dtype is not None else \
+        "a Python number"
+    return MismatchError(
+        f"the file holds typed PRNG keys key<{entry.key_impl}>{list(entry.array_shape)}, the "
+        f"target is {what}", file=path, entry=where,
+        fix=f"restore into keys (jax.random.key(0, impl={entry.key_impl!r}), or jax.eval_shape "
+            f"of them), or into jax.ShapeDtypeStruct({tuple(entry.shape)}, jnp.uint32) for the "
+            "raw key data")
 
 
 def _as_keys(entry: Entry, leaf: Any) -> Entry:

@@ -23,7 +23,7 @@ import functools
 import struct
 from collections.abc import Sequence
 
-from jckpt.errors import FormatError
+from jckpt.errors import FormatError, InputError
 from jckpt.format import fastpath, header_seal
 from jckpt.format.entries import INT_KINDS, Entry, Header, KeyPath, round_up
 from jckpt.format.sexp import dumps, float_atom, quote
@@ -149,13 +149,16 @@ def encode_header_with_slots(header: Header, *, header_checksum: bool = True
     `seal_header` on the patched bytes. (The text is ASCII: every non-ASCII byte is
     escaped, so character and byte offsets agree.)
     """
-    head_text = _head(header)
-    head, tail = head_text.encode('utf-8'), _tail(header, header_checksum).encode('utf-8')
-    start = 4 + len(head_text)
-    found = _accelerated(header.tensors, start) if header.tensors else (b'', [])
-    if found is None:
-        text, slots = encode_entries(header.tensors, start, accelerate=False)
-        found = text.encode('utf-8'), slots
+    try:
+        head_text = _head(header)
+        head, tail = head_text.encode('utf-8'), _tail(header, header_checksum).encode('utf-8')
+        start = 4 + len(head_text)
+        found = _accelerated(header.tensors, start) if header.tensors else (b'', [])
+        if found is None:
+            text, slots = encode_entries(header.tensors, start, accelerate=False)
+            found = text.encode('utf-8'), slots
+    except UnicodeEncodeError:  # a lone surrogate: no text holds it, so no header can
+        raise _unencodable(header) from None
     body, slots = found
     length = len(head) + len(body) + len(tail)
     size = round_up(4 + length, header.alignment)
@@ -167,6 +170,30 @@ def encode_header_with_slots(header: Header, *, header_checksum: bool = True
         digest = header_seal.unsealed_digest(parts).encode('ascii')
         parts[3] = tail[:-19] + digest + tail[-3:]
     return b''.join(parts), slots
+
+
+def _unencodable(header: Header) -> InputError:
+    """The error naming the first name or metadata text of `header` that is not UTF-8 text
+    (a lone surrogate, as `os.fsdecode` makes of a file name's undecodable byte)."""
+    def bad(text: object) -> bool:
+        try:
+            str(text).encode('utf-8')
+        except UnicodeEncodeError:
+            return True
+        return False
+
+    fix = "drop the character, or encode the text (text.encode('utf-8', 'surrogateescape').hex())"
+    for e in header.tensors:
+        if any(bad(x) for x in (e.namespace, *e.label, *(v for _, v in e.path or ()))):
+            shown = '/'.join(str(x).encode('utf-8', 'backslashreplace').decode()
+                             for x in (e.namespace, *e.label))
+            return InputError("a key of the leaf's path holds a lone surrogate, which no UTF-8 "
+                              "text, and so no header, can hold", entry=shown[:200], fix=fix)
+    for k, v in header.metadata:
+        if bad(k) or bad(v):
+            return InputError(f"metadata key {k!r:.60} (or its value) holds a lone surrogate, "
+                              "which no UTF-8 text, and so no header, can hold", fix=fix)
+    return InputError("the header holds a lone surrogate, which no UTF-8 text can hold", fix=fix)
 
 
 def encode_header(header: Header, *, header_checksum: bool = True) -> bytes:

@@ -165,7 +165,9 @@ class StepReader:
         metric = metric or self.best_metric
         mode = mode or self.best_mode
         if metric is None:
-            raise InputError("best_step needs a metric", fix="pass metric= or set best_metric")
+            raise InputError("best_step needs a metric", file=self.directory,
+                             fix="pass metric= (best_step('loss')), or set best_metric= when "
+                                 "opening the manager")
         if not isinstance(metric, str) or mode not in ('min', 'max'):
             raise InputError(f"best_step takes a metric name and mode 'min' or 'max', not "
                              f"{metric!r}, {mode!r}", file=self.directory)

@@ -134,6 +134,12 @@ def check_metrics(metrics: Mapping[str, float] | None, where: str,
         except (TypeError, ValueError, OverflowError):
             raise InputError(f"metric {k!r} is not a number: {v!r}", file=where,
                              fix="pass plain numbers (float(loss))") from None
+        try:  # a lone surrogate: the JSON record reads back as damaged, every metric lost
+            str(k).encode('utf-8')
+        except UnicodeEncodeError:
+            raise InputError(f"metric name {k!r} holds a lone surrogate, which no UTF-8 text can "
+                             "hold: the step's metrics would all read back lost", file=where,
+                             fix="name the metric in plain text") from None
     if rank_by is not None and (reason := unranked_reason(out, rank_by, step)) is not None:
         warnings.warn(f"{where}: {reason}", stacklevel=3)
     return out

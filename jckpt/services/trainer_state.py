@@ -80,7 +80,10 @@ def _check_keys(user: Mapping[str, Any]) -> None:
                         f"TrainerState.{where} has the key {reprlib.repr(key)}, not a string: "
                         f"JSON would bring it back as {reprlib.repr(str(key))}",
                         fix="use string keys (str(key)), and turn them back after a restore")
+                _check_text(key, f"{where} key")
                 stack.append((f"{where}[{key!r}]", value))
+        elif isinstance(node, str):
+            _check_text(node, where)
         elif isinstance(node, (list, tuple)):
             stack.extend((f"{where}[{i}]", value) for i, value in enumerate(node))
         elif not isinstance(node, _JSON_VALUES) and not (
@@ -89,6 +92,18 @@ def _check_keys(user: Mapping[str, Any]) -> None:
                              f"({reprlib.repr(node):.60}), which JSON cannot hold",
                              fix="keep user fields to numbers, strings, lists and dicts (a set as "
                                  "sorted(s), an array as a.tolist())")
+
+
+def _check_text(text: str, where: str) -> None:
+    """Refuse a string no UTF-8 text holds (a lone surrogate, as `os.fsdecode` makes of a
+    file name's bad byte): the step was saved, and its trainer state then read as damaged."""
+    try:
+        text.encode('utf-8')
+    except UnicodeEncodeError:
+        raise InputError(f"TrainerState.{where} ({reprlib.repr(text):.60}) holds a lone "
+                         "surrogate, which no UTF-8 text, and so no checkpoint's JSON, can hold",
+                         fix="store the text encoded (text.encode('utf-8', 'surrogateescape')"
+                             ".hex()), or drop the character") from None
 
 
 def _scalar(value: Any) -> Any:

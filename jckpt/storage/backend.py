@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from jckpt.errors import FormatError, InputError
-from jckpt.format.names import INDEX_NAME
+from jckpt.format.names import INDEX_NAME, is_step_member
 from jckpt.storage import object_store
 from jckpt.storage.lease import WriterLease
 from jckpt.storage.object_backend import OBJECT_STORE
@@ -167,6 +167,7 @@ class LocalBackend:
                 and not os.path.isfile(os.path.join(path, INDEX_NAME)):
             raise InputError("is a directory that holds no directory checkpoint", file=path,
                              fix="save to a file path (inside it, perhaps), or remove it first")
+        refuse_others_files(path)
 
     def create(self, target: str, *, durable: bool = True) -> StagingFile:
         return StagingFile(target, durable=durable)
@@ -253,6 +254,53 @@ def folder_path_error(path: str, *, saving: bool) -> InputError:
                                          "checkpoint, which several processes save together, may keep it)")
     return InputError(f"ends with '/', which names a directory, but {bare.rsplit('/', 1)[-1]!r} is "
                       "a checkpoint file", file=path, fix=f"read {bare!r}, without the trailing '/'")
+
+
+def refuse_others_files(path: str) -> None:
+    """Refuse to replace the local directory `path` when it holds files no directory
+    checkpoint writes (`is_step_member`): publishing a directory checkpoint swaps the whole
+    directory, so a folder of the user's own files was deleted.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> open(os.path.join(d, 'notes.txt'), 'w').close()
+    >>> refuse_others_files(d)
+    Traceback (most recent call last):
+    jckpt.errors.InputError: ...: is a directory holding files that are not a checkpoint's (notes.txt): ...
+    """
+    if is_url(path) or not os.path.isdir(path) or os.path.islink(path):
+        return  # a bucket's prefix is no directory swapped whole
+    try:
+        others = sorted(n for n in os.listdir(path) if not is_step_member(n))
+    except OSError as e:
+        raise storage_error(e, "listing the directory", path) from e
+    if others:
+        shown = ', '.join(others[:3]) + (', ...' if len(others) > 3 else '')
+        raise InputError(f"is a directory holding files that are not a checkpoint's ({shown}): "
+                         "saving would replace the directory and delete them", file=path,
+                         fix="save to another path, or move those files out first")
+
+
+def refuse_file_as_folder(path: str, backend: Backend) -> None:
+    """Raise `folder_path_error` when `path` ends with '/' but names a file (an object in a
+    bucket), for every reader alike: a bucket read `s3://b/m.jckpt/` as `m.jckpt`, while
+    locally the OS said "not a directory".
+
+    >>> import tempfile
+    >>> f = tempfile.mkstemp(suffix='.jckpt')[1]
+    >>> refuse_file_as_folder(f + '/', LOCAL)
+    Traceback (most recent call last):
+    jckpt.errors.InputError: ...: ends with '/', which names a directory, but ... (fix: ...)
+    """
+    if not names_folder(path):
+        return
+    bare = path.rstrip('/' + os.sep)
+    if backend is LOCAL:
+        found = os.path.isfile(bare)
+    else:  # an object there (not the bucket itself, which no object is), and no prefix of it
+        found = '/' in bare.partition('://')[2] and backend.exists(bare) and not backend.isdir(path)
+    if found:
+        raise folder_path_error(path, saving=False)
 
 
 def checked_path(path: str | os.PathLike) -> str:
@@ -374,4 +422,6 @@ def same_place(a: str, b: str) -> bool:
 
 
 __all__ = ['LOCAL', 'Backend', 'Buffer', 'LocalBackend', 'backend_for', 'folder_path_error',
-           'is_url', 'names_folder', 'occupied', 'open_regular', 'same_place', 'url_scheme']
+           'is_url', 'names_folder', 'occupied', 'open_regular', 'refuse_file_as_folder',
+           'refuse_others_files', 'same_place',
+           'url_scheme']

@@ -27,7 +27,14 @@ from typing import Any
 
 from jckpt.errors import FormatError
 from jckpt.format.names import INDEX_NAME
-from jckpt.storage.backend import LOCAL, backend_for, checked_path, folder_path_error, names_folder
+from jckpt.storage.backend import (
+    LOCAL,
+    backend_for,
+    checked_path,
+    folder_path_error,
+    names_folder,
+    refuse_file_as_folder,
+)
 from jckpt.storage.directory import NO_INDEX, DirectoryReader, set_aside
 from jckpt.storage.object_store import MISSING_OBJECT
 from jckpt.storage.reader import CheckpointReader
@@ -129,8 +136,7 @@ def open_checkpoint(path: str | os.PathLike, *, mapped: bool = True) -> Any:
     if backend is not LOCAL:
         return _open_url(backend, path)
     if not backend.isdir(path):
-        if names_folder(path) and os.path.isfile(path.rstrip('/' + os.sep)):
-            raise folder_path_error(path, saving=False)  # not the OS's "not a directory"
+        refuse_file_as_folder(path, LOCAL)  # not the OS's "not a directory"
         aside = set_aside(path) if not os.path.lexists(path) else []
         if aside:  # a save killed between renaming the old checkpoint aside and the new one in
             return open_checkpoint(aside[-1], mapped=mapped)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 import stat
 from typing import Any
 
@@ -31,7 +32,7 @@ from jckpt.adapters.orbax import manager_step_names
 from jckpt.errors import CheckpointError, FormatError
 from jckpt.format.names import INDEX_NAME, PIECE_RE, STEP_RE, is_format_step
 from jckpt.format.sniff import looks_like_header
-from jckpt.storage.backend import LOCAL, backend_for, checked_path, is_url
+from jckpt.storage.backend import LOCAL, backend_for, checked_path, is_url, refuse_file_as_folder
 from jckpt.storage.directory import set_aside
 from jckpt.storage.object_store import MISSING_OBJECT
 from jckpt.storage.publish import storage_error
@@ -123,6 +124,7 @@ def classify(path: str | os.PathLike) -> Kind:
     """
     path = checked_path(path)
     backend = backend_for(path)  # a URL no backend serves: an InputError, not a "missing" file
+    refuse_file_as_folder(path, backend)  # as open_checkpoint does: a bucket read it silently
     if backend is not LOCAL:
         return _classify_url(path, backend)
     try:
@@ -155,12 +157,14 @@ def not_jckpt_error(path: str | os.PathLike, fmt: str) -> FormatError:
     if steps:  # orbax's CheckpointManager directory: a step is what converts (and restores)
         return FormatError(f"this directory holds orbax steps ({', '.join(steps[-3:])}), not a "
                            "jckpt checkpoint", file=path,
-                           fix=f"convert a step first: jckpt convert {os.path.join(path, steps[-1])} "
-                               f"{steps[-1]}.jckpt; jckpt.restore and jckpt.load read a step as "
-                               "it is")
+                           fix=f"convert a step first: jckpt convert "
+                               f"{shlex.quote(os.path.join(path, steps[-1]))} "
+                               f"{shlex.quote(steps[-1] + '.jckpt')}; jckpt.restore and "
+                               "jckpt.load read a step as it is")
     direct = "; jckpt.restore and jckpt.load read it as it is" if fmt == 'orbax' else ''
     return FormatError(f"this {what} is in {fmt} format, not a jckpt checkpoint", file=path,
-                       fix=f"convert it first: jckpt convert {path} {stem}.jckpt "
+                       fix=f"convert it first: jckpt convert {shlex.quote(path)} "
+                           f"{shlex.quote(stem + '.jckpt')} "
                            f"(or jckpt.convert in Python){direct}")
 
 

@@ -44,7 +44,7 @@ def consolidate(directory: str | os.PathLike, file: str | os.PathLike, *, durabl
     directory, file = checked_path(directory), checked_path(file)
     backend_for(file)  # a URL no backend serves is refused before the directory is read
     alignment = None if alignment is None else check_alignment(alignment, file)
-    reader = DirectoryReader(directory)
+    reader = DirectoryReader(directory, check_pieces=True)  # a missing piece named as such
     entries, sources = [], []
     for array in reader.arrays.values():
         e = array.entry

@@ -131,6 +131,10 @@ class ManagerInfo:
             parts.append(f"latest {self.latest}")
         if self.best is not None:
             parts.append(f"best {self.best} by {self.best_metric} ({self.best_mode})")
+        elif self.best_metric is not None and self.steps:  # a misspelt --best-metric said nothing
+            why = 'no finite value' if self.best_metric in self.metric_names else \
+                f"no step records it; they record {', '.join(self.metric_names) or 'no metrics'}"
+            parts.append(f"no best by {self.best_metric} ({why})")
         return ', '.join(parts)
 
     def _rows(self) -> tuple[list[str], list[list[str]], list[int]]:
@@ -267,7 +271,8 @@ def manager_info(path: str | os.PathLike, *, best_metric: str | None = None,
     """
     path = os.fspath(path)
     if best_mode not in ('min', 'max'):
-        raise InputError(f"best_mode must be 'min' or 'max', not {best_mode!r}")
+        raise InputError(f"best_mode must be 'min' or 'max', not {best_mode!r}", file=path,
+                         fix="pass best_mode='min' (the lowest is best) or 'max'")
     objects, prefixes = listing or backend_for(path).list_kinds(path)  # file steps from the others
     folders = set(prefixes)
     found = sorted((int(m.group(1)), name) for name in set(objects) | folders

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shlex
 from collections.abc import Sequence
 
 from jckpt.api import progress as progress_mod
@@ -74,8 +75,8 @@ def _open_whole(path: str) -> CheckpointReader:
                 "a piece file of a multi-process checkpoint: one process's slices only")
         directory = path if reader is None else os.path.dirname(path) or '.'
         raise FormatError(f"{what}; this rewrites single files of whole arrays", file=path,
-                          fix=f"make one file of the checkpoint first: jckpt convert {directory} "
-                              f"whole.jckpt (jckpt.consolidate in Python)")
+                          fix=f"make one file of the checkpoint first: jckpt convert "
+                              f"{shlex.quote(directory)} whole.jckpt (jckpt.consolidate in Python)")
     return reader
 
 

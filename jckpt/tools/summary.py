@@ -423,7 +423,7 @@ class DirectoryInfo(_Totals):
 
 def directory_info(path: str | os.PathLike) -> DirectoryInfo:
     """The `DirectoryInfo` of a multi-process checkpoint (headers only)."""
-    reader = DirectoryReader(path)
+    reader = DirectoryReader(path, check_pieces=True)  # a missing piece said as restore says it
     files, mappable = _piece_files(reader)
     arrays = tuple(_array_info(reader, a, mappable) for a in reader.arrays.values())
     h = reader.header

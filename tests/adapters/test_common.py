@@ -483,3 +483,19 @@ def test_a_tree_a_format_refuses_is_refused_before_its_keys_are_warned_of(tmp_pa
     if name.endswith(('.safetensors', '.json', '.pt')):
         assert 'p (uint4), q (int4)' in e.value.message and e.value.entry == 'p'
     assert not list(tmp_path.iterdir())
+
+
+def test_a_name_no_text_holds_is_refused_by_every_writer(tmp_path):
+    """A key `os.fsdecode` made of a bad byte failed the safetensors and npz writers with a
+    bare `UnicodeEncodeError`, and made a `.pt` file jckpt's reader refused as damaged."""
+    from jckpt.adapters import torch as pt
+    from jckpt.adapters import write
+
+    tree = {'jckpt': {'a': {'w\udcff': np.ones(2, np.float32)}}}
+    for name in ('m.safetensors', 'm.npz', 'm.pt'):
+        with pytest.raises(jckpt.InputError, match="lone surrogate") as e:
+            write(tree, tmp_path / name)
+        assert e.value.entry == 'jckpt/a/w\\udcff'
+    with pytest.raises(jckpt.InputError, match="lone surrogate"):
+        pt.write(tree, tmp_path / 'n.pt', flat=False)
+    assert sorted(os.listdir(tmp_path)) == []

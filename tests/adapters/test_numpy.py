@@ -196,6 +196,33 @@ def test_nodes_without_arrays_past_the_comments_limit_are_left_out_naming_the_fi
     assert npa.read_npz(path)['jckpt']['e'] == [None] * 10
 
 
+def test_paths_past_the_comments_limit_warn_and_their_check_refuses_the_tree(tmp_path):
+    """A record of the key paths over 65,535 bytes was dropped without a word: the file read
+    back with flat names, and a manager's npz step could not be restored into its own tree."""
+    tree = {f'layer_{i:04d}': {'kernel_weights': np.ones(1, np.float32)} for i in range(1200)}
+    with pytest.warns(UserWarning, match=r"key paths takes [0-9,]+ bytes, .* flat names"):
+        npa.write_npz({'jckpt': tree}, tmp_path / 'big.npz')
+    assert 'layer_0000.kernel_weights' in npa.read_npz(tmp_path / 'big.npz')['jckpt']
+    with pytest.raises(InputError, match="would read back with flat names") as e:
+        npa.check_npz({'jckpt': tree}, str(tmp_path / 'm.npz'))
+    assert e.value.entry == 'jckpt/layer_0000/kernel_weights' and '.safetensors' in e.value.fix
+    flat = {f'model.layers.{i}.mlp.kernel': np.ones(1, np.float32) for i in range(1200)}  # a state_dict
+    npa.check_npz({'jckpt': flat}, str(tmp_path / 'f.npz'))  # reads back as it is: no record
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        npa.write_npz({'jckpt': flat}, tmp_path / 'f.npz')
+    assert sorted(npa.read_npz(tmp_path / 'f.npz')['jckpt']) == sorted(flat)
+
+
+def test_a_manager_refuses_an_npz_step_that_would_not_restore_into_its_tree(tmp_path):
+    tree = {f'layer_{i:04d}': {'kernel_weights': np.ones(1, np.float32)} for i in range(1200)}
+    opts = jckpt.CheckpointOptions(format='npz')
+    with jckpt.CheckpointManager(tmp_path / 'run', asynchronous=False, options=opts) as mgr:
+        with pytest.raises(InputError, match="cannot be written as npz"):
+            mgr.save(1, tree)
+        assert mgr.all_steps() == []
+
+
 def test_a_strided_array_is_written_to_an_npz_a_chunk_at_a_time(tmp_path, monkeypatch):
     """A transposed array's chunks are copies, and the writer listed them all before writing:
     a full extra copy (1 GiB more to write a 1 GiB array's transpose)."""

@@ -307,6 +307,33 @@ def test_an_orbax_destination_in_a_bucket_is_refused_not_written_locally(tmp_pat
     assert sorted(os.listdir(tmp_path)) == ["m.jckpt"]
 
 
+def test_an_export_replaces_an_orbax_checkpoint_but_never_a_folder_of_other_files(tmp_path):
+    """convert(..., format='orbax') onto an existing directory deleted whatever it held: a
+    user's folder, or a jckpt manager's whole run, replaced by one step."""
+    src = tmp_path / "m.jckpt"
+    jckpt.save(jckpt.Context(), {"w": np.ones(2)}, src)
+    (tmp_path / "mine" / "sub").mkdir(parents=True)
+    (tmp_path / "mine" / "notes.txt").write_text("precious")
+    with jckpt.CheckpointManager(tmp_path / "run", asynchronous=False) as mgr:
+        mgr.save(1, {"w": np.ones(2)})
+    for folder, held in (("mine", "notes.txt, sub"), ("run", "step_00000001.jckpt")):
+        with pytest.raises(jckpt.InputError, match=f"not an orbax checkpoint \\(it holds {held}") as e:
+            jckpt.convert(src, tmp_path / folder, format="orbax")
+        assert "remove this one first" in e.value.fix
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "precious"
+    assert jckpt.CheckpointManager(tmp_path / "run", read_only=True).all_steps() == [1]
+    (tmp_path / "file").write_text("precious")
+    os.mkfifo(tmp_path / "fifo")
+    for name in ("file", "fifo"):  # refused once the export was written: "Not a directory"
+        with pytest.raises(jckpt.InputError, match="is a file, not a directory"):
+            jckpt.convert(src, tmp_path / name, format="orbax")
+    assert (tmp_path / "file").read_text() == "precious"
+    (tmp_path / "empty").mkdir()
+    for dst in ("exported", "exported", "exported/jckpt", "empty"):  # new, replaced, an item
+        jckpt.convert(src, tmp_path / dst, format="orbax")
+        assert jckpt.diff(src, tmp_path / dst).same
+
+
 def test_item_metadata_keeps_nodes_without_leaves(tmp_path):
     """adamw's state is (ScaleByAdamState, EmptyState, EmptyState): the metadata's tree had one
     element instead of three."""

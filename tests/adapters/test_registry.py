@@ -74,8 +74,14 @@ def test_destination_format(tmp_path):
     assert jckpt.convert(src, tmp_path / 'out.data2', format='safetensors') == ('npz', 'safetensors')
     with pytest.raises(InputError, match='destination format'):
         jckpt.convert(tmp_path / 'out.data', tmp_path / 'again.data')
-    with pytest.raises(InputError, match='unknown format'):
+    with pytest.raises(InputError, match='unknown format') as e:
         jckpt.convert(src, tmp_path / 'x', format='gguf')
+    assert e.value.file == str(tmp_path / 'x')  # it named no file
+    for call in (lambda: adapters.read(src, format='gguf'),
+                 lambda: adapters.write({'jckpt': {'w': np.ones(2)}}, src, format='gguf')):
+        with pytest.raises(InputError, match='unknown format') as e:
+            call()
+        assert e.value.file == str(src)
     with pytest.raises(InputError, match='same file'):
         jckpt.convert(src, src, format='npz')
 

@@ -137,7 +137,7 @@ def test_typed_keys_come_back_as_the_target_asks_or_are_refused(tmp_path):
     with pytest.raises(jckpt.MismatchError, match="file has rbg keys, target has threefry2x32") as e:
         jckpt.restore(jckpt.Context(), {"rbg": jax.random.key(0)}, path)
     assert "impl='rbg'" in e.value.fix and e.value.entry == "jckpt/rbg"
-    with pytest.raises(jckpt.MismatchError, match="shape mismatch"):  # the data has a trailing dim
+    with pytest.raises(jckpt.MismatchError, match="holds typed PRNG keys"):  # the data has a trailing dim
         jckpt.restore(jckpt.Context(), {"fry": jax.ShapeDtypeStruct((3,), jnp.uint32)}, path)
 
 
@@ -150,6 +150,18 @@ def test_save_refuses_bad_leaf_before_touching_file(tmp_path):
     with pytest.raises(InputError, match="cannot be stored"):
         jckpt.save(jckpt.Context(), {"w": np.array(["a"])}, path)
     assert path.read_bytes() == before and os.listdir(tmp_path) == ["s.jckpt"]
+
+
+def test_a_target_jax_cannot_flatten_names_the_file_as_saving_it_does(tmp_path):
+    """`save` of `{1: x, '1': y}` named its file; `restore` into it named none."""
+    path = tmp_path / "s.jckpt"
+    jckpt.save(jckpt.Context(), {"w": np.ones(2)}, path)
+    for call in (lambda t: jckpt.save(jckpt.Context(), t, path),
+                 lambda t: jckpt.restore(jckpt.Context(), t, path),
+                 lambda t: jckpt.restore(jckpt.Context(), {"jckpt": t}, path, namespaces="jckpt")):
+        with pytest.raises(InputError, match="JAX cannot flatten the tree") as e:
+            call({1: np.ones(1), "1": np.ones(1)})
+        assert e.value.file == str(path)
 
 
 def test_host_context_returns_mapped_numpy(tmp_path):

@@ -170,6 +170,27 @@ def test_appending_to_a_directory_checkpoint_is_refused_and_leaves_it_whole(tmp_
     np.testing.assert_array_equal(jckpt.load(jckpt.Context(host=True), path)[1]["jckpt"]["w"], np.ones(2))
 
 
+def test_a_directory_save_never_deletes_a_folder_of_other_files(tmp_path):
+    """`save_directory` into a folder of the user's files published over it and deleted them,
+    and `save` over a directory checkpoint deleted a file put beside its pieces."""
+    from jckpt.api import multiprocess
+
+    mine = tmp_path / "mine"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "notes.txt").write_text("precious")
+    with pytest.raises(jckpt.InputError, match=r"not a checkpoint's \(notes.txt, sub\)") as e:
+        multiprocess.save_directory(jckpt.Context(), {"w": np.ones(2)}, mine)
+    assert e.value.file == str(mine) and "move those files out" in e.value.fix
+    assert sorted(os.listdir(mine)) == ["notes.txt", "sub"]
+    path = tmp_path / "dir.jckpt"
+    multiprocess.save_directory(jckpt.Context(), {"w": np.ones(2)}, path)
+    multiprocess.save_directory(jckpt.Context(), {"w": np.zeros(2)}, path)  # its own: replaced
+    (path / "notes.txt").write_text("precious")
+    with pytest.raises(jckpt.InputError, match=r"not a checkpoint's \(notes.txt\)"):
+        jckpt.save(jckpt.Context(), {"w": np.ones(2)}, path)
+    assert (path / "notes.txt").read_text() == "precious"
+
+
 def test_a_link_to_a_plain_directory_is_replaced_like_any_link(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

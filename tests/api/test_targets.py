@@ -31,6 +31,17 @@ def test_typed_key_entries_become_keys_or_their_data_as_the_target_asks():
         takes(fry, jax.eval_shape(lambda: jax.random.split(jax.random.key(0, impl="rbg"), 3)))
 
 
+def test_typed_keys_into_a_plain_target_of_their_own_shape_say_they_are_keys():
+    """`inspect` shows a scalar key as `key<threefry2x32>` of shape `()`; restored into a
+    scalar target it was refused as a shape mismatch against `(2,)`, its data's shape."""
+    for leaf, what in ((jnp.zeros((3,), jnp.float32), "float32[3]"), (0.0, "a Python number"),
+                       (jax.ShapeDtypeStruct((3,), jnp.uint32), "uint32[3]")):
+        with pytest.raises(jckpt.MismatchError, match="holds typed PRNG keys") as e:
+            takes(entry("uint32", (3, 2), "threefry2x32"), leaf)
+        assert e.value.message.endswith(f"key<threefry2x32>[3], the target is {what}")
+        assert "jax.ShapeDtypeStruct((3, 2), jnp.uint32)" in e.value.fix
+
+
 def test_plain_key_data_becomes_keys_only_of_an_implementation_of_its_shape():
     e, _ = takes(entry("uint32", (2,)), jax.random.key(0))
     assert e.key_impl == "threefry2x32"

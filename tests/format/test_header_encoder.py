@@ -226,3 +226,16 @@ def test_non_ascii_text_written_unquoted_leaves_the_whole_list_to_python():
     assert encode_entries([odd, plain], 3) == encode_entries([odd, plain], 3, accelerate=False)
     header = Header(tensors=(odd, plain))
     assert encode_header_with_slots(header) == reference_header(header)
+
+
+def test_a_lone_surrogate_is_an_input_error_naming_the_entry_or_the_metadata_key():
+    """A key `os.fsdecode` made of a bad byte (`'w\\udcff'`) failed the save with a bare
+    `UnicodeEncodeError` from inside the encoder, naming nothing."""
+    from jckpt.errors import InputError
+
+    bad = entry_for('jckpt', (('k', 'a'), ('k', 'w\udcff')), np.dtype('float32'), (2,), id=0)
+    with pytest.raises(InputError, match="lone surrogate") as e:
+        encode_header(Header(tensors=(bad,)))
+    assert e.value.entry == 'jckpt/a/w\\udcff' and 'surrogateescape' in e.value.fix
+    with pytest.raises(InputError, match="metadata key 'run'"):
+        encode_header(Header(metadata=(('run', 'x\ud800'),)))

@@ -334,7 +334,7 @@ def test_a_step_its_writer_refuses_later_is_dropped_and_later_steps_are_written(
 
     from jckpt import adapters
     unchecked = dataclasses.replace(adapters.get_format('llmc'), check=None)
-    monkeypatch.setattr(adapters, 'get_format', lambda name: unchecked)
+    monkeypatch.setattr(adapters, 'get_format', lambda name, file=None: unchecked)
     opts = CheckpointOptions(format='llmc')
     with jckpt.CheckpointManager(tmp_path, options=opts, retry_after=30, patience=1) as mgr:
         assert mgr.save(1, {'w': jnp.ones(2)})
@@ -458,7 +458,7 @@ def test_a_model_like_one_that_passed_is_not_checked_again(monkeypatch):
     from jckpt.services import formats
     calls = []
     fmt = dataclasses.replace(adapters.get_format('npz'), check=lambda t, p: calls.append(p))
-    monkeypatch.setattr(adapters, 'get_format', lambda name: fmt)
+    monkeypatch.setattr(adapters, 'get_format', lambda name, file=None: fmt)
     opts = CheckpointOptions(format='npz')
     for step, w in enumerate([np.ones(2), np.zeros(2), np.ones(2, np.int32), np.ones(3)]):
         formats.check_model(opts, {'m': {'w': w}}, 'm', step, f'run/{step}')

@@ -57,6 +57,15 @@ def test_the_manager_reads_through_its_read_side(saved):
         assert reader.metrics(3) == {"loss": 0.25} and reader.restore().step == 3
 
 
+def test_best_step_without_a_metric_names_the_directory_and_both_fixes(saved):
+    directory = str(saved).rsplit("/", 1)[0]
+    with jckpt.CheckpointManager(directory, read_only=True) as reader:
+        with pytest.raises(jckpt.InputError, match="best_step needs a metric") as e:
+            reader.best_step()
+    assert e.value.file == directory
+    assert "best_step('loss')" in e.value.fix and "best_metric=" in e.value.fix
+
+
 def test_a_readers_processes_keep_the_steps_they_all_found():
     """The writer published step 3 between the listings of a reader's two processes: the one
     that found it leaves it out, and the latest step's metadata, read for another step, with

@@ -151,6 +151,19 @@ def test_check_metrics_refuses_what_is_not_a_number(value):
     assert info.value.file == 'run/step_1' and 'float(loss)' in info.value.fix
 
 
+def test_a_metric_name_no_text_holds_is_refused_at_save(tmp_path):
+    """`metrics={'l\ud800': 1.0, 'loss': 2.0}` was saved, and the step read back with no
+    metrics at all: its JSON record was taken as damaged."""
+    with pytest.raises(InputError, match="lone surrogate") as info:
+        check_metrics({'l\ud800': 1.0, 'loss': 2.0}, 'run/step_1')
+    assert info.value.file == 'run/step_1'
+    with jckpt.CheckpointManager(tmp_path, asynchronous=False) as mgr:
+        with pytest.raises(InputError, match="lone surrogate"):
+            mgr.save(1, {'w': np.ones(2)}, metrics={'l\ud800': 1.0, 'loss': 2.0})
+        mgr.save(1, {'w': np.ones(2)}, metrics={'lösş': 1.0, 'loss': 2.0})
+    assert jckpt.CheckpointManager(tmp_path, read_only=True).metrics(1) == {'lösş': 1.0, 'loss': 2.0}
+
+
 def test_check_step_takes_non_negative_integers_only():
     import jax.numpy as jnp
     assert check_step(0, "run") == 0 and check_step(7, "run") == 7

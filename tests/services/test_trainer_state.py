@@ -239,3 +239,16 @@ def test_a_number_past_floats_range_is_refused_not_an_overflow():
         jckpt.TrainerState.from_json('{"learning_rate": 1' + '0' * 400 + '}')
     with pytest.raises(jckpt.InputError, match="learning_rate"):
         jckpt.TrainerState(learning_rate=10 ** 400)
+
+
+def test_a_lone_surrogate_in_user_is_refused_where_it_sits(tmp_path):
+    """`user={'path': os.fsdecode(b'\\xff')}` was taken, the step saved, and its trainer state
+    then refused as damaged JSON (a safetensors step: a bare ValueError)."""
+    for user, where in (({'a': 'b\ud800'}, "user['a']"), ({'x': ['ok', {'k\udcff': 1}]}, "user['x'][1] key")):
+        with pytest.raises(InputError, match="lone surrogate") as e:
+            TrainerState(user=user)
+        assert e.value.message.startswith(f"TrainerState.{where} (") and 'surrogateescape' in e.value.fix
+    state = TrainerState(user={'path': 'ünï ✓'})
+    with jckpt.CheckpointManager(tmp_path, asynchronous=False) as mgr:
+        mgr.save(1, {'w': np.ones(2)}, trainer_state=state)
+        assert mgr.restore(target={'w': np.ones(2)}).trainer_state == state

@@ -119,6 +119,27 @@ def test_foreign_files(tmp_path):
     assert (classify(st).name, classify(st).detail) == (FOREIGN, 'safetensors')
 
 
+def test_the_commands_in_fixes_quote_paths_a_shell_would_split(tmp_path):
+    """`jckpt convert my run/w.npz w.jckpt`, pasted into a shell, converts nothing."""
+    import shlex
+
+    from jckpt.api.multiprocess import save_directory
+    from jckpt.tools.rewrite import relayout
+
+    (tmp_path / 'my run').mkdir()
+    npz = tmp_path / 'my run' / 'w 1.npz'
+    np.savez(npz, w=np.zeros(3))
+    fix = classify(npz).error.fix
+    assert f"jckpt convert {shlex.quote(str(npz))} 'w 1.jckpt'" in fix
+    command = fix.split('jckpt convert ', 1)[1].split(' (', 1)[0]
+    assert shlex.split(command) == [str(npz), 'w 1.jckpt']
+    directory = tmp_path / 'my run' / 'd'
+    save_directory(jckpt.Context(), {'w': np.ones(2)}, directory)
+    with pytest.raises(FormatError) as e:
+        relayout(str(directory), str(tmp_path / 'out.jckpt'), alignment=64)
+    assert f"jckpt convert {shlex.quote(str(directory))} whole.jckpt" in e.value.fix
+
+
 def test_missing(tmp_path):
     kind = classify(tmp_path / 'gone.jckpt')
     assert kind.name == MISSING and kind.error.message == 'no such checkpoint file'
@@ -221,3 +242,26 @@ def test_a_prefix_in_a_bucket_carries_its_listing_for_the_tool_that_reads_it():
     assert kind.name == MANAGER
     assert kind.listing == (["step_00000001.jckpt"], ["step_00000002.jckpt"])
     assert classify(f"{url}/step_00000001.jckpt").listing is None  # an object: no listing
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_every_tool_refuses_a_file_named_with_a_trailing_slash(where, tmp_path, capsys):
+    """`info`, `verify`, `diff` and `inspect` of `memory://b/m.jckpt/` read the object
+    `m.jckpt` silently, and `convert` of `m.jckpt/` locally was the OS's "not a directory":
+    every tool now says what `load` says, with the path without the '/'."""
+    from jckpt.tools.cli import main
+
+    if where == "memory":
+        pytest.importorskip("obstore")
+    root = str(tmp_path) if where == "local" else "memory://classify-slash/run"
+    jckpt.save(jckpt.Context(), {"w": np.ones(2)}, f"{root}/m.jckpt")
+    bad = f"{root}/m.jckpt/"
+    for tool in (jckpt.info, jckpt.detect_format, lambda p: jckpt.diff(p, p),
+                 lambda p: jckpt.convert(p, str(tmp_path / "m.npz")), classify):
+        with pytest.raises(jckpt.InputError, match="'m.jckpt' is a checkpoint file") as e:
+            tool(bad)
+        assert e.value.fix == f"read '{root}/m.jckpt', without the trailing '/'"
+    assert not jckpt.verify(bad).ok
+    assert main(["inspect", bad]) == 2
+    assert "without the trailing '/'" in capsys.readouterr().err
+    assert classify(f"{root}/").name == UNKNOWN  # a directory named with its '/' is one still

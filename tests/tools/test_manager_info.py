@@ -121,6 +121,21 @@ def test_best_ignores_nan_and_steps_without_the_metric(tmp_path):
     assert manager_info(tmp_path, best_metric='missing').best is None
 
 
+def test_a_best_metric_no_step_records_is_said_not_left_blank(tmp_path):
+    """`jckpt inspect run --best-metric acuracy` (misspelt) showed no best step and no word."""
+    _step(tmp_path, 1, {'loss': 0.9, 'acc': 0.5})
+    _step(tmp_path, 2, {'loss': float('nan')})
+    first = manager_info(tmp_path, best_metric='acuracy').render().splitlines()[0]
+    assert first.endswith("latest 2, no best by acuracy (no step records it; they record acc, loss)")
+    assert 'best 1 by loss' in manager_info(tmp_path).render().splitlines()[0]
+    write_arrays(tmp_path / step_name(1), {'w': np.zeros(1)},
+                 metadata={'jckpt.metrics': '{"loss": NaN}'})
+    assert "no best by loss (no finite value)" in manager_info(tmp_path).render()
+    with pytest.raises(jckpt.InputError, match="best_mode must be") as e:
+        manager_info(tmp_path, best_mode='lowest')
+    assert e.value.file == str(tmp_path) and "'min'" in e.value.fix
+
+
 def test_the_default_best_metric(tmp_path):
     _step(tmp_path, 1, {'b_acc': 0.5, 'a_err': 0.1})
     _step(tmp_path, 2, {'b_acc': 0.7, 'a_err': 0.3})

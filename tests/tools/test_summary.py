@@ -134,6 +134,22 @@ def test_namespaces_count_in_first_appearance_order(tmp_path):
     assert list(file_info(path).namespaces.items()) == [('zeta', 2), ('alpha', 1)]
 
 
+def test_a_directory_missing_a_piece_is_said_so_by_inspect_and_convert(tmp_path):
+    """`jckpt inspect` and `convert` of a directory whose index names a piece that is gone
+    said "no such checkpoint file ... save a checkpoint there first", of the piece."""
+    from jckpt.api.multiprocess import save_directory
+
+    directory = tmp_path / "d"
+    save_directory(jckpt.Context(), {"w": np.ones(4)}, directory)
+    (directory / "process_00000.jckpt").unlink()
+    for call in (jckpt.info, lambda p: jckpt.convert(p, tmp_path / "whole.jckpt"),
+                 lambda p: jckpt.diff(p, p)):
+        with pytest.raises(jckpt.FormatError, match="which the index names, is missing") as e:
+            call(directory)
+        assert "complete copy" in e.value.fix
+    assert not (tmp_path / "whole.jckpt").exists()
+
+
 def test_file_info_refuses_what_is_not_a_checkpoint(tmp_path):
     with pytest.raises(jckpt.FormatError) as info:
         file_info(tmp_path / 'missing.jckpt')
