@@ -191,7 +191,7 @@ def check_tree(path: str, items: Sequence[str] = ()) -> list[int]:
 
     orbax writes no symbolic links: one inside a checkpoint could lead out of it, or to
     `/dev/zero`, and a FIFO or device would block or never end; both are refused. So is a
-    zarr array (`.zarray`) tensorstore would abort on (`jckpt.adapters.zarr_meta`), or whose
+    zarr array (`.zarray`, `zarr.json`) tensorstore would abort on (`jckpt.adapters.zarr_meta`), or whose
     shape claims more bytes than the files of its item (one of `items`, else all of `path`)
     could decompress to (`MAX_DECOMPRESSION_RATIO`): tensorstore allocates it whole.
     One walk checks a step and each of its items.
@@ -214,7 +214,7 @@ def check_tree(path: str, items: Sequence[str] = ()) -> list[int]:
             if stat.S_ISREG(mode):
                 group = name if top == os.curdir else top
                 sizes[group] = sizes.get(group, 0) + st.st_size
-                if name == '.zarray':
+                if name in ('.zarray', 'zarr.json'):
                     zarrays.append((group, full))
     total = sum(sizes.values())
     for group, z in zarrays:

@@ -1,13 +1,13 @@
-"""A zarr array's metadata (`.zarray`), checked before tensorstore reads the array.
+"""A zarr array's metadata (`.zarray`, `zarr.json`), checked before tensorstore reads it.
 
-orbax saves an array without OCDBT as a zarr array, and tensorstore reads it: it allocates
-the whole array, and each chunk it decodes whole, at the sizes the `.zarray` gives, and a
-failed allocation there ends the process (`std::bad_alloc`, SIGABRT) where Python would
-raise. A crafted or damaged `.zarray` must be refused first: `zarray_claim` reads it (a
-regular file, at most a MiB, JSON nested within `jckpt.format.limits.MAX_NESTING`), checks
-the fields tensorstore sizes memory by, and gives the bytes reading the array takes, which
-`jckpt.adapters.orbax` bounds by what the checkpoint's files could hold and by the memory
-this process may take (`memory_bytes`).
+orbax saves an array without OCDBT as a zarr array (version 2, or 3 with `use_zarr3`), and
+tensorstore reads it: it allocates the whole array, and each chunk it decodes whole, at the
+sizes its metadata gives, and a failed allocation there ends the process (`std::bad_alloc`,
+SIGABRT) where Python would raise. Crafted or damaged metadata must be refused first:
+`zarray_claim` reads it (a regular file, at most a MiB, JSON nested within
+`jckpt.format.limits.MAX_NESTING`), checks the fields tensorstore sizes memory by, and gives
+the bytes reading the array takes, which `jckpt.adapters.orbax` bounds by what the
+checkpoint's files could hold and by the memory this process may take (`memory_bytes`).
 
 Example:
     ```python
@@ -47,13 +47,35 @@ def small_json(path: str, limit: int = MAX_SMALL_JSON) -> Any:
     return json_loads(data)
 
 
-def _dims(meta: dict, key: str, least: int) -> list[int]:
-    """The list of integers `meta[key]` (a shape, a chunk shape), each at least `least`."""
-    dims = meta[key]
+def _dims(dims: Any, what: str, least: int) -> list[int]:
+    """`dims` (a shape, a chunk shape) when it is a list of at most `MAX_RANK` integers, each
+    at least `least`."""
     if not (isinstance(dims, list) and len(dims) <= MAX_RANK
             and all(type(d) is int and d >= least for d in dims)):
-        raise ValueError(f"{key} {dims!r:.80}")
+        raise ValueError(f"{what} {dims!r:.80}")
     return dims
+
+
+def _itemsize(name: Any) -> int:
+    """The bytes of an element of the zarr data type `name` (`'<f4'`, `'float32'`,
+    `'bfloat16'`); 1 for a name numpy does not know (tensorstore refuses it itself)."""
+    try:
+        return max(1, np.dtype(name).itemsize)
+    except (TypeError, ValueError):
+        digits = ''.join(c for c in name if c.isdigit())[-3:] if isinstance(name, str) else ''
+        return max(1, int(digits) // 8) if digits else 1
+
+
+def _inner_chunks(codecs: Any) -> list[Any]:
+    """The chunk shapes zarr version 3's sharding codecs in `codecs` decode (a shard's inner
+    chunks, at any depth of sharding)."""
+    found = []
+    for codec in codecs if isinstance(codecs, list) else []:
+        config = codec.get('configuration') if isinstance(codec, dict) else None
+        if isinstance(config, dict) and 'chunk_shape' in config:
+            found.append(config['chunk_shape'])
+            found.extend(_inner_chunks(config.get('codecs')))
+    return found
 
 
 def _chunk_bytes(shape: list[int], chunks: list[int], itemsize: int) -> int:
@@ -71,12 +93,14 @@ def _chunk_bytes(shape: list[int], chunks: list[int], itemsize: int) -> int:
 
 
 def zarray_claim(path: str) -> int:
-    """The bytes reading the zarr array `path` (its `.zarray`) allocates at once: the array
-    whole, or one chunk decoded where that is larger (at most `CHUNK_SLACK` more).
+    """The bytes reading the zarr array `path` (its `.zarray`, or zarr version 3's
+    `zarr.json`) allocates at once: the array whole, or one chunk decoded where that is larger
+    (at most `CHUNK_SLACK` more); 0 for a group's `zarr.json`.
 
-    A `FormatError` naming the file for metadata that is not zarr version 2's, a shape or
-    chunk shape that is not a list of at most `MAX_RANK` integers (chunks positive, one for
-    each dim), or a chunk larger than its array.
+    A `FormatError` naming the file for metadata of another zarr version than the file's
+    name says, a shape or chunk shape that is not a list of at most `MAX_RANK` integers
+    (chunks positive, one for each dim), or a chunk (or a shard's inner chunk) larger than
+    its array.
 
     >>> import json, tempfile
     >>> path = os.path.join(tempfile.mkdtemp(), '.zarray')
@@ -87,15 +111,20 @@ def zarray_claim(path: str) -> int:
     """
     try:
         meta = small_json(path)
-        if not isinstance(meta, dict) or meta.get('zarr_format', 2) != 2:
-            raise ValueError("not zarr version 2 metadata")
-        shape = _dims(meta, 'shape', 0)
-        try:
-            itemsize = max(1, np.dtype(meta.get('dtype')).itemsize)
-        except (TypeError, ValueError):
-            itemsize = 1  # tensorstore refuses it itself
-        chunks = _dims(meta, 'chunks', 1) if 'chunks' in meta else shape
-        return max(math.prod(shape) * itemsize, _chunk_bytes(shape, chunks, itemsize))
+        version = 3 if os.path.basename(path) == 'zarr.json' else 2
+        if not isinstance(meta, dict) or meta.get('zarr_format', 2) != version:
+            raise ValueError(f"not zarr version {version} metadata")
+        if version == 3 and meta.get('node_type') != 'array':
+            return 0
+        shape = _dims(meta['shape'], 'shape', 0)
+        if version == 2:
+            itemsize, chunks = _itemsize(meta.get('dtype')), [meta.get('chunks', shape)]
+        else:
+            itemsize = _itemsize(meta.get('data_type'))
+            chunks = [meta['chunk_grid']['configuration']['chunk_shape'],
+                      *_inner_chunks(meta.get('codecs'))]
+        return max(math.prod(shape) * itemsize, *(
+            _chunk_bytes(shape, _dims(c, 'chunks', 1), itemsize) for c in chunks))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise FormatError(f"zarr metadata cannot be read: {e}", file=path,
                           fix="the checkpoint is damaged") from None

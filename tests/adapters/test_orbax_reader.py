@@ -270,24 +270,28 @@ def test_zarr_sizes_tensorstore_would_abort_on_are_refused_before_it_reads(tmp_p
     the old code took down."""
     import subprocess
     import sys
-    paths = []
+    paths, files = [], []
+    huge = {'configuration': {'chunk_shape': [1 << 40, 4]}}
     for name, edit in [('chunk', {'chunks': [1 << 40, 4]}),
-                       ('limit', {'shape': [1 << 28, 4], 'chunks': [1 << 28, 4]})]:
+                       ('limit', {'shape': [1 << 28, 4], 'chunks': [1 << 28, 4]}),
+                       ('zarr3', {'chunk_grid': huge, 'codecs': [{'name': 'sharding_indexed',
+                                                                  **huge}]})]:
         path = os.path.abspath(tmp_path / name)
-        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False)) as checkpointer:
+        handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=name == 'zarr3')
+        with ocp.Checkpointer(handler) as checkpointer:
             checkpointer.save(path, args=ocp.args.PyTreeSave({'w': np.ones((3, 4), np.float32)}))
-        zarray = os.path.join(path, 'w', '.zarray')
+        zarray = os.path.join(path, 'w', 'zarr.json' if name == 'zarr3' else '.zarray')
         with open(zarray) as f:
             meta = json.load(f)
         with open(zarray, 'w') as f:
             json.dump({**meta, **edit}, f)
         paths.append(path)
+        files.append(zarray)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, '-c', _READ_IN_A_CHILD, *paths], capture_output=True,
                          text=True, timeout=300, cwd=root, env={**os.environ, 'PYTHONPATH': root})
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split('\n')[:2] == [f"refused {os.path.join(p, 'w', '.zarray')}"
-                                          for p in paths]
+    assert out.stdout.split('\n')[:3] == [f"refused {file}" for file in files]
 
 
 def test_array_metadata_nested_too_deep_reads_as_no_keys(tmp_path):

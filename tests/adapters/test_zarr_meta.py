@@ -42,6 +42,29 @@ def test_metadata_tensorstore_would_abort_on_is_refused_naming_the_file(tmp_path
     assert e.value.file == path and e.value.fix
 
 
+def zarr_json(tmp_path, shape=(3, 4), grid=(3, 4), inner=(3, 4), **fields):
+    meta = {'zarr_format': 3, 'node_type': 'array', 'shape': list(shape), 'data_type': 'bfloat16',
+            'chunk_grid': {'name': 'regular', 'configuration': {'chunk_shape': list(grid)}},
+            'codecs': [{'name': 'sharding_indexed', 'configuration': {
+                'chunk_shape': list(inner), 'codecs': [{'name': 'bytes'}]}}], **fields}
+    path = tmp_path / 'zarr.json'
+    path.write_text(json.dumps(meta))
+    return str(path)
+
+
+def test_zarr_version_3_metadata_as_orbax_writes_it_with_use_zarr3(tmp_path):
+    assert zarr_meta.zarray_claim(zarr_json(tmp_path)) == 24  # bfloat16: 2 bytes
+    assert zarr_meta.zarray_claim(zarr_json(tmp_path, node_type='group')) == 0
+    for fields, why in [({'inner': (1 << 40, 4)}, 'larger than its array'),  # tensorstore:
+                        ({'grid': (1 << 26, 1)}, 'larger than its array'),   # SIGABRT
+                        ({'grid': (3,)}, 'chunks'), ({'zarr_format': 2}, 'not zarr version 3'),
+                        ({'chunk_grid': None}, 'not subscriptable')]:
+        path = zarr_json(tmp_path, **fields)
+        with pytest.raises(FormatError, match=f'zarr metadata cannot be read: .*{why}') as e:
+            zarr_meta.zarray_claim(path)
+        assert e.value.file == path
+
+
 def test_memory_is_what_an_address_space_limit_leaves(monkeypatch):
     unlimited = zarr_meta.memory_bytes()
     assert unlimited > 0
