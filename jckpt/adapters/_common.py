@@ -381,52 +381,6 @@ def inside(directory: str, path: str) -> bool:
         os.path.realpath(directory) + os.sep)
 
 
-def shard_path(index_path: str, shard: str) -> str:
-    """The path of `shard`, a file a Hugging Face index (`*.index.json`) names, beside the index;
-    a `FormatError` naming the index and the shard when the name is unsafe, the file a symbolic
-    link or outside the index's directory, or missing (a download that stopped part way).
-
-    >>> import tempfile
-    >>> shard_path(os.path.join(tempfile.mkdtemp(), 'm.index.json'), 'm-1.bin')
-    Traceback (most recent call last):
-    ...
-    jckpt.errors.FormatError: ...: the index names shard 'm-1.bin', which is not beside it...
-    """
-    check_member_name(shard, index_path)
-    directory = os.path.dirname(os.path.abspath(index_path))
-    path = os.path.join(directory, shard)
-    if not inside(directory, path):
-        raise FormatError(f"shard {shard!r} is a symbolic link or lies outside the index's "
-                          "directory", file=index_path, entry=shard,
-                          fix="put the shard files themselves beside the index")
-    if not os.path.exists(path):
-        raise FormatError(f"the index names shard {shard!r}, which is not beside it ({path})",
-                          file=index_path, entry=shard,
-                          fix="fetch every shard the index's weight_map names into the index's "
-                              "directory (a download that stopped part way lacks some)")
-    return path
-
-
-def index_shards(path: str) -> list[str]:
-    """The shard files beside `path` that it names, when it is a local Hugging Face index
-    (`*.index.json` with a `weight_map` of file names), in name order; [] for another file.
-    What a listing adds to the index's own size (the index holds none of the arrays)."""
-    if not path.endswith('.index.json') or not os.path.isfile(path):
-        return []
-    try:
-        with open(path, 'rb') as f:
-            index = json_loads(f.read().decode('utf-8'))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
-        return []
-    weight_map = index.get('weight_map') if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict):
-        return []
-    directory = os.path.dirname(os.path.abspath(path))
-    names = sorted({v for v in weight_map.values() if isinstance(v, str) and not unsafe_member_name(v)})
-    return [p for p in (os.path.join(directory, n) for n in names)
-            if inside(directory, p) and os.path.isfile(p)]
-
-
 def map_file(path: str) -> Buffer:
     """The whole file `path` from its storage backend (locally a private copy-on-write
     mapping; `b''` when it is empty), or the bytes `holding` holds for it. A URL no backend

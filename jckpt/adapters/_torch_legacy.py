@@ -22,6 +22,7 @@ older tar form (torch before 0.4) is not read.
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
 
 import numpy as np
@@ -71,7 +72,7 @@ def read(buffer: Any, path: str) -> Any:
     protocol = unpickle(reader, None, path, 'the legacy header')
     facts = unpickle(reader, None, path, 'the legacy header')
     if protocol != _PROTOCOL or not isinstance(facts, dict):
-        raise FormatError(f"legacy torch.save header of protocol {protocol!r:.40}, not "
+        raise FormatError(f"legacy torch.save header of protocol {reprlib.repr(protocol):.40}, not "
                           f"{_PROTOCOL}", file=path, fix="the file is damaged or not written by "
                                                          "torch.save")
     start = reader.pos

@@ -18,6 +18,7 @@ from __future__ import annotations
 import codecs
 import math
 import pickle
+import reprlib
 from collections.abc import Callable
 from typing import IO, Any
 
@@ -296,7 +297,8 @@ class _Unpickler(pickle._Unpickler):
         if not (isinstance(pid, tuple) and len(pid) in (5, 6) and pid[0] == 'storage'
                 and isinstance(pid[1], StorageType) and isinstance(pid[2], str)
                 and self._storage is not None):
-            raise ValueError(f"unknown persistent reference {pid!r:.100}")
+            raise ValueError(f"unknown persistent reference {reprlib.repr(pid):.100}")  # bounded:
+            # a list of itself twice, 40 deep, has a full repr of 2**40 items
         if len(pid) == 6 and pid[5] is not None:
             raise ValueError("a view of a storage (written by torch before 1.0) is not supported")
         return self._storage(pid[1], pid[2], _int(pid[4], 'storage size'))

@@ -55,13 +55,13 @@ from jckpt.adapters._common import (
     DEFAULT_NAMESPACE,
     inside,
 )
+from jckpt.adapters.zarr_meta import memory_bytes, small_json, zarray_claim
 from jckpt.errors import FormatError, InputError
 from jckpt.format import strict_json
 from jckpt.format.header import NAMESPACE_RE
-from jckpt.format.limits import MAX_DECOMPRESSION_RATIO, json_loads
+from jckpt.format.limits import MAX_DECOMPRESSION_RATIO
 from jckpt.format.names import ORBAX_JSON_KEY
 from jckpt.storage.backend import backend_for, is_url
-from jckpt.storage.regular import open_regular
 
 _ITEM_MARKERS = ('_METADATA', 'manifest.ocdbt')
 _STEP_MARKER = '_CHECKPOINT_METADATA'
@@ -191,29 +191,16 @@ def manager_steps(root: str) -> list[int]:
     return [int(_step_number(n) or 0) for n in manager_step_names(root)]
 
 
-#: The most bytes of one small JSON file of orbax's (array metadata, a `.zarray`) read.
-_MAX_SMALL_JSON = 1 << 20
-
-
-def _small_json(path: str, limit: int = _MAX_SMALL_JSON) -> Any:
-    """A JSON file of the checkpoint: a regular file, at most `limit` bytes, nested at most
-    `jckpt.format.limits.MAX_NESTING` deep (`ValueError` otherwise)."""
-    with open_regular(path) as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise ValueError(f"over {limit} bytes")
-    return json_loads(data)
-
-
 def check_tree(path: str, items: Sequence[str] = ()) -> list[int]:
     """Refuse what orbax and tensorstore would follow or block on, before they see `path`;
     the bytes of its files, then of each of `items` (names of its entries: a step's items).
 
     orbax writes no symbolic links: one inside a checkpoint could lead out of it, or to
     `/dev/zero`, and a FIFO or device would block or never end; both are refused. So is a
-    zarr array (`.zarray`) whose shape claims more bytes than the files of its item (one of
-    `items`, else all of `path`) could decompress to (`MAX_DECOMPRESSION_RATIO`):
-    tensorstore allocates it whole. One walk checks a step and each of its items.
+    zarr array (`.zarray`, `zarr.json`) tensorstore would abort on (`jckpt.adapters.zarr_meta`), or whose
+    shape claims more bytes than the files of its item (one of `items`, else all of `path`)
+    could decompress to (`MAX_DECOMPRESSION_RATIO`): tensorstore allocates it whole.
+    One walk checks a step and each of its items.
     """
     sizes: dict[str, int] = {}
     zarrays: list[tuple[str, str]] = []
@@ -233,29 +220,12 @@ def check_tree(path: str, items: Sequence[str] = ()) -> list[int]:
             if stat.S_ISREG(mode):
                 group = name if top == os.curdir else top
                 sizes[group] = sizes.get(group, 0) + st.st_size
-                if name == '.zarray':
+                if name in ('.zarray', 'zarr.json'):
                     zarrays.append((group, full))
     total = sum(sizes.values())
     for group, z in zarrays:
-        _check_claim(_zarray_bytes(z), sizes[group] if group in items else total, z)
+        _check_claim(zarray_claim(z), sizes[group] if group in items else total, z)
     return [total, *(sizes.get(n, 0) for n in items)]
-
-
-def _zarray_bytes(path: str) -> int:
-    """The bytes a zarr array's `.zarray` says it holds (its shape times its element size)."""
-    try:
-        meta = _small_json(path)
-        shape = meta['shape']
-        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-            raise ValueError(f"shape {shape!r:.80}")
-        try:
-            itemsize = max(1, np.dtype(meta.get('dtype')).itemsize)
-        except (TypeError, ValueError):
-            itemsize = 1
-        return math.prod(shape) * itemsize
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise FormatError(f"zarr metadata cannot be read: {e}", file=path,
-                          fix="the checkpoint is damaged") from None
 
 
 def _check_claim(nbytes: int, total: int, file: str) -> None:
@@ -269,14 +239,6 @@ def _check_claim(nbytes: int, total: int, file: str) -> None:
                           f"machine's memory ({memory_bytes()} bytes)", file=file,
                           fix="the checkpoint's metadata is damaged; do not read it (or read it "
                               "on a machine with the memory its arrays need)")
-
-
-def memory_bytes() -> int:
-    """This machine's physical memory in bytes (0 where the system does not say)."""
-    try:
-        return os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
-    except (ValueError, OSError, AttributeError):
-        return 0
 
 
 def _key_name(key: Any) -> str:
@@ -302,7 +264,7 @@ def _key_impls(item: str) -> dict[str, str]:
         return found
     for name in names:
         try:
-            records = _small_json(os.path.join(folder, name)).get('array_metadatas', [])
+            records = small_json(os.path.join(folder, name)).get('array_metadatas', [])
             for record in records:
                 meta = record.get('array_metadata', {})
                 impl = (meta.get('ext_metadata') or {}).get('random_key_impl')
@@ -487,7 +449,7 @@ def json_metadata(path: str) -> dict[str, str]:
                               f"{_MAX_JSON_BYTES} bytes", file=single,
                               fix="keep the item's JSON small and inside its directory")
         try:
-            found[name] = _small_json(single, _MAX_JSON_BYTES)
+            found[name] = small_json(single, _MAX_JSON_BYTES)
         except (OSError, ValueError) as e:
             raise FormatError(f"JSON item {name!r} cannot be read: {e}", file=single,
                               fix="the step is damaged; save it again") from None

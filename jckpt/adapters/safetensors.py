@@ -52,10 +52,10 @@ from jckpt.adapters._common import (
     paths_json,
     published,
     refuse_dtypes,
-    shard_path,
     tree_from_names,
     warn_key_data,
 )
+from jckpt.adapters.hf_index import hf_index, shard_path
 from jckpt.adapters.safetensors_header import DTYPES as DTYPES  # the header's codec, named here too
 from jckpt.adapters.safetensors_header import (
     MAX_HEADER_BYTES,
@@ -66,12 +66,10 @@ from jckpt.adapters.safetensors_header import (
     read_header,
 )
 from jckpt.errors import FormatError, InputError
-from jckpt.format import limits
 from jckpt.format._gc import paused
 from jckpt.format.names import EMPTY_NODES_KEY, RESERVED_PREFIX
 from jckpt.format.payload import iter_payload_chunks, stored_dtype
 from jckpt.storage.backend import is_url
-from jckpt.storage.regular import open_regular
 
 PATHS_KEY = 'jckpt.paths'
 INDEX_SUFFIX = '.safetensors.index.json'
@@ -99,20 +97,8 @@ def _index_file(path: str) -> str | None:
 
 def read_sharded(index_path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Tensors of a Hugging Face sharded checkpoint, from its `*.safetensors.index.json`."""
-    try:
-        with open_regular(index_path) as f:
-            index = limits.json_loads(f.read().decode('utf-8'))
-    except FileNotFoundError:
-        raise FormatError("no such file", file=index_path, fix="check the path") from None
-    except FormatError:  # not a regular file
-        raise
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise FormatError(f"index is not valid JSON ({e})", file=index_path,
-                          fix="the index file is damaged") from None
-    weight_map = index.get('weight_map') if isinstance(index, dict) else None
-    if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
-        raise FormatError("index has no weight_map of tensor name -> shard file", file=index_path,
-                          fix="pass a *.safetensors.index.json file")
+    index = hf_index(index_path)
+    weight_map = index['weight_map']
     arrays: dict[str, np.ndarray] = {}
     metadata: dict[str, str] = {}
     index_meta = index.get('metadata')

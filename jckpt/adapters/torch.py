@@ -57,7 +57,6 @@ from jckpt.adapters._common import (
     published,
     record_covers,
     refuse_dtypes,
-    shard_path,
     single_content,
     tree_from_names,
     unsafe_member_name,
@@ -67,8 +66,8 @@ from jckpt.adapters._torch_legacy import LEGACY_MAGIC
 from jckpt.adapters._torch_pickle import Pickler, has_torch_dtype
 from jckpt.adapters._torch_scalars import SCALARS_KEY, scalar_record, with_scalars
 from jckpt.adapters._torch_unpickle import StorageType, to_tree, unpickle
+from jckpt.adapters.hf_index import shard_path, weight_map
 from jckpt.errors import CheckpointError, FormatError, InputError
-from jckpt.format import limits
 from jckpt.format.limits import json_loads
 from jckpt.format.payload import iter_payload_chunks
 from jckpt.format.sniff import ZIP_LOCAL
@@ -158,18 +157,15 @@ def _shard_names(path: str) -> dict[str, str] | None:
     if is_url(path):
         return None
     try:
-        with open_regular(path) as f:
-            index = json_loads(f.read(limits.MAX_RECORD_BYTES + 1).decode('utf-8'))
-    except (OSError, UnicodeDecodeError, ValueError, CheckpointError):
+        found = weight_map(path)
+    except CheckpointError:
         return None
-    weight_map = index.get('weight_map') if isinstance(index, dict) else None
-    if not (isinstance(weight_map, dict) and weight_map
-            and all(isinstance(v, str) and not unsafe_member_name(v) for v in weight_map.values())):
+    if not found or any(unsafe_member_name(v) for v in found.values()):
         return None
     directory = os.path.dirname(os.path.abspath(path))
-    shard = os.path.join(directory, min(weight_map.values()))
-    if not os.path.lexists(shard) and all(v.endswith(_SHARD_ENDINGS) for v in weight_map.values()):
-        return weight_map  # a torch index whose shards are missing: reading it names them
+    shard = os.path.join(directory, min(found.values()))
+    if not os.path.lexists(shard) and all(v.endswith(_SHARD_ENDINGS) for v in found.values()):
+        return found  # a torch index whose shards are missing: reading it names them
     try:
         if not inside(directory, shard):
             return None
@@ -177,7 +173,7 @@ def _shard_names(path: str) -> dict[str, str] | None:
             head = f.read(len(LEGACY_MAGIC))
     except (OSError, CheckpointError):
         return None
-    return weight_map if head[:4] == ZIP_LOCAL or head == LEGACY_MAGIC else None
+    return found if head[:4] == ZIP_LOCAL or head == LEGACY_MAGIC else None
 
 
 def _read_sharded(path: str, weight_map: dict[str, str]) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from jckpt.adapters import read_with_metadata
-from jckpt.adapters._common import index_shards
+from jckpt.adapters.hf_index import index_shards
 from jckpt.errors import FormatError
 from jckpt.format import precs
 from jckpt.format.entries import Entry, Header, KeyPath, entry_for, path_name

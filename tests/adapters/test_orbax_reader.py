@@ -247,6 +247,53 @@ def test_a_zarr_shape_past_what_the_files_hold_is_refused_before_allocating(tmp_
         jckpt.describe(item)
 
 
+_READ_IN_A_CHILD = """
+import resource, sys
+import jckpt, orbax.checkpoint
+from jckpt.errors import CheckpointError
+with open('/proc/self/statm') as f:  # what the hostile fuzzer's children may take
+    vm = int(f.read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.RLIM_INFINITY))
+for path in sys.argv[1:]:
+    try:
+        jckpt.load(jckpt.Context(host=True), path)
+        print('read')
+    except CheckpointError as e:
+        print('refused', e.file)
+"""
+
+
+def test_zarr_sizes_tensorstore_would_abort_on_are_refused_before_it_reads(tmp_path):
+    """tensorstore allocates an array, and a chunk, whole at the `.zarray`'s sizes; an
+    allocation that fails there aborts the process (SIGABRT): a chunk larger than its array,
+    or an array past what an address-space limit leaves, is refused first. In a child, which
+    the old code took down."""
+    import subprocess
+    import sys
+    paths, files = [], []
+    huge = {'configuration': {'chunk_shape': [1 << 40, 4]}}
+    for name, edit in [('chunk', {'chunks': [1 << 40, 4]}),
+                       ('limit', {'shape': [1 << 28, 4], 'chunks': [1 << 28, 4]}),
+                       ('zarr3', {'chunk_grid': huge, 'codecs': [{'name': 'sharding_indexed',
+                                                                  **huge}]})]:
+        path = os.path.abspath(tmp_path / name)
+        handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=name == 'zarr3')
+        with ocp.Checkpointer(handler) as checkpointer:
+            checkpointer.save(path, args=ocp.args.PyTreeSave({'w': np.ones((3, 4), np.float32)}))
+        zarray = os.path.join(path, 'w', 'zarr.json' if name == 'zarr3' else '.zarray')
+        with open(zarray) as f:
+            meta = json.load(f)
+        with open(zarray, 'w') as f:
+            json.dump({**meta, **edit}, f)
+        paths.append(path)
+        files.append(zarray)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, '-c', _READ_IN_A_CHILD, *paths], capture_output=True,
+                         text=True, timeout=300, cwd=root, env={**os.environ, 'PYTHONPATH': root})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split('\n')[:3] == [f"refused {file}" for file in files]
+
+
 def test_array_metadata_nested_too_deep_reads_as_no_keys(tmp_path):
     item = _item(tmp_path)
     folder = item / 'array_metadatas'

@@ -45,6 +45,12 @@ def test_a_wrong_protocol_and_code_are_refused(tmp_path):
     raw = legacy.LEGACY_MAGIC + pickle.dumps(7, protocol=2) + pickle.dumps({}, protocol=2)
     with pytest.raises(FormatError, match='protocol 7'):
         legacy.read(raw, 'old.pt')
+    from tests.adapters.test_torch_unpickle import _doubling
+    from tests.helpers import peak_bytes
+    crafted = legacy.LEGACY_MAGIC + b'\x80\x02' + _doubling(20) + b'.' + pickle.dumps({})
+    with pytest.raises(FormatError, match=r'protocol \[\[\['):  # its whole repr was written
+        legacy.read(crafted, 'old.pt')
+    assert peak_bytes(lambda: legacy.read(crafted, 'old.pt')) < 1 << 20
     evil = legacy_file(b'\x80\x02cos\nsystem\nX\x04\x00\x00\x00trueq\x00\x85R.', [], b'')
     with pytest.raises(FormatError, match='refusing to unpickle global os.system'):
         legacy.read(evil, 'old.pt')

@@ -91,3 +91,24 @@ def test_distributed_tensors_say_how_to_gather_them(glob, what, fix):
     with pytest.raises(FormatError, match=what) as e:
         up.unpickle(io.BytesIO(b'\x80\x02c' + glob + b'\n)R.'), None, 'm.pt')
     assert fix in e.value.fix
+
+
+def _doubling(depth: int) -> bytes:
+    """Protocol-2 opcodes leaving on the stack a list holding the one before it twice, `depth`
+    times over: a few bytes a level, 2**depth items when written out."""
+    out = b']K\x01aq\x00'  # [1], memo 0
+    for n in range(depth):
+        out += b'](h' + bytes([n]) + b'h' + bytes([n]) + b'eq' + bytes([n + 1])
+    return out
+
+
+def test_a_crafted_persistent_reference_is_named_in_bounded_time_and_memory():
+    """Its name was the whole repr of the reference, cut after: a list of itself twice, 43
+    deep (a 1.3 KB torch file found by fuzzing), never finished; 20 deep wrote megabytes."""
+    from tests.helpers import peak_bytes
+
+    raw = b'\x80\x02' + _doubling(20) + b'Q.'
+    with pytest.raises(FormatError, match=r'unknown persistent reference \[\[\[\[\[\[') as e:
+        up.unpickle(io.BytesIO(raw), None, 'm.pt')
+    assert e.value.file == 'm.pt' and len(str(e.value)) < 300
+    assert peak_bytes(lambda: up.unpickle(io.BytesIO(raw), None, 'm.pt')) < 1 << 20

@@ -161,6 +161,37 @@ def test_a_header_that_cannot_balance_is_refused_before_the_fast_decoder(monkeyp
         decode_header(struct.pack('>I', len(crafted)) + crafted, file='crafted.jckpt')
 
 
+@pytest.mark.parametrize('where', ['after the entries', 'last of the entries'])
+def test_nesting_too_deep_after_many_entries_is_refused_before_the_fast_decoder(
+        monkeypatch, where):
+    """The fast decoder built every entry of a crafted header (400,000 copies of an entry in
+    jckpt's layout, then nesting 100,000 deep) before the general reader refused the nesting:
+    the depth is now counted before it runs, 64 bytes at a time where no quoted atom is."""
+    entries = tuple(_entry(i % 2) for i in range(20_000))  # a refused entry repeated
+    text = _text(Header(tensors=entries))
+    nest = '(' * 1000 + ')' * 1000
+    at = text.rindex(')') if where == 'after the entries' else text.rindex(')', 0, -2)
+    crafted = (text[:at] + f' (x {nest})' + text[at:]).encode()
+    monkeypatch.setattr(header, 'canonical_entries',
+                        lambda t: pytest.fail("the fast decoder was reached"))
+    with pytest.raises(FormatError, match='not a well-formed S-expression: nesting deeper than 64'):
+        decode_header(seal_header(struct.pack('>I', len(crafted)) + crafted), file='crafted.jckpt')
+
+
+def test_the_depth_is_counted_exactly_where_the_64_byte_counts_cannot_tell():
+    from jckpt.format.prescan import unbalanced
+
+    filler = '(a b) ' * 100_000  # over a chunk: its 64-byte counts tell
+    assert unbalanced(f'({filler}' + '(' * 63 + ')' * 63 + ')') is None  # 64 deep: valid
+    assert unbalanced(f'({filler}' + '(' * 64 + ')' * 64 + ')') == 'nesting deeper than 64'
+    assert unbalanced('( (' + ' (' * 63 + ' )' * 64 + ')') == 'nesting deeper than 64'
+    close_calls = '(' * 60 + '()' * 40 + ')' * 60  # 61 deep: its counts say up to 76
+    assert unbalanced(close_calls + filler) is None
+    assert unbalanced(close_calls.replace('()', '(())', 1) + filler) is None  # 62
+    assert unbalanced(f'({filler} "' + '(' * 100 + '")') is None  # inside a quoted atom
+    assert unbalanced(f'({filler} ;' + '(' * 100 + '\n)') is None  # a comment: left to the reader
+
+
 @pytest.mark.parametrize('accelerate', [True, False])
 def test_an_entry_repeated_as_jckpt_writes_it_stops_the_fast_decoder_at_the_repeat(
         monkeypatch, accelerate):
