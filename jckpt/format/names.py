@@ -107,13 +107,15 @@ def is_format_step(directory: str, names: Iterable[str]) -> bool:
 
 def is_step_member(name: str) -> bool:
     """Whether a manager writes files of this name into a step directory: its index and
-    pieces, its model, optimizer and record, and their staging names. A step-named directory
+    pieces, its model, optimizer and record, their staging names, and the lock of a directory
+    checkpoint's writer (left in place by one killed as it published). A step-named directory
     holding anything else is somebody's own, and no unfinished step to remove.
 
     >>> [is_step_member(n) for n in ('model.safetensors', 'process_00000.jckpt', 'notes.txt')]
     [True, True, False]
     """
-    return (name in (INDEX_NAME, OPTIMIZER_NAME, TRAINER_STATE_NAME) or bool(PIECE_RE.match(name))
+    return (name in (INDEX_NAME, OPTIMIZER_NAME, TRAINER_STATE_NAME, DIRECTORY_LOCK_NAME)
+            or bool(PIECE_RE.match(name))
             or name.startswith('model.') or '.jckpt-' in name)
 
 

@@ -191,6 +191,19 @@ def test_a_directory_save_never_deletes_a_folder_of_other_files(tmp_path):
     assert (path / "notes.txt").read_text() == "precious"
 
 
+def test_a_directory_checkpoint_whose_writer_died_publishing_is_replaced(tmp_path):
+    """A writer killed between publishing and removing its lock leaves `.writer.lock` in the
+    published directory: that is the checkpoint's own, and the next save replaces it."""
+    from jckpt.api import multiprocess
+    from jckpt.format.names import DIRECTORY_LOCK_NAME
+
+    path = tmp_path / "dir.jckpt"
+    multiprocess.save_directory(jckpt.Context(), {"w": np.ones(2)}, path)
+    (path / DIRECTORY_LOCK_NAME).write_text("")
+    multiprocess.save_directory(jckpt.Context(), {"w": np.zeros(2)}, path)
+    assert jckpt.restore(jckpt.Context(), {"w": np.ones(2)}, path)["w"].tolist() == [0.0, 0.0]
+
+
 def test_a_link_to_a_plain_directory_is_replaced_like_any_link(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
