@@ -167,3 +167,34 @@ def test_a_target_leaf_no_file_stores_is_named_as_such_whether_stored_or_not(tmp
     with pytest.raises(jckpt.InputError, match="target leaf of type str") as e:
         takes(entry("float32", (2,)), "w")  # one the file has an entry for
     assert e.value.entry == "jckpt/x" and e.value.file == "f.jckpt"
+
+
+def test_cast_into_a_narrow_int_saturates_and_names_the_entry(tmp_path):
+    # numpy's own cast let a bare RuntimeWarning out and gave machine-dependent values
+    import warnings
+
+    import ml_dtypes
+    path = str(tmp_path / 'f.jckpt')
+    stored = np.array([1.9, np.nan, 1e10, -1e10, -3.0], np.float32)
+    jckpt.save(jckpt.Context(durable=False), {'a': stored}, path)
+    for target, want in ((jnp.zeros(5, jnp.int4), [1, 0, 7, -8, -3]),
+                         (np.zeros(5, ml_dtypes.int4), [1, 0, 7, -8, -3]),
+                         (np.zeros(5, np.uint8), [1, 0, 255, 0, 0])):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter('always')
+            got = jckpt.restore(jckpt.Context(), {'a': target}, path, cast=True)['a']
+        assert np.asarray(got).astype(int).tolist() == want
+        assert [type(w.message) for w in seen] == [UserWarning]
+        assert 'jckpt/a' in str(seen[0].message) and 'nan became 0' in str(seen[0].message)
+    assert np.asarray(jnp.asarray(stored).astype(jnp.int4)).astype(int).tolist() == [1, 0, 7, -8, -3]
+
+
+def test_cast_values_keeps_int64_saturated_and_is_quiet_when_all_fit():
+    big = np.array([2.0**63, -2.0**63, 5.0])
+    with pytest.warns(UserWarning, match='1 value'):
+        out = targets.cast_values(big, np.dtype(np.int64), 'a.jckpt', 'jckpt/x')
+    assert out.tolist() == [2**63 - 1, -2**63, 5]
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        assert targets.cast_values(np.arange(3.0), np.dtype(np.int8), 'a', 'b').tolist() == [0, 1, 2]
