@@ -129,7 +129,7 @@ def as_stored_for(array: Any, entry: Entry, leaf: Any, want_dtype: Any, path: st
             lazy, dtype = sharding.as_lazy(array), np.dtype(want_dtype)
             return LazyArray(lazy.shape, dtype,
                              lambda box: cast_values(lazy.read(box), dtype, path, where))
-        if getattr(leaf, 'weak_type', False) and _kind(array.dtype) == _kind(want_dtype):
+        if getattr(leaf, 'weak_type', False) and _takes_kind(_kind(want_dtype), _kind(array.dtype)):
             return _exactly(array, np.dtype(want_dtype), path, where)
         raise MismatchError(f"dtype mismatch: file has {array.dtype}, target has "
                             f"{np.dtype(want_dtype)}", file=path, entry=where,
@@ -179,11 +179,23 @@ def _kind(dtype: Any) -> str | None:
 _PYTHON_KINDS = {bool: 0, int: 1, float: 2, complex: 3}
 
 
+def _takes_kind(target: str | None, stored: str | None) -> bool:
+    """Whether a number target of kind `target` (a Python number, or a weakly typed value
+    standing for one) takes a stored value of kind `stored`: its own, or a narrower one (a
+    stored int fills a float target, never the reverse).
+
+    >>> _takes_kind('floating', 'integer'), _takes_kind('integer', 'floating')
+    (True, False)
+    """
+    names = [name for name, _ in _KINDS]
+    return target in names and stored in names and names.index(stored) <= names.index(target)
+
+
 def _check_python_kind(dtype: Any, leaf: Any, path: str, where: str) -> None:
     """Refuse a stored value a Python number target would narrow (a float into an `int`)."""
-    stored = [name for name, _ in _KINDS].index(_kind(dtype)) if _kind(dtype) else None
-    if stored is not None and stored > _PYTHON_KINDS[type(leaf)]:
-        kind = list(_PYTHON_KINDS)[stored].__name__
+    stored = _kind(dtype)
+    if stored is not None and not _takes_kind(_KINDS[_PYTHON_KINDS[type(leaf)]][0], stored):
+        kind = list(_PYTHON_KINDS)[[name for name, _ in _KINDS].index(stored)].__name__
         raise MismatchError(f"dtype mismatch: file has {np.dtype(dtype)}, the target is the "
                             f"Python {type(leaf).__name__} {leaf!r}", file=path, entry=where,
                             fix=f"make the target leaf a {kind} (or a spec of dtype "

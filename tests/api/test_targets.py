@@ -198,3 +198,20 @@ def test_cast_values_keeps_int64_saturated_and_is_quiet_when_all_fit():
     with warnings.catch_warnings():
         warnings.simplefilter('error')
         assert targets.cast_values(np.arange(3.0), np.dtype(np.int8), 'a', 'b').tolist() == [0, 1, 2]
+
+
+def test_a_weakly_typed_float_target_takes_a_stored_int_as_a_python_float_does(tmp_path):
+    # a weak float32 (jnp.asarray(1.0)) refused the stored int a Python 0.0 took
+    path = str(tmp_path / 'n.jckpt')
+    jckpt.save(jckpt.Context(durable=False), {'step': 3, 'flag': True, 'big': 2**53 + 1}, path)
+    ctx = jckpt.Context()
+    for target in (jnp.asarray(1.0), jax.ShapeDtypeStruct((), jnp.float32, weak_type=True)):
+        got = jckpt.restore(ctx, {'step': target, 'flag': target}, path)
+        assert (got['step'].dtype, float(got['step']), float(got['flag'])) == (jnp.float32, 3.0, 1.0)
+        assert got['step'].weak_type
+        with pytest.raises(jckpt.MismatchError, match='does not fit'):  # float32 rounds it
+            jckpt.restore(ctx, {'big': target}, path)
+    assert jckpt.restore(ctx, {'step': 0.0}, path)['step'] == 3.0
+    with pytest.raises(jckpt.MismatchError):  # never the reverse: a float into a weak int
+        jckpt.save(ctx, {'x': 2.5}, path)
+        jckpt.restore(ctx, {'x': jnp.asarray(1)}, path)
