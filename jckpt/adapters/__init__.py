@@ -47,7 +47,15 @@ from typing import Any
 from jckpt.adapters._common import held_bytes, holding, map_file, nest_dotted
 from jckpt.errors import FormatError, InputError, MissingEntryError
 from jckpt.format.names import STEP_RE, is_format_step
-from jckpt.storage.backend import backend_for, checked_path, is_url, refuse_file_as_folder, same_place
+from jckpt.storage.backend import (
+    LOCAL,
+    backend_for,
+    checked_path,
+    is_url,
+    occupied,
+    refuse_file_as_folder,
+    same_place,
+)
 from jckpt.storage.checkpoint import register_directory_reader
 
 PathLike = str | os.PathLike
@@ -374,6 +382,8 @@ def convert(src: PathLike, dst: PathLike, *, format: str | None = None,
     if same_place(src, dst):
         raise InputError("source and destination are the same file", file=dst,
                          fix="convert into another path")
+    if target != 'orbax':  # its writer refuses a URL first, and anything but an orbax step
+        refuse_replacing_other_files(dst, "converting")
     reader = get_format(source)
     tree, meta = _read_with_metadata(reader, src)
     if namespaces is not None:
@@ -382,6 +392,36 @@ def convert(src: PathLike, dst: PathLike, *, format: str | None = None,
         tree = {ns: nest_dotted(sub, src) for ns, sub in tree.items()}
     _write_converted(reader, src, fmt, tree, meta, dst)
     return source, target
+
+
+def refuse_replacing_other_files(dst: str, what: str) -> None:
+    """Refuse to write over something at `dst` that is not a checkpoint jckpt reads (a text
+    file, a directory of other files): replacing a checkpoint is what a conversion or an
+    overwrite means, deleting a user's other file never is, whatever the options.
+
+    A FIFO, device or socket is left to `publish.refuse_special`, which never opens it.
+
+    >>> refuse_replacing_other_files('no/such/file.jckpt', 'converting')  # nothing there
+    """
+    backend = backend_for(dst)
+    local = backend is LOCAL
+    if not occupied(dst) or (local and not (os.path.isdir(dst) or os.path.isfile(dst))):
+        return
+    try:
+        detect_format(dst)
+        return
+    except FormatError as e:
+        why = e.message
+    if backend.isdir(dst):
+        count = len(backend.list(dst))
+        if not count:
+            return  # nothing to lose: the writer fills it (orbax) or says it is in the way
+        there = f"a directory of {count} other entr{'y' if count == 1 else 'ies'}"
+    else:
+        there = "a file of another kind" + (f" ({os.path.getsize(dst)} bytes)" if local else "")
+    raise InputError(f"{what} would replace {there}, not a checkpoint ({why})", file=dst,
+                     fix="choose another destination; jckpt never deletes what is not a checkpoint "
+                         "(move or remove it yourself if it is no longer needed)")
 
 
 def _only(tree: dict[str, Any], namespaces: str | Collection[str], src: str) -> dict[str, Any]:
@@ -430,5 +470,5 @@ register_directory_reader('orbax', claims=_claims_orbax, open=_open_orbax)
 
 
 __all__ = ['Format', 'convert', 'detect_format', 'format_for_destination', 'formats',
-           'get_format', 'holding', 'map_file', 'read', 'read_with_metadata', 'register_format',
-           'write']
+           'get_format', 'holding', 'map_file', 'read', 'read_with_metadata',
+           'refuse_replacing_other_files', 'register_format', 'write']

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import reprlib
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ from jckpt.errors import InputError, MismatchError
 from jckpt.format import precs
 from jckpt.format.entries import Entry
 from jckpt.format.payload import stored_dtype
+from jckpt.storage.lazy import LazyArray
 from jckpt.trees import sharding, to_host
 
 
@@ -123,9 +125,11 @@ def as_stored_for(array: Any, entry: Entry, leaf: Any, want_dtype: Any, path: st
     if type(leaf) in _PYTHON_KINDS and not cast and entry.key_impl is None:
         _check_python_kind(array.dtype, leaf, path, where)
     if want_dtype is not None and entry.key_impl is None and stored_dtype(want_dtype) != array.dtype:
-        if cast:
-            return sharding.as_lazy(array).astype(want_dtype)  # cast per shard, as read
-        if getattr(leaf, 'weak_type', False) and _kind(array.dtype) == _kind(want_dtype):
+        if cast:  # per shard, as read
+            lazy, dtype = sharding.as_lazy(array), np.dtype(want_dtype)
+            return LazyArray(lazy.shape, dtype,
+                             lambda box: cast_values(lazy.read(box), dtype, path, where))
+        if getattr(leaf, 'weak_type', False) and _takes_kind(_kind(want_dtype), _kind(array.dtype)):
             return _exactly(array, np.dtype(want_dtype), path, where)
         raise MismatchError(f"dtype mismatch: file has {array.dtype}, target has "
                             f"{np.dtype(want_dtype)}", file=path, entry=where,
@@ -175,16 +179,59 @@ def _kind(dtype: Any) -> str | None:
 _PYTHON_KINDS = {bool: 0, int: 1, float: 2, complex: 3}
 
 
+def _takes_kind(target: str | None, stored: str | None) -> bool:
+    """Whether a number target of kind `target` (a Python number, or a weakly typed value
+    standing for one) takes a stored value of kind `stored`: its own, or a narrower one (a
+    stored int fills a float target, never the reverse).
+
+    >>> _takes_kind('floating', 'integer'), _takes_kind('integer', 'floating')
+    (True, False)
+    """
+    names = [name for name, _ in _KINDS]
+    return target in names and stored in names and names.index(stored) <= names.index(target)
+
+
 def _check_python_kind(dtype: Any, leaf: Any, path: str, where: str) -> None:
     """Refuse a stored value a Python number target would narrow (a float into an `int`)."""
-    stored = [name for name, _ in _KINDS].index(_kind(dtype)) if _kind(dtype) else None
-    if stored is not None and stored > _PYTHON_KINDS[type(leaf)]:
-        kind = list(_PYTHON_KINDS)[stored].__name__
+    stored = _kind(dtype)
+    if stored is not None and not _takes_kind(_KINDS[_PYTHON_KINDS[type(leaf)]][0], stored):
+        kind = list(_PYTHON_KINDS)[[name for name, _ in _KINDS].index(stored)].__name__
         raise MismatchError(f"dtype mismatch: file has {np.dtype(dtype)}, the target is the "
                             f"Python {type(leaf).__name__} {leaf!r}", file=path, entry=where,
                             fix=f"make the target leaf a {kind} (or a spec of dtype "
                                 f"{np.dtype(dtype)}), or pass cast=True to convert (the value "
                                 "changes)")
+
+
+def cast_values(values: np.ndarray, dtype: np.dtype, path: str, where: str) -> np.ndarray:
+    """`values` converted to `dtype` for `cast=True`, as JAX's `astype` converts them: a
+    float into an integer dtype is truncated and saturates (NaN becomes 0, 1e10 the dtype's
+    largest value), where numpy's cast gives values that depend on the machine.
+
+    A value the target's dtype cannot hold (NaN or out of range into an integer, finite into
+    inf for a narrower float) is a warning naming the entry and the first such value, not
+    numpy's bare `RuntimeWarning`: the restore goes on, as `cast=True` asked.
+
+    >>> cast_values(np.array([1.5, np.nan, 300.0]), np.dtype(np.int8), 'a.jckpt', 'jckpt/x')
+    array([  1,   0, 127], dtype=int8)
+    """
+    with np.errstate(all='ignore'):
+        if _kind(dtype) == 'integer' and _kind(values.dtype) == 'floating':
+            info = jax.numpy.iinfo(dtype)
+            wide = np.trunc(values.astype(np.float64))
+            lost = np.isnan(wide) | (wide < info.min) | (wide >= float(info.max) + 1)
+            out = np.clip(np.nan_to_num(wide, nan=0.0), info.min, info.max).astype(dtype)
+            out[wide >= info.max] = info.max  # float64 rounds int64's largest up, past it
+        else:
+            out = values.astype(dtype)
+            lost = (np.isfinite(values) & ~np.isfinite(out) if _kind(dtype) == 'floating'
+                    and _kind(values.dtype) == 'floating' else np.zeros(values.shape, bool))
+    if np.any(lost):
+        warnings.warn(f"{path}: entry {where}: cast=True converted {int(np.sum(lost))} value(s) "
+                      f"that {dtype} cannot hold as JAX's astype does (the first: "
+                      f"{values[lost].flat[0].item()!r} became {out[lost].flat[0].item()!r}); "
+                      f"restore into a target of a wider dtype to keep them", stacklevel=2)
+    return out
 
 
 def _exactly(array: Any, dtype: np.dtype, path: str, where: str) -> np.ndarray:

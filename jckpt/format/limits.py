@@ -90,8 +90,13 @@ def check_shape(shape: Any, itemsize: int) -> tuple[int, ...]:
 
 
 def check_alignment(alignment: Any, file: str | None = None) -> int:
-    """`alignment` as an int when a reader accepts it (1 to `MAX_ALIGNMENT`; numpy integers
-    too, `bool` not); `InputError` naming `file` otherwise: the one check of every writer.
+    """`alignment` as an int when a writer accepts it: a power of two from 1 to
+    `MAX_ALIGNMENT` (numpy integers too, `bool` not); `InputError` naming `file` otherwise.
+
+    The format lets a reader take any alignment from 1 up (a file OCANNL or an old jckpt
+    wrote with 3 still reads), but a writer's alignment exists to put payloads at addresses
+    the hardware likes, which only a power of two does: 3 or 48 is a typo, not a choice.
+    The one check of every writer.
 
     >>> check_alignment(64)
     64
@@ -100,10 +105,10 @@ def check_alignment(alignment: Any, file: str | None = None) -> int:
         value = None if isinstance(alignment, bool) else operator.index(alignment)
     except TypeError:
         value = None
-    if value is None or not 1 <= value <= MAX_ALIGNMENT:
-        raise InputError(f"alignment must be a positive integer up to {MAX_ALIGNMENT}, "
+    if value is None or not 1 <= value <= MAX_ALIGNMENT or value & (value - 1):
+        raise InputError(f"alignment must be a power of two from 1 to {MAX_ALIGNMENT}, "
                          f"not {alignment!r}", file=file,
-                         fix="use a power of two such as 32 (the default) or 4096")
+                         fix="use a power of two such as 32 (the default), 64 or 4096")
     return value
 
 

@@ -47,8 +47,24 @@ def check_metadata(metadata: Mapping[str, str] | None, file: str | None = None) 
         if k.startswith(RESERVED_PREFIX):
             raise InputError(f"metadata key {k!r} is reserved", file=file,
                              fix=f"use a key that does not start with {RESERVED_PREFIX!r}")
+        _check_utf8(k, v, file)
         out[k] = v
     return out
+
+
+def _check_utf8(key: str, value: str, file: str | None) -> None:
+    """Refuse a key or value no UTF-8 text holds (a lone surrogate, as `os.fsdecode` makes of
+    a file name's undecodable byte): no header can hold it, and a manager's or mirror's save,
+    which writes later in the background, would fail there instead of at the call."""
+    for what, text in (('key', key), ('value', value)):
+        try:
+            text.encode('utf-8')
+        except UnicodeEncodeError:
+            shown = key.encode('utf-8', 'backslashreplace').decode()
+            raise InputError(f"the {what} of metadata key {shown!r:.60} holds a lone surrogate, "
+                             "which no UTF-8 text, and so no header, can hold", file=file,
+                             fix="drop the character, or store the text encoded "
+                                 "(text.encode('utf-8', 'surrogateescape').hex())") from None
 
 
 def parse_metrics(text: str | None) -> dict[str, float] | None:

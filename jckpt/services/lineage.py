@@ -84,6 +84,12 @@ def check_name(lineage: str | None, file: str) -> None:
     """Refuse a lineage name that is not a non-empty string (`None`: choose one)."""
     if lineage is not None and (not isinstance(lineage, str) or not lineage):
         raise InputError(f"lineage must be a non-empty string, not {lineage!r}", file=file)
+    try:  # written to every file's header, in the background: refused here, at the call
+        (lineage or '').encode('utf-8')
+    except UnicodeEncodeError:
+        raise InputError(f"lineage {lineage!r:.60} holds a lone surrogate, which no UTF-8 text, "
+                         "and so no header, can hold", file=file,
+                         fix="name the lineage in plain text") from None
 
 
 def open_lineage(found: Mapping[str, str] | None, *, file: str, lineage: str | None,

@@ -131,8 +131,8 @@ class Mirror(BackgroundWriter[None]):
         """
         trees = {self.ctx.namespace: tree}
         meta = {**check_metadata(metadata, self.path), **empty_nodes_metadata(trees)}
-        leaves = namespace_leaves(trees)
         with naming_file(self.path):  # a leaf's error names the file too
+            leaves = namespace_leaves(trees)
             return self._admit(leaves, meta, None, timeout)
 
     def __repr__(self) -> str:

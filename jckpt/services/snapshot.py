@@ -29,9 +29,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jckpt.api.context import Context
+from jckpt.errors import InputError
 from jckpt.format import payload as payload_mod
 from jckpt.format._gc import paused
-from jckpt.format.entries import Entry, KeyPath, entry_for
+from jckpt.format.entries import Entry, KeyPath, entry_for, path_name
 from jckpt.format.fastpath import accelerator
 from jckpt.format.names import EMPTY_NODES_KEY, RESERVED_PREFIX
 from jckpt.storage.writer import ArraySource
@@ -63,7 +64,29 @@ def namespace_leaves(trees: Mapping[str, Any]) -> list[Leaf]:
     for namespace, tree in trees.items():
         Context(namespace=namespace)  # validates the name
         leaves.extend((namespace, p, leaf) for p, leaf in tree_mod.flatten(tree))
+    _check_text(leaves)
     return leaves
+
+
+def _check_text(leaves: Sequence[Leaf]) -> None:
+    """Refuse a key no UTF-8 text holds (a lone surrogate, `os.fsdecode`'s of a bad byte) when
+    the tree is given: a mirror or manager writes in the background, where the header's
+    encoding would fail, the call long returned."""
+    def keys(path: KeyPath) -> str:
+        return '\n'.join(str(v) for _, v in path)
+
+    try:
+        '\n'.join(keys(p) for _, p, _ in leaves).encode('utf-8')  # one pass; the leaf on failure
+    except UnicodeEncodeError:
+        for namespace, path, _ in leaves:
+            try:
+                keys(path).encode('utf-8')
+            except UnicodeEncodeError:
+                shown = f"{namespace}/{path_name(path)}".encode('utf-8', 'backslashreplace')
+                raise InputError("a key of the leaf's path holds a lone surrogate, which no UTF-8 "
+                                 "text, and so no header, can hold", entry=shown.decode(),
+                                 fix="drop the character, or encode the text "
+                                     "(text.encode('utf-8', 'surrogateescape').hex())") from None
 
 
 def empty_nodes_metadata(trees: Mapping[str, Any]) -> dict[str, str]:

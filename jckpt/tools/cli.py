@@ -35,7 +35,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from jckpt.adapters import convert, format_for_destination
+from jckpt.adapters import convert, format_for_destination, refuse_replacing_other_files
 from jckpt.api.progress import bar
 from jckpt.errors import CheckpointError, FormatError, InputError
 from jckpt.format import strict_json
@@ -130,6 +130,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if kind.name == UNKNOWN and kind.detail != FORMAT_STEP and kind.error is not None:
         raise kind.error  # what inspect says of it, not detect_format's "pass format=", no flag
     same = same_place(src, dst)
+    if not same:
+        refuse_replacing_other_files(dst, "converting")
     if occupied(dst) and not (same or args.overwrite):
         raise InputError("converting would replace an existing checkpoint", file=dst,
                          fix="choose another destination, or pass --overwrite")

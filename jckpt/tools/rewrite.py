@@ -34,6 +34,7 @@ import os
 import shlex
 from collections.abc import Sequence
 
+from jckpt.adapters import refuse_replacing_other_files
 from jckpt.api import progress as progress_mod
 from jckpt.errors import ChecksumError, ClashError, FormatError, InputError
 from jckpt.format.entries import check_prefix
@@ -131,6 +132,8 @@ def relayout(src: str | os.PathLike, dst: str | os.PathLike, *, alignment: int |
     reader = _open_whole(src)
     alignment = None if alignment is None else check_alignment(alignment, dst)
     same = same_place(src, dst)
+    if not same:
+        refuse_replacing_other_files(dst, "writing the re-laid-out file")
     if not (overwrite or same):
         _refuse_existing(dst, "writing the re-laid-out file", "overwrite=True (--overwrite)")
     if verify:

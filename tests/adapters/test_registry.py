@@ -357,3 +357,21 @@ def test_a_format_read_once_for_tree_and_metadata(tmp_path, clean_registry):
     jckpt.register_format('twice', read=lambda p: {'jckpt': {'w': np.ones(1)}},
                           read_metadata=lambda p: {'run': 'b'})
     assert adapters.read_with_metadata(tmp_path / 'a.once', 'twice')[1] == {'run': 'b'}
+
+
+def test_convert_never_replaces_a_file_that_is_not_a_checkpoint(tmp_path):
+    # it wrote over it: convert replaces its destination, which must be a checkpoint
+    np.savez(tmp_path / 'w.npz', w=np.zeros(3))
+    notes = tmp_path / 'notes.txt'
+    notes.write_text('hi')
+    with pytest.raises(InputError, match=r'converting would replace a file of another kind') as e:
+        jckpt.convert(tmp_path / 'w.npz', notes, format='jckpt')
+    assert e.value.file == str(notes) and 'another destination' in e.value.fix
+    assert notes.read_text() == 'hi'
+    (tmp_path / 'd').mkdir()
+    (tmp_path / 'd' / 'a.txt').write_text('a')
+    (tmp_path / 'd' / 'b.txt').write_text('b')
+    with pytest.raises(InputError, match='a directory of 2 other entries, not a checkpoint'):
+        jckpt.convert(tmp_path / 'w.npz', tmp_path / 'd', format='jckpt')
+    jckpt.convert(tmp_path / 'w.npz', tmp_path / 'w.jckpt')
+    assert jckpt.convert(tmp_path / 'w.npz', tmp_path / 'w.jckpt') == ('npz', 'jckpt')  # replaced

@@ -29,10 +29,10 @@ def test_replace_returns_a_new_context_and_validates():
     assert (ctx.namespace, ctx.host) == ("jckpt", False)
     with pytest.raises(InputError, match="invalid namespace"):
         ctx.replace(namespace="no-dash")
-    with pytest.raises(InputError, match="alignment must be a positive integer"):
+    with pytest.raises(InputError, match="alignment must be a power of two"):
         ctx.replace(alignment=0)
     for bad in (True, 1 << 25, 64.0, "64"):
-        with pytest.raises(InputError, match="alignment must be a positive integer"):
+        with pytest.raises(InputError, match="alignment must be a power of two"):
             ctx.replace(alignment=bad)
     assert type(ctx.replace(alignment=np.int64(128)).alignment) is int  # numpy's ints are ints
     with pytest.raises(InputError):

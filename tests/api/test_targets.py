@@ -167,3 +167,51 @@ def test_a_target_leaf_no_file_stores_is_named_as_such_whether_stored_or_not(tmp
     with pytest.raises(jckpt.InputError, match="target leaf of type str") as e:
         takes(entry("float32", (2,)), "w")  # one the file has an entry for
     assert e.value.entry == "jckpt/x" and e.value.file == "f.jckpt"
+
+
+def test_cast_into_a_narrow_int_saturates_and_names_the_entry(tmp_path):
+    # numpy's own cast let a bare RuntimeWarning out and gave machine-dependent values
+    import warnings
+
+    import ml_dtypes
+    path = str(tmp_path / 'f.jckpt')
+    stored = np.array([1.9, np.nan, 1e10, -1e10, -3.0], np.float32)
+    jckpt.save(jckpt.Context(durable=False), {'a': stored}, path)
+    for target, want in ((jnp.zeros(5, jnp.int4), [1, 0, 7, -8, -3]),
+                         (np.zeros(5, ml_dtypes.int4), [1, 0, 7, -8, -3]),
+                         (np.zeros(5, np.uint8), [1, 0, 255, 0, 0])):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter('always')
+            got = jckpt.restore(jckpt.Context(), {'a': target}, path, cast=True)['a']
+        assert np.asarray(got).astype(int).tolist() == want
+        assert [type(w.message) for w in seen] == [UserWarning]
+        assert 'jckpt/a' in str(seen[0].message) and 'nan became 0' in str(seen[0].message)
+    assert np.asarray(jnp.asarray(stored).astype(jnp.int4)).astype(int).tolist() == [1, 0, 7, -8, -3]
+
+
+def test_cast_values_keeps_int64_saturated_and_is_quiet_when_all_fit():
+    big = np.array([2.0**63, -2.0**63, 5.0])
+    with pytest.warns(UserWarning, match='1 value'):
+        out = targets.cast_values(big, np.dtype(np.int64), 'a.jckpt', 'jckpt/x')
+    assert out.tolist() == [2**63 - 1, -2**63, 5]
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        assert targets.cast_values(np.arange(3.0), np.dtype(np.int8), 'a', 'b').tolist() == [0, 1, 2]
+
+
+def test_a_weakly_typed_float_target_takes_a_stored_int_as_a_python_float_does(tmp_path):
+    # a weak float32 (jnp.asarray(1.0)) refused the stored int a Python 0.0 took
+    path = str(tmp_path / 'n.jckpt')
+    jckpt.save(jckpt.Context(durable=False), {'step': 3, 'flag': True, 'big': 2**53 + 1}, path)
+    ctx = jckpt.Context()
+    for target in (jnp.asarray(1.0), jax.ShapeDtypeStruct((), jnp.float32, weak_type=True)):
+        got = jckpt.restore(ctx, {'step': target, 'flag': target}, path)
+        assert (got['step'].dtype, float(got['step']), float(got['flag'])) == (jnp.float32, 3.0, 1.0)
+        assert got['step'].weak_type
+        with pytest.raises(jckpt.MismatchError, match='does not fit'):  # float32 rounds it
+            jckpt.restore(ctx, {'big': target}, path)
+    assert jckpt.restore(ctx, {'step': 0.0}, path)['step'] == 3.0
+    with pytest.raises(jckpt.MismatchError):  # never the reverse: a float into a weak int
+        jckpt.save(ctx, {'x': 2.5}, path)
+        jckpt.restore(ctx, {'x': jnp.asarray(1)}, path)

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from jckpt.errors import InputError
 from jckpt.format import limits
 from tests.helpers import peak_bytes
 
@@ -124,3 +125,16 @@ def test_escaped_quotes_and_backslash_runs_across_chunks_are_told(text):
 
     assert limits.json_top_keys(text) == len(json.loads(text))
     assert limits.json_depth(text) == 2 if '{"b"' in text else True
+
+
+@pytest.mark.parametrize('alignment', [1, 2, 32, 64, 4096, np.int64(128), limits.MAX_ALIGNMENT])
+def test_writers_take_powers_of_two(alignment):
+    assert limits.check_alignment(alignment) == alignment
+
+
+@pytest.mark.parametrize('alignment', [3, 48, 100, 0, -1, limits.MAX_ALIGNMENT * 2, True, '8'])
+def test_writers_refuse_alignments_that_are_not_powers_of_two(alignment):
+    # the format reads any alignment from 1 up; a writer only makes ones that align something
+    with pytest.raises(InputError, match='power of two') as e:
+        limits.check_alignment(alignment, 'a.jckpt')
+    assert e.value.file == 'a.jckpt' and 'such as 32' in e.value.fix

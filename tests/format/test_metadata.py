@@ -113,3 +113,11 @@ def test_many_recorded_empty_nodes_merge_in_one_pass():
     other = json.dumps({"a": [[["k", "x"], ["k", "y"]]]})
     merged = json.loads(merged_empty_nodes([text, other]))
     assert len(merged["a"]) == 20_001 and [["k", "x"]] not in merged["a"]
+
+
+@pytest.mark.parametrize('metadata, what', [({'run': 'a\udcff'}, 'value'), ({'r\udcffn': 'a'}, 'key')])
+def test_a_lone_surrogate_in_metadata_is_refused_naming_the_key(metadata, what):
+    # what os.fsdecode makes of a file name's undecodable byte: no header can hold it
+    with pytest.raises(InputError, match=f"the {what} of metadata key 'r") as e:
+        check_metadata(metadata, 'a.jckpt')
+    assert e.value.file == 'a.jckpt' and 'surrogateescape' in e.value.fix

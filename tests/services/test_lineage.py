@@ -86,3 +86,13 @@ def test_the_mirror_and_the_manager_refuse_the_same_foreign_checkpoint(tmp_path)
         pass
     with jckpt.CheckpointManager(tmp_path / "steps", new_lineage=True):
         pass
+
+
+def test_a_lineage_with_a_lone_surrogate_is_refused_when_the_writer_opens(tmp_path):
+    # it was accepted, and every write then failed in the background
+    name = 'run-' + '\udcff'
+    with pytest.raises(jckpt.InputError, match='lineage .* lone surrogate') as e:
+        jckpt.Mirror(tmp_path / 'm.jckpt', lineage=name)
+    assert e.value.file == str(tmp_path / 'm.jckpt')
+    with pytest.raises(jckpt.InputError, match='lone surrogate'):
+        jckpt.CheckpointManager(tmp_path / 'run', lineage=name)

@@ -527,3 +527,24 @@ def test_a_failed_local_deletion_keeps_the_step_listed_and_the_next_save_deletes
         mgr.save(3, state_at(3))
         assert mgr.all_steps() == [3]
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step_")) == [step_name(3)]
+
+
+def test_a_lone_surrogate_in_metadata_is_refused_at_save(tmp_path):
+    """It was accepted, and the step failed later in the background with no key named."""
+    with jckpt.CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(jckpt.InputError, match="the key of metadata key 'x"):
+            mgr.save(1, {'a': np.ones(2)}, metadata={os.fsdecode(b'x\xff'): 'v'}, force=True)
+        assert mgr.save(2, {'a': np.ones(2)}, metadata={'x': 'v'}, force=True)
+    with jckpt.CheckpointManager(tmp_path) as mgr:
+        assert mgr.all_steps() == [2]
+
+
+def test_a_lone_surrogate_in_a_tree_key_is_refused_at_save(tmp_path):
+    """save returned, and the background write failed at the next call or at close."""
+    with jckpt.CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(jckpt.InputError, match='lone surrogate') as e:
+            mgr.save(1, {os.fsdecode(b'w\xff'): np.ones(2)}, force=True)
+        assert e.value.entry == 'jckpt/w\\udcff' and 'step_00000001' in e.value.file
+        assert mgr.save(2, {'w': np.ones(2)}, force=True)
+    with jckpt.CheckpointManager(tmp_path) as mgr:
+        assert mgr.all_steps() == [2]

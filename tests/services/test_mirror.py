@@ -534,3 +534,23 @@ def test_a_given_up_write_says_its_snapshot_is_kept_and_close_that_it_is_lost(tm
     with pytest.raises(jckpt.StorageError) as info:
         m.close()  # its last attempt: the snapshot is not kept after it
     assert info.value.fix == "free disk space, then save again"
+
+
+def test_a_lone_surrogate_in_metadata_is_refused_at_submit(tmp_path):
+    """It was accepted, and the background write failed later with no key named."""
+    path = str(tmp_path / 'm.jckpt')
+    with jckpt.Mirror(path) as m:
+        with pytest.raises(jckpt.InputError, match="the value of metadata key 'src'") as e:
+            m.submit({'a': np.ones(2)}, metadata={'src': os.fsdecode(b'data\xff')})
+        assert e.value.file == path
+        m.submit({'a': np.ones(2)}, metadata={'src': 'data'})
+    assert jckpt.restore(jckpt.Context(), {'a': np.zeros(2)}, path)['a'].tolist() == [1.0, 1.0]
+
+
+def test_a_lone_surrogate_in_a_tree_key_is_refused_at_submit(tmp_path):
+    path = str(tmp_path / 'm.jckpt')
+    with jckpt.Mirror(path) as m:
+        with pytest.raises(jckpt.InputError, match='lone surrogate') as e:
+            m.submit({'a': {os.fsdecode(b'b\xff'): np.ones(2)}})
+        assert e.value.file == path and e.value.entry.startswith('jckpt/a')
+        m.submit({'a': np.ones(2)})

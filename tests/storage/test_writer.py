@@ -402,3 +402,15 @@ def test_a_durable_write_starts_the_disk_behind_each_mib(tmp_path, monkeypatch, 
     assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(kicks))  # back to back, in order
     assert kicks[-1][0] + kicks[-1][1] <= (tmp_path / 'w.jckpt').stat().st_size
     assert CheckpointReader(tmp_path / 'w.jckpt').verify() == []
+
+
+def test_a_file_laid_out_at_an_odd_alignment_still_reads(tmp_path):
+    # writers refuse alignment=3 (check_alignment), but the format allows it: OCANNL may write it
+    arrays = {'a': np.arange(5, dtype=np.uint8), 'b': np.arange(3.0)}
+    path = str(tmp_path / 'odd.jckpt')
+    header = header_of(arrays, alignment=3)
+    assert [e.offset for e in header.tensors] == [0, 6]
+    write_checkpoint(path, header, [ArraySource(x) for x in arrays.values()], durable=False)
+    reader = CheckpointReader(path)
+    assert reader.header.alignment == 3 and reader.verify() == []
+    assert all(np.array_equal(reader.decode(e), x) for e, x in zip(reader.header.tensors, arrays.values()))

@@ -147,8 +147,9 @@ def test_weak_target_takes_a_stored_value_only_when_it_fits(tmp_path):
     assert "cast=True" in e.value.fix and "int64" in e.value.fix
     with pytest.raises(MismatchError, match=r"jckpt/huge.*1e\+300 does not fit .* weakly typed float32"):
         jckpt.restore(CTX, {"huge": weak["huge"]}, path)  # never overflowed silently
-    with pytest.raises(MismatchError, match=r"jckpt/flag: dtype mismatch: file has int64"):
-        jckpt.restore(CTX, {"flag": weak["flag"]}, path)  # another kind: not taken
+    assert float(jckpt.restore(CTX, {"flag": weak["flag"]}, path)["flag"]) == 1.0  # as 0.0 takes it
+    with pytest.raises(MismatchError, match=r"jckpt/half: dtype mismatch: file has float64"):
+        jckpt.restore(CTX, {"half": weak["step"]}, path)  # a wider kind: never narrowed
     with pytest.raises(MismatchError, match="dtype mismatch"):  # a strongly typed target refuses
         jckpt.restore(CTX, {"step": jax.ShapeDtypeStruct((), jnp.int32)}, path)
     assert float(jckpt.restore(CTX, {"huge": weak["huge"]}, path, cast=True)["huge"]) == np.inf

@@ -666,7 +666,7 @@ def test_convert_keeps_an_existing_destination_at_a_url(tmp_path, model, cli):
         assert cli('convert', model, dst, '--overwrite').returncode == 0
         assert 'keep' not in str(jckpt.adapters.read(dst))
     local = tmp_path / 'local.npz'
-    local.write_bytes(b'old')
+    np.savez(local, old=np.zeros(2))  # a checkpoint: --overwrite replaces it, not a file of text
     assert cli('convert', 'memory://cli-convert/keep.npz', local).returncode == 2
     p = cli('convert', 'memory://cli-convert/keep.npz', local, '--overwrite')
     assert p.returncode == 0, p.stderr
@@ -774,3 +774,22 @@ def test_convert_of_no_checkpoint_says_what_inspect_says(tmp_path, cli):
         assert r.returncode == 2 and 'format=' not in r.stderr, r
         assert r.stderr == cli('inspect', src).stderr
     assert sorted(os.listdir(tmp_path)) == ['empty', 'junk.bin']
+
+
+def test_convert_never_replaces_what_is_not_a_checkpoint(tmp_path, model, cli):
+    """A text file or a directory of other files at the destination was called "an existing
+    checkpoint", and `--overwrite` deleted it."""
+    notes = tmp_path / 'notes.npz'
+    notes.write_text('my notes')
+    folder = tmp_path / 'out.jckpt'
+    folder.mkdir()
+    (folder / 'a.txt').write_text('kept')
+    for dst, there in ((notes, 'a file of another kind (8 bytes)'),
+                       (folder, 'a directory of 1 other entry')):
+        for extra in ((), ('--overwrite',)):
+            p = cli('convert', model, dst, *extra)
+            assert p.returncode == 2 and f'would replace {there}, not a checkpoint' in p.stderr
+            assert 'never deletes' in p.stderr
+    assert notes.read_text() == 'my notes' and (folder / 'a.txt').read_text() == 'kept'
+    assert cli('convert', model, tmp_path / 'm.npz').returncode == 0  # a checkpoint is replaced
+    assert cli('convert', model, tmp_path / 'm.npz', '--overwrite').returncode == 0

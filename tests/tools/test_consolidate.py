@@ -82,7 +82,7 @@ def test_alignment(tmp_path, alignment):
 def test_an_alignment_no_reader_accepts_is_refused(tmp_path, alignment):
     """0 and -5 were written: a file describe refused and verify called damaged."""
     d = write_directory(tmp_path / 'ckpt', {'w': np.arange(12.0)}, processes=2)
-    with pytest.raises(InputError, match='alignment must be a positive integer') as e:
+    with pytest.raises(InputError, match='alignment must be a power of two') as e:
         consolidate(d, tmp_path / 'one.jckpt', alignment=alignment)
     assert e.value.file == str(tmp_path / 'one.jckpt') and e.value.fix
     assert not (tmp_path / 'one.jckpt').exists()

@@ -80,7 +80,7 @@ def test_relayout_refuses_to_replace_another_file(tmp_path):
 @pytest.mark.parametrize('alignment', [0, -32, 1.5, '64'])
 def test_relayout_refuses_a_bad_alignment(tmp_path, alignment):
     src = write_arrays(tmp_path / 'a.jckpt', {'x': np.arange(3.0)})
-    with pytest.raises(InputError, match='alignment must be a positive integer'):
+    with pytest.raises(InputError, match='alignment must be a power of two'):
         relayout(src, tmp_path / 'b.jckpt', alignment=alignment)
     assert not (tmp_path / 'b.jckpt').exists()
 
@@ -260,7 +260,7 @@ def test_merge_alignment(tmp_path):
     ([[]], {}, 'nothing to merge: no input files given'),
     ([['A'], ['p', 'q']], {}, '2 prefixes for 1 inputs'),
     ([['A'], ['not-valid']], {}, "invalid namespace prefix 'not-valid'"),
-    ([['A']], {'alignment': 0}, 'alignment must be a positive integer'),
+    ([['A']], {'alignment': 0}, 'alignment must be a power of two'),
 ])
 def test_merge_refuses_bad_arguments_before_writing(tmp_path, args, kwargs, match):
     a = write_arrays(tmp_path / 'a.jckpt', {'x': np.ones(1)})
