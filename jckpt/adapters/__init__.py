@@ -48,12 +48,11 @@ from jckpt.adapters._common import held_bytes, holding, map_file, nest_dotted
 from jckpt.errors import FormatError, InputError, MissingEntryError
 from jckpt.format.names import STEP_RE, is_format_step
 from jckpt.storage.backend import (
-    LOCAL,
     backend_for,
     checked_path,
     is_url,
-    occupied,
     refuse_file_as_folder,
+    refuse_foreign,
     same_place,
 )
 from jckpt.storage.checkpoint import register_directory_reader
@@ -395,33 +394,21 @@ def convert(src: PathLike, dst: PathLike, *, format: str | None = None,
 
 
 def refuse_replacing_other_files(dst: str, what: str) -> None:
-    """Refuse to write over something at `dst` that is not a checkpoint jckpt reads (a text
-    file, a directory of other files): replacing a checkpoint is what a conversion or an
-    overwrite means, deleting a user's other file never is, whatever the options.
-
-    A FIFO, device or socket is left to `publish.refuse_special`, which never opens it.
+    """`refuse_foreign` with every format jckpt reads counted a checkpoint (`detect_format`):
+    a conversion, a re-layout or a merge replaces a checkpoint, never a text file, a folder of
+    other files or a manager's run.
 
     >>> refuse_replacing_other_files('no/such/file.jckpt', 'converting')  # nothing there
     """
-    backend = backend_for(dst)
-    local = backend is LOCAL
-    if not occupied(dst) or (local and not (os.path.isdir(dst) or os.path.isfile(dst))):
-        return
+    refuse_foreign(dst, what, _is_checkpoint)
+
+
+def _is_checkpoint(path: str) -> bool:
     try:
-        detect_format(dst)
-        return
-    except FormatError as e:
-        why = e.message
-    if backend.isdir(dst):
-        count = len(backend.list(dst))
-        if not count:
-            return  # nothing to lose: the writer fills it (orbax) or says it is in the way
-        there = f"a directory of {count} other entr{'y' if count == 1 else 'ies'}"
-    else:
-        there = "a file of another kind" + (f" ({os.path.getsize(dst)} bytes)" if local else "")
-    raise InputError(f"{what} would replace {there}, not a checkpoint ({why})", file=dst,
-                     fix="choose another destination; jckpt never deletes what is not a checkpoint "
-                         "(move or remove it yourself if it is no longer needed)")
+        detect_format(path)
+    except FormatError:
+        return False
+    return True
 
 
 def _only(tree: dict[str, Any], namespaces: str | Collection[str], src: str) -> dict[str, Any]:

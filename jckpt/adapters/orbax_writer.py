@@ -27,7 +27,8 @@ from jckpt.adapters import orbax
 from jckpt.adapters._common import abstract_items, check_namespaced, flat_names, host_items
 from jckpt.errors import InputError
 from jckpt.format.header import path_name
-from jckpt.storage.backend import LOCAL, backend_for
+from jckpt.storage.backend import LOCAL, backend_for, refuse_foreign
+from jckpt.storage.publish import refuse_special, storage_error
 
 
 def write(tree: Any, path: str) -> None:
@@ -36,13 +37,7 @@ def write(tree: Any, path: str) -> None:
     The directory is built beside `path` and renamed into place; an
     existing directory at `path` is replaced only after the new one is complete.
     """
-    if backend_for(os.fspath(path)) is not LOCAL:  # before abspath, which made the URL a path
-        raise InputError("orbax checkpoints are written to a local directory, not an object "
-                         "store", file=os.fspath(path),
-                         fix="write a local directory, then upload it (gcloud storage cp -r DIR "
-                             "URL, or aws s3 cp --recursive DIR URL); or convert to a .jckpt URL")
-    path = os.path.abspath(os.fspath(path))
-    _refuse_replacing_other_files(path)
+    path = check_destination(path)
     tree = _without_empty_items(check_namespaced(tree, path), path)
     check(tree, path)
     host_items(tree, path)  # refuse unstorable leaves before writing anything
@@ -69,31 +64,30 @@ def write(tree: Any, path: str) -> None:
     except Exception as e:
         shutil.rmtree(staging, ignore_errors=True)
         if isinstance(e, OSError):
-            from jckpt.storage.publish import storage_error
             raise storage_error(e, "writing the orbax checkpoint", path) from e
         raise InputError(f"orbax could not save the tree ({type(e).__name__}: {str(e)[:300]})",
                          file=path, fix="cast leaves to dtypes orbax stores") from None
 
 
-def _refuse_replacing_other_files(path: str) -> None:
-    """Refuse a destination directory the export would delete that is not one orbax checkpoint
-    (a user's folder, a manager's run of many steps): replacing it lost every file in it."""
-    try:
-        names = sorted(os.listdir(path))
-    except FileNotFoundError:
-        return
-    except NotADirectoryError:  # a file or a FIFO: found only once the whole export was made
-        raise InputError("is a file, not a directory: an orbax export is a directory, which "
-                         "would replace it", file=path,
-                         fix="write to a new directory, or remove the file first") from None
-    except OSError as e:
-        from jckpt.storage.publish import storage_error
-        raise storage_error(e, "listing the destination", path) from e
-    if names and not orbax.is_one_checkpoint(path):
-        shown = ', '.join(names[:3]) + (', ...' if len(names) > 3 else '')
-        raise InputError(f"is a directory that is not an orbax checkpoint (it holds {shown}): "
-                         "writing the export there would delete it", file=path,
-                         fix="write to a new directory, or remove this one first")
+def check_destination(path: str | os.PathLike) -> str:
+    """The absolute local path an export to `path` writes, reading nothing; `InputError` for
+    a URL (orbax writes local directories) and for what the export would replace that is not
+    one orbax checkpoint (`refuse_foreign`): a file, a user's folder, a manager's run of many
+    steps. `convert` calls it before reading its source, so a wrong destination fails at once.
+
+    >>> check_destination('s3://bucket/exported')
+    Traceback (most recent call last):
+    jckpt.errors.InputError: s3://bucket/exported: orbax checkpoints are written to a local directory, ...
+    """
+    if backend_for(os.fspath(path)) is not LOCAL:  # before abspath, which made the URL a path
+        raise InputError("orbax checkpoints are written to a local directory, not an object "
+                         "store", file=os.fspath(path),
+                         fix="write a local directory, then upload it (gcloud storage cp -r DIR "
+                             "URL, or aws s3 cp --recursive DIR URL); or convert to a .jckpt URL")
+    path = os.path.abspath(os.fspath(path))
+    refuse_foreign(path, "exporting to orbax", orbax.is_one_checkpoint, kind="an orbax checkpoint")
+    refuse_special(path)
+    return path
 
 
 def _without_empty_items(tree: dict[str, Any], path: str) -> dict[str, Any]:
@@ -191,4 +185,4 @@ def register() -> None:
                     read_with_metadata=orbax.read_with_metadata)
 
 
-__all__ = ['check', 'register', 'write']
+__all__ = ['check', 'check_destination', 'register', 'write']

@@ -32,11 +32,13 @@ import mmap as mmap_mod
 import os
 import re
 import shutil
-from collections.abc import Sequence
+import stat
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 from jckpt.errors import FormatError, InputError
 from jckpt.format.names import INDEX_NAME, is_step_member
+from jckpt.format.sniff import looks_like_header
 from jckpt.storage import object_store
 from jckpt.storage.lease import WriterLease
 from jckpt.storage.object_backend import OBJECT_STORE
@@ -256,29 +258,84 @@ def folder_path_error(path: str, *, saving: bool) -> InputError:
                       "a checkpoint file", file=path, fix=f"read {bare!r}, without the trailing '/'")
 
 
-def refuse_others_files(path: str) -> None:
-    """Refuse to replace the local directory `path` when it holds files no directory
-    checkpoint writes (`is_step_member`): publishing a directory checkpoint swaps the whole
-    directory, so a folder of the user's own files was deleted.
+def foreign_at(path: str, claims: Callable[[str], bool] | None = None, *,
+               kind: str = 'a checkpoint') -> str | None:
+    """What stands at `path` that replacing it would lose, in words; None where nothing would
+    be: nothing there, a symbolic link (replaced, never followed), a FIFO, device or socket
+    (`publish.refuse_special` says so, never opening it), an empty directory, a directory of
+    what a directory checkpoint or a manager's step holds (`is_step_member`), or a checkpoint
+    `claims` recognises (a file, or a directory without a jckpt index; by default a file that
+    starts like a jckpt header). The one test every guard against replacing a user's own
+    files makes (`refuse_foreign`), on a local path or in a bucket.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> foreign_at(d) is None
+    True
+    >>> open(os.path.join(d, 'notes.txt'), 'w').close()
+    >>> foreign_at(d)
+    'a directory holding 1 entry that is no part of a checkpoint (notes.txt)'
+    """
+    backend = backend_for(path)
+    if backend is LOCAL:
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            return None
+        if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+            return None
+    elif not occupied(path):
+        return None
+    if backend.isdir(path):
+        names = backend.list(path)
+        others = [n for n in names if not is_step_member(n)]
+        if not others or (INDEX_NAME not in names and claims is not None and claims(path)):
+            return None
+        shown = ', '.join(others[:3]) + (', ...' if len(others) > 3 else '')
+        one = len(others) == 1
+        return (f"a directory holding {len(others)} entr{'y that is' if one else 'ies that are'} "
+                f"no part of {kind} ({shown})")
+    if (claims or _starts_like_jckpt)(path):
+        return None
+    return f"a file that is not {kind} ({backend.size(path)} bytes)"
+
+
+def _starts_like_jckpt(path: str) -> bool:
+    return looks_like_header(backend_for(path).head(path, 64))
+
+
+#: The fix of every refusal to replace what jckpt did not write (`refuse_foreign`).
+FOREIGN_FIX = ("choose another path, or move what is there out first: jckpt never deletes what "
+               "is not a checkpoint's")
+
+
+def refuse_foreign(path: str, operation: str, claims: Callable[[str], bool] | None = None, *,
+                   kind: str = 'a checkpoint') -> None:
+    """Raise `InputError` naming what is at `path` (`foreign_at`) that `operation` (a save, a
+    conversion, a merge, an export) would replace: replacing a checkpoint is what these
+    operations mean; deleting a user's other files never is, whatever the options.
 
     >>> import tempfile
     >>> d = tempfile.mkdtemp()
     >>> open(os.path.join(d, 'notes.txt'), 'w').close()
-    >>> refuse_others_files(d)
+    >>> refuse_foreign(d, 'merging')
     Traceback (most recent call last):
-    jckpt.errors.InputError: ...: is a directory holding files that are not a checkpoint's (notes.txt): ...
+    jckpt.errors.InputError: ...: merging would replace a directory holding 1 entry that is no part of ...
     """
-    if is_url(path) or not os.path.isdir(path) or os.path.islink(path):
-        return  # a bucket's prefix is no directory swapped whole
-    try:
-        others = sorted(n for n in os.listdir(path) if not is_step_member(n))
-    except OSError as e:
-        raise storage_error(e, "listing the directory", path) from e
-    if others:
-        shown = ', '.join(others[:3]) + (', ...' if len(others) > 3 else '')
-        raise InputError(f"is a directory holding files that are not a checkpoint's ({shown}): "
-                         "saving would replace the directory and delete them", file=path,
-                         fix="save to another path, or move those files out first")
+    there = foreign_at(path, claims, kind=kind)
+    if there is not None:
+        raise InputError(f"{operation} would replace {there}", file=path, fix=FOREIGN_FIX)
+
+
+def refuse_others_files(path: str) -> None:
+    """`refuse_foreign` for a directory checkpoint's save: publishing it locally swaps the
+    whole directory, so a folder of the user's own files, or a note beside the pieces, was
+    deleted. In a bucket a save replaces only its own objects.
+
+    >>> refuse_others_files('no/such/dir.jckpt')  # nothing there
+    """
+    if not is_url(path):
+        refuse_foreign(path, "saving a directory checkpoint")
 
 
 def refuse_file_as_folder(path: str, backend: Backend) -> None:
@@ -421,7 +478,7 @@ def same_place(a: str, b: str) -> bool:
         return False
 
 
-__all__ = ['LOCAL', 'Backend', 'Buffer', 'LocalBackend', 'backend_for', 'folder_path_error',
-           'is_url', 'names_folder', 'occupied', 'open_regular', 'refuse_file_as_folder',
-           'refuse_others_files', 'same_place',
+__all__ = ['FOREIGN_FIX', 'LOCAL', 'Backend', 'Buffer', 'LocalBackend', 'backend_for',
+           'folder_path_error', 'foreign_at', 'is_url', 'names_folder', 'occupied', 'open_regular',
+           'refuse_file_as_folder', 'refuse_foreign', 'refuse_others_files', 'same_place',
            'url_scheme']

@@ -178,6 +178,7 @@ def merge(out: str | os.PathLike, inputs: Sequence[str | os.PathLike],
     inputs = [os.fspath(p) for p in inputs]
     for path in (out, *inputs):  # a URL no backend serves is refused before anything is read
         backend_for(path)
+    refuse_replacing_other_files(out, "merging")  # whatever the options, before any input is read
     prefixes = _merge_prefixes(out, inputs, prefixes, alignment)
     sources = _merge_sources(out, inputs, prefixes, append=append, overwrite=overwrite)
     if verify:

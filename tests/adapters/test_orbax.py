@@ -317,15 +317,17 @@ def test_an_export_replaces_an_orbax_checkpoint_but_never_a_folder_of_other_file
     with jckpt.CheckpointManager(tmp_path / "run", asynchronous=False) as mgr:
         mgr.save(1, {"w": np.ones(2)})
     for folder, held in (("mine", "notes.txt, sub"), ("run", "step_00000001.jckpt")):
-        with pytest.raises(jckpt.InputError, match=f"not an orbax checkpoint \\(it holds {held}") as e:
+        with pytest.raises(jckpt.InputError, match=f"exporting to orbax would replace a directory "
+                                                    f"holding \\d entr.* no part of an orbax "
+                                                    f"checkpoint \\({held}") as e:
             jckpt.convert(src, tmp_path / folder, format="orbax")
-        assert "remove this one first" in e.value.fix
+        assert "move what is there out" in e.value.fix
     assert (tmp_path / "mine" / "notes.txt").read_text() == "precious"
     assert jckpt.CheckpointManager(tmp_path / "run", read_only=True).all_steps() == [1]
     (tmp_path / "file").write_text("precious")
     os.mkfifo(tmp_path / "fifo")
-    for name in ("file", "fifo"):  # refused once the export was written: "Not a directory"
-        with pytest.raises(jckpt.InputError, match="is a file, not a directory"):
+    for name, there in (("file", "a file that is not an orbax checkpoint"), ("fifo", "is a FIFO")):
+        with pytest.raises(jckpt.InputError, match=there):
             jckpt.convert(src, tmp_path / name, format="orbax")
     assert (tmp_path / "file").read_text() == "precious"
     (tmp_path / "empty").mkdir()
@@ -513,3 +515,4 @@ def test_a_restore_written_with_standard_restore_reads_a_jckpt_item(tmp_path):
             manager.restore(1, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(tree)))
     assert e.value.file.endswith(orbax_handler.FILENAME) and 'JckptRestore' in e.value.fix
     assert np.array_equal(got['w'], tree['w']) and got['step'] == 3
+

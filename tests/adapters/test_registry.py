@@ -364,14 +364,16 @@ def test_convert_never_replaces_a_file_that_is_not_a_checkpoint(tmp_path):
     np.savez(tmp_path / 'w.npz', w=np.zeros(3))
     notes = tmp_path / 'notes.txt'
     notes.write_text('hi')
-    with pytest.raises(InputError, match=r'converting would replace a file of another kind') as e:
+    with pytest.raises(InputError, match=r'converting would replace a file that is not a '
+                                         r'checkpoint \(2 bytes\)') as e:
         jckpt.convert(tmp_path / 'w.npz', notes, format='jckpt')
-    assert e.value.file == str(notes) and 'another destination' in e.value.fix
+    assert e.value.file == str(notes) and 'another path' in e.value.fix
     assert notes.read_text() == 'hi'
     (tmp_path / 'd').mkdir()
     (tmp_path / 'd' / 'a.txt').write_text('a')
     (tmp_path / 'd' / 'b.txt').write_text('b')
-    with pytest.raises(InputError, match='a directory of 2 other entries, not a checkpoint'):
+    with pytest.raises(InputError, match=r'a directory holding 2 entries that are no part of a '
+                                         r'checkpoint \(a.txt, b.txt\)'):
         jckpt.convert(tmp_path / 'w.npz', tmp_path / 'd', format='jckpt')
     jckpt.convert(tmp_path / 'w.npz', tmp_path / 'w.jckpt')
     assert jckpt.convert(tmp_path / 'w.npz', tmp_path / 'w.jckpt') == ('npz', 'jckpt')  # replaced

@@ -178,15 +178,17 @@ def test_a_directory_save_never_deletes_a_folder_of_other_files(tmp_path):
     mine = tmp_path / "mine"
     (mine / "sub").mkdir(parents=True)
     (mine / "notes.txt").write_text("precious")
-    with pytest.raises(jckpt.InputError, match=r"not a checkpoint's \(notes.txt, sub\)") as e:
+    with pytest.raises(jckpt.InputError, match=r"saving a directory checkpoint would replace a "
+                                               r"directory holding 2 entries that are no part "
+                                               r"of a checkpoint \(notes.txt, sub\)") as e:
         multiprocess.save_directory(jckpt.Context(), {"w": np.ones(2)}, mine)
-    assert e.value.file == str(mine) and "move those files out" in e.value.fix
+    assert e.value.file == str(mine) and "move what is there out" in e.value.fix
     assert sorted(os.listdir(mine)) == ["notes.txt", "sub"]
     path = tmp_path / "dir.jckpt"
     multiprocess.save_directory(jckpt.Context(), {"w": np.ones(2)}, path)
     multiprocess.save_directory(jckpt.Context(), {"w": np.zeros(2)}, path)  # its own: replaced
     (path / "notes.txt").write_text("precious")
-    with pytest.raises(jckpt.InputError, match=r"not a checkpoint's \(notes.txt\)"):
+    with pytest.raises(jckpt.InputError, match=r"no part of a checkpoint \(notes.txt\)"):
         jckpt.save(jckpt.Context(), {"w": np.ones(2)}, path)
     assert (path / "notes.txt").read_text() == "precious"
 
@@ -328,3 +330,4 @@ def test_durable_fsyncs_the_file_and_its_directory_and_durable_false_none(tmp_pa
             jckpt.save(jckpt.Context(durable=durable), {"w": np.ones(3)}, path, appending=appending)
         assert synced == (["file", "directory"] * 2 if durable else []), synced
     assert sorted(os.listdir(tmp_path)) == ["False.jckpt", "True.jckpt"]
+

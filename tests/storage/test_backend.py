@@ -192,3 +192,57 @@ def test_a_local_remove_all_removes_each_path_as_remove_does(tmp_path):
         (tmp_path / name).write_bytes(b"x")
     LOCAL.remove_all([str(tmp_path / "a"), str(tmp_path / "d"), str(tmp_path / "gone")])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+
+
+def test_foreign_at_says_what_replacing_a_path_would_lose(tmp_path):
+    """The one test behind every refusal to replace what jckpt did not write."""
+    from jckpt.format.names import INDEX_NAME
+    from jckpt.storage.backend import foreign_at, refuse_foreign
+
+    assert foreign_at(str(tmp_path / "none")) is None
+    assert foreign_at(str(tmp_path)) is None  # an empty directory
+    step = tmp_path / "step"
+    step.mkdir()
+    for name in (INDEX_NAME, "process_00000.jckpt", "model.safetensors"):
+        (step / name).write_bytes(b"")
+    assert foreign_at(str(step)) is None  # only what a directory checkpoint or a step holds
+    (step / "notes.txt").write_text("mine")
+    held = "a directory holding 1 entry that is no part of a checkpoint (notes.txt)"
+    assert foreign_at(str(step), lambda p: True) == held  # a jckpt index: its names decide
+    other = tmp_path / "other"
+    other.mkdir()
+    for i in range(5):
+        (other / f"f{i}").write_text("x")
+    assert foreign_at(str(other), lambda p: True) is None  # another format's, as claimed
+    assert foreign_at(str(other), kind="an orbax checkpoint") == (
+        "a directory holding 5 entries that are no part of an orbax checkpoint (f0, f1, f2, ...)")
+    text = tmp_path / "notes.txt"
+    text.write_text("precious")
+    assert foreign_at(str(text)) == "a file that is not a checkpoint (8 bytes)"
+    assert foreign_at(str(text), lambda p: True) is None
+    mine = write_checkpoint(str(tmp_path / "m.jckpt"), lay_out(Header(tensors=())), [], durable=False)
+    assert mine is not None and foreign_at(str(tmp_path / "m.jckpt")) is None
+    os.symlink(text, tmp_path / "link")
+    os.mkfifo(tmp_path / "fifo")
+    assert foreign_at(str(tmp_path / "link")) is None  # the link is replaced, never followed
+    assert foreign_at(str(tmp_path / "fifo")) is None  # publish.refuse_special, never opened
+    with pytest.raises(InputError, match=r"merging would replace a file that is not") as e:
+        refuse_foreign(str(text), "merging")
+    assert e.value.file == str(text) and "never deletes" in e.value.fix
+
+
+def test_foreign_at_in_a_bucket():
+    """A prefix of other objects, or another object, is named as locally; a bucket's own
+    checkpoint file is not."""
+    pytest.importorskip("obstore", reason="obstore is not installed (pip install 'jckpt[cloud]')")
+    from jckpt.storage.backend import foreign_at
+
+    root = "memory://foreign-at/run"
+    jckpt.save(jckpt.Context(), {"w": np.ones(2)}, f"{root}/m.jckpt")
+    assert foreign_at(f"{root}/m.jckpt") is None and foreign_at(f"{root}/none") is None
+    with backend_for(f"{root}/notes.txt").create(f"{root}/notes.txt") as staged:
+        os.write(staged.fd, b"precious")
+        staged.publish()
+    assert foreign_at(f"{root}/notes.txt") == "a file that is not a checkpoint (8 bytes)"
+    assert foreign_at(root) == ("a directory holding 2 entries that are no part of a checkpoint "
+                                "(m.jckpt, notes.txt)")

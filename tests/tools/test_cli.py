@@ -543,6 +543,17 @@ def test_merge_refusals(tmp_path, model, cli):
     assert names == {'jckpt/params/w', 'jckpt/params/b', 'jckpt/step', 'extra__jckpt/params/w'}
 
 
+def test_merge_overwrite_never_replaces_what_is_not_a_checkpoint(tmp_path, model, cli):
+    """`jckpt merge notes.txt ... --overwrite` replaced the user's text file with the merge."""
+    notes = tmp_path / 'notes.txt'
+    notes.write_text('my notes')
+    for extra in ((), ('--overwrite',), ('--append',)):
+        p = cli('merge', notes, model, *extra)
+        assert p.returncode == 2 and 'Traceback' not in p.stderr, p.stderr
+        assert 'merging would replace a file that is not a checkpoint (8 bytes)' in p.stderr
+    assert notes.read_text() == 'my notes'
+
+
 # --- usage, start-up, progress -------------------------------------------------
 
 def test_usage_errors(cli):
@@ -784,11 +795,11 @@ def test_convert_never_replaces_what_is_not_a_checkpoint(tmp_path, model, cli):
     folder = tmp_path / 'out.jckpt'
     folder.mkdir()
     (folder / 'a.txt').write_text('kept')
-    for dst, there in ((notes, 'a file of another kind (8 bytes)'),
-                       (folder, 'a directory of 1 other entry')):
+    for dst, there in ((notes, 'a file that is not a checkpoint (8 bytes)'),
+                       (folder, 'a directory holding 1 entry that is no part of a checkpoint')):
         for extra in ((), ('--overwrite',)):
             p = cli('convert', model, dst, *extra)
-            assert p.returncode == 2 and f'would replace {there}, not a checkpoint' in p.stderr
+            assert p.returncode == 2 and f'converting would replace {there}' in p.stderr
             assert 'never deletes' in p.stderr
     assert notes.read_text() == 'my notes' and (folder / 'a.txt').read_text() == 'kept'
     assert cli('convert', model, tmp_path / 'm.npz').returncode == 0  # a checkpoint is replaced

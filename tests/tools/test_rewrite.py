@@ -327,3 +327,36 @@ def test_a_source_replaced_after_it_was_read_is_not_copied_from(tmp_path, monkey
     with pytest.raises(jckpt.InUseError, match='the file was replaced since it was read') as e:
         relayout(src, out) if rewrite == 'relayout' else merge(out, [src])
     assert e.value.file == str(src) and not out.exists()
+
+
+def test_merge_and_relayout_never_replace_what_is_not_a_checkpoint(tmp_path):
+    """`merge(..., overwrite=True)` replaced a text file with the merged checkpoint, and onto a
+    folder of other files, a manager's run or a directory checkpoint with a note beside it,
+    merge and relayout copied every payload before failing to publish over the directory."""
+    from jckpt.api import multiprocess
+
+    b = write_arrays(tmp_path / 'b.jckpt', {'y': np.ones(1)})
+    notes = tmp_path / 'notes.txt'
+    notes.write_text('precious')
+    folder = tmp_path / 'mine'
+    folder.mkdir()
+    (folder / 'a.txt').write_text('kept')
+    with jckpt.CheckpointManager(tmp_path / 'run', asynchronous=False) as mgr:
+        mgr.save(1, {'w': np.ones(2)})
+    beside = tmp_path / 'dir.jckpt'
+    multiprocess.save_directory(jckpt.Context(), {'w': np.ones(2)}, beside)
+    (beside / 'notes.txt').write_text('precious')
+    for dst, there in ((notes, 'a file that is not a checkpoint (8 bytes)'),
+                       (folder, 'a directory holding 1 entry that is no part of a checkpoint (a.txt)'),
+                       (tmp_path / 'run', 'no part of a checkpoint (step_00000001.jckpt)'),
+                       (beside, 'no part of a checkpoint (notes.txt)')):
+        for what, write in (('merging', lambda d: merge(d, [b], overwrite=True, durable=False)),
+                            ('writing the re-laid-out file',
+                             lambda d: relayout(b, d, overwrite=True, durable=False))):
+            with pytest.raises(InputError, match=f'{what} would replace') as e:
+                write(dst)
+            assert there in e.value.message and e.value.file == str(dst)
+            assert 'never deletes' in e.value.fix
+    assert notes.read_text() == 'precious' and (folder / 'a.txt').read_text() == 'kept'
+    assert (beside / 'notes.txt').read_text() == 'precious'
+    assert jckpt.CheckpointManager(tmp_path / 'run', read_only=True).all_steps() == [1]
