@@ -381,7 +381,9 @@ def convert(src: PathLike, dst: PathLike, *, format: str | None = None,
     if same_place(src, dst):
         raise InputError("source and destination are the same file", file=dst,
                          fix="convert into another path")
-    if target != 'orbax':  # its writer refuses a URL first, and anything but an orbax step
+    if target == 'orbax':  # a URL, a file, anything but an orbax step: before a byte is read
+        importlib.import_module('jckpt.adapters.orbax_writer').check_destination(dst)
+    else:
         refuse_replacing_other_files(dst, "converting")
     reader = get_format(source)
     tree, meta = _read_with_metadata(reader, src)

@@ -516,3 +516,24 @@ def test_a_restore_written_with_standard_restore_reads_a_jckpt_item(tmp_path):
     assert e.value.file.endswith(orbax_handler.FILENAME) and 'JckptRestore' in e.value.fix
     assert np.array_equal(got['w'], tree['w']) and got['step'] == 3
 
+
+
+def test_an_export_refuses_its_destination_before_reading_the_source(tmp_path, monkeypatch):
+    """The destination was checked by the orbax writer, once the whole source was read: a
+    wrong one failed after reading gigabytes, not at once."""
+    import jckpt.adapters
+
+    src = tmp_path / "m.jckpt"
+    jckpt.save(jckpt.Context(), {"w": np.ones(2)}, src)
+    reads = []
+    monkeypatch.setattr(jckpt.adapters, "_read_with_metadata",
+                        lambda *a: reads.append(a) or pytest.fail("the source was read"))
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("precious")
+    (tmp_path / "file").write_text("precious")
+    for dst, match in (("mine", "no part of an orbax checkpoint"),
+                       ("file", "a file that is not an orbax checkpoint"),
+                       ("s3://bucket/exported", "written to a local directory")):
+        with pytest.raises(jckpt.InputError, match=match):
+            jckpt.convert(src, dst if "://" in dst else tmp_path / dst, format="orbax")
+    assert reads == [] and (tmp_path / "mine" / "notes.txt").read_text() == "precious"
