@@ -169,7 +169,8 @@ class LocalBackend:
                 and not os.path.isfile(os.path.join(path, INDEX_NAME)):
             raise InputError("is a directory that holds no directory checkpoint", file=path,
                              fix="save to a file path (inside it, perhaps), or remove it first")
-        refuse_others_files(path)
+        # a directory checkpoint's files are looked at once, by the directory save that would
+        # replace them (`refuse_others_files`); a file's save fails to publish over it
 
     def create(self, target: str, *, durable: bool = True) -> StagingFile:
         return StagingFile(target, durable=durable)

@@ -331,3 +331,26 @@ def test_durable_fsyncs_the_file_and_its_directory_and_durable_false_none(tmp_pa
         assert synced == (["file", "directory"] * 2 if durable else []), synced
     assert sorted(os.listdir(tmp_path)) == ["False.jckpt", "True.jckpt"]
 
+
+
+def test_a_save_over_a_directory_checkpoint_lists_it_once(tmp_path, monkeypatch):
+    """`save` looked for files no checkpoint writes twice: in `check_target`, then in
+    `save_directory`; a directory of many pieces (a large run's) was listed twice."""
+    from jckpt.api import multiprocess
+
+    path = tmp_path / "dir.jckpt"
+    multiprocess.save_directory(jckpt.Context(), {"w": np.ones(2)}, path)
+    listed = []
+    for name in ("listdir", "scandir"):
+        real = getattr(os, name)
+
+        def spy(p=".", _real=real):
+            if not isinstance(p, int):  # a directory's descriptor
+                listed.append(os.path.abspath(os.fspath(p)))
+            return _real(p)
+
+        monkeypatch.setattr(os, name, spy)
+    jckpt.save(jckpt.Context(), {"w": np.zeros(2)}, path)
+    monkeypatch.undo()
+    assert listed.count(str(path)) == 1
+    np.testing.assert_array_equal(jckpt.load(jckpt.Context(host=True), path)[1]["jckpt"]["w"], np.zeros(2))
