@@ -26,7 +26,9 @@ from jckpt.errors import CheckpointError, DistributedError, InputError
 
 #: Seconds a process waits at a barrier for the others (`JCKPT_BARRIER_TIMEOUT` overrides).
 DEFAULT_BARRIER_TIMEOUT = 300.0
-SAVING = 'jckpt/saving'  # key of each process's save in progress (for errors)
+#: The key-value key under which each process announces its save in progress (for errors):
+#: ``jckpt/saving/<process>`` (not `meetings.SAVING`, a meeting's topic).
+SAVING_KEY = 'jckpt/saving'
 #: Seconds between the first looks at where the process waited for is, while one waits for
 #: it (`Runtime.gather`); each wait doubles it, up to `MAX_POLL`.
 POLL = 0.25
@@ -81,7 +83,7 @@ class Runtime:
         self.here = here
         if not self.local and announce is not None:  # what this process saves, for errors
             with contextlib.suppress(Exception):
-                self.client.key_value_set(f"{SAVING}/{process}", self.announce,
+                self.client.key_value_set(f"{SAVING_KEY}/{process}", self.announce,
                                           allow_overwrite=True)
 
     def post(self) -> None:
@@ -92,7 +94,7 @@ class Runtime:
     def _elsewhere(self) -> str:
         """What process 0 saves instead, when it is not this save's path ('' otherwise)."""
         try:
-            theirs = self.client.key_value_try_get(f"{SAVING}/0")
+            theirs = self.client.key_value_try_get(f"{SAVING_KEY}/0")
         except Exception:
             return ''
         return f"; process 0 is saving {theirs}" if theirs and theirs != self.announce else ''
