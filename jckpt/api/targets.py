@@ -209,12 +209,14 @@ def cast_values(values: np.ndarray, dtype: np.dtype, path: str, where: str) -> n
     largest value), where numpy's cast gives values that depend on the machine.
 
     A value the target's dtype cannot hold (NaN or out of range into an integer, finite into
-    inf for a narrower float) is a warning naming the entry and the first such value, not
-    numpy's bare `RuntimeWarning`: the restore goes on, as `cast=True` asked.
+    inf for a narrower float, a complex number's imaginary part into a real dtype) is a
+    warning naming the entry and the first such value, not numpy's bare `RuntimeWarning` or
+    `ComplexWarning`: the restore goes on, as `cast=True` asked.
 
     >>> cast_values(np.array([1.5, np.nan, 300.0]), np.dtype(np.int8), 'a.jckpt', 'jckpt/x')
     array([  1,   0, 127], dtype=int8)
     """
+    values = _real_part(values, dtype, path, where)
     with np.errstate(all='ignore'):
         if _kind(dtype) == 'integer' and _kind(values.dtype) == 'floating':
             info = jax.numpy.iinfo(dtype)
@@ -232,6 +234,26 @@ def cast_values(values: np.ndarray, dtype: np.dtype, path: str, where: str) -> n
                       f"{values[lost].flat[0].item()!r} became {out[lost].flat[0].item()!r}); "
                       f"restore into a target of a wider dtype to keep them", stacklevel=2)
     return out
+
+
+def _real_part(values: np.ndarray, dtype: np.dtype, path: str, where: str) -> np.ndarray:
+    """The real part of complex `values` cast into a real number `dtype` (as JAX's `astype`
+    takes it), with one warning naming the entry and the first value whose imaginary part is
+    dropped; other `values` as they are (into bool, a complex number is True when not 0).
+
+    >>> _real_part(np.array([1 + 0j]), np.dtype(np.float32), 'a.jckpt', 'jckpt/x')
+    array([1.])
+    """
+    if _kind(values.dtype) != 'complex' or _kind(dtype) not in ('integer', 'floating'):
+        return values
+    lost = values.imag != 0
+    if np.any(lost):
+        warnings.warn(f"{path}: entry {where}: cast=True dropped the imaginary part of "
+                      f"{int(np.sum(lost))} value(s) converting {values.dtype} to {dtype} (the "
+                      f"first: {values[lost].flat[0].item()!r} became "
+                      f"{values[lost].flat[0].real.item()!r}); restore into a complex target to "
+                      f"keep them", stacklevel=3)
+    return values.real
 
 
 def _exactly(array: Any, dtype: np.dtype, path: str, where: str) -> np.ndarray:

@@ -200,6 +200,31 @@ def test_cast_values_keeps_int64_saturated_and_is_quiet_when_all_fit():
         assert targets.cast_values(np.arange(3.0), np.dtype(np.int8), 'a', 'b').tolist() == [0, 1, 2]
 
 
+def test_cast_from_complex_into_a_real_target_names_the_dropped_imaginary_part(tmp_path):
+    """numpy's bare ComplexWarning ("Casting complex values to real discards the imaginary
+    part") came out, naming neither the file nor the entry; into an integer the real part
+    wrapped (300 into int8 became 44) where JAX's astype saturates it (127)."""
+    import warnings
+
+    path = str(tmp_path / 'c.jckpt')
+    jckpt.save(jckpt.Context(durable=False), {'w': np.array([1 + 2j, 3 + 0j, 5 - 1j], np.complex64),
+                                              'i': np.array([300 + 1j], np.complex128),
+                                              'z': np.array([4 + 0j], np.complex64)}, path)
+    target = {'w': jnp.zeros(3, jnp.float32), 'i': jnp.zeros(1, jnp.int8), 'z': jnp.zeros(1, jnp.float32),
+              'b': jnp.zeros(1, bool)}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter('always')
+        got = jckpt.restore(jckpt.Context(), {k: target[k] for k in ('w', 'i', 'z')}, path, cast=True)
+    assert np.asarray(got['w']).tolist() == [1.0, 3.0, 5.0] and np.asarray(got['z']).tolist() == [4.0]
+    assert np.asarray(got['i']).tolist() == [127]  # the real part, then saturated as JAX does
+    messages = sorted(str(w.message) for w in seen if 'imaginary' in str(w.message))
+    assert [type(w.message) for w in seen if 'imaginary' in str(w.message)] == [UserWarning] * 2
+    assert not [w for w in seen if issubclass(w.category, np.exceptions.ComplexWarning)]
+    assert messages[1].startswith(f'{path}: entry jckpt/w: cast=True dropped the imaginary part of '
+                                  '2 value(s) converting complex64 to float32 (the first: (1+2j)')
+    assert messages[0].startswith(f'{path}: entry jckpt/i: ') and '(300+1j)' in messages[0]
+
+
 def test_a_weakly_typed_float_target_takes_a_stored_int_as_a_python_float_does(tmp_path):
     # a weak float32 (jnp.asarray(1.0)) refused the stored int a Python 0.0 took
     path = str(tmp_path / 'n.jckpt')
