@@ -41,7 +41,7 @@ import threading
 import time
 
 from jckpt.errors import InputError, StorageError
-from jckpt.format.names import STAGE_TAG
+from jckpt.format.names import INDEX_NAME, STAGE_TAG
 from jckpt.storage.regular import special_name
 
 log = logging.getLogger('jckpt')
@@ -337,6 +337,7 @@ class StagingFile:
         self.durable = durable
         self.directory = os.path.dirname(os.path.abspath(self.target))
         refuse_special(self.target)
+        refuse_directory(self.target)
         if reclaim:
             reclaim_staging(self.target)
         self.path, self.fd = self._create()
@@ -416,6 +417,28 @@ def refuse_special(target: str) -> None:
     if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
         raise InputError(f"is {special_name(mode)}: writing a checkpoint there would replace it",
                          file=target, fix="write to the path of a regular file")
+
+
+def refuse_directory(target: str) -> None:
+    """Refuse to stage a file for `target` where a directory stands (a symbolic link to one
+    is replaced, never followed): no rename puts a file over a directory, so a merge, a
+    relayout or a file save there wrote every payload and then failed to publish.
+
+    >>> import tempfile
+    >>> refuse_directory(tempfile.mkdtemp())
+    Traceback (most recent call last):
+    ...
+    jckpt.errors.InputError: ...: is a directory: a checkpoint file cannot replace it (fix: ...)
+    """
+    try:
+        if not stat.S_ISDIR(os.lstat(target).st_mode):
+            return
+    except OSError:
+        return  # nothing there (or unreadable: creating the staging file says so)
+    held = 'a directory checkpoint' if os.path.isfile(os.path.join(target, INDEX_NAME)) \
+        else 'a directory'
+    raise InputError(f"is {held}: a checkpoint file cannot replace it", file=target,
+                     fix="write to another path, or remove the directory first")
 
 
 _RENAME_EXCHANGE = 2

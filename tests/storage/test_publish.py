@@ -247,3 +247,22 @@ def test_a_fifo_target_is_refused_before_anything_is_written(tmp_path):
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and os.listdir(tmp_path) == ['pipe']
     for fine in (tmp_path / 'none', tmp_path):
         refuse_special(str(fine))
+
+
+def test_a_file_is_never_staged_for_a_directory(tmp_path):
+    """No rename puts a file over a directory: a merge, relayout or conversion onto a directory
+    (a directory checkpoint, or an empty folder) wrote every payload, then failed to publish."""
+    from jckpt.api.multiprocess import save_directory
+    from jckpt.errors import InputError
+    ckpt, empty = tmp_path / 'd.jckpt', tmp_path / 'empty'
+    save_directory(jckpt.Context(), {'w': np.ones(2)}, ckpt)
+    empty.mkdir()
+    for target, held in ((ckpt, 'a directory checkpoint'), (empty, 'a directory')):
+        with pytest.raises(InputError, match=f'^.*: is {held}: a checkpoint file cannot') as e:
+            StagingFile(target)
+        assert e.value.file == str(target) and 'remove the directory' in e.value.fix
+    assert sorted(os.listdir(tmp_path)) == ['d.jckpt', 'empty'] and not os.listdir(empty)
+    os.symlink(empty, tmp_path / 'link')  # a link is replaced, never followed
+    with StagingFile(tmp_path / 'link') as s:
+        s.publish()
+    assert os.path.isfile(tmp_path / 'link') and os.path.isdir(empty)

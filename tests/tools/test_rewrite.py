@@ -360,3 +360,24 @@ def test_merge_and_relayout_never_replace_what_is_not_a_checkpoint(tmp_path):
     assert notes.read_text() == 'precious' and (folder / 'a.txt').read_text() == 'kept'
     assert (beside / 'notes.txt').read_text() == 'precious'
     assert jckpt.CheckpointManager(tmp_path / 'run', read_only=True).all_steps() == [1]
+
+
+def test_merge_and_relayout_onto_a_directory_checkpoint_fail_before_writing(tmp_path, monkeypatch):
+    """`overwrite=True` onto a directory checkpoint (or an empty folder) copied every payload
+    into a staging file and then failed to publish: a file cannot replace a directory."""
+    from jckpt.api import multiprocess
+    from jckpt.storage import publish
+
+    b = write_arrays(tmp_path / 'b.jckpt', {'y': np.ones(1)})
+    ckpt = tmp_path / 'dir.jckpt'
+    multiprocess.save_directory(jckpt.Context(), {'w': np.ones(2)}, ckpt)
+    (tmp_path / 'empty').mkdir()
+    created = []
+    real = publish.StagingFile._create
+    monkeypatch.setattr(publish.StagingFile, '_create', lambda s: created.append(s) or real(s))
+    for dst in (ckpt, tmp_path / 'empty'):
+        for write in (lambda d: merge(d, [b], overwrite=True, durable=False),
+                      lambda d: relayout(b, d, overwrite=True, durable=False)):
+            with pytest.raises(InputError, match='a checkpoint file cannot replace it'):
+                write(dst)
+    assert created == [] and sorted(os.listdir(ckpt)) == ['index.jckpt', 'process_00000.jckpt']
