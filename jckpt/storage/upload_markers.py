@@ -24,16 +24,21 @@ by a killed writer. Before its own upload, a writer looks for such markers
 
 The extra requests are few: a multipart save makes 3 (its marker's PUT and
 DELETE, one listing), plus one PUT every 30 s of upload; only a dead marker
-costs more. The listing and the aborts are S3 calls that obstore lacks,
-made through botocore (`jckpt.storage.s3_api`); without botocore the
-marker is still put (other writers then spare this upload) but nothing is
-reclaimed. Other stores have no way to list incomplete uploads: for them
-no marker is put, and a lifecycle rule (GCS) or the 7-day expiry of
-uncommitted blocks (Azure) removes what a killed writer left.
+costs more. The listing is sent with the marker's PUT, not after it: the
+two add one round trip to the upload, not two (the second listing of step
+1, which must follow the PUT, is made only when a dead marker was listed).
+
+The listing and the aborts are S3 calls that obstore lacks, made through
+botocore (`jckpt.storage.s3_api`); without botocore the marker is still put
+(other writers then spare this upload) but nothing is reclaimed. Other
+stores have no way to list incomplete uploads: for them no marker is put,
+and a lifecycle rule (GCS) or the 7-day expiry of uncommitted blocks
+(Azure) removes what a killed writer left.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import json
 import logging
@@ -120,14 +125,18 @@ def _all_dead(bucket: str, holders: Holders) -> bool:
     return bool(holders) and all(_is_dead(bucket, k, h) for k, h in holders.items())
 
 
-def reclaim(api: S3Api, u: ObjectURL, own: str) -> int:
+def reclaim(api: S3Api, u: ObjectURL, own: str,
+            first: list[tuple[str, datetime.datetime]] | None = None) -> int:
     """Abort the multipart uploads of `u`'s key left by killed writers; how many were aborted.
 
-    `own` is the key of the caller's own marker (put before), which is not
-    looked at (`''` for none). Does nothing while another writer of the key
-    is live.
+    `own` is the key of the caller's own marker, which is not looked at
+    (`''` for none). `first` is the markers' first listing when the caller
+    made it (`UploadMarker` lists while its own marker is put: that listing
+    only tells whether a dead marker is there, and the second listing, made
+    here once the own marker is in, is what spares live uploads). Does
+    nothing while another writer of the key is live.
     """
-    listed = dict(api.keys(u.key + UPLOAD_TAG))
+    listed = dict(first if first is not None else api.keys(u.key + UPLOAD_TAG))
     listed.pop(own, None)
     holders = _holders(u, listed, {})
     if not _all_dead(u.bucket, holders):
@@ -168,25 +177,40 @@ class UploadMarker:
         if self.u.kind != 's3' or type(store).__name__ != 'S3Store':
             return self
         _OPEN.add((self.u.bucket, self.key))  # before it is seen: never taken for a dead one's
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='jckpt-marker') as pool:
+            # the markers' first listing goes with the PUT of this one, not after it: one round
+            # trip less, and reclaim's own second listing is still made once this marker is in
+            listing = pool.submit(self._listing, store)
+            try:
+                obstore_module().put(store, self.key, record())
+                self.placed = True
+            except Exception as e:
+                log.warning("could not put the upload marker of %s (%s); uploading without it",
+                            self.u.url, e)
+                return self
+            # refreshed from now on, so that the upload, which starts after the reclaim, is always
+            # initiated within REFRESH_SECONDS of a rewrite of its marker (see `owned`)
+            self._thread = threading.Thread(target=self._refresh, name='jckpt-upload-marker',
+                                            daemon=True)
+            self._thread.start()
+            api, first = listing.result()
         try:
-            obstore_module().put(store, self.key, record())
-            self.placed = True
-        except Exception as e:
-            log.warning("could not put the upload marker of %s (%s); uploading without it",
-                        self.u.url, e)
-            return self
-        # refreshed from now on, so that the upload, which starts after the reclaim, is always
-        # initiated within REFRESH_SECONDS of a rewrite of its marker (see `owned`)
-        self._thread = threading.Thread(target=self._refresh, name='jckpt-upload-marker', daemon=True)
-        self._thread.start()
-        try:
-            api = api_for(self.u, store)
-            if api is not None:
-                reclaim(api, self.u, self.key)
+            if api is not None and first is not None:
+                reclaim(api, self.u, self.key, first)
         except Exception as e:
             log.warning("could not look for incomplete uploads of %s left by killed writers: %s",
                         self.u.url, e)
         return self
+
+    def _listing(self, store: Any) -> tuple[S3Api | None, list[tuple[str, datetime.datetime]] | None]:
+        """The S3 calls' client and the markers of the key (`None` for those that failed: logged)."""
+        try:
+            api = api_for(self.u, store)
+            return api, None if api is None else api.keys(self.u.key + UPLOAD_TAG)
+        except Exception as e:
+            log.warning("could not look for incomplete uploads of %s left by killed writers: %s",
+                        self.u.url, e)
+            return None, None
 
     def leave(self) -> None:
         """Keep the marker when leaving: its upload is left in the bucket (obstore's abort of

@@ -24,6 +24,7 @@ import dataclasses
 import os
 import shlex
 import stat
+from collections.abc import Callable
 from typing import Any
 
 from jckpt.adapters import SNIFF_BYTES, detect_format
@@ -38,6 +39,7 @@ from jckpt.storage.object_store import MISSING_OBJECT
 from jckpt.storage.publish import storage_error
 from jckpt.storage.reader import CheckpointReader
 from jckpt.storage.regular import open_regular, special_name
+from jckpt.storage.remote_reader import concurrently
 
 # --- the kinds (Kind.name) ------------------------------------------------------------------
 
@@ -171,16 +173,58 @@ def not_jckpt_error(path: str | os.PathLike, fmt: str) -> FormatError:
 
 def _classify_url(path: str, backend: Any) -> Kind:
     """What a URL holds: an object (read as a checkpoint, else sniffed), a prefix of objects, or
-    nothing. The object's header GET comes first (no HEAD): a prefix is listed only if it fails."""
+    nothing, asked with no HEAD. A URL whose last name has a suffix (`model.jckpt`) is most
+    often an object: its header GET goes first, and the prefix is listed only if it is
+    missing. Any other (`run`, `run/`) is most often a prefix (a manager's run, a directory
+    checkpoint): the GET and the LIST go at once, one round trip where they took two in turn."""
+    if _names_a_file(path):
+        kind = _as_object(path, backend)
+        return kind if kind is not None else _as_prefix(path, backend.list_kinds(path))
+    (kind, failed), (listing, unlisted) = concurrently(
+        _outcome, [lambda: _as_object(path, backend), lambda: backend.list_kinds(path)], 2)
+    if failed is not None:
+        raise failed
+    if kind is not None:
+        return kind
+    if unlisted is not None:
+        raise unlisted
+    return _as_prefix(path, listing)
+
+
+def _names_a_file(path: str) -> bool:
+    """Whether the URL's last name has a suffix, as a file's (`s3://b/run/model.jckpt`).
+
+    >>> _names_a_file('s3://b/run/model.jckpt'), _names_a_file('s3://b/run'), _names_a_file('s3://b/r/')
+    (True, False, False)
+    """
+    return bool(os.path.splitext(path.rpartition('/')[2])[1])
+
+
+def _outcome(call: Callable[[], Any]) -> tuple[Any, BaseException | None]:
+    """`(call(), None)`, or `(None, the error it raised)`: both of two requests made at once are
+    waited for, whichever fails."""
+    try:
+        return call(), None
+    except CheckpointError as e:
+        return None, e
+
+
+def _as_object(path: str, backend: Any) -> Kind | None:
+    """The kind of the object at `path` (a checkpoint, a foreign file, unreadable), or None when
+    no object is there."""
     try:
         return Kind(FILE, path, reader=backend.open(path))
     except FormatError as e:
-        if e.message != MISSING_OBJECT:
-            fmt = _foreign_format(path)
-            if fmt is not None:
-                return Kind(FOREIGN, path, fmt, not_jckpt_error(path, fmt))
-            return Kind(UNKNOWN, path, UNREADABLE, e)
-    listing = backend.list_kinds(path)
+        if e.message == MISSING_OBJECT:
+            return None
+        fmt = _foreign_format(path)
+        if fmt is not None:
+            return Kind(FOREIGN, path, fmt, not_jckpt_error(path, fmt))
+        return Kind(UNKNOWN, path, UNREADABLE, e)
+
+
+def _as_prefix(path: str, listing: tuple[list[str], list[str]]) -> Kind:
+    """The kind of the prefix `path` from its `listing` (`list_kinds`): nothing, or what is in it."""
     names = sorted(set(listing[0]) | set(listing[1]))
     if not names:
         return Kind(MISSING, path, error=missing_error(path))

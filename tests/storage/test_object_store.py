@@ -520,9 +520,9 @@ def test_requests_of_a_file_are_those_the_docs_count(s3, s3_server):
     finally:
         object_store.configure(s3)
     marker = next(r for r in got if ".jckpt-upload." in r)
-    assert got[:4] == ["HEAD /big.jckpt/index.jckpt", marker,
-                       "GET ?list-type=2&prefix=big.jckpt.jckpt-upload.&max-keys=1000"
-                       "&encoding-type=url", "POST /big.jckpt?uploads="]
+    assert got[0] == "HEAD /big.jckpt/index.jckpt" and got[3] == "POST /big.jckpt?uploads="
+    assert sorted(got[1:3]) == sorted([marker, "GET ?list-type=2&prefix=big.jckpt.jckpt-upload."
+                                               "&max-keys=1000&encoding-type=url"])  # at once
     assert sorted(got[4:6]) == ["PUT /big.jckpt?partNumber=1", "PUT /big.jckpt?partNumber=2"]
     assert got[6:] == ["POST /big.jckpt", "POST ?delete"]  # complete; the marker deleted
 

@@ -226,3 +226,18 @@ def test_a_live_writer_past_the_first_thousand_markers_is_seen(s3):
     assert reclaim(api_for(u, store_for(u)), u, "") == 0
     assert uploads_of(url) == [(u.key, upload)]
     assert len(api_for(u, store_for(u)).keys(u.key + UPLOAD_TAG)) == 1001  # none deleted
+
+
+def test_the_markers_listing_goes_with_the_markers_put(slow_s3):
+    """A multipart upload waits for one round trip before it starts, not two: the first
+    listing of the key's markers is sent with the PUT of the upload's own."""
+    s3, proxy = slow_s3
+    u = ObjectURL.parse(f"{s3}/model.jckpt")
+    api_for(u, store_for(u))  # its client built once a process, before: no request
+    proxy.reset_counts()
+    with UploadMarker(u) as marker:
+        assert marker.placed
+        before = proxy.rounds()
+        methods = sorted(m for m, _ in proxy.seen)
+    assert methods == ["GET", "PUT"] and before == 1
+    assert markers_of(f"{s3}/model.jckpt") == []

@@ -244,6 +244,24 @@ def test_a_prefix_in_a_bucket_carries_its_listing_for_the_tool_that_reads_it():
     assert classify(f"{url}/step_00000001.jckpt").listing is None  # an object: no listing
 
 
+def test_a_bucket_prefix_is_classified_in_one_round_trip_an_object_in_one_request(slow_s3):
+    """`jckpt inspect s3://b/run` sent the GET of `run` as an object, then, once it was
+    answered missing, the LIST: 2 round trips in turn. A name without a suffix is most often
+    a prefix: both go at once. A name with one (`m.jckpt`) is most often an object: its GET
+    alone, no LIST."""
+    pytest.importorskip("obstore")
+    s3, proxy = slow_s3
+    with jckpt.CheckpointManager(f"{s3}/run") as mgr:
+        mgr.save(1, {"w": np.ones(2)})
+    jckpt.save(jckpt.Context(), {"w": np.ones(2)}, f"{s3}/m.jckpt")
+    for url, kind, asked in ((f"{s3}/run", MANAGER, ["GET", "GET"]), (f"{s3}/m.jckpt", FILE, ["GET"]),
+                             (f"{s3}/gone", MISSING, ["GET", "GET"])):
+        proxy.rounds()  # waits for what the saves left in flight
+        proxy.reset_counts()
+        assert classify(url).name == kind
+        assert ([m for m, _ in proxy.seen], proxy.rounds()) == (asked, 1), url
+
+
 @pytest.mark.parametrize("where", ["local", "memory"])
 def test_every_tool_refuses_a_file_named_with_a_trailing_slash(where, tmp_path, capsys):
     """`info`, `verify`, `diff` and `inspect` of `memory://b/m.jckpt/` read the object
