@@ -440,6 +440,18 @@ def test_diff_missing_and_corrupt(tmp_path, model, cli):
     one_line_error(cli('diff', bad, model), str(bad), 'extends past the end')
 
 
+def test_diff_of_a_damaged_copy_is_an_error_unless_no_verify(tmp_path, cli):
+    """A damaged copy within --atol of its source was SAME, exit 0."""
+    x = np.linspace(0, 1, 64, dtype=np.float32)
+    a, b = write(tmp_path / 'a.jckpt', {'x': x}), write(tmp_path / 'b.jckpt', {'x': x})
+    data = bytearray(open(b, 'rb').read())
+    data[-4] ^= 1                                      # the last value's lowest mantissa bit
+    open(b, 'wb').write(data)
+    one_line_error(cli('diff', a, b, '--atol', '1e-6'), str(b), 'jckpt/x', 'checksum mismatch')
+    assert cli('diff', a, b, '--atol', '1e-6', '--no-verify').returncode == 0
+    assert cli('diff', a, b, '--no-verify').returncode == 1
+
+
 # --- convert -----------------------------------------------------------------
 
 def test_convert_relayout(tmp_path, model, cli):
