@@ -221,7 +221,9 @@ def _merge_sources(out: str, inputs: Sequence[str], prefixes: Sequence[str | Non
     if append and occupied(out):
         base = _open_whole(out)
         sources.append((base, base.header))
-    elif not overwrite:
+    else:  # what is no checkpoint is never replaced, `overwrite` or not
+        refuse_replacing_other_files(out, "merging")
+    if not (append or overwrite):
         _refuse_existing(out, "merging", "--append to add to it or --overwrite to replace it "
                                           "(append=True, overwrite=True)")
     for path, prefix in zip(inputs, prefixes):

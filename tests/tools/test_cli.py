@@ -774,6 +774,24 @@ def test_overwrite_never_replaces_a_fifo_or_a_device(model, tmp_path, cli, name)
     assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(model), name])
 
 
+def test_merge_never_replaces_what_is_not_a_checkpoint(tmp_path, model, cli):
+    """`merge --overwrite` deleted a text file or a directory of other files at OUT, which
+    `convert` refuses whatever its options."""
+    notes = tmp_path / 'notes.jckpt'
+    notes.write_text('my notes')
+    folder = tmp_path / 'out.jckpt'
+    folder.mkdir()
+    (folder / 'a.txt').write_text('kept')
+    for out, there in ((notes, 'a file of another kind (8 bytes)'),
+                       (folder, 'a directory of 1 other entry')):
+        for extra in ((), ('--overwrite',)):
+            one_line_error(cli('merge', out, model, *extra),
+                           f'merging would replace {there}, not a checkpoint', 'never deletes')
+    assert notes.read_text() == 'my notes' and (folder / 'a.txt').read_text() == 'kept'
+    assert cli('merge', tmp_path / 'm.jckpt', model).returncode == 0
+    assert cli('merge', tmp_path / 'm.jckpt', model, '--overwrite').returncode == 0  # a checkpoint
+
+
 def test_convert_of_no_checkpoint_says_what_inspect_says(tmp_path, cli):
     """convert said "in no format jckpt recognises (fix: pass format= one of ...)": the
     command line has no option naming the source's format (--format is the destination's)."""
