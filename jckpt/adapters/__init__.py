@@ -57,6 +57,7 @@ from jckpt.storage.backend import (
     same_place,
 )
 from jckpt.storage.checkpoint import register_directory_reader
+from jckpt.storage.publish import refuse_special
 
 PathLike = str | os.PathLike
 #: How many leading bytes a sniffer sees.
@@ -399,12 +400,15 @@ def refuse_replacing_other_files(dst: str, what: str) -> None:
     file, a directory of other files): replacing a checkpoint is what a conversion or an
     overwrite means, deleting a user's other file never is, whatever the options.
 
-    A FIFO, device or socket is left to `publish.refuse_special`, which never opens it.
+    A FIFO, device or socket is refused as what it is (`publish.refuse_special`, which never
+    opens it), with `overwrite` or without.
 
     >>> refuse_replacing_other_files('no/such/file.jckpt', 'converting')  # nothing there
     """
     backend = backend_for(dst)
     local = backend is LOCAL
+    if local:
+        refuse_special(dst)  # not "an existing checkpoint" where --overwrite is not given
     if not occupied(dst) or (local and not (os.path.isdir(dst) or os.path.isfile(dst))):
         return
     try:

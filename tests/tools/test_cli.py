@@ -774,6 +774,14 @@ def test_overwrite_never_replaces_a_fifo_or_a_device(model, tmp_path, cli, name)
     assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(model), name])
 
 
+def test_a_fifo_is_named_as_such_without_overwrite_too(model, tmp_path, cli):
+    """Without --overwrite, convert and merge called a FIFO "an existing checkpoint"."""
+    fifo = tmp_path / 'fifo.jckpt'
+    os.mkfifo(fifo)
+    for args in (('convert', model, fifo), ('merge', fifo, model)):
+        one_line_error(cli(*args), str(fifo), 'is a FIFO (named pipe)')
+
+
 def test_merge_never_replaces_what_is_not_a_checkpoint(tmp_path, model, cli):
     """`merge --overwrite` deleted a text file or a directory of other files at OUT, which
     `convert` refuses whatever its options."""
