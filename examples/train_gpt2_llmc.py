@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import os
 import tempfile
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -110,6 +111,23 @@ def train(params, opt_state, start: int, until: int, manager=None, stop_at=None)
     return params, opt_state
 
 
+def resume(manager, tmp: str, last: int, crash_at: int, params0: dict) -> tuple[dict, Any]:
+    """The parameters and optimizer state of step ``last``, its model read from ``model.bin``."""
+    step_dir = os.path.join(manager.directory, f'step_{last:08d}.jckpt')
+    print(f"interrupted at step {crash_at}; last checkpoint: step {last}: "
+          f"{sorted(os.listdir(step_dir))}")
+    target = {'model': model_tree(params0), 'opt': optimizer.init(params0)}
+    r = manager.restore(target=target, namespaces=['model', 'opt'])
+    params = {k: v for k, v in r.tree['model'].items() if k != 'config'}
+    print(f"resuming from step {r.trainer_state.global_step} (model read from model.bin)")
+    jckpt.adapters.write({'jckpt': model_tree(params)}, os.path.join(tmp, 'converted.bin'),
+                         format='llmc')
+    with open(os.path.join(step_dir, 'model.bin'), 'rb') as a, \
+            open(os.path.join(tmp, 'converted.bin'), 'rb') as b:
+        print("model.bin is byte-identical to the llmc writer's file:", a.read() == b.read())
+    return params, r.tree['opt']
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--steps', type=int, default=30)
@@ -131,19 +149,12 @@ def main() -> None:
         manager = jckpt.CheckpointManager(ckpts, save_interval_steps=args.every, keep_last=2,
                                           options=options)
         last = manager.latest_step()
-        step_dir = os.path.join(ckpts, f'step_{last:08d}.jckpt')
-        print(f"interrupted at step {args.crash_at}; last checkpoint: step {last}: "
-              f"{sorted(os.listdir(step_dir))}")
-        target = {'model': model_tree(params0), 'opt': optimizer.init(params0)}
-        r = manager.restore(target=target, namespaces=['model', 'opt'])
-        params = {k: v for k, v in r.tree['model'].items() if k != 'config'}
-        print(f"resuming from step {r.trainer_state.global_step} (model read from model.bin)")
-        jckpt.adapters.write({'jckpt': model_tree(params)}, os.path.join(tmp, 'converted.bin'),
-                             format='llmc')
-        with open(os.path.join(step_dir, 'model.bin'), 'rb') as a, \
-                open(os.path.join(tmp, 'converted.bin'), 'rb') as b:
-            print("model.bin is byte-identical to the llmc writer's file:", a.read() == b.read())
-        resumed, _ = train(params, r.tree['opt'], last, args.steps, manager)
+        if last is None:  # interrupted before its first save: start again
+            print(f"interrupted at step {args.crash_at}; no checkpoint yet: starting from step 0")
+            params, opt_state, last = params0, optimizer.init(params0), 0
+        else:
+            params, opt_state = resume(manager, tmp, last, args.crash_at, params0)
+        resumed, _ = train(params, opt_state, last, args.steps, manager)
         manager.close()
         print(manager.counters)
 

@@ -99,11 +99,16 @@ def main() -> None:
 
         manager = jckpt.CheckpointManager(ckpts, save_interval_steps=args.every, keep_last=3)
         print(f"interrupted at step {args.crash_at}; last checkpoint: step {manager.latest_step()}")
-        restored = manager.restore(target=initial_state())
-        print(f"resuming from step {int(restored.tree['step'])} "
-              f"(trainer state: step {restored.trainer_state.global_step}, "
-              f"{restored.trainer_state.consumed_batches} batches consumed)")
-        resumed = train(restored.tree, data, args.steps, manager)
+        if manager.latest_step() is None:  # interrupted before its first save: start again
+            print("no checkpoint yet: starting from step 0")
+            state = initial_state()
+        else:
+            restored = manager.restore(target=initial_state())
+            state = restored.tree
+            print(f"resuming from step {int(state['step'])} "
+                  f"(trainer state: step {restored.trainer_state.global_step}, "
+                  f"{restored.trainer_state.consumed_batches} batches consumed)")
+        resumed = train(state, data, args.steps, manager)
         manager.close()
         print(manager.counters)
         print(f"steps kept: {manager.all_steps()}")

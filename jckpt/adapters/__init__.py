@@ -48,6 +48,7 @@ from jckpt.adapters._common import held_bytes, holding, map_file, nest_dotted
 from jckpt.errors import FormatError, InputError, MissingEntryError
 from jckpt.format.names import STEP_RE, is_format_step
 from jckpt.storage.backend import (
+    LOCAL,
     backend_for,
     checked_path,
     is_url,
@@ -56,6 +57,7 @@ from jckpt.storage.backend import (
     same_place,
 )
 from jckpt.storage.checkpoint import register_directory_reader
+from jckpt.storage.publish import refuse_special
 
 PathLike = str | os.PathLike
 #: How many leading bytes a sniffer sees.
@@ -398,10 +400,13 @@ def convert(src: PathLike, dst: PathLike, *, format: str | None = None,
 def refuse_replacing_other_files(dst: str, what: str) -> None:
     """`refuse_foreign` with every format jckpt reads counted a checkpoint (`detect_format`):
     a conversion, a re-layout or a merge replaces a checkpoint, never a text file, a folder of
-    other files or a manager's run.
+    other files or a manager's run. A FIFO, device or socket is refused as what it is
+    (`publish.refuse_special`, which never opens it), with `overwrite` or without.
 
     >>> refuse_replacing_other_files('no/such/file.jckpt', 'converting')  # nothing there
     """
+    if backend_for(dst) is LOCAL:
+        refuse_special(dst)  # not "an existing checkpoint" where --overwrite is not given
     refuse_foreign(dst, what, _is_checkpoint)
 
 

@@ -189,15 +189,20 @@ class BackgroundWriter(Generic[InfoT]):
         return True if self._pipeline is None else self._pipeline.wait(timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        """Make everything submitted durable, stop the writer and release the path (idempotent)."""
+        """Make everything submitted durable, stop the writer and release the path (idempotent).
+
+        Past `timeout`, a `CheckpointError` says so and nothing is closed: the writer goes on
+        writing under its lease, and the next `close()` waits for the rest.
+        """
         if self._pipeline is None or self._lease is None:  # a reader holds nothing
             self._on_close()
             return
         try:
             self._pipeline.close(timeout)
         finally:
-            self._lease.release()
-            self._on_close()
+            if self._pipeline.closed:  # one that timed out still writes, under the lease
+                self._lease.release()
+                self._on_close()
 
     def __enter__(self) -> Self:
         return self

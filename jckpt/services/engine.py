@@ -332,32 +332,48 @@ class Pipeline(Generic[InfoT, StagedT]):
         """Make everything durable, stop the writer; raise what could not be persisted.
 
         After `patience` failures the writer is woken for one more attempt before giving up
-        (the disk may have been freed since): one begun after `close` was called.
+        (the disk may have been freed since): one begun after `close` was called. Past
+        `timeout`, a `CheckpointError` says so and the writer stays open, writing: the next
+        `close` waits for the rest.
         """
         if self._closed:
             return
         with self._cond:
             self._told = self._final = True  # a writer that gave up tries once more, now
         try:
-            if not self.wait(timeout):
-                n = self.counters().pending
-                raise CheckpointError(f"close timed out with {n} snapshot(s) not yet durable",
-                                      file=self.name, fix="close with a longer timeout")
+            done = self.wait(timeout)
         except BaseException as e:
             with self._cond:  # no later `wait` will raise them
                 dropped, self._dropped = self._dropped, []
             if dropped:
                 e.add_note(f"{len(dropped)} snapshot(s) were dropped too, not written (the "
                            f"first, {dropped[0][0]}: {dropped[0][1]})")
+            self._stop()
             raise
-        finally:
+        if not done:  # still open, still writing: a later `close` waits for the rest
             with self._cond:
-                self._closing = True
-                self._cond.notify_all()
-            if self._thread is not threading.current_thread():
-                self._thread.join()
-            self._closed = True
-            _OPEN.discard(self._owner)
+                self._final = False
+                n = len(self._queue)
+            raise CheckpointError(f"close timed out with {n} snapshot(s) not yet durable: the "
+                                  "writer is still open and goes on writing them", file=self.name,
+                                  fix="call close() again, with a longer timeout or none, to "
+                                      "wait for them and release the path")
+        self._stop()
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close` stopped the writer (a `close` that timed out leaves it open)."""
+        return self._closed
+
+    def _stop(self) -> None:
+        """Stop the writer thread (after what it is writing) and forget the pipeline."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        self._closed = True
+        _OPEN.discard(self._owner)
 
     # The writer's side.
 

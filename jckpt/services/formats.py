@@ -261,9 +261,10 @@ def _write_model(options: CheckpointOptions, model: Any, namespace: str, path: s
             adapters.write({namespace: model}, path, format=options.format)
     except Exception as e:
         raise model_error(step, named, f"writing the model as {options.format}", e) from e
-    if not step_directory.is_file(path):
-        raise CheckpointError(f"step {step}: the model writer wrote no file", file=named,
-                              fix="model_writer(tree, path) must write the file at path")
+    if not step_directory.is_file(path):  # no retry writes it: dropped as the callback's fault
+        what = "a directory, not one file" if os.path.isdir(path) else "no file"
+        raise InputError(f"step {step}: the model writer wrote {what}", file=named,
+                         fix="model_writer(tree, path) must write one file at path")
 
 
 def step_record(step: int, options: CheckpointOptions, namespace: str, optimizer: bool,

@@ -176,7 +176,7 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
         if not self.read_only:  # at open, not at the first save, hours of training later
             self.options.refuse_directory_steps(self.directory_steps, self.directory)
         self._retention = Retention(keep_last, keep_every, keep_best, best_metric, best_mode)
-        if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
+        if type(save_interval_steps) is not int or save_interval_steps < 1:  # a bool is no count
             raise InputError(f"save_interval_steps must be a positive integer, "
                              f"not {save_interval_steps!r}")
         self.keep_last, self.keep_every, self.keep_best = keep_last, keep_every, keep_best

@@ -45,9 +45,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from jckpt.api.context import Context
-from jckpt.errors import FormatError, InputError, naming_file
+from jckpt.errors import FormatError, InputError, LineageError, naming_file
 from jckpt.format.entries import Header
 from jckpt.format.metadata import check_metadata
+from jckpt.format.names import STEP_KEY
 from jckpt.services.base import BackgroundWriter
 from jckpt.services.engine import MirrorCounters
 from jckpt.services.lineage import MIRROR_FILE
@@ -153,9 +154,17 @@ class Mirror(BackgroundWriter[None]):
     def _describe(self, path: str) -> tuple[dict[str, str], Digest | None]:
         header, self._found = self._found, None  # as `_recover` read it
         if header is None:
-            return super()._describe(path)
-        found = header.metadata_dict()
-        return found, content_digest(header.tensors, found)
+            found, digest = super()._describe(path)
+        else:
+            found = header.metadata_dict()
+            digest = content_digest(header.tensors, found)
+        if STEP_KEY in found:  # its manager's retention deletes it; its steps are not a mirror's
+            raise LineageError(f"the file is step {found[STEP_KEY]} of a checkpoint manager, "
+                               "whose lineage a mirror does not continue", file=path,
+                               fix="mirror to a path of its own, outside the manager's directory "
+                                   "(read the step with CheckpointManager(directory).restore(step)); "
+                                   "for a copy of a step, pass new_lineage=True to start over it")
+        return found, digest
 
     def _target(self, info: None) -> str:
         return self.path

@@ -70,7 +70,7 @@ class Retention:
                 raise InputError(f"{name} must be a positive integer or None, not {value!r}")
         if self.best_mode not in ('min', 'max'):
             raise InputError(f"best_mode must be 'min' or 'max', not {self.best_mode!r}")
-        if self.best_metric is not None and not isinstance(self.best_metric, str):
+        if self.best_metric is not None and not (isinstance(self.best_metric, str) and self.best_metric):
             raise InputError(f"best_metric must be a metric's name, not {self.best_metric!r:.80}",
                              fix="pass e.g. best_metric='loss'")
         if self.keep_best is not None and self.best_metric is None:

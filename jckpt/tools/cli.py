@@ -112,7 +112,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    report = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, progress=_progress(args))
+    report = diff(args.a, args.b, atol=args.atol, rtol=args.rtol, progress=_progress(args),
+                  verify=not args.no_verify)
     if args.json:
         _print_json(report.to_dict())
     else:
@@ -293,6 +294,9 @@ def _add_diff(sub: Any, common: argparse.ArgumentParser) -> None:
                         '(default 0)')
     p.add_argument('--all', action='store_true', help='also list the entries that match')
     p.add_argument('--json', action='store_true', help='print JSON instead of text')
+    p.add_argument('--no-verify', action='store_true',
+                   help='compare payloads without checking their checksums (a damaged one is '
+                        'an error otherwise)')
     p.set_defaults(func=cmd_diff)
 
 

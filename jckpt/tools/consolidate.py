@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import os
 
+from jckpt.adapters import refuse_replacing_other_files
 from jckpt.api import progress as progress_mod
 from jckpt.format.header import Header
 from jckpt.format.layout import written_header
@@ -34,6 +35,8 @@ def consolidate(directory: str | os.PathLike, file: str | os.PathLike, *, durabl
     pieces are checked against their checksums first (`verify=True`) so a
     damaged piece is reported rather than sealed under a new checksum. Ids,
     paths, key implementations and metadata are kept. Returns the header written.
+    A checkpoint at `file` is replaced; anything else there (a text file, a folder of other
+    files, a FIFO) is refused with `InputError`, as `convert` refuses it.
     `progress` draws a bar on stderr while writing (only when stderr is a terminal).
 
     Example:
@@ -43,6 +46,7 @@ def consolidate(directory: str | os.PathLike, file: str | os.PathLike, *, durabl
     """
     directory, file = checked_path(directory), checked_path(file)
     backend_for(file)  # a URL no backend serves is refused before the directory is read
+    refuse_replacing_other_files(file, "consolidating")  # a checkpoint there is replaced
     alignment = None if alignment is None else check_alignment(alignment, file)
     reader = DirectoryReader(directory, check_pieces=True)  # a missing piece named as such
     entries, sources = [], []

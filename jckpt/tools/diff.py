@@ -222,13 +222,13 @@ def _compare(a: np.ndarray, b: np.ndarray, atol: float, rtol: float) -> tuple[fl
 
 
 def _diff_entry(ra: Any, ea: Entry, rb: Any, eb: Entry,
-                atol: float, rtol: float) -> EntryDiff:
+                atol: float, rtol: float, verify: bool) -> EntryDiff:
     dtype_a, dtype_b = _dtype_name(ea), _dtype_name(eb)
     same_shape = ea.shape == eb.shape
     size, max_abs, max_rel, bad = 0, 0.0, 0.0, 0
     if same_shape and precs.VOID not in (ea.prec, eb.prec):
-        x = np.asarray(ra.decode(ea, mmap=True, count=False))  # a directory's arrays are lazy
-        y = np.asarray(rb.decode(eb, mmap=True, count=False))
+        x = np.asarray(ra.decode(ea, mmap=True, verify=verify, count=False))  # lazy: a directory's
+        y = np.asarray(rb.decode(eb, mmap=True, verify=verify, count=False))
         size = int(x.size)
         max_abs, max_rel, bad = _compare(x, y, atol, rtol)
     same = dtype_a == dtype_b and same_shape and ea.key_impl == eb.key_impl and bad == 0
@@ -276,7 +276,7 @@ def _by_loose_identity(entries: Sequence[Entry]) -> dict[tuple[str, Any], list[E
 
 
 def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float = 0.0, rtol: float = 0.0,
-         progress: bool = False) -> DiffReport:
+         progress: bool = False, verify: bool = True) -> DiffReport:
     """Compare checkpoints `a` and `b` (files or multi-process directories, in jckpt's format
     or another's) entry by entry.
 
@@ -288,7 +288,9 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float = 0.0, rtol:
     same place are equal). A checkpoint in another format (safetensors, `.pt`,
     numpy, llm.c, orbax) is compared as `jckpt.convert` reads it, so an
     export can be checked against its source. Raises `FormatError` naming
-    the file if either is missing, damaged or not a checkpoint.
+    the file if either is missing, damaged or not a checkpoint, and `ChecksumError` naming
+    the entry for a payload that does not match its checksum (`verify=False` compares the
+    values as stored: a damaged copy within `atol` would otherwise pass as the same).
 
     Example:
         ```python
@@ -308,7 +310,7 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, atol: float = 0.0, rtol:
     out = []
     with progress_mod.bar(f"comparing {os.path.basename(a)}", total, enabled=progress) as bar:
         for ea, eb in shared:
-            out.append(_diff_entry(ra, ea, rb, eb, atol, rtol))
+            out.append(_diff_entry(ra, ea, rb, eb, atol, rtol, verify))
             bar.advance(ea.byte_length + eb.byte_length)
     return DiffReport(a, b, float(atol), float(rtol), only_a, only_b, tuple(out))
 

@@ -457,3 +457,21 @@ def test_a_flag_is_no_count_of_slots_or_attempts(tmp_path, option):
     """slots=True or patience=True was taken as 1, as retention's counts are not."""
     with pytest.raises(jckpt.InputError, match="must be a positive integer"):
         jckpt.Mirror(str(tmp_path / "m.jckpt"), **option)
+
+
+def test_a_close_that_times_out_leaves_the_writer_writing_for_the_next_close():
+    """It stopped the writer: the next close returned at once, and the snapshots it had not
+    written were lost without a word, though its error said to close with a longer timeout."""
+    fake = Fake()
+    fake.gate.clear()                                  # staging waits
+    p = Pipeline("slow", fake, slots=2)
+    p.admit(leaves(1), {})
+    p.admit(leaves(2), {})
+    with pytest.raises(jckpt.CheckpointError, match="close timed out with 2 snapshot"):
+        p.close(timeout=0.05)
+    assert not p.closed and p.counters().pending == 2
+    fake.gate.set()
+    p.close(timeout=30)
+    assert p.closed and fake.published() == [1, 2]
+    assert p.counters().durable == 2
+    wait_for(lambda: not [n for n in writer_threads() if "slow" in n])

@@ -240,6 +240,28 @@ def test_a_callback_fault_of_its_own_drops_the_step(tmp_path):
         assert mgr.wait_durable(timeout=60) and mgr.all_steps() == [1, 2, 4]
 
 
+@pytest.mark.parametrize('writes', ['nothing', 'a directory'])
+def test_a_callback_that_writes_no_file_drops_the_step(tmp_path, writes):
+    """It was retried forever: every later step waited behind it, and close lost them."""
+    def writer(tree, path):
+        if float(tree['w'][0]) == 3 and writes == 'a directory':
+            os.makedirs(path)
+        elif float(tree['w'][0]) != 3:
+            jckpt.adapters.write({'model': tree}, path, format='npz')
+
+    with saved_steps(tmp_path) as mgr:
+        opts = CheckpointOptions(format='npz', model_writer=writer)
+        for step in (3, 4):
+            mgr.save(step, items={'model': {'w': np.ones(2) * step}, 'opt': optimizer(step)},
+                     options=opts)
+        what = 'a directory, not one file' if writes == 'a directory' else 'no file'
+        with pytest.raises(InputError, match=f"step 3: the model writer wrote {what}") as e:
+            mgr.wait_durable(timeout=60)
+        assert e.value.file == str(tmp_path / 'step_00000003.jckpt' / 'model.npz')
+        assert mgr.wait_durable(timeout=60) and mgr.all_steps() == [1, 2, 4]
+        assert mgr.restore(4).tree['model']['w'][0] == 4
+
+
 def test_a_callback_that_raises_is_a_failed_write(tmp_path):
     broken = [True]
 

@@ -404,6 +404,8 @@ def test_directory_steps_for_multi_process_saves(tmp_path):
     ({"asynchronous": "no"}, "asynchronous must be True or False"),
     ({"new_lineage": "yes"}, "new_lineage must be True or False"),
     ({"best_metric": 3}, "best_metric must be a metric's name"),
+    ({"best_metric": "", "keep_best": 1}, "best_metric must be a metric's name"),
+    ({"save_interval_steps": True}, "save_interval_steps must be a positive integer"),
 ])
 def test_manager_options_of_the_wrong_kind_are_refused(tmp_path, options, match):
     with pytest.raises(jckpt.InputError, match=match):

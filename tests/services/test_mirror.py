@@ -554,3 +554,45 @@ def test_a_lone_surrogate_in_a_tree_key_is_refused_at_submit(tmp_path):
             m.submit({'a': {os.fsdecode(b'b\xff'): np.ones(2)}})
         assert e.value.file == path and e.value.entry.startswith('jckpt/a')
         m.submit({'a': np.ones(2)})
+
+
+def test_a_close_that_times_out_keeps_the_path_and_the_next_close_writes_the_rest(tmp_path, monkeypatch):
+    """The mirror released its lease and stopped writing: a second close returned at once and
+    the file kept an older snapshot."""
+    from jckpt.services import base
+    path = str(tmp_path / "m.jckpt")
+    gate = threading.Event()
+    write = base.BackgroundWriter._write_staged
+
+    def slow(self, *args, **kwargs):
+        gate.wait(30)
+        return write(self, *args, **kwargs)
+
+    monkeypatch.setattr(base.BackgroundWriter, "_write_staged", slow)
+    m = jckpt.Mirror(path)
+    m.submit({"w": np.ones(3, np.float32)})
+    m.submit({"w": np.full(3, 2, np.float32)})
+    with pytest.raises(jckpt.CheckpointError, match="writer is still open"):
+        m.close(timeout=0.05)
+    with pytest.raises(jckpt.InUseError):
+        jckpt.Mirror(path)                             # still its writer's
+    gate.set()
+    m.close()
+    assert m.counters.durable == 2
+    np.testing.assert_array_equal(jckpt.load(jckpt.Context(), path)[1]["jckpt"]["w"], [2, 2, 2])
+    jckpt.Mirror(path).close()                         # released now
+
+
+def test_a_managers_step_is_not_continued_as_a_mirrors_file(tmp_path):
+    """A mirror opened on a manager's step continued its lineage and rewrote the step: its
+    metrics gone, and the manager's retention deleting what the mirror kept."""
+    with jckpt.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(3, {"w": np.ones(2, np.float32)}, metrics={"loss": 0.5}, force=True)
+    step = str(tmp_path / "run" / "step_00000003.jckpt")
+    before = open(step, "rb").read()
+    with pytest.raises(jckpt.LineageError, match="step 3 of a checkpoint manager") as e:
+        jckpt.Mirror(step)
+    assert e.value.file == step and "outside the manager's directory" in e.value.fix
+    assert open(step, "rb").read() == before
+    with jckpt.CheckpointManager(tmp_path / "run") as mgr:   # its lease was given back
+        assert mgr.metrics(3) == {"loss": 0.5}

@@ -440,6 +440,18 @@ def test_diff_missing_and_corrupt(tmp_path, model, cli):
     one_line_error(cli('diff', bad, model), str(bad), 'extends past the end')
 
 
+def test_diff_of_a_damaged_copy_is_an_error_unless_no_verify(tmp_path, cli):
+    """A damaged copy within --atol of its source was SAME, exit 0."""
+    x = np.linspace(0, 1, 64, dtype=np.float32)
+    a, b = write(tmp_path / 'a.jckpt', {'x': x}), write(tmp_path / 'b.jckpt', {'x': x})
+    data = bytearray(open(b, 'rb').read())
+    data[-4] ^= 1                                      # the last value's lowest mantissa bit
+    open(b, 'wb').write(data)
+    one_line_error(cli('diff', a, b, '--atol', '1e-6'), str(b), 'jckpt/x', 'checksum mismatch')
+    assert cli('diff', a, b, '--atol', '1e-6', '--no-verify').returncode == 0
+    assert cli('diff', a, b, '--no-verify').returncode == 1
+
+
 # --- convert -----------------------------------------------------------------
 
 def test_convert_relayout(tmp_path, model, cli):
@@ -771,6 +783,32 @@ def test_overwrite_never_replaces_a_fifo_or_a_device(model, tmp_path, cli, name)
             'replace it' in r.stderr, (args, r)
         assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
     assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(model), name])
+
+
+def test_a_fifo_is_named_as_such_without_overwrite_too(model, tmp_path, cli):
+    """Without --overwrite, convert and merge called a FIFO "an existing checkpoint"."""
+    fifo = tmp_path / 'fifo.jckpt'
+    os.mkfifo(fifo)
+    for args in (('convert', model, fifo), ('merge', fifo, model)):
+        one_line_error(cli(*args), str(fifo), 'is a FIFO (named pipe)')
+
+
+def test_merge_never_replaces_what_is_not_a_checkpoint(tmp_path, model, cli):
+    """`merge --overwrite` deleted a text file or a directory of other files at OUT, which
+    `convert` refuses whatever its options."""
+    notes = tmp_path / 'notes.jckpt'
+    notes.write_text('my notes')
+    folder = tmp_path / 'out.jckpt'
+    folder.mkdir()
+    (folder / 'a.txt').write_text('kept')
+    for out, there in ((notes, 'a file that is not a checkpoint (8 bytes)'),
+                       (folder, 'a directory holding 1 entry that is no part of a checkpoint')):
+        for extra in ((), ('--overwrite',)):
+            one_line_error(cli('merge', out, model, *extra),
+                           f'merging would replace {there}', 'never deletes')
+    assert notes.read_text() == 'my notes' and (folder / 'a.txt').read_text() == 'kept'
+    assert cli('merge', tmp_path / 'm.jckpt', model).returncode == 0
+    assert cli('merge', tmp_path / 'm.jckpt', model, '--overwrite').returncode == 0  # a checkpoint
 
 
 def test_convert_of_no_checkpoint_says_what_inspect_says(tmp_path, cli):

@@ -121,3 +121,17 @@ def test_what_is_not_a_directory_checkpoint_is_refused(tmp_path, what):
         consolidate(path, tmp_path / 'one.jckpt')
     assert e.value.file == str(path)
     assert not (tmp_path / 'one.jckpt').exists()
+
+
+def test_what_is_not_a_checkpoint_is_never_replaced(tmp_path):
+    """A text file at the destination was replaced without a word, which convert refuses."""
+    d = write_directory(tmp_path / 'ckpt', {'w': np.arange(8.0)})
+    notes = tmp_path / 'notes.jckpt'
+    notes.write_text('my notes')
+    with pytest.raises(InputError, match='consolidating would replace a file that is not a checkpoint') as e:
+        consolidate(d, notes)
+    assert e.value.file == str(notes) and notes.read_text() == 'my notes'
+    done = tmp_path / 'done.jckpt'
+    write_arrays(done, {'x': np.zeros(2)})
+    consolidate(d, done)                               # a checkpoint is replaced
+    assert [e.name for e in CheckpointReader(str(done)).header.tensors] == ['jckpt/w']

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import warnings
 from typing import NamedTuple
 
@@ -105,6 +106,32 @@ def test_diff_is_chunked(tmp_path, monkeypatch):
     d = diff(write_arrays(tmp_path / 'a.jckpt', {'x': x}),
              write_arrays(tmp_path / 'b.jckpt', {'x': y})).entries[0]
     assert (d.mismatched, d.max_abs) == (3, 3.0)
+
+
+def _flip_last_payload_byte(path):
+    """Damage the last float32 of a file's last payload by its lowest mantissa bit."""
+    data = bytearray(open(path, 'rb').read())
+    data[-4] ^= 1
+    open(path, 'wb').write(data)
+
+
+@pytest.mark.parametrize('kind', ['file', 'directory'])
+def test_a_damaged_payload_is_a_checksum_error_not_a_small_difference(tmp_path, kind):
+    """A damaged copy within --atol of its source was reported SAME, exit 0."""
+    x = np.linspace(0, 1, 64, dtype=np.float32)
+    source = write_arrays(tmp_path / 'a.jckpt', {'x': x})
+    if kind == 'file':
+        copy = write_arrays(tmp_path / 'b.jckpt', {'x': x})
+        damaged = copy
+    else:
+        copy = write_directory(tmp_path / 'b', {'x': x}, processes=2)
+        damaged = os.path.join(copy, 'process_00001.jckpt')
+    _flip_last_payload_byte(damaged)
+    with pytest.raises(jckpt.ChecksumError, match='checksum mismatch') as e:
+        diff(source, copy, atol=1e-6)
+    assert e.value.entry == 'jckpt/x' and e.value.file == damaged
+    r = diff(source, copy, atol=1e-6, verify=False)    # the values as stored
+    assert r.same and diff(source, copy, verify=False).entries[0].mismatched == 1
 
 
 # --- tolerances --------------------------------------------------------------------------------
