@@ -44,7 +44,8 @@ import numpy as np
 
 from jckpt.api import pairing
 from jckpt.api.meetings import SAVING, meeting
-from jckpt.api.runtime import DEFAULT_BARRIER_TIMEOUT, barrier_timeout, first_line, told
+from jckpt.api.outcomes import first_line, told
+from jckpt.api.runtime import DEFAULT_BARRIER_TIMEOUT, barrier_timeout
 from jckpt.api.runtime import Runtime as _Runtime
 from jckpt.errors import CheckpointError, DistributedError
 from jckpt.format.boxes import Box, box_shape, coalesce, full_box, intersect

@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from jckpt import errors
 from jckpt.api.meetings import MEETING, MISMATCH_FIX, TOLD, Meeting, meeting, told_alone, told_since
+from jckpt.api.outcomes import common, described, told
 from jckpt.errors import CheckpointError, DistributedError, InputError
 
 #: Seconds a process waits at a barrier for the others (`JCKPT_BARRIER_TIMEOUT` overrides).
@@ -349,21 +349,6 @@ class Runtime:
         self.check(name)
 
 
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
-def told(e: BaseException) -> str:
-    """What the other processes are told of `e`: its first line, after its type where it is
-    not jckpt's (whose message names the file, the entry and the fix).
-
-    >>> told(ValueError("bad shape"))
-    'ValueError: bad shape'
-    """
-    return first_line(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {first_line(e)}"
-
-
 def agree(what: str, path: str, failure: BaseException | None, *, process: int, processes: int,
           timeout: float | None = None, value: Any = None, same_path: bool = True,
           here: Meeting | None = None) -> list[Any]:
@@ -394,7 +379,7 @@ def agree(what: str, path: str, failure: BaseException | None, *, process: int, 
                  processes, process, announce=None, here=here)
     if not arrived:
         rt.post()
-    said_here = json.dumps({'path': os.fspath(path), 'value': value, **_described(failure)})
+    said_here = json.dumps({'path': os.fspath(path), 'value': value, **described(failure)})
     try:
         listed = rt.gather('said', said_here, f"reached {what}", 'said')
     except DistributedError:
@@ -410,7 +395,7 @@ def agree(what: str, path: str, failure: BaseException | None, *, process: int, 
                 "process sees") from failure
     failed = [(k, d) for k, d in said if d['type'] is not None]
     if failed:
-        raise _common(what, path, failed) from failure
+        raise common(what, path, failed) from failure
     return [d.get('value') for _, d in said]
 
 
@@ -466,24 +451,5 @@ def tell(error: BaseException, *, process: int, processes: int) -> None:
                                                 allow_overwrite=True)
 
 
-def _described(e: BaseException | None) -> dict[str, str | None]:
-    if e is None:
-        return {'type': None, 'message': None, 'fix': None}
-    if isinstance(e, CheckpointError):
-        return {'type': type(e).__name__, 'message': e.message, 'fix': e.fix}
-    return {'type': 'DistributedError', 'message': told(e),
-            'fix': None}
-
-
-def _common(what: str, path: str, failed: list[tuple[int, dict[str, Any]]]) -> CheckpointError:
-    """The one error every process raises: the first failure's type, every failure named."""
-    kind = getattr(errors, failed[0][1]['type'], None)
-    if not (isinstance(kind, type) and issubclass(kind, CheckpointError)):
-        kind = DistributedError
-    said = '; '.join(f"process {k}: {d['message']}" for k, d in failed)
-    return kind(f"{what} failed in {len(failed)} of the run's processes ({said})", file=path,
-                fix=failed[0][1]['fix'])
-
-
 __all__ = ['DEFAULT_BARRIER_TIMEOUT', 'MEETING', 'MISMATCH_FIX', 'Meeting', 'Runtime', 'agree',
-           'arrive', 'barrier_timeout', 'client', 'first_line', 'jointly', 'meeting', 'tell', 'told']
+           'arrive', 'barrier_timeout', 'client', 'jointly', 'meeting', 'tell']
