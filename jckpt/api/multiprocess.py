@@ -44,8 +44,8 @@ import numpy as np
 
 from jckpt.api import pairing
 from jckpt.api.meetings import SAVING, meeting
-from jckpt.api.outcomes import first_line, told
-from jckpt.api.runtime import DEFAULT_BARRIER_TIMEOUT, barrier_timeout
+from jckpt.api.outcomes import first_line, own_error
+from jckpt.api.runtime import DEFAULT_BARRIER_TIMEOUT, barrier_timeout, refusing
 from jckpt.api.runtime import Runtime as _Runtime
 from jckpt.errors import CheckpointError, DistributedError
 from jckpt.format.boxes import Box, box_shape, coalesce, full_box, intersect
@@ -305,22 +305,6 @@ def _discard(backend: Backend, stage: _Stage) -> None:
         object_directory.discard(stage.path, stage.tag)
 
 
-def _own(e: BaseException, path: str, count: int) -> BaseException:
-    """The error this process raises for its own failure `e`: `e` itself where it is jckpt's
-    (or the process is stopping: `KeyboardInterrupt`), else, with several processes, a
-    `DistributedError` naming it and raised from it, so that every process of the run gets
-    a `CheckpointError` from a failed save (the others get one naming this process's) and
-    one `except jckpt.CheckpointError` keeps them all in step."""
-    if count == 1 or isinstance(e, CheckpointError) or not isinstance(e, Exception):
-        return e
-    own = DistributedError(f"the save failed in this process: {told(e)}", file=path,
-                           fix="see the error this one was raised from; the other processes "
-                               "failed naming it, nothing was published and the previous "
-                               "checkpoint is intact")
-    own.__cause__ = e
-    return own
-
-
 def _checked_write(first: pairing.Claim, mine: pairing.Claim, absent: Sequence[int], where: str,
                    leaves: list[_Leaf] | BaseException, namespace: str, *pieces: Any) -> None:
     """Check that process 0 makes this process's save (`pairing.check_claims`), then write
@@ -412,6 +396,18 @@ def _finish(rt: _Runtime, process: int, then: Callable[[], None] | None,
                                fix="see that process's error; the checkpoint is intact")
 
 
+def _arguments(ctx: Any, path: str | os.PathLike, alignment: int | None, timeout: float | None,
+               process: int, count: int) -> tuple[Backend, str, int, float]:
+    """`save_directory`'s backend, path, alignment and timeout, checked before the save takes
+    its turn: a refusal is posted (`refusing`), so the others' save fails at once."""
+    with refusing((SAVING, ''), process=process, processes=count):
+        backend = backend_for(path)  # before abspath, which would take a URL for a relative path
+        path = os.path.abspath(os.fspath(path)) if backend is LOCAL else os.fspath(path)
+        refuse_others_files(path)  # publishing swaps the whole directory: not a folder of others'
+        alignment = check_alignment(ctx.alignment if alignment is None else alignment, path)
+        return backend, path, alignment, barrier_timeout() if timeout is None else float(timeout)
+
+
 def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: int | None = None,
                    metadata: Mapping[str, str] | None = None, timeout: float | None = None,
                    returning: Sequence[str] = (), failure: Exception | None = None,
@@ -428,20 +424,16 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
     nothing is published. A failing process raises its own jckpt error, or a
     `DistributedError` raised from another (a `ValueError` of the tree's code);
     `failure` (the caller's, a manager's metrics) fails the save once it took its turn; `then`
-    (a manager's lease check) fails it in every process once published (`_finish`).
-    It records process 0's `metadata`, and returns in every process its keys in `returning`.
+    (a manager's lease check) fails it in every process once published (`_finish`). It records
+    process 0's `metadata`, and returns in every process its keys in `returning`.
 
     Example:
         ```python
         jckpt.save(ctx, {"params": sharded_params, "step": step}, "ckpt")  # every process
         ```
     """
-    backend = backend_for(path)  # before abspath, which would take a URL for a relative path
-    path = os.path.abspath(os.fspath(path)) if backend is LOCAL else os.fspath(path)
-    refuse_others_files(path)  # publishing swaps the whole directory: not a folder of others'
-    alignment = check_alignment(ctx.alignment if alignment is None else alignment, path)
     process, count = jax.process_index(), jax.process_count()
-    timeout = barrier_timeout() if timeout is None else float(timeout)
+    backend, path, alignment, timeout = _arguments(ctx, path, alignment, timeout, process, count)
     rt, mine = _begin(path, timeout, count, process)  # first: a failed save still takes its turn
     leaves, facts, mine = _planned(ctx, tree, process, mine, failure)
     values = {k: (metadata or {})[k] for k in returning if k in (metadata or {})}
@@ -460,7 +452,7 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
                 _publish, backend, stage, path, count, alignment,
                 {**(metadata or {}), SAVE_KEY: save}, ctx.durable, [f[1] for f in facts or ()]))
     except BaseException as e:
-        named = _named(rt, process, facts, first, mine, _own(e, path, count))
+        named = _named(rt, process, facts, first, mine, own_error(e, path, count))
         if process == 0:
             _discard(backend, stage)
         if isinstance(named, CheckpointError) and stage.path:

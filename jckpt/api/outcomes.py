@@ -54,4 +54,20 @@ def common(what: str, path: str, failed: list[tuple[int, dict[str, Any]]]) -> Ch
                 fix=failed[0][1]['fix'])
 
 
-__all__ = ['common', 'described', 'first_line', 'told']
+def own_error(e: BaseException, path: str, count: int) -> BaseException:
+    """The error this process raises for its own failure `e`: `e` itself where it is jckpt's
+    (or the process is stopping: `KeyboardInterrupt`), else, with several processes, a
+    `DistributedError` naming it and raised from it, so that every process of the run gets
+    a `CheckpointError` from a failed save (the others get one naming this process's) and
+    one `except jckpt.CheckpointError` keeps them all in step."""
+    if count == 1 or isinstance(e, CheckpointError) or not isinstance(e, Exception):
+        return e
+    own = DistributedError(f"the save failed in this process: {told(e)}", file=path,
+                           fix="see the error this one was raised from; the other processes "
+                               "failed naming it, nothing was published and the previous "
+                               "checkpoint is intact")
+    own.__cause__ = e
+    return own
+
+
+__all__ = ['common', 'described', 'first_line', 'own_error', 'told']

@@ -17,10 +17,19 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from jckpt.api.meetings import MEETING, MISMATCH_FIX, TOLD, Meeting, meeting, told_alone, told_since
+from jckpt.api.meetings import (
+    MEETING,
+    MISMATCH_FIX,
+    TOLD,
+    Meeting,
+    meeting,
+    refused,
+    told_alone,
+    told_since,
+)
 from jckpt.api.outcomes import common, described, told
 from jckpt.errors import CheckpointError, DistributedError, InputError
 
@@ -35,6 +44,7 @@ LEFT = 1 << 40  # what a process leaving a meeting failing adds to its outcome (
 FEW = 8  # processes whose keys `Runtime.gather` gets one by one, without listing them first
 #: Why a process stopped waiting early (`Runtime.gather`).
 STUCK = "it waits at another meeting, for this process: no process can move on"
+GONE = "it left this meeting failing: it will not come"  # `Meeting.stuck`, a position left
 T = TypeVar('T')
 
 
@@ -109,7 +119,7 @@ class Runtime:
         found, seen = self._await(full, 0, start)
         if found is not None:
             return found
-        why = STUCK if seen else f"the wait timed out{self._elsewhere()}"  # stuck: `_placed` says where
+        why = _why(seen) or f"the wait timed out{self._elsewhere()}"  # `_placed` says where
         raise self._placed(seen, DistributedError(
             f"process 0 did not start the save within {time.monotonic() - start:.1f} s of "
             f"{self.timeout_ms / 1000:g} ({why})", file=self.path,
@@ -204,7 +214,7 @@ class Runtime:
                 came = set(got) | {k for k, _ in self.listed(prefix)}
                 raise self._placed(seen, self._not_every(
                     name, what, time.monotonic() - start, came,
-                    STUCK if seen else "the barrier timed out"))
+                    _why(seen) or "the barrier timed out"))
             if found is None:  # every process came after all: another settled it met
                 return self.listed(prefix)
             got[str(p)] = found
@@ -349,6 +359,11 @@ class Runtime:
         self.check(name)
 
 
+def _why(seen: Meeting | None) -> str:
+    """Why this process stopped waiting early for a process found at `seen` ('': it did not)."""
+    return '' if seen is None else GONE if seen.left else STUCK
+
+
 def agree(what: str, path: str, failure: BaseException | None, *, process: int, processes: int,
           timeout: float | None = None, value: Any = None, same_path: bool = True,
           here: Meeting | None = None) -> list[Any]:
@@ -433,23 +448,46 @@ def arrive(what: str, path: str, *, process: int, processes: int,
     return here
 
 
-def tell(error: BaseException, *, process: int, processes: int) -> None:
-    """Post `error`, raised in this process alone for a call that cannot meet the others (a
-    manager's save whose step is no step: where it would save is not known), so that the
-    others' errors, waiting for this process at that call, say what it was told (best effort).
+def tell(error: BaseException, about: tuple[str, str], *, process: int, processes: int) -> None:
+    """Post `error`, raised in this process alone for a call that meets the others about
+    `about` (`(what, path)`: a manager's save whose step is no step, an argument refused
+    before the meeting), as this process's position: it left that meeting, refusing the call
+    (`meetings.refused`). The others waiting for it there fail at once, saying what it was
+    told, not at their timeout (best effort: what it is for is their error).
 
     Example:
         ```python
-        tell(refusal, process=1, processes=2)  # then raise refusal
+        tell(refusal, (SAVING, ''), process=1, processes=2)  # then raise refusal
         ```
     """
     if processes > 1:
         with contextlib.suppress(Exception):
             said = (f"{type(error).__name__}: {error.message}" if isinstance(error, CheckpointError)
                     else told(error))
-            client(processes, '').key_value_set(f"{TOLD}/{process}", told_alone(said),
-                                                allow_overwrite=True)
+            gone = refused(*about)
+            store = client(processes, '')
+            store.key_value_set(f"{TOLD}/{process}", told_alone(said, gone), allow_overwrite=True)
+            store.key_value_set(f"{MEETING}/{process}", gone.encode(), allow_overwrite=True)
+
+
+@contextlib.contextmanager
+def refusing(about: tuple[str, str], *, process: int, processes: int) -> Iterator[None]:
+    """The checks of a call meeting the others about `about`, made before it takes its turn
+    there: an error they raise is posted (`tell`: this process will not come), then raised,
+    so that the others fail at once rather than at their timeout.
+
+    Example:
+        ```python
+        with refusing((SAVING, ''), process=1, processes=2):
+            path = checked_path(path)
+        ```
+    """
+    try:
+        yield
+    except Exception as e:
+        tell(e, about, process=process, processes=processes)
+        raise
 
 
 __all__ = ['DEFAULT_BARRIER_TIMEOUT', 'MEETING', 'MISMATCH_FIX', 'Meeting', 'Runtime', 'agree',
-           'arrive', 'barrier_timeout', 'client', 'jointly', 'meeting', 'tell']
+           'arrive', 'barrier_timeout', 'client', 'jointly', 'meeting', 'refusing', 'tell']

@@ -753,16 +753,48 @@ def test_a_managers_argument_refused_in_one_process_fails_in_all_at_once(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_step_to_save_refused_in_one_process_is_named_by_the_others_timeout(tmp_path):
+def test_a_step_to_save_refused_in_one_process_fails_the_others_at_once_naming_it(tmp_path):
     """A `save` whose step is no step cannot meet the others' (where it would save is not known):
-    process 0 waited out its timeout naming only where process 1 was before. Now it says what
-    process 1 was told."""
+    process 0 waited out its timeout (60 s here, 300 by default), naming only where process 1
+    was before. Now process 1 posts that it left that save, and process 0 fails at once, saying
+    what process 1 was told."""
     found = check(run_pair("stuck", tmp_path / "run", {"KIND": "told",
-                                                       "JCKPT_BARRIER_TIMEOUT": "4"}))
+                                                       "JCKPT_BARRIER_TIMEOUT": "60"}))
     (t0, m0, _, _), (t1, m1, _, _) = (found[p]["attempts"][0] for p in (0, 1))
     assert (t0, t1) == ("DistributedError", "InputError") and "not int -3" in m1, found
-    assert "process 1 is at saving a checkpoint (its 2nd such meeting), and was told since: " \
-           "InputError: step must be a non-negative integer, not int -3: " in m0, m0
+    assert "(it left this meeting failing: it will not come)" in m0 and "timed out" not in m0, m0
+    assert "process 1 left saving a checkpoint (its 3rd such meeting), failing, and was told " \
+           "since: InputError: step must be a non-negative integer, not int -3: " in m0, m0
+
+
+@pytest.mark.slow
+def test_a_save_one_process_refused_before_its_turn_fails_the_others_at_once_naming_it(tmp_path):
+    """Process 1's `jckpt.save` refused its path (no path) before the save took its turn, and
+    process 1 went on to other work: process 0 waited out its timeout at that save, naming only
+    the save process 1 made before. Now process 1 posts that it left it: process 0 fails at once."""
+    found = check(run_pair("refusals", tmp_path / "ckpt", {"KIND": "save",
+                                                           "JCKPT_BARRIER_TIMEOUT": "60"}))
+    (t0, m0), (t1, m1) = (found[p]["attempts"][-1] for p in (0, 1))
+    assert (t0, t1) == ("DistributedError", "InputError") and "NUL" in m1, found
+    assert "(it left this meeting failing: it will not come)" in m0 and "timed out" not in m0, m0
+    assert "process 1 left saving a checkpoint (its 2nd such meeting), failing, and was told " \
+           "since: InputError: a path cannot hold a NUL character" in m0, m0
+
+
+@pytest.mark.slow
+def test_a_managers_argument_one_process_refuses_at_construction_fails_all_at_once_alike(tmp_path):
+    """`CheckpointManager(..., directory_steps=True)` with options for another format in process
+    1 alone raised there at construction, before the open every process meets at: process 0
+    waited out its timeout there. Now every process raises the same InputError, at once."""
+    found = check(run_pair("refusals", tmp_path / "run", {"KIND": "open",
+                                                          "JCKPT_BARRIER_TIMEOUT": "60"}))
+    (t0, m0), (t1, m1) = (found[p]["attempts"][0] for p in (0, 1))
+    assert (t0, t1) == ("InputError", "InputError") and m0 == m1, found
+    assert "opening the manager failed in 1 of the run's processes (process 1: multi-process " \
+           "directory steps are jckpt only" in m0, m0
+    for r in found.values():
+        assert [a[0] for a in r["attempts"]] == ["InputError", None], found  # then both open
+
 
 # --- the worker ------------------------------------------------------------------------------
 
@@ -1328,7 +1360,6 @@ def phase_stuck(jax, jckpt, result, path):
     a restore both make (still at the save before), then reads its part slowly. "arguments":
     process 1 passes a `restore` or `save` argument that is refused; "told": a step to `save`
     that is no step."""
-    from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -1358,7 +1389,7 @@ def phase_stuck(jax, jckpt, result, path):
             attempts.append(attempt(lambda: mgr.restore(target=target), 4))
         elif kind == "told":  # process 1 saves a step that is no step: it cannot meet the others
             attempts.append(attempt(lambda: (mgr.save(-3 if lone else 3, x(3)), x(3))[1], 3))
-            multihost_utils.sync_global_devices("process 0 timed out")
+            _other_work(jax, "process 0 failed")
         else:
             if lone:
                 time.sleep(3)  # behind: still at the save before, as the others see it
@@ -1371,6 +1402,39 @@ def phase_stuck(jax, jckpt, result, path):
     result.update(ok=True, attempts=attempts)
 
 
+def phase_refusals(jax, jckpt, result, path):
+    """`KIND` "save": both processes save, then process 1 passes a path `jckpt.save` refuses
+    before the save takes its turn, and goes on to other work. "open": process 1 passes
+    `CheckpointManager` options refused with directory steps, then every process opens it."""
+    lone = jax.process_index() == 1
+    attempts = []
+
+    def attempt(call):
+        try:
+            call()
+            attempts.append([None, ""])
+        except jckpt.CheckpointError as e:
+            attempts.append([type(e).__name__, str(e)])
+    if os.environ.get("KIND") == "save":
+        tree = {"x": np.arange(4, dtype=np.float32)}
+        attempt(lambda: jckpt.save(jckpt.Context(), tree, path))
+        attempt(lambda: jckpt.save(jckpt.Context(), tree, path + "\0" if lone else path))
+    else:
+        foreign = jckpt.CheckpointOptions(format="safetensors") if lone else None
+        attempt(lambda: jckpt.CheckpointManager(path, directory_steps=True, options=foreign).close())
+        attempt(lambda: jckpt.CheckpointManager(path, directory_steps=True).close())
+    _other_work(jax, "the refusals are over")
+    result.update(ok=True, attempts=attempts)
+
+
+def _other_work(jax, name):
+    """Every process meets at a barrier of JAX's own, not jckpt's (waiting up to 2 minutes: a
+    process waiting out jckpt's timeout meanwhile still comes)."""
+    from jax._src import distributed
+
+    distributed.global_state.client.wait_at_barrier(name, 120_000)
+
+
 PHASES = {"lonesame": phase_lone_save_of_the_same_path, "openconflict": phase_open_beside_a_live_run,
           "meshsave": phase_mesh_save, "meshrestore": phase_mesh_restore,
           "killed": phase_killed_mid_save, "preempted": phase_preempted,
@@ -1379,7 +1443,7 @@ PHASES = {"lonesame": phase_lone_save_of_the_same_path, "openconflict": phase_op
           "ownerror": phase_own_error, "readerrace": phase_reader_race,
           "managerargs": phase_manager_arguments, "lonefailures": phase_lone_failures,
           "halfpieces": phase_half_of_each_piece, "lonemeeting": phase_lone_meeting,
-          "stuck": phase_stuck}
+          "stuck": phase_stuck, "refusals": phase_refusals}
 
 
 def worker(phase, process, port, path, processes=2, devices=2):
