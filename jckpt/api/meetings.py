@@ -20,8 +20,9 @@ import dataclasses
 import hashlib
 import json
 import threading
+from collections.abc import Iterator
 
-from jckpt.errors import DistributedError
+from jckpt.errors import DistributedError, InputError
 
 MEETING = 'jckpt/meeting'  # key of each process's latest meeting (`agree`, a save), for errors
 TOLD = 'jckpt/told'  # key of what each process was told refusing a call alone (`told_alone`)
@@ -29,11 +30,19 @@ TOLD = 'jckpt/told'  # key of what each process was told refusing a call alone (
 SAVING = 'saving a checkpoint'
 _MEETINGS: collections.Counter[tuple[str, str]] = collections.Counter()  # begun here, by topic
 _MEETINGS_LOCK = threading.Lock()
+_CALLING: list[tuple[int, str]] = []  # (thread, what) of each call meeting the others, under way here
 #: What a process told that the others are at another meeting is to do.
 MISMATCH_FIX = ("every process must make the calls that meet the others (a save, a manager's "
                 "open, reload and restore, a restore onto arrays spread over processes) "
                 "together, in the same order; one made by some processes alone shifts them: "
                 "restart the run's processes together")
+
+#: What a process told that another thread of it is at a meeting is to do (`alone`).
+ONE_THREAD_FIX = ("make the calls that meet the other processes (a save, a restore onto arrays "
+                  "spread over processes, a manager's open, reload, save and restore) from one "
+                  "thread, one after the other; a jckpt.Mirror, which meets no other process, "
+                  "may write from its own thread meanwhile")
+
 
 @dataclasses.dataclass(frozen=True)
 class Meeting:
@@ -131,6 +140,32 @@ def meeting(what: str, path: str) -> Meeting:
     return Meeting(what, path, n)
 
 
+@contextlib.contextmanager
+def alone(what: str, path: str, processes: int) -> Iterator[None]:
+    """A call meeting the other processes about `what` (`agree`, a save), made while no other
+    thread of this process is in one: `InputError` otherwise. Each process posts one position
+    and counts its meetings in the order it makes them, so meetings made at once from two
+    threads would be taken for stuck where they are not, or pair in another order in each
+    process. Nothing is checked with one process (nothing meets).
+
+    >>> with alone('saving a checkpoint', 'run', 2):
+    ...     with alone('restoring the checkpoint', 'run', 2):  # the same thread: a call within
+    ...         pass
+    """
+    me = threading.get_ident()
+    with _MEETINGS_LOCK:
+        other = next((w for t, w in _CALLING if t != me), None) if processes > 1 else None
+        if other is not None:
+            raise InputError(f"{what} meets the other processes while another thread of this "
+                             f"process is {other}", file=path, fix=ONE_THREAD_FIX)
+        _CALLING.append((me, what))
+    try:
+        yield
+    finally:
+        with _MEETINGS_LOCK:
+            _CALLING.remove((me, what))
+
+
 def begun(m: Meeting) -> bool:
     """Whether this process began meeting `m` (or a later one about the same thing)."""
     with _MEETINGS_LOCK:
@@ -181,5 +216,5 @@ def _ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
-__all__ = ['MEETING', 'MISMATCH_FIX', 'SAVING', 'TOLD', 'Meeting', 'begun', 'meeting', 'refused',
+__all__ = ['MEETING', 'MISMATCH_FIX', 'SAVING', 'TOLD', 'Meeting', 'alone', 'begun', 'meeting', 'refused',
            'told_alone', 'told_since']

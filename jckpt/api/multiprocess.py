@@ -43,7 +43,7 @@ import jax
 import numpy as np
 
 from jckpt.api import pairing
-from jckpt.api.meetings import SAVING, meeting
+from jckpt.api.meetings import SAVING, alone, meeting
 from jckpt.api.outcomes import first_line, own_error
 from jckpt.api.runtime import DEFAULT_BARRIER_TIMEOUT, barrier_timeout, refusing
 from jckpt.api.runtime import Runtime as _Runtime
@@ -432,6 +432,16 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
         jckpt.save(ctx, {"params": sharded_params, "step": step}, "ckpt")  # every process
         ```
     """
+    with alone(SAVING, str(path), jax.process_count()):  # one thread of this process at a time
+        return _save(ctx, tree, path, alignment=alignment, metadata=metadata, timeout=timeout,
+                     returning=returning, failure=failure, then=then)
+
+
+def _save(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: int | None = None,
+         metadata: Mapping[str, str] | None = None, timeout: float | None = None,
+         returning: Sequence[str] = (), failure: Exception | None = None,
+         then: Callable[[], None] | None = None) -> dict[str, str]:
+    """`save_directory`, made by one thread of this process at a time."""
     process, count = jax.process_index(), jax.process_count()
     backend, path, alignment, timeout = _arguments(ctx, path, alignment, timeout, process, count)
     rt, mine = _begin(path, timeout, count, process)  # first: a failed save still takes its turn

@@ -25,6 +25,7 @@ from jckpt.api.meetings import (
     MISMATCH_FIX,
     TOLD,
     Meeting,
+    alone,
     meeting,
     refused,
     told_alone,
@@ -388,30 +389,31 @@ def agree(what: str, path: str, failure: BaseException | None, *, process: int, 
         if failure is not None:
             raise failure
         return [value]
-    arrived = here is not None  # `arrive` counted and posted it
-    here = here or meeting(what, os.fspath(path) if same_path else '')
-    rt = Runtime(here.tag, path, barrier_timeout() if timeout is None else float(timeout),
-                 processes, process, announce=None, here=here)
-    if not arrived:
-        rt.post()
-    said_here = json.dumps({'path': os.fspath(path), 'value': value, **described(failure)})
-    try:
-        listed = rt.gather('said', said_here, f"reached {what}", 'said')
-    except DistributedError:
-        if failure is not None:
-            raise failure from None
-        raise
-    said = sorted((int(k), json.loads(v)) for k, v in listed)
-    paths = {d['path'] for _, d in said}
-    if same_path and len(paths) > 1:
-        raise DistributedError(f"{what}: the processes name different paths (" + '; '.join(
-            f"process {k}: {d['path']}" for k, d in said[:8]) + ')', file=path,
-            fix="pass every process the same path, on a filesystem (or object store) every "
-                "process sees") from failure
-    failed = [(k, d) for k, d in said if d['type'] is not None]
-    if failed:
-        raise common(what, path, failed) from failure
-    return [d.get('value') for _, d in said]
+    with alone(what, os.fspath(path), processes):  # one thread of this process at a time
+        arrived = here is not None  # `arrive` counted and posted it
+        here = here or meeting(what, os.fspath(path) if same_path else '')
+        rt = Runtime(here.tag, path, barrier_timeout() if timeout is None else float(timeout),
+                     processes, process, announce=None, here=here)
+        if not arrived:
+            rt.post()
+        said_here = json.dumps({'path': os.fspath(path), 'value': value, **described(failure)})
+        try:
+            listed = rt.gather('said', said_here, f"reached {what}", 'said')
+        except DistributedError:
+            if failure is not None:
+                raise failure from None
+            raise
+        said = sorted((int(k), json.loads(v)) for k, v in listed)
+        paths = {d['path'] for _, d in said}
+        if same_path and len(paths) > 1:
+            raise DistributedError(f"{what}: the processes name different paths (" + '; '.join(
+                f"process {k}: {d['path']}" for k, d in said[:8]) + ')', file=path,
+                fix="pass every process the same path, on a filesystem (or object store) every "
+                    "process sees") from failure
+        failed = [(k, d) for k, d in said if d['type'] is not None]
+        if failed:
+            raise common(what, path, failed) from failure
+        return [d.get('value') for _, d in said]
 
 
 def jointly(what: str, path: str, call: Callable[[], T], *, process: int, processes: int,
@@ -425,16 +427,17 @@ def jointly(what: str, path: str, call: Callable[[], T], *, process: int, proces
         tree = jointly("restoring the checkpoint", path, read, process=1, processes=2)
         ```
     """
-    # where this process is, said before its part (a slow read): a process that times out
-    # meanwhile names this meeting, not the one this process made before
-    here = arrive(what, path, process=process, processes=processes, same_path=same_path)
-    try:
-        value = call()
-    except Exception as e:  # KeyboardInterrupt and SystemExit pass as they are
-        agree(what, path, e, process=process, processes=processes, same_path=same_path, here=here)
-        raise  # agree raised already: `e` is this process's own failure
-    agree(what, path, None, process=process, processes=processes, same_path=same_path, here=here)
-    return value
+    with alone(what, os.fspath(path), processes):  # one thread of this process at a time
+        # where this process is, said before its part (a slow read): a process that times out
+        # meanwhile names this meeting, not the one this process made before
+        here = arrive(what, path, process=process, processes=processes, same_path=same_path)
+        try:
+            value = call()
+        except Exception as e:  # KeyboardInterrupt and SystemExit pass as they are
+            agree(what, path, e, process=process, processes=processes, same_path=same_path, here=here)
+            raise  # agree raised already: `e` is this process's own failure
+        agree(what, path, None, process=process, processes=processes, same_path=same_path, here=here)
+        return value
 
 
 def arrive(what: str, path: str, *, process: int, processes: int,

@@ -95,3 +95,37 @@ def test_a_process_that_left_finding_this_one_stuck_makes_it_fail_too(monkeypatc
     assert here.stuck({1: gone}) and Meeting.decode(gone.encode()) == gone
     assert not meeting("restoring step 2", "run").stuck({1: gone})  # found at another: not this
 
+
+def test_a_call_meeting_the_others_while_another_thread_is_in_one_is_refused():
+    """A save in one thread while another restored onto global arrays: the one position each
+    process posts said the restore, and the peer waiting at the save took it as stuck (or the
+    meetings paired in another order in each process). Now the second call is refused, naming
+    the first; calls within a call (a restore's meeting) and one process's calls pass."""
+    import threading
+
+    import pytest
+
+    inside, done = threading.Event(), threading.Event()
+
+    def restore():
+        with meetings.alone("restoring the checkpoint", "a", 2):
+            inside.set()
+            done.wait(10)
+    t = threading.Thread(target=restore)
+    t.start()
+    try:
+        assert inside.wait(10)
+        with pytest.raises(jckpt.InputError) as e:
+            with meetings.alone(SAVING, "run", 2):
+                pass
+        assert "saving a checkpoint meets the other processes while another thread of this " \
+               "process is restoring the checkpoint" in e.value.message
+        assert "from one thread" in e.value.fix and "jckpt.Mirror" in e.value.fix
+        with meetings.alone(SAVING, "run", 1):  # one process: nothing meets
+            pass
+    finally:
+        done.set()
+        t.join()
+    with meetings.alone(SAVING, "run", 2), meetings.alone("restoring a step", "run", 2):
+        pass  # this thread alone, a call within a call
+    assert meetings._CALLING == []

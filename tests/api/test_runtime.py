@@ -404,3 +404,27 @@ def test_the_first_process_to_settle_a_meetings_outcome_decides_it(kind):
     assert rt._settle("said", "failed") and not rt._settle("said", "met")  # a latecomer fails
     assert rt._settle("said", "failed")  # and so does every other process timing out there
 
+
+def test_agree_and_jointly_refuse_a_call_while_another_thread_makes_one(monkeypatch):
+    """Two threads of one process meeting the others at once confused where it is (one position
+    per process): the second call is refused before it meets anyone."""
+    import threading
+
+    inside, done = threading.Event(), threading.Event()
+
+    def save():
+        with meetings_mod.alone(meetings_mod.SAVING, "run", 2):
+            inside.set()
+            done.wait(10)
+    t = threading.Thread(target=save)
+    t.start()
+    try:
+        assert inside.wait(10)
+        for call in (lambda: agree("opening the manager", "run", None, process=0, processes=2),
+                     lambda: jointly("restoring a step", "run", lambda: 1, process=0, processes=2)):
+            with pytest.raises(jckpt.InputError, match="while another thread of this process is "
+                                                       "saving a checkpoint"):
+                call()
+    finally:
+        done.set()
+        t.join()
