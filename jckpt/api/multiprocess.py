@@ -44,10 +44,10 @@ import numpy as np
 
 from jckpt.api import pairing
 from jckpt.api.meetings import SAVING, alone, meeting
-from jckpt.api.outcomes import first_line, own_error
+from jckpt.api.outcomes import described, first_line, own_error, refused_by
 from jckpt.api.runtime import DEFAULT_BARRIER_TIMEOUT, barrier_timeout, refusing
 from jckpt.api.runtime import Runtime as _Runtime
-from jckpt.errors import CheckpointError, DistributedError
+from jckpt.errors import CheckpointError, DistributedError, InputError
 from jckpt.format.boxes import Box, box_shape, coalesce, full_box, intersect
 from jckpt.format.entries import Entry, KeyPath, entry_for, path_name
 from jckpt.format.index import IndexedArray
@@ -330,15 +330,19 @@ def _claimed(rt: _Runtime, process: int, mine: pairing.Claim, facts: list[list[A
     return first, theirs, absent
 
 
-def _begin(path: str, timeout: float, count: int, process: int) -> tuple[_Runtime, pairing.Claim]:
+def _begin(path: str, timeout: float, count: int, process: int,
+           failure: Exception | None) -> tuple[_Runtime, pairing.Claim]:
     """Take this save's turn (`pairing.next_save`, from the caller's line of the program):
-    the runtime it meets the others through, and its claim (the plan's digest still to come)."""
+    the runtime it meets the others through, and its claim (the plan's digest still to come).
+    An argument refused (`failure`, an `InputError`) is posted, for `outcomes.refused_by`."""
     site = pairing.call_site()
     tag, place, site_place = pairing.next_save(path, site)
     here = meeting(SAVING, '')  # counted as the saves are: the place a waiting process looks at
     rt = _Runtime(tag, path, timeout, count, process, announce=f"{path} from {site[0] if site else '?'}",
                   here=here)
     rt.post()
+    if isinstance(failure, InputError):
+        rt.put(f"refused/{process}", json.dumps(described(failure)))
     return rt, pairing.Claim(path, place, site, site_place, '-')
 
 
@@ -397,15 +401,21 @@ def _finish(rt: _Runtime, process: int, then: Callable[[], None] | None,
 
 
 def _arguments(ctx: Any, path: str | os.PathLike, alignment: int | None, timeout: float | None,
-               process: int, count: int) -> tuple[Backend, str, int, float]:
-    """`save_directory`'s backend, path, alignment and timeout, checked before the save takes
-    its turn: a refusal is posted (`refusing`), so the others' save fails at once."""
+               failure: Exception | None, process: int, count: int
+               ) -> tuple[Backend, str, int, float, Exception | None]:
+    """`save_directory`'s backend, path, alignment, timeout and `failure`, checked before the
+    save takes its turn: a refusal is posted (`refusing`), so the others' save fails at once.
+    An `alignment` refused joins `failure`, which fails the save once it took its turn."""
     with refusing((SAVING, ''), process=process, processes=count):
         backend = backend_for(path)  # before abspath, which would take a URL for a relative path
         path = os.path.abspath(os.fspath(path)) if backend is LOCAL else os.fspath(path)
         refuse_others_files(path)  # publishing swaps the whole directory: not a folder of others'
+        timeout = barrier_timeout() if timeout is None else float(timeout)
+    try:
         alignment = check_alignment(ctx.alignment if alignment is None else alignment, path)
-        return backend, path, alignment, barrier_timeout() if timeout is None else float(timeout)
+    except InputError as e:
+        alignment, failure = ctx.alignment, failure or e
+    return backend, path, alignment, timeout, failure
 
 
 def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: int | None = None,
@@ -443,8 +453,9 @@ def _save(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: int | None
          then: Callable[[], None] | None = None) -> dict[str, str]:
     """`save_directory`, made by one thread of this process at a time."""
     process, count = jax.process_index(), jax.process_count()
-    backend, path, alignment, timeout = _arguments(ctx, path, alignment, timeout, process, count)
-    rt, mine = _begin(path, timeout, count, process)  # first: a failed save still takes its turn
+    backend, path, alignment, timeout, failure = _arguments(ctx, path, alignment, timeout, failure,
+                                                            process, count)
+    rt, mine = _begin(path, timeout, count, process, failure)  # a failed save still takes its turn
     leaves, facts, mine = _planned(ctx, tree, process, mine, failure)
     values = {k: (metadata or {})[k] for k in returning if k in (metadata or {})}
     stage = _Stage(tag=object_directory.new_tag() if backend is not LOCAL and process == 0 else '')
@@ -462,7 +473,8 @@ def _save(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: int | None
                 _publish, backend, stage, path, count, alignment,
                 {**(metadata or {}), SAVE_KEY: save}, ctx.durable, [f[1] for f in facts or ()]))
     except BaseException as e:
-        named = _named(rt, process, facts, first, mine, own_error(e, path, count))
+        named = (refused_by(rt.listed('refused'), path, e, failure)
+                 or _named(rt, process, facts, first, mine, own_error(e, path, count)))
         if process == 0:
             _discard(backend, stage)
         if isinstance(named, CheckpointError) and stage.path:

@@ -12,6 +12,7 @@ there as a `DistributedError` naming it.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from jckpt import errors
@@ -70,4 +71,22 @@ def own_error(e: BaseException, path: str, count: int) -> BaseException:
     return own
 
 
-__all__ = ['common', 'described', 'first_line', 'own_error', 'told']
+def refused_by(posted: list[tuple[str, str]], path: str, e: BaseException,
+               failure: Exception | None) -> CheckpointError | None:
+    """The error every process raises where some refused a save's arguments (`failure`, an
+    `InputError`, `posted` by each as `described` as the save took its turn, by process):
+    their class, one text naming each (`common`), as a restore and a manager's open raise
+    (from `e` where it is this process's own `failure`); None where none did.
+
+    >>> refused_by([], 'run', ValueError(), None) is None
+    True
+    """
+    found = [(int(k), json.loads(v)) for k, v in posted]
+    if not found:
+        return None
+    refused = common("saving a checkpoint", path, found)
+    refused.__cause__ = e if e is failure else None
+    return refused
+
+
+__all__ = ['common', 'described', 'first_line', 'own_error', 'refused_by', 'told']

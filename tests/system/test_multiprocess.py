@@ -201,15 +201,33 @@ def test_a_save_that_fails_early_on_one_process_fails_at_once_on_all(tmp_path):
 
 def test_a_save_whose_metadata_one_process_gets_wrong_fails_at_once_on_all(tmp_path):
     """`jckpt.save` refused metadata that is no string in that process before its turn: the
-    others waited out their timeout, and from then on each save met the other's previous one."""
+    others waited out their timeout, and from then on each save met the other's previous one.
+    Then the others failed with a DistributedError naming it: now with the same InputError."""
     import jckpt
 
     d = tmp_path / "ckpt"
     found = check(run_pair("metafail", d, {"JCKPT_BARRIER_TIMEOUT": "60"}))
     (t0, m0, s0), (t0b, _, _) = found[0]["attempts"]
     (t1, m1, _), (t1b, _, _) = found[1]["attempts"]
-    assert (t0, t1) == ("DistributedError", "InputError") and "'note'" in m1, found
-    assert "process 1: " in m0 and "'note'" in m0 and s0 < 30, found
+    assert (t0, t1) == ("InputError", "InputError") and m0 == m1 and "'note'" in m1, found
+    assert "saving a checkpoint failed in 1 of the run's processes (process 1: " in m0 and s0 < 30
+    assert (t0b, t1b) == (None, None), found  # then both save version 2
+    assert dict(jckpt.describe(d).metadata)["note"] == "ok"
+
+
+def test_an_alignment_one_process_gets_wrong_fails_the_save_in_all_alike_and_the_next_goes_on(
+        tmp_path):
+    """`jckpt.save` refused an `alignment` that is no power of two in that process before the
+    save took its turn: the others waited out their timeout, and from then on each save met the
+    other's previous one. Now it is refused once the save took its turn, in every process alike."""
+    import jckpt
+
+    d = tmp_path / "ckpt"
+    found = check(run_pair("metafail", d, {"KIND": "alignment", "JCKPT_BARRIER_TIMEOUT": "60"}))
+    (t0, m0, _), (t0b, _, _) = found[0]["attempts"]
+    (t1, m1, _), (t1b, _, _) = found[1]["attempts"]
+    assert (t0, t1) == ("InputError", "InputError") and m0 == m1 and "alignment" in m0, found
+    assert "saving a checkpoint failed in 1 of the run's processes (process 1: " in m0, m0
     assert (t0b, t1b) == (None, None), found  # then both save version 2
     assert dict(jckpt.describe(d).metadata)["note"] == "ok"
 
@@ -586,11 +604,10 @@ def test_a_managers_step_whose_metrics_one_process_gets_wrong_fails_in_all_and_t
     and then waited out the barrier's timeout at step 3, which no process saved."""
     found = check(run_pair("managerargs", tmp_path / "run", {"JCKPT_BARRIER_TIMEOUT": "60"}))
     (t0, m0, s0), (t1, m1, s1) = (found[p]["attempts"][1] for p in (0, 1))
-    assert (t0, t1) == ("DistributedError", "InputError") and s0 < 30 and s1 < 30, found
+    assert (t0, t1) == ("InputError", "InputError") and s0 < 30 and s1 < 30 and m0 == m1, found
     assert "metric 'loss' is not a number" in m1 and "process 1: " in m0 and "step_00000002" in m0
     for r in found.values():
-        assert [t for t, _, _ in r["attempts"]] == [None, "DistributedError" if r["process"] == 0
-                                                    else "InputError", None], r
+        assert [t for t, _, _ in r["attempts"]] == [None, "InputError", None], r
         assert r["steps"] == [1, 3], r
 
 
@@ -678,7 +695,7 @@ def test_a_managers_save_whose_arguments_one_process_gets_wrong_fails_in_all_and
     found = check(run_pair("managerargs", tmp_path / "run", {"KIND": "items",
                                                              "JCKPT_BARRIER_TIMEOUT": "20"}))
     (t0, m0, s0), (t1, m1, s1) = (found[p]["attempts"][1] for p in (0, 1))
-    assert (t0, t1) == ("DistributedError", "InputError") and s0 < 15 and s1 < 15, found
+    assert (t0, t1) == ("InputError", "InputError") and s0 < 15 and s1 < 15 and m0 == m1, found
     assert "pass tree, not items" in m1 and "process 1: " in m0 and "pass tree, not items" in m0
     for r in found.values():
         assert [a[0] for a in r["attempts"]] == [None, t0 if r["process"] == 0 else t1, None], r
@@ -741,14 +758,14 @@ def test_a_managers_argument_refused_in_one_process_fails_in_all_at_once(tmp_pat
     found = check(run_pair("stuck", tmp_path / "run", {"KIND": "arguments",
                                                        "JCKPT_BARRIER_TIMEOUT": "60"}))
     a0, a1 = (found[p]["attempts"] for p in (0, 1))
-    assert [a[0] for a in a0] == ["InputError", "InputError", "DistributedError", None, None], a0
+    assert [a[0] for a in a0] == ["InputError", "InputError", "InputError", None, None], a0
     assert [a[0] for a in a1] == ["InputError", "InputError", "InputError", None, None], a1
     assert all(a[2] < 15 for a in a0 + a1), found
     assert a0[0][1] == a1[0][1] and "process 1: " in a0[0][1] and "not str 'two'" in a0[0][1]
     assert a0[1][1] == a1[1][1] and "the processes restore different steps (process 0: 2; " \
         "process 1: 1)" in a0[1][1], a0
     assert "force must be True or False" in a1[2][1] and "process 1: " in a0[2][1] and \
-        "force must be True or False" in a0[2][1], found
+        a0[2][1] == a1[2][1], found  # the same refusal in every process
     assert all(a[3] for a in a0[3:] + a1[3:]), found
 
 
@@ -798,14 +815,14 @@ def test_a_managers_argument_one_process_refuses_at_construction_fails_all_at_on
 
 # --- the worker ------------------------------------------------------------------------------
 
-def _attempt(jckpt, tree, path, timeout=None, metadata=None):
+def _attempt(jckpt, tree, path, timeout=None, metadata=None, alignment=None):
     """One save from this process: `[error type or None, message, seconds]` (with `metadata`,
     through `jckpt.save`)."""
     from jckpt.api.multiprocess import save_directory
     start = time.monotonic()
     try:
         if metadata is not None:
-            jckpt.save(jckpt.Context(), tree, path, metadata=metadata)
+            jckpt.save(jckpt.Context(), tree, path, metadata=metadata, alignment=alignment)
         else:
             save_directory(jckpt.Context(), tree, path, timeout=timeout)
         return [None, "", time.monotonic() - start]
@@ -1557,9 +1574,11 @@ def worker(phase, process, port, path, processes=2, devices=2):
                 tree["step"] = "not an array"  # refused while this process plans its pieces
             if phase == "hostdiff" and process == 1 and version == 1:
                 tree["step"] = np.zeros(9, np.int64)  # process 0's is a scalar int32
-            metadata = {"note": 3 if process == 1 and version == 1 else "ok"}  # 3: no string
+            lone = process == 1 and version == 1
+            aligned = os.environ.get("KIND") == "alignment"  # 3: no power of two
+            metadata = {"note": 3 if lone and not aligned else "ok"}  # 3: no string
             results_.append(_attempt(jckpt, tree, path, metadata=metadata if phase == "metafail"
-                                     else None))
+                                     else None, alignment=3 if lone and aligned else None))
         result.update(ok=True, attempts=results_)
         print("RESULT " + json.dumps(result), flush=True)
         return
