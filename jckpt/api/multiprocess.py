@@ -404,9 +404,9 @@ def _arguments(ctx: Any, path: str | os.PathLike, alignment: int | None, timeout
                failure: Exception | None, process: int, count: int
                ) -> tuple[Backend, str, int, float, Exception | None]:
     """`save_directory`'s backend, path, alignment, timeout and `failure`, checked before the
-    save takes its turn: a refusal is posted (`refusing`), so the others' save fails at once.
+    save takes its turn: a refusal takes it all the same and is posted (`refused_save`).
     An `alignment` refused joins `failure`, which fails the save once it took its turn."""
-    with refusing((SAVING, ''), process=process, processes=count):
+    with refusing(functools.partial(pairing.refused_save, path), process=process, processes=count):
         backend = backend_for(path)  # before abspath, which would take a URL for a relative path
         path = os.path.abspath(os.fspath(path)) if backend is LOCAL else os.fspath(path)
         refuse_others_files(path)  # publishing swaps the whole directory: not a folder of others'

@@ -27,7 +27,6 @@ from jckpt.api.meetings import (
     Meeting,
     alone,
     meeting,
-    refused,
     told_alone,
     told_since,
 )
@@ -451,44 +450,45 @@ def arrive(what: str, path: str, *, process: int, processes: int,
     return here
 
 
-def tell(error: BaseException, about: tuple[str, str], *, process: int, processes: int) -> None:
-    """Post `error`, raised in this process alone for a call that meets the others about
-    `about` (`(what, path)`: a manager's save whose step is no step, an argument refused
-    before the meeting), as this process's position: it left that meeting, refusing the call
-    (`meetings.refused`). The others waiting for it there fail at once, saying what it was
-    told, not at their timeout (best effort: what it is for is their error).
+def tell(error: BaseException, gone: Meeting, *, process: int, processes: int) -> None:
+    """Post `error`, raised in this process alone for a call that meets the others (a
+    manager's save whose step is no step, an argument refused before the meeting), and this
+    process's position `gone`: the meeting of that call, left (`meetings.refused`). The others
+    waiting for it there fail at once, saying what it was told, not at their timeout (best
+    effort: what it is for is their error).
 
     Example:
         ```python
-        tell(refusal, (SAVING, ''), process=1, processes=2)  # then raise refusal
+        tell(refusal, refused(SAVING, ''), process=1, processes=2)  # then raise refusal
         ```
     """
     if processes > 1:
         with contextlib.suppress(Exception):
             said = (f"{type(error).__name__}: {error.message}" if isinstance(error, CheckpointError)
                     else told(error))
-            gone = refused(*about)
             store = client(processes, '')
             store.key_value_set(f"{TOLD}/{process}", told_alone(said, gone), allow_overwrite=True)
             store.key_value_set(f"{MEETING}/{process}", gone.encode(), allow_overwrite=True)
 
 
 @contextlib.contextmanager
-def refusing(about: tuple[str, str], *, process: int, processes: int) -> Iterator[None]:
-    """The checks of a call meeting the others about `about`, made before it takes its turn
-    there: an error they raise is posted (`tell`: this process will not come), then raised,
-    so that the others fail at once rather than at their timeout.
+def refusing(gone: Callable[[], Meeting], *, process: int, processes: int) -> Iterator[None]:
+    """The checks of a call meeting the others, made before it takes its turn: an error they
+    raise is posted (`tell`), with this process's position `gone()` (the meeting of that call,
+    left: this process will not come), then raised, so that the others fail at once rather
+    than at their timeout.
 
     Example:
         ```python
-        with refusing((SAVING, ''), process=1, processes=2):
+        with refusing(lambda: refused(SAVING, ''), process=1, processes=2):
             path = checked_path(path)
         ```
     """
     try:
         yield
     except Exception as e:
-        tell(e, about, process=process, processes=processes)
+        if processes > 1:
+            tell(e, gone(), process=process, processes=processes)
         raise
 
 

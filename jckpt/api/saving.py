@@ -26,8 +26,8 @@ import jax
 
 from jckpt.api import progress as progress_mod
 from jckpt.api.context import Context, check_context
-from jckpt.api.meetings import SAVING
 from jckpt.api.multiprocess import save_directory
+from jckpt.api.pairing import refused_save
 from jckpt.api.runtime import refusing
 from jckpt.errors import CheckpointError, FormatError, InputError, naming_file
 from jckpt.format import leaf_entries
@@ -94,7 +94,8 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
         jckpt.save(jckpt.Context(), {"params": params, "step": 100}, "ckpt.jckpt")
         ```
     """
-    with refusing((SAVING, ''), process=jax.process_index(), processes=jax.process_count()):
+    with refusing(functools.partial(refused_save, path), process=jax.process_index(),
+                  processes=jax.process_count()):
         ctx = check_context(ctx, appending=appending, progress=progress)  # first: names a tree as ctx
         path = checked_path(path)
         refused: InputError | None = None

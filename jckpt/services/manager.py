@@ -42,7 +42,7 @@ from typing import Any
 import jax
 
 from jckpt.api.context import Context, check_context, check_flag
-from jckpt.api.meetings import SAVING
+from jckpt.api.meetings import SAVING, refused
 from jckpt.api.multiprocess import save_directory
 from jckpt.api.runtime import agree, tell
 from jckpt.errors import InputError, StorageError, naming_file
@@ -327,7 +327,7 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
         """`e`, refused in this process alone where the others' save cannot meet it (where it
         would save is not known), posted for the errors of the processes waiting for it."""
         if self.directory_steps:
-            tell(e, (SAVING, ''), process=self._rank, processes=self._ranks)
+            tell(e, refused(SAVING, ''), process=self._rank, processes=self._ranks)
         return e
 
     def _arguments(self, step: int, tree: Any, items: Mapping[str, Any] | None,

@@ -343,7 +343,7 @@ def test_a_timeout_says_what_a_process_refusing_a_call_alone_was_told(monkeypatc
     client = FakeClient(blocked={"said"})
     _at(monkeypatch, client, {("listing the steps", "run"): 1}, ["listing the steps", "run", 0])
     refusal = jckpt.InputError("step must be a non-negative integer, not int -3", file="run")
-    runtime_mod.tell(refusal, (meetings_mod.SAVING, ""), process=1, processes=2)  # as process 1
+    runtime_mod.tell(refusal, meetings_mod.refused(meetings_mod.SAVING, ""), process=1, processes=2)
     with pytest.raises(jckpt.DistributedError) as e:
         agree("opening the manager", "run", None, process=0, processes=2, timeout=0.2)
     assert client.waits > 1 and "(the barrier timed out)" in e.value.message, e.value  # elsewhere
@@ -358,7 +358,8 @@ def test_a_process_that_refused_the_call_alone_fails_the_others_there_at_once(mo
     client = FakeClient(blocked={"said"})
     _at(monkeypatch, client, {}, ["listing the steps", "run", 0])
     refusal = jckpt.InputError("save_interval_steps must be a positive integer, not 0", file="run")
-    runtime_mod.tell(refusal, ("opening the manager", "run"), process=1, processes=2)
+    runtime_mod.tell(refusal, meetings_mod.refused("opening the manager", "run"), process=1,
+                     processes=2)
     with pytest.raises(jckpt.DistributedError) as e:
         agree("opening the manager", "run", None, process=0, processes=2, timeout=300)
     assert client.waits == 1, client.waits  # one look, not 300 s of them

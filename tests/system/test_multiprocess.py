@@ -786,16 +786,23 @@ def test_a_step_to_save_refused_in_one_process_fails_the_others_at_once_naming_i
 
 @pytest.mark.slow
 def test_a_save_one_process_refused_before_its_turn_fails_the_others_at_once_naming_it(tmp_path):
-    """Process 1's `jckpt.save` refused its path (no path) before the save took its turn, and
+    """Process 1's `jckpt.save` refused its context (a tree) before the save took its turn, and
     process 1 went on to other work: process 0 waited out its timeout at that save, naming only
-    the save process 1 made before. Now process 1 posts that it left it: process 0 fails at once."""
+    the save process 1 made before, and each next save of process 1 met the others' previous
+    one. Now process 1 posts that it left it, taking its turn: process 0 fails at once, and the
+    next save goes on together."""
+    import jckpt
+
     found = check(run_pair("refusals", tmp_path / "ckpt", {"KIND": "save",
                                                            "JCKPT_BARRIER_TIMEOUT": "60"}))
-    (t0, m0), (t1, m1) = (found[p]["attempts"][-1] for p in (0, 1))
-    assert (t0, t1) == ("DistributedError", "InputError") and "NUL" in m1, found
+    (t0, m0), (t1, m1) = (found[p]["attempts"][1] for p in (0, 1))
+    assert (t0, t1) == ("DistributedError", "InputError") and "ctx must be a jckpt.Context" in m1, found
     assert "(it left this meeting failing: it will not come)" in m0 and "timed out" not in m0, m0
     assert "process 1 left saving a checkpoint (its 2nd such meeting), failing, and was told " \
-           "since: InputError: a path cannot hold a NUL character" in m0, m0
+           "since: InputError: ctx must be a jckpt.Context" in m0, m0
+    assert [a[0] for r in found.values() for a in r["attempts"][::2]] == [None] * 4, found
+    _, back = jckpt.load(jckpt.Context(host=True), tmp_path / "ckpt")
+    np.testing.assert_array_equal(back["jckpt"]["x"], np.full(4, 3, np.float32))
 
 
 @pytest.mark.slow
@@ -1420,8 +1427,8 @@ def phase_stuck(jax, jckpt, result, path):
 
 
 def phase_refusals(jax, jckpt, result, path):
-    """`KIND` "save": both processes save, then process 1 passes a path `jckpt.save` refuses
-    before the save takes its turn, and goes on to other work. "open": process 1 passes
+    """`KIND` "save": both processes save, then process 1 passes a context `jckpt.save` refuses
+    before the save takes its turn, and goes on to other work; then both save again. "open": process 1 passes
     `CheckpointManager` options refused with directory steps, then every process opens it."""
     lone = jax.process_index() == 1
     attempts = []
@@ -1433,14 +1440,17 @@ def phase_refusals(jax, jckpt, result, path):
         except jckpt.CheckpointError as e:
             attempts.append([type(e).__name__, str(e)])
     if os.environ.get("KIND") == "save":
-        tree = {"x": np.arange(4, dtype=np.float32)}
-        attempt(lambda: jckpt.save(jckpt.Context(), tree, path))
-        attempt(lambda: jckpt.save(jckpt.Context(), tree, path + "\0" if lone else path))
+        for version in (1, 2, 3):
+            tree = {"x": np.full(4, version, dtype=np.float32)}
+            ctx = tree if lone and version == 2 else jckpt.Context()  # a tree: no context
+            attempt(functools.partial(jckpt.save, ctx, tree, path))
+            if version == 2:
+                _other_work(jax, "the refusal is over")
     else:
         foreign = jckpt.CheckpointOptions(format="safetensors") if lone else None
         attempt(lambda: jckpt.CheckpointManager(path, directory_steps=True, options=foreign).close())
         attempt(lambda: jckpt.CheckpointManager(path, directory_steps=True).close())
-    _other_work(jax, "the refusals are over")
+        _other_work(jax, "the refusals are over")
     result.update(ok=True, attempts=attempts)
 
 
