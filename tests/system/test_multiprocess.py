@@ -820,6 +820,20 @@ def test_a_managers_argument_one_process_refuses_at_construction_fails_all_at_on
         assert [a[0] for a in r["attempts"]] == ["InputError", None], found  # then both open
 
 
+@pytest.mark.slow
+def test_one_process_of_8_at_another_meeting_makes_all_fail_at_once(tmp_path):
+    """Early failure was checked with 4 processes at most: with 8, process 1 saving while the 7
+    others restore, every process fails at once (none at its timeout), naming the meetings."""
+    found = check(run_pair("stuck", tmp_path / "run", {"KIND": "mismatch",
+                                                       "JCKPT_BARRIER_TIMEOUT": "60"},
+                           processes=8, devices=1), n=8)
+    for p, r in found.items():
+        kind, message, _, _ = r["attempts"][0]
+        assert kind == "DistributedError" and "timed out" not in message, (p, message)
+        assert "no process can move on" in message or "it will not come" in message, (p, message)
+        assert "the processes are at different meetings" in message, (p, message)
+
+
 # --- the worker ------------------------------------------------------------------------------
 
 def _attempt(jckpt, tree, path, timeout=None, metadata=None, alignment=None):
