@@ -20,8 +20,9 @@ import dataclasses
 import hashlib
 import json
 import threading
+from collections.abc import Iterator
 
-from jckpt.errors import DistributedError
+from jckpt.errors import DistributedError, InputError
 
 MEETING = 'jckpt/meeting'  # key of each process's latest meeting (`agree`, a save), for errors
 TOLD = 'jckpt/told'  # key of what each process was told refusing a call alone (`told_alone`)
@@ -29,12 +30,18 @@ TOLD = 'jckpt/told'  # key of what each process was told refusing a call alone (
 SAVING = 'saving a checkpoint'
 _MEETINGS: collections.Counter[tuple[str, str]] = collections.Counter()  # begun here, by topic
 _MEETINGS_LOCK = threading.Lock()
-_LATEST: list[Meeting] = []  # this process's latest meeting, once it made one
+_CALLING: list[tuple[int, str]] = []  # (thread, what) of each call meeting the others, under way here
 #: What a process told that the others are at another meeting is to do.
 MISMATCH_FIX = ("every process must make the calls that meet the others (a save, a manager's "
                 "open, reload and restore, a restore onto arrays spread over processes) "
                 "together, in the same order; one made by some processes alone shifts them: "
                 "restart the run's processes together")
+
+#: What a process told that another thread of it is at a meeting is to do (`alone`).
+ONE_THREAD_FIX = ("make the calls that meet the other processes (a save, a restore onto arrays "
+                  "spread over processes, a manager's open, reload, save and restore) from one "
+                  "thread, one after the other; a jckpt.Mirror, which meets no other process, "
+                  "may write from its own thread meanwhile")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,14 +98,19 @@ class Meeting:
         another meeting, which this process has not begun (it waits there for this one, as this
         one waits here for it, so neither moves on). A process at a meeting this one began is
         behind (or has not said yet where it is now), not stuck: it may still come here. One
-        that left its meeting failing is at none, unless it left finding this one stuck here
-        (`against`): this one then fails too, as it would have found it.
+        that left its meeting failing is at none, unless it left this very meeting (it will
+        not come: it refused the call, `refused`, or gave up waiting there) or left finding this
+        one stuck here (`against`): this one then fails too, as it would have found it.
 
         >>> Meeting('restoring step 2', 'run', 0).stuck({1: Meeting('restoring step 2', 'run', 0)})
         False
         """
-        return any(m.against == self.encode() if m.left else m != self and not begun(m)
-                   for m in positions.values())
+        return any(m.against == self.encode() or m.plain() == self if m.left
+                   else m != self and not begun(m) for m in positions.values())
+
+    def plain(self) -> Meeting:
+        """This meeting, not left (what a position left failing was at)."""
+        return dataclasses.replace(self, left=False, against='')
 
     def mismatched(self, e: DistributedError, positions: dict[int, Meeting], processes: int,
                    process: int, path: str, told: dict[int, str] | None = None) -> DistributedError:
@@ -125,8 +137,33 @@ def meeting(what: str, path: str) -> Meeting:
     with _MEETINGS_LOCK:
         n = _MEETINGS[what, path]
         _MEETINGS[what, path] += 1
-        _LATEST[:] = [Meeting(what, path, n)]
-    return _LATEST[0]
+    return Meeting(what, path, n)
+
+
+@contextlib.contextmanager
+def alone(what: str, path: str, processes: int) -> Iterator[None]:
+    """A call meeting the other processes about `what` (`agree`, a save), made while no other
+    thread of this process is in one: `InputError` otherwise. Each process posts one position
+    and counts its meetings in the order it makes them, so meetings made at once from two
+    threads would be taken for stuck where they are not, or pair in another order in each
+    process. Nothing is checked with one process (nothing meets).
+
+    >>> with alone('saving a checkpoint', 'run', 2):
+    ...     with alone('restoring the checkpoint', 'run', 2):  # the same thread: a call within
+    ...         pass
+    """
+    me = threading.get_ident()
+    with _MEETINGS_LOCK:
+        other = next((w for t, w in _CALLING if t != me), None) if processes > 1 else None
+        if other is not None:
+            raise InputError(f"{what} meets the other processes while another thread of this "
+                             f"process is {other}", file=path, fix=ONE_THREAD_FIX)
+        _CALLING.append((me, what))
+    try:
+        yield
+    finally:
+        with _MEETINGS_LOCK:
+            _CALLING.remove((me, what))
 
 
 def begun(m: Meeting) -> bool:
@@ -140,23 +177,35 @@ def _where(m: Meeting) -> str:
     return f"{'left' if m.left else 'is at'} {m.describe()}{', failing' if m.left else ''}"
 
 
-def told_alone(message: str) -> str:
-    """What this process posts (under `TOLD`) refusing a call that cannot meet the others (a
-    save whose step is no step: where it would save is not known): `message`, and its latest
-    meeting, so that `told_since` shows it only while this process has made no other since."""
+def refused(what: str, path: str) -> Meeting:
+    """The position of a process that refused, alone, a call meeting the others about `what`
+    and `path` (a manager's save of a step that is no step, an argument refused before the
+    meeting): it left, failing, the meeting it would have made next, and will not come there,
+    so the processes waiting for it there fail at once (`Meeting.stuck`). Not counted: its next
+    call about that thing is that meeting again, as its count in the others may be too.
+
+    >>> refused('opening the manager', '/run').left
+    True
+    """
     with _MEETINGS_LOCK:
-        return json.dumps([_LATEST[0].encode() if _LATEST else '', message])
+        return Meeting(what, path, _MEETINGS[what, path], left=True)
+
+
+def told_alone(message: str, at: Meeting) -> str:
+    """What this process posts (under `TOLD`) refusing a call alone: `message`, and the position
+    it posted then (`refused`), so that `told_since` shows it only while this process has made
+    no other meeting since."""
+    return json.dumps([at.encode(), message])
 
 
 def told_since(posted: dict[int, str], positions: dict[int, Meeting]) -> dict[int, str]:
-    """What each process was told (`posted`, as `told_alone` wrote it) while still at its
-    latest meeting (`positions`); not what it was told before it went on to another."""
+    """What each process was told (`posted`, as `told_alone` wrote it) while still at the
+    position it posted then (`positions`); not what it was told before it went on to another."""
     found = {}
     for p, text in posted.items():
         with contextlib.suppress(ValueError, TypeError):
             at, message = json.loads(text)
-            if at == (dataclasses.replace(positions[p], left=False).encode() if p in positions
-                      else ''):  # told where it is (`_LATEST` is never a position left)
+            if p in positions and at == positions[p].encode():
                 found[p] = str(message)
     return found
 
@@ -167,5 +216,5 @@ def _ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
-__all__ = ['MEETING', 'MISMATCH_FIX', 'SAVING', 'TOLD', 'Meeting', 'begun', 'meeting', 'told_alone',
-           'told_since']
+__all__ = ['MEETING', 'MISMATCH_FIX', 'SAVING', 'TOLD', 'Meeting', 'alone', 'begun', 'meeting', 'refused',
+           'told_alone', 'told_since']

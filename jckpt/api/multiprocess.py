@@ -43,10 +43,11 @@ import jax
 import numpy as np
 
 from jckpt.api import pairing
-from jckpt.api.meetings import SAVING, meeting
-from jckpt.api.runtime import DEFAULT_BARRIER_TIMEOUT, barrier_timeout, first_line, told
+from jckpt.api.meetings import SAVING, alone, meeting
+from jckpt.api.outcomes import described, first_line, own_error, refused_by
+from jckpt.api.runtime import DEFAULT_BARRIER_TIMEOUT, barrier_timeout, refusing
 from jckpt.api.runtime import Runtime as _Runtime
-from jckpt.errors import CheckpointError, DistributedError
+from jckpt.errors import CheckpointError, DistributedError, InputError
 from jckpt.format.boxes import Box, box_shape, coalesce, full_box, intersect
 from jckpt.format.entries import Entry, KeyPath, entry_for, path_name
 from jckpt.format.index import IndexedArray
@@ -304,22 +305,6 @@ def _discard(backend: Backend, stage: _Stage) -> None:
         object_directory.discard(stage.path, stage.tag)
 
 
-def _own(e: BaseException, path: str, count: int) -> BaseException:
-    """The error this process raises for its own failure `e`: `e` itself where it is jckpt's
-    (or the process is stopping: `KeyboardInterrupt`), else, with several processes, a
-    `DistributedError` naming it and raised from it, so that every process of the run gets
-    a `CheckpointError` from a failed save (the others get one naming this process's) and
-    one `except jckpt.CheckpointError` keeps them all in step."""
-    if count == 1 or isinstance(e, CheckpointError) or not isinstance(e, Exception):
-        return e
-    own = DistributedError(f"the save failed in this process: {told(e)}", file=path,
-                           fix="see the error this one was raised from; the other processes "
-                               "failed naming it, nothing was published and the previous "
-                               "checkpoint is intact")
-    own.__cause__ = e
-    return own
-
-
 def _checked_write(first: pairing.Claim, mine: pairing.Claim, absent: Sequence[int], where: str,
                    leaves: list[_Leaf] | BaseException, namespace: str, *pieces: Any) -> None:
     """Check that process 0 makes this process's save (`pairing.check_claims`), then write
@@ -345,15 +330,19 @@ def _claimed(rt: _Runtime, process: int, mine: pairing.Claim, facts: list[list[A
     return first, theirs, absent
 
 
-def _begin(path: str, timeout: float, count: int, process: int) -> tuple[_Runtime, pairing.Claim]:
+def _begin(path: str, timeout: float, count: int, process: int,
+           failure: Exception | None) -> tuple[_Runtime, pairing.Claim]:
     """Take this save's turn (`pairing.next_save`, from the caller's line of the program):
-    the runtime it meets the others through, and its claim (the plan's digest still to come)."""
+    the runtime it meets the others through, and its claim (the plan's digest still to come).
+    An argument refused (`failure`, an `InputError`) is posted, for `outcomes.refused_by`."""
     site = pairing.call_site()
     tag, place, site_place = pairing.next_save(path, site)
     here = meeting(SAVING, '')  # counted as the saves are: the place a waiting process looks at
     rt = _Runtime(tag, path, timeout, count, process, announce=f"{path} from {site[0] if site else '?'}",
                   here=here)
     rt.post()
+    if isinstance(failure, InputError):
+        rt.put(f"refused/{process}", json.dumps(described(failure)))
     return rt, pairing.Claim(path, place, site, site_place, '-')
 
 
@@ -411,6 +400,24 @@ def _finish(rt: _Runtime, process: int, then: Callable[[], None] | None,
                                fix="see that process's error; the checkpoint is intact")
 
 
+def _arguments(ctx: Any, path: str | os.PathLike, alignment: int | None, timeout: float | None,
+               failure: Exception | None, process: int, count: int
+               ) -> tuple[Backend, str, int, float, Exception | None]:
+    """`save_directory`'s backend, path, alignment, timeout and `failure`, checked before the
+    save takes its turn: a refusal takes it all the same and is posted (`refused_save`).
+    An `alignment` refused joins `failure`, which fails the save once it took its turn."""
+    with refusing(functools.partial(pairing.refused_save, path), process=process, processes=count):
+        backend = backend_for(path)  # before abspath, which would take a URL for a relative path
+        path = os.path.abspath(os.fspath(path)) if backend is LOCAL else os.fspath(path)
+        refuse_others_files(path)  # publishing swaps the whole directory: not a folder of others'
+        timeout = barrier_timeout() if timeout is None else float(timeout)
+    try:
+        alignment = check_alignment(ctx.alignment if alignment is None else alignment, path)
+    except InputError as e:
+        alignment, failure = ctx.alignment, failure or e
+    return backend, path, alignment, timeout, failure
+
+
 def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: int | None = None,
                    metadata: Mapping[str, str] | None = None, timeout: float | None = None,
                    returning: Sequence[str] = (), failure: Exception | None = None,
@@ -427,21 +434,28 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
     nothing is published. A failing process raises its own jckpt error, or a
     `DistributedError` raised from another (a `ValueError` of the tree's code);
     `failure` (the caller's, a manager's metrics) fails the save once it took its turn; `then`
-    (a manager's lease check) fails it in every process once published (`_finish`).
-    It records process 0's `metadata`, and returns in every process its keys in `returning`.
+    (a manager's lease check) fails it in every process once published (`_finish`). It records
+    process 0's `metadata`, and returns in every process its keys in `returning`.
 
     Example:
         ```python
         jckpt.save(ctx, {"params": sharded_params, "step": step}, "ckpt")  # every process
         ```
     """
-    backend = backend_for(path)  # before abspath, which would take a URL for a relative path
-    path = os.path.abspath(os.fspath(path)) if backend is LOCAL else os.fspath(path)
-    refuse_others_files(path)  # publishing swaps the whole directory: not a folder of others'
-    alignment = check_alignment(ctx.alignment if alignment is None else alignment, path)
+    with alone(SAVING, str(path), jax.process_count()):  # one thread of this process at a time
+        return _save(ctx, tree, path, alignment=alignment, metadata=metadata, timeout=timeout,
+                     returning=returning, failure=failure, then=then)
+
+
+def _save(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: int | None = None,
+         metadata: Mapping[str, str] | None = None, timeout: float | None = None,
+         returning: Sequence[str] = (), failure: Exception | None = None,
+         then: Callable[[], None] | None = None) -> dict[str, str]:
+    """`save_directory`, made by one thread of this process at a time."""
     process, count = jax.process_index(), jax.process_count()
-    timeout = barrier_timeout() if timeout is None else float(timeout)
-    rt, mine = _begin(path, timeout, count, process)  # first: a failed save still takes its turn
+    backend, path, alignment, timeout, failure = _arguments(ctx, path, alignment, timeout, failure,
+                                                            process, count)
+    rt, mine = _begin(path, timeout, count, process, failure)  # a failed save still takes its turn
     leaves, facts, mine = _planned(ctx, tree, process, mine, failure)
     values = {k: (metadata or {})[k] for k in returning if k in (metadata or {})}
     stage = _Stage(tag=object_directory.new_tag() if backend is not LOCAL and process == 0 else '')
@@ -459,7 +473,8 @@ def save_directory(ctx: Any, tree: Any, path: str | os.PathLike, *, alignment: i
                 _publish, backend, stage, path, count, alignment,
                 {**(metadata or {}), SAVE_KEY: save}, ctx.durable, [f[1] for f in facts or ()]))
     except BaseException as e:
-        named = _named(rt, process, facts, first, mine, _own(e, path, count))
+        named = (refused_by(rt.listed('refused'), path, e, failure)
+                 or _named(rt, process, facts, first, mine, own_error(e, path, count)))
         if process == 0:
             _discard(backend, stage)
         if isinstance(named, CheckpointError) and stage.path:

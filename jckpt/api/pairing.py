@@ -29,7 +29,9 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
+from jckpt.api.meetings import SAVING, Meeting, meeting
 from jckpt.errors import DistributedError
+from jckpt.storage.backend import LOCAL, backend_for
 
 _SAVES = itertools.count()  # saves begun in this process
 _PLACES: collections.Counter[Any] = collections.Counter()  # ... of each path, and of each site
@@ -111,6 +113,19 @@ def next_save(path: str, site: tuple[str, ...]) -> tuple[str, int, int]:
         _PLACES[path] += 1
         _PLACES[path, site] += 1
         return f"jckpt/save/{next(_SAVES)}", place, site_place
+
+
+def refused_save(path: Any) -> Meeting:
+    """A save of `path` refused in this process before it took its turn (its context, its
+    path): it takes its turn all the same (`next_save`), so that its next save pairs
+    with the others' next one, not with the one they make now; returns the position it posts
+    for them (`refusing`), that save, left: they fail there at once."""
+    try:
+        path = os.path.abspath(os.fspath(path)) if backend_for(path) is LOCAL else os.fspath(path)
+    except Exception:
+        path = ''  # no path: the others' saves of theirs are not shifted
+    next_save(path, call_site())
+    return meeting(SAVING, '').leaving(None)
 
 
 _RESTART = ("every process must make the same saves in the same order, from the same line "
@@ -210,4 +225,4 @@ def _leaf(f: list[Any], ident: bool = False) -> str:
 
 
 __all__ = ['SITE_FRAMES', 'Claim', 'call_site', 'check_claims', 'difference', 'leaf_facts',
-           'next_save', 'plan_digest']
+           'next_save', 'plan_digest', 'refused_save']

@@ -17,11 +17,20 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from jckpt import errors
-from jckpt.api.meetings import MEETING, MISMATCH_FIX, TOLD, Meeting, meeting, told_alone, told_since
+from jckpt.api.meetings import (
+    MEETING,
+    MISMATCH_FIX,
+    TOLD,
+    Meeting,
+    alone,
+    meeting,
+    told_alone,
+    told_since,
+)
+from jckpt.api.outcomes import common, described, told
 from jckpt.errors import CheckpointError, DistributedError, InputError
 
 #: Seconds a process waits at a barrier for the others (`JCKPT_BARRIER_TIMEOUT` overrides).
@@ -37,6 +46,7 @@ LEFT = 1 << 40  # what a process leaving a meeting failing adds to its outcome (
 FEW = 8  # processes whose keys `Runtime.gather` gets one by one, without listing them first
 #: Why a process stopped waiting early (`Runtime.gather`).
 STUCK = "it waits at another meeting, for this process: no process can move on"
+GONE = "it left this meeting failing: it will not come"  # `Meeting.stuck`, a position left
 T = TypeVar('T')
 
 
@@ -111,7 +121,7 @@ class Runtime:
         found, seen = self._await(full, 0, start)
         if found is not None:
             return found
-        why = STUCK if seen else f"the wait timed out{self._elsewhere()}"  # stuck: `_placed` says where
+        why = _why(seen) or f"the wait timed out{self._elsewhere()}"  # `_placed` says where
         raise self._placed(seen, DistributedError(
             f"process 0 did not start the save within {time.monotonic() - start:.1f} s of "
             f"{self.timeout_ms / 1000:g} ({why})", file=self.path,
@@ -206,7 +216,7 @@ class Runtime:
                 came = set(got) | {k for k, _ in self.listed(prefix)}
                 raise self._placed(seen, self._not_every(
                     name, what, time.monotonic() - start, came,
-                    STUCK if seen else "the barrier timed out"))
+                    _why(seen) or "the barrier timed out"))
             if found is None:  # every process came after all: another settled it met
                 return self.listed(prefix)
             got[str(p)] = found
@@ -351,19 +361,9 @@ class Runtime:
         self.check(name)
 
 
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
-def told(e: BaseException) -> str:
-    """What the other processes are told of `e`: its first line, after its type where it is
-    not jckpt's (whose message names the file, the entry and the fix).
-
-    >>> told(ValueError("bad shape"))
-    'ValueError: bad shape'
-    """
-    return first_line(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {first_line(e)}"
+def _why(seen: Meeting | None) -> str:
+    """Why this process stopped waiting early for a process found at `seen` ('': it did not)."""
+    return '' if seen is None else GONE if seen.left else STUCK
 
 
 def agree(what: str, path: str, failure: BaseException | None, *, process: int, processes: int,
@@ -390,30 +390,31 @@ def agree(what: str, path: str, failure: BaseException | None, *, process: int, 
         if failure is not None:
             raise failure
         return [value]
-    arrived = here is not None  # `arrive` counted and posted it
-    here = here or meeting(what, os.fspath(path) if same_path else '')
-    rt = Runtime(here.tag, path, barrier_timeout() if timeout is None else float(timeout),
-                 processes, process, announce=None, here=here)
-    if not arrived:
-        rt.post()
-    said_here = json.dumps({'path': os.fspath(path), 'value': value, **_described(failure)})
-    try:
-        listed = rt.gather('said', said_here, f"reached {what}", 'said')
-    except DistributedError:
-        if failure is not None:
-            raise failure from None
-        raise
-    said = sorted((int(k), json.loads(v)) for k, v in listed)
-    paths = {d['path'] for _, d in said}
-    if same_path and len(paths) > 1:
-        raise DistributedError(f"{what}: the processes name different paths (" + '; '.join(
-            f"process {k}: {d['path']}" for k, d in said[:8]) + ')', file=path,
-            fix="pass every process the same path, on a filesystem (or object store) every "
-                "process sees") from failure
-    failed = [(k, d) for k, d in said if d['type'] is not None]
-    if failed:
-        raise _common(what, path, failed) from failure
-    return [d.get('value') for _, d in said]
+    with alone(what, os.fspath(path), processes):  # one thread of this process at a time
+        arrived = here is not None  # `arrive` counted and posted it
+        here = here or meeting(what, os.fspath(path) if same_path else '')
+        rt = Runtime(here.tag, path, barrier_timeout() if timeout is None else float(timeout),
+                     processes, process, announce=None, here=here)
+        if not arrived:
+            rt.post()
+        said_here = json.dumps({'path': os.fspath(path), 'value': value, **described(failure)})
+        try:
+            listed = rt.gather('said', said_here, f"reached {what}", 'said')
+        except DistributedError:
+            if failure is not None:
+                raise failure from None
+            raise
+        said = sorted((int(k), json.loads(v)) for k, v in listed)
+        paths = {d['path'] for _, d in said}
+        if same_path and len(paths) > 1:
+            raise DistributedError(f"{what}: the processes name different paths (" + '; '.join(
+                f"process {k}: {d['path']}" for k, d in said[:8]) + ')', file=path,
+                fix="pass every process the same path, on a filesystem (or object store) every "
+                    "process sees") from failure
+        failed = [(k, d) for k, d in said if d['type'] is not None]
+        if failed:
+            raise common(what, path, failed) from failure
+        return [d.get('value') for _, d in said]
 
 
 def jointly(what: str, path: str, call: Callable[[], T], *, process: int, processes: int,
@@ -427,16 +428,17 @@ def jointly(what: str, path: str, call: Callable[[], T], *, process: int, proces
         tree = jointly("restoring the checkpoint", path, read, process=1, processes=2)
         ```
     """
-    # where this process is, said before its part (a slow read): a process that times out
-    # meanwhile names this meeting, not the one this process made before
-    here = arrive(what, path, process=process, processes=processes, same_path=same_path)
-    try:
-        value = call()
-    except Exception as e:  # KeyboardInterrupt and SystemExit pass as they are
-        agree(what, path, e, process=process, processes=processes, same_path=same_path, here=here)
-        raise  # agree raised already: `e` is this process's own failure
-    agree(what, path, None, process=process, processes=processes, same_path=same_path, here=here)
-    return value
+    with alone(what, os.fspath(path), processes):  # one thread of this process at a time
+        # where this process is, said before its part (a slow read): a process that times out
+        # meanwhile names this meeting, not the one this process made before
+        here = arrive(what, path, process=process, processes=processes, same_path=same_path)
+        try:
+            value = call()
+        except Exception as e:  # KeyboardInterrupt and SystemExit pass as they are
+            agree(what, path, e, process=process, processes=processes, same_path=same_path, here=here)
+            raise  # agree raised already: `e` is this process's own failure
+        agree(what, path, None, process=process, processes=processes, same_path=same_path, here=here)
+        return value
 
 
 def arrive(what: str, path: str, *, process: int, processes: int,
@@ -450,42 +452,47 @@ def arrive(what: str, path: str, *, process: int, processes: int,
     return here
 
 
-def tell(error: BaseException, *, process: int, processes: int) -> None:
-    """Post `error`, raised in this process alone for a call that cannot meet the others (a
-    manager's save whose step is no step: where it would save is not known), so that the
-    others' errors, waiting for this process at that call, say what it was told (best effort).
+def tell(error: BaseException, gone: Meeting, *, process: int, processes: int) -> None:
+    """Post `error`, raised in this process alone for a call that meets the others (a
+    manager's save whose step is no step, an argument refused before the meeting), and this
+    process's position `gone`: the meeting of that call, left (`meetings.refused`). The others
+    waiting for it there fail at once, saying what it was told, not at their timeout (best
+    effort: what it is for is their error).
 
     Example:
         ```python
-        tell(refusal, process=1, processes=2)  # then raise refusal
+        tell(refusal, refused(SAVING, ''), process=1, processes=2)  # then raise refusal
         ```
     """
     if processes > 1:
         with contextlib.suppress(Exception):
             said = (f"{type(error).__name__}: {error.message}" if isinstance(error, CheckpointError)
                     else told(error))
-            client(processes, '').key_value_set(f"{TOLD}/{process}", told_alone(said),
-                                                allow_overwrite=True)
+            store = client(processes, '')
+            store.key_value_set(f"{TOLD}/{process}", told_alone(said, gone), allow_overwrite=True)
+            store.key_value_set(f"{MEETING}/{process}", gone.encode(), allow_overwrite=True)
 
 
-def _described(e: BaseException | None) -> dict[str, str | None]:
-    if e is None:
-        return {'type': None, 'message': None, 'fix': None}
-    if isinstance(e, CheckpointError):
-        return {'type': type(e).__name__, 'message': e.message, 'fix': e.fix}
-    return {'type': 'DistributedError', 'message': told(e),
-            'fix': None}
+@contextlib.contextmanager
+def refusing(gone: Callable[[], Meeting], *, process: int, processes: int) -> Iterator[None]:
+    """The checks of a call meeting the others, made before it takes its turn: an error they
+    raise is posted (`tell`), with this process's position `gone()` (the meeting of that call,
+    left: this process will not come), then raised, so that the others fail at once rather
+    than at their timeout.
 
-
-def _common(what: str, path: str, failed: list[tuple[int, dict[str, Any]]]) -> CheckpointError:
-    """The one error every process raises: the first failure's type, every failure named."""
-    kind = getattr(errors, failed[0][1]['type'], None)
-    if not (isinstance(kind, type) and issubclass(kind, CheckpointError)):
-        kind = DistributedError
-    said = '; '.join(f"process {k}: {d['message']}" for k, d in failed)
-    return kind(f"{what} failed in {len(failed)} of the run's processes ({said})", file=path,
-                fix=failed[0][1]['fix'])
+    Example:
+        ```python
+        with refusing(lambda: refused(SAVING, ''), process=1, processes=2):
+            path = checked_path(path)
+        ```
+    """
+    try:
+        yield
+    except Exception as e:
+        if processes > 1:
+            tell(e, gone(), process=process, processes=processes)
+        raise
 
 
 __all__ = ['DEFAULT_BARRIER_TIMEOUT', 'MEETING', 'MISMATCH_FIX', 'Meeting', 'Runtime', 'agree',
-           'arrive', 'barrier_timeout', 'client', 'first_line', 'jointly', 'meeting', 'tell', 'told']
+           'arrive', 'barrier_timeout', 'client', 'jointly', 'meeting', 'refusing', 'tell']

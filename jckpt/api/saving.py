@@ -27,6 +27,8 @@ import jax
 from jckpt.api import progress as progress_mod
 from jckpt.api.context import Context, check_context
 from jckpt.api.multiprocess import save_directory
+from jckpt.api.pairing import refused_save
+from jckpt.api.runtime import refusing
 from jckpt.errors import CheckpointError, FormatError, InputError, naming_file
 from jckpt.format import leaf_entries
 from jckpt.format._gc import paused
@@ -92,14 +94,16 @@ def save(ctx: Context, tree: Any, path: PathLike, *, appending: bool = False,
         jckpt.save(jckpt.Context(), {"params": params, "step": 100}, "ckpt.jckpt")
         ```
     """
-    ctx = check_context(ctx, appending=appending, progress=progress)  # first: names a tree given as ctx
-    path = checked_path(path)
-    refused: InputError | None = None
-    try:
-        metadata = check_metadata(metadata, path)  # refused before anything is written
-    except InputError as e:  # a directory save refuses it once it took its turn, in every process
-        metadata, refused = {}, e
-    backend_for(path).check_target(path)  # a directory in the way, a bucket: before any request
+    with refusing(functools.partial(refused_save, path), process=jax.process_index(),
+                  processes=jax.process_count()):
+        ctx = check_context(ctx, appending=appending, progress=progress)  # first: names a tree as ctx
+        path = checked_path(path)
+        refused: InputError | None = None
+        try:
+            metadata = check_metadata(metadata, path)  # refused before anything is written
+        except InputError as e:  # a directory save refuses it once it took its turn, in every process
+            metadata, refused = {}, e
+        backend_for(path).check_target(path)  # a directory in the way, a bucket: before any request
     # several processes save their pieces into one directory; a directory checkpoint stays one
     with naming_file(path):  # a leaf's error names the file too
         if jax.process_count() > 1 or _holds_directory(path):

@@ -42,6 +42,7 @@ from typing import Any
 import jax
 
 from jckpt.api.context import Context, check_context, check_flag
+from jckpt.api.meetings import SAVING, refused
 from jckpt.api.multiprocess import save_directory
 from jckpt.api.runtime import agree, tell
 from jckpt.errors import InputError, StorageError, naming_file
@@ -162,37 +163,38 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
                  options: CheckpointOptions | None = None,
                  load_options: CheckpointLoadOptions | None = None,
                  device_image_bytes: int | None = None, read_only: bool = False) -> None:
-        self.directory = checked_path(directory)
-        self.read_only = check_flag(read_only, 'read_only', self.directory, optional=False)
-        self.options = steps.checked(options, CheckpointOptions, 'options')
-        self.load_options = steps.checked(load_options, CheckpointLoadOptions, 'load_options')
-        backend = backend_for(self.directory)  # a URL is refused before the directory is made
-        ctx = check_context(ctx) if ctx is not None else None  # so is a ctx that is not a Context
-        self.process_index, self.process_count = jax.process_index(), jax.process_count()
-        self.directory_steps = (self.process_count > 1 if directory_steps is None
-                                else bool(directory_steps))
-        self._rank, self._ranks = ((self.process_index, self.process_count)  # who writes the steps
-                                   if self.directory_steps else (0, 1))  # file steps: this process
-        if not self.read_only:  # at open, not at the first save, hours of training later
-            self.options.refuse_directory_steps(self.directory_steps, self.directory)
-        self._retention = Retention(keep_last, keep_every, keep_best, best_metric, best_mode)
-        if type(save_interval_steps) is not int or save_interval_steps < 1:  # a bool is no count
-            raise InputError(f"save_interval_steps must be a positive integer, "
-                             f"not {save_interval_steps!r}")
-        self.keep_last, self.keep_every, self.keep_best = keep_last, keep_every, keep_best
-        self.best_metric, self.best_mode = best_metric, best_mode
-        self.save_interval_steps = save_interval_steps
-        self.asynchronous = check_flag(asynchronous, 'asynchronous', self.directory, optional=False)
-        if self.read_only:
-            restoring.check_reader(backend, self.directory, (
-                ('keep_last', keep_last), ('keep_every', keep_every), ('keep_best', keep_best),
-                ('new_lineage', new_lineage), ('handle_sigterm', handle_sigterm)))
-        elif backend is LOCAL:  # an object store's prefix needs no creating
-            restoring.refuse_a_file(self.directory)
-            try:
-                os.makedirs(self.directory, exist_ok=True)
-            except OSError as e:
-                raise storage_error(e, "creating the checkpoint directory", self.directory) from e
+        with restoring.refusing_open(directory, read_only, directory_steps):  # others: at once
+            self.directory = checked_path(directory)
+            self.read_only = check_flag(read_only, 'read_only', self.directory, optional=False)
+            self.options = steps.checked(options, CheckpointOptions, 'options')
+            self.load_options = steps.checked(load_options, CheckpointLoadOptions, 'load_options')
+            backend = backend_for(self.directory)  # a URL is refused before the directory is made
+            ctx = check_context(ctx) if ctx is not None else None  # so is a ctx that is not a Context
+            self.process_index, self.process_count = jax.process_index(), jax.process_count()
+            self.directory_steps = (self.process_count > 1 if directory_steps is None
+                                    else bool(directory_steps))
+            self._rank, self._ranks = ((self.process_index, self.process_count)  # who writes the steps
+                                       if self.directory_steps else (0, 1))  # file steps: this process
+            if not self.read_only:  # at open, not at the first save, hours of training later
+                self.options.refuse_directory_steps(self.directory_steps, self.directory)
+            self._retention = Retention(keep_last, keep_every, keep_best, best_metric, best_mode)
+            if type(save_interval_steps) is not int or save_interval_steps < 1:  # a bool is no count
+                raise InputError(f"save_interval_steps must be a positive integer, "
+                                 f"not {save_interval_steps!r}")
+            self.keep_last, self.keep_every, self.keep_best = keep_last, keep_every, keep_best
+            self.best_metric, self.best_mode, self.save_interval_steps = (best_metric, best_mode,
+                                                                          save_interval_steps)
+            self.asynchronous = check_flag(asynchronous, 'asynchronous', self.directory, optional=False)
+            if self.read_only:
+                restoring.check_reader(backend, self.directory, (
+                    ('keep_last', keep_last), ('keep_every', keep_every), ('keep_best', keep_best),
+                    ('new_lineage', new_lineage), ('handle_sigterm', handle_sigterm)))
+            elif backend is LOCAL:  # an object store's prefix needs no creating
+                restoring.refuse_a_file(self.directory)
+                try:
+                    os.makedirs(self.directory, exist_ok=True)
+                except OSError as e:
+                    raise storage_error(e, "creating the checkpoint directory", self.directory) from e
         self._view = StepView()
         self._found: tuple[dict[str, str], Any] | None = None
         self._resume_reader: Any = None  # the latest step's reader, for the restore resuming from it
@@ -213,8 +215,8 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
 
     def _opened(self, failure: BaseException | None) -> None:
         """Every process raises at open what one met taking its lease (`runtime.agree`)."""
-        agree("opening the manager", os.path.abspath(self.directory) if self.backend is LOCAL
-              else self.directory, failure, process=self._rank, processes=self._ranks)
+        agree("opening the manager", restoring.meeting_path(self.backend, self.directory), failure,
+              process=self._rank, processes=self._ranks)
 
     def _recover(self) -> str | None:
         found = restoring.recovered(self.backend, self.directory, self._rank, self._ranks, self.read_only,
@@ -325,7 +327,7 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
         """`e`, refused in this process alone where the others' save cannot meet it (where it
         would save is not known), posted for the errors of the processes waiting for it."""
         if self.directory_steps:
-            tell(e, process=self._rank, processes=self._ranks)
+            tell(e, refused(SAVING, ''), process=self._rank, processes=self._ranks)
         return e
 
     def _arguments(self, step: int, tree: Any, items: Mapping[str, Any] | None,

@@ -22,8 +22,10 @@ import contextlib
 import dataclasses
 import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+import jax
 
 from jckpt.api.context import Context, check_flag
 from jckpt.api.loading import spans_processes
@@ -36,7 +38,7 @@ from jckpt.services.retention import check_step
 from jckpt.services.step_cache import StepCache
 from jckpt.services.step_view import StepView
 from jckpt.services.trainer_state import TrainerState
-from jckpt.storage.backend import LOCAL, Backend
+from jckpt.storage.backend import LOCAL, Backend, backend_for, checked_path
 from jckpt.storage.checkpoint import reusing
 
 #: What a read-only manager says to do instead of a write.
@@ -386,11 +388,47 @@ def recovered(backend: Backend, directory: str, rank: int, ranks: int, read_only
                 break
     except CheckpointError as e:
         failure = e
-    where = os.path.abspath(directory) if backend is LOCAL else directory  # as a writer's open
-    listed = agree("listing the steps", where, failure, process=rank, processes=ranks,
-                   value=sorted(found.metrics))
+    listed = agree("listing the steps", meeting_path(backend, directory), failure, process=rank,
+                   processes=ranks, value=sorted(found.metrics))
     return common_steps(found, listed)
 
 
-__all__ = ['Loaded', 'Restored', 'StepReader', 'check_reader', 'common_steps', 'read_only_refusal',
-           'read_step', 'recovered']
+def meeting_path(backend: Backend, directory: str) -> str:
+    """The path a manager's processes meet about (its open, a reader's listing): absolute on
+    a local disk, as each process may name it relative to its own working directory.
+
+    >>> meeting_path(LOCAL, '/runs/a')
+    '/runs/a'
+    """
+    return os.path.abspath(directory) if backend is LOCAL else directory
+
+
+@contextlib.contextmanager
+def refusing_open(directory: Any, read_only: Any, directory_steps: bool | None) -> Iterator[None]:
+    """An argument this process refuses opening a manager of several processes, taken to the
+    meeting the others wait at (its open; a reader's first listing) as this process's failure
+    there (`agree`): every process raises the same error at once, not the others at their
+    timeout.
+
+    Example:
+        ```python
+        with refusing_open(directory, read_only, directory_steps):
+            check_flag(read_only, 'read_only', directory, optional=False)
+        ```
+    """
+    try:
+        yield
+    except Exception as e:
+        processes = jax.process_count() if directory_steps is None or directory_steps else 1
+        try:
+            path = checked_path(directory)
+            where = meeting_path(backend_for(path), path)
+        except Exception:
+            where = ''  # a path no other process names: they all fail naming theirs
+        agree('listing the steps' if read_only is True else 'opening the manager', where, e,
+              process=jax.process_index(), processes=processes)
+        raise  # `agree` raised already
+
+
+__all__ = ['Loaded', 'Restored', 'StepReader', 'check_reader', 'common_steps', 'meeting_path',
+           'read_only_refusal', 'read_step', 'recovered', 'refusing_open']

@@ -45,13 +45,33 @@ def test_a_mismatch_names_where_each_process_that_did_not_come_is():
 
 def test_what_a_process_was_told_is_shown_while_it_is_still_where_it_was_told_it(monkeypatch):
     """A process refusing a call alone (a save whose step is no step) posts what it was told,
-    with its latest meeting; once it went on to another meeting, that is old news."""
-    monkeypatch.setattr(meetings, "_LATEST", [])
-    first = meetings.told_alone("InputError: no step")
-    assert meetings.told_since({1: first}, {}) == {1: "InputError: no step"}  # at no meeting yet
-    here = meeting(SAVING, "")
-    posted = {1: meetings.told_alone("InputError: no step, again"), 2: first, 3: "not json"}
-    assert meetings.told_since(posted, {1: here, 2: here}) == {1: "InputError: no step, again"}
+    with the position it posted then; once it went on to another meeting, that is old news."""
+    monkeypatch.setattr(meetings, "_MEETINGS", collections.Counter())
+    gone = meetings.refused(SAVING, "")
+    first = meetings.told_alone("InputError: no step", gone)
+    assert meetings.told_since({1: first}, {1: gone}) == {1: "InputError: no step"}
+    assert meetings.told_since({1: first}, {}) == {}  # its position is not known
+    here = meeting(SAVING, "")  # it went on to that save after all
+    again = meetings.refused(SAVING, "")
+    posted = {1: meetings.told_alone("InputError: no step, again", again), 2: first, 3: "not json"}
+    assert meetings.told_since(posted, {1: again, 2: here}) == {1: "InputError: no step, again"}
+
+
+def test_a_process_that_refused_the_call_of_this_meeting_will_not_come(monkeypatch):
+    """Process 1 refused a save alone (an argument it alone passed) and went on to other work:
+    process 0, at that save, saw it still at the one before, which it may come from, and
+    waited out its timeout. Now the refusal is its position: it left this very meeting."""
+    monkeypatch.setattr(meetings, "_MEETINGS", collections.Counter())
+    meeting(SAVING, "")
+    gone = meetings.refused(SAVING, "")  # in process 1, its second save, refused: not counted
+    assert gone == Meeting(SAVING, "", 1, left=True) and meetings.refused(SAVING, "") == gone
+    here = meeting(SAVING, "")  # process 0's second save
+    assert here.stuck({1: gone})
+    assert not meeting(SAVING, "").stuck({1: gone})  # a later save: it may still come there
+    e = here.mismatched(jckpt.DistributedError("timed out"), {1: gone}, 2, 0, "run",
+                        {1: "InputError: step must be an integer"})
+    assert ("process 1 left saving a checkpoint (its 2nd such meeting), failing, and was told "
+            "since: InputError: step must be an integer") in e.message, e.message
 
 
 def test_a_process_that_left_a_meeting_failing_is_at_none(monkeypatch):
@@ -74,3 +94,38 @@ def test_a_process_that_left_finding_this_one_stuck_makes_it_fail_too(monkeypatc
     gone = Meeting(SAVING, "", 2).leaving(here)
     assert here.stuck({1: gone}) and Meeting.decode(gone.encode()) == gone
     assert not meeting("restoring step 2", "run").stuck({1: gone})  # found at another: not this
+
+
+def test_a_call_meeting_the_others_while_another_thread_is_in_one_is_refused():
+    """A save in one thread while another restored onto global arrays: the one position each
+    process posts said the restore, and the peer waiting at the save took it as stuck (or the
+    meetings paired in another order in each process). Now the second call is refused, naming
+    the first; calls within a call (a restore's meeting) and one process's calls pass."""
+    import threading
+
+    import pytest
+
+    inside, done = threading.Event(), threading.Event()
+
+    def restore():
+        with meetings.alone("restoring the checkpoint", "a", 2):
+            inside.set()
+            done.wait(10)
+    t = threading.Thread(target=restore)
+    t.start()
+    try:
+        assert inside.wait(10)
+        with pytest.raises(jckpt.InputError) as e:
+            with meetings.alone(SAVING, "run", 2):
+                pass
+        assert "saving a checkpoint meets the other processes while another thread of this " \
+               "process is restoring the checkpoint" in e.value.message
+        assert "from one thread" in e.value.fix and "jckpt.Mirror" in e.value.fix
+        with meetings.alone(SAVING, "run", 1):  # one process: nothing meets
+            pass
+    finally:
+        done.set()
+        t.join()
+    with meetings.alone(SAVING, "run", 2), meetings.alone("restoring a step", "run", 2):
+        pass  # this thread alone, a call within a call
+    assert meetings._CALLING == []

@@ -89,3 +89,21 @@ def test_the_first_differing_leaf_is_named():
     key = leaf_facts(1, "rng", "uint32", (2,), "threefry2x32")
     assert difference([key], [leaf_facts(1, "rng", "uint32", (2,), None)], "process 0") == (
         "rng", "uint32[2] of threefry2x32 keys here, uint32[2] in process 0")
+
+
+def test_a_save_refused_before_its_turn_takes_it_all_the_same():
+    """A save refused in one process before its turn (a context that is no Context) did not
+    take it: that process's next save paired with the others' save of this turn, and could
+    publish one checkpoint of two states. Now it takes its turn, and is posted as left."""
+    import os
+
+    from jckpt.api.meetings import SAVING, Meeting, begun
+
+    path = f"ckpt-{id(object())}"
+    gone = pairing.refused_save(path)
+    assert gone.left and gone.what == SAVING and begun(gone.plain())
+    tag, place, _ = next_save(os.path.abspath(path), call_site())
+    assert place == 1  # the refused save was this path's first
+    assert int(tag.rsplit("/", 1)[1]) >= 1
+    assert pairing.refused_save("a\0b").left  # no path: a turn all the same
+    assert isinstance(gone, Meeting)

@@ -342,14 +342,31 @@ def test_a_timeout_says_what_a_process_refusing_a_call_alone_was_told(monkeypatc
     not known): process 0's timeout named only where process 1 was before it."""
     client = FakeClient(blocked={"said"})
     _at(monkeypatch, client, {("listing the steps", "run"): 1}, ["listing the steps", "run", 0])
-    monkeypatch.setattr(meetings_mod, "_LATEST", [meetings_mod.Meeting("listing the steps", "run", 0)])
     refusal = jckpt.InputError("step must be a non-negative integer, not int -3", file="run")
-    runtime_mod.tell(refusal, process=1, processes=2)  # as process 1 posts it
+    runtime_mod.tell(refusal, meetings_mod.refused(meetings_mod.SAVING, ""), process=1, processes=2)
     with pytest.raises(jckpt.DistributedError) as e:
         agree("opening the manager", "run", None, process=0, processes=2, timeout=0.2)
-    assert ("process 1 is at listing the steps of run (its 1st such meeting), and was told since: "
-            "InputError: step must be a non-negative integer, not int -3: the processes are at "
-            "different meetings") in e.value.message, e.value
+    assert client.waits > 1 and "(the barrier timed out)" in e.value.message, e.value  # elsewhere
+    assert ("process 1 left saving a checkpoint (its 1st such meeting), failing, and was told "
+            "since: InputError: step must be a non-negative integer, not int -3: the processes "
+            "are at different meetings") in e.value.message, e.value
+
+
+def test_a_process_that_refused_the_call_alone_fails_the_others_there_at_once(monkeypatch):
+    """Process 1 refused the manager's open alone (an argument it alone passed) and went on to
+    other work: process 0, waiting for it there, waited out its timeout (300 s by default)."""
+    client = FakeClient(blocked={"said"})
+    _at(monkeypatch, client, {}, ["listing the steps", "run", 0])
+    refusal = jckpt.InputError("save_interval_steps must be a positive integer, not 0", file="run")
+    runtime_mod.tell(refusal, meetings_mod.refused("opening the manager", "run"), process=1,
+                     processes=2)
+    with pytest.raises(jckpt.DistributedError) as e:
+        agree("opening the manager", "run", None, process=0, processes=2, timeout=300)
+    assert client.waits == 1, client.waits  # one look, not 300 s of them
+    assert "(it left this meeting failing: it will not come)" in e.value.message, e.value
+    assert ("process 1 left opening the manager of run (its 1st such meeting), failing, and was "
+            "told since: InputError: save_interval_steps must be a positive integer, not 0") \
+        in e.value.message, e.value
 
 
 def test_a_process_coming_to_a_meeting_another_left_failing_fails_too(monkeypatch):
@@ -387,3 +404,28 @@ def test_the_first_process_to_settle_a_meetings_outcome_decides_it(kind):
     rt = runtime(kind())
     assert rt._settle("said", "failed") and not rt._settle("said", "met")  # a latecomer fails
     assert rt._settle("said", "failed")  # and so does every other process timing out there
+
+
+def test_agree_and_jointly_refuse_a_call_while_another_thread_makes_one(monkeypatch):
+    """Two threads of one process meeting the others at once confused where it is (one position
+    per process): the second call is refused before it meets anyone."""
+    import threading
+
+    inside, done = threading.Event(), threading.Event()
+
+    def save():
+        with meetings_mod.alone(meetings_mod.SAVING, "run", 2):
+            inside.set()
+            done.wait(10)
+    t = threading.Thread(target=save)
+    t.start()
+    try:
+        assert inside.wait(10)
+        for call in (lambda: agree("opening the manager", "run", None, process=0, processes=2),
+                     lambda: jointly("restoring a step", "run", lambda: 1, process=0, processes=2)):
+            with pytest.raises(jckpt.InputError, match="while another thread of this process is "
+                                                       "saving a checkpoint"):
+                call()
+    finally:
+        done.set()
+        t.join()

@@ -132,3 +132,31 @@ def test_a_reader_lists_again_when_the_steps_it_listed_were_removed_meanwhile(tm
     assert "unreadable" not in caplog.text
     first = steps.scan(LOCAL, str(tmp_path), ([step_name(1), step_name(2)], [], None))
     assert sorted(first.metrics) == [2] and first.vanished == (step_name(1),)
+
+
+def test_an_argument_one_process_refuses_opening_a_manager_goes_to_the_others_open(tmp_path,
+                                                                                    monkeypatch):
+    """`CheckpointManager(..., directory_steps=True)` refusing an argument in one process raised
+    there alone, before the open the others wait at: they waited out their timeout. Now the
+    refusal goes to that meeting as this process's failure, which every process raises."""
+    import jax
+
+    from jckpt.services import restoring
+
+    told = []
+
+    def agree(what, path, failure, *, process, processes):
+        told.append((what, path, type(failure).__name__, processes))
+        if processes == 1:
+            raise failure
+        raise jckpt.InputError(f"{what} failed in 1 of the run's processes (process 1: ...)")
+    monkeypatch.setattr(restoring, "agree", agree)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    for read_only, what in ((False, "opening the manager"), (True, "listing the steps")):
+        with pytest.raises(jckpt.InputError, match=f"{what} failed in 1 of the run's processes"):
+            jckpt.CheckpointManager(tmp_path, directory_steps=True, read_only=read_only,
+                                    save_interval_steps=0)
+        assert told[-1] == (what, str(tmp_path), "InputError", 2)
+    with pytest.raises(jckpt.InputError, match="save_interval_steps must be a positive integer"):
+        jckpt.CheckpointManager(tmp_path, directory_steps=False, save_interval_steps=0)
+    assert told[-1][3] == 1  # steps of this process alone: no other process waits for it

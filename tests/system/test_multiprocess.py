@@ -201,15 +201,33 @@ def test_a_save_that_fails_early_on_one_process_fails_at_once_on_all(tmp_path):
 
 def test_a_save_whose_metadata_one_process_gets_wrong_fails_at_once_on_all(tmp_path):
     """`jckpt.save` refused metadata that is no string in that process before its turn: the
-    others waited out their timeout, and from then on each save met the other's previous one."""
+    others waited out their timeout, and from then on each save met the other's previous one.
+    Then the others failed with a DistributedError naming it: now with the same InputError."""
     import jckpt
 
     d = tmp_path / "ckpt"
     found = check(run_pair("metafail", d, {"JCKPT_BARRIER_TIMEOUT": "60"}))
     (t0, m0, s0), (t0b, _, _) = found[0]["attempts"]
     (t1, m1, _), (t1b, _, _) = found[1]["attempts"]
-    assert (t0, t1) == ("DistributedError", "InputError") and "'note'" in m1, found
-    assert "process 1: " in m0 and "'note'" in m0 and s0 < 30, found
+    assert (t0, t1) == ("InputError", "InputError") and m0 == m1 and "'note'" in m1, found
+    assert "saving a checkpoint failed in 1 of the run's processes (process 1: " in m0 and s0 < 30
+    assert (t0b, t1b) == (None, None), found  # then both save version 2
+    assert dict(jckpt.describe(d).metadata)["note"] == "ok"
+
+
+def test_an_alignment_one_process_gets_wrong_fails_the_save_in_all_alike_and_the_next_goes_on(
+        tmp_path):
+    """`jckpt.save` refused an `alignment` that is no power of two in that process before the
+    save took its turn: the others waited out their timeout, and from then on each save met the
+    other's previous one. Now it is refused once the save took its turn, in every process alike."""
+    import jckpt
+
+    d = tmp_path / "ckpt"
+    found = check(run_pair("metafail", d, {"KIND": "alignment", "JCKPT_BARRIER_TIMEOUT": "60"}))
+    (t0, m0, _), (t0b, _, _) = found[0]["attempts"]
+    (t1, m1, _), (t1b, _, _) = found[1]["attempts"]
+    assert (t0, t1) == ("InputError", "InputError") and m0 == m1 and "alignment" in m0, found
+    assert "saving a checkpoint failed in 1 of the run's processes (process 1: " in m0, m0
     assert (t0b, t1b) == (None, None), found  # then both save version 2
     assert dict(jckpt.describe(d).metadata)["note"] == "ok"
 
@@ -586,11 +604,10 @@ def test_a_managers_step_whose_metrics_one_process_gets_wrong_fails_in_all_and_t
     and then waited out the barrier's timeout at step 3, which no process saved."""
     found = check(run_pair("managerargs", tmp_path / "run", {"JCKPT_BARRIER_TIMEOUT": "60"}))
     (t0, m0, s0), (t1, m1, s1) = (found[p]["attempts"][1] for p in (0, 1))
-    assert (t0, t1) == ("DistributedError", "InputError") and s0 < 30 and s1 < 30, found
+    assert (t0, t1) == ("InputError", "InputError") and s0 < 30 and s1 < 30 and m0 == m1, found
     assert "metric 'loss' is not a number" in m1 and "process 1: " in m0 and "step_00000002" in m0
     for r in found.values():
-        assert [t for t, _, _ in r["attempts"]] == [None, "DistributedError" if r["process"] == 0
-                                                    else "InputError", None], r
+        assert [t for t, _, _ in r["attempts"]] == [None, "InputError", None], r
         assert r["steps"] == [1, 3], r
 
 
@@ -678,7 +695,7 @@ def test_a_managers_save_whose_arguments_one_process_gets_wrong_fails_in_all_and
     found = check(run_pair("managerargs", tmp_path / "run", {"KIND": "items",
                                                              "JCKPT_BARRIER_TIMEOUT": "20"}))
     (t0, m0, s0), (t1, m1, s1) = (found[p]["attempts"][1] for p in (0, 1))
-    assert (t0, t1) == ("DistributedError", "InputError") and s0 < 15 and s1 < 15, found
+    assert (t0, t1) == ("InputError", "InputError") and s0 < 15 and s1 < 15 and m0 == m1, found
     assert "pass tree, not items" in m1 and "process 1: " in m0 and "pass tree, not items" in m0
     for r in found.values():
         assert [a[0] for a in r["attempts"]] == [None, t0 if r["process"] == 0 else t1, None], r
@@ -741,39 +758,92 @@ def test_a_managers_argument_refused_in_one_process_fails_in_all_at_once(tmp_pat
     found = check(run_pair("stuck", tmp_path / "run", {"KIND": "arguments",
                                                        "JCKPT_BARRIER_TIMEOUT": "60"}))
     a0, a1 = (found[p]["attempts"] for p in (0, 1))
-    assert [a[0] for a in a0] == ["InputError", "InputError", "DistributedError", None, None], a0
+    assert [a[0] for a in a0] == ["InputError", "InputError", "InputError", None, None], a0
     assert [a[0] for a in a1] == ["InputError", "InputError", "InputError", None, None], a1
     assert all(a[2] < 15 for a in a0 + a1), found
     assert a0[0][1] == a1[0][1] and "process 1: " in a0[0][1] and "not str 'two'" in a0[0][1]
     assert a0[1][1] == a1[1][1] and "the processes restore different steps (process 0: 2; " \
         "process 1: 1)" in a0[1][1], a0
     assert "force must be True or False" in a1[2][1] and "process 1: " in a0[2][1] and \
-        "force must be True or False" in a0[2][1], found
+        a0[2][1] == a1[2][1], found  # the same refusal in every process
     assert all(a[3] for a in a0[3:] + a1[3:]), found
 
 
 @pytest.mark.slow
-def test_a_step_to_save_refused_in_one_process_is_named_by_the_others_timeout(tmp_path):
+def test_a_step_to_save_refused_in_one_process_fails_the_others_at_once_naming_it(tmp_path):
     """A `save` whose step is no step cannot meet the others' (where it would save is not known):
-    process 0 waited out its timeout naming only where process 1 was before. Now it says what
-    process 1 was told."""
+    process 0 waited out its timeout (60 s here, 300 by default), naming only where process 1
+    was before. Now process 1 posts that it left that save, and process 0 fails at once, saying
+    what process 1 was told."""
     found = check(run_pair("stuck", tmp_path / "run", {"KIND": "told",
-                                                       "JCKPT_BARRIER_TIMEOUT": "4"}))
+                                                       "JCKPT_BARRIER_TIMEOUT": "60"}))
     (t0, m0, _, _), (t1, m1, _, _) = (found[p]["attempts"][0] for p in (0, 1))
     assert (t0, t1) == ("DistributedError", "InputError") and "not int -3" in m1, found
-    assert "process 1 is at saving a checkpoint (its 2nd such meeting), and was told since: " \
-           "InputError: step must be a non-negative integer, not int -3: " in m0, m0
+    assert "(it left this meeting failing: it will not come)" in m0 and "timed out" not in m0, m0
+    assert "process 1 left saving a checkpoint (its 3rd such meeting), failing, and was told " \
+           "since: InputError: step must be a non-negative integer, not int -3: " in m0, m0
+
+
+@pytest.mark.slow
+def test_a_save_one_process_refused_before_its_turn_fails_the_others_at_once_naming_it(tmp_path):
+    """Process 1's `jckpt.save` refused its context (a tree) before the save took its turn, and
+    process 1 went on to other work: process 0 waited out its timeout at that save, naming only
+    the save process 1 made before, and each next save of process 1 met the others' previous
+    one. Now process 1 posts that it left it, taking its turn: process 0 fails at once, and the
+    next save goes on together."""
+    import jckpt
+
+    found = check(run_pair("refusals", tmp_path / "ckpt", {"KIND": "save",
+                                                           "JCKPT_BARRIER_TIMEOUT": "60"}))
+    (t0, m0), (t1, m1) = (found[p]["attempts"][1] for p in (0, 1))
+    assert (t0, t1) == ("DistributedError", "InputError") and "ctx must be a jckpt.Context" in m1, found
+    assert "(it left this meeting failing: it will not come)" in m0 and "timed out" not in m0, m0
+    assert "process 1 left saving a checkpoint (its 2nd such meeting), failing, and was told " \
+           "since: InputError: ctx must be a jckpt.Context" in m0, m0
+    assert [a[0] for r in found.values() for a in r["attempts"][::2]] == [None] * 4, found
+    _, back = jckpt.load(jckpt.Context(host=True), tmp_path / "ckpt")
+    np.testing.assert_array_equal(back["jckpt"]["x"], np.full(4, 3, np.float32))
+
+
+@pytest.mark.slow
+def test_a_managers_argument_one_process_refuses_at_construction_fails_all_at_once_alike(tmp_path):
+    """`CheckpointManager(..., directory_steps=True)` with options for another format in process
+    1 alone raised there at construction, before the open every process meets at: process 0
+    waited out its timeout there. Now every process raises the same InputError, at once."""
+    found = check(run_pair("refusals", tmp_path / "run", {"KIND": "open",
+                                                          "JCKPT_BARRIER_TIMEOUT": "60"}))
+    (t0, m0), (t1, m1) = (found[p]["attempts"][0] for p in (0, 1))
+    assert (t0, t1) == ("InputError", "InputError") and m0 == m1, found
+    assert "opening the manager failed in 1 of the run's processes (process 1: multi-process " \
+           "directory steps are jckpt only" in m0, m0
+    for r in found.values():
+        assert [a[0] for a in r["attempts"]] == ["InputError", None], found  # then both open
+
+
+@pytest.mark.slow
+def test_one_process_of_8_at_another_meeting_makes_all_fail_at_once(tmp_path):
+    """Early failure was checked with 4 processes at most: with 8, process 1 saving while the 7
+    others restore, every process fails at once (none at its timeout), naming the meetings."""
+    found = check(run_pair("stuck", tmp_path / "run", {"KIND": "mismatch",
+                                                       "JCKPT_BARRIER_TIMEOUT": "60"},
+                           processes=8, devices=1), n=8)
+    for p, r in found.items():
+        kind, message, _, _ = r["attempts"][0]
+        assert kind == "DistributedError" and "timed out" not in message, (p, message)
+        assert "no process can move on" in message or "it will not come" in message, (p, message)
+        assert "the processes are at different meetings" in message, (p, message)
+
 
 # --- the worker ------------------------------------------------------------------------------
 
-def _attempt(jckpt, tree, path, timeout=None, metadata=None):
+def _attempt(jckpt, tree, path, timeout=None, metadata=None, alignment=None):
     """One save from this process: `[error type or None, message, seconds]` (with `metadata`,
     through `jckpt.save`)."""
     from jckpt.api.multiprocess import save_directory
     start = time.monotonic()
     try:
         if metadata is not None:
-            jckpt.save(jckpt.Context(), tree, path, metadata=metadata)
+            jckpt.save(jckpt.Context(), tree, path, metadata=metadata, alignment=alignment)
         else:
             save_directory(jckpt.Context(), tree, path, timeout=timeout)
         return [None, "", time.monotonic() - start]
@@ -1328,7 +1398,6 @@ def phase_stuck(jax, jckpt, result, path):
     a restore both make (still at the save before), then reads its part slowly. "arguments":
     process 1 passes a `restore` or `save` argument that is refused; "told": a step to `save`
     that is no step."""
-    from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -1358,7 +1427,7 @@ def phase_stuck(jax, jckpt, result, path):
             attempts.append(attempt(lambda: mgr.restore(target=target), 4))
         elif kind == "told":  # process 1 saves a step that is no step: it cannot meet the others
             attempts.append(attempt(lambda: (mgr.save(-3 if lone else 3, x(3)), x(3))[1], 3))
-            multihost_utils.sync_global_devices("process 0 timed out")
+            _other_work(jax, "process 0 failed")
         else:
             if lone:
                 time.sleep(3)  # behind: still at the save before, as the others see it
@@ -1371,6 +1440,42 @@ def phase_stuck(jax, jckpt, result, path):
     result.update(ok=True, attempts=attempts)
 
 
+def phase_refusals(jax, jckpt, result, path):
+    """`KIND` "save": both processes save, then process 1 passes a context `jckpt.save` refuses
+    before the save takes its turn, and goes on to other work; then both save again. "open": process 1 passes
+    `CheckpointManager` options refused with directory steps, then every process opens it."""
+    lone = jax.process_index() == 1
+    attempts = []
+
+    def attempt(call):
+        try:
+            call()
+            attempts.append([None, ""])
+        except jckpt.CheckpointError as e:
+            attempts.append([type(e).__name__, str(e)])
+    if os.environ.get("KIND") == "save":
+        for version in (1, 2, 3):
+            tree = {"x": np.full(4, version, dtype=np.float32)}
+            ctx = tree if lone and version == 2 else jckpt.Context()  # a tree: no context
+            attempt(functools.partial(jckpt.save, ctx, tree, path))
+            if version == 2:
+                _other_work(jax, "the refusal is over")
+    else:
+        foreign = jckpt.CheckpointOptions(format="safetensors") if lone else None
+        attempt(lambda: jckpt.CheckpointManager(path, directory_steps=True, options=foreign).close())
+        attempt(lambda: jckpt.CheckpointManager(path, directory_steps=True).close())
+        _other_work(jax, "the refusals are over")
+    result.update(ok=True, attempts=attempts)
+
+
+def _other_work(jax, name):
+    """Every process meets at a barrier of JAX's own, not jckpt's (waiting up to 2 minutes: a
+    process waiting out jckpt's timeout meanwhile still comes)."""
+    from jax._src import distributed
+
+    distributed.global_state.client.wait_at_barrier(name, 120_000)
+
+
 PHASES = {"lonesame": phase_lone_save_of_the_same_path, "openconflict": phase_open_beside_a_live_run,
           "meshsave": phase_mesh_save, "meshrestore": phase_mesh_restore,
           "killed": phase_killed_mid_save, "preempted": phase_preempted,
@@ -1379,7 +1484,7 @@ PHASES = {"lonesame": phase_lone_save_of_the_same_path, "openconflict": phase_op
           "ownerror": phase_own_error, "readerrace": phase_reader_race,
           "managerargs": phase_manager_arguments, "lonefailures": phase_lone_failures,
           "halfpieces": phase_half_of_each_piece, "lonemeeting": phase_lone_meeting,
-          "stuck": phase_stuck}
+          "stuck": phase_stuck, "refusals": phase_refusals}
 
 
 def worker(phase, process, port, path, processes=2, devices=2):
@@ -1493,9 +1598,11 @@ def worker(phase, process, port, path, processes=2, devices=2):
                 tree["step"] = "not an array"  # refused while this process plans its pieces
             if phase == "hostdiff" and process == 1 and version == 1:
                 tree["step"] = np.zeros(9, np.int64)  # process 0's is a scalar int32
-            metadata = {"note": 3 if process == 1 and version == 1 else "ok"}  # 3: no string
+            lone = process == 1 and version == 1
+            aligned = os.environ.get("KIND") == "alignment"  # 3: no power of two
+            metadata = {"note": 3 if lone and not aligned else "ok"}  # 3: no string
             results_.append(_attempt(jckpt, tree, path, metadata=metadata if phase == "metafail"
-                                     else None))
+                                     else None, alignment=3 if lone and aligned else None))
         result.update(ok=True, attempts=results_)
         print("RESULT " + json.dumps(result), flush=True)
         return
