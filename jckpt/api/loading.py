@@ -27,6 +27,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from jckpt.api import matching, targets
 from jckpt.api import progress as progress_mod
@@ -278,18 +279,50 @@ def _requests(ctx: Context, reader: Any, parts: Sequence[tuple[str, list, Any]],
     index = matching.index_entries(reader.header, {ns for ns, _, _ in parts})
     checked = []
     meshes: dict[Any, Any] = {}  # abstract meshes of the target, resolved once each
+    known: dict[tuple, tuple[Any, Any]] = {}  # a plain leaf's kind -> (its dtype, its boxes)
     stored, boxes = [], []  # what each leaf's placement reads: the plan of the reads
     for entry, leaf, where in matching.match_all(index, parts, path):
         stored.append(entry)
-        if type(leaf) is jax.ShapeDtypeStruct and leaf.sharding is not None:
-            leaf = sharding.with_concrete_mesh(leaf, meshes, file=path, where=where)
-        entry = targets.as_target_takes(entry, leaf, path, where)
-        want_dtype = targets.check_leaf(ctx, entry, leaf, path, where)
-        checked.append((entry, leaf, where, want_dtype))
-        boxes.append(sharding.needed_boxes(leaf, entry, host=ctx.host, device=ctx.device))
+        kind = _plain_kind(entry, leaf)
+        try:
+            hit = known.get(kind) if kind is not None else None
+        except TypeError:  # a sharding that cannot be hashed: checked on its own
+            kind = hit = None
+        if hit is None:
+            taken, target, want_dtype, needed = _checked(ctx, entry, leaf, path, where, meshes)
+            hit = (want_dtype, needed)
+            if kind is not None and taken is entry and target is leaf:
+                known[kind] = hit
+            entry, leaf = taken, target
+        checked.append((entry, leaf, where, hit[0]))
+        boxes.append(hit[1])
     arrays = _decoded(reader, stored, mmap, verify, None, boxes)
     return [(targets.as_stored_for(array, entry, leaf, want_dtype, path, where, cast=cast), leaf,
              where, entry.key_impl) for (entry, leaf, where, want_dtype), array in zip(checked, arrays)]
+
+
+def _checked(ctx: Context, entry: Entry, leaf: Any, path: str, where: str,
+             meshes: dict[Any, Any]) -> tuple[Entry, Any, Any, Any]:
+    """`(entry, leaf, dtype, boxes)`: the entry as the target leaf takes it, the leaf (its
+    abstract mesh made concrete), the dtype it wants and the boxes its placement reads."""
+    if type(leaf) is jax.ShapeDtypeStruct and leaf.sharding is not None:
+        leaf = sharding.with_concrete_mesh(leaf, meshes, file=path, where=where)
+    entry = targets.as_target_takes(entry, leaf, path, where)
+    want_dtype = targets.check_leaf(ctx, entry, leaf, path, where)
+    return entry, leaf, want_dtype, sharding.needed_boxes(leaf, entry, host=ctx.host,
+                                                          device=ctx.device)
+
+
+def _plain_kind(entry: Entry, leaf: Any) -> tuple | None:
+    """What `_checked` reads of a plain array target and its entry (no keys, no padding), for
+    leaves of one kind to be checked once (a model's 100,000 leaves are of a few kinds); None
+    for any other leaf, checked on its own."""
+    if entry.key_impl is not None or entry.padding is not None or not (
+            type(leaf) is jax.ShapeDtypeStruct or type(leaf) is np.ndarray or
+            isinstance(leaf, jax.Array)):
+        return None
+    return (type(leaf), leaf.shape, leaf.dtype, getattr(leaf, 'sharding', None),
+            getattr(leaf, 'weak_type', False), entry.prec, entry.dims)
 
 
 def _rebuild(parts: Sequence[tuple[str, list, Any]], values: Sequence[Any]) -> dict[str, Any]:

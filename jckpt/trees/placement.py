@@ -326,7 +326,10 @@ def place_all(requests: list[tuple[Any, Any, str, str | None]], *, host: bool, d
     batch: list[int] = []
     arrays: list[np.ndarray] = []
     dests: list[Any] = []
-    known: dict[tuple, tuple[Any, Any]] = {}  # a request's kind -> (its sharding, plain_target's)
+    # a request's kind -> plain_target's answer. Its sharding by value: a target built from
+    # arrays gives each leaf a sharding object of its own, all equal, and one destination
+    # object for them all keeps the later checks by identity (equality is Python code)
+    known: dict[tuple, Any] = {}
     unsharded: list[str] = []  # array specs that say nowhere to go (`warn_unsharded_specs`)
     on_mesh = context_placement(device, host)
     deferred: list[tuple[int, Callable[[], Any]]] = []  # `place` calls, made after the loop
@@ -341,14 +344,12 @@ def place_all(requests: list[tuple[Any, Any, str, str | None]], *, host: bool, d
                                           weak_type=target.weak_type)
         if sharding is None and type(target) is jax.ShapeDtypeStruct and target.ndim:
             unsharded.append(where)
-        kind = (type(array), getattr(array, 'dtype', None), type(target), id(sharding), key_impl,
+        kind = (type(array), getattr(array, 'dtype', None), type(target), sharding, key_impl,
                 getattr(target, 'weak_type', False))
-        hit = known.get(kind)
-        if hit is not None and hit[0] is sharding:  # held there: its id is not reused
-            dest = hit[1]
-        else:
-            dest = plain_target(array, target, host=host, device=device, key_impl=key_impl)
-            known[kind] = (sharding, dest)
+        dest = known.get(kind, known)
+        if dest is known:
+            dest = known[kind] = plain_target(array, target, host=host, device=device,
+                                              key_impl=key_impl)
         if dest is None:
             deferred.append((i, functools.partial(place, array, target, host=host, device=device,
                                                    where=where, key_impl=key_impl, file=file)))

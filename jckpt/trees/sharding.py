@@ -77,7 +77,8 @@ def needed_boxes(target: Any, entry: Entry, *, host: bool, device: Any) -> list[
     if dest is None or entry.key_impl is not None:
         return None
     import jax
-    if not isinstance(dest, jax.sharding.Sharding) or len(dest.device_set) == 1 or (
+    if type(dest) is jax.sharding.SingleDeviceSharding or \
+            not isinstance(dest, jax.sharding.Sharding) or len(dest.device_set) == 1 or (
             target is not None and (not isinstance(target, (jax.Array, jax.ShapeDtypeStruct))
                                     or tuple(target.shape) != entry.shape)) or not x64_ok(entry.dtype):
         return None
@@ -108,8 +109,9 @@ def check_fits(shape: Sequence[int], sharding: Any, *, file: str | None, where: 
     shard them; this says so naming the leaf, before any byte is read.
     """
     import jax
-    if not isinstance(sharding, jax.sharding.Sharding):
-        return
+    if type(sharding) is jax.sharding.SingleDeviceSharding or \
+            not isinstance(sharding, jax.sharding.Sharding):
+        return  # one device takes any shape: asked of every leaf of a restore, answered first
     spec = getattr(sharding, 'spec', None)
     if spec is not None and len(spec) > len(shape):  # JAX's own error: an IndexError
         raise error(f"shape {tuple(shape)} has {len(shape)} axes, fewer than the {len(spec)} "

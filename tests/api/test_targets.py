@@ -240,3 +240,22 @@ def test_a_weakly_typed_float_target_takes_a_stored_int_as_a_python_float_does(t
     with pytest.raises(jckpt.MismatchError):  # never the reverse: a float into a weak int
         jckpt.save(ctx, {'x': 2.5}, path)
         jckpt.restore(ctx, {'x': jnp.asarray(1)}, path)
+
+
+def test_leaves_of_one_kind_are_checked_once_and_every_other_on_its_own(tmp_path, monkeypatch):
+    """A model's many leaves are of a few kinds (shape, dtype, sharding): a restore checks each
+    kind once, and a leaf of another shape (or any leaf it cannot group) is still refused by
+    name."""
+    path = tmp_path / "m.jckpt"
+    jckpt.save(CTX, {f"w{i}": np.full(2, i, np.float32) for i in range(6)}, path)
+    asked = []
+    check = targets.check_leaf
+    monkeypatch.setattr(targets, "check_leaf", lambda *a, **k: asked.append(a[3]) or check(*a, **k))
+    spec = jax.ShapeDtypeStruct((2,), jnp.float32)
+    got = jckpt.restore(CTX, {f"w{i}": spec for i in range(6)}, path)
+    assert len(asked) == 1 and [got[f"w{i}"].tolist() for i in range(6)] == [[i, i] for i in range(6)]
+    target = {f"w{i}": np.zeros(2, np.float32) for i in range(6)} | {"w4": np.zeros(3, np.float32)}
+    with pytest.raises(jckpt.MismatchError, match=r"shape mismatch: file has \(2,\), target has \(3,\)"
+                       ) as e:
+        jckpt.restore(CTX, target, path)
+    assert e.value.entry == "jckpt/w4"

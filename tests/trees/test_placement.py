@@ -102,6 +102,25 @@ def test_place_all_decides_each_kind_of_request_as_place_does(monkeypatch):
         assert getattr(value, "weak_type", None) == getattr(want, "weak_type", None), where
 
 
+def test_place_all_decides_once_for_equal_shardings(monkeypatch):
+    """A target built from arrays (`ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)`)
+    gives each leaf an equal sharding object of its own: decided once, not once per leaf, and
+    placed where each asks."""
+    device = cpu_devices(1)[0]
+    specs = [jax.ShapeDtypeStruct((2,), jnp.float32,
+                                  sharding=jax.sharding.SingleDeviceSharding(device))
+             for _ in range(5)]
+    assert specs[0].sharding is not specs[1].sharding and specs[0].sharding == specs[1].sharding
+    asked = []
+    plain = placement.plain_target
+    monkeypatch.setattr(placement, 'plain_target', lambda *a, **k: asked.append(a) or plain(*a, **k))
+    requests = [(np.full(2, i, np.float32), spec, f"w{i}", None) for i, spec in enumerate(specs)]
+    got = placement.place_all(requests, host=False, device=None)
+    assert len(asked) == 1
+    assert [v.tolist() for v in got] == [[i, i] for i in range(5)]
+    assert all(v.sharding == specs[0].sharding for v in got)
+
+
 class _Device:
     def __init__(self, platform, id):
         self.platform, self.id = platform, id
