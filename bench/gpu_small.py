@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 import jckpt
-from jckpt.trees import compiled, packing, placement, to_host
+from jckpt.trees import batched_put, compiled, packing, to_host
 
 
 def _median(fn, reps: int, prepare=None) -> float:
@@ -83,8 +83,8 @@ def main(count: int = 2000, elements: int = 1000, reps: int = 7) -> dict:
         "restore_ms": _median(lambda: jckpt.restore(ctx, spec, path), reps),
         "device_put_list_ms": _median(lambda: jax.device_put(leaves, device), reps),
         "put_packed_ms": _median(lambda: packing.put_packed(leaves, device), reps),
-        "one_by_one_ms": _median(lambda: placement._put_batch(leaves, [device] * count), reps),
-        "packing_used": placement._accelerator(device) is not None,
+        "one_by_one_ms": _median(lambda: batched_put._put_batch(leaves, [device] * count), reps),
+        "packing_used": batched_put._accelerator(device) is not None,
     }
     out["restore_over_packed_transfer"] = out["restore_ms"] / out["one_packed_transfer_ms"]
     out.update(takes(leaves, device, reps))

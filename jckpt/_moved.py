@@ -30,11 +30,11 @@ MOVED = {
     # split: leaf to host went to to_host (its transfers to transfers, sharding facts to facts),
     # host to device stayed in placement
     'jckpt.placement': ('jckpt.trees.placement', 'jckpt.trees.to_host', 'jckpt.trees.facts',
-                        'jckpt.trees.transfers'),
+                        'jckpt.trees.transfers', 'jckpt.trees.batched_put'),
     # split: restore's side stayed, saving's side went to to_host, writes in place to storage
     'jckpt.sharding': ('jckpt.trees.sharding', 'jckpt.trees.to_host', 'jckpt.trees.facts',
-                       'jckpt.trees.transfers', 'jckpt.trees.placement', 'jckpt.storage.regions',
-                       'jckpt.format.boxes'),
+                       'jckpt.trees.transfers', 'jckpt.trees.placement', 'jckpt.trees.batched_put',
+                       'jckpt.storage.regions', 'jckpt.format.boxes'),
     'jckpt.context': 'jckpt.api.context',
     'jckpt.progress': 'jckpt.api.progress',
     'jckpt.lease': 'jckpt.storage.lease',

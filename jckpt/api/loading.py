@@ -31,8 +31,8 @@ import numpy as np
 
 from jckpt.api import matching, targets
 from jckpt.api import progress as progress_mod
+from jckpt.api.agreement import jointly
 from jckpt.api.context import Context, check_context
-from jckpt.api.runtime import jointly
 from jckpt.errors import ClashError, InputError, MissingEntryError, naming_file
 from jckpt.format._gc import paused
 from jckpt.format.entries import Entry, Header, KeyPath
@@ -196,7 +196,7 @@ def restore(ctx: Context, target: Any, path: PathLike, *, mmap: bool | None = No
       `jax.make_mesh` of them when they span all devices; else `InputError`.
 
     With several processes, a restore onto arrays sharded across processes is made by all
-    together, as `save` is (each may name its own path): they meet once (`runtime.jointly`),
+    together, as `save` is (each may name its own path): they meet once (`agreement.jointly`),
     then return together or all raise the error one met, naming it; onto host values or this
     process's devices only, it is this process's own.
 

@@ -43,9 +43,10 @@ import jax
 import numpy as np
 
 from jckpt.api import pairing
+from jckpt.api.agreement import refusing
 from jckpt.api.meetings import SAVING, alone, meeting
 from jckpt.api.outcomes import described, first_line, own_error, refused_by
-from jckpt.api.runtime import DEFAULT_BARRIER_TIMEOUT, barrier_timeout, refusing
+from jckpt.api.runtime import DEFAULT_BARRIER_TIMEOUT, barrier_timeout
 from jckpt.api.runtime import Runtime as _Runtime
 from jckpt.errors import CheckpointError, DistributedError, InputError
 from jckpt.format.boxes import Box, box_shape, coalesce, full_box, intersect

@@ -1,5 +1,5 @@
 """What a process of a `jax.distributed` run tells the others of its failure, and the one
-error every process raises from what they all said (`jckpt.api.runtime.agree`).
+error every process raises from what they all said (`jckpt.api.agreement.agree`).
 
 A jckpt error travels whole (its class, message and fix) and is raised again on the other
 side as the same class; another error travels as its type and first line, and is raised

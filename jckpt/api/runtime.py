@@ -1,7 +1,8 @@
 """Barriers and shared values between the processes of a `jax.distributed` run.
 
-A multi-process save (`jckpt.api.multiprocess`) and a multi-process manager's
-open (`agree`) meet through JAX's distributed client: barriers made in its
+A multi-process save (`jckpt.api.multiprocess`) and the calls that agree on one
+outcome in every process (`jckpt.api.agreement`: a manager's open, a restore) meet
+through JAX's distributed client: barriers made in its
 key-value store (`Runtime.gather`), each with a timeout, so a dead or absent
 peer gives an error in bounded time, never a hang, and left at once where the
 processes wait at different meetings (`jckpt.api.meetings`): none could ever
@@ -14,24 +15,21 @@ True
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 from jckpt.api.meetings import (
     MEETING,
     MISMATCH_FIX,
     TOLD,
     Meeting,
-    alone,
     meeting,
-    told_alone,
     told_since,
 )
-from jckpt.api.outcomes import common, described, told
-from jckpt.errors import CheckpointError, DistributedError, InputError
+from jckpt.api.outcomes import told
+from jckpt.errors import DistributedError, InputError
 
 #: Seconds a process waits at a barrier for the others (`JCKPT_BARRIER_TIMEOUT` overrides).
 DEFAULT_BARRIER_TIMEOUT = 300.0
@@ -47,7 +45,6 @@ FEW = 8  # processes whose keys `Runtime.gather` gets one by one, without listin
 #: Why a process stopped waiting early (`Runtime.gather`).
 STUCK = "it waits at another meeting, for this process: no process can move on"
 GONE = "it left this meeting failing: it will not come"  # `Meeting.stuck`, a position left
-T = TypeVar('T')
 
 
 def barrier_timeout() -> float:
@@ -366,133 +363,5 @@ def _why(seen: Meeting | None) -> str:
     return '' if seen is None else GONE if seen.left else STUCK
 
 
-def agree(what: str, path: str, failure: BaseException | None, *, process: int, processes: int,
-          timeout: float | None = None, value: Any = None, same_path: bool = True,
-          here: Meeting | None = None) -> list[Any]:
-    """Meet every process, each saying whether its part of `what` failed; raise the same
-    error in every process when one did, else return every process's `value` (JSON), by
-    process (what each found: a reader's processes keep the steps they all list).
-
-    Each process reports its `failure` (or none) and waits at a barrier (up to
-    `timeout` seconds, default `barrier_timeout`), so the processes that
-    succeeded learn at once of those that did not, rather than at their first
-    save, after a barrier's timeout. The error raised everywhere has the type of
-    the first process's failure and names every failing process. With one
-    process, `failure` is raised as it is. Processes naming different paths fail
-    together, unless `same_path` is false (each process restoring a file of its own).
-
-    Example:
-        ```python
-        agree("opening the manager", "ckpts", lease_error, process=2, processes=4)
-        ```
-    """
-    if processes == 1:
-        if failure is not None:
-            raise failure
-        return [value]
-    with alone(what, os.fspath(path), processes):  # one thread of this process at a time
-        arrived = here is not None  # `arrive` counted and posted it
-        here = here or meeting(what, os.fspath(path) if same_path else '')
-        rt = Runtime(here.tag, path, barrier_timeout() if timeout is None else float(timeout),
-                     processes, process, announce=None, here=here)
-        if not arrived:
-            rt.post()
-        said_here = json.dumps({'path': os.fspath(path), 'value': value, **described(failure)})
-        try:
-            listed = rt.gather('said', said_here, f"reached {what}", 'said')
-        except DistributedError:
-            if failure is not None:
-                raise failure from None
-            raise
-        said = sorted((int(k), json.loads(v)) for k, v in listed)
-        paths = {d['path'] for _, d in said}
-        if same_path and len(paths) > 1:
-            raise DistributedError(f"{what}: the processes name different paths (" + '; '.join(
-                f"process {k}: {d['path']}" for k, d in said[:8]) + ')', file=path,
-                fix="pass every process the same path, on a filesystem (or object store) every "
-                    "process sees") from failure
-        failed = [(k, d) for k, d in said if d['type'] is not None]
-        if failed:
-            raise common(what, path, failed) from failure
-        return [d.get('value') for _, d in said]
-
-
-def jointly(what: str, path: str, call: Callable[[], T], *, process: int, processes: int,
-            same_path: bool = True) -> T:
-    """`call()` in this process, then every process meets (`agree`: one barrier): its value
-    once it returned in every process, else, in every process, the error `agree` raises (in
-    a failing process, raised from its own), so that no process goes on alone.
-
-    Example:
-        ```python
-        tree = jointly("restoring the checkpoint", path, read, process=1, processes=2)
-        ```
-    """
-    with alone(what, os.fspath(path), processes):  # one thread of this process at a time
-        # where this process is, said before its part (a slow read): a process that times out
-        # meanwhile names this meeting, not the one this process made before
-        here = arrive(what, path, process=process, processes=processes, same_path=same_path)
-        try:
-            value = call()
-        except Exception as e:  # KeyboardInterrupt and SystemExit pass as they are
-            agree(what, path, e, process=process, processes=processes, same_path=same_path, here=here)
-            raise  # agree raised already: `e` is this process's own failure
-        agree(what, path, None, process=process, processes=processes, same_path=same_path, here=here)
-        return value
-
-
-def arrive(what: str, path: str, *, process: int, processes: int,
-           same_path: bool = True) -> Meeting | None:
-    """This process's next meeting about `what` (`meeting`), posted now as where this process
-    is, for the errors of processes that wait for it (None with one process)."""
-    if processes == 1:
-        return None
-    here = meeting(what, os.fspath(path) if same_path else '')
-    Runtime(here.tag, path, 1.0, processes, process, announce=None, here=here).post()
-    return here
-
-
-def tell(error: BaseException, gone: Meeting, *, process: int, processes: int) -> None:
-    """Post `error`, raised in this process alone for a call that meets the others (a
-    manager's save whose step is no step, an argument refused before the meeting), and this
-    process's position `gone`: the meeting of that call, left (`meetings.refused`). The others
-    waiting for it there fail at once, saying what it was told, not at their timeout (best
-    effort: what it is for is their error).
-
-    Example:
-        ```python
-        tell(refusal, refused(SAVING, ''), process=1, processes=2)  # then raise refusal
-        ```
-    """
-    if processes > 1:
-        with contextlib.suppress(Exception):
-            said = (f"{type(error).__name__}: {error.message}" if isinstance(error, CheckpointError)
-                    else told(error))
-            store = client(processes, '')
-            store.key_value_set(f"{TOLD}/{process}", told_alone(said, gone), allow_overwrite=True)
-            store.key_value_set(f"{MEETING}/{process}", gone.encode(), allow_overwrite=True)
-
-
-@contextlib.contextmanager
-def refusing(gone: Callable[[], Meeting], *, process: int, processes: int) -> Iterator[None]:
-    """The checks of a call meeting the others, made before it takes its turn: an error they
-    raise is posted (`tell`), with this process's position `gone()` (the meeting of that call,
-    left: this process will not come), then raised, so that the others fail at once rather
-    than at their timeout.
-
-    Example:
-        ```python
-        with refusing(lambda: refused(SAVING, ''), process=1, processes=2):
-            path = checked_path(path)
-        ```
-    """
-    try:
-        yield
-    except Exception as e:
-        if processes > 1:
-            tell(e, gone(), process=process, processes=processes)
-        raise
-
-
-__all__ = ['DEFAULT_BARRIER_TIMEOUT', 'MEETING', 'MISMATCH_FIX', 'Meeting', 'Runtime', 'agree',
-           'arrive', 'barrier_timeout', 'client', 'jointly', 'meeting', 'refusing', 'tell']
+__all__ = ['DEFAULT_BARRIER_TIMEOUT', 'MEETING', 'MISMATCH_FIX', 'Meeting', 'Runtime',
+           'barrier_timeout', 'client', 'meeting']

@@ -25,10 +25,10 @@ from typing import Any
 import jax
 
 from jckpt.api import progress as progress_mod
+from jckpt.api.agreement import refusing
 from jckpt.api.context import Context, check_context
 from jckpt.api.multiprocess import save_directory
 from jckpt.api.pairing import refused_save
-from jckpt.api.runtime import refusing
 from jckpt.errors import CheckpointError, FormatError, InputError, naming_file
 from jckpt.format import leaf_entries
 from jckpt.format._gc import paused

@@ -128,7 +128,7 @@ class BackgroundWriter(Generic[InfoT]):
 
     def _opened(self, failure: BaseException | None) -> None:
         """Raise `failure`, met taking the lease (default); a writer of several processes
-        raises in every one what any of them met (`jckpt.api.runtime.agree`)."""
+        raises in every one what any of them met (`jckpt.api.agreement.agree`)."""
         if failure is not None:
             raise failure
 

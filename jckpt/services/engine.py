@@ -8,8 +8,9 @@ a failed one every `retry_after` seconds, and counts what is durable
 (`MirrorCounters`). A job's slot is reused only once the job is
 durable, so admitted work is never dropped while the pipeline is open (but for a job
 no attempt could write: an `InputError` drops it), and a pipeline left open is flushed
-when the interpreter exits. What a job is, what a committer does with it and the thread
-that publishes it are `jckpt.services.jobs`.
+when the interpreter exits (`jckpt.services.at_exit`). What a job is, what a committer
+does with it and the thread that publishes it are `jckpt.services.jobs`; what the failed
+attempts say, and when callers are told, `jckpt.services.failures`.
 
 >>> import numpy as np
 >>> class Counting:                      # a committer that writes nothing: generation = job number
@@ -27,18 +28,17 @@ memory mirror: committed 3 durable 3 generation 3 pending 0 error 0
 
 from __future__ import annotations
 
-import atexit
 import collections
 import logging
-import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
 from jckpt.errors import CapacityError, CheckpointError, InputError
-from jckpt.services.counters import MirrorCounters, error_code, kept_error
+from jckpt.services import at_exit
+from jckpt.services.counters import MirrorCounters, error_code
+from jckpt.services.failures import Failures
 from jckpt.services.jobs import Committer, Job, Publisher, Publishing
 from jckpt.services.snapshot import Leaf, Slot
 from jckpt.trees import image
@@ -66,28 +66,6 @@ def deadline_after(timeout: float | None) -> float | None:
     if timeout == float('inf'):
         return None  # no deadline (monotonic() + inf is no time a wait can be given)
     return time.monotonic() + timeout
-
-
-class _Closable(Protocol):
-    def close(self) -> None: ...
-
-
-_OPEN: weakref.WeakSet[_Closable] = weakref.WeakSet()
-
-
-@atexit.register
-def _flush_at_exit() -> None:  # pragma: no cover - exercised by interpreter shutdown
-    for writer in list(_OPEN):  # this process's own: a forked child forgets its parent's
-        try:
-            writer.close()
-        except Exception as e:
-            log.error("snapshots not made durable at exit: %s", e)
-
-
-if hasattr(os, 'register_at_fork'):
-    # a forked child has copies of the parent's writers but not their threads: closing them
-    # at its exit would publish and release what the parent is writing
-    os.register_at_fork(after_in_child=_OPEN.clear)
 
 
 def _quietly(fn: Callable[..., object], *args: object) -> None:
@@ -139,7 +117,7 @@ class Pipeline(Generic[InfoT, StagedT]):
 
     def __init__(self, name: str, commit: Committer[StagedT], *, slots: int = 2,
                  when_full: str = 'block', retry_after: float = 1.0, patience: int = 3,
-                 generation: int = 0, owner: _Closable | None = None,
+                 generation: int = 0, owner: at_exit.Closable | None = None,
                  image_bytes: int | None = None, less_often: str = 'submit less often') -> None:
         _check_options(slots, when_full, retry_after, patience)
         image.check_limit(image_bytes)
@@ -157,20 +135,15 @@ class Pipeline(Generic[InfoT, StagedT]):
         self._queue: collections.deque[Job[InfoT]] = collections.deque()
         self._committed = self._durable = 0
         self._generation = generation
-        self._error: BaseException | None = None
-        self._told = False  # the failing streak's error was raised to a caller (`_raise_given_up`)
-        self._asked = self._answered = 0  # callers' requests for an attempt; the last one failed
-        self._streak = 0
-        self._dropped: list[tuple[int, BaseException]] = []  # (seq, error), not yet raised
-        self._failures = self._stalls = 0
-        self._last_error: str | None = None
-        self._closing = self._closed = self._final = False  # _final: close's last attempt
+        self._failed = Failures(patience, wake=self._cond.notify_all)
+        self._stalls = 0
+        self._closing = self._closed = False
         self._died: BaseException | None = None  # what ended the writer thread, if anything did
         self._helper = Publisher(f"jckpt-publisher {name}")
         self._thread = threading.Thread(target=self._run, name=f"jckpt-writer {name}", daemon=True)
         self._thread.start()
-        self._owner: _Closable = owner if owner is not None else self
-        _OPEN.add(self._owner)
+        self._owner: at_exit.Closable = owner if owner is not None else self
+        at_exit.keep(self._owner)
 
     # The caller's side.
 
@@ -179,33 +152,11 @@ class Pipeline(Generic[InfoT, StagedT]):
         with self._cond:
             return MirrorCounters(committed=self._committed, durable=self._durable,
                                   generation=self._generation, pending=len(self._queue),
-                                  error=error_code(failed) if (failed := self._died or self._error)
+                                  error=error_code(failed) if (failed := self._died
+                                                               or self._failed.error)
                                   is not None else 0,
-                                  failures=self._failures, last_error=self._last_error,
+                                  failures=self._failed.count, last_error=self._failed.last_error,
                                   stalls=self._stalls, images=self._images)
-
-    def _given_up(self) -> BaseException | None:
-        return self._error if self._streak >= self.patience else None
-
-    def _raise_given_up(self, asked: int) -> int:
-        """Raise, once, the error of `patience` failed attempts in a row (holding `_cond`).
-
-        Once it was raised, a caller asks the writer for an attempt at once (the disk may
-        have room now) and raises only the failure of an attempt begun since, never one of
-        the retries before: an error is raised once, and not for a snapshot written since.
-        `asked`: the caller's request so far (0: none); returns it.
-        """
-        failed = self._given_up()
-        if failed is None:
-            return asked
-        if not self._told or 0 < asked <= self._answered:
-            self._told = True
-            raise failed if self._final else kept_error(failed)  # close: not retried after it
-        if not asked:
-            self._asked += 1
-            asked = self._asked
-            self._cond.notify_all()  # wakes the writer from its wait between attempts
-        return asked
 
     def _check_open(self) -> None:
         """Refuse new work once closing, or once the writer thread has died (`_stopped`)."""
@@ -258,7 +209,7 @@ class Pipeline(Generic[InfoT, StagedT]):
                 self._check_open()
                 if self._free:
                     return self._free.popleft()
-                asked = self._raise_given_up(asked)
+                asked = self._failed.raise_given_up(asked)
                 if self.when_full == 'raise':
                     raise CapacityError(f"all {len(self._queue)} snapshot slots are still "
                                         "being written", file=self.name,
@@ -289,15 +240,15 @@ class Pipeline(Generic[InfoT, StagedT]):
             except BaseException as e:
                 with self._cond:
                     if isinstance(e, InputError):  # the tree, not the storage: as `_drop` counts it
-                        self._count(e)
+                        self._failed.counted(e)
                     else:  # it stands in the counters until a write succeeds (raised here, once)
-                        self._record(e)
+                        self._failed.recorded(e)
                 raise
             with self._cond:
                 self._committed += 1
                 self._durable = self._committed
                 self._generation = generation
-                self._succeeded()
+                self._failed.succeeded()
                 self._cond.notify_all()
                 return self._committed
 
@@ -313,19 +264,13 @@ class Pipeline(Generic[InfoT, StagedT]):
         with self._cond:
             goal, asked = self._committed, 0
             while self._queue and self._queue[0].seq <= goal:
-                asked = self._raise_given_up(asked)
+                asked = self._failed.raise_given_up(asked)
                 self._check_alive()
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
                 self._cond.wait(remaining)
-            dropped = [e for seq, e in self._dropped if seq <= goal]
-            self._dropped = [(seq, e) for seq, e in self._dropped if seq > goal]
-            if dropped:
-                if len(dropped) > 1:
-                    dropped[0].add_note(f"{len(dropped) - 1} later snapshot(s) were dropped too "
-                                        f"(the log names each)")
-                raise dropped[0]
+            self._failed.raise_dropped(goal)
             return True
 
     def close(self, timeout: float | None = None) -> None:
@@ -339,20 +284,17 @@ class Pipeline(Generic[InfoT, StagedT]):
         if self._closed:
             return
         with self._cond:
-            self._told = self._final = True  # a writer that gave up tries once more, now
+            self._failed.last_attempt()  # a writer that gave up tries once more, now
         try:
             done = self.wait(timeout)
         except BaseException as e:
             with self._cond:  # no later `wait` will raise them
-                dropped, self._dropped = self._dropped, []
-            if dropped:
-                e.add_note(f"{len(dropped)} snapshot(s) were dropped too, not written (the "
-                           f"first, {dropped[0][0]}: {dropped[0][1]})")
+                self._failed.note_dropped(e)
             self._stop()
             raise
         if not done:  # still open, still writing: a later `close` waits for the rest
             with self._cond:
-                self._final = False
+                self._failed.last_attempt(False)
                 n = len(self._queue)
             raise CheckpointError(f"close timed out with {n} snapshot(s) not yet durable: the "
                                   "writer is still open and goes on writing them", file=self.name,
@@ -373,7 +315,7 @@ class Pipeline(Generic[InfoT, StagedT]):
         if self._thread is not threading.current_thread():
             self._thread.join()
         self._closed = True
-        _OPEN.discard(self._owner)
+        at_exit.forget(self._owner)
 
     # The writer's side.
 
@@ -398,7 +340,7 @@ class Pipeline(Generic[InfoT, StagedT]):
                 return  # closing
             staged, failure = None, None
             if job is not None:
-                begun = self._asked  # the attempt answers the requests made before it
+                begun = self._failed.asked  # the attempt answers the requests made before it
                 try:
                     staged = c.stage(job)
                 except BaseException as e:
@@ -442,12 +384,8 @@ class Pipeline(Generic[InfoT, StagedT]):
             self._durable = job.seq
             if generation is not None:
                 self._generation = generation
-            self._succeeded()
+            self._failed.succeeded()
             self._leave(job)
-
-    def _succeeded(self) -> None:
-        """A write went through: no error stands (holding `_cond`)."""
-        self._error, self._streak, self._told = None, 0, False
 
     def _leave(self, job: Job[InfoT]) -> None:
         """Take `job` out of the line and free its slot (holding `_cond`)."""
@@ -459,16 +397,6 @@ class Pipeline(Generic[InfoT, StagedT]):
         self._free.append(job.slot)
         self._cond.notify_all()
 
-    def _count(self, e: BaseException) -> None:
-        """Count a failed attempt in `failures` and `last_error` (holding `_cond`)."""
-        self._failures += 1
-        self._last_error = str(e)
-
-    def _record(self, e: BaseException) -> None:
-        """Count a failed write, whose error stands until a write succeeds (holding `_cond`)."""
-        self._count(e)
-        self._error = e
-
     def _drop(self, job: Job[InfoT], e: BaseException) -> None:
         """Give up on a job that can never be written (an `InputError`: a model tree its
         format cannot hold): it leaves the line, its slot is freed and the jobs behind it go
@@ -476,24 +404,21 @@ class Pipeline(Generic[InfoT, StagedT]):
         `error` is left as it was (`failures` and `last_error` count it)."""
         _quietly(self._commit.rollback)
         with self._cond:
-            self._dropped.append((job.seq, e))
-            self._count(e)
+            self._failed.drop(job.seq, e)
             self._leave(job)
         log.error("writing %s: snapshot %d is dropped, not retried: %s", self.name, job.seq, e)
 
     def _retry(self, e: BaseException, begun: int) -> None:
-        """Roll back, record the failure of the attempt `begun` (`_asked` when it began) and
+        """Roll back, record the failure of the attempt `begun` (`asked` when it began) and
         wait `retry_after` seconds, unless a caller asked for an attempt since (the job stays
         first)."""
         _quietly(self._commit.rollback)
         with self._cond:
-            self._streak += 1
-            self._record(e)
-            self._answered = max(self._answered, begun)
+            streak = self._failed.retried(e, begun)
             self._cond.notify_all()
             log.warning("writing %s failed (attempt %d, retrying in %.3g s): %s",
-                        self.name, self._streak, self.retry_after, e)
-            if not self._closing and self._asked <= begun:
+                        self.name, streak, self.retry_after, e)
+            if not self._closing and not self._failed.asked_since(begun):
                 self._cond.wait(self.retry_after)
 
 

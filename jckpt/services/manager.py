@@ -41,10 +41,10 @@ from typing import Any
 
 import jax
 
+from jckpt.api.agreement import agree, tell
 from jckpt.api.context import Context, check_context, check_flag
 from jckpt.api.meetings import SAVING, refused
 from jckpt.api.multiprocess import save_directory
-from jckpt.api.runtime import agree, tell
 from jckpt.errors import InputError, StorageError, naming_file
 from jckpt.format import strict_json
 from jckpt.format.metadata import check_metadata
@@ -214,7 +214,7 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
     # --- what is on disk ----------------------------------------------------
 
     def _opened(self, failure: BaseException | None) -> None:
-        """Every process raises at open what one met taking its lease (`runtime.agree`)."""
+        """Every process raises at open what one met taking its lease (`agreement.agree`)."""
         agree("opening the manager", restoring.meeting_path(self.backend, self.directory), failure,
               process=self._rank, processes=self._ranks)
 

@@ -27,9 +27,9 @@ from typing import Any
 
 import jax
 
+from jckpt.api.agreement import agree, jointly
 from jckpt.api.context import Context, check_flag
 from jckpt.api.loading import spans_processes
-from jckpt.api.runtime import agree, jointly
 from jckpt.errors import CheckpointError, FormatError, InputError
 from jckpt.format.names import METRICS_KEY, TRAINER_STATE_KEY, step_name
 from jckpt.services import steps

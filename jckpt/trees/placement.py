@@ -3,9 +3,9 @@
 Restoring places each host array (usually a view of the mapped file) onto
 the target's sharding, building each device's shard from its own slice so a
 device reads only what it holds; `place_all` batches the arrays bound for
-one device (small ones travel packed, `jckpt.trees.packing`). The way there,
-leaf to host, is `jckpt.trees.to_host`; the two are the only modules that
-move array data between numpy and JAX.
+one device (`jckpt.trees.batched_put`: small ones travel packed). The way there,
+leaf to host, is `jckpt.trees.to_host`; the two (and the batches of this one)
+are the only modules that move array data between numpy and JAX.
 
 >>> place(np.arange(3.0), None, host=True, device=None, where='jckpt/w').tolist()
 [0.0, 1.0, 2.0]
@@ -16,7 +16,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
-import mmap as mmap_mod
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -26,8 +25,8 @@ import numpy as np
 
 from jckpt.errors import FormatError, InputError
 from jckpt.storage.lazy import LazyArray
-from jckpt.trees import packing
 from jckpt.trees import sharding as sharding_mod
+from jckpt.trees.batched_put import CPU_ALIAS_ALIGNMENT, aligned_copy, is_cpu, put_grouped
 
 _PY_SCALARS = (bool, int, float, complex)
 _warned_x64 = False
@@ -251,12 +250,6 @@ def _without_meshes() -> Iterator[None]:
         config.device_context.set_local(concrete)
 
 
-#: XLA's CPU client uses host memory in place (no copy) only at this alignment.
-CPU_ALIAS_ALIGNMENT = 64
-#: Bytes copied between releases of the mapping's pages in :func:`aligned_copy`.
-_COPY_CHUNK = 32 << 20
-
-
 def plain_target(array: Any, target: Any, *, host: bool, device: Any,
                  key_impl: str | None = None) -> Any:
     """The one device (or one-device sharding) a plain `device_put` puts `array` on.
@@ -277,40 +270,6 @@ def plain_target(array: Any, target: Any, *, host: bool, device: Any,
     if isinstance(dest, jax.sharding.Sharding) and len(dest.device_set) != 1:
         return None
     return dest
-
-
-def _is_cpu(dest: Any) -> bool:
-    devices = dest.device_set if isinstance(dest, jax.sharding.Sharding) else {dest}
-    return all(getattr(d, 'platform', None) == 'cpu' for d in devices)
-
-
-def aligned_copy(array: np.ndarray, alignment: int = CPU_ALIAS_ALIGNMENT) -> np.ndarray:
-    """A copy of `array` at an `alignment`-byte address, so the CPU client can alias it.
-
-    When `array` views a memory mapping, the mapping's pages are released
-    behind the copy, chunk by chunk (they are clean file pages; a later read
-    maps them again), so the process never holds the payload twice.
-    """
-    buf = np.empty(array.nbytes + alignment, np.uint8)
-    skip = -buf.ctypes.data % alignment
-    out = buf[skip:skip + array.nbytes].view(array.dtype).reshape(array.shape)
-    src, dst = array.reshape(-1), out.reshape(-1)
-    base = array
-    while base is not None and not isinstance(base, mmap_mod.mmap):
-        base = base.obj if isinstance(base, memoryview) else getattr(base, 'base', None)
-    start = array.ctypes.data - np.frombuffer(base, np.uint8).ctypes.data if base is not None else 0
-    step = max(1, _COPY_CHUNK // max(1, array.itemsize))
-    page = mmap_mod.PAGESIZE
-    for i in range(0, src.size, step):
-        dst[i:i + step] = src[i:i + step]
-        if base is not None:
-            lo = start + i * array.itemsize
-            hi = start + min(src.size, i + step) * array.itemsize
-            lo_page = -(-lo // page) * page  # only pages wholly inside this payload
-            hi_page = hi // page * page
-            if hi_page > lo_page:
-                base.madvise(mmap_mod.MADV_DONTNEED, lo_page, hi_page - lo_page)
-    return out
 
 
 def place_all(requests: list[tuple[Any, Any, str, str | None]], *, host: bool, device: Any,
@@ -354,7 +313,7 @@ def place_all(requests: list[tuple[Any, Any, str, str | None]], *, host: bool, d
             deferred.append((i, functools.partial(place, array, target, host=host, device=device,
                                                    where=where, key_impl=key_impl, file=file)))
             continue
-        if array.nbytes >= (1 << 16) and array.ctypes.data % CPU_ALIAS_ALIGNMENT and _is_cpu(dest):
+        if array.nbytes >= (1 << 16) and array.ctypes.data % CPU_ALIAS_ALIGNMENT and is_cpu(dest):
             array = aligned_copy(array)
         batch.append(i)
         arrays.append(array)
@@ -365,7 +324,7 @@ def place_all(requests: list[tuple[Any, Any, str, str | None]], *, host: bool, d
     if unsharded and device is None and not host:
         warn_unsharded_specs(unsharded, file or '')
     if arrays:
-        for i, value in zip(batch, _put_grouped(arrays, dests)):
+        for i, value in zip(batch, put_grouped(arrays, dests)):
             out[i] = value
     return out
 
@@ -387,109 +346,3 @@ def _call_all(calls: list[Callable[[], Any]], lazy: list[bool]) -> list[Any]:
     with concurrent.futures.ThreadPoolExecutor(min(LAZY_WORKERS, sum(lazy))) as pool:
         futures = {i: pool.submit(call) for i, call in enumerate(calls) if lazy[i]}
         return [futures[i].result() if i in futures else call() for i, call in enumerate(calls)]
-
-
-def _put_grouped(arrays: list[np.ndarray], dests: list[Any]) -> list[jax.Array]:
-    """Small arrays bound for one accelerator travel packed (`jckpt.trees.packing`); the rest
-    (and everything bound for the CPU, where arrays alias the file) go one by one."""
-    accelerators: dict[Any, Any] = {}  # dest -> its accelerator device, or None
-    groups: dict[Any, list[int]] = {}
-    last = device = None  # the last destination (by identity), and its accelerator
-    for i, (array, dest) in enumerate(zip(arrays, dests)):
-        if dest is not last:
-            if dest not in accelerators:
-                accelerators[dest] = _accelerator(dest)
-            last, device = dest, accelerators[dest]
-        if device is not None and packing.packable(array):
-            groups.setdefault(device, []).append(i)
-    out: list[Any] = [None] * len(arrays)
-    for device, indices in groups.items():
-        if len(indices) >= packing.PACK_MIN:
-            for i, value in zip(indices, packing.put_packed([arrays[i] for i in indices], device)):
-                out[i] = value
-    rest = [i for i, value in enumerate(out) if value is None]
-    for i, value in zip(rest, _put_batch([arrays[i] for i in rest], [dests[i] for i in rest])):
-        out[i] = value
-    return out
-
-
-def _accelerator(dest: Any) -> Any:
-    """The device of a one-device destination in an accelerator's own memory; None otherwise."""
-    if isinstance(dest, jax.sharding.Sharding):
-        if type(dest) is not jax.sharding.SingleDeviceSharding or \
-                dest.memory_kind not in (None, 'device'):
-            return None
-        (dest,) = dest.device_set
-    return None if getattr(dest, 'platform', 'cpu') == 'cpu' else dest
-
-
-def _transfer_target(dest: Any) -> tuple[Any, list | None]:
-    """`(sharding, devices)` of a destination; devices None unless one plain device's memory."""
-    sharding = dest if isinstance(dest, jax.sharding.Sharding) else jax.sharding.SingleDeviceSharding(dest)
-    plain = type(sharding) is jax.sharding.SingleDeviceSharding and \
-        sharding.memory_kind in (None, 'device')
-    return sharding, list(sharding.device_set) if plain else None
-
-
-def _transfer_routine() -> Any:
-    """JAX's per-array transfer of a host array, `(aval, sharding, [array], devices, committed)`:
-    the runtime's own (what `pxla.batched_device_put` calls for host arrays, less about 2
-    microseconds of Python per array), else that wrapper; None if neither is there."""
-    try:
-        from jax._src.lib import xla_client
-        return xla_client.batched_device_put
-    except (ImportError, AttributeError):
-        pass
-    try:
-        from jax._src.interpreters import pxla
-        return pxla.batched_device_put
-    except (ImportError, AttributeError):
-        return None
-
-
-def _put_batch(arrays: list[np.ndarray], dests: list[Any]) -> list[jax.Array]:
-    """`jax.device_put(arrays, dests)` for one-device destinations, at a fraction of the cost.
-
-    `jax.device_put` spends about 40 microseconds of Python per array (tree
-    broadcasting, shape canonicalization, aval updates). With one cached aval
-    per shape and dtype, JAX's own per-array transfer routine does the same
-    work in about 7: 100,000 small arrays in under a second. Falls back
-    to `jax.device_put` if that routine is missing or answers unexpectedly
-    (each aval's first result is checked).
-    """
-    transfer = _transfer_routine()
-    try:
-        from jax._src import core as jax_core
-    except ImportError:
-        transfer = None
-    if transfer is None:
-        return jax.device_put(arrays, dests)
-    avals: dict[tuple, Any] = {}
-    targets: dict[Any, tuple[Any, list | None]] = {}  # dest -> (sharding, its devices if plain)
-    last, target = None, (None, None)  # the last destination (by identity), and its target
-    out = []
-    try:
-        for array, dest in zip(arrays, dests):
-            if dest is not last:
-                target = targets.get(dest)
-                if target is None:
-                    target = targets[dest] = _transfer_target(dest)
-                last = dest
-            sharding, devices = target
-            if devices is None:
-                out.append(jax.device_put(array, sharding))
-                continue
-            key = (array.shape, array.dtype)
-            aval = avals.get(key)
-            if aval is not None:
-                out.append(transfer(aval, sharding, [array], devices, True))
-                continue
-            aval = avals[key] = jax_core.ShapedArray(array.shape, array.dtype)
-            value = transfer(aval, sharding, [array], devices, True)
-            if not isinstance(value, jax.Array) or value.shape != array.shape or \
-                    value.dtype != array.dtype:
-                raise TypeError('unexpected transfer result')
-            out.append(value)
-    except (TypeError, ValueError, AttributeError):
-        return jax.device_put(arrays, dests)
-    return out

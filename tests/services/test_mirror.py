@@ -455,30 +455,6 @@ def test_generations_staged_by_a_dead_writer_are_removed(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["other.jckpt.jckpt-next.7", "run.jckpt"]
 
 
-EXIT_CHILD = textwrap.dedent("""
-    import sys
-    import numpy as np
-    import jckpt
-    m = jckpt.Mirror(sys.argv[1])
-    for i in range(5):
-        m.submit({"w": np.full(4, i, np.float32)})
-    # no close: the interpreter's exit flushes what was admitted
-""")
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_a_mirror_left_open_is_flushed_at_exit(tmp_path):
-    path = str(tmp_path / "run.jckpt")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", EXIT_CHILD, path], capture_output=True, text=True,
-                         timeout=120, env=env, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
-    np.testing.assert_array_equal(read(path), np.full(4, 4))
-    assert meta(path)["jckpt.generation"] == "5"
-    assert sorted(os.listdir(tmp_path)) == ["run.jckpt"]   # lease released, nothing staged left
-
-
 def test_reopening_a_mirror_in_a_bucket_reads_its_checkpoint_once(s3, s3_server):
     """It asked whether the object was there (HEAD), then read its header: one GET does both;
     a snapshot equal to it is still not written again."""

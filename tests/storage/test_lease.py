@@ -179,27 +179,6 @@ def test_a_forked_childs_exit_leaves_the_parents_lease(tmp_path):
     WriterLease(path).release()  # free once the parent lets go
 
 
-def test_a_forked_child_does_not_close_its_parents_mirror_at_exit(tmp_path):
-    script = textwrap.dedent(f'''
-        import os, numpy as np, jckpt
-        m = jckpt.Mirror({str(tmp_path / 'run.jckpt')!r})
-        m.submit({{'w': np.ones(3)}})
-        assert m.wait_durable(timeout=30)
-        pid = os.fork()
-        if pid == 0:
-            raise SystemExit(0)  # a normal exit: atexit runs in the child
-        assert os.waitpid(pid, 0)[1] == 0
-        try:
-            jckpt.Mirror({str(tmp_path / 'run.jckpt')!r})
-        except jckpt.InUseError:
-            print('refused')
-        m.close()
-    ''')
-    out = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == 'refused', out.stderr[-2000:]
-
-
 @pytest.mark.parametrize("name", [LEASE_SUFFIX, ".process00001" + LEASE_SUFFIX])
 def test_a_planted_fifo_is_refused_not_waited_on(tmp_path, name):
     """A FIFO at a lease's name blocked the writer opening it (forever: no one writes into it)

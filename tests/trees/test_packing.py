@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jckpt
-from jckpt.trees import compiled, packing, placement
+from jckpt.trees import batched_put, compiled, packing
 
 ARRAYS = [np.arange(5, dtype=np.int32), np.array([True, False, True]), np.float32(2.5),
           np.arange(6, dtype=np.float16).reshape(2, 3), np.array([-3, 4], np.int8),
@@ -48,7 +48,7 @@ def test_restore_packs_small_leaves_bound_for_an_accelerator(tmp_path, monkeypat
     jckpt.save(jckpt.Context(), tree, path)
     calls = []
     real = packing.put_packed
-    monkeypatch.setattr(placement, "_accelerator", lambda dest: jax.devices()[0])  # default backend
+    monkeypatch.setattr(batched_put, "_accelerator", lambda dest: jax.devices()[0])  # default backend
     monkeypatch.setattr(packing, "put_packed", lambda arrays, device: (
         calls.append(len(arrays)), real(arrays, device))[1])
     spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
@@ -62,7 +62,7 @@ def test_restore_packs_small_leaves_bound_for_an_accelerator(tmp_path, monkeypat
 def test_few_small_leaves_go_one_by_one(tmp_path, monkeypatch):
     path = tmp_path / "c.jckpt"
     jckpt.save(jckpt.Context(), {"a": jnp.ones(3), "b": jnp.zeros(2)}, path)
-    monkeypatch.setattr(placement, "_accelerator", lambda dest: jax.devices()[0])  # default backend
+    monkeypatch.setattr(batched_put, "_accelerator", lambda dest: jax.devices()[0])  # default backend
     monkeypatch.setattr(packing, "put_packed", lambda *a: pytest.fail("packed"))
     out = jckpt.restore(jckpt.Context(), {"a": jnp.zeros(3), "b": jnp.ones(2)}, path)
     assert out["a"].tolist() == [1, 1, 1]
@@ -70,8 +70,8 @@ def test_few_small_leaves_go_one_by_one(tmp_path, monkeypatch):
 
 def test_on_the_cpu_nothing_is_packed():
     cpu = jax.devices("cpu")[0]
-    assert placement._accelerator(cpu) is None
-    assert placement._accelerator(jax.sharding.SingleDeviceSharding(cpu)) is None
+    assert batched_put._accelerator(cpu) is None
+    assert batched_put._accelerator(jax.sharding.SingleDeviceSharding(cpu)) is None
 
 
 # --- off the device: joined there, viewed on the host ----------------------------------------
