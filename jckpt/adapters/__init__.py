@@ -407,7 +407,13 @@ def refuse_replacing_other_files(dst: str, what: str) -> None:
     """
     if backend_for(dst) is LOCAL:
         refuse_special(dst)  # not "an existing checkpoint" where --overwrite is not given
-    refuse_foreign(dst, what, _is_checkpoint)
+    refuse_foreign(dst, what, _is_checkpoint, strays=_orbax_strays)
+
+
+def _orbax_strays(path: str) -> list[str]:
+    """What an orbax step holds that orbax did not write (`orbax.strays`), the one directory
+    format a conversion replaces whole."""
+    return importlib.import_module('jckpt.adapters.orbax').strays(path)
 
 
 def _is_checkpoint(path: str) -> bool:

@@ -28,12 +28,15 @@ their data is aligned (jckpt aligns what it writes to 64 bytes).
 from __future__ import annotations
 
 import ast
+import contextlib
+import contextvars
 import itertools
 import math
 import os
 import struct
 import warnings
 import zipfile
+from collections.abc import Iterator
 from typing import Any
 
 import ml_dtypes
@@ -213,6 +216,32 @@ def _refuse_trailing(buffer: Any, end: int, path: str) -> None:
                       fix="the file is damaged or not .npy: a .npy file holds one array")
 
 
+#: Whether the code writing an `.npy` file tells of its name's loss itself (`name_loss_told`).
+_NAME_LOSS_TOLD: contextvars.ContextVar[bool] = contextvars.ContextVar('npy_name_loss_told',
+                                                                       default=False)
+
+
+@contextlib.contextmanager
+def name_loss_told() -> Iterator[None]:
+    """Within it (in this thread), `write_npy` does not warn that the array's name is lost: the
+    caller reads the file back its own way and says what is true of it (a manager's step: a
+    target of one leaf takes the array, `jckpt.services.formats.check_model` warns once),
+    where the writer's warning named the staged file and `read_npy`'s namespace.
+
+    >>> import numpy as np, tempfile, os, warnings
+    >>> with warnings.catch_warnings(record=True) as caught, name_loss_told():
+    ...     warnings.simplefilter('always')
+    ...     write_npy({'model': {'w': np.ones(2)}}, os.path.join(tempfile.mkdtemp(), 'm.npy'))
+    >>> caught
+    []
+    """
+    token = _NAME_LOSS_TOLD.set(True)
+    try:
+        yield
+    finally:
+        _NAME_LOSS_TOLD.reset(token)
+
+
 def write_npy(tree: Any, path: str) -> None:
     """Write the only leaf of `tree` as a `.npy` file (its name, which the file has no place
     for, named in a warning unless the tree is `{'jckpt': array}`, what `read_npy` gives)."""
@@ -222,7 +251,7 @@ def write_npy(tree: Any, path: str) -> None:
     warn_key_data(tree, path, 'npy')
     warn_empty_namespaces(tree, {ns for ns, _, _ in items}, path, 'npy')
     ns, key_path, array = items[0]
-    if key_path or ns != DEFAULT_NAMESPACE:  # read_npy gives {'jckpt': array}: the name is lost
+    if (key_path or ns != DEFAULT_NAMESPACE) and not _NAME_LOSS_TOLD.get():  # read_npy: {'jckpt': array}
         warnings.warn(f"{path}: entry {ns}/{path_name(key_path) or '<root>'}: an .npy file holds one array "
                       f"and no name, so it reads back as the array of namespace "
                       f"{DEFAULT_NAMESPACE!r}, not under this name (write an .npz file to keep "

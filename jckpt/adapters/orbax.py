@@ -128,6 +128,28 @@ def is_one_checkpoint(path: str) -> bool:
     return _is_item(path) or os.path.exists(os.path.join(path, _STEP_MARKER))
 
 
+#: The files orbax writes in a step directory beside its items (`commit_success.txt`: on GCS).
+_STEP_FILES = frozenset({_STEP_MARKER, 'commit_success.txt'})
+
+
+def strays(path: str) -> list[str]:
+    """The files of the local orbax step `path` that orbax does not write there (a user's note
+    put in it), which replacing the step would delete; `[]` for anything else. Its
+    directories are its items (orbax's JSON items, metrics among them, too).
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> for name in ('_CHECKPOINT_METADATA', 'notes.txt'):
+    ...     open(os.path.join(d, name), 'w').close()
+    >>> strays(d)
+    ['notes.txt']
+    """
+    if is_url(path) or not os.path.isfile(os.path.join(path, _STEP_MARKER)):
+        return []
+    return sorted(n for n in os.listdir(path)
+                  if n not in _STEP_FILES and not os.path.isdir(os.path.join(path, n)))
+
+
 def sniff(path: str, head: bytes | None) -> bool:
     """A directory laid out as an orbax item, step, or `CheckpointManager` root (refused
     with a message naming a step); in an object store, a prefix laid out so."""

@@ -85,7 +85,8 @@ def check_destination(path: str | os.PathLike) -> str:
                          fix="write a local directory, then upload it (gcloud storage cp -r DIR "
                              "URL, or aws s3 cp --recursive DIR URL); or convert to a .jckpt URL")
     path = os.path.abspath(os.fspath(path))
-    refuse_foreign(path, "exporting to orbax", orbax.is_one_checkpoint, kind="an orbax checkpoint")
+    refuse_foreign(path, "exporting to orbax", orbax.is_one_checkpoint, kind="an orbax checkpoint",
+                   strays=orbax.strays)
     refuse_special(path)
     return path
 

@@ -35,12 +35,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 
 from jckpt import adapters
+from jckpt.adapters.numpy import name_loss_told
 from jckpt.api.context import Context
 from jckpt.errors import (
     CheckpointError,
@@ -58,12 +60,15 @@ from jckpt.format.names import (
 from jckpt.services.snapshot import SnapshotLeaf
 from jckpt.storage import staging, step_directory
 from jckpt.storage.publish import storage_error
+from jckpt.trees import pytree as tree_mod
 from jckpt.trees.nested import unflatten
 
 #: The model file's extension where the format's first one is not the usual one.
 _EXTENSIONS = {'torch': '.pth'}
 #: Registered formats whose writer makes a directory: a step's model is one file.
 _DIRECTORY_FORMATS = frozenset({'orbax'})
+#: Registered formats whose file holds one array and no name (a target of one leaf takes it).
+_NAMELESS_FORMATS = frozenset({'npy'})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,6 +250,13 @@ def check_model(options: CheckpointOptions, trees: Mapping[str, Any], namespace:
     if len(_PASSED) >= 16:
         _PASSED.clear()
     _PASSED.add(seen)
+    paths = [p for p, _ in tree_mod.flatten(trees[namespace])]
+    if options.format in _NAMELESS_FORMATS and paths and paths[0]:  # a bare array has no name
+        warnings.warn(f"step {step}: the model, {tree_mod.leaf_name(namespace, paths[0])}, is "
+                      f"written to {named}, which holds one array and no name: "
+                      f"restore({step}) without a target gives the bare array (namespace "
+                      f"{namespace!r}); restore with a target of one leaf to get it under its name "
+                      "(or save with format='npz', which keeps names)", stacklevel=3)
 
 
 #: The models (check, namespace, structure, dtypes and shapes) that passed `check_model`.
@@ -258,7 +270,8 @@ def _write_model(options: CheckpointOptions, model: Any, namespace: str, path: s
         if options.model_writer is not None:
             options.model_writer(model, path)
         else:
-            adapters.write({namespace: model}, path, format=options.format)
+            with name_loss_told():  # `check_model` told it, naming the step, not the staging
+                adapters.write({namespace: model}, path, format=options.format)
     except Exception as e:
         raise model_error(step, named, f"writing the model as {options.format}", e) from e
     if not step_directory.is_file(path):  # no retry writes it: dropped as the callback's fault

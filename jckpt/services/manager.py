@@ -232,7 +232,17 @@ class CheckpointManager(StepReader, BackgroundWriter[_Step]):
         retention left) since, as `all_steps()` returns them. Queries and `restore()` use the
         listing of the last `reload` (or the open): `reader.reload(); r = reader.restore()`.
         With several processes, all call it together and keep the steps they all found.
+
+        A writer closed still answers queries and `restore()`, as orbax's manager does after
+        `close()`, from its listing as of its close (another writer may since have added or
+        removed steps: a removed one is a `FormatError` saying so); its `reload` is refused
+        with the fix, a `CheckpointManager(directory, read_only=True)`.
         """
+        if not self.read_only and self._pipeline.closed:  # its lease given back: others may write
+            raise InputError("reload reads the steps another manager wrote: this manager was "
+                             "their writer and is closed, its listing as of its close",
+                             file=self.directory, fix="open CheckpointManager(directory, "
+                             "read_only=True) to read the steps there now (reload it to follow them)")
         if not self.read_only:
             raise InputError("reload reads the steps another manager wrote: this manager is "
                              "their writer, and lists them as it goes", file=self.directory,

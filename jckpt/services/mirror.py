@@ -107,10 +107,7 @@ class Mirror(BackgroundWriter[None]):
             raise folder_path_error(self.path, saving=True)
         if backend_for(self.path) is LOCAL and os.path.isdir(self.path) \
                 and not os.path.islink(self.path):  # no file can be published over it
-            raise InputError("is a directory: a mirror keeps one checkpoint file", file=self.path,
-                             fix="mirror to a file path (inside it, perhaps: os.path.join(path, "
-                                 "'state.jckpt')); for one checkpoint per step in a directory, "
-                                 "use jckpt.CheckpointManager")
+            raise _folder_error(self.path, "a directory")
         self._found: Header | None = None  # the header `_recover` read of a checkpoint in a bucket
         super().__init__(self.path, backend=backend_for(self.path), lease=self.path, ctx=ctx,
                          lineage=lineage, new_lineage=new_lineage, slots=slots,
@@ -148,6 +145,8 @@ class Mirror(BackgroundWriter[None]):
         except FormatError as e:
             if e.message != MISSING_OBJECT:
                 raise
+            if self.backend.isdir(self.path):  # a run's or a directory checkpoint's objects
+                raise _folder_error(self.path, "a prefix holding objects") from None
             return None
         return self.path
 
@@ -168,6 +167,14 @@ class Mirror(BackgroundWriter[None]):
 
     def _target(self, info: None) -> str:
         return self.path
+
+
+def _folder_error(path: str, what: str) -> InputError:
+    """The refusal of a mirror onto `what` is at `path` (a local directory, a bucket's prefix
+    holding objects): a mirror keeps one file, and never publishes over what is there."""
+    return InputError(f"is {what}: a mirror keeps one checkpoint file", file=path,
+                      fix="mirror to a file path (inside it, perhaps: path + '/state.jckpt'); "
+                          "for one checkpoint per step in a directory, use jckpt.CheckpointManager")
 
 
 __all__ = ['Mirror', 'MirrorCounters']

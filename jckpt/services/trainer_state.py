@@ -16,6 +16,7 @@ True
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import operator
 import reprlib
@@ -124,7 +125,12 @@ class TrainerState:
       best_loss: the best loss seen so far (`None` if not tracked).
       dp, tp, pp: data-, tensor- and pipeline-parallel sizes of the run.
       user: any other JSON-serializable fields, under string keys (tuples come back as
-        lists, as JSON has them).
+        lists, as JSON has them). The state keeps a copy, taken when it is made, so what the
+        caller changes in its own dict afterwards is not in the state; change it with
+        `replace(user=...)`.
+
+    A state is a value: states of equal fields are equal, and hashable (as a dict key or in a
+    set), whatever `user` holds; the hash leaves `user` out, which equal states agree on.
 
     Stored as strict JSON: a non-finite float (a loss gone NaN) is written
     `{"$float": "nan"}` and comes back as the float.
@@ -150,6 +156,16 @@ class TrainerState:
         if not isinstance(self.user, Mapping):
             raise InputError(f"TrainerState.user must be a mapping, not {type(self.user).__name__}")
         _check_keys(self.user)
+        object.__setattr__(self, 'user', copy.deepcopy(dict(self.user)))  # the caller's dict may change
+
+    def __hash__(self) -> int:
+        """The hash of every field but `user` (a dict, unhashable; equal states have equal fields,
+        and so equal hashes).
+
+        >>> len({TrainerState(user={'seed': 0}), TrainerState(user={'seed': 0})})
+        1
+        """
+        return hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name != 'user'))
 
     @property
     def layout(self) -> tuple[int, int, int]:

@@ -260,14 +260,16 @@ def folder_path_error(path: str, *, saving: bool) -> InputError:
 
 
 def foreign_at(path: str, claims: Callable[[str], bool] | None = None, *,
-               kind: str = 'a checkpoint') -> str | None:
+               kind: str = 'a checkpoint',
+               strays: Callable[[str], list[str]] | None = None) -> str | None:
     """What stands at `path` that replacing it would lose, in words; None where nothing would
     be: nothing there, a symbolic link (replaced, never followed), a FIFO, device or socket
     (`publish.refuse_special` says so, never opening it), an empty directory, a directory of
     what a directory checkpoint or a manager's step holds (`is_step_member`), or a checkpoint
     `claims` recognises (a file, or a directory without a jckpt index; by default a file that
-    starts like a jckpt header). The one test every guard against replacing a user's own
-    files makes (`refuse_foreign`), on a local path or in a bucket.
+    starts like a jckpt header), unless `strays` names entries of that directory that are no
+    part of it (a user's note put in an orbax step). The one test every guard against
+    replacing a user's own files makes (`refuse_foreign`), on a local path or in a bucket.
 
     >>> import tempfile
     >>> d = tempfile.mkdtemp()
@@ -290,7 +292,9 @@ def foreign_at(path: str, claims: Callable[[str], bool] | None = None, *,
     if backend.isdir(path):
         names = backend.list(path)
         others = [n for n in names if not is_step_member(n)]
-        if not others or (INDEX_NAME not in names and claims is not None and claims(path)):
+        if others and INDEX_NAME not in names and claims is not None and claims(path):
+            others = strays(path) if strays is not None else []
+        if not others:
             return None
         shown = ', '.join(others[:3]) + (', ...' if len(others) > 3 else '')
         one = len(others) == 1
@@ -311,7 +315,8 @@ FOREIGN_FIX = ("choose another path, or move what is there out first: jckpt neve
 
 
 def refuse_foreign(path: str, operation: str, claims: Callable[[str], bool] | None = None, *,
-                   kind: str = 'a checkpoint') -> None:
+                   kind: str = 'a checkpoint',
+                   strays: Callable[[str], list[str]] | None = None) -> None:
     """Raise `InputError` naming what is at `path` (`foreign_at`) that `operation` (a save, a
     conversion, a merge, an export) would replace: replacing a checkpoint is what these
     operations mean; deleting a user's other files never is, whatever the options.
@@ -323,7 +328,7 @@ def refuse_foreign(path: str, operation: str, claims: Callable[[str], bool] | No
     Traceback (most recent call last):
     jckpt.errors.InputError: ...: merging would replace a directory holding 1 entry that is no part of ...
     """
-    there = foreign_at(path, claims, kind=kind)
+    there = foreign_at(path, claims, kind=kind, strays=strays)
     if there is not None:
         raise InputError(f"{operation} would replace {there}", file=path, fix=FOREIGN_FIX)
 

@@ -33,7 +33,15 @@ from jckpt.adapters.orbax import manager_step_names
 from jckpt.errors import CheckpointError, FormatError
 from jckpt.format.names import INDEX_NAME, PIECE_RE, STEP_RE, is_format_step
 from jckpt.format.sniff import looks_like_header
-from jckpt.storage.backend import LOCAL, backend_for, checked_path, is_url, refuse_file_as_folder
+from jckpt.storage.backend import (
+    LOCAL,
+    backend_for,
+    checked_path,
+    folder_path_error,
+    is_url,
+    names_folder,
+    refuse_file_as_folder,
+)
 from jckpt.storage.directory import set_aside
 from jckpt.storage.object_store import MISSING_OBJECT
 from jckpt.storage.publish import storage_error
@@ -126,9 +134,9 @@ def classify(path: str | os.PathLike) -> Kind:
     """
     path = checked_path(path)
     backend = backend_for(path)  # a URL no backend serves: an InputError, not a "missing" file
-    refuse_file_as_folder(path, backend)  # as open_checkpoint does: a bucket read it silently
     if backend is not LOCAL:
         return _classify_url(path, backend)
+    refuse_file_as_folder(path, backend)  # as open_checkpoint does
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
@@ -176,7 +184,10 @@ def _classify_url(path: str, backend: Any) -> Kind:
     nothing, asked with no HEAD. A URL whose last name has a suffix (`model.jckpt`) is most
     often an object: its header GET goes first, and the prefix is listed only if it is
     missing. Any other (`run`, `run/`) is most often a prefix (a manager's run, a directory
-    checkpoint): the GET and the LIST go at once, one round trip where they took two in turn."""
+    checkpoint): the GET and the LIST go at once, one round trip where they took two in turn.
+    A URL ending with '/' names a prefix: what is listed there, else `folder_path_error` when
+    an object is there without it (`refuse_file_as_folder`'s rule, told by the same two
+    requests, where its HEAD went first, a round trip of its own)."""
     if _names_a_file(path):
         kind = _as_object(path, backend)
         return kind if kind is not None else _as_prefix(path, backend.list_kinds(path))
@@ -184,6 +195,12 @@ def _classify_url(path: str, backend: Any) -> Kind:
         _outcome, [lambda: _as_object(path, backend), lambda: backend.list_kinds(path)], 2)
     if failed is not None:
         raise failed
+    if names_folder(path):
+        if unlisted is not None:
+            raise unlisted
+        if kind is not None and not any(listing) and '/' in path.rstrip('/').partition('://')[2]:
+            raise folder_path_error(path, saving=False)
+        return _as_prefix(path, listing)
     if kind is not None:
         return kind
     if unlisted is not None:

@@ -212,6 +212,23 @@ def _alignment(text: str) -> int:
         raise argparse.ArgumentTypeError(e.message) from None
 
 
+def _output(text: str) -> str:
+    """An output path, refusing `-`: a checkpoint is written under a temporary name beside its
+    path and renamed into place, and read back mapped, so it cannot go to standard output (a
+    file named `-` was written instead, where a pipe was meant).
+
+    >>> _output('-')
+    Traceback (most recent call last):
+    argparse.ArgumentTypeError: '-' (standard output) is not a path a checkpoint can be written to: ...
+    """
+    if text == '-':
+        raise argparse.ArgumentTypeError(
+            "'-' (standard output) is not a path a checkpoint can be written to: it is "
+            "written beside its path under a temporary name, then renamed into place; name "
+            "a file (./- for a file named '-')")
+    return text
+
+
 def _common(defaults: bool) -> argparse.ArgumentParser:
     """Options accepted both before and after the subcommand."""
     p = argparse.ArgumentParser(add_help=False)
@@ -309,7 +326,7 @@ def _add_convert(sub: Any, common: argparse.ArgumentParser) -> None:
                                    'multi-process directory becomes one file. An existing DST '
                                    'other than SRC is kept unless --overwrite.')
     p.add_argument('src', help='the source checkpoint (file or directory)')
-    p.add_argument('dst', help='what to write')
+    p.add_argument('dst', type=_output, help='what to write (a path: not - for standard output)')
     p.add_argument('--format', metavar='NAME', default=None,
                    help="the destination's format, e.g. jckpt, safetensors, npz (default: from "
                         "DST's extension, else jckpt)")
@@ -333,7 +350,7 @@ def _add_merge(sub: Any, common: argparse.ArgumentParser) -> None:
                        description='Model surgery: write OUT holding the entries of every IN, '
                                    'payloads copied verbatim. --prefix NAME (once per input, in '
                                    'order) renames that input\'s namespaces NS to NAME__NS.')
-    p.add_argument('out', help='the file to write')
+    p.add_argument('out', type=_output, help='the file to write (a path: not - for standard output)')
     p.add_argument('inputs', nargs='+', metavar='IN', help='checkpoint files to combine')
     p.add_argument('--prefix', action='append', metavar='NAME',
                    help="namespace prefix for the next input ('' for none); one per input")

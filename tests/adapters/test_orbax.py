@@ -537,3 +537,27 @@ def test_an_export_refuses_its_destination_before_reading_the_source(tmp_path, m
         with pytest.raises(jckpt.InputError, match=match):
             jckpt.convert(src, dst if "://" in dst else tmp_path / dst, format="orbax")
     assert reads == [] and (tmp_path / "mine" / "notes.txt").read_text() == "precious"
+
+
+def test_an_export_never_replaces_an_orbax_step_holding_a_file_of_the_users(tmp_path, capsys):
+    """An orbax step into which a user put a file of their own still counted as "one orbax
+    checkpoint", and `convert --format orbax --overwrite` replaced it, deleting the file: the
+    export now names it, in Python and on the command line, and replaces the step once the
+    file is moved out."""
+    from jckpt.tools.cli import main
+
+    src = tmp_path / "m.jckpt"
+    jckpt.save(jckpt.Context(), {"w": np.ones(2)}, src)
+    step = tmp_path / "step"
+    jckpt.convert(src, step, format="orbax")
+    (step / "notes.txt").write_text("precious")
+    match = ("would replace a directory holding 1 entry that is no part of an orbax checkpoint "
+             r"\(notes.txt\)")
+    with pytest.raises(jckpt.InputError, match="exporting to orbax " + match):
+        jckpt.convert(src, step, format="orbax")
+    assert main(["convert", str(src), str(step), "--format", "orbax", "--overwrite"]) == 2
+    assert "notes.txt" in capsys.readouterr().err
+    assert (step / "notes.txt").read_text() == "precious"
+    os.rename(step / "notes.txt", tmp_path / "notes.txt")
+    jckpt.convert(src, step, format="orbax")  # orbax's own files alone: replaced
+    assert "_CHECKPOINT_METADATA" in os.listdir(step)

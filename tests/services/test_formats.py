@@ -485,3 +485,25 @@ def test_a_model_like_one_that_passed_is_not_checked_again(monkeypatch):
     for step, w in enumerate([np.ones(2), np.zeros(2), np.ones(2, np.int32), np.ones(3)]):
         formats.check_model(opts, {'m': {'w': w}}, 'm', step, f'run/{step}')
     assert len(calls) == 3  # the second had the first's structure, dtype and shape
+
+
+def test_an_npy_model_is_warned_of_once_naming_the_step_not_its_staging(tmp_path):
+    """A manager writing its model as npy warned, from the writer, naming the staged file (a
+    temporary name the user never sees) and saying the array reads back under namespace
+    'jckpt', for every step. The manager warns once, naming the step and its file, and says
+    what restore does: bare without a target, under its name with a target of one leaf."""
+    import warnings
+
+    w = np.arange(15, dtype=np.float32).reshape(3, 5)  # a structure no other test checked
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        with jckpt.CheckpointManager(tmp_path, options=CheckpointOptions(format='npy')) as mgr:
+            mgr.save(1, {'w': w})
+            mgr.save(2, {'w': w + 1})
+            mgr.wait_durable()
+            assert np.array_equal(mgr.restore(2, {'w': np.zeros((3, 5), np.float32)}).tree['w'], w + 1)
+    said = [str(c.message) for c in caught if 'no name' in str(c.message)]
+    assert len(said) == 1 and '.jckpt-next' not in said[0], said
+    assert said[0].startswith('step 1: the model, jckpt/w, is written to ')
+    assert str(tmp_path / 'step_00000001.jckpt' / 'model.npy') in said[0]
+    assert 'without a target gives the bare array' in said[0] and 'target of one leaf' in said[0]

@@ -307,3 +307,26 @@ def test_a_step_retention_is_deleting_is_gone_to_a_reader_not_unfinished(monkeyp
     assert seen["error"].message == "no step 1: retention deleted it"
     assert "pick one of [2, 3]" in seen["error"].fix
     assert seen["found"].unfinished == () and seen["found"].removing == (step_name(1),)
+
+
+def test_a_closed_writer_reads_as_of_its_close_and_names_the_reader_for_what_is_there_now(tmp_path):
+    """After `close()` a writer's queries and `restore()` still answer, as orbax's manager does,
+    from its listing as of its close, and a step another writer removed since is an error
+    naming the fix. Its `reload()` said "this manager is their writer", which it no longer is,
+    and fixed it with `all_steps()`, the stale listing: it now names the read-only manager."""
+    first = jckpt.CheckpointManager(tmp_path, keep_last=1)
+    first.save(1, {"w": np.ones(2)})
+    first.close()
+    assert first.all_steps() == [1] and first.restore().step == 1  # harmless: as of its close
+    with pytest.raises(jckpt.CheckpointError, match="the writer is closed"):
+        first.save(2, {"w": np.ones(2)})
+    with jckpt.CheckpointManager(tmp_path, keep_last=1) as second:
+        second.save(2, {"w": np.ones(2)})
+    assert first.all_steps() == [1]  # its listing, not what is there now
+    with pytest.raises(jckpt.FormatError, match="it was removed since the manager listed") as gone:
+        first.restore()
+    assert "open the manager again" in gone.value.fix
+    with pytest.raises(jckpt.InputError, match="was their writer and is closed") as e:
+        first.reload()
+    assert "read_only=True" in e.value.fix and "all_steps" not in e.value.fix
+    assert jckpt.CheckpointManager(tmp_path, read_only=True).all_steps() == [2]  # what the fix says

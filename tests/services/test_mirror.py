@@ -572,3 +572,20 @@ def test_a_managers_step_is_not_continued_as_a_mirrors_file(tmp_path):
     assert open(step, "rb").read() == before
     with jckpt.CheckpointManager(tmp_path / "run") as mgr:   # its lease was given back
         assert mgr.metrics(3) == {"loss": 0.5}
+
+
+def test_a_mirror_on_a_bucket_prefix_holding_objects_is_refused_as_a_directory_is(s3):
+    """`Mirror('s3://b/run')` over a manager's run was accepted, where a local directory is
+    refused: a prefix holding objects is refused alike, its objects and no lease left behind,
+    and the file the fix names opens."""
+    pytest.importorskip("obstore")
+    with jckpt.CheckpointManager(f"{s3}/run") as mgr:
+        mgr.save(1, {"w": np.ones(2)})
+    before = sorted(jckpt.storage.backend.backend_for(s3).list(f"{s3}/run"))
+    with pytest.raises(jckpt.InputError, match="is a prefix holding objects: a mirror keeps one") as e:
+        jckpt.Mirror(f"{s3}/run", new_lineage=True)
+    assert e.value.file == f"{s3}/run" and "CheckpointManager" in e.value.fix
+    assert sorted(jckpt.storage.backend.backend_for(s3).list(f"{s3}/run")) == before
+    assert "run.jckpt-lease" not in jckpt.storage.backend.backend_for(s3).list(s3)  # given back
+    with jckpt.Mirror(f"{s3}/run/state.jckpt", new_lineage=True) as mirror:  # what the fix says
+        mirror.submit({"w": np.ones(2, np.float32)})

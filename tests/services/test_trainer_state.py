@@ -252,3 +252,18 @@ def test_a_lone_surrogate_in_user_is_refused_where_it_sits(tmp_path):
     with jckpt.CheckpointManager(tmp_path, asynchronous=False) as mgr:
         mgr.save(1, {'w': np.ones(2)}, trainer_state=state)
         assert mgr.restore(target={'w': np.ones(2)}).trainer_state == state
+
+
+def test_a_state_with_user_fields_is_a_hashable_value_of_its_own():
+    """`hash(TrainerState(user={...}))` raised `TypeError: unhashable type: 'dict'` (a frozen
+    dataclass hashes its fields), and a state changed with the dict the caller went on
+    changing: equal states now hash alike, and the state keeps a copy of `user`."""
+    seen = {'seed': 0, 'order': [1, 2]}
+    a = TrainerState(global_step=3, user=seen)
+    b = TrainerState(global_step=3, user={'seed': 0, 'order': [1, 2]})
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert {a: 'x'}[b] == 'x'
+    seen['seed'] = 1
+    seen['order'].append(3)
+    assert a.user == {'seed': 0, 'order': [1, 2]} and a == b
+    assert a != a.replace(user={'seed': 1}) and hash(TrainerState()) == hash(TrainerState(user={}))

@@ -283,3 +283,23 @@ def test_every_tool_refuses_a_file_named_with_a_trailing_slash(where, tmp_path, 
     assert main(["inspect", bad]) == 2
     assert "without the trailing '/'" in capsys.readouterr().err
     assert classify(f"{root}/").name == UNKNOWN  # a directory named with its '/' is one still
+
+
+def test_a_url_ending_with_a_slash_is_classified_in_one_round_trip(slow_s3):
+    """`jckpt inspect s3://b/run/` sent a HEAD of `run` (is a file named as a folder?), then the
+    GET and the LIST: 2 round trips in turn. The GET and the LIST tell it alone, at once; an
+    object named with a '/' is still refused as every reader refuses it."""
+    pytest.importorskip("obstore")
+    s3, proxy = slow_s3
+    with jckpt.CheckpointManager(f"{s3}/run") as mgr:
+        mgr.save(1, {"w": np.ones(2)})
+    jckpt.save(jckpt.Context(), {"w": np.ones(2)}, f"{s3}/m.jckpt")
+    for url, kind in ((f"{s3}/run/", MANAGER), (f"{s3}/gone/", MISSING), (f"{s3}/m.jckpt/", None)):
+        proxy.rounds()  # waits for what the saves left in flight
+        proxy.reset_counts()
+        if kind is None:
+            with pytest.raises(jckpt.InputError, match="'m.jckpt' is a checkpoint file"):
+                classify(url)
+        else:
+            assert classify(url).name == kind
+        assert ([m for m, _ in proxy.seen], proxy.rounds()) == (["GET", "GET"], 1), url

@@ -842,3 +842,17 @@ def test_convert_never_replaces_what_is_not_a_checkpoint(tmp_path, model, cli):
     assert notes.read_text() == 'my notes' and (folder / 'a.txt').read_text() == 'kept'
     assert cli('convert', model, tmp_path / 'm.npz').returncode == 0  # a checkpoint is replaced
     assert cli('convert', model, tmp_path / 'm.npz', '--overwrite').returncode == 0
+
+
+def test_dash_as_an_output_is_refused_not_written_as_a_file_named_dash(tmp_path, model, cli,
+                                                                      monkeypatch):
+    """`jckpt convert a.jckpt -` wrote a file named `-`, where standard output was meant, which a
+    checkpoint (written beside its path and renamed, read back mapped) cannot go to: every
+    command that writes refuses it, naming `./-` for a file of that name."""
+    monkeypatch.chdir(tmp_path)
+    for args in (('convert', model, '-'), ('convert', model, '-', '--format', 'npz'),
+                 ('merge', '-', model)):
+        p = cli(*args)
+        assert p.returncode == 2 and "'-' (standard output)" in p.stderr and './-' in p.stderr, p
+        assert not os.path.exists('-')
+    assert cli('convert', model, './-').returncode == 0 and os.path.isfile('-')
