@@ -5,6 +5,8 @@ import io
 import math
 import os
 import struct
+import subprocess
+import sys
 
 import numpy as np
 
@@ -206,3 +208,12 @@ def run_fuzzer(module: str, tmp_path, seed: int, cases: int, timeout: float) -> 
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert run["cases"] == cases
     return run
+
+
+def run_python(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter on one CPU device, from the repository's root (so it
+    imports this jckpt), with `args` as its argv; its output captured as text."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=root)

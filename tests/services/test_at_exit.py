@@ -1,17 +1,13 @@
 """Background writers left open are closed at the interpreter's exit, never in a forked child."""
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
 
 import jckpt
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+from tests.helpers import run_python
 
 EXIT_CHILD = textwrap.dedent("""
     import sys
@@ -28,9 +24,7 @@ EXIT_CHILD = textwrap.dedent("""
 @pytest.mark.multiprocess
 def test_a_mirror_left_open_is_flushed_at_exit(tmp_path):
     path = str(tmp_path / "run.jckpt")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", EXIT_CHILD, path], capture_output=True, text=True,
-                         timeout=120, env=env, cwd=ROOT)
+    out = run_python(EXIT_CHILD, path)
     assert out.returncode == 0, out.stderr
     restored = jckpt.restore(jckpt.Context(), {"w": np.zeros(4, np.float32)}, path, verify=True)
     np.testing.assert_array_equal(restored["w"], np.full(4, 4))
@@ -54,6 +48,5 @@ def test_a_forked_child_does_not_close_its_parents_mirror_at_exit(tmp_path):
             print('refused')
         m.close()
     ''')
-    out = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True,
-                         timeout=120)
+    out = run_python(script)
     assert out.returncode == 0 and out.stdout.strip() == 'refused', out.stderr[-2000:]

@@ -2,8 +2,6 @@
 
 import errno
 import os
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -16,9 +14,8 @@ import pytest
 import jckpt
 from jckpt.storage import staging as staging_mod
 from jckpt.storage import writer as writer_mod
-from tests.helpers import cpu_mesh
+from tests.helpers import cpu_mesh, run_python
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LINE = "memory mirror: committed {} durable {} generation {} pending {} error {}"
 
 
@@ -316,9 +313,7 @@ EFBIG_CHILD = textwrap.dedent("""
 @pytest.mark.multiprocess
 def test_real_efbig_from_a_file_size_limit(tmp_path):
     path = str(tmp_path / "run.jckpt")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", EFBIG_CHILD, path], capture_output=True, text=True,
-                         timeout=180, env=env, cwd=ROOT)
+    out = run_python(EFBIG_CHILD, path, timeout=180)
     assert out.returncode == 0, out.stderr
     lines = dict(line.split(": ", 1) for line in out.stdout.splitlines())
     assert lines["during"] == LINE.format(2, 1, 1, 1, "EFBIG")
@@ -364,11 +359,9 @@ LEASE_CHILD = textwrap.dedent("""
 @pytest.mark.multiprocess
 def test_second_mirror_in_another_process_is_refused(tmp_path):
     path = str(tmp_path / "run.jckpt")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
 
     def child():
-        return subprocess.run([sys.executable, "-c", LEASE_CHILD, path], capture_output=True,
-                              text=True, timeout=120, env=env, cwd=ROOT)
+        return run_python(LEASE_CHILD, path)
 
     with jckpt.Mirror(path) as m:
         m.submit({"w": np.ones(4, np.float32)})
