@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from jckpt.api import progress as progress_mod
 from jckpt.api.agreement import refusing
@@ -134,7 +135,9 @@ def _save_file(ctx: Context, tree: Any, path: str, appending: bool, alignment: i
     if names_folder(path):  # a file's name: not saved without the '/', nor failing late
         raise folder_path_error(path, saving=True)
     items, empty = tree_mod.flatten_with_empty(tree)
-    hosts = to_host.host_leaves(items, namespace=ctx.namespace, pieces=True)
+    # CPU arrays stay jax.Arrays: a small one's payload is a view of its buffer (no numpy copy of
+    # the array object, one buffer export), a larger one becomes numpy in `_source`
+    hosts = to_host.host_leaves(items, namespace=ctx.namespace, pieces=True, keep_cpu=True)
     alignment = check_alignment(ctx.alignment if alignment is None else alignment, path)
     old = _appended(path) if appending else None
     metadata = _with_empty_nodes(metadata, old, ctx.namespace, empty, [p for p, _ in items])
@@ -291,8 +294,8 @@ def _entry(namespace: str, path: KeyPath, host: to_host.HostLeaf, ident: int,
 def _source(host: to_host.HostLeaf) -> tuple[ArraySource | ShardedSource, tuple[str, str]]:
     """What streams a host leaf's payload (its whole array, or its shards written in place),
     and the checksum its entry starts with (the real one where known already)."""
-    if host.array is not None:
-        return array_source(host.array)
+    if host.array is not None:  # a CPU jax.Array kept by the staging (`keep_cpu`) as numpy
+        return array_source(np.asarray(host.array))
     return ShardedSource(host.shape, host.dtype, [(box, functools.partial(transfers.await_host, data))
                                                   for box, data in host.shards]), CHECKSUM_PLACEHOLDER
 

@@ -813,35 +813,60 @@ static long long shape_bytes(PyObject *shape, long long size) {
 
 typedef struct {
     PyObject *precs, *hasher, *algorithm, *entry_type, *bytes_source, *uint8, *namespace;
-    PyObject *reshape, *view, *minus_one, *dtype_name;
+    PyObject *reshape, *view, *minus_one, *dtype_name, *asarray, *cast, *byte_format;
     Py_ssize_t offsets[14], max_path;
     long long small_limit;
 } leaf_context;
 
-/* The payload of a small C-contiguous array of a storable (little-endian) dtype as a flat uint8
- * view, or NULL (without an error where it is not such an array). */
+/* small_payload's way for an array the buffer protocol does not give as bytes: numpy's
+ * asarray(array).reshape(-1).view(uint8), or NULL (without an error where that fails). */
+static PyObject *numpy_payload(const leaf_context *x, PyObject *array, long long nbytes) {
+    PyObject *as = PyObject_CallOneArg(x->asarray, array);
+    if (as == NULL) { PyErr_Clear(); return NULL; }
+    Py_buffer view;
+    if (PyObject_GetBuffer(as, &view, PyBUF_C_CONTIGUOUS) < 0) { PyErr_Clear(); Py_DECREF(as); return NULL; }
+    int fits = view.len == nbytes, flat = view.ndim == 1;
+    PyBuffer_Release(&view);
+    if (!fits) { Py_DECREF(as); return NULL; }
+    PyObject *args[2] = {as, x->minus_one};
+    if (!flat) {  /* as.reshape(-1), a view of the contiguous array */
+        args[0] = PyObject_VectorcallMethod(x->reshape, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        Py_DECREF(as);
+        if (args[0] == NULL) { PyErr_Clear(); return NULL; }
+    }
+    args[1] = x->uint8;
+    PyObject *data = PyObject_VectorcallMethod(x->view, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    Py_DECREF(args[0]);
+    if (data == NULL) PyErr_Clear();
+    return data;
+}
+
+/* The payload of a small C-contiguous array of a storable (little-endian) dtype as a flat byte
+ * view, or NULL (without an error where it is not such an array). The view is a memoryview of
+ * the array's buffer cast to bytes: one buffer export, no numpy object, whether the array is a
+ * numpy array or a jax.Array on a CPU device (whose buffer is host memory). Where the buffer
+ * protocol does not give that (a jax.Array of bfloat16, int4 or float8, which JAX does not
+ * export; an empty or complex array, which memoryview does not cast), the array as numpy
+ * (asarray) reshaped and viewed as uint8. The bytes are the same either way. */
 static PyObject *small_payload(const leaf_context *x, PyObject *array, long long nbytes) {
+    if (nbytes >= x->small_limit) return NULL;
     PyObject *dtype = PyObject_GetAttr(array, x->dtype_name);
     if (dtype == NULL) { PyErr_Clear(); return NULL; }
     PyObject *known = PyDict_GetItemWithError(x->precs, dtype);
     Py_DECREF(dtype);
     if (known == NULL) { PyErr_Clear(); return NULL; }
-    Py_buffer view;
-    if (PyObject_GetBuffer(array, &view, PyBUF_C_CONTIGUOUS) < 0) { PyErr_Clear(); return NULL; }
-    int fits = view.len == nbytes && view.len < x->small_limit, flat = view.ndim == 1;
-    PyBuffer_Release(&view);
-    if (!fits) return NULL;
-    PyObject *args[2] = {array, x->minus_one};
-    if (!flat) {  /* array.reshape(-1), a view of the contiguous array */
-        if ((args[0] = PyObject_VectorcallMethod(x->reshape, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL)) == NULL)
-            return NULL;
-    } else {
-        Py_INCREF(array);
+    PyObject *view = PyMemoryView_FromObject(array);
+    if (view != NULL) {
+        Py_buffer *b = PyMemoryView_GET_BUFFER(view);
+        if (b->len != nbytes || !PyBuffer_IsContiguous(b, 'C')) { Py_DECREF(view); return NULL; }
+        if (b->ndim == 1 && b->format != NULL && strcmp(b->format, "B") == 0) return view;
+        PyObject *args[2] = {view, x->byte_format};
+        PyObject *flat = PyObject_VectorcallMethod(x->cast, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        Py_DECREF(view);
+        if (flat != NULL) return flat;
     }
-    args[1] = x->uint8;
-    PyObject *data = PyObject_VectorcallMethod(x->view, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-    Py_DECREF(args[0]);
-    return data;
+    PyErr_Clear();
+    return numpy_payload(x, array, nbytes);
 }
 
 /* ('xxh3_64', 16 hex digits) of data. */
@@ -922,11 +947,11 @@ static PyObject *host_entries(PyObject *self, PyObject *args) {
     PyObject *paths, *hosts, *fields, *entries, *sources, *out = NULL;
     Py_ssize_t start;
     long long first_id, cursor, alignment;
-    if (!PyArg_ParseTuple(args, "UO!O!nLLLLnO!OUOOOOO!O!", &x.namespace, &PyList_Type, &paths,
+    if (!PyArg_ParseTuple(args, "UO!O!nLLLLnO!OUOOOOOO!O!", &x.namespace, &PyList_Type, &paths,
                           &PyList_Type, &hosts, &start, &first_id, &cursor, &alignment,
                           &x.small_limit, &x.max_path, &PyDict_Type, &x.precs, &x.hasher,
                           &x.algorithm, &x.entry_type, &fields, &x.bytes_source, &x.uint8,
-                          &PyList_Type, &entries, &PyList_Type, &sources))
+                          &x.asarray, &PyList_Type, &entries, &PyList_Type, &sources))
         return NULL;
     if (!PyType_Check(x.entry_type) || !PyType_Check(x.bytes_source) ||
         !PyType_IsSubtype((PyTypeObject *)x.bytes_source, &PyTuple_Type) ||
@@ -940,7 +965,9 @@ static PyObject *host_entries(PyObject *self, PyObject *args) {
     x.view = PyUnicode_InternFromString("view");
     x.dtype_name = PyUnicode_InternFromString("dtype");
     x.minus_one = PyLong_FromLong(-1);
-    if (!x.reshape || !x.view || !x.dtype_name || !x.minus_one) goto done;
+    x.cast = PyUnicode_InternFromString("cast");
+    x.byte_format = PyUnicode_InternFromString("B");
+    if (!x.reshape || !x.view || !x.dtype_name || !x.minus_one || !x.cast || !x.byte_format) goto done;
     Py_ssize_t i = start, n = PyList_GET_SIZE(hosts);
     for (; i < n; i++) {
         long long id;
@@ -956,6 +983,8 @@ done:
     Py_XDECREF(x.view);
     Py_XDECREF(x.dtype_name);
     Py_XDECREF(x.minus_one);
+    Py_XDECREF(x.cast);
+    Py_XDECREF(x.byte_format);
     return out;
 }
 

@@ -72,7 +72,7 @@ def build(namespace: str, paths: list[KeyPath], hosts: list[Any], *, start: int,
     return accelerator.host_entries(
         namespace, paths, hosts, start, first_id, cursor, alignment, small_limit, MAX_PATH_LENGTH,
         _dtype_precs(), xxhash.xxh3_64_intdigest, CHECKSUM_ALGORITHM, Entry, _FIELDS, source_type,
-        _UINT8, entries, sources)
+        _UINT8, np.asarray, entries, sources)
 
 
 __all__ = ['accelerator', 'build']

@@ -253,7 +253,7 @@ class BytesSource(NamedTuple):
     several times cheaper to make than a frozen dataclass.)
     """
 
-    data: np.ndarray  # flat uint8
+    data: memoryview | np.ndarray  # flat bytes: `payload.flat_bytes` of the array
     checksum: tuple[str, str]
 
     def write(self, sink: Sink) -> tuple[str, str]:
@@ -274,7 +274,7 @@ def array_source(array: np.ndarray) -> tuple[ArraySource | BytesSource, tuple[st
     True
     """
     if array.nbytes < SMALL_PAYLOAD and payload_mod.is_stored_form(array):
-        data = array.reshape(-1).view(np.uint8)  # stored form already: its memory is the payload
+        data = payload_mod.flat_bytes(array)  # stored form already: its memory is the payload
         known = payload_mod.checksum(data)
         return BytesSource(data, known), known
     return ArraySource(array), payload_mod.CHECKSUM_PLACEHOLDER

@@ -139,7 +139,9 @@ def host_leaves(leaves: Iterable[tuple[Any, Any]], *, namespace: str | None = No
         buffers the runtime reuses, small arrays joined (`transfers.start_host_copies`).
       keep_cpu: an array on one CPU device that is staged in C keeps the `jax.Array` itself
         as `array` (its buffer is in host memory; no numpy view of it is made), for a
-        caller that copies it at once from its buffer (`jckpt.services.snapshot.copy_all`).
+        caller that reads it at once from its buffer: a snapshot copies it
+        (`jckpt.services.snapshot.copy_all`), a save hashes and writes a small one from
+        a view of its buffer (`jckpt.format.payload.flat_bytes`).
 
     >>> [h.shape for h in host_leaves([('ns/w', np.ones((2, 3))), ('ns/n', 7)])]
     [(2, 3), ()]

@@ -21,9 +21,10 @@ import jckpt.adapters
 from jckpt.api import saving
 from jckpt.errors import InputError
 from jckpt.format import precs
+from jckpt.storage import writer
 from jckpt.storage.writer import SMALL_PAYLOAD, ArraySource, BytesSource
 from jckpt.trees import to_host
-from tests.helpers import LAYOUTS, laid_out
+from tests.helpers import LAYOUTS, cpu_devices, laid_out
 
 DTYPES = [precs.dtype_of(p) for p in sorted(precs.ALL_PRECS - {"Void_prec", "Uint4x32_prec"})]
 
@@ -72,7 +73,7 @@ def same_sources(a, b):
         assert type(x) is type(y)
         if isinstance(x, BytesSource):
             assert x.checksum == y.checksum and type(x.data) is type(y.data)
-            assert x.data.dtype == y.data.dtype and x.data.tobytes() == y.data.tobytes()
+            assert memoryview(x.data).tobytes() == memoryview(y.data).tobytes()
         elif isinstance(x, ArraySource):
             assert x.array is y.array
 
@@ -125,6 +126,51 @@ def test_files_are_byte_identical_with_and_without_c(monkeypatch, tmp_path, alig
     assert files[0] == files[1]
     back = jckpt.restore(jckpt.Context(host=True), tree, tmp_path / "True.jckpt")
     assert np.array_equal(back["small"][3], tree["small"][3]) and np.array_equal(back["be"], tree["be"])
+
+
+def _cpu_arrays():
+    """A small CPU `jax.Array` of every dtype JAX holds as it is (under 64-bit off: none of
+    64 bits), of several shapes: empty, 0-d, 2-D, and dtypes JAX exports no buffer of."""
+    rng = np.random.default_rng(1)
+    out = {}
+    for dtype in DTYPES:
+        if dtype.itemsize > 8 or (dtype.itemsize == 8 and dtype.kind != "c"):
+            continue
+        for shape in [(), (0,), (3, 5), (1000,)]:
+            data = rng.integers(0, 2, shape).astype(dtype) if dtype.kind in "biu" else \
+                rng.uniform(-1, 1, shape).astype(dtype)
+            out[f"{dtype.name}{shape}"] = jax.device_put(data, cpu_devices()[0])
+    return out
+
+
+def test_cpu_arrays_save_the_same_file_with_and_without_c(monkeypatch, tmp_path):
+    tree = _cpu_arrays()
+    assert all(v.dtype == np.asarray(v).dtype for v in tree.values())
+    files = []
+    for accelerate in (False, True):
+        monkeypatch.setattr(saving, "ACCELERATE", accelerate)
+        monkeypatch.setattr(to_host, "ACCELERATE", accelerate)
+        monkeypatch.setattr(writer, "accelerator", writer.accelerator if accelerate else None)
+        path = tmp_path / f"{accelerate}.jckpt"
+        jckpt.save(jckpt.Context(durable=False), tree, path)
+        files.append(path.read_bytes())
+    as_numpy = tmp_path / "numpy.jckpt"
+    jckpt.save(jckpt.Context(durable=False), {k: np.asarray(v) for k, v in tree.items()}, as_numpy)
+    assert files[0] == files[1] == as_numpy.read_bytes()
+    want = {k: np.asarray(v) for k, v in tree.items()}
+    back = jckpt.restore(jckpt.Context(host=True), want, tmp_path / "True.jckpt")
+    assert all(np.asarray(back[k]).tobytes() == v.tobytes() for k, v in want.items())
+
+
+def test_a_small_cpu_array_is_written_from_its_own_buffer():
+    """Its payload is a view of the `jax.Array`'s buffer, not of a numpy array made of it
+    (which costs more to make and to free than the export)."""
+    tree = {"w": jax.device_put(np.arange(6, dtype=np.float32).reshape(2, 3), cpu_devices()[0])}
+    items = [(p, leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    hosts = to_host.host_leaves([(str(p), x) for p, x in items], keep_cpu=True)
+    _, (source,) = saving._entries(jckpt.Context(), [(("k", "w"),)], hosts, alignment=32)
+    assert type(source.data) is memoryview and source.data.obj is tree["w"]
+    assert bytes(source.data) == np.arange(6, dtype=np.float32).tobytes()
 
 
 def test_a_directory_in_the_way_is_refused_before_anything_is_written(tmp_path):
