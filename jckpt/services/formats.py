@@ -250,8 +250,10 @@ def check_model(options: CheckpointOptions, trees: Mapping[str, Any], namespace:
     if len(_PASSED) >= 16:
         _PASSED.clear()
     _PASSED.add(seen)
+    if options.format not in _NAMELESS_FORMATS:
+        return
     paths = [p for p, _ in tree_mod.flatten(trees[namespace])]
-    if options.format in _NAMELESS_FORMATS and paths and paths[0]:  # a bare array has no name
+    if paths and paths[0]:  # a bare array has no name
         warnings.warn(f"step {step}: the model, {tree_mod.leaf_name(namespace, paths[0])}, is "
                       f"written to {named}, which holds one array and no name: "
                       f"restore({step}) without a target gives the bare array (namespace "

@@ -195,16 +195,12 @@ def _classify_url(path: str, backend: Any) -> Kind:
         _outcome, [lambda: _as_object(path, backend), lambda: backend.list_kinds(path)], 2)
     if failed is not None:
         raise failed
-    if names_folder(path):
-        if unlisted is not None:
-            raise unlisted
-        if kind is not None and not any(listing) and '/' in path.rstrip('/').partition('://')[2]:
-            raise folder_path_error(path, saving=False)
-        return _as_prefix(path, listing)
-    if kind is not None:
+    if kind is not None and not names_folder(path):
         return kind
     if unlisted is not None:
         raise unlisted
+    if kind is not None and not any(listing) and '/' in path.rstrip('/').partition('://')[2]:
+        raise folder_path_error(path, saving=False)  # an object named as a folder
     return _as_prefix(path, listing)
 
 
