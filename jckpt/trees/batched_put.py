@@ -66,8 +66,9 @@ def aligned_copy(array: np.ndarray, alignment: int = CPU_ALIAS_ALIGNMENT) -> np.
 
 
 def put_grouped(arrays: list[np.ndarray], dests: list[Any]) -> list[jax.Array]:
-    """Small arrays bound for one accelerator travel packed (`jckpt.trees.packing`); the rest
-    (and everything bound for the CPU, where arrays alias the file) go one by one."""
+    """Small arrays bound for one accelerator travel packed (`jckpt.trees.packing`) once their
+    layout's split is compiled; the rest (and everything bound for the CPU, where arrays alias
+    the file) go one by one."""
     accelerators: dict[Any, Any] = {}  # dest -> its accelerator device, or None
     groups: dict[Any, list[int]] = {}
     last = device = None  # the last destination (by identity), and its accelerator
@@ -80,9 +81,10 @@ def put_grouped(arrays: list[np.ndarray], dests: list[Any]) -> list[jax.Array]:
             groups.setdefault(device, []).append(i)
     out: list[Any] = [None] * len(arrays)
     for device, indices in groups.items():
-        if len(indices) >= packing.PACK_MIN:
-            for i, value in zip(indices, packing.put_packed([arrays[i] for i in indices], device)):
-                out[i] = value
+        packed = packing.put_packed([arrays[i] for i in indices], device) \
+            if len(indices) >= packing.PACK_MIN else None
+        for i, value in zip(indices, packed or ()):
+            out[i] = value
     rest = [i for i, value in enumerate(out) if value is None]
     for i, value in zip(rest, _put_batch([arrays[i] for i in rest], [dests[i] for i in rest])):
         out[i] = value

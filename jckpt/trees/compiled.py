@@ -2,11 +2,14 @@
 
 A snapshot's device work (the copy into a slot's previous image,
 `jckpt.trees.image`; the join of small arrays, `jckpt.trees.packing`) is one
-jitted call per layout of the tree. Compiling it can take seconds; `ready`
-starts that compilation the first time a layout is asked for and answers
-None until it is done, so the caller takes its slower path meanwhile. The
-compiled calls are shared by every caller (two slots of a mirror compile a
-layout's copy once) and kept for the last `MAX` layouts.
+jitted call per layout of the tree, and so is a restore's split of small arrays
+on an accelerator. Compiling it can take seconds; `ready` starts that
+compilation the first time a layout is asked for (or, with `after`, once it
+was asked for that many times before: a restore made once never pays for a
+compilation it would not use again) and answers None until it is done, so the
+caller takes its slower path meanwhile. The compiled calls are shared by every
+caller (two slots of a mirror compile a layout's copy once) and kept for the
+last `MAX` layouts.
 
 >>> import jax, numpy as np
 >>> lower = lambda: jax.jit(lambda x: x + 1).lower(np.zeros(3, np.float32))
@@ -28,14 +31,23 @@ from typing import Any
 MAX = 64
 
 _CALLS: dict[Hashable, concurrent.futures.Future] = {}
+_ASKED: dict[Hashable, int] = {}  # how often a key with `after` was asked for, not yet compiling
 _ONE_AT_A_TIME = threading.Lock()  # compilations queue, as on one compiler thread
 
 
-def ready(key: Hashable, compile: Callable[[], Any]) -> Any | None:
+def ready(key: Hashable, compile: Callable[[], Any], *, after: int = 0) -> Any | None:
     """The compiled call for `key` once `compile()` has made it on the background thread; None
-    while it compiles (started by the first call for `key`) or if compiling failed."""
+    while it compiles (started by the first call for `key`, or by the first once `key` was
+    asked for `after` times before) or if compiling failed."""
     future = _CALLS.get(key)
     if future is None:
+        asked = _ASKED.get(key, 0)
+        if asked < after:
+            if len(_ASKED) >= MAX * 16:
+                _ASKED.clear()
+            _ASKED[key] = asked + 1
+            return None
+        _ASKED.pop(key, None)
         if len(_CALLS) >= MAX:
             _CALLS.clear()
         future = _CALLS[key] = concurrent.futures.Future()

@@ -7,9 +7,13 @@ the host (`split_on_host`).
 A `device_put` per array costs a host-to-device transfer and a dispatch
 each, tens of microseconds on a GPU: restoring 2,000 biases and norms costs
 about as much as 2,000 transfers, whatever their size. Packed into one host
-buffer, they cross in one transfer, and one jitted call (compiled once per
-layout and kept) cuts the device buffer into the arrays by slicing and
-bitcasting, on the device.
+buffer, they cross in one transfer, and one compiled call cuts the device
+buffer into the arrays by slicing and bitcasting, on the device. Compiling
+that call for 2,000 arrays takes far longer than the 2,000 transfers it
+saves (tens of seconds on the CPU backend), so it is never compiled on a
+restore's path: the second restore of a layout compiles it on the background
+thread (`jckpt.trees.compiled`), and restores after that use it. A layout
+restored once travels array by array and costs no compilation.
 
 This is for accelerators only: on the CPU a restored array aliases the
 mapped file and nothing is copied at all (`jckpt.trees.placement`), and a
@@ -21,7 +25,11 @@ from then on: a snapshot taken again and again never waits for XLA's
 compiler, and the first one travels array by array.
 
 >>> import jax, numpy as np
->>> a, b = put_packed([np.arange(3, dtype=np.int32), np.ones((2, 2), np.float32)], jax.devices()[0])
+>>> xs = [np.arange(3, dtype=np.int32), np.ones((2, 2), np.float32)]
+>>> put_packed(xs, jax.devices()[0]), put_packed(xs, jax.devices()[0])  # its split: not yet
+(None, None)
+>>> compiled.wait_all()  # (compiled in the background since the second; waited for here)
+>>> a, b = put_packed(xs, jax.devices()[0])
 >>> a.tolist(), b.dtype.name, b.shape
 ([0, 1, 2], 'float32', (2, 2))
 """
@@ -101,14 +109,32 @@ def _split(buffer: jax.Array, layout: Layout) -> list[jax.Array]:
     return out
 
 
-def put_packed(arrays: Sequence[np.ndarray], device: Any) -> list[jax.Array]:
-    """`arrays` (each `packable`) on `device`: one transfer of their packed bytes, one split there.
+#: How many times a layout is restored before its split is compiled (in the background).
+SPLIT_AFTER = 1
+
+
+def _compile_split(device: Any, layout: Layout, size: int) -> Any:
+    """`_split` compiled for a packed buffer of `size` bytes on `device`."""
+    buffer = jax.ShapeDtypeStruct((size,), np.uint8, sharding=jax.sharding.SingleDeviceSharding(device))
+    return _split.lower(buffer, layout).compile()
+
+
+def put_packed(arrays: Sequence[np.ndarray], device: Any) -> list[jax.Array] | None:
+    """`arrays` (each `packable`) on `device`: one transfer of their packed bytes, one split
+    there; None where that split is not compiled (yet: see the module's note) or fails, and
+    the caller sends them one by one.
 
     The results are committed to `device`, as `jax.device_put(array, device)`'s are.
     """
     layout, size = layout_of(arrays)
-    buffer = jax.device_put(pack(arrays, layout, size), device)
-    return list(_split(buffer, layout))
+    split = compiled.ready(('split', device, layout), functools.partial(_compile_split, device, layout, size),
+                           after=SPLIT_AFTER)
+    if split is None:
+        return None
+    try:
+        return list(split(jax.device_put(pack(arrays, layout, size), device)))
+    except Exception:  # e.g. no device memory left for the packed buffer: one by one
+        return None
 
 
 # --------------------------------------------------------------------------- off the device

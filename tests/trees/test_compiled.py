@@ -10,6 +10,7 @@ from jckpt.trees import compiled
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
     monkeypatch.setattr(compiled, "_CALLS", {})
+    monkeypatch.setattr(compiled, "_ASKED", {})
 
 
 def counting(calls):
@@ -26,6 +27,18 @@ def test_a_key_compiles_once_in_the_background_and_is_shared():
     first = compiled.ready("k", counting(calls))
     assert compiled.ready("k", counting(calls)) is first  # every caller gets the same call
     assert calls == [1] and first(np.ones(2, np.float32)).tolist() == [2.0, 2.0]
+
+
+def test_with_after_a_key_compiles_only_once_asked_for_that_many_times_before():
+    calls = []
+    assert compiled.ready("k", counting(calls), after=2) is None
+    assert compiled.ready("k", counting(calls), after=2) is None
+    compiled.wait_all()
+    assert calls == [] and "k" not in compiled._CALLS  # asked twice: nothing compiled
+    assert compiled.ready("k", counting(calls), after=2) is None  # the third: started
+    compiled.wait_all()
+    assert compiled.ready("k", counting(calls), after=2)(np.ones(2, np.float32)).tolist() == [2.0, 2.0]
+    assert calls == [1] and compiled._ASKED == {}
 
 
 def test_a_compilation_that_fails_answers_none_and_is_not_retried():

@@ -15,9 +15,20 @@ ARRAYS = [np.arange(5, dtype=np.int32), np.array([True, False, True]), np.float3
           np.array([7], np.uint8), np.arange(4, dtype=np.float32)[::2]]  # not contiguous
 
 
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+    """No layout compiled or asked for before the test."""
+    monkeypatch.setattr(compiled, "_CALLS", {})
+    monkeypatch.setattr(compiled, "_ASKED", {})
+
+
 def test_packed_arrays_arrive_whole_and_exact():
     device = jax.devices()[-1]  # default backend: an accelerator when there is one
-    out = packing.put_packed([np.asarray(a) for a in ARRAYS], device)
+    arrays = [np.asarray(a) for a in ARRAYS]
+    assert packing.put_packed(arrays, device) is None  # a layout seen once: nothing compiled
+    assert packing.put_packed(arrays, device) is None  # the second time: compiling
+    compiled.wait_all()
+    out = packing.put_packed(arrays, device)
     for got, want in zip(out, ARRAYS):
         want = np.asarray(want)
         assert got.dtype == want.dtype and got.shape == want.shape
@@ -46,17 +57,38 @@ def test_restore_packs_small_leaves_bound_for_an_accelerator(tmp_path, monkeypat
     tree["step"] = np.int32(9)
     path = tmp_path / "c.jckpt"
     jckpt.save(jckpt.Context(), tree, path)
-    calls = []
+    calls, splits = [], []
     real = packing.put_packed
     monkeypatch.setattr(batched_put, "_accelerator", lambda dest: jax.devices()[0])  # default backend
-    monkeypatch.setattr(packing, "put_packed", lambda arrays, device: (
-        calls.append(len(arrays)), real(arrays, device))[1])
+
+    def spied(arrays, device):
+        packed = real(arrays, device)
+        calls.append((len(arrays), packed is not None))
+        return packed
+    monkeypatch.setattr(packing, "put_packed", spied)
+    monkeypatch.setattr(packing, "_split", counting(packing._split, splits))
     spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
-    out = jckpt.restore(jckpt.Context(), spec, path)
-    assert calls == [packing.PACK_MIN + 9]  # every small leaf, the scalar too; not the big one
-    for k, v in tree.items():
-        assert isinstance(out[k], jax.Array)
-        np.testing.assert_array_equal(np.asarray(out[k]), v)
+    for restored in range(3):
+        out = jckpt.restore(jckpt.Context(), spec, path)
+        for k, v in tree.items():
+            assert isinstance(out[k], jax.Array)
+            np.testing.assert_array_equal(np.asarray(out[k]), v)
+        compiled.wait_all()
+        # the first restore compiles nothing; the second starts the split's compilation
+        assert len(splits) == (0 if restored == 0 else 1)
+    small = packing.PACK_MIN + 9  # every small leaf, the scalar too; not the big one
+    assert calls == [(small, False), (small, False), (small, True)]  # packed once compiled
+
+
+class counting:
+    """A jitted function whose lowerings are counted (a compilation follows each)."""
+
+    def __init__(self, jitted, counts):
+        self.jitted, self.counts = jitted, counts
+
+    def lower(self, *args):
+        self.counts.append(1)
+        return self.jitted.lower(*args)
 
 
 def test_few_small_leaves_go_one_by_one(tmp_path, monkeypatch):
