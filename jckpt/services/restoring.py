@@ -150,6 +150,8 @@ class StepReader:
     _view: StepView
     _resume_reader: Any  # the latest step's reader as the open read it (`steps.Found.reader`), or None
     reload: Callable[[], list[int]]
+    wait_durable: Callable[..., bool]  # the writer's (a reader has nothing to wait for)
+    counters: Any  # the writer's `MirrorCounters`: `pending` says whether it is writing
 
     def _path(self, step: int) -> str:
         return os.path.join(self.directory, step_name(step))
@@ -191,6 +193,11 @@ class StepReader:
                 options: CheckpointLoadOptions | None = None, verify: bool = True) -> Restored:
         """Read `step` (default: the latest durable one).
 
+        A manager that is writing reads what it saved: when `step` is one it is still
+        writing, or none is given while it writes any, `restore` first waits for its
+        writes (`wait_durable`, raising their error), so `save(1, ...)` then `restore(1)` or
+        `restore()` reads step 1, not an error or an older step.
+
         A manager of several processes (a reader's, or a writer's of directory steps) restores
         in all of them together: they meet once, then return together or raise together
         (`_read_together`), so that no process trains on while another failed. So does each
@@ -224,6 +231,7 @@ class StepReader:
             params, trainer = r.tree["params"], r.trainer_state
             ```
         """
+        self._written_first(step)
         ctx = ctx if ctx is not None else self.ctx
         read = functools.partial(self._read, ctx, target=target, options=options,
                                  loaded=Loaded(CheckpointLoadOptions(), namespaces, layout,
@@ -235,6 +243,14 @@ class StepReader:
                            process=self.process_index, processes=self.process_count,
                            same_path=False)
         return read(step)
+
+    def _written_first(self, step: Any) -> None:
+        """Wait for this manager's writes before `restore` reads `step` (None: the latest), if
+        it may be one of them: a step not yet durable while steps are being written."""
+        if self.read_only or not self.counters.pending:
+            return
+        if step is None or not isinstance(step, int) or step not in self._view.steps():
+            self.wait_durable()
 
     def _read(self, ctx: Context, step: int | None, *, target: Any,
               options: CheckpointLoadOptions | None, loaded: Loaded) -> Restored:

@@ -296,6 +296,44 @@ def test_a_full_manager_says_to_save_less_often(tmp_path, monkeypatch):
     assert mgr.all_steps() == [1]
 
 
+def held_writes(monkeypatch):
+    """An event every later write to a checkpoint file waits for (30 s at most)."""
+    import threading
+    gate, original = threading.Event(), writer_mod.Sink.write
+    monkeypatch.setattr(writer_mod.Sink, "write", lambda sink, data: (gate.wait(30), original(sink, data))[1])
+    return gate
+
+
+@pytest.mark.parametrize("asked", [2, None])
+def test_a_step_the_manager_is_still_writing_is_waited_for_before_it_is_read(tmp_path, monkeypatch, asked):
+    """`save(2)` then `restore(2)` (or `restore()`) read step 2: it raised "no step 2", and
+    `restore()` read step 1, while the writer was still writing step 2."""
+    import threading
+    with jckpt.CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"x": np.float32(1)})
+        mgr.wait_durable()
+        gate = held_writes(monkeypatch)
+        mgr.save(2, {"x": np.float32(2)})  # held by the writer until the gate opens
+        assert mgr.counters.pending == 1 and mgr.all_steps() == [1]
+        threading.Timer(0.2, gate.set).start()
+        restored = mgr.restore(asked)
+        assert restored.step == 2 and restored.tree["jckpt"]["x"] == 2
+        assert mgr.restore(1).step == 1  # a durable step: read as it is
+
+
+def test_a_read_only_manager_reads_the_latest_durable_step_of_a_writer_still_writing(tmp_path, monkeypatch):
+    with jckpt.CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"x": np.float32(1)})
+        mgr.wait_durable()
+        gate = held_writes(monkeypatch)
+        mgr.save(2, {"x": np.float32(2)})
+        try:
+            with jckpt.CheckpointManager(tmp_path, read_only=True) as reader:
+                assert reader.restore().step == 1  # what is durable, without waiting for anyone
+        finally:
+            gate.set()
+
+
 def test_a_step_written_after_a_disk_error_was_raised_waits_normally(tmp_path, monkeypatch):
     """After a full disk made `wait_durable` raise, a step saved once the disk had room again
     raised the same ENOSPC again, until the failed step's retry (`retry_after` later) went
